@@ -1,0 +1,166 @@
+"""The decoder's configuration, read from (and written back to) a Hugging Face ``config.json``.
+
+One dataclass serves every supported family; a family difference is a field (q/k/v bias for Qwen2,
+per-head q/k norms for Qwen3, llama3 rope scaling for Llama 3.x), not a subclass.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # SmolLM2 ships as "llama"
+_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+         "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF rope_parameters minus rope_theta, e.g. {"rope_type": "llama3", ...}
+    partial_rotary_factor: float = 1.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v/o bias (Llama option); Qwen2 sets qkv_bias instead
+    qkv_bias: bool = False  # Qwen2/2.5: bias on q, k, v only
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    sliding_window: int | None = None  # Mistral; we attend over the full causal window (see check_seqlen)
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    extra: dict = field(default_factory=dict)  # the rest of config.json, written back unchanged
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)} "
+                "(Llama 2/3.x, SmolLM2, Mistral, Qwen2/2.5, Qwen3)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if (self.qkv_bias or self.attention_bias) else 0)
+        mlp = 3 * h * i
+        layer = attn + mlp + 2 * h + (2 * d if self.qk_norm else 0)
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * layer + emb + h
+
+    def flops_per_token(self, seqlen: int) -> float:
+        """Training FLOPs per token: 6 x matmul params (lm_head included) + causal attention."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        matmul = self.num_hidden_layers * (2 * h * q + 2 * h * kv + 3 * h * i) + self.vocab_size * h
+        attn = 3 * 4 * seqlen * q * self.num_hidden_layers / 2
+        return 6 * matmul + attn
+
+    # ---- Hugging Face config.json ----
+    @classmethod
+    def from_hf_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
+        if "model_type" not in d:
+            raise ValueError(f"{source}: missing field 'model_type' (expected one of {SUPPORTED_MODEL_TYPES})")
+        mt = d["model_type"]
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"{source}: model_type {mt!r} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama 2/3.x, SmolLM2, Mistral, Qwen2/2.5, Qwen3)")
+        try:
+            heads = d["num_attention_heads"]
+            rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+            theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+            if rope.get("rope_type", rope.get("type", "default")) == "default":
+                rope = None
+            known = {
+                "model_type": mt, "vocab_size": d["vocab_size"], "hidden_size": d["hidden_size"],
+                "intermediate_size": d["intermediate_size"], "num_hidden_layers": d["num_hidden_layers"],
+                "num_attention_heads": heads, "num_key_value_heads": d.get("num_key_value_heads") or heads,
+                "head_dim": d.get("head_dim") or d["hidden_size"] // heads,
+                "rms_norm_eps": d.get("rms_norm_eps", 1e-6), "rope_theta": float(theta), "rope_scaling": rope,
+                "partial_rotary_factor": d.get("partial_rotary_factor", 1.0),
+                "max_position_embeddings": d.get("max_position_embeddings", 4096),
+                "tie_word_embeddings": d.get("tie_word_embeddings", False),
+                "attention_bias": mt in ("llama", "qwen3") and d.get("attention_bias", False),
+                "qkv_bias": mt == "qwen2", "mlp_bias": d.get("mlp_bias", False), "qk_norm": mt == "qwen3",
+                "sliding_window": d.get("sliding_window") if d.get("use_sliding_window", mt == "mistral") else None,
+                "bos_token_id": d.get("bos_token_id"), "eos_token_id": d.get("eos_token_id"),
+                "pad_token_id": d.get("pad_token_id"),
+            }
+        except KeyError as e:
+            raise ValueError(f"{source}: missing field {e.args[0]!r} needed to build a {mt} decoder") from None
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {d['hidden_act']!r} is not supported (SwiGLU needs 'silu')")
+        extra = {k: v for k, v in d.items() if k not in known and k not in ("rope_parameters", "rope_scaling")}
+        return cls(**known, extra=extra)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: config.json not found; a Hugging Face model directory needs one") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+        return cls.from_hf_dict(d, source=str(path))
+
+    def to_hf_dict(self) -> dict:
+        d = dict(self.extra)
+        d.update({k: v for k, v in asdict(self).items()
+                  if k not in ("extra", "rope_scaling", "qkv_bias", "qk_norm", "rope_theta", "sliding_window")})
+        rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling:
+            rope.update(self.rope_scaling)
+        d["rope_parameters"] = rope
+        d["rope_theta"] = self.rope_theta
+        if self.model_type == "qwen2":
+            d.pop("attention_bias", None)
+        if self.model_type in ("mistral", "qwen2", "qwen3"):
+            d["sliding_window"] = self.sliding_window
+        d["hidden_act"] = "silu"
+        d["architectures"] = [_ARCH[self.model_type]]
+        return d
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (rotary_dim / 2,) fp32 and the attention scaling, computed exactly as
+    transformers does (same fp32 ops, so logits match to the last bit). Rope types: default, linear, llama3.
+    """
+    dim = cfg.rotary_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = cfg.rope_scaling
+    if not rs:
+        return inv, 1.0
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "linear":
+        return inv / rs["factor"], 1.0
+    if kind == "llama3":
+        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        lo_wl, hi_wl = old / lo, old / hi
+        wavelen = 2 * math.pi / inv
+        out = torch.where(wavelen > lo_wl, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = ~(wavelen < hi_wl) * ~(wavelen > lo_wl)
+        return torch.where(medium, smoothed, out), 1.0
+    raise ValueError(f"rope type {kind!r} is not supported (supported: default, linear, llama3)")

@@ -1,0 +1,228 @@
+"""Our decoder for the Llama family (Llama 2/3.x, SmolLM2, Mistral, Qwen2/2.5, Qwen3).
+
+Module and parameter names are exactly Hugging Face's (``model.layers.0.self_attn.q_proj.weight``,
+``lm_head.weight``), so HF checkpoints and PEFT adapters map one to one with no renaming.
+
+Shapes: input_ids (B, S) -> hidden (B, S, H) -> logits (B, S, V) or a loss.
+Packed rows: ``position_ids`` restart at 0 per document and ``cu_seqlens`` / ``max_seqlen`` describe the
+documents (see ``chronicals.ops.attention``); the model passes them through untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as ckpt
+
+from ..ops import attention, linear_cross_entropy, rms_norm, rope_cos_sin, rope_qk, swiglu
+from ..ops.attention import attention_ref
+from .config import ModelConfig, rope_inv_freq
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class RuntimeOptions:
+    """Options shared by every module of one model (one object, referenced everywhere)."""
+    impl: str = "auto"  # "auto" (Triton on CUDA, PyTorch on CPU) | "triton" | "torch"
+    checkpointing: bool = False  # recompute each decoder layer in backward (activation checkpointing)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, opts: RuntimeOptions):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.opts = eps, opts
+
+    def forward(self, x, residual=None):
+        """x (..., D) -> y; with ``residual`` returns (norm(x + residual), x + residual)."""
+        return rms_norm(x, self.weight, self.eps, residual=residual, impl=self.opts.impl)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, opts: RuntimeOptions):
+        super().__init__()
+        self.nq, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h, qkv_bias = cfg.hidden_size, cfg.attention_bias or cfg.qkv_bias
+        self.q_proj = nn.Linear(h, self.nq * self.d, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.nkv * self.d, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.nkv * self.d, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.nq * self.d, h, bias=cfg.attention_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, opts)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, opts)
+        self.qk_norm, self.opts = cfg.qk_norm, opts
+
+    def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None, kv_cache=None):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.nq, self.d)  # (B, S, Hq, D)
+        k = self.k_proj(x).view(b, s, self.nkv, self.d)  # (B, S, Hk, D)
+        v = self.v_proj(x).view(b, s, self.nkv, self.d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope_qk(q, k, cos, sin, impl=self.opts.impl)
+        if kv_cache is None:
+            o = attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, impl=self.opts.impl)
+        else:  # generation: one row, keys/values of earlier steps appended
+            o = kv_cache.attend(q, k, v)
+        return self.o_proj(o.reshape(b, s, self.nq * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, opts: RuntimeOptions):
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+        self.opts = opts
+
+    def forward(self, x):
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), impl=self.opts.impl))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, opts: RuntimeOptions):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts)
+        self.self_attn = Attention(cfg, opts)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts)
+        self.mlp = MLP(cfg, opts)
+
+    def forward(self, h, residual, cos, sin, cu_seqlens=None, max_seqlen=None, kv_cache=None):
+        """h: the previous block's output, residual: the stream before it (None for layer 0).
+
+        The residual add is fused into the norms: norm(h + residual) and the new stream in one pass.
+        """
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(x, cos, sin, cu_seqlens, max_seqlen, kv_cache)
+        x, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, opts: RuntimeOptions):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, opts) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts)
+        inv_freq, self.attention_scaling = rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.opts = opts
+
+    def forward(self, input_ids, position_ids, cu_seqlens=None, max_seqlen=None, kv_caches=None):
+        h = self.embed_tokens(input_ids)  # (B, S, H)
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq, self.attention_scaling, dtype=h.dtype)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            cache = None if kv_caches is None else kv_caches[i]
+            if self.opts.checkpointing and self.training and torch.is_grad_enabled():
+                h, residual = ckpt.checkpoint(layer, h, residual, cos, sin, cu_seqlens, max_seqlen,
+                                              use_reentrant=False)
+            else:
+                h, residual = layer(h, residual, cos, sin, cu_seqlens, max_seqlen, cache)
+        return self.norm(h, residual)[0]
+
+
+def shift_labels_per_document(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """labels (B, S) in Hugging Face form (token t's own id) -> targets (B, S): token t predicts t + 1.
+
+    The last token of each row, and of each document in a packed row (where the next position id
+    restarts at 0), predicts nothing (IGNORE_INDEX): no position predicts another document's token.
+    """
+    out = torch.full_like(labels, IGNORE_INDEX)
+    out[:, :-1] = labels[:, 1:]
+    if position_ids is not None:
+        out[:, :-1].masked_fill_(position_ids[:, 1:] == 0, IGNORE_INDEX)
+    return out
+
+
+class CausalLM(nn.Module):
+    """The decoder plus its loss head. ``model(input_ids)`` -> logits (B, S, V)."""
+
+    def __init__(self, cfg: ModelConfig, impl: str = "auto"):
+        super().__init__()
+        self.config = cfg
+        self.opts = RuntimeOptions(impl=impl)
+        self.model = DecoderModel(cfg, self.opts)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # ---- options ----
+    def set_impl(self, impl: str) -> "CausalLM":
+        """Pick the op implementations: "auto" (Triton on CUDA, PyTorch on CPU), "triton" or "torch"."""
+        self.opts.impl = impl
+        return self
+
+    def set_checkpointing(self, on: bool) -> "CausalLM":
+        self.opts.checkpointing = on
+        return self
+
+    def init_weights(self, std: float = 0.02, seed: int | None = None) -> "CausalLM":
+        """Random init like transformers: normal(0, std) for matrices and embeddings, zeros for biases."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        for name, p in self.named_parameters():
+            with torch.no_grad():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std))
+        return self
+
+    # ---- forward ----
+    def hidden_states(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, kv_caches=None):
+        """input_ids (B, S) -> final-norm hidden states (B, S, H)."""
+        if position_ids is None:
+            if cu_seqlens is not None:
+                raise ValueError("packed rows (cu_seqlens) need position_ids that restart at 0 per document")
+            start = 0 if kv_caches is None else kv_caches[0].length
+            position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+            position_ids = position_ids.unsqueeze(0).expand_as(input_ids)
+        return self.model(input_ids, position_ids, cu_seqlens, max_seqlen, kv_caches)
+
+    def forward(self, input_ids, *, position_ids=None, cu_seqlens=None, max_seqlen=None, labels=None,
+                shift_labels=None, reduction: str = "mean", kv_caches=None):
+        """Logits (B, S, V) when no labels are given; otherwise the loss, never building the logits.
+
+        labels: (B, S) Hugging Face form, shifted here per document. shift_labels: (B, S) targets already
+        aligned (what the data collator produces). reduction: "mean" | "sum" | "none" (then (B, S)).
+        """
+        h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen, kv_caches)
+        if labels is None and shift_labels is None:
+            return self.lm_head(h)
+        if shift_labels is None:
+            shift_labels = shift_labels_per_document(labels, position_ids)
+        loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, shift_labels.reshape(-1),
+                                    ignore_index=IGNORE_INDEX, reduction=reduction, impl=self.opts.impl)
+        return loss.view(shift_labels.shape) if reduction == "none" else loss
+
+
+class KVCache:
+    """Keys and values of earlier steps for one layer, for generation of a single row."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[1]
+
+    def attend(self, q, k, v):
+        """q (1, s, Hq, D), k/v (1, s, Hk, D): append, then attend causally over everything so far."""
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=1)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=1)
+        if q.shape[1] == self.k.shape[1]:
+            return attention_ref(q, self.k, self.v)
+        if q.shape[1] != 1:
+            raise ValueError("KVCache: after the prompt, feed one token at a time")
+        qt, kt, vt = q.transpose(1, 2), self.k.transpose(1, 2), self.v.transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=qt.shape[1] != kt.shape[1])
+        return out.transpose(1, 2)

@@ -1,0 +1,42 @@
+"""Choosing between a Triton kernel and its pure-PyTorch reference twin.
+
+Every op takes ``impl="auto" | "triton" | "torch"``. ``"auto"`` means: Triton when the tensor lives on
+CUDA, the reference otherwise (CPU). Under ``TRITON_INTERPRET=1`` ``"triton"`` also runs on CPU tensors
+(that is how the kernel tests run). The resolved choice is logged once per op; there is no silent
+fallback: asking for ``"triton"`` where it cannot run raises with the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("chronicals.ops")
+_logged: set[tuple[str, str, str]] = set()
+IMPLS = ("auto", "triton", "torch")
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_impl(op: str, impl: str, device: torch.device) -> str:
+    """Return "triton" or "torch" for ``op`` on ``device``; log the choice once."""
+    if impl not in IMPLS:
+        raise ValueError(f"{op}: impl={impl!r} is not one of {IMPLS}")
+    if impl == "auto":
+        chosen = "triton" if device.type == "cuda" else "torch"
+    else:
+        chosen = impl
+    if chosen == "triton" and device.type != "cuda" and not triton_interpreting():
+        raise RuntimeError(
+            f"{op}: impl='triton' needs a CUDA tensor (got {device.type}); "
+            "use impl='torch' on CPU, or set TRITON_INTERPRET=1 to run the kernel in Triton's interpreter"
+        )
+    key = (op, impl, device.type)
+    if key not in _logged:
+        _logged.add(key)
+        log.info("%s: impl=%s resolved to %s on %s", op, impl, chosen, device.type)
+    return chosen
