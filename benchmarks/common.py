@@ -1,0 +1,88 @@
+"""Shared benchmark plumbing: timing, the two ceilings (copy bandwidth, bf16 matmul peak), result files.
+
+Every result file carries the GPU, torch/triton/transformers versions, the date and the git sha.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def do_bench(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median milliseconds of ``fn()`` with CUDA events (triton.testing.do_bench)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = torch.randn(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src))
+    return 2 * nbytes / ms / 1e6
+
+
+def matmul_peak_tflops(n: int = 8192) -> float:
+    """bf16 matmul rate on random data in TFLOP/s (the MFU denominator)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ b, warmup_ms=100, rep_ms=300)
+    return 2 * n**3 / ms / 1e9
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       cwd=Path(__file__).parent, stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("CHRONICALS_GIT_SHA", "unknown")
+
+
+def environment() -> dict:
+    """GPU name, versions, date and git sha for a result file."""
+    import triton
+
+    env = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "git_sha": git_sha(),
+           "torch": torch.__version__, "triton": triton.__version__,
+           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def result_path(name: str, suffix: str = "json", out_dir: str | os.PathLike | None = None) -> Path:
+    """benchmarks/results/<name>_<gpu>_<date>.<suffix> (or under ``out_dir``)."""
+    gpu = (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu").replace(" ", "-")
+    day = _dt.date.today().isoformat()
+    d = Path(out_dir) if out_dir else RESULTS
+    d.mkdir(parents=True, exist_ok=True)
+    return d / f"{name}_{gpu}_{day}.{suffix}"
+
+
+def write_results(name: str, payload: dict, markdown: str | None = None, out_dir=None) -> Path:
+    """Write JSON (environment + payload) and optionally a markdown table next to it."""
+    path = result_path(name, "json", out_dir)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"environment": environment(), **payload}, indent=2))
+    tmp.replace(path)
+    if markdown:
+        path.with_suffix(".md").write_text(markdown)
+    return path
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+    return head + "".join("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |\n" for r in rows)
