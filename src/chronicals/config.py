@@ -1,0 +1,323 @@
+"""The training config schema: typed dataclasses filled from YAML and ``key=value`` overrides.
+
+The defaults ARE the embedded demo: LoRA+ on SmolLM2-135M-Instruct with the packaged demo data, sized
+to finish in under 5 minutes on a 2-core CPU. Each field's one-line doc lives in its metadata
+(``doc``) and is what ``chronicals train --help`` prints. Checks live in ``__post_init__`` so a bad
+value fails before any model is loaded.
+
+    cfg = load_config("configs/smollm2-135m/lora.yaml", ["optim.lr=1e-4", "lora.rank=16"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+DEMO = "demo"  # data.path / data.eval_path value meaning "the packaged demo data"
+DEMO_SYSTEM_PROMPT = "You are a helpful assistant."
+
+
+def _f(default, doc: str, **kw):
+    """A dataclass field with its one-line doc (shown by ``--help``)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc}, **kw)
+    return field(default=default, metadata={"doc": doc}, **kw)
+
+
+def _check(cond: bool, key: str, value, expected: str):
+    if not cond:
+        raise ValueError(f"config {key}={value!r} is invalid: expected {expected}")
+
+
+@dataclass
+class ModelSection:
+    path: str = _f("smollm2-135m-instruct", "local HF directory, .gguf file, or 'smollm2-135m-instruct' (embedded)")
+    dtype: str = _f("auto", "weights dtype: auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float32")
+    device: str = _f("auto", "auto (cuda if available) | cpu | cuda | cuda:N")
+    impl: str = _f("auto", "op implementations: auto (Triton on CUDA) | triton | torch")
+    checkpointing: bool = _f(False, "activation checkpointing: recompute each decoder layer in backward")
+    compile: bool = _f(False, "torch.compile each decoder layer")
+
+    def __post_init__(self):
+        _check(self.dtype in ("auto", "bfloat16", "float32", "float64"), "model.dtype", self.dtype,
+               "auto | bfloat16 | float32 | float64")
+        _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "model.device",
+               self.device, "auto | cpu | cuda | cuda:N")
+        _check(self.impl in ("auto", "triton", "torch"), "model.impl", self.impl, "auto | triton | torch")
+        _check(bool(self.path), "model.path", self.path, "a model directory, .gguf file or short name")
+
+
+@dataclass
+class DataSection:
+    path: str = _f(DEMO, "training data: a .jsonl/.json/.parquet/.csv file or directory; 'demo' = packaged demo set")
+    format: str = _f("auto", "record format: auto | text | messages | alpaca | prompt_completion | sharegpt")
+    eval_path: str = _f(DEMO, "held-out data for eval loss ('' = none; 'demo' = packaged held-out questions)")
+    system_prompt: str = _f(DEMO_SYSTEM_PROMPT, "system prompt for chat data with none ('' = the template's default)")
+    max_seq_len: int = _f(256, "tokens per packed row; longer examples are truncated or dropped (see on_long)")
+    batch_size: int = _f(4, "packed rows per micro-batch")
+    on_long: str = _f("truncate", "examples longer than max_seq_len: truncate | drop")
+    train_on: str = _f("assistant", "which tokens carry loss: assistant (completion/output) | all")
+    cache_dir: str = _f("", "tokenization cache directory ('' = the default cache)")
+
+    def __post_init__(self):
+        _check(self.max_seq_len >= 8, "data.max_seq_len", self.max_seq_len, "an integer >= 8")
+        _check(self.batch_size >= 1, "data.batch_size", self.batch_size, "an integer >= 1")
+        _check(self.on_long in ("truncate", "drop"), "data.on_long", self.on_long, "truncate | drop")
+        _check(self.train_on in ("assistant", "all"), "data.train_on", self.train_on, "assistant | all")
+        _check(self.format in ("auto", "text", "messages", "alpaca", "prompt_completion", "sharegpt"),
+               "data.format", self.format, "auto | text | messages | alpaca | prompt_completion | sharegpt")
+        _check(bool(self.path), "data.path", self.path, "a data file or directory, or 'demo'")
+
+
+@dataclass
+class LoraSection:
+    enabled: bool = _f(True, "train LoRA adapters (true) or every weight (false: full fine-tuning)")
+    rank: int = _f(16, "LoRA rank r")
+    alpha: float = _f(32.0, "LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with rslora)")
+    dropout: float = _f(0.0, "dropout on the LoRA branch input (0 needs no copy of the activations)")
+    targets: list = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                       "module names that get adapters")
+    rslora: bool = _f(False, "rank-stabilized scaling alpha / sqrt(r)")
+    plus_ratio: float = _f(16.0, "LoRA+: lr(B) = plus_ratio x lr(A); 1 = plain LoRA")
+
+    def __post_init__(self):
+        _check(self.rank >= 1, "lora.rank", self.rank, "an integer >= 1")
+        _check(self.alpha > 0, "lora.alpha", self.alpha, "a number > 0")
+        _check(0.0 <= self.dropout < 1.0, "lora.dropout", self.dropout, "a number in [0, 1)")
+        _check(self.plus_ratio > 0, "lora.plus_ratio", self.plus_ratio, "a number > 0")
+        _check(len(self.targets) > 0 and all(isinstance(t, str) for t in self.targets), "lora.targets",
+               self.targets, "a non-empty list of module names such as [q_proj, v_proj]")
+
+
+@dataclass
+class OptimSection:
+    lr: float = _f(1e-3, "peak learning rate (of the LoRA A matrices under LoRA+)")
+    weight_decay: float = _f(0.0, "AdamW weight decay (never on biases and norms)")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.999, "AdamW beta2")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)")
+    fused: str = _f("auto", "fused AdamW: auto (on CUDA) | true | false")
+
+    def __post_init__(self):
+        _check(self.lr > 0, "optim.lr", self.lr, "a number > 0")
+        _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "a number >= 0")
+        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1/beta2", (self.beta1, self.beta2),
+               "numbers in [0, 1)")
+        _check(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "a number >= 0 (0 = off)")
+        _check(str(self.fused).lower() in ("auto", "true", "false"), "optim.fused", self.fused, "auto | true | false")
+
+
+@dataclass
+class ScheduleSection:
+    kind: str = _f("cosine", "learning-rate decay after warmup: cosine | linear | constant")
+    warmup_steps: int = _f(3, "linear warmup steps from 0 to the peak lr")
+    min_lr_ratio: float = _f(0.1, "final lr as a fraction of the peak (cosine and linear)")
+
+    def __post_init__(self):
+        _check(self.kind in ("cosine", "linear", "constant"), "schedule.kind", self.kind, "cosine | linear | constant")
+        _check(self.warmup_steps >= 0, "schedule.warmup_steps", self.warmup_steps, "an integer >= 0")
+        _check(0 <= self.min_lr_ratio <= 1, "schedule.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+
+
+@dataclass
+class TrainSection:
+    epochs: float = _f(3.0, "passes over the training data (ignored when max_steps > 0)")
+    max_steps: int = _f(0, "optimizer steps to run (0 = derive from epochs)")
+    grad_accum: int = _f(1, "micro-batches per optimizer step (loss normalized by the step's loss tokens)")
+    seed: int = _f(0, "seed for init, shuffling and dropout")
+    out_dir: str = _f("runs/demo", "output directory: adapter or model, checkpoints, metrics, plots, config")
+    save_every: int = _f(0, "write a resumable checkpoint every N optimizer steps (0 = only at the end/on signal)")
+    keep_last: int = _f(2, "resumable checkpoints to keep")
+    resume: str = _f("auto", "auto (latest checkpoint in out_dir if any) | none | a checkpoint directory")
+    save_final: bool = _f(True, "write the final adapter (LoRA) or HF model directory (full)")
+
+    def __post_init__(self):
+        _check(self.epochs > 0 or self.max_steps > 0, "train.epochs", self.epochs,
+               "a number > 0, or set train.max_steps > 0")
+        _check(self.max_steps >= 0, "train.max_steps", self.max_steps, "an integer >= 0")
+        _check(self.grad_accum >= 1, "train.grad_accum", self.grad_accum, "an integer >= 1")
+        _check(self.save_every >= 0, "train.save_every", self.save_every, "an integer >= 0")
+        _check(self.keep_last >= 1, "train.keep_last", self.keep_last, "an integer >= 1")
+        _check(bool(self.out_dir), "train.out_dir", self.out_dir, "a directory path")
+
+
+@dataclass
+class EvalSection:
+    every: int = _f(0, "held-out loss every N optimizer steps (0 = only before and after training)")
+    qa: bool = _f(True, "answer the held-out questions before and after (greedy) and score keywords")
+    qa_limit: int = _f(0, "held-out questions to answer (0 = all)")
+    max_new_tokens: int = _f(48, "tokens generated per held-out answer")
+
+    def __post_init__(self):
+        _check(self.every >= 0, "eval.every", self.every, "an integer >= 0")
+        _check(self.qa_limit >= 0, "eval.qa_limit", self.qa_limit, "an integer >= 0")
+        _check(self.max_new_tokens >= 1, "eval.max_new_tokens", self.max_new_tokens, "an integer >= 1")
+
+
+@dataclass
+class LoggingSection:
+    progress: bool = _f(True, "show a progress bar (loss, tokens/s, MFU, memory, ETA)")
+    tensorboard: bool = _f(True, "also log to TensorBoard when the tensorboard package is installed")
+    plot: bool = _f(True, "write loss.png (training and held-out loss) at the end")
+    peak_tflops: float = _f(0.0, "bf16 peak TFLOP/s for MFU on CUDA (0 = measure a bf16 matmul once)")
+
+    def __post_init__(self):
+        _check(self.peak_tflops >= 0, "logging.peak_tflops", self.peak_tflops, "a number >= 0")
+
+
+@dataclass
+class TrainConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    lora: LoraSection = field(default_factory=LoraSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ---- filling the schema ----
+
+_SECTION_TYPES = {"model": ModelSection, "data": DataSection, "lora": LoraSection, "optim": OptimSection,
+                  "schedule": ScheduleSection, "train": TrainSection, "eval": EvalSection, "logging": LoggingSection}
+
+
+def all_keys() -> list[str]:
+    """Every dotted key of the schema, e.g. ``optim.lr``."""
+    return [f"{s}.{f.name}" for s, cls in _SECTION_TYPES.items() for f in dataclasses.fields(cls)]
+
+
+def _unknown(key: str, choices: list[str]) -> ValueError:
+    near = difflib.get_close_matches(key, choices, n=3, cutoff=0.5)
+    hint = f"; did you mean {' or '.join(near)}?" if near else f"; known: {', '.join(choices)}"
+    return ValueError(f"unknown config key {key!r}{hint}")
+
+
+def _field_type(cls, name: str):
+    hints = typing.get_type_hints(cls)
+    return hints[name]
+
+
+def _coerce(key: str, value, typ):
+    """Turn a YAML / command-line value into the field's type, or fail saying what was expected."""
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if value is None or value == "null":
+            return None
+        typ = args[0]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+            return value.lower() in ("true", "yes", "on", "1")
+        raise ValueError(f"config {key}={value!r} is invalid: expected true or false")
+    if typ is int:
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and _is_int(value))):
+            raise ValueError(f"config {key}={value!r} is invalid: expected an integer")
+        return int(value)
+    if typ is float:
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)  # YAML reads 3e-4 (no dot) as a string; float() takes it
+        except (TypeError, ValueError):
+            raise ValueError(f"config {key}={value!r} is invalid: expected a number") from None
+    if typ is list or origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ValueError(f"config {key}={value!r} is invalid: expected a list such as [q_proj, v_proj]")
+        return list(value)
+    if typ is str:
+        if isinstance(value, (dict, list)):
+            raise ValueError(f"config {key}={value!r} is invalid: expected a string")
+        return "" if value is None else str(value)
+    return value
+
+
+def _is_int(s: str) -> bool:
+    try:
+        int(s)
+        return True
+    except ValueError:
+        return False
+
+
+def from_dict(d: dict | None, overrides: list[str] | dict | None = None) -> TrainConfig:
+    """Build a TrainConfig from nested ``{section: {field: value}}`` plus dotted overrides.
+
+    Unknown sections/keys fail with a "did you mean" suggestion; values are typed and checked.
+    """
+    flat: dict[str, object] = {}
+    for section, body in (d or {}).items():
+        if section not in _SECTION_TYPES:
+            raise _unknown(section, list(_SECTION_TYPES))
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            raise ValueError(f"config section {section!r} must be a mapping of keys to values, got {body!r}")
+        for k, v in body.items():
+            flat[f"{section}.{k}"] = v
+    if isinstance(overrides, dict):
+        flat.update(overrides)
+    else:
+        for item in overrides or []:
+            if "=" not in item:
+                raise ValueError(f"override {item!r} is not key=value (e.g. optim.lr=3e-4)")
+            k, v = item.split("=", 1)
+            flat[k.strip()] = yaml.safe_load(v) if v.strip() else ""
+    known = set(all_keys())
+    values: dict[str, dict] = {s: {} for s in _SECTION_TYPES}
+    for key, v in flat.items():
+        if key not in known:
+            raise _unknown(key, sorted(known))
+        section, name = key.split(".", 1)
+        values[section][name] = _coerce(key, v, _field_type(_SECTION_TYPES[section], name))
+    return TrainConfig(**{s: cls(**values[s]) for s, cls in _SECTION_TYPES.items()})
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> TrainConfig:
+    """YAML file (optional) + ``key=value`` overrides -> a checked TrainConfig."""
+    d = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"config file {p} not found (give a YAML file such as configs/smollm2-135m/lora.yaml)")
+        try:
+            d = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"{p}: invalid YAML ({e})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{p}: expected a mapping of sections (model, data, lora, ...), got {type(d).__name__}")
+    try:
+        return from_dict(d, overrides)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}" if path else str(e)) from None
+
+
+def config_help() -> str:
+    """Every key with its type, default and one-line doc (what ``chronicals train --help`` prints)."""
+    lines = []
+    for section, cls in _SECTION_TYPES.items():
+        lines.append(f"{section}:")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            t = getattr(hints[f.name], "__name__", str(hints[f.name]))
+            lines.append(f"  {section}.{f.name} ({t}, default {default!r})\n      {f.metadata.get('doc', '')}")
+    return "\n".join(lines)
