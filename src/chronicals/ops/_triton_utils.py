@@ -1,0 +1,39 @@
+"""Small helpers shared by the Triton ops: autotune config lists, SM counts, launch checks."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from ._impl import triton_interpreting
+
+
+def tune_configs(configs: list[triton.Config]) -> list[triton.Config]:
+    """The config list for ``triton.autotune``: all of them on CUDA, only the first under TRITON_INTERPRET=1
+    (each extra config would run the interpreted kernel once more for nothing)."""
+    return configs[:1] if triton_interpreting() else configs
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (132 on an H100/H200); 4 on the CPU interpreter (small grids)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Kernels index the last dim with stride 1; other dims may be strided (views from .view/.transpose)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def check_device(op: str, *tensors: torch.Tensor) -> None:
+    devs = {t.device for t in tensors if t is not None}
+    if len(devs) > 1:
+        raise ValueError(f"{op}: all tensors must be on one device, got {sorted(map(str, devs))}")
