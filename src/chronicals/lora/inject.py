@@ -1,0 +1,144 @@
+"""Putting LoRA into a model (``apply_lora``) and taking it out again (``merge_lora``).
+
+Module names follow PEFT's matching rules, so the same ``target_modules`` / ``modules_to_save`` mean the
+same modules here and in PEFT: a list entry matches a module whose full name equals it or ends with
+``"." + entry`` (``"q_proj"`` matches ``model.layers.3.self_attn.q_proj``); a single string is a regular
+expression that must match the full name.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from .layer import LoRALinear
+
+log = logging.getLogger("chronicals.lora")
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraRecord:
+    """What ``apply_lora`` did; kept on the model as ``model.lora_config`` for saving and LoRA+."""
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...] | str
+    use_rslora: bool
+    scaling: float
+    lora_modules: list[str] = field(default_factory=list)  # full names of the LoRALinear modules
+    # full names of modules trained in full and saved with the adapter (tied partners included)
+    saved_modules: list[str] = field(default_factory=list)
+    trainable_params: int = 0
+    total_params: int = 0
+
+
+def name_matches(name: str, keys) -> bool:
+    """PEFT's rule: a str is a full-match regex; a list/tuple entry matches the name or a dotted suffix."""
+    if isinstance(keys, str):
+        return re.fullmatch(keys, name) is not None
+    return any(name == k or name.endswith("." + k) for k in keys)
+
+
+def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def _tied_partners(model: nn.Module, module_names: list[str]) -> list[str]:
+    """Names of other modules owning a Parameter object that one of ``module_names`` also owns."""
+    owners: dict[int, set[str]] = {}
+    for mname, mod in model.named_modules():
+        for p in mod.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(mname)
+    out = set()
+    for n in module_names:
+        for p in model.get_submodule(n).parameters(recurse=False):
+            out |= owners[id(p)]
+    return sorted(out - set(module_names))
+
+
+def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: float = 0.0,
+               target_modules=DEFAULT_TARGETS, use_rslora: bool = False, modules_to_save=(),
+               impl: str = "fused", adapter_dtype: torch.dtype | None = None, seed: int | None = 0) -> LoraRecord:
+    """Replace each targeted nn.Linear of ``model`` in place by a LoRALinear and freeze the rest.
+
+    scaling = alpha / r, or alpha / sqrt(r) with ``use_rslora``. Every parameter is frozen except the
+    adapters (A, B) and the parameters of ``modules_to_save`` (e.g. "lm_head", "embed_tokens"), which
+    are trained in full. Tied embeddings share one Parameter: naming either of lm_head / embed_tokens
+    trains the shared tensor, and both are saved with the adapter (PEFT then loads the same values into
+    both copies). ``impl``: "fused" (custom autograd) or "torch" (reference). ``adapter_dtype``: dtype of
+    A and B (default: the base weight's). ``seed``: generator seed for A (None: torch's global RNG).
+    Returns a LoraRecord, also stored as ``model.lora_config``.
+    """
+    if getattr(model, "lora_config", None) is not None:
+        raise RuntimeError("apply_lora: this model already has LoRA adapters; call merge_lora(model) first")
+    if isinstance(target_modules, list):
+        target_modules = tuple(target_modules)
+    modules_to_save = (modules_to_save,) if isinstance(modules_to_save, str) else tuple(modules_to_save)
+    targets = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and name_matches(n, target_modules)]
+    if not targets:
+        leaves = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(f"apply_lora: target_modules={target_modules!r} matched no nn.Linear; the model's "
+                         f"linear layers are named {leaves}")
+    if "lm_head" in targets:
+        raise ValueError("apply_lora: LoRA on lm_head is not supported: CausalLM's loss reads lm_head.weight "
+                         "directly (fused linear cross-entropy); train it with modules_to_save=('lm_head',)")
+    saved = [n for n, _ in model.named_modules() if n and modules_to_save and name_matches(n, modules_to_save)]
+    missing = [k for k in modules_to_save if not any(name_matches(n, (k,)) for n in saved)]
+    if missing:
+        raise ValueError(f"apply_lora: modules_to_save entries {missing} match no module of the model")
+    overlap = sorted(set(saved) & set(targets))
+    if overlap:
+        raise ValueError(f"apply_lora: {overlap} are both LoRA targets and modules_to_save; pick one")
+    tied = _tied_partners(model, saved)
+    if tied:
+        log.info("apply_lora: %s share weights with %s (tied); the shared tensor is trained and both are saved",
+                 saved, tied)
+        saved = sorted(set(saved) | set(tied))
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    for name in targets:
+        _set_module(model, name, LoRALinear(model.get_submodule(name), r, alpha, dropout, use_rslora, impl,
+                                            adapter_dtype, gen))
+    for name in saved:
+        for p in model.get_submodule(name).parameters():
+            p.requires_grad_(True)
+    rec = LoraRecord(r=r, alpha=alpha, dropout=dropout, target_modules=target_modules, use_rslora=use_rslora,
+                     scaling=alpha / r ** 0.5 if use_rslora else alpha / r, lora_modules=targets,
+                     saved_modules=saved,
+                     trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+                     total_params=sum(p.numel() for p in model.parameters()))
+    model.lora_config = rec
+    log.info("apply_lora: r=%d alpha=%g scaling=%g on %d modules (%s), impl=%s; trainable %d of %d parameters",
+             r, alpha, rec.scaling, len(targets), target_modules, impl, rec.trainable_params, rec.total_params)
+    return rec
+
+
+def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
+    """(full name, module) of every LoRALinear in ``model``."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """W += s B A for every LoRALinear (computed in fp32, stored in W's dtype), put back plain nn.Linear
+    modules on the same Parameters, and drop ``model.lora_config``: the state dict is a plain HF one again.
+
+    requires_grad flags are left as apply_lora set them (base weights frozen).
+    """
+    mods = lora_modules(model)
+    if not mods:
+        raise ValueError("merge_lora: the model has no LoRA adapters (apply_lora or load_adapter first)")
+    for name, mod in mods:
+        _set_module(model, name, mod.to_linear())
+    if hasattr(model, "lora_config"):
+        del model.lora_config
+    return model

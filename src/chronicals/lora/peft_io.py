@@ -1,0 +1,167 @@
+"""Adapters in PEFT's on-disk format: ``adapter_config.json`` + ``adapter_model.safetensors``.
+
+Keys are PEFT's, without the adapter name: ``base_model.model.<module>.lora_A.weight`` (r, in),
+``base_model.model.<module>.lora_B.weight`` (out, r), and ``base_model.model.<module>.<param>`` for the
+modules trained in full (modules_to_save). Because our module names are Hugging Face's, ``<module>`` is
+the same string in our model and in transformers', so ``peft.PeftModel.from_pretrained(hf_model, dir)``
+and ``load_adapter(our_model, dir)`` read the same file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+from .inject import LoraRecord, apply_lora, lora_modules
+
+log = logging.getLogger("chronicals.lora")
+PREFIX = "base_model.model."
+CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
+# PEFT options we do not implement: loading an adapter that uses one must fail, not load it wrong.
+_UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "rank_pattern": {}, "alpha_pattern": {},
+                "layers_to_transform": None, "lora_bias": False, "target_parameters": None,
+                "layer_replication": None, "trainable_token_indices": None, "exclude_modules": None}
+
+
+def _require_record(model: nn.Module, who: str) -> LoraRecord:
+    rec = getattr(model, "lora_config", None)
+    if rec is None:
+        raise ValueError(f"{who}: the model has no LoRA adapters; call apply_lora(model, ...) or load_adapter first")
+    return rec
+
+
+def adapter_config_dict(rec: LoraRecord, base_model_name_or_path: str | None = None) -> dict:
+    """The adapter_config.json PEFT reads for this record."""
+    targets = rec.target_modules if isinstance(rec.target_modules, str) else sorted(rec.target_modules)
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
+        "r": rec.r, "lora_alpha": rec.alpha, "lora_dropout": rec.dropout, "use_rslora": rec.use_rslora,
+        "target_modules": targets, "modules_to_save": list(rec.saved_modules) or None,
+        "init_lora_weights": True, "inference_mode": True, "revision": None, "auto_mapping": None,
+        "layers_pattern": None, **_UNSUPPORTED,
+    }
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """PEFT-named tensors (contiguous CPU copies; tied tensors copied per key, as safetensors requires)."""
+    rec = _require_record(model, "adapter_state_dict")
+    out = {}
+    for name, mod in lora_modules(model):
+        out[f"{PREFIX}{name}.lora_A.weight"] = mod.lora_A.weight.detach().cpu().clone().contiguous()
+        out[f"{PREFIX}{name}.lora_B.weight"] = mod.lora_B.weight.detach().cpu().clone().contiguous()
+    for name in rec.saved_modules:
+        for pname, p in model.get_submodule(name).named_parameters():
+            out[f"{PREFIX}{name}.{pname}"] = p.detach().cpu().clone().contiguous()
+    return out
+
+
+def save_adapter(model: nn.Module, out_dir, base_model_name_or_path: str | None = None) -> Path:
+    """Write ``out_dir``/adapter_config.json and adapter_model.safetensors atomically: both go to a
+    temporary directory beside ``out_dir`` that is renamed into place, so a crash never leaves half an
+    adapter. An existing ``out_dir`` is replaced."""
+    rec = _require_record(model, "save_adapter")
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(adapter_state_dict(model), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(adapter_config_dict(rec, base_model_name_or_path), indent=2))
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{tmp.name[-8:]}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("save_adapter: %d LoRA modules, %d full modules -> %s", len(rec.lora_modules),
+             len(rec.saved_modules), out)
+    return out
+
+
+def read_adapter_config(adapter_dir) -> dict:
+    path = Path(adapter_dir) / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found; a PEFT adapter directory holds {CONFIG_NAME} and {WEIGHTS_NAME}")
+    cfg = json.loads(path.read_text())
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{path}: peft_type={cfg['peft_type']!r}; only LORA adapters can be loaded")
+    for key, default in _UNSUPPORTED.items():
+        val = cfg.get(key, default)
+        if val not in (default, None) and not (isinstance(default, dict) and not val):
+            raise ValueError(f"{path}: {key}={val!r} is not supported by chronicals.lora "
+                             f"(supported: {key}={default!r}); merge it with PEFT first (merge_and_unload)")
+    return cfg
+
+
+def _untie_if_partial(model: nn.Module, rec: LoraRecord, keys: set[str]) -> None:
+    """PEFT saved only one of two tied modules (e.g. lm_head): it trained a private copy of that module.
+    Do the same: give the saved module its own Parameter, leave the partner on the frozen base tensor."""
+    in_file = [n for n in rec.saved_modules if any(k.startswith(f"{PREFIX}{n}.") for k in keys)]
+    shared = {id(p) for n in in_file for p in model.get_submodule(n).parameters(recurse=False)}
+    absent = [n for n in rec.saved_modules if n not in in_file
+              and any(id(p) in shared for p in model.get_submodule(n).parameters(recurse=False))]
+    if not absent:
+        return  # nothing tied is half-saved (a module missing for another reason fails the key check)
+    present = [n for n in rec.saved_modules if n not in absent]
+    for name in absent:
+        for p in model.get_submodule(name).parameters(recurse=False):
+            p.requires_grad_(False)
+    for name in present:
+        mod = model.get_submodule(name)
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            setattr(mod, pname, nn.Parameter(p.detach().clone(), requires_grad=True))
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        model.config.tie_word_embeddings = False
+    rec.saved_modules = present
+    log.warning("load_adapter: the adapter trains %s but not its tied partner(s) %s; untied them as PEFT does",
+                present, absent)
+
+
+def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
+                 adapter_dtype: torch.dtype | None = None) -> LoraRecord:
+    """Apply LoRA to ``model`` with the adapter's config and load its tensors (strictly: a missing or
+    unexpected key, or a shape mismatch, raises)."""
+    adapter_dir = Path(adapter_dir)
+    cfg = read_adapter_config(adapter_dir)
+    wpath = adapter_dir / WEIGHTS_NAME
+    if not wpath.is_file():
+        raise FileNotFoundError(f"{wpath}: not found (only safetensors adapters are read; "
+                                "convert adapter_model.bin with PEFT first)")
+    tensors = load_file(str(wpath))
+    targets = cfg["target_modules"]
+    rec = apply_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
+                     target_modules=targets if isinstance(targets, str) else tuple(targets),
+                     use_rslora=cfg.get("use_rslora", False), modules_to_save=tuple(cfg.get("modules_to_save") or ()),
+                     impl=impl, adapter_dtype=adapter_dtype)
+    _untie_if_partial(model, rec, set(tensors))
+    expected = {}
+    for name, mod in lora_modules(model):
+        expected[f"{PREFIX}{name}.lora_A.weight"] = mod.lora_A.weight
+        expected[f"{PREFIX}{name}.lora_B.weight"] = mod.lora_B.weight
+    for name in rec.saved_modules:
+        for pname, p in model.get_submodule(name).named_parameters():
+            expected[f"{PREFIX}{name}.{pname}"] = p
+    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"load_adapter {wpath}: missing keys {missing[:4]} ({len(missing)}), unexpected keys "
+                         f"{unexpected[:4]} ({len(unexpected)}); was it saved for a different model?")
+    with torch.no_grad():
+        for key, p in expected.items():
+            t = tensors[key]
+            if t.shape != p.shape:
+                raise ValueError(f"load_adapter {wpath}: {key} has shape {tuple(t.shape)}, the model expects "
+                                 f"{tuple(p.shape)} (r={rec.r}); was it saved for a different model?")
+            p.copy_(t)
+    log.info("load_adapter: %s -> %d LoRA modules, %d full modules", adapter_dir, len(rec.lora_modules),
+             len(rec.saved_modules))
+    return rec
