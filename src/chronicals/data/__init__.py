@@ -49,6 +49,12 @@ The API the trainer codes against::
 """
 
 from .collate import IGNORE_INDEX, PackedBatch, collate_rows, shift_document
+from .dataset import DatasetStats, TokenizedDataset, load_dataset
+from .formats import FORMATS, detect_format
+from .loader import PackedLoader
 from .packing import pack_bfd, pack_ffd
+from .readers import DataError
 
-__all__ = ["IGNORE_INDEX", "PackedBatch", "collate_rows", "pack_bfd", "pack_ffd", "shift_document"]
+__all__ = ["FORMATS", "IGNORE_INDEX", "DataError", "DatasetStats", "PackedBatch", "PackedLoader",
+           "TokenizedDataset", "collate_rows", "detect_format", "load_dataset", "pack_bfd", "pack_ffd",
+           "shift_document"]

@@ -1,0 +1,236 @@
+"""``load_dataset``: files -> records -> examples -> token ids + trainable masks, cached on disk.
+
+A ``TokenizedDataset`` keeps every document in three flat arrays (one allocation, memory-mappable):
+ids (T,) int32, trainable (T,) bool, offsets (n + 1,) int64; document i is ids[offsets[i]:offsets[i+1]].
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .formats import FORMATS, FormatError, detect_format, to_example
+from .readers import DataError, Record, file_digest, read_file, resolve_files
+from .tokenize import check_tokenizer, encode, has_generation_markers
+
+log = logging.getLogger("chronicals.data")
+CACHE_VERSION = 1
+PARALLEL_THRESHOLD = 20_000  # records; below this, worker start-up (~1 s) costs more than it saves
+CHUNK = 1_000
+
+
+@dataclass
+class DatasetStats:
+    records: int = 0  # records read (including bad ones)
+    documents: int = 0  # kept
+    skipped_errors: int = 0  # bad records skipped (on_error="skip")
+    truncated: int = 0  # longer than max_seq_len, cut to it (overlong="truncate")
+    dropped_overlong: int = 0  # longer than max_seq_len, dropped (overlong="drop")
+    dropped_no_loss: int = 0  # no trainable token left (no assistant turn, or truncated away)
+    tokens: int = 0
+    loss_tokens: int = 0  # positions with a target, after the per-document shift
+    first_errors: list[str] = field(default_factory=list)  # up to 10 "file:line: ..." messages
+
+
+class TokenizedDataset:
+    """Documents as flat arrays. ``ds[i]`` -> (ids (L,) int32, trainable (L,) bool)."""
+
+    def __init__(self, ids: np.ndarray, trainable: np.ndarray, offsets: np.ndarray, pad_id: int,
+                 stats: DatasetStats, max_seq_len: int):
+        self.ids, self.trainable, self.offsets = ids, trainable, offsets
+        self.pad_id, self.stats, self.max_seq_len = pad_id, stats, max_seq_len
+        self.lengths = np.diff(offsets)  # (n,) int64
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int):
+        a, b = self.offsets[i], self.offsets[i + 1]
+        return self.ids[a:b], self.trainable[a:b]
+
+
+def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, loss_on: str = "assistant",
+                 on_error: str = "fail", overlong: str = "truncate", cache_dir=None,
+                 num_proc: int | None = None) -> TokenizedDataset:
+    """Read, format and tokenize ``paths``; see the package docstring for every option."""
+    if format not in ("auto",) + FORMATS:
+        raise ValueError(f"format={format!r}; expected one of {('auto',) + FORMATS}")
+    for name, value, allowed in (("loss_on", loss_on, ("assistant", "all")), ("on_error", on_error, ("fail", "skip")),
+                                 ("overlong", overlong, ("truncate", "drop"))):
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r}; expected one of {allowed}")
+    if max_seq_len < 2:
+        raise ValueError(f"max_seq_len={max_seq_len}; expected >= 2 (a document needs a token and a target)")
+    check_tokenizer(tokenizer)
+    files = resolve_files(paths)
+    settings = {"format": format, "max_seq_len": max_seq_len, "loss_on": loss_on, "overlong": overlong}
+    cache = None
+    if cache_dir is not None:
+        key = _cache_key(files, tokenizer, settings)
+        cache = Path(cache_dir).expanduser() / key
+        if (cache / "meta.json").exists():
+            ds = _load_cache(cache, max_seq_len)
+            log.info("data: loaded %d documents from cache %s", len(ds), cache)
+            _finish(ds.stats, on_error, max_seq_len, overlong)
+            return ds
+    records = [r for f in files for r in read_file(f)]
+    ds = _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_error, num_proc)
+    _finish(ds.stats, on_error, max_seq_len, overlong)
+    if cache is not None:
+        _save_cache(cache, ds)
+    return ds
+
+
+def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, overlong: str) -> None:
+    if stats.skipped_errors and on_error == "fail":
+        raise DataError(stats.first_errors[0] + " (on_error='skip' drops bad records and counts them)")
+    if stats.skipped_errors:
+        log.warning("data: skipped %d bad records; first: %s", stats.skipped_errors, stats.first_errors[0])
+    if stats.documents == 0:
+        if stats.records == 0:
+            raise DataError("the dataset is empty: the files hold no records")
+        if stats.dropped_overlong:
+            raise DataError(f"every example was dropped: {stats.dropped_overlong} longer than max_seq_len="
+                            f"{max_seq_len} (raise max_seq_len or use overlong='truncate'), "
+                            f"{stats.dropped_no_loss} with no trainable token, {stats.skipped_errors} bad")
+        raise DataError(f"no example has a trainable token ({stats.dropped_no_loss} without one, "
+                        f"{stats.skipped_errors} bad records); loss_on='assistant' needs assistant turns / "
+                        "outputs / completions (or use loss_on='all')")
+    if stats.truncated or stats.dropped_overlong or stats.dropped_no_loss:
+        log.info("data: %d documents; %d truncated and %d dropped at max_seq_len=%d, %d without loss tokens",
+                 stats.documents, stats.truncated, stats.dropped_overlong, max_seq_len, stats.dropped_no_loss)
+
+
+# ---- tokenization (serial or in worker processes) ----
+
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer, opts):
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER.update(tokenizer=tokenizer, **opts)
+
+
+def _encode_chunk(records: list[Record]):
+    """Records -> list of (ids, trainable) or (None, "file:line: message")."""
+    w = _WORKER
+    out = []
+    for rec in records:
+        if rec.data is None:
+            out.append((None, f"{rec.where}: {rec.error}"))
+            continue
+        try:
+            fmt = w["format"] if w["format"] != "auto" else detect_format(rec.data)
+            ex = to_example(rec.data, fmt, w["has_template"])
+            out.append(encode(w["tokenizer"], ex, w["loss_on"], w["markers"]))
+        except FormatError as e:
+            out.append((None, f"{rec.where}: {e}"))
+    return out
+
+
+def _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_error, num_proc) -> TokenizedDataset:
+    opts = {"format": format, "loss_on": loss_on, "markers": has_generation_markers(tokenizer),
+            "has_template": getattr(tokenizer, "chat_template", None) is not None}
+    if num_proc is None:
+        num_proc = 1 if len(records) < PARALLEL_THRESHOLD else min(8, os.cpu_count() or 1)
+    chunks = [records[i:i + CHUNK] for i in range(0, len(records), CHUNK)]
+    bar = tqdm(total=len(records), desc="tokenizing", unit="ex", disable=len(records) < PARALLEL_THRESHOLD)
+    results = []
+    if num_proc <= 1 or len(chunks) <= 1:
+        _init_worker(tokenizer, opts)
+        for c in chunks:
+            results.append(_encode_chunk(c))
+            bar.update(len(c))
+    else:
+        log.info("data: tokenizing %d records in %d processes", len(records), num_proc)
+        with ProcessPoolExecutor(num_proc, mp_context=get_context("fork"), initializer=_init_worker,
+                                 initargs=(tokenizer, opts)) as pool:
+            for c, r in zip(chunks, pool.map(_encode_chunk, chunks)):
+                results.append(r)
+                bar.update(len(c))
+    bar.close()
+    stats = DatasetStats(records=len(records))
+    ids_list, mask_list, lengths = [], [], []
+    for ids, mask in (x for r in results for x in r):
+        if ids is None:
+            stats.skipped_errors += 1
+            if len(stats.first_errors) < 10:
+                stats.first_errors.append(mask)
+            if on_error == "fail":
+                break
+            continue
+        if len(ids) > max_seq_len:
+            if overlong == "drop":
+                stats.dropped_overlong += 1
+                continue
+            ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+            stats.truncated += 1
+        n_loss = int(mask[1:].sum())  # the first token is never a target
+        if n_loss == 0:
+            stats.dropped_no_loss += 1
+            continue
+        ids_list.append(ids)
+        mask_list.append(mask)
+        lengths.append(len(ids))
+        stats.loss_tokens += n_loss
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    stats.documents, stats.tokens = len(lengths), int(offsets[-1])
+    ids = np.concatenate(ids_list) if ids_list else np.zeros(0, np.int32)
+    mask = np.concatenate(mask_list) if mask_list else np.zeros(0, bool)
+    return TokenizedDataset(ids.astype(np.int32), mask, offsets, _pad_id(tokenizer), stats, max_seq_len)
+
+
+def _pad_id(tokenizer) -> int:
+    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if tid is not None:
+            return int(tid)
+    return 0  # padding is never attended by real tokens nor a target: any id works
+
+
+# ---- cache ----
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of the tokenizer's vocabulary/merges/normalizer (its JSON), chat template and special tokens."""
+    h = hashlib.sha256(type(tokenizer).__name__.encode())
+    h.update(tokenizer.backend_tokenizer.to_str().encode())
+    h.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def _cache_key(files, tokenizer, settings) -> str:
+    blob = json.dumps({"version": CACHE_VERSION, "files": [file_digest(f) for f in files],
+                       "tokenizer": tokenizer_fingerprint(tokenizer), **settings}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _save_cache(path: Path, ds: TokenizedDataset) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
+    np.save(tmp / "ids.npy", ds.ids)
+    np.save(tmp / "trainable.npy", ds.trainable)
+    np.save(tmp / "offsets.npy", ds.offsets)
+    (tmp / "meta.json").write_text(json.dumps({"pad_id": ds.pad_id, "stats": asdict(ds.stats)}))
+    try:
+        tmp.rename(path)  # atomic: a concurrent writer of the same key loses the race harmlessly
+    except OSError:
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+
+
+def _load_cache(path: Path, max_seq_len: int) -> TokenizedDataset:
+    meta = json.loads((path / "meta.json").read_text())
+    arrays = [np.load(path / f"{n}.npy", mmap_mode="r") for n in ("ids", "trainable", "offsets")]
+    return TokenizedDataset(*arrays, meta["pad_id"], DatasetStats(**meta["stats"]), max_seq_len)

@@ -1,0 +1,134 @@
+"""Dataset formats: detection and normalization of one record to an ``Example``.
+
+    text               {"text": "..."}                                       loss on every token
+    alpaca             {"instruction": ..., "input": optional, "output": ...} loss on the output
+    chat               {"messages": [{"role": "user", "content": ...}, ...]}  loss on assistant turns
+    sharegpt           {"conversations": [{"from": "human", "value": ...}]}  human->user, gpt->assistant
+    prompt_completion  {"prompt": ..., "completion": ...}                    loss on the completion
+                       (prompt/completion given as message lists are conversational: rendered as chat)
+
+Alpaca records become a two-turn chat (user: instruction + blank line + input; assistant: output)
+when the tokenizer has a chat template; without one they use the classic Alpaca prompt (logged once).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+FORMATS = ("text", "alpaca", "chat", "sharegpt", "prompt_completion")
+EXPECTED = "text | messages | conversations | instruction+output | prompt+completion"
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "system": "system", "tool": "tool", "function": "tool",
+                  "observation": "tool", "function_call": "assistant"}
+ALPACA_PROMPT = ("Below is an instruction that describes a task{ctx}. Write a response that appropriately "
+                 "completes the request.\n\n### Instruction:\n{instruction}\n\n{input}### Response:\n")
+
+
+@dataclass
+class Example:
+    """A normalized record: a chat (``messages``) or a prompt + a target text (``prompt`` may be "")."""
+    messages: list[dict] | None = None
+    prompt: str = ""
+    target: str = ""
+    train_from: int = 0  # chat: loss on assistant turns from this message index on
+
+
+class FormatError(ValueError):
+    """What is wrong with one record and what was expected (the reader adds ``file:line``)."""
+
+
+def detect_format(record: dict) -> str:
+    """The format of a record from its keys (see the module docstring)."""
+    keys = set(record)
+    if "messages" in keys:
+        return "chat"
+    if "conversations" in keys:
+        return "sharegpt"
+    if {"instruction", "output"} <= keys:
+        return "alpaca"
+    if {"prompt", "completion"} <= keys:
+        return "prompt_completion"
+    if "text" in keys:
+        return "text"
+    raise FormatError(f"cannot tell the format from fields {sorted(keys)}; expected one of {EXPECTED}")
+
+
+def _field(record: dict, name: str, fmt: str, kinds=(str,)):
+    if name not in record or record[name] is None:
+        raise FormatError(f"missing field {name!r} (format {fmt} expects {_expects(fmt)})")
+    value = record[name]
+    if isinstance(value, str) and list in kinds and value.lstrip().startswith("["):
+        try:  # csv cells hold message lists as JSON text
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise FormatError(f"field {name!r} is not valid JSON ({e.msg}); expected a list of messages") from None
+    if not isinstance(value, kinds):
+        want = " or ".join(k.__name__ for k in kinds)
+        raise FormatError(f"field {name!r} is a {type(value).__name__}, expected {want}")
+    return value
+
+
+def _expects(fmt: str) -> str:
+    return {"text": "'text'", "alpaca": "'instruction', optional 'input', 'output'",
+            "chat": "'messages': [{'role', 'content'}, ...]",
+            "sharegpt": "'conversations': [{'from', 'value'}, ...]",
+            "prompt_completion": "'prompt' and 'completion'"}[fmt]
+
+
+def _messages(items: list, role_key: str, content_key: str, roles: dict | None, field: str) -> list[dict]:
+    if not items:
+        raise FormatError(f"field {field!r} is an empty list; expected at least one message")
+    out = []
+    for j, m in enumerate(items):
+        if not isinstance(m, dict):
+            raise FormatError(f"{field}[{j}] is a {type(m).__name__}, expected {{{role_key!r}, {content_key!r}}}")
+        for key in (role_key, content_key):
+            if key not in m:
+                raise FormatError(f"{field}[{j}] has no {key!r}; expected {{{role_key!r}, {content_key!r}}}")
+        role, content = m[role_key], m[content_key]
+        if not isinstance(content, str):
+            raise FormatError(f"{field}[{j}].{content_key} is a {type(content).__name__}, expected a string")
+        if roles is not None:
+            if role not in roles:
+                raise FormatError(f"{field}[{j}].{role_key} is {role!r}; expected one of {sorted(roles)}")
+            role = roles[role]
+        elif not isinstance(role, str):
+            raise FormatError(f"{field}[{j}].{role_key} is a {type(role).__name__}, expected a string")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def to_example(record: dict, fmt: str, has_chat_template: bool) -> Example:
+    """One record of format ``fmt`` -> Example; FormatError says what is wrong and what was expected."""
+    if fmt == "text":
+        return Example(target=_field(record, "text", fmt))
+    if fmt == "chat":
+        return Example(messages=_messages(_field(record, "messages", fmt, (list,)), "role", "content", None,
+                                          "messages"))
+    if fmt == "sharegpt":
+        return Example(messages=_messages(_field(record, "conversations", fmt, (list,)), "from", "value",
+                                          SHAREGPT_ROLES, "conversations"))
+    if fmt == "alpaca":
+        instruction, output = _field(record, "instruction", fmt), _field(record, "output", fmt)
+        extra = record.get("input") or ""
+        if not isinstance(extra, str):
+            raise FormatError(f"field 'input' is a {type(extra).__name__}, expected a string")
+        if has_chat_template:
+            user = instruction + ("\n\n" + extra if extra else "")
+            return Example(messages=[{"role": "user", "content": user},
+                                     {"role": "assistant", "content": output}])
+        prompt = ALPACA_PROMPT.format(ctx=", paired with an input that provides further context" if extra else "",
+                                      instruction=instruction, input=f"### Input:\n{extra}\n\n" if extra else "")
+        return Example(prompt=prompt, target=output)
+    if fmt == "prompt_completion":
+        prompt = _field(record, "prompt", fmt, (str, list))
+        completion = _field(record, "completion", fmt, (str, list))
+        if isinstance(prompt, list) or isinstance(completion, list):  # conversational prompt/completion
+            if not (isinstance(prompt, list) and isinstance(completion, list)):
+                raise FormatError("'prompt' and 'completion' mix a string and a message list; expected both "
+                                  "strings or both lists of {'role', 'content'}")
+            msgs = _messages(prompt + completion, "role", "content", None, "prompt+completion")
+            return Example(messages=msgs, train_from=len(prompt))
+        return Example(prompt=prompt, target=completion)
+    raise ValueError(f"format={fmt!r} is not one of {('auto',) + FORMATS}")

@@ -1,0 +1,114 @@
+"""``PackedLoader``: packed batches for the trainer, with a deterministic per-epoch order and exact resume.
+
+The documents are packed once by Best-Fit-Decreasing (``pack_bfd``) into rows of ``max_seq_len`` (rows
+mode) or into rows of at most ``tokens_per_batch`` tokens (token-budget mode, one padding-free row per
+batch). Each epoch shuffles the packed rows with a generator seeded by (seed, epoch); rows mode then
+groups ``batch_size`` consecutive rows into a batch. Packing once keeps ``len(loader)`` fixed across
+epochs; the documents that share a row do not interact (block-diagonal attention, per-document labels),
+so only which rows share a step changes between epochs.
+
+Resume: ``state_dict()`` = {"epoch", "position"}: position is the number of this rank's batches of that
+epoch already handed out, so a loader restored from it yields exactly the batches that would have come next.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .collate import PackedBatch, collate_rows
+from .packing import pack_bfd
+
+
+class PackedLoader:
+    """Iterate PackedBatch over a TokenizedDataset (see the package docstring for the options)."""
+
+    def __init__(self, dataset, *, batch_size: int | None = None, max_seq_len: int,
+                 tokens_per_batch: int | None = None, seed: int = 0, shuffle: bool = True,
+                 drop_last: bool = False, rank: int = 0, world_size: int = 1, pad_to_multiple_of: int = 1):
+        if (batch_size is None) == (tokens_per_batch is None):
+            raise ValueError("PackedLoader: give exactly one of batch_size (rows of max_seq_len per batch) "
+                             "or tokens_per_batch (one padding-free row per batch)")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"PackedLoader: rank={rank} must be in 0..world_size-1 (world_size={world_size})")
+        longest = int(dataset.lengths.max()) if len(dataset) else 0
+        if longest > max_seq_len:
+            raise ValueError(f"PackedLoader: a document has {longest} tokens > max_seq_len={max_seq_len}; "
+                             "load the dataset with the same max_seq_len (it truncates or drops longer ones)")
+        capacity = max_seq_len if tokens_per_batch is None else tokens_per_batch
+        if capacity < max_seq_len:
+            raise ValueError(f"PackedLoader: tokens_per_batch={tokens_per_batch} < max_seq_len={max_seq_len}; "
+                             "a step must hold the longest document")
+        self.dataset, self.batch_size, self.max_seq_len = dataset, batch_size, max_seq_len
+        self.tokens_per_batch, self.seed, self.shuffle = tokens_per_batch, seed, shuffle
+        self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.rows = pack_bfd(dataset.lengths.tolist(), capacity)  # list of document index lists
+        self.epoch, self.position = 0, 0
+
+    # ---- sizes ----
+    def _global_batches(self) -> int:
+        n = len(self.rows)
+        if self.batch_size is None:
+            return n
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __len__(self) -> int:
+        """Batches per epoch for this rank (every rank gets the same count; the remainder is dropped)."""
+        return self._global_batches() // self.world_size
+
+    # ---- order ----
+    def _row_order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.rows))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+
+    def _batch(self, order: np.ndarray, g: int) -> PackedBatch:
+        ds = self.dataset
+        if self.batch_size is None:
+            docs = [ds[i] for i in self.rows[order[g]]]
+            n = sum(len(d[0]) for d in docs)
+            m = self.pad_to_multiple_of
+            return collate_rows([docs], -(-n // m) * m, ds.pad_id)
+        rows = order[g * self.batch_size:(g + 1) * self.batch_size]
+        return collate_rows([[ds[i] for i in self.rows[r]] for r in rows], self.max_seq_len, ds.pad_id)
+
+    def __iter__(self):
+        if self.position >= len(self):
+            self.epoch, self.position = self.epoch + 1, 0
+        order = self._row_order(self.epoch)
+        while self.position < len(self):
+            g = self.position * self.world_size + self.rank
+            self.position += 1  # counted when handed out: a checkpoint taken now resumes after this batch
+            yield self._batch(order, g)
+        self.epoch, self.position = self.epoch + 1, 0
+
+    # ---- resume ----
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.position = int(epoch), 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "batches_per_epoch": len(self), "rows": len(self.rows)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("seed", self.seed) != self.seed or state.get("rows", len(self.rows)) != len(self.rows):
+            raise ValueError(f"PackedLoader.load_state_dict: the saved loader had seed={state.get('seed')} and "
+                             f"{state.get('rows')} packed rows, this one seed={self.seed} and {len(self.rows)}; "
+                             "resume with the same dataset, max_seq_len, batch settings and seed")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+    # ---- stats ----
+    @property
+    def stats(self) -> dict:
+        """Per epoch (all ranks): loss tokens / slots is the packing efficiency."""
+        ds, n_rows = self.dataset, len(self.rows)
+        if self.batch_size is None:
+            m = self.pad_to_multiple_of
+            slots = sum(-(-int(ds.lengths[r].sum()) // m) * m for r in self.rows)
+        else:
+            slots = n_rows * self.max_seq_len
+        return {"documents": len(ds), "rows": n_rows, "batches_per_epoch": len(self), "tokens": ds.stats.tokens,
+                "loss_tokens": ds.stats.loss_tokens, "slots": slots,
+                "efficiency": ds.stats.loss_tokens / max(slots, 1), "fill": ds.stats.tokens / max(slots, 1),
+                "truncated": ds.stats.truncated, "dropped_overlong": ds.stats.dropped_overlong,
+                "dropped_no_loss": ds.stats.dropped_no_loss, "skipped_errors": ds.stats.skipped_errors}

@@ -1,0 +1,97 @@
+"""Turning an ``Example`` into token ids and a trainable mask (loss on predicting that token).
+
+Chat examples are rendered with the tokenizer's chat template. Which tokens belong to assistant turns:
+- if the template marks them (``{% generation %}``), transformers' ``return_assistant_tokens_mask``;
+- otherwise by rendering prefixes: for assistant message i, the text of messages[:i] with the generation
+  prompt and the text of messages[:i+1] bound the turn as a character span of the full rendering
+  (so the span is the reply plus the template's end-of-turn text, e.g. ``hello<|im_end|>\\n``). The full text
+  is tokenized once with character offsets, and a token is trainable when it overlaps a span.
+  Tokenizing the whole text once (not pieces) keeps the ids identical to ``apply_chat_template``.
+  Templates whose prefix renderings are not prefixes of the full one (some drop earlier reasoning)
+  raise with the fix, rather than mislabel tokens.
+Prompt/target examples: ``prompt + target + eos`` with the tokenizer's special tokens (e.g. BOS); loss on
+target and eos.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .formats import Example, FormatError
+
+
+def has_generation_markers(tokenizer) -> bool:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return isinstance(template, str) and "{% generation %}" in template.replace("{%- generation", "{% generation")
+
+
+def check_tokenizer(tokenizer) -> None:
+    if not getattr(tokenizer, "is_fast", False):
+        raise TypeError(f"chronicals.data needs a fast (Rust) tokenizer for character offsets; got "
+                        f"{type(tokenizer).__name__}. Load it with AutoTokenizer.from_pretrained(..., use_fast=True)")
+
+
+def _render(tokenizer, messages, add_generation_prompt=False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _offsets_mask(tokenizer, text: str, spans, add_special_tokens: bool):
+    enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    ids = np.asarray(enc["input_ids"], dtype=np.int32)
+    offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    mask = np.zeros(len(ids), dtype=bool)
+    for lo, hi in spans:  # overlap, so " A" of "Q: " + "A" (one token across the boundary) is trained
+        mask |= (ends > lo) & (starts < hi)
+    return ids, mask
+
+
+def encode_chat(tokenizer, messages: list[dict], train_from: int = 0, markers: bool = False):
+    """messages -> (ids (L,) int32, trainable (L,) bool): trainable = assistant turns at index >= train_from."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise FormatError("chat data needs a tokenizer with a chat template (tokenizer.chat_template is None); "
+                          "set one, or convert the data to prompt/completion")
+    if markers:
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        ids = np.asarray(out["input_ids"], dtype=np.int32)
+        mask = np.asarray(out["assistant_masks"], dtype=bool)
+        if train_from:  # loss only on the completion's turns: blank the prompt's rendering
+            head = len(tokenizer.apply_chat_template(messages[:train_from], tokenize=True,
+                                                     add_generation_prompt=True, return_dict=True)["input_ids"])
+            mask[:head] = False
+        return ids, mask
+    full = _render(tokenizer, messages)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or i < train_from:
+            continue
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        upto = _render(tokenizer, messages[:i + 1])
+        if not (full.startswith(upto) and upto.startswith(before)):
+            raise FormatError(
+                f"the chat template is not prefix-stable at message {i} (rendering the first {i + 1} messages "
+                "is not a prefix of rendering them all, or an assistant message comes first), so the assistant "
+                "tokens cannot be located; use a template with {% generation %} markers or loss_on='all'")
+        spans.append((len(before), len(upto)))
+    return _offsets_mask(tokenizer, full, spans, add_special_tokens=False)
+
+
+def encode(tokenizer, ex: Example, loss_on: str = "assistant", markers: bool = False):
+    """Example -> (ids (L,) int32, trainable (L,) bool). loss_on: "assistant" | "all"."""
+    if ex.messages is not None:
+        if loss_on == "all":
+            ids = _render_ids(tokenizer, ex.messages)
+            return ids, np.ones(len(ids), dtype=bool)
+        return encode_chat(tokenizer, ex.messages, ex.train_from, markers)
+    eos = tokenizer.eos_token or ""
+    text = ex.prompt + ex.target
+    if eos and not text.endswith(eos):
+        text += eos
+    lo = 0 if loss_on == "all" else len(ex.prompt)
+    return _offsets_mask(tokenizer, text, [(lo, len(text))], add_special_tokens=True)
+
+
+def _render_ids(tokenizer, messages) -> np.ndarray:
+    enc = tokenizer(_render(tokenizer, messages), add_special_tokens=False)
+    return np.asarray(enc["input_ids"], dtype=np.int32)
