@@ -106,8 +106,9 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
         p.requires_grad_(False)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     for name in targets:
-        _set_module(model, name, LoRALinear(model.get_submodule(name), r, alpha, dropout, use_rslora, impl,
-                                            adapter_dtype, gen))
+        base = model.get_submodule(name)
+        layer = LoRALinear(base, r, alpha, dropout, use_rslora, impl, adapter_dtype, gen)
+        _set_module(model, name, layer.train(base.training))  # keep eval mode: no dropout at eval
     for name in saved:
         for p in model.get_submodule(name).parameters():
             p.requires_grad_(True)

@@ -146,7 +146,7 @@ class LoRALinear(nn.Module):
         self.weight.add_(self.delta_weight().to(self.weight.dtype))
         lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         lin.weight, lin.bias = self.weight, self.bias
-        return lin
+        return lin.train(self.training)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, r={self.r}, "

@@ -1,0 +1,120 @@
+"""PEFT-format round trips against transformers + peft on tiny configs: same logits both ways."""
+
+import json
+
+import peft
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from chronicals.lora import apply_lora, load_adapter, merge_lora, save_adapter
+
+from .conftest import hf_config, randomize_lora_b, tiny_model
+
+CLS = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}
+
+
+def hf_twin(kind, tied, ours_state):
+    """A transformers model holding exactly our base weights."""
+    cfg = hf_config(kind, tied)
+    cfg._attn_implementation = "eager"
+    hf = CLS[kind](cfg).eval()
+    missing, unexpected = hf.load_state_dict(ours_state, strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    return hf
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+CASES = [  # kind, tied, lora options
+    ("llama", False, dict(r=4, alpha=8)),
+    ("qwen2", False, dict(r=8, alpha=4, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"],
+                          dropout=0.1)),
+    ("llama", True, dict(r=2, alpha=2, target_modules=["o_proj", "up_proj"], modules_to_save=["lm_head"])),
+]
+
+
+@pytest.mark.parametrize("kind,tied,opts", CASES)
+def test_ours_to_peft(kind, tied, opts, ids, tmp_path):
+    ours = tiny_model(kind, tied)
+    base_state = {k: v.clone() for k, v in ours.state_dict().items()}
+    apply_lora(ours, **opts)
+    randomize_lora_b(ours)
+    with torch.no_grad():
+        ours.lm_head.weight.add_(0.05) if tied else None  # a trained modules_to_save tensor
+        want = ours(ids)
+    save_adapter(ours, tmp_path / "adapter", base_model_name_or_path="tiny")
+    files = sorted(p.name for p in (tmp_path / "adapter").iterdir())
+    assert files == ["adapter_config.json", "adapter_model.safetensors"]  # no temp dir left behind
+    keys = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight" in keys or not tied
+    assert all(k.startswith("base_model.model.") and ".default." not in k for k in keys)
+    hf = hf_twin(kind, tied, base_state)
+    assert not torch.allclose(hf_logits(hf, ids), want, atol=1e-3)  # the adapter changes the logits
+    pm = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    torch.testing.assert_close(hf_logits(pm, ids), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind,tied,opts", CASES)
+def test_peft_to_ours(kind, tied, opts, ids, tmp_path):
+    ours = tiny_model(kind, tied)
+    hf = hf_twin(kind, tied, ours.state_dict())
+    cfg = peft.LoraConfig(r=opts["r"], lora_alpha=opts["alpha"], use_rslora=opts.get("use_rslora", False),
+                          lora_dropout=opts.get("dropout", 0.0), task_type="CAUSAL_LM",
+                          target_modules=opts.get("target_modules", ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                     "gate_proj", "up_proj", "down_proj"]),
+                          modules_to_save=opts.get("modules_to_save"))
+    pm = peft.get_peft_model(hf, cfg)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n or "modules_to_save" in n:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    pm.eval()
+    want = hf_logits(pm, ids)
+    pm.save_pretrained(tmp_path / "peft")
+    rec = load_adapter(ours, tmp_path / "peft")
+    assert rec.r == opts["r"] and rec.alpha == opts["alpha"]
+    with torch.no_grad():
+        got = ours(ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    if tied:  # PEFT trained a private copy of lm_head: ours is untied the same way
+        assert ours.lm_head.weight is not ours.model.embed_tokens.weight and ours.lm_head.weight.requires_grad
+        assert not ours.model.embed_tokens.weight.requires_grad
+    merge_lora(ours)  # merged: plain model, same logits
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), want, rtol=1e-4, atol=1e-4)
+
+
+def test_save_replaces_existing_dir_and_config_fields(tmp_path):
+    ours = tiny_model()
+    apply_lora(ours, r=2, alpha=4, target_modules=["q_proj"])
+    out = tmp_path / "a"
+    out.mkdir()
+    (out / "stale.txt").write_text("x")
+    save_adapter(ours, out)
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert (cfg["peft_type"], cfg["r"], cfg["lora_alpha"], cfg["target_modules"]) == ("LORA", 2, 4, ["q_proj"])
+
+
+def test_load_rejects_unsupported_and_mismatched(tmp_path):
+    ours = tiny_model()
+    apply_lora(ours, r=2, alpha=4, target_modules=["q_proj"])
+    save_adapter(ours, tmp_path / "a")
+    cfg_path = tmp_path / "a" / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps({**cfg, "use_dora": True}))
+    with pytest.raises(ValueError, match="use_dora=True is not supported"):
+        load_adapter(tiny_model(), tmp_path / "a")
+    cfg_path.write_text(json.dumps({**cfg, "r": 3}))
+    with pytest.raises(ValueError, match="shape"):
+        load_adapter(tiny_model(), tmp_path / "a")
+    cfg_path.write_text(json.dumps({**cfg, "target_modules": ["q_proj", "k_proj"]}))
+    with pytest.raises(ValueError, match="missing keys"):
+        load_adapter(tiny_model(), tmp_path / "a")
