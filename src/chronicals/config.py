@@ -56,12 +56,14 @@ class ModelSection:
 @dataclass
 class DataSection:
     path: str = _f(DEMO, "training data: a .jsonl/.json/.parquet/.csv file or directory; 'demo' = packaged demo set")
-    format: str = _f("auto", "record format: auto | text | messages | alpaca | prompt_completion | sharegpt")
+    format: str = _f("auto", "record format: auto | text | chat (messages) | alpaca | prompt_completion | sharegpt")
     eval_path: str = _f(DEMO, "held-out data for eval loss ('' = none; 'demo' = packaged held-out questions)")
-    system_prompt: str = _f(DEMO_SYSTEM_PROMPT, "system prompt for chat data with none ('' = the template's default)")
+    system_prompt: str = _f(DEMO_SYSTEM_PROMPT, "system message of the demo data and of held-out QA prompts "
+                            "('' = the chat template's default); put your own in your records")
     max_seq_len: int = _f(256, "tokens per packed row; longer examples are truncated or dropped (see on_long)")
     batch_size: int = _f(4, "packed rows per micro-batch")
     on_long: str = _f("truncate", "examples longer than max_seq_len: truncate | drop")
+    on_error: str = _f("fail", "malformed records: fail (with file:line) | skip (and count)")
     train_on: str = _f("assistant", "which tokens carry loss: assistant (completion/output) | all")
     cache_dir: str = _f("", "tokenization cache directory ('' = the default cache)")
 
@@ -69,9 +71,10 @@ class DataSection:
         _check(self.max_seq_len >= 8, "data.max_seq_len", self.max_seq_len, "an integer >= 8")
         _check(self.batch_size >= 1, "data.batch_size", self.batch_size, "an integer >= 1")
         _check(self.on_long in ("truncate", "drop"), "data.on_long", self.on_long, "truncate | drop")
+        _check(self.on_error in ("fail", "skip"), "data.on_error", self.on_error, "fail | skip")
         _check(self.train_on in ("assistant", "all"), "data.train_on", self.train_on, "assistant | all")
-        _check(self.format in ("auto", "text", "messages", "alpaca", "prompt_completion", "sharegpt"),
-               "data.format", self.format, "auto | text | messages | alpaca | prompt_completion | sharegpt")
+        _check(self.format in ("auto", "text", "chat", "alpaca", "prompt_completion", "sharegpt"),
+               "data.format", self.format, "auto | text | chat | alpaca | prompt_completion | sharegpt")
         _check(bool(self.path), "data.path", self.path, "a data file or directory, or 'demo'")
 
 

@@ -1,0 +1,6 @@
+"""The trainer: ``train(config)`` runs setup -> train -> save (see ``loop``); the demo lives in ``demo``."""
+
+from .loop import TrainingDiverged, TrainResult, train
+from .step import accumulate_gradients, evaluate_loss
+
+__all__ = ["TrainResult", "TrainingDiverged", "accumulate_gradients", "evaluate_loss", "train"]

@@ -1,0 +1,92 @@
+"""Resumable training checkpoints: trainable weights, optimizer, scheduler, data position, RNG states.
+
+Layout: ``<out_dir>/checkpoints/step-000120/state.pt``. Each is written to a ``.tmp-*`` directory
+first and renamed into place, so a crash mid-write never leaves a half checkpoint that ``resume=auto``
+would pick up. Only trainable parameters are stored (the adapters under LoRA: ~1.8 MB at r=16 for
+SmolLM2-135M instead of 540 MB), and the last ``keep_last`` checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+_NAME = re.compile(r"^step-(\d+)$")
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def checkpoint_dirs(out_dir: str | Path) -> list[Path]:
+    """Complete checkpoints under ``out_dir/checkpoints``, oldest first."""
+    root = Path(out_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and (p / "state.pt").is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    dirs = checkpoint_dirs(out_dir)
+    return dirs[-1] if dirs else None
+
+
+def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, optimizer, scheduler,
+                    data_state: dict, extra: dict | None = None, keep_last: int = 2) -> Path:
+    """Write ``out_dir/checkpoints/step-{step:06d}`` atomically; delete all but the newest ``keep_last``."""
+    root = Path(out_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:06d}"
+    tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    torch.save({"step": step, "model": trainable_state(model), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "data": data_state, "rng": rng_state(),
+                "extra": extra or {}}, tmp / "state.pt")
+    if final.exists():  # re-saving the same step (e.g. a signal right after a periodic save)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in checkpoint_dirs(out_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, scheduler) -> dict:
+    """Restore weights, optimizer, scheduler and RNG in place; return {step, data, extra}."""
+    path = Path(path)
+    file = path / "state.pt" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"checkpoint {file} not found (train.resume takes auto | none | a step-N directory)")
+    state = torch.load(file, map_location="cpu", weights_only=False)
+    params = dict(model.named_parameters())
+    missing = [n for n in state["model"] if n not in params]
+    if missing:
+        raise ValueError(f"checkpoint {path} holds parameters the model lacks ({missing[:3]}...): was it written "
+                         "with another model or lora config?")
+    with torch.no_grad():
+        for n, t in state["model"].items():
+            params[n].copy_(t)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    return {"step": state["step"], "data": state["data"], "extra": state["extra"]}

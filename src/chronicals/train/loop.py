@@ -1,0 +1,276 @@
+"""The training loop: setup -> train -> save, in one function.
+
+    from chronicals.config import load_config
+    from chronicals.train import train
+    result = train(load_config("configs/smollm2-135m/lora.yaml", ["train.max_steps=50"]))
+
+Tests and callers may pass a ready model/tokenizer and loaders (anything iterating ``PackedBatch``es
+with ``len``, ``state_dict`` and ``load_state_dict``), and an ``on_step(step, record)`` callback.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..config import TrainConfig
+from . import checkpoint as ckpt
+from .metrics import MetricsLog, measure_bf16_peak_tflops, memory_gib, plot_losses
+from .optim import build_optimizer, build_scheduler
+from .setup import build_loaders, load_base, prepare_model, resolve_device, resolve_dtype
+from .step import accumulate_gradients, evaluate_loss
+
+log = logging.getLogger("chronicals.train")
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient norm became NaN/inf; the last good checkpoint is kept."""
+
+
+@dataclass
+class TrainResult:
+    status: str  # "completed" | "interrupted"
+    step: int  # optimizer steps done
+    total_steps: int
+    out_dir: Path
+    final_dir: Path | None = None  # adapter (LoRA) or HF model (full) directory
+    checkpoint: Path | None = None  # last resumable checkpoint written
+    eval_loss_before: float | None = None
+    eval_loss_after: float | None = None
+    last_loss: float | None = None
+    tokens_per_s: float = 0.0  # loss tokens per second of training steps (eval excluded)
+    train_seconds: float = 0.0
+    plot: Path | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class _Stream:
+    """An endless sequence of batches over epochs; the loader's own state_dict is the data position."""
+
+    def __init__(self, loader):
+        self.loader, self._it = loader, None
+
+    def next(self):
+        if self._it is None:
+            self._it = iter(self.loader)
+        try:
+            return next(self._it)
+        except StopIteration:  # the next `iter` of the loader continues with the next epoch
+            self._it = iter(self.loader)
+            return next(self._it)
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.loader.load_state_dict(sd)
+        self._it = None
+
+
+class _StopFlag:
+    """SIGINT/SIGTERM set a flag; the loop checkpoints at the end of the current step and returns."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._old: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # signal() only works there
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C does not wait for the checkpoint
+        self.signum = signum
+        log.warning("received %s: finishing this step, writing a checkpoint, then exiting",
+                    signal.Signals(signum).name)
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def _total_steps(cfg: TrainConfig, batches_per_epoch: int) -> int:
+    if cfg.train.max_steps > 0:
+        return cfg.train.max_steps
+    if batches_per_epoch == 0:
+        raise ValueError("the training loader yields no batches: is the dataset empty?")
+    return max(1, math.ceil(cfg.train.epochs * batches_per_epoch / cfg.train.grad_accum))
+
+
+def train(config: TrainConfig, *, model=None, tokenizer=None, train_loader=None, eval_loader=None,
+          heldout_qa=None, on_step=None, report=None) -> TrainResult:
+    """Run the training described by ``config``; see the module docstring. Returns a TrainResult.
+
+    ``report(event, **info)`` (optional) receives "before" / "after" evaluation events (the demo prints them).
+    """
+    cfg = config
+    out_dir = Path(cfg.train.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    random.seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
+
+    # ---- setup ----
+    device = resolve_device(cfg.model.device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    if model is None:
+        model, tokenizer = load_base(cfg, device, dtype)
+    model = prepare_model(model, cfg, device, dtype)
+    if train_loader is None:
+        train_loader, eval_loader, heldout_qa = build_loaders(cfg, tokenizer, out_dir)
+    (out_dir / "config.yaml").write_text(cfg.to_yaml())
+    total = _total_steps(cfg, len(train_loader))
+    optimizer = build_optimizer(model, cfg, device)
+    scheduler = build_scheduler(optimizer, cfg, total)
+    stream = _Stream(train_loader)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
+    start = 0
+    resume_from = None
+    if cfg.train.resume == "auto":
+        resume_from = ckpt.latest_checkpoint(out_dir)
+    elif cfg.train.resume != "none":
+        resume_from = Path(cfg.train.resume)
+    if resume_from is not None:
+        state = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler)
+        stream.load_state_dict(state["data"])
+        start = state["step"]
+        log.info("resumed from %s at step %d of %d", resume_from, start, total)
+    metrics = MetricsLog(out_dir, cfg.logging.tensorboard, start if resume_from else None)
+    result = TrainResult(status="completed", step=start, total_steps=total, out_dir=out_dir)
+
+    peak = None
+    if device.type == "cuda":
+        peak = cfg.logging.peak_tflops or measure_bf16_peak_tflops()
+    seqlen_for_flops = cfg.data.max_seq_len
+
+    def run_eval(step: int, tag: str) -> float | None:
+        if eval_loader is None:
+            return None
+        loss, n = evaluate_loss(model, eval_loader, device)
+        metrics.write({"kind": "eval", "step": step, "eval_loss": loss, "eval_tokens": n, "tag": tag})
+        return loss
+
+    if start == 0:
+        result.eval_loss_before = run_eval(0, "before")
+        if report:
+            report("before", model=model, tokenizer=tokenizer, eval_loss=result.eval_loss_before,
+                   heldout_qa=heldout_qa)
+
+    # ---- train ----
+    bar = None
+    if cfg.logging.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    loss_tokens_total, train_time = 0, 0.0
+    try:
+        with _StopFlag() as stop:
+            for step in range(start, total):
+                t0 = time.perf_counter()
+                micro = [stream.next() for _ in range(cfg.train.grad_accum)]
+                loss, n_loss = accumulate_gradients(model, micro, device)
+                loss_val = loss.item()
+                if not math.isfinite(loss_val):
+                    last = ckpt.latest_checkpoint(out_dir)
+                    raise TrainingDiverged(
+                        f"loss is {loss_val} at step {step + 1}; stopping. The last good checkpoint is {last} "
+                        "(lower optim.lr, raise schedule.warmup_steps, or check the data) and resume=auto "
+                        "continues from it")
+                clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+                gnorm = float(torch.nn.utils.clip_grad_norm_(trainable, clip))
+                if not math.isfinite(gnorm):
+                    raise TrainingDiverged(f"gradient norm is {gnorm} at step {step + 1} (loss {loss_val:.4f}); "
+                                           f"stopping before the update. Last good checkpoint: "
+                                           f"{ckpt.latest_checkpoint(out_dir)}")
+                lr = optimizer.param_groups[0]["lr"]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                dt = time.perf_counter() - t0
+                train_time += dt
+                loss_tokens_total += n_loss
+                computed = sum(b.input_ids.numel() for b in micro)
+                rec = {"kind": "train", "step": step + 1, "loss": loss_val, "lr": lr, "grad_norm": gnorm,
+                       "loss_tokens": n_loss, "tokens_per_s": n_loss / dt, "step_s": dt}
+                if peak:
+                    rec["mfu"] = model.config.flops_per_token(seqlen_for_flops) * computed / dt / (peak * 1e12)
+                mem = memory_gib(device)
+                if mem is not None:
+                    rec["mem_gib"] = mem
+                metrics.write(rec)
+                result.step, result.last_loss = step + 1, loss_val
+                if bar is not None:
+                    post = {"loss": f"{loss_val:.3f}", "tok/s": f"{n_loss / dt:,.0f}"}
+                    if "mfu" in rec:
+                        post["mfu"] = f"{rec['mfu']:.1%}"
+                    if mem is not None:
+                        post["mem"] = f"{mem:.1f}G"
+                    bar.set_postfix(post, refresh=False)
+                    bar.update(1)
+                if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < total:
+                    run_eval(step + 1, "interval")
+                saved = False
+                if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
+                    result.checkpoint = ckpt.save_checkpoint(out_dir, step + 1, model, optimizer, scheduler,
+                                                             stream.state_dict(), keep_last=cfg.train.keep_last)
+                    saved = True
+                if on_step is not None:
+                    on_step(step + 1, rec)
+                if stop.signum is not None:
+                    if not saved:
+                        result.checkpoint = ckpt.save_checkpoint(out_dir, step + 1, model, optimizer, scheduler,
+                                                                 stream.state_dict(), keep_last=cfg.train.keep_last)
+                    result.status = "interrupted"
+                    log.warning("stopped by %s at step %d; checkpoint %s; run again with train.resume=auto",
+                                signal.Signals(stop.signum).name, step + 1, result.checkpoint)
+                    break
+    except BaseException:
+        metrics.close()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    result.train_seconds = train_time
+    result.tokens_per_s = loss_tokens_total / train_time if train_time else 0.0
+
+    # ---- save ----
+    if result.status == "completed":
+        result.eval_loss_after = run_eval(result.step, "after")
+        if cfg.train.save_final:
+            result.final_dir = save_final(model, tokenizer, cfg, out_dir)
+        if report:
+            report("after", model=model, tokenizer=tokenizer, eval_loss=result.eval_loss_after,
+                   heldout_qa=heldout_qa, result=result)
+    metrics.close()
+    if cfg.logging.plot:
+        result.plot = plot_losses(metrics.records, out_dir / "loss.png")
+    return result
+
+
+def save_final(model, tokenizer, cfg: TrainConfig, out_dir: Path) -> Path:
+    """LoRA: a PEFT adapter directory (out_dir/adapter); full: a Hugging Face directory (out_dir/model)."""
+    if cfg.lora.enabled:
+        from ..lora import save_adapter
+
+        path = out_dir / "adapter"
+        save_adapter(model, path, base_model_name_or_path=cfg.model.path)
+    else:
+        from .. import save_model
+
+        path = out_dir / "model"
+        save_model(model, tokenizer, path)
+    log.info("saved %s", path)
+    return path

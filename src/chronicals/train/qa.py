@@ -1,0 +1,99 @@
+"""Held-out questions: read them, turn them into chat records, answer them greedily, score keywords.
+
+A held-out file holds one JSON object per line: {"question": str, "answer": str, "keywords": [str]}.
+An answer counts as right when it contains every keyword (case-insensitive).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from ..config import DEMO
+
+
+@dataclass
+class QAResult:
+    answers: list[str]
+    correct: list[bool]
+
+    @property
+    def fraction(self) -> float:
+        return sum(self.correct) / max(1, len(self.correct))
+
+
+def demo_file(name: str) -> Path:
+    """Path of a packaged demo data file (``train.jsonl`` or ``heldout.jsonl``)."""
+    p = Path(str(resources.files("chronicals") / "demo_data" / name))
+    if not p.is_file():
+        raise FileNotFoundError(f"packaged demo data {p} is missing; reinstall chronicals (pip install -e .)")
+    return p
+
+
+def read_qa(path: str | Path) -> list[dict] | None:
+    """The held-out questions of ``path`` ('demo' = packaged), or None if its records are not QA records."""
+    p = demo_file("heldout.jsonl") if str(path) == DEMO else Path(path)
+    if p.suffix != ".jsonl" or not p.is_file():
+        return None
+    out = []
+    for i, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if not isinstance(rec, dict) or "question" not in rec:
+            return None
+        if "answer" not in rec or not isinstance(rec.get("keywords", []), list):
+            raise ValueError(f"{p}:{i}: a held-out record needs 'question', 'answer' and a 'keywords' list")
+        out.append(rec)
+    return out
+
+
+def chat_messages(question: str, system_prompt: str, answer: str | None = None) -> list[dict]:
+    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    msgs.append({"role": "user", "content": question})
+    if answer is not None:
+        msgs.append({"role": "assistant", "content": answer})
+    return msgs
+
+
+def write_chat_jsonl(records: list[dict], path: Path, system_prompt: str) -> Path:
+    """Chat records (``messages``) with ``system_prompt`` put first where a record has no system message.
+
+    QA records ({"question", "answer"}) become a user turn and an assistant turn.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as fh:
+        for rec in records:
+            if "messages" in rec:
+                msgs = list(rec["messages"])
+                if system_prompt and (not msgs or msgs[0].get("role") != "system"):
+                    msgs.insert(0, {"role": "system", "content": system_prompt})
+            else:
+                msgs = chat_messages(rec["question"], system_prompt, rec["answer"])
+            fh.write(json.dumps({"messages": msgs}) + "\n")
+    return path
+
+
+def prompt_ids(tokenizer, question: str, system_prompt: str) -> torch.Tensor:
+    """The chat-templated prompt with the assistant turn opened, (S,) int64."""
+    text = tokenizer.apply_chat_template(chat_messages(question, system_prompt), tokenize=False,
+                                         add_generation_prompt=True)
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def answer(model, tokenizer, question: str, system_prompt: str, max_new_tokens: int) -> str:
+    from ..models.generate import generate
+
+    ids = generate(model, prompt_ids(tokenizer, question, system_prompt), max_new_tokens,
+                   eos_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def answer_all(model, tokenizer, qa: list[dict], system_prompt: str, max_new_tokens: int) -> QAResult:
+    answers = [answer(model, tokenizer, r["question"], system_prompt, max_new_tokens) for r in qa]
+    correct = [all(k.lower() in a.lower() for k in r.get("keywords", [])) for r, a in zip(qa, answers)]
+    return QAResult(answers, correct)

@@ -1,0 +1,101 @@
+"""Setting up a run from its config: device and dtype, the model (+ LoRA), and the data loaders."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from ..config import DEMO, TrainConfig
+from . import qa as qa_mod
+
+log = logging.getLogger("chronicals.train")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"model.device={name} but no CUDA device is visible; use model.device=cpu")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 weights on CUDA (tensor cores, half the memory), fp32 on CPU (bf16 matmuls are slow there)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dtype):
+    """Move to device/dtype, set impl and checkpointing, inject LoRA (or unfreeze all), compile layers."""
+    model.to(device=device, dtype=dtype)
+    model.set_impl(cfg.model.impl)
+    model.set_checkpointing(cfg.model.checkpointing)
+    if cfg.lora.enabled:
+        from ..lora.inject import apply_lora
+
+        if getattr(model, "lora_config", None) is None:
+            apply_lora(model, r=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                       target_modules=tuple(cfg.lora.targets), use_rslora=cfg.lora.rslora, seed=cfg.train.seed)
+    else:
+        for p in model.parameters():
+            p.requires_grad_(True)
+    if cfg.model.compile:
+        # per layer rather than the whole model: one compiled graph reused by every layer (fast warm-up)
+        for layer in model.model.layers:
+            layer.compile()
+        log.info("torch.compile on %d decoder layers", len(model.model.layers))
+    model.train()
+    return model
+
+
+def load_base(cfg: TrainConfig, device: torch.device, dtype: torch.dtype):
+    """(model, tokenizer) from model.path (HF dir, .gguf, or the embedded short name)."""
+    from .. import load_model
+
+    return load_model(cfg.model.path, dtype=dtype, device=device, impl=cfg.model.impl)
+
+
+def data_files(cfg: TrainConfig, out_dir: Path) -> tuple[list[Path], Path | None, list[dict] | None]:
+    """(training files, held-out chat file or None, held-out QA records or None).
+
+    The packaged demo data (and any QA-format held-out file) is rewritten under ``out_dir/data`` as chat
+    records with ``data.system_prompt`` first, the same system message the QA prompts use: without one
+    SmolLM2's template injects its ~20-token default system prompt into every example.
+    """
+    d = cfg.data
+    if d.path == DEMO:
+        recs = [json.loads(line) for line in qa_mod.demo_file("train.jsonl").read_text().splitlines() if line.strip()]
+        train = [qa_mod.write_chat_jsonl(recs, out_dir / "data" / "train.jsonl", d.system_prompt)]
+    else:
+        train = [Path(d.path)]
+    heldout_qa = qa_mod.read_qa(d.eval_path) if d.eval_path else None
+    if heldout_qa is not None:
+        eval_file = qa_mod.write_chat_jsonl(heldout_qa, out_dir / "data" / "heldout.jsonl", d.system_prompt)
+    else:
+        eval_file = Path(d.eval_path) if d.eval_path else None
+    return train, eval_file, heldout_qa
+
+
+def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path):
+    """(train loader, eval loader or None, held-out QA records or None) through chronicals.data."""
+    from ..data import PackedLoader, load_dataset
+
+    d = cfg.data
+    train_files, eval_file, heldout_qa = data_files(cfg, out_dir)
+    kw = dict(format=d.format, max_seq_len=d.max_seq_len, loss_on=d.train_on, on_error=d.on_error,
+              overlong=d.on_long, cache_dir=d.cache_dir or None)
+    ds = load_dataset([str(f) for f in train_files], tokenizer, **kw)
+    train_loader = PackedLoader(ds, batch_size=d.batch_size, max_seq_len=d.max_seq_len, seed=cfg.train.seed,
+                                shuffle=True)
+    log.info("training data: %d examples -> %d batches per epoch; packing %s", len(ds), len(train_loader),
+             train_loader.stats)
+    eval_loader = None
+    if eval_file is not None:
+        eds = load_dataset([str(eval_file)], tokenizer, **kw)
+        eval_loader = PackedLoader(eds, batch_size=d.batch_size, max_seq_len=d.max_seq_len, seed=0, shuffle=False)
+    return train_loader, eval_loader, heldout_qa

@@ -1,0 +1,143 @@
+"""The training loop on a tiny random decoder: accumulation, learning, exact resume, signals, NaN."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+
+import pytest
+import torch
+
+from chronicals.data import PackedBatch
+from chronicals.train import TrainingDiverged, accumulate_gradients, train
+from chronicals.train.checkpoint import checkpoint_dirs
+
+from train_helpers import SyntheticLoader, synthetic_docs, tiny_config, tiny_model
+
+
+def merge_batches(batches: list[PackedBatch]) -> PackedBatch:
+    """One batch holding every row of ``batches`` (cu_seqlens shifted by the preceding rows' tokens)."""
+    cus, offset = [], 0
+    for b in batches:
+        cus.append(b.cu_seqlens[(1 if cus else 0):].long() + offset)
+        offset += b.input_ids.numel()
+    cat = lambda name: torch.cat([getattr(b, name) for b in batches])  # noqa: E731
+    return PackedBatch(cat("input_ids"), cat("position_ids"), cat("shift_labels"), torch.cat(cus).int(),
+                       max(b.max_seqlen for b in batches), sum(b.num_loss_tokens for b in batches))
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_accumulation_equals_one_big_batch():
+    """k micro-batches with loss_sum_i / N_total == one batch of all of them (fp64 weights)."""
+    micro = SyntheticLoader(synthetic_docs(30, seed=3), batch_size=1, row_len=29, shuffle=False).batches[:3]
+    assert len({b.num_loss_tokens for b in micro}) > 1  # unequal counts, or the test could not fail
+    model = tiny_model(dtype=torch.float64)
+    loss_k, n_k = accumulate_gradients(model, micro, torch.device("cpu"))
+    g_k = _grads(model)
+    model.zero_grad(set_to_none=True)
+    loss_1, n_1 = accumulate_gradients(model, [merge_batches(micro)], torch.device("cpu"))
+    g_1 = _grads(model)
+    assert n_k == n_1 == sum(b.num_loss_tokens for b in micro)
+    # the loss head computes in fp32 (cross_entropy_ref upcasts to float32): fp32 rounding is the floor
+    torch.testing.assert_close(loss_k, loss_1, rtol=1e-6, atol=0)
+    worst = max(((g_k[n] - g_1[n]).abs().max() / g_1[n].abs().max()).item() for n in g_1)
+    assert worst < 1e-5
+    # per-micro-batch means (the common bug) are measurably different
+    model.zero_grad(set_to_none=True)
+    for b in micro:
+        accumulate_gradients(model, [b], torch.device("cpu"))[0]
+    naive = {n: p.grad / len(micro) for n, p in model.named_parameters()}
+    assert max(((naive[n] - g_1[n]).abs().max() / g_1[n].abs().max()).item() for n in g_1) > 100 * max(worst, 1e-9)
+
+
+def test_tiny_run_lowers_loss(tmp_path, docs):
+    cfg = tiny_config(tmp_path, train__max_steps=30, optim__lr=1e-2, logging__plot=True)
+    res = train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs, seed=0),
+                eval_loader=SyntheticLoader(docs, shuffle=False))
+    assert res.status == "completed" and res.step == 30
+    assert res.eval_loss_after < 0.6 * res.eval_loss_before, (res.eval_loss_before, res.eval_loss_after)
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_recs = [r for r in recs if r["kind"] == "train"]
+    assert [r["step"] for r in train_recs] == list(range(1, 31))
+    assert all(r["grad_norm"] > 0 and r["tokens_per_s"] > 0 for r in train_recs)
+    assert (tmp_path / "run" / "loss.png").stat().st_size > 1000
+    assert (tmp_path / "run" / "config.yaml").is_file()
+
+
+def _sigterm_at(k):
+    def on_step(step, rec):
+        if step == k:
+            os.kill(os.getpid(), signal.SIGTERM)
+    return on_step
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_resume_after_sigterm_equals_uninterrupted(tmp_path, docs, lora):
+    """SIGTERM at step 5 writes a checkpoint and returns; resume=auto then ends bit-identical to a straight run.
+
+    13 steps x 2 micro-batches cross an epoch boundary (7 batches per epoch); LoRA runs with dropout so the
+    restored RNG matters.
+    """
+    over = dict(train__max_steps=13, train__grad_accum=2, lora__enabled=lora, lora__rank=4, lora__dropout=0.1,
+                lora__targets=["q_proj", "v_proj", "down_proj"], schedule__kind="cosine")
+    straight = tiny_model()
+    cfg_a = tiny_config(tmp_path / "a", **over)
+    train(cfg_a, model=straight, train_loader=SyntheticLoader(docs, seed=5))
+
+    cfg_b = tiny_config(tmp_path / "b", train__resume="auto", **over)
+    first = train(cfg_b, model=tiny_model(), train_loader=SyntheticLoader(docs, seed=5), on_step=_sigterm_at(5))
+    assert first.status == "interrupted" and first.step == 5
+    assert [p.name for p in checkpoint_dirs(tmp_path / "b" / "run")] == ["step-000005"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
+    torch.manual_seed(1234)  # a different global RNG at restart must not matter
+    resumed_model = tiny_model()
+    second = train(cfg_b, model=resumed_model, train_loader=SyntheticLoader(docs, seed=5))
+    assert second.status == "completed" and second.step == 13
+    a, b = straight.state_dict(), resumed_model.state_dict()
+    assert a.keys() == b.keys()
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
+    steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "train"]
+    assert steps == list(range(1, 14))
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, docs):
+    model = tiny_model()
+
+    def poison(step, rec):
+        if step == 2:  # after step 2's checkpoint: step 3's loss is NaN
+            with torch.no_grad():
+                model.model.norm.weight.fill_(float("nan"))
+
+    cfg = tiny_config(tmp_path, train__save_every=2, train__max_steps=6)
+    with pytest.raises(TrainingDiverged, match=r"loss is nan at step 3.*step-000002"):
+        train(cfg, model=model, train_loader=SyntheticLoader(docs), on_step=poison)
+    dirs = checkpoint_dirs(tmp_path / "run")
+    assert [p.name for p in dirs] == ["step-000002"]
+    state = torch.load(dirs[0] / "state.pt", weights_only=False)
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def test_keep_last_checkpoints(tmp_path, docs):
+    cfg = tiny_config(tmp_path, train__save_every=1, train__keep_last=2, train__max_steps=4)
+    train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs))
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step-000003", "step-000004"]
+    assert not [p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+
+
+def test_schedule_shapes():
+    from chronicals.train.optim import lr_factor
+
+    assert lr_factor(0, 10, 2, "cosine", 0.1) == 0.5
+    assert lr_factor(1, 10, 2, "cosine", 0.1) == 1.0
+    assert lr_factor(9, 10, 2, "cosine", 0.1) == pytest.approx(0.1)
+    assert lr_factor(9, 10, 2, "linear", 0.0) == pytest.approx(0.0)
+    assert lr_factor(5, 10, 2, "constant", 0.1) == 1.0
+    mid = lr_factor(2 + 7 // 2, 10, 2, "cosine", 0.0)
+    assert math.isclose(mid, 0.5 * (1 + math.cos(math.pi * 3 / 7)))

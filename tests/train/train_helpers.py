@@ -1,0 +1,88 @@
+"""Tiny models and a synthetic packed loader (the PackedLoader protocol) for the trainer tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from chronicals.config import from_dict
+from chronicals.data import collate_rows
+from chronicals.models import CausalLM, ModelConfig
+
+VOCAB = 61  # odd on purpose
+
+
+def tiny_model(seed: int = 0, dtype=torch.float32) -> CausalLM:
+    import transformers
+
+    hf = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=seed).to(dtype)
+
+
+def synthetic_docs(n: int, seed: int = 0, lo: int = 5, hi: int = 19):
+    """n documents (ids (L,), trainable (L,)): a learnable pattern (next = prev + 1 mod VOCAB), loss on the 2nd half."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    for _ in range(n):
+        L = int(rng.integers(lo, hi))
+        start = int(rng.integers(0, VOCAB))
+        ids = (start + np.arange(L)) % VOCAB
+        trainable = np.zeros(L, dtype=bool)
+        trainable[L // 2:] = True
+        docs.append((ids.astype(np.int64), trainable))
+    return docs
+
+
+class SyntheticLoader:
+    """Rows of ``row_len`` filled greedily with documents; ``batch_size`` rows per batch; the batch
+    order is shuffled per epoch from (seed, epoch). Same protocol as chronicals.data.PackedLoader."""
+
+    def __init__(self, docs, batch_size: int = 2, row_len: int = 32, seed: int = 0, shuffle: bool = True):
+        rows, cur, used = [], [], 0
+        for d in docs:
+            if used + len(d[0]) > row_len:
+                rows.append(cur)
+                cur, used = [], 0
+            cur.append(d)
+            used += len(d[0])
+        if cur:
+            rows.append(cur)
+        self.batches = [collate_rows(rows[i:i + batch_size], row_len, pad_id=0) for i in range(0, len(rows), batch_size)]
+        self.seed, self.shuffle, self.epoch, self.position = seed, shuffle, 0, 0
+
+    def __len__(self):
+        return len(self.batches)
+
+    def _order(self):
+        if not self.shuffle:
+            return list(range(len(self)))
+        return np.random.default_rng((self.seed, self.epoch)).permutation(len(self)).tolist()
+
+    def __iter__(self):
+        order = self._order()
+        while self.position < len(order):
+            b = self.batches[order[self.position]]
+            self.position += 1
+            yield b
+        self.epoch, self.position = self.epoch + 1, 0
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, sd):
+        self.epoch, self.position = sd["epoch"], sd["position"]
+
+
+def tiny_config(tmp_path, **over):
+    base = {"model": {"device": "cpu", "impl": "torch"},
+            "lora": {"enabled": False},
+            "optim": {"lr": 3e-3, "grad_clip": 1.0},
+            "schedule": {"warmup_steps": 2},
+            "train": {"max_steps": 8, "out_dir": str(tmp_path / "run"), "resume": "none", "save_final": False},
+            "eval": {"qa": False},
+            "logging": {"progress": False, "tensorboard": False, "plot": False}}
+    for key, v in over.items():
+        section, name = key.split("__")
+        base.setdefault(section, {})[name] = v
+    return from_dict(base)
