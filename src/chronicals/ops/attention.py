@@ -7,6 +7,18 @@ cumulative document lengths over the flattened B * S tokens (row-major) and ``ma
 longest document. A token attends only to earlier tokens of its own document.
 
     row 0: [a a a b b | row 1: c c c c d]   cu_seqlens = [0, 3, 5, 9, 10], max_seqlen = 4
+
+Implementations (``impl``; "auto" = varlen flash on CUDA, reference on CPU):
+- "torch" (``attention_ref``): SDPA; packed rows use a block-diagonal causal mask (B, 1, S, S), which
+  costs O(S^2) memory per row and lets SDPA use only its masked kernels.
+- "triton" on CUDA, packed rows: variable-length FlashAttention-2 through PyTorch's own aten op
+  (``aten::_flash_attention_forward / _backward`` with cum_seq_q = cum_seq_k = cu_seqlens; the same
+  positional signature on torch 2.11 and 2.13). The B rows are one stream of B * S tokens: no mask, no
+  work across documents, and GQA without repeating K/V heads (the kernel maps query head h to key head
+  h // (Hq / Hk)). bf16/fp16 only (the kernel's dtypes). On an H200 this measured 0.505 ms fwd+bwd for
+  16 rows of 1024 at 14/2 heads of 64 (FlexAttention with a document mask: 1.05 ms).
+  ``torch.nn.attention.varlen.varlen_attn`` wraps the same op on newer torch, but its keywords changed
+  between releases; the aten op's positional signature did not, so it is called directly. Unpacked rows (no cu_seqlens) use SDPA's causal kernels on every impl.
 """
 
 from __future__ import annotations
@@ -14,7 +26,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._impl import resolve_impl
+from ._impl import log, resolve_impl
+
+_logged_notes: set[str] = set()
 
 
 def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -44,10 +58,56 @@ def attention_ref(q, k, v, *, cu_seqlens=None, max_seqlen=None, scale=None):
     return out.transpose(1, 2)
 
 
+class VarlenFlashFunction(torch.autograd.Function):
+    """Causal varlen FlashAttention over packed tokens: q (T, Hq, D), k/v (T, Hk, D), cu (N+1,) int32."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen: int, scale: float):
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_state, unused)
+        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu, rng_state, unused = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_seqlen, ctx.max_seqlen, 0.0, True,
+            rng_state, unused, scale=ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def attention_varlen_flash(q, k, v, cu_seqlens, max_seqlen=None, scale=None):
+    """q (B, S, Hq, D), k/v (B, S, Hk, D) bf16/fp16 on CUDA; cu_seqlens (N+1,) over B*S -> (B, S, Hq, D)."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"attention: the CUDA varlen flash path needs bfloat16/float16 q/k/v (got {q.dtype}); "
+                        "cast the model to bf16, or pass impl='torch' for the masked SDPA reference")
+    b, s, hq, d = q.shape
+    hk = k.shape[2]
+    if hq % hk:
+        raise ValueError(f"attention: Hq={hq} is not a multiple of Hk={hk}")
+    if cu_seqlens.dtype != torch.int32:  # its last entry must be B*S: not checked here (a sync per layer)
+        raise ValueError(f"attention: cu_seqlens must be int32 (got {cu_seqlens.dtype})")
+    if max_seqlen is None:  # one host sync; the collator passes it
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    scale = d ** -0.5 if scale is None else scale
+    out = VarlenFlashFunction.apply(q.reshape(b * s, hq, d).contiguous(), k.reshape(b * s, hk, d).contiguous(),
+                                    v.reshape(b * s, hk, d).contiguous(), cu_seqlens.to(q.device),
+                                    int(max_seqlen), float(scale))
+    return out.view(b, s, hq, d)
+
+
 def attention(q, k, v, *, cu_seqlens=None, max_seqlen=None, scale=None, impl: str = "auto"):
     """Causal attention; packed rows when ``cu_seqlens`` is given. See the module docstring."""
     chosen = resolve_impl("attention", impl, q.device)
     if chosen == "torch" or cu_seqlens is None:
         # unpacked rows: SDPA picks flash / cuDNN / efficient kernels on CUDA itself
         return attention_ref(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scale=scale)
-    raise NotImplementedError("attention: the CUDA varlen path lands with the data/packing issue")
+    if q.device.type != "cuda":  # impl="triton" under TRITON_INTERPRET=1: attention has no Triton kernel
+        if "interpret" not in _logged_notes:
+            _logged_notes.add("interpret")
+            log.info("attention: packed rows on %s run the masked SDPA reference (the fast path is CUDA "
+                     "varlen flash, not a Triton kernel)", q.device.type)
+        return attention_ref(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scale=scale)
+    return attention_varlen_flash(q, k, v, cu_seqlens, max_seqlen, scale)

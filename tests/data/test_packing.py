@@ -1,0 +1,115 @@
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chronicals.data import collate_rows, pack_bfd, pack_ffd
+
+
+def _ffd_scan(lengths, capacity):
+    """First-Fit-Decreasing by scanning every bin: the O(n * bins) textbook version."""
+    free = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for b, f in enumerate(free):
+            if f >= lengths[i]:
+                free[b] -= lengths[i]
+                break
+        else:
+            free.append(capacity - lengths[i])
+    return len(free)
+
+
+def _bfd_scan(lengths, capacity):
+    bins, free = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fits = [b for b, f in enumerate(free) if f >= lengths[i]]
+        if fits:
+            b = min(fits, key=lambda b: free[b])
+            free[b] -= lengths[i]
+            bins[b].append(i)
+        else:
+            bins.append([i])
+            free.append(capacity - lengths[i])
+    return bins
+
+
+def _check_bins(bins, lengths, capacity):
+    flat = sorted(i for b in bins for i in b)
+    assert flat == list(range(len(lengths))), "every index exactly once"
+    for b in bins:
+        assert b and sum(lengths[i] for i in b) <= capacity
+
+
+def test_worked_example_from_docstring():
+    assert pack_bfd([5, 2, 7, 3, 1], 8) == [[2, 4], [0, 3], [1]]
+
+
+def test_bfd_can_lose_to_ffd_and_then_returns_ffd():
+    lengths, cap = [4, 20, 9, 2, 7, 11, 4, 24, 18, 5, 3, 17], 25
+    assert len(_bfd_scan(lengths, cap)) == 6 and _ffd_scan(lengths, cap) == 5
+    bins = pack_bfd(lengths, cap)
+    _check_bins(bins, lengths, cap)
+    assert len(bins) == 5
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 64).flatmap(lambda cap: st.tuples(st.just(cap), st.lists(st.integers(1, cap), max_size=60))))
+def test_properties(case):
+    cap, lengths = case
+    bins = pack_bfd(lengths, cap)
+    _check_bins(bins, lengths, cap)
+    assert len(bins) <= _ffd_scan(lengths, cap)
+    assert len(bins) >= -(-sum(lengths) // cap)  # the volume lower bound
+    ffd = pack_ffd(lengths, cap)
+    _check_bins(ffd, lengths, cap)
+    assert len(ffd) == _ffd_scan(lengths, cap)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40).flatmap(lambda cap: st.tuples(st.just(cap), st.lists(st.integers(1, cap), max_size=40))))
+def test_tree_matches_best_fit_scan(case):
+    """The segment tree makes the same choices as a scan for the tightest bin.
+
+    Bins with equal free space are interchangeable (the tree takes the newest, the scan the oldest), so
+    the multiset of bin loads is identical, step for step.
+    """
+    cap, lengths = case
+    from chronicals.data.packing import _best_fit
+
+    def loads(bins):
+        return sorted(sum(lengths[i] for i in b) for b in bins)
+
+    assert loads(_best_fit(lengths, cap)) == loads(_bfd_scan(lengths, cap))
+
+
+def test_large_input_is_fast_and_full():
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(5.5, 0.9, 50_000).astype(int), 1, 2048).tolist()
+    bins = pack_bfd(lengths, 2048)
+    _check_bins(bins, lengths, 2048)
+    assert sum(lengths) / (len(bins) * 2048) > 0.99  # many small items: BFD fills rows almost fully
+
+
+def test_rejects_bad_lengths():
+    with pytest.raises(ValueError, match="item 1 has length 9; every length must be in 1..8"):
+        pack_bfd([3, 9], 8)
+    with pytest.raises(ValueError, match="in 1..8"):
+        pack_bfd([0], 8)
+    assert pack_bfd([], 8) == []
+
+
+def test_collate_rows_contract():
+    a = (np.array([10, 11, 12]), np.array([False, True, True]))
+    b = (np.array([20, 21]), np.array([False, True]))
+    c = (np.array([30, 31, 32, 33]), np.array([True, False, True, True]))
+    batch = collate_rows([[a, b], [c]], 6, pad_id=0)
+    assert batch.input_ids.tolist() == [[10, 11, 12, 20, 21, 0], [30, 31, 32, 33, 0, 0]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]]
+    assert batch.shift_labels.tolist() == [[11, 12, -100, 21, -100, -100], [-100, 32, 33, -100, -100, -100]]
+    assert batch.cu_seqlens.dtype == torch.int32
+    assert batch.cu_seqlens.tolist() == [0, 3, 5, 6, 10, 12]
+    assert batch.max_seqlen == 4 and batch.num_loss_tokens == 5
+    assert batch.num_tokens == 9 and batch.num_docs == 3
+    with pytest.raises(ValueError, match="more than row_len=4"):
+        collate_rows([[a, b]], 4, pad_id=0)
