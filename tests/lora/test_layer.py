@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from chronicals.lora import LoRALinear, LoRALinearFunction, lora_linear, lora_linear_ref
 
-SHAPES = [((1, 7), 13, 11, 3), ((2, 5), 16, 24, 8), ((9,), 5, 1, 1)]  # (lead dims, in, out, r)
+SHAPES = [((1, 7), 13, 11, 3), ((2, 5), 16, 24, 8), ((9,), 5, 1, 1), ((3, 3), 6, 21, 4)]  # (lead dims, in, out, r)
 
 
 def _inputs(lead, fin, fout, r, dtype, bias, seed=0):
@@ -27,8 +27,8 @@ def _mask(lead, fin, p, seed=1):
     return torch.rand(*lead, fin, generator=torch.Generator().manual_seed(seed)) >= p
 
 
-def _grads(impl, x, w, b, a, bb, s, mask, p, dy):
-    y = lora_linear(x, w, b, a, bb, s, mask, p, impl=impl)
+def _grads(impl, x, w, b, a, bb, s, mask, p, dy, concat=False):
+    y = lora_linear(x, w, b, a, bb, s, mask, p, impl=impl, concat=concat)
     gx, ga, gb = torch.autograd.grad(y, (x, a, bb), dy)
     return y, gx, ga, gb
 
@@ -36,11 +36,12 @@ def _grads(impl, x, w, b, a, bb, s, mask, p, dy):
 @pytest.mark.parametrize("lead,fin,fout,r", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("p", [0.0, 0.3])
-def test_fused_matches_reference_float64(lead, fin, fout, r, bias, p):
+@pytest.mark.parametrize("concat", [False, True])
+def test_fused_matches_reference_float64(lead, fin, fout, r, bias, p, concat):
     x, w, b, a, bb = _inputs(lead, fin, fout, r, torch.float64, bias)
     mask, s = _mask(lead, fin, p), 1.7
     dy = torch.randn(*lead, fout, dtype=torch.float64)
-    got = _grads("fused", x, w, b, a, bb, s, mask, p, dy)
+    got = _grads("fused", x, w, b, a, bb, s, mask, p, dy, concat)
     want = _grads("torch", x, w, b, a, bb, s, mask, p, dy)
     for g_, w_, what in zip(got, want, ("y", "dx", "dA", "dB")):
         torch.testing.assert_close(g_, w_, rtol=1e-12, atol=1e-12, msg=what)
@@ -49,15 +50,17 @@ def test_fused_matches_reference_float64(lead, fin, fout, r, bias, p):
 
 
 @pytest.mark.parametrize("p", [0.0, 0.25])
-def test_gradcheck(p):
+@pytest.mark.parametrize("concat", [False, True])
+def test_gradcheck(p, concat):
     x, w, b, a, bb = _inputs((2, 3), 6, 5, 2, torch.float64, bias=True)
     mask = _mask((2, 3), 6, p)
-    assert torch.autograd.gradcheck(lambda x_, a_, b_: LoRALinearFunction.apply(x_, w, b, a_, b_, 0.8, mask, p),
-                                    (x, a, bb))
+    fn = lambda x_, a_, b_: LoRALinearFunction.apply(x_, w, b, a_, b_, 0.8, mask, p, concat)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, a, bb))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_low_precision_error_no_worse_than_reference(dtype):
+@pytest.mark.parametrize("concat", [False, True])
+def test_low_precision_error_no_worse_than_reference(dtype, concat):
     """Both paths in ``dtype`` against float64: the fused error is at most 2x the reference's (+ eps)."""
     lead, fin, fout, r, s = (3, 37), 64, 48, 8, 2.0
     x64, w64, b64, a64, bb64 = _inputs(lead, fin, fout, r, torch.float64, True, seed=3)
@@ -65,7 +68,7 @@ def test_low_precision_error_no_worse_than_reference(dtype):
     exact = _grads("torch", x64, w64, b64, a64, bb64, s, None, 0.0, dy64)
     low = [t.detach().to(dtype).requires_grad_(t.requires_grad) if t is not None else None
            for t in (x64, w64, b64, a64, bb64)]
-    fused = _grads("fused", *low, s, None, 0.0, dy64.to(dtype))
+    fused = _grads("fused", *low, s, None, 0.0, dy64.to(dtype), concat)
     ref = _grads("torch", *low, s, None, 0.0, dy64.to(dtype))
     eps = torch.finfo(dtype).eps
     for f, rf, e, what in zip(fused, ref, exact, ("y", "dx", "dA", "dB")):
@@ -74,12 +77,13 @@ def test_low_precision_error_no_worse_than_reference(dtype):
         assert err_f <= 2 * err_r + 4 * eps * e.abs().max().item(), (what, err_f, err_r)
 
 
-def test_saves_no_full_size_extra_activation():
+@pytest.mark.parametrize("concat", [False, True])
+def test_saves_no_full_size_extra_activation(concat):
     """With dropout 0 the only (N, in)-sized saved tensor is x itself (same storage), not a copy."""
     x, w, b, a, bb = _inputs((4, 8), 32, 40, 4, torch.float32, bias=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        LoRALinearFunction.apply(x, w, b, a, bb, 2.0, None, 0.0).sum().backward()
+        LoRALinearFunction.apply(x, w, b, a, bb, 2.0, None, 0.0, concat).sum().backward()
     big = [t for t in saved if t.numel() >= x.numel() and t.data_ptr() != w.data_ptr()]
     assert [t.data_ptr() for t in big] == [x.data_ptr()]
     small = [t for t in saved if t.shape == (32, 4)]  # x A^T (N, r)
@@ -97,7 +101,8 @@ def test_layer_init_and_dropout_modes():
     base = nn.Linear(20, 12)
     layer = LoRALinear(base, r=4, alpha=8, dropout=0.5, generator=torch.Generator().manual_seed(0))
     assert layer.weight is base.weight and layer.bias is base.bias
-    assert layer.scaling == 2.0 and torch.count_nonzero(layer.lora_B.weight) == 0
+    assert layer.scaling == 2.0 and torch.count_nonzero(layer.lora_B.weight) == 0 and not layer.concat
+    assert LoRALinear(nn.Linear(4, 8), r=2, alpha=2).concat  # out >= 2 in: concatenated GEMMs
     bound = 1 / math.sqrt(20)  # kaiming_uniform(a=sqrt(5)) on (r, in): U(-1/sqrt(in), 1/sqrt(in))
     assert layer.lora_A.weight.abs().max() <= bound and layer.lora_A.weight.abs().max() > 0.5 * bound
     assert LoRALinear(base, r=16, alpha=8, use_rslora=True).scaling == 2.0  # alpha / sqrt(r)

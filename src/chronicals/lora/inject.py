@@ -65,7 +65,8 @@ def _tied_partners(model: nn.Module, module_names: list[str]) -> list[str]:
 
 def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: float = 0.0,
                target_modules=DEFAULT_TARGETS, use_rslora: bool = False, modules_to_save=(),
-               impl: str = "fused", adapter_dtype: torch.dtype | None = None, seed: int | None = 0) -> LoraRecord:
+               impl: str = "fused", adapter_dtype: torch.dtype | None = None, seed: int | None = 0,
+               concat: bool | str = "auto") -> LoraRecord:
     """Replace each targeted nn.Linear of ``model`` in place by a LoRALinear and freeze the rest.
 
     scaling = alpha / r, or alpha / sqrt(r) with ``use_rslora``. Every parameter is frozen except the
@@ -74,6 +75,7 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
     trains the shared tensor, and both are saved with the adapter (PEFT then loads the same values into
     both copies). ``impl``: "fused" (custom autograd) or "torch" (reference). ``adapter_dtype``: dtype of
     A and B (default: the base weight's). ``seed``: generator seed for A (None: torch's global RNG).
+    ``concat``: how the fused path joins the rank-r GEMMs ("auto" by shape; see LoRALinearFunction).
     Returns a LoraRecord, also stored as ``model.lora_config``.
     """
     if getattr(model, "lora_config", None) is not None:
@@ -107,7 +109,7 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     for name in targets:
         base = model.get_submodule(name)
-        layer = LoRALinear(base, r, alpha, dropout, use_rslora, impl, adapter_dtype, gen)
+        layer = LoRALinear(base, r, alpha, dropout, use_rslora, impl, adapter_dtype, gen, concat)
         _set_module(model, name, layer.train(base.training))  # keep eval mode: no dropout at eval
     for name in saved:
         for p in model.get_submodule(name).parameters():
