@@ -66,7 +66,11 @@ def encode_chat(tokenizer, messages: list[dict], train_from: int = 0, markers: b
     for i, m in enumerate(messages):
         if m["role"] != "assistant" or i < train_from:
             continue
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        try:
+            before = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        except Exception as e:  # a template may not render an empty prefix (assistant first)
+            raise FormatError(f"the chat template cannot render the messages before assistant message {i} "
+                              f"({type(e).__name__}: {e}); expected a user or system message first") from None
         upto = _render(tokenizer, messages[:i + 1])
         if not (full.startswith(upto) and upto.startswith(before)):
             raise FormatError(
