@@ -1,0 +1,141 @@
+"""RMSNorm Triton kernel vs a float64 reference, with PyTorch's own error in the same dtype as the yardstick.
+
+Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (how `make test` runs it).
+"""
+
+from importlib import import_module
+
+import pytest
+import torch
+
+from chronicals.ops import rms_norm, rms_norm_ref
+from chronicals.ops._impl import triton_interpreting
+
+rms_mod = import_module("chronicals.ops.rms_norm")  # the package attribute of that name is the function
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(DEV == "cpu" and not triton_interpreting(),
+                                reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (make test sets it)")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ROWS = [1, 7, 123]
+HIDDEN = [64, 576, 896, 1000, 4864]
+
+
+def assert_tracks_torch(name, ours, torch_same_dtype, ref64, k=2.0):
+    """Our error vs fp64 <= k x PyTorch's error in the same dtype vs fp64 + eps(dtype) x max|ref|."""
+    err = (ours.double() - ref64).abs().max().item()
+    torch_err = (torch_same_dtype.double() - ref64).abs().max().item()
+    atol = torch.finfo(ours.dtype).eps * max(ref64.abs().max().item(), 1.0)
+    assert err <= k * torch_err + atol, f"{name}: error {err:.3g} vs torch {torch_err:.3g} (atol {atol:.3g})"
+
+
+def _exact(x, w, r, eps=1e-6):
+    """float64 all the way (rms_norm_ref itself upcasts to float32 only, so it is no fp64 reference)."""
+    s = x if r is None else x + r
+    y = w * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
+    return y if r is None else (y, s)
+
+
+def _run(fn, x, w, r, dy, ds):
+    """Forward + backward; returns outputs then gradients of x, w (and residual)."""
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    r = None if r is None else r.detach().requires_grad_()
+    out = fn(x, w, r)
+    if r is None:
+        loss = (out.double() * dy).sum()
+        outs = [out]
+    else:
+        loss = (out[0].double() * dy).sum() + (out[1].double() * ds).sum()
+        outs = list(out)
+    grads = torch.autograd.grad(loss, [t for t in (x, w, r) if t is not None])
+    return outs + list(grads)
+
+
+def _cases():
+    """The full dtype x rows x hidden grid with the fused residual (the decoder's path; it checks y, s and all
+    three gradients), except that 123 x 4864 (the slowest in the interpreter, ~8 s each) runs in bf16 only;
+    without the residual, a thinner grid that still covers one-block, multi-row and looped rows."""
+    for dtype in DTYPES:
+        for rows in ROWS:
+            for hidden in HIDDEN:
+                if not (rows == 123 and hidden == 4864 and dtype != torch.bfloat16):
+                    yield dtype, rows, hidden, True
+                if (rows, hidden) in ((1, 64), (123, 1000), (7, 4864), (123, 576)):
+                    yield dtype, rows, hidden, False
+
+
+@pytest.mark.parametrize("dtype,rows,hidden,residual", list(_cases()),
+                         ids=lambda v: str(v).replace("torch.", "") if not isinstance(v, bool) else
+                         ("residual" if v else "plain"))
+def test_matches_reference(dtype, rows, hidden, residual):
+    g = torch.Generator().manual_seed(rows * 10007 + hidden)
+    x = torch.randn(rows, hidden, generator=g, dtype=torch.float64).to(dtype).to(DEV)
+    w = (1 + 0.3 * torch.randn(hidden, generator=g, dtype=torch.float64)).to(dtype).to(DEV)
+    r = torch.randn(rows, hidden, generator=g, dtype=torch.float64).to(dtype).to(DEV) if residual else None
+    # upstream gradients representable in ``dtype``, so all three runs see the same values
+    dy = torch.randn(rows, hidden, generator=g, dtype=torch.float64).to(dtype).double().to(DEV)
+    ds = torch.randn(rows, hidden, generator=g, dtype=torch.float64).to(dtype).double().to(DEV)
+
+    def ref(x_, w_, r_):
+        return rms_norm_ref(x_, w_, 1e-6, r_)
+
+    ref64 = _run(_exact, x.double(), w.double(), None if r is None else r.double(), dy, ds)
+    theirs = _run(ref, x, w, r, dy, ds)
+    ours = _run(lambda x_, w_, r_: rms_norm(x_, w_, 1e-6, residual=r_, impl="triton"), x, w, r, dy, ds)
+    names = ["y", "s", "dx", "dweight", "dresidual"] if residual else ["y", "dx", "dweight"]
+    for name, o, t, e in zip(names, ours, theirs, ref64):
+        assert o.dtype == dtype and o.shape == e.shape, name
+        assert_tracks_torch(name, o, t, e)
+
+
+def test_leading_dims_and_strided_rows():
+    """(B, S, H) inputs, and a row-strided view (a slice of a wider tensor), give the reference's answer."""
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(2, 5, 200, generator=g).to(DEV)
+    x = big[..., :96]  # row stride 200, not contiguous
+    w = torch.randn(96, generator=g).to(DEV)
+    torch.testing.assert_close(rms_norm(x, w, 1e-5, impl="triton"), rms_norm_ref(x, w, 1e-5))
+
+
+def test_weight_promotion_like_reference():
+    """bf16 activations with an fp32 weight: the reference returns fp32 (weight * y.to(bf16)); so do we."""
+    x = torch.randn(3, 64, device=DEV).bfloat16()
+    w = torch.randn(64, device=DEV)
+    y = rms_norm(x, w, 1e-6, impl="triton")
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, rms_norm_ref(x, w, 1e-6), atol=2e-2, rtol=1e-2)
+
+
+def test_bad_inputs_say_what_is_wrong():
+    x = torch.randn(3, 64, device=DEV)
+    with pytest.raises(ValueError, match="weight has shape"):
+        rms_norm(x, torch.ones(32, device=DEV), 1e-6, impl="triton")
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(x, torch.ones(64, device=DEV), 1e-6, residual=x.double(), impl="triton")
+
+
+def test_registered_op_passes_opcheck_and_compiles():
+    """torch.library checks (schema, fake tensor, autograd registration) and a fullgraph compile."""
+    x = torch.randn(5, 96, device=DEV, requires_grad=True)
+    w = torch.randn(96, device=DEV, requires_grad=True)
+    r = torch.randn(5, 96, device=DEV, requires_grad=True)
+    torch.library.opcheck(torch.ops.chronicals.rms_norm.default, (x, w, r, 1e-6))
+    torch.library.opcheck(torch.ops.chronicals.rms_norm.default, (x, w, None, 1e-6))
+
+    def f(x_, w_, r_):
+        y, s = rms_norm(x_, w_, 1e-6, residual=r_, impl="triton")
+        return (y * 2 + s).sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(compiled(x, w, r), [x, w, r])
+    want = torch.autograd.grad(f(x, w, r), [x, w, r])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_wide_rows_loop_over_blocks():
+    """H above one block is looped over, never truncated (the block is MAX_BLOCK_H wide)."""
+    h = 2 * rms_mod.MAX_BLOCK_H + 3
+    x = torch.randn(3, h, device=DEV, dtype=torch.float64)
+    w = torch.randn(h, device=DEV, dtype=torch.float64)
+    torch.testing.assert_close(rms_norm(x, w, 1e-6, impl="triton"), rms_norm_ref(x, w, 1e-6), atol=1e-5, rtol=1e-5)
