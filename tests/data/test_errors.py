@@ -1,0 +1,113 @@
+"""Bad input: each case and its message (file:line: what is wrong, what was expected)."""
+
+import json
+
+import pytest
+
+from chronicals.data import DataError, load_dataset
+
+GOOD = {"instruction": "Say hi.", "output": "hi"}
+
+
+def load(path, tokenizer, **kw):
+    return load_dataset(path, tokenizer, **{"max_seq_len": 256, **kw})
+
+
+def test_malformed_json_line(tokenizer, tmp_path):
+    p = tmp_path / "train.jsonl"
+    p.write_text(json.dumps(GOOD) + "\n" + '{"instruction": "x" "output": "y"}\n' + json.dumps(GOOD) + "\n")
+    with pytest.raises(DataError, match=rf"^{p}:2: invalid JSON \(Expecting ',' delimiter at column 21\); "
+                                        "expected one JSON object per line"):
+        load(p, tokenizer)
+    ds = load(p, tokenizer, on_error="skip")
+    assert len(ds) == 2 and ds.stats.skipped_errors == 1 and ds.stats.first_errors[0].startswith(f"{p}:2:")
+
+
+def test_missing_field_with_named_format(tokenizer, tmp_path):
+    p = tmp_path / "a.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in [GOOD, GOOD, {"instruction": "no output"}]))
+    with pytest.raises(DataError, match=rf"{p}:3: missing field 'output' \(format alpaca expects 'instruction', "
+                                        r"optional 'input', 'output'\)"):
+        load(p, tokenizer, format="alpaca")
+
+
+def test_unknown_fields_and_bad_messages(tokenizer, tmp_path):
+    p = tmp_path / "b.jsonl"
+    rows = [GOOD, {"question": "?"}, {"messages": [{"role": "user"}]}, {"messages": "hi"},
+            {"conversations": [{"from": "robot", "value": "x"}]}, {"messages": []}, [1, 2]]
+    p.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(DataError, match=rf"{p}:2: cannot tell the format from fields \['question'\]; expected one "
+                                        r"of text \| messages \| conversations \| instruction\+output"):
+        load(p, tokenizer)
+    ds = load(p, tokenizer, on_error="skip")
+    assert len(ds) == 1 and ds.stats.skipped_errors == 6
+    errs = ds.stats.first_errors
+    assert errs[1] == f"{p}:3: messages[0] has no 'content'; expected {{'role', 'content'}}"
+    assert errs[2] == f"{p}:4: field 'messages' is a str, expected list"
+    assert errs[3].startswith(f"{p}:5: conversations[0].from is 'robot'; expected one of ['assistant', ")
+    assert errs[4] == f"{p}:6: field 'messages' is an empty list; expected at least one message"
+    assert errs[5] == f"{p}:7: a JSON list, expected a JSON object per line"
+
+
+def test_json_array_errors_carry_lines(tokenizer, tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text('[\n  {"text": "a"},\n  {"txt": "b"},\n  {"text": "c"}\n]\n')
+    with pytest.raises(DataError, match=rf"{p}:3: cannot tell the format"):
+        load(p, tokenizer)
+    p.write_text('[\n  {"text": "a"},\n  {"text": "b",\n]\n')
+    with pytest.raises(DataError, match=rf"{p}:4: invalid JSON .*expected a JSON array of objects"):
+        load(p, tokenizer)
+
+
+def test_csv_wrong_field_count(tokenizer, tmp_path):
+    p = tmp_path / "d.csv"
+    p.write_text("instruction,output\nSay hi.,hi\na,b,c\n")
+    with pytest.raises(DataError, match=rf"{p}:3: 3 fields, expected 2 \(the header's columns\)"):
+        load(p, tokenizer)
+
+
+def test_empty_and_all_too_long(tokenizer, tmp_path):
+    p = tmp_path / "e.jsonl"
+    p.write_text("\n\n")
+    with pytest.raises(DataError, match="the dataset is empty: the files hold no records"):
+        load(p, tokenizer)
+    p.write_text("\n".join(json.dumps({"text": "word " * 40}) for _ in range(3)))
+    with pytest.raises(DataError, match="every example was dropped: 3 longer than max_seq_len=16 "
+                                        r"\(raise max_seq_len or use overlong='truncate'\)"):
+        load(p, tokenizer, max_seq_len=16, overlong="drop")
+    ds = load(p, tokenizer, max_seq_len=16, overlong="truncate")
+    assert ds.stats.truncated == 3 and ds.lengths.tolist() == [16, 16, 16]
+
+
+def test_overlong_counts_and_no_loss(tokenizer, tmp_path):
+    p = tmp_path / "f.jsonl"
+    long_prompt = {"prompt": "word " * 40, "completion": "done"}  # truncation removes every target
+    rows = [{"text": "short"}, {"text": "word " * 40}, long_prompt]
+    p.write_text("\n".join(json.dumps(r) for r in rows))
+    ds = load(p, tokenizer, max_seq_len=16, overlong="drop")
+    assert (len(ds), ds.stats.dropped_overlong, ds.stats.truncated) == (1, 2, 0)
+    ds = load(p, tokenizer, max_seq_len=16, overlong="truncate")
+    assert (len(ds), ds.stats.truncated, ds.stats.dropped_no_loss) == (2, 2, 1)
+    q = tmp_path / "g.jsonl"
+    q.write_text(json.dumps({"messages": [{"role": "user", "content": "no reply"}]}))
+    with pytest.raises(DataError, match="no example has a trainable token .*use loss_on='all'"):
+        load(q, tokenizer)
+
+
+def test_bad_paths_and_options(tokenizer, tmp_path):
+    with pytest.raises(DataError, match="nope.jsonl: no such file or directory"):
+        load(tmp_path / "nope.jsonl", tokenizer)
+    (tmp_path / "x.txt").write_text("hi")
+    with pytest.raises(DataError, match=r"x.txt: unsupported file type '.txt' \(expected one of .jsonl"):
+        load(tmp_path / "x.txt", tokenizer)
+    dd = tmp_path / "dd"
+    dd.mkdir()
+    (dd / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    with pytest.raises(DataError, match="a datasets DatasetDict .*pass one split's directory, e.g. .*dd/train"):
+        load(dd, tokenizer)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match="directory holds no data files"):
+        load(empty, tokenizer)
+    with pytest.raises(ValueError, match="overlong='cut'; expected one of"):
+        load(tmp_path, tokenizer, overlong="cut")

@@ -1,0 +1,130 @@
+"""PackedLoader: the batch contract, epochs, deterministic shuffle, exact resume, ranks, token budgets."""
+
+import numpy as np
+import pytest
+
+from chronicals.data import IGNORE_INDEX, PackedLoader
+from chronicals.data.dataset import DatasetStats, TokenizedDataset
+
+
+def synthetic(n=37, max_len=24, seed=0):
+    """Documents whose ids encode (document, position): id = 1000 * (doc + 1) + position."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(2, max_len + 1, n)
+    ids = np.concatenate([1000 * (i + 1) + np.arange(L) for i, L in enumerate(lengths)]).astype(np.int32)
+    trainable = rng.random(len(ids)) < 0.7
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    loss = sum(int(trainable[offsets[i] + 1:offsets[i + 1]].sum()) for i in range(n))
+    stats = DatasetStats(records=n, documents=n, tokens=int(offsets[-1]), loss_tokens=loss)
+    return TokenizedDataset(ids, trainable, offsets, 0, stats, max_len)
+
+
+def check_batch(batch, ds):
+    b, s = batch.input_ids.shape
+    cu = batch.cu_seqlens.tolist()
+    assert cu[0] == 0 and cu[-1] == b * s and batch.max_seqlen == max(np.diff(cu))
+    flat_ids, flat_pos = batch.input_ids.flatten().tolist(), batch.position_ids.flatten().tolist()
+    flat_lab = batch.shift_labels.flatten().tolist()
+    docs = []
+    for lo, hi in zip(cu[:-1], cu[1:]):
+        assert lo // s == (hi - 1) // s, "a document never spans two rows"
+        assert flat_pos[lo:hi] == list(range(hi - lo))
+        if flat_ids[lo] == ds.pad_id:  # padding: no targets
+            assert all(x == IGNORE_INDEX for x in flat_lab[lo:hi])
+            continue
+        d = flat_ids[lo] // 1000 - 1
+        ids, trainable = ds[d]
+        assert flat_ids[lo:hi] == ids.tolist()
+        want = [int(ids[t + 1]) if trainable[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
+        assert flat_lab[lo:hi] == want
+        docs.append(d)
+    assert batch.num_loss_tokens == sum(x != IGNORE_INDEX for x in flat_lab)
+    assert batch.num_docs == len(docs)
+    return docs
+
+
+def test_rows_mode_epoch_covers_every_document_once():
+    ds = synthetic()
+    loader = PackedLoader(ds, batch_size=3, max_seq_len=24, seed=1)
+    seen, loss = [], 0
+    batches = list(loader)
+    assert len(batches) == len(loader) == -(-len(loader.rows) // 3)
+    for batch in batches:
+        assert batch.input_ids.shape[1] == 24 and batch.input_ids.shape[0] <= 3
+        seen += check_batch(batch, ds)
+        loss += batch.num_loss_tokens
+    assert sorted(seen) == list(range(len(ds)))
+    st = loader.stats
+    assert loss == st["loss_tokens"] == ds.stats.loss_tokens
+    assert st["slots"] == len(loader.rows) * 24 and st["efficiency"] == loss / st["slots"]
+    assert loader.state_dict()["epoch"] == 1
+
+
+def test_shuffle_is_deterministic_and_changes_per_epoch():
+    ds = synthetic()
+    a = PackedLoader(ds, batch_size=2, max_seq_len=24, seed=7)
+    b = PackedLoader(ds, batch_size=2, max_seq_len=24, seed=7)
+    e0 = [x.input_ids.tolist() for x in a]
+    assert e0 == [x.input_ids.tolist() for x in b]
+    e1 = [x.input_ids.tolist() for x in a]
+    assert e1 != e0 and sorted(map(str, e1)) != sorted(map(str, e0))  # other rows share a batch
+    c = PackedLoader(ds, batch_size=2, max_seq_len=24, seed=8)
+    assert [x.input_ids.tolist() for x in c] != e0
+
+
+@pytest.mark.parametrize("stop", [0, 3, 7, "epoch"])
+def test_exact_resume(stop):
+    ds = synthetic()
+    ref = PackedLoader(ds, batch_size=2, max_seq_len=24, seed=3)
+    want = [x.input_ids.tolist() for x in ref] + [x.input_ids.tolist() for x in ref]  # two epochs
+    stop = len(ref) if stop == "epoch" else stop
+    run = PackedLoader(ds, batch_size=2, max_seq_len=24, seed=3)
+    got = []
+    if stop:
+        for x in run:
+            got.append(x.input_ids.tolist())
+            if len(got) == stop:
+                break  # a checkpoint taken while holding batch number `stop`
+    fresh = PackedLoader(ds, batch_size=2, max_seq_len=24, seed=3)
+    fresh.load_state_dict(run.state_dict())
+    while len(got) < len(want):
+        got += [x.input_ids.tolist() for x in fresh]
+    assert got == want
+    with pytest.raises(ValueError, match="resume with the same dataset"):
+        PackedLoader(ds, batch_size=2, max_seq_len=24, seed=4).load_state_dict(run.state_dict())
+
+
+def test_ranks_split_the_batches():
+    ds = synthetic(n=60)
+    one = [x.input_ids.tolist() for x in PackedLoader(ds, batch_size=2, max_seq_len=24, seed=0)]
+    ranks = [PackedLoader(ds, batch_size=2, max_seq_len=24, seed=0, rank=r, world_size=3) for r in range(3)]
+    assert all(len(r) == len(one) // 3 for r in ranks)
+    per_rank = [[x.input_ids.tolist() for x in r] for r in ranks]
+    interleaved = [per_rank[i % 3][i // 3] for i in range(3 * len(ranks[0]))]
+    assert interleaved == one[:len(interleaved)]
+
+
+def test_token_budget_mode_is_padding_free():
+    ds = synthetic()
+    loader = PackedLoader(ds, tokens_per_batch=64, max_seq_len=24, seed=0)
+    seen = []
+    for batch in loader:
+        assert batch.input_ids.shape[0] == 1 and batch.input_ids.shape[1] <= 64
+        assert batch.num_tokens == batch.input_ids.numel()  # no padding at all
+        seen += check_batch(batch, ds)
+    assert sorted(seen) == list(range(len(ds)))
+    assert loader.stats["fill"] == 1.0
+    padded = PackedLoader(ds, tokens_per_batch=64, max_seq_len=24, pad_to_multiple_of=16)
+    for batch in padded:
+        assert batch.input_ids.shape[1] % 16 == 0
+        check_batch(batch, ds)
+
+
+def test_bad_loader_options():
+    ds = synthetic()
+    with pytest.raises(ValueError, match="exactly one of batch_size"):
+        PackedLoader(ds, max_seq_len=24)
+    with pytest.raises(ValueError, match="> max_seq_len=16; load the dataset with the same max_seq_len"):
+        PackedLoader(ds, batch_size=2, max_seq_len=16)
+    with pytest.raises(ValueError, match="a step must hold the longest document"):
+        PackedLoader(ds, tokens_per_batch=20, max_seq_len=24)
