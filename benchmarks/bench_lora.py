@@ -105,7 +105,8 @@ def check_lora_linear(n=4096, fin=896, fout=4864, r=32):
         for f, rf, e, what in zip(run("fused", torch.bfloat16, concat), ref, exact, ("y", "dx", "dA", "dB")):
             err_f, err_r = (f - e).abs().max().item(), (rf - e).abs().max().item()
             if not err_f <= 2 * err_r + 1e-2 * e.abs().max().item():
-                raise SystemExit(f"lora_linear fused (concat={concat}) {what}: error {err_f:.3g} vs reference {err_r:.3g}")
+                raise SystemExit(f"lora_linear fused (concat={concat}) {what}: error {err_f:.3g} "
+                                 f"vs reference {err_r:.3g}")
     print("check: fused LoRA linear (bf16, both layouts) within 2x the reference's error on", (n, fin, fout, r))
 
 
@@ -164,10 +165,11 @@ def train_row(name, cfg, args, rows, seq, lora: bool, peak_tflops: float, lora_i
     losses = [l.item() for l, _ in out]
     gnorms = [gn.item() for _, gn in out]
     tps = rows * seq * args.steps / dt
-    row = {"row": name, "tokens/s": round(tps), "MFU %": round(100 * tps * flops_per_token(cfg, seq, lora)
-                                                                 / (peak_tflops * 1e12), 1),
-           "peak GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEV == "cuda" else 0.0, "min grad norm": f"{min(gnorms):.4g}",
-           "loss first": round(losses[0], 4), "loss last": round(losses[-1], 4), "ms/step": round(1e3 * dt / args.steps, 1),
+    mfu = 100 * tps * flops_per_token(cfg, seq, lora) / (peak_tflops * 1e12)
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else 0.0
+    row = {"row": name, "tokens/s": round(tps), "MFU %": round(mfu, 1), "peak GiB": round(peak_gib, 2),
+           "min grad norm": f"{min(gnorms):.4g}", "loss first": round(losses[0], 4),
+           "loss last": round(losses[-1], 4), "ms/step": round(1e3 * dt / args.steps, 1),
            "trainable params": sum(p.numel() for p in params)}
     del model, opt, params, groups, out
     gc.collect()

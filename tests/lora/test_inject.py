@@ -116,3 +116,13 @@ def test_errors_say_what_to_do():
         apply_lora(model, r=2)
     with pytest.raises(ValueError, match="apply_lora"):
         lora_plus_param_groups(tiny_model(), 1e-3)
+
+
+def test_fp32_adapters_on_bf16_base(ids):
+    """adapter_dtype=float32 on a bf16 model: fp32 A/B receive fp32 gradients through the bf16 compute."""
+    model = tiny_model().to(torch.bfloat16)
+    apply_lora(model, r=4, alpha=8, adapter_dtype=torch.float32)
+    randomize_lora_b(model)
+    model(ids, shift_labels=torch.roll(ids, -1, 1)).backward()
+    lora = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 and p.grad.norm() > 0 for _, p in lora)
