@@ -113,7 +113,14 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts)
         inv_freq, self.attention_scaling = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.opts = opts
+        self.opts, self._cfg = opts, cfg
+
+    def _apply(self, fn, recurse=True):
+        # model.to(torch.bfloat16) would round inv_freq to 8 mantissa bits: at position 1000 the
+        # fastest rotation would be off by ~4 rad. Recompute it in fp32 on the new device instead.
+        super()._apply(fn, recurse)
+        self.inv_freq = rope_inv_freq(self._cfg)[0].to(self.inv_freq.device)
+        return self
 
     def forward(self, input_ids, position_ids, cu_seqlens=None, max_seqlen=None, kv_caches=None):
         h = self.embed_tokens(input_ids)  # (B, S, H)
