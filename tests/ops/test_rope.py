@@ -1,0 +1,124 @@
+"""QK-RoPE Triton kernel vs a float64 reference, with PyTorch's own error in the same dtype as the yardstick.
+
+Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (how `make test` runs it).
+"""
+
+import pytest
+import torch
+
+from chronicals.ops import rope_cos_sin, rope_qk, rope_qk_ref
+from chronicals.ops._impl import triton_interpreting
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(DEV == "cpu" and not triton_interpreting(),
+                                reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (make test sets it)")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (Hq, Hk, D, R): Hq * D spans the hidden sizes 64, 576, 896, 1000, 4864; odd head counts, GQA, partial
+# rotary with a half (25) that is no power of two, and 38 query heads (not a power of two either)
+HEADS = [(1, 1, 64, 64), (9, 3, 64, 64), (14, 2, 64, 64), (10, 2, 100, 50), (38, 2, 128, 128)]
+
+
+def assert_tracks_torch(name, ours, torch_same_dtype, ref64, k=2.0):
+    """Our error vs fp64 <= k x PyTorch's error in the same dtype vs fp64 + eps(dtype) x max|ref|."""
+    err = (ours.double() - ref64).abs().max().item()
+    torch_err = (torch_same_dtype.double() - ref64).abs().max().item()
+    atol = torch.finfo(ours.dtype).eps * max(ref64.abs().max().item(), 1.0)
+    assert err <= k * torch_err + atol, f"{name}: error {err:.3g} vs torch {torch_err:.3g} (atol {atol:.3g})"
+
+
+def packed_positions(batch, seqlen, gen):
+    """(B, S) positions restarting at 0 at document starts inside each row (packed rows): always one at
+    S // 2, plus random ones. Row b's first document starts at position 1000 * b (large angles too)."""
+    pos = torch.empty(batch, seqlen, dtype=torch.int64)
+    for b in range(batch):
+        starts = torch.zeros(seqlen, dtype=torch.bool)
+        starts[torch.randint(0, seqlen, (seqlen // 5,), generator=gen)] = True
+        starts[seqlen // 2] = seqlen > 1
+        starts[0] = True
+        doc_start = torch.cummax(torch.where(starts, torch.arange(seqlen), 0), 0).values
+        pos[b] = torch.arange(seqlen) - doc_start + torch.where(doc_start == 0, 1000 * b, 0)
+    return pos
+
+
+def _run(fn, q, k, cos, sin, dq, dk):
+    q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+    qo, ko = fn(q, k, cos, sin)
+    loss = (qo.double() * dq).sum() + (ko.double() * dk).sum()
+    return [qo, ko, *torch.autograd.grad(loss, [q, k])]
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: "x".join(map(str, h)))
+@pytest.mark.parametrize("seqlen", [1, 7, 123])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_reference(dtype, seqlen, heads):
+    hq, hk, d, r = heads
+    batch = 2
+    g = torch.Generator().manual_seed(seqlen * 31 + hq * d)
+    pos = packed_positions(batch, seqlen, g)
+    if seqlen > 1:
+        assert (pos[:, 1:] == 0).any(-1).all(), "every row must restart its positions mid-row"
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, r, 2, dtype=torch.float32) / r))
+    cos, sin = rope_cos_sin(pos, inv_freq, dtype=dtype)  # the decoder builds them in the activations' dtype
+    cos, sin = cos.to(DEV), sin.to(DEV)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).to(DEV)
+
+    q, k = rnd(batch, seqlen, hq, d), rnd(batch, seqlen, hk, d)
+    dq, dk = rnd(batch, seqlen, hq, d).double(), rnd(batch, seqlen, hk, d).double()
+    ref64 = _run(rope_qk_ref, q.double(), k.double(), cos.double(), sin.double(), dq, dk)
+    theirs = _run(rope_qk_ref, q, k, cos, sin, dq, dk)
+    ours = _run(lambda *a: rope_qk(*a, impl="triton"), q, k, cos, sin, dq, dk)
+    for name, o, t, e in zip(["q", "k", "dq", "dk"], ours, theirs, ref64):
+        assert o.dtype == dtype and o.shape == e.shape, name
+        assert_tracks_torch(name, o, t, e)
+
+
+def test_strided_inputs_and_broadcast_cos():
+    """q/k as transposed views of (B, H, S, D) and cos/sin of shape (1, S, R) broadcast over the batch."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 4, 9, 32, generator=g).to(DEV).transpose(1, 2).requires_grad_()  # (B, S, 4, 32)
+    k = torch.randn(3, 2, 9, 32, generator=g).to(DEV).transpose(1, 2).requires_grad_()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 32, 2, dtype=torch.float32) / 32))
+    cos, sin = rope_cos_sin(torch.arange(9)[None], inv_freq)
+    cos, sin = cos.to(DEV), sin.to(DEV)
+    ours, ref = rope_qk(q, k, cos, sin, impl="triton"), rope_qk_ref(q, k, cos, sin)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b)
+    w = [torch.randn_like(t) for t in ref]
+    got = torch.autograd.grad(sum((a * b).sum() for a, b in zip(ours, w)), [q, k])
+    want = torch.autograd.grad(sum((a * b).sum() for a, b in zip(ref, w)), [q, k])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_bad_inputs_say_what_is_wrong():
+    q, k = torch.randn(1, 4, 2, 16, device=DEV), torch.randn(1, 4, 1, 16, device=DEV)
+    cos = torch.randn(1, 4, 16, device=DEV)
+    with pytest.raises(ValueError, match="does not differentiate cos/sin"):
+        rope_qk(q, k, cos.requires_grad_(), cos.detach(), impl="triton")
+    with pytest.raises(ValueError, match="must be even and <= head_dim"):
+        rope_qk(q, k, torch.randn(1, 4, 18, device=DEV), torch.randn(1, 4, 18, device=DEV), impl="triton")
+    with pytest.raises(ValueError, match="expected q"):
+        rope_qk(q[0], k, cos.detach(), cos.detach(), impl="triton")
+
+
+def test_registered_op_passes_opcheck_and_compiles():
+    q = torch.randn(2, 3, 4, 16, device=DEV, requires_grad=True)
+    k = torch.randn(2, 3, 2, 16, device=DEV, requires_grad=True)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))  # partial: R = 8 of 16
+    cos, sin = (t.to(DEV) for t in rope_cos_sin(torch.arange(3).repeat(2, 1), inv_freq))
+    torch.library.opcheck(torch.ops.chronicals.rope_qk.default, (q, k, cos, sin))
+
+    def f(q_, k_):
+        qo, ko = rope_qk(q_, k_, cos, sin, impl="triton")
+        return qo.square().sum() + ko.sum()
+
+    def f_ref(q_, k_):
+        qo, ko = rope_qk_ref(q_, k_, cos, sin)
+        return qo.square().sum() + ko.sum()
+
+    got = torch.autograd.grad(torch.compile(f, backend="aot_eager", fullgraph=True)(q, k), [q, k])
+    want = torch.autograd.grad(f_ref(q, k), [q, k])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
