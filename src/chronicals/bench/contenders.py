@@ -142,7 +142,7 @@ def _chronicals(method: str, compile_layers: bool):
                 layer.compile()
             notes.append("decoder layers torch.compile'd")
         params = [p for g in groups for p in g["params"]]
-        opt = make_optimizer(groups, device, LR_LORA if method == "lora" else LR_FULL)
+        opt = make_optimizer(groups, device, spec.lr or (LR_LORA if method == "lora" else LR_FULL))
         prepare, fb = chronicals_step(model, spec, device)
         notes.append(f"step={spec.step}, layout={spec.layout}")
         return Built(model, prepare, fb, params, opt, model.config.vocab_size, notes)
@@ -195,7 +195,7 @@ def _hf(method: str, compile_model: bool = False, liger: bool = False, liger_fus
             model = add_peft_lora(model, spec)
             notes.append(f"PEFT LoRA r={spec.lora_r} alpha={spec.lora_alpha}")
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = make_optimizer([{"params": params}], device, LR_LORA if method == "lora" else LR_FULL)
+        opt = make_optimizer([{"params": params}], device, spec.lr or (LR_LORA if method == "lora" else LR_FULL))
         fwd = torch.compile(model) if compile_model else model
         if compile_model:
             notes.append("torch.compile(model)")

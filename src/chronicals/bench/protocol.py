@@ -36,6 +36,7 @@ class RunSpec:
     layout: str = "rows"  # chronicals rows: "rows" (dense causal) | "packed" (cu_seqlens, one document per row)
     lora_r: int = LORA_R
     lora_alpha: int = LORA_ALPHA
+    lr: float = 0.0  # 0: the protocol's (1e-5 full, 1e-4 LoRA); the learning check reads it as its full-FT lr
     seed: int = 0
 
     def __post_init__(self):

@@ -66,6 +66,6 @@ def build_unsloth(spec: RunSpec, shape: Shape, device: torch.device, method: str
         notes.append(f"get_peft_model r={spec.lora_r} alpha={spec.lora_alpha}")
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer([{"params": params}], device, LR_LORA if method == "lora" else LR_FULL)
+    opt = make_optimizer([{"params": params}], device, spec.lr or (LR_LORA if method == "lora" else LR_FULL))
     prepare, fb = hf_style(lambda ids: model(input_ids=ids, labels=ids, use_cache=False).loss)
     return Built(model, prepare, fb, params, opt, shape.hf_config["vocab_size"], notes)

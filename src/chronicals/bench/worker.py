@@ -44,7 +44,8 @@ def parse_args(argv):
         if f.type in ("bool", bool):
             ap.add_argument(f"--{f.name}", action="store_true")
         else:
-            ap.add_argument(f"--{f.name}", type=int if f.type in ("int", int) else str,
+            kind = {"int": int, "float": float}.get(f.type, f.type if f.type in (int, float) else str)
+            ap.add_argument(f"--{f.name}", type=kind,
                             default=None if f.name == "contender" else f.default)
     return ap.parse_args(argv)
 

@@ -1,0 +1,218 @@
+"""`chronicals bench`: every contender on the ANCHORS.md protocol, each in its own process, one report.
+
+    chronicals bench                       # 0.5B table (full + LoRA), parity, learning, 8B LoRA table
+    chronicals bench --quick               # under 5 minutes of GPU time (fewer contenders and steps)
+    chronicals bench --shape 8b --contenders chronicals-lora,hf-peft
+    chronicals bench --seq-sweep | --model-sweep | --max-context
+    chronicals bench --device cpu --tiny   # the same code paths on a tiny model (tests, no GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from .contenders import CONTENDERS, get_contender, missing_requirements
+from .protocol import RunSpec, validate_row
+from .report import environment, finish_row, markdown_table, write_report
+from .shapes import SHAPES, get_shape
+from .worker import spec_argv
+
+# --quick: the rows that answer "are we ahead" in < 5 min of GPU time; Liger/Unsloth rows cost nothing
+# when not installed. Left out: chronicals/HF variants that compile (1-2 min each), unsloth-full, PEFT
+# + Liger/compile, and the 8B table.
+QUICK = ("chronicals-full", "chronicals-lora", "hf-sdpa", "hf-compile", "hf-liger", "hf-peft", "unsloth-lora")
+SWEEP_DEFAULT = ("chronicals-full", "chronicals-lora", "hf-compile", "hf-peft", "unsloth-lora")
+LORA_SWEEP = ("chronicals-lora", "hf-peft", "unsloth-lora")
+SEQ_SWEEP = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="chronicals bench", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--quick", action="store_true", help=f"0.5B table only, 2 + 6 steps, contenders {', '.join(QUICK)}")
+    ap.add_argument("--shape", choices=list(SHAPES), help="one table at this shape (default: 0.5b and 8b)")
+    ap.add_argument("--contenders", help=f"comma-separated subset of: {', '.join(CONTENDERS)}")
+    ap.add_argument("--rows", type=int, help="sequences per step (default: the shape's protocol)")
+    ap.add_argument("--seq", type=int, help="tokens per sequence (default: the shape's protocol)")
+    ap.add_argument("--warmup", type=int, help="warm-up steps (default 4; --quick 2; --tiny 1)")
+    ap.add_argument("--steps", type=int, help="timed steps (default 12; --quick 6; --tiny 2)")
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    ap.add_argument("--tiny", action="store_true", help="tiny model, 2 x 32 tokens: CPU tests of the harness")
+    ap.add_argument("--impl", default="auto", choices=("auto", "triton", "torch"), help="chronicals op kernels")
+    ap.add_argument("--step", default="trainer", choices=("trainer", "bench"),
+                    help="chronicals step: the trainer's accumulate_gradients, or the bench's own call")
+    ap.add_argument("--layout", default="rows", choices=("rows", "packed"),
+                    help="chronicals batch: dense rows, or the packed contract (cu_seqlens, one doc per row)")
+    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing for every row")
+    ap.add_argument("--no-correctness", action="store_true", help="skip the parity check vs transformers")
+    ap.add_argument("--no-learning", action="store_true", help="skip the learning check")
+    ap.add_argument("--learning-steps", type=int, default=40)
+    ap.add_argument("--learning-lr", type=float, help="full-FT lr of the learning check (default 3e-4; 3e-3 --tiny)")
+    ap.add_argument("--seq-sweep", action="store_true", help=f"seq {SEQ_SWEEP[0]}..{SEQ_SWEEP[-1]} at fixed tokens per step")
+    ap.add_argument("--model-sweep", action="store_true", help="LoRA at 0.5b, 1.5b, 3b, 8b (4 x 2048); "
+                    "checkpointing on where a row runs out of memory without it")
+    ap.add_argument("--max-context", action="store_true", help="longest trainable seq per shape (1 row, checkpointing)")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per worker process")
+    ap.add_argument("--out", default="benchmarks/results", help="result directory")
+    return ap.parse_args(argv)
+
+
+class Runner:
+    """Launches worker processes and collects their JSON rows."""
+
+    def __init__(self, timeout: int, log=print):
+        self.timeout, self.log = timeout, log
+        self.tmp = Path(tempfile.mkdtemp(prefix="chronicals-bench-"))
+        self.count = 0
+
+    def run(self, task: str, spec: RunSpec) -> dict:
+        self.count += 1
+        out = self.tmp / f"{self.count:03d}_{task}_{spec.contender}.json"
+        cmd = [sys.executable, "-m", "chronicals.bench.worker", "--task", task, *spec_argv(spec), "--json-out", str(out)]
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env=env, timeout=self.timeout, capture_output=True, text=True)
+            tail = (proc.stdout + proc.stderr)[-3000:]
+            if out.exists():
+                row = json.loads(out.read_text())
+            else:  # the process died before writing (segfault, illegal memory access, killed for memory)
+                row = {"contender": spec.contender, "status": "crashed",
+                       "reason": f"worker exited {proc.returncode} without a row: {tail.strip().splitlines()[-1:] }"}
+            row["worker_log_tail"] = tail
+        except subprocess.TimeoutExpired:
+            row = {"contender": spec.contender, "status": "timeout", "reason": f"no result within {self.timeout} s"}
+        row["wall_s"] = round(time.perf_counter() - t0, 1)
+        return row
+
+
+def contender_rows(runner: Runner, names, base: RunSpec, peak) -> list[dict]:
+    rows = []
+    for name in names:
+        c = get_contender(name)
+        missing = missing_requirements(c)
+        if missing:  # no process to start: the row says so
+            row = {"contender": name, "status": "not installed", "reason": f"needs {', '.join(missing)}", "wall_s": 0}
+        else:
+            row = runner.run("contender", replace(base, contender=name))
+        row.setdefault("label", c.label)
+        row.setdefault("method", c.method)
+        for k in ("shape", "rows", "seq", "checkpointing"):
+            row.setdefault(k, getattr(base, k))
+        row = finish_row(validate_row(row), peak)
+        tps = f"{row['tokens_per_s']:,.0f} tok/s" if row.get("tokens_per_s") else ""
+        runner.log(f"  {name:28s} {row['status']:14s} {tps:>16s}  {row.get('reason', '')[:120]}  ({row['wall_s']} s)")
+        rows.append(row)
+    return rows
+
+
+def default_contenders(shape, quick: bool) -> list[str]:
+    names = [c.name for c in CONTENDERS.values() if c.in_default and c.method in shape.methods]
+    return [n for n in names if n in QUICK] if quick else names
+
+
+def run_plan(args) -> dict:
+    tiny = args.tiny
+    device = args.device
+    warmup = args.warmup if args.warmup is not None else (1 if tiny else 2 if args.quick else 4)
+    steps = args.steps if args.steps is not None else (2 if tiny else 6 if args.quick else 12)
+    shapes = [args.shape] if args.shape else (["tiny"] if tiny else ["0.5b"] if args.quick else ["0.5b", "8b"])
+    chosen = [s.strip() for s in args.contenders.split(",")] if args.contenders else None
+    for n in chosen or []:
+        get_contender(n)
+    note = ""
+    if args.quick:
+        note = (f"--quick: {warmup} warm-up + {steps} timed steps, contenders {', '.join(QUICK)}; skipped: the 8B "
+                "table, compiled chronicals variants, unsloth-full, PEFT + Liger / compile.")
+    runner = Runner(args.timeout)
+    base = RunSpec("peak", shape=shapes[0], warmup=warmup, steps=steps, device=device, impl=args.impl, step=args.step,
+                   layout=args.layout, checkpointing=args.checkpointing)
+    peak_row = runner.run("peak", base) if device.startswith("cuda") else {"gpu": "cpu", "peak_tflops": None}
+    peak = peak_row.get("peak_tflops")
+    print(f"device {peak_row.get('gpu', device)}: bf16 matmul peak {peak or 'n/a'} TFLOP/s")
+    results = {"environment": environment(peak_row.get("gpu") or device), "peak_tflops": peak, "peak": peak_row,
+               "plan": {"warmup": warmup, "steps": steps, "quick": args.quick, "note": note, "argv": sys.argv[1:]},
+               "tables": []}
+
+    def spec_for(shape_name, rows=None, seq=None, **kw):
+        sh = get_shape(shape_name)
+        return replace(base, shape=shape_name, rows=rows or args.rows or sh.rows, seq=seq or args.seq or sh.seq, **kw)
+
+    for name in shapes:
+        sh = get_shape(name)
+        spec = spec_for(name)
+        print(f"table {name}: {spec.rows} x {spec.seq} tokens per step")
+        rows = contender_rows(runner, chosen or default_contenders(sh, args.quick), spec, peak)
+        results["tables"].append({"title": f"{sh.note}, {spec.rows} x {spec.seq} tokens per step", "shape": name,
+                                  "rows": spec.rows, "seq": spec.seq, "rows_data": rows})
+        print(markdown_table(rows))
+    check_shape = shapes[0] if get_shape(shapes[0]).methods == ("full", "lora") else ("tiny" if tiny else "0.5b")
+    if not args.no_correctness:
+        spec = spec_for(check_shape, rows=min(args.rows or 4, 4) if not tiny else 2)
+        results["correctness"] = runner.run("correctness", replace(spec, contender="correctness"))
+        print(f"correctness: {results['correctness'].get('status')} {results['correctness'].get('reason', '')}")
+    if not args.no_learning:
+        spec = spec_for(check_shape, rows=2 if tiny else 8, seq=32 if tiny else 512)
+        lr = args.learning_lr or (3e-3 if tiny else 3e-4)
+        results["learning"] = runner.run("learning", replace(spec, contender="learning", steps=args.learning_steps, lr=lr))
+        print(f"learning: {results['learning'].get('status')} {results['learning'].get('reason', '')}")
+    if args.seq_sweep:
+        sh = get_shape(shapes[0])
+        tokens = (args.rows or sh.rows) * (args.seq or sh.seq)
+        for seq in [s for s in SEQ_SWEEP if s <= tokens]:
+            spec = spec_for(sh.name, rows=tokens // seq, seq=seq)
+            print(f"seq sweep {sh.name}: {spec.rows} x {seq}")
+            rows = contender_rows(runner, chosen or SWEEP_DEFAULT, spec, peak)
+            results["tables"].append({"title": f"seq sweep, {sh.note}, {spec.rows} x {seq}", "shape": sh.name,
+                                      "rows": spec.rows, "seq": seq, "rows_data": rows})
+    if args.model_sweep:
+        for name in ("0.5b", "1.5b", "3b", "8b"):
+            spec = spec_for(name, rows=args.rows or 4, seq=args.seq or 2048)
+            print(f"model sweep {name}: {spec.rows} x {spec.seq}, LoRA")
+            rows = contender_rows(runner, chosen or LORA_SWEEP, spec, peak)
+            retry = [r["contender"] for r in rows if r["status"] == "OOM"]
+            if retry and not spec.checkpointing:  # checkpointing only where needed
+                rows += contender_rows(runner, retry, replace(spec, checkpointing=True), peak)
+            results["tables"].append({"title": f"model sweep, {get_shape(name).note}, LoRA, {spec.rows} x {spec.seq}",
+                                      "shape": name, "rows": spec.rows, "seq": spec.seq, "rows_data": rows})
+    if args.max_context:
+        results["max_context"] = max_context(runner, shapes if args.shape or tiny else ["0.5b", "8b"],
+                                             chosen or LORA_SWEEP, base, tiny)
+    return results
+
+
+def max_context(runner: Runner, shapes, names, base: RunSpec, tiny: bool) -> list[dict]:
+    """Double seq (1 row, checkpointing on, 1 + 1 steps) from 4096 (64 for tiny) until a row fails."""
+    out = []
+    for shape in shapes:
+        for name in names:
+            seq, best, failure = (64 if tiny else 4096), None, ""
+            while seq <= (256 if tiny else 1 << 18):
+                row = runner.run("contender", replace(base, contender=name, shape=shape, rows=1, seq=seq,
+                                                      warmup=1, steps=1, checkpointing=True))
+                row = validate_row(row)
+                print(f"  max context {shape} {name} seq {seq}: {row['status']}")
+                if row["status"] != "ok":
+                    failure = f"seq {seq}: {row['status']} {row.get('reason', '')[:80]}"
+                    break
+                best, seq = seq, seq * 2
+            out.append({"shape": shape, "contender": name, "max_ok": best, "first_failure": failure})
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.tiny and args.shape and args.shape != "tiny":
+        raise SystemExit("--tiny picks the tiny shape; drop --shape or --tiny")
+    results = run_plan(args)
+    paths = write_report(results, args.out)
+    print("\n".join(f"wrote {p}" for p in paths.values()))
+    return 0
