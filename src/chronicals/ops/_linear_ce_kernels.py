@@ -1,0 +1,206 @@
+"""Triton kernels of the fused linear cross-entropy (see cross_entropy.py for the design and its numbers).
+
+- ``_lce_rows_kernel``: one program per row of a logits chunk (C, V). Pass 1 is the online softmax over
+  vocab tiles (log-sum-exp and the target logit, fp32 in registers); pass 2 overwrites the chunk in place
+  with d_logits = scale * (softmax - onehot) (times the softcap derivative). Ignored rows skip both
+  passes' math and only write zeros so the GEMMs that follow add nothing for them.
+- ``_dw_accumulate_kernel``: dW32 (V, H) fp32 += dlogits(C, V).T @ hidden(C, H). cuBLAS offers no
+  "bf16 x bf16 accumulated into an existing fp32 matrix" that torch 2.11 and 2.13 both expose, so this is
+  a small tiled GEMM whose epilogue adds into the fp32 accumulator (exact fp32 accumulation of dW).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._impl import triton_interpreting
+
+# Row-kernel tiles. CUDA: one row per program, vocab tiles of 4096 (fp32 over 8 warps: 16 values per thread
+# per tensor); the kernel is memory-bound (6 bytes per bf16 logit: read, read, write), so one config does.
+# The interpreter pays per operation, not per element: 16 rows x 8192 columns per step keeps the V = 32000
+# tests to a few dozen steps per chunk while still running the tile loop with a masked tail.
+BLOCK_R_ROWS, BLOCK_V_ROWS = (16, 8192) if triton_interpreting() else (1, 4096)
+ROWS_NUM_WARPS = 8
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from exp2; saturates cleanly (exp2 -> inf gives 1, exp2 -> 0 gives -1). Absolute error ~1e-7,
+    # far below a bf16 logit's rounding.
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
+def _load_logits(ptrs, bias_ptrs, mask, softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """Raw GEMM logits -> (z, t) in fp32: z the (capped) logit, t = tanh(raw / softcap) (raw without a cap)."""
+    z = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(bias_ptrs, mask=mask, other=0.0).to(tl.float32)
+    t = z
+    if HAS_SOFTCAP:
+        t = _tanh(z / softcap)
+        z = softcap * t
+    return z, t
+
+
+@triton.jit
+def _lce_rows_kernel(L_ptr, l_row_stride, LABELS_ptr, BIAS_ptr, SCALE_ptr, scale_stride, LOSS_ptr, LSE_ptr,
+                     row0, C, V, ignore_index, softcap,
+                     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_LSE: tl.constexpr,
+                     WRITE_GRAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    """L (C, V) raw logits of rows row0 .. row0 + C of the batch; LABELS/LOSS/LSE/SCALE index global rows.
+
+    COMPUTE_LSE: pass 1 writes LOSS (0 where ignored) and LSE; otherwise LSE is read (backward of "none").
+    WRITE_GRAD: pass 2 overwrites L with d_logits = SCALE[row * scale_stride] * d loss_row / d raw logits.
+    """
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,) rows of the chunk
+    rmask = r < C
+    g = row0 + r
+    label = tl.load(LABELS_ptr + g, mask=rmask, other=ignore_index)
+    valid = label != ignore_index
+    row_ptrs = L_ptr + r.to(tl.int64)[:, None] * l_row_stride  # (BLOCK_R, 1)
+    cols = tl.arange(0, BLOCK_V)[None, :]
+    if tl.max(valid.to(tl.int32), 0) > 0:  # a block of ignored rows skips the math
+        if COMPUTE_LSE:
+            # online softmax over vocab tiles: m running max, s running sum of exp(z - m), per row
+            m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+            s = tl.zeros([BLOCK_R], tl.float32)
+            for v0 in range(0, V, BLOCK_V):
+                offs = v0 + cols
+                mask = rmask[:, None] & (offs < V)
+                z, t = _load_logits(row_ptrs + offs, BIAS_ptr + offs, mask, softcap, HAS_BIAS, HAS_SOFTCAP)
+                z = tl.where(mask, z, float("-inf"))
+                m_new = tl.maximum(tl.maximum(m, tl.max(z, 1)), -1e30)  # -1e30: padded rows stay finite
+                s = s * tl.exp2((m - m_new) * 1.4426950408889634) + \
+                    tl.sum(tl.exp2((z - m_new[:, None]) * 1.4426950408889634), 1)
+                m = m_new
+            lse = m + tl.log(tl.maximum(s, 1e-30))  # s >= 1 on real rows; padded rows stay finite
+            safe = tl.where(valid, label, 0)
+            z_t, t_t = _load_logits(L_ptr + r.to(tl.int64) * l_row_stride + safe, BIAS_ptr + safe, rmask,
+                                    softcap, HAS_BIAS, HAS_SOFTCAP)
+            tl.store(LOSS_ptr + g, tl.where(valid, lse - z_t, 0.0), mask=rmask)
+            tl.store(LSE_ptr + g, tl.where(valid, lse, 0.0), mask=rmask)
+        else:
+            lse = tl.load(LSE_ptr + g, mask=rmask, other=0.0)
+        if WRITE_GRAD:
+            scale = tl.load(SCALE_ptr + g * scale_stride, mask=rmask, other=0.0).to(tl.float32)
+            lse = tl.where(valid, lse, float("inf"))  # ignored rows: exp2(-inf) = 0, no overflow
+            for v0 in range(0, V, BLOCK_V):
+                offs = v0 + cols
+                mask = rmask[:, None] & (offs < V)
+                z, t = _load_logits(row_ptrs + offs, BIAS_ptr + offs, mask, softcap, HAS_BIAS, HAS_SOFTCAP)
+                d = tl.exp2((z - lse[:, None]) * 1.4426950408889634) - tl.where(offs == label[:, None], 1.0, 0.0)
+                if HAS_SOFTCAP:
+                    d = d * (1.0 - t * t)  # d(softcap * tanh(x / softcap)) / dx
+                d = tl.where(valid[:, None], d, 0.0) * scale[:, None]
+                tl.store(row_ptrs + offs, d.to(L_ptr.dtype.element_ty), mask=mask)
+    else:
+        if COMPUTE_LSE:
+            tl.store(LOSS_ptr + g, tl.zeros([BLOCK_R], tl.float32), mask=rmask)
+            tl.store(LSE_ptr + g, tl.zeros([BLOCK_R], tl.float32), mask=rmask)
+        if WRITE_GRAD:
+            zero = tl.zeros([BLOCK_R, BLOCK_V], tl.float32).to(L_ptr.dtype.element_ty)
+            for v0 in range(0, V, BLOCK_V):
+                offs = v0 + cols
+                tl.store(row_ptrs + offs, zero, mask=rmask[:, None] & (offs < V))
+
+
+def lce_rows(logits: torch.Tensor, labels: torch.Tensor, row0: int, bias, scale, loss_rows, lse, *,
+             ignore_index: int, softcap, compute_lse: bool, write_grad: bool) -> None:
+    """Run the row kernel on a chunk ``logits`` (C, V), stride(1) == 1, holding rows row0 .. row0 + C.
+
+    labels (N,) int64; bias (V,) or None; scale (1,) or (N,) fp32 (stride 0 or 1 per row); loss_rows and
+    lse (N,) fp32 (lse is read instead of written when ``compute_lse`` is False).
+    """
+    c, v = logits.shape
+    if c == 0:
+        return
+    _lce_rows_kernel[(triton.cdiv(c, BLOCK_R_ROWS),)](
+        logits, logits.stride(0), labels, bias if bias is not None else logits, scale,
+        1 if scale.numel() > 1 else 0, loss_rows, lse, row0, c, v, ignore_index,
+        float(softcap) if softcap is not None else 1.0,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, COMPUTE_LSE=compute_lse,
+        WRITE_GRAD=write_grad, BLOCK_R=BLOCK_R_ROWS, BLOCK_V=BLOCK_V_ROWS, num_warps=ROWS_NUM_WARPS)
+
+
+# Hopper-friendly tiles first; the interpreter takes only the first (tune_configs). H = 896 = 7 x 128, so
+# BLOCK_H = 128 wastes nothing at the 0.5B head, 256 wastes 12.5% of the last column block.
+_DW_CONFIGS = [
+    triton.Config({"BLOCK_V": 128, "BLOCK_H": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_V": 128, "BLOCK_H": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_V": 256, "BLOCK_H": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_V": 128, "BLOCK_H": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_V": 128, "BLOCK_H": 128, "BLOCK_K": 32}, num_warps=4, num_stages=5),
+]
+
+
+# restore_value: the kernel adds into ACC, so each autotune trial must start from the same accumulator.
+# The interpreter pays per operation: large tiles, few programs (H <= 128 in the tests is one column block).
+_DW_INTERPRET = [triton.Config({"BLOCK_V": 1024, "BLOCK_H": 128, "BLOCK_K": 128})]
+
+
+@triton.autotune(configs=_DW_INTERPRET if triton_interpreting() else _DW_CONFIGS, key=["V", "H"], restore_value=["ACC_ptr"])
+@triton.jit
+def _dw_accumulate_kernel(D_ptr, X_ptr, ACC_ptr, C, V, H, d_row_stride, x_row_stride, acc_row_stride,
+                          DOT_FP32: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """ACC (V, H) fp32 += D(C, V).T @ X(C, H). Programs walk H fastest so neighbours share D's columns."""
+    pid = tl.program_id(0)
+    n_h = tl.cdiv(H, BLOCK_H)
+    pid_v = pid // n_h
+    pid_h = pid % n_h
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_V, BLOCK_H], tl.float32)
+    for k0 in range(0, C, BLOCK_K):
+        ks = k0 + offs_k
+        d = tl.load(D_ptr + ks[:, None].to(tl.int64) * d_row_stride + offs_v[None, :],
+                    mask=(ks[:, None] < C) & (offs_v[None, :] < V), other=0.0)  # (BLOCK_K, BLOCK_V)
+        x = tl.load(X_ptr + ks[:, None].to(tl.int64) * x_row_stride + offs_h[None, :],
+                    mask=(ks[:, None] < C) & (offs_h[None, :] < H), other=0.0)  # (BLOCK_K, BLOCK_H)
+        if DOT_FP32:
+            # fp32 inputs (exact, no TF32), and the interpreter, whose bf16 arithmetic is not trustworthy;
+            # products of bf16 values are exact in fp32, so the result equals the tensor-core path's.
+            acc += tl.dot(tl.trans(d.to(tl.float32)), x.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(tl.trans(d), x)
+    out = ACC_ptr + offs_v[:, None].to(tl.int64) * acc_row_stride + offs_h[None, :]
+    omask = (offs_v[:, None] < V) & (offs_h[None, :] < H)
+    tl.store(out, tl.load(out, mask=omask, other=0.0) + acc, mask=omask)
+
+
+def dw_accumulate(dlogits: torch.Tensor, x: torch.Tensor, acc: torch.Tensor) -> None:
+    """acc (V, H) fp32 += dlogits (C, V).T @ x (C, H); dlogits and x in one dtype, last dims contiguous."""
+    c, v = dlogits.shape
+    h = x.shape[1]
+    if c == 0:
+        return
+    dot_fp32 = dlogits.dtype == torch.float32 or triton_interpreting()
+
+    def grid(meta):
+        return (triton.cdiv(v, meta["BLOCK_V"]) * triton.cdiv(h, meta["BLOCK_H"]),)
+
+    _dw_accumulate_kernel[grid](dlogits, x, acc, c, v, h, dlogits.stride(0), x.stride(0), acc.stride(0),
+                                DOT_FP32=dot_fp32)
+
+
+@triton.jit
+def _scale_kernel(X_ptr, G_ptr, OUT_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(G_ptr).to(tl.float32)
+    x = tl.load(X_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT_ptr + offs, (x * g).to(OUT_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_by(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """x (any shape, contiguous) * g (0-dim, on x's device) in fp32, rounded once to x.dtype."""
+    out = torch.empty_like(x)
+    n = x.numel()
+    if n:
+        block = 4096
+        _scale_kernel[(triton.cdiv(n, block),)](x, g.reshape(1), out, n, BLOCK=block, num_warps=8)
+    return out
