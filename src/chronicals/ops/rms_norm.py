@@ -31,8 +31,11 @@ from ._triton_utils import check_device, num_sms, tune_configs
 # Widest row kept in registers in one piece. 8192 fp32 values over 16 warps are 16 per thread per tensor;
 # past it the kernels loop over column blocks. The interpreter uses 1024 so hidden 4864 exercises the loop.
 MAX_BLOCK_H = 1024 if triton_interpreting() else 8192
-# Elements per tile in the forward: rows are packed into a tile until it holds about this many.
+# Elements per tile: rows are packed into a tile until it holds about this many. The persistent backward
+# walks its rows serially, so it takes twice the tile to keep ~2 x 16 KB of loads in flight per program
+# (264 programs x 32 KB ~ 8 MB in flight, above the ~4 MB bandwidth-delay product of an H200).
 TILE_ELEMS = 4096
+BWD_TILE_ELEMS = 8192
 PROGRAMS_PER_SM = 2  # persistent backward grid
 
 
@@ -182,9 +185,10 @@ def _rms_norm_bwd_kernel(DY_ptr, DS_ptr, S_ptr, W_ptr, RSTD_ptr, DX_ptr, DW_ptr,
 # ---------------------------------------------------------------- launchers
 
 
-def _blocks(h: int) -> tuple[int, int]:
+def _blocks(h: int, tile: int = TILE_ELEMS) -> tuple[int, int]:
+    """(BLOCK_M rows, BLOCK_H columns) of a tile for hidden size h."""
     block_h = min(triton.next_power_of_2(h), MAX_BLOCK_H)
-    return max(1, min(64, TILE_ELEMS // block_h)), block_h
+    return max(1, min(64, tile // block_h)), block_h
 
 
 def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
@@ -217,7 +221,7 @@ def rms_norm_backward(dy: torch.Tensor, ds: Optional[torch.Tensor], s: torch.Ten
     dx = torch.empty((n, h), device=s.device, dtype=s.dtype)
     if n == 0:
         return dx, torch.zeros_like(weight)
-    block_m, block_h = _blocks(h)
+    block_m, block_h = _blocks(h, BWD_TILE_ELEMS)
     programs = min(num_sms(s.device) * PROGRAMS_PER_SM, triton.cdiv(n, block_m))
     dw_part = torch.empty((programs, h), device=s.device, dtype=torch.float32)
     dd = ds if ds is not None else dy
