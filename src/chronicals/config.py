@@ -156,7 +156,7 @@ class EvalSection:
     every: int = _f(0, "held-out loss every N optimizer steps (0 = only before and after training)")
     qa: bool = _f(True, "answer the held-out questions before and after (greedy) and score keywords")
     qa_limit: int = _f(0, "held-out questions to answer (0 = all)")
-    max_new_tokens: int = _f(48, "tokens generated per held-out answer")
+    max_new_tokens: int = _f(24, "tokens generated per held-out answer (the demo answers take <= 17)")
 
     def __post_init__(self):
         _check(self.every >= 0, "eval.every", self.every, "an integer >= 0")

@@ -86,14 +86,59 @@ def prompt_ids(tokenizer, question: str, system_prompt: str) -> torch.Tensor:
 
 
 def answer(model, tokenizer, question: str, system_prompt: str, max_new_tokens: int) -> str:
-    from ..models.generate import generate
+    return answer_many(model, tokenizer, [question], system_prompt, max_new_tokens)[0]
 
-    ids = generate(model, prompt_ids(tokenizer, question, system_prompt), max_new_tokens,
-                   eos_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+@torch.no_grad()
+def greedy_same_length(model, ids: torch.Tensor, max_new_tokens: int, eos: set[int]) -> list[list[int]]:
+    """Greedy continuations of B prompts of equal length, ids (B, S), with one KV cache per layer.
+
+    Equal lengths need no padding mask, so one batched decode step reads the weights once for all B
+    rows: at B = 11 the demo's held-out answers take ~1/6 of the time of one-by-one decoding on a CPU,
+    where each step is bound by reading the 540 MB of fp32 weights.
+    """
+    from ..models.decoder import KVCache
+
+    caches = [KVCache() for _ in model.model.layers]
+    b = ids.shape[0]
+    out: list[list[int]] = [[] for _ in range(b)]
+    done = [False] * b
+    step_in = ids.to(model.lm_head.weight.device)
+    was_training = model.training
+    model.eval()
+    try:
+        for _ in range(max_new_tokens):
+            h = model.hidden_states(step_in, kv_caches=caches)[:, -1]  # (B, H)
+            nxt = model.lm_head(h).float().argmax(dim=-1)  # (B,)
+            for i, t in enumerate(nxt.tolist()):
+                if not done[i]:
+                    out[i].append(t)
+                    done[i] = t in eos
+            if all(done):
+                break
+            step_in = nxt[:, None]
+    finally:
+        model.train(was_training)
+    return out
+
+
+def answer_many(model, tokenizer, questions: list[str], system_prompt: str, max_new_tokens: int) -> list[str]:
+    """Greedy answers to ``questions``, decoded in batches of equal prompt length."""
+    eos = tokenizer.eos_token_id
+    eos = set([eos] if isinstance(eos, int) else (eos or []))
+    prompts = [prompt_ids(tokenizer, q, system_prompt) for q in questions]
+    by_len: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    answers: list[str] = [""] * len(questions)
+    for idx in by_len.values():
+        outs = greedy_same_length(model, torch.stack([prompts[i] for i in idx]), max_new_tokens, eos)
+        for i, toks in zip(idx, outs):
+            answers[i] = tokenizer.decode(toks, skip_special_tokens=True).strip()
+    return answers
 
 
 def answer_all(model, tokenizer, qa: list[dict], system_prompt: str, max_new_tokens: int) -> QAResult:
-    answers = [answer(model, tokenizer, r["question"], system_prompt, max_new_tokens) for r in qa]
+    answers = answer_many(model, tokenizer, [r["question"] for r in qa], system_prompt, max_new_tokens)
     correct = [all(k.lower() in a.lower() for k in r.get("keywords", [])) for r, a in zip(qa, answers)]
     return QAResult(answers, correct)

@@ -1,0 +1,7 @@
+"""``python -m chronicals ...`` is ``chronicals ...``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,158 @@
+"""``chronicals train | export | chat | generate | bench``: thin wrappers over library functions.
+
+    chronicals train                                  # the embedded demo (LoRA+ on SmolLM2-135M)
+    chronicals train configs/qwen2.5-0.5b/lora.yaml optim.lr=2e-4 train.max_steps=500
+    chronicals export --base smollm2-135m-instruct --adapter runs/demo/adapter --out runs/demo/merged
+    chronicals chat --model smollm2-135m-instruct --adapter runs/demo/adapter "Who founded Vellmora?"
+    chronicals bench --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+USAGE = """usage: chronicals train [CONFIG.yaml] [section.key=value ...]
+
+Fine-tune a decoder LLM. With no arguments: the embedded demo (LoRA+ on SmolLM2-135M-Instruct with the
+packaged Vellmora facts; a few minutes on a laptop CPU). Values on the command line override the YAML
+file, which overrides the defaults below. Exit status: 0 done, 1 diverged (NaN/inf), 2 bad config,
+130 stopped by SIGINT/SIGTERM after writing a checkpoint (run again with train.resume=auto).
+
+keys:
+"""
+
+
+def _setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("chronicals").setLevel(logging.INFO)
+
+
+def cmd_train(argv: list[str]) -> int:
+    from .config import config_help, load_config
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE + config_help())
+        return 0
+    paths = [a for a in argv if "=" not in a]
+    overrides = [a for a in argv if "=" in a]
+    if len(paths) > 1 or (paths and not paths[0].endswith((".yaml", ".yml"))):
+        print(f"error: expected at most one CONFIG.yaml and key=value overrides, got {paths}\n"
+              "(see chronicals train --help)", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(paths[0] if paths else None, overrides)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    _setup_logging()
+    from .train import TrainingDiverged, train
+    from .train.report import RunReport
+
+    report = RunReport(cfg)
+    try:
+        result = train(cfg, report=report)
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if result.status == "interrupted":
+        print(f"stopped at step {result.step}/{result.total_steps}; checkpoint {result.checkpoint}\n"
+              f"continue with: chronicals train {' '.join(argv)} train.resume=auto".rstrip())
+        return 130
+    print(report.summary(result))
+    return 0
+
+
+def _load(model_path: str, adapter: str | None, device: str, dtype: str):
+    import torch
+
+    from . import load_model
+
+    dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dt = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32, "bfloat16": torch.bfloat16,
+          "float32": torch.float32}[dtype]
+    model, tok = load_model(model_path, dtype=dt, device=dev)
+    if adapter:
+        from .lora import load_adapter
+
+        load_adapter(model, adapter)
+    return model.eval(), tok
+
+
+def cmd_export(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="chronicals export",
+                                description="Merge a LoRA adapter into its base model and write a Hugging Face directory.")
+    p.add_argument("--base", required=True, help="base model: HF directory, .gguf, or smollm2-135m-instruct")
+    p.add_argument("--adapter", required=True, help="adapter directory (PEFT format, e.g. runs/demo/adapter)")
+    p.add_argument("--out", required=True, help="output directory (replaced atomically if it exists)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the written weights")
+    a = p.parse_args(argv)
+    _setup_logging()
+    from . import save_model
+    from .lora import merge_lora
+
+    model, tok = _load(a.base, a.adapter, "cpu", a.dtype)
+    merge_lora(model)
+    out = save_model(model, tok, a.out)
+    print(f"merged {a.adapter} into {a.base}: {out}")
+    return 0
+
+
+def cmd_chat(argv: list[str], prog: str = "chat") -> int:
+    p = argparse.ArgumentParser(prog=f"chronicals {prog}",
+                                description="Answer prompts (greedy) with a base or fine-tuned model; with no "
+                                            "prompts, read one per line from stdin.")
+    p.add_argument("prompts", nargs="*", help="user messages to answer")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="HF directory, .gguf, or smollm2-135m-instruct")
+    p.add_argument("--adapter", default=None, help="LoRA adapter directory to apply (e.g. runs/demo/adapter)")
+    p.add_argument("--system", default=None, help="system message (default: the one the demo trains with)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    a = p.parse_args(argv)
+    from .config import DEMO_SYSTEM_PROMPT
+    from .train.qa import answer
+
+    model, tok = _load(a.model, a.adapter, a.device, a.dtype)
+    system = DEMO_SYSTEM_PROMPT if a.system is None else a.system
+    prompts = a.prompts
+    interactive = not prompts
+    if interactive:
+        print("type a message and press enter (Ctrl-D to quit)", file=sys.stderr)
+        prompts = (line.strip() for line in sys.stdin)
+    for q in prompts:
+        if q:
+            reply = answer(model, tok, q, system, a.max_new_tokens)
+            print(reply if interactive else f"> {q}\n{reply}", flush=True)
+    return 0
+
+
+def cmd_bench(argv: list[str]) -> int:
+    from . import bench  # imported lazily: it pulls in the contenders' optional dependencies
+
+    rc = bench.main(argv)
+    return int(rc or 0)
+
+
+COMMANDS = {"train": cmd_train, "export": cmd_export, "chat": cmd_chat,
+            "generate": lambda argv: cmd_chat(argv, prog="generate"), "bench": cmd_bench}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"error: unknown command {argv[0]!r}", file=sys.stderr)
+        print("usage: chronicals {train,export,chat,generate,bench} ...\n"
+              "  train     fine-tune (no arguments: the embedded demo); chronicals train --help lists every key\n"
+              "  export    merge a LoRA adapter into its base and write a Hugging Face directory\n"
+              "  chat      answer prompts with a base or fine-tuned model (generate: the same)\n"
+              "  bench     the end-to-end benchmark table")
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

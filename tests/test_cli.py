@@ -1,0 +1,87 @@
+"""The command line: train (the demo path at a reduced size), export, chat, and config errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from chronicals import load_tokenizer, save_model
+from chronicals.cli import main
+from chronicals.models import CausalLM, ModelConfig
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory):
+    """A tiny random Llama with the embedded SmolLM2 tokenizer (real chat template, 49152 tokens)."""
+    import transformers
+
+    tok = load_tokenizer("smollm2-135m-instruct")
+    hf = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                  tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
+    model = CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0)
+    return save_model(model, tok, tmp_path_factory.mktemp("tiny") / "base")
+
+
+def test_help_shows_every_field_doc(capsys):
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "usage: chronicals train" in out and "lora.plus_ratio" in out and "warmup steps" in out
+
+
+def test_bad_value_fails_before_model_load(capsys):
+    # the model path does not exist: reaching the loader would give another error
+    assert main(["train", "model.path=/nonexistent/model", "optim.lr=-1"]) == 2
+    err = capsys.readouterr().err
+    assert "optim.lr=-1.0 is invalid: expected a number > 0" in err
+
+
+def test_unknown_key_suggests(capsys):
+    assert main(["train", "optim.learning_rat=1e-3"]) == 2
+    assert "did you mean optim" in capsys.readouterr().err
+
+
+def test_demo_path_reduced(tiny_base, tmp_path, capsys):
+    """`chronicals train` on the packaged demo data with a tiny model: before/after report, adapter, export, chat."""
+    out = tmp_path / "run"
+    rc = main(["train", f"model.path={tiny_base}", f"train.out_dir={out}", "train.max_steps=3",
+               "eval.qa_limit=3", "eval.max_new_tokens=4", "logging.progress=false", "data.batch_size=2",
+               "data.cache_dir=" + str(tmp_path / "cache")])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    for needle in ("== before training ==", "== after training ==", "held-out loss:", "Q: ",
+                   "held-out answers with their keywords:", "loss tokens/s", "adapter (PEFT format)"):
+        assert needle in text
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    assert (out / "loss.png").is_file() and (out / "config.yaml").is_file()
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3]
+    assert {r["tag"] for r in recs if r["kind"] == "eval"} == {"before", "after"}
+    # the held-out chat file carries the same system prompt the QA prompts use
+    first = json.loads((out / "data" / "heldout.jsonl").read_text().splitlines()[0])
+    assert first["messages"][0] == {"role": "system", "content": "You are a helpful assistant."}
+
+    merged = tmp_path / "merged"
+    assert main(["export", "--base", str(tiny_base), "--adapter", str(out / "adapter"), "--out", str(merged)]) == 0
+    capsys.readouterr()
+    q = "Who founded Vellmora?"
+    assert main(["chat", "--model", str(merged), "--max-new-tokens", "5", q]) == 0
+    merged_reply = capsys.readouterr().out
+    assert main(["generate", "--model", str(tiny_base), "--adapter", str(out / "adapter"), "--max-new-tokens", "5",
+                 q]) == 0
+    assert capsys.readouterr().out == merged_reply and merged_reply.startswith(f"> {q}\n")
+
+
+def test_batched_answers_equal_one_by_one(tiny_base):
+    from chronicals import load_model
+    from chronicals.models import generate
+    from chronicals.train.qa import answer_many, prompt_ids
+
+    model, tok = load_model(tiny_base, dtype=torch.float32)
+    qs = ["What is the capital of Vellmora?", "Who founded it?", "What is Vellmora's capital city?", "Hi"]
+    batched = answer_many(model, tok, qs, "Be brief.", 6)
+    single = [tok.decode(generate(model, prompt_ids(tok, q, "Be brief."), 6, eos_token_id=tok.eos_token_id),
+                         skip_special_tokens=True).strip() for q in qs]
+    assert batched == single
