@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 # Tiny shapes chosen so every code path differs from the plain case: odd vocab, GQA, head_dim not
 # hidden/heads (qwen3), rope scaling whose three bands (kept, smoothed, divided) are all populated (llama3).
@@ -78,3 +79,14 @@ def smollm2(smollm2_gguf_path):
     from chronicals import load_model
 
     return load_model(smollm2_gguf_path)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module that runs the 135M model: on a busy 2-core machine two OpenMP
+    threads spin against other processes (8 greedy SmolLM2 tokens: 11.4 s with 2 threads vs 1.3 s with 1,
+    at load average 6)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -15,22 +15,14 @@ import chronicals
 from chronicals.models import generate, gguf_io
 from chronicals.models.gguf_io import permute_qk, unpermute_qk
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # HF -> llama.cpp names, listed independently of gguf_io's table so a typo there cannot hide
 _TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a busy 2-core machine two OpenMP threads spin against other processes
-    (8 greedy SmolLM2 tokens: 11.4 s with 2 threads vs 1.3 s with 1, at load average 6)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _gguf_name(hf: str) -> str:

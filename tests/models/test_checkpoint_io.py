@@ -1,0 +1,211 @@
+"""HF directories out and in: save_model -> transformers / load_model give the same logits; sharded
+checkpoints; atomic writes; and every error names the file and the fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import chronicals
+from chronicals.models import CausalLM, ModelConfig
+
+
+def _model(cfg: dict, seed: int = 0) -> CausalLM:
+    model = CausalLM(ModelConfig.from_hf_dict(cfg)).init_weights(std=0.2, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # norms and biases away from their init values, so a dropped one shows
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", ".bias")):
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+IDS = torch.randint(0, 97, (2, 23), generator=torch.Generator().manual_seed(5))
+
+
+def _logits(model, ids=IDS):
+    with torch.no_grad():
+        out = model(ids)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def test_save_then_transformers_and_our_load_match(tmp_path, tiny_hf_config, hf_family):
+    cfg = tiny_hf_config(hf_family)
+    model = _model(cfg)
+    ref = _logits(model)
+    out = chronicals.save_model(model, None, tmp_path / "m")
+    names = set(safe_open(str(out / "model.safetensors"), "pt").keys())
+    assert ("lm_head.weight" in names) == (not cfg["tie_word_embeddings"])  # no duplicate tied head
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert type(hf).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                 "mistral": "MistralForCausalLM"}[cfg["model_type"]]
+    assert torch.allclose(_logits(hf), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+    ours, tok = chronicals.load_model(out, tokenizer=False)
+    assert tok is None and not ours.training
+    assert torch.equal(_logits(ours), ref)  # same fp32 weights, same ops: bit-identical
+
+
+def test_sharded_checkpoint_loads_in_both(tmp_path, tiny_hf_config):
+    cfg = tiny_hf_config("llama3")
+    model = _model(cfg, seed=2)
+    out = chronicals.save_model(model, None, tmp_path / "sharded", max_shard_bytes=20_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert not (out / "model.safetensors").exists()
+    ref = _logits(model)
+    assert torch.equal(_logits(chronicals.load_model(out, tokenizer=False)[0]), ref)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert torch.allclose(_logits(hf), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+
+
+def test_hf_saved_checkpoint_loads_with_dtype(tmp_path, tiny_hf_config):
+    """A directory written by transformers itself (tied head, bf16 on disk) -> our model, cast on load."""
+    cfg = tiny_hf_config("smollm2")
+    model = _model(cfg, seed=3)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
+    hf.load_state_dict(model.state_dict())
+    hf.to(torch.bfloat16).save_pretrained(str(tmp_path / "hf"))
+    ours, _ = chronicals.load_model(tmp_path / "hf", tokenizer=False)
+    assert ours.lm_head.weight.dtype == torch.bfloat16  # dtype None keeps the checkpoint's
+    assert ours.model.inv_freq.dtype == torch.float32
+    f32, _ = chronicals.load_model(tmp_path / "hf", dtype=torch.float32, tokenizer=False)
+    assert f32.lm_head.weight is f32.model.embed_tokens.weight
+    assert torch.equal(f32.model.layers[1].mlp.down_proj.weight,
+                       model.model.layers[1].mlp.down_proj.weight.to(torch.bfloat16).float())
+
+
+def test_tied_checkpoint_may_carry_lm_head(tmp_path, tiny_hf_config):
+    cfg = tiny_hf_config("qwen2")
+    model = _model(cfg)
+    out = chronicals.save_model(model, None, tmp_path / "m")
+    sd = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    sd["lm_head.weight"] = model.lm_head.weight.detach().clone()
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    assert torch.equal(_logits(chronicals.load_model(out, tokenizer=False)[0]), _logits(model))
+
+
+def test_save_with_tokenizer_round_trips(tmp_path, one_thread, smollm2):
+    """The embedded model saved with its tokenizer: files, chat template, same greedy output after reload."""
+    model, tok = smollm2
+    out = chronicals.save_model(model, tok, tmp_path / "smol", generation_config={"eos_token_id": 2})
+    assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
+    again, tok2 = chronicals.load_model(out)
+    assert tok2.chat_template == tok.chat_template
+    msgs = [{"role": "user", "content": "Hi!"}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
+    assert tok2.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False) == ids
+    x = torch.tensor([ids])
+    assert torch.equal(_logits(again, x), _logits(model, x))
+
+
+def test_overwrite_is_atomic(tmp_path, tiny_hf_config):
+    cfg = tiny_hf_config("llama2")
+    a, b = _model(cfg, seed=0), _model(cfg, seed=1)
+    out = tmp_path / "m"
+    chronicals.save_model(a, None, out)
+
+    class FailingTokenizer:
+        def save_pretrained(self, path):
+            raise OSError("disk full (simulated)")
+
+    with pytest.raises(OSError, match="simulated"):
+        chronicals.save_model(b, FailingTokenizer(), out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temporary directory left behind
+    assert torch.equal(_logits(chronicals.load_model(out, tokenizer=False)[0]), _logits(a))  # old one intact
+    chronicals.save_model(b, None, out)  # a successful overwrite replaces it
+    assert torch.equal(_logits(chronicals.load_model(out, tokenizer=False)[0]), _logits(b))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+# ---------------------------------------------------------------- errors
+@pytest.fixture
+def saved(tmp_path, tiny_hf_config):
+    cfg = tiny_hf_config("llama3")
+    return chronicals.save_model(_model(cfg), None, tmp_path / "m")
+
+
+def test_missing_path():
+    with pytest.raises(FileNotFoundError, match=r"/nope/model: no such file or directory .* smollm2-135m-instruct"):
+        chronicals.load_model("/nope/model")
+
+
+def test_missing_config_json(saved):
+    (saved / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"config\.json not found"):
+        chronicals.load_model(saved, tokenizer=False)
+
+
+def test_missing_weights(saved):
+    (saved / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no model\.safetensors or model\.safetensors\.index\.json .*config\.json"):
+        chronicals.load_model(saved, tokenizer=False)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_corrupt_safetensors_names_file_and_fix(saved, damage):
+    f = saved / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) - 1000] if damage == "truncated" else b"\x00" * 64)
+    with pytest.raises(ValueError, match=r"model\.safetensors: cannot read .* truncated or corrupt .* again"):
+        chronicals.load_model(saved, tokenizer=False)
+
+
+def test_missing_shard(tmp_path, tiny_hf_config):
+    out = chronicals.save_model(_model(tiny_hf_config("llama2")), None, tmp_path / "s", max_shard_bytes=20_000)
+    shards = sorted(set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    (out / shards[1]).unlink()
+    with pytest.raises(FileNotFoundError, match=rf"names shard\(s\) that are missing: {shards[1]}"):
+        chronicals.load_model(out, tokenizer=False)
+
+
+def test_missing_and_unexpected_tensor_names(saved):
+    f = saved / "model.safetensors"
+    with safe_open(str(f), "pt") as fh:
+        sd = {k: fh.get_tensor(k) for k in fh.keys()}
+    sd["model.layers.0.mlp.gate_proj.lora_A.weight"] = torch.zeros(2, 2)
+    del sd["model.layers.1.self_attn.k_proj.weight"]
+    save_file(sd, str(f))
+    with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.1\.self_attn\.k_proj\.weight.*"
+                                         r"unexpected tensors: model\.layers\.0\.mlp\.gate_proj\.lora_A\.weight"):
+        chronicals.load_model(saved, tokenizer=False)
+
+
+def test_shape_mismatch(saved):
+    cfg = json.loads((saved / "config.json").read_text())
+    cfg["intermediate_size"] += 8
+    (saved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"mlp\.\w+_proj\.weight has shape \((56, 32|32, 56)\) "
+                                         r"but config\.json implies \((64, 32|32, 64)\)"):
+        chronicals.load_model(saved, tokenizer=False)
+
+
+def test_unsupported_model_type(saved):
+    cfg = json.loads((saved / "config.json").read_text())
+    cfg["model_type"] = "gemma"
+    (saved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"'gemma' is not supported; supported: llama, mistral, qwen2, qwen3"):
+        chronicals.load_model(saved, tokenizer=False)
+
+
+def test_no_tokenizer_files(saved):
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer files .* tokenizer=False"):
+        chronicals.load_model(saved)
+
+
+def test_file_instead_of_directory(saved):
+    with pytest.raises(ValueError, match=r"pass the directory"):
+        chronicals.load_model(saved / "config.json")
+
+
+def test_save_refuses_extra_parameters(tmp_path, tiny_hf_config):
+    model = _model(tiny_hf_config("llama2"))
+    model.model.layers[0].mlp.extra = torch.nn.Linear(2, 2)  # e.g. an unmerged adapter
+    with pytest.raises(ValueError, match=r"extra: model\.layers\.0\.mlp\.extra\.bias.*merge LoRA"):
+        chronicals.save_model(model, None, tmp_path / "m")
+    assert not list(tmp_path.iterdir())
