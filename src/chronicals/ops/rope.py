@@ -12,9 +12,10 @@ rotates all Hq + Hk heads of them as (BLOCK_T, heads, R/2) tiles. With x1 = x[:R
               y2 = x2 * cos2 + x1 * sin2                  dx1 = dy1 * cos1 + dy2 * sin2
                                                           dx2 = dy2 * cos2 - dy1 * sin1
 
-Outputs are new tensors (no in-place variant: q and k are saved by nobody else, but an in-place
-rotation of the projections' outputs would break any autograd graph that keeps them). Bytes: q and k
-read once and written once in each direction; cos/sin add R / ((Hq + Hk) * D) of that (2.5% at 8B).
+Outputs are new tensors. There is no in-place variant: whatever produced q and k (a bias add, a LoRA
+path, q/k norms) may have saved them for its own backward, so rotating them in place is not safe under
+autograd; out of place costs memory, not bandwidth. Bytes: q and k read once and written once in each
+direction; cos/sin add R / ((Hq + Hk) * D) of that (2.5% at the 8B shape).
 """
 
 from __future__ import annotations
