@@ -203,6 +203,17 @@ def _(grad_rows, hidden, weight, labels, bias, lse, ignore_index, softcap, need_
             hidden.new_empty((v,) if need_db else (0,)))
 
 
+@torch.library.custom_op("chronicals::linear_cross_entropy_scale_grad", mutates_args=())
+def _scale_grad_op(grad: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """grad * g (0-dim fp32) computed in fp32 and rounded once to grad's dtype (see _backward)."""
+    return scale_by(grad.contiguous(), g)
+
+
+@_scale_grad_op.register_fake
+def _(grad, g):
+    return torch.empty_like(grad, memory_format=torch.contiguous_format)
+
+
 def _setup_context(ctx, inputs, output):
     hidden, weight, labels, bias, ignore_index, reduction, softcap, need_dh, need_dw, need_db, chunk_rows = inputs
     _, lse, dh, dw, db = output
@@ -224,7 +235,7 @@ def _backward(ctx, g_loss, _g_lse, _g_dh, _g_dw, _g_db):
         dh, dw, db = ctx.saved_tensors
         # g_loss is usually 1, or 1/count from the trainer: multiplied in fp32, rounded once (torch's
         # bf16 * 0-dim fp32 would round 1/count itself to bf16 first, a 2^-9 error on every gradient)
-        dh, dw, db = (scale_by(t, g_loss) for t in (dh, dw, db))
+        dh, dw, db = (torch.ops.chronicals.linear_cross_entropy_scale_grad(t, g_loss) for t in (dh, dw, db))
     return (dh if need_dh else None, dw if need_dw else None, None, db if need_db else None,
             None, None, None, None, None, None, None)
 

@@ -1,0 +1,206 @@
+"""Fused linear cross-entropy vs a float64 reference, with PyTorch's own error in the same dtype as the yardstick.
+
+Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (how `make test` runs it). The interpreter converts
+bf16/fp16 element by element in Python, so the grid is thinned: every dtype x reduction runs on four
+shapes covering N 1 / 7 / 300, H 64 / 96, V 1000 / 1031 / 32000, with bias and softcap cycling over them;
+the largest shape (300 x 32000) runs once in fp32. About a minute here in all.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from chronicals.ops import linear_cross_entropy, linear_cross_entropy_ref
+from chronicals.ops._impl import triton_interpreting
+from chronicals.ops.cross_entropy import default_chunk_rows, linear_cross_entropy_triton
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(DEV == "cpu" and not triton_interpreting(),
+                                reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (make test sets it)")
+IGNORE = -100
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+REDUCTIONS = ["mean", "sum", "none"]
+# (N, H, V, chunk_rows): None = the default (256 rows here, so 300 rows take two chunks); 3 rows per chunk
+# (<= H) runs the path where the logits workspace becomes dW's storage, with a 1-row tail chunk at N = 7.
+SHAPES = [(1, 64, 1000, None), (7, 96, 1031, 3), (300, 64, 1031, None), (7, 64, 32000, None)]
+# (bias, softcap) cycles over the shapes so each dtype and reduction meets all four combinations
+FEATURES = [(False, None), (True, None), (False, 30.0), (True, 5.0)]
+CASES = [(dt, red, *shape, *feat) for dt, red in itertools.product(DTYPES, REDUCTIONS)
+         for shape, feat in zip(SHAPES, FEATURES)]
+CASES.append((torch.float32, "mean", 300, 96, 32000, None, True, 30.0))
+
+
+def assert_tracks_torch(name, ours, torch_same_dtype, ref64, dtype, k=2.0):
+    """Our error vs fp64 <= k x PyTorch's error in the same dtype vs fp64 + eps(dtype) x max|ref|.
+
+    dtype is the inputs' dtype: the fp32 loss of bf16 inputs is a function of bf16-rounded logits, so one
+    bf16 ulp of the loss is the floor below which two correct orders of rounding cannot be told apart.
+    """
+    err = (ours.double() - ref64).abs().max().item()
+    torch_err = (torch_same_dtype.double() - ref64).abs().max().item()
+    atol = torch.finfo(dtype).eps * max(ref64.abs().max().item(), 1.0)
+    assert err <= k * torch_err + atol, f"{name}: error {err:.3g} vs torch {torch_err:.3g} (atol {atol:.3g})"
+
+
+def exact_lce(hidden, weight, labels, bias, reduction, softcap):
+    """float64 all the way (linear_cross_entropy_ref upcasts the logits to float32 only)."""
+    z = hidden @ weight.T + (0 if bias is None else bias)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    valid = labels != IGNORE
+    nll = -torch.log_softmax(z, -1).gather(1, labels.clamp(min=0)[:, None])[:, 0]
+    per_tok = torch.where(valid, nll, torch.zeros_like(nll))
+    if reduction == "none":
+        return per_tok
+    return per_tok.sum() if reduction == "sum" else per_tok.sum() / valid.sum().clamp(min=1)
+
+
+def make_inputs(n, h, v, dtype, bias, seed, ignore_every=3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g, dtype=torch.float64)
+    w = torch.randn(v, h, generator=g, dtype=torch.float64) * h ** -0.5 * 2  # logits of std ~2
+    b = torch.randn(v, generator=g, dtype=torch.float64) if bias else None
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[1::ignore_every] = IGNORE
+    cast = (lambda t: None if t is None else t.to(dtype).to(DEV))
+    return cast(x), cast(w), cast(b), labels.to(DEV)
+
+
+def run(fn, x, w, b, labels, grad_out):
+    """Forward + backward; returns [loss, dx, dw(, db)]."""
+    leaves = [t.detach().requires_grad_() for t in (x, w, b) if t is not None]
+    loss = fn(*leaves[:2], labels, leaves[2] if b is not None else None)
+    grads = torch.autograd.grad(loss, leaves, grad_out.to(loss.dtype))
+    return [loss] + list(grads)
+
+
+@pytest.mark.parametrize("dtype,reduction,n,h,v,chunk_rows,bias,softcap", CASES,
+                         ids=[f"{str(c[0])[6:]}-{c[1]}-{c[2]}x{c[3]}x{c[4]}-c{c[5]}-b{int(c[6])}-s{c[7]}"
+                              for c in CASES])
+def test_matches_reference(dtype, reduction, n, h, v, chunk_rows, bias, softcap):
+    x, w, b, labels = make_inputs(n, h, v, dtype, bias, seed=n * 7919 + v)
+    shape = (n,) if reduction == "none" else ()
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEV)
+
+    def ours(x_, w_, labels_, b_):
+        return linear_cross_entropy_triton(x_, w_, labels_, bias=b_, ignore_index=IGNORE, reduction=reduction,
+                                           softcap=softcap, chunk_rows=chunk_rows)
+
+    def same_dtype(x_, w_, labels_, b_):
+        return linear_cross_entropy_ref(x_, w_, labels_, bias=b_, ignore_index=IGNORE, reduction=reduction,
+                                        softcap=softcap)
+
+    def exact(x_, w_, labels_, b_):
+        return exact_lce(x_, w_, labels_, b_, reduction, softcap)
+
+    got = run(ours, x, w, b, labels, grad_out)
+    torch_out = run(same_dtype, x, w, b, labels, grad_out)
+    ref = run(exact, *(None if t is None else t.double() for t in (x, w, b)), labels, grad_out)
+    assert got[0].dtype == torch.float32 and got[0].shape == shape
+    for name, o, t, r in zip(["loss", "d_hidden", "d_weight", "d_bias"], got, torch_out, ref):
+        assert o.dtype == t.dtype, f"{name}: dtype {o.dtype}, torch gives {t.dtype}"
+        assert_tracks_torch(name, o, t, r, dtype)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_all_labels_ignored_gives_zero_loss_and_grads(reduction):
+    x, w, b, labels = make_inputs(5, 64, 1000, torch.bfloat16, True, seed=3)
+    labels[:] = IGNORE
+    grad_out = torch.ones((5,) if reduction == "none" else (), device=DEV)
+    loss, dx, dw, db = run(lambda x_, w_, l_, b_: linear_cross_entropy(
+        x_, w_, l_, bias=b_, reduction=reduction, impl="triton"), x, w, b, labels, grad_out)
+    for t in (loss, dx, dw, db):
+        assert torch.isfinite(t).all() and (t == 0).all()
+
+
+def test_sum_over_global_count_equals_mean():
+    """The trainer's contract: reduction="sum" / count of non-ignored labels == reduction="mean"."""
+    x, w, _, labels = make_inputs(9, 64, 1000, torch.float32, False, seed=5)
+    total = linear_cross_entropy(x, w, labels, reduction="sum", impl="triton")
+    mean = linear_cross_entropy(x, w, labels, reduction="mean", impl="triton")
+    torch.testing.assert_close(total / (labels != IGNORE).sum(), mean)
+
+
+def test_tied_embeddings_gradient_lands_in_shared_weight():
+    """An embedding and the head share one weight: its gradient is the sum of both uses."""
+    v, h, n = 1031, 64, 7
+    g = torch.Generator().manual_seed(11)
+    w0 = (torch.randn(v, h, generator=g) * 0.2).to(DEV)
+    ids = torch.randint(0, v, (n,), generator=g).to(DEV)
+    labels = torch.randint(0, v, (n,), generator=g).to(DEV)
+    labels[2] = IGNORE
+
+    def grad_of(fn):
+        w = w0.clone().requires_grad_()
+        hid = torch.tanh(torch.nn.functional.embedding(ids, w))
+        fn(hid, w).backward()
+        return w.grad
+
+    ours = grad_of(lambda hid, w: linear_cross_entropy(hid, w, labels, impl="triton"))
+    ref = grad_of(lambda hid, w: linear_cross_entropy_ref(hid, w, labels))
+    emb_only = grad_of(lambda hid, w: linear_cross_entropy_ref(hid, w.detach(), labels))
+    assert (emb_only - ref).abs().max() > 1e-3  # the head's share is not negligible, so the test can fail
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_no_grad_eval_and_frozen_weight():
+    """Eval runs only the loss; a frozen head (LoRA) yields d_hidden alone and no weight gradient."""
+    x, w, _, labels = make_inputs(7, 64, 1031, torch.float32, False, seed=9)
+    with torch.no_grad():
+        loss = linear_cross_entropy(x, w, labels, reduction="none", impl="triton")
+    torch.testing.assert_close(loss, linear_cross_entropy_ref(x, w, labels, reduction="none"))
+    xg = x.clone().requires_grad_()
+    linear_cross_entropy(xg, w, labels, impl="triton").backward()
+    xr = x.clone().requires_grad_()
+    linear_cross_entropy_ref(xr, w, labels).backward()
+    assert w.grad is None
+    torch.testing.assert_close(xg.grad, xr.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_default_chunk_rows():
+    # with a weight gradient the chunk is H rows (the workspace is then exactly dW's size): 896 at 0.5B
+    assert default_chunk_rows(16384, 896, 151936, True, 2) == 896
+    # frozen head: ~256 MB of bf16 logits, 883 rows at V = 151,936; never more rows than the batch
+    assert default_chunk_rows(16384, 896, 151936, False, 2) == 883
+    assert default_chunk_rows(5, 896, 151936, True, 2) == 5
+
+
+def test_torch_compile_sees_one_op():
+    x, w, _, labels = make_inputs(7, 64, 1000, torch.float32, False, seed=13)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def step(x_, w_):
+        return linear_cross_entropy(x_, w_, labels, reduction="sum", impl="triton") * 0.5
+
+    step(x, w)  # resolve_impl logs its choice on the first call; dynamo cannot trace a logger call
+    loss = torch.compile(step, backend="aot_eager", fullgraph=True)(xg, wg)
+    loss.backward()
+    ref = linear_cross_entropy_ref(x.requires_grad_(), w.requires_grad_(), labels, reduction="sum") * 0.5
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(xg.grad, x.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(wg.grad, w.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_opcheck():
+    x, w, b, labels = make_inputs(5, 64, 1000, torch.float32, True, seed=17)
+    for reduction in ("mean", "none"):
+        args = (x, w, labels, b, IGNORE, reduction, 10.0, True, True, True, 3)
+        torch.library.opcheck(torch.ops.chronicals.linear_cross_entropy.default, args,
+                              test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(reduction="avg"), "reduction='avg'"),
+    (dict(labels=torch.zeros(3, dtype=torch.long)), "labels"),
+    (dict(weight=torch.zeros(10, 32)), "must be \\(N, H\\) and \\(V, H\\)"),
+    (dict(hidden=torch.zeros(5, 64, dtype=torch.float64)), "share one dtype"),
+])
+def test_errors_say_what_to_fix(bad, match):
+    kw = dict(hidden=torch.zeros(5, 64), weight=torch.zeros(10, 64), labels=torch.zeros(5, dtype=torch.long),
+              reduction="mean")
+    kw.update(bad)
+    kw = {k: (t.to(DEV) if isinstance(t, torch.Tensor) else t) for k, t in kw.items()}
+    with pytest.raises(ValueError, match=match):
+        linear_cross_entropy(kw.pop("hidden"), kw.pop("weight"), kw.pop("labels"), impl="triton", **kw)
