@@ -32,6 +32,7 @@ QUICK = ("chronicals-full", "chronicals-lora", "hf-sdpa", "hf-compile", "hf-lige
 SWEEP_DEFAULT = ("chronicals-full", "chronicals-lora", "hf-compile", "hf-peft", "unsloth-lora")
 LORA_SWEEP = ("chronicals-lora", "hf-peft", "unsloth-lora")
 SEQ_SWEEP = (512, 1024, 2048, 4096, 8192, 16384)
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding chronicals/
 
 
 def parse_args(argv):
@@ -60,7 +61,8 @@ def parse_args(argv):
     ap.add_argument("--model-sweep", action="store_true", help="LoRA at 0.5b, 1.5b, 3b, 8b (4 x 2048); "
                     "checkpointing on where a row runs out of memory without it")
     ap.add_argument("--max-context", action="store_true", help="longest trainable seq per shape (1 row, checkpointing)")
-    ap.add_argument("--timeout", type=int, default=900, help="seconds per worker process")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per worker process")
+    ap.add_argument("--name", help="result file stem (default: bench_e2e plus the plan, e.g. bench_e2e_quick)")
     ap.add_argument("--out", default="benchmarks/results", help="result directory")
     return ap.parse_args(argv)
 
@@ -78,6 +80,8 @@ class Runner:
         out = self.tmp / f"{self.count:03d}_{task}_{spec.contender}.json"
         cmd = [sys.executable, "-m", "chronicals.bench.worker", "--task", task, *spec_argv(spec), "--json-out", str(out)]
         env = dict(os.environ, HF_HUB_OFFLINE="1")
+        # the worker imports this very package (whether installed or run with PYTHONPATH=src / sys.path)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p)
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env=env, timeout=self.timeout, capture_output=True, text=True)
@@ -109,7 +113,7 @@ def contender_rows(runner: Runner, names, base: RunSpec, peak) -> list[dict]:
             row.setdefault(k, getattr(base, k))
         row = finish_row(validate_row(row), peak)
         tps = f"{row['tokens_per_s']:,.0f} tok/s" if row.get("tokens_per_s") else ""
-        runner.log(f"  {name:28s} {row['status']:14s} {tps:>16s}  {row.get('reason', '')[:120]}  ({row['wall_s']} s)")
+        runner.log(f"  {name:28s} {row['status']:14s} {tps:>16s}  {row.get('reason', '')[:120]}  ({row.get('wall_s', 0)} s)")
         rows.append(row)
     return rows
 
@@ -208,11 +212,19 @@ def max_context(runner: Runner, shapes, names, base: RunSpec, tiny: bool) -> lis
     return out
 
 
+def result_name(args) -> str:
+    """bench_e2e[_quick][_<shape>][_seqsweep][_modelsweep][_maxctx]: runs of one day do not overwrite each other."""
+    parts = ["bench_e2e"] + (["quick"] if args.quick else []) + ([args.shape] if args.shape else [])
+    parts += [flag for flag, on in (("seqsweep", args.seq_sweep), ("modelsweep", args.model_sweep),
+                                    ("maxctx", args.max_context)) if on]
+    return "_".join(parts)
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.tiny and args.shape and args.shape != "tiny":
         raise SystemExit("--tiny picks the tiny shape; drop --shape or --tiny")
     results = run_plan(args)
-    paths = write_report(results, args.out)
+    paths = write_report(results, args.out, args.name or result_name(args))
     print("\n".join(f"wrote {p}" for p in paths.values()))
     return 0

@@ -1,0 +1,37 @@
+"""Parity with transformers (full and LoRA) and the learning check, on the tiny model on CPU."""
+
+import torch
+
+from chronicals.bench import checks
+from chronicals.bench.protocol import RunSpec
+
+
+def test_parity_full_and_lora():
+    res = checks.correctness(RunSpec("correctness", shape="tiny", rows=2, seq=16, device="cpu"))
+    assert res["status"] == "ok", res
+    for p in res["parity"]:
+        assert p["grad_cos_ours"] > 0.999 and p["grad_norm_ours"] > 0
+    lora = res["parity"][1]
+    assert lora["method"] == "lora" and lora["params_compared"] == 2 * 7 * 2  # A and B of 7 projections x 2 layers
+
+
+def test_canonical_names_and_cosine():
+    assert checks.canonical("base_model.model.model.layers.0.mlp.up_proj.lora_A.default.weight") == \
+        "model.layers.0.mlp.up_proj.lora_A.weight"
+    a = {"w": torch.tensor([1.0, 0.0])}
+    assert checks.cosine(a, {"w": torch.tensor([2.0, 0.0])}) == 1.0
+    assert checks.cosine(a, {"v": torch.tensor([1.0, 0.0])}) != checks.cosine(a, a)  # name mismatch -> nan
+
+
+def test_periodic_batch():
+    x = checks.periodic_batch(3, 40, 512, 16, seed=0)
+    assert x.shape == (3, 40) and torch.equal(x[:, :16], x[:, 16:32])
+    assert all(len(set(r[:16].tolist())) == 16 for r in x)
+
+
+def test_learning_loss_falls():
+    res = checks.learning(RunSpec("learning", shape="tiny", rows=1, seq=32, steps=8, device="cpu", lr=3e-3),
+                          min_drop_lora=0.05)
+    assert res["status"] == "ok", res
+    full = res["runs"][0]
+    assert full["losses"][-1] < 0.75 * full["losses"][0]

@@ -1,0 +1,54 @@
+"""Table formatting, MFU, and the result files (JSON + markdown + PNG)."""
+
+import json
+
+from chronicals.bench.report import finish_row, markdown_table, table_cells, write_report
+
+
+def _ok_row(**kw):
+    row = {"contender": "chronicals-full", "label": "chronicals", "method": "full", "status": "ok", "reason": "",
+           "tokens_per_s": 150000.0, "flops_per_token": 3.1e9, "peak_gib": 12.345, "min_grad_norm": 0.123456,
+           "losses": [11.93, 11.9], "grad_norms": [0.2, 0.123456]}
+    row.update(kw)
+    return row
+
+
+def test_mfu_and_limit():
+    row = finish_row(_ok_row(), peak_tflops=775.0)
+    assert abs(row["mfu"] - 150000 * 3.1e9 / 775e12) < 1e-12
+    assert abs(row["limit_tokens_per_s"] - 775e12 / 3.1e9) < 1e-6
+    assert "mfu" not in finish_row(_ok_row(), peak_tflops=None)  # CPU: no peak, no MFU
+
+
+def test_table_cells_format():
+    c = table_cells(finish_row(_ok_row(), 775.0))
+    assert c["tokens/s"] == "150,000" and c["MFU"] == "60.0%" and c["peak GiB"] == "12.3"
+    assert c["min grad norm"] == "0.123" and c["loss first -> last"] == "11.930 -> 11.900" and c["status"] == "ok"
+    failed = table_cells(_ok_row(status="FAILED", reason="gradient norm 0 | x"))
+    assert failed["status"] == "FAILED: gradient norm 0 / x"  # no stray column separator
+    missing = table_cells({"contender": "hf-liger", "label": "transformers + Liger", "status": "not installed",
+                           "reason": "needs liger_kernel"})
+    assert missing["tokens/s"] == "" and missing["status"] == "not installed: needs liger_kernel"
+
+
+def test_markdown_table_shape():
+    md = markdown_table([_ok_row(), _ok_row(contender="hf-sdpa", label="transformers, SDPA")])
+    lines = md.strip().splitlines()
+    assert len(lines) == 4 and all(line.count("|") == 9 for line in lines)
+
+
+def test_write_report(tmp_path):
+    results = {"environment": {"gpu": "NVIDIA H200", "date": "2026-11-30T10:00:00+00:00", "git_sha": "abc1234",
+                               "versions": {"torch": "2.11.0"}},
+               "peak_tflops": 775.0, "plan": {"warmup": 4, "steps": 12, "note": ""},
+               "tables": [{"title": "0.5B", "rows_data": [finish_row(_ok_row(), 775.0),
+                                                          finish_row(_ok_row(status="FAILED", reason="r"), 775.0)]}],
+               "correctness": {"shape": "0.5b", "rows": 4, "seq": 1024, "status": "error", "reason": "boom",
+                               "parity": []}}
+    paths = write_report(results, tmp_path)
+    assert paths["json"].name == "bench_e2e_NVIDIA-H200_2026-11-30.json"
+    assert json.loads(paths["json"].read_text())["tables"][0]["rows_data"][0]["status"] == "ok"
+    md = paths["md"].read_text()
+    assert "775 TFLOP/s" in md and "git abc1234" in md and "| chronicals | full | 150,000 | 60.0% |" in md
+    assert "error: boom" in md
+    assert paths["png"].read_bytes()[:4] == b"\x89PNG"

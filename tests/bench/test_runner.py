@@ -1,0 +1,73 @@
+"""The contender runner on the tiny model on CPU: the same code paths as the GPU bench."""
+
+import json
+
+import pytest
+
+from chronicals.bench import cli
+from chronicals.bench.protocol import RunSpec
+from chronicals.bench.worker import run_contender, run_task
+
+TINY = dict(shape="tiny", rows=2, seq=16, warmup=1, steps=2, device="cpu")
+
+
+NAMES = {"chronicals-full": "full", "chronicals-lora": "lora", "hf-sdpa": "full", "hf-peft": "lora"}
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return {name: run_contender(RunSpec(name, **TINY)) for name in NAMES}
+
+
+@pytest.mark.parametrize("name", list(NAMES))
+def test_contender_row(rows, name):
+    row, method = rows[name], NAMES[name]
+    assert row["status"] == "ok", row.get("traceback", row["reason"])
+    assert row["method"] == method and row["loss_tokens_per_step"] == 2 * 15
+    assert len(row["losses"]) == 3 and len(row["grad_norms"]) == 2 and row["min_grad_norm"] > 0
+    assert row["tokens_per_s"] > 0 and row["peak_gib"] is None  # CPU: no allocator peak
+    # random tokens over 512 ids: the first loss sits near ln(512) = 6.24 for every contender
+    assert abs(row["losses"][0] - 6.24) < 0.2
+
+
+def test_lora_rows_train_only_adapters(rows):
+    full, lora, peft = rows["chronicals-full"], rows["chronicals-lora"], rows["hf-peft"]
+    # 7 projections x 2 layers x (A: r x in + B: out x r); r = 32 on hidden 64 / inter 128
+    assert lora["trainable_params"] == peft["trainable_params"] < full["trainable_params"]
+    assert lora["flops_per_token"] < full["flops_per_token"]
+
+
+def test_failures_become_rows():
+    row = run_contender(RunSpec("no-such-contender", **TINY))
+    assert row["status"] == "error" and "unknown contender" in row["reason"]
+    row = run_contender(RunSpec("chronicals-full", **dict(TINY, device="meta")))
+    assert row["status"] == "error" and row["traceback"]
+
+
+def test_worker_process_writes_row(tmp_path):
+    runner = cli.Runner(timeout=300)
+    row = runner.run("contender", RunSpec("chronicals-full", **TINY))
+    assert row["status"] == "ok", row.get("worker_log_tail")
+    assert row["min_grad_norm"] > 0 and row["wall_s"] > 0
+
+
+def test_main_tiny_end_to_end(tmp_path, monkeypatch, capsys):
+    """main() with the workers run in this process (the subprocess path is tested above)."""
+    def inprocess(self, task, spec):
+        return json.loads(json.dumps(run_task(task, spec), default=str))
+
+    monkeypatch.setattr(cli.Runner, "run", inprocess)
+    cli.main(["--device", "cpu", "--tiny", "--seq", "16", "--contenders", "chronicals-full,hf-sdpa,hf-liger",
+              "--no-learning", "--no-correctness", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "not installed" in out or "hf-liger" in out
+    (js,) = tmp_path.glob("bench_e2e_cpu_*.json")
+    res = json.loads(js.read_text())
+    rows = {r["contender"]: r for r in res["tables"][0]["rows_data"]}
+    assert rows["chronicals-full"]["status"] == "ok" and rows["hf-sdpa"]["status"] == "ok"
+    assert rows["hf-liger"]["status"] in ("not installed", "ok", "error")
+    assert "correctness" not in res and res["plan"]["steps"] == 2
+    assert res["environment"]["versions"]["torch"]
+    md = js.with_suffix(".md").read_text()
+    assert "| chronicals | full |" in md and "not installed" in md
+    assert js.with_suffix(".png").exists()
