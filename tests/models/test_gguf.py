@@ -116,6 +116,32 @@ def test_tiny_gguf_matches_transformers_gguf_loader(tmp_path, tiny_hf_config, fa
     assert err < 0.05
 
 
+@pytest.mark.parametrize("family,arch", [("llama3", "llama"), ("qwen3", "qwen3"), ("qwen2", "qwen2")])
+def test_f32_gguf_gives_back_the_exact_weights(tmp_path, tiny_hf_config, family, arch):
+    """Unquantized files: every tensor comes back bit for bit (names, Q/K un-permutation, head_dim from
+    key_length for qwen3; transformers' own loader ignores key_length, so it is not the reference here).
+    llama3's rope scaling has no GGUF field that we read, so that family is written as plain llama."""
+    over = {"rope_scaling": None} if family == "llama3" else {}
+    cfg, model = _tiny(tiny_hf_config, family, **over)
+    path = tmp_path / f"{family}.gguf"
+    write_gguf(path, arch, cfg, model.state_dict(), quantize=False)
+    ours, _ = chronicals.load_model(path, tokenizer=False)
+    want = model.state_dict()
+    got = ours.state_dict()
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+    assert ours.config.head_dim == model.config.head_dim and ours.config.rope_theta == cfg["rope_theta"]
+
+
+def test_unknown_gguf_tensors_are_named():
+    assert gguf_io.hf_name("blk.7.ffn_down.weight") == "model.layers.7.mlp.down_proj.weight"
+    with pytest.raises(ValueError, match=r"rope_freqs.*Llama 3\.1-style rope scaling.*safetensors release"):
+        gguf_io.hf_name("rope_freqs.weight", "x.gguf")
+    with pytest.raises(ValueError, match=r"x\.gguf: tensor 'blk\.0\.ffn_gate_exps\.weight' has no counterpart"):
+        gguf_io.hf_name("blk.0.ffn_gate_exps.weight", "x.gguf")
+
+
 def test_unsupported_gguf_architecture(tmp_path, tiny_hf_config):
     cfg, model = _tiny(tiny_hf_config, "llama2")
     path = tmp_path / "gpt2.gguf"
