@@ -1,0 +1,165 @@
+"""The loss head on the GPU: linear + cross-entropy, forward + backward, every contender in one run.
+
+Heads: Qwen2.5-0.5B (N 16,384, H 896, V 151,936) and Llama-3-8B (N 8,192, H 4,096, V 128,256), bf16, every
+token a loss token, reduction "mean", gradients of hidden and weight. Contenders: materialized fp32 logits
+(what transformers does), the same under torch.compile, Liger's fused linear CE and Apple's cut-cross-entropy
+(default = gradient filtering, and exact = filter_eps=None) when importable, and ours (reduction "mean":
+3 GEMMs; "none": the 4-GEMM recompute backward, for reference).
+
+Checks first: our loss and gradients against a materialized fp32 reference (fp32 GEMMs, no TF32), with
+the bf16 materialized path's error as the yardstick. Then times each contender (do_bench median) and
+measures extra peak memory = max_memory_allocated during one step minus the inputs; "beyond grads"
+subtracts the two gradients (N x H + V x H in bf16) that every contender returns. The matmul floor is
+3 GEMMs of N x H x V at the bf16 peak measured in the same run. About two minutes on an H200.
+
+    PYTHONPATH=src python benchmarks/bench_linear_cross_entropy.py [--out DIR] [--heads 0.5b,8b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from chronicals.ops.cross_entropy import linear_cross_entropy
+from common import do_bench, markdown_table, matmul_peak_tflops, write_results
+
+HEADS = {"0.5b": (16384, 896, 151936), "8b": (8192, 4096, 128256)}
+GIB = 1 << 30
+DEV = "cuda"
+
+
+def materialized(h, w, y):
+    """What transformers does: bf16 logits upcast to fp32, then cross-entropy."""
+    return F.cross_entropy(F.linear(h, w).float(), y)
+
+
+def contenders() -> tuple[dict, list[str]]:
+    fns, notes = {}, []
+    fns["materialized fp32 logits"] = materialized
+    fns["torch.compile materialized"] = torch.compile(materialized, dynamic=False)
+    if importlib.util.find_spec("liger_kernel") is not None:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss(reduction="mean")
+
+        def liger_fn(h, w, y):
+            out = liger(w, h, y)  # (lin_weight, input, target); some versions return (loss, z_loss)
+            if isinstance(out, torch.Tensor):
+                return out
+            return out.loss if hasattr(out, "loss") else out[0]
+
+        fns["Liger fused linear CE"] = liger_fn
+    else:
+        notes.append("liger-kernel not importable: Liger row skipped (carry its wheel, see shared/GPU.md)")
+    if importlib.util.find_spec("cut_cross_entropy") is not None:
+        from cut_cross_entropy import linear_cross_entropy as cce
+
+        fns["CCE default (filtered grads)"] = lambda h, w, y: cce(h, w, y, reduction="mean")
+        fns["CCE exact (filter_eps=None)"] = lambda h, w, y: cce(h, w, y, reduction="mean", filter_eps=None)
+    else:
+        notes.append("cut-cross-entropy not importable: CCE rows skipped (carry its wheel, see shared/GPU.md)")
+    fns["chronicals (mean, grads in forward)"] = lambda h, w, y: linear_cross_entropy(h, w, y, impl="triton")
+    fns["chronicals (none, recompute backward)"] = \
+        lambda h, w, y: linear_cross_entropy(h, w, y, reduction="none", impl="triton").sum() / y.numel()
+    return fns, notes
+
+
+def inputs(n, h, v, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(n, h, device=DEV, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(v, h, device=DEV, generator=g) * h ** -0.5).bfloat16().requires_grad_()
+    y = torch.randint(0, v, (n,), device=DEV, generator=g)
+    return x, w, y
+
+
+def step(fn, x, w, y):
+    loss = fn(x, w, y)
+    return (loss,) + torch.autograd.grad(loss, [x, w])
+
+
+def check(n, h, v) -> tuple[dict, bool]:
+    """Ours and the bf16 materialized path vs fp32 GEMM logits; relative max errors."""
+    x, w, y = inputs(n, h, v, seed=1)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    xr, wr = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    ref = [t.detach().double() for t in step(lambda a, b, c: F.cross_entropy(F.linear(a, b), c), xr, wr, y)]
+    del xr, wr
+    row, ok = {}, True
+    for name, fn in (("bf16 materialized", materialized),
+                     ("chronicals", lambda a, b, c: linear_cross_entropy(a, b, c, impl="triton"))):
+        got = step(fn, x, w, y)
+        for q, o, r in zip(("loss", "d_hidden", "d_weight"), got, ref):
+            row[f"{name} {q} rel err"] = float((o.detach().double() - r).abs().max() / r.abs().max())
+        del got
+    for q in ("loss", "d_hidden", "d_weight"):
+        ours, theirs = row[f"chronicals {q} rel err"], row[f"bf16 materialized {q} rel err"]
+        ok &= ours <= 2 * theirs + 2 ** -8  # one bf16 ulp of slack
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+    return row, ok
+
+
+def measure(name, fn, x, w, y, floor_ms) -> dict:
+    try:
+        step(fn, x, w, y)  # compile / autotune outside the measurement
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = step(fn, x, w, y)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        del out
+        ms = do_bench(lambda: step(fn, x, w, y))
+    except Exception as e:  # a contender that crashes is a row, not the end of the run
+        return {"contender": name, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+    grads = (x.numel() + w.numel()) * x.element_size()
+    return {"contender": name, "ms": round(ms, 2), "x floor": round(ms / floor_ms, 2),
+            "extra GiB": round(extra / GIB, 3), "beyond grads GiB": round((extra - grads) / GIB, 3)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None, help="results directory (default benchmarks/results/)")
+    ap.add_argument("--heads", default="0.5b,8b", help=f"comma list of {sorted(HEADS)}")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_linear_cross_entropy: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    peak = matmul_peak_tflops()
+    fns, notes = contenders()
+    rows, checks, all_ok = [], {}, True
+    for head in args.heads.split(","):
+        n, h, v = HEADS[head]
+        floor_ms = 3 * 2 * n * h * v / peak / 1e9
+        checks[head], ok = check(n, h, v)
+        all_ok &= ok
+        print(f"[{head}] check {'ok' if ok else 'FAILED'}: {checks[head]}", flush=True)
+        x, w, y = inputs(n, h, v)
+        rows.append({"head": head, "contender": "matmul floor (3 GEMMs at measured peak)", "ms": round(floor_ms, 2),
+                     "x floor": 1.0})
+        for name, fn in fns.items():
+            r = {"head": head, **measure(name, fn, x, w, y, floor_ms)}
+            print(r, flush=True)
+            rows.append(r)
+        del x, w, y
+        torch.cuda.empty_cache()
+    cols = ["head", "contender", "ms", "x floor", "extra GiB", "beyond grads GiB", "error"]
+    table = markdown_table(rows, cols)
+    md = (f"bf16 matmul peak measured: {peak:.0f} TFLOP/s; checks {'passed' if all_ok else 'FAILED'}\n\n"
+          + table + "".join(f"\n- {s}" for s in notes))
+    path = write_results("linear_cross_entropy", {"peak_tflops": peak, "checks": checks, "checks_ok": all_ok,
+                                                   "rows": rows, "notes": notes}, markdown=md, out_dir=args.out)
+    print(md)
+    print(f"wrote {path}")
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
