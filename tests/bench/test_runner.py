@@ -71,3 +71,16 @@ def test_main_tiny_end_to_end(tmp_path, monkeypatch, capsys):
     md = js.with_suffix(".md").read_text()
     assert "| chronicals | full |" in md and "not installed" in md
     assert js.with_suffix(".png").exists()
+
+
+def test_sweeps_tiny(tmp_path, monkeypatch):
+    monkeypatch.setattr(cli.Runner, "run", lambda self, task, spec: run_task(task, spec))
+    cli.main(["--device", "cpu", "--tiny", "--seq-sweep", "--max-context", "--contenders", "chronicals-full",
+              "--out", str(tmp_path)])
+    (js,) = tmp_path.glob("bench_e2e_seqsweep_maxctx_cpu_*.json")
+    res = json.loads(js.read_text())
+    assert [(t["rows"], t["seq"]) for t in res["tables"]] == [(8, 8), (4, 16), (2, 32)]  # 64 tokens per step
+    assert all(t["rows_data"][0]["status"] == "ok" for t in res["tables"])
+    assert "correctness" not in res and "learning" not in res  # sweeps replace the protocol run
+    (mc,) = res["max_context"]
+    assert mc["contender"] == "chronicals-full" and mc["max_ok"] == 256  # 64, 128, 256 all train on CPU

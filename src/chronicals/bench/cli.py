@@ -32,6 +32,7 @@ QUICK = ("chronicals-full", "chronicals-lora", "hf-sdpa", "hf-compile", "hf-lige
 SWEEP_DEFAULT = ("chronicals-full", "chronicals-lora", "hf-compile", "hf-peft", "unsloth-lora")
 LORA_SWEEP = ("chronicals-lora", "hf-peft", "unsloth-lora")
 SEQ_SWEEP = (512, 1024, 2048, 4096, 8192, 16384)
+TINY_SWEEP = (8, 16, 32)
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding chronicals/
 
 
@@ -45,7 +46,7 @@ def parse_args(argv):
     ap.add_argument("--seq", type=int, help="tokens per sequence (default: the shape's protocol)")
     ap.add_argument("--warmup", type=int, help="warm-up steps (default 4; --quick 2; --tiny 1)")
     ap.add_argument("--steps", type=int, help="timed steps (default 12; --quick 6; --tiny 2)")
-    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    ap.add_argument("--device", help="cuda or cpu (default: cuda when a GPU is visible, else cpu)")
     ap.add_argument("--tiny", action="store_true", help="tiny model, 2 x 32 tokens: CPU tests of the harness")
     ap.add_argument("--impl", default="auto", choices=("auto", "triton", "torch"), help="chronicals op kernels")
     ap.add_argument("--step", default="trainer", choices=("trainer", "bench"),
@@ -118,6 +119,12 @@ def contender_rows(runner: Runner, names, base: RunSpec, peak) -> list[dict]:
     return rows
 
 
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def default_contenders(shape, quick: bool) -> list[str]:
     names = [c.name for c in CONTENDERS.values() if c.in_default and c.method in shape.methods]
     return [n for n in names if n in QUICK] if quick else names
@@ -125,14 +132,16 @@ def default_contenders(shape, quick: bool) -> list[str]:
 
 def run_plan(args) -> dict:
     tiny = args.tiny
-    device = args.device
+    device = args.device or default_device()
+    sweeping = args.seq_sweep or args.model_sweep or args.max_context
     warmup = args.warmup if args.warmup is not None else (1 if tiny else 2 if args.quick else 4)
     steps = args.steps if args.steps is not None else (2 if tiny else 6 if args.quick else 12)
     shapes = [args.shape] if args.shape else (["tiny"] if tiny else ["0.5b"] if args.quick else ["0.5b", "8b"])
     chosen = [s.strip() for s in args.contenders.split(",")] if args.contenders else None
     for n in chosen or []:
         get_contender(n)
-    note = ""
+    note = ("Sweep run: the protocol tables and the correctness / learning checks are left out (run without "
+            "sweep flags for them)." if sweeping else "")
     if args.quick:
         note = (f"--quick: {warmup} warm-up + {steps} timed steps, contenders {', '.join(QUICK)}; skipped: the 8B "
                 "table, compiled chronicals variants, unsloth-full, PEFT + Liger / compile.")
@@ -150,7 +159,7 @@ def run_plan(args) -> dict:
         sh = get_shape(shape_name)
         return replace(base, shape=shape_name, rows=rows or args.rows or sh.rows, seq=seq or args.seq or sh.seq, **kw)
 
-    for name in shapes:
+    for name in [] if sweeping else shapes:
         sh = get_shape(name)
         spec = spec_for(name)
         print(f"table {name}: {spec.rows} x {spec.seq} tokens per step")
@@ -159,11 +168,11 @@ def run_plan(args) -> dict:
                                   "rows": spec.rows, "seq": spec.seq, "rows_data": rows})
         print(markdown_table(rows))
     check_shape = shapes[0] if get_shape(shapes[0]).methods == ("full", "lora") else ("tiny" if tiny else "0.5b")
-    if not args.no_correctness:
+    if not (args.no_correctness or sweeping):
         spec = spec_for(check_shape, rows=min(args.rows or 4, 4) if not tiny else 2)
         results["correctness"] = runner.run("correctness", replace(spec, contender="correctness"))
         print(f"correctness: {results['correctness'].get('status')} {results['correctness'].get('reason', '')}")
-    if not args.no_learning:
+    if not (args.no_learning or sweeping):
         spec = spec_for(check_shape, rows=2 if tiny else 8, seq=32 if tiny else 512)
         lr = args.learning_lr or (3e-3 if tiny else 3e-4)
         results["learning"] = runner.run("learning", replace(spec, contender="learning", steps=args.learning_steps, lr=lr))
@@ -171,7 +180,7 @@ def run_plan(args) -> dict:
     if args.seq_sweep:
         sh = get_shape(shapes[0])
         tokens = (args.rows or sh.rows) * (args.seq or sh.seq)
-        for seq in [s for s in SEQ_SWEEP if s <= tokens]:
+        for seq in [s for s in (TINY_SWEEP if tiny else SEQ_SWEEP) if s <= tokens]:
             spec = spec_for(sh.name, rows=tokens // seq, seq=seq)
             print(f"seq sweep {sh.name}: {spec.rows} x {seq}")
             rows = contender_rows(runner, chosen or SWEEP_DEFAULT, spec, peak)
