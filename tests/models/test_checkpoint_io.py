@@ -143,7 +143,8 @@ def test_missing_config_json(saved):
 
 def test_missing_weights(saved):
     (saved / "model.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match=r"no model\.safetensors or model\.safetensors\.index\.json .*config\.json"):
+    with pytest.raises(FileNotFoundError, match=r"no model\.safetensors or model\.safetensors\.index\.json "
+                                                r"\(found: config\.json\)"):
         chronicals.load_model(saved, tokenizer=False)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import gguf
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -105,7 +104,8 @@ def test_tiny_gguf_matches_transformers_gguf_loader(tmp_path, tiny_hf_config, fa
     write_gguf(path, arch, cfg, model.state_dict())
     ours, tok = chronicals.load_model(path, tokenizer=False)
     assert tok is None and ours.config.tie_word_embeddings == cfg["tie_word_embeddings"]
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                            dtype=torch.float32).eval()
     ids = torch.randint(0, cfg["vocab_size"], (2, 19), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a, b = ours(ids), ref(ids).logits

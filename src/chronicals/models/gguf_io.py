@@ -17,6 +17,7 @@ What the conversion undoes:
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
@@ -119,7 +120,6 @@ def gguf_config(reader, source: str = "gguf") -> dict:
         raise ValueError(f"{source}: rope scaling {scaling_type!r} is not supported in GGUF files (none, linear)")
     cfg = {
         "model_type": model_type,
-        "architectures": [],  # filled by ModelConfig.to_hf_dict
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length", required=True)),
@@ -202,7 +202,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = 
         write_state_dict(sd, tmp)
         hf = cfg.to_hf_dict()
         hf["dtype"] = "float32"
-        (tmp / "config.json").write_text(_json(hf))
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
         if has_tokenizer:  # transformers' GGUF tokenizer conversion (BPE / SentencePiece, chat template kept)
             tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
             tok.save_pretrained(str(tmp))
@@ -222,8 +222,3 @@ def cached_gguf_dir(gguf_path: str | Path) -> Path:
         pass
     return out
 
-
-def _json(d: dict) -> str:
-    import json
-
-    return json.dumps(d, indent=2, sort_keys=True) + "\n"
