@@ -84,7 +84,7 @@ def table_markdown(table: dict, peak_tflops: float | None) -> str:
         lim = f", limit {limits[m]:,.0f} tokens/s at the measured peak" if m in limits else ""
         basis = "6 x matmul params + attention" if m == "full" else \
             "4 x matmul params + attention: frozen weights have no weight-gradient GEMM"
-        lines.append(f"- {m}: {fpts[m] / 1e9:.2f} GFLOP per token ({basis}){lim}")
+        lines.append(f"- {m}: {fpts[m] / 1e9:.3g} GFLOP per token ({basis}){lim}")
     lines += ["", markdown_table(rows)]
     return "\n".join(lines)
 
