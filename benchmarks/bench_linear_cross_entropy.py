@@ -25,7 +25,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from chronicals.ops.cross_entropy import linear_cross_entropy
+from chronicals.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_triton
 from common import do_bench, markdown_table, matmul_peak_tflops, write_results
 
 HEADS = {"0.5b": (16384, 896, 151936), "8b": (8192, 4096, 128256)}
@@ -64,6 +64,10 @@ def contenders() -> tuple[dict, list[str]]:
     else:
         notes.append("cut-cross-entropy not importable: CCE rows skipped (carry its wheel, see shared/GPU.md)")
     fns["chronicals (mean, grads in forward)"] = lambda h, w, y: linear_cross_entropy(h, w, y, impl="triton")
+    # larger chunks: the dW GEMM's K grows (less fp32 accumulator traffic per FLOP) but the workspace no
+    # longer doubles as dW's storage (+C x V x 2 bytes); tells whether the default C = H leaves time behind
+    fns["chronicals (mean, chunk 2H)"] = \
+        lambda h, w, y: linear_cross_entropy_triton(h, w, y, chunk_rows=2 * h.shape[1])
     fns["chronicals (none, recompute backward)"] = \
         lambda h, w, y: linear_cross_entropy(h, w, y, reduction="none", impl="triton").sum() / y.numel()
     return fns, notes

@@ -44,7 +44,10 @@ Expected cost, Qwen2.5-0.5B head (N 16,384, H 896, V 151,936, bf16) on an H200 (
 Memory at that shape: workspace C x V bf16 = 272 MB (reused as dW's storage at the end, since C x V =
 V x H), fp32 accumulator 544 MB, dH 29 MB: peak ~0.85 GB = 0.79 GiB including both gradients, 0.51 GiB
 beyond them (the fp32 accumulator). Without a weight gradient (LoRA) C = 256 MB / (2V) and the extra is
-the workspace alone.
+the workspace alone. Llama-3-8B head (N 8,192, H 4,096, V 128,256): C = 4,096, two chunks, workspace =
+dW = 1.05 GB, fp32 accumulator 2.1 GB (3.2 GB in all with the gradients); its LoRA case has no dW at all.
+The bench also times C = 2H: fewer, longer dW GEMMs (K = 1,792 halves the accumulator traffic per FLOP)
+at +C x V x 2 bytes, since the workspace can then no longer double as dW's storage.
 """
 
 from __future__ import annotations
