@@ -36,7 +36,8 @@ def resolve_impl(op: str, impl: str, device: torch.device) -> str:
             "use impl='torch' on CPU, or set TRITON_INTERPRET=1 to run the kernel in Triton's interpreter"
         )
     key = (op, impl, device.type)
-    if key not in _logged:
+    # logging inside a torch.compile'd graph breaks fullgraph=True; the eager first call logs instead
+    if key not in _logged and not torch.compiler.is_compiling():
         _logged.add(key)
         log.info("%s: impl=%s resolved to %s on %s", op, impl, chosen, device.type)
     return chosen
