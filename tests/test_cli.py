@@ -85,3 +85,14 @@ def test_batched_answers_equal_one_by_one(tiny_base):
     single = [tok.decode(generate(model, prompt_ids(tok, q, "Be brief."), 6, eos_token_id=tok.eos_token_id),
                          skip_special_tokens=True).strip() for q in qs]
     assert batched == single
+
+
+@pytest.mark.slow
+def test_embedded_demo_two_steps(tmp_path, capsys):
+    """The real `chronicals train` defaults on the embedded SmolLM2-135M, cut to 2 small steps."""
+    out = tmp_path / "demo"
+    rc = main(["train", f"train.out_dir={out}", "train.max_steps=2", "data.batch_size=1", "data.max_seq_len=64",
+               "eval.qa_limit=2", "eval.max_new_tokens=3", "logging.progress=false"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "held-out loss: " in text and (out / "adapter" / "adapter_model.safetensors").is_file()

@@ -131,7 +131,7 @@ class ScheduleSection:
 
 @dataclass
 class TrainSection:
-    epochs: float = _f(3.0, "passes over the training data (ignored when max_steps > 0)")
+    epochs: float = _f(2.0, "passes over the training data (ignored when max_steps > 0)")
     max_steps: int = _f(0, "optimizer steps to run (0 = derive from epochs)")
     grad_accum: int = _f(1, "micro-batches per optimizer step (loss normalized by the step's loss tokens)")
     seed: int = _f(0, "seed for init, shuffling and dropout")
