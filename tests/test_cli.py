@@ -81,6 +81,8 @@ def test_batched_answers_equal_one_by_one(tiny_base):
 
     model, tok = load_model(tiny_base, dtype=torch.float32)
     qs = ["What is the capital of Vellmora?", "Who founded it?", "What is Vellmora's capital city?", "Hi"]
+    lengths = [len(prompt_ids(tok, q, "Be brief.")) for q in qs]
+    assert len(set(lengths)) < len(lengths)  # at least one batch of several rows
     batched = answer_many(model, tok, qs, "Be brief.", 6)
     single = [tok.decode(generate(model, prompt_ids(tok, q, "Be brief."), 6, eos_token_id=tok.eos_token_id),
                          skip_special_tokens=True).strip() for q in qs]
@@ -96,3 +98,32 @@ def test_embedded_demo_two_steps(tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "held-out loss: " in text and (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_resume_with_packed_loader_is_exact(tiny_base, tmp_path):
+    """SIGTERM mid-run, then resume=auto, with the real data pipeline (PackedLoader position, LoRA+ groups,
+    dropout RNG): the adapter equals an uninterrupted run's, bit for bit."""
+    import os
+    import signal
+
+    from safetensors.torch import load_file
+
+    from chronicals.config import load_config
+    from chronicals.train import train
+
+    common = [f"model.path={tiny_base}", "train.max_steps=6", "train.grad_accum=2", "data.batch_size=2",
+              "data.max_seq_len=128", "data.eval_path=", "eval.qa=false", "lora.dropout=0.1", "lora.rank=4",
+              "logging.progress=false", "logging.plot=false", f"data.cache_dir={tmp_path / 'cache'}"]
+
+    def kill_at_3(step, rec):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    straight = train(load_config(None, common + [f"train.out_dir={tmp_path / 'a'}"]))
+    cfg_b = load_config(None, common + [f"train.out_dir={tmp_path / 'b'}"])
+    assert train(cfg_b, on_step=kill_at_3).status == "interrupted"
+    resumed = train(cfg_b)
+    assert resumed.status == "completed" and resumed.step == straight.step == 6
+    a = load_file(straight.final_dir / "adapter_model.safetensors")
+    b = load_file(resumed.final_dir / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -56,8 +56,9 @@ def test_accumulation_equals_one_big_batch():
 
 
 def test_tiny_run_lowers_loss(tmp_path, docs):
-    cfg = tiny_config(tmp_path, train__max_steps=30, optim__lr=1e-2, logging__plot=True)
-    res = train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs, seed=0),
+    cfg = tiny_config(tmp_path, train__max_steps=30, optim__lr=1e-2, logging__plot=True, train__save_final=True)
+    model = tiny_model()
+    res = train(cfg, model=model, train_loader=SyntheticLoader(docs, seed=0),
                 eval_loader=SyntheticLoader(docs, shuffle=False))
     assert res.status == "completed" and res.step == 30
     assert res.eval_loss_after < 0.6 * res.eval_loss_before, (res.eval_loss_before, res.eval_loss_after)
@@ -67,6 +68,12 @@ def test_tiny_run_lowers_loss(tmp_path, docs):
     assert all(r["grad_norm"] > 0 and r["tokens_per_s"] > 0 for r in train_recs)
     assert (tmp_path / "run" / "loss.png").stat().st_size > 1000
     assert (tmp_path / "run" / "config.yaml").is_file()
+    from chronicals import load_model  # full fine-tuning writes a Hugging Face directory holding the trained weights
+
+    reloaded, _ = load_model(res.final_dir, tokenizer=False)
+    assert res.final_dir.name == "model"
+    trained = model.state_dict()
+    assert all(torch.equal(trained[k], v) for k, v in reloaded.state_dict().items())
 
 
 def _sigterm_at(k):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import TrainConfig
+from ..config import TrainConfig, from_dict, load_config
 from . import checkpoint as ckpt
 from .metrics import MetricsLog, measure_bf16_peak_tflops, memory_gib, plot_losses
 from .optim import build_optimizer, build_scheduler
@@ -108,13 +108,19 @@ def _total_steps(cfg: TrainConfig, batches_per_epoch: int) -> int:
     return max(1, math.ceil(cfg.train.epochs * batches_per_epoch / cfg.train.grad_accum))
 
 
-def train(config: TrainConfig, *, model=None, tokenizer=None, train_loader=None, eval_loader=None,
+def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None, train_loader=None, eval_loader=None,
           heldout_qa=None, on_step=None, report=None) -> TrainResult:
     """Run the training described by ``config``; see the module docstring. Returns a TrainResult.
 
+    ``config``: a TrainConfig, a nested dict of sections, or a YAML path.
     ``report(event, **info)`` (optional) receives "before" / "after" evaluation events (the demo prints them).
     """
-    cfg = config
+    if isinstance(config, TrainConfig):
+        cfg = config
+    elif isinstance(config, dict):
+        cfg = from_dict(config)
+    else:
+        cfg = load_config(config)
     out_dir = Path(cfg.train.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     random.seed(cfg.train.seed)
