@@ -157,7 +157,7 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
 
     peak = None
     if device.type == "cuda":
-        peak = cfg.logging.peak_tflops or measure_bf16_peak_tflops()
+        peak = cfg.logging.peak_tflops or measure_bf16_peak_tflops(device)
     seqlen_for_flops = cfg.data.max_seq_len
 
     def run_eval(step: int, tag: str) -> float | None:

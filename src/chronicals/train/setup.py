@@ -73,11 +73,12 @@ def data_files(cfg: TrainConfig, out_dir: Path) -> tuple[list[Path], Path | None
         train = [qa_mod.write_chat_jsonl(recs, out_dir / "data" / "train.jsonl", d.system_prompt)]
     else:
         train = [Path(d.path)]
-    heldout_qa = qa_mod.read_qa(d.eval_path) if d.eval_path else None
+    eval_path = (DEMO if d.path == DEMO else "") if d.eval_path == "auto" else d.eval_path
+    heldout_qa = qa_mod.read_qa(eval_path) if eval_path else None
     if heldout_qa is not None:
         eval_file = qa_mod.write_chat_jsonl(heldout_qa, out_dir / "data" / "heldout.jsonl", d.system_prompt)
     else:
-        eval_file = Path(d.eval_path) if d.eval_path else None
+        eval_file = Path(eval_path) if eval_path else None
     return train, eval_file, heldout_qa
 
 
