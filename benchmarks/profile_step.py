@@ -1,0 +1,114 @@
+"""Where a training step's time goes: torch.profiler over our full and LoRA steps at a protocol shape.
+
+Prints, per method, the step time, the GPU-busy time (sum of kernel times: well under the step time
+means the step is launch/CPU bound) and the top kernels by GPU time, grouped into op families.
+
+    PYTHONPATH=src python benchmarks/profile_step.py --shape 0.5b --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from chronicals.bench.contenders import add_chronicals_lora, build_chronicals_model, rows_as_packed_batch
+from chronicals.bench.shapes import get_shape
+from chronicals.train.step import accumulate_gradients
+
+FAMILIES = [("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")), ("flash/attn", ("flash", "fmha", "attn")),
+            ("rms_norm", ("_rms_norm",)), ("swiglu", ("_swiglu",)), ("rope", ("_rope",)),
+            ("linear CE", ("_lce", "_linear_ce", "_ce_")), ("adam", ("adam",)), ("lora", ("lora",)),
+            ("elementwise/copy", ("elementwise", "vectorized", "copy", "fill", "reduce"))]
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for fam, keys in FAMILIES:
+        if any(k in low for k in keys):
+            return fam
+    return "other"
+
+
+def device_us(evt) -> float:
+    for attr in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(evt, attr):
+            return float(getattr(evt, attr))
+    return 0.0
+
+
+def profile(method: str, shape_name: str, steps: int) -> dict:
+    shape = get_shape(shape_name)
+    dev = torch.device("cuda")
+    model = build_chronicals_model(shape, dev, "auto", seed=0)
+    if method == "lora":
+        class _S:  # the bench's LoRA settings
+            lora_r, lora_alpha = 32, 64
+        groups = add_chronicals_lora(model, _S)
+    else:
+        groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    opt = torch.optim.AdamW(groups, lr=1e-5, fused=True)
+    ids = torch.randint(0, shape.hf_config["vocab_size"], (shape.rows, shape.seq), device=dev)
+    batch = rows_as_packed_batch(ids, "rows")
+
+    def step():
+        accumulate_gradients(model, [batch], dev)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - t0) / steps * 1e3
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if device_us(e) > 0 and e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(device_us(e) for e in kernels) / steps / 1e3
+    fams: dict[str, float] = defaultdict(float)
+    for e in kernels:
+        fams[family(e.key)] += device_us(e) / steps / 1e3
+    top = sorted(kernels, key=device_us, reverse=True)[:25]
+    out = {"method": method, "shape": shape_name, "step_ms": round(step_ms, 2), "gpu_busy_ms": round(busy, 2),
+           "families_ms": {k: round(v, 2) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])},
+           "top_kernels": [{"name": e.key[:110], "ms_per_step": round(device_us(e) / steps / 1e3, 3),
+                            "calls_per_step": e.count // steps} for e in top],
+           "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+    del model, opt
+    torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="0.5b")
+    ap.add_argument("--methods", default="full,lora")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    results = []
+    for m in args.methods.split(","):
+        r = profile(m, args.shape, args.steps)
+        results.append(r)
+        print(f"\n== {m} @ {args.shape}: step {r['step_ms']} ms, GPU busy {r['gpu_busy_ms']} ms, peak {r['peak_gib']} GiB")
+        for k, v in r["families_ms"].items():
+            print(f"   {k:18s} {v:8.2f} ms")
+        for k in r["top_kernels"][:15]:
+            print(f"   {k['ms_per_step']:8.3f} ms  x{k['calls_per_step']:<4d} {k['name']}")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / f"profile_{args.shape}.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
