@@ -22,7 +22,7 @@ from chronicals.train.step import accumulate_gradients
 
 FAMILIES = [("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")), ("flash/attn", ("flash", "fmha", "attn")),
             ("rms_norm", ("_rms_norm",)), ("swiglu", ("_swiglu",)), ("rope", ("_rope",)),
-            ("linear CE", ("_lce", "_linear_ce", "_ce_")), ("adam", ("adam",)), ("lora", ("lora",)),
+            ("linear CE", ("_lce", "_dw_accumulate", "_scale_kernel")), ("adam", ("adam",)), ("lora", ("lora",)),
             ("elementwise/copy", ("elementwise", "vectorized", "copy", "fill", "reduce"))]
 
 
