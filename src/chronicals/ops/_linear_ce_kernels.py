@@ -172,12 +172,26 @@ def _dw_accumulate_kernel(D_ptr, X_ptr, ACC_ptr, C, V, H, d_row_stride, x_row_st
     tl.store(out, tl.load(out, mask=omask, other=0.0) + acc, mask=omask)
 
 
+# cuBLAS can add a bf16/fp16 product straight into an fp32 matrix (aten addmm.dtype_out, CUDA only).
+# Measured on an H200 at the Qwen2.5-0.5B head: this Triton GEMM took 12.1 ms per step for the 19 dW
+# chunks, about twice what cuBLAS needs for the same FLOPs; so on CUDA cuBLAS does it, and the Triton
+# kernel serves the interpreter (CPU tests) and torch builds without the overload.
+_CUBLAS_FP32_ACC = hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
 def dw_accumulate(dlogits: torch.Tensor, x: torch.Tensor, acc: torch.Tensor) -> None:
     """acc (V, H) fp32 += dlogits (C, V).T @ x (C, H); dlogits and x in one dtype, last dims contiguous."""
     c, v = dlogits.shape
     h = x.shape[1]
     if c == 0:
         return
+    if acc.is_cuda:
+        if dlogits.dtype == torch.float32:
+            acc.addmm_(dlogits.t(), x)  # fp32 cuBLAS (TF32 stays off unless the user enabled it)
+            return
+        if _CUBLAS_FP32_ACC:
+            torch.ops.aten.addmm.dtype_out(acc, dlogits.t(), x, torch.float32, out=acc)
+            return
     dot_fp32 = dlogits.dtype == torch.float32 or triton_interpreting()
 
     def grid(meta):

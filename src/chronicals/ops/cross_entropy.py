@@ -18,7 +18,8 @@ Rows are processed in chunks of C (C = H when the weight needs a gradient, so 89
     row kernel : pass 1 online softmax over vocab tiles -> lse, loss (fp32 registers);
                  pass 2 overwrites the chunk with d_logits = scale * (softmax - onehot) [* softcap']
     dH[c]      = d_logits @ weight               cuBLAS, fp32 accumulation inside, written in place
-    dW32      += d_logits.T @ hidden[c]          Triton GEMM adding into an fp32 (V, H) accumulator
+    dW32      += d_logits.T @ hidden[c]          cuBLAS addmm into an fp32 (V, H) accumulator (Triton GEMM
+                                                 under the interpreter)
     dbias32   += d_logits.sum(0)                 only with a bias
 
 For "mean" and "sum" the loss is a scalar, so the gradients for grad_output = 1 are computed during the
