@@ -4,6 +4,10 @@ Prints, per method, the step time, the GPU-busy time (sum of kernel times: well 
 means the step is launch/CPU bound) and the top kernels by GPU time, grouped into op families.
 
     PYTHONPATH=src python benchmarks/profile_step.py --shape 0.5b --out DIR
+    PYTHONPATH=src python benchmarks/profile_step.py --graphs --out DIR   # each method eager, then CUDA graphs
+
+With --graphs the graphed step (train.graphs.GraphedStep) is first checked against the eager one on the
+same weights and batch (loss and gradients), then profiled; a closing table compares step vs GPU-busy time.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from chronicals.bench.contenders import add_chronicals_lora, build_chronicals_model, rows_as_packed_batch
 from chronicals.bench.shapes import get_shape
+from chronicals.train.graphs import GraphedStep
 from chronicals.train.step import accumulate_gradients
 
 FAMILIES = [("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")), ("flash/attn", ("flash", "fmha", "attn")),
@@ -41,7 +46,27 @@ def device_us(evt) -> float:
     return 0.0
 
 
-def profile(method: str, shape_name: str, steps: int) -> dict:
+def check_graphed(model, batch, dev, graphed) -> dict:
+    """Gradients of one graphed step vs one eager step on the same weights and batch (no optimizer step)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    loss_e = accumulate_gradients(model, [batch], dev)[0].float()
+    ref = [p.grad.detach().float().clone() for p in params]
+    for p in params:
+        p.grad = None
+    loss_g = accumulate_gradients(model, [batch], dev, graphed)[0].float()
+    num = sum(float((p.grad.float() - r).norm()) ** 2 for p, r in zip(params, ref)) ** 0.5
+    den = sum(float(r.norm()) ** 2 for r in ref) ** 0.5
+    for p in params:
+        p.grad = None
+    out = {"loss_eager": float(loss_e), "loss_graphed": float(loss_g), "grad_rel_err": num / max(den, 1e-30)}
+    if abs(out["loss_eager"] - out["loss_graphed"]) > 1e-3 * abs(out["loss_eager"]) or out["grad_rel_err"] > 2e-2:
+        raise SystemExit(f"graphed step disagrees with the eager step: {out}")
+    return out
+
+
+def profile(method: str, shape_name: str, steps: int, graphs: bool = False) -> dict:
     shape = get_shape(shape_name)
     dev = torch.device("cuda")
     model = build_chronicals_model(shape, dev, "auto", seed=0)
@@ -54,9 +79,13 @@ def profile(method: str, shape_name: str, steps: int) -> dict:
     opt = torch.optim.AdamW(groups, lr=1e-5, fused=True)
     ids = torch.randint(0, shape.hf_config["vocab_size"], (shape.rows, shape.seq), device=dev)
     batch = rows_as_packed_batch(ids, "rows")
+    graphed, check = None, None
+    if graphs:
+        graphed = GraphedStep(model, dev)
+        check = check_graphed(model, batch, dev, graphed)  # also captures the graph (warm-up + capture)
 
     def step():
-        accumulate_gradients(model, [batch], dev)
+        accumulate_gradients(model, [batch], dev, graphed)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -79,7 +108,7 @@ def profile(method: str, shape_name: str, steps: int) -> dict:
     for e in kernels:
         fams[family(e.key)] += device_us(e) / steps / 1e3
     top = sorted(kernels, key=device_us, reverse=True)[:25]
-    out = {"method": method, "shape": shape_name, "step_ms": round(step_ms, 2), "gpu_busy_ms": round(busy, 2),
+    out = {"method": method + ("+graphs" if graphs else ""), "shape": shape_name, "check": check, "step_ms": round(step_ms, 2), "gpu_busy_ms": round(busy, 2),
            "families_ms": {k: round(v, 2) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])},
            "top_kernels": [{"name": e.key[:110], "ms_per_step": round(device_us(e) / steps / 1e3, 3),
                             "calls_per_step": e.count // steps} for e in top],
@@ -94,17 +123,27 @@ def main():
     ap.add_argument("--shape", default="0.5b")
     ap.add_argument("--methods", default="full,lora")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--graphs", action="store_true", help="each method eager, then as replayed CUDA graphs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     results = []
-    for m in args.methods.split(","):
-        r = profile(m, args.shape, args.steps)
+    runs = [(m, g) for m in args.methods.split(",") for g in ((False, True) if args.graphs else (False,))]
+    for m, g in runs:
+        r = profile(m, args.shape, args.steps, graphs=g)
         results.append(r)
+        m = r["method"]
+        if r["check"]:
+            print(f"\n{m}: graphed vs eager loss {r['check']['loss_graphed']:.5f} vs {r['check']['loss_eager']:.5f}, "
+                  f"gradient rel. error {r['check']['grad_rel_err']:.2e}")
         print(f"\n== {m} @ {args.shape}: step {r['step_ms']} ms, GPU busy {r['gpu_busy_ms']} ms, peak {r['peak_gib']} GiB")
         for k, v in r["families_ms"].items():
             print(f"   {k:18s} {v:8.2f} ms")
         for k in r["top_kernels"][:15]:
             print(f"   {k['ms_per_step']:8.3f} ms  x{k['calls_per_step']:<4d} {k['name']}")
+    print(f"\n{'method':14s} {'step ms':>8s} {'GPU busy ms':>12s} {'host-bound ms':>14s} {'peak GiB':>9s}")
+    for r in results:  # GPU busy from the profiler's kernel records; graph-replayed kernels are included by CUPTI
+        print(f"{r['method']:14s} {r['step_ms']:8.2f} {r['gpu_busy_ms']:12.2f} "
+              f"{r['step_ms'] - r['gpu_busy_ms']:14.2f} {r['peak_gib']:9.2f}")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / f"profile_{args.shape}.json").write_text(json.dumps(results, indent=2))

@@ -141,6 +141,8 @@ class TrainSection:
     keep_last: int = _f(2, "resumable checkpoints to keep")
     resume: str = _f("auto", "auto (latest checkpoint in out_dir if any) | none | a checkpoint directory")
     save_final: bool = _f(True, "write the final adapter (LoRA) or HF model directory (full)")
+    cuda_graphs: bool = _f(False, "capture forward+backward in CUDA graphs and replay them (CUDA only; "
+                                  "cuts per-step launch overhead; no activation checkpointing)")
 
     def __post_init__(self):
         _check(self.epochs > 0 or self.max_steps > 0, "train.epochs", self.epochs,
@@ -186,6 +188,13 @@ class TrainConfig:
     train: TrainSection = field(default_factory=TrainSection)
     eval: EvalSection = field(default_factory=EvalSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+
+    def __post_init__(self):
+        if self.train.cuda_graphs:  # the device "auto" is checked when the run resolves it (train.graphs)
+            _check(self.model.device != "cpu", "train.cuda_graphs", True, "false with model.device=cpu "
+                   "(CUDA graphs need a GPU)")
+            _check(not self.model.checkpointing, "train.cuda_graphs", True, "false with model.checkpointing=true "
+                   "(checkpoint reads the CUDA RNG state during capture); turn one of them off")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -111,13 +111,24 @@ def rows_as_packed_batch(ids: torch.Tensor, layout: str):
                        num_loss_tokens=b * (s - 1), num_tokens=b * s, num_docs=b)
 
 
-def chronicals_step(model, spec: RunSpec, device: torch.device):
-    """(prepare, forward_backward) for our model: the trainer's step, or the bench's own call."""
+def chronicals_step(model, spec: RunSpec, device: torch.device, graphs: bool = False):
+    """(prepare, forward_backward) for our model: the trainer's step, or the bench's own call.
+
+    graphs: the trainer's step replayed as CUDA graphs (``train.graphs.GraphedStep``, captured at the
+    first call, i.e. in the warm-up steps); needs CUDA and step="trainer".
+    """
     if spec.step == "trainer":
         from ..train.step import accumulate_gradients
 
+        graphed = None
+        if graphs:
+            from ..train.graphs import GraphedStep
+
+            graphed = GraphedStep(model, device)
         return ((lambda ids: rows_as_packed_batch(ids, spec.layout)),
-                (lambda batch: accumulate_gradients(model, [batch], device)[0]))
+                (lambda batch: accumulate_gradients(model, [batch], device, graphed)[0]))
+    if graphs:
+        raise ValueError("the CUDA-graph contenders run the trainer's step (step='trainer'); drop --step bench")
 
     def loss_of_ids(batch):
         return model(batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens,
@@ -127,7 +138,7 @@ def chronicals_step(model, spec: RunSpec, device: torch.device):
     return (lambda ids: rows_as_packed_batch(ids, spec.layout)), fb
 
 
-def _chronicals(method: str, compile_layers: bool):
+def _chronicals(method: str, compile_layers: bool, graphs: bool = False):
     def build(spec: RunSpec, shape: Shape, device: torch.device) -> Built:
         model = build_chronicals_model(shape, device, spec.impl, spec.seed)
         model.set_checkpointing(spec.checkpointing)
@@ -143,8 +154,8 @@ def _chronicals(method: str, compile_layers: bool):
             notes.append("decoder layers torch.compile'd")
         params = [p for g in groups for p in g["params"]]
         opt = make_optimizer(groups, device, spec.lr or (LR_LORA if method == "lora" else LR_FULL))
-        prepare, fb = chronicals_step(model, spec, device)
-        notes.append(f"step={spec.step}, layout={spec.layout}")
+        prepare, fb = chronicals_step(model, spec, device, graphs)
+        notes.append(f"step={spec.step}, layout={spec.layout}" + (", CUDA graphs (fwd+bwd)" if graphs else ""))
         return Built(model, prepare, fb, params, opt, model.config.vocab_size, notes)
 
     return build
@@ -219,6 +230,10 @@ _ALL = [
     Contender("chronicals-full-compile", "chronicals, layers compiled", "full", _chronicals("full", True),
               in_default=False),
     Contender("chronicals-lora", "chronicals LoRA (LoRA+ 16)", "lora", _chronicals("lora", False)),
+    Contender("chronicals-full-graphs", "chronicals, CUDA graphs", "full", _chronicals("full", False, True),
+              in_default=False),
+    Contender("chronicals-lora-graphs", "chronicals LoRA, CUDA graphs", "lora", _chronicals("lora", False, True),
+              in_default=False),
     Contender("chronicals-lora-compile", "chronicals LoRA, layers compiled", "lora", _chronicals("lora", True),
               in_default=False),
     Contender("hf-sdpa", "transformers, SDPA", "full", _hf("full")),

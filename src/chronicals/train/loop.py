@@ -140,6 +140,12 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
     scheduler = build_scheduler(optimizer, cfg, total)
     stream = _Stream(train_loader)
     trainable = [p for p in model.parameters() if p.requires_grad]
+    graphs = None
+    if cfg.train.cuda_graphs:  # captured at the first step (after any resume); raises off CUDA
+        from .graphs import GraphedStep
+
+        graphs = GraphedStep(model, device, params=trainable)
+        log.info("train.cuda_graphs: forward+backward run as replayed CUDA graphs")
 
     start = 0
     resume_from = None
@@ -185,7 +191,7 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
             for step in range(start, total):
                 t0 = time.perf_counter()
                 micro = [stream.next() for _ in range(cfg.train.grad_accum)]
-                loss, n_loss = accumulate_gradients(model, micro, device)
+                loss, n_loss = accumulate_gradients(model, micro, device, graphs)
                 loss_val = loss.item()
                 if not math.isfinite(loss_val):
                     last = ckpt.latest_checkpoint(out_dir)

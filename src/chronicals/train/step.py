@@ -8,7 +8,12 @@ weights a token of a 10-token micro-batch 10x more than one of a 100-token micro
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from .graphs import GraphedStep
 
 
 def _to(batch, device: torch.device) -> dict:
@@ -27,12 +32,18 @@ def batch_loss_sum(model, batch, device: torch.device) -> torch.Tensor:
                  max_seqlen=t["max_seqlen"], shift_labels=t["shift_labels"], reduction="sum")
 
 
-def accumulate_gradients(model, micro_batches: list, device: torch.device) -> tuple[torch.Tensor, int]:
+def accumulate_gradients(model, micro_batches: list, device: torch.device,
+                         graphs: "GraphedStep | None" = None) -> tuple[torch.Tensor, int]:
     """Forward + backward over ``micro_batches``; grads become d(sum of losses / N). Returns (mean loss, N).
 
     N is the step's total loss-token count, known before any backward because every batch carries
     ``num_loss_tokens``. The mean loss stays a device tensor (no host sync per micro-batch).
+    ``graphs``: a ``train.graphs.GraphedStep`` built on ``model``: the same step replayed as CUDA graphs.
     """
+    if graphs is not None:
+        if graphs.model is not model:
+            raise ValueError("accumulate_gradients: graphs was built on another model; build GraphedStep(model, ...)")
+        return graphs.accumulate(micro_batches)
     n = sum(int(b.num_loss_tokens) for b in micro_batches)
     denom = max(n, 1)
     total = None
