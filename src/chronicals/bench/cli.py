@@ -5,6 +5,7 @@
     chronicals bench --shape 8b --contenders chronicals-lora,hf-peft
     chronicals bench --seq-sweep | --model-sweep | --max-context
     chronicals bench --device cpu --tiny   # the same code paths on a tiny model (tests, no GPU)
+    chronicals bench --shape 0.5b --contenders chronicals-lora --graphs   # + the CUDA-graph step beside it
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def parse_args(argv):
     ap.add_argument("--layout", default="rows", choices=("rows", "packed"),
                     help="chronicals batch: dense rows, or the packed contract (cu_seqlens, one doc per row)")
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing for every row")
+    ap.add_argument("--graphs", action="store_true", help="add the CUDA-graph twin (chronicals-full-graphs, "
+                    "chronicals-lora-graphs) after each chronicals-full / chronicals-lora row")
     ap.add_argument("--no-correctness", action="store_true", help="skip the parity check vs transformers")
     ap.add_argument("--no-learning", action="store_true", help="skip the learning check")
     ap.add_argument("--learning-steps", type=int, default=40)
@@ -130,6 +133,17 @@ def default_contenders(shape, quick: bool) -> list[str]:
     return [n for n in names if n in QUICK] if quick else names
 
 
+def with_graphs(names: list[str]) -> list[str]:
+    """Insert ``<name>-graphs`` after every contender that has a CUDA-graph twin (once each)."""
+    out = []
+    for n in names:
+        out.append(n)
+        twin = f"{n}-graphs"
+        if twin in CONTENDERS and twin not in names:
+            out.append(twin)
+    return out
+
+
 def run_plan(args) -> dict:
     tiny = args.tiny
     device = args.device or default_device()
@@ -163,7 +177,8 @@ def run_plan(args) -> dict:
         sh = get_shape(name)
         spec = spec_for(name)
         print(f"table {name}: {spec.rows} x {spec.seq} tokens per step")
-        rows = contender_rows(runner, chosen or default_contenders(sh, args.quick), spec, peak)
+        names = chosen or default_contenders(sh, args.quick)
+        rows = contender_rows(runner, with_graphs(names) if args.graphs else names, spec, peak)
         results["tables"].append({"title": f"{sh.note}, {spec.rows} x {spec.seq} tokens per step", "shape": name,
                                   "rows": spec.rows, "seq": spec.seq, "rows_data": rows})
         print(markdown_table(rows))

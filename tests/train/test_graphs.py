@@ -1,0 +1,202 @@
+"""CUDA-graph training step (chronicals.train.graphs): host-side pieces on CPU, capture vs eager on a GPU.
+
+The GPU tests compare, over 3 optimizer steps with 2 micro-batches each, the losses and every gradient of
+the graphed step against the eager step on an identical copy of the model (bf16, Triton ops, varlen flash
+for packed rows). Run them on the GPU machine with ``pytest tests/train/test_graphs.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from train_helpers import SyntheticLoader, synthetic_docs, tiny_model
+
+from chronicals.bench.contenders import (CONTENDERS, add_chronicals_lora, build_chronicals_model, chronicals_step,
+                                         rows_as_packed_batch)
+from chronicals.bench.protocol import RunSpec
+from chronicals.bench.shapes import get_shape
+from chronicals.config import from_dict
+from chronicals.train.graphs import GraphedStep, bind_static_grads, doc_capacity, fill_cu_seqlens_, graph_key
+from chronicals.train.step import accumulate_gradients, batch_loss_sum
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+# ---------------------------------------------------------------- host-side pieces (CPU)
+def test_doc_capacity_is_next_power_of_two_with_floor():
+    assert [doc_capacity(n) for n in (1, 16, 17, 32, 33, 1000)] == [16, 16, 32, 32, 64, 1024]
+    assert doc_capacity(3, minimum=2) == 4
+    with pytest.raises(ValueError, match="at least one document"):
+        doc_capacity(0)
+
+
+def test_fill_cu_seqlens_repeats_last_value():
+    out = torch.full((9,), -1, dtype=torch.int32)
+    fill_cu_seqlens_(out, torch.tensor([0, 3, 5, 9, 10], dtype=torch.int32))  # the module docstring's example
+    assert out.tolist() == [0, 3, 5, 9, 10, 10, 10, 10, 10]
+    fill_cu_seqlens_(out, torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 10], dtype=torch.int32))  # exactly full
+    assert out.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 10]
+    with pytest.raises(ValueError, match="capacity 8"):
+        fill_cu_seqlens_(out, torch.arange(11, dtype=torch.int32))
+
+
+def test_graph_key_rows_and_packed():
+    ids = torch.zeros(3, 7, dtype=torch.long)
+    assert graph_key(rows_as_packed_batch(ids, "rows")) == (3, 7, 0)
+    assert graph_key(rows_as_packed_batch(ids, "packed")) == (3, 7, 16)
+    loader = SyntheticLoader(synthetic_docs(40, seed=1), batch_size=2, row_len=32, shuffle=False)
+    for b in loader.batches:
+        key = graph_key(b)
+        assert key[:2] == tuple(b.input_ids.shape) and key[2] >= b.cu_seqlens.numel() - 1
+
+
+def test_padded_cu_seqlens_leave_the_loss_and_grads_unchanged():
+    """Zero-length documents appended to cu_seqlens change nothing (reference attention path, CPU)."""
+    batch = SyntheticLoader(synthetic_docs(12, seed=3), batch_size=2, row_len=32, shuffle=False).batches[0]
+    padded = torch.empty(doc_capacity(batch.cu_seqlens.numel() - 1) + 1, dtype=torch.int32)
+    fill_cu_seqlens_(padded, batch.cu_seqlens)
+    assert padded.numel() > batch.cu_seqlens.numel()
+    model = tiny_model(seed=0)
+    out = []
+    for cu, max_seqlen in ((batch.cu_seqlens, batch.max_seqlen), (padded, batch.input_ids.shape[1])):
+        model.zero_grad(set_to_none=True)
+        loss = model(batch.input_ids, position_ids=batch.position_ids, cu_seqlens=cu, max_seqlen=max_seqlen,
+                     shift_labels=batch.shift_labels, reduction="sum")
+        loss.backward()
+        out.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(out[0][0], out[1][0], rtol=0, atol=0)
+    for g0, g1 in zip(out[0][1], out[1][1]):
+        torch.testing.assert_close(g0, g1, rtol=0, atol=0)
+
+
+def test_bind_static_grads_keeps_eager_semantics():
+    ps = [torch.nn.Parameter(torch.ones(3)) for _ in range(3)]
+    bufs = [torch.full((3,), 7.0) for _ in range(3)]
+    ps[0].grad = None  # after zero_grad(set_to_none=True): bound and zeroed
+    ps[1].grad = bufs[1]  # already bound: left as it is (backward accumulates into it)
+    ps[2].grad = torch.full((3,), 2.0)  # another tensor: its values move into the buffer
+    bind_static_grads(ps, bufs)
+    assert all(p.grad is b for p, b in zip(ps, bufs))
+    assert [p.grad.tolist() for p in ps] == [[0.0] * 3, [7.0] * 3, [2.0] * 3]
+
+
+def test_cpu_request_fails_with_the_fix():
+    model = tiny_model()
+    with pytest.raises(RuntimeError, match="train.cuda_graphs=false"):
+        GraphedStep(model, "cpu")
+    with pytest.raises(ValueError, match="model.device=cpu"):
+        from_dict({"model": {"device": "cpu"}, "train": {"cuda_graphs": True}})
+    with pytest.raises(ValueError, match="checkpointing"):
+        from_dict({"model": {"device": "cuda", "checkpointing": True}, "train": {"cuda_graphs": True}})
+    assert from_dict({}).train.cuda_graphs is False
+
+
+def test_bench_graph_contenders_registered_and_guarded():
+    for name, method in (("chronicals-full-graphs", "full"), ("chronicals-lora-graphs", "lora")):
+        c = CONTENDERS[name]
+        assert c.method == method and not c.in_default
+    with pytest.raises(ValueError, match="step='trainer'"):
+        chronicals_step(tiny_model(), RunSpec("chronicals-full-graphs", step="bench"), torch.device("cpu"), True)
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        chronicals_step(tiny_model(), RunSpec("chronicals-full-graphs", device="cpu"), torch.device("cpu"), True)
+
+
+def test_bench_graphs_flag_adds_twins():
+    from chronicals.bench.cli import parse_args, with_graphs
+
+    assert with_graphs(["chronicals-full", "hf-sdpa", "chronicals-lora"]) == [
+        "chronicals-full", "chronicals-full-graphs", "hf-sdpa", "chronicals-lora", "chronicals-lora-graphs"]
+    assert with_graphs(["chronicals-lora", "chronicals-lora-graphs"]) == ["chronicals-lora", "chronicals-lora-graphs"]
+    assert parse_args(["--graphs"]).graphs and not parse_args([]).graphs
+
+
+# ---------------------------------------------------------------- capture vs eager (GPU)
+def _gpu_model(method: str):
+    model = build_chronicals_model(get_shape("tiny"), torch.device("cuda"), "auto", seed=0)  # bf16, head dim 16
+    if method == "lora":
+        add_chronicals_lora(model, RunSpec("x", lora_r=4, lora_alpha=8))
+        with torch.no_grad():  # B = 0 at init would make every A gradient 0: nothing to compare
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.02)
+    return model
+
+
+def _micro_batches(layout: str, steps: int, seq: int = 32):
+    if layout == "packed":
+        loader = SyntheticLoader(synthetic_docs(200, seed=2), batch_size=2, row_len=seq, shuffle=False)
+        bs = loader.batches[:2 * steps]
+    else:
+        gen = torch.Generator().manual_seed(0)
+        bs = [rows_as_packed_batch(torch.randint(0, 512, (2, seq), generator=gen), "rows") for _ in range(2 * steps)]
+    return [bs[2 * i:2 * i + 2] for i in range(steps)]
+
+
+def _train(model, steps_batches, graphs=None):
+    """Optimizer steps over ``steps_batches``; -> (losses, grads of every step)."""
+    dev = torch.device("cuda")
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    losses, grads = [], []
+    for micro in steps_batches:
+        loss, _ = accumulate_gradients(model, micro, dev, graphs)
+        losses.append(loss.float().item())
+        grads.append([p.grad.float().clone() for p in params])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, grads
+
+
+def _assert_same_training(eager, graphed):
+    (le, ge), (lg, gg) = eager, graphed
+    assert lg == pytest.approx(le, rel=2e-3), (le, lg)
+    for step, (a, b) in enumerate(zip(ge, gg)):
+        for i, (x, y) in enumerate(zip(a, b)):  # bf16 kernels with atomics: not bitwise, well under 1%
+            err = float((x - y).norm()) / max(float(x.norm()), 1e-12)
+            assert err < 1e-2, f"step {step} param {i}: relative gradient error {err:.2e}"
+
+
+@cuda
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("layout", ["rows", "packed"])
+def test_graphed_step_matches_eager(method, layout):
+    model = _gpu_model(method)
+    twin = copy.deepcopy(model)
+    batches = _micro_batches(layout, steps=3)
+    eager = _train(model, batches)
+    graphs = GraphedStep(twin, "cuda")
+    graphed = _train(twin, batches, graphs)
+    _assert_same_training(eager, graphed)
+    assert graphs.eager_fallbacks == 0 and len(graphs.graphs) == len({graph_key(b) for m in batches for b in m})
+    assert len(set(eager[0])) == 3  # three different batches: a replay reading stale inputs would repeat a loss
+
+
+@cuda
+def test_new_shape_beyond_max_graphs_runs_eagerly_with_a_warning(caplog):
+    model = _gpu_model("full")
+    twin = copy.deepcopy(model)
+    batches = _micro_batches("rows", steps=1, seq=32) + _micro_batches("rows", steps=1, seq=24)
+    eager = _train(model, batches)
+    graphs = GraphedStep(twin, "cuda", max_graphs=1)
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        graphed = _train(twin, batches, graphs)
+    _assert_same_training(eager, graphed)
+    assert list(graphs.graphs) == [(2, 32, 0)] and graphs.eager_fallbacks == 2
+    assert "not captured" in caplog.text
+
+
+@cuda
+def test_graphed_loss_equals_eager_loss_on_one_batch():
+    """The replayed loss is the batch's own (fresh inputs copied in), for the same weights."""
+    model = _gpu_model("full")
+    graphs = GraphedStep(model, "cuda")
+    for micro in _micro_batches("packed", steps=3):
+        with torch.no_grad():
+            want = sum(float(batch_loss_sum(model, b, torch.device("cuda"))) for b in micro)
+            want /= sum(b.num_loss_tokens for b in micro)
+        got, _ = accumulate_gradients(model, micro, torch.device("cuda"), graphs)
+        model.zero_grad(set_to_none=True)
+        assert float(got) == pytest.approx(want, rel=2e-3)
