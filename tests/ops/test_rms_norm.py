@@ -139,3 +139,46 @@ def test_wide_rows_loop_over_blocks():
     x = torch.randn(3, h, device=DEV, dtype=torch.float64)
     w = torch.randn(h, device=DEV, dtype=torch.float64)
     torch.testing.assert_close(rms_norm(x, w, 1e-6, impl="triton"), rms_norm_ref(x, w, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+def _graph_targets(fn, *args):
+    """The call targets of the graph Dynamo captures for ``fn`` (fullgraph), to see which door it took."""
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return targets
+
+
+def test_eager_door_and_compiled_door_agree():
+    """Eager calls take RMSNormFunction (no custom-op dispatch); torch.compile sees chronicals::rms_norm as
+    one node; both give the custom op's own outputs and gradients, with and without the residual (and
+    with the stream s as the only output used, so dy is absent)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 2, 160, generator=g).to(DEV).requires_grad_()
+    w = torch.randn(160, generator=g).to(DEV).requires_grad_()
+    r = torch.randn(6, 2, 160, generator=g).to(DEV).requires_grad_()
+    dy = torch.randn(6, 2, 160, generator=g).to(DEV)
+
+    y, s = rms_norm(x, w, 1e-6, residual=r, impl="triton")
+    assert type(y.grad_fn.next_functions[0][0]).__name__ == "RMSNormFunctionBackward"  # under the (B, S) view
+    got = torch.autograd.grad((y * dy).sum() + (s * s).sum(), [x, w, r])
+    yo, so, _ = torch.ops.chronicals.rms_norm(x.view(-1, 160), w, r.view(-1, 160), 1e-6)
+    want = torch.autograd.grad((yo.view_as(x) * dy).sum() + (so * so).sum(), [x, w, r])
+    torch.testing.assert_close(y, yo.view_as(x), rtol=0, atol=0)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    (dr_only,) = torch.autograd.grad(rms_norm(x, w, 1e-6, residual=r, impl="triton")[1].sum(), [r])
+    torch.testing.assert_close(dr_only, torch.ones_like(r))
+
+    def f(x_, w_):
+        return (rms_norm(x_, w_, 1e-6, impl="triton") * dy).sum()
+
+    targets = [t.removesuffix(".default") for t in _graph_targets(f, x, w)]
+    assert "chronicals.rms_norm" in targets and not any("autograd_function" in t for t in targets), targets
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    for a, b in zip(torch.autograd.grad(compiled(x, w), [x, w]), torch.autograd.grad(f(x, w), [x, w])):
+        torch.testing.assert_close(a, b)

@@ -122,3 +122,31 @@ def test_registered_op_passes_opcheck_and_compiles():
     want = torch.autograd.grad(f_ref(q, k), [q, k])
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+def test_eager_door_and_compiled_door_agree():
+    """Eager calls take RopeQKFunction (no custom-op dispatch); torch.compile sees chronicals::rope_qk as one
+    node; both match the custom op's outputs and gradients, including a k whose output is unused."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 5, 3, 16, generator=g).to(DEV).requires_grad_()
+    k = torch.randn(2, 5, 1, 16, generator=g).to(DEV).requires_grad_()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    cos, sin = (t.to(DEV) for t in rope_cos_sin(torch.arange(5).repeat(2, 1), inv_freq))
+    qo, ko = rope_qk(q, k, cos, sin, impl="triton")
+    assert type(qo.grad_fn).__name__ == "RopeQKFunctionBackward"
+    qw, kw = torch.ops.chronicals.rope_qk(q, k, cos, sin)
+    torch.testing.assert_close((qo, ko), (qw, kw), rtol=0, atol=0)
+    got = torch.autograd.grad(qo.square().sum(), [q, k])
+    want = torch.autograd.grad(qw.square().sum(), [q, k], allow_unused=True, materialize_grads=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch.compile(lambda a, b: rope_qk(a, b, cos, sin, impl="triton"), backend=backend, fullgraph=True)(q, k)
+    targets = [t.removesuffix(".default") for t in targets]
+    assert "chronicals.rope_qk" in targets and not any("autograd_function" in t for t in targets), targets

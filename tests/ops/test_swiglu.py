@@ -75,3 +75,28 @@ def test_registered_op_passes_opcheck_and_compiles():
     want = torch.autograd.grad((F.silu(gate) * up * 3).sum(), [gate, up])
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+def test_eager_door_and_compiled_door_agree():
+    """Eager calls take SwiGLUFunction (no custom-op dispatch); torch.compile sees chronicals::swiglu as one
+    node; both match the custom op's outputs and gradients."""
+    g = torch.Generator().manual_seed(5)
+    gate = torch.randn(3, 7, 50, generator=g).to(DEV).requires_grad_()
+    up = torch.randn(3, 7, 50, generator=g).to(DEV).requires_grad_()
+    dy = torch.randn(3, 7, 50, generator=g).to(DEV)
+    y = swiglu(gate, up, impl="triton")
+    assert type(y.grad_fn).__name__ == "SwiGLUFunctionBackward"
+    yo = torch.ops.chronicals.swiglu(gate, up)
+    torch.testing.assert_close(y, yo, rtol=0, atol=0)
+    for a, b in zip(torch.autograd.grad((y * dy).sum(), [gate, up]), torch.autograd.grad((yo * dy).sum(), [gate, up])):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch.compile(lambda a, b: swiglu(a, b, impl="triton"), backend=backend, fullgraph=True)(gate, up)
+    targets = [t.removesuffix(".default") for t in targets]
+    assert "chronicals.swiglu" in targets and not any("autograd_function" in t for t in targets), targets

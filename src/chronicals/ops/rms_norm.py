@@ -4,21 +4,32 @@ Shapes: x (..., H), weight (H,), residual (..., H) or None.
 With a residual, the op computes s = x + residual and returns (rms_norm(s), s) so the next block can
 reuse s as its residual stream.
 
-The Triton path (``impl="triton"``) is one ``torch.library`` op, ``chronicals::rms_norm``, whose backward
-is a second op, ``chronicals::rms_norm_backward``; torch.compile sees each as one node.
+The Triton path (``impl="triton"``) has two front doors over the same launchers:
+- eager: ``RMSNormFunction``, a plain autograd.Function that launches the kernels directly. The
+  ``torch.library`` custom-op dispatch costs ~0.1 ms of CPU per call, more than the kernel itself at the
+  0.5B shape (forward ~14 us of bytes at 4.25 TB/s), so eager calls skip it.
+- under torch.compile: the ``torch.library`` op ``chronicals::rms_norm`` (backward
+  ``chronicals::rms_norm_backward``), so the compiler sees each as one node.
 
 - forward: one program per BLOCK_M rows (several rows per program when H is small, e.g. 4 rows of
   896); math in fp32; writes y, s (with a residual) and rstd (N,) fp32 for the backward.
-- backward: a persistent grid of ~2 programs per SM, each looping over row blocks and keeping its
-  share of dweight in fp32 registers; the (P, H) partials (P ~ 264, 4.3 MB at H=4096 against the 200 MB
-  the backward must move at the 8B shape) are summed at the end. One program per row writing (N, H)
-  partials would move another 2 x N x H x 4 bytes, more than the op itself.
+- backward: a persistent grid of P = (2, 4 or 8, autotuned) programs per SM, each looping over row
+  blocks and keeping its share of dweight in fp32 registers; the (P, H) fp32 partials are summed at the
+  end. Byte arithmetic at the 8B shape (N=8192, H=4096, bf16): the op must move 3NH x 2 B = 201 MB
+  (read s, dy; write dx), 47 us at 4.25 TB/s. Partials cost P x H x 4 B written + read again by the sum:
+  P=264 (2/SM): 2 x 4.3 MB = 4% extra; P=528: 8%; P=1056: 17%. What they buy: each program walks
+  4096 row blocks / P serially (31 at P=132, 16 at 264, 4 at 1056) with one block's loads (2 rows x 4096
+  x 2 tensors x 2 B = 32 KB) in flight at a time; 8 MB in flight across 264 programs is only about 2x the
+  bandwidth-delay product (4.25 TB/s x ~1 us), so more resident programs hide the latency of the
+  load -> row-reduce -> store chain better. The autotuner picks the count on the GPU (key includes H).
+  One program per row writing (N, H) partials would move another 2 x N x H x 4 bytes, more than the op.
 - H larger than one block (8192 on CUDA, 1024 in the interpreter so the tests cover it) is handled by
   looping over column blocks, never by truncating.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -36,7 +47,8 @@ MAX_BLOCK_H = 1024 if triton_interpreting() else 8192
 # (264 programs x 32 KB ~ 8 MB in flight, above the ~4 MB bandwidth-delay product of an H200).
 TILE_ELEMS = 4096
 BWD_TILE_ELEMS = 8192
-PROGRAMS_PER_SM = 2  # persistent backward grid
+# Persistent backward grid: programs per SM tried by the autotuner (see the module docstring for bytes).
+PROGRAMS_PER_SM = (2, 4, 8)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -106,11 +118,15 @@ def _rms_norm_fwd_kernel(X_ptr, R_ptr, W_ptr, Y_ptr, S_ptr, RSTD_ptr, N, H, x_ro
     tl.store(RSTD_ptr + rows, rstd, mask=row_ok)
 
 
-@triton.autotune(configs=tune_configs(_WARPS), key=["H", "BLOCK_M", "BLOCK_H", "HAS_DS"])
+# (programs per SM, warps); the interpreter takes the first. 9 configs x ~0.15 s of tuning once per H.
+_BWD_CONFIGS = [triton.Config({"PROGRAMS_PER_SM": p}, num_warps=w) for p in PROGRAMS_PER_SM for w in (8, 4, 16)]
+
+
+@triton.autotune(configs=tune_configs(_BWD_CONFIGS), key=["H", "BLOCK_M", "BLOCK_H", "HAS_DS"])
 @triton.jit
 def _rms_norm_bwd_kernel(DY_ptr, DS_ptr, S_ptr, W_ptr, RSTD_ptr, DX_ptr, DW_ptr, N, H, dy_row_stride,
                          ds_row_stride, HAS_DS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-                         SINGLE_BLOCK: tl.constexpr):
+                         SINGLE_BLOCK: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr):
     """dx = rstd * (w*dy - xhat * mean(w*dy*xhat)) (+ ds), xhat = s*rstd; dw partial = sum_rows dy*xhat.
 
     Persistent: program p handles row blocks p, p + P, p + 2P, ... and writes dw partial row p of (P, H).
@@ -185,15 +201,17 @@ def _rms_norm_bwd_kernel(DY_ptr, DS_ptr, S_ptr, W_ptr, RSTD_ptr, DX_ptr, DW_ptr,
 # ---------------------------------------------------------------- launchers
 
 
+@functools.lru_cache(maxsize=64)
 def _blocks(h: int, tile: int = TILE_ELEMS) -> tuple[int, int]:
-    """(BLOCK_M rows, BLOCK_H columns) of a tile for hidden size h."""
+    """(BLOCK_M rows, BLOCK_H columns) of a tile for hidden size h (cached: called on every launch)."""
     block_h = min(triton.next_power_of_2(h), MAX_BLOCK_H)
     return max(1, min(64, tile // block_h)), block_h
 
 
 def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
     """(..., H) -> (N, H) with unit column stride (a view when possible)."""
-    t = t.reshape(-1, h)
+    if t.dim() != 2:
+        t = t.reshape(-1, h)
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
@@ -222,13 +240,42 @@ def rms_norm_backward(dy: torch.Tensor, ds: Optional[torch.Tensor], s: torch.Ten
     if n == 0:
         return dx, torch.zeros_like(weight)
     block_m, block_h = _blocks(h, BWD_TILE_ELEMS)
-    programs = min(num_sms(s.device) * PROGRAMS_PER_SM, triton.cdiv(n, block_m))
-    dw_part = torch.empty((programs, h), device=s.device, dtype=torch.float32)
+    sms, n_blocks = num_sms(s.device), triton.cdiv(n, block_m)
+    # room for the largest grid the autotuner may pick; only the launched programs' rows are summed
+    dw_part = torch.empty((min(sms * max(PROGRAMS_PER_SM), n_blocks), h), device=s.device, dtype=torch.float32)
     dd = ds if ds is not None else dy
-    _rms_norm_bwd_kernel[(programs,)](
+    _rms_norm_bwd_kernel[lambda meta: (min(sms * meta["PROGRAMS_PER_SM"], n_blocks),)](
         dy, dd, s, weight, rstd, dx, dw_part, n, h, dy.stride(0), dd.stride(0), HAS_DS=ds is not None,
         BLOCK_M=block_m, BLOCK_H=block_h, SINGLE_BLOCK=block_h >= h)
-    return dx, dw_part.sum(0).to(weight.dtype)
+    programs = min(sms * _rms_norm_bwd_kernel.best_config.kwargs["PROGRAMS_PER_SM"], n_blocks)
+    return dx, dw_part[:programs].sum(0).to(weight.dtype)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """The eager door: x, residual (N, H) with unit column stride (or residual None), weight (H,) ->
+    (y (N, H), s (N, H) or an empty tensor without a residual). Same launchers as the custom op."""
+
+    @staticmethod
+    def forward(ctx, x, weight, residual, eps):
+        y, s, rstd = rms_norm_forward(x, weight, residual, eps)
+        ctx.has_residual = residual is not None
+        # the backward kernel reads s as contiguous (N, H); x may be row-strided
+        ctx.save_for_backward(s if ctx.has_residual else x.contiguous(), weight, rstd)
+        if not ctx.has_residual:
+            ctx.mark_non_differentiable(s)
+        ctx.set_materialize_grads(False)
+        return y, s
+
+    @staticmethod
+    def backward(ctx, dy, ds):
+        s, weight, rstd = ctx.saved_tensors
+        h = s.shape[1]
+        # dy is None when only the stream s was used; ds is None when s was unused (then HAS_DS=False)
+        dy = torch.zeros_like(s) if dy is None else _rows(dy, h)
+        dx, dw = rms_norm_backward(dy, _rows(ds, h) if (ctx.has_residual and ds is not None) else None, s,
+                                   weight, rstd)
+        # x and residual enter only through s = x + residual, so both receive ds_total (like add's backward)
+        return dx, dw, (dx if ctx.has_residual else None), None
 
 
 # ---------------------------------------------------------------- torch.library registration
@@ -294,7 +341,11 @@ def rms_norm(x, weight, eps: float, *, residual=None, impl: str = "auto"):
         raise ValueError(f"rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match x "
                          f"{tuple(x.shape)} {x.dtype}; cast it with .to(x.dtype) first")
     check_device("rms_norm", x, weight, residual)
-    y, s, _ = torch.ops.chronicals.rms_norm(_rows(x, h), weight, None if residual is None else _rows(residual, h),
-                                            float(eps))
-    y = y.view(*x.shape[:-1], h)
-    return y if residual is None else (y, s.view(*x.shape[:-1], h))
+    x2, r2 = _rows(x, h), None if residual is None else _rows(residual, h)
+    if torch.compiler.is_compiling():  # one graph node for the compiler
+        y, s, _ = torch.ops.chronicals.rms_norm(x2, weight, r2, float(eps))
+    else:  # eager: skip the custom-op dispatch (~0.1 ms of CPU per call)
+        y, s = RMSNormFunction.apply(x2, weight, r2, float(eps))
+    if x.dim() != 2:
+        y, s = y.view(*x.shape[:-1], h), (s.view(*x.shape[:-1], h) if residual is not None else s)
+    return y if residual is None else (y, s)
