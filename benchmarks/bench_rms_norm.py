@@ -7,6 +7,9 @@ norm (all contenders) and norm with the fused residual add (ours vs torch; Liger
 Bytes that must move (bf16): plain forward 2NH (read x, write y), backward 3NH (read x, dy, write dx);
 residual forward 4NH (read x, r, write y, s), backward 4NH (read s, dy, ds, write dx). Weight bytes ignored.
 Correctness against a float64 reference is checked on the GPU before anything is timed.
+Two timings per contender: "ms" (do_bench, launched from Python each call: includes CPU launch overhead,
+which dominates at these sizes for any op that is not CUDA-graphed) and "graph ms" (CUDA-graph replay: GPU
+time alone, the honest basis for bandwidth claims). Both columns use the same bytes.
 
 The generic helpers here (check_close, time_modes, run_table) are shared with bench_swiglu.py and bench_rope.py.
 """
@@ -22,8 +25,12 @@ from common import copy_bandwidth_gbs, do_bench, markdown_table, write_results
 
 SHAPES = {"qwen2.5-0.5b": 16384, "llama-3-8b": 8192}  # tokens; hidden below
 HIDDEN = {"qwen2.5-0.5b": 896, "llama-3-8b": 4096}
-COLUMNS = ["shape", "variant", "mode", "contender", "ms", "GB/s", "% copy", "x vs liger"]
+COLUMNS = ["shape", "variant", "mode", "contender", "ms", "GB/s", "% copy", "x vs liger",
+           "graph ms", "graph GB/s", "graph % copy", "graph x vs liger"]
 
+
+GRAPH_NOTE = ("ms / GB/s: eager do_bench (Python launch each call, L2 flushed); graph ms / GB/s: CUDA-graph "
+              "replay, the GPU time without launch overhead (no L2 flush; tensors >= 29 MB)")
 
 # ---------------------------------------------------------------- shared helpers
 
@@ -58,8 +65,46 @@ def check_close(name, ours, ref, inputs, grad_outs, k=2.0):
     print(f"ok  {name}: outputs and gradients within 2x torch-bf16 error of float64")
 
 
-def time_modes(fn, inputs, grad_outs) -> dict[str, float]:
-    """Median ms of forward (grad enabled, so it saves what backward needs), backward, and both."""
+def graph_bench(fn, target_ms: float = 20.0, replays: int = 10) -> float:
+    """Median ms of ``fn()`` replayed from a CUDA graph: kernel time without Python/launch overhead.
+
+    Like triton.testing.do_bench_cudagraph (n calls unrolled into one graph, mean per call per replay), but
+    on a stream we own: the backward timing must capture autograd, whose backward kernels run on the stream
+    the forward ran on, so the forward outputs are made on this same stream (see ``time_modes``). No L2
+    flush, as in do_bench_cudagraph; every tensor here (>= 29 MB) is far above what L2 keeps between calls.
+    """
+    stream = torch.cuda.current_stream()
+    for _ in range(3):  # warm up: autotuning, compilation, lazy init all stay out of the capture
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    n = max(2, min(200, int(target_ms / max(start.elapsed_time(end) / 3, 1e-3))))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(n):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / n)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def time_modes(fn, inputs, grad_outs) -> dict[str, dict[str, float]]:
+    """Median ms of forward (grad enabled, so it saves what backward needs), backward, and both, in two
+    timings: "eager" (do_bench: each call launched from Python, what an eager training step pays) and
+    "graph" (CUDA-graph replay: the GPU time alone). A contender that cannot be captured gets NaN in
+    "graph" and the reason printed; its eager column stands."""
     inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
     diff = [t for t in inputs if t.requires_grad]
 
@@ -67,26 +112,46 @@ def time_modes(fn, inputs, grad_outs) -> dict[str, float]:
         out = fn(*inputs)
         return out if isinstance(out, tuple) else (out,)
 
-    outs = fwd()
-    gos = [g.to(o.dtype) for o, g in zip(outs, grad_outs)]
-    res = {"fwd": do_bench(fwd),
-           "bwd": do_bench(lambda: torch.autograd.grad(outs, diff, gos, retain_graph=True))}
-    res["both"] = do_bench(lambda: torch.autograd.grad(fwd(), diff, gos))
+    res = {"eager": {}, "graph": {}}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    for timing in ("eager", "graph"):
+        # graph mode runs forward and backward on the side stream, so the captured backward is on it too
+        with torch.cuda.stream(side if timing == "graph" else torch.cuda.current_stream()):
+            outs = fwd()
+            gos = [g.to(o.dtype) for o, g in zip(outs, grad_outs)]
+            modes = {"fwd": fwd, "bwd": lambda: torch.autograd.grad(outs, diff, gos, retain_graph=True),
+                     "both": lambda: torch.autograd.grad(fwd(), diff, gos)}
+            for mode, f in modes.items():
+                if timing == "eager":
+                    res[timing][mode] = do_bench(f)
+                    continue
+                try:
+                    res[timing][mode] = graph_bench(f)
+                except RuntimeError as e:  # reported, not hidden: the row shows NaN
+                    print(f"graph timing failed ({mode}): {str(e).splitlines()[0]}")
+                    res[timing][mode] = float("nan")
+            del outs
+        torch.cuda.current_stream().wait_stream(side)
     return res
 
 
 def run_table(cases, copy_gbs):
-    """cases: (shape, variant, {contender: fn}, inputs, grad_outs, {mode: bytes}) -> result rows."""
+    """cases: (shape, variant, {contender: fn}, inputs, grad_outs, {mode: bytes}) -> result rows, one per
+    (mode, contender), each with the eager and the CUDA-graph timing side by side."""
     rows = []
     for shape, variant, fns, inputs, grad_outs, nbytes in cases:
         times = {c: time_modes(f, inputs, grad_outs) for c, f in fns.items()}
         for mode in ("fwd", "bwd", "both"):
             for c, t in times.items():
-                gbs = nbytes[mode] / t[mode] / 1e6
-                row = {"shape": shape, "variant": variant, "mode": mode, "contender": c, "ms": round(t[mode], 4),
-                       "GB/s": round(gbs), "% copy": round(100 * gbs / copy_gbs, 1)}
-                if "liger" in times:
-                    row["x vs liger"] = round(times["liger"][mode] / t[mode], 2)
+                row = {"shape": shape, "variant": variant, "mode": mode, "contender": c}
+                for timing, pre in (("eager", ""), ("graph", "graph ")):
+                    ms = t[timing][mode]
+                    gbs = nbytes[mode] / ms / 1e6
+                    row.update({f"{pre}ms": round(ms, 4), f"{pre}GB/s": round(gbs) if gbs == gbs else gbs,
+                                f"{pre}% copy": round(100 * gbs / copy_gbs, 1)})
+                    if "liger" in times:
+                        row[f"{pre}x vs liger"] = round(times["liger"][timing][mode] / ms, 2)
                 rows.append(row)
     return rows
 
@@ -155,6 +220,7 @@ def main():
         cases.append((shape, "residual", fns_res, [x, w, r], [dy, ds], {"fwd": 4 * b, "bwd": 4 * b, "both": 8 * b}))
     rows = run_table(cases, copy_gbs)
     notes.append("bytes: plain fwd 2NH, bwd 3NH; residual fwd 4NH, bwd 4NH (bf16, weight ignored)")
+    notes.append(GRAPH_NOTE)
     finish("bench_rms_norm", rows, copy_gbs, notes, args.out)
 
 

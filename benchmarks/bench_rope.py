@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from bench_rms_norm import check_close, finish, liger, require_cuda, run_table
+from bench_rms_norm import GRAPH_NOTE, check_close, finish, liger, require_cuda, run_table
 from common import copy_bandwidth_gbs
 
 SHAPES = {"qwen2.5-0.5b": (16, 1024, 14, 2, 64), "llama-3-8b": (8, 1024, 32, 8, 128)}  # (B, S, Hq, Hk, D)
@@ -44,16 +44,21 @@ def main():
         inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d))
         cos, sin = rope_cos_sin(pos, inv_freq, dtype=torch.bfloat16)
 
-        def ours(q_, k_):
+        # cos/sin are bound as default arguments: the closures run after this loop ends (in run_table), and
+        # late-bound names would hand the last shape's (8, 1024, 128) cos to the 0.5B q of batch 16
+        def ours(q_, k_, cos=cos, sin=sin):
             return rope_qk(q_, k_, cos, sin, impl="triton")
 
-        def ref(q_, k_):
+        def ref(q_, k_, cos=cos, sin=sin):
             return rope_qk_ref(q_, k_, cos.to(q_.dtype), sin.to(q_.dtype))
 
+        def torch_compiled(q_, k_, cos=cos, sin=sin):
+            return compiled(q_, k_, cos, sin)
+
         check_close(f"rope_qk {shape}", ours, ref, [q, k], [dq, dk])
-        fns = {"chronicals": ours, "torch": ref, "torch.compile": lambda q_, k_: compiled(q_, k_, cos, sin)}
+        fns = {"chronicals": ours, "torch": ref, "torch.compile": torch_compiled}
         if liger_fn is not None:
-            def liger_rope(q_, k_):
+            def liger_rope(q_, k_, cos=cos, sin=sin):
                 qo, ko = liger_fn.apply(q_.transpose(1, 2), k_.transpose(1, 2), cos, sin)
                 return qo.transpose(1, 2), ko.transpose(1, 2)
             fns["liger"] = liger_rope
@@ -61,6 +66,7 @@ def main():
         cases.append((shape, "rope_qk", fns, [q, k], [dq, dk], {"fwd": nb, "bwd": nb, "both": 2 * nb}))
     rows = run_table(cases, copy_gbs)
     notes.append("bytes: q and k read + written once per direction (bf16); cos/sin not counted")
+    notes.append(GRAPH_NOTE)
     finish("bench_rope", rows, copy_gbs, notes, args.out)
 
 

@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from bench_rms_norm import check_close, finish, liger, require_cuda, run_table
+from bench_rms_norm import GRAPH_NOTE, check_close, finish, liger, require_cuda, run_table
 from common import copy_bandwidth_gbs
 
 SHAPES = {"qwen2.5-0.5b": (16384, 4864), "llama-3-8b": (8192, 14336)}  # (tokens, intermediate)
@@ -48,6 +48,7 @@ def main():
         cases.append((shape, "swiglu", fns, [gate, up], [dy], {"fwd": 3 * nb, "bwd": 5 * nb, "both": 8 * nb}))
     rows = run_table(cases, copy_gbs)
     notes.append("bytes: fwd 3NI, bwd 5NI (bf16)")
+    notes.append(GRAPH_NOTE)
     finish("bench_swiglu", rows, copy_gbs, notes, args.out)
 
 
