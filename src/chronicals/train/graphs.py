@@ -129,8 +129,8 @@ class GraphedStep:
         device = torch.device(device)
         if device.type != "cuda" or not torch.cuda.is_available():
             raise RuntimeError(f"CUDA graphs need a CUDA device, but the step runs on {device} "
-                               f"(torch.cuda.is_available()={torch.cuda.is_available()}); set "
-                               "train.cuda_graphs=false (or run on a GPU with model.device=cuda)")
+                               f"(torch.cuda.is_available()={torch.cuda.is_available()}); turn them off (train.cuda_graphs=false; "
+                               "in the bench a contender without -graphs) or run on a GPU (model.device=cuda)")
         if warmup < 1 or max_graphs < 0:
             raise ValueError(f"GraphedStep: warmup={warmup} must be >= 1 (Triton autotuning and cuBLAS set-up "
                              f"must run before capture), max_graphs={max_graphs} >= 0")
