@@ -9,11 +9,15 @@ Two implementations, picked explicitly with ``impl``:
 - ``"fused"``: ``LoRALinearFunction``, a custom autograd.Function. It never forms ``B @ A`` (out x in),
   computes no gradient for the frozen ``W`` / bias (a 0.5B model at 16k tokens skips 2 x 16384 x 896 x 4864
   FLOPs per MLP projection), and saves only ``x`` (shared with q/k/v or gate/up, so usually no new
-  memory), the small ``s * x A^T`` (N, r) and, with dropout, a bool mask (1 byte per element instead of a
-  second bf16 copy of x). Accumulations run as in-place ``addmm_`` so cuBLAS adds into the output in its
-  epilogue: one launch fewer per add and no full-size temporary.
+  memory), the small ``x A^T`` (N, r) and, with dropout, a bool mask (1 byte per element instead of a
+  second bf16 copy of x). Accumulations run as in-place ``addmm_`` and every scale ``s`` rides in a GEMM's
+  ``alpha`` (cuBLAS applies it in the epilogue): no separate scaling kernels, no full-size temporaries.
 - ``"torch"``: ``lora_linear_ref``, plain autograd over F.linear (what PEFT does). Tests and benchmarks
   compare against it.
+
+Kernel count per call (dropout 0), forward + backward: 8 (addmm_ layout) and 8 (concatenated layout,
+including the s B refresh), down from 10 and 11 before the scales moved into ``alpha`` and the
+concatenated weight became persistent (at the 0.5B shape, 168 calls per step: ~420 fewer launches).
 """
 
 from __future__ import annotations
@@ -38,74 +42,111 @@ def lora_linear_ref(x, weight, bias, lora_a, lora_b, scaling: float, mask=None, 
     return F.linear(x, weight, bias) + scaling * F.linear(F.linear(xd, lora_a), lora_b)
 
 
+def mm_scaled(a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
+    """s * (a @ b) in one GEMM: addmm with beta=0 ignores its (uninitialized, broadcast) input, and
+    cuBLAS multiplies by alpha in the epilogue. Saves the separate ``mul_`` launch of ``mm(a, b) * s``."""
+    if s == 1.0:
+        return torch.mm(a, b)
+    return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=s)
+
+
+def concat_weight(weight: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """[W | s B] (out, in + r): the per-call form, for direct callers; LoRALinear keeps one persistent."""
+    return torch.cat([weight, lora_b * scaling], dim=1)
+
+
+def lora_forward(x2, weight, bias, lora_a, lora_b, scaling: float, mask, dropout: float, wcat):
+    """x2 (N, in) -> (y (N, out), xa = drop(x2) A^T (N, r), unscaled). No autograd (called in forward).
+
+    wcat: None for the addmm_ layout, else [W | s B] (out, in + r) for the concatenated layout.
+    """
+    xd = x2 if mask is None else x2 * mask.reshape(x2.shape) * (1.0 / (1.0 - dropout))
+    xa = torch.mm(xd, lora_a.t())  # (N, r)
+    if wcat is not None:
+        xcat = torch.cat([x2, xa], dim=1)  # (N, in + r), freed after forward: only x and xa are saved
+        y = torch.mm(xcat, wcat.t()) if bias is None else torch.addmm(bias, xcat, wcat.t())
+    else:
+        y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())  # (N, out)
+        y.addmm_(xa, lora_b.t(), alpha=scaling)  # y += s (x A^T) B^T, accumulated by the GEMM itself
+    return y, xa
+
+
+def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, mask, scaling: float, dropout: float, wcat,
+                  need_x: bool, need_a: bool, need_b: bool):
+    """dy2 (N, out) -> (dx2 (N, in), dA (r, in), dB (out, r)), None where not needed.
+
+    x2 is only read for dA (so a caller may pass a recomputed x2, or None when not need_a).
+    """
+    dx = da = db = None
+    keep = 1.0 if mask is None else 1.0 / (1.0 - dropout)
+    fin = lora_a.shape[1]
+    # dyb = s dy B (N, r): the small tensor both dx and dA need.
+    if need_x and wcat is not None:
+        g = torch.mm(dy2, wcat)  # (N, in + r) = [dy W | s dy B]: dy read once for both
+        dx_base, dyb = g[:, :fin], g[:, fin:]
+    elif need_x or need_a:
+        dyb = mm_scaled(dy2, lora_b, scaling)
+    if need_x:
+        if wcat is None:
+            dx_base = torch.mm(dy2, weight)  # (N, in)
+        if mask is None:  # out of place from the strided g view: same bytes as in place + a later copy
+            dx = torch.addmm(dx_base, dyb, lora_a) if wcat is not None else dx_base.addmm_(dyb, lora_a)
+        else:  # the LoRA branch saw drop(x): its gradient goes through the mask
+            dx = mm_scaled(dyb, lora_a, keep).mul_(mask.reshape(dx_base.shape)).add_(dx_base)
+    if need_a:
+        xd = x2 if mask is None else x2 * mask.reshape(x2.shape)
+        da = mm_scaled(dyb.t(), xd, keep)  # (r, in)
+    if need_b:
+        db = mm_scaled(dy2.t(), xa, scaling)  # (out, r); xa already carries the dropout scale
+    return dx, da, db
+
+
 class LoRALinearFunction(torch.autograd.Function):
     """y = x W^T (+b) + s (drop(x) A^T) B^T with gradients for x, A, B only (W and b are frozen).
 
     ``concat`` picks how the rank-r term joins the big GEMM (same math, different memory traffic):
-      - False: ``y.addmm_(s xA^T, B^T)``: the small GEMM re-reads and re-writes y (2 N out elements) and,
-        in backward, ``dy B`` is one more pass over dy (N out).
-      - True: forward ``[x, s xA^T] @ [W, B]^T`` (K = in + r) and backward ``dy @ [W, B]`` (N = in + r),
-        which yields dx's base part and ``dy B`` in one pass over dy; costs copies of ~3 N in elements.
-    So concat wins when out is well above in: gate/up at the Qwen2.5-0.5B shape (896 -> 4864) move
-    ~3 x 29 MB instead of ~2 x 159 MB (forward) per call at 16k tokens. ``LoRALinear`` picks it by shape.
+      - False: ``y.addmm_(xA^T, B^T, alpha=s)``: the small GEMM re-reads and re-writes y (2 N out elements)
+        and, in backward, ``s dy B`` is one more pass over dy (N out).
+      - True: forward ``[x, xA^T] @ [W, s B]^T`` (K = in + r) and backward ``dy @ [W, s B]`` (in + r
+        columns), which yields dx's base part and ``s dy B`` in one pass over dy; costs the activation cat
+        (read N in, write N (in + r)). ``wcat`` is the [W | s B] buffer (out, in + r): LoRALinear keeps
+        one whose first ``in`` columns ARE W's storage and refreshes only the s B columns (out x r) per
+        call; None builds it here per call (a full copy of W: 2 x 117 MB at the 8B gate/up, fwd and bwd).
+    wcat is kept on ctx, not save_for_backward: its s B columns are rewritten by the next forward of the
+    same layer (same values until the optimizer steps), which must not trip autograd's version check.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, mask, dropout: float, concat: bool = False):
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, mask, dropout: float,
+                concat: bool = False, wcat=None):
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             raise RuntimeError("LoRALinearFunction: the base weight and bias must be frozen "
                                "(requires_grad=False; apply_lora does this); train them with a plain nn.Linear")
+        if concat and wcat is None:
+            wcat = concat_weight(weight, lora_b, scaling)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (N, in); a view when x is contiguous
-        xd = x2 if mask is None else x2 * mask.reshape(x2.shape) * (1.0 / (1.0 - dropout))
-        xa = torch.mm(xd, lora_a.t()).mul_(scaling)  # (N, r), scaled once here (small) instead of on (N, out)
-        if concat:
-            xcat = torch.cat([x2, xa], dim=1)  # (N, in + r), freed after forward: only x and xa are saved
-            wcat = torch.cat([weight, lora_b], dim=1)  # (out, in + r)
-            y = torch.mm(xcat, wcat.t()) if bias is None else torch.addmm(bias, xcat, wcat.t())
-        else:
-            y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())  # (N, out)
-            y.addmm_(xa, lora_b.t())  # y += (s x A^T) B^T, accumulated by the GEMM itself
+        y, xa = lora_forward(x2, weight, bias, lora_a, lora_b, scaling, mask, dropout, wcat if concat else None)
         ctx.save_for_backward(x2, weight, lora_a, lora_b, xa, mask)
-        ctx.scaling, ctx.dropout, ctx.shape, ctx.concat = scaling, dropout, shape, concat
+        ctx.wcat = wcat if concat else None
+        ctx.scaling, ctx.dropout, ctx.shape = scaling, dropout, shape
         return y.view(*shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         x2, weight, lora_a, lora_b, xa, mask = ctx.saved_tensors
-        s = ctx.scaling if mask is None else ctx.scaling / (1.0 - ctx.dropout)
-        dy2 = dy.reshape(-1, dy.shape[-1])  # (N, out)
-        need_x, need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
-        dx = da = db = dyb = None
-        fin = x2.shape[1]
-        # dyb = s * dy B (N, r): the small tensor both dx and dA need; the scale (and 1/(1-p)) goes here.
-        if need_x and ctx.concat:
-            g = torch.mm(dy2, torch.cat([weight, lora_b], dim=1))  # (N, in + r): [dy W | dy B], dy read once
-            dyb = g[:, fin:].mul(s)
-            dx_base = g[:, :fin]
-        elif need_x or need_a:
-            dyb = torch.mm(dy2, lora_b).mul_(s)
-        if need_x:
-            if not ctx.concat:
-                dx_base = torch.mm(dy2, weight)  # (N, in)
-            if mask is None:
-                dx = torch.addmm(dx_base, dyb, lora_a) if ctx.concat else dx_base.addmm_(dyb, lora_a)
-            else:  # the LoRA branch saw drop(x): its gradient goes through the mask
-                dx = torch.mm(dyb, lora_a).mul_(mask.reshape(dx_base.shape)).add_(dx_base)
-            dx = dx.view(ctx.shape)
-        if need_a:
-            xd = x2 if mask is None else x2 * mask.reshape(x2.shape)  # 1/(1-p) already in dyb
-            da = torch.mm(dyb.t(), xd)  # (r, in)
-        if need_b:
-            db = torch.mm(dy2.t(), xa)  # (out, r); xa already carries s (and the dropout scale)
-        return dx, None, None, da, db, None, None, None, None
+        dx, da, db = lora_backward(dy.reshape(-1, dy.shape[-1]), x2, weight, lora_a, lora_b, xa, mask,
+                                   ctx.scaling, ctx.dropout, ctx.wcat, ctx.needs_input_grad[0],
+                                   ctx.needs_input_grad[3], ctx.needs_input_grad[4])
+        ctx.wcat = None
+        return (None if dx is None else dx.view(ctx.shape)), None, None, da, db, None, None, None, None, None
 
 
 def lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, mask=None, dropout: float = 0.0,
-                impl: str = "fused", concat: bool = False):
+                impl: str = "fused", concat: bool = False, wcat=None):
     """See the module docstring. ``impl``: "fused" (LoRALinearFunction) or "torch" (reference)."""
     if impl == "fused":
-        return LoRALinearFunction.apply(x, weight, bias, lora_a, lora_b, scaling, mask, dropout, concat)
+        return LoRALinearFunction.apply(x, weight, bias, lora_a, lora_b, scaling, mask, dropout, concat, wcat)
     if impl == "torch":
         return lora_linear_ref(x, weight, bias, lora_a, lora_b, scaling, mask, dropout)
     raise ValueError(f"lora_linear: impl={impl!r} is not one of {IMPLS}")
@@ -115,6 +156,11 @@ class LoRALinear(nn.Module):
     """Replaces an nn.Linear in place. Keeps the base ``weight`` / ``bias`` Parameters (same objects,
     so tied weights and existing references survive; frozen here) under the same names, and adds ``lora_A.weight``
     (r, in) and ``lora_B.weight`` (out, r): the state-dict keys PEFT saves, minus its prefix.
+
+    With the fused concatenated layout, ``weight`` becomes a strided view (row stride in + r) into a
+    private (out, in + r) buffer whose last r columns hold s B (refreshed each forward, out x r elements):
+    no memory beyond r columns, and no per-call copy of W. ``model.to(...)`` rebinds it (``_apply``);
+    ``to_linear`` / merge_lora give W back a contiguous storage of its own.
     """
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False,
@@ -136,8 +182,13 @@ class LoRALinear(nn.Module):
         self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
         if concat not in ("auto", True, False):
             raise ValueError(f"LoRALinear: concat={concat!r} must be 'auto', True or False")
-        # "auto": the concatenated GEMMs when out >= 2 in (see LoRALinearFunction for the byte counts)
+        # "auto": concatenated when out >= 2 in. Per call, concat costs the activation cat (~2 N in
+        # elements) and saves the addmm_ pass over y (2 N out) and the dy B pass (N out): a win in bytes
+        # from out > 2/3 in, but its GEMMs have K = in + r and in + r output columns (a partial tile: up
+        # to ~3% of a GEMM at in = 4096), so near out ~ in it is a wash; out >= 2 in keeps it where the
+        # saving is clear (gate/up: 8B 4096 -> 14336 saves ~570 MB per call, ~9 ms per step).
         self.concat = self.out_features >= 2 * self.in_features if concat == "auto" else concat
+        self._wcat = None  # [W | s B] (out, in + r), a plain attribute: not in the state dict
         dev, dtype = base.weight.device, adapter_dtype or base.weight.dtype
         self.lora_A = nn.Linear(self.in_features, r, bias=False, device="meta")
         self.lora_B = nn.Linear(r, self.out_features, bias=False, device="meta")
@@ -147,16 +198,78 @@ class LoRALinear(nn.Module):
         nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
         self.lora_A.weight = nn.Parameter(a.to(device=dev, dtype=dtype))
         self.lora_B.weight = nn.Parameter(torch.zeros(self.out_features, r, device=dev, dtype=dtype))
+        self._bind_concat_buffer()
 
-    def forward(self, x):
+    @property
+    def _uses_wcat(self) -> bool:
+        return self.concat and self.impl == "fused" and self.weight.device.type != "meta"
+
+    @torch.no_grad()
+    def _bind_concat_buffer(self) -> None:
+        """Move W into the first ``in`` columns of a new (out, in + r) buffer (one copy of W, once)."""
+        self._wcat = None
+        if not self._uses_wcat:
+            return
+        w = self.weight
+        buf = torch.empty(self.out_features, self.in_features + self.r, dtype=w.dtype, device=w.device)
+        buf[:, :self.in_features].copy_(w)
+        w.data = buf[:, :self.in_features]  # same Parameter object (ties, optimizer refs), new storage
+        self._wcat = buf
+
+    def _concat_buffer(self, b: torch.Tensor) -> torch.Tensor:
+        """The bound [W | s B] buffer with its s B columns refreshed from ``b`` (one small kernel)."""
+        buf = self._wcat
+        # weight.data replaced from outside (load, .data =, a dtype/device move not through _apply)?
+        # data_ptr is a graph break under torch.compile, so the check runs in eager mode only.
+        if buf is None or (not torch.compiler.is_compiling() and self.weight.data_ptr() != buf.data_ptr()):
+            log.info("LoRALinear: rebinding [W | s B] after the base weight's storage changed")
+            self._bind_concat_buffer()
+            buf = self._wcat
+        with torch.no_grad():
+            torch.mul(b, self.scaling, out=buf[:, self.in_features:])
+        return buf
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype/device) gives W a new contiguous tensor: bind a new buffer on the new device (the old
+        # one is freed when this returns); a no-op move (same dtype and device) keeps the binding.
+        old, self._wcat = self._wcat, None
+        super()._apply(fn, recurse)
+        if old is not None and self.weight.data_ptr() == old.data_ptr() and self.weight.dtype == old.dtype:
+            self._wcat = old
+        else:
+            del old
+            self._bind_concat_buffer()
+        return self
+
+    def _adapters(self, x):
         a, b = self.lora_A.weight, self.lora_B.weight
         if a.dtype != x.dtype:  # fp32 adapters on a bf16 base: cast the small matrices, not x
             a, b = a.to(x.dtype), b.to(x.dtype)
         mask = None
         if self.dropout > 0 and self.training:
             mask = torch.rand(x.shape, device=x.device) >= self.dropout  # bool: 1 byte per element saved
-        return lora_linear(x, self.weight, self.bias, a, b, self.scaling, mask, self.dropout, impl=self.impl,
-                           concat=self.concat)
+        return a, b, mask
+
+    def forward(self, x):
+        a, b, mask = self._adapters(x)
+        if self.impl == "torch":
+            return lora_linear_ref(x, self.weight, self.bias, a, b, self.scaling, mask, self.dropout)
+        wcat = self._concat_buffer(b) if self._uses_wcat else None
+        return LoRALinearFunction.apply(x, self.weight, self.bias, a, b, self.scaling, mask, self.dropout,
+                                        self.concat, wcat)
+
+    def forward_swiglu(self, gate, up, impl: str = "auto"):
+        """``self(swiglu(gate, up))`` without keeping the SwiGLU product for backward: it is recomputed
+        from the saved gate / up (see ``chronicals.lora.mlp``). gate, up (..., in) -> (..., out).
+        The decoder's MLP calls this when its down_proj offers it; ``impl`` is the SwiGLU op's."""
+        from .mlp import LoRASwiGLUDownFunction, swiglu_for_impl
+
+        if self.impl == "torch":  # the reference layer: plain autograd end to end, the product is kept
+            return self(swiglu_for_impl(gate, up, impl))
+        a, b, mask = self._adapters(gate)
+        wcat = self._concat_buffer(b) if self._uses_wcat else None
+        return LoRASwiGLUDownFunction.apply(gate, up, self.weight, self.bias, a, b, self.scaling, mask,
+                                            self.dropout, self.concat, wcat, impl)
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
@@ -167,6 +280,9 @@ class LoRALinear(nn.Module):
     def to_linear(self) -> nn.Linear:
         """W += s B A (in W's dtype, computed in fp32) and return a plain nn.Linear on the same Parameters."""
         self.weight.add_(self.delta_weight().to(self.weight.dtype))
+        if not self.weight.is_contiguous():  # leave the [W | s B] buffer: W gets its own storage back
+            self.weight.data = self.weight.data.contiguous()
+        self._wcat = None
         lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         lin.weight, lin.bias = self.weight, self.bias
         return lin.train(self.training)

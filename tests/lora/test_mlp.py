@@ -1,0 +1,204 @@
+"""The LoRA MLP path (SwiGLU product recomputed in backward) and partial activation checkpointing,
+against the plain path in float64: outputs and every gradient, LoRA and non-LoRA."""
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from chronicals.lora import LoRALinear, apply_lora, merge_lora
+from chronicals.lora.mlp import LoRASwiGLUDownFunction
+from chronicals.ops.swiglu import swiglu_ref
+
+from .conftest import randomize_lora_b, tiny_model
+
+ALL7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _old_mlp(mlp, x):
+    """The path before forward_swiglu: down_proj's own forward on the materialized product."""
+    return mlp.down_proj(swiglu_ref(mlp.gate_proj(x), mlp.up_proj(x)))
+
+
+def _mlp_grads(mlp, x, dy, fn, seed=3):
+    params = [p for p in mlp.parameters() if p.requires_grad]
+    xs = x.clone().requires_grad_()
+    torch.manual_seed(seed)  # the same dropout masks on both paths
+    y = fn(mlp, xs)
+    return [y, *torch.autograd.grad(y, [xs, *params], dy)]
+
+
+@pytest.mark.parametrize("targets", [ALL7, ("down_proj",), ("gate_proj", "up_proj"), ("q_proj",)])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+@pytest.mark.parametrize("concat", ["auto", True])
+def test_lora_mlp_matches_plain_path_float64(targets, dropout, concat):
+    model = tiny_model(kind="qwen2").double().train()
+    apply_lora(model, r=3, alpha=5, dropout=dropout, target_modules=targets, concat=concat)
+    randomize_lora_b(model)
+    mlp = model.model.layers[1].mlp
+    x = torch.randn(2, 5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    dy = torch.randn(2, 5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    new = _mlp_grads(mlp, x, dy, lambda m, t: m(t))
+    old = _mlp_grads(mlp, x, dy, _old_mlp)
+    assert len(new) == 2 + 2 * sum(t in ("gate_proj", "up_proj", "down_proj") for t in targets)
+    for i, (a, b) in enumerate(zip(new, old)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"output/grad {i}")
+    assert isinstance(mlp.down_proj, LoRALinear) == ("down_proj" in targets)
+
+
+def test_non_lora_mlp_unchanged_float64():
+    """Full fine-tuning: a plain down_proj takes the old path; weights get their gradients too."""
+    model = tiny_model().double().train()
+    mlp = model.model.layers[0].mlp
+    assert not hasattr(mlp.down_proj, "forward_swiglu")
+    x = torch.randn(3, 4, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    dy = torch.randn(3, 4, 32, dtype=torch.float64)
+    new, old = _mlp_grads(mlp, x, dy, lambda m, t: m(t)), _mlp_grads(mlp, x, dy, _old_mlp)
+    assert len(new) == 2 + 3  # y, dx, dW of gate / up / down
+    for a, b in zip(new, old):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _n_by_i_saved(mlp, x, fn):
+    """data_ptrs of the (N, I)-sized tensors autograd saves for one MLP forward ``fn(mlp, x)``."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = fn(mlp, x.requires_grad_())
+    y.sum().backward()  # outside the hooks: what backward saves for itself is transient
+    n_i = x[..., :1].numel() * mlp.gate_proj.out_features
+    return {t.data_ptr() for t in saved if t.numel() == n_i}
+
+
+def test_lora_mlp_does_not_keep_the_swiglu_product():
+    model = tiny_model().train()
+    apply_lora(model, r=2, alpha=4)
+    mlp, x = model.model.layers[0].mlp, torch.randn(2, 7, 32)
+    # old path with the reference SwiGLU: gate, silu(gate), up (SwiGLU's autograd) and act (down's input)
+    assert len(_n_by_i_saved(mlp, x.clone(), _old_mlp)) == 4
+    assert len(_n_by_i_saved(mlp, x.clone(), lambda m, t: m(t))) == 2  # gate and up only
+
+
+SHAPES = [((1, 7), 11, 13, 3), ((2, 3), 24, 6, 4), ((5,), 1, 9, 1)]  # (lead dims, I, H, r)
+
+
+@pytest.mark.parametrize("lead,fi,fo,r", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("p", [0.0, 0.25])
+@pytest.mark.parametrize("concat", [False, True])
+def test_function_matches_reference_float64(lead, fi, fo, r, bias, p, concat):
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    gate, up, a, b = rnd(*lead, fi), rnd(*lead, fi), rnd(r, fi), rnd(fo, r)
+    w, bi, dy = rnd(fo, fi), (rnd(fo) if bias else None), rnd(*lead, fo)
+    mask = torch.rand(*lead, fi, generator=g) >= p if p else None
+    ins = [t.requires_grad_() for t in (gate, up, a, b)]
+    got_y = LoRASwiGLUDownFunction.apply(gate, up, w, bi, a, b, 1.3, mask, p, concat, None, "torch")
+    got = [got_y, *torch.autograd.grad(got_y, ins, dy)]
+    act = swiglu_ref(gate, up)
+    actd = act if mask is None else act * mask / (1 - p)
+    want_y = nn.functional.linear(act, w, bi) + 1.3 * (actd @ a.t()) @ b.t()
+    want = [want_y, *torch.autograd.grad(want_y, ins, dy)]
+    for i, (x_, y_) in enumerate(zip(got, want)):
+        torch.testing.assert_close(x_, y_, rtol=1e-12, atol=1e-12, msg=f"output/grad {i}")
+
+
+def test_function_gradcheck():
+    g = torch.Generator().manual_seed(1)
+    gate, up, a, b = (torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()
+                      for s in ((2, 3, 5), (2, 3, 5), (2, 5), (4, 2)))
+    w = torch.randn(4, 5, dtype=torch.float64)
+    fn = lambda g_, u_, a_, b_: LoRASwiGLUDownFunction.apply(g_, u_, w, None, a_, b_, 0.7, None, 0.0,  # noqa: E731
+                                                              False, None, "torch")
+    assert torch.autograd.gradcheck(fn, (gate, up, a, b))
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
+def test_triton_swiglu_inside_lora_mlp():
+    """impl="triton": the recompute and the SwiGLU backward run the ops' kernels; fp32 vs the torch path."""
+    model = tiny_model().train()
+    apply_lora(model, r=2, alpha=4)
+    randomize_lora_b(model)
+    mlp = model.model.layers[0].mlp
+    x, dy = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+    ref = _mlp_grads(mlp, x, dy, lambda m, t: m(t))
+    model.set_impl("triton")
+    got = _mlp_grads(mlp, x, dy, lambda m, t: m(t))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- checkpointing the first k layers
+
+
+def _model_grads(model, ids):
+    for p in model.parameters():
+        p.grad = None
+    loss = model(ids, shift_labels=torch.roll(ids, -1, 1), reduction="sum")
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_checkpointing_k_layers_same_gradients(lora, ids):
+    model = tiny_model().double().train()
+    if lora:
+        apply_lora(model, r=2, alpha=4)
+        randomize_lora_b(model)
+    calls = []
+    for i, layer in enumerate(model.model.layers):
+        # a pre-hook: the recompute stops early once it has what backward needs, before a post-hook would run
+        layer.register_forward_pre_hook(lambda m, a, i=i: calls.append(i))
+    base_loss, base = _model_grads(model.set_checkpointing(False), ids)
+    assert calls == [0, 1]
+    for k, recomputed in ((1, [0]), (2, [0, 1]), (True, [0, 1]), (5, [0, 1]), (0, [])):
+        calls.clear()
+        loss, grads = _model_grads(model.set_checkpointing(k), ids)
+        assert sorted(calls) == sorted([0, 1] + recomputed), (k, calls)  # checkpointed layers run twice
+        assert torch.equal(loss, base_loss)
+        for n, g in grads.items():
+            torch.testing.assert_close(g, base[n], rtol=1e-13, atol=1e-13, msg=f"k={k} {n}")
+
+
+def test_checkpointing_rejects_bad_values():
+    model = tiny_model()
+    for bad in (-1, 1.5, "2"):
+        with pytest.raises(ValueError, match="checkpointing="):
+            model.set_checkpointing(bad)
+    assert model.set_checkpointing(True).opts.checkpointed_layers(2) == 2
+    assert model.set_checkpointing(1).opts.checkpointed_layers(2) == 1
+
+
+# ---------------------------------------------------------------- the persistent [W | s B] buffer
+
+
+def test_concat_buffer_is_w_itself_and_follows_b():
+    torch.manual_seed(0)
+    base = nn.Linear(4, 12, bias=True)
+    w0 = base.weight.detach().clone()
+    layer = LoRALinear(base, r=3, alpha=6)
+    assert layer.concat and layer.weight is base.weight
+    assert layer.weight.data_ptr() == layer._wcat.data_ptr() and torch.equal(layer.weight, w0)
+    x = torch.randn(5, 4)
+    for step in range(2):  # B changes in place (as an optimizer does): the next call sees it
+        with torch.no_grad():
+            layer.lora_B.weight.normal_()
+        want = nn.functional.linear(x, w0, base.bias) + 2.0 * (x @ layer.lora_A.weight.t()) @ layer.lora_B.weight.t()
+        torch.testing.assert_close(layer(x), want, rtol=1e-6, atol=1e-6)
+    layer.double()  # a dtype move rebinds the buffer
+    assert layer._wcat.dtype == torch.float64 and layer.weight.data_ptr() == layer._wcat.data_ptr()
+    torch.testing.assert_close(layer(x.double()), want.double(), rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        layer.weight.data = w0.double().clone()  # replaced from outside: caught and rebound
+    torch.testing.assert_close(layer(x.double()), want.double(), rtol=1e-6, atol=1e-6)
+    assert layer.weight.data_ptr() == layer._wcat.data_ptr()
+    lin = layer.to_linear()
+    assert lin.weight.is_contiguous() and layer._wcat is None
+
+
+def test_merge_gives_contiguous_weights(ids):
+    model = tiny_model()
+    apply_lora(model, r=2, alpha=4, concat=True)
+    merge_lora(model)
+    assert all(p.is_contiguous() for p in model.parameters())
