@@ -189,6 +189,8 @@ class LoRALinear(nn.Module):
         # saving is clear (gate/up: 8B 4096 -> 14336 saves ~570 MB per call, ~9 ms per step).
         self.concat = self.out_features >= 2 * self.in_features if concat == "auto" else concat
         self._wcat = None  # [W | s B] (out, in + r), a plain attribute: not in the state dict
+        # as down_proj: recompute the SwiGLU product in backward (forward_swiglu); False keeps it (A/B runs)
+        self.recompute_swiglu = True
         dev, dtype = base.weight.device, adapter_dtype or base.weight.dtype
         self.lora_A = nn.Linear(self.in_features, r, bias=False, device="meta")
         self.lora_B = nn.Linear(r, self.out_features, bias=False, device="meta")
@@ -264,7 +266,7 @@ class LoRALinear(nn.Module):
         The decoder's MLP calls this when its down_proj offers it; ``impl`` is the SwiGLU op's."""
         from .mlp import LoRASwiGLUDownFunction, swiglu_for_impl
 
-        if self.impl == "torch":  # the reference layer: plain autograd end to end, the product is kept
+        if self.impl == "torch" or not self.recompute_swiglu:  # plain autograd: the product is kept
             return self(swiglu_for_impl(gate, up, impl))
         a, b, mask = self._adapters(gate)
         wcat = self._concat_buffer(b) if self._uses_wcat else None
