@@ -78,6 +78,8 @@ def test_lora_mlp_does_not_keep_the_swiglu_product():
     # old path with the reference SwiGLU: gate, silu(gate), up (SwiGLU's autograd) and act (down's input)
     assert len(_n_by_i_saved(mlp, x.clone(), _old_mlp)) == 4
     assert len(_n_by_i_saved(mlp, x.clone(), lambda m, t: m(t))) == 2  # gate and up only
+    mlp.down_proj.recompute_swiglu = False  # the switch the benchmark flips: the product kept again
+    assert len(_n_by_i_saved(mlp, x.clone(), lambda m, t: m(t))) == 4
 
 
 SHAPES = [((1, 7), 11, 13, 3), ((2, 3), 24, 6, 4), ((5,), 1, 9, 1)]  # (lead dims, I, H, r)

@@ -9,11 +9,12 @@
 
 from .inject import DEFAULT_TARGETS, LoraRecord, apply_lora, lora_modules, merge_lora
 from .layer import LoRALinear, LoRALinearFunction, lora_linear, lora_linear_ref
+from .mlp import LoRASwiGLUDownFunction
 from .peft_io import adapter_config_dict, adapter_state_dict, load_adapter, read_adapter_config, save_adapter
 from .plus import lora_plus_param_groups
 
 __all__ = [
-    "DEFAULT_TARGETS", "LoRALinear", "LoRALinearFunction", "LoraRecord", "adapter_config_dict",
+    "DEFAULT_TARGETS", "LoRALinear", "LoRALinearFunction", "LoRASwiGLUDownFunction", "LoraRecord", "adapter_config_dict",
     "adapter_state_dict", "apply_lora", "load_adapter", "lora_linear", "lora_linear_ref", "lora_modules",
     "lora_plus_param_groups", "merge_lora", "read_adapter_config", "save_adapter",
 ]
