@@ -84,3 +84,13 @@ def test_expected_recipes_exist():
     names = {str(p.relative_to(p.parents[1])) for p in CONFIGS}
     assert {"smollm2-135m/lora.yaml", "qwen2.5-0.5b/full.yaml", "qwen2.5-0.5b/lora.yaml",
             "llama-3-8b/lora.yaml"} <= names
+
+
+def test_checkpoint_layers_overrides_the_switch_and_rejects_negatives():
+    from chronicals.config import load_config
+
+    assert load_config(None, ["model.checkpoint_layers=5"]).model.checkpoint_setting == 5
+    assert load_config(None, ["model.checkpointing=true"]).model.checkpoint_setting is True
+    assert load_config(None, []).model.checkpoint_setting is False
+    with pytest.raises(ValueError, match="model.checkpoint_layers=-1 is invalid"):
+        load_config(None, ["model.checkpoint_layers=-1"])

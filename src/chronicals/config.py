@@ -42,6 +42,8 @@ class ModelSection:
     device: str = _f("auto", "auto (cuda if available) | cpu | cuda | cuda:N")
     impl: str = _f("auto", "op implementations: auto (Triton on CUDA) | triton | torch")
     checkpointing: bool = _f(False, "activation checkpointing: recompute each decoder layer in backward")
+    checkpoint_layers: int = _f(0, "checkpoint only the first k decoder layers (0 = as model.checkpointing says); "
+                                   "the fewest recomputed layers that fit memory")
     compile: bool = _f(False, "torch.compile each decoder layer")
 
     def __post_init__(self):
@@ -51,6 +53,12 @@ class ModelSection:
                self.device, "auto | cpu | cuda | cuda:N")
         _check(self.impl in ("auto", "triton", "torch"), "model.impl", self.impl, "auto | triton | torch")
         _check(bool(self.path), "model.path", self.path, "a model directory, .gguf file or short name")
+        _check(self.checkpoint_layers >= 0, "model.checkpoint_layers", self.checkpoint_layers, "an integer >= 0")
+
+    @property
+    def checkpoint_setting(self) -> bool | int:
+        """What ``CausalLM.set_checkpointing`` takes: k layers when given, else the boolean switch."""
+        return self.checkpoint_layers or self.checkpointing
 
 
 @dataclass
@@ -193,7 +201,7 @@ class TrainConfig:
         if self.train.cuda_graphs:  # the device "auto" is checked when the run resolves it (train.graphs)
             _check(self.model.device != "cpu", "train.cuda_graphs", True, "false with model.device=cpu "
                    "(CUDA graphs need a GPU)")
-            _check(not self.model.checkpointing, "train.cuda_graphs", True, "false with model.checkpointing=true "
+            _check(not self.model.checkpoint_setting, "train.cuda_graphs", True, "false with model.checkpointing=true "
                    "(checkpoint reads the CUDA RNG state during capture); turn one of them off")
 
     def to_dict(self) -> dict:

@@ -34,7 +34,7 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
     """Move to device/dtype, set impl and checkpointing, inject LoRA (or unfreeze all), compile layers."""
     model.to(device=device, dtype=dtype)
     model.set_impl(cfg.model.impl)
-    model.set_checkpointing(cfg.model.checkpointing)
+    model.set_checkpointing(cfg.model.checkpoint_setting)
     if cfg.lora.enabled:
         from ..lora.inject import apply_lora
 
