@@ -52,3 +52,15 @@ def test_write_report(tmp_path):
     assert "775 TFLOP/s" in md and "git abc1234" in md and "| chronicals | full | 150,000 | 60.0% |" in md
     assert "error: boom" in md
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_write_report_keeps_a_dotted_shape_name(tmp_path):
+    """A run named after the 0.5b shape must not lose '.5b_<gpu>_<date>' to Path.with_suffix."""
+    results = {"environment": {"gpu": "NVIDIA H200", "date": "2026-11-30T10:00:00+00:00", "git_sha": "abc1234",
+                               "versions": {}},
+               "peak_tflops": 775.0, "plan": {"warmup": 4, "steps": 12, "note": ""},
+               "tables": [{"title": "0.5B", "rows_data": [finish_row(_ok_row(), 775.0)]}]}
+    paths = write_report(results, tmp_path, name="bench_e2e_0.5b")
+    assert paths["json"].name == "bench_e2e_0.5b_NVIDIA-H200_2026-11-30.json"
+    assert paths["md"].name == "bench_e2e_0.5b_NVIDIA-H200_2026-11-30.md"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths.values())

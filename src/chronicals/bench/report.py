@@ -196,12 +196,13 @@ def write_report(results: dict, out_dir: str | os.PathLike, name: str = "bench_e
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = output_stem(results, out_dir, name)
-    paths = {"json": stem.with_suffix(".json"), "md": stem.with_suffix(".md")}
-    tmp = stem.with_suffix(".json.tmp")
+    # append, never with_suffix: a shape name such as "0.5b" holds a dot that with_suffix would cut at
+    paths = {"json": stem.with_name(stem.name + ".json"), "md": stem.with_name(stem.name + ".md")}
+    tmp = stem.with_name(stem.name + ".json.tmp")
     tmp.write_text(json.dumps(results, indent=1, default=str))
     tmp.replace(paths["json"])
     paths["md"].write_text(report_markdown(results))
-    png = plot_png(results, stem.with_suffix(".png"))
+    png = plot_png(results, stem.with_name(stem.name + ".png"))
     if png:
         paths["png"] = png
     return paths
