@@ -38,7 +38,7 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2/2.5: bias on q, k, v only
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
-    sliding_window: int | None = None  # Mistral; we attend over the full causal window (see check_seqlen)
+    sliding_window: int | None = None  # Mistral; we attend over the full causal window, so longer rows are refused
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None

@@ -209,6 +209,10 @@ class CausalLM(nn.Module):
     # ---- forward ----
     def hidden_states(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, kv_caches=None):
         """input_ids (B, S) -> final-norm hidden states (B, S, H)."""
+        longest = max_seqlen if cu_seqlens is not None and max_seqlen is not None else input_ids.shape[1]
+        if kv_caches is not None:
+            longest += kv_caches[0].length
+        self._check_sliding_window(longest)
         if position_ids is None:
             if cu_seqlens is not None:
                 raise ValueError("packed rows (cu_seqlens) need position_ids that restart at 0 per document")
@@ -216,6 +220,16 @@ class CausalLM(nn.Module):
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
             position_ids = position_ids.unsqueeze(0).expand_as(input_ids)
         return self.model(input_ids, position_ids, cu_seqlens, max_seqlen, kv_caches)
+
+    def _check_sliding_window(self, seqlen: int) -> None:
+        """Mistral-style sliding-window attention equals full causal attention up to the window; past it we
+        would compute something else, so refuse (a host-side int check: no device sync)."""
+        w = self.config.sliding_window
+        if w is not None and seqlen > w:
+            raise ValueError(
+                f"a sequence of {seqlen} tokens is longer than this {self.config.model_type} model's sliding_window="
+                f"{w}; chronicals attends over the full causal window, which differs from sliding-window attention "
+                f"past {w} tokens. Use data.max_seq_len <= {w} (or documents of at most {w} tokens).")
 
     def forward(self, input_ids, *, position_ids=None, cu_seqlens=None, max_seqlen=None, labels=None,
                 shift_labels=None, reduction: str = "mean", kv_caches=None):
