@@ -124,12 +124,6 @@ def timed_run(built, spec: RunSpec, device: torch.device) -> dict:
             "losses": [float(x) for x in losses], "grad_norms": [float(x) for x in norms]}
 
 
-def peak_memory_gib(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None  # the CPU allocator keeps no peak; the row says "n/a"
-    return torch.cuda.max_memory_allocated(device) / 2**30
-
-
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -156,18 +150,3 @@ def validate_row(row: dict) -> dict:
     else:
         row.update(status="ok", reason="")
     return row
-
-
-def matmul_peak_tflops(device: torch.device, n: int = 8192) -> float | None:
-    """bf16 matmul rate on random data in TFLOP/s, median of CUDA-event timings (the MFU denominator).
-
-    Same measurement as benchmarks/common.py (copied: the package must not import benchmarks/).
-    """
-    if device.type != "cuda":
-        return None
-    import triton.testing
-
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    ms = triton.testing.do_bench(lambda: a @ b, warmup=100, rep=300, return_mode="median")
-    return 2 * n**3 / ms / 1e9

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..train.metrics import matmul_params, train_flops_per_token  # noqa: F401  (one MFU formula for train and bench)
+
 # The seven linear projections of a Llama-family block: what LoRA targets in every row of the bench.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -63,26 +65,3 @@ def model_config(shape: Shape):
     from ..models import ModelConfig
 
     return ModelConfig.from_hf_dict(dict(shape.hf_config), source=f"bench shape {shape.name}")
-
-
-def matmul_params(cfg) -> int:
-    """Parameters that take part in a matmul per token: every projection plus the lm_head."""
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    return cfg.num_hidden_layers * (2 * h * q + 2 * h * kv + 3 * h * i) + cfg.vocab_size * h
-
-
-def train_flops_per_token(cfg, seq: int, method: str) -> float:
-    """Training FLOPs per token for MFU.
-
-    full: 6 x matmul params + causal attention (``ModelConfig.flops_per_token``): 3.10 GFLOP for the
-    0.5B shape at seq 1024. lora: frozen weights need no weight-gradient GEMM, so 4 x matmul params
-    + the same attention (the adapters' own ~1% is left out, as in ANCHORS.md): 31.6 GFLOP for the 8B
-    shape at seq 2048.
-    """
-    full = cfg.flops_per_token(seq)
-    if method == "full":
-        return full
-    if method == "lora":
-        return full - 2 * matmul_params(cfg)
-    raise ValueError(f"method {method!r} is not 'full' or 'lora'")

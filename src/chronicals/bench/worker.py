@@ -75,7 +75,8 @@ def run_contender(spec: RunSpec) -> dict:
     import torch
 
     from .contenders import get_contender, missing_requirements
-    from .protocol import peak_memory_gib, reset_peak_memory, timed_run, validate_row
+    from ..train.metrics import memory_gib
+    from .protocol import reset_peak_memory, timed_run, validate_row
     from .shapes import get_shape, model_config, train_flops_per_token
 
     row = base_row(spec)
@@ -98,7 +99,7 @@ def run_contender(spec: RunSpec) -> dict:
         t0 = time.perf_counter()
         row.update(timed_run(built, spec, device))
         row["run_s"] = round(time.perf_counter() - t0, 2)
-        row["peak_gib"] = peak_memory_gib(device)
+        row["peak_gib"] = memory_gib(device)  # None on CPU (no allocator peak): the row says "n/a"
     except BaseException as e:  # a failed contender is a row, never a crashed table
         if isinstance(e, KeyboardInterrupt):
             raise
@@ -109,7 +110,7 @@ def run_contender(spec: RunSpec) -> dict:
 def run_peak(spec: RunSpec) -> dict:
     import torch
 
-    from .protocol import matmul_peak_tflops
+    from ..train.metrics import matmul_peak_tflops
 
     device = torch.device(spec.device)
     row = {"task": "peak", "device": spec.device, "status": "ok", "reason": ""}

@@ -23,7 +23,7 @@ import torch
 
 from ..config import TrainConfig, from_dict, load_config
 from . import checkpoint as ckpt
-from .metrics import MetricsLog, measure_bf16_peak_tflops, memory_gib, plot_losses
+from .metrics import MetricsLog, matmul_peak_tflops, memory_gib, plot_losses, train_flops_per_token
 from .optim import build_optimizer, build_scheduler
 from .setup import build_loaders, load_base, prepare_model, resolve_device, resolve_dtype
 from .step import accumulate_gradients, evaluate_loss
@@ -161,10 +161,10 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
     metrics = MetricsLog(out_dir, cfg.logging.tensorboard, start if resume_from else None)
     result = TrainResult(status="completed", step=start, total_steps=total, out_dir=out_dir)
 
-    peak = None
-    if device.type == "cuda":
-        peak = cfg.logging.peak_tflops or measure_bf16_peak_tflops(device)
-    seqlen_for_flops = cfg.data.max_seq_len
+    # MFU: needs a peak (logging.peak_tflops, else measured on CUDA); LoRA has no weight-gradient GEMMs
+    peak = cfg.logging.peak_tflops or matmul_peak_tflops(device)
+    method = "lora" if cfg.lora.enabled else "full"
+    flops_per_token = train_flops_per_token(model.config, cfg.data.max_seq_len, method)
 
     def run_eval(step: int, tag: str) -> float | None:
         if eval_loader is None:
@@ -218,7 +218,7 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
                 rec = {"kind": "train", "step": step + 1, "loss": loss_val, "lr": lr, "grad_norm": gnorm,
                        "loss_tokens": n_loss, "tokens_per_s": n_loss / dt, "step_s": dt}
                 if peak:
-                    rec["mfu"] = model.config.flops_per_token(seqlen_for_flops) * computed / dt / (peak * 1e12)
+                    rec["mfu"] = flops_per_token * computed / dt / (peak * 1e12)
                 mem = memory_gib(device)
                 if mem is not None:
                     rec["mem_gib"] = mem

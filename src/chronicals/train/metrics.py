@@ -15,23 +15,46 @@ import torch
 log = logging.getLogger("chronicals.train")
 
 
-def measure_bf16_peak_tflops(device: torch.device, n: int = 4096, iters: int = 20) -> float:
-    """bf16 matmul TFLOP/s on ``device`` (CUDA), the MFU denominator when logging.peak_tflops is 0.
+def matmul_peak_tflops(device: torch.device, n: int = 8192) -> float | None:
+    """bf16 (n x n) @ (n x n) rate in TFLOP/s on ``device`` (median of CUDA-event timings); None off CUDA.
 
-    A measured rate rather than the datasheet's (989 dense TFLOP/s on H100/H200 SXM) so MFU is relative
-    to what this GPU reaches at its clocks; set logging.peak_tflops to report against the datasheet.
+    The MFU denominator of the trainer (when logging.peak_tflops is 0) and of ``chronicals bench``: a
+    measured rate rather than the datasheet's (989 dense TFLOP/s on H100/H200 SXM), so MFU is relative to
+    what this GPU reaches at its clocks. The operands come from a private generator: drawing them from
+    the global CUDA RNG would shift the dropout masks of a resumed run off the uninterrupted run's.
     """
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        a @ b
-    end.record()
-    torch.cuda.synchronize(device)
-    return 2 * n**3 * iters / (start.elapsed_time(end) / 1e3) / 1e12
+    if device.type != "cuda":
+        return None
+    import triton.testing
+
+    gen = torch.Generator(device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16, generator=gen)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=100, rep=300, return_mode="median")
+    return 2 * n**3 / ms / 1e9
+
+
+def matmul_params(cfg) -> int:
+    """Parameters of ``cfg`` (a ModelConfig) that take part in a matmul per token: every projection + lm_head."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    return cfg.num_hidden_layers * (2 * h * q + 2 * h * kv + 3 * h * i) + cfg.vocab_size * h
+
+
+def train_flops_per_token(cfg, seq: int, method: str) -> float:
+    """Training FLOPs per token for MFU (the trainer's and the bench's).
+
+    full: 6 x matmul params + causal attention (``ModelConfig.flops_per_token``): 3.10 GFLOP for the
+    0.5B shape at seq 1024. lora: frozen weights need no weight-gradient GEMM, so 4 x matmul params
+    + the same attention (the adapters' own ~1% is left out, as in ANCHORS.md): 31.6 GFLOP for the 8B
+    shape at seq 2048.
+    """
+    full = cfg.flops_per_token(seq)
+    if method == "full":
+        return full
+    if method == "lora":
+        return full - 2 * matmul_params(cfg)
+    raise ValueError(f"method {method!r} is not 'full' or 'lora'")
 
 
 def memory_gib(device: torch.device) -> float | None:

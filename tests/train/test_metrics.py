@@ -1,0 +1,46 @@
+"""Training metrics: MFU counts the FLOPs the method really does; the peak probe leaves the RNG alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from chronicals.train import train
+from chronicals.train.metrics import matmul_params, matmul_peak_tflops, train_flops_per_token
+
+from train_helpers import SyntheticLoader, tiny_config, tiny_model
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_mfu_counts_the_methods_flops(tmp_path, docs, lora):
+    """LoRA computes no weight-gradient GEMM for frozen weights: 4 x matmul params per token, not 6."""
+    cfg = tiny_config(tmp_path, train__max_steps=2, logging__peak_tflops=1.0, lora__enabled=lora, lora__rank=4,
+                      data__max_seq_len=32)
+    model, loader = tiny_model(), SyntheticLoader(docs, row_len=32, shuffle=False)
+    ga = cfg.train.grad_accum
+    computed = [sum(b.input_ids.numel() for b in loader.batches[k * ga:(k + 1) * ga]) for k in range(2)]
+    train(cfg, model=model, train_loader=loader)
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    recs = [r for r in recs if r["kind"] == "train"]
+    assert len(recs) == 2
+    per_token = train_flops_per_token(model.config, 32, "lora" if lora else "full")
+    full = model.config.flops_per_token(32)
+    assert (per_token < full - matmul_params(model.config)) if lora else per_token == full
+    for r, n in zip(recs, computed):  # every computed token, padding included
+        assert r["mfu"] == pytest.approx(per_token * n / r["step_s"] / 1e12, rel=1e-9)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the peak is measured on CUDA only")
+def test_peak_probe_leaves_the_cuda_rng_alone():
+    """The trainer probes the peak after restoring a checkpoint's RNG: drawing its operands from the global
+    CUDA generator would change a resumed run's dropout masks."""
+    dev = torch.device("cuda")
+    before = torch.cuda.get_rng_state(dev)
+    assert matmul_peak_tflops(dev, n=512) > 0
+    assert torch.equal(torch.cuda.get_rng_state(dev), before)
+
+
+def test_peak_is_none_off_cuda():
+    assert matmul_peak_tflops(torch.device("cpu")) is None
