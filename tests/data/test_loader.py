@@ -128,3 +128,24 @@ def test_bad_loader_options():
         PackedLoader(ds, batch_size=2, max_seq_len=16)
     with pytest.raises(ValueError, match="a step must hold the longest document"):
         PackedLoader(ds, tokens_per_batch=20, max_seq_len=24)
+
+
+def test_resume_with_other_batch_settings_fails():
+    """Same rows and seed but another batch_size / world_size: the saved position means other batches."""
+    ds = synthetic()
+    run = PackedLoader(ds, batch_size=2, max_seq_len=24, seed=3)
+    next(iter(run))
+    for other in (PackedLoader(ds, batch_size=3, max_seq_len=24, seed=3),
+                  PackedLoader(ds, batch_size=2, max_seq_len=24, seed=3, world_size=2)):
+        with pytest.raises(ValueError, match=r"batches per epoch.*resume with the same dataset"):
+            other.load_state_dict(run.state_dict())
+
+
+def test_loader_with_no_batch_fails_at_construction():
+    ds = synthetic(n=3)  # 3 documents of <= 24 tokens: at most 3 rows
+    with pytest.raises(ValueError, match=r"give no batch per rank .*world_size=8"):
+        PackedLoader(ds, batch_size=1, max_seq_len=24, world_size=8)
+    with pytest.raises(ValueError, match=r"give no batch per rank .*drop_last=True"):
+        PackedLoader(ds, batch_size=4, max_seq_len=24, drop_last=True)
+    with pytest.raises(ValueError, match=r"pad_to_multiple_of=0; expected an integer >= 1"):
+        PackedLoader(ds, tokens_per_batch=64, max_seq_len=24, pad_to_multiple_of=0)

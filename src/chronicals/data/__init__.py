@@ -30,6 +30,7 @@ The API the trainer codes against::
         max_seq_len=2048,
         tokens_per_batch=None,        # token-budget mode instead (batch_size=None): one padding-free row
                                       # of at most this many tokens per batch, shape (1, n)
+        pad_to_multiple_of=1,         # token-budget mode: pad that row's length up to a multiple of this
         seed=0, shuffle=True,         # deterministic shuffle of the packed rows per epoch (seed, epoch)
         drop_last=False,
         rank=0, world_size=1,         # data parallel: each rank takes every world_size-th batch

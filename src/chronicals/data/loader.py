@@ -42,8 +42,14 @@ class PackedLoader:
         self.tokens_per_batch, self.seed, self.shuffle = tokens_per_batch, seed, shuffle
         self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
         self.pad_to_multiple_of = pad_to_multiple_of
+        if pad_to_multiple_of < 1:
+            raise ValueError(f"PackedLoader: pad_to_multiple_of={pad_to_multiple_of}; expected an integer >= 1")
         self.rows = pack_bfd(dataset.lengths.tolist(), capacity)  # list of document index lists
         self.epoch, self.position = 0, 0
+        if len(self) == 0:  # an epoch of no batches would make every `for` over the loader end at once
+            raise ValueError(f"PackedLoader: {len(dataset)} documents pack into {len(self.rows)} rows, which give "
+                             f"no batch per rank (batch_size={batch_size}, drop_last={drop_last}, "
+                             f"world_size={world_size}); use more data, a smaller batch_size or fewer ranks")
 
     # ---- sizes ----
     def _global_batches(self) -> int:
@@ -91,10 +97,13 @@ class PackedLoader:
                 "batches_per_epoch": len(self), "rows": len(self.rows)}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("seed", self.seed) != self.seed or state.get("rows", len(self.rows)) != len(self.rows):
-            raise ValueError(f"PackedLoader.load_state_dict: the saved loader had seed={state.get('seed')} and "
-                             f"{state.get('rows')} packed rows, this one seed={self.seed} and {len(self.rows)}; "
-                             "resume with the same dataset, max_seq_len, batch settings and seed")
+        saved = (state.get("seed", self.seed), state.get("rows", len(self.rows)),
+                 state.get("batches_per_epoch", len(self)))
+        if saved != (self.seed, len(self.rows), len(self)):  # else "position" would index other batches
+            raise ValueError(f"PackedLoader.load_state_dict: the saved loader had seed={saved[0]}, {saved[1]} packed "
+                             f"rows and {saved[2]} batches per epoch, this one seed={self.seed}, {len(self.rows)} "
+                             f"and {len(self)}; resume with the same dataset, max_seq_len, batch settings "
+                             "(batch_size, drop_last, world_size) and seed")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
     # ---- stats ----

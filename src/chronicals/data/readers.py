@@ -80,7 +80,9 @@ def read_file(path: Path) -> list[Record]:
 
 def _read_jsonl(path: Path, text: str) -> list[Record]:
     out = []
-    for i, line in enumerate(text.splitlines(), 1):
+    # split on "\n" only: str.splitlines also breaks at U+2028, U+2029 and U+0085, which JSON allows
+    # unescaped inside strings (json.dumps(..., ensure_ascii=False) writes them raw); "\r" is JSON whitespace
+    for i, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         where = f"{path}:{i}"
