@@ -180,7 +180,7 @@ class LoggingSection:
     progress: bool = _f(True, "show a progress bar (loss, tokens/s, MFU, memory, ETA)")
     tensorboard: bool = _f(True, "also log to TensorBoard when the tensorboard package is installed")
     plot: bool = _f(True, "write loss.png (training and held-out loss) at the end")
-    peak_tflops: float = _f(0.0, "bf16 peak TFLOP/s for MFU (0 = measure a bf16 matmul once on CUDA; no MFU on CPU)")
+    peak_tflops: float = _f(0.0, "peak TFLOP/s for MFU (0 = measure a bf16 matmul once on CUDA; on CPU MFU is logged only when set)")
 
     def __post_init__(self):
         _check(self.peak_tflops >= 0, "logging.peak_tflops", self.peak_tflops, "a number >= 0")
