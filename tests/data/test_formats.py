@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 
 import numpy as np
 import pytest
@@ -175,3 +176,10 @@ def test_parallel_tokenization_matches_serial(tokenizer, tmp_path, monkeypatch):
     assert parallel.ids.tolist() == serial.ids.tolist() and parallel.offsets.tolist() == serial.offsets.tolist()
     assert parallel.trainable.tolist() == serial.trainable.tolist()
     assert serial.stats.skipped_errors == parallel.stats.skipped_errors == 1 and len(serial) == 41
+
+
+def test_serial_tokenization_leaves_tokenizer_threads_alone(tokenizer, tmp_path, monkeypatch):
+    """Only worker processes turn the Rust tokenizer's threads off, never the calling (training) process."""
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    load_dataset(write_jsonl(tmp_path / "s.jsonl", [{"text": "abc"}]), tokenizer, max_seq_len=64, num_proc=1)
+    assert "TOKENIZERS_PARALLELISM" not in os.environ

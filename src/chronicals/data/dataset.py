@@ -117,6 +117,7 @@ _WORKER: dict = {}
 
 
 def _init_worker(tokenizer, opts):
+    """Worker processes only: each runs one tokenizer thread (8 workers x N Rust threads oversubscribe)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER.update(tokenizer=tokenizer, **opts)
 
@@ -147,7 +148,7 @@ def _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_err
     bar = tqdm(total=len(records), desc="tokenizing", unit="ex", disable=len(records) < PARALLEL_THRESHOLD)
     results = []
     if num_proc <= 1 or len(chunks) <= 1:
-        _init_worker(tokenizer, opts)
+        _WORKER.update(tokenizer=tokenizer, **opts)  # not _init_worker: keep this process's tokenizer threads
         for c in chunks:
             results.append(_encode_chunk(c))
             bar.update(len(c))
