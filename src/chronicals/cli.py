@@ -66,14 +66,11 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def _load(model_path: str, adapter: str | None, device: str, dtype: str):
-    import torch
-
     from . import load_model
+    from .train.setup import resolve_device, resolve_dtype
 
-    dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    dt = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32, "bfloat16": torch.bfloat16,
-          "float32": torch.float32}[dtype]
-    model, tok = load_model(model_path, dtype=dt, device=dev)
+    dev = resolve_device(device)
+    model, tok = load_model(model_path, dtype=resolve_dtype(dtype, dev), device=dev)
     if adapter:
         from .lora import load_adapter
 

@@ -39,20 +39,17 @@ class PackedBatch:
     num_tokens: int = 0
     num_docs: int = 0
 
+    def _map(self, fn) -> "PackedBatch":
+        """A copy with ``fn`` applied to every tensor field (the ints are kept)."""
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        return PackedBatch(**{k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
+
     def to(self, device, non_blocking: bool = False) -> "PackedBatch":
         """Move every tensor to ``device`` (pin_memory() first for an asynchronous host-to-device copy)."""
-        kw = {f.name: getattr(self, f.name) for f in fields(self)}
-        for k, v in kw.items():
-            if isinstance(v, torch.Tensor):
-                kw[k] = v.to(device, non_blocking=non_blocking)
-        return PackedBatch(**kw)
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> "PackedBatch":
-        kw = {f.name: getattr(self, f.name) for f in fields(self)}
-        for k, v in kw.items():
-            if isinstance(v, torch.Tensor):
-                kw[k] = v.pin_memory()
-        return PackedBatch(**kw)
+        return self._map(torch.Tensor.pin_memory)
 
     def model_kwargs(self) -> dict:
         """Keyword arguments for ``CausalLM.forward`` (besides input_ids)."""
