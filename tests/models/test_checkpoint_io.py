@@ -210,3 +210,26 @@ def test_save_refuses_extra_parameters(tmp_path, tiny_hf_config):
     with pytest.raises(ValueError, match=r"extra: model\.layers\.0\.mlp\.extra\.bias.*merge LoRA"):
         chronicals.save_model(model, None, tmp_path / "m")
     assert not list(tmp_path.iterdir())
+
+
+def test_atomic_dir_restores_the_old_output_when_the_final_rename_fails(tmp_path, monkeypatch):
+    import os
+
+    from chronicals.models import hf_io
+
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "config.json").write_text("old")
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if ".tmp-" in str(src):  # the new directory's rename into place fails (e.g. a full disk, EIO)
+            raise OSError("simulated failure")
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(hf_io.os, "rename", rename)
+    with pytest.raises(OSError, match="simulated failure"):
+        with hf_io.atomic_dir(out) as tmp:
+            (tmp / "config.json").write_text("new")
+    assert (out / "config.json").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no .tmp- or .old- directory left

@@ -222,3 +222,13 @@ def test_smollm2_second_load_uses_cache(smollm2, smollm2_gguf_path, monkeypatch)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     ref = smollm2[0].model.layers[3].mlp.up_proj.weight
     assert torch.equal(model.model.layers[3].mlp.up_proj.weight, ref.to(torch.bfloat16))
+
+
+def test_gguf_without_vocab_size_or_embedding_is_named():
+    from types import SimpleNamespace
+
+    meta = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 4}
+    fields = {k: SimpleNamespace(contents=lambda v=v: v) for k, v in meta.items()}
+    reader = SimpleNamespace(fields=fields, tensors=[SimpleNamespace(name="output_norm.weight", shape=(64,))])
+    with pytest.raises(ValueError, match=r"x\.gguf: neither metadata llama\.vocab_size nor tensor token_embd"):
+        gguf_io.gguf_config(reader, "x.gguf")

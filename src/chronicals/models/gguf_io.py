@@ -112,7 +112,10 @@ def gguf_config(reader, source: str = "gguf") -> dict:
     head_dim = int(get("attention.key_length", hidden // heads))
     vocab = get("vocab_size")
     if vocab is None:
-        emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if emb is None:
+            raise ValueError(f"{source}: neither metadata {arch}.vocab_size nor tensor token_embd.weight is present; "
+                             "expected a complete llama.cpp model file")
         vocab = int(emb.shape[-1])  # GGUF shapes are (cols, rows)
     rope_dim = int(get("rope.dimension_count", head_dim))
     scaling_type = get("rope.scaling.type", "none")

@@ -57,7 +57,11 @@ def atomic_dir(out_dir: str | Path, *, replace: bool = True):
                 raise FileExistsError(f"{out} already exists")
             old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
             os.rename(out, old)
-            os.rename(tmp, out)
+            try:
+                os.rename(tmp, out)
+            except BaseException:  # put the previous output back rather than leave none under its name
+                os.rename(old, out)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             try:
