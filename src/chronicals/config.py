@@ -74,7 +74,8 @@ class DataSection:
     on_long: str = _f("truncate", "examples longer than max_seq_len: truncate | drop")
     on_error: str = _f("fail", "malformed records: fail (with file:line) | skip (and count)")
     train_on: str = _f("assistant", "which tokens carry loss: assistant (completion/output) | all")
-    cache_dir: str = _f("", "tokenization cache directory ('' = no cache: tokenize on every run)")
+    cache_dir: str = _f("", "tokenization cache directory ('' = $CHRONICALS_CACHE/data, default "
+                            "~/.cache/chronicals/data; 'none' = no cache)")
 
     def __post_init__(self):
         _check(self.max_seq_len >= 8, "data.max_seq_len", self.max_seq_len, "an integer >= 8")

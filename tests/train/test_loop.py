@@ -148,3 +148,12 @@ def test_schedule_shapes():
     assert lr_factor(5, 10, 2, "constant", 0.1) == 1.0
     mid = lr_factor(2 + 7 // 2, 10, 2, "cosine", 0.0)
     assert math.isclose(mid, 0.5 * (1 + math.cos(math.pi * 3 / 7)))
+
+
+def test_tokenization_cache_defaults_under_the_chronicals_cache(monkeypatch, tmp_path):
+    from chronicals.train.setup import tokenization_cache_dir
+
+    monkeypatch.setenv("CHRONICALS_CACHE", str(tmp_path))
+    assert tokenization_cache_dir("") == tmp_path / "data"
+    assert tokenization_cache_dir("none") is None
+    assert tokenization_cache_dir(str(tmp_path / "mine")) == tmp_path / "mine"

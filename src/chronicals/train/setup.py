@@ -82,6 +82,16 @@ def data_files(cfg: TrainConfig, out_dir: Path) -> tuple[list[Path], Path | None
     return train, eval_file, heldout_qa
 
 
+def tokenization_cache_dir(setting: str) -> Path | None:
+    """data.cache_dir -> the tokenization cache: '' = $CHRONICALS_CACHE/data (default ~/.cache/chronicals/data),
+    'none' = no cache, anything else = that directory."""
+    from ..models.gguf_io import cache_root
+
+    if setting == "none":
+        return None
+    return Path(setting) if setting else cache_root() / "data"
+
+
 def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path):
     """(train loader, eval loader or None, held-out QA records or None) through chronicals.data."""
     from ..data import PackedLoader, load_dataset
@@ -89,7 +99,7 @@ def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path):
     d = cfg.data
     train_files, eval_file, heldout_qa = data_files(cfg, out_dir)
     kw = dict(format=d.format, max_seq_len=d.max_seq_len, loss_on=d.train_on, on_error=d.on_error,
-              overlong=d.on_long, cache_dir=d.cache_dir or None)
+              overlong=d.on_long, cache_dir=tokenization_cache_dir(d.cache_dir))
     ds = load_dataset([str(f) for f in train_files], tokenizer, **kw)
     train_loader = PackedLoader(ds, batch_size=d.batch_size, max_seq_len=d.max_seq_len, seed=cfg.train.seed,
                                 shuffle=True)
