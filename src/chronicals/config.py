@@ -71,6 +71,8 @@ class DataSection:
                             "('' = the chat template's default); put your own in your records")
     max_seq_len: int = _f(256, "tokens per packed row; longer examples are truncated or dropped (see on_long)")
     batch_size: int = _f(4, "packed rows per micro-batch")
+    tokens_per_batch: int = _f(0, "padding-free batches: one packed row of at most this many tokens per "
+                                  "micro-batch instead of batch_size rows (0 = rows); >= max_seq_len")
     on_long: str = _f("truncate", "examples longer than max_seq_len: truncate | drop")
     on_error: str = _f("fail", "malformed records: fail (with file:line) | skip (and count)")
     train_on: str = _f("assistant", "which tokens carry loss: assistant (completion/output) | all")
@@ -86,6 +88,8 @@ class DataSection:
         _check(self.format in ("auto", "text", "chat", "alpaca", "prompt_completion", "sharegpt"),
                "data.format", self.format, "auto | text | chat | alpaca | prompt_completion | sharegpt")
         _check(bool(self.path), "data.path", self.path, "a data file or directory, or 'demo'")
+        _check(self.tokens_per_batch == 0 or self.tokens_per_batch >= self.max_seq_len, "data.tokens_per_batch",
+               self.tokens_per_batch, f"0 (rows) or >= data.max_seq_len={self.max_seq_len} (a document must fit)")
 
 
 @dataclass

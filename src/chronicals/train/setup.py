@@ -101,12 +101,13 @@ def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path):
     kw = dict(format=d.format, max_seq_len=d.max_seq_len, loss_on=d.train_on, on_error=d.on_error,
               overlong=d.on_long, cache_dir=tokenization_cache_dir(d.cache_dir))
     ds = load_dataset([str(f) for f in train_files], tokenizer, **kw)
-    train_loader = PackedLoader(ds, batch_size=d.batch_size, max_seq_len=d.max_seq_len, seed=cfg.train.seed,
-                                shuffle=True)
+    # rows of max_seq_len, or one padding-free row of at most tokens_per_batch tokens per micro-batch
+    shape = {"tokens_per_batch": d.tokens_per_batch} if d.tokens_per_batch else {"batch_size": d.batch_size}
+    train_loader = PackedLoader(ds, max_seq_len=d.max_seq_len, seed=cfg.train.seed, shuffle=True, **shape)
     log.info("training data: %d examples -> %d batches per epoch; packing %s", len(ds), len(train_loader),
              train_loader.stats)
     eval_loader = None
     if eval_file is not None:
         eds = load_dataset([str(eval_file)], tokenizer, **kw)
-        eval_loader = PackedLoader(eds, batch_size=d.batch_size, max_seq_len=d.max_seq_len, seed=0, shuffle=False)
+        eval_loader = PackedLoader(eds, max_seq_len=d.max_seq_len, seed=0, shuffle=False, **shape)
     return train_loader, eval_loader, heldout_qa
