@@ -31,6 +31,7 @@ from common import markdown_table, matmul_peak_tflops, write_results  # noqa: E4
 from chronicals.lora import apply_lora, lora_linear, lora_modules, lora_plus_param_groups  # noqa: E402
 from chronicals.models import CausalLM, ModelConfig  # noqa: E402
 from chronicals.models.config import rope_inv_freq  # noqa: E402
+from chronicals.train.metrics import train_flops_per_token  # noqa: E402
 
 SHAPES = {
     "0.5b": dict(config=dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -78,16 +79,9 @@ def build_model(cfg: ModelConfig, impl: str) -> CausalLM:
     return model.to(torch.bfloat16)
 
 
-def matmul_params(cfg: ModelConfig) -> int:
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    return cfg.num_hidden_layers * (2 * h * q + 2 * h * kv + 3 * h * i) + cfg.vocab_size * h
-
-
 def flops_per_token(cfg: ModelConfig, seq: int, lora: bool) -> float:
     """6 x matmul params + attention for full FT; LoRA skips the frozen weights' dW GEMMs: 4 x params."""
-    full = cfg.flops_per_token(seq)
-    return full - 2 * matmul_params(cfg) if lora else full
+    return train_flops_per_token(cfg, seq, "lora" if lora else "full")
 
 
 def check_lora_linear(n=4096, fin=896, fout=4864, r=32):

@@ -32,11 +32,11 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
 
 
 def matmul_peak_tflops(n: int = 8192) -> float:
-    """bf16 matmul rate on random data in TFLOP/s (the MFU denominator)."""
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = do_bench(lambda: a @ b, warmup_ms=100, rep_ms=300)
-    return 2 * n**3 / ms / 1e9
+    """bf16 matmul rate on random data in TFLOP/s (the MFU denominator): the library's probe, so the
+    benchmarks, ``chronicals bench`` and the trainer divide by the same measurement."""
+    from chronicals.train.metrics import matmul_peak_tflops as probe
+
+    return probe(torch.device("cuda"), n)
 
 
 def git_sha() -> str:
