@@ -54,6 +54,15 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
+def _fsync(path: Path) -> None:
+    """Flush a file's (or a directory's entries') data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, optimizer, scheduler,
                     data_state: dict, extra: dict | None = None, keep_last: int = 2) -> Path:
     """Write ``out_dir/checkpoints/step-{step:06d}`` atomically; delete all but the newest ``keep_last``."""
@@ -66,9 +75,11 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, opti
     torch.save({"step": step, "model": trainable_state(model), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "data": data_state, "rng": rng_state(),
                 "extra": extra or {}}, tmp / "state.pt")
+    _fsync(tmp / "state.pt")  # durable before the rename publishes it: no truncated state.pt after a power loss
     if final.exists():  # re-saving the same step (e.g. a signal right after a periodic save)
         shutil.rmtree(final)
     os.replace(tmp, final)
+    _fsync(root)  # the rename itself
     for old in checkpoint_dirs(out_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
