@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import torch
@@ -39,17 +38,11 @@ def matmul_peak_tflops(n: int = 8192) -> float:
     return probe(torch.device("cuda"), n)
 
 
-def git_sha() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       cwd=Path(__file__).parent, stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("CHRONICALS_GIT_SHA", "unknown")
-
-
 def environment() -> dict:
     """GPU name, versions, date and git sha for a result file."""
     import triton
+
+    from chronicals.bench.report import git_sha  # one sha lookup (env CHRONICALS_GIT_SHA without git)
 
     env = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "git_sha": git_sha(),
            "torch": torch.__version__, "triton": triton.__version__,
