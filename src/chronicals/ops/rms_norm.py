@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from ._impl import resolve_impl, triton_interpreting
+from .recompute import is_active, offer
 from ._triton_utils import check_device, num_sms, tune_configs
 
 # Widest row kept in registers in one piece. 8192 fp32 values over 16 warps are 16 per thread per tensor;
@@ -116,6 +117,25 @@ def _rms_norm_fwd_kernel(X_ptr, R_ptr, W_ptr, Y_ptr, S_ptr, RSTD_ptr, N, H, x_ro
             y = x * rstd[:, None] * w[None, :]
             tl.store(Y_ptr + o_off + c[None, :], y.to(Y_ptr.dtype.element_ty), mask=mask)
     tl.store(RSTD_ptr + rows, rstd, mask=row_ok)
+
+
+@triton.autotune(configs=tune_configs(_WARPS), key=["H", "BLOCK_M", "BLOCK_H"])
+@triton.jit
+def _rms_norm_apply_kernel(S_ptr, RSTD_ptr, W_ptr, Y_ptr, N, H, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """y = s * rstd * w with the saved rstd: the forward's output rebuilt in backward, bit for bit (the same
+    fp32 products in the same order on the same stored s). s, y contiguous (N, H)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    rows = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    rstd = tl.load(RSTD_ptr + rows, mask=row_ok, other=0.0)
+    for start in range(0, H, BLOCK_H):
+        c = start + cols
+        mask = row_ok[:, None] & (c[None, :] < H)
+        x = tl.load(S_ptr + rows[:, None] * H + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W_ptr + c, mask=c < H, other=0.0).to(tl.float32)
+        y = x * rstd[:, None] * w[None, :]
+        tl.store(Y_ptr + rows[:, None] * H + c[None, :], y.to(Y_ptr.dtype.element_ty), mask=mask)
 
 
 # (programs per SM, warps); the interpreter takes the first. 9 configs x ~0.15 s of tuning once per H.
@@ -231,6 +251,17 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, residual: Optional[t
     return y, s, rstd
 
 
+def rms_norm_apply(s: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype):
+    """s (N, H) contiguous, rstd (N,) fp32, weight (H,) -> y (N, H): the forward's y again (recompute)."""
+    n, h = s.shape
+    y = torch.empty((n, h), device=s.device, dtype=out_dtype)
+    if n:
+        block_m, block_h = _blocks(h)
+        _rms_norm_apply_kernel[(triton.cdiv(n, block_m),)](s, rstd, weight, y, n, h, BLOCK_M=block_m,
+                                                           BLOCK_H=block_h)
+    return y
+
+
 def rms_norm_backward(dy: torch.Tensor, ds: Optional[torch.Tensor], s: torch.Tensor, weight: torch.Tensor,
                       rstd: torch.Tensor):
     """dy (N, H), ds (N, H) or None (gradient of the returned stream), s (N, H) contiguous -> dx (N, H) in
@@ -256,11 +287,14 @@ class RMSNormFunction(torch.autograd.Function):
     (y (N, H), s (N, H) or an empty tensor without a residual). Same launchers as the custom op."""
 
     @staticmethod
-    def forward(ctx, x, weight, residual, eps):
+    def forward(ctx, x, weight, residual, eps, recompute=False):
         y, s, rstd = rms_norm_forward(x, weight, residual, eps)
         ctx.has_residual = residual is not None
         # the backward kernel reads s as contiguous (N, H); x may be row-strided
-        ctx.save_for_backward(s if ctx.has_residual else x.contiguous(), weight, rstd)
+        kept = s if ctx.has_residual else x.contiguous()
+        ctx.save_for_backward(kept, weight, rstd)
+        if recompute:  # consumers that save y (q/k/v, gate/up) get it rebuilt from what this node keeps
+            offer(y, functools.partial(rms_norm_apply, kept, rstd, weight, y.dtype))
         if not ctx.has_residual:
             ctx.mark_non_differentiable(s)
         ctx.set_materialize_grads(False)
@@ -275,7 +309,7 @@ class RMSNormFunction(torch.autograd.Function):
         dx, dw = rms_norm_backward(dy, _rows(ds, h) if (ctx.has_residual and ds is not None) else None, s,
                                    weight, rstd)
         # x and residual enter only through s = x + residual, so both receive ds_total (like add's backward)
-        return dx, dw, (dx if ctx.has_residual else None), None
+        return dx, dw, (dx if ctx.has_residual else None), None, None
 
 
 # ---------------------------------------------------------------- torch.library registration
@@ -327,13 +361,20 @@ _rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------- public API
 
 
-def rms_norm(x, weight, eps: float, *, residual=None, impl: str = "auto"):
+def rms_norm(x, weight, eps: float, *, residual=None, impl: str = "auto", recompute: bool = False):
     """RMSNorm over the last dim. Returns y, or (y, x + residual) when ``residual`` is given.
 
     x (..., H), weight (H,), residual (..., H) of x's dtype -> y (..., H) in promote(x, weight) dtype.
+    recompute: offer y to an open ``ops.recompute`` session, so nodes that save y for backward hold
+    nothing and get it rebuilt (bit-identical) from the norm's own saved input.
     """
     if resolve_impl("rms_norm", impl, x.device) == "torch":
-        return rms_norm_ref(x, weight, eps, residual)
+        out = rms_norm_ref(x, weight, eps, residual)
+        if recompute and is_active():
+            src = x if residual is None else out[1]
+            y = out if residual is None else out[0]
+            offer(y, functools.partial(rms_norm_ref, src, weight, eps))  # the same ops on the same input
+        return out
     h = x.shape[-1]
     if weight.shape != (h,):
         raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({h},) for x {tuple(x.shape)}")
@@ -345,7 +386,7 @@ def rms_norm(x, weight, eps: float, *, residual=None, impl: str = "auto"):
     if torch.compiler.is_compiling():  # one graph node for the compiler
         y, s, _ = torch.ops.chronicals.rms_norm(x2, weight, r2, float(eps))
     else:  # eager: skip the custom-op dispatch (~0.1 ms of CPU per call)
-        y, s = RMSNormFunction.apply(x2, weight, r2, float(eps))
+        y, s = RMSNormFunction.apply(x2, weight, r2, float(eps), bool(recompute and is_active()))
     if x.dim() != 2:
         y, s = y.view(*x.shape[:-1], h), (s.view(*x.shape[:-1], h) if residual is not None else s)
     return y if residual is None else (y, s)

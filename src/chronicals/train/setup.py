@@ -35,6 +35,7 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
     model.to(device=device, dtype=dtype)
     model.set_impl(cfg.model.impl)
     model.set_checkpointing(cfg.model.checkpoint_setting)
+    model.set_recompute(cfg.model.recompute)
     if cfg.lora.enabled:
         from ..lora.inject import apply_lora
 

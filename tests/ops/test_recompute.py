@@ -1,0 +1,126 @@
+"""Selective recomputation (ops.recompute): same gradients bit for bit, and the graph really lets go.
+
+The decoder offers its RMSNorm outputs and the SwiGLU product; with a session open, the nodes that save
+them (q/k/v, gate/up, down_proj) hold a recipe instead, and backward rebuilds the tensor once.
+"""
+
+import gc
+import weakref
+
+import pytest
+import torch
+import transformers
+
+from chronicals.lora import apply_lora
+from chronicals.models import CausalLM, ModelConfig
+from chronicals.ops import recompute, rms_norm, swiglu
+from chronicals.ops._impl import triton_interpreting
+
+TRITON = torch.cuda.is_available() or triton_interpreting()
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+IMPLS = ["torch"] + (["triton"] if TRITON else [])
+TINY = dict(vocab_size=89, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=True)
+
+
+def _model(impl, recompute_names, lora=False):
+    cfg = ModelConfig.from_hf_dict(transformers.Qwen2Config(**TINY).to_dict())  # q/k/v bias, GQA, tied
+    model = CausalLM(cfg, impl=impl).init_weights(std=0.1, seed=0).to(DEV).set_recompute(recompute_names)
+    if lora:
+        apply_lora(model, r=4, alpha=8, seed=0)
+        with torch.no_grad():  # non-zero B, so the adapters change the output and get real gradients
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1, generator=torch.Generator(DEV).manual_seed(1))
+    return model.train()
+
+
+def _grads(model):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 11), generator=g).to(DEV)
+    pos = torch.cat([torch.arange(6), torch.arange(5)]).repeat(2, 1).to(DEV)  # two documents per row
+    labels = torch.randint(0, TINY["vocab_size"], (2, 11), generator=g).to(DEV)
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, position_ids=pos, shift_labels=labels, reduction="sum")
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gradients_bit_identical(impl, lora):
+    loss0, g0 = _grads(_model(impl, False, lora))
+    loss1, g1 = _grads(_model(impl, ("norm", "swiglu"), lora))
+    assert torch.equal(loss0, loss1)
+    assert g0.keys() == g1.keys() and len(g0) > 0
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
+
+
+def _watch(model):
+    """Weak references to the first layer's input-norm output and down_proj input, taken in forward."""
+    refs = {}
+
+    def keep(key, t):
+        base = t if t._base is None else t._base
+        refs[key] = weakref.ref(base)
+
+    layer = model.model.layers[0]
+    h1 = layer.input_layernorm.register_forward_hook(lambda m, i, o: keep("norm", o))
+    h2 = layer.mlp.down_proj.register_forward_pre_hook(lambda m, i: keep("act", i[0]))
+    return refs, (h1, h2)
+
+
+@pytest.mark.parametrize("names,freed", [((), set()), (("norm",), {"norm"}), (("norm", "swiglu"), {"norm", "act"})])
+def test_graph_does_not_hold_offered_tensors(names, freed):
+    model = _model("torch", names)
+    refs, hooks = _watch(model)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(0)).to(DEV)
+    loss = model(ids, position_ids=torch.arange(9, device=DEV)[None], shift_labels=ids, reduction="sum")
+    gc.collect()
+    alive = {k for k, r in refs.items() if r() is not None}
+    assert alive == {"norm", "act"} - freed  # without recompute the graph keeps both alive
+    loss.backward()  # and backward still works from the recipes
+    for h in hooks:
+        h.remove()
+
+
+def test_eval_and_no_grad_are_untouched():
+    model = _model("torch", ("norm", "swiglu")).eval()
+    ids = torch.randint(0, TINY["vocab_size"], (1, 7), generator=torch.Generator().manual_seed(0)).to(DEV)
+    with torch.no_grad():
+        logits = model(ids)
+    assert logits.shape == (1, 7, TINY["vocab_size"]) and not recompute.is_active()
+
+
+@pytest.mark.skipif(not TRITON, reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (make test sets it)")
+@pytest.mark.parametrize("h", [7, 96, 1100])  # 1100 > the interpreter's 1024 block: the column loop
+def test_rms_norm_apply_rebuilds_forward_bit_for_bit(h):
+    from chronicals.ops.rms_norm import RMSNormFunction
+
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(5, h, generator=g).to(DEV, torch.bfloat16) for _ in range(2))
+    w = torch.randn(h, generator=g).to(DEV)
+    with recompute.recompute_session():
+        y, s = RMSNormFunction.apply(x, w, r, 1e-6, True)
+        entry = recompute._offers[recompute._key(y)]
+        rebuilt = entry.fn()
+    assert rebuilt.dtype == y.dtype and torch.equal(rebuilt, y)
+
+
+@pytest.mark.skipif(not TRITON, reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (make test sets it)")
+def test_swiglu_recompute_is_the_same_kernel():
+    g = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(3, 37, generator=g).to(DEV, torch.bfloat16) for _ in range(2))
+    assert torch.equal(swiglu(gate, up, impl="triton"), swiglu(gate, up, impl="triton"))
+
+
+def test_offer_rejects_a_view_and_bad_names():
+    with recompute.recompute_session():
+        base = torch.randn(4, 6)
+        with pytest.raises(ValueError, match="owns its whole storage"):
+            recompute.offer(base[1:], lambda: base[1:].clone())
+    with pytest.raises(ValueError, match="choose from"):
+        _model("torch", ("norms",))
+    y = rms_norm(torch.randn(2, 4), torch.ones(4), 1e-6, impl="torch", recompute=True)  # no session: plain
+    assert y.shape == (2, 4) and not recompute._offers
