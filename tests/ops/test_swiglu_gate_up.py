@@ -1,0 +1,122 @@
+"""swiglu_gate_up (packed [gate | up] input) vs a float64 reference, vs swiglu on the halves (bit for bit),
+and its two doors (eager autograd.Function, chronicals::swiglu_gate_up under torch.compile).
+
+Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (how `make test` runs it); the "torch" impl always runs.
+"""
+
+import pytest
+import torch
+
+from chronicals.ops._impl import triton_interpreting
+from chronicals.ops.swiglu import swiglu, swiglu_gate_up, swiglu_gate_up_ref, swiglu_ref
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+HAVE_TRITON = DEV == "cuda" or triton_interpreting()
+needs_triton = pytest.mark.skipif(not HAVE_TRITON,
+                                  reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (make test sets it)")
+IMPLS = [pytest.param("triton", marks=needs_triton), "torch"]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def assert_tracks_torch(name, ours, torch_same_dtype, ref64, k=2.0):
+    """Our error vs fp64 <= k x PyTorch's error in the same dtype vs fp64 + eps(dtype) x max|ref|."""
+    err = (ours.double() - ref64).abs().max().item()
+    torch_err = (torch_same_dtype.double() - ref64).abs().max().item()
+    atol = torch.finfo(ours.dtype).eps * max(ref64.abs().max().item(), 1.0)
+    assert err <= k * torch_err + atol, f"{name}: error {err:.3g} vs torch {torch_err:.3g} (atol {atol:.3g})"
+
+
+def _inputs(lead, i, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    gate = 3 * torch.randn(*lead, i, generator=g, dtype=torch.float64)  # |gate| ~ 10: sigmoid's tails
+    up = torch.randn(*lead, i, generator=g, dtype=torch.float64)
+    dy = torch.randn(*lead, i, generator=g, dtype=torch.float64).to(dtype).double()
+    return torch.cat([gate, up], -1).to(dtype).to(DEV), dy.to(DEV)
+
+
+def _run(fn, gu, dy):
+    gu = gu.detach().requires_grad_()
+    y = fn(gu)
+    (dgu,) = torch.autograd.grad((y.double() * dy).sum(), gu)
+    return y, dgu
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("i", [5, 96, 130])
+@pytest.mark.parametrize("rows", [1, 7, 33])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_float64_reference(dtype, rows, i, impl):
+    gu, dy = _inputs((rows,), i, dtype, seed=rows * 7919 + i)
+    ref64 = _run(lambda t: swiglu_ref(*t.chunk(2, -1)), gu.double(), dy)
+    theirs = _run(lambda t: swiglu_ref(*t.chunk(2, -1)), gu, dy)  # PyTorch in the same dtype
+    ours = _run(lambda t: swiglu_gate_up(t, impl=impl), gu, dy)
+    for name, o, t, e in zip(["y", "d_gu"], ours, theirs, ref64):
+        assert o.dtype == dtype and o.shape == e.shape and o.is_contiguous(), name
+        assert_tracks_torch(name, o, t, e)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bit_identical_to_swiglu_on_halves(dtype):
+    """Same fp32 math as swiglu (shared @triton.jit helpers): equal bits, forward and both gradient halves."""
+    gu, dy = _inputs((3, 7), 130, dtype, seed=11)
+    dy = dy.to(dtype)
+    gate, up = (t.contiguous().requires_grad_() for t in gu.chunk(2, -1))
+    y_ref = swiglu(gate, up, impl="triton")
+    dgate, dup = torch.autograd.grad(y_ref, [gate, up], dy)
+    gu = gu.requires_grad_()
+    y = swiglu_gate_up(gu, impl="triton")
+    (dgu,) = torch.autograd.grad(y, gu, dy)
+    assert torch.equal(y, y_ref)
+    assert torch.equal(dgu, torch.cat([dgate, dup], -1))
+
+
+@needs_triton
+def test_row_strided_input_and_one_gradient_node():
+    """gu may be a row-strided view (a slice of a wider tensor); the backward hands the whole d_gu to the
+    input's grad_fn from one node (no per-half slice backward)."""
+    wide = torch.randn(4, 5, 2 * 40 + 3, device=DEV, requires_grad=True)
+    gu = wide[..., 3:]  # (4, 5, 80), row stride 83
+    y = swiglu_gate_up(gu, impl="triton")
+    assert type(y.grad_fn).__name__ == "SwiGLUGateUpFunctionBackward"
+    torch.testing.assert_close(y, swiglu_gate_up_ref(gu.detach()))
+    dy = torch.randn_like(y)
+    (g_ours,) = torch.autograd.grad(y, wide, dy)
+    (g_ref,) = torch.autograd.grad(swiglu_gate_up_ref(gu), wide, dy)
+    torch.testing.assert_close(g_ours, g_ref)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bad_inputs_say_what_is_wrong(impl):
+    with pytest.raises(ValueError, match="even dim 2I"):
+        swiglu_gate_up(torch.randn(3, 9, device=DEV), impl=impl)
+
+
+@needs_triton
+def test_registered_ops_pass_opcheck():
+    gu = torch.randn(4, 66, device=DEV, requires_grad=True)
+    torch.library.opcheck(torch.ops.chronicals.swiglu_gate_up.default, (gu,))
+    dy = torch.randn(4, 33, device=DEV)
+    torch.library.opcheck(torch.ops.chronicals.swiglu_gate_up_backward.default, (dy, gu.detach()))
+
+
+@needs_triton
+def test_eager_door_and_compiled_door_agree():
+    """torch.compile sees chronicals::swiglu_gate_up as one node; its values and gradients equal the eager
+    door's bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    gu = torch.randn(3, 7, 100, generator=g).to(DEV).requires_grad_()
+    dy = torch.randn(3, 7, 50, generator=g).to(DEV)
+    y = swiglu_gate_up(gu, impl="triton")
+    (d_eager,) = torch.autograd.grad(y, gu, dy)
+
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(str(n.target).removesuffix(".default") for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    yc = torch.compile(lambda t: swiglu_gate_up(t, impl="triton"), backend=backend, fullgraph=True)(gu)
+    (d_comp,) = torch.autograd.grad(yc, gu, dy)
+    assert "chronicals.swiglu_gate_up" in targets and not any("autograd_function" in t for t in targets), targets
+    assert torch.equal(y, yc) and torch.equal(d_eager, d_comp)
