@@ -1,0 +1,109 @@
+"""One GEMM for q/k/v and one for gate/up, while the parameters stay the separate Hugging Face modules.
+
+Why (full fine-tuning, Qwen2.5-0.5B shape, 16 x 1024 tokens, 24 layers, H200 profile): three nn.Linear
+calls on one input cost ~3.5 ms per step that one GEMM does not:
+- autograd sums the dx of q/k/v (2 adds per layer) and of gate/up (1 add): 72 bf16 adds, 1.67 ms;
+- q/k/v biases reduce their gradients separately: 72 reductions, 1.88 ms;
+- k_proj / v_proj (896 -> 128) are GEMMs far too small to reach the matmul peak.
+
+    qkv = x @ [Wq; Wk; Wv]^T + [bq; bk; bv]     (B, S, (Hq + 2 Hk) D)   one GEMM forward,
+    q, k, v = views of qkv per head              (B, S, H*, D)            one dx GEMM, one dW GEMM,
+    gu  = x @ [Wg; Wu]^T (+ [bg; bu])            (B, S, 2I)               one bias reduction backward
+
+Backward of the q/k/v views is one cat of (dq, dk, dv) (``split``'s backward: 37.7 MB read + written per
+layer at the 0.5B shape, ~18 us), then F.linear's backward on the concatenated weight; the gate/up
+gradient arrives whole from ``ops.swiglu.swiglu_gate_up`` (one kernel writes d_gu). The weight gradient of
+the concatenation comes back as row slices (views) of one dW, one per module: nothing is copied.
+
+Which modules qualify: exactly ``nn.Linear`` (not a subclass: LoRA puts ``LoRALinear`` there, whose extra
+path must run), without forward hooks (calling F.linear directly would skip them), with one dtype and
+device and either all or none of the biases. Anything else takes the separate module calls.
+
+The concatenated weight is rebuilt by every call, never cached: the optimizer changes the weights every
+step. At the 0.5B shape it is (896 + 2 x 128) x 896 x 2 B = 2.1 MB (q/k/v) + 2 x 4864 x 896 x 2 B = 17.4 MB
+(gate/up) per layer: 24 x 19.5 MB = 468 MB read and written per step, ~0.2 ms at ~4 TB/s, against the ~3.5 ms
+saved. F.linear saves that weight for its dx GEMM; it is offered to ``ops.recompute`` so that, inside the
+training forward's ``recompute_session()``, the graph keeps nothing (468 MB less at the peak) and the
+backward concatenates the same parameters again (bit-identical; ~0.2 ms more per step). Outside a session
+the offer is a no-op and the graph keeps the 468 MB.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..ops.recompute import offer
+
+log = logging.getLogger("chronicals.models")
+_logged: set[tuple[str, str]] = set()
+
+
+def fusable(*mods: nn.Module) -> str | None:
+    """None when ``mods`` can share one GEMM, else why not (a short reason, for the log)."""
+    for m in mods:
+        if type(m) is not nn.Linear:
+            return f"{type(m).__name__} is not a plain nn.Linear"
+        if m._forward_hooks or m._forward_pre_hooks:
+            return "a module has forward hooks"
+    w0 = mods[0].weight
+    if any(m.weight.dtype != w0.dtype or m.weight.device != w0.device for m in mods):
+        return "the weights differ in dtype or device"
+    if len({m.bias is None for m in mods}) > 1:
+        return "some have a bias and some do not"
+    return None
+
+
+def _note(kind: str, reason: str | None) -> None:
+    """Log once per (kind, path) which path runs (not inside a compiled graph: logging breaks fullgraph)."""
+    path = "one GEMM" if reason is None else f"separate modules ({reason})"
+    if (kind, path) not in _logged and not torch.compiler.is_compiling():
+        _logged.add((kind, path))
+        log.info("%s: %s", kind, path)
+
+
+def _cat_params(mods) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[W_0; W_1; ...] (sum out, in) offered for recomputation, and [b_0; b_1; ...] or None."""
+    ws = [m.weight for m in mods]
+    w = offer(torch.cat(ws), functools.partial(torch.cat, ws))
+    b = None if mods[0].bias is None else torch.cat([m.bias for m in mods])  # not saved by F.linear
+    return w, b
+
+
+def qkv_proj(attn: nn.Module, x: torch.Tensor):
+    """q (B, S, Hq, D), k (B, S, Hk, D), v (B, S, Hk, D) of ``attn`` (a decoder ``Attention``) for x (B, S, H).
+
+    One GEMM when q/k/v_proj qualify (see module docstring); q, k, v are then views of its (B, S, (Hq + 2 Hk) D)
+    output: the last dim has unit stride, the token stride is (Hq + 2 Hk) D. ``rope_qk`` reads such strided
+    views and writes contiguous outputs, so q and k cost no copy; v goes to attention as a strided view.
+    """
+    b, s, _ = x.shape
+    nq, nkv, d = attn.nq, attn.nkv, attn.d
+    mods = (attn.q_proj, attn.k_proj, attn.v_proj)
+    reason = fusable(*mods)
+    _note("qkv_proj", reason)
+    if reason is not None:
+        return (attn.q_proj(x).view(b, s, nq, d), attn.k_proj(x).view(b, s, nkv, d),
+                attn.v_proj(x).view(b, s, nkv, d))
+    w, bias = _cat_params(mods)
+    qkv = F.linear(x, w, bias).view(b, s, nq + 2 * nkv, d)  # (B, S, Hq + 2 Hk, D)
+    # split's backward is one cat of (dq, dk, dv) into (B, S, Hq + 2 Hk, D): one dx GEMM follows
+    q, k, v = qkv.split([nq, nkv, nkv], dim=2)
+    return q, k, v
+
+
+def gate_up_proj(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """gu (B, S, 2I) = x @ [Wg; Wu]^T (+ [bg; bu]) of ``mlp`` (a decoder ``MLP``) for x (B, S, H): gate in the
+    first half of the last dim, up in the second (the layout ``ops.swiglu.swiglu_gate_up`` takes).
+    None when gate_proj / up_proj do not qualify (see module docstring): call them separately then."""
+    mods = (mlp.gate_proj, mlp.up_proj)
+    reason = fusable(*mods)
+    _note("gate_up_proj", reason)
+    if reason is not None:
+        return None
+    w, bias = _cat_params(mods)
+    return F.linear(x, w, bias)

@@ -1,0 +1,228 @@
+"""qkv_proj / gate_up_proj (one GEMM over concatenated weights) vs the separate Hugging Face modules.
+
+Tiny random decoders: Qwen2 (q/k/v bias, GQA 4q/2kv heads), Llama 3 (no bias), Llama with attention and MLP
+biases, Qwen3 (q/k norm on the strided q/k views). Values and every gradient (x, each weight and bias) equal
+the separate path's; LoRA and subclassed modules take the separate path; inside a recompute session the
+graph does not keep the concatenated weight; the functions trace under torch.compile(fullgraph=True).
+"""
+
+import collections
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from chronicals.lora import apply_lora
+from chronicals.models import CausalLM, ModelConfig
+from chronicals.models import fused_proj
+from chronicals.models.fused_proj import fusable, gate_up_proj, qkv_proj
+from chronicals.ops import attention, rope_cos_sin, rope_qk
+from chronicals.ops._impl import triton_interpreting
+from chronicals.ops.recompute import recompute_session
+from chronicals.ops.swiglu import swiglu_gate_up
+
+TOL = {torch.float32: dict(atol=1e-6, rtol=1e-5), torch.float64: dict(atol=1e-13, rtol=1e-12)}
+# Triton kernels (rope, swiglu) run on CUDA or in the interpreter; otherwise the reference ops
+OP_IMPL = "triton" if torch.cuda.is_available() or triton_interpreting() else "torch"
+
+
+def _model(tiny_hf_config, family, dtype=torch.float32):
+    model = CausalLM(ModelConfig.from_hf_dict(tiny_hf_config(family, num_hidden_layers=1)))
+    model.init_weights(std=0.1, seed=0).to(dtype)
+    with torch.no_grad():  # init_weights zeroes biases: give them values so a bias bug shows
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    layer = model.model.layers[0]
+    return model, layer.self_attn, layer.mlp
+
+
+def _x(hidden, dtype, seed=3):
+    return torch.randn(2, 5, hidden, generator=torch.Generator().manual_seed(seed), dtype=dtype).requires_grad_()
+
+
+def _separate(attn, mlp, x):
+    b, s, _ = x.shape
+    q = attn.q_proj(x).view(b, s, attn.nq, attn.d)
+    k = attn.k_proj(x).view(b, s, attn.nkv, attn.d)
+    v = attn.v_proj(x).view(b, s, attn.nkv, attn.d)
+    return q, k, v, torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1)
+
+
+def _fused(attn, mlp, x):
+    return (*qkv_proj(attn, x), gate_up_proj(mlp, x))
+
+
+def _outputs_and_grads(fn, attn, mlp, x):
+    """Outputs of fn, and the gradients of x and of every q/k/v/gate/up parameter under a random scalar."""
+    outs = fn(attn, mlp, x)
+    g = torch.Generator().manual_seed(9)
+    loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() for o in outs)
+    params = {f"{n}.{pn}": p for n, m in [("attn", attn), ("mlp", mlp)] for pn, p in m.named_parameters()
+              if "o_proj" not in pn and "down_proj" not in pn and "norm" not in pn}
+    grads = torch.autograd.grad(loss, [x, *params.values()])
+    return [o.detach() for o in outs], dict(zip(["x", *params], grads))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("family", ["qwen2", "llama3", "llama_bias"])
+def test_matches_separate_modules(tiny_hf_config, family, dtype):
+    _, attn, mlp = _model(tiny_hf_config, family, dtype)
+    x = _x(attn.q_proj.in_features, dtype)
+    q, k, v, gu = _fused(attn, mlp, x)
+    assert q.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()  # one GEMM really ran
+    assert q.shape == (2, 5, 4, 8) and k.shape == v.shape == (2, 5, 2, 8) and gu.shape == (2, 5, 2 * 56)
+    want, want_grads = _outputs_and_grads(_separate, attn, mlp, x)
+    got, got_grads = _outputs_and_grads(_fused, attn, mlp, x)
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a, b, **TOL[dtype], msg=name)
+    torch.testing.assert_close(got[3], want[3], **TOL[dtype], msg="gu")
+    n_params = 3 * (1 + (attn.q_proj.bias is not None)) + 2 * (1 + (mlp.gate_proj.bias is not None))
+    assert got_grads.keys() == want_grads.keys() and len(got_grads) == 1 + n_params
+    for name, g in got_grads.items():
+        torch.testing.assert_close(g, want_grads[name], **TOL[dtype], msg=name)
+
+
+def test_lora_and_other_modules_take_the_separate_path(tiny_hf_config):
+    model, attn, mlp = _model(tiny_hf_config, "qwen2")
+    apply_lora(model, r=2, alpha=4, target_modules=("q_proj", "gate_proj"))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # B = 0 after init would make the adapter a no-op
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    x = _x(attn.q_proj.in_features, torch.float32)
+    q, k, v = qkv_proj(attn, x)
+    want = attn.q_proj(x).view(q.shape)
+    base = nn.functional.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(q.shape)
+    torch.testing.assert_close(q, want, rtol=0, atol=0)
+    assert (q - base).abs().max() > 1e-3  # the adapter's contribution is in q
+    assert gate_up_proj(mlp, x) is None
+    assert "LoRALinear" in fusable(attn.q_proj, attn.k_proj, attn.v_proj)
+
+    class MyLinear(nn.Linear):
+        pass
+
+    assert "MyLinear" in fusable(MyLinear(4, 4), nn.Linear(4, 4))
+    hooked = nn.Linear(4, 4)
+    hooked.register_forward_hook(lambda *a: None)
+    assert "hooks" in fusable(hooked, nn.Linear(4, 4))
+    assert "bias" in fusable(nn.Linear(4, 4), nn.Linear(4, 4, bias=False))
+    assert "dtype" in fusable(nn.Linear(4, 4), nn.Linear(4, 4).double())
+    assert fusable(nn.Linear(4, 4), nn.Linear(4, 2)) is None
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket).removeprefix("aten.")] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_backward_is_one_dx_gemm_without_adds(tiny_hf_config):
+    """The point of the fusion: per projection group one dx GEMM and one dW GEMM, one bias reduction, the
+    q/k/v gradients joined by one cat, and no zero-fills or adds (the separate path runs 3 + 3 mm, 3 sums and
+    2 adds for q/k/v alone)."""
+    _, attn, mlp = _model(tiny_hf_config, "llama_bias")
+    xa, xm = _x(attn.q_proj.in_features, torch.float32), _x(attn.q_proj.in_features, torch.float32, seed=4)
+    q, k, v = qkv_proj(attn, xa)
+    gu = gate_up_proj(mlp, xm)
+    loss = (q * 2).sum() + (k * 3).sum() + (v * 4).sum() + (gu * 5).sum()
+    with _CountOps() as counted:
+        loss.backward()
+    ops = counted.ops
+    assert ops["mm"] == 4 and ops["cat"] == 1 and ops["sum"] == 2, ops
+    assert not any(op in ops for op in ("add", "add_", "zeros", "new_zeros", "zero_", "fill_")), ops
+
+
+@pytest.mark.parametrize("session", [True, False])
+def test_recompute_session_does_not_keep_the_concatenated_weight(tiny_hf_config, monkeypatch, session):
+    """Inside recompute_session() the graph holds an offer instead of [Wq; Wk; Wv] / [Wg; Wu] (the weak
+    references die after the forward) and the backward rebuilds them: gradients equal bit for bit.
+    Without a session the graph keeps them (the control that shows the check can fail)."""
+    _, attn, mlp = _model(tiny_hf_config, "qwen2")
+    x = _x(attn.q_proj.in_features, torch.float32)
+    _, want = _outputs_and_grads(_fused, attn, mlp, x)
+
+    refs = []
+    cat_params = fused_proj._cat_params
+
+    def spy(mods):
+        w, b = cat_params(mods)
+        refs.append(weakref.ref(w))
+        return w, b
+
+    monkeypatch.setattr(fused_proj, "_cat_params", spy)
+    with recompute_session(session):
+        outs = _fused(attn, mlp, x)
+    gc.collect()
+    assert len(refs) == 2 and all((r() is None) == session for r in refs), [r() is None for r in refs]
+    gen = torch.Generator().manual_seed(9)
+    loss = sum((o * torch.randn(o.shape, generator=gen)).sum() for o in outs)
+    params = [p for n, p in [*attn.named_parameters(), *mlp.named_parameters()]
+              if "o_proj" not in n and "down_proj" not in n]
+    got = torch.autograd.grad(loss, [x, *params])
+    for (name, w), g in zip(want.items(), got):
+        assert torch.equal(g, w), name
+
+
+def _decoder_attention(attn, x, cos, sin):
+    """The lines proposed for decoder.Attention.forward (training path, no kv cache)."""
+    b, s, _ = x.shape
+    q, k, v = qkv_proj(attn, x)  # (B, S, Hq, D), (B, S, Hk, D) x 2
+    if attn.qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = rope_qk(q, k, cos, sin, impl=attn.opts.impl)
+    o = attention(q, k, v, impl=attn.opts.impl)
+    return attn.o_proj(o.reshape(b, s, attn.nq * attn.d))
+
+
+def _decoder_mlp(mlp, x):
+    """The lines proposed for decoder.MLP.forward when down_proj has no forward_swiglu."""
+    gu = gate_up_proj(mlp, x)
+    return mlp.down_proj(swiglu_gate_up(gu, impl=mlp.opts.impl))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_decoder_blocks_with_fused_projections_match(tiny_hf_config, family):
+    """Attention / MLP with the fused projections (strided q/k/v views into q/k norm, rope, attention)
+    match the modules' own forward, values and gradients."""
+    model, attn, mlp = _model(tiny_hf_config, family)
+    model.set_impl(OP_IMPL)
+    x = _x(model.config.hidden_size, torch.float32)
+    pos = torch.arange(5).repeat(2, 1)
+    cos, sin = rope_cos_sin(pos, model.model.inv_freq, model.model.attention_scaling)
+    params = [p for p in [*attn.parameters(), *mlp.parameters()]]
+    dy = torch.randn(2, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    for fused_fn, module_fn in [(lambda t: _decoder_attention(attn, t, cos, sin), lambda t: attn(t, cos, sin)),
+                                (lambda t: _decoder_mlp(mlp, t), mlp)]:
+        got, want = fused_fn(x), module_fn(x)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        g_got = torch.autograd.grad((got * dy).sum(), [x, *params], allow_unused=True)
+        g_want = torch.autograd.grad((want * dy).sum(), [x, *params], allow_unused=True)
+        for a, b in zip(g_got, g_want):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_traces_under_torch_compile_fullgraph(tiny_hf_config):
+    _, attn, mlp = _model(tiny_hf_config, "qwen2")
+    attn.opts.impl = OP_IMPL
+
+    def f(t):
+        q, k, v = qkv_proj(attn, t)
+        return q.sum() + 2 * k.sum() + 3 * (v * v).sum() + swiglu_gate_up(gate_up_proj(mlp, t), impl=OP_IMPL).sum()
+
+    x = _x(attn.q_proj.in_features, torch.float32)
+    params = [x, attn.q_proj.weight, attn.v_proj.bias, mlp.gate_proj.weight, mlp.up_proj.weight]
+    want = torch.autograd.grad(f(x), params)
+    got = torch.autograd.grad(torch.compile(f, backend="aot_eager", fullgraph=True)(x), params)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
