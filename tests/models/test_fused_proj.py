@@ -7,6 +7,7 @@ graph does not keep the concatenated weight; the functions trace under torch.com
 """
 
 import collections
+import functools
 import gc
 import weakref
 
@@ -21,6 +22,7 @@ from chronicals.models import fused_proj
 from chronicals.models.fused_proj import fusable, gate_up_proj, qkv_proj
 from chronicals.ops import attention, rope_cos_sin, rope_qk
 from chronicals.ops._impl import triton_interpreting
+from chronicals.ops import recompute
 from chronicals.ops.recompute import recompute_session
 from chronicals.ops.swiglu import swiglu_gate_up
 
@@ -184,15 +186,21 @@ def _decoder_attention(attn, x, cos, sin):
 
 
 def _decoder_mlp(mlp, x):
-    """The lines proposed for decoder.MLP.forward when down_proj has no forward_swiglu."""
+    """The lines proposed for decoder.MLP.forward when down_proj has no forward_swiglu, with the SwiGLU
+    product offered for recomputation as the decoder does for swiglu(gate, up)."""
     gu = gate_up_proj(mlp, x)
-    return mlp.down_proj(swiglu_gate_up(gu, impl=mlp.opts.impl))
+    act = swiglu_gate_up(gu, impl=mlp.opts.impl)
+    if recompute.is_active():
+        recompute.offer(act, functools.partial(swiglu_gate_up, gu, impl=mlp.opts.impl))
+    return mlp.down_proj(act)
 
 
+@pytest.mark.parametrize("session", [False, True], ids=["plain", "recompute_session"])
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_decoder_blocks_with_fused_projections_match(tiny_hf_config, family):
+def test_decoder_blocks_with_fused_projections_match(tiny_hf_config, family, session):
     """Attention / MLP with the fused projections (strided q/k/v views into q/k norm, rope, attention)
-    match the modules' own forward, values and gradients."""
+    match the modules' own forward, values and gradients, also with the weights and the SwiGLU product
+    rebuilt in backward."""
     model, attn, mlp = _model(tiny_hf_config, family)
     model.set_impl(OP_IMPL)
     x = _x(model.config.hidden_size, torch.float32)
@@ -202,7 +210,9 @@ def test_decoder_blocks_with_fused_projections_match(tiny_hf_config, family):
     dy = torch.randn(2, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
     for fused_fn, module_fn in [(lambda t: _decoder_attention(attn, t, cos, sin), lambda t: attn(t, cos, sin)),
                                 (lambda t: _decoder_mlp(mlp, t), mlp)]:
-        got, want = fused_fn(x), module_fn(x)
+        with recompute.recompute_session(session):
+            got = fused_fn(x)
+        want = module_fn(x)
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
         g_got = torch.autograd.grad((got * dy).sum(), [x, *params], allow_unused=True)
         g_want = torch.autograd.grad((want * dy).sum(), [x, *params], allow_unused=True)
