@@ -11,8 +11,11 @@ TARGETS7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_zero_b_gives_base_logits_exactly(kind, ids):
+def test_zero_b_gives_base_logits_exactly(kind, ids, monkeypatch):
     model = tiny_model(kind)
+    # the base model on the same GEMM grouping as LoRA's layers (one GEMM per projection): the plain model
+    # joins q/k/v and gate/up into one GEMM each, whose fp32 sums may round differently in the last bit
+    monkeypatch.setattr("chronicals.models.fused_proj.fusable", lambda *mods: "separate, as under LoRA")
     with torch.no_grad():
         base = model(ids)
     rec = apply_lora(model, r=4, alpha=8)

@@ -138,11 +138,14 @@ def chronicals_step(model, spec: RunSpec, device: torch.device, graphs: bool = F
     return (lambda ids: rows_as_packed_batch(ids, spec.layout)), fb
 
 
-def _chronicals(method: str, compile_layers: bool, graphs: bool = False):
+def _chronicals(method: str, compile_layers: bool, graphs: bool = False, keep: bool = False):
+    """keep: no selective recomputation (``model.recompute=[]``): every activation stays saved."""
     def build(spec: RunSpec, shape: Shape, device: torch.device) -> Built:
         model = build_chronicals_model(shape, device, spec.impl, spec.seed)
         model.set_checkpointing(spec.checkpointing)
-        notes = [f"impl={spec.impl}"]
+        if keep:
+            model.set_recompute(())
+        notes = [f"impl={spec.impl}", f"recompute={list(model.opts.recompute)}"]
         if method == "lora":
             groups = add_chronicals_lora(model, spec)
             notes.append(f"LoRA r={spec.lora_r} alpha={spec.lora_alpha}, LoRA+ ratio {LORA_PLUS_RATIO}")
@@ -234,6 +237,10 @@ _ALL = [
               in_default=False),
     Contender("chronicals-lora-graphs", "chronicals LoRA, CUDA graphs", "lora", _chronicals("lora", False, True),
               in_default=False),
+    Contender("chronicals-full-keep", "chronicals, no recompute", "full", _chronicals("full", False, keep=True),
+              in_default=False),
+    Contender("chronicals-lora-graphs-keep", "chronicals LoRA, CUDA graphs, no recompute", "lora",
+              _chronicals("lora", False, True, keep=True), in_default=False),
     Contender("chronicals-lora-compile", "chronicals LoRA, layers compiled", "lora", _chronicals("lora", True),
               in_default=False),
     Contender("hf-sdpa", "transformers, SDPA", "full", _hf("full")),
