@@ -21,7 +21,7 @@ from ..ops import attention, linear_cross_entropy, recompute, rms_norm, rope_cos
 from ..ops.attention import attention_ref
 from ..ops.swiglu import swiglu_gate_up
 from .config import ModelConfig, rope_inv_freq
-from .fused_proj import gate_up_proj, qkv_proj, swiglu_down
+from .fused_proj import gate_up_proj, qkv_proj
 
 IGNORE_INDEX = -100
 
@@ -36,8 +36,8 @@ class RuntimeOptions:
     checkpointing: bool | int = False
     # tensors rebuilt in backward instead of kept (see ops.recompute): "norm" = RMSNorm outputs (from the
     # norm's own saved input and rstd; 1.31 GiB at the Qwen2.5-0.5B protocol for ~0.7 ms per step), "swiglu" =
-    # the SwiGLU product down_proj saves (3.56 GiB there; the Triton SwiGLU backward writes it as a third
-    # output, ~0.9 ms; elsewhere a second SwiGLU forward). Gradients are bit-identical either way.
+    # the SwiGLU product down_proj saves (from gate and up; 3.56 GiB there for ~2.6 ms). Gradients are
+    # bit-identical either way.
     recompute: tuple[str, ...] = ("norm", "swiglu")
 
     def __post_init__(self):
@@ -126,16 +126,10 @@ class MLP(nn.Module):
         # forward_swiglu, which needs gate and up apart: halves of gu would bring back the two-slice backward)
         gu = gate_up_proj(self, x) if fused is None else None  # (B, S, 2I) or None
         if gu is not None:
+            act = swiglu_gate_up(gu, impl=self.opts.impl)  # (B, S, I); backward writes d_gu in one kernel
             if "swiglu" in self.opts.recompute and recompute.is_active():
-                # the SwiGLU product is not kept: rebuilt by the SwiGLU backward kernel itself (Triton), or
-                # by a second SwiGLU forward (offered to ops.recompute) on the other paths
-                y = swiglu_down(self, gu)
-                if y is not None:
-                    return y
-                act = swiglu_gate_up(gu, impl=self.opts.impl)
                 recompute.offer(act, functools.partial(swiglu_gate_up, gu, impl=self.opts.impl))
-                return self.down_proj(act)
-            return self.down_proj(swiglu_gate_up(gu, impl=self.opts.impl))  # backward writes d_gu in one kernel
+            return self.down_proj(act)
         gate, up = self.gate_proj(x), self.up_proj(x)  # (B, S, I) each
         # A down_proj offering ``forward_swiglu(gate, up, impl)`` (LoRALinear) computes
         # down_proj(swiglu(gate, up)) while saving only gate and up: the product (B, S, I), which a plain

@@ -11,15 +11,13 @@ What it buys at the Qwen2.5-0.5B protocol (16 x 1024 tokens, 24 layers, bf16):
   from the norm's own saved input and rstd: 2 x 16384 x 896 x 2 B x 24 = 1.31 GiB for one pass of
   (read N x H, write N x H) per norm in backward (~14 us each on an H200, ~0.7 ms per step);
 - the SwiGLU product (N, I), saved by down_proj, rebuilt from gate and up (which the SwiGLU backward
-  keeps): 16384 x 4864 x 2 B x 24 = 3.56 GiB for one SwiGLU forward per layer (~0.11 ms, ~2.8 ms/step).
-  The decoder's Triton path does better without an offer: ``models.fused_proj.SwiGLUDownFunction`` has
-  the SwiGLU backward kernel write the product as a third output (~0.9 ms/step).
+  keeps): 16384 x 4864 x 2 B x 24 = 3.56 GiB for one SwiGLU forward per layer (~0.11 ms, ~2.6 ms/step).
 ``fn`` must return bit-identical values (same kernel, same inputs), so gradients do not change at all;
 the tests check it. ``fn`` runs under ``torch.no_grad()``.
 
 Lifetime rules: an offer lives as long as ``t``'s Python object (a finalizer drops it), so a later
-tensor reusing the same memory never matches a stale offer; saves are matched by data pointer, dtype
-and storage size. Offers made outside a session are ignored (no cost beyond a flag check).
+tensor reusing the same memory never matches a stale offer; saves are matched by storage pointer and
+storage size. Offers made outside a session are ignored (no cost beyond a flag check).
 Under ``torch.compile`` the session is not entered (the compiler plans its own recomputation).
 """
 
@@ -32,14 +30,14 @@ from typing import Callable
 import torch
 
 _active = 0  # nesting depth of open sessions
-_offers: dict[int, "_Offer"] = {}
+_offers: dict[tuple[int, int], "_Offer"] = {}
 
 
 class _Offer:
-    __slots__ = ("fn", "dtype", "nbytes", "packs", "unpacks", "value", "__weakref__")
+    __slots__ = ("fn", "dtype", "packs", "unpacks", "value", "__weakref__")
 
-    def __init__(self, fn: Callable[[], torch.Tensor], dtype: torch.dtype, nbytes: int):
-        self.fn, self.dtype, self.nbytes, self.packs, self.unpacks, self.value = fn, dtype, nbytes, 0, 0, None
+    def __init__(self, fn: Callable[[], torch.Tensor], dtype: torch.dtype):
+        self.fn, self.dtype, self.packs, self.unpacks, self.value = fn, dtype, 0, 0, None
 
     def get(self) -> torch.Tensor:
         if self.value is None:
@@ -60,11 +58,9 @@ class _Packed:
         self.offer, self.shape, self.stride, self.offset = offer, t.shape, t.stride(), t.storage_offset()
 
 
-def _key(t: torch.Tensor) -> int:
-    """The offered tensor's address: a saved view of it with offset 0 (e.g. F.linear's 2-D reshape) has the same.
-    ``data_ptr`` is one C call; the storage size check runs only on a hit (``_pack`` runs for every saved tensor
-    of the step, ~800 at 24 layers)."""
-    return t.data_ptr()
+def _key(t: torch.Tensor) -> tuple[int, int]:
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes()
 
 
 def is_active() -> bool:
@@ -83,7 +79,7 @@ def offer(t: torch.Tensor, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         raise ValueError("recompute.offer: offer a tensor that owns its whole storage (contiguous, offset 0): "
                          "its saved views are rebuilt from a fresh contiguous recomputation")
     key = _key(t)
-    _offers[key] = entry = _Offer(fn, t.dtype, t.untyped_storage().nbytes())
+    _offers[key] = entry = _Offer(fn, t.dtype)
     ref = weakref.ref(entry)
     weakref.finalize(t, _drop, key, ref)
     return t
@@ -95,10 +91,10 @@ def _drop(key, ref):
 
 
 def _pack(t: torch.Tensor):
-    if t.layout != torch.strided:
+    if not _offers or t.layout != torch.strided:
         return t
-    entry = _offers.get(t.data_ptr())
-    if entry is None or t.dtype != entry.dtype or t.untyped_storage().nbytes() != entry.nbytes:
+    entry = _offers.get(_key(t))
+    if entry is None or t.dtype != entry.dtype:
         return t
     entry.packs += 1
     return _Packed(entry, t)
