@@ -30,12 +30,15 @@ def versions() -> dict:
 
 
 def git_sha() -> str:
-    """Short sha of the checkout; env CHRONICALS_GIT_SHA where git or the .git folder is missing."""
+    """Short sha of the checkout. env CHRONICALS_GIT_SHA, when set, wins: a copied working tree (the GPU
+    machine's) can carry a .git whose HEAD is older than the files that ran."""
+    if os.environ.get("CHRONICALS_GIT_SHA"):
+        return os.environ["CHRONICALS_GIT_SHA"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL,
                                        cwd=Path(__file__).resolve().parent).strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("CHRONICALS_GIT_SHA", "unknown")
+        return "unknown"
 
 
 def finish_row(row: dict, peak_tflops: float | None) -> dict:
