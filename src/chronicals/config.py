@@ -47,7 +47,7 @@ class ModelSection:
     compile: bool = _f(False, "torch.compile each decoder layer")
     recompute: list = _f(["norm", "swiglu"], "tensors rebuilt in backward instead of kept, bit-identical gradients: "
                          "norm (RMSNorm outputs, ~1.3 GiB less at Qwen2.5-0.5B x 16k tokens for ~0.6% time), "
-                         "swiglu (the SwiGLU product, ~3.6 GiB less for ~2%); [] keeps everything")
+                         "swiglu (the SwiGLU product, ~3.6 GiB less for ~2%); [] keeps everything; off with model.compile")
 
     def __post_init__(self):
         _check(self.dtype in ("auto", "bfloat16", "float32", "float64"), "model.dtype", self.dtype,

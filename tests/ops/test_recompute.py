@@ -124,3 +124,8 @@ def test_offer_rejects_a_view_and_bad_names():
         _model("torch", ("norms",))
     y = rms_norm(torch.randn(2, 4), torch.ones(4), 1e-6, impl="torch", recompute=True)  # no session: plain
     assert y.shape == (2, 4) and not recompute._offers
+
+
+def test_compiled_layers_turn_recompute_off():
+    model = _model("torch", ("norm", "swiglu")).compile_layers()  # lazy: nothing compiles until a forward
+    assert model.opts.recompute == ()

@@ -145,16 +145,16 @@ def _chronicals(method: str, compile_layers: bool, graphs: bool = False, keep: b
         model.set_checkpointing(spec.checkpointing)
         if keep:
             model.set_recompute(())
-        notes = [f"impl={spec.impl}", f"recompute={list(model.opts.recompute)}"]
+        notes = [f"impl={spec.impl}"]
         if method == "lora":
             groups = add_chronicals_lora(model, spec)
             notes.append(f"LoRA r={spec.lora_r} alpha={spec.lora_alpha}, LoRA+ ratio {LORA_PLUS_RATIO}")
         else:
             groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
         if compile_layers:
-            for layer in model.model.layers:
-                layer.compile()
+            model.compile_layers()
             notes.append("decoder layers torch.compile'd")
+        notes.append(f"recompute={list(model.opts.recompute)}")
         params = [p for g in groups for p in g["params"]]
         opt = make_optimizer(groups, device, spec.lr or (LR_LORA if method == "lora" else LR_FULL))
         prepare, fb = chronicals_step(model, spec, device, graphs)

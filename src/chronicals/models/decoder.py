@@ -244,6 +244,15 @@ class CausalLM(nn.Module):
         self.opts.recompute = check_recompute(names)
         return self
 
+    def compile_layers(self) -> "CausalLM":
+        """torch.compile each decoder layer (one graph reused by every layer: a fast warm-up). Turns
+        ``recompute`` off: inside compiled code the offers are no-ops (the compiler plans its own
+        recomputation), so the session's saved-tensor hooks would only add work around the graphs."""
+        for layer in self.model.layers:
+            layer.compile()
+        self.opts.recompute = ()
+        return self
+
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> "CausalLM":
         """Random init like transformers: normal(0, std) for matrices and embeddings, zeros for biases."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None

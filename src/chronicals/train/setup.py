@@ -46,10 +46,9 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
         for p in model.parameters():
             p.requires_grad_(True)
     if cfg.model.compile:
-        # per layer rather than the whole model: one compiled graph reused by every layer (fast warm-up)
-        for layer in model.model.layers:
-            layer.compile()
-        log.info("torch.compile on %d decoder layers", len(model.model.layers))
+        model.compile_layers()
+        log.info("torch.compile on %d decoder layers (model.recompute off: the compiler plans recomputation)",
+                 len(model.model.layers))
     model.train()
     return model
 
