@@ -215,6 +215,39 @@ def shift_labels_per_document(labels: torch.Tensor, position_ids: torch.Tensor |
     return out
 
 
+# Compaction pays when at least this share of the rows carries no loss: it costs a sort of the N labels and a
+# gather + scatter of (N, H) (~0.05 ms at 16k x 896 on an H200) and saves that share of the loss head's three
+# N x H x V GEMMs (~20 ms at 16k x 896 x 151,936). Chat fine-tuning with prompts masked ignores 50-90%.
+COMPACT_MIN_IGNORED = 0.1
+
+
+def loss_rows(hidden: torch.Tensor, targets: torch.Tensor, num_loss_tokens: int | None):
+    """hidden (N, H), targets (N,) -> the rows that carry a loss, in order: (n, H), (n,) with n = num_loss_tokens.
+
+    The count comes from the host (the collator counted it), so nothing waits on the device: the rows are
+    picked with a stable sort of the "ignored" flags (loss rows first) and a gather; the gather's backward
+    scatters the gradient back (zero on ignored rows, which is what they get anyway). A device-side assert
+    checks the count. Returns the inputs unchanged when the count is None or fewer than
+    ``COMPACT_MIN_IGNORED`` of the rows are ignored, and under torch.compile / CUDA-graph capture, where
+    shapes must not depend on the batch.
+    """
+    n = targets.shape[0]
+    if num_loss_tokens is None:
+        return hidden, targets
+    if not 0 <= num_loss_tokens <= n:
+        raise ValueError(f"num_loss_tokens={num_loss_tokens} is outside [0, {n}] for {n} target positions; pass "
+                         "the count of shift_labels != -100 (PackedBatch.num_loss_tokens) or None")
+    if n - num_loss_tokens < COMPACT_MIN_IGNORED * n or torch.compiler.is_compiling():
+        return hidden, targets
+    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+        return hidden, targets
+    ignored = targets == IGNORE_INDEX
+    torch._assert_async((n - ignored.sum()) == num_loss_tokens,
+                        "num_loss_tokens differs from the count of targets != -100 in shift_labels")
+    keep = torch.argsort(ignored.to(torch.int8), stable=True)[:num_loss_tokens]
+    return hidden.index_select(0, keep), targets.index_select(0, keep)
+
+
 class CausalLM(nn.Module):
     """The decoder plus its loss head. ``model(input_ids)`` -> logits (B, S, V)."""
 
@@ -292,19 +325,24 @@ class CausalLM(nn.Module):
                 f"past {w} tokens. Use data.max_seq_len <= {w} (or documents of at most {w} tokens).")
 
     def forward(self, input_ids, *, position_ids=None, cu_seqlens=None, max_seqlen=None, labels=None,
-                shift_labels=None, reduction: str = "mean", kv_caches=None):
+                shift_labels=None, reduction: str = "mean", kv_caches=None, num_loss_tokens: int | None = None):
         """Logits (B, S, V) when no labels are given; otherwise the loss, never building the logits.
 
         labels: (B, S) Hugging Face form, shifted here per document. shift_labels: (B, S) targets already
         aligned (what the data collator produces). reduction: "mean" | "sum" | "none" (then (B, S)).
+        num_loss_tokens: the host-side count of targets != -100 (the collator's ``PackedBatch.num_loss_tokens``),
+        or None. With it, "mean" / "sum" run the loss head on the loss rows only (see ``loss_rows``).
         """
         h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen, kv_caches)
         if labels is None and shift_labels is None:
             return self.lm_head(h)
         if shift_labels is None:
             shift_labels = shift_labels_per_document(labels, position_ids)
-        loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, shift_labels.reshape(-1),
-                                    ignore_index=IGNORE_INDEX, reduction=reduction, impl=self.opts.impl)
+        h2, y = h.reshape(-1, h.shape[-1]), shift_labels.reshape(-1)
+        if reduction != "none":
+            h2, y = loss_rows(h2, y, num_loss_tokens)
+        loss = linear_cross_entropy(h2, self.lm_head.weight, y, ignore_index=IGNORE_INDEX, reduction=reduction,
+                                    impl=self.opts.impl)
         return loss.view(shift_labels.shape) if reduction == "none" else loss
 
 

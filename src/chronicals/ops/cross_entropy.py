@@ -31,8 +31,10 @@ d_logits (the same roundings PyTorch's own bf16 path makes), with fp32 accumulat
 
 No host synchronization: the count of valid tokens stays on the device, chunk bounds depend on N only,
 ignored rows skip the softmax math and write zero d_logits. Ignored rows still cost their share of the
-cuBLAS GEMMs (skipping them would need their count on the host); compact rows before calling if many are
-ignored. A step is CUDA-graph capturable once the dW kernel has been autotuned (first call).
+cuBLAS GEMMs (skipping them would need their count on the host); the decoder compacts the rows before
+calling when the host knows the count (``models.decoder.loss_rows``, fed by the collator's
+``num_loss_tokens``: a stable device sort and a gather, no sync), and keeps every row under CUDA-graph
+capture, where shapes must not depend on the batch. A step is CUDA-graph capturable once the dW kernel has been autotuned (first call).
 
 Expected cost, Qwen2.5-0.5B head (N 16,384, H 896, V 151,936, bf16) on an H200 (781 TFLOP/s measured):
 - GEMMs: 3 x 2NHV = 13.4 TFLOP = 17.1 ms at peak; ~20 ms at the ~85% cuBLAS reaches with K = 896.

@@ -29,7 +29,8 @@ def batch_loss_sum(model, batch, device: torch.device) -> torch.Tensor:
     """Summed cross-entropy over the batch's loss tokens (fp32 scalar); no logits are materialized."""
     t = _to(batch, device)
     return model(t["input_ids"], position_ids=t["position_ids"], cu_seqlens=t["cu_seqlens"],
-                 max_seqlen=t["max_seqlen"], shift_labels=t["shift_labels"], reduction="sum")
+                 max_seqlen=t["max_seqlen"], shift_labels=t["shift_labels"], reduction="sum",
+                 num_loss_tokens=int(batch.num_loss_tokens))  # the loss head runs on the loss rows only
 
 
 def accumulate_gradients(model, micro_batches: list, device: torch.device,
