@@ -129,3 +129,14 @@ def test_offer_rejects_a_view_and_bad_names():
 def test_compiled_layers_turn_recompute_off():
     model = _model("torch", ("norm", "swiglu")).compile_layers()  # lazy: nothing compiles until a forward
     assert model.opts.recompute == ()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_with_checkpointed_layers(lora):
+    """Checkpointed layers save through checkpoint's own hooks (inner ones win): the session leaves them be."""
+    def run(names):
+        model = _model("torch", names, lora).set_checkpointing(1)
+        return _grads(model)
+
+    (l0, g0), (l1, g1) = run(()), run(("norm", "swiglu"))
+    assert torch.equal(l0, l1) and all(torch.equal(g0[n], g1[n]) for n in g0)
