@@ -146,9 +146,12 @@ class GraphedStep:
         self._grads: list = []  # their persistent .grad buffers (outside the graph pool)
 
     # ---- public ----
-    def accumulate(self, micro_batches: list) -> tuple[torch.Tensor, int]:
-        """Replay forward + backward per micro-batch; grads become d(sum of losses / N). -> (mean loss, N)."""
-        n = sum(int(b.num_loss_tokens) for b in micro_batches)
+    def accumulate(self, micro_batches: list, count: int | None = None) -> tuple[torch.Tensor, int]:
+        """Replay forward + backward per micro-batch; grads become d(sum of losses / N). -> (mean loss, N).
+
+        ``count``: N when it is not these micro-batches' loss tokens (data parallelism: all ranks' count).
+        """
+        n = sum(int(b.num_loss_tokens) for b in micro_batches) if count is None else int(count)
         keys = [graph_key(b) for b in micro_batches]
         for b, k in zip(micro_batches, keys):  # capture before any replay: warm-up must not touch the grads
             if k not in self.graphs and len(self.graphs) < self.max_graphs:

@@ -6,6 +6,11 @@
 
 Tests and callers may pass a ready model/tokenizer and loaders (anything iterating ``PackedBatch``es
 with ``len``, ``state_dict`` and ``load_state_dict``), and an ``on_step(step, record)`` callback.
+
+Data parallel under ``torchrun`` (WORLD_SIZE > 1; see ``train.distributed``): every rank runs this
+function on its own shard of the batches (a passed train loader must already be this rank's shard) with
+the exact all-ranks gradient; rank 0 alone writes config.yaml, metrics, the progress bar, checkpoints,
+the final adapter/model and the plot; every rank evaluates the whole held-out set.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ from ..config import TrainConfig, from_dict, load_config
 from . import checkpoint as ckpt
 from .metrics import MetricsLog, matmul_peak_tflops, memory_gib, plot_losses, train_flops_per_token
 from .optim import build_optimizer, build_scheduler
-from .setup import build_loaders, load_base, prepare_model, resolve_device, resolve_dtype
-from .step import accumulate_gradients, evaluate_loss
+from .distributed import DistContext, init_distributed
+from .setup import build_loaders, load_base, prepare_model, resolve_dtype
+from .step import accumulate_data_parallel, evaluate_loss
 
 log = logging.getLogger("chronicals.train")
 
@@ -73,6 +79,19 @@ class _Stream:
     def load_state_dict(self, sd: dict) -> None:
         self.loader.load_state_dict(sd)
         self._it = None
+
+
+class _RanksMetrics:
+    """The MetricsLog stand-in of ranks other than 0: records kept in memory, no file written."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+
+    def write(self, rec: dict) -> None:
+        self.records.append(rec)
+
+    def close(self) -> None:
+        pass
 
 
 class _StopFlag:
@@ -124,22 +143,39 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
     out_dir = Path(cfg.train.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     random.seed(cfg.train.seed)
-    torch.manual_seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)  # the same seed on every rank: identical RNG streams, one checkpoint fits all
+    dp = init_distributed(cfg.model.device)
+    try:
+        result = _train(cfg, dp, out_dir, model, tokenizer, train_loader, eval_loader, heldout_qa, on_step, report)
+        dp.barrier()  # no rank returns (and tears the group down) while rank 0 still writes the final files
+        return result
+    finally:
+        dp.destroy()
 
+
+def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, train_loader, eval_loader,
+           heldout_qa, on_step, report) -> TrainResult:
     # ---- setup ----
-    device = resolve_device(cfg.model.device)
+    device = dp.device
     dtype = resolve_dtype(cfg.model.dtype, device)
     if model is None:
-        model, tokenizer = load_base(cfg, device, dtype)
+        with dp.main_first():  # rank 0 fills the conversion cache (GGUF) before the others read it
+            model, tokenizer = load_base(cfg, device, dtype)
     model = prepare_model(model, cfg, device, dtype)
     if train_loader is None:
-        train_loader, eval_loader, heldout_qa = build_loaders(cfg, tokenizer, out_dir)
-    (out_dir / "config.yaml").write_text(cfg.to_yaml())
+        with dp.main_first():  # rank 0 writes out_dir/data and the tokenization cache; the others reuse them
+            train_loader, eval_loader, heldout_qa = build_loaders(cfg, tokenizer, out_dir, dp.rank, dp.world_size)
+    elif getattr(train_loader, "world_size", dp.world_size) != dp.world_size:
+        raise ValueError(f"train_loader has world_size={train_loader.world_size} but the job runs "
+                         f"{dp.world_size} ranks; build it with PackedLoader(rank=RANK, world_size=WORLD_SIZE)")
+    if dp.is_main:
+        (out_dir / "config.yaml").write_text(cfg.to_yaml())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    dp.broadcast_params(trainable)  # rank 0's values everywhere, even if an init differed between ranks
     total = _total_steps(cfg, len(train_loader))
     optimizer = build_optimizer(model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg, total)
     stream = _Stream(train_loader)
-    trainable = [p for p in model.parameters() if p.requires_grad]
     graphs = None
     if cfg.train.cuda_graphs:  # captured at the first step (after any resume); raises off CUDA
         from .graphs import GraphedStep
@@ -155,10 +191,22 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
         resume_from = Path(cfg.train.resume)
     if resume_from is not None:
         state = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler)
-        stream.load_state_dict(state["data"])
+        stream.load_state_dict(state["data"])  # rank 0's position: every rank's equals it (equal shards)
         start = state["step"]
         log.info("resumed from %s at step %d of %d", resume_from, start, total)
-    metrics = MetricsLog(out_dir, cfg.logging.tensorboard, start if resume_from else None)
+    if dp.is_main:
+        metrics = MetricsLog(out_dir, cfg.logging.tensorboard, start if resume_from else None)
+    else:
+        metrics = _RanksMetrics()
+    report = report if dp.is_main else None
+
+    def save(step: int) -> Path | None:
+        path = None
+        if dp.is_main:
+            path = ckpt.save_checkpoint(out_dir, step, model, optimizer, scheduler, stream.state_dict(),
+                                        keep_last=cfg.train.keep_last)
+        dp.barrier()  # no rank runs ahead of a checkpoint being written
+        return path if dp.is_main else ckpt.latest_checkpoint(out_dir)
     result = TrainResult(status="completed", step=start, total_steps=total, out_dir=out_dir)
 
     # MFU: needs a peak (logging.peak_tflops, else measured on CUDA); LoRA has no weight-gradient GEMMs
@@ -181,7 +229,7 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
 
     # ---- train ----
     bar = None
-    if cfg.logging.progress:
+    if cfg.logging.progress and dp.is_main:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
@@ -191,7 +239,7 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
             for step in range(start, total):
                 t0 = time.perf_counter()
                 micro = [stream.next() for _ in range(cfg.train.grad_accum)]
-                loss, n_loss = accumulate_gradients(model, micro, device, graphs)
+                loss, n_loss = accumulate_data_parallel(model, micro, device, dp, trainable, graphs)
                 loss_val = loss.item()
                 if not math.isfinite(loss_val):
                     last = ckpt.latest_checkpoint(out_dir)
@@ -215,6 +263,7 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
                 train_time += dt
                 loss_tokens_total += n_loss
                 computed = sum(b.input_ids.numel() for b in micro)
+                # loss, loss_tokens, tokens_per_s: all ranks'; mfu: this rank's computed tokens on its GPU
                 rec = {"kind": "train", "step": step + 1, "loss": loss_val, "lr": lr, "grad_norm": gnorm,
                        "loss_tokens": n_loss, "tokens_per_s": n_loss / dt, "step_s": dt}
                 if peak:
@@ -236,18 +285,18 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
                     run_eval(step + 1, "interval")
                 saved = False
                 if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
-                    result.checkpoint = ckpt.save_checkpoint(out_dir, step + 1, model, optimizer, scheduler,
-                                                             stream.state_dict(), keep_last=cfg.train.keep_last)
+                    result.checkpoint = save(step + 1)
                     saved = True
                 if on_step is not None:
                     on_step(step + 1, rec)
-                if stop.signum is not None:
+                # a signal to any rank stops all of them after this same step (max of the flags)
+                if dp.all_reduce_int(stop.signum is not None, op="max"):
                     if not saved:
-                        result.checkpoint = ckpt.save_checkpoint(out_dir, step + 1, model, optimizer, scheduler,
-                                                                 stream.state_dict(), keep_last=cfg.train.keep_last)
+                        result.checkpoint = save(step + 1)
                     result.status = "interrupted"
+                    why = signal.Signals(stop.signum).name if stop.signum is not None else "a signal to another rank"
                     log.warning("stopped by %s at step %d; checkpoint %s; run again with train.resume=auto",
-                                signal.Signals(stop.signum).name, step + 1, result.checkpoint)
+                                why, step + 1, result.checkpoint)
                     break
     except BaseException:
         metrics.close()
@@ -261,13 +310,13 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
     # ---- save ----
     if result.status == "completed":
         result.eval_loss_after = run_eval(result.step, "after")
-        if cfg.train.save_final:
+        if cfg.train.save_final and dp.is_main:
             result.final_dir = save_final(model, tokenizer, cfg, out_dir)
         if report:
             report("after", model=model, tokenizer=tokenizer, eval_loss=result.eval_loss_after,
                    heldout_qa=heldout_qa, result=result)
     metrics.close()
-    if cfg.logging.plot:
+    if cfg.logging.plot and dp.is_main:
         result.plot = plot_losses(metrics.records, out_dir / "loss.png")
     return result
 

@@ -92,8 +92,12 @@ def tokenization_cache_dir(setting: str) -> Path | None:
     return Path(setting) if setting else cache_root() / "data"
 
 
-def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path):
-    """(train loader, eval loader or None, held-out QA records or None) through chronicals.data."""
+def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path, rank: int = 0, world_size: int = 1):
+    """(train loader, eval loader or None, held-out QA records or None) through chronicals.data.
+
+    Data parallelism: the train loader yields this rank's share of the batches (``rank``, ``world_size``);
+    the eval loader yields all of them on every rank (each rank evaluates the whole held-out set).
+    """
     from ..data import PackedLoader, load_dataset
 
     d = cfg.data
@@ -103,9 +107,10 @@ def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path):
     ds = load_dataset([str(f) for f in train_files], tokenizer, **kw)
     # rows of max_seq_len, or one padding-free row of at most tokens_per_batch tokens per micro-batch
     shape = {"tokens_per_batch": d.tokens_per_batch} if d.tokens_per_batch else {"batch_size": d.batch_size}
-    train_loader = PackedLoader(ds, max_seq_len=d.max_seq_len, seed=cfg.train.seed, shuffle=True, **shape)
-    log.info("training data: %d examples -> %d batches per epoch; packing %s", len(ds), len(train_loader),
-             train_loader.stats)
+    train_loader = PackedLoader(ds, max_seq_len=d.max_seq_len, seed=cfg.train.seed, shuffle=True, rank=rank,
+                                world_size=world_size, **shape)
+    log.info("training data: %d examples -> %d batches per epoch%s; packing %s", len(ds), len(train_loader),
+             f" per rank ({world_size} ranks)" if world_size > 1 else "", train_loader.stats)
     eval_loader = None
     if eval_file is not None:
         eds = load_dataset([str(eval_file)], tokenizer, **kw)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from .distributed import DistContext
     from .graphs import GraphedStep
 
 
@@ -34,18 +35,20 @@ def batch_loss_sum(model, batch, device: torch.device) -> torch.Tensor:
 
 
 def accumulate_gradients(model, micro_batches: list, device: torch.device,
-                         graphs: "GraphedStep | None" = None) -> tuple[torch.Tensor, int]:
+                         graphs: "GraphedStep | None" = None, *, count: int | None = None) -> tuple[torch.Tensor, int]:
     """Forward + backward over ``micro_batches``; grads become d(sum of losses / N). Returns (mean loss, N).
 
     N is the step's total loss-token count, known before any backward because every batch carries
     ``num_loss_tokens``. The mean loss stays a device tensor (no host sync per micro-batch).
     ``graphs``: a ``train.graphs.GraphedStep`` built on ``model``: the same step replayed as CUDA graphs.
+    ``count``: N when it is not these micro-batches' own count (data parallelism passes the all-ranks
+    count; the returned loss is then this rank's loss sum / N, which sums over the ranks to the mean).
     """
     if graphs is not None:
         if graphs.model is not model:
             raise ValueError("accumulate_gradients: graphs was built on another model; build GraphedStep(model, ...)")
-        return graphs.accumulate(micro_batches)
-    n = sum(int(b.num_loss_tokens) for b in micro_batches)
+        return graphs.accumulate(micro_batches, count=count)
+    n = sum(int(b.num_loss_tokens) for b in micro_batches) if count is None else int(count)
     denom = max(n, 1)
     total = None
     for b in micro_batches:
@@ -53,6 +56,24 @@ def accumulate_gradients(model, micro_batches: list, device: torch.device,
         (loss / denom).backward()
         total = loss.detach() if total is None else total + loss.detach()
     return total / denom, n
+
+
+def accumulate_data_parallel(model, micro_batches: list, device: torch.device, dist: "DistContext",
+                             params: list, graphs: "GraphedStep | None" = None) -> tuple[torch.Tensor, int]:
+    """``accumulate_gradients`` over this rank's ``micro_batches``, exact across ranks. Returns (mean loss, N).
+
+    N = the loss tokens of every rank's micro-batches (all-reduced on the host before any backward); each
+    rank backpropagates its loss sum / N and the grads of ``params`` are then summed over the ranks, so
+    every rank holds the gradient of one process training on all ranks' micro-batches. The returned mean
+    loss is the same sum over the ranks (a device tensor, equal on every rank). One process: exactly
+    ``accumulate_gradients``.
+    """
+    if not dist.enabled:
+        return accumulate_gradients(model, micro_batches, device, graphs)
+    n = dist.all_reduce_int(sum(int(b.num_loss_tokens) for b in micro_batches))
+    loss, _ = accumulate_gradients(model, micro_batches, device, graphs, count=n)
+    dist.all_reduce_grads(params)
+    return dist.all_reduce_sum_(loss.detach().clone()), n
 
 
 @torch.no_grad()

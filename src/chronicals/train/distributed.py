@@ -1,0 +1,209 @@
+"""Data parallelism for the trainer: one process per GPU under ``torchrun`` (gloo on CPU for the tests).
+
+    torchrun --nproc-per-node 2 -m chronicals.cli train configs/qwen2.5-0.5b/lora.yaml
+
+Every rank holds the whole model and its own shard of the batches (``PackedLoader(rank=, world_size=)``).
+A step is exact: the divisor is the all-ranks loss-token count ``N`` (a host int, all-reduced before any
+backward), each rank backpropagates ``loss_sum_local / N``, and the gradients are summed across ranks,
+so the update equals one process training on the union of the ranks' micro-batches. Worked example,
+2 ranks, one micro-batch each::
+
+    rank 0: loss_sum 30.0 over 10 tokens    rank 1: loss_sum 90.0 over 40 tokens    N = 50
+    rank 0 grads d(30/50), rank 1 d(90/50) -> sum = d(120/50): the mean over all 50 tokens
+    (averaging per-rank means instead would give (3.0 + 2.25) / 2 = 2.625, not 2.4)
+
+``DistContext`` is a no-op with ``world_size == 1``: every helper returns its input untouched, and no
+process group exists, so the single-process trainer runs exactly as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+log = logging.getLogger("chronicals.train")
+
+# elements per all-reduce bucket: 25M fp32 = 100 MB (bf16: 50 MB), large enough that NCCL runs at
+# bus bandwidth, small enough that the flat copy costs little memory next to the gradients themselves
+BUCKET_ELEMS = 25_000_000
+
+
+@dataclass
+class DistContext:
+    """Where this process stands in the data-parallel job. ``backend`` is None without a process group."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None
+    owns_group: bool = False  # True when init_distributed created the group (and destroy() should end it)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    # ---- collectives (all no-ops with one process) ----
+    def all_reduce_int(self, value: int, op: str = "sum") -> int:
+        """``value`` summed (op="sum") or maximized (op="max") over the ranks; a host sync."""
+        if not self.enabled:
+            return int(value)
+        t = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+        return int(t.item())
+
+    def all_reduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place sum of ``t`` over the ranks (``t`` on this rank's device); returns ``t``."""
+        if self.enabled:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def all_reduce_grads(self, params: list, bucket_elems: int = BUCKET_ELEMS) -> None:
+        """Sum every ``p.grad`` over the ranks, in flat buckets of about ``bucket_elems`` per dtype.
+
+        A parameter without a gradient on this rank contributes zeros (and then holds the sum): every rank
+        must issue the same buckets in the same order, or the collectives would pair unlike tensors.
+        """
+        if not self.enabled:
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for bucket in _buckets([p.grad for p in params], bucket_elems):
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                g.copy_(synced)
+
+    def broadcast_params(self, params: list, bucket_elems: int = BUCKET_ELEMS) -> None:
+        """Copy rank 0's values of ``params`` into every rank's (so all start identical), in flat buckets.
+
+        Through a flat copy, so parameters that are views of a larger buffer (LoRA's) are written in place.
+        """
+        if not self.enabled:
+            return
+        with torch.no_grad():
+            for bucket in _buckets([p.detach() for p in params], bucket_elems):
+                flat = _flatten_dense_tensors(bucket)
+                dist.broadcast(flat, src=0)
+                for p, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                    p.copy_(synced)
+
+    def barrier(self) -> None:
+        if not self.enabled:
+            return
+        if self.backend == "nccl":
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    @contextmanager
+    def main_first(self):
+        """Rank 0 runs the block first (it writes shared files and caches), then the others (they reuse them)."""
+        if not self.is_main:
+            self.barrier()
+        try:
+            yield
+        finally:
+            if self.is_main:
+                self.barrier()
+
+    def destroy(self) -> None:
+        """End the process group if init_distributed created it (safe to call more than once)."""
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_group = False
+
+
+def _buckets(tensors: list, bucket_elems: int):
+    """Consecutive runs of same-dtype, same-device tensors of at most ``bucket_elems`` elements each
+    (a tensor larger than that is a bucket of its own). The order is the input order on every rank."""
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    for group in groups.values():
+        cur, n = [], 0
+        for t in group:
+            if cur and n + t.numel() > bucket_elems:
+                yield cur
+                cur, n = [], 0
+            cur.append(t)
+            n += t.numel()
+        if cur:
+            yield cur
+
+
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={v!r} is not an integer (torchrun sets it)") from None
+
+
+def _device(pref: str, local_rank: int, world_size: int) -> torch.device:
+    """This rank's device: ``pref`` ('auto' | 'cpu' | 'cuda' | 'cuda:N'); under data parallelism cuda:LOCAL_RANK."""
+    if pref == "auto":
+        pref = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(pref)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"model.device={pref} but no CUDA device is visible; use model.device=cpu")
+    if world_size == 1 or dev.type != "cuda":
+        return dev
+    if dev.index is not None and dev.index != local_rank:
+        raise ValueError(f"model.device={pref} names one GPU, but under torchrun each rank takes cuda:LOCAL_RANK "
+                         f"(this is LOCAL_RANK={local_rank}); set model.device=cuda or auto")
+    if local_rank >= torch.cuda.device_count():
+        raise RuntimeError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
+                           "launch with --nproc-per-node <= the GPU count")
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(device_pref: str = "auto") -> DistContext:
+    """A DistContext from torchrun's environment (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+
+    WORLD_SIZE unset or 1: one process, no process group, the device from ``device_pref``.
+    WORLD_SIZE > 1: joins (or creates) the default process group, "nccl" on CUDA (after
+    ``torch.cuda.set_device(cuda:LOCAL_RANK)``), "gloo" on CPU.
+    """
+    world = _env_int("WORLD_SIZE") or 1
+    if world == 1:
+        return DistContext(device=_device(device_pref, 0, 1))
+    rank, local_rank = _env_int("RANK"), _env_int("LOCAL_RANK")
+    missing = [k for k, v in (("RANK", rank), ("MASTER_ADDR", os.environ.get("MASTER_ADDR")),
+                              ("MASTER_PORT", os.environ.get("MASTER_PORT"))) if v is None]
+    if missing:
+        raise RuntimeError(f"WORLD_SIZE={world} but {', '.join(missing)} not set: launch data-parallel training "
+                           "with torchrun (torchrun --nproc-per-node N -m chronicals.cli train CONFIG.yaml)")
+    local_rank = rank if local_rank is None else local_rank
+    device = _device(device_pref, local_rank, world)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    owns = False
+    if dist.is_initialized():
+        if dist.get_world_size() != world or dist.get_rank() != rank:
+            raise RuntimeError(f"a process group already exists with world_size={dist.get_world_size()}, "
+                               f"rank={dist.get_rank()}, but the environment says WORLD_SIZE={world}, RANK={rank}")
+        backend = dist.get_backend()
+    else:
+        kw = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend=backend, rank=rank, world_size=world, **kw)
+        owns = True
+    ctx = DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend,
+                      owns_group=owns)
+    if ctx.is_main:
+        log.info("data parallel: world_size=%d backend=%s", world, backend)
+    return ctx

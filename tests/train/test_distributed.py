@@ -1,0 +1,185 @@
+"""Data parallelism on CPU: 2 gloo ranks (torch.multiprocessing.spawn) against one process on all the data.
+
+The ranks' results come back as files under tmp_path (torch.save); each worker sets the variables
+torchrun would (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and uses one thread, since
+the two processes share this machine's cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from chronicals.train import accumulate_gradients, train
+from chronicals.train.distributed import DistContext, _buckets, init_distributed
+from chronicals.train.step import accumulate_data_parallel
+
+from train_helpers import SyntheticLoader, synthetic_docs, tiny_config, tiny_model
+
+WORLD = 2
+CPU = torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun_env(rank: int, port: int) -> None:
+    os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+
+
+def _grads(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _micro_batches():
+    """4 micro-batches with unequal loss-token counts: rank 0 takes the first, rank 1 the other three."""
+    return SyntheticLoader(synthetic_docs(30, seed=3), batch_size=1, row_len=29, shuffle=False).batches[:4]
+
+
+def _shards(docs, world: int):
+    """(one process's loader over 2k batches, per-rank loaders of k each): rank r takes batches r, r+W, ...
+
+    So one process with grad_accum=W sees, per step, the union of the ranks' batches of that step.
+    """
+    full = SyntheticLoader(docs, shuffle=False)
+    full.batches = full.batches[:len(full.batches) // world * world]
+    ranks = []
+    for r in range(world):
+        shard = SyntheticLoader(docs, shuffle=False)
+        shard.batches = full.batches[r::world]
+        ranks.append(shard)
+    return full, ranks
+
+
+# ---- workers (module level: spawn pickles them by name) ----
+def _grad_worker(rank: int, port: int, out: str) -> None:
+    _torchrun_env(rank, port)
+    dp = init_distributed("cpu")
+    try:
+        micro = _micro_batches()
+        mine = micro[:1] if rank == 0 else micro[1:]
+        model = tiny_model(seed=0)
+        loss, n = accumulate_data_parallel(model, mine, CPU, dp, [p for p in model.parameters() if p.requires_grad])
+        torch.save({"loss": loss, "n": n, "grads": _grads(model), "backend": dp.backend}, f"{out}/rank{rank}.pt")
+    finally:
+        dp.destroy()
+
+
+def _train_worker(rank: int, ports: tuple, out: str) -> None:
+    from pathlib import Path
+
+    _torchrun_env(rank, ports[0])
+    docs = synthetic_docs(40, seed=1)
+    _, shards = _shards(docs, WORLD)
+    run_dir = Path(out) / f"rank{rank}"  # separate out_dirs show which rank wrote what
+    cfg = tiny_config(run_dir, train__max_steps=4, train__save_every=2, train__save_final=True, logging__plot=True)
+    model = tiny_model(seed=rank)  # rank 1 starts from other weights: the broadcast must overwrite them
+    res = train(cfg, model=model, train_loader=shards[rank], eval_loader=SyntheticLoader(docs[:10], shuffle=False))
+    assert not dist.is_initialized()  # train created the group, so it tore it down
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    # a SIGTERM to rank 1 alone at step 2 stops both ranks after step 2
+    os.environ["MASTER_PORT"] = str(ports[1])
+
+    def sigterm_rank1(step, rec):
+        if rank == 1 and step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    cfg2 = tiny_config(run_dir / "stop", train__max_steps=4)
+    stopped = train(cfg2, model=tiny_model(seed=0), train_loader=_shards(docs, WORLD)[1][rank], on_step=sigterm_rank1)
+    torch.save({"state": state, "status": res.status, "step": res.step, "eval_before": res.eval_loss_before,
+                "eval_after": res.eval_loss_after, "checkpoint": res.checkpoint, "final_dir": res.final_dir,
+                "stopped": (stopped.status, stopped.step, stopped.checkpoint)}, f"{out}/result{rank}.pt")
+
+
+# ---- tests ----
+def test_buckets_split_by_dtype_and_size():
+    ts = [torch.zeros(3), torch.zeros(4, dtype=torch.float64), torch.zeros(5), torch.zeros(9), torch.zeros(2)]
+    got = [[t.numel() for t in b] for b in _buckets(ts, bucket_elems=8)]
+    assert got == [[3, 5], [9], [2], [4]]
+    one = DistContext()  # one process: every helper is a no-op
+    assert one.all_reduce_int(7) == 7 and not one.enabled and one.is_main
+
+
+def test_single_process_context_without_torchrun(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ctx = init_distributed("cpu")
+    assert (ctx.world_size, ctx.rank, ctx.backend, ctx.device) == (1, 0, None, CPU) and not dist.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(RuntimeError, match="launch data-parallel training with torchrun"):
+        init_distributed("cpu")
+
+
+def test_gradients_equal_one_process_on_all_micro_batches(tmp_path):
+    """Rank 0: 1 micro-batch, rank 1: 3 (unequal loss tokens); after the step both hold the gradient and
+    the loss of one process accumulating all 4 (fp32)."""
+    micro = _micro_batches()
+    counts = [b.num_loss_tokens for b in micro]
+    assert counts[0] != sum(counts[1:]) and len(set(counts)) > 1  # else per-rank means would agree too
+    mp.spawn(_grad_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    model = tiny_model(seed=0)
+    loss_1, n_1 = accumulate_gradients(model, micro, CPU)
+    g_1 = _grads(model)
+    for r in range(WORLD):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert got["backend"] == "gloo" and got["n"] == n_1 == sum(counts)
+        torch.testing.assert_close(got["loss"], loss_1, rtol=1e-6, atol=1e-6)
+        assert got["grads"].keys() == g_1.keys()
+        for name, g in g_1.items():
+            torch.testing.assert_close(got["grads"][name], g, rtol=1e-5, atol=1e-6, msg=name)
+    # averaging the two ranks' own means (the common bug) is measurably different from the loss above
+    per_rank = [accumulate_gradients(tiny_model(seed=0), m, CPU)[0] for m in (micro[:1], micro[1:])]
+    assert abs(float(sum(per_rank) / WORLD) - float(loss_1)) > 1e-3
+
+
+def test_two_ranks_train_like_one_process_on_both_shards(tmp_path):
+    """2 ranks x grad_accum 1 == 1 process x grad_accum 2 over the same batches: same losses, same weights;
+    only rank 0 writes files; a signal to one rank stops both at the same step."""
+    mp.spawn(_train_worker, args=((_free_port(), _free_port()), str(tmp_path)), nprocs=WORLD, join=True)
+    r0, r1 = (torch.load(tmp_path / f"result{r}.pt", weights_only=False) for r in range(WORLD))
+    for n in r0["state"]:
+        assert torch.equal(r0["state"][n], r1["state"][n]), n  # identical updates on identical weights
+    assert (r0["status"], r0["step"], r1["step"]) == ("completed", 4, 4)
+    assert r0["eval_before"] == r1["eval_before"] and r0["eval_after"] == r1["eval_after"]
+
+    run0, run1 = tmp_path / "rank0" / "run", tmp_path / "rank1" / "run"
+    assert r0["checkpoint"].name == "step-000004" and (run0 / "metrics.jsonl").is_file()
+    assert (run0 / "model").is_dir() and (run0 / "loss.png").is_file() and (run0 / "config.yaml").is_file()
+    assert r1["final_dir"] is None and r1["checkpoint"] is None
+    assert not any(run1.iterdir()) and not any((tmp_path / "rank1" / "stop" / "run").iterdir())  # rank 1 wrote nothing
+
+    # a SIGTERM to rank 1 at step 2: both stop there; rank 0 wrote the checkpoint
+    assert r0["stopped"][:2] == r1["stopped"][:2] == ("interrupted", 2)
+    assert r0["stopped"][2].name == "step-000002" and r0["stopped"][2].is_dir()
+
+    # one process, grad_accum=2, on the union of the ranks' batches of each step
+    docs = synthetic_docs(40, seed=1)
+    full, _ = _shards(docs, WORLD)
+    cfg = tiny_config(tmp_path / "single", train__max_steps=4, train__grad_accum=WORLD)
+    single = tiny_model(seed=0)
+    train(cfg, model=single, train_loader=full)
+    for n, v in single.state_dict().items():
+        torch.testing.assert_close(r0["state"][n], v, rtol=1e-5, atol=1e-6, msg=n)
+
+    def train_recs(run):
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+                if json.loads(line)["kind"] == "train"]
+
+    dp_recs, one_recs = train_recs(run0), train_recs(tmp_path / "single" / "run")
+    assert [r["loss_tokens"] for r in dp_recs] == [r["loss_tokens"] for r in one_recs]
+    for a, b in zip(dp_recs, one_recs):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
