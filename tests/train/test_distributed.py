@@ -90,18 +90,22 @@ def _train_worker(rank: int, ports: tuple, out: str) -> None:
     assert not dist.is_initialized()  # train created the group, so it tore it down
     state = {k: v.clone() for k, v in model.state_dict().items()}
 
-    # a SIGTERM to rank 1 alone at step 2 stops both ranks after step 2
+    # a SIGTERM to rank 1 alone at step 2 stops both ranks after step 2; resume=auto on both continues
     os.environ["MASTER_PORT"] = str(ports[1])
 
     def sigterm_rank1(step, rec):
         if rank == 1 and step == 2:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    cfg2 = tiny_config(run_dir / "stop", train__max_steps=4)
+    cfg2 = tiny_config(Path(out) / "stop", train__max_steps=4, train__resume="auto")  # one out_dir, as under torchrun
     stopped = train(cfg2, model=tiny_model(seed=0), train_loader=_shards(docs, WORLD)[1][rank], on_step=sigterm_rank1)
+    os.environ["MASTER_PORT"] = str(ports[2])
+    resumed_model = tiny_model(seed=rank)
+    resumed = train(cfg2, model=resumed_model, train_loader=_shards(docs, WORLD)[1][rank])
     torch.save({"state": state, "status": res.status, "step": res.step, "eval_before": res.eval_loss_before,
                 "eval_after": res.eval_loss_after, "checkpoint": res.checkpoint, "final_dir": res.final_dir,
-                "stopped": (stopped.status, stopped.step, stopped.checkpoint)}, f"{out}/result{rank}.pt")
+                "stopped": (stopped.status, stopped.step, stopped.checkpoint),
+                "resumed": (resumed.status, resumed.step, resumed_model.state_dict())}, f"{out}/result{rank}.pt")
 
 
 # ---- tests ----
@@ -147,8 +151,8 @@ def test_gradients_equal_one_process_on_all_micro_batches(tmp_path):
 
 def test_two_ranks_train_like_one_process_on_both_shards(tmp_path):
     """2 ranks x grad_accum 1 == 1 process x grad_accum 2 over the same batches: same losses, same weights;
-    only rank 0 writes files; a signal to one rank stops both at the same step."""
-    mp.spawn(_train_worker, args=((_free_port(), _free_port()), str(tmp_path)), nprocs=WORLD, join=True)
+    only rank 0 writes files; a signal to one rank stops both at the same step, and both resume from it."""
+    mp.spawn(_train_worker, args=(tuple(_free_port() for _ in range(3)), str(tmp_path)), nprocs=WORLD, join=True)
     r0, r1 = (torch.load(tmp_path / f"result{r}.pt", weights_only=False) for r in range(WORLD))
     for n in r0["state"]:
         assert torch.equal(r0["state"][n], r1["state"][n]), n  # identical updates on identical weights
@@ -159,11 +163,18 @@ def test_two_ranks_train_like_one_process_on_both_shards(tmp_path):
     assert r0["checkpoint"].name == "step-000004" and (run0 / "metrics.jsonl").is_file()
     assert (run0 / "model").is_dir() and (run0 / "loss.png").is_file() and (run0 / "config.yaml").is_file()
     assert r1["final_dir"] is None and r1["checkpoint"] is None
-    assert not any(run1.iterdir()) and not any((tmp_path / "rank1" / "stop" / "run").iterdir())  # rank 1 wrote nothing
+    assert not any(run1.iterdir())  # rank 1 wrote nothing
 
-    # a SIGTERM to rank 1 at step 2: both stop there; rank 0 wrote the checkpoint
-    assert r0["stopped"][:2] == r1["stopped"][:2] == ("interrupted", 2)
-    assert r0["stopped"][2].name == "step-000002" and r0["stopped"][2].is_dir()
+    # a SIGTERM to rank 1 at step 2: both stop there; rank 0 wrote the checkpoint; after resume=auto on
+    # both ranks the weights equal the straight run's, bit for bit
+    assert r0["stopped"] == r1["stopped"] and r0["stopped"][:2] == ("interrupted", 2)
+    assert r0["stopped"][2] == tmp_path / "stop" / "run" / "checkpoints" / "step-000002"
+    steps = [json.loads(line)["step"] for line in (tmp_path / "stop" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    for r in (r0, r1):
+        assert r["resumed"][:2] == ("completed", 4)
+        for n, v in r["resumed"][2].items():
+            assert torch.equal(v, r0["state"][n]), n
 
     # one process, grad_accum=2, on the union of the ranks' batches of each step
     docs = synthetic_docs(40, seed=1)
