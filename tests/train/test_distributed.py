@@ -169,7 +169,8 @@ def test_two_ranks_train_like_one_process_on_both_shards(tmp_path):
     # both ranks the weights equal the straight run's, bit for bit
     assert r0["stopped"] == r1["stopped"] and r0["stopped"][:2] == ("interrupted", 2)
     assert r0["stopped"][2] == tmp_path / "stop" / "run" / "checkpoints" / "step-000002"
-    steps = [json.loads(line)["step"] for line in (tmp_path / "stop" / "run" / "metrics.jsonl").read_text().splitlines()]
+    metrics = (tmp_path / "stop" / "run" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in metrics]
     assert steps == [1, 2, 3, 4]
     for r in (r0, r1):
         assert r["resumed"][:2] == ("completed", 4)
