@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 USAGE = """usage: chronicals train [CONFIG.yaml] [section.key=value ...]
@@ -24,10 +25,16 @@ keys:
 """
 
 
+def _rank() -> int:
+    """This process's rank under torchrun (0 without it)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def _setup_logging(verbose: bool = False) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("chronicals").setLevel(logging.INFO)
+    # under torchrun every rank runs the same code: rank 0 tells the story, the others only warn
+    logging.getLogger("chronicals").setLevel(logging.INFO if _rank() == 0 else logging.WARNING)
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -58,10 +65,12 @@ def cmd_train(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if result.status == "interrupted":
-        print(f"stopped at step {result.step}/{result.total_steps}; checkpoint {result.checkpoint}\n"
-              f"continue with: chronicals train {' '.join(argv)} train.resume=auto".rstrip())
+        if _rank() == 0:
+            print(f"stopped at step {result.step}/{result.total_steps}; checkpoint {result.checkpoint}\n"
+                  f"continue with: chronicals train {' '.join(argv)} train.resume=auto".rstrip())
         return 130
-    print(report.summary(result))
+    if _rank() == 0:
+        print(report.summary(result))
     return 0
 
 
