@@ -77,6 +77,20 @@ def _grad_worker(rank: int, port: int, out: str) -> None:
         dp.destroy()
 
 
+def _none_grad_worker(rank: int, port: int, out: str) -> None:
+    _torchrun_env(rank, port)
+    dp = init_distributed("cpu")
+    try:
+        unused, only0, both = (torch.nn.Parameter(torch.zeros(n)) for n in (3, 2, 4))
+        both.grad = torch.full((4,), float(rank + 1))
+        if rank == 0:
+            only0.grad = torch.ones(2)
+        dp.all_reduce_grads([unused, only0, both])
+        torch.save({"unused": unused.grad, "only0": only0.grad, "both": both.grad}, f"{out}/none{rank}.pt")
+    finally:
+        dp.destroy()
+
+
 def _train_worker(rank: int, ports: tuple, out: str) -> None:
     from pathlib import Path
 
@@ -195,3 +209,12 @@ def test_two_ranks_train_like_one_process_on_both_shards(tmp_path):
     for a, b in zip(dp_recs, one_recs):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_a_gradient_missing_on_every_rank_stays_none(tmp_path):
+    mp.spawn(_none_grad_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    for r in range(WORLD):
+        got = torch.load(tmp_path / f"none{r}.pt")
+        assert got["unused"] is None  # as in one process: AdamW skips it (no weight decay step)
+        assert torch.equal(got["only0"], torch.ones(2))  # rank 1 contributed zeros
+        assert torch.equal(got["both"], torch.full((4,), 3.0))

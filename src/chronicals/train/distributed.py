@@ -72,10 +72,14 @@ class DistContext:
         """Sum every ``p.grad`` over the ranks, in flat buckets of about ``bucket_elems`` per dtype.
 
         A parameter without a gradient on this rank contributes zeros (and then holds the sum): every rank
-        must issue the same buckets in the same order, or the collectives would pair unlike tensors.
+        must issue the same buckets in the same order, or the collectives would pair unlike tensors. One
+        without a gradient on every rank gets ``None`` back, as in a single process (so AdamW skips it
+        instead of applying weight decay): one small all-reduce of the "has a gradient" flags per step.
         """
         if not self.enabled:
             return
+        present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.device)
+        dist.all_reduce(present, op=dist.ReduceOp.MAX)
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -84,6 +88,9 @@ class DistContext:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 g.copy_(synced)
+        for p, anywhere in zip(params, present.tolist()):
+            if not anywhere:
+                p.grad = None
 
     def broadcast_params(self, params: list, bucket_elems: int = BUCKET_ELEMS) -> None:
         """Copy rank 0's values of ``params`` into every rank's (so all start identical), in flat buckets.
