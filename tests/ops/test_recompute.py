@@ -140,3 +140,20 @@ def test_with_checkpointed_layers(lora):
 
     (l0, g0), (l1, g1) = run(()), run(("norm", "swiglu"))
     assert torch.equal(l0, l1) and all(torch.equal(g0[n], g1[n]) for n in g0)
+
+
+@pytest.mark.skipif(not TRITON, reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (make test sets it)")
+def test_fused_swiglu_recompute_rebuilds_the_product_in_its_backward_kernel(monkeypatch):
+    from chronicals.models import fused_proj
+
+    calls = []
+    real = fused_proj.SwiGLUDownFunction.apply
+    monkeypatch.setattr(fused_proj.SwiGLUDownFunction, "apply", lambda *a: calls.append(1) or real(*a))
+    loss_keep, g_keep = _grads(_model("triton", ()))
+    model = _model("triton", ("swiglu",))
+    _grads(model)
+    assert not calls  # the default rebuilds it with a second SwiGLU forward (the offer)
+    model.opts.fused_swiglu_recompute = True
+    loss, g = _grads(model)
+    assert len(calls) == TINY["num_hidden_layers"]
+    assert torch.equal(loss, loss_keep) and all(torch.equal(g[n], g_keep[n]) for n in g_keep)

@@ -138,11 +138,14 @@ def chronicals_step(model, spec: RunSpec, device: torch.device, graphs: bool = F
     return (lambda ids: rows_as_packed_batch(ids, spec.layout)), fb
 
 
-def _chronicals(method: str, compile_layers: bool, graphs: bool = False, keep: bool = False):
-    """keep: no selective recomputation (``model.recompute=[]``): every activation stays saved."""
+def _chronicals(method: str, compile_layers: bool, graphs: bool = False, keep: bool = False,
+                fused_swiglu: bool = False):
+    """keep: no selective recomputation (``model.recompute=[]``): every activation stays saved.
+    fused_swiglu: the SwiGLU backward kernel rebuilds the product (``RuntimeOptions.fused_swiglu_recompute``)."""
     def build(spec: RunSpec, shape: Shape, device: torch.device) -> Built:
         model = build_chronicals_model(shape, device, spec.impl, spec.seed)
         model.set_checkpointing(spec.checkpointing)
+        model.opts.fused_swiglu_recompute = fused_swiglu
         if keep:
             model.set_recompute(())
         notes = [f"impl={spec.impl}"]
@@ -154,7 +157,8 @@ def _chronicals(method: str, compile_layers: bool, graphs: bool = False, keep: b
         if compile_layers:
             model.compile_layers()
             notes.append("decoder layers torch.compile'd")
-        notes.append(f"recompute={list(model.opts.recompute)}")
+        notes.append(f"recompute={list(model.opts.recompute)}" + (" (SwiGLU product from its backward kernel)"
+                                                                   if fused_swiglu else ""))
         params = [p for g in groups for p in g["params"]]
         opt = make_optimizer(groups, device, spec.lr or (LR_LORA if method == "lora" else LR_FULL))
         prepare, fb = chronicals_step(model, spec, device, graphs)
@@ -239,6 +243,8 @@ _ALL = [
               in_default=False),
     Contender("chronicals-full-keep", "chronicals, no recompute", "full", _chronicals("full", False, keep=True),
               in_default=False),
+    Contender("chronicals-full-fusedswiglu", "chronicals, SwiGLU product rebuilt in its backward kernel", "full",
+              _chronicals("full", False, fused_swiglu=True), in_default=False),
     Contender("chronicals-lora-graphs-keep", "chronicals LoRA, CUDA graphs, no recompute", "lora",
               _chronicals("lora", False, True, keep=True), in_default=False),
     Contender("chronicals-lora-compile", "chronicals LoRA, layers compiled", "lora", _chronicals("lora", True),

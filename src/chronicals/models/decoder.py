@@ -21,7 +21,7 @@ from ..ops import attention, linear_cross_entropy, recompute, rms_norm, rope_cos
 from ..ops.attention import attention_ref
 from ..ops.swiglu import swiglu_gate_up
 from .config import ModelConfig, rope_inv_freq
-from .fused_proj import gate_up_proj, qkv_proj
+from .fused_proj import gate_up_proj, qkv_proj, swiglu_down
 
 IGNORE_INDEX = -100
 
@@ -39,6 +39,11 @@ class RuntimeOptions:
     # the SwiGLU product down_proj saves (from gate and up; 3.56 GiB there for ~2.6 ms). Gradients are
     # bit-identical either way.
     recompute: tuple[str, ...] = ("norm", "swiglu")
+    # how "swiglu" rebuilds the product on the Triton path with plain gate/up/down: False = a second SwiGLU
+    # forward (the offer, measured default); True = the SwiGLU backward kernel writes it as a third output
+    # (models.fused_proj.SwiGLUDownFunction: ~1.9 ms less GPU per 0.5B step; graphed 136.7k tok/s at 12.8 GiB,
+    # eager not yet compared with the offer on one host, see benchmarks/NOTES.md). Same gradients either way.
+    fused_swiglu_recompute: bool = False
 
     def __post_init__(self):
         self.recompute = check_recompute(self.recompute)
@@ -126,8 +131,13 @@ class MLP(nn.Module):
         # forward_swiglu, which needs gate and up apart: halves of gu would bring back the two-slice backward)
         gu = gate_up_proj(self, x) if fused is None else None  # (B, S, 2I) or None
         if gu is not None:
+            recomputing = "swiglu" in self.opts.recompute and recompute.is_active()
+            if recomputing and self.opts.fused_swiglu_recompute:
+                y = swiglu_down(self, gu)  # None off the Triton path: then the offer below
+                if y is not None:
+                    return y
             act = swiglu_gate_up(gu, impl=self.opts.impl)  # (B, S, I); backward writes d_gu in one kernel
-            if "swiglu" in self.opts.recompute and recompute.is_active():
+            if recomputing:
                 recompute.offer(act, functools.partial(swiglu_gate_up, gu, impl=self.opts.impl))
             return self.down_proj(act)
         gate, up = self.gate_proj(x), self.up_proj(x)  # (B, S, I) each

@@ -110,11 +110,14 @@ def _swiglu_gate_up_fwd_kernel(GU_ptr, Y_ptr, n_rows, n_cols, gu_row_stride, y_r
     tl.store(Y_ptr + rows * y_row_stride + cols, y.to(Y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=tune_configs(_GU_CONFIGS), key=["n_cols", "size_class"])
+@triton.autotune(configs=tune_configs(_GU_CONFIGS), key=["n_cols", "size_class", "STORE_ACT"])
 @triton.jit
-def _swiglu_gate_up_bwd_kernel(DY_ptr, GU_ptr, DGU_ptr, n_rows, n_cols, dy_row_stride, gu_row_stride,
-                               dgu_row_stride, size_class, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dy (n_rows, n_cols), gu (n_rows, 2 n_cols) -> dgu (n_rows, 2 n_cols): dgate | dup in one pass."""
+def _swiglu_gate_up_bwd_kernel(DY_ptr, GU_ptr, DGU_ptr, ACT_ptr, n_rows, n_cols, dy_row_stride, gu_row_stride,
+                               dgu_row_stride, size_class, STORE_ACT: tl.constexpr, BLOCK_R: tl.constexpr,
+                               BLOCK_C: tl.constexpr):
+    """dy (n_rows, n_cols), gu (n_rows, 2 n_cols) -> dgu (n_rows, 2 n_cols): dgate | dup in one pass.
+    STORE_ACT: also write act = silu(gate) * up (n_rows, n_cols) contiguous, bit-identical to the forward's
+    (the same fp32 products in the same order): the recomputed input of down_proj's weight gradient."""
     rows = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
     cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
     mask = (rows < n_rows) & (cols < n_cols)
@@ -126,6 +129,9 @@ def _swiglu_gate_up_bwd_kernel(DY_ptr, GU_ptr, DGU_ptr, n_rows, n_cols, dy_row_s
     d_off = rows * dgu_row_stride + cols
     tl.store(DGU_ptr + d_off, dg.to(DGU_ptr.dtype.element_ty), mask=mask)
     tl.store(DGU_ptr + d_off + n_cols, du.to(DGU_ptr.dtype.element_ty), mask=mask)
+    if STORE_ACT:
+        act = g * tl.sigmoid(g) * u  # _swiglu_fwd_math's expression
+        tl.store(ACT_ptr + rows * n_cols + cols, act.to(ACT_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------- launchers
@@ -248,13 +254,17 @@ def swiglu_gate_up_forward(gu: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def swiglu_gate_up_backward(dy: torch.Tensor, gu: torch.Tensor) -> torch.Tensor:
-    """dy (N, I), gu (N, 2I), both with unit column stride -> d_gu (N, 2I) contiguous, gu's dtype."""
+def swiglu_gate_up_backward(dy: torch.Tensor, gu: torch.Tensor, act: torch.Tensor | None = None) -> torch.Tensor:
+    """dy (N, I), gu (N, 2I), both with unit column stride -> d_gu (N, 2I) contiguous, gu's dtype.
+
+    act: an (N, I) contiguous buffer to also receive silu(gate) * up (the forward's output, bit for bit), or None.
+    """
     n, i = dy.shape
     dgu = torch.empty((n, 2 * i), device=gu.device, dtype=gu.dtype)
     if n and i:
-        _swiglu_gate_up_bwd_kernel[_gu_grid(n, i)](dy, gu, dgu, n, i, dy.stride(0), gu.stride(0), dgu.stride(0),
-                                                   _size_class(n * i))
+        _swiglu_gate_up_bwd_kernel[_gu_grid(n, i)](dy, gu, dgu, dgu if act is None else act, n, i, dy.stride(0),
+                                                   gu.stride(0), dgu.stride(0), _size_class(n * i),
+                                                   STORE_ACT=act is not None)
     return dgu
 
 
