@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .setup import resolve_device
+
 log = logging.getLogger("chronicals.train")
 
 # elements per all-reduce bucket: 25M fp32 = 100 MB (bf16: 50 MB), large enough that NCCL runs at
@@ -162,11 +164,7 @@ def _env_int(name: str) -> int | None:
 
 def _device(pref: str, local_rank: int, world_size: int) -> torch.device:
     """This rank's device: ``pref`` ('auto' | 'cpu' | 'cuda' | 'cuda:N'); under data parallelism cuda:LOCAL_RANK."""
-    if pref == "auto":
-        pref = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(pref)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"model.device={pref} but no CUDA device is visible; use model.device=cpu")
+    dev = resolve_device(pref)
     if world_size == 1 or dev.type != "cuda":
         return dev
     if dev.index is not None and dev.index != local_rank:
