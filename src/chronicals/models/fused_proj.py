@@ -37,7 +37,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops._impl import resolve_impl
 from ..ops.recompute import offer
+from ..ops.swiglu import _unit_col_rows, swiglu_gate_up_backward, swiglu_gate_up_forward
 
 log = logging.getLogger("chronicals.models")
 _logged: set[tuple[str, str]] = set()
@@ -127,8 +129,6 @@ class SwiGLUDownFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gu, weight, bias):
-        from ..ops.swiglu import _unit_col_rows, swiglu_gate_up_forward
-
         gu2 = _unit_col_rows(gu, gu.shape[-1])  # (N, 2I)
         act = swiglu_gate_up_forward(gu2)  # (N, I): freed when this forward returns
         y = F.linear(act, weight, bias)  # (N, H)
@@ -138,8 +138,6 @@ class SwiGLUDownFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from ..ops.swiglu import swiglu_gate_up_backward
-
         gu2, weight = ctx.saved_tensors
         dy2 = dy.reshape(-1, weight.shape[0])
         d_act = dy2.mm(weight)  # (N, I)
@@ -154,8 +152,6 @@ class SwiGLUDownFunction(torch.autograd.Function):
 def swiglu_down(mlp: nn.Module, gu: torch.Tensor) -> torch.Tensor | None:
     """down_proj(swiglu_gate_up(gu)) through ``SwiGLUDownFunction`` (gu (B, S, 2I) -> (B, S, H)), or None when
     it does not apply: down_proj not a plain nn.Linear, the op not on Triton, or under torch.compile."""
-    from ..ops._impl import resolve_impl
-
     if fusable(mlp.down_proj) is not None or torch.compiler.is_compiling():
         return None
     if resolve_impl("swiglu_gate_up", mlp.opts.impl, gu.device) != "triton":

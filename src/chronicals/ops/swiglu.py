@@ -130,7 +130,7 @@ def _swiglu_gate_up_bwd_kernel(DY_ptr, GU_ptr, DGU_ptr, ACT_ptr, n_rows, n_cols,
     tl.store(DGU_ptr + d_off, dg.to(DGU_ptr.dtype.element_ty), mask=mask)
     tl.store(DGU_ptr + d_off + n_cols, du.to(DGU_ptr.dtype.element_ty), mask=mask)
     if STORE_ACT:
-        act = g * tl.sigmoid(g) * u  # _swiglu_fwd_math's expression
+        act = _swiglu_fwd_math(g, u)  # the forward kernels' own expression: the same bits
         tl.store(ACT_ptr + rows * n_cols + cols, act.to(ACT_ptr.dtype.element_ty), mask=mask)
 
 
