@@ -107,6 +107,8 @@ class LoraSection:
                        "module names that get adapters")
     rslora: bool = _f(False, "rank-stabilized scaling alpha / sqrt(r)")
     plus_ratio: float = _f(16.0, "LoRA+: lr(B) = plus_ratio x lr(A); 1 = plain LoRA")
+    group: bool = _f(True, "run the q/k/v and the gate/up adapters of a block as one GEMM each "
+                           "(lora.group; needs dropout 0 and the fused path, else one call per module)")
 
     def __post_init__(self):
         _check(self.rank >= 1, "lora.rank", self.rank, "an integer >= 1")

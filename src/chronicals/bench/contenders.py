@@ -79,11 +79,13 @@ def build_chronicals_model(shape: Shape, device: torch.device, impl: str, seed: 
     return model.train()
 
 
-def add_chronicals_lora(model, spec: RunSpec) -> list[dict]:
-    """Inject LoRA on the 7 projections; return the LoRA+ parameter groups (B at 16 x the lr of A)."""
+def add_chronicals_lora(model, spec: RunSpec, group: bool = True) -> list[dict]:
+    """Inject LoRA on the 7 projections; return the LoRA+ parameter groups (B at 16 x the lr of A).
+    group: q/k/v and gate/up adapters as one GEMM each (``lora.group``), as the trainer's default."""
     from ..lora import apply_lora, lora_plus_param_groups
 
-    out = apply_lora(model, r=spec.lora_r, alpha=spec.lora_alpha, dropout=0.0, target_modules=list(LORA_TARGETS))
+    out = apply_lora(model, r=spec.lora_r, alpha=spec.lora_alpha, dropout=0.0, target_modules=list(LORA_TARGETS),
+                     group=group)
     if isinstance(out, torch.nn.Module) and out is not model:
         raise RuntimeError("chronicals.lora.apply_lora returned a new module; the bench expects in-place injection")
     n_all = sum(1 for _ in model.parameters())
@@ -139,9 +141,10 @@ def chronicals_step(model, spec: RunSpec, device: torch.device, graphs: bool = F
 
 
 def _chronicals(method: str, compile_layers: bool, graphs: bool = False, keep: bool = False,
-                fused_swiglu: bool = False):
+                fused_swiglu: bool = False, group: bool = True):
     """keep: no selective recomputation (``model.recompute=[]``): every activation stays saved.
-    fused_swiglu: the SwiGLU backward kernel rebuilds the product (``RuntimeOptions.fused_swiglu_recompute``)."""
+    fused_swiglu: the SwiGLU backward kernel rebuilds the product (``RuntimeOptions.fused_swiglu_recompute``).
+    group: LoRA q/k/v and gate/up as one GEMM each (``lora.group``); False: one call per module."""
     def build(spec: RunSpec, shape: Shape, device: torch.device) -> Built:
         model = build_chronicals_model(shape, device, spec.impl, spec.seed)
         model.set_checkpointing(spec.checkpointing)
@@ -150,8 +153,9 @@ def _chronicals(method: str, compile_layers: bool, graphs: bool = False, keep: b
             model.set_recompute(())
         notes = [f"impl={spec.impl}"]
         if method == "lora":
-            groups = add_chronicals_lora(model, spec)
-            notes.append(f"LoRA r={spec.lora_r} alpha={spec.lora_alpha}, LoRA+ ratio {LORA_PLUS_RATIO}")
+            groups = add_chronicals_lora(model, spec, group)
+            notes.append(f"LoRA r={spec.lora_r} alpha={spec.lora_alpha}, LoRA+ ratio {LORA_PLUS_RATIO}"
+                         + ("" if group else ", no LoRA groups (one call per module)"))
         else:
             groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
         if compile_layers:
@@ -245,6 +249,10 @@ _ALL = [
               in_default=False),
     Contender("chronicals-full-fusedswiglu", "chronicals, SwiGLU product rebuilt in its backward kernel", "full",
               _chronicals("full", False, fused_swiglu=True), in_default=False),
+    Contender("chronicals-lora-nogroup", "chronicals LoRA, one call per projection", "lora",
+              _chronicals("lora", False, group=False), in_default=False),
+    Contender("chronicals-lora-graphs-nogroup", "chronicals LoRA, CUDA graphs, one call per projection", "lora",
+              _chronicals("lora", False, True, group=False), in_default=False),
     Contender("chronicals-lora-graphs-keep", "chronicals LoRA, CUDA graphs, no recompute", "lora",
               _chronicals("lora", False, True, keep=True), in_default=False),
     Contender("chronicals-lora-compile", "chronicals LoRA, layers compiled", "lora", _chronicals("lora", True),

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from .group import bind_groups, unbind_groups
 from .layer import LoRALinear
 
 log = logging.getLogger("chronicals.lora")
@@ -66,7 +67,7 @@ def _tied_partners(model: nn.Module, module_names: list[str]) -> list[str]:
 def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: float = 0.0,
                target_modules=DEFAULT_TARGETS, use_rslora: bool = False, modules_to_save=(),
                impl: str = "fused", adapter_dtype: torch.dtype | None = None, seed: int | None = 0,
-               concat: bool | str = "auto") -> LoraRecord:
+               concat: bool | str = "auto", group: bool = True) -> LoraRecord:
     """Replace each targeted nn.Linear of ``model`` in place by a LoRALinear and freeze the rest.
 
     scaling = alpha / r, or alpha / sqrt(r) with ``use_rslora``. Every parameter is frozen except the
@@ -76,6 +77,8 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
     both copies). ``impl``: "fused" (custom autograd) or "torch" (reference). ``adapter_dtype``: dtype of
     A and B (default: the base weight's). ``seed``: generator seed for A (None: torch's global RNG).
     ``concat``: how the fused path joins the rank-r GEMMs ("auto" by shape; see LoRALinearFunction).
+    ``group``: q/k/v and gate/up adapters of one block run as one GEMM each (``lora.group.LoRAGroup``) when
+    they qualify; False keeps one call per module.
     Returns a LoraRecord, also stored as ``model.lora_config``.
     """
     if getattr(model, "lora_config", None) is not None:
@@ -120,6 +123,8 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
                      trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
                      total_params=sum(p.numel() for p in model.parameters()))
     model.lora_config = rec
+    if group:
+        log.info("apply_lora: %d LoRA groups (q/k/v, gate/up) run as one GEMM each", bind_groups(model))
     log.info("apply_lora: r=%d alpha=%g scaling=%g on %d modules (%s), impl=%s; trainable %d of %d parameters",
              r, alpha, rec.scaling, len(targets), target_modules, impl, rec.trainable_params, rec.total_params)
     return rec
@@ -140,6 +145,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
     mods = lora_modules(model)
     if not mods:
         raise ValueError("merge_lora: the model has no LoRA adapters (apply_lora or load_adapter first)")
+    unbind_groups(model)
     for name, mod in mods:
         _set_module(model, name, mod.to_linear())
     if hasattr(model, "lora_config"):

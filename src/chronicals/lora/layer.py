@@ -189,6 +189,7 @@ class LoRALinear(nn.Module):
         # saving is clear (gate/up: 8B 4096 -> 14336 saves ~570 MB per call, ~9 ms per step).
         self.concat = self.out_features >= 2 * self.in_features if concat == "auto" else concat
         self._wcat = None  # [W | s B] (out, in + r), a plain attribute: not in the state dict
+        self.group = None  # a LoRAGroup (lora.group) owning W's storage; then no [W | s B] buffer of its own
         # as down_proj: recompute the SwiGLU product in backward (forward_swiglu); False keeps it (A/B runs)
         self.recompute_swiglu = True
         dev, dtype = base.weight.device, adapter_dtype or base.weight.dtype
@@ -204,7 +205,8 @@ class LoRALinear(nn.Module):
 
     @property
     def _uses_wcat(self) -> bool:
-        return self.concat and self.impl == "fused" and self.weight.device.type != "meta"
+        return (self.concat and self.impl == "fused" and self.group is None
+                and self.weight.device.type != "meta")
 
     @torch.no_grad()
     def _bind_concat_buffer(self) -> None:
@@ -236,6 +238,8 @@ class LoRALinear(nn.Module):
         # one is freed when this returns); a no-op move (same dtype and device) keeps the binding.
         old, self._wcat = self._wcat, None
         super()._apply(fn, recurse)
+        if self.group is not None:  # W left the group's buffer: let it go now, rebind at the next call
+            self.group.release_if_stale()
         if old is not None and self.weight.data_ptr() == old.data_ptr() and self.weight.dtype == old.dtype:
             self._wcat = old
         else:
@@ -243,13 +247,14 @@ class LoRALinear(nn.Module):
             self._bind_concat_buffer()
         return self
 
-    def _adapters(self, x):
+    def _adapters(self, x, shape=None):
+        """(A, B in x's dtype, dropout mask of ``shape`` (default x's) or None)."""
         a, b = self.lora_A.weight, self.lora_B.weight
         if a.dtype != x.dtype:  # fp32 adapters on a bf16 base: cast the small matrices, not x
             a, b = a.to(x.dtype), b.to(x.dtype)
         mask = None
         if self.dropout > 0 and self.training:
-            mask = torch.rand(x.shape, device=x.device) >= self.dropout  # bool: 1 byte per element saved
+            mask = torch.rand(shape or x.shape, device=x.device) >= self.dropout  # bool: 1 byte per element saved
         return a, b, mask
 
     def forward(self, x):
@@ -260,15 +265,16 @@ class LoRALinear(nn.Module):
         return LoRALinearFunction.apply(x, self.weight, self.bias, a, b, self.scaling, mask, self.dropout,
                                         self.concat, wcat)
 
-    def forward_swiglu(self, gate, up, impl: str = "auto"):
+    def forward_swiglu(self, gate, up=None, impl: str = "auto"):
         """``self(swiglu(gate, up))`` without keeping the SwiGLU product for backward: it is recomputed
-        from the saved gate / up (see ``chronicals.lora.mlp``). gate, up (..., in) -> (..., out).
+        from the saved gate / up (see ``chronicals.lora.mlp``). gate, up (..., in) -> (..., out); up None:
+        gate is the packed gu (..., 2 in) = [gate | up] (``ops.swiglu_gate_up``).
         The decoder's MLP calls this when its down_proj offers it; ``impl`` is the SwiGLU op's."""
         from .mlp import LoRASwiGLUDownFunction, swiglu_for_impl
 
         if self.impl == "torch" or not self.recompute_swiglu:  # plain autograd: the product is kept
             return self(swiglu_for_impl(gate, up, impl))
-        a, b, mask = self._adapters(gate)
+        a, b, mask = self._adapters(gate, (*gate.shape[:-1], self.in_features))
         wcat = self._concat_buffer(b) if self._uses_wcat else None
         return LoRASwiGLUDownFunction.apply(gate, up, self.weight, self.bias, a, b, self.scaling, mask,
                                             self.dropout, self.concat, wcat, impl)

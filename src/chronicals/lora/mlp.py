@@ -1,6 +1,8 @@
 """``down_proj(swiglu(gate, up))`` for a LoRA down_proj, without keeping the SwiGLU product for backward.
 
-Shapes: gate, up (..., I) -> y (..., H); down_proj W (H, I), A (r, I), B (H, r).
+Shapes: gate, up (..., I) -> y (..., H); down_proj W (H, I), A (r, I), B (H, r). Packed form: gate = gu
+(..., 2I) = [gate | up] (one GEMM's output: plain gate/up Linears or a ``LoRAGroup``) and up = None; then the
+SwiGLU is ``ops.swiglu_gate_up`` and the gradient comes back as one d_gu (..., 2I).
 
 The plain MLP keeps three (N, I) tensors per layer for backward: gate and up (the SwiGLU op's inputs) and
 act = silu(gate) * up, saved by down_proj as its input (a LoRA down_proj needs it for dA = (s dy B)^T act).
@@ -16,20 +18,34 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import swiglu
+from ..ops import swiglu, swiglu_gate_up
 from ..ops._impl import resolve_impl
-from ..ops.swiglu import swiglu_backward, swiglu_ref
+from ..ops.swiglu import _unit_col_rows, swiglu_backward, swiglu_gate_up_backward, swiglu_gate_up_ref, swiglu_ref
 from .layer import concat_weight, lora_backward, lora_forward
 
 
-def swiglu_for_impl(gate: torch.Tensor, up: torch.Tensor, impl: str) -> torch.Tensor:
-    """silu(gate) * up through the ops' op (``impl`` "auto" | "triton" | "torch")."""
-    return swiglu(gate, up, impl=impl)
+def swiglu_for_impl(gate: torch.Tensor, up: torch.Tensor | None, impl: str) -> torch.Tensor:
+    """silu(gate) * up through the ops' op (``impl`` "auto" | "triton" | "torch"); up None: gate is packed gu."""
+    return swiglu_gate_up(gate, impl=impl) if up is None else swiglu(gate, up, impl=impl)
 
 
-def swiglu_grads(d_act: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, impl: str):
+def swiglu_gate_up_grad(d_act: torch.Tensor, gu: torch.Tensor, impl: str) -> torch.Tensor:
+    """d_gu (..., 2I) of act = swiglu_gate_up(gu) for upstream d_act (..., I)."""
+    if resolve_impl("swiglu_gate_up", impl, gu.device) == "triton":
+        if torch.compiler.is_compiling():
+            return torch.ops.chronicals.swiglu_gate_up_backward(d_act, gu)
+        two_i = gu.shape[-1]
+        return swiglu_gate_up_backward(_unit_col_rows(d_act, two_i // 2), _unit_col_rows(gu, two_i)).view(gu.shape)
+    with torch.enable_grad():
+        g = gu.detach().requires_grad_()
+        return torch.autograd.grad(swiglu_gate_up_ref(g), g, d_act)[0]
+
+
+def swiglu_grads(d_act: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None, impl: str):
     """(dgate, dup) of act = silu(gate) * up for upstream d_act: the Triton backward op, or autograd
-    through the reference (the same two paths ``chronicals.ops.swiglu`` takes)."""
+    through the reference (the same two paths ``chronicals.ops.swiglu`` takes). up None: (d_gu, None)."""
+    if up is None:
+        return swiglu_gate_up_grad(d_act, gate, impl), None
     if resolve_impl("swiglu", impl, gate.device) == "triton":
         if torch.compiler.is_compiling():  # one graph node for the compiler
             return torch.ops.chronicals.swiglu_backward(d_act, gate, up)
@@ -44,7 +60,8 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
     """y = LoRALinear(silu(gate) * up): gradients for gate, up, A, B (W and bias frozen).
 
     Arguments after gate / up are LoRALinearFunction's (weight, bias, lora_a, lora_b, scaling, mask,
-    dropout, concat, wcat) plus ``impl``, the SwiGLU op's. ``mask`` (bool, gate's shape) drops elements of act.
+    dropout, concat, wcat) plus ``impl``, the SwiGLU op's. ``mask`` (bool, act's shape) drops elements of act.
+    up None: gate is the packed gu (..., 2I), and its gradient d_gu comes back whole.
     """
 
     @staticmethod
@@ -53,18 +70,18 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             raise RuntimeError("LoRASwiGLUDownFunction: down_proj's base weight and bias must be frozen "
                                "(requires_grad=False; apply_lora does this)")
-        if gate.shape != up.shape:
+        if up is not None and gate.shape != up.shape:
             raise ValueError(f"LoRA MLP: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
         if concat and wcat is None:
             wcat = concat_weight(weight, lora_b, scaling)
-        shape = gate.shape
         act = swiglu_for_impl(gate, up, impl)  # (..., I): lives only until the GEMMs below are done
+        shape = act.shape
         y, xa = lora_forward(act.reshape(-1, shape[-1]), weight, bias, lora_a, lora_b, scaling, mask, dropout,
                              wcat if concat else None)
         del act
         ctx.save_for_backward(gate, up, weight, lora_a, lora_b, xa, mask)
         ctx.wcat = wcat if concat else None
-        ctx.scaling, ctx.dropout, ctx.impl = scaling, dropout, impl
+        ctx.scaling, ctx.dropout, ctx.impl, ctx.act_shape = scaling, dropout, impl, shape
         return y.view(*shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -75,12 +92,12 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
         act2 = None
         if need_a:  # dA needs act again: recompute it (bit-identical to the forward's)
             with torch.no_grad():
-                act2 = swiglu_for_impl(gate, up, ctx.impl).reshape(-1, gate.shape[-1])
+                act2 = swiglu_for_impl(gate, up, ctx.impl).reshape(-1, ctx.act_shape[-1])
         d_act, da, db = lora_backward(dy.reshape(-1, dy.shape[-1]), act2, weight, lora_a, lora_b, xa, mask,
                                       ctx.scaling, ctx.dropout, ctx.wcat, need_act, need_a, need_b)
         del act2  # freed before dgate / dup exist: the same transient peak as the plain MLP's backward
         ctx.wcat = None
         dg = du = None
         if need_act:
-            dg, du = swiglu_grads(d_act.view(gate.shape), gate, up, ctx.impl)
+            dg, du = swiglu_grads(d_act.view(ctx.act_shape), gate, up, ctx.impl)
         return dg, du, None, None, da, db, None, None, None, None, None, None

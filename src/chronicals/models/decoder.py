@@ -126,11 +126,15 @@ class MLP(nn.Module):
         self.opts = opts
 
     def forward(self, x):
-        fused = getattr(self.down_proj, "forward_swiglu", None)
-        # one GEMM x @ [Wg; Wu]^T when gate/up are plain nn.Linear and down_proj takes the product (not LoRA's
-        # forward_swiglu, which needs gate and up apart: halves of gu would bring back the two-slice backward)
-        gu = gate_up_proj(self, x) if fused is None else None  # (B, S, 2I) or None
+        # one GEMM x @ [Wg; Wu]^T when gate/up are plain nn.Linear or a LoRA group (lora.group), else None
+        gu = gate_up_proj(self, x)  # (B, S, 2I) or None
+        # A down_proj offering ``forward_swiglu(gate, up, impl)`` (LoRALinear) computes
+        # down_proj(swiglu(gate, up)) while saving only gate and up (or gu): the product (B, S, I), which a plain
+        # Linear keeps as its input, is recomputed in backward (235 MB per layer at 4 x 2048 tokens, I = 14336).
+        lora_down = getattr(self.down_proj, "forward_swiglu", None)
         if gu is not None:
+            if lora_down is not None:
+                return lora_down(gu, None, impl=self.opts.impl)
             recomputing = "swiglu" in self.opts.recompute and recompute.is_active()
             if recomputing and self.opts.fused_swiglu_recompute:
                 y = swiglu_down(self, gu)  # None off the Triton path: then the offer below
@@ -141,12 +145,8 @@ class MLP(nn.Module):
                 recompute.offer(act, functools.partial(swiglu_gate_up, gu, impl=self.opts.impl))
             return self.down_proj(act)
         gate, up = self.gate_proj(x), self.up_proj(x)  # (B, S, I) each
-        # A down_proj offering ``forward_swiglu(gate, up, impl)`` (LoRALinear) computes
-        # down_proj(swiglu(gate, up)) while saving only gate and up: the product (B, S, I), which a plain
-        # Linear keeps as its input, is recomputed in backward (235 MB per layer at 4 x 2048 tokens, I = 14336).
-        fused = getattr(self.down_proj, "forward_swiglu", None)
-        if fused is not None:
-            return fused(gate, up, impl=self.opts.impl)
+        if lora_down is not None:
+            return lora_down(gate, up, impl=self.opts.impl)
         act = swiglu(gate, up, impl=self.opts.impl)  # (B, S, I), saved by down_proj for its weight gradient
         if "swiglu" in self.opts.recompute and recompute.is_active():
             recompute.offer(act, functools.partial(swiglu, gate, up, impl=self.opts.impl))

@@ -60,9 +60,9 @@ def fusable(*mods: nn.Module) -> str | None:
     return None
 
 
-def _note(kind: str, reason: str | None) -> None:
+def _note(kind: str, reason: str | None, one: str = "one GEMM") -> None:
     """Log once per (kind, path) which path runs (not inside a compiled graph: logging breaks fullgraph)."""
-    path = "one GEMM" if reason is None else f"separate modules ({reason})"
+    path = one if reason is None else f"separate modules ({reason})"
     if (kind, path) not in _logged and not torch.compiler.is_compiling():
         _logged.add((kind, path))
         log.info("%s: %s", kind, path)
@@ -76,6 +76,15 @@ def _cat_params(mods) -> tuple[torch.Tensor, torch.Tensor | None]:
     return w, b
 
 
+def _lora_group(owner: nn.Module, attr: str, mods):
+    """The LoRA group (``chronicals.lora.group.LoRAGroup``, put there by apply_lora) of exactly ``mods``, or None.
+
+    Duck-typed: models/ does not import lora/. A group whose members were since replaced (merge_lora) is
+    ignored."""
+    group = owner.__dict__.get(attr)
+    return group if group is not None and group.is_current(mods) else None
+
+
 def qkv_proj(attn: nn.Module, x: torch.Tensor):
     """q (B, S, Hq, D), k (B, S, Hk, D), v (B, S, Hk, D) of ``attn`` (a decoder ``Attention``) for x (B, S, H).
 
@@ -86,13 +95,19 @@ def qkv_proj(attn: nn.Module, x: torch.Tensor):
     b, s, _ = x.shape
     nq, nkv, d = attn.nq, attn.nkv, attn.d
     mods = (attn.q_proj, attn.k_proj, attn.v_proj)
-    reason = fusable(*mods)
-    _note("qkv_proj", reason)
-    if reason is not None:
-        return (attn.q_proj(x).view(b, s, nq, d), attn.k_proj(x).view(b, s, nkv, d),
-                attn.v_proj(x).view(b, s, nkv, d))
-    w, bias = _cat_params(mods)
-    qkv = F.linear(x, w, bias).view(b, s, nq + 2 * nkv, d)  # (B, S, Hq + 2 Hk, D)
+    group = _lora_group(attn, "lora_qkv", mods)
+    if group is not None:
+        _note("qkv_proj", None, "one LoRA group GEMM")
+        qkv = group(x)
+    else:
+        reason = fusable(*mods)
+        _note("qkv_proj", reason)
+        if reason is not None:
+            return (attn.q_proj(x).view(b, s, nq, d), attn.k_proj(x).view(b, s, nkv, d),
+                    attn.v_proj(x).view(b, s, nkv, d))
+        w, bias = _cat_params(mods)
+        qkv = F.linear(x, w, bias)
+    qkv = qkv.view(b, s, nq + 2 * nkv, d)  # (B, S, Hq + 2 Hk, D)
     # split's backward is one cat of (dq, dk, dv) into (B, S, Hq + 2 Hk, D): one dx GEMM follows
     q, k, v = qkv.split([nq, nkv, nkv], dim=2)
     # v is copied out (B S Hk D: 4 MB per layer at 0.5B): attention saves v for backward, and a view would
@@ -106,6 +121,10 @@ def gate_up_proj(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     first half of the last dim, up in the second (the layout ``ops.swiglu.swiglu_gate_up`` takes).
     None when gate_proj / up_proj do not qualify (see module docstring): call them separately then."""
     mods = (mlp.gate_proj, mlp.up_proj)
+    group = _lora_group(mlp, "lora_gate_up", mods)
+    if group is not None:
+        _note("gate_up_proj", None, "one LoRA group GEMM")
+        return group(x)
     reason = fusable(*mods)
     _note("gate_up_proj", reason)
     if reason is not None:

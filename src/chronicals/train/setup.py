@@ -41,7 +41,8 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
 
         if getattr(model, "lora_config", None) is None:
             apply_lora(model, r=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                       target_modules=tuple(cfg.lora.targets), use_rslora=cfg.lora.rslora, seed=cfg.train.seed)
+                       target_modules=tuple(cfg.lora.targets), use_rslora=cfg.lora.rslora, seed=cfg.train.seed,
+                       group=cfg.lora.group)
     else:
         for p in model.parameters():
             p.requires_grad_(True)

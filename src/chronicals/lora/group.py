@@ -1,0 +1,226 @@
+"""LoRA projections that share one input (q/k/v, gate/up) run as one GEMM: ``LoRAGroup``.
+
+Shapes: x (..., in) -> y (..., sum out_i); member i: W_i (out_i, in), A_i (r_i, in), B_i (out_i, r_i), s_i.
+
+    y = [x, x A_all^T] @ M^T (+ [b_0; b_1; ...])      A_all = [A_0; A_1; ...]   (R, in), R = sum r_i
+    M = | W_0  s_0 B_0   0      ...  |                (sum out_i, in + R), one persistent buffer
+        | W_1   0     s_1 B_1   ...  |
+
+The members' base weights are row blocks of M (``W_i.data`` is a view: no memory beyond the R columns, as in
+``LoRALinear``'s own [W | s B] layout); the s_i B_i blocks are refreshed each call (sum out_i x r_i elements),
+the off-diagonal blocks stay zero. Backward, with dy = [dy_0, dy_1, ...] (N, sum out_i):
+
+    g   = dy @ M                    (N, in + R) = [sum_i dy_i W_i | s_i dy_i B_i ...]: dy read once
+    dx  = g[:, :in] + g[:, in:] @ A_all         one addmm: the members' dx arrive summed, no autograd adds
+    dA  = g[:, in:]^T @ x           (R, in)     one GEMM; rows split back to the A_i by cat's backward
+    dB_i = s_i dy_i^T (x A_i^T)     (out_i, r_i) one small GEMM per member
+
+The zero blocks add exact zeros, so every sum is the members' own sum (up to the GEMMs' accumulation order).
+
+Why (Qwen2.5-0.5B protocol, LoRA r=32 on all 7 projections, 24 layers): per layer the separate path runs
+q/k/v as 3 base GEMMs (k and v are 896 -> 128: far too narrow to reach the matmul peak), 3 rank-r GEMMs
+reading x, 3 dA GEMMs reading x again, and autograd sums the three dx (2 adds of N x 896) and the two of
+gate/up (1 add). Grouped: x is read by 2 GEMMs instead of 6 forward, the dx sum happens inside one GEMM,
+and gate/up come out as one (N, 2I) tensor that ``ops.swiglu_gate_up`` reads directly (its backward
+writes d_gu whole). Cost: the zero blocks are extra K columns (R - r_i per row block: 64 of 992 at q/k/v,
+32 of 960 at gate/up, 0.5B shape) and the activation cat (N x (in + R)).
+
+Which members qualify: LoRALinear with impl "fused", dropout 0, one in_features, dtype and device, no
+forward hooks, all or none with a bias. Otherwise ``LoRAGroup.why_not`` says why, and the members run apart.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .layer import LoRALinear, mm_scaled
+
+log = logging.getLogger("chronicals.lora")
+
+
+def why_not(members) -> str | None:
+    """None when ``members`` can form a LoRAGroup, else the reason (for the log)."""
+    if not all(type(m) is LoRALinear for m in members):
+        return "not every module is a LoRALinear"
+    m0 = members[0]
+    for m in members:
+        if m.impl != "fused":
+            return f"impl={m.impl!r} (the group is the fused path)"
+        if m.dropout > 0:
+            return f"LoRA dropout {m.dropout} (the group has no dropout masks)"
+        if m._forward_hooks or m._forward_pre_hooks:
+            return "a module has forward hooks"
+        if m.in_features != m0.in_features:
+            return "the modules differ in in_features"
+        if m.weight.dtype != m0.weight.dtype or m.weight.device != m0.weight.device:
+            return "the base weights differ in dtype or device"
+        if m.weight.device.type == "meta":
+            return "the weights are on the meta device"
+    if len({m.bias is None for m in members}) > 1:
+        return "some have a bias and some do not"
+    return None
+
+
+class LoRAGroupFunction(torch.autograd.Function):
+    """y = [x, x A_all^T] @ M^T (+ bias) with gradients for x, A_all and each B_i (see the module docstring).
+
+    Arguments: x (..., in); mat M (sum out, in + R), kept on ctx (its s B blocks are rewritten by the layer's
+    next forward with the same values until the optimizer steps, which must not trip the version check);
+    bias (sum out,) or None; a_all (R, in); outs, ranks, scales (per member); then B_0, B_1, ... (out_i, r_i).
+    """
+
+    @staticmethod
+    def forward(ctx, x, mat, bias, a_all, outs, ranks, scales, *bs):
+        fin = a_all.shape[1]
+        shape = x.shape
+        x2 = x.reshape(-1, fin)  # (N, in)
+        xa = torch.mm(x2, a_all.t())  # (N, R)
+        xcat = torch.cat([x2, xa], dim=1)  # (N, in + R): freed after forward, only x and xa are saved
+        y = torch.mm(xcat, mat.t()) if bias is None else torch.addmm(bias, xcat, mat.t())  # (N, sum out)
+        ctx.save_for_backward(x2, a_all, xa)  # the B_i are inputs for their gradients only: M holds s B
+        ctx.mat, ctx.outs, ctx.ranks, ctx.scales, ctx.shape = mat, outs, ranks, scales, shape
+        return y.view(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, a_all, xa = ctx.saved_tensors
+        mat, fin = ctx.mat, a_all.shape[1]
+        ctx.mat = None
+        dy2 = dy.reshape(-1, dy.shape[-1])  # (N, sum out)
+        need_x, need_a = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
+        dx = da = None
+        if need_x:
+            g = torch.mm(dy2, mat)  # (N, in + R) = [dy W | s dy B]
+            dyb = g[:, fin:]
+            dx = torch.addmm(g[:, :fin], dyb, a_all)  # (N, in), the members' dx summed in the GEMM
+        elif need_a:
+            dyb = torch.mm(dy2, mat[:, fin:])  # (N, R)
+        if need_a:
+            da = torch.mm(dyb.t(), x2)  # (R, in)
+        dbs = []
+        o = r = 0
+        for i, (out, rank, s) in enumerate(zip(ctx.outs, ctx.ranks, ctx.scales)):
+            need_b = ctx.needs_input_grad[7 + i]
+            dbs.append(mm_scaled(dy2[:, o:o + out].t(), xa[:, r:r + rank], s) if need_b else None)
+            o, r = o + out, r + rank
+        return ((None if dx is None else dx.view(ctx.shape)), None, None, da, None, None, None, *dbs)
+
+
+class LoRAGroup:
+    """Members (LoRALinear sharing one input) run as one GEMM. Not an nn.Module: the state dict, the
+    parameters and the module tree stay the members' own; ``apply_lora`` stores a group on the parent
+    module (``attn.lora_qkv``, ``mlp.lora_gate_up``), where ``models.fused_proj`` finds it."""
+
+    def __init__(self, members):
+        reason = why_not(members)
+        if reason is not None:
+            raise ValueError(f"LoRAGroup: these modules cannot share one GEMM: {reason}")
+        self.members = tuple(members)
+        self.fin = members[0].in_features
+        self.outs = tuple(m.out_features for m in members)
+        self.ranks = tuple(m.r for m in members)
+        self.scales = tuple(float(m.scaling) for m in members)
+        self._mat = None
+        for m in members:  # the member's own [W | s B] buffer gives way to the group's
+            m.group = self
+            m._bind_concat_buffer()
+        self.bind()
+
+    @property
+    def width(self) -> int:
+        return self.fin + sum(self.ranks)
+
+    def is_current(self, mods) -> bool:
+        """True when ``mods`` are still exactly the members (merge_lora puts plain Linears back)."""
+        return len(mods) == len(self.members) and all(a is b for a, b in zip(mods, self.members))
+
+    @torch.no_grad()
+    def bind(self) -> None:
+        """Copy the members' W into one new (sum out, in + R) buffer and make each W a row-block view of it."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("LoRAGroup: the base weights changed storage during CUDA-graph capture; move or "
+                               "load the model before the first training step")
+        self._mat = None  # the old buffer is freed once no member's weight points into it
+        w0 = self.members[0].weight
+        mat = torch.zeros(sum(self.outs), self.width, dtype=w0.dtype, device=w0.device)
+        o = 0
+        for m in self.members:
+            mat[o:o + m.out_features, :self.fin].copy_(m.weight)
+            m.weight.data = mat[o:o + m.out_features, :self.fin]  # same Parameter object (ties, optimizer refs)
+            o += m.out_features
+        self._mat = mat
+
+    def release_if_stale(self) -> None:
+        """Called by a member's ``_apply`` (``model.to``): when a W got new storage, drop the buffer now (so the
+        old device's copy is freed once every member has moved) and rebind at the next call."""
+        if not self._bound():
+            self._mat = None
+
+    def _bound(self) -> bool:
+        mat = self._mat
+        if mat is None:
+            return False
+        if torch.compiler.is_compiling():  # data_ptr is a graph break; eager calls keep the check
+            return True
+        o = 0
+        for m in self.members:
+            if m.weight.data_ptr() != mat[o].data_ptr() or m.weight.dtype != mat.dtype:
+                return False
+            o += m.out_features
+        return True
+
+    def matrix(self, bs) -> torch.Tensor:
+        """M with its s_i B_i blocks refreshed from ``bs`` (the members' B in x's dtype)."""
+        if not self._bound():
+            log.info("LoRAGroup: rebinding the shared weight buffer after a base weight changed storage")
+            self.bind()
+        mat = self._mat
+        with torch.no_grad():
+            o, c = 0, self.fin
+            for b, s, out, rank in zip(bs, self.scales, self.outs, self.ranks):
+                torch.mul(b, s, out=mat[o:o + out, c:c + rank])
+                o, c = o + out, c + rank
+        return mat
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> y (..., sum out_i), member outputs side by side in member order."""
+        dt = x.dtype
+        a_all = torch.cat([m.lora_A.weight.to(dt) for m in self.members])  # (R, in): cat's backward splits dA
+        bs = [m.lora_B.weight.to(dt) for m in self.members]
+        bias = None if self.members[0].bias is None else torch.cat([m.bias for m in self.members])
+        mat = self.matrix(bs)
+        return LoRAGroupFunction.apply(x, mat, bias, a_all, self.outs, self.ranks, self.scales, *bs)
+
+
+def bind_groups(model: torch.nn.Module) -> int:
+    """Give every attention block with LoRA q/k/v and every MLP with LoRA gate/up a LoRAGroup; return how many.
+
+    Blocks whose projections do not qualify (see ``why_not``) keep separate calls; the reason is logged once.
+    """
+    made, reasons = 0, set()
+    for mod in model.modules():
+        for attr, names in (("lora_qkv", ("q_proj", "k_proj", "v_proj")), ("lora_gate_up", ("gate_proj", "up_proj"))):
+            if not all(isinstance(getattr(mod, n, None), LoRALinear) for n in names):
+                continue
+            members = [getattr(mod, n) for n in names]
+            reason = why_not(members)
+            if reason is None:
+                setattr(mod, attr, LoRAGroup(members))
+                made += 1
+            else:
+                reasons.add(f"{attr}: {reason}")
+    for r in sorted(reasons):
+        log.info("LoRA groups: separate projection calls (%s)", r)
+    return made
+
+
+def unbind_groups(model: torch.nn.Module) -> None:
+    """Drop every LoRAGroup (merge_lora): members get plain storage back through ``LoRALinear.to_linear``."""
+    for mod in model.modules():
+        for attr in ("lora_qkv", "lora_gate_up"):
+            group = mod.__dict__.pop(attr, None)
+            if group is not None:
+                for m in group.members:
+                    m.group = None

@@ -1,0 +1,125 @@
+"""LoRA groups (q/k/v, gate/up as one GEMM): the function against per-module references, the model against
+the ungrouped model, and the shared weight buffer through .to(), state dicts and merging."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from chronicals.lora import LoRALinear, apply_lora, lora_linear_ref, merge_lora
+from chronicals.lora.group import LoRAGroup, LoRAGroupFunction, why_not
+
+from .conftest import randomize_lora_b, tiny_model
+
+# (in, [(out_i, r_i)]): unequal outs and ranks, an out of 1, a rank of 1
+MEMBERS = [(7, [(5, 3), (2, 1), (2, 2)]), (13, [(11, 4), (11, 4)]), (4, [(1, 2), (9, 1)])]
+
+
+def _members(fin, spec, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mods = []
+    for out, r in spec:
+        lin = nn.Linear(fin, out, bias=bias, dtype=torch.float64)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(out, fin, generator=g, dtype=torch.float64))
+            if bias:
+                lin.bias.copy_(torch.randn(out, generator=g, dtype=torch.float64))
+        m = LoRALinear(lin, r=r, alpha=2.0 * r + 1, generator=g)
+        with torch.no_grad():
+            m.lora_B.weight.copy_(torch.randn(out, r, generator=g, dtype=torch.float64))
+        mods.append(m)
+    return mods
+
+
+@pytest.mark.parametrize("fin,spec", MEMBERS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_group_matches_per_module_reference_float64(fin, spec, bias, x_grad):
+    mods = _members(fin, spec, bias)
+    x = torch.randn(2, 3, fin, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    dy = torch.randn(2, 3, sum(o for o, _ in spec), dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    params = [p for m in mods for p in (m.lora_A.weight, m.lora_B.weight)]
+    # reference first: the group rebinds W into its buffer (same values)
+    xr = x.clone().requires_grad_(x_grad)
+    want = torch.cat([lora_linear_ref(xr, m.weight, m.bias, m.lora_A.weight, m.lora_B.weight, m.scaling)
+                      for m in mods], dim=-1)
+    want_g = torch.autograd.grad(want, ([xr] if x_grad else []) + params, dy)
+    group = LoRAGroup(mods)
+    xg = x.clone().requires_grad_(x_grad)
+    got = group(xg)
+    got_g = torch.autograd.grad(got, ([xg] if x_grad else []) + params, dy)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for i, (a, b) in enumerate(zip(got_g, want_g)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"gradient {i}")
+
+
+def test_members_share_one_buffer_and_keep_their_state_dict():
+    mods = _members(7, [(5, 3), (2, 1)], bias=True)
+    keys = [sorted(m.state_dict()) for m in mods]
+    before = [m.weight.detach().clone() for m in mods]
+    group = LoRAGroup(mods)
+    assert [sorted(m.state_dict()) for m in mods] == keys
+    assert mods[0].weight.untyped_storage().data_ptr() == mods[1].weight.untyped_storage().data_ptr()
+    for m, w in zip(mods, before):
+        assert torch.equal(m.weight, w) and m._wcat is None and m.group is group
+    # off-diagonal B blocks stay zero after a call; diagonal blocks hold s B
+    group(torch.randn(3, 7, dtype=torch.float64))
+    mat = group._mat
+    assert torch.equal(mat[:5, 7 + 3:], torch.zeros(5, 1, dtype=mat.dtype))
+    assert torch.equal(mat[5:, 7:7 + 3], torch.zeros(2, 3, dtype=mat.dtype))
+    torch.testing.assert_close(mat[5:, 10:], mods[1].lora_B.weight * mods[1].scaling)
+
+
+def test_why_not_names_the_reason():
+    mods = _members(7, [(5, 3), (2, 1)], bias=False)
+    assert why_not(mods) is None
+    mods[1].dropout = 0.1
+    assert "dropout" in why_not(mods)
+    mods[1].dropout = 0.0
+    mods[0].impl = "torch"
+    assert "impl" in why_not(mods)
+    with pytest.raises(ValueError, match="cannot share one GEMM"):
+        LoRAGroup(mods)
+    assert "LoRALinear" in why_not([nn.Linear(3, 3)])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_grouped_model_equals_ungrouped_float64(kind, ids):
+    """Logits and every adapter gradient, grouped (default) vs one call per module, on a float64 model."""
+    out = []
+    for group in (True, False):
+        model = tiny_model(kind).double().train()
+        apply_lora(model, r=4, alpha=8, group=group)
+        randomize_lora_b(model)
+        assert (model.model.layers[0].self_attn.__dict__.get("lora_qkv") is not None) == group
+        loss = model(ids, shift_labels=torch.roll(ids, -1, 1), reduction="sum")
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (la, ga), (lb, gb) = out
+    torch.testing.assert_close(la, lb, rtol=1e-12, atol=1e-12)
+    assert ga.keys() == gb.keys() and len(ga) == 2 * 7 * 2
+    for n in ga:
+        assert ga[n].abs().sum() > 0, n
+        torch.testing.assert_close(ga[n], gb[n], rtol=1e-10, atol=1e-12, msg=n)
+
+
+def test_to_dtype_rebinds_and_merge_restores_plain_linears(ids):
+    model = tiny_model("qwen2")
+    apply_lora(model, r=4, alpha=8)
+    randomize_lora_b(model)
+    with torch.no_grad():
+        want = model.double()(ids)  # .to(dtype): the group rebinds at its next call
+    attn = model.model.layers[0].self_attn
+    group = attn.lora_qkv
+    assert group._mat is not None and group._mat.dtype == torch.float64
+    assert attn.q_proj.weight.data_ptr() == group._mat.data_ptr()
+    ref = tiny_model("qwen2").double()
+    apply_lora(ref, r=4, alpha=8, group=False)
+    randomize_lora_b(ref)
+    with torch.no_grad():
+        torch.testing.assert_close(want, ref(ids), rtol=1e-10, atol=1e-12)
+        merge_lora(model)
+        assert "lora_qkv" not in attn.__dict__ and type(attn.q_proj) is nn.Linear
+        assert attn.q_proj.weight.is_contiguous() and attn.q_proj.weight.data_ptr() != group._mat.data_ptr()
+        # merge computes s B A in fp32 (LoRALinear.delta_weight): agreement to fp32 rounding
+        torch.testing.assert_close(model(ids), want, rtol=1e-5, atol=1e-6)
+    assert not any(isinstance(m, LoRALinear) for m in model.modules())
