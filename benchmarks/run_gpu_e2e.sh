@@ -21,12 +21,12 @@ export PYTHONPATH=/tmp/site:src
 bench() { timeout "$1" python3 -m chronicals.cli bench "${@:2}" --out "$R"; echo "exit $?"; }
 case "${STAGE:-main}" in
   main)
-    C=chronicals-full,chronicals-full-keep,chronicals-full-fusedswiglu,chronicals-full-graphs,chronicals-lora,chronicals-lora-graphs,hf-sdpa,hf-compile,hf-liger,hf-peft
+    C=chronicals-full,chronicals-full-keep,chronicals-full-fusedswiglu,chronicals-full-graphs,chronicals-lora,chronicals-lora-graphs,chronicals-lora-graphs-nogroup,hf-sdpa,hf-compile,hf-liger,hf-peft
     python3 -c "import unsloth" 2>/dev/null && C=$C,unsloth-full,unsloth-lora
     bench 580 --shape 0.5b --contenders "$C" --warmup 3 --steps 10 --timeout 240 --name bench_e2e_0.5b \
       > "$R/log_e2e_05b.txt" 2>&1; tail -40 "$R/log_e2e_05b.txt" ;;
   8b)
-    C=chronicals-lora,chronicals-lora-graphs,hf-peft-compile,hf-peft
+    C=chronicals-lora,chronicals-lora-graphs,chronicals-lora-graphs-nogroup,hf-peft-compile,hf-peft
     python3 -c "import unsloth" 2>/dev/null && C=$C,unsloth-lora
     bench 580 --shape 8b --contenders "$C" --warmup 2 --steps 5 --timeout 200 --no-learning --no-correctness \
       --name bench_e2e_8b > "$R/log_e2e_8b.txt" 2>&1; tail -20 "$R/log_e2e_8b.txt" ;;
