@@ -21,7 +21,7 @@ export PYTHONPATH=/tmp/site:src
 bench() { timeout "$1" python3 -m chronicals.cli bench "${@:2}" --out "$R"; echo "exit $?"; }
 case "${STAGE:-main}" in
   main)
-    C=chronicals-full,chronicals-full-keep,chronicals-full-fusedswiglu,chronicals-full-graphs,chronicals-lora,chronicals-lora-graphs,chronicals-lora-graphs-nogroup,hf-sdpa,hf-compile,hf-liger,hf-peft
+    C=chronicals-full,chronicals-full-keep,chronicals-full-offer,chronicals-full-graphs,chronicals-lora,chronicals-lora-graphs,chronicals-lora-graphs-nogroup,hf-sdpa,hf-compile,hf-liger,hf-peft
     python3 -c "import unsloth" 2>/dev/null && C=$C,unsloth-full,unsloth-lora
     bench 580 --shape 0.5b --contenders "$C" --warmup 3 --steps 10 --timeout 240 --name bench_e2e_0.5b \
       > "$R/log_e2e_05b.txt" 2>&1; tail -40 "$R/log_e2e_05b.txt" ;;

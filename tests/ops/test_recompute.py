@@ -151,9 +151,11 @@ def test_fused_swiglu_recompute_rebuilds_the_product_in_its_backward_kernel(monk
     monkeypatch.setattr(fused_proj.SwiGLUDownFunction, "apply", lambda *a: calls.append(1) or real(*a))
     loss_keep, g_keep = _grads(_model("triton", ()))
     model = _model("triton", ("swiglu",))
-    _grads(model)
-    assert not calls  # the default rebuilds it with a second SwiGLU forward (the offer)
-    model.opts.fused_swiglu_recompute = True
     loss, g = _grads(model)
-    assert len(calls) == TINY["num_hidden_layers"]
+    assert len(calls) == TINY["num_hidden_layers"]  # the default: the backward kernel rebuilds it
+    assert torch.equal(loss, loss_keep) and all(torch.equal(g[n], g_keep[n]) for n in g_keep)
+    calls.clear()
+    model.opts.fused_swiglu_recompute = False  # a second SwiGLU forward (the offer)
+    loss, g = _grads(model)
+    assert not calls
     assert torch.equal(loss, loss_keep) and all(torch.equal(g[n], g_keep[n]) for n in g_keep)

@@ -39,11 +39,11 @@ class RuntimeOptions:
     # the SwiGLU product down_proj saves (from gate and up; 3.56 GiB there for ~2.6 ms). Gradients are
     # bit-identical either way.
     recompute: tuple[str, ...] = ("norm", "swiglu")
-    # how "swiglu" rebuilds the product on the Triton path with plain gate/up/down: False = a second SwiGLU
-    # forward (the offer, measured default); True = the SwiGLU backward kernel writes it as a third output
-    # (models.fused_proj.SwiGLUDownFunction: ~1.9 ms less GPU per 0.5B step; graphed 136.7k tok/s at 12.8 GiB,
-    # eager not yet compared with the offer on one host, see benchmarks/NOTES.md). Same gradients either way.
-    fused_swiglu_recompute: bool = False
+    # how "swiglu" rebuilds the product on the Triton path with plain gate/up/down: True = the SwiGLU backward
+    # kernel writes it as a third output (models.fused_proj.SwiGLUDownFunction: ~1.9 ms less GPU per 0.5B
+    # step); False = a second SwiGLU forward (the offer). One H200 run, eager, 0.5B protocol (git 6faf856):
+    # 138.1k tok/s vs 136.7k, both 13.7 GiB. Same gradients either way (bit for bit).
+    fused_swiglu_recompute: bool = True
 
     def __post_init__(self):
         self.recompute = check_recompute(self.recompute)
