@@ -82,13 +82,14 @@ def test_why_not_names_the_reason():
     assert "LoRALinear" in why_not([nn.Linear(3, 3)])
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_grouped_model_equals_ungrouped_float64(kind, ids):
-    """Logits and every adapter gradient, grouped (default) vs one call per module, on a float64 model."""
+@pytest.mark.parametrize("kind,adapter_dtype", [("llama", None), ("qwen2", None), ("qwen2", torch.float32)])
+def test_grouped_model_equals_ungrouped_float64(kind, adapter_dtype, ids):
+    """Logits and every adapter gradient, grouped (default) vs one call per module, on a float64 model
+    (adapter_dtype float32: the adapters are cast to the activations' dtype, as LoRALinear does)."""
     out = []
     for group in (True, False):
         model = tiny_model(kind).double().train()
-        apply_lora(model, r=4, alpha=8, group=group)
+        apply_lora(model, r=4, alpha=8, group=group, adapter_dtype=adapter_dtype)
         randomize_lora_b(model)
         assert (model.model.layers[0].self_attn.__dict__.get("lora_qkv") is not None) == group
         loss = model(ids, shift_labels=torch.roll(ids, -1, 1), reduction="sum")

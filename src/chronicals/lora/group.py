@@ -25,8 +25,8 @@ and gate/up come out as one (N, 2I) tensor that ``ops.swiglu_gate_up`` reads dir
 writes d_gu whole). Cost: the zero blocks are extra K columns (R - r_i per row block: 64 of 992 at q/k/v,
 32 of 960 at gate/up, 0.5B shape) and the activation cat (N x (in + R)).
 
-Which members qualify: LoRALinear with impl "fused", dropout 0, one in_features, dtype and device, no
-forward hooks, all or none with a bias. Otherwise ``LoRAGroup.why_not`` says why, and the members run apart.
+Which members qualify: LoRALinear with impl "fused", dropout 0, one in_features, base dtype and device,
+one adapter dtype, no forward hooks, all or none with a bias. Otherwise ``LoRAGroup.why_not`` says why, and the members run apart.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ def why_not(members) -> str | None:
             return "the modules differ in in_features"
         if m.weight.dtype != m0.weight.dtype or m.weight.device != m0.weight.device:
             return "the base weights differ in dtype or device"
+        if m.lora_A.weight.dtype != m0.lora_A.weight.dtype or m.lora_B.weight.dtype != m0.lora_A.weight.dtype:
+            return "the adapters differ in dtype"
         if m.weight.device.type == "meta":
             return "the weights are on the meta device"
     if len({m.bias is None for m in members}) > 1:
@@ -123,6 +125,8 @@ class LoRAGroup:
         self.ranks = tuple(m.r for m in members)
         self.scales = tuple(float(m.scaling) for m in members)
         self._mat = None
+        self._ptrs: list[int] = []  # data_ptr of each member's W view into the bound buffer
+        self._b_views: list[torch.Tensor] = []  # each member's s B block of the bound buffer
         for m in members:  # the member's own [W | s B] buffer gives way to the group's
             m.group = self
             m._bind_concat_buffer()
@@ -142,14 +146,16 @@ class LoRAGroup:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("LoRAGroup: the base weights changed storage during CUDA-graph capture; move or "
                                "load the model before the first training step")
-        self._mat = None  # the old buffer is freed once no member's weight points into it
+        self._mat, self._ptrs, self._b_views = None, [], []  # the old buffer is freed once no W points into it
         w0 = self.members[0].weight
         mat = torch.zeros(sum(self.outs), self.width, dtype=w0.dtype, device=w0.device)
-        o = 0
+        o, c = 0, self.fin
         for m in self.members:
             mat[o:o + m.out_features, :self.fin].copy_(m.weight)
             m.weight.data = mat[o:o + m.out_features, :self.fin]  # same Parameter object (ties, optimizer refs)
-            o += m.out_features
+            self._ptrs.append(m.weight.data_ptr())
+            self._b_views.append(mat[o:o + m.out_features, c:c + m.r])
+            o, c = o + m.out_features, c + m.r
         self._mat = mat
 
     def release_if_stale(self) -> None:
@@ -164,31 +170,26 @@ class LoRAGroup:
             return False
         if torch.compiler.is_compiling():  # data_ptr is a graph break; eager calls keep the check
             return True
-        o = 0
-        for m in self.members:
-            if m.weight.data_ptr() != mat[o].data_ptr() or m.weight.dtype != mat.dtype:
-                return False
-            o += m.out_features
-        return True
+        return all(m.weight.data_ptr() == p and m.weight.dtype == mat.dtype for m, p in zip(self.members, self._ptrs))
 
     def matrix(self, bs) -> torch.Tensor:
         """M with its s_i B_i blocks refreshed from ``bs`` (the members' B in x's dtype)."""
         if not self._bound():
             log.info("LoRAGroup: rebinding the shared weight buffer after a base weight changed storage")
             self.bind()
-        mat = self._mat
         with torch.no_grad():
-            o, c = 0, self.fin
-            for b, s, out, rank in zip(bs, self.scales, self.outs, self.ranks):
-                torch.mul(b, s, out=mat[o:o + out, c:c + rank])
-                o, c = o + out, c + rank
-        return mat
+            for b, s, view in zip(bs, self.scales, self._b_views):
+                torch.mul(b, s, out=view)
+        return self._mat
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> y (..., sum out_i), member outputs side by side in member order."""
         dt = x.dtype
-        a_all = torch.cat([m.lora_A.weight.to(dt) for m in self.members])  # (R, in): cat's backward splits dA
-        bs = [m.lora_B.weight.to(dt) for m in self.members]
+        a_s = [m.lora_A.weight for m in self.members]
+        bs = [m.lora_B.weight for m in self.members]
+        if a_s[0].dtype != dt:  # fp32 adapters on a bf16 base: cast the small matrices, not x
+            a_s, bs = [a.to(dt) for a in a_s], [b.to(dt) for b in bs]
+        a_all = torch.cat(a_s)  # (R, in): cat's backward splits dA back to the members
         bias = None if self.members[0].bias is None else torch.cat([m.bias for m in self.members])
         mat = self.matrix(bs)
         return LoRAGroupFunction.apply(x, mat, bias, a_all, self.outs, self.ranks, self.scales, *bs)
