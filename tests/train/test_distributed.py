@@ -1,8 +1,11 @@
-"""Data parallelism on CPU: 2 gloo ranks (torch.multiprocessing.spawn) against one process on all the data.
+"""Data parallelism: 2 ranks (torch.multiprocessing.spawn) against one process on all the data.
 
-The ranks' results come back as files under tmp_path (torch.save); each worker sets the variables
-torchrun would (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and uses one thread, since
-the two processes share this machine's cores.
+On CPU (the default, CI): gloo. With ``CHRONICALS_TEST_DP_DEVICE=cuda`` on a machine with 2 GPUs: NCCL,
+rank r on cuda:r, the one-process reference on cuda:0 (the same tests, same assertions except where a
+GPU kernel's own nondeterminism is named).
+The ranks' results come back as files under tmp_path (torch.save, moved to the CPU); each worker sets the
+variables torchrun would (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and uses one thread,
+since the two processes share this machine's cores.
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ from train_helpers import SyntheticLoader, synthetic_docs, tiny_config, tiny_mod
 
 WORLD = 2
 CPU = torch.device("cpu")
+DEVICE = os.environ.get("CHRONICALS_TEST_DP_DEVICE", "cpu")  # "cpu" (gloo) or "cuda" (NCCL, 2 GPUs)
+REF = torch.device("cuda:0" if DEVICE == "cuda" else "cpu")  # where the one-process reference runs
+BACKEND = "nccl" if DEVICE == "cuda" else "gloo"
+if DEVICE == "cuda" and torch.cuda.device_count() < WORLD:
+    pytest.skip(f"CHRONICALS_TEST_DP_DEVICE=cuda needs {WORLD} GPUs (found {torch.cuda.device_count()})",
+                allow_module_level=True)
 
 
 def _free_port() -> int:
@@ -40,7 +49,11 @@ def _torchrun_env(rank: int, port: int) -> None:
 
 
 def _grads(model) -> dict:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _cpu_state(model) -> dict:
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def _micro_batches():
@@ -66,27 +79,32 @@ def _shards(docs, world: int):
 # ---- workers (module level: spawn pickles them by name) ----
 def _grad_worker(rank: int, port: int, out: str) -> None:
     _torchrun_env(rank, port)
-    dp = init_distributed("cpu")
+    dp = init_distributed(DEVICE)
     try:
         micro = _micro_batches()
         mine = micro[:1] if rank == 0 else micro[1:]
-        model = tiny_model(seed=0)
-        loss, n = accumulate_data_parallel(model, mine, CPU, dp, [p for p in model.parameters() if p.requires_grad])
-        torch.save({"loss": loss, "n": n, "grads": _grads(model), "backend": dp.backend}, f"{out}/rank{rank}.pt")
+        model = tiny_model(seed=0).to(dp.device)
+        loss, n = accumulate_data_parallel(model, mine, dp.device, dp,
+                                           [p for p in model.parameters() if p.requires_grad])
+        torch.save({"loss": loss.cpu(), "n": n, "grads": _grads(model), "backend": dp.backend,
+                    "device": str(dp.device)}, f"{out}/rank{rank}.pt")
     finally:
         dp.destroy()
 
 
 def _none_grad_worker(rank: int, port: int, out: str) -> None:
     _torchrun_env(rank, port)
-    dp = init_distributed("cpu")
+    dp = init_distributed(DEVICE)
     try:
-        unused, only0, both = (torch.nn.Parameter(torch.zeros(n)) for n in (3, 2, 4))
-        both.grad = torch.full((4,), float(rank + 1))
+        dev = dp.device
+        unused, only0, both = (torch.nn.Parameter(torch.zeros(n, device=dev)) for n in (3, 2, 4))
+        both.grad = torch.full((4,), float(rank + 1), device=dev)
         if rank == 0:
-            only0.grad = torch.ones(2)
+            only0.grad = torch.ones(2, device=dev)
         dp.all_reduce_grads([unused, only0, both])
-        torch.save({"unused": unused.grad, "only0": only0.grad, "both": both.grad}, f"{out}/none{rank}.pt")
+        cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
+        torch.save({"unused": cpu(unused.grad), "only0": cpu(only0.grad), "both": cpu(both.grad)},
+                   f"{out}/none{rank}.pt")
     finally:
         dp.destroy()
 
@@ -98,11 +116,12 @@ def _train_worker(rank: int, ports: tuple, out: str) -> None:
     docs = synthetic_docs(40, seed=1)
     _, shards = _shards(docs, WORLD)
     run_dir = Path(out) / f"rank{rank}"  # separate out_dirs show which rank wrote what
-    cfg = tiny_config(run_dir, train__max_steps=4, train__save_every=2, train__save_final=True, logging__plot=True)
+    cfg = tiny_config(run_dir, train__max_steps=4, train__save_every=2, train__save_final=True, logging__plot=True,
+                      model__device=DEVICE)
     model = tiny_model(seed=rank)  # rank 1 starts from other weights: the broadcast must overwrite them
     res = train(cfg, model=model, train_loader=shards[rank], eval_loader=SyntheticLoader(docs[:10], shuffle=False))
     assert not dist.is_initialized()  # train created the group, so it tore it down
-    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state = _cpu_state(model)
 
     # a SIGTERM to rank 1 alone at step 2 stops both ranks after step 2; resume=auto on both continues
     os.environ["MASTER_PORT"] = str(ports[1])
@@ -111,7 +130,8 @@ def _train_worker(rank: int, ports: tuple, out: str) -> None:
         if rank == 1 and step == 2:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    cfg2 = tiny_config(Path(out) / "stop", train__max_steps=4, train__resume="auto")  # one out_dir, as under torchrun
+    cfg2 = tiny_config(Path(out) / "stop", train__max_steps=4, train__resume="auto",  # one out_dir, as under torchrun
+                       model__device=DEVICE)
     stopped = train(cfg2, model=tiny_model(seed=0), train_loader=_shards(docs, WORLD)[1][rank], on_step=sigterm_rank1)
     os.environ["MASTER_PORT"] = str(ports[2])
     resumed_model = tiny_model(seed=rank)
@@ -119,7 +139,7 @@ def _train_worker(rank: int, ports: tuple, out: str) -> None:
     torch.save({"state": state, "status": res.status, "step": res.step, "eval_before": res.eval_loss_before,
                 "eval_after": res.eval_loss_after, "checkpoint": res.checkpoint, "final_dir": res.final_dir,
                 "stopped": (stopped.status, stopped.step, stopped.checkpoint),
-                "resumed": (resumed.status, resumed.step, resumed_model.state_dict())}, f"{out}/result{rank}.pt")
+                "resumed": (resumed.status, resumed.step, _cpu_state(resumed_model))}, f"{out}/result{rank}.pt")
 
 
 # ---- tests ----
@@ -148,18 +168,19 @@ def test_gradients_equal_one_process_on_all_micro_batches(tmp_path):
     counts = [b.num_loss_tokens for b in micro]
     assert counts[0] != sum(counts[1:]) and len(set(counts)) > 1  # else per-rank means would agree too
     mp.spawn(_grad_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    model = tiny_model(seed=0)
-    loss_1, n_1 = accumulate_gradients(model, micro, CPU)
-    g_1 = _grads(model)
+    model = tiny_model(seed=0).to(REF)
+    loss_1, n_1 = accumulate_gradients(model, micro, REF)
+    loss_1, g_1 = loss_1.cpu(), _grads(model)
     for r in range(WORLD):
         got = torch.load(tmp_path / f"rank{r}.pt")
-        assert got["backend"] == "gloo" and got["n"] == n_1 == sum(counts)
+        assert got["backend"] == BACKEND and got["n"] == n_1 == sum(counts)
+        assert got["device"] == ("cpu" if DEVICE == "cpu" else f"cuda:{r}")
         torch.testing.assert_close(got["loss"], loss_1, rtol=1e-6, atol=1e-6)
         assert got["grads"].keys() == g_1.keys()
         for name, g in g_1.items():
             torch.testing.assert_close(got["grads"][name], g, rtol=1e-5, atol=1e-6, msg=name)
     # averaging the two ranks' own means (the common bug) is measurably different from the loss above
-    per_rank = [accumulate_gradients(tiny_model(seed=0), m, CPU)[0] for m in (micro[:1], micro[1:])]
+    per_rank = [accumulate_gradients(tiny_model(seed=0).to(REF), m, REF)[0].cpu() for m in (micro[:1], micro[1:])]
     assert abs(float(sum(per_rank) / WORLD) - float(loss_1)) > 1e-3
 
 
@@ -189,15 +210,18 @@ def test_two_ranks_train_like_one_process_on_both_shards(tmp_path):
     for r in (r0, r1):
         assert r["resumed"][:2] == ("completed", 4)
         for n, v in r["resumed"][2].items():
-            assert torch.equal(v, r0["state"][n]), n
+            if DEVICE == "cpu":
+                assert torch.equal(v, r0["state"][n]), n
+            else:  # two separate runs: CUDA attention backward kernels may add in another order (atomics)
+                torch.testing.assert_close(v, r0["state"][n], rtol=1e-5, atol=1e-6, msg=n)
 
     # one process, grad_accum=2, on the union of the ranks' batches of each step
     docs = synthetic_docs(40, seed=1)
     full, _ = _shards(docs, WORLD)
-    cfg = tiny_config(tmp_path / "single", train__max_steps=4, train__grad_accum=WORLD)
+    cfg = tiny_config(tmp_path / "single", train__max_steps=4, train__grad_accum=WORLD, model__device=DEVICE)
     single = tiny_model(seed=0)
     train(cfg, model=single, train_loader=full)
-    for n, v in single.state_dict().items():
+    for n, v in _cpu_state(single).items():
         torch.testing.assert_close(r0["state"][n], v, rtol=1e-5, atol=1e-6, msg=n)
 
     def train_recs(run):

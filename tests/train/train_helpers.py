@@ -75,7 +75,7 @@ class SyntheticLoader:
 
 
 def tiny_config(tmp_path, **over):
-    base = {"model": {"device": "cpu", "impl": "torch"},
+    base = {"model": {"device": "cpu", "impl": "torch", "dtype": "float32"},
             "lora": {"enabled": False},
             "optim": {"lr": 3e-3, "grad_clip": 1.0},
             "schedule": {"warmup_steps": 2},
