@@ -52,6 +52,12 @@ def _grads(model) -> dict:
     return {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _on(model, device):
+    """The fp32 tiny model on ``device`` with the PyTorch ops (the CUDA varlen kernel takes bf16 only)."""
+    model.set_impl("torch")
+    return model.to(device)
+
+
 def _cpu_state(model) -> dict:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
@@ -83,7 +89,7 @@ def _grad_worker(rank: int, port: int, out: str) -> None:
     try:
         micro = _micro_batches()
         mine = micro[:1] if rank == 0 else micro[1:]
-        model = tiny_model(seed=0).to(dp.device)
+        model = _on(tiny_model(seed=0), dp.device)
         loss, n = accumulate_data_parallel(model, mine, dp.device, dp,
                                            [p for p in model.parameters() if p.requires_grad])
         torch.save({"loss": loss.cpu(), "n": n, "grads": _grads(model), "backend": dp.backend,
@@ -168,7 +174,7 @@ def test_gradients_equal_one_process_on_all_micro_batches(tmp_path):
     counts = [b.num_loss_tokens for b in micro]
     assert counts[0] != sum(counts[1:]) and len(set(counts)) > 1  # else per-rank means would agree too
     mp.spawn(_grad_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    model = tiny_model(seed=0).to(REF)
+    model = _on(tiny_model(seed=0), REF)
     loss_1, n_1 = accumulate_gradients(model, micro, REF)
     loss_1, g_1 = loss_1.cpu(), _grads(model)
     for r in range(WORLD):
@@ -180,7 +186,7 @@ def test_gradients_equal_one_process_on_all_micro_batches(tmp_path):
         for name, g in g_1.items():
             torch.testing.assert_close(got["grads"][name], g, rtol=1e-5, atol=1e-6, msg=name)
     # averaging the two ranks' own means (the common bug) is measurably different from the loss above
-    per_rank = [accumulate_gradients(tiny_model(seed=0).to(REF), m, REF)[0].cpu() for m in (micro[:1], micro[1:])]
+    per_rank = [accumulate_gradients(_on(tiny_model(seed=0), REF), m, REF)[0].cpu() for m in (micro[:1], micro[1:])]
     assert abs(float(sum(per_rank) / WORLD) - float(loss_1)) > 1e-3
 
 
