@@ -95,9 +95,14 @@ def test_cpu_request_fails_with_the_fix():
 
 
 def test_bench_graph_contenders_registered_and_guarded():
+    from chronicals.bench.cli import default_contenders
+
     for name, method in (("chronicals-full-graphs", "full"), ("chronicals-lora-graphs", "lora")):
-        c = CONTENDERS[name]
-        assert c.method == method and not c.in_default
+        assert CONTENDERS[name].method == method
+    # the LoRA graph row is in the default table on a GPU, and left out on the CPU (it needs CUDA)
+    assert "chronicals-lora-graphs" in default_contenders(get_shape("0.5b"), False, "cuda")
+    assert "chronicals-lora-graphs" in default_contenders(get_shape("0.5b"), True, "cuda")
+    assert not any(n.endswith("-graphs") for n in default_contenders(get_shape("tiny"), False, "cpu"))
     with pytest.raises(ValueError, match="step='trainer'"):
         chronicals_step(tiny_model(), RunSpec("chronicals-full-graphs", step="bench"), torch.device("cpu"), True)
     with pytest.raises(RuntimeError, match="CUDA device"):

@@ -29,7 +29,7 @@ from .worker import spec_argv
 # --quick: the rows that answer "are we ahead" in < 5 min of GPU time; Liger/Unsloth rows cost nothing
 # when not installed. Left out: chronicals/HF variants that compile (1-2 min each), unsloth-full, PEFT
 # + Liger/compile, and the 8B table.
-QUICK = ("chronicals-full", "chronicals-lora", "hf-sdpa", "hf-compile", "hf-liger", "hf-peft", "unsloth-lora")
+QUICK = ("chronicals-full", "chronicals-lora", "chronicals-lora-graphs", "hf-sdpa", "hf-compile", "hf-liger", "hf-peft", "unsloth-lora")
 SWEEP_DEFAULT = ("chronicals-full", "chronicals-lora", "hf-compile", "hf-peft", "unsloth-lora")
 LORA_SWEEP = ("chronicals-lora", "hf-peft", "unsloth-lora")
 SEQ_SWEEP = (512, 1024, 2048, 4096, 8192, 16384)
@@ -128,8 +128,10 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def default_contenders(shape, quick: bool) -> list[str]:
-    names = [c.name for c in CONTENDERS.values() if c.in_default and c.method in shape.methods]
+def default_contenders(shape, quick: bool, device: str = "cuda") -> list[str]:
+    """The default table's contenders for ``shape``; CUDA-graph rows only on a CUDA device."""
+    names = [c.name for c in CONTENDERS.values() if c.in_default and c.method in shape.methods
+             and (device.startswith("cuda") or not c.name.endswith("-graphs"))]
     return [n for n in names if n in QUICK] if quick else names
 
 
@@ -177,7 +179,7 @@ def run_plan(args) -> dict:
         sh = get_shape(name)
         spec = spec_for(name)
         print(f"table {name}: {spec.rows} x {spec.seq} tokens per step")
-        names = chosen or default_contenders(sh, args.quick)
+        names = chosen or default_contenders(sh, args.quick, device)
         rows = contender_rows(runner, with_graphs(names) if args.graphs else names, spec, peak)
         results["tables"].append({"title": f"{sh.note}, {spec.rows} x {spec.seq} tokens per step", "shape": name,
                                   "rows": spec.rows, "seq": spec.seq, "rows_data": rows})
