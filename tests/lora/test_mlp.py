@@ -92,15 +92,23 @@ SHAPES = [((1, 7), 11, 13, 3), ((2, 3), 24, 6, 4), ((5,), 1, 9, 1)]  # (lead dim
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("p", [0.0, 0.25])
 @pytest.mark.parametrize("concat", [False, True])
-def test_function_matches_reference_float64(lead, fi, fo, r, bias, p, concat):
+@pytest.mark.parametrize("packed", [False, True])
+def test_function_matches_reference_float64(lead, fi, fo, r, bias, p, concat, packed):
+    """packed: the function takes gu = [gate | up] (..., 2I) and returns d_gu whole."""
     g = torch.Generator().manual_seed(0)
     rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     gate, up, a, b = rnd(*lead, fi), rnd(*lead, fi), rnd(r, fi), rnd(fo, r)
     w, bi, dy = rnd(fo, fi), (rnd(fo) if bias else None), rnd(*lead, fo)
     mask = torch.rand(*lead, fi, generator=g) >= p if p else None
     ins = [t.requires_grad_() for t in (gate, up, a, b)]
-    got_y = LoRASwiGLUDownFunction.apply(gate, up, w, bi, a, b, 1.3, mask, p, concat, None, "torch")
-    got = [got_y, *torch.autograd.grad(got_y, ins, dy)]
+    if packed:
+        gu = torch.cat([gate, up], dim=-1).detach().requires_grad_()
+        got_y = LoRASwiGLUDownFunction.apply(gu, None, w, bi, a, b, 1.3, mask, p, concat, None, "torch")
+        dgu, da, db = torch.autograd.grad(got_y, [gu, a, b], dy)
+        got = [got_y, dgu[..., :fi], dgu[..., fi:], da, db]
+    else:
+        got_y = LoRASwiGLUDownFunction.apply(gate, up, w, bi, a, b, 1.3, mask, p, concat, None, "torch")
+        got = [got_y, *torch.autograd.grad(got_y, ins, dy)]
     act = swiglu_ref(gate, up)
     actd = act if mask is None else act * mask / (1 - p)
     want_y = nn.functional.linear(act, w, bi) + 1.3 * (actd @ a.t()) @ b.t()
