@@ -46,11 +46,12 @@ def _grads(model):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("names", [("norm", "swiglu"), ("norm", "swiglu", "gate_up"), ("gate_up",)])
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_gradients_bit_identical(impl, lora):
+def test_gradients_bit_identical(impl, lora, names):
     loss0, g0 = _grads(_model(impl, False, lora))
-    loss1, g1 = _grads(_model(impl, ("norm", "swiglu"), lora))
+    loss1, g1 = _grads(_model(impl, names, lora))
     assert torch.equal(loss0, loss1)
     assert g0.keys() == g1.keys() and len(g0) > 0
     for name in g0:
@@ -83,6 +84,32 @@ def test_graph_does_not_hold_offered_tensors(names, freed):
     loss.backward()  # and backward still works from the recipes
     for h in hooks:
         h.remove()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("names", [("norm", "swiglu"), ("norm", "swiglu", "gate_up")])
+def test_gate_up_output_is_let_go(monkeypatch, impl, lora, names):
+    """With "gate_up" the graph keeps no reference to the packed gate|up GEMM output (full: the SwiGLU
+    product's recipe rebuilds it through gu's own recipe; LoRA: the down_proj function saves gu)."""
+    from chronicals.models import decoder
+
+    refs, real = [], decoder.gate_up_proj
+
+    def watch(mlp, x):
+        gu = real(mlp, x)
+        refs.append(weakref.ref(gu if gu._base is None else gu._base))
+        return gu
+
+    monkeypatch.setattr(decoder, "gate_up_proj", watch)
+    model = _model(impl, names, lora)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(0)).to(DEV)
+    loss = model(ids, position_ids=torch.arange(9, device=DEV)[None], shift_labels=ids, reduction="sum")
+    gc.collect()
+    assert len(refs) == TINY["num_hidden_layers"]
+    alive = [r() is not None for r in refs]
+    assert alive == [("gate_up" not in names)] * len(refs)
+    loss.backward()
 
 
 def test_eval_and_no_grad_are_untouched():

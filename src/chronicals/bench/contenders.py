@@ -141,17 +141,18 @@ def chronicals_step(model, spec: RunSpec, device: torch.device, graphs: bool = F
 
 
 def _chronicals(method: str, compile_layers: bool, graphs: bool = False, keep: bool = False,
-                fused_swiglu: bool = True, group: bool = True):
+                fused_swiglu: bool = True, group: bool = True, recompute: tuple | None = None):
     """keep: no selective recomputation (``model.recompute=[]``): every activation stays saved.
     fused_swiglu: the SwiGLU backward kernel rebuilds the product (``RuntimeOptions.fused_swiglu_recompute``,
     the default); False: a second SwiGLU forward does (the offer).
-    group: LoRA q/k/v and gate/up as one GEMM each (``lora.group``); False: one call per module."""
+    group: LoRA q/k/v and gate/up as one GEMM each (``lora.group``); False: one call per module.
+    recompute: ``model.recompute`` names instead of the default (keep=True means ())."""
     def build(spec: RunSpec, shape: Shape, device: torch.device) -> Built:
         model = build_chronicals_model(shape, device, spec.impl, spec.seed)
         model.set_checkpointing(spec.checkpointing)
         model.opts.fused_swiglu_recompute = fused_swiglu
-        if keep:
-            model.set_recompute(())
+        if keep or recompute is not None:
+            model.set_recompute(() if keep else recompute)
         notes = [f"impl={spec.impl}"]
         if method == "lora":
             groups = add_chronicals_lora(model, spec, group)
@@ -254,6 +255,10 @@ _ALL = [
               _chronicals("lora", False, group=False), in_default=False),
     Contender("chronicals-lora-graphs-nogroup", "chronicals LoRA, CUDA graphs, one call per projection", "lora",
               _chronicals("lora", False, True, group=False), in_default=False),
+    Contender("chronicals-full-gateup", "chronicals, gate/up output recomputed too", "full",
+              _chronicals("full", False, recompute=("norm", "swiglu", "gate_up")), in_default=False),
+    Contender("chronicals-lora-graphs-gateup", "chronicals LoRA, CUDA graphs, gate/up output recomputed too", "lora",
+              _chronicals("lora", False, True, recompute=("norm", "swiglu", "gate_up")), in_default=False),
     Contender("chronicals-lora-graphs-keep", "chronicals LoRA, CUDA graphs, no recompute", "lora",
               _chronicals("lora", False, True, keep=True), in_default=False),
     Contender("chronicals-lora-compile", "chronicals LoRA, layers compiled", "lora", _chronicals("lora", True),

@@ -65,6 +65,14 @@ def why_not(members) -> str | None:
     return None
 
 
+def group_forward(x2, mat, bias, a_all):
+    """x2 (N, in) -> (y = [x2, x2 A_all^T] @ M^T (+ bias) (N, sum out), xa = x2 A_all^T (N, R)). No autograd."""
+    xa = torch.mm(x2, a_all.t())  # (N, R)
+    xcat = torch.cat([x2, xa], dim=1)  # (N, in + R): freed after forward, only x and xa are saved
+    y = torch.mm(xcat, mat.t()) if bias is None else torch.addmm(bias, xcat, mat.t())  # (N, sum out)
+    return y, xa
+
+
 class LoRAGroupFunction(torch.autograd.Function):
     """y = [x, x A_all^T] @ M^T (+ bias) with gradients for x, A_all and each B_i (see the module docstring).
 
@@ -75,12 +83,9 @@ class LoRAGroupFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, mat, bias, a_all, outs, ranks, scales, *bs):
-        fin = a_all.shape[1]
         shape = x.shape
-        x2 = x.reshape(-1, fin)  # (N, in)
-        xa = torch.mm(x2, a_all.t())  # (N, R)
-        xcat = torch.cat([x2, xa], dim=1)  # (N, in + R): freed after forward, only x and xa are saved
-        y = torch.mm(xcat, mat.t()) if bias is None else torch.addmm(bias, xcat, mat.t())  # (N, sum out)
+        x2 = x.reshape(-1, a_all.shape[1])  # (N, in)
+        y, xa = group_forward(x2, mat, bias, a_all)
         ctx.save_for_backward(x2, a_all, xa)  # the B_i are inputs for their gradients only: M holds s B
         ctx.mat, ctx.outs, ctx.ranks, ctx.scales, ctx.shape = mat, outs, ranks, scales, shape
         return y.view(*shape[:-1], y.shape[-1])
@@ -182,17 +187,28 @@ class LoRAGroup:
                 torch.mul(b, s, out=view)
         return self._mat
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., in) -> y (..., sum out_i), member outputs side by side in member order."""
-        dt = x.dtype
+    def _inputs(self, dt):
+        """(A_all (R, in), [B_i], bias or None) in the activations' dtype ``dt``."""
         a_s = [m.lora_A.weight for m in self.members]
         bs = [m.lora_B.weight for m in self.members]
         if a_s[0].dtype != dt:  # fp32 adapters on a bf16 base: cast the small matrices, not x
             a_s, bs = [a.to(dt) for a in a_s], [b.to(dt) for b in bs]
-        a_all = torch.cat(a_s)  # (R, in): cat's backward splits dA back to the members
         bias = None if self.members[0].bias is None else torch.cat([m.bias for m in self.members])
+        return torch.cat(a_s), bs, bias  # cat's backward splits dA back to the members
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> y (..., sum out_i), member outputs side by side in member order."""
+        a_all, bs, bias = self._inputs(x.dtype)
         mat = self.matrix(bs)
         return LoRAGroupFunction.apply(x, mat, bias, a_all, self.outs, self.ranks, self.scales, *bs)
+
+    @torch.no_grad()
+    def recompute(self, x: torch.Tensor) -> torch.Tensor:
+        """The output of the last ``self(x)`` again, bit for bit (same GEMMs on the same values: M's s B blocks
+        still hold the forward's B, which only the optimizer step changes). For ``ops.recompute`` offers."""
+        a_all, _, bias = self._inputs(x.dtype)
+        y, _ = group_forward(x.reshape(-1, self.fin), self._mat, bias, a_all)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def bind_groups(model: torch.nn.Module) -> int:

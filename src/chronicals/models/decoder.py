@@ -36,8 +36,9 @@ class RuntimeOptions:
     checkpointing: bool | int = False
     # tensors rebuilt in backward instead of kept (see ops.recompute): "norm" = RMSNorm outputs (from the
     # norm's own saved input and rstd; 1.31 GiB at the Qwen2.5-0.5B protocol for ~0.7 ms per step), "swiglu" =
-    # the SwiGLU product down_proj saves (from gate and up; 3.56 GiB there for ~2.6 ms). Gradients are
-    # bit-identical either way.
+    # the SwiGLU product down_proj saves (from gate and up; 3.56 GiB there for ~2.6 ms), "gate_up" = the
+    # packed gate|up GEMM output (from the MLP's input: 7.1 GiB there for one more GEMM per layer, ~10 ms;
+    # opt-in). Gradients are bit-identical either way.
     recompute: tuple[str, ...] = ("norm", "swiglu")
     # how "swiglu" rebuilds the product on the Triton path with plain gate/up/down: True = the SwiGLU backward
     # kernel writes it as a third output (models.fused_proj.SwiGLUDownFunction: ~1.9 ms less GPU per 0.5B
@@ -58,7 +59,7 @@ class RuntimeOptions:
         return min(c, num_layers)
 
 
-RECOMPUTABLE = ("norm", "swiglu")
+RECOMPUTABLE = ("norm", "swiglu", "gate_up")
 
 
 def check_recompute(names) -> tuple[str, ...]:
@@ -116,6 +117,11 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(b, s, self.nq * self.d))
 
 
+def _swiglu_gate_up_of(src, impl: str) -> torch.Tensor:
+    """swiglu_gate_up(src()) for a recipe: ``src`` rebuilds gu (``ops.recompute.rebuilder``)."""
+    return swiglu_gate_up(src(), impl=impl)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, opts: RuntimeOptions):
         super().__init__()
@@ -142,7 +148,11 @@ class MLP(nn.Module):
                     return y
             act = swiglu_gate_up(gu, impl=self.opts.impl)  # (B, S, I); backward writes d_gu in one kernel
             if recomputing:
-                recompute.offer(act, functools.partial(swiglu_gate_up, gu, impl=self.opts.impl))
+                # from gu's own recipe when gu is offered too ("gate_up"): a closure over gu would keep it alive
+                src = recompute.rebuilder(gu)
+                fn = (functools.partial(swiglu_gate_up, gu, impl=self.opts.impl) if src is None else
+                      functools.partial(_swiglu_gate_up_of, src, self.opts.impl))
+                recompute.offer(act, fn)
             return self.down_proj(act)
         gate, up = self.gate_proj(x), self.up_proj(x)  # (B, S, I) each
         if lora_down is not None:
@@ -283,7 +293,7 @@ class CausalLM(nn.Module):
         return self
 
     def set_recompute(self, names) -> "CausalLM":
-        """Tensors to rebuild in backward instead of keeping: a subset of ("norm", "swiglu"), True or False."""
+        """Tensors to rebuild in backward instead of keeping: a subset of RECOMPUTABLE, True (all) or False."""
         self.opts.recompute = check_recompute(names)
         return self
 

@@ -39,11 +39,15 @@ class _Offer:
     def __init__(self, fn: Callable[[], torch.Tensor], dtype: torch.dtype):
         self.fn, self.dtype, self.packs, self.unpacks, self.value = fn, dtype, 0, 0, None
 
-    def get(self) -> torch.Tensor:
+    def peek(self) -> torch.Tensor:
+        """The rebuilt tensor, computed once and shared, without counting an unpack (see ``rebuilder``)."""
         if self.value is None:
             with torch.no_grad():
                 self.value = self.fn()
-        out = self.value
+        return self.value
+
+    def get(self) -> torch.Tensor:
+        out = self.peek()
         self.unpacks += 1
         if self.unpacks >= self.packs:  # the last saver has it: let it go with that node
             self.value = None
@@ -83,6 +87,19 @@ def offer(t: torch.Tensor, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
     ref = weakref.ref(entry)
     weakref.finalize(t, _drop, key, ref)
     return t
+
+
+def rebuilder(t: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+    """When ``t`` is offered in the open session: a zero-argument function that returns its rebuilt value in
+    backward (computed once, shared with the graph's own unpacks of ``t``); else None.
+
+    For a recipe built from another offered tensor: ``offer(u, lambda: f(src()))`` with ``src = rebuilder(t)``
+    does not hold ``t`` itself alive (a closure over ``t`` would).
+    """
+    if not _active or torch.compiler.is_compiling():
+        return None
+    entry = _offers.get(_key(t))
+    return None if entry is None or entry.dtype != t.dtype else entry.peek
 
 
 def _drop(key, ref):
