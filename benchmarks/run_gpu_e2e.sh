@@ -5,6 +5,8 @@
 #                                                with Unsloth, ~5 min without)
 #   STAGE=8b    bash benchmarks/run_gpu_e2e.sh   8B LoRA table (~5 min)
 #   STAGE=sweep bash benchmarks/run_gpu_e2e.sh   model sweep, then the seq sweep of our two rows (~6 min)
+#   STAGE=ab    bash benchmarks/run_gpu_e2e.sh   our switches side by side at 0.5B: SwiGLU product source, gate_up
+#                                                recompute, LoRA groups (~3 min)
 # Unsloth rows need its wheels, which take two calls (one call carries at most 64 MiB and the machine
 # keeps what a call installed only while it stays warm, ~30 s; ../shared/GPU.md):
 #   call 1 (carry .whl_u1):  UNSLOTH_WHEELS=.whl_u1 STAGE=none bash benchmarks/run_gpu_e2e.sh
@@ -34,6 +36,10 @@ case "${STAGE:-main}" in
     bench 200 --model-sweep --contenders chronicals-lora --warmup 2 --steps 4 --timeout 60 > "$R/log_modelsweep.txt" 2>&1
     bench 380 --seq-sweep --contenders chronicals-full,chronicals-lora-graphs --warmup 2 --steps 4 --timeout 60 \
       > "$R/log_seqsweep.txt" 2>&1; tail -30 "$R"/log_*sweep.txt ;;
+  ab)
+    C=chronicals-full,chronicals-full-offer,chronicals-full-gateup,chronicals-lora-graphs,chronicals-lora-graphs-gateup,chronicals-lora-graphs-nogroup
+    bench 300 --shape 0.5b --contenders "$C" --warmup 3 --steps 10 --timeout 120 --no-correctness --no-learning \
+      --name bench_e2e_0.5b_ab > "$R/log_e2e_ab.txt" 2>&1; tail -12 "$R/log_e2e_ab.txt" ;;
   none) echo "wheels installed" ;;
-  *) echo "STAGE must be main | 8b | sweep | none" >&2; exit 2 ;;
+  *) echo "STAGE must be main | 8b | sweep | ab | none" >&2; exit 2 ;;
 esac
