@@ -50,6 +50,9 @@ class ModelSection:
                          "swiglu (the SwiGLU product, ~3.6 GiB less for ~2%), gate_up (the gate/up GEMM output, "
                          "~7.1 GiB less for one more GEMM per layer, ~8%; opt-in); [] keeps everything; off with "
                          "model.compile")
+    loss_vocab_parts: int = _f(1, "the loss head's fp32 weight-gradient accumulator in k vocabulary parts: "
+                                  "V x H x 4 / k bytes (0.51 GiB / k at Qwen2.5-0.5B) for (k-1)/k more logits "
+                                  "GEMMs; acts when lm_head trains (full fine-tuning, or LoRA modules_to_save)")
 
     def __post_init__(self):
         _check(self.dtype in ("auto", "bfloat16", "float32", "float64"), "model.dtype", self.dtype,
@@ -59,6 +62,8 @@ class ModelSection:
         _check(self.impl in ("auto", "triton", "torch"), "model.impl", self.impl, "auto | triton | torch")
         _check(bool(self.path), "model.path", self.path, "a model directory, .gguf file or short name")
         _check(self.checkpoint_layers >= 0, "model.checkpoint_layers", self.checkpoint_layers, "an integer >= 0")
+        _check(isinstance(self.loss_vocab_parts, int) and self.loss_vocab_parts >= 1, "model.loss_vocab_parts",
+               self.loss_vocab_parts, "an integer >= 1")
         _check(all(n in ("norm", "swiglu", "gate_up") for n in self.recompute), "model.recompute", self.recompute,
                "a list drawn from [norm, swiglu, gate_up], or []")
 

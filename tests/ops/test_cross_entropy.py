@@ -103,6 +103,67 @@ def test_matches_reference(dtype, reduction, n, h, v, chunk_rows, bias, softcap)
         assert_tracks_torch(name, o, t, r, dtype)
 
 
+@pytest.mark.parametrize("dtype,reduction,bias,softcap,parts", [
+    (torch.float32, "mean", True, None, 2), (torch.bfloat16, "sum", False, 30.0, 3),
+    (torch.float32, "none", True, 20.0, 7), (torch.bfloat16, "none", False, None, 2)])
+def test_vocab_parts_match_reference(dtype, reduction, bias, softcap, parts):
+    """vocab_parts k: the weight gradient accumulated one vocabulary part per pass (V = 1031: the last of 7
+    parts is shorter); loss and every gradient track the reference as the one-part path does. "none" runs
+    the parts in its backward, from the saved log-sum-exp."""
+    n, h, v = 300, 64, 1031
+    x, w, b, labels = make_inputs(n, h, v, dtype, bias, seed=17)
+    shape = (n,) if reduction == "none" else ()
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(DEV)
+
+    def ours(x_, w_, labels_, b_):
+        return linear_cross_entropy(x_, w_, labels_, bias=b_, ignore_index=IGNORE, reduction=reduction,
+                                    softcap=softcap, impl="triton", vocab_parts=parts)
+
+    def same_dtype(x_, w_, labels_, b_):
+        return linear_cross_entropy_ref(x_, w_, labels_, bias=b_, ignore_index=IGNORE, reduction=reduction,
+                                        softcap=softcap)
+
+    got = run(ours, x, w, b, labels, grad_out)
+    torch_out = run(same_dtype, x, w, b, labels, grad_out)
+    ref = run(lambda x_, w_, l_, b_: exact_lce(x_, w_, l_, b_, reduction, softcap),
+              *(None if t is None else t.double() for t in (x, w, b)), labels, grad_out)
+    for name, o, t, r in zip(["loss", "d_hidden", "d_weight", "d_bias"], got, torch_out, ref):
+        assert_tracks_torch(name, o, t, r, dtype)
+
+
+def test_model_loss_vocab_parts_reaches_the_head(monkeypatch):
+    """CausalLM's training loss with opts.loss_vocab_parts = 3 runs the head in 3 parts, with the same loss and
+    gradients as one part."""
+    import transformers
+
+    from chronicals.models import CausalLM, ModelConfig
+    from chronicals.ops import cross_entropy
+
+    seen, real = [], cross_entropy.linear_ce_chunked
+    monkeypatch.setattr(cross_entropy, "linear_ce_chunked", lambda *a, **k: seen.append(k["vocab_parts"]) or real(*a, **k))
+
+    cfg = ModelConfig.from_hf_dict(transformers.LlamaConfig(
+        vocab_size=211, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True).to_dict())
+    ids = torch.randint(0, 211, (2, 9), generator=torch.Generator().manual_seed(0)).to(DEV)
+    out = []
+    for parts in (1, 3):
+        model = CausalLM(cfg, impl="triton").init_weights(seed=0).to(DEV).train()
+        model.opts.loss_vocab_parts = parts
+        loss = model(ids, shift_labels=torch.roll(ids, -1, 1), reduction="mean")
+        loss.backward()
+        out.append((loss.detach(), model.lm_head.weight.grad.clone()))
+    assert seen == [1, 3]
+    torch.testing.assert_close(out[0][0], out[1][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out[0][1], out[1][1], rtol=1e-5, atol=1e-6)
+
+
+def test_vocab_parts_rejects_bad_values():
+    x, w, _, labels = make_inputs(4, 64, 1000, torch.float32, False, seed=1)
+    with pytest.raises(ValueError, match="vocab_parts"):
+        linear_cross_entropy(x, w, labels, impl="triton", vocab_parts=0)
+
+
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_all_labels_ignored_gives_zero_loss_and_grads(reduction):
     x, w, b, labels = make_inputs(5, 64, 1000, torch.bfloat16, True, seed=3)
@@ -185,8 +246,8 @@ def test_torch_compile_sees_one_op():
 
 def test_opcheck():
     x, w, b, labels = make_inputs(5, 64, 1000, torch.float32, True, seed=17)
-    for reduction in ("mean", "none"):
-        args = (x, w, labels, b, IGNORE, reduction, 10.0, True, True, True, 3)
+    for reduction, parts in (("mean", 1), ("none", 1), ("mean", 2)):
+        args = (x, w, labels, b, IGNORE, reduction, 10.0, True, True, True, 3, parts)
         torch.library.opcheck(torch.ops.chronicals.linear_cross_entropy.default, args,
                               test_utils=("test_schema", "test_faketensor"))
 

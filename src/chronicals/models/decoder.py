@@ -45,6 +45,9 @@ class RuntimeOptions:
     # step); False = a second SwiGLU forward (the offer). One H200 run, eager, 0.5B protocol (git 6faf856):
     # 138.1k tok/s vs 136.7k, both 13.7 GiB. Same gradients either way (bit for bit).
     fused_swiglu_recompute: bool = True
+    # the loss head's fp32 weight-gradient accumulator in k vocabulary parts (ops.linear_cross_entropy's
+    # vocab_parts): V x H x 4 / k bytes (0.51 GiB / k at Qwen2.5-0.5B) for (k - 1) / k more logits GEMMs
+    loss_vocab_parts: int = 1
 
     def __post_init__(self):
         self.recompute = check_recompute(self.recompute)
@@ -362,7 +365,7 @@ class CausalLM(nn.Module):
         if reduction != "none":
             h2, y = loss_rows(h2, y, num_loss_tokens)
         loss = linear_cross_entropy(h2, self.lm_head.weight, y, ignore_index=IGNORE_INDEX, reduction=reduction,
-                                    impl=self.opts.impl)
+                                    impl=self.opts.impl, vocab_parts=self.opts.loss_vocab_parts)
         return loss.view(shift_labels.shape) if reduction == "none" else loss
 
 

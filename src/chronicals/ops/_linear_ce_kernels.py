@@ -47,10 +47,11 @@ def _load_logits(ptrs, bias_ptrs, mask, softcap, HAS_BIAS: tl.constexpr, HAS_SOF
 
 @triton.jit
 def _lce_rows_kernel(L_ptr, l_row_stride, LABELS_ptr, BIAS_ptr, SCALE_ptr, scale_stride, LOSS_ptr, LSE_ptr,
-                     row0, C, V, ignore_index, softcap,
+                     row0, col0, C, V, ignore_index, softcap,
                      HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_LSE: tl.constexpr,
                      WRITE_GRAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
     """L (C, V) raw logits of rows row0 .. row0 + C of the batch; LABELS/LOSS/LSE/SCALE index global rows.
+    col0: the vocabulary index of L's first column (a vocabulary part; 0 with COMPUTE_LSE, which needs all V).
 
     COMPUTE_LSE: pass 1 writes LOSS (0 where ignored) and LSE; otherwise LSE is read (backward of "none").
     WRITE_GRAD: pass 2 overwrites L with d_logits = SCALE[row * scale_stride] * d loss_row / d raw logits.
@@ -91,7 +92,8 @@ def _lce_rows_kernel(L_ptr, l_row_stride, LABELS_ptr, BIAS_ptr, SCALE_ptr, scale
                 offs = v0 + cols
                 mask = rmask[:, None] & (offs < V)
                 z, t = _load_logits(row_ptrs + offs, BIAS_ptr + offs, mask, softcap, HAS_BIAS, HAS_SOFTCAP)
-                d = tl.exp2((z - lse[:, None]) * 1.4426950408889634) - tl.where(offs == label[:, None], 1.0, 0.0)
+                onehot = tl.where(col0 + offs == label[:, None], 1.0, 0.0)
+                d = tl.exp2((z - lse[:, None]) * 1.4426950408889634) - onehot
                 if HAS_SOFTCAP:
                     d = d * (1.0 - t * t)  # d(softcap * tanh(x / softcap)) / dx
                 d = tl.where(valid[:, None], d, 0.0) * scale[:, None]
@@ -108,18 +110,21 @@ def _lce_rows_kernel(L_ptr, l_row_stride, LABELS_ptr, BIAS_ptr, SCALE_ptr, scale
 
 
 def lce_rows(logits: torch.Tensor, labels: torch.Tensor, row0: int, bias, scale, loss_rows, lse, *,
-             ignore_index: int, softcap, compute_lse: bool, write_grad: bool) -> None:
+             ignore_index: int, softcap, compute_lse: bool, write_grad: bool, col0: int = 0) -> None:
     """Run the row kernel on a chunk ``logits`` (C, V), stride(1) == 1, holding rows row0 .. row0 + C.
 
     labels (N,) int64; bias (V,) or None; scale (1,) or (N,) fp32 (stride 0 or 1 per row); loss_rows and
-    lse (N,) fp32 (lse is read instead of written when ``compute_lse`` is False).
+    lse (N,) fp32 (lse is read instead of written when ``compute_lse`` is False). col0: vocabulary index of
+    the first column when ``logits`` (and ``bias``) hold one vocabulary part; only without ``compute_lse``.
     """
     c, v = logits.shape
     if c == 0:
         return
+    if compute_lse and col0:
+        raise ValueError("lce_rows: the log-sum-exp needs the whole vocabulary (col0 = 0)")
     _lce_rows_kernel[(triton.cdiv(c, BLOCK_R_ROWS),)](
         logits, logits.stride(0), labels, bias if bias is not None else logits, scale,
-        1 if scale.numel() > 1 else 0, loss_rows, lse, row0, c, v, ignore_index,
+        1 if scale.numel() > 1 else 0, loss_rows, lse, row0, col0, c, v, ignore_index,
         float(softcap) if softcap is not None else 1.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, COMPUTE_LSE=compute_lse,
         WRITE_GRAD=write_grad, BLOCK_R=BLOCK_R_ROWS, BLOCK_V=BLOCK_V_ROWS, num_warps=ROWS_NUM_WARPS)

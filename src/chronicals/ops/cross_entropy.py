@@ -51,6 +51,13 @@ the workspace alone. Llama-3-8B head (N 8,192, H 4,096, V 128,256): C = 4,096, t
 dW = 1.05 GB, fp32 accumulator 2.1 GB (3.2 GB in all with the gradients); its LoRA case has no dW at all.
 The bench also times C = 2H: fewer, longer dW GEMMs (K = 1,792 halves the accumulator traffic per FLOP)
 at +C x V x 2 bytes, since the workspace can then no longer double as dW's storage.
+
+Less memory, exactly (``vocab_parts`` k > 1, with a weight gradient): the fp32 accumulator holds one part of
+ceil(V / k) vocabulary rows. The pass above fills part 1 (its dW GEMM reads that part's columns of each
+d_logits chunk); part p then runs its own pass over the rows: logits of the part only (rows x V / k, cuBLAS),
+the row kernel's pass 2 from the stored log-sum-exp, and its dW GEMM. Cost: (k - 1) / k more logits GEMMs
+(4 - 1/k GEMMs in all). Memory at Qwen2.5-0.5B, k = 4: dW 272 MB + workspace 128 MB (C ~ 420) + accumulator
+136 MB + dH 29 MB = 0.53 GiB with both gradients, against 0.79 GiB for k = 1. Not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -68,6 +75,9 @@ REDUCTIONS = ("mean", "sum", "none")
 # Workspace target without a weight gradient: 256 MB is ~840 rows at V = 151,936, enough for cuBLAS to
 # run K = 896 GEMMs near peak, and a small fraction of the 37.7 GiB the fp32 logits would take.
 WORKSPACE_BYTES = 256 << 20
+# With vocab_parts > 1 (less memory on purpose) the logits workspace is halved too: 128 MB, ~420 rows at
+# V = 151,936 (still >= MIN_CHUNK_ROWS).
+LOWMEM_WORKSPACE_BYTES = 128 << 20
 MIN_CHUNK_ROWS = 256
 
 
@@ -97,18 +107,25 @@ def linear_cross_entropy_ref(hidden, weight, labels, *, bias=None, ignore_index=
 # ---------------------------------------------------------------- the chunked driver
 
 
-def default_chunk_rows(n: int, h: int, v: int, need_dw: bool, elt_bytes: int) -> int:
-    """Rows per chunk: H with a weight gradient (the workspace then holds dW at the end), else ~256 MB."""
-    rows = h if need_dw else WORKSPACE_BYTES // (v * elt_bytes)
+def default_chunk_rows(n: int, h: int, v: int, need_dw: bool, elt_bytes: int, vocab_parts: int = 1) -> int:
+    """Rows per chunk: H with a weight gradient in one vocabulary part (the workspace then holds dW at the
+    end), else a workspace of ~256 MB (~128 MB with vocab_parts > 1, where the memory is the point)."""
+    if need_dw and vocab_parts == 1:
+        rows = h
+    else:
+        rows = (WORKSPACE_BYTES if vocab_parts == 1 else LOWMEM_WORKSPACE_BYTES) // (v * elt_bytes)
     return max(1, min(n, max(MIN_CHUNK_ROWS, rows)))
 
 
 def linear_ce_chunked(hidden, weight, labels, bias, scale, lse_in, *, ignore_index: int, softcap,
-                      need_dh: bool, need_dw: bool, need_db: bool, chunk_rows: int):
-    """One pass over the rows in chunks; see the module docstring.
+                      need_dh: bool, need_dw: bool, need_db: bool, chunk_rows: int, vocab_parts: int = 1):
+    """One pass over the rows in chunks, plus vocab_parts - 1 passes for the weight gradient; see the module
+    docstring.
 
     hidden (N, H), weight (V, H) contiguous, one dtype; labels (N,) int64; scale (1,) or (N,) fp32 on the
     device (gradient multiplier per row); lse_in (N,) fp32 or None (None: compute lse and the loss).
+    vocab_parts k: the fp32 weight-gradient accumulator holds one part of ceil(V / k) vocabulary rows; the
+    first pass fills part 1, and pass p recomputes only part p's logits (from lse) to fill it.
     Returns loss_rows (N,) fp32 (empty when lse_in is given), lse (N,), dH (N, H), dW (V, H), dbias (V,),
     each gradient empty(0) when not asked for.
     """
@@ -117,16 +134,20 @@ def linear_ce_chunked(hidden, weight, labels, bias, scale, lse_in, *, ignore_ind
     dev, dt = hidden.device, hidden.dtype
     grad = need_dh or need_dw or need_db
     c = max(1, min(n, chunk_rows))
+    parts = max(1, min(int(vocab_parts), v)) if need_dw else 1
+    vp = -(-v // parts)  # vocabulary rows per part
     compute_lse = lse_in is None
     loss_rows = torch.empty(n if compute_lse else 0, device=dev, dtype=torch.float32)
     lse = torch.empty(n, device=dev, dtype=torch.float32) if compute_lse else lse_in
     dh = torch.empty((n, h) if need_dh else (0,), device=dev, dtype=dt)
     db32 = torch.zeros(v if need_db else 0, device=dev, dtype=torch.float32)
-    dw32 = torch.zeros((v, h) if need_dw else (0,), device=dev, dtype=torch.float32)
+    dw32 = torch.zeros((vp, h) if need_dw else (0,), device=dev, dtype=torch.float32)
     # The workspace holds one chunk of logits (C x V). With C <= H (the default with a weight gradient) it is
-    # sized V x H instead and becomes dW's storage at the end: no second (V, H) allocation, no slack.
-    reuse = need_dw and c * v <= v * h
+    # sized V x H instead and becomes dW's storage at the end: no second (V, H) allocation, no slack. With
+    # several vocabulary parts dW is filled part by part while the workspace is still in use.
+    reuse = need_dw and parts == 1 and c * v <= v * h
     ws = torch.empty(max(c * v, v * h if reuse else 0), device=dev, dtype=dt)
+    dw = torch.empty((v, h) if need_dw and not reuse else (0,), device=dev, dtype=weight.dtype)
     for r0 in range(0, n, c):
         rows = min(c, n - r0)
         x = hidden[r0:r0 + rows]
@@ -137,15 +158,27 @@ def linear_ce_chunked(hidden, weight, labels, bias, scale, lse_in, *, ignore_ind
         if need_dh:
             torch.mm(buf, weight, out=dh[r0:r0 + rows])
         if need_dw:
-            dw_accumulate(buf, x, dw32)
+            dw_accumulate(buf[:, :vp], x, dw32)  # part 1: the first vp vocabulary rows
         if need_db:
             db32 += buf.sum(0, dtype=torch.float32)
+    if reuse:
+        dw = ws[:v * h].view(v, h)
     if need_dw:
-        dw = ws[:v * h].view(v, h) if reuse else torch.empty((v, h), device=dev, dtype=weight.dtype)
-        dw.copy_(dw32)
-        del dw32
-    else:
-        dw = torch.empty(0, device=dev, dtype=weight.dtype)
+        dw[:vp].copy_(dw32)
+    for lo in range(vp, v if need_dw else 0, vp):  # parts 2..k: their logits again, from lse
+        hi = min(v, lo + vp)
+        acc, wp = dw32[:hi - lo].zero_(), weight[lo:hi]
+        bp = None if bias is None else bias[lo:hi]
+        for r0 in range(0, n, c):
+            rows = min(c, n - r0)
+            x = hidden[r0:r0 + rows]
+            buf = ws[:rows * (hi - lo)].view(rows, hi - lo)
+            torch.mm(x, wp.t(), out=buf)
+            lce_rows(buf, labels, r0, bp, scale, loss_rows, lse, ignore_index=ignore_index, softcap=softcap,
+                     compute_lse=False, write_grad=True, col0=lo)
+            dw_accumulate(buf, x, acc)
+        dw[lo:hi].copy_(acc)
+    del dw32
     db = db32.to(bias.dtype) if need_db else torch.empty(0, device=dev, dtype=dt)
     return loss_rows, lse, dh, dw, db
 
@@ -156,8 +189,8 @@ def linear_ce_chunked(hidden, weight, labels, bias, scale, lse_in, *, ignore_ind
 @torch.library.custom_op("chronicals::linear_cross_entropy", mutates_args=())
 def _lce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: Optional[torch.Tensor],
             ignore_index: int, reduction: str, softcap: Optional[float], need_dh: bool, need_dw: bool,
-            need_db: bool, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                     torch.Tensor]:
+            need_db: bool, chunk_rows: int, vocab_parts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                        torch.Tensor, torch.Tensor]:
     """-> loss (() or (N,) fp32), lse (N,), and for "mean"/"sum" the gradients for grad_output = 1."""
     n = hidden.shape[0]
     count = (labels != ignore_index).sum().clamp(min=1)  # stays on the device
@@ -169,7 +202,7 @@ def _lce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bi
     loss_rows, lse, dh, dw, db = linear_ce_chunked(
         hidden, weight, labels, bias, scale, None, ignore_index=ignore_index, softcap=softcap,
         need_dh=need_dh and fwd_grads, need_dw=need_dw and fwd_grads, need_db=need_db and fwd_grads,
-        chunk_rows=chunk_rows)
+        chunk_rows=chunk_rows, vocab_parts=vocab_parts)
     if reduction == "none":
         loss = loss_rows
     else:
@@ -178,7 +211,8 @@ def _lce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bi
 
 
 @_lce_op.register_fake
-def _(hidden, weight, labels, bias, ignore_index, reduction, softcap, need_dh, need_dw, need_db, chunk_rows):
+def _(hidden, weight, labels, bias, ignore_index, reduction, softcap, need_dh, need_dw, need_db, chunk_rows,
+      vocab_parts):
     n, h = hidden.shape
     v = weight.shape[0]
     fwd = reduction != "none"
@@ -192,17 +226,19 @@ def _(hidden, weight, labels, bias, ignore_index, reduction, softcap, need_dh, n
 @torch.library.custom_op("chronicals::linear_cross_entropy_backward", mutates_args=())
 def _lce_backward_op(grad_rows: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                      bias: Optional[torch.Tensor], lse: torch.Tensor, ignore_index: int, softcap: Optional[float],
-                     need_dh: bool, need_dw: bool, need_db: bool,
-                     chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     need_dh: bool, need_dw: bool, need_db: bool, chunk_rows: int,
+                     vocab_parts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of reduction="none": grad_rows (N,) -> dH (N, H), dW (V, H), dbias (V,) (empty when not asked)."""
     _, _, dh, dw, db = linear_ce_chunked(
         hidden, weight, labels, bias, grad_rows.float().contiguous(), lse, ignore_index=ignore_index,
-        softcap=softcap, need_dh=need_dh, need_dw=need_dw, need_db=need_db, chunk_rows=chunk_rows)
+        softcap=softcap, need_dh=need_dh, need_dw=need_dw, need_db=need_db, chunk_rows=chunk_rows,
+        vocab_parts=vocab_parts)
     return dh, dw, db
 
 
 @_lce_backward_op.register_fake
-def _(grad_rows, hidden, weight, labels, bias, lse, ignore_index, softcap, need_dh, need_dw, need_db, chunk_rows):
+def _(grad_rows, hidden, weight, labels, bias, lse, ignore_index, softcap, need_dh, need_dw, need_db, chunk_rows,
+      vocab_parts):
     n, h = hidden.shape
     v = weight.shape[0]
     return (hidden.new_empty((n, h) if need_dh else (0,)), weight.new_empty((v, h) if need_dw else (0,)),
@@ -221,10 +257,11 @@ def _(grad, g):
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, labels, bias, ignore_index, reduction, softcap, need_dh, need_dw, need_db, chunk_rows = inputs
+    (hidden, weight, labels, bias, ignore_index, reduction, softcap, need_dh, need_dw, need_db, chunk_rows,
+     vocab_parts) = inputs
     _, lse, dh, dw, db = output
     ctx.reduction, ctx.has_bias = reduction, bias is not None
-    ctx.args = (ignore_index, softcap, need_dh, need_dw, need_db, chunk_rows)
+    ctx.args = (ignore_index, softcap, need_dh, need_dw, need_db, chunk_rows, vocab_parts)
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, labels, bias, lse)
     else:
@@ -232,18 +269,19 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, g_loss, _g_lse, _g_dh, _g_dw, _g_db):
-    ignore_index, softcap, need_dh, need_dw, need_db, chunk_rows = ctx.args
+    ignore_index, softcap, need_dh, need_dw, need_db, chunk_rows, vocab_parts = ctx.args
     if ctx.reduction == "none":
         hidden, weight, labels, bias, lse = ctx.saved_tensors
         dh, dw, db = torch.ops.chronicals.linear_cross_entropy_backward(
-            g_loss, hidden, weight, labels, bias, lse, ignore_index, softcap, need_dh, need_dw, need_db, chunk_rows)
+            g_loss, hidden, weight, labels, bias, lse, ignore_index, softcap, need_dh, need_dw, need_db, chunk_rows,
+            vocab_parts)
     else:
         dh, dw, db = ctx.saved_tensors
         # g_loss is usually 1, or 1/count from the trainer: multiplied in fp32, rounded once (torch's
         # bf16 * 0-dim fp32 would round 1/count itself to bf16 first, a 2^-9 error on every gradient)
         dh, dw, db = (torch.ops.chronicals.linear_cross_entropy_scale_grad(t, g_loss) for t in (dh, dw, db))
     return (dh if need_dh else None, dw if need_dw else None, None, db if need_db else None,
-            None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None)
 
 
 _lce_op.register_autograd(_backward, setup_context=_setup_context)
@@ -270,31 +308,36 @@ def _check(hidden, weight, labels, bias, reduction):
 
 
 def linear_cross_entropy_triton(hidden, weight, labels, *, bias=None, ignore_index=-100, reduction="mean",
-                                softcap=None, chunk_rows: int | None = None):
+                                softcap=None, chunk_rows: int | None = None, vocab_parts: int = 1):
     """The fused path with an explicit chunk size (None: ``default_chunk_rows``); tests vary it."""
     _check(hidden, weight, labels, bias, reduction)
+    if int(vocab_parts) != vocab_parts or vocab_parts < 1:
+        raise ValueError(f"linear_cross_entropy: vocab_parts={vocab_parts!r} must be an integer >= 1 "
+                         "(1: one fp32 weight-gradient accumulator of V x H; k: V x H / k for (k-1)/k more GEMMs)")
     grad_on = torch.is_grad_enabled()
     need_dh = grad_on and hidden.requires_grad
     need_dw = grad_on and weight.requires_grad
     need_db = grad_on and bias is not None and bias.requires_grad
     n, h = hidden.shape
     if chunk_rows is None:
-        chunk_rows = default_chunk_rows(n, h, weight.shape[0], need_dw, hidden.element_size())
+        chunk_rows = default_chunk_rows(n, h, weight.shape[0], need_dw, hidden.element_size(), int(vocab_parts))
     loss = torch.ops.chronicals.linear_cross_entropy(
         hidden.contiguous(), weight.contiguous(), labels.contiguous().long(),
         None if bias is None else bias.contiguous(), int(ignore_index), reduction,
-        None if softcap is None else float(softcap), need_dh, need_dw, need_db, int(chunk_rows))[0]
+        None if softcap is None else float(softcap), need_dh, need_dw, need_db, int(chunk_rows), int(vocab_parts))[0]
     return loss
 
 
 def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100, reduction="mean",
-                         softcap=None, impl: str = "auto"):
+                         softcap=None, impl: str = "auto", vocab_parts: int = 1):
     """Loss of ``hidden @ weight.T (+ bias)`` against ``labels``; see the module docstring.
 
     hidden (N, H), weight (V, H), labels (N,), bias (V,) or None -> fp32 loss, () or (N,) for "none".
+    vocab_parts (fused path, weight gradient only): k > 1 keeps the fp32 weight-gradient accumulator at
+    V x H x 4 / k bytes for (k - 1) / k more logits GEMMs and as many dW GEMMs of 1/k the size.
     """
     if resolve_impl("linear_cross_entropy", impl, hidden.device) == "torch":
         return linear_cross_entropy_ref(hidden, weight, labels, bias=bias, ignore_index=ignore_index,
                                         reduction=reduction, softcap=softcap)
     return linear_cross_entropy_triton(hidden, weight, labels, bias=bias, ignore_index=ignore_index,
-                                       reduction=reduction, softcap=softcap)
+                                       reduction=reduction, softcap=softcap, vocab_parts=vocab_parts)
