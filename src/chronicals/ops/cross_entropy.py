@@ -56,8 +56,12 @@ Less memory, exactly (``vocab_parts`` k > 1, with a weight gradient): the fp32 a
 ceil(V / k) vocabulary rows. The pass above fills part 1 (its dW GEMM reads that part's columns of each
 d_logits chunk); part p then runs its own pass over the rows: logits of the part only (rows x V / k, cuBLAS),
 the row kernel's pass 2 from the stored log-sum-exp, and its dW GEMM. Cost: (k - 1) / k more logits GEMMs
-(4 - 1/k GEMMs in all). Memory at Qwen2.5-0.5B, k = 4: dW 272 MB + workspace 128 MB (C ~ 420) + accumulator
-136 MB + dH 29 MB = 0.53 GiB with both gradients, against 0.79 GiB for k = 1. Not yet timed on a GPU.
+(4 - 1/k GEMMs in all), and smaller chunks make the dW GEMMs memory-bound on the accumulator. Memory at
+Qwen2.5-0.5B, k = 4: dW 272 MB + workspace 128 MB (C ~ 440) + accumulator 136 MB + dH 29 MB = 0.53 GiB with
+both gradients, against 0.79 GiB for k = 1. Time by arithmetic: +4.9 ms of logits GEMMs, ~+3 ms of
+accumulator traffic (37 chunks x 272 MB per pass), +1.8 ms of row passes: ~2x the floor. That is slower
+than k = 1 (1.52x) and faster than the other low-memory exact heads measured (Liger 2.87x, exact CCE 4.17x).
+Not yet timed on a GPU.
 """
 
 from __future__ import annotations
