@@ -26,7 +26,8 @@ writes d_gu whole). Cost: the zero blocks are extra K columns (R - r_i per row b
 32 of 960 at gate/up, 0.5B shape) and the activation cat (N x (in + R)).
 
 Which members qualify: LoRALinear with impl "fused", dropout 0, one in_features, base dtype and device,
-one adapter dtype, no forward hooks, all or none with a bias. Otherwise ``LoRAGroup.why_not`` says why, and the members run apart.
+one adapter dtype, no forward hooks, all or none with a bias. Otherwise ``why_not`` says why, and the
+members run apart.
 """
 
 from __future__ import annotations
@@ -175,7 +176,8 @@ class LoRAGroup:
             return False
         if torch.compiler.is_compiling():  # data_ptr is a graph break; eager calls keep the check
             return True
-        return all(m.weight.data_ptr() == p and m.weight.dtype == mat.dtype for m, p in zip(self.members, self._ptrs))
+        return all(m.weight.data_ptr() == p and m.weight.dtype == mat.dtype
+                   for m, p in zip(self.members, self._ptrs))
 
     def matrix(self, bs) -> torch.Tensor:
         """M with its s_i B_i blocks refreshed from ``bs`` (the members' B in x's dtype)."""
@@ -217,8 +219,9 @@ def bind_groups(model: torch.nn.Module) -> int:
     Blocks whose projections do not qualify (see ``why_not``) keep separate calls; the reason is logged once.
     """
     made, reasons = 0, set()
+    kinds = (("lora_qkv", ("q_proj", "k_proj", "v_proj")), ("lora_gate_up", ("gate_proj", "up_proj")))
     for mod in model.modules():
-        for attr, names in (("lora_qkv", ("q_proj", "k_proj", "v_proj")), ("lora_gate_up", ("gate_proj", "up_proj"))):
+        for attr, names in kinds:
             if not all(isinstance(getattr(mod, n, None), LoRALinear) for n in names):
                 continue
             members = [getattr(mod, n) for n in names]
