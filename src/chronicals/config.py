@@ -48,7 +48,7 @@ class ModelSection:
     recompute: list = _f(["norm", "swiglu"], "tensors rebuilt in backward instead of kept, bit-identical gradients: "
                          "norm (RMSNorm outputs, ~1.3 GiB less at Qwen2.5-0.5B x 16k tokens for ~0.6% time), "
                          "swiglu (the SwiGLU product, ~3.6 GiB less for ~2%), gate_up (the gate/up GEMM output, "
-                         "~7.1 GiB less for one more GEMM per layer, ~8%; opt-in); [] keeps everything; off with "
+                         "~6.5 GiB less for one more GEMM per layer, ~8%; opt-in); [] keeps everything; off with "
                          "model.compile")
     loss_vocab_parts: int = _f(1, "the loss head's fp32 weight-gradient accumulator in k vocabulary parts: "
                                   "V x H x 4 / k bytes (0.51 GiB / k at Qwen2.5-0.5B) for (k-1)/k more logits "

@@ -37,7 +37,7 @@ class RuntimeOptions:
     # tensors rebuilt in backward instead of kept (see ops.recompute): "norm" = RMSNorm outputs (from the
     # norm's own saved input and rstd; 1.31 GiB at the Qwen2.5-0.5B protocol for ~0.7 ms per step), "swiglu" =
     # the SwiGLU product down_proj saves (from gate and up; 3.56 GiB there for ~2.6 ms), "gate_up" = the
-    # packed gate|up GEMM output (from the MLP's input: 7.1 GiB there for one more GEMM per layer, ~10 ms;
+    # packed gate|up GEMM output (from the MLP's input: ~6.5 GiB there for one more GEMM per layer, ~10 ms;
     # opt-in). Gradients are bit-identical either way.
     recompute: tuple[str, ...] = ("norm", "swiglu")
     # how "swiglu" rebuilds the product on the Triton path with plain gate/up/down: True = the SwiGLU backward

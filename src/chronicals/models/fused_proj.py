@@ -130,8 +130,9 @@ def gate_up_proj(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
 
     With "gate_up" in ``mlp.opts.recompute`` gu is offered to ``ops.recompute``: inside the training forward's
     session the graph keeps x (B, S, H) instead of gu (B, S, 2I), and backward runs the GEMM again (same
-    inputs, same bits). Qwen2.5-0.5B protocol: 16,384 x 9,728 x 2 B = 319 MB less per layer (7.1 GiB over 24)
-    for one more GEMM of 2 x 16,384 x 896 x 9,728 = 286 GFLOP per layer (~0.4 ms on an H200, ~10 ms a step).
+    inputs, same bits). Qwen2.5-0.5B protocol: 16,384 x 9,728 x 2 B = 319 MB less per layer, less the 29 MB
+    of x the recipe keeps (6.5 GiB over 24), for one more GEMM of 2 x 16,384 x 896 x 9,728 = 286 GFLOP per
+    layer (~0.4 ms on an H200, ~10 ms a step).
     """
     mods = (mlp.gate_proj, mlp.up_proj)
     group = _lora_group(mlp, "lora_gate_up", mods)
