@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 import torch
+from ops_tolerance import assert_tracks_torch
 
 from chronicals.ops import linear_cross_entropy, linear_cross_entropy_ref
 from chronicals.ops._impl import triton_interpreting
@@ -29,18 +30,6 @@ FEATURES = [(False, None), (True, None), (False, 30.0), (True, 5.0)]
 CASES = [(dt, red, *shape, *feat) for dt, red in itertools.product(DTYPES, REDUCTIONS)
          for shape, feat in zip(SHAPES, FEATURES)]
 CASES.append((torch.float32, "mean", 300, 96, 32000, None, True, 30.0))
-
-
-def assert_tracks_torch(name, ours, torch_same_dtype, ref64, dtype, k=2.0):
-    """Our error vs fp64 <= k x PyTorch's error in the same dtype vs fp64 + eps(dtype) x max|ref|.
-
-    dtype is the inputs' dtype: the fp32 loss of bf16 inputs is a function of bf16-rounded logits, so one
-    bf16 ulp of the loss is the floor below which two correct orders of rounding cannot be told apart.
-    """
-    err = (ours.double() - ref64).abs().max().item()
-    torch_err = (torch_same_dtype.double() - ref64).abs().max().item()
-    atol = torch.finfo(dtype).eps * max(ref64.abs().max().item(), 1.0)
-    assert err <= k * torch_err + atol, f"{name}: error {err:.3g} vs torch {torch_err:.3g} (atol {atol:.3g})"
 
 
 def exact_lce(hidden, weight, labels, bias, reduction, softcap):
@@ -100,7 +89,7 @@ def test_matches_reference(dtype, reduction, n, h, v, chunk_rows, bias, softcap)
     assert got[0].dtype == torch.float32 and got[0].shape == shape
     for name, o, t, r in zip(["loss", "d_hidden", "d_weight", "d_bias"], got, torch_out, ref):
         assert o.dtype == t.dtype, f"{name}: dtype {o.dtype}, torch gives {t.dtype}"
-        assert_tracks_torch(name, o, t, r, dtype)
+        assert_tracks_torch(name, o, t, r, dtype=dtype)  # the inputs' eps: see ops_tolerance
 
 
 @pytest.mark.parametrize("dtype,reduction,bias,softcap,parts", [
@@ -128,7 +117,7 @@ def test_vocab_parts_match_reference(dtype, reduction, bias, softcap, parts):
     ref = run(lambda x_, w_, l_, b_: exact_lce(x_, w_, l_, b_, reduction, softcap),
               *(None if t is None else t.double() for t in (x, w, b)), labels, grad_out)
     for name, o, t, r in zip(["loss", "d_hidden", "d_weight", "d_bias"], got, torch_out, ref):
-        assert_tracks_torch(name, o, t, r, dtype)
+        assert_tracks_torch(name, o, t, r, dtype=dtype)  # the inputs' eps: see ops_tolerance
 
 
 def test_model_loss_vocab_parts_reaches_the_head(monkeypatch):

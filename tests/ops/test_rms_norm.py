@@ -7,6 +7,7 @@ from importlib import import_module
 
 import pytest
 import torch
+from ops_tolerance import assert_tracks_torch
 
 from chronicals.ops import rms_norm, rms_norm_ref
 from chronicals.ops._impl import triton_interpreting
@@ -19,14 +20,6 @@ pytestmark = pytest.mark.skipif(DEV == "cpu" and not triton_interpreting(),
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ROWS = [1, 7, 123]
 HIDDEN = [64, 576, 896, 1000, 4864]
-
-
-def assert_tracks_torch(name, ours, torch_same_dtype, ref64, k=2.0):
-    """Our error vs fp64 <= k x PyTorch's error in the same dtype vs fp64 + eps(dtype) x max|ref|."""
-    err = (ours.double() - ref64).abs().max().item()
-    torch_err = (torch_same_dtype.double() - ref64).abs().max().item()
-    atol = torch.finfo(ours.dtype).eps * max(ref64.abs().max().item(), 1.0)
-    assert err <= k * torch_err + atol, f"{name}: error {err:.3g} vs torch {torch_err:.3g} (atol {atol:.3g})"
 
 
 def _exact(x, w, r, eps=1e-6):

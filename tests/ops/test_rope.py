@@ -5,6 +5,7 @@ Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (how `make test` runs it).
 
 import pytest
 import torch
+from ops_tolerance import assert_tracks_torch
 
 from chronicals.ops import rope_cos_sin, rope_qk, rope_qk_ref
 from chronicals.ops._impl import triton_interpreting
@@ -16,14 +17,6 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (Hq, Hk, D, R): Hq * D spans the hidden sizes 64, 576, 896, 1000, 4864; odd head counts, GQA, partial
 # rotary with a half (25) that is no power of two, and 38 query heads (not a power of two either)
 HEADS = [(1, 1, 64, 64), (9, 3, 64, 64), (14, 2, 64, 64), (10, 2, 100, 50), (38, 2, 128, 128)]
-
-
-def assert_tracks_torch(name, ours, torch_same_dtype, ref64, k=2.0):
-    """Our error vs fp64 <= k x PyTorch's error in the same dtype vs fp64 + eps(dtype) x max|ref|."""
-    err = (ours.double() - ref64).abs().max().item()
-    torch_err = (torch_same_dtype.double() - ref64).abs().max().item()
-    atol = torch.finfo(ours.dtype).eps * max(ref64.abs().max().item(), 1.0)
-    assert err <= k * torch_err + atol, f"{name}: error {err:.3g} vs torch {torch_err:.3g} (atol {atol:.3g})"
 
 
 def packed_positions(batch, seqlen, gen):

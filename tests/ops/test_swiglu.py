@@ -6,6 +6,7 @@ Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (how `make test` runs it).
 import pytest
 import torch
 import torch.nn.functional as F
+from ops_tolerance import assert_tracks_torch
 
 from chronicals.ops import swiglu, swiglu_ref
 from chronicals.ops._impl import triton_interpreting
@@ -14,14 +15,6 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEV == "cpu" and not triton_interpreting(),
                                 reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (make test sets it)")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def assert_tracks_torch(name, ours, torch_same_dtype, ref64, k=2.0):
-    """Our error vs fp64 <= k x PyTorch's error in the same dtype vs fp64 + eps(dtype) x max|ref|."""
-    err = (ours.double() - ref64).abs().max().item()
-    torch_err = (torch_same_dtype.double() - ref64).abs().max().item()
-    atol = torch.finfo(ours.dtype).eps * max(ref64.abs().max().item(), 1.0)
-    assert err <= k * torch_err + atol, f"{name}: error {err:.3g} vs torch {torch_err:.3g} (atol {atol:.3g})"
 
 
 def _run(fn, gate, up, dy):

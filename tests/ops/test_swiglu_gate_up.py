@@ -6,6 +6,7 @@ Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (how `make test` runs it); 
 
 import pytest
 import torch
+from ops_tolerance import assert_tracks_torch
 
 from chronicals.ops._impl import triton_interpreting
 from chronicals.ops.swiglu import swiglu, swiglu_gate_up, swiglu_gate_up_ref, swiglu_ref
@@ -16,14 +17,6 @@ needs_triton = pytest.mark.skipif(not HAVE_TRITON,
                                   reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (make test sets it)")
 IMPLS = [pytest.param("triton", marks=needs_triton), "torch"]
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-def assert_tracks_torch(name, ours, torch_same_dtype, ref64, k=2.0):
-    """Our error vs fp64 <= k x PyTorch's error in the same dtype vs fp64 + eps(dtype) x max|ref|."""
-    err = (ours.double() - ref64).abs().max().item()
-    torch_err = (torch_same_dtype.double() - ref64).abs().max().item()
-    atol = torch.finfo(ours.dtype).eps * max(ref64.abs().max().item(), 1.0)
-    assert err <= k * torch_err + atol, f"{name}: error {err:.3g} vs torch {torch_err:.3g} (atol {atol:.3g})"
 
 
 def _inputs(lead, i, dtype, seed):
