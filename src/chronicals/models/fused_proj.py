@@ -85,6 +85,28 @@ def _lora_group(owner: nn.Module, attr: str, mods):
     return group if group is not None and group.is_current(mods) else None
 
 
+def _linear_cat(x: torch.Tensor, mods) -> torch.Tensor:
+    """F.linear(x, [W_0; W_1; ...], [b_0; b_1; ...]) without autograd: the same GEMM as the forward's (run
+    in backward, where no recompute session is open, so _cat_params' offer is a no-op)."""
+    with torch.no_grad():
+        return F.linear(x, *_cat_params(mods))
+
+
+def _joint_gemm(kind: str, owner: nn.Module, attr: str, mods, x: torch.Tensor):
+    """(x @ [W_0; W_1; ...]^T (+ biases) as one GEMM, a recipe that runs it again) or None when ``mods`` can
+    not share one: a LoRA group's GEMM (``owner.<attr>``) when there is one, else plain ``nn.Linear``s'."""
+    group = _lora_group(owner, attr, mods)
+    if group is not None:
+        _note(kind, None, "one LoRA group GEMM")
+        return group(x), functools.partial(group.recompute, x)
+    reason = fusable(*mods)
+    _note(kind, reason)
+    if reason is not None:
+        return None
+    w, bias = _cat_params(mods)
+    return F.linear(x, w, bias), functools.partial(_linear_cat, x, mods)
+
+
 def qkv_proj(attn: nn.Module, x: torch.Tensor):
     """q (B, S, Hq, D), k (B, S, Hk, D), v (B, S, Hk, D) of ``attn`` (a decoder ``Attention``) for x (B, S, H).
 
@@ -94,33 +116,17 @@ def qkv_proj(attn: nn.Module, x: torch.Tensor):
     """
     b, s, _ = x.shape
     nq, nkv, d = attn.nq, attn.nkv, attn.d
-    mods = (attn.q_proj, attn.k_proj, attn.v_proj)
-    group = _lora_group(attn, "lora_qkv", mods)
-    if group is not None:
-        _note("qkv_proj", None, "one LoRA group GEMM")
-        qkv = group(x)
-    else:
-        reason = fusable(*mods)
-        _note("qkv_proj", reason)
-        if reason is not None:
-            return (attn.q_proj(x).view(b, s, nq, d), attn.k_proj(x).view(b, s, nkv, d),
-                    attn.v_proj(x).view(b, s, nkv, d))
-        w, bias = _cat_params(mods)
-        qkv = F.linear(x, w, bias)
-    qkv = qkv.view(b, s, nq + 2 * nkv, d)  # (B, S, Hq + 2 Hk, D)
+    joint = _joint_gemm("qkv_proj", attn, "lora_qkv", (attn.q_proj, attn.k_proj, attn.v_proj), x)
+    if joint is None:
+        return (attn.q_proj(x).view(b, s, nq, d), attn.k_proj(x).view(b, s, nkv, d),
+                attn.v_proj(x).view(b, s, nkv, d))
+    qkv = joint[0].view(b, s, nq + 2 * nkv, d)  # (B, S, Hq + 2 Hk, D)
     # split's backward is one cat of (dq, dk, dv) into (B, S, Hq + 2 Hk, D): one dx GEMM follows
     q, k, v = qkv.split([nq, nkv, nkv], dim=2)
     # v is copied out (B S Hk D: 4 MB per layer at 0.5B): attention saves v for backward, and a view would
     # keep the whole (B, S, Hq + 2 Hk, D) GEMM output alive with it (q and k are rebuilt by rope anyway):
     # 33.5 MB per layer, 0.75 GiB over 24 layers at the Qwen2.5-0.5B protocol.
     return q, k, v.contiguous()
-
-
-def _linear_cat(x: torch.Tensor, mods) -> torch.Tensor:
-    """F.linear(x, [W_0; W_1; ...], [b_0; b_1; ...]) without autograd: the same GEMM as the forward's."""
-    with torch.no_grad():
-        b = None if mods[0].bias is None else torch.cat([m.bias for m in mods])
-        return F.linear(x, torch.cat([m.weight for m in mods]), b)
 
 
 def gate_up_proj(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
@@ -134,20 +140,10 @@ def gate_up_proj(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     of x the recipe keeps (6.5 GiB over 24), for one more GEMM of 2 x 16,384 x 896 x 9,728 = 286 GFLOP per
     layer (~0.4 ms on an H200, ~10 ms a step).
     """
-    mods = (mlp.gate_proj, mlp.up_proj)
-    group = _lora_group(mlp, "lora_gate_up", mods)
-    if group is not None:
-        _note("gate_up_proj", None, "one LoRA group GEMM")
-        gu = group(x)
-        recipe = functools.partial(group.recompute, x)
-    else:
-        reason = fusable(*mods)
-        _note("gate_up_proj", reason)
-        if reason is not None:
-            return None
-        w, bias = _cat_params(mods)
-        gu = F.linear(x, w, bias)
-        recipe = functools.partial(_linear_cat, x, mods)
+    joint = _joint_gemm("gate_up_proj", mlp, "lora_gate_up", (mlp.gate_proj, mlp.up_proj), x)
+    if joint is None:
+        return None
+    gu, recipe = joint
     if "gate_up" in mlp.opts.recompute:
         offer(gu, recipe)  # a no-op outside the training forward's session
     return gu
