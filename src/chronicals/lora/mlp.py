@@ -20,7 +20,7 @@ import torch
 
 from ..ops import swiglu, swiglu_gate_up
 from ..ops._impl import resolve_impl
-from ..ops.swiglu import _unit_col_rows, swiglu_backward, swiglu_gate_up_backward, swiglu_gate_up_ref, swiglu_ref
+from ..ops.swiglu import swiglu_backward, swiglu_gate_up_dgu, swiglu_gate_up_ref, swiglu_ref
 from .layer import concat_weight, lora_backward, lora_forward
 
 
@@ -34,8 +34,7 @@ def swiglu_gate_up_grad(d_act: torch.Tensor, gu: torch.Tensor, impl: str) -> tor
     if resolve_impl("swiglu_gate_up", impl, gu.device) == "triton":
         if torch.compiler.is_compiling():
             return torch.ops.chronicals.swiglu_gate_up_backward(d_act, gu)
-        two_i = gu.shape[-1]
-        return swiglu_gate_up_backward(_unit_col_rows(d_act, two_i // 2), _unit_col_rows(gu, two_i)).view(gu.shape)
+        return swiglu_gate_up_dgu(d_act, gu)  # eager: the launcher itself, as swiglu_grads does
     with torch.enable_grad():
         g = gu.detach().requires_grad_()
         return torch.autograd.grad(swiglu_gate_up_ref(g), g, d_act)[0]

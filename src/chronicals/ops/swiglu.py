@@ -300,11 +300,17 @@ def _(gu):
     return gu.new_empty((*gu.shape[:-1], gu.shape[-1] // 2))
 
 
-@torch.library.custom_op("chronicals::swiglu_gate_up_backward", mutates_args=())
-def _swiglu_gate_up_backward_op(dy: torch.Tensor, gu: torch.Tensor) -> torch.Tensor:
+def swiglu_gate_up_dgu(dy: torch.Tensor, gu: torch.Tensor) -> torch.Tensor:
+    """dy (..., I), gu (..., 2I) -> d_gu (..., 2I): the Triton backward on any leading shape (eager callers use
+    it directly, skipping the custom op's dispatch)."""
     two_i = gu.shape[-1]
     dgu = swiglu_gate_up_backward(_unit_col_rows(dy, two_i // 2), _unit_col_rows(gu, two_i))
     return dgu.view(gu.shape)
+
+
+@torch.library.custom_op("chronicals::swiglu_gate_up_backward", mutates_args=())
+def _swiglu_gate_up_backward_op(dy: torch.Tensor, gu: torch.Tensor) -> torch.Tensor:
+    return swiglu_gate_up_dgu(dy, gu)
 
 
 @_swiglu_gate_up_backward_op.register_fake
