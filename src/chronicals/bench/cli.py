@@ -29,7 +29,8 @@ from .worker import spec_argv
 # --quick: the rows that answer "are we ahead" in < 5 min of GPU time; Liger/Unsloth rows cost nothing
 # when not installed. Left out: chronicals/HF variants that compile (1-2 min each), unsloth-full, PEFT
 # + Liger/compile, and the 8B table.
-QUICK = ("chronicals-full", "chronicals-lora", "chronicals-lora-graphs", "hf-sdpa", "hf-compile", "hf-liger", "hf-peft", "unsloth-lora")
+QUICK = ("chronicals-full", "chronicals-lora", "chronicals-lora-graphs", "hf-sdpa", "hf-compile", "hf-liger", "hf-peft",
+         "unsloth-lora")
 SWEEP_DEFAULT = ("chronicals-full", "chronicals-lora", "hf-compile", "hf-peft", "unsloth-lora")
 LORA_SWEEP = ("chronicals-lora", "hf-peft", "unsloth-lora")
 SEQ_SWEEP = (512, 1024, 2048, 4096, 8192, 16384)
