@@ -19,7 +19,8 @@ from chronicals.bench.contenders import (CONTENDERS, add_chronicals_lora, build_
 from chronicals.bench.protocol import RunSpec
 from chronicals.bench.shapes import get_shape
 from chronicals.config import from_dict
-from chronicals.train.graphs import GraphedStep, bind_static_grads, doc_capacity, fill_cu_seqlens_, graph_key
+from chronicals.train.graphs import (GraphedStep, bind_static_grads, doc_capacity, fill_cu_seqlens_, graph_key,
+                                     resolve_cuda_graphs)
 from chronicals.train.step import accumulate_gradients, batch_loss_sum
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -91,7 +92,38 @@ def test_cpu_request_fails_with_the_fix():
         from_dict({"model": {"device": "cpu"}, "train": {"cuda_graphs": True}})
     with pytest.raises(ValueError, match="checkpointing"):
         from_dict({"model": {"device": "cuda", "checkpointing": True}, "train": {"cuda_graphs": True}})
-    assert from_dict({}).train.cuda_graphs is False
+    assert from_dict({}).train.cuda_graphs == "auto"
+    with pytest.raises(ValueError, match="train.cuda_graphs='sometimes' is invalid: expected auto, true or false"):
+        from_dict({"train": {"cuda_graphs": "sometimes"}})
+
+
+@pytest.mark.parametrize("value, want", [(True, "true"), (False, "false"), ("auto", "auto"), ("off", "false"),
+                                         ("ON", "true")])
+def test_cuda_graphs_setting_is_normalized(value, want):
+    assert from_dict({"model": {"device": "cuda"}, "train": {"cuda_graphs": value}}).train.cuda_graphs == want
+    assert from_dict({"model": {"device": "cuda"}}, [f"train.cuda_graphs={value}"]).train.cuda_graphs == want
+
+
+def test_auto_turns_graphs_on_only_where_they_are_checked():
+    assert resolve_cuda_graphs("auto", "cuda:0", False, 1)[0] is True
+    for args, reason in ((("cpu", False, 1), "need a GPU"), (("cuda", True, 1), "checkpointing"),
+                         (("cuda", 3, 1), "checkpointing"), (("cuda", False, 2), "2 data-parallel ranks")):
+        on, why = resolve_cuda_graphs("auto", *args)
+        assert on is False and reason in why
+    assert resolve_cuda_graphs("true", "cpu", False, 1)[0] is True  # GraphedStep then fails with the fix
+    assert resolve_cuda_graphs("false", "cuda", False, 1)[0] is False
+
+
+def test_trainer_on_cpu_logs_that_auto_left_graphs_off(tmp_path, caplog):
+    from train_helpers import tiny_config
+
+    from chronicals.train import train
+
+    cfg = tiny_config(tmp_path, train__max_steps=1)
+    with caplog.at_level(logging.INFO, logger="chronicals.train"):
+        res = train(cfg, model=tiny_model(), train_loader=SyntheticLoader(synthetic_docs(8, seed=1), shuffle=False))
+    assert res.status == "completed"
+    assert "train.cuda_graphs=auto: off on cpu" in caplog.text
 
 
 def test_bench_graph_contenders_registered_and_guarded():

@@ -31,6 +31,7 @@ from . import checkpoint as ckpt
 from .metrics import MetricsLog, matmul_peak_tflops, memory_gib, plot_losses, train_flops_per_token
 from .optim import build_optimizer, build_scheduler
 from .distributed import DistContext, init_distributed
+from .graphs import GraphedStep, resolve_cuda_graphs
 from .setup import build_loaders, load_base, prepare_model, resolve_dtype
 from .step import accumulate_data_parallel, evaluate_loss
 
@@ -177,11 +178,11 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     scheduler = build_scheduler(optimizer, cfg, total)
     stream = _Stream(train_loader)
     graphs = None
-    if cfg.train.cuda_graphs:  # captured at the first step (after any resume); raises off CUDA
-        from .graphs import GraphedStep
-
+    use_graphs, why = resolve_cuda_graphs(cfg.train.cuda_graphs, device, cfg.model.checkpoint_setting, dp.world_size)
+    log.info("%s", why)
+    if use_graphs:  # captured at the first step (after any resume); raises off CUDA
         graphs = GraphedStep(model, device, params=trainable)
-        log.info("train.cuda_graphs: forward+backward run as replayed CUDA graphs")
+        log.info("forward+backward run as replayed CUDA graphs")
 
     start = 0
     resume_from = None
