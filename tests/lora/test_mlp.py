@@ -142,6 +142,42 @@ def test_triton_swiglu_inside_lora_mlp():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("p", [0.0, 0.25])
+@pytest.mark.parametrize("concat", [False, True])
+def test_packed_triton_backward_writes_act_in_the_swiglu_kernel(monkeypatch, p, concat):
+    """Packed gu on Triton: the SwiGLU backward kernel also writes act for dA (no second SwiGLU forward).
+    Gradients equal the recompute path's bit for bit, and track the float64 reference; the kernel that
+    rebuilt act before must not run any more."""
+    import chronicals.lora.mlp as mlp_mod
+
+    g = torch.Generator().manual_seed(3)
+    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    fi, fo, r, lead = 24, 10, 4, (3, 7)
+    gu0, a0, b0 = rnd(*lead, 2 * fi), rnd(r, fi), rnd(fo, r)
+    w, bi, dy = rnd(fo, fi), rnd(fo), rnd(*lead, fo)
+    mask = torch.rand(*lead, fi, generator=g) >= p if p else None
+
+    def grads(dtype=torch.float32, impl="triton"):
+        gu, a, b = (t.to(dtype).requires_grad_() for t in (gu0, a0, b0))
+        y = LoRASwiGLUDownFunction.apply(gu, None, w.to(dtype), bi.to(dtype), a, b, 1.3, mask, p, concat, None,
+                                         impl)
+        return [y, *torch.autograd.grad(y, [gu, a, b], dy.to(dtype))]
+
+    calls = []
+    real_fwd = mlp_mod.swiglu_for_impl
+    monkeypatch.setattr(mlp_mod, "swiglu_for_impl", lambda *a, **k: calls.append(1) or real_fwd(*a, **k))
+    fused = grads()
+    assert len(calls) == 1  # the forward's only
+    monkeypatch.setattr(mlp_mod, "_fused_act_ok", lambda *a: False)
+    plain = grads()
+    assert len(calls) == 3  # forward + the recompute in backward
+    for i, (x_, y_) in enumerate(zip(fused, plain)):
+        assert torch.equal(x_, y_), f"output/grad {i} differs from the recompute path"
+    for i, (x_, y_) in enumerate(zip(fused, grads(torch.float64, "torch"))):
+        torch.testing.assert_close(x_.double(), y_, rtol=1e-5, atol=1e-5, msg=f"output/grad {i}")
+
+
 # ---------------------------------------------------------------- checkpointing the first k layers
 
 

@@ -75,7 +75,9 @@ def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, mask, scaling: float, dro
                   need_x: bool, need_a: bool, need_b: bool):
     """dy2 (N, out) -> (dx2 (N, in), dA (r, in), dB (out, r)), None where not needed.
 
-    x2 is only read for dA (so a caller may pass a recomputed x2, or None when not need_a).
+    x2 is only read for dA (so a caller may pass a recomputed x2, or None when not need_a). It may also be a
+    function of dx2 returning x2, called once dx2 exists (LoRASwiGLUDownFunction rebuilds its input in the
+    kernel that consumes dx2).
     """
     dx = da = db = None
     keep = 1.0 if mask is None else 1.0 / (1.0 - dropout)
@@ -94,6 +96,8 @@ def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, mask, scaling: float, dro
         else:  # the LoRA branch saw drop(x): its gradient goes through the mask
             dx = mm_scaled(dyb, lora_a, keep).mul_(mask.reshape(dx_base.shape)).add_(dx_base)
     if need_a:
+        if callable(x2):
+            x2 = x2(dx)
         xd = x2 if mask is None else x2 * mask.reshape(x2.shape)
         da = mm_scaled(dyb.t(), xd, keep)  # (r, in)
     if need_b:
