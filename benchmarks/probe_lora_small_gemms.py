@@ -3,9 +3,14 @@ output, split-K bmm), and the loss head's forward vs backward memory per vocab_p
 
     PYTHONPATH=src python benchmarks/probe_lora_small_gemms.py OUT.json
 """
-import torch, json, sys
+import json
+import sys
+
+import torch
 from triton.testing import do_bench
-dev = "cuda"; bf = torch.bfloat16
+
+dev, bf = "cuda", torch.bfloat16
+
 def variants(A, B):
     out = {"mm(A^T,B)": lambda: torch.mm(A.t(), B), "mm(B^T,A)^T": lambda: torch.mm(B.t(), A).t()}
     out["mm fp32 out"] = lambda: torch.mm(A.t(), B, out_dtype=torch.float32).to(bf)
