@@ -158,10 +158,10 @@ def test_packed_triton_backward_writes_act_in_the_swiglu_kernel(monkeypatch, p, 
     w, bi, dy = rnd(fo, fi), rnd(fo), rnd(*lead, fo)
     mask = torch.rand(*lead, fi, generator=g) >= p if p else None
 
-    def grads(dtype=torch.float32, impl="triton"):
+    def grads(dtype=torch.float32, impl="triton", fused=True):
         gu, a, b = (t.to(dtype).requires_grad_() for t in (gu0, a0, b0))
         y = LoRASwiGLUDownFunction.apply(gu, None, w.to(dtype), bi.to(dtype), a, b, 1.3, mask, p, concat, None,
-                                         impl)
+                                         impl, fused)
         return [y, *torch.autograd.grad(y, [gu, a, b], dy.to(dtype))]
 
     calls = []
@@ -169,13 +169,37 @@ def test_packed_triton_backward_writes_act_in_the_swiglu_kernel(monkeypatch, p, 
     monkeypatch.setattr(mlp_mod, "swiglu_for_impl", lambda *a, **k: calls.append(1) or real_fwd(*a, **k))
     fused = grads()
     assert len(calls) == 1  # the forward's only
-    monkeypatch.setattr(mlp_mod, "_fused_act_ok", lambda *a: False)
-    plain = grads()
+    plain = grads(fused=False)
     assert len(calls) == 3  # forward + the recompute in backward
     for i, (x_, y_) in enumerate(zip(fused, plain)):
         assert torch.equal(x_, y_), f"output/grad {i} differs from the recompute path"
     for i, (x_, y_) in enumerate(zip(fused, grads(torch.float64, "torch"))):
         torch.testing.assert_close(x_.double(), y_, rtol=1e-5, atol=1e-5, msg=f"output/grad {i}")
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
+def test_model_option_picks_the_swiglu_product_source(monkeypatch):
+    """RuntimeOptions.fused_swiglu_recompute reaches a grouped LoRA MLP: True, the backward kernel writes the
+    product (one SwiGLU forward per layer); False, a second forward rebuilds it. Same gradients."""
+    import chronicals.lora.mlp as mlp_mod
+
+    calls = []
+    real_fwd = mlp_mod.swiglu_for_impl
+    monkeypatch.setattr(mlp_mod, "swiglu_for_impl", lambda *a, **k: calls.append(1) or real_fwd(*a, **k))
+    model = tiny_model().train()
+    apply_lora(model, r=2, alpha=4)  # gate/up form a group: the MLP passes packed gu to down_proj
+    randomize_lora_b(model)
+    model.set_impl("triton")
+    mlp = model.model.layers[0].mlp
+    x, dy = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+    got = {}
+    for fused in (True, False):
+        model.opts.fused_swiglu_recompute = fused
+        calls.clear()
+        got[fused] = _mlp_grads(mlp, x, dy, lambda m, t: m(t))
+        assert len(calls) == (1 if fused else 2)
+    for a, b in zip(got[True], got[False]):
+        assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------- checkpointing the first k layers

@@ -251,6 +251,8 @@ _ALL = [
               in_default=False),
     Contender("chronicals-full-offer", "chronicals, SwiGLU product rebuilt by a second forward", "full",
               _chronicals("full", False, fused_swiglu=False), in_default=False),
+    Contender("chronicals-lora-graphs-offer", "chronicals LoRA, CUDA graphs, SwiGLU product rebuilt by a second forward",
+              "lora", _chronicals("lora", False, True, fused_swiglu=False), in_default=False),
     Contender("chronicals-lora-nogroup", "chronicals LoRA, one call per projection", "lora",
               _chronicals("lora", False, group=False), in_default=False),
     Contender("chronicals-lora-graphs-nogroup", "chronicals LoRA, CUDA graphs, one call per projection", "lora",

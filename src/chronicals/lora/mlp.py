@@ -63,13 +63,15 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
     """y = LoRALinear(silu(gate) * up): gradients for gate, up, A, B (W and bias frozen).
 
     Arguments after gate / up are LoRALinearFunction's (weight, bias, lora_a, lora_b, scaling, mask,
-    dropout, concat, wcat) plus ``impl``, the SwiGLU op's. ``mask`` (bool, act's shape) drops elements of act.
+    dropout, concat, wcat) plus ``impl``, the SwiGLU op's, and ``fused_act`` (packed gu on Triton: the SwiGLU
+    backward kernel writes act for dA; False: a second SwiGLU forward rebuilds it). ``mask`` (bool, act's
+    shape) drops elements of act.
     up None: gate is the packed gu (..., 2I), and its gradient d_gu comes back whole.
     """
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scaling: float, mask, dropout: float,
-                concat: bool, wcat, impl: str):
+                concat: bool, wcat, impl: str, fused_act: bool = True):
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             raise RuntimeError("LoRASwiGLUDownFunction: down_proj's base weight and bias must be frozen "
                                "(requires_grad=False; apply_lora does this)")
@@ -85,6 +87,7 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
         ctx.save_for_backward(gate, up, weight, lora_a, lora_b, xa, mask)
         ctx.wcat = wcat if concat else None
         ctx.scaling, ctx.dropout, ctx.impl, ctx.act_shape = scaling, dropout, impl, shape
+        ctx.fused_act = fused_act
         return y.view(*shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -93,7 +96,7 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
         need_act = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         need_a, need_b = ctx.needs_input_grad[4], ctx.needs_input_grad[5]
         dy2 = dy.reshape(-1, dy.shape[-1])
-        if need_act and need_a and _fused_act_ok(gate, up, ctx.impl):
+        if ctx.fused_act and need_act and need_a and _fused_act_ok(gate, up, ctx.impl):
             # d_act first, then one kernel writes d_gu and act (its STORE_ACT output, the forward's bits),
             # then dA reads act: no separate SwiGLU forward pass over gu
             gu2, out = _unit_col_rows(gate, gate.shape[-1]), {}
@@ -106,7 +109,7 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
             _, da, db = lora_backward(dy2, act_with_dgu, weight, lora_a, lora_b, xa, mask, ctx.scaling,
                                       ctx.dropout, ctx.wcat, True, True, need_b)
             ctx.wcat = None
-            return (out["dgu"].view(gate.shape), None, None, None, da, db, None, None, None, None, None, None)
+            return (out["dgu"].view(gate.shape), None, None, None, da, db, None, None, None, None, None, None, None)
         act2 = None
         if need_a:  # dA needs act again: recompute it (bit-identical to the forward's)
             with torch.no_grad():
@@ -118,7 +121,7 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
         dg = du = None
         if need_act:
             dg, du = swiglu_grads(d_act.view(ctx.act_shape), gate, up, ctx.impl)
-        return dg, du, None, None, da, db, None, None, None, None, None, None
+        return dg, du, None, None, da, db, None, None, None, None, None, None, None
 
 
 def _fused_act_ok(gate: torch.Tensor, up: torch.Tensor | None, impl: str) -> bool:

@@ -42,7 +42,7 @@ class RuntimeOptions:
     recompute: tuple[str, ...] = ("norm", "swiglu")
     # how "swiglu" rebuilds the product on the Triton path with plain gate/up/down: True = the SwiGLU backward
     # kernel writes it as a third output (models.fused_proj.SwiGLUDownFunction: ~1.9 ms less GPU per 0.5B
-    # step); False = a second SwiGLU forward (the offer). One H200 run, eager, 0.5B protocol (git 6faf856):
+    # step; a LoRA down_proj's dA input likewise); False = a second SwiGLU forward (the offer). One H200 run, eager, 0.5B protocol (git 6faf856):
     # 138.1k tok/s vs 136.7k, both 13.7 GiB. Same gradients either way (bit for bit).
     fused_swiglu_recompute: bool = True
     # the loss head's fp32 weight-gradient accumulator in k vocabulary parts (ops.linear_cross_entropy's
@@ -143,7 +143,7 @@ class MLP(nn.Module):
         lora_down = getattr(self.down_proj, "forward_swiglu", None)
         if gu is not None:
             if lora_down is not None:
-                return lora_down(gu, None, impl=self.opts.impl)
+                return lora_down(gu, None, impl=self.opts.impl, fused_act=self.opts.fused_swiglu_recompute)
             recomputing = "swiglu" in self.opts.recompute and recompute.is_active()
             if recomputing and self.opts.fused_swiglu_recompute:
                 y = swiglu_down(self, gu)  # None off the Triton path: then the offer below
