@@ -30,6 +30,10 @@ def _f(default, doc: str, **kw):
     return field(default=default, metadata={"doc": doc}, **kw)
 
 
+# the words a YAML value or a command-line override may use for a boolean
+BOOL_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+
+
 def _check(cond: bool, key: str, value, expected: str):
     if not cond:
         raise ValueError(f"config {key}={value!r} is invalid: expected {expected}")
@@ -181,7 +185,8 @@ class TrainSection:
         _check(self.save_every >= 0, "train.save_every", self.save_every, "an integer >= 0")
         _check(self.keep_last >= 1, "train.keep_last", self.keep_last, "an integer >= 1")
         graphs = str(self.cuda_graphs).lower()  # YAML true/false arrive as bools, 'on'/'off' as strings
-        graphs = {"on": "true", "yes": "true", "1": "true", "off": "false", "no": "false", "0": "false"}.get(graphs, graphs)
+        if graphs in BOOL_WORDS:
+            graphs = str(BOOL_WORDS[graphs]).lower()
         _check(graphs in ("auto", "true", "false"), "train.cuda_graphs", self.cuda_graphs, "auto, true or false")
         self.cuda_graphs = graphs
         _check(bool(self.out_dir), "train.out_dir", self.out_dir, "a directory path")
@@ -269,8 +274,8 @@ def _coerce(key: str, value, typ):
     if typ is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
-            return value.lower() in ("true", "yes", "on", "1")
+        if isinstance(value, str) and value.lower() in BOOL_WORDS:
+            return BOOL_WORDS[value.lower()]
         raise ValueError(f"config {key}={value!r} is invalid: expected true or false")
     if typ is int:
         if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and _is_int(value))):
