@@ -97,31 +97,28 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
         gate, up, weight, lora_a, lora_b, xa, mask = ctx.saved_tensors
         need_act = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         need_a, need_b = ctx.needs_input_grad[4], ctx.needs_input_grad[5]
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        if ctx.fused_act and need_act and need_a and _fused_act_ok(gate, up, ctx.impl):
+        fused = ctx.fused_act and need_act and need_a and _fused_act_ok(gate, up, ctx.impl)
+        act2, out = None, {}
+        if fused:
             # d_act first, then one kernel writes d_gu and act (its STORE_ACT output, the forward's bits),
             # then dA reads act: no separate SwiGLU forward pass over gu
-            gu2, out = _unit_col_rows(gate, gate.shape[-1]), {}
+            gu2 = _unit_col_rows(gate, gate.shape[-1])
 
-            def act_with_dgu(d_act):
+            def act2(d_act):
                 act = torch.empty_like(d_act)
                 out["dgu"] = swiglu_gate_up_backward(d_act, gu2, act)
                 return act
-
-            _, da, db = lora_backward(dy2, act_with_dgu, weight, lora_a, lora_b, xa, mask, ctx.scaling,
-                                      ctx.dropout, ctx.wcat, True, True, need_b)
-            ctx.wcat = None
-            return (out["dgu"].view(gate.shape), None, None, None, da, db, None, None, None, None, None, None, None)
-        act2 = None
-        if need_a:  # dA needs act again: recompute it (bit-identical to the forward's)
+        elif need_a:  # dA needs act again: recompute it (bit-identical to the forward's)
             with torch.no_grad():
                 act2 = swiglu_for_impl(gate, up, ctx.impl).reshape(-1, ctx.act_shape[-1])
-        d_act, da, db = lora_backward(dy2, act2, weight, lora_a, lora_b, xa, mask,
+        d_act, da, db = lora_backward(dy.reshape(-1, dy.shape[-1]), act2, weight, lora_a, lora_b, xa, mask,
                                       ctx.scaling, ctx.dropout, ctx.wcat, need_act, need_a, need_b)
         del act2  # freed before dgate / dup exist: the same transient peak as the plain MLP's backward
         ctx.wcat = None
         dg = du = None
-        if need_act:
+        if fused:
+            dg = out["dgu"].view(gate.shape)
+        elif need_act:
             dg, du = swiglu_grads(d_act.view(ctx.act_shape), gate, up, ctx.impl)
         return dg, du, None, None, da, db, None, None, None, None, None, None, None
 

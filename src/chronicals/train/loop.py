@@ -182,7 +182,6 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     log.info("%s", why)
     if use_graphs:  # captured at the first step (after any resume); raises off CUDA
         graphs = GraphedStep(model, device, params=trainable)
-        log.info("forward+backward run as replayed CUDA graphs")
 
     start = 0
     resume_from = None
