@@ -142,15 +142,24 @@ def test_triton_swiglu_inside_lora_mlp():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture
+def swiglu_forwards(monkeypatch):
+    """A list that grows by one at every SwiGLU forward the LoRA MLP runs (its forward and any recompute)."""
+    import chronicals.lora.mlp as mlp_mod
+
+    calls = []
+    real_fwd = mlp_mod.swiglu_for_impl
+    monkeypatch.setattr(mlp_mod, "swiglu_for_impl", lambda *a, **k: calls.append(1) or real_fwd(*a, **k))
+    return calls
+
+
 @pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
 @pytest.mark.parametrize("p", [0.0, 0.25])
 @pytest.mark.parametrize("concat", [False, True])
-def test_packed_triton_backward_writes_act_in_the_swiglu_kernel(monkeypatch, p, concat):
+def test_packed_triton_backward_writes_act_in_the_swiglu_kernel(swiglu_forwards, p, concat):
     """Packed gu on Triton: the SwiGLU backward kernel also writes act for dA (no second SwiGLU forward).
     Gradients equal the recompute path's bit for bit, and track the float64 reference; the kernel that
     rebuilt act before must not run any more."""
-    import chronicals.lora.mlp as mlp_mod
-
     g = torch.Generator().manual_seed(3)
     rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     fi, fo, r, lead = 24, 10, 4, (3, 7)
@@ -164,13 +173,10 @@ def test_packed_triton_backward_writes_act_in_the_swiglu_kernel(monkeypatch, p, 
                                          impl, fused)
         return [y, *torch.autograd.grad(y, [gu, a, b], dy.to(dtype))]
 
-    calls = []
-    real_fwd = mlp_mod.swiglu_for_impl
-    monkeypatch.setattr(mlp_mod, "swiglu_for_impl", lambda *a, **k: calls.append(1) or real_fwd(*a, **k))
     fused = grads()
-    assert len(calls) == 1  # the forward's only
+    assert len(swiglu_forwards) == 1  # the forward's only
     plain = grads(fused=False)
-    assert len(calls) == 3  # forward + the recompute in backward
+    assert len(swiglu_forwards) == 3  # forward + the recompute in backward
     for i, (x_, y_) in enumerate(zip(fused, plain)):
         assert torch.equal(x_, y_), f"output/grad {i} differs from the recompute path"
     for i, (x_, y_) in enumerate(zip(fused, grads(torch.float64, "torch"))):
@@ -178,14 +184,9 @@ def test_packed_triton_backward_writes_act_in_the_swiglu_kernel(monkeypatch, p, 
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
-def test_model_option_picks_the_swiglu_product_source(monkeypatch):
+def test_model_option_picks_the_swiglu_product_source(swiglu_forwards):
     """RuntimeOptions.fused_swiglu_recompute reaches a grouped LoRA MLP: True, the backward kernel writes the
     product (one SwiGLU forward per layer); False, a second forward rebuilds it. Same gradients."""
-    import chronicals.lora.mlp as mlp_mod
-
-    calls = []
-    real_fwd = mlp_mod.swiglu_for_impl
-    monkeypatch.setattr(mlp_mod, "swiglu_for_impl", lambda *a, **k: calls.append(1) or real_fwd(*a, **k))
     model = tiny_model().train()
     apply_lora(model, r=2, alpha=4)  # gate/up form a group: the MLP passes packed gu to down_proj
     randomize_lora_b(model)
@@ -195,9 +196,9 @@ def test_model_option_picks_the_swiglu_product_source(monkeypatch):
     got = {}
     for fused in (True, False):
         model.opts.fused_swiglu_recompute = fused
-        calls.clear()
+        swiglu_forwards.clear()
         got[fused] = _mlp_grads(mlp, x, dy, lambda m, t: m(t))
-        assert len(calls) == (1 if fused else 2)
+        assert len(swiglu_forwards) == (1 if fused else 2)
     for a, b in zip(got[True], got[False]):
         assert torch.equal(a, b)
 
