@@ -94,3 +94,23 @@ def test_checkpoint_layers_overrides_the_switch_and_rejects_negatives():
     assert load_config(None, []).model.checkpoint_setting is False
     with pytest.raises(ValueError, match="model.checkpoint_layers=-1 is invalid"):
         load_config(None, ["model.checkpoint_layers=-1"])
+
+
+def test_gate_up_layers_needs_gate_up_and_reaches_the_model():
+    from chronicals.config import load_config
+    from chronicals.models import CausalLM, ModelConfig
+    import torch
+
+    from chronicals.train.setup import prepare_model
+
+    c = load_config(None, ["model.recompute=[norm,swiglu,gate_up]", "model.gate_up_layers=3"])
+    assert c.model.gate_up_layers == 3
+    with pytest.raises(ValueError, match="model.gate_up_layers=3 is invalid.*add gate_up to model.recompute"):
+        load_config(None, ["model.gate_up_layers=3"])
+    with pytest.raises(ValueError, match="model.gate_up_layers=-1 is invalid"):
+        load_config(None, ["model.recompute=[gate_up]", "model.gate_up_layers=-1"])
+    c.lora.enabled = False
+    cfg = ModelConfig.from_hf_dict(dict(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=24,
+                                        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1))
+    model = prepare_model(CausalLM(cfg), c, torch.device("cpu"), torch.float32)
+    assert [model.opts.rebuilds_gate_up(i) for i in range(4)] == [True, True, True, False]

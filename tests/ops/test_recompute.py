@@ -23,9 +23,10 @@ TINY = dict(vocab_size=89, hidden_size=48, intermediate_size=72, num_hidden_laye
             num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=True)
 
 
-def _model(impl, recompute_names, lora=False):
+def _model(impl, recompute_names, lora=False, gate_up_layers=0):
     cfg = ModelConfig.from_hf_dict(transformers.Qwen2Config(**TINY).to_dict())  # q/k/v bias, GQA, tied
-    model = CausalLM(cfg, impl=impl).init_weights(std=0.1, seed=0).to(DEV).set_recompute(recompute_names)
+    model = CausalLM(cfg, impl=impl).init_weights(std=0.1, seed=0).to(DEV)
+    model.set_recompute(recompute_names, gate_up_layers)
     if lora:
         apply_lora(model, r=4, alpha=8, seed=0)
         with torch.no_grad():  # non-zero B, so the adapters change the output and get real gradients
@@ -46,12 +47,13 @@ def _grads(model):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("names", [("norm", "swiglu"), ("norm", "swiglu", "gate_up"), ("gate_up",)])
+@pytest.mark.parametrize("names,gate_up_layers", [(("norm", "swiglu"), 0), (("norm", "swiglu", "gate_up"), 0),
+                                                 (("gate_up",), 0), (("norm", "swiglu", "gate_up"), 1)])
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_gradients_bit_identical(impl, lora, names):
+def test_gradients_bit_identical(impl, lora, names, gate_up_layers):
     loss0, g0 = _grads(_model(impl, False, lora))
-    loss1, g1 = _grads(_model(impl, names, lora))
+    loss1, g1 = _grads(_model(impl, names, lora, gate_up_layers))
     assert torch.equal(loss0, loss1)
     assert g0.keys() == g1.keys() and len(g0) > 0
     for name in g0:
@@ -88,10 +90,13 @@ def test_graph_does_not_hold_offered_tensors(names, freed):
 
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("names", [("norm", "swiglu"), ("norm", "swiglu", "gate_up")])
-def test_gate_up_output_is_let_go(monkeypatch, impl, lora, names):
+@pytest.mark.parametrize("names,gate_up_layers,kept", [(("norm", "swiglu"), 0, [True, True]),
+                                                      (("norm", "swiglu", "gate_up"), 0, [False, False]),
+                                                      (("norm", "swiglu", "gate_up"), 1, [False, True])])
+def test_gate_up_output_is_let_go(monkeypatch, impl, lora, names, gate_up_layers, kept):
     """With "gate_up" the graph keeps no reference to the packed gate|up GEMM output (full: the SwiGLU
-    product's recipe rebuilds it through gu's own recipe; LoRA: the down_proj function saves gu)."""
+    product's recipe rebuilds it through gu's own recipe; LoRA: the down_proj function saves gu); with
+    gate_up_layers=1 only the first layer's is let go."""
     from chronicals.models import decoder
 
     refs, real = [], decoder.gate_up_proj
@@ -102,14 +107,23 @@ def test_gate_up_output_is_let_go(monkeypatch, impl, lora, names):
         return gu
 
     monkeypatch.setattr(decoder, "gate_up_proj", watch)
-    model = _model(impl, names, lora)
+    model = _model(impl, names, lora, gate_up_layers)
     ids = torch.randint(0, TINY["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(0)).to(DEV)
     loss = model(ids, position_ids=torch.arange(9, device=DEV)[None], shift_labels=ids, reduction="sum")
     gc.collect()
     assert len(refs) == TINY["num_hidden_layers"]
-    alive = [r() is not None for r in refs]
-    assert alive == [("gate_up" not in names)] * len(refs)
+    assert [r() is not None for r in refs] == kept
     loss.backward()
+
+
+def test_set_recompute_checks_gate_up_layers():
+    model = _model("torch", ("norm",))
+    with pytest.raises(ValueError, match='has no "gate_up": add it'):
+        model.set_recompute(("norm",), 2)
+    with pytest.raises(ValueError, match="layer count k >= 0"):
+        model.set_recompute(("gate_up",), -1)
+    model.set_recompute(("gate_up",), 1)
+    assert model.compile_layers().opts.gate_up_layers == 0  # compiled layers turn every recompute off
 
 
 def test_eval_and_no_grad_are_untouched():

@@ -141,18 +141,20 @@ def chronicals_step(model, spec: RunSpec, device: torch.device, graphs: bool = F
 
 
 def _chronicals(method: str, compile_layers: bool, graphs: bool = False, keep: bool = False,
-                fused_swiglu: bool = True, group: bool = True, recompute: tuple | None = None):
+                fused_swiglu: bool = True, group: bool = True, recompute: tuple | None = None,
+                gate_up_layers: int = 0):
     """keep: no selective recomputation (``model.recompute=[]``): every activation stays saved.
     fused_swiglu: the SwiGLU backward kernel rebuilds the product (``RuntimeOptions.fused_swiglu_recompute``,
     the default); False: a second SwiGLU forward does (the offer).
     group: LoRA q/k/v and gate/up as one GEMM each (``lora.group``); False: one call per module.
-    recompute: ``model.recompute`` names instead of the default (keep=True means ())."""
+    recompute: ``model.recompute`` names instead of the default (keep=True means ()); gate_up_layers: with
+    "gate_up" among them, the first k layers only (``model.gate_up_layers``)."""
     def build(spec: RunSpec, shape: Shape, device: torch.device) -> Built:
         model = build_chronicals_model(shape, device, spec.impl, spec.seed)
         model.set_checkpointing(spec.checkpointing)
         model.opts.fused_swiglu_recompute = fused_swiglu
         if keep or recompute is not None:
-            model.set_recompute(() if keep else recompute)
+            model.set_recompute(() if keep else recompute, gate_up_layers)
         notes = [f"impl={spec.impl}"]
         if method == "lora":
             groups = add_chronicals_lora(model, spec, group)
@@ -163,8 +165,9 @@ def _chronicals(method: str, compile_layers: bool, graphs: bool = False, keep: b
         if compile_layers:
             model.compile_layers()
             notes.append("decoder layers torch.compile'd")
-        notes.append(f"recompute={list(model.opts.recompute)}" + ("" if fused_swiglu else
-                                                                   " (SwiGLU product from a second forward)"))
+        notes.append(f"recompute={list(model.opts.recompute)}"
+                     + (f", gate_up in the first {gate_up_layers} layers" if gate_up_layers else "")
+                     + ("" if fused_swiglu else " (SwiGLU product from a second forward)"))
         params = [p for g in groups for p in g["params"]]
         opt = make_optimizer(groups, device, spec.lr or (LR_LORA if method == "lora" else LR_FULL))
         prepare, fb = chronicals_step(model, spec, device, graphs)
@@ -261,6 +264,10 @@ _ALL = [
               _chronicals("full", False, recompute=("norm", "swiglu", "gate_up")), in_default=False),
     Contender("chronicals-lora-graphs-gateup", "chronicals LoRA, CUDA graphs, gate/up output recomputed too", "lora",
               _chronicals("lora", False, True, recompute=("norm", "swiglu", "gate_up")), in_default=False),
+    # the LoRA memory dial at the 0.5B protocol: ~0.25 GiB per layer, 10 of 24 layers for <= 10 GiB (12.1 measured)
+    Contender("chronicals-lora-graphs-gateup10", "chronicals LoRA, CUDA graphs, gate/up output recomputed in 10 layers",
+              "lora", _chronicals("lora", False, True, recompute=("norm", "swiglu", "gate_up"), gate_up_layers=10),
+              in_default=False),
     Contender("chronicals-lora-graphs-keep", "chronicals LoRA, CUDA graphs, no recompute", "lora",
               _chronicals("lora", False, True, keep=True), in_default=False),
     Contender("chronicals-lora-compile", "chronicals LoRA, layers compiled", "lora", _chronicals("lora", True),

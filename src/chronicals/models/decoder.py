@@ -40,6 +40,11 @@ class RuntimeOptions:
     # packed gate|up GEMM output (from the MLP's input: ~6.5 GiB there for one more GEMM per layer, ~10 ms;
     # opt-in). Gradients are bit-identical either way.
     recompute: tuple[str, ...] = ("norm", "swiglu")
+    # with "gate_up" in recompute: rebuild it in the first k decoder layers only (0 = every layer). Each layer
+    # is ~0.25 GiB less at the Qwen2.5-0.5B protocol for one more (N x H x 2I) GEMM, ~0.47 ms on an H200 (the
+    # whole-model switch measured 6.1 GiB for 11.4 ms a step, git b9e5c15). The first layers, because their
+    # backward runs last: the rebuilt (N, 2I) output then never meets the later layers' saved activations.
+    gate_up_layers: int = 0
     # how "swiglu" rebuilds the product on the Triton path with plain gate/up/down: True = the SwiGLU backward
     # kernel writes it as a third output (models.fused_proj.SwiGLUDownFunction: ~1.9 ms less GPU per 0.5B
     # step; a LoRA down_proj's dA input likewise); False = a second SwiGLU forward (the offer). One H200 run, eager, 0.5B protocol (git 6faf856):
@@ -51,6 +56,11 @@ class RuntimeOptions:
 
     def __post_init__(self):
         self.recompute = check_recompute(self.recompute)
+        check_gate_up_layers(self.gate_up_layers, self.recompute)
+
+    def rebuilds_gate_up(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` (0-based) offers its gate|up GEMM output for recomputation."""
+        return "gate_up" in self.recompute and (self.gate_up_layers == 0 or layer_idx < self.gate_up_layers)
 
     def checkpointed_layers(self, num_layers: int) -> int:
         """How many leading layers to checkpoint out of ``num_layers``."""
@@ -77,6 +87,16 @@ def check_recompute(names) -> tuple[str, ...]:
     if bad:
         raise ValueError(f"recompute={list(names)!r}: unknown {bad}; choose from {list(RECOMPUTABLE)}")
     return tuple(names)
+
+
+def check_gate_up_layers(k, names: tuple[str, ...]) -> int:
+    """``gate_up_layers`` k: an int >= 0, and k > 0 only with "gate_up" among the recompute ``names``."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"gate_up_layers={k!r}: use a layer count k >= 0 (0 = every layer)")
+    if k and "gate_up" not in names:
+        raise ValueError(f"gate_up_layers={k} limits the \"gate_up\" recompute to the first {k} layers, but "
+                         f"recompute={list(names)} has no \"gate_up\": add it, or set gate_up_layers to 0")
+    return k
 
 
 class RMSNorm(nn.Module):
@@ -126,8 +146,9 @@ def _swiglu_gate_up_of(src, impl: str) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, opts: RuntimeOptions):
+    def __init__(self, cfg: ModelConfig, opts: RuntimeOptions, layer_idx: int = 0):
         super().__init__()
+        self.layer_idx = layer_idx  # for RuntimeOptions.rebuilds_gate_up
         h, i = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
@@ -167,12 +188,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, opts: RuntimeOptions):
+    def __init__(self, cfg: ModelConfig, opts: RuntimeOptions, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts)
         self.self_attn = Attention(cfg, opts)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts)
-        self.mlp = MLP(cfg, opts)
+        self.mlp = MLP(cfg, opts, layer_idx)
 
     def forward(self, h, residual, cos, sin, cu_seqlens=None, max_seqlen=None, kv_cache=None):
         """h: the previous block's output, residual: the stream before it (None for layer 0).
@@ -192,7 +213,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, opts: RuntimeOptions):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, opts) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, opts, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts)
         inv_freq, self.attention_scaling = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -295,9 +316,12 @@ class CausalLM(nn.Module):
         self.opts.checkpointed_layers(len(self.model.layers))  # a bad value fails here, not at the next step
         return self
 
-    def set_recompute(self, names) -> "CausalLM":
-        """Tensors to rebuild in backward instead of keeping: a subset of RECOMPUTABLE, True (all) or False."""
-        self.opts.recompute = check_recompute(names)
+    def set_recompute(self, names, gate_up_layers: int = 0) -> "CausalLM":
+        """Tensors to rebuild in backward instead of keeping: a subset of RECOMPUTABLE, True (all) or False;
+        ``gate_up_layers`` k > 0 limits "gate_up" to the first k layers (``RuntimeOptions.gate_up_layers``)."""
+        names = check_recompute(names)
+        self.opts.gate_up_layers = check_gate_up_layers(gate_up_layers, names)
+        self.opts.recompute = names
         return self
 
     def compile_layers(self) -> "CausalLM":
@@ -306,7 +330,7 @@ class CausalLM(nn.Module):
         recomputation), so the session's saved-tensor hooks would only add work around the graphs."""
         for layer in self.model.layers:
             layer.compile()
-        self.opts.recompute = ()
+        self.opts.recompute, self.opts.gate_up_layers = (), 0
         return self
 
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> "CausalLM":

@@ -134,7 +134,8 @@ def gate_up_proj(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     first half of the last dim, up in the second (the layout ``ops.swiglu.swiglu_gate_up`` takes).
     None when gate_proj / up_proj do not qualify (see module docstring): call them separately then.
 
-    With "gate_up" in ``mlp.opts.recompute`` gu is offered to ``ops.recompute``: inside the training forward's
+    With "gate_up" in ``mlp.opts.recompute`` (``opts.rebuilds_gate_up(mlp.layer_idx)``: every layer, or the
+    first ``opts.gate_up_layers``) gu is offered to ``ops.recompute``: inside the training forward's
     session the graph keeps x (B, S, H) instead of gu (B, S, 2I), and backward runs the GEMM again (same
     inputs, same bits). Qwen2.5-0.5B protocol: 16,384 x 9,728 x 2 B = 319 MB less per layer, less the 29 MB
     of x the recipe keeps (6.5 GiB over 24), for one more GEMM of 2 x 16,384 x 896 x 9,728 = 286 GFLOP per
@@ -144,7 +145,7 @@ def gate_up_proj(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     if joint is None:
         return None
     gu, recipe = joint
-    if "gate_up" in mlp.opts.recompute:
+    if mlp.opts.rebuilds_gate_up(mlp.layer_idx):
         offer(gu, recipe)  # a no-op outside the training forward's session
     return gu
 

@@ -35,7 +35,7 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
     model.to(device=device, dtype=dtype)
     model.set_impl(cfg.model.impl)
     model.set_checkpointing(cfg.model.checkpoint_setting)
-    model.set_recompute(cfg.model.recompute)
+    model.set_recompute(cfg.model.recompute, cfg.model.gate_up_layers)
     model.opts.loss_vocab_parts = cfg.model.loss_vocab_parts
     if cfg.lora.enabled:
         from ..lora.inject import apply_lora
