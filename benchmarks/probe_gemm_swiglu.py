@@ -48,12 +48,9 @@ def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     return first_m + (pid % per_group) % size, (pid % per_group) // size
 
 
-@triton.autotune(configs=CONFIGS, key=["M", "N", "K"])
 @triton.jit
-def _mm_kernel(A, B, C, M, N, K, sam, sbk, sbn, scm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               GROUP_M: tl.constexpr):
-    """C (M, N) = A (M, K) @ B (K, N); A row-major, B with strides (sbk, sbn): the plain GEMM of the loop below."""
-    pm, pn = _tile_ids(M, N, BM, BN, GROUP_M)
+def _mm_tile(A, B, M, N, K, sam, sbk, sbn, pm, pn, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The (pm, pn) tile of A (M, K) row-major @ B (K, N) with strides (sbk, sbn), fp32: (acc, rows, cols)."""
     rm = pm * BM + tl.arange(0, BM)
     rn = pn * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -67,6 +64,16 @@ def _mm_kernel(A, B, C, M, N, K, sam, sbk, sbn, scm, BM: tl.constexpr, BN: tl.co
         acc = tl.dot(a, b, acc)
         ap += BK
         bp += BK * sbk
+    return acc, rm, rn
+
+
+@triton.autotune(configs=CONFIGS, key=["M", "N", "K"])
+@triton.jit
+def _mm_kernel(A, B, C, M, N, K, sam, sbk, sbn, scm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               GROUP_M: tl.constexpr):
+    """C (M, N) = A (M, K) @ B (K, N); A row-major, B with strides (sbk, sbn): the plain GEMM of the loop below."""
+    pm, pn = _tile_ids(M, N, BM, BN, GROUP_M)
+    acc, rm, rn = _mm_tile(A, B, M, N, K, sam, sbk, sbn, pm, pn, BM, BN, BK)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     tl.store(C + rm[:, None].to(tl.int64) * scm + rn[None, :], acc.to(C.dtype.element_ty), mask=mask)
 
@@ -111,19 +118,7 @@ def _down_dact_swiglu_bwd_kernel(DY, WD, GU, DGU, ACT, M, N, K, sdm, swk, sgm, B
     """dy (M, K), W_down (K, N) row-major, gu (M, 2N) -> d_gu (M, 2N) and act (M, N): d_act = dy @ W_down stays
     in registers (rounded to the input dtype, as the unfused path stores it)."""
     pm, pn = _tile_ids(M, N, BM, BN, GROUP_M)
-    rm = pm * BM + tl.arange(0, BM)
-    rn = pn * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    ap = DY + rm[:, None].to(tl.int64) * sdm + rk[None, :]
-    bp = WD + rk[:, None].to(tl.int64) * swk + rn[None, :]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BK)):
-        km = rk < K - k * BK
-        a = tl.load(ap, mask=(rm[:, None] < M) & km[None, :], other=0.0)
-        b = tl.load(bp, mask=km[:, None] & (rn[None, :] < N), other=0.0)
-        acc = tl.dot(a, b, acc)
-        ap += BK
-        bp += BK * swk
+    acc, rm, rn = _mm_tile(DY, WD, M, N, K, sdm, swk, 1, pm, pn, BM, BN, BK)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     d = acc.to(DGU.dtype.element_ty).to(tl.float32)
     off = rm[:, None].to(tl.int64) * sgm + rn[None, :]
