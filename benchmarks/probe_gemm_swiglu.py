@@ -11,7 +11,9 @@ Each fused kernel rounds exactly where the unfused path does (GEMM output to bf1
 SwiGLU expressions from ops/swiglu.py), so only the GEMM's accumulation order differs.
 
 The gain is worth having only if the Triton GEMM itself runs close to cuBLAS: the plain Triton GEMM of the
-same loop is timed too.
+same loop is timed too. Two families: pointer loads (one tile per program; measured on the H200 at git
+9676978, results/probe_gemm_swiglu_9676978_*: 20-35% behind cuBLAS) and TMA descriptors + persistent
+programs (``probe_gemm_tma.py``; CPU-checked, not yet timed on a GPU).
 
     PYTHONPATH=src python benchmarks/probe_gemm_swiglu.py OUT.json            # GPU: 0.5B and 8B MLP shapes
     TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/probe_gemm_swiglu.py --check   # CPU: tiny fp32 check
@@ -26,6 +28,7 @@ import triton
 import triton.language as tl
 
 from chronicals.ops._triton_utils import tune_configs
+from probe_gemm_tma import _grouped, tma_down_dact_swiglu_bwd, tma_gate_up_swiglu, tma_mm  # benchmarks/, beside this
 from chronicals.ops.swiglu import _swiglu_bwd_math, _swiglu_fwd_math, swiglu_gate_up_backward, swiglu_gate_up_forward
 
 _CONFIGS = [triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_stages=s, num_warps=w)
@@ -39,13 +42,8 @@ else:  # the interpreter: one small config
 
 @triton.jit
 def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """Grouped tile order (GROUP_M row tiles share the column tiles in L2)."""
-    pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    size = tl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (pid % per_group) % size, (pid % per_group) // size
+    """This program's tile, one tile per program."""
+    return _grouped(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
 
 
 @triton.jit
@@ -183,10 +181,11 @@ def rel_err(got, want):
 
 
 def check_small(dev, dtype):
-    """Odd sizes (masks on every edge) against the fp32 reference; returns the worst relative error."""
+    """Odd sizes (masks on every edge) against the fp32 reference; returns the worst relative error. The TMA
+    kernels join where the copy engine's 16-byte alignment holds (I and K multiples of 8)."""
     g = torch.Generator().manual_seed(0)
     worst = 0.0
-    for m, k, i in ((37, 40, 23), (64, 48, 32)):
+    for m, k, i in ((37, 40, 23), (37, 40, 24), (64, 48, 32)):
         x = torch.randn(m, k, generator=g).to(dev, dtype)
         w = (torch.randn(2 * i, k, generator=g) * k ** -0.5).to(dev, dtype)
         dy = torch.randn(m, k, generator=g).to(dev, dtype)
@@ -196,8 +195,13 @@ def check_small(dev, dtype):
         dgu, act2 = fused_down_dact_swiglu_bwd(dy, wd, gu)
         errs = [rel_err(gu, gu_r), rel_err(act, act_r), rel_err(dgu, dgu_r), rel_err(act2, act_r),
                 rel_err(triton_mm(x, w.t()), x.float() @ w.float().t())]
-        print(f"check m={m} k={k} i={i}: gu {errs[0]:.2e} act {errs[1]:.2e} dgu {errs[2]:.2e} "
-              f"act(bwd) {errs[3]:.2e} mm {errs[4]:.2e}", flush=True)
+        if i % 8 == 0 and k % 8 == 0:
+            t_gu, t_act = tma_gate_up_swiglu(x, w)
+            t_dgu, t_act2 = tma_down_dact_swiglu_bwd(dy, wd, gu)
+            errs += [rel_err(t_gu, gu_r), rel_err(t_act, act_r), rel_err(t_dgu, dgu_r), rel_err(t_act2, act_r),
+                     rel_err(tma_mm(x, w), x.float() @ w.float().t())]
+        print(f"check m={m} k={k} i={i}: gu, act, dgu, act(bwd), mm" + (" and the same by TMA" if len(errs) > 5
+              else "") + ": " + " ".join(f"{e:.1e}" for e in errs), flush=True)
         worst = max(worst, *errs)
     return worst
 
@@ -220,6 +224,7 @@ def bench(out_path):
         wd = (torch.randn(h, i, device=dev) * i ** -0.5).to(bf)
         gu = x @ w.t()
         d_act = dy @ wd
+        wd_t = wd.t().contiguous()  # tma_mm takes a weight's (N, K) rows
         act_buf = torch.empty(n, i, device=dev, dtype=bf)
         f_gu, f_act = fused_gate_up_swiglu(x, w)
         f_dgu, _ = fused_down_dact_swiglu_bwd(dy, wd, gu)
@@ -237,23 +242,44 @@ def bench(out_path):
             "bwd cuBLAS + swiglu (+act)": lambda: swiglu_gate_up_backward(torch.mm(dy, wd), gu, act_buf),
             "bwd triton mm (no epilogue)": lambda: triton_mm(dy, wd),
             "bwd fused gemm+swiglu": lambda: fused_down_dact_swiglu_bwd(dy, wd, gu),
+            "fwd tma mm (no epilogue)": lambda: tma_mm(x, w),
+            "fwd tma fused gemm+swiglu": lambda: tma_gate_up_swiglu(x, w),
+            "bwd tma mm (no epilogue)": lambda: tma_mm(dy, wd_t),
+            "bwd tma fused gemm+swiglu": lambda: tma_down_dact_swiglu_bwd(dy, wd, gu),
         }
         row = {"errors": errs}
         for name, fn in t.items():
-            fn()
-            row[name] = round(do_bench(fn, warmup=25, rep=100) * 1e3, 1)
+            try:  # a variant that does not compile on this triton says why, the others still run
+                fn()
+                row[name] = round(do_bench(fn, warmup=25, rep=100) * 1e3, 1)
+            except Exception as e:
+                row[name] = f"{type(e).__name__}: {str(e)[:160]}"
+        try:
+            errs["tma fwd gu vs cuBLAS"] = rel_err(tma_gate_up_swiglu(x, w)[0], gu.float())
+            errs["tma bwd dgu vs unfused"] = rel_err(tma_down_dact_swiglu_bwd(dy, wd, gu)[0],
+                                                     swiglu_gate_up_backward(d_act, gu).float())
+        except Exception as e:
+            errs["tma"] = f"{type(e).__name__}: {str(e)[:160]}"
         flops = 2 * n * h * 2 * i
-        for name in ("fwd cuBLAS gu", "fwd triton mm (no epilogue)", "fwd fused gemm+swiglu"):
-            row[name + " TFLOP/s"] = round(flops / row[name] / 1e6)
-        for name in ("bwd cuBLAS d_act", "bwd triton mm (no epilogue)", "bwd fused gemm+swiglu"):
-            row[name + " TFLOP/s"] = round(flops / 2 / row[name] / 1e6)
-        row["best configs"] = {k.__name__ if hasattr(k, "__name__") else str(k): str(k.best_config)
-                               for k in (_mm_kernel, _gate_up_swiglu_kernel, _down_dact_swiglu_bwd_kernel)}
+        for name in ("fwd cuBLAS gu", "fwd triton mm (no epilogue)", "fwd fused gemm+swiglu", "fwd tma mm (no epilogue)",
+                     "fwd tma fused gemm+swiglu"):
+            if isinstance(row[name], float):
+                row[name + " TFLOP/s"] = round(flops / row[name] / 1e6)
+        for name in ("bwd cuBLAS d_act", "bwd triton mm (no epilogue)", "bwd fused gemm+swiglu", "bwd tma mm (no epilogue)",
+                     "bwd tma fused gemm+swiglu"):
+            if isinstance(row[name], float):
+                row[name + " TFLOP/s"] = round(flops / 2 / row[name] / 1e6)
+        import probe_gemm_tma as tma
+
+        kernels = {"mm": _mm_kernel, "fwd fused": _gate_up_swiglu_kernel, "bwd fused": _down_dact_swiglu_bwd_kernel,
+                   "tma mm": tma._tma_mm_kernel, "tma fwd fused": tma._tma_gate_up_swiglu_kernel,
+                   "tma bwd fused": tma._tma_down_bwd_kernel}
+        row["best configs"] = {k_: str(getattr(kern, "best_config", None)) for k_, kern in kernels.items()}
         res[tag] = row
         print(f"== {tag} (N {n}, H {h}, I {i}), us:", flush=True)
         for k_, v in row.items():
             print(f"   {k_}: {v}", flush=True)
-        del x, w, dy, wd, gu, d_act, act_buf, f_gu, f_act, f_dgu
+        del x, w, dy, wd, wd_t, gu, d_act, act_buf, f_gu, f_act, f_dgu
         torch.cuda.empty_cache()
     json.dump(res, open(out_path, "w"), indent=1)
 
