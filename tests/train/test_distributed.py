@@ -148,6 +148,33 @@ def _train_worker(rank: int, ports: tuple, out: str) -> None:
                 "resumed": (resumed.status, resumed.step, _cpu_state(resumed_model))}, f"{out}/result{rank}.pt")
 
 
+def _graphs_worker(rank: int, ports: tuple, out: str, graphed_runs: tuple) -> None:
+    """train() on this rank's shard once per entry of ``graphed_runs`` (train.cuda_graphs), tiny bf16 LoRA model,
+    Triton ops; rank 0 keeps each run's train records."""
+    from pathlib import Path
+
+    from chronicals.bench.contenders import build_chronicals_model
+    from chronicals.bench.shapes import get_shape
+
+    _torchrun_env(rank, ports[0])
+    docs = synthetic_docs(48, seed=2)
+    recs = {}
+    for i, graphed in enumerate(graphed_runs):
+        os.environ["MASTER_PORT"] = str(ports[i])
+        run = Path(out) / f"graphs{graphed}"
+        cfg = tiny_config(run, model__device=DEVICE, model__dtype="bfloat16", model__impl="auto", lora__enabled=True,
+                          lora__rank=4, lora__alpha=8, train__max_steps=5, train__cuda_graphs=graphed)
+        dev = torch.device(DEVICE, rank) if DEVICE == "cuda" else CPU
+        model = build_chronicals_model(get_shape("tiny"), dev, "auto", seed=0)
+        res = train(cfg, model=model, train_loader=_shards(docs, WORLD)[1][rank])
+        assert (res.status, res.step) == ("completed", 5)
+        if rank == 0:
+            lines = (run / "run" / "metrics.jsonl").read_text().splitlines()
+            recs[graphed] = [r for r in map(json.loads, lines) if r["kind"] == "train"]
+    if rank == 0:
+        torch.save(recs, f"{out}/graphs.pt")
+
+
 # ---- tests ----
 def test_buckets_split_by_dtype_and_size():
     ts = [torch.zeros(3), torch.zeros(4, dtype=torch.float64), torch.zeros(5), torch.zeros(9), torch.zeros(2)]
@@ -248,3 +275,20 @@ def test_a_gradient_missing_on_every_rank_stays_none(tmp_path):
         assert got["unused"] is None  # as in one process: AdamW skips it (no weight decay step)
         assert torch.equal(got["only0"], torch.ones(2))  # rank 1 contributed zeros
         assert torch.equal(got["both"], torch.full((4,), 3.0))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need GPUs: CHRONICALS_TEST_DP_DEVICE=cuda on 2 GPUs")
+def test_two_ranks_with_cuda_graphs_train_like_two_eager_ranks(tmp_path):
+    """train.cuda_graphs=true on 2 NCCL ranks (the all-reduce stays outside the captured forward + backward)
+    logs the losses and gradient norms of the same 2 ranks run eagerly, to bf16 tolerance. train.cuda_graphs
+    =auto leaves data parallelism eager until this has passed on GPUs (train/graphs.resolve_cuda_graphs)."""
+    mp.spawn(_graphs_worker, args=(tuple(_free_port() for _ in range(2)), str(tmp_path), ("false", "true")),
+             nprocs=WORLD, join=True)
+    recs = torch.load(tmp_path / "graphs.pt")
+    eager, graphed = recs["false"], recs["true"]
+    assert len(eager) == len(graphed) == 5
+    for a, b in zip(eager, graphed):
+        assert a["loss_tokens"] == b["loss_tokens"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-2)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=5e-2) and b["grad_norm"] > 0
+    assert len({r["loss"] for r in graphed}) > 1  # the replays saw new batches
