@@ -16,9 +16,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from chronicals.ops.swiglu import _swiglu_bwd_math, _swiglu_fwd_math
+
+try:  # host-side descriptors need a recent triton; without them the TMA rows report why, the rest still runs
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError as e:
+    TensorDescriptor, _MISSING = None, f"{type(e).__name__}: {e}"
 
 
 def _hook(a_names, b_names, c_names, b_kn=False):
@@ -130,7 +134,9 @@ def _progs(t: torch.Tensor) -> int:
     return torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 4
 
 
-def _d(t: torch.Tensor) -> TensorDescriptor:
+def _d(t: torch.Tensor):
+    if TensorDescriptor is None:
+        raise RuntimeError(f"TMA variants unavailable on this triton ({triton.__version__}): {_MISSING}")
     return TensorDescriptor.from_tensor(t, [16, 16])  # block shape set per config by the pre-hook
 
 
