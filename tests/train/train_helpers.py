@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from chronicals.config import from_dict
@@ -86,3 +87,14 @@ def tiny_config(tmp_path, **over):
         section, name = key.split("__")
         base.setdefault(section, {})[name] = v
     return from_dict(base)
+
+
+def assert_graphed_run_like_eager(eager: list, graphed: list, steps: int) -> None:
+    """Train records (metrics.jsonl, kind "train") of a CUDA-graph run against the same run eager: the same
+    loss tokens, losses and gradient norms to bf16 tolerance, and losses that move (the replays saw new batches)."""
+    assert len(eager) == len(graphed) == steps
+    for a, b in zip(eager, graphed):
+        assert a["loss_tokens"] == b["loss_tokens"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-2)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=5e-2) and b["grad_norm"] > 0
+    assert len({r["loss"] for r in graphed}) > 1
