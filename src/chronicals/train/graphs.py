@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .step import loss_token_count
+
 log = logging.getLogger("chronicals.train")
 
 MIN_DOC_CAPACITY = 16  # smallest padded document count: one bucket serves every batch of <= 16 documents
@@ -175,7 +177,7 @@ class GraphedStep:
 
         ``count``: N when it is not these micro-batches' loss tokens (data parallelism: all ranks' count).
         """
-        n = sum(int(b.num_loss_tokens) for b in micro_batches) if count is None else int(count)
+        n = loss_token_count(micro_batches) if count is None else int(count)
         keys = [graph_key(b) for b in micro_batches]
         for b, k in zip(micro_batches, keys):  # capture before any replay: warm-up must not touch the grads
             if k not in self.graphs and len(self.graphs) < self.max_graphs:

@@ -34,6 +34,11 @@ def batch_loss_sum(model, batch, device: torch.device) -> torch.Tensor:
                  num_loss_tokens=int(batch.num_loss_tokens))  # the loss head runs on the loss rows only
 
 
+def loss_token_count(micro_batches: list) -> int:
+    """The micro-batches' loss tokens (a host int: every batch carries ``num_loss_tokens``)."""
+    return sum(int(b.num_loss_tokens) for b in micro_batches)
+
+
 def accumulate_gradients(model, micro_batches: list, device: torch.device,
                          graphs: "GraphedStep | None" = None, *, count: int | None = None) -> tuple[torch.Tensor, int]:
     """Forward + backward over ``micro_batches``; grads become d(sum of losses / N). Returns (mean loss, N).
@@ -44,11 +49,11 @@ def accumulate_gradients(model, micro_batches: list, device: torch.device,
     ``count``: N when it is not these micro-batches' own count (data parallelism passes the all-ranks
     count; the returned loss is then this rank's loss sum / N, which sums over the ranks to the mean).
     """
+    n = loss_token_count(micro_batches) if count is None else int(count)
     if graphs is not None:
         if graphs.model is not model:
             raise ValueError("accumulate_gradients: graphs was built on another model; build GraphedStep(model, ...)")
-        return graphs.accumulate(micro_batches, count=count)
-    n = sum(int(b.num_loss_tokens) for b in micro_batches) if count is None else int(count)
+        return graphs.accumulate(micro_batches, count=n)
     denom = max(n, 1)
     total = None
     for b in micro_batches:
@@ -70,7 +75,7 @@ def accumulate_data_parallel(model, micro_batches: list, device: torch.device, d
     """
     if not dist.enabled:
         return accumulate_gradients(model, micro_batches, device, graphs)
-    n = dist.all_reduce_int(sum(int(b.num_loss_tokens) for b in micro_batches))
+    n = dist.all_reduce_int(loss_token_count(micro_batches))
     loss, _ = accumulate_gradients(model, micro_batches, device, graphs, count=n)
     dist.all_reduce_grads(params)
     return dist.all_reduce_sum_(loss.detach().clone()), n
