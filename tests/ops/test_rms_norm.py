@@ -175,3 +175,44 @@ def test_eager_door_and_compiled_door_agree():
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     for a, b in zip(torch.autograd.grad(compiled(x, w), [x, w]), torch.autograd.grad(f(x, w), [x, w])):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("hidden", [96, 2 * 1024 + 3])  # one block, and (interpreter) looped column blocks
+def test_frozen_weight_gets_no_gradient_and_the_same_dx(hidden, monkeypatch):
+    """A weight that needs no gradient (LoRA freezes the norms) gets none: the kernel skips its dW partials
+    and their sum; dx and dresidual are bit-identical to the run that computes dW."""
+    g = torch.Generator().manual_seed(hidden)
+    x, r, dy, ds = (torch.randn(37, hidden, generator=g).bfloat16().to(DEV) for _ in range(4))
+    w = (1 + 0.3 * torch.randn(hidden, generator=g)).bfloat16().to(DEV)
+
+    def grads(train_w):
+        xs, rs, ws = x.clone().requires_grad_(), r.clone().requires_grad_(), w.clone().requires_grad_(train_w)
+        y, s = rms_norm(xs, ws, 1e-6, residual=rs, impl="triton")
+        torch.autograd.backward([y, s], [dy, ds])
+        return xs.grad, rs.grad, ws.grad
+
+    dx_full, dr_full, dw_full = grads(True)
+    sums = []
+    monkeypatch.setattr(rms_mod, "_rms_norm_bwd_kernel", _Spy(rms_mod._rms_norm_bwd_kernel, sums))
+    dx, dr, dw = grads(False)
+    assert dw is None and dw_full is not None
+    assert sums == [False]  # one launch, with HAS_DW off
+    assert torch.equal(dx, dx_full) and torch.equal(dr, dr_full)
+
+
+class _Spy:
+    """Records the HAS_DW flag of each launch of the wrapped Triton kernel."""
+
+    def __init__(self, kernel, seen):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kw):
+            self.seen.append(kw["HAS_DW"])
+            return launch(*args, **kw)
+        return run
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)

@@ -15,7 +15,8 @@ The Triton path (``impl="triton"``) has two front doors over the same launchers:
   896); math in fp32; writes y, s (with a residual) and rstd (N,) fp32 for the backward.
 - backward: a persistent grid of P = (2, 4 or 8, autotuned) programs per SM, each looping over row
   blocks and keeping its share of dweight in fp32 registers; the (P, H) fp32 partials are summed at the
-  end. Byte arithmetic at the 8B shape (N=8192, H=4096, bf16): the op must move 3NH x 2 B = 201 MB
+  end (skipped with the partials when the weight is frozen, as under LoRA). Byte arithmetic at the 8B
+  shape (N=8192, H=4096, bf16): the op must move 3NH x 2 B = 201 MB
   (read s, dy; write dx), 47 us at 4.25 TB/s. Partials cost P x H x 4 B written + read again by the sum:
   P=264 (2/SM): 2 x 4.3 MB = 4% extra; P=528: 8%; P=1056: 17%. What they buy: each program walks
   4096 row blocks / P serially (31 at P=132, 16 at 264, 4 at 1056) with one block's loads (2 rows x 4096
@@ -142,14 +143,15 @@ def _rms_norm_apply_kernel(S_ptr, RSTD_ptr, W_ptr, Y_ptr, N, H, BLOCK_M: tl.cons
 _BWD_CONFIGS = [triton.Config({"PROGRAMS_PER_SM": p}, num_warps=w) for p in PROGRAMS_PER_SM for w in (8, 4, 16)]
 
 
-@triton.autotune(configs=tune_configs(_BWD_CONFIGS), key=["H", "BLOCK_M", "BLOCK_H", "HAS_DS"])
+@triton.autotune(configs=tune_configs(_BWD_CONFIGS), key=["H", "BLOCK_M", "BLOCK_H", "HAS_DS", "HAS_DW"])
 @triton.jit
 def _rms_norm_bwd_kernel(DY_ptr, DS_ptr, S_ptr, W_ptr, RSTD_ptr, DX_ptr, DW_ptr, N, H, dy_row_stride,
-                         ds_row_stride, HAS_DS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-                         SINGLE_BLOCK: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr):
+                         ds_row_stride, HAS_DS: tl.constexpr, HAS_DW: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_H: tl.constexpr, SINGLE_BLOCK: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr):
     """dx = rstd * (w*dy - xhat * mean(w*dy*xhat)) (+ ds), xhat = s*rstd; dw partial = sum_rows dy*xhat.
 
-    Persistent: program p handles row blocks p, p + P, p + 2P, ... and writes dw partial row p of (P, H).
+    Persistent: program p handles row blocks p, p + P, p + 2P, ... and writes dw partial row p of (P, H)
+    (HAS_DW; a frozen weight, as under LoRA, skips the partials and their sum).
     s, dx are contiguous (N, H); dy, ds have a row stride.
     """
     pid = tl.program_id(0)
@@ -178,12 +180,15 @@ def _rms_norm_bwd_kernel(DY_ptr, DS_ptr, S_ptr, W_ptr, RSTD_ptr, DX_ptr, DW_ptr,
                 dx += tl.load(DS_ptr + rows[:, None] * ds_row_stride + cols[None, :], mask=mask,
                               other=0.0).to(tl.float32)
             tl.store(DX_ptr + rows[:, None] * H + cols[None, :], dx.to(DX_ptr.dtype.element_ty), mask=mask)
-            dw_acc += dy * xhat
-        tl.store(dw_row + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
+            if HAS_DW:
+                dw_acc += dy * xhat
+        if HAS_DW:
+            tl.store(dw_row + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
     else:
-        for start in range(0, H, BLOCK_H):
-            tl.store(dw_row + start + cols, tl.zeros([BLOCK_H], dtype=tl.float32), mask=start + cols < H)
-        tl.debug_barrier()
+        if HAS_DW:
+            for start in range(0, H, BLOCK_H):
+                tl.store(dw_row + start + cols, tl.zeros([BLOCK_H], dtype=tl.float32), mask=start + cols < H)
+            tl.debug_barrier()
         for blk in range(pid, n_blocks, nprog):
             rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
             row_ok = rows < N
@@ -212,10 +217,11 @@ def _rms_norm_bwd_kernel(DY_ptr, DS_ptr, S_ptr, W_ptr, RSTD_ptr, DX_ptr, DW_ptr,
                     dx += tl.load(DS_ptr + rows[:, None] * ds_row_stride + c[None, :], mask=mask,
                                   other=0.0).to(tl.float32)
                 tl.store(DX_ptr + rows[:, None] * H + c[None, :], dx.to(DX_ptr.dtype.element_ty), mask=mask)
-                part = tl.load(dw_row + c, mask=col_ok, other=0.0)
-                tl.store(dw_row + c, part + tl.sum(dy * xhat, axis=0), mask=col_ok)
-                # the next row block re-reads this partial; make the stores visible to all threads first
-                tl.debug_barrier()
+                if HAS_DW:
+                    part = tl.load(dw_row + c, mask=col_ok, other=0.0)
+                    tl.store(dw_row + c, part + tl.sum(dy * xhat, axis=0), mask=col_ok)
+                    # the next row block re-reads this partial; make the stores visible to all threads first
+                    tl.debug_barrier()
 
 
 # ---------------------------------------------------------------- launchers
@@ -263,21 +269,24 @@ def rms_norm_apply(s: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, ou
 
 
 def rms_norm_backward(dy: torch.Tensor, ds: Optional[torch.Tensor], s: torch.Tensor, weight: torch.Tensor,
-                      rstd: torch.Tensor):
+                      rstd: torch.Tensor, need_dw: bool = True):
     """dy (N, H), ds (N, H) or None (gradient of the returned stream), s (N, H) contiguous -> dx (N, H) in
-    s.dtype, dweight (H,) in weight.dtype."""
+    s.dtype, dweight (H,) in weight.dtype (None without ``need_dw``: a frozen weight)."""
     n, h = s.shape
     dx = torch.empty((n, h), device=s.device, dtype=s.dtype)
     if n == 0:
-        return dx, torch.zeros_like(weight)
+        return dx, (torch.zeros_like(weight) if need_dw else None)
     block_m, block_h = _blocks(h, BWD_TILE_ELEMS)
     sms, n_blocks = num_sms(s.device), triton.cdiv(n, block_m)
     # room for the largest grid the autotuner may pick; only the launched programs' rows are summed
-    dw_part = torch.empty((min(sms * max(PROGRAMS_PER_SM), n_blocks), h), device=s.device, dtype=torch.float32)
+    dw_part = (torch.empty((min(sms * max(PROGRAMS_PER_SM), n_blocks), h), device=s.device, dtype=torch.float32)
+               if need_dw else dx)  # without dW the kernel never touches the pointer
     dd = ds if ds is not None else dy
     _rms_norm_bwd_kernel[lambda meta: (min(sms * meta["PROGRAMS_PER_SM"], n_blocks),)](
         dy, dd, s, weight, rstd, dx, dw_part, n, h, dy.stride(0), dd.stride(0), HAS_DS=ds is not None,
-        BLOCK_M=block_m, BLOCK_H=block_h, SINGLE_BLOCK=block_h >= h)
+        HAS_DW=need_dw, BLOCK_M=block_m, BLOCK_H=block_h, SINGLE_BLOCK=block_h >= h)
+    if not need_dw:
+        return dx, None
     programs = min(sms * _rms_norm_bwd_kernel.best_config.kwargs["PROGRAMS_PER_SM"], n_blocks)
     return dx, dw_part[:programs].sum(0).to(weight.dtype)
 
@@ -307,7 +316,7 @@ class RMSNormFunction(torch.autograd.Function):
         # dy is None when only the stream s was used; ds is None when s was unused (then HAS_DS=False)
         dy = torch.zeros_like(s) if dy is None else _rows(dy, h)
         dx, dw = rms_norm_backward(dy, _rows(ds, h) if (ctx.has_residual and ds is not None) else None, s,
-                                   weight, rstd)
+                                   weight, rstd, need_dw=ctx.needs_input_grad[1])
         # x and residual enter only through s = x + residual, so both receive ds_total (like add's backward)
         return dx, dw, (dx if ctx.has_residual else None), None, None
 
