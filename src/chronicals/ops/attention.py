@@ -8,8 +8,7 @@ longest document. A token attends only to earlier tokens of its own document.
 
     row 0: [a a a b b | row 1: c c c c d]   cu_seqlens = [0, 3, 5, 9, 10], max_seqlen = 4
 
-Implementations (``impl``; "auto" = varlen flash for packed rows and cuDNN-first SDPA for unpacked rows on
-CUDA, the reference on CPU):
+Implementations (``impl``; "auto" = varlen flash on CUDA, reference on CPU):
 - "torch" (``attention_ref``): SDPA; packed rows use a block-diagonal causal mask (B, 1, S, S), which
   costs O(S^2) memory per row and lets SDPA use only its masked kernels.
 - "triton" on CUDA, packed rows: variable-length FlashAttention-2 through PyTorch's own aten op
@@ -19,20 +18,13 @@ CUDA, the reference on CPU):
   h // (Hq / Hk)). bf16/fp16 only (the kernel's dtypes). On an H200 this measured 0.505 ms fwd+bwd for
   16 rows of 1024 at 14/2 heads of 64 (FlexAttention with a document mask: 1.05 ms).
   ``torch.nn.attention.varlen.varlen_attn`` wraps the same op on newer torch, but its keywords changed
-  between releases; the aten op's positional signature did not, so it is called directly.
-- Unpacked rows (no cu_seqlens): SDPA's causal kernels. "torch" keeps SDPA's default backend order
-  (FlashAttention-2 first on CUDA); "triton"/"auto" on CUDA with bf16/fp16 put cuDNN first in that order
-  (``attention_dense``). H200, torch 2.11, fwd+bwd per layer (probe_attention_cudnn, 13d22dc): 0.445 vs
-  0.623 ms at 16 x 1024, 14/2 heads of 64; 1.18 vs 1.95 ms at 4 x 2048, 32/8 heads of 128. cuDNN's ragged
-  (packed) path is not used: in the same probe its q/k/v gradients were wrong (max error 3.7 against
-  float64) and its forward took 65 ms, so packed rows stay on varlen FlashAttention-2.
+  between releases; the aten op's positional signature did not, so it is called directly. Unpacked rows (no cu_seqlens) use SDPA's causal kernels on every impl.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ._impl import log, resolve_impl
 
@@ -106,31 +98,11 @@ def attention_varlen_flash(q, k, v, cu_seqlens, max_seqlen=None, scale=None):
     return out.view(b, s, hq, d)
 
 
-# cuDNN first, then SDPA's own default order (flash, efficient, math): a backend that cannot take the inputs
-# (for example a head size cuDNN lacks) passes them on, as SDPA does with its default order.
-_CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                SDPBackend.MATH]
-
-
-def attention_dense(q, k, v, scale=None):
-    """Causal attention over unpacked rows with cuDNN first in SDPA's backend order (CUDA, bf16/fp16).
-
-    q (B, S, Hq, D), k/v (B, S, Hk, D) -> (B, S, Hq, D).
-    """
-    if "dense" not in _logged_notes and not torch.compiler.is_compiling():
-        _logged_notes.add("dense")
-        log.info("attention: unpacked rows run SDPA with cuDNN first in its backend order")
-    with sdpa_kernel(_CUDNN_FIRST, set_priority=True):
-        return attention_ref(q, k, v, scale=scale)
-
-
 def attention(q, k, v, *, cu_seqlens=None, max_seqlen=None, scale=None, impl: str = "auto"):
     """Causal attention; packed rows when ``cu_seqlens`` is given. See the module docstring."""
     chosen = resolve_impl("attention", impl, q.device)
-    if cu_seqlens is None and chosen != "torch" and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        return attention_dense(q, k, v, scale)
     if chosen == "torch" or cu_seqlens is None:
-        # the reference, and unpacked rows off CUDA or in fp32: SDPA's default backend order
+        # unpacked rows: SDPA picks flash / cuDNN / efficient kernels on CUDA itself
         return attention_ref(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scale=scale)
     if q.device.type != "cuda":  # impl="triton" under TRITON_INTERPRET=1: attention has no Triton kernel
         if "interpret" not in _logged_notes:
