@@ -106,8 +106,10 @@ def test_cuda_graphs_setting_is_normalized(value, want):
 
 def test_auto_turns_graphs_on_only_where_they_are_checked():
     assert resolve_cuda_graphs("auto", "cuda:0", False, 1)[0] is True
+    on, why = resolve_cuda_graphs("auto", "cuda", False, 2)  # checked on 2 GPUs (tests/train/test_distributed.py)
+    assert on is True and "2 data-parallel ranks" in why
     for args, reason in ((("cpu", False, 1), "need a GPU"), (("cuda", True, 1), "checkpointing"),
-                         (("cuda", 3, 1), "checkpointing"), (("cuda", False, 2), "2 data-parallel ranks")):
+                         (("cuda", 3, 1), "checkpointing"), (("cpu", False, 2), "need a GPU")):
         on, why = resolve_cuda_graphs("auto", *args)
         assert on is False and reason in why
     assert resolve_cuda_graphs("true", "cpu", False, 1)[0] is True  # GraphedStep then fails with the fix
