@@ -14,6 +14,7 @@ from ops_tolerance import assert_tracks_torch
 
 from chronicals.ops import linear_cross_entropy, linear_cross_entropy_ref
 from chronicals.ops._impl import triton_interpreting
+from chronicals.ops import cross_entropy
 from chronicals.ops.cross_entropy import default_chunk_rows, linear_cross_entropy_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -120,13 +121,48 @@ def test_vocab_parts_match_reference(dtype, reduction, bias, softcap, parts):
         assert_tracks_torch(name, o, t, r, dtype=dtype)  # the inputs' eps: see ops_tolerance
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_part_one_accumulator_is_rounded_in_place(dtype):
+    """vocab_parts > 1 keeps part 1's fp32 accumulator in dW's own bytes; rounding it into dW's first rows
+    in place (staging 3 rows at a time, so the blocks overlap rows not yet read) gives acc.to(dtype)."""
+    v, h, rows = 11, 6, 5  # 5 fp32 rows fit in the bytes of 11 16-bit rows
+    dw = torch.full((v, h), 7.0, dtype=dtype)
+    acc = cross_entropy.fp32_rows_of(dw, rows)
+    assert acc.data_ptr() == dw.data_ptr() and acc.dtype == torch.float32
+    acc.copy_(torch.randn(rows, h, generator=torch.Generator().manual_seed(0)))
+    want = acc.clone().to(dtype)
+    cross_entropy.downcast_in_place_(acc, dw, torch.empty(3 * h, dtype=dtype))
+    assert torch.equal(dw[:rows], want)
+    assert cross_entropy.part_one_rows(1031, 2, 2) == 515  # V odd: 516 fp32 rows would not fit in dW
+    assert cross_entropy.part_one_rows(1031, 2, 4) == 516 and cross_entropy.part_one_rows(1031, 1, 2) == 1031
+
+
+def test_vocab_parts_second_pass_in_many_vocabulary_chunks(monkeypatch):
+    """The second pass in chunks of 37 vocabulary rows (the last one shorter), bf16 with bias and ignored rows:
+    loss and gradients track the reference like the one-part head."""
+    monkeypatch.setattr(cross_entropy, "DW_CHUNK_BYTES", 37 * 4 * 64)
+    n, h, v = 90, 64, 1000
+    x, w, b, labels = make_inputs(n, h, v, torch.bfloat16, True, seed=23)
+    grad_out = torch.ones((), dtype=torch.float64, device=DEV)
+
+    def ours(x_, w_, labels_, b_):
+        return linear_cross_entropy(x_, w_, labels_, bias=b_, ignore_index=IGNORE, impl="triton", vocab_parts=2)
+
+    got = run(ours, x, w, b, labels, grad_out)
+    torch_out = run(lambda x_, w_, l_, b_: linear_cross_entropy_ref(x_, w_, l_, bias=b_, ignore_index=IGNORE),
+                    x, w, b, labels, grad_out)
+    ref = run(lambda x_, w_, l_, b_: exact_lce(x_, w_, l_, b_, "mean", None),
+              *(t.double() for t in (x, w, b)), labels, grad_out)
+    for name, o, t, r in zip(["loss", "d_hidden", "d_weight", "d_bias"], got, torch_out, ref):
+        assert_tracks_torch(name, o, t, r, dtype=torch.bfloat16)
+
+
 def test_model_loss_vocab_parts_reaches_the_head(monkeypatch):
     """CausalLM's training loss with opts.loss_vocab_parts = 3 runs the head in 3 parts, with the same loss and
     gradients as one part."""
     import transformers
 
     from chronicals.models import CausalLM, ModelConfig
-    from chronicals.ops import cross_entropy
 
     seen, real = [], cross_entropy.linear_ce_chunked
     monkeypatch.setattr(cross_entropy, "linear_ce_chunked", lambda *a, **k: seen.append(k["vocab_parts"]) or real(*a, **k))

@@ -82,9 +82,6 @@ REDUCTIONS = ("mean", "sum", "none")
 # Workspace target without a weight gradient: 256 MB is ~840 rows at V = 151,936, enough for cuBLAS to
 # run K = 896 GEMMs near peak, and a small fraction of the 37.7 GiB the fp32 logits would take.
 WORKSPACE_BYTES = 256 << 20
-# With vocab_parts > 1 (less memory on purpose) the logits workspace is halved too: 128 MB, ~420 rows at
-# V = 151,936 (still >= MIN_CHUNK_ROWS).
-LOWMEM_WORKSPACE_BYTES = 128 << 20
 MIN_CHUNK_ROWS = 256
 
 
@@ -115,24 +112,56 @@ def linear_cross_entropy_ref(hidden, weight, labels, *, bias=None, ignore_index=
 
 
 def default_chunk_rows(n: int, h: int, v: int, need_dw: bool, elt_bytes: int, vocab_parts: int = 1) -> int:
-    """Rows per chunk: H with a weight gradient in one vocabulary part (the workspace then holds dW at the
-    end), else a workspace of ~256 MB (~128 MB with vocab_parts > 1, where the memory is the point)."""
-    if need_dw and vocab_parts == 1:
-        rows = h
-    else:
-        rows = (WORKSPACE_BYTES if vocab_parts == 1 else LOWMEM_WORKSPACE_BYTES) // (v * elt_bytes)
+    """Rows per chunk: H with a weight gradient (the workspace then holds V x H: dW's storage at the end with
+    one vocabulary part, the second pass's logits with several), else a workspace of ~256 MB."""
+    rows = h if need_dw else WORKSPACE_BYTES // (v * elt_bytes)
     return max(1, min(n, max(MIN_CHUNK_ROWS, rows)))
+
+
+def part_one_rows(v: int, parts: int, elt_bytes: int) -> int:
+    """Vocabulary rows whose weight gradient the first pass accumulates: ceil(V / k), and with k > 1 no more
+    than dW's own storage holds as fp32 (V x elt_bytes / 4 rows), since that is where their accumulator lives."""
+    vp = -(-v // parts)
+    return vp if parts == 1 else max(1, min(vp, v * elt_bytes // 4))
+
+
+def fp32_rows_of(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first ``rows`` x H fp32 values stored in t's bytes: t (V, H) contiguous, fp32/bf16/fp16."""
+    h = t.shape[1]
+    flat = t.view(-1)[:rows * h * 4 // t.element_size()]
+    return (flat if t.dtype == torch.float32 else flat.view(torch.float32)).view(rows, h)
+
+
+def downcast_in_place_(acc32: torch.Tensor, out: torch.Tensor, staging: torch.Tensor) -> None:
+    """out[:rows] = acc32 rounded to out's dtype, where acc32 (rows, H) fp32 shares out's first bytes.
+
+    Row block [a, b) of out overlaps acc32 rows [a/2, b/2), all < b: rows below a were read by earlier
+    blocks and rows [a, b) are read into ``staging`` (flat, out's dtype, not overlapping) before the write.
+    """
+    rows, h = acc32.shape
+    step = max(1, staging.numel() // h)
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        stage = staging[:(b - a) * h].view(b - a, h)
+        stage.copy_(acc32[a:b])
+        out[a:b].copy_(stage)
+
+
+# fp32 staging for one vocabulary chunk's weight gradient in the second pass (accumulated over all N rows in
+# one GEMM, then rounded once into dW): at most 64 MB, so 4,096 vocabulary rows per chunk at H = 4,096.
+DW_CHUNK_BYTES = 64 << 20
 
 
 def linear_ce_chunked(hidden, weight, labels, bias, scale, lse_in, *, ignore_index: int, softcap,
                       need_dh: bool, need_dw: bool, need_db: bool, chunk_rows: int, vocab_parts: int = 1):
-    """One pass over the rows in chunks, plus vocab_parts - 1 passes for the weight gradient; see the module
-    docstring.
+    """One pass over the rows in chunks, and with vocab_parts > 1 a second pass over vocabulary chunks for the
+    rest of the weight gradient; see the module docstring.
 
     hidden (N, H), weight (V, H) contiguous, one dtype; labels (N,) int64; scale (1,) or (N,) fp32 on the
     device (gradient multiplier per row); lse_in (N,) fp32 or None (None: compute lse and the loss).
-    vocab_parts k: the fp32 weight-gradient accumulator holds one part of ceil(V / k) vocabulary rows; the
-    first pass fills part 1, and pass p recomputes only part p's logits (from lse) to fill it.
+    vocab_parts k: the first pass accumulates the weight gradient of the first ``part_one_rows`` vocabulary
+    rows in fp32 (k = 1: all of V in a (V, H) fp32 accumulator; k > 1: ceil(V / k) rows inside dW's own
+    storage, no accumulator beyond it), the second pass the rest, chunk by vocabulary chunk over all rows.
     Returns loss_rows (N,) fp32 (empty when lse_in is given), lse (N,), dH (N, H), dW (V, H), dbias (V,),
     each gradient empty(0) when not asked for.
     """
@@ -142,19 +171,22 @@ def linear_ce_chunked(hidden, weight, labels, bias, scale, lse_in, *, ignore_ind
     grad = need_dh or need_dw or need_db
     c = max(1, min(n, chunk_rows))
     parts = max(1, min(int(vocab_parts), v)) if need_dw else 1
-    vp = -(-v // parts)  # vocabulary rows per part
+    vp = part_one_rows(v, parts, weight.element_size())
     compute_lse = lse_in is None
     loss_rows = torch.empty(n if compute_lse else 0, device=dev, dtype=torch.float32)
     lse = torch.empty(n, device=dev, dtype=torch.float32) if compute_lse else lse_in
     dh = torch.empty((n, h) if need_dh else (0,), device=dev, dtype=dt)
     db32 = torch.zeros(v if need_db else 0, device=dev, dtype=torch.float32)
-    dw32 = torch.zeros((vp, h) if need_dw else (0,), device=dev, dtype=torch.float32)
-    # The workspace holds one chunk of logits (C x V). With C <= H (the default with a weight gradient) it is
-    # sized V x H instead and becomes dW's storage at the end: no second (V, H) allocation, no slack. With
-    # several vocabulary parts dW is filled part by part while the workspace is still in use.
+    # The workspace holds one chunk of logits (C x V). With one vocabulary part and C <= H (the default with a
+    # weight gradient) it is sized V x H instead and becomes dW's storage at the end: no second (V, H)
+    # allocation. With several parts, dW is allocated first and part 1's fp32 accumulator lives in its bytes.
     reuse = need_dw and parts == 1 and c * v <= v * h
     ws = torch.empty(max(c * v, v * h if reuse else 0), device=dev, dtype=dt)
     dw = torch.empty((v, h) if need_dw and not reuse else (0,), device=dev, dtype=weight.dtype)
+    if need_dw and parts > 1:
+        dw32 = fp32_rows_of(dw, vp).zero_()
+    else:
+        dw32 = torch.zeros((vp, h) if need_dw else (0,), device=dev, dtype=torch.float32)
     for r0 in range(0, n, c):
         rows = min(c, n - r0)
         x = hidden[r0:r0 + rows]
@@ -170,22 +202,26 @@ def linear_ce_chunked(hidden, weight, labels, bias, scale, lse_in, *, ignore_ind
             db32 += buf.sum(0, dtype=torch.float32)
     if reuse:
         dw = ws[:v * h].view(v, h)
-    if need_dw:
-        dw[:vp].copy_(dw32)
-    for lo in range(vp, v if need_dw else 0, vp):  # parts 2..k: their logits again, from lse
-        hi = min(v, lo + vp)
-        acc, wp = dw32[:hi - lo].zero_(), weight[lo:hi]
-        bp = None if bias is None else bias[lo:hi]
-        for r0 in range(0, n, c):
-            rows = min(c, n - r0)
-            x = hidden[r0:r0 + rows]
-            buf = ws[:rows * (hi - lo)].view(rows, hi - lo)
-            torch.mm(x, wp.t(), out=buf)
-            lce_rows(buf, labels, r0, bp, scale, loss_rows, lse, ignore_index=ignore_index, softcap=softcap,
-                     compute_lse=False, write_grad=True, col0=lo)
-            dw_accumulate(buf, x, acc)
-        dw[lo:hi].copy_(acc)
+    if need_dw and parts == 1:
+        dw.copy_(dw32)
+    elif need_dw and dw.dtype != torch.float32:  # fp32 weights: the accumulator already is dw[:vp]
+        downcast_in_place_(dw32, dw, ws)
     del dw32
+    # Second pass: vocabulary rows vp..V in chunks of cv, each over all N rows: its logits (N x cv) from the
+    # stored lse give d_logits, and dW of the chunk is one GEMM contracted over N (fp32, rounded once).
+    cv = max(1, min(ws.numel() // max(n, 1), DW_CHUNK_BYTES // (4 * h)))
+    acc = torch.empty((min(cv, v - vp), h) if need_dw and vp < v and n else (0,), device=dev, dtype=torch.float32)
+    for lo in range(vp, v if need_dw and n else 0, cv):
+        hi = min(v, lo + cv)
+        buf = ws[:n * (hi - lo)].view(n, hi - lo)
+        torch.mm(hidden, weight[lo:hi].t(), out=buf)
+        lce_rows(buf, labels, 0, None if bias is None else bias[lo:hi], scale, loss_rows, lse,
+                 ignore_index=ignore_index, softcap=softcap, compute_lse=False, write_grad=True, col0=lo)
+        part = acc[:hi - lo].zero_()
+        dw_accumulate(buf, hidden, part)
+        dw[lo:hi].copy_(part)
+    if need_dw and not n:
+        dw.zero_()
     db = db32.to(bias.dtype) if need_db else torch.empty(0, device=dev, dtype=dt)
     return loss_rows, lse, dh, dw, db
 
