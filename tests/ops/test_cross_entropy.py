@@ -133,8 +133,10 @@ def test_part_one_accumulator_is_rounded_in_place(dtype):
     want = acc.clone().to(dtype)
     cross_entropy.downcast_in_place_(acc, dw, torch.empty(3 * h, dtype=dtype))
     assert torch.equal(dw[:rows], want)
-    assert cross_entropy.part_one_rows(1031, 2, 2) == 515  # V odd: 516 fp32 rows would not fit in dW
-    assert cross_entropy.part_one_rows(1031, 2, 4) == 516 and cross_entropy.part_one_rows(1031, 1, 2) == 1031
+    # V odd: 516 fp32 rows would not fit in dW's bf16 bytes; 515, rounded down to a multiple of 8
+    assert cross_entropy.part_one_rows(1031, 2, 2) == 512 and cross_entropy.part_one_rows(151936, 2, 2) == 75968
+    assert cross_entropy.part_one_rows(1031, 2, 4) == 512 and cross_entropy.part_one_rows(1031, 1, 2) == 1031
+    assert cross_entropy.part_one_rows(5, 2, 2) == 2
 
 
 def test_vocab_parts_second_pass_in_many_vocabulary_chunks(monkeypatch):
