@@ -68,7 +68,7 @@ def contenders() -> tuple[dict, list[str]]:
     # longer doubles as dW's storage (+C x V x 2 bytes); tells whether the default C = H leaves time behind
     fns["chronicals (mean, chunk 2H)"] = \
         lambda h, w, y: linear_cross_entropy_triton(h, w, y, chunk_rows=2 * h.shape[1])
-    # the fp32 dW accumulator in 2 and 4 vocabulary parts (V x H x 4 / k bytes) for (k-1)/k more logits GEMMs
+    # vocab_parts: no fp32 dW accumulator beyond dW itself, a second pass over (k-1)/k of the vocabulary
     for k in (2, 4):
         fns[f"chronicals (mean, vocab_parts {k})"] = \
             (lambda k_: lambda h, w, y: linear_cross_entropy(h, w, y, impl="triton", vocab_parts=k_))(k)

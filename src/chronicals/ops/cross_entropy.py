@@ -52,19 +52,23 @@ dW = 1.05 GB, fp32 accumulator 2.1 GB (3.2 GB in all with the gradients); its Lo
 The bench also times C = 2H: fewer, longer dW GEMMs (K = 1,792 halves the accumulator traffic per FLOP)
 at +C x V x 2 bytes, since the workspace can then no longer double as dW's storage.
 
-Less memory, exactly (``vocab_parts`` k > 1, with a weight gradient): the fp32 accumulator holds one part of
-ceil(V / k) vocabulary rows. The pass above fills part 1 (its dW GEMM reads that part's columns of each
-d_logits chunk); part p then runs its own pass over the rows: logits of the part only (rows x V / k, cuBLAS),
-the row kernel's pass 2 from the stored log-sum-exp, and its dW GEMM. Cost: (k - 1) / k more logits GEMMs
-(4 - 1/k GEMMs in all), and smaller chunks make the dW GEMMs memory-bound on the accumulator. Memory at
-Qwen2.5-0.5B, k = 4: dW 272 MB + workspace 128 MB (C ~ 440) + accumulator 136 MB + dH 29 MB = 0.53 GiB with
-both gradients, against 0.79 GiB for k = 1. Time by arithmetic: +4.9 ms of logits GEMMs, ~+3 ms of
-accumulator traffic (37 chunks x 272 MB per pass), +1.8 ms of row passes: ~2x the floor. That is slower
-than k = 1 (1.52x) and faster than the other low-memory exact heads measured (Liger 2.87x, exact CCE 4.17x).
-Measured on an H200 (git b9e5c15): forward peaks 0.79 / 0.66 / 0.53 GiB for k = 1 / 2 / 4, at 29.0 / 41.2 / 46.0
-ms. The backward then peaked at 0.84 GiB for every k: autograd handed it zero tensors for the gradient
-outputs, now switched off (``set_materialize_grads(False)``), which leaves the saved gradients plus their
-scaled copies (0.56 GiB) in backward.
+Less memory, exactly (``vocab_parts`` k > 1, with a weight gradient): no fp32 accumulator beyond dW itself.
+- dW (V, H) is allocated first; its bytes, read as fp32, hold V x elt / 4 rows (V / 2 in bf16). The pass
+  above accumulates the weight gradient of the first vp = min(ceil(V / k), that) vocabulary rows there (in
+  multiples of 8 rows), then rounds them in place into dW[:vp] (row blocks staged through the workspace:
+  block [a, b) of the rounded rows overlaps accumulator rows [a/2, b/2), already read).
+- A second pass covers vocabulary rows vp..V in chunks of cv over all N rows at once: logits (N x cv, one
+  cuBLAS GEMM into the workspace, cv = C x V / N), d_logits from the stored log-sum-exp (the row kernel's
+  pass 2), and dW of the chunk as one GEMM contracted over N with fp32 output (a <= 64 MB staging buffer),
+  rounded once into dW: every dW element is still one fp32 sum rounded once.
+- Cost: (V - vp) / V more logits GEMMs (3.5 GEMMs in all at k = 2), no per-chunk accumulator traffic in
+  the second pass. Chunk widths are multiples of 8: an unaligned leading dimension (8,309) put cuBLAS on sm75
+  CUTLASS kernels, 4-7x slower (66.5 ms for the whole head at k = 2, git 8f6fedf).
+- Memory at Qwen2.5-0.5B: dW 272 MB + workspace 272 MB (C = H) + dH 29 MB + staging 30 MB = 0.56 GiB with
+  both gradients, for any k > 1 (k only moves work between the passes; k = 2 does the least).
+Measured on an H200 (git 638f39e, `linear_cross_entropy_0.5b_638f39e_*`, floor 19.8 ms): k = 1 29.7 ms
+(1.50x) at 0.79 GiB; k = 2 33.9 ms (1.71x) and k = 4 35.3 ms (1.78x), both 0.563 GiB. The row-chunked k-part
+scheme this replaced measured 41.7 / 46.3 ms at 0.66 / 0.56 GiB (git fe9aee8).
 """
 
 from __future__ import annotations
