@@ -15,6 +15,7 @@ import time
 import torch
 from triton.testing import do_bench
 
+from bench_attention import packed_rows
 from chronicals.ops.attention import attention_ref, attention_varlen_flash
 
 dev, bf = "cuda", torch.bfloat16
@@ -24,15 +25,7 @@ def packed(b, s, gen, mean_doc):
     """cu_seqlens int32 over b rows of s tokens; mean_doc None = one document per row."""
     if mean_doc is None:
         return torch.arange(0, b * s + 1, s, dtype=torch.int32, device=dev)
-    cuts = [0]
-    for r in range(b):
-        t = 0
-        while t < s:
-            n = int(torch.empty(1).exponential_(1 / mean_doc, generator=gen).clamp(16, s - t).item())
-            n = s - t if s - t - n < 16 else n
-            t += n
-            cuts.append(r * s + t)
-    return torch.tensor(cuts, dtype=torch.int32, device=dev)
+    return packed_rows(b, s, gen, mean_doc)
 
 
 def cudnn_autograd(q, k, v, cu, maxs, scale):
