@@ -154,7 +154,9 @@ def downcast_in_place_(acc32: torch.Tensor, out: torch.Tensor, staging: torch.Te
     blocks and rows [a, b) are read into ``staging`` (flat, out's dtype, not overlapping) before the write.
     """
     rows, h = acc32.shape
-    step = max(1, staging.numel() // h)
+    if staging.numel() < h:  # a workspace smaller than one row (V < H and a 1-row chunk): stage row by row
+        staging = out.new_empty(h)
+    step = staging.numel() // h
     for a in range(0, rows, step):
         b = min(rows, a + step)
         stage = staging[:(b - a) * h].view(b - a, h)
