@@ -153,6 +153,19 @@ def test_vocab_parts_with_a_vocabulary_narrower_than_hidden(n):
     torch.testing.assert_close(grads[1][1], grads[0][1], atol=2e-3, rtol=1e-2)
 
 
+@pytest.mark.parametrize("parts", [1, 2])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_no_rows_give_zero_loss_and_zero_gradients(parts, reduction):
+    """N = 0 (a micro-batch with no loss rows): loss 0 and an all-zero weight gradient, every part written."""
+    x = torch.zeros(0, 64, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    w = torch.randn(100, 64, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    labels = torch.zeros(0, dtype=torch.long, device=DEV)
+    loss = linear_cross_entropy(x, w, labels, reduction=reduction, impl="triton", vocab_parts=parts)
+    loss.sum().backward()
+    assert loss.sum().item() == 0 and x.grad.shape == (0, 64)
+    assert torch.equal(w.grad, torch.zeros_like(w))
+
+
 def test_vocab_parts_second_pass_in_many_vocabulary_chunks(monkeypatch):
     """The second pass in chunks of 37 vocabulary rows (the last one shorter), bf16 with bias and ignored rows:
     loss and gradients track the reference like the one-part head."""

@@ -47,8 +47,9 @@ class RuntimeOptions:
     gate_up_layers: int = 0
     # how "swiglu" rebuilds the product on the Triton path with plain gate/up/down: True = the SwiGLU backward
     # kernel writes it as a third output (models.fused_proj.SwiGLUDownFunction: ~1.9 ms less GPU per 0.5B
-    # step; a LoRA down_proj's dA input likewise); False = a second SwiGLU forward (the offer). One H200 run, eager, 0.5B protocol (git 6faf856):
-    # 138.1k tok/s vs 136.7k, both 13.7 GiB. Same gradients either way (bit for bit).
+    # step; a LoRA down_proj's dA input likewise); False = a second SwiGLU forward (the offer). One H200 run,
+    # eager, 0.5B protocol (git 6faf856): 138.1k tok/s vs 136.7k, both 13.7 GiB. Same gradients either way
+    # (bit for bit).
     fused_swiglu_recompute: bool = True
     # the loss head's vocab_parts (ops.linear_cross_entropy): k > 1 keeps no fp32 weight-gradient accumulator
     # beyond dW itself (0.79 -> 0.56 GiB at Qwen2.5-0.5B) for a second pass over part of the vocabulary (k = 2:

@@ -228,8 +228,9 @@ def linear_ce_chunked(hidden, weight, labels, bias, scale, lse_in, *, ignore_ind
     # stored lse give d_logits, and dW of the chunk is one GEMM contracted over N (fp32, rounded once).
     cv = max(1, min(ws.numel() // max(n, 1), DW_CHUNK_BYTES // (4 * h)))
     cv = cv - cv % ALIGN_ROWS if cv > ALIGN_ROWS else cv
-    acc = torch.empty((min(cv, v - vp), h) if need_dw and vp < v and n else (0,), device=dev, dtype=torch.float32)
-    for lo in range(vp, v if need_dw and n else 0, cv):
+    # With N = 0 the chunks are (0 x cv): their dW parts come out as zeros through the same steps.
+    acc = torch.empty((min(cv, v - vp), h) if need_dw else (0,), device=dev, dtype=torch.float32)
+    for lo in range(vp, v if need_dw else 0, cv):
         hi = min(v, lo + cv)
         buf = ws[:n * (hi - lo)].view(n, hi - lo)
         torch.mm(hidden, weight[lo:hi].t(), out=buf)
@@ -238,8 +239,6 @@ def linear_ce_chunked(hidden, weight, labels, bias, scale, lse_in, *, ignore_ind
         part = acc[:hi - lo].zero_()
         dw_accumulate(buf, hidden, part)
         dw[lo:hi].copy_(part)
-    if need_dw and not n:
-        dw.zero_()
     db = db32.to(bias.dtype) if need_db else torch.empty(0, device=dev, dtype=dt)
     return loss_rows, lse, dh, dw, db
 
