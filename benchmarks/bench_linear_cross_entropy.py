@@ -3,7 +3,8 @@
 Heads: Qwen2.5-0.5B (N 16,384, H 896, V 151,936) and Llama-3-8B (N 8,192, H 4,096, V 128,256), bf16, every
 token a loss token, reduction "mean", gradients of hidden and weight. Contenders: materialized fp32 logits
 (what transformers does), the same under torch.compile, Liger's fused linear CE and Apple's cut-cross-entropy
-(default = gradient filtering, and exact = filter_eps=None) when importable, and ours (reduction "mean":
+(default = gradient filtering, and exact = filter_eps=None) and quack-kernels' chunked linear CE (its sm90
+scaled-exp pipeline and its base one) when importable, and ours (reduction "mean":
 3 GEMMs; "none": the 4-GEMM recompute backward, for reference).
 
 Checks first: our loss and gradients against a materialized fp32 reference (fp32 GEMMs, no TF32), with
@@ -63,6 +64,13 @@ def contenders() -> tuple[dict, list[str]]:
         fns["CCE exact (filter_eps=None)"] = lambda h, w, y: cce(h, w, y, reduction="mean", filter_eps=None)
     else:
         notes.append("cut-cross-entropy not importable: CCE rows skipped (carry its wheel, see shared/GPU.md)")
+    if importlib.util.find_spec("quack") is not None:  # quack-kernels (CuTe DSL GEMM epilogues), sm90
+        from quack.linear_cross_entropy import chunked_linear_cross_entropy as qlce
+
+        fns["quack chunked LCE (auto: scaled-exp on sm90)"] = lambda h, w, y: qlce(h, w, y, reduction="mean")
+        fns["quack chunked LCE (base)"] = lambda h, w, y: qlce(h, w, y, reduction="mean", use_scaled_exp=False)
+    else:
+        notes.append("quack-kernels not importable: quack rows skipped")
     fns["chronicals (mean, grads in forward)"] = lambda h, w, y: linear_cross_entropy(h, w, y, impl="triton")
     # larger chunks: the dW GEMM's K grows (less fp32 accumulator traffic per FLOP) but the workspace no
     # longer doubles as dW's storage (+C x V x 2 bytes); tells whether the default C = H leaves time behind
@@ -91,8 +99,8 @@ def step(fn, x, w, y):
 
 
 def check(n, h, v) -> tuple[dict, bool]:
-    """Ours (one vocabulary part, and two) and the bf16 materialized path vs fp32 GEMM logits; relative max
-    errors."""
+    """Ours (one vocabulary part, and two), the bf16 materialized path and quack (when importable) vs fp32 GEMM
+    logits; relative max errors. Pass / fail covers ours only."""
     x, w, y = inputs(n, h, v, seed=1)
     torch.backends.cuda.matmul.allow_tf32 = False
     xr, wr = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
@@ -103,6 +111,10 @@ def check(n, h, v) -> tuple[dict, bool]:
     fns = {"bf16 materialized": materialized}
     for name, k in ours.items():
         fns[name] = (lambda k_: lambda a, b, c: linear_cross_entropy(a, b, c, impl="triton", vocab_parts=k_))(k)
+    if importlib.util.find_spec("quack") is not None:  # reported, not part of the pass / fail
+        from quack.linear_cross_entropy import chunked_linear_cross_entropy as qlce
+
+        fns["quack"] = lambda a, b, c: qlce(a, b, c, reduction="mean")
     for name, fn in fns.items():
         got = step(fn, x, w, y)
         for q, o, r in zip(("loss", "d_hidden", "d_weight"), got, ref):
