@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from chronicals.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_triton
-from common import do_bench, markdown_table, matmul_peak_tflops, write_results
+from common import do_bench, markdown_table, matmul_peak_tflops, quack_with_shim, write_results
 
 HEADS = {"0.5b": (16384, 896, 151936), "8b": (8192, 4096, 128256)}
 GIB = 1 << 30
@@ -64,7 +64,7 @@ def contenders() -> tuple[dict, list[str]]:
         fns["CCE exact (filter_eps=None)"] = lambda h, w, y: cce(h, w, y, reduction="mean", filter_eps=None)
     else:
         notes.append("cut-cross-entropy not importable: CCE rows skipped (carry its wheel, see shared/GPU.md)")
-    if importlib.util.find_spec("quack") is not None:  # quack-kernels (CuTe DSL GEMM epilogues), sm90
+    if quack_with_shim() is not None:  # quack-kernels (CuTe DSL GEMM epilogues), sm90
         from quack.linear_cross_entropy import chunked_linear_cross_entropy as qlce
 
         fns["quack chunked LCE (auto: scaled-exp on sm90)"] = lambda h, w, y: qlce(h, w, y, reduction="mean")
@@ -111,7 +111,7 @@ def check(n, h, v) -> tuple[dict, bool]:
     fns = {"bf16 materialized": materialized}
     for name, k in ours.items():
         fns[name] = (lambda k_: lambda a, b, c: linear_cross_entropy(a, b, c, impl="triton", vocab_parts=k_))(k)
-    if importlib.util.find_spec("quack") is not None:  # reported, not part of the pass / fail
+    if quack_with_shim() is not None:  # reported, not part of the pass / fail
         from quack.linear_cross_entropy import chunked_linear_cross_entropy as qlce
 
         fns["quack"] = lambda a, b, c: qlce(a, b, c, reduction="mean")

@@ -79,3 +79,30 @@ def write_results(name: str, payload: dict, markdown: str | None = None, out_dir
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
     head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
     return head + "".join("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |\n" for r in rows)
+
+
+def quack_with_shim():
+    """Import quack-kernels (dev probes and contender rows only), or None when it is not installed.
+
+    quack 0.6.5 fingerprints the globals of the epilogue functions it compiles and refuses a value it has no key
+    for; nvidia-cutlass-dsl 4.8 added one such global, the ContextVar ``_LOC_TRANSFORMS`` (source locations for
+    the generated IR, not the math). The shim keys a ContextVar by its name, so those kernels compile.
+    """
+    import contextvars
+    import importlib.util
+
+    if importlib.util.find_spec("quack") is None:
+        return None
+    import quack
+    from quack.gemm_runtime import identity
+
+    if not getattr(identity, "_chronicals_shim", False):
+        keyer = identity.semantic_value_key
+
+        def key(value, seen):
+            if isinstance(value, contextvars.ContextVar):
+                return ("contextvar", value.name)
+            return keyer(value, seen)
+
+        identity.semantic_value_key, identity._chronicals_shim = key, True
+    return quack

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from chronicals.ops.swiglu import swiglu_gate_up
-from common import do_bench, environment, matmul_peak_tflops
+from common import do_bench, environment, matmul_peak_tflops, quack_with_shim
 
 SHAPES = {"0.5b": (16384, 896, 4864), "8b": (8192, 4096, 14336)}  # (tokens N, hidden H, intermediate I)
 
@@ -82,8 +82,9 @@ def main() -> int:
         return 2
     res = {"env": environment(), "peak_tflops": matmul_peak_tflops(), "rows": []}
     try:
-        import quack
-
+        quack = quack_with_shim()
+        if quack is None:
+            raise ImportError("quack-kernels is not installed")
         res["env"]["quack"] = getattr(quack, "__version__", "?")
     except Exception as e:
         res["import_error"] = f"{type(e).__name__}: {e}"
