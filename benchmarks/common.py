@@ -86,7 +86,8 @@ def quack_with_shim():
 
     quack 0.6.5 fingerprints the globals of the epilogue functions it compiles and refuses a value it has no key
     for; nvidia-cutlass-dsl 4.8 added one such global, the ContextVar ``_LOC_TRANSFORMS`` (source locations for
-    the generated IR, not the math). The shim keys a ContextVar by its name, so those kernels compile.
+    the generated IR, not the math), which reaches other unkeyable helpers (``code.co_positions``). The shim
+    keys a ContextVar by its name and any other unkeyable value by its identity, so those kernels compile.
     """
     import contextvars
     import importlib.util
@@ -102,7 +103,11 @@ def quack_with_shim():
         def key(value, seen):
             if isinstance(value, contextvars.ContextVar):
                 return ("contextvar", value.name)
-            return keyer(value, seen)
+            try:
+                return keyer(value, seen)
+            except TypeError:  # e.g. code.co_positions, reached through 4.8's location helpers: keyed by
+                # identity, which is stable within the process; a new process recompiles (no stale reuse)
+                return ("opaque", type(value).__module__, type(value).__qualname__, id(value))
 
         identity.semantic_value_key, identity._chronicals_shim = key, True
     return quack
