@@ -1,7 +1,9 @@
 """Data parallelism on 2 GPUs: the trainer's step (``accumulate_data_parallel``: exact global loss-token
-divisor, bucketed NCCL all-reduce of the gradients after backward) eager vs replayed as CUDA graphs, full
-fine-tuning and LoRA, on the bench protocol's 0.5B shape (each rank 16 x 1024 random tokens per step, its own
-batches; fused AdamW). One process per GPU (mp.spawn), both ranks timed between two synchronizations.
+divisor, bucketed NCCL all-reduce of the gradients) eager vs replayed as CUDA graphs, full fine-tuning and
+LoRA, on the bench protocol's 0.5B shape (each rank 16 x 1024 random tokens per step, its own batches; fused
+AdamW). The all-reduce either overlaps the backward (``GradBuckets``, the trainer's default: "overlap") or
+follows it (``DistContext.all_reduce_grads``: "after"). One process per GPU (mp.spawn), both ranks timed
+between two synchronizations.
 
 Rows: tokens/s over both ranks (loss tokens), per GPU, peak GiB (rank 0), the smallest gradient norm over the
 timed steps and the loss first -> last (the all-reduced values, the same on both ranks).
@@ -32,11 +34,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, port: int, method: str, graphs: bool, out: str, device: str, shape: str) -> None:
+def _worker(rank: int, port: int, method: str, graphs: bool, out: str, device: str, shape: str, reduce: str) -> None:
     from chronicals.bench.contenders import CONTENDERS
     from chronicals.bench.protocol import RunSpec, timed_run, validate_row
     from chronicals.bench.shapes import get_shape
     from chronicals.train.distributed import init_distributed
+    from chronicals.train.grad_buckets import GradBuckets
     from chronicals.train.graphs import GraphedStep
     from chronicals.train.step import accumulate_data_parallel
 
@@ -49,17 +52,19 @@ def _worker(rank: int, port: int, method: str, graphs: bool, out: str, device: s
         spec = RunSpec(contender=f"chronicals-{method}", shape=shape, warmup=3, steps=10, device=device,
                        **({} if shape == "0.5b" else {"rows": 2, "seq": 64}))  # same seed: same weights
         built = CONTENDERS[spec.contender].build(spec, get_shape(spec.shape), dev)
-        graphed = GraphedStep(built.model, dev) if graphs else None
+        reducer = GradBuckets(dp, built.params) if reduce == "overlap" else None
+        graphed = GraphedStep(built.model, dev, params=built.params, reducer=reducer) if graphs else None
         prepare = built.prepare
         built.prepare = lambda ids: prepare((ids + 7919 * rank) % built.vocab_size)  # each rank its own batches
         built.forward_backward = lambda batch: accumulate_data_parallel(built.model, [batch], dev, dp, built.params,
-                                                                        graphed)[0]
+                                                                        graphed, reducer)[0]
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         res = timed_run(built, spec, dev)
         if rank == 0:
             tok = res["tokens_per_s"] * WORLD  # both ranks ran the same count of loss tokens in the window
-            row = {"shape": shape, "method": method, "cuda_graphs": graphs, "ranks": WORLD, "tokens_per_s": round(tok),
+            row = {"shape": shape, "method": method, "cuda_graphs": graphs, "all_reduce": reduce, "ranks": WORLD,
+                   "tokens_per_s": round(tok),
                    "tokens_per_s_per_gpu": round(tok / WORLD), "step_ms": round(res["step_ms"], 2),
                    "peak_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if dev.type == "cuda" else None,
                    "losses": res["losses"], "grad_norms": res["grad_norms"]}
@@ -78,23 +83,26 @@ def main():
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: a gloo dry run of the plumbing (eager only), with --shape tiny")
     ap.add_argument("--shape", default="0.5b")
+    ap.add_argument("--reduce", default="after,overlap", help="comma list of after | overlap")
     args = ap.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < WORLD:
         sys.exit(f"bench_dp: needs {WORLD} GPUs (found {torch.cuda.device_count()})")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for method in args.methods.split(","):
-            for graphs in ((False, True) if args.device == "cuda" else (False,)):
-                path = os.path.join(tmp, f"{method}_{graphs}.json")
-                try:
-                    mp.spawn(_worker, args=(_free_port(), method, graphs, path, args.device, args.shape), nprocs=WORLD, join=True)
-                    rows.append(json.load(open(path)))
-                except Exception as e:  # one failing row must not hide the others
-                    rows.append({"method": method, "cuda_graphs": graphs, "status": "error",
-                                 "reason": f"{type(e).__name__}: {str(e)[-300:]}"})
-                print(rows[-1] if "losses" not in rows[-1] else
-                      {k: v for k, v in rows[-1].items() if k not in ("losses", "grad_norms")}, flush=True)
-    cols = ["shape", "method", "cuda_graphs", "tokens_per_s", "tokens_per_s_per_gpu", "step_ms", "peak_gib", "min_grad_norm",
+        runs = [(m, g, r) for m in args.methods.split(",") for g in ((False, True) if args.device == "cuda" else (False,))
+                for r in args.reduce.split(",")]
+        for method, graphs, reduce in runs:
+            path = os.path.join(tmp, f"{method}_{graphs}_{reduce}.json")
+            try:
+                mp.spawn(_worker, args=(_free_port(), method, graphs, path, args.device, args.shape, reduce), nprocs=WORLD,
+                         join=True)
+                rows.append(json.load(open(path)))
+            except Exception as e:  # one failing row must not hide the others
+                rows.append({"method": method, "cuda_graphs": graphs, "all_reduce": reduce, "status": "error",
+                             "reason": f"{type(e).__name__}: {str(e)[-300:]}"})
+            print(rows[-1] if "losses" not in rows[-1] else
+                  {k: v for k, v in rows[-1].items() if k not in ("losses", "grad_norms")}, flush=True)
+    cols = ["shape", "method", "cuda_graphs", "all_reduce", "tokens_per_s", "tokens_per_s_per_gpu", "step_ms", "peak_gib", "min_grad_norm",
             "loss_first_last", "status"]
     table = markdown_table(rows, cols)
     path = write_results(f"bench_dp_{args.shape}", {"rows": rows, "ranks": WORLD}, markdown=table, out_dir=args.out)

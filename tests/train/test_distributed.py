@@ -22,7 +22,8 @@ import torch.multiprocessing as mp
 
 from chronicals.train import accumulate_gradients, train
 from chronicals.train.distributed import DistContext, _buckets, init_distributed
-from chronicals.train.step import accumulate_data_parallel
+from chronicals.train.grad_buckets import GradBuckets
+from chronicals.train.step import accumulate_data_parallel, batch_loss_sum
 
 from train_helpers import SyntheticLoader, assert_graphed_run_like_eager, synthetic_docs, tiny_config, tiny_model
 
@@ -83,15 +84,19 @@ def _shards(docs, world: int):
 
 
 # ---- workers (module level: spawn pickles them by name) ----
-def _grad_worker(rank: int, port: int, out: str) -> None:
+def _grad_worker(rank: int, port: int, out: str, reduce: str = "after") -> None:
     _torchrun_env(rank, port)
     dp = init_distributed(DEVICE)
     try:
         micro = _micro_batches()
         mine = micro[:1] if rank == 0 else micro[1:]
         model = _on(tiny_model(seed=0), dp.device)
-        loss, n = accumulate_data_parallel(model, mine, dp.device, dp,
-                                           [p for p in model.parameters() if p.requires_grad])
+        params = [p for p in model.parameters() if p.requires_grad]
+        # overlap: small buckets (several per dtype) so the in-order issue across buckets is exercised
+        reducer = GradBuckets(dp, params, bucket_elems=3_000) if reduce == "overlap" else None
+        if reducer is not None:
+            assert len(reducer.flats) > 3
+        loss, n = accumulate_data_parallel(model, mine, dp.device, dp, params, reducer=reducer)
         torch.save({"loss": loss.cpu(), "n": n, "grads": _grads(model), "backend": dp.backend,
                     "device": str(dp.device)}, f"{out}/rank{rank}.pt")
     finally:
@@ -111,6 +116,37 @@ def _none_grad_worker(rank: int, port: int, out: str) -> None:
         cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
         torch.save({"unused": cpu(unused.grad), "only0": cpu(only0.grad), "both": cpu(both.grad)},
                    f"{out}/none{rank}.pt")
+    finally:
+        dp.destroy()
+
+
+def _overlap_worker(rank: int, port: int, out: str) -> None:
+    """When do the buckets go out: during the last micro-batch's backward; a parameter without a gradient
+    on one rank contributes zeros and is counted."""
+    _torchrun_env(rank, port)
+    dp = init_distributed(DEVICE)
+    try:
+        dev = dp.device
+        model = _on(tiny_model(seed=0), dev)
+        params = [p for p in model.parameters() if p.requires_grad]
+        reducer = GradBuckets(dp, params, bucket_elems=3_000)
+        batch = _micro_batches()[rank]
+        issued = []
+        reducer.begin(micro_batches=2)
+        for _ in range(2):
+            batch_loss_sum(model, batch, dev).backward()
+            issued.append(reducer._next)  # buckets issued when this backward returned
+        reducer.finish()
+        grads = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()}
+        # a parameter used on rank 0 only: rank 1 contributes zeros, finish() counts its bucket
+        extra = torch.nn.Parameter(torch.ones(3, device=dev))
+        lone = GradBuckets(dp, [extra])
+        lone.begin()
+        if rank == 0:
+            (extra * 2.0).sum().backward()
+        missing = lone.finish()
+        torch.save({"issued": issued, "buckets": len(reducer.flats), "grads": grads, "missing": missing,
+                    "extra": extra.grad.cpu()}, f"{out}/overlap{rank}.pt")
     finally:
         dp.destroy()
 
@@ -194,13 +230,16 @@ def test_single_process_context_without_torchrun(monkeypatch):
         init_distributed("cpu")
 
 
-def test_gradients_equal_one_process_on_all_micro_batches(tmp_path):
+@pytest.mark.parametrize("reduce", ["after", "overlap"])
+def test_gradients_equal_one_process_on_all_micro_batches(tmp_path, reduce):
     """Rank 0: 1 micro-batch, rank 1: 3 (unequal loss tokens); after the step both hold the gradient and
-    the loss of one process accumulating all 4 (fp32)."""
+    the loss of one process accumulating all 4 (fp32). "after": all_reduce_grads after backward; "overlap":
+    GradBuckets (flat buckets issued during backward: rank 0 issues them in its one backward, rank 1 in its
+    third)."""
     micro = _micro_batches()
     counts = [b.num_loss_tokens for b in micro]
     assert counts[0] != sum(counts[1:]) and len(set(counts)) > 1  # else per-rank means would agree too
-    mp.spawn(_grad_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_grad_worker, args=(_free_port(), str(tmp_path), reduce), nprocs=WORLD, join=True)
     model = _on(tiny_model(seed=0), REF)
     loss_1, n_1 = accumulate_gradients(model, micro, REF)
     loss_1, g_1 = loss_1.cpu(), _grads(model)
@@ -266,6 +305,30 @@ def test_two_ranks_train_like_one_process_on_both_shards(tmp_path):
     for a, b in zip(dp_recs, one_recs):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_buckets_go_out_during_the_last_backward_and_sum_like_after(tmp_path):
+    """GradBuckets with 2 micro-batches a step: nothing is issued in the first backward, every bucket by the
+    end of the second (before finish()); the sums equal all_reduce_grads' on the same batches; a parameter
+    with no gradient on rank 1 gets rank 0's alone, and rank 1's finish() counts the short bucket."""
+    mp.spawn(_overlap_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    got = [torch.load(tmp_path / f"overlap{r}.pt") for r in range(WORLD)]
+    for g in got:
+        assert g["buckets"] > 3 and g["issued"] == [0, g["buckets"]]
+        assert torch.equal(g["extra"], torch.full((3,), 2.0))
+    assert (got[0]["missing"], got[1]["missing"]) == (0, 1)
+    # the reference: each rank's 2 backward passes summed, then over the ranks
+    micro = _micro_batches()
+    want = {}
+    for r in range(WORLD):
+        model = _on(tiny_model(seed=0), REF)
+        for _ in range(2):
+            batch_loss_sum(model, micro[r], REF).backward()
+        for n, p in model.named_parameters():
+            want[n] = want.get(n, 0) + p.grad.detach().cpu()
+    for g in got:
+        for n, w in want.items():
+            torch.testing.assert_close(g["grads"][n], w, rtol=1e-5, atol=1e-5, msg=n)
 
 
 def test_a_gradient_missing_on_every_rank_stays_none(tmp_path):

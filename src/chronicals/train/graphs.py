@@ -13,6 +13,8 @@ into static input buffers; gradients accumulate in place (autograd's ``grad += g
 ``.grad`` tensors allocated before capture. Replay = copy the batch into the buffers, replay, read
 ``loss_sum``. The optimizer step stays outside the graph. Gradient accumulation replays once per
 micro-batch with the same ``inv_count``, so k micro-batches give the gradient of one batch of all of them.
+Data parallel (``reducer=``): the grads are ``GradBuckets``' flat views, and the last micro-batch replays a
+graph that also holds the bucketed NCCL all-reduces, overlapping its backward (``train/grad_buckets.py``).
 
 Nothing in the graph depends on a host value of the batch:
 - ``max_seqlen`` is fixed to S (the varlen kernel only sizes its grid with it; a larger value is exact);
@@ -40,10 +42,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .step import loss_token_count
+
+if TYPE_CHECKING:
+    from .grad_buckets import GradBuckets
 
 log = logging.getLogger("chronicals.train")
 
@@ -126,7 +132,8 @@ def resolve_cuda_graphs(setting: str, device, checkpointing, world_size: int) ->
     if checkpointing:
         return False, ("train.cuda_graphs=auto: off with activation checkpointing (it reads the CUDA RNG state "
                        "during capture)")
-    ranks = "one CUDA process" if world_size == 1 else f"{world_size} data-parallel ranks, all-reduce outside the graph"
+    ranks = ("one CUDA process" if world_size == 1 else
+             f"{world_size} data-parallel ranks, the gradient all-reduce inside the last micro-batch's graph")
     return True, f"train.cuda_graphs=auto: on ({ranks}, no activation checkpointing)"
 
 
@@ -148,10 +155,14 @@ class GraphedStep:
         optimizer.step(); optimizer.zero_grad()      # outside the graph
 
     ``max_graphs``: shapes captured before new shapes run eagerly (logged, counted in ``eager_fallbacks``).
+    ``reducer``: data parallelism's ``GradBuckets`` over the same params. The persistent grads are then its flat
+    bucket views, and the step's last micro-batch replays a second graph per shape that also holds the
+    bucketed NCCL all-reduces, issued by the reducer's hooks while it was captured (they overlap the rest of
+    the captured backward); the other micro-batches replay the graph without them.
     """
 
     def __init__(self, model: torch.nn.Module, device, *, params: list | None = None, warmup: int = 3,
-                 max_graphs: int = 8):
+                 max_graphs: int = 8, reducer: "GradBuckets | None" = None):
         device = torch.device(device)
         if device.type != "cuda" or not torch.cuda.is_available():
             raise RuntimeError(f"CUDA graphs need a CUDA device, but the step runs on {device} "
@@ -164,7 +175,10 @@ class GraphedStep:
         self.params = [p for p in (params if params is not None else model.parameters()) if p.requires_grad]
         if not self.params:
             raise ValueError("GraphedStep: no trainable parameters (requires_grad=True) to capture gradients for")
-        self.graphs: dict[tuple, _Captured] = {}
+        self.reducer = reducer
+        if reducer is not None and {id(p) for p in reducer.params} != {id(p) for p in self.params}:
+            raise ValueError("GraphedStep: reducer was built over other parameters than the trainable ones captured")
+        self.graphs: dict[tuple, _Captured] = {}  # (graph_key(batch), holds the all-reduce) -> captured step
         self.eager_fallbacks = 0  # micro-batches run eagerly because max_graphs shapes were already captured
         self._pool = torch.cuda.graph_pool_handle()
         self._inv_count = torch.zeros((), dtype=torch.float32, device=device)  # 1 / step's loss tokens
@@ -178,7 +192,8 @@ class GraphedStep:
         ``count``: N when it is not these micro-batches' loss tokens (data parallelism: all ranks' count).
         """
         n = loss_token_count(micro_batches) if count is None else int(count)
-        keys = [graph_key(b) for b in micro_batches]
+        last = len(micro_batches) - 1  # with a reducer, its graph also all-reduces the gradients
+        keys = [(graph_key(b), self.reducer is not None and i == last) for i, b in enumerate(micro_batches)]
         for b, k in zip(micro_batches, keys):  # capture before any replay: warm-up must not touch the grads
             if k not in self.graphs and len(self.graphs) < self.max_graphs:
                 self._capture(k, b)
@@ -203,16 +218,25 @@ class GraphedStep:
         (loss_sum * self._inv_count).backward()
         return loss_sum
 
+    def _reduced(self, comm: bool, *args) -> torch.Tensor:
+        """forward + backward; with ``comm`` the reducer's hooks issue the all-reduces and finish() joins them."""
+        if not comm:
+            return self._forward_backward(*args)
+        self.reducer.begin(1, bind=False)  # the grads are bound already (bind_static_grads / _capture)
+        loss_sum = self._forward_backward(*args)
+        self.reducer.finish()
+        return loss_sum
+
     def _eager(self, batch, key) -> torch.Tensor:
         self.eager_fallbacks += 1
         log.warning("cuda_graphs: batch shape %s is not captured and %d graphs (max_graphs) already are: running "
                     "it eagerly (%d eager micro-batches so far); fixed shapes (data.max_seq_len, packed rows) "
-                    "avoid this", key, len(self.graphs), self.eager_fallbacks)
+                    "avoid this", key[0], len(self.graphs), self.eager_fallbacks)
         d = self.device
         cu = None if batch.cu_seqlens is None else batch.cu_seqlens.to(d, non_blocking=True)
-        return self._forward_backward(batch.input_ids.to(d, non_blocking=True),
-                                      batch.position_ids.to(d, non_blocking=True),
-                                      batch.shift_labels.to(d, non_blocking=True), cu, batch.max_seqlen)
+        return self._reduced(key[1], batch.input_ids.to(d, non_blocking=True),
+                             batch.position_ids.to(d, non_blocking=True),
+                             batch.shift_labels.to(d, non_blocking=True), cu, batch.max_seqlen)
 
     @staticmethod
     def _load(cap: _Captured, batch) -> None:
@@ -227,7 +251,7 @@ class GraphedStep:
             raise RuntimeError("cuda_graphs with activation checkpointing is not supported: checkpoint reads the "
                                "CUDA RNG state during capture, which CUDA forbids; set model.checkpointing=false "
                                "or train.cuda_graphs=false")
-        b, s, capacity = key
+        (b, s, capacity), comm = key
         d = self.device
         long = dict(dtype=torch.long, device=d)
         cap = _Captured(graph=torch.cuda.CUDAGraph(), input_ids=torch.zeros((b, s), **long),
@@ -250,14 +274,18 @@ class GraphedStep:
         torch.cuda.current_stream(d).wait_stream(side)
         if not self._grads:  # persistent grads, allocated once for all graphs: backward adds into them in place
             self._grad_params = [p for p in self.params if p.grad is not None]  # as eager: unused params keep None
-            self._grads = [torch.zeros_like(p.grad) for p in self._grad_params]
+            if self.reducer is None:
+                self._grads = [torch.zeros_like(p.grad) for p in self._grad_params]
+            else:  # the reducer's flat buckets: every trainable parameter is in one, so all are bound
+                self._grad_params = list(self.params)
+                self._grads = [self.reducer.view(p) for p in self._grad_params]
         for p in self.params:
             p.grad = None
         for p, g in zip(self._grad_params, self._grads):
             p.grad = g  # defined before capture, so AccumulateGrad records `grad += g`, never a new tensor
         try:
             with torch.cuda.graph(cap.graph, pool=self._pool):
-                cap.loss_sum = self._forward_backward(*args)
+                cap.loss_sum = self._reduced(comm, *args)
         except Exception as e:
             raise RuntimeError(f"cuda_graphs: capturing the training step for batch shape (B, S, doc capacity)="
                                f"{key} failed: {e}. Something in the step needs the host (an .item(), a "
@@ -266,5 +294,6 @@ class GraphedStep:
             for p, g in zip(self.params, saved):
                 p.grad = g
         self.graphs[key] = cap
-        log.info("cuda_graphs: captured the step for (B, S, doc capacity)=%s (%d graphs; reserved memory +%.2f "
-                 "GiB incl. warm-up)", key, len(self.graphs), (torch.cuda.memory_reserved(d) - reserved0) / 2**30)
+        log.info("cuda_graphs: captured the step for (B, S, doc capacity)=%s%s (%d graphs; reserved memory +%.2f "
+                 "GiB incl. warm-up)", key[0], " with the gradient all-reduce" if comm else "", len(self.graphs),
+                 (torch.cuda.memory_reserved(d) - reserved0) / 2**30)

@@ -31,6 +31,7 @@ from . import checkpoint as ckpt
 from .metrics import MetricsLog, matmul_peak_tflops, memory_gib, plot_losses, train_flops_per_token
 from .optim import build_optimizer, build_scheduler
 from .distributed import DistContext, init_distributed
+from .grad_buckets import GradBuckets
 from .graphs import GraphedStep, resolve_cuda_graphs
 from .setup import build_loaders, load_base, prepare_model, resolve_dtype
 from .step import accumulate_data_parallel, evaluate_loss
@@ -180,8 +181,10 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     graphs = None
     use_graphs, why = resolve_cuda_graphs(cfg.train.cuda_graphs, device, cfg.model.checkpoint_setting, dp.world_size)
     log.info("%s", why)
+    # data parallel: flat gradient buckets all-reduced during the last micro-batch's backward (train/grad_buckets.py)
+    reducer = GradBuckets(dp, trainable) if dp.enabled else None
     if use_graphs:  # captured at the first step (after any resume); raises off CUDA
-        graphs = GraphedStep(model, device, params=trainable)
+        graphs = GraphedStep(model, device, params=trainable, reducer=reducer)
 
     start = 0
     resume_from = None
@@ -239,7 +242,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
             for step in range(start, total):
                 t0 = time.perf_counter()
                 micro = [stream.next() for _ in range(cfg.train.grad_accum)]
-                loss, n_loss = accumulate_data_parallel(model, micro, device, dp, trainable, graphs)
+                loss, n_loss = accumulate_data_parallel(model, micro, device, dp, trainable, graphs, reducer)
                 loss_val = loss.item()
                 if not math.isfinite(loss_val):
                     last = ckpt.latest_checkpoint(out_dir)
@@ -304,6 +307,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     finally:
         if bar is not None:
             bar.close()
+        if reducer is not None:  # the model may train again (another reducer) or be used without one
+            reducer.remove()
     result.train_seconds = train_time
     result.tokens_per_s = loss_tokens_total / train_time if train_time else 0.0
 

@@ -14,6 +14,7 @@ import torch
 
 if TYPE_CHECKING:
     from .distributed import DistContext
+    from .grad_buckets import GradBuckets
     from .graphs import GraphedStep
 
 
@@ -64,7 +65,8 @@ def accumulate_gradients(model, micro_batches: list, device: torch.device,
 
 
 def accumulate_data_parallel(model, micro_batches: list, device: torch.device, dist: "DistContext",
-                             params: list, graphs: "GraphedStep | None" = None) -> tuple[torch.Tensor, int]:
+                             params: list, graphs: "GraphedStep | None" = None,
+                             reducer: "GradBuckets | None" = None) -> tuple[torch.Tensor, int]:
     """``accumulate_gradients`` over this rank's ``micro_batches``, exact across ranks. Returns (mean loss, N).
 
     N = the loss tokens of every rank's micro-batches (all-reduced on the host before any backward); each
@@ -72,12 +74,25 @@ def accumulate_data_parallel(model, micro_batches: list, device: torch.device, d
     every rank holds the gradient of one process training on all ranks' micro-batches. The returned mean
     loss is the same sum over the ranks (a device tensor, equal on every rank). One process: exactly
     ``accumulate_gradients``.
+    ``reducer``: a ``GradBuckets`` over ``params`` (the trainer's default): the sum runs bucket by bucket during
+    the last micro-batch's backward (with ``graphs``, inside its captured graph; build the GraphedStep with the
+    same reducer). None: ``DistContext.all_reduce_grads`` after the whole backward.
     """
     if not dist.enabled:
         return accumulate_gradients(model, micro_batches, device, graphs)
     n = dist.all_reduce_int(loss_token_count(micro_batches))
-    loss, _ = accumulate_gradients(model, micro_batches, device, graphs, count=n)
-    dist.all_reduce_grads(params)
+    if reducer is None:
+        loss, _ = accumulate_gradients(model, micro_batches, device, graphs, count=n)
+        dist.all_reduce_grads(params)
+    elif graphs is not None:
+        if graphs.reducer is not reducer:
+            raise ValueError("accumulate_data_parallel: graphs was built without this reducer; build "
+                             "GraphedStep(model, device, params=..., reducer=reducer)")
+        loss, _ = accumulate_gradients(model, micro_batches, device, graphs, count=n)
+    else:
+        reducer.begin(len(micro_batches))
+        loss, _ = accumulate_gradients(model, micro_batches, device, count=n)
+        reducer.finish()
     return dist.all_reduce_sum_(loss.detach().clone()), n
 
 
