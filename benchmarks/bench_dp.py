@@ -84,13 +84,14 @@ def main():
                     help="cpu: a gloo dry run of the plumbing (eager only), with --shape tiny")
     ap.add_argument("--shape", default="0.5b")
     ap.add_argument("--reduce", default="after,overlap", help="comma list of after | overlap")
+    ap.add_argument("--graphs", default="eager,graphs", help="comma list of eager | graphs (graphs: CUDA only)")
     args = ap.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < WORLD:
         sys.exit(f"bench_dp: needs {WORLD} GPUs (found {torch.cuda.device_count()})")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [(m, g, r) for m in args.methods.split(",") for g in ((False, True) if args.device == "cuda" else (False,))
-                for r in args.reduce.split(",")]
+        modes = [g == "graphs" for g in args.graphs.split(",") if args.device == "cuda" or g == "eager"]
+        runs = [(m, g, r) for m in args.methods.split(",") for g in modes for r in args.reduce.split(",")]
         for method, graphs, reduce in runs:
             path = os.path.join(tmp, f"{method}_{graphs}_{reduce}.json")
             try:
