@@ -185,6 +185,10 @@ class TrainSection:
                                   "choice is logged) | "
                                   "true | false. Cuts per-step launch overhead (0.5B LoRA: 120.7k -> 165.9k "
                                   "tokens/s on an H200)")
+    overlap_grad_reduce: bool = _f(False, "data parallel: all-reduce the gradients in flat buckets during the last "
+                                          "backward (train/grad_buckets.py) instead of after it. Off by default: "
+                                          "2 H200s, 0.5B full eager, 258.0k -> 258.9k tokens/s for +0.93 GiB peak "
+                                          "(the buckets hold the grads from the step's start)")
 
     def __post_init__(self):
         _check(self.epochs > 0 or self.max_steps > 0, "train.epochs", self.epochs,

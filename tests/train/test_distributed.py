@@ -159,7 +159,7 @@ def _train_worker(rank: int, ports: tuple, out: str) -> None:
     _, shards = _shards(docs, WORLD)
     run_dir = Path(out) / f"rank{rank}"  # separate out_dirs show which rank wrote what
     cfg = tiny_config(run_dir, train__max_steps=4, train__save_every=2, train__save_final=True, logging__plot=True,
-                      model__device=DEVICE)
+                      model__device=DEVICE, train__overlap_grad_reduce=True)  # the stop/resume runs below: after
     model = tiny_model(seed=rank)  # rank 1 starts from other weights: the broadcast must overwrite them
     res = train(cfg, model=model, train_loader=shards[rank], eval_loader=SyntheticLoader(docs[:10], shuffle=False))
     assert not dist.is_initialized()  # train created the group, so it tore it down
@@ -184,9 +184,9 @@ def _train_worker(rank: int, ports: tuple, out: str) -> None:
                 "resumed": (resumed.status, resumed.step, _cpu_state(resumed_model))}, f"{out}/result{rank}.pt")
 
 
-def _graphs_worker(rank: int, ports: tuple, out: str, graphed_runs: tuple) -> None:
+def _graphs_worker(rank: int, ports: tuple, out: str, graphed_runs: tuple, overlap: bool = False) -> None:
     """train() on this rank's shard once per entry of ``graphed_runs`` (train.cuda_graphs), tiny bf16 LoRA model,
-    Triton ops; rank 0 keeps each run's train records."""
+    Triton ops, train.overlap_grad_reduce=``overlap``; rank 0 keeps each run's train records."""
     from pathlib import Path
 
     from chronicals.bench.contenders import build_chronicals_model
@@ -199,7 +199,8 @@ def _graphs_worker(rank: int, ports: tuple, out: str, graphed_runs: tuple) -> No
         os.environ["MASTER_PORT"] = str(ports[i])
         run = Path(out) / f"graphs{graphed}"
         cfg = tiny_config(run, model__device=DEVICE, model__dtype="bfloat16", model__impl="auto", lora__enabled=True,
-                          lora__rank=4, lora__alpha=8, train__max_steps=5, train__cuda_graphs=graphed)
+                          lora__rank=4, lora__alpha=8, train__max_steps=5, train__cuda_graphs=graphed,
+                          train__overlap_grad_reduce=overlap)
         dev = torch.device(DEVICE, rank) if DEVICE == "cuda" else CPU
         model = build_chronicals_model(get_shape("tiny"), dev, "auto", seed=0)
         res = train(cfg, model=model, train_loader=_shards(docs, WORLD)[1][rank])
@@ -257,7 +258,8 @@ def test_gradients_equal_one_process_on_all_micro_batches(tmp_path, reduce):
 
 
 def test_two_ranks_train_like_one_process_on_both_shards(tmp_path):
-    """2 ranks x grad_accum 1 == 1 process x grad_accum 2 over the same batches: same losses, same weights;
+    """2 ranks x grad_accum 1 == 1 process x grad_accum 2 over the same batches (the straight run with
+    train.overlap_grad_reduce, the stopped and resumed ones without): same losses, same weights;
     only rank 0 writes files; a signal to one rank stops both at the same step, and both resume from it."""
     mp.spawn(_train_worker, args=(tuple(_free_port() for _ in range(3)), str(tmp_path)), nprocs=WORLD, join=True)
     r0, r1 = (torch.load(tmp_path / f"result{r}.pt", weights_only=False) for r in range(WORLD))
@@ -341,11 +343,14 @@ def test_a_gradient_missing_on_every_rank_stays_none(tmp_path):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need GPUs: CHRONICALS_TEST_DP_DEVICE=cuda on 2 GPUs")
-def test_two_ranks_with_cuda_graphs_train_like_two_eager_ranks(tmp_path):
-    """train.cuda_graphs=true on 2 NCCL ranks (the all-reduce stays outside the captured forward + backward)
-    logs the losses and gradient norms of the same 2 ranks run eagerly, to bf16 tolerance. train.cuda_graphs
-    =auto turns graphs on for data parallelism on the strength of this test (passed on 2 H200s at 309473b)."""
-    mp.spawn(_graphs_worker, args=(tuple(_free_port() for _ in range(2)), str(tmp_path), ("false", "true")),
+@pytest.mark.parametrize("overlap", [False, True])
+def test_two_ranks_with_cuda_graphs_train_like_two_eager_ranks(tmp_path, overlap):
+    """train.cuda_graphs=true on 2 NCCL ranks logs the losses and gradient norms of the same 2 ranks run eagerly,
+    to bf16 tolerance. overlap=False: the all-reduce after the replayed forward + backward; train.cuda_graphs=auto
+    turns graphs on for data parallelism on the strength of this test (passed on 2 H200s at 309473b). overlap=True
+    (train.overlap_grad_reduce): the bucketed all-reduces captured inside the graph (passed on 2 H200s at
+    be746e1, where it was the trainer's path)."""
+    mp.spawn(_graphs_worker, args=(tuple(_free_port() for _ in range(2)), str(tmp_path), ("false", "true"), overlap),
              nprocs=WORLD, join=True)
     recs = torch.load(tmp_path / "graphs.pt")
     assert_graphed_run_like_eager(recs["false"], recs["true"], steps=5)

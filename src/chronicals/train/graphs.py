@@ -132,8 +132,7 @@ def resolve_cuda_graphs(setting: str, device, checkpointing, world_size: int) ->
     if checkpointing:
         return False, ("train.cuda_graphs=auto: off with activation checkpointing (it reads the CUDA RNG state "
                        "during capture)")
-    ranks = ("one CUDA process" if world_size == 1 else
-             f"{world_size} data-parallel ranks, the gradient all-reduce inside the last micro-batch's graph")
+    ranks = "one CUDA process" if world_size == 1 else f"{world_size} data-parallel ranks"
     return True, f"train.cuda_graphs=auto: on ({ranks}, no activation checkpointing)"
 
 

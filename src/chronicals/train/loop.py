@@ -181,8 +181,12 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     graphs = None
     use_graphs, why = resolve_cuda_graphs(cfg.train.cuda_graphs, device, cfg.model.checkpoint_setting, dp.world_size)
     log.info("%s", why)
-    # data parallel: flat gradient buckets all-reduced during the last micro-batch's backward (train/grad_buckets.py)
-    reducer = GradBuckets(dp, trainable) if dp.enabled else None
+    # data parallel: the gradient all-reduce after backward, or (train.overlap_grad_reduce) in flat buckets during
+    # the last micro-batch's backward (train/grad_buckets.py)
+    reducer = GradBuckets(dp, trainable) if dp.enabled and cfg.train.overlap_grad_reduce else None
+    if dp.enabled:
+        log.info("data parallel: gradient all-reduce %s", "overlapped with backward (train.overlap_grad_reduce)"
+                 if reducer else "after backward")
     if use_graphs:  # captured at the first step (after any resume); raises off CUDA
         graphs = GraphedStep(model, device, params=trainable, reducer=reducer)
 
