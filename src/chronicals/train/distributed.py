@@ -80,19 +80,20 @@ class DistContext:
         """
         if not self.enabled:
             return
-        present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.device)
-        dist.all_reduce(present, op=dist.ReduceOp.MAX)
+        local = [p.grad is not None for p in params]
+        present = torch.tensor(local, dtype=torch.int32, device=self.device)
+        dist.all_reduce(present, op=dist.ReduceOp.MAX)  # every rank issues it: the collectives must pair
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         for bucket in _buckets([p.grad for p in params], bucket_elems):
             flat = _flatten_dense_tensors(bucket)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                g.copy_(synced)
-        for p, anywhere in zip(params, present.tolist()):
-            if not anywhere:
-                p.grad = None
+            torch._foreach_copy_(bucket, _unflatten_dense_tensors(flat, bucket))  # one launch, not one per tensor
+        if not all(local):  # only a rank that lacked a gradient reads the flags (a host sync): all others had all
+            for p, anywhere in zip(params, present.tolist()):
+                if not anywhere:
+                    p.grad = None
 
     def broadcast_params(self, params: list, bucket_elems: int = BUCKET_ELEMS) -> None:
         """Copy rank 0's values of ``params`` into every rank's (so all start identical), in flat buckets.
@@ -105,8 +106,7 @@ class DistContext:
             for bucket in _buckets([p.detach() for p in params], bucket_elems):
                 flat = _flatten_dense_tensors(bucket)
                 dist.broadcast(flat, src=0)
-                for p, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                    p.copy_(synced)
+                torch._foreach_copy_(bucket, _unflatten_dense_tensors(flat, bucket))
 
     def barrier(self) -> None:
         if not self.enabled:
