@@ -43,6 +43,25 @@ def test_unknown_key_suggests(capsys):
     assert "did you mean optim" in capsys.readouterr().err
 
 
+def test_bad_input_found_while_running_is_an_error_line_not_a_traceback(tiny_base, tmp_path, capsys, monkeypatch):
+    """Exit 3 with the file (and line, for data) when the data or the model is bad; CHRONICALS_TRACEBACK=1
+    raises instead, for debugging."""
+    bad = tmp_path / "bad.jsonl"
+    good = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}'
+    bad.write_text(good + '\n{"messages": [{"role": "user"}]}\n')
+    args = ["train", f"model.path={tiny_base}", f"data.path={bad}", f"train.out_dir={tmp_path / 'run'}",
+            "train.max_steps=1", "logging.progress=false"]
+    monkeypatch.delenv("CHRONICALS_TRACEBACK", raising=False)
+    assert main(args) == 3
+    err = capsys.readouterr().err
+    assert f"error: {bad}:2: messages[0] has no 'content'" in err and "Traceback" not in err
+    assert main(["train", f"model.path={tmp_path / 'missing'}", f"train.out_dir={tmp_path / 'run'}"]) == 3
+    assert "no such file or directory" in capsys.readouterr().err
+    monkeypatch.setenv("CHRONICALS_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="has no 'content'"):
+        main(args)
+
+
 def test_demo_path_reduced(tiny_base, tmp_path, capsys):
     """`chronicals train` on the packaged demo data with a tiny model: before/after report, adapter, export, chat."""
     out = tmp_path / "run"

@@ -47,7 +47,7 @@ def test_unknown_key_suggests(bad, message):
 def test_unknown_section_in_yaml_suggests(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("optimizer:\n  lr: 1.0\n")
-    with pytest.raises(ValueError, match=r"c\.yaml: unknown config key 'optimizer'; did you mean optim"):
+    with pytest.raises(ValueError, match=r"c\.yaml:1: unknown config key 'optimizer'; did you mean optim"):
         load_config(p)
 
 
@@ -114,3 +114,19 @@ def test_gate_up_layers_needs_gate_up_and_reaches_the_model():
                                         num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1))
     model = prepare_model(CausalLM(cfg), c, torch.device("cpu"), torch.float32)
     assert [model.opts.rebuilds_gate_up(i) for i in range(4)] == [True, True, True, False]
+
+
+def test_file_errors_name_the_line_of_the_key(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  path: x\noptim:\n  weight_decay: 0.0\n  lr: -1\n")
+    with pytest.raises(ValueError, match=r"c\.yaml:5: config optim\.lr=-1\.0 is invalid"):
+        load_config(p)
+    p.write_text("# recipe\ntrain:\n  max_step: 3\n")  # unknown key: its own line
+    with pytest.raises(ValueError, match=r"c\.yaml:3: unknown config key 'train\.max_step'; did you mean"):
+        load_config(p)
+    p.write_text("lora:\n  rank: 8\noptimizer:\n  lr: 1.0\n")  # unknown section: the section's line
+    with pytest.raises(ValueError, match=r"c\.yaml:3: unknown config key 'optimizer'"):
+        load_config(p)
+    p.write_text("train:\n  max_steps: 3\n")  # an override's bad value has no line in the file
+    with pytest.raises(ValueError, match=r"c\.yaml: config train\.max_steps='x' is invalid"):
+        load_config(p, ["train.max_steps=x"])

@@ -19,7 +19,8 @@ USAGE = """usage: chronicals train [CONFIG.yaml] [section.key=value ...]
 Fine-tune a decoder LLM. With no arguments: the embedded demo (LoRA+ on SmolLM2-135M-Instruct with the
 packaged Vellmora facts; a few minutes on a laptop CPU). Values on the command line override the YAML
 file, which overrides the defaults below. Exit status: 0 done, 1 diverged (NaN/inf), 2 bad config,
-130 stopped by SIGINT/SIGTERM after writing a checkpoint (run again with train.resume=auto).
+3 bad input found while running (a data, model or adapter file: the message names it, with the line for
+data), 130 stopped by SIGINT/SIGTERM after writing a checkpoint (run again with train.resume=auto).
 
 keys:
 """
@@ -157,7 +158,13 @@ def main(argv: list[str] | None = None) -> int:
               "  chat      answer prompts with a base or fine-tuned model (generate: the same)\n"
               "  bench     the end-to-end benchmark table")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
-    return COMMANDS[argv[0]](argv[1:])
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except (ValueError, OSError) as e:  # bad input met while running: the messages name the file (and line)
+        if os.environ.get("CHRONICALS_TRACEBACK"):
+            raise
+        print(f"error: {e}\n(CHRONICALS_TRACEBACK=1 shows where it was raised)", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

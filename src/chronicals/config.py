@@ -34,9 +34,17 @@ def _f(default, doc: str, **kw):
 BOOL_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
 
 
+class ConfigError(ValueError):
+    """A bad config value or key; ``key`` (dotted, or a section name) lets ``load_config`` name the YAML line."""
+
+    def __init__(self, message: str, key: str):
+        super().__init__(message)
+        self.key = key
+
+
 def _check(cond: bool, key: str, value, expected: str):
     if not cond:
-        raise ValueError(f"config {key}={value!r} is invalid: expected {expected}")
+        raise ConfigError(f"config {key}={value!r} is invalid: expected {expected}", key)
 
 
 @dataclass
@@ -268,7 +276,7 @@ def all_keys() -> list[str]:
 def _unknown(key: str, choices: list[str]) -> ValueError:
     near = difflib.get_close_matches(key, choices, n=3, cutoff=0.5)
     hint = f"; did you mean {' or '.join(near)}?" if near else f"; known: {', '.join(choices)}"
-    return ValueError(f"unknown config key {key!r}{hint}")
+    return ConfigError(f"unknown config key {key!r}{hint}", key)
 
 
 def _field_type(cls, name: str):
@@ -289,10 +297,10 @@ def _coerce(key: str, value, typ):
             return value
         if isinstance(value, str) and value.lower() in BOOL_WORDS:
             return BOOL_WORDS[value.lower()]
-        raise ValueError(f"config {key}={value!r} is invalid: expected true or false")
+        raise ConfigError(f"config {key}={value!r} is invalid: expected true or false", key)
     if typ is int:
         if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and _is_int(value))):
-            raise ValueError(f"config {key}={value!r} is invalid: expected an integer")
+            raise ConfigError(f"config {key}={value!r} is invalid: expected an integer", key)
         return int(value)
     if typ is float:
         try:
@@ -300,16 +308,16 @@ def _coerce(key: str, value, typ):
                 raise ValueError
             return float(value)  # YAML reads 3e-4 (no dot) as a string; float() takes it
         except (TypeError, ValueError):
-            raise ValueError(f"config {key}={value!r} is invalid: expected a number") from None
+            raise ConfigError(f"config {key}={value!r} is invalid: expected a number", key) from None
     if typ is list or origin is list:
         if isinstance(value, str):
             value = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
         if not isinstance(value, list):
-            raise ValueError(f"config {key}={value!r} is invalid: expected a list such as [q_proj, v_proj]")
+            raise ConfigError(f"config {key}={value!r} is invalid: expected a list such as [q_proj, v_proj]", key)
         return list(value)
     if typ is str:
         if isinstance(value, (dict, list)):
-            raise ValueError(f"config {key}={value!r} is invalid: expected a string")
+            raise ConfigError(f"config {key}={value!r} is invalid: expected a string", key)
         return "" if value is None else str(value)
     return value
 
@@ -334,7 +342,7 @@ def from_dict(d: dict | None, overrides: list[str] | dict | None = None) -> Trai
         if body is None:
             continue
         if not isinstance(body, dict):
-            raise ValueError(f"config section {section!r} must be a mapping of keys to values, got {body!r}")
+            raise ConfigError(f"config section {section!r} must be a mapping of keys to values, got {body!r}", section)
         for k, v in body.items():
             flat[f"{section}.{k}"] = v
     if isinstance(overrides, dict):
@@ -355,15 +363,40 @@ def from_dict(d: dict | None, overrides: list[str] | dict | None = None) -> Trai
     return TrainConfig(**{s: cls(**values[s]) for s, cls in _SECTION_TYPES.items()})
 
 
+def _key_lines(text: str) -> dict[str, int]:
+    """1-based line of every section and ``section.key`` in a YAML mapping of mappings (for error messages)."""
+    lines: dict[str, int] = {}
+    root = yaml.compose(text)
+    if not isinstance(root, yaml.MappingNode):
+        return lines
+    for sec, body in root.value:
+        lines.setdefault(str(sec.value), sec.start_mark.line + 1)
+        if isinstance(body, yaml.MappingNode):
+            for k, _ in body.value:
+                lines.setdefault(f"{sec.value}.{k.value}", k.start_mark.line + 1)
+    return lines
+
+
+def _override_keys(overrides) -> set[str]:
+    if isinstance(overrides, dict):
+        return set(overrides)
+    return {item.split("=", 1)[0].strip() for item in overrides or [] if "=" in item}
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> TrainConfig:
-    """YAML file (optional) + ``key=value`` overrides -> a checked TrainConfig."""
-    d = {}
+    """YAML file (optional) + ``key=value`` overrides -> a checked TrainConfig.
+
+    A bad key or value from the file fails as ``FILE:LINE: message`` (the line of that key, or of its section).
+    """
+    d, lines = {}, {}
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"config file {p} not found (give a YAML file such as configs/smollm2-135m/lora.yaml)")
+        text = p.read_text()
         try:
-            d = yaml.safe_load(p.read_text()) or {}
+            d = yaml.safe_load(text) or {}
+            lines = _key_lines(text)
         except yaml.YAMLError as e:
             raise ValueError(f"{p}: invalid YAML ({e})") from None
         if not isinstance(d, dict):
@@ -371,7 +404,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
     try:
         return from_dict(d, overrides)
     except ValueError as e:
-        raise ValueError(f"{path}: {e}" if path else str(e)) from None
+        if not path:
+            raise ValueError(str(e)) from None
+        key = getattr(e, "key", None)
+        line = None if key is None or key in _override_keys(overrides) else lines.get(key)
+        raise ValueError(f"{path}:{line}: {e}" if line else f"{path}: {e}") from None
 
 
 def config_help() -> str:
