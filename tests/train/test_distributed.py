@@ -147,6 +147,7 @@ def _overlap_worker(rank: int, port: int, out: str) -> None:
         missing = lone.finish()
         torch.save({"issued": issued, "buckets": len(reducer.flats), "grads": grads, "missing": missing,
                     "extra": extra.grad.cpu()}, f"{out}/overlap{rank}.pt")
+        dp.barrier()  # neither rank tears gloo down while the other may still be in its last collective
     finally:
         dp.destroy()
 
