@@ -157,3 +157,14 @@ def test_tokenization_cache_defaults_under_the_chronicals_cache(monkeypatch, tmp
     assert tokenization_cache_dir("") == tmp_path / "data"
     assert tokenization_cache_dir("none") is None
     assert tokenization_cache_dir(str(tmp_path / "mine")) == tmp_path / "mine"
+
+
+def test_corrupt_checkpoint_is_a_clear_error_naming_the_one_before(tmp_path, docs):
+    cfg = tiny_config(tmp_path, train__max_steps=3, train__save_every=1, train__keep_last=3)
+    train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs))
+    *_, before, last = checkpoint_dirs(cfg.train.out_dir)
+    (last / "state.pt").write_bytes((last / "state.pt").read_bytes()[:100])  # truncated after it was written
+    cfg2 = tiny_config(tmp_path, train__max_steps=4, train__save_every=1, train__keep_last=3, train__resume="auto")
+    with pytest.raises(ValueError, match=rf"cannot be read .* truncated or corrupt: move {last} away, and "
+                                         rf"train.resume=auto resumes from {before}"):
+        train(cfg2, model=tiny_model(), train_loader=SyntheticLoader(docs))

@@ -91,7 +91,15 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, schedul
     file = path / "state.pt" if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"checkpoint {file} not found (train.resume takes auto | none | a step-N directory)")
-    state = torch.load(file, map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError, OSError) as e:  # saves are atomic: this file was damaged after it was written
+        ckdir = file.parent  # out_dir/checkpoints/step-N
+        earlier = [d for d in checkpoint_dirs(ckdir.parent.parent) if d != ckdir]
+        hint = (f"move {ckdir} away, and train.resume=auto resumes from {earlier[-1]}" if earlier else
+                f"move {ckdir} away, or set train.resume=none to start over")
+        raise ValueError(f"checkpoint {file} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                         f"it is truncated or corrupt: {hint}") from None
     params = dict(model.named_parameters())
     missing = [n for n in state["model"] if n not in params]
     if missing:
