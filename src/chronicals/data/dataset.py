@@ -81,24 +81,26 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
         if (cache / "meta.json").exists():
             ds = _load_cache(cache, max_seq_len)
             log.info("data: loaded %d documents from cache %s", len(ds), cache)
-            _finish(ds.stats, on_error, max_seq_len, overlong)
+            _finish(ds.stats, on_error, max_seq_len, overlong, files)
             return ds
     records = [r for f in files for r in read_file(f)]
     ds = _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_error, num_proc)
-    _finish(ds.stats, on_error, max_seq_len, overlong)
+    _finish(ds.stats, on_error, max_seq_len, overlong, files)
     if cache is not None:
         _save_cache(cache, ds)
     return ds
 
 
-def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, overlong: str) -> None:
+def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, overlong: str, files=()) -> None:
     if stats.skipped_errors and on_error == "fail":
         raise DataError(stats.first_errors[0] + " (on_error='skip' drops bad records and counts them)")
     if stats.skipped_errors:
         log.warning("data: skipped %d bad records; first: %s", stats.skipped_errors, stats.first_errors[0])
     if stats.documents == 0:
         if stats.records == 0:
-            raise DataError("the dataset is empty: the files hold no records")
+            names = ", ".join(str(f) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+            raise DataError(f"the dataset is empty: {names or 'the files'} hold no records (give data files "
+                            "with at least one example)")
         if stats.dropped_overlong:
             raise DataError(f"every example was dropped: {stats.dropped_overlong} longer than max_seq_len="
                             f"{max_seq_len} (raise max_seq_len or use overlong='truncate'), "
