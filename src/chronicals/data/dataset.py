@@ -99,7 +99,7 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, overlong: str,
     if stats.documents == 0:
         if stats.records == 0:
             names = ", ".join(str(f) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
-            raise DataError(f"the dataset is empty: {names or 'the files'} hold no records (give data files "
+            raise DataError(f"the dataset is empty: no records in {names or 'the files'} (give data files "
                             "with at least one example)")
         if stats.dropped_overlong:
             raise DataError(f"every example was dropped: {stats.dropped_overlong} longer than max_seq_len="
