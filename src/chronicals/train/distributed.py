@@ -81,7 +81,10 @@ class DistContext:
         if not self.enabled:
             return
         local = [p.grad is not None for p in params]
-        present = torch.tensor(local, dtype=torch.int32, device=self.device)
+        # all present (the usual case): a fill kernel; a list copied from pageable host memory would wait for
+        # the stream (cudaMemcpy from pageable memory syncs it first), i.e. for the whole backward
+        present = (torch.ones(len(params), dtype=torch.int32, device=self.device) if all(local) else
+                   torch.tensor(local, dtype=torch.int32, device=self.device))
         dist.all_reduce(present, op=dist.ReduceOp.MAX)  # every rank issues it: the collectives must pair
         for p in params:
             if p.grad is None:
