@@ -138,6 +138,15 @@ def _overlap_worker(rank: int, port: int, out: str) -> None:
             issued.append(reducer._next)  # buckets issued when this backward returned
         reducer.finish()
         grads = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()}
+        # one backward more than begin() announced: the hook refuses (its bucket's all-reduce already went out)
+        reducer.begin(micro_batches=1)
+        batch_loss_sum(model, batch, dev).backward()
+        try:
+            batch_loss_sum(model, batch, dev).backward()
+            too_many = "no error"
+        except RuntimeError as e:
+            too_many = str(e)
+        reducer.finish()
         # a parameter used on rank 0 only: rank 1 contributes zeros, finish() counts its bucket
         extra = torch.nn.Parameter(torch.ones(3, device=dev))
         lone = GradBuckets(dp, [extra])
@@ -146,7 +155,7 @@ def _overlap_worker(rank: int, port: int, out: str) -> None:
             (extra * 2.0).sum().backward()
         missing = lone.finish()
         torch.save({"issued": issued, "buckets": len(reducer.flats), "grads": grads, "missing": missing,
-                    "extra": extra.grad.cpu()}, f"{out}/overlap{rank}.pt")
+                    "extra": extra.grad.cpu(), "too_many": too_many}, f"{out}/overlap{rank}.pt")
         dp.barrier()  # neither rank tears gloo down while the other may still be in its last collective
     finally:
         dp.destroy()
@@ -312,13 +321,15 @@ def test_two_ranks_train_like_one_process_on_both_shards(tmp_path):
 
 def test_buckets_go_out_during_the_last_backward_and_sum_like_after(tmp_path):
     """GradBuckets with 2 micro-batches a step: nothing is issued in the first backward, every bucket by the
-    end of the second (before finish()); the sums equal all_reduce_grads' on the same batches; a parameter
-    with no gradient on rank 1 gets rank 0's alone, and rank 1's finish() counts the short bucket."""
+    end of the second (before finish()); the sums equal all_reduce_grads' on the same batches; a backward more
+    than announced is refused; a parameter with no gradient on rank 1 gets rank 0's alone, and rank 1's finish()
+    counts the short bucket."""
     mp.spawn(_overlap_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     got = [torch.load(tmp_path / f"overlap{r}.pt") for r in range(WORLD)]
     for g in got:
         assert g["buckets"] > 3 and g["issued"] == [0, g["buckets"]]
         assert torch.equal(g["extra"], torch.full((3,), 2.0))
+        assert "more gradients this step than begin(micro_batches=k) announced" in g["too_many"]
     assert (got[0]["missing"], got[1]["missing"]) == (0, 1)
     # the reference: each rank's 2 backward passes summed, then over the ranks
     micro = _micro_batches()

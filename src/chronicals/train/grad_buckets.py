@@ -16,7 +16,7 @@ wait:
 
 Exactness is that of ``all_reduce_grads``: a sum over ranks of each rank's d(loss_sum_local / N). One
 difference: a parameter that gets no gradient on any rank ends the step with zeros, not None (as torch DDP);
-``finish`` returns how many this rank missed and the first such step is logged.
+``finish`` returns how many of this rank's buckets were short, and the first such step is logged.
 
 Worked example, 3 parameters p0 (in bucket 1), p1 and p2 (bucket 0: reversed order), one micro-batch:
 backward finishes p2 (bucket 0 pending 1), p1 (bucket 0 complete: all-reduce issued), then p0 (bucket 1
@@ -93,8 +93,8 @@ class GradBuckets:
         self._next, self._works, self.armed = 0, [], True
 
     def finish(self) -> int:
-        """Issue the buckets not yet issued, in order; the current stream waits for all. -> parameters of this
-        rank that got fewer gradients than expected (their share was zeros)."""
+        """Issue the buckets not yet issued, in order; the current stream waits for all. -> the number of this
+        rank's buckets that got fewer gradients than ``begin`` expected (the missing shares were zeros)."""
         if not self.armed:
             raise RuntimeError("GradBuckets.finish without begin()")
         missing_buckets = [b for b in range(self._next, len(self.flats)) if self._pending[b] > 0]
@@ -127,6 +127,9 @@ class GradBuckets:
             p.grad = view
         b = self._bucket[id(p)]
         self._pending[b] -= 1
+        if self._pending[b] < 0:  # its all-reduce went out before this gradient arrived: the sum would miss it
+            raise RuntimeError(f"GradBuckets: a parameter got more gradients this step than begin(micro_batches=k) "
+                               f"announced (bucket {b}); call begin with the step's micro-batch count")
         if self._pending[b] == 0:
             self._issue_ready()
 
