@@ -89,9 +89,16 @@ def main():
     if args.device == "cuda" and torch.cuda.device_count() < WORLD:
         sys.exit(f"bench_dp: needs {WORLD} GPUs (found {torch.cuda.device_count()})")
     rows = []
+    cols = ["shape", "method", "cuda_graphs", "all_reduce", "tokens_per_s", "tokens_per_s_per_gpu", "step_ms", "peak_gib",
+            "min_grad_norm", "loss_first_last", "status"]
+
+    def save():  # after every row: a call cut short by its time limit keeps the rows it finished
+        return write_results(f"bench_dp_{args.shape}", {"rows": rows, "ranks": WORLD, "planned_rows": len(runs)},
+                             markdown=markdown_table(rows, cols), out_dir=args.out)
+
+    modes = [g == "graphs" for g in args.graphs.split(",") if args.device == "cuda" or g == "eager"]
+    runs = [(m, g, r) for m in args.methods.split(",") for g in modes for r in args.reduce.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        modes = [g == "graphs" for g in args.graphs.split(",") if args.device == "cuda" or g == "eager"]
-        runs = [(m, g, r) for m in args.methods.split(",") for g in modes for r in args.reduce.split(",")]
         for method, graphs, reduce in runs:
             path = os.path.join(tmp, f"{method}_{graphs}_{reduce}.json")
             try:
@@ -103,11 +110,8 @@ def main():
                              "reason": f"{type(e).__name__}: {str(e)[-300:]}"})
             print(rows[-1] if "losses" not in rows[-1] else
                   {k: v for k, v in rows[-1].items() if k not in ("losses", "grad_norms")}, flush=True)
-    cols = ["shape", "method", "cuda_graphs", "all_reduce", "tokens_per_s", "tokens_per_s_per_gpu", "step_ms", "peak_gib", "min_grad_norm",
-            "loss_first_last", "status"]
-    table = markdown_table(rows, cols)
-    path = write_results(f"bench_dp_{args.shape}", {"rows": rows, "ranks": WORLD}, markdown=table, out_dir=args.out)
-    print(table)
+            path = save()
+    print(markdown_table(rows, cols))
     print(f"wrote {path}")
 
 

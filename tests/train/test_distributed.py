@@ -99,6 +99,7 @@ def _grad_worker(rank: int, port: int, out: str, reduce: str = "after") -> None:
         loss, n = accumulate_data_parallel(model, mine, dp.device, dp, params, reducer=reducer)
         torch.save({"loss": loss.cpu(), "n": n, "grads": _grads(model), "backend": dp.backend,
                     "device": str(dp.device)}, f"{out}/rank{rank}.pt")
+        dp.barrier()  # as in _overlap_worker: no teardown while the other rank may be in a collective
     finally:
         dp.destroy()
 
@@ -116,6 +117,7 @@ def _none_grad_worker(rank: int, port: int, out: str) -> None:
         cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
         torch.save({"unused": cpu(unused.grad), "only0": cpu(only0.grad), "both": cpu(both.grad)},
                    f"{out}/none{rank}.pt")
+        dp.barrier()
     finally:
         dp.destroy()
 
