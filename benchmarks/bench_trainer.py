@@ -1,0 +1,138 @@
+"""The trainer loop's own tokens/s against the bench protocol's, same model, shape and step, one process.
+
+The bench protocol (``chronicals.bench.protocol.timed_run``) enqueues its steps without a host sync, while
+``train()`` syncs every step: ``loss.item()`` before the update (the NaN stop), ``float(grad_norm)``,
+``torch.cuda.synchronize`` for the step time, plus its batch copies from pageable host memory and the metrics
+it writes. This measures what those cost (benchmarks/NOTES.md, "Next"): per method, the protocol row
+(``chronicals-full-graphs`` / ``chronicals-lora-graphs``: the trainer's step, graphed as train.cuda_graphs=auto
+does) and ``train()`` on the same random batches (CPU tensors, as ``PackedLoader`` yields them), its tokens/s
+from metrics.jsonl over the steps after warm-up. Both rows carry their gradient norms and losses. On the CPU
+(dry run) the protocol rows are eager and bf16 while train() runs fp32: the ratio means nothing there.
+
+    PYTHONPATH=src python benchmarks/bench_trainer.py [--out DIR] [--methods full,lora] [--steps 12]
+    PYTHONPATH=src python benchmarks/bench_trainer.py --device cpu --shape tiny     # CPU dry run of the plumbing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from common import markdown_table, write_results
+
+CONTENDER = {"full": "chronicals-full-graphs", "lora": "chronicals-lora-graphs"}  # as train.cuda_graphs=auto
+
+
+class _Batches:
+    """The loader protocol ``train()`` takes (len, iter, state_dict), cycling fixed CPU batches."""
+
+    def __init__(self, batches):
+        self.batches, self.position = batches, 0
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        while self.position < len(self.batches):
+            self.position += 1
+            yield self.batches[self.position - 1]
+        self.position = 0
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, sd):
+        self.position = sd["position"]
+
+
+def protocol_row(method: str, shape: str, dev: torch.device, warmup: int, steps: int) -> dict:
+    from chronicals.bench.contenders import CONTENDERS
+    from chronicals.bench.protocol import RunSpec, timed_run, validate_row
+    from chronicals.bench.shapes import get_shape
+
+    name = CONTENDER[method] if dev.type == "cuda" else CONTENDER[method].replace("-graphs", "")
+    spec = RunSpec(contender=name, shape=shape, warmup=warmup, steps=steps, device=dev.type,
+                   **({} if shape != "tiny" else {"rows": 2, "seq": 64}))
+    built = CONTENDERS[name].build(spec, get_shape(shape), dev)
+    res = timed_run(built, spec, dev)
+    row = validate_row({"method": method, "how": name, "tokens_per_s": round(res["tokens_per_s"]),
+                        "step_ms": round(res["step_ms"], 2), "losses": res["losses"], "grad_norms": res["grad_norms"]})
+    del built
+    return row
+
+
+def trainer_row(method: str, shape_name: str, dev: torch.device, warmup: int, steps: int, out: Path) -> dict:
+    from chronicals.bench.contenders import build_chronicals_model, rows_as_packed_batch
+    from chronicals.bench.protocol import LORA_ALPHA, LORA_R, validate_row
+    from chronicals.bench.shapes import get_shape
+    from chronicals.train import train
+
+    shape = get_shape(shape_name)
+    rows, seq = (shape.rows, shape.seq) if shape_name != "tiny" else (2, 64)
+    g = torch.Generator().manual_seed(0)
+    vocab = shape.hf_config["vocab_size"]
+    batches = [rows_as_packed_batch(torch.randint(0, vocab, (rows, seq), generator=g), "rows") for _ in range(8)]
+    model = build_chronicals_model(shape, dev, "auto", seed=0)
+    lora = method == "lora"
+    cfg = {"model": {"device": str(dev), "dtype": "bfloat16" if dev.type == "cuda" else "float32"},
+           "lora": {"enabled": lora, "rank": LORA_R, "alpha": LORA_ALPHA},
+           "optim": {"lr": 1e-4 if lora else 1e-5},
+           "train": {"max_steps": warmup + steps, "out_dir": str(out / method), "resume": "none", "save_final": False},
+           "eval": {"qa": False}, "logging": {"progress": False, "tensorboard": False, "plot": False}}
+    train(cfg, model=model, train_loader=_Batches(batches))
+    recs = [json.loads(x) for x in (out / method / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in recs if r["kind"] == "train"][warmup:]
+    seconds = sum(r["step_s"] for r in timed)
+    row = validate_row({"method": method, "how": "metrics.jsonl after warm-up",
+                        "tokens_per_s": round(sum(r["loss_tokens"] for r in timed) / seconds),
+                        "step_ms": round(1e3 * seconds / len(timed), 2), "losses": [r["loss"] for r in timed],
+                        "grad_norms": [r["grad_norm"] for r in timed]})
+    del model
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--methods", default="full,lora")
+    ap.add_argument("--shape", default="0.5b")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=12)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for method in args.methods.split(","):
+            for loop, fn in (("bench protocol", protocol_row), ("train()", trainer_row)):
+                extra = (Path(tmp),) if fn is trainer_row else ()
+                try:
+                    row = {"loop": loop, **fn(method, args.shape, dev, args.warmup, args.steps, *extra)}
+                except Exception as e:  # one failing row must not hide the others
+                    row = {"method": method, "loop": loop, "status": "error", "reason": f"{type(e).__name__}: {str(e)[-300:]}"}
+                if row.get("losses"):
+                    row["loss_first_last"] = f"{row['losses'][0]:.3f} -> {row['losses'][-1]:.3f}"
+                rows.append(row)
+                print({k: v for k, v in row.items() if k not in ("losses", "grad_norms")}, flush=True)
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+    by = {(r["method"], r["loop"]): r for r in rows}
+    for m in args.methods.split(","):  # the loop's rate as a share of the protocol's
+        p, t = by.get((m, "bench protocol"), {}), by.get((m, "train()"), {})
+        if p.get("tokens_per_s") and t.get("tokens_per_s"):
+            t["vs_protocol"] = round(t["tokens_per_s"] / p["tokens_per_s"], 3)
+    cols = ["method", "loop", "how", "tokens_per_s", "step_ms", "vs_protocol", "min_grad_norm", "loss_first_last",
+            "status"]
+    table = markdown_table(rows, cols)
+    path = write_results(f"bench_trainer_{args.shape}", {"rows": rows, "warmup": args.warmup, "steps": args.steps},
+                         markdown=table, out_dir=args.out)
+    print(table)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
