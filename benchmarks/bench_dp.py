@@ -98,6 +98,7 @@ def main():
 
     modes = [g == "graphs" for g in args.graphs.split(",") if args.device == "cuda" or g == "eager"]
     runs = [(m, g, r) for m in args.methods.split(",") for g in modes for r in args.reduce.split(",")]
+    path = None
     with tempfile.TemporaryDirectory() as tmp:
         for method, graphs, reduce in runs:
             path = os.path.join(tmp, f"{method}_{graphs}_{reduce}.json")
