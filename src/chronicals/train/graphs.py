@@ -272,8 +272,8 @@ class GraphedStep:
                 self._forward_backward(*args)
         torch.cuda.current_stream(d).wait_stream(side)
         if not self._grads:  # persistent grads, allocated once for all graphs: backward adds into them in place
-            self._grad_params = [p for p in self.params if p.grad is not None]  # as eager: unused params keep None
             if self.reducer is None:
+                self._grad_params = [p for p in self.params if p.grad is not None]  # as eager: unused keep None
                 self._grads = [torch.zeros_like(p.grad) for p in self._grad_params]
             else:  # the reducer's flat buckets: every trainable parameter is in one, so all are bound
                 self._grad_params = list(self.params)

@@ -74,24 +74,23 @@ def accumulate_data_parallel(model, micro_batches: list, device: torch.device, d
     every rank holds the gradient of one process training on all ranks' micro-batches. The returned mean
     loss is the same sum over the ranks (a device tensor, equal on every rank). One process: exactly
     ``accumulate_gradients``.
-    ``reducer``: a ``GradBuckets`` over ``params`` (the trainer's default): the sum runs bucket by bucket during
-    the last micro-batch's backward (with ``graphs``, inside its captured graph; build the GraphedStep with the
-    same reducer). None: ``DistContext.all_reduce_grads`` after the whole backward.
+    ``reducer``: a ``GradBuckets`` over ``params`` (``train.overlap_grad_reduce``): the sum runs bucket by bucket
+    during the last micro-batch's backward (with ``graphs``, inside its captured graph; build the GraphedStep
+    with the same reducer). None (the default): ``DistContext.all_reduce_grads`` after the whole backward.
     """
     if not dist.enabled:
         return accumulate_gradients(model, micro_batches, device, graphs)
+    if graphs is not None and reducer is not None and graphs.reducer is not reducer:
+        raise ValueError("accumulate_data_parallel: graphs was built without this reducer; build "
+                         "GraphedStep(model, device, params=..., reducer=reducer)")
     n = dist.all_reduce_int(loss_token_count(micro_batches))
-    if reducer is None:
-        loss, _ = accumulate_gradients(model, micro_batches, device, graphs, count=n)
-        dist.all_reduce_grads(params)
-    elif graphs is not None:
-        if graphs.reducer is not reducer:
-            raise ValueError("accumulate_data_parallel: graphs was built without this reducer; build "
-                             "GraphedStep(model, device, params=..., reducer=reducer)")
-        loss, _ = accumulate_gradients(model, micro_batches, device, graphs, count=n)
-    else:
+    eager_reduce = reducer is not None and graphs is None  # with graphs, the captured graph holds the reduce
+    if eager_reduce:
         reducer.begin(len(micro_batches))
-        loss, _ = accumulate_gradients(model, micro_batches, device, count=n)
+    loss, _ = accumulate_gradients(model, micro_batches, device, graphs, count=n)
+    if reducer is None:
+        dist.all_reduce_grads(params)
+    elif eager_reduce:
         reducer.finish()
     return dist.all_reduce_sum_(loss.detach().clone()), n
 
