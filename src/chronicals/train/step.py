@@ -80,9 +80,9 @@ def accumulate_data_parallel(model, micro_batches: list, device: torch.device, d
     """
     if not dist.enabled:
         return accumulate_gradients(model, micro_batches, device, graphs)
-    if graphs is not None and reducer is not None and graphs.reducer is not reducer:
-        raise ValueError("accumulate_data_parallel: graphs was built without this reducer; build "
-                         "GraphedStep(model, device, params=..., reducer=reducer)")
+    if graphs is not None and graphs.reducer is not reducer:  # else the sum would run twice, or not at all
+        raise ValueError("accumulate_data_parallel: graphs and this call disagree on the reducer; build "
+                         "GraphedStep(model, device, params=..., reducer=reducer) with the reducer passed here")
     n = dist.all_reduce_int(loss_token_count(micro_batches))
     eager_reduce = reducer is not None and graphs is None  # with graphs, the captured graph holds the reduce
     if eager_reduce:
