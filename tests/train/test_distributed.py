@@ -63,6 +63,10 @@ def _cpu_state(model) -> dict:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
+def _train_recs(run) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+
+
 def _micro_batches():
     """4 micro-batches with unequal loss-token counts: rank 0 takes the first, rank 1 the other three."""
     return SyntheticLoader(synthetic_docs(30, seed=3), batch_size=1, row_len=29, shuffle=False).batches[:4]
@@ -97,7 +101,8 @@ def _grad_worker(rank: int, port: int, out: str, reduce: str = "after") -> None:
         if reducer is not None:
             assert len(reducer.flats) > 3
         loss, n = accumulate_data_parallel(model, mine, dp.device, dp, params, reducer=reducer)
-        torch.save({"loss": loss.cpu(), "n": n, "grads": _grads(model), "backend": dp.backend,
+        assert isinstance(n, torch.Tensor) and n.device == dp.device  # the count stays on the device (no host sync)
+        torch.save({"loss": loss.cpu(), "n": int(n), "grads": _grads(model), "backend": dp.backend,
                     "device": str(dp.device)}, f"{out}/rank{rank}.pt")
         dp.barrier()  # as in _overlap_worker: no teardown while the other rank may be in a collective
     finally:
@@ -196,6 +201,35 @@ def _train_worker(rank: int, ports: tuple, out: str) -> None:
                 "resumed": (resumed.status, resumed.step, _cpu_state(resumed_model))}, f"{out}/result{rank}.pt")
 
 
+def _pipelined_worker(rank: int, ports: tuple, out: str) -> None:
+    """Fused AdamW, no on_step: each step is read one step late, with the ranks' stop flags. A SIGTERM to rank 1
+    during step 2's forward reaches every rank with step 2's metrics, read while step 3 runs: all stop after 3."""
+    from pathlib import Path
+
+    docs = synthetic_docs(40, seed=1)
+    over = dict(optim__fused="true", train__max_steps=5, model__device=DEVICE)
+    _torchrun_env(rank, ports[0])
+    straight = tiny_model(seed=0)
+    train(tiny_config(Path(out) / "straight", **over), model=straight, train_loader=_shards(docs, WORLD)[1][rank])
+    os.environ["MASTER_PORT"] = str(ports[1])
+    cfg = tiny_config(Path(out) / "stop", train__resume="auto", **over)
+    first = tiny_model(seed=0)
+    if rank == 1:
+        calls = [0]
+
+        def sigterm_at_2(module, args, output):
+            calls[0] += 1
+            if calls[0] == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+        first.model.norm.register_forward_hook(sigterm_at_2)
+    stopped = train(cfg, model=first, train_loader=_shards(docs, WORLD)[1][rank])
+    os.environ["MASTER_PORT"] = str(ports[2])
+    resumed = tiny_model(seed=rank)
+    train(cfg, model=resumed, train_loader=_shards(docs, WORLD)[1][rank])
+    torch.save({"straight": _cpu_state(straight), "stopped": (stopped.status, stopped.step, stopped.checkpoint),
+                "resumed": _cpu_state(resumed)}, f"{out}/pipelined{rank}.pt")
+
+
 def _graphs_worker(rank: int, ports: tuple, out: str, graphed_runs: tuple, overlap: bool = False) -> None:
     """train() on this rank's shard once per entry of ``graphed_runs`` (train.cuda_graphs), tiny bf16 LoRA model,
     Triton ops, train.overlap_grad_reduce=``overlap``; rank 0 keeps each run's train records."""
@@ -230,7 +264,8 @@ def test_buckets_split_by_dtype_and_size():
     got = [[t.numel() for t in b] for b in _buckets(ts, bucket_elems=8)]
     assert got == [[3, 5], [9], [2], [4]]
     one = DistContext()  # one process: every helper is a no-op
-    assert one.all_reduce_int(7) == 7 and not one.enabled and one.is_main
+    assert one.all_reduce_count(7) == 7 and one.all_reduce_flag(True) == 1 and one.all_reduce_flag(False) == 0
+    assert not one.enabled and one.is_main
 
 
 def test_single_process_context_without_torchrun(monkeypatch):
@@ -310,15 +345,30 @@ def test_two_ranks_train_like_one_process_on_both_shards(tmp_path):
     for n, v in _cpu_state(single).items():
         torch.testing.assert_close(r0["state"][n], v, rtol=1e-5, atol=1e-6, msg=n)
 
-    def train_recs(run):
-        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
-                if json.loads(line)["kind"] == "train"]
-
-    dp_recs, one_recs = train_recs(run0), train_recs(tmp_path / "single" / "run")
+    dp_recs, one_recs = _train_recs(run0), _train_recs(tmp_path / "single" / "run")
     assert [r["loss_tokens"] for r in dp_recs] == [r["loss_tokens"] for r in one_recs]
     for a, b in zip(dp_recs, one_recs):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_two_ranks_pipelined_loop_stop_together_and_resume_exactly(tmp_path):
+    """The pipelined loop under data parallelism: the loss-token count and the stop flags stay on the device and
+    are read one step late, on every rank at the same step; resume=auto from that checkpoint ends like a
+    straight run, bit for bit on the CPU."""
+    mp.spawn(_pipelined_worker, args=(tuple(_free_port() for _ in range(3)), str(tmp_path)), nprocs=WORLD, join=True)
+    r0, r1 = (torch.load(tmp_path / f"pipelined{r}.pt", weights_only=False) for r in range(WORLD))
+    assert r0["stopped"] == r1["stopped"] and r0["stopped"][:2] == ("interrupted", 3)
+    assert r0["stopped"][2] == tmp_path / "stop" / "run" / "checkpoints" / "step-000003"
+    recs, straight = _train_recs(tmp_path / "stop" / "run"), _train_recs(tmp_path / "straight" / "run")
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
+    assert [r["loss_tokens"] for r in recs] == [r["loss_tokens"] for r in straight]  # the device counts, read late
+    for r in (r0, r1):
+        for n, v in r["resumed"].items():
+            if DEVICE == "cpu":
+                assert torch.equal(v, r0["straight"][n]), n
+            else:
+                torch.testing.assert_close(v, r0["straight"][n], rtol=1e-5, atol=1e-6, msg=n)
 
 
 def test_buckets_go_out_during_the_last_backward_and_sum_like_after(tmp_path):

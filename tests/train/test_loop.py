@@ -168,3 +168,82 @@ def test_corrupt_checkpoint_is_a_clear_error_naming_the_one_before(tmp_path, doc
     with pytest.raises(ValueError, match=rf"cannot be read .* truncated or corrupt: move {last} away, and "
                                          rf"train.resume=auto resumes from {before}"):
         train(cfg2, model=tiny_model(), train_loader=SyntheticLoader(docs))
+
+
+# ---- the pipelined loop (fused AdamW, no on_step): step k read on the host while step k+1 runs ----
+def _train_records(run) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+
+
+def _at_forward(model, k: int, action):
+    """Calls ``action(output)`` on the model's final norm output at its k-th forward call (1-based); returns it."""
+    calls = [0]
+
+    def hook(module, args, out):
+        calls[0] += 1
+        return action(out) if calls[0] == k else out
+    return model.model.norm.register_forward_hook(hook)
+
+
+def test_pipelined_loop_equals_reading_every_step(tmp_path, docs, caplog):
+    """Fused AdamW without on_step reads each step one step late; the weights, losses, gradient norms and
+    token counts equal the run that reads every step before its update (an on_step callback forces that),
+    across an evaluation, a checkpoint and the last step."""
+    over = dict(optim__fused="true", train__max_steps=7, train__save_every=3, eval__every=2)
+    models = {}
+    for how, on_step in (("pipelined", None), ("every step", lambda step, rec: None)):
+        models[how] = tiny_model()
+        with caplog.at_level("INFO", logger="chronicals.train"):
+            caplog.clear()
+            train(tiny_config(tmp_path / how, **over), model=models[how], train_loader=SyntheticLoader(docs, seed=2),
+                  eval_loader=SyntheticLoader(docs[:6], shuffle=False), on_step=on_step)
+        late = "step metrics: read one step late" in caplog.text
+        assert late == (how == "pipelined"), caplog.text
+    a, b = (_train_records(tmp_path / how / "run") for how in ("pipelined", "every step"))
+    assert [r["step"] for r in a] == list(range(1, 8))
+    for key in ("loss", "grad_norm", "loss_tokens", "lr"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    assert all(r["step_s"] > 0 and r["tokens_per_s"] > 0 for r in a)
+    for n, v in models["pipelined"].state_dict().items():
+        assert torch.equal(v, models["every step"].state_dict()[n]), n
+    assert [p.name for p in checkpoint_dirs(tmp_path / "pipelined" / "run")] == ["step-000003", "step-000006"]
+
+
+def test_pipelined_nan_step_is_not_applied_and_stops(tmp_path, docs):
+    """Step 3's loss is NaN: its update is skipped on the device and the stop comes while step 4 is queued,
+    before step 4's update; the weights are step 2's (the checkpoint's), and metrics end at step 2."""
+    model = tiny_model()
+    # the final norm returns (normed, residual): poison the normed rows
+    _at_forward(model, 3, lambda out: (out[0] * float("nan"), *out[1:]))
+    cfg = tiny_config(tmp_path, optim__fused="true", train__save_every=2, train__max_steps=6)
+    with pytest.raises(TrainingDiverged, match=r"loss is nan at step 3.*step-000002"):
+        train(cfg, model=model, train_loader=SyntheticLoader(docs))
+    dirs = checkpoint_dirs(tmp_path / "run")
+    assert [p.name for p in dirs] == ["step-000002"]
+    saved = torch.load(dirs[0] / "state.pt", weights_only=False)["model"]
+    for n, v in model.state_dict().items():
+        assert torch.isfinite(v).all() and torch.equal(v, saved[n]), n
+    assert [r["step"] for r in _train_records(tmp_path / "run")] == [1, 2]
+
+
+def test_pipelined_sigterm_stops_after_that_step_and_resumes_exactly(tmp_path, docs):
+    """A SIGTERM during step 5's forward: the pipelined loop reads step 5, checkpoints it and returns;
+    resume=auto then ends bit-identical to a straight run."""
+    over = dict(optim__fused="true", train__max_steps=9)
+    straight = tiny_model()
+    train(tiny_config(tmp_path / "a", **over), model=straight, train_loader=SyntheticLoader(docs, seed=4))
+
+    def sigterm(out):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return out
+    first_model = tiny_model()
+    _at_forward(first_model, 5, sigterm)
+    cfg = tiny_config(tmp_path / "b", train__resume="auto", **over)
+    first = train(cfg, model=first_model, train_loader=SyntheticLoader(docs, seed=4))
+    assert (first.status, first.step) == ("interrupted", 5)
+    assert [p.name for p in checkpoint_dirs(tmp_path / "b" / "run")] == ["step-000005"]
+    resumed = tiny_model()
+    assert train(cfg, model=resumed, train_loader=SyntheticLoader(docs, seed=4)).step == 9
+    for n, v in straight.state_dict().items():
+        assert torch.equal(v, resumed.state_dict()[n]), n
+    assert [r["step"] for r in _train_records(tmp_path / "b" / "run")] == list(range(1, 10))

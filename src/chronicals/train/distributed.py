@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 -m chronicals.cli train configs/qwen2.5-0.5b/lora.yaml
 
 Every rank holds the whole model and its own shard of the batches (``PackedLoader(rank=, world_size=)``).
-A step is exact: the divisor is the all-ranks loss-token count ``N`` (a host int, all-reduced before any
+A step is exact: the divisor is the all-ranks loss-token count ``N`` (a device scalar, all-reduced before any
 backward), each rank backpropagates ``loss_sum_local / N``, and the gradients are summed across ranks,
 so the update equals one process training on the union of the ranks' micro-batches. Worked example,
 2 ranks, one micro-batch each::
@@ -56,13 +56,25 @@ class DistContext:
         return self.world_size > 1
 
     # ---- collectives (all no-ops with one process) ----
-    def all_reduce_int(self, value: int, op: str = "sum") -> int:
-        """``value`` summed (op="sum") or maximized (op="max") over the ranks; a host sync."""
+    def all_reduce_count(self, value: int) -> "torch.Tensor | int":
+        """``value`` summed over the ranks as an int64 device scalar, no host sync (one process: ``value``).
+
+        Built with a fill kernel: ``torch.tensor([value], device=cuda)`` would copy from pageable host memory,
+        which waits for the stream, i.e. for the previous step's queued work.
+        """
         if not self.enabled:
             return int(value)
-        t = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
-        return int(t.item())
+        t = torch.full((), int(value), dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def all_reduce_flag(self, value: bool) -> "torch.Tensor | int":
+        """1 if ``value`` holds on any rank, as an int64 device scalar read later (one process: 0 or 1)."""
+        if not self.enabled:
+            return int(bool(value))
+        t = torch.full((), int(bool(value)), dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
 
     def all_reduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
         """In-place sum of ``t`` over the ranks (``t`` on this rank's device); returns ``t``."""

@@ -188,16 +188,20 @@ class GraphedStep:
     def accumulate(self, micro_batches: list, count: int | None = None) -> tuple[torch.Tensor, int]:
         """Replay forward + backward per micro-batch; grads become d(sum of losses / N). -> (mean loss, N).
 
-        ``count``: N when it is not these micro-batches' loss tokens (data parallelism: all ranks' count).
+        ``count``: N when it is not these micro-batches' loss tokens (data parallelism: all ranks' count, a device
+        int64 scalar, returned as it is).
         """
-        n = loss_token_count(micro_batches) if count is None else int(count)
+        n = loss_token_count(micro_batches) if count is None else count  # an int, or a device scalar (DP)
         last = len(micro_batches) - 1  # with a reducer, its graph also all-reduces the gradients
         keys = [(graph_key(b), self.reducer is not None and i == last) for i, b in enumerate(micro_batches)]
         for b, k in zip(micro_batches, keys):  # capture before any replay: warm-up must not touch the grads
             if k not in self.graphs and len(self.graphs) < self.max_graphs:
                 self._capture(k, b)
         bind_static_grads(self._grad_params, self._grads)
-        self._inv_count.fill_(1.0 / max(n, 1))  # a fill kernel: no host sync
+        if isinstance(n, torch.Tensor):  # device to device, no host sync
+            self._inv_count.copy_(1.0 / n.clamp(min=1))
+        else:
+            self._inv_count.fill_(1.0 / max(int(n), 1))  # a fill kernel: no host sync
         total = None
         for b, k in zip(micro_batches, keys):
             cap = self.graphs.get(k)

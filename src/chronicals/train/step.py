@@ -48,14 +48,15 @@ def accumulate_gradients(model, micro_batches: list, device: torch.device,
     ``num_loss_tokens``. The mean loss stays a device tensor (no host sync per micro-batch).
     ``graphs``: a ``train.graphs.GraphedStep`` built on ``model``: the same step replayed as CUDA graphs.
     ``count``: N when it is not these micro-batches' own count (data parallelism passes the all-ranks
-    count; the returned loss is then this rank's loss sum / N, which sums over the ranks to the mean).
+    count, a device int64 scalar, returned as it is; the returned loss is then this rank's loss sum / N,
+    which sums over the ranks to the mean).
     """
-    n = loss_token_count(micro_batches) if count is None else int(count)
+    n = loss_token_count(micro_batches) if count is None else count
     if graphs is not None:
         if graphs.model is not model:
             raise ValueError("accumulate_gradients: graphs was built on another model; build GraphedStep(model, ...)")
         return graphs.accumulate(micro_batches, count=n)
-    denom = max(n, 1)
+    denom = n.clamp(min=1).float() if isinstance(n, torch.Tensor) else max(int(n), 1)
     total = None
     for b in micro_batches:
         loss = batch_loss_sum(model, b, device)
@@ -69,7 +70,8 @@ def accumulate_data_parallel(model, micro_batches: list, device: torch.device, d
                              reducer: "GradBuckets | None" = None) -> tuple[torch.Tensor, int]:
     """``accumulate_gradients`` over this rank's ``micro_batches``, exact across ranks. Returns (mean loss, N).
 
-    N = the loss tokens of every rank's micro-batches (all-reduced on the host before any backward); each
+    N = the loss tokens of every rank's micro-batches (an int64 device scalar, all-reduced before any backward
+    and returned as it is: the trainer reads it with the step's metrics, without a host sync); each
     rank backpropagates its loss sum / N and the grads of ``params`` are then summed over the ranks, so
     every rank holds the gradient of one process training on all ranks' micro-batches. The returned mean
     loss is the same sum over the ranks (a device tensor, equal on every rank). One process: exactly
@@ -83,7 +85,7 @@ def accumulate_data_parallel(model, micro_batches: list, device: torch.device, d
     if graphs is not None and graphs.reducer is not reducer:  # else the sum would run twice, or not at all
         raise ValueError("accumulate_data_parallel: graphs and this call disagree on the reducer; build "
                          "GraphedStep(model, device, params=..., reducer=reducer) with the reducer passed here")
-    n = dist.all_reduce_int(loss_token_count(micro_batches))
+    n = dist.all_reduce_count(loss_token_count(micro_batches))
     eager_reduce = reducer is not None and graphs is None  # with graphs, the captured graph holds the reduce
     if eager_reduce:
         reducer.begin(len(micro_batches))
