@@ -1,8 +1,8 @@
 """Data parallelism on 2 GPUs: the trainer's step (``accumulate_data_parallel``: exact global loss-token
 divisor, bucketed NCCL all-reduce of the gradients) eager vs replayed as CUDA graphs, full fine-tuning and
 LoRA, on the bench protocol's 0.5B shape (each rank 16 x 1024 random tokens per step, its own batches; fused
-AdamW). The all-reduce either overlaps the backward (``GradBuckets``, the trainer's default: "overlap") or
-follows it (``DistContext.all_reduce_grads``: "after"). One process per GPU (mp.spawn), both ranks timed
+AdamW). The all-reduce either overlaps the backward (``GradBuckets``, opt-in ``train.overlap_grad_reduce``:
+"overlap") or follows it (``DistContext.all_reduce_grads``, the trainer's default: "after"). One process per GPU (mp.spawn), both ranks timed
 between two synchronizations.
 
 Rows: tokens/s over both ranks (loss tokens), per GPU, peak GiB (rank 0), the smallest gradient norm over the

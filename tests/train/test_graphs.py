@@ -223,7 +223,7 @@ def test_new_shape_beyond_max_graphs_runs_eagerly_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="chronicals.train"):
         graphed = _train(twin, batches, graphs)
     _assert_same_training(eager, graphed)
-    assert list(graphs.graphs) == [(2, 32, 0)] and graphs.eager_fallbacks == 2
+    assert list(graphs.graphs) == [((2, 32, 0), False)] and graphs.eager_fallbacks == 2  # (shape, holds the all-reduce)
     assert "not captured" in caplog.text
 
 
