@@ -47,6 +47,10 @@ def _worker(rank: int, port: int, method: str, graphs: bool, out: str, device: s
                       MASTER_PORT=str(port))
     dp = init_distributed(device)
     torch.set_num_threads(1)
+    if os.environ.get("BENCH_DP_STACKS_AFTER"):  # a hang's whereabouts: every thread's stack, then exit
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["BENCH_DP_STACKS_AFTER"]), exit=True)
     try:
         dev = dp.device
         spec = RunSpec(contender=f"chronicals-{method}", shape=shape, warmup=3, steps=10, device=device,
@@ -72,6 +76,11 @@ def _worker(rank: int, port: int, method: str, graphs: bool, out: str, device: s
             row["loss_first_last"] = f"{res['losses'][0]:.3f} -> {res['losses'][-1]:.3f}"
             with open(out, "w") as f:
                 json.dump(row, f)
+        # graphs that captured NCCL collectives must go before their process group: with them alive,
+        # destroy_process_group hung on 2 H200s (both ranks, after the timed steps; faulthandler stacks, ac8bd72)
+        del built, graphed, reducer
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
     finally:
         dp.destroy()
 
