@@ -77,7 +77,7 @@ def _worker(rank: int, port: int, method: str, graphs: bool, out: str, device: s
             with open(out, "w") as f:
                 json.dump(row, f)
         # graphs that captured NCCL collectives must go before their process group: with them alive,
-        # destroy_process_group hung on 2 H200s (both ranks, after the timed steps; faulthandler stacks, ac8bd72)
+        # destroy_process_group hung on 2 H200s (both ranks, after the timed steps; faulthandler stacks, b796b3d)
         del built, graphed, reducer
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)

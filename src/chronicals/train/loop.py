@@ -371,7 +371,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         if reducer is not None:  # the model may train again (another reducer) or be used without one
             reducer.remove()
         # captured graphs go now, also when an exception's traceback keeps this frame: graphs holding NCCL
-        # collectives still alive at destroy_process_group hung both ranks on 2 H200s (bench_dp, ac8bd72)
+        # collectives still alive at destroy_process_group hung both ranks on 2 H200s (bench_dp, b796b3d)
         graphs = None
     result.train_seconds = state.train_time
     result.tokens_per_s = state.loss_tokens / state.train_time if state.train_time else 0.0
