@@ -276,8 +276,9 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     # before the next update. Otherwise (the CPU default, or an on_step callback, which sees each step as it
     # ends) every step is read before its update, as a host sync.
     pipelined = bool(optimizer.defaults.get("fused")) and on_step is None
-    log.info("step metrics: %s", "read one step late, the GPU kept busy (a non-finite step's update is skipped on "
-             "the device)" if pipelined else "read every step before the update (a host sync per step)")
+    log.info("step metrics: %s", "read one step late, once the next step is queued (a non-finite step's update is "
+             "skipped by the fused optimizer)" if pipelined else "read every step before the update (a host sync "
+             "per step)")
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
     state = _LoopState()
 
