@@ -186,6 +186,9 @@ class TrainSection:
     out_dir: str = _f("runs/demo", "output directory: adapter or model, checkpoints, metrics, plots, config")
     save_every: int = _f(0, "write a resumable checkpoint every N optimizer steps (0 = only at the end/on signal)")
     keep_last: int = _f(2, "resumable checkpoints to keep")
+    async_save: bool = _f(True, "write periodic checkpoints in a background thread: training waits only for the "
+                                "CPU copy of the state (the file appears when written; checkpoints at a stop, the "
+                                "end or an error are waited for)")
     resume: str = _f("auto", "auto (latest checkpoint in out_dir if any) | none | a checkpoint directory")
     save_final: bool = _f(True, "write the final adapter (LoRA) or HF model directory (full)")
     cuda_graphs: str = _f("auto", "capture forward+backward in CUDA graphs and replay them: auto (on for CUDA "

@@ -3,15 +3,19 @@
 Layout: ``<out_dir>/checkpoints/step-000120/state.pt``. Each is written to a ``.tmp-*`` directory
 first and renamed into place, so a crash mid-write never leaves a half checkpoint that ``resume=auto``
 would pick up. Only trainable parameters are stored (the adapters under LoRA: ~1.8 MB at r=16 for
-SmolLM2-135M instead of 540 MB), and the last ``keep_last`` checkpoints are kept.
+SmolLM2-135M instead of 540 MB), and the last ``keep_last`` checkpoints are kept. ``CheckpointWriter``
+(the trainer's, ``train.async_save``) takes the CPU snapshot in the training thread and writes the file in a
+background thread.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -63,19 +67,47 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, optimizer, scheduler,
-                    data_state: dict, extra: dict | None = None, keep_last: int = 2) -> Path:
-    """Write ``out_dir/checkpoints/step-{step:06d}`` atomically; delete all but the newest ``keep_last``."""
-    root = Path(out_dir) / "checkpoints"
+def _to_cpu(obj):
+    """``obj`` with every tensor replaced by a CPU copy (nested dicts, lists, tuples): a snapshot later steps
+    cannot change."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def snapshot(step: int, model: torch.nn.Module, optimizer, scheduler, data_state: dict,
+             extra: dict | None = None) -> dict:
+    """Everything a checkpoint holds, as CPU copies taken now (the next optimizer step cannot change them)."""
+    # deep copies of the host-side parts too: a loader may reshuffle an array its state_dict returned
+    return {"step": step, "model": trainable_state(model), "optimizer": _to_cpu(optimizer.state_dict()),
+            "scheduler": copy.deepcopy(scheduler.state_dict()), "data": copy.deepcopy(data_state),
+            "rng": rng_state(), "extra": copy.deepcopy(extra or {})}
+
+
+def checkpoint_path(out_dir: str | Path, step: int) -> Path:
+    """Where step ``step``'s checkpoint is published: ``out_dir/checkpoints/step-{step:06d}``."""
+    return Path(out_dir) / "checkpoints" / f"step-{step:06d}"
+
+
+def write_checkpoint(out_dir: str | Path, state: dict, keep_last: int = 2) -> Path:
+    """Write a ``snapshot`` to ``checkpoint_path(out_dir, state["step"])`` atomically (a ``.tmp-*`` directory,
+    fsynced, then renamed); delete all but the newest ``keep_last``."""
+    final = checkpoint_path(out_dir, state["step"])
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:06d}"
-    tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    torch.save({"step": step, "model": trainable_state(model), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "data": data_state, "rng": rng_state(),
-                "extra": extra or {}}, tmp / "state.pt")
-    _fsync(tmp / "state.pt")  # durable before the rename publishes it: no truncated state.pt after a power loss
+    try:
+        torch.save(state, tmp / "state.pt")
+        _fsync(tmp / "state.pt")  # durable before the rename publishes it: no truncated state.pt after a power loss
+    except BaseException:  # e.g. a full disk: leave nothing half-written behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():  # re-saving the same step (e.g. a signal right after a periodic save)
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -83,6 +115,56 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, opti
     for old in checkpoint_dirs(out_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, optimizer, scheduler,
+                    data_state: dict, extra: dict | None = None, keep_last: int = 2) -> Path:
+    """Write ``out_dir/checkpoints/step-{step:06d}`` atomically; delete all but the newest ``keep_last``."""
+    return write_checkpoint(out_dir, snapshot(step, model, optimizer, scheduler, data_state, extra), keep_last)
+
+
+class CheckpointWriter:
+    """Checkpoints written by a background thread: training waits only for the CPU snapshot.
+
+        writer = CheckpointWriter(background=True)
+        path = writer.save(out_dir, step, model, optimizer, scheduler, data_state, keep_last=2)  # snapshot, returns
+        ...                                      # training goes on while the file is written and renamed into place
+        writer.wait()                            # published (or the write's error raised) before anyone reads it
+
+    One write at a time: ``save`` first waits for the previous one. A write that fails leaves no checkpoint
+    (the rename is its last act) and its error is raised by the next ``save`` or ``wait``. With
+    ``background=False`` ``save`` writes before it returns.
+    """
+
+    def __init__(self, background: bool):
+        self.background = background
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, out_dir: str | Path, step: int, model: torch.nn.Module, optimizer, scheduler, data_state: dict,
+             keep_last: int = 2) -> Path:
+        self.wait()
+        state = snapshot(step, model, optimizer, scheduler, data_state)
+        if not self.background:
+            return write_checkpoint(out_dir, state, keep_last)
+
+        def run():
+            try:
+                write_checkpoint(out_dir, state, keep_last)
+            except BaseException as e:  # raised in the training thread by the next save() / wait()
+                self._error = e
+        self._thread = threading.Thread(target=run, name=f"checkpoint-step-{step}", daemon=False)
+        self._thread.start()
+        return checkpoint_path(out_dir, step)
+
+    def wait(self) -> None:
+        """Block until the last write is published; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, scheduler) -> dict:

@@ -122,16 +122,18 @@ class _StopFlag:
             signal.signal(s, h)
 
 
-def _check_finite(step: int, loss_val: float, gnorm: float, out_dir: Path) -> None:
-    """TrainingDiverged when step ``step``'s loss or gradient norm is NaN/inf; its update is not applied."""
+def _check_finite(step: int, loss_val: float, gnorm: float, last_good) -> None:
+    """TrainingDiverged when step ``step``'s loss or gradient norm is NaN/inf; its update is not applied.
+
+    ``last_good()``: the last good checkpoint (named in the message)."""
     if not math.isfinite(loss_val):
         raise TrainingDiverged(
             f"loss is {loss_val} at step {step}; stopping without its update. The last good checkpoint is "
-            f"{ckpt.latest_checkpoint(out_dir)} (lower optim.lr, raise schedule.warmup_steps, or check the data) "
+            f"{last_good()} (lower optim.lr, raise schedule.warmup_steps, or check the data) "
             "and resume=auto continues from it")
     if not math.isfinite(gnorm):
         raise TrainingDiverged(f"gradient norm is {gnorm} at step {step} (loss {loss_val:.4f}); stopping without "
-                               f"its update. Last good checkpoint: {ckpt.latest_checkpoint(out_dir)}")
+                               f"its update. Last good checkpoint: {last_good()}")
 
 
 @dataclass
@@ -149,6 +151,7 @@ class _LoopState:
     train_time: float = 0.0
     loss_tokens: int = 0
     others_stop: bool = False  # data parallel: some rank got a signal (the all-ranks max of the flags)
+    saves: int = 0  # checkpoints taken
 
 
 def _total_steps(cfg: TrainConfig, batches_per_epoch: int) -> int:
@@ -237,13 +240,27 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         metrics = _RanksMetrics()
     report = report if dp.is_main else None
 
-    def save(step: int) -> Path | None:
-        path = None
+    # rank 0 writes; periodic checkpoints in a background thread (train.async_save), waited for at a stop, at the
+    # end and before an error names the last good one
+    writer = ckpt.CheckpointWriter(background=cfg.train.async_save and dp.is_main)
+    state = _LoopState()
+
+    def save(step: int, wait: bool = False) -> Path:
+        state.saves += 1  # on every rank (the barriers below must pair)
         if dp.is_main:
-            path = ckpt.save_checkpoint(out_dir, step, model, optimizer, scheduler, stream.state_dict(),
-                                        keep_last=cfg.train.keep_last)
-        dp.barrier()  # no rank runs ahead of a checkpoint being written
-        return path if dp.is_main else ckpt.latest_checkpoint(out_dir)
+            writer.save(out_dir, step, model, optimizer, scheduler, stream.state_dict(), keep_last=cfg.train.keep_last)
+            if wait:
+                writer.wait()
+        dp.barrier()  # no rank runs ahead of a checkpoint being taken (with wait: written)
+        return ckpt.checkpoint_path(out_dir, step) if dp.is_main else ckpt.latest_checkpoint(out_dir)
+
+    def last_good() -> Path | None:
+        """The newest complete checkpoint, after any write in flight (for the TrainingDiverged message)."""
+        try:
+            writer.wait()
+        except OSError as e:
+            log.error("the checkpoint being written failed: %s", e)
+        return ckpt.latest_checkpoint(out_dir)
     result = TrainResult(status="completed", step=start, total_steps=total, out_dir=out_dir)
 
     # MFU: needs a peak (logging.peak_tflops, else measured on CUDA); LoRA has no weight-gradient GEMMs
@@ -280,12 +297,11 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
              "skipped by the fused optimizer)" if pipelined else "read every step before the update (a host sync "
              "per step)")
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-    state = _LoopState()
 
     def finish(rb: _Pending) -> dict:
         """The host side of a finished step: the non-finite stop, metrics, the progress bar. -> its record."""
         loss_val, gnorm, n_loss, others_stop = rb.readback.values()
-        _check_finite(rb.step, loss_val, gnorm, out_dir)  # pipelined: the update was skipped on the device
+        _check_finite(rb.step, loss_val, gnorm, last_good)  # pipelined: the update was skipped on the device
         n_loss, dt = int(n_loss), rb.readback.seconds()
         state.train_time += dt
         state.loss_tokens += n_loss
@@ -327,7 +343,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
                     optimizer.found_inf = (~(torch.isfinite(loss) & torch.isfinite(gnorm))).float()
                 lr = optimizer.param_groups[0]["lr"]
                 if not pipelined:  # read now (a host sync) and stop before the update
-                    _check_finite(step + 1, float(loss), float(gnorm), out_dir)
+                    _check_finite(step + 1, float(loss), float(gnorm), last_good)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -357,7 +373,10 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
                         finish(pending)
                         pending = None
                     if not save_due:
-                        result.checkpoint = save(step + 1)
+                        result.checkpoint = save(step + 1, wait=True)
+                    else:  # taken above: its file must exist before we return
+                        writer.wait()
+                        dp.barrier()
                     result.status = "interrupted"
                     why = signal.Signals(stop.signum).name if stop.signum is not None else "a signal to another rank"
                     log.warning("stopped by %s at step %d; checkpoint %s; run again with train.resume=auto",
@@ -365,6 +384,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
                     break
     except BaseException:
         metrics.close()
+        last_good()  # a checkpoint in flight is published; a failed write is logged, the error in flight raised
         raise
     finally:
         if bar is not None:
@@ -374,6 +394,11 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         # captured graphs go now, also when an exception's traceback keeps this frame: graphs holding NCCL
         # collectives still alive at destroy_process_group hung both ranks on 2 H200s (bench_dp, b796b3d)
         graphs = None
+    writer.wait()  # a checkpoint in flight is published (or its error raised) before train() goes on
+    if dp.enabled and cfg.train.async_save and state.saves:  # the other ranks name what rank 0 has now published
+        dp.barrier()
+        if not dp.is_main:
+            result.checkpoint = ckpt.latest_checkpoint(out_dir)
     result.train_seconds = state.train_time
     result.tokens_per_s = state.loss_tokens / state.train_time if state.train_time else 0.0
 

@@ -1,0 +1,97 @@
+"""Checkpoints written in a background thread (train.async_save): a snapshot taken at save() time, published
+only when complete, errors raised in the training thread, and the same files as a synchronous save."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from chronicals.train import checkpoint as ckpt
+from chronicals.train import train
+
+from train_helpers import VOCAB, SyntheticLoader, tiny_config, tiny_model
+
+
+def _trained(steps: int = 2):
+    """A tiny model and an AdamW that has stepped (its moments exist), with a cosine-free constant schedule."""
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    for _ in range(steps):
+        model(torch.randint(0, VOCAB, (1, 8)), labels=torch.randint(0, VOCAB, (1, 8))).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return model, opt, sched
+
+
+def test_background_save_holds_the_state_at_save_time(tmp_path, monkeypatch):
+    """The write is held back until the weights and moments have changed: the file still holds save() time's."""
+    model, opt, sched = _trained()
+    expect = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moments = {k: v["exp_avg"].clone() for k, v in opt.state_dict()["state"].items()}
+    release = threading.Event()
+    real_save = torch.save
+
+    def held_save(obj, path):
+        release.wait(timeout=30)
+        real_save(obj, path)
+    monkeypatch.setattr(ckpt.torch, "save", held_save)
+    writer = ckpt.CheckpointWriter(background=True)
+    path = writer.save(tmp_path, 7, model, opt, sched, {"position": [1, 2]}, keep_last=2)
+    assert path == tmp_path / "checkpoints" / "step-000007" and not path.exists()  # not published yet
+    with torch.no_grad():  # "the next optimizer step" while the file is being written
+        for p in model.parameters():
+            p.add_(1.0)
+    opt.state[next(iter(model.parameters()))]["exp_avg"].add_(1.0)
+    release.set()
+    writer.wait()
+    state = torch.load(path / "state.pt", weights_only=False)
+    for n, v in expect.items():
+        assert torch.equal(state["model"][n], v), n
+    for k, v in moments.items():
+        assert torch.equal(state["optimizer"]["state"][k]["exp_avg"], v), k
+    assert state["step"] == 7 and state["data"] == {"position": [1, 2]}
+
+
+def test_a_failed_background_write_is_raised_and_leaves_nothing(tmp_path, monkeypatch):
+    model, opt, sched = _trained(1)
+
+    def full_disk(obj, path):
+        raise OSError(28, "No space left on device", str(path))
+    monkeypatch.setattr(ckpt.torch, "save", full_disk)
+    writer = ckpt.CheckpointWriter(background=True)
+    writer.save(tmp_path, 3, model, opt, sched, {})
+    with pytest.raises(OSError, match="No space left on device"):
+        writer.wait()
+    assert list((tmp_path / "checkpoints").iterdir()) == []  # no step-000003, no .tmp-* left behind
+    writer.wait()  # raised once
+
+
+def test_training_with_background_saves_writes_what_synchronous_saves_write(tmp_path, docs):
+    runs = {}
+    for background in (True, False):
+        cfg = tiny_config(tmp_path / str(background), train__save_every=2, train__max_steps=5, train__keep_last=3,
+                          train__async_save=background)
+        res = train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs, seed=1))
+        dirs = ckpt.checkpoint_dirs(cfg.train.out_dir)
+        assert [d.name for d in dirs] == ["step-000002", "step-000004"] and res.checkpoint == dirs[-1]
+        runs[background] = [torch.load(d / "state.pt", weights_only=False) for d in dirs]
+    for a, b in zip(runs[True], runs[False]):
+        assert a["step"] == b["step"] and a["data"] == b["data"] and a["scheduler"] == b["scheduler"]
+        for n in a["model"]:
+            assert torch.equal(a["model"][n], b["model"][n]), n
+        for k, st in a["optimizer"]["state"].items():
+            for name, t in st.items():
+                assert torch.equal(t, b["optimizer"]["state"][k][name]), (k, name)
+
+
+def test_a_failed_background_write_stops_training_with_its_error(tmp_path, docs, monkeypatch):
+    def full_disk(out_dir, state, keep_last=2):
+        raise OSError(28, "No space left on device", str(ckpt.checkpoint_path(out_dir, state["step"])))
+    monkeypatch.setattr(ckpt, "write_checkpoint", full_disk)
+    cfg = tiny_config(tmp_path, train__save_every=2, train__max_steps=6)
+    with pytest.raises(OSError, match=r"No space left on device.*step-000002"):
+        train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs))
