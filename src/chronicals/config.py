@@ -198,8 +198,9 @@ class TrainSection:
                                   "tokens/s on an H200)")
     overlap_grad_reduce: bool = _f(False, "data parallel: all-reduce the gradients in flat buckets during the last "
                                           "backward (train/grad_buckets.py) instead of after it. Off by default: "
-                                          "2 H200s, 0.5B full eager, 258.0k -> 258.9k tokens/s for +0.93 GiB peak "
-                                          "(the buckets hold the grads from the step's start)")
+                                          "on 2 H200s at 0.5B it gave ~1% (full eager 258.0k -> 258.9k tokens/s "
+                                          "for +0.93 GiB peak; with CUDA graphs full 263.0k -> 265.9k, LoRA "
+                                          "335.1k -> 335.3k)")
 
     def __post_init__(self):
         _check(self.epochs > 0 or self.max_steps > 0, "train.epochs", self.epochs,
