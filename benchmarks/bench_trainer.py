@@ -11,12 +11,14 @@ from metrics.jsonl over the steps after warm-up. Both rows carry their gradient 
 
     PYTHONPATH=src python benchmarks/bench_trainer.py [--out DIR] [--methods full,lora] [--steps 12]
     PYTHONPATH=src python benchmarks/bench_trainer.py --device cpu --shape tiny     # CPU dry run of the plumbing
+    PYTHONPATH=src python benchmarks/bench_trainer.py --world 2      # train() on 2 GPUs (bench_dp.py: the protocol)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -65,7 +67,12 @@ def protocol_row(method: str, shape: str, dev: torch.device, warmup: int, steps:
     return row
 
 
-def trainer_row(method: str, shape_name: str, dev: torch.device, warmup: int, steps: int, out: Path) -> dict:
+def trainer_row(method: str, shape_name: str, dev: torch.device, warmup: int, steps: int, out: Path,
+                rank: int = 0) -> dict | None:
+    """train() on fixed random batches; its tokens/s from metrics.jsonl after warm-up (None on ranks > 0).
+
+    Under data parallelism (``rank``: this process's rank; torchrun's variables set) each rank draws its own
+    batches, and the row counts every rank's loss tokens (the trainer's all-ranks count)."""
     from chronicals.bench.contenders import build_chronicals_model, rows_as_packed_batch
     from chronicals.bench.protocol import LORA_ALPHA, LORA_R, validate_row
     from chronicals.bench.shapes import get_shape
@@ -73,17 +80,19 @@ def trainer_row(method: str, shape_name: str, dev: torch.device, warmup: int, st
 
     shape = get_shape(shape_name)
     rows, seq = (shape.rows, shape.seq) if shape_name != "tiny" else (2, 64)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(1000 * rank)
     vocab = shape.hf_config["vocab_size"]
     batches = [rows_as_packed_batch(torch.randint(0, vocab, (rows, seq), generator=g), "rows") for _ in range(8)]
     model = build_chronicals_model(shape, dev, "auto", seed=0)
     lora = method == "lora"
-    cfg = {"model": {"device": str(dev), "dtype": "bfloat16" if dev.type == "cuda" else "float32"},
+    cfg = {"model": {"device": dev.type, "dtype": "bfloat16" if dev.type == "cuda" else "float32"},
            "lora": {"enabled": lora, "rank": LORA_R, "alpha": LORA_ALPHA},
            "optim": {"lr": 1e-4 if lora else 1e-5},
            "train": {"max_steps": warmup + steps, "out_dir": str(out / method), "resume": "none", "save_final": False},
            "eval": {"qa": False}, "logging": {"progress": False, "tensorboard": False, "plot": False}}
     train(cfg, model=model, train_loader=_Batches(batches))
+    if rank:
+        return None
     recs = [json.loads(x) for x in (out / method / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in recs if r["kind"] == "train"][warmup:]
     seconds = sum(r["step_s"] for r in timed)
@@ -95,6 +104,36 @@ def trainer_row(method: str, shape_name: str, dev: torch.device, warmup: int, st
     return row
 
 
+def _dp_worker(rank: int, world: int, port: int, method: str, shape: str, device: str, warmup: int, steps: int,
+               out: str) -> None:
+    """One rank of the data-parallel train() row; rank 0 writes the row to out/row.json."""
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    dev = torch.device(f"cuda:{rank}") if device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    else:
+        torch.set_num_threads(1)
+    row = trainer_row(method, shape, dev, warmup, steps, Path(out), rank=rank)
+    if row is not None:
+        (Path(out) / "row.json").write_text(json.dumps(row))
+
+
+def dp_trainer_row(method: str, shape: str, dev: torch.device, warmup: int, steps: int, out: Path, world: int) -> dict:
+    """train() under data parallelism on ``world`` processes (mp.spawn, as torchrun would start them)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run = out / f"dp_{method}"
+    run.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_dp_worker, args=(world, port, method, shape, dev.type, warmup, steps, str(run)), nprocs=world, join=True)
+    return {**json.loads((run / "row.json").read_text()), "ranks": world}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
@@ -103,13 +142,18 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--world", type=int, default=1,
+                    help="> 1: train() under data parallelism on that many GPUs (gloo processes with --device cpu); "
+                         "compare with bench_dp.py's protocol rows")
     args = ap.parse_args()
     dev = torch.device(args.device)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for method in args.methods.split(","):
-            for loop, fn in (("bench protocol", protocol_row), ("train()", trainer_row)):
-                extra = (Path(tmp),) if fn is trainer_row else ()
+            loops = ((("bench protocol", protocol_row), ("train()", trainer_row)) if args.world == 1 else
+                     ((f"train(), {args.world} ranks", dp_trainer_row),))
+            for loop, fn in loops:
+                extra = (() if fn is protocol_row else (Path(tmp),)) + ((args.world,) if fn is dp_trainer_row else ())
                 try:
                     row = {"loop": loop, **fn(method, args.shape, dev, args.warmup, args.steps, *extra)}
                 except Exception as e:  # one failing row must not hide the others
@@ -128,7 +172,8 @@ def main() -> None:
     cols = ["method", "loop", "how", "tokens_per_s", "step_ms", "vs_protocol", "min_grad_norm", "loss_first_last",
             "status"]
     table = markdown_table(rows, cols)
-    path = write_results(f"bench_trainer_{args.shape}", {"rows": rows, "warmup": args.warmup, "steps": args.steps},
+    name = f"bench_trainer_{args.shape}" + (f"_dp{args.world}" if args.world > 1 else "")
+    path = write_results(name, {"rows": rows, "warmup": args.warmup, "steps": args.steps, "world": args.world},
                          markdown=table, out_dir=args.out)
     print(table)
     print(f"wrote {path}")
