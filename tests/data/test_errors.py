@@ -17,7 +17,8 @@ def test_malformed_json_line(tokenizer, tmp_path):
     p = tmp_path / "train.jsonl"
     p.write_text(json.dumps(GOOD) + "\n" + '{"instruction": "x" "output": "y"}\n' + json.dumps(GOOD) + "\n")
     with pytest.raises(DataError, match=rf"^{p}:2: invalid JSON \(Expecting ',' delimiter at column 21\); "
-                                        "expected one JSON object per line"):
+                                        r"expected one JSON object per line \(data.on_error=skip, or "
+                                        r"load_dataset\(on_error='skip'\), drops bad records"):
         load(p, tokenizer)
     ds = load(p, tokenizer, on_error="skip")
     assert len(ds) == 2 and ds.stats.skipped_errors == 1 and ds.stats.first_errors[0].startswith(f"{p}:2:")
@@ -73,7 +74,8 @@ def test_empty_and_all_too_long(tokenizer, tmp_path):
         load(p, tokenizer)
     p.write_text("\n".join(json.dumps({"text": "word " * 40}) for _ in range(3)))
     with pytest.raises(DataError, match="every example was dropped: 3 longer than max_seq_len=16 "
-                                        r"\(raise max_seq_len or use overlong='truncate'\)"):
+                                        r"\(raise data.max_seq_len or set data.on_long=truncate; in load_dataset: "
+                                        r"max_seq_len, overlong='truncate'\)"):
         load(p, tokenizer, max_seq_len=16, overlong="drop")
     ds = load(p, tokenizer, max_seq_len=16, overlong="truncate")
     assert ds.stats.truncated == 3 and ds.lengths.tolist() == [16, 16, 16]
@@ -90,7 +92,8 @@ def test_overlong_counts_and_no_loss(tokenizer, tmp_path):
     assert (len(ds), ds.stats.truncated, ds.stats.dropped_no_loss) == (2, 2, 1)
     q = tmp_path / "g.jsonl"
     q.write_text(json.dumps({"messages": [{"role": "user", "content": "no reply"}]}))
-    with pytest.raises(DataError, match="no example has a trainable token .*use loss_on='all'"):
+    with pytest.raises(DataError, match="no example has a trainable token .*data.train_on=all; "
+                                        "in load_dataset: loss_on='all'"):
         load(q, tokenizer)
 
 

@@ -93,7 +93,8 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
 
 def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, overlong: str, files=()) -> None:
     if stats.skipped_errors and on_error == "fail":
-        raise DataError(stats.first_errors[0] + " (on_error='skip' drops bad records and counts them)")
+        raise DataError(stats.first_errors[0] + " (data.on_error=skip, or load_dataset(on_error='skip'), drops bad "
+                        "records and counts them)")
     if stats.skipped_errors:
         log.warning("data: skipped %d bad records; first: %s", stats.skipped_errors, stats.first_errors[0])
     if stats.documents == 0:
@@ -103,11 +104,12 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, overlong: str,
                             "with at least one example)")
         if stats.dropped_overlong:
             raise DataError(f"every example was dropped: {stats.dropped_overlong} longer than max_seq_len="
-                            f"{max_seq_len} (raise max_seq_len or use overlong='truncate'), "
+                            f"{max_seq_len} (raise data.max_seq_len or set data.on_long=truncate; in "
+                            f"load_dataset: max_seq_len, overlong='truncate'), "
                             f"{stats.dropped_no_loss} with no trainable token, {stats.skipped_errors} bad")
         raise DataError(f"no example has a trainable token ({stats.dropped_no_loss} without one, "
                         f"{stats.skipped_errors} bad records); loss_on='assistant' needs assistant turns / "
-                        "outputs / completions (or use loss_on='all')")
+                        "outputs / completions (or set data.train_on=all; in load_dataset: loss_on='all')")
     if stats.truncated or stats.dropped_overlong or stats.dropped_no_loss:
         log.info("data: %d documents; %d truncated and %d dropped at max_seq_len=%d, %d without loss tokens",
                  stats.documents, stats.truncated, stats.dropped_overlong, max_seq_len, stats.dropped_no_loss)

@@ -76,7 +76,8 @@ def encode_chat(tokenizer, messages: list[dict], train_from: int = 0, markers: b
             raise FormatError(
                 f"the chat template is not prefix-stable at message {i} (rendering the first {i + 1} messages "
                 "is not a prefix of rendering them all, or an assistant message comes first), so the assistant "
-                "tokens cannot be located; use a template with {% generation %} markers or loss_on='all'")
+                "tokens cannot be located; use a template with {% generation %} markers or data.train_on=all "
+                "(load_dataset: loss_on='all')")
         spans.append((len(before), len(upto)))
     return _offsets_mask(tokenizer, full, spans, add_special_tokens=False)
 
