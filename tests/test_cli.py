@@ -172,3 +172,29 @@ def test_tokens_per_batch_smaller_than_a_row_fails_before_loading():
     with pytest.raises(ValueError, match=r"data.tokens_per_batch=100 is invalid: expected 0 \(rows\) or >= "
                                          r"data.max_seq_len=256"):
         load_config(None, ["data.tokens_per_batch=100"])
+
+
+def test_lora_modules_to_save_from_the_config(tiny_base, tmp_path, capsys):
+    """lora.modules_to_save=[lm_head]: the (tied) lm_head trains in full next to the adapters, goes into the PEFT
+    adapter, and the merged export carries it; the frozen projections stay the base's."""
+    from safetensors.torch import load_file
+
+    from chronicals import load_model
+
+    out = tmp_path / "run"
+    rc = main(["train", f"model.path={tiny_base}", f"train.out_dir={out}", "train.max_steps=2", "eval.qa=false",
+               "logging.progress=false", "data.batch_size=2", "lora.modules_to_save=[lm_head]", "optim.lr=0.01",
+               "data.cache_dir=" + str(tmp_path / "cache")])
+    assert rc == 0, capsys.readouterr().err
+    cfg = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert cfg["modules_to_save"] == ["lm_head", "model.embed_tokens"]  # tied: PEFT loads both copies
+    saved = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert any("lm_head" in k for k in saved), sorted(saved)[:5]
+    merged = tmp_path / "merged"
+    assert main(["export", "--base", str(tiny_base), "--adapter", str(out / "adapter"), "--out", str(merged)]) == 0
+    base, _ = load_model(tiny_base, tokenizer=False)
+    tuned, _ = load_model(merged, tokenizer=False)
+    assert not torch.equal(base.lm_head.weight, tuned.lm_head.weight)  # trained in full
+    b, t = base.state_dict(), tuned.state_dict()
+    assert not torch.equal(b["model.layers.0.self_attn.q_proj.weight"], t["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(b["model.layers.0.input_layernorm.weight"], t["model.layers.0.input_layernorm.weight"])

@@ -132,6 +132,8 @@ class LoraSection:
     dropout: float = _f(0.0, "dropout on the LoRA branch input (0 needs no copy of the activations)")
     targets: list = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                        "module names that get adapters")
+    modules_to_save: list = _f([], "modules trained in full next to the adapters and saved with them in the "
+                                   "adapter (PEFT modules_to_save), e.g. [lm_head] or [embed_tokens, lm_head]")
     rslora: bool = _f(False, "rank-stabilized scaling alpha / sqrt(r)")
     plus_ratio: float = _f(16.0, "LoRA+: lr(B) = plus_ratio x lr(A); 1 = plain LoRA")
     group: bool = _f(True, "run the q/k/v and the gate/up adapters of a block as one GEMM each "
@@ -144,6 +146,8 @@ class LoraSection:
         _check(self.plus_ratio > 0, "lora.plus_ratio", self.plus_ratio, "a number > 0")
         _check(len(self.targets) > 0 and all(isinstance(t, str) for t in self.targets), "lora.targets",
                self.targets, "a non-empty list of module names such as [q_proj, v_proj]")
+        _check(isinstance(self.modules_to_save, list) and all(isinstance(t, str) for t in self.modules_to_save),
+               "lora.modules_to_save", self.modules_to_save, "a list of module names such as [lm_head]")
 
 
 @dataclass

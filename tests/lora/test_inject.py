@@ -124,7 +124,7 @@ def test_lora_plus_groups():
 
 
 def test_errors_say_what_to_do():
-    with pytest.raises(ValueError, match="matched no nn.Linear.*q_proj"):
+    with pytest.raises(ValueError, match=r"matched no nn.Linear.*q_proj.*\(in a config: lora.targets\)"):
         apply_lora(tiny_model(), target_modules=["qkv"])
     with pytest.raises(ValueError, match="lm_head is not supported.*modules_to_save"):
         apply_lora(tiny_model(), target_modules=["lm_head"])

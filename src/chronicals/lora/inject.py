@@ -90,10 +90,11 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
     if not targets:
         leaves = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise ValueError(f"apply_lora: target_modules={target_modules!r} matched no nn.Linear; the model's "
-                         f"linear layers are named {leaves}")
+                         f"linear layers are named {leaves} (in a config: lora.targets)")
     if "lm_head" in targets:
         raise ValueError("apply_lora: LoRA on lm_head is not supported: CausalLM's loss reads lm_head.weight "
-                         "directly (fused linear cross-entropy); train it with modules_to_save=('lm_head',)")
+                         "directly (fused linear cross-entropy); train it with modules_to_save=('lm_head',) "
+                         "(in a config: lora.modules_to_save=[lm_head])")
     saved = [n for n, _ in model.named_modules() if n and modules_to_save and name_matches(n, modules_to_save)]
     missing = [k for k in modules_to_save if not any(name_matches(n, (k,)) for n in saved)]
     if missing:

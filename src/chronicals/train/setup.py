@@ -43,7 +43,7 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
         if getattr(model, "lora_config", None) is None:
             apply_lora(model, r=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                        target_modules=tuple(cfg.lora.targets), use_rslora=cfg.lora.rslora, seed=cfg.train.seed,
-                       group=cfg.lora.group)
+                       group=cfg.lora.group, modules_to_save=tuple(cfg.lora.modules_to_save))
     else:
         for p in model.parameters():
             p.requires_grad_(True)
