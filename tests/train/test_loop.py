@@ -247,3 +247,21 @@ def test_pipelined_sigterm_stops_after_that_step_and_resumes_exactly(tmp_path, d
     for n, v in straight.state_dict().items():
         assert torch.equal(v, resumed.state_dict()[n]), n
     assert [r["step"] for r in _train_records(tmp_path / "b" / "run")] == list(range(1, 10))
+
+
+def test_resume_with_another_lora_config_names_what_differs(tmp_path, docs):
+    """A checkpoint written with lora.rank=4 resumed with rank 8 (other shapes), or a full fine-tune's resumed
+    under LoRA (trainable parameters it lacks): one clear error naming the differing keys, not a copy_ traceback."""
+    over = dict(lora__enabled=True, lora__targets=["q_proj", "v_proj"], train__save_every=1, train__max_steps=1)
+    train(tiny_config(tmp_path, lora__rank=4, **over), model=tiny_model(), train_loader=SyntheticLoader(docs))
+    again = dict(over, train__resume="auto", train__max_steps=2)
+    with pytest.raises(ValueError, match=r"has other shapes .*lora_A.weight \(4, 24\) vs the model's \(8, 24\).*"
+                                         r"another model or lora config: lora.rank=4 \(this run: 8\); resume with that config, or "
+                                         r"start over \(another train.out_dir, or train.resume=none\)"):
+        train(tiny_config(tmp_path, lora__rank=8, **again), model=tiny_model(), train_loader=SyntheticLoader(docs))
+    full = tmp_path / "full"
+    train(tiny_config(full, lora__enabled=False, train__save_every=1, train__max_steps=1), model=tiny_model(),
+          train_loader=SyntheticLoader(docs))
+    with pytest.raises(ValueError, match=r"lacks trainable parameters of the model .*lora_A.*lora config: "
+                                         r"lora.enabled=False \(this run: True\)"):
+        train(tiny_config(full, lora__rank=4, **again), model=tiny_model(), train_loader=SyntheticLoader(docs))

@@ -142,9 +142,9 @@ class CheckpointWriter:
         self._error: BaseException | None = None
 
     def save(self, out_dir: str | Path, step: int, model: torch.nn.Module, optimizer, scheduler, data_state: dict,
-             keep_last: int = 2) -> Path:
+             keep_last: int = 2, extra: dict | None = None) -> Path:
         self.wait()
-        state = snapshot(step, model, optimizer, scheduler, data_state)
+        state = snapshot(step, model, optimizer, scheduler, data_state, extra)
         if not self.background:
             return write_checkpoint(out_dir, state, keep_last)
 
@@ -167,8 +167,20 @@ class CheckpointWriter:
             raise err
 
 
-def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, scheduler) -> dict:
-    """Restore weights, optimizer, scheduler and RNG in place; return {step, data, extra}."""
+def _config_diff(saved: dict | None, current: dict | None) -> str:
+    """': lora.rank=4 (this run: 8)' for the model/lora keys whose saved value differs, else ''."""
+    if not saved or not current:
+        return ""
+    diffs = [f"{sec}.{k}={v!r} (this run: {current.get(sec, {}).get(k)!r})" for sec in ("model", "lora")
+             for k, v in saved.get(sec, {}).items() if current.get(sec, {}).get(k) != v]
+    return f": {', '.join(diffs)}" if diffs else ""
+
+
+def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, scheduler, config: dict | None = None) -> dict:
+    """Restore weights, optimizer, scheduler and RNG in place; return {step, data, extra}.
+
+    ``config``: this run's config as a dict (``TrainConfig.to_dict()``); a checkpoint that does not fit the
+    model is then reported with the model/lora keys that differ from the ones it was written with."""
     path = Path(path)
     file = path / "state.pt" if path.is_dir() else path
     if not file.is_file():
@@ -183,10 +195,17 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, schedul
         raise ValueError(f"checkpoint {file} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
                          f"it is truncated or corrupt: {hint}") from None
     params = dict(model.named_parameters())
-    missing = [n for n in state["model"] if n not in params]
-    if missing:
-        raise ValueError(f"checkpoint {path} holds parameters the model lacks ({missing[:3]}...): was it written "
-                         "with another model or lora config?")
+    extra = [n for n in state["model"] if n not in params]
+    absent = [n for n, p in params.items() if p.requires_grad and n not in state["model"]]
+    shapes = [f"{n} {tuple(t.shape)} vs the model's {tuple(params[n].shape)}" for n, t in state["model"].items()
+              if n in params and t.shape != params[n].shape]
+    if extra or absent or shapes:
+        what = (f"holds parameters the model lacks ({extra[:3]}{'...' if len(extra) > 3 else ''})" if extra else
+                f"lacks trainable parameters of the model ({absent[:3]}{'...' if len(absent) > 3 else ''})" if absent
+                else f"has other shapes ({shapes[0]}{'...' if len(shapes) > 1 else ''})")
+        raise ValueError(f"checkpoint {path} {what}: it was written for another model or lora config"
+                         f"{_config_diff(state.get('extra', {}).get('config'), config)}; resume with that config, "
+                         "or start over (another train.out_dir, or train.resume=none)")
     with torch.no_grad():
         for n, t in state["model"].items():
             params[n].copy_(t)

@@ -230,9 +230,9 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     elif cfg.train.resume != "none":
         resume_from = Path(cfg.train.resume)
     if resume_from is not None:
-        state = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler)
-        stream.load_state_dict(state["data"])  # rank 0's position: every rank's equals it (equal shards)
-        start = state["step"]
+        restored = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler, config=cfg.to_dict())
+        stream.load_state_dict(restored["data"])  # rank 0's position: every rank's equals it (equal shards)
+        start = restored["step"]
         log.info("resumed from %s at step %d of %d", resume_from, start, total)
     if dp.is_main:
         metrics = MetricsLog(out_dir, cfg.logging.tensorboard, start if resume_from else None)
@@ -248,7 +248,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     def save(step: int, wait: bool = False) -> Path:
         state.saves += 1  # on every rank (the barriers below must pair)
         if dp.is_main:
-            writer.save(out_dir, step, model, optimizer, scheduler, stream.state_dict(), keep_last=cfg.train.keep_last)
+            writer.save(out_dir, step, model, optimizer, scheduler, stream.state_dict(), keep_last=cfg.train.keep_last,
+                        extra={"config": cfg.to_dict()})  # names what differs if a resume does not fit
             if wait:
                 writer.wait()
         dp.barrier()  # no rank runs ahead of a checkpoint being taken (with wait: written)
