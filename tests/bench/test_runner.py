@@ -84,3 +84,10 @@ def test_sweeps_tiny(tmp_path, monkeypatch):
     assert "correctness" not in res and "learning" not in res  # sweeps replace the protocol run
     (mc,) = res["max_context"]
     assert mc["contender"] == "chronicals-full" and mc["max_ok"] == 256  # 64, 128, 256 all train on CPU
+
+
+def test_bench_without_a_gpu_says_how_to_run(monkeypatch):
+    """No GPU and no --device/--tiny: a clear message at once, not rows of workers killed for memory."""
+    monkeypatch.setattr(cli, "default_device", lambda: "cpu")
+    with pytest.raises(SystemExit, match=r"no CUDA GPU is visible .*chronicals bench --device cpu --tiny"):
+        cli.main(["--quick"])

@@ -251,6 +251,12 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.tiny and args.shape and args.shape != "tiny":
         raise SystemExit("--tiny picks the tiny shape; drop --shape or --tiny")
+    if args.device is None and not args.tiny and args.shape != "tiny" and default_device() == "cpu":
+        # the protocol's shapes on the CPU only end in workers killed for memory (0.5B full at 16 x 1024 tokens)
+        raise SystemExit("chronicals bench: no CUDA GPU is visible (torch.cuda.is_available() is False), and the "
+                         "protocol's shapes (Qwen2.5-0.5B and Llama-3-8B at 16 x 1024 / 4 x 2048 tokens) are GPU "
+                         "work; run it on a GPU, or `chronicals bench --device cpu --tiny` for the same code paths "
+                         "on a tiny model (--device cpu with a --shape forces a CPU run)")
     results = run_plan(args)
     paths = write_report(results, args.out, args.name or result_name(args))
     print("\n".join(f"wrote {p}" for p in paths.values()))
