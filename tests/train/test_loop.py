@@ -265,3 +265,16 @@ def test_resume_with_another_lora_config_names_what_differs(tmp_path, docs):
     with pytest.raises(ValueError, match=r"lacks trainable parameters of the model .*lora_A.*lora config: "
                                          r"lora.enabled=False \(this run: True\)"):
         train(tiny_config(full, lora__rank=4, **again), model=tiny_model(), train_loader=SyntheticLoader(docs))
+
+
+def test_max_seq_len_past_the_model_context_warns(tmp_path, docs, caplog):
+    model = tiny_model()  # max_position_embeddings=128
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        train(tiny_config(tmp_path, train__max_steps=1, data__max_seq_len=256), model=model,
+              train_loader=SyntheticLoader(docs))
+    assert "data.max_seq_len=256 is longer than the model's max_position_embeddings=128" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        train(tiny_config(tmp_path / "b", train__max_steps=1, data__max_seq_len=128), model=tiny_model(),
+              train_loader=SyntheticLoader(docs))
+    assert "max_position_embeddings" not in caplog.text

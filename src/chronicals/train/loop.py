@@ -197,6 +197,11 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         with dp.main_first():  # rank 0 fills the conversion cache (GGUF) before the others read it
             model, tokenizer = load_base(cfg, device, dtype)
     model = prepare_model(model, cfg, device, dtype)
+    trained_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if trained_len and cfg.data.max_seq_len > trained_len:  # legitimate (context extension), rarely intended
+        log.warning("data.max_seq_len=%d is longer than the model's max_position_embeddings=%d: positions past %d "
+                    "were not trained (RoPE extrapolates there); lower data.max_seq_len unless you mean to extend "
+                    "the context", cfg.data.max_seq_len, trained_len, trained_len)
     if train_loader is None:
         with dp.main_first():  # rank 0 writes out_dir/data and the tokenization cache; the others reuse them
             train_loader, eval_loader, heldout_qa = build_loaders(cfg, tokenizer, out_dir, dp.rank, dp.world_size)
