@@ -86,7 +86,7 @@ def test_bind_static_grads_keeps_eager_semantics():
 
 def test_cpu_request_fails_with_the_fix():
     model = tiny_model()
-    with pytest.raises(RuntimeError, match="train.cuda_graphs=false"):
+    with pytest.raises(ValueError, match="train.cuda_graphs=false"):
         GraphedStep(model, "cpu")
     with pytest.raises(ValueError, match="model.device=cpu"):
         from_dict({"model": {"device": "cpu"}, "train": {"cuda_graphs": True}})
@@ -139,7 +139,7 @@ def test_bench_graph_contenders_registered_and_guarded():
     assert not any(n.endswith("-graphs") for n in default_contenders(get_shape("tiny"), False, "cpu"))
     with pytest.raises(ValueError, match="step='trainer'"):
         chronicals_step(tiny_model(), RunSpec("chronicals-full-graphs", step="bench"), torch.device("cpu"), True)
-    with pytest.raises(RuntimeError, match="CUDA device"):
+    with pytest.raises(ValueError, match="CUDA device"):
         chronicals_step(tiny_model(), RunSpec("chronicals-full-graphs", device="cpu"), torch.device("cpu"), True)
 
 

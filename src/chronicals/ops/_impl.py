@@ -31,9 +31,10 @@ def resolve_impl(op: str, impl: str, device: torch.device) -> str:
     else:
         chosen = impl
     if chosen == "triton" and device.type != "cuda" and not triton_interpreting():
-        raise RuntimeError(
+        raise ValueError(  # a setting this machine cannot run: the CLI prints it as one error line
             f"{op}: impl='triton' needs a CUDA tensor (got {device.type}); "
-            "use impl='torch' on CPU, or set TRITON_INTERPRET=1 to run the kernel in Triton's interpreter"
+            "use impl='torch' (model.impl=torch) on CPU, or set TRITON_INTERPRET=1 to run the kernel in Triton's "
+            "interpreter"
         )
     key = (op, impl, device.type)
     # logging inside a torch.compile'd graph breaks fullgraph=True; the eager first call logs instead

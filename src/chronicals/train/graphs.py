@@ -164,7 +164,7 @@ class GraphedStep:
                  max_graphs: int = 8, reducer: "GradBuckets | None" = None):
         device = torch.device(device)
         if device.type != "cuda" or not torch.cuda.is_available():
-            raise RuntimeError(f"CUDA graphs need a CUDA device, but the step runs on {device} "
+            raise ValueError(f"CUDA graphs need a CUDA device, but the step runs on {device} "
                                f"(torch.cuda.is_available()={torch.cuda.is_available()}); turn them off (train.cuda_graphs=false; "
                                "in the bench a contender without -graphs) or run on a GPU (model.device=cuda)")
         if warmup < 1 or max_graphs < 0:

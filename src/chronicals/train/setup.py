@@ -19,7 +19,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"model.device={name} but no CUDA device is visible; use model.device=cpu")
+        raise ValueError(f"model.device={name} but no CUDA device is visible; use model.device=cpu")
     return dev
 
 
