@@ -198,3 +198,31 @@ def test_lora_modules_to_save_from_the_config(tiny_base, tmp_path, capsys):
     b, t = base.state_dict(), tuned.state_dict()
     assert not torch.equal(b["model.layers.0.self_attn.q_proj.weight"], t["model.layers.0.self_attn.q_proj.weight"])
     assert torch.equal(b["model.layers.0.input_layernorm.weight"], t["model.layers.0.input_layernorm.weight"])
+
+
+def test_outputs_never_replace_foreign_files(tiny_base, tmp_path, capsys):
+    """An output directory is replaced as a whole: one holding other files is refused before anything is written
+    (they stay), a previous model directory is replaced, and export never writes over its own base or adapter."""
+    from chronicals import load_model
+    from chronicals.lora import apply_lora, save_adapter
+
+    model, tok = load_model(tiny_base)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "MY_NOTES.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match=r"holds files this save would delete \(MY_NOTES.txt\)"):
+        save_model(model, tok, out)
+    assert (out / "MY_NOTES.txt").read_text() == "keep me" and [p.name for p in out.iterdir()] == ["MY_NOTES.txt"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no temp directory left behind
+    again = tmp_path / "model"
+    save_model(model, tok, again)
+    save_model(model, tok, again)  # a model directory (tokenizer files included) is replaced
+    apply_lora(model, r=2, alpha=4)
+    with pytest.raises(FileExistsError, match="MY_NOTES.txt"):
+        save_adapter(model, out)
+    adapter = tmp_path / "adapter"
+    save_adapter(model, adapter)
+    save_adapter(model, adapter)
+    for bad in (tiny_base, adapter, tiny_base.parent):
+        assert main(["export", "--base", str(tiny_base), "--adapter", str(adapter), "--out", str(bad)]) == 2
+        assert "would replace" in capsys.readouterr().err

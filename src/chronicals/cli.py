@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 USAGE = """usage: chronicals train [CONFIG.yaml] [section.key=value ...]
 
@@ -93,17 +94,24 @@ def cmd_export(argv: list[str]) -> int:
                                 description="Merge a LoRA adapter into its base model and write a Hugging Face directory.")
     p.add_argument("--base", required=True, help="base model: HF directory, .gguf, or smollm2-135m-instruct")
     p.add_argument("--adapter", required=True, help="adapter directory (PEFT format, e.g. runs/demo/adapter)")
-    p.add_argument("--out", required=True, help="output directory (replaced atomically if it exists)")
+    p.add_argument("--out", required=True, help="output directory (replaced atomically if it exists and holds "
+                                                "only a model's files)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the written weights")
     a = p.parse_args(argv)
+    out = Path(a.out).resolve()
+    for name, given in (("--base", a.base), ("--adapter", a.adapter)):
+        if Path(given).exists() and out in (Path(given).resolve(), *Path(given).resolve().parents):
+            print(f"error: --out {a.out} would replace {name} {given} (the output directory is replaced as a "
+                  "whole); choose another --out", file=sys.stderr)
+            return 2
     _setup_logging()
     from . import save_model
     from .lora import merge_lora
 
     model, tok = _load(a.base, a.adapter, "cpu", a.dtype)
     merge_lora(model)
-    out = save_model(model, tok, a.out)
-    print(f"merged {a.adapter} into {a.base}: {out}")
+    written = save_model(model, tok, a.out)
+    print(f"merged {a.adapter} into {a.base}: {written}")
     return 0
 
 

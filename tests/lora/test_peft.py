@@ -90,12 +90,14 @@ def test_peft_to_ours(kind, tied, opts, ids, tmp_path):
         torch.testing.assert_close(ours(ids), want, rtol=1e-4, atol=1e-4)
 
 
-def test_save_replaces_existing_dir_and_config_fields(tmp_path):
+def test_save_replaces_an_existing_adapter_and_config_fields(tmp_path):
+    """A previous adapter directory is replaced as a whole (one holding other files is refused: test_cli)."""
+    before = tiny_model()
+    apply_lora(before, r=4, alpha=4, target_modules=["v_proj"])
+    out = tmp_path / "a"
+    save_adapter(before, out)
     ours = tiny_model()
     apply_lora(ours, r=2, alpha=4, target_modules=["q_proj"])
-    out = tmp_path / "a"
-    out.mkdir()
-    (out / "stale.txt").write_text("x")
     save_adapter(ours, out)
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]

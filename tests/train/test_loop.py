@@ -278,3 +278,14 @@ def test_max_seq_len_past_the_model_context_warns(tmp_path, docs, caplog):
         train(tiny_config(tmp_path / "b", train__max_steps=1, data__max_seq_len=128), model=tiny_model(),
               train_loader=SyntheticLoader(docs))
     assert "max_position_embeddings" not in caplog.text
+
+
+def test_a_final_directory_holding_other_files_is_refused_before_training(tmp_path, docs):
+    cfg = tiny_config(tmp_path, train__max_steps=1, train__save_final=True)
+    final = tmp_path / "run" / "model"
+    final.mkdir(parents=True)
+    (final / "notes.md").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"model exists and holds files this save would delete \(notes.md\)"):
+        train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any step
+    assert (final / "notes.md").read_text() == "mine"

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
+from ..models.hf_io import refuse_foreign_files
 from .inject import LoraRecord, apply_lora, lora_modules
 
 log = logging.getLogger("chronicals.lora")
@@ -68,6 +69,9 @@ def save_adapter(model: nn.Module, out_dir, base_model_name_or_path: str | None 
     adapter. An existing ``out_dir`` is replaced."""
     rec = _require_record(model, "save_adapter")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory; choose another output path")
+    refuse_foreign_files(out, (CONFIG_NAME, WEIGHTS_NAME))  # replaced as a whole: nothing else may be lost
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:

@@ -10,6 +10,7 @@ Writing goes to a temporary sibling directory that is renamed into place only wh
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import shutil
@@ -33,18 +34,42 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
+# what a model directory written by save_model (tokenizer files included) may hold: replacing such a directory
+# loses nothing that is not written again
+MODEL_DIR_FILES = ("config.json", "generation_config.json", SINGLE_FILE, INDEX_FILE, "model-*-of-*.safetensors",
+                   "tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.json",
+                   "merges.txt")
+
+
+def refuse_foreign_files(out: Path, owned: tuple[str, ...]) -> None:
+    """FileExistsError when the existing directory ``out`` holds entries matching none of the ``owned`` patterns.
+
+    An output directory is replaced as a whole, so anything else in it (notes, a git clone, another model's
+    files) would be deleted: refuse before writing anything."""
+    if not out.is_dir():
+        return
+    foreign = sorted(p.name for p in out.iterdir() if not any(fnmatch.fnmatch(p.name, pat) for pat in owned))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise FileExistsError(f"{out} exists and holds files this save would delete ({shown}): the directory is "
+                              "replaced as a whole; choose another output directory, or move those files away")
+
+
 # ---------------------------------------------------------------- atomic writes
 @contextmanager
-def atomic_dir(out_dir: str | Path, *, replace: bool = True):
+def atomic_dir(out_dir: str | Path, *, replace: bool = True, owned: tuple[str, ...] | None = None):
     """Yield an empty temporary directory beside ``out_dir``; on success rename it to ``out_dir``.
 
     On any error the temporary directory is removed and ``out_dir`` is left as it was. An existing
     ``out_dir`` is replaced (two renames: a reader in between sees no directory, never a partial one),
-    or with replace=False a FileExistsError is raised.
+    or with replace=False a FileExistsError is raised. ``owned``: the file-name patterns the replaced
+    directory may hold (``refuse_foreign_files``, checked before anything is written).
     """
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a directory; choose another output path")
+    if owned is not None and replace:
+        refuse_foreign_files(out, owned)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; a saved model should be readable like any directory
@@ -232,7 +257,7 @@ def save_hf_dir(model: CausalLM, tokenizer, out_dir: str | Path, *, generation_c
     hf.pop("torch_dtype", None)
     hf["dtype"] = str(dtype).removeprefix("torch.")
     out_dir = Path(out_dir)
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, owned=MODEL_DIR_FILES) as tmp:
         write_state_dict(sd, tmp, max_shard_bytes)
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
         if generation_config is not None:

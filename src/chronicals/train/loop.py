@@ -191,6 +191,8 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
 def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, train_loader, eval_loader,
            heldout_qa, on_step, report) -> TrainResult:
     # ---- setup ----
+    if cfg.train.save_final:  # refused now rather than after the training it would hold
+        _check_final_dir(cfg, out_dir)
     device = dp.device
     dtype = resolve_dtype(cfg.model.dtype, device)
     if model is None:
@@ -420,6 +422,19 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     if cfg.logging.plot and dp.is_main:
         result.plot = plot_losses(metrics.records, out_dir / "loss.png")
     return result
+
+
+def _check_final_dir(cfg: TrainConfig, out_dir: Path) -> None:
+    """FileExistsError if save_final could not replace out_dir/adapter (LoRA) or out_dir/model (full): it holds
+    files that are not an adapter's / a model's, or is a file."""
+    from ..lora.peft_io import CONFIG_NAME, WEIGHTS_NAME
+    from ..models.hf_io import MODEL_DIR_FILES, refuse_foreign_files
+
+    final = out_dir / ("adapter" if cfg.lora.enabled else "model")
+    if final.exists() and not final.is_dir():
+        raise FileExistsError(f"{final} exists and is not a directory: the final {final.name} is written there; "
+                              "move it away or set another train.out_dir")
+    refuse_foreign_files(final, (CONFIG_NAME, WEIGHTS_NAME) if cfg.lora.enabled else MODEL_DIR_FILES)
 
 
 def save_final(model, tokenizer, cfg: TrainConfig, out_dir: Path) -> Path:
