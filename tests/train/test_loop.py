@@ -289,3 +289,17 @@ def test_a_final_directory_holding_other_files_is_refused_before_training(tmp_pa
         train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any step
     assert (final / "notes.md").read_text() == "mine"
+
+
+def test_resume_over_other_batches_warns(tmp_path, docs, caplog):
+    train(tiny_config(tmp_path, train__save_every=1, train__max_steps=1), model=tiny_model(),
+          train_loader=SyntheticLoader(docs))
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        train(tiny_config(tmp_path, train__resume="auto", train__max_steps=2, data__batch_size=2), model=tiny_model(),
+              train_loader=SyntheticLoader(docs))
+    assert "written with data.batch_size=4 (this run: 2): its data position refers to other batches" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        train(tiny_config(tmp_path, train__resume="auto", train__max_steps=3), model=tiny_model(),
+              train_loader=SyntheticLoader(docs))
+    assert "data position" not in caplog.text

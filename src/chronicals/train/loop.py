@@ -241,6 +241,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         stream.load_state_dict(restored["data"])  # rank 0's position: every rank's equals it (equal shards)
         start = restored["step"]
         log.info("resumed from %s at step %d of %d", resume_from, start, total)
+        _warn_data_changed(restored["extra"].get("config"), cfg, resume_from)
     if dp.is_main:
         metrics = MetricsLog(out_dir, cfg.logging.tensorboard, start if resume_from else None)
     else:
@@ -422,6 +423,20 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     if cfg.logging.plot and dp.is_main:
         result.plot = plot_losses(metrics.records, out_dir / "loss.png")
     return result
+
+
+def _warn_data_changed(saved: dict | None, cfg: TrainConfig, path: Path) -> None:
+    """Warn when a resumed checkpoint was written over other data or batches: its data position then points
+    elsewhere (typically resume=auto finding an unrelated earlier run in the same train.out_dir)."""
+    if not saved:
+        return
+    keys = ("path", "format", "max_seq_len", "batch_size", "tokens_per_batch")
+    now = cfg.to_dict()["data"]
+    diffs = [f"data.{k}={saved['data'].get(k)!r} (this run: {now[k]!r})" for k in keys
+             if k in saved.get("data", {}) and saved["data"][k] != now[k]]
+    if diffs:
+        log.warning("resumed from %s, written with %s: its data position refers to other batches; if this is a "
+                    "new run, set train.resume=none or another train.out_dir", path, ", ".join(diffs))
 
 
 def _check_final_dir(cfg: TrainConfig, out_dir: Path) -> None:
