@@ -62,18 +62,17 @@ class DistContext:
         Built with a fill kernel: ``torch.tensor([value], device=cuda)`` would copy from pageable host memory,
         which waits for the stream, i.e. for the previous step's queued work.
         """
-        if not self.enabled:
-            return int(value)
-        t = torch.full((), int(value), dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t
+        return self._all_reduce_scalar(int(value), dist.ReduceOp.SUM)
 
     def all_reduce_flag(self, value: bool) -> "torch.Tensor | int":
         """1 if ``value`` holds on any rank, as an int64 device scalar read later (one process: 0 or 1)."""
+        return self._all_reduce_scalar(int(bool(value)), dist.ReduceOp.MAX)
+
+    def _all_reduce_scalar(self, value: int, op) -> "torch.Tensor | int":
         if not self.enabled:
-            return int(bool(value))
-        t = torch.full((), int(bool(value)), dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return value
+        t = torch.full((), value, dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=op)
         return t
 
     def all_reduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
