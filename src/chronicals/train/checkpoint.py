@@ -167,13 +167,19 @@ class CheckpointWriter:
             raise err
 
 
-def _config_diff(saved: dict | None, current: dict | None) -> str:
-    """': lora.rank=4 (this run: 8)' for the model/lora keys whose saved value differs, else ''."""
+def config_diffs(saved: dict | None, current: dict | None, sections: dict) -> list[str]:
+    """``["lora.rank=4 (this run: 8)", ...]``: the keys of ``sections`` ({section: key names, or None for every
+    saved key}) whose value in the checkpoint's config ``saved`` differs from ``current``'s (``TrainConfig.to_dict()``
+    both); [] when either is missing (checkpoints from before the config was stored)."""
     if not saved or not current:
-        return ""
-    diffs = [f"{sec}.{k}={v!r} (this run: {current.get(sec, {}).get(k)!r})" for sec in ("model", "lora")
-             for k, v in saved.get(sec, {}).items() if current.get(sec, {}).get(k) != v]
-    return f": {', '.join(diffs)}" if diffs else ""
+        return []
+    diffs = []
+    for sec, keys in sections.items():
+        old, now = saved.get(sec, {}), current.get(sec, {})
+        for k in (old if keys is None else keys):
+            if k in old and old[k] != now.get(k):
+                diffs.append(f"{sec}.{k}={old[k]!r} (this run: {now.get(k)!r})")
+    return diffs
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, scheduler, config: dict | None = None) -> dict:
@@ -203,8 +209,9 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, schedul
         what = (f"holds parameters the model lacks ({extra[:3]}{'...' if len(extra) > 3 else ''})" if extra else
                 f"lacks trainable parameters of the model ({absent[:3]}{'...' if len(absent) > 3 else ''})" if absent
                 else f"has other shapes ({shapes[0]}{'...' if len(shapes) > 1 else ''})")
+        diffs = config_diffs(state.get("extra", {}).get("config"), config, {"model": None, "lora": None})
         raise ValueError(f"checkpoint {path} {what}: it was written for another model or lora config"
-                         f"{_config_diff(state.get('extra', {}).get('config'), config)}; resume with that config, "
+                         f"{': ' + ', '.join(diffs) if diffs else ''}; resume with that config, "
                          "or start over (another train.out_dir, or train.resume=none)")
     with torch.no_grad():
         for n, t in state["model"].items():

@@ -231,17 +231,18 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         graphs = GraphedStep(model, device, params=trainable, reducer=reducer)
 
     start = 0
+    cfg_dict = cfg.to_dict()  # stored in checkpoints; a resume compares it with the one stored there
     resume_from = None
     if cfg.train.resume == "auto":
         resume_from = ckpt.latest_checkpoint(out_dir)
     elif cfg.train.resume != "none":
         resume_from = Path(cfg.train.resume)
     if resume_from is not None:
-        restored = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler, config=cfg.to_dict())
+        restored = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler, config=cfg_dict)
         stream.load_state_dict(restored["data"])  # rank 0's position: every rank's equals it (equal shards)
         start = restored["step"]
         log.info("resumed from %s at step %d of %d", resume_from, start, total)
-        _warn_data_changed(restored["extra"].get("config"), cfg, resume_from)
+        _warn_data_changed(restored["extra"].get("config"), cfg_dict, resume_from)
     if dp.is_main:
         metrics = MetricsLog(out_dir, cfg.logging.tensorboard, start if resume_from else None)
     else:
@@ -257,7 +258,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         state.saves += 1  # on every rank (the barriers below must pair)
         if dp.is_main:
             writer.save(out_dir, step, model, optimizer, scheduler, stream.state_dict(), keep_last=cfg.train.keep_last,
-                        extra={"config": cfg.to_dict()})  # names what differs if a resume does not fit
+                        extra={"config": cfg_dict})  # names what differs if a resume does not fit
             if wait:
                 writer.wait()
         dp.barrier()  # no rank runs ahead of a checkpoint being taken (with wait: written)
@@ -425,15 +426,11 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     return result
 
 
-def _warn_data_changed(saved: dict | None, cfg: TrainConfig, path: Path) -> None:
+def _warn_data_changed(saved: dict | None, current: dict, path: Path) -> None:
     """Warn when a resumed checkpoint was written over other data or batches: its data position then points
     elsewhere (typically resume=auto finding an unrelated earlier run in the same train.out_dir)."""
-    if not saved:
-        return
-    keys = ("path", "format", "max_seq_len", "batch_size", "tokens_per_batch")
-    now = cfg.to_dict()["data"]
-    diffs = [f"data.{k}={saved['data'].get(k)!r} (this run: {now[k]!r})" for k in keys
-             if k in saved.get("data", {}) and saved["data"][k] != now[k]]
+    diffs = ckpt.config_diffs(saved, current,
+                              {"data": ("path", "format", "max_seq_len", "batch_size", "tokens_per_batch")})
     if diffs:
         log.warning("resumed from %s, written with %s: its data position refers to other batches; if this is a "
                     "new run, set train.resume=none or another train.out_dir", path, ", ".join(diffs))
