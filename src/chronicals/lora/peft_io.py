@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from ..models.hf_io import refuse_foreign_files
+from ..models.hf_io import atomic_dir
 from .inject import LoraRecord, apply_lora, lora_modules
 
 log = logging.getLogger("chronicals.lora")
@@ -64,29 +62,14 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_adapter(model: nn.Module, out_dir, base_model_name_or_path: str | None = None) -> Path:
-    """Write ``out_dir``/adapter_config.json and adapter_model.safetensors atomically: both go to a
-    temporary directory beside ``out_dir`` that is renamed into place, so a crash never leaves half an
-    adapter. An existing ``out_dir`` is replaced."""
+    """Write ``out_dir``/adapter_config.json and adapter_model.safetensors atomically (``models.hf_io.atomic_dir``:
+    a temporary directory beside ``out_dir`` renamed into place, so a crash never leaves half an adapter). An
+    existing ``out_dir`` is replaced when it holds nothing but those two files; else FileExistsError."""
     rec = _require_record(model, "save_adapter")
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"{out} exists and is not a directory; choose another output path")
-    refuse_foreign_files(out, (CONFIG_NAME, WEIGHTS_NAME))  # replaced as a whole: nothing else may be lost
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_dir(out, owned=(CONFIG_NAME, WEIGHTS_NAME)) as tmp:
         save_file(adapter_state_dict(model), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(adapter_config_dict(rec, base_model_name_or_path), indent=2))
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{tmp.name[-8:]}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("save_adapter: %d LoRA modules, %d full modules -> %s", len(rec.lora_modules),
              len(rec.saved_modules), out)
     return out
