@@ -16,22 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 
 import torch
 import torch.multiprocessing as mp
 
-from common import markdown_table, write_results
+from common import free_port, markdown_table, torchrun_env, write_results
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, method: str, graphs: bool, out: str, device: str, shape: str, reduce: str) -> None:
@@ -43,8 +36,7 @@ def _worker(rank: int, port: int, method: str, graphs: bool, out: str, device: s
     from chronicals.train.graphs import GraphedStep
     from chronicals.train.step import accumulate_data_parallel
 
-    os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    torchrun_env(rank, WORLD, port)
     dp = init_distributed(device)
     torch.set_num_threads(1)
     if os.environ.get("BENCH_DP_STACKS_AFTER"):  # a hang's whereabouts: every thread's stack, then exit
@@ -112,7 +104,7 @@ def main():
         for method, graphs, reduce in runs:
             path = os.path.join(tmp, f"{method}_{graphs}_{reduce}.json")
             try:
-                mp.spawn(_worker, args=(_free_port(), method, graphs, path, args.device, args.shape, reduce), nprocs=WORLD,
+                mp.spawn(_worker, args=(free_port(), method, graphs, path, args.device, args.shape, reduce), nprocs=WORLD,
                          join=True)
                 rows.append(json.load(open(path)))
             except Exception as e:  # one failing row must not hide the others

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 from pathlib import Path
 
 import torch
 
-from common import markdown_table, write_results
+from common import free_port, markdown_table, torchrun_env, write_results
 
 CONTENDER = {"full": "chronicals-full-graphs", "lora": "chronicals-lora-graphs"}  # as train.cuda_graphs=auto
 
@@ -107,8 +106,7 @@ def trainer_row(method: str, shape_name: str, dev: torch.device, warmup: int, st
 def _dp_worker(rank: int, world: int, port: int, method: str, shape: str, device: str, warmup: int, steps: int,
                out: str) -> None:
     """One rank of the data-parallel train() row; rank 0 writes the row to out/row.json."""
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    torchrun_env(rank, world, port)
     dev = torch.device(f"cuda:{rank}") if device == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -121,13 +119,9 @@ def _dp_worker(rank: int, world: int, port: int, method: str, shape: str, device
 
 def dp_trainer_row(method: str, shape: str, dev: torch.device, warmup: int, steps: int, out: Path, world: int) -> dict:
     """train() under data parallelism on ``world`` processes (mp.spawn, as torchrun would start them)."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     run = out / f"dp_{method}"
     run.mkdir(parents=True, exist_ok=True)
     mp.spawn(_dp_worker, args=(world, port, method, shape, dev.type, warmup, steps, str(run)), nprocs=world, join=True)

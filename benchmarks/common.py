@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import socket
 from pathlib import Path
 
 import torch
@@ -36,6 +37,19 @@ def matmul_peak_tflops(n: int = 8192) -> float:
     from chronicals.train.metrics import matmul_peak_tflops as probe
 
     return probe(torch.device("cuda"), n)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a spawned process group's MASTER_PORT."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_env(rank: int, world: int, port: int) -> None:
+    """Set the variables torchrun would give rank ``rank`` of ``world`` processes on this host."""
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
 
 
 def environment() -> dict:
