@@ -34,6 +34,7 @@ QUICK = ("chronicals-full", "chronicals-lora", "chronicals-lora-graphs", "hf-sdp
 SWEEP_DEFAULT = ("chronicals-full", "chronicals-lora", "hf-compile", "hf-peft", "unsloth-lora")
 LORA_SWEEP = ("chronicals-lora", "hf-peft", "unsloth-lora")
 SEQ_SWEEP = (512, 1024, 2048, 4096, 8192, 16384)
+SWEEP_SHAPES = ("0.5b", "1.5b", "3b", "8b")  # the model sweep and --max-context (issue 8)
 TINY_SWEEP = (8, 16, 32)
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding chronicals/
 
@@ -65,7 +66,8 @@ def parse_args(argv):
     ap.add_argument("--seq-sweep", action="store_true", help=f"seq {SEQ_SWEEP[0]}..{SEQ_SWEEP[-1]} at fixed tokens per step")
     ap.add_argument("--model-sweep", action="store_true", help="LoRA at 0.5b, 1.5b, 3b, 8b (4 x 2048); "
                     "checkpointing on where a row runs out of memory without it")
-    ap.add_argument("--max-context", action="store_true", help="longest trainable seq per shape (1 row, checkpointing)")
+    ap.add_argument("--max-context", action="store_true", help="longest trainable seq per shape (1 row, checkpointing; "
+                    "0.5b, 1.5b, 3b, 8b unless --shape)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per worker process")
     ap.add_argument("--name", help="result file stem (default: bench_e2e plus the plan, e.g. bench_e2e_quick)")
     ap.add_argument("--out", default="benchmarks/results", help="result directory")
@@ -205,7 +207,7 @@ def run_plan(args) -> dict:
             results["tables"].append({"title": f"seq sweep, {sh.note}, {spec.rows} x {seq}", "shape": sh.name,
                                       "rows": spec.rows, "seq": seq, "rows_data": rows})
     if args.model_sweep:
-        for name in ("0.5b", "1.5b", "3b", "8b"):
+        for name in SWEEP_SHAPES:
             spec = spec_for(name, rows=args.rows or 4, seq=args.seq or 2048)
             print(f"model sweep {name}: {spec.rows} x {spec.seq}, LoRA")
             rows = contender_rows(runner, chosen or LORA_SWEEP, spec, peak)
@@ -215,7 +217,7 @@ def run_plan(args) -> dict:
             results["tables"].append({"title": f"model sweep, {get_shape(name).note}, LoRA, {spec.rows} x {spec.seq}",
                                       "shape": name, "rows": spec.rows, "seq": spec.seq, "rows_data": rows})
     if args.max_context:
-        results["max_context"] = max_context(runner, shapes if args.shape or tiny else ["0.5b", "8b"],
+        results["max_context"] = max_context(runner, shapes if args.shape or tiny else list(SWEEP_SHAPES),
                                              chosen or LORA_SWEEP, base, tiny)
     return results
 
