@@ -84,6 +84,9 @@ def test_sweeps_tiny(tmp_path, monkeypatch):
     assert "correctness" not in res and "learning" not in res  # sweeps replace the protocol run
     (mc,) = res["max_context"]
     assert mc["contender"] == "chronicals-full" and mc["max_ok"] == 256  # 64, 128, 256 all train on CPU
+    assert mc["cap"] == 256 and mc["tokens_per_s"] > 0  # the longest row's own numbers ride along
+    md = next(tmp_path.glob("bench_e2e_seqsweep_maxctx_cpu_*.md")).read_text()
+    assert "| tiny | chronicals-full | 256 | n/a |" in md and "256 is the cap |" in md
 
 
 def test_bench_without_a_gpu_says_how_to_run(monkeypatch):

@@ -227,8 +227,8 @@ def max_context(runner: Runner, shapes, names, base: RunSpec, tiny: bool) -> lis
     out = []
     for shape in shapes:
         for name in names:
-            seq, best, failure = (64 if tiny else 4096), None, ""
-            while seq <= (256 if tiny else 1 << 18):
+            seq, best, failure, best_row, cap = (64 if tiny else 4096), None, "", {}, (256 if tiny else 1 << 18)
+            while seq <= cap:
                 row = runner.run("contender", replace(base, contender=name, shape=shape, rows=1, seq=seq,
                                                       warmup=1, steps=1, checkpointing=True))
                 row = validate_row(row)
@@ -236,8 +236,9 @@ def max_context(runner: Runner, shapes, names, base: RunSpec, tiny: bool) -> lis
                 if row["status"] != "ok":
                     failure = f"seq {seq}: {row['status']} {row.get('reason', '')[:80]}"
                     break
-                best, seq = seq, seq * 2
-            out.append({"shape": shape, "contender": name, "max_ok": best, "first_failure": failure})
+                best, best_row, seq = seq, row, seq * 2
+            out.append({"shape": shape, "contender": name, "max_ok": best, "first_failure": failure, "cap": cap,
+                        "peak_gib": best_row.get("peak_gib"), "tokens_per_s": best_row.get("tokens_per_s")})
     return out
 
 

@@ -143,8 +143,10 @@ def report_markdown(results: dict) -> str:
         out += [learning_markdown(results["learning"]), ""]
     if results.get("max_context"):
         out += ["### Longest trainable context (1 row, checkpointing on)", "",
-                "| shape | contender | longest seq that trained | first failure |", "|---|---|---|---|"]
-        out += [f"| {m['shape']} | {m['contender']} | {m['max_ok'] or 'none'} | {m['first_failure']} |"
+                "| shape | contender | longest seq that trained | its peak GiB | its tokens/s | first failure |",
+                "|---|---|---|---|---|---|"]
+        out += [f"| {m['shape']} | {m['contender']} | {m['max_ok'] or 'none'} | {_num(m.get('peak_gib'), '.1f')} | "
+                f"{_num(m.get('tokens_per_s'), ',.0f')} | {m['first_failure'] or _num(m.get('cap'), ',', '') + ' is the cap'} |"
                 for m in results["max_context"]]
     return "\n".join(out) + "\n"
 
