@@ -303,3 +303,47 @@ def test_resume_over_other_batches_warns(tmp_path, docs, caplog):
         train(tiny_config(tmp_path, train__resume="auto", train__max_steps=3), model=tiny_model(),
               train_loader=SyntheticLoader(docs))
     assert "data position" not in caplog.text
+
+
+def test_a_missing_data_path_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """data.path / data.eval_path that do not exist: one error naming the key, before any model loading
+    (minutes at 8B) and without creating train.out_dir."""
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded before the data path was checked")
+    monkeypatch.setattr("chronicals.train.loop.load_base", no_loading)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=rf"data.path=nope.jsonl: no such file or directory \(relative paths "
+                                                rf"are read from the working directory, {tmp_path}\); fix data.path"):
+        train(tiny_config(tmp_path, data__path="nope.jsonl"))
+    (tmp_path / "train.jsonl").write_text('{"text": "hello"}\n')
+    with pytest.raises(FileNotFoundError, match=r"data.eval_path=/no/held.jsonl: no such file or directory; fix"):
+        train(tiny_config(tmp_path, data__path="train.jsonl", data__eval_path="/no/held.jsonl"))
+    assert not (tmp_path / "run").exists()
+
+
+class _NoBatches(SyntheticLoader):
+    def __len__(self):
+        return 0
+
+
+def test_a_run_that_fails_while_setting_up_leaves_out_dir_as_it_found_it(tmp_path, docs):
+    """A failure before the first step removes what the run wrote (config.yaml, metrics.jsonl, data copies)
+    and the out_dir it created; what was there before stays, and a refused resume keeps the run's config.yaml."""
+    with pytest.raises(ValueError, match="yields no batches"):
+        train(tiny_config(tmp_path), model=tiny_model(), train_loader=_NoBatches(docs))
+    assert not (tmp_path / "run").exists()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.md").write_text("mine")
+    with pytest.raises(ValueError, match="yields no batches"):
+        train(tiny_config(tmp_path), model=tiny_model(), train_loader=_NoBatches(docs))
+    assert sorted(p.name for p in run.iterdir()) == ["notes.md"]
+    over = dict(lora__enabled=True, lora__targets=["q_proj", "v_proj"], train__save_every=1, train__max_steps=1)
+    train(tiny_config(tmp_path, lora__rank=4, **over), model=tiny_model(), train_loader=SyntheticLoader(docs))
+    written = (run / "config.yaml").read_text()
+    metrics = (run / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match="has other shapes"):
+        train(tiny_config(tmp_path, lora__rank=8, **dict(over, train__resume="auto", train__max_steps=2)),
+              model=tiny_model(), train_loader=SyntheticLoader(docs))
+    assert (run / "config.yaml").read_text() == written and "rank: 4" in written
+    assert (run / "metrics.jsonl").read_text() == metrics and (run / "notes.md").read_text() == "mine"

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import TrainConfig, from_dict, load_config
+from ..config import DEMO, TrainConfig, from_dict, load_config
 from . import checkpoint as ckpt
 from .metrics import MetricsLog, matmul_peak_tflops, memory_gib, plot_losses, train_flops_per_token
 from .optim import build_optimizer, build_scheduler
@@ -155,10 +155,10 @@ class _LoopState:
 
 
 def _total_steps(cfg: TrainConfig, batches_per_epoch: int) -> int:
+    if batches_per_epoch == 0:  # with max_steps too: the first step would end in a bare StopIteration
+        raise ValueError("the training loader yields no batches: is the dataset empty?")
     if cfg.train.max_steps > 0:
         return cfg.train.max_steps
-    if batches_per_epoch == 0:
-        raise ValueError("the training loader yields no batches: is the dataset empty?")
     return max(1, math.ceil(cfg.train.epochs * batches_per_epoch / cfg.train.grad_accum))
 
 
@@ -175,21 +175,67 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
         cfg = from_dict(config)
     else:
         cfg = load_config(config)
+    if train_loader is None:
+        _check_data_paths(cfg)  # before minutes of model loading, not after
     out_dir = Path(cfg.train.out_dir)
+    existed = set(out_dir.iterdir()) if out_dir.is_dir() else None
     out_dir.mkdir(parents=True, exist_ok=True)
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)  # the same seed on every rank: identical RNG streams, one checkpoint fits all
     dp = init_distributed(cfg.model.device)
+    phase = _Phase()
     try:
-        result = _train(cfg, dp, out_dir, model, tokenizer, train_loader, eval_loader, heldout_qa, on_step, report)
+        result = _train(cfg, dp, out_dir, model, tokenizer, train_loader, eval_loader, heldout_qa, on_step, report,
+                        phase)
         dp.barrier()  # no rank returns (and tears the group down) while rank 0 still writes the final files
         return result
+    except BaseException:
+        if dp.is_main and not phase.training:
+            _remove_setup_files(out_dir, existed)
+        raise
     finally:
         dp.destroy()
 
 
+@dataclass
+class _Phase:
+    training: bool = False  # set when the first step starts: from then on out_dir holds this run's record
+
+
+def _remove_setup_files(out_dir: Path, existed: set[Path] | None) -> None:
+    """A run that failed before its first step (bad data, model or config found while setting up) leaves
+    out_dir as it found it: the config.yaml, empty metrics.jsonl and data/ copies it wrote are removed, and
+    out_dir itself if this run created it. Entries that were there before are never touched."""
+    import shutil
+
+    if not out_dir.is_dir():
+        return
+    for entry in set(out_dir.iterdir()) - (existed or set()):
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    if existed is None:
+        try:
+            out_dir.rmdir()
+        except OSError:  # something else wrote there meanwhile: leave it
+            pass
+
+
+def _check_data_paths(cfg: TrainConfig) -> None:
+    """FileNotFoundError naming the key and where a relative path was looked for, for data.path and
+    data.eval_path (a missing file used to surface after the model had loaded: minutes at 8B)."""
+    for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
+        if value in (DEMO, "auto", ""):
+            continue
+        path = Path(value).expanduser()
+        if not path.exists():
+            where = "" if path.is_absolute() else f" (relative paths are read from the working directory, {Path.cwd()})"
+            raise FileNotFoundError(f"{key}={value}: no such file or directory{where}; fix {key}")
+
+
 def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, train_loader, eval_loader,
-           heldout_qa, on_step, report) -> TrainResult:
+           heldout_qa, on_step, report, phase: _Phase) -> TrainResult:
     # ---- setup ----
     if cfg.train.save_final:  # refused now rather than after the training it would hold
         _check_final_dir(cfg, out_dir)
@@ -210,8 +256,6 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     elif getattr(train_loader, "world_size", dp.world_size) != dp.world_size:
         raise ValueError(f"train_loader has world_size={train_loader.world_size} but the job runs "
                          f"{dp.world_size} ranks; build it with PackedLoader(rank=RANK, world_size=WORLD_SIZE)")
-    if dp.is_main:
-        (out_dir / "config.yaml").write_text(cfg.to_yaml())
     trainable = [p for p in model.parameters() if p.requires_grad]
     dp.broadcast_params(trainable)  # rank 0's values everywhere, even if an init differed between ranks
     total = _total_steps(cfg, len(train_loader))
@@ -243,7 +287,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         start = restored["step"]
         log.info("resumed from %s at step %d of %d", resume_from, start, total)
         _warn_data_changed(restored["extra"].get("config"), cfg_dict, resume_from)
-    if dp.is_main:
+    if dp.is_main:  # after the resume check: a refused resume leaves the run's config.yaml as it was
+        (out_dir / "config.yaml").write_text(cfg.to_yaml())
         metrics = MetricsLog(out_dir, cfg.logging.tensorboard, start if resume_from else None)
     else:
         metrics = _RanksMetrics()
@@ -292,6 +337,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
                    heldout_qa=heldout_qa)
 
     # ---- train ----
+    phase.training = True
     bar = None
     if cfg.logging.progress and dp.is_main:
         from tqdm.auto import tqdm
