@@ -226,3 +226,49 @@ def test_outputs_never_replace_foreign_files(tiny_base, tmp_path, capsys):
     for bad in (tiny_base, adapter, tiny_base.parent):
         assert main(["export", "--base", str(tiny_base), "--adapter", str(adapter), "--out", str(bad)]) == 2
         assert "would replace" in capsys.readouterr().err
+
+
+def test_an_adapter_goes_on_its_recorded_base(tiny_base, tmp_path, capsys):
+    """export / chat without --base / --model take the base recorded in adapter_config.json; another base of the
+    same shapes loads without error (and gives other outputs), so it is warned about."""
+    import shutil
+
+    from chronicals import load_model
+    from chronicals.lora import apply_lora, save_adapter
+
+    model, _ = load_model(tiny_base)
+    apply_lora(model, r=2, alpha=4)
+    adapter = save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(tiny_base))
+    assert main(["export", "--adapter", str(adapter), "--out", str(tmp_path / "merged")]) == 0
+    err = capsys.readouterr().err
+    assert f"--base not given: using {tiny_base}, the base recorded in {adapter}/adapter_config.json" in err
+    other = shutil.copytree(tiny_base, tmp_path / "other")
+    assert main(["export", "--base", str(other), "--adapter", str(adapter), "--out", str(tmp_path / "m2")]) == 0
+    assert f"warning: {adapter} was trained on {tiny_base}" in capsys.readouterr().err
+    assert main(["export", "--base", str(tiny_base), "--adapter", str(adapter), "--out", str(tmp_path / "m3")]) == 0
+    assert "warning" not in capsys.readouterr().err
+    elsewhere = save_adapter(model, tmp_path / "a2", base_model_name_or_path="someone/not-here")
+    assert main(["chat", "--adapter", str(elsewhere), "hi"]) == 3
+    assert "was trained on someone/not-here (adapter_config.json base_model_name_or_path), which is not here; " \
+           "pass --model" in capsys.readouterr().err
+
+
+def test_chat_arguments_are_checked(tiny_base, capsys):
+    for bad, says in ((["--max-new-tokens", "0", "hi"], "an answer needs at least 1 new token"),
+                      (["  "], "an empty prompt was given")):
+        with pytest.raises(SystemExit) as e:
+            main(["chat", "--model", str(tiny_base), *bad])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+    assert main(["chat", "--model", str(tiny_base), "--device", "banana", "hi"]) == 3
+    assert "--device=banana is not a device; use auto, cpu, cuda or cuda:N" in capsys.readouterr().err
+
+
+def test_an_unexpected_exception_is_exit_4_not_the_diverged_status(monkeypatch, capsys):
+    import chronicals.cli as cli
+
+    def boom(argv):
+        raise KeyError("a bug")
+    monkeypatch.setitem(cli.COMMANDS, "chat", boom)
+    assert main(["chat", "x"]) == 4
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "KeyError: 'a bug'" in err and "internal error in chronicals" in err

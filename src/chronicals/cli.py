@@ -21,7 +21,8 @@ Fine-tune a decoder LLM. With no arguments: the embedded demo (LoRA+ on SmolLM2-
 packaged Vellmora facts; a few minutes on a laptop CPU). Values on the command line override the YAML
 file, which overrides the defaults below. Exit status: 0 done, 1 diverged (NaN/inf), 2 bad config,
 3 bad input found while running (a data, model or adapter file: the message names it, with the line for
-data), 130 stopped by SIGINT/SIGTERM after writing a checkpoint (run again with train.resume=auto).
+data), 4 internal error (a bug in chronicals: the traceback says where; please report it), 130 stopped by
+SIGINT/SIGTERM after writing a checkpoint (run again with train.resume=auto).
 
 keys:
 """
@@ -76,11 +77,54 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
+EMBEDDED = "smollm2-135m-instruct"
+
+
+def _recorded_base(adapter: str) -> str | None:
+    """The base an adapter was trained on (adapter_config.json's base_model_name_or_path), or None."""
+    from .lora.peft_io import read_adapter_config
+
+    base = read_adapter_config(adapter).get("base_model_name_or_path")
+    return base if base and isinstance(base, str) else None
+
+
+def _here(model: str) -> bool:
+    return model == EMBEDDED or Path(model).expanduser().exists()
+
+
+def _same_model(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    return Path(a).expanduser().exists() and Path(b).expanduser().exists() and \
+        Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def _base_for(adapter: str | None, given: str | None, flag: str) -> str:
+    """The model an adapter goes on: ``given``, else the base recorded in the adapter, else the embedded model.
+    A given base other than the recorded one is allowed (a copy, a re-save) but warned about: an adapter on a
+    base of the same shapes loads without any error and gives wrong outputs."""
+    recorded = _recorded_base(adapter) if adapter else None
+    if given is None:
+        if recorded is None:
+            return EMBEDDED
+        if not _here(recorded):
+            raise FileNotFoundError(f"{adapter} was trained on {recorded} (adapter_config.json "
+                                    f"base_model_name_or_path), which is not here; pass {flag} with that model's "
+                                    "directory or .gguf")
+        print(f"{flag} not given: using {recorded}, the base recorded in {adapter}/adapter_config.json",
+              file=sys.stderr)
+        return recorded
+    if recorded and _here(recorded) and not _same_model(given, recorded):
+        print(f"warning: {adapter} was trained on {recorded} (adapter_config.json base_model_name_or_path), not "
+              f"{flag} {given}; its outputs are right only if {given} holds the same weights", file=sys.stderr)
+    return given
+
+
 def _load(model_path: str, adapter: str | None, device: str, dtype: str):
     from . import load_model
     from .train.setup import resolve_device, resolve_dtype
 
-    dev = resolve_device(device)
+    dev = resolve_device(device, key="--device")
     model, tok = load_model(model_path, dtype=resolve_dtype(dtype, dev), device=dev)
     if adapter:
         from .lora import load_adapter
@@ -92,12 +136,14 @@ def _load(model_path: str, adapter: str | None, device: str, dtype: str):
 def cmd_export(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="chronicals export",
                                 description="Merge a LoRA adapter into its base model and write a Hugging Face directory.")
-    p.add_argument("--base", required=True, help="base model: HF directory, .gguf, or smollm2-135m-instruct")
+    p.add_argument("--base", default=None, help="base model: HF directory, .gguf, or smollm2-135m-instruct "
+                                                 "(default: the base recorded in the adapter, else the embedded one)")
     p.add_argument("--adapter", required=True, help="adapter directory (PEFT format, e.g. runs/demo/adapter)")
     p.add_argument("--out", required=True, help="output directory (replaced atomically if it exists and holds "
                                                 "only a model's files)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the written weights")
     a = p.parse_args(argv)
+    a.base = _base_for(a.adapter, a.base, "--base")
     out = Path(a.out).resolve()
     for name, given in (("--base", a.base), ("--adapter", a.adapter)):
         if Path(given).exists() and out in (Path(given).resolve(), *Path(given).resolve().parents):
@@ -120,13 +166,19 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
                                 description="Answer prompts (greedy) with a base or fine-tuned model; with no "
                                             "prompts, read one per line from stdin.")
     p.add_argument("prompts", nargs="*", help="user messages to answer")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="HF directory, .gguf, or smollm2-135m-instruct")
+    p.add_argument("--model", default=None, help="HF directory, .gguf, or smollm2-135m-instruct (default: with "
+                                                  "--adapter the base recorded in it, else smollm2-135m-instruct)")
     p.add_argument("--adapter", default=None, help="LoRA adapter directory to apply (e.g. runs/demo/adapter)")
     p.add_argument("--system", default=None, help="system message (default: the one the demo trains with)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many tokens per answer (>= 1)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     a = p.parse_args(argv)
+    if a.max_new_tokens < 1:
+        p.error(f"--max-new-tokens {a.max_new_tokens}: an answer needs at least 1 new token")
+    if any(not q.strip() for q in a.prompts):
+        p.error("an empty prompt was given; pass the message text (or no prompts to read them from stdin)")
+    a.model = _base_for(a.adapter, a.model, "--model")
     from .config import DEMO_SYSTEM_PROMPT
     from .train.qa import answer
 
@@ -173,6 +225,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}\n(CHRONICALS_TRACEBACK=1 shows where it was raised)", file=sys.stderr)
         return 3
+    except Exception:  # not an input we check: a bug. Its own status, as 1 means "diverged" to train's callers
+        import traceback
+
+        traceback.print_exc()
+        print("error: internal error in chronicals (the traceback above says where); please report it with the "
+              "command that ran", file=sys.stderr)
+        return 4
 
 
 if __name__ == "__main__":

@@ -501,7 +501,8 @@ def save_final(model, tokenizer, cfg: TrainConfig, out_dir: Path) -> Path:
         from ..lora import save_adapter
 
         path = out_dir / "adapter"
-        save_adapter(model, path, base_model_name_or_path=cfg.model.path)
+        base = Path(cfg.model.path).expanduser()  # absolute when it is a path: chat/export find it from anywhere
+        save_adapter(model, path, base_model_name_or_path=str(base.resolve()) if base.exists() else cfg.model.path)
     else:
         from .. import save_model
 

@@ -14,12 +14,18 @@ from . import qa as qa_mod
 log = logging.getLogger("chronicals.train")
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, key: str = "model.device") -> torch.device:
+    """auto | cpu | cuda | cuda:N -> a device; ``key`` names the setting in errors (a config key, a CLI flag)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"{key}={name} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{key}={name}: chronicals runs on cpu or cuda; use auto, cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"model.device={name} but no CUDA device is visible; use model.device=cpu")
+        raise ValueError(f"{key}={name} but no CUDA device is visible; use {key}=cpu")
     return dev
 
 
