@@ -120,3 +120,16 @@ def test_load_rejects_unsupported_and_mismatched(tmp_path):
     cfg_path.write_text(json.dumps({**cfg, "target_modules": ["q_proj", "k_proj"]}))
     with pytest.raises(ValueError, match="missing keys"):
         load_adapter(tiny_model(), tmp_path / "a")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_load_names_a_damaged_weights_file(tmp_path, damage):
+    ours = tiny_model()
+    apply_lora(ours, r=2, alpha=4, target_modules=["q_proj"])
+    save_adapter(ours, tmp_path / "a")
+    wpath = tmp_path / "a" / "adapter_model.safetensors"
+    data = wpath.read_bytes()
+    wpath.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x07" * 64)
+    with pytest.raises(ValueError, match=rf"{wpath}: cannot read this safetensors file .*truncated or corrupt.*"
+                                         "copy or download it again"):
+        load_adapter(tiny_model(), tmp_path / "a")

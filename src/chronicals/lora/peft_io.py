@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from ..models.hf_io import atomic_dir
+from ..models.hf_io import atomic_dir, load_safetensors
 from .inject import LoraRecord, apply_lora, lora_modules
 
 log = logging.getLogger("chronicals.lora")
@@ -124,7 +124,7 @@ def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
     if not wpath.is_file():
         raise FileNotFoundError(f"{wpath}: not found (only safetensors adapters are read; "
                                 "convert adapter_model.bin with PEFT first)")
-    tensors = load_file(str(wpath))
+    tensors = load_safetensors(wpath)  # a truncated or corrupt file: ValueError naming it
     targets = cfg["target_modules"]
     rec = apply_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
                      target_modules=targets if isinstance(targets, str) else tuple(targets),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig, rope_inv_freq
 from .decoder import CausalLM
@@ -148,14 +148,26 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         "transformers' save_pretrained(..., safe_serialization=True))")
 
 
+def _unreadable(path: Path, e: Exception) -> ValueError:
+    return ValueError(f"{path}: cannot read this safetensors file ({e}); it is truncated or corrupt "
+                      "(an interrupted download or copy?): copy or download it again")
+
+
 @contextmanager
 def _open(path: Path):
     try:
         with safe_open(str(path), framework="pt", device="cpu") as fh:
             yield fh
     except SafetensorError as e:
-        raise ValueError(f"{path}: cannot read this safetensors file ({e}); it is truncated or corrupt "
-                         "(an interrupted download or copy?): copy or download it again") from None
+        raise _unreadable(path, e) from None
+
+
+def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file on the CPU; a truncated or corrupt file is a ValueError naming it."""
+    try:
+        return load_file(str(path))
+    except SafetensorError as e:
+        raise _unreadable(Path(path), e) from None
 
 
 def _list(items, n=5) -> str:
