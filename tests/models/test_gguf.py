@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import gguf
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -32,9 +33,11 @@ def _gguf_name(hf: str) -> str:
     return f"{_TO_GGUF[module]}.{kind}"
 
 
-def write_gguf(path, arch: str, cfg: dict, sd: dict[str, torch.Tensor], quantize: bool = True) -> None:
+def write_gguf(path, arch: str, cfg: dict, sd: dict[str, torch.Tensor], quantize: bool = True,
+               raw: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None) -> None:
     """Write ``sd`` (HF names) as llama.cpp would: Q/K rows permuted for ``llama``, matrices whose rows
-    are a multiple of 32 in Q8_0 (others F32), tied lm_head left out."""
+    are a multiple of 32 in Q8_0 (others F32), tied lm_head left out. ``raw``: HF name -> (bytes (rows,
+    nbytes) uint8, type) written as they are instead of that tensor."""
     w = gguf.GGUFWriter(str(path), arch)
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -54,6 +57,10 @@ def write_gguf(path, arch: str, cfg: dict, sd: dict[str, torch.Tensor], quantize
     w.add_eos_token_id(cfg["eos_token_id"])
     for name, t in sd.items():
         if name == "lm_head.weight" and cfg["tie_word_embeddings"]:
+            continue
+        if raw and name in raw:
+            data, qtype = raw[name]
+            w.add_tensor(_gguf_name(name), data, raw_shape=data.shape, raw_dtype=qtype)
             continue
         t = t.detach().float()
         if arch == "llama" and ".q_proj." in name:
@@ -232,3 +239,56 @@ def test_gguf_without_vocab_size_or_embedding_is_named():
     reader = SimpleNamespace(fields=fields, tensors=[SimpleNamespace(name="output_norm.weight", shape=(64,))])
     with pytest.raises(ValueError, match=r"x\.gguf: neither metadata llama\.vocab_size nor tensor token_embd"):
         gguf_io.gguf_config(reader, "x.gguf")
+
+
+def _q4_k_bytes(rows: int, cols: int) -> np.ndarray:
+    """Q4_K blocks (256 values in 144 bytes: f16 d, f16 dmin, 12 scale bytes, 128 nibble bytes) with random
+    scales and nibbles but fixed d/dmin, so every dequantized value is finite."""
+    blocks = np.random.default_rng(0).integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    blocks[..., 0:4] = np.array([0.01, 0.002], dtype=np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def test_gguf_tensor_types_that_gguf_dequantizes_load_exactly(tmp_path, tiny_hf_config):
+    """F16, BF16, Q8_0, Q4_K and F32 tensors in one file: each comes back as gguf's own dequantization
+    (F16/BF16: the weights rounded to that dtype), un-permuted where llama.cpp permutes."""
+    from gguf.quants import dequantize
+
+    cfg, model = _tiny(tiny_hf_config, "llama2", hidden_size=256, intermediate_size=64)
+    sd = model.state_dict()
+    T = gguf.GGMLQuantizationType
+    gate = sd["model.layers.0.mlp.gate_proj.weight"]  # (64, 256)
+    q = sd["model.layers.0.self_attn.q_proj.weight"]  # (256, 256), rows permuted by the writer
+    raw = {"model.layers.0.mlp.gate_proj.weight": (gate.half().numpy().view(np.uint8), T.F16),
+           "model.layers.1.mlp.down_proj.weight": (sd["model.layers.1.mlp.down_proj.weight"].bfloat16()
+                                                   .view(torch.int16).numpy().view(np.uint8), T.BF16),
+           "model.layers.0.self_attn.q_proj.weight": (gguf.quants.quantize(permute_qk(q, 4).numpy(), T.Q8_0),
+                                                      T.Q8_0),
+           "model.layers.1.mlp.up_proj.weight": (_q4_k_bytes(64, 256), T.Q4_K)}
+    path = tmp_path / "types.gguf"
+    write_gguf(path, "llama", cfg, sd, quantize=False, raw=raw)
+    got = chronicals.load_model(path, tokenizer=False)[0].state_dict()
+    assert torch.equal(got["model.layers.0.mlp.gate_proj.weight"], gate.half().float())
+    assert torch.equal(got["model.layers.1.mlp.down_proj.weight"],
+                       sd["model.layers.1.mlp.down_proj.weight"].bfloat16().float())
+    want_q = unpermute_qk(torch.from_numpy(dequantize(raw["model.layers.0.self_attn.q_proj.weight"][0], T.Q8_0)), 4)
+    assert torch.equal(got["model.layers.0.self_attn.q_proj.weight"], want_q)
+    assert 0 < (want_q - q).abs().max() <= q.abs().max() / 127  # Q8_0: within a step of 1/127 of the row max
+    want_k = torch.from_numpy(dequantize(raw["model.layers.1.mlp.up_proj.weight"][0], T.Q4_K))
+    assert want_k.shape == (64, 256) and torch.isfinite(want_k).all() and want_k.abs().max() > 0
+    assert torch.equal(got["model.layers.1.mlp.up_proj.weight"], want_k)
+    assert torch.equal(got["model.layers.1.self_attn.o_proj.weight"], sd["model.layers.1.self_attn.o_proj.weight"])
+
+
+def test_gguf_tensor_type_gguf_cannot_dequantize_is_named(tmp_path, tiny_hf_config):
+    """Q8_1 (llama.cpp's activation type) has no dequantizer in the gguf package (0.19)."""
+    cfg, model = _tiny(tiny_hf_config, "llama2", hidden_size=64, intermediate_size=64)
+    block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1]  # 32 values in 40 bytes
+    raw = {"model.layers.1.mlp.up_proj.weight": (np.zeros((64, 64 // block * nbytes), np.uint8),
+                                                 gguf.GGMLQuantizationType.Q8_1)}
+    path = tmp_path / "q81.gguf"
+    write_gguf(path, "llama", cfg, model.state_dict(), quantize=False, raw=raw)
+    with pytest.raises(ValueError, match=r"q81\.gguf: tensor 'blk\.1\.ffn_up\.weight' is stored as Q8_1, which "
+                                         r"the gguf package \(.*\) cannot dequantize \(it can: F32, F16, .*Q8_0.*Q4_K"
+                                         r".*BF16.*\); re-export the model as F16, BF16, F32 or Q8_0"):
+        chronicals.load_model(path, tokenizer=False)

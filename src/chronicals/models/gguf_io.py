@@ -150,15 +150,52 @@ def gguf_config(reader, source: str = "gguf") -> dict:
     return cfg
 
 
-def gguf_state_dict(reader, cfg: dict, source: str = "gguf") -> dict[str, torch.Tensor]:
-    """Every tensor of the file, dequantized to float32, under HF names, Q/K rows un-permuted."""
+def dequantizable_types() -> list[str]:
+    """The GGML tensor types the installed ``gguf`` package can dequantize, probed on one zero block each.
+
+    With gguf 0.19 that is every type but Q8_1 and Q8_K (llama.cpp's activation types, not found in model
+    files), Q1_0, F64 and the integer types I8..I64."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
 
+    ok = []
+    for qtype in GGMLQuantizationType:
+        block, nbytes = GGML_QUANT_SIZES[qtype]
+        try:
+            dequantize(np.zeros(nbytes, dtype=np.uint8), qtype)
+        except NotImplementedError:
+            continue
+        except Exception:  # some other complaint about the zero block: the type itself is implemented
+            pass
+        ok.append(qtype.name)
+    return ok
+
+
+def _dequantize(t, source: str) -> np.ndarray:
+    """One reader tensor -> float32 array (rows, cols), or a ValueError naming the file, tensor and type."""
+    from gguf.quants import dequantize
+
+    try:
+        arr = dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        from importlib.metadata import version
+
+        raise ValueError(
+            f"{source}: tensor {t.name!r} is stored as {t.tensor_type.name}, which the gguf package "
+            f"({version('gguf')}) "
+            f"cannot dequantize (it can: {', '.join(dequantizable_types())}); re-export the model as F16, BF16, "
+            "F32 or Q8_0 (llama.cpp: convert_hf_to_gguf.py --outtype f16, or llama-quantize to Q8_0), or load "
+            "its Hugging Face safetensors release instead") from None
+    return np.asarray(arr, dtype=np.float32)
+
+
+def gguf_state_dict(reader, cfg: dict, source: str = "gguf") -> dict[str, torch.Tensor]:
+    """Every tensor of the file, dequantized to float32, under HF names, Q/K rows un-permuted."""
     permuted = SUPPORTED_GGUF_ARCHS[_field(reader, "general.architecture")][1]
     out = {}
     for t in reader.tensors:
         name = hf_name(t.name, source)
-        arr = dequantize(t.data, t.tensor_type)  # (rows, cols) float32; GGUF lists shapes reversed
+        arr = _dequantize(t, source)  # (rows, cols) float32; GGUF lists shapes reversed
         w = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(  # a copy: F32 data is a read-only mmap
             tuple(int(s) for s in reversed(t.shape)))
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
