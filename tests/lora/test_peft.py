@@ -133,3 +133,16 @@ def test_load_names_a_damaged_weights_file(tmp_path, damage):
     with pytest.raises(ValueError, match=rf"{wpath}: cannot read this safetensors file .*truncated or corrupt.*"
                                          "copy or download it again"):
         load_adapter(tiny_model(), tmp_path / "a")
+
+
+@pytest.mark.parametrize("text,match", [('{"r": 2,\n "lora_alpha": }', r":2: invalid JSON \(Expecting value\)"),
+                                        ("[1, 2]", "expected a JSON object"),
+                                        ('{"r": 2}', "missing field.s. lora_alpha, target_modules")])
+def test_bad_adapter_config_names_the_file(tmp_path, text, match):
+    ours = tiny_model()
+    apply_lora(ours, r=2, alpha=4, target_modules=["q_proj"])
+    save_adapter(ours, tmp_path / "a")
+    cfg_path = tmp_path / "a" / "adapter_config.json"
+    cfg_path.write_text(text)
+    with pytest.raises(ValueError, match=rf"{cfg_path}{'' if match.startswith(':') else ': '}{match}"):
+        load_adapter(tiny_model(), tmp_path / "a")

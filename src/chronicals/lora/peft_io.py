@@ -79,7 +79,17 @@ def read_adapter_config(adapter_dir) -> dict:
     path = Path(adapter_dir) / CONFIG_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found; a PEFT adapter directory holds {CONFIG_NAME} and {WEIGHTS_NAME}")
-    cfg = json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg}); fix the file, or save the adapter "
+                         "again (save_adapter / PEFT's save_pretrained)") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: expected a JSON object of LoRA settings, found {type(cfg).__name__}")
+    missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in cfg]
+    if missing:
+        raise ValueError(f"{path}: missing field(s) {', '.join(missing)}; a PEFT LoRA adapter_config.json has "
+                         "r, lora_alpha and target_modules")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{path}: peft_type={cfg['peft_type']!r}; only LORA adapters can be loaded")
     for key, default in _UNSUPPORTED.items():
