@@ -110,7 +110,16 @@ class ModelConfig:
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {d['hidden_act']!r} is not supported (SwiGLU needs 'silu')")
         extra = {k: v for k, v in d.items() if k not in known and k not in ("rope_parameters", "rope_scaling")}
-        return cls(**known, extra=extra)
+        cfg = cls(**known, extra=extra)
+        try:  # the rope parameters are checked here, where the file is known, not at the first forward
+            rope_inv_freq(cfg)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}; chronicals cannot load this model (its rotary positions would "
+                             "differ from transformers')") from None
+        except KeyError as e:
+            raise ValueError(f"{source}: rope_parameters of rope_type {rope.get('rope_type', rope.get('type'))!r} "
+                             f"lacks field {e.args[0]!r}") from None
+        return cfg
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
