@@ -66,6 +66,17 @@ def _field(record: dict, name: str, fmt: str, kinds=(str,)):
     if not isinstance(value, kinds):
         want = " or ".join(k.__name__ for k in kinds)
         raise FormatError(f"field {name!r} is a {type(value).__name__}, expected {want}")
+    return _check_text(value, f"field {name!r}") if isinstance(value, str) else value
+
+
+def _check_text(value: str, name: str) -> str:
+    """``value`` if it encodes as UTF-8; a lone surrogate (JSON "\\ud800" without its pair) does not, and the
+    tokenizer would raise a TypeError about its input type far from the record."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise FormatError(f"{name} is not valid Unicode (lone surrogate {value[e.start]!r} at character "
+                          f"{e.start}); expected text (a \\ud800-\\udfff escape must be half of a pair)") from None
     return value
 
 
@@ -89,6 +100,7 @@ def _messages(items: list, role_key: str, content_key: str, roles: dict | None, 
         role, content = m[role_key], m[content_key]
         if not isinstance(content, str):
             raise FormatError(f"{field}[{j}].{content_key} is a {type(content).__name__}, expected a string")
+        _check_text(content, f"{field}[{j}].{content_key}")
         if roles is not None:
             if role not in roles:
                 raise FormatError(f"{field}[{j}].{role_key} is {role!r}; expected one of {sorted(roles)}")
@@ -114,6 +126,7 @@ def to_example(record: dict, fmt: str, has_chat_template: bool) -> Example:
         extra = record.get("input") or ""
         if not isinstance(extra, str):
             raise FormatError(f"field 'input' is a {type(extra).__name__}, expected a string")
+        _check_text(extra, "field 'input'")
         if has_chat_template:
             user = instruction + ("\n\n" + extra if extra else "")
             return Example(messages=[{"role": "user", "content": user},

@@ -8,14 +8,19 @@ entry, and the caller decides to fail or skip (``on_error``).
 
 from __future__ import annotations
 
+import codecs
 import csv
 import hashlib
+import io
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+# json (C scanner and Python fallback alike) recurses once per nesting level and raises RecursionError near
+# Python's limit of 1000; a record nested that deep is not training data
+NESTED = "nested too deeply (JSON arrays/objects more than ~1000 levels deep)"
 
 
 @dataclass
@@ -44,12 +49,19 @@ def resolve_files(paths) -> list[Path]:
                 raise DataError(f"{p}: unsupported file type {p.suffix!r} (expected one of {', '.join(SUFFIXES)})")
             files.append(p)
         elif (p / "dataset_dict.json").exists():
-            splits = json.loads((p / "dataset_dict.json").read_text()).get("splits", [])
+            splits = _json_object(p / "dataset_dict.json").get("splits", [])
+            if not isinstance(splits, list):
+                splits = []
             raise DataError(f"{p}: a datasets DatasetDict (splits {splits}); pass one split's directory, "
                             f"e.g. {p / (splits[0] if splits else 'train')}")
         elif (p / "state.json").exists():
-            state = json.loads((p / "state.json").read_text())
-            names = [f["filename"] for f in state.get("_data_files", [])]
+            state = _json_object(p / "state.json")
+            entries = state.get("_data_files", [])
+            if not (isinstance(entries, list) and all(isinstance(f, dict) and isinstance(f.get("filename"), str)
+                                                      for f in entries)):
+                raise DataError(f"{p / 'state.json'}: '_data_files' must list {{'filename': str}} objects (a "
+                                "datasets.save_to_disk directory); the file is damaged: save the dataset again")
+            names = [f["filename"] for f in entries]
             if not names:
                 raise DataError(f"{p}/state.json: no '_data_files' listed (expected a datasets.save_to_disk directory)")
             files += [p / n for n in names]
@@ -62,35 +74,78 @@ def resolve_files(paths) -> list[Path]:
     return files
 
 
+def _json_object(path: Path) -> dict:
+    """A small JSON file that must hold one object (state.json, dataset_dict.json)."""
+    try:
+        obj = json.loads(_decode(path, path.read_bytes()))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno}); expected a JSON "
+                        "object") from None
+    except RecursionError:
+        raise DataError(f"{path}: {NESTED}; expected a JSON object") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{path}: a JSON {type(obj).__name__}, expected an object")
+    return obj
+
+
 def file_digest(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def read_file(path: Path) -> list[Record]:
-    """All records of one file, in order."""
-    if path.suffix == ".jsonl":
-        return _read_jsonl(path, path.read_text(encoding="utf-8"))
-    if path.suffix == ".json":
+    """All records of one file, in order. Text files are UTF-8, a leading byte-order mark is ignored."""
+    kind = path.suffix.lower()
+    if kind == ".jsonl":
+        return _read_jsonl(path, path.read_bytes())
+    if kind == ".json":
         return _read_json(path)
-    if path.suffix == ".csv":
+    if kind == ".csv":
         return _read_csv(path)
     return _read_arrow(path)  # .parquet, .arrow
 
 
-def _read_jsonl(path: Path, text: str) -> list[Record]:
+def _not_utf8(e: UnicodeDecodeError, offset: int) -> str:
+    return (f"not valid UTF-8 at byte {offset + e.start} ({e.reason}: {e.object[e.start:e.start + 4]!r}); "
+            "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE > NEW)")
+
+
+def _decode(path: Path, data: bytes) -> str:
+    """The text of a whole file (.json, .csv); a byte that is not UTF-8 fails with its line and offset."""
+    bom = 3 if data.startswith(codecs.BOM_UTF8) else 0  # Excel and Notepad write one; utf-8-sig semantics
+    try:
+        return data[bom:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, bom + e.start) + 1
+        raise DataError(f"{path}:{line}: {_not_utf8(e, bom)}") from None
+
+
+def _read_jsonl(path: Path, data: bytes) -> list[Record]:
+    """JSON lines from the file's bytes; each line is decoded alone, so a line that is not UTF-8 is one bad
+    record (skipped and counted under on_error=skip) rather than the whole file."""
     out = []
+    offset = 3 if data.startswith(codecs.BOM_UTF8) else 0
     # split on "\n" only: str.splitlines also breaks at U+2028, U+2029 and U+0085, which JSON allows
-    # unescaped inside strings (json.dumps(..., ensure_ascii=False) writes them raw); "\r" is JSON whitespace
-    for i, line in enumerate(text.split("\n"), 1):
+    # unescaped inside strings (json.dumps(..., ensure_ascii=False) writes them raw); "\r" is JSON whitespace.
+    # b"\n" never occurs inside a multi-byte UTF-8 sequence, so splitting the bytes is safe.
+    for i, raw in enumerate(data[offset:].split(b"\n"), 1):
+        where = f"{path}:{i}"
+        start, offset = offset, offset + len(raw) + 1
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            out.append(Record(where, None, _not_utf8(e, start)))
+            continue
         if not line.strip():
             continue
-        where = f"{path}:{i}"
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             out.append(Record(where, None, f"invalid JSON ({e.msg} at column {e.colno}); "
                                            "expected one JSON object per line"))
+            continue
+        except RecursionError:
+            out.append(Record(where, None, f"{NESTED}; expected one JSON object per line"))
             continue
         if not isinstance(obj, dict):
             out.append(Record(where, None, f"a JSON {type(obj).__name__}, expected a JSON object per line"))
@@ -101,13 +156,12 @@ def _read_jsonl(path: Path, text: str) -> list[Record]:
 
 def _read_json(path: Path) -> list[Record]:
     """A JSON array of objects (each record located by its line), or JSON lines saved as .json."""
-    text = path.read_text(encoding="utf-8")
+    data = path.read_bytes()
+    if not data.lstrip(codecs.BOM_UTF8 + b" \t\r\n").startswith(b"["):
+        return _read_jsonl(path, data)  # {...}\n{...}: JSON lines under a .json name (or empty)
+    text = _decode(path, data)
     dec = json.JSONDecoder()
     i = len(text) - len(text.lstrip())
-    if i == len(text):
-        return []
-    if text[i] != "[":
-        return _read_jsonl(path, text)  # {...}\n{...}: JSON lines under a .json name
     out, line, last = [], 1, 0
     i += 1
     while True:
@@ -127,6 +181,10 @@ def _read_json(path: Path) -> list[Record]:
             out.append(Record(f"{path}:{e.lineno}", None, f"invalid JSON ({e.msg} at column {e.colno}); "
                                                            "expected a JSON array of objects (reading stops here)"))
             return out
+        except RecursionError:
+            out.append(Record(f"{path}:{line}", None, f"{NESTED}; expected a JSON array of objects (reading "
+                                                       "stops here)"))
+            return out
         if isinstance(obj, dict):
             out.append(Record(f"{path}:{line}", obj))
         else:
@@ -134,10 +192,12 @@ def _read_json(path: Path) -> list[Record]:
 
 
 def _read_csv(path: Path) -> list[Record]:
+    """Rows of a CSV file with a header line. strict: a field opened with a quote and never closed would
+    otherwise swallow every later row into one cell, silently."""
     out = []
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        start = 2  # line 1 is the header
+    reader = csv.DictReader(io.StringIO(_decode(path, path.read_bytes()), newline=""), strict=True)
+    start = 2  # line 1 is the header
+    try:
         for row in reader:
             where = f"{path}:{start}"
             start = reader.line_num + 1
@@ -146,6 +206,13 @@ def _read_csv(path: Path) -> list[Record]:
                                                f"{len(reader.fieldnames)} (the header's columns)"))
                 continue
             out.append(Record(where, {k: v for k, v in row.items()}))
+    except csv.Error as e:
+        if "end of data" in str(e):  # EOF inside a quoted field
+            raise DataError(f"{path}:{start}: unclosed quote: a field of the row starting here opens a '\"' that "
+                            "is never closed, so every later line would be read into it; close the quote (write a "
+                            "quote inside a quoted field as \"\")") from None
+        raise DataError(f"{path}:{reader.line_num}: malformed CSV ({e}); expected comma-separated fields, "
+                        "quoted fields closed by '\"' right before the comma or line end") from None
     return out
 
 
@@ -155,13 +222,18 @@ def _read_arrow(path: Path) -> list[Record]:
         import pyarrow.parquet as pq
     except ImportError as e:
         raise DataError(f"{path}: reading {path.suffix} files needs pyarrow; pip install 'chronicals[data]'") from e
-    if path.suffix == ".parquet":
-        table = pq.read_table(path)
-    else:  # datasets writes the arrow IPC streaming format; plain IPC files are accepted too
-        try:
-            with pa.memory_map(str(path)) as src:
-                table = pa.ipc.open_stream(src).read_all()
-        except pa.ArrowInvalid:
-            with pa.memory_map(str(path)) as src:
-                table = pa.ipc.open_file(src).read_all()
+    kind = path.suffix[1:].lower()
+    try:
+        if kind == "parquet":
+            table = pq.read_table(path)
+        else:  # datasets writes the arrow IPC streaming format; plain IPC files are accepted too
+            try:
+                with pa.memory_map(str(path)) as src:
+                    table = pa.ipc.open_stream(src).read_all()
+            except pa.ArrowInvalid:
+                with pa.memory_map(str(path)) as src:
+                    table = pa.ipc.open_file(src).read_all()
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not a readable {kind} file ({type(e).__name__}: {e}); it is damaged or not "
+                        f"{kind}: write it again, or remove it from the data") from None
     return [Record(f"{path}:row {i + 1}", row) for i, row in enumerate(table.to_pylist())]

@@ -1,7 +1,8 @@
 """Held-out questions: read them, turn them into chat records, answer them greedily, score keywords.
 
-A held-out file holds one JSON object per line: {"question": str, "answer": str, "keywords": [str]}.
-An answer counts as right when it contains every keyword (case-insensitive).
+A held-out file holds one JSON object per line (.jsonl) or a JSON array (.json) of
+{"question": str, "answer": str, "keywords": [str] (optional)}. An answer counts as right when it contains
+every keyword (case-insensitive); without keywords, the reference answer's whole text is the keyword.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..config import DEMO
+from ..data.readers import DataError, read_file
 
 
 @dataclass
@@ -35,21 +37,68 @@ def demo_file(name: str) -> Path:
 
 
 def read_qa(path: str | Path) -> list[dict] | None:
-    """The held-out questions of ``path`` ('demo' = packaged), or None if its records are not QA records."""
+    """The held-out questions of ``path`` ('demo' = packaged), or None if its records are not QA records.
+
+    A QA file is JSON lines (.jsonl) or a JSON array (.json) of
+    ``{"question": str, "answer": str, "keywords": [str, ...]}``; ``keywords`` is optional: without it (or
+    with an empty list) the answer's whole text is the one keyword, so a generated answer is right when it
+    contains the reference answer (case-insensitive). Returns the records with ``keywords`` filled in.
+    None (not QA: the caller reads the file as ordinary held-out data) when no record has a "question"
+    or the file has no records. Raises DataError ``file:line: ...`` for a malformed line or field, and for
+    a file that mixes QA records with other records.
+    """
     p = demo_file("heldout.jsonl") if str(path) == DEMO else Path(path)
-    if p.suffix != ".jsonl" or not p.is_file():
+    if p.suffix.lower() not in (".jsonl", ".json") or not p.is_file():
         return None
-    out = []
-    for i, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        rec = json.loads(line)
-        if not isinstance(rec, dict) or "question" not in rec:
-            return None
-        if "answer" not in rec or not isinstance(rec.get("keywords", []), list):
-            raise ValueError(f"{p}:{i}: a held-out record needs 'question', 'answer' and a 'keywords' list")
-        out.append(rec)
-    return out
+    records = read_file(p)
+    good = [r for r in records if r.data is not None]
+    qa = [r for r in good if "question" in r.data]
+    if not qa:
+        return None
+    other = next((r for r in good if "question" not in r.data), None)
+    if other is not None:
+        raise DataError(f"{other.where}: a record without 'question' in a held-out QA file (QA record at "
+                        f"{qa[0].where}); a held-out file holds QA records only, or chat/text records only")
+    bad = next((r for r in records if r.data is None), None)
+    if bad is not None:
+        raise DataError(f"{bad.where}: {bad.error}")
+    return [_qa_record(r.data, r.where) for r in qa]
+
+
+QA_EXPECTED = 'expected {"question": str, "answer": str, "keywords": [str, ...] (optional)}'
+
+
+def _qa_text(rec: dict, key: str, where: str) -> str:
+    if key not in rec:
+        raise DataError(f"{where}: missing field {key!r}; {QA_EXPECTED}")
+    v = rec[key]
+    if v is None or not isinstance(v, str):
+        what = "null" if v is None else f"a {type(v).__name__}, expected a string"
+        raise DataError(f"{where}: {key!r} is {what}; {QA_EXPECTED}")
+    if not v.strip():
+        raise DataError(f"{where}: {key!r} is empty; {QA_EXPECTED}")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{where}: {key!r} is not valid Unicode (lone surrogate {v[e.start]!r} at character "
+                        f"{e.start}); {QA_EXPECTED}") from None
+    return v
+
+
+def _qa_record(rec: dict, where: str) -> dict:
+    question, ans = _qa_text(rec, "question", where), _qa_text(rec, "answer", where)
+    kws = rec.get("keywords")
+    if kws is None or kws == []:
+        kws = [ans.strip()]  # an empty list would make every answer right (all() over nothing)
+    want = "expected a list of non-empty strings (or no 'keywords': the answer's text is the keyword)"
+    if not isinstance(kws, list):
+        raise DataError(f"{where}: 'keywords' is a {type(kws).__name__}, {want}")
+    for j, k in enumerate(kws):
+        if not isinstance(k, str):
+            raise DataError(f"{where}: keywords[{j}] is a {type(k).__name__}, {want}")
+        if not k.strip():
+            raise DataError(f"{where}: keywords[{j}] is empty, {want}")
+    return {"question": question, "answer": ans, "keywords": kws}
 
 
 def chat_messages(question: str, system_prompt: str, answer: str | None = None) -> list[dict]:
@@ -140,5 +189,7 @@ def answer_many(model, tokenizer, questions: list[str], system_prompt: str, max_
 
 def answer_all(model, tokenizer, qa: list[dict], system_prompt: str, max_new_tokens: int) -> QAResult:
     answers = answer_many(model, tokenizer, [r["question"] for r in qa], system_prompt, max_new_tokens)
-    correct = [all(k.lower() in a.lower() for k in r.get("keywords", [])) for r, a in zip(qa, answers)]
+    # no keywords is never right: all() over an empty list would count every answer, even an empty one
+    correct = [bool(kw := r.get("keywords")) and all(k.lower() in a.lower() for k in kw)
+               for r, a in zip(qa, answers)]
     return QAResult(answers, correct)

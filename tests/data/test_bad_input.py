@@ -1,0 +1,105 @@
+"""Inputs a user walk found to crash or mislead: each must be a DataError naming file, line and field."""
+
+import json
+
+import pytest
+
+from chronicals.data import DataError, load_dataset
+from chronicals.data.readers import read_file, resolve_files
+
+
+def load(path, tokenizer, **kw):
+    return load_dataset(path, tokenizer, **{"max_seq_len": 64, **kw})
+
+
+def test_lone_surrogate_is_named(tokenizer, tmp_path):
+    p = tmp_path / "s.jsonl"
+    p.write_text('{"text": "fine"}\n{"text": "a\\ud800b"}\n')  # a JSON escape of half a surrogate pair
+    with pytest.raises(DataError, match=rf"^{p}:2: field 'text' is not valid Unicode \(lone surrogate "
+                                        r"'\\ud800' at character 1\)"):
+        load(p, tokenizer)
+    p.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\\udfffx"}]}\n')
+    with pytest.raises(DataError, match=rf"^{p}:1: messages\[1\].content is not valid Unicode \(lone surrogate"):
+        load(p, tokenizer)
+
+
+def test_deeply_nested_json_is_a_record_error(tmp_path):
+    deep = '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    p = tmp_path / "deep.jsonl"
+    p.write_text('{"text": "ok"}\n' + deep + "\n")
+    recs = read_file(p)
+    assert recs[0].data == {"text": "ok"}
+    assert recs[1].where == f"{p}:2" and recs[1].data is None and "nested too deeply" in recs[1].error
+    q = tmp_path / "deep.json"
+    q.write_text('[\n{"text": "ok"},\n' + deep + "\n]")
+    recs = read_file(q)
+    assert recs[1].where == f"{q}:3" and "nested too deeply" in recs[1].error
+
+
+def test_dataset_dict_and_state_json_that_are_not_mappings(tmp_path):
+    dd = tmp_path / "dd"
+    dd.mkdir()
+    (dd / "dataset_dict.json").write_text("[1, 2]")
+    with pytest.raises(DataError, match=rf"{dd / 'dataset_dict.json'}: a JSON list, expected an object"):
+        resolve_files(dd)
+    (dd / "dataset_dict.json").write_text("{bad")
+    with pytest.raises(DataError, match=rf"{dd / 'dataset_dict.json'}:1: invalid JSON"):
+        resolve_files(dd)
+    sv = tmp_path / "sv"
+    sv.mkdir()
+    (sv / "state.json").write_text('{"_data_files": [\n{"filename": 3}]}')
+    with pytest.raises(DataError, match=rf"{sv / 'state.json'}: '_data_files' must list"):
+        resolve_files(sv)
+    (sv / "state.json").write_text('{"_data_files": [\n{"filename": }]}')
+    with pytest.raises(DataError, match=rf"{sv / 'state.json'}:2: invalid JSON"):
+        resolve_files(sv)
+
+
+def test_garbage_arrow_names_the_file(tmp_path):
+    pytest.importorskip("pyarrow")
+    for name in ("x.arrow", "y.parquet"):
+        p = tmp_path / name
+        p.write_bytes(b"garbage")
+        with pytest.raises(DataError, match=rf"^{p}: not a readable {p.suffix[1:]} file"):
+            read_file(p)
+
+
+def test_not_utf8_names_file_line_and_byte(tokenizer, tmp_path):
+    d = tmp_path / "dir"
+    d.mkdir()
+    (d / "a.jsonl").write_text('{"text": "fine"}\n')
+    p = d / "b.jsonl"
+    p.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n{"text": "also ok"}\n')
+    with pytest.raises(DataError, match=rf"^{p}:2: not valid UTF-8 at byte 28 \(invalid continuation byte.*"
+                                        r"re-encode the file as UTF-8"):
+        load(d, tokenizer)
+    ds = load(d, tokenizer, on_error="skip")  # one bad line is one bad record
+    assert len(ds) == 3 and ds.stats.skipped_errors == 1
+    for name, body in (("c.csv", b"text\nfine\ncaf\xe9\n"), ("c.json", b'[\n{"text": "ok"},\n{"text": "\xe9"}]')):
+        q = tmp_path / name
+        q.write_bytes(body)
+        with pytest.raises(DataError, match=rf"^{q}:3: not valid UTF-8 at byte"):
+            load(q, tokenizer, on_error="skip")
+
+
+def test_byte_order_mark_is_ignored(tokenizer, tmp_path):
+    bom = b"\xef\xbb\xbf"
+    rows = {"c.csv": b"instruction,output\r\nAdd 2 and 2,4\r\n",
+            "j.jsonl": b'{"instruction": "Add 2 and 2", "output": "4"}\n',
+            "a.json": b'[{"instruction": "Add 2 and 2", "output": "4"}]'}
+    for name, body in rows.items():
+        p = tmp_path / name
+        p.write_bytes(bom + body)
+        recs = read_file(p)
+        assert [r.data for r in recs] == [{"instruction": "Add 2 and 2", "output": "4"}], name
+        assert recs[0].where == f"{p}:2" if name == "c.csv" else f"{p}:1"
+        assert len(load(p, tokenizer, on_error="skip")) == 1
+
+
+def test_csv_unclosed_quote(tokenizer, tmp_path):
+    p = tmp_path / "q.csv"
+    p.write_text("text\nrow a\n\"Quoted start but never closed\n" + "".join(f"row {i}\n" for i in range(100)))
+    with pytest.raises(DataError, match=rf"^{p}:3: unclosed quote: .*close the quote"):
+        load(p, tokenizer, on_error="skip")
+    p.write_text('text\n"a ""quoted"" word, and a\nnewline"\nplain\n')  # valid quoting still reads
+    assert [r.data["text"] for r in read_file(p)] == ['a "quoted" word, and a\nnewline', "plain"]

@@ -1,0 +1,67 @@
+"""Held-out QA files: validation with file:line, formats, and scoring (no model: answers are given)."""
+
+import json
+
+import pytest
+
+from chronicals.data import DataError
+from chronicals.train import qa as qa_mod
+
+
+def write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_keywords_must_be_non_empty_strings(tmp_path):
+    ok = {"question": "Capital of France?", "answer": "Paris", "keywords": ["paris"]}
+    for bad, what in (([1789], r"keywords\[0\] is a int"), ("paris", "'keywords' is a str"),
+                      ([""], r"keywords\[0\] is empty")):
+        p = write(tmp_path / "q.jsonl", [ok, {**ok, "keywords": bad}])
+        with pytest.raises(DataError, match=rf"^{p}:2: {what}.*expected a list of non-empty strings"):
+            qa_mod.read_qa(p)
+    for bad, what in ((5, "'answer' is a int"), (None, "'answer' is null"), ("", "'answer' is empty")):
+        p = write(tmp_path / "q.jsonl", [{**ok, "answer": bad}])
+        with pytest.raises(DataError, match=rf"^{p}:1: {what}"):
+            qa_mod.read_qa(p)
+    p = write(tmp_path / "q.jsonl", [{**ok, "question": ["x"]}])
+    with pytest.raises(DataError, match=rf"^{p}:1: 'question' is a list, expected a string"):
+        qa_mod.read_qa(p)
+
+
+def score(monkeypatch, qa, answers):
+    monkeypatch.setattr(qa_mod, "answer_many", lambda *a, **k: list(answers))
+    return qa_mod.answer_all(None, None, qa, "", 8).correct
+
+
+def test_missing_keywords_default_to_the_answer(tmp_path, monkeypatch):
+    p = write(tmp_path / "q.jsonl", [{"question": "Capital of Atlantis?", "answer": "Zorblax"},
+                                     {"question": "2+2?", "answer": "4", "keywords": []}])
+    qa = qa_mod.read_qa(p)
+    assert [r["keywords"] for r in qa] == [["Zorblax"], ["4"]]
+    assert score(monkeypatch, qa, ["", "four"]) == [False, False]  # an empty answer is never right
+    assert score(monkeypatch, qa, ["It is zorblax.", "2+2=4"]) == [True, True]  # case-insensitive
+    # a record given to answer_all without keywords (not through read_qa) is never counted right
+    assert score(monkeypatch, [{"question": "q", "answer": "a"}], ["anything"]) == [False]
+
+
+def test_json_errors_bom_and_json_arrays(tmp_path):
+    p = tmp_path / "q.jsonl"
+    p.write_text('{"question": "a?", "answer": "b"}\n{bad json}\n')
+    with pytest.raises(DataError, match=rf"^{p}:2: invalid JSON \(Expecting property name"):
+        qa_mod.read_qa(p)
+    p.write_bytes(b"\xef\xbb\xbf" + json.dumps({"question": "a?", "answer": "b"}).encode() + b"\n")
+    assert qa_mod.read_qa(p) == [{"question": "a?", "answer": "b", "keywords": ["b"]}]
+    q = tmp_path / "q.json"
+    q.write_text(json.dumps([{"question": "a?", "answer": "b", "keywords": ["B"]}], indent=1))
+    assert qa_mod.read_qa(q) == [{"question": "a?", "answer": "b", "keywords": ["B"]}]
+
+
+def test_not_qa_empty_and_mixed_files(tmp_path):
+    chat = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}
+    assert qa_mod.read_qa(write(tmp_path / "c.jsonl", [chat])) is None  # plain held-out data
+    (tmp_path / "e.jsonl").write_text("\n")
+    assert qa_mod.read_qa(tmp_path / "e.jsonl") is None  # load_dataset reports the empty file by name
+    p = write(tmp_path / "m.jsonl", [{"question": "a?", "answer": "b"}, chat])
+    with pytest.raises(DataError, match=rf"^{p}:2: a record without 'question' in a held-out QA file"):
+        qa_mod.read_qa(p)
