@@ -292,3 +292,14 @@ def test_gguf_tensor_type_gguf_cannot_dequantize_is_named(tmp_path, tiny_hf_conf
                                          r"the gguf package \(.*\) cannot dequantize \(it can: F32, F16, .*Q8_0.*Q4_K"
                                          r".*BF16.*\); re-export the model as F16, BF16, F32 or Q8_0"):
         chronicals.load_model(path, tokenizer=False)
+
+
+def test_gguf_without_tokenizer_metadata_names_the_file(tmp_path, tiny_hf_config):
+    """write_gguf writes no tokenizer.ggml.* keys: the weights load, the tokenizer is refused by file name."""
+    cfg, model = _tiny(tiny_hf_config, "llama2")
+    path = tmp_path / "notok.gguf"
+    write_gguf(path, "llama", cfg, model.state_dict(), quantize=False)
+    with pytest.raises(FileNotFoundError, match=rf"{path}: this GGUF file has no tokenizer metadata "
+                                                r"\(tokenizer\.ggml\.\*\).*load_model\(\.\.\., tokenizer=False\)"):
+        chronicals.load_model(path)
+    assert chronicals.load_model(path, tokenizer=False)[1] is None

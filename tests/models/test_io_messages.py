@@ -29,3 +29,27 @@ def test_unsupported_rope_names_config_json(tmp_path, tiny_hf_config, rope, matc
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=rf"{out / 'config.json'}: {match}"):
         chronicals.load_model(out, tokenizer=False)
+
+
+def _word_tokenizer():
+    """A tokenizer built here (no hub): three words, no chat template."""
+    import transformers
+    from tokenizers import Tokenizer, models
+
+    vocab = {"<unk>": 0, "</s>": 1, "hi": 2}
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                                                eos_token="</s>")
+
+
+def test_tokenizer_without_chat_template_names_the_model(tmp_path, tiny_hf_config):
+    cfg = tiny_hf_config("llama2")
+    out = chronicals.save_model(CausalLM(ModelConfig.from_hf_dict(cfg)).init_weights(seed=0), _word_tokenizer(),
+                                tmp_path / "notemplate")
+    model, tok = chronicals.load_model(out)
+    assert tok.chronicals_source == str(out)
+    with pytest.raises(ValueError, match=rf"{out}: the tokenizer has no chat template.*use a chat \(instruct\) "
+                                         r"model.*chat_template\.jinja.*data\.format=text"):
+        chronicals.models.chat(model, tok, "hi", max_new_tokens=2)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    chronicals.models.require_chat_template(tok)  # a template: no complaint
+    assert isinstance(chronicals.models.chat(model, tok, "hi", max_new_tokens=2), str)

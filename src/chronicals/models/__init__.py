@@ -4,8 +4,8 @@ from .config import SUPPORTED_MODEL_TYPES, ModelConfig
 from .decoder import IGNORE_INDEX, CausalLM, shift_labels_per_document
 from .generate import generate
 from .gguf_io import SUPPORTED_GGUF_ARCHS, convert_gguf
-from .loading import SHORT_NAMES, chat, load_model, load_tokenizer, save_model
+from .loading import SHORT_NAMES, chat, load_model, load_tokenizer, require_chat_template, save_model
 
 __all__ = ["CausalLM", "IGNORE_INDEX", "ModelConfig", "SHORT_NAMES", "SUPPORTED_GGUF_ARCHS", "SUPPORTED_MODEL_TYPES",
-           "chat", "convert_gguf", "generate", "load_model", "load_tokenizer", "save_model",
-           "shift_labels_per_document"]
+           "chat", "convert_gguf", "generate", "load_model", "load_tokenizer", "require_chat_template",
+           "save_model", "shift_labels_per_document"]

@@ -64,14 +64,38 @@ def hf_dir(path: str | os.PathLike) -> Path:
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """The tokenizer of a model path (transformers AutoTokenizer; the chat template is kept)."""
+    """The tokenizer of a model path (transformers AutoTokenizer; the chat template is kept).
+
+    The returned tokenizer's ``chronicals_source`` is the resolved path given (the .gguf file, not its cache
+    directory), so later errors (``require_chat_template``) can name what the user passed."""
     from transformers import AutoTokenizer
 
-    d = hf_dir(path)
+    p = resolve_path(path)
+    d = cached_gguf_dir(p) if p.is_file() else p
     if not has_tokenizer(d):
+        if p.is_file():  # the conversion writes tokenizer files exactly when the GGUF has tokenizer.ggml.*
+            raise FileNotFoundError(
+                f"{p}: this GGUF file has no tokenizer metadata (tokenizer.ggml.*), so it carries no tokenizer; "
+                "use a GGUF written with its tokenizer (llama.cpp's convert_hf_to_gguf.py writes it) or the "
+                "model's Hugging Face directory (from Python, load_model(..., tokenizer=False) loads the weights "
+                "alone)")
         raise FileNotFoundError(f"{d}: no tokenizer files (tokenizer.json / tokenizer_config.json); copy them from "
                                 "the original model, or call load_model(..., tokenizer=False) for weights only")
-    return AutoTokenizer.from_pretrained(str(d))
+    tok = AutoTokenizer.from_pretrained(str(d))
+    tok.chronicals_source = str(p)
+    return tok
+
+
+def require_chat_template(tokenizer) -> None:
+    """ValueError naming the model when ``tokenizer`` has no chat template (call before apply_chat_template:
+    transformers' own error names neither the model nor a fix)."""
+    if getattr(tokenizer, "chat_template", None):
+        return
+    source = getattr(tokenizer, "chronicals_source", None) or getattr(tokenizer, "name_or_path", None) or "model"
+    raise ValueError(
+        f"{source}: the tokenizer has no chat template, so chat messages cannot be formatted for it; use a chat "
+        "(instruct) model, or add the chat template of the model this one was fine-tuned from (chat_template.jinja "
+        "in a Hugging Face directory); to train on plain text instead, set data.format=text")
 
 
 def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None, device=None, impl: str = "auto",
@@ -85,7 +109,7 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None, dev
     t0 = time.perf_counter()
     d = hf_dir(path)
     model = load_hf_dir(d, dtype=dtype, device=device, impl=impl)
-    tok = load_tokenizer(d) if tokenizer else None
+    tok = load_tokenizer(path) if tokenizer else None  # the path given, so its errors name the .gguf file
     log.info("loaded %s (%.1fM params, %s) in %.1f s", path, model.config.num_params() / 1e6,
              model.lm_head.weight.dtype, time.perf_counter() - t0)
     return model, tok
@@ -104,6 +128,7 @@ def save_model(model: CausalLM, tokenizer, out_dir: str | os.PathLike, *, genera
 
 def chat(model: CausalLM, tokenizer, prompt: str, max_new_tokens: int = 64) -> str:
     """Greedy answer of a chat model to one user message (the tokenizer's chat template applied)."""
+    require_chat_template(tokenizer)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                         return_dict=False)
     out = generate(model, torch.tensor(ids), max_new_tokens, eos_token_id=tokenizer.eos_token_id)
