@@ -53,3 +53,13 @@ def test_tokenizer_without_chat_template_names_the_model(tmp_path, tiny_hf_confi
     tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     chronicals.models.require_chat_template(tok)  # a template: no complaint
     assert isinstance(chronicals.models.chat(model, tok, "hi", max_new_tokens=2), str)
+
+
+@pytest.mark.parametrize("under", ["afile/sub", "afile/sub/deeper"])
+def test_output_under_a_regular_file_says_so(tmp_path, tiny_hf_config, under):
+    model = CausalLM(ModelConfig.from_hf_dict(tiny_hf_config("llama2"))).init_weights(seed=0)
+    (tmp_path / "afile").write_text("a note")
+    with pytest.raises(NotADirectoryError, match=rf"{tmp_path / 'afile'} is a file, not a directory, so "
+                                                 rf"{tmp_path / under} cannot be created under it"):
+        chronicals.save_model(model, None, tmp_path / under)
+    assert (tmp_path / "afile").read_text() == "a note" and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

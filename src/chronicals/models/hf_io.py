@@ -68,6 +68,10 @@ def atomic_dir(out_dir: str | Path, *, replace: bool = True, owned: tuple[str, .
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a directory; choose another output path")
+    parent = next((p for p in out.absolute().parents if p.exists()), None)  # the nearest existing ancestor
+    if parent is not None and not parent.is_dir():  # mkdir would say only "[Errno 17] File exists"
+        raise NotADirectoryError(f"{parent} is a file, not a directory, so {out} cannot be created under it; "
+                                 "choose another output path")
     if owned is not None and replace:
         refuse_foreign_files(out, owned)
     out.parent.mkdir(parents=True, exist_ok=True)
