@@ -1,5 +1,6 @@
-"""Mistral's sliding window: rows up to the window run (full causal attention equals it there); longer
-rows are refused with a message that says what to do, instead of silently computing something else."""
+"""Sliding windows (Mistral: every layer; Qwen2/3: the layers transformers gives one): rows up to the window run
+(full causal attention equals it there); longer rows are refused with a message that says what to do, instead
+of silently computing something else; a model none of whose layers slide has no limit."""
 
 import pytest
 import torch
@@ -33,3 +34,51 @@ def test_packed_rows_are_judged_by_their_longest_document():
 def test_no_window_means_no_limit():
     model = _mistral(None)
     assert model(torch.randint(0, 97, (1, 40))).shape == (1, 40, 97)
+
+
+def _qwen(family, layers=3, **kw):
+    transformers = pytest.importorskip("transformers")
+    cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[family]
+    return cls(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+               num_key_value_heads=2, sliding_window=8, **kw)
+
+
+_QWEN_CASES = [dict(use_sliding_window=False), dict(use_sliding_window=True),  # max_window_layers 28 >= 3 layers
+               dict(use_sliding_window=True, max_window_layers=3), dict(use_sliding_window=True, max_window_layers=2),
+               dict(use_sliding_window=True, max_window_layers=0),
+               dict(use_sliding_window=True, layer_types=["full_attention"] * 3),
+               dict(use_sliding_window=True, max_window_layers=28,
+                    layer_types=["full_attention", "sliding_attention", "full_attention"]),
+               dict(use_sliding_window=False, layer_types=["sliding_attention"] * 3)]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("kw,with_layer_types", [(kw, True) for kw in _QWEN_CASES] +
+                         [(kw, False) for kw in _QWEN_CASES if "layer_types" not in kw])
+def test_qwen_window_follows_transformers_layer_types(family, kw, with_layer_types):
+    """Ours has a window exactly when transformers gives some layer sliding attention (a layer_types entry
+    "sliding_attention" and a non-None config.sliding_window); config.json files written before layer_types
+    existed are judged by use_sliding_window and max_window_layers alone."""
+    hf = _qwen(family, **kw)
+    sliding = hf.sliding_window is not None and "sliding_attention" in hf.layer_types
+    d = hf.to_dict()
+    if not with_layer_types:
+        d.pop("layer_types")
+    cfg = ModelConfig.from_hf_dict(d)
+    assert cfg.sliding_window == (8 if sliding else None)
+    assert cfg.to_hf_dict()["sliding_window"] == d["sliding_window"]  # written back as read
+
+
+def test_qwen_without_sliding_layers_runs_past_the_window():
+    cfg = ModelConfig.from_hf_dict(_qwen("qwen2", use_sliding_window=True, max_window_layers=3).to_dict())
+    model = CausalLM(cfg).init_weights(seed=0)
+    assert model(torch.randint(0, 97, (1, 20))).shape == (1, 20, 97)
+
+
+def test_qwen_with_some_sliding_layers_refuses_neutrally():
+    cfg = ModelConfig.from_hf_dict(_qwen("qwen2", use_sliding_window=True, max_window_layers=2).to_dict())
+    model = CausalLM(cfg).init_weights(seed=0)
+    with pytest.raises(ValueError, match=r"9 tokens is longer than this qwen2 model's sliding_window=8: sequences "
+                                         r"longer than 8 tokens need sliding-window attention.*Keep prompt plus "
+                                         r"generated tokens within 8; for training set data\.max_seq_len <= 8"):
+        model(torch.randint(0, 97, (1, 9)))

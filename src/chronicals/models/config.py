@@ -38,7 +38,9 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2/2.5: bias on q, k, v only
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
-    sliding_window: int | None = None  # Mistral; we attend over the full causal window, so longer rows are refused
+    # the window when at least one layer uses sliding-window attention (Mistral; Qwen2/3 with use_sliding_window),
+    # else None; we attend over the full causal window, so longer rows are refused
+    sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -101,7 +103,7 @@ class ModelConfig:
                 "tie_word_embeddings": d.get("tie_word_embeddings", False),
                 "attention_bias": mt in ("llama", "qwen3") and d.get("attention_bias", False),
                 "qkv_bias": mt == "qwen2", "mlp_bias": d.get("mlp_bias", False), "qk_norm": mt == "qwen3",
-                "sliding_window": d.get("sliding_window") if d.get("use_sliding_window", mt == "mistral") else None,
+                "sliding_window": _sliding_window(d, mt),
                 "bos_token_id": d.get("bos_token_id"), "eos_token_id": d.get("eos_token_id"),
                 "pad_token_id": d.get("pad_token_id"),
             }
@@ -110,6 +112,8 @@ class ModelConfig:
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {d['hidden_act']!r} is not supported (SwiGLU needs 'silu')")
         extra = {k: v for k, v in d.items() if k not in known and k not in ("rope_parameters", "rope_scaling")}
+        if known["sliding_window"] is None and d.get("sliding_window") is not None:
+            extra["sliding_window"] = d["sliding_window"]  # unused by every layer: written back unchanged
         cfg = cls(**known, extra=extra)
         try:  # the rope parameters are checked here, where the file is known, not at the first forward
             rope_inv_freq(cfg)
@@ -144,10 +148,31 @@ class ModelConfig:
         if self.model_type == "qwen2":
             d.pop("attention_bias", None)
         if self.model_type in ("mistral", "qwen2", "qwen3"):
-            d["sliding_window"] = self.sliding_window
+            d["sliding_window"] = self.sliding_window if self.sliding_window is not None else \
+                self.extra.get("sliding_window")
         d["hidden_act"] = "silu"
         d["architectures"] = [_ARCH[self.model_type]]
         return d
+
+
+def _sliding_window(d: dict, model_type: str) -> int | None:
+    """The window of a config.json when at least one layer attends through it, else None; as transformers does.
+
+    Mistral: every layer when ``sliding_window`` is set (its ``layer_types`` is ignored). Qwen2/Qwen3: only with
+    ``use_sliding_window``, and then the layers marked "sliding_attention" in ``layer_types``, or without that
+    list the layers i >= ``max_window_layers`` (default 28), so use_sliding_window=true with max_window_layers >=
+    num_hidden_layers (e.g. 28 of 28) has none. Llama has no sliding window."""
+    window = d.get("sliding_window")
+    if window is None or model_type == "llama":
+        return None
+    if model_type == "mistral":
+        return window
+    if not d.get("use_sliding_window", False):
+        return None
+    layer_types = d.get("layer_types")
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    return window if d.get("max_window_layers", 28) < d["num_hidden_layers"] else None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:

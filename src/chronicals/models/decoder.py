@@ -364,14 +364,17 @@ class CausalLM(nn.Module):
         return self.model(input_ids, position_ids, cu_seqlens, max_seqlen, kv_caches)
 
     def _check_sliding_window(self, seqlen: int) -> None:
-        """Mistral-style sliding-window attention equals full causal attention up to the window; past it we
-        would compute something else, so refuse (a host-side int check: no device sync)."""
+        """Sliding-window attention (in every layer for Mistral, in some for Qwen2/3) equals full causal attention
+        up to the window; past it we would compute something else, so refuse (a host-side int check: no device
+        sync). The message serves chat and generation as well as training."""
         w = self.config.sliding_window
         if w is not None and seqlen > w:
             raise ValueError(
                 f"a sequence of {seqlen} tokens is longer than this {self.config.model_type} model's sliding_window="
-                f"{w}; chronicals attends over the full causal window, which differs from sliding-window attention "
-                f"past {w} tokens. Use data.max_seq_len <= {w} (or documents of at most {w} tokens).")
+                f"{w}: sequences longer than {w} tokens need sliding-window attention, which chronicals does not "
+                f"implement (it attends over the full causal window, which differs past {w} tokens). Keep prompt "
+                f"plus generated tokens within {w}; for training set data.max_seq_len <= {w} (or use documents of "
+                f"at most {w} tokens).")
 
     def forward(self, input_ids, *, position_ids=None, cu_seqlens=None, max_seqlen=None, labels=None,
                 shift_labels=None, reduction: str = "mean", kv_caches=None, num_loss_tokens: int | None = None):
