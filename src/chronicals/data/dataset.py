@@ -6,11 +6,8 @@ ids (T,) int32, trainable (T,) bool, offsets (n + 1,) int64; document i is ids[o
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
@@ -19,12 +16,12 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from . import cache as cache_mod
 from .formats import FORMATS, FormatError, detect_format, to_example
-from .readers import DataError, Record, file_digest, read_file, resolve_files
+from .readers import DataError, Record, read_file, resolve_files
 from .tokenize import check_tokenizer, encode, has_generation_markers
 
 log = logging.getLogger("chronicals.data")
-CACHE_VERSION = 1
 PARALLEL_THRESHOLD = 20_000  # records; below this, worker start-up (~1 s) costs more than it saves
 CHUNK = 1_000
 
@@ -76,19 +73,31 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
     settings = {"format": format, "max_seq_len": max_seq_len, "loss_on": loss_on, "overlong": overlong}
     cache = None
     if cache_dir is not None:
-        key = _cache_key(files, tokenizer, settings)
-        cache = Path(cache_dir).expanduser() / key
-        if (cache / "meta.json").exists():
-            ds = _load_cache(cache, max_seq_len)
-            log.info("data: loaded %d documents from cache %s", len(ds), cache)
-            _finish(ds.stats, on_error, max_seq_len, overlong, files)
-            return ds
+        cache = cache_mod.cache_root(cache_dir) / cache_mod.cache_key(files, tokenizer, settings)
+        if cache.exists():
+            try:
+                ds = _from_cache(cache, max_seq_len)
+            except cache_mod.CacheError as e:
+                log.warning("data: tokenization cache entry %s is damaged (%s); rebuilding it", cache, e)
+            else:
+                log.info("data: loaded %d documents from cache %s", len(ds), cache)
+                _finish(ds.stats, on_error, max_seq_len, overlong, files)
+                return ds
     records = [r for f in files for r in read_file(f)]
     ds = _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_error, num_proc)
     _finish(ds.stats, on_error, max_seq_len, overlong, files)
     if cache is not None:
-        _save_cache(cache, ds)
+        cache_mod.save(cache, ds.ids, ds.trainable, ds.offsets, {"pad_id": ds.pad_id, "stats": asdict(ds.stats)})
     return ds
+
+
+def _from_cache(path: Path, max_seq_len: int) -> TokenizedDataset:
+    ids, trainable, offsets, meta = cache_mod.load(path)
+    try:
+        stats = DatasetStats(**meta["stats"])
+    except TypeError as e:
+        raise cache_mod.CacheError(f"meta.json: stats do not match this version ({e})") from None
+    return TokenizedDataset(ids, trainable, offsets, meta["pad_id"], stats, max_seq_len)
 
 
 def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, overlong: str, files=()) -> None:
@@ -201,41 +210,3 @@ def _pad_id(tokenizer) -> int:
         if tid is not None:
             return int(tid)
     return 0  # padding is never attended by real tokens nor a target: any id works
-
-
-# ---- cache ----
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """Hash of the tokenizer's vocabulary/merges/normalizer (its JSON), chat template and special tokens."""
-    h = hashlib.sha256(type(tokenizer).__name__.encode())
-    h.update(tokenizer.backend_tokenizer.to_str().encode())
-    h.update(str(getattr(tokenizer, "chat_template", None)).encode())
-    h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
-    return h.hexdigest()
-
-
-def _cache_key(files, tokenizer, settings) -> str:
-    blob = json.dumps({"version": CACHE_VERSION, "files": [file_digest(f) for f in files],
-                       "tokenizer": tokenizer_fingerprint(tokenizer), **settings}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:32]
-
-
-def _save_cache(path: Path, ds: TokenizedDataset) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
-    np.save(tmp / "ids.npy", ds.ids)
-    np.save(tmp / "trainable.npy", ds.trainable)
-    np.save(tmp / "offsets.npy", ds.offsets)
-    (tmp / "meta.json").write_text(json.dumps({"pad_id": ds.pad_id, "stats": asdict(ds.stats)}))
-    try:
-        tmp.rename(path)  # atomic: a concurrent writer of the same key loses the race harmlessly
-    except OSError:
-        for f in tmp.iterdir():
-            f.unlink()
-        tmp.rmdir()
-
-
-def _load_cache(path: Path, max_seq_len: int) -> TokenizedDataset:
-    meta = json.loads((path / "meta.json").read_text())
-    arrays = [np.load(path / f"{n}.npy", mmap_mode="r") for n in ("ids", "trainable", "offsets")]
-    return TokenizedDataset(*arrays, meta["pad_id"], DatasetStats(**meta["stats"]), max_seq_len)

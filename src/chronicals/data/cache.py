@@ -1,0 +1,121 @@
+"""The tokenization cache: one directory per (file contents, tokenizer, settings) key.
+
+An entry holds ids.npy (T,) int32, trainable.npy (T,) bool, offsets.npy (n + 1,) int64 and meta.json
+(pad id, DatasetStats, per-file formats). It is written to a temporary directory and renamed into place,
+so a complete entry appears at once. Loading checks every file against the others (dtype, shape,
+offsets that start at 0, never decrease and end at T, counts that match meta.json): a damaged entry (a
+truncated copy, a crashed write, a disk error) is reported as ``CacheError`` and the caller rebuilds it,
+rather than training on arrays that disagree (a shorter ids.npy crashed the first step with "operands
+could not be broadcast").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .readers import DataError, file_digest
+
+log = logging.getLogger("chronicals.data")
+CACHE_VERSION = 2  # bump when the entry layout or DatasetStats change (2: meta.json names the files' formats)
+ARRAYS = (("ids", np.int32), ("trainable", np.bool_), ("offsets", np.int64))
+
+
+class CacheError(Exception):
+    """A cache entry that cannot be used: what is wrong with it (the caller names the entry and rebuilds)."""
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of the tokenizer's vocabulary/merges/normalizer (its JSON), chat template and special tokens."""
+    h = hashlib.sha256(type(tokenizer).__name__.encode())
+    h.update(tokenizer.backend_tokenizer.to_str().encode())
+    h.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def cache_key(files, tokenizer, settings) -> str:
+    blob = json.dumps({"version": CACHE_VERSION, "files": [file_digest(f) for f in files],
+                       "tokenizer": tokenizer_fingerprint(tokenizer), **settings}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def cache_root(cache_dir) -> Path:
+    """``cache_dir`` as an existing directory, checked before any tokenization (a file there used to fail
+    with a bare "[Errno 17] File exists" only after the whole dataset was tokenized)."""
+    root = Path(cache_dir).expanduser()
+    fix = "point data.cache_dir at a directory, or set data.cache_dir=none to disable the cache " \
+          "(load_dataset: cache_dir=None)"
+    if root.exists() and not root.is_dir():
+        raise DataError(f"data.cache_dir={root} is a file, not a directory; {fix}")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"data.cache_dir={root}: cannot create it ({e.strerror or e}); {fix}") from None
+    return root
+
+
+def save(path: Path, ids, trainable, offsets, meta: dict) -> None:
+    """Write the entry ``path`` atomically, replacing a damaged one. A failure is a warning: the data is
+    already tokenized and the run goes on; the next run tokenizes again."""
+    tmp = None
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
+        for (name, _), arr in zip(ARRAYS, (ids, trainable, offsets)):
+            np.save(tmp / f"{name}.npy", arr)
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        if path.exists():  # damaged (load found it so): move it aside, then put the new one in its place
+            trash = Path(tempfile.mkdtemp(dir=path.parent, prefix=".bad-"))
+            try:
+                path.rename(trash / "entry")
+            except OSError:
+                pass  # another process moved or replaced it first
+            shutil.rmtree(trash, ignore_errors=True)
+        try:
+            tmp.rename(path)
+            tmp = None
+        except OSError:
+            if not (path / "meta.json").exists():
+                raise
+            # a concurrent writer of the same key finished first: its entry is the same data
+    except OSError as e:
+        log.warning("data: could not write the tokenization cache entry %s (%s); training goes on, the next "
+                    "run tokenizes again", path, e)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load(path: Path):
+    """(ids, trainable, offsets memory-mapped, meta dict); CacheError says what is inconsistent."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        stats, pad_id = meta["stats"], meta["pad_id"]
+        n, total = int(stats["documents"]), int(stats["tokens"])
+    except FileNotFoundError:
+        raise CacheError("meta.json is missing (a write that did not finish)") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CacheError(f"meta.json is unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(pad_id, int):
+        raise CacheError(f"meta.json: pad_id is {pad_id!r}, expected an integer")
+    arrays = []
+    for name, dtype in ARRAYS:
+        try:
+            a = np.load(path / f"{name}.npy", mmap_mode="r")
+        except (OSError, ValueError, EOFError) as e:  # missing, truncated header or data, not .npy
+            raise CacheError(f"{name}.npy is unreadable ({type(e).__name__}: {e})") from None
+        want = n + 1 if name == "offsets" else total
+        if a.dtype != dtype or a.shape != (want,):
+            raise CacheError(f"{name}.npy holds {a.dtype} {a.shape}, expected {np.dtype(dtype)} ({want},) "
+                             f"for {n} documents of {total} tokens (meta.json)")
+        arrays.append(a)
+    offsets = arrays[2]
+    if offsets[0] != 0 or offsets[-1] != total or (n and int(np.diff(offsets).min()) < 1):
+        raise CacheError(f"offsets.npy does not split {total} tokens into {n} non-empty documents")
+    return arrays[0], arrays[1], offsets, meta
