@@ -233,3 +233,25 @@ def test_atomic_dir_restores_the_old_output_when_the_final_rename_fails(tmp_path
             (tmp / "config.json").write_text("new")
     assert (out / "config.json").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no .tmp- or .old- directory left
+
+
+def test_generation_config_of_the_source_is_carried(tmp_path, tiny_hf_config):
+    """A model loaded from an HF directory holding generation_config.json writes it back byte for byte (fine-tuned
+    and merged outputs keep the base's sampling defaults); an explicit dict wins; a source without one gives none."""
+    from chronicals.lora import apply_lora, merge_lora
+
+    src = chronicals.save_model(_model(tiny_hf_config("llama2")), None, tmp_path / "base")
+    assert not (src / "generation_config.json").exists()
+    plain, _ = chronicals.load_model(src, tokenizer=False)
+    assert not (chronicals.save_model(plain, None, tmp_path / "plain") / "generation_config.json").exists()
+    text = b'{\r\n  "do_sample": true,\r\n  "temperature": 0.6, "top_p": 0.9,\r\n  "eos_token_id": [2, 5]\r\n}'
+    (src / "generation_config.json").write_bytes(text)
+    model, _ = chronicals.load_model(src, tokenizer=False)
+    full = chronicals.save_model(model, None, tmp_path / "full")
+    assert (full / "generation_config.json").read_bytes() == text
+    apply_lora(model, r=2, alpha=4, target_modules=["q_proj"])
+    merged = chronicals.save_model(merge_lora(model), None, tmp_path / "merged")
+    assert (merged / "generation_config.json").read_bytes() == text
+    assert chronicals.load_model(merged, tokenizer=False)[0].source_generation_config == text
+    given = chronicals.save_model(model, None, tmp_path / "given", generation_config={"eos_token_id": 2})
+    assert json.loads((given / "generation_config.json").read_text()) == {"eos_token_id": 2}

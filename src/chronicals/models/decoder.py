@@ -300,6 +300,9 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, impl: str = "auto"):
         super().__init__()
         self.config = cfg
+        # the bytes of generation_config.json of the HF directory this model was loaded from (None otherwise):
+        # save_model writes it back unchanged, so a fine-tuned or merged model keeps its sampling defaults
+        self.source_generation_config: bytes | None = None
         self.opts = RuntimeOptions(impl=impl)
         self.model = DecoderModel(cfg, self.opts)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -28,6 +28,7 @@ from .decoder import CausalLM
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG = "generation_config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # tensors some HF checkpoints carry that are recomputed, not learned
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -246,6 +247,9 @@ def load_hf_dir(model_dir: str | Path, *, dtype: torch.dtype | None = None, devi
                         raise ValueError(f"{f}: tensor {name} has shape {tuple(t.shape)} but config.json implies "
                                          f"{tuple(params[name].shape)}; config.json and the weights disagree")
                     params[name].copy_(t)
+    gen = model_dir / GENERATION_CONFIG
+    if gen.is_file():  # kept as bytes, written back unchanged by save_hf_dir
+        model.source_generation_config = gen.read_bytes()
     return model.eval()
 
 
@@ -257,7 +261,9 @@ def save_hf_dir(model: CausalLM, tokenizer, out_dir: str | Path, *, generation_c
                 max_shard_bytes: int | None = None) -> Path:
     """Write ``model`` (+ tokenizer files when ``tokenizer`` is not None) as an HF directory, atomically.
 
-    The tied ``lm_head.weight`` is not written (HF re-ties it from the embedding on load).
+    The tied ``lm_head.weight`` is not written (HF re-ties it from the embedding on load). generation_config.json:
+    the ``generation_config`` dict when given, else the source directory's file as loaded
+    (``model.source_generation_config``), else none.
     """
     cfg = model.config
     sd = model.state_dict()
@@ -277,7 +283,9 @@ def save_hf_dir(model: CausalLM, tokenizer, out_dir: str | Path, *, generation_c
         write_state_dict(sd, tmp, max_shard_bytes)
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
         if generation_config is not None:
-            (tmp / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
+            (tmp / GENERATION_CONFIG).write_text(json.dumps(generation_config, indent=2) + "\n")
+        elif getattr(model, "source_generation_config", None) is not None:
+            (tmp / GENERATION_CONFIG).write_bytes(model.source_generation_config)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
     return out_dir
