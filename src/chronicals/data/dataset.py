@@ -58,14 +58,17 @@ class TokenizedDataset:
 
 def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, loss_on: str = "assistant",
                  on_error: str = "fail", overlong: str = "truncate", cache_dir=None,
-                 num_proc: int | None = None) -> TokenizedDataset:
-    """Read, format and tokenize ``paths``; see the package docstring for every option."""
+                 num_proc: int | None = None, name: str = "the dataset") -> TokenizedDataset:
+    """Read, format and tokenize ``paths``; see the package docstring for every option.
+
+    ``name`` says which set this is in the errors that concern the whole set, e.g. "the held-out set".
+    """
     if format not in ("auto",) + FORMATS:
         raise ValueError(f"format={format!r}; expected one of {('auto',) + FORMATS}")
-    for name, value, allowed in (("loss_on", loss_on, ("assistant", "all")), ("on_error", on_error, ("fail", "skip")),
+    for key, value, allowed in (("loss_on", loss_on, ("assistant", "all")), ("on_error", on_error, ("fail", "skip")),
                                  ("overlong", overlong, ("truncate", "drop"))):
         if value not in allowed:
-            raise ValueError(f"{name}={value!r}; expected one of {allowed}")
+            raise ValueError(f"{key}={value!r}; expected one of {allowed}")
     if max_seq_len < 2:
         raise ValueError(f"max_seq_len={max_seq_len}; expected >= 2 (a document needs a token and a target)")
     check_tokenizer(tokenizer)
@@ -81,11 +84,11 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
                 log.warning("data: tokenization cache entry %s is damaged (%s); rebuilding it", cache, e)
             else:
                 log.info("data: loaded %d documents from cache %s", len(ds), cache)
-                _finish(ds.stats, on_error, max_seq_len, overlong, files)
+                _finish(ds.stats, on_error, max_seq_len, overlong, files, name)
                 return ds
     records = [r for f in files for r in read_file(f)]
     ds = _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_error, num_proc)
-    _finish(ds.stats, on_error, max_seq_len, overlong, files)
+    _finish(ds.stats, on_error, max_seq_len, overlong, files, name)
     if cache is not None:
         cache_mod.save(cache, ds.ids, ds.trainable, ds.offsets, {"pad_id": ds.pad_id, "stats": asdict(ds.stats)})
     return ds
@@ -100,24 +103,29 @@ def _from_cache(path: Path, max_seq_len: int) -> TokenizedDataset:
     return TokenizedDataset(ids, trainable, offsets, meta["pad_id"], stats, max_seq_len)
 
 
-def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, overlong: str, files=()) -> None:
+def _names(files) -> str:
+    return ", ".join(str(f) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+
+
+def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, overlong: str, files=(),
+            name: str = "the dataset") -> None:
     if stats.skipped_errors and on_error == "fail":
         raise DataError(stats.first_errors[0] + " (data.on_error=skip, or load_dataset(on_error='skip'), drops bad "
                         "records and counts them)")
     if stats.skipped_errors:
         log.warning("data: skipped %d bad records; first: %s", stats.skipped_errors, stats.first_errors[0])
+    where = f"{name} ({_names(files)})" if files else name
     if stats.documents == 0:
         if stats.records == 0:
-            names = ", ".join(str(f) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
-            raise DataError(f"the dataset is empty: no records in {names or 'the files'} (give data files "
+            raise DataError(f"{name} is empty: no records in {_names(files) or 'the files'} (give data files "
                             "with at least one example)")
         if stats.dropped_overlong:
             raise DataError(f"every example was dropped: {stats.dropped_overlong} longer than max_seq_len="
                             f"{max_seq_len} (raise data.max_seq_len or set data.on_long=truncate; in "
                             f"load_dataset: max_seq_len, overlong='truncate'), "
-                            f"{stats.dropped_no_loss} with no trainable token, {stats.skipped_errors} bad")
-        raise DataError(f"no example has a trainable token ({stats.dropped_no_loss} without one, "
-                        f"{stats.skipped_errors} bad records); loss_on='assistant' needs assistant turns / "
+                            f"{stats.dropped_no_loss} with no trainable token, {stats.skipped_errors} bad; in {where}")
+        raise DataError(f"no example has a trainable token in {where}: {stats.dropped_no_loss} without one, "
+                        f"{stats.skipped_errors} bad records; loss_on='assistant' needs assistant turns / "
                         "outputs / completions (or set data.train_on=all; in load_dataset: loss_on='all')")
     if stats.truncated or stats.dropped_overlong or stats.dropped_no_loss:
         log.info("data: %d documents; %d truncated and %d dropped at max_seq_len=%d, %d without loss tokens",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import DEMO, TrainConfig
+from ..config import DEMO, DEMO_SYSTEM_PROMPT, TrainConfig
 from . import qa as qa_mod
 
 log = logging.getLogger("chronicals.train")
@@ -73,7 +73,9 @@ def data_files(cfg: TrainConfig, out_dir: Path) -> tuple[list[Path], Path | None
 
     The packaged demo data (and any QA-format held-out file) is rewritten under ``out_dir/data`` as chat
     records with ``data.system_prompt`` first, the same system message the QA prompts use: without one
-    SmolLM2's template injects its ~20-token default system prompt into every example.
+    SmolLM2's template injects its ~20-token default system prompt into every example. The user's own
+    training records are read as they are: data.system_prompt does not reach them (a warning says so when
+    it is set).
     """
     d = cfg.data
     if d.path == DEMO:
@@ -87,6 +89,12 @@ def data_files(cfg: TrainConfig, out_dir: Path) -> tuple[list[Path], Path | None
         eval_file = qa_mod.write_chat_jsonl(heldout_qa, out_dir / "data" / "heldout.jsonl", d.system_prompt)
     else:
         eval_file = Path(eval_path) if eval_path else None
+    if d.path != DEMO and d.system_prompt != DEMO_SYSTEM_PROMPT:
+        log.warning("data.system_prompt=%r has no effect on your training records (data.path=%s): chat records keep "
+                    "their own system message, and records without one get the chat template's default; it is "
+                    "used only for the demo data and held-out QA questions%s. Put a system message in your "
+                    "records instead", d.system_prompt, d.path,
+                    " (which data.eval_path has)" if heldout_qa is not None else " (data.eval_path has none)")
     return train, eval_file, heldout_qa
 
 
@@ -106,13 +114,13 @@ def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path, rank: int = 0, wor
     Data parallelism: the train loader yields this rank's share of the batches (``rank``, ``world_size``);
     the eval loader yields all of them on every rank (each rank evaluates the whole held-out set).
     """
-    from ..data import PackedLoader, load_dataset
+    from ..data import DataError, PackedLoader, load_dataset
 
     d = cfg.data
     train_files, eval_file, heldout_qa = data_files(cfg, out_dir)
     kw = dict(format=d.format, max_seq_len=d.max_seq_len, loss_on=d.train_on, on_error=d.on_error,
               overlong=d.on_long, cache_dir=tokenization_cache_dir(d.cache_dir))
-    ds = load_dataset([str(f) for f in train_files], tokenizer, **kw)
+    ds = load_dataset([str(f) for f in train_files], tokenizer, **kw, name="the training set")
     # rows of max_seq_len, or one padding-free row of at most tokens_per_batch tokens per micro-batch
     shape = {"tokens_per_batch": d.tokens_per_batch} if d.tokens_per_batch else {"batch_size": d.batch_size}
     train_loader = PackedLoader(ds, max_seq_len=d.max_seq_len, seed=cfg.train.seed, shuffle=True, rank=rank,
@@ -121,6 +129,14 @@ def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path, rank: int = 0, wor
              f" per rank ({world_size} ranks)" if world_size > 1 else "", train_loader.stats)
     eval_loader = None
     if eval_file is not None:
-        eds = load_dataset([str(eval_file)], tokenizer, **kw)
+        if heldout_qa is not None:  # rewritten as chat records: the training data's format does not apply
+            kw["format"] = "chat"
+            name = f"the held-out set (the QA records of {d.eval_path}, rewritten as chat)"
+        else:
+            name = "the held-out set"
+        try:
+            eds = load_dataset([str(eval_file)], tokenizer, **kw, name=name)
+        except DataError as e:  # say it is the held-out data; record errors name only a file and line
+            raise DataError(str(e) if name in str(e) else f"{name}: {e}") from None
         eval_loader = PackedLoader(eds, max_seq_len=d.max_seq_len, seed=0, shuffle=False, **shape)
     return train_loader, eval_loader, heldout_qa
