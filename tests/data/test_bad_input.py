@@ -103,3 +103,18 @@ def test_csv_unclosed_quote(tokenizer, tmp_path):
         load(p, tokenizer, on_error="skip")
     p.write_text('text\n"a ""quoted"" word, and a\nnewline"\nplain\n')  # valid quoting still reads
     assert [r.data["text"] for r in read_file(p)] == ['a "quoted" word, and a\nnewline', "plain"]
+
+
+def test_null_text_alpaca_input_and_chat_roles(tokenizer, tmp_path):
+    p = tmp_path / "r.jsonl"
+    rows = [{"text": None}, {"instruction": "a", "input": 0, "output": "b"},
+            {"instruction": "a", "input": [], "output": "b"}, {"instruction": "a", "input": None, "output": "b"},
+            {"messages": [{"role": "robot", "content": "x"}]}, {"messages": [{"role": "tool", "content": "x"}]}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = load(p, tokenizer, on_error="skip", loss_on="all")
+    assert ds.stats.first_errors == [
+        f"{p}:1: field 'text' is null (format text expects 'text')",
+        f"{p}:2: field 'input' is a int, expected a string (or null, or no 'input')",
+        f"{p}:3: field 'input' is a list, expected a string (or null, or no 'input')",
+        f"{p}:5: messages[0].role is 'robot'; expected one of system, user, assistant, tool"]
+    assert len(ds) == 2  # null input is no input; a tool message is a chat message

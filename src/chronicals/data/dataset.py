@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
@@ -17,7 +18,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from . import cache as cache_mod
-from .formats import FORMATS, FormatError, detect_format, to_example
+from .formats import FORMATS, FormatError, detect_format, empty_target, to_example
 from .readers import DataError, Record, read_file, resolve_files
 from .tokenize import check_tokenizer, encode, has_generation_markers
 
@@ -34,6 +35,9 @@ class DatasetStats:
     truncated: int = 0  # longer than max_seq_len, cut to it (overlong="truncate")
     dropped_overlong: int = 0  # longer than max_seq_len, dropped (overlong="drop")
     dropped_no_loss: int = 0  # no trainable token left (no assistant turn, or truncated away)
+    truncated_no_loss: int = 0  # of those, truncation cut every loss token (also counted in truncated)
+    empty_targets: int = 0  # kept, but the reply / output / completion is blank: only end-of-turn has loss
+    first_empty_target: str = ""  # "file:line" of the first of those
     tokens: int = 0
     loss_tokens: int = 0  # positions with a target, after the per-document shift
     first_errors: list[str] = field(default_factory=list)  # up to 10 "file:line: ..." messages
@@ -47,6 +51,7 @@ class TokenizedDataset:
         self.ids, self.trainable, self.offsets = ids, trainable, offsets
         self.pad_id, self.stats, self.max_seq_len = pad_id, stats, max_seq_len
         self.lengths = np.diff(offsets)  # (n,) int64
+        self.summary = ""  # "the training set: 2 files (...), 120 records; format auto -> chat" (logged)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -84,14 +89,42 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
                 log.warning("data: tokenization cache entry %s is damaged (%s); rebuilding it", cache, e)
             else:
                 log.info("data: loaded %d documents from cache %s", len(ds), cache)
+                log.info("data: %s", ds.summary)
                 _finish(ds.stats, on_error, max_seq_len, overlong, files, name)
                 return ds
-    records = [r for f in files for r in read_file(f)]
-    ds = _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_error, num_proc)
+    per_file = [read_file(f) for f in files]
+    records = [r for recs in per_file for r in recs]
+    ds, fmts = _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_error, num_proc)
+    ds.summary = _summarize(name, files, [len(recs) for recs in per_file], fmts, format)
+    log.info("data: %s", ds.summary)
     _finish(ds.stats, on_error, max_seq_len, overlong, files, name)
     if cache is not None:
-        cache_mod.save(cache, ds.ids, ds.trainable, ds.offsets, {"pad_id": ds.pad_id, "stats": asdict(ds.stats)})
+        cache_mod.save(cache, ds.ids, ds.trainable, ds.offsets,
+                       {"pad_id": ds.pad_id, "stats": asdict(ds.stats), "summary": ds.summary})
     return ds
+
+
+def _summarize(name: str, files, counts: list[int], fmts: list, format: str) -> str:
+    """One line: which files were read and the format of their records (per file when auto detected).
+    A file whose records have different formats gets a warning: often a typo'd field read as another format."""
+    per, at = [], 0
+    for f, n in zip(files, counts):
+        c = Counter(x for x in fmts[at:at + n] if x is not None)
+        at += n
+        desc = next(iter(c)) if len(c) == 1 else "mixed: " + ", ".join(f"{n} {k}" for k, n in c.most_common())
+        desc = desc if c else "no readable records"
+        if len(c) > 1:
+            log.warning("data: %s mixes record formats (%s); each record is read in the format its fields say: "
+                        "check that is intended (data.format=FORMAT insists on one)", f, desc)
+        per.append((Path(f).name, desc))
+    head = f"{name}: {len(files)} file{'s' if len(files) != 1 else ''} ({_names(files)}), {sum(counts)} records"
+    if format != "auto":
+        return f"{head}; format {format}"
+    kinds = {d for _, d in per}
+    if len(kinds) == 1:
+        return f"{head}; format auto -> {kinds.pop()}"
+    shown = "; ".join(f"{n}: {d}" for n, d in per[:8]) + (f"; and {len(per) - 8} more files" if len(per) > 8 else "")
+    return f"{head}; format auto -> {shown}"
 
 
 def _from_cache(path: Path, max_seq_len: int) -> TokenizedDataset:
@@ -100,7 +133,9 @@ def _from_cache(path: Path, max_seq_len: int) -> TokenizedDataset:
         stats = DatasetStats(**meta["stats"])
     except TypeError as e:
         raise cache_mod.CacheError(f"meta.json: stats do not match this version ({e})") from None
-    return TokenizedDataset(ids, trainable, offsets, meta["pad_id"], stats, max_seq_len)
+    ds = TokenizedDataset(ids, trainable, offsets, meta["pad_id"], stats, max_seq_len)
+    ds.summary = str(meta.get("summary", ""))
+    return ds
 
 
 def _names(files) -> str:
@@ -127,9 +162,24 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, overlong: str,
         raise DataError(f"no example has a trainable token in {where}: {stats.dropped_no_loss} without one, "
                         f"{stats.skipped_errors} bad records; loss_on='assistant' needs assistant turns / "
                         "outputs / completions (or set data.train_on=all; in load_dataset: loss_on='all')")
+    if stats.empty_targets:
+        log.warning("data: %d examples in %s have an empty assistant reply / output / completion, so only the "
+                    "end-of-turn token carries their loss (first: %s); fill them in or remove them",
+                    stats.empty_targets, where, stats.first_empty_target)
     if stats.truncated or stats.dropped_overlong or stats.dropped_no_loss:
-        log.info("data: %d documents; %d truncated and %d dropped at max_seq_len=%d, %d without loss tokens",
-                 stats.documents, stats.truncated, stats.dropped_overlong, max_seq_len, stats.dropped_no_loss)
+        cut = stats.truncated - stats.truncated_no_loss
+        parts = [f"{cut} truncated to max_seq_len={max_seq_len} (kept)"] if cut else []
+        if stats.truncated_no_loss:
+            parts.append(f"{stats.truncated_no_loss} truncated to no loss tokens (dropped), their replies start past "
+                         f"max_seq_len={max_seq_len}: raise data.max_seq_len or shorten the prompts")
+        if stats.dropped_overlong:
+            parts.append(f"{stats.dropped_overlong} longer than max_seq_len={max_seq_len} (dropped, on_long=drop)")
+        if stats.dropped_no_loss - stats.truncated_no_loss:
+            parts.append(f"{stats.dropped_no_loss - stats.truncated_no_loss} without loss tokens (dropped: no "
+                         "assistant turn / output / completion)")
+        dropped = stats.dropped_no_loss or stats.dropped_overlong
+        log.log(logging.WARNING if dropped else logging.INFO, "data: %s: %d of %d records kept; %s", where,
+                stats.documents, stats.records, "; ".join(parts))
 
 
 # ---- tokenization (serial or in worker processes) ----
@@ -144,19 +194,20 @@ def _init_worker(tokenizer, opts):
 
 
 def _encode_chunk(records: list[Record]):
-    """Records -> list of (ids, trainable) or (None, "file:line: message")."""
+    """Records -> list of (ids, trainable, format, empty target) or (None, "file:line: message", None, False)."""
     w = _WORKER
     out = []
     for rec in records:
         if rec.data is None:
-            out.append((None, f"{rec.where}: {rec.error}"))
+            out.append((None, f"{rec.where}: {rec.error}", None, False))
             continue
         try:
             fmt = w["format"] if w["format"] != "auto" else detect_format(rec.data)
             ex = to_example(rec.data, fmt, w["has_template"])
-            out.append(encode(w["tokenizer"], ex, w["loss_on"], w["markers"]))
+            ids, mask = encode(w["tokenizer"], ex, w["loss_on"], w["markers"])
+            out.append((ids, mask, fmt, w["loss_on"] == "assistant" and empty_target(ex)))
         except FormatError as e:
-            out.append((None, f"{rec.where}: {e}"))
+            out.append((None, f"{rec.where}: {e}", None, False))
     return out
 
 
@@ -182,8 +233,9 @@ def _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_err
                 bar.update(len(c))
     bar.close()
     stats = DatasetStats(records=len(records))
-    ids_list, mask_list, lengths = [], [], []
-    for ids, mask in (x for r in results for x in r):
+    ids_list, mask_list, lengths, fmts = [], [], [], []
+    for rec, (ids, mask, fmt, empty) in zip(records, (x for r in results for x in r)):
+        fmts.append(fmt)
         if ids is None:
             stats.skipped_errors += 1
             if len(stats.first_errors) < 10:
@@ -191,7 +243,8 @@ def _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_err
             if on_error == "fail":
                 break
             continue
-        if len(ids) > max_seq_len:
+        cut = len(ids) > max_seq_len
+        if cut:
             if overlong == "drop":
                 stats.dropped_overlong += 1
                 continue
@@ -200,7 +253,11 @@ def _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_err
         n_loss = int(mask[1:].sum())  # the first token is never a target
         if n_loss == 0:
             stats.dropped_no_loss += 1
+            stats.truncated_no_loss += cut
             continue
+        if empty:
+            stats.empty_targets += 1
+            stats.first_empty_target = stats.first_empty_target or rec.where
         ids_list.append(ids)
         mask_list.append(mask)
         lengths.append(len(ids))
@@ -210,7 +267,8 @@ def _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_err
     stats.documents, stats.tokens = len(lengths), int(offsets[-1])
     ids = np.concatenate(ids_list) if ids_list else np.zeros(0, np.int32)
     mask = np.concatenate(mask_list) if mask_list else np.zeros(0, bool)
-    return TokenizedDataset(ids.astype(np.int32), mask, offsets, _pad_id(tokenizer), stats, max_seq_len)
+    fmts += [None] * (len(records) - len(fmts))  # on_error=fail stopped early (and raises in _finish)
+    return TokenizedDataset(ids.astype(np.int32), mask, offsets, _pad_id(tokenizer), stats, max_seq_len), fmts
 
 
 def _pad_id(tokenizer) -> int:

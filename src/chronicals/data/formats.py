@@ -21,6 +21,7 @@ EXPECTED = "text | messages | conversations | instruction+output | prompt+comple
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "system": "system", "tool": "tool", "function": "tool",
                   "observation": "tool", "function_call": "assistant"}
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # what chat templates render (sharegpt's names map to these)
 ALPACA_PROMPT = ("Below is an instruction that describes a task{ctx}. Write a response that appropriately "
                  "completes the request.\n\n### Instruction:\n{instruction}\n\n{input}### Response:\n")
 
@@ -55,8 +56,10 @@ def detect_format(record: dict) -> str:
 
 
 def _field(record: dict, name: str, fmt: str, kinds=(str,)):
-    if name not in record or record[name] is None:
+    if name not in record:
         raise FormatError(f"missing field {name!r} (format {fmt} expects {_expects(fmt)})")
+    if record[name] is None:
+        raise FormatError(f"field {name!r} is null (format {fmt} expects {_expects(fmt)})")
     value = record[name]
     if isinstance(value, str) and list in kinds and value.lstrip().startswith("["):
         try:  # csv cells hold message lists as JSON text
@@ -105,10 +108,19 @@ def _messages(items: list, role_key: str, content_key: str, roles: dict | None, 
             if role not in roles:
                 raise FormatError(f"{field}[{j}].{role_key} is {role!r}; expected one of {sorted(roles)}")
             role = roles[role]
-        elif not isinstance(role, str):
-            raise FormatError(f"{field}[{j}].{role_key} is a {type(role).__name__}, expected a string")
+        elif role not in CHAT_ROLES:
+            raise FormatError(f"{field}[{j}].{role_key} is {role!r}; expected one of {', '.join(CHAT_ROLES)}")
         out.append({"role": role, "content": content})
     return out
+
+
+def empty_target(ex: Example) -> bool:
+    """True when every text that would carry loss (with loss on assistant turns / completion) is blank, so
+    only the end-of-turn token would be trained: usually a gap in the data, not a wanted example."""
+    if ex.messages is None:
+        return not ex.target.strip()
+    replies = [m["content"] for i, m in enumerate(ex.messages) if m["role"] == "assistant" and i >= ex.train_from]
+    return bool(replies) and not any(r.strip() for r in replies)
 
 
 def to_example(record: dict, fmt: str, has_chat_template: bool) -> Example:
@@ -123,9 +135,11 @@ def to_example(record: dict, fmt: str, has_chat_template: bool) -> Example:
                                           SHAREGPT_ROLES, "conversations"))
     if fmt == "alpaca":
         instruction, output = _field(record, "instruction", fmt), _field(record, "output", fmt)
-        extra = record.get("input") or ""
+        extra = record.get("input")
+        if extra is None:  # absent or null: no input (0, [] or {} are errors, as 5 is)
+            extra = ""
         if not isinstance(extra, str):
-            raise FormatError(f"field 'input' is a {type(extra).__name__}, expected a string")
+            raise FormatError(f"field 'input' is a {type(extra).__name__}, expected a string (or null, or no 'input')")
         _check_text(extra, "field 'input'")
         if has_chat_template:
             user = instruction + ("\n\n" + extra if extra else "")

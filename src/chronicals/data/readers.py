@@ -35,7 +35,12 @@ class DataError(ValueError):
 
 
 def resolve_files(paths) -> list[Path]:
-    """Paths (files, directories, save_to_disk directories) -> the data files to read, in order."""
+    """Paths (files, directories, save_to_disk directories) -> the data files to read, in order.
+
+    A directory is read recursively: its data files (extension in SUFFIXES, any case) and those of its
+    subdirectories, in sorted name order; names starting with '.' (hidden files and folders, editor lock
+    files such as ``.~lock.a.jsonl#``) are skipped, so are files of other types (a README, notes.txt).
+    """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     files: list[Path] = []
@@ -45,33 +50,44 @@ def resolve_files(paths) -> list[Path]:
             raise DataError(f"{p}: no such file or directory (expected a data file {'/'.join(SUFFIXES)} "
                             "or a directory of them)")
         if p.is_file():
-            if p.suffix not in SUFFIXES and p.suffix != ".arrow":
+            if p.suffix.lower() not in SUFFIXES + (".arrow",):
                 raise DataError(f"{p}: unsupported file type {p.suffix!r} (expected one of {', '.join(SUFFIXES)})")
             files.append(p)
-        elif (p / "dataset_dict.json").exists():
-            splits = _json_object(p / "dataset_dict.json").get("splits", [])
-            if not isinstance(splits, list):
-                splits = []
-            raise DataError(f"{p}: a datasets DatasetDict (splits {splits}); pass one split's directory, "
-                            f"e.g. {p / (splits[0] if splits else 'train')}")
-        elif (p / "state.json").exists():
-            state = _json_object(p / "state.json")
-            entries = state.get("_data_files", [])
-            if not (isinstance(entries, list) and all(isinstance(f, dict) and isinstance(f.get("filename"), str)
-                                                      for f in entries)):
-                raise DataError(f"{p / 'state.json'}: '_data_files' must list {{'filename': str}} objects (a "
-                                "datasets.save_to_disk directory); the file is damaged: save the dataset again")
-            names = [f["filename"] for f in entries]
-            if not names:
-                raise DataError(f"{p}/state.json: no '_data_files' listed (expected a datasets.save_to_disk directory)")
-            files += [p / n for n in names]
-        else:
-            found = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in SUFFIXES)
-            if not found:
-                raise DataError(f"{p}: directory holds no data files (expected {', '.join(SUFFIXES)} files, "
-                                "or a datasets.save_to_disk directory with state.json)")
-            files += found
+            continue
+        found = _dir_files(p)
+        if not found:
+            raise DataError(f"{p}: directory holds no data files (expected {', '.join(SUFFIXES)} files, in it or "
+                            "its subdirectories, or a datasets.save_to_disk directory with state.json)")
+        files += found
     return files
+
+
+def _dir_files(p: Path) -> list[Path]:
+    if (p / "dataset_dict.json").exists():
+        splits = _json_object(p / "dataset_dict.json").get("splits", [])
+        if not isinstance(splits, list):
+            splits = []
+        raise DataError(f"{p}: a datasets DatasetDict (splits {splits}); pass one split's directory, "
+                        f"e.g. {p / (splits[0] if splits else 'train')}")
+    if (p / "state.json").exists():
+        state = _json_object(p / "state.json")
+        entries = state.get("_data_files", [])
+        if not (isinstance(entries, list) and all(isinstance(f, dict) and isinstance(f.get("filename"), str)
+                                                  for f in entries)):
+            raise DataError(f"{p / 'state.json'}: '_data_files' must list {{'filename': str}} objects (a "
+                            "datasets.save_to_disk directory); the file is damaged: save the dataset again")
+        if not entries:
+            raise DataError(f"{p}/state.json: no '_data_files' listed (expected a datasets.save_to_disk directory)")
+        return [p / f["filename"] for f in entries]
+    out = []
+    for f in sorted(p.iterdir()):
+        if f.name.startswith("."):
+            continue
+        if f.is_dir():
+            out += _dir_files(f)
+        elif f.is_file() and f.suffix.lower() in SUFFIXES:
+            out.append(f)
+    return out
 
 
 def _json_object(path: Path) -> dict:

@@ -1,0 +1,77 @@
+"""What load_dataset tells the user: files and formats read, empty targets, examples truncated away."""
+
+import json
+import logging
+
+import pytest
+
+from chronicals.data import load_dataset
+from chronicals.data.readers import resolve_files
+
+
+def write(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def messages(caplog, level=logging.INFO):
+    return [r.getMessage() for r in caplog.records if r.levelno >= level and r.name == "chronicals.data"]
+
+
+def test_directories_recurse_skip_hidden_and_take_upper_case(tmp_path):
+    d = tmp_path / "d"
+    a = write(d / "a.jsonl", [{"text": "a"}])
+    up = write(d / "B.JSONL", [{"text": "b"}])
+    sub = write(d / "sub" / "c.json", [{"text": "c"}])
+    deeper = write(d / "sub" / "z" / "e.csv", [])
+    write(d / ".~lock.a.jsonl#", [])
+    write(d / ".hidden" / "x.jsonl", [{"text": "x"}])
+    write(d / ".x.jsonl", [{"text": "x"}])
+    (d / "notes.txt").write_text("not data")
+    assert resolve_files(d) == sorted([a, up, sub, deeper])
+    assert resolve_files(up) == [up]
+    only_sub = tmp_path / "o"
+    f = write(only_sub / "nested" / "sub" / "a.jsonl", [{"text": "a"}])
+    assert resolve_files(only_sub) == [f]
+
+
+def test_files_and_formats_are_logged_once(tokenizer, tmp_path, caplog):
+    d = tmp_path / "d"
+    write(d / "a.jsonl", [{"instruction": "i", "output": "o"}] * 2)
+    write(d / "b.jsonl", [{"text": "t"}, {"messages": [{"role": "user", "content": "q"},
+                                                       {"role": "assistant", "content": "a"}]}])
+    with caplog.at_level(logging.INFO, logger="chronicals.data"):
+        load_dataset(d, tokenizer, max_seq_len=64, cache_dir=tmp_path / "cache")
+    info = [m for m in messages(caplog) if m.startswith("data: the dataset: ")]
+    assert len(info) == 1 and "2 files (" in info[0] and "a.jsonl: alpaca" in info[0], info
+    assert "b.jsonl: mixed: 1 text, 1 chat" in info[0], info
+    warned = messages(caplog, logging.WARNING)
+    assert len(warned) == 1 and "b.jsonl mixes record formats" in warned[0], warned
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="chronicals.data"):  # from the cache: the same line
+        load_dataset(d, tokenizer, max_seq_len=64, cache_dir=tmp_path / "cache")
+    assert [m for m in messages(caplog) if m.startswith("data: the dataset: ")] == info
+
+
+def test_empty_targets_are_counted_and_warned(tokenizer, tmp_path, caplog):
+    p = write(tmp_path / "e.jsonl", [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]},
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": " "}]},
+        {"instruction": "i", "output": ""}, {"prompt": "p", "completion": "ok"}])
+    with caplog.at_level(logging.WARNING, logger="chronicals.data"):
+        ds = load_dataset(p, tokenizer, max_seq_len=64)
+    assert ds.stats.empty_targets == 3 and len(ds) == 4
+    warned = [m for m in messages(caplog, logging.WARNING) if "empty assistant reply" in m]
+    assert len(warned) == 1 and "3 examples" in warned[0] and f"first: {p}:1" in warned[0], warned
+
+
+def test_truncated_to_no_loss_tokens_is_reported_as_dropped(tokenizer, tmp_path, caplog):
+    long_turn = {"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]}
+    short = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}
+    p = write(tmp_path / "t.jsonl", [long_turn, short])
+    with caplog.at_level(logging.INFO, logger="chronicals.data"):
+        ds = load_dataset(p, tokenizer, max_seq_len=64)
+    assert (len(ds), ds.stats.truncated, ds.stats.truncated_no_loss) == (1, 1, 1)
+    warned = messages(caplog, logging.WARNING)
+    assert len(warned) == 1 and "1 truncated to no loss tokens (dropped)" in warned[0], warned
