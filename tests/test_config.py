@@ -130,3 +130,62 @@ def test_file_errors_name_the_line_of_the_key(tmp_path):
     p.write_text("train:\n  max_steps: 3\n")  # an override's bad value has no line in the file
     with pytest.raises(ValueError, match=r"c\.yaml: config train\.max_steps='x' is invalid"):
         load_config(p, ["train.max_steps=x"])
+
+
+# ---- YAML files a user walk broke (non-string keys, duplicates, syntax errors, a directory) ----
+
+@pytest.mark.parametrize("text, message", [
+    ("{optim: {lr: 1e-3}, 5: {a: 1}}", r"c\.yaml:1: unknown config key 5; known: model"),
+    ("optim:\n  lr: 1e-3\n  5: 1\n", r"c\.yaml:3: unknown config key 'optim\.5'"),
+    ("optim:\n  lr: 1e-3\n~:\n  a: 1\n", r"c\.yaml:3: unknown config key None"),
+])
+def test_non_string_keys_are_unknown_keys(tmp_path, text, message):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=message):  # was a TypeError from difflib
+        load_config(p)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("optim:\n  lr: abc\n  lr: 1e-3\n", r"c\.yaml:3: duplicate key optim\.lr \(also at line 2\)"),
+    ("optim:\n  lr: 1e-3\n  lr: abc\n", r"c\.yaml:3: duplicate key optim\.lr \(also at line 2\)"),
+    ("optim:\n  lr: 1e-3\ntrain:\n  epochs: 1\noptim:\n  eps: 1e-6\n", r"c\.yaml:5: duplicate key optim \(also at line 1\)"),
+])
+def test_duplicate_keys_fail_at_the_second(tmp_path, text, message):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=message):  # was: the last one silently won
+        load_config(p)
+
+
+@pytest.mark.parametrize("text, message", [
+    # the problem's own position, then where the unclosed construct began
+    ("optim:\n  lr: 1e-3\ntrain:\n  max_steps: [1\n",
+     r"^\S*c\.yaml:5:1: invalid YAML: expected ',' or ']', but got '<stream end>' "
+     r"\(while parsing a flow sequence at 4:14\)$"),
+    ("optim:\n\tlr: 1\n", r"^\S*c\.yaml:2:1: invalid YAML: found character '\\t' that cannot start any token.*"
+                           r"indent with spaces, not tabs"),
+    ("optim:\n  lr: !!python/name:os.system\n", r"^\S*c\.yaml:2:7: invalid YAML: could not determine a constructor"),
+])
+def test_yaml_syntax_errors_say_file_line_column(tmp_path, text, message):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=message) as e:
+        load_config(p)
+    assert "unicode string" not in str(e.value)
+
+
+def test_config_path_that_is_a_directory(tmp_path):
+    d = tmp_path / "d.yaml"
+    d.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"d\.yaml is a directory, not a YAML file"):  # the CLI: exit 2
+        load_config(d)
+    with pytest.raises(FileNotFoundError, match=r"config file \S*nope\.yaml not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_merge_key_is_not_a_duplicate(tmp_path):
+    p = tmp_path / "c.yaml"  # '<<' has no constructor of its own: naming it must not fail
+    p.write_text("optim:\n  <<: {lr: 2.0e-3}\n  eps: 1.0e-6\n")
+    c = load_config(p)
+    assert c.optim.lr == 2e-3 and c.optim.eps == 1e-6

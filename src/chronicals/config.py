@@ -281,10 +281,12 @@ def all_keys() -> list[str]:
     return [f"{s}.{f.name}" for s, cls in _SECTION_TYPES.items() for f in dataclasses.fields(cls)]
 
 
-def _unknown(key: str, choices: list[str]) -> ValueError:
-    near = difflib.get_close_matches(key, choices, n=3, cutoff=0.5)
+def _unknown(key, choices: list[str]) -> ValueError:
+    """An unknown section or dotted key (any YAML scalar: ``5:`` or ``~:`` arrive as int / None) with suggestions."""
+    name = key if isinstance(key, str) else str(key)  # difflib compares strings only
+    near = difflib.get_close_matches(name, choices, n=3, cutoff=0.5)
     hint = f"; did you mean {' or '.join(near)}?" if near else f"; known: {', '.join(choices)}"
-    return ConfigError(f"unknown config key {key!r}{hint}", key)
+    return ConfigError(f"unknown config key {key!r}{hint}", name)
 
 
 def _field_type(cls, name: str):
@@ -371,18 +373,54 @@ def from_dict(d: dict | None, overrides: list[str] | dict | None = None) -> Trai
     return TrainConfig(**{s: cls(**values[s]) for s, cls in _SECTION_TYPES.items()})
 
 
-def _key_lines(text: str) -> dict[str, int]:
-    """1-based line of every section and ``section.key`` in a YAML mapping of mappings (for error messages)."""
+_KEY_CONSTRUCTOR = yaml.constructor.SafeConstructor()
+
+
+def _key_name(node: yaml.Node) -> str:
+    """A mapping key as ``from_dict`` names it: str of the value YAML builds (``5`` -> '5', ``~`` -> 'None')."""
+    if isinstance(node, yaml.ScalarNode) and node.tag != "tag:yaml.org,2002:merge":  # '<<' has no constructor
+        return str(_KEY_CONSTRUCTOR.construct_object(node))
+    return str(node.value)
+
+
+def _key_lines(text: str, source) -> dict[str, int]:
+    """1-based line of every section and ``section.key`` in a YAML mapping of mappings (for error messages).
+
+    A section or key written twice fails here, naming both lines: ``yaml.safe_load`` keeps the last one
+    silently, so a typo fixed further down (lr: abc ... lr: 1e-3) would hide which one counts.
+    """
     lines: dict[str, int] = {}
-    root = yaml.compose(text)
+
+    def note(name: str, node: yaml.Node):
+        line = node.start_mark.line + 1
+        if name in lines:
+            raise ConfigError(f"{source}:{line}: duplicate key {name} (also at line {lines[name]}); "
+                              "keep one of them", name)
+        lines[name] = line
+
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
     if not isinstance(root, yaml.MappingNode):
         return lines
     for sec, body in root.value:
-        lines.setdefault(str(sec.value), sec.start_mark.line + 1)
+        note(_key_name(sec), sec)
         if isinstance(body, yaml.MappingNode):
             for k, _ in body.value:
-                lines.setdefault(f"{sec.value}.{k.value}", k.start_mark.line + 1)
+                note(f"{_key_name(sec)}.{_key_name(k)}", k)
     return lines
+
+
+def _yaml_error(source, e: yaml.YAMLError) -> str:
+    """pyyaml's error as ``FILE:LINE:COL: invalid YAML: problem (context at LINE:COL)`` (1-based, like editors)."""
+    mark = getattr(e, "problem_mark", None)
+    if mark is None or not getattr(e, "problem", None):
+        return f"{source}: invalid YAML ({e})"
+    msg = f"{source}:{mark.line + 1}:{mark.column + 1}: invalid YAML: {e.problem}"
+    ctx, cmark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if ctx and cmark is not None and (cmark.line, cmark.column) != (mark.line, mark.column):
+        msg += f" ({ctx} at {cmark.line + 1}:{cmark.column + 1})"  # e.g. where an unclosed [ began
+    if "'\\t'" in e.problem:
+        msg += " (YAML must indent with spaces, not tabs)"
+    return msg
 
 
 def _override_keys(overrides) -> set[str]:
@@ -399,14 +437,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
     d, lines = {}, {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():  # FileNotFoundError too: the CLI reports both as a config error (exit 2)
+            raise FileNotFoundError(f"config {p} is a directory, not a YAML file (give a file such as "
+                                    "configs/smollm2-135m/lora.yaml)")
         if not p.is_file():
             raise FileNotFoundError(f"config file {p} not found (give a YAML file such as configs/smollm2-135m/lora.yaml)")
         text = p.read_text()
         try:
             d = yaml.safe_load(text) or {}
-            lines = _key_lines(text)
+            lines = _key_lines(text, p)
         except yaml.YAMLError as e:
-            raise ValueError(f"{p}: invalid YAML ({e})") from None
+            raise ValueError(_yaml_error(p, e)) from None
+        except ConfigError as e:  # a duplicate key: the message already names the file and both lines
+            raise ValueError(str(e)) from None
         if not isinstance(d, dict):
             raise ValueError(f"{p}: expected a mapping of sections (model, data, lora, ...), got {type(d).__name__}")
     try:
