@@ -8,8 +8,9 @@ The API the trainer codes against::
     from chronicals.data import load_dataset, PackedLoader, PackedBatch, pack_bfd
 
     ds = load_dataset(
-        ["train.jsonl"],              # files (.jsonl .json .parquet .csv), directories of them, or a
-                                      # datasets.save_to_disk directory (arrow files + state.json)
+        ["train.jsonl"],              # files (.jsonl .json .parquet .csv, any case; text files UTF-8, BOM
+                                      # ignored), directories of them (recursive, sorted, names starting
+                                      # with '.' skipped), or a datasets.save_to_disk directory
         tokenizer,                    # a transformers tokenizer (fast); chat data uses its chat template
         format="auto",                # "auto" | "text" | "alpaca" | "chat" (messages) | "sharegpt"
                                       # (conversations) | "prompt_completion"
@@ -18,9 +19,11 @@ The API the trainer codes against::
         on_error="fail",              # "fail": raise "file:line: what is wrong, what was expected";
                                       # "skip": drop the record and count it (ds.stats.skipped_errors)
         overlong="truncate",          # "truncate" | "drop" examples longer than max_seq_len (counted)
-        cache_dir=None,               # tokenization cache (keyed by file contents, tokenizer, settings)
+        cache_dir=None,               # tokenization cache (keyed by file contents, tokenizer, settings);
+                                      # a damaged entry is logged and rebuilt (data/cache.py)
         num_proc=None,                # worker processes; None: 1 below 20,000 records, else min(8, cpus)
-    )  # -> TokenizedDataset
+        name="the dataset",           # which set, in whole-set errors and the log ("the held-out set")
+    )  # -> TokenizedDataset; logs one line of files read and formats found (ds.summary)
     len(ds); ds[i] -> (ids (L,) int32, trainable (L,) bool)   # trainable: loss on predicting the token
     ds.lengths (n,) int64; ds.pad_id; ds.stats (DatasetStats: counts of records, truncated, dropped, ...)
 
