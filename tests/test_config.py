@@ -189,3 +189,54 @@ def test_merge_key_is_not_a_duplicate(tmp_path):
     p.write_text("optim:\n  <<: {lr: 2.0e-3}\n  eps: 1.0e-6\n")
     c = load_config(p)
     assert c.optim.lr == 2e-3 and c.optim.eps == 1e-6
+
+
+# ---- numeric ranges checked when the config is read, not when torch meets the value ----
+
+FLOAT_KEYS = [k for k in all_keys() if isinstance(getattr(TrainConfig(), k.split(".")[0]).__dict__[k.split(".")[1]],
+                                                   float)]
+
+
+def test_float_keys_are_found():
+    assert {"optim.lr", "optim.eps", "lora.alpha", "train.epochs", "schedule.min_lr_ratio"} <= set(FLOAT_KEYS)
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+@pytest.mark.parametrize("value", ["inf", "-inf", ".nan"])
+def test_every_float_key_must_be_finite(key, value):
+    shown = {"inf": "inf", "-inf": "-inf", ".nan": "nan"}[value]
+    with pytest.raises(ValueError, match=rf"config {key}={shown} is invalid: expected a finite number"):
+        load_config(None, [f"{key}={value}", "train.max_steps=5"])  # max_steps: epochs alone may not decide
+
+
+def test_sections_built_directly_check_finiteness():
+    from chronicals.config import OptimSection
+
+    with pytest.raises(ValueError, match=r"optim\.grad_clip=inf is invalid: expected a finite number"):
+        OptimSection(grad_clip=float("inf"))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("optim.eps=-1", r"optim\.eps=-1\.0 is invalid: expected a number > 0"),
+    ("optim.eps=0", r"optim\.eps=0\.0 is invalid: expected a number > 0"),
+    ("optim.beta1=1", r"optim\.beta1=1\.0 is invalid: expected a number in \[0, 1\)"),
+    ("optim.beta2=-0.1", r"optim\.beta2=-0\.1 is invalid: expected a number in \[0, 1\)"),
+    ("optim.weight_decay=-0.01", r"optim\.weight_decay=-0\.01 is invalid: expected a number >= 0"),
+    ("optim.grad_clip=-1", r"optim\.grad_clip=-1\.0 is invalid"),
+    ("schedule.warmup_steps=-1", r"schedule\.warmup_steps=-1 is invalid: expected an integer >= 0"),
+    ("schedule.min_lr_ratio=1.5", r"schedule\.min_lr_ratio=1\.5 is invalid: expected a number in \[0, 1\]"),
+    ("schedule.min_lr_ratio=-0.1", r"schedule\.min_lr_ratio=-0\.1 is invalid"),
+    ("train.seed=-1", r"train\.seed=-1 is invalid: expected an integer >= 0"),
+    ("logging.peak_tflops=-1", r"logging\.peak_tflops=-1\.0 is invalid"),
+    ("lora.plus_ratio=0", r"lora\.plus_ratio=0\.0 is invalid"),
+])
+def test_optimizer_and_schedule_ranges(bad, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [bad])
+
+
+def test_range_errors_name_the_line_of_the_key(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("optim:\n  beta1: 0.9\n  beta2: 1.0\n")
+    with pytest.raises(ValueError, match=r"c\.yaml:3: config optim\.beta2=1\.0 is invalid"):
+        load_config(p)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -47,6 +48,16 @@ def _check(cond: bool, key: str, value, expected: str):
         raise ConfigError(f"config {key}={value!r} is invalid: expected {expected}", key)
 
 
+def _check_finite(section) -> None:
+    """Every float field of a section is finite: inf passes ``lr > 0`` and ``epochs > 0`` (epochs=inf then
+    overflowed int() in the loop), nan fails them with a misleading range; one check, first, for all."""
+    name = next(n for n, cls in _SECTION_TYPES.items() if isinstance(section, cls))
+    for f in dataclasses.fields(section):
+        v = getattr(section, f.name)
+        if isinstance(v, float):  # ints cannot be inf/nan; str/bool fields are not numbers
+            _check(math.isfinite(v), f"{name}.{f.name}", v, "a finite number")
+
+
 @dataclass
 class ModelSection:
     path: str = _f("smollm2-135m-instruct", "local HF directory, .gguf file, or 'smollm2-135m-instruct' (embedded)")
@@ -71,6 +82,7 @@ class ModelSection:
                                   "acts when lm_head trains (full fine-tuning, or LoRA modules_to_save)")
 
     def __post_init__(self):
+        _check_finite(self)
         _check(self.dtype in ("auto", "bfloat16", "float32", "float64"), "model.dtype", self.dtype,
                "auto | bfloat16 | float32 | float64")
         _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "model.device",
@@ -112,6 +124,7 @@ class DataSection:
                             "~/.cache/chronicals/data; 'none' = no cache)")
 
     def __post_init__(self):
+        _check_finite(self)
         _check(self.max_seq_len >= 8, "data.max_seq_len", self.max_seq_len, "an integer >= 8")
         _check(self.batch_size >= 1, "data.batch_size", self.batch_size, "an integer >= 1")
         _check(self.on_long in ("truncate", "drop"), "data.on_long", self.on_long, "truncate | drop")
@@ -140,6 +153,7 @@ class LoraSection:
                            "(lora.group; needs dropout 0 and the fused path, else one call per module)")
 
     def __post_init__(self):
+        _check_finite(self)
         _check(self.rank >= 1, "lora.rank", self.rank, "an integer >= 1")
         _check(self.alpha > 0, "lora.alpha", self.alpha, "a number > 0")
         _check(0.0 <= self.dropout < 1.0, "lora.dropout", self.dropout, "a number in [0, 1)")
@@ -161,10 +175,12 @@ class OptimSection:
     fused: str = _f("auto", "fused AdamW: auto (on CUDA) | true | false")
 
     def __post_init__(self):
+        _check_finite(self)
         _check(self.lr > 0, "optim.lr", self.lr, "a number > 0")
         _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "a number >= 0")
-        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1/beta2", (self.beta1, self.beta2),
-               "numbers in [0, 1)")
+        _check(0 <= self.beta1 < 1, "optim.beta1", self.beta1, "a number in [0, 1)")
+        _check(0 <= self.beta2 < 1, "optim.beta2", self.beta2, "a number in [0, 1)")
+        _check(self.eps > 0, "optim.eps", self.eps, "a number > 0 (AdamW divides by sqrt(v) + eps)")
         _check(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "a number >= 0 (0 = off)")
         _check(str(self.fused).lower() in ("auto", "true", "false"), "optim.fused", self.fused, "auto | true | false")
 
@@ -176,6 +192,7 @@ class ScheduleSection:
     min_lr_ratio: float = _f(0.1, "final lr as a fraction of the peak (cosine and linear)")
 
     def __post_init__(self):
+        _check_finite(self)
         _check(self.kind in ("cosine", "linear", "constant"), "schedule.kind", self.kind, "cosine | linear | constant")
         _check(self.warmup_steps >= 0, "schedule.warmup_steps", self.warmup_steps, "an integer >= 0")
         _check(0 <= self.min_lr_ratio <= 1, "schedule.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
@@ -207,10 +224,12 @@ class TrainSection:
                                           "335.1k -> 335.3k)")
 
     def __post_init__(self):
+        _check_finite(self)
         _check(self.epochs > 0 or self.max_steps > 0, "train.epochs", self.epochs,
                "a number > 0, or set train.max_steps > 0")
         _check(self.max_steps >= 0, "train.max_steps", self.max_steps, "an integer >= 0")
         _check(self.grad_accum >= 1, "train.grad_accum", self.grad_accum, "an integer >= 1")
+        _check(self.seed >= 0, "train.seed", self.seed, "an integer >= 0 (numpy seeds the data order with it)")
         _check(self.save_every >= 0, "train.save_every", self.save_every, "an integer >= 0")
         _check(self.keep_last >= 1, "train.keep_last", self.keep_last, "an integer >= 1")
         graphs = str(self.cuda_graphs).lower()  # YAML true/false arrive as bools, 'on'/'off' as strings
@@ -229,6 +248,7 @@ class EvalSection:
     max_new_tokens: int = _f(24, "tokens generated per held-out answer (the demo answers take <= 17)")
 
     def __post_init__(self):
+        _check_finite(self)
         _check(self.every >= 0, "eval.every", self.every, "an integer >= 0")
         _check(self.qa_limit >= 0, "eval.qa_limit", self.qa_limit, "an integer >= 0")
         _check(self.max_new_tokens >= 1, "eval.max_new_tokens", self.max_new_tokens, "an integer >= 1")
@@ -242,6 +262,7 @@ class LoggingSection:
     peak_tflops: float = _f(0.0, "peak TFLOP/s for MFU (0 = measure a bf16 matmul once on CUDA; on CPU MFU is logged only when set)")
 
     def __post_init__(self):
+        _check_finite(self)
         _check(self.peak_tflops >= 0, "logging.peak_tflops", self.peak_tflops, "a number >= 0")
 
 
