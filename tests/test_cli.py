@@ -272,3 +272,14 @@ def test_an_unexpected_exception_is_exit_4_not_the_diverged_status(monkeypatch, 
     assert main(["chat", "x"]) == 4
     err = capsys.readouterr().err
     assert "Traceback" in err and "KeyError: 'a bug'" in err and "internal error in chronicals" in err
+
+
+def test_ctrl_c_before_training_is_130_without_a_traceback(monkeypatch, capsys):
+    import chronicals.cli as cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+    monkeypatch.setitem(cli.COMMANDS, "train", interrupted)
+    assert main(["train"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted (Ctrl-C)" in err and "Traceback" not in err

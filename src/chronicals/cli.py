@@ -22,7 +22,8 @@ packaged Vellmora facts; a few minutes on a laptop CPU). Values on the command l
 file, which overrides the defaults below. Exit status: 0 done, 1 diverged (NaN/inf), 2 bad config,
 3 bad input found while running (a data, model or adapter file: the message names it, with the line for
 data), 4 internal error (a bug in chronicals: the traceback says where; please report it), 130 stopped by
-SIGINT/SIGTERM after writing a checkpoint (run again with train.resume=auto).
+SIGINT/SIGTERM: after writing a checkpoint (run again with train.resume=auto), unless it came before the
+first step (nothing to keep) or was a second Ctrl-C (the step's checkpoint not waited for).
 
 keys:
 """
@@ -180,9 +181,11 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
         p.error("an empty prompt was given; pass the message text (or no prompts to read them from stdin)")
     a.model = _base_for(a.adapter, a.model, "--model")
     from .config import DEMO_SYSTEM_PROMPT
+    from .models import require_chat_template
     from .train.qa import answer
 
     model, tok = _load(a.model, a.adapter, a.device, a.dtype)
+    require_chat_template(tok)  # before any prompt is read
     system = DEMO_SYSTEM_PROMPT if a.system is None else a.system
     prompts = a.prompts
     interactive = not prompts
@@ -225,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}\n(CHRONICALS_TRACEBACK=1 shows where it was raised)", file=sys.stderr)
         return 3
+    except KeyboardInterrupt:  # Ctrl-C before training began (no checkpoint to write) or a second one
+        print("\ninterrupted (Ctrl-C): no checkpoint was written for the step in progress", file=sys.stderr)
+        return 130
     except Exception:  # not an input we check: a bug. Its own status, as 1 means "diverged" to train's callers
         import traceback
 

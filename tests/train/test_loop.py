@@ -206,7 +206,8 @@ def test_pipelined_loop_equals_reading_every_step(tmp_path, docs, caplog):
     assert all(r["step_s"] > 0 and r["tokens_per_s"] > 0 for r in a)
     for n, v in models["pipelined"].state_dict().items():
         assert torch.equal(v, models["every step"].state_dict()[n]), n
-    assert [p.name for p in checkpoint_dirs(tmp_path / "pipelined" / "run")] == ["step-000003", "step-000006"]
+    # every 3 steps and at the end, the last 2 kept
+    assert [p.name for p in checkpoint_dirs(tmp_path / "pipelined" / "run")] == ["step-000006", "step-000007"]
 
 
 def test_pipelined_nan_step_is_not_applied_and_stops(tmp_path, docs):
@@ -300,8 +301,8 @@ def test_resume_over_other_batches_warns(tmp_path, docs, caplog):
     assert "written with data.batch_size=4 (this run: 2): its data position refers to other batches" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="chronicals.train"):
-        train(tiny_config(tmp_path, train__resume="auto", train__max_steps=3), model=tiny_model(),
-              train_loader=SyntheticLoader(docs))
+        train(tiny_config(tmp_path, train__resume="auto", train__max_steps=3, data__batch_size=2), model=tiny_model(),
+              train_loader=SyntheticLoader(docs))  # from the end checkpoint of the run above (batch_size 2)
     assert "data position" not in caplog.text
 
 
@@ -347,3 +348,70 @@ def test_a_run_that_fails_while_setting_up_leaves_out_dir_as_it_found_it(tmp_pat
               model=tiny_model(), train_loader=SyntheticLoader(docs))
     assert (run / "config.yaml").read_text() == written and "rank: 4" in written
     assert (run / "metrics.jsonl").read_text() == metrics and (run / "notes.md").read_text() == "mine"
+
+
+def test_resume_applies_this_runs_optimizer_settings(tmp_path, docs, caplog):
+    """A resume with another optim.lr (the divergence message's advice) trains on with it: the lr of the resumed
+    steps equals a straight run's at that lr, and the change is named in a warning."""
+    over = dict(train__max_steps=4, optim__lr=2e-3, optim__weight_decay=0.1)
+    train(tiny_config(tmp_path / "a", **dict(over, train__max_steps=2, optim__lr=1e-3, optim__weight_decay=0.0)),
+          model=tiny_model(),
+          train_loader=SyntheticLoader(docs))  # its end checkpoint: step 2
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        train(tiny_config(tmp_path / "a", **over, train__resume="auto"), model=tiny_model(),
+              train_loader=SyntheticLoader(docs))
+    assert "resumed at step 2 with other settings than the checkpoint's run: optim.lr=0.001 (this run: 0.002)" \
+        in caplog.text and "optim.weight_decay=0.0 (this run: 0.1)" in caplog.text
+    train(tiny_config(tmp_path / "b", **over), model=tiny_model(), train_loader=SyntheticLoader(docs))
+    resumed, straight = (_train_records(tmp_path / d / "run") for d in ("a", "b"))
+    assert [r["lr"] for r in resumed[2:]] == [r["lr"] for r in straight[2:]]
+    assert resumed[1]["lr"] != straight[1]["lr"]  # step 2 ran at the old lr
+
+
+def test_resume_at_or_past_the_end(tmp_path, docs, caplog):
+    """A finished out_dir: resume=auto finds its end checkpoint and trains nothing (metrics.jsonl unchanged, no
+    second closing evaluation); a checkpoint past this run's steps is refused."""
+    cfg = tiny_config(tmp_path, train__max_steps=3, train__save_final=True)
+    train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs), eval_loader=SyntheticLoader(docs[:4]))
+    run = tmp_path / "run"
+    metrics = (run / "metrics.jsonl").read_text()
+    again = tiny_config(tmp_path, train__max_steps=3, train__save_final=True, train__resume="auto")
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        res = train(again, model=tiny_model(), train_loader=SyntheticLoader(docs), eval_loader=SyntheticLoader(docs[:4]))
+    assert "is this run's last step (3 of 3): nothing to train" in caplog.text
+    assert res.status == "completed" and res.step == 3 and res.start_step == 3 and res.final_dir == run / "model"
+    assert (run / "metrics.jsonl").read_text() == metrics
+    with pytest.raises(ValueError, match=r"step-000003 is at step 3, past this run's 2 steps; raise train.max_steps"):
+        train(tiny_config(tmp_path, train__max_steps=2, train__resume="auto"), model=tiny_model(),
+              train_loader=SyntheticLoader(docs))
+
+
+class _FailingEval(SyntheticLoader):
+    def __iter__(self):
+        raise ValueError("held-out data went bad")
+
+
+def test_a_new_run_that_fails_before_logging_keeps_the_old_runs_record(tmp_path, docs):
+    """resume=none over a finished run: until the new run logs its first record, the old metrics.jsonl and
+    config.yaml stay as they were (a failure in the first evaluation, a Ctrl-C during setup)."""
+    train(tiny_config(tmp_path, train__max_steps=2), model=tiny_model(), train_loader=SyntheticLoader(docs))
+    run = tmp_path / "run"
+    before = {n: (run / n).read_text() for n in ("metrics.jsonl", "config.yaml")}
+    with pytest.raises(ValueError, match="held-out data went bad"):
+        train(tiny_config(tmp_path, train__max_steps=5, optim__lr=1e-4), model=tiny_model(),
+              train_loader=SyntheticLoader(docs), eval_loader=_FailingEval(docs[:4]))
+    assert {n: (run / n).read_text() for n in before} == before
+
+
+def test_the_summary_of_a_resumed_run(tmp_path):
+    from chronicals.train.loop import TrainResult
+    from chronicals.train.report import RunReport
+
+    cfg = tiny_config(tmp_path)
+    rep = RunReport(cfg, out=lambda *a: None)
+    rep("after", model=None, tokenizer=None, eval_loss=1.5, heldout_qa=None)
+    res = TrainResult(status="completed", step=8, total_steps=8, out_dir=tmp_path, start_step=4,
+                      eval_loss_before=2.25, train_seconds=2.0, tokens_per_s=100.0)
+    text = rep.summary(res)
+    assert "held-out loss: 2.2500 -> 1.5000" in text
+    assert "training: 4 steps (resumed at step 4, now at 8 of 8) in 2.0 s, 100 loss tokens/s" in text

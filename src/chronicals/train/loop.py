@@ -52,6 +52,7 @@ class TrainResult:
     out_dir: Path
     final_dir: Path | None = None  # adapter (LoRA) or HF model (full) directory
     checkpoint: Path | None = None  # last resumable checkpoint written
+    start_step: int = 0  # the step this process began at (> 0 after a resume)
     eval_loss_before: float | None = None
     eval_loss_after: float | None = None
     last_loss: float | None = None
@@ -126,14 +127,16 @@ def _check_finite(step: int, loss_val: float, gnorm: float, last_good) -> None:
     """TrainingDiverged when step ``step``'s loss or gradient norm is NaN/inf; its update is not applied.
 
     ``last_good()``: the last good checkpoint (named in the message)."""
-    if not math.isfinite(loss_val):
-        raise TrainingDiverged(
-            f"loss is {loss_val} at step {step}; stopping without its update. The last good checkpoint is "
-            f"{last_good()} (lower optim.lr, raise schedule.warmup_steps, or check the data) "
-            "and resume=auto continues from it")
-    if not math.isfinite(gnorm):
-        raise TrainingDiverged(f"gradient norm is {gnorm} at step {step} (loss {loss_val:.4f}); stopping without "
-                               f"its update. Last good checkpoint: {last_good()}")
+    if math.isfinite(loss_val) and math.isfinite(gnorm):
+        return
+    good = last_good()
+    where = (f"The last good checkpoint is {good}; train.resume=auto continues from it with the changed settings"
+             if good is not None else "No checkpoint was written before it (train.save_every=N writes them); "
+             "the run starts over")
+    what = (f"loss is {loss_val}" if not math.isfinite(loss_val)
+            else f"gradient norm is {gnorm} (loss {loss_val:.4f})")
+    raise TrainingDiverged(f"{what} at step {step}; stopping without its update. {where} (lower optim.lr, raise "
+                           "schedule.warmup_steps, or check the data)")
 
 
 @dataclass
@@ -282,14 +285,21 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     elif cfg.train.resume != "none":
         resume_from = Path(cfg.train.resume)
     if resume_from is not None:
+        fresh = _hyperparameters(optimizer, scheduler)
         restored = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler, config=cfg_dict)
         stream.load_state_dict(restored["data"])  # rank 0's position: every rank's equals it (equal shards)
         start = restored["step"]
+        if start > total:
+            raise ValueError(f"{resume_from} is at step {start}, past this run's {total} steps; raise "
+                             "train.max_steps (or train.epochs), or set train.resume=none to start over")
         log.info("resumed from %s at step %d of %d", resume_from, start, total)
+        _apply_hyperparameters(optimizer, scheduler, fresh, restored["extra"].get("config"), cfg_dict, start)
         _warn_data_changed(restored["extra"].get("config"), cfg_dict, resume_from)
-    if dp.is_main:  # after the resume check: a refused resume leaves the run's config.yaml as it was
-        (out_dir / "config.yaml").write_text(cfg.to_yaml())
-        metrics = MetricsLog(out_dir, cfg.logging.tensorboard, start if resume_from else None)
+        if start == total:
+            return _already_done(cfg, dp, out_dir, model, tokenizer, resume_from, total)
+    if dp.is_main:  # config.yaml and metrics.jsonl change only once this run writes its first record
+        metrics = MetricsLog(out_dir, cfg.logging.tensorboard, start if resume_from else None,
+                             on_open=lambda: (out_dir / "config.yaml").write_text(cfg.to_yaml()))
     else:
         metrics = _RanksMetrics()
     report = report if dp.is_main else None
@@ -316,7 +326,10 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         except OSError as e:
             log.error("the checkpoint being written failed: %s", e)
         return ckpt.latest_checkpoint(out_dir)
-    result = TrainResult(status="completed", step=start, total_steps=total, out_dir=out_dir)
+    result = TrainResult(status="completed", step=start, total_steps=total, out_dir=out_dir, start_step=start)
+    if start:  # the held-out loss before training, from the run that began it (summary: before -> after)
+        result.eval_loss_before = next((r["eval_loss"] for r in metrics.records
+                                        if r.get("kind") == "eval" and r.get("tag") == "before"), None)
 
     # MFU: needs a peak (logging.peak_tflops, else measured on CUDA); LoRA has no weight-gradient GEMMs
     peak = cfg.logging.peak_tflops or matmul_peak_tflops(device)
@@ -460,6 +473,10 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
 
     # ---- save ----
     if result.status == "completed":
+        if not (cfg.train.save_every and total % cfg.train.save_every == 0):  # not just taken by the loop
+            # at the end too (train.save_every's "only at the end"): raising train.max_steps trains on from it,
+            # and resume=auto in a finished out_dir finds the run done instead of an earlier signal's checkpoint
+            result.checkpoint = save(total, wait=True)
         result.eval_loss_after = run_eval(result.step, "after")
         if cfg.train.save_final and dp.is_main:
             result.final_dir = save_final(model, tokenizer, cfg, out_dir)
@@ -469,6 +486,46 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     metrics.close()
     if cfg.logging.plot and dp.is_main:
         result.plot = plot_losses(metrics.records, out_dir / "loss.png")
+    return result
+
+
+def _hyperparameters(optimizer, scheduler) -> dict:
+    """What this run's config set in the freshly built optimizer and schedule (before a checkpoint's state
+    replaces them): per group betas, eps, weight_decay, and the schedule's base learning rates."""
+    keys = ("betas", "eps", "weight_decay")
+    return {"groups": [{k: g[k] for k in keys} for g in optimizer.param_groups], "base_lrs": list(scheduler.base_lrs)}
+
+
+def _apply_hyperparameters(optimizer, scheduler, fresh: dict, saved_cfg: dict | None, cfg_dict: dict,
+                           step: int) -> None:
+    """After a resume, this run's optimizer / schedule settings apply from ``step`` on (the checkpoint's state
+    dicts carry the old run's lr, betas, eps and weight decay; the AdamW moments and step counts are kept).
+    With an unchanged config the values are the ones restored, bit for bit."""
+    for group, new in zip(optimizer.param_groups, fresh["groups"]):
+        group.update(new)
+    scheduler.base_lrs = list(fresh["base_lrs"])
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, base, lr in zip(optimizer.param_groups, scheduler.base_lrs, lrs):
+        group["initial_lr"], group["lr"] = base, lr
+    scheduler._last_lr = lrs
+    diffs = ckpt.config_diffs(saved_cfg, cfg_dict, {"optim": None, "schedule": None, "lora": ("plus_ratio",),
+                                                    "train": ("max_steps", "epochs", "grad_accum")})
+    if diffs:
+        log.warning("resumed at step %d with other settings than the checkpoint's run: %s; they apply from step %d "
+                    "on (the AdamW moments are kept)", step, ", ".join(diffs), step + 1)
+
+
+def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, checkpoint: Path,
+                  total: int) -> TrainResult:
+    """resume found the run's last step: nothing to train, nothing logged again; the final directory is
+    written only if the finished run did not write it."""
+    log.warning("%s is this run's last step (%d of %d): nothing to train; raise train.max_steps to train on, or set "
+                "train.resume=none to start over", checkpoint, total, total)
+    result = TrainResult(status="completed", step=total, total_steps=total, out_dir=out_dir, checkpoint=checkpoint,
+                         start_step=total)
+    if cfg.train.save_final and dp.is_main:
+        final = out_dir / ("adapter" if cfg.lora.enabled else "model")
+        result.final_dir = final if final.is_dir() else save_final(model, tokenizer, cfg, out_dir)
     return result
 
 

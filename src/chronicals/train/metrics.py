@@ -67,17 +67,20 @@ def memory_gib(device: torch.device) -> float | None:
 class MetricsLog:
     """metrics.jsonl (one JSON object per line) plus TensorBoard scalars when enabled and installed."""
 
-    def __init__(self, out_dir: Path, tensorboard: bool, resume_step: int | None = None):
+    def __init__(self, out_dir: Path, tensorboard: bool, resume_step: int | None = None, on_open=None):
+        """The file is rewritten (or made) at the first ``write``, when ``on_open()`` also runs: a run that stops
+        before logging anything leaves an earlier run's metrics.jsonl as it was."""
         self.path = out_dir / "metrics.jsonl"
         self.records: list[dict] = []
         if resume_step is not None and self.path.exists():
-            # keep what the interrupted run logged up to its checkpoint; later steps are redone
+            # keep what the interrupted run logged up to its checkpoint, but not its closing "after" evaluation;
+            # later steps are redone
             for line in self.path.read_text().splitlines():
                 rec = json.loads(line)
-                if rec.get("step", 0) <= resume_step:
+                if rec.get("step", 0) <= resume_step and rec.get("tag") != "after":
                     self.records.append(rec)
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
-        self._fh = self.path.open("a")
+        self._fh = None
+        self._on_open = on_open
         self.tb = None
         if tensorboard:
             try:
@@ -88,6 +91,11 @@ class MetricsLog:
                 self.tb = SummaryWriter(str(out_dir / "tensorboard"))
 
     def write(self, rec: dict) -> None:
+        if self._fh is None:
+            if self._on_open is not None:
+                self._on_open()
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+            self._fh = self.path.open("a")
         self.records.append(rec)
         self._fh.write(json.dumps(rec) + "\n")
         self._fh.flush()
@@ -97,7 +105,8 @@ class MetricsLog:
                     self.tb.add_scalar(f"{rec.get('kind', 'train')}/{k}", v, rec["step"])
 
     def close(self) -> None:
-        self._fh.close()
+        if self._fh is not None:
+            self._fh.close()
         if self.tb is not None:
             self.tb.close()
 

@@ -68,5 +68,9 @@ def lr_factor(step: int, total: int, warmup: int, kind: str, min_ratio: float) -
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
     s = cfg.schedule
     warmup = min(s.warmup_steps, max(0, total_steps - 1))
+    if warmup < s.warmup_steps:
+        log.warning("schedule.warmup_steps=%d is not shorter than the run's %d steps: warming up over %d steps, so "
+                    "the lr reaches its peak at the last step and never decays; lower schedule.warmup_steps",
+                    s.warmup_steps, total_steps, warmup)
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, warmup, s.kind, s.min_lr_ratio))

@@ -58,15 +58,19 @@ class RunReport:
                     lines.append(_fmt("before", self.before.answers[i], self.before.correct[i]))
                 lines.append(_fmt("after ", self.after.answers[i], self.after.correct[i]))
         lines.append("== summary ==")
-        b, a = self.loss.get("before"), self.loss.get("after")
+        b, a = self.loss.get("before", result.eval_loss_before), self.loss.get("after")
+        b = result.eval_loss_before if b is None else b
         if a is not None:
             lines.append(f"held-out loss: {b:.4f} -> {a:.4f}" if b is not None else f"held-out loss: {a:.4f}")
         if self.after is not None:
             frac_b = f"{self.before.fraction:.0%} ({sum(self.before.correct)}/{len(self.qa)})" if self.before else "-"
             lines.append(f"held-out answers with their keywords: {frac_b} -> "
                          f"{self.after.fraction:.0%} ({sum(self.after.correct)}/{len(self.qa)})")
-        lines.append(f"training: {result.step} steps in {result.train_seconds:.1f} s, "
-                     f"{result.tokens_per_s:,.0f} loss tokens/s; total wall time {time.perf_counter() - self.t_start:.0f} s")
+        ran = result.step - result.start_step
+        steps = (f"{ran} steps" if not result.start_step else
+                 f"{ran} steps (resumed at step {result.start_step}, now at {result.step} of {result.total_steps})")
+        lines.append(f"training: {steps} in {result.train_seconds:.1f} s, {result.tokens_per_s:,.0f} loss tokens/s; "
+                     f"total wall time {time.perf_counter() - self.t_start:.0f} s")
         out = result.out_dir
         if result.final_dir is not None:
             kind = "adapter (PEFT format)" if self.cfg.lora.enabled else "model (Hugging Face format)"
