@@ -23,7 +23,7 @@ test: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -x tests
 
 demo: setup
-	$(VENV)/bin/chronicals train
+	$(VENV)/bin/chronicals train train.resume=none  # a fresh run each time (auto would find the last one finished)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
