@@ -413,5 +413,9 @@ def test_the_summary_of_a_resumed_run(tmp_path):
     res = TrainResult(status="completed", step=8, total_steps=8, out_dir=tmp_path, start_step=4,
                       eval_loss_before=2.25, train_seconds=2.0, tokens_per_s=100.0)
     text = rep.summary(res)
-    assert "held-out loss: 2.2500 -> 1.5000" in text
+    assert "held-out loss: 2.2500 -> 1.5000" in text and "training data" not in text
+    from chronicals.data.dataset import DatasetStats
+    res.data_stats = DatasetStats(records=10, documents=7, skipped_errors=2, truncated=1, dropped_no_loss=1)
+    assert "training data: 7 examples of 10 records (2 bad records skipped, 1 truncated to data.max_seq_len, " \
+           "1 dropped with no loss tokens)" in rep.summary(res)
     assert "training: 4 steps (resumed at step 4, now at 8 of 8) in 2.0 s, 100 loss tokens/s" in text

@@ -59,6 +59,7 @@ class TrainResult:
     tokens_per_s: float = 0.0  # loss tokens per second of training steps (eval excluded)
     train_seconds: float = 0.0
     plot: Path | None = None
+    data_stats: object | None = None  # the training set's DatasetStats (records kept, skipped, cut), if known
     extra: dict = field(default_factory=dict)
 
 
@@ -327,6 +328,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
             log.error("the checkpoint being written failed: %s", e)
         return ckpt.latest_checkpoint(out_dir)
     result = TrainResult(status="completed", step=start, total_steps=total, out_dir=out_dir, start_step=start)
+    result.data_stats = getattr(getattr(train_loader, "dataset", None), "stats", None)
     if start:  # the held-out loss before training, from the run that began it (summary: before -> after)
         result.eval_loss_before = next((r["eval_loss"] for r in metrics.records
                                         if r.get("kind") == "eval" and r.get("tag") == "before"), None)

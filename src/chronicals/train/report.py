@@ -66,6 +66,14 @@ class RunReport:
             frac_b = f"{self.before.fraction:.0%} ({sum(self.before.correct)}/{len(self.qa)})" if self.before else "-"
             lines.append(f"held-out answers with their keywords: {frac_b} -> "
                          f"{self.after.fraction:.0%} ({sum(self.after.correct)}/{len(self.qa)})")
+        st = result.data_stats
+        if st is not None:  # what the data lost on the way in, where the log may have scrolled away
+            lost = [f"{n} {what}" for n, what in (
+                (st.skipped_errors, "bad records skipped"), (st.truncated, "truncated to data.max_seq_len"),
+                (st.dropped_overlong, "dropped as too long"), (st.dropped_no_loss, "dropped with no loss tokens"),
+                (st.empty_targets, "with an empty reply")) if n]
+            lines.append(f"training data: {st.documents} examples of {st.records} records"
+                         + (f" ({', '.join(lost)})" if lost else ""))
         ran = result.step - result.start_step
         steps = (f"{ran} steps" if not result.start_step else
                  f"{ran} steps (resumed at step {result.start_step}, now at {result.step} of {result.total_steps})")
