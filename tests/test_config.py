@@ -127,8 +127,8 @@ def test_file_errors_name_the_line_of_the_key(tmp_path):
     p.write_text("lora:\n  rank: 8\noptimizer:\n  lr: 1.0\n")  # unknown section: the section's line
     with pytest.raises(ValueError, match=r"c\.yaml:3: unknown config key 'optimizer'"):
         load_config(p)
-    p.write_text("train:\n  max_steps: 3\n")  # an override's bad value has no line in the file
-    with pytest.raises(ValueError, match=r"c\.yaml: config train\.max_steps='x' is invalid"):
+    p.write_text("train:\n  max_steps: 3\n")  # an override's bad value is the command line's, not the file's
+    with pytest.raises(ValueError, match=r"^command line: config train\.max_steps='x' is invalid"):
         load_config(p, ["train.max_steps=x"])
 
 
@@ -240,3 +240,50 @@ def test_range_errors_name_the_line_of_the_key(tmp_path):
     p.write_text("optim:\n  beta1: 0.9\n  beta2: 1.0\n")
     with pytest.raises(ValueError, match=r"c\.yaml:3: config optim\.beta2=1\.0 is invalid"):
         load_config(p)
+
+
+@pytest.mark.parametrize("path", [None, "c.yaml"])
+def test_override_errors_name_the_command_line(tmp_path, path):
+    if path:
+        (tmp_path / path).write_text("train:\n  max_steps: 3\noptim:\n  lr: 1.0e-3\n")
+        path = tmp_path / path
+    with pytest.raises(ValueError, match=r"^command line: unknown config key 'trian\.epochs'; did you mean"):
+        load_config(path, ["trian.epochs=1"])
+    with pytest.raises(ValueError, match=r"^command line: config optim\.lr=-1\.0 is invalid"):
+        load_config(path, ["optim.lr=-1"])
+    with pytest.raises(ValueError, match=r"^overrides: config optim\.lr=-1\.0 is invalid"):
+        load_config(path, {"optim.lr": -1.0})  # a dict from Python is not a command line
+    with pytest.raises(ValueError, match=r"^command line: override 'optim\.lr' is not key=value"):
+        load_config(path, ["optim.lr"])
+
+
+def test_file_error_keeps_its_line_next_to_other_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  max_steps: 3\noptim:\n  lr: -1\n")
+    with pytest.raises(ValueError, match=r"^\S*c\.yaml:4: config optim\.lr=-1\.0 is invalid"):
+        load_config(p, ["train.max_steps=4"])
+
+
+# ---- train.resume: auto | none | a checkpoint that exists (a missing one can never resume) ----
+
+def test_resume_must_be_auto_none_or_an_existing_path(tmp_path, monkeypatch):
+    ck = tmp_path / "run" / "checkpoints" / "step-000004"
+    ck.mkdir(parents=True)
+    assert load_config(None, [f"train.resume={ck}"]).train.resume == str(ck)
+    assert load_config(None, ["train.resume=none"]).train.resume == "none"
+    monkeypatch.chdir(tmp_path)  # a relative path is read from the working directory, as the trainer reads it
+    assert load_config(None, ["train.resume=run/checkpoints/step-000004"]).train.resume
+    with pytest.raises(ValueError, match=r"^command line: config train\.resume='bogus' is invalid: expected auto \| "
+                                         r"none \| an existing checkpoint directory; bogus does not exist"):
+        load_config(None, ["train.resume=bogus"])
+    with pytest.raises(ValueError, match=r"train\.resume='' is invalid: expected auto \| none \| a checkpoint"):
+        load_config(None, ["train.resume="])
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  out_dir: elsewhere\n  resume: gone/step-1\n")
+    with pytest.raises(ValueError, match=r"c\.yaml:3: config train\.resume='gone/step-1' is invalid"):
+        load_config(p)
+
+
+def test_data_and_model_paths_need_not_exist_here():
+    c = load_config(None, ["data.path=/elsewhere/train.jsonl", "model.path=/elsewhere/model", "data.eval_path=/x.jsonl"])
+    assert c.data.path == "/elsewhere/train.jsonl" and c.model.path == "/elsewhere/model"

@@ -238,6 +238,14 @@ class TrainSection:
         _check(graphs in ("auto", "true", "false"), "train.cuda_graphs", self.cuda_graphs, "auto, true or false")
         self.cuda_graphs = graphs
         _check(bool(self.out_dir), "train.out_dir", self.out_dir, "a directory path")
+        # Unlike data.path / model.path (a config may be written on one machine for another), an explicit
+        # checkpoint that is not here can never resume: say so now, not after the model and data load.
+        if self.resume not in ("auto", "none"):
+            _check(bool(self.resume), "train.resume", self.resume,
+                   "auto | none | a checkpoint directory such as runs/demo/checkpoints/step-000008")
+            _check(Path(self.resume).exists(), "train.resume", self.resume,
+                   f"auto | none | an existing checkpoint directory; {self.resume} does not exist (auto resumes "
+                   "from the latest under train.out_dir, none starts over)")
 
 
 @dataclass
@@ -381,7 +389,7 @@ def from_dict(d: dict | None, overrides: list[str] | dict | None = None) -> Trai
     else:
         for item in overrides or []:
             if "=" not in item:
-                raise ValueError(f"override {item!r} is not key=value (e.g. optim.lr=3e-4)")
+                raise ConfigError(f"override {item!r} is not key=value (e.g. optim.lr=3e-4)", item)
             k, v = item.split("=", 1)
             flat[k.strip()] = yaml.safe_load(v) if v.strip() else ""
     known = set(all_keys())
@@ -445,15 +453,17 @@ def _yaml_error(source, e: yaml.YAMLError) -> str:
 
 
 def _override_keys(overrides) -> set[str]:
+    """The keys the overrides set (an item without '=' stands for itself: its error is the override's)."""
     if isinstance(overrides, dict):
         return set(overrides)
-    return {item.split("=", 1)[0].strip() for item in overrides or [] if "=" in item}
+    return {item.split("=", 1)[0].strip() if "=" in item else item for item in overrides or []}
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> TrainConfig:
     """YAML file (optional) + ``key=value`` overrides -> a checked TrainConfig.
 
-    A bad key or value from the file fails as ``FILE:LINE: message`` (the line of that key, or of its section).
+    A bad key or value from the file fails as ``FILE:LINE: message`` (the line of that key, or of its section);
+    one set by an override as ``command line: message`` (``overrides: message`` for a dict).
     """
     d, lines = {}, {}
     if path is not None:
@@ -476,10 +486,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
     try:
         return from_dict(d, overrides)
     except ValueError as e:
+        key = getattr(e, "key", None)
+        if key is not None and key in _override_keys(overrides):  # the value came from there, not the file
+            origin = "overrides" if isinstance(overrides, dict) else "command line"
+            raise ValueError(f"{origin}: {e}") from None
         if not path:
             raise ValueError(str(e)) from None
-        key = getattr(e, "key", None)
-        line = None if key is None or key in _override_keys(overrides) else lines.get(key)
+        line = None if key is None else lines.get(key)
         raise ValueError(f"{path}:{line}: {e}" if line else f"{path}: {e}") from None
 
 
