@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -287,3 +288,41 @@ def test_resume_must_be_auto_none_or_an_existing_path(tmp_path, monkeypatch):
 def test_data_and_model_paths_need_not_exist_here():
     c = load_config(None, ["data.path=/elsewhere/train.jsonl", "model.path=/elsewhere/model", "data.eval_path=/x.jsonl"])
     assert c.data.path == "/elsewhere/train.jsonl" and c.model.path == "/elsewhere/model"
+
+
+# ---- help and checks agree ----
+
+def _help_of(key: str) -> str:
+    """The help entry of one key: its '  key (type, default)' line and the doc lines under it."""
+    entries = re.split(r"\n(?=\S|  \S)", config_help())
+    return next(e for e in entries if e.startswith(f"  {key} ("))
+
+
+def test_every_dtype_the_check_accepts_is_in_the_help():
+    doc = _help_of("model.dtype")
+    for dtype in ("auto", "bfloat16", "float32", "float64"):
+        assert load_config(None, [f"model.dtype={dtype}"]).model.dtype == dtype
+        assert dtype in doc, (dtype, doc)
+    with pytest.raises(ValueError, match=r"model\.dtype='float16' is invalid: expected auto \| bfloat16 \| float32 \| "
+                                         r"float64"):
+        load_config(None, ["model.dtype=float16"])
+
+
+@pytest.mark.parametrize("given, resolved", [
+    ("1", "true"), ("on", "true"), ("yes", "true"), ("true", "true"), ("True", "true"),
+    ("0", "false"), ("off", "false"), ("no", "false"), ("false", "false"), ("auto", "auto"), ("AUTO", "auto"),
+])
+def test_optim_fused_takes_the_boolean_words(given, resolved):
+    assert load_config(None, [f"optim.fused={given}"]).optim.fused == resolved  # the words boolean keys take
+
+
+def test_optim_fused_from_yaml_and_its_errors(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("optim:\n  fused: on\n")  # YAML 1.1: a bool
+    assert load_config(p).optim.fused == "true"
+    with pytest.raises(ValueError, match=r"optim\.fused='sometimes' is invalid: expected auto, true or false"):
+        load_config(None, ["optim.fused=sometimes"])
+
+
+def test_out_dir_help_mentions_the_data_copies():
+    assert "data/" in _help_of("train.out_dir")

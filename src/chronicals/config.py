@@ -35,6 +35,15 @@ def _f(default, doc: str, **kw):
 BOOL_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
 
 
+def _auto_bool(value, key: str) -> str:
+    """An auto | true | false setting as one of those words: YAML true/on/1 arrive as bool or int, the command
+    line's 'on'/'1' as strings; they take the same words as boolean keys (BOOL_WORDS)."""
+    word = str(value).lower()
+    word = str(BOOL_WORDS[word]).lower() if word in BOOL_WORDS else word
+    _check(word in ("auto", "true", "false"), key, value, "auto, true or false (or yes/no, on/off, 1/0)")
+    return word
+
+
 class ConfigError(ValueError):
     """A bad config value or key; ``key`` (dotted, or a section name) lets ``load_config`` name the YAML line."""
 
@@ -61,7 +70,8 @@ def _check_finite(section) -> None:
 @dataclass
 class ModelSection:
     path: str = _f("smollm2-135m-instruct", "local HF directory, .gguf file, or 'smollm2-135m-instruct' (embedded)")
-    dtype: str = _f("auto", "weights dtype: auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float32")
+    dtype: str = _f("auto", "weights dtype: auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float32 | "
+                              "float64 (CPU reference runs with impl=torch; slow)")
     device: str = _f("auto", "auto (cuda if available) | cpu | cuda | cuda:N")
     impl: str = _f("auto", "op implementations: auto (Triton on CUDA) | triton | torch")
     checkpointing: bool = _f(False, "activation checkpointing: recompute each decoder layer in backward")
@@ -182,7 +192,7 @@ class OptimSection:
         _check(0 <= self.beta2 < 1, "optim.beta2", self.beta2, "a number in [0, 1)")
         _check(self.eps > 0, "optim.eps", self.eps, "a number > 0 (AdamW divides by sqrt(v) + eps)")
         _check(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "a number >= 0 (0 = off)")
-        _check(str(self.fused).lower() in ("auto", "true", "false"), "optim.fused", self.fused, "auto | true | false")
+        self.fused = _auto_bool(self.fused, "optim.fused")  # train/optim.py maps the three words
 
 
 @dataclass
@@ -204,7 +214,8 @@ class TrainSection:
     max_steps: int = _f(0, "optimizer steps to run (0 = derive from epochs)")
     grad_accum: int = _f(1, "micro-batches per optimizer step (loss normalized by the step's loss tokens)")
     seed: int = _f(0, "seed for init, shuffling and dropout")
-    out_dir: str = _f("runs/demo", "output directory: adapter or model, checkpoints, metrics, plots, config")
+    out_dir: str = _f("runs/demo", "output directory: adapter or model, checkpoints, metrics, plots, config, and "
+                                   "data/ (the demo and held-out QA data as the run used them)")
     save_every: int = _f(0, "write a resumable checkpoint every N optimizer steps (0 = only at the end/on signal)")
     keep_last: int = _f(2, "resumable checkpoints to keep")
     async_save: bool = _f(True, "write periodic checkpoints in a background thread: training waits only for the "
@@ -232,11 +243,7 @@ class TrainSection:
         _check(self.seed >= 0, "train.seed", self.seed, "an integer >= 0 (numpy seeds the data order with it)")
         _check(self.save_every >= 0, "train.save_every", self.save_every, "an integer >= 0")
         _check(self.keep_last >= 1, "train.keep_last", self.keep_last, "an integer >= 1")
-        graphs = str(self.cuda_graphs).lower()  # YAML true/false arrive as bools, 'on'/'off' as strings
-        if graphs in BOOL_WORDS:
-            graphs = str(BOOL_WORDS[graphs]).lower()
-        _check(graphs in ("auto", "true", "false"), "train.cuda_graphs", self.cuda_graphs, "auto, true or false")
-        self.cuda_graphs = graphs
+        self.cuda_graphs = _auto_bool(self.cuda_graphs, "train.cuda_graphs")
         _check(bool(self.out_dir), "train.out_dir", self.out_dir, "a directory path")
         # Unlike data.path / model.path (a config may be written on one machine for another), an explicit
         # checkpoint that is not here can never resume: say so now, not after the model and data load.
