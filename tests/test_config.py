@@ -167,6 +167,8 @@ def test_duplicate_keys_fail_at_the_second(tmp_path, text, message):
     ("optim:\n\tlr: 1\n", r"^\S*c\.yaml:2:1: invalid YAML: found character '\\t' that cannot start any token.*"
                            r"indent with spaces, not tabs"),
     ("optim:\n  lr: !!python/name:os.system\n", r"^\S*c\.yaml:2:7: invalid YAML: could not determine a constructor"),
+    ("optim:\n  lr: 1.0e-3\n---\ntrain:\n  epochs: 1\n",
+     r"^\S*c\.yaml:3:1: invalid YAML: expected a single document in the stream \(from 1:1\), but found another"),
 ])
 def test_yaml_syntax_errors_say_file_line_column(tmp_path, text, message):
     p = tmp_path / "c.yaml"

@@ -453,7 +453,11 @@ def _yaml_error(source, e: yaml.YAMLError) -> str:
     msg = f"{source}:{mark.line + 1}:{mark.column + 1}: invalid YAML: {e.problem}"
     ctx, cmark = getattr(e, "context", None), getattr(e, "context_mark", None)
     if ctx and cmark is not None and (cmark.line, cmark.column) != (mark.line, mark.column):
-        msg += f" ({ctx} at {cmark.line + 1}:{cmark.column + 1})"  # e.g. where an unclosed [ began
+        where = f"{cmark.line + 1}:{cmark.column + 1}"  # e.g. where an unclosed [ began
+        if e.problem.startswith("but "):  # "expected a single document ..., but found another document"
+            msg = f"{source}:{mark.line + 1}:{mark.column + 1}: invalid YAML: {ctx} (from {where}), {e.problem}"
+        else:
+            msg += f" ({ctx} at {where})"
     if "'\\t'" in e.problem:
         msg += " (YAML must indent with spaces, not tabs)"
     return msg
