@@ -117,10 +117,12 @@ class ModelSection:
 
 @dataclass
 class DataSection:
-    path: str = _f(DEMO, "training data: a .jsonl/.json/.parquet/.csv file or directory; 'demo' = packaged demo set")
+    path: str = _f(DEMO, "training data: a .jsonl/.json/.parquet/.csv file or a directory of them (read recursively, "
+                         "dot-files skipped); 'demo' = packaged demo set")
     format: str = _f("auto", "record format: auto | text | chat (messages) | alpaca | prompt_completion | sharegpt")
     eval_path: str = _f("auto", "held-out data for the eval loss (and QA when its records are question/answer/"
-                        "keywords): auto (the packaged held-out questions when data.path=demo, else none) | '' | a path")
+                        "keywords, .jsonl or .json; keywords default to the answer): auto (the packaged held-out questions when "
+                        "data.path=demo, else none) | '' | a path")
     system_prompt: str = _f(DEMO_SYSTEM_PROMPT, "system message of the demo data and of held-out QA prompts "
                             "('' = the chat template's default); put your own in your records")
     max_seq_len: int = _f(256, "tokens per packed row; longer examples are truncated or dropped (see on_long)")
