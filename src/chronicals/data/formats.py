@@ -21,7 +21,9 @@ EXPECTED = "text | messages | conversations | instruction+output | prompt+comple
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "system": "system", "tool": "tool", "function": "tool",
                   "observation": "tool", "function_call": "assistant"}
-CHAT_ROLES = ("system", "user", "assistant", "tool")  # what chat templates render (sharegpt's names map to these)
+# roles chat templates render: the common four, OpenAI's "developer", Llama 3.1's "ipython" (tool output) and the
+# older "function"; anything else ("robot", a typo) is refused rather than rendered as an unknown header
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")
 ALPACA_PROMPT = ("Below is an instruction that describes a task{ctx}. Write a response that appropriately "
                  "completes the request.\n\n### Instruction:\n{instruction}\n\n{input}### Response:\n")
 
