@@ -3,7 +3,9 @@
 - ``_lce_rows_kernel``: one program per row of a logits chunk (C, V). Pass 1 is the online softmax over
   vocab tiles (log-sum-exp and the target logit, fp32 in registers); pass 2 overwrites the chunk in place
   with d_logits = scale * (softmax - onehot) (times the softcap derivative). Ignored rows skip both
-  passes' math and only write zeros so the GEMMs that follow add nothing for them.
+  passes' math and only write zeros so the GEMMs that follow add nothing for them. A label outside
+  [0, vocab) that is not ignore_index reads nothing: its loss is NaN (so a training step's NaN check stops
+  the run) and its d_logits are zeros, like an ignored row's (no host-side label check: that would sync).
 - ``_dw_accumulate_kernel``: dW32 (V, H) fp32 += dlogits(C, V).T @ hidden(C, H). cuBLAS offers no
   "bf16 x bf16 accumulated into an existing fp32 matrix" that torch 2.11 and 2.13 both expose, so this is
   a small tiled GEMM whose epilogue adds into the fp32 accumulator (exact fp32 accumulation of dW).
@@ -47,11 +49,13 @@ def _load_logits(ptrs, bias_ptrs, mask, softcap, HAS_BIAS: tl.constexpr, HAS_SOF
 
 @triton.jit
 def _lce_rows_kernel(L_ptr, l_row_stride, LABELS_ptr, BIAS_ptr, SCALE_ptr, scale_stride, LOSS_ptr, LSE_ptr,
-                     row0, col0, C, V, ignore_index, softcap,
+                     row0, col0, C, V, vocab, ignore_index, softcap,
                      HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_LSE: tl.constexpr,
                      WRITE_GRAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
     """L (C, V) raw logits of rows row0 .. row0 + C of the batch; LABELS/LOSS/LSE/SCALE index global rows.
     col0: the vocabulary index of L's first column (a vocabulary part; 0 with COMPUTE_LSE, which needs all V).
+    vocab: the whole vocabulary's size; a label outside [0, vocab) and != ignore_index gets LOSS = NaN and
+    zero d_logits (``ok`` below is False for it), and no load ever uses it as an offset.
 
     COMPUTE_LSE: pass 1 writes LOSS (0 where ignored) and LSE; otherwise LSE is read (backward of "none").
     WRITE_GRAD: pass 2 overwrites L with d_logits = SCALE[row * scale_stride] * d loss_row / d raw logits.
@@ -61,6 +65,7 @@ def _lce_rows_kernel(L_ptr, l_row_stride, LABELS_ptr, BIAS_ptr, SCALE_ptr, scale
     g = row0 + r
     label = tl.load(LABELS_ptr + g, mask=rmask, other=ignore_index)
     valid = label != ignore_index
+    ok = valid & (label >= 0) & (label < vocab)  # valid and inside the vocabulary: only these are read
     row_ptrs = L_ptr + r.to(tl.int64)[:, None] * l_row_stride  # (BLOCK_R, 1)
     cols = tl.arange(0, BLOCK_V)[None, :]
     if tl.max(valid.to(tl.int32), 0) > 0:  # a block of ignored rows skips the math
@@ -78,16 +83,17 @@ def _lce_rows_kernel(L_ptr, l_row_stride, LABELS_ptr, BIAS_ptr, SCALE_ptr, scale
                     tl.sum(tl.exp2((z - m_new[:, None]) * 1.4426950408889634), 1)
                 m = m_new
             lse = m + tl.log(tl.maximum(s, 1e-30))  # s >= 1 on real rows; padded rows stay finite
-            safe = tl.where(valid, label, 0)
-            z_t, t_t = _load_logits(L_ptr + r.to(tl.int64) * l_row_stride + safe, BIAS_ptr + safe, rmask,
+            safe = tl.where(ok, label, 0)  # out-of-range labels load column 0 (masked off too), never past V
+            z_t, t_t = _load_logits(L_ptr + r.to(tl.int64) * l_row_stride + safe, BIAS_ptr + safe, rmask & ok,
                                     softcap, HAS_BIAS, HAS_SOFTCAP)
-            tl.store(LOSS_ptr + g, tl.where(valid, lse - z_t, 0.0), mask=rmask)
+            loss = tl.where(ok, lse - z_t, tl.where(valid, float("nan"), 0.0))
+            tl.store(LOSS_ptr + g, loss, mask=rmask)
             tl.store(LSE_ptr + g, tl.where(valid, lse, 0.0), mask=rmask)
         else:
             lse = tl.load(LSE_ptr + g, mask=rmask, other=0.0)
         if WRITE_GRAD:
             scale = tl.load(SCALE_ptr + g * scale_stride, mask=rmask, other=0.0).to(tl.float32)
-            lse = tl.where(valid, lse, float("inf"))  # ignored rows: exp2(-inf) = 0, no overflow
+            lse = tl.where(ok, lse, float("inf"))  # ignored / out-of-range rows: exp2(-inf) = 0, no overflow
             for v0 in range(0, V, BLOCK_V):
                 offs = v0 + cols
                 mask = rmask[:, None] & (offs < V)
@@ -96,7 +102,7 @@ def _lce_rows_kernel(L_ptr, l_row_stride, LABELS_ptr, BIAS_ptr, SCALE_ptr, scale
                 d = tl.exp2((z - lse[:, None]) * 1.4426950408889634) - onehot
                 if HAS_SOFTCAP:
                     d = d * (1.0 - t * t)  # d(softcap * tanh(x / softcap)) / dx
-                d = tl.where(valid[:, None], d, 0.0) * scale[:, None]
+                d = tl.where(ok[:, None], d, 0.0) * scale[:, None]
                 tl.store(row_ptrs + offs, d.to(L_ptr.dtype.element_ty), mask=mask)
     else:
         if COMPUTE_LSE:
@@ -110,21 +116,28 @@ def _lce_rows_kernel(L_ptr, l_row_stride, LABELS_ptr, BIAS_ptr, SCALE_ptr, scale
 
 
 def lce_rows(logits: torch.Tensor, labels: torch.Tensor, row0: int, bias, scale, loss_rows, lse, *,
-             ignore_index: int, softcap, compute_lse: bool, write_grad: bool, col0: int = 0) -> None:
+             ignore_index: int, softcap, compute_lse: bool, write_grad: bool, col0: int = 0,
+             vocab: int | None = None) -> None:
     """Run the row kernel on a chunk ``logits`` (C, V), stride(1) == 1, holding rows row0 .. row0 + C.
 
     labels (N,) int64; bias (V,) or None; scale (1,) or (N,) fp32 (stride 0 or 1 per row); loss_rows and
     lse (N,) fp32 (lse is read instead of written when ``compute_lse`` is False). col0: vocabulary index of
     the first column when ``logits`` (and ``bias``) hold one vocabulary part; only without ``compute_lse``.
+    vocab: the whole vocabulary's size (labels outside [0, vocab) give NaN loss, zero d_logits); required
+    with col0 > 0, else V.
     """
     c, v = logits.shape
-    if c == 0:
-        return
     if compute_lse and col0:
         raise ValueError("lce_rows: the log-sum-exp needs the whole vocabulary (col0 = 0)")
+    if vocab is None:
+        if col0:
+            raise ValueError("lce_rows: a vocabulary part (col0 > 0) needs vocab=, the whole vocabulary's size")
+        vocab = v
+    if c == 0:
+        return
     _lce_rows_kernel[(triton.cdiv(c, BLOCK_R_ROWS),)](
         logits, logits.stride(0), labels, bias if bias is not None else logits, scale,
-        1 if scale.numel() > 1 else 0, loss_rows, lse, row0, col0, c, v, ignore_index,
+        1 if scale.numel() > 1 else 0, loss_rows, lse, row0, col0, c, v, vocab, ignore_index,
         float(softcap) if softcap is not None else 1.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, COMPUTE_LSE=compute_lse,
         WRITE_GRAD=write_grad, BLOCK_R=BLOCK_R_ROWS, BLOCK_V=BLOCK_V_ROWS, num_warps=ROWS_NUM_WARPS)

@@ -1,7 +1,11 @@
 """Linear + cross-entropy (the loss head) without the (N, V) logits; a materializing reference twin beside it.
 
-Shapes: hidden (N, H), weight (V, H), bias (V,) or None, labels (N,) int64 already aligned (the caller
-shifted them), ignore_index marks tokens without loss.
+Shapes: hidden (N, H), weight (V, H), bias (V,) or None, labels (N,) int64 or int32 already aligned (the
+caller shifted them), ignore_index marks tokens without loss.
+Labels must be in [0, V) or equal ignore_index. Any other label (V, -1, ...) gives a NaN loss for its row,
+so NaN in "mean" / "sum" too, and a training step's NaN check stops the run instead of training on garbage;
+such a row reads no logit and contributes zero gradient (like an ignored row), so the other rows' gradients
+are unchanged. Both impls agree on this; checking on the host would need a device sync (labels.max()).
 reduction: "mean" over non-ignored tokens (0 when there are none), "sum", or "none" ((N,), 0 where ignored).
 softcap: Gemma-2 style logit capping, logits = softcap * tanh(logits / softcap).
 The loss is fp32; gradients come back in the dtype of hidden / weight / bias.
@@ -90,13 +94,21 @@ MIN_CHUNK_ROWS = 256
 
 
 def cross_entropy_ref(logits, labels, *, ignore_index=-100, reduction="mean", softcap=None):
-    """logits (N, V) any dtype -> loss in fp32 with the given reduction."""
+    """logits (N, V) any dtype, labels (N,) int -> loss in fp32 with the given reduction.
+
+    A label outside [0, V) that is not ignore_index gives NaN for its row and zero gradient (module docstring).
+    """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction={reduction!r} is not one of {REDUCTIONS}")
     logits = logits.float()
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
-    per_tok = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="none")
+    labels = labels.long()  # F.cross_entropy takes int64 targets only
+    # out-of-range labels: NaN like the fused kernel (F.cross_entropy would raise IndexError on CPU and
+    # assert on CUDA); masked_fill's backward gives those rows zero gradient, as the kernel writes
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= logits.shape[-1]))
+    per_tok = F.cross_entropy(logits, labels.masked_fill(bad, ignore_index), ignore_index=ignore_index,
+                              reduction="none").masked_fill(bad, float("nan"))
     if reduction == "none":
         return per_tok
     total = per_tok.sum()
@@ -235,7 +247,7 @@ def linear_ce_chunked(hidden, weight, labels, bias, scale, lse_in, *, ignore_ind
         buf = ws[:n * (hi - lo)].view(n, hi - lo)
         torch.mm(hidden, weight[lo:hi].t(), out=buf)
         lce_rows(buf, labels, 0, None if bias is None else bias[lo:hi], scale, loss_rows, lse,
-                 ignore_index=ignore_index, softcap=softcap, compute_lse=False, write_grad=True, col0=lo)
+                 ignore_index=ignore_index, softcap=softcap, compute_lse=False, write_grad=True, col0=lo, vocab=v)
         part = acc[:hi - lo].zero_()
         dw_accumulate(buf, hidden, part)
         dw[lo:hi].copy_(part)

@@ -1,0 +1,101 @@
+"""Labels outside [0, V) that are not ignore_index: both impls give NaN for those rows (and for "mean"/"sum"),
+read nothing out of bounds, and leave every other row's loss and all gradients equal to a float64 reference
+computed with those rows ignored. Runs on CUDA or under TRITON_INTERPRET=1; ~3 s here.
+"""
+
+import pytest
+import torch
+
+from chronicals.ops import linear_cross_entropy
+from chronicals.ops._impl import triton_interpreting
+from chronicals.ops.cross_entropy import linear_cross_entropy_triton
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+HAS_TRITON = DEV == "cuda" or triton_interpreting()
+IGNORE = -100
+N, H, V = 9, 17, 29
+# label == V, a negative label != ignore_index, one far past V (an int32 pointer offset would wrap), ignored
+BAD = {1: V, 4: -1, 6: 10 ** 6}
+
+
+def inputs(bias: bool):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(N, H, generator=g, dtype=torch.float64)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64) * H ** -0.5 * 2
+    b = torch.randn(V, generator=g, dtype=torch.float64) if bias else None
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[2] = IGNORE
+    clean = labels.clone()
+    for i, lab in BAD.items():
+        labels[i] = lab
+        clean[i] = IGNORE
+    return x, w, b, labels, clean
+
+
+def exact_rows(x, w, b, labels, softcap):
+    """float64 per-row loss, 0 where ignored (labels must be in range or IGNORE)."""
+    z = x @ w.T + (0 if b is None else b)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    valid = labels != IGNORE
+    nll = -torch.log_softmax(z, -1).gather(1, labels.clamp(min=0)[:, None])[:, 0]
+    return torch.where(valid, nll, torch.zeros_like(nll))
+
+
+def impls():
+    out = [("torch", {})]
+    if HAS_TRITON:
+        # default chunking; 4-row chunks; two vocabulary parts (the second pass reads labels with col0 > 0)
+        out += [("triton", {}), ("triton", {"chunk_rows": 4}), ("triton", {"chunk_rows": 4, "vocab_parts": 2})]
+    return out
+
+
+def call(impl, kw, x, w, b, labels, reduction, softcap):
+    if impl == "torch" or not kw:
+        return linear_cross_entropy(x, w, labels, bias=b, ignore_index=IGNORE, reduction=reduction,
+                                    softcap=softcap, impl=impl)
+    return linear_cross_entropy_triton(x, w, labels, bias=b, ignore_index=IGNORE, reduction=reduction,
+                                       softcap=softcap, **kw)
+
+
+@pytest.mark.parametrize("impl,kw", impls(), ids=lambda p: str(p))
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("bias,softcap", [(False, None), (True, 5.0)])
+def test_out_of_range_labels_give_nan_and_leave_other_rows_exact(impl, kw, reduction, bias, softcap):
+    x64, w64, b64, labels, clean = inputs(bias)
+    x, w = x64.float().to(DEV).requires_grad_(), w64.float().to(DEV).requires_grad_()
+    b = None if b64 is None else b64.float().to(DEV).requires_grad_()
+    loss = call(impl, kw, x, w, b, labels.to(DEV), reduction, softcap)
+
+    # reference: float64, the bad rows ignored; "mean" still divides by every non-ignored label (bad ones too)
+    xr, wr = x64.clone().requires_grad_(), w64.clone().requires_grad_()
+    br = None if b64 is None else b64.clone().requires_grad_()
+    ref_rows = exact_rows(xr, wr, br, clean, softcap)
+    bad = torch.zeros(N, dtype=torch.bool)
+    bad[list(BAD)] = True
+    if reduction == "none":
+        assert loss.shape == (N,)
+        assert torch.isnan(loss.cpu()[bad]).all(), loss
+        torch.testing.assert_close(loss.cpu()[~bad].double(), ref_rows[~bad], rtol=1e-5, atol=1e-5)
+        g = torch.linspace(0.5, 1.5, N, dtype=torch.float64)  # nonzero on the bad rows too
+        loss.backward(g.float().to(DEV))
+        (ref_rows * g).sum().backward()
+    else:
+        assert torch.isnan(loss).item(), loss
+        loss.backward()
+        count = (labels != IGNORE).sum()
+        (ref_rows.sum() / (count if reduction == "mean" else 1)).backward()
+    for got, want in [(x.grad, xr.grad), (w.grad, wr.grad)] + ([(b.grad, br.grad)] if bias else []):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-5)
+    assert (x.grad.cpu()[bad] == 0).all()  # a bad row contributes nothing, like an ignored one
+
+
+@pytest.mark.parametrize("impl", ["torch"] + (["triton"] if HAS_TRITON else []))
+def test_int32_labels_match_int64(impl):
+    x64, w64, _, labels, clean = inputs(False)
+    x, w = x64.float().to(DEV), w64.float().to(DEV)
+    lab = clean.to(DEV)
+    want = linear_cross_entropy(x, w, lab, reduction="none", impl=impl)
+    got = linear_cross_entropy(x, w, lab.int(), reduction="none", impl=impl)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
