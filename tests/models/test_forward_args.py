@@ -1,0 +1,57 @@
+"""CausalLM.forward checks its arguments' shapes and dtypes before any work, and takes int32 ids and labels."""
+
+import pytest
+import torch
+import transformers
+
+from chronicals.models import CausalLM, ModelConfig
+from chronicals.ops._impl import triton_interpreting
+
+TRITON = torch.cuda.is_available() or triton_interpreting()
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TINY = dict(vocab_size=53, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig.from_hf_dict(transformers.LlamaConfig(**TINY).to_dict())
+    return CausalLM(cfg, impl="torch").init_weights(std=0.1, seed=0).to(DEV)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, TINY["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(0)).to(DEV)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda m, ids: m(ids[0]), r"2-D \(B, S\), got shape \(11,\); add a batch dimension: model\(ids\[None\]\)"),
+    (lambda m, ids: m(ids[None]), r"2-D \(B, S\), got shape \(1, 2, 11\)"),
+    (lambda m, ids: m(ids.float()), r"input_ids .* int64 or int32, got torch.float32"),
+    (lambda m, ids: m(ids, labels=ids[:, :10]), r"labels has shape \(2, 10\) but input_ids has \(2, 11\)"),
+    (lambda m, ids: m(ids, labels=ids.reshape(-1)), r"labels has shape \(22,\) but input_ids has \(2, 11\)"),
+    (lambda m, ids: m(ids, shift_labels=ids.reshape(11, 2), reduction="none"),
+     r"shift_labels has shape \(11, 2\) but input_ids has \(2, 11\)"),
+    (lambda m, ids: m(ids, labels=ids, shift_labels=ids), r"pass one of labels= .* and shift_labels="),
+    (lambda m, ids: m(ids, labels=ids.float()), r"labels must be int64 or int32 .* got torch.float32"),
+    (lambda m, ids: m(ids, shift_labels=ids.bool()), r"shift_labels must be int64 or int32 .* got torch.bool"),
+    (lambda m, ids: m(ids, labels=ids, reduction="avg"), r"reduction='avg' is not one of"),
+])
+def test_bad_arguments_say_what_and_how(model, ids, call, match):
+    with pytest.raises(ValueError, match=match):
+        call(model, ids)
+
+
+@pytest.mark.parametrize("impl", ["torch"] + (["triton"] if TRITON else []))
+def test_int32_ids_and_labels_equal_int64(model, ids, impl):
+    model.set_impl(impl)
+    try:
+        targets = ids.clone()
+        targets[:, ::3] = -100
+        for kw in ("labels", "shift_labels"):
+            want = model(ids, **{kw: targets}, reduction="none")
+            got = model(ids.int(), **{kw: targets.int()}, reduction="none")
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            assert torch.isfinite(got).all()
+    finally:
+        model.set_impl("torch")
