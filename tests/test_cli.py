@@ -188,6 +188,7 @@ def test_lora_modules_to_save_from_the_config(tiny_base, tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     cfg = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert cfg["modules_to_save"] == ["lm_head", "model.embed_tokens"]  # tied: PEFT loads both copies
+    assert cfg["base_model_name_or_path"] == str(tiny_base.resolve())  # what export / chat default to
     saved = load_file(out / "adapter" / "adapter_model.safetensors")
     assert any("lm_head" in k for k in saved), sorted(saved)[:5]
     merged = tmp_path / "merged"
@@ -283,3 +284,29 @@ def test_ctrl_c_before_training_is_130_without_a_traceback(monkeypatch, capsys):
     assert main(["train"]) == 130
     err = capsys.readouterr().err
     assert "interrupted (Ctrl-C)" in err and "Traceback" not in err
+
+
+def test_chat_reads_piped_prompts_and_labels_each_answer(tiny_base, monkeypatch, capsys):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("first question\n\nsecond one\n"))
+    assert main(["chat", "--model", str(tiny_base), "--max-new-tokens", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("> ") == 2 and "> first question\n" in out and "> second one\n" in out
+    assert "type a message" not in err  # the hint is for a terminal only
+
+
+def test_token_ids_past_the_models_vocabulary_are_refused(tmp_path, capsys):
+    """A tokenizer that knows more tokens than the model has embedding rows: one error before any step (the
+    loss head would otherwise read past its last row)."""
+    import transformers
+
+    tok = load_tokenizer("smollm2-135m-instruct")
+    hf = transformers.LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    small = save_model(CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0), tok, tmp_path / "m")
+    rc = main(["train", f"model.path={small}", f"train.out_dir={tmp_path / 'run'}", "train.max_steps=1",
+               "logging.progress=false", "eval.qa=false", "data.cache_dir=none"])
+    err = capsys.readouterr().err
+    assert rc == 3 and "but the model's vocabulary has 1000 entries" in err and "the model's own tokenizer" in err
+    assert not (tmp_path / "run").exists()

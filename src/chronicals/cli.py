@@ -107,6 +107,9 @@ def _base_for(adapter: str | None, given: str | None, flag: str) -> str:
     recorded = _recorded_base(adapter) if adapter else None
     if given is None:
         if recorded is None:
+            if adapter:
+                print(f"{adapter}/adapter_config.json records no base model: using {EMBEDDED} (pass {flag} for "
+                      "another)", file=sys.stderr)
             return EMBEDDED
         if not _here(recorded):
             raise FileNotFoundError(f"{adapter} was trained on {recorded} (adapter_config.json "
@@ -188,10 +191,11 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     require_chat_template(tok)  # before any prompt is read
     system = DEMO_SYSTEM_PROMPT if a.system is None else a.system
     prompts = a.prompts
-    interactive = not prompts
+    interactive = not prompts and sys.stdin.isatty()  # a terminal: answers only; piped or given: "> prompt" first
     if interactive:
         print("type a message and press enter (Ctrl-D to quit)", file=sys.stderr)
-        prompts = (line.strip() for line in sys.stdin)
+    if not prompts:
+        prompts = (line.strip() for line in sys.stdin)  # one prompt per line; blank lines are skipped
     for q in prompts:
         if q:
             reply = answer(model, tok, q, system, a.max_new_tokens)

@@ -168,6 +168,11 @@ def test_corrupt_checkpoint_is_a_clear_error_naming_the_one_before(tmp_path, doc
     with pytest.raises(ValueError, match=rf"cannot be read .* truncated or corrupt: move {last} away, and "
                                          rf"train.resume=auto resumes from {before}"):
         train(cfg2, model=tiny_model(), train_loader=SyntheticLoader(docs))
+    # other damage: garbage bytes (an UnpicklingError), a pickle of something else
+    for damage in (b"\x80\x02garbage" * 10, __import__("pickle").dumps({"step": 3})):
+        (last / "state.pt").write_bytes(damage)
+        with pytest.raises(ValueError, match=rf"cannot be read .* truncated or corrupt: move {last} away"):
+            train(cfg2, model=tiny_model(), train_loader=SyntheticLoader(docs))
 
 
 # ---- the pipelined loop (fused AdamW, no on_step): step k read on the host while step k+1 runs ----

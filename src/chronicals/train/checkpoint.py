@@ -193,7 +193,9 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, schedul
         raise FileNotFoundError(f"checkpoint {file} not found (train.resume takes auto | none | a step-N directory)")
     try:
         state = torch.load(file, map_location="cpu", weights_only=False)
-    except (RuntimeError, EOFError, OSError) as e:  # saves are atomic: this file was damaged after it was written
+        if not (isinstance(state, dict) and {"model", "optimizer", "scheduler", "step"} <= state.keys()):
+            raise ValueError("not a chronicals checkpoint (no model / optimizer / scheduler / step entries)")
+    except Exception as e:  # noqa: BLE001 (zip, pickle, EOF, OS errors alike) saves are atomic: damaged after writing
         ckdir = file.parent  # out_dir/checkpoints/step-N
         earlier = [d for d in checkpoint_dirs(ckdir.parent.parent) if d != ckdir]
         hint = (f"move {ckdir} away, and train.resume=auto resumes from {earlier[-1]}" if earlier else

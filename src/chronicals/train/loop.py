@@ -226,6 +226,21 @@ def _remove_setup_files(out_dir: Path, existed: set[Path] | None) -> None:
             pass
 
 
+def _check_token_ids(model, *loaders) -> None:
+    """ValueError when the tokenized data holds ids the model's embedding has no row for (a tokenizer with added
+    tokens the model was not resized for): the loss head would read past its last row instead."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    for name, loader in zip(("training", "held-out"), loaders):
+        ids = getattr(getattr(loader, "dataset", None), "ids", None)
+        if vocab is None or ids is None or len(ids) == 0:
+            continue
+        top = int(ids.max())
+        if top >= vocab:
+            raise ValueError(f"the {name} data holds token id {top}, but the model's vocabulary has {vocab} entries "
+                             "(model.embed_tokens): the tokenizer knows tokens the model lacks (added tokens?); use "
+                             "the model's own tokenizer, or resize the embeddings and lm_head first")
+
+
 def _check_data_paths(cfg: TrainConfig) -> None:
     """FileNotFoundError naming the key and where a relative path was looked for, for data.path and
     data.eval_path (a missing file used to surface after the model had loaded: minutes at 8B)."""
@@ -248,6 +263,11 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     if model is None:
         with dp.main_first():  # rank 0 fills the conversion cache (GGUF) before the others read it
             model, tokenizer = load_base(cfg, device, dtype)
+        base = Path(cfg.model.path).expanduser()  # absolute when a path: chat/export find it from anywhere
+        model.chronicals_base = str(base.resolve()) if base.exists() else cfg.model.path
+    elif getattr(model, "chronicals_base", None) is None:
+        log.info("a model passed to train(): its adapter records no base model (model.path=%s is not what was "
+                 "trained); set model.chronicals_base = its path or name to record one", cfg.model.path)
     model = prepare_model(model, cfg, device, dtype)
     trained_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if trained_len and cfg.data.max_seq_len > trained_len:  # legitimate (context extension), rarely intended
@@ -257,6 +277,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     if train_loader is None:
         with dp.main_first():  # rank 0 writes out_dir/data and the tokenization cache; the others reuse them
             train_loader, eval_loader, heldout_qa = build_loaders(cfg, tokenizer, out_dir, dp.rank, dp.world_size)
+        _check_token_ids(model, train_loader, eval_loader)
     elif getattr(train_loader, "world_size", dp.world_size) != dp.world_size:
         raise ValueError(f"train_loader has world_size={train_loader.world_size} but the job runs "
                          f"{dp.world_size} ranks; build it with PackedLoader(rank=RANK, world_size=WORLD_SIZE)")
@@ -560,8 +581,7 @@ def save_final(model, tokenizer, cfg: TrainConfig, out_dir: Path) -> Path:
         from ..lora import save_adapter
 
         path = out_dir / "adapter"
-        base = Path(cfg.model.path).expanduser()  # absolute when it is a path: chat/export find it from anywhere
-        save_adapter(model, path, base_model_name_or_path=str(base.resolve()) if base.exists() else cfg.model.path)
+        save_adapter(model, path, base_model_name_or_path=getattr(model, "chronicals_base", None))
     else:
         from .. import save_model
 

@@ -37,16 +37,16 @@ class RunReport:
 
     def __call__(self, event: str, *, model, tokenizer, eval_loss, heldout_qa, result=None):
         self.loss[event] = eval_loss
+        if eval_loss is None and not (self.cfg.eval.qa and heldout_qa and tokenizer is not None):
+            return  # nothing held out: no empty "== before training ==" header
+        self.out(f"== {event} training ==")
+        if eval_loss is not None:
+            self.out(f"  held-out loss {eval_loss:.4f}")
+        answers = self._answer(model, tokenizer, heldout_qa)
         if event == "before":
-            self.out("== before training ==")
-            if eval_loss is not None:
-                self.out(f"  held-out loss {eval_loss:.4f}")
-            self.before = self._answer(model, tokenizer, heldout_qa)
+            self.before = answers
         else:
-            self.out("== after training ==")
-            if eval_loss is not None:
-                self.out(f"  held-out loss {eval_loss:.4f}")
-            self.after = self._answer(model, tokenizer, heldout_qa)
+            self.after = answers
 
     def summary(self, result) -> str:
         lines = []
