@@ -71,10 +71,10 @@ def _field(record: dict, name: str, fmt: str, kinds=(str,)):
     if not isinstance(value, kinds):
         want = " or ".join(k.__name__ for k in kinds)
         raise FormatError(f"field {name!r} is a {type(value).__name__}, expected {want}")
-    return _check_text(value, f"field {name!r}") if isinstance(value, str) else value
+    return check_text(value, f"field {name!r}") if isinstance(value, str) else value
 
 
-def _check_text(value: str, name: str) -> str:
+def check_text(value: str, name: str) -> str:
     """``value`` if it encodes as UTF-8; a lone surrogate (JSON "\\ud800" without its pair) does not, and the
     tokenizer would raise a TypeError about its input type far from the record."""
     try:
@@ -105,7 +105,7 @@ def _messages(items: list, role_key: str, content_key: str, roles: dict | None, 
         role, content = m[role_key], m[content_key]
         if not isinstance(content, str):
             raise FormatError(f"{field}[{j}].{content_key} is a {type(content).__name__}, expected a string")
-        _check_text(content, f"{field}[{j}].{content_key}")
+        check_text(content, f"{field}[{j}].{content_key}")
         if roles is not None:
             if role not in roles:
                 raise FormatError(f"{field}[{j}].{role_key} is {role!r}; expected one of {sorted(roles)}")
@@ -142,7 +142,7 @@ def to_example(record: dict, fmt: str, has_chat_template: bool) -> Example:
             extra = ""
         if not isinstance(extra, str):
             raise FormatError(f"field 'input' is a {type(extra).__name__}, expected a string (or null, or no 'input')")
-        _check_text(extra, "field 'input'")
+        check_text(extra, "field 'input'")
         if has_chat_template:
             user = instruction + ("\n\n" + extra if extra else "")
             return Example(messages=[{"role": "user", "content": user},

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..config import DEMO
+from ..data.formats import FormatError, check_text
 from ..data.readers import DataError, read_file
 
 
@@ -78,11 +79,9 @@ def _qa_text(rec: dict, key: str, where: str) -> str:
     if not v.strip():
         raise DataError(f"{where}: {key!r} is empty; {QA_EXPECTED}")
     try:
-        v.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise DataError(f"{where}: {key!r} is not valid Unicode (lone surrogate {v[e.start]!r} at character "
-                        f"{e.start}); {QA_EXPECTED}") from None
-    return v
+        return check_text(v, repr(key))
+    except FormatError as e:
+        raise DataError(f"{where}: {e}; {QA_EXPECTED}") from None
 
 
 def _qa_record(rec: dict, where: str) -> dict:
