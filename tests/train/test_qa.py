@@ -27,6 +27,9 @@ def test_keywords_must_be_non_empty_strings(tmp_path):
     p = write(tmp_path / "q.jsonl", [{**ok, "question": ["x"]}])
     with pytest.raises(DataError, match=rf"^{p}:1: 'question' is a list, expected a string"):
         qa_mod.read_qa(p)
+    p = write(tmp_path / "q.jsonl", [{**ok, "question": "a\ud800b"}])
+    with pytest.raises(DataError, match=rf"^{p}:1: 'question' is not valid Unicode \(lone surrogate"):
+        qa_mod.read_qa(p)
 
 
 def score(monkeypatch, qa, answers):
