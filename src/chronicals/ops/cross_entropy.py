@@ -367,7 +367,9 @@ _lce_op.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------- public API
 
 
-def _check(hidden, weight, labels, bias, reduction):
+def _check(hidden, weight, labels, bias, reduction, softcap=None, vocab_parts=1):
+    """The argument checks both impls run (before choosing one). Host metadata only: label values are not
+    read (that would sync); out-of-range ones give NaN instead (module docstring)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"linear_cross_entropy: reduction={reduction!r} is not one of {REDUCTIONS}")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
@@ -381,16 +383,24 @@ def _check(hidden, weight, labels, bias, reduction):
                          f"{None if bias is None else bias.dtype} must share one dtype; cast hidden to the weight's")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"linear_cross_entropy: bias {tuple(bias.shape)} must be ({weight.shape[0]},)")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"linear_cross_entropy: labels must be int64 or int32 class indices, got {labels.dtype}; "
+                         "convert with labels.long()")
+    # softcap = 0 made every logit 0 * tanh(x / 0) = 0 (a uniform loss of log V, silently); < 0 flips the logits
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not 0 < softcap < float("inf")):
+        raise ValueError(f"linear_cross_entropy: softcap={softcap!r} must be None (no capping) or a finite number "
+                         "> 0 (Gemma-2 uses 30.0: logits = softcap * tanh(logits / softcap))")
+    if isinstance(vocab_parts, bool) or int(vocab_parts) != vocab_parts or vocab_parts < 1:
+        raise ValueError(f"linear_cross_entropy: vocab_parts={vocab_parts!r} must be an integer >= 1 "
+                         "(1: one fp32 weight-gradient accumulator of V x H; k: V x H / k for (k-1)/k more GEMMs)")
     check_device("linear_cross_entropy", hidden, weight, labels, bias)
 
 
 def linear_cross_entropy_triton(hidden, weight, labels, *, bias=None, ignore_index=-100, reduction="mean",
                                 softcap=None, chunk_rows: int | None = None, vocab_parts: int = 1):
     """The fused path with an explicit chunk size (None: ``default_chunk_rows``); tests vary it."""
-    _check(hidden, weight, labels, bias, reduction)
-    if int(vocab_parts) != vocab_parts or vocab_parts < 1:
-        raise ValueError(f"linear_cross_entropy: vocab_parts={vocab_parts!r} must be an integer >= 1 "
-                         "(1: one fp32 weight-gradient accumulator of V x H; k: V x H / k for (k-1)/k more GEMMs)")
+    _check(hidden, weight, labels, bias, reduction, softcap, vocab_parts)
     grad_on = torch.is_grad_enabled()
     need_dh = grad_on and hidden.requires_grad
     need_dw = grad_on and weight.requires_grad
@@ -412,7 +422,10 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
     hidden (N, H), weight (V, H), labels (N,), bias (V,) or None -> fp32 loss, () or (N,) for "none".
     vocab_parts (fused path, weight gradient only): k > 1 keeps the fp32 weight-gradient accumulator at
     V x H x 4 / k bytes for (k - 1) / k more logits GEMMs and as many dW GEMMs of 1/k the size.
+    Labels must be in [0, V) or equal ignore_index; any other label gives NaN for its row (and for "mean" /
+    "sum") and zero gradient from it, on both impls (no host-side check: that would sync the device).
     """
+    _check(hidden, weight, labels, bias, reduction, softcap, vocab_parts)
     if resolve_impl("linear_cross_entropy", impl, hidden.device) == "torch":
         return linear_cross_entropy_ref(hidden, weight, labels, bias=bias, ignore_index=ignore_index,
                                         reduction=reduction, softcap=softcap)

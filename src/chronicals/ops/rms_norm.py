@@ -370,6 +370,19 @@ _rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------- public API
 
 
+def _check_rms_norm(x, weight, residual) -> int:
+    """The argument checks both impls run (before choosing one) -> H."""
+    h = x.shape[-1] if x.dim() else 0
+    if x.dim() == 0 or weight.shape != (h,):
+        raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({h},) for x {tuple(x.shape)} "
+                         "(x (..., H), weight (H,))")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match x "
+                         f"{tuple(x.shape)} {x.dtype}; cast it with .to(x.dtype) first")
+    check_device("rms_norm", x, weight, residual)
+    return h
+
+
 def rms_norm(x, weight, eps: float, *, residual=None, impl: str = "auto", recompute: bool = False):
     """RMSNorm over the last dim. Returns y, or (y, x + residual) when ``residual`` is given.
 
@@ -377,6 +390,7 @@ def rms_norm(x, weight, eps: float, *, residual=None, impl: str = "auto", recomp
     recompute: offer y to an open ``ops.recompute`` session, so nodes that save y for backward hold
     nothing and get it rebuilt (bit-identical) from the norm's own saved input.
     """
+    h = _check_rms_norm(x, weight, residual)
     if resolve_impl("rms_norm", impl, x.device) == "torch":
         out = rms_norm_ref(x, weight, eps, residual)
         if recompute and is_active():
@@ -384,13 +398,6 @@ def rms_norm(x, weight, eps: float, *, residual=None, impl: str = "auto", recomp
             y = out if residual is None else out[0]
             offer(y, functools.partial(rms_norm_ref, src, weight, eps))  # the same ops on the same input
         return out
-    h = x.shape[-1]
-    if weight.shape != (h,):
-        raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({h},) for x {tuple(x.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match x "
-                         f"{tuple(x.shape)} {x.dtype}; cast it with .to(x.dtype) first")
-    check_device("rms_norm", x, weight, residual)
     x2, r2 = _rows(x, h), None if residual is None else _rows(residual, h)
     if torch.compiler.is_compiling():  # one graph node for the compiler
         y, s, _ = torch.ops.chronicals.rms_norm(x2, weight, r2, float(eps))

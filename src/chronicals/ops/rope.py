@@ -208,13 +208,8 @@ _rope_qk_op.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------- public API
 
 
-def rope_qk(q, k, cos, sin, *, impl: str = "auto"):
-    """Rotate q and k by the same per-token angles. Returns (q_rot, k_rot).
-
-    q (B, S, Hq, D), k (B, S, Hk, D), cos/sin (B, S, R) or (1, S, R), R even and <= D.
-    """
-    if resolve_impl("rope_qk", impl, q.device) == "torch":
-        return rope_qk_ref(q, k, cos, sin)
+def _check_rope_qk(q, k, cos, sin) -> tuple[int, int, int]:
+    """The argument checks both impls run (before choosing one) -> (B, S, R)."""
     if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise ValueError(f"rope_qk: expected q (B, S, Hq, D) and k (B, S, Hk, D), got {tuple(q.shape)} and "
                          f"{tuple(k.shape)}")
@@ -223,13 +218,25 @@ def rope_qk(q, k, cos, sin, *, impl: str = "auto"):
         raise ValueError(f"rope_qk: cos/sin must be ({b} or 1, {s}, R), got {tuple(cos.shape)} and {tuple(sin.shape)}")
     r = cos.shape[-1]
     if r % 2 or r > d:
-        raise ValueError(f"rope_qk: rotary dims R={r} must be even and <= head_dim {d}")
-    if cos.requires_grad or sin.requires_grad:
-        raise ValueError("rope_qk(impl='triton') does not differentiate cos/sin; pass cos.detach(), sin.detach() "
-                         "or use impl='torch'")
+        raise ValueError(f"rope_qk: rotary dims R={r} must be even and <= head_dim {d} (the half-rotation layout "
+                         "pairs dim i with i + R/2); build cos/sin with rope_cos_sin from R/2 inverse frequencies")
     check_device("rope_qk", q, k, cos, sin)
     if q.dtype != k.dtype:
         raise ValueError(f"rope_qk: q and k must share a dtype, got {q.dtype} and {k.dtype}")
+    return b, s, r
+
+
+def rope_qk(q, k, cos, sin, *, impl: str = "auto"):
+    """Rotate q and k by the same per-token angles. Returns (q_rot, k_rot).
+
+    q (B, S, Hq, D), k (B, S, Hk, D), cos/sin (B, S, R) or (1, S, R), R even and <= D.
+    """
+    b, s, r = _check_rope_qk(q, k, cos, sin)
+    if resolve_impl("rope_qk", impl, q.device) == "torch":
+        return rope_qk_ref(q, k, cos, sin)
+    if cos.requires_grad or sin.requires_grad:
+        raise ValueError("rope_qk(impl='triton') does not differentiate cos/sin; pass cos.detach(), sin.detach() "
+                         "or use impl='torch'")
     cos, sin = cos.expand(b, s, r), sin.expand(b, s, r)
     if torch.compiler.is_compiling():  # one graph node for the compiler
         return torch.ops.chronicals.rope_qk(q, k, cos, sin)

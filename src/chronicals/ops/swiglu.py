@@ -219,14 +219,19 @@ _swiglu_op.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------- public API
 
 
-def swiglu(gate, up, *, impl: str = "auto"):
-    """silu(gate) * up; gate, up (..., I) of one shape and dtype -> (..., I)."""
-    if resolve_impl("swiglu", impl, gate.device) == "torch":
-        return swiglu_ref(gate, up)
+def _check_swiglu(gate, up) -> None:
+    """The argument checks both impls run (before choosing one)."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
                          "must have one shape and dtype (cast or broadcast them first)")
     check_device("swiglu", gate, up)
+
+
+def swiglu(gate, up, *, impl: str = "auto"):
+    """silu(gate) * up; gate, up (..., I) of one shape and dtype -> (..., I)."""
+    _check_swiglu(gate, up)
+    if resolve_impl("swiglu", impl, gate.device) == "torch":
+        return swiglu_ref(gate, up)
     if torch.compiler.is_compiling():  # one graph node for the compiler
         return torch.ops.chronicals.swiglu(gate, up)
     return SwiGLUFunction.apply(gate, up)  # eager: skip the custom-op dispatch

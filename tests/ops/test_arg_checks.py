@@ -1,0 +1,66 @@
+"""Both impls of each op run the same argument checks before choosing an implementation: a bad call raises
+the same ValueError on impl="torch" as on impl="triton" (the torch path used to compute garbage or fail
+deep inside PyTorch). Nothing here launches a kernel: ~1 s."""
+
+import pytest
+import torch
+
+from chronicals import ops
+from chronicals.ops._impl import triton_interpreting
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+IMPLS = ["torch"] + (["triton"] if DEV == "cuda" or triton_interpreting() else [])
+
+
+def t(*shape, dtype=torch.float32):
+    return torch.randn(*shape).to(dtype=dtype, device=DEV)
+
+
+def lce(**kw):
+    args = dict(hidden=t(4, 17), weight=t(29, 17), labels=torch.tensor([0, 3, -100, 28], device=DEV))
+    args.update(kw)
+    return lambda impl: ops.linear_cross_entropy(impl=impl, **args)
+
+
+CASES = {
+    "rope odd R": (lambda impl: ops.rope_qk(t(1, 2, 2, 8), t(1, 2, 1, 8), t(1, 2, 5), t(1, 2, 5), impl=impl),
+                   r"rotary dims R=5 must be even and <= head_dim 8"),
+    "rope R > D": (lambda impl: ops.rope_qk(t(1, 2, 2, 8), t(1, 2, 1, 8), t(1, 2, 10), t(1, 2, 10), impl=impl),
+                   r"rotary dims R=10 must be even and <= head_dim 8"),
+    "rope cos seq": (lambda impl: ops.rope_qk(t(1, 2, 2, 8), t(1, 2, 1, 8), t(1, 3, 8), t(1, 3, 8), impl=impl),
+                     r"cos/sin must be \(1 or 1, 2, R\)"),
+    "rope q/k dtype": (lambda impl: ops.rope_qk(t(1, 2, 2, 8), t(1, 2, 1, 8, dtype=torch.float64), t(1, 2, 8),
+                                                t(1, 2, 8), impl=impl), r"q and k must share a dtype"),
+    "swiglu shapes": (lambda impl: ops.swiglu(t(3, 4), t(3, 5), impl=impl), r"swiglu: gate \(3, 4\)"),
+    "swiglu broadcast": (lambda impl: ops.swiglu(t(3, 4), t(4), impl=impl), r"must have one shape and dtype"),
+    "swiglu dtypes": (lambda impl: ops.swiglu(t(3, 4), t(3, 4, dtype=torch.float64), impl=impl),
+                      r"must have one shape and dtype"),
+    "rms weight": (lambda impl: ops.rms_norm(t(3, 4), t(5), 1e-6, impl=impl),
+                   r"weight has shape \(5,\), expected \(4,\)"),
+    "rms residual": (lambda impl: ops.rms_norm(t(3, 4), t(4), 1e-6, residual=t(2, 4), impl=impl),
+                     r"residual \(2, 4\)"),
+    "lce softcap 0": (lce(softcap=0.0), r"softcap=0.0 must be None .* or a finite number > 0"),
+    "lce softcap < 0": (lce(softcap=-2.0), r"softcap=-2.0 must be None"),
+    "lce softcap nan": (lce(softcap=float("nan")), r"softcap=nan must be None"),
+    "lce float labels": (lce(labels=torch.tensor([0.0, 3.0, -100.0, 28.0], device=DEV)),
+                         r"labels must be int64 or int32 .* got torch.float32"),
+    "lce labels 2-D": (lce(labels=torch.tensor([[0, 3, -100, 28]], device=DEV)), r"labels \(1, 4\) must be \(4,\)"),
+    "lce hidden 3-D": (lce(hidden=t(1, 4, 17)), r"must be \(N, H\) and \(V, H\)"),
+    "lce dtypes": (lce(hidden=t(4, 17, dtype=torch.float64)), r"must share one dtype"),
+    "lce reduction": (lce(reduction="avg"), r"reduction='avg' is not one of"),
+    "lce vocab_parts": (lce(vocab_parts=0), r"vocab_parts=0 must be an integer >= 1"),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_same_check_on_both_impls(case, impl):
+    call, match = CASES[case]
+    with pytest.raises(ValueError, match=match):
+        call(impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_softcap_positive_still_runs(impl):
+    loss = lce(softcap=30.0)(impl)
+    assert loss.shape == () and torch.isfinite(loss)
