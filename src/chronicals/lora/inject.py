@@ -9,6 +9,7 @@ expression that must match the full name.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from .group import bind_groups, unbind_groups
-from .layer import LoRALinear
+from .layer import IMPLS, LoRALinear
 
 log = logging.getLogger("chronicals.lora")
 
@@ -64,6 +65,53 @@ def _tied_partners(model: nn.Module, module_names: list[str]) -> list[str]:
     return sorted(out - set(module_names))
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_lora_args(r, alpha, dropout, target_modules, use_rslora, modules_to_save, impl, adapter_dtype, seed,
+                     concat, group) -> None:
+    """apply_lora's scalar arguments, checked before anything of the model changes (a failed call leaves the
+    model as it was: no frozen parameters, no replaced modules). The names in () are the config keys."""
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"apply_lora: r={r!r} must be an integer >= 1, the adapter rank (lora.rank; 8-64 is usual)")
+    if not _is_number(alpha) or alpha <= 0:
+        raise ValueError(f"apply_lora: alpha={alpha!r} must be a finite number > 0; the update is scaled by "
+                         "alpha / r (lora.alpha; 2 r is usual)")
+    if not _is_number(dropout) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"apply_lora: dropout={dropout!r} must be a number in [0, 1) (lora.dropout; 0 lets "
+                         "q/k/v and gate/up adapters run as one GEMM each)")
+    if isinstance(target_modules, str):
+        try:
+            re.compile(target_modules)
+        except re.error as e:
+            raise ValueError(f"apply_lora: target_modules={target_modules!r} is a string, read as a regular "
+                             f"expression over full module names, and does not compile ({e}); pass a list of "
+                             "names such as ['q_proj', 'v_proj'] instead") from None
+    elif (not isinstance(target_modules, (list, tuple)) or not target_modules
+          or not all(isinstance(t, str) for t in target_modules)):
+        raise ValueError(f"apply_lora: target_modules={target_modules!r} must be a non-empty list of module names "
+                         f"such as {list(DEFAULT_TARGETS)} or one regular expression string (lora.targets)")
+    if not isinstance(modules_to_save, (str, list, tuple)) or (
+            not isinstance(modules_to_save, str) and not all(isinstance(m, str) for m in modules_to_save)):
+        raise ValueError(f"apply_lora: modules_to_save={modules_to_save!r} must be a list of module names such as "
+                         "['lm_head'] (lora.modules_to_save)")
+    if not isinstance(use_rslora, bool):
+        raise ValueError(f"apply_lora: use_rslora={use_rslora!r} must be True or False (lora.rslora)")
+    if impl not in IMPLS:
+        raise ValueError(f"apply_lora: impl={impl!r} is not one of {IMPLS} (fused: the custom autograd path; "
+                         "torch: the reference)")
+    if adapter_dtype is not None and not (isinstance(adapter_dtype, torch.dtype) and adapter_dtype.is_floating_point):
+        raise ValueError(f"apply_lora: adapter_dtype={adapter_dtype!r} must be None (the base weight's dtype) or a "
+                         "floating torch.dtype such as torch.float32")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"apply_lora: seed={seed!r} must be an integer or None (torch's global RNG)")
+    if concat not in ("auto", True, False):
+        raise ValueError(f"apply_lora: concat={concat!r} must be 'auto', True or False")
+    if not isinstance(group, bool):
+        raise ValueError(f"apply_lora: group={group!r} must be True or False (lora.group)")
+
+
 def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: float = 0.0,
                target_modules=DEFAULT_TARGETS, use_rslora: bool = False, modules_to_save=(),
                impl: str = "fused", adapter_dtype: torch.dtype | None = None, seed: int | None = 0,
@@ -79,8 +127,11 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
     ``concat``: how the fused path joins the rank-r GEMMs ("auto" by shape; see LoRALinearFunction).
     ``group``: q/k/v and gate/up adapters of one block run as one GEMM each (``lora.group.LoRAGroup``) when
     they qualify; False keeps one call per module.
-    Returns a LoraRecord, also stored as ``model.lora_config``.
+    Returns a LoraRecord, also stored as ``model.lora_config``. Every argument and name is checked before
+    the model changes: a call that raises leaves it as it was.
     """
+    _check_lora_args(r, alpha, dropout, target_modules, use_rslora, modules_to_save, impl, adapter_dtype, seed,
+                     concat, group)
     if getattr(model, "lora_config", None) is not None:
         raise RuntimeError("apply_lora: this model already has LoRA adapters; call merge_lora(model) first")
     if isinstance(target_modules, list):
