@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.utils.checkpoint as ckpt
 
 from ..ops import attention, linear_cross_entropy, recompute, rms_norm, rope_cos_sin, rope_qk, swiglu
+from ..ops._impl import check_impl
 from ..ops.attention import attention_ref
 from ..ops.swiglu import swiglu_gate_up
 from .config import ModelConfig, rope_inv_freq
@@ -338,7 +339,7 @@ class CausalLM(nn.Module):
         # the bytes of generation_config.json of the HF directory this model was loaded from (None otherwise):
         # save_model writes it back unchanged, so a fine-tuned or merged model keeps its sampling defaults
         self.source_generation_config: bytes | None = None
-        self.opts = RuntimeOptions(impl=impl)
+        self.opts = RuntimeOptions(impl=check_impl("CausalLM", impl))
         self.model = DecoderModel(cfg, self.opts)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -347,7 +348,7 @@ class CausalLM(nn.Module):
     # ---- options ----
     def set_impl(self, impl: str) -> "CausalLM":
         """Pick the op implementations: "auto" (Triton on CUDA, PyTorch on CPU), "triton" or "torch"."""
-        self.opts.impl = impl
+        self.opts.impl = check_impl("set_impl", impl)  # the value now; whether it runs on a device at the call
         return self
 
     def set_checkpointing(self, on: bool | int) -> "CausalLM":

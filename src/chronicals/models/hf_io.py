@@ -229,7 +229,7 @@ def load_hf_dir(model_dir: str | Path, *, dtype: torch.dtype | None = None, devi
         raise ValueError(msg + ". Names must be Hugging Face's (model.layers.N.self_attn.q_proj.weight, ...); "
                                "a LoRA adapter directory is loaded with chronicals.lora, not load_model")
     dtype = dtype or file_dtype or torch.float32
-    model = empty_model(cfg, dtype, torch.device(device or "cpu"), impl)
+    model = empty_model(cfg, dtype, torch.device("cpu" if device is None else device), impl)
     params = model.state_dict()
     by_file: dict[Path, list[str]] = {}
     for name, f in where.items():

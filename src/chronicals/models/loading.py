@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..ops._impl import check_impl
 from .decoder import CausalLM
 from .generate import generate
 from .gguf_io import cached_gguf_dir
@@ -105,7 +106,14 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None, dev
     dtype: None keeps the checkpoint's dtype (float32 for GGUF, dequantized). device: default CPU.
     impl: the ops implementation ("auto" | "triton" | "torch", see chronicals.ops).
     tokenizer=False skips the tokenizer (for directories that have none).
+    A bad ``impl`` (not auto | triton | torch, or triton on a CPU device without TRITON_INTERPRET=1) is refused
+    here, before anything is read, with the message the ops give (it used to surface at the first forward).
     """
+    try:
+        dev = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"load_model: device={device!r} is not a device ({e}); use 'cpu', 'cuda' or 'cuda:1'") from None
+    check_impl("load_model", impl, dev)
     t0 = time.perf_counter()
     d = hf_dir(path)
     model = load_hf_dir(d, dtype=dtype, device=device, impl=impl)
@@ -119,8 +127,11 @@ def save_model(model: CausalLM, tokenizer, out_dir: str | os.PathLike, *, genera
                max_shard_bytes: int | None = None) -> Path:
     """Write an HF directory that transformers' AutoModelForCausalLM.from_pretrained (and load_model) read.
 
-    Atomic: written beside ``out_dir`` then renamed; an existing ``out_dir`` is replaced. tokenizer may be
-    None (no tokenizer files). max_shard_bytes splits the weights into HF-style shards plus an index.
+    Atomic: written beside ``out_dir`` then renamed. An existing ``out_dir`` is replaced only when it holds
+    nothing but a model's files (config.json, generation_config.json, model*.safetensors and the index,
+    tokenizer files, chat_template.jinja: ``hf_io.MODEL_DIR_FILES``); any other entry makes it a
+    FileExistsError naming those entries, raised before anything is written. tokenizer may be None (no
+    tokenizer files). max_shard_bytes splits the weights into HF-style shards plus an index.
     """
     return save_hf_dir(model, tokenizer, out_dir, generation_config=generation_config,
                        max_shard_bytes=max_shard_bytes)

@@ -22,20 +22,26 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def resolve_impl(op: str, impl: str, device: torch.device) -> str:
-    """Return "triton" or "torch" for ``op`` on ``device``; log the choice once."""
+def check_impl(op: str, impl: str, device: torch.device | None = None) -> str:
+    """ValueError unless ``impl`` is one of IMPLS and, with a ``device``, can run there -> "triton" | "torch"
+    (what "auto" means on that device; "auto" itself without one). Logs nothing: ``resolve_impl`` does."""
     if impl not in IMPLS:
-        raise ValueError(f"{op}: impl={impl!r} is not one of {IMPLS}")
-    if impl == "auto":
-        chosen = "triton" if device.type == "cuda" else "torch"
-    else:
-        chosen = impl
+        raise ValueError(f"{op}: impl={impl!r} is not one of {IMPLS} (auto: Triton on CUDA, PyTorch elsewhere)")
+    if device is None:
+        return impl
+    chosen = ("triton" if device.type == "cuda" else "torch") if impl == "auto" else impl
     if chosen == "triton" and device.type != "cuda" and not triton_interpreting():
         raise ValueError(  # a setting this machine cannot run: the CLI prints it as one error line
             f"{op}: impl='triton' needs a CUDA tensor (got {device.type}); "
             "use impl='torch' (model.impl=torch) on CPU, or set TRITON_INTERPRET=1 to run the kernel in Triton's "
             "interpreter"
         )
+    return chosen
+
+
+def resolve_impl(op: str, impl: str, device: torch.device) -> str:
+    """Return "triton" or "torch" for ``op`` on ``device``; log the choice once."""
+    chosen = check_impl(op, impl, device)
     key = (op, impl, device.type)
     # logging inside a torch.compile'd graph breaks fullgraph=True; the eager first call logs instead
     if key not in _logged and not torch.compiler.is_compiling():

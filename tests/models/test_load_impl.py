@@ -1,0 +1,63 @@
+"""load_model refuses an impl it cannot run when called, not at the first forward; CausalLM / set_impl refuse
+unknown names; save_model's docstring matches what it does with an existing directory."""
+
+from __future__ import annotations
+
+import pytest
+
+import chronicals
+from chronicals.models import CausalLM, ModelConfig
+from chronicals.models.loading import save_model
+
+
+@pytest.fixture
+def saved(tmp_path, tiny_hf_config):
+    model = CausalLM(ModelConfig.from_hf_dict(tiny_hf_config("llama2"))).init_weights(seed=0)
+    return chronicals.save_model(model, None, tmp_path / "m")
+
+
+@pytest.mark.parametrize("impl", ["cuda", "Triton", "", None])
+def test_unknown_impl_is_refused_at_load(saved, impl):
+    with pytest.raises(ValueError, match=rf"load_model: impl={impl!r} is not one of \('auto', 'triton', 'torch'\)"):
+        chronicals.load_model(saved, tokenizer=False, impl=impl)
+
+
+def test_impl_checked_before_the_path_is_read(tmp_path):
+    with pytest.raises(ValueError, match="impl='cuda' is not one of"):
+        chronicals.load_model(tmp_path / "missing", tokenizer=False, impl="cuda")
+
+
+def test_triton_on_cpu_needs_the_interpreter(saved, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"load_model: impl='triton' needs a CUDA tensor \(got cpu\); use "
+                                         r"impl='torch' \(model.impl=torch\) on CPU, or set TRITON_INTERPRET=1"):
+        chronicals.load_model(saved, tokenizer=False, impl="triton", device="cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model, _ = chronicals.load_model(saved, tokenizer=False, impl="triton", device="cpu")
+    assert model.opts.impl == "triton"
+    model, _ = chronicals.load_model(saved, tokenizer=False, impl="torch")
+    assert model.opts.impl == "torch"
+
+
+def test_bad_device_is_a_value_error(saved):
+    with pytest.raises(ValueError, match=r"device='gpu' is not a device"):
+        chronicals.load_model(saved, tokenizer=False, device="gpu")
+
+
+def test_set_impl_and_constructor_refuse_unknown_names(tiny_hf_config):
+    cfg = ModelConfig.from_hf_dict(tiny_hf_config("llama2"))
+    with pytest.raises(ValueError, match=r"CausalLM: impl='fast' is not one of"):
+        CausalLM(cfg, impl="fast")
+    model = CausalLM(cfg, impl="torch")
+    with pytest.raises(ValueError, match=r"set_impl: impl='foo' is not one of"):
+        model.set_impl("foo")
+    assert model.opts.impl == "torch"  # unchanged by the refused call
+
+
+def test_save_model_docstring_says_when_a_directory_is_replaced(saved):
+    doc = " ".join(save_model.__doc__.split())
+    assert "replaced only when it holds nothing but a model's files" in doc and "FileExistsError" in doc
+    (saved / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"notes.txt"):
+        chronicals.save_model(chronicals.load_model(saved, tokenizer=False)[0], None, saved)
+    assert (saved / "notes.txt").read_text() == "mine" and (saved / "config.json").is_file()
