@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import DEMO, TrainConfig, from_dict, load_config
+from ..config import TrainConfig, from_dict, load_config
 from . import checkpoint as ckpt
 from .metrics import MetricsLog, matmul_peak_tflops, memory_gib, plot_losses, train_flops_per_token
 from .optim import build_optimizer, build_scheduler
@@ -35,6 +35,8 @@ from .grad_buckets import GradBuckets
 from .graphs import GraphedStep, resolve_cuda_graphs
 from .setup import build_loaders, load_base, prepare_model, resolve_dtype
 from .readback import StepReadback, StepStart
+from .guards import check_data_paths, check_final_dir, check_token_ids, remove_setup_files
+from .resume import apply_optimizer_settings, optimizer_settings, warn_data_changed
 from .step import accumulate_data_parallel, evaluate_loss
 
 log = logging.getLogger("chronicals.train")
@@ -180,7 +182,7 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
     else:
         cfg = load_config(config)
     if train_loader is None:
-        _check_data_paths(cfg)  # before minutes of model loading, not after
+        check_data_paths(cfg)  # before minutes of model loading, not after
     out_dir = Path(cfg.train.out_dir)
     existed = set(out_dir.iterdir()) if out_dir.is_dir() else None
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -195,7 +197,7 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
         return result
     except BaseException:
         if dp.is_main and not phase.training:
-            _remove_setup_files(out_dir, existed)
+            remove_setup_files(out_dir, existed)
         raise
     finally:
         dp.destroy()
@@ -206,58 +208,11 @@ class _Phase:
     training: bool = False  # set when the first step starts: from then on out_dir holds this run's record
 
 
-def _remove_setup_files(out_dir: Path, existed: set[Path] | None) -> None:
-    """A run that failed before its first step (bad data, model or config found while setting up) leaves
-    out_dir as it found it: the config.yaml, empty metrics.jsonl and data/ copies it wrote are removed, and
-    out_dir itself if this run created it. Entries that were there before are never touched."""
-    import shutil
-
-    if not out_dir.is_dir():
-        return
-    for entry in set(out_dir.iterdir()) - (existed or set()):
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-        else:
-            entry.unlink(missing_ok=True)
-    if existed is None:
-        try:
-            out_dir.rmdir()
-        except OSError:  # something else wrote there meanwhile: leave it
-            pass
-
-
-def _check_token_ids(model, *loaders) -> None:
-    """ValueError when the tokenized data holds ids the model's embedding has no row for (a tokenizer with added
-    tokens the model was not resized for): the loss head would read past its last row instead."""
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    for name, loader in zip(("training", "held-out"), loaders):
-        ids = getattr(getattr(loader, "dataset", None), "ids", None)
-        if vocab is None or ids is None or len(ids) == 0:
-            continue
-        top = int(ids.max())
-        if top >= vocab:
-            raise ValueError(f"the {name} data holds token id {top}, but the model's vocabulary has {vocab} entries "
-                             "(model.embed_tokens): the tokenizer knows tokens the model lacks (added tokens?); use "
-                             "the model's own tokenizer, or resize the embeddings and lm_head first")
-
-
-def _check_data_paths(cfg: TrainConfig) -> None:
-    """FileNotFoundError naming the key and where a relative path was looked for, for data.path and
-    data.eval_path (a missing file used to surface after the model had loaded: minutes at 8B)."""
-    for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
-        if value in (DEMO, "auto", ""):
-            continue
-        path = Path(value).expanduser()
-        if not path.exists():
-            where = "" if path.is_absolute() else f" (relative paths are read from the working directory, {Path.cwd()})"
-            raise FileNotFoundError(f"{key}={value}: no such file or directory{where}; fix {key}")
-
-
 def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, train_loader, eval_loader,
            heldout_qa, on_step, report, phase: _Phase) -> TrainResult:
     # ---- setup ----
     if cfg.train.save_final:  # refused now rather than after the training it would hold
-        _check_final_dir(cfg, out_dir)
+        check_final_dir(cfg, out_dir)
     device = dp.device
     dtype = resolve_dtype(cfg.model.dtype, device)
     if model is None:
@@ -277,7 +232,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     if train_loader is None:
         with dp.main_first():  # rank 0 writes out_dir/data and the tokenization cache; the others reuse them
             train_loader, eval_loader, heldout_qa = build_loaders(cfg, tokenizer, out_dir, dp.rank, dp.world_size)
-        _check_token_ids(model, train_loader, eval_loader)
+        check_token_ids(model, train_loader, eval_loader)
     elif getattr(train_loader, "world_size", dp.world_size) != dp.world_size:
         raise ValueError(f"train_loader has world_size={train_loader.world_size} but the job runs "
                          f"{dp.world_size} ranks; build it with PackedLoader(rank=RANK, world_size=WORLD_SIZE)")
@@ -307,7 +262,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     elif cfg.train.resume != "none":
         resume_from = Path(cfg.train.resume)
     if resume_from is not None:
-        fresh = _hyperparameters(optimizer, scheduler)
+        fresh = optimizer_settings(optimizer, scheduler)
         restored = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler, config=cfg_dict)
         stream.load_state_dict(restored["data"])  # rank 0's position: every rank's equals it (equal shards)
         start = restored["step"]
@@ -315,8 +270,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
             raise ValueError(f"{resume_from} is at step {start}, past this run's {total} steps; raise "
                              "train.max_steps (or train.epochs), or set train.resume=none to start over")
         log.info("resumed from %s at step %d of %d", resume_from, start, total)
-        _apply_hyperparameters(optimizer, scheduler, fresh, restored["extra"].get("config"), cfg_dict, start)
-        _warn_data_changed(restored["extra"].get("config"), cfg_dict, resume_from)
+        apply_optimizer_settings(optimizer, scheduler, fresh, restored["extra"].get("config"), cfg_dict, start)
+        warn_data_changed(restored["extra"].get("config"), cfg_dict, resume_from)
         if start == total:
             return _already_done(cfg, dp, out_dir, model, tokenizer, resume_from, total)
     if dp.is_main:  # config.yaml and metrics.jsonl change only once this run writes its first record
@@ -512,32 +467,6 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     return result
 
 
-def _hyperparameters(optimizer, scheduler) -> dict:
-    """What this run's config set in the freshly built optimizer and schedule (before a checkpoint's state
-    replaces them): per group betas, eps, weight_decay, and the schedule's base learning rates."""
-    keys = ("betas", "eps", "weight_decay")
-    return {"groups": [{k: g[k] for k in keys} for g in optimizer.param_groups], "base_lrs": list(scheduler.base_lrs)}
-
-
-def _apply_hyperparameters(optimizer, scheduler, fresh: dict, saved_cfg: dict | None, cfg_dict: dict,
-                           step: int) -> None:
-    """After a resume, this run's optimizer / schedule settings apply from ``step`` on (the checkpoint's state
-    dicts carry the old run's lr, betas, eps and weight decay; the AdamW moments and step counts are kept).
-    With an unchanged config the values are the ones restored, bit for bit."""
-    for group, new in zip(optimizer.param_groups, fresh["groups"]):
-        group.update(new)
-    scheduler.base_lrs = list(fresh["base_lrs"])
-    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-    for group, base, lr in zip(optimizer.param_groups, scheduler.base_lrs, lrs):
-        group["initial_lr"], group["lr"] = base, lr
-    scheduler._last_lr = lrs
-    diffs = ckpt.config_diffs(saved_cfg, cfg_dict, {"optim": None, "schedule": None, "lora": ("plus_ratio",),
-                                                    "train": ("max_steps", "epochs", "grad_accum")})
-    if diffs:
-        log.warning("resumed at step %d with other settings than the checkpoint's run: %s; they apply from step %d "
-                    "on (the AdamW moments are kept)", step, ", ".join(diffs), step + 1)
-
-
 def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, checkpoint: Path,
                   total: int) -> TrainResult:
     """resume found the run's last step: nothing to train, nothing logged again; the final directory is
@@ -550,29 +479,6 @@ def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, token
         final = out_dir / ("adapter" if cfg.lora.enabled else "model")
         result.final_dir = final if final.is_dir() else save_final(model, tokenizer, cfg, out_dir)
     return result
-
-
-def _warn_data_changed(saved: dict | None, current: dict, path: Path) -> None:
-    """Warn when a resumed checkpoint was written over other data or batches: its data position then points
-    elsewhere (typically resume=auto finding an unrelated earlier run in the same train.out_dir)."""
-    diffs = ckpt.config_diffs(saved, current,
-                              {"data": ("path", "format", "max_seq_len", "batch_size", "tokens_per_batch")})
-    if diffs:
-        log.warning("resumed from %s, written with %s: its data position refers to other batches; if this is a "
-                    "new run, set train.resume=none or another train.out_dir", path, ", ".join(diffs))
-
-
-def _check_final_dir(cfg: TrainConfig, out_dir: Path) -> None:
-    """FileExistsError if save_final could not replace out_dir/adapter (LoRA) or out_dir/model (full): it holds
-    files that are not an adapter's / a model's, or is a file."""
-    from ..lora.peft_io import CONFIG_NAME, WEIGHTS_NAME
-    from ..models.hf_io import MODEL_DIR_FILES, refuse_foreign_files
-
-    final = out_dir / ("adapter" if cfg.lora.enabled else "model")
-    if final.exists() and not final.is_dir():
-        raise FileExistsError(f"{final} exists and is not a directory: the final {final.name} is written there; "
-                              "move it away or set another train.out_dir")
-    refuse_foreign_files(final, (CONFIG_NAME, WEIGHTS_NAME) if cfg.lora.enabled else MODEL_DIR_FILES)
 
 
 def save_final(model, tokenizer, cfg: TrainConfig, out_dir: Path) -> Path:

@@ -1,0 +1,70 @@
+"""Checks a run makes before it trains, and the clean-up of a run that failed before its first step.
+
+Each says what is wrong and the setting that fixes it; none touches files a run did not write."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import DEMO, TrainConfig
+
+
+def remove_setup_files(out_dir: Path, existed: set[Path] | None) -> None:
+    """A run that failed before its first step (bad data, model or config found while setting up) leaves
+    out_dir as it found it: the config.yaml, empty metrics.jsonl and data/ copies it wrote are removed, and
+    out_dir itself if this run created it. Entries that were there before are never touched."""
+    import shutil
+
+    if not out_dir.is_dir():
+        return
+    for entry in set(out_dir.iterdir()) - (existed or set()):
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    if existed is None:
+        try:
+            out_dir.rmdir()
+        except OSError:  # something else wrote there meanwhile: leave it
+            pass
+
+
+def check_token_ids(model, *loaders) -> None:
+    """ValueError when the tokenized data holds ids the model's embedding has no row for (a tokenizer with added
+    tokens the model was not resized for): the loss head would read past its last row instead."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    for name, loader in zip(("training", "held-out"), loaders):
+        ids = getattr(getattr(loader, "dataset", None), "ids", None)
+        if vocab is None or ids is None or len(ids) == 0:
+            continue
+        top = int(ids.max())
+        if top >= vocab:
+            raise ValueError(f"the {name} data holds token id {top}, but the model's vocabulary has {vocab} entries "
+                             "(model.embed_tokens): the tokenizer knows tokens the model lacks (added tokens?); use "
+                             "the model's own tokenizer, or resize the embeddings and lm_head first")
+
+
+def check_data_paths(cfg: TrainConfig) -> None:
+    """FileNotFoundError naming the key and where a relative path was looked for, for data.path and
+    data.eval_path (a missing file used to surface after the model had loaded: minutes at 8B)."""
+    for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
+        if value in (DEMO, "auto", ""):
+            continue
+        path = Path(value).expanduser()
+        if not path.exists():
+            where = ("" if path.is_absolute() else
+                     f" (relative paths are read from the working directory, {Path.cwd()})")
+            raise FileNotFoundError(f"{key}={value}: no such file or directory{where}; fix {key}")
+
+
+def check_final_dir(cfg: TrainConfig, out_dir: Path) -> None:
+    """FileExistsError if save_final could not replace out_dir/adapter (LoRA) or out_dir/model (full): it holds
+    files that are not an adapter's / a model's, or is a file."""
+    from ..lora.peft_io import CONFIG_NAME, WEIGHTS_NAME
+    from ..models.hf_io import MODEL_DIR_FILES, refuse_foreign_files
+
+    final = out_dir / ("adapter" if cfg.lora.enabled else "model")
+    if final.exists() and not final.is_dir():
+        raise FileExistsError(f"{final} exists and is not a directory: the final {final.name} is written there; "
+                              "move it away or set another train.out_dir")
+    refuse_foreign_files(final, (CONFIG_NAME, WEIGHTS_NAME) if cfg.lora.enabled else MODEL_DIR_FILES)

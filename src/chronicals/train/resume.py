@@ -1,0 +1,47 @@
+"""Resuming with this run's settings: the optimizer and schedule hyperparameters it sets, and warnings when a
+checkpoint was written by a run with other settings or data."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from . import checkpoint as ckpt
+
+log = logging.getLogger("chronicals.train")
+
+
+def optimizer_settings(optimizer, scheduler) -> dict:
+    """What this run's config set in the freshly built optimizer and schedule (before a checkpoint's state
+    replaces them): per group betas, eps, weight_decay, and the schedule's base learning rates."""
+    keys = ("betas", "eps", "weight_decay")
+    return {"groups": [{k: g[k] for k in keys} for g in optimizer.param_groups], "base_lrs": list(scheduler.base_lrs)}
+
+
+def apply_optimizer_settings(optimizer, scheduler, fresh: dict, saved_cfg: dict | None, cfg_dict: dict,
+                           step: int) -> None:
+    """After a resume, this run's optimizer / schedule settings apply from ``step`` on (the checkpoint's state
+    dicts carry the old run's lr, betas, eps and weight decay; the AdamW moments and step counts are kept).
+    With an unchanged config the values are the ones restored, bit for bit."""
+    for group, new in zip(optimizer.param_groups, fresh["groups"]):
+        group.update(new)
+    scheduler.base_lrs = list(fresh["base_lrs"])
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, base, lr in zip(optimizer.param_groups, scheduler.base_lrs, lrs):
+        group["initial_lr"], group["lr"] = base, lr
+    scheduler._last_lr = lrs
+    diffs = ckpt.config_diffs(saved_cfg, cfg_dict, {"optim": None, "schedule": None, "lora": ("plus_ratio",),
+                                                    "train": ("max_steps", "epochs", "grad_accum")})
+    if diffs:
+        log.warning("resumed at step %d with other settings than the checkpoint's run: %s; they apply from step %d "
+                    "on (the AdamW moments are kept)", step, ", ".join(diffs), step + 1)
+
+
+def warn_data_changed(saved: dict | None, current: dict, path: Path) -> None:
+    """Warn when a resumed checkpoint was written over other data or batches: its data position then points
+    elsewhere (typically resume=auto finding an unrelated earlier run in the same train.out_dir)."""
+    diffs = ckpt.config_diffs(saved, current,
+                              {"data": ("path", "format", "max_seq_len", "batch_size", "tokens_per_batch")})
+    if diffs:
+        log.warning("resumed from %s, written with %s: its data position refers to other batches; if this is a "
+                    "new run, set train.resume=none or another train.out_dir", path, ", ".join(diffs))
