@@ -98,8 +98,25 @@ def attention_varlen_flash(q, k, v, cu_seqlens, max_seqlen=None, scale=None):
     return out.view(b, s, hq, d)
 
 
+def _check_attention(q, k, v, cu_seqlens) -> None:
+    """The argument checks every impl runs (before choosing one); shapes and dtypes only. cu_seqlens' last
+    entry must equal B * S, which is not checked: reading it would sync the device once per layer."""
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"attention: expected q (B, S, Hq, D) and k, v (B, S, Hk, D), got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"attention: Hq={q.shape[2]} query heads are not a multiple of Hk={k.shape[2]} key/value "
+                         "heads (grouped-query attention shares each key head among Hq / Hk query heads)")
+    if cu_seqlens is not None and (cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1
+                                   or cu_seqlens.numel() < 2):
+        raise ValueError(f"attention: cu_seqlens must be int32 (num_docs + 1,) cumulative document lengths over the "
+                         f"B * S tokens, starting at 0 (got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}); build it "
+                         "with torch.tensor([0, len0, len0 + len1, ...], dtype=torch.int32)")
+
+
 def attention(q, k, v, *, cu_seqlens=None, max_seqlen=None, scale=None, impl: str = "auto"):
     """Causal attention; packed rows when ``cu_seqlens`` is given. See the module docstring."""
+    _check_attention(q, k, v, cu_seqlens)
     chosen = resolve_impl("attention", impl, q.device)
     if chosen == "torch" or cu_seqlens is None:
         # unpacked rows: SDPA picks flash / cuDNN / efficient kernels on CUDA itself
