@@ -55,6 +55,12 @@ def check_data_paths(cfg: TrainConfig) -> None:
             where = ("" if path.is_absolute() else
                      f" (relative paths are read from the working directory, {Path.cwd()})")
             raise FileNotFoundError(f"{key}={value}: no such file or directory{where}; fix {key}")
+        out = Path(cfg.train.out_dir).expanduser().resolve()
+        if path.is_dir() and (out == path.resolve() or path.resolve() in out.parents):
+            # directories are read recursively: the run's metrics.jsonl, data/ copies and checkpoints would
+            # become training records on the next run
+            raise ValueError(f"train.out_dir={cfg.train.out_dir} is inside {key}={value}, whose files are all read "
+                             f"as data; put train.out_dir outside {value}")
 
 
 def check_final_dir(cfg: TrainConfig, out_dir: Path) -> None:
