@@ -80,3 +80,17 @@ def test_cache_dir_that_is_a_file_fails_before_tokenizing(tokenizer, tmp_path, m
         load(p, tokenizer, f)
     with pytest.raises(DataError, match=rf"data.cache_dir={f / 'sub'}: cannot create it"):
         load(p, tokenizer, f / "sub")
+
+
+def test_a_cache_hit_names_this_runs_files(tokenizer, tmp_path, caplog):
+    """The entry is keyed by content: a byte-identical copy under another name hits it, and the log line of what
+    was read names the copy (it replayed the first run's file names)."""
+    a, b = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    a.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    b.write_bytes(a.read_bytes())
+    cache = tmp_path / "cache"
+    load(a, tokenizer, cache)
+    with caplog.at_level(logging.INFO, logger="chronicals.data"):
+        ds = load(b, tokenizer, cache)
+    assert "loaded 6 documents from cache" in caplog.text
+    assert "second.jsonl" in ds.summary and "first.jsonl" not in caplog.text and "6 records" in ds.summary

@@ -52,6 +52,8 @@ class TokenizedDataset:
         self.pad_id, self.stats, self.max_seq_len = pad_id, stats, max_seq_len
         self.lengths = np.diff(offsets)  # (n,) int64
         self.summary = ""  # "the training set: 2 files (...), 120 records; format auto -> chat" (logged)
+        self.file_counts: list[int] = []  # records per file read
+        self.file_formats: list[str] = []  # the format of each file's records
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -89,25 +91,31 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
                 log.warning("data: tokenization cache entry %s is damaged (%s); rebuilding it", cache, e)
             else:
                 log.info("data: loaded %d documents from cache %s", len(ds), cache)
-                log.info("data: %s", ds.summary)
+                # the entry is keyed by content: the line is rebuilt with this run's file names and set name
+                ds.summary = _summary_line(name, files, ds.file_counts, ds.file_formats, format)
+                if ds.summary:
+                    log.info("data: %s", ds.summary)
                 _finish(ds.stats, on_error, max_seq_len, overlong, files, name)
                 return ds
     per_file = [read_file(f) for f in files]
     records = [r for recs in per_file for r in recs]
     ds, fmts = _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_error, num_proc)
-    ds.summary = _summarize(name, files, [len(recs) for recs in per_file], fmts, format)
+    ds.file_counts = [len(recs) for recs in per_file]
+    ds.file_formats = _file_formats(files, ds.file_counts, fmts)
+    ds.summary = _summary_line(name, files, ds.file_counts, ds.file_formats, format)
     log.info("data: %s", ds.summary)
     _finish(ds.stats, on_error, max_seq_len, overlong, files, name)
     if cache is not None:
         cache_mod.save(cache, ds.ids, ds.trainable, ds.offsets,
-                       {"pad_id": ds.pad_id, "stats": asdict(ds.stats), "summary": ds.summary})
+                       {"pad_id": ds.pad_id, "stats": asdict(ds.stats), "file_counts": ds.file_counts,
+                        "file_formats": ds.file_formats})
     return ds
 
 
-def _summarize(name: str, files, counts: list[int], fmts: list, format: str) -> str:
-    """One line: which files were read and the format of their records (per file when auto detected).
-    A file whose records have different formats gets a warning: often a typo'd field read as another format."""
-    per, at = [], 0
+def _file_formats(files, counts: list[int], fmts: list) -> list[str]:
+    """Per file, the format of its records ("chat", "mixed: 3 chat, 1 text", "no readable records"). A file
+    whose records have different formats gets a warning: often a typo'd field read as another format."""
+    out, at = [], 0
     for f, n in zip(files, counts):
         c = Counter(x for x in fmts[at:at + n] if x is not None)
         at += n
@@ -116,13 +124,22 @@ def _summarize(name: str, files, counts: list[int], fmts: list, format: str) -> 
         if len(c) > 1:
             log.warning("data: %s mixes record formats (%s); each record is read in the format its fields say: "
                         "check that is intended (data.format=FORMAT insists on one)", f, desc)
-        per.append((Path(f).name, desc))
+        out.append(desc)
+    return out
+
+
+def _summary_line(name: str, files, counts: list[int], descs: list[str], format: str) -> str:
+    """One line: which files were read and the format of their records (per file when auto detected); ""
+    when the per-file facts are missing or do not fit ``files`` (a cache entry from before they were kept)."""
+    if not counts or len(counts) != len(files) or len(descs) != len(files):
+        return ""
     head = f"{name}: {len(files)} file{'s' if len(files) != 1 else ''} ({_names(files)}), {sum(counts)} records"
     if format != "auto":
         return f"{head}; format {format}"
-    kinds = {d for _, d in per}
+    kinds = set(descs)
     if len(kinds) == 1:
         return f"{head}; format auto -> {kinds.pop()}"
+    per = [(Path(f).name, d) for f, d in zip(files, descs)]
     shown = "; ".join(f"{n}: {d}" for n, d in per[:8]) + (f"; and {len(per) - 8} more files" if len(per) > 8 else "")
     return f"{head}; format auto -> {shown}"
 
@@ -134,7 +151,9 @@ def _from_cache(path: Path, max_seq_len: int) -> TokenizedDataset:
     except TypeError as e:
         raise cache_mod.CacheError(f"meta.json: stats do not match this version ({e})") from None
     ds = TokenizedDataset(ids, trainable, offsets, meta["pad_id"], stats, max_seq_len)
-    ds.summary = str(meta.get("summary", ""))
+    counts, descs = meta.get("file_counts"), meta.get("file_formats")
+    ds.file_counts = [int(n) for n in counts] if isinstance(counts, list) else []
+    ds.file_formats = [str(d) for d in descs] if isinstance(descs, list) else []
     return ds
 
 
