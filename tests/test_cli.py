@@ -260,8 +260,10 @@ def test_chat_arguments_are_checked(tiny_base, capsys):
         with pytest.raises(SystemExit) as e:
             main(["chat", "--model", str(tiny_base), *bad])
         assert e.value.code == 2 and says in capsys.readouterr().err
-    assert main(["chat", "--model", str(tiny_base), "--device", "banana", "hi"]) == 3
-    assert "--device=banana is not a device; use auto, cpu, cuda or cuda:N" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["chat", "--model", str(tiny_base), "--device", "banana", "hi"])
+    assert e.value.code == 2 and "--device=banana is not a device; use auto, cpu, cuda or cuda:N" in \
+        capsys.readouterr().err
 
 
 def test_an_unexpected_exception_is_exit_4_not_the_diverged_status(monkeypatch, capsys):
@@ -284,6 +286,20 @@ def test_ctrl_c_before_training_is_130_without_a_traceback(monkeypatch, capsys):
     assert main(["train"]) == 130
     err = capsys.readouterr().err
     assert "interrupted (Ctrl-C)" in err and "Traceback" not in err
+
+    def interrupted_inside_a_library(argv):  # a Ctrl-C that a library turned into another error
+        import os
+        import signal
+        os.kill(os.getpid(), signal.SIGINT)
+    def wrapped(argv):
+        try:
+            interrupted_inside_a_library(argv)
+        except KeyboardInterrupt:
+            raise ModuleNotFoundError("Could not import module 'LlamaConfig'") from None
+    monkeypatch.setitem(cli.COMMANDS, "train", wrapped)
+    assert main(["train"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted (Ctrl-C)" in err and "internal error" not in err and "Traceback" not in err
 
 
 def test_chat_reads_piped_prompts_and_labels_each_answer(tiny_base, monkeypatch, capsys):
@@ -310,3 +326,5 @@ def test_token_ids_past_the_models_vocabulary_are_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 3 and "but the model's vocabulary has 1000 entries" in err and "the model's own tokenizer" in err
     assert not (tmp_path / "run").exists()
+    assert main(["chat", "--model", str(small), "--max-new-tokens", "1", "hello there"]) == 3
+    assert "'hello there' tokenizes to id" in capsys.readouterr().err

@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 USAGE = """usage: chronicals train [CONFIG.yaml] [section.key=value ...]
@@ -182,6 +184,12 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
         p.error(f"--max-new-tokens {a.max_new_tokens}: an answer needs at least 1 new token")
     if any(not q.strip() for q in a.prompts):
         p.error("an empty prompt was given; pass the message text (or no prompts to read them from stdin)")
+    from .train.setup import resolve_device
+
+    try:
+        resolve_device(a.device, key="--device")
+    except ValueError as e:
+        p.error(str(e))
     a.model = _base_for(a.adapter, a.model, "--model")
     from .config import DEMO_SYSTEM_PROMPT
     from .models import require_chat_template
@@ -225,23 +233,41 @@ def main(argv: list[str] | None = None) -> int:
               "  chat      answer prompts with a base or fine-tuned model (generate: the same)\n"
               "  bench     the end-to-end benchmark table")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    interrupted = []  # a Ctrl-C that lands inside a library (an import, a tokenizer) can surface as another error
+    old = None
+    if threading.current_thread() is threading.main_thread():
+        def on_sigint(signum, frame):
+            interrupted.append(signum)
+            raise KeyboardInterrupt
+        old = signal.signal(signal.SIGINT, on_sigint)
     try:
         return COMMANDS[argv[0]](argv[1:])
-    except (ValueError, OSError) as e:  # bad input met while running: the messages name the file (and line)
-        if os.environ.get("CHRONICALS_TRACEBACK"):
-            raise
+    except KeyboardInterrupt:  # Ctrl-C before training began (no checkpoint to write) or a second one
+        interrupted.append(signal.SIGINT)
+    except Exception as e:
+        if not interrupted:
+            if isinstance(e, (ValueError, OSError)) and os.environ.get("CHRONICALS_TRACEBACK"):
+                raise
+            return _failed(e)
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
+    print("\ninterrupted (Ctrl-C): stopped without writing a checkpoint", file=sys.stderr)
+    return 130
+
+
+def _failed(e: Exception) -> int:
+    """Exit status and message for an exception out of a command: 3 for bad input (the messages name the file
+    and line), 4 for anything else: a bug, with its own status, as 1 means "diverged" to train's callers."""
+    if isinstance(e, (ValueError, OSError)):
         print(f"error: {e}\n(CHRONICALS_TRACEBACK=1 shows where it was raised)", file=sys.stderr)
         return 3
-    except KeyboardInterrupt:  # Ctrl-C before training began (no checkpoint to write) or a second one
-        print("\ninterrupted (Ctrl-C): no checkpoint was written for the step in progress", file=sys.stderr)
-        return 130
-    except Exception:  # not an input we check: a bug. Its own status, as 1 means "diverged" to train's callers
-        import traceback
+    import traceback
 
-        traceback.print_exc()
-        print("error: internal error in chronicals (the traceback above says where); please report it with the "
-              "command that ran", file=sys.stderr)
-        return 4
+    traceback.print_exception(e)
+    print("error: internal error in chronicals (the traceback above says where); please report it with the "
+          "command that ran", file=sys.stderr)
+    return 4
 
 
 if __name__ == "__main__":

@@ -325,6 +325,10 @@ def test_a_missing_data_path_is_refused_before_the_model_loads(tmp_path, monkeyp
     with pytest.raises(FileNotFoundError, match=r"data.eval_path=/no/held.jsonl: no such file or directory; fix"):
         train(tiny_config(tmp_path, data__path="train.jsonl", data__eval_path="/no/held.jsonl"))
     assert not (tmp_path / "run").exists()
+    not_a_checkpoint = tmp_path / "elsewhere"
+    not_a_checkpoint.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"train.resume=.*elsewhere holds no checkpoint \(no state.pt\)"):
+        train(tiny_config(tmp_path, data__path="train.jsonl", train__resume=str(not_a_checkpoint)))
     (tmp_path / "data").mkdir()
     with pytest.raises(ValueError, match=r"train.out_dir=.*/data/run is inside data.path=data, whose files are all "
                                          r"read as data; put train.out_dir outside data"):

@@ -41,7 +41,7 @@ def check_token_ids(model, *loaders) -> None:
         if top >= vocab:
             raise ValueError(f"the {name} data holds token id {top}, but the model's vocabulary has {vocab} entries "
                              "(model.embed_tokens): the tokenizer knows tokens the model lacks (added tokens?); use "
-                             "the model's own tokenizer, or resize the embeddings and lm_head first")
+                             "the model's own tokenizer (or, in Python, a model whose embeddings were resized)")
 
 
 def check_data_paths(cfg: TrainConfig) -> None:
@@ -61,6 +61,16 @@ def check_data_paths(cfg: TrainConfig) -> None:
             # become training records on the next run
             raise ValueError(f"train.out_dir={cfg.train.out_dir} is inside {key}={value}, whose files are all read "
                              f"as data; put train.out_dir outside {value}")
+
+
+def check_resume_path(cfg: TrainConfig) -> None:
+    """An explicit train.resume directory must hold a checkpoint (its state.pt): found before the model loads."""
+    if cfg.train.resume in ("auto", "none"):
+        return
+    path = Path(cfg.train.resume).expanduser()
+    if path.is_dir() and not (path / "state.pt").is_file():
+        raise FileNotFoundError(f"train.resume={cfg.train.resume} holds no checkpoint (no state.pt); give a "
+                                "checkpoint directory (out_dir/checkpoints/step-N), or train.resume=auto")
 
 
 def check_final_dir(cfg: TrainConfig, out_dir: Path) -> None:

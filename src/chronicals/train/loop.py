@@ -35,7 +35,7 @@ from .grad_buckets import GradBuckets
 from .graphs import GraphedStep, resolve_cuda_graphs
 from .setup import build_loaders, load_base, prepare_model, resolve_dtype
 from .readback import StepReadback, StepStart
-from .guards import check_data_paths, check_final_dir, check_token_ids, remove_setup_files
+from .guards import check_data_paths, check_final_dir, check_resume_path, check_token_ids, remove_setup_files
 from .resume import apply_optimizer_settings, optimizer_settings, warn_data_changed
 from .step import accumulate_data_parallel, evaluate_loss
 
@@ -181,6 +181,7 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
         cfg = from_dict(config)
     else:
         cfg = load_config(config)
+    check_resume_path(cfg)
     if train_loader is None:
         check_data_paths(cfg)  # before minutes of model loading, not after
     out_dir = Path(cfg.train.out_dir)

@@ -175,6 +175,12 @@ def answer_many(model, tokenizer, questions: list[str], system_prompt: str, max_
     eos = tokenizer.eos_token_id
     eos = set([eos] if isinstance(eos, int) else (eos or []))
     prompts = [prompt_ids(tokenizer, q, system_prompt) for q in questions]
+    vocab = model.config.vocab_size
+    for q, p in zip(questions, prompts):
+        if len(p) and int(p.max()) >= vocab:  # host tensors: no sync; the embedding would raise an IndexError
+            raise ValueError(f"the prompt {q[:60]!r} tokenizes to id {int(p.max())}, but the model's vocabulary has "
+                             f"{vocab} entries: the tokenizer knows tokens the model lacks (added tokens?); use the "
+                             "model's own tokenizer")
     by_len: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         by_len.setdefault(len(p), []).append(i)
