@@ -285,7 +285,7 @@ def test_ctrl_c_before_training_is_130_without_a_traceback(monkeypatch, capsys):
     monkeypatch.setitem(cli.COMMANDS, "train", interrupted)
     assert main(["train"]) == 130
     err = capsys.readouterr().err
-    assert "interrupted (Ctrl-C)" in err and "Traceback" not in err
+    assert "interrupted (SIGINT) outside a training step" in err and "Traceback" not in err
 
     def interrupted_inside_a_library(argv):  # a Ctrl-C that a library turned into another error
         import os
@@ -299,7 +299,7 @@ def test_ctrl_c_before_training_is_130_without_a_traceback(monkeypatch, capsys):
     monkeypatch.setitem(cli.COMMANDS, "train", wrapped)
     assert main(["train"]) == 130
     err = capsys.readouterr().err
-    assert "interrupted (Ctrl-C)" in err and "internal error" not in err and "Traceback" not in err
+    assert "interrupted (SIGINT) outside a training step" in err and "internal error" not in err and "Traceback" not in err
 
 
 def test_chat_reads_piped_prompts_and_labels_each_answer(tiny_base, monkeypatch, capsys):
@@ -328,3 +328,25 @@ def test_token_ids_past_the_models_vocabulary_are_refused(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
     assert main(["chat", "--model", str(small), "--max-new-tokens", "1", "hello there"]) == 3
     assert "'hello there' tokenizes to id" in capsys.readouterr().err
+
+
+def test_sigterm_outside_the_training_loop_unwinds_like_ctrl_c(monkeypatch, capsys):
+    """SIGTERM while loading, evaluating or saving (the loop handles its own): exit 130 through the same clean-up
+    as a Ctrl-C, not a bare kill (143) that leaves temporary outputs behind."""
+    import os
+    import signal
+
+    import chronicals.cli as cli
+
+    cleaned = []
+
+    def saving(argv):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+        finally:
+            cleaned.append(True)  # what atomic_dir's clean-up does on the way out
+    monkeypatch.setitem(cli.COMMANDS, "export", saving)
+    assert main(["export"]) == 130 and cleaned == [True]
+    assert "interrupted (SIGTERM) outside a training step" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.default_int_handler) or callable(
+        signal.getsignal(signal.SIGTERM))

@@ -24,8 +24,8 @@ packaged Vellmora facts; a few minutes on a laptop CPU). Values on the command l
 file, which overrides the defaults below. Exit status: 0 done, 1 diverged (NaN/inf), 2 bad config,
 3 bad input found while running (a data, model or adapter file: the message names it, with the line for
 data), 4 internal error (a bug in chronicals: the traceback says where; please report it), 130 stopped by
-SIGINT/SIGTERM: after writing a checkpoint (run again with train.resume=auto), unless it came before the
-first step (nothing to keep) or was a second Ctrl-C (the step's checkpoint not waited for).
+SIGINT/SIGTERM: during training after writing a checkpoint (run again with train.resume=auto); before the
+first step with nothing kept; after the last one (the final evaluation or save) with the checkpoints kept.
 
 keys:
 """
@@ -73,7 +73,8 @@ def cmd_train(argv: list[str]) -> int:
     if result.status == "interrupted":
         if _rank() == 0:
             print(f"stopped at step {result.step}/{result.total_steps}; checkpoint {result.checkpoint}\n"
-                  f"continue with: chronicals train {' '.join(argv)} train.resume=auto".rstrip())
+                  f"continue with: chronicals train "
+                  f"{' '.join(a for a in argv if not a.startswith('train.resume='))} train.resume=auto")
         return 130
     if _rank() == 0:
         print(report.summary(result))
@@ -233,26 +234,31 @@ def main(argv: list[str] | None = None) -> int:
               "  chat      answer prompts with a base or fine-tuned model (generate: the same)\n"
               "  bench     the end-to-end benchmark table")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
-    interrupted = []  # a Ctrl-C that lands inside a library (an import, a tokenizer) can surface as another error
-    old = None
+    # SIGINT / SIGTERM outside the training loop (which checkpoints and stops on its own): unwind as a Ctrl-C
+    # does, so temporary outputs are removed; one that lands inside a library (an import, a tokenizer) can
+    # surface as another error, still a stop
+    interrupted = []
+    old = {}
     if threading.current_thread() is threading.main_thread():
-        def on_sigint(signum, frame):
+        def on_signal(signum, frame):
             interrupted.append(signum)
             raise KeyboardInterrupt
-        old = signal.signal(signal.SIGINT, on_sigint)
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return COMMANDS[argv[0]](argv[1:])
-    except KeyboardInterrupt:  # Ctrl-C before training began (no checkpoint to write) or a second one
-        interrupted.append(signal.SIGINT)
+    except KeyboardInterrupt:  # a signal outside the loop, or a second Ctrl-C within it
+        interrupted = interrupted or [signal.SIGINT]
     except Exception as e:
         if not interrupted:
             if isinstance(e, (ValueError, OSError)) and os.environ.get("CHRONICALS_TRACEBACK"):
                 raise
             return _failed(e)
     finally:
-        if old is not None:
-            signal.signal(signal.SIGINT, old)
-    print("\ninterrupted (Ctrl-C): stopped without writing a checkpoint", file=sys.stderr)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    name = signal.Signals(interrupted[0]).name
+    print(f"\ninterrupted ({name}) outside a training step: checkpoints already written stay, and a train run "
+          "continues from the newest with train.resume=auto", file=sys.stderr)
     return 130
 
 

@@ -432,3 +432,22 @@ def test_the_summary_of_a_resumed_run(tmp_path):
     assert "training data: 7 examples of 10 records (2 bad records skipped, 1 truncated to data.max_seq_len, " \
            "1 dropped with no loss tokens)" in rep.summary(res)
     assert "training: 4 steps (resumed at step 4, now at 8 of 8) in 2.0 s, 100 loss tokens/s" in text
+
+
+def test_a_log_file_gets_step_lines_not_a_progress_bar(tmp_path, docs, caplog, capsys):
+    """logging.progress with stderr not a terminal (CI, nohup): a plain line every ~5% of the run and the interval
+    evaluations, no carriage-return bar."""
+    cfg = tiny_config(tmp_path, train__max_steps=40, eval__every=20, logging__progress=True)
+    with caplog.at_level("INFO", logger="chronicals.train"):
+        train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs), eval_loader=SyntheticLoader(docs[:4]))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert [m.split(":")[0] for m in lines if "loss tokens/s" in m] == [f"step {k}/40" for k in range(2, 41, 2)]
+    assert any(m.startswith("step 20/40: held-out loss") for m in lines)
+    assert "\r" not in capsys.readouterr().err
+
+
+def test_an_out_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    for out in ("afile", "afile/sub"):
+        with pytest.raises(NotADirectoryError, match=rf"train.out_dir=.*{out}: .*afile is a file, not a directory"):
+            train(tiny_config(tmp_path, train__out_dir=str(tmp_path / out)))

@@ -63,6 +63,15 @@ def check_data_paths(cfg: TrainConfig) -> None:
                              f"as data; put train.out_dir outside {value}")
 
 
+def check_out_dir(cfg: TrainConfig) -> None:
+    """train.out_dir, or a folder above it, must not be a file."""
+    out = Path(cfg.train.out_dir).expanduser()
+    for p in (out, *out.parents):
+        if p.exists() and not p.is_dir():
+            raise NotADirectoryError(f"train.out_dir={cfg.train.out_dir}: {p} is a file, not a directory; set "
+                                     "train.out_dir to a directory path")
+
+
 def check_resume_path(cfg: TrainConfig) -> None:
     """An explicit train.resume directory must hold a checkpoint (its state.pt): found before the model loads."""
     if cfg.train.resume in ("auto", "none"):

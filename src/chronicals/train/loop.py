@@ -15,10 +15,12 @@ the final adapter/model and the plot; every rank evaluates the whole held-out se
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,7 +37,8 @@ from .grad_buckets import GradBuckets
 from .graphs import GraphedStep, resolve_cuda_graphs
 from .setup import build_loaders, load_base, prepare_model, resolve_dtype
 from .readback import StepReadback, StepStart
-from .guards import check_data_paths, check_final_dir, check_resume_path, check_token_ids, remove_setup_files
+from .guards import (check_data_paths, check_final_dir, check_out_dir, check_resume_path, check_token_ids,
+                     remove_setup_files)
 from .resume import apply_optimizer_settings, optimizer_settings, warn_data_changed
 from .step import accumulate_data_parallel, evaluate_loss
 
@@ -181,6 +184,7 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
         cfg = from_dict(config)
     else:
         cfg = load_config(config)
+    check_out_dir(cfg)
     check_resume_path(cfg)
     if train_loader is None:
         check_data_paths(cfg)  # before minutes of model loading, not after
@@ -320,6 +324,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
             return None
         loss, n = evaluate_loss(model, eval_loader, device)
         metrics.write({"kind": "eval", "step": step, "eval_loss": loss, "eval_tokens": n, "tag": tag})
+        if tag == "interval" and dp.is_main:
+            log.info("step %d/%d: held-out loss %.4f", step, total, loss)
         return loss
 
     if start == 0:
@@ -331,10 +337,17 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     # ---- train ----
     phase.training = True
     bar = None
+    # a terminal gets a progress bar; a log file (CI, nohup, a pipe) a plain line every ~5% of the run instead of
+    # one carriage-return update per step
+    log_every = 0
     if cfg.logging.progress and dp.is_main:
-        from tqdm.auto import tqdm
+        if sys.stderr.isatty():
+            from tqdm.auto import tqdm
 
-        bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+            bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+        else:
+            log_every = max(1, total // 20)
+            log.info("training steps %d..%d of %d", start + 1, total, total)
     # Pipelined (fused AdamW, no on_step): step k's loss, gradient norm and token count are read on the host while
     # step k+1's forward/backward runs (train/readback.py: the per-step reads cost 2.5-2.8% at the 0.5B protocol);
     # a non-finite step's update is skipped on the device (fused AdamW's found_inf) and the stop is raised
@@ -372,10 +385,18 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
                 post["mem"] = f"{mem:.1f}G"
             bar.set_postfix(post, refresh=False)
             bar.update(1)
+        elif log_every and (rb.step % log_every == 0 or rb.step == total):
+            log.info("step %d/%d: loss %.4f, lr %.3g, grad norm %.3g, %s loss tokens/s%s", rb.step, total, loss_val,
+                     rb.lr, gnorm, f"{n_loss / dt:,.0f}", f", {mem:.1f} GiB" if mem is not None else "")
         return rec
 
+    redirect = contextlib.nullcontext()
+    if bar is not None:  # log lines printed above the bar, not glued to its line
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        redirect = logging_redirect_tqdm()  # the root logger's console handler (the CLI's basicConfig)
     try:
-        with _StopFlag() as stop:
+        with redirect, _StopFlag() as stop:
             pending: _Pending | None = None
             after = None  # the previous step's readback when nothing ran between it and this step
             for step in range(start, total):
