@@ -83,6 +83,9 @@ class RunReport:
         if result.final_dir is not None:
             kind = "adapter (PEFT format)" if self.cfg.lora.enabled else "model (Hugging Face format)"
             lines.append(f"{kind}: {result.final_dir}")
+        if result.checkpoint is not None:
+            lines.append(f"resumable checkpoint (weights + optimizer state; train.max_steps higher and "
+                         f"train.resume=auto train on from it, or delete it): {result.checkpoint}")
         lines.append(f"metrics: {out / 'metrics.jsonl'}   config: {out / 'config.yaml'}")
         if result.plot is not None:
             lines.append(f"loss curve: {result.plot}")
