@@ -1,5 +1,8 @@
 """Optimizer and learning-rate schedule: AdamW (fused on CUDA), warmup then cosine / linear / constant.
 
+Master weights: full fine-tuning of bf16 weights keeps fp32 masters by default (``optim.master_weights``,
+train/master_adamw.py); plain AdamW on bf16 weights rounds away updates below half a bf16 step.
+
 Parameter groups: under LoRA the LoRA+ groups from ``chronicals.lora`` (lr(B) = ratio x lr(A));
 under full fine-tuning two groups, with weight decay on matrices only (never on biases and norms).
 """
@@ -12,6 +15,7 @@ import math
 import torch
 
 from ..config import TrainConfig
+from .master_adamw import LOW_PRECISION, MasterWeightAdamW
 
 log = logging.getLogger("chronicals.train")
 
@@ -27,8 +31,12 @@ def full_ft_param_groups(model: torch.nn.Module, lr: float, weight_decay: float)
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; fused when on CUDA (optim.fused=auto) or asked for."""
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; fused when on CUDA (optim.fused=auto) or asked for.
+
+    With fp32 master weights (``optim.master_weights``, see ``uses_master_weights``) a ``MasterWeightAdamW``
+    (train/master_adamw.py), else ``torch.optim.AdamW`` on the parameters themselves.
+    """
     o = cfg.optim
     if cfg.lora.enabled:
         from ..lora import lora_plus_param_groups
@@ -36,14 +44,64 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
         groups = lora_plus_param_groups(model, lr=o.lr, ratio=cfg.lora.plus_ratio, weight_decay=o.weight_decay)
     else:
         groups = full_ft_param_groups(model, o.lr, o.weight_decay)
-    n = sum(p.numel() for g in groups for p in g["params"])
+    params = [p for g in groups for p in g["params"]]
+    n = sum(p.numel() for p in params)
     if n == 0:
         raise ValueError("no trainable parameters: with lora.enabled=true check lora.targets match module names "
                          "(e.g. q_proj, v_proj)")
     fused = {"auto": device.type == "cuda", "true": True, "false": False}[str(o.fused).lower()]
+    masters, why = uses_master_weights(cfg, params)
+    kw = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    if masters:
+        log.info("MasterWeightAdamW over %d trainable parameters in %d groups (fused=%s): %s", n, len(groups), fused,
+                 why)
+        return MasterWeightAdamW(groups, fused=fused, **kw)
+    low = sum(p.numel() for p in params if p.dtype in LOW_PRECISION)
+    if low and not cfg.lora.enabled:
+        log.warning("full fine-tuning of %s weights without fp32 masters (%s): AdamW updates smaller than half a "
+                    "bf16 step of a weight (|w| x 2^-9, 0.0039 at 1.0) are rounded away, so at small lr many "
+                    "weights (every RMSNorm weight near 1.0 at lr=2e-5) never change; optim.master_weights=true "
+                    "keeps them (+4 bytes per parameter)", _dtypes(params), why)
+    elif low:
+        log.info("LoRA adapters in %s without fp32 masters (%s): updates below half a bf16 step are rounded away; "
+                 "optim.master_weights=true keeps fp32 masters (+4 bytes per trainable parameter, %.1f MB here)",
+                 _dtypes(params), why, 4 * low / 1e6)
     log.info("AdamW over %d trainable parameters in %d groups (fused=%s)", n, len(groups), fused)
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                             weight_decay=o.weight_decay, fused=fused or None)
+    opt = torch.optim.AdamW(groups, fused=fused or None, **kw)
+    opt.register_load_state_dict_pre_hook(_drop_masters)
+    return opt
+
+
+def uses_master_weights(cfg: TrainConfig, params: list[torch.Tensor]) -> tuple[bool, str]:
+    """(use fp32 masters?, why) from ``optim.master_weights`` and the trainable parameters' dtypes.
+
+    auto: on for full fine-tuning when trainable weights are bf16/fp16 (model.dtype=bfloat16, or auto on CUDA);
+    off under LoRA (the adapters are a few MB, but the bench protocol and every LoRA anchor train them as they
+    are) and for float32 weights (nothing is lost). true: on whenever some trainable weight is bf16/fp16.
+    """
+    setting = str(cfg.optim.master_weights).lower()
+    low = any(p.dtype in LOW_PRECISION for p in params)
+    if setting == "false":
+        return False, "optim.master_weights=false"
+    if not low:
+        return False, f"the trainable weights are {_dtypes(params)}: no masters needed"
+    if setting == "true":
+        return True, "optim.master_weights=true"
+    if cfg.lora.enabled:
+        return False, "optim.master_weights=auto is off under LoRA"
+    return True, (f"optim.master_weights=auto with {_dtypes(params)} weights under full fine-tuning (+4 bytes "
+                  "per trainable parameter: updates below half a bf16 step are kept)")
+
+
+def _dtypes(params: list[torch.Tensor]) -> str:
+    return "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
+
+
+def _drop_masters(optimizer, state_dict: dict) -> dict:
+    """Resuming a checkpoint written with fp32 masters into a plain AdamW (optim.master_weights=false now): the
+    weights come from the checkpoint's model (the masters rounded), the masters would only hold memory."""
+    state = {k: {n: v for n, v in st.items() if n != "master"} for k, st in state_dict["state"].items()}
+    return {**state_dict, "state": state}
 
 
 def lr_factor(step: int, total: int, warmup: int, kind: str, min_ratio: float) -> float:

@@ -1,0 +1,259 @@
+"""fp32 master weights for bf16 full fine-tuning (train/master_adamw.py, optim.master_weights).
+
+References: a float64 AdamW written out here, fed the same bf16 gradients; torch.optim.AdamW on fp32 copies gives
+the error budget (ours at most 2x torch's fp32 error, both against float64).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import pytest
+import torch
+
+from chronicals.train import accumulate_gradients, train
+from chronicals.train.checkpoint import checkpoint_dirs
+from chronicals.train.master_adamw import MasterWeightAdamW
+from chronicals.train.optim import build_optimizer, full_ft_param_groups
+
+from train_helpers import SyntheticLoader, synthetic_docs, tiny_config, tiny_model
+
+CPU = torch.device("cpu")
+LR, WD, STEPS = 5e-4, 0.1, 6  # lr x (Adam's |step| <= ~3.2) stays under half a bf16 step at 1.0 (2^-8 = 0.0039)
+
+
+def _batches(n: int):
+    return SyntheticLoader(synthetic_docs(12, seed=7), batch_size=1, row_len=23, shuffle=False).batches[:n]
+
+
+def _record_grads(model, opt, batches) -> list[dict]:
+    """Train ``model`` with ``opt`` one step per batch; -> each step's gradients {name: bf16 grad}."""
+    seen = []
+    for b in batches:
+        model.zero_grad(set_to_none=True)
+        accumulate_gradients(model, [b], CPU)
+        seen.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+    return seen
+
+
+def _replay(model, opt, grads: list[dict]) -> None:
+    """Steps of ``opt`` over ``model`` with given gradients (cast to the params' dtype)."""
+    params = dict(model.named_parameters())
+    for g in grads:
+        for n, p in params.items():
+            p.grad = g[n].to(p.dtype)
+        opt.step()
+
+
+def _adamw_f64(w0: dict, grads: list[dict], decayed: set, lr=LR, wd=WD, b1=0.9, b2=0.999, eps=1e-8) -> dict:
+    """Textbook AdamW (decoupled decay) in float64."""
+    w = {n: t.double() for n, t in w0.items()}
+    m = {n: torch.zeros_like(t) for n, t in w.items()}
+    v = {n: torch.zeros_like(t) for n, t in w.items()}
+    for t, g in enumerate(grads, start=1):
+        for n in w:
+            gd = g[n].double()
+            w[n] *= 1 - lr * (wd if n in decayed else 0.0)
+            m[n] = b1 * m[n] + (1 - b1) * gd
+            v[n] = b2 * v[n] + (1 - b2) * gd * gd
+            w[n] -= lr / (1 - b1 ** t) * m[n] / ((v[n] / (1 - b2 ** t)).sqrt() + eps)
+    return w
+
+
+def _rel_err(got: dict, ref: dict) -> float:
+    return max(((got[n].double() - ref[n]).abs().max() / ref[n].abs().max()).item() for n in ref)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_masters_keep_small_updates_and_match_float64(fused):
+    """bf16 weights at lr=5e-4: plain AdamW leaves every RMSNorm weight at 1.0; the masters move all of them and
+    match a float64 AdamW fed the same gradients to fp32 precision; each param is its master rounded to bf16."""
+    model = tiny_model(dtype=torch.bfloat16)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    decayed = {n for n, p in model.named_parameters() if p.ndim >= 2}
+    opt = MasterWeightAdamW(full_ft_param_groups(model, LR, WD), lr=LR, weight_decay=WD, fused=fused)
+    grads = _record_grads(model, opt, _batches(STEPS))
+    masters = {n: opt.state[p]["master"] for n, p in model.named_parameters()}
+
+    plain = tiny_model(dtype=torch.bfloat16)
+    _replay(plain, torch.optim.AdamW(full_ft_param_groups(plain, LR, WD), lr=LR), grads)
+    norms = [n for n in init if "norm" in n]
+    assert len(norms) == 5 and all(torch.all(init[n] == 1.0) for n in norms)
+    assert all(torch.equal(p, init[n]) for n, p in plain.named_parameters() if n in norms)  # the bug itself
+    assert all(torch.all(masters[n] != 1.0) for n in norms)  # every element moved
+    assert any(not torch.equal(p, init[n]) for n, p in model.named_parameters() if n in norms)  # some crossed a step
+
+    for n, p in model.named_parameters():
+        assert masters[n].dtype == torch.float32 and opt.state[p]["exp_avg"].dtype == torch.float32
+        assert torch.equal(p, masters[n].to(torch.bfloat16)), n
+    ref = _adamw_f64({n: t.float() for n, t in init.items()}, grads, decayed)
+    fp32 = {n: t.float().requires_grad_() for n, t in init.items()}
+    torch_fp32 = torch.optim.AdamW([{"params": [fp32[n] for n in decayed], "weight_decay": WD},
+                                    {"params": [fp32[n] for n in init if n not in decayed], "weight_decay": 0.0}],
+                                   lr=LR, foreach=False)
+    for g in grads:
+        for n, t in fp32.items():
+            t.grad = g[n].float()
+        torch_fp32.step()
+    budget = _rel_err({n: t.detach() for n, t in fp32.items()}, ref)
+    ours = _rel_err(masters, ref)
+    assert 0 < budget < 1e-6 and ours <= 2 * budget, (ours, budget)
+    assert _rel_err({n: p.detach() for n, p in model.named_parameters()}, ref) > 100 * budget  # bf16 could fail
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_found_inf_skips_everything_on_the_device(fused):
+    """found_inf=1.0 (inf in the gradients) leaves params, masters, moments and step untouched; 0.0 applies the
+    step exactly as without found_inf."""
+    model, twin = tiny_model(dtype=torch.bfloat16), tiny_model(dtype=torch.bfloat16)
+    opt = MasterWeightAdamW(full_ft_param_groups(model, LR, WD), lr=LR, weight_decay=WD, fused=fused)
+    ref = MasterWeightAdamW(full_ft_param_groups(twin, LR, WD), lr=LR, weight_decay=WD, fused=fused)
+    grads = _record_grads(model, opt, _batches(3))
+    _replay(twin, ref, grads)
+
+    def snap():
+        return ([p.detach().clone() for p in model.parameters()],
+                [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()])
+
+    before = snap()
+    bad = {n: g.clone() for n, g in grads[0].items()}
+    bad["model.norm.weight"][3] = float("inf")
+    bad["lm_head.weight"][0, 0] = float("nan")
+    opt.found_inf = torch.tensor(1.0)
+    _replay(model, opt, [bad])
+    after = snap()
+    for a, b in zip(before[0], after[0]):
+        assert torch.equal(a, b)
+    for sa, sb in zip(before[1], after[1]):
+        assert sa.keys() == sb.keys() == {"master", "exp_avg", "exp_avg_sq", "step"}
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert float(after[1][0]["step"]) == 3.0
+
+    opt.found_inf = torch.tensor(0.0)
+    _replay(model, opt, grads[:1])
+    _replay(twin, ref, grads[:1])  # no found_inf at all
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q) and torch.equal(opt.state[p]["master"], ref.state[q]["master"])
+        assert float(opt.state[p]["step"]) == 4.0
+    assert not torch.equal(after[1][0]["master"], opt.state[next(model.parameters())]["master"])
+
+
+def test_state_dict_round_trip_keeps_fp32_and_continues_bit_for_bit():
+    """state_dict -> torch.save -> load_state_dict into a fresh optimizer: masters and moments fp32 and
+    identical; continuing equals the uninterrupted run bit for bit. A plain AdamW state loads (masters from
+    the params) and a plain AdamW drops masters it is given."""
+    grads_model = tiny_model(dtype=torch.bfloat16)
+    warm = MasterWeightAdamW(full_ft_param_groups(grads_model, LR, WD), lr=LR, weight_decay=WD)
+    grads = _record_grads(grads_model, warm, _batches(6))
+    straight = tiny_model(dtype=torch.bfloat16)
+    opt = MasterWeightAdamW(full_ft_param_groups(straight, LR, WD), lr=LR, weight_decay=WD)
+    _replay(straight, opt, grads[:3])
+    buf = io.BytesIO()
+    torch.save({"model": straight.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+
+    resumed = tiny_model(dtype=torch.bfloat16, seed=9)  # other weights: the load must replace them
+    resumed.load_state_dict(saved["model"])
+    opt2 = MasterWeightAdamW(full_ft_param_groups(resumed, LR, WD), lr=LR, weight_decay=WD)
+    opt2.load_state_dict(saved["opt"])
+    for p, q in zip(straight.parameters(), resumed.parameters()):
+        for k in ("master", "exp_avg", "exp_avg_sq", "step"):
+            assert opt2.state[q][k].dtype == torch.float32 and torch.equal(opt2.state[q][k], opt.state[p][k]), k
+    assert any(not torch.equal(opt.state[p]["master"], p.float()) for p in straight.parameters())  # > bf16 bits
+    _replay(straight, opt, grads[3:])
+    _replay(resumed, opt2, grads[3:])
+    for p, q in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(p, q) and torch.equal(opt.state[p]["master"], opt2.state[q]["master"])
+
+    old = tiny_model(dtype=torch.bfloat16)  # a checkpoint of a run with plain AdamW (bf16 moments)
+    plain = torch.optim.AdamW(old.parameters(), lr=LR)
+    _replay(old, plain, grads[:2])
+    opt3 = MasterWeightAdamW(old.parameters(), lr=LR)
+    opt3.load_state_dict(plain.state_dict())
+    _replay(old, opt3, grads[2:3])
+    p = next(old.parameters())
+    assert opt3.state[p]["exp_avg"].dtype == torch.float32 and float(opt3.state[p]["step"]) == 3.0
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_scheduler_lr_is_the_lr_used(fused):
+    """The update uses param_groups' lr as the LambdaLR sets it (Adam's first step is lr x sign(g) where
+    |g| >> eps), not the lr the optimizer was built with; lr = 0 leaves the masters as they are."""
+    model = tiny_model(dtype=torch.bfloat16)
+    opt = MasterWeightAdamW(model.parameters(), lr=2.0 ** -6, fused=fused)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: [0.25, 0.0][s])
+    w0 = model.lm_head.weight.detach().float()
+    _record_grads(model, opt, _batches(1))
+    sched.step()
+    g = model.lm_head.weight.grad.float()
+    big = g.abs() > 1e-3
+    assert big.sum() > 100
+    step = opt.state[model.lm_head.weight]["master"] - w0
+    torch.testing.assert_close(step[big], -(2.0 ** -8) * g[big].sign(), rtol=1e-4, atol=0)
+    master = opt.state[model.lm_head.weight]["master"].clone()
+    assert opt.param_groups[0]["lr"] == 0.0
+    _replay(model, opt, [{n: p.grad for n, p in model.named_parameters()}])
+    assert torch.equal(opt.state[model.lm_head.weight]["master"], master)
+
+
+def test_build_optimizer_chooses_and_says_why(tmp_path, caplog):
+    """auto: masters for bf16 full fine-tuning, none for fp32 weights or LoRA; false on bf16 warns."""
+    caplog.set_level(logging.INFO, logger="chronicals.train")
+    cases = [({}, torch.bfloat16, MasterWeightAdamW), ({}, torch.float32, torch.optim.AdamW),
+             ({"optim__master_weights": "false"}, torch.bfloat16, torch.optim.AdamW),
+             ({"lora__enabled": True, "lora__targets": ["q_proj"]}, torch.bfloat16, torch.optim.AdamW),
+             ({"lora__enabled": True, "lora__targets": ["q_proj"], "optim__master_weights": "true"}, torch.bfloat16,
+              MasterWeightAdamW)]
+    for over, dtype, kind in cases:
+        caplog.clear()
+        cfg = tiny_config(tmp_path, **over)
+        model = tiny_model(dtype=dtype)
+        if cfg.lora.enabled:
+            from chronicals.lora.inject import apply_lora
+
+            apply_lora(model, r=2, alpha=4, target_modules=("q_proj",))
+        opt = build_optimizer(model, cfg, CPU)
+        assert type(opt) is kind, over
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING and "rounded away" in r.message]
+        assert bool(warned) == (over == {"optim__master_weights": "false"}), over
+    with pytest.raises(ValueError, match="optim.master_weights='maybe' is invalid"):
+        tiny_config(tmp_path, optim__master_weights="maybe")
+
+
+@pytest.mark.parametrize("fused", ["false", "true"], ids=["every-step-read", "pipelined"])
+def test_bf16_full_finetune_resume_equals_uninterrupted(tmp_path, docs, fused, caplog):
+    """train() with model.dtype=bfloat16 and no LoRA picks MasterWeightAdamW (auto); SIGTERM after step 4 and
+    resume=auto end bit for bit where the straight run does (masters restored from the checkpoint, fp32)."""
+    import os
+    import signal
+
+    caplog.set_level(logging.INFO, logger="chronicals.train")
+    over = dict(model__dtype="bfloat16", train__max_steps=8, optim__lr=1e-4, optim__fused=fused,
+                optim__weight_decay=0.1)
+    straight = tiny_model()
+    train(tiny_config(tmp_path / "a", **over), model=straight, train_loader=SyntheticLoader(docs, seed=5))
+    assert any("MasterWeightAdamW" in r.message for r in caplog.records)
+
+    def stop_at_4(step, rec):
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    cfg_b = tiny_config(tmp_path / "b", train__resume="auto", **over)
+    first = train(cfg_b, model=tiny_model(), train_loader=SyntheticLoader(docs, seed=5), on_step=stop_at_4)
+    assert first.status == "interrupted" and first.step == 4
+    ck = torch.load(checkpoint_dirs(tmp_path / "b" / "run")[-1] / "state.pt", weights_only=False)
+    assert all(st["master"].dtype == torch.float32 for st in ck["optimizer"]["state"].values())
+    resumed = tiny_model()
+    second = train(cfg_b, model=resumed, train_loader=SyntheticLoader(docs, seed=5))
+    assert second.status == "completed" and second.step == 8
+    a, b = straight.state_dict(), resumed.state_dict()
+    assert a["model.norm.weight"].dtype == torch.bfloat16
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "a" / "run" / "metrics.jsonl").read_text().splitlines()
+              if json.loads(x)["kind"] == "train"]
+    assert len(losses) == 8 and all(loss == loss for loss in losses)
