@@ -21,19 +21,21 @@ from chronicals.train.optim import build_optimizer, full_ft_param_groups
 from train_helpers import SyntheticLoader, synthetic_docs, tiny_config, tiny_model
 
 CPU = torch.device("cpu")
-LR, WD, STEPS = 5e-4, 0.1, 6  # lr x (Adam's |step| <= ~3.2) stays under half a bf16 step at 1.0 (2^-8 = 0.0039)
+# the kernel-level tests also run on CUDA (torch's CUDA fused AdamW kernel) where there is a GPU
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+LR, WD, STEPS = 5e-4, 0.1, 6  # lr x (Adam's |step| <= ~3.2) < half a bf16 step down from 1.0 (2^-9 = 0.00195)
 
 
 def _batches(n: int):
     return SyntheticLoader(synthetic_docs(12, seed=7), batch_size=1, row_len=23, shuffle=False).batches[:n]
 
 
-def _record_grads(model, opt, batches) -> list[dict]:
+def _record_grads(model, opt, batches, device=CPU) -> list[dict]:
     """Train ``model`` with ``opt`` one step per batch; -> each step's gradients {name: bf16 grad}."""
     seen = []
     for b in batches:
         model.zero_grad(set_to_none=True)
-        accumulate_gradients(model, [b], CPU)
+        accumulate_gradients(model, [b], torch.device(device))
         seen.append({n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
     return seen
@@ -67,16 +69,18 @@ def _rel_err(got: dict, ref: dict) -> float:
     return max(((got[n].double() - ref[n]).abs().max() / ref[n].abs().max()).item() for n in ref)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
-def test_masters_keep_small_updates_and_match_float64(fused):
+def test_masters_keep_small_updates_and_match_float64(fused, device):
     """bf16 weights at lr=5e-4: plain AdamW leaves every RMSNorm weight at 1.0; the masters move all of them and
     match a float64 AdamW fed the same gradients to fp32 precision; each param is its master rounded to bf16."""
-    model = tiny_model(dtype=torch.bfloat16)
-    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model = tiny_model(dtype=torch.bfloat16).to(device)
+    init = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     decayed = {n for n, p in model.named_parameters() if p.ndim >= 2}
     opt = MasterWeightAdamW(full_ft_param_groups(model, LR, WD), lr=LR, weight_decay=WD, fused=fused)
-    grads = _record_grads(model, opt, _batches(STEPS))
-    masters = {n: opt.state[p]["master"] for n, p in model.named_parameters()}
+    grads = [{n: g.cpu() for n, g in step.items()} for step in _record_grads(model, opt, _batches(STEPS), device)]
+    masters = {n: opt.state[p]["master"].cpu() for n, p in model.named_parameters()}
+    model.cpu()
 
     plain = tiny_model(dtype=torch.bfloat16)
     _replay(plain, torch.optim.AdamW(full_ft_param_groups(plain, LR, WD), lr=LR), grads)
@@ -104,14 +108,15 @@ def test_masters_keep_small_updates_and_match_float64(fused):
     assert _rel_err({n: p.detach() for n, p in model.named_parameters()}, ref) > 100 * budget  # bf16 could fail
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
-def test_found_inf_skips_everything_on_the_device(fused):
+def test_found_inf_skips_everything_on_the_device(fused, device):
     """found_inf=1.0 (inf in the gradients) leaves params, masters, moments and step untouched; 0.0 applies the
     step exactly as without found_inf."""
-    model, twin = tiny_model(dtype=torch.bfloat16), tiny_model(dtype=torch.bfloat16)
+    model, twin = tiny_model(dtype=torch.bfloat16).to(device), tiny_model(dtype=torch.bfloat16).to(device)
     opt = MasterWeightAdamW(full_ft_param_groups(model, LR, WD), lr=LR, weight_decay=WD, fused=fused)
     ref = MasterWeightAdamW(full_ft_param_groups(twin, LR, WD), lr=LR, weight_decay=WD, fused=fused)
-    grads = _record_grads(model, opt, _batches(3))
+    grads = _record_grads(model, opt, _batches(3), device)
     _replay(twin, ref, grads)
 
     def snap():
@@ -122,7 +127,7 @@ def test_found_inf_skips_everything_on_the_device(fused):
     bad = {n: g.clone() for n, g in grads[0].items()}
     bad["model.norm.weight"][3] = float("inf")
     bad["lm_head.weight"][0, 0] = float("nan")
-    opt.found_inf = torch.tensor(1.0)
+    opt.found_inf = torch.tensor(1.0, device=device)
     _replay(model, opt, [bad])
     after = snap()
     for a, b in zip(before[0], after[0]):
@@ -132,7 +137,7 @@ def test_found_inf_skips_everything_on_the_device(fused):
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert float(after[1][0]["step"]) == 3.0
 
-    opt.found_inf = torch.tensor(0.0)
+    opt.found_inf = torch.tensor(0.0, device=device)
     _replay(model, opt, grads[:1])
     _replay(twin, ref, grads[:1])  # no found_inf at all
     for p, q in zip(model.parameters(), twin.parameters()):

@@ -1,14 +1,14 @@
 """AdamW over fp32 master copies of bf16 (or fp16) weights: small updates accumulate instead of rounding away.
 
-Why: a bf16 weight keeps 8 significant bits, so an AdamW step smaller than half its spacing (|w| * 2^-9 for
-|w| in [1, 2): 0.0039 at an RMSNorm weight of 1.0) rounds back to the same bf16 value. AdamW's steps are about
-lr, so at lr=2e-5 plain AdamW on bf16 weights left 70% of the non-embedding weights of a full fine-tune and
-every RMSNorm weight unchanged after 10 steps (fp32 weights: all of them moved). Here the update runs on an
-fp32 copy (the master) and the bf16 parameter is the master rounded to nearest after every step.
+Why: a bf16 weight keeps 8 significant bits, so an AdamW step smaller than half its spacing (between |w| x 2^-9
+and |w| x 2^-8: 0.0039 up from an RMSNorm weight of 1.0, 0.00195 down) rounds back to the same bf16 value. AdamW's
+steps are about lr, so at lr=2e-5 plain AdamW on bf16 weights left 70% of the non-embedding weights of a full
+fine-tune and every RMSNorm weight unchanged after 10 steps (fp32 weights: all of them moved). Here the update
+runs on an fp32 copy (the master) and the bf16 parameter is the master rounded to nearest after every step.
 
-Cost: 4 bytes per trainable low-precision parameter for the master (2 GB at Qwen2.5-0.5B's 494M), the fp32
-moments AdamW keeps anyway (8 bytes; torch AdamW on bf16 params keeps them in bf16, 4 bytes), and during the
-step an fp32 copy of each slice's gradients (at most ``_SLICE`` elements beyond the largest tensor).
+Cost against torch AdamW on bf16 weights (whose moments are bf16): 8 bytes per trainable parameter (the fp32
+master 4, fp32 moments 4 more), 4 GB at Qwen2.5-0.5B's 494M; during the step an fp32 copy of one slice's
+gradients (``_SLICE`` elements, or the largest tensor when bigger).
 
 The optimizer's ``param_groups`` hold the model's own parameters, so LR schedulers, ``param_groups[i]["lr"]``
 and code that rewrites group hyperparameters (train/resume.py) work as with ``torch.optim.AdamW``.

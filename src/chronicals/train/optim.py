@@ -59,13 +59,13 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
     low = sum(p.numel() for p in params if p.dtype in LOW_PRECISION)
     if low and not cfg.lora.enabled:
         log.warning("full fine-tuning of %s weights without fp32 masters (%s): AdamW updates smaller than half a "
-                    "bf16 step of a weight (|w| x 2^-9, 0.0039 at 1.0) are rounded away, so at small lr many "
+                    "bf16 step of a weight (0.0039 up from 1.0) are rounded away, so at small lr many "
                     "weights (every RMSNorm weight near 1.0 at lr=2e-5) never change; optim.master_weights=true "
-                    "keeps them (+4 bytes per parameter)", _dtypes(params), why)
+                    "keeps them (+8 bytes per parameter: fp32 master and moments)", _dtypes(params), why)
     elif low:
         log.info("LoRA adapters in %s without fp32 masters (%s): updates below half a bf16 step are rounded away; "
-                 "optim.master_weights=true keeps fp32 masters (+4 bytes per trainable parameter, %.1f MB here)",
-                 _dtypes(params), why, 4 * low / 1e6)
+                 "optim.master_weights=true keeps fp32 masters (+8 bytes per trainable parameter, %.1f MB here)",
+                 _dtypes(params), why, 8 * low / 1e6)
     log.info("AdamW over %d trainable parameters in %d groups (fused=%s)", n, len(groups), fused)
     opt = torch.optim.AdamW(groups, fused=fused or None, **kw)
     opt.register_load_state_dict_pre_hook(_drop_masters)
@@ -89,7 +89,7 @@ def uses_master_weights(cfg: TrainConfig, params: list[torch.Tensor]) -> tuple[b
         return True, "optim.master_weights=true"
     if cfg.lora.enabled:
         return False, "optim.master_weights=auto is off under LoRA"
-    return True, (f"optim.master_weights=auto with {_dtypes(params)} weights under full fine-tuning (+4 bytes "
+    return True, (f"optim.master_weights=auto with {_dtypes(params)} weights under full fine-tuning (+8 bytes "
                   "per trainable parameter: updates below half a bf16 step are kept)")
 
 
