@@ -146,7 +146,7 @@ def test_found_inf_skips_everything_on_the_device(fused, device):
     assert not torch.equal(after[1][0]["master"], opt.state[next(model.parameters())]["master"])
 
 
-def test_state_dict_round_trip_keeps_fp32_and_continues_bit_for_bit():
+def test_state_dict_round_trip_keeps_fp32_and_continues_bit_for_bit(tmp_path):
     """state_dict -> torch.save -> load_state_dict into a fresh optimizer: masters and moments fp32 and
     identical; continuing equals the uninterrupted run bit for bit. A plain AdamW state loads (masters from
     the params) and a plain AdamW drops masters it is given."""
@@ -182,6 +182,12 @@ def test_state_dict_round_trip_keeps_fp32_and_continues_bit_for_bit():
     _replay(old, opt3, grads[2:3])
     p = next(old.parameters())
     assert opt3.state[p]["exp_avg"].dtype == torch.float32 and float(opt3.state[p]["step"]) == 3.0
+
+    cfg = tiny_config(tmp_path, optim__master_weights="false")  # resumed with masters switched off
+    plain2 = build_optimizer(resumed, cfg, CPU)
+    plain2.load_state_dict(opt2.state_dict())
+    assert all("master" not in st and st["exp_avg"].dtype == torch.bfloat16 for st in plain2.state.values())
+    assert len(plain2.state) == len(list(resumed.parameters()))
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
