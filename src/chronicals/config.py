@@ -186,10 +186,11 @@ class OptimSection:
     eps: float = _f(1e-8, "AdamW epsilon")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)")
     fused: str = _f("auto", "fused AdamW: auto (on CUDA) | true | false")
-    master_weights: str = _f("auto", "fp32 master weights for bf16 trainable weights: auto (on for full fine-tuning "
-                                     "with bf16 weights) | true | false; without them AdamW updates below half a "
-                                     "bf16 step are rounded away; costs 8 bytes per trainable parameter (fp32 "
-                                     "master 4, fp32 instead of bf16 moments 4): 4 GB at Qwen2.5-0.5B")
+    master_weights: str = _f("auto", "fp32 master weights for bf16 trainable weights: auto (on when they are bf16: "
+                                     "full fine-tuning and LoRA adapters on CUDA) | true | false; without them AdamW "
+                                     "updates below half a bf16 step are rounded away; costs 8 bytes per trainable "
+                                     "parameter (fp32 master 4, fp32 instead of bf16 moments 4): 4 GB for a full "
+                                     "Qwen2.5-0.5B, ~70 MB for its r=16 adapters")
 
     def __post_init__(self):
         _check_finite(self)
