@@ -66,6 +66,9 @@ def protocol_row(method: str, shape: str, dev: torch.device, warmup: int, steps:
     return row
 
 
+MASTER_WEIGHTS = "false"  # --master-weights: "false" trains AdamW on the bf16 weights as the protocol does
+
+
 def trainer_row(method: str, shape_name: str, dev: torch.device, warmup: int, steps: int, out: Path,
                 rank: int = 0) -> dict | None:
     """train() on fixed random batches; its tokens/s from metrics.jsonl after warm-up (None on ranks > 0).
@@ -86,7 +89,7 @@ def trainer_row(method: str, shape_name: str, dev: torch.device, warmup: int, st
     lora = method == "lora"
     cfg = {"model": {"device": dev.type, "dtype": "bfloat16" if dev.type == "cuda" else "float32"},
            "lora": {"enabled": lora, "rank": LORA_R, "alpha": LORA_ALPHA},
-           "optim": {"lr": 1e-4 if lora else 1e-5},
+           "optim": {"lr": 1e-4 if lora else 1e-5, "master_weights": MASTER_WEIGHTS},
            "train": {"max_steps": warmup + steps, "out_dir": str(out / method), "resume": "none", "save_final": False},
            "eval": {"qa": False}, "logging": {"progress": False, "tensorboard": False, "plot": False}}
     train(cfg, model=model, train_loader=_Batches(batches))
@@ -98,7 +101,9 @@ def trainer_row(method: str, shape_name: str, dev: torch.device, warmup: int, st
     row = validate_row({"method": method, "how": "metrics.jsonl after warm-up",
                         "tokens_per_s": round(sum(r["loss_tokens"] for r in timed) / seconds),
                         "step_ms": round(1e3 * seconds / len(timed), 2), "losses": [r["loss"] for r in timed],
-                        "grad_norms": [r["grad_norm"] for r in timed]})
+                        "grad_norms": [r["grad_norm"] for r in timed],
+                        "peak_gib": max((r.get("mem_gib") or 0 for r in timed), default=0) or None,
+                        "master_weights": MASTER_WEIGHTS})
     del model
     return row
 
@@ -139,7 +144,12 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=1,
                     help="> 1: train() under data parallelism on that many GPUs (gloo processes with --device cpu); "
                          "compare with bench_dp.py's protocol rows")
+    ap.add_argument("--master-weights", default="false", choices=("false", "auto", "true"),
+                    help="optim.master_weights of the train() rows (auto: fp32 masters for bf16 weights, the "
+                         "trainer's default; false: AdamW on the bf16 weights, as the protocol rows)")
     args = ap.parse_args()
+    global MASTER_WEIGHTS
+    MASTER_WEIGHTS = args.master_weights
     dev = torch.device(args.device)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -163,10 +173,11 @@ def main() -> None:
         p, t = by.get((m, "bench protocol"), {}), by.get((m, "train()"), {})
         if p.get("tokens_per_s") and t.get("tokens_per_s"):
             t["vs_protocol"] = round(t["tokens_per_s"] / p["tokens_per_s"], 3)
-    cols = ["method", "loop", "how", "tokens_per_s", "step_ms", "vs_protocol", "min_grad_norm", "loss_first_last",
-            "status"]
+    cols = ["method", "loop", "how", "master_weights", "tokens_per_s", "step_ms", "vs_protocol", "peak_gib",
+            "min_grad_norm", "loss_first_last", "status"]
     table = markdown_table(rows, cols)
-    name = f"bench_trainer_{args.shape}" + (f"_dp{args.world}" if args.world > 1 else "")
+    name = (f"bench_trainer_{args.shape}" + (f"_dp{args.world}" if args.world > 1 else "")
+            + (f"_master_{args.master_weights}" if args.master_weights != "false" else ""))
     path = write_results(name, {"rows": rows, "warmup": args.warmup, "steps": args.steps, "world": args.world},
                          markdown=table, out_dir=args.out)
     print(table)
