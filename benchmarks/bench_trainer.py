@@ -85,6 +85,8 @@ def trainer_row(method: str, shape_name: str, dev: torch.device, warmup: int, st
     g = torch.Generator().manual_seed(1000 * rank)
     vocab = shape.hf_config["vocab_size"]
     batches = [rows_as_packed_batch(torch.randint(0, vocab, (rows, seq), generator=g), "rows") for _ in range(8)]
+    if dev.type == "cuda":  # metrics.jsonl's mem_gib is max_memory_allocated: not the earlier rows' peak
+        torch.cuda.reset_peak_memory_stats(dev)
     model = build_chronicals_model(shape, dev, "auto", seed=0)
     lora = method == "lora"
     cfg = {"model": {"device": dev.type, "dtype": "bfloat16" if dev.type == "cuda" else "float32"},
