@@ -285,3 +285,11 @@ def test_bf16_full_finetune_resume_equals_uninterrupted(tmp_path, docs, fused, c
     losses = [json.loads(x)["loss"] for x in (tmp_path / "a" / "run" / "metrics.jsonl").read_text().splitlines()
               if json.loads(x)["kind"] == "train"]
     assert len(losses) == 8 and all(loss == loss for loss in losses)
+
+
+def test_a_lora_sized_lr_for_full_fine_tuning_warns(tmp_path, caplog):
+    for lr, warns in ((1e-3, True), (2e-5, False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+            build_optimizer(tiny_model(), tiny_config(tmp_path, optim__lr=lr), CPU)
+        assert ("the default 1e-3 is LoRA's" in caplog.text) == warns, lr
