@@ -453,3 +453,13 @@ def test_an_out_dir_that_is_a_file_is_refused(tmp_path):
     for out in ("afile", "afile/sub"):
         with pytest.raises(NotADirectoryError, match=rf"train.out_dir=.*{out}: .*afile is a file, not a directory"):
             train(tiny_config(tmp_path, train__out_dir=str(tmp_path / out)))
+
+
+def test_settings_that_do_nothing_are_named(tmp_path, docs, caplog):
+    """lora.* keys under full fine-tuning and more checkpointed layers than the model has: a warning each."""
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        train(tiny_config(tmp_path, train__max_steps=1, lora__rank=8, lora__modules_to_save=["lm_head"],
+                          model__checkpoint_layers=5),
+              model=tiny_model(), train_loader=SyntheticLoader(docs))
+    assert "lora.rank, lora.modules_to_save set, but lora.enabled=false" in caplog.text
+    assert "model.checkpoint_layers=5 but the model has 2 decoder layers" in caplog.text

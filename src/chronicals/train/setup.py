@@ -40,6 +40,10 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
     """Move to device/dtype, set impl and checkpointing, inject LoRA (or unfreeze all), compile layers."""
     model.to(device=device, dtype=dtype)
     model.set_impl(cfg.model.impl)
+    n_layers = len(model.model.layers)
+    if cfg.model.checkpoint_layers > n_layers:
+        log.warning("model.checkpoint_layers=%d but the model has %d decoder layers: all of them are checkpointed",
+                    cfg.model.checkpoint_layers, n_layers)
     model.set_checkpointing(cfg.model.checkpoint_setting)
     model.set_recompute(cfg.model.recompute, cfg.model.gate_up_layers)
     model.opts.loss_vocab_parts = cfg.model.loss_vocab_parts
@@ -51,6 +55,15 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
                        target_modules=tuple(cfg.lora.targets), use_rslora=cfg.lora.rslora, seed=cfg.train.seed,
                        group=cfg.lora.group, modules_to_save=tuple(cfg.lora.modules_to_save))
     else:
+        from dataclasses import asdict
+
+        from ..config import LoraSection
+
+        set_keys = [f"lora.{k}" for k, v in asdict(cfg.lora).items()
+                    if k != "enabled" and v != getattr(LoraSection(), k)]
+        if set_keys:  # a recipe switched to full fine-tuning, or a typo'd lora.enabled
+            log.warning("%s set, but lora.enabled=false: full fine-tuning, no adapters; drop them or set "
+                        "lora.enabled=true", ", ".join(set_keys))
         for p in model.parameters():
             p.requires_grad_(True)
     if cfg.model.compile:
