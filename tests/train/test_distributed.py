@@ -37,10 +37,29 @@ if DEVICE == "cuda" and torch.cuda.device_count() < WORLD:
                 allow_module_level=True)
 
 
+_USED_PORTS: set[int] = set()
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a process group's store, from 20000-32767: below Linux's ephemeral range (32768-60999), so an
+    outgoing connection of another process cannot take it between this check and the store binding it (bind(0)
+    handed out ephemeral ports, and the rare failures of these tests looked like that race); never the same
+    port twice in one session."""
+    import random
+
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        if port in _USED_PORTS:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _USED_PORTS.add(port)
+        return port
+    raise RuntimeError("no free TCP port in 20000-32767 on 127.0.0.1")
 
 
 def _torchrun_env(rank: int, port: int) -> None:
