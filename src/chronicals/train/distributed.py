@@ -148,6 +148,20 @@ class DistContext:
         self.owns_group = False
 
 
+def numel_runs(tensors: list, limit: int):
+    """Consecutive runs of ``tensors``, in order, holding at most ``limit`` elements each (a tensor larger than
+    that is a run of its own): gradient buckets here, the master-weight optimizer's update slices."""
+    cur, n = [], 0
+    for t in tensors:
+        if cur and n + t.numel() > limit:
+            yield cur
+            cur, n = [], 0
+        cur.append(t)
+        n += t.numel()
+    if cur:
+        yield cur
+
+
 def _buckets(tensors: list, bucket_elems: int):
     """Consecutive runs of same-dtype, same-device tensors of at most ``bucket_elems`` elements each
     (a tensor larger than that is a bucket of its own). The order is the input order on every rank."""
@@ -155,15 +169,7 @@ def _buckets(tensors: list, bucket_elems: int):
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
     for group in groups.values():
-        cur, n = [], 0
-        for t in group:
-            if cur and n + t.numel() > bucket_elems:
-                yield cur
-                cur, n = [], 0
-            cur.append(t)
-            n += t.numel()
-        if cur:
-            yield cur
+        yield from numel_runs(group, bucket_elems)
 
 
 def _env_int(name: str) -> int | None:

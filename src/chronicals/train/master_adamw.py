@@ -26,6 +26,8 @@ from itertools import chain
 import torch
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+from .distributed import numel_runs
+
 # Elements updated per fused call: bounds the transient fp32 gradient copy at 256 MiB (plus one tensor larger
 # than that, e.g. a 151936 x 896 embedding = 136M elements = 545 MB) instead of 4 bytes x every parameter
 # (2 GB at 0.5B); about 8 calls at 494M parameters, each a multi-tensor kernel.
@@ -110,7 +112,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             for device, params in by_device.items():
                 skip = None if found_inf is None else found_inf.to(device=device, dtype=torch.float32,
                                                                     non_blocking=True)
-                for part in _slices(params):
+                for part in numel_runs(params, _SLICE):
                     self._update(group, part, skip)
         return loss
 
@@ -130,19 +132,6 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         low = [(p, st["master"]) for p, st in zip(params, states) if "master" in st]
         if low:  # round to nearest (copy_'s cast); after a skipped step the masters are unchanged: a no-op
             torch._foreach_copy_([p for p, _ in low], [m for _, m in low])
-
-
-def _slices(params: list[torch.Tensor], limit: int = _SLICE):
-    """Consecutive runs of ``params`` holding at most ``limit`` elements (or one larger tensor)."""
-    part, n = [], 0
-    for p in params:
-        if part and n + p.numel() > limit:
-            yield part
-            part, n = [], 0
-        part.append(p)
-        n += p.numel()
-    if part:
-        yield part
 
 
 def _fp32_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
