@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 _NAME = re.compile(r"^step-(\d+)$")
+STATE_FILE = "state.pt"  # the one file of a checkpoint directory
 
 
 def rng_state() -> dict:
@@ -49,7 +50,7 @@ def checkpoint_dirs(out_dir: str | Path) -> list[Path]:
     root = Path(out_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and (p / "state.pt").is_file()]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and (p / STATE_FILE).is_file()]
     return [p for _, p in sorted(found)]
 
 
@@ -103,8 +104,8 @@ def write_checkpoint(out_dir: str | Path, state: dict, keep_last: int = 2) -> Pa
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        torch.save(state, tmp / "state.pt")
-        _fsync(tmp / "state.pt")  # durable before the rename publishes it: no truncated state.pt after a power loss
+        torch.save(state, tmp / STATE_FILE)
+        _fsync(tmp / STATE_FILE)  # durable before the rename publishes it: no truncated state.pt after a power loss
     except BaseException:  # e.g. a full disk: leave nothing half-written behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -188,7 +189,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, schedul
     ``config``: this run's config as a dict (``TrainConfig.to_dict()``); a checkpoint that does not fit the
     model is then reported with the model/lora keys that differ from the ones it was written with."""
     path = Path(path)
-    file = path / "state.pt" if path.is_dir() else path
+    file = path / STATE_FILE if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"checkpoint {file} not found (train.resume takes auto | none | a step-N directory)")
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import DEMO, TrainConfig
+from .checkpoint import STATE_FILE
 
 
 def remove_setup_files(out_dir: Path, existed: set[Path] | None) -> None:
@@ -32,16 +33,20 @@ def remove_setup_files(out_dir: Path, existed: set[Path] | None) -> None:
 def check_token_ids(model, *loaders) -> None:
     """ValueError when the tokenized data holds ids the model's embedding has no row for (a tokenizer with added
     tokens the model was not resized for): the loss head would read past its last row instead."""
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     for name, loader in zip(("training", "held-out"), loaders):
         ids = getattr(getattr(loader, "dataset", None), "ids", None)
-        if vocab is None or ids is None or len(ids) == 0:
-            continue
-        top = int(ids.max())
-        if top >= vocab:
-            raise ValueError(f"the {name} data holds token id {top}, but the model's vocabulary has {vocab} entries "
-                             "(model.embed_tokens): the tokenizer knows tokens the model lacks (added tokens?); use "
-                             "the model's own tokenizer (or, in Python, a model whose embeddings were resized)")
+        if ids is not None and len(ids):
+            check_ids_in_vocab(model, int(ids.max()), f"the {name} data holds token id")
+
+
+def check_ids_in_vocab(model, top: int, what: str) -> None:
+    """ValueError when token id ``top`` has no row in the model's embedding; ``what`` says where it came from
+    ("the training data holds token id", "the prompt 'hi' tokenizes to id"). Host values only: no device sync."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is not None and top >= vocab:
+        raise ValueError(f"{what} {top}, but the model's vocabulary has {vocab} entries "
+                         "(model.embed_tokens): the tokenizer knows tokens the model lacks (added tokens?); use "
+                         "the model's own tokenizer (or, in Python, a model whose embeddings were resized)")
 
 
 def check_data_paths(cfg: TrainConfig) -> None:
@@ -77,9 +82,14 @@ def check_resume_path(cfg: TrainConfig) -> None:
     if cfg.train.resume in ("auto", "none"):
         return
     path = Path(cfg.train.resume).expanduser()
-    if path.is_dir() and not (path / "state.pt").is_file():
-        raise FileNotFoundError(f"train.resume={cfg.train.resume} holds no checkpoint (no state.pt); give a "
+    if path.is_dir() and not (path / STATE_FILE).is_file():
+        raise FileNotFoundError(f"train.resume={cfg.train.resume} holds no checkpoint (no {STATE_FILE}); give a "
                                 "checkpoint directory (out_dir/checkpoints/step-N), or train.resume=auto")
+
+
+def final_dir(cfg: TrainConfig, out_dir: Path) -> Path:
+    """Where the run's result goes: out_dir/adapter (LoRA, PEFT format) or out_dir/model (full, Hugging Face)."""
+    return out_dir / ("adapter" if cfg.lora.enabled else "model")
 
 
 def check_final_dir(cfg: TrainConfig, out_dir: Path) -> None:
@@ -88,7 +98,7 @@ def check_final_dir(cfg: TrainConfig, out_dir: Path) -> None:
     from ..lora.peft_io import CONFIG_NAME, WEIGHTS_NAME
     from ..models.hf_io import MODEL_DIR_FILES, refuse_foreign_files
 
-    final = out_dir / ("adapter" if cfg.lora.enabled else "model")
+    final = final_dir(cfg, out_dir)
     if final.exists() and not final.is_dir():
         raise FileExistsError(f"{final} exists and is not a directory: the final {final.name} is written there; "
                               "move it away or set another train.out_dir")

@@ -38,7 +38,7 @@ from .graphs import GraphedStep, resolve_cuda_graphs
 from .setup import build_loaders, load_base, prepare_model, resolve_dtype
 from .readback import StepReadback, StepStart
 from .guards import (check_data_paths, check_final_dir, check_out_dir, check_resume_path, check_token_ids,
-                     remove_setup_files)
+                     final_dir, remove_setup_files)
 from .resume import apply_optimizer_settings, optimizer_settings, warn_data_changed
 from .step import accumulate_data_parallel, evaluate_loss
 
@@ -498,22 +498,21 @@ def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, token
     result = TrainResult(status="completed", step=total, total_steps=total, out_dir=out_dir, checkpoint=checkpoint,
                          start_step=total)
     if cfg.train.save_final and dp.is_main:
-        final = out_dir / ("adapter" if cfg.lora.enabled else "model")
+        final = final_dir(cfg, out_dir)
         result.final_dir = final if final.is_dir() else save_final(model, tokenizer, cfg, out_dir)
     return result
 
 
 def save_final(model, tokenizer, cfg: TrainConfig, out_dir: Path) -> Path:
     """LoRA: a PEFT adapter directory (out_dir/adapter); full: a Hugging Face directory (out_dir/model)."""
+    path = final_dir(cfg, out_dir)
     if cfg.lora.enabled:
         from ..lora import save_adapter
 
-        path = out_dir / "adapter"
         save_adapter(model, path, base_model_name_or_path=getattr(model, "chronicals_base", None))
     else:
         from .. import save_model
 
-        path = out_dir / "model"
         save_model(model, tokenizer, path)
     log.info("saved %s", path)
     return path

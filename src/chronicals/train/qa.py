@@ -17,6 +17,7 @@ import torch
 from ..config import DEMO
 from ..data.formats import FormatError, check_text
 from ..data.readers import DataError, read_file
+from .guards import check_ids_in_vocab
 
 
 @dataclass
@@ -175,12 +176,9 @@ def answer_many(model, tokenizer, questions: list[str], system_prompt: str, max_
     eos = tokenizer.eos_token_id
     eos = set([eos] if isinstance(eos, int) else (eos or []))
     prompts = [prompt_ids(tokenizer, q, system_prompt) for q in questions]
-    vocab = model.config.vocab_size
-    for q, p in zip(questions, prompts):
-        if len(p) and int(p.max()) >= vocab:  # host tensors: no sync; the embedding would raise an IndexError
-            raise ValueError(f"the prompt {q[:60]!r} tokenizes to id {int(p.max())}, but the model's vocabulary has "
-                             f"{vocab} entries: the tokenizer knows tokens the model lacks (added tokens?); use the "
-                             "model's own tokenizer")
+    for q, p in zip(questions, prompts):  # host tensors; the embedding would raise a bare IndexError
+        if len(p):
+            check_ids_in_vocab(model, int(p.max()), f"the prompt {q[:60]!r} tokenizes to id")
     by_len: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         by_len.setdefault(len(p), []).append(i)
