@@ -127,11 +127,11 @@ def _base_for(adapter: str | None, given: str | None, flag: str) -> str:
     return given
 
 
-def _load(model_path: str, adapter: str | None, device: str, dtype: str):
+def _load(model_path: str, adapter: str | None, dev, dtype: str):
+    """(model in eval mode, tokenizer) on ``dev`` (a resolved torch.device), with ``adapter`` applied."""
     from . import load_model
-    from .train.setup import resolve_device, resolve_dtype
+    from .train.setup import resolve_dtype
 
-    dev = resolve_device(device, key="--device")
     model, tok = load_model(model_path, dtype=resolve_dtype(dtype, dev), device=dev)
     if adapter:
         from .lora import load_adapter
@@ -161,7 +161,9 @@ def cmd_export(argv: list[str]) -> int:
     from . import save_model
     from .lora import merge_lora
 
-    model, tok = _load(a.base, a.adapter, "cpu", a.dtype)
+    from .train.setup import resolve_device
+
+    model, tok = _load(a.base, a.adapter, resolve_device("cpu"), a.dtype)
     merge_lora(model)
     written = save_model(model, tok, a.out)
     print(f"merged {a.adapter} into {a.base}: {written}")
@@ -188,7 +190,7 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     from .train.setup import resolve_device
 
     try:
-        resolve_device(a.device, key="--device")
+        dev = resolve_device(a.device, key="--device")
     except ValueError as e:
         p.error(str(e))
     a.model = _base_for(a.adapter, a.model, "--model")
@@ -196,7 +198,7 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     from .models import require_chat_template
     from .train.qa import answer
 
-    model, tok = _load(a.model, a.adapter, a.device, a.dtype)
+    model, tok = _load(a.model, a.adapter, dev, a.dtype)
     require_chat_template(tok)  # before any prompt is read
     system = DEMO_SYSTEM_PROMPT if a.system is None else a.system
     prompts = a.prompts

@@ -58,8 +58,8 @@ class RunReport:
                     lines.append(_fmt("before", self.before.answers[i], self.before.correct[i]))
                 lines.append(_fmt("after ", self.after.answers[i], self.after.correct[i]))
         lines.append("== summary ==")
-        b, a = self.loss.get("before", result.eval_loss_before), self.loss.get("after")
-        b = result.eval_loss_before if b is None else b
+        b, a = self.loss.get("before"), self.loss.get("after")
+        b = result.eval_loss_before if b is None else b  # a resumed run: the first run's, from metrics.jsonl
         if a is not None:
             lines.append(f"held-out loss: {b:.4f} -> {a:.4f}" if b is not None else f"held-out loss: {a:.4f}")
         if self.after is not None:

@@ -59,8 +59,8 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
 
         from ..config import LoraSection
 
-        set_keys = [f"lora.{k}" for k, v in asdict(cfg.lora).items()
-                    if k != "enabled" and v != getattr(LoraSection(), k)]
+        defaults = asdict(LoraSection())
+        set_keys = [f"lora.{k}" for k, v in asdict(cfg.lora).items() if k != "enabled" and v != defaults[k]]
         if set_keys:  # a recipe switched to full fine-tuning, or a typo'd lora.enabled
             log.warning("%s set, but lora.enabled=false: full fine-tuning, no adapters; drop them or set "
                         "lora.enabled=true", ", ".join(set_keys))
