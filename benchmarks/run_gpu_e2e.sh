@@ -7,6 +7,9 @@
 #   STAGE=sweep bash benchmarks/run_gpu_e2e.sh   model sweep, then the seq sweep of our two rows (~6 min)
 #   STAGE=ab    bash benchmarks/run_gpu_e2e.sh   our switches side by side at 0.5B: SwiGLU product source, gate_up
 #                                                recompute, LoRA groups (~3 min)
+#   STAGE=attention bash benchmarks/run_gpu_e2e.sh   packed rows' attention kernels: the cuDNN-frontend probe, then our
+#                                                graphed rows as dense rows / packed + cudnn / packed + flash (~6 min;
+#                                                .whl must hold nvidia-cudnn-frontend)
 # Unsloth rows need its wheels, which take two calls (one call carries at most 64 MiB and the machine
 # keeps what a call installed only while it stays warm, ~30 s; ../shared/GPU.md):
 #   call 1 (carry .whl_u1):  UNSLOTH_WHEELS=.whl_u1 STAGE=none bash benchmarks/run_gpu_e2e.sh
@@ -40,6 +43,17 @@ case "${STAGE:-main}" in
     C=chronicals-full,chronicals-full-offer,chronicals-full-gateup,chronicals-lora-graphs,chronicals-lora-graphs-gateup,chronicals-lora-graphs-gateup10,chronicals-lora-graphs-nogroup
     bench 300 --shape 0.5b --contenders "$C" --warmup 3 --steps 10 --timeout 120 --no-correctness --no-learning \
       --name bench_e2e_0.5b_ab > "$R/log_e2e_ab.txt" 2>&1; tail -12 "$R/log_e2e_ab.txt" ;;
+  attention)
+    (cd benchmarks && PYTHONPATH=/tmp/site:$PWD/../src timeout 150 python3 probe_attention_cudnn_fe.py \
+      "$R/probe_attention_cudnn_fe_${CHRONICALS_GIT_SHA}.json") > "$R/log_probe_cudnn_fe.txt" 2>&1
+    tail -30 "$R/log_probe_cudnn_fe.txt"
+    C=chronicals-full-graphs,chronicals-lora-graphs
+    for L in rows packed:cudnn packed:flash; do
+      A=${L#*:}; [ "$A" = "$L" ] && A=auto
+      bench 150 --shape 0.5b --contenders "$C" --layout "${L%%:*}" --attention "$A" --warmup 3 --steps 10 --timeout 70 \
+        --no-correctness --no-learning --name "bench_e2e_0.5b_layout_${L/:/_}_${CHRONICALS_GIT_SHA}" \
+        > "$R/log_layout_${L/:/_}.txt" 2>&1; grep -E "chronicals-|exit" "$R/log_layout_${L/:/_}.txt" | tail -4
+    done ;;
   none) echo "wheels installed" ;;
-  *) echo "STAGE must be main | 8b | sweep | ab | none" >&2; exit 2 ;;
+  *) echo "STAGE must be main | 8b | sweep | ab | attention | none" >&2; exit 2 ;;
 esac

@@ -74,6 +74,9 @@ class ModelSection:
                               "float64 (CPU reference runs with impl=torch; slow)")
     device: str = _f("auto", "auto (cuda if available) | cpu | cuda | cuda:N")
     impl: str = _f("auto", "op implementations: auto (Triton on CUDA) | triton | torch")
+    attention: str = _f("auto", "packed rows' attention kernel on CUDA: cudnn (cuDNN's ragged Hopper kernels, needs "
+                                "pip install nvidia-cudnn-frontend) | flash (PyTorch's varlen FlashAttention-2) | "
+                                "auto (cudnn where it is installed and the GPU is Hopper or newer, else flash)")
     checkpointing: bool = _f(False, "activation checkpointing: recompute each decoder layer in backward")
     checkpoint_layers: int = _f(0, "checkpoint only the first k decoder layers (0 = as model.checkpointing says); "
                                    "the fewest recomputed layers that fit memory")
@@ -99,6 +102,8 @@ class ModelSection:
         _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "model.device",
                self.device, "auto | cpu | cuda | cuda:N")
         _check(self.impl in ("auto", "triton", "torch"), "model.impl", self.impl, "auto | triton | torch")
+        _check(self.attention in ("auto", "cudnn", "flash"), "model.attention", self.attention,
+               "auto | cudnn | flash")
         _check(bool(self.path), "model.path", self.path, "a model directory, .gguf file or short name")
         _check(self.checkpoint_layers >= 0, "model.checkpoint_layers", self.checkpoint_layers, "an integer >= 0")
         _check(isinstance(self.loss_vocab_parts, int) and self.loss_vocab_parts >= 1, "model.loss_vocab_parts",

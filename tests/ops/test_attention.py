@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from chronicals.ops import attention_cudnn
 from chronicals.ops.attention import attention, attention_ref, packed_causal_mask
 
 
@@ -66,11 +67,18 @@ def test_no_attention_across_documents():
     assert torch.equal(out[:, 5:], out2[:, 5:]) and not torch.allclose(out[:, :5], out2[:, :5])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen flash path needs CUDA")
-@pytest.mark.parametrize("hq,hk", [(14, 2), (4, 4)])
-def test_varlen_flash_matches_reference_on_cuda(hq, hk):
+def _cudnn_ok() -> bool:
+    return torch.cuda.is_available() and attention_cudnn.available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen kernels need CUDA")
+@pytest.mark.parametrize("hq,hk,d", [(14, 2, 64), (4, 4, 64), (8, 2, 128)])
+@pytest.mark.parametrize("varlen", ["flash", "cudnn"])
+def test_varlen_kernels_match_reference_on_cuda(hq, hk, d, varlen):
+    if varlen == "cudnn" and not _cudnn_ok():
+        pytest.skip("needs nvidia-cudnn-frontend, cuDNN >= 9.6 and a Hopper GPU")
     gen = torch.Generator().manual_seed(1)
-    b, s, d = 3, 257, 64
+    b, s = 3, 257
     cu = random_cu(b, s, gen).cuda()
     qkv = [torch.randn(b, s, h, d, generator=gen).cuda() for h in (hq, hk, hk)]
     ref = [t.double().requires_grad_() for t in qkv]
@@ -78,7 +86,7 @@ def test_varlen_flash_matches_reference_on_cuda(hq, hk):
     low = [t.bfloat16().requires_grad_() for t in qkv]
     g = torch.randn(b, s, hq, d, generator=gen).cuda()
     outs = [attention_ref(*ref, cu_seqlens=cu),
-            attention(*fast, cu_seqlens=cu, max_seqlen=int(cu.diff().max()), impl="triton"),
+            attention(*fast, cu_seqlens=cu, max_seqlen=int(cu.diff().max()), impl="triton", varlen=varlen),
             attention_ref(*low, cu_seqlens=cu)]
     for o, t in zip(outs, (ref, fast, low)):
         o.backward(g.to(o.dtype))
@@ -88,3 +96,27 @@ def test_varlen_flash_matches_reference_on_cuda(hq, hk):
         c = ([outs[2]] + [t.grad for t in low])[i].double()
         r = ([outs[0]] + [t.grad for t in ref])[i]
         assert (a - r).abs().max() <= 2 * (c - r).abs().max() + 1e-3
+
+
+def test_cudnn_ragged_meta_pads_documents_and_scales_offsets():
+    """cu_seqlens [0, 3, 5, 9] padded to a 4-document bucket: the extra document is empty, offsets in elements."""
+    cu = torch.tensor([0, 3, 5, 9], dtype=torch.int32)
+    m = attention_cudnn.ragged_meta(cu, cap=4, hq=6, hk=2, d=8)
+    assert m["seq_q"].flatten().tolist() == [3, 2, 4, 0] and m["seq_q"].dtype == torch.int32
+    assert m["off_q"].flatten().tolist() == [0, 144, 240, 432, 432]  # x Hq * D = 48
+    assert m["off_k"].flatten().tolist() == [0, 48, 80, 144, 144]  # x Hk * D = 16
+    assert m["off_stats"].flatten().tolist() == [0, 18, 30, 54, 54]  # x Hq
+    assert m["off_q"].dtype == torch.int64 and m["off_q"].shape == (5, 1, 1, 1)
+    assert [attention_cudnn.bucket(n, 16) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
+
+
+def test_cudnn_path_without_the_frontend_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "cudnn", None)  # import cudnn -> ImportError
+    with pytest.raises(ImportError, match="pip install 'nvidia-cudnn-frontend"):
+        attention_cudnn.cudnn_frontend()
+
+
+def test_unknown_varlen_kernel_is_refused():
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="varlen='fa3' is not one of"):
+        attention(q, q, q, varlen="fa3")

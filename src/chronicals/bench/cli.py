@@ -56,6 +56,8 @@ def parse_args(argv):
                     help="chronicals step: the trainer's accumulate_gradients, or the bench's own call")
     ap.add_argument("--layout", default="rows", choices=("rows", "packed"),
                     help="chronicals batch: dense rows, or the packed contract (cu_seqlens, one doc per row)")
+    ap.add_argument("--attention", default="auto", choices=("auto", "cudnn", "flash"),
+                    help="chronicals packed rows' attention kernel (model.attention); only with --layout packed")
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing for every row")
     ap.add_argument("--graphs", action="store_true", help="add the CUDA-graph twin (chronicals-full-graphs, "
                     "chronicals-lora-graphs) after each chronicals-full / chronicals-lora row")
@@ -166,7 +168,7 @@ def run_plan(args) -> dict:
                 "table, compiled chronicals variants, unsloth-full, PEFT + Liger / compile.")
     runner = Runner(args.timeout)
     base = RunSpec("peak", shape=shapes[0], warmup=warmup, steps=steps, device=device, impl=args.impl, step=args.step,
-                   layout=args.layout, checkpointing=args.checkpointing)
+                   layout=args.layout, attention=args.attention, checkpointing=args.checkpointing)
     peak_row = runner.run("peak", base) if device.startswith("cuda") else {"gpu": "cpu", "peak_tflops": None}
     peak = peak_row.get("peak_tflops")
     print(f"device {peak_row.get('gpu', device)}: bf16 matmul peak {peak or 'n/a'} TFLOP/s")

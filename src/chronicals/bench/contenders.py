@@ -153,6 +153,7 @@ def _chronicals(method: str, compile_layers: bool, graphs: bool = False, keep: b
         model = build_chronicals_model(shape, device, spec.impl, spec.seed)
         model.set_checkpointing(spec.checkpointing)
         model.opts.fused_swiglu_recompute = fused_swiglu
+        model.opts.attention = spec.attention
         if keep or recompute is not None:
             model.set_recompute(() if keep else recompute, gate_up_layers)
         notes = [f"impl={spec.impl}"]
@@ -171,7 +172,8 @@ def _chronicals(method: str, compile_layers: bool, graphs: bool = False, keep: b
         params = [p for g in groups for p in g["params"]]
         opt = make_optimizer(groups, device, spec.lr or (LR_LORA if method == "lora" else LR_FULL))
         prepare, fb = chronicals_step(model, spec, device, graphs)
-        notes.append(f"step={spec.step}, layout={spec.layout}" + (", CUDA graphs (fwd+bwd)" if graphs else ""))
+        notes.append(f"step={spec.step}, layout={spec.layout}"
+                     + (f", attention={spec.attention}" if spec.layout == "packed" else "") + (", CUDA graphs (fwd+bwd)" if graphs else ""))
         return Built(model, prepare, fb, params, opt, model.config.vocab_size, notes)
 
     return build

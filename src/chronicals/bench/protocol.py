@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
+from ..ops.attention import VARLEN_KERNELS
+
 LORA_R, LORA_ALPHA, LORA_PLUS_RATIO = 32, 64, 16
 LR_FULL, LR_LORA = 1e-5, 1e-4
 
@@ -34,6 +36,7 @@ class RunSpec:
     impl: str = "auto"  # chronicals op implementations: "auto" | "triton" | "torch"
     step: str = "trainer"  # chronicals rows: "trainer" (chronicals.train's accumulate_gradients) | "bench"
     layout: str = "rows"  # chronicals rows: "rows" (dense causal) | "packed" (cu_seqlens, one document per row)
+    attention: str = "auto"  # chronicals packed rows' kernel (model.attention): "auto" | "cudnn" | "flash"
     lora_r: int = LORA_R
     lora_alpha: int = LORA_ALPHA
     lr: float = 0.0  # 0: the protocol's (1e-5 full, 1e-4 LoRA); the learning check reads it as its full-FT lr
@@ -44,6 +47,8 @@ class RunSpec:
             raise ValueError(f"rows={self.rows}, seq={self.seq}: need rows >= 1 and seq >= 2 (seq - 1 loss tokens per row)")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(f"steps={self.steps}, warmup={self.warmup}: need steps >= 1 and warmup >= 0")
+        if self.attention not in VARLEN_KERNELS:
+            raise ValueError(f"attention={self.attention!r} must be one of {VARLEN_KERNELS}")
         if self.step not in ("trainer", "bench") or self.layout not in ("rows", "packed"):
             raise ValueError(f"step={self.step!r} must be 'trainer' or 'bench'; layout={self.layout!r} must be "
                              "'rows' or 'packed'")

@@ -31,6 +31,8 @@ IGNORE_INDEX = -100
 class RuntimeOptions:
     """Options shared by every module of one model (one object, referenced everywhere)."""
     impl: str = "auto"  # "auto" (Triton on CUDA, PyTorch on CPU) | "triton" | "torch"
+    # packed rows' attention kernel on CUDA (ops.attention ``varlen``): "auto" | "cudnn" | "flash"
+    attention: str = "auto"
     # activation checkpointing: True = every decoder layer, False / 0 = none, an int k = the first k layers
     # (recompute them in backward; the first ones, because their backward runs last, when the later
     # layers' activations are already freed, so the peak drops by k layers' saved activations)
@@ -137,7 +139,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope_qk(q, k, cos, sin, impl=self.opts.impl)
         if kv_cache is None:
-            o = attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, impl=self.opts.impl)
+            o = attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, impl=self.opts.impl,
+                          varlen=self.opts.attention)
         else:  # generation: one row, keys/values of earlier steps appended
             o = kv_cache.attend(q, k, v)
         return self.o_proj(o.reshape(b, s, self.nq * self.d))

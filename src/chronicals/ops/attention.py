@@ -8,7 +8,7 @@ longest document. A token attends only to earlier tokens of its own document.
 
     row 0: [a a a b b | row 1: c c c c d]   cu_seqlens = [0, 3, 5, 9, 10], max_seqlen = 4
 
-Implementations (``impl``; "auto" = varlen flash on CUDA, reference on CPU):
+Implementations (``impl``; "auto" = a varlen kernel on CUDA, reference on CPU):
 - "torch" (``attention_ref``): SDPA; packed rows use a block-diagonal causal mask (B, 1, S, S), which
   costs O(S^2) memory per row and lets SDPA use only its masked kernels.
 - "triton" on CUDA, packed rows: variable-length FlashAttention-2 through PyTorch's own aten op
@@ -19,9 +19,16 @@ Implementations (``impl``; "auto" = varlen flash on CUDA, reference on CPU):
   16 rows of 1024 at 14/2 heads of 64 (FlexAttention with a document mask: 1.05 ms).
   ``torch.nn.attention.varlen.varlen_attn`` wraps the same op on newer torch, but its keywords changed
   between releases; the aten op's positional signature did not, so it is called directly. Unpacked rows (no cu_seqlens) use SDPA's causal kernels on every impl.
+- packed rows on CUDA pick their kernel with ``varlen`` (``model.attention``): "flash" is the FA2 path above;
+  "cudnn" runs cuDNN's ragged (THD) Hopper kernels through graphs built with NVIDIA's cuDNN Python frontend
+  (``ops/attention_cudnn.py``; ``pip install nvidia-cudnn-frontend``), the kernels SDPA already uses for
+  unpacked rows; "auto" takes cudnn where the frontend is installed, its cuDNN is >= 9.6 and the GPU is Hopper
+  or newer, else flash. The choice is logged once.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +36,7 @@ import torch.nn.functional as F
 from ._impl import log, resolve_impl
 
 _logged_notes: set[str] = set()
+VARLEN_KERNELS = ("auto", "cudnn", "flash")
 
 
 def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -114,9 +122,36 @@ def _check_attention(q, k, v, cu_seqlens) -> None:
                          "with torch.tensor([0, len0, len0 + len1, ...], dtype=torch.int32)")
 
 
-def attention(q, k, v, *, cu_seqlens=None, max_seqlen=None, scale=None, impl: str = "auto"):
+@functools.lru_cache(maxsize=None)
+def _hopper(device: torch.device) -> bool:
+    """cuDNN's ragged (THD) attention kernels exist for compute capability 9.0 and newer."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def resolve_varlen(varlen: str, device: torch.device) -> str:
+    """"cudnn" | "flash" for packed rows on a CUDA ``device`` (see the module docstring); logs the choice once."""
+    if varlen not in VARLEN_KERNELS:
+        raise ValueError(f"attention: varlen={varlen!r} is not one of {VARLEN_KERNELS} (model.attention)")
+    from . import attention_cudnn  # noqa: PLC0415 (light: imports cudnn only when asked)
+
+    if varlen == "auto":
+        chosen = "cudnn" if attention_cudnn.available() and _hopper(device) else "flash"
+    else:
+        chosen = varlen
+    if chosen == "cudnn":
+        attention_cudnn.cudnn_frontend()  # an ImportError that says what to install
+    key = f"varlen {varlen} {chosen}"
+    if key not in _logged_notes and not torch.compiler.is_compiling():
+        _logged_notes.add(key)
+        log.info("attention: packed rows use %s (model.attention=%s)", chosen, varlen)
+    return chosen
+
+
+def attention(q, k, v, *, cu_seqlens=None, max_seqlen=None, scale=None, impl: str = "auto", varlen: str = "auto"):
     """Causal attention; packed rows when ``cu_seqlens`` is given. See the module docstring."""
     _check_attention(q, k, v, cu_seqlens)
+    if varlen not in VARLEN_KERNELS:
+        raise ValueError(f"attention: varlen={varlen!r} is not one of {VARLEN_KERNELS} (model.attention)")
     chosen = resolve_impl("attention", impl, q.device)
     if chosen == "torch" or cu_seqlens is None:
         # unpacked rows: SDPA picks flash / cuDNN / efficient kernels on CUDA itself
@@ -127,4 +162,13 @@ def attention(q, k, v, *, cu_seqlens=None, max_seqlen=None, scale=None, impl: st
             log.info("attention: packed rows on %s run the masked SDPA reference (the fast path is CUDA "
                      "varlen flash, not a Triton kernel)", q.device.type)
         return attention_ref(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scale=scale)
+    if resolve_varlen(varlen, q.device) == "cudnn":
+        from .attention_cudnn import attention_varlen_cudnn  # noqa: PLC0415
+
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"attention: the cuDNN varlen path needs bfloat16/float16 q/k/v (got {q.dtype}); cast "
+                            "the model to bf16, or pass impl='torch' for the masked SDPA reference")
+        if max_seqlen is None:  # one host sync; the collator passes it
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        return attention_varlen_cudnn(q, k, v, cu_seqlens, max_seqlen, scale)
     return attention_varlen_flash(q, k, v, cu_seqlens, max_seqlen, scale)

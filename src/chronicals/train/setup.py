@@ -47,6 +47,7 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
     model.set_checkpointing(cfg.model.checkpoint_setting)
     model.set_recompute(cfg.model.recompute, cfg.model.gate_up_layers)
     model.opts.loss_vocab_parts = cfg.model.loss_vocab_parts
+    model.opts.attention = cfg.model.attention
     if cfg.lora.enabled:
         from ..lora.inject import apply_lora
 
