@@ -97,7 +97,7 @@ def test_masters_keep_small_updates_and_match_float64(fused, device):
     masters = {n: opt.state[p]["master"].cpu() for n, p in model.named_parameters()}
     model.cpu()
 
-    plain = tiny_model(dtype=torch.bfloat16)
+    plain = _bf16_model(device).cpu()  # the same architecture and initial weights as ``model``
     _replay(plain, torch.optim.AdamW(full_ft_param_groups(plain, LR, WD), lr=LR), grads)
     norms = [n for n in init if "norm" in n]
     assert len(norms) == 5 and all(torch.all(init[n] == 1.0) for n in norms)

@@ -177,15 +177,17 @@ def plan_for(device, dtype, cap, s, hq, hk, d, scale, total) -> _Plan:
 
 
 def ragged_meta(cu_seqlens: torch.Tensor, cap: int, hq: int, hk: int, d: int) -> dict[str, torch.Tensor]:
-    """Device tensors the graphs read: cu_seqlens padded to cap + 1 entries, its lengths and offsets."""
+    """Device tensors the graphs read: cu_seqlens padded to cap + 1 entries, its lengths and offsets (o shares
+    q's offsets and v k's: the same values)."""
     n1 = cu_seqlens.numel()
-    cu = cu_seqlens.to(torch.int64)
+    cu = cu_seqlens
     if n1 < cap + 1:
         cu = torch.cat([cu, cu[-1:].expand(cap + 1 - n1)])
-    col = cu.view(cap + 1, 1, 1, 1)
-    seq = (cu[1:] - cu[:-1]).to(torch.int32).view(cap, 1, 1, 1)
-    return {"seq_q": seq, "seq_kv": seq, "off_q": col * (hq * d), "off_o": col * (hq * d),
-            "off_k": col * (hk * d), "off_v": col * (hk * d), "off_stats": col * hq}
+    seq = (cu[1:] - cu[:-1]).view(cap, 1, 1, 1)  # int32
+    col = cu.to(torch.int64).view(cap + 1, 1, 1, 1)
+    off_q, off_k = col * (hq * d), col * (hk * d)
+    return {"seq_q": seq, "seq_kv": seq, "off_q": off_q, "off_o": off_q, "off_k": off_k, "off_v": off_k,
+            "off_stats": col * hq}
 
 
 def _execute(graph, tensors: dict, prefix: str, buffers: dict[str, torch.Tensor], ws_bytes: int, device) -> None:
@@ -206,21 +208,20 @@ class CudnnRaggedAttention(torch.autograd.Function):
         cap = bucket(cu_seqlens.numel() - 1, MIN_DOCS)
         s = bucket(max_seqlen, MIN_SEQ)
         plan = plan_for(q.device, q.dtype, cap, s, hq, hk, d, scale, total)
-        meta = ragged_meta(cu_seqlens, cap, hq, hk, d)
+        meta = ragged_meta(cu_seqlens, cap, hq, hk, d)  # 6 small kernels per layer; backward reuses them
         out = torch.empty_like(q)
         shape = (total, hq, 1) if RAGGED_STATS else (cap, hq, s, 1)
         stats = torch.empty(shape, device=q.device, dtype=torch.float32)
         _execute(plan.fwd, plan.t, "f_", {"q": q, "k": k, "v": v, "o": out, "stats": stats, **meta}, plan.fwd_ws,
                  q.device)
-        ctx.save_for_backward(q, k, v, out, stats, cu_seqlens)
-        ctx.plan, ctx.cap = plan, cap
+        ctx.save_for_backward(q, k, v, out, stats)
+        ctx.plan, ctx.meta = plan, meta  # meta: small int tensors derived from cu_seqlens, not inputs
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, stats, cu_seqlens = ctx.saved_tensors
-        hq, d, hk = q.shape[1], q.shape[2], k.shape[1]
-        meta = ragged_meta(cu_seqlens, ctx.cap, hq, hk, d)
+        q, k, v, out, stats = ctx.saved_tensors
+        meta = ctx.meta
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         _execute(ctx.plan.bwd, ctx.plan.t, "b_", {"q": q, "k": k, "v": v, "o": out, "dO": grad_out.contiguous(),
                                                  "stats": stats, "dq": dq, "dk": dk, "dv": dv, **meta},
