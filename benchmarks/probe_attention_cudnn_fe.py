@@ -105,18 +105,76 @@ def graph_check(res, gen):
     print("graph replay max diff vs eager", errs, flush=True)
 
 
-def graphed_ms(fn, ins, g):
-    """fwd + bwd of ``fn`` captured once in a CUDA graph, replay timed: GPU time without host launch cost."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            torch.autograd.grad(fn(), ins, g)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+def gpu_ms(fn, ins, g, iters=10):
+    """fwd + bwd of ``fn``: the summed time of its GPU kernels (torch.profiler), without host launch cost."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
         torch.autograd.grad(fn(), ins, g)
-    return do_bench(graph.replay, warmup=10, rep=50)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            torch.autograd.grad(fn(), ins, g)
+        torch.cuda.synchronize()
+    us = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+             for e in prof.key_averages())
+    return us / iters / 1000
+
+
+def chat_rows(b, s, gen, median=380.0, sigma=1.0):
+    """Rows of s tokens cut into documents with bench_packing.py's chat-like lengths (lognormal, median 380,
+    clipped to [16, what is left]), no padding: [(ids, trainable)] per row, loss on the second half."""
+    import numpy as np
+    rng = np.random.default_rng(int(torch.randint(0, 2 ** 31, (1,), generator=gen)))
+    rows = []
+    for _ in range(b):
+        docs, t = [], 0
+        while t < s:
+            n = int(np.clip(rng.lognormal(np.log(median), sigma), 16, s - t))
+            n = s - t if s - t - n < 16 else n
+            ids = rng.integers(0, 32000, n)
+            trainable = np.zeros(n, bool)
+            trainable[n // 2:] = True
+            docs.append((ids, trainable))
+            t += n
+        rows.append(docs)
+    return rows
+
+
+def model_step(res, gen):
+    """The 0.5B model's training step (trainer's step, CUDA graphs, full and LoRA) on chat-like packed rows:
+    ms per step with each packed-rows kernel, the same batches."""
+    from chronicals.bench.contenders import add_chronicals_lora, build_chronicals_model
+    from chronicals.bench.protocol import RunSpec
+    from chronicals.bench.shapes import get_shape
+    from chronicals.data.collate import collate_rows
+    from chronicals.train.graphs import GraphedStep
+    from chronicals.train.step import accumulate_gradients
+    batches = [collate_rows(chat_rows(16, 1024, gen), 1024, 0) for _ in range(4)]
+    res["model_step_docs_per_batch"] = [bt.num_docs for bt in batches]
+    for method in ("full", "lora"):
+        for kernel in ("flash", "cudnn"):
+            model = build_chronicals_model(get_shape("0.5b"), torch.device(dev), "auto", 0)
+            if method == "lora":
+                add_chronicals_lora(model, RunSpec("chronicals-lora-graphs"))
+            model.opts.attention = kernel
+            graphed = GraphedStep(model, torch.device(dev))
+            for bt in batches[:3]:
+                accumulate_gradients(model, [bt], torch.device(dev), graphed)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            n = 0
+            for i in range(12):
+                bt = batches[i % len(batches)]
+                accumulate_gradients(model, [bt], torch.device(dev), graphed)
+                n += bt.num_loss_tokens
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            key = f"0.5b {method} graphs chat-packed {kernel}"
+            res.setdefault("model_step", {})[key] = {"ms_per_step": round(dt / 12 * 1000, 2),
+                                                     "loss_tokens_per_s": round(n / dt)}
+            print(key, res["model_step"][key], flush=True)
+            del model, graphed
+            torch.cuda.empty_cache()
 
 
 def timing(res, gen):
@@ -151,9 +209,9 @@ def timing(res, gen):
                         err = max(float((a.float() - r.float()).abs().max()) for a, r in zip(got, base))
                     fwd = do_bench(fn, warmup=10, rep=50)
                     both = do_bench(lambda: torch.autograd.grad(fn(), (q, k, v), g), warmup=10, rep=50)
-                    graphed = graphed_ms(fn, (q, k, v), g)
+                    kernels = gpu_ms(fn, (q, k, v), g)
                     res["time"][key] = {"fwd_ms": round(fwd, 4), "fwd_bwd_ms": round(both, 4),
-                                        "fwd_bwd_graphed_ms": round(graphed, 4),
+                                        "fwd_bwd_gpu_kernels_ms": round(kernels, 4),
                                         "first_call_s": round(first, 3), "max_abs_diff_vs_fa2": round(err, 5)}
                 except Exception as e:  # noqa: BLE001
                     res["time"][key] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -172,7 +230,7 @@ def main(path):
         ac.RAGGED_STATS = False
         ok = check(res, gen)
     res["correct"] = ok
-    for part in (graph_check, timing):
+    for part in (graph_check, timing, model_step):
         try:
             part(res, gen)
         except Exception as e:  # noqa: BLE001
