@@ -1,5 +1,7 @@
 """Attention for packed rows: the block-diagonal masked SDPA (CPU) and the CUDA varlen flash path."""
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -120,3 +122,23 @@ def test_unknown_varlen_kernel_is_refused():
     q = torch.randn(1, 4, 2, 8)
     with pytest.raises(ValueError, match="varlen='fa3' is not one of"):
         attention(q, q, q, varlen="fa3")
+
+
+def test_auto_picks_cudnn_for_documents_of_128_tokens_or_more(monkeypatch):
+    """model.attention=auto: cuDNN's ragged kernels where they are installed and measured faster (mean document
+    >= 128 tokens), FA2 otherwise; explicit choices are taken as they are."""
+    att = importlib.import_module("chronicals.ops.attention")  # the package's attribute is the function
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(attention_cudnn, "cudnn_frontend", lambda: None)
+    monkeypatch.setattr(att, "_hopper", lambda device: True)
+    monkeypatch.setattr(attention_cudnn, "available", lambda: True)
+    assert att.resolve_varlen("auto", cuda, tokens=16 * 1024, docs=128) == "cudnn"  # 128 tokens a document
+    assert att.resolve_varlen("auto", cuda, tokens=16 * 1024, docs=129) == "flash"
+    assert att.resolve_varlen("flash", cuda, tokens=16 * 1024, docs=1) == "flash"
+    assert att.resolve_varlen("cudnn", cuda, tokens=16, docs=16) == "cudnn"
+    monkeypatch.setattr(att, "_hopper", lambda device: False)
+    assert att.resolve_varlen("auto", cuda, tokens=16 * 1024, docs=1) == "flash"
+    monkeypatch.setattr(att, "_hopper", lambda device: True)
+    monkeypatch.setattr(attention_cudnn, "available", lambda: False)
+    assert att.resolve_varlen("auto", cuda, tokens=16 * 1024, docs=1) == "flash"
