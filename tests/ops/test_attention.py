@@ -142,3 +142,18 @@ def test_auto_picks_cudnn_for_documents_of_128_tokens_or_more(monkeypatch):
     monkeypatch.setattr(att, "_hopper", lambda device: True)
     monkeypatch.setattr(attention_cudnn, "available", lambda: False)
     assert att.resolve_varlen("auto", cuda, tokens=16 * 1024, docs=1) == "flash"
+
+
+def test_shapes_cudnn_cannot_run_fall_back_to_flash_only_under_auto(caplog):
+    att = importlib.import_module("chronicals.ops.attention")
+
+    def unsupported():
+        raise attention_cudnn.Unsupported("attention: cuDNN 91900 has no ragged attention kernel for 8 query / 2 key "
+                                          "heads of 512")
+
+    with caplog.at_level("WARNING", logger="chronicals.ops"):
+        assert att.cudnn_or_flash("auto", unsupported, lambda: "flash ran") == "flash ran"
+    assert "heads of 512; model.attention=auto runs FA2" in caplog.text
+    with pytest.raises(attention_cudnn.Unsupported, match="heads of 512"):
+        att.cudnn_or_flash("cudnn", unsupported, lambda: "flash ran")
+    assert att.cudnn_or_flash("auto", lambda: "cudnn ran", lambda: "flash ran") == "cudnn ran"

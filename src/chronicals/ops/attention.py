@@ -152,6 +152,8 @@ def resolve_varlen(varlen: str, device: torch.device, tokens: int = 0, docs: int
         chosen = varlen
     elif not (attention_cudnn.available() and _hopper(device)):
         chosen, why = "flash", "nvidia-cudnn-frontend with cuDNN >= 9.6 and a Hopper GPU are needed for cudnn"
+    elif torch.compiler.is_compiling():
+        chosen, why = "flash", "torch.compile traces FA2's aten op; the cuDNN frontend's call would break the graph"
     elif tokens < CUDNN_MIN_MEAN_DOC * docs:
         chosen, why = "flash", f"documents average < {CUDNN_MIN_MEAN_DOC} tokens, where FA2's kernels are faster"
     else:
@@ -188,5 +190,22 @@ def attention(q, k, v, *, cu_seqlens=None, max_seqlen=None, scale=None, impl: st
                             "the model to bf16, or pass impl='torch' for the masked SDPA reference")
         if max_seqlen is None:  # one host sync; the collator passes it
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        return attention_varlen_cudnn(q, k, v, cu_seqlens, max_seqlen, scale)
+        return cudnn_or_flash(varlen, lambda: attention_varlen_cudnn(q, k, v, cu_seqlens, max_seqlen, scale),
+                              lambda: attention_varlen_flash(q, k, v, cu_seqlens, max_seqlen, scale))
     return attention_varlen_flash(q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+def cudnn_or_flash(varlen: str, run_cudnn, run_flash):
+    """run_cudnn(); where cuDNN has no kernel for the shapes (``Unsupported``, raised while building its graphs,
+    before any launch): with varlen="auto" a warning (once per message) and run_flash(), else the error."""
+    from .attention_cudnn import Unsupported  # noqa: PLC0415
+
+    try:
+        return run_cudnn()
+    except Unsupported as e:
+        if varlen != "auto":
+            raise
+        if str(e) not in _logged_notes:
+            _logged_notes.add(str(e))
+            log.warning("%s; model.attention=auto runs FA2 for these shapes", e)
+    return run_flash()

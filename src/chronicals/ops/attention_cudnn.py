@@ -163,6 +163,10 @@ def _build(cudnn, handle, io, cap, s, hq, hk, d, scale, total) -> _Plan:
     return _Plan(gf, gb, tensors, gf.get_workspace_size(), gb.get_workspace_size())
 
 
+class Unsupported(ValueError):
+    """cuDNN has no ragged kernel for these shapes (raised while building the graphs, before any launch)."""
+
+
 def plan_for(device, dtype, cap, s, hq, hk, d, scale, total) -> _Plan:
     cudnn = cudnn_frontend()
     key = (device.index, dtype, cap, s, hq, hk, d, float(scale), total, RAGGED_STATS)
@@ -171,8 +175,13 @@ def plan_for(device, dtype, cap, s, hq, hk, d, scale, total) -> _Plan:
         with _lock:
             p = _plans.get(key)
             if p is None:
-                p = _plans[key] = _build(cudnn, _handle(cudnn, device), _dtype(cudnn, dtype), cap, s, hq, hk, d,
-                                         scale, total)
+                try:
+                    p = _build(cudnn, _handle(cudnn, device), _dtype(cudnn, dtype), cap, s, hq, hk, d, scale, total)
+                except cudnn.cudnnGraphNotSupportedError as e:
+                    raise Unsupported(
+                        f"attention: cuDNN {cudnn.backend_version()} has no ragged attention kernel for {hq} query / "
+                        f"{hk} key heads of {d}, {dtype} ({e}); use model.attention=flash") from e
+                _plans[key] = p
     return p
 
 
