@@ -56,8 +56,9 @@ def protocol_row(method: str, shape: str, dev: torch.device, warmup: int, steps:
     from chronicals.bench.shapes import get_shape
 
     name = CONTENDER[method] if dev.type == "cuda" else CONTENDER[method].replace("-graphs", "")
+    sh = get_shape(shape)  # the shape's rows x seq, as trainer_row uses (RunSpec's defaults are 0.5B's 16 x 1024)
     spec = RunSpec(contender=name, shape=shape, warmup=warmup, steps=steps, device=dev.type,
-                   **({} if shape != "tiny" else {"rows": 2, "seq": 64}))
+                   **({"rows": sh.rows, "seq": sh.seq} if shape != "tiny" else {"rows": 2, "seq": 64}))
     built = CONTENDERS[name].build(spec, get_shape(shape), dev)
     res = timed_run(built, spec, dev)
     row = validate_row({"method": method, "how": name, "tokens_per_s": round(res["tokens_per_s"]),
