@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import torch
 
 MIN_DOCS, MIN_SEQ = 16, 64
-RAGGED_STATS = True  # stats stored (T, Hq) through a ragged offset; False: dense (cap, Hq, s_max) (probe only)
 _lock = threading.Lock()
 _handles: dict[int, object] = {}
 _plans: dict[tuple, "_Plan"] = {}
@@ -113,11 +112,9 @@ def _qkv_tensors(cudnn, g, prefix, cap, s, hq, hk, d, io):
     return t
 
 
-def _stats_layout(stats, t, cap, hq, s) -> None:
-    if RAGGED_STATS:  # (T, Hq): element (doc, h, i) at off_stats[doc] + i * Hq + h
-        stats.set_stride([s * hq, 1, hq, 1]).set_ragged_offset(t["off_stats"])
-    else:  # dense (cap, Hq, s_max)
-        stats.set_stride([hq * s, s, 1, 1])
+def _stats_layout(stats, t, hq: int, s: int) -> None:
+    """(T, Hq) fp32: element (doc, h, i) at off_stats[doc] + i * Hq + h."""
+    stats.set_stride([s * hq, 1, hq, 1]).set_ragged_offset(t["off_stats"])
 
 
 def _finish(cudnn, g):
@@ -138,7 +135,7 @@ def _build(cudnn, handle, io, cap, s, hq, hk, d, scale, total) -> _Plan:
                        seq_len_kv=f["seq_kv"], **common)
     o.set_output(True).set_dim([cap, hq, s, d]).set_stride([s * hq * d, d, hq * d, 1]).set_ragged_offset(f["off_o"])
     stats.set_output(True).set_data_type(cudnn.data_type.FLOAT).set_dim([cap, hq, s, 1])
-    _stats_layout(stats, f, cap, hq, s)
+    _stats_layout(stats, f, hq, s)
     f["o"], f["stats"] = o, stats
     _finish(cudnn, gf)
 
@@ -150,7 +147,7 @@ def _build(cudnn, handle, io, cap, s, hq, hk, d, scale, total) -> _Plan:
         b[name].set_ragged_offset(b["off_o"])
     b["stats"] = gb.tensor(name="b_stats", dim=[cap, hq, s, 1], stride=[s * hq, 1, hq, 1],
                            data_type=cudnn.data_type.FLOAT)
-    _stats_layout(b["stats"], b, cap, hq, s)
+    _stats_layout(b["stats"], b, hq, s)
     max_t = -(-total // 64) * 64
     dq, dk, dv = gb.sdpa_backward(name="sdpa_backward", q=b["q"], k=b["k"], v=b["v"], o=b["o"], dO=b["dO"],
                                   stats=b["stats"], seq_len_q=b["seq_q"], seq_len_kv=b["seq_kv"],
@@ -169,7 +166,7 @@ class Unsupported(ValueError):
 
 def plan_for(device, dtype, cap, s, hq, hk, d, scale, total) -> _Plan:
     cudnn = cudnn_frontend()
-    key = (device.index, dtype, cap, s, hq, hk, d, float(scale), total, RAGGED_STATS)
+    key = (device.index, dtype, cap, s, hq, hk, d, float(scale), total)
     p = _plans.get(key)
     if p is None:
         with _lock:
@@ -219,8 +216,7 @@ class CudnnRaggedAttention(torch.autograd.Function):
         plan = plan_for(q.device, q.dtype, cap, s, hq, hk, d, scale, total)
         meta = ragged_meta(cu_seqlens, cap, hq, hk, d)  # 6 small kernels per layer; backward reuses them
         out = torch.empty_like(q)
-        shape = (total, hq, 1) if RAGGED_STATS else (cap, hq, s, 1)
-        stats = torch.empty(shape, device=q.device, dtype=torch.float32)
+        stats = torch.empty(total, hq, 1, device=q.device, dtype=torch.float32)
         _execute(plan.fwd, plan.t, "f_", {"q": q, "k": k, "v": v, "o": out, "stats": stats, **meta}, plan.fwd_ws,
                  q.device)
         ctx.save_for_backward(q, k, v, out, stats)
