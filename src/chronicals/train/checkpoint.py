@@ -54,6 +54,22 @@ def checkpoint_dirs(out_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def not_this_runs(out_dir: str | Path, resume_from: str | Path | None, start: int) -> list[Path]:
+    """The checkpoints under ``out_dir`` that are not in the history of a run starting now: every one for a fresh
+    run (``resume_from`` None) or a resume from another directory; those past ``start`` for a resume from one of
+    out_dir's own (the run it branches from went further). Pruning by step (``keep_last``) and resume=auto's
+    latest-by-step would otherwise mix them with this run's."""
+    dirs = checkpoint_dirs(out_dir)
+    if resume_from is None:
+        return dirs
+    src = Path(resume_from)
+    src = src if src.is_dir() else src.parent
+    root = Path(out_dir) / "checkpoints"
+    if root.is_dir() and src.parent.resolve() == root.resolve():
+        return [d for d in dirs if int(_NAME.match(d.name).group(1)) > start]
+    return dirs
+
+
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
     dirs = checkpoint_dirs(out_dir)
     return dirs[-1] if dirs else None

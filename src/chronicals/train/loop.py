@@ -19,6 +19,7 @@ import contextlib
 import logging
 import math
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -39,7 +40,7 @@ from .setup import build_loaders, load_base, prepare_model, resolve_dtype
 from .readback import StepReadback, StepStart
 from .guards import (check_data_paths, check_final_dir, check_out_dir, check_resume_path, check_token_ids,
                      final_dir, remove_setup_files)
-from .resume import apply_optimizer_settings, optimizer_settings, warn_data_changed
+from .resume import apply_optimizer_settings, check_same_adapter, optimizer_settings, warn_data_changed
 from .step import accumulate_data_parallel, evaluate_loss
 
 log = logging.getLogger("chronicals.train")
@@ -275,13 +276,30 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
             raise ValueError(f"{resume_from} is at step {start}, past this run's {total} steps; raise "
                              "train.max_steps (or train.epochs), or set train.resume=none to start over")
         log.info("resumed from %s at step %d of %d", resume_from, start, total)
+        check_same_adapter(restored["extra"].get("config"), cfg_dict, resume_from)
         apply_optimizer_settings(optimizer, scheduler, fresh, restored["extra"].get("config"), cfg_dict, start)
         warn_data_changed(restored["extra"].get("config"), cfg_dict, resume_from)
         if start == total:
             return _already_done(cfg, dp, out_dir, model, tokenizer, resume_from, total)
+    # another run's checkpoints in out_dir (resume=none over a finished run, or a resume from an earlier step):
+    # removed once this run writes its first record or checkpoint, so a run that fails in setup leaves them
+    stale = ckpt.not_this_runs(out_dir, resume_from, start) if dp.is_main else []
+
+    def forget_stale() -> None:
+        if stale:
+            for d in stale:
+                shutil.rmtree(d, ignore_errors=True)
+            log.warning("removed %d checkpoint(s) of another run from %s: %s (%s)", len(stale), stale[0].parent,
+                        ", ".join(d.name for d in stale), "train.resume=none starts this out_dir over"
+                        if resume_from is None else f"this run continues from {resume_from}, not from them")
+            stale.clear()
+
+    def first_record() -> None:
+        (out_dir / "config.yaml").write_text(cfg.to_yaml())
+        forget_stale()
+
     if dp.is_main:  # config.yaml and metrics.jsonl change only once this run writes its first record
-        metrics = MetricsLog(out_dir, cfg.logging.tensorboard, start if resume_from else None,
-                             on_open=lambda: (out_dir / "config.yaml").write_text(cfg.to_yaml()))
+        metrics = MetricsLog(out_dir, cfg.logging.tensorboard, start if resume_from else None, on_open=first_record)
     else:
         metrics = _RanksMetrics()
     report = report if dp.is_main else None
@@ -294,6 +312,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     def save(step: int, wait: bool = False) -> Path:
         state.saves += 1  # on every rank (the barriers below must pair)
         if dp.is_main:
+            forget_stale()  # before pruning by step can meet them
             writer.save(out_dir, step, model, optimizer, scheduler, stream.state_dict(), keep_last=cfg.train.keep_last,
                         extra={"config": cfg_dict})  # names what differs if a resume does not fit
             if wait:

@@ -4,6 +4,7 @@ checkpoint was written by a run with other settings or data."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from . import checkpoint as ckpt
@@ -30,7 +31,7 @@ def apply_optimizer_settings(optimizer, scheduler, fresh: dict, saved_cfg: dict 
     for group, base, lr in zip(optimizer.param_groups, scheduler.base_lrs, lrs):
         group["initial_lr"], group["lr"] = base, lr
     scheduler._last_lr = lrs
-    diffs = ckpt.config_diffs(saved_cfg, cfg_dict, {"optim": None, "schedule": None, "lora": ("plus_ratio",),
+    diffs = ckpt.config_diffs(saved_cfg, cfg_dict, {"optim": None, "schedule": None, "lora": ("plus_ratio", "dropout"),
                                                     "train": ("max_steps", "epochs", "grad_accum")})
     if diffs:
         log.warning("resumed at step %d with other settings than the checkpoint's run: %s; they apply from step %d "
@@ -45,3 +46,38 @@ def warn_data_changed(saved: dict | None, current: dict, path: Path) -> None:
     if diffs:
         log.warning("resumed from %s, written with %s: its data position refers to other batches; if this is a "
                     "new run, set train.resume=none or another train.out_dir", path, ", ".join(diffs))
+
+
+# LoRA settings that change what a checkpoint's adapter weights compute (scaling, which modules, which base): a
+# resume under other values would continue from weights that mean something else (lora.rank is caught by shape)
+ADAPTER_KEYS = ("enabled", "rank", "alpha", "rslora", "targets", "modules_to_save")
+
+
+def _same_model_path(a, b) -> bool:
+    if a == b:
+        return True
+    try:  # two spellings of one directory or file (relative / absolute, a symlink)
+        return os.path.samefile(a, b)
+    except (OSError, TypeError):
+        return False
+
+
+def check_same_adapter(saved: dict | None, current: dict, path: Path) -> None:
+    """A LoRA checkpoint resumes only under the lora settings and base model it was trained with (ValueError
+    naming the keys that differ); a full fine-tune's checkpoint holds every trainable weight, so another
+    model.path of the same shapes only warns."""
+    if not saved:
+        return
+    lora = bool(saved.get("lora", {}).get("enabled")) or bool(current.get("lora", {}).get("enabled"))
+    diffs = ckpt.config_diffs(saved, current, {"lora": ADAPTER_KEYS}) if lora else []
+    old_path, new_path = saved.get("model", {}).get("path"), current.get("model", {}).get("path")
+    if old_path is not None and not _same_model_path(old_path, new_path):
+        diffs.append(f"model.path={old_path!r} (this run: {new_path!r})")
+    if not diffs:
+        return
+    if lora:
+        raise ValueError(f"checkpoint {path} holds LoRA adapters trained with {', '.join(diffs)}: under this run's "
+                         "settings they would compute something else; resume with the checkpoint's values, or start "
+                         "over (train.resume=none or another train.out_dir)")
+    log.warning("resumed from %s, written with %s: the checkpoint's weights replace every trainable weight of "
+                "this run's model", path, ", ".join(diffs))

@@ -1,0 +1,92 @@
+"""Several runs in one train.out_dir: a fresh run replaces an earlier run's checkpoints (not at setup, only once it
+writes), a resume from an earlier step drops the later branch, and a LoRA checkpoint resumes only under the
+adapter settings and base model it was trained with."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from chronicals.train import train
+from chronicals.train.checkpoint import checkpoint_dirs
+
+from train_helpers import SyntheticLoader, synthetic_docs, tiny_config, tiny_model
+
+
+@pytest.fixture
+def docs():
+    return synthetic_docs(40, seed=1)
+
+
+def _run(tmp_path, docs, **over):
+    return train(tiny_config(tmp_path, **over), model=tiny_model(), train_loader=SyntheticLoader(docs))
+
+
+def _names(tmp_path):
+    return [d.name for d in checkpoint_dirs(tmp_path / "run")]
+
+
+def test_a_fresh_run_replaces_an_earlier_runs_checkpoints(tmp_path, docs, caplog):
+    """resume=none over a finished run: keep_last used to prune the new run's step-1 (the old steps 2 and 4 sort
+    higher) and resume=auto then continued the old run; now the old ones go once the new run writes."""
+    _run(tmp_path, docs, train__max_steps=4, train__save_every=2, train__keep_last=5)
+    assert _names(tmp_path) == ["step-000002", "step-000004"]
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        _run(tmp_path, docs, train__max_steps=1, train__resume="none", train__keep_last=2)
+    assert _names(tmp_path) == ["step-000001"]
+    assert "removed 2 checkpoint(s) of another run" in caplog.text and "step-000002, step-000004" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="chronicals.train"):
+        _run(tmp_path, docs, train__max_steps=2, train__resume="auto")
+    assert "checkpoints/step-000001 at step 1 of 2" in caplog.text  # the new run's, not the old step 4
+
+
+def test_a_fresh_run_that_fails_in_setup_keeps_the_earlier_checkpoints(tmp_path, docs):
+    _run(tmp_path, docs, train__max_steps=2, train__save_every=1, train__keep_last=5)
+    final = tmp_path / "run" / "model"
+    final.mkdir()
+    (final / "notes.md").write_text("mine")  # refused before the first step (test_loop has this case)
+    with pytest.raises(FileExistsError):
+        _run(tmp_path, docs, train__max_steps=1, train__resume="none", train__save_final=True)
+    assert _names(tmp_path) == ["step-000001", "step-000002"]
+
+
+def test_a_resume_from_an_earlier_step_drops_the_later_branch(tmp_path, docs, caplog):
+    _run(tmp_path, docs, train__max_steps=4, train__save_every=1, train__keep_last=10)
+    step2 = tmp_path / "run" / "checkpoints" / "step-000002"
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        _run(tmp_path, docs, train__max_steps=3, train__save_every=1, train__keep_last=10, train__resume=str(step2))
+    assert _names(tmp_path) == ["step-000001", "step-000002", "step-000003"]  # this run's history, not step 4
+    assert f"step-000004 (this run continues from {step2}" in caplog.text
+
+
+LORA = dict(lora__enabled=True, lora__targets=["q_proj", "v_proj"], train__save_every=1, train__max_steps=1)
+
+
+@pytest.mark.parametrize("key,value,shown", [
+    ("lora__alpha", 32.0, "lora.alpha=16.0 (this run: 32.0)"),
+    ("lora__rslora", True, "lora.rslora=False (this run: True)"),
+    ("model__path", "another-base", "model.path='smollm2-135m-instruct' (this run: 'another-base')"),
+])
+def test_a_lora_resume_under_other_adapter_settings_is_refused(tmp_path, docs, key, value, shown):
+    """Same shapes, other meaning: the adapters' scaling or base differ, so the run would continue from weights that
+    compute something else (lora.rank and lora.targets are caught by the parameter names and shapes)."""
+    _run(tmp_path, docs, lora__alpha=16.0, **LORA)
+    again = dict(LORA, lora__alpha=16.0, train__max_steps=2, train__resume="auto")
+    with pytest.raises(ValueError, match="holds LoRA adapters trained with " + re.escape(shown)):
+        _run(tmp_path, docs, **dict(again, **{key: value}))
+
+
+def test_lora_dropout_and_a_full_fine_tunes_base_only_warn(tmp_path, docs, caplog):
+    _run(tmp_path, docs, **LORA)
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        _run(tmp_path, docs, **dict(LORA, lora__dropout=0.1, train__max_steps=2, train__resume="auto"))
+    assert "lora.dropout=0.0 (this run: 0.1), train.max_steps=1 (this run: 2); they apply from step 2" in caplog.text
+    full = tmp_path / "full"
+    _run(full, docs, train__save_every=1, train__max_steps=1)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        _run(full, docs, train__max_steps=2, train__resume="auto", model__path="another-base")
+    assert "model.path='smollm2-135m-instruct' (this run: 'another-base'): the checkpoint's weights replace" \
+        in caplog.text
