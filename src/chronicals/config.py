@@ -235,7 +235,9 @@ class TrainSection:
     async_save: bool = _f(True, "write periodic checkpoints in a background thread: training waits only for the "
                                 "CPU copy of the state (the file appears when written; checkpoints at a stop, the "
                                 "end or an error are waited for)")
-    resume: str = _f("auto", "auto (latest checkpoint in out_dir if any) | none | a checkpoint directory")
+    resume: str = _f("auto", "auto (latest checkpoint in out_dir if any) | none (start over: out_dir's earlier "
+                             "checkpoints are removed once this run writes) | a checkpoint directory (out_dir's "
+                             "later ones are removed likewise)")
     save_final: bool = _f(True, "write the final adapter (LoRA) or HF model directory (full)")
     cuda_graphs: str = _f("auto", "capture forward+backward in CUDA graphs and replay them: auto (on for CUDA "
                                   "processes, data parallel included, without activation checkpointing; the "
