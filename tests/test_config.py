@@ -328,3 +328,17 @@ def test_optim_fused_from_yaml_and_its_errors(tmp_path):
 
 def test_out_dir_help_mentions_the_data_copies():
     assert "data/" in _help_of("train.out_dir")
+
+
+def test_lora_targets_take_names_and_all_linear_but_no_regex():
+    """A regular expression would be cut at its commas by the list syntax and then match nothing (PEFT reads a
+    single string as one): refused at config time; all-linear is the 7 projections, lora.inject's defaults."""
+    from chronicals.config import LORA_PROJECTIONS, ConfigError, LoraSection
+    from chronicals.lora.inject import DEFAULT_TARGETS
+
+    assert LORA_PROJECTIONS == DEFAULT_TARGETS
+    assert LoraSection(targets=["all-linear"]).targets == list(DEFAULT_TARGETS)
+    assert LoraSection(targets=["q_proj", "model.layers.0.mlp.down_proj"]).targets[1] == "model.layers.0.mlp.down_proj"
+    for bad in ([r".*\.(q|v)_proj"], ["q_proj", "v_proj$"]):
+        with pytest.raises(ConfigError, match="regular expressions are not read from the config: list the names"):
+            LoraSection(targets=bad)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -155,14 +156,21 @@ class DataSection:
                self.tokens_per_batch, f"0 (rows) or >= data.max_seq_len={self.max_seq_len} (a document must fit)")
 
 
+# lora.targets' default and all-linear: lora.inject.DEFAULT_TARGETS (config imports nothing of ours; a test keeps
+# the two equal)
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_MODULE_NAME = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
+
+
 @dataclass
 class LoraSection:
     enabled: bool = _f(True, "train LoRA adapters (true) or every weight (false: full fine-tuning)")
     rank: int = _f(16, "LoRA rank r")
     alpha: float = _f(32.0, "LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with rslora)")
     dropout: float = _f(0.0, "dropout on the LoRA branch input (0 needs no copy of the activations)")
-    targets: list = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                       "module names that get adapters")
+    targets: list = _f(list(LORA_PROJECTIONS), "module names that get adapters (a name matches it and any dotted "
+                                               "path ending in it, as in PEFT's list form); all-linear = the 7 "
+                                               "projections")
     modules_to_save: list = _f([], "modules trained in full next to the adapters and saved with them in the "
                                    "adapter (PEFT modules_to_save), e.g. [lm_head] or [embed_tokens, lm_head]")
     rslora: bool = _f(False, "rank-stabilized scaling alpha / sqrt(r)")
@@ -178,6 +186,12 @@ class LoraSection:
         _check(self.plus_ratio > 0, "lora.plus_ratio", self.plus_ratio, "a number > 0")
         _check(len(self.targets) > 0 and all(isinstance(t, str) for t in self.targets), "lora.targets",
                self.targets, "a non-empty list of module names such as [q_proj, v_proj]")
+        if self.targets == ["all-linear"]:  # PEFT's shorthand: every linear layer but the output head
+            self.targets = list(LORA_PROJECTIONS)
+        # a regular expression (PEFT's single-string form) would be cut at its commas by the list syntax
+        _check(all(_MODULE_NAME.match(t) for t in self.targets), "lora.targets", self.targets,
+               "module names such as [q_proj, v_proj] or all-linear; regular expressions are not read from the "
+               "config: list the names (a name also matches every dotted path ending in it)")
         _check(isinstance(self.modules_to_save, list) and all(isinstance(t, str) for t in self.modules_to_save),
                "lora.modules_to_save", self.modules_to_save, "a list of module names such as [lm_head]")
 

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..lora.inject import DEFAULT_TARGETS as LORA_TARGETS  # noqa: F401  (the 7 projections: every LoRA row's targets)
 from ..train.metrics import matmul_params, train_flops_per_token  # noqa: F401  (one MFU formula for train and bench)
-
-# The seven linear projections of a Llama-family block: what LoRA targets in every row of the bench.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _qwen2(hidden, inter, layers, heads, kv_heads, vocab=151936, tied=True) -> dict:
