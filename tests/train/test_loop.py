@@ -463,3 +463,19 @@ def test_settings_that_do_nothing_are_named(tmp_path, docs, caplog):
               model=tiny_model(), train_loader=SyntheticLoader(docs))
     assert "lora.rank, lora.modules_to_save set, but lora.enabled=false" in caplog.text
     assert "model.checkpoint_layers=5 but the model has 2 decoder layers" in caplog.text
+
+
+def test_overlap_grad_reduce_in_one_process_is_named(tmp_path, docs, caplog):
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        train(tiny_config(tmp_path, train__max_steps=1, train__overlap_grad_reduce=True), model=tiny_model(),
+              train_loader=SyntheticLoader(docs))
+    assert "train.overlap_grad_reduce=true does nothing in one process" in caplog.text
+
+
+def test_a_warmup_as_long_as_the_run_is_named_with_where_the_peak_lands(tmp_path, docs, caplog):
+    """warmup 5 over a 3-step run is clamped to 2: steps 1, 2, 3 run at 1/2, 1, 1 of the peak."""
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        train(tiny_config(tmp_path, train__max_steps=3, schedule__warmup_steps=5, optim__lr=1e-3), model=tiny_model(),
+              train_loader=SyntheticLoader(docs))
+    assert "warming up over 2 step(s) instead, so the lr reaches its peak at step 2" in caplog.text
+    assert [r["lr"] for r in _train_records(tmp_path / "run")] == pytest.approx([5e-4, 1e-3, 1e-3])

@@ -43,8 +43,11 @@ def resolve_impl(op: str, impl: str, device: torch.device) -> str:
     """Return "triton" or "torch" for ``op`` on ``device``; log the choice once."""
     chosen = check_impl(op, impl, device)
     key = (op, impl, device.type)
-    # logging inside a torch.compile'd graph breaks fullgraph=True; the eager first call logs instead
-    if key not in _logged and not torch.compiler.is_compiling():
+    # logging inside a torch.compile'd graph breaks fullgraph=True; the eager first call logs instead. The
+    # is_compiling() test comes first: read while tracing, _logged became a guard, and every op first logged
+    # later in eager code recompiled the frame (one of the guards that took model.compile's decoder layer past
+    # dynamo's recompile limit)
+    if not torch.compiler.is_compiling() and key not in _logged:
         _logged.add(key)
         log.info("%s: impl=%s resolved to %s on %s", op, impl, chosen, device.type)
     return chosen

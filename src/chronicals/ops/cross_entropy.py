@@ -8,7 +8,8 @@ such a row reads no logit and contributes zero gradient (like an ignored row), s
 are unchanged. Both impls agree on this; checking on the host would need a device sync (labels.max()).
 reduction: "mean" over non-ignored tokens (0 when there are none), "sum", or "none" ((N,), 0 where ignored).
 softcap: Gemma-2 style logit capping, logits = softcap * tanh(logits / softcap).
-The loss is fp32; gradients come back in the dtype of hidden / weight / bias.
+The loss is fp32, or float64 for float64 inputs under impl="torch" (a float64 reference run stays float64 end
+to end); gradients come back in the dtype of hidden / weight / bias.
 
 Gradient accumulation and data parallelism: call with reduction="sum" and divide by the global count of
 loss tokens (``(labels != ignore_index).sum()`` over every micro-batch and rank); "mean" is exactly
@@ -94,13 +95,15 @@ MIN_CHUNK_ROWS = 256
 
 
 def cross_entropy_ref(logits, labels, *, ignore_index=-100, reduction="mean", softcap=None):
-    """logits (N, V) any dtype, labels (N,) int -> loss in fp32 with the given reduction.
+    """logits (N, V) any dtype, labels (N,) int -> loss in fp32 (float64 for float64 logits) with the given
+    reduction.
 
     A label outside [0, V) that is not ignore_index gives NaN for its row and zero gradient (module docstring).
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction={reduction!r} is not one of {REDUCTIONS}")
-    logits = logits.float()
+    # bf16 / fp16 / fp32 are computed in fp32; float64 stays float64 (model.dtype=float64, the reference runs)
+    logits = logits if logits.dtype == torch.float64 else logits.float()
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     labels = labels.long()  # F.cross_entropy takes int64 targets only
@@ -419,7 +422,11 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
                          softcap=None, impl: str = "auto", vocab_parts: int = 1):
     """Loss of ``hidden @ weight.T (+ bias)`` against ``labels``; see the module docstring.
 
-    hidden (N, H), weight (V, H), labels (N,), bias (V,) or None -> fp32 loss, () or (N,) for "none".
+    hidden (N, H), weight (V, H), labels (N,), bias (V,) or None -> fp32 loss (float64 for float64 inputs
+    under impl="torch"), () or (N,) for "none".
+    impl: "triton" is the fused path that never builds the (N, V) logits; "torch" (what "auto" picks on CPU)
+    is its reference twin, ``linear_cross_entropy_ref``: it materializes the (N, V) logits (as transformers
+    does) and ignores vocab_parts.
     vocab_parts (fused path, weight gradient only): k > 1 keeps the fp32 weight-gradient accumulator at
     V x H x 4 / k bytes for (k - 1) / k more logits GEMMs and as many dW GEMMs of 1/k the size.
     Labels must be in [0, V) or equal ignore_index; any other label gives NaN for its row (and for "mean" /

@@ -254,6 +254,9 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     # data parallel: the gradient all-reduce after backward, or (train.overlap_grad_reduce) in flat buckets during
     # the last micro-batch's backward (train/grad_buckets.py)
     reducer = GradBuckets(dp, trainable) if dp.enabled and cfg.train.overlap_grad_reduce else None
+    if cfg.train.overlap_grad_reduce and not dp.enabled:
+        log.warning("train.overlap_grad_reduce=true does nothing in one process: it overlaps data parallel's "
+                    "gradient all-reduce with backward (torchrun --nproc-per-node N); drop it")
     if dp.enabled:
         log.info("data parallel: gradient all-reduce %s", "overlapped with backward (train.overlap_grad_reduce)"
                  if reducer else "after backward")

@@ -130,8 +130,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_st
     s = cfg.schedule
     warmup = min(s.warmup_steps, max(0, total_steps - 1))
     if warmup < s.warmup_steps:
-        log.warning("schedule.warmup_steps=%d is not shorter than the run's %d steps: warming up over %d steps, so "
-                    "the lr reaches its peak at the last step and never decays; lower schedule.warmup_steps",
-                    s.warmup_steps, total_steps, warmup)
+        log.warning("schedule.warmup_steps=%d is not shorter than the run's %d steps: warming up over %d step(s) "
+                    "instead, so the lr reaches its peak at step %d and the decay has no steps left; lower "
+                    "schedule.warmup_steps", s.warmup_steps, total_steps, warmup, max(1, warmup))
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, warmup, s.kind, s.min_lr_ratio))
