@@ -28,7 +28,7 @@ def tiny_base(tmp_path_factory):
 def test_help_shows_every_field_doc(capsys):
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
-    assert "usage: chronicals train" in out and "lora.plus_ratio" in out and "warmup steps" in out
+    assert "usage: chronicals train" in out and "lora.plus_ratio" in out and "linear warmup over k steps" in out
 
 
 def test_bad_value_fails_before_model_load(capsys):

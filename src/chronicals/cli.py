@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -225,17 +226,21 @@ COMMANDS = {"train": cmd_train, "export": cmd_export, "chat": cmd_chat,
             "generate": lambda argv: cmd_chat(argv, prog="generate"), "bench": cmd_bench}
 
 
+def _usage(argv: list[str]) -> int:
+    if argv and argv[0] not in ("-h", "--help"):
+        print(f"error: unknown command {argv[0]!r}", file=sys.stderr)
+    print("usage: chronicals {train,export,chat,generate,bench} ...\n"
+          "  train     fine-tune (no arguments: the embedded demo); chronicals train --help lists every key\n"
+          "  export    merge a LoRA adapter into its base and write a Hugging Face directory\n"
+          "  chat      answer prompts with a base or fine-tuned model (generate: the same)\n"
+          "  bench     the end-to-end benchmark table")
+    return 0 if not argv or argv[0] in ("-h", "--help") else 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"error: unknown command {argv[0]!r}", file=sys.stderr)
-        print("usage: chronicals {train,export,chat,generate,bench} ...\n"
-              "  train     fine-tune (no arguments: the embedded demo); chronicals train --help lists every key\n"
-              "  export    merge a LoRA adapter into its base and write a Hugging Face directory\n"
-              "  chat      answer prompts with a base or fine-tuned model (generate: the same)\n"
-              "  bench     the end-to-end benchmark table")
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+        return _quiet_if_stdout_closes(_usage, argv)
     # SIGINT / SIGTERM outside the training loop (which checkpoints and stops on its own): unwind as a Ctrl-C
     # does, so temporary outputs are removed; one that lands inside a library (an import, a tokenizer) can
     # surface as another error, still a stop
@@ -247,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             raise KeyboardInterrupt
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return COMMANDS[argv[0]](argv[1:])
+        return _quiet_if_stdout_closes(COMMANDS[argv[0]], argv[1:])
     except KeyboardInterrupt:  # a signal outside the loop, or a second Ctrl-C within it
         interrupted = interrupted or [signal.SIGINT]
     except Exception as e:
@@ -262,6 +267,36 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ninterrupted ({name}) outside a training step: checkpoints already written stay, and a train run "
           "continues from the newest with train.resume=auto", file=sys.stderr)
     return 130
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has exited (poll reports POLLERR on Linux, POLLHUP on BSD/macOS);
+    a BrokenPipeError from another pipe or socket is an error like any other OSError."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), or stdout is not a file descriptor
+        return False
+
+
+def _quiet_if_stdout_closes(command, argv: list[str]) -> int:
+    """``command(argv)``, ended as a command killed by SIGPIPE would when stdout's reader goes away
+    (`chronicals train --help | head -1`): no message, status 141 (128 + SIGPIPE, the shell's convention).
+    stdout then writes to os.devnull, so the interpreter's exit flush of what is still buffered does not raise
+    BrokenPipeError again. A BrokenPipeError from another pipe goes on to main's handler (exit status 3)."""
+    try:
+        rc = command(argv)
+        if sys.stdout is not None:  # None without a console (pythonw); print() then writes nothing
+            sys.stdout.flush()  # a reader gone early raises here, not in the interpreter's exit flush
+        return rc
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141
 
 
 def _failed(e: Exception) -> int:

@@ -66,8 +66,9 @@ def parse_args(argv):
     ap.add_argument("--learning-steps", type=int, default=40)
     ap.add_argument("--learning-lr", type=float, help="full-FT lr of the learning check (default 3e-4; 3e-3 --tiny)")
     ap.add_argument("--seq-sweep", action="store_true", help=f"seq {SEQ_SWEEP[0]}..{SEQ_SWEEP[-1]} at fixed tokens per step")
-    ap.add_argument("--model-sweep", action="store_true", help="LoRA at 0.5b, 1.5b, 3b, 8b (4 x 2048); "
-                    "checkpointing on where a row runs out of memory without it")
+    ap.add_argument("--model-sweep", action="store_true", help="LoRA at 0.5b, 1.5b, 3b, 8b (4 x 2048), or at "
+                    "--shape only (--tiny: the tiny shape, 2 x 32); checkpointing on where a row runs out of memory "
+                    "without it")
     ap.add_argument("--max-context", action="store_true", help="longest trainable seq per shape (1 row, checkpointing; "
                     "0.5b, 1.5b, 3b, 8b unless --shape)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per worker process")
@@ -209,8 +210,8 @@ def run_plan(args) -> dict:
             results["tables"].append({"title": f"seq sweep, {sh.note}, {spec.rows} x {seq}", "shape": sh.name,
                                       "rows": spec.rows, "seq": seq, "rows_data": rows})
     if args.model_sweep:
-        for name in SWEEP_SHAPES:
-            spec = spec_for(name, rows=args.rows or 4, seq=args.seq or 2048)
+        for name, n_rows, n_seq in model_sweep_plan(args):
+            spec = spec_for(name, rows=n_rows, seq=n_seq)
             print(f"model sweep {name}: {spec.rows} x {spec.seq}, LoRA")
             rows = contender_rows(runner, chosen or LORA_SWEEP, spec, peak)
             retry = [r["contender"] for r in rows if r["status"] == "OOM"]
@@ -222,6 +223,18 @@ def run_plan(args) -> dict:
         results["max_context"] = max_context(runner, shapes if args.shape or tiny else list(SWEEP_SHAPES),
                                              chosen or LORA_SWEEP, base, tiny)
     return results
+
+
+def model_sweep_plan(args) -> list[tuple[str, int, int]]:
+    """(shape, rows, seq) of each --model-sweep table: SWEEP_SHAPES at 4 x 2048, or --shape's alone; --tiny
+    (or --shape tiny) the tiny shape alone at its own 2 x 32. --rows / --seq override the batch."""
+    names = [args.shape] if args.shape else ["tiny"] if args.tiny else list(SWEEP_SHAPES)
+    out = []
+    for name in names:
+        sh = get_shape(name)
+        rows, seq = (sh.rows, sh.seq) if name == "tiny" else (4, 2048)
+        out.append((name, args.rows or rows, args.seq or seq))
+    return out
 
 
 def max_context(runner: Runner, shapes, names, base: RunSpec, tiny: bool) -> list[dict]:

@@ -28,11 +28,6 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def check_last_dim_contiguous(name: str, t: torch.Tensor) -> torch.Tensor:
-    """Kernels index the last dim with stride 1; other dims may be strided (views from .view/.transpose)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def check_device(op: str, *tensors: torch.Tensor) -> None:
     devs = {t.device for t in tensors if t is not None}
     if len(devs) > 1:

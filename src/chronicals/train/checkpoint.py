@@ -2,10 +2,11 @@
 
 Layout: ``<out_dir>/checkpoints/step-000120/state.pt``. Each is written to a ``.tmp-*`` directory
 first and renamed into place, so a crash mid-write never leaves a half checkpoint that ``resume=auto``
-would pick up. Only trainable parameters are stored (the adapters under LoRA: ~1.8 MB at r=16 for
-SmolLM2-135M instead of 540 MB), and the last ``keep_last`` checkpoints are kept. ``CheckpointWriter``
-(the trainer's, ``train.async_save``) takes the CPU snapshot in the training thread and writes the file in a
-background thread.
+would pick up. Only trainable parameters are stored, with their optimizer state: under LoRA the adapters, so
+SmolLM2-135M at r=16 (4.88M fp32 adapter parameters, 19.5 MB, plus AdamW's two moments) writes a 59.0 MB
+state.pt (59,047,960 bytes measured, fp32 on CPU) instead of the 540 MB of its fp32 weights alone. The last
+``keep_last`` checkpoints are kept. ``CheckpointWriter`` (the trainer's, ``train.async_save``) takes the CPU
+snapshot in the training thread and writes the file in a background thread.
 """
 
 from __future__ import annotations
@@ -132,12 +133,6 @@ def write_checkpoint(out_dir: str | Path, state: dict, keep_last: int = 2) -> Pa
     for old in checkpoint_dirs(out_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, optimizer, scheduler,
-                    data_state: dict, extra: dict | None = None, keep_last: int = 2) -> Path:
-    """Write ``out_dir/checkpoints/step-{step:06d}`` atomically; delete all but the newest ``keep_last``."""
-    return write_checkpoint(out_dir, snapshot(step, model, optimizer, scheduler, data_state, extra), keep_last)
 
 
 class CheckpointWriter:

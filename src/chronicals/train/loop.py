@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -66,7 +66,6 @@ class TrainResult:
     train_seconds: float = 0.0
     plot: Path | None = None
     data_stats: object | None = None  # the training set's DatasetStats (records kept, skipped, cut), if known
-    extra: dict = field(default_factory=dict)
 
 
 class _Stream:

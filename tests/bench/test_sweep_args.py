@@ -1,0 +1,35 @@
+"""--model-sweep honours --tiny and --shape: the plan and the tables run_plan builds from it (no model is built:
+the contender runs are recorded, not started)."""
+
+import pytest
+
+from chronicals.bench import cli
+
+
+@pytest.mark.parametrize("argv,plan", [
+    ([], [("0.5b", 4, 2048), ("1.5b", 4, 2048), ("3b", 4, 2048), ("8b", 4, 2048)]),
+    (["--tiny"], [("tiny", 2, 32)]),
+    (["--shape", "tiny"], [("tiny", 2, 32)]),
+    (["--shape", "3b"], [("3b", 4, 2048)]),
+    (["--tiny", "--rows", "3", "--seq", "16"], [("tiny", 3, 16)]),
+    (["--shape", "1.5b", "--seq", "1024"], [("1.5b", 4, 1024)]),
+])
+def test_model_sweep_plan(argv, plan):
+    assert cli.model_sweep_plan(cli.parse_args(["--model-sweep", *argv])) == plan
+
+
+@pytest.mark.parametrize("argv,tables", [
+    (["--tiny"], [("tiny", 2, 32)]),
+    (["--shape", "8b"], [("8b", 4, 2048)]),
+])
+def test_run_plan_sweeps_only_the_chosen_shape(monkeypatch, argv, tables):
+    ran = []
+
+    def record(runner, names, spec, peak):
+        ran.append((spec.shape, spec.rows, spec.seq, tuple(names)))
+        return []
+
+    monkeypatch.setattr(cli, "contender_rows", record)
+    res = cli.run_plan(cli.parse_args(["--device", "cpu", "--model-sweep", *argv]))
+    assert ran == [(*t, cli.LORA_SWEEP) for t in tables]
+    assert [(t["shape"], t["rows"], t["seq"]) for t in res["tables"]] == tables
