@@ -149,7 +149,10 @@ def cmd_export(argv: list[str]) -> int:
     p.add_argument("--adapter", required=True, help="adapter directory (PEFT format, e.g. runs/demo/adapter)")
     p.add_argument("--out", required=True, help="output directory (replaced atomically if it exists and holds "
                                                 "only a model's files)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the written weights")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the written weights; the base loads in it (bfloat16: half the memory), and each "
+                        "W + s B A is computed in fp32 and rounded once (from an fp32 base checkpoint, float32 "
+                        "avoids rounding W twice)")
     a = p.parse_args(argv)
     a.base = _base_for(a.adapter, a.base, "--base")
     out = Path(a.out).resolve()
