@@ -150,6 +150,9 @@ def main() -> None:
     ap.add_argument("--master-weights", default="false", choices=("false", "auto", "true"),
                     help="optim.master_weights of the train() rows (auto: fp32 masters for bf16 weights, the "
                          "trainer's default; false: AdamW on the bf16 weights, as the protocol rows)")
+    ap.add_argument("--train-only", action="store_true",
+                    help="only the train() rows: their peak memory then owes nothing to a protocol row run before "
+                         "them in this process")
     args = ap.parse_args()
     global MASTER_WEIGHTS
     MASTER_WEIGHTS = args.master_weights
@@ -159,6 +162,8 @@ def main() -> None:
         for method in args.methods.split(","):
             loops = ((("bench protocol", protocol_row), ("train()", trainer_row)) if args.world == 1 else
                      ((f"train(), {args.world} ranks", dp_trainer_row),))
+            if args.train_only:
+                loops = tuple(lp for lp in loops if lp[1] is not protocol_row)
             for loop, fn in loops:
                 extra = (() if fn is protocol_row else (Path(tmp),)) + ((args.world,) if fn is dp_trainer_row else ())
                 try:
@@ -180,6 +185,7 @@ def main() -> None:
             "min_grad_norm", "loss_first_last", "status"]
     table = markdown_table(rows, cols)
     name = (f"bench_trainer_{args.shape}" + (f"_dp{args.world}" if args.world > 1 else "")
+            + ("_train_only" if args.train_only else "")
             + (f"_master_{args.master_weights}" if args.master_weights != "false" else ""))
     path = write_results(name, {"rows": rows, "warmup": args.warmup, "steps": args.steps, "world": args.world},
                          markdown=table, out_dir=args.out)
