@@ -1,0 +1,75 @@
+"""adapter_config.json fields that the logit round trips of test_peft.py cannot see: lora_dropout (off in eval
+mode), every PEFT option we do not implement (test_peft.py tries use_dora only), and a tied lm_head trained by
+the adapter, which only shows once the merged model is saved and loaded again (`chronicals export`)."""
+
+import json
+
+import peft
+import pytest
+import torch
+import transformers
+
+import chronicals
+from chronicals.lora import apply_lora, load_adapter, lora_modules, merge_lora, save_adapter
+
+from .conftest import hf_config, tiny_model
+
+
+def test_adapter_keeps_its_dropout(tmp_path):
+    """lora_dropout is written to adapter_config.json (PEFT reads it back) and applied by load_adapter, so an
+    adapter trained further, by PEFT or by us, keeps its dropout instead of training on without it."""
+    ours = tiny_model()
+    apply_lora(ours, r=2, alpha=4, dropout=0.1, target_modules=["q_proj", "down_proj"])
+    save_adapter(ours, tmp_path / "a")
+    assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["lora_dropout"] == 0.1
+    assert peft.LoraConfig.from_pretrained(tmp_path / "a").lora_dropout == 0.1
+    again = tiny_model()
+    assert load_adapter(again, tmp_path / "a").dropout == 0.1
+    assert [m.dropout for _, m in lora_modules(again)] == [0.1] * 4
+
+
+UNSUPPORTED = [("fan_in_fan_out", True), ("bias", "all"), ("rank_pattern", {"q_proj": 4}),
+               ("alpha_pattern", {"q_proj": 8}), ("layers_to_transform", [0]), ("lora_bias", True),
+               ("target_parameters", ["mlp.experts.gate_up_proj"]), ("layer_replication", [[0, 2]]),
+               ("trainable_token_indices", [1, 2]), ("exclude_modules", ["k_proj"])]
+
+
+@pytest.mark.parametrize("key,val", UNSUPPORTED, ids=[k for k, _ in UNSUPPORTED])
+def test_every_unsupported_peft_option_is_refused(tmp_path, key, val):
+    """An adapter that sets any PEFT option chronicals does not implement fails to load, naming the option,
+    instead of loading and computing something other than PEFT would."""
+    ours = tiny_model()
+    apply_lora(ours, r=2, alpha=4, target_modules=["q_proj"])
+    save_adapter(ours, tmp_path / "a")
+    path = tmp_path / "a" / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), key: val}))
+    with pytest.raises(ValueError, match=f"{key}=.* is not supported by chronicals.lora"):
+        load_adapter(tiny_model(), tmp_path / "a")
+
+
+def test_a_trained_tied_lm_head_survives_merge_save_and_load(tmp_path, ids):
+    """A PEFT adapter with modules_to_save=[lm_head] on a tied model (SmolLM2, small Qwen2.5): load_adapter
+    unties lm_head as PEFT does, and the merged model saved as an HF directory (what `chronicals export` does)
+    says it is untied and carries that lm_head, so it loads back with PEFT's logits. Left marked as tied, the
+    directory would hold no lm_head and the reloaded model would tie it to the embedding again."""
+    ours = tiny_model(tied=True)
+    cfg = hf_config("llama", tied=True)
+    cfg._attn_implementation = "eager"
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.load_state_dict(ours.state_dict(), strict=False)
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"],
+                                                 modules_to_save=["lm_head"], task_type="CAUSAL_LM"))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n or "modules_to_save" in n:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+        want = pm.eval()(input_ids=ids).logits
+    pm.save_pretrained(tmp_path / "peft")
+    load_adapter(ours, tmp_path / "peft")
+    merge_lora(ours)
+    out = chronicals.save_model(ours, None, tmp_path / "merged")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    again, _ = chronicals.load_model(out, tokenizer=False)
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids), want, rtol=1e-4, atol=1e-4)

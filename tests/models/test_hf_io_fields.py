@@ -1,0 +1,53 @@
+"""What save_model writes besides the weights, which the round trips of test_checkpoint_io.py never read:
+config.json's dtype (transformers' dtype="auto" follows it), the shard index's total_size, and file modes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import transformers
+from safetensors import safe_open
+
+import chronicals
+from chronicals.models import CausalLM, ModelConfig
+
+
+def _model(cfg: dict, dtype=torch.float32) -> CausalLM:
+    return CausalLM(ModelConfig.from_hf_dict(cfg)).init_weights(std=0.2, seed=0).to(dtype).eval()
+
+
+def test_config_names_the_saved_dtype_and_transformers_loads_it(tmp_path, tiny_hf_config):
+    """A bf16 model is saved with dtype "bfloat16" in config.json, so transformers' dtype="auto" loads it in
+    bf16 (not fp32 at twice the memory)."""
+    out = chronicals.save_model(_model(tiny_hf_config("qwen2"), torch.bfloat16), None, tmp_path / "m")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype="auto").dtype == torch.bfloat16
+
+
+def test_shard_index_total_size_is_the_bytes_of_every_tensor(tmp_path, tiny_hf_config):
+    """model.safetensors.index.json's metadata.total_size is the byte count of all tensors over the shards, as
+    transformers writes it (tools read it to size downloads and memory)."""
+    out = chronicals.save_model(_model(tiny_hf_config("llama3"), torch.bfloat16), None, tmp_path / "m",
+                                max_shard_bytes=10_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    total = 0
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(out / shard, "pt") as f:
+            total += sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    assert len(set(index["weight_map"].values())) >= 2
+    assert index["metadata"]["total_size"] == total > 0
+
+
+def test_saved_files_are_world_readable_under_a_strict_umask(tmp_path, tiny_hf_config):
+    """Under umask 077 (some writers create 0600 files) the saved directory is 0755 and its files 0644, so a
+    model saved on a shared machine can be read by other users."""
+    old = os.umask(0o077)
+    try:
+        out = chronicals.save_model(_model(tiny_hf_config("llama2")), None, tmp_path / "m", max_shard_bytes=20_000)
+    finally:
+        os.umask(old)
+    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in out.iterdir()}
+    assert len(modes) >= 3 and modes == {name: "0o644" for name in modes}
+    assert oct(out.stat().st_mode & 0o777) == "0o755"

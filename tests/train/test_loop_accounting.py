@@ -1,0 +1,65 @@
+"""What one optimizer step of the training loop consumes and records: train.grad_accum micro-batches per step,
+train.epochs counted in such steps, tokens/s as loss tokens over seconds, and the stop on a non-finite gradient
+norm under a finite loss.
+
+Every other trainer test sets train.max_steps, checks tokens/s only for being positive, or poisons the loss
+itself; a two-process test (test_distributed.py) is the only other one that sees grad_accum ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from chronicals.train import TrainingDiverged, train
+
+from train_helpers import SyntheticLoader, tiny_config, tiny_model
+
+
+def _train_records(run) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+
+
+def test_a_step_takes_grad_accum_micro_batches(tmp_path, docs):
+    """With train.grad_accum=3 each step trains on the next 3 batches (its loss tokens are theirs), not one."""
+    loader = SyntheticLoader(docs, shuffle=False)
+    train(tiny_config(tmp_path, train__max_steps=2, train__grad_accum=3), model=tiny_model(), train_loader=loader)
+    want = [sum(b.num_loss_tokens for b in loader.batches[i:i + 3]) for i in (0, 3)]
+    assert [r["loss_tokens"] for r in _train_records(tmp_path / "run")] == want
+
+
+def test_epochs_count_steps_of_grad_accum_batches(tmp_path, docs):
+    """train.epochs=1 with train.grad_accum=2 is len(loader) / 2 steps that train every batch once, not
+    len(loader) steps (two epochs' worth)."""
+    loader = SyntheticLoader(docs[:36], shuffle=False)  # 8 batches
+    assert len(loader) % 2 == 0 and len(loader) >= 4
+    res = train(tiny_config(tmp_path, train__max_steps=0, train__epochs=1, train__grad_accum=2), model=tiny_model(),
+                train_loader=loader)
+    assert res.total_steps == res.step == len(loader) // 2
+    assert sum(r["loss_tokens"] for r in _train_records(tmp_path / "run")) == \
+        sum(b.num_loss_tokens for b in loader.batches)
+
+
+def test_tokens_per_s_is_loss_tokens_over_step_seconds(tmp_path, docs):
+    """Each step's tokens_per_s in metrics.jsonl is its loss_tokens / step_s (any formula passes a check of the
+    sign alone)."""
+    train(tiny_config(tmp_path, train__max_steps=2), model=tiny_model(), train_loader=SyntheticLoader(docs))
+    recs = _train_records(tmp_path / "run")
+    assert len(recs) == 2
+    for rec in recs:
+        assert rec["tokens_per_s"] == pytest.approx(rec["loss_tokens"] / rec["step_s"])
+
+
+def test_an_infinite_gradient_norm_under_a_finite_loss_stops_before_its_update(tmp_path, docs):
+    """A step whose loss is finite but whose gradient norm is inf raises TrainingDiverged at that step, naming
+    the gradient norm, and its update is not applied (applied, it would make the weights NaN before any loss
+    showed it)."""
+    model = tiny_model()
+    w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.lm_head.weight.register_hook(lambda g: g + math.inf)
+    with pytest.raises(TrainingDiverged, match=r"gradient norm is inf \(loss [0-9.]+\) at step 1;"):
+        train(tiny_config(tmp_path, train__max_steps=3), model=model, train_loader=SyntheticLoader(docs))
+    assert all(torch.equal(p.detach(), w0[n]) for n, p in model.named_parameters())

@@ -1,0 +1,134 @@
+"""The optimizer and schedule a config builds, and that the loop uses them: each optim / schedule / LoRA+ setting
+reaches the torch objects, clipping changes the update, and each update runs at the lr its step records.
+
+The trainer's other tests compare two runs of the same loop (resumed vs straight, pipelined vs every step), so a
+setting dropped on the way to the optimizer shows in both and passes them; and "the loss goes down" holds with
+swapped betas, no clipping or the wrong schedule. These tests read the built objects, or a run's update, directly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from chronicals.lora import apply_lora
+from chronicals.train import train
+from chronicals.train.master_adamw import MasterWeightAdamW
+from chronicals.train.optim import build_optimizer, build_scheduler
+
+from train_helpers import SyntheticLoader, tiny_config, tiny_model
+
+CPU = torch.device("cpu")
+
+
+def _lrs(tmp_path, total: int, **schedule) -> list[float]:
+    """The lr of each of ``total`` steps that build_scheduler gives a peak lr of 1.0 under ``schedule``."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = build_scheduler(opt, tiny_config(tmp_path, **{f"schedule__{k}": v for k, v in schedule.items()}), total)
+    out = []
+    for _ in range(total):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear"])
+def test_schedule_warms_up_then_decays_from_the_peak_to_min_lr_ratio(tmp_path, kind):
+    """schedule.kind and schedule.min_lr_ratio reach the schedule: warmup to the peak (1.0, not 1 + min_lr_ratio),
+    the first decay step still at the peak, the last at min_lr_ratio (not 0), linear in equal steps. Catches
+    min_lr_ratio or kind not passed to the schedule, a cosine that adds min_lr_ratio on top of the peak, and a
+    linear decay that ignores min_lr_ratio (lr_factor's own test uses a nonzero ratio only at the last step,
+    where these bugs cancel)."""
+    lrs = _lrs(tmp_path, 10, kind=kind, warmup_steps=2, min_lr_ratio=0.2)
+    assert lrs[:3] == [0.5, 1.0, 1.0]
+    assert max(lrs) == 1.0 and lrs[-1] == pytest.approx(0.2)
+    diffs = [a - b for a, b in zip(lrs[2:], lrs[3:])]
+    if kind == "linear":
+        assert all(d == pytest.approx(0.8 / 7) for d in diffs)
+    else:  # cosine: slow, fast, slow
+        assert diffs[0] < diffs[3] > diffs[-1]
+
+
+def test_constant_schedule_holds_the_peak_after_warmup(tmp_path):
+    """schedule.kind=constant keeps the peak lr after warmup (a schedule that always decays would pass a check
+    of the warmup alone)."""
+    assert _lrs(tmp_path, 8, kind="constant", warmup_steps=2, min_lr_ratio=0.2) == [0.5] + [1.0] * 7
+
+
+def test_warmup_as_long_as_the_run_still_reaches_the_peak(tmp_path, caplog):
+    """schedule.warmup_steps >= the run's steps: warmup is shortened so the last step runs at the peak, as the
+    warning says (an unclamped warmup would end the run at 3/5 of the lr, with no warning)."""
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        lrs = _lrs(tmp_path, 3, kind="cosine", warmup_steps=5)
+    assert lrs == [0.5, 1.0, 1.0]
+    assert "schedule.warmup_steps=5 is not shorter than the run's 3 steps" in caplog.text
+
+
+def _groups(opt) -> dict:
+    return {g["name"]: g for g in opt.param_groups}
+
+
+def test_lora_optimizer_takes_lr_ratio_betas_eps_and_weight_decay_from_the_config(tmp_path):
+    """A LoRA optimizer gets lora.plus_ratio (B's lr = ratio x A's, not the built-in 16), optim.beta1 / beta2 in
+    that order, optim.eps, and optim.weight_decay on every matrix group (lora_A, lora_B and a modules_to_save
+    matrix), none on vectors. The LoRA+ grouping test checks the decay of lora_A only."""
+    cfg = tiny_config(tmp_path, lora__enabled=True, lora__plus_ratio=4.0, optim__lr=1e-3, optim__beta1=0.8,
+                      optim__beta2=0.95, optim__eps=1e-7, optim__weight_decay=0.1)
+    model = tiny_model()
+    apply_lora(model, r=2, alpha=4, target_modules=("q_proj", "down_proj"), modules_to_save=["embed_tokens", "norm"])
+    groups = _groups(build_optimizer(model, cfg, CPU))
+    assert {k: g["lr"] for k, g in groups.items()} == pytest.approx(
+        {"lora_A": 1e-3, "lora_B": 4e-3, "full": 1e-3, "no_decay": 1e-3})
+    assert {k: g["weight_decay"] for k, g in groups.items()} == {"lora_A": 0.1, "lora_B": 0.1, "full": 0.1,
+                                                                 "no_decay": 0.0}
+    assert all(g["betas"] == (0.8, 0.95) and g["eps"] == 1e-7 for g in groups.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["AdamW", "MasterWeightAdamW"])
+def test_full_finetune_optimizer_takes_betas_eps_and_weight_decay_from_the_config(tmp_path, dtype):
+    """Both optimizers build_optimizer picks (AdamW on fp32 weights, MasterWeightAdamW on bf16 ones) get
+    optim.beta1 / beta2 in that order, optim.eps and optim.weight_decay (vectors without decay)."""
+    cfg = tiny_config(tmp_path, optim__lr=1e-4, optim__beta1=0.8, optim__beta2=0.95, optim__eps=1e-7,
+                      optim__weight_decay=0.1)
+    opt = build_optimizer(tiny_model(dtype=dtype), cfg, CPU)
+    assert isinstance(opt, MasterWeightAdamW) == (dtype == torch.bfloat16)
+    groups = _groups(opt)
+    assert (groups["matrices"]["weight_decay"], groups["vectors"]["weight_decay"]) == (0.1, 0.0)
+    assert all(g["betas"] == (0.8, 0.95) and g["eps"] == 1e-7 for g in groups.values())
+
+
+def _update_norm(tmp_path, docs, clip: float) -> float:
+    """The norm of the change of every weight over 2 training steps with optim.grad_clip=clip."""
+    model = tiny_model()
+    w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    train(tiny_config(tmp_path / f"clip{clip}", train__max_steps=2, optim__grad_clip=clip), model=model,
+          train_loader=SyntheticLoader(docs, shuffle=False))
+    return sum((p.detach() - w0[n]).norm() ** 2 for n, p in model.named_parameters()).sqrt().item()
+
+
+def test_grad_clip_shrinks_the_update(tmp_path, docs):
+    """optim.grad_clip is applied to the gradients the optimizer steps on. Adam's update barely depends on a
+    uniform gradient scale, so a clip shows only once the clipped gradient is small against eps: a clip norm of
+    1e-7 over ~10k parameters shrinks the update severalfold against no clipping (0)."""
+    assert _update_norm(tmp_path, docs, 1e-7) < 0.5 * _update_norm(tmp_path, docs, 0.0)
+
+
+def test_each_update_runs_at_the_lr_its_step_records(tmp_path, docs):
+    """The optimizer steps before the schedule advances: step 1 of a 3-step warmup updates at lr / 3, the lr its
+    metrics record (stepping the schedule first would update at 2 lr / 3 while still recording lr / 3). Adam's
+    first update is lr x sign(g) where |g| >> eps, so the largest weight change is the lr used."""
+    model = tiny_model()
+    w0 = model.lm_head.weight.detach().clone()
+    seen = {}
+
+    def on_step(step, rec):
+        if step == 1:
+            seen["lr"], seen["dw"] = rec["lr"], (model.lm_head.weight.detach() - w0).abs().max().item()
+
+    train(tiny_config(tmp_path, train__max_steps=4, schedule__warmup_steps=3, optim__weight_decay=0.0), model=model,
+          train_loader=SyntheticLoader(docs), on_step=on_step)
+    assert seen["lr"] == pytest.approx(3e-3 / 3)
+    assert seen["dw"] == pytest.approx(seen["lr"], rel=1e-3)
