@@ -325,7 +325,7 @@ class TrainConfig:
     logging: LoggingSection = field(default_factory=LoggingSection)
 
     def __post_init__(self):
-        if self.train.cuda_graphs == "true":  # the device "auto" is checked when the run resolves it (train.graphs)
+        if self.train.cuda_graphs == "true":  # device "auto": checked once resolved, before loading (train.guards)
             _check(self.model.device != "cpu", "train.cuda_graphs", True, "false with model.device=cpu "
                    "(CUDA graphs need a GPU)")
             _check(not self.model.checkpoint_setting, "train.cuda_graphs", True, "false with model.checkpointing=true "

@@ -479,3 +479,19 @@ def test_a_warmup_as_long_as_the_run_is_named_with_where_the_peak_lands(tmp_path
               train_loader=SyntheticLoader(docs))
     assert "warming up over 2 step(s) instead, so the lr reaches its peak at step 2" in caplog.text
     assert [r["lr"] for r in _train_records(tmp_path / "run")] == pytest.approx([5e-4, 1e-3, 1e-3])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="model.device=auto resolves to the GPU here")
+def test_cuda_graphs_true_where_they_cannot_run_is_refused_before_loading(tmp_path, monkeypatch):
+    """train.cuda_graphs=true with model.device=auto on a machine without a GPU failed only at the first step,
+    after the model and data had loaded (model.device=cpu is refused when the config is read)."""
+    import chronicals.train.loop as loop
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the setting was checked")
+
+    monkeypatch.setattr(loop, "load_base", no_load)
+    with pytest.raises(ValueError, match=r"train.cuda_graphs=true needs CUDA, but this run's device is cpu"):
+        train(tiny_config(tmp_path, train__cuda_graphs="true", model__device="auto"),
+              train_loader=SyntheticLoader(synthetic_docs(4)))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -87,6 +87,14 @@ def check_resume_path(cfg: TrainConfig) -> None:
                                 "checkpoint directory (out_dir/checkpoints/step-N), or train.resume=auto")
 
 
+def check_cuda_graphs(cfg: TrainConfig, device) -> None:
+    """train.cuda_graphs=true with model.device=auto resolved to a CPU: said before the model and data load, not at
+    the first step after them (model.device=cpu and checkpointing are refused when the config is read)."""
+    if cfg.train.cuda_graphs == "true" and device.type != "cuda":
+        raise ValueError(f"train.cuda_graphs=true needs CUDA, but this run's device is {device} (model.device="
+                         f"{cfg.model.device}); use train.cuda_graphs=auto (on where graphs can run) or false")
+
+
 def final_dir(cfg: TrainConfig, out_dir: Path) -> Path:
     """Where the run's result goes: out_dir/adapter (LoRA, PEFT format) or out_dir/model (full, Hugging Face)."""
     return out_dir / ("adapter" if cfg.lora.enabled else "model")
