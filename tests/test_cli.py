@@ -350,3 +350,11 @@ def test_sigterm_outside_the_training_loop_unwinds_like_ctrl_c(monkeypatch, caps
     assert "interrupted (SIGTERM) outside a training step" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.default_int_handler) or callable(
         signal.getsignal(signal.SIGTERM))
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a GPU")
+def test_a_device_this_machine_lacks_is_a_config_error(capsys):
+    """model.device=cuda without a GPU is a bad value for this machine: exit 2 (bad config), not 3 (bad input
+    file), and before any model loads."""
+    assert main(["train", "model.device=cuda", "model.path=/nonexistent/model"]) == 2
+    assert "model.device=cuda but no CUDA device is visible; use model.device=cpu" in capsys.readouterr().err

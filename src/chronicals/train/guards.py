@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import DEMO, TrainConfig
+from ..config import DEMO, ConfigError, TrainConfig
 from .checkpoint import STATE_FILE
 
 
@@ -91,8 +91,9 @@ def check_cuda_graphs(cfg: TrainConfig, device) -> None:
     """train.cuda_graphs=true with model.device=auto resolved to a CPU: said before the model and data load, not at
     the first step after them (model.device=cpu and checkpointing are refused when the config is read)."""
     if cfg.train.cuda_graphs == "true" and device.type != "cuda":
-        raise ValueError(f"train.cuda_graphs=true needs CUDA, but this run's device is {device} (model.device="
-                         f"{cfg.model.device}); use train.cuda_graphs=auto (on where graphs can run) or false")
+        raise ConfigError(f"train.cuda_graphs=true needs CUDA, but this run's device is {device} (model.device="
+                          f"{cfg.model.device}); use train.cuda_graphs=auto (on where graphs can run) or false",
+                          "train.cuda_graphs")
 
 
 def final_dir(cfg: TrainConfig, out_dir: Path) -> Path:

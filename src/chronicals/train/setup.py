@@ -8,24 +8,25 @@ from pathlib import Path
 
 import torch
 
-from ..config import DEMO, DEMO_SYSTEM_PROMPT, TrainConfig
+from ..config import DEMO, DEMO_SYSTEM_PROMPT, ConfigError, TrainConfig
 from . import qa as qa_mod
 
 log = logging.getLogger("chronicals.train")
 
 
 def resolve_device(name: str, key: str = "model.device") -> torch.device:
-    """auto | cpu | cuda | cuda:N -> a device; ``key`` names the setting in errors (a config key, a CLI flag)."""
+    """auto | cpu | cuda | cuda:N -> a device; ``key`` names the setting in errors (a config key, a CLI flag):
+    a ConfigError (exit status 2), since a setting this machine cannot run is a bad value here."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(name)
     except RuntimeError:
-        raise ValueError(f"{key}={name} is not a device; use auto, cpu, cuda or cuda:N") from None
+        raise ConfigError(f"{key}={name} is not a device; use auto, cpu, cuda or cuda:N", key) from None
     if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"{key}={name}: chronicals runs on cpu or cuda; use auto, cpu, cuda or cuda:N")
+        raise ConfigError(f"{key}={name}: chronicals runs on cpu or cuda; use auto, cpu, cuda or cuda:N", key)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"{key}={name} but no CUDA device is visible; use {key}=cpu")
+        raise ConfigError(f"{key}={name} but no CUDA device is visible; use {key}=cpu", key)
     return dev
 
 
