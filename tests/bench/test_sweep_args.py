@@ -33,3 +33,22 @@ def test_run_plan_sweeps_only_the_chosen_shape(monkeypatch, argv, tables):
     res = cli.run_plan(cli.parse_args(["--device", "cpu", "--model-sweep", *argv]))
     assert ran == [(*t, cli.LORA_SWEEP) for t in tables]
     assert [(t["shape"], t["rows"], t["seq"]) for t in res["tables"]] == tables
+
+
+@pytest.mark.parametrize("argv", [["--tiny"], ["--shape", "tiny"]])
+def test_shape_tiny_is_tiny(monkeypatch, argv):
+    """--shape tiny runs as --tiny does: 1 + 2 steps, not the protocol's 4 + 12 (a CPU run of minutes)."""
+    specs = []
+
+    class Runner:
+        def __init__(self, timeout):
+            pass
+
+        def run(self, name, spec):
+            specs.append(spec)
+            return {"contender": name, "status": "skipped"}
+
+    monkeypatch.setattr(cli, "Runner", Runner)
+    monkeypatch.setattr(cli, "contender_rows", lambda runner, names, spec, peak: specs.append(spec) or [])
+    cli.run_plan(cli.parse_args(["--device", "cpu", "--no-correctness", "--no-learning", *argv]))
+    assert specs and all((s.warmup, s.steps) == (1, 2) for s in specs)

@@ -153,7 +153,7 @@ def with_graphs(names: list[str]) -> list[str]:
 
 
 def run_plan(args) -> dict:
-    tiny = args.tiny
+    tiny = args.tiny or args.shape == "tiny"  # --shape tiny is --tiny: its step counts and learning check too
     device = args.device or default_device()
     sweeping = args.seq_sweep or args.model_sweep or args.max_context
     warmup = args.warmup if args.warmup is not None else (1 if tiny else 2 if args.quick else 4)
