@@ -32,6 +32,13 @@ def packed_rows(b, s, gen, mean_doc=300):
     return torch.tensor(cuts, dtype=torch.int32, device="cuda")
 
 
+def packed_or_rows(b, s, gen, mean_doc):
+    """cu_seqlens over b rows of s tokens: random documents of ~mean_doc tokens, or one document per row (None)."""
+    if mean_doc is None:
+        return torch.arange(0, b * s + 1, s, dtype=torch.int32, device="cuda")
+    return packed_rows(b, s, gen, mean_doc)
+
+
 def check(b=4, s=512, hq=14, hk=2, d=64) -> tuple[list[dict], bool]:
     gen = torch.Generator().manual_seed(0)
     cu = packed_rows(b, s, gen, mean_doc=120)

@@ -15,17 +15,10 @@ import time
 import torch
 from triton.testing import do_bench
 
-from bench_attention import packed_rows
+from bench_attention import packed_or_rows as packed
 from chronicals.ops.attention import attention_ref, attention_varlen_flash
 
 dev, bf = "cuda", torch.bfloat16
-
-
-def packed(b, s, gen, mean_doc):
-    """cu_seqlens int32 over b rows of s tokens; mean_doc None = one document per row."""
-    if mean_doc is None:
-        return torch.arange(0, b * s + 1, s, dtype=torch.int32, device=dev)
-    return packed_rows(b, s, gen, mean_doc)
 
 
 def cudnn_autograd(q, k, v, cu, maxs, scale):

@@ -19,17 +19,11 @@ import traceback
 import torch
 from triton.testing import do_bench
 
-from bench_attention import packed_rows
+from bench_attention import packed_or_rows as cu_for
 from chronicals.ops import attention_cudnn as ac
 from chronicals.ops.attention import attention_ref, attention_varlen_flash
 
 dev, bf = "cuda", torch.bfloat16
-
-
-def cu_for(b, s, gen, mean_doc):
-    if mean_doc is None:
-        return torch.arange(0, b * s + 1, s, dtype=torch.int32, device=dev)
-    return packed_rows(b, s, gen, mean_doc)
 
 
 def grads(fn, q, k, v, g):

@@ -97,17 +97,12 @@ def _here(model: str) -> bool:
     return model == EMBEDDED or Path(model).expanduser().exists()
 
 
-def _same_model(a: str, b: str) -> bool:
-    if a == b:
-        return True
-    return Path(a).expanduser().exists() and Path(b).expanduser().exists() and \
-        Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
-
-
 def _base_for(adapter: str | None, given: str | None, flag: str) -> str:
     """The model an adapter goes on: ``given``, else the base recorded in the adapter, else the embedded model.
     A given base other than the recorded one is allowed (a copy, a re-save) but warned about: an adapter on a
     base of the same shapes loads without any error and gives wrong outputs."""
+    from .models.loading import same_model
+
     recorded = _recorded_base(adapter) if adapter else None
     if given is None:
         if recorded is None:
@@ -122,7 +117,7 @@ def _base_for(adapter: str | None, given: str | None, flag: str) -> str:
         print(f"{flag} not given: using {recorded}, the base recorded in {adapter}/adapter_config.json",
               file=sys.stderr)
         return recorded
-    if recorded and _here(recorded) and not _same_model(given, recorded):
+    if recorded and _here(recorded) and not same_model(given, recorded):
         print(f"warning: {adapter} was trained on {recorded} (adapter_config.json base_model_name_or_path), not "
               f"{flag} {given}; its outputs are right only if {given} holds the same weights", file=sys.stderr)
     return given

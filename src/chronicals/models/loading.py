@@ -35,6 +35,17 @@ SHORT_NAMES = {
 }
 
 
+def same_model(a, b) -> bool:
+    """Whether two model.path values name one model: equal strings, or two spellings (relative / absolute, ~, a
+    symlink) of one existing file or directory."""
+    if a == b:
+        return True
+    try:
+        return os.path.samefile(Path(a).expanduser(), Path(b).expanduser())
+    except (OSError, TypeError):  # a path that does not exist, a short name, None
+        return False
+
+
 def resolve_path(path: str | os.PathLike) -> Path:
     """A short name, a .gguf file or an HF directory -> the file or directory to read."""
     if isinstance(path, str) and path.lower() in SHORT_NAMES:

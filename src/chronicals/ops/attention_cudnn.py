@@ -62,8 +62,8 @@ def available() -> bool:
 
 
 def bucket(n: int, minimum: int) -> int:
-    """The next power of two >= n, at least ``minimum``."""
-    cap = minimum
+    """The next power of two >= n, at least ``minimum`` (train.graphs pads cu_seqlens to the same buckets)."""
+    cap = max(minimum, 1)
     while cap < n:
         cap *= 2
     return cap

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..ops.attention_cudnn import MIN_DOCS, bucket
 from .step import loss_token_count
 
 if TYPE_CHECKING:
@@ -53,7 +54,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("chronicals.train")
 
-MIN_DOC_CAPACITY = 16  # smallest padded document count: one bucket serves every batch of <= 16 documents
+# smallest padded document count: one bucket serves every batch of <= 16 documents; the cuDNN attention op pads to
+# the same buckets (ops.attention_cudnn), so a captured step meets no graph shape of its own
+MIN_DOC_CAPACITY = MIN_DOCS
 
 
 def doc_capacity(num_docs: int, minimum: int = MIN_DOC_CAPACITY) -> int:
@@ -64,10 +67,7 @@ def doc_capacity(num_docs: int, minimum: int = MIN_DOC_CAPACITY) -> int:
     """
     if num_docs < 1:
         raise ValueError(f"doc_capacity: a packed batch has at least one document (got {num_docs})")
-    cap = max(minimum, 1)
-    while cap < num_docs:
-        cap *= 2
-    return cap
+    return bucket(num_docs, minimum)
 
 
 def graph_key(batch) -> tuple[int, int, int]:

@@ -4,9 +4,9 @@ checkpoint was written by a run with other settings or data."""
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
+from ..models.loading import same_model
 from . import checkpoint as ckpt
 
 log = logging.getLogger("chronicals.train")
@@ -53,15 +53,6 @@ def warn_data_changed(saved: dict | None, current: dict, path: Path) -> None:
 ADAPTER_KEYS = ("enabled", "rank", "alpha", "rslora", "targets", "modules_to_save")
 
 
-def _same_model_path(a, b) -> bool:
-    if a == b:
-        return True
-    try:  # two spellings of one directory or file (relative / absolute, a symlink)
-        return os.path.samefile(a, b)
-    except (OSError, TypeError):
-        return False
-
-
 def check_same_adapter(saved: dict | None, current: dict, path: Path) -> None:
     """A LoRA checkpoint resumes only under the lora settings and base model it was trained with (ValueError
     naming the keys that differ); a full fine-tune's checkpoint holds every trainable weight, so another
@@ -71,7 +62,7 @@ def check_same_adapter(saved: dict | None, current: dict, path: Path) -> None:
     lora = bool(saved.get("lora", {}).get("enabled")) or bool(current.get("lora", {}).get("enabled"))
     diffs = ckpt.config_diffs(saved, current, {"lora": ADAPTER_KEYS}) if lora else []
     old_path, new_path = saved.get("model", {}).get("path"), current.get("model", {}).get("path")
-    if old_path is not None and not _same_model_path(old_path, new_path):
+    if old_path is not None and not same_model(old_path, new_path):
         diffs.append(f"model.path={old_path!r} (this run: {new_path!r})")
     if not diffs:
         return
