@@ -77,7 +77,8 @@ class ModelSection:
     impl: str = _f("auto", "op implementations: auto (Triton on CUDA) | triton | torch")
     attention: str = _f("auto", "packed rows' attention kernel on CUDA: cudnn (cuDNN's ragged Hopper kernels, needs "
                                 "pip install nvidia-cudnn-frontend) | flash (PyTorch's varlen FlashAttention-2) | "
-                                "auto (cudnn where it is installed and the GPU is Hopper or newer, else flash)")
+                                "auto (cudnn where it is installed, the GPU is Hopper or newer and the batch's "
+                                "documents average >= 128 tokens, else flash)")
     checkpointing: bool = _f(False, "activation checkpointing: recompute each decoder layer in backward")
     checkpoint_layers: int = _f(0, "checkpoint only the first k decoder layers (0 = as model.checkpointing says); "
                                    "the fewest recomputed layers that fit memory")

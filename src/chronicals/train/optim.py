@@ -1,7 +1,8 @@
 """Optimizer and learning-rate schedule: AdamW (fused on CUDA), warmup then cosine / linear / constant.
 
-Master weights: full fine-tuning of bf16 weights keeps fp32 masters by default (``optim.master_weights``,
-train/master_adamw.py); plain AdamW on bf16 weights rounds away updates below half a bf16 step.
+Master weights: bf16 trainable weights (full fine-tuning and LoRA adapters) get fp32 masters by default
+(``optim.master_weights``, train/master_adamw.py); plain AdamW on bf16 weights rounds away updates below half a
+bf16 step.
 
 Parameter groups: under LoRA the LoRA+ groups from ``chronicals.lora`` (lr(B) = ratio x lr(A));
 under full fine-tuning two groups, with weight decay on matrices only (never on biases and norms).
