@@ -8,6 +8,9 @@ means the step is launch/CPU bound) and the top kernels by GPU time, grouped int
 
 With --graphs the graphed step (train.graphs.GraphedStep) is first checked against the eager one on the
 same weights and batch (loss and gradients), then profiled; a closing table compares step vs GPU-busy time.
+
+Each method also gets "where the time goes" (chronicals.bench.floors): every family's kernel time against
+its floor at the bf16 matmul rate and copy bandwidth measured at the start of the same run.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from pathlib import Path
 import torch
 
 from chronicals.bench.contenders import add_chronicals_lora, build_chronicals_model, rows_as_packed_batch
-from chronicals.bench.shapes import get_shape
+from chronicals.bench.floors import step_floors_ms, where_time_goes
+from chronicals.bench.shapes import get_shape, model_config
+from chronicals.train.metrics import matmul_peak_tflops
 from chronicals.train.graphs import GraphedStep
 from chronicals.train.step import accumulate_gradients
 
@@ -66,7 +71,17 @@ def check_graphed(model, batch, dev, graphed) -> dict:
     return out
 
 
-def profile(method: str, shape_name: str, steps: int, graphs: bool = False) -> dict:
+def copy_bandwidth_tb_s(nbytes: int = 2**30) -> float:
+    """Device-to-device copy rate in TB/s, bytes read + written (1 GiB source: ~20x the H200's L2)."""
+    import triton.testing
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
+    return 2 * nbytes / ms / 1e9
+
+
+def profile(method: str, shape_name: str, steps: int, graphs: bool = False, ceilings=None) -> dict:
     shape = get_shape(shape_name)
     dev = torch.device("cuda")
     model = build_chronicals_model(shape, dev, "auto", seed=0)
@@ -113,6 +128,9 @@ def profile(method: str, shape_name: str, steps: int, graphs: bool = False) -> d
            "top_kernels": [{"name": e.key[:110], "ms_per_step": round(device_us(e) / steps / 1e3, 3),
                             "calls_per_step": e.count // steps} for e in top],
            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+    if ceilings:
+        floors = step_floors_ms(model_config(shape), shape.rows, shape.seq, method, *ceilings)
+        out["where_time_goes"] = where_time_goes(out["families_ms"], floors, shape.rows * shape.seq)
     del model, opt
     torch.cuda.empty_cache()
     return out
@@ -126,10 +144,13 @@ def main():
     ap.add_argument("--graphs", action="store_true", help="each method eager, then as replayed CUDA graphs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    peak, copy = matmul_peak_tflops(torch.device("cuda")), copy_bandwidth_tb_s()
+    print(f"ceilings: bf16 matmul {peak:.0f} TFLOP/s, copy {copy:.2f} TB/s")
     results = []
     runs = [(m, g) for m in args.methods.split(",") for g in ((False, True) if args.graphs else (False,))]
     for m, g in runs:
-        r = profile(m, args.shape, args.steps, graphs=g)
+        r = profile(m, args.shape, args.steps, graphs=g, ceilings=(peak, copy))
+        r["ceilings"] = {"matmul_tflops": round(peak, 1), "copy_tb_s": round(copy, 3)}
         results.append(r)
         m = r["method"]
         if r["check"]:
@@ -140,6 +161,11 @@ def main():
             print(f"   {k:18s} {v:8.2f} ms")
         for k in r["top_kernels"][:15]:
             print(f"   {k['ms_per_step']:8.3f} ms  x{k['calls_per_step']:<4d} {k['name']}")
+        w = r["where_time_goes"]
+        print(f"   where the time goes (kernel ms: measured / floor / gap), sum {w['measured_ms']} / {w['floor_ms']}: "
+              f"{w['tokens_per_s_at_measured_kernels']:,} vs {w['tokens_per_s_at_floor']:,} tokens/s")
+        for f in w["families"]:
+            print(f"   {f['family']:18s} {f['measured_ms']:8.2f} {f['floor_ms']:8.2f} {f['gap_ms']:8.2f}")
     print(f"\n{'method':14s} {'step ms':>8s} {'GPU busy ms':>12s} {'host-bound ms':>14s} {'peak GiB':>9s}")
     for r in results:  # GPU busy from the profiler's kernel records; graph-replayed kernels are included by CUPTI
         print(f"{r['method']:14s} {r['step_ms']:8.2f} {r['gpu_busy_ms']:12.2f} "
