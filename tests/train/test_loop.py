@@ -432,6 +432,8 @@ def test_the_summary_of_a_resumed_run(tmp_path):
     assert "training data: 7 examples of 10 records (2 bad records skipped, 1 truncated to data.max_seq_len, " \
            "1 dropped with no loss tokens)" in rep.summary(res)
     assert "training: 4 steps (resumed at step 4, now at 8 of 8) in 2.0 s, 100 loss tokens/s" in text
+    res.start_step = 7
+    assert "training: 1 step (resumed at step 7, now at 8 of 8)" in rep.summary(res)
     res.checkpoint = tmp_path / "checkpoints" / "step-000008"
     assert f"resumable checkpoint (weights + optimizer state; " in rep.summary(res)
 

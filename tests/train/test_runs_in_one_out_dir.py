@@ -90,3 +90,53 @@ def test_lora_dropout_and_a_full_fine_tunes_base_only_warn(tmp_path, docs, caplo
         _run(full, docs, train__max_steps=2, train__resume="auto", model__path="another-base")
     assert "model.path='smollm2-135m-instruct' (this run: 'another-base'): the checkpoint's weights replace" \
         in caplog.text
+
+
+def test_a_fresh_run_stopped_in_its_before_report_leaves_the_earlier_run_as_it_was(tmp_path, docs):
+    """The "before" report (held-out loss, QA answers) runs before the first step: a Ctrl-C there used to find the
+    earlier run's checkpoints deleted and config.yaml / metrics.jsonl rewritten (the before record was written
+    first), while the CLI said the checkpoints stayed."""
+    eval_loader = SyntheticLoader(synthetic_docs(8, seed=5), shuffle=False)
+    train(tiny_config(tmp_path, train__max_steps=2, train__save_every=1, train__keep_last=5),
+          model=tiny_model(), train_loader=SyntheticLoader(docs), eval_loader=eval_loader)
+    run = tmp_path / "run"
+    kept = {p.name: p.read_bytes() for p in (run / "config.yaml", run / "metrics.jsonl")}
+
+    def stop(phase, **_):
+        if phase == "before":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_config(tmp_path, train__max_steps=1, train__resume="none", optim__lr=1e-3), model=tiny_model(),
+              train_loader=SyntheticLoader(docs), eval_loader=eval_loader, report=stop)
+    assert _names(tmp_path) == ["step-000001", "step-000002"]
+    assert {n: (run / n).read_bytes() for n in kept} == kept
+    # run through, the fresh run's first record is still its "before" held-out loss
+    train(tiny_config(tmp_path, train__max_steps=1, train__resume="none"), model=tiny_model(),
+          train_loader=SyntheticLoader(docs), eval_loader=eval_loader)
+    first = (run / "metrics.jsonl").read_text().splitlines()[0]
+    assert '"tag": "before"' in first and '"step": 0' in first
+
+
+class _CountingLoader(SyntheticLoader):
+    """Refuses a position saved over another number of batches, as PackedLoader does."""
+
+    def state_dict(self):
+        return dict(super().state_dict(), batches=len(self))
+
+    def load_state_dict(self, sd):
+        if sd["batches"] != len(self):
+            raise ValueError(f"the saved loader had {sd['batches']} batches per epoch, this one {len(self)}")
+        super().load_state_dict(sd)
+
+
+def test_a_resume_over_other_data_names_the_checkpoint_and_the_changed_key(tmp_path, docs, caplog):
+    train(tiny_config(tmp_path, train__max_steps=1, train__save_every=1, data__path="a.jsonl"), model=tiny_model(),
+          train_loader=_CountingLoader(docs))
+    with caplog.at_level("WARNING", logger="chronicals.train"), pytest.raises(ValueError) as err:
+        train(tiny_config(tmp_path, train__max_steps=2, train__resume="auto", data__path="b.jsonl"),
+              model=tiny_model(), train_loader=_CountingLoader(docs[:20]))
+    msg = str(err.value)
+    assert "cannot resume from" in msg and "step-000001" in msg and "batches per epoch" in msg
+    assert "data.path='a.jsonl' (this run: 'b.jsonl')" in msg and "train.resume=none" in msg
+    assert "data.path='a.jsonl' (this run: 'b.jsonl')" in caplog.text  # the warning came before the refusal

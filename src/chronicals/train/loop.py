@@ -163,6 +163,20 @@ class _LoopState:
     saves: int = 0  # checkpoints taken
 
 
+def _restore_position(stream, restored: dict, cfg_dict: dict, path: Path) -> None:
+    """The data position of checkpoint ``path``; a loader of other data, batches or seed is refused with the
+    checkpoint's name and the keys this run changed (the loader's own message names only the counts)."""
+    try:
+        stream.load_state_dict(restored["data"])  # rank 0's position: every rank's equals it (equal shards)
+    except ValueError as e:
+        diffs = ckpt.config_diffs(restored["extra"].get("config"), cfg_dict,
+                                  {"data": ("path", "format", "max_seq_len", "batch_size", "tokens_per_batch"),
+                                   "train": ("seed",)})
+        changed = f"this run changed {', '.join(diffs)}; " if diffs else ""
+        raise ValueError(f"cannot resume from {path}: {e}. {changed}a run over other data or batches is a new run: "
+                         "set train.resume=none or another train.out_dir") from None
+
+
 def _total_steps(cfg: TrainConfig, batches_per_epoch: int) -> int:
     if batches_per_epoch == 0:  # with max_steps too: the first step would end in a bare StopIteration
         raise ValueError("the training loader yields no batches: is the dataset empty?")
@@ -273,7 +287,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     if resume_from is not None:
         fresh = optimizer_settings(optimizer, scheduler)
         restored = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler, config=cfg_dict)
-        stream.load_state_dict(restored["data"])  # rank 0's position: every rank's equals it (equal shards)
+        warn_data_changed(restored["extra"].get("config"), cfg_dict, resume_from)  # names the keys, before a refusal
+        _restore_position(stream, restored, cfg_dict, resume_from)
         start = restored["step"]
         if start > total:
             raise ValueError(f"{resume_from} is at step {start}, past this run's {total} steps; raise "
@@ -281,7 +296,6 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         log.info("resumed from %s at step %d of %d", resume_from, start, total)
         check_same_adapter(restored["extra"].get("config"), cfg_dict, resume_from)
         apply_optimizer_settings(optimizer, scheduler, fresh, restored["extra"].get("config"), cfg_dict, start)
-        warn_data_changed(restored["extra"].get("config"), cfg_dict, resume_from)
         if start == total:
             return _already_done(cfg, dp, out_dir, model, tokenizer, resume_from, total)
     # another run's checkpoints in out_dir (resume=none over a finished run, or a resume from an earlier step):
@@ -341,23 +355,34 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     method = "lora" if cfg.lora.enabled else "full"
     flops_per_token = train_flops_per_token(model.config, cfg.data.max_seq_len, method)
 
-    def run_eval(step: int, tag: str) -> float | None:
+    def eval_record(step: int, tag: str) -> dict | None:
         if eval_loader is None:
             return None
         loss, n = evaluate_loss(model, eval_loader, device)
-        metrics.write({"kind": "eval", "step": step, "eval_loss": loss, "eval_tokens": n, "tag": tag})
+        return {"kind": "eval", "step": step, "eval_loss": loss, "eval_tokens": n, "tag": tag}
+
+    def run_eval(step: int, tag: str) -> float | None:
+        record = eval_record(step, tag)
+        if record is None:
+            return None
+        loss = record["eval_loss"]
+        metrics.write(record)
         if tag == "interval" and dp.is_main:
             log.info("step %d/%d: held-out loss %.4f", step, total, loss)
         return loss
 
+    before = None  # written when the first step starts: a run stopped in the "before" report changes nothing
     if start == 0:
-        result.eval_loss_before = run_eval(0, "before")
+        before = eval_record(0, "before")
+        result.eval_loss_before = before["eval_loss"] if before else None
         if report:
             report("before", model=model, tokenizer=tokenizer, eval_loss=result.eval_loss_before,
                    heldout_qa=heldout_qa)
 
     # ---- train ----
     phase.training = True
+    if before:
+        metrics.write(before)  # this run's first record: config.yaml and the other run's checkpoints go now
     bar = None
     # a terminal gets a progress bar; a log file (CI, nohup, a pipe) a plain line every ~5% of the run instead of
     # one carriage-return update per step

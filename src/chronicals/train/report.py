@@ -75,8 +75,9 @@ class RunReport:
             lines.append(f"training data: {st.documents} examples of {st.records} records"
                          + (f" ({', '.join(lost)})" if lost else ""))
         ran = result.step - result.start_step
-        steps = (f"{ran} step{'s' if ran != 1 else ''}" if not result.start_step else
-                 f"{ran} steps (resumed at step {result.start_step}, now at {result.step} of {result.total_steps})")
+        steps = f"{ran} step{'s' if ran != 1 else ''}" + (
+            f" (resumed at step {result.start_step}, now at {result.step} of {result.total_steps})"
+            if result.start_step else "")
         lines.append(f"training: {steps} in {result.train_seconds:.1f} s, {result.tokens_per_s:,.0f} loss tokens/s; "
                      f"total wall time {time.perf_counter() - self.t_start:.0f} s")
         out = result.out_dir
