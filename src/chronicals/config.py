@@ -243,7 +243,8 @@ class ScheduleSection:
 class TrainSection:
     epochs: float = _f(2.0, "passes over the training data (ignored when max_steps > 0)")
     max_steps: int = _f(0, "optimizer steps to run (0 = derive from epochs)")
-    grad_accum: int = _f(1, "micro-batches per optimizer step (loss normalized by the step's loss tokens)")
+    grad_accum: int = _f(1, "micro-batches per optimizer step (loss normalized by the step's loss tokens; "
+                              "a step never spans two epochs: an epoch's last step may take fewer)")
     seed: int = _f(0, "seed for init, shuffling and dropout")
     out_dir: str = _f("runs/demo", "output directory: adapter or model, checkpoints, metrics, plots, config, and "
                                    "data/ (the demo and held-out QA data as the run used them)")

@@ -63,3 +63,23 @@ def test_an_infinite_gradient_norm_under_a_finite_loss_stops_before_its_update(t
     with pytest.raises(TrainingDiverged, match=r"gradient norm is inf \(loss [0-9.]+\) at step 1;"):
         train(tiny_config(tmp_path, train__max_steps=3), model=model, train_loader=SyntheticLoader(docs))
     assert all(torch.equal(p.detach(), w0[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_a_step_never_spans_two_epochs(tmp_path, docs, epochs):
+    """8 batches at grad_accum=3: each epoch is steps of 3, 3 and 2 batches (the last one short, as the Hugging Face
+    Trainer does), so train.epochs=1 trains every batch exactly once instead of borrowing the next epoch's."""
+    loader = SyntheticLoader(docs[:36], shuffle=False)
+    assert len(loader) == 8
+    res = train(tiny_config(tmp_path, train__max_steps=0, train__epochs=epochs, train__grad_accum=3),
+                model=tiny_model(), train_loader=loader)
+    assert res.total_steps == res.step == 3 * epochs
+    per_epoch = [sum(b.num_loss_tokens for b in loader.batches[i:i + 3]) for i in (0, 3, 6)]
+    assert [r["loss_tokens"] for r in _train_records(tmp_path / "run")] == per_epoch * epochs
+
+
+def test_a_fraction_of_an_epoch_counts_its_own_steps(tmp_path, docs):
+    loader = SyntheticLoader(docs[:36], shuffle=False)  # 8 batches: 1.5 epochs = 3 steps + ceil(4 / 3) = 5
+    res = train(tiny_config(tmp_path, train__max_steps=0, train__epochs=1.5, train__grad_accum=3), model=tiny_model(),
+                train_loader=loader)
+    assert res.total_steps == 5

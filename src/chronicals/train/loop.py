@@ -74,14 +74,21 @@ class _Stream:
     def __init__(self, loader):
         self.loader, self._it = loader, None
 
-    def next(self):
-        if self._it is None:
-            self._it = iter(self.loader)
-        try:
-            return next(self._it)
-        except StopIteration:  # the next `iter` of the loader continues with the next epoch
-            self._it = iter(self.loader)
-            return next(self._it)
+    def take(self, k: int) -> list:
+        """The next ``k`` batches, or fewer when the epoch ends among them: a step never spans two epochs, so
+        train.epochs=1 trains every batch once (10 batches at grad_accum 3: steps of 3, 3, 3, 1), as the Hugging
+        Face Trainer does. Each step's loss is normalized by its own loss-token count, so a short step is exact."""
+        out = []
+        while len(out) < k:
+            if self._it is None:
+                self._it = iter(self.loader)  # the next `iter` of the loader continues with the next epoch
+            try:
+                out.append(next(self._it))
+            except StopIteration:
+                self._it = None
+                if out:
+                    break
+        return out
 
     def state_dict(self) -> dict:
         return self.loader.state_dict()
@@ -182,7 +189,11 @@ def _total_steps(cfg: TrainConfig, batches_per_epoch: int) -> int:
         raise ValueError("the training loader yields no batches: is the dataset empty?")
     if cfg.train.max_steps > 0:
         return cfg.train.max_steps
-    return max(1, math.ceil(cfg.train.epochs * batches_per_epoch / cfg.train.grad_accum))
+    # whole epochs of ceil(batches / grad_accum) steps (the last one short; see _Stream.take), then a fraction
+    per_epoch = math.ceil(batches_per_epoch / cfg.train.grad_accum)
+    whole = math.floor(cfg.train.epochs)
+    part = math.ceil((cfg.train.epochs - whole) * batches_per_epoch / cfg.train.grad_accum)
+    return max(1, whole * per_epoch + part)
 
 
 def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None, train_loader=None, eval_loader=None,
@@ -448,7 +459,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
             after = None  # the previous step's readback when nothing ran between it and this step
             for step in range(start, total):
                 started = StepStart(device)
-                micro = [stream.next() for _ in range(cfg.train.grad_accum)]
+                micro = stream.take(cfg.train.grad_accum)
                 # n_loss: all ranks' loss tokens, a host int (one process) or a device scalar (data parallel)
                 loss, n_loss = accumulate_data_parallel(model, micro, device, dp, trainable, graphs, reducer)
                 gnorm = torch.nn.utils.clip_grad_norm_(trainable, clip)
