@@ -63,3 +63,21 @@ def test_system_prompt_warning_for_user_data(tokenizer, tmp_path, caplog):
             build_loaders(cfg_for(tmp_path, f"data.path={train}", *args), tokenizer, tmp_path / "run")
         msgs = [r.getMessage() for r in caplog.records if "system_prompt" in r.getMessage()]
         assert bool(msgs) == warned and (not msgs or "has no effect on your training records" in msgs[0])
+
+
+def test_a_qa_heldout_file_beside_user_data_gets_the_training_records_system_message(tokenizer, tmp_path):
+    """The user's records without a system message are rendered with the template's default one: the held-out QA
+    records (and the QA prompts, same helper) get no system message of ours either, unless data.system_prompt is set;
+    with the demo data they keep the demo's, which its training records carry too."""
+    from chronicals.config import DEMO_SYSTEM_PROMPT
+    from chronicals.train.qa import heldout_system_prompt
+
+    train = write(tmp_path / "alpaca.jsonl", ALPACA)
+    qa = write(tmp_path / "qa.jsonl", [{"question": "q?", "answer": "a"}])
+    for args, system in (([], None), (["data.system_prompt=Be terse."], "Be terse.")):
+        cfg = cfg_for(tmp_path, f"data.path={train}", f"data.eval_path={qa}", *args)
+        build_loaders(cfg, tokenizer, tmp_path / "run")
+        msgs = json.loads((tmp_path / "run" / "data" / "heldout.jsonl").read_text().splitlines()[0])["messages"]
+        assert (msgs[0]["content"] if msgs[0]["role"] == "system" else None) == system
+        assert heldout_system_prompt(cfg.data) == (system or "")
+    assert heldout_system_prompt(cfg_for(tmp_path, "data.path=demo").data) == DEMO_SYSTEM_PROMPT

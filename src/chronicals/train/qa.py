@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import DEMO
+from ..config import DEMO, DEMO_SYSTEM_PROMPT
 from ..data.formats import FormatError, check_text
 from ..data.readers import DataError, read_file
 from .guards import check_ids_in_vocab
@@ -99,6 +99,15 @@ def _qa_record(rec: dict, where: str) -> dict:
         if not k.strip():
             raise DataError(f"{where}: keywords[{j}] is empty, {want}")
     return {"question": question, "answer": ans, "keywords": kws}
+
+
+def heldout_system_prompt(data) -> str:
+    """The system message of held-out QA records and prompts for ``data`` (a DataConfig): data.system_prompt for
+    the demo data (whose training records carry it too) or when set; else '' (the chat template's default), which is
+    what the user's own records without a system message get, so held-out loss and answers see the training prompt."""
+    if data.path == DEMO or data.system_prompt != DEMO_SYSTEM_PROMPT:
+        return data.system_prompt
+    return ""
 
 
 def chat_messages(question: str, system_prompt: str, answer: str | None = None) -> list[dict]:

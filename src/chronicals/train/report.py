@@ -10,7 +10,7 @@ import textwrap
 import time
 
 from ..config import TrainConfig
-from .qa import QAResult, answer_all
+from .qa import QAResult, answer_all, heldout_system_prompt
 
 
 class RunReport:
@@ -30,7 +30,7 @@ class RunReport:
         qa = heldout_qa[: self.cfg.eval.qa_limit] if self.cfg.eval.qa_limit else heldout_qa
         self.qa = qa
         t0 = time.perf_counter()
-        res = answer_all(model, tokenizer, qa, self.cfg.data.system_prompt, self.cfg.eval.max_new_tokens)
+        res = answer_all(model, tokenizer, qa, heldout_system_prompt(self.cfg.data), self.cfg.eval.max_new_tokens)
         self.out(f"  answered {len(qa)} held-out questions in {time.perf_counter() - t0:.1f} s: "
                  f"{sum(res.correct)}/{len(qa)} contain their keywords")
         return res

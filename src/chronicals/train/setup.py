@@ -90,7 +90,8 @@ def data_files(cfg: TrainConfig, out_dir: Path) -> tuple[list[Path], Path | None
     records with ``data.system_prompt`` first, the same system message the QA prompts use: without one
     SmolLM2's template injects its ~20-token default system prompt into every example. The user's own
     training records are read as they are: data.system_prompt does not reach them (a warning says so when
-    it is set).
+    it is set), and a QA held-out file next to them gets no system message unless data.system_prompt is set
+    (qa.heldout_system_prompt), as records without one are rendered in training.
     """
     d = cfg.data
     if d.path == DEMO:
@@ -101,7 +102,8 @@ def data_files(cfg: TrainConfig, out_dir: Path) -> tuple[list[Path], Path | None
     eval_path = (DEMO if d.path == DEMO else "") if d.eval_path == "auto" else d.eval_path
     heldout_qa = qa_mod.read_qa(eval_path) if eval_path else None
     if heldout_qa is not None:
-        eval_file = qa_mod.write_chat_jsonl(heldout_qa, out_dir / "data" / "heldout.jsonl", d.system_prompt)
+        eval_file = qa_mod.write_chat_jsonl(heldout_qa, out_dir / "data" / "heldout.jsonl",
+                                            qa_mod.heldout_system_prompt(d))
     else:
         eval_file = Path(eval_path) if eval_path else None
     if d.path != DEMO and d.system_prompt != DEMO_SYSTEM_PROMPT:
