@@ -255,3 +255,33 @@ def test_generation_config_of_the_source_is_carried(tmp_path, tiny_hf_config):
     assert chronicals.load_model(merged, tokenizer=False)[0].source_generation_config == text
     given = chronicals.save_model(model, None, tmp_path / "given", generation_config={"eos_token_id": 2})
     assert json.loads((given / "generation_config.json").read_text()) == {"eos_token_id": 2}
+
+
+def test_atomic_dir_removes_temporaries_of_killed_writers_only(tmp_path, caplog):
+    """A save killed mid-write leaves ``.model.tmp-{pid}-*`` beside the target: the next write of the same target
+    removes it when that process no longer runs; this process's, another target's and the older pid-less names
+    (nothing tells whether their writer runs) stay."""
+    import logging
+    import os
+    import subprocess
+    import sys
+
+    from chronicals.models import hf_io
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # exited and reaped: no process of this pid runs
+    dead = tmp_path / f".model.tmp-{proc.pid}-k2x9_a1b"
+    keep = [tmp_path / name for name in (f".model.tmp-{os.getpid()}-abcdefgh", f".model.tmp-{os.getppid()}-abcdefgh",
+                                         ".model.tmp-k2x9_a1b", f".other.tmp-{proc.pid}-k2x9_a1b",
+                                         f".model.old-{proc.pid}-k2x9_a1b", f"model.tmp-{proc.pid}-k2x9_a1b")]
+    for d in [dead, *keep]:
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"\0" * 1_500_000)
+    with caplog.at_level(logging.INFO, logger=hf_io.__name__):
+        with hf_io.atomic_dir(tmp_path / "model") as tmp:
+            assert tmp.name.startswith(f".model.tmp-{os.getpid()}-")  # the pid a later sweep checks
+            (tmp / "config.json").write_text("{}")
+    assert not dead.exists() and all(d.is_dir() for d in keep)
+    assert (tmp_path / "model" / "config.json").is_file()
+    logged = [r.getMessage() for r in caplog.records if r.name == hf_io.__name__]
+    assert len(logged) == 1 and dead.name in logged[0] and "1.5 MB" in logged[0]

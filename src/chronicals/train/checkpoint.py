@@ -2,16 +2,18 @@
 
 Layout: ``<out_dir>/checkpoints/step-000120/state.pt``. Each is written to a ``.tmp-*`` directory
 first and renamed into place, so a crash mid-write never leaves a half checkpoint that ``resume=auto``
-would pick up. Only trainable parameters are stored, with their optimizer state: under LoRA the adapters, so
-SmolLM2-135M at r=16 (4.88M fp32 adapter parameters, 19.5 MB, plus AdamW's two moments) writes a 59.0 MB
-state.pt (59,047,960 bytes measured, fp32 on CPU) instead of the 540 MB of its fp32 weights alone. The last
-``keep_last`` checkpoints are kept. ``CheckpointWriter`` (the trainer's, ``train.async_save``) takes the CPU
-snapshot in the training thread and writes the file in a background thread.
+would pick up; a ``.tmp-*`` directory whose writer was killed mid-write (its name carries the pid) is removed
+by the next write into ``checkpoints/``. Only trainable parameters are stored, with their optimizer state: under
+LoRA the adapters, so SmolLM2-135M at r=16 (4.88M fp32 adapter parameters, 19.5 MB, plus AdamW's two moments)
+writes a 59.0 MB state.pt (59,047,960 bytes measured, fp32 on CPU) instead of the 540 MB of its fp32 weights
+alone. The last ``keep_last`` checkpoints are kept. ``CheckpointWriter`` (the trainer's, ``train.async_save``)
+takes the CPU snapshot in the training thread and writes the file in a background thread.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import random
 import re
@@ -21,7 +23,11 @@ from pathlib import Path
 
 import torch
 
+from ..models.hf_io import remove_orphans
+
+log = logging.getLogger("chronicals.train")
 _NAME = re.compile(r"^step-(\d+)$")
+_TMP_NAME = re.compile(r"\.tmp-step-\d+-(\d+)")  # write_checkpoint's temporaries: .tmp-step-000120-{pid}
 STATE_FILE = "state.pt"  # the one file of a checkpoint directory
 
 
@@ -113,10 +119,15 @@ def checkpoint_path(out_dir: str | Path, step: int) -> Path:
 
 def write_checkpoint(out_dir: str | Path, state: dict, keep_last: int = 2) -> Path:
     """Write a ``snapshot`` to ``checkpoint_path(out_dir, state["step"])`` atomically (a ``.tmp-*`` directory,
-    fsynced, then renamed); delete all but the newest ``keep_last``."""
+    fsynced, then renamed); delete all but the newest ``keep_last``.
+
+    First removes the ``.tmp-step-*-{pid}`` directories of writers no longer running: a run killed mid-write
+    (SIGKILL, OOM) leaves a partial checkpoint, as large as a whole one, that ``checkpoint_dirs`` never lists.
+    This process's own (a background ``CheckpointWriter`` thread's) are never touched."""
     final = checkpoint_path(out_dir, state["step"])
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
+    remove_orphans(root, _TMP_NAME, log)  # before this write needs the disk space
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
