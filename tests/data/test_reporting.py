@@ -75,3 +75,18 @@ def test_truncated_to_no_loss_tokens_is_reported_as_dropped(tokenizer, tmp_path,
     assert (len(ds), ds.stats.truncated, ds.stats.truncated_no_loss) == (1, 1, 1)
     warned = messages(caplog, logging.WARNING)
     assert len(warned) == 1 and "1 truncated to no loss tokens (dropped)" in warned[0], warned
+
+
+def test_records_without_loss_tokens_are_located(tokenizer, tmp_path, caplog):
+    ok = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    no_reply = {"messages": [{"role": "user", "content": "q"}]}
+    p = write(tmp_path / "noassist.jsonl", [ok, no_reply, ok, no_reply])
+    for _ in range(2):  # tokenized, then from the cache: the same location
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="chronicals.data"):
+            ds = load_dataset(p, tokenizer, max_seq_len=64, cache_dir=tmp_path / "cache")
+        assert (len(ds), ds.stats.dropped_no_loss, ds.stats.first_no_loss) == (2, 2, f"{p}:2")
+        warned = messages(caplog, logging.WARNING)
+        assert len(warned) == 1 and "2 of 4 records kept" in warned[0], warned
+        assert f"2 without loss tokens (dropped: no assistant turn / output / completion; first: {p}:2)" \
+            in warned[0], warned

@@ -3,15 +3,21 @@ and a checkpoint written over other data is warned about.
 
 test_loop.py checks that a changed optim.lr applies and is named; these check the settings the checkpoint's
 optimizer state also carries (betas, eps, weight decay), which a resume that restored only the lr would keep
-from the old run while its warning says the new ones apply, and the data.path half of the data warning.
+from the old run while its warning says the new ones apply, and the data.path half of the data warning; and
+the settings that change the loss without moving the data position (data.train_on, data.on_long,
+data.system_prompt) or the weights (model.dtype), which resumed without a word.
 """
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 import torch
 
 from chronicals.train import train
 from chronicals.train.checkpoint import STATE_FILE, checkpoint_dirs
+from chronicals.train.resume import check_same_adapter, warn_data_changed
 
 from train_helpers import SyntheticLoader, tiny_config, tiny_model
 
@@ -46,3 +52,80 @@ def test_resume_over_another_data_path_warns(tmp_path, docs, caplog):
               model=tiny_model(), train_loader=SyntheticLoader(docs))
     assert "written with data.path='a.jsonl' (this run: 'b.jsonl'): its data position refers to other batches" \
         in caplog.text
+
+
+def warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("chronicals")]
+
+
+@pytest.mark.parametrize("key, old, new, named", [
+    ("train_on", "assistant", "all", "data.train_on='assistant' (this run: 'all')"),
+    ("on_long", "truncate", "drop", "data.on_long='truncate' (this run: 'drop')"),
+    ("system_prompt", "Be terse.", "", "data.system_prompt='Be terse.' (this run: '')"),
+])
+def test_resume_with_other_loss_tokens_warns(tmp_path, caplog, key, old, new, named):
+    """A resume under another data.train_on / on_long / system_prompt names the key, both values and what it
+    changes; the batches are the same ones, so nothing refuses it."""
+    saved = tiny_config(tmp_path, **{f"data__{key}": old}).to_dict()
+    current = tiny_config(tmp_path, **{f"data__{key}": new}).to_dict()
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        warn_data_changed(saved, current, tmp_path / "step-000001")
+    [msg] = warnings(caplog)
+    assert f"written with {named}: from here on the run trains or evaluates on other tokens (data.{key}: " in msg
+    assert "not comparable with the checkpoint's" in msg and "train.resume=none for a new run" in msg, msg
+
+
+@pytest.mark.parametrize("old, new, named, cast", [
+    (dict(dtype="float32"), dict(dtype="bfloat16"), "model.dtype='float32' (this run: 'bfloat16')",
+     "float32 weights are rounded to bfloat16"),
+    (dict(dtype="bfloat16"), dict(dtype="float32"), "model.dtype='bfloat16' (this run: 'float32')",
+     "bfloat16 weights are widened (exactly) to float32"),
+    (dict(dtype="auto", device="cpu"), dict(dtype="bfloat16", device="cpu"),
+     "model.dtype='auto' = float32 (this run: 'bfloat16')", "float32 weights are rounded to bfloat16"),
+])
+def test_resume_in_another_dtype_warns(tmp_path, caplog, old, new, named, cast):
+    """A checkpoint's weights trained in float32 and resumed with model.dtype=bfloat16 are rounded: a warning
+    with both values (auto as what it meant) and the way back, not a refusal (it is a legitimate choice)."""
+    saved = tiny_config(tmp_path, **{f"model__{k}": v for k, v in old.items()}).to_dict()
+    current = tiny_config(tmp_path, **{f"model__{k}": v for k, v in new.items()}).to_dict()
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        check_same_adapter(saved, current, tmp_path / "step-000001")
+    [msg] = warnings(caplog)
+    assert f"written with {named}: the checkpoint's {cast}" in msg, msg
+    assert f"set model.dtype={_resolved(old)} to continue its run" in msg and "train.resume=none" in msg, msg
+
+
+def _resolved(model: dict) -> str:
+    return "float32" if model["dtype"] == "auto" else model["dtype"]
+
+
+@pytest.mark.parametrize("old, new", [({}, {}), (dict(model__dtype="auto"), dict(model__dtype="float32"))])
+def test_resume_with_the_same_settings_warns_nothing(tmp_path, caplog, old, new):
+    """An unchanged config, or model.dtype=auto on the CPU over float32 (the same weights): no warning."""
+    saved = tiny_config(tmp_path, model__device="cpu", **old).to_dict()
+    current = tiny_config(tmp_path, model__device="cpu", **new).to_dict()
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        check_same_adapter(saved, current, tmp_path / "step-000001")
+        warn_data_changed(saved, current, tmp_path / "step-000001")
+    assert warnings(caplog) == []
+
+
+def test_train_resumed_with_other_train_on_and_dtype_warns(tmp_path, docs, caplog):
+    """Through train(): a resume changing only train.max_steps names only that; data.train_on=all with
+    model.dtype=bfloat16 over the float32 checkpoint names both."""
+    over = dict(data__path="a.jsonl")
+    train(tiny_config(tmp_path, train__max_steps=1, **over), model=tiny_model(), train_loader=SyntheticLoader(docs))
+
+    def resumed(**more) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+            train(tiny_config(tmp_path, train__resume="auto", **over, **more), model=tiny_model(),
+                  train_loader=SyntheticLoader(docs))
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.module == "resume"]
+
+    assert resumed(train__max_steps=2) == ["resumed at step 1 with other settings than the checkpoint's run: "
+                                           "train.max_steps=1 (this run: 2); they apply from step 2 on (the AdamW "
+                                           "moments are kept)"]
+    text = "\n".join(resumed(train__max_steps=3, data__train_on="all", model__dtype="bfloat16"))
+    assert "data.train_on='assistant' (this run: 'all')" in text, text
+    assert "model.dtype='float32' (this run: 'bfloat16'): the checkpoint's float32 weights are rounded" in text, text

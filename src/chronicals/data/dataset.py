@@ -36,6 +36,7 @@ class DatasetStats:
     dropped_overlong: int = 0  # longer than max_seq_len, dropped (overlong="drop")
     dropped_no_loss: int = 0  # no trainable token left (no assistant turn, or truncated away)
     truncated_no_loss: int = 0  # of those, truncation cut every loss token (also counted in truncated)
+    first_no_loss: str = ""  # "file:line" of the first dropped with no loss token that truncation did not cause
     empty_targets: int = 0  # kept, but the reply / output / completion is blank: only end-of-turn has loss
     first_empty_target: str = ""  # "file:line" of the first of those
     tokens: int = 0
@@ -194,8 +195,9 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, overlong: str,
         if stats.dropped_overlong:
             parts.append(f"{stats.dropped_overlong} longer than max_seq_len={max_seq_len} (dropped, on_long=drop)")
         if stats.dropped_no_loss - stats.truncated_no_loss:
+            first = f"; first: {stats.first_no_loss}" if stats.first_no_loss else ""  # "" from an older cache
             parts.append(f"{stats.dropped_no_loss - stats.truncated_no_loss} without loss tokens (dropped: no "
-                         "assistant turn / output / completion)")
+                         f"assistant turn / output / completion{first})")
         dropped = stats.dropped_no_loss or stats.dropped_overlong
         log.log(logging.WARNING if dropped else logging.INFO, "data: %s: %d of %d records kept; %s", where,
                 stats.documents, stats.records, "; ".join(parts))
@@ -273,6 +275,8 @@ def _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_err
         if n_loss == 0:
             stats.dropped_no_loss += 1
             stats.truncated_no_loss += cut
+            if not cut:
+                stats.first_no_loss = stats.first_no_loss or rec.where
             continue
         if empty:
             stats.empty_targets += 1

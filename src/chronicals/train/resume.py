@@ -1,10 +1,12 @@
 """Resuming with this run's settings: the optimizer and schedule hyperparameters it sets, and warnings when a
-checkpoint was written by a run with other settings or data."""
+checkpoint was written by a run with other settings, data, loss tokens (data.train_on, ...) or weights dtype."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+
+import torch
 
 from ..models.loading import same_model
 from . import checkpoint as ckpt
@@ -38,14 +40,30 @@ def apply_optimizer_settings(optimizer, scheduler, fresh: dict, saved_cfg: dict 
                     "on (the AdamW moments are kept)", step, ", ".join(diffs), step + 1)
 
 
+# data settings that change which tokens carry the loss, or which examples and prompts there are, without a
+# refusal: a resume under other values went on silently (data.train_on=all took a loss of 0.39 to 3.39)
+LOSS_KEYS = {
+    "train_on": "data.train_on: whether only the replies / outputs / completions or every token carries loss",
+    "on_long": "data.on_long: whether examples longer than data.max_seq_len are cut or dropped",
+    "system_prompt": "data.system_prompt: the system message of the demo data and of held-out QA prompts",
+}
+
+
 def warn_data_changed(saved: dict | None, current: dict, path: Path) -> None:
     """Warn when a resumed checkpoint was written over other data or batches: its data position then points
-    elsewhere (typically resume=auto finding an unrelated earlier run in the same train.out_dir)."""
+    elsewhere (typically resume=auto finding an unrelated earlier run in the same train.out_dir); and when it
+    was written with other LOSS_KEYS: the same batches then carry another loss."""
     diffs = ckpt.config_diffs(saved, current,
                               {"data": ("path", "format", "max_seq_len", "batch_size", "tokens_per_batch")})
     if diffs:
         log.warning("resumed from %s, written with %s: its data position refers to other batches; if this is a "
                     "new run, set train.resume=none or another train.out_dir", path, ", ".join(diffs))
+    loss = {k: d for k in LOSS_KEYS for d in ckpt.config_diffs(saved, current, {"data": (k,)})}  # key -> diff
+    if loss:
+        log.warning("resumed from %s, written with %s: from here on the run trains or evaluates on other tokens "
+                    "(%s), so its losses are not comparable with the checkpoint's; set the checkpoint's values to "
+                    "continue its run, or train.resume=none for a new run", path, ", ".join(loss.values()),
+                    "; ".join(LOSS_KEYS[k] for k in loss))
 
 
 # LoRA settings that change what a checkpoint's adapter weights compute (scaling, which modules, which base): a
@@ -56,9 +74,10 @@ ADAPTER_KEYS = ("enabled", "rank", "alpha", "rslora", "targets", "modules_to_sav
 def check_same_adapter(saved: dict | None, current: dict, path: Path) -> None:
     """A LoRA checkpoint resumes only under the lora settings and base model it was trained with (ValueError
     naming the keys that differ); a full fine-tune's checkpoint holds every trainable weight, so another
-    model.path of the same shapes only warns."""
+    model.path of the same shapes only warns. Another model.dtype warns in either case (_warn_dtype_changed)."""
     if not saved:
         return
+    _warn_dtype_changed(saved, current, path)
     lora = bool(saved.get("lora", {}).get("enabled")) or bool(current.get("lora", {}).get("enabled"))
     diffs = ckpt.config_diffs(saved, current, {"lora": ADAPTER_KEYS}) if lora else []
     old_path, new_path = saved.get("model", {}).get("path"), current.get("model", {}).get("path")
@@ -72,3 +91,35 @@ def check_same_adapter(saved: dict | None, current: dict, path: Path) -> None:
                          "over (train.resume=none or another train.out_dir)")
     log.warning("resumed from %s, written with %s: the checkpoint's weights replace every trainable weight of "
                 "this run's model", path, ", ".join(diffs))
+
+
+BITS = {"bfloat16": 16, "float32": 32, "float64": 64}
+
+
+def _weights_dtype(model: dict) -> str:
+    """The dtype a run's weights had under its ``model`` section (setup.resolve_dtype): auto is bfloat16 on
+    CUDA, float32 on CPU; a run with model.device=auto is taken to have run where this one does."""
+    name, device = model.get("dtype", "auto"), str(model.get("device", "auto"))
+    if name != "auto":
+        return name
+    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    return "bfloat16" if cuda else "float32"
+
+
+def _warn_dtype_changed(saved: dict, current: dict, path: Path) -> None:
+    """Warn when the checkpoint's weights were trained in another dtype than this run's: load_checkpoint casts
+    them (float32 -> bfloat16 rounds every weight to 8 significant bits), and the steps after compute in the
+    new one. A warning, not a refusal: a bf16 run continued from fp32 weights is a legitimate choice (memory)."""
+    old_model, new_model = saved.get("model", {}), current.get("model", {})
+    if "dtype" not in old_model:
+        return
+    old, new = _weights_dtype(old_model), _weights_dtype(new_model)
+    if old == new:
+        return
+    # "'auto' = bfloat16": the setting as written, and what it meant where auto decided
+    shown = [repr(m["dtype"]) + ("" if m["dtype"] == d else f" = {d}") for m, d in ((old_model, old), (new_model, new))]
+    cast = "rounded to" if BITS.get(new, 0) < BITS.get(old, 0) else "widened (exactly) to"
+    log.warning("resumed from %s, written with model.dtype=%s (this run: %s): the checkpoint's %s weights are %s %s "
+                "and every step from here on computes in %s, so the loss moves at the resume; set model.dtype=%s to "
+                "continue its run as it was, or train.resume=none for a new run", path, shown[0], shown[1], old,
+                cast, new, new, old)
