@@ -4,6 +4,7 @@ GPU only; the cudnn case also needs nvidia-cudnn-frontend and a Hopper GPU."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 
@@ -32,10 +33,9 @@ def _model():
 
 @pytest.mark.skipif(not _cudnn_ok(), reason="needs CUDA, nvidia-cudnn-frontend, cuDNN >= 9.6 and a Hopper GPU")
 def test_train_with_cudnn_attention_matches_flash(tmp_path, caplog, monkeypatch):
-    from chronicals.ops import attention as attention_mod
-
     # each kernel choice is logged once per process: an earlier test in this process may have logged it already
-    monkeypatch.setattr(attention_mod, "_logged_notes", set())
+    # (the module, not chronicals.ops.attention, which the package binds to the function of that name)
+    monkeypatch.setattr(importlib.import_module("chronicals.ops.attention"), "_logged_notes", set())
     # 4 rows of 1024 holding documents of 200-400 tokens: >= 128 tokens per cu_seqlens entry even counted over the
     # CUDA-graph step's padded document capacity, so auto sends them to cudnn
     docs = synthetic_docs(64, seed=2, lo=200, hi=400)
