@@ -358,3 +358,27 @@ def test_a_device_this_machine_lacks_is_a_config_error(capsys):
     file), and before any model loads."""
     assert main(["train", "model.device=cuda", "model.path=/nonexistent/model"]) == 2
     assert "model.device=cuda but no CUDA device is visible; use model.device=cpu" in capsys.readouterr().err
+
+
+def test_chat_asks_with_the_system_message_of_the_run_that_wrote_the_adapter(tmp_path, capsys):
+    """chronicals chat without --system: the run's held-out prompts' system message (its config.yaml beside the
+    adapter or model), so a model trained on your own data is not asked with the demo's system prompt."""
+    from chronicals.cli import _run_system_prompt
+    from chronicals.config import DEMO_SYSTEM_PROMPT, from_dict
+
+    def run(name, data):
+        d = tmp_path / name
+        (d / "adapter").mkdir(parents=True)
+        (d / "config.yaml").write_text(from_dict({"data": data}).to_yaml())
+        return d
+
+    assert _run_system_prompt(str(run("mine", {"path": "chats.jsonl"}) / "adapter")) == ""
+    assert "none (the chat template's default)" in capsys.readouterr().err
+    assert _run_system_prompt(str(run("terse", {"path": "chats.jsonl", "system_prompt": "Be terse."}) / "model")) \
+        == "Be terse."
+    assert _run_system_prompt(str(run("demo", {"path": "demo"}) / "adapter")) == DEMO_SYSTEM_PROMPT
+    assert _run_system_prompt(str(tmp_path / "mine" / "elsewhere")) is None  # not a run's adapter / model
+    (tmp_path / "broken" / "adapter").mkdir(parents=True)
+    (tmp_path / "broken" / "config.yaml").write_text("data: {nope: 1}\n")
+    assert _run_system_prompt(str(tmp_path / "broken" / "adapter")) is None
+    assert _run_system_prompt(None) is None

@@ -123,6 +123,27 @@ def _base_for(adapter: str | None, given: str | None, flag: str) -> str:
     return given
 
 
+def _run_system_prompt(path: str | None) -> str | None:
+    """The system message of the held-out prompts of the run that wrote ``path`` (``train.out_dir``/adapter or
+    /model): from the run's config.yaml beside it, so chat asks as the run's held-out questions were asked. None
+    when ``path`` is not in a run directory (or its config.yaml does not load)."""
+    if not path:
+        return None
+    cfg_file = Path(path).expanduser().parent / "config.yaml"
+    if Path(path).name not in ("adapter", "model") or not cfg_file.is_file():
+        return None
+    from .config import load_config
+    from .train.qa import heldout_system_prompt
+
+    try:
+        system = heldout_system_prompt(load_config(cfg_file).data)
+    except (ValueError, OSError):  # another tool's config.yaml, or one of an older version: not ours to judge
+        return None
+    shown = repr(system) if system else "none (the chat template's default)"
+    print(f"--system not given: using {shown}, the system message of {cfg_file}'s held-out prompts", file=sys.stderr)
+    return system
+
+
 def _load(model_path: str, adapter: str | None, dev, dtype: str):
     """(model in eval mode, tokenizer) on ``dev`` (a resolved torch.device), with ``adapter`` applied."""
     from . import load_model
@@ -177,7 +198,9 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     p.add_argument("--model", default=None, help="HF directory, .gguf, or smollm2-135m-instruct (default: with "
                                                   "--adapter the base recorded in it, else smollm2-135m-instruct)")
     p.add_argument("--adapter", default=None, help="LoRA adapter directory to apply (e.g. runs/demo/adapter)")
-    p.add_argument("--system", default=None, help="system message (default: the one the demo trains with)")
+    p.add_argument("--system", default=None, help="system message (default: the one the run that wrote --adapter "
+                                                    "or --model used for its held-out prompts, read from the run's "
+                                                    "config.yaml beside it; else the one the demo trains with)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many tokens per answer (>= 1)")
     p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -199,7 +222,9 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
 
     model, tok = _load(a.model, a.adapter, dev, a.dtype)
     require_chat_template(tok)  # before any prompt is read
-    system = DEMO_SYSTEM_PROMPT if a.system is None else a.system
+    system = _run_system_prompt(a.adapter or a.model) if a.system is None else a.system
+    if system is None:
+        system = DEMO_SYSTEM_PROMPT
     prompts = a.prompts
     interactive = not prompts and sys.stdin.isatty()  # a terminal: answers only; piped or given: "> prompt" first
     if interactive:
