@@ -342,3 +342,13 @@ def test_lora_targets_take_names_and_all_linear_but_no_regex():
     for bad in ([r".*\.(q|v)_proj"], ["q_proj", "v_proj$"]):
         with pytest.raises(ConfigError, match="regular expressions are not read from the config: list the names"):
             LoraSection(targets=bad)
+
+
+def test_model_attention_takes_the_ops_kernel_names():
+    from chronicals.config import ATTENTION_KERNELS, ConfigError, ModelSection
+    from chronicals.ops.attention import VARLEN_KERNELS
+
+    assert ATTENTION_KERNELS == VARLEN_KERNELS
+    assert ModelSection(attention="cudnn").attention == "cudnn"
+    with pytest.raises(ConfigError, match="model.attention='sdpa' is invalid: expected auto | cudnn | flash"):
+        ModelSection(attention="sdpa")

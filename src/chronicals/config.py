@@ -25,6 +25,10 @@ DEMO = "demo"  # data.path / data.eval_path value meaning "the packaged demo dat
 DEMO_SYSTEM_PROMPT = "You are a helpful assistant."
 
 
+# ops.attention.VARLEN_KERNELS (config imports nothing of ours; a test ties the two)
+ATTENTION_KERNELS = ("auto", "cudnn", "flash")
+
+
 def _f(default, doc: str, **kw):
     """A dataclass field with its one-line doc (shown by ``--help``)."""
     if isinstance(default, (list, dict)):
@@ -105,8 +109,7 @@ class ModelSection:
         _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "model.device",
                self.device, "auto | cpu | cuda | cuda:N")
         _check(self.impl in ("auto", "triton", "torch"), "model.impl", self.impl, "auto | triton | torch")
-        _check(self.attention in ("auto", "cudnn", "flash"), "model.attention", self.attention,
-               "auto | cudnn | flash")
+        _check(self.attention in ATTENTION_KERNELS, "model.attention", self.attention, " | ".join(ATTENTION_KERNELS))
         _check(bool(self.path), "model.path", self.path, "a model directory, .gguf file or short name")
         _check(self.checkpoint_layers >= 0, "model.checkpoint_layers", self.checkpoint_layers, "an integer >= 0")
         _check(isinstance(self.loss_vocab_parts, int) and self.loss_vocab_parts >= 1, "model.loss_vocab_parts",
