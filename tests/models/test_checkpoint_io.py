@@ -4,6 +4,7 @@ checkpoints; atomic writes; and every error names the file and the fix."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -258,30 +259,27 @@ def test_generation_config_of_the_source_is_carried(tmp_path, tiny_hf_config):
 
 
 def test_atomic_dir_removes_temporaries_of_killed_writers_only(tmp_path, caplog):
-    """A save killed mid-write leaves ``.model.tmp-{pid}-*`` beside the target: the next write of the same target
-    removes it when that process no longer runs; this process's, another target's and the older pid-less names
-    (nothing tells whether their writer runs) stay."""
+    """A save killed mid-write leaves ``.model.tmp-{pid}-{hex}`` and its free lock file beside the target: the next
+    write of the same target removes them; another target's, a directory without a lock file, ``.model.old-*``
+    (possibly the only copy of the previous model) and other names stay. models/test_orphans.py has live writers."""
     import logging
-    import os
-    import subprocess
-    import sys
 
     from chronicals.models import hf_io
+    from chronicals.models.orphans import lock_path
 
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()  # exited and reaped: no process of this pid runs
-    dead = tmp_path / f".model.tmp-{proc.pid}-k2x9_a1b"
-    keep = [tmp_path / name for name in (f".model.tmp-{os.getpid()}-abcdefgh", f".model.tmp-{os.getppid()}-abcdefgh",
-                                         ".model.tmp-k2x9_a1b", f".other.tmp-{proc.pid}-k2x9_a1b",
-                                         f".model.old-{proc.pid}-k2x9_a1b", f"model.tmp-{proc.pid}-k2x9_a1b")]
+    dead = tmp_path / ".model.tmp-4242-0a1b2c3d"
+    keep = [tmp_path / name for name in (".model.tmp-4243-0a1b2c3d", ".other.tmp-4242-0a1b2c3d",
+                                         ".model.old-0a1b2c3d", "model.tmp-4242-0a1b2c3d")]
     for d in [dead, *keep]:
         d.mkdir()
         (d / "model.safetensors").write_bytes(b"\0" * 1_500_000)
-    with caplog.at_level(logging.INFO, logger=hf_io.__name__):
+    for d in [dead, *keep[1:]]:  # keep[0] has no lock file
+        lock_path(d).touch()
+    with caplog.at_level(logging.INFO, logger="chronicals.models"):
         with hf_io.atomic_dir(tmp_path / "model") as tmp:
-            assert tmp.name.startswith(f".model.tmp-{os.getpid()}-")  # the pid a later sweep checks
+            assert re.fullmatch(r"\.model\.tmp-\d+-[0-9a-f]{8}", tmp.name) and lock_path(tmp).exists()
             (tmp / "config.json").write_text("{}")
-    assert not dead.exists() and all(d.is_dir() for d in keep)
-    assert (tmp_path / "model" / "config.json").is_file()
-    logged = [r.getMessage() for r in caplog.records if r.name == hf_io.__name__]
+    assert not dead.exists() and not lock_path(dead).exists() and all(d.is_dir() for d in keep)
+    assert (tmp_path / "model" / "config.json").is_file() and not lock_path(tmp).exists()
+    logged = [r.getMessage() for r in caplog.records if r.name == "chronicals.models"]
     assert len(logged) == 1 and dead.name in logged[0] and "1.5 MB" in logged[0]

@@ -1,16 +1,15 @@
 """A run killed mid-write (SIGKILL, OOM) leaves ``checkpoints/.tmp-step-N-{pid}`` and ``.model.tmp-{pid}-*``
-behind: the next write into the same place removes them when their writer no longer runs, and never touches
-this process's own temporaries (a background CheckpointWriter thread's) or names that are not ours."""
+behind, each with a lock file nobody holds: the next write into the same place removes them, and never touches
+a live writer's temporaries (its lock is held: models/orphans.py) or names that are not ours."""
 
 from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 
+from chronicals.models.orphans import lock_path, writer_lock
 from chronicals.train import checkpoint as ckpt
 from chronicals.train import train
 
@@ -19,16 +18,15 @@ from train_helpers import SyntheticLoader, tiny_config, tiny_model
 
 @pytest.fixture(scope="module")
 def dead_pid() -> int:
-    """The pid of a process that has exited and been reaped, so no process of that pid runs now."""
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
+    return 4242  # any: only the lock tells a live writer from a killed one
 
 
-def _partial(path, nbytes: int = 1000):
-    """A temporary checkpoint directory as a killed write leaves it: a truncated state.pt."""
+def _partial(path, nbytes: int = 1000, lock: bool = True):
+    """A temporary checkpoint directory as a killed write leaves it: a truncated state.pt and a free lock file."""
     path.mkdir(parents=True)
     (path / ckpt.STATE_FILE).write_bytes(b"\0" * nbytes)
+    if lock:
+        lock_path(path).touch()
     return path
 
 
@@ -47,25 +45,27 @@ def _state(step: int) -> dict:
 def test_a_checkpoint_write_removes_dead_writers_temporaries_only(tmp_path, dead_pid, background, caplog):
     root = tmp_path / "checkpoints"
     dead = _partial(root / f".tmp-step-000004-{dead_pid}", nbytes=2_500_000)
-    live = _partial(root / f".tmp-step-000006-{os.getpid()}")  # this process's: a write in flight
     others = [_partial(root / name) for name in (f".tmp-foo-{dead_pid}", ".tmp-step-000004-abc", "notes",
                                                    f"tmp-step-000004-{dead_pid}", f".tmp-step-000004-{dead_pid}.bak")]
     writer = ckpt.CheckpointWriter(background=background)
-    with caplog.at_level(logging.INFO, logger="chronicals.train"):
+    live = root / f".tmp-step-000006-{os.getpid()}"
+    with writer_lock(live), caplog.at_level(logging.INFO, logger="chronicals.train"):
+        live.mkdir()  # a write in flight (this process's other thread, or another process)
         writer.save(tmp_path, 2, tiny_model(), _Opt(), _Opt(), {})
         writer.wait()
+        assert live.is_dir()
     assert not dead.exists()
-    assert live.is_dir() and all(p.is_dir() for p in others)
+    assert all(p.is_dir() for p in others)
     assert [d.name for d in ckpt.checkpoint_dirs(tmp_path)] == ["step-000002"]
     removed = [r.getMessage() for r in caplog.records if r.name == "chronicals.train" and "removed" in r.getMessage()]
-    assert len(removed) == 1 and dead.name in removed[0] and "2.5 MB" in removed[0] and str(dead_pid) in removed[0]
+    assert len(removed) == 1 and dead.name in removed[0] and "2.5 MB" in removed[0]
 
 
-def test_write_checkpoint_leaves_a_live_processes_temporaries(tmp_path):
-    """A pid that runs (here the pytest's parent, which outlives this test) is another writer at work."""
-    live = _partial(tmp_path / "checkpoints" / f".tmp-step-000004-{os.getppid()}")
+def test_write_checkpoint_leaves_temporaries_without_a_lock_file(tmp_path):
+    """Without its lock file a directory is not known to be a killed write of ours (or predates the locks)."""
+    unknown = _partial(tmp_path / "checkpoints" / ".tmp-step-000004-4242", lock=False)
     ckpt.write_checkpoint(tmp_path, _state(2))
-    assert live.is_dir()
+    assert unknown.is_dir()
 
 
 def test_a_run_after_a_killed_one_clears_its_checkpoint_and_final_model_temporaries(tmp_path, docs, dead_pid):
@@ -75,7 +75,7 @@ def test_a_run_after_a_killed_one_clears_its_checkpoint_and_final_model_temporar
                       train__save_final=True)
     out = tmp_path / "run"
     ck_orphan = _partial(out / "checkpoints" / f".tmp-step-000004-{dead_pid}")
-    model_orphan = _partial(out / f".model.tmp-{dead_pid}-k2x9_a1b")
+    model_orphan = _partial(out / f".model.tmp-{dead_pid}-0a1b2c3d")
     res = train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs, seed=1))
     assert res.status == "completed" and (out / "model" / "config.json").is_file()
     assert not ck_orphan.exists() and not model_orphan.exists()

@@ -5,9 +5,9 @@ meta device, no random init), check the file's tensor names against the model's,
 tensor (one tensor in host memory at a time, cast to the requested dtype on the way).
 
 Writing goes to a temporary sibling directory that is renamed into place only when complete
-(``atomic_dir``), so a crash never leaves a half-written model where a reader would find it. The temporary
-directory's name carries the writer's pid, so the next write of the same target removes one a killed process
-left behind (``remove_orphans``).
+(``atomic_dir``), so a crash never leaves a half-written model where a reader would find it. The writer holds a
+lock on the temporary directory, so the next write of the same target removes one a killed writer left behind
+(``orphans``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig, rope_inv_freq
 from .decoder import CausalLM
+from .orphans import remove_orphans, writer_lock
 
 log = logging.getLogger(__name__)
 
@@ -63,67 +63,9 @@ def refuse_foreign_files(out: Path, owned: tuple[str, ...]) -> None:
 
 
 # ---------------------------------------------------------------- atomic writes
-def _process_gone(pid: int) -> bool:
-    """True only when no process ``pid`` runs on this machine (``os.kill(pid, 0)`` raises ProcessLookupError).
-
-    This process (whose background threads may be writing) and anything we cannot tell about (a pid of another
-    user's process: PermissionError; pid 0 or below, which kill() reads as a process group) count as alive: a
-    pid reused by another process only means an orphan is kept a while longer, never that a live write is lost."""
-    if pid <= 0 or pid == os.getpid() or os.name != "posix":
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    return False
-
-
-def _tree_bytes(path: Path) -> int:
-    """Bytes of the files under ``path`` (for the log line: a killed checkpoint write can leave GBs)."""
-    total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_size
-            except OSError:
-                pass
-    return total
-
-
-def remove_orphans(parent: Path, pattern: re.Pattern, logger: logging.Logger = log) -> list[Path]:
-    """Remove the directories in ``parent`` named by ``pattern`` (a fullmatch, group 1 = the writer's pid) whose
-    writer process is gone; return them.
-
-    A write killed mid-way (SIGKILL, OOM killer, a preempted node) leaves its temporary directory behind, up to a
-    whole checkpoint's size, and nothing else ever looks at it: the next write into the same place clears it.
-    Only our own temp names are touched, and only those of dead processes (``_process_gone``). Pids are a
-    machine's: one target written from two hosts over a shared filesystem at once is not supported anyway (the
-    renames would race), and training writes checkpoints and the final directory from rank 0 only."""
-    removed = []
-    for p in sorted(parent.iterdir()) if parent.is_dir() else []:
-        m = pattern.fullmatch(p.name)
-        if not m or p.is_symlink() or not p.is_dir() or not _process_gone(int(m.group(1))):
-            continue
-        size = _tree_bytes(p)
-        shutil.rmtree(p, ignore_errors=True)  # another sweeper may be removing it at the same time
-        if p.exists():
-            logger.warning("could not remove %s, the temporary directory of process %s that is no longer running; "
-                           "remove it by hand to free its %.1f MB", p, m.group(1), size / 1e6)
-            continue
-        logger.info("removed %s (%.1f MB), left by process %s that was killed while writing it", p, size / 1e6,
-                    m.group(1))
-        removed.append(p)
-    return removed
-
-
 def _temp_pattern(name: str) -> re.Pattern:
-    """``atomic_dir``'s temporary directories for target ``name``: ``.{name}.tmp-{pid}-{mkdtemp's 8 characters}``.
-
-    Names of the earlier pid-less form (``.{name}.tmp-{random}``) never match, so they are left alone: nothing
-    tells whether their writer still runs."""
-    return re.compile(rf"\.{re.escape(name)}\.tmp-(\d+)-[a-z0-9_]+")
+    """``atomic_dir``'s temporary directories for target ``name``: ``.{name}.tmp-{pid}-{8 hex digits}``."""
+    return re.compile(rf"\.{re.escape(name)}\.tmp-\d+-[0-9a-f]{{8}}")
 
 
 @contextmanager
@@ -134,8 +76,8 @@ def atomic_dir(out_dir: str | Path, *, replace: bool = True, owned: tuple[str, .
     ``out_dir`` is replaced (two renames: a reader in between sees no directory, never a partial one),
     or with replace=False a FileExistsError is raised. ``owned``: the file-name patterns the replaced
     directory may hold (``refuse_foreign_files``, checked before anything is written). The temporary
-    directory is ``.{name}.tmp-{pid}-{random}``: those of earlier writers of ``out_dir`` that no longer run
-    (killed mid-write, so their own cleanup never ran) are removed first (``remove_orphans``).
+    directory is ``.{name}.tmp-{pid}-{random}``, locked while it is written: those of earlier writers of
+    ``out_dir`` that were killed mid-write (their own cleanup never ran) are removed first (``orphans``).
     """
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -148,8 +90,14 @@ def atomic_dir(out_dir: str | Path, *, replace: bool = True, owned: tuple[str, .
         refuse_foreign_files(out, owned)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_orphans(out.parent, _temp_pattern(out.name))  # a killed earlier write's, before this one needs the space
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; a saved model should be readable like any directory
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    with writer_lock(tmp):
+        yield from _write_then_publish(tmp, out, replace)
+
+
+def _write_then_publish(tmp: Path, out: Path, replace: bool):
+    """atomic_dir's body, under the temporary directory's lock."""
+    tmp.mkdir()
     try:
         yield tmp
         for f in tmp.rglob("*"):  # some writers create 0600 files; a model directory is world-readable

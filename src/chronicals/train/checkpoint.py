@@ -2,8 +2,8 @@
 
 Layout: ``<out_dir>/checkpoints/step-000120/state.pt``. Each is written to a ``.tmp-*`` directory
 first and renamed into place, so a crash mid-write never leaves a half checkpoint that ``resume=auto``
-would pick up; a ``.tmp-*`` directory whose writer was killed mid-write (its name carries the pid) is removed
-by the next write into ``checkpoints/``. Only trainable parameters are stored, with their optimizer state: under
+would pick up; a ``.tmp-*`` directory whose writer was killed mid-write (its lock is free) is removed by the
+next write into ``checkpoints/``. Only trainable parameters are stored, with their optimizer state: under
 LoRA the adapters, so SmolLM2-135M at r=16 (4.88M fp32 adapter parameters, 19.5 MB, plus AdamW's two moments)
 writes a 59.0 MB state.pt (59,047,960 bytes measured, fp32 on CPU) instead of the 540 MB of its fp32 weights
 alone. The last ``keep_last`` checkpoints are kept. ``CheckpointWriter`` (the trainer's, ``train.async_save``)
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from ..models.hf_io import remove_orphans
+from ..models.orphans import remove_orphans, writer_lock
 
 log = logging.getLogger("chronicals.train")
 _NAME = re.compile(r"^step-(\d+)$")
-_TMP_NAME = re.compile(r"\.tmp-step-\d+-(\d+)")  # write_checkpoint's temporaries: .tmp-step-000120-{pid}
+_TMP_NAME = re.compile(r"\.tmp-step-\d+-\d+")  # write_checkpoint's temporaries: .tmp-step-000120-{pid}
 STATE_FILE = "state.pt"  # the one file of a checkpoint directory
 
 
@@ -121,26 +121,27 @@ def write_checkpoint(out_dir: str | Path, state: dict, keep_last: int = 2) -> Pa
     """Write a ``snapshot`` to ``checkpoint_path(out_dir, state["step"])`` atomically (a ``.tmp-*`` directory,
     fsynced, then renamed); delete all but the newest ``keep_last``.
 
-    First removes the ``.tmp-step-*-{pid}`` directories of writers no longer running: a run killed mid-write
-    (SIGKILL, OOM) leaves a partial checkpoint, as large as a whole one, that ``checkpoint_dirs`` never lists.
-    This process's own (a background ``CheckpointWriter`` thread's) are never touched."""
+    First removes the ``.tmp-step-*`` directories of writes that were killed (SIGKILL, OOM): each leaves a partial
+    checkpoint, as large as a whole one, that ``checkpoint_dirs`` never lists. A live writer's, this process's
+    background ``CheckpointWriter`` thread's included, holds its lock and is never touched (``models.orphans``)."""
     final = checkpoint_path(out_dir, state["step"])
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     remove_orphans(root, _TMP_NAME, log)  # before this write needs the disk space
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        torch.save(state, tmp / STATE_FILE)
-        _fsync(tmp / STATE_FILE)  # durable before the rename publishes it: no truncated state.pt after a power loss
-    except BaseException:  # e.g. a full disk: leave nothing half-written behind
+    with writer_lock(tmp):
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if final.exists():  # re-saving the same step (e.g. a signal right after a periodic save)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync(root)  # the rename itself
+        tmp.mkdir()
+        try:
+            torch.save(state, tmp / STATE_FILE)
+            _fsync(tmp / STATE_FILE)  # durable before the rename publishes it: no truncated state.pt after a power loss
+        except BaseException:  # e.g. a full disk: leave nothing half-written behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if final.exists():  # re-saving the same step (e.g. a signal right after a periodic save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync(root)  # the rename itself
     for old in checkpoint_dirs(out_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
