@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,3 +84,28 @@ def test_a_fraction_of_an_epoch_counts_its_own_steps(tmp_path, docs):
     res = train(tiny_config(tmp_path, train__max_steps=0, train__epochs=1.5, train__grad_accum=3), model=tiny_model(),
                 train_loader=loader)
     assert res.total_steps == 5
+
+
+@pytest.mark.parametrize("epochs,batches,accum,steps", [(1.1, 10, 1, 11), (2.2, 20, 2, 22), (0.3, 10, 3, 1),
+                                                         (2.5, 8, 3, 8)])
+def test_step_counts_of_fractional_epochs_are_exact_decimals(epochs, batches, accum, steps):
+    """1.1 - 1 is 0.10000000000000009 in floats: counted that way 1.1 epochs of 10 batches took 12 steps."""
+    from chronicals.train.loop import _total_steps
+
+    cfg = tiny_config(Path("/nonexistent"), train__max_steps=0, train__epochs=epochs, train__grad_accum=accum)
+    assert _total_steps(cfg, batches) == steps
+
+
+class _OneShotLoader(SyntheticLoader):
+    """__iter__ returns one generator for ever: after its first epoch it yields nothing."""
+
+    def __iter__(self):
+        if not hasattr(self, "_gen"):
+            self._gen = super().__iter__()
+        return self._gen
+
+
+def test_a_loader_that_does_not_start_its_next_epoch_is_refused_not_spun_on(tmp_path, docs):
+    loader = _OneShotLoader(docs[:36], shuffle=False)
+    with pytest.raises(ValueError, match="yielded no batches after its epoch ended"):
+        train(tiny_config(tmp_path, train__max_steps=len(loader) + 1), model=tiny_model(), train_loader=loader)

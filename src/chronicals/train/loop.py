@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -78,9 +79,10 @@ class _Stream:
         """The next ``k`` batches, or fewer when the epoch ends among them: a step never spans two epochs, so
         train.epochs=1 trains every batch once (10 batches at grad_accum 3: steps of 3, 3, 3, 1), as the Hugging
         Face Trainer does. Each step's loss is normalized by its own loss-token count, so a short step is exact."""
-        out = []
+        out, fresh_empty = [], 0
         while len(out) < k:
-            if self._it is None:
+            fresh = self._it is None
+            if fresh:
                 self._it = iter(self.loader)  # the next `iter` of the loader continues with the next epoch
             try:
                 out.append(next(self._it))
@@ -88,6 +90,12 @@ class _Stream:
                 self._it = None
                 if out:
                     break
+                # one empty pass is a loader saved at its epoch's end rolling over; two in a row would spin forever
+                fresh_empty += fresh
+                if fresh_empty > 1:
+                    raise ValueError("the training loader yielded no batches after its epoch ended: its __iter__ "
+                                     "must start the next epoch (as PackedLoader does), not return an exhausted "
+                                     "iterator") from None
         return out
 
     def state_dict(self) -> dict:
@@ -189,10 +197,12 @@ def _total_steps(cfg: TrainConfig, batches_per_epoch: int) -> int:
         raise ValueError("the training loader yields no batches: is the dataset empty?")
     if cfg.train.max_steps > 0:
         return cfg.train.max_steps
-    # whole epochs of ceil(batches / grad_accum) steps (the last one short; see _Stream.take), then a fraction
+    # whole epochs of ceil(batches / grad_accum) steps (the last one short; see _Stream.take), then a fraction; in
+    # exact decimals: 1.1 - 1 is 0.10000000000000009 in floats, and 1.1 epochs of 10 batches would take 12 steps
+    epochs = Fraction(str(cfg.train.epochs))
+    whole = math.floor(epochs)
     per_epoch = math.ceil(batches_per_epoch / cfg.train.grad_accum)
-    whole = math.floor(cfg.train.epochs)
-    part = math.ceil((cfg.train.epochs - whole) * batches_per_epoch / cfg.train.grad_accum)
+    part = math.ceil((epochs - whole) * batches_per_epoch / cfg.train.grad_accum)
     return max(1, whole * per_epoch + part)
 
 
