@@ -99,9 +99,12 @@ def _resolved(model: dict) -> str:
     return "float32" if model["dtype"] == "auto" else model["dtype"]
 
 
-@pytest.mark.parametrize("old, new", [({}, {}), (dict(model__dtype="auto"), dict(model__dtype="float32"))])
+@pytest.mark.parametrize("old, new", [({}, {}), (dict(model__dtype="auto"), dict(model__dtype="float32")),
+                                      (dict(data__path="chats.jsonl"), dict(data__path="chats.jsonl",
+                                                                            data__system_prompt=""))])
 def test_resume_with_the_same_settings_warns_nothing(tmp_path, caplog, old, new):
-    """An unchanged config, or model.dtype=auto on the CPU over float32 (the same weights): no warning."""
+    """An unchanged config, model.dtype=auto on the CPU over float32 (the same weights), or data.system_prompt from
+    its default to '' beside the user's own data (both mean no system message of ours there): no warning."""
     saved = tiny_config(tmp_path, model__device="cpu", **old).to_dict()
     current = tiny_config(tmp_path, model__device="cpu", **new).to_dict()
     with caplog.at_level(logging.WARNING, logger="chronicals.train"):

@@ -49,16 +49,35 @@ LOSS_KEYS = {
 }
 
 
+# the data settings a checkpoint's data position depends on (which batches, in which order)
+DATA_POSITION_KEYS = {"data": ("path", "format", "max_seq_len", "batch_size", "tokens_per_batch"), "train": ("seed",)}
+
+
+def _same_effective_system_prompt(saved: dict, current: dict) -> bool:
+    """data.system_prompt reaches the tokens only as ``qa.heldout_system_prompt`` says (beside the user's own data
+    its default and '' are the same: none), so only a change of that effective value is a change."""
+    from types import SimpleNamespace
+
+    from .qa import heldout_system_prompt
+
+    def effective(cfg):
+        d = cfg.get("data", {})
+        return heldout_system_prompt(SimpleNamespace(path=d.get("path"), system_prompt=d.get("system_prompt")))
+
+    return effective(saved) == effective(current)
+
+
 def warn_data_changed(saved: dict | None, current: dict, path: Path) -> None:
     """Warn when a resumed checkpoint was written over other data or batches: its data position then points
     elsewhere (typically resume=auto finding an unrelated earlier run in the same train.out_dir); and when it
     was written with other LOSS_KEYS: the same batches then carry another loss."""
-    diffs = ckpt.config_diffs(saved, current,
-                              {"data": ("path", "format", "max_seq_len", "batch_size", "tokens_per_batch")})
+    diffs = ckpt.config_diffs(saved, current, DATA_POSITION_KEYS)
     if diffs:
         log.warning("resumed from %s, written with %s: its data position refers to other batches; if this is a "
                     "new run, set train.resume=none or another train.out_dir", path, ", ".join(diffs))
     loss = {k: d for k in LOSS_KEYS for d in ckpt.config_diffs(saved, current, {"data": (k,)})}  # key -> diff
+    if "system_prompt" in loss and _same_effective_system_prompt(saved, current):
+        del loss["system_prompt"]
     if loss:
         log.warning("resumed from %s, written with %s: from here on the run trains or evaluates on other tokens "
                     "(%s), so its losses are not comparable with the checkpoint's; set the checkpoint's values to "
