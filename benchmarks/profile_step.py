@@ -120,7 +120,7 @@ def profile(method: str, shape_name: str, steps: int, graphs: bool = False, ceil
     # "Optimizer.step#AdamW.step" and other record_function ranges show up as CUDA events spanning their kernels:
     # counting them would count those kernels twice (2.9 ms of "adam" in the full step at a871e6d)
     kernels = [e for e in prof.key_averages() if device_us(e) > 0 and e.device_type == torch.autograd.DeviceType.CUDA
-               and "#" not in e.key]
+               and not getattr(e, "is_user_annotation", False) and "#" not in e.key]
     busy = sum(device_us(e) for e in kernels) / steps / 1e3
     fams: dict[str, float] = defaultdict(float)
     for e in kernels:

@@ -34,13 +34,17 @@ def lora_adapter_flops_per_token(cfg, r: int) -> float:
 
 
 def step_floors_ms(cfg, rows: int, seq: int, method: str, peak_tflops: float, copy_tb_s: float,
-                   lora_r: int = 32) -> dict[str, float]:
+                   lora_r: int | None = None) -> dict[str, float]:
     """Floor in ms of each op family for one step of ``rows`` x ``seq`` tokens (keys match profile_step's).
 
-    cfg: a ModelConfig; method "full" or "lora" (rank ``lora_r`` on the 7 projections); peak_tflops: the
-    measured bf16 matmul rate; copy_tb_s: the measured copy bandwidth (bytes read + written per second / 1e12).
+    cfg: a ModelConfig; method "full" or "lora" (rank ``lora_r`` on the 7 projections, the protocol's by default);
+    peak_tflops: the measured bf16 matmul rate; copy_tb_s: the measured copy bandwidth (bytes read + written per
+    second / 1e12).
     """
     from ..train.metrics import matmul_params
+    from .protocol import LORA_R
+
+    lora_r = LORA_R if lora_r is None else lora_r
 
     if method not in ("full", "lora"):
         raise ValueError(f"step_floors_ms: method {method!r} is not 'full' or 'lora'")
@@ -53,7 +57,7 @@ def step_floors_ms(cfg, rows: int, seq: int, method: str, peak_tflops: float, co
     if method == "lora":
         gemm += lora_adapter_flops_per_token(cfg, lora_r) * n
         trainable = lora_adapter_flops_per_token(cfg, lora_r) // 6
-    attention = 3 * 4 * seq * q * layers / 2 * n
+    attention = (cfg.flops_per_token(seq) - 6 * params) * n  # the MFU formula's causal attention
 
     def at_peak(flops):
         return flops / (peak_tflops * 1e12) * 1e3

@@ -392,7 +392,9 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
             log.info("step %d/%d: held-out loss %.4f", step, total, loss)
         return loss
 
-    before = None  # written when the first step starts: a run stopped in the "before" report changes nothing
+    # written when the first step starts: a run stopped in its "before" report leaves an earlier run's checkpoints,
+    # config.yaml and metrics.jsonl as they were
+    before = None
     if start == 0:
         before = eval_record(0, "before")
         result.eval_loss_before = before["eval_loss"] if before else None
