@@ -140,3 +140,16 @@ def test_a_resume_over_other_data_names_the_checkpoint_and_the_changed_key(tmp_p
     assert "cannot resume from" in msg and "step-000001" in msg and "batches per epoch" in msg
     assert "data.path='a.jsonl' (this run: 'b.jsonl')" in msg and "train.resume=none" in msg
     assert "data.path='a.jsonl' (this run: 'b.jsonl')" in caplog.text  # the warning came before the refusal
+
+
+def test_a_resume_over_edited_data_under_the_same_settings_names_both_causes(tmp_path, docs):
+    """Same data.path, other contents (records appended) or another number of ranks: no setting differs, so the
+    refusal names both possible causes and each one's way out."""
+    train(tiny_config(tmp_path, train__max_steps=1, train__save_every=1), model=tiny_model(),
+          train_loader=_CountingLoader(docs))
+    with pytest.raises(ValueError) as err:
+        train(tiny_config(tmp_path, train__max_steps=2, train__resume="auto"), model=tiny_model(),
+              train_loader=_CountingLoader(docs[:20]))
+    msg = str(err.value)
+    assert "no data setting changed, so either the data files' contents did" in msg and "train.resume=none" in msg
+    assert "resume with the checkpoint's torchrun --nproc-per-node" in msg

@@ -186,10 +186,13 @@ def _restore_position(stream, restored: dict, cfg_dict: dict, path: Path) -> Non
         stream.load_state_dict(restored["data"])  # rank 0's position: every rank's equals it (equal shards)
     except ValueError as e:
         diffs = ckpt.config_diffs(restored["extra"].get("config"), cfg_dict, DATA_POSITION_KEYS)
-        changed = f"this run changed {', '.join(diffs)}; " if diffs else \
-            "no data setting changed: was it written by another number of ranks (torchrun --nproc-per-node)? "
-        raise ValueError(f"cannot resume from {path}: {e}. {changed}a run over other data or batches is a new run: "
-                         "set train.resume=none or another train.out_dir") from None
+        new_run = "a run over other data or batches is a new run: set train.resume=none or another train.out_dir"
+        if diffs:
+            why = f"this run changed {', '.join(diffs)}; {new_run}"
+        else:
+            why = (f"no data setting changed, so either the data files' contents did ({new_run}) or the number of "
+                   "ranks did (resume with the checkpoint's torchrun --nproc-per-node)")
+        raise ValueError(f"cannot resume from {path}: {e}. {why}") from None
 
 
 def _total_steps(cfg: TrainConfig, batches_per_epoch: int) -> int:
