@@ -57,21 +57,42 @@ def detect_format(record: dict) -> str:
     raise FormatError(f"cannot tell the format from fields {sorted(keys)}; expected one of {EXPECTED}")
 
 
-def _field(record: dict, name: str, fmt: str, kinds=(str,)):
+def _field(record: dict, name: str, fmt: str, kinds=(str,), from_csv: bool = False):
     if name not in record:
         raise FormatError(f"missing field {name!r} (format {fmt} expects {_expects(fmt)})")
     if record[name] is None:
         raise FormatError(f"field {name!r} is null (format {fmt} expects {_expects(fmt)})")
     value = record[name]
-    if isinstance(value, str) and list in kinds and value.lstrip().startswith("["):
-        try:  # csv cells hold message lists as JSON text
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise FormatError(f"field {name!r} is not valid JSON ({e.msg}); expected a list of messages") from None
+    if from_csv and list in kinds and isinstance(value, str):
+        value = _csv_messages(value, name, text_ok=str in kinds)
     if not isinstance(value, kinds):
         want = " or ".join(k.__name__ for k in kinds)
         raise FormatError(f"field {name!r} is a {type(value).__name__}, expected {want}")
     return check_text(value, f"field {name!r}") if isinstance(value, str) else value
+
+
+def _csv_messages(value: str, name: str, text_ok: bool):
+    """A CSV cell where a message list may stand: a cell cannot hold a list, so the list is JSON text. Decoded
+    only to a list of message dicts; a cell that may be text (prompt, completion) stays text otherwise, so
+    "[INST] hi [/INST]" or " [3, 2, 1]" is a prompt / completion, not a broken message list."""
+    if text_ok and not value.lstrip().startswith("["):
+        return value
+    try:
+        decoded = json.loads(value)
+    except (json.JSONDecodeError, RecursionError) as e:
+        if text_ok:
+            return value
+        why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+        raise FormatError(f"field {name!r} is not valid JSON ({why}); expected a list of messages (a CSV cell "
+                          "holds them as JSON text)") from None
+    is_messages = (isinstance(decoded, list) and decoded
+                   and all(isinstance(m, dict) and (not text_ok or "role" in m) for m in decoded))
+    if is_messages:
+        return decoded
+    if text_ok:
+        return value
+    raise FormatError(f"field {name!r} is JSON text of a {type(decoded).__name__}, expected a list of messages "
+                      "(a CSV cell holds them as JSON text)")
 
 
 def check_text(value: str, name: str) -> str:
@@ -125,15 +146,18 @@ def empty_target(ex: Example) -> bool:
     return bool(replies) and not any(r.strip() for r in replies)
 
 
-def to_example(record: dict, fmt: str, has_chat_template: bool) -> Example:
-    """One record of format ``fmt`` -> Example; FormatError says what is wrong and what was expected."""
+def to_example(record: dict, fmt: str, has_chat_template: bool, from_csv: bool = False) -> Example:
+    """One record of format ``fmt`` -> Example; FormatError says what is wrong and what was expected.
+
+    ``from_csv``: the record is a CSV row, whose cells hold message lists (messages, conversations,
+    conversational prompt/completion) as JSON text; in other files a string is always text."""
     if fmt == "text":
         return Example(target=_field(record, "text", fmt))
     if fmt == "chat":
-        return Example(messages=_messages(_field(record, "messages", fmt, (list,)), "role", "content", None,
+        return Example(messages=_messages(_field(record, "messages", fmt, (list,), from_csv), "role", "content", None,
                                           "messages"))
     if fmt == "sharegpt":
-        return Example(messages=_messages(_field(record, "conversations", fmt, (list,)), "from", "value",
+        return Example(messages=_messages(_field(record, "conversations", fmt, (list,), from_csv), "from", "value",
                                           SHAREGPT_ROLES, "conversations"))
     if fmt == "alpaca":
         instruction, output = _field(record, "instruction", fmt), _field(record, "output", fmt)
@@ -151,8 +175,8 @@ def to_example(record: dict, fmt: str, has_chat_template: bool) -> Example:
                                       instruction=instruction, input=f"### Input:\n{extra}\n\n" if extra else "")
         return Example(prompt=prompt, target=output)
     if fmt == "prompt_completion":
-        prompt = _field(record, "prompt", fmt, (str, list))
-        completion = _field(record, "completion", fmt, (str, list))
+        prompt = _field(record, "prompt", fmt, (str, list), from_csv)
+        completion = _field(record, "completion", fmt, (str, list), from_csv)
         if isinstance(prompt, list) or isinstance(completion, list):  # conversational prompt/completion
             if not (isinstance(prompt, list) and isinstance(completion, list)):
                 raise FormatError("'prompt' and 'completion' mix a string and a message list; expected both "
