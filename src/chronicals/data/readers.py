@@ -13,14 +13,19 @@ import csv
 import hashlib
 import io
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+# files that look like data but that a directory walk does not read (warned about rather than skipped silently)
+UNREAD = (".gz", ".zst", ".bz2", ".xz", ".zip", ".txt", ".tsv")
 # json (C scanner and Python fallback alike) recurses once per nesting level and raises RecursionError near
 # Python's limit of 1000; a record nested that deep is not training data
 NESTED = "nested too deeply (JSON arrays/objects more than ~1000 levels deep)"
+
+log = logging.getLogger("chronicals.data")
 
 
 @dataclass
@@ -39,7 +44,8 @@ def resolve_files(paths) -> list[Path]:
 
     A directory is read recursively: its data files (extension in SUFFIXES, any case) and those of its
     subdirectories, in sorted name order; names starting with '.' (hidden files and folders, editor lock
-    files such as ``.~lock.a.jsonl#``) are skipped, so are files of other types (a README, notes.txt).
+    files such as ``.~lock.a.jsonl#``) are skipped, so are files of other types (a README; compressed shards,
+    .txt and .tsv files are named in a warning). Symlinks are followed, each real file is read once.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -62,32 +68,86 @@ def resolve_files(paths) -> list[Path]:
     return files
 
 
-def _dir_files(p: Path) -> list[Path]:
+def _saved_dataset_files(p: Path) -> list[Path] | None:
+    """The arrow files of a ``datasets.save_to_disk`` directory, or None when ``p`` is not one."""
     if (p / "dataset_dict.json").exists():
         splits = _json_object(p / "dataset_dict.json").get("splits", [])
         if not isinstance(splits, list):
             splits = []
         raise DataError(f"{p}: a datasets DatasetDict (splits {splits}); pass one split's directory, "
                         f"e.g. {p / (splits[0] if splits else 'train')}")
-    if (p / "state.json").exists():
-        state = _json_object(p / "state.json")
-        entries = state.get("_data_files", [])
-        if not (isinstance(entries, list) and all(isinstance(f, dict) and isinstance(f.get("filename"), str)
-                                                  for f in entries)):
-            raise DataError(f"{p / 'state.json'}: '_data_files' must list {{'filename': str}} objects (a "
-                            "datasets.save_to_disk directory); the file is damaged: save the dataset again")
-        if not entries:
-            raise DataError(f"{p}/state.json: no '_data_files' listed (expected a datasets.save_to_disk directory)")
-        return [p / f["filename"] for f in entries]
-    out = []
-    for f in sorted(p.iterdir()):
-        if f.name.startswith("."):
-            continue
-        if f.is_dir():
-            out += _dir_files(f)
-        elif f.is_file() and f.suffix.lower() in SUFFIXES:
-            out.append(f)
+    if not (p / "state.json").exists():
+        return None
+    state = _json_object(p / "state.json")
+    entries = state.get("_data_files", [])
+    if not (isinstance(entries, list) and all(isinstance(f, dict) and isinstance(f.get("filename"), str)
+                                              for f in entries)):
+        raise DataError(f"{p / 'state.json'}: '_data_files' must list {{'filename': str}} objects (a "
+                        "datasets.save_to_disk directory); the file is damaged: save the dataset again")
+    if not entries:
+        raise DataError(f"{p}/state.json: no '_data_files' listed (expected a datasets.save_to_disk directory)")
+    return [p / f["filename"] for f in entries]
+
+
+def _dir_files(p: Path) -> list[Path]:
+    """The data files under directory ``p`` (see resolve_files), each real file once.
+
+    Symlinks are followed, but a file or directory reached through one is skipped when its real path is also
+    reached without symlinks, or was reached before: ``data/latest -> v2`` beside ``data/v2/`` reads v2's files
+    once (as ``data/v2/...``), and a link back to an ancestor (a loop) ends there instead of recursing.
+    """
+    saved = _saved_dataset_files(p)
+    if saved is not None:
+        return saved
+    direct_dirs, direct_files = set(), set()  # real paths reached without following a symlink
+    for root, dirs, names in os.walk(p):  # followlinks=False: lists symlinked directories but does not enter them
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        direct_dirs.add(os.path.realpath(root))
+        direct_files.update(os.path.realpath(os.path.join(root, n)) for n in names
+                            if not n.startswith(".") and not os.path.islink(os.path.join(root, n)))
+    out, unread, dup = [], [], []
+    seen = {os.path.realpath(p)}  # real paths of the directories walked and the files taken
+
+    def walk(d: Path, via_link: bool) -> None:
+        for f in sorted(d.iterdir()):
+            if f.name.startswith("."):
+                continue
+            link = via_link or f.is_symlink()
+            real = os.path.realpath(f)
+            if f.is_dir():
+                if link and (real in direct_dirs or real in seen):
+                    dup.append(f)
+                    continue
+                seen.add(real)
+                saved = _saved_dataset_files(f)
+                if saved is None:
+                    walk(f, link)
+                else:
+                    out.extend(saved)
+            elif f.is_file():
+                if link and (real in direct_files or real in seen):
+                    if f.suffix.lower() in SUFFIXES:
+                        dup.append(f)
+                    continue
+                seen.add(real)
+                if f.suffix.lower() in SUFFIXES:
+                    out.append(f)
+                elif f.suffix.lower() in UNREAD:
+                    unread.append(f)
+
+    walk(p, False)
+    if dup:
+        log.info("data: %s: %d %s reached again through a symlink, not read twice: %s", p, len(dup),
+                 "entry" if len(dup) == 1 else "entries", _some(dup))
+    if unread:
+        log.warning("data: %s: %d %s not read: %s; a data directory is read for %s files only (decompress "
+                    "compressed shards, convert text/TSV files to .jsonl)", p, len(unread),
+                    "file" if len(unread) == 1 else "files", _some(unread), ", ".join(SUFFIXES))
     return out
+
+
+def _some(paths: list[Path], n: int = 3) -> str:
+    return ", ".join(map(str, paths[:n])) + (f" and {len(paths) - n} more" if len(paths) > n else "")
 
 
 def _json_object(path: Path) -> dict:
