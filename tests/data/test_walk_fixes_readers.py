@@ -64,3 +64,33 @@ def test_unread_data_like_files_are_named_in_a_warning(tmp_path, caplog):
     assert (f"{d}: 4 files not read: {d / 'notes.txt'}, {d / 'part-1.jsonl.gz'}, {d / 'part-2.jsonl.zst'} and 1 "
             "more; a data directory is read for .jsonl, .json, .parquet, .csv files only") in warned[0]
     assert "README" not in warned[0]
+
+
+def test_json_file_holding_one_object_is_named_not_read_per_line(tmp_path):
+    p = tmp_path / "wrapped.json"
+    p.write_text(json.dumps({"data": [{"text": "a"}, {"text": "b"}]}, indent=2))
+    with pytest.raises(DataError, match=rf"^{p}: a JSON object, expected an array of records .* or JSON lines "
+                                        r".*; the records may be under key 'data': extract them to a \.jsonl"):
+        read_file(p)
+    p.write_text(json.dumps({"data": [{"text": "a"}]}))  # on one line (json.dump's default) too
+    with pytest.raises(DataError, match="under key 'data'"):
+        read_file(p)
+    p.write_text(json.dumps({"text": "single"}, indent=2))  # one record, pretty-printed
+    with pytest.raises(DataError, match=rf"^{p}: a JSON object, .*; if it is one record, write it on one line"):
+        read_file(p)
+    chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    p.write_text(json.dumps(chat, indent=2))  # messages are not "the records"
+    with pytest.raises(DataError, match="if it is one record") as e:
+        read_file(p)
+    assert "under key" not in str(e.value)
+
+
+def test_json_lines_under_a_json_name_still_read(tmp_path):
+    p = tmp_path / "l.json"
+    chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    for rows in ([{"text": "one"}], [{"text": "a"}, {"text": "b"}], [chat]):
+        p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        assert [r.data for r in read_file(p)] == rows
+    p.write_text('{"text": "a"}\n{"text": \n')  # a damaged line is still one bad record, by line
+    recs = read_file(p)
+    assert recs[0].data == {"text": "a"} and recs[1].where == f"{p}:2" and "invalid JSON" in recs[1].error

@@ -18,6 +18,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .formats import FormatError, detect_format
+
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 # files that look like data but that a directory walk does not read (warned about rather than skipped silently)
 UNREAD = (".gz", ".zst", ".bz2", ".xz", ".zip", ".txt", ".tsv")
@@ -231,9 +233,13 @@ def _read_jsonl(path: Path, data: bytes) -> list[Record]:
 
 
 def _read_json(path: Path) -> list[Record]:
-    """A JSON array of objects (each record located by its line), or JSON lines saved as .json."""
+    """A JSON array of objects (each record located by its line), or JSON lines saved as .json; a file that is
+    one JSON object over several lines, or a wrapper of records such as {"data": [...]}, is a DataError."""
     data = path.read_bytes()
-    if not data.lstrip(codecs.BOM_UTF8 + b" \t\r\n").startswith(b"["):
+    head = data.lstrip(codecs.BOM_UTF8 + b" \t\r\n")
+    if not head.startswith(b"["):
+        if head.startswith(b"{"):
+            _refuse_one_object(path, data)
         return _read_jsonl(path, data)  # {...}\n{...}: JSON lines under a .json name (or empty)
     text = _decode(path, data)
     dec = json.JSONDecoder()
@@ -265,6 +271,36 @@ def _read_json(path: Path) -> list[Record]:
             out.append(Record(f"{path}:{line}", obj))
         else:
             out.append(Record(f"{path}:{line}", None, f"a JSON {type(obj).__name__} in the array, expected objects"))
+
+
+def _refuse_one_object(path: Path, data: bytes) -> None:
+    """Raise when a .json file is one JSON object rather than JSON lines: a wrapper such as {"data": [...]}, or
+    one record spread over lines, would otherwise be read line by line as "invalid JSON" records.
+
+    One object on one line that is a record ({"text": ...}) is one line of JSON lines, and passes.
+    """
+    try:
+        obj = json.loads(data.decode("utf-8-sig"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return  # JSON lines ("Extra data" after the first line) or damaged: _read_jsonl reports each line
+    try:
+        detect_format(obj)
+        record = True
+    except FormatError:
+        record = False
+    # a key holding the records: a non-empty list of objects that are not chat messages (role / from)
+    key = None if record else next((k for k, v in obj.items() if isinstance(v, list) and v and all(
+        isinstance(x, dict) for x in v) and not {"role", "from"} & set(v[0])), None)
+    one_line = b"\n" not in data.strip()
+    if one_line and key is None:
+        return
+    msg = f"{path}: a JSON object, expected an array of records ([{{...}}, {{...}}]) or JSON lines (one object per line)"
+    if key is not None:
+        msg += (f"; the records may be under key {key!r}: extract them to a .jsonl "
+                f"(jq -c '.[\"{key}\"][]' {path} > {path.with_suffix('.jsonl').name})")
+    elif record:
+        msg += "; if it is one record, write it on one line or inside [ ]"
+    raise DataError(msg)
 
 
 def _read_csv(path: Path) -> list[Record]:
