@@ -94,3 +94,12 @@ def test_json_lines_under_a_json_name_still_read(tmp_path):
     p.write_text('{"text": "a"}\n{"text": \n')  # a damaged line is still one bad record, by line
     recs = read_file(p)
     assert recs[0].data == {"text": "a"} and recs[1].where == f"{p}:2" and "invalid JSON" in recs[1].error
+
+
+def test_csv_row_with_too_few_fields_is_counted_like_too_many(tmp_path):
+    p = tmp_path / "short.csv"
+    p.write_text('prompt,completion\nok,fine\nshort row\na,b,c\n"",\n')
+    recs = read_file(p)
+    assert [r.error for r in recs] == [None, "1 fields, expected 2 (the header's columns)",
+                                       "3 fields, expected 2 (the header's columns)", None]
+    assert recs[1].where == f"{p}:3" and recs[3].data == {"prompt": "", "completion": ""}

@@ -317,6 +317,10 @@ def _read_csv(path: Path) -> list[Record]:
                 out.append(Record(where, None, f"{len(reader.fieldnames) + len(row[None])} fields, expected "
                                                f"{len(reader.fieldnames)} (the header's columns)"))
                 continue
+            if None in row.values():  # DictReader fills the missing fields of a short row with restval=None
+                out.append(Record(where, None, f"{sum(v is not None for v in row.values())} fields, expected "
+                                               f"{len(reader.fieldnames)} (the header's columns)"))
+                continue
             out.append(Record(where, {k: v for k, v in row.items()}))
     except csv.Error as e:
         if "end of data" in str(e):  # EOF inside a quoted field
