@@ -149,3 +149,46 @@ def test_loader_with_no_batch_fails_at_construction():
         PackedLoader(ds, batch_size=4, max_seq_len=24, drop_last=True)
     with pytest.raises(ValueError, match=r"pad_to_multiple_of=0; expected an integer >= 1"):
         PackedLoader(ds, tokens_per_batch=64, max_seq_len=24, pad_to_multiple_of=0)
+
+
+def test_rows_left_out_under_data_parallel():
+    """Every rank takes the same number of batches: rows_left_out counts the rows of the remainder batches."""
+    ds = synthetic(n=60)
+    left = {}
+    for shape, w in (({"batch_size": 5}, 1), ({"batch_size": 5}, 2), ({"batch_size": 5}, 3),
+                     ({"batch_size": 7}, 4), ({"tokens_per_batch": 40}, 3), ({"tokens_per_batch": 40}, 1)):
+        ranks = [PackedLoader(ds, max_seq_len=24, seed=1, rank=r, world_size=w, **shape) for r in range(w)]
+        seen = [d for r in ranks for b in r for d in check_batch(b, ds)]
+        assert len(seen) == len(set(seen))
+        rows_seen = sum(set(row) <= set(seen) for row in ranks[0].rows)
+        assert ranks[0].rows_left_out == len(ranks[0].rows) - rows_seen
+        left[(*shape.values(), w)] = ranks[0].rows_left_out
+    # 36 rows: 8 batches of 5 (3 ranks: 6 rows left), 6 of 7 (4 ranks: the 8 rows of batches 5-6); 20 budget rows
+    assert left == {(5, 1): 0, (5, 2): 0, (5, 3): 6, (7, 4): 8, (40, 3): 2, (40, 1): 0}, left
+
+
+def test_build_loaders_warns_about_rows_left_out(tokenizer, tmp_path, caplog):
+    import json
+    import logging
+
+    from chronicals.config import load_config
+    from chronicals.train.setup import build_loaders
+
+    data = tmp_path / "t.jsonl"  # one ~40-token document per 64-token row: 7 rows
+    data.write_text("".join(json.dumps({"text": f"doc {i} " + "word " * 36}) + "\n" for i in range(7)))
+    cfg = load_config(None, ["data.max_seq_len=64", "data.cache_dir=none", "eval.qa=false", "data.batch_size=3",
+                             f"data.path={data}", f"train.out_dir={tmp_path / 'run'}"])
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        loader, _, _ = build_loaders(cfg, tokenizer, tmp_path / "run", rank=0, world_size=2)
+    assert len(loader.rows) == 7 and loader.rows_left_out == 1  # 3 global batches of 3, 3, 1 rows: 2 trained
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and warned[0].startswith("training data: 1 of 7 packed rows per epoch (about 1 "
+                                                     "documents, ")
+    assert "other ones are left out each time" in warned[0]
+    assert warned[0].endswith("use data.batch_size=2 or 4 (ceil(7 / batch_size) a multiple of 2 ranks), or a "
+                              "number of ranks that divides the 3 batches")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        build_loaders(cfg, tokenizer, tmp_path / "run", rank=1, world_size=2)  # rank 0 says it
+        build_loaders(cfg, tokenizer, tmp_path / "run")
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]

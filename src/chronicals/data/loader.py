@@ -7,6 +7,14 @@ groups ``batch_size`` consecutive rows into a batch. Packing once keeps ``len(lo
 epochs; the documents that share a row do not interact (block-diagonal attention, per-document labels),
 so only which rows share a step changes between epochs.
 
+Data parallel (``world_size`` W > 1): rank r takes global batches r, r + W, r + 2W, ... of the epoch, and
+every rank gets the same number of batches, so when the G global batches of an epoch are not a multiple of
+W the last ``G % W`` are not trained in that epoch. Rows reshuffle each epoch, so other documents are left out
+each time; ``rows_left_out`` counts them (0 when W divides G: choose batch_size or the number of ranks so).
+
+    52 rows, batch_size=5, W=2:  G = ceil(52 / 5) = 11 global batches -> 5 per rank, 10 trained;
+    batch 11 (rows 51-52 of this epoch's order) is not: 2 rows per epoch left out
+
 Resume: ``state_dict()`` = {"epoch", "position"}: position is the number of this rank's batches of that
 epoch already handed out, so a loader restored from it yields exactly the batches that would have come next.
 """
@@ -61,6 +69,12 @@ class PackedLoader:
     def __len__(self) -> int:
         """Batches per epoch for this rank (every rank gets the same count; the remainder is dropped)."""
         return self._global_batches() // self.world_size
+
+    @property
+    def rows_left_out(self) -> int:
+        """Packed rows per epoch (all ranks) in no batch: the last ``G % world_size`` global batches (and the
+        short last batch under drop_last). Different rows each epoch when shuffled."""
+        return len(self.rows) - min(len(self.rows), len(self) * self.world_size * (self.batch_size or 1))
 
     # ---- order ----
     def _row_order(self, epoch: int) -> np.ndarray:

@@ -125,6 +125,28 @@ def tokenization_cache_dir(setting: str) -> Path | None:
     return Path(setting) if setting else cache_root() / "data"
 
 
+def _warn_rows_left_out(loader, d) -> None:
+    """Data parallel: every rank takes the same number of batches, so the last global batches of an epoch
+    that do not make a full round of ranks are not trained (PackedLoader's docstring draws it)."""
+    rows, w, left = len(loader.rows), loader.world_size, loader.rows_left_out
+    share = left / rows
+    if d.tokens_per_batch:  # one row per batch: the batch count is the row count
+        fix = (f"a data.tokens_per_batch that packs into a multiple of {w} batches, or a number of ranks that "
+               f"divides {rows}")
+    else:
+        sizes = [b for b in range(1, 2 * d.batch_size + 1) if -(-rows // b) % w == 0]
+        near = sorted(sizes, key=lambda b: (abs(b - d.batch_size), b))[:2]
+        fix = (f"data.batch_size={' or '.join(map(str, sorted(near)))} (ceil({rows} / batch_size) a multiple of "
+               f"{w} ranks)" if near else f"a data.batch_size that makes ceil({rows} / batch_size) a multiple of {w}")
+        fix += f", or a number of ranks that divides the {-(-rows // d.batch_size)} batches"
+    log.warning("training data: %d of %d packed rows per epoch (about %d documents, %d loss tokens; %.1f%%) are "
+                "not trained: each of the %d ranks takes the same number of batches, and the remainder batches "
+                "are left out. The rows reshuffle each epoch, so other ones are left out each time (with "
+                "train.epochs=1 they are never seen). To train them all use %s", left, rows,
+                round(share * len(loader.dataset)), round(share * loader.dataset.stats.loss_tokens), 100 * share,
+                w, fix)
+
+
 def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path, rank: int = 0, world_size: int = 1):
     """(train loader, eval loader or None, held-out QA records or None) through chronicals.data.
 
@@ -144,6 +166,8 @@ def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path, rank: int = 0, wor
                                 world_size=world_size, **shape)
     log.info("training data: %d examples -> %d batches per epoch%s; packing %s", len(ds), len(train_loader),
              f" per rank ({world_size} ranks)" if world_size > 1 else "", train_loader.stats)
+    if rank == 0 and train_loader.rows_left_out:
+        _warn_rows_left_out(train_loader, d)
     eval_loader = None
     if eval_file is not None:
         if heldout_qa is not None:  # rewritten as chat records: the training data's format does not apply
