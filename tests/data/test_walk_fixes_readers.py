@@ -103,3 +103,29 @@ def test_csv_row_with_too_few_fields_is_counted_like_too_many(tmp_path):
     assert [r.error for r in recs] == [None, "1 fields, expected 2 (the header's columns)",
                                        "3 fields, expected 2 (the header's columns)", None]
     assert recs[1].where == f"{p}:3" and recs[3].data == {"prompt": "", "completion": ""}
+
+
+def test_qa_heldout_in_csv_or_a_directory_says_to_convert(tmp_path):
+    from chronicals.train.qa import read_qa
+
+    p = tmp_path / "qa.csv"
+    p.write_text("question,answer\nCapital of France?,Paris\n")
+    with pytest.raises(DataError, match=rf"^{p}: question/answer held-out records are read from \.jsonl or "
+                                        rf"\.json only; convert {p} "):
+        read_qa(p)
+    d = tmp_path / "qa_dir"
+    d.mkdir()
+    (d / "part-0.jsonl").write_text(json.dumps({"question": "a?", "answer": "b"}) + "\n")
+    with pytest.raises(DataError, match=rf"^{d}: question/answer .*; convert {d / 'part-0.jsonl'} "):
+        read_qa(d)
+    (d / "part-0.jsonl").write_text(json.dumps({"text": "plain held-out text"}) + "\n")  # not QA: read as data
+    assert read_qa(d) is None
+    p.write_text("prompt,completion\na,b\n")
+    assert read_qa(p) is None and read_qa(tmp_path / "missing.csv") is None
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    q = tmp_path / "qa.parquet"
+    pq.write_table(pa.table({"question": ["a?"], "answer": ["b"]}), q)
+    with pytest.raises(DataError, match=rf"^{q}: question/answer held-out records are read from"):
+        read_qa(q)

@@ -7,6 +7,7 @@ every keyword (case-insensitive); without keywords, the reference answer's whole
 
 from __future__ import annotations
 
+import csv
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -16,7 +17,7 @@ import torch
 
 from ..config import DEMO, DEMO_SYSTEM_PROMPT
 from ..data.formats import FormatError, check_text
-from ..data.readers import DataError, read_file
+from ..data.readers import DataError, read_file, resolve_files
 from .guards import check_ids_in_vocab
 
 
@@ -46,11 +47,13 @@ def read_qa(path: str | Path) -> list[dict] | None:
     with an empty list) the answer's whole text is the one keyword, so a generated answer is right when it
     contains the reference answer (case-insensitive). Returns the records with ``keywords`` filled in.
     None (not QA: the caller reads the file as ordinary held-out data) when no record has a "question"
-    or the file has no records. Raises DataError ``file:line: ...`` for a malformed line or field, and for
+    or the file has no records. A .csv / .parquet / directory whose first record has a "question" is a
+    DataError saying to convert it (it would fail as "cannot tell the format"). Raises DataError ``file:line: ...`` for a malformed line or field, and for
     a file that mixes QA records with other records.
     """
     p = demo_file("heldout.jsonl") if str(path) == DEMO else Path(path)
     if p.suffix.lower() not in (".jsonl", ".json") or not p.is_file():
+        _refuse_qa_elsewhere(p)
         return None
     records = read_file(p)
     good = [r for r in records if r.data is not None]
@@ -65,6 +68,49 @@ def read_qa(path: str | Path) -> list[dict] | None:
     if bad is not None:
         raise DataError(f"{bad.where}: {bad.error}")
     return [_qa_record(r.data, r.where) for r in qa]
+
+
+def _refuse_qa_elsewhere(p: Path) -> None:
+    """A held-out path that is not .jsonl/.json (a .csv, .parquet, a directory) holding question/answer
+    records: say so before load_dataset fails with "cannot tell the format" on each of them. Peeks at the
+    first file's first record only (a CSV header, a parquet schema, a JSON line)."""
+    if not p.exists():
+        return  # load_dataset names the missing path
+    try:
+        first = resolve_files(p)[0]
+    except DataError:
+        return  # an empty directory, a damaged save_to_disk one: load_dataset reports it
+    keys = _first_keys(first)
+    if "question" in keys:
+        raise DataError(f"{p}: question/answer held-out records are read from .jsonl or .json only; convert "
+                        f"{first} (one {{\"question\": ..., \"answer\": ...}} object per line in a .jsonl) "
+                        "and set data.eval_path to it")
+
+
+def _first_keys(f: Path) -> list[str]:
+    """The field names of a data file's first record, cheaply; [] when they cannot be read cheaply."""
+    kind = f.suffix.lower()
+    try:
+        if kind == ".csv":
+            with open(f, newline="", encoding="utf-8-sig") as fh:
+                return next(csv.reader(fh), [])
+        if kind in (".parquet", ".arrow"):
+            import pyarrow as pa  # without pyarrow, load_dataset's own error comes first
+            import pyarrow.parquet as pq
+
+            if kind == ".parquet":
+                return pq.read_schema(f).names
+            with pa.memory_map(str(f)) as src:  # datasets.save_to_disk writes the IPC stream format
+                return pa.ipc.open_stream(src).schema.names
+        if kind == ".jsonl":
+            with open(f, encoding="utf-8-sig") as fh:
+                line = next((x for x in fh if x.strip()), "{}")
+            obj = json.loads(line)
+            return list(obj) if isinstance(obj, dict) else []
+        recs = read_file(f)  # .json (a held-out file in a directory is small)
+        return list(recs[0].data or {}) if recs else []
+    except (ImportError, OSError, ValueError, RecursionError, csv.Error):
+        return []  # unreadable here: load_dataset reports it with file:line
 
 
 QA_EXPECTED = 'expected {"question": str, "answer": str, "keywords": [str, ...] (optional)}'
