@@ -294,7 +294,8 @@ def _refuse_one_object(path: Path, data: bytes) -> None:
     one_line = b"\n" not in data.strip()
     if one_line and key is None:
         return
-    msg = f"{path}: a JSON object, expected an array of records ([{{...}}, {{...}}]) or JSON lines (one object per line)"
+    msg = (f"{path}: a JSON object, expected an array of records ([{{...}}, {{...}}]) or JSON lines (one object "
+           "per line)")
     if key is not None:
         msg += (f"; the records may be under key {key!r}: extract them to a .jsonl "
                 f"(jq -c '.[\"{key}\"][]' {path} > {path.with_suffix('.jsonl').name})")
