@@ -129,3 +129,36 @@ def test_qa_heldout_in_csv_or_a_directory_says_to_convert(tmp_path):
     pq.write_table(pa.table({"question": ["a?"], "answer": ["b"]}), q)
     with pytest.raises(DataError, match=rf"^{q}: question/answer held-out records are read from"):
         read_qa(q)
+
+
+def test_missing_pyarrow_is_found_before_the_model_loads(tmp_path, monkeypatch):
+    import sys
+
+    from chronicals.config import load_config
+    from chronicals.train import train
+    from chronicals.train.guards import check_data_paths
+
+    t = tmp_path / "t.parquet"
+    t.write_bytes(b"PAR1")  # never opened: the import fails first
+    sv = tmp_path / "dir" / "sub" / "saved"
+    sv.mkdir(parents=True)
+    (sv / "data-00000-of-00001.arrow").write_bytes(b"x")
+    _chat(tmp_path / "dir" / "a.jsonl")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow raises ImportError, installed or not
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(DataError) as reader:
+        read_file(t)
+
+    def cfg(*args):
+        return load_config(None, ["model.path=/nonexistent/model", f"train.out_dir={tmp_path / 'run'}", *args])
+
+    with pytest.raises(DataError) as early:
+        check_data_paths(cfg(f"data.path={t}"))
+    assert str(early.value) == str(reader.value) == (f"{t}: reading .parquet files needs pyarrow; pip install "
+                                                     "'chronicals[data]'")
+    with pytest.raises(DataError, match=rf"^{sv / 'data-00000-of-00001.arrow'}: reading \.arrow files needs pyarrow"):
+        check_data_paths(cfg(f"data.path={_chat(tmp_path / 'ok.jsonl')}", f"data.eval_path={tmp_path / 'dir'}"))
+    with pytest.raises(DataError, match="needs pyarrow"):  # not "/nonexistent/model: no such model"
+        train(cfg(f"data.path={t}"))
+    assert not (tmp_path / "run").exists()
+    check_data_paths(cfg(f"data.path={tmp_path / 'ok.jsonl'}"))  # no parquet, no complaint

@@ -4,10 +4,14 @@ Each says what is wrong and the setting that fixes it; none touches files a run 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ..config import DEMO, ConfigError, TrainConfig
+from ..data.readers import DataError
 from .checkpoint import STATE_FILE
+
+ARROW_SUFFIXES = (".parquet", ".arrow")  # the files data/readers.py reads through pyarrow
 
 
 def remove_setup_files(out_dir: Path, existed: set[Path] | None) -> None:
@@ -51,7 +55,8 @@ def check_ids_in_vocab(model, top: int, what: str) -> None:
 
 def check_data_paths(cfg: TrainConfig) -> None:
     """FileNotFoundError naming the key and where a relative path was looked for, for data.path and
-    data.eval_path (a missing file used to surface after the model had loaded: minutes at 8B)."""
+    data.eval_path (a missing file used to surface after the model had loaded: minutes at 8B); DataError when
+    they hold .parquet / arrow (save_to_disk) files and pyarrow is not installed."""
     for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
         if value in (DEMO, "auto", ""):
             continue
@@ -60,12 +65,33 @@ def check_data_paths(cfg: TrainConfig) -> None:
             where = ("" if path.is_absolute() else
                      f" (relative paths are read from the working directory, {Path.cwd()})")
             raise FileNotFoundError(f"{key}={value}: no such file or directory{where}; fix {key}")
+        _check_pyarrow(path)
         out = Path(cfg.train.out_dir).expanduser().resolve()
         if path.is_dir() and (out == path.resolve() or path.resolve() in out.parents):
             # directories are read recursively: the run's metrics.jsonl, data/ copies and checkpoints would
             # become training records on the next run
             raise ValueError(f"train.out_dir={cfg.train.out_dir} is inside {key}={value}, whose files are all read "
                              f"as data; put train.out_dir outside {value}")
+
+
+def _check_pyarrow(path: Path) -> None:
+    """The reader's "needs pyarrow" DataError, before the model loads, for a .parquet / .arrow file, or the first
+    one in a directory (symlinked folders are not followed here: the reader still reports those)."""
+    first = path if path.suffix.lower() in ARROW_SUFFIXES else None
+    if path.is_dir():
+        for root, dirs, names in os.walk(path):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            first = next((Path(root) / n for n in sorted(names)
+                          if not n.startswith(".") and Path(n).suffix.lower() in ARROW_SUFFIXES), None)
+            if first is not None:
+                break
+    if first is None:
+        return
+    try:
+        import pyarrow  # noqa: F401
+        import pyarrow.parquet  # noqa: F401
+    except ImportError as e:
+        raise DataError(f"{first}: reading {first.suffix} files needs pyarrow; pip install 'chronicals[data]'") from e
 
 
 def check_out_dir(cfg: TrainConfig) -> None:

@@ -48,8 +48,8 @@ def read_qa(path: str | Path) -> list[dict] | None:
     contains the reference answer (case-insensitive). Returns the records with ``keywords`` filled in.
     None (not QA: the caller reads the file as ordinary held-out data) when no record has a "question"
     or the file has no records. A .csv / .parquet / directory whose first record has a "question" is a
-    DataError saying to convert it (it would fail as "cannot tell the format"). Raises DataError ``file:line: ...`` for a malformed line or field, and for
-    a file that mixes QA records with other records.
+    DataError saying to convert it (it would fail as "cannot tell the format"). Raises DataError
+    ``file:line: ...`` for a malformed line or field, and for a file that mixes QA records with other records.
     """
     p = demo_file("heldout.jsonl") if str(path) == DEMO else Path(path)
     if p.suffix.lower() not in (".jsonl", ".json") or not p.is_file():
