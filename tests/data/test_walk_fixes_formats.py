@@ -70,3 +70,34 @@ def test_message_lists_as_json_text_only_in_csv(tokenizer, tmp_path):
     with pytest.raises(DataError, match=r"m.jsonl:1: field 'messages' is a str, expected list"):
         load_dataset(write_jsonl(tmp_path / "m.jsonl", [{"messages": json.dumps(msgs)}]), tokenizer,
                      max_seq_len=128)
+
+
+NO_SYSTEM = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+             "{% endif %}{{ '<|im_start|>' + m['role'] + '\n' }}{% if m['role'] == 'assistant' %}{GEN}"
+             "{{ m['content'] + '<|im_end|>\n' }}{END}{% else %}{{ m['content'] + '<|im_end|>\n' }}{% endif %}"
+             "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@pytest.fixture
+def set_template(tokenizer):
+    saved = tokenizer.chat_template
+    yield lambda t: setattr(tokenizer, "chat_template", t)
+    tokenizer.chat_template = saved
+
+
+@pytest.mark.parametrize("markers", [False, True])
+@pytest.mark.parametrize("loss_on", ["assistant", "all"])
+def test_a_template_that_refuses_a_conversation_is_a_bad_record(tokenizer, tmp_path, set_template, markers, loss_on):
+    gen = ("{% generation %}", "{% endgeneration %}") if markers else ("", "")
+    set_template(NO_SYSTEM.replace("{GEN}", gen[0]).replace("{END}", gen[1]))
+    ok = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    path = write_jsonl(tmp_path / "sys.jsonl", [{"messages": ok},
+                                                {"messages": [{"role": "system", "content": "S"}] + ok},
+                                                {"messages": ok}])
+    with pytest.raises(DataError, match=rf"^{path}:2: the chat template refused this conversation: System role "
+                                        "not supported"):
+        load_dataset(path, tokenizer, max_seq_len=64, loss_on=loss_on)
+    ds = load_dataset(path, tokenizer, max_seq_len=64, loss_on=loss_on, on_error="skip")
+    assert (ds.stats.documents, ds.stats.skipped_errors) == (2, 1)
+    assert ds.stats.first_errors == [f"{path}:2: the chat template refused this conversation: System role not "
+                                     "supported"]

@@ -15,6 +15,8 @@ target and eos.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from .formats import Example, FormatError
@@ -31,8 +33,23 @@ def check_tokenizer(tokenizer) -> None:
                         f"{type(tokenizer).__name__}. Load it with AutoTokenizer.from_pretrained(..., use_fast=True)")
 
 
+def _apply(tokenizer, messages, **kw):
+    """``tokenizer.apply_chat_template``; a template that refuses the conversation (``raise_exception``:
+    Mistral's "Conversation roles must alternate", Gemma's "System role not supported") or fails on it
+    (``None + str``) raises FormatError, a bad record (file:line, skipped under on_error=skip)."""
+    try:
+        return tokenizer.apply_chat_template(messages, **kw)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:  # what a template expression raises
+        raise FormatError(f"the chat template failed on this conversation ({type(e).__name__}: {e})") from None
+    except Exception as e:
+        jinja2 = sys.modules.get("jinja2")  # imported by transformers once a template rendered (not our dependency)
+        if jinja2 is not None and isinstance(e, jinja2.TemplateError):  # raise_exception(...), undefined values
+            raise FormatError(f"the chat template refused this conversation: {e}") from None
+        raise
+
+
 def _render(tokenizer, messages, add_generation_prompt=False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return _apply(tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 def _offsets_mask(tokenizer, text: str, spans, add_special_tokens: bool):
@@ -52,13 +69,12 @@ def encode_chat(tokenizer, messages: list[dict], train_from: int = 0, markers: b
         raise FormatError("chat data needs a tokenizer with a chat template (tokenizer.chat_template is None); "
                           "set one, or convert the data to prompt/completion")
     if markers:
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
+        out = _apply(tokenizer, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         ids = np.asarray(out["input_ids"], dtype=np.int32)
         mask = np.asarray(out["assistant_masks"], dtype=bool)
         if train_from:  # loss only on the completion's turns: blank the prompt's rendering
-            head = len(tokenizer.apply_chat_template(messages[:train_from], tokenize=True,
-                                                     add_generation_prompt=True, return_dict=True)["input_ids"])
+            head = len(_apply(tokenizer, messages[:train_from], tokenize=True, add_generation_prompt=True,
+                              return_dict=True)["input_ids"])
             mask[:head] = False
         return ids, mask
     full = _render(tokenizer, messages)
