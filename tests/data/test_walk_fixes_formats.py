@@ -101,3 +101,67 @@ def test_a_template_that_refuses_a_conversation_is_a_bad_record(tokenizer, tmp_p
     assert (ds.stats.documents, ds.stats.skipped_errors) == (2, 1)
     assert ds.stats.first_errors == [f"{path}:2: the chat template refused this conversation: System role not "
                                      "supported"]
+
+
+TOOLS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
+         "{% if m.tool_calls is defined %}{% for t in m.tool_calls %}<tool_call>{{ t['function']['name'] }}("
+         "{{ t['function']['arguments'] }})</tool_call>{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CALL = [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+
+
+@pytest.mark.parametrize("content", ["", None, "absent"])
+def test_tool_calls_reach_the_template_and_carry_loss(tokenizer, tmp_path, set_template, content):
+    set_template(TOOLS)
+    call = {"role": "assistant", "tool_calls": CALL} | ({} if content == "absent" else {"content": content})
+    messages = [{"role": "user", "content": "weather in Paris?"}, call,
+                {"role": "tool", "name": "get_weather", "tool_call_id": "c1", "content": "18C"},
+                {"role": "assistant", "content": "It is 18C."}]
+    ds = load_dataset(write_jsonl(tmp_path / "tool.jsonl", [{"messages": messages}]), tokenizer, max_seq_len=256)
+    ids, mask = ds[0]
+    assert ids.tolist() == tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    assert trained_spans(tokenizer, ids, mask) == [
+        '<tool_call>get_weather({"city": "Paris"})</tool_call><|im_end|>\n', "It is 18C.<|im_end|>\n"]
+    assert ds.stats.empty_targets == 0  # a tool call is a reply, not a blank one
+
+
+def test_tool_call_checks(tokenizer, tmp_path, set_template):
+    set_template(TOOLS)
+    user = {"role": "user", "content": "hi"}
+    bad = [{"role": "assistant", "content": None},  # null content without tool_calls
+           {"role": "assistant", "content": "", "tool_calls": "get_weather()"},
+           {"role": "assistant", "tool_calls": []}]  # no call: content is needed
+    ok = {"messages": [user, {"role": "assistant", "content": "yo"}]}
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [user, m]} for m in bad] + [ok])
+    ds = load_dataset(path, tokenizer, max_seq_len=64, on_error="skip")
+    assert (ds.stats.skipped_errors, ds.stats.documents) == (3, 1)
+    assert ds.stats.first_errors[0] == (f"{path}:1: messages[1].content is a NoneType, expected a string (null only "
+                                        "beside tool_calls)")
+    assert ds.stats.first_errors[1].startswith(f"{path}:2: messages[1].tool_calls is a str ('get_weather()'); "
+                                               "expected a list of")
+    assert ds.stats.first_errors[2] == f"{path}:3: messages[1] has no 'content'; expected {{'role', 'content'}}"
+
+
+def test_null_message_keys_are_dropped(tokenizer, tmp_path, set_template):
+    """Parquet struct columns give every message every key, null where absent: 'is defined' must stay false."""
+    pytest.importorskip("pyarrow")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    set_template(TOOLS)
+    messages = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": CALL},
+                {"role": "tool", "content": "18C"}, {"role": "assistant", "content": "18C."}]
+    pq.write_table(pa.Table.from_pylist([{"messages": messages}]), tmp_path / "t.parquet")
+    ds = load_dataset(tmp_path / "t.parquet", tokenizer, max_seq_len=256)
+    want = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    assert ds[0][0].tolist() == want
+
+
+def test_cache_entries_of_other_encoding_rules_are_not_reused(tokenizer, tmp_path, monkeypatch):
+    import chronicals.data.dataset as dsmod
+
+    path = write_jsonl(tmp_path / "c.jsonl", [{"text": "abc"}])
+    load_dataset(path, tokenizer, max_seq_len=64, cache_dir=tmp_path / "cache")
+    monkeypatch.setattr(dsmod, "ENCODING_RULES", dsmod.ENCODING_RULES - 1)
+    load_dataset(path, tokenizer, max_seq_len=64, cache_dir=tmp_path / "cache")
+    assert len(list((tmp_path / "cache").iterdir())) == 2

@@ -114,27 +114,51 @@ def _expects(fmt: str) -> str:
 
 
 def _messages(items: list, role_key: str, content_key: str, roles: dict | None, field: str) -> list[dict]:
+    """Messages as the chat template gets them: role and content under those names, every other key of the
+    message (OpenAI's tool_calls, tool_call_id, name, ...) passed through as it is, as apply_chat_template does.
+    A key whose value is null is dropped: parquet struct columns fill absent keys with null, and templates test
+    ``is defined``. Content may be null or absent on a message with tool_calls (OpenAI's export format)."""
     if not items:
         raise FormatError(f"field {field!r} is an empty list; expected at least one message")
     out = []
     for j, m in enumerate(items):
         if not isinstance(m, dict):
             raise FormatError(f"{field}[{j}] is a {type(m).__name__}, expected {{{role_key!r}, {content_key!r}}}")
+        tool_calls = m.get("tool_calls")
+        if tool_calls is not None and not (isinstance(tool_calls, list) and all(isinstance(t, dict)
+                                                                                for t in tool_calls)):
+            raise FormatError(f"{field}[{j}].tool_calls is {_short(tool_calls)}; expected a list of "
+                              "{'type': 'function', 'function': {'name', 'arguments'}} objects (or null)")
         for key in (role_key, content_key):
-            if key not in m:
+            if key not in m and not (key == content_key and tool_calls):
                 raise FormatError(f"{field}[{j}] has no {key!r}; expected {{{role_key!r}, {content_key!r}}}")
-        role, content = m[role_key], m[content_key]
-        if not isinstance(content, str):
-            raise FormatError(f"{field}[{j}].{content_key} is a {type(content).__name__}, expected a string")
-        check_text(content, f"{field}[{j}].{content_key}")
+        role, content = m[role_key], m.get(content_key)
+        if isinstance(content, str):
+            check_text(content, f"{field}[{j}].{content_key}")
+        elif not (content is None and tool_calls):
+            raise FormatError(f"{field}[{j}].{content_key} is a {type(content).__name__}, expected a string "
+                              "(null only beside tool_calls)")
         if roles is not None:
             if role not in roles:
                 raise FormatError(f"{field}[{j}].{role_key} is {role!r}; expected one of {sorted(roles)}")
             role = roles[role]
         elif role not in CHAT_ROLES:
             raise FormatError(f"{field}[{j}].{role_key} is {role!r}; expected one of {', '.join(CHAT_ROLES)}")
-        out.append({"role": role, "content": content})
+        msg = {}  # in the record's key order; null content stays null, as apply_chat_template passes it
+        for k, v in m.items():
+            if k == role_key:
+                msg["role"] = role
+            elif k == content_key:
+                msg["content"] = content
+            elif v is not None and k not in ("role", "content"):  # sharegpt: from/value are role/content
+                msg[k] = v
+        out.append(msg)
     return out
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return f"a {type(value).__name__} ({text[:40] + '...' if len(text) > 40 else text})"
 
 
 def empty_target(ex: Example) -> bool:
@@ -142,8 +166,9 @@ def empty_target(ex: Example) -> bool:
     only the end-of-turn token would be trained: usually a gap in the data, not a wanted example."""
     if ex.messages is None:
         return not ex.target.strip()
-    replies = [m["content"] for i, m in enumerate(ex.messages) if m["role"] == "assistant" and i >= ex.train_from]
-    return bool(replies) and not any(r.strip() for r in replies)
+    replies = [(m.get("content") or "").strip() or m.get("tool_calls") for i, m in enumerate(ex.messages)
+               if m["role"] == "assistant" and i >= ex.train_from]  # a tool call is a reply
+    return bool(replies) and not any(replies)
 
 
 def to_example(record: dict, fmt: str, has_chat_template: bool, from_csv: bool = False) -> Example:
