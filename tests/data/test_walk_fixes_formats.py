@@ -165,3 +165,21 @@ def test_cache_entries_of_other_encoding_rules_are_not_reused(tokenizer, tmp_pat
     monkeypatch.setattr(dsmod, "ENCODING_RULES", dsmod.ENCODING_RULES - 1)
     load_dataset(path, tokenizer, max_seq_len=64, cache_dir=tmp_path / "cache")
     assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+def test_the_classic_alpaca_prompt_is_logged_once(tokenizer, tmp_path, set_template, caplog):
+    rows = [{"instruction": f"Add {i}.", "output": str(i)} for i in range(3)] + [{"text": "abc"}]
+    path = write_jsonl(tmp_path / "a.jsonl", rows)
+    with caplog.at_level("INFO", logger="chronicals.data"):
+        load_dataset(path, tokenizer, max_seq_len=128, cache_dir=tmp_path / "cache")
+    assert not [r for r in caplog.records if "classic Alpaca prompt" in r.getMessage()]  # a chat template
+    set_template(None)
+    for _ in range(2):  # tokenized, then from the cache
+        caplog.clear()
+        with caplog.at_level("INFO", logger="chronicals.data"):
+            ds = load_dataset(path, tokenizer, max_seq_len=128, cache_dir=tmp_path / "cache")
+        notes = [r.getMessage() for r in caplog.records if "classic Alpaca prompt" in r.getMessage()]
+        assert notes == ["data: the dataset: the tokenizer has no chat template, so alpaca records use the classic "
+                         "Alpaca prompt ('Below is an instruction ... ### Response:'); give the tokenizer a chat "
+                         "template to train them as a chat"]
+        assert "### Response:\n0" in tokenizer.decode(ds[0][0])

@@ -100,6 +100,7 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
                 ds.summary = _summary_line(name, files, ds.file_counts, ds.file_formats, format)
                 if ds.summary:
                     log.info("data: %s", ds.summary)
+                _note_alpaca_prompt(ds.file_formats, tokenizer, name)
                 _finish(ds.stats, on_error, max_seq_len, overlong, files, name)
                 return ds
     per_file = [read_file(f) for f in files]
@@ -109,12 +110,21 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
     ds.file_formats = _file_formats(files, ds.file_counts, fmts)
     ds.summary = _summary_line(name, files, ds.file_counts, ds.file_formats, format)
     log.info("data: %s", ds.summary)
+    _note_alpaca_prompt(ds.file_formats, tokenizer, name)
     _finish(ds.stats, on_error, max_seq_len, overlong, files, name)
     if cache is not None:
         cache_mod.save(cache, ds.ids, ds.trainable, ds.offsets,
                        {"pad_id": ds.pad_id, "stats": asdict(ds.stats), "file_counts": ds.file_counts,
                         "file_formats": ds.file_formats})
     return ds
+
+
+def _note_alpaca_prompt(descs: list[str], tokenizer, name: str) -> None:
+    """Once per set: alpaca records without a chat template use the classic Alpaca prompt (formats.ALPACA_PROMPT)."""
+    if getattr(tokenizer, "chat_template", None) is None and any("alpaca" in d for d in descs):
+        log.info("data: %s: the tokenizer has no chat template, so alpaca records use the classic Alpaca prompt "
+                 "('Below is an instruction ... ### Response:'); give the tokenizer a chat template to train them "
+                 "as a chat", name)
 
 
 def _file_formats(files, counts: list[int], fmts: list) -> list[str]:

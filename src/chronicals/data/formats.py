@@ -8,7 +8,8 @@
                        (prompt/completion given as message lists are conversational: rendered as chat)
 
 Alpaca records become a two-turn chat (user: instruction + blank line + input; assistant: output)
-when the tokenizer has a chat template; without one they use the classic Alpaca prompt (logged once).
+when the tokenizer has a chat template; without one they use the classic Alpaca prompt (load_dataset logs
+that once per set).
 """
 
 from __future__ import annotations
