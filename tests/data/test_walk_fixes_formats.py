@@ -183,3 +183,12 @@ def test_the_classic_alpaca_prompt_is_logged_once(tokenizer, tmp_path, set_templ
                          "Alpaca prompt ('Below is an instruction ... ### Response:'); give the tokenizer a chat "
                          "template to train them as a chat"]
         assert "### Response:\n0" in tokenizer.decode(ds[0][0])
+
+
+def test_an_empty_text_is_reported_as_such(tokenizer, tmp_path, caplog):
+    path = write_jsonl(tmp_path / "e.jsonl", [{"text": "abc"}, {"text": ""}])
+    with caplog.at_level("WARNING", logger="chronicals.data"):
+        ds = load_dataset(path, tokenizer, max_seq_len=64)
+    assert (len(ds), ds.stats.dropped_no_loss, ds.stats.first_no_loss) == (1, 1, f"{path}:2")
+    assert any("1 without loss tokens (dropped: no assistant turn / output / completion, or empty text; "
+               f"first: {path}:2)" in r.getMessage() for r in caplog.records)

@@ -211,7 +211,7 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, overlong: str,
         if stats.dropped_no_loss - stats.truncated_no_loss:
             first = f"; first: {stats.first_no_loss}" if stats.first_no_loss else ""  # "" from an older cache
             parts.append(f"{stats.dropped_no_loss - stats.truncated_no_loss} without loss tokens (dropped: no "
-                         f"assistant turn / output / completion{first})")
+                         f"assistant turn / output / completion, or empty text{first})")
         dropped = stats.dropped_no_loss or stats.dropped_overlong
         log.log(logging.WARNING if dropped else logging.INFO, "data: %s: %d of %d records kept; %s", where,
                 stats.documents, stats.records, "; ".join(parts))
