@@ -9,22 +9,7 @@ import pytest
 from chronicals.data import load_dataset
 from chronicals.data.readers import DataError
 
-
-def trained_spans(tok, ids, mask):
-    """Decoded runs of consecutive trainable tokens."""
-    spans, cur = [], []
-    for t, m in zip(ids.tolist(), mask.tolist()):
-        if m:
-            cur.append(t)
-        elif cur:
-            spans.append(tok.decode(cur))
-            cur = []
-    return spans + ([tok.decode(cur)] if cur else [])
-
-
-def write_jsonl(path, records):
-    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    return path
+from test_formats import trained_spans, write_jsonl
 
 
 def write_csv(path, header, rows):
