@@ -98,6 +98,7 @@ def atomic_dir(out_dir: str | Path, *, replace: bool = True, owned: tuple[str, .
 def _write_then_publish(tmp: Path, out: Path, replace: bool):
     """atomic_dir's body, under the temporary directory's lock."""
     tmp.mkdir()
+    os.chmod(tmp, 0o755)  # a saved model should be readable like any directory, whatever the umask
     try:
         yield tmp
         for f in tmp.rglob("*"):  # some writers create 0600 files; a model directory is world-readable
