@@ -238,17 +238,12 @@ def _encode_chunk(records: list[Record]):
             continue
         try:
             fmt = w["format"] if w["format"] != "auto" else detect_format(rec.data)
-            ex = to_example(rec.data, fmt, w["has_template"], from_csv=_is_csv(rec))
+            ex = to_example(rec.data, fmt, w["has_template"], from_csv=rec.from_csv)
             ids, mask = encode(w["tokenizer"], ex, w["loss_on"], w["markers"])
             out.append((ids, mask, fmt, w["loss_on"] == "assistant" and empty_target(ex)))
         except FormatError as e:
             out.append((None, f"{rec.where}: {e}", None, False))
     return out
-
-
-def _is_csv(rec: Record) -> bool:
-    """A CSV row (its cells are strings: message lists come as JSON text); ``where`` is "path.csv:line"."""
-    return rec.where.rpartition(":")[0].lower().endswith(".csv")
 
 
 def _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_error, num_proc) -> TokenizedDataset:

@@ -35,6 +35,7 @@ class Record:
     where: str  # "path:line" (or "path:row N" for parquet / arrow)
     data: dict | None  # the record, or None when it could not be read
     error: str | None = None  # what is wrong and what was expected, when data is None
+    from_csv: bool = False  # a CSV row: every cell is a string, so message lists come as JSON text
 
 
 class DataError(ValueError):
@@ -322,7 +323,7 @@ def _read_csv(path: Path) -> list[Record]:
                 out.append(Record(where, None, f"{sum(v is not None for v in row.values())} fields, expected "
                                                f"{len(reader.fieldnames)} (the header's columns)"))
                 continue
-            out.append(Record(where, {k: v for k, v in row.items()}))
+            out.append(Record(where, {k: v for k, v in row.items()}, from_csv=True))
     except csv.Error as e:
         if "end of data" in str(e):  # EOF inside a quoted field
             raise DataError(f"{path}:{start}: unclosed quote: a field of the row starting here opens a '\"' that "
@@ -333,12 +334,19 @@ def _read_csv(path: Path) -> list[Record]:
     return out
 
 
-def _read_arrow(path: Path) -> list[Record]:
+def pyarrow_modules(path: Path):
+    """(pyarrow, pyarrow.parquet) to read ``path`` (a .parquet / .arrow file), or the DataError that says how to
+    install them (also raised early, before a model loads, by train.guards)."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError as e:
         raise DataError(f"{path}: reading {path.suffix} files needs pyarrow; pip install 'chronicals[data]'") from e
+    return pa, pq
+
+
+def _read_arrow(path: Path) -> list[Record]:
+    pa, pq = pyarrow_modules(path)
     kind = path.suffix[1:].lower()
     try:
         if kind == "parquet":

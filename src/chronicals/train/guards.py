@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from ..config import DEMO, ConfigError, TrainConfig
-from ..data.readers import DataError
+from ..data.readers import pyarrow_modules
 from .checkpoint import STATE_FILE
 
 ARROW_SUFFIXES = (".parquet", ".arrow")  # the files data/readers.py reads through pyarrow
@@ -85,13 +85,8 @@ def _check_pyarrow(path: Path) -> None:
                           if not n.startswith(".") and Path(n).suffix.lower() in ARROW_SUFFIXES), None)
             if first is not None:
                 break
-    if first is None:
-        return
-    try:
-        import pyarrow  # noqa: F401
-        import pyarrow.parquet  # noqa: F401
-    except ImportError as e:
-        raise DataError(f"{first}: reading {first.suffix} files needs pyarrow; pip install 'chronicals[data]'") from e
+    if first is not None:
+        pyarrow_modules(first)
 
 
 def check_out_dir(cfg: TrainConfig) -> None:
