@@ -164,14 +164,15 @@ def _gpu_model(method: str):
     return model
 
 
-def _micro_batches(layout: str, steps: int, seq: int = 32):
+def _micro_batches(layout: str, steps: int, seq: int = 32, per_step: int = 2):
     if layout == "packed":
         loader = SyntheticLoader(synthetic_docs(200, seed=2), batch_size=2, row_len=seq, shuffle=False)
-        bs = loader.batches[:2 * steps]
+        bs = loader.batches[:per_step * steps]
     else:
         gen = torch.Generator().manual_seed(0)
-        bs = [rows_as_packed_batch(torch.randint(0, 512, (2, seq), generator=gen), "rows") for _ in range(2 * steps)]
-    return [bs[2 * i:2 * i + 2] for i in range(steps)]
+        bs = [rows_as_packed_batch(torch.randint(0, 512, (2, seq), generator=gen), "rows")
+              for _ in range(per_step * steps)]
+    return [bs[per_step * i:per_step * (i + 1)] for i in range(steps)]
 
 
 def _train(model, steps_batches, graphs=None):
@@ -201,16 +202,38 @@ def _assert_same_training(eager, graphed):
 @cuda
 @pytest.mark.parametrize("method", ["full", "lora"])
 @pytest.mark.parametrize("layout", ["rows", "packed"])
-def test_graphed_step_matches_eager(method, layout):
+@pytest.mark.parametrize("per_step", [1, 2])
+def test_graphed_step_matches_eager(method, layout, per_step):
     model = _gpu_model(method)
     twin = copy.deepcopy(model)
-    batches = _micro_batches(layout, steps=3)
+    batches = _micro_batches(layout, steps=3, per_step=per_step)
     eager = _train(model, batches)
     graphs = GraphedStep(twin, "cuda")
     graphed = _train(twin, batches, graphs)
     _assert_same_training(eager, graphed)
-    assert graphs.eager_fallbacks == 0 and len(graphs.graphs) == len({graph_key(b) for m in batches for b in m})
+    kinds = graphs.captured()
+    assert graphs.eager_fallbacks == 0 and {k for k, _ in kinds} == {graph_key(b) for m in batches for b in m}
+    # the step's first micro-batch of the first shape writes the grads afresh (no zeroing, no `grad += g`)
+    assert kinds[0] == (graph_key(batches[0][0]), "assign")
     assert len(set(eager[0])) == 3  # three different batches: a replay reading stale inputs would repeat a loss
+
+
+@cuda
+def test_grads_left_from_before_the_step_are_added_to():
+    """A step entered with gradients (no zero_grad since the last one) adds to them, as eager backward does:
+    the assign graph, which overwrites, must not run then."""
+    dev = torch.device("cuda")
+    model = _gpu_model("full")
+    twin = copy.deepcopy(model)
+    graphs = GraphedStep(twin, "cuda")
+    micro = _micro_batches("rows", steps=2, per_step=1)
+    for m, g in ((model, None), (twin, graphs)):
+        accumulate_gradients(m, micro[0], dev, g)
+        accumulate_gradients(m, micro[1], dev, g)  # no zero_grad between: d(loss_0) / n_0 + d(loss_1) / n_1
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        err = float((p.grad.float() - q.grad.float()).norm()) / max(float(p.grad.float().norm()), 1e-12)
+        assert err < 1e-2, f"{name}: relative gradient error {err:.2e}"
+    assert [kind for _, kind in graphs.captured()] == ["assign", "accumulate"]
 
 
 @cuda
