@@ -97,6 +97,19 @@ def test_overlong_counts_and_no_loss(tokenizer, tmp_path):
         load(q, tokenizer)
 
 
+@pytest.mark.parametrize("loss_on", ["assistant", "all"])
+def test_all_empty_texts_name_the_cause(tokenizer, tmp_path, loss_on):
+    p = tmp_path / "e.jsonl"
+    p.write_text("\n".join(json.dumps({"text": ""}) for _ in range(3)))  # nothing to train, whatever loss_on
+    with pytest.raises(DataError, match=rf"^no example has a trainable token in the dataset \({p}\): all 3 have an "
+                                        rf"empty text \(first: {p}:1\), 0 bad records; fill in the text"):
+        load(p, tokenizer, loss_on=loss_on)
+    p.write_text("\n".join(json.dumps(r) for r in [{"text": ""}, {"messages": [{"role": "user", "content": "x"}]}]))
+    with pytest.raises(DataError, match=rf"2 without one \(first: {p}:1\), 1 of them with an empty text, 0 bad "
+                                        "records; loss_on='assistant' needs assistant turns"):
+        load(p, tokenizer)
+
+
 def test_bad_paths_and_options(tokenizer, tmp_path):
     with pytest.raises(DataError, match="nope.jsonl: no such file or directory"):
         load(tmp_path / "nope.jsonl", tokenizer)

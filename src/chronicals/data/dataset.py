@@ -40,6 +40,7 @@ class DatasetStats:
     dropped_no_loss: int = 0  # no trainable token left (no assistant turn, or truncated away)
     truncated_no_loss: int = 0  # of those, truncation cut every loss token (also counted in truncated)
     first_no_loss: str = ""  # "file:line" of the first dropped with no loss token that truncation did not cause
+    empty_no_loss: int = 0  # of those, the text that would carry loss is empty (e.g. {"text": ""}); 0 in older caches
     empty_targets: int = 0  # kept, but the reply / output / completion is blank: only end-of-turn has loss
     first_empty_target: str = ""  # "file:line" of the first of those
     tokens: int = 0
@@ -193,8 +194,14 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, overlong: str,
                             f"{max_seq_len} (raise data.max_seq_len or set data.on_long=truncate; in "
                             f"load_dataset: max_seq_len, overlong='truncate'), "
                             f"{stats.dropped_no_loss} with no trainable token, {stats.skipped_errors} bad; in {where}")
-        raise DataError(f"no example has a trainable token in {where}: {stats.dropped_no_loss} without one, "
-                        f"{stats.skipped_errors} bad records; loss_on='assistant' needs assistant turns / "
+        first = f" (first: {stats.first_no_loss})" if stats.first_no_loss else ""
+        if stats.empty_no_loss and stats.empty_no_loss == stats.dropped_no_loss:
+            raise DataError(f"no example has a trainable token in {where}: all {stats.dropped_no_loss} have an "
+                            f"empty text{first}, {stats.skipped_errors} bad records; fill in the text (or the "
+                            "replies / outputs / completions) or remove those records")
+        empty = f", {stats.empty_no_loss} of them with an empty text" if stats.empty_no_loss else ""
+        raise DataError(f"no example has a trainable token in {where}: {stats.dropped_no_loss} without one{first}"
+                        f"{empty}, {stats.skipped_errors} bad records; loss_on='assistant' needs assistant turns / "
                         "outputs / completions (or set data.train_on=all; in load_dataset: loss_on='all')")
     if stats.empty_targets:
         log.warning("data: %d examples in %s have an empty assistant reply / output / completion, so only the "
@@ -229,7 +236,8 @@ def _init_worker(tokenizer, opts):
 
 
 def _encode_chunk(records: list[Record]):
-    """Records -> list of (ids, trainable, format, empty target) or (None, "file:line: message", None, False)."""
+    """Records -> list of (ids, trainable, format, empty target) or (None, "file:line: message", None, False); empty
+    target: the text that would carry loss with loss on assistant turns / completion is blank (whatever loss_on)."""
     w = _WORKER
     out = []
     for rec in records:
@@ -240,7 +248,7 @@ def _encode_chunk(records: list[Record]):
             fmt = w["format"] if w["format"] != "auto" else detect_format(rec.data)
             ex = to_example(rec.data, fmt, w["has_template"], from_csv=rec.from_csv)
             ids, mask = encode(w["tokenizer"], ex, w["loss_on"], w["markers"])
-            out.append((ids, mask, fmt, w["loss_on"] == "assistant" and empty_target(ex)))
+            out.append((ids, mask, fmt, empty_target(ex)))
         except FormatError as e:
             out.append((None, f"{rec.where}: {e}", None, False))
     return out
@@ -291,8 +299,9 @@ def _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_err
             stats.truncated_no_loss += cut
             if not cut:
                 stats.first_no_loss = stats.first_no_loss or rec.where
+                stats.empty_no_loss += empty
             continue
-        if empty:
+        if empty and loss_on == "assistant":
             stats.empty_targets += 1
             stats.first_empty_target = stats.first_empty_target or rec.where
         ids_list.append(ids)
