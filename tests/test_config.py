@@ -330,6 +330,10 @@ def test_out_dir_help_mentions_the_data_copies():
     assert "data/" in _help_of("train.out_dir")
 
 
+def test_format_help_says_it_applies_to_the_heldout_file():
+    assert "data.eval_path" in _help_of("data.format")  # the held-out file is read in that format too
+
+
 def test_lora_targets_take_names_and_all_linear_but_no_regex():
     """A regular expression would be cut at its commas by the list syntax and then match nothing (PEFT reads a
     single string as one): refused at config time; all-linear is the 7 projections, lora.inject's defaults."""

@@ -131,7 +131,8 @@ class ModelSection:
 class DataSection:
     path: str = _f(DEMO, "training data: a .jsonl/.json/.parquet/.csv file or a directory of them (read recursively, "
                          "dot-files skipped); 'demo' = packaged demo set")
-    format: str = _f("auto", "record format: auto | text | chat (messages) | alpaca | prompt_completion | sharegpt")
+    format: str = _f("auto", "record format of data.path and of data.eval_path: auto | text | chat (messages) | "
+                             "alpaca | prompt_completion | sharegpt (held-out question/answer records are read as chat)")
     eval_path: str = _f("auto", "held-out data for the eval loss (and QA when its records are question/answer/"
                         "keywords, .jsonl or .json; keywords default to the answer): auto (the packaged held-out questions when "
                         "data.path=demo, else none) | '' | a path")
