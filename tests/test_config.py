@@ -330,6 +330,28 @@ def test_out_dir_help_mentions_the_data_copies():
     assert "data/" in _help_of("train.out_dir")
 
 
+def test_a_batch_size_beside_tokens_per_batch_is_named_as_unused(caplog):
+    from chronicals.config import DataSection
+
+    default = DataSection.__dataclass_fields__["batch_size"].default
+    cases = [(["data.batch_size=8"], {"batch_size": 8}, False),
+             (["data.tokens_per_batch=512"], {"tokens_per_batch": 512}, False),
+             ([f"data.batch_size={default}", "data.tokens_per_batch=512"], {"tokens_per_batch": 512}, False),
+             (["data.batch_size=8", "data.tokens_per_batch=512"], {"tokens_per_batch": 512}, True)]
+    for overrides, shape, warned in cases:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="chronicals.config"):
+            assert load_config(None, overrides).data.loader_shape() == shape
+        assert [r.getMessage() for r in caplog.records] == warned * [
+            "config: data.batch_size=8 is not used: data.tokens_per_batch=512 makes each micro-batch one padding-free "
+            f"row of at most that many tokens; leave data.batch_size at its default ({default}) to silence this, or "
+            "set data.tokens_per_batch=0 for 8 rows of data.max_seq_len"], overrides
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="chronicals.config"):
+        load_config(None, ["data.batch_size=8", "data.tokens_per_batch=512"]).data.loader_shape(warn=False)
+    assert not caplog.records
+
+
 def test_format_help_says_it_applies_to_the_heldout_file():
     assert "data.eval_path" in _help_of("data.format")  # the held-out file is read in that format too
 

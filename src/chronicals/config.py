@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import re
 import types
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+log = logging.getLogger("chronicals.config")
 DEMO = "demo"  # data.path / data.eval_path value meaning "the packaged demo data"
 DEMO_SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -161,6 +163,20 @@ class DataSection:
         _check(bool(self.path), "data.path", self.path, "a data file or directory, or 'demo'")
         _check(self.tokens_per_batch == 0 or self.tokens_per_batch >= self.max_seq_len, "data.tokens_per_batch",
                self.tokens_per_batch, f"0 (rows) or >= data.max_seq_len={self.max_seq_len} (a document must fit)")
+
+    def loader_shape(self, warn: bool = True) -> dict:
+        """The batch shape PackedLoader takes: ``{"tokens_per_batch": n}`` when that is set (> 0), else
+        ``{"batch_size": n}``. A batch_size other than its default beside tokens_per_batch does nothing: the one
+        call that builds the loaders says so (``warn``: False on the ranks but the first)."""
+        if not self.tokens_per_batch:
+            return {"batch_size": self.batch_size}
+        default = next(f.default for f in dataclasses.fields(self) if f.name == "batch_size")
+        if warn and self.batch_size != default:
+            log.warning("config: data.batch_size=%d is not used: data.tokens_per_batch=%d makes each micro-batch "
+                        "one padding-free row of at most that many tokens; leave data.batch_size at its default "
+                        "(%d) to silence this, or set data.tokens_per_batch=0 for %d rows of data.max_seq_len",
+                        self.batch_size, self.tokens_per_batch, default, self.batch_size)
+        return {"tokens_per_batch": self.tokens_per_batch}
 
 
 # lora.targets' default and all-linear: lora.inject.DEFAULT_TARGETS (config imports nothing of ours; a test keeps
