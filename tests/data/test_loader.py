@@ -192,3 +192,24 @@ def test_build_loaders_warns_about_rows_left_out(tokenizer, tmp_path, caplog):
         build_loaders(cfg, tokenizer, tmp_path / "run", rank=1, world_size=2)  # rank 0 says it
         build_loaders(cfg, tokenizer, tmp_path / "run")
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_build_loaders_names_a_batch_size_that_tokens_per_batch_overrides(tokenizer, tmp_path, caplog):
+    import json
+    import logging
+
+    from chronicals.config import load_config
+    from chronicals.train.setup import build_loaders
+
+    data = tmp_path / "t.jsonl"
+    data.write_text("".join(json.dumps({"text": f"doc {i} " + "word " * 12}) + "\n" for i in range(30)))
+    cfg = load_config(None, ["data.max_seq_len=64", "data.tokens_per_batch=128", "data.batch_size=3",
+                             "data.cache_dir=none", "eval.qa=false", f"data.path={data}",
+                             f"train.out_dir={tmp_path / 'run'}"])
+    with caplog.at_level(logging.WARNING):
+        build_loaders(cfg, tokenizer, tmp_path / "run", rank=1, world_size=2)  # rank 0 says it
+        assert not [r for r in caplog.records if "batch_size" in r.getMessage()]
+        loader, _, _ = build_loaders(cfg, tokenizer, tmp_path / "run")
+    assert all(len(row) == 1 for row in (b.input_ids for b in loader))  # one packed row per micro-batch
+    warned = [r.getMessage() for r in caplog.records if "data.batch_size=3 is not used" in r.getMessage()]
+    assert len(warned) == 1 and "data.tokens_per_batch=128" in warned[0], warned

@@ -161,7 +161,7 @@ def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path, rank: int = 0, wor
               overlong=d.on_long, cache_dir=tokenization_cache_dir(d.cache_dir))
     ds = load_dataset([str(f) for f in train_files], tokenizer, **kw, name="the training set")
     # rows of max_seq_len, or one padding-free row of at most tokens_per_batch tokens per micro-batch
-    shape = {"tokens_per_batch": d.tokens_per_batch} if d.tokens_per_batch else {"batch_size": d.batch_size}
+    shape = d.loader_shape(warn=rank == 0)  # warns when a data.batch_size beside tokens_per_batch goes unused
     train_loader = PackedLoader(ds, max_seq_len=d.max_seq_len, seed=cfg.train.seed, shuffle=True, rank=rank,
                                 world_size=world_size, **shape)
     log.info("training data: %d examples -> %d batches per epoch%s; packing %s", len(ds), len(train_loader),
