@@ -132,3 +132,17 @@ def test_train_resumed_with_other_train_on_and_dtype_warns(tmp_path, docs, caplo
     text = "\n".join(resumed(train__max_steps=3, data__train_on="all", model__dtype="bfloat16"))
     assert "data.train_on='assistant' (this run: 'all')" in text, text
     assert "model.dtype='float32' (this run: 'bfloat16'): the checkpoint's float32 weights are rounded" in text, text
+
+
+@pytest.mark.parametrize("tokens, warned", [(0, True), (512, False)])
+def test_a_batch_size_that_tokens_per_batch_overrides_moves_no_batch(tmp_path, caplog, tokens, warned):
+    """data.batch_size picks the batches only without data.tokens_per_batch: beside it, another value is no
+    change of data position (no warning, and no cause named if a position refusal comes)."""
+    saved = tiny_config(tmp_path, data__batch_size=2, data__tokens_per_batch=tokens).to_dict()
+    current = tiny_config(tmp_path, data__batch_size=3, data__tokens_per_batch=tokens).to_dict()
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        warn_data_changed(saved, current, tmp_path / "step-000001")
+    msgs = warnings(caplog)
+    assert bool(msgs) == warned, msgs
+    if warned:
+        assert "data.batch_size=2 (this run: 3)" in msgs[0] and "data position refers to other batches" in msgs[0]

@@ -41,7 +41,7 @@ from .setup import build_loaders, load_base, prepare_model, resolve_dtype
 from .readback import StepReadback, StepStart
 from .guards import (check_cuda_graphs, check_data_paths, check_final_dir, check_out_dir, check_resume_path,
                      check_token_ids, final_dir, remove_setup_files)
-from .resume import (DATA_POSITION_KEYS, apply_optimizer_settings, check_same_adapter, optimizer_settings,
+from .resume import (apply_optimizer_settings, check_same_adapter, data_position_diffs, optimizer_settings,
                      warn_data_changed)
 from .step import accumulate_data_parallel, evaluate_loss
 
@@ -185,7 +185,7 @@ def _restore_position(stream, restored: dict, cfg_dict: dict, path: Path) -> Non
     try:
         stream.load_state_dict(restored["data"])  # rank 0's position: every rank's equals it (equal shards)
     except ValueError as e:
-        diffs = ckpt.config_diffs(restored["extra"].get("config"), cfg_dict, DATA_POSITION_KEYS)
+        diffs = data_position_diffs(restored["extra"].get("config"), cfg_dict)
         new_run = "a run over other data or batches is a new run: set train.resume=none or another train.out_dir"
         if diffs:
             why = f"this run changed {', '.join(diffs)}; {new_run}"

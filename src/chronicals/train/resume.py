@@ -53,6 +53,16 @@ LOSS_KEYS = {
 DATA_POSITION_KEYS = {"data": ("path", "format", "max_seq_len", "batch_size", "tokens_per_batch"), "train": ("seed",)}
 
 
+def data_position_diffs(saved: dict | None, current: dict) -> list[str]:
+    """``ckpt.config_diffs`` over DATA_POSITION_KEYS, less data.batch_size where both runs set
+    data.tokens_per_batch: the loader then ignores batch_size (``DataSection.loader_shape``), so another value
+    moves no batch."""
+    diffs = ckpt.config_diffs(saved, current, DATA_POSITION_KEYS)
+    if (saved or {}).get("data", {}).get("tokens_per_batch") and current.get("data", {}).get("tokens_per_batch"):
+        diffs = [d for d in diffs if not d.startswith("data.batch_size=")]
+    return diffs
+
+
 def _same_effective_system_prompt(saved: dict, current: dict) -> bool:
     """data.system_prompt reaches the tokens only as ``qa.heldout_system_prompt`` says (beside the user's own data
     its default and '' are the same: none), so only a change of that effective value is a change."""
@@ -71,7 +81,7 @@ def warn_data_changed(saved: dict | None, current: dict, path: Path) -> None:
     """Warn when a resumed checkpoint was written over other data or batches: its data position then points
     elsewhere (typically resume=auto finding an unrelated earlier run in the same train.out_dir); and when it
     was written with other LOSS_KEYS: the same batches then carry another loss."""
-    diffs = ckpt.config_diffs(saved, current, DATA_POSITION_KEYS)
+    diffs = data_position_diffs(saved, current)
     if diffs:
         log.warning("resumed from %s, written with %s: its data position refers to other batches; if this is a "
                     "new run, set train.resume=none or another train.out_dir", path, ", ".join(diffs))
