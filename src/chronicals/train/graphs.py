@@ -40,7 +40,8 @@ the home gradients (the size of the trainable parameters, also held by eager tra
 ``zero_grad``; they live in the graphs' pool). All graphs share one private memory pool, so the activations of several
 captured shapes cost about the largest one, not the sum; the pool is kept between steps (eager frees
 it), so ``torch.cuda.memory_reserved`` stays at the step's peak. Sharing is safe here because each
-graph's only output, ``loss_sum``, is read right after its replay, before any other graph runs.
+graph's only outputs are ``loss_sum``, read right after its replay before any other graph runs, and (the
+assign graph) the home gradients, which stay allocated, so no later capture is given their memory.
 
 Limits: activation checkpointing (it reads the CUDA RNG state during capture, which CUDA forbids) and
 parameters replaced after capture (the graph holds their storage) are not supported.
@@ -161,7 +162,8 @@ class GraphedStep:
         loss, n = graphs.accumulate(micro_batches)   # what train.step.accumulate_gradients returns
         optimizer.step(); optimizer.zero_grad()      # outside the graph
 
-    ``max_graphs``: shapes captured before new shapes run eagerly (logged, counted in ``eager_fallbacks``).
+    ``max_graphs``: accumulating graphs captured before new shapes run eagerly (logged, counted in
+    ``eager_fallbacks``); the one assign graph (the first micro-batch's shape, see the module docstring) is extra.
     ``reducer``: data parallelism's ``GradBuckets`` over the same params. The persistent grads are then its flat
     bucket views, and the step's last micro-batch replays a second graph per shape that also holds the
     bucketed NCCL all-reduces, issued by the reducer's hooks while it was captured (they overlap the rest of
