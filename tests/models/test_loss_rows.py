@@ -54,6 +54,9 @@ def test_rows_in_order_and_identity_below_threshold():
     h3, y3 = loss_rows(h, y_dense, 19)
     assert h3 is h and y3 is y_dense
     assert loss_rows(h, y, None)[0] is h
+    y_none = torch.full((20,), IGNORE_INDEX)  # a data-parallel rank's empty batch: the head keeps its rows
+    h4, y4 = loss_rows(h, y_none, 0)
+    assert h4 is h and y4 is y_none
 
 
 def test_wrong_count_is_caught_and_all_ignored_gives_zero():

@@ -279,7 +279,8 @@ def loss_rows(hidden: torch.Tensor, targets: torch.Tensor, num_loss_tokens: int 
     scatters the gradient back (zero on ignored rows, which is what they get anyway). A device-side assert
     checks the count. Returns the inputs unchanged when the count is None or fewer than
     ``COMPACT_MIN_IGNORED`` of the rows are ignored, and under torch.compile / CUDA-graph capture, where
-    shapes must not depend on the batch.
+    shapes must not depend on the batch; also when none carries a loss (a data-parallel rank's empty batch): the
+    head then runs over rows that are all ignored (loss 0, zero gradients) rather than over none.
     """
     n = targets.shape[0]
     if num_loss_tokens is None:
@@ -287,7 +288,7 @@ def loss_rows(hidden: torch.Tensor, targets: torch.Tensor, num_loss_tokens: int 
     if not 0 <= num_loss_tokens <= n:
         raise ValueError(f"num_loss_tokens={num_loss_tokens} is outside [0, {n}] for {n} target positions; pass "
                          "the count of shift_labels != -100 (PackedBatch.num_loss_tokens) or None")
-    if n - num_loss_tokens < COMPACT_MIN_IGNORED * n or torch.compiler.is_compiling():
+    if num_loss_tokens == 0 or n - num_loss_tokens < COMPACT_MIN_IGNORED * n or torch.compiler.is_compiling():
         return hidden, targets
     if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
         return hidden, targets
