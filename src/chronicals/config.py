@@ -145,6 +145,9 @@ class DataSection:
     batch_size: int = _f(4, "packed rows per micro-batch")
     tokens_per_batch: int = _f(0, "padding-free batches: one packed row of at most this many tokens per "
                                   "micro-batch instead of batch_size rows (0 = rows); >= max_seq_len")
+    dp_remainder: str = _f("train", "data parallel, an epoch's last batches that do not make a full round of ranks: "
+                                    "train (ranks past the end run an empty batch: no loss, no gradient) | drop "
+                                    "(not trained that epoch; what checkpoints from before this setting need)")
     on_long: str = _f("truncate", "examples longer than max_seq_len: truncate | drop")
     on_error: str = _f("fail", "malformed records: fail (with file:line) | skip (and count)")
     train_on: str = _f("assistant", "which tokens carry loss: assistant (completion/output) | all")
@@ -156,6 +159,7 @@ class DataSection:
         _check(self.max_seq_len >= 8, "data.max_seq_len", self.max_seq_len, "an integer >= 8")
         _check(self.batch_size >= 1, "data.batch_size", self.batch_size, "an integer >= 1")
         _check(self.on_long in ("truncate", "drop"), "data.on_long", self.on_long, "truncate | drop")
+        _check(self.dp_remainder in ("train", "drop"), "data.dp_remainder", self.dp_remainder, "train | drop")
         _check(self.on_error in ("fail", "skip"), "data.on_error", self.on_error, "fail | skip")
         _check(self.train_on in ("assistant", "all"), "data.train_on", self.train_on, "assistant | all")
         _check(self.format in ("auto", "text", "chat", "alpaca", "prompt_completion", "sharegpt"),

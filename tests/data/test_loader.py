@@ -94,14 +94,24 @@ def test_exact_resume(stop):
         PackedLoader(ds, batch_size=2, max_seq_len=24, seed=4).load_state_dict(run.state_dict())
 
 
-def test_ranks_split_the_batches():
+@pytest.mark.parametrize("remainder", ["train", "drop"])
+def test_ranks_split_the_batches(remainder):
     ds = synthetic(n=60)
     one = [x.input_ids.tolist() for x in PackedLoader(ds, batch_size=2, max_seq_len=24, seed=0)]
-    ranks = [PackedLoader(ds, batch_size=2, max_seq_len=24, seed=0, rank=r, world_size=3) for r in range(3)]
-    assert all(len(r) == len(one) // 3 for r in ranks)
-    per_rank = [[x.input_ids.tolist() for x in r] for r in ranks]
-    interleaved = [per_rank[i % 3][i // 3] for i in range(3 * len(ranks[0]))]
-    assert interleaved == one[:len(interleaved)]
+    w = 4
+    assert len(one) % w  # a last round that does not reach every rank
+    ranks = [PackedLoader(ds, batch_size=2, max_seq_len=24, seed=0, rank=r, world_size=w, remainder=remainder)
+             for r in range(w)]
+    assert all(len(r) == (-(-len(one) // w) if remainder == "train" else len(one) // w) for r in ranks)
+    per_rank = [[x for x in r] for r in ranks]
+    interleaved = [per_rank[i % w][i // w] for i in range(w * len(ranks[0]))]
+    real = [b.input_ids.tolist() for b in interleaved if b.num_docs]
+    assert real == (one if remainder == "train" else one[:len(one) // w * w])
+    empty = [b for b in interleaved if not b.num_docs]  # the last round's ranks past the end
+    assert len(empty) == ranks[0].empty_batches == (w - len(one) % w if remainder == "train" else 0)
+    for b in empty:
+        assert b.input_ids.shape == (1, 24) and b.num_loss_tokens == 0 and (b.input_ids == ds.pad_id).all()
+        check_batch(b, ds)
 
 
 def test_token_budget_mode_is_padding_free():
@@ -144,27 +154,59 @@ def test_resume_with_other_batch_settings_fails():
 def test_loader_with_no_batch_fails_at_construction():
     ds = synthetic(n=3)  # 3 documents of <= 24 tokens: at most 3 rows
     with pytest.raises(ValueError, match=r"give no batch per rank .*world_size=8"):
-        PackedLoader(ds, batch_size=1, max_seq_len=24, world_size=8)
+        PackedLoader(ds, batch_size=1, max_seq_len=24, world_size=8, remainder="drop")
+    assert len(PackedLoader(ds, batch_size=1, max_seq_len=24, world_size=8)) == 1  # "train": 5 ranks get an empty one
+    with pytest.raises(ValueError, match="remainder='keep'; expected one of train, drop"):
+        PackedLoader(ds, batch_size=1, max_seq_len=24, remainder="keep")
     with pytest.raises(ValueError, match=r"give no batch per rank .*drop_last=True"):
         PackedLoader(ds, batch_size=4, max_seq_len=24, drop_last=True)
     with pytest.raises(ValueError, match=r"pad_to_multiple_of=0; expected an integer >= 1"):
         PackedLoader(ds, tokens_per_batch=64, max_seq_len=24, pad_to_multiple_of=0)
 
 
-def test_rows_left_out_under_data_parallel():
-    """Every rank takes the same number of batches: rows_left_out counts the rows of the remainder batches."""
+@pytest.mark.parametrize("remainder", ["train", "drop"])
+def test_rows_left_out_under_data_parallel(remainder):
+    """Every rank takes the same number of batches: with remainder="drop" rows_left_out counts the rows of the
+    remainder batches; with "train" every document is trained once an epoch, the last round padded with empty
+    batches."""
     ds = synthetic(n=60)
-    left = {}
+    left, empty = {}, {}
     for shape, w in (({"batch_size": 5}, 1), ({"batch_size": 5}, 2), ({"batch_size": 5}, 3),
                      ({"batch_size": 7}, 4), ({"tokens_per_batch": 40}, 3), ({"tokens_per_batch": 40}, 1)):
-        ranks = [PackedLoader(ds, max_seq_len=24, seed=1, rank=r, world_size=w, **shape) for r in range(w)]
-        seen = [d for r in ranks for b in r for d in check_batch(b, ds)]
+        ranks = [PackedLoader(ds, max_seq_len=24, seed=1, rank=r, world_size=w, remainder=remainder, **shape)
+                 for r in range(w)]
+        batches = [b for r in ranks for b in r]
+        seen = [d for b in batches for d in check_batch(b, ds)]
         assert len(seen) == len(set(seen))
         rows_seen = sum(set(row) <= set(seen) for row in ranks[0].rows)
         assert ranks[0].rows_left_out == len(ranks[0].rows) - rows_seen
+        assert sum(not b.num_docs for b in batches) == ranks[0].empty_batches
         left[(*shape.values(), w)] = ranks[0].rows_left_out
+        empty[(*shape.values(), w)] = ranks[0].empty_batches
+        if remainder == "train":
+            assert sorted(seen) == list(range(len(ds)))
     # 36 rows: 8 batches of 5 (3 ranks: 6 rows left), 6 of 7 (4 ranks: the 8 rows of batches 5-6); 20 budget rows
-    assert left == {(5, 1): 0, (5, 2): 0, (5, 3): 6, (7, 4): 8, (40, 3): 2, (40, 1): 0}, left
+    if remainder == "drop":
+        assert left == {(5, 1): 0, (5, 2): 0, (5, 3): 6, (7, 4): 8, (40, 3): 2, (40, 1): 0}, left
+        assert set(empty.values()) == {0}
+    else:
+        assert set(left.values()) == {0}
+        assert empty == {(5, 1): 0, (5, 2): 0, (5, 3): 1, (7, 4): 2, (40, 3): 1, (40, 1): 0}, empty
+
+
+def test_a_checkpoint_from_before_the_remainder_setting_names_the_fix():
+    """A loader state saved when the remainder was always dropped (no "remainder" key) under a remainder: the
+    refusal says to resume with remainder='drop', which then restores the position."""
+    ds = synthetic(n=60)
+    old = PackedLoader(ds, batch_size=5, max_seq_len=24, seed=1, world_size=3, remainder="drop")
+    next(iter(old))
+    state = {k: v for k, v in old.state_dict().items() if k != "remainder"}
+    with pytest.raises(ValueError, match=r"left the last 2 of 8 global batches out .*remainder='drop' "
+                                         r"\(data.dp_remainder=drop\)"):
+        PackedLoader(ds, batch_size=5, max_seq_len=24, seed=1, world_size=3).load_state_dict(state)
+    again = PackedLoader(ds, batch_size=5, max_seq_len=24, seed=1, world_size=3, remainder="drop")
+    again.load_state_dict(state)
+    assert (again.epoch, again.position) == (0, 1)
 
 
 def test_build_loaders_warns_about_rows_left_out(tokenizer, tmp_path, caplog):
@@ -177,7 +219,7 @@ def test_build_loaders_warns_about_rows_left_out(tokenizer, tmp_path, caplog):
     data = tmp_path / "t.jsonl"  # one ~40-token document per 64-token row: 7 rows
     data.write_text("".join(json.dumps({"text": f"doc {i} " + "word " * 36}) + "\n" for i in range(7)))
     cfg = load_config(None, ["data.max_seq_len=64", "data.cache_dir=none", "eval.qa=false", "data.batch_size=3",
-                             f"data.path={data}", f"train.out_dir={tmp_path / 'run'}"])
+                             "data.dp_remainder=drop", f"data.path={data}", f"train.out_dir={tmp_path / 'run'}"])
     with caplog.at_level(logging.WARNING, logger="chronicals.train"):
         loader, _, _ = build_loaders(cfg, tokenizer, tmp_path / "run", rank=0, world_size=2)
     assert len(loader.rows) == 7 and loader.rows_left_out == 1  # 3 global batches of 3, 3, 1 rows: 2 trained
@@ -185,13 +227,20 @@ def test_build_loaders_warns_about_rows_left_out(tokenizer, tmp_path, caplog):
     assert len(warned) == 1 and warned[0].startswith("training data: 1 of 7 packed rows per epoch (about 1 "
                                                      "documents, ")
     assert "other ones are left out each time" in warned[0]
-    assert warned[0].endswith("use data.batch_size=2 or 4 (ceil(7 / batch_size) a multiple of 2 ranks), or a "
-                              "number of ranks that divides the 3 batches")
+    assert warned[0].endswith("use data.dp_remainder=train (a new run), or data.batch_size=2 or 4 (ceil(7 / "
+                              "batch_size) a multiple of 2 ranks), or a number of ranks that divides the 3 batches")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="chronicals.train"):
         build_loaders(cfg, tokenizer, tmp_path / "run", rank=1, world_size=2)  # rank 0 says it
         build_loaders(cfg, tokenizer, tmp_path / "run")
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    caplog.clear()
+    cfg.data.dp_remainder = "train"  # the default: the 3rd global batch goes to rank 0, rank 1 runs an empty one
+    with caplog.at_level(logging.INFO, logger="chronicals.train"):
+        loader, _, _ = build_loaders(cfg, tokenizer, tmp_path / "run", rank=0, world_size=2)
+    assert loader.rows_left_out == 0 and loader.empty_batches == 1 and len(loader) == 2
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "the last round of each epoch fills 1 of the 2 ranks; the others run an empty batch" in caplog.text
 
 
 def test_build_loaders_names_a_batch_size_that_tokens_per_batch_overrides(tokenizer, tmp_path, caplog):

@@ -107,12 +107,22 @@ def _shards(docs, world: int):
 
 
 # ---- workers (module level: spawn pickles them by name) ----
-def _grad_worker(rank: int, port: int, out: str, reduce: str = "after") -> None:
+def _empty_batch():
+    """What PackedLoader(remainder="train") gives a rank past the end of an epoch's last round."""
+    from chronicals.data import collate_rows
+
+    return collate_rows([[]], 29, 0)
+
+
+def _grad_worker(rank: int, port: int, out: str, reduce: str = "after", split: str = "1+3") -> None:
     _torchrun_env(rank, port)
     dp = init_distributed(DEVICE)
     try:
         micro = _micro_batches()
-        mine = micro[:1] if rank == 0 else micro[1:]
+        if split == "1+3":
+            mine = micro[:1] if rank == 0 else micro[1:]
+        else:  # "4+empty": rank 1's only micro-batch is an empty one
+            mine = micro if rank == 0 else [_empty_batch()]
         model = _on(tiny_model(seed=0), dp.device)
         params = [p for p in model.parameters() if p.requires_grad]
         # overlap: small buckets (several per dtype) so the in-order issue across buckets is exercised
@@ -299,15 +309,18 @@ def test_single_process_context_without_torchrun(monkeypatch):
 
 
 @pytest.mark.parametrize("reduce", ["after", "overlap"])
-def test_gradients_equal_one_process_on_all_micro_batches(tmp_path, reduce):
+@pytest.mark.parametrize("split", ["1+3", "4+empty"])
+def test_gradients_equal_one_process_on_all_micro_batches(tmp_path, reduce, split):
     """Rank 0: 1 micro-batch, rank 1: 3 (unequal loss tokens); after the step both hold the gradient and
     the loss of one process accumulating all 4 (fp32). "after": all_reduce_grads after backward; "overlap":
     GradBuckets (flat buckets issued during backward: rank 0 issues them in its one backward, rank 1 in its
-    third)."""
+    third). "4+empty": rank 0 takes all 4 and rank 1 an empty batch (data.dp_remainder=train's last round):
+    it adds nothing, and its backward still issues the buckets the other rank waits for."""
     micro = _micro_batches()
     counts = [b.num_loss_tokens for b in micro]
     assert counts[0] != sum(counts[1:]) and len(set(counts)) > 1  # else per-rank means would agree too
-    mp.spawn(_grad_worker, args=(_free_port(), str(tmp_path), reduce), nprocs=WORLD, join=True)
+    assert _empty_batch().num_loss_tokens == 0
+    mp.spawn(_grad_worker, args=(_free_port(), str(tmp_path), reduce, split), nprocs=WORLD, join=True)
     model = _on(tiny_model(seed=0), REF)
     loss_1, n_1 = accumulate_gradients(model, micro, REF)
     loss_1, g_1 = loss_1.cpu(), _grads(model)
@@ -319,6 +332,8 @@ def test_gradients_equal_one_process_on_all_micro_batches(tmp_path, reduce):
         assert got["grads"].keys() == g_1.keys()
         for name, g in g_1.items():
             torch.testing.assert_close(got["grads"][name], g, rtol=1e-5, atol=1e-6, msg=name)
+    if split != "1+3":
+        return
     # averaging the two ranks' own means (the common bug) is measurably different from the loss above
     per_rank = [accumulate_gradients(_on(tiny_model(seed=0), REF), m, REF)[0].cpu() for m in (micro[:1], micro[1:])]
     assert abs(float(sum(per_rank) / WORLD) - float(loss_1)) > 1e-3

@@ -146,3 +146,28 @@ def test_a_batch_size_that_tokens_per_batch_overrides_moves_no_batch(tmp_path, c
     assert bool(msgs) == warned, msgs
     if warned:
         assert "data.batch_size=2 (this run: 3)" in msgs[0] and "data position refers to other batches" in msgs[0]
+
+
+def test_a_data_parallel_checkpoint_from_before_dp_remainder_is_refused_with_the_fix(tmp_path):
+    """Its loader dropped the epoch's last, incomplete round (1 batch per rank here); this run's trains it (2):
+    the refusal names data.dp_remainder=drop, not the generic causes, and that setting resumes it."""
+    import numpy as np
+
+    from chronicals.data import PackedLoader
+    from chronicals.data.dataset import DatasetStats, TokenizedDataset
+    from chronicals.train.loop import _restore_position, _Stream
+
+    stats = DatasetStats(records=30, documents=30, tokens=60, loss_tokens=30)
+    ds = TokenizedDataset(np.arange(1, 61, dtype=np.int32), np.ones(60, bool), np.arange(0, 61, 2), 0, stats, 24)
+
+    def loader(remainder):  # 30 documents of 2 tokens -> 3 rows of 24 -> 3 global batches over 2 ranks
+        return PackedLoader(ds, batch_size=1, max_seq_len=24, world_size=2, remainder=remainder)
+
+    saved = {k: v for k, v in loader("drop").state_dict().items() if k != "remainder"}
+    restored = {"data": saved, "extra": {"config": tiny_config(tmp_path).to_dict()}}
+    with pytest.raises(ValueError) as e:
+        _restore_position(_Stream(loader("train")), restored, tiny_config(tmp_path).to_dict(), tmp_path / "step-1")
+    msg = str(e.value)
+    assert msg.startswith(f"cannot resume from {tmp_path / 'step-1'}: ") and "data.dp_remainder=drop" in msg
+    assert "number of ranks" not in msg, msg
+    _restore_position(_Stream(loader("drop")), restored, tiny_config(tmp_path).to_dict(), tmp_path / "step-1")

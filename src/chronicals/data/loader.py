@@ -8,12 +8,18 @@ epochs; the documents that share a row do not interact (block-diagonal attention
 so only which rows share a step changes between epochs.
 
 Data parallel (``world_size`` W > 1): rank r takes global batches r, r + W, r + 2W, ... of the epoch, and
-every rank gets the same number of batches, so when the G global batches of an epoch are not a multiple of
-W the last ``G % W`` are not trained in that epoch. Rows reshuffle each epoch, so other documents are left out
-each time; ``rows_left_out`` counts them (0 when W divides G: choose batch_size or the number of ranks so).
+every rank gets the same number of batches (the ranks step together). When the G global batches of an epoch
+are not a multiple of W, ``remainder`` says what happens to the last ``G % W``:
+- "train" (default): every rank gets ceil(G / W) batches; in the last round the ranks past the end get an
+  empty batch (one row of padding, no loss token: it adds nothing to the loss, the loss-token count or the
+  gradient), so every document is trained once an epoch;
+- "drop": every rank gets floor(G / W) batches and the last ``G % W`` are not trained in that epoch (the
+  behaviour before ``remainder`` existed, which checkpoints written then need). Rows reshuffle each epoch, so
+  other documents are left out each time; ``rows_left_out`` counts them.
 
-    52 rows, batch_size=5, W=2:  G = ceil(52 / 5) = 11 global batches -> 5 per rank, 10 trained;
-    batch 11 (rows 51-52 of this epoch's order) is not: 2 rows per epoch left out
+    52 rows, batch_size=5, W=2:  G = ceil(52 / 5) = 11 global batches
+    train: 6 per rank; rank 0's 6th is batch 11 (rows 51-52 of this epoch's order), rank 1's an empty batch
+    drop:  5 per rank, 10 trained; batch 11 is not: 2 rows per epoch left out
 
 Resume: ``state_dict()`` = {"epoch", "position"}: position is the number of this rank's batches of that
 epoch already handed out, so a loader restored from it yields exactly the batches that would have come next.
@@ -27,15 +33,21 @@ from .collate import PackedBatch, collate_rows
 from .packing import pack_bfd
 
 
+REMAINDERS = ("train", "drop")  # data parallel: what becomes of an epoch's last, incomplete round of batches
+
+
 class PackedLoader:
     """Iterate PackedBatch over a TokenizedDataset (see the package docstring for the options)."""
 
     def __init__(self, dataset, *, batch_size: int | None = None, max_seq_len: int,
                  tokens_per_batch: int | None = None, seed: int = 0, shuffle: bool = True,
-                 drop_last: bool = False, rank: int = 0, world_size: int = 1, pad_to_multiple_of: int = 1):
+                 drop_last: bool = False, rank: int = 0, world_size: int = 1, pad_to_multiple_of: int = 1,
+                 remainder: str = "train"):
         if (batch_size is None) == (tokens_per_batch is None):
             raise ValueError("PackedLoader: give exactly one of batch_size (rows of max_seq_len per batch) "
                              "or tokens_per_batch (one padding-free row per batch)")
+        if remainder not in REMAINDERS:
+            raise ValueError(f"PackedLoader: remainder={remainder!r}; expected one of {', '.join(REMAINDERS)}")
         if not 0 <= rank < world_size:
             raise ValueError(f"PackedLoader: rank={rank} must be in 0..world_size-1 (world_size={world_size})")
         longest = int(dataset.lengths.max()) if len(dataset) else 0
@@ -49,7 +61,7 @@ class PackedLoader:
         self.dataset, self.batch_size, self.max_seq_len = dataset, batch_size, max_seq_len
         self.tokens_per_batch, self.seed, self.shuffle = tokens_per_batch, seed, shuffle
         self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
-        self.pad_to_multiple_of = pad_to_multiple_of
+        self.pad_to_multiple_of, self.remainder = pad_to_multiple_of, remainder
         if pad_to_multiple_of < 1:
             raise ValueError(f"PackedLoader: pad_to_multiple_of={pad_to_multiple_of}; expected an integer >= 1")
         self.rows = pack_bfd(dataset.lengths.tolist(), capacity)  # list of document index lists
@@ -67,14 +79,22 @@ class PackedLoader:
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def __len__(self) -> int:
-        """Batches per epoch for this rank (every rank gets the same count; the remainder is dropped)."""
-        return self._global_batches() // self.world_size
+        """Batches per epoch for this rank (every rank gets the same count; see ``remainder``)."""
+        g, w = self._global_batches(), self.world_size
+        return -(-g // w) if self.remainder == "train" else g // w
 
     @property
     def rows_left_out(self) -> int:
-        """Packed rows per epoch (all ranks) in no batch: the last ``G % world_size`` global batches (and the
-        short last batch under drop_last). Different rows each epoch when shuffled."""
-        return len(self.rows) - min(len(self.rows), len(self) * self.world_size * (self.batch_size or 1))
+        """Packed rows per epoch (all ranks) in no batch: with remainder="drop" the last ``G % world_size``
+        global batches; the short last batch under drop_last. Different rows each epoch when shuffled."""
+        g = self._global_batches()
+        trained = g if self.remainder == "train" else g // self.world_size * self.world_size
+        return len(self.rows) - min(len(self.rows), trained * (self.batch_size or 1))
+
+    @property
+    def empty_batches(self) -> int:
+        """Empty batches per epoch (all ranks): the last round's ranks past the end, with remainder="train"."""
+        return len(self) * self.world_size - self._global_batches() if self.remainder == "train" else 0
 
     # ---- order ----
     def _row_order(self, epoch: int) -> np.ndarray:
@@ -92,14 +112,20 @@ class PackedLoader:
         rows = order[g * self.batch_size:(g + 1) * self.batch_size]
         return collate_rows([[ds[i] for i in self.rows[r]] for r in rows], self.max_seq_len, ds.pad_id)
 
+    def _empty_batch(self) -> PackedBatch:
+        """One row of padding, no loss token: a rank's share of a last round that has no batch for it."""
+        m = self.pad_to_multiple_of
+        return collate_rows([[]], -(-self.max_seq_len // m) * m, self.dataset.pad_id)
+
     def __iter__(self):
         if self.position >= len(self):
             self.epoch, self.position = self.epoch + 1, 0
         order = self._row_order(self.epoch)
+        n = self._global_batches()
         while self.position < len(self):
             g = self.position * self.world_size + self.rank
             self.position += 1  # counted when handed out: a checkpoint taken now resumes after this batch
-            yield self._batch(order, g)
+            yield self._batch(order, g) if g < n else self._empty_batch()
         self.epoch, self.position = self.epoch + 1, 0
 
     # ---- resume ----
@@ -108,12 +134,19 @@ class PackedLoader:
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "batches_per_epoch": len(self), "rows": len(self.rows)}
+                "batches_per_epoch": len(self), "rows": len(self.rows), "remainder": self.remainder}
 
     def load_state_dict(self, state: dict) -> None:
         saved = (state.get("seed", self.seed), state.get("rows", len(self.rows)),
                  state.get("batches_per_epoch", len(self)))
         if saved != (self.seed, len(self.rows), len(self)):  # else "position" would index other batches
+            g, w = self._global_batches(), self.world_size
+            if "remainder" not in state and self.remainder == "train" and saved[:2] == (self.seed, len(self.rows)) \
+                    and saved[2] == g // w != len(self):
+                raise ValueError(f"PackedLoader.load_state_dict: the saved loader, from before the remainder "
+                                 f"setting, left the last {g % w} of {g} global batches out of each epoch "
+                                 f"({saved[2]} per rank), this one trains them ({len(self)} per rank); resume it "
+                                 "with remainder='drop' (data.dp_remainder=drop)")
             raise ValueError(f"PackedLoader.load_state_dict: the saved loader had seed={saved[0]}, {saved[1]} packed "
                              f"rows and {saved[2]} batches per epoch, this one seed={self.seed}, {len(self.rows)} "
                              f"and {len(self)}; resume with the same dataset, max_seq_len, batch settings "

@@ -185,6 +185,8 @@ def _restore_position(stream, restored: dict, cfg_dict: dict, path: Path) -> Non
     try:
         stream.load_state_dict(restored["data"])  # rank 0's position: every rank's equals it (equal shards)
     except ValueError as e:
+        if "data.dp_remainder=drop" in str(e):  # a checkpoint from before the setting: the loader names the fix
+            raise ValueError(f"cannot resume from {path}: {e}") from None
         diffs = data_position_diffs(restored["extra"].get("config"), cfg_dict)
         new_run = "a run over other data or batches is a new run: set train.resume=none or another train.out_dir"
         if diffs:

@@ -50,7 +50,8 @@ LOSS_KEYS = {
 
 
 # the data settings a checkpoint's data position depends on (which batches, in which order)
-DATA_POSITION_KEYS = {"data": ("path", "format", "max_seq_len", "batch_size", "tokens_per_batch"), "train": ("seed",)}
+DATA_POSITION_KEYS = {"data": ("path", "format", "max_seq_len", "batch_size", "tokens_per_batch", "dp_remainder"),
+                      "train": ("seed",)}
 
 
 def data_position_diffs(saved: dict | None, current: dict) -> list[str]:

@@ -140,9 +140,10 @@ def _warn_rows_left_out(loader, d) -> None:
                f"{w} ranks)" if near else f"a data.batch_size that makes ceil({rows} / batch_size) a multiple of {w}")
         fix += f", or a number of ranks that divides the {-(-rows // d.batch_size)} batches"
     log.warning("training data: %d of %d packed rows per epoch (about %d documents, %d loss tokens; %.1f%%) are "
-                "not trained: each of the %d ranks takes the same number of batches, and the remainder batches "
-                "are left out. The rows reshuffle each epoch, so other ones are left out each time (with "
-                "train.epochs=1 they are never seen). To train them all use %s", left, rows,
+                "not trained: each of the %d ranks takes the same number of batches, and with "
+                "data.dp_remainder=drop the remainder batches are left out. The rows reshuffle each epoch, so other "
+                "ones are left out each time (with train.epochs=1 they are never seen). To train them all use "
+                "data.dp_remainder=train (a new run), or %s", left, rows,
                 round(share * len(loader.dataset)), round(share * loader.dataset.stats.loss_tokens), 100 * share,
                 w, fix)
 
@@ -163,11 +164,15 @@ def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path, rank: int = 0, wor
     # rows of max_seq_len, or one padding-free row of at most tokens_per_batch tokens per micro-batch
     shape = d.loader_shape(warn=rank == 0)  # warns when a data.batch_size beside tokens_per_batch goes unused
     train_loader = PackedLoader(ds, max_seq_len=d.max_seq_len, seed=cfg.train.seed, shuffle=True, rank=rank,
-                                world_size=world_size, **shape)
+                                world_size=world_size, remainder=d.dp_remainder, **shape)
     log.info("training data: %d examples -> %d batches per epoch%s; packing %s", len(ds), len(train_loader),
              f" per rank ({world_size} ranks)" if world_size > 1 else "", train_loader.stats)
     if rank == 0 and train_loader.rows_left_out:
         _warn_rows_left_out(train_loader, d)
+    if rank == 0 and train_loader.empty_batches:
+        log.info("training data: the last round of each epoch fills %d of the %d ranks; the others "
+                 "run an empty batch (no loss, no gradient: data.dp_remainder=train)",
+                 world_size - train_loader.empty_batches, world_size)
     eval_loader = None
     if eval_file is not None:
         if heldout_qa is not None:  # rewritten as chat records: the training data's format does not apply
