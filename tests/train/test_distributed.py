@@ -230,6 +230,54 @@ def _train_worker(rank: int, ports: tuple, out: str) -> None:
                 "resumed": (resumed.status, resumed.step, _cpu_state(resumed_model))}, f"{out}/result{rank}.pt")
 
 
+def _remainder_loader(rank: int, world: int):
+    """PackedLoader over synthetic documents packed into 9 rows of 32 (one row per batch, unshuffled): over 2
+    ranks the last round holds 1 batch, so rank 1 gets an empty one (data.dp_remainder=train)."""
+    import numpy as np
+
+    from chronicals.data import PackedLoader
+    from chronicals.data.dataset import DatasetStats, TokenizedDataset
+
+    docs = synthetic_docs(21, seed=4)
+    lengths = [len(d[0]) for d in docs]
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    stats = DatasetStats(records=len(docs), documents=len(docs), tokens=int(offsets[-1]),
+                         loss_tokens=sum(int(d[1][1:].sum()) for d in docs))
+    ds = TokenizedDataset(np.concatenate([d[0] for d in docs]).astype(np.int32),
+                          np.concatenate([d[1] for d in docs]), offsets, 0, stats, 32)
+    return PackedLoader(ds, batch_size=1, max_seq_len=32, shuffle=False, rank=rank, world_size=world)
+
+
+def _remainder_worker(rank: int, port: int, out: str) -> None:
+    from pathlib import Path
+
+    _torchrun_env(rank, port)
+    loader = _remainder_loader(rank, WORLD)
+    cfg = tiny_config(Path(out) / f"rank{rank}", train__max_steps=len(loader), model__device=DEVICE)
+    model = tiny_model(seed=0)
+    train(cfg, model=model, train_loader=loader)
+    torch.save(_cpu_state(model), f"{out}/remainder{rank}.pt")
+
+
+def test_two_ranks_train_the_last_incomplete_round_like_one_process(tmp_path):
+    """An odd number of global batches over 2 ranks (data.dp_remainder=train): the last step gives rank 0 the
+    last batch and rank 1 an empty one, and the weights equal one process's with grad_accum 2 over the same
+    batches, whose epoch ends on a one-batch step."""
+    one = _remainder_loader(0, 1)
+    assert len(one) % WORLD == 1 and _remainder_loader(1, WORLD).empty_batches == 1
+    mp.spawn(_remainder_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    r0, r1 = (torch.load(tmp_path / f"remainder{r}.pt") for r in range(WORLD))
+    cfg = tiny_config(tmp_path / "single", train__max_steps=-(-len(one) // WORLD), train__grad_accum=WORLD,
+                      model__device=DEVICE)
+    single = tiny_model(seed=0)
+    train(cfg, model=single, train_loader=one)
+    for n, v in _cpu_state(single).items():
+        assert torch.equal(r0[n], r1[n]), n
+        torch.testing.assert_close(r0[n], v, rtol=1e-5, atol=1e-6, msg=n)
+    dp_recs, one_recs = _train_recs(tmp_path / "rank0" / "run"), _train_recs(tmp_path / "single" / "run")
+    assert [r["loss_tokens"] for r in dp_recs] == [r["loss_tokens"] for r in one_recs]
+
+
 def _pipelined_worker(rank: int, ports: tuple, out: str) -> None:
     """Fused AdamW, no on_step: each step is read one step late, with the ranks' stop flags. A SIGTERM to rank 1
     during step 2's forward reaches every rank with step 2's metrics, read while step 3 runs: all stop after 3."""
