@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +80,181 @@ def test_a_lock_held_by_a_live_writer_survives_its_release_race(tmp_path, held_l
     held_lock(tmp_path / ".model.tmp-7-0a1b2c3d")
     time.sleep(0.05)
     assert orphans.remove_orphans(tmp_path, PATTERN) == [] and lock.exists()
+
+
+# ---------------------------------------------------------------- an interrupted replace (hf_io.atomic_dir)
+# Replacing ``model`` renames it to ``<tmp>.old``, then ``<tmp>`` to ``model``, under ``<tmp>``'s lock.
+OUT_PATTERN = re.compile(r"\.model\.tmp-\d+-[0-9a-f]{8}")  # hf_io._temp_pattern("model")
+
+_KILLED_WRITE = """
+import os, signal, sys
+from pathlib import Path
+from chronicals.models import hf_io
+out, when, real = Path(sys.argv[1]), sys.argv[2], os.rename
+
+def rename(src, dst):  # SIGKILL right after the first ("between") or the second ("after") rename of the replace
+    real(src, dst)
+    if Path(src if when == "between" else dst) == out:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+os.rename = rename
+with hf_io.atomic_dir(out) as tmp:
+    (tmp / "config.json").write_text("new")
+"""
+
+
+def _model_dir(path, text, nbytes=0):
+    path.mkdir()
+    (path / "config.json").write_text(text)
+    if nbytes:
+        (path / "model.safetensors").write_bytes(b"\0" * nbytes)
+    return path
+
+
+def _kill_a_replace(out, when):
+    p = subprocess.run([sys.executable, "-c", _KILLED_WRITE, str(out), when], capture_output=True, text=True)
+    assert p.returncode == -9, p.stderr
+
+
+def _names(parent):
+    return sorted(p.name for p in parent.iterdir())
+
+
+def test_a_replace_killed_between_its_renames_gets_the_previous_output_back(tmp_path, caplog):
+    """Killed after moving the previous output aside, before renaming the new one into place: there is no output
+    until the next write of it, which first renames the previous one back (a write that did not finish leaves the
+    output as it was: replace=False refuses), then writes over it, leaving nothing else behind."""
+    from chronicals.models import hf_io
+
+    out = _model_dir(tmp_path / "model", "old")
+    _kill_a_replace(out, "between")
+    assert not out.exists()
+    with caplog.at_level(logging.INFO, logger="chronicals.models"):
+        with pytest.raises(FileExistsError, match="already exists"):
+            with hf_io.atomic_dir(out, replace=False) as tmp:
+                (tmp / "config.json").write_text("refused")
+    assert (out / "config.json").read_text() == "old" and _names(tmp_path) == ["model"]
+    msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(msgs) == 1 and f"restored {out} from" in msgs[0] and "killed before it finished" in msgs[0]
+    with hf_io.atomic_dir(out) as tmp:
+        (tmp / "config.json").write_text("newer")
+    assert (out / "config.json").read_text() == "newer" and _names(tmp_path) == ["model"]
+
+
+def test_a_replace_killed_after_its_renames_leaves_no_stale_copy(tmp_path, caplog):
+    """Killed after the new output is in place, before the previous one (as large as a whole model) is removed:
+    the next write of it removes that copy."""
+    from chronicals.models import hf_io
+
+    out = _model_dir(tmp_path / "model", "old", nbytes=1_500_000)
+    _kill_a_replace(out, "after")
+    assert (out / "config.json").read_text() == "new"
+    with caplog.at_level(logging.INFO, logger="chronicals.models"):
+        with hf_io.atomic_dir(out) as tmp:
+            (tmp / "config.json").write_text("newer")
+    assert (out / "config.json").read_text() == "newer" and _names(tmp_path) == ["model"]
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and ".old (1.5 MB)" in msgs[0] and "killed after replacing it" in msgs[0]
+
+
+def test_recover_replaced_restores_the_output_and_leaves_the_temporary_directory_to_remove_orphans(tmp_path, caplog):
+    out = tmp_path / "model"
+    tmp = _tmp(tmp_path, ".model.tmp-4242-0a1b2c3d")  # complete new content, its lock free
+    old = _model_dir(orphans.old_path(tmp), "old")
+    with caplog.at_level(logging.INFO, logger="chronicals.models"):
+        assert orphans.recover_replaced(out, OUT_PATTERN) == [old]
+    assert (out / "config.json").read_text() == "old" and not old.exists()
+    assert tmp.is_dir() and orphans.lock_path(tmp).exists()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and f"restored {out} from {old}" in msgs[0]
+    assert f"{tmp.name} is removed as an orphan" in msgs[0]
+    assert orphans.remove_orphans(tmp_path, OUT_PATTERN) == [tmp] and _names(tmp_path) == ["model"]
+
+
+def test_remove_orphans_keeps_the_lock_of_a_killed_replace_until_it_is_recovered(tmp_path):
+    """Swept first, the temporary directory goes but its lock file stays: it still tells the ``.old`` directory
+    of a killed writer from a live one's."""
+    out = tmp_path / "model"
+    tmp = _tmp(tmp_path, ".model.tmp-4242-0a1b2c3d")
+    old = _model_dir(orphans.old_path(tmp), "old")
+    assert orphans.remove_orphans(tmp_path, OUT_PATTERN) == [tmp] and orphans.lock_path(tmp).exists()
+    assert orphans.remove_orphans(tmp_path, OUT_PATTERN) == [] and orphans.lock_path(tmp).exists()
+    assert orphans.recover_replaced(out, OUT_PATTERN) == [old]
+    assert (out / "config.json").read_text() == "old" and _names(tmp_path) == ["model"]
+
+
+def test_recover_replaced_removes_a_stale_previous_output(tmp_path, caplog):
+    out = _model_dir(tmp_path / "model", "new")
+    tmp = tmp_path / ".model.tmp-4242-0a1b2c3d"  # renamed to out
+    old = _model_dir(orphans.old_path(tmp), "old", nbytes=1_500_000)
+    orphans.lock_path(tmp).touch()
+    with caplog.at_level(logging.INFO, logger="chronicals.models"):
+        assert orphans.recover_replaced(out, OUT_PATTERN) == [old]
+    assert (out / "config.json").read_text() == "new" and _names(tmp_path) == ["model"]
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and old.name in msgs[0] and "1.5 MB" in msgs[0]
+
+
+@pytest.mark.parametrize("out_exists", [False, True])
+def test_recover_replaced_leaves_a_live_writers_and_unknown_directories_alone(tmp_path, held_lock, out_exists):
+    """A live writer (another process's, or this one's) is between or after its renames: its ``.old`` is its own.
+    Without a lock file, or under another target's or an older scheme's name, a directory is not known to be ours."""
+    out = tmp_path / "model"
+    if out_exists:
+        _model_dir(out, "new")
+    live = _tmp(tmp_path, ".model.tmp-4243-0a1b2c3e")
+    held_lock(live)
+    here = tmp_path / ".model.tmp-4244-0a1b2c3f"
+    no_lock = tmp_path / ".model.tmp-4245-0a1b2c40"
+    others = [orphans.old_path(tmp_path / ".other.tmp-4246-0a1b2c41"), tmp_path / ".model.old-0a1b2c42",
+              orphans.old_path(tmp_path / ".model.tmp-4247-0a1b2c4")]  # not 8 hex digits: not atomic_dir's
+    for d in [orphans.old_path(t) for t in (live, here, no_lock)] + others:
+        _model_dir(d, "old")
+    for d in [tmp_path / ".other.tmp-4246-0a1b2c41", tmp_path / ".model.old-0a1b2c42",
+              tmp_path / ".model.tmp-4247-0a1b2c4"]:
+        orphans.lock_path(d).touch()
+    with orphans.writer_lock(here):
+        before = _names(tmp_path)
+        assert orphans.recover_replaced(out, OUT_PATTERN) == [] and _names(tmp_path) == before
+    # here's writer ended with its .old still there: its lock file stays, free, and the .old is handled now
+    assert orphans.recover_replaced(out, OUT_PATTERN) == [orphans.old_path(here)]
+    assert _names(tmp_path) == sorted(set(before) - {orphans.old_path(here).name, orphans.lock_path(here).name}
+                                      | {"model"})
+
+
+def test_a_replace_leaves_nothing_beside_its_output(tmp_path, monkeypatch):
+    """The previous output is moved aside under the writer's lock (``<tmp>.old``), then removed with the lock."""
+    from chronicals.models import hf_io
+
+    out = _model_dir(tmp_path / "model", "old")
+    real, renames = hf_io.os.rename, []
+    monkeypatch.setattr(hf_io.os, "rename", lambda src, dst: (renames.append((Path(src), Path(dst))), real(src, dst)))
+    with hf_io.atomic_dir(out) as tmp:
+        (tmp / "config.json").write_text("new")
+    assert renames == [(out, orphans.old_path(tmp)), (tmp, out)]
+    assert (out / "config.json").read_text() == "new" and _names(tmp_path) == ["model"]
+
+
+def test_a_replace_that_cannot_put_the_previous_output_back_keeps_its_lock(tmp_path, monkeypatch):
+    """When both the new directory's rename and the previous output's rename back fail, the previous output stays
+    under ``<tmp>.old`` with its lock file (free once the writer is done): the next write puts it back."""
+    from chronicals.models import hf_io
+
+    out = _model_dir(tmp_path / "model", "old")
+    real = hf_io.os.rename
+
+    def rename(src, dst):
+        if Path(dst) == out:
+            raise OSError("simulated failure")
+        return real(src, dst)
+
+    monkeypatch.setattr(hf_io.os, "rename", rename)
+    with pytest.raises(OSError, match="simulated failure"):
+        with hf_io.atomic_dir(out) as tmp:
+            (tmp / "config.json").write_text("new")
+    assert not out.exists() and _names(tmp_path) == [orphans.lock_path(tmp).name, orphans.old_path(tmp).name]
+    monkeypatch.setattr(hf_io.os, "rename", real)
+    with pytest.raises(FileExistsError):
+        with hf_io.atomic_dir(out, replace=False):
+            pass
+    assert (out / "config.json").read_text() == "old" and _names(tmp_path) == ["model"]

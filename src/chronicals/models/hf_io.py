@@ -6,8 +6,8 @@ tensor (one tensor in host memory at a time, cast to the requested dtype on the 
 
 Writing goes to a temporary sibling directory that is renamed into place only when complete
 (``atomic_dir``), so a crash never leaves a half-written model where a reader would find it. The writer holds a
-lock on the temporary directory, so the next write of the same target removes one a killed writer left behind
-(``orphans``).
+lock on the temporary directory, so the next write of the same target removes one a killed writer left behind,
+and puts back an output that a killed replacing write had moved aside (``orphans``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig, rope_inv_freq
 from .decoder import CausalLM
-from .orphans import remove_orphans, writer_lock
+from .orphans import old_path, recover_replaced, remove_orphans, writer_lock
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +78,12 @@ def atomic_dir(out_dir: str | Path, *, replace: bool = True, owned: tuple[str, .
     directory may hold (``refuse_foreign_files``, checked before anything is written). The temporary
     directory is ``.{name}.tmp-{pid}-{random}``, locked while it is written: those of earlier writers of
     ``out_dir`` that were killed mid-write (their own cleanup never ran) are removed first (``orphans``).
+    The replaced ``out_dir`` is moved aside to ``<temp dir>.old`` under the same lock. A writer killed between
+    the two renames leaves no ``out_dir`` until the next call, which first renames it back (a write that did
+    not finish leaves ``out_dir`` as it was); one killed after them leaves a stale copy, which the next removes.
     """
     out = Path(out_dir)
+    recover_replaced(out, _temp_pattern(out.name))  # first: the checks below must see a restored out_dir
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a directory; choose another output path")
     parent = next((p for p in out.absolute().parents if p.exists()), None)  # the nearest existing ancestor
@@ -106,7 +110,7 @@ def _write_then_publish(tmp: Path, out: Path, replace: bool):
         if out.exists():
             if not replace:
                 raise FileExistsError(f"{out} already exists")
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            old = old_path(tmp)  # under tmp's lock: a killed writer's is told from a live one's (recover_replaced)
             os.rename(out, old)
             try:
                 os.rename(tmp, out)

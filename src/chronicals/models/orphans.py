@@ -5,6 +5,11 @@ rename it into place. A write killed mid-way (SIGKILL, the OOM killer, a preempt
 behind, up to a whole checkpoint's size, and nothing else ever looks at it: the next write into the same place
 clears it (``remove_orphans``).
 
+Replacing an existing output takes two renames (the output to ``<temp dir>.old``, the temporary directory into its
+place), both under the writer's lock. A writer killed between them leaves no output, only the previous one under
+the ``.old`` name: the next write of the same target renames it back first, since a write that did not finish must
+leave the output as it was (``recover_replaced``). One killed after both leaves a stale ``.old`` copy, removed.
+
 Liveness is a lock, not a pid: each writer holds an exclusive ``flock`` on ``<temp dir>.lock`` (a file beside the
 directory, taken before the directory exists) for the whole write, and the kernel drops it when the writer dies,
 however it dies. A pid would say "gone" for a live writer in another container's pid namespace or on another host
@@ -35,6 +40,11 @@ def lock_path(tmp: Path) -> Path:
     return tmp.with_name(tmp.name + ".lock")
 
 
+def old_path(tmp: Path) -> Path:
+    """Where the writer of ``tmp`` moves the output it replaces: ``<tmp>.old``, so that ``tmp``'s lock covers it."""
+    return tmp.with_name(tmp.name + ".old")
+
+
 @contextmanager
 def writer_lock(tmp: Path):
     """Hold the lock of temporary directory ``tmp`` (to be created inside the block) while the block runs."""
@@ -48,7 +58,8 @@ def writer_lock(tmp: Path):
         yield
     finally:
         try:
-            os.unlink(path)  # before the unlock: a sweeper that opens it now finds it gone or locked
+            if not os.path.lexists(old_path(tmp)):  # else (its removal or restoring failed) keep it: a later write
+                os.unlink(path)  # retries; unlinked before the unlock, a sweeper finds it gone or locked
         except FileNotFoundError:
             pass
         os.close(fd)
@@ -82,15 +93,16 @@ def _tree_bytes(path: Path) -> int:
 
 def remove_orphans(parent: Path, pattern: re.Pattern, logger: logging.Logger = log) -> list[Path]:
     """Remove the directories in ``parent`` whose names ``pattern`` fullmatches and whose writer is gone (its lock
-    file exists and is not held); return them. Lock files left without their directory go too."""
+    file exists and is not held); return them. Lock files left without their directory go too, unless the writer's
+    ``.old`` directory is still there (``recover_replaced``'s)."""
     if fcntl is None or not parent.is_dir():
         return []
     removed = []
     for p in sorted(parent.iterdir()):
         is_lock = p.name.endswith(".lock")
         tmp = p.with_name(p.name[:-len(".lock")]) if is_lock else p
-        if not pattern.fullmatch(tmp.name) or p.is_symlink() or (is_lock and tmp.exists()) or \
-                (not is_lock and not p.is_dir()):
+        if not pattern.fullmatch(tmp.name) or p.is_symlink() or \
+                (is_lock and (tmp.exists() or os.path.lexists(old_path(tmp)))) or (not is_lock and not p.is_dir()):
             continue
         fd = _try_lock(lock_path(tmp))
         if fd is None:
@@ -105,9 +117,65 @@ def remove_orphans(parent: Path, pattern: re.Pattern, logger: logging.Logger = l
                 logger.warning("could not remove %s, left by a write that was killed; remove it by hand to free its "
                                "%.1f MB", tmp, size / 1e6)
                 continue
-            lock_path(tmp).unlink(missing_ok=True)
+            if not os.path.lexists(old_path(tmp)):  # else recover_replaced still needs it
+                lock_path(tmp).unlink(missing_ok=True)
             logger.info("removed %s (%.1f MB), left by a write that was killed before it finished", tmp, size / 1e6)
             removed.append(tmp)
         finally:
             os.close(fd)
     return removed
+
+
+def recover_replaced(out: Path, tmp_pattern: re.Pattern, logger: logging.Logger = log) -> list[Path]:
+    """Handle the ``<T>.old`` directories beside ``out`` (``<T>`` fullmatching ``tmp_pattern``) whose writer is gone:
+    the previous ``out``, moved aside by a replacing write that was killed. With no ``out`` (killed between the two
+    renames) it is renamed back to ``out``; with one (killed after both) it is removed. Return the ones handled.
+
+    Without ``<T>.lock`` a live writer's ``.old`` cannot be told from a dead one's: left alone. ``<T>`` itself and
+    then its lock are left for ``remove_orphans``, run after this."""
+    parent = out.parent
+    if fcntl is None or not parent.is_dir():
+        return []
+    handled = []
+    for old in sorted(parent.iterdir()):
+        name = old.name.removesuffix(".old")
+        if name == old.name or not tmp_pattern.fullmatch(name) or old.is_symlink() or not old.is_dir():
+            continue
+        tmp = old.with_name(name)  # old == old_path(tmp)
+        fd = _try_lock(lock_path(tmp))
+        if fd is None:  # a live writer, or no lock file: not known to be a killed write's
+            continue
+        try:
+            if old.is_symlink() or not old.is_dir():  # another sweeper handled it before we took the lock
+                continue
+            if not os.path.lexists(out):
+                try:
+                    os.rename(old, out)
+                except OSError as e:  # e.g. another writer published ``out`` meanwhile: that one is newer
+                    if not os.path.lexists(out):
+                        logger.warning("could not restore %s from %s (%s), left by a write that was killed "
+                                       "while replacing it; rename it back by hand", out, old, e)
+                        continue
+                else:
+                    logger.warning("restored %s from %s: the write that was replacing it was killed before it "
+                                   "finished%s", out, old,
+                                   f"; its temporary directory {tmp.name} is removed as an orphan" if tmp.exists()
+                                   else "")
+                    handled.append(old)
+                    if not tmp.exists():
+                        lock_path(tmp).unlink(missing_ok=True)
+                    continue
+            size = _tree_bytes(old)
+            shutil.rmtree(old, ignore_errors=True)
+            if old.exists():
+                logger.warning("could not remove %s, the previous %s left by a write that was killed; remove it by "
+                               "hand to free its %.1f MB", old, out.name, size / 1e6)
+                continue
+            if not tmp.exists():
+                lock_path(tmp).unlink(missing_ok=True)
+            logger.info("removed %s (%.1f MB), the previous %s left by a write that was killed after replacing it",
+                        old, size / 1e6, out.name)
+            handled.append(old)
+        finally:
+            os.close(fd)
+    return handled
