@@ -224,7 +224,9 @@ def test_atomic_dir_restores_the_old_output_when_the_final_rename_fails(tmp_path
     real_rename = os.rename
 
     def rename(src, dst):
-        if ".tmp-" in str(src):  # the new directory's rename into place fails (e.g. a full disk, EIO)
+        # the new directory's rename into place fails (e.g. a full disk, EIO); the old output's moves (to and from
+        # <tmp>.old) go through
+        if ".tmp-" in str(src) and not str(src).endswith(".old"):
             raise OSError("simulated failure")
         return real_rename(src, dst)
 
