@@ -93,9 +93,10 @@ def inputs(n, h, v, seed=0):
     return x, w, y
 
 
-def step(fn, x, w, y):
+def step(fn, x, w, y, wrt=None):
+    """loss and its gradients for ``wrt`` (default: x and w)."""
     loss = fn(x, w, y)
-    return (loss,) + torch.autograd.grad(loss, [x, w])
+    return (loss,) + torch.autograd.grad(loss, [x, w] if wrt is None else wrt)
 
 
 def check(n, h, v) -> tuple[dict, bool]:
@@ -132,22 +133,24 @@ def check(n, h, v) -> tuple[dict, bool]:
     return row, ok
 
 
-def measure(name, fn, x, w, y, floor_ms) -> dict:
+def measure(name, fn, x, w, y, floor_ms, wrt=None) -> dict:
+    """wrt: the tensors whose gradients the step asks for (default x and w; [x] times a frozen weight)."""
+    wrt = [x, w] if wrt is None else wrt
     try:
-        step(fn, x, w, y)  # compile / autotune outside the measurement
+        step(fn, x, w, y, wrt)  # compile / autotune outside the measurement
         torch.cuda.synchronize()
         gc.collect()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        out = step(fn, x, w, y)
+        out = step(fn, x, w, y, wrt)
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - base
         del out
-        ms = do_bench(lambda: step(fn, x, w, y))
+        ms = do_bench(lambda: step(fn, x, w, y, wrt))
     except Exception as e:  # a contender that crashes is a row, not the end of the run
         return {"contender": name, "error": f"{type(e).__name__}: {str(e)[:200]}"}
-    grads = (x.numel() + w.numel()) * x.element_size()
+    grads = sum(t.numel() for t in wrt) * x.element_size()
     return {"contender": name, "ms": round(ms, 2), "x floor": round(ms / floor_ms, 2),
             "extra GiB": round(extra / GIB, 3), "beyond grads GiB": round((extra - grads) / GIB, 3)}
 

@@ -1,6 +1,7 @@
 """Launch shapes of the loss head's row kernel (``_lce_rows_kernel``) at the Qwen2.5-0.5B head, on the GPU.
 
-The kernel reads each bf16 logit twice (online softmax, then d_logits) and writes it once: 6 B per logit.
+The two-pass kernel reads each bf16 logit twice (online softmax, then d_logits) and writes it once: 6 B per logit
+(the one-pass kernel of the training forward, 4 B, is timed in the whole head by ab_lce_heads.py).
 At the 0.5B protocol it runs 19 times a step on (862, 151,936) chunks: 4.78 ms (a871e6d profile), 251 us a
 call, against 185 us for 786 MB at the 4.24 TB/s copy rate measured there. Rows are 304 KB each, so how many
 rows are in flight decides whether pass 2 finds its row in L2 (50 MB). This probe times the launch shapes
@@ -43,9 +44,9 @@ def run(rows: int, vocab: int, hidden_std: float = 3.0):
 
     def launch(br, bv, nw):
         _lce_rows_kernel[(triton.cdiv(rows, br),)](
-            work, work.stride(0), labels, work, scale, 0, loss, lse, 0, 0, rows, vocab, vocab, -100, 1.0,
-            HAS_BIAS=False, HAS_SOFTCAP=False, COMPUTE_LSE=True, WRITE_GRAD=True, BLOCK_R=br, BLOCK_V=bv,
-            num_warps=nw)
+            work, work.stride(0), labels, work, scale, 0, loss, lse, lse, 0, 0, rows, vocab, vocab, -100, 1.0,
+            HAS_BIAS=False, HAS_SOFTCAP=False, COMPUTE_LSE=True, WRITE_GRAD=True, ONE_PASS=False, BLOCK_R=br,
+            BLOCK_V=bv, num_warps=nw)
 
     out = {}
     ref = None

@@ -1,8 +1,10 @@
 """Triton kernels of the fused linear cross-entropy (see cross_entropy.py for the design and its numbers).
 
-- ``_lce_rows_kernel``: one program per row of a logits chunk (C, V). Pass 1 is the online softmax over
-  vocab tiles (log-sum-exp and the target logit, fp32 in registers); pass 2 overwrites the chunk in place
-  with d_logits = scale * (softmax - onehot) (times the softcap derivative). Ignored rows skip both
+- ``_lce_rows_kernel``: one program per row of a logits chunk (C, V). Two passes: the online softmax over
+  vocab tiles (log-sum-exp and the target logit, fp32 in registers), then the chunk overwritten in place
+  with d_logits = scale * (softmax - onehot) (times the softcap derivative). One pass (``ONE_PASS``, the
+  training forward): exp(z - target logit) written as it is summed, and a per-row factor that the GEMMs'
+  consumers apply (4 bytes per bf16 logit instead of 6). Ignored rows skip both
   passes' math and only write zeros so the GEMMs that follow add nothing for them. A label outside
   [0, vocab) that is not ignore_index reads nothing: its loss is NaN (so a training step's NaN check stops
   the run) and its d_logits are zeros, like an ignored row's (no host-side label check: that would sync).
@@ -47,18 +49,71 @@ def _load_logits(ptrs, bias_ptrs, mask, softcap, HAS_BIAS: tl.constexpr, HAS_SOF
     return z, t
 
 
+LOG2E = 1.4426950408889634
+# One-pass rows (``ONE_PASS``) write w = exp(z - c), c starting at the row's target logit; w overflows bf16 / fp32
+# near z - c = 88. When a vocab tile's largest logit exceeds c by more than this, c moves up to it and the row's
+# tiles written so far are rescaled in place (a read and write of that prefix). So w <= e^40 (2.4e17), and the row
+# factor rho = scale * e^(c - lse) >= scale * e^-(40 + ln V), far above fp32's smallest normal (1.2e-38) for any
+# scale >= 1e-9. A model puts a logit 40 above the target's only where its probability for the target is below
+# e^-40 (a loss above 40 for that token): the rescale is rare.
+ONE_PASS_MAX_GAP = 40.0
+
+
 @triton.jit
-def _lce_rows_kernel(L_ptr, l_row_stride, LABELS_ptr, BIAS_ptr, SCALE_ptr, scale_stride, LOSS_ptr, LSE_ptr,
+def _online_lse(row_ptrs, BIAS_ptr, rmask, cols, V, softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Log-sum-exp of each row by online softmax over vocab tiles (m running max, s running sum of exp(z - m))."""
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_R], tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + cols
+        mask = rmask[:, None] & (offs < V)
+        z, t = _load_logits(row_ptrs + offs, BIAS_ptr + offs, mask, softcap, HAS_BIAS, HAS_SOFTCAP)
+        z = tl.where(mask, z, float("-inf"))
+        m_new = tl.maximum(tl.maximum(m, tl.max(z, 1)), -1e30)  # -1e30: padded rows stay finite
+        s = s * tl.exp2((m - m_new) * LOG2E) + tl.sum(tl.exp2((z - m_new[:, None]) * LOG2E), 1)
+        m = m_new
+    return m + tl.log(tl.maximum(s, 1e-30))  # s >= 1 on real rows; padded rows stay finite
+
+
+@triton.jit
+def _write_dlogits(row_ptrs, BIAS_ptr, rmask, ok, label, lse, scale, cols, col0, V, softcap,
+                   HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Overwrite the rows with d_logits = scale * (softmax - onehot) [* softcap'] from the known lse (0 unless ok)."""
+    lse = tl.where(ok, lse, float("inf"))  # ignored / out-of-range rows: exp2(-inf) = 0, no overflow
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + cols
+        mask = rmask[:, None] & (offs < V)
+        z, t = _load_logits(row_ptrs + offs, BIAS_ptr + offs, mask, softcap, HAS_BIAS, HAS_SOFTCAP)
+        onehot = tl.where(col0 + offs == label[:, None], 1.0, 0.0)
+        d = tl.exp2((z - lse[:, None]) * LOG2E) - onehot
+        if HAS_SOFTCAP:
+            d = d * (1.0 - t * t)  # d(softcap * tanh(x / softcap)) / dx
+        d = tl.where(ok[:, None], d, 0.0) * scale[:, None]
+        tl.store(row_ptrs + offs, d.to(row_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _lce_rows_kernel(L_ptr, l_row_stride, LABELS_ptr, BIAS_ptr, SCALE_ptr, scale_stride, LOSS_ptr, LSE_ptr, RHO_ptr,
                      row0, col0, C, V, vocab, ignore_index, softcap,
                      HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_LSE: tl.constexpr,
-                     WRITE_GRAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
-    """L (C, V) raw logits of rows row0 .. row0 + C of the batch; LABELS/LOSS/LSE/SCALE index global rows.
+                     WRITE_GRAD: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    """L (C, V) raw logits of rows row0 .. row0 + C of the batch; LABELS/LOSS/LSE/SCALE/RHO index global rows.
     col0: the vocabulary index of L's first column (a vocabulary part; 0 with COMPUTE_LSE, which needs all V).
     vocab: the whole vocabulary's size; a label outside [0, vocab) and != ignore_index gets LOSS = NaN and
     zero d_logits (``ok`` below is False for it), and no load ever uses it as an offset.
 
-    COMPUTE_LSE: pass 1 writes LOSS (0 where ignored) and LSE; otherwise LSE is read (backward of "none").
-    WRITE_GRAD: pass 2 overwrites L with d_logits = SCALE[row * scale_stride] * d loss_row / d raw logits.
+    COMPUTE_LSE: LOSS (0 where ignored) and LSE are written; otherwise LSE is read (backward of "none").
+    WRITE_GRAD: L is overwritten with values w and RHO[row] with a factor such that the gradient of the row's
+    loss times SCALE[row * scale_stride] with respect to the raw logits is RHO[row] * w:
+    - two passes (not ONE_PASS): pass 1 the online softmax (lse, loss), pass 2 w = d_logits, RHO not written
+      (taken as 1): each logit read twice, written once (6 B per bf16 logit);
+    - ONE_PASS (needs COMPUTE_LSE): one read and one write per logit (4 B). With c the target logit,
+      w = exp(z - c) [* softcap'] is written while the sum of those values gives lse = c + log(sum); the
+      target's own w becomes (e^(z_t - c) - e^(lse - c)) [* softcap'], so RHO = scale * e^(c - lse) turns w into
+      scale * (softmax - onehot) [* softcap'] with the one-hot's cancellation done in fp32 as in pass 2.
+      A tile whose largest logit is more than ONE_PASS_MAX_GAP above c moves c up to it and rescales the row's
+      earlier tiles in place. Rows that are not ok get w = 0 and RHO = 0.
     """
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,) rows of the chunk
     rmask = r < C
@@ -68,24 +123,42 @@ def _lce_rows_kernel(L_ptr, l_row_stride, LABELS_ptr, BIAS_ptr, SCALE_ptr, scale
     ok = valid & (label >= 0) & (label < vocab)  # valid and inside the vocabulary: only these are read
     row_ptrs = L_ptr + r.to(tl.int64)[:, None] * l_row_stride  # (BLOCK_R, 1)
     cols = tl.arange(0, BLOCK_V)[None, :]
+    safe = tl.where(ok, label, 0)  # out-of-range labels load column 0 (masked off too), never past V
     if tl.max(valid.to(tl.int32), 0) > 0:  # a block of ignored rows skips the math
         if COMPUTE_LSE:
-            # online softmax over vocab tiles: m running max, s running sum of exp(z - m), per row
-            m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-            s = tl.zeros([BLOCK_R], tl.float32)
-            for v0 in range(0, V, BLOCK_V):
-                offs = v0 + cols
-                mask = rmask[:, None] & (offs < V)
-                z, t = _load_logits(row_ptrs + offs, BIAS_ptr + offs, mask, softcap, HAS_BIAS, HAS_SOFTCAP)
-                z = tl.where(mask, z, float("-inf"))
-                m_new = tl.maximum(tl.maximum(m, tl.max(z, 1)), -1e30)  # -1e30: padded rows stay finite
-                s = s * tl.exp2((m - m_new) * 1.4426950408889634) + \
-                    tl.sum(tl.exp2((z - m_new[:, None]) * 1.4426950408889634), 1)
-                m = m_new
-            lse = m + tl.log(tl.maximum(s, 1e-30))  # s >= 1 on real rows; padded rows stay finite
-            safe = tl.where(ok, label, 0)  # out-of-range labels load column 0 (masked off too), never past V
             z_t, t_t = _load_logits(L_ptr + r.to(tl.int64) * l_row_stride + safe, BIAS_ptr + safe, rmask & ok,
                                     softcap, HAS_BIAS, HAS_SOFTCAP)
+            if ONE_PASS:
+                c = tl.where(ok, z_t, 0.0)  # the reference: w = exp(z - c), s = sum of w (before softcap')
+                s = tl.zeros([BLOCK_R], tl.float32)
+                for v0 in range(0, V, BLOCK_V):
+                    offs = v0 + cols
+                    mask = rmask[:, None] & (offs < V)
+                    z, t = _load_logits(row_ptrs + offs, BIAS_ptr + offs, mask, softcap, HAS_BIAS, HAS_SOFTCAP)
+                    z = tl.where(mask, z, float("-inf"))
+                    z_max = tl.max(z, 1)
+                    jump = ok & (z_max > c + ONE_PASS_MAX_GAP)
+                    if tl.max(jump.to(tl.int32), 0) > 0:  # rare: move c up to this tile's max, rescale what is written
+                        c_new = tl.where(jump, z_max, c)
+                        f = tl.exp2((c - c_new) * LOG2E)  # 1 on the other rows: their values stay bit for bit
+                        s = s * f
+                        tl.debug_barrier()  # the earlier tiles' stores, from any thread of the program, come first
+                        for u0 in range(0, v0, BLOCK_V):
+                            offs_u = u0 + cols
+                            mask_u = rmask[:, None] & (offs_u < V)
+                            w = tl.load(row_ptrs + offs_u, mask=mask_u, other=0.0).to(tl.float32) * f[:, None]
+                            tl.store(row_ptrs + offs_u, w.to(L_ptr.dtype.element_ty), mask=mask_u)
+                        c = c_new
+                    e = tl.exp2((z - c[:, None]) * LOG2E)
+                    s += tl.sum(e, 1)
+                    if HAS_SOFTCAP:
+                        e = e * (1.0 - t * t)
+                    tl.store(row_ptrs + offs, tl.where(ok[:, None], e, 0.0).to(L_ptr.dtype.element_ty), mask=mask)
+                # s >= 1 on ok rows: the target's own term, or after a move the new max's
+                lse = c + tl.log(tl.maximum(s, 1e-30))
+            else:
+                lse = _online_lse(row_ptrs, BIAS_ptr, rmask, cols, V, softcap, HAS_BIAS, HAS_SOFTCAP, BLOCK_R,
+                                  BLOCK_V)
             loss = tl.where(ok, lse - z_t, tl.where(valid, float("nan"), 0.0))
             tl.store(LOSS_ptr + g, loss, mask=rmask)
             tl.store(LSE_ptr + g, tl.where(valid, lse, 0.0), mask=rmask)
@@ -93,17 +166,17 @@ def _lce_rows_kernel(L_ptr, l_row_stride, LABELS_ptr, BIAS_ptr, SCALE_ptr, scale
             lse = tl.load(LSE_ptr + g, mask=rmask, other=0.0)
         if WRITE_GRAD:
             scale = tl.load(SCALE_ptr + g * scale_stride, mask=rmask, other=0.0).to(tl.float32)
-            lse = tl.where(ok, lse, float("inf"))  # ignored / out-of-range rows: exp2(-inf) = 0, no overflow
-            for v0 in range(0, V, BLOCK_V):
-                offs = v0 + cols
-                mask = rmask[:, None] & (offs < V)
-                z, t = _load_logits(row_ptrs + offs, BIAS_ptr + offs, mask, softcap, HAS_BIAS, HAS_SOFTCAP)
-                onehot = tl.where(col0 + offs == label[:, None], 1.0, 0.0)
-                d = tl.exp2((z - lse[:, None]) * 1.4426950408889634) - onehot
+            if ONE_PASS:
+                tl.debug_barrier()  # the loop's store of the target's column comes first, from any thread
+                # the target's w: (e^(z_t - c) - e^(lse - c)) [* softcap'], its softmax - 1 formed in fp32
+                w_t = tl.exp2((z_t - c) * LOG2E) - tl.exp2((lse - c) * LOG2E)
                 if HAS_SOFTCAP:
-                    d = d * (1.0 - t * t)  # d(softcap * tanh(x / softcap)) / dx
-                d = tl.where(ok[:, None], d, 0.0) * scale[:, None]
-                tl.store(row_ptrs + offs, d.to(L_ptr.dtype.element_ty), mask=mask)
+                    w_t = w_t * (1.0 - t_t * t_t)
+                tl.store(L_ptr + r.to(tl.int64) * l_row_stride + safe, w_t.to(L_ptr.dtype.element_ty), mask=rmask & ok)
+                tl.store(RHO_ptr + g, tl.where(ok, scale * tl.exp2((c - lse) * LOG2E), 0.0), mask=rmask)
+            else:
+                _write_dlogits(row_ptrs, BIAS_ptr, rmask, ok, label, lse, scale, cols, col0, V, softcap, HAS_BIAS,
+                               HAS_SOFTCAP, BLOCK_V)
     else:
         if COMPUTE_LSE:
             tl.store(LOSS_ptr + g, tl.zeros([BLOCK_R], tl.float32), mask=rmask)
@@ -113,11 +186,13 @@ def _lce_rows_kernel(L_ptr, l_row_stride, LABELS_ptr, BIAS_ptr, SCALE_ptr, scale
             for v0 in range(0, V, BLOCK_V):
                 offs = v0 + cols
                 tl.store(row_ptrs + offs, zero, mask=rmask[:, None] & (offs < V))
+            if ONE_PASS:
+                tl.store(RHO_ptr + g, tl.zeros([BLOCK_R], tl.float32), mask=rmask)
 
 
 def lce_rows(logits: torch.Tensor, labels: torch.Tensor, row0: int, bias, scale, loss_rows, lse, *,
              ignore_index: int, softcap, compute_lse: bool, write_grad: bool, col0: int = 0,
-             vocab: int | None = None) -> None:
+             vocab: int | None = None, rho: torch.Tensor | None = None) -> None:
     """Run the row kernel on a chunk ``logits`` (C, V), stride(1) == 1, holding rows row0 .. row0 + C.
 
     labels (N,) int64; bias (V,) or None; scale (1,) or (N,) fp32 (stride 0 or 1 per row); loss_rows and
@@ -125,10 +200,14 @@ def lce_rows(logits: torch.Tensor, labels: torch.Tensor, row0: int, bias, scale,
     the first column when ``logits`` (and ``bias``) hold one vocabulary part; only without ``compute_lse``.
     vocab: the whole vocabulary's size (labels outside [0, vocab) give NaN loss, zero d_logits); required
     with col0 > 0, else V.
+    rho (N,) fp32: the one-pass kernel (with compute_lse and write_grad): the chunk then holds w with
+    d_logits = rho[row] * w (see ``_lce_rows_kernel``); None: two passes, the chunk holds d_logits.
     """
     c, v = logits.shape
     if compute_lse and col0:
         raise ValueError("lce_rows: the log-sum-exp needs the whole vocabulary (col0 = 0)")
+    if rho is not None and not (compute_lse and write_grad):
+        raise ValueError("lce_rows: rho (the one-pass kernel) needs compute_lse and write_grad")
     if vocab is None:
         if col0:
             raise ValueError("lce_rows: a vocabulary part (col0 > 0) needs vocab=, the whole vocabulary's size")
@@ -137,10 +216,11 @@ def lce_rows(logits: torch.Tensor, labels: torch.Tensor, row0: int, bias, scale,
         return
     _lce_rows_kernel[(triton.cdiv(c, BLOCK_R_ROWS),)](
         logits, logits.stride(0), labels, bias if bias is not None else logits, scale,
-        1 if scale.numel() > 1 else 0, loss_rows, lse, row0, col0, c, v, vocab, ignore_index,
-        float(softcap) if softcap is not None else 1.0,
+        1 if scale.numel() > 1 else 0, loss_rows, lse, rho if rho is not None else lse, row0, col0, c, v, vocab,
+        ignore_index, float(softcap) if softcap is not None else 1.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, COMPUTE_LSE=compute_lse,
-        WRITE_GRAD=write_grad, BLOCK_R=BLOCK_R_ROWS, BLOCK_V=BLOCK_V_ROWS, num_warps=ROWS_NUM_WARPS)
+        WRITE_GRAD=write_grad, ONE_PASS=rho is not None, BLOCK_R=BLOCK_R_ROWS, BLOCK_V=BLOCK_V_ROWS,
+        num_warps=ROWS_NUM_WARPS)
 
 
 # Hopper-friendly tiles first; the interpreter takes only the first (tune_configs). H = 896 = 7 x 128, so

@@ -1,0 +1,151 @@
+"""The loss head's one-pass row kernel (training forward of "mean" / "sum"): w = exp(z - target logit) written while
+it is summed, d_logits = rho[row] * w. Checked against the two-pass kernel and a float64 softmax on rows that take
+every branch: ordinary, confident (softmax of the target near 1, where softmax - 1 cancels), a logit more than
+ONE_PASS_MAX_GAP above the target (the reference moves up and the row's written tiles are rescaled), ignored, out
+of range, and a block with every row ignored. Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (16 rows per
+program there).
+"""
+
+import pytest
+import torch
+from ops_tolerance import assert_tracks_torch
+
+from chronicals.ops import cross_entropy, linear_cross_entropy_ref
+from chronicals.ops._impl import triton_interpreting
+from chronicals.ops._linear_ce_kernels import ONE_PASS_MAX_GAP, lce_rows
+from chronicals.ops.cross_entropy import linear_cross_entropy_triton
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(DEV == "cpu" and not triton_interpreting(),
+                                reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (make test sets it)")
+IGNORE = -100
+
+
+def chunk(c=53, v=1031, seed=0):
+    """Raw logits (C, V) float64 and labels with one row of each kind (see the module docstring)."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(c, v, generator=g, dtype=torch.float64) * 2
+    labels = torch.randint(0, v, (c,), generator=g)
+    labels[3], labels[5], labels[33] = IGNORE, v + 3, IGNORE  # ignored, out of range, ignored in a later block
+    z[1, labels[1]] += 30.0  # certain: 1 - softmax ~ 1e-11, below fp32's resolution at 1 (both kernels give 0)
+    z[2, labels[2]] = 18.0  # confident: 1 - softmax ~ 1e-4
+    # far above the target, in the last vocab tile (w = e^100 would overflow fp32): c moves up and the earlier tiles
+    # are rescaled; row 20's in the middle, just past the gap
+    labels[0], labels[20] = 0, 1
+    z[0, v - 5] = z[0, 0] + 100.0
+    z[20, v // 2] = z[20, 1] + ONE_PASS_MAX_GAP + 5
+    labels[48:] = IGNORE  # the last program's rows (16 per program in the interpreter) are all ignored
+    return z, labels
+
+
+def d_logits64(z, labels, scale, softcap):
+    """scale * d loss_row / d raw logit in float64; zero on ignored and out-of-range rows."""
+    zc = z if softcap is None else softcap * torch.tanh(z / softcap)
+    ok = (labels >= 0) & (labels < z.shape[1])
+    d = torch.softmax(zc, -1)
+    d[ok, labels[ok]] -= 1
+    if softcap is not None:
+        d *= 1 - torch.tanh(z / softcap) ** 2
+    return torch.where(ok[:, None], d * scale, 0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap,v", [(None, 1031), (None, 20000), (150.0, 20000)])
+def test_one_pass_equals_two_passes(dtype, softcap, v):
+    """V = 20,000: several vocab tiles (8,192 in the interpreter, 4,096 on CUDA), so a reference move rescales."""
+    z, labels = chunk(v=v)
+    c = z.shape[0]
+    labels = labels.to(DEV)
+    scale = torch.tensor([0.37], device=DEV)
+    out = {}
+    for name, rho in (("two", None), ("one", torch.full((c,), float("nan"), device=DEV))):
+        buf = z.to(dtype).to(DEV)
+        loss, lse = torch.empty(c, device=DEV), torch.empty(c, device=DEV)
+        lce_rows(buf, labels, 0, None, scale, loss, lse, ignore_index=IGNORE, softcap=softcap, compute_lse=True,
+                 write_grad=True, rho=rho)
+        d = buf.double() if rho is None else rho.double()[:, None] * buf.double()
+        out[name] = (loss.cpu(), lse.cpu(), d.cpu(), None if rho is None else rho.cpu())
+    (loss2, lse2, d2, _), (loss1, lse1, d1, rho) = out["two"], out["one"]
+    torch.testing.assert_close(loss1, loss2, rtol=1e-5, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(lse1, lse2, rtol=1e-5, atol=1e-5)
+    assert torch.isnan(loss1[5]) and loss1[3] == 0 and (loss1[48:] == 0).all()
+    ref = d_logits64(z, labels.cpu(), 0.37, softcap)
+    assert_tracks_torch("d_logits", d1, d2, ref, dtype=dtype)  # the two-pass kernel's error is the yardstick
+    assert torch.isfinite(rho).all() and torch.isfinite(d1).all()
+    # rho: 0 on rows without loss, scale * e^(c - lse) in (0, scale] on the others (lse >= c)
+    assert rho[3] == 0 and rho[5] == 0 and rho[33] == 0 and (rho[48:] == 0).all()
+    for i in set(range(48)) - {3, 5, 33}:
+        assert 0 < rho[i] <= 0.37, i
+    # the rows with a logit far above the target (0 and 20) moved their reference: every w is finite and <= e^40
+    assert d1[[0, 20]].abs().max() <= 0.37 + 1e-6
+
+
+def test_one_pass_keeps_the_confident_rows_gradient():
+    """softmax - 1 of a target at probability ~ 1 - 1e-4: the one-pass kernel forms it in fp32 from lse,
+    (e^(z_t - c) - e^(lse - c)), like the two-pass kernel's e^(z_t - lse) - 1, and rounds it once to bf16; a
+    rounded probability minus 1 would keep one bf16 ulp of 1 (2^-8), 40x the value."""
+    z, labels = chunk()
+    z[2] = z[2].to(torch.bfloat16).double()  # the reference sees the same bf16 logits
+    buf = z.to(torch.bfloat16).to(DEV)
+    c = z.shape[0]
+    rho, loss, lse = (torch.empty(c, device=DEV) for _ in range(3))
+    lce_rows(buf, labels.to(DEV), 0, None, torch.ones(1, device=DEV), loss, lse, ignore_index=IGNORE, softcap=None,
+             compute_lse=True, write_grad=True, rho=rho)
+    t = int(labels[2])
+    got = float(rho[2]) * float(buf[2, t])
+    want = float(d_logits64(z, labels, 1.0, None)[2, t])
+    assert -1e-3 < want < -1e-5 and abs(got - want) <= 0.02 * abs(want), (got, want)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_training_forward_runs_one_pass_and_matches_the_reference(monkeypatch, reduction):
+    """bf16 head with the kinds of rows above in the batch: the op takes the one-pass kernel (no bias, bf16) and its
+    loss and gradients track PyTorch's own bf16 error against float64."""
+    calls = []
+    real = cross_entropy.lce_rows
+
+    def spy(*a, **k):
+        calls.append(k.get("rho") is not None)
+        return real(*a, **k)
+
+    monkeypatch.setattr(cross_entropy, "lce_rows", spy)
+    g = torch.Generator().manual_seed(3)
+    n, h, v = 53, 64, 1031
+    x = torch.randn(n, h, generator=g, dtype=torch.float64)
+    w = torch.randn(v, h, generator=g, dtype=torch.float64) * h ** -0.5 * 2
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[3], labels[40:] = IGNORE, IGNORE
+    w[labels[1]] = x[1] * 0.5  # a confident row (target logit ~ 0.5 |x|^2 = 32)
+    w[(labels[0] + 7) % v] = x[0] * 1.5  # a logit ~ 96 above a ~0 target: its reference moves up
+    leaves = [t.to(torch.bfloat16).to(DEV).requires_grad_() for t in (x, w)]
+    labels = labels.to(DEV)
+    grads = {}
+    for name, fn in (("ours", lambda a, b: linear_cross_entropy_triton(a, b, labels, ignore_index=IGNORE,
+                                                                       reduction=reduction)),
+                     ("torch", lambda a, b: linear_cross_entropy_ref(a, b, labels, ignore_index=IGNORE,
+                                                                     reduction=reduction)),
+                     ("exact", lambda a, b: linear_cross_entropy_ref(a.double(), b.double(), labels,
+                                                                     ignore_index=IGNORE, reduction=reduction))):
+        loss = fn(*leaves)
+        grads[name] = [loss, *torch.autograd.grad(loss, leaves)]
+    assert calls and all(calls), "the training forward did not take the one-pass kernel"
+    for i, name in enumerate(("loss", "d_hidden", "d_weight")):
+        assert_tracks_torch(name, grads["ours"][i], grads["torch"][i], grads["exact"][i], dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype,bias,reduction", [(torch.float16, False, "mean"), (torch.bfloat16, True, "mean"),
+                                                  (torch.bfloat16, False, "none")])
+def test_two_passes_where_one_does_not_apply(monkeypatch, dtype, bias, reduction):
+    """fp16 (w would overflow at e^11), a bias gradient (rho would have to enter the column sum) and "none" (its
+    gradient is computed in backward from the stored lse, already one read and one write) keep two passes."""
+    calls = []
+    real = cross_entropy.lce_rows
+    monkeypatch.setattr(cross_entropy, "lce_rows", lambda *a, **k: calls.append(k.get("rho")) or real(*a, **k))
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 64, generator=g).to(dtype).to(DEV).requires_grad_()
+    w = (torch.randn(1000, 64, generator=g) * 0.25).to(dtype).to(DEV).requires_grad_()
+    b = torch.randn(1000, generator=g).to(dtype).to(DEV).requires_grad_() if bias else None
+    labels = torch.randint(0, 1000, (9,), generator=g).to(DEV)
+    loss = linear_cross_entropy_triton(x, w, labels, bias=b, reduction=reduction)
+    loss.sum().backward()
+    assert calls and all(r is None for r in calls)
