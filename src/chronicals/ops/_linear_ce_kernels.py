@@ -49,7 +49,7 @@ def _load_logits(ptrs, bias_ptrs, mask, softcap, HAS_BIAS: tl.constexpr, HAS_SOF
     return z, t
 
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # a jit kernel reads module globals only as constexpr
 # One-pass rows (``ONE_PASS``) write w = exp(z - c), c starting at the row's target logit; w overflows bf16 / fp32
 # near z - c = 88. When a vocab tile's largest logit exceeds c by more than this, c moves up to it and the row's
 # tiles written so far are rescaled in place (a read and write of that prefix). So w <= e^40 (2.4e17), and the row
@@ -57,6 +57,7 @@ LOG2E = 1.4426950408889634
 # scale >= 1e-9. A model puts a logit 40 above the target's only where its probability for the target is below
 # e^-40 (a loss above 40 for that token): the rescale is rare.
 ONE_PASS_MAX_GAP = 40.0
+_MAX_GAP = tl.constexpr(ONE_PASS_MAX_GAP)
 
 
 @triton.jit
@@ -137,7 +138,7 @@ def _lce_rows_kernel(L_ptr, l_row_stride, LABELS_ptr, BIAS_ptr, SCALE_ptr, scale
                     z, t = _load_logits(row_ptrs + offs, BIAS_ptr + offs, mask, softcap, HAS_BIAS, HAS_SOFTCAP)
                     z = tl.where(mask, z, float("-inf"))
                     z_max = tl.max(z, 1)
-                    jump = ok & (z_max > c + ONE_PASS_MAX_GAP)
+                    jump = ok & (z_max > c + _MAX_GAP)
                     if tl.max(jump.to(tl.int32), 0) > 0:  # rare: move c up to this tile's max, rescale what is written
                         c_new = tl.where(jump, z_max, c)
                         f = tl.exp2((c - c_new) * LOG2E)  # 1 on the other rows: their values stay bit for bit
