@@ -1,9 +1,9 @@
-"""The loss head's one-pass row kernel (training forward of "mean" / "sum"): w = exp(z - target logit) written while
-it is summed, d_logits = rho[row] * w. Checked against the two-pass kernel and a float64 softmax on rows that take
-every branch: ordinary, confident (softmax of the target near 1, where softmax - 1 cancels), a logit more than
-ONE_PASS_MAX_GAP above the target (the reference moves up and the row's written tiles are rescaled), ignored, out
-of range, and a block with every row ignored. Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (16 rows per
-program there).
+"""The loss head's one-pass row kernel (training forward of "mean" / "sum" without a weight gradient): w = exp(z -
+target logit) written while it is summed, d_logits = rho[row] * w - gamma[row] * onehot(target). Checked against
+the two-pass kernel and a float64 softmax on rows that take every branch: ordinary, confident (softmax of the
+target near 1, where softmax - 1 cancels), a logit more than ONE_PASS_MAX_GAP above the target (the reference moves
+up and the row's written tiles are rescaled), ignored, out of range, and a block with every row ignored. Runs on
+CUDA, or on the CPU under TRITON_INTERPRET=1 (16 rows per program there).
 """
 
 import pytest
@@ -58,13 +58,19 @@ def test_one_pass_equals_two_passes(dtype, softcap, v):
     labels = labels.to(DEV)
     scale = torch.tensor([0.37], device=DEV)
     out = {}
-    for name, rho in (("two", None), ("one", torch.full((c,), float("nan"), device=DEV))):
+    for name, one in (("two", False), ("one", True)):
         buf = z.to(dtype).to(DEV)
         loss, lse = torch.empty(c, device=DEV), torch.empty(c, device=DEV)
+        rho, gamma = (torch.full((c,), float("nan"), device=DEV) if one else None for _ in range(2))
         lce_rows(buf, labels, 0, None, scale, loss, lse, ignore_index=IGNORE, softcap=softcap, compute_lse=True,
-                 write_grad=True, rho=rho)
-        d = buf.double() if rho is None else rho.double()[:, None] * buf.double()
-        out[name] = (loss.cpu(), lse.cpu(), d.cpu(), None if rho is None else rho.cpu())
+                 write_grad=True, rho=rho, gamma=gamma)
+        d = buf.double()
+        if one:
+            d = rho.double()[:, None] * d
+            ok = (labels >= 0) & (labels < z.shape[1])
+            d[ok, labels[ok]] -= gamma.double()[ok]
+            assert (gamma[~ok] == 0).all()
+        out[name] = (loss.cpu(), lse.cpu(), d.cpu(), rho.cpu() if one else None)
     (loss2, lse2, d2, _), (loss1, lse1, d1, rho) = out["two"], out["one"]
     torch.testing.assert_close(loss1, loss2, rtol=1e-5, atol=1e-5, equal_nan=True)
     torch.testing.assert_close(lse1, lse2, rtol=1e-5, atol=1e-5)
@@ -81,26 +87,27 @@ def test_one_pass_equals_two_passes(dtype, softcap, v):
 
 
 def test_one_pass_keeps_the_confident_rows_gradient():
-    """softmax - 1 of a target at probability ~ 1 - 1e-4: the one-pass kernel forms it in fp32 from lse,
-    (e^(z_t - c) - e^(lse - c)), like the two-pass kernel's e^(z_t - lse) - 1, and rounds it once to bf16; a
-    rounded probability minus 1 would keep one bf16 ulp of 1 (2^-8), 40x the value."""
+    """softmax - 1 of a target at probability ~ 1 - 1e-4: the one-pass kernel leaves w = 1 at the target (c is its
+    logit) and the one-hot term to gamma, so rho * 1 - gamma is formed in fp32 by the consumer; rounding the
+    probability to bf16 first would leave one bf16 ulp of 1 (2^-8), 40x the value."""
     z, labels = chunk()
     z[2] = z[2].to(torch.bfloat16).double()  # the reference sees the same bf16 logits
     buf = z.to(torch.bfloat16).to(DEV)
     c = z.shape[0]
-    rho, loss, lse = (torch.empty(c, device=DEV) for _ in range(3))
+    rho, gamma, loss, lse = (torch.empty(c, device=DEV) for _ in range(4))
     lce_rows(buf, labels.to(DEV), 0, None, torch.ones(1, device=DEV), loss, lse, ignore_index=IGNORE, softcap=None,
-             compute_lse=True, write_grad=True, rho=rho)
+             compute_lse=True, write_grad=True, rho=rho, gamma=gamma)
     t = int(labels[2])
-    got = float(rho[2]) * float(buf[2, t])
+    assert float(buf[2, t]) == 1.0 and float(gamma[2]) == 1.0
+    got = float(rho[2]) * float(buf[2, t]) - float(gamma[2])
     want = float(d_logits64(z, labels, 1.0, None)[2, t])
     assert -1e-3 < want < -1e-5 and abs(got - want) <= 0.02 * abs(want), (got, want)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_the_training_forward_runs_one_pass_and_matches_the_reference(monkeypatch, reduction):
-    """bf16 head with the kinds of rows above in the batch: the op takes the one-pass kernel (no bias, bf16) and its
-    loss and gradients track PyTorch's own bf16 error against float64."""
+def test_a_frozen_head_runs_one_pass_and_matches_the_reference(monkeypatch, reduction):
+    """bf16 head with a frozen weight (LoRA) and the kinds of rows above in the batch: the op takes the one-pass
+    kernel and its loss and d_hidden track PyTorch's own bf16 error against float64."""
     calls = []
     real = cross_entropy.lce_rows
 
@@ -117,35 +124,64 @@ def test_the_training_forward_runs_one_pass_and_matches_the_reference(monkeypatc
     labels[3], labels[40:] = IGNORE, IGNORE
     w[labels[1]] = x[1] * 0.5  # a confident row (target logit ~ 0.5 |x|^2 = 32)
     w[(labels[0] + 7) % v] = x[0] * 1.5  # a logit ~ 96 above a ~0 target: its reference moves up
-    leaves = [t.to(torch.bfloat16).to(DEV).requires_grad_() for t in (x, w)]
+    xb = x.to(torch.bfloat16).to(DEV).requires_grad_()
+    wb = w.to(torch.bfloat16).to(DEV)  # frozen
     labels = labels.to(DEV)
     grads = {}
-    for name, fn in (("ours", lambda a, b: linear_cross_entropy_triton(a, b, labels, ignore_index=IGNORE,
-                                                                       reduction=reduction)),
-                     ("torch", lambda a, b: linear_cross_entropy_ref(a, b, labels, ignore_index=IGNORE,
-                                                                     reduction=reduction)),
-                     ("exact", lambda a, b: linear_cross_entropy_ref(a.double(), b.double(), labels,
-                                                                     ignore_index=IGNORE, reduction=reduction))):
-        loss = fn(*leaves)
-        grads[name] = [loss, *torch.autograd.grad(loss, leaves)]
-    assert calls and all(calls), "the training forward did not take the one-pass kernel"
-    for i, name in enumerate(("loss", "d_hidden", "d_weight")):
+    for name, fn in (("ours", lambda a: linear_cross_entropy_triton(a, wb, labels, ignore_index=IGNORE,
+                                                                    reduction=reduction)),
+                     ("torch", lambda a: linear_cross_entropy_ref(a, wb, labels, ignore_index=IGNORE,
+                                                                  reduction=reduction)),
+                     ("exact", lambda a: linear_cross_entropy_ref(a.double(), wb.double(), labels,
+                                                                  ignore_index=IGNORE, reduction=reduction))):
+        loss = fn(xb)
+        grads[name] = [loss, *torch.autograd.grad(loss, [xb])]
+    assert calls and all(calls), "the frozen head's training forward did not take the one-pass kernel"
+    for i, name in enumerate(("loss", "d_hidden")):
         assert_tracks_torch(name, grads["ours"][i], grads["torch"][i], grads["exact"][i], dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("dtype,bias,reduction", [(torch.float16, False, "mean"), (torch.bfloat16, True, "mean"),
-                                                  (torch.bfloat16, False, "none")])
-def test_two_passes_where_one_does_not_apply(monkeypatch, dtype, bias, reduction):
-    """fp16 (w would overflow at e^11), a bias gradient (rho would have to enter the column sum) and "none" (its
-    gradient is computed in backward from the stored lse, already one read and one write) keep two passes."""
+@pytest.mark.parametrize("dtype,bias,reduction,frozen", [
+    (torch.bfloat16, False, "mean", False), (torch.float16, False, "mean", True), (torch.bfloat16, True, "mean", True),
+    (torch.bfloat16, False, "none", True)])
+def test_two_passes_where_one_does_not_apply(monkeypatch, dtype, bias, reduction, frozen):
+    """A weight gradient (rho would enter dW's contraction over rows), fp16 (w would overflow at e^11), a bias
+    gradient (rho would enter the column sum) and "none" (its gradient is computed in backward from the stored lse,
+    already one read and one write) keep two passes."""
     calls = []
     real = cross_entropy.lce_rows
     monkeypatch.setattr(cross_entropy, "lce_rows", lambda *a, **k: calls.append(k.get("rho")) or real(*a, **k))
     g = torch.Generator().manual_seed(4)
     x = torch.randn(9, 64, generator=g).to(dtype).to(DEV).requires_grad_()
-    w = (torch.randn(1000, 64, generator=g) * 0.25).to(dtype).to(DEV).requires_grad_()
+    w = (torch.randn(1000, 64, generator=g) * 0.25).to(dtype).to(DEV).requires_grad_(not frozen)
     b = torch.randn(1000, generator=g).to(dtype).to(DEV).requires_grad_() if bias else None
     labels = torch.randint(0, 1000, (9,), generator=g).to(DEV)
     loss = linear_cross_entropy_triton(x, w, labels, bias=b, reduction=reduction)
     loss.sum().backward()
     assert calls and all(r is None for r in calls)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_dh_finish_is_the_formula_rounded_once(out_dtype):
+    """dh_finish: out = rho * acc - gamma * W[label] per row, in fp32, rounded once to out's dtype; labels outside
+    the vocabulary (gamma 0 there) read row 0, never past W. H = 1,100 runs two column blocks (1,024 + 76)."""
+    from chronicals.ops._linear_ce_kernels import dh_finish
+
+    g = torch.Generator().manual_seed(5)
+    c, h, v, row0 = 7, 1100, 300, 2
+    acc = torch.randn(c, h, generator=g).to(DEV)
+    weight = torch.randn(v, h, generator=g).to(torch.bfloat16).to(DEV)
+    labels = torch.randint(0, v, (row0 + c,), generator=g)
+    labels[row0 + 1], labels[row0 + 4] = IGNORE, v + 9
+    rho = torch.rand(row0 + c, generator=g).to(DEV)
+    gamma = torch.rand(row0 + c, generator=g)
+    gamma[row0 + 1] = gamma[row0 + 4] = 0
+    gamma = gamma.to(DEV)
+    out = torch.full((c, h), float("nan"), dtype=out_dtype, device=DEV)
+    dh_finish(acc, weight, labels.to(DEV), row0, rho, gamma, out)
+    lab = labels[row0:].clamp(0, v - 1).to(DEV)
+    want = rho[row0:, None].double() * acc.double() - gamma[row0:, None].double() * weight[lab].double()
+    # bf16: within one ulp (2^-7 relative at most) of the rounded formula; the interpreter's bf16 casts do not
+    # always round to nearest
+    tol = 1e-6 if out_dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(out.double(), want.to(out_dtype).double(), rtol=tol, atol=1e-6)

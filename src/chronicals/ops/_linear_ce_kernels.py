@@ -96,7 +96,7 @@ def _write_dlogits(row_ptrs, BIAS_ptr, rmask, ok, label, lse, scale, cols, col0,
 
 @triton.jit
 def _lce_rows_kernel(L_ptr, l_row_stride, LABELS_ptr, BIAS_ptr, SCALE_ptr, scale_stride, LOSS_ptr, LSE_ptr, RHO_ptr,
-                     row0, col0, C, V, vocab, ignore_index, softcap,
+                     GAMMA_ptr, row0, col0, C, V, vocab, ignore_index, softcap,
                      HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_LSE: tl.constexpr,
                      WRITE_GRAD: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
     """L (C, V) raw logits of rows row0 .. row0 + C of the batch; LABELS/LOSS/LSE/SCALE/RHO index global rows.
@@ -105,16 +105,17 @@ def _lce_rows_kernel(L_ptr, l_row_stride, LABELS_ptr, BIAS_ptr, SCALE_ptr, scale
     zero d_logits (``ok`` below is False for it), and no load ever uses it as an offset.
 
     COMPUTE_LSE: LOSS (0 where ignored) and LSE are written; otherwise LSE is read (backward of "none").
-    WRITE_GRAD: L is overwritten with values w and RHO[row] with a factor such that the gradient of the row's
-    loss times SCALE[row * scale_stride] with respect to the raw logits is RHO[row] * w:
-    - two passes (not ONE_PASS): pass 1 the online softmax (lse, loss), pass 2 w = d_logits, RHO not written
-      (taken as 1): each logit read twice, written once (6 B per bf16 logit);
-    - ONE_PASS (needs COMPUTE_LSE): one read and one write per logit (4 B). With c the target logit,
-      w = exp(z - c) [* softcap'] is written while the sum of those values gives lse = c + log(sum); the
-      target's own w becomes (e^(z_t - c) - e^(lse - c)) [* softcap'], so RHO = scale * e^(c - lse) turns w into
-      scale * (softmax - onehot) [* softcap'] with the one-hot's cancellation done in fp32 as in pass 2.
-      A tile whose largest logit is more than ONE_PASS_MAX_GAP above c moves c up to it and rescales the row's
-      earlier tiles in place. Rows that are not ok get w = 0 and RHO = 0.
+    WRITE_GRAD, with g the gradient of the row's loss times SCALE[row * scale_stride] with respect to the raw logits:
+    - two passes (not ONE_PASS): pass 1 the online softmax (lse, loss), pass 2 overwrites L with g: each logit
+      read twice, written once (6 B per bf16 logit);
+    - ONE_PASS (needs COMPUTE_LSE): one read and one write per logit (4 B). With c the target logit, L gets
+      w = exp(z - c) [* softcap'] while the sum of those values gives lse = c + log(sum), and
+      g = RHO[row] * w - GAMMA[row] * onehot(target), RHO = scale * e^(c - lse), GAMMA = scale [* softcap' of the
+      target]: the one-hot term is left to the consumer, which applies it in fp32 (``dh_finish``), so the
+      target's softmax - 1 is never rounded (the two-pass kernel rounds it to bf16, which is nearly exact only
+      when the target's probability is small). A tile whose largest logit is more than ONE_PASS_MAX_GAP above c
+      moves c up to it and rescales the row's earlier tiles in place. Rows that are not ok get w = 0, RHO = 0
+      and GAMMA = 0.
     """
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,) rows of the chunk
     rmask = r < C
@@ -168,13 +169,11 @@ def _lce_rows_kernel(L_ptr, l_row_stride, LABELS_ptr, BIAS_ptr, SCALE_ptr, scale
         if WRITE_GRAD:
             scale = tl.load(SCALE_ptr + g * scale_stride, mask=rmask, other=0.0).to(tl.float32)
             if ONE_PASS:
-                tl.debug_barrier()  # the loop's store of the target's column comes first, from any thread
-                # the target's w: (e^(z_t - c) - e^(lse - c)) [* softcap'], its softmax - 1 formed in fp32
-                w_t = tl.exp2((z_t - c) * LOG2E) - tl.exp2((lse - c) * LOG2E)
+                gamma = scale
                 if HAS_SOFTCAP:
-                    w_t = w_t * (1.0 - t_t * t_t)
-                tl.store(L_ptr + r.to(tl.int64) * l_row_stride + safe, w_t.to(L_ptr.dtype.element_ty), mask=rmask & ok)
+                    gamma = gamma * (1.0 - t_t * t_t)
                 tl.store(RHO_ptr + g, tl.where(ok, scale * tl.exp2((c - lse) * LOG2E), 0.0), mask=rmask)
+                tl.store(GAMMA_ptr + g, tl.where(ok, gamma, 0.0), mask=rmask)
             else:
                 _write_dlogits(row_ptrs, BIAS_ptr, rmask, ok, label, lse, scale, cols, col0, V, softcap, HAS_BIAS,
                                HAS_SOFTCAP, BLOCK_V)
@@ -189,11 +188,13 @@ def _lce_rows_kernel(L_ptr, l_row_stride, LABELS_ptr, BIAS_ptr, SCALE_ptr, scale
                 tl.store(row_ptrs + offs, zero, mask=rmask[:, None] & (offs < V))
             if ONE_PASS:
                 tl.store(RHO_ptr + g, tl.zeros([BLOCK_R], tl.float32), mask=rmask)
+                tl.store(GAMMA_ptr + g, tl.zeros([BLOCK_R], tl.float32), mask=rmask)
 
 
 def lce_rows(logits: torch.Tensor, labels: torch.Tensor, row0: int, bias, scale, loss_rows, lse, *,
              ignore_index: int, softcap, compute_lse: bool, write_grad: bool, col0: int = 0,
-             vocab: int | None = None, rho: torch.Tensor | None = None) -> None:
+             vocab: int | None = None, rho: torch.Tensor | None = None,
+             gamma: torch.Tensor | None = None) -> None:
     """Run the row kernel on a chunk ``logits`` (C, V), stride(1) == 1, holding rows row0 .. row0 + C.
 
     labels (N,) int64; bias (V,) or None; scale (1,) or (N,) fp32 (stride 0 or 1 per row); loss_rows and
@@ -201,14 +202,15 @@ def lce_rows(logits: torch.Tensor, labels: torch.Tensor, row0: int, bias, scale,
     the first column when ``logits`` (and ``bias``) hold one vocabulary part; only without ``compute_lse``.
     vocab: the whole vocabulary's size (labels outside [0, vocab) give NaN loss, zero d_logits); required
     with col0 > 0, else V.
-    rho (N,) fp32: the one-pass kernel (with compute_lse and write_grad): the chunk then holds w with
-    d_logits = rho[row] * w (see ``_lce_rows_kernel``); None: two passes, the chunk holds d_logits.
+    rho, gamma (N,) fp32: the one-pass kernel (with compute_lse and write_grad): the chunk then holds w with
+    d_logits = rho[row] * w - gamma[row] * onehot(label) (see ``_lce_rows_kernel``); None: two passes, the chunk
+    holds d_logits.
     """
     c, v = logits.shape
     if compute_lse and col0:
         raise ValueError("lce_rows: the log-sum-exp needs the whole vocabulary (col0 = 0)")
-    if rho is not None and not (compute_lse and write_grad):
-        raise ValueError("lce_rows: rho (the one-pass kernel) needs compute_lse and write_grad")
+    if (rho is None) != (gamma is None) or rho is not None and not (compute_lse and write_grad):
+        raise ValueError("lce_rows: the one-pass kernel needs rho and gamma, compute_lse and write_grad")
     if vocab is None:
         if col0:
             raise ValueError("lce_rows: a vocabulary part (col0 > 0) needs vocab=, the whole vocabulary's size")
@@ -217,11 +219,41 @@ def lce_rows(logits: torch.Tensor, labels: torch.Tensor, row0: int, bias, scale,
         return
     _lce_rows_kernel[(triton.cdiv(c, BLOCK_R_ROWS),)](
         logits, logits.stride(0), labels, bias if bias is not None else logits, scale,
-        1 if scale.numel() > 1 else 0, loss_rows, lse, rho if rho is not None else lse, row0, col0, c, v, vocab,
+        1 if scale.numel() > 1 else 0, loss_rows, lse, rho if rho is not None else lse,
+        gamma if gamma is not None else lse, row0, col0, c, v, vocab,
         ignore_index, float(softcap) if softcap is not None else 1.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, COMPUTE_LSE=compute_lse,
         WRITE_GRAD=write_grad, ONE_PASS=rho is not None, BLOCK_R=BLOCK_R_ROWS, BLOCK_V=BLOCK_V_ROWS,
         num_warps=ROWS_NUM_WARPS)
+
+
+@triton.jit
+def _dh_finish_kernel(ACC_ptr, W_ptr, LABELS_ptr, RHO_ptr, GAMMA_ptr, OUT_ptr, row0, C, H, V, w_row_stride,
+                      out_row_stride, BLOCK_H: tl.constexpr):
+    """OUT[r] = RHO[g] * ACC[r] - GAMMA[g] * W[label[g]] in fp32, rounded once; g = row0 + r, one program per row."""
+    r = tl.program_id(0)
+    g = row0 + r
+    label = tl.load(LABELS_ptr + g)
+    safe = tl.where((label >= 0) & (label < V), label, 0).to(tl.int64)  # GAMMA is 0 on the other rows
+    rho = tl.load(RHO_ptr + g)
+    gamma = tl.load(GAMMA_ptr + g)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        mask = cols < H
+        acc = tl.load(ACC_ptr + r.to(tl.int64) * H + cols, mask=mask, other=0.0)
+        w = tl.load(W_ptr + safe * w_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        out = rho * acc - gamma * w
+        tl.store(OUT_ptr + r.to(tl.int64) * out_row_stride + cols, out.to(OUT_ptr.dtype.element_ty), mask=mask)
+
+
+def dh_finish(acc: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, row0: int, rho, gamma,
+              out: torch.Tensor) -> None:
+    """out (C, H) = rho * acc - gamma * weight[label] per row (rows row0 .. row0 + C of labels / rho / gamma): the
+    one-pass kernel's d_hidden from acc = w @ weight (C, H) fp32. weight (V, H) and out with unit column stride."""
+    c, h = acc.shape
+    if c:
+        _dh_finish_kernel[(c,)](acc, weight, labels, rho, gamma, out, row0, c, h, weight.shape[0], weight.stride(0),
+                                out.stride(0), BLOCK_H=min(1024, triton.next_power_of_2(h)), num_warps=4)
 
 
 # Hopper-friendly tiles first; the interpreter takes only the first (tune_configs). H = 896 = 7 x 128, so

@@ -27,16 +27,17 @@ Rows are processed in chunks of C (C = H when the weight needs a gradient, so 89
                                                  under the interpreter)
     dbias32   += d_logits.sum(0)                 only with a bias
 
-The training forward ("mean" / "sum" with gradients, bf16 or fp32, no bias gradient) runs the row kernel in
-one pass instead: it writes w = exp(z - c) (c: the row's target logit) as it sums it, and a per-row factor
-rho = scale * e^(c - lse) with d_logits = rho * w (the target's w is corrected after the pass so that its
-softmax - 1 is formed in fp32, as pass 2 does). The factor goes where it costs (C, H), not (C, V):
-    dH[c]      = rho * (w @ weight)              the GEMM's output in fp32 (aten mm.dtype_out), scaled, rounded
-    dW32      += w.T @ (rho * hidden[c])         hidden's rows scaled and rounded to its dtype (C x H)
+Without a weight gradient (LoRA, a frozen head) the training forward ("mean" / "sum", bf16 or fp32, no bias)
+runs the row kernel in one pass instead: it writes w = exp(z - c) (c: the row's target logit) as it sums it,
+with per-row factors rho = scale * e^(c - lse) and gamma = scale [* softcap'] such that
+d_logits = rho * w - gamma * onehot; then
+    dH[c]      = rho * (w @ weight) - gamma * weight[label]     the GEMM's fp32 output, rounded once (dh_finish)
 So each logit is read once and written once (4 B in bf16) instead of read twice (6 B): at the Qwen2.5-0.5B head
-on an H200 the two-pass kernel ran 202.8 us per (862, 151,936) chunk, 91% of copy bandwidth (probe_lce_rows,
-d3cf2ee). The scaled hidden adds one bf16 rounding (relative 2^-9) to dW's operands, the size of the rounding
-d_logits already carry. fp16 keeps two passes (w reaches e^40, past fp16's 65,504); so does a bias gradient.
+the two-pass kernel ran 202.8 us per (862, 151,936) chunk on an H200, 91% of copy bandwidth (probe_lce_rows,
+d3cf2ee). The target's softmax - 1 is never rounded, and dH is rounded once from fp32: its error is at most the
+two-pass path's. With a weight gradient the factor would have to enter dW's contraction over rows (hidden's rows
+scaled by rho and rounded to bf16: 2x the max error of dW in an H200 check, 3335ecc), so that case keeps two
+passes, as do fp16 (w reaches e^40, past fp16's 65,504) and a bias gradient.
 
 For "mean" and "sum" the loss is a scalar, so the gradients for grad_output = 1 are computed during the
 forward (scale = 1/count or 1, read from device memory) and the backward only multiplies them by
@@ -95,7 +96,7 @@ import torch
 import torch.nn.functional as F
 
 from ._impl import resolve_impl
-from ._linear_ce_kernels import dw_accumulate, lce_rows, scale_by
+from ._linear_ce_kernels import dh_finish, dw_accumulate, lce_rows, scale_by
 from ._triton_utils import check_device
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -230,31 +231,30 @@ def linear_ce_chunked(hidden, weight, labels, bias, scale, lse_in, *, ignore_ind
         dw32 = fp32_rows_of(dw, vp).zero_()
     else:
         dw32 = torch.zeros((vp, h) if need_dw else (0,), device=dev, dtype=torch.float32)
-    # One-pass row kernel (the training forward of "mean" / "sum"): the chunk holds w with d_logits = rho[row] * w,
-    # so dH = rho * (w @ W) (an fp32 GEMM output scaled and rounded once) and dW += w^T @ (rho * x) (x's rows
-    # scaled and rounded to its dtype, (C, H)). The bias gradient would need rho inside a column sum over the
-    # (C, V) chunk: with a bias, two passes.
-    one_pass = compute_lse and grad and not need_db and _one_pass_ok(hidden)
+    # One-pass row kernel (the training forward of "mean" / "sum" without a weight or bias gradient: LoRA, a frozen
+    # head): the chunk holds w with d_logits = rho * w - gamma * onehot, so dH = rho * (w @ W) - gamma * W[label],
+    # from the GEMM's fp32 output, rounded once (``dh_finish``). A weight gradient would need rho inside its
+    # contraction over rows (rho * x rounded to bf16: measured 2x the max error of dW on an H200) and the one-hot
+    # term scattered into dW's rows: those keep two passes.
+    one_pass = compute_lse and grad and not need_dw and not need_db and _one_pass_ok(hidden)
     rho = torch.empty(n if one_pass else 0, device=dev, dtype=torch.float32)
+    gamma = torch.empty_like(rho)
     acc_dt = torch.float32 if dt in (torch.bfloat16, torch.float16) else dt
     dh_acc = torch.empty((c, h) if one_pass and need_dh else (0,), device=dev, dtype=acc_dt)
-    xs = torch.empty((c, h) if one_pass and need_dw else (0,), device=dev, dtype=dt)
     for r0 in range(0, n, c):
         rows = min(c, n - r0)
         x = hidden[r0:r0 + rows]
         buf = ws[:rows * v].view(rows, v)
         torch.mm(x, weight.t(), out=buf)  # (rows, V) raw logits, bias added in the kernel in fp32
         lce_rows(buf, labels, r0, bias, scale, loss_rows, lse, ignore_index=ignore_index, softcap=softcap,
-                 compute_lse=compute_lse, write_grad=grad, rho=rho if one_pass else None)
-        rho_c = rho[r0:r0 + rows, None] if one_pass else None
+                 compute_lse=compute_lse, write_grad=grad, rho=rho if one_pass else None,
+                 gamma=gamma if one_pass else None)
         if need_dh:
             if one_pass:
-                torch.mul(_mm_wide(buf, weight, dh_acc[:rows]), rho_c, out=dh[r0:r0 + rows])
+                dh_finish(_mm_wide(buf, weight, dh_acc[:rows]), weight, labels, r0, rho, gamma, dh[r0:r0 + rows])
             else:
                 torch.mm(buf, weight, out=dh[r0:r0 + rows])
         if need_dw:
-            if one_pass:
-                x = torch.mul(x, rho_c, out=xs[:rows])
             dw_accumulate(buf[:, :vp], x, dw32)  # part 1: the first vp vocabulary rows
         if need_db:
             db32 += buf.sum(0, dtype=torch.float32)
