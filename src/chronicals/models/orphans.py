@@ -91,6 +91,16 @@ def _tree_bytes(path: Path) -> int:
     return total
 
 
+def _remove_tree(path: Path, what: str, logger: logging.Logger) -> int | None:
+    """rmtree ``path``; its size in bytes, or None (with a warning that says how to free it) when it is still there."""
+    size = _tree_bytes(path)
+    shutil.rmtree(path, ignore_errors=True)
+    if path.exists():
+        logger.warning("could not remove %s, %s; remove it by hand to free its %.1f MB", path, what, size / 1e6)
+        return None
+    return size
+
+
 def remove_orphans(parent: Path, pattern: re.Pattern, logger: logging.Logger = log) -> list[Path]:
     """Remove the directories in ``parent`` whose names ``pattern`` fullmatches and whose writer is gone (its lock
     file exists and is not held); return them. Lock files left without their directory go too, unless the writer's
@@ -111,11 +121,8 @@ def remove_orphans(parent: Path, pattern: re.Pattern, logger: logging.Logger = l
             if is_lock:  # its directory was published or removed, then the writer died before the unlink
                 lock_path(tmp).unlink(missing_ok=True)
                 continue
-            size = _tree_bytes(tmp)
-            shutil.rmtree(tmp, ignore_errors=True)
-            if tmp.exists():
-                logger.warning("could not remove %s, left by a write that was killed; remove it by hand to free its "
-                               "%.1f MB", tmp, size / 1e6)
+            size = _remove_tree(tmp, "left by a write that was killed", logger)
+            if size is None:
                 continue
             if not os.path.lexists(old_path(tmp)):  # else recover_replaced still needs it
                 lock_path(tmp).unlink(missing_ok=True)
@@ -165,11 +172,8 @@ def recover_replaced(out: Path, tmp_pattern: re.Pattern, logger: logging.Logger 
                     if not tmp.exists():
                         lock_path(tmp).unlink(missing_ok=True)
                     continue
-            size = _tree_bytes(old)
-            shutil.rmtree(old, ignore_errors=True)
-            if old.exists():
-                logger.warning("could not remove %s, the previous %s left by a write that was killed; remove it by "
-                               "hand to free its %.1f MB", old, out.name, size / 1e6)
+            size = _remove_tree(old, f"the previous {out.name} left by a write that was killed", logger)
+            if size is None:
                 continue
             if not tmp.exists():
                 lock_path(tmp).unlink(missing_ok=True)
