@@ -80,10 +80,11 @@ def _csv_messages(value: str, name: str, text_ok: bool):
         return value
     try:
         decoded = json.loads(value)
-    except (json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, or a number of > 4300 digits
         if text_ok:
             return value
-        why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+        why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply" if isinstance(
+            e, RecursionError) else "a number of more than 4300 digits"
         raise FormatError(f"field {name!r} is not valid JSON ({why}); expected a list of messages (a CSV cell "
                           "holds them as JSON text)") from None
     is_messages = (isinstance(decoded, list) and decoded

@@ -26,6 +26,8 @@ UNREAD = (".gz", ".zst", ".bz2", ".xz", ".zip", ".txt", ".tsv")
 # json (C scanner and Python fallback alike) recurses once per nesting level and raises RecursionError near
 # Python's limit of 1000; a record nested that deep is not training data
 NESTED = "nested too deeply (JSON arrays/objects more than ~1000 levels deep)"
+# json.loads raises a plain ValueError (not JSONDecodeError) for an integer literal longer than Python's int limit
+BIG_NUMBER = "a number of more than 4300 digits (Python's limit for reading an int); write it as a string"
 
 log = logging.getLogger("chronicals.data")
 
@@ -155,13 +157,16 @@ def _some(paths: list[Path], n: int = 3) -> str:
 
 def _json_object(path: Path) -> dict:
     """A small JSON file that must hold one object (state.json, dataset_dict.json)."""
+    text = _decode(path, path.read_bytes())  # its DataError (not UTF-8) is a ValueError: not inside the try
     try:
-        obj = json.loads(_decode(path, path.read_bytes()))
+        obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno}); expected a JSON "
                         "object") from None
     except RecursionError:
         raise DataError(f"{path}: {NESTED}; expected a JSON object") from None
+    except ValueError:
+        raise DataError(f"{path}: {BIG_NUMBER}; expected a JSON object") from None
     if not isinstance(obj, dict):
         raise DataError(f"{path}: a JSON {type(obj).__name__}, expected an object")
     return obj
@@ -226,6 +231,9 @@ def _read_jsonl(path: Path, data: bytes) -> list[Record]:
         except RecursionError:
             out.append(Record(where, None, f"{NESTED}; expected one JSON object per line"))
             continue
+        except ValueError:
+            out.append(Record(where, None, f"{BIG_NUMBER}; expected one JSON object per line"))
+            continue
         if not isinstance(obj, dict):
             out.append(Record(where, None, f"a JSON {type(obj).__name__}, expected a JSON object per line"))
             continue
@@ -268,6 +276,10 @@ def _read_json(path: Path) -> list[Record]:
             out.append(Record(f"{path}:{line}", None, f"{NESTED}; expected a JSON array of objects (reading "
                                                        "stops here)"))
             return out
+        except ValueError:
+            out.append(Record(f"{path}:{line}", None, f"{BIG_NUMBER}; expected a JSON array of objects (reading "
+                                                       "stops here)"))
+            return out
         if isinstance(obj, dict):
             out.append(Record(f"{path}:{line}", obj))
         else:
@@ -282,7 +294,7 @@ def _refuse_one_object(path: Path, data: bytes) -> None:
     """
     try:
         obj = json.loads(data.decode("utf-8-sig"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # UnicodeDecodeError, JSONDecodeError, a number too long
         return  # JSON lines ("Extra data" after the first line) or damaged: _read_jsonl reports each line
     try:
         detect_format(obj)
