@@ -141,7 +141,7 @@ def _messages(items: list, role_key: str, content_key: str, roles: dict | None, 
             raise FormatError(f"{field}[{j}].{content_key} is a {type(content).__name__}, expected a string "
                               "(null only beside tool_calls)")
         if roles is not None:
-            if role not in roles:
+            if not isinstance(role, str) or role not in roles:  # a list or dict role is unhashable
                 raise FormatError(f"{field}[{j}].{role_key} is {role!r}; expected one of {sorted(roles)}")
             role = roles[role]
         elif role not in CHAT_ROLES:
