@@ -265,6 +265,11 @@ def _read_json(path: Path) -> list[Record]:
         line += text.count("\n", last, i)
         last = i
         if text[i] == "]":
+            rest = text[i + 1:]
+            if rest.strip():  # e.g. a second array appended: its records would be lost without a word
+                line += text.count("\n", i, i + 1 + len(rest) - len(rest.lstrip()))
+                out.append(Record(f"{path}:{line}", None, "content after the JSON array's closing ']' (not read); "
+                                  "expected one array per file: merge the arrays, or write JSON lines"))
             return out
         try:
             obj, i = dec.raw_decode(text, i)
