@@ -329,6 +329,11 @@ def _read_csv(path: Path) -> list[Record]:
     reader = csv.DictReader(io.StringIO(_decode(path, path.read_bytes()), newline=""), strict=True)
     start = 2  # line 1 is the header
     try:
+        names = reader.fieldnames or []
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:  # DictReader keeps the last column of a name: the others' cells would be lost
+            raise DataError(f"{path}:1: column {dup!r} appears {names.count(dup)} times in the header; expected "
+                            "distinct column names (rename or remove the extra columns)")
         for row in reader:
             where = f"{path}:{start}"
             start = reader.line_num + 1
