@@ -189,6 +189,9 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, overlong: str,
         if stats.records == 0:
             raise DataError(f"{name} is empty: no records in {_names(files) or 'the files'} (give data files "
                             "with at least one example)")
+        if stats.skipped_errors == stats.records:  # on_error=skip: said "needs assistant turns", as if they were read
+            raise DataError(f"every record in {where} is bad ({stats.skipped_errors} skipped); first: "
+                            f"{stats.first_errors[0]}")
         if stats.dropped_overlong:
             raise DataError(f"every example was dropped: {stats.dropped_overlong} longer than max_seq_len="
                             f"{max_seq_len} (raise data.max_seq_len or set data.on_long=truncate; in "
@@ -200,6 +203,12 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, overlong: str,
                             f"empty text{first}, {stats.skipped_errors} bad records; fill in the text (or the "
                             "replies / outputs / completions) or remove those records")
         empty = f", {stats.empty_no_loss} of them with an empty text" if stats.empty_no_loss else ""
+        if stats.truncated_no_loss:  # the cause is max_seq_len, not missing replies
+            fix = "before their replies start; raise data.max_seq_len (load_dataset: max_seq_len) or shorten the prompts"
+            if stats.truncated_no_loss == stats.dropped_no_loss:
+                raise DataError(f"no example has a trainable token in {where}: {stats.dropped_no_loss} without one, "
+                                f"all truncated to max_seq_len={max_seq_len} {fix}; {stats.skipped_errors} bad records")
+            empty += f", {stats.truncated_no_loss} of them truncated to max_seq_len={max_seq_len} {fix}"
         raise DataError(f"no example has a trainable token in {where}: {stats.dropped_no_loss} without one{first}"
                         f"{empty}, {stats.skipped_errors} bad records; loss_on='assistant' needs assistant turns / "
                         "outputs / completions (or set data.train_on=all; in load_dataset: loss_on='all')")
