@@ -204,7 +204,8 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, overlong: str,
                             "replies / outputs / completions) or remove those records")
         empty = f", {stats.empty_no_loss} of them with an empty text" if stats.empty_no_loss else ""
         if stats.truncated_no_loss:  # the cause is max_seq_len, not missing replies
-            fix = "before their replies start; raise data.max_seq_len (load_dataset: max_seq_len) or shorten the prompts"
+            fix = ("before their replies start; raise data.max_seq_len (load_dataset: max_seq_len) or shorten the "
+                   "prompts")
             if stats.truncated_no_loss == stats.dropped_no_loss:
                 raise DataError(f"no example has a trainable token in {where}: {stats.dropped_no_loss} without one, "
                                 f"all truncated to max_seq_len={max_seq_len} {fix}; {stats.skipped_errors} bad records")
