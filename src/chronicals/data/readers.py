@@ -54,12 +54,16 @@ def resolve_files(paths) -> list[Path]:
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
+    paths = list(paths)
+    if not paths:
+        raise DataError("no data files given (expected data files .jsonl/.json/.parquet/.csv or directories of them)")
     files: list[Path] = []
     for p in map(Path, paths):
         p = p.expanduser()
         if not p.exists():
+            glob = "; patterns are not expanded: pass the directory, or the files" if set("*?[") & set(p.name) else ""
             raise DataError(f"{p}: no such file or directory (expected a data file {'/'.join(SUFFIXES)} "
-                            "or a directory of them)")
+                            f"or a directory of them{glob})")
         if p.is_file():
             if p.suffix.lower() not in SUFFIXES + (".arrow",):
                 raise DataError(f"{p}: unsupported file type {p.suffix!r} (expected one of {', '.join(SUFFIXES)})")
