@@ -63,11 +63,15 @@ def _offsets_mask(tokenizer, text: str, spans, add_special_tokens: bool):
     return ids, mask
 
 
-def encode_chat(tokenizer, messages: list[dict], train_from: int = 0, markers: bool = False):
-    """messages -> (ids (L,) int32, trainable (L,) bool): trainable = assistant turns at index >= train_from."""
+def _need_template(tokenizer) -> None:
     if getattr(tokenizer, "chat_template", None) is None:
         raise FormatError("chat data needs a tokenizer with a chat template (tokenizer.chat_template is None); "
                           "set one, or convert the data to prompt/completion")
+
+
+def encode_chat(tokenizer, messages: list[dict], train_from: int = 0, markers: bool = False):
+    """messages -> (ids (L,) int32, trainable (L,) bool): trainable = assistant turns at index >= train_from."""
+    _need_template(tokenizer)
     if markers:
         out = _apply(tokenizer, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         ids = np.asarray(out["input_ids"], dtype=np.int32)
@@ -102,6 +106,7 @@ def encode(tokenizer, ex: Example, loss_on: str = "assistant", markers: bool = F
     """Example -> (ids (L,) int32, trainable (L,) bool). loss_on: "assistant" | "all"."""
     if ex.messages is not None:
         if loss_on == "all":
+            _need_template(tokenizer)  # else transformers' long "Cannot use chat template functions ..."
             ids = _render_ids(tokenizer, ex.messages)
             return ids, np.ones(len(ids), dtype=bool)
         return encode_chat(tokenizer, ex.messages, ex.train_from, markers)
