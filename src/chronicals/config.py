@@ -435,6 +435,26 @@ def _is_int(s: str) -> bool:
         return False
 
 
+def _is_str_key(key: str) -> bool:
+    section, _, name = key.partition(".")
+    cls = _SECTION_TYPES.get(section)
+    return cls is not None and name in {f.name for f in dataclasses.fields(cls)} and _field_type(cls, name) is str
+
+
+def _override_value(key: str, text: str):
+    """A command-line value: a string key takes the text as written (YAML reads yes as True, 0x10 as 16 and cuts
+    'You are #1' at the '#'), less its quotes when quoted, '' for null; any other key the text's YAML value, or the
+    text itself when it is no YAML (``optim.lr=[1``), which the key's type check then refuses."""
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        return text
+    quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
+    if _is_str_key(key) and value is not None and not quoted:
+        return text
+    return value
+
+
 def from_dict(d: dict | None, overrides: list[str] | dict | None = None) -> TrainConfig:
     """Build a TrainConfig from nested ``{section: {field: value}}`` plus dotted overrides.
 
@@ -457,7 +477,7 @@ def from_dict(d: dict | None, overrides: list[str] | dict | None = None) -> Trai
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not key=value (e.g. optim.lr=3e-4)", item)
             k, v = item.split("=", 1)
-            flat[k.strip()] = yaml.safe_load(v) if v.strip() else ""
+            flat[k.strip()] = _override_value(k.strip(), v.strip())
     known = set(all_keys())
     values: dict[str, dict] = {s: {} for s in _SECTION_TYPES}
     for key, v in flat.items():

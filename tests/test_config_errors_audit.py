@@ -1,0 +1,44 @@
+"""Hostile input to the YAML config and the train command line: each fails as one clear error (file, line, key,
+what to do) or is read as written, never as a traceback or a silently changed value."""
+
+from __future__ import annotations
+
+import pytest
+
+from chronicals.cli import main
+from chronicals.config import load_config
+
+
+@pytest.mark.parametrize("value", ["[1", "@x", "%x", "`x", "*x"])
+def test_an_override_value_that_is_no_yaml_is_a_config_error(value):
+    with pytest.raises(ValueError, match=r"^command line: config optim\.lr=.* is invalid: expected a number"):
+        load_config(None, [f"optim.lr={value}"])
+
+
+def test_an_override_value_that_is_no_yaml_exits_2_without_a_traceback(capsys):
+    assert main(["train", "optim.lr=[1"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "internal error" not in err and "optim.lr" in err
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("data.system_prompt=You are #1", "You are #1"),  # YAML would cut it at the '#'
+    ("data.system_prompt=Answer: briefly", "Answer: briefly"),  # YAML would read a mapping
+    ("data.system_prompt=[Note] be brief", "[Note] be brief"),  # not YAML at all
+    ("data.system_prompt=yes", "yes"),  # YAML 1.1 reads True
+    ("train.out_dir=0x10", "0x10"),  # YAML reads 16
+    ("train.out_dir=010", "010"),  # YAML reads 8
+    ("train.out_dir=1_000", "1_000"),  # YAML reads 1000
+    ("data.system_prompt='quoted'", "quoted"),  # quotes are still taken off
+    ("data.system_prompt=", ""),
+    ("data.system_prompt=null", ""),
+])
+def test_string_overrides_are_taken_as_written(override, expected):
+    key, _ = override.split("=", 1)
+    section, name = key.split(".")
+    assert getattr(getattr(load_config(None, [override]), section), name) == expected
+
+
+def test_the_auto_bool_words_still_work_as_overrides():
+    c = load_config(None, ["optim.fused=on", "optim.master_weights=0", "train.cuda_graphs=no"])
+    assert (c.optim.fused, c.optim.master_weights, c.train.cuda_graphs) == ("true", "false", "false")
