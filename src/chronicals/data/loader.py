@@ -46,6 +46,8 @@ class PackedLoader:
         if (batch_size is None) == (tokens_per_batch is None):
             raise ValueError("PackedLoader: give exactly one of batch_size (rows of max_seq_len per batch) "
                              "or tokens_per_batch (one padding-free row per batch)")
+        if batch_size is not None and batch_size < 1:  # 0 divided by zero, -1 made len() negative
+            raise ValueError(f"PackedLoader: batch_size={batch_size}; expected an integer >= 1")
         if remainder not in REMAINDERS:
             raise ValueError(f"PackedLoader: remainder={remainder!r}; expected one of {', '.join(REMAINDERS)}")
         if not 0 <= rank < world_size:
@@ -151,6 +153,13 @@ class PackedLoader:
                              f"rows and {saved[2]} batches per epoch, this one seed={self.seed}, {len(self.rows)} "
                              f"and {len(self)}; resume with the same dataset, max_seq_len, batch settings "
                              "(batch_size, drop_last, world_size) and seed")
+        for key in ("epoch", "position"):
+            if not isinstance(state.get(key), int) or state[key] < 0:
+                raise ValueError(f"PackedLoader.load_state_dict: the state has no '{key}' (a non-negative integer): "
+                                 f"{key}={state.get(key)!r}; resume from a checkpoint this loader wrote")
+        if state["position"] > len(self):  # else the position is ignored and the rest of that epoch is skipped
+            raise ValueError(f"PackedLoader.load_state_dict: position={state['position']} is not in 0..{len(self)} "
+                             "(this loader's batches per epoch); resume from a checkpoint this loader wrote")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
     # ---- stats ----
