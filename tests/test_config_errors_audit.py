@@ -42,3 +42,23 @@ def test_string_overrides_are_taken_as_written(override, expected):
 def test_the_auto_bool_words_still_work_as_overrides():
     c = load_config(None, ["optim.fused=on", "optim.master_weights=0", "train.cuda_graphs=no"])
     assert (c.optim.fused, c.optim.master_weights, c.train.cuda_graphs) == ("true", "false", "false")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("data:\n  system_prompt: yes\n", "yes"),
+    ("train:\n  out_dir: 0x10\n", "0x10"),
+    ("train:\n  out_dir: 1_000\n", "1_000"),
+    ("train:\n  out_dir: 2024-01-01\n", "2024-01-01"),
+    ("data:\n  path: 123\n", "123"),
+])
+def test_string_keys_in_a_file_are_taken_as_written(tmp_path, text, expected):
+    (tmp_path / "c.yaml").write_text(text)
+    c = load_config(tmp_path / "c.yaml")
+    section, name = text.split(":")[0], text.split("\n")[1].split(":")[0].strip()
+    assert getattr(getattr(c, section), name) == expected
+
+
+def test_auto_bool_keys_in_a_file_still_take_yaml_booleans(tmp_path):
+    (tmp_path / "c.yaml").write_text("optim:\n  fused: on\ntrain:\n  cuda_graphs: no\n")
+    c = load_config(tmp_path / "c.yaml")
+    assert (c.optim.fused, c.train.cuda_graphs) == ("true", "false")

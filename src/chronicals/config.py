@@ -498,8 +498,9 @@ def _key_name(node: yaml.Node) -> str:
     return str(node.value)
 
 
-def _key_lines(text: str, source) -> dict[str, int]:
-    """1-based line of every section and ``section.key`` in a YAML mapping of mappings (for error messages).
+def _key_lines(text: str, source, plain: dict[str, str] | None = None) -> dict[str, int]:
+    """1-based line of every section and ``section.key`` in a YAML mapping of mappings (for error messages);
+    ``plain`` gets the text of each ``section.key`` written as a plain (unquoted) scalar.
 
     A section or key written twice fails here, naming both lines: ``yaml.safe_load`` keeps the last one
     silently, so a typo fixed further down (lr: abc ... lr: 1e-3) would hide which one counts.
@@ -519,8 +520,10 @@ def _key_lines(text: str, source) -> dict[str, int]:
     for sec, body in root.value:
         note(_key_name(sec), sec)
         if isinstance(body, yaml.MappingNode):
-            for k, _ in body.value:
+            for k, v in body.value:
                 note(f"{_key_name(sec)}.{_key_name(k)}", k)
+                if plain is not None and isinstance(v, yaml.ScalarNode) and v.style is None:
+                    plain[f"{_key_name(sec)}.{_key_name(k)}"] = v.value
     return lines
 
 
@@ -566,13 +569,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
         text = p.read_text()
         try:
             d = yaml.safe_load(text) or {}
-            lines = _key_lines(text, p)
+            lines = _key_lines(text, p, plain := {})
         except yaml.YAMLError as e:
             raise ValueError(_yaml_error(p, e)) from None
         except ConfigError as e:  # a duplicate key: the message already names the file and both lines
             raise ValueError(str(e)) from None
         if not isinstance(d, dict):
             raise ValueError(f"{p}: expected a mapping of sections (model, data, lora, ...), got {type(d).__name__}")
+        for key, written in plain.items():  # a string key as written: YAML reads yes as True, 0x10 as 16
+            section, name = key.split(".", 1)
+            if _is_str_key(key) and not isinstance(d[section][name], str) and d[section][name] is not None:
+                d[section][name] = written
     try:
         return from_dict(d, overrides)
     except ValueError as e:
