@@ -62,3 +62,17 @@ def test_auto_bool_keys_in_a_file_still_take_yaml_booleans(tmp_path):
     (tmp_path / "c.yaml").write_text("optim:\n  fused: on\ntrain:\n  cuda_graphs: no\n")
     c = load_config(tmp_path / "c.yaml")
     assert (c.optim.fused, c.train.cuda_graphs) == ("true", "false")
+
+
+def test_a_config_that_is_not_utf8_names_the_file_line_and_the_fix(tmp_path):
+    p = tmp_path / "latin1.yaml"
+    p.write_bytes(b"optim:\n  lr: 1e-3\n  # caf\xe9\n")
+    with pytest.raises(ValueError, match=rf"^{p}:3:8: .*not UTF-8.*save .* as UTF-8"):
+        load_config(p)
+
+
+def test_a_control_character_in_the_config_names_its_line(tmp_path):
+    p = tmp_path / "nul.yaml"
+    p.write_bytes(b"optim:\n  lr: 0.001\x00\n")
+    with pytest.raises(ValueError, match=rf"^{p}:2:\d+: invalid YAML"):
+        load_config(p)

@@ -527,8 +527,14 @@ def _key_lines(text: str, source, plain: dict[str, str] | None = None) -> dict[s
     return lines
 
 
-def _yaml_error(source, e: yaml.YAMLError) -> str:
+def _yaml_error(source, e: yaml.YAMLError, text: str = "") -> str:
     """pyyaml's error as ``FILE:LINE:COL: invalid YAML: problem (context at LINE:COL)`` (1-based, like editors)."""
+    if isinstance(e, yaml.reader.ReaderError):  # a character YAML does not allow: pyyaml gives its offset only
+        pos = e.position
+        line, col = text.count("\n", 0, pos) + 1, pos - text.rfind("\n", 0, pos)
+        code = e.character if isinstance(e.character, int) else ord(e.character)
+        return (f"{source}:{line}:{col}: invalid YAML: character U+{code:04X} is not allowed "
+                "(remove it or write it as an escape inside double quotes)")
     mark = getattr(e, "problem_mark", None)
     if mark is None or not getattr(e, "problem", None):
         return f"{source}: invalid YAML ({e})"
@@ -566,12 +572,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
                                     "configs/smollm2-135m/lora.yaml)")
         if not p.is_file():
             raise FileNotFoundError(f"config file {p} not found (give a YAML file such as configs/smollm2-135m/lora.yaml)")
-        text = p.read_text()
+        raw = p.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:  # 1-based line and byte column, like a YAML error
+            line, col = raw.count(b"\n", 0, e.start) + 1, e.start - raw.rfind(b"\n", 0, e.start)
+            raise ValueError(f"{p}:{line}:{col}: not UTF-8 (byte 0x{raw[e.start]:02x}); "
+                             "save the file as UTF-8") from None
         try:
             d = yaml.safe_load(text) or {}
             lines = _key_lines(text, p, plain := {})
         except yaml.YAMLError as e:
-            raise ValueError(_yaml_error(p, e)) from None
+            raise ValueError(_yaml_error(p, e, text)) from None
         except ConfigError as e:  # a duplicate key: the message already names the file and both lines
             raise ValueError(str(e)) from None
         if not isinstance(d, dict):
