@@ -76,3 +76,10 @@ def test_a_control_character_in_the_config_names_its_line(tmp_path):
     p.write_bytes(b"optim:\n  lr: 0.001\x00\n")
     with pytest.raises(ValueError, match=rf"^{p}:2:\d+: invalid YAML"):
         load_config(p)
+
+
+def test_a_key_from_a_merge_names_its_section_line(tmp_path):
+    p = tmp_path / "merge.yaml"
+    p.write_text("optim: &o\n  lr: 0.1\nschedule:\n  <<: *o\n")
+    with pytest.raises(ValueError, match=rf"^{p}:3: unknown config key 'schedule\.lr'"):
+        load_config(p)

@@ -601,7 +601,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
             raise ValueError(f"{origin}: {e}") from None
         if not path:
             raise ValueError(str(e)) from None
-        line = None if key is None else lines.get(key)
+        line = None if key is None else lines.get(key) or lines.get(key.split(".", 1)[0])  # a '<<' merge: its section
         raise ValueError(f"{path}:{line}: {e}" if line else f"{path}: {e}") from None
 
 
