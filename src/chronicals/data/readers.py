@@ -184,6 +184,12 @@ def file_digest(path: Path) -> str:
 def read_file(path: Path) -> list[Record]:
     """All records of one file, in order. Text files are UTF-8, a leading byte-order mark is ignored."""
     kind = path.suffix.lower()
+    if kind in (".jsonl", ".json", ".csv"):
+        with open(path, "rb") as f:
+            head = f.read(2)
+        if head in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):  # PowerShell's `>` writes UTF-16: every line failed
+            raise DataError(f"{path}: UTF-16 (it starts with a UTF-16 byte-order mark), expected UTF-8; re-encode "
+                            "it: iconv -f utf-16 -t utf-8 FILE > NEW (PowerShell: Out-File -Encoding utf8)")
     if kind == ".jsonl":
         return _read_jsonl(path, path.read_bytes())
     if kind == ".json":
