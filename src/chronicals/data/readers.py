@@ -235,8 +235,10 @@ def _read_jsonl(path: Path, data: bytes) -> list[Record]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
+            cr = ("; the lines end in a bare carriage return ('\\r'), not '\\n': convert them "
+                  "(tr '\\r' '\\n' < FILE > NEW)" if "\r" in line.strip() and e.msg == "Extra data" else "")
             out.append(Record(where, None, f"invalid JSON ({e.msg} at column {e.colno}); "
-                                           "expected one JSON object per line"))
+                                           f"expected one JSON object per line{cr}"))
             continue
         except RecursionError:
             out.append(Record(where, None, f"{NESTED}; expected one JSON object per line"))
