@@ -122,3 +122,19 @@ def test_loader_state_missing_or_out_of_range():
         ld.load_state_dict({"epoch": 0})
     with pytest.raises(ValueError, match=r"load_state_dict: position=99 is not in 0..2"):
         ld.load_state_dict({**ld.state_dict(), "position": 99})
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv"])
+def test_utf16_file_names_the_encoding(tmp_path, suffix):
+    """PowerShell's ``>`` writes UTF-16 with a byte-order mark: one error for the file, with the right iconv."""
+    p = tmp_path / f"ps{suffix}"
+    p.write_bytes('{"text": "a"}\n'.encode("utf-16"))
+    with pytest.raises(DataError, match=rf"^{p}: UTF-16 \(it starts with a UTF-16 byte-order mark\).*iconv -f utf-16"):
+        read_file(p)
+
+
+def test_carriage_return_line_endings_are_named(tmp_path):
+    p = tmp_path / "mac.jsonl"
+    p.write_bytes(b'{"text": "a"}\r{"text": "b"}\r')  # classic Mac line ends: one line of two objects
+    rec = read_file(p)[0]
+    assert rec.data is None and "lines end in a bare carriage return" in rec.error
