@@ -83,3 +83,16 @@ def test_a_key_from_a_merge_names_its_section_line(tmp_path):
     p.write_text("optim: &o\n  lr: 0.1\nschedule:\n  <<: *o\n")
     with pytest.raises(ValueError, match=rf"^{p}:3: unknown config key 'schedule\.lr'"):
         load_config(p)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config", "x.yaml"], r"--config is not an option.*chronicals train x\.yaml"),
+    (["-v"], r"-v is not an option"),
+    (["optim.lr"], r"override 'optim\.lr' is not key=value"),
+    (["c.txt"], r"c\.txt: a config file must end in \.yaml or \.yml"),
+    (["a.yaml", "b.yaml"], r"one CONFIG\.yaml at most, got a\.yaml and b\.yaml"),
+])
+def test_train_arguments_that_are_neither_a_config_nor_an_override_say_what_to_do(argv, message, capsys):
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert __import__("re").search(message, err), err

@@ -44,17 +44,35 @@ def _setup_logging(verbose: bool = False) -> None:
     logging.getLogger("chronicals").setLevel(logging.INFO if _rank() == 0 else logging.WARNING)
 
 
+def _train_args_problem(paths: list[str]) -> str | None:
+    """What is wrong with the train arguments that are not overrides, or None: one CONFIG.yaml at most."""
+    for a in paths:
+        if a.startswith("--config"):
+            given = a.split("=", 1)[1] if "=" in a else next((p for p in paths if not p.startswith("-")), "CONFIG.yaml")
+            return f"{a.split('=', 1)[0]} is not an option: give the config file itself, as in chronicals train {given}"
+        if a.startswith("-"):
+            return f"{a} is not an option: train takes [CONFIG.yaml] [section.key=value ...]"
+        if not a.endswith((".yaml", ".yml")):
+            return f"{a}: a config file must end in .yaml or .yml (an override is section.key=value)"
+    if len(paths) > 1:
+        return f"one CONFIG.yaml at most, got {' and '.join(paths)}; set other values as section.key=value"
+    return None
+
+
 def cmd_train(argv: list[str]) -> int:
-    from .config import config_help, load_config
+    from .config import all_keys, config_help, load_config
 
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE + config_help())
         return 0
-    paths = [a for a in argv if "=" not in a]
-    overrides = [a for a in argv if "=" in a]
-    if len(paths) > 1 or (paths and not paths[0].endswith((".yaml", ".yml"))):
-        print(f"error: expected at most one CONFIG.yaml and key=value overrides, got {paths}\n"
-              "(see chronicals train --help)", file=sys.stderr)
+    sections = {k.split(".", 1)[0] for k in all_keys()}
+    # a key without '=' (optim.lr) goes to the overrides, whose error says key=value; an option is no override
+    paths = [a for a in argv if a.startswith("-") or ("=" not in a and (a.endswith((".yaml", ".yml"))
+                                                                         or a.split(".", 1)[0] not in sections))]
+    overrides = [a for a in argv if a not in paths]
+    problem = _train_args_problem(paths)
+    if problem:
+        print(f"error: {problem}\n(see chronicals train --help)", file=sys.stderr)
         return 2
     try:
         cfg = load_config(paths[0] if paths else None, overrides)
