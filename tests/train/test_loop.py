@@ -324,6 +324,9 @@ def test_a_missing_data_path_is_refused_before_the_model_loads(tmp_path, monkeyp
     (tmp_path / "train.jsonl").write_text('{"text": "hello"}\n')
     with pytest.raises(FileNotFoundError, match=r"data.eval_path=/no/held.jsonl: no such file or directory; fix"):
         train(tiny_config(tmp_path, data__path="train.jsonl", data__eval_path="/no/held.jsonl"))
+    with pytest.raises(FileNotFoundError, match=r"data.path=/data/\*.jsonl: no such file or directory; glob patterns "
+                                                r"are not expanded: give the directory that holds the files; fix"):
+        train(tiny_config(tmp_path, data__path="/data/*.jsonl"))
     assert not (tmp_path / "run").exists()
     not_a_checkpoint = tmp_path / "elsewhere"
     not_a_checkpoint.mkdir()

@@ -64,7 +64,9 @@ def check_data_paths(cfg: TrainConfig) -> None:
         if not path.exists():
             where = ("" if path.is_absolute() else
                      f" (relative paths are read from the working directory, {Path.cwd()})")
-            raise FileNotFoundError(f"{key}={value}: no such file or directory{where}; fix {key}")
+            glob = ("; glob patterns are not expanded: give the directory that holds the files"
+                    if any(ch in str(value) for ch in "*?[") else "")
+            raise FileNotFoundError(f"{key}={value}: no such file or directory{where}{glob}; fix {key}")
         _check_pyarrow(path)
         out = Path(cfg.train.out_dir).expanduser().resolve()
         if path.is_dir() and (out == path.resolve() or path.resolve() in out.parents):
