@@ -96,3 +96,31 @@ def test_train_arguments_that_are_neither_a_config_nor_an_override_say_what_to_d
     assert main(["train", *argv]) == 2
     err = capsys.readouterr().err
     assert __import__("re").search(message, err), err
+
+
+@pytest.mark.parametrize("text, message", [
+    ("optim.lr: 1e-4\n", r"c\.yaml:1: config key 'optim\.lr' is dotted: .*'optim:' on one line and '  lr: VALUE'"),
+    ("train:\n  lr: 1e-4\n", r"c\.yaml:2: unknown config key 'train\.lr'; did you mean optim\.lr or"),
+    ("lr: 1e-4\n", r"c\.yaml:1: unknown config key 'lr'; did you mean optim\.lr"),
+])
+def test_a_key_in_the_wrong_place_is_pointed_to_its_section(tmp_path, text, message):
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_config(tmp_path / "c.yaml")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lr=1e-4", r"did you mean optim\.lr or"),
+    ("OPTIM.LR=1e-4", r"did you mean optim\.lr or"),
+])
+def test_an_override_in_the_wrong_section_or_case_suggests_the_key(override, message):
+    with pytest.raises(ValueError, match=rf"^command line: unknown config key .*{message}"):
+        load_config(None, [override])
+
+
+def test_boolean_keys_take_1_and_0_as_bool_words_says(tmp_path):
+    (tmp_path / "c.yaml").write_text("lora:\n  enabled: 0\n")
+    assert load_config(tmp_path / "c.yaml", ["model.checkpointing=1"]).lora.enabled is False
+    assert load_config(None, ["model.checkpointing=1"]).model.checkpointing is True
+    with pytest.raises(ValueError, match=r"lora\.enabled=2 is invalid: expected true or false"):
+        load_config(None, ["lora.enabled=2"])

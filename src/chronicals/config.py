@@ -379,7 +379,13 @@ def all_keys() -> list[str]:
 def _unknown(key, choices: list[str]) -> ValueError:
     """An unknown section or dotted key (any YAML scalar: ``5:`` or ``~:`` arrive as int / None) with suggestions."""
     name = key if isinstance(key, str) else str(key)  # difflib compares strings only
-    near = difflib.get_close_matches(name, choices, n=3, cutoff=0.5)
+    if name in all_keys() and name not in choices:  # optim.lr: 1 at the top of a YAML file
+        section, field_name = name.split(".", 1)
+        return ConfigError(f"config key {name!r} is dotted: in a YAML file write it under its section, "
+                           f"'{section}:' on one line and '  {field_name}: VALUE' below it", name)
+    # the same field name under another section (train.lr, or lr alone) first, then spellings alike
+    same = [k for k in all_keys() if k.split(".", 1)[1] == name.rsplit(".", 1)[-1].lower() and k != name]
+    near = list(dict.fromkeys(same + difflib.get_close_matches(name.lower(), choices, n=3, cutoff=0.5)))[:3]
     hint = f"; did you mean {' or '.join(near)}?" if near else f"; known: {', '.join(choices)}"
     return ConfigError(f"unknown config key {key!r}{hint}", name)
 
@@ -400,6 +406,8 @@ def _coerce(key: str, value, typ):
     if typ is bool:
         if isinstance(value, bool):
             return value
+        if isinstance(value, int) and value in (0, 1):  # YAML reads 1 / 0 as integers; BOOL_WORDS has them
+            return bool(value)
         if isinstance(value, str) and value.lower() in BOOL_WORDS:
             return BOOL_WORDS[value.lower()]
         raise ConfigError(f"config {key}={value!r} is invalid: expected true or false", key)
