@@ -332,6 +332,9 @@ def test_a_missing_data_path_is_refused_before_the_model_loads(tmp_path, monkeyp
     not_a_checkpoint.mkdir()
     with pytest.raises(FileNotFoundError, match=r"train.resume=.*elsewhere holds no checkpoint \(no state.pt\)"):
         train(tiny_config(tmp_path, data__path="train.jsonl", train__resume=str(not_a_checkpoint)))
+    with pytest.raises(FileNotFoundError, match=r"train.resume=.*train.jsonl is a file, not a checkpoint; give a "
+                                                r"checkpoint directory \(out_dir/checkpoints/step-N\) or its state.pt"):
+        train(tiny_config(tmp_path, data__path="train.jsonl", train__resume=str(tmp_path / "train.jsonl")))
     (tmp_path / "data").mkdir()
     with pytest.raises(ValueError, match=r"train.out_dir=.*/data/run is inside data.path=data, whose files are all "
                                          r"read as data; put train.out_dir outside data"):

@@ -101,13 +101,16 @@ def check_out_dir(cfg: TrainConfig) -> None:
 
 
 def check_resume_path(cfg: TrainConfig) -> None:
-    """An explicit train.resume directory must hold a checkpoint (its state.pt): found before the model loads."""
+    """An explicit train.resume (the config has checked that it exists) must be a checkpoint directory (holding
+    state.pt) or a state.pt file: found before the model loads."""
     if cfg.train.resume in ("auto", "none"):
         return
     path = Path(cfg.train.resume).expanduser()
+    fix = f"give a checkpoint directory (out_dir/checkpoints/step-N) or its {STATE_FILE}, or train.resume=auto"
     if path.is_dir() and not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(f"train.resume={cfg.train.resume} holds no checkpoint (no {STATE_FILE}); give a "
-                                "checkpoint directory (out_dir/checkpoints/step-N), or train.resume=auto")
+        raise FileNotFoundError(f"train.resume={cfg.train.resume} holds no checkpoint (no {STATE_FILE}); {fix}")
+    if path.is_file() and path.name != STATE_FILE:  # load_checkpoint would try it and blame its directory
+        raise FileNotFoundError(f"train.resume={cfg.train.resume} is a file, not a checkpoint; {fix}")
 
 
 def check_cuda_graphs(cfg: TrainConfig, device) -> None:
