@@ -124,3 +124,32 @@ def test_boolean_keys_take_1_and_0_as_bool_words_says(tmp_path):
     assert load_config(None, ["model.checkpointing=1"]).model.checkpointing is True
     with pytest.raises(ValueError, match=r"lora\.enabled=2 is invalid: expected true or false"):
         load_config(None, ["lora.enabled=2"])
+
+
+def test_a_config_that_cannot_be_read_is_a_config_error(tmp_path, monkeypatch, capsys):
+    """A permission error (not reproducible as root, so faked) exits 2 with the file named, not 3 or 4."""
+    from pathlib import Path
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("train:\n  max_steps: 1\n")
+    real = Path.read_bytes
+
+    def denied(self):
+        if self == cfg:
+            raise PermissionError(13, "Permission denied")
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", denied)
+    with pytest.raises(ValueError, match=r"config file .*c\.yaml cannot be read \(Permission denied\); check its"):
+        load_config(cfg)
+    assert main(["train", str(cfg)]) == 2
+    assert "cannot be read" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n"])
+def test_an_empty_config_says_it_sets_nothing(tmp_path, caplog, text):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    with caplog.at_level("WARNING", logger="chronicals.config"):
+        load_config(cfg)
+    assert "c.yaml sets nothing: every key takes its default" in caplog.text

@@ -580,7 +580,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
                                     "configs/smollm2-135m/lora.yaml)")
         if not p.is_file():
             raise FileNotFoundError(f"config file {p} not found (give a YAML file such as configs/smollm2-135m/lora.yaml)")
-        raw = p.read_bytes()
+        try:
+            raw = p.read_bytes()
+        except OSError as e:  # permissions, a FIFO, an I/O error: a config error (exit 2), not an internal one
+            raise ValueError(f"config file {p} cannot be read ({e.strerror or e}); check its permissions") from None
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:  # 1-based line and byte column, like a YAML error
@@ -596,6 +599,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
             raise ValueError(str(e)) from None
         if not isinstance(d, dict):
             raise ValueError(f"{p}: expected a mapping of sections (model, data, lora, ...), got {type(d).__name__}")
+        if not d:  # an empty or comment-only file is valid YAML, but likely not what was meant
+            log.warning("config %s sets nothing: every key takes its default (the embedded demo's model and data)", p)
         for key, written in plain.items():  # a string key as written: YAML reads yes as True, 0x10 as 16
             section, name = key.split(".", 1)
             if _is_str_key(key) and not isinstance(d[section][name], str) and d[section][name] is not None:
