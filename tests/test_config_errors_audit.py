@@ -153,3 +153,16 @@ def test_an_empty_config_says_it_sets_nothing(tmp_path, caplog, text):
     with caplog.at_level("WARNING", logger="chronicals.config"):
         load_config(cfg)
     assert "c.yaml sets nothing: every key takes its default" in caplog.text
+
+
+def test_a_config_path_with_an_equals_sign_is_read_as_the_config(tmp_path, capsys):
+    """runs/lr=3e-4/x.yaml is an existing file, not an override of a key 'runs/lr'; data.path=x.yaml stays one."""
+    cfg = tmp_path / "lr=3e-4" / "x.yaml"
+    cfg.parent.mkdir()
+    cfg.write_text("optim:\n  lr: abc\n")
+    assert main(["train", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert f"{cfg}:2" in err and "optim.lr" in err and "unknown" not in err
+    assert main(["train", "data.path=" + str(cfg), "data.format=nope"]) == 2  # overrides: the file is not read
+    err = capsys.readouterr().err
+    assert "command line: config data.format='nope'" in err and f"{cfg}:" not in err

@@ -66,9 +66,17 @@ def cmd_train(argv: list[str]) -> int:
         print(USAGE + config_help())
         return 0
     sections = {k.split(".", 1)[0] for k in all_keys()}
-    # a key without '=' (optim.lr) goes to the overrides, whose error says key=value; an option is no override
-    paths = [a for a in argv if a.startswith("-") or ("=" not in a and (a.endswith((".yaml", ".yml"))
-                                                                         or a.split(".", 1)[0] not in sections))]
+    # a key without '=' (optim.lr) goes to the overrides, whose error says key=value; an option is no override; an
+    # existing .yaml file is the config even with '=' in its path (runs/lr=3e-4/x.yaml), unless its text before the
+    # '=' names a key section (data.path=x.yaml sets data.path)
+    def is_path(a: str) -> bool:
+        if a.startswith("-"):
+            return True
+        if "=" in a:
+            return a.endswith((".yaml", ".yml")) and a.split(".", 1)[0] not in sections and Path(a).is_file()
+        return a.endswith((".yaml", ".yml")) or a.split(".", 1)[0] not in sections
+
+    paths = [a for a in argv if is_path(a)]
     overrides = [a for a in argv if a not in paths]
     problem = _train_args_problem(paths)
     if problem:
