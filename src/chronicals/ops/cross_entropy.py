@@ -239,7 +239,7 @@ def linear_ce_chunked(hidden, weight, labels, bias, scale, lse_in, *, ignore_ind
     one_pass = compute_lse and grad and not need_dw and not need_db and _one_pass_ok(hidden)
     rho = torch.empty(n if one_pass else 0, device=dev, dtype=torch.float32)
     gamma = torch.empty_like(rho)
-    acc_dt = torch.float32 if dt in (torch.bfloat16, torch.float16) else dt
+    acc_dt = torch.float32 if dt == torch.bfloat16 else dt  # one pass runs on bf16, fp32 and fp64 (_one_pass_ok)
     dh_acc = torch.empty((c, h) if one_pass and need_dh else (0,), device=dev, dtype=acc_dt)
     for r0 in range(0, n, c):
         rows = min(c, n - r0)
