@@ -49,6 +49,16 @@ def _load_logits(ptrs, bias_ptrs, mask, softcap, HAS_BIAS: tl.constexpr, HAS_SOF
     return z, t
 
 
+@triton.jit
+def _logit_tile(row_ptrs, BIAS_ptr, rmask, cols, v0, V, softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """The (BLOCK_R, BLOCK_V) tile of logits at columns v0 + cols -> (offs, mask, z, t): z in fp32 and -inf where
+    masked (outside V or a padded row), t as ``_load_logits`` gives it."""
+    offs = v0 + cols
+    mask = rmask[:, None] & (offs < V)
+    z, t = _load_logits(row_ptrs + offs, BIAS_ptr + offs, mask, softcap, HAS_BIAS, HAS_SOFTCAP)
+    return offs, mask, tl.where(mask, z, float("-inf")), t
+
+
 LOG2E = tl.constexpr(1.4426950408889634)  # a jit kernel reads module globals only as constexpr
 # One-pass rows (``ONE_PASS``) write w = exp(z - c), c starting at the row's target logit; w overflows bf16 / fp32
 # near z - c = 88. When a vocab tile's largest logit exceeds c by more than this, c moves up to it and the row's
@@ -67,10 +77,7 @@ def _online_lse(row_ptrs, BIAS_ptr, rmask, cols, V, softcap, HAS_BIAS: tl.conste
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_R], tl.float32)
     for v0 in range(0, V, BLOCK_V):
-        offs = v0 + cols
-        mask = rmask[:, None] & (offs < V)
-        z, t = _load_logits(row_ptrs + offs, BIAS_ptr + offs, mask, softcap, HAS_BIAS, HAS_SOFTCAP)
-        z = tl.where(mask, z, float("-inf"))
+        offs, mask, z, t = _logit_tile(row_ptrs, BIAS_ptr, rmask, cols, v0, V, softcap, HAS_BIAS, HAS_SOFTCAP)
         m_new = tl.maximum(tl.maximum(m, tl.max(z, 1)), -1e30)  # -1e30: padded rows stay finite
         s = s * tl.exp2((m - m_new) * LOG2E) + tl.sum(tl.exp2((z - m_new[:, None]) * LOG2E), 1)
         m = m_new
@@ -134,10 +141,8 @@ def _lce_rows_kernel(L_ptr, l_row_stride, LABELS_ptr, BIAS_ptr, SCALE_ptr, scale
                 c = tl.where(ok, z_t, 0.0)  # the reference: w = exp(z - c), s = sum of w (before softcap')
                 s = tl.zeros([BLOCK_R], tl.float32)
                 for v0 in range(0, V, BLOCK_V):
-                    offs = v0 + cols
-                    mask = rmask[:, None] & (offs < V)
-                    z, t = _load_logits(row_ptrs + offs, BIAS_ptr + offs, mask, softcap, HAS_BIAS, HAS_SOFTCAP)
-                    z = tl.where(mask, z, float("-inf"))
+                    offs, mask, z, t = _logit_tile(row_ptrs, BIAS_ptr, rmask, cols, v0, V, softcap, HAS_BIAS,
+                                                   HAS_SOFTCAP)
                     z_max = tl.max(z, 1)
                     jump = ok & (z_max > c + _MAX_GAP)
                     if tl.max(jump.to(tl.int32), 0) > 0:  # rare: move c up to this tile's max, rescale what is written
