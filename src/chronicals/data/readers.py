@@ -44,6 +44,13 @@ class DataError(ValueError):
     """A dataset problem, phrased as ``file:line: what is wrong, what was expected``."""
 
 
+def glob_hint(path) -> str:
+    """'; glob patterns are not expanded: ...' for a missing path with * ? [ in it (the shell's job, not ours),
+    else ''. Appended to the not-found errors of ``resolve_files`` and of the trainer's pre-check."""
+    return ("; glob patterns are not expanded: give the directory that holds the files"
+            if set("*?[") & set(str(path)) else "")
+
+
 def resolve_files(paths) -> list[Path]:
     """Paths (files, directories, save_to_disk directories) -> the data files to read, in order.
 
@@ -61,9 +68,8 @@ def resolve_files(paths) -> list[Path]:
     for p in map(Path, paths):
         p = p.expanduser()
         if not p.exists():
-            glob = "; patterns are not expanded: pass the directory, or the files" if set("*?[") & set(p.name) else ""
             raise DataError(f"{p}: no such file or directory (expected a data file {'/'.join(SUFFIXES)} "
-                            f"or a directory of them{glob})")
+                            f"or a directory of them{glob_hint(p)})")
         if p.is_file():
             if p.suffix.lower() not in SUFFIXES + (".arrow",):
                 raise DataError(f"{p}: unsupported file type {p.suffix!r} (expected one of {', '.join(SUFFIXES)})")

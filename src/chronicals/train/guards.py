@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from ..config import DEMO, ConfigError, TrainConfig
-from ..data.readers import pyarrow_modules
+from ..data.readers import glob_hint, pyarrow_modules
 from .checkpoint import STATE_FILE
 
 ARROW_SUFFIXES = (".parquet", ".arrow")  # the files data/readers.py reads through pyarrow
@@ -64,9 +64,7 @@ def check_data_paths(cfg: TrainConfig) -> None:
         if not path.exists():
             where = ("" if path.is_absolute() else
                      f" (relative paths are read from the working directory, {Path.cwd()})")
-            glob = ("; glob patterns are not expanded: give the directory that holds the files"
-                    if any(ch in str(value) for ch in "*?[") else "")
-            raise FileNotFoundError(f"{key}={value}: no such file or directory{where}{glob}; fix {key}")
+            raise FileNotFoundError(f"{key}={value}: no such file or directory{where}{glob_hint(value)}; fix {key}")
         _check_pyarrow(path)
         out = Path(cfg.train.out_dir).expanduser().resolve()
         if path.is_dir() and (out == path.resolve() or path.resolve() in out.parents):
