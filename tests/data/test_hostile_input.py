@@ -87,6 +87,9 @@ def test_glob_pattern_is_named(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"text": "a"}\n')
     with pytest.raises(DataError, match=r"\*\.jsonl: no such file or directory .*patterns are not expanded"):
         resolve_files(str(tmp_path / "*.jsonl"))
+    (tmp_path / "run1").mkdir()
+    with pytest.raises(DataError, match=r"glob patterns are not expanded: give the directory"):
+        resolve_files(str(tmp_path / "run*" / "train.jsonl"))  # the pattern in a folder's name
 
 
 def test_no_paths(tmp_path):
