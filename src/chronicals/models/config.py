@@ -80,12 +80,23 @@ class ModelConfig:
     # ---- Hugging Face config.json ----
     @classmethod
     def from_hf_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"{source}: expected a JSON object of model settings, found {type(d).__name__}; "
+                             "copy config.json from the original model again")
         if "model_type" not in d:
             raise ValueError(f"{source}: missing field 'model_type' (expected one of {SUPPORTED_MODEL_TYPES})")
         mt = d["model_type"]
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"{source}: model_type {mt!r} is not supported; supported: "
                              f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama 2/3.x, SmolLM2, Mistral, Qwen2/2.5, Qwen3)")
+        bad = _bad_field(d)
+        if bad:
+            raise ValueError(f"{source}: {bad}; fix config.json (copy it from the original model)")
+        if not d.get("head_dim") and d.get("hidden_size") and d.get("num_attention_heads") \
+                and d["hidden_size"] % d["num_attention_heads"]:
+            raise ValueError(f"{source}: hidden_size={d['hidden_size']} is not a multiple of num_attention_heads="
+                             f"{d['num_attention_heads']} and no head_dim is given; config.json is wrong, or "
+                             "names head_dim under another key")
         try:
             heads = d["num_attention_heads"]
             rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
@@ -114,10 +125,13 @@ class ModelConfig:
         extra = {k: v for k, v in d.items() if k not in known and k not in ("rope_parameters", "rope_scaling")}
         if known["sliding_window"] is None and d.get("sliding_window") is not None:
             extra["sliding_window"] = d["sliding_window"]  # unused by every layer: written back unchanged
-        cfg = cls(**known, extra=extra)
+        try:
+            cfg = cls(**known, extra=extra)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
         try:  # the rope parameters are checked here, where the file is known, not at the first forward
             rope_inv_freq(cfg)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             raise ValueError(f"{source}: {e}; chronicals cannot load this model (its rotary positions would "
                              "differ from transformers')") from None
         except KeyError as e:
@@ -129,9 +143,15 @@ class ModelConfig:
     def from_json(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
         try:
-            d = json.loads(path.read_text())
+            d = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise FileNotFoundError(f"{path}: config.json not found; a Hugging Face model directory needs one") from None
+        except IsADirectoryError:
+            raise ValueError(f"{path}: is a directory, not a file; a Hugging Face model directory holds a "
+                             "config.json file") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text (byte {e.start}), so not a config.json; copy it from the "
+                             "original model again") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
         return cls.from_hf_dict(d, source=str(path))
@@ -153,6 +173,57 @@ class ModelConfig:
         d["hidden_act"] = "silu"
         d["architectures"] = [_ARCH[self.model_type]]
         return d
+
+
+# config.json fields whose type is checked before any is used: a string "false" is truthy, "32" is no size
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
+_ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
+_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _bad_field(d: dict) -> str | None:
+    """What is wrong with the type or range of one of config.json's fields we use, or None. None (null) stands for
+    "not set" where HF's configs allow it (num_key_value_heads, head_dim, sliding_window)."""
+    for k in _POSITIVE_INTS:
+        if k not in d:
+            continue  # a required one missing is named by from_hf_dict
+        v = d[k]
+        if v is None and k in _OPTIONAL_INTS or v == 0 and k in ("num_key_value_heads", "head_dim"):
+            continue  # not set: the default (heads; hidden_size / heads)
+        if not (_is_int(v) and v >= 1):
+            return f"{k}={v!r} must be an integer >= 1"
+    for k in _BOOLS:
+        v = d.get(k)
+        if v is not None and not isinstance(v, bool):
+            return f"{k}={v!r} must be true or false (a JSON boolean, not a string or number)"
+    for k, lo in (("rms_norm_eps", 0.0), ("rope_theta", None), ("partial_rotary_factor", None)):
+        v = d.get(k)
+        if v is not None and not (_is_number(v) and (v >= lo if lo is not None else v > 0)):
+            return f"{k}={v!r} must be a number {'>= 0' if lo is not None else '> 0'}"
+    for k in ("rope_parameters", "rope_scaling"):
+        v = d.get(k)
+        if v is None:
+            continue
+        if not isinstance(v, dict):
+            return f"{k}={v!r} must be an object (such as {{\"rope_type\": \"linear\", \"factor\": 2.0}}) or null"
+        for rk in _ROPE_NUMBERS:  # the ones rope_inv_freq reads (other rope types are refused there)
+            rv = v.get(rk)
+            if rv is not None and not (_is_number(rv) and rv > 0):
+                return f"{k}.{rk}={rv!r} must be a number > 0"
+    prf = d.get("partial_rotary_factor")
+    if prf is not None and prf > 1:
+        return f"partial_rotary_factor={prf!r} must be in (0, 1]"
+    return None
 
 
 def _sliding_window(d: dict, model_type: str) -> int | None:

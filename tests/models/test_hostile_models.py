@@ -1,0 +1,70 @@
+"""Hostile inputs to model and adapter I/O (load_model, save_model, load_adapter / save_adapter, export, chat):
+each is one error naming the file (and field) with what to do, or a right result; nothing half-written stays."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import chronicals
+from chronicals.models import CausalLM, ModelConfig
+
+
+def _model(tiny_hf_config, family="llama2", seed=0, **overrides) -> CausalLM:
+    return CausalLM(ModelConfig.from_hf_dict(tiny_hf_config(family, **overrides))).init_weights(seed=seed)
+
+
+@pytest.fixture
+def saved(tmp_path, tiny_hf_config):
+    """A tiny untied Llama saved as an HF directory (no tokenizer)."""
+    return chronicals.save_model(_model(tiny_hf_config), None, tmp_path / "m")
+
+
+def _edit_config(d, **fields):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(fields)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+# ---------------------------------------------------------------- config.json
+@pytest.mark.parametrize("fields,says", [
+    # a string "false" is truthy: it tied the head to the embedding and dropped the checkpoint's lm_head
+    ({"tie_word_embeddings": "false"}, r"tie_word_embeddings='false' must be true or false"),
+    ({"attention_bias": "no"}, r"attention_bias='no' must be true or false"),  # was 'missing tensors ...bias'
+    ({"hidden_size": "32"}, r"hidden_size='32' must be an integer >= 1"),  # was a TypeError from torch.empty
+    ({"vocab_size": None}, r"vocab_size=None must be an integer >= 1"),
+    ({"num_hidden_layers": -1}, r"num_hidden_layers=-1 must be an integer >= 1"),
+    ({"num_attention_heads": 0, "head_dim": None}, r"num_attention_heads=0 must be an integer >= 1"),  # ZeroDivision
+    ({"rms_norm_eps": "1e-6"}, r"rms_norm_eps='1e-6' must be a number >= 0"),  # failed at the first forward
+    ({"rope_parameters": {"rope_theta": 0}}, r"rope_parameters\.rope_theta=0 must be a number > 0"),  # NaN logits
+    ({"rope_parameters": [1, 2]}, r"rope_parameters=\[1, 2\] must be an object"),  # a bare TypeError
+    ({"rope_parameters": {"rope_type": "linear", "factor": "2"}}, r"rope_parameters\.factor='2' must be a number"),
+    ({"sliding_window": "abc", "model_type": "mistral"}, r"sliding_window='abc' must be an integer"),
+    ({"num_attention_heads": 5, "num_key_value_heads": 5, "head_dim": None},  # was a shape mismatch of k_proj
+     r"hidden_size=32 is not a multiple of num_attention_heads=5 and no head_dim is given"),
+    ({"num_key_value_heads": 3}, r"num_attention_heads=4 is not a multiple of num_key_value_heads=3"),  # no file
+])
+def test_config_field_of_a_wrong_type_or_range_names_file_and_field(saved, fields, says):
+    _edit_config(saved, **fields)
+    with pytest.raises(ValueError, match=rf"^{saved / 'config.json'}: {says}"):
+        chronicals.load_model(saved, tokenizer=False)
+
+
+@pytest.mark.parametrize("content,says", [
+    (b"null", r"expected a JSON object of model settings, found NoneType"),  # was TypeError: not iterable
+    (b"[1, 2]", r"expected a JSON object of model settings, found list"),  # was "missing field 'model_type'"
+    (b"\xff\xfe{\x00}\x00", r"not UTF-8 text \(byte 0\)"),  # was a bare UnicodeDecodeError
+])
+def test_config_json_that_is_no_object_names_the_file(saved, content, says):
+    (saved / "config.json").write_bytes(content)
+    with pytest.raises(ValueError, match=rf"^{saved / 'config.json'}: {says}"):
+        chronicals.load_model(saved, tokenizer=False)
+
+
+def test_config_json_that_is_a_directory_says_so(saved):
+    (saved / "config.json").unlink()
+    (saved / "config.json").mkdir()
+    with pytest.raises(ValueError, match=rf"{saved / 'config.json'}: is a directory, not a file"):
+        chronicals.load_model(saved, tokenizer=False)
