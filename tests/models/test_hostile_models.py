@@ -68,3 +68,31 @@ def test_config_json_that_is_a_directory_says_so(saved):
     (saved / "config.json").mkdir()
     with pytest.raises(ValueError, match=rf"{saved / 'config.json'}: is a directory, not a file"):
         chronicals.load_model(saved, tokenizer=False)
+
+
+# ---------------------------------------------------------------- output paths
+def test_an_output_path_through_dotdot_replaces_the_directory_it_names(tmp_path, tiny_hf_config):
+    """out = m/../m: once m was moved aside the path stopped resolving, the new model was never published and the
+    previous one was left under a hidden temporary name (the output lost)."""
+    out = chronicals.save_model(_model(tiny_hf_config, seed=0), None, tmp_path / "m")
+    new = _model(tiny_hf_config, seed=1)
+    chronicals.save_model(new, None, out / ".." / "m")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    got = chronicals.load_model(out, tokenizer=False)[0]
+    assert torch.equal(got.lm_head.weight, new.lm_head.weight)
+
+
+def test_an_output_symlink_is_written_through(tmp_path, tiny_hf_config):
+    """A symlink to a directory (runs/latest -> ...) was renamed aside and left as a stray .old link, the target
+    never written; a dangling one failed with 'appeared while writing it'."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    (tmp_path / "dangling").symlink_to(tmp_path / "later")
+    model = _model(tiny_hf_config)
+    chronicals.save_model(model, None, tmp_path / "link")
+    chronicals.save_model(model, None, tmp_path / "dangling")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "later", "link", "real"]
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "dangling").is_symlink()
+    for d in (real, tmp_path / "later"):
+        assert sorted(p.name for p in d.iterdir()) == ["config.json", "model.safetensors"]

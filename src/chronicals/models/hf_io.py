@@ -68,6 +68,29 @@ def _temp_pattern(name: str) -> re.Pattern:
     return re.compile(rf"\.{re.escape(name)}\.tmp-\d+-[0-9a-f]{{8}}")
 
 
+def output_path(out_dir: str | Path) -> Path:
+    """The directory a write of ``out_dir`` replaces: absolute, with ``..`` resolved, through a symlink.
+
+    The renames need it: ``adapter/../adapter`` stops resolving once ``adapter`` is moved aside (the old output was
+    left under the temporary name and the new one never published), and a symlink was itself renamed aside and
+    replaced by a directory, leaving the link as a stray ``.old`` and its target unwritten."""
+    return Path(out_dir).expanduser().resolve()
+
+
+def check_output_dir(out_dir: str | Path, owned: tuple[str, ...] | None = None) -> None:
+    """The checks ``atomic_dir`` makes before writing, for callers that want them before a long load (export):
+    ``out_dir`` is no file, nor under one, and holds nothing but ``owned`` entries (None: not checked)."""
+    out = output_path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory; choose another output path")
+    parent = next((p for p in out.parents if p.exists()), None)  # the nearest existing ancestor
+    if parent is not None and not parent.is_dir():  # mkdir would say only "[Errno 17] File exists"
+        raise NotADirectoryError(f"{parent} is a file, not a directory, so {out} cannot be created under it; "
+                                 "choose another output path")
+    if owned is not None:
+        refuse_foreign_files(out, owned)
+
+
 @contextmanager
 def atomic_dir(out_dir: str | Path, *, replace: bool = True, owned: tuple[str, ...] | None = None):
     """Yield an empty temporary directory beside ``out_dir``; on success rename it to ``out_dir``.
@@ -82,16 +105,9 @@ def atomic_dir(out_dir: str | Path, *, replace: bool = True, owned: tuple[str, .
     the two renames leaves no ``out_dir`` until the next call, which first renames it back (a write that did
     not finish leaves ``out_dir`` as it was); one killed after them leaves a stale copy, which the next removes.
     """
-    out = Path(out_dir)
+    out = output_path(out_dir)
     recover_replaced(out, _temp_pattern(out.name))  # first: the checks below must see a restored out_dir
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"{out} exists and is not a directory; choose another output path")
-    parent = next((p for p in out.absolute().parents if p.exists()), None)  # the nearest existing ancestor
-    if parent is not None and not parent.is_dir():  # mkdir would say only "[Errno 17] File exists"
-        raise NotADirectoryError(f"{parent} is a file, not a directory, so {out} cannot be created under it; "
-                                 "choose another output path")
-    if owned is not None and replace:
-        refuse_foreign_files(out, owned)
+    check_output_dir(out, owned if replace else None)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_orphans(out.parent, _temp_pattern(out.name))  # a killed earlier write's, before this one needs the space
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
