@@ -96,3 +96,72 @@ def test_an_output_symlink_is_written_through(tmp_path, tiny_hf_config):
     assert (tmp_path / "link").is_symlink() and (tmp_path / "dangling").is_symlink()
     for d in (real, tmp_path / "later"):
         assert sorted(p.name for p in d.iterdir()) == ["config.json", "model.safetensors"]
+
+
+# ---------------------------------------------------------------- safetensors files
+def _tensors(f):
+    from safetensors.torch import load_file
+
+    return load_file(str(f))
+
+
+def test_an_integer_tensor_is_refused_not_cast(saved):
+    """An I32 / I8 / BOOL tensor (a quantized checkpoint's) was cast into the float weights without a word."""
+    from safetensors.torch import save_file
+
+    sd = _tensors(saved / "model.safetensors")
+    sd["model.layers.0.mlp.up_proj.weight"] = sd["model.layers.0.mlp.up_proj.weight"].to(torch.int8)
+    save_file(sd, str(saved / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"{saved / 'model.safetensors'}: tensor model\.layers\.0\.mlp\.up_proj\."
+                                         r"weight is stored as I8, not as floating point.*dequantized first"):
+        chronicals.load_model(saved, tokenizer=False)
+
+
+def _shard(saved, weight_map=None, text=None):
+    """Move model.safetensors to one shard and write an index (``weight_map``, or ``text`` as it is)."""
+    (saved / "model.safetensors").rename(saved / "model-00001-of-00001.safetensors")
+    if text is None:
+        text = json.dumps({"weight_map": weight_map})
+    (saved / "model.safetensors.index.json").write_text(text)
+
+
+@pytest.mark.parametrize("weight_map,says", [
+    (["x"], r"'weight_map' is a list"),  # was AttributeError: 'list' object has no attribute 'values'
+    ({"model.norm.weight": 3}, r"tensor 'model\.norm\.weight' is mapped to 3"),  # was TypeError: PosixPath / int
+    ({"model.norm.weight": "/etc/passwd"}, r"tensor .* is mapped to '/etc/passwd', not to a file name in"),  # read /etc/passwd
+    ({"model.norm.weight": "../m2/model.safetensors"}, r"tensor .* is mapped to '\.\./m2/model\.safetensors'"),
+])
+def test_a_shard_index_of_the_wrong_shape_names_the_index(saved, weight_map, says):
+    _shard(saved, weight_map)
+    with pytest.raises(ValueError, match=rf"{saved / 'model.safetensors.index.json'}: not a valid safetensors index "
+                                         rf"\({says}"):
+        chronicals.load_model(saved, tokenizer=False)
+
+
+def test_a_shard_index_not_utf8_names_the_index(saved):
+    _shard(saved, text="")
+    (saved / "model.safetensors.index.json").write_bytes(b"\xff\xfe{\x00}\x00")  # was a bare UnicodeDecodeError
+    with pytest.raises(ValueError, match=r"index\.json: not a valid safetensors index .*can't decode byte 0xff"):
+        chronicals.load_model(saved, tokenizer=False)
+
+
+def test_a_tensor_in_two_shards_is_refused(saved):
+    """The last file read won, whatever the index said."""
+    from safetensors.torch import save_file
+
+    sd = _tensors(saved / "model.safetensors")
+    _shard(saved, {k: "model-00001-of-00001.safetensors" for k in sd})
+    save_file({"model.norm.weight": torch.zeros(32)}, str(saved / "model-00002-of-00002.safetensors"))
+    index = json.loads((saved / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.0.input_layernorm.weight"] = "model-00002-of-00002.safetensors"
+    (saved / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"tensor model\.norm\.weight is stored twice, in "
+                                         r"model-00001-of-00001\.safetensors and model-00002-of-00002\.safetensors"):
+        chronicals.load_model(saved, tokenizer=False)
+
+
+def test_model_safetensors_that_is_a_directory_says_so(saved):
+    (saved / "model.safetensors").unlink()
+    (saved / "model.safetensors").mkdir()  # was "no model.safetensors (found: config.json, model.safetensors)"
+    with pytest.raises(ValueError, match=rf"{saved / 'model.safetensors'}: is a directory, not a file"):
+        chronicals.load_model(saved, tokenizer=False)

@@ -175,12 +175,23 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     """The safetensors files of an HF directory: the single file, or every shard its index names."""
     if (model_dir / SINGLE_FILE).is_file():
         return [model_dir / SINGLE_FILE]
+    for name in (SINGLE_FILE, INDEX_FILE):
+        if (model_dir / name).exists() and not (model_dir / name).is_file():
+            raise ValueError(f"{model_dir / name}: is a directory, not a file; copy the checkpoint again")
     index = model_dir / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index}: not a valid safetensors index (needs a 'weight_map' object): {e}") from None
+        bad = None if isinstance(weight_map, dict) else f"'weight_map' is a {type(weight_map).__name__}"
+        for tensor, shard in (weight_map.items() if bad is None else ()):
+            if not isinstance(shard, str) or not shard or Path(shard).name != shard:  # ../x, /etc/x: not a shard
+                bad = f"tensor {tensor!r} is mapped to {shard!r}, not to a file name in {model_dir}"
+                break
+        if bad:
+            raise ValueError(f"{index}: not a valid safetensors index ({bad}; expected \"weight_map\": "
+                             "{tensor name: shard file name}); copy the checkpoint again")
         files = [model_dir / f for f in dict.fromkeys(weight_map.values())]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -256,9 +267,17 @@ def load_hf_dir(model_dir: str | Path, *, dtype: torch.dtype | None = None, devi
             for name in fh.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                     continue
+                if name in where:  # which copy to take is a guess: the last one read was taken
+                    raise ValueError(f"{model_dir}: tensor {name} is stored twice, in {where[name].name} and "
+                                     f"{f.name}; remove the stale shard (its index names the right one)")
                 where[name] = f
+                st_dtype = fh.get_slice(name).get_dtype()
+                if not st_dtype.startswith(("F", "BF")):  # an int/bool tensor was cast into the weights silently
+                    raise ValueError(f"{f}: tensor {name} is stored as {st_dtype}, not as floating point; chronicals "
+                                     "reads float checkpoints (F32, F16, BF16): a quantized one (GPTQ, AWQ, "
+                                     "bitsandbytes) must be dequantized first, or load its unquantized release")
                 if name == "model.embed_tokens.weight":
-                    file_dtype = _ST_DTYPES.get(fh.get_slice(name).get_dtype())
+                    file_dtype = _ST_DTYPES.get(st_dtype)
     missing, unexpected = want - set(where), set(where) - want
     if missing or unexpected:
         msg = f"{model_dir}: the checkpoint does not match config.json ({cfg.model_type}, " \
