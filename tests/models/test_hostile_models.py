@@ -165,3 +165,40 @@ def test_model_safetensors_that_is_a_directory_says_so(saved):
     (saved / "model.safetensors").mkdir()  # was "no model.safetensors (found: config.json, model.safetensors)"
     with pytest.raises(ValueError, match=rf"{saved / 'model.safetensors'}: is a directory, not a file"):
         chronicals.load_model(saved, tokenizer=False)
+
+
+# ---------------------------------------------------------------- GGUF files
+def _gguf(tmp_path, tiny_hf_config, name, sd_edit=None, arch="llama", **cfg_overrides):
+    from test_gguf import write_gguf  # tests/models/test_gguf.py: llama.cpp's layout
+
+    cfg = tiny_hf_config("llama2")
+    sd = dict(_model(tiny_hf_config).state_dict())
+    if sd_edit:
+        sd_edit(sd)
+    path = tmp_path / name
+    write_gguf(path, arch, {**cfg, **cfg_overrides}, sd, quantize=False)
+    return path
+
+
+@pytest.mark.parametrize("name,edit,overrides,says", [
+    ("shape.gguf", lambda sd: sd.__setitem__("model.layers.0.mlp.up_proj.weight", torch.zeros(40, 32)), {},
+     r"tensors of other shapes: model\.layers\.0\.mlp\.up_proj\.weight \(40, 32\) \(expected \(56, 32\)\)"),
+    ("missing.gguf", lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight"), {},
+     r"missing tensors: model\.layers\.1\.mlp\.up_proj\.weight"),
+    ("layers.gguf", None, {"num_hidden_layers": 1}, r"\(llama, 1 layers, hidden 32\); tensors beyond them: "
+                                                    r"model\.layers\.1\.input_layernorm\.weight"),
+])
+def test_gguf_tensors_that_disagree_with_its_metadata_name_the_gguf(tmp_path, tiny_hf_config, chronicals_cache, name,
+                                                                    edit, overrides, says):
+    """The conversion was cached first, then refused as a mismatch of the cache directory's config.json, with the
+    hint about LoRA adapters: the .gguf file was never named."""
+    path = _gguf(tmp_path, tiny_hf_config, name, edit, **overrides)
+    with pytest.raises(ValueError, match=rf"^{path}: the tensors do not match the file's metadata .*{says}"):
+        chronicals.load_model(path, tokenizer=False)
+    assert not list((chronicals_cache / "gguf").glob(f"{path.stem}-*"))  # nothing cached
+
+
+def test_gguf_with_zero_heads_names_the_gguf(tmp_path, tiny_hf_config):
+    path = _gguf(tmp_path, tiny_hf_config, "heads.gguf", arch="qwen2", num_attention_heads=0, head_dim=8)  # 1 // 0
+    with pytest.raises(ValueError, match=rf"^{path}: metadata qwen2\.attention\.head_count=0"):
+        chronicals.load_model(path, tokenizer=False)

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from .config import ModelConfig
-from .hf_io import atomic_dir, write_state_dict
+from .decoder import CausalLM
+from .hf_io import atomic_dir, expected_names, write_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,9 @@ def gguf_config(reader, source: str = "gguf") -> dict:
     names = {t.name for t in reader.tensors}
     hidden = int(get("embedding_length", required=True))
     heads = int(get("attention.head_count", required=True))
+    if heads < 1 or hidden < 1:
+        raise ValueError(f"{source}: metadata {arch}.attention.head_count={heads}, {arch}.embedding_length={hidden}: "
+                         "both must be >= 1; the file's metadata is damaged, copy or convert it again")
     head_dim = int(get("attention.key_length", hidden // heads))
     vocab = get("vocab_size")
     if vocab is None:
@@ -206,6 +210,23 @@ def gguf_state_dict(reader, cfg: dict, source: str = "gguf") -> dict[str, torch.
     return out
 
 
+def _check_tensors(sd: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> None:
+    """ValueError naming the GGUF file when its tensors are not those (names, shapes) its metadata implies."""
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in CausalLM(cfg).state_dict().items()}
+    missing, unexpected = expected_names(cfg) - set(sd), set(sd) - set(shapes)
+    wrong = [f"{k} {tuple(v.shape)} (expected {shapes[k]})" for k, v in sd.items()
+             if k in shapes and tuple(v.shape) != shapes[k]]
+    if missing or unexpected or wrong:
+        problems = [f"{what}: {', '.join(sorted(names)[:4])}{f' ({len(names)} in all)' if len(names) > 4 else ''}"
+                    for what, names in (("missing tensors", missing), ("tensors beyond them", unexpected),
+                                        ("tensors of other shapes", wrong)) if names]
+        raise ValueError(f"{source}: the tensors do not match the file's metadata ({cfg.model_type}, "
+                         f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}); {'; '.join(problems)} "
+                         "(HF names); the file is damaged or was written by a converter we do not know: convert the "
+                         "model again with llama.cpp's convert_hf_to_gguf.py, or load its safetensors release")
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("CHRONICALS_CACHE") or Path.home() / ".cache" / "chronicals")
 
@@ -237,6 +258,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = 
     sd = gguf_state_dict(reader, cfg_dict, source)
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
+    _check_tensors(sd, cfg, source)  # here, naming the .gguf: the cached directory's error would name the cache
     has_tokenizer = "tokenizer.ggml.model" in reader.fields
     with atomic_dir(out_dir, replace=replace) as tmp:
         write_state_dict(sd, tmp)
