@@ -202,3 +202,28 @@ def test_gguf_with_zero_heads_names_the_gguf(tmp_path, tiny_hf_config):
     path = _gguf(tmp_path, tiny_hf_config, "heads.gguf", arch="qwen2", num_attention_heads=0, head_dim=8)  # 1 // 0
     with pytest.raises(ValueError, match=rf"^{path}: metadata qwen2\.attention\.head_count=0"):
         chronicals.load_model(path, tokenizer=False)
+
+
+# ---------------------------------------------------------------- load_model arguments, tokenizer files
+def test_broken_tokenizer_files_name_the_directory(saved):
+    """A tokenizer.json that is not JSON was a bare JSONDecodeError ('Expecting property name ...'), no file named."""
+    (saved / "tokenizer.json").write_text("{not json")
+    (saved / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ValueError, match=rf"^{saved}: the tokenizer files cannot be loaded \(JSONDecodeError: .*\); "
+                                         r"copy tokenizer\.json .* tokenizer=False"):
+        chronicals.load_model(saved)
+
+
+def test_dtype_is_checked_and_may_be_named(saved):
+    """dtype='bfloat16' reached Module.to() as a device ('Invalid device string'); torch.int32 a TypeError there."""
+    assert chronicals.load_model(saved, tokenizer=False, dtype="bfloat16")[0].lm_head.weight.dtype == torch.bfloat16
+    for bad in (torch.int32, "banana"):
+        with pytest.raises(ValueError, match=rf"dtype={bad!r} is not a weight dtype; use None .*torch\.bfloat16"):
+            chronicals.load_model(saved, tokenizer=False, dtype=bad)
+
+
+def test_an_empty_model_path_is_refused(saved, monkeypatch):
+    """'' is Path('.'): the working directory's config.json was read ('config.json: config.json not found')."""
+    monkeypatch.chdir(saved)  # even where a model is
+    with pytest.raises(ValueError, match=r"model path '' is empty; give a Hugging Face model directory"):
+        chronicals.load_model("", tokenizer=False)

