@@ -227,3 +227,63 @@ def test_an_empty_model_path_is_refused(saved, monkeypatch):
     monkeypatch.chdir(saved)  # even where a model is
     with pytest.raises(ValueError, match=r"model path '' is empty; give a Hugging Face model directory"):
         chronicals.load_model("", tokenizer=False)
+
+
+# ---------------------------------------------------------------- PEFT adapters
+@pytest.fixture
+def adapter(tmp_path, tiny_hf_config):
+    from chronicals.lora import apply_lora, save_adapter
+
+    model = _model(tiny_hf_config)
+    apply_lora(model, r=2, alpha=4, target_modules=["q_proj", "v_proj"])
+    return save_adapter(model, tmp_path / "adapter")
+
+
+def _edit_adapter_config(adapter, **fields):
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    cfg.update(fields)
+    (adapter / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("fields,says", [
+    ({"target_modules": 3}, r"target_modules=3 must be a list of module names"),  # TypeError: not iterable
+    ({"target_modules": None}, r"target_modules=None must be a list"),
+    ({"modules_to_save": "lm_head"}, r"modules_to_save='lm_head' must be a list"),  # read as l, m, _, h, e, a, d
+    ({"r": "2"}, r"apply_lora: r='2' must be an integer >= 1"),  # apply_lora's message, now with the file
+    ({"target_modules": ["q_projj"]}, r"apply_lora: target_modules=\('q_projj',\) matched no nn\.Linear"),
+])
+def test_adapter_config_values_name_the_file(adapter, tiny_hf_config, fields, says):
+    from chronicals.lora import load_adapter
+
+    _edit_adapter_config(adapter, **fields)
+    with pytest.raises(ValueError, match=rf"^{adapter / 'adapter_config.json'}: {says}"):
+        load_adapter(_model(tiny_hf_config), adapter)
+
+
+def test_damaged_adapter_files_say_what_they_are(adapter, tiny_hf_config):
+    from safetensors.torch import load_file, save_file
+
+    from chronicals.lora import load_adapter
+
+    with pytest.raises(ValueError, match=rf"^{adapter / 'adapter_config.json'}: is a file; an adapter is the directory"
+                                         rf".*\(pass {adapter}\)"):  # was '.../adapter_config.json/adapter_config.json'
+        load_adapter(_model(tiny_hf_config), adapter / "adapter_config.json")
+    wpath = adapter / "adapter_model.safetensors"
+    sd = load_file(str(wpath))
+    save_file({k: v.to(torch.int32) for k, v in sd.items()}, str(wpath))  # was cast into the adapter silently
+    with pytest.raises(ValueError, match=rf"^{wpath}: tensor .*lora_A\.weight is stored as torch\.int32"):
+        load_adapter(_model(tiny_hf_config), adapter)
+    cfg = adapter / "adapter_config.json"
+    cfg.write_bytes(b"\xff\xfe{\x00}\x00")  # was a bare UnicodeDecodeError
+    with pytest.raises(ValueError, match=rf"^{cfg}: not UTF-8 text \(byte 0\)"):
+        load_adapter(_model(tiny_hf_config), adapter)
+
+
+def test_save_adapter_takes_a_path_as_the_base(tmp_path, tiny_hf_config):
+    """base_model_name_or_path=Path(...) was a TypeError from json.dumps."""
+    from chronicals.lora import apply_lora, save_adapter
+
+    model = _model(tiny_hf_config)
+    apply_lora(model, r=2, alpha=4, target_modules=["q_proj"])
+    out = save_adapter(model, tmp_path / "a", base_model_name_or_path=tmp_path / "base")
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tmp_path / "base")

@@ -69,18 +69,25 @@ def save_adapter(model: nn.Module, out_dir, base_model_name_or_path: str | None 
     out = Path(out_dir)
     with atomic_dir(out, owned=(CONFIG_NAME, WEIGHTS_NAME)) as tmp:
         save_file(adapter_state_dict(model), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(adapter_config_dict(rec, base_model_name_or_path), indent=2))
+        base = None if base_model_name_or_path is None else str(base_model_name_or_path)  # a Path: TypeError
+        (tmp / CONFIG_NAME).write_text(json.dumps(adapter_config_dict(rec, base), indent=2))
     log.info("save_adapter: %d LoRA modules, %d full modules -> %s", len(rec.lora_modules),
              len(rec.saved_modules), out)
     return out
 
 
 def read_adapter_config(adapter_dir) -> dict:
+    if Path(adapter_dir).is_file():  # "x/adapter_config.json/adapter_config.json: not found" named no fix
+        raise ValueError(f"{adapter_dir}: is a file; an adapter is the directory holding {CONFIG_NAME} and "
+                         f"{WEIGHTS_NAME} (pass {Path(adapter_dir).parent})")
     path = Path(adapter_dir) / CONFIG_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found; a PEFT adapter directory holds {CONFIG_NAME} and {WEIGHTS_NAME}")
     try:
-        cfg = json.loads(path.read_text())
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}), so not an adapter_config.json; save the adapter "
+                         "again (save_adapter / PEFT's save_pretrained)") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg}); fix the file, or save the adapter "
                          "again (save_adapter / PEFT's save_pretrained)") from None
@@ -90,6 +97,13 @@ def read_adapter_config(adapter_dir) -> dict:
     if missing:
         raise ValueError(f"{path}: missing field(s) {', '.join(missing)}; a PEFT LoRA adapter_config.json has "
                          "r, lora_alpha and target_modules")
+    targets, saved = cfg["target_modules"], cfg.get("modules_to_save")
+    if not (isinstance(targets, str) or isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise ValueError(f"{path}: target_modules={targets!r} must be a list of module names (such as "
+                         "[\"q_proj\", \"v_proj\"]) or one regular expression string")
+    if saved is not None and not (isinstance(saved, list) and all(isinstance(t, str) for t in saved)):
+        raise ValueError(f"{path}: modules_to_save={saved!r} must be a list of module names (such as "
+                         "[\"lm_head\"]) or null")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{path}: peft_type={cfg['peft_type']!r}; only LORA adapters can be loaded")
     for key, default in _UNSUPPORTED.items():
@@ -131,15 +145,24 @@ def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
     adapter_dir = Path(adapter_dir)
     cfg = read_adapter_config(adapter_dir)
     wpath = adapter_dir / WEIGHTS_NAME
+    if wpath.is_dir():
+        raise ValueError(f"{wpath}: is a directory, not a file; save the adapter again")
     if not wpath.is_file():
         raise FileNotFoundError(f"{wpath}: not found (only safetensors adapters are read; "
                                 "convert adapter_model.bin with PEFT first)")
     tensors = load_safetensors(wpath)  # a truncated or corrupt file: ValueError naming it
+    for key, t in tensors.items():  # an integer tensor was cast into the adapter silently
+        if not t.is_floating_point():
+            raise ValueError(f"{wpath}: tensor {key} is stored as {t.dtype}, not as floating point; save the "
+                             "adapter again (a quantized adapter must be dequantized with PEFT first)")
     targets = cfg["target_modules"]
-    rec = apply_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
-                     target_modules=targets if isinstance(targets, str) else tuple(targets),
-                     use_rslora=cfg.get("use_rslora", False), modules_to_save=tuple(cfg.get("modules_to_save") or ()),
-                     impl=impl, adapter_dtype=adapter_dtype)
+    try:  # apply_lora's errors are about adapter_config.json's values: name the file
+        rec = apply_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
+                         target_modules=targets if isinstance(targets, str) else tuple(targets),
+                         use_rslora=cfg.get("use_rslora", False),
+                         modules_to_save=tuple(cfg.get("modules_to_save") or ()), impl=impl, adapter_dtype=adapter_dtype)
+    except ValueError as e:
+        raise ValueError(f"{adapter_dir / CONFIG_NAME}: {e}") from None
     _untie_if_partial(model, rec, set(tensors))
     expected = {}
     for name, mod in lora_modules(model):
