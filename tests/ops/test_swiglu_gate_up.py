@@ -113,31 +113,3 @@ def test_eager_door_and_compiled_door_agree():
     (d_comp,) = torch.autograd.grad(yc, gu, dy)
     assert "chronicals.swiglu_gate_up" in targets and not any("autograd_function" in t for t in targets), targets
     assert torch.equal(y, yc) and torch.equal(d_eager, d_comp)
-
-
-@needs_triton
-@pytest.mark.parametrize("r", [1, 4, 32, 70])  # 70 > 64: the kernel's K loop takes two steps
-@pytest.mark.parametrize("rows,i", [(1, 5), (7, 130), (33, 96)])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_low_rank_addend_matches_float64_reference(dtype, rows, i, r):
-    """swiglu_gate_up_backward(dy, gu, act, low_rank=(dyb, a)): the upstream gradient dy + dyb @ a (a LoRA
-    down_proj's two input-gradient parts, summed inside the kernel) against float64; act as the forward's.
-    dy and dyb come as row-strided views, as from the concatenated [dy W | s dy B] GEMM output."""
-    from chronicals.ops.swiglu import swiglu_gate_up_backward
-
-    gu, _ = _inputs((rows,), i, dtype, seed=rows * 31 + i + r)
-    g = torch.Generator().manual_seed(r)
-    g_out = torch.randn(rows, i + r + 3, generator=g, dtype=torch.float64).to(dtype).to(DEV)  # [dy | dyb | pad]
-    dy, dyb = g_out[:, :i], g_out[:, i:i + r]
-    a = (torch.randn(r, i, generator=g, dtype=torch.float64) / r ** 0.5).to(dtype).to(DEV)
-    up64 = dy.double() + dyb.double() @ a.double()  # (rows, i): the sum the kernel never stores
-    ref64 = _run(lambda t: swiglu_ref(*t.chunk(2, -1)), gu.double(), up64)
-    theirs = _run(lambda t: swiglu_ref(*t.chunk(2, -1)), gu, torch.addmm(dy, dyb, a).double())  # PyTorch, dtype
-    act = torch.empty(rows, i, dtype=dtype, device=DEV)
-    dgu = swiglu_gate_up_backward(dy, gu, act, low_rank=(dyb, a))
-    assert dgu.dtype == dtype and dgu.shape == gu.shape
-    assert_tracks_torch("d_gu", dgu, theirs[1], ref64[1])
-    assert torch.equal(act, swiglu_gate_up(gu, impl="triton")), "act must be the forward's bits"
-    assert torch.equal(dgu, swiglu_gate_up_backward(dy, gu, low_rank=(dyb, a)))  # act is an extra output only
-    with pytest.raises(ValueError, match=r"low_rank dyb .* must be \(N, r\) and \(r, I\)"):
-        swiglu_gate_up_backward(dy, gu, low_rank=(dyb, a[:, :-1]))

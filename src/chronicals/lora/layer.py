@@ -75,11 +75,9 @@ def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, mask, scaling: float, dro
                   need_x: bool, need_a: bool, need_b: bool):
     """dy2 (N, out) -> (dx2 (N, in), dA (r, in), dB (out, r)), None where not needed.
 
-    x2 is only read for dA (so a caller may pass a recomputed x2, or None when not need_a). With need_x it may
-    also be a function ``(dx, dyb, lora_a) -> x2`` that consumes dx2 (LoRASwiGLUDownFunction: the SwiGLU
-    backward kernel, which also rebuilds x2). Without dropout it gets dx2's two parts, dx2 = dx + dyb @ lora_a,
-    and folds the rank-r term into its own pass: dx2 is never written and comes back None. With dropout it gets
-    the formed dx2 and None, None.
+    x2 is only read for dA (so a caller may pass a recomputed x2, or None when not need_a). It may also be a
+    function of dx2 returning x2, called once dx2 exists (LoRASwiGLUDownFunction rebuilds its input in the
+    kernel that consumes dx2).
     """
     dx = da = db = None
     keep = 1.0 if mask is None else 1.0 / (1.0 - dropout)
@@ -93,17 +91,13 @@ def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, mask, scaling: float, dro
     if need_x:
         if wcat is None:
             dx_base = torch.mm(dy2, weight)  # (N, in)
-        if callable(x2) and mask is None:
-            # the consumer adds dyb @ A in the pass that reads dx anyway: no (N, in) write and re-read (a
-            # 123 us addmm per layer at the 0.5B protocol's down_proj, 188 us at 8B)
-            x2 = x2(dx_base, dyb, lora_a)
-        elif mask is None:  # out of place from the strided g view: same bytes as in place + a later copy
+        if mask is None:  # out of place from the strided g view: same bytes as in place + a later copy
             dx = torch.addmm(dx_base, dyb, lora_a) if wcat is not None else dx_base.addmm_(dyb, lora_a)
         else:  # the LoRA branch saw drop(x): its gradient goes through the mask
             dx = mm_scaled(dyb, lora_a, keep).mul_(mask.reshape(dx_base.shape)).add_(dx_base)
-        if callable(x2):
-            x2 = x2(dx, None, None)
     if need_a:
+        if callable(x2):
+            x2 = x2(dx)
         xd = x2 if mask is None else x2 * mask.reshape(x2.shape)
         da = mm_scaled(dyb.t(), xd, keep)  # (r, in)
     if need_b:

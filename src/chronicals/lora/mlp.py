@@ -13,10 +13,7 @@ recomputed act is bit-identical to the forward's (same kernel, same inputs), so 
 Backward order keeps the transient peak of the plain path: act and d_act, then act freed before the
 SwiGLU backward allocates dgate / dup. Packed gu on the Triton path (the default on a GPU) skips that
 recompute: d_act is computed first and the SwiGLU backward kernel writes act beside d_gu (one more (N, I)
-write instead of a pass reading gu again), for a transient peak of one more (N, I) tensor. Without dropout
-d_act = dy W + (s dy B) A is not formed either: the kernel takes dy W and the (N, r) s dy B and adds the
-rank-r product in registers (``swiglu_gate_up_backward(low_rank=...)``), which drops an addmm that reads and
-writes (N, I) (123 us per layer at the 0.5B protocol, 188 us at 8B, H200 profiles) and rounds d_act once less. One H200 run at the
+write instead of a pass reading gu again), for a transient peak of one more (N, I) tensor. One H200 run at the
 Qwen2.5-0.5B protocol with CUDA graphs (git 06763cc): 163.5k -> 166.7k tokens/s, 11.9 -> 12.1 GiB.
 ``RuntimeOptions.fused_swiglu_recompute=False`` (bench contender ``chronicals-lora-graphs-offer``) picks the
 second forward.
@@ -103,14 +100,13 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
         fused = ctx.fused_act and need_act and need_a and _fused_act_ok(gate, up, ctx.impl)
         act2, out = None, {}
         if fused:
-            # d_act's parts first, then one kernel sums them (without dropout: d_act = dy W + (s dy B) A is
-            # never written), writes d_gu and act (its STORE_ACT output, the forward's bits), then dA reads act:
-            # no separate SwiGLU forward pass over gu
+            # d_act first, then one kernel writes d_gu and act (its STORE_ACT output, the forward's bits),
+            # then dA reads act: no separate SwiGLU forward pass over gu
             gu2 = _unit_col_rows(gate, gate.shape[-1])
 
-            def act2(d_act, dyb, lora_a):
-                act = torch.empty(d_act.shape, dtype=gu2.dtype, device=gu2.device)
-                out["dgu"] = swiglu_gate_up_backward(d_act, gu2, act, None if dyb is None else (dyb, lora_a))
+            def act2(d_act):
+                act = torch.empty_like(d_act)
+                out["dgu"] = swiglu_gate_up_backward(d_act, gu2, act)
                 return act
         elif need_a:  # dA needs act again: recompute it (bit-identical to the forward's)
             with torch.no_grad():

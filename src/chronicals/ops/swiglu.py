@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._impl import resolve_impl, triton_interpreting
+from ._impl import resolve_impl
 from ._triton_utils import check_device, tune_configs
 
 
@@ -110,22 +110,6 @@ def _swiglu_gate_up_fwd_kernel(GU_ptr, Y_ptr, n_rows, n_cols, gu_row_stride, y_r
     tl.store(Y_ptr + rows * y_row_stride + cols, y.to(Y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _gu_bwd_tile(dy, GU_ptr, DGU_ptr, ACT_ptr, rows, cols, mask, n_cols, gu_row_stride, dgu_row_stride,
-                 STORE_ACT: tl.constexpr):
-    """One tile of the packed backward, upstream dy already in fp32: read gate | up, write dgate | dup (and act)."""
-    g_off = rows * gu_row_stride + cols
-    g = tl.load(GU_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(GU_ptr + g_off + n_cols, mask=mask, other=0.0).to(tl.float32)
-    dg, du = _swiglu_bwd_math(dy, g, u)
-    d_off = rows * dgu_row_stride + cols
-    tl.store(DGU_ptr + d_off, dg.to(DGU_ptr.dtype.element_ty), mask=mask)
-    tl.store(DGU_ptr + d_off + n_cols, du.to(DGU_ptr.dtype.element_ty), mask=mask)
-    if STORE_ACT:
-        act = _swiglu_fwd_math(g, u)  # the forward kernels' own expression: the same bits
-        tl.store(ACT_ptr + rows * n_cols + cols, act.to(ACT_ptr.dtype.element_ty), mask=mask)
-
-
 @triton.autotune(configs=tune_configs(_GU_CONFIGS), key=["n_cols", "size_class", "STORE_ACT"])
 @triton.jit
 def _swiglu_gate_up_bwd_kernel(DY_ptr, GU_ptr, DGU_ptr, ACT_ptr, n_rows, n_cols, dy_row_stride, gu_row_stride,
@@ -137,39 +121,17 @@ def _swiglu_gate_up_bwd_kernel(DY_ptr, GU_ptr, DGU_ptr, ACT_ptr, n_rows, n_cols,
     rows = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
     cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
     mask = (rows < n_rows) & (cols < n_cols)
+    g_off = rows * gu_row_stride + cols
     dy = tl.load(DY_ptr + rows * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    _gu_bwd_tile(dy, GU_ptr, DGU_ptr, ACT_ptr, rows, cols, mask, n_cols, gu_row_stride, dgu_row_stride, STORE_ACT)
-
-
-# With a rank-r addend (tl.dot needs >= 16 rows and columns, so taller, narrower tiles than _GU_CONFIGS').
-_GU_LR_CONFIGS = [triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
-                  for r, c, w in ((16, 256, 4), (32, 128, 4), (16, 512, 8), (32, 256, 8), (64, 128, 8), (64, 64, 4))]
-
-
-@triton.autotune(configs=tune_configs(_GU_LR_CONFIGS), key=["n_cols", "size_class", "STORE_ACT", "BLOCK_K"])
-@triton.jit
-def _swiglu_gate_up_bwd_lr_kernel(DY_ptr, DYB_ptr, A_ptr, GU_ptr, DGU_ptr, ACT_ptr, n_rows, n_cols, rank,
-                                  dy_row_stride, dyb_row_stride, a_row_stride, gu_row_stride, dgu_row_stride,
-                                  size_class, STORE_ACT: tl.constexpr, DOT_FP32: tl.constexpr,
-                                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The packed backward for the upstream gradient dy + dyb @ A: dy (n_rows, n_cols), dyb (n_rows, rank),
-    A (rank, n_cols). The sum is formed in fp32 in registers and never stored (nor rounded)."""
-    rows = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
-    cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
-    mask = (rows < n_rows) & (cols < n_cols)
-    dy = tl.load(DY_ptr + rows * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    ks = tl.arange(0, BLOCK_K)
-    for k0 in range(0, rank, BLOCK_K):
-        k = k0 + ks
-        b = tl.load(DYB_ptr + rows * dyb_row_stride + k[None, :], mask=(rows < n_rows) & (k[None, :] < rank),
-                    other=0.0)  # (BLOCK_R, BLOCK_K)
-        a = tl.load(A_ptr + k[:, None] * a_row_stride + cols, mask=(k[:, None] < rank) & (cols < n_cols),
-                    other=0.0)  # (BLOCK_K, BLOCK_C): A is (r, I), re-read from L2 by every row block
-        if DOT_FP32:  # fp32 inputs (exact, no TF32) and the interpreter (its bf16 arithmetic is not trustworthy)
-            dy += tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-        else:  # bf16 / fp16 products are exact in the fp32 accumulator
-            dy += tl.dot(b, a)
-    _gu_bwd_tile(dy, GU_ptr, DGU_ptr, ACT_ptr, rows, cols, mask, n_cols, gu_row_stride, dgu_row_stride, STORE_ACT)
+    g = tl.load(GU_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GU_ptr + g_off + n_cols, mask=mask, other=0.0).to(tl.float32)
+    dg, du = _swiglu_bwd_math(dy, g, u)
+    d_off = rows * dgu_row_stride + cols
+    tl.store(DGU_ptr + d_off, dg.to(DGU_ptr.dtype.element_ty), mask=mask)
+    tl.store(DGU_ptr + d_off + n_cols, du.to(DGU_ptr.dtype.element_ty), mask=mask)
+    if STORE_ACT:
+        act = _swiglu_fwd_math(g, u)  # the forward kernels' own expression: the same bits
+        tl.store(ACT_ptr + rows * n_cols + cols, act.to(ACT_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------- launchers
@@ -297,34 +259,17 @@ def swiglu_gate_up_forward(gu: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def swiglu_gate_up_backward(dy: torch.Tensor, gu: torch.Tensor, act: torch.Tensor | None = None,
-                            low_rank: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def swiglu_gate_up_backward(dy: torch.Tensor, gu: torch.Tensor, act: torch.Tensor | None = None) -> torch.Tensor:
     """dy (N, I), gu (N, 2I), both with unit column stride -> d_gu (N, 2I) contiguous, gu's dtype.
 
     act: an (N, I) contiguous buffer to also receive silu(gate) * up (the forward's output, bit for bit), or None.
-    low_rank: (dyb (N, r), a (r, I)), unit column strides, or None: the upstream gradient is then dy + dyb @ a,
-    summed in fp32 inside the kernel. A LoRA down_proj's input gradient is dy W + (s dy B) A: passing its two
-    parts saves writing and re-reading that (N, I) sum (0.5B protocol: a 123 us addmm per layer, 2.9 ms a step).
     """
     n, i = dy.shape
     dgu = torch.empty((n, 2 * i), device=gu.device, dtype=gu.dtype)
-    if not (n and i):
-        return dgu
-    act_buf = dgu if act is None else act
-    if low_rank is None:
-        _swiglu_gate_up_bwd_kernel[_gu_grid(n, i)](dy, gu, dgu, act_buf, n, i, dy.stride(0), gu.stride(0),
-                                                   dgu.stride(0), _size_class(n * i), STORE_ACT=act is not None)
-        return dgu
-    dyb, a = low_rank
-    r = dyb.shape[1]
-    if dyb.shape[0] != n or a.shape != (r, i) or dyb.stride(1) != 1 or a.stride(1) != 1:
-        raise ValueError(f"swiglu_gate_up_backward: low_rank dyb {tuple(dyb.shape)} and a {tuple(a.shape)} must be "
-                         f"(N, r) and (r, I) with N={n}, I={i}, each with unit column stride")
-    dot_fp32 = triton_interpreting() or dyb.dtype not in (torch.bfloat16, torch.float16) or a.dtype != dyb.dtype
-    _swiglu_gate_up_bwd_lr_kernel[_gu_grid(n, i)](
-        dy, dyb, a, gu, dgu, act_buf, n, i, r, dy.stride(0), dyb.stride(0), a.stride(0), gu.stride(0),
-        dgu.stride(0), _size_class(n * i), STORE_ACT=act is not None, DOT_FP32=dot_fp32,
-        BLOCK_K=min(64, max(16, triton.next_power_of_2(r))))
+    if n and i:
+        _swiglu_gate_up_bwd_kernel[_gu_grid(n, i)](dy, gu, dgu, dgu if act is None else act, n, i, dy.stride(0),
+                                                   gu.stride(0), dgu.stride(0), _size_class(n * i),
+                                                   STORE_ACT=act is not None)
     return dgu
 
 
