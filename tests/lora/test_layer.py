@@ -8,7 +8,8 @@ import torch.nn as nn
 
 from chronicals.lora import LoRALinear, LoRALinearFunction, lora_linear, lora_linear_ref
 
-SHAPES = [((1, 7), 13, 11, 3), ((2, 5), 16, 24, 8), ((9,), 5, 1, 1), ((3, 3), 6, 21, 4)]  # (lead dims, in, out, r)
+# (lead dims, in, out, r); in >= 2 out (5 -> 1, 40 -> 12) takes the one-GEMM dx = [dy | s dy B] @ [W ; A]
+SHAPES = [((1, 7), 13, 11, 3), ((2, 5), 16, 24, 8), ((9,), 5, 1, 1), ((3, 3), 6, 21, 4), ((2, 9), 40, 12, 5)]
 
 
 def _inputs(lead, fin, fout, r, dtype, bias, seed=0):
@@ -60,9 +61,12 @@ def test_gradcheck(p, concat):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("concat", [False, True])
-def test_low_precision_error_no_worse_than_reference(dtype, concat):
+@pytest.mark.parametrize("wide", [False, True])
+def test_low_precision_error_no_worse_than_reference(dtype, concat, wide):
     """Both paths in ``dtype`` against float64: the fused error is at most 2x the reference's (+ eps)."""
     lead, fin, fout, r, s = (3, 37), 64, 48, 8, 2.0
+    if wide:  # down_proj-like: dx from one GEMM over [dy | s dy B] and [W ; A]
+        fin, fout = 96, 40
     x64, w64, b64, a64, bb64 = _inputs(lead, fin, fout, r, torch.float64, True, seed=3)
     dy64 = torch.randn(*lead, fout, dtype=torch.float64)
     exact = _grads("torch", x64, w64, b64, a64, bb64, s, None, 0.0, dy64)
