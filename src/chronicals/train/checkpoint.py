@@ -29,6 +29,9 @@ log = logging.getLogger("chronicals.train")
 _NAME = re.compile(r"^step-(\d+)$")
 _TMP_NAME = re.compile(r"\.tmp-step-\d+-\d+")  # write_checkpoint's temporaries: .tmp-step-000120-{pid}
 STATE_FILE = "state.pt"  # the one file of a checkpoint directory
+# the layout of state.pt this version writes and reads: a later version that changes it raises the number, so this
+# one refuses its checkpoints by name instead of reading renamed entries as another model's ("format" absent: 1)
+FORMAT = 1
 
 
 def rng_state() -> dict:
@@ -52,13 +55,24 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
 
 
-def checkpoint_dirs(out_dir: str | Path) -> list[Path]:
-    """Complete checkpoints under ``out_dir/checkpoints``, oldest first."""
+def _step_dirs(out_dir: str | Path) -> list[Path]:
+    """Every ``step-N`` entry under ``out_dir/checkpoints``, oldest first, with its state.pt or not.
+
+    NotADirectoryError when ``checkpoints`` is a file: asked while a run sets up (resume=auto, another run's
+    checkpoints), so the run stops there rather than when its first checkpoint cannot be written."""
     root = Path(out_dir) / "checkpoints"
+    if root.exists() and not root.is_dir():
+        raise NotADirectoryError(f"{root} is a file, not a directory: a run writes its checkpoints there; move it "
+                                 "away or set another train.out_dir")
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and (p / STATE_FILE).is_file()]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name))]
     return [p for _, p in sorted(found)]
+
+
+def checkpoint_dirs(out_dir: str | Path) -> list[Path]:
+    """Complete checkpoints under ``out_dir/checkpoints``, oldest first."""
+    return [p for p in _step_dirs(out_dir) if (p / STATE_FILE).is_file()]
 
 
 def not_this_runs(out_dir: str | Path, resume_from: str | Path | None, start: int) -> list[Path]:
@@ -66,7 +80,7 @@ def not_this_runs(out_dir: str | Path, resume_from: str | Path | None, start: in
     run (``resume_from`` None) or a resume from another directory; those past ``start`` for a resume from one of
     out_dir's own (the run it branches from went further). Pruning by step (``keep_last``) and resume=auto's
     latest-by-step would otherwise mix them with this run's."""
-    dirs = checkpoint_dirs(out_dir)
+    dirs = _step_dirs(out_dir)  # with any that lost their state.pt: they are no part of this run either
     if resume_from is None:
         return dirs
     src = Path(resume_from)
@@ -78,7 +92,10 @@ def not_this_runs(out_dir: str | Path, resume_from: str | Path | None, start: in
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    dirs = checkpoint_dirs(out_dir)
+    """The newest ``step-N`` directory, also when it lacks its state.pt (never the case for one written here: the
+    rename publishes it whole): resume=auto then says so (``load_checkpoint``) instead of silently resuming from an
+    older one, or starting over and rewriting the run's metrics.jsonl when it was the only one."""
+    dirs = _step_dirs(out_dir)
     return dirs[-1] if dirs else None
 
 
@@ -107,9 +124,9 @@ def snapshot(step: int, model: torch.nn.Module, optimizer, scheduler, data_state
              extra: dict | None = None) -> dict:
     """Everything a checkpoint holds, as CPU copies taken now (the next optimizer step cannot change them)."""
     # deep copies of the host-side parts too: a loader may reshuffle an array its state_dict returned
-    return {"step": step, "model": trainable_state(model), "optimizer": _to_cpu(optimizer.state_dict()),
-            "scheduler": copy.deepcopy(scheduler.state_dict()), "data": copy.deepcopy(data_state),
-            "rng": rng_state(), "extra": copy.deepcopy(extra or {})}
+    return {"format": FORMAT, "step": step, "model": trainable_state(model),
+            "optimizer": _to_cpu(optimizer.state_dict()), "scheduler": copy.deepcopy(scheduler.state_dict()),
+            "data": copy.deepcopy(data_state), "rng": rng_state(), "extra": copy.deepcopy(extra or {})}
 
 
 def checkpoint_path(out_dir: str | Path, step: int) -> Path:
@@ -206,6 +223,66 @@ def config_diffs(saved: dict | None, current: dict | None, sections: dict) -> li
     return diffs
 
 
+def _move_away_hint(ckdir: Path) -> str:
+    """What to do with a checkpoint directory that cannot be resumed: move it away, and where resume=auto then goes."""
+    earlier = [d for d in checkpoint_dirs(ckdir.parent.parent) if d != ckdir] if _NAME.match(ckdir.name) else []
+    return (f"move {ckdir} away, and train.resume=auto resumes from {earlier[-1]}" if earlier else
+            f"move {ckdir} away, or set train.resume=none to start over")
+
+
+def _read_state(file: Path) -> dict:
+    """state.pt's dict, with the entries load_checkpoint uses; ValueError naming the file and what to do."""
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=False)
+        if not (isinstance(state, dict) and {"model", "optimizer", "scheduler", "step"} <= state.keys()):
+            raise ValueError("not a chronicals checkpoint (no model / optimizer / scheduler / step entries)")
+    except Exception as e:  # noqa: BLE001 (zip, pickle, EOF, OS errors alike) saves are atomic: damaged after writing
+        raise ValueError(f"checkpoint {file} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                         f"it is truncated or corrupt: {_move_away_hint(file.parent)}") from None
+    fmt = state.get("format", 1)
+    if not isinstance(fmt, int) or fmt > FORMAT:
+        raise ValueError(f"checkpoint {file} has format {fmt!r}, written by a newer chronicals (this one reads format "
+                         f"{FORMAT}): resume it with the chronicals version that wrote it, or start over "
+                         "(train.resume=none or another train.out_dir)")
+    problem = _entry_problem(state, file.parent.name)
+    if problem:
+        raise ValueError(f"checkpoint {file} is not one chronicals wrote as it is: {problem}; "
+                         f"{_move_away_hint(file.parent)}")
+    return state
+
+
+def _entry_problem(state: dict, dir_name: str) -> str | None:
+    """What is wrong with a readable state.pt's entries (a hand edit, a rename, another tool's file), or None."""
+    step, m = state["step"], _NAME.match(dir_name)
+    if type(step) is not int or step < 0:
+        return f"its step is {step!r}, not an integer >= 0"
+    if m and int(m.group(1)) != step:  # resume=auto would take it for step N, and prune it as another run's
+        return f"it holds step {step} but its directory is named {dir_name} (renamed by hand?)"
+    missing = [k for k in ("data", "rng") if k not in state]
+    if missing:
+        return f"it lacks the {' and '.join(missing)} entr{'ies' if len(missing) > 1 else 'y'}"
+    if not (isinstance(state["model"], dict) and all(isinstance(t, torch.Tensor) for t in state["model"].values())):
+        return "its model entry is not a dict of tensors"
+    return None
+
+
+def _check_moments(optimizer, file: Path) -> None:
+    """AdamW's moments, restored, belong to the parameters they were mapped to: a missing or misshapen one would
+    fail (KeyError, a shape error) at the first step instead, without naming the checkpoint."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state.get(p)
+            if "step" not in (st or {}):  # no step taken yet with this parameter: its moments are made then
+                continue
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = st.get(key)
+                if not isinstance(t, torch.Tensor) or t.shape != p.shape:
+                    got = "none" if t is None else tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ValueError(f"checkpoint {file}: its optimizer state has {key} {got} for a parameter of "
+                                     f"shape {tuple(p.shape)}; it was edited or written by another version: "
+                                     f"{_move_away_hint(file.parent)}")
+
+
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, scheduler, config: dict | None = None) -> dict:
     """Restore weights, optimizer, scheduler and RNG in place; return {step, data, extra}.
 
@@ -214,18 +291,11 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, schedul
     path = Path(path)
     file = path / STATE_FILE if path.is_dir() else path
     if not file.is_file():
+        if path.is_dir() and _NAME.match(path.name):  # resume=auto's newest step-N lost its state.pt
+            raise FileNotFoundError(f"checkpoint {path} holds no {STATE_FILE} (copied in part, or the file was "
+                                    f"deleted): {_move_away_hint(path)}")
         raise FileNotFoundError(f"checkpoint {file} not found (train.resume takes auto | none | a step-N directory)")
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=False)
-        if not (isinstance(state, dict) and {"model", "optimizer", "scheduler", "step"} <= state.keys()):
-            raise ValueError("not a chronicals checkpoint (no model / optimizer / scheduler / step entries)")
-    except Exception as e:  # noqa: BLE001 (zip, pickle, EOF, OS errors alike) saves are atomic: damaged after writing
-        ckdir = file.parent  # out_dir/checkpoints/step-N
-        earlier = [d for d in checkpoint_dirs(ckdir.parent.parent) if d != ckdir]
-        hint = (f"move {ckdir} away, and train.resume=auto resumes from {earlier[-1]}" if earlier else
-                f"move {ckdir} away, or set train.resume=none to start over")
-        raise ValueError(f"checkpoint {file} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
-                         f"it is truncated or corrupt: {hint}") from None
+    state = _read_state(file)
     params = dict(model.named_parameters())
     extra = [n for n in state["model"] if n not in params]
     absent = [n for n, p in params.items() if p.requires_grad and n not in state["model"]]
@@ -242,7 +312,18 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, schedul
     with torch.no_grad():
         for n, t in state["model"].items():
             params[n].copy_(t)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
-    return {"step": state["step"], "data": state["data"], "extra": state["extra"]}
+    what = "optimizer"
+    try:  # another parameter grouping, an edited or foreign state: the library's errors name no file
+        optimizer.load_state_dict(state["optimizer"])
+        what = "learning-rate schedule"
+        scheduler.load_state_dict(state["scheduler"])
+        what = "random number generator"
+        set_rng_state(state["rng"])
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        msg = str(e).splitlines()[0][:160] if str(e) else ""
+        raise ValueError(f"checkpoint {file}: its {what} state does not fit this run ({type(e).__name__}: {msg}); "
+                         "it was written for another model or lora config, by another version, or edited: resume "
+                         "with the config it was written with, or start over (train.resume=none or another "
+                         "train.out_dir)") from None
+    _check_moments(optimizer, file)
+    return {"step": state["step"], "data": state["data"], "extra": state.get("extra") or {}}
