@@ -196,6 +196,8 @@ def cmd_export(argv: list[str]) -> int:
                         "W + s B A is computed in fp32 and rounded once (from an fp32 base checkpoint, float32 "
                         "avoids rounding W twice)")
     a = p.parse_args(argv)
+    if not a.out.strip():  # Path("") is the working directory
+        p.error("--out is empty; give the output directory")
     a.base = _base_for(a.adapter, a.base, "--base")
     out = Path(a.out).resolve()
     for name, given in (("--base", a.base), ("--adapter", a.adapter)):
@@ -203,6 +205,13 @@ def cmd_export(argv: list[str]) -> int:
             print(f"error: --out {a.out} would replace {name} {given} (the output directory is replaced as a "
                   "whole); choose another --out", file=sys.stderr)
             return 2
+    from .models.hf_io import MODEL_DIR_FILES, check_output_dir
+
+    try:  # before the load and merge (minutes for an 8B model), not when the merged model is written
+        check_output_dir(a.out, MODEL_DIR_FILES)
+    except OSError as e:
+        print(f"error: --out {a.out}: {e}", file=sys.stderr)
+        return 2
     _setup_logging()
     from . import save_model
     from .lora import merge_lora
@@ -248,6 +257,10 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
 
     model, tok = _load(a.model, a.adapter, dev, a.dtype)
     require_chat_template(tok)  # before any prompt is read
+    context = model.config.max_position_embeddings
+    if a.max_new_tokens > context:  # past it the positions were never trained: garbage, and slower at every token
+        p.error(f"--max-new-tokens {a.max_new_tokens} is more than {a.model} can attend to "
+                f"(max_position_embeddings={context}); use at most {context}")
     system = _run_system_prompt(a.adapter or a.model) if a.system is None else a.system
     if system is None:
         system = DEMO_SYSTEM_PROMPT

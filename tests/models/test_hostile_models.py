@@ -4,6 +4,7 @@ each is one error naming the file (and field) with what to do, or a right result
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -287,3 +288,46 @@ def test_save_adapter_takes_a_path_as_the_base(tmp_path, tiny_hf_config):
     apply_lora(model, r=2, alpha=4, target_modules=["q_proj"])
     out = save_adapter(model, tmp_path / "a", base_model_name_or_path=tmp_path / "base")
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tmp_path / "base")
+
+
+# ---------------------------------------------------------------- chronicals export / chat
+@pytest.mark.parametrize("make_out,says", [
+    (lambda t: (t / "afile").write_text("x") and t / "afile", r"afile exists and is not a directory"),
+    (lambda t: (t / "notes").mkdir() or (t / "notes" / "n.txt").write_text("x") and t / "notes",
+     r"holds files this save would delete \(n\.txt\)"),
+])
+def test_export_refuses_a_bad_out_before_loading_anything(adapter, tmp_path, capsys, make_out, says):
+    """--out was checked only when the merged model was written: after loading and merging the base (minutes for
+    an 8B model), and as a bad input file (exit 3). Here the base does not exist: reaching the loader says so."""
+    from chronicals.cli import main
+
+    out = make_out(tmp_path)
+    assert main(["export", "--base", str(tmp_path / "no-base"), "--adapter", str(adapter), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --out {out}: " in err and re.search(says, err) and "no such file" not in err
+
+
+def test_export_refuses_an_empty_out(adapter, capsys):
+    from chronicals.cli import main
+
+    with pytest.raises(SystemExit) as e:  # '' was taken as the working directory
+        main(["export", "--adapter", str(adapter), "--out", ""])
+    assert e.value.code == 2 and "--out is empty" in capsys.readouterr().err
+
+
+def test_chat_refuses_more_new_tokens_than_the_model_attends_to(tmp_path, tiny_hf_config, capsys):
+    """--max-new-tokens 100000 on a 128-position model generated for minutes past every trained position."""
+    import transformers
+    from tokenizers import Tokenizer, models
+
+    from chronicals.cli import main
+
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "hi": 2}, unk_token="<unk>")),
+        eos_token="</s>")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    base = chronicals.save_model(_model(tiny_hf_config), tok, tmp_path / "base")
+    with pytest.raises(SystemExit) as e:
+        main(["chat", "--model", str(base), "--device", "cpu", "--max-new-tokens", "100000", "hi"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--max-new-tokens 100000 is more than" in err and "(max_position_embeddings=128)" in err
