@@ -159,7 +159,8 @@ def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
     try:  # apply_lora's errors are about adapter_config.json's values: name the file
         rec = apply_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
                          target_modules=targets if isinstance(targets, str) else tuple(targets),
-                         use_rslora=cfg.get("use_rslora", False), modules_to_save=tuple(cfg.get("modules_to_save") or ()),
+                         use_rslora=cfg.get("use_rslora", False),
+                         modules_to_save=tuple(cfg.get("modules_to_save") or ()),
                          impl=impl, adapter_dtype=adapter_dtype)
     except ValueError as e:
         raise ValueError(f"{adapter_dir / CONFIG_NAME}: {e}") from None
