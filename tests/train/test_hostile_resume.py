@@ -95,3 +95,92 @@ def test_checkpoints_a_file_is_refused_before_training(tmp_path, docs):
         train(tiny_config(tmp_path, train__max_steps=2), model=tiny_model(), train_loader=SyntheticLoader(docs),
               on_step=lambda step, rec: steps.append(step))
     assert steps == [] and (tmp_path / "run" / "checkpoints").read_text() == "notes"
+
+
+def test_a_killed_writers_half_line_in_metrics_is_left_out(tmp_path, docs, caplog):
+    """A run killed while appending a record left a line without its newline; the resume failed on it with a bare
+    'Unterminated string' naming no file."""
+    _run(tmp_path, docs, train__max_steps=2, train__save_every=1)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    with metrics.open("a") as f:
+        f.write('\n{"kind": "train", "step": 3, "lo')
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        _run(tmp_path, docs, train__max_steps=3, train__resume="auto")
+    assert "metrics.jsonl:4: left out an unfinished record" in caplog.text
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("line, named", [
+    ('{"kind": "tr', r"metrics.jsonl:2: not a JSON record \(Unterminated string"),
+    ("[1, 2]", "metrics.jsonl:2: not a JSON object but list"),  # was AttributeError, exit 4
+    ('{"kind": "train", "step": "2"}', "metrics.jsonl:2: its step is '2', not an integer"),  # was TypeError
+])
+def test_a_bad_line_in_metrics_names_its_file_and_line(tmp_path, docs, line, named):
+    _run(tmp_path, docs, train__max_steps=2, train__save_every=1)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([lines[0], line, *lines[1:]]) + "\n\n")  # a blank line is no record, not an error
+    before = metrics.read_text()
+    with pytest.raises(ValueError, match=named + ".*fix or delete that line, or move .*metrics.jsonl away"):
+        _run(tmp_path, docs, train__max_steps=3, train__resume="auto")
+    assert metrics.read_text() == before
+    metrics.write_text("\n".join(lines) + "\n\n")
+    assert _run(tmp_path, docs, train__max_steps=3, train__resume="auto").step == 3
+
+
+def test_metrics_a_directory_is_refused_before_a_fresh_run_removes_the_old_checkpoints(tmp_path, docs):
+    """A fresh run removed the earlier run's checkpoints at its first record, then failed on '[Errno 21] Is a
+    directory' writing it."""
+    _run(tmp_path, docs, train__max_steps=2)
+    run = tmp_path / "run"
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").mkdir()
+    with pytest.raises(IsADirectoryError, match="metrics.jsonl is a directory: .*move it away"):
+        _run(tmp_path, docs, train__max_steps=2)
+    assert [d.name for d in checkpoint_dirs(run)] == ["step-000002"]
+
+
+def test_metrics_kept_by_a_resume_are_replaced_whole(tmp_path, docs, monkeypatch):
+    """The first record of a resumed run rewrote metrics.jsonl in place: a kill or a full disk in that write lost the
+    earlier steps' records."""
+    import errno
+    from pathlib import Path
+
+    _run(tmp_path, docs, train__max_steps=2, train__save_every=1)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    before = metrics.read_text()
+    real_open = Path.open
+
+    class Full:  # metrics.jsonl (or its temporary) on a full disk: opened (and truncated), every write fails
+        def __init__(self, fh):
+            self.fh = fh
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+    def open_on_a_full_disk(self, mode="r", *args, **kwargs):
+        fh = real_open(self, mode, *args, **kwargs)
+        return Full(fh) if "w" in mode and "metrics.jsonl" in self.name else fh
+
+    monkeypatch.setattr(Path, "open", open_on_a_full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        _run(tmp_path, docs, train__max_steps=3, train__resume="auto")
+    monkeypatch.undo()
+    assert metrics.read_text() == before
+    assert [p.name for p in metrics.parent.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_loss_curve_that_cannot_be_written_warns_and_the_run_completes(tmp_path, docs, caplog):
+    """loss.png a directory (or an unwritable one): the finished run, its checkpoint and metrics written, failed
+    with exit status 3 at its last line."""
+    (tmp_path / "run" / "loss.png").mkdir(parents=True)
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        result = _run(tmp_path, docs, train__max_steps=1, logging__plot=True)
+    assert result.status == "completed" and result.plot is None
+    assert "could not write the loss curve" in caplog.text and "the losses are in" in caplog.text

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -71,14 +72,15 @@ class MetricsLog:
         """The file is rewritten (or made) at the first ``write``, when ``on_open()`` also runs: a run that stops
         before logging anything leaves an earlier run's metrics.jsonl as it was."""
         self.path = out_dir / "metrics.jsonl"
+        if self.path.is_dir():  # found now, not at the first record, when a fresh run has removed the old checkpoints
+            raise IsADirectoryError(f"{self.path} is a directory: a run writes its metrics to that file; move it "
+                                    "away or set another train.out_dir")
         self.records: list[dict] = []
         if resume_step is not None and self.path.exists():
             # keep what the interrupted run logged up to its checkpoint, but not its closing "after" evaluation;
             # later steps are redone
-            for line in self.path.read_text().splitlines():
-                rec = json.loads(line)
-                if rec.get("step", 0) <= resume_step and rec.get("tag") != "after":
-                    self.records.append(rec)
+            self.records = [rec for rec in _read_records(self.path, resume_step)
+                            if rec.get("step", 0) <= resume_step and rec.get("tag") != "after"]
         self._fh = None
         self._on_open = on_open
         self.tb = None
@@ -94,7 +96,17 @@ class MetricsLog:
         if self._fh is None:
             if self._on_open is not None:
                 self._on_open()
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+            # the kept records, replaced whole: a run killed (or out of disk) while writing them leaves the old file
+            tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+            try:
+                with tmp.open("w") as fh:
+                    fh.write("".join(json.dumps(r) + "\n" for r in self.records))
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                os.replace(tmp, self.path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
             self._fh = self.path.open("a")
         self.records.append(rec)
         self._fh.write(json.dumps(rec) + "\n")
@@ -109,6 +121,37 @@ class MetricsLog:
             self._fh.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def _read_records(path: Path, resume_step: int) -> list[dict]:
+    """metrics.jsonl's records; ValueError naming the file and line of one that is not a record. Blank lines are
+    skipped, and so is an unfinished last line (no newline after it: the run writing it was killed), with a warning."""
+    again = (f"fix or delete that line, or move {path} away (a new one then holds the steps from "
+             f"{resume_step + 1} on)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); move it away (a new one then "
+                         f"holds the steps from {resume_step + 1} on)") from None
+    lines = text.split("\n")
+    records = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            if i == len(lines):  # after the last newline: a write cut short
+                log.warning("%s:%d: left out an unfinished record (%s), the last line of a run that was stopped while "
+                            "writing it", path, i, line[:60])
+                continue
+            raise ValueError(f"{path}:{i}: not a JSON record ({e}); {again}") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}:{i}: not a JSON object but {type(rec).__name__}; {again}")
+        if type(rec.get("step", 0)) is not int:
+            raise ValueError(f"{path}:{i}: its step is {rec['step']!r}, not an integer; {again}")
+        records.append(rec)
+    return records
 
 
 def plot_losses(records: list[dict], path: Path) -> Path | None:
@@ -132,6 +175,12 @@ def plot_losses(records: list[dict], path: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        fig.savefig(path)
+    except OSError as e:  # the run's checkpoint, model and metrics are written: a plot is no reason to fail it
+        log.warning("could not write the loss curve %s (%s); the losses are in %s", path, e,
+                    path.with_name("metrics.jsonl"))
+        return None
+    finally:
+        plt.close(fig)
     return path
