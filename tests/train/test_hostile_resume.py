@@ -184,3 +184,14 @@ def test_a_loss_curve_that_cannot_be_written_warns_and_the_run_completes(tmp_pat
         result = _run(tmp_path, docs, train__max_steps=1, logging__plot=True)
     assert result.status == "completed" and result.plot is None
     assert "could not write the loss curve" in caplog.text and "the losses are in" in caplog.text
+
+
+def test_a_lora_resume_with_its_targets_in_another_order_resumes(tmp_path, docs):
+    """[v_proj, q_proj] adapts the modules [q_proj, v_proj] does; the resume was refused as 'trained with
+    lora.targets=['q_proj', 'v_proj'] (this run: ['v_proj', 'q_proj']): they would compute something else'."""
+    lora = dict(lora__enabled=True, train__save_every=1)
+    _run(tmp_path, docs, **lora, lora__targets=["q_proj", "v_proj"], train__max_steps=1)
+    again = _run(tmp_path, docs, **lora, lora__targets=["v_proj", "q_proj"], train__max_steps=2, train__resume="auto")
+    assert again.start_step == 1 and again.step == 2
+    with pytest.raises(ValueError, match=r"lora.targets=\['v_proj', 'q_proj'\] \(this run: \['q_proj', 'k_proj'\]"):
+        _run(tmp_path, docs, **lora, lora__targets=["q_proj", "k_proj"], train__max_steps=3, train__resume="auto")

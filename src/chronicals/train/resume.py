@@ -101,6 +101,16 @@ def warn_data_changed(saved: dict | None, current: dict, path: Path) -> None:
 ADAPTER_KEYS = ("enabled", "rank", "alpha", "rslora", "targets", "modules_to_save")
 
 
+def _module_sets(cfg: dict) -> dict:
+    """``cfg`` with lora.targets and lora.modules_to_save as sorted sets: [v_proj, q_proj] adapts the modules
+    [q_proj, v_proj] does (a resume under the other order was refused as computing something else)."""
+    lora = dict(cfg.get("lora", {}))
+    for key in ("targets", "modules_to_save"):
+        if isinstance(lora.get(key), list):
+            lora[key] = sorted(set(lora[key]))
+    return {**cfg, "lora": lora}
+
+
 def check_same_adapter(saved: dict | None, current: dict, path: Path) -> None:
     """A LoRA checkpoint resumes only under the lora settings and base model it was trained with (ValueError
     naming the keys that differ); a full fine-tune's checkpoint holds every trainable weight, so another
@@ -109,7 +119,7 @@ def check_same_adapter(saved: dict | None, current: dict, path: Path) -> None:
         return
     _warn_dtype_changed(saved, current, path)
     lora = bool(saved.get("lora", {}).get("enabled")) or bool(current.get("lora", {}).get("enabled"))
-    diffs = ckpt.config_diffs(saved, current, {"lora": ADAPTER_KEYS}) if lora else []
+    diffs = ckpt.config_diffs(_module_sets(saved), _module_sets(current), {"lora": ADAPTER_KEYS}) if lora else []
     old_path, new_path = saved.get("model", {}).get("path"), current.get("model", {}).get("path")
     if old_path is not None and not same_model(old_path, new_path):
         diffs.append(f"model.path={old_path!r} (this run: {new_path!r})")
