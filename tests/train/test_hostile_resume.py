@@ -195,3 +195,18 @@ def test_a_lora_resume_with_its_targets_in_another_order_resumes(tmp_path, docs)
     assert again.start_step == 1 and again.step == 2
     with pytest.raises(ValueError, match=r"lora.targets=\['v_proj', 'q_proj'\] \(this run: \['q_proj', 'k_proj'\]"):
         _run(tmp_path, docs, **lora, lora__targets=["q_proj", "k_proj"], train__max_steps=3, train__resume="auto")
+
+
+@pytest.mark.parametrize("where, error, named", [
+    ("data", NotADirectoryError, "data is a file, not a directory: a run writes its copies"),
+    ("data/heldout.jsonl", IsADirectoryError, "heldout.jsonl is a directory: a run writes its copy"),
+])
+def test_a_file_or_folder_where_the_demo_data_copies_go_is_said_with_the_fix(tmp_path, where, error, named):
+    """Was '[Errno 17] File exists: .../data' or '[Errno 21] Is a directory', naming neither cause nor fix."""
+    from chronicals.train.setup import data_files
+
+    out = tmp_path / "run"
+    (out / where).parent.mkdir(parents=True, exist_ok=True)
+    (out / where).mkdir() if where.endswith(".jsonl") else (out / where).write_text("notes")
+    with pytest.raises(error, match=named + ".*move it away or set another train.out_dir"):
+        data_files(tiny_config(tmp_path, data__path="demo", data__eval_path="auto"), out)

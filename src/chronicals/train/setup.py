@@ -83,6 +83,19 @@ def load_base(cfg: TrainConfig, device: torch.device, dtype: torch.dtype):
     return load_model(cfg.model.path, dtype=dtype, device=device, impl=cfg.model.impl)
 
 
+def _copy_path(out_dir: Path, name: str) -> Path:
+    """``out_dir/data/name``, where a run writes its chat copy of the demo or held-out QA records; a file or folder
+    in the way is said with the fix (it was a bare '[Errno 17] File exists' / '[Errno 21] Is a directory')."""
+    path = out_dir / "data" / name
+    if path.parent.exists() and not path.parent.is_dir():
+        raise NotADirectoryError(f"{path.parent} is a file, not a directory: a run writes its copies of the demo and "
+                                 "held-out data there; move it away or set another train.out_dir")
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory: a run writes its copy of the data to that file; move it away "
+                                "or set another train.out_dir")
+    return path
+
+
 def data_files(cfg: TrainConfig, out_dir: Path) -> tuple[list[Path], Path | None, list[dict] | None]:
     """(training files, held-out chat file or None, held-out QA records or None).
 
@@ -96,13 +109,13 @@ def data_files(cfg: TrainConfig, out_dir: Path) -> tuple[list[Path], Path | None
     d = cfg.data
     if d.path == DEMO:
         recs = [json.loads(line) for line in qa_mod.demo_file("train.jsonl").read_text().splitlines() if line.strip()]
-        train = [qa_mod.write_chat_jsonl(recs, out_dir / "data" / "train.jsonl", d.system_prompt)]
+        train = [qa_mod.write_chat_jsonl(recs, _copy_path(out_dir, "train.jsonl"), d.system_prompt)]
     else:
         train = [Path(d.path)]
     eval_path = (DEMO if d.path == DEMO else "") if d.eval_path == "auto" else d.eval_path
     heldout_qa = qa_mod.read_qa(eval_path) if eval_path else None
     if heldout_qa is not None:
-        eval_file = qa_mod.write_chat_jsonl(heldout_qa, out_dir / "data" / "heldout.jsonl",
+        eval_file = qa_mod.write_chat_jsonl(heldout_qa, _copy_path(out_dir, "heldout.jsonl"),
                                             qa_mod.heldout_system_prompt(d))
     else:
         eval_file = Path(eval_path) if eval_path else None
