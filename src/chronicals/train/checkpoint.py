@@ -56,7 +56,7 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _step_dirs(out_dir: str | Path) -> list[Path]:
-    """Every ``step-N`` entry under ``out_dir/checkpoints``, oldest first, with its state.pt or not.
+    """Every ``step-N`` directory under ``out_dir/checkpoints``, oldest first, with its state.pt or not.
 
     NotADirectoryError when ``checkpoints`` is a file: asked while a run sets up (resume=auto, another run's
     checkpoints), so the run stops there rather than when its first checkpoint cannot be written."""
@@ -66,7 +66,7 @@ def _step_dirs(out_dir: str | Path) -> list[Path]:
                                  "away or set another train.out_dir")
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name))]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found)]
 
 
