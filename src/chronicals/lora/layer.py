@@ -124,6 +124,8 @@ class LoRALinearFunction(torch.autograd.Function):
         call; None builds it here per call (a full copy of W: 2 x 117 MB at the 8B gate/up, fwd and bwd).
     wcat is kept on ctx, not save_for_backward: its s B columns are rewritten by the next forward of the
     same layer (same values until the optimizer steps), which must not trip autograd's version check.
+    Without concat and dropout, a wide input (in >= 2 out, down_proj) gets dx from one GEMM over
+    [dy | s dy B] and [W ; A] (``lora_backward``).
     """
 
     @staticmethod
