@@ -3,7 +3,8 @@
 Module names follow PEFT's matching rules, so the same ``target_modules`` / ``modules_to_save`` mean the
 same modules here and in PEFT: a list entry matches a module whose full name equals it or ends with
 ``"." + entry`` (``"q_proj"`` matches ``model.layers.3.self_attn.q_proj``); a single string is a regular
-expression that must match the full name.
+expression that must match the full name. Every module a target matches must be an nn.Linear (PEFT refuses
+other kinds, and would adapt an nn.Embedding, which we do not).
 """
 
 from __future__ import annotations
@@ -137,7 +138,17 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
     if isinstance(target_modules, list):
         target_modules = tuple(target_modules)
     modules_to_save = (modules_to_save,) if isinstance(modules_to_save, str) else tuple(modules_to_save)
-    targets = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and name_matches(n, target_modules)]
+    matched = [(n, m) for n, m in model.named_modules() if n and name_matches(n, target_modules)]
+    targets = [n for n, m in matched if isinstance(m, nn.Linear)]
+    # PEFT puts LoRA on an nn.Embedding and refuses any other kind: skipping them trained no embed_tokens adapter
+    # for ["q_proj", "embed_tokens"], and saved a regex that PEFT then refuses to load
+    others = [f"{n} ({type(m).__name__})" for n, m in matched if not isinstance(m, nn.Linear)]
+    if others:
+        raise ValueError(f"apply_lora: target_modules={target_modules!r} matches {len(others)} module(s) that are not "
+                         f"nn.Linear, such as {others[:3]}; LoRA adapts nn.Linear layers only: drop them from the "
+                         "targets (a regular expression must match only projections, e.g. r'.*\\.(q|v)_proj'), and "
+                         "train an embedding or norm in full with modules_to_save (in a config: lora.targets, "
+                         "lora.modules_to_save)")
     if not targets:
         leaves = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise ValueError(f"apply_lora: target_modules={target_modules!r} matched no nn.Linear; the model's "

@@ -1,0 +1,35 @@
+"""LoRA options in unusual but valid combinations: what apply_lora / load_adapter accept must mean what PEFT means,
+and what they cannot do must be refused before the model changes (not skipped, not failing mid-training)."""
+
+import peft
+import pytest
+import torch
+
+from chronicals.lora import apply_lora
+
+from .conftest import tiny_model
+
+
+@pytest.mark.parametrize("targets,named", [(["q_proj", "embed_tokens"], "model.embed_tokens (Embedding)"),
+                                           (r"model\.layers\.1\..*", "model.layers.1.input_layernorm (RMSNorm)"),
+                                           (["q_proj", "norm"], "model.norm (RMSNorm)")])
+def test_a_target_that_is_not_a_linear_is_refused(targets, named):
+    """PEFT adapts an embed_tokens target (lora_embedding_A/B) and refuses a norm or a decoder layer; apply_lora
+    skipped every such match silently: no embedding adapter was trained, and the saved regex made an adapter that
+    PEFT refused to load ('Target module Qwen2Attention(...) is not supported')."""
+    model = tiny_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"not nn.Linear, such as \[.*{named.replace('(', '.').replace(')', '.')}"):
+        apply_lora(model, r=2, target_modules=targets)
+    assert getattr(model, "lora_config", None) is None and all(p.requires_grad for p in model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="is not supported"):  # what PEFT does with the same regex
+        peft.get_peft_model(tiny_hf(), peft.LoraConfig(r=2, target_modules=r"model\.layers\.1\..*"))
+
+
+def tiny_hf():
+    import transformers
+
+    from .conftest import hf_config
+
+    return transformers.LlamaForCausalLM(hf_config())
