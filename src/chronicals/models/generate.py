@@ -2,19 +2,42 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .decoder import CausalLM, KVCache
+
+log = logging.getLogger("chronicals.generate")
+_warned: set[tuple[int, int]] = set()  # (max_new_tokens, context) already warned about: once per process
+
+
+def new_token_budget(model, prompt_len: int, max_new_tokens: int) -> int:
+    """``max_new_tokens``, or fewer so that prompt and answer fit the model's context (max_position_embeddings):
+    past it the positions were never trained, and a large request generated nonsense for minutes (100000 new
+    tokens on a 64-position model). A warning, once per process and setting, says so; a chat loop goes on."""
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not context or prompt_len + max_new_tokens <= context:
+        return max_new_tokens
+    budget = max(0, context - prompt_len)
+    if (max_new_tokens, context) not in _warned:
+        _warned.add((max_new_tokens, context))
+        log.warning("max_new_tokens=%d with a %d-token prompt goes past the model's context "
+                    "(max_position_embeddings=%d): generating at most %d new tokens; lower max_new_tokens to at "
+                    "most %d minus the prompt's length", max_new_tokens, prompt_len, context, budget, context)
+    return budget
 
 
 @torch.no_grad()
 def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64, *, eos_token_id=None,
              temperature: float = 0.0, generator: torch.Generator | None = None) -> torch.Tensor:
-    """input_ids (S,) or (1, S) -> the new token ids (T,), T <= max_new_tokens; stops at eos.
+    """input_ids (S,) or (1, S) -> the new token ids (T,), T <= max_new_tokens; stops at eos, and at the model's
+    context (S + T <= max_position_embeddings, with a warning: see ``new_token_budget``).
 
     temperature 0 is greedy decoding.
     """
     ids = input_ids.view(1, -1).to(model.lm_head.weight.device)
+    max_new_tokens = new_token_budget(model, ids.shape[1], max_new_tokens)
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     caches = [KVCache() for _ in model.model.layers]
     was_training = model.training

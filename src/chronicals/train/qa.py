@@ -202,7 +202,9 @@ def greedy_same_length(model, ids: torch.Tensor, max_new_tokens: int, eos: set[i
     where each step is bound by reading the 540 MB of fp32 weights.
     """
     from ..models.decoder import KVCache
+    from ..models.generate import new_token_budget
 
+    max_new_tokens = new_token_budget(model, ids.shape[1], max_new_tokens)  # stops at the model's context
     caches = [KVCache() for _ in model.model.layers]
     b = ids.shape[0]
     out: list[list[int]] = [[] for _ in range(b)]
