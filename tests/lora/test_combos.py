@@ -33,3 +33,18 @@ def tiny_hf():
     from .conftest import hf_config
 
     return transformers.LlamaForCausalLM(hf_config())
+
+
+@pytest.mark.parametrize("saved", [["self_attn"], ["mlp"], ["layers.0"]])
+def test_modules_to_save_holding_a_target_is_refused(saved, ids):
+    """modules_to_save=['self_attn'] with q_proj adapted unfroze q_proj's base weight under its adapter: apply_lora
+    succeeded and the first forward failed ('the base weight and bias must be frozen')."""
+    model = tiny_model()
+    with pytest.raises(ValueError, match=r"modules_to_save \['model.layers.0.*'\] hold LoRA targets .such as "
+                                         r"model.layers.0.(self_attn.q_proj|mlp.down_proj)"):
+        apply_lora(model, r=2, target_modules=["q_proj", "down_proj"], modules_to_save=saved)
+    assert getattr(model, "lora_config", None) is None and all(p.requires_grad for p in model.parameters())
+    apply_lora(model, r=2, target_modules=["q_proj", "down_proj"], modules_to_save=["o_proj", "up_proj"])
+    model.train()
+    model(ids, shift_labels=torch.roll(ids, -1, 1)).backward()  # the modules beside the targets train in full
+    assert model.model.layers[0].self_attn.o_proj.weight.grad.norm() > 0

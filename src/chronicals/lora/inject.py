@@ -164,6 +164,16 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
     overlap = sorted(set(saved) & set(targets))
     if overlap:
         raise ValueError(f"apply_lora: {overlap} are both LoRA targets and modules_to_save; pick one")
+    # a parent trained in full would unfreeze the base weights under its adapters: the first step then failed
+    # ("the base weight and bias must be frozen")
+    holding = {s: [t for t in targets if t.startswith(s + ".")] for s in saved}
+    holding = {s: ts for s, ts in holding.items() if ts}
+    if holding:
+        first = next(iter(holding))
+        raise ValueError(f"apply_lora: modules_to_save {sorted(holding)} hold LoRA targets (such as "
+                         f"{holding[first][0]}); a module is either adapted or trained in full: name the modules "
+                         "inside them to train in full, or leave their projections out of target_modules (in a "
+                         "config: lora.modules_to_save, lora.targets)")
     tied = _tied_partners(model, saved)
     if tied:
         log.info("apply_lora: %s share weights with %s (tied); the shared tensor is trained and both are saved",
