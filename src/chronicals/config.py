@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import logging
 import math
+import os
 import re
 import types
 import typing
@@ -304,6 +305,12 @@ class TrainSection:
         _check(self.keep_last >= 1, "train.keep_last", self.keep_last, "an integer >= 1")
         self.cuda_graphs = _auto_bool(self.cuda_graphs, "train.cuda_graphs")
         _check(bool(self.out_dir), "train.out_dir", self.out_dir, "a directory path")
+        # ~ expanded once, here: train() wrote to a literal ./~ folder while its checks looked under $HOME, and an
+        # explicit checkpoint under ~ was refused as missing (data.path, data.eval_path and model.path are
+        # expanded where read, so a checkpoint compares them as written)
+        self.out_dir = os.path.expanduser(self.out_dir)
+        if self.resume not in ("auto", "none"):
+            self.resume = os.path.expanduser(self.resume)
         # Unlike data.path / model.path (a config may be written on one machine for another), an explicit
         # checkpoint that is not here can never resume: say so now, not after the model and data load.
         if self.resume not in ("auto", "none"):

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from train_helpers import tiny_model
+from chronicals.train import train
+from chronicals.train.checkpoint import checkpoint_dirs
+
+from train_helpers import SyntheticLoader, tiny_config, tiny_model
 
 
 # ---- generation stops at the model's context ----
@@ -25,5 +28,29 @@ def test_generation_stops_at_the_models_context_with_one_warning(caplog):
     assert [len(o) for o in outs] == [28, 28]
     assert caplog.text.count("goes past the model's context (max_position_embeddings=128)") == 1
     assert len(generate(model, prompt, 5)) == 5
+
+
+# ---- tilde: ~ is the home directory ----
+
+def test_tilde_in_out_dir_resume_and_eval_path_is_home(tmp_path, docs, monkeypatch):
+    """train.out_dir=~/x wrote a literal ./~ folder; train.resume=~/... was refused as missing; a held-out QA file
+    under ~ was not read as QA."""
+    from chronicals.train.setup import data_files
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    cfg = tiny_config(tmp_path, train__out_dir="~/run", train__max_steps=1)
+    assert cfg.train.out_dir == str(tmp_path / "home" / "run")
+    train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs))
+    assert not (work / "~").exists() and checkpoint_dirs(tmp_path / "home" / "run")
+    cfg = tiny_config(tmp_path, train__out_dir="~/run", train__max_steps=2,
+                      train__resume="~/run/checkpoints/step-000001")
+    assert train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs)).start_step == 1
+    (tmp_path / "home" / "held.jsonl").write_text('{"question": "Who?", "answer": "Ada"}\n')
+    _, _, qa = data_files(tiny_config(tmp_path, data__path=str(work), data__eval_path="~/held.jsonl"), work / "o")
+    assert qa and qa[0]["question"] == "Who?"
 
 

@@ -228,7 +228,7 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
     check_resume_path(cfg)
     if train_loader is None:
         check_data_paths(cfg)  # before minutes of model loading, not after
-    out_dir = Path(cfg.train.out_dir)
+    out_dir = Path(cfg.train.out_dir).expanduser()
     existed = set(out_dir.iterdir()) if out_dir.is_dir() else None
     out_dir.mkdir(parents=True, exist_ok=True)
     random.seed(cfg.train.seed)
@@ -309,7 +309,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     if cfg.train.resume == "auto":
         resume_from = ckpt.latest_checkpoint(out_dir)
     elif cfg.train.resume != "none":
-        resume_from = Path(cfg.train.resume)
+        resume_from = Path(cfg.train.resume).expanduser()
     if resume_from is not None:
         fresh = optimizer_settings(optimizer, scheduler)
         restored = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler, config=cfg_dict)

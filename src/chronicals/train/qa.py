@@ -51,7 +51,7 @@ def read_qa(path: str | Path) -> list[dict] | None:
     DataError saying to convert it (it would fail as "cannot tell the format"). Raises DataError
     ``file:line: ...`` for a malformed line or field, and for a file that mixes QA records with other records.
     """
-    p = demo_file("heldout.jsonl") if str(path) == DEMO else Path(path)
+    p = demo_file("heldout.jsonl") if str(path) == DEMO else Path(path).expanduser()
     if p.suffix.lower() not in (".jsonl", ".json") or not p.is_file():
         _refuse_qa_elsewhere(p)
         return None
