@@ -10,6 +10,7 @@ import signal
 import pytest
 import torch
 
+from chronicals.config import ConfigError
 from chronicals.data import PackedBatch
 from chronicals.train import TrainingDiverged, accumulate_gradients, train
 from chronicals.train.checkpoint import checkpoint_dirs
@@ -330,10 +331,10 @@ def test_a_missing_data_path_is_refused_before_the_model_loads(tmp_path, monkeyp
     assert not (tmp_path / "run").exists()
     not_a_checkpoint = tmp_path / "elsewhere"
     not_a_checkpoint.mkdir()
-    with pytest.raises(FileNotFoundError, match=r"train.resume=.*elsewhere holds no checkpoint \(no state.pt\)"):
+    with pytest.raises(ConfigError, match=r"train.resume=.*elsewhere holds no checkpoint \(no state.pt\)"):
         train(tiny_config(tmp_path, data__path="train.jsonl", train__resume=str(not_a_checkpoint)))
-    with pytest.raises(FileNotFoundError, match=r"train.resume=.*train.jsonl is a file, not a checkpoint; give a "
-                                                r"checkpoint directory \(out_dir/checkpoints/step-N\) or its state.pt"):
+    with pytest.raises(ConfigError, match=r"train.resume=.*train.jsonl is a file, not a checkpoint; give a "
+                                          r"checkpoint directory \(out_dir/checkpoints/step-N\) or its state.pt"):
         train(tiny_config(tmp_path, data__path="train.jsonl", train__resume=str(tmp_path / "train.jsonl")))
     (tmp_path / "data").mkdir()
     with pytest.raises(ValueError, match=r"train.out_dir=.*/data/run is inside data.path=data, whose files are all "
@@ -459,7 +460,7 @@ def test_a_log_file_gets_step_lines_not_a_progress_bar(tmp_path, docs, caplog, c
 def test_an_out_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "afile").write_text("x")
     for out in ("afile", "afile/sub"):
-        with pytest.raises(NotADirectoryError, match=rf"train.out_dir=.*{out}: .*afile is a file, not a directory"):
+        with pytest.raises(ConfigError, match=rf"train.out_dir=.*{out}: .*afile is a file, not a directory"):
             train(tiny_config(tmp_path, train__out_dir=str(tmp_path / out)))
 
 

@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import torch
 
+from chronicals.cli import main
 from chronicals.train import train
 from chronicals.train.checkpoint import checkpoint_dirs
 
-from train_helpers import SyntheticLoader, tiny_config, tiny_model
+from train_helpers import SyntheticLoader, synthetic_docs, tiny_config, tiny_model
+
+
+def _run(tmp_path, docs, model_seed=0, **over):
+    return train(tiny_config(tmp_path, **over), model=tiny_model(model_seed), train_loader=SyntheticLoader(docs),
+                 eval_loader=SyntheticLoader(synthetic_docs(6, seed=5), shuffle=False))
 
 
 # ---- generation stops at the model's context ----
@@ -52,5 +58,22 @@ def test_tilde_in_out_dir_resume_and_eval_path_is_home(tmp_path, docs, monkeypat
     (tmp_path / "home" / "held.jsonl").write_text('{"question": "Who?", "answer": "Ada"}\n')
     _, _, qa = data_files(tiny_config(tmp_path, data__path=str(work), data__eval_path="~/held.jsonl"), work / "o")
     assert qa and qa[0]["question"] == "Who?"
+
+
+# ---- exit status 2 for bad train.out_dir / train.resume values ----
+
+def test_bad_out_dir_and_resume_values_exit_2(tmp_path, docs, capsys):
+    (tmp_path / "afile").write_text("x")
+    args = [f"model.path={tmp_path / 'missing'}", "train.max_steps=1"]  # reaching the model load would be 3
+    assert main(["train", f"train.out_dir={tmp_path / 'afile'}", *args]) == 2
+    assert "afile is a file, not a directory" in capsys.readouterr().err
+    _run(tmp_path, docs, train__max_steps=2, train__save_every=1)
+    run = tmp_path / "run"
+    for resume in (tmp_path, run, run / "checkpoints"):  # no state.pt: 3 while a missing one was 2
+        assert main(["train", f"train.out_dir={tmp_path / 'other'}", f"train.resume={resume}", *args]) == 2
+        err = capsys.readouterr().err
+        assert "holds no checkpoint (no state.pt)" in err
+        if resume != tmp_path:  # a run's out_dir (or its checkpoints/) is answered with its newest checkpoint
+            assert f"its newest checkpoint is train.resume={run / 'checkpoints' / 'step-000002'}" in err
 
 

@@ -90,25 +90,35 @@ def _check_pyarrow(path: Path) -> None:
 
 
 def check_out_dir(cfg: TrainConfig) -> None:
-    """train.out_dir, or a folder above it, must not be a file."""
+    """ConfigError (a bad value: exit status 2) when train.out_dir, or a folder above it, is a file."""
     out = Path(cfg.train.out_dir).expanduser()
     for p in (out, *out.parents):
         if p.exists() and not p.is_dir():
-            raise NotADirectoryError(f"train.out_dir={cfg.train.out_dir}: {p} is a file, not a directory; set "
-                                     "train.out_dir to a directory path")
+            raise ConfigError(f"train.out_dir={cfg.train.out_dir}: {p} is a file, not a directory; set "
+                              "train.out_dir to a directory path", "train.out_dir")
 
 
 def check_resume_path(cfg: TrainConfig) -> None:
-    """An explicit train.resume (the config has checked that it exists) must be a checkpoint directory (holding
-    state.pt) or a state.pt file: found before the model loads."""
+    """ConfigError (exit status 2, as for a train.resume that does not exist) unless an explicit train.resume
+    is a checkpoint directory (holding state.pt) or a state.pt file: found before the model loads. A run's
+    out_dir given instead is answered with its newest checkpoint."""
     if cfg.train.resume in ("auto", "none"):
         return
+    from .checkpoint import latest_checkpoint
+
     path = Path(cfg.train.resume).expanduser()
     fix = f"give a checkpoint directory (out_dir/checkpoints/step-N) or its {STATE_FILE}, or train.resume=auto"
     if path.is_dir() and not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(f"train.resume={cfg.train.resume} holds no checkpoint (no {STATE_FILE}); {fix}")
+        try:
+            newest = latest_checkpoint(path) or latest_checkpoint(path.parent)  # a run's out_dir, or its checkpoints/
+        except OSError:
+            newest = None
+        if newest is not None:
+            fix = f"its newest checkpoint is train.resume={newest}; or set train.resume=auto"
+        raise ConfigError(f"train.resume={cfg.train.resume} holds no checkpoint (no {STATE_FILE}); {fix}",
+                          "train.resume")
     if path.is_file() and path.name != STATE_FILE:  # load_checkpoint would try it and blame its directory
-        raise FileNotFoundError(f"train.resume={cfg.train.resume} is a file, not a checkpoint; {fix}")
+        raise ConfigError(f"train.resume={cfg.train.resume} is a file, not a checkpoint; {fix}", "train.resume")
 
 
 def check_cuda_graphs(cfg: TrainConfig, device) -> None:
