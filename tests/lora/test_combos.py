@@ -4,10 +4,11 @@ and what they cannot do must be refused before the model changes (not skipped, n
 import peft
 import pytest
 import torch
+import transformers
 
-from chronicals.lora import apply_lora
+from chronicals.lora import apply_lora, load_adapter, save_adapter
 
-from .conftest import tiny_model
+from .conftest import hf_config, tiny_model
 
 
 @pytest.mark.parametrize("targets,named", [(["q_proj", "embed_tokens"], "model.embed_tokens (Embedding)"),
@@ -27,12 +28,14 @@ def test_a_target_that_is_not_a_linear_is_refused(targets, named):
         peft.get_peft_model(tiny_hf(), peft.LoraConfig(r=2, target_modules=r"model\.layers\.1\..*"))
 
 
-def tiny_hf():
-    import transformers
-
-    from .conftest import hf_config
-
-    return transformers.LlamaForCausalLM(hf_config())
+def tiny_hf(state=None):
+    """transformers' Llama on conftest's tiny config, holding ``state`` (our base weights) when given."""
+    cfg = hf_config()
+    cfg._attn_implementation = "eager"
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    if state is not None:
+        hf.load_state_dict(state, strict=False)
+    return hf
 
 
 @pytest.mark.parametrize("saved", [["self_attn"], ["mlp"], ["layers.0"]])
@@ -48,3 +51,30 @@ def test_modules_to_save_holding_a_target_is_refused(saved, ids):
     model.train()
     model(ids, shift_labels=torch.roll(ids, -1, 1)).backward()  # the modules beside the targets train in full
     assert model.model.layers[0].self_attn.o_proj.weight.grad.norm() > 0
+
+
+@pytest.mark.parametrize("saved", [["norm"], ["layernorm", "head"]])
+def test_peft_modules_to_save_entries_mean_what_peft_trained(saved, ids, tmp_path):
+    """PEFT matches modules_to_save as a plain suffix: its "norm" trains model.norm and every layer's two norms,
+    "head" is lm_head. load_adapter read them at a dot ("norm" = model.norm only; "layernorm" and "head" nothing),
+    so the adapter was refused ('unexpected keys ... input_layernorm', or 'match no module')."""
+    ours = tiny_model()
+    base = {k: v.clone() for k, v in ours.state_dict().items()}
+    pm = peft.get_peft_model(tiny_hf(base), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"],
+                                                            modules_to_save=saved, task_type="CAUSAL_LM"))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n or "modules_to_save" in n:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+        want = pm.eval()(input_ids=ids).logits
+    pm.save_pretrained(tmp_path / "peft")
+    rec = load_adapter(ours, tmp_path / "peft")
+    assert "model.layers.1.post_attention_layernorm" in rec.saved_modules
+    assert ("lm_head" in rec.saved_modules) == (saved != ["norm"])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), want, rtol=1e-4, atol=1e-4)
+    save_adapter(ours, tmp_path / "ours")  # full names: PEFT loads the same modules back
+    again = peft.PeftModel.from_pretrained(tiny_hf(base), tmp_path / "ours").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)

@@ -138,6 +138,17 @@ def _untie_if_partial(model: nn.Module, rec: LoraRecord, keys: set[str]) -> None
                 present, absent)
 
 
+def _peft_modules_to_save(model: nn.Module, entries) -> tuple[str, ...]:
+    """The full names of the modules PEFT trains for an adapter_config.json's ``modules_to_save``. PEFT matches an
+    entry as a plain suffix of the module's name in the PeftModel (``key.endswith(entry)``, not at a dot as for
+    target_modules): "norm" is model.norm and every layer's input_layernorm and post_attention_layernorm, whose
+    saved tensors were 'unexpected keys' here. An entry matching nothing is kept, for apply_lora to name."""
+    names = [n for n, _ in model.named_modules() if n]
+    out = {n: None for n in names if any((PREFIX + n).endswith(e) for e in entries)}
+    out.update({e: None for e in entries if not any((PREFIX + n).endswith(e) for n in names)})
+    return tuple(out)
+
+
 def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
                  adapter_dtype: torch.dtype | None = None) -> LoraRecord:
     """Apply LoRA to ``model`` with the adapter's config and load its tensors (strictly: a missing or
@@ -160,7 +171,7 @@ def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
         rec = apply_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
                          target_modules=targets if isinstance(targets, str) else tuple(targets),
                          use_rslora=cfg.get("use_rslora", False),
-                         modules_to_save=tuple(cfg.get("modules_to_save") or ()),
+                         modules_to_save=_peft_modules_to_save(model, cfg.get("modules_to_save") or ()),
                          impl=impl, adapter_dtype=adapter_dtype)
     except ValueError as e:
         raise ValueError(f"{adapter_dir / CONFIG_NAME}: {e}") from None
