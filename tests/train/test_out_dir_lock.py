@@ -77,3 +77,16 @@ def test_bad_out_dir_and_resume_values_exit_2(tmp_path, docs, capsys):
             assert f"its newest checkpoint is train.resume={run / 'checkpoints' / 'step-000002'}" in err
 
 
+# ---- config.yaml a folder ----
+
+def test_config_yaml_a_folder_is_refused_before_training(tmp_path, docs):
+    """Was a bare '[Errno 21] Is a directory' at the first record, after a fresh run removed the old checkpoints."""
+    _run(tmp_path, docs, train__max_steps=2)
+    run = tmp_path / "run"
+    (run / "config.yaml").unlink()
+    (run / "config.yaml").mkdir()
+    with pytest.raises(IsADirectoryError, match="config.yaml is a directory: .*move it away or set another"):
+        _run(tmp_path, docs, train__max_steps=2, train__resume="none")
+    assert [d.name for d in checkpoint_dirs(run)] == ["step-000002"]
+
+

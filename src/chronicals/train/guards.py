@@ -90,12 +90,16 @@ def _check_pyarrow(path: Path) -> None:
 
 
 def check_out_dir(cfg: TrainConfig) -> None:
-    """ConfigError (a bad value: exit status 2) when train.out_dir, or a folder above it, is a file."""
+    """ConfigError (a bad value: exit status 2) when train.out_dir, or a folder above it, is a file;
+    IsADirectoryError when out_dir/config.yaml is a folder (found now, not at the run's first record)."""
     out = Path(cfg.train.out_dir).expanduser()
     for p in (out, *out.parents):
         if p.exists() and not p.is_dir():
             raise ConfigError(f"train.out_dir={cfg.train.out_dir}: {p} is a file, not a directory; set "
                               "train.out_dir to a directory path", "train.out_dir")
+    if (out / "config.yaml").is_dir():
+        raise IsADirectoryError(f"{out / 'config.yaml'} is a directory: a run writes its config to that file; move "
+                                "it away or set another train.out_dir")
 
 
 def check_resume_path(cfg: TrainConfig) -> None:
