@@ -5,6 +5,7 @@ stopping at the model's context."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from chronicals.cli import main
