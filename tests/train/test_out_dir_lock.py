@@ -5,6 +5,9 @@ stopping at the model's context."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -18,6 +21,10 @@ from train_helpers import SyntheticLoader, synthetic_docs, tiny_config, tiny_mod
 def _run(tmp_path, docs, model_seed=0, **over):
     return train(tiny_config(tmp_path, **over), model=tiny_model(model_seed), train_loader=SyntheticLoader(docs),
                  eval_loader=SyntheticLoader(synthetic_docs(6, seed=5), shuffle=False))
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 # ---- generation stops at the model's context ----
@@ -89,5 +96,35 @@ def test_config_yaml_a_folder_is_refused_before_training(tmp_path, docs):
     with pytest.raises(IsADirectoryError, match="config.yaml is a directory: .*move it away or set another"):
         _run(tmp_path, docs, train__max_steps=2, train__resume="none")
     assert [d.name for d in checkpoint_dirs(run)] == ["step-000002"]
+
+
+# ---- resume from another run's checkpoint ----
+
+def test_a_resume_from_another_runs_checkpoint_takes_that_runs_history(tmp_path, docs, caplog):
+    """runs/b resumed from runs/a/checkpoints/step-2 kept runs/b's own steps 1..2 (another model's) before step 3,
+    and its "before" held-out loss."""
+    a = _run(tmp_path / "a", docs, train__max_steps=4, train__save_every=2, train__keep_last=5)
+    b_first = _run(tmp_path / "b", docs, model_seed=1, train__max_steps=2)
+    assert b_first.eval_loss_before != a.eval_loss_before
+    src = tmp_path / "a" / "run" / "checkpoints" / "step-000002"
+    with caplog.at_level("INFO", logger="chronicals.train"):
+        b = _run(tmp_path / "b", docs, train__max_steps=4, train__resume=str(src))
+    assert "another run's checkpoint" in caplog.text
+    recs = _records(tmp_path / "b" / "run")
+    a_recs = _records(tmp_path / "a" / "run")
+    assert recs[:3] == [r for r in a_recs if r["step"] <= 2 and r.get("tag") != "after"]
+    assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert b.eval_loss_before == a.eval_loss_before
+    # a checkpoint copied out of its run: no history to take; this run's starts at step 3, said
+    loose = tmp_path / "loose"
+    import shutil
+
+    shutil.copytree(src, loose)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        c = _run(tmp_path / "b", docs, train__max_steps=4, train__resume=str(loose))
+    assert "starts at step 3" in caplog.text
+    assert [r["step"] for r in _records(tmp_path / "b" / "run") if r["kind"] == "train"] == [3, 4]
+    assert c.eval_loss_before is None
 
 

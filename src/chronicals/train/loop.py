@@ -342,7 +342,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         forget_stale()
 
     if dp.is_main:  # config.yaml and metrics.jsonl change only once this run writes its first record
-        metrics = MetricsLog(out_dir, cfg.logging.tensorboard, start if resume_from else None, on_open=first_record)
+        metrics = _metrics_log(cfg, out_dir, resume_from, start, first_record)
     else:
         metrics = _RanksMetrics()
     report = report if dp.is_main else None
@@ -562,6 +562,36 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     if cfg.logging.plot and dp.is_main:
         result.plot = plot_losses(metrics.records, out_dir / "loss.png")
     return result
+
+
+def _metrics_log(cfg: TrainConfig, out_dir: Path, resume_from: Path | None, start: int, on_open) -> MetricsLog:
+    """The run's MetricsLog: a resume from one of out_dir's own checkpoints keeps out_dir's records up to its step;
+    one from another run's checkpoint (runs/a/checkpoints/step-N into runs/b) takes that run's records up to
+    step N instead (out_dir's own records are another history: kept, they mixed two runs' steps 1..N and gave
+    the summary the wrong held-out loss "before"), or none, said, when that run's metrics.jsonl cannot be read."""
+    tb = cfg.logging.tensorboard
+    if resume_from is None:
+        return MetricsLog(out_dir, tb, None, on_open=on_open)
+    ckdir = resume_from if resume_from.is_dir() else resume_from.parent
+    if ckdir.parent.resolve() == (out_dir / "checkpoints").resolve():
+        return MetricsLog(out_dir, tb, start, on_open=on_open)
+    metrics = MetricsLog(out_dir, tb, None, on_open=on_open)  # out_dir's metrics.jsonl is replaced at the first record
+    source = ckdir.parent.parent / "metrics.jsonl" if ckdir.parent.name == "checkpoints" else None
+    why = None
+    if source is None or not source.is_file():
+        why = "no metrics.jsonl beside it" if source is None else f"{source} does not exist"
+    else:
+        try:
+            metrics.records = MetricsLog(source.parent, False, start).records
+        except (OSError, ValueError) as e:
+            why = f"{source} could not be read ({e})"
+    if why:
+        log.warning("%s is not one of %s's checkpoints and %s: %s starts at step %d", resume_from, out_dir, why,
+                    metrics.path, start + 1)
+    else:
+        log.info("%s is another run's checkpoint: %s starts with that run's %d records up to step %d (from %s)",
+                 resume_from, metrics.path, len(metrics.records), start, source)
+    return metrics
 
 
 def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, checkpoint: Path,
