@@ -3,10 +3,10 @@
 Module names follow PEFT's matching rules, so the same ``target_modules`` mean the same modules here and in
 PEFT: a list entry matches a module whose full name equals it or ends with ``"." + entry`` (``"q_proj"`` matches
 ``model.layers.3.self_attn.q_proj``); a single string is a regular expression that must match the full name.
-``modules_to_save`` entries match here the same way, at a dot; PEFT matches them as a plain suffix ("norm" is
-also every layer's input_layernorm), so ``load_adapter`` resolves a PEFT file's entries by PEFT's rule, and
-``save_adapter`` writes full names, which mean the same modules under either rule. Every module a target matches must be an nn.Linear (PEFT refuses
-other kinds, and would adapt an nn.Embedding, which we do not).
+Every module a target matches must be an nn.Linear (PEFT refuses other kinds, and would adapt an nn.Embedding,
+which we do not). ``modules_to_save`` entries match here the same way, at a dot; PEFT matches them as a plain
+suffix ("norm" is also every layer's input_layernorm), so ``load_adapter`` resolves a PEFT file's entries by
+PEFT's rule, and ``save_adapter`` writes full names, which mean the same modules under either rule.
 """
 
 from __future__ import annotations
