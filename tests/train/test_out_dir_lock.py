@@ -5,15 +5,23 @@ stopping at the model's context."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from chronicals.cli import main
+from chronicals.config import ConfigError
 from chronicals.train import train
 from chronicals.train.checkpoint import checkpoint_dirs
+from chronicals.train.guards import LOCK_FILE
 
 from train_helpers import SyntheticLoader, synthetic_docs, tiny_config, tiny_model
 
@@ -128,3 +136,115 @@ def test_a_resume_from_another_runs_checkpoint_takes_that_runs_history(tmp_path,
     assert c.eval_loss_before is None
 
 
+# ---- the lock ----
+
+IN_USE = "is in use by another chronicals run"
+
+
+def _hold(out: Path):
+    """The lock a running run holds, taken by this process: the file object (closing it releases the lock)."""
+    out.mkdir(parents=True, exist_ok=True)
+    fh = (out / LOCK_FILE).open("a")
+    fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fh
+
+
+def _contents(out: Path) -> dict:
+    return {str(p.relative_to(out)): p.read_bytes() if p.is_file() else None for p in sorted(out.rglob("*"))}
+
+
+def test_a_second_run_on_a_locked_out_dir_is_refused_at_once_and_leaves_it_alone(tmp_path, docs, capsys):
+    """Both runs trained (every step twice in metrics.jsonl); one failing in setup removed the other's files."""
+    _run(tmp_path, docs, train__max_steps=2, train__save_every=1)
+    out = tmp_path / "run"
+    before = _contents(out)
+    with _hold(out):
+        with pytest.raises(ConfigError, match=f"train.out_dir={out} {IN_USE}.*set another train.out_dir"):
+            _run(tmp_path, docs, train__max_steps=3, train__resume="none")
+        with pytest.raises(ConfigError, match=IN_USE):  # one failing in setup (no batches) is refused the same way
+            train(tiny_config(tmp_path, train__max_steps=3), model=tiny_model(), train_loader=SyntheticLoader([]))
+        # the CLI: a bad argument (exit status 2), refused before the model loads (this one does not exist: 3)
+        assert main(["train", f"train.out_dir={out}", f"model.path={tmp_path / 'missing'}", "train.max_steps=1"]) == 2
+        err = capsys.readouterr().err
+        assert f"error: train.out_dir={out} {IN_USE}" in err
+        assert {k: v for k, v in _contents(out).items() if k != LOCK_FILE} == before
+    assert _run(tmp_path, docs, train__max_steps=3, train__resume="auto").start_step == 2  # released: runs on
+
+
+def test_the_lock_leaves_no_file_and_a_stale_one_is_no_obstacle(tmp_path, docs):
+    out = tmp_path / "run"
+    _run(tmp_path, docs, train__max_steps=1)
+    assert not (out / LOCK_FILE).exists()
+    (out / LOCK_FILE).write_text("12345\n")  # a killed run's (its flock went with it)
+    assert _run(tmp_path, docs, train__max_steps=2, train__resume="auto").step == 2
+    assert not (out / LOCK_FILE).exists()
+    with pytest.raises(ValueError, match="no batches"):  # failed in setup in a fresh out_dir: no out_dir left
+        train(tiny_config(tmp_path / "fresh"), model=tiny_model(), train_loader=SyntheticLoader([]))
+    assert not (tmp_path / "fresh" / "run").exists()
+
+
+_RUN_A = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from train_helpers import SyntheticLoader, synthetic_docs, tiny_config, tiny_model
+from chronicals.train import train
+tmp, started, go = Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
+def on_step(step, rec):
+    if step == 1:
+        started.touch()
+        end = time.time() + 120
+        while not go.exists() and time.time() < end:
+            time.sleep(0.02)
+train(tiny_config(tmp, train__max_steps=3, train__save_every=1, train__keep_last=5), model=tiny_model(),
+      train_loader=SyntheticLoader(synthetic_docs(40, seed=1)), on_step=on_step)
+"""
+
+
+def test_two_processes_on_one_out_dir(tmp_path, docs):
+    """A real second process: run A waits after its first step while run B starts on the same out_dir."""
+    started, go = tmp_path / "started", tmp_path / "go"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    a = subprocess.Popen([sys.executable, "-c", _RUN_A, str(Path(__file__).parent), str(tmp_path), str(started),
+                          str(go)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        end = time.time() + 120
+        while not started.exists():
+            assert a.poll() is None, a.stdout.read()
+            assert time.time() < end, "run A did not reach its first step"
+            time.sleep(0.05)
+        with pytest.raises(ConfigError, match=IN_USE):
+            _run(tmp_path, docs, train__max_steps=3, train__resume="none")
+    finally:
+        go.touch()
+        out, _ = a.communicate(timeout=120)
+    assert a.returncode == 0, out
+    run = tmp_path / "run"
+    assert [r["step"] for r in _records(run)] == [1, 2, 3]  # A's steps, once each
+    assert [d.name for d in checkpoint_dirs(run)] == ["step-000001", "step-000002", "step-000003"]
+    assert not (run / LOCK_FILE).exists()
+
+
+def _rank_worker(rank, tmp_path, port):
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        train(tiny_config(tmp_path, train__max_steps=1), model=tiny_model(),
+              train_loader=SyntheticLoader(synthetic_docs(8, seed=rank)))
+        outcome = "trained"
+    except ConfigError as e:
+        outcome = str(e)
+    (tmp_path / f"rank{rank}").write_text(outcome)
+
+
+def test_data_parallel_ranks_are_all_refused_when_rank_0_cannot_lock(tmp_path):
+    """Rank 0 alone locks (it alone writes there); the others hear of its refusal instead of waiting for it."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with _hold(tmp_path / "run"):
+        mp.spawn(_rank_worker, args=(tmp_path, port), nprocs=2, join=True)
+    assert IN_USE in (tmp_path / "rank0").read_text() and IN_USE in (tmp_path / "rank1").read_text()

@@ -4,12 +4,16 @@ Each says what is wrong and the setting that fixes it; none touches files a run 
 
 from __future__ import annotations
 
+import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..config import DEMO, ConfigError, TrainConfig
 from ..data.readers import glob_hint, pyarrow_modules
 from .checkpoint import STATE_FILE
+
+log = logging.getLogger("chronicals.train")
 
 ARROW_SUFFIXES = (".parquet", ".arrow")  # the files data/readers.py reads through pyarrow
 
@@ -123,6 +127,61 @@ def check_resume_path(cfg: TrainConfig) -> None:
                           "train.resume")
     if path.is_file() and path.name != STATE_FILE:  # load_checkpoint would try it and blame its directory
         raise ConfigError(f"train.resume={cfg.train.resume} is a file, not a checkpoint; {fix}", "train.resume")
+
+
+LOCK_FILE = ".chronicals.lock"  # in train.out_dir while a run uses it (a dot-file: data readers skip it)
+
+
+@contextmanager
+def out_dir_lock(out_dir: Path, hold: bool = True):
+    """An exclusive flock on out_dir/.chronicals.lock for the run's whole life (``hold``: False on the ranks
+    other than 0 of a data-parallel job, which write nothing there). A second run on the same out_dir fails at
+    once (ConfigError: exit status 2) instead of training beside the first, mixing their metrics.jsonl and
+    checkpoints, or, failing in setup, removing the first one's config.yaml, metrics.jsonl and data/.
+
+    The OS drops a killed process's flock, so no stale lock outlives a run. The file is removed on the way out
+    while still locked; a run that opened it just before then finds, once locked, that its path no longer names
+    that file, and locks the new one instead (two runs cannot then each hold a lock on a different file)."""
+    if not hold:
+        yield
+        return
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): said, not silent
+        log.warning("no fcntl on this platform: train.out_dir=%s is not locked against a second run", out_dir)
+        yield
+        return
+    path = out_dir / LOCK_FILE
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(f"train.out_dir={out_dir} is in use by another chronicals run (it holds {path}); "
+                              "wait for it to finish, or set another train.out_dir", "train.out_dir") from None
+        except OSError as e:  # a filesystem without flock (some network mounts): train unlocked, say so
+            os.close(fd)
+            log.warning("cannot lock %s (%s): train.out_dir=%s is not locked against a second run", path, e, out_dir)
+            yield
+            return
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the run before us removed the file we locked: lock the new one
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())  # who holds it, for a person looking
+        yield
+    finally:
+        try:
+            path.unlink(missing_ok=True)  # before the lock goes: see above
+        except OSError:
+            pass
+        os.close(fd)
 
 
 def check_cuda_graphs(cfg: TrainConfig, device) -> None:

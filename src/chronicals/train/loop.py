@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import TrainConfig, from_dict, load_config
+from ..config import ConfigError, TrainConfig, from_dict, load_config
 from . import checkpoint as ckpt
 from .metrics import MetricsLog, matmul_peak_tflops, memory_gib, plot_losses, train_flops_per_token
 from .optim import build_optimizer, build_scheduler
@@ -40,7 +40,7 @@ from .graphs import GraphedStep, resolve_cuda_graphs
 from .setup import build_loaders, load_base, prepare_model, resolve_dtype
 from .readback import StepReadback, StepStart
 from .guards import (check_cuda_graphs, check_data_paths, check_final_dir, check_out_dir, check_resume_path,
-                     check_token_ids, final_dir, remove_setup_files)
+                     check_token_ids, final_dir, out_dir_lock, remove_setup_files)
 from .resume import (apply_optimizer_settings, check_same_adapter, data_position_diffs, optimizer_settings,
                      warn_data_changed)
 from .step import accumulate_data_parallel, evaluate_loss
@@ -229,23 +229,44 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
     if train_loader is None:
         check_data_paths(cfg)  # before minutes of model loading, not after
     out_dir = Path(cfg.train.out_dir).expanduser()
-    existed = set(out_dir.iterdir()) if out_dir.is_dir() else None
-    out_dir.mkdir(parents=True, exist_ok=True)
-    random.seed(cfg.train.seed)
-    torch.manual_seed(cfg.train.seed)  # the same seed on every rank: identical RNG streams, one checkpoint fits all
     dp = init_distributed(cfg.model.device)
-    phase = _Phase()
     try:
-        result = _train(cfg, dp, out_dir, model, tokenizer, train_loader, eval_loader, heldout_qa, on_step, report,
-                        phase)
-        dp.barrier()  # no rank returns (and tears the group down) while rank 0 still writes the final files
-        return result
-    except BaseException:
-        if dp.is_main and not phase.training:
-            remove_setup_files(out_dir, existed)
-        raise
+        created = not out_dir.is_dir()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with _locked_out_dir(out_dir, dp):
+            existed = None if created else set(out_dir.iterdir())  # after the lock: another run's files are not ours
+            random.seed(cfg.train.seed)
+            torch.manual_seed(cfg.train.seed)  # the same seed on every rank: one checkpoint fits all
+            phase = _Phase()
+            try:
+                result = _train(cfg, dp, out_dir, model, tokenizer, train_loader, eval_loader, heldout_qa, on_step,
+                                report, phase)
+                dp.barrier()  # no rank returns (and tears the group down) while rank 0 still writes the final files
+                return result
+            except BaseException:
+                if dp.is_main and not phase.training:
+                    remove_setup_files(out_dir, existed)
+                raise
     finally:
         dp.destroy()
+
+
+@contextlib.contextmanager
+def _locked_out_dir(out_dir: Path, dp: DistContext):
+    """out_dir_lock, held by rank 0 alone (it alone writes there); a refusal there is raised on every rank
+    (a flag all-reduced), so no rank waits at a barrier for a rank 0 that has gone."""
+    with contextlib.ExitStack() as stack:
+        refused = None
+        try:
+            stack.enter_context(out_dir_lock(out_dir, hold=dp.is_main))
+        except ConfigError as e:
+            refused = e
+        if dp.enabled and bool(dp.all_reduce_flag(refused is not None)) and refused is None:
+            refused = ConfigError(f"train.out_dir={out_dir} is in use by another chronicals run (rank 0 could not "
+                                  "lock it); wait for it to finish, or set another train.out_dir", "train.out_dir")
+        if refused is not None:
+            raise refused
+        yield
 
 
 @dataclass
