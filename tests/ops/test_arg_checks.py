@@ -74,3 +74,20 @@ def test_same_check_on_both_impls(case, impl):
 def test_softcap_positive_still_runs(impl):
     loss = lce(softcap=30.0)(impl)
     assert loss.shape == () and torch.isfinite(loss)
+
+
+def test_autotune_env_picks_first_config_or_refuses(monkeypatch):
+    """CHRONICALS_AUTOTUNE=first gives one config per kernel (quick GPU test runs); a typo is refused by name."""
+    import triton
+
+    from chronicals.ops import _triton_utils
+
+    configs = [triton.Config({"BLOCK": b}) for b in (64, 128, 256)]
+    monkeypatch.setattr(_triton_utils, "triton_interpreting", lambda: False)  # as on CUDA
+    monkeypatch.delenv("CHRONICALS_AUTOTUNE", raising=False)
+    assert _triton_utils.tune_configs(configs) == configs
+    monkeypatch.setenv("CHRONICALS_AUTOTUNE", "first")
+    assert _triton_utils.tune_configs(configs) == configs[:1]
+    monkeypatch.setenv("CHRONICALS_AUTOTUNE", "fist")
+    with pytest.raises(ValueError, match=r"CHRONICALS_AUTOTUNE='fist': use 'all' .* or 'first'"):
+        _triton_utils.tune_configs(configs)

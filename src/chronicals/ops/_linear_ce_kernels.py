@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ._impl import triton_interpreting
+from ._triton_utils import tune_configs
 
 # Row-kernel tiles. CUDA: one row per program, vocab tiles of 4096 (fp32 over 8 warps: 16 values per thread
 # per tensor); the kernel is memory-bound (6 bytes per bf16 logit: read, read, write), so one config does.
@@ -277,7 +278,8 @@ _DW_CONFIGS = [
 _DW_INTERPRET = [triton.Config({"BLOCK_V": 1024, "BLOCK_H": 128, "BLOCK_K": 128})]
 
 
-@triton.autotune(configs=_DW_INTERPRET if triton_interpreting() else _DW_CONFIGS, key=["V", "H"], restore_value=["ACC_ptr"])
+@triton.autotune(configs=_DW_INTERPRET if triton_interpreting() else tune_configs(_DW_CONFIGS), key=["V", "H"],
+                 restore_value=["ACC_ptr"])
 @triton.jit
 def _dw_accumulate_kernel(D_ptr, X_ptr, ACC_ptr, C, V, H, d_row_stride, x_row_stride, acc_row_stride,
                           DOT_FP32: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,

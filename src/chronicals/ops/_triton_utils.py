@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -12,8 +13,14 @@ from ._impl import triton_interpreting
 
 def tune_configs(configs: list[triton.Config]) -> list[triton.Config]:
     """The config list for ``triton.autotune``: all of them on CUDA, only the first under TRITON_INTERPRET=1
-    (each extra config would run the interpreted kernel once more for nothing)."""
-    return configs[:1] if triton_interpreting() else configs
+    (each extra config would run the interpreted kernel once more for nothing) or with CHRONICALS_AUTOTUNE=first
+    set before chronicals is imported: GPU test runs, where every new shape of every test compiled and timed each
+    config (a 170 s call spent its time autotuning one op's tests on the H200). Never for timing runs."""
+    mode = os.environ.get("CHRONICALS_AUTOTUNE", "all")
+    if mode not in ("all", "first"):
+        raise ValueError(f"CHRONICALS_AUTOTUNE={mode!r}: use 'all' (the default: autotune every config) or 'first' "
+                         "(one config per kernel, for quick GPU test runs)")
+    return configs[:1] if triton_interpreting() or mode == "first" else configs
 
 
 @functools.lru_cache(maxsize=None)
