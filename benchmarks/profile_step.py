@@ -9,6 +9,8 @@ means the step is launch/CPU bound) and the top kernels by GPU time, grouped int
 With --graphs the graphed step (train.graphs.GraphedStep) is first checked against the eager one on the
 same weights and batch (loss and gradients), then profiled; a closing table compares step vs GPU-busy time.
 
+Eager runs also list every GEMM op by input shapes (``gemm_calls``): which projection each cuBLAS kernel serves.
+
 Each method also gets "where the time goes" (chronicals.bench.floors): every family's kernel time against
 its floor at the bf16 matmul rate and copy bandwidth measured at the start of the same run.
 """
@@ -49,6 +51,39 @@ def device_us(evt) -> float:
         if hasattr(evt, attr):
             return float(getattr(evt, attr))
     return 0.0
+
+
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_")
+
+
+def op_device_us(evt) -> float:
+    """An op's device time including its children's kernels (the GEMM ops launch the cuBLAS kernels)."""
+    for attr in ("device_time_total", "cuda_time_total"):
+        if hasattr(evt, attr):
+            return float(getattr(evt, attr))
+    return 0.0
+
+
+def gemm_calls(prof, steps: int, peak_tflops: float, time_us=op_device_us, top: int = 30) -> list[dict]:
+    """Every GEMM op of an eager profile by input shapes: ms and calls per step, TFLOP/s and % of the measured peak.
+
+    The kernel table names cuBLAS kernels, not what they compute (which projection a 45 us split-K kernel serves
+    was a guess from call counts in session 14); this says it. Needs ``record_shapes=True``; a replayed CUDA graph's
+    kernels belong to no op, so graphed runs have no rows."""
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        shapes = [list(s) for s in (e.input_shapes or []) if s]  # mm(a, b), addmm(c, a, b): a and b come last
+        if e.key not in GEMM_OPS or len(shapes) < 2 or len(shapes[-2]) != 2 or len(shapes[-1]) != 2:
+            continue
+        us = time_us(e)
+        if us <= 0:
+            continue
+        (m, k), n = shapes[-2], shapes[-1][1]
+        tflops = 2 * m * k * n * e.count / (us * 1e-6) / 1e12
+        rows.append({"op": e.key, "shapes": shapes, "calls_per_step": e.count // steps,
+                     "ms_per_step": round(us / steps / 1e3, 3), "us_per_call": round(us / e.count, 1),
+                     "tflops": round(tflops, 1), "pct_of_peak": round(100 * tflops / peak_tflops, 1)})
+    return sorted(rows, key=lambda r: -r["ms_per_step"])[:top]
 
 
 def check_graphed(model, batch, dev, graphed) -> dict:
@@ -113,7 +148,7 @@ def profile(method: str, shape_name: str, steps: int, graphs: bool = False, ceil
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t0) / steps * 1e3
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=acts, record_shapes=not graphs) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
@@ -131,6 +166,8 @@ def profile(method: str, shape_name: str, steps: int, graphs: bool = False, ceil
            "top_kernels": [{"name": e.key[:110], "ms_per_step": round(device_us(e) / steps / 1e3, 3),
                             "calls_per_step": e.count // steps} for e in top],
            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+    if ceilings and not graphs:
+        out["gemm_calls"] = gemm_calls(prof, steps, ceilings[0])
     if ceilings:
         floors = step_floors_ms(model_config(shape), shape.rows, shape.seq, method, *ceilings)
         out["where_time_goes"] = where_time_goes(out["families_ms"], floors, shape.rows * shape.seq)
@@ -164,6 +201,11 @@ def main():
             print(f"   {k:18s} {v:8.2f} ms")
         for k in r["top_kernels"][:15]:
             print(f"   {k['ms_per_step']:8.3f} ms  x{k['calls_per_step']:<4d} {k['name']}")
+        if r.get("gemm_calls"):
+            print("   GEMM calls by shape (ms/step, calls/step, us/call, % of the matmul peak):")
+            for g in r["gemm_calls"][:20]:
+                print(f"   {g['ms_per_step']:8.3f} ms  x{g['calls_per_step']:<4d} {g['us_per_call']:8.1f} us "
+                      f"{g['pct_of_peak']:5.1f}%  {g['op']} {g['shapes']}")
         w = r["where_time_goes"]
         print(f"   where the time goes (kernel ms: measured / floor / gap), sum {w['measured_ms']} / {w['floor_ms']}: "
               f"{w['tokens_per_s_at_measured_kernels']:,} vs {w['tokens_per_s_at_floor']:,} tokens/s")
