@@ -197,10 +197,11 @@ class LoraSection:
     alpha: float = _f(32.0, "LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with rslora)")
     dropout: float = _f(0.0, "dropout on the LoRA branch input (0 needs no copy of the activations)")
     targets: list = _f(list(LORA_PROJECTIONS), "module names that get adapters (a name matches it and any dotted "
-                                               "path ending in it, as in PEFT's list form); all-linear = the 7 "
-                                               "projections")
+                                               "path ending in it, as in PEFT's list form; every match must be an "
+                                               "nn.Linear other than lm_head); all-linear = the 7 projections")
     modules_to_save: list = _f([], "modules trained in full next to the adapters and saved with them in the "
-                                   "adapter (PEFT modules_to_save), e.g. [lm_head] or [embed_tokens, lm_head]")
+                                   "adapter (PEFT modules_to_save), e.g. [lm_head] or [embed_tokens, lm_head]; "
+                                   "names match as in lora.targets, and none may hold a LoRA target")
     rslora: bool = _f(False, "rank-stabilized scaling alpha / sqrt(r)")
     plus_ratio: float = _f(16.0, "LoRA+: lr(B) = plus_ratio x lr(A); 1 = plain LoRA")
     group: bool = _f(True, "run the q/k/v and the gate/up adapters of a block as one GEMM each "
@@ -280,8 +281,9 @@ class TrainSection:
                                 "CPU copy of the state (the file appears when written; checkpoints at a stop, the "
                                 "end or an error are waited for)")
     resume: str = _f("auto", "auto (latest checkpoint in out_dir if any) | none (start over: out_dir's earlier "
-                             "checkpoints are removed once this run writes) | a checkpoint directory (out_dir's "
-                             "later ones are removed likewise)")
+                             "checkpoints are removed once this run writes) | a checkpoint directory or its state.pt "
+                             "(out_dir's later ones are removed likewise; another run's brings that run's "
+                             "metrics.jsonl records up to its step)")
     save_final: bool = _f(True, "write the final adapter (LoRA) or HF model directory (full)")
     cuda_graphs: str = _f("auto", "capture forward+backward in CUDA graphs and replay them: auto (on for CUDA "
                                   "processes, data parallel included, without activation checkpointing; the "
