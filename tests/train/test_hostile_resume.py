@@ -210,3 +210,32 @@ def test_a_file_or_folder_where_the_demo_data_copies_go_is_said_with_the_fix(tmp
     (out / where).mkdir() if where.endswith(".jsonl") else (out / where).write_text("notes")
     with pytest.raises(error, match=named + ".*move it away or set another train.out_dir"):
         data_files(tiny_config(tmp_path, data__path="demo", data__eval_path="auto"), out)
+
+
+class _OpensAFile:
+    """Pickled as a call to open(path, 'w'): what a crafted state.pt can make torch.load(weights_only=False) run."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_a_crafted_state_runs_no_code_on_resume(tmp_path, docs, finished):
+    """state.pt is loaded with weights_only=True: a pickled call (here open(marker, 'w')) is refused by name, not
+    run (weights_only=False ran it before the run could say anything)."""
+    marker = tmp_path / "ran"
+    _edit(finished, lambda s: s["data"].update(payload=_OpensAFile(marker)))
+    with pytest.raises(ValueError, match=r"step-000002.*holds objects other than tensors and plain values "
+                                         r"\((builtins|io)\.open\).*add_safe_globals"):
+        _run(tmp_path, docs, train__max_steps=4, train__resume="auto")
+    assert not marker.exists()
+
+
+def test_a_loader_state_with_numpy_values_is_named_with_the_way_to_allow_it(tmp_path, docs, finished):
+    import numpy as np
+
+    _edit(finished, lambda s: s["data"].update(order=np.arange(3)))
+    with pytest.raises(ValueError, match=r"holds objects other than tensors and plain values \(numpy"):
+        _run(tmp_path, docs, train__max_steps=4, train__resume="auto")

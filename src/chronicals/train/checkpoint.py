@@ -230,13 +230,35 @@ def _move_away_hint(ckdir: Path) -> str:
             f"move {ckdir} away, or set train.resume=none to start over")
 
 
-def _read_state(file: Path) -> dict:
-    """state.pt's dict, with the entries load_checkpoint uses; ValueError naming the file and what to do."""
+def _unsafe_globals(file: Path) -> list[str]:
+    """The classes and functions a state.pt's pickle names beyond what weights_only loading allows ([] when it
+    names none, or cannot be read at all)."""
     try:
-        state = torch.load(file, map_location="cpu", weights_only=False)
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(file))
+    except Exception:  # noqa: BLE001 (a damaged file: the caller reports it as such)
+        return []
+
+
+def _read_state(file: Path) -> dict:
+    """state.pt's dict, with the entries load_checkpoint uses; ValueError naming the file and what to do.
+
+    Loaded with weights_only=True: tensors and plain Python values only, so a crafted state.pt (a shared run
+    directory, a downloaded checkpoint) runs no code when resumed. The ones written here hold nothing else,
+    unless a caller's own data loader puts other objects in its state_dict: those are named, with the way to
+    allow them."""
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
         if not (isinstance(state, dict) and {"model", "optimizer", "scheduler", "step"} <= state.keys()):
             raise ValueError("not a chronicals checkpoint (no model / optimizer / scheduler / step entries)")
     except Exception as e:  # noqa: BLE001 (zip, pickle, EOF, OS errors alike) saves are atomic: damaged after writing
+        unsafe = _unsafe_globals(file)
+        if unsafe:
+            names = ", ".join(unsafe[:4]) + (", ..." if len(unsafe) > 4 else "")
+            raise ValueError(f"checkpoint {file} holds objects other than tensors and plain values ({names}), which "
+                             "are not loaded, since unpickling them can run any code: chronicals writes none (a "
+                             "train_loader's state_dict with such values does). If "
+                             "you trust the file, allow them before train() with torch.serialization."
+                             "add_safe_globals([...]); else move it away") from None
         raise ValueError(f"checkpoint {file} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
                          f"it is truncated or corrupt: {_move_away_hint(file.parent)}") from None
     fmt = state.get("format", 1)
