@@ -35,6 +35,23 @@ def randomize_lora_b(model, seed: int = 1):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
 
 
+def peft_adapter(hf_model, modules_to_save, ids, out_dir, seed: int = 3) -> torch.Tensor:
+    """A PEFT LoRA (r=2 on q_proj) over ``hf_model`` with B and the saved modules perturbed (so comparisons can
+    fail), saved to ``out_dir``; returns its logits on ``ids``."""
+    import peft
+
+    pm = peft.get_peft_model(hf_model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"],
+                                                       modules_to_save=modules_to_save, task_type="CAUSAL_LM"))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n or "modules_to_save" in n:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+        want = pm.eval()(input_ids=ids).logits
+    pm.save_pretrained(out_dir)
+    return want
+
+
 @pytest.fixture
 def ids():
     return torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(7))

@@ -8,7 +8,7 @@ import transformers
 
 from chronicals.lora import apply_lora, load_adapter, save_adapter
 
-from .conftest import hf_config, tiny_model
+from .conftest import hf_config, peft_adapter, tiny_model
 
 
 @pytest.mark.parametrize("targets,named", [(["q_proj", "embed_tokens"], "model.embed_tokens (Embedding)"),
@@ -60,15 +60,7 @@ def test_peft_modules_to_save_entries_mean_what_peft_trained(saved, ids, tmp_pat
     so the adapter was refused ('unexpected keys ... input_layernorm', or 'match no module')."""
     ours = tiny_model()
     base = {k: v.clone() for k, v in ours.state_dict().items()}
-    pm = peft.get_peft_model(tiny_hf(base), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"],
-                                                            modules_to_save=saved, task_type="CAUSAL_LM"))
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_B" in n or "modules_to_save" in n:
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
-        want = pm.eval()(input_ids=ids).logits
-    pm.save_pretrained(tmp_path / "peft")
+    want = peft_adapter(tiny_hf(base), saved, ids, tmp_path / "peft")
     rec = load_adapter(ours, tmp_path / "peft")
     assert "model.layers.1.post_attention_layernorm" in rec.saved_modules
     assert ("lm_head" in rec.saved_modules) == (saved != ["norm"])

@@ -12,7 +12,7 @@ import transformers
 import chronicals
 from chronicals.lora import apply_lora, load_adapter, lora_modules, merge_lora, save_adapter
 
-from .conftest import hf_config, tiny_model
+from .conftest import hf_config, peft_adapter, tiny_model
 
 
 def test_adapter_keeps_its_dropout(tmp_path):
@@ -57,15 +57,7 @@ def test_a_trained_tied_lm_head_survives_merge_save_and_load(tmp_path, ids):
     cfg._attn_implementation = "eager"
     hf = transformers.LlamaForCausalLM(cfg).eval()
     hf.load_state_dict(ours.state_dict(), strict=False)
-    pm = peft.get_peft_model(hf, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"],
-                                                 modules_to_save=["lm_head"], task_type="CAUSAL_LM"))
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_B" in n or "modules_to_save" in n:
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
-        want = pm.eval()(input_ids=ids).logits
-    pm.save_pretrained(tmp_path / "peft")
+    want = peft_adapter(hf, ["lm_head"], ids, tmp_path / "peft")
     load_adapter(ours, tmp_path / "peft")
     merge_lora(ours)
     out = chronicals.save_model(ours, None, tmp_path / "merged")
