@@ -382,3 +382,26 @@ def test_chat_asks_with_the_system_message_of_the_run_that_wrote_the_adapter(tmp
     (tmp_path / "broken" / "config.yaml").write_text("data: {nope: 1}\n")
     assert _run_system_prompt(str(tmp_path / "broken" / "adapter")) is None
     assert _run_system_prompt(None) is None
+
+
+def test_chat_with_nothing_on_stdin_says_so(tiny_base, monkeypatch, capsys):
+    """Piped stdin without a prompt (an empty file, blank lines) printed nothing and exited 0."""
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n  \n"))
+    assert main(["chat", "--model", str(tiny_base), "--max-new-tokens", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "no prompt: stdin held no non-blank line" in err
+
+
+def test_export_refuses_an_out_inside_the_base_or_the_adapter(tiny_base, tmp_path, capsys):
+    """--out base/merged wrote a folder into the base directory, which later saves of the base refuse as foreign."""
+    from chronicals import load_model
+    from chronicals.lora import apply_lora, save_adapter
+
+    model, _ = load_model(tiny_base)
+    apply_lora(model, r=2, alpha=4)
+    adapter = save_adapter(model, tmp_path / "adapter")
+    for inside in (tiny_base / "merged", adapter / "sub" / "merged"):
+        assert main(["export", "--base", str(tiny_base), "--adapter", str(adapter), "--out", str(inside)]) == 2
+        assert "is inside --" in capsys.readouterr().err and not inside.exists()

@@ -205,6 +205,10 @@ def cmd_export(argv: list[str]) -> int:
             print(f"error: --out {a.out} would replace {name} {given} (the output directory is replaced as a "
                   "whole); choose another --out", file=sys.stderr)
             return 2
+        if Path(given).is_dir() and Path(given).resolve() in out.parents:  # a foreign folder in it from then on
+            print(f"error: --out {a.out} is inside {name} {given}: the merged model would become a folder of it, "
+                  f"which a later save of {given} refuses to delete; choose an --out outside it", file=sys.stderr)
+            return 2
     from .models.hf_io import MODEL_DIR_FILES, check_output_dir
 
     try:  # before the load and merge (minutes for an 8B model), not when the merged model is written
@@ -270,10 +274,16 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
         print("type a message and press enter (Ctrl-D to quit)", file=sys.stderr)
     if not prompts:
         prompts = (line.strip() for line in sys.stdin)  # one prompt per line; blank lines are skipped
+    answered = 0
     for q in prompts:
         if q:
             reply = answer(model, tok, q, system, a.max_new_tokens)
             print(reply if interactive else f"> {q}\n{reply}", flush=True)
+            answered += 1
+    if not answered and not interactive:  # piped stdin with no prompt in it: said, not a silent success
+        print("error: no prompt: stdin held no non-blank line; pass the message as an argument, or pipe one "
+              "prompt per line", file=sys.stderr)
+        return 2
     return 0
 
 
