@@ -94,3 +94,18 @@ def test_bench_without_a_gpu_says_how_to_run(monkeypatch):
     monkeypatch.setattr(cli, "default_device", lambda: "cpu")
     with pytest.raises(SystemExit, match=r"no CUDA GPU is visible .*chronicals bench --device cpu --tiny"):
         cli.main(["--quick"])
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--contenders", "chronicals-full,nope"], "--contenders: unknown contender 'nope'"),
+    (["--device", "cpu", "--tiny", "--rows", "0"], "--rows 0: must be >= 1"),  # was the protocol's rows, silently
+    (["--device", "cpu", "--tiny", "--steps", "0"], "--steps 0: must be >= 1"),
+    (["--device", "cpu", "--tiny", "--seq", "1"], "--seq 1: must be >= 2"),
+    (["--tiny", "--shape", "0.5b"], "--tiny picks the tiny shape"),
+])
+def test_bad_arguments_are_said_before_anything_runs(argv, says, capsys):
+    """Exit 2 with the argument named, before the no-GPU check or any worker (an unknown contender came after the
+    no-GPU message on a CPU machine, and as a bad-input error, exit 3, with --device cpu)."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"chronicals bench: error: {says}" in err and "no CUDA GPU" not in err

@@ -265,10 +265,30 @@ def result_name(args) -> str:
     return "_".join(parts)
 
 
+def check_args(args) -> str | None:
+    """What is wrong with the arguments, or None: said before anything runs (an unknown contender was reported
+    after the no-GPU message, or as a bad-input error, exit 3; --rows 0 silently took the protocol's rows)."""
+    for n in [s.strip() for s in args.contenders.split(",")] if args.contenders else []:
+        try:
+            get_contender(n)
+        except ValueError as e:
+            return f"--contenders: {e}"
+    for flag, value, least in (("--rows", args.rows, 1), ("--seq", args.seq, 2), ("--warmup", args.warmup, 0),
+                               ("--steps", args.steps, 1), ("--learning-steps", args.learning_steps, 1),
+                               ("--timeout", args.timeout, 1)):
+        if value is not None and value < least:
+            return f"{flag} {value}: must be >= {least}"
+    if args.tiny and args.shape and args.shape != "tiny":
+        return "--tiny picks the tiny shape; drop --shape or --tiny"
+    return None
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.tiny and args.shape and args.shape != "tiny":
-        raise SystemExit("--tiny picks the tiny shape; drop --shape or --tiny")
+    problem = check_args(args)
+    if problem:
+        print(f"chronicals bench: error: {problem}", file=sys.stderr)
+        return 2
     if args.device is None and not args.tiny and args.shape != "tiny" and default_device() == "cpu":
         # the protocol's shapes on the CPU only end in workers killed for memory (0.5B full at 16 x 1024 tokens)
         raise SystemExit("chronicals bench: no CUDA GPU is visible (torch.cuda.is_available() is False), and the "
