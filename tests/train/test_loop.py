@@ -132,6 +132,18 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, docs):
     assert all(torch.isfinite(t).all() for t in state["model"].values())
 
 
+@pytest.mark.parametrize("fused", [False, True])  # read before the update / one step late (pipelined)
+def test_nan_weights_before_the_first_step_are_named(tmp_path, docs, fused):
+    """A model that starts with NaN/inf weights (a damaged checkpoint) was told to lower optim.lr."""
+    model = tiny_model()
+    with torch.no_grad():
+        dict(model.named_parameters())["model.layers.0.mlp.down_proj.weight"].view(-1)[3] = float("inf")
+    cfg = tiny_config(tmp_path, train__max_steps=2, optim__fused=fused)
+    with pytest.raises(TrainingDiverged, match=r"at step 1, the run's first, and the model's weights held NaN/inf "
+                                               r"before any update: 1 tensors, e.g. model\.layers\.0\.mlp\.down_proj"):
+        train(cfg, model=model, train_loader=SyntheticLoader(docs))
+
+
 def test_keep_last_checkpoints(tmp_path, docs):
     cfg = tiny_config(tmp_path, train__save_every=1, train__keep_last=2, train__max_steps=4)
     train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs))

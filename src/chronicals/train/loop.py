@@ -145,12 +145,24 @@ class _StopFlag:
             signal.signal(s, h)
 
 
-def _check_finite(step: int, loss_val: float, gnorm: float, last_good) -> None:
+def nonfinite_weights(model: torch.nn.Module) -> list[str]:
+    """Names of the parameters holding NaN/inf (one pass over the weights: only asked once a step has failed)."""
+    return [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+
+
+def _check_finite(step: int, loss_val: float, gnorm: float, last_good, bad_weights=None) -> None:
     """TrainingDiverged when step ``step``'s loss or gradient norm is NaN/inf; its update is not applied.
 
-    ``last_good()``: the last good checkpoint (named in the message)."""
+    ``last_good()``: the last good checkpoint (named in the message). ``bad_weights()`` (the run's first step
+    only): the parameters that were NaN/inf before any update, which no lr or warmup setting mends."""
     if math.isfinite(loss_val) and math.isfinite(gnorm):
         return
+    bad = bad_weights() if bad_weights is not None else []
+    if bad:
+        raise TrainingDiverged(f"{'loss' if not math.isfinite(loss_val) else 'gradient norm'} is not finite at step "
+                               f"{step}, the run's first, and the model's weights held NaN/inf before any update: "
+                               f"{len(bad)} tensors, e.g. {', '.join(bad[:3])}; the checkpoint (or model) it started "
+                               "from is damaged: load an intact copy (a lower optim.lr would not help)")
     good = last_good()
     where = (f"The last good checkpoint is {good}; train.resume=auto continues from it with the changed settings"
              if good is not None else "No checkpoint was written before it (train.save_every=N writes them); "
@@ -458,7 +470,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     def finish(rb: _Pending) -> dict:
         """The host side of a finished step: the non-finite stop, metrics, the progress bar. -> its record."""
         loss_val, gnorm, n_loss, others_stop = rb.readback.values()
-        _check_finite(rb.step, loss_val, gnorm, last_good)  # pipelined: the update was skipped on the device
+        _check_finite(rb.step, loss_val, gnorm, last_good,  # pipelined: the update was skipped on the device
+                      (lambda: nonfinite_weights(model)) if rb.step == start + 1 else None)
         n_loss, dt = int(n_loss), rb.readback.seconds()
         state.train_time += dt
         state.loss_tokens += n_loss
@@ -508,7 +521,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
                     optimizer.found_inf = (~(torch.isfinite(loss) & torch.isfinite(gnorm))).float()
                 lr = optimizer.param_groups[0]["lr"]
                 if not pipelined:  # read now (a host sync) and stop before the update
-                    _check_finite(step + 1, float(loss), float(gnorm), last_good)
+                    _check_finite(step + 1, float(loss), float(gnorm), last_good,
+                                  (lambda: nonfinite_weights(model)) if step == start else None)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
