@@ -23,6 +23,7 @@ are not a multiple of W, ``remainder`` says what happens to the last ``G % W``:
 
 Resume: ``state_dict()`` = {"epoch", "position"}: position is the number of this rank's batches of that
 epoch already handed out, so a loader restored from it yields exactly the batches that would have come next.
+A position counts one rank's batches of W ranks, so another W refuses it (except at an epoch's start or end).
 """
 
 from __future__ import annotations
@@ -136,11 +137,17 @@ class PackedLoader:
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "batches_per_epoch": len(self), "rows": len(self.rows), "remainder": self.remainder}
+                "batches_per_epoch": len(self), "rows": len(self.rows), "remainder": self.remainder,
+                "world_size": self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
         saved = (state.get("seed", self.seed), state.get("rows", len(self.rows)),
                  state.get("batches_per_epoch", len(self)))
+        saved_w = state.get("world_size")  # absent in checkpoints from before it was saved
+        other_w = isinstance(saved_w, int) and saved_w != self.world_size
+        resume_w = f"torchrun --nproc-per-node {saved_w}" + ("" if saved_w != 1 else " or plain chronicals train")
+        other_ranks = (f" (the saved loader ran on {saved_w} data-parallel rank(s), this one on {self.world_size}: "
+                       f"resume with {resume_w})") if other_w else ""
         if saved != (self.seed, len(self.rows), len(self)):  # else "position" would index other batches
             g, w = self._global_batches(), self.world_size
             if "remainder" not in state and self.remainder == "train" and saved[:2] == (self.seed, len(self.rows)) \
@@ -152,7 +159,16 @@ class PackedLoader:
             raise ValueError(f"PackedLoader.load_state_dict: the saved loader had seed={saved[0]}, {saved[1]} packed "
                              f"rows and {saved[2]} batches per epoch, this one seed={self.seed}, {len(self.rows)} "
                              f"and {len(self)}; resume with the same dataset, max_seq_len, batch settings "
-                             "(batch_size, drop_last, world_size) and seed")
+                             f"(batch_size, drop_last, world_size) and seed{other_ranks}")
+        # rank r's position p means global batches up to p * W: under another W it names other batches even when
+        # the counts agree (4 global batches: 2 per rank on 2 and on 3 ranks; the 2-rank position 1 resumed on 3
+        # ranks at batch 3, skipping batch 2). An epoch's start or end is the same place under any W.
+        if other_w and state.get("position") not in (0, len(self)):
+            raise ValueError(f"PackedLoader.load_state_dict: the saved loader ran on {saved_w} data-parallel "
+                             f"rank(s), this one on {self.world_size}; its position (batch {state.get('position')} "
+                             f"of {len(self)} per rank in epoch {state.get('epoch')}) counts the batches of "
+                             f"{saved_w} rank(s) and would skip or repeat data under {self.world_size}; resume with "
+                             f"{resume_w}")
         for key in ("epoch", "position"):
             if not isinstance(state.get(key), int) or state[key] < 0:
                 raise ValueError(f"PackedLoader.load_state_dict: the state has no '{key}' (a non-negative integer): "

@@ -1,0 +1,60 @@
+"""Data-parallel edge cases: resuming under another number of ranks.
+
+PackedLoader-level (no process group needed): each rank's loader is built as torchrun's rank r would build it,
+and the checkpoint's data state is rank 0's, as the trainer saves it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from chronicals.data import PackedLoader
+from chronicals.data.dataset import DatasetStats, TokenizedDataset
+
+from train_helpers import synthetic_docs
+
+
+def _loader(rank: int, world: int, n_docs: int = 4) -> PackedLoader:
+    """One document per packed row (13..19 tokens, rows of 24: no two fit), one row per batch, unshuffled:
+    global batch g is document g."""
+    docs = synthetic_docs(n_docs, seed=5, lo=13, hi=20)
+    lengths = [len(d[0]) for d in docs]
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    stats = DatasetStats(records=n_docs, documents=n_docs, tokens=int(offsets[-1]),
+                         loss_tokens=sum(int(d[1][1:].sum()) for d in docs))
+    ds = TokenizedDataset(np.concatenate([d[0] for d in docs]).astype(np.int32),
+                          np.concatenate([d[1] for d in docs]), offsets, 0, stats, 24)
+    return PackedLoader(ds, batch_size=1, max_seq_len=24, shuffle=False, rank=rank, world_size=world)
+
+
+def _first_ids(batch) -> int:
+    return int(batch.input_ids[0, 0])
+
+
+def test_a_mid_epoch_position_of_other_ranks_is_refused_not_skipping_a_batch():
+    """4 global batches: 2 per rank on 2 ranks and on 3 ranks, so the batch counts agreed and the 2-rank
+    position 1 (batches 0 and 1 trained) resumed on 3 ranks at batch 3: batch 2 was never trained."""
+    two = [_loader(r, 2) for r in range(2)]
+    for ld in two:
+        next(iter(ld))
+    state = two[0].state_dict()
+    three = _loader(0, 3)
+    assert len(three) == len(two[0]) == 2  # the count check alone cannot tell them apart
+    with pytest.raises(ValueError, match=r"ran on 2 data-parallel rank\(s\), this one on 3.*--nproc-per-node 2"):
+        three.load_state_dict(state)
+
+
+def test_an_epoch_end_resumes_on_other_ranks_with_the_next_epoch():
+    """At an epoch's end the position names no batch of it: the next epoch starts at global batch r on any W."""
+    two = [_loader(r, 2) for r in range(2)]
+    for ld in two:
+        list(iter(ld))
+        ld.position = len(ld)  # as a checkpoint taken after the epoch's last step holds it
+        ld.epoch = 0
+    state = two[0].state_dict()
+    three = [_loader(r, 3) for r in range(3)]
+    for ld in three:
+        ld.load_state_dict(state)
+    one_rank = [_first_ids(b) for b in _loader(0, 1)]  # global batches 0..3 in order
+    assert [_first_ids(next(iter(ld))) for ld in three] == one_rank[:3]
