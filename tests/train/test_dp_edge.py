@@ -15,7 +15,7 @@ from chronicals.data.dataset import DatasetStats, TokenizedDataset
 from train_helpers import synthetic_docs
 
 
-def _loader(rank: int, world: int, n_docs: int = 4) -> PackedLoader:
+def _loader(rank: int, world: int, n_docs: int = 4, remainder: str = "train") -> PackedLoader:
     """One document per packed row (13..19 tokens, rows of 24: no two fit), one row per batch, unshuffled:
     global batch g is document g."""
     docs = synthetic_docs(n_docs, seed=5, lo=13, hi=20)
@@ -25,7 +25,8 @@ def _loader(rank: int, world: int, n_docs: int = 4) -> PackedLoader:
                          loss_tokens=sum(int(d[1][1:].sum()) for d in docs))
     ds = TokenizedDataset(np.concatenate([d[0] for d in docs]).astype(np.int32),
                           np.concatenate([d[1] for d in docs]), offsets, 0, stats, 24)
-    return PackedLoader(ds, batch_size=1, max_seq_len=24, shuffle=False, rank=rank, world_size=world)
+    return PackedLoader(ds, batch_size=1, max_seq_len=24, shuffle=False, rank=rank, world_size=world,
+                        remainder=remainder)
 
 
 def _first_ids(batch) -> int:
@@ -58,3 +59,11 @@ def test_an_epoch_end_resumes_on_other_ranks_with_the_next_epoch():
         ld.load_state_dict(state)
     one_rank = [_first_ids(b) for b in _loader(0, 1)]  # global batches 0..3 in order
     assert [_first_ids(next(iter(ld))) for ld in three] == one_rank[:3]
+
+
+def test_fewer_batches_than_ranks_under_drop_names_the_remainder_setting():
+    """1 global batch on 2 ranks: "drop" gives no batch per rank, "train" gives rank 0 the batch and rank 1 an
+    empty one; the refusal under "drop" said to use more data or fewer ranks, not the setting that caused it."""
+    assert len(_loader(1, 2, n_docs=1)) == 1
+    with pytest.raises(ValueError, match=r"no batch per rank .*remainder='drop'.*data\.dp_remainder=train"):
+        _loader(0, 2, n_docs=1, remainder="drop")

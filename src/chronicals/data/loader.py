@@ -70,9 +70,13 @@ class PackedLoader:
         self.rows = pack_bfd(dataset.lengths.tolist(), capacity)  # list of document index lists
         self.epoch, self.position = 0, 0
         if len(self) == 0:  # an epoch of no batches would make every `for` over the loader end at once
+            # fewer global batches than ranks under "drop": "train" would run them (the other ranks empty)
+            train_them = (" or remainder='train' (data.dp_remainder=train: the ranks past the last batch run an "
+                          "empty one)") if remainder == "drop" and self._global_batches() else ""
             raise ValueError(f"PackedLoader: {len(dataset)} documents pack into {len(self.rows)} rows, which give "
                              f"no batch per rank (batch_size={batch_size}, drop_last={drop_last}, "
-                             f"world_size={world_size}); use more data, a smaller batch_size or fewer ranks")
+                             f"world_size={world_size}, remainder={remainder!r}); use more data, a smaller "
+                             f"batch_size, fewer ranks{train_them}")
 
     # ---- sizes ----
     def _global_batches(self) -> int:
