@@ -67,3 +67,17 @@ def test_fewer_batches_than_ranks_under_drop_names_the_remainder_setting():
     assert len(_loader(1, 2, n_docs=1)) == 1
     with pytest.raises(ValueError, match=r"no batch per rank .*remainder='drop'.*data\.dp_remainder=train"):
         _loader(0, 2, n_docs=1, remainder="drop")
+
+
+def test_a_rank_count_refusal_reaches_the_user_without_a_guess(tmp_path):
+    """The loader's message names both rank counts and the fix; train's wrapper appended "either the data files'
+    contents did ... or the number of ranks did", a guess the message had already settled."""
+    from chronicals.train.loop import _restore_position
+
+    class Stream:
+        def load_state_dict(self, state):
+            raise ValueError("PackedLoader.load_state_dict: position 1 (the saved loader ran on 2 data-parallel "
+                             "rank(s), this one on 3: resume with torchrun --nproc-per-node 2)")
+
+    with pytest.raises(ValueError, match=r"cannot resume from .*step-000001: .*--nproc-per-node 2\)$"):
+        _restore_position(Stream(), {"data": {}, "extra": {}}, {}, tmp_path / "step-000001")

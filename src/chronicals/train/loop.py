@@ -197,7 +197,7 @@ def _restore_position(stream, restored: dict, cfg_dict: dict, path: Path) -> Non
     try:
         stream.load_state_dict(restored["data"])  # rank 0's position: every rank's equals it (equal shards)
     except ValueError as e:
-        if "data.dp_remainder=drop" in str(e):  # a checkpoint from before the setting: the loader names the fix
+        if "data.dp_remainder=drop" in str(e) or "data-parallel rank(s)" in str(e):  # the loader names the fix
             raise ValueError(f"cannot resume from {path}: {e}") from None
         diffs = data_position_diffs(restored["extra"].get("config"), cfg_dict)
         new_run = "a run over other data or batches is a new run: set train.resume=none or another train.out_dir"
@@ -243,7 +243,9 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
     out_dir = Path(cfg.train.out_dir).expanduser()
     dp = init_distributed(cfg.model.device)
     try:
-        created = not out_dir.is_dir()
+        # any rank's view: without the collective, rank 1's mkdir could come before rank 0's look, and a setup that
+        # failed would leave the new, empty out_dir behind as "already there"
+        created = bool(dp.all_reduce_flag(not out_dir.is_dir()))
         out_dir.mkdir(parents=True, exist_ok=True)
         with _locked_out_dir(out_dir, dp):
             existed = None if created else set(out_dir.iterdir())  # after the lock: another run's files are not ours
