@@ -46,8 +46,10 @@ def family(name: str) -> str:
     return "other"
 
 
-def device_us(evt) -> float:
-    for attr in ("self_device_time_total", "self_cuda_time_total"):
+def device_us(evt, children: bool = False) -> float:
+    """An event's own device time; ``children``: with its child ops' kernels too (a GEMM op launches cuBLAS's)."""
+    attrs = ("device_time_total", "cuda_time_total") if children else ("self_device_time_total", "self_cuda_time_total")
+    for attr in attrs:
         if hasattr(evt, attr):
             return float(getattr(evt, attr))
     return 0.0
@@ -56,15 +58,7 @@ def device_us(evt) -> float:
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_")
 
 
-def op_device_us(evt) -> float:
-    """An op's device time including its children's kernels (the GEMM ops launch the cuBLAS kernels)."""
-    for attr in ("device_time_total", "cuda_time_total"):
-        if hasattr(evt, attr):
-            return float(getattr(evt, attr))
-    return 0.0
-
-
-def gemm_calls(prof, steps: int, peak_tflops: float, time_us=op_device_us, top: int = 30) -> list[dict]:
+def gemm_calls(prof, steps: int, peak_tflops: float, time_us=None, top: int = 30) -> list[dict]:
     """Every GEMM op of an eager profile by input shapes: ms and calls per step, TFLOP/s and % of the measured peak.
 
     The kernel table names cuBLAS kernels, not what they compute (which projection a 45 us split-K kernel serves
@@ -75,7 +69,7 @@ def gemm_calls(prof, steps: int, peak_tflops: float, time_us=op_device_us, top: 
         shapes = [list(s) for s in (e.input_shapes or []) if s]  # mm(a, b), addmm(c, a, b): a and b come last
         if e.key not in GEMM_OPS or len(shapes) < 2 or len(shapes[-2]) != 2 or len(shapes[-1]) != 2:
             continue
-        us = time_us(e)
+        us = time_us(e) if time_us else device_us(e, children=True)
         if us <= 0:
             continue
         (m, k), n = shapes[-2], shapes[-1][1]
