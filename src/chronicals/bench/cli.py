@@ -159,9 +159,7 @@ def run_plan(args) -> dict:
     warmup = args.warmup if args.warmup is not None else (1 if tiny else 2 if args.quick else 4)
     steps = args.steps if args.steps is not None else (2 if tiny else 6 if args.quick else 12)
     shapes = [args.shape] if args.shape else (["tiny"] if tiny else ["0.5b"] if args.quick else ["0.5b", "8b"])
-    chosen = [s.strip() for s in args.contenders.split(",")] if args.contenders else None
-    for n in chosen or []:
-        get_contender(n)
+    chosen = [s.strip() for s in args.contenders.split(",")] if args.contenders else None  # checked by check_args
     note = ("Sweep run: the protocol tables and the correctness / learning checks are left out (run without "
             "sweep flags for them)." if sweeping else "")
     if args.quick:
