@@ -12,13 +12,13 @@ PEFT's rule, and ``save_adapter`` writes full names, which mean the same modules
 from __future__ import annotations
 
 import logging
-import math
 import re
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
+from ..models.config import is_number
 from .group import bind_groups, unbind_groups
 from .layer import IMPLS, LoRALinear
 
@@ -68,20 +68,16 @@ def _tied_partners(model: nn.Module, module_names: list[str]) -> list[str]:
     return sorted(out - set(module_names))
 
 
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def _check_lora_args(r, alpha, dropout, target_modules, use_rslora, modules_to_save, impl, adapter_dtype, seed,
                      concat, group) -> None:
     """apply_lora's scalar arguments, checked before anything of the model changes (a failed call leaves the
     model as it was: no frozen parameters, no replaced modules). The names in () are the config keys."""
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise ValueError(f"apply_lora: r={r!r} must be an integer >= 1, the adapter rank (lora.rank; 8-64 is usual)")
-    if not _is_number(alpha) or alpha <= 0:
+    if not is_number(alpha) or alpha <= 0:
         raise ValueError(f"apply_lora: alpha={alpha!r} must be a finite number > 0; the update is scaled by "
                          "alpha / r (lora.alpha; 2 r is usual)")
-    if not _is_number(dropout) or not 0.0 <= dropout < 1.0:
+    if not is_number(dropout) or not 0.0 <= dropout < 1.0:
         raise ValueError(f"apply_lora: dropout={dropout!r} must be a number in [0, 1) (lora.dropout; 0 lets "
                          "q/k/v and gate/up adapters run as one GEMM each)")
     if isinstance(target_modules, str):

@@ -187,7 +187,8 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v) -> bool:
+def is_number(v) -> bool:
+    """A finite int or float, not a bool (JSON's and YAML's true would pass isinstance(v, int))."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -208,7 +209,7 @@ def _bad_field(d: dict) -> str | None:
             return f"{k}={v!r} must be true or false (a JSON boolean, not a string or number)"
     for k, lo in (("rms_norm_eps", 0.0), ("rope_theta", None), ("partial_rotary_factor", None)):
         v = d.get(k)
-        if v is not None and not (_is_number(v) and (v >= lo if lo is not None else v > 0)):
+        if v is not None and not (is_number(v) and (v >= lo if lo is not None else v > 0)):
             return f"{k}={v!r} must be a number {'>= 0' if lo is not None else '> 0'}"
     for k in ("rope_parameters", "rope_scaling"):
         v = d.get(k)
@@ -218,7 +219,7 @@ def _bad_field(d: dict) -> str | None:
             return f"{k}={v!r} must be an object (such as {{\"rope_type\": \"linear\", \"factor\": 2.0}}) or null"
         for rk in _ROPE_NUMBERS:  # the ones rope_inv_freq reads (other rope types are refused there)
             rv = v.get(rk)
-            if rv is not None and not (_is_number(rv) and rv > 0):
+            if rv is not None and not (is_number(rv) and rv > 0):
                 return f"{k}.{rk}={rv!r} must be a number > 0"
     prf = d.get("partial_rotary_factor")
     if prf is not None and prf > 1:
