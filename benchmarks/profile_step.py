@@ -66,15 +66,21 @@ def gemm_calls(prof, steps: int, peak_tflops: float, time_us=None, top: int = 30
     kernels belong to no op, so graphed runs have no rows."""
     rows = []
     for e in prof.key_averages(group_by_input_shape=True):
-        shapes = [list(s) for s in (e.input_shapes or []) if s]  # mm(a, b), addmm(c, a, b): a and b come last
-        if e.key not in GEMM_OPS or len(shapes) < 2 or len(shapes[-2]) != 2 or len(shapes[-1]) != 2:
+        # mm(a, b[, out]), addmm(c, a, b[, out]) with the scalars (empty shapes) dropped: a and b sit after c,
+        # not last (taking the last two read mm's out= as b: the loss head's logits GEMM showed 18,454% of peak)
+        shapes = [list(s) for s in (e.input_shapes or []) if s]
+        first = 0 if e.key == "aten::mm" else 1
+        if e.key not in GEMM_OPS or len(shapes) < first + 2:
+            continue
+        a, b = shapes[first], shapes[first + 1]
+        if len(a) != 2 or len(b) != 2 or a[1] != b[0]:
             continue
         us = time_us(e) if time_us else device_us(e, children=True)
         if us <= 0:
             continue
-        (m, k), n = shapes[-2], shapes[-1][1]
+        (m, k), n = a, b[1]
         tflops = 2 * m * k * n * e.count / (us * 1e-6) / 1e12
-        rows.append({"op": e.key, "shapes": shapes, "calls_per_step": e.count // steps,
+        rows.append({"op": e.key, "shapes": shapes, "mkn": [m, k, n], "calls_per_step": e.count // steps,
                      "ms_per_step": round(us / steps / 1e3, 3), "us_per_call": round(us / e.count, 1),
                      "tflops": round(tflops, 1), "pct_of_peak": round(100 * tflops / peak_tflops, 1)})
     return sorted(rows, key=lambda r: -r["ms_per_step"])[:top]

@@ -1,0 +1,27 @@
+"""profile_step's GEMM table names each call's (M, K) x (K, N) right, on CPU ops (no GPU: CPU times)."""
+
+import importlib.util
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+_SPEC = importlib.util.spec_from_file_location(
+    "profile_step", Path(__file__).resolve().parents[2] / "benchmarks" / "profile_step.py")
+profile_step = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(profile_step)
+
+
+def test_gemm_calls_reads_a_and_b_whatever_the_op_carries():
+    a, b, c = torch.randn(7, 5), torch.randn(5, 3), torch.randn(3)
+    out = torch.empty(7, 3)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        torch.mm(a, b)
+        torch.mm(a, b, out=out)  # the loss head's logits GEMM writes into a chunk buffer like this
+        torch.addmm(c, a, b)
+        out.addmm_(a, b)
+    rows = profile_step.gemm_calls(prof, steps=1, peak_tflops=1.0, time_us=lambda e: max(e.cpu_time_total, 1.0))
+    assert {r["op"] for r in rows} == {"aten::mm", "aten::addmm", "aten::addmm_"}
+    # (M, K, N) = (7, 5, 3) for all four; taking the last two shapes read mm's out= as b: (K, N) = (3, 3)
+    assert [r["mkn"] for r in rows] == [[7, 5, 3]] * 4, rows
+    assert [r["calls_per_step"] for r in rows] == [1] * 4  # mm(a, b) and mm(a, b, out=) are two shape groups
