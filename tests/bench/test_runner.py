@@ -69,7 +69,9 @@ def test_main_tiny_end_to_end(tmp_path, monkeypatch, capsys):
     assert "correctness" not in res and res["plan"]["steps"] == 2
     assert res["environment"]["versions"]["torch"]
     md = js.with_suffix(".md").read_text()
-    assert "| chronicals | full |" in md and "not installed" in md
+    assert "| chronicals | full |" in md
+    # where Liger is installed (the GPU host's carried wheels) its row ran: its Triton kernels refuse CPU tensors
+    assert rows["hf-liger"]["status"] != "not installed" or "not installed" in md
     assert js.with_suffix(".png").exists()
 
 
