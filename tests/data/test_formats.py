@@ -37,14 +37,14 @@ def write_jsonl(path, records):
 def test_chat_mask_is_exactly_the_assistant_turns(tokenizer):
     ids, mask = encode_chat(tokenizer, CHAT)
     assert ids.tolist() == tokenizer.apply_chat_template(CHAT, tokenize=True, return_dict=True)["input_ids"]
-    # ChatML: each assistant turn is "<|im_start|>assistant\n{content}<|im_end|>\n"; the reply, its end
-    # token and the newline the template puts after it are trained, nothing else
-    assert trained_spans(tokenizer, ids, mask) == ["Hello there.<|im_end|>\n", "4, I think\nso.<|im_end|>\n"]
+    # ChatML: each assistant turn is "<|im_start|>assistant\n{content}<|im_end|>\n"; the reply and its end
+    # token are trained, not the newline after it (never generated: generation stops at <|im_end|>), nothing else
+    assert trained_spans(tokenizer, ids, mask) == ["Hello there.<|im_end|>", "4, I think\nso.<|im_end|>"]
 
 
 def test_generation_markers_give_the_same_mask(tokenizer):
     marked = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}{% if m['role'] == 'assistant' %}"
-              "{% generation %}{{ m['content'] + '<|im_end|>\n' }}{% endgeneration %}{% else %}"
+              "{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}{% else %}"
               "{{ m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
               "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
     saved = tokenizer.chat_template
@@ -56,7 +56,7 @@ def test_generation_markers_give_the_same_mask(tokenizer):
         tokenizer.chat_template = saved
     assert ids_m.tolist() == ids_p.tolist()
     assert mask_m.tolist() == mask_p.tolist()
-    assert trained_spans(tokenizer, ids_m, mask_m) == ["Hello there.<|im_end|>\n", "4, I think\nso.<|im_end|>\n"]
+    assert trained_spans(tokenizer, ids_m, mask_m) == ["Hello there.<|im_end|>", "4, I think\nso.<|im_end|>"]
 
 
 def test_unlocatable_assistant_turns_raise(tokenizer):
@@ -86,13 +86,13 @@ def test_each_format(tokenizer, tmp_path):
     ds = load_dataset(write_jsonl(tmp_path / "mixed.jsonl", records), tokenizer, max_seq_len=512)
     assert len(ds) == len(records) and ds.stats.documents == len(records)
     got = [trained_spans(tokenizer, *ds[i]) for i in range(len(ds))]
-    assert got[0] == ["Hello there.<|im_end|>\n", "4, I think\nso.<|im_end|>\n"]
-    assert got[1] == ["sup<|im_end|>\n"]
+    assert got[0] == ["Hello there.<|im_end|>", "4, I think\nso.<|im_end|>"]
+    assert got[1] == ["sup<|im_end|>"]
     assert tokenizer.decode(ds[1][0]).startswith("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nyo")
-    assert got[2] == ["3<|im_end|>\n"] and "Add.\n\n1 2<|im_end|>" in tokenizer.decode(ds[2][0])
-    assert got[3] == ["hi<|im_end|>\n"]
+    assert got[2] == ["3<|im_end|>"] and "Add.\n\n1 2<|im_end|>" in tokenizer.decode(ds[2][0])
+    assert got[3] == ["hi<|im_end|>"]
     assert got[4] == [" Paris<|im_end|>"]
-    assert got[5] == ["pong<|im_end|>\n"]
+    assert got[5] == ["pong<|im_end|>"]
     assert got[6] == ["The quick brown fox.<|im_end|>"]  # text: every token (eos appended)
     assert ds.stats.loss_tokens == sum(int(ds[i][1][1:].sum()) for i in range(len(ds)))
 

@@ -42,7 +42,7 @@ def test_message_lists_as_json_text_only_in_csv(tokenizer, tmp_path):
     msgs = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
     rows = [(json.dumps(msgs),)]
     chat = load_dataset(write_csv(tmp_path / "m.csv", ["messages"], rows), tokenizer, max_seq_len=128)
-    assert trained_spans(tokenizer, *chat[0]) == ["pong<|im_end|>\n"]
+    assert trained_spans(tokenizer, *chat[0]) == ["pong<|im_end|>"]
     pc = write_csv(tmp_path / "pc.csv", ["prompt", "completion"], [(json.dumps(msgs[:1]), json.dumps(msgs[1:]))])
     conv = load_dataset(pc, tokenizer, max_seq_len=128)
     assert conv.ids.tolist() == chat.ids.tolist() and conv.trainable.tolist() == chat.trainable.tolist()
@@ -59,7 +59,7 @@ def test_message_lists_as_json_text_only_in_csv(tokenizer, tmp_path):
 
 NO_SYSTEM = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
              "{% endif %}{{ '<|im_start|>' + m['role'] + '\n' }}{% if m['role'] == 'assistant' %}{GEN}"
-             "{{ m['content'] + '<|im_end|>\n' }}{END}{% else %}{{ m['content'] + '<|im_end|>\n' }}{% endif %}"
+             "{{ m['content'] + '<|im_end|>' }}{END}{{ '\n' }}{% else %}{{ m['content'] + '<|im_end|>\n' }}{% endif %}"
              "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
@@ -106,7 +106,7 @@ def test_tool_calls_reach_the_template_and_carry_loss(tokenizer, tmp_path, set_t
     ids, mask = ds[0]
     assert ids.tolist() == tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
     assert trained_spans(tokenizer, ids, mask) == [
-        '<tool_call>get_weather({"city": "Paris"})</tool_call><|im_end|>\n', "It is 18C.<|im_end|>\n"]
+        '<tool_call>get_weather({"city": "Paris"})</tool_call><|im_end|>', "It is 18C.<|im_end|>"]
     assert ds.stats.empty_targets == 0  # a tool call is a reply, not a blank one
 
 
