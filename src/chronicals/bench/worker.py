@@ -75,7 +75,7 @@ def run_contender(spec: RunSpec) -> dict:
     import torch
 
     from .contenders import get_contender, missing_requirements
-    from ..train.metrics import memory_gib
+    from ..train.metrics import memory_gib, private_pool_bytes
     from .protocol import reset_peak_memory, timed_run, validate_row
     from .shapes import get_shape, model_config, train_flops_per_token
 
@@ -99,7 +99,12 @@ def run_contender(spec: RunSpec) -> dict:
         t0 = time.perf_counter()
         row.update(timed_run(built, spec, device))
         row["run_s"] = round(time.perf_counter() - t0, 2)
-        row["peak_gib"] = memory_gib(device)  # None on CPU (no allocator peak): the row says "n/a"
+        # None on CPU (no allocator peak): the row says "n/a". CUDA graphs: at least what a replay holds, since
+        # max_memory_allocated misses their pools after capture (train.metrics.memory_gib)
+        pools = private_pool_bytes(device) if device.type == "cuda" else None
+        row["peak_gib"] = memory_gib(device, pools if pools and pools[0] else None)
+        if pools and pools[0]:
+            row["graph_pool_gib"] = round(pools[0] / 2**30, 2)
     except BaseException as e:  # a failed contender is a row, never a crashed table
         if isinstance(e, KeyboardInterrupt):
             raise

@@ -32,7 +32,8 @@ import torch
 
 from ..config import ConfigError, TrainConfig, from_dict, load_config
 from . import checkpoint as ckpt
-from .metrics import MetricsLog, matmul_peak_tflops, memory_gib, plot_losses, train_flops_per_token
+from .metrics import (MetricsLog, matmul_peak_tflops, memory_gib, plot_losses, private_pool_bytes,
+                      train_flops_per_token)
 from .optim import build_optimizer, build_scheduler
 from .distributed import DistContext, init_distributed
 from .grad_buckets import GradBuckets
@@ -469,6 +470,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
              "per step)")
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
 
+    pool_seen: list = [0, None]  # [graphs captured when last read, their pools' (reserved, allocated) bytes]
+
     def finish(rb: _Pending) -> dict:
         """The host side of a finished step: the non-finite stop, metrics, the progress bar. -> its record."""
         loss_val, gnorm, n_loss, others_stop = rb.readback.values()
@@ -483,7 +486,9 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
                "loss_tokens": n_loss, "tokens_per_s": n_loss / dt, "step_s": dt}
         if peak:
             rec["mfu"] = flops_per_token * rb.computed / dt / (peak * 1e12)
-        mem = memory_gib(device)
+        if graphs is not None and len(graphs.captured()) != pool_seen[0]:  # the pools change only at a capture
+            pool_seen[:] = [len(graphs.captured()), private_pool_bytes(device)]
+        mem = memory_gib(device, pool_seen[1])  # with graphs: at least what a replay holds (metrics.memory_gib)
         if mem is not None:
             rec["mem_gib"] = mem
         metrics.write(rec)
