@@ -40,7 +40,8 @@ def test_dataset_dict_and_state_json_that_are_not_mappings(tmp_path):
     dd = tmp_path / "dd"
     dd.mkdir()
     (dd / "dataset_dict.json").write_text("[1, 2]")
-    with pytest.raises(DataError, match=rf"{dd / 'dataset_dict.json'}: a JSON list, expected an object"):
+    with pytest.raises(DataError, match=rf"{dd / 'dataset_dict.json'}: a JSON array, not an object, so not a valid "
+                                        r"datasets\.save_to_disk dataset_dict\.json; .*save the dataset again"):
         resolve_files(dd)
     (dd / "dataset_dict.json").write_text("{bad")
     with pytest.raises(DataError, match=rf"{dd / 'dataset_dict.json'}:1: invalid JSON"):

@@ -135,8 +135,10 @@ def test_load_names_a_damaged_weights_file(tmp_path, damage):
         load_adapter(tiny_model(), tmp_path / "a")
 
 
-@pytest.mark.parametrize("text,match", [('{"r": 2,\n "lora_alpha": }', r":2: invalid JSON \(Expecting value\)"),
-                                        ("[1, 2]", "expected a JSON object"),
+@pytest.mark.parametrize("text,match", [('{"r": 2,\n "lora_alpha": }',
+                                         r":2: invalid JSON \(Expecting value at column 16\); fix the file, or save "
+                                         r"the adapter again"),
+                                        ("[1, 2]", r"a JSON array, not an object, so not a valid adapter_config"),
                                         ('{"r": 2}', "missing field.s. lora_alpha, target_modules")])
 def test_bad_adapter_config_names_the_file(tmp_path, text, match):
     ours = tiny_model()

@@ -138,7 +138,7 @@ def test_missing_path():
 
 def test_missing_config_json(saved):
     (saved / "config.json").unlink()
-    with pytest.raises(FileNotFoundError, match=r"config\.json not found"):
+    with pytest.raises(FileNotFoundError, match=r"config\.json: not found; a Hugging Face model directory needs one"):
         chronicals.load_model(saved, tokenizer=False)
 
 

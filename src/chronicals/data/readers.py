@@ -18,16 +18,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._jsonio import BIG_NUMBER, NESTED, read_json_object  # NESTED: a record that deep is not training data
 from .formats import FormatError, detect_format
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 # files that look like data but that a directory walk does not read (warned about rather than skipped silently)
 UNREAD = (".gz", ".zst", ".bz2", ".xz", ".zip", ".txt", ".tsv")
-# json (C scanner and Python fallback alike) recurses once per nesting level and raises RecursionError near
-# Python's limit of 1000; a record nested that deep is not training data
-NESTED = "nested too deeply (JSON arrays/objects more than ~1000 levels deep)"
-# json.loads raises a plain ValueError (not JSONDecodeError) for an integer literal longer than Python's int limit
-BIG_NUMBER = "a number of more than 4300 digits (Python's limit for reading an int); write it as a string"
 
 log = logging.getLogger("chronicals.data")
 
@@ -167,19 +163,8 @@ def _some(paths: list[Path], n: int = 3) -> str:
 
 def _json_object(path: Path) -> dict:
     """A small JSON file that must hold one object (state.json, dataset_dict.json)."""
-    text = _decode(path, path.read_bytes())  # its DataError (not UTF-8) is a ValueError: not inside the try
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno}); expected a JSON "
-                        "object") from None
-    except RecursionError:
-        raise DataError(f"{path}: {NESTED}; expected a JSON object") from None
-    except ValueError:
-        raise DataError(f"{path}: {BIG_NUMBER}; expected a JSON object") from None
-    if not isinstance(obj, dict):
-        raise DataError(f"{path}: a JSON {type(obj).__name__}, expected an object")
-    return obj
+    return read_json_object(path, f"datasets.save_to_disk {path.name}",
+                            "save the dataset again (datasets' save_to_disk)", error=DataError)
 
 
 def file_digest(path: Path) -> str:

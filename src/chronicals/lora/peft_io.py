@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
+from .._jsonio import read_json_object
 from ..models.hf_io import atomic_dir, load_safetensors
 from .inject import LoraRecord, apply_lora, lora_modules
 
@@ -81,18 +82,8 @@ def read_adapter_config(adapter_dir) -> dict:
         raise ValueError(f"{adapter_dir}: is a file; an adapter is the directory holding {CONFIG_NAME} and "
                          f"{WEIGHTS_NAME} (pass {Path(adapter_dir).parent})")
     path = Path(adapter_dir) / CONFIG_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: not found; a PEFT adapter directory holds {CONFIG_NAME} and {WEIGHTS_NAME}")
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}), so not an adapter_config.json; save the adapter "
-                         "again (save_adapter / PEFT's save_pretrained)") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg}); fix the file, or save the adapter "
-                         "again (save_adapter / PEFT's save_pretrained)") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: expected a JSON object of LoRA settings, found {type(cfg).__name__}")
+    cfg = read_json_object(path, CONFIG_NAME, "save the adapter again (save_adapter / PEFT's save_pretrained)",
+                           missing=f"a PEFT adapter directory holds {CONFIG_NAME} and {WEIGHTS_NAME}")
     missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in cfg]
     if missing:
         raise ValueError(f"{path}: missing field(s) {', '.join(missing)}; a PEFT LoRA adapter_config.json has "

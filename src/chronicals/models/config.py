@@ -6,12 +6,13 @@ per-head q/k norms for Qwen3, llama3 rope scaling for Llama 3.x), not a subclass
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from .._jsonio import read_json_object
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # SmolLM2 ships as "llama"
 _ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -141,20 +142,9 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
-        path = Path(path)
-        try:
-            d = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{path}: config.json not found; a Hugging Face model directory needs one") from None
-        except IsADirectoryError:
-            raise ValueError(f"{path}: is a directory, not a file; a Hugging Face model directory holds a "
-                             "config.json file") from None
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not UTF-8 text (byte {e.start}), so not a config.json; copy it from the "
-                             "original model again") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
-        return cls.from_hf_dict(d, source=str(path))
+        d = read_json_object(path, "config.json", "copy config.json from the original model again",
+                             missing="a Hugging Face model directory needs one")
+        return cls.from_hf_dict(d, source=str(Path(path)))
 
     def to_hf_dict(self) -> dict:
         d = dict(self.extra)

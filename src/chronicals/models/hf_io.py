@@ -26,6 +26,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from .._jsonio import json_kind, read_json_object
 from .config import ModelConfig, rope_inv_freq
 from .decoder import CausalLM
 from .orphans import old_path, recover_replaced, remove_orphans, writer_lock
@@ -180,11 +181,10 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
             raise ValueError(f"{model_dir / name}: is a directory, not a file; copy the checkpoint again")
     index = model_dir / INDEX_FILE
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index}: not a valid safetensors index (needs a 'weight_map' object): {e}") from None
-        bad = None if isinstance(weight_map, dict) else f"'weight_map' is a {type(weight_map).__name__}"
+        obj = read_json_object(index, "safetensors index", "copy the checkpoint again")
+        weight_map = obj.get("weight_map")
+        bad = None if isinstance(weight_map, dict) else \
+            f"'weight_map' is a JSON {json_kind(weight_map)}" if "weight_map" in obj else "no 'weight_map'"
         for tensor, shard in (weight_map.items() if bad is None else ()):
             if not isinstance(shard, str) or not shard or Path(shard).name != shard:  # ../x, /etc/x: not a shard
                 bad = f"tensor {tensor!r} is mapped to {shard!r}, not to a file name in {model_dir}"

@@ -1,0 +1,76 @@
+"""Reading a small JSON file that must hold one JSON object: config.json, adapter_config.json, a shard index,
+a ``datasets.save_to_disk`` state.json.
+
+Every failure names the file, says what is wrong and what to do:
+
+    m/config.json:3: invalid JSON (Expecting value at column 18); fix the file, or copy config.json from the
+    original model again
+
+Imports nothing of ours, so that models/, lora/ and data/ can all use it without breaking the one-way
+dependency rule (data/ depends on nothing else of ours).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from pathlib import Path
+
+# json (C scanner and Python fallback alike) recurses once per nesting level and raises RecursionError near
+# Python's limit of 1000
+NESTED = "nested too deeply (JSON arrays/objects more than ~1000 levels deep)"
+# json.loads raises a plain ValueError (not JSONDecodeError) for an integer literal longer than Python's int limit
+BIG_NUMBER = "a number of more than 4300 digits (Python's limit for reading an int); write it as a string"
+REENCODE = "re-encode it as UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE > NEW)"
+
+
+def json_kind(obj) -> str:
+    """JSON's name for the type of a parsed value: 'array', not Python's 'list'; 'null', not 'NoneType'."""
+    if obj is None:
+        return "null"
+    if isinstance(obj, bool):
+        return "true/false"
+    return {dict: "object", list: "array", str: "string"}.get(type(obj), "number")
+
+
+def read_json_object(path, what: str, fix: str, *, missing: str | None = None,
+                     error: type[Exception] = ValueError) -> dict:
+    """The object a JSON file holds. A leading UTF-8 byte-order mark is ignored (Notepad and Excel write one).
+
+    what: the file's kind in "so not a valid {what}" (``"config.json"``, ``"safetensors index"``).
+    fix: the caller's remedy, after "fix the file, or ..." (``"copy the checkpoint again"``).
+    missing: what to say after "{path}: not found; " or "is a directory, not a file; " (default: ``fix``); the
+        first is a FileNotFoundError.
+    error: the class of every other error (``ValueError``, or a subclass such as data's ``DataError``).
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: not found; {missing or fix}") from None
+    except OSError as e:  # IsADirectoryError on Linux; PermissionError for a directory on Windows
+        if path.is_dir():
+            raise error(f"{path}: is a directory, not a file; {missing or fix}") from None
+        raise error(f"{path}: cannot read it ({e.strerror or e}); check that it is a readable file, or "
+                    f"{fix}") from None
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        text = data[bom:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        at = bom + e.start
+        line = data.count(b"\n", 0, at) + 1
+        raise error(f"{path}:{line}: not UTF-8 text (byte {at}: {e.reason}, {data[at:at + 4]!r}), so not a valid "
+                    f"{what}; {REENCODE}, or {fix}") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno}); fix the file, or "
+                    f"{fix}") from None
+    except RecursionError:
+        raise error(f"{path}: {NESTED}, so not a valid {what}; fix the file, or {fix}") from None
+    except ValueError:  # after JSONDecodeError, its subclass: only an over-long integer is left
+        raise error(f"{path}: {BIG_NUMBER}, or {fix}") from None
+    if not isinstance(obj, dict):
+        raise error(f"{path}: a JSON {json_kind(obj)}, not an object, so not a valid {what}; fix the file, or "
+                    f"{fix}")
+    return obj

@@ -1,0 +1,107 @@
+"""read_json_object: every way a small JSON file can fail names the file, what is wrong, and the caller's fix."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from chronicals._jsonio import json_kind, read_json_object
+from chronicals.data.readers import DataError
+
+FIX = "copy the thing again"
+
+
+def _read(path, **kw):
+    return read_json_object(path, "thing.json", FIX, **kw)
+
+
+def test_an_object_is_returned(tmp_path):
+    p = tmp_path / "a.json"
+    p.write_text('{"a": [1, 2], "b": null}')
+    assert _read(p) == {"a": [1, 2], "b": None}
+    assert _read(str(p)) == {"a": [1, 2], "b": None}  # a str path too
+
+
+def test_a_utf8_byte_order_mark_is_ignored(tmp_path):
+    p = tmp_path / "a.json"
+    p.write_bytes(b"\xef\xbb\xbf" + '{"\u00e9": 1}'.encode())  # Notepad's UTF-8
+    assert _read(p) == {"\u00e9": 1}
+
+
+def test_missing_file_is_file_not_found_with_the_missing_hint(tmp_path):
+    p = tmp_path / "nope.json"
+    with pytest.raises(FileNotFoundError, match=rf"^{re.escape(str(p))}: not found; {FIX}$"):
+        _read(p)
+    with pytest.raises(FileNotFoundError, match=rf"^{re.escape(str(p))}: not found; a directory needs one$"):
+        _read(p, missing="a directory needs one", error=DataError)  # FileNotFoundError whatever `error` is
+
+
+def test_a_directory_says_so(tmp_path):
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path))}: is a directory, not a file; {FIX}$"):
+        _read(tmp_path)
+    with pytest.raises(DataError, match=rf"^{re.escape(str(tmp_path))}: is a directory, not a file; a dir needs one$"):
+        _read(tmp_path, missing="a dir needs one", error=DataError)
+
+
+def test_an_unreadable_file_says_why(tmp_path, monkeypatch):
+    p = tmp_path / "a.json"
+    p.write_text("{}")
+
+    def denied(self):  # chmod 0 does not bind under root, where the tests may run
+        raise PermissionError(13, "Permission denied", str(self))
+    monkeypatch.setattr(Path, "read_bytes", denied)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(p))}: cannot read it \(Permission denied\); "
+                                         rf"check that it is a readable file, or {FIX}$"):
+        _read(p)
+
+
+def test_not_utf8_gives_line_byte_and_both_fixes(tmp_path):
+    p = tmp_path / "a.json"
+    p.write_bytes(b'{\n"a": "caf\xe9"}')  # Latin-1 e-acute on line 2, byte 11
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(p))}:2: not UTF-8 text \(byte 11: invalid continuation "
+                                         r"byte, .*\), so not a valid thing\.json; re-encode it as UTF-8 \(e\.g\. "
+                                         rf"iconv .*\), or {FIX}$"):
+        _read(p)
+    p.write_bytes(b"\xef\xbb\xbf\xff")  # the offset counts the byte-order mark
+    with pytest.raises(ValueError, match=r":1: not UTF-8 text \(byte 3: invalid start byte"):
+        _read(p)
+
+
+def test_invalid_json_gives_line_and_column(tmp_path):
+    p = tmp_path / "a.json"
+    p.write_text('{"a": 1,\n  "b": }')
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(p))}:2: invalid JSON \(Expecting value at column 8\); "
+                                         rf"fix the file, or {FIX}$"):
+        _read(p)
+
+
+def test_too_deep_and_too_long_a_number(tmp_path):
+    p = tmp_path / "a.json"
+    p.write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(p))}: nested too deeply .*, so not a valid thing\.json; "
+                                         rf"fix the file, or {FIX}$"):
+        _read(p)
+    p.write_text('{"a": ' + "9" * 5000 + "}")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(p))}: a number of more than 4300 digits .*write it as "
+                                         rf"a string, or {FIX}$"):
+        _read(p)
+
+
+@pytest.mark.parametrize("text,kind", [("[1, 2]", "array"), ("null", "null"), ('"x"', "string"), ("3.5", "number"),
+                                       ("true", "true/false")])
+def test_a_value_that_is_no_object(tmp_path, text, kind):
+    p = tmp_path / "a.json"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(p))}: a JSON {kind}, not an object, so not a valid "
+                                         rf"thing\.json; fix the file, or {FIX}$"):
+        _read(p)
+    assert json_kind(json.loads(text)) == kind
+
+
+def test_errors_take_the_callers_class(tmp_path):
+    p = tmp_path / "a.json"
+    for text in ("[1]", "{bad", "\xff"):
+        p.write_bytes(text.encode("latin-1"))
+        with pytest.raises(DataError, match=rf"^{re.escape(str(p))}"):
+            _read(p, error=DataError)
