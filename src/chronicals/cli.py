@@ -373,13 +373,14 @@ def _quiet_if_stdout_closes(command, argv: list[str]) -> int:
 
 def _failed(e: Exception) -> int:
     """Exit status and message for an exception out of a command: 2 for a config value found bad only once the run
-    resolves it (a device this machine lacks), 3 for bad input (the messages name the file and line), 4 for anything
-    else: a bug, with its own status, as 1 means "diverged" to train's callers."""
+    resolves it (a device this machine lacks, a lora.targets name no module of the loaded model matches), 3 for bad
+    input (the messages name the file and line), 4 for anything else: a bug, with its own status, as 1 means
+    "diverged" to train's callers."""
     from .config import ConfigError
 
     if isinstance(e, (ValueError, OSError)):
         print(f"error: {e}\n(CHRONICALS_TRACEBACK=1 shows where it was raised)", file=sys.stderr)
-        return 2 if isinstance(e, ConfigError) else 3  # a setting this machine cannot run (model.device=cuda)
+        return 2 if isinstance(e, ConfigError) else 3  # a setting this machine or model cannot take
     import traceback
 
     traceback.print_exception(e)

@@ -189,6 +189,44 @@ class DataSection:
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _MODULE_NAME = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
 
+# The LoRA values no model can take, decided here once: LoraSection checks a config with them when it is read (exit
+# 2, before any model loads), apply_lora (lora.inject) its arguments with the same tests and words. Each test takes
+# a number: a config's numbers are typed and finite (_coerce, _check_finite), apply_lora checks its own first with
+# models.config.is_number.
+LORA_VALUE_RULES = {
+    "rank": (lambda v: v >= 1, "an integer >= 1, the adapter rank (8-64 is usual)"),
+    "alpha": (lambda v: v > 0, "a finite number > 0; the update is scaled by alpha / r (2 r is usual)"),
+    "dropout": (lambda v: 0 <= v < 1, "a number in [0, 1) (0 lets the q/k/v and gate/up adapters of a block run as "
+                                      "one GEMM each)"),
+    "plus_ratio": (lambda v: v > 0, "a number > 0; LoRA+ trains B at plus_ratio x the learning rate of A "
+                                    "(1 = plain LoRA, 16 is usual)"),
+}
+
+
+def lora_names_problem(targets, modules_to_save) -> tuple[str, str] | None:
+    """(config key, what it must be) for the first LoRA target / modules_to_save list no model can take, or None.
+
+    Checked on the names alone (LoraSection, and apply_lora before it matches them against a model); a name that
+    matches no module of one model is apply_lora's to say, as is what apply_lora's other form of ``targets``, one
+    regular expression string, matches. A name in both lists would be adapted and trained in full at once, and an
+    adapter on lm_head is refused (the loss reads lm_head.weight itself): both whatever the model.
+    """
+    if not isinstance(targets, str) and (not isinstance(targets, (list, tuple)) or not targets
+                                         or not all(isinstance(t, str) for t in targets)):
+        return "lora.targets", "a non-empty list of module names such as [q_proj, v_proj]"
+    names = () if isinstance(targets, str) else targets
+    if "lm_head" in names:
+        return "lora.targets", ("module names other than lm_head: LoRA on lm_head is not supported (the loss reads "
+                                "lm_head.weight directly: fused linear cross-entropy); train it in full with "
+                                "lora.modules_to_save=[lm_head] instead")
+    if not isinstance(modules_to_save, (list, tuple)) or not all(isinstance(m, str) for m in modules_to_save):
+        return "lora.modules_to_save", "a list of module names such as [lm_head]"
+    both = [m for m in modules_to_save if m in names]
+    if both:
+        return "lora.modules_to_save", (f"names that are not LoRA targets too: {both} also in lora.targets; a module "
+                                        "is either adapted or trained in full: drop them from one of the two lists")
+    return None
+
 
 @dataclass
 class LoraSection:
@@ -209,20 +247,21 @@ class LoraSection:
 
     def __post_init__(self):
         _check_finite(self)
-        _check(self.rank >= 1, "lora.rank", self.rank, "an integer >= 1")
-        _check(self.alpha > 0, "lora.alpha", self.alpha, "a number > 0")
-        _check(0.0 <= self.dropout < 1.0, "lora.dropout", self.dropout, "a number in [0, 1)")
-        _check(self.plus_ratio > 0, "lora.plus_ratio", self.plus_ratio, "a number > 0")
-        _check(len(self.targets) > 0 and all(isinstance(t, str) for t in self.targets), "lora.targets",
-               self.targets, "a non-empty list of module names such as [q_proj, v_proj]")
+        for name, (ok, expected) in LORA_VALUE_RULES.items():
+            _check(ok(getattr(self, name)), f"lora.{name}", getattr(self, name), expected)
         if self.targets == ["all-linear"]:  # PEFT's shorthand: every linear layer but the output head
             self.targets = list(LORA_PROJECTIONS)
+        problem = lora_names_problem(self.targets, self.modules_to_save)
+        if problem:
+            key, expected = problem
+            _check(False, key, getattr(self, key.split(".")[1]), expected)
         # a regular expression (PEFT's single-string form) would be cut at its commas by the list syntax
         _check(all(_MODULE_NAME.match(t) for t in self.targets), "lora.targets", self.targets,
                "module names such as [q_proj, v_proj] or all-linear; regular expressions are not read from the "
                "config: list the names (a name also matches every dotted path ending in it)")
-        _check(isinstance(self.modules_to_save, list) and all(isinstance(t, str) for t in self.modules_to_save),
-               "lora.modules_to_save", self.modules_to_save, "a list of module names such as [lm_head]")
+        _check(all(_MODULE_NAME.match(m) for m in self.modules_to_save), "lora.modules_to_save",
+               self.modules_to_save, "module names such as [lm_head] or [embed_tokens, lm_head] (a name also "
+               "matches every dotted path ending in it; regular expressions are not read)")
 
 
 @dataclass

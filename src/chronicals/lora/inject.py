@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from ..config import LORA_VALUE_RULES, ConfigError, lora_names_problem
 from ..models.config import is_number
 from .group import bind_groups, unbind_groups
 from .layer import IMPLS, LoRALinear
@@ -71,32 +72,32 @@ def _tied_partners(model: nn.Module, module_names: list[str]) -> list[str]:
 def _check_lora_args(r, alpha, dropout, target_modules, use_rslora, modules_to_save, impl, adapter_dtype, seed,
                      concat, group) -> None:
     """apply_lora's scalar arguments, checked before anything of the model changes (a failed call leaves the
-    model as it was: no frozen parameters, no replaced modules). The names in () are the config keys."""
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise ValueError(f"apply_lora: r={r!r} must be an integer >= 1, the adapter rank (lora.rank; 8-64 is usual)")
-    if not is_number(alpha) or alpha <= 0:
-        raise ValueError(f"apply_lora: alpha={alpha!r} must be a finite number > 0; the update is scaled by "
-                         "alpha / r (lora.alpha; 2 r is usual)")
-    if not is_number(dropout) or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"apply_lora: dropout={dropout!r} must be a number in [0, 1) (lora.dropout; 0 lets "
-                         "q/k/v and gate/up adapters run as one GEMM each)")
+    model as it was: no frozen parameters, no replaced modules). What a valid rank, alpha, dropout and list of
+    names is, config.py decides (LORA_VALUE_RULES, lora_names_problem: a config is checked with them when read);
+    an argument a config key sets fails as a ConfigError with that key."""
+    for name, arg, value, typed in (("rank", "r", r, not isinstance(r, bool) and isinstance(r, int)),
+                                    ("alpha", "alpha", alpha, is_number(alpha)),
+                                    ("dropout", "dropout", dropout, is_number(dropout))):
+        ok, expected = LORA_VALUE_RULES[name]
+        if not typed or not ok(value):
+            raise ConfigError(f"apply_lora: {arg}={value!r} must be {expected} (in a config: lora.{name})",
+                              f"lora.{name}")
     if isinstance(target_modules, str):
         try:
             re.compile(target_modules)
         except re.error as e:
-            raise ValueError(f"apply_lora: target_modules={target_modules!r} is a string, read as a regular "
-                             f"expression over full module names, and does not compile ({e}); pass a list of "
-                             "names such as ['q_proj', 'v_proj'] instead") from None
-    elif (not isinstance(target_modules, (list, tuple)) or not target_modules
-          or not all(isinstance(t, str) for t in target_modules)):
-        raise ValueError(f"apply_lora: target_modules={target_modules!r} must be a non-empty list of module names "
-                         f"such as {list(DEFAULT_TARGETS)} or one regular expression string (lora.targets)")
-    if not isinstance(modules_to_save, (str, list, tuple)) or (
-            not isinstance(modules_to_save, str) and not all(isinstance(m, str) for m in modules_to_save)):
-        raise ValueError(f"apply_lora: modules_to_save={modules_to_save!r} must be a list of module names such as "
-                         "['lm_head'] (lora.modules_to_save)")
+            raise ConfigError(f"apply_lora: target_modules={target_modules!r} is a string, read as a regular "
+                              f"expression over full module names, and does not compile ({e}); pass a list of "
+                              "names such as ['q_proj', 'v_proj'] instead", "lora.targets") from None
+    problem = lora_names_problem(target_modules, (modules_to_save,) if isinstance(modules_to_save, str)
+                                 else modules_to_save)
+    if problem:
+        key, expected = problem
+        arg, given = (("target_modules", target_modules) if key == "lora.targets" else
+                      ("modules_to_save", modules_to_save))
+        raise ConfigError(f"apply_lora: {arg}={given!r} must be {expected} (in a config: {key})", key)
     if not isinstance(use_rslora, bool):
-        raise ValueError(f"apply_lora: use_rslora={use_rslora!r} must be True or False (lora.rslora)")
+        raise ConfigError(f"apply_lora: use_rslora={use_rslora!r} must be True or False (lora.rslora)", "lora.rslora")
     if impl not in IMPLS:
         raise ValueError(f"apply_lora: impl={impl!r} is not one of {IMPLS} (fused: the custom autograd path; "
                          "torch: the reference)")
@@ -104,11 +105,12 @@ def _check_lora_args(r, alpha, dropout, target_modules, use_rslora, modules_to_s
         raise ValueError(f"apply_lora: adapter_dtype={adapter_dtype!r} must be None (the base weight's dtype) or a "
                          "floating torch.dtype such as torch.float32")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ValueError(f"apply_lora: seed={seed!r} must be an integer or None (torch's global RNG)")
+        raise ConfigError(f"apply_lora: seed={seed!r} must be an integer or None (torch's global RNG; in a config: "
+                          "train.seed)", "train.seed")
     if concat not in ("auto", True, False):
         raise ValueError(f"apply_lora: concat={concat!r} must be 'auto', True or False")
     if not isinstance(group, bool):
-        raise ValueError(f"apply_lora: group={group!r} must be True or False (lora.group)")
+        raise ConfigError(f"apply_lora: group={group!r} must be True or False (lora.group)", "lora.group")
 
 
 def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: float = 0.0,
@@ -142,36 +144,40 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
     # for ["q_proj", "embed_tokens"], and saved a regex that PEFT then refuses to load
     others = [f"{n} ({type(m).__name__})" for n, m in matched if not isinstance(m, nn.Linear)]
     if others:
-        raise ValueError(f"apply_lora: target_modules={target_modules!r} matches {len(others)} module(s) that are not "
-                         f"nn.Linear, such as {others[:3]}; LoRA adapts nn.Linear layers only: drop them from the "
-                         "targets (a regular expression must match only projections, e.g. r'.*\\.(q|v)_proj'), and "
-                         "train an embedding or norm in full with modules_to_save (in a config: lora.targets, "
-                         "lora.modules_to_save)")
+        raise ConfigError(f"apply_lora: target_modules={target_modules!r} matches {len(others)} module(s) that are "
+                          f"not nn.Linear, such as {others[:3]}; LoRA adapts nn.Linear layers only: drop them from the "
+                          "targets (a regular expression must match only projections, e.g. r'.*\\.(q|v)_proj'), and "
+                          "train an embedding or norm in full with modules_to_save (in a config: lora.targets, "
+                          "lora.modules_to_save)", "lora.targets")
     if not targets:
         leaves = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
-        raise ValueError(f"apply_lora: target_modules={target_modules!r} matched no nn.Linear; the model's "
-                         f"linear layers are named {leaves} (in a config: lora.targets)")
-    if "lm_head" in targets:
-        raise ValueError("apply_lora: LoRA on lm_head is not supported: CausalLM's loss reads lm_head.weight "
-                         "directly (fused linear cross-entropy); train it with modules_to_save=('lm_head',) "
-                         "(in a config: lora.modules_to_save=[lm_head])")
+        raise ConfigError(f"apply_lora: target_modules={target_modules!r} matched no nn.Linear; the model's "
+                          f"linear layers are named {leaves}: name some of them but lm_head (in a config: "
+                          "lora.targets)", "lora.targets")
+    if "lm_head" in targets:  # matched by a regular expression (a list naming lm_head is refused before)
+        raise ConfigError("apply_lora: LoRA on lm_head is not supported: CausalLM's loss reads lm_head.weight "
+                          "directly (fused linear cross-entropy); train it with modules_to_save=('lm_head',) "
+                          "(in a config: lora.modules_to_save=[lm_head])", "lora.targets")
     saved = [n for n, _ in model.named_modules() if n and modules_to_save and name_matches(n, modules_to_save)]
     missing = [k for k in modules_to_save if not any(name_matches(n, (k,)) for n in saved)]
     if missing:
-        raise ValueError(f"apply_lora: modules_to_save entries {missing} match no module of the model")
+        raise ConfigError(f"apply_lora: modules_to_save entries {missing} match no module of the model; name its "
+                          "modules such as lm_head or embed_tokens, or a dotted path ending in one (in a config: "
+                          "lora.modules_to_save)", "lora.modules_to_save")
     overlap = sorted(set(saved) & set(targets))
     if overlap:
-        raise ValueError(f"apply_lora: {overlap} are both LoRA targets and modules_to_save; pick one")
+        raise ConfigError(f"apply_lora: {overlap} are both LoRA targets and modules_to_save; pick one (in a config: "
+                          "lora.targets, lora.modules_to_save)", "lora.modules_to_save")
     # a parent trained in full would unfreeze the base weights under its adapters: the first step then failed
     # ("the base weight and bias must be frozen")
     holding = {s: [t for t in targets if t.startswith(s + ".")] for s in saved}
     holding = {s: ts for s, ts in holding.items() if ts}
     if holding:
         first = next(iter(holding))
-        raise ValueError(f"apply_lora: modules_to_save {sorted(holding)} hold LoRA targets (such as "
-                         f"{holding[first][0]}); a module is either adapted or trained in full: name the modules "
-                         "inside them to train in full, or leave their projections out of target_modules (in a "
-                         "config: lora.modules_to_save, lora.targets)")
+        raise ConfigError(f"apply_lora: modules_to_save {sorted(holding)} hold LoRA targets (such as "
+                          f"{holding[first][0]}); a module is either adapted or trained in full: name the modules "
+                          "inside them to train in full, or leave their projections out of target_modules (in a "
+                          "config: lora.modules_to_save, lora.targets)", "lora.modules_to_save")
     tied = _tied_partners(model, saved)
     if tied:
         log.info("apply_lora: %s share weights with %s (tied); the shared tensor is trained and both are saved",

@@ -53,9 +53,12 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
         from ..lora.inject import apply_lora
 
         if getattr(model, "lora_config", None) is None:
-            apply_lora(model, r=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                       target_modules=tuple(cfg.lora.targets), use_rslora=cfg.lora.rslora, seed=cfg.train.seed,
-                       group=cfg.lora.group, modules_to_save=tuple(cfg.lora.modules_to_save))
+            try:
+                apply_lora(model, r=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                           target_modules=tuple(cfg.lora.targets), use_rslora=cfg.lora.rslora, seed=cfg.train.seed,
+                           group=cfg.lora.group, modules_to_save=tuple(cfg.lora.modules_to_save))
+            except ConfigError as e:  # a name no module of this model fits (the rest fails when the config is read)
+                raise ConfigError(f"config {e.key} does not fit model.path={cfg.model.path}: {e}", e.key) from None
     else:
         from dataclasses import asdict
 

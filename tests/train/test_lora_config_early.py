@@ -1,0 +1,133 @@
+"""A bad LoRA setting is a bad config (exit 2): one that no model can take fails when the config is read, before any
+model loads (minutes at 8B), naming the file, line and key; one that does not fit this model (a lora.targets name
+that matches none of its modules) fails once it is loaded, still as exit 2, naming the key and model.path. The rules
+live once, in config.py (LORA_VALUE_RULES, lora_names_problem), and apply_lora checks its arguments with them."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from train_helpers import tiny_model
+
+import chronicals.train.loop as loop
+from chronicals.cli import main
+from chronicals.config import LORA_VALUE_RULES, ConfigError, LoraSection, load_config
+from chronicals.lora import apply_lora, load_adapter, save_adapter
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the LoRA settings were checked")
+
+    monkeypatch.setattr(loop, "load_base", refuse)
+    monkeypatch.delenv("CHRONICALS_TRACEBACK", raising=False)
+
+
+# (override, key named, words of the fix); the last four passed the config and failed after the model load (exit 3)
+NO_MODEL_TAKES = [
+    ("lora.rank=0", "lora.rank=0", "an integer >= 1"),
+    ("lora.rank=abc", "lora.rank='abc'", "expected an integer"),
+    ("lora.alpha=-1", "lora.alpha=-1.0", "a finite number > 0"),
+    ("lora.alpha=nan", "lora.alpha=nan", "a finite number"),
+    ("lora.dropout=1.5", "lora.dropout=1.5", "a number in [0, 1)"),
+    ("lora.dropout=x", "lora.dropout='x'", "expected a number"),
+    ("lora.plus_ratio=0", "lora.plus_ratio=0.0", "a number > 0"),
+    ("lora.targets=[]", "lora.targets=[]", "a non-empty list of module names"),
+    ("lora.targets=[q_proj, lm_head]", "lora.targets=['q_proj', 'lm_head']",
+     "train it in full with lora.modules_to_save=[lm_head]"),
+    ("lora.modules_to_save=[v_proj]", "lora.modules_to_save=['v_proj']",
+     "['v_proj'] also in lora.targets; a module is either adapted or trained in full"),
+    ("lora.modules_to_save=[lm_head, 'layers.*']", "lora.modules_to_save=['lm_head', 'layers.*']",
+     "regular expressions are not read"),
+    ("lora.modules_to_save=['']", "lora.modules_to_save=['']", "module names such as [lm_head]"),
+]
+
+
+@pytest.mark.parametrize("override, key, fix", NO_MODEL_TAKES, ids=[o for o, _, _ in NO_MODEL_TAKES])
+def test_a_lora_value_no_model_takes_exits_2_before_the_model_loads(override, key, fix, tmp_path, no_model_load,
+                                                                    capsys):
+    assert main(["train", override, f"train.out_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: command line: config {key} is invalid" in err and fix in err, err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+def test_a_yaml_file_names_the_line_of_the_lora_key(tmp_path, no_model_load, capsys):
+    cfg = tmp_path / "lora.yaml"
+    cfg.write_text("lora:\n  rank: 8\n  targets: [q_proj, v_proj]\n  modules_to_save: [q_proj]\n"
+                   f"train:\n  out_dir: {tmp_path / 'run'}\n")
+    assert main(["train", str(cfg)]) == 2
+    assert f"error: {cfg}:4: config lora.modules_to_save=['q_proj'] is invalid" in capsys.readouterr().err
+    cfg.write_text("lora:\n  rank: 0\n")
+    assert main(["train", str(cfg)]) == 2
+    assert f"error: {cfg}:2: config lora.rank=0 is invalid: expected an integer >= 1" in capsys.readouterr().err
+
+
+# (lora overrides, key, words of apply_lora's message): names only the loaded model can refuse
+DOES_NOT_FIT = [
+    (["lora.targets=[nope_proj]"], "lora.targets", "matched no nn.Linear"),
+    (["lora.targets=[q_proj, embed_tokens]"], "lora.targets", "that are not nn.Linear"),
+    (["lora.modules_to_save=[nope]"], "lora.modules_to_save", "entries ['nope'] match no module of the model"),
+    (["lora.modules_to_save=[self_attn]"], "lora.modules_to_save", "hold LoRA targets"),
+]
+
+
+@pytest.mark.parametrize("overrides, key, words", DOES_NOT_FIT, ids=[o[0] for o, _, _ in DOES_NOT_FIT])
+def test_a_lora_name_that_does_not_fit_the_model_exits_2_after_it_loads(overrides, key, words, tmp_path,
+                                                                        monkeypatch, capsys):
+    """Only the model knows its module names: refused once it is loaded, but as the config's fault (exit 2, was 3)."""
+    loaded = []
+
+    def tiny(*a, **k):
+        loaded.append(1)
+        return tiny_model(), None
+
+    monkeypatch.setattr(loop, "load_base", tiny)
+    monkeypatch.delenv("CHRONICALS_TRACEBACK", raising=False)
+    assert main(["train", *overrides, "model.path=tiny", f"train.out_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert loaded and f"error: config {key} does not fit model.path=tiny: apply_lora: " in err and words in err, err
+    assert f"in a config: {key}" in err and "Traceback" not in err and "internal error" not in err
+
+
+def test_a_peft_adapter_whose_names_do_not_fit_is_still_bad_input_not_a_config_error(tmp_path):
+    """load_adapter names its adapter_config.json (chat / export exit 3: a bad file), not a config key."""
+    model = tiny_model()
+    apply_lora(model, r=2, target_modules=["q_proj"])
+    save_adapter(model, tmp_path / "adapter")
+    conf = tmp_path / "adapter" / "adapter_config.json"
+    conf.write_text(json.dumps(dict(json.loads(conf.read_text()), target_modules=["nope_proj"])))
+    with pytest.raises(ValueError, match=r"adapter_config.json: apply_lora: target_modules=.*matched no") as e:
+        load_adapter(tiny_model(), tmp_path / "adapter")
+    assert not isinstance(e.value, ConfigError)
+
+
+@pytest.mark.parametrize("name, arg, bad", [("rank", "r", 0), ("alpha", "alpha", 0.0), ("alpha", "alpha", -2.0),
+                                            ("dropout", "dropout", 1.0), ("dropout", "dropout", -0.5)])
+def test_the_config_and_apply_lora_refuse_the_same_values_in_the_same_words(name, arg, bad):
+    expected = LORA_VALUE_RULES[name][1]
+    with pytest.raises(ConfigError, match=rf"lora\.{name}=.* is invalid: expected {re.escape(expected)}") as c:
+        LoraSection(**{name: bad})
+    with pytest.raises(ConfigError, match=rf"apply_lora: {arg}=.* must be {re.escape(expected)}") as a:
+        apply_lora(tiny_model(), **{arg: bad})
+    assert c.value.key == a.value.key == f"lora.{name}"
+
+
+def test_apply_lora_refuses_names_no_model_takes_before_touching_the_model():
+    model = tiny_model()
+    with pytest.raises(ConfigError, match=r"target_modules=\['lm_head'\] must be module names other than lm_head"):
+        apply_lora(model, target_modules=["lm_head"])
+    with pytest.raises(ConfigError, match=r"modules_to_save=\('q_proj',\) must be names that are not LoRA targets"):
+        apply_lora(model, target_modules=["q_proj"], modules_to_save=("q_proj",))
+    assert all(p.requires_grad for p in model.parameters()) and getattr(model, "lora_config", None) is None
+    rec = apply_lora(model, target_modules=r".*\.q_proj", modules_to_save="lm_head")  # a regex: the model decides
+    assert rec.lora_modules and "lm_head" in rec.saved_modules
+
+
+def test_good_lora_settings_still_load():
+    c = load_config(None, ["lora.targets=all-linear", "lora.modules_to_save=[embed_tokens, lm_head]", "lora.rank=1",
+                           "lora.dropout=0", "lora.plus_ratio=1"])
+    assert c.lora.modules_to_save == ["embed_tokens", "lm_head"] and len(c.lora.targets) == 7
