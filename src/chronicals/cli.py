@@ -18,6 +18,8 @@ import sys
 import threading
 from pathlib import Path
 
+from .cuda_alloc import allocator_env
+
 USAGE = """usage: chronicals train [CONFIG.yaml] [section.key=value ...]
 
 Fine-tune a decoder LLM. With no arguments: the embedded demo (LoRA+ on SmolLM2-135M-Instruct with the
@@ -313,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         return _quiet_if_stdout_closes(_usage, argv)
+    if argv[0] != "bench":  # before any CUDA allocation; bench sets it for its chronicals rows only (the anchors
+        os.environ.update(allocator_env())  # run as their own users run them)
     # SIGINT / SIGTERM outside the training loop (which checkpoints and stops on its own): unwind as a Ctrl-C
     # does, so temporary outputs are removed; one that lands inside a library (an import, a tokenizer) can
     # surface as another error, still a stop

@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from ..cuda_alloc import allocator_env
 from .contenders import CONTENDERS, get_contender, missing_requirements
 from .protocol import RunSpec, validate_row
 from .report import environment, finish_row, markdown_table, write_report
@@ -90,6 +91,8 @@ class Runner:
         out = self.tmp / f"{self.count:03d}_{task}_{spec.contender}.json"
         cmd = [sys.executable, "-m", "chronicals.bench.worker", "--task", task, *spec_argv(spec), "--json-out", str(out)]
         env = dict(os.environ, HF_HUB_OFFLINE="1")
+        if spec.contender.startswith("chronicals"):  # our CLI's allocator default; the anchors keep the user's
+            env.update(allocator_env(env))
         # the worker imports this very package (whether installed or run with PYTHONPATH=src / sys.path)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p)
         t0 = time.perf_counter()

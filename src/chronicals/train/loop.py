@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, TrainConfig, from_dict, load_config
+from ..cuda_alloc import allocator_setting
 from . import checkpoint as ckpt
 from .metrics import (MetricsLog, matmul_peak_tflops, memory_gib, plot_losses, private_pool_bytes,
                       train_flops_per_token)
@@ -327,6 +328,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     graphs = None
     use_graphs, why = resolve_cuda_graphs(cfg.train.cuda_graphs, device, cfg.model.checkpoint_setting, dp.world_size)
     log.info("%s", why)
+    if device.type == "cuda":  # the chronicals CLI sets expandable segments unless the variable was set (cuda_alloc)
+        log.info("CUDA allocator: %s", allocator_setting())
     # data parallel: the gradient all-reduce after backward, or (train.overlap_grad_reduce) in flat buckets during
     # the last micro-batch's backward (train/grad_buckets.py)
     reducer = GradBuckets(dp, trainable) if dp.enabled and cfg.train.overlap_grad_reduce else None
