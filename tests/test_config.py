@@ -362,7 +362,7 @@ def test_lora_targets_take_names_and_all_linear_but_no_regex():
     from chronicals.config import LORA_PROJECTIONS, ConfigError, LoraSection
     from chronicals.lora.inject import DEFAULT_TARGETS
 
-    assert LORA_PROJECTIONS == DEFAULT_TARGETS
+    assert LORA_PROJECTIONS == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     assert LoraSection(targets=["all-linear"]).targets == list(DEFAULT_TARGETS)
     assert LoraSection(targets=["q_proj", "model.layers.0.mlp.down_proj"]).targets[1] == "model.layers.0.mlp.down_proj"
     for bad in ([r".*\.(q|v)_proj"], ["q_proj", "v_proj$"]):

@@ -184,8 +184,7 @@ class DataSection:
         return {"tokens_per_batch": self.tokens_per_batch}
 
 
-# lora.targets' default and all-linear: lora.inject.DEFAULT_TARGETS (config imports nothing of ours; a test keeps
-# the two equal)
+# lora.targets' default and all-linear; lora.inject.DEFAULT_TARGETS is this tuple (lora imports config, not back)
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _MODULE_NAME = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
 

@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ..config import LORA_VALUE_RULES, ConfigError, lora_names_problem
+from ..config import LORA_PROJECTIONS, LORA_VALUE_RULES, ConfigError, lora_names_problem
 from ..models.config import is_number
 from .group import bind_groups, unbind_groups
 from .layer import IMPLS, LoRALinear
 
 log = logging.getLogger("chronicals.lora")
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGETS = LORA_PROJECTIONS  # the 7 projections: lora.targets' default in the config too
 
 
 @dataclass
