@@ -142,14 +142,29 @@ def test_null_message_keys_are_dropped(tokenizer, tmp_path, set_template):
     assert ds[0][0].tolist() == want
 
 
-def test_cache_entries_of_other_encoding_rules_are_not_reused(tokenizer, tmp_path, monkeypatch):
-    import chronicals.data.dataset as dsmod
+def test_cache_entries_of_other_encoding_code_are_not_reused(tokenizer, tmp_path, monkeypatch):
+    import chronicals.data.cache as cache_mod
 
     path = write_jsonl(tmp_path / "c.jsonl", [{"text": "abc"}])
     load_dataset(path, tokenizer, max_seq_len=64, cache_dir=tmp_path / "cache")
-    monkeypatch.setattr(dsmod, "ENCODING_RULES", dsmod.ENCODING_RULES - 1)
+    monkeypatch.setattr(cache_mod, "encoder_digest", lambda: "the code of another release")
     load_dataset(path, tokenizer, max_seq_len=64, cache_dir=tmp_path / "cache")
     assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+def test_the_encoder_digest_covers_the_masking_code(tmp_path):
+    from pathlib import Path
+
+    import chronicals.data.cache as cache_mod
+
+    here = Path(cache_mod.__file__).parent
+    assert {"tokenize.py", "formats.py"} <= set(cache_mod.ENCODER_FILES)  # where 3a2cf1f changed the masks
+    copies = [tmp_path / n for n in cache_mod.ENCODER_FILES]
+    for name, copy in zip(cache_mod.ENCODER_FILES, copies):
+        copy.write_bytes((here / name).read_bytes())
+    assert cache_mod.files_digest(copies) == cache_mod.encoder_digest()
+    copies[1].write_bytes(copies[1].read_bytes() + b"\n# edited\n")
+    assert cache_mod.files_digest(copies) != cache_mod.encoder_digest()
 
 
 def test_the_classic_alpaca_prompt_is_logged_once(tokenizer, tmp_path, set_template, caplog):

@@ -25,9 +25,6 @@ from .tokenize import check_tokenizer, encode, has_generation_markers
 log = logging.getLogger("chronicals.data")
 PARALLEL_THRESHOLD = 20_000  # records; below this, worker start-up (~1 s) costs more than it saves
 CHUNK = 1_000
-# in the cache key: bump when the same record and settings give other ids or masks (2: message keys such as
-# tool_calls reach the template, text that starts with '[' is text), so an older cache entry is not reused
-ENCODING_RULES = 2
 
 
 @dataclass
@@ -85,8 +82,8 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
         raise ValueError(f"max_seq_len={max_seq_len}; expected >= 2 (a document needs a token and a target)")
     check_tokenizer(tokenizer)
     files = resolve_files(paths)
-    settings = {"format": format, "max_seq_len": max_seq_len, "loss_on": loss_on, "overlong": overlong,
-                "rules": ENCODING_RULES}
+    # the cache key also holds a digest of the encoding code (cache.encoder_digest): other code, another entry
+    settings = {"format": format, "max_seq_len": max_seq_len, "loss_on": loss_on, "overlong": overlong}
     cache = None
     if cache_dir is not None:
         cache = cache_mod.cache_root(cache_dir) / cache_mod.cache_key(files, tokenizer, settings)
