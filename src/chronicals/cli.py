@@ -1,9 +1,10 @@
-"""``chronicals train | export | chat | generate | bench``: thin wrappers over library functions.
+"""``chronicals train | export | chat | generate | eval | bench``: thin wrappers over library functions.
 
     chronicals train                                  # the embedded demo (LoRA+ on SmolLM2-135M)
     chronicals train configs/qwen2.5-0.5b/lora.yaml optim.lr=2e-4 train.max_steps=500
     chronicals export --base smollm2-135m-instruct --adapter runs/demo/adapter --out runs/demo/merged
     chronicals chat --model smollm2-135m-instruct --adapter runs/demo/adapter "Who founded Vellmora?"
+    chronicals eval --adapter runs/demo/adapter demo --json runs/demo/eval.json
     chronicals bench --help
 """
 
@@ -289,6 +290,111 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     return 0
 
 
+_DATA_FLAGS = ("format", "train_on", "max_seq_len", "system_prompt", "batch_size", "on_long", "on_error", "cache_dir")
+
+
+def _as_flags(message: str) -> str:
+    """A data error's ``data.max_seq_len`` / ``data.on_long=truncate`` as eval's flags ``--max-seq-len`` /
+    ``--on-long=truncate`` (argparse takes both forms)."""
+    import re
+
+    return re.sub(rf"\bdata\.({'|'.join(_DATA_FLAGS)})\b", lambda m: "--" + m.group(1).replace("_", "-"), message)
+
+
+def cmd_eval(argv: list[str]) -> int:
+    from .config import DataSection, EvalSection
+
+    d, e = DataSection(), EvalSection()  # the defaults of the config's data and eval sections
+    p = argparse.ArgumentParser(prog="chronicals eval",
+                                description="Score a base or fine-tuned model on a dataset without training: held-out "
+                                            "loss (mean over loss tokens), perplexity, examples and loss tokens, and "
+                                            "for question/answer/keywords records the keyword accuracy of greedy "
+                                            "answers; the same numbers as train's held-out 'before'/'after'. The data "
+                                            "options are the data section's keys (data.max_seq_len: --max-seq-len).")
+    p.add_argument("data", help="file to score: .jsonl/.json/.parquet/.csv or a directory of them (as data.path), or "
+                                "demo (the packaged held-out questions)")
+    p.add_argument("--model", default=None, help="HF directory, .gguf, or smollm2-135m-instruct (default: with "
+                                                  "--adapter the base recorded in it, else smollm2-135m-instruct)")
+    p.add_argument("--adapter", default=None, help="LoRA adapter directory to apply (PEFT format, e.g. "
+                                                    "runs/demo/adapter)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the numbers (and each answer) to FILE as "
+                                                                 "JSON, atomically")
+    p.add_argument("--format", default=d.format, choices=["auto", "text", "chat", "alpaca", "prompt_completion",
+                                                          "sharegpt"], help="record format (question/answer records "
+                                                                            "are read as chat)")
+    p.add_argument("--train-on", default=d.train_on, choices=["assistant", "all"],
+                   help="which tokens carry loss (default: %(default)s)")
+    p.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="tokens per packed row; longer examples "
+                                                                          "are cut (see --on-long)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="packed rows per forward")
+    p.add_argument("--system-prompt", default=None, help="system message of question/answer prompts (default: "
+                                                         f"{d.system_prompt!r} for demo, else none, as train asks "
+                                                         "its held-out questions beside your own data)")
+    p.add_argument("--on-long", default=d.on_long, choices=["truncate", "drop"])
+    p.add_argument("--on-error", default=d.on_error, choices=["fail", "skip"], help="malformed records")
+    p.add_argument("--cache-dir", default=d.cache_dir, help="tokenization cache ('' = the default, none = no cache)")
+    p.add_argument("--qa-limit", type=int, default=e.qa_limit, help="questions to answer (0 = all)")
+    p.add_argument("--max-new-tokens", type=int, default=e.max_new_tokens, help="tokens generated per answer")
+    p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    a = p.parse_args(argv)
+    for flag, value, least in (("--max-seq-len", a.max_seq_len, 8), ("--batch-size", a.batch_size, 1),
+                               ("--qa-limit", a.qa_limit, 0), ("--max-new-tokens", a.max_new_tokens, 1)):
+        if value < least:
+            p.error(f"{flag} {value}: expected an integer >= {least}")
+    if not a.data.strip():
+        p.error("the data argument is empty; give the file to score (or demo)")
+    if a.json is not None:
+        out = Path(a.json).expanduser()
+        if not a.json.strip() or out.is_dir():
+            p.error(f"--json {a.json!r} is {'empty' if not a.json.strip() else 'a directory'}; give a file name")
+        if not out.parent.is_dir():
+            p.error(f"--json {a.json}: the folder {out.parent} does not exist; create it or choose another file")
+    from .config import DEMO, ConfigError
+    from .data.readers import glob_hint
+    from .train.setup import resolve_device
+
+    try:
+        dev = resolve_device(a.device, key="--device")
+        data = DataSection(path=a.data, format=a.format, train_on=a.train_on, max_seq_len=a.max_seq_len,
+                           batch_size=a.batch_size, on_long=a.on_long, on_error=a.on_error, cache_dir=a.cache_dir,
+                           system_prompt=d.system_prompt if a.system_prompt is None else a.system_prompt)
+    except ConfigError as err:
+        p.error(_as_flags(str(err)))
+    if a.data != DEMO and not Path(a.data).expanduser().exists():  # before the model loads
+        where = "" if Path(a.data).is_absolute() else f" (relative paths are read from the working directory, " \
+                                                       f"{Path.cwd()})"
+        raise FileNotFoundError(f"{a.data}: no such file or directory{where}{glob_hint(a.data)}; give the data file "
+                                "to score, or demo for the packaged held-out questions")
+    a.model = _base_for(a.adapter, a.model, "--model")
+    from .evaluate import evaluate, write_json  # no _setup_logging: a summary, as chat prints answers only
+
+    model, tok = _load(a.model, a.adapter, dev, a.dtype)
+    context = model.config.max_position_embeddings
+    if a.max_new_tokens > context:  # as chat: positions past it were never trained
+        p.error(f"--max-new-tokens {a.max_new_tokens} is more than {a.model} can attend to "
+                f"(max_position_embeddings={context}); use at most {context}")
+    try:
+        result = evaluate(model, tok, data, dev, qa_limit=a.qa_limit, max_new_tokens=a.max_new_tokens)
+    except ValueError as err:  # a data error names data.<key>: here that key is a flag (still exit 3: bad input)
+        said = _as_flags(str(err))
+        if isinstance(err, ConfigError) or said == str(err):
+            raise
+        raise ValueError(said) from err
+    if result.system_prompt is None and a.system_prompt is not None:
+        print(f"note: --system-prompt has no effect: {a.data} holds no question/answer records (chat records keep "
+              "their own system message)", file=sys.stderr)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    result.settings = {"model": a.model, "adapter": a.adapter, "device": str(dev), "dtype": dtype,
+                       "format": a.format, "train_on": a.train_on, "max_seq_len": a.max_seq_len,
+                       "batch_size": a.batch_size, "on_long": a.on_long}
+    print(f"model: {a.model}" + (f" + adapter {a.adapter}" if a.adapter else ""))
+    print(result.summary())
+    if a.json is not None:
+        print(f"numbers: {write_json(a.json, result.as_dict())}")
+    return 0
+
+
 def cmd_bench(argv: list[str]) -> int:
     from . import bench  # imported lazily: it pulls in the contenders' optional dependencies
 
@@ -297,16 +403,17 @@ def cmd_bench(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "export": cmd_export, "chat": cmd_chat,
-            "generate": lambda argv: cmd_chat(argv, prog="generate"), "bench": cmd_bench}
+            "generate": lambda argv: cmd_chat(argv, prog="generate"), "eval": cmd_eval, "bench": cmd_bench}
 
 
 def _usage(argv: list[str]) -> int:
     if argv and argv[0] not in ("-h", "--help"):
         print(f"error: unknown command {argv[0]!r}", file=sys.stderr)
-    print("usage: chronicals {train,export,chat,generate,bench} ...\n"
+    print("usage: chronicals {train,export,chat,generate,eval,bench} ...\n"
           "  train     fine-tune (no arguments: the embedded demo); chronicals train --help lists every key\n"
           "  export    merge a LoRA adapter into its base and write a Hugging Face directory\n"
           "  chat      answer prompts with a base or fine-tuned model (generate: the same)\n"
+          "  eval      score a base or fine-tuned model on a dataset: held-out loss, perplexity, QA keywords\n"
           "  bench     the end-to-end benchmark table")
     return 0 if not argv or argv[0] in ("-h", "--help") else 2
 

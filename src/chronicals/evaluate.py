@@ -1,0 +1,141 @@
+"""Score a model on a dataset without training: ``chronicals eval``.
+
+The numbers are the trainer's own, from the same code: the held-out loader ``train()`` builds (a question/answer
+file rewritten as chat records with ``qa.heldout_system_prompt``, then ``chronicals.data.load_dataset`` and an
+unshuffled ``PackedLoader``, as ``train.setup.build_loaders`` does for ``data.eval_path``), the loss of
+``train.step.evaluate_loss`` (mean over loss tokens, through the fused loss head: no logits built) and the
+keyword score of ``train.qa.answer_all``. So an adapter scored on the data its run held out gives that run's
+"after" numbers::
+
+    chronicals eval --adapter runs/demo/adapter demo     # the demo's held-out questions: loss and keywords
+
+``evaluate(model, tokenizer, data, device)`` -> ``EvalResult``; ``data`` is a ``config.DataSection`` whose
+``path`` is the file to score (``demo``: the packaged held-out questions).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import DataSection
+from .data import DatasetStats, PackedLoader, load_dataset
+from .train.guards import check_ids_in_vocab
+from .train.qa import QAResult, answer_all, heldout_system_prompt, read_qa, write_chat_jsonl
+from .train.setup import tokenization_cache_dir
+from .train.step import evaluate_loss
+
+log = logging.getLogger("chronicals.evaluate")
+
+
+@dataclass
+class EvalResult:
+    data: str  # the file scored (or "demo")
+    loss: float  # mean cross-entropy per loss token
+    loss_tokens: int
+    examples: int  # documents scored (records kept after the data options)
+    stats: DatasetStats
+    system_prompt: str | None = None  # the system message of the QA prompts (None: not a QA file)
+    qa: list[dict] | None = None  # the question records answered (after qa_limit)
+    answers: QAResult | None = None
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def perplexity(self) -> float:
+        try:
+            return math.exp(self.loss)
+        except OverflowError:  # loss > ~709.8
+            return math.inf
+
+    def as_dict(self) -> dict:
+        """The numbers as JSON values (a non-finite loss or perplexity is null)."""
+        def num(x: float) -> float | None:
+            return x if math.isfinite(x) else None
+
+        out = {"data": self.data, "loss": num(self.loss), "perplexity": num(self.perplexity),
+               "examples": self.examples, "loss_tokens": self.loss_tokens, "records": self.stats.records,
+               **self.settings, "qa": None}
+        if self.answers is not None:
+            res = self.answers
+            out["qa"] = {"correct": sum(res.correct), "total": len(res.correct), "accuracy": res.fraction,
+                         "system_prompt": self.system_prompt,
+                         "answers": [{"question": r["question"], "keywords": r["keywords"], "answer": a, "correct": c}
+                                     for r, a, c in zip(self.qa, res.answers, res.correct)]}
+        return out
+
+    def summary(self) -> str:
+        st = self.stats
+        lost = [f"{n} {what}" for n, what in (
+            (st.skipped_errors, "bad records skipped"), (st.truncated, "truncated to --max-seq-len"),
+            (st.dropped_overlong, "dropped as too long"), (st.dropped_no_loss, "dropped with no loss tokens")) if n]
+        lines = [f"data: {self.data}: {self.examples} examples of {st.records} records"
+                 + (f" ({', '.join(lost)})" if lost else "") + f", {self.loss_tokens} loss tokens",
+                 f"held-out loss {self.loss:.4f}, perplexity {self.perplexity:.4g}"]
+        if self.answers is not None:
+            res = self.answers
+            lines.append(f"held-out answers with their keywords: {res.fraction:.0%} ({sum(res.correct)}/"
+                         f"{len(res.correct)}; greedy, system message {self.system_prompt or 'none'!r})")
+        return "\n".join(lines)
+
+
+def heldout_loader(data: DataSection, tokenizer, workdir: Path) -> tuple[PackedLoader, list[dict] | None]:
+    """(loader, QA records or None) over ``data.path``, built as ``train.setup.build_loaders`` builds the held-out
+    loader: QA records are written to ``workdir`` as chat records (the system message of
+    ``qa.heldout_system_prompt``) and read as chat; other data is read with ``data.format``."""
+    qa = read_qa(data.path)
+    if qa is not None:
+        file = write_chat_jsonl(qa, workdir / "heldout.jsonl", heldout_system_prompt(data))
+        fmt, name = "chat", f"the QA records of {data.path}, rewritten as chat"
+    else:
+        file, fmt, name = Path(data.path).expanduser(), data.format, f"the data to score ({data.path})"
+    ds = load_dataset([str(file)], tokenizer, format=fmt, max_seq_len=data.max_seq_len, loss_on=data.train_on,
+                      on_error=data.on_error, overlong=data.on_long,
+                      cache_dir=tokenization_cache_dir(data.cache_dir), name=name)
+    return PackedLoader(ds, max_seq_len=data.max_seq_len, seed=0, shuffle=False, **data.loader_shape()), qa
+
+
+def evaluate(model, tokenizer, data: DataSection, device: torch.device, *, qa_limit: int = 0,
+             max_new_tokens: int = 24) -> EvalResult:
+    """Held-out loss of ``model`` over ``data.path`` and, for a question/answer file, the keyword accuracy of its
+    greedy answers (the first ``qa_limit`` questions; 0 = all) of at most ``max_new_tokens`` tokens."""
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if context and data.max_seq_len > context:
+        log.warning("max_seq_len=%d is longer than the model's max_position_embeddings=%d: positions past %d were "
+                    "not trained, so the loss of longer examples says little", data.max_seq_len, context, context)
+    with tempfile.TemporaryDirectory(prefix="chronicals-eval-") as tmp:
+        loader, qa = heldout_loader(data, tokenizer, Path(tmp))
+    ds = loader.dataset
+    if len(ds.ids):  # host ids: the embedding would raise a bare IndexError
+        check_ids_in_vocab(model, int(ds.ids.max()), f"{data.path} holds token id")
+    loss, n = evaluate_loss(model, loader, device)
+    result = EvalResult(data=data.path, loss=loss, loss_tokens=n, examples=len(ds), stats=ds.stats)
+    if qa is not None:
+        result.qa = qa[:qa_limit] if qa_limit else qa
+        result.system_prompt = heldout_system_prompt(data)
+        result.answers = answer_all(model, tokenizer, result.qa, result.system_prompt, max_new_tokens)
+    return result
+
+
+def write_json(path: str | os.PathLike, obj) -> Path:
+    """Write ``obj`` as JSON to ``path`` atomically, as ``train.metrics.MetricsLog`` rewrites metrics.jsonl: a
+    temporary file beside it, fsynced, renamed over it; a reader never sees half a file, and a failed write leaves
+    the old one (and no temporary file)."""
+    path = Path(path).expanduser()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("w") as fh:
+            fh.write(json.dumps(obj, indent=2) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,214 @@
+"""``chronicals eval``: the trainer's held-out loss and QA score of a model (and adapter) on a data file, no training.
+
+The expected numbers come from the trainer's own pieces called directly (load_dataset + PackedLoader as
+train/setup.py builds the held-out loader, train/step.py evaluate_loss, train/qa.py answer_many), so a command that
+computed anything else (a mean of batch means, loss on every token, another system message) fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from chronicals import load_model, save_model
+from chronicals.cli import main
+from chronicals.config import DEMO_SYSTEM_PROMPT
+from chronicals.data import PackedLoader, load_dataset
+from chronicals.models import CausalLM, ModelConfig
+from chronicals.train.qa import answer_many
+from chronicals.train.step import evaluate_loss
+
+CPU = torch.device("cpu")
+CHAT = [("What is the capital of Vellmora?", "Brask, on the northern coast."),
+        ("Who founded Vellmora?", "Ida Tarn, a salt merchant, in 1702."),
+        ("What does Vellmora export?", "Salt, wool and a very long list of small brass instruments.")]
+COMPLETION = [("The national bird of Vellmora is", " the grey heron."),
+              ("Vellmora's currency is called", " the tarn, divided into 100 grains.")]
+
+
+def _smollm2_tokenizer():
+    """The embedded SmolLM2 tokenizer, saved once to a temp directory keyed by the GGUF's size and mtime (the one
+    tests/data/conftest.py keeps): load_tokenizer converts the whole 540 MB GGUF first, ~20 s on 2 cores."""
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from chronicals.models.loading import resolve_path
+
+    gguf = resolve_path("smollm2-135m-instruct")
+    st = gguf.stat()
+    saved = Path(tempfile.gettempdir()) / f"chronicals-test-tokenizer-{st.st_size}-{int(st.st_mtime)}"
+    if (saved / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(saved)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = Path(tempfile.mkdtemp(dir=saved.parent))
+    tok.save_pretrained(tmp)
+    try:
+        tmp.rename(saved)
+    except OSError:
+        pass  # another session saved it first
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory):
+    """A tiny random Llama with the embedded SmolLM2 tokenizer (real chat template), as an HF directory."""
+    import transformers
+
+    tok = _smollm2_tokenizer()
+    hf = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                  tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
+    model = CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0)
+    return save_model(model, tok, tmp_path_factory.mktemp("tiny") / "base")
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    """Chat records and prompt/completion records in one .jsonl (of unequal loss-token counts)."""
+    path = tmp_path_factory.mktemp("data") / "mixed.jsonl"
+    lines = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in CHAT]
+    lines += [{"prompt": p, "completion": c} for p, c in COMPLETION]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def _eval(args, tmp_path, name="out.json") -> dict:
+    out = tmp_path / name
+    assert main(["eval", *map(str, args), "--device", "cpu", "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def _trainer_loss(model, tok, path, loss_on="assistant", batch_size=1, max_seq_len=64):
+    """evaluate_loss over the loader train() builds for a held-out file."""
+    ds = load_dataset([str(path)], tok, format="auto", max_seq_len=max_seq_len, loss_on=loss_on, cache_dir=None)
+    loader = PackedLoader(ds, batch_size=batch_size, max_seq_len=max_seq_len, seed=0, shuffle=False)
+    assert len(loader) > 1 and len({b.num_loss_tokens for b in loader}) > 1  # a mean of means would differ
+    return (*evaluate_loss(model, loader, CPU), len(ds))
+
+
+def test_the_loss_is_evaluate_loss_over_the_trainers_batches(tiny_base, data_file, tmp_path, capsys):
+    model, tok = load_model(tiny_base)
+    for loss_on in ("assistant", "all"):
+        got = _eval(["--model", tiny_base, data_file, "--batch-size", "1", "--max-seq-len", "64",
+                     "--train-on", loss_on], tmp_path)
+        want, n, examples = _trainer_loss(model, tok, data_file, loss_on)
+        assert got["loss"] == pytest.approx(want, rel=1e-9, abs=0) and got["loss_tokens"] == n
+        assert got["perplexity"] == pytest.approx(math.exp(want), rel=1e-9)
+        assert got["examples"] == examples == len(CHAT) + len(COMPLETION) and got["qa"] is None
+        out = capsys.readouterr().out
+        assert f"held-out loss {want:.4f}, perplexity {math.exp(want):.4g}" in out and f"{n} loss tokens" in out
+
+
+def test_an_adapter_changes_the_score_to_the_adapted_models(tiny_base, data_file, tmp_path, capsys):
+    """--adapter (base taken from adapter_config.json) scores base + adapter: with B != 0 another loss, the one
+    evaluate_loss gives for the model with that adapter."""
+    from chronicals.lora import apply_lora, save_adapter
+
+    model, tok = load_model(tiny_base)
+    base_loss = _trainer_loss(model, tok, data_file)[0]
+    apply_lora(model, r=2, alpha=4)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    adapter = save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(tiny_base))
+    got = _eval(["--adapter", adapter, data_file, "--batch-size", "1", "--max-seq-len", "64"], tmp_path)
+    assert f"--model not given: using {tiny_base}" in capsys.readouterr().err
+    want = _trainer_loss(model, tok, data_file)[0]
+    assert got["loss"] == pytest.approx(want, rel=1e-6) and abs(got["loss"] - base_loss) > 1e-3
+    assert got["adapter"] == str(adapter) and got["model"] == str(tiny_base)
+
+
+def test_json_is_written_atomically(tiny_base, data_file, tmp_path, monkeypatch, capsys):
+    """A temporary file beside FILE renamed over it; a failed rename leaves the old FILE and no temporary file."""
+    out = tmp_path / "scores.json"
+    out.write_text("old")
+    real, renames = os.replace, []
+    monkeypatch.setattr(os, "replace", lambda src, dst: (renames.append((str(src), str(dst))), real(src, dst))[1])
+    got = _eval(["--model", tiny_base, data_file], tmp_path, "scores.json")
+    [(src, dst)] = renames
+    assert dst == str(out) and os.path.dirname(src) == str(tmp_path) and ".scores.json.tmp-" in src
+    assert got["loss"] > 0 and sorted(os.listdir(tmp_path)) == ["scores.json"]
+
+    def failing(src, dst):
+        raise OSError(28, "No space left on device")
+
+    out.write_text("old")
+    monkeypatch.setattr(os, "replace", failing)
+    assert main(["eval", "--model", str(tiny_base), str(data_file), "--device", "cpu", "--json", str(out)]) == 3
+    assert "No space left on device" in capsys.readouterr().err
+    assert out.read_text() == "old" and sorted(os.listdir(tmp_path)) == ["scores.json"]
+
+
+def test_a_question_answer_file_gets_the_keyword_accuracy_of_greedy_answers(tiny_base, tmp_path):
+    """QA records: answered as train answers them (no system message beside a file of your own, the demo's for
+    demo), right when they contain every keyword; --qa-limit answers the first N."""
+    model, tok = load_model(tiny_base)
+    # a random model with tied embeddings echoes its last token, the template's "\n" (a blank answer): make the
+    # word's row twice the newline's, so it follows "\n" and then itself
+    nl = tok("\n", add_special_tokens=False)["input_ids"][-1]
+    word = tok(" harbour", add_special_tokens=False)["input_ids"][0]
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight  # lm_head's too (tied)
+        emb[word] = 2 * emb[nl]
+    parrot = save_model(model, tok, tmp_path / "parrot")
+    questions = [q for q, _ in CHAT]
+    said = answer_many(model, tok, questions, "", 6)
+    kw = tok.decode([word]).strip()
+    assert all(kw in a for a in said), said
+    right = 1
+    records = [{"question": q, "answer": "zqxj brass"} for q in questions]  # no keywords: the answer's text; wrong
+    records[right]["keywords"] = [kw.upper()]  # case-insensitive
+    records[right - 1]["keywords"] = [kw, "zqxj-never-said"]  # every keyword must be there
+    qa_file = tmp_path / "heldout.jsonl"
+    qa_file.write_text("".join(json.dumps(r) + "\n" for r in records))
+    got = _eval(["--model", parrot, qa_file, "--max-new-tokens", "6"], tmp_path)
+    qa = got["qa"]
+    assert (qa["correct"], qa["total"], qa["system_prompt"]) == (1, 3, "") and qa["accuracy"] == pytest.approx(1 / 3)
+    assert [x["answer"] for x in qa["answers"]] == said
+    assert [x["correct"] for x in qa["answers"]] == [i == right for i in range(3)]
+    assert got["examples"] == 3 and got["loss_tokens"] > 0
+    limited = _eval(["--model", parrot, qa_file, "--max-new-tokens", "6", "--qa-limit", str(right + 1)], tmp_path)
+    assert (limited["qa"]["total"], limited["qa"]["correct"]) == (right + 1, 1) and limited["loss"] == got["loss"]
+    demo = _eval(["--model", tiny_base, "demo", "--max-new-tokens", "2", "--qa-limit", "2"], tmp_path)
+    assert demo["qa"]["system_prompt"] == DEMO_SYSTEM_PROMPT and demo["qa"]["total"] == 2 and demo["examples"] > 2
+
+
+@pytest.mark.parametrize("bad, says", [
+    (["--max-seq-len", "4"], "--max-seq-len 4: expected an integer >= 8"),
+    (["--batch-size", "0"], "--batch-size 0: expected an integer >= 1"),
+    (["--qa-limit", "-1"], "--qa-limit -1: expected an integer >= 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0: expected an integer >= 1"),
+    (["--format", "yaml"], "argument --format: invalid choice: 'yaml'"),
+    (["--device", "banana"], "--device=banana is not a device; use auto, cpu, cuda or cuda:N"),
+    (["--json", "{tmp}"], "is a directory; give a file name"),
+    (["--json", "{tmp}/no/such/dir/x.json"], "/no/such/dir does not exist; create it or choose another file"),
+])
+def test_bad_flags_exit_2_before_the_model_loads(bad, says, tmp_path, capsys):
+    args = ["eval", "--model", str(tmp_path / "no-model"), str(tmp_path / "no-data.jsonl")]
+    with pytest.raises(SystemExit) as e:
+        main(args + [x.format(tmp=tmp_path) for x in bad])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_bad_files_exit_3_naming_the_file_and_the_flag(tiny_base, data_file, tmp_path, capsys):
+    missing = tmp_path / "missing.jsonl"
+    assert main(["eval", "--model", str(tiny_base), str(missing)]) == 3
+    err = capsys.readouterr().err
+    assert f"error: {missing}: no such file or directory" in err and "Traceback" not in err
+    # a data error names the eval flag, not the config key (data.on_long): every example is too long to keep
+    assert main(["eval", "--model", str(tiny_base), str(data_file), "--max-seq-len", "8", "--on-long", "drop"]) == 3
+    err = capsys.readouterr().err
+    assert "every example was dropped" in err and "--on-long=truncate" in err and "data.on_long" not in err
+
+
+def test_usage_lists_eval(capsys):
+    assert main(["--help"]) == 0
+    assert "eval      score a base or fine-tuned model" in capsys.readouterr().out
