@@ -89,6 +89,28 @@ def test_matches_separate_modules(tiny_hf_config, family, dtype):
         torch.testing.assert_close(g, want_grads[name], **TOL[dtype], msg=name)
 
 
+def test_without_gradients_the_weights_are_not_concatenated(tiny_hf_config, monkeypatch):
+    """Evaluation and generation run the modules separately: the joint GEMM only pays in backward, and its
+    concatenation copied the q/k/v and gate/up weights at every generated token. Same outputs either way."""
+    model, attn, mlp = _model(tiny_hf_config, "qwen2")
+    x = _x(attn.q_proj.in_features, torch.float32).detach()
+    cats = []
+    real_cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda ts, *a, **k: cats.append(len(ts)) or real_cat(ts, *a, **k))
+    with torch.no_grad():
+        q, k, v = qkv_proj(attn, x)
+        assert gate_up_proj(mlp, x) is None  # the MLP calls gate_proj and up_proj itself
+        want = _separate(attn, mlp, x)
+    assert cats == [2]  # _separate's own cat of gate and up; no weight was concatenated
+    assert q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()  # three GEMMs ran
+    for a, b in zip((q, k, v), want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with torch.no_grad():
+        logits_eval = model(x.new_zeros(1, 4, dtype=torch.long) + 3)
+    logits_grad = model(x.new_zeros(1, 4, dtype=torch.long) + 3)
+    torch.testing.assert_close(logits_eval, logits_grad.detach(), **TOL[torch.float32])
+
+
 def test_lora_and_other_modules_take_the_separate_path(tiny_hf_config):
     model, attn, mlp = _model(tiny_hf_config, "qwen2")
     apply_lora(model, r=2, alpha=4, target_modules=("q_proj", "gate_proj"))
