@@ -21,6 +21,7 @@ from chronicals.data import PackedLoader, load_dataset
 from chronicals.models import CausalLM, ModelConfig
 from chronicals.train.qa import answer_many
 from chronicals.train.step import evaluate_loss
+from smollm2_tokenizer import smollm2_tokenizer
 
 CPU = torch.device("cpu")
 CHAT = [("What is the capital of Vellmora?", "Brask, on the northern coast."),
@@ -30,37 +31,12 @@ COMPLETION = [("The national bird of Vellmora is", " the grey heron."),
               ("Vellmora's currency is called", " the tarn, divided into 100 grains.")]
 
 
-def _smollm2_tokenizer():
-    """The embedded SmolLM2 tokenizer, saved once to a temp directory keyed by the GGUF's size and mtime (the one
-    tests/data/conftest.py keeps): load_tokenizer converts the whole 540 MB GGUF first, ~20 s on 2 cores."""
-    import tempfile
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    from chronicals.models.loading import resolve_path
-
-    gguf = resolve_path("smollm2-135m-instruct")
-    st = gguf.stat()
-    saved = Path(tempfile.gettempdir()) / f"chronicals-test-tokenizer-{st.st_size}-{int(st.st_mtime)}"
-    if (saved / "tokenizer_config.json").exists():
-        return AutoTokenizer.from_pretrained(saved)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tmp = Path(tempfile.mkdtemp(dir=saved.parent))
-    tok.save_pretrained(tmp)
-    try:
-        tmp.rename(saved)
-    except OSError:
-        pass  # another session saved it first
-    return tok
-
-
 @pytest.fixture(scope="module")
 def tiny_base(tmp_path_factory):
     """A tiny random Llama with the embedded SmolLM2 tokenizer (real chat template), as an HF directory."""
     import transformers
 
-    tok = _smollm2_tokenizer()
+    tok = smollm2_tokenizer()
     hf = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                   tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
