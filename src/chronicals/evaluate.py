@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 from .config import DataSection
-from .data import DatasetStats, PackedLoader, load_dataset
+from .data import DatasetStats, PackedLoader
 from .train.guards import check_ids_in_vocab
 from .train.qa import QAResult, answer_all, heldout_system_prompt, read_qa, write_chat_jsonl
-from .train.setup import tokenization_cache_dir
+from .train.setup import heldout_loader as setup_heldout_loader
 from .train.step import evaluate_loss
 
 log = logging.getLogger("chronicals.evaluate")
@@ -86,19 +86,16 @@ class EvalResult:
 
 
 def heldout_loader(data: DataSection, tokenizer, workdir: Path) -> tuple[PackedLoader, list[dict] | None]:
-    """(loader, QA records or None) over ``data.path``, built as ``train.setup.build_loaders`` builds the held-out
-    loader: QA records are written to ``workdir`` as chat records (the system message of
-    ``qa.heldout_system_prompt``) and read as chat; other data is read with ``data.format``."""
+    """(loader, QA records or None) over ``data.path``, as ``train()`` builds its held-out loader: QA records are
+    written to ``workdir`` as chat records (the system message of ``qa.heldout_system_prompt``) and read as chat;
+    other data is read with ``data.format`` (``train.setup.heldout_loader`` for both)."""
     qa = read_qa(data.path)
     if qa is not None:
         file = write_chat_jsonl(qa, workdir / "heldout.jsonl", heldout_system_prompt(data))
-        fmt, name = "chat", f"the QA records of {data.path}, rewritten as chat"
+        name = f"the QA records of {data.path}, rewritten as chat"
     else:
-        file, fmt, name = Path(data.path).expanduser(), data.format, f"the data to score ({data.path})"
-    ds = load_dataset([str(file)], tokenizer, format=fmt, max_seq_len=data.max_seq_len, loss_on=data.train_on,
-                      on_error=data.on_error, overlong=data.on_long,
-                      cache_dir=tokenization_cache_dir(data.cache_dir), name=name)
-    return PackedLoader(ds, max_seq_len=data.max_seq_len, seed=0, shuffle=False, **data.loader_shape()), qa
+        file, name = Path(data.path).expanduser(), f"the data to score ({data.path})"
+    return setup_heldout_loader(data, tokenizer, file, qa is not None, name), qa
 
 
 def evaluate(model, tokenizer, data: DataSection, device: torch.device, *, qa_limit: int = 0,

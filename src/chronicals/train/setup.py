@@ -170,7 +170,7 @@ def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path, rank: int = 0, wor
     Data parallelism: the train loader yields this rank's share of the batches (``rank``, ``world_size``);
     the eval loader yields all of them on every rank (each rank evaluates the whole held-out set).
     """
-    from ..data import DataError, PackedLoader, load_dataset
+    from ..data import PackedLoader, load_dataset
 
     d = cfg.data
     train_files, eval_file, heldout_qa = data_files(cfg, out_dir)
@@ -191,14 +191,23 @@ def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path, rank: int = 0, wor
                  world_size - train_loader.empty_batches, world_size)
     eval_loader = None
     if eval_file is not None:
-        if heldout_qa is not None:  # rewritten as chat records: the training data's format does not apply
-            kw["format"] = "chat"
-            name = f"the held-out set (the QA records of {d.eval_path}, rewritten as chat)"
-        else:
-            name = "the held-out set"
-        try:
-            eds = load_dataset([str(eval_file)], tokenizer, **kw, name=name)
-        except DataError as e:  # say it is the held-out data; record errors name only a file and line
-            raise DataError(str(e) if name in str(e) else f"{name}: {e}") from None
-        eval_loader = PackedLoader(eds, max_seq_len=d.max_seq_len, seed=0, shuffle=False, **shape)
+        name = (f"the held-out set (the QA records of {d.eval_path}, rewritten as chat)" if heldout_qa is not None
+                else "the held-out set")
+        eval_loader = heldout_loader(d, tokenizer, eval_file, heldout_qa is not None, name, shape)
     return train_loader, eval_loader, heldout_qa
+
+
+def heldout_loader(d, tokenizer, file: Path, from_qa: bool, name: str, shape: dict | None = None):
+    """An unshuffled loader over every batch of ``file`` (the held-out set: the trainer's, ``chronicals eval``'s),
+    read with ``d`` (a DataSection); as chat when it holds QA records rewritten by ``qa.write_chat_jsonl`` (the
+    training data's format does not apply then). ``name`` prefixes its errors; shape: ``d.loader_shape()``."""
+    from ..data import DataError, PackedLoader, load_dataset
+
+    try:
+        ds = load_dataset([str(file)], tokenizer, format="chat" if from_qa else d.format, max_seq_len=d.max_seq_len,
+                          loss_on=d.train_on, on_error=d.on_error, overlong=d.on_long,
+                          cache_dir=tokenization_cache_dir(d.cache_dir), name=name)
+    except DataError as e:  # say which data it is; record errors name only a file and line
+        raise DataError(str(e) if name in str(e) else f"{name}: {e}") from None
+    return PackedLoader(ds, max_seq_len=d.max_seq_len, seed=0, shuffle=False,
+                        **(shape if shape is not None else d.loader_shape()))
