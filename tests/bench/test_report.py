@@ -64,3 +64,11 @@ def test_write_report_keeps_a_dotted_shape_name(tmp_path):
     assert paths["json"].name == "bench_e2e_0.5b_NVIDIA-H200_2026-11-30.json"
     assert paths["md"].name == "bench_e2e_0.5b_NVIDIA-H200_2026-11-30.md"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths.values())
+
+
+def test_a_graphed_row_says_what_its_peak_counts():
+    from chronicals.bench.report import table_markdown
+
+    plain = table_markdown({"title": "t", "rows_data": [finish_row(_ok_row(), 775.0)]}, 775.0)
+    graphed = table_markdown({"title": "t", "rows_data": [finish_row(_ok_row(graph_pool_gib=11.4), 775.0)]}, 775.0)
+    assert "graph's memory pool" not in plain and "graph's memory pool plus all the pool reserves" in graphed

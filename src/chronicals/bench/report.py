@@ -88,6 +88,10 @@ def table_markdown(table: dict, peak_tflops: float | None) -> str:
         basis = "6 x matmul params + attention" if m == "full" else \
             "4 x matmul params + attention: frozen weights have no weight-gradient GEMM"
         lines.append(f"- {m}: {fpts[m] / 1e9:.3g} GFLOP per token ({basis}){lim}")
+    if any(r.get("graph_pool_gib") for r in rows):
+        lines.append("- peak GiB: the most allocated; for a CUDA-graph row at least what is allocated outside the "
+                     "graph's memory pool plus all the pool reserves (a replay allocates nothing; the pool's size is "
+                     "graph_pool_gib in the JSON)")
     lines += ["", markdown_table(rows)]
     return "\n".join(lines)
 
