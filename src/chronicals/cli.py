@@ -295,9 +295,10 @@ _DATA_FLAGS = ("format", "train_on", "max_seq_len", "system_prompt", "batch_size
 
 def _as_flags(message: str) -> str:
     """A data error's ``data.max_seq_len`` / ``data.on_long=truncate`` as eval's flags ``--max-seq-len`` /
-    ``--on-long=truncate`` (argparse takes both forms)."""
+    ``--on-long=truncate`` (argparse takes both forms), and ``data.eval_path`` / ``data.path`` as its DATA argument."""
     import re
 
+    message = re.sub(r"\bdata\.(eval_)?path\b", "the DATA argument", message)
     return re.sub(rf"\bdata\.({'|'.join(_DATA_FLAGS)})\b", lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 
@@ -367,13 +368,27 @@ def cmd_eval(argv: list[str]) -> int:
         raise FileNotFoundError(f"{a.data}: no such file or directory{where}{glob_hint(a.data)}; give the data file "
                                 "to score, or demo for the packaged held-out questions")
     a.model = _base_for(a.adapter, a.model, "--model")
+    if a.json is not None:  # before the load and scoring, not when the numbers are written
+        out = Path(a.json).expanduser().resolve()
+        for name, given in (("DATA", a.data), ("--model", a.model), ("--adapter", a.adapter)):
+            target = given and Path(given).expanduser().exists() and Path(given).expanduser().resolve()
+            if target and (out == target or target in out.parents):
+                p.error(f"--json {a.json} would {'overwrite' if out == target else 'write into'} {name} {given}; "
+                        "choose a file outside it")
+        import tempfile
+
+        try:  # a read-only folder, /proc: said now, not after minutes of scoring
+            tempfile.TemporaryFile(dir=out.parent).close()
+        except OSError as err:
+            p.error(f"--json {a.json}: cannot write in {out.parent} ({err.strerror or err}); choose another file")
     from .evaluate import evaluate, write_json  # no _setup_logging: a summary, as chat prints answers only
 
     model, tok = _load(a.model, a.adapter, dev, a.dtype)
     context = model.config.max_position_embeddings
-    if a.max_new_tokens > context:  # as chat: positions past it were never trained
-        p.error(f"--max-new-tokens {a.max_new_tokens} is more than {a.model} can attend to "
-                f"(max_position_embeddings={context}); use at most {context}")
+    for flag, value in (("--max-seq-len", a.max_seq_len), ("--max-new-tokens", a.max_new_tokens)):
+        if value > context:  # as chat: positions past it were never trained (and a row costs max_seq_len^2 memory)
+            p.error(f"{flag} {value} is more than {a.model} can attend to (max_position_embeddings={context}); "
+                    f"use at most {context}")
     try:
         result = evaluate(model, tok, data, dev, qa_limit=a.qa_limit, max_new_tokens=a.max_new_tokens)
     except ValueError as err:  # a data error names data.<key>: here that key is a flag (still exit 3: bad input)
@@ -391,7 +406,12 @@ def cmd_eval(argv: list[str]) -> int:
     print(f"model: {a.model}" + (f" + adapter {a.adapter}" if a.adapter else ""))
     print(result.summary())
     if a.json is not None:
-        print(f"numbers: {write_json(a.json, result.as_dict())}")
+        try:
+            written = write_json(a.json, result.as_dict())
+        except OSError as err:
+            raise OSError(f"--json {a.json}: cannot write it ({err.strerror or err}); the numbers are printed "
+                          "above") from err
+        print(f"numbers: {written}")
     return 0
 
 

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from .config import DataSection
-from .data import DatasetStats, PackedLoader
+from .data import DataError, DatasetStats, PackedLoader
+from .models import require_chat_template
 from .train.guards import check_ids_in_vocab
 from .train.qa import QAResult, answer_all, heldout_system_prompt, read_qa, write_chat_jsonl
 from .train.setup import heldout_loader as setup_heldout_loader
@@ -90,12 +91,15 @@ def heldout_loader(data: DataSection, tokenizer, workdir: Path) -> tuple[PackedL
     written to ``workdir`` as chat records (the system message of ``qa.heldout_system_prompt``) and read as chat;
     other data is read with ``data.format`` (``train.setup.heldout_loader`` for both)."""
     qa = read_qa(data.path)
-    if qa is not None:
-        file = write_chat_jsonl(qa, workdir / "heldout.jsonl", heldout_system_prompt(data))
-        name = f"the QA records of {data.path}, rewritten as chat"
-    else:
-        file, name = Path(data.path).expanduser(), f"the data to score ({data.path})"
-    return setup_heldout_loader(data, tokenizer, file, qa is not None, name), qa
+    if qa is None:  # load_dataset's messages name the files after it: "the data to score (x.jsonl)"
+        return setup_heldout_loader(data, tokenizer, Path(data.path).expanduser(), False, "the data to score"), qa
+    require_chat_template(tokenizer)  # as chat does: not "chat data needs a template" once per record
+    file = write_chat_jsonl(qa, workdir / "heldout.jsonl", heldout_system_prompt(data))
+    name = f"the QA records of {data.path}, rewritten as chat"
+    try:
+        return setup_heldout_loader(data, tokenizer, file, True, name), qa
+    except DataError as e:  # "record 3", not the rewritten file's path: it is deleted before the message is read
+        raise DataError(str(e).replace(f" ({file})", "").replace(f"{file}:", "record ")) from None
 
 
 def evaluate(model, tokenizer, data: DataSection, device: torch.device, *, qa_limit: int = 0,

@@ -1,0 +1,123 @@
+"""``chronicals eval`` given the mistakes a new user makes: each is one ``error:`` line naming the flag or file and
+the fix, exit 2 (a bad flag or value) or 3 (a bad file), before the model loads where it can be, and no output left
+behind (above all, no input overwritten).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from chronicals import load_model, save_model
+from chronicals.cli import main
+from test_cli_eval import data_file, tiny_base  # noqa: F401 (fixtures)
+
+QA = [{"question": "Who founded Vellmora in the year of the salt?", "answer": "Ida Tarn, a salt merchant, in 1702."}]
+
+
+@pytest.fixture
+def qa_file(tmp_path):
+    path = tmp_path / "heldout.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in QA))
+    return path
+
+
+def _exit2(args, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(["eval", *map(str, args), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    return err
+
+
+@pytest.mark.parametrize("where", ["data", "model"])
+def test_json_never_overwrites_the_data_or_the_model(where, tiny_base, data_file, capsys):
+    """--json naming the data file (or a file of the model directory) was written over it after scoring."""
+    data_before, config_before = data_file.read_bytes(), (tiny_base / "config.json").read_bytes()
+    out = data_file if where == "data" else tiny_base / "config.json"
+    err = _exit2(["--model", tiny_base, data_file, "--json", out], capsys)
+    assert f"--json {out} would " in err and "choose a file outside it" in err
+    assert data_file.read_bytes() == data_before and (tiny_base / "config.json").read_bytes() == config_before
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc, a folder no one can create a file in")
+def test_json_in_a_folder_that_cannot_be_written_exits_2_before_the_model_loads(tmp_path, data_file, capsys):
+    err = _exit2(["--model", tmp_path / "no-model", data_file, "--json", "/proc/scores.json"], capsys)
+    assert "--json /proc/scores.json: cannot write in /proc" in err
+
+
+def test_a_failed_json_write_names_the_flag(tiny_base, data_file, tmp_path, monkeypatch, capsys):
+    def full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    out = tmp_path / "scores.json"
+    assert main(["eval", "--model", str(tiny_base), str(data_file), "--device", "cpu", "--json", str(out)]) == 3
+    err = capsys.readouterr().err
+    assert f"error: --json {out}: cannot write it (No space left on device)" in err and "Traceback" not in err
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("length", [4096, 10**20])
+def test_max_seq_len_past_the_models_context_exits_2(length, tiny_base, data_file, capsys):
+    """As chat's --max-new-tokens. It was a warning: rows of 10**5 tokens were killed for memory on a CPU (the
+    torch attention's mask is S x S), 10**20 was an OverflowError in the packer (exit 4, a traceback)."""
+    err = _exit2(["--model", tiny_base, data_file, "--max-seq-len", length], capsys)
+    assert f"--max-seq-len {length} is more than {tiny_base} can attend to (max_position_embeddings=512)" in err
+
+
+def test_data_errors_name_the_data_once(tmp_path, tiny_base, capsys):
+    """"in the data to score (x.jsonl) (x.jsonl)": the name and load_dataset both added the file."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"foo": 1}\nnot json\n')
+    assert main(["eval", "--model", str(tiny_base), str(bad), "--on-error", "skip"]) == 3
+    err = capsys.readouterr().err
+    assert f"every record in the data to score ({bad}) is bad (2 skipped)" in err and f"({bad}) ({bad})" not in err
+
+
+def test_qa_errors_name_the_qa_file_not_a_deleted_temporary_one(qa_file, tiny_base, capsys):
+    assert main(["eval", "--model", str(tiny_base), str(qa_file), "--max-seq-len", "8", "--on-long", "drop"]) == 3
+    err = capsys.readouterr().err
+    assert f"in the QA records of {qa_file}, rewritten as chat\n" in err and "chronicals-eval-" not in err
+
+
+def test_qa_file_on_a_model_without_a_chat_template_says_so_once(qa_file, tiny_base, tmp_path, capsys):
+    """Was "<temp dir>/heldout.jsonl:1: chat data needs a tokenizer with a chat template ... (--on-error=skip ...
+    drops bad records)"; now chat's message, naming the model."""
+    model, tok = load_model(tiny_base)
+    tok.chat_template = None
+    plain = save_model(model, tok, tmp_path / "plain")
+    assert main(["eval", "--model", str(plain), str(qa_file), "--json", str(tmp_path / "x.json")]) == 3
+    err = capsys.readouterr().err
+    assert f"error: {plain}: the tokenizer has no chat template" in err and "chronicals-eval-" not in err
+    assert "on-error" not in err and not (tmp_path / "x.json").exists()
+
+
+def test_a_qa_csv_is_told_to_be_given_as_data_not_data_eval_path(tmp_path, tiny_base, capsys):
+    qa_csv = tmp_path / "qa.csv"
+    qa_csv.write_text("question,answer\nWho?,Ida\n")
+    assert main(["eval", "--model", str(tiny_base), str(qa_csv)]) == 3
+    err = capsys.readouterr().err
+    assert "set the DATA argument to it" in err and "data.eval_path" not in err
+
+
+def test_ctrl_c_while_scoring_leaves_no_json(tiny_base, data_file, tmp_path, monkeypatch, capsys):
+    """A guard (it held before): SIGINT during the forward passes exits 130 with nothing written."""
+    import tempfile
+
+    import chronicals.evaluate
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where evaluate() rewrites QA records
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(chronicals.evaluate, "evaluate_loss", interrupted)
+    out = tmp_path / "scores.json"
+    assert main(["eval", "--model", str(tiny_base), str(data_file), "--device", "cpu", "--json", str(out)]) == 130
+    assert os.listdir(tmp_path) == ["tmp"] and os.listdir(tmp_path / "tmp") == []
+    assert "interrupted (SIGINT)" in capsys.readouterr().err
