@@ -26,6 +26,9 @@ import yaml
 log = logging.getLogger("chronicals.config")
 DEMO = "demo"  # data.path / data.eval_path value meaning "the packaged demo data"
 DEMO_SYSTEM_PROMPT = "You are a helpful assistant."
+# data.max_seq_len / data.tokens_per_batch at most this: 16x the longest row trained (262,144 tokens, --max-context
+# in README), and packing's index stays 2^24 list slots (128 MB); 10^20 overflowed it with a traceback (exit 4)
+MAX_ROW_TOKENS = 2 ** 22
 
 
 # ops.attention.VARLEN_KERNELS (config imports nothing of ours; a test ties the two)
@@ -157,7 +160,8 @@ class DataSection:
 
     def __post_init__(self):
         _check_finite(self)
-        _check(self.max_seq_len >= 8, "data.max_seq_len", self.max_seq_len, "an integer >= 8")
+        _check(8 <= self.max_seq_len <= MAX_ROW_TOKENS, "data.max_seq_len", self.max_seq_len,
+               f"an integer in [8, {MAX_ROW_TOKENS}] (tokens per packed row)")
         _check(self.batch_size >= 1, "data.batch_size", self.batch_size, "an integer >= 1")
         _check(self.on_long in ("truncate", "drop"), "data.on_long", self.on_long, "truncate | drop")
         _check(self.dp_remainder in ("train", "drop"), "data.dp_remainder", self.dp_remainder, "train | drop")
@@ -166,8 +170,9 @@ class DataSection:
         _check(self.format in ("auto", "text", "chat", "alpaca", "prompt_completion", "sharegpt"),
                "data.format", self.format, "auto | text | chat | alpaca | prompt_completion | sharegpt")
         _check(bool(self.path), "data.path", self.path, "a data file or directory, or 'demo'")
-        _check(self.tokens_per_batch == 0 or self.tokens_per_batch >= self.max_seq_len, "data.tokens_per_batch",
-               self.tokens_per_batch, f"0 (rows) or >= data.max_seq_len={self.max_seq_len} (a document must fit)")
+        _check(self.tokens_per_batch == 0 or self.max_seq_len <= self.tokens_per_batch <= MAX_ROW_TOKENS,
+               "data.tokens_per_batch", self.tokens_per_batch, f"0 (rows) or in [data.max_seq_len={self.max_seq_len}, "
+               f"{MAX_ROW_TOKENS}] (a document must fit in the one row of a micro-batch)")
 
     def loader_shape(self, warn: bool = True) -> dict:
         """The batch shape PackedLoader takes: ``{"tokens_per_batch": n}`` when that is set (> 0), else
