@@ -18,3 +18,36 @@ def test_a_row_past_the_token_bound_exits_2_before_any_model_loads(override, key
     assert main(["train", override]) == 2
     err = capsys.readouterr().err
     assert f"config {key}=" in err and f"{MAX_ROW_TOKENS}]" in err and "Traceback" not in err, err
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from smollm2_tokenizer import smollm2_tokenizer
+
+    return smollm2_tokenizer()
+
+
+def _cfg(tmp_path, *overrides):
+    from chronicals.config import load_config
+
+    return load_config(None, ["data.max_seq_len=16", "data.cache_dir=none", "eval.qa=false",
+                              f"train.out_dir={tmp_path / 'run'}", *overrides])
+
+
+def test_the_trainers_data_errors_name_config_keys_not_load_dataset(tokenizer, tmp_path):
+    """Was "(raise data.max_seq_len or set data.on_long=truncate; in load_dataset: max_seq_len,
+    overlong='truncate')" and "(data.on_error=skip, or load_dataset(on_error='skip'), drops ...)"."""
+    from chronicals.data import DataError
+    from chronicals.train.setup import build_loaders
+
+    long = tmp_path / "long.jsonl"
+    long.write_text('{"text": "' + "word " * 40 + '"}\n')
+    with pytest.raises(DataError, match=r"\(raise data\.max_seq_len or set data\.on_long=truncate\)") as e:
+        build_loaders(_cfg(tmp_path, f"data.path={long}", "data.on_long=drop", "data.eval_path="), tokenizer,
+                      tmp_path / "run")
+    assert "load_dataset" not in str(e.value)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\nnot json\n')
+    with pytest.raises(DataError, match=r":2: invalid JSON .*\(data\.on_error=skip drops bad records") as e:
+        build_loaders(_cfg(tmp_path, f"data.path={long}", f"data.eval_path={bad}"), tokenizer, tmp_path / "run")
+    assert "load_dataset" not in str(e.value)

@@ -17,9 +17,10 @@ def test_malformed_json_line(tokenizer, tmp_path):
     p = tmp_path / "train.jsonl"
     p.write_text(json.dumps(GOOD) + "\n" + '{"instruction": "x" "output": "y"}\n' + json.dumps(GOOD) + "\n")
     with pytest.raises(DataError, match=rf"^{p}:2: invalid JSON \(Expecting ',' delimiter at column 21\); "
-                                        r"expected one JSON object per line \(data.on_error=skip, or "
-                                        r"load_dataset\(on_error='skip'\), drops bad records"):
+                                        r"expected one JSON object per line \(on_error=skip drops bad records"):
         load(p, tokenizer)
+    with pytest.raises(DataError, match=r"\(data.on_error=skip drops bad records"):  # the trainer's config keys
+        load(p, tokenizer, option_names={"on_error": "data.on_error"})
     ds = load(p, tokenizer, on_error="skip")
     assert len(ds) == 2 and ds.stats.skipped_errors == 1 and ds.stats.first_errors[0].startswith(f"{p}:2:")
 
@@ -74,9 +75,11 @@ def test_empty_and_all_too_long(tokenizer, tmp_path):
         load(p, tokenizer)
     p.write_text("\n".join(json.dumps({"text": "word " * 40}) for _ in range(3)))
     with pytest.raises(DataError, match="every example was dropped: 3 longer than max_seq_len=16 "
-                                        r"\(raise data.max_seq_len or set data.on_long=truncate; in load_dataset: "
-                                        r"max_seq_len, overlong='truncate'\)"):
+                                        r"\(raise max_seq_len or set overlong=truncate\)"):
         load(p, tokenizer, max_seq_len=16, overlong="drop")
+    with pytest.raises(DataError, match=r"\(raise data.max_seq_len or set data.on_long=truncate\)"):
+        load(p, tokenizer, max_seq_len=16, overlong="drop",
+             option_names={"max_seq_len": "data.max_seq_len", "overlong": "data.on_long"})
     ds = load(p, tokenizer, max_seq_len=16, overlong="truncate")
     assert ds.stats.truncated == 3 and ds.lengths.tolist() == [16, 16, 16]
 
@@ -92,8 +95,8 @@ def test_overlong_counts_and_no_loss(tokenizer, tmp_path):
     assert (len(ds), ds.stats.truncated, ds.stats.dropped_no_loss) == (2, 2, 1)
     q = tmp_path / "g.jsonl"
     q.write_text(json.dumps({"messages": [{"role": "user", "content": "no reply"}]}))
-    with pytest.raises(DataError, match="no example has a trainable token .*data.train_on=all; "
-                                        "in load_dataset: loss_on='all'"):
+    with pytest.raises(DataError, match=r"no example has a trainable token .*loss_on=assistant needs .*"
+                                        r"\(or set loss_on=all\)$"):
         load(q, tokenizer)
 
 
@@ -106,7 +109,7 @@ def test_all_empty_texts_name_the_cause(tokenizer, tmp_path, loss_on):
         load(p, tokenizer, loss_on=loss_on)
     p.write_text("\n".join(json.dumps(r) for r in [{"text": ""}, {"messages": [{"role": "user", "content": "x"}]}]))
     with pytest.raises(DataError, match=rf"2 without one \(first: {p}:1\), 1 of them with an empty text, 0 bad "
-                                        "records; loss_on='assistant' needs assistant turns"):
+                                        "records; loss_on=assistant needs assistant turns"):
         load(p, tokenizer)
 
 

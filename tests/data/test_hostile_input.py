@@ -79,7 +79,7 @@ def test_every_reply_truncated_away_says_max_seq_len(tokenizer, tmp_path):
     msgs = [{"role": "user", "content": "hi " * 50}, {"role": "assistant", "content": "yo"}]
     p.write_text(json.dumps({"messages": msgs}) + "\n")
     with pytest.raises(DataError, match=r"no example has a trainable token .*: 1 without one, all truncated to "
-                                        r"max_seq_len=16 before their replies start; raise data.max_seq_len"):
+                                        r"max_seq_len=16 before their replies start; raise max_seq_len or"):
         load(p, tokenizer, max_seq_len=16)
 
 

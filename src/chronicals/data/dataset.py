@@ -25,6 +25,8 @@ from .tokenize import check_tokenizer, encode, has_generation_markers
 log = logging.getLogger("chronicals.data")
 PARALLEL_THRESHOLD = 20_000  # records; below this, worker start-up (~1 s) costs more than it saves
 CHUNK = 1_000
+# the load_dataset options its messages advise on; a caller whose users set them under other names passes those
+OPTIONS = ("format", "max_seq_len", "loss_on", "on_error", "overlong")
 
 
 @dataclass
@@ -67,11 +69,19 @@ class TokenizedDataset:
 
 def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, loss_on: str = "assistant",
                  on_error: str = "fail", overlong: str = "truncate", cache_dir=None,
-                 num_proc: int | None = None, name: str = "the dataset") -> TokenizedDataset:
+                 num_proc: int | None = None, name: str = "the dataset",
+                 option_names: dict[str, str] | None = None) -> TokenizedDataset:
     """Read, format and tokenize ``paths``; see the package docstring for every option.
 
     ``name`` says which set this is in the errors that concern the whole set, e.g. "the held-out set".
+    ``option_names``: what the errors and warnings call the options they advise on (keys from ``OPTIONS``), for a
+    caller whose users set them elsewhere: the trainer passes its config keys, ``{"overlong": "data.on_long", ...}``
+    ("raise data.max_seq_len or set data.on_long=truncate"); by default the parameter names.
     """
+    unknown = set(option_names or {}) - set(OPTIONS)
+    if unknown:
+        raise ValueError(f"option_names: unknown option(s) {sorted(unknown)}; expected keys from {OPTIONS}")
+    names = {k: k for k in OPTIONS} | (option_names or {})
     if format not in ("auto",) + FORMATS:
         raise ValueError(f"format={format!r}; expected one of {('auto',) + FORMATS}")
     for key, value, allowed in (("loss_on", loss_on, ("assistant", "all")), ("on_error", on_error, ("fail", "skip")),
@@ -99,17 +109,17 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
                 if ds.summary:
                     log.info("data: %s", ds.summary)
                 _note_alpaca_prompt(ds.file_formats, tokenizer, name)
-                _finish(ds.stats, on_error, max_seq_len, overlong, files, name)
+                _finish(ds.stats, on_error, max_seq_len, names, files, name)
                 return ds
     per_file = [read_file(f) for f in files]
     records = [r for recs in per_file for r in recs]
     ds, fmts = _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_error, num_proc)
     ds.file_counts = [len(recs) for recs in per_file]
-    ds.file_formats = _file_formats(files, ds.file_counts, fmts)
+    ds.file_formats = _file_formats(files, ds.file_counts, fmts, names["format"])
     ds.summary = _summary_line(name, files, ds.file_counts, ds.file_formats, format)
     log.info("data: %s", ds.summary)
     _note_alpaca_prompt(ds.file_formats, tokenizer, name)
-    _finish(ds.stats, on_error, max_seq_len, overlong, files, name)
+    _finish(ds.stats, on_error, max_seq_len, names, files, name)
     if cache is not None:
         cache_mod.save(cache, ds.ids, ds.trainable, ds.offsets,
                        {"pad_id": ds.pad_id, "stats": asdict(ds.stats), "file_counts": ds.file_counts,
@@ -125,7 +135,7 @@ def _note_alpaca_prompt(descs: list[str], tokenizer, name: str) -> None:
                  "as a chat", name)
 
 
-def _file_formats(files, counts: list[int], fmts: list) -> list[str]:
+def _file_formats(files, counts: list[int], fmts: list, format_name: str = "format") -> list[str]:
     """Per file, the format of its records ("chat", "mixed: 3 chat, 1 text", "no readable records"). A file
     whose records have different formats gets a warning: often a typo'd field read as another format."""
     out, at = [], 0
@@ -136,7 +146,7 @@ def _file_formats(files, counts: list[int], fmts: list) -> list[str]:
         desc = desc if c else "no readable records"
         if len(c) > 1:
             log.warning("data: %s mixes record formats (%s); each record is read in the format its fields say: "
-                        "check that is intended (data.format=FORMAT insists on one)", f, desc)
+                        "check that is intended (%s=FORMAT insists on one)", f, desc, format_name)
         out.append(desc)
     return out
 
@@ -174,11 +184,11 @@ def _names(files) -> str:
     return ", ".join(str(f) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
 
 
-def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, overlong: str, files=(),
+def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, n: dict[str, str], files=(),
             name: str = "the dataset") -> None:
+    """Raise or warn about what the data lost; ``n``: what to call each option (load_dataset's option_names)."""
     if stats.skipped_errors and on_error == "fail":
-        raise DataError(stats.first_errors[0] + " (data.on_error=skip, or load_dataset(on_error='skip'), drops bad "
-                        "records and counts them)")
+        raise DataError(f"{stats.first_errors[0]} ({n['on_error']}=skip drops bad records and counts them)")
     if stats.skipped_errors:
         log.warning("data: skipped %d bad records; first: %s", stats.skipped_errors, stats.first_errors[0])
     where = f"{name} ({_names(files)})" if files else name
@@ -191,8 +201,7 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, overlong: str,
                             f"{stats.first_errors[0]}")
         if stats.dropped_overlong:
             raise DataError(f"every example was dropped: {stats.dropped_overlong} longer than max_seq_len="
-                            f"{max_seq_len} (raise data.max_seq_len or set data.on_long=truncate; in "
-                            f"load_dataset: max_seq_len, overlong='truncate'), "
+                            f"{max_seq_len} (raise {n['max_seq_len']} or set {n['overlong']}=truncate), "
                             f"{stats.dropped_no_loss} with no trainable token, {stats.skipped_errors} bad; in {where}")
         first = f" (first: {stats.first_no_loss})" if stats.first_no_loss else ""
         if stats.empty_no_loss and stats.empty_no_loss == stats.dropped_no_loss:
@@ -201,15 +210,14 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, overlong: str,
                             "replies / outputs / completions) or remove those records")
         empty = f", {stats.empty_no_loss} of them with an empty text" if stats.empty_no_loss else ""
         if stats.truncated_no_loss:  # the cause is max_seq_len, not missing replies
-            fix = ("before their replies start; raise data.max_seq_len (load_dataset: max_seq_len) or shorten the "
-                   "prompts")
+            fix = f"before their replies start; raise {n['max_seq_len']} or shorten the prompts"
             if stats.truncated_no_loss == stats.dropped_no_loss:
                 raise DataError(f"no example has a trainable token in {where}: {stats.dropped_no_loss} without one, "
                                 f"all truncated to max_seq_len={max_seq_len} {fix}; {stats.skipped_errors} bad records")
             empty += f", {stats.truncated_no_loss} of them truncated to max_seq_len={max_seq_len} {fix}"
         raise DataError(f"no example has a trainable token in {where}: {stats.dropped_no_loss} without one{first}"
-                        f"{empty}, {stats.skipped_errors} bad records; loss_on='assistant' needs assistant turns / "
-                        "outputs / completions (or set data.train_on=all; in load_dataset: loss_on='all')")
+                        f"{empty}, {stats.skipped_errors} bad records; {n['loss_on']}=assistant needs assistant "
+                        f"turns / outputs / completions (or set {n['loss_on']}=all)")
     if stats.empty_targets:
         log.warning("data: %d examples in %s have an empty assistant reply / output / completion, so only the "
                     "end-of-turn token carries their loss (first: %s); fill them in or remove them",
@@ -219,9 +227,10 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, overlong: str,
         parts = [f"{cut} truncated to max_seq_len={max_seq_len} (kept)"] if cut else []
         if stats.truncated_no_loss:
             parts.append(f"{stats.truncated_no_loss} truncated to no loss tokens (dropped), their replies start past "
-                         f"max_seq_len={max_seq_len}: raise data.max_seq_len or shorten the prompts")
+                         f"max_seq_len={max_seq_len}: raise {n['max_seq_len']} or shorten the prompts")
         if stats.dropped_overlong:
-            parts.append(f"{stats.dropped_overlong} longer than max_seq_len={max_seq_len} (dropped, on_long=drop)")
+            parts.append(f"{stats.dropped_overlong} longer than max_seq_len={max_seq_len} (dropped, "
+                         f"{n['overlong']}=drop)")
         if stats.dropped_no_loss - stats.truncated_no_loss:
             first = f"; first: {stats.first_no_loss}" if stats.first_no_loss else ""  # "" from an older cache
             parts.append(f"{stats.dropped_no_loss - stats.truncated_no_loss} without loss tokens (dropped: no "

@@ -164,6 +164,11 @@ def _warn_rows_left_out(loader, d) -> None:
                 w, fix)
 
 
+# load_dataset's options as this config names them, so its advice reads "set data.on_long=truncate"
+DATA_OPTION_KEYS = {"format": "data.format", "max_seq_len": "data.max_seq_len", "loss_on": "data.train_on",
+                    "on_error": "data.on_error", "overlong": "data.on_long"}
+
+
 def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path, rank: int = 0, world_size: int = 1):
     """(train loader, eval loader or None, held-out QA records or None) through chronicals.data.
 
@@ -175,7 +180,7 @@ def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path, rank: int = 0, wor
     d = cfg.data
     train_files, eval_file, heldout_qa = data_files(cfg, out_dir)
     kw = dict(format=d.format, max_seq_len=d.max_seq_len, loss_on=d.train_on, on_error=d.on_error,
-              overlong=d.on_long, cache_dir=tokenization_cache_dir(d.cache_dir))
+              overlong=d.on_long, cache_dir=tokenization_cache_dir(d.cache_dir), option_names=DATA_OPTION_KEYS)
     ds = load_dataset([str(f) for f in train_files], tokenizer, **kw, name="the training set")
     # rows of max_seq_len, or one padding-free row of at most tokens_per_batch tokens per micro-batch
     shape = d.loader_shape(warn=rank == 0)  # warns when a data.batch_size beside tokens_per_batch goes unused
@@ -206,7 +211,7 @@ def heldout_loader(d, tokenizer, file: Path, from_qa: bool, name: str, shape: di
     try:
         ds = load_dataset([str(file)], tokenizer, format="chat" if from_qa else d.format, max_seq_len=d.max_seq_len,
                           loss_on=d.train_on, on_error=d.on_error, overlong=d.on_long,
-                          cache_dir=tokenization_cache_dir(d.cache_dir), name=name)
+                          cache_dir=tokenization_cache_dir(d.cache_dir), name=name, option_names=DATA_OPTION_KEYS)
     except DataError as e:  # say which data it is; record errors name only a file and line
         raise DataError(str(e) if name in str(e) else f"{name}: {e}") from None
     return PackedLoader(ds, max_seq_len=d.max_seq_len, seed=0, shuffle=False,
