@@ -51,3 +51,27 @@ def test_the_trainers_data_errors_name_config_keys_not_load_dataset(tokenizer, t
     with pytest.raises(DataError, match=r":2: invalid JSON .*\(data\.on_error=skip drops bad records") as e:
         build_loaders(_cfg(tmp_path, f"data.path={long}", f"data.eval_path={bad}"), tokenizer, tmp_path / "run")
     assert "load_dataset" not in str(e.value)
+
+
+def test_a_qa_heldout_file_with_a_broken_line_trains_under_on_error_skip(tokenizer, tmp_path):
+    from chronicals.train.setup import build_loaders
+
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"text": "hello there"}\n')
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text('{"question": "Capital of France?", "answer": "Paris"}\n{broken\n')
+    cfg = _cfg(tmp_path, f"data.path={train}", f"data.eval_path={qa}", "data.on_error=skip", "data.max_seq_len=64")
+    _, eval_loader, heldout = build_loaders(cfg, tokenizer, tmp_path / "run")
+    assert heldout == [{"question": "Capital of France?", "answer": "Paris", "keywords": ["Paris"]}]
+    assert len(eval_loader.dataset) == 1
+
+
+def test_evals_qa_loader_honors_on_error_skip(tokenizer, tmp_path):
+    from chronicals.config import DataSection
+    from chronicals.evaluate import heldout_loader
+
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text('{"question": "Capital of France?", "answer": "Paris"}\n{broken\n')
+    loader, records = heldout_loader(DataSection(path=str(qa), on_error="skip", cache_dir="none"), tokenizer,
+                                     tmp_path / "work")
+    assert [r["answer"] for r in records] == ["Paris"] and len(loader.dataset) == 1

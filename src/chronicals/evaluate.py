@@ -90,7 +90,7 @@ def heldout_loader(data: DataSection, tokenizer, workdir: Path) -> tuple[PackedL
     """(loader, QA records or None) over ``data.path``, as ``train()`` builds its held-out loader: QA records are
     written to ``workdir`` as chat records (the system message of ``qa.heldout_system_prompt``) and read as chat;
     other data is read with ``data.format`` (``train.setup.heldout_loader`` for both)."""
-    qa = read_qa(data.path)
+    qa = read_qa(data.path, data.on_error)
     if qa is None:  # load_dataset's messages name the files after it: "the data to score (x.jsonl)"
         return setup_heldout_loader(data, tokenizer, Path(data.path).expanduser(), False, "the data to score"), qa
     require_chat_template(tokenizer)  # as chat does: not "chat data needs a template" once per record

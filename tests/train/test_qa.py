@@ -68,3 +68,23 @@ def test_not_qa_empty_and_mixed_files(tmp_path):
     p = write(tmp_path / "m.jsonl", [{"question": "a?", "answer": "b"}, chat])
     with pytest.raises(DataError, match=rf"^{p}:2: a record without 'question' in a held-out QA file"):
         qa_mod.read_qa(p)
+
+
+def test_on_error_skip_leaves_bad_records_out_and_counts_them(tmp_path, caplog):
+    """read_qa took no on_error: one broken line failed the held-out QA file even with data.on_error=skip."""
+    ok = {"question": "a?", "answer": "b"}
+    p = tmp_path / "q.jsonl"
+    p.write_text("\n".join([json.dumps(ok), "{bad json}", json.dumps({**ok, "answer": 5}),
+                            json.dumps({"messages": []}), json.dumps({**ok, "question": "c?"})]) + "\n")
+    with pytest.raises(DataError, match=rf"^{p}:2: invalid JSON .*\(data.on_error=skip drops bad records"):
+        qa_mod.read_qa(p)
+    with caplog.at_level("WARNING", logger="chronicals.data"):
+        qa = qa_mod.read_qa(p, on_error="skip")
+    assert [r["question"] for r in qa] == ["a?", "c?"]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1, warned
+    assert f"{p}: skipped 3 bad records; first: {p}:2: invalid JSON" in warned[0]
+    assert f"; {p}:3: 'answer' is a int" in warned[0] and f"; {p}:4: a record without 'question'" in warned[0]
+    p.write_text("{bad json}\n" + json.dumps({**ok, "answer": ""}) + "\n")
+    with pytest.raises(DataError, match=rf"^every record in {p} is bad \(2 skipped\); first: {p}:1: invalid JSON"):
+        qa_mod.read_qa(p, on_error="skip")

@@ -187,18 +187,12 @@ def _names(files) -> str:
 def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, n: dict[str, str], files=(),
             name: str = "the dataset") -> None:
     """Raise or warn about what the data lost; ``n``: what to call each option (load_dataset's option_names)."""
-    if stats.skipped_errors and on_error == "fail":
-        raise DataError(f"{stats.first_errors[0]} ({n['on_error']}=skip drops bad records and counts them)")
-    if stats.skipped_errors:
-        log.warning("data: skipped %d bad records; first: %s", stats.skipped_errors, stats.first_errors[0])
     where = f"{name} ({_names(files)})" if files else name
+    report_bad_records(stats.skipped_errors, stats.first_errors, on_error, stats.records, where, n["on_error"])
     if stats.documents == 0:
         if stats.records == 0:
             raise DataError(f"{name} is empty: no records in {_names(files) or 'the files'} (give data files "
                             "with at least one example)")
-        if stats.skipped_errors == stats.records:  # on_error=skip: said "needs assistant turns", as if they were read
-            raise DataError(f"every record in {where} is bad ({stats.skipped_errors} skipped); first: "
-                            f"{stats.first_errors[0]}")
         if stats.dropped_overlong:
             raise DataError(f"every example was dropped: {stats.dropped_overlong} longer than max_seq_len="
                             f"{max_seq_len} (raise {n['max_seq_len']} or set {n['overlong']}=truncate), "
@@ -238,6 +232,22 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, n: dict[str, s
         dropped = stats.dropped_no_loss or stats.dropped_overlong
         log.log(logging.WARNING if dropped else logging.INFO, "data: %s: %d of %d records kept; %s", where,
                 stats.documents, stats.records, "; ".join(parts))
+
+
+def report_bad_records(count: int, first: list[str], on_error: str, records: int, where: str,
+                       on_error_name: str = "on_error") -> None:
+    """The one report of ``count`` bad records of ``records`` read (``first``: the first few ``file:line: what``):
+    on_error=fail raises the first with how to skip them; skip warns once with the count and the first three, and
+    raises when every record was bad (else "needs assistant turns" would follow, as if they had been read).
+    ``on_error_name``: what the caller's users set (load_dataset's option_names; the trainer: data.on_error)."""
+    if not count:
+        return
+    if on_error == "fail":
+        raise DataError(f"{first[0]} ({on_error_name}=skip drops bad records and counts them)")
+    if count == records:
+        raise DataError(f"every record in {where} is bad ({count} skipped); first: {first[0]}")
+    log.warning("data: %s: skipped %d bad record%s; first: %s", where, count, "s" if count != 1 else "",
+                "; ".join(first[:3]))
 
 
 # ---- tokenization (serial or in worker processes) ----

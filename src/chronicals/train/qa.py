@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import DEMO, DEMO_SYSTEM_PROMPT
+from ..data.dataset import report_bad_records
 from ..data.formats import FormatError, check_text
 from ..data.readers import DataError, read_file, resolve_files
 from .guards import check_ids_in_vocab
@@ -39,7 +40,7 @@ def demo_file(name: str) -> Path:
     return p
 
 
-def read_qa(path: str | Path) -> list[dict] | None:
+def read_qa(path: str | Path, on_error: str = "fail") -> list[dict] | None:
     """The held-out questions of ``path`` ('demo' = packaged), or None if its records are not QA records.
 
     A QA file is JSON lines (.jsonl) or a JSON array (.json) of
@@ -48,8 +49,10 @@ def read_qa(path: str | Path) -> list[dict] | None:
     contains the reference answer (case-insensitive). Returns the records with ``keywords`` filled in.
     None (not QA: the caller reads the file as ordinary held-out data) when no record has a "question"
     or the file has no records. A .csv / .parquet / directory whose first record has a "question" is a
-    DataError saying to convert it (it would fail as "cannot tell the format"). Raises DataError
-    ``file:line: ...`` for a malformed line or field, and for a file that mixes QA records with other records.
+    DataError saying to convert it (it would fail as "cannot tell the format"). A malformed line or field, or
+    a record without "question" beside QA records, is a bad record: DataError ``file:line: ...`` under
+    ``on_error="fail"`` (data.on_error); under "skip" it is left out, and one warning counts them and names the
+    first three (as load_dataset reports its bad records: ``data.dataset.report_bad_records``).
     """
     p = demo_file("heldout.jsonl") if str(path) == DEMO else Path(path).expanduser()
     if p.suffix.lower() not in (".jsonl", ".json") or not p.is_file():
@@ -60,14 +63,21 @@ def read_qa(path: str | Path) -> list[dict] | None:
     qa = [r for r in good if "question" in r.data]
     if not qa:
         return None
-    other = next((r for r in good if "question" not in r.data), None)
-    if other is not None:
-        raise DataError(f"{other.where}: a record without 'question' in a held-out QA file (QA record at "
-                        f"{qa[0].where}); a held-out file holds QA records only, or chat/text records only")
-    bad = next((r for r in records if r.data is None), None)
-    if bad is not None:
-        raise DataError(f"{bad.where}: {bad.error}")
-    return [_qa_record(r.data, r.where) for r in qa]
+    kept, bad = [], []
+    for r in records:
+        try:
+            if r.data is None:
+                raise DataError(f"{r.where}: {r.error}")
+            if "question" not in r.data:
+                raise DataError(f"{r.where}: a record without 'question' in a held-out QA file (QA record at "
+                                f"{qa[0].where}); a held-out file holds QA records only, or chat/text records only")
+            kept.append(_qa_record(r.data, r.where))
+        except DataError as e:
+            bad.append(str(e))
+            if on_error == "fail":
+                break
+    report_bad_records(len(bad), bad, on_error, len(records), str(p), "data.on_error")
+    return kept
 
 
 def _refuse_qa_elsewhere(p: Path) -> None:

@@ -116,7 +116,7 @@ def data_files(cfg: TrainConfig, out_dir: Path) -> tuple[list[Path], Path | None
     else:
         train = [Path(d.path)]
     eval_path = (DEMO if d.path == DEMO else "") if d.eval_path == "auto" else d.eval_path
-    heldout_qa = qa_mod.read_qa(eval_path) if eval_path else None
+    heldout_qa = qa_mod.read_qa(eval_path, d.on_error) if eval_path else None
     if heldout_qa is not None:
         eval_file = qa_mod.write_chat_jsonl(heldout_qa, _copy_path(out_dir, "heldout.jsonl"),
                                             qa_mod.heldout_system_prompt(d))
