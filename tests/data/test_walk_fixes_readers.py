@@ -116,7 +116,8 @@ def test_qa_heldout_in_csv_or_a_directory_says_to_convert(tmp_path):
     d = tmp_path / "qa_dir"
     d.mkdir()
     (d / "part-0.jsonl").write_text(json.dumps({"question": "a?", "answer": "b"}) + "\n")
-    with pytest.raises(DataError, match=rf"^{d}: question/answer .*; convert {d / 'part-0.jsonl'} "):
+    with pytest.raises(DataError, match=rf"^{d}: question/answer .*not a directory; set data.eval_path to "
+                                        rf"{d / 'part-0.jsonl'} itself$"):
         read_qa(d)
     (d / "part-0.jsonl").write_text(json.dumps({"text": "plain held-out text"}) + "\n")  # not QA: read as data
     assert read_qa(d) is None

@@ -88,3 +88,23 @@ def test_on_error_skip_leaves_bad_records_out_and_counts_them(tmp_path, caplog):
     p.write_text("{bad json}\n" + json.dumps({**ok, "answer": ""}) + "\n")
     with pytest.raises(DataError, match=rf"^every record in {p} is bad \(2 skipped\); first: {p}:1: invalid JSON"):
         qa_mod.read_qa(p, on_error="skip")
+
+
+def test_a_directory_holding_qa_jsonl_is_told_to_give_the_file_itself(tmp_path):
+    """Was "convert qadir/qa.jsonl (one {...} object per line in a .jsonl)": it already is one."""
+    d = tmp_path / "qadir"
+    d.mkdir()
+    write(d / "qa.jsonl", [{"question": "a?", "answer": "b"}])
+    with pytest.raises(DataError, match=rf"^{d}: question/answer held-out records are read from one \.jsonl or "
+                                        rf"\.json file, not a directory; set data.eval_path to {d / 'qa.jsonl'} "
+                                        r"itself$") as e:
+        qa_mod.read_qa(d)
+    assert "convert" not in str(e.value)
+    write(d / "qa2.jsonl", [{"question": "c?", "answer": "d"}])
+    with pytest.raises(DataError, match=rf"itself \(merge the 2 files of {d} into one first\)$"):
+        qa_mod.read_qa(d)
+    (d / "qa.jsonl").unlink()
+    (d / "qa2.jsonl").unlink()
+    (d / "qa.csv").write_text("question,answer\na?,b\n")  # not .jsonl: still told to convert it
+    with pytest.raises(DataError, match=rf"; convert {d / 'qa.csv'} "):
+        qa_mod.read_qa(d)

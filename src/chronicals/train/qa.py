@@ -87,14 +87,19 @@ def _refuse_qa_elsewhere(p: Path) -> None:
     if not p.exists():
         return  # load_dataset names the missing path
     try:
-        first = resolve_files(p)[0]
+        files = resolve_files(p)
     except DataError:
         return  # an empty directory, a damaged save_to_disk one: load_dataset reports it
-    keys = _first_keys(first)
-    if "question" in keys:
-        raise DataError(f"{p}: question/answer held-out records are read from .jsonl or .json only; convert "
-                        f"{first} (one {{\"question\": ..., \"answer\": ...}} object per line in a .jsonl) "
-                        "and set data.eval_path to it")
+    first = files[0]
+    if "question" not in _first_keys(first):
+        return
+    if first.suffix.lower() in (".jsonl", ".json"):  # a directory holding one: "convert qadir/qa.jsonl" was no fix
+        more = f" (merge the {len(files)} files of {p} into one first)" if len(files) > 1 else ""
+        raise DataError(f"{p}: question/answer held-out records are read from one .jsonl or .json file, not a "
+                        f"directory; set data.eval_path to {first} itself{more}")
+    raise DataError(f"{p}: question/answer held-out records are read from .jsonl or .json only; convert "
+                    f"{first} (one {{\"question\": ..., \"answer\": ...}} object per line in a .jsonl) "
+                    "and set data.eval_path to it")
 
 
 def _first_keys(f: Path) -> list[str]:
