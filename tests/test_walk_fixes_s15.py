@@ -75,3 +75,20 @@ def test_evals_qa_loader_honors_on_error_skip(tokenizer, tmp_path):
     loader, records = heldout_loader(DataSection(path=str(qa), on_error="skip", cache_dir="none"), tokenizer,
                                      tmp_path / "work")
     assert [r["answer"] for r in records] == ["Paris"] and len(loader.dataset) == 1
+
+
+def test_a_qa_file_on_a_tokenizer_without_a_template_is_not_told_to_set_format_text(tokenizer, tmp_path):
+    """Was "... to train on plain text instead, set data.format=text": QA records are chat whatever the format."""
+    import copy
+
+    from chronicals.config import DataSection
+    from chronicals.evaluate import heldout_loader
+
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text('{"question": "Capital of France?", "answer": "Paris"}\n')
+    with pytest.raises(ValueError, match=r"no chat template.*; question/answer records are read as chat whatever "
+                                         r"data\.format; to score this model without a template, give text") as e:
+        heldout_loader(DataSection(path=str(qa), format="text", cache_dir="none"), plain, tmp_path / "work")
+    assert "data.format=text" not in str(e.value)

@@ -93,7 +93,8 @@ def heldout_loader(data: DataSection, tokenizer, workdir: Path) -> tuple[PackedL
     qa = read_qa(data.path, data.on_error)
     if qa is None:  # load_dataset's messages name the files after it: "the data to score (x.jsonl)"
         return setup_heldout_loader(data, tokenizer, Path(data.path).expanduser(), False, "the data to score"), qa
-    require_chat_template(tokenizer)  # as chat does: not "chat data needs a template" once per record
+    require_chat_template(tokenizer, "question/answer records are read as chat whatever data.format; to score "
+                          "this model without a template, give text or prompt/completion records")  # once, as chat
     file = write_chat_jsonl(qa, workdir / "heldout.jsonl", heldout_system_prompt(data))
     name = f"the QA records of {data.path}, rewritten as chat"
     try:

@@ -48,8 +48,10 @@ def test_tokenizer_without_chat_template_names_the_model(tmp_path, tiny_hf_confi
     model, tok = chronicals.load_model(out)
     assert tok.chronicals_source == str(out)
     with pytest.raises(ValueError, match=rf"{out}: the tokenizer has no chat template.*use a chat \(instruct\) "
-                                         r"model.*chat_template\.jinja.*data\.format=text"):
-        chronicals.models.chat(model, tok, "hi", max_new_tokens=2)
+                                         r"model.*chat_template\.jinja in a Hugging Face directory\)$"):
+        chronicals.models.chat(model, tok, "hi", max_new_tokens=2)  # no "set data.format=text": chat trains nothing
+    with pytest.raises(ValueError, match=r"directory\); or score text$"):  # the caller's own way around it
+        chronicals.models.require_chat_template(tok, "or score text")
     tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     chronicals.models.require_chat_template(tok)  # a template: no complaint
     assert isinstance(chronicals.models.chat(model, tok, "hi", max_new_tokens=2), str)

@@ -107,16 +107,17 @@ def load_tokenizer(path: str | os.PathLike):
     return tok
 
 
-def require_chat_template(tokenizer) -> None:
+def require_chat_template(tokenizer, instead: str = "") -> None:
     """ValueError naming the model when ``tokenizer`` has no chat template (call before apply_chat_template:
-    transformers' own error names neither the model nor a fix)."""
+    transformers' own error names neither the model nor a fix). ``instead``: the caller's way around a template,
+    appended to the fixes (chat has none; eval's QA records are chat whatever data.format: it says so)."""
     if getattr(tokenizer, "chat_template", None):
         return
     source = getattr(tokenizer, "chronicals_source", None) or getattr(tokenizer, "name_or_path", None) or "model"
     raise ValueError(
         f"{source}: the tokenizer has no chat template, so chat messages cannot be formatted for it; use a chat "
         "(instruct) model, or add the chat template of the model this one was fine-tuned from (chat_template.jinja "
-        "in a Hugging Face directory); to train on plain text instead, set data.format=text")
+        "in a Hugging Face directory)" + (f"; {instead}" if instead else ""))
 
 
 def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None, device=None, impl: str = "auto",
