@@ -92,3 +92,27 @@ def test_a_qa_file_on_a_tokenizer_without_a_template_is_not_told_to_set_format_t
                                          r"data\.format; to score this model without a template, give text") as e:
         heldout_loader(DataSection(path=str(qa), format="text", cache_dir="none"), plain, tmp_path / "work")
     assert "data.format=text" not in str(e.value)
+
+
+def test_a_missing_adapter_directory_is_said_as_such(tmp_path):
+    from chronicals.lora import read_adapter_config
+
+    with pytest.raises(FileNotFoundError, match=rf"^{tmp_path / 'nosuchdir'}: no such directory; an adapter is the "
+                                                r"directory holding adapter_config\.json and") as e:
+        read_adapter_config(tmp_path / "nosuchdir")
+    assert "adapter_config.json: not found" not in str(e.value)
+
+
+def test_an_adapter_directory_given_as_the_model_is_told_to_be_the_adapter(tmp_path):
+    """Was "adapter/config.json: not found; a Hugging Face model directory needs one", no word of the adapter."""
+    from chronicals.models import load_model
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}')
+    with pytest.raises(FileNotFoundError, match=rf"^{adapter / 'config.json'}: not found; this is a LoRA adapter "
+                                                r"\(adapter_config\.json\), not a model: pass it as --adapter"):
+        load_model(adapter)
+    (adapter / "adapter_config.json").unlink()  # a plain folder without config.json: as before
+    with pytest.raises(FileNotFoundError, match=r"config\.json: not found; a Hugging Face model directory needs one$"):
+        load_model(adapter)

@@ -81,6 +81,9 @@ def read_adapter_config(adapter_dir) -> dict:
     if Path(adapter_dir).is_file():  # "x/adapter_config.json/adapter_config.json: not found" named no fix
         raise ValueError(f"{adapter_dir}: is a file; an adapter is the directory holding {CONFIG_NAME} and "
                          f"{WEIGHTS_NAME} (pass {Path(adapter_dir).parent})")
+    if not Path(adapter_dir).exists():  # "nosuchdir/adapter_config.json: not found" hid the typo in the directory
+        raise FileNotFoundError(f"{adapter_dir}: no such directory; an adapter is the directory holding {CONFIG_NAME} "
+                                f"and {WEIGHTS_NAME} (e.g. runs/demo/adapter)")
     path = Path(adapter_dir) / CONFIG_NAME
     cfg = read_json_object(path, CONFIG_NAME, "save the adapter again (save_adapter / PEFT's save_pretrained)",
                            missing=f"a PEFT adapter directory holds {CONFIG_NAME} and {WEIGHTS_NAME}")

@@ -142,8 +142,11 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
-        d = read_json_object(path, "config.json", "copy config.json from the original model again",
-                             missing="a Hugging Face model directory needs one")
+        missing = "a Hugging Face model directory needs one"
+        if (Path(path).parent / "adapter_config.json").is_file():  # --model runs/x/adapter: the PEFT file beside it
+            missing = ("this is a LoRA adapter (adapter_config.json), not a model: pass it as --adapter (chat, eval, "
+                       "export; from Python chronicals.lora.load_adapter), with its base as the model")
+        d = read_json_object(path, "config.json", "copy config.json from the original model again", missing=missing)
         return cls.from_hf_dict(d, source=str(Path(path)))
 
     def to_hf_dict(self) -> dict:
