@@ -169,8 +169,8 @@ def test_padding_free_batches_train_through_the_packed_path(tiny_base, tmp_path)
 def test_tokens_per_batch_smaller_than_a_row_fails_before_loading():
     from chronicals.config import load_config
 
-    with pytest.raises(ValueError, match=r"data.tokens_per_batch=100 is invalid: expected 0 \(rows\) or >= "
-                                         r"data.max_seq_len=256"):
+    with pytest.raises(ValueError, match=r"data.tokens_per_batch=100 is invalid: expected 0 \(rows\) or in "
+                                         r"\[data.max_seq_len=256, 4194304\]"):
         load_config(None, ["data.tokens_per_batch=100"])
 
 
