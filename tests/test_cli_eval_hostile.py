@@ -67,7 +67,7 @@ def test_max_seq_len_past_the_models_context_exits_2(length, tiny_base, data_fil
     torch attention's mask is S x S), 10**20 was an OverflowError in the packer (exit 4, a traceback)."""
     err = _exit2(["--model", tiny_base, data_file, "--max-seq-len", length], capsys)
     if length > 2 ** 22:  # past data.max_seq_len's bound (config.MAX_ROW_TOKENS): refused before the model loads
-        assert f"--max-seq-len={length} is invalid: expected an integer in [8, 4194304]" in err, err
+        assert f"error: --max-seq-len={length} is invalid: expected an integer in [8, 4194304]" in err, err
         return
     assert f"--max-seq-len {length} is more than {tiny_base} can attend to (max_position_embeddings=512)" in err
 

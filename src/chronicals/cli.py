@@ -360,8 +360,8 @@ def cmd_eval(argv: list[str]) -> int:
         data = DataSection(path=a.data, format=a.format, train_on=a.train_on, max_seq_len=a.max_seq_len,
                            batch_size=a.batch_size, on_long=a.on_long, on_error=a.on_error, cache_dir=a.cache_dir,
                            system_prompt=d.system_prompt if a.system_prompt is None else a.system_prompt)
-    except ConfigError as err:
-        p.error(_as_flags(str(err)))
+    except ConfigError as err:  # "config data.max_seq_len=... is invalid": here that key is a flag
+        p.error(_as_flags(str(err).removeprefix("config ")))
     if a.data != DEMO and not Path(a.data).expanduser().exists():  # before the model loads
         where = "" if Path(a.data).is_absolute() else f" (relative paths are read from the working directory, " \
                                                        f"{Path.cwd()})"
