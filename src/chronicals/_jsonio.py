@@ -1,5 +1,5 @@
 """Reading a small JSON file that must hold one JSON object: config.json, adapter_config.json, a shard index,
-a ``datasets.save_to_disk`` state.json.
+a ``datasets.save_to_disk`` state.json; and writing a small text file whole (``write_text_atomic``).
 
 Every failure names the file, says what is wrong and what to do:
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import os
 from pathlib import Path
 
 # json (C scanner and Python fallback alike) recurses once per nesting level and raises RecursionError near
@@ -74,3 +75,21 @@ def read_json_object(path, what: str, fix: str, *, missing: str | None = None,
         raise error(f"{path}: a JSON {json_kind(obj)}, not an object, so not a valid {what}; fix the file, or "
                     f"{fix}")
     return obj
+
+
+def write_text_atomic(path, text: str) -> Path:
+    """Write ``text`` to ``path`` whole: a temporary file beside it, fsynced, renamed over it. A reader never sees
+    half a file, and a failed or interrupted write leaves the old one (and no temporary file). Serves
+    metrics.jsonl's rewrite on resume, ``chronicals eval --json`` and the bench's result JSON."""
+    path = Path(path).expanduser()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path

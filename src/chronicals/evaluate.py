@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ._jsonio import write_text_atomic
 from .config import DataSection
 from .data import DataError, DatasetStats, PackedLoader
 from .models import require_chat_template
@@ -126,18 +127,5 @@ def evaluate(model, tokenizer, data: DataSection, device: torch.device, *, qa_li
 
 
 def write_json(path: str | os.PathLike, obj) -> Path:
-    """Write ``obj`` as JSON to ``path`` atomically, as ``train.metrics.MetricsLog`` rewrites metrics.jsonl: a
-    temporary file beside it, fsynced, renamed over it; a reader never sees half a file, and a failed write leaves
-    the old one (and no temporary file)."""
-    path = Path(path).expanduser()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with tmp.open("w") as fh:
-            fh.write(json.dumps(obj, indent=2) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    """Write ``obj`` as JSON to ``path`` whole (``_jsonio.write_text_atomic``: a failed write leaves the old one)."""
+    return write_text_atomic(path, json.dumps(obj, indent=2) + "\n")

@@ -15,6 +15,8 @@ import platform
 import subprocess
 from pathlib import Path
 
+from .._jsonio import write_text_atomic
+
 PACKAGES = ("torch", "triton", "transformers", "peft", "liger-kernel", "unsloth", "unsloth_zoo", "tokenizers")
 COLUMNS = ("contender", "method", "tokens/s", "MFU", "peak GiB", "min grad norm", "loss first -> last", "status")
 
@@ -207,9 +209,7 @@ def write_report(results: dict, out_dir: str | os.PathLike, name: str = "bench_e
     stem = output_stem(results, out_dir, name)
     # append, never with_suffix: a shape name such as "0.5b" holds a dot that with_suffix would cut at
     paths = {"json": stem.with_name(stem.name + ".json"), "md": stem.with_name(stem.name + ".md")}
-    tmp = stem.with_name(stem.name + ".json.tmp")
-    tmp.write_text(json.dumps(results, indent=1, default=str))
-    tmp.replace(paths["json"])
+    write_text_atomic(paths["json"], json.dumps(results, indent=1, default=str))
     paths["md"].write_text(report_markdown(results))
     png = plot_png(results, stem.with_name(stem.name + ".png"))
     if png:

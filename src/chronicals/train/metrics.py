@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
+
+from .._jsonio import write_text_atomic
 
 log = logging.getLogger("chronicals.train")
 
@@ -122,16 +123,7 @@ class MetricsLog:
             if self._on_open is not None:
                 self._on_open()
             # the kept records, replaced whole: a run killed (or out of disk) while writing them leaves the old file
-            tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-            try:
-                with tmp.open("w") as fh:
-                    fh.write("".join(json.dumps(r) + "\n" for r in self.records))
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(tmp, self.path)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
+            write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
             self._fh = self.path.open("a")
         self.records.append(rec)
         self._fh.write(json.dumps(rec) + "\n")
