@@ -169,6 +169,12 @@ DATA_OPTION_KEYS = {"format": "data.format", "max_seq_len": "data.max_seq_len", 
                     "on_error": "data.on_error", "overlong": "data.on_long"}
 
 
+def _dataset_options(d) -> dict:
+    """load_dataset's options from a DataSection ``d``, its advice worded in the config's keys."""
+    return dict(format=d.format, max_seq_len=d.max_seq_len, loss_on=d.train_on, on_error=d.on_error,
+                overlong=d.on_long, cache_dir=tokenization_cache_dir(d.cache_dir), option_names=DATA_OPTION_KEYS)
+
+
 def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path, rank: int = 0, world_size: int = 1):
     """(train loader, eval loader or None, held-out QA records or None) through chronicals.data.
 
@@ -179,9 +185,7 @@ def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path, rank: int = 0, wor
 
     d = cfg.data
     train_files, eval_file, heldout_qa = data_files(cfg, out_dir)
-    kw = dict(format=d.format, max_seq_len=d.max_seq_len, loss_on=d.train_on, on_error=d.on_error,
-              overlong=d.on_long, cache_dir=tokenization_cache_dir(d.cache_dir), option_names=DATA_OPTION_KEYS)
-    ds = load_dataset([str(f) for f in train_files], tokenizer, **kw, name="the training set")
+    ds = load_dataset([str(f) for f in train_files], tokenizer, **_dataset_options(d), name="the training set")
     # rows of max_seq_len, or one padding-free row of at most tokens_per_batch tokens per micro-batch
     shape = d.loader_shape(warn=rank == 0)  # warns when a data.batch_size beside tokens_per_batch goes unused
     train_loader = PackedLoader(ds, max_seq_len=d.max_seq_len, seed=cfg.train.seed, shuffle=True, rank=rank,
@@ -208,10 +212,9 @@ def heldout_loader(d, tokenizer, file: Path, from_qa: bool, name: str, shape: di
     training data's format does not apply then). ``name`` prefixes its errors; shape: ``d.loader_shape()``."""
     from ..data import DataError, PackedLoader, load_dataset
 
+    opts = _dataset_options(d) | ({"format": "chat"} if from_qa else {})
     try:
-        ds = load_dataset([str(file)], tokenizer, format="chat" if from_qa else d.format, max_seq_len=d.max_seq_len,
-                          loss_on=d.train_on, on_error=d.on_error, overlong=d.on_long,
-                          cache_dir=tokenization_cache_dir(d.cache_dir), name=name, option_names=DATA_OPTION_KEYS)
+        ds = load_dataset([str(file)], tokenizer, **opts, name=name)
     except DataError as e:  # say which data it is; record errors name only a file and line
         raise DataError(str(e) if name in str(e) else f"{name}: {e}") from None
     return PackedLoader(ds, max_seq_len=d.max_seq_len, seed=0, shuffle=False,
