@@ -232,6 +232,16 @@ def cmd_export(argv: list[str]) -> int:
     return 0
 
 
+def _within_context(p: argparse.ArgumentParser, model, name: str, *flags: tuple[str, int]) -> None:
+    """Exit 2 for a (flag, tokens) past ``model``'s max_position_embeddings: positions past it were never trained
+    (garbage, and slower at every token)."""
+    context = model.config.max_position_embeddings
+    for flag, value in flags:
+        if value > context:
+            p.error(f"{flag} {value} is more than {name} can attend to (max_position_embeddings={context}); "
+                    f"use at most {context}")
+
+
 def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     p = argparse.ArgumentParser(prog=f"chronicals {prog}",
                                 description="Answer prompts (greedy) with a base or fine-tuned model; with no "
@@ -264,10 +274,7 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
 
     model, tok = _load(a.model, a.adapter, dev, a.dtype)
     require_chat_template(tok)  # before any prompt is read
-    context = model.config.max_position_embeddings
-    if a.max_new_tokens > context:  # past it the positions were never trained: garbage, and slower at every token
-        p.error(f"--max-new-tokens {a.max_new_tokens} is more than {a.model} can attend to "
-                f"(max_position_embeddings={context}); use at most {context}")
+    _within_context(p, model, a.model, ("--max-new-tokens", a.max_new_tokens))
     system = _run_system_prompt(a.adapter or a.model) if a.system is None else a.system
     if system is None:
         system = DEMO_SYSTEM_PROMPT
@@ -384,11 +391,8 @@ def cmd_eval(argv: list[str]) -> int:
     from .evaluate import evaluate, write_json  # no _setup_logging: a summary, as chat prints answers only
 
     model, tok = _load(a.model, a.adapter, dev, a.dtype)
-    context = model.config.max_position_embeddings
-    for flag, value in (("--max-seq-len", a.max_seq_len), ("--max-new-tokens", a.max_new_tokens)):
-        if value > context:  # as chat: positions past it were never trained (and a row costs max_seq_len^2 memory)
-            p.error(f"{flag} {value} is more than {a.model} can attend to (max_position_embeddings={context}); "
-                    f"use at most {context}")
+    # a row also costs max_seq_len^2 memory on the CPU path
+    _within_context(p, model, a.model, ("--max-seq-len", a.max_seq_len), ("--max-new-tokens", a.max_new_tokens))
     try:
         result = evaluate(model, tok, data, dev, qa_limit=a.qa_limit, max_new_tokens=a.max_new_tokens)
     except ValueError as err:  # a data error names data.<key>: here that key is a flag (still exit 3: bad input)
