@@ -131,3 +131,15 @@ def test_good_lora_settings_still_load():
     c = load_config(None, ["lora.targets=all-linear", "lora.modules_to_save=[embed_tokens, lm_head]", "lora.rank=1",
                            "lora.dropout=0", "lora.plus_ratio=1"])
     assert c.lora.modules_to_save == ["embed_tokens", "lm_head"] and len(c.lora.targets) == 7
+
+
+def test_a_misspelled_target_beside_good_ones_exits_2_after_the_model_loads(tmp_path, monkeypatch, capsys):
+    """lora.targets=[q_proj, gate_porj]: the typo matched nothing and the run trained q_proj alone (exit 0), its
+    adapter_config.json recording gate_porj as a target; every name the config lists must match a module."""
+    monkeypatch.setattr(loop, "load_base", lambda *a, **k: (tiny_model(), None))
+    monkeypatch.delenv("CHRONICALS_TRACEBACK", raising=False)
+    assert main(["train", "lora.targets=[q_proj, gate_porj]", "model.path=tiny",
+                 f"train.out_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "error: config lora.targets does not fit model.path=tiny: " in err and "['gate_porj']" in err, err
+    assert "gate_proj" in err and "Traceback" not in err and not (tmp_path / "run" / "adapter").exists()
