@@ -184,6 +184,53 @@ def test_with_checkpointed_layers(lora):
 
 
 @pytest.mark.skipif(not TRITON, reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (make test sets it)")
+@pytest.mark.parametrize("lora", [False, True])
+def test_swiglu_backward_in_place_by_default(monkeypatch, lora):
+    """The default MLP backward (full and LoRA) writes d_gu over the saved gu and act over d_act, once per layer;
+    RuntimeOptions.swiglu_backward_in_place=False uses fresh buffers. Same bits either way."""
+    from chronicals.models import fused_proj
+
+    calls = []
+    real = fused_proj.swiglu_gate_up_backward_
+    monkeypatch.setattr(fused_proj, "swiglu_gate_up_backward_", lambda *a: calls.append(1) or real(*a))
+    model = _model("triton", ("norm", "swiglu"), lora)
+    assert model.opts.swiglu_backward_in_place
+    loss, g = _grads(model)
+    assert len(calls) == TINY["num_hidden_layers"]
+    calls.clear()
+    model.opts.swiglu_backward_in_place = False
+    loss_fresh, g_fresh = _grads(model)
+    assert not calls
+    assert torch.equal(loss, loss_fresh) and g.keys() == g_fresh.keys() and len(g) > 0
+    for n in g:
+        assert torch.equal(g[n], g_fresh[n]), n
+
+
+@pytest.mark.skipif(not TRITON, reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (make test sets it)")
+@pytest.mark.parametrize("lora", [False, True])
+def test_second_backward_after_in_place_raises_and_the_option_allows_it(lora):
+    """The first backward overwrote the saved gate|up output: a second one through the same forward must say so
+    (not return wrong gradients); with the option off it gives the first one's gradients again."""
+    model = _model("triton", ("norm", "swiglu"), lora)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(0)).to(DEV)
+    for in_place in (True, False):
+        model.opts.swiglu_backward_in_place = in_place
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, shift_labels=torch.roll(ids, -1, 1), reduction="sum")
+        loss.backward(retain_graph=True)
+        first = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        if in_place:
+            with pytest.raises(RuntimeError, match="swiglu_backward_in_place = False"):
+                loss.backward()
+            continue
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                assert torch.equal(p.grad, first[n]), n
+
+
+@pytest.mark.skipif(not TRITON, reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (make test sets it)")
 def test_fused_swiglu_recompute_rebuilds_the_product_in_its_backward_kernel(monkeypatch):
     from chronicals.models import fused_proj
 

@@ -9,7 +9,8 @@ import torch
 from ops_tolerance import assert_tracks_torch
 
 from chronicals.ops._impl import triton_interpreting
-from chronicals.ops.swiglu import swiglu, swiglu_gate_up, swiglu_gate_up_ref, swiglu_ref
+from chronicals.ops.swiglu import (swiglu, swiglu_gate_up, swiglu_gate_up_backward, swiglu_gate_up_backward_,
+                                   swiglu_gate_up_ref, swiglu_ref)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 HAVE_TRITON = DEV == "cuda" or triton_interpreting()
@@ -77,6 +78,34 @@ def test_row_strided_input_and_one_gradient_node():
     (g_ours,) = torch.autograd.grad(y, wide, dy)
     (g_ref,) = torch.autograd.grad(swiglu_gate_up_ref(gu), wide, dy)
     torch.testing.assert_close(g_ours, g_ref)
+
+
+@needs_triton
+@pytest.mark.parametrize("i", [5, 130, 1031])
+@pytest.mark.parametrize("rows", [1, 7, 33])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_in_place_backward_writes_the_same_bits_over_its_inputs(dtype, rows, i):
+    """swiglu_gate_up_backward_: d_gu over gu and act over dy, bit for bit the out-of-place kernel's outputs."""
+    gu, dy = _inputs((rows,), i, dtype, seed=rows * 31 + i)
+    dy = dy.to(dtype)
+    act = torch.empty_like(dy)
+    dgu = swiglu_gate_up_backward(dy, gu, act)
+    assert torch.equal(act, swiglu_gate_up(gu, impl="triton"))
+    gu2, dy2 = gu.clone(), dy.clone()
+    dgu2, act2 = swiglu_gate_up_backward_(dy2, gu2)
+    assert dgu2.data_ptr() == gu2.data_ptr() and act2.data_ptr() == dy2.data_ptr()
+    assert torch.equal(dgu2, dgu) and torch.equal(act2, act)
+
+
+@needs_triton
+def test_in_place_backward_refuses_other_layouts():
+    gu, dy = torch.randn(4, 20, device=DEV), torch.randn(4, 10, device=DEV)
+    with pytest.raises(ValueError, match="contiguous"):
+        swiglu_gate_up_backward_(dy, torch.randn(4, 23, device=DEV)[:, :20])
+    with pytest.raises(ValueError, match="contiguous"):
+        swiglu_gate_up_backward_(dy.t().contiguous().t(), gu)
+    with pytest.raises(ValueError, match="one dtype"):
+        swiglu_gate_up_backward_(dy.double(), gu)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

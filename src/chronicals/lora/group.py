@@ -94,8 +94,7 @@ class LoRAGroupFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, a_all, xa = ctx.saved_tensors
-        mat, fin = ctx.mat, a_all.shape[1]
-        ctx.mat = None
+        mat, fin = ctx.mat, a_all.shape[1]  # kept on ctx: the group's own buffer, and a second backward needs it
         dy2 = dy.reshape(-1, dy.shape[-1])  # (N, sum out)
         need_x, need_a = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
         dx = da = None

@@ -277,12 +277,13 @@ class LoRALinear(nn.Module):
         return LoRALinearFunction.apply(x, self.weight, self.bias, a, b, self.scaling, mask, self.dropout,
                                         self.concat, wcat)
 
-    def forward_swiglu(self, gate, up=None, impl: str = "auto", fused_act: bool = True):
+    def forward_swiglu(self, gate, up=None, impl: str = "auto", fused_act: bool = True, in_place: bool = False):
         """``self(swiglu(gate, up))`` without keeping the SwiGLU product for backward: it is recomputed
         from the saved gate / up (see ``chronicals.lora.mlp``). gate, up (..., in) -> (..., out); up None:
         gate is the packed gu (..., 2 in) = [gate | up] (``ops.swiglu_gate_up``).
         The decoder's MLP calls this when its down_proj offers it; ``impl`` is the SwiGLU op's; ``fused_act``:
-        the SwiGLU backward kernel writes the product for dA (packed gu on Triton), else a second forward."""
+        the SwiGLU backward kernel writes the product for dA (packed gu on Triton), else a second forward;
+        ``in_place``: that kernel writes over the saved gu and d_act (``RuntimeOptions.swiglu_backward_in_place``)."""
         from .mlp import LoRASwiGLUDownFunction, swiglu_for_impl
 
         if self.impl == "torch" or not self.recompute_swiglu:  # plain autograd: the product is kept
@@ -290,7 +291,7 @@ class LoRALinear(nn.Module):
         a, b, mask = self._adapters(gate, (*gate.shape[:-1], self.in_features))
         wcat = self._concat_buffer(b) if self._uses_wcat else None
         return LoRASwiGLUDownFunction.apply(gate, up, self.weight, self.bias, a, b, self.scaling, mask,
-                                            self.dropout, self.concat, wcat, impl, fused_act)
+                                            self.dropout, self.concat, wcat, impl, fused_act, in_place)
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:

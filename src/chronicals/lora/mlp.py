@@ -15,6 +15,8 @@ SwiGLU backward allocates dgate / dup. Packed gu on the Triton path (the default
 recompute: d_act is computed first and the SwiGLU backward kernel writes act beside d_gu (one more (N, I)
 write instead of a pass reading gu again), for a transient peak of one more (N, I) tensor. One H200 run at the
 Qwen2.5-0.5B protocol with CUDA graphs (git 06763cc): 163.5k -> 166.7k tokens/s, 11.9 -> 12.1 GiB.
+With ``in_place`` (``RuntimeOptions.swiglu_backward_in_place``, the default) that kernel writes d_gu over the
+saved gu and act over d_act (``models.fused_proj.swiglu_backward_owned``): no (N, 2I) and (N, I) beside them.
 ``RuntimeOptions.fused_swiglu_recompute=False`` (bench contender ``chronicals-lora-graphs-offer``) picks the
 second forward.
 """
@@ -25,8 +27,8 @@ import torch
 
 from ..ops import swiglu, swiglu_gate_up
 from ..ops._impl import resolve_impl
-from ..ops.swiglu import (_unit_col_rows, swiglu_backward, swiglu_gate_up_backward, swiglu_gate_up_dgu,
-                          swiglu_gate_up_ref, swiglu_ref)
+from ..models.fused_proj import swiglu_backward_owned
+from ..ops.swiglu import _unit_col_rows, swiglu_backward, swiglu_gate_up_dgu, swiglu_gate_up_ref, swiglu_ref
 from .layer import concat_weight, lora_backward, lora_forward
 
 
@@ -73,7 +75,7 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scaling: float, mask, dropout: float,
-                concat: bool, wcat, impl: str, fused_act: bool = True):
+                concat: bool, wcat, impl: str, fused_act: bool = True, in_place: bool = False):
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             raise RuntimeError("LoRASwiGLUDownFunction: down_proj's base weight and bias must be frozen "
                                "(requires_grad=False; apply_lora does this)")
@@ -89,7 +91,7 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
         ctx.save_for_backward(gate, up, weight, lora_a, lora_b, xa, mask)
         ctx.wcat = wcat if concat else None
         ctx.scaling, ctx.dropout, ctx.impl, ctx.act_shape = scaling, dropout, impl, shape
-        ctx.fused_act = fused_act
+        ctx.fused_act, ctx.in_place, ctx.spent = fused_act, in_place, False
         return y.view(*shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -104,9 +106,8 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
             # then dA reads act: no separate SwiGLU forward pass over gu
             gu2 = _unit_col_rows(gate, gate.shape[-1])
 
-            def act2(d_act):
-                act = torch.empty_like(d_act)
-                out["dgu"] = swiglu_gate_up_backward(d_act, gu2, act)
+            def act2(d_act):  # d_act is lora_backward's own fresh dx, unused after this (dg comes from out)
+                out["dgu"], act = swiglu_backward_owned(ctx, d_act, gu2)
                 return act
         elif need_a:  # dA needs act again: recompute it (bit-identical to the forward's)
             with torch.no_grad():
@@ -120,7 +121,7 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
             dg = out["dgu"].view(gate.shape)
         elif need_act:
             dg, du = swiglu_grads(d_act.view(ctx.act_shape), gate, up, ctx.impl)
-        return dg, du, None, None, da, db, None, None, None, None, None, None, None
+        return dg, du, None, None, da, db, None, None, None, None, None, None, None, None
 
 
 def _fused_act_ok(gate: torch.Tensor, up: torch.Tensor | None, impl: str) -> bool:

@@ -54,6 +54,12 @@ class RuntimeOptions:
     # eager, 0.5B protocol (git 6faf856): 138.1k tok/s vs 136.7k, both 13.7 GiB. Same gradients either way
     # (bit for bit).
     fused_swiglu_recompute: bool = True
+    # with fused_swiglu_recompute on the Triton path: that kernel writes the gate|up gradient over the saved
+    # gate|up output and the product over d_act (models.fused_proj.swiglu_backward_owned), so the MLP
+    # backward's transients are 3 (N, I) tensors fewer (0.45 GiB at the Qwen2.5-0.5B protocol, 0.66 GiB at the
+    # 8B LoRA shape, where the step's peak is the first MLP backward). Same bits. False: fresh buffers, for
+    # more than one backward through one forward (retain_graph=True), which raises otherwise.
+    swiglu_backward_in_place: bool = True
     # the loss head's vocab_parts (ops.linear_cross_entropy): k > 1 keeps no fp32 weight-gradient accumulator
     # beyond dW itself (0.79 -> 0.56 GiB at Qwen2.5-0.5B) for a second pass over part of the vocabulary (k = 2:
     # 29.7 -> 33.9 ms for the head on an H200, git 638f39e)
@@ -170,7 +176,8 @@ class MLP(nn.Module):
         lora_down = getattr(self.down_proj, "forward_swiglu", None)
         if gu is not None:
             if lora_down is not None:
-                return lora_down(gu, None, impl=self.opts.impl, fused_act=self.opts.fused_swiglu_recompute)
+                return lora_down(gu, None, impl=self.opts.impl, fused_act=self.opts.fused_swiglu_recompute,
+                                 in_place=self.opts.swiglu_backward_in_place)
             recomputing = "swiglu" in self.opts.recompute and recompute.is_active()
             if recomputing and self.opts.fused_swiglu_recompute:
                 y = swiglu_down(self, gu)  # None off the Triton path: then the offer below

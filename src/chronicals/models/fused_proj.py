@@ -42,7 +42,8 @@ import torch.nn.functional as F
 
 from ..ops._impl import resolve_impl
 from ..ops.recompute import offer
-from ..ops.swiglu import _unit_col_rows, swiglu_gate_up_backward, swiglu_gate_up_forward
+from ..ops.swiglu import (_unit_col_rows, swiglu_gate_up_backward, swiglu_gate_up_backward_,
+                          swiglu_gate_up_forward)
 
 log = logging.getLogger("chronicals.models")
 _logged: set[tuple[str, str]] = set()
@@ -168,15 +169,18 @@ class SwiGLUDownFunction(torch.autograd.Function):
         d_gu, act = kernel(d_act, gu)      one pass; act bit-identical to the forward's
         dW = dy^T @ act, db = dy.sum(0)    the same calls as F.linear's backward
     so gradients equal the plain path's bit for bit. Triton path only (the op's other doors use the offer).
+    ``in_place`` (``RuntimeOptions.swiglu_backward_in_place``): the kernel writes d_gu over the saved gu and
+    act over d_act (``ops.swiglu.swiglu_gate_up_backward_``), so the backward's transients are 3 (N, I)
+    tensors fewer; the same bits. A second backward through the same forward (retain_graph) then raises.
     """
 
     @staticmethod
-    def forward(ctx, gu, weight, bias):
+    def forward(ctx, gu, weight, bias, in_place: bool = False):
         gu2 = _unit_col_rows(gu, gu.shape[-1])  # (N, 2I)
         act = swiglu_gate_up_forward(gu2)  # (N, I): freed when this forward returns
         y = F.linear(act, weight, bias)  # (N, H)
         ctx.save_for_backward(gu2, weight)
-        ctx.has_bias, ctx.lead = bias is not None, gu.shape[:-1]
+        ctx.has_bias, ctx.lead, ctx.in_place, ctx.spent = bias is not None, gu.shape[:-1], in_place, False
         return y.view(*gu.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -184,12 +188,29 @@ class SwiGLUDownFunction(torch.autograd.Function):
         gu2, weight = ctx.saved_tensors
         dy2 = dy.reshape(-1, weight.shape[0])
         d_act = dy2.mm(weight)  # (N, I)
-        act = torch.empty_like(d_act)
-        dgu = swiglu_gate_up_backward(d_act, gu2, act)
+        dgu, act = swiglu_backward_owned(ctx, d_act, gu2)
         del d_act
         dw = dy2.t().mm(act) if ctx.needs_input_grad[1] else None
         db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dgu.view(*ctx.lead, gu2.shape[1]), dw, db
+        return dgu.view(*ctx.lead, gu2.shape[1]), dw, db, None
+
+
+def swiglu_backward_owned(ctx, d_act: torch.Tensor, gu2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_gu (N, 2I), act (N, I)) from d_act (N, I) and the saved gu2 (N, 2I) for a backward that owns both:
+    in place when ``ctx.in_place`` and both are contiguous (``ops.swiglu.swiglu_gate_up_backward_``), else into
+    fresh buffers. In place, ``ctx.spent`` marks gu2 as overwritten, and a second backward raises."""
+    if ctx.in_place:
+        if ctx.spent:
+            raise RuntimeError(
+                "the decoder MLP's backward ran twice through one forward (retain_graph=True?), but its first "
+                "backward wrote the gate/up gradient over the saved gate/up output (RuntimeOptions."
+                "swiglu_backward_in_place, on by default); set model.opts.swiglu_backward_in_place = False "
+                "before the forward to backpropagate through it more than once")
+        if d_act.is_contiguous() and gu2.is_contiguous():
+            ctx.spent = True
+            return swiglu_gate_up_backward_(d_act, gu2)
+    act = torch.empty_like(d_act)
+    return swiglu_gate_up_backward(d_act, gu2, act), act
 
 
 def swiglu_down(mlp: nn.Module, gu: torch.Tensor) -> torch.Tensor | None:
@@ -199,4 +220,4 @@ def swiglu_down(mlp: nn.Module, gu: torch.Tensor) -> torch.Tensor | None:
         return None
     if resolve_impl("swiglu_gate_up", mlp.opts.impl, gu.device) != "triton":
         return None
-    return SwiGLUDownFunction.apply(gu, mlp.down_proj.weight, mlp.down_proj.bias)
+    return SwiGLUDownFunction.apply(gu, mlp.down_proj.weight, mlp.down_proj.bias, mlp.opts.swiglu_backward_in_place)
