@@ -142,17 +142,20 @@ def chronicals_step(model, spec: RunSpec, device: torch.device, graphs: bool = F
 
 def _chronicals(method: str, compile_layers: bool, graphs: bool = False, keep: bool = False,
                 fused_swiglu: bool = True, group: bool = True, recompute: tuple | None = None,
-                gate_up_layers: int = 0):
+                gate_up_layers: int = 0, in_place: bool = True):
     """keep: no selective recomputation (``model.recompute=[]``): every activation stays saved.
     fused_swiglu: the SwiGLU backward kernel rebuilds the product (``RuntimeOptions.fused_swiglu_recompute``,
     the default); False: a second SwiGLU forward does (the offer).
     group: LoRA q/k/v and gate/up as one GEMM each (``lora.group``); False: one call per module.
     recompute: ``model.recompute`` names instead of the default (keep=True means ()); gate_up_layers: with
-    "gate_up" among them, the first k layers only (``model.gate_up_layers``)."""
+    "gate_up" among them, the first k layers only (``model.gate_up_layers``).
+    in_place: the MLP backward writes its gradients over the saved gate|up output and d_act
+    (``RuntimeOptions.swiglu_backward_in_place``, the default); False: fresh buffers."""
     def build(spec: RunSpec, shape: Shape, device: torch.device) -> Built:
         model = build_chronicals_model(shape, device, spec.impl, spec.seed)
         model.set_checkpointing(spec.checkpointing)
         model.opts.fused_swiglu_recompute = fused_swiglu
+        model.opts.swiglu_backward_in_place = in_place
         model.opts.attention = spec.attention
         if keep or recompute is not None:
             model.set_recompute(() if keep else recompute, gate_up_layers)
@@ -168,7 +171,8 @@ def _chronicals(method: str, compile_layers: bool, graphs: bool = False, keep: b
             notes.append("decoder layers torch.compile'd")
         notes.append(f"recompute={list(model.opts.recompute)}"
                      + (f", gate_up in the first {gate_up_layers} layers" if gate_up_layers else "")
-                     + ("" if fused_swiglu else " (SwiGLU product from a second forward)"))
+                     + ("" if fused_swiglu else " (SwiGLU product from a second forward)")
+                     + ("" if in_place else ", MLP backward into fresh buffers"))
         params = [p for g in groups for p in g["params"]]
         opt = make_optimizer(groups, device, spec.lr or (LR_LORA if method == "lora" else LR_FULL))
         prepare, fb = chronicals_step(model, spec, device, graphs)
@@ -276,6 +280,11 @@ _ALL = [
     Contender("chronicals-lora-graphs-gateup1", "chronicals LoRA, CUDA graphs, gate/up output recomputed in 1 layer",
               "lora", _chronicals("lora", False, True, recompute=("norm", "swiglu", "gate_up"), gate_up_layers=1),
               in_default=False),
+    # the MLP backward's gradients into fresh buffers instead of over gate|up and d_act (3 (N, I) tensors more)
+    Contender("chronicals-full-graphs-fresh", "chronicals, CUDA graphs, MLP backward into fresh buffers", "full",
+              _chronicals("full", False, True, in_place=False), in_default=False),
+    Contender("chronicals-lora-graphs-fresh", "chronicals LoRA, CUDA graphs, MLP backward into fresh buffers", "lora",
+              _chronicals("lora", False, True, in_place=False), in_default=False),
     Contender("chronicals-lora-graphs-keep", "chronicals LoRA, CUDA graphs, no recompute", "lora",
               _chronicals("lora", False, True, keep=True), in_default=False),
     Contender("chronicals-lora-compile", "chronicals LoRA, layers compiled", "lora", _chronicals("lora", True),
