@@ -406,3 +406,19 @@ def test_export_refuses_an_out_inside_the_base_or_the_adapter(tiny_base, tmp_pat
     for inside in (tiny_base / "merged", adapter / "sub" / "merged"):
         assert main(["export", "--base", str(tiny_base), "--adapter", str(adapter), "--out", str(inside)]) == 2
         assert "is inside --" in capsys.readouterr().err and not inside.exists()
+
+
+def test_the_continue_command_of_an_interrupted_run_can_be_pasted_as_printed(tmp_path, monkeypatch, capsys):
+    """A stopped run prints the command that continues it; an argument with a space (a system prompt, a path) was
+    printed bare, so the pasted command split it into a config file name and failed."""
+    import shlex
+
+    import chronicals.train as train_pkg
+    from chronicals.train.loop import TrainResult
+
+    monkeypatch.setattr(train_pkg, "train", lambda cfg, report=None: TrainResult(
+        status="interrupted", step=3, total_steps=8, out_dir=tmp_path, checkpoint=tmp_path / "step-000003"))
+    argv = ["data.system_prompt=You are a bot", f"train.out_dir={tmp_path / 'my run'}", "train.resume=none"]
+    assert main(["train", *argv]) == 130
+    line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("continue with: "))
+    assert shlex.split(line.removeprefix("continue with: ")) == ["chronicals", "train", *argv[:2], "train.resume=auto"]

@@ -14,6 +14,7 @@ import argparse
 import logging
 import os
 import select
+import shlex
 import signal
 import sys
 import threading
@@ -102,9 +103,9 @@ def cmd_train(argv: list[str]) -> int:
         return 1
     if result.status == "interrupted":
         if _rank() == 0:
+            again = [a for a in argv if not a.startswith("train.resume=")] + ["train.resume=auto"]
             print(f"stopped at step {result.step}/{result.total_steps}; checkpoint {result.checkpoint}\n"
-                  f"continue with: chronicals train "
-                  f"{' '.join(a for a in argv if not a.startswith('train.resume='))} train.resume=auto")
+                  f"continue with: {shlex.join(['chronicals', 'train', *again])}")  # quoted: pasted as printed
         return 130
     if _rank() == 0:
         print(report.summary(result))
