@@ -493,6 +493,15 @@ def test_overlap_grad_reduce_in_one_process_is_named(tmp_path, docs, caplog):
     assert "train.overlap_grad_reduce=true does nothing in one process" in caplog.text
 
 
+def test_eval_every_without_held_out_data_is_named(tmp_path, docs, caplog):
+    """eval.every=2 with no held-out set (data.eval_path='', or auto beside your own data) evaluated nothing, unsaid."""
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        train(tiny_config(tmp_path, train__max_steps=4, eval__every=2), model=tiny_model(),
+              train_loader=SyntheticLoader(docs))
+    assert "eval.every=2 does nothing: the run has no held-out data" in caplog.text
+    assert "data.eval_path" in caplog.text
+
+
 def test_a_warmup_as_long_as_the_run_is_named_with_where_the_peak_lands(tmp_path, docs, caplog):
     """warmup 5 over a 3-step run is clamped to 2: steps 1, 2, 3 run at 1/2, 1, 1 of the peak."""
     with caplog.at_level("WARNING", logger="chronicals.train"):

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError, TrainConfig, from_dict, load_config
+from ..config import DEMO, ConfigError, TrainConfig, from_dict, load_config
 from ..cuda_alloc import allocator_setting
 from . import checkpoint as ckpt
 from .metrics import (MetricsLog, matmul_peak_tflops, memory_gib, plot_losses, private_pool_bytes,
@@ -336,6 +336,11 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     if cfg.train.overlap_grad_reduce and not dp.enabled:
         log.warning("train.overlap_grad_reduce=true does nothing in one process: it overlaps data parallel's "
                     "gradient all-reduce with backward (torchrun --nproc-per-node N); drop it")
+    if cfg.eval.every and eval_loader is None:
+        log.warning("eval.every=%d does nothing: the run has no held-out data (data.eval_path=%r%s); set "
+                    "data.eval_path to a held-out file, or drop eval.every", cfg.eval.every, cfg.data.eval_path,
+                    ": auto is none beside your own data.path" if cfg.data.eval_path == "auto" and cfg.data.path != DEMO
+                    else "")
     if dp.enabled:
         log.info("data parallel: gradient all-reduce %s", "overlapped with backward (train.overlap_grad_reduce)"
                  if reducer else "after backward")
