@@ -65,3 +65,21 @@ def test_a_trained_tied_lm_head_survives_merge_save_and_load(tmp_path, ids):
     again, _ = chronicals.load_model(out, tokenizer=False)
     with torch.no_grad():
         torch.testing.assert_close(again(ids), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_run_or_model_directory_given_as_the_adapter_is_told_what_to_pass(tmp_path):
+    """--adapter runs/x (the run, whose adapter/ holds the files) or --adapter of a model directory said only
+    "adapter_config.json: not found; a PEFT adapter directory holds ...", no word of the directory to pass."""
+    from chronicals.lora import read_adapter_config
+
+    run = tmp_path / "run"
+    (run / "adapter").mkdir(parents=True)
+    (run / "adapter" / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}')
+    with pytest.raises(FileNotFoundError, match=rf"adapter_config\.json: not found; .*pass {run / 'adapter'}"):
+        read_adapter_config(run)
+    model = tmp_path / "merged"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"adapter_config\.json: not found; this is a model directory "
+                                                r"\(config\.json\), not a LoRA adapter: pass it as --model"):
+        read_adapter_config(model)

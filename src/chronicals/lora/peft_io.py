@@ -85,8 +85,14 @@ def read_adapter_config(adapter_dir) -> dict:
         raise FileNotFoundError(f"{adapter_dir}: no such directory; an adapter is the directory holding {CONFIG_NAME} "
                                 f"and {WEIGHTS_NAME} (e.g. runs/demo/adapter)")
     path = Path(adapter_dir) / CONFIG_NAME
+    missing = f"a PEFT adapter directory holds {CONFIG_NAME} and {WEIGHTS_NAME}"
+    if (Path(adapter_dir) / "adapter" / CONFIG_NAME).is_file():  # --adapter runs/demo: the run's adapter is in it
+        missing += f"; {adapter_dir} holds one in its adapter folder: pass {Path(adapter_dir) / 'adapter'}"
+    elif (Path(adapter_dir) / "config.json").is_file():  # --adapter of a merged or full fine-tuned model
+        missing = ("this is a model directory (config.json), not a LoRA adapter: pass it as --model (chat, eval), "
+                   "without --adapter; a model has nothing to export (merge)")
     cfg = read_json_object(path, CONFIG_NAME, "save the adapter again (save_adapter / PEFT's save_pretrained)",
-                           missing=f"a PEFT adapter directory holds {CONFIG_NAME} and {WEIGHTS_NAME}")
+                           missing=missing)
     missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in cfg]
     if missing:
         raise ValueError(f"{path}: missing field(s) {', '.join(missing)}; a PEFT LoRA adapter_config.json has "
