@@ -116,3 +116,19 @@ def test_an_adapter_directory_given_as_the_model_is_told_to_be_the_adapter(tmp_p
     (adapter / "adapter_config.json").unlink()  # a plain folder without config.json: as before
     with pytest.raises(FileNotFoundError, match=r"config\.json: not found; a Hugging Face model directory needs one$"):
         load_model(adapter)
+
+
+def test_a_run_directory_given_as_the_model_names_its_model_or_adapter(tmp_path):
+    """--model runs/x said only "runs/x/config.json: not found; a Hugging Face model directory needs one"."""
+    from chronicals.models import load_model
+
+    run = tmp_path / "run"
+    (run / "adapter").mkdir(parents=True)
+    (run / "adapter" / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}')
+    with pytest.raises(FileNotFoundError, match=rf"needs one; {run} is a run directory holding a LoRA adapter: "
+                                                rf"pass --adapter {run / 'adapter'}"):
+        load_model(run)
+    (run / "model").mkdir()
+    (run / "model" / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=rf"needs one; {run} holds one in its model folder: pass {run / 'model'}"):
+        load_model(run)

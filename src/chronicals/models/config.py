@@ -146,6 +146,12 @@ class ModelConfig:
         if (Path(path).parent / "adapter_config.json").is_file():  # --model runs/x/adapter: the PEFT file beside it
             missing = ("this is a LoRA adapter (adapter_config.json), not a model: pass it as --adapter (chat, eval, "
                        "export; from Python chronicals.lora.load_adapter), with its base as the model")
+        run = Path(path).parent  # --model runs/x: a training run's directory holds its model/ or adapter/
+        if (run / "model" / "config.json").is_file():
+            missing += f"; {run} holds one in its model folder: pass {run / 'model'}"
+        elif (run / "adapter" / "adapter_config.json").is_file():
+            missing += (f"; {run} is a run directory holding a LoRA adapter: pass --adapter {run / 'adapter'} (its "
+                        "base is then the model)")
         d = read_json_object(path, "config.json", "copy config.json from the original model again", missing=missing)
         return cls.from_hf_dict(d, source=str(Path(path)))
 
