@@ -52,6 +52,20 @@ def test_generation_stops_at_the_models_context_with_one_warning(caplog):
     assert len(generate(model, prompt, 5)) == 5
 
 
+def test_a_prompt_that_fills_the_context_is_said_to_be_too_long_each_time(caplog):
+    """A 721-token prompt to a 512-position model answered "" (chat: exit 0) with advice to lower max_new_tokens to
+    "at most 512 minus the prompt's length", a negative number; a second such prompt got no word at all."""
+    from chronicals.models.generate import generate
+
+    model = tiny_model()  # max_position_embeddings=128
+    with caplog.at_level("WARNING", logger="chronicals.generate"):
+        assert len(generate(model, torch.arange(130) % 50, 3)) == 0
+        assert len(generate(model, torch.arange(140) % 50, 3)) == 0
+    assert caplog.text.count("the prompt alone fills the model's context (max_position_embeddings=128)") == 2
+    assert "130-token prompt" in caplog.text and "shorten the prompt" in caplog.text
+    assert "minus the prompt's length" not in caplog.text
+
+
 # ---- tilde: ~ is the home directory ----
 
 def test_tilde_in_out_dir_resume_and_eval_path_is_home(tmp_path, docs, monkeypatch):

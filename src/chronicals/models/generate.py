@@ -20,6 +20,11 @@ def new_token_budget(model, prompt_len: int, max_new_tokens: int) -> int:
     if not context or prompt_len + max_new_tokens <= context:
         return max_new_tokens
     budget = max(0, context - prompt_len)
+    if not budget:  # no answer at all, for this prompt: said each time (a chat loop's next prompt may fit)
+        log.warning("a %d-token prompt: the prompt alone fills the model's context (max_position_embeddings=%d), so "
+                    "no new token is generated; shorten the prompt to fewer than %d tokens", prompt_len, context,
+                    context)
+        return 0
     if (max_new_tokens, context) not in _warned:
         _warned.add((max_new_tokens, context))
         log.warning("max_new_tokens=%d with a %d-token prompt goes past the model's context "
