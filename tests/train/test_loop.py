@@ -418,6 +418,28 @@ def test_resume_at_or_past_the_end(tmp_path, docs, caplog):
               train_loader=SyntheticLoader(docs))
 
 
+def test_a_finished_run_found_by_resume_writes_its_own_final_directory(tmp_path, docs):
+    """Run A wrote model/; run B (resume=none, another lr, train.save_final=false) finished; resume=auto with
+    save_final then found B's last checkpoint and returned A's model/ as B's, unchanged."""
+    from safetensors.torch import load_file
+
+    train(tiny_config(tmp_path, train__max_steps=3, train__save_final=True), model=tiny_model(),
+          train_loader=SyntheticLoader(docs))
+    run = tmp_path / "run"
+    first = load_file(run / "model" / "model.safetensors")
+    train(tiny_config(tmp_path, train__max_steps=3, optim__lr=3e-2), model=tiny_model(),
+          train_loader=SyntheticLoader(docs))
+    res = train(tiny_config(tmp_path, train__max_steps=3, optim__lr=3e-2, train__save_final=True,
+                            train__resume="auto"), model=tiny_model(), train_loader=SyntheticLoader(docs))
+    assert res.start_step == 3 and res.final_dir == run / "model"
+    straight = train(tiny_config(tmp_path, train__max_steps=3, optim__lr=3e-2, train__save_final=True,
+                                 train__out_dir=str(tmp_path / "b")), model=tiny_model(),
+                     train_loader=SyntheticLoader(docs))
+    got, want = load_file(res.final_dir / "model.safetensors"), load_file(straight.final_dir / "model.safetensors")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert not all(torch.equal(got[k], first[k]) for k in first)
+
+
 class _FailingEval(SyntheticLoader):
     def __iter__(self):
         raise ValueError("held-out data went bad")

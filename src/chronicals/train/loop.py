@@ -646,15 +646,16 @@ def _metrics_log(cfg: TrainConfig, out_dir: Path, resume_from: Path | None, star
 
 def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, checkpoint: Path,
                   total: int) -> TrainResult:
-    """resume found the run's last step: nothing to train, nothing logged again; the final directory is
-    written only if the finished run did not write it."""
+    """resume found the run's last step: nothing to train, nothing logged again; the final directory is written
+    from the checkpoint's weights, also when one is there: it may be an earlier run's (this one ran with
+    train.save_final=false, or stopped between its last checkpoint and its final save), and was returned as this
+    run's."""
     log.warning("%s is this run's last step (%d of %d): nothing to train; raise train.max_steps to train on, or set "
                 "train.resume=none to start over", checkpoint, total, total)
     result = TrainResult(status="completed", step=total, total_steps=total, out_dir=out_dir, checkpoint=checkpoint,
                          start_step=total)
     if cfg.train.save_final and dp.is_main:
-        final = final_dir(cfg, out_dir)
-        result.final_dir = final if final.is_dir() else save_final(model, tokenizer, cfg, out_dir)
+        result.final_dir = save_final(model, tokenizer, cfg, out_dir)
     return result
 
 
