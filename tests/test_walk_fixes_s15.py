@@ -130,5 +130,6 @@ def test_a_run_directory_given_as_the_model_names_its_model_or_adapter(tmp_path)
         load_model(run)
     (run / "model").mkdir()
     (run / "model" / "config.json").write_text("{}")
-    with pytest.raises(FileNotFoundError, match=rf"needs one; {run} holds one in its model folder: pass {run / 'model'}"):
+    with pytest.raises(FileNotFoundError,
+                       match=rf"needs one; {run} holds one in its model folder: pass {run / 'model'}"):
         load_model(run)
