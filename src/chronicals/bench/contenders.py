@@ -275,8 +275,8 @@ _ALL = [
     Contender("chronicals-lora-graphs-gateup10", "chronicals LoRA, CUDA graphs, gate/up output recomputed in 10 layers",
               "lora", _chronicals("lora", False, True, recompute=("norm", "swiglu", "gate_up"), gate_up_layers=10),
               in_default=False),
-    # at the 8B shape (4 x 2048): ~0.44 GiB of gate/up output per layer; one layer rebuilt takes the default's 40.1 GiB
-    # (expandable segments, a4de062) under the 40 GiB target by arithmetic, for ~0.6% of the step (not yet measured)
+    # at the 8B shape (4 x 2048): ~0.44 GiB of gate/up output per layer, for ~0.6% of the step each by arithmetic
+    # (not yet measured); the default is 39.5 GiB since the in-place MLP backward (git 9764891)
     Contender("chronicals-lora-graphs-gateup1", "chronicals LoRA, CUDA graphs, gate/up output recomputed in 1 layer",
               "lora", _chronicals("lora", False, True, recompute=("norm", "swiglu", "gate_up"), gate_up_layers=1),
               in_default=False),
