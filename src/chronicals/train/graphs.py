@@ -332,7 +332,7 @@ class GraphedStep:
             self._assign = (key, cap)
         else:
             self.graphs[key] = cap
-        log.info("cuda_graphs: captured the step for (B, S, doc capacity)=%s%s (%d graphs; reserved memory +%.2f "
+        log.info("cuda_graphs: captured the step for (B, S, doc capacity)=%s%s (%d graphs; reserved memory %+.2f "
                  "GiB incl. warm-up)", key[0], " with the gradient all-reduce" if comm else
                  " writing the step's first gradients" if assign else "", len(self.graphs) + (self._assign is not None),
                  (torch.cuda.memory_reserved(d) - reserved0) / 2**30)
