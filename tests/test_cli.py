@@ -38,6 +38,12 @@ def test_bad_value_fails_before_model_load(capsys):
     assert "optim.lr=-1.0 is invalid: expected a number > 0" in err
 
 
+def test_override_given_twice_is_a_config_error(capsys):
+    assert main(["train", "model.path=/nonexistent/model", "train.max_steps=3", "train.max_steps=4"]) == 2
+    assert "train.max_steps given twice (train.max_steps=3 and train.max_steps=4); give it once" in \
+        capsys.readouterr().err
+
+
 def test_unknown_key_suggests(capsys):
     assert main(["train", "optim.learning_rat=1e-3"]) == 2
     assert "did you mean optim" in capsys.readouterr().err

@@ -159,6 +159,17 @@ def test_duplicate_keys_fail_at_the_second(tmp_path, text, message):
         load_config(p)
 
 
+def test_override_given_twice_fails_like_a_yaml_duplicate(tmp_path):
+    with pytest.raises(ValueError, match=r"^command line: train\.max_steps given twice \(train\.max_steps=3 and "
+                                         r"train\.max_steps=4\); give it once$"):  # was: the last one silently won
+        load_config(None, ["train.max_steps=3", "train.max_steps=4"])
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  max_steps: 2\n")  # the file's value is overridden once, not a duplicate
+    assert load_config(p, ["train.max_steps=3"]).train.max_steps == 3
+    with pytest.raises(ValueError, match=r"^command line: optim\.lr given twice"):
+        load_config(p, ["optim.lr=1e-3", "optim.lr = 1e-3"])
+
+
 @pytest.mark.parametrize("text, message", [
     # the problem's own position, then where the unclosed construct began
     ("optim:\n  lr: 1e-3\ntrain:\n  max_steps: [1\n",

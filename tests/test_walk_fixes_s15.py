@@ -30,8 +30,9 @@ def tokenizer():
 def _cfg(tmp_path, *overrides):
     from chronicals.config import load_config
 
-    return load_config(None, ["data.max_seq_len=16", "data.cache_dir=none", "eval.qa=false",
-                              f"train.out_dir={tmp_path / 'run'}", *overrides])
+    given = {o.split("=", 1)[0] for o in overrides}  # a key given twice is refused: an override replaces a default
+    defaults = ["data.max_seq_len=16", "data.cache_dir=none", "eval.qa=false", f"train.out_dir={tmp_path / 'run'}"]
+    return load_config(None, [d for d in defaults if d.split("=", 1)[0] not in given] + list(overrides))
 
 
 def test_the_trainers_data_errors_name_config_keys_not_load_dataset(tokenizer, tmp_path):

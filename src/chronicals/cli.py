@@ -26,7 +26,7 @@ USAGE = """usage: chronicals train [CONFIG.yaml] [section.key=value ...]
 
 Fine-tune a decoder LLM. With no arguments: the embedded demo (LoRA+ on SmolLM2-135M-Instruct with the
 packaged Vellmora facts; a few minutes on a laptop CPU). Values on the command line override the YAML
-file, which overrides the defaults below. Exit status: 0 done, 1 diverged (NaN/inf), 2 bad config,
+file (each key once), which overrides the defaults below. Exit status: 0 done, 1 diverged (NaN/inf), 2 bad config,
 3 bad input found while running (a data, model or adapter file: the message names it, with the line for
 data), 4 internal error (a bug in chronicals: the traceback says where; please report it), 130 stopped by
 SIGINT/SIGTERM: during training after writing a checkpoint (run again with train.resume=auto); before the
