@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from chronicals.cli import main
 from chronicals.config import ConfigError
 from chronicals.train import train
-from chronicals.train.checkpoint import checkpoint_dirs
+from chronicals.train.checkpoint import STATE_FILE, checkpoint_dirs
 from chronicals.train.guards import LOCK_FILE
 
 from train_helpers import SyntheticLoader, synthetic_docs, tiny_config, tiny_model
@@ -105,6 +105,25 @@ def test_bad_out_dir_and_resume_values_exit_2(tmp_path, docs, capsys):
         assert "holds no checkpoint (no state.pt)" in err
         if resume != tmp_path:  # a run's out_dir (or its checkpoints/) is answered with its newest checkpoint
             assert f"its newest checkpoint is train.resume={run / 'checkpoints' / 'step-000002'}" in err
+
+
+def test_a_run_directory_given_as_resume_names_what_to_pass_for_it(tmp_path, capsys):
+    """Was 'or set train.resume=auto' whatever the directory: auto looks in this run's out_dir, not the one given."""
+    other, empty = tmp_path / "other", tmp_path / "empty"
+    (other / "checkpoints" / "step-000002").mkdir(parents=True)
+    (other / "checkpoints" / "step-000002" / STATE_FILE).write_bytes(b"")
+    empty.mkdir()
+    args = [f"model.path={tmp_path / 'missing'}", "train.max_steps=1"]  # reaching the model load would be 3
+    newest = f"its newest checkpoint is train.resume={other / 'checkpoints' / 'step-000002'}; "
+    for out_dir, hint in ((tmp_path / "me", f"or continue that run in its own directory with train.out_dir={other} "
+                                            "train.resume=auto"), (other, "or set train.resume=auto")):
+        for resume in (other, other / "checkpoints"):
+            assert main(["train", f"train.out_dir={out_dir}", f"train.resume={resume}", *args]) == 2
+            assert newest + hint in capsys.readouterr().err
+        assert main(["train", f"train.out_dir={out_dir}", f"train.resume={empty}", *args]) == 2
+        err = capsys.readouterr().err  # auto offered only where it finds a checkpoint, naming it
+        assert ("or train.resume=auto" in err) == (out_dir == other)
+        assert out_dir != other or f"(continues from {other / 'checkpoints' / 'step-000002'})" in err
 
 
 # ---- config.yaml a folder ----

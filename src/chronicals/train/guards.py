@@ -114,15 +114,24 @@ def check_resume_path(cfg: TrainConfig) -> None:
         return
     from .checkpoint import latest_checkpoint
 
-    path = Path(cfg.train.resume).expanduser()
-    fix = f"give a checkpoint directory (out_dir/checkpoints/step-N) or its {STATE_FILE}, or train.resume=auto"
-    if path.is_dir() and not (path / STATE_FILE).is_file():
+    def newest(run) -> Path | None:
         try:
-            newest = latest_checkpoint(path) or latest_checkpoint(path.parent)  # a run's out_dir, or its checkpoints/
-        except OSError:
-            newest = None
-        if newest is not None:
-            fix = f"its newest checkpoint is train.resume={newest}; or set train.resume=auto"
+            return latest_checkpoint(run)
+        except OSError:  # run/checkpoints a file: check_out_dir's to say, for this run's out_dir
+            return None
+
+    path = Path(cfg.train.resume).expanduser()
+    out = Path(cfg.train.out_dir).expanduser()
+    fix = f"give a checkpoint directory (out_dir/checkpoints/step-N) or its {STATE_FILE}"
+    if (mine := newest(out)) is not None:  # resume=auto looks in this run's out_dir only: offered where it finds one
+        fix += f", or train.resume=auto (continues from {mine})"
+    if path.is_dir() and not (path / STATE_FILE).is_file():
+        found = newest(path) or newest(path.parent)  # a run's out_dir, or its checkpoints/
+        if found is not None:
+            run = found.parent.parent
+            fix = f"its newest checkpoint is train.resume={found}; " + (
+                "or set train.resume=auto" if run.resolve() == out.resolve() else
+                f"or continue that run in its own directory with train.out_dir={run} train.resume=auto")
         raise ConfigError(f"train.resume={cfg.train.resume} holds no checkpoint (no {STATE_FILE}); {fix}",
                           "train.resume")
     if path.is_file() and path.name != STATE_FILE:  # load_checkpoint would try it and blame its directory
