@@ -324,8 +324,9 @@ class TrainSection:
                                 "CPU copy of the state (the file appears when written; checkpoints at a stop, the "
                                 "end or an error are waited for)")
     resume: str = _f("auto", "auto (latest checkpoint in out_dir if any) | none (start over: out_dir's earlier "
-                             "checkpoints are removed once this run writes) | a checkpoint directory or its state.pt "
-                             "(out_dir's later ones are removed likewise; another run's brings that run's "
+                             "checkpoints and final adapter/model are removed once this run writes) | a checkpoint "
+                             "directory or its state.pt (out_dir's later ones are removed likewise; another run's "
+                             "also removes out_dir's own and its final adapter/model, and brings that run's "
                              "metrics.jsonl records up to its step)")
     save_final: bool = _f(True, "write the final adapter (LoRA) or HF model directory (full)")
     cuda_graphs: str = _f("auto", "capture forward+backward in CUDA graphs and replay them: auto (on for CUDA "

@@ -52,6 +52,31 @@ def test_a_fresh_run_that_fails_in_setup_keeps_the_earlier_checkpoints(tmp_path,
     assert _names(tmp_path) == ["step-000001", "step-000002"]
 
 
+def test_a_fresh_run_removes_an_earlier_runs_final_adapter(tmp_path, docs, caplog):
+    """Run A wrote adapter/; run B (resume=none, train.save_final=false) left it beside B's config.yaml, so
+    chat --adapter run/adapter paired A's adapter with B's settings. It goes with A's checkpoints now, said; a
+    resume from out_dir's own checkpoint keeps it, and one holding files no adapter has is left, said."""
+    lora = dict(lora__enabled=True, lora__targets=["q_proj", "v_proj"], train__max_steps=1)
+    adapter = tmp_path / "run" / "adapter"
+    _run(tmp_path, docs, train__save_final=True, **lora)
+    _run(tmp_path, docs, **dict(lora, train__max_steps=2, train__resume=str(adapter.parent / "checkpoints" /
+                                                                            "step-000001")))
+    assert adapter.is_dir() and len(checkpoint_dirs(adapter.parent)) == 2  # its own history: kept
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        _run(tmp_path, docs, train__resume="none", optim__lr=1e-2, **lora)
+    assert not adapter.exists() and "lr: 0.01" in (tmp_path / "run" / "config.yaml").read_text()
+    assert (f"removed {adapter}, another run's final adapter (train.resume=none starts this out_dir over; "
+            "train.save_final=false: this run writes none)") in caplog.text
+    _run(tmp_path, docs, train__save_final=True, **lora)
+    (adapter / "notes.md").write_text("mine")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        _run(tmp_path, docs, train__resume="none", **lora)
+    assert (adapter / "notes.md").is_file() and (adapter / "adapter_model.safetensors").is_file()
+    assert f"{adapter} is an earlier run's final adapter, not this run's; left in place as it also holds notes.md" \
+        in caplog.text
+
+
 def test_a_resume_from_an_earlier_step_drops_the_later_branch(tmp_path, docs, caplog):
     _run(tmp_path, docs, train__max_steps=4, train__save_every=1, train__keep_last=10)
     step2 = tmp_path / "run" / "checkpoints" / "step-000002"

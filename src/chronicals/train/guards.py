@@ -207,14 +207,49 @@ def final_dir(cfg: TrainConfig, out_dir: Path) -> Path:
     return out_dir / ("adapter" if cfg.lora.enabled else "model")
 
 
+def _final_files(cfg: TrainConfig) -> tuple[str, ...]:
+    """The names (fnmatch patterns) of the files of the final directory: an adapter's (LoRA) or a model's."""
+    from ..lora.peft_io import CONFIG_NAME, WEIGHTS_NAME
+    from ..models.hf_io import MODEL_DIR_FILES
+
+    return (CONFIG_NAME, WEIGHTS_NAME) if cfg.lora.enabled else MODEL_DIR_FILES
+
+
 def check_final_dir(cfg: TrainConfig, out_dir: Path) -> None:
     """FileExistsError if save_final could not replace out_dir/adapter (LoRA) or out_dir/model (full): it holds
     files that are not an adapter's / a model's, or is a file."""
-    from ..lora.peft_io import CONFIG_NAME, WEIGHTS_NAME
-    from ..models.hf_io import MODEL_DIR_FILES, refuse_foreign_files
+    from ..models.hf_io import refuse_foreign_files
 
     final = final_dir(cfg, out_dir)
     if final.exists() and not final.is_dir():
         raise FileExistsError(f"{final} exists and is not a directory: the final {final.name} is written there; "
                               "move it away or set another train.out_dir")
-    refuse_foreign_files(final, (CONFIG_NAME, WEIGHTS_NAME) if cfg.lora.enabled else MODEL_DIR_FILES)
+    refuse_foreign_files(final, _final_files(cfg))
+
+
+def earlier_final(cfg: TrainConfig, out_dir: Path, resume_from: Path | None) -> Path | None:
+    """out_dir's final adapter (LoRA) or model (full) when an earlier run wrote it and this run does not continue
+    that run (it starts over, or continues another directory's checkpoint), or None: it goes with that run's
+    checkpoints once this run writes, as it would otherwise sit beside this run's config.yaml (which
+    ``chat --adapter out_dir/adapter`` reads) though this run never wrote it (train.save_final=false, or a stop).
+
+    Left, with a warning, when it holds other files or is this run's model.path: a run deletes no file it
+    could not have written."""
+    import fnmatch
+
+    final = final_dir(cfg, out_dir)
+    if not final.is_dir() or final.is_symlink():
+        return None
+    if resume_from is not None:  # one of out_dir's own checkpoints: the final directory is of this run's history
+        ckdir = resume_from if resume_from.is_dir() else resume_from.parent
+        if ckdir.parent.resolve() == (out_dir / "checkpoints").resolve():
+            return None
+    base = Path(cfg.model.path).expanduser().resolve()
+    foreign = sorted(p.name for p in final.iterdir() if not any(fnmatch.fnmatch(p.name, pat)
+                                                                for pat in _final_files(cfg)))
+    if foreign or final.resolve() in (base, *base.parents):
+        why = f"it also holds {', '.join(foreign[:5])}" if foreign else f"it holds model.path={cfg.model.path}"
+        log.warning("%s is an earlier run's final %s, not this run's; left in place as %s: move it away, or set "
+                    "another train.out_dir", final, final.name, why)
+        return None
+    return final

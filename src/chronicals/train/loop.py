@@ -42,7 +42,7 @@ from .graphs import GraphedStep, resolve_cuda_graphs
 from .setup import build_loaders, load_base, prepare_model, resolve_dtype
 from .readback import StepReadback, StepStart
 from .guards import (check_cuda_graphs, check_data_paths, check_final_dir, check_out_dir, check_resume_path,
-                     check_token_ids, final_dir, out_dir_lock, remove_setup_files)
+                     check_token_ids, earlier_final, final_dir, out_dir_lock, remove_setup_files)
 from .resume import (apply_optimizer_settings, check_same_adapter, data_position_diffs, optimizer_settings,
                      warn_data_changed)
 from .step import accumulate_data_parallel, evaluate_loss
@@ -368,18 +368,26 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         apply_optimizer_settings(optimizer, scheduler, fresh, restored["extra"].get("config"), cfg_dict, start)
         if start == total:
             return _already_done(cfg, dp, out_dir, model, tokenizer, resume_from, total)
-    # another run's checkpoints in out_dir (resume=none over a finished run, or a resume from an earlier step):
+    # another run's checkpoints in out_dir (resume=none over a finished run, or a resume from an earlier step), and
+    # its final adapter/model (not for a resume from an earlier step: this run's history may have written it):
     # removed once this run writes its first record or checkpoint, so a run that fails in setup leaves them
     stale = ckpt.not_this_runs(out_dir, resume_from, start) if dp.is_main else []
+    stale_final = [d for d in [earlier_final(cfg, out_dir, resume_from)] if d] if dp.is_main else []
 
     def forget_stale() -> None:
+        why = ("train.resume=none starts this out_dir over" if resume_from is None else
+               f"this run continues from {resume_from}")
         if stale:
             for d in stale:
                 shutil.rmtree(d, ignore_errors=True)
             log.warning("removed %d checkpoint(s) of another run from %s: %s (%s)", len(stale), stale[0].parent,
-                        ", ".join(d.name for d in stale), "train.resume=none starts this out_dir over"
-                        if resume_from is None else f"this run continues from {resume_from}, not from them")
+                        ", ".join(d.name for d in stale), why if resume_from is None else f"{why}, not from them")
             stale.clear()
+        if stale_final:  # chat --adapter out_dir/adapter would pair it with this run's config.yaml
+            shutil.rmtree(stale_final[0], ignore_errors=True)
+            log.warning("removed %s, another run's final %s (%s%s)", stale_final[0], stale_final[0].name, why,
+                        "" if cfg.train.save_final else "; train.save_final=false: this run writes none")
+            stale_final.clear()
 
     def first_record() -> None:
         (out_dir / "config.yaml").write_text(cfg.to_yaml())
