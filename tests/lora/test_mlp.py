@@ -154,9 +154,10 @@ def swiglu_forwards(monkeypatch):
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("p", [0.0, 0.25])
 @pytest.mark.parametrize("concat", [False, True])
-def test_packed_triton_backward_writes_act_in_the_swiglu_kernel(swiglu_forwards, p, concat):
+def test_packed_triton_backward_writes_act_in_the_swiglu_kernel(swiglu_forwards, p, concat, in_place):
     """Packed gu on Triton: the SwiGLU backward kernel also writes act for dA (no second SwiGLU forward).
     Gradients equal the recompute path's bit for bit, and track the float64 reference; the kernel that
     rebuilt act before must not run any more."""
@@ -168,9 +169,10 @@ def test_packed_triton_backward_writes_act_in_the_swiglu_kernel(swiglu_forwards,
     mask = torch.rand(*lead, fi, generator=g) >= p if p else None
 
     def grads(dtype=torch.float32, impl="triton", fused=True):
-        gu, a, b = (t.to(dtype).requires_grad_() for t in (gu0, a0, b0))
+        # a copy: in place, the backward writes d_gu over the gu it was given (the decoder's own GEMM output)
+        gu, a, b = (t.to(dtype, copy=True).requires_grad_() for t in (gu0, a0, b0))
         y = LoRASwiGLUDownFunction.apply(gu, None, w.to(dtype), bi.to(dtype), a, b, 1.3, mask, p, concat, None,
-                                         impl, fused)
+                                         impl, fused, in_place and fused)
         return [y, *torch.autograd.grad(y, [gu, a, b], dy.to(dtype))]
 
     fused = grads()

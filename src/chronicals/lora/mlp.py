@@ -67,9 +67,10 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
     """y = LoRALinear(silu(gate) * up): gradients for gate, up, A, B (W and bias frozen).
 
     Arguments after gate / up are LoRALinearFunction's (weight, bias, lora_a, lora_b, scaling, mask,
-    dropout, concat, wcat) plus ``impl``, the SwiGLU op's, and ``fused_act`` (packed gu on Triton: the SwiGLU
-    backward kernel writes act for dA; False: a second SwiGLU forward rebuilds it). ``mask`` (bool, act's
-    shape) drops elements of act.
+    dropout, concat, wcat) plus ``impl``, the SwiGLU op's, ``fused_act`` (packed gu on Triton: the SwiGLU
+    backward kernel writes act for dA; False: a second SwiGLU forward rebuilds it) and ``in_place`` (with
+    fused_act: that kernel writes d_gu over the gu it was given, so only for a gu nobody reads after backward,
+    such as the decoder MLP's own GEMM output). ``mask`` (bool, act's shape) drops elements of act.
     up None: gate is the packed gu (..., 2I), and its gradient d_gu comes back whole.
     """
 

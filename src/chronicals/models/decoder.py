@@ -179,7 +179,10 @@ class MLP(nn.Module):
                 return lora_down(gu, None, impl=self.opts.impl, fused_act=self.opts.fused_swiglu_recompute,
                                  in_place=self.opts.swiglu_backward_in_place)
             recomputing = "swiglu" in self.opts.recompute and recompute.is_active()
-            if recomputing and self.opts.fused_swiglu_recompute:
+            # not the session: a checkpointed layer's forward runs again in backward outside it, and must save
+            # what its first run saved (torch.utils.checkpoint compares them): the training forward's own test
+            if ("swiglu" in self.opts.recompute and self.training and torch.is_grad_enabled()
+                    and self.opts.fused_swiglu_recompute):
                 y = swiglu_down(self, gu)  # None off the Triton path: then the offer below
                 if y is not None:
                     return y

@@ -171,7 +171,8 @@ class SwiGLUDownFunction(torch.autograd.Function):
     so gradients equal the plain path's bit for bit. Triton path only (the op's other doors use the offer).
     ``in_place`` (``RuntimeOptions.swiglu_backward_in_place``): the kernel writes d_gu over the saved gu and
     act over d_act (``ops.swiglu.swiglu_gate_up_backward_``), so the backward's transients are 3 (N, I)
-    tensors fewer; the same bits. A second backward through the same forward (retain_graph) then raises.
+    tensors fewer; the same bits. Only for a gu nobody reads after backward (the decoder MLP's own GEMM output);
+    a second backward through the same forward (retain_graph) raises.
     """
 
     @staticmethod
