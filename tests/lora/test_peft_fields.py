@@ -83,3 +83,34 @@ def test_a_run_or_model_directory_given_as_the_adapter_is_told_what_to_pass(tmp_
     with pytest.raises(FileNotFoundError, match=r"adapter_config\.json: not found; this is a model directory "
                                                 r"\(config\.json\), not a LoRA adapter: pass it as --model"):
         read_adapter_config(model)
+
+
+def test_tied_lm_head_and_embedding_trained_apart_by_peft_load_apart(tmp_path, ids):
+    """PEFT's modules_to_save=[lm_head, embed_tokens] on a tied model trains two private copies and saves both.
+    Both were copied into our one shared Parameter (the last key won), so the embedding ran with lm_head's values:
+    logits off by more than their own size. Now the two are untied when the file's values differ, and stay so
+    through merge, save and load (what `chronicals export` does)."""
+    ours = tiny_model(tied=True)
+    cfg = hf_config("llama", tied=True)
+    cfg._attn_implementation = "eager"
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.load_state_dict(ours.state_dict(), strict=False)
+    want = peft_adapter(hf, ["lm_head", "embed_tokens"], ids, tmp_path / "peft")
+    load_adapter(ours, tmp_path / "peft")
+    assert ours.lm_head.weight is not ours.model.embed_tokens.weight
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), want, rtol=1e-4, atol=1e-4)
+    merge_lora(ours)
+    again, _ = chronicals.load_model(chronicals.save_model(ours, None, tmp_path / "merged"), tokenizer=False)
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids), want, rtol=1e-4, atol=1e-4)
+
+
+def test_our_tied_adapter_with_both_modules_stays_tied(tmp_path):
+    """save_adapter writes the shared tensor under both names (equal values): loading keeps them one Parameter."""
+    ours = tiny_model(tied=True)
+    apply_lora(ours, r=2, alpha=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    save_adapter(ours, tmp_path / "a")
+    again = tiny_model(tied=True)
+    load_adapter(again, tmp_path / "a")
+    assert again.lm_head.weight is again.model.embed_tokens.weight and again.config.tie_word_embeddings

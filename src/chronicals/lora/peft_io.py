@@ -138,6 +138,33 @@ def _untie_if_partial(model: nn.Module, rec: LoraRecord, keys: set[str]) -> None
                 present, absent)
 
 
+def _untie_if_different(model: nn.Module, rec: LoraRecord, tensors: dict[str, torch.Tensor]) -> None:
+    """PEFT trains a private copy of each module of modules_to_save, tied or not: a file holding both tied
+    partners (lm_head and embed_tokens) with different values trained two tensors. Loaded into the one shared
+    Parameter, the last key read won and the other module ran with its partner's values (logits far from
+    PEFT's). Give each its own Parameter then; equal values (save_adapter's) stay tied."""
+    owners: dict[int, list[tuple[str, str]]] = {}  # id(shared Parameter) -> [(module, parameter name)]
+    for name in rec.saved_modules:
+        for pname, p in model.get_submodule(name).named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((name, pname))
+    untied = []
+    for group in owners.values():
+        keys = [f"{PREFIX}{n}.{pn}" for n, pn in group]
+        if len(group) < 2 or not all(k in tensors for k in keys) or \
+                all(torch.equal(tensors[keys[0]], tensors[k]) for k in keys[1:]):
+            continue
+        for name, pname in group[1:]:
+            mod = model.get_submodule(name)
+            setattr(mod, pname, nn.Parameter(getattr(mod, pname).detach().clone(), requires_grad=True))
+        untied += [n for n, _ in group]
+    if not untied:
+        return
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        model.config.tie_word_embeddings = False
+    log.warning("load_adapter: the adapter trains tied modules %s with different values; untied them as PEFT "
+                "does", untied)
+
+
 def _peft_modules_to_save(model: nn.Module, entries) -> tuple[str, ...]:
     """The full names of the modules PEFT trains for an adapter_config.json's ``modules_to_save``. PEFT matches an
     entry as a plain suffix of the module's name in the PeftModel (``key.endswith(entry)``, not at a dot as for
@@ -176,6 +203,7 @@ def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
     except ValueError as e:
         raise ValueError(f"{adapter_dir / CONFIG_NAME}: {e}") from None
     _untie_if_partial(model, rec, set(tensors))
+    _untie_if_different(model, rec, tensors)
     expected = {}
     for name, mod in lora_modules(model):
         expected[f"{PREFIX}{name}.lora_A.weight"] = mod.lora_A.weight
