@@ -418,6 +418,32 @@ def test_resume_at_or_past_the_end(tmp_path, docs, caplog):
               train_loader=SyntheticLoader(docs))
 
 
+def test_a_run_stopped_in_its_last_step_gets_its_closing_evaluation_on_resume(tmp_path, docs):
+    """SIGTERM during the last step checkpoints it and returns "interrupted" before the closing evaluation;
+    resume=auto then found the run done and never ran it: metrics.jsonl lacked the "after" record and the result
+    its held-out losses. Now the resumed run logs what the uninterrupted run did."""
+    over = dict(train__max_steps=3)
+    straight = train(tiny_config(tmp_path / "a", **over), model=tiny_model(), train_loader=SyntheticLoader(docs),
+                     eval_loader=SyntheticLoader(docs[:4], shuffle=False))
+    cfg = tiny_config(tmp_path / "b", train__resume="auto", **over)
+    first = train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs),
+                  eval_loader=SyntheticLoader(docs[:4], shuffle=False), on_step=_sigterm_at(3))
+    assert (first.status, first.step, first.eval_loss_after) == ("interrupted", 3, None)
+    resumed = train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs),
+                    eval_loader=SyntheticLoader(docs[:4], shuffle=False))
+    assert resumed.start_step == 3 and resumed.eval_loss_after == straight.eval_loss_after
+    assert resumed.eval_loss_before == straight.eval_loss_before
+
+    def evals(run):
+        return [(r["step"], r["tag"], r["eval_loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text()
+                                                                   .splitlines()) if r["kind"] == "eval"]
+    assert evals(tmp_path / "b" / "run") == evals(tmp_path / "a" / "run")
+    assert [r["step"] for r in _train_records(tmp_path / "b" / "run")] == [1, 2, 3]
+    metrics = (tmp_path / "b" / "run" / "metrics.jsonl").read_text()  # a third call: done, nothing logged again
+    train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs), eval_loader=SyntheticLoader(docs[:4]))
+    assert (tmp_path / "b" / "run" / "metrics.jsonl").read_text() == metrics
+
+
 def test_a_finished_run_found_by_resume_writes_its_own_final_directory(tmp_path, docs):
     """Run A wrote model/; run B (resume=none, another lr, train.save_final=false) finished; resume=auto with
     save_final then found B's last checkpoint and returned A's model/ as B's, unchanged."""

@@ -33,7 +33,7 @@ import torch
 from ..config import DEMO, ConfigError, TrainConfig, from_dict, load_config
 from ..cuda_alloc import allocator_setting
 from . import checkpoint as ckpt
-from .metrics import (MetricsLog, matmul_peak_tflops, memory_gib, plot_losses, private_pool_bytes,
+from .metrics import (MetricsLog, _read_records, matmul_peak_tflops, memory_gib, plot_losses, private_pool_bytes,
                       train_flops_per_token)
 from .optim import build_optimizer, build_scheduler
 from .distributed import DistContext, init_distributed
@@ -367,7 +367,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         check_same_adapter(restored["extra"].get("config"), cfg_dict, resume_from)
         apply_optimizer_settings(optimizer, scheduler, fresh, restored["extra"].get("config"), cfg_dict, start)
         if start == total:
-            return _already_done(cfg, dp, out_dir, model, tokenizer, resume_from, total)
+            return _already_done(cfg, dp, out_dir, model, tokenizer, resume_from, total,
+                                 (eval_loader, heldout_qa, report))
     # another run's checkpoints in out_dir (resume=none over a finished run, or a resume from an earlier step), and
     # its final adapter/model (not for a resume from an earlier step: this run's history may have written it):
     # removed once this run writes its first record or checkpoint, so a run that fails in setup leaves them
@@ -653,18 +654,48 @@ def _metrics_log(cfg: TrainConfig, out_dir: Path, resume_from: Path | None, star
 
 
 def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, checkpoint: Path,
-                  total: int) -> TrainResult:
+                  total: int, closing: tuple) -> TrainResult:
     """resume found the run's last step: nothing to train, nothing logged again; the final directory is written
     from the checkpoint's weights, also when one is there: it may be an earlier run's (this one ran with
     train.save_final=false, or stopped between its last checkpoint and its final save), and was returned as this
-    run's."""
+    run's. A run stopped by a signal during its last step checkpointed that step but never ran its closing
+    evaluation: it runs now (its "after" record, the result's held-out losses, the "after" report), as the
+    uninterrupted run's end would have. ``closing``: (eval loader, held-out QA records, report callback)."""
     log.warning("%s is this run's last step (%d of %d): nothing to train; raise train.max_steps to train on, or set "
                 "train.resume=none to start over", checkpoint, total, total)
     result = TrainResult(status="completed", step=total, total_steps=total, out_dir=out_dir, checkpoint=checkpoint,
                          start_step=total)
+    eval_loader, heldout_qa, report = closing
+    ckdir = checkpoint if checkpoint.is_dir() else checkpoint.parent
+    own = ckdir.parent.resolve() == (out_dir / "checkpoints").resolve()
+    if dp.is_main and eval_loader is not None and own and not _closed(out_dir, total):
+        metrics = MetricsLog(out_dir, cfg.logging.tensorboard, total)  # out_dir's records up to its last step
+        result.eval_loss_before = next((r["eval_loss"] for r in metrics.records
+                                        if r.get("kind") == "eval" and r.get("tag") == "before"), None)
+        loss, n = evaluate_loss(model, eval_loader, dp.device)
+        metrics.write({"kind": "eval", "step": total, "eval_loss": loss, "eval_tokens": n, "tag": "after"})
+        metrics.close()
+        result.eval_loss_after = loss
+        log.info("%s: the run was stopped in its last step; its closing held-out loss %.4f is logged now",
+                 checkpoint, loss)
+        if cfg.logging.plot:
+            result.plot = plot_losses(metrics.records, out_dir / "loss.png")
     if cfg.train.save_final and dp.is_main:
         result.final_dir = save_final(model, tokenizer, cfg, out_dir)
+    if report and result.eval_loss_after is not None:
+        report("after", model=model, tokenizer=tokenizer, eval_loss=result.eval_loss_after, heldout_qa=heldout_qa,
+               result=result)
     return result
+
+
+def _closed(out_dir: Path, total: int) -> bool:
+    """out_dir's metrics.jsonl holds the closing ("after") evaluation of step ``total``; an unreadable file counts as
+    closed (nothing is rewritten over it)."""
+    try:
+        return any(r.get("tag") == "after" and r.get("step") == total
+                   for r in _read_records(out_dir / "metrics.jsonl", total))
+    except (OSError, ValueError):
+        return True
 
 
 def save_final(model, tokenizer, cfg: TrainConfig, out_dir: Path) -> Path:
