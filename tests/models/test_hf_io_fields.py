@@ -51,3 +51,21 @@ def test_saved_files_are_world_readable_under_a_strict_umask(tmp_path, tiny_hf_c
     modes = {f.name: oct(f.stat().st_mode & 0o777) for f in out.iterdir()}
     assert len(modes) >= 3 and modes == {name: "0o644" for name in modes}
     assert oct(out.stat().st_mode & 0o777) == "0o755"
+
+
+def test_rope_scaling_named_by_the_older_type_key_survives_save(tmp_path, tiny_hf_config):
+    """A config.json from before rope_type ({"type": "linear", "factor": 4.0}) was saved as rope_parameters
+    {"rope_type": "default", "type": "linear", ...}: transformers and load_model both read "default", so the
+    saved model lost its rope scaling (logits off by more than their size past the first positions)."""
+    scaling = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    model = _model(tiny_hf_config("llama2", rope_scaling=scaling))
+    out = chronicals.save_model(model, None, tmp_path / "m")
+    assert json.loads((out / "config.json").read_text())["rope_parameters"]["rope_type"] == "llama3"
+    ids = torch.randint(0, 97, (1, 80), generator=torch.Generator().manual_seed(0))
+    again, _ = chronicals.load_model(out, tokenizer=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(ids)
+        torch.testing.assert_close(again(ids), want)
+        torch.testing.assert_close(hf(ids).logits, want, rtol=1e-5, atol=1e-5)

@@ -160,8 +160,8 @@ class ModelConfig:
         d.update({k: v for k, v in asdict(self).items()
                   if k not in ("extra", "rope_scaling", "qkv_bias", "qk_norm", "rope_theta", "sliding_window")})
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
-        if self.rope_scaling:
-            rope.update(self.rope_scaling)
+        if self.rope_scaling:  # an older config.json names the type "type": rope_type "default" then hid it
+            rope.update(self.rope_scaling, rope_type=self.rope_scaling.get("rope_type", self.rope_scaling.get("type")))
         d["rope_parameters"] = rope
         d["rope_theta"] = self.rope_theta
         if self.model_type == "qwen2":
