@@ -428,3 +428,27 @@ def test_the_continue_command_of_an_interrupted_run_can_be_pasted_as_printed(tmp
     assert main(["train", *argv]) == 130
     line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("continue with: "))
     assert shlex.split(line.removeprefix("continue with: ")) == ["chronicals", "train", *argv[:2], "train.resume=auto"]
+
+
+def test_bf16_export_rounds_each_merged_weight_once(tiny_base, tmp_path):
+    """export --dtype bfloat16 merges fp32 A and B (as the adapter file holds them) into the bf16 base: each weight
+    is W + s B A computed in fp32 and rounded once. With A and B first rounded to bf16, ~15% of the elements
+    differed from that."""
+    from safetensors.torch import load_file
+
+    from chronicals import load_model
+    from chronicals.lora import apply_lora, save_adapter
+
+    base16, tok = load_model(tiny_base, dtype=torch.bfloat16)
+    base16_dir = save_model(base16, tok, tmp_path / "base16")
+    model, _ = load_model(base16_dir, dtype=torch.float32)
+    apply_lora(model, r=4, alpha=8, seed=0, target_modules=["q_proj"])
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.lora_B.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    adapter = save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(base16_dir))
+    assert main(["export", "--adapter", str(adapter), "--out", str(tmp_path / "m"), "--dtype", "bfloat16"]) == 0
+    got = load_file(str(tmp_path / "m" / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"]
+    q = model.model.layers[0].self_attn.q_proj
+    w = load_file(str(base16_dir / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"]
+    want = (w.float() + q.scaling * (q.lora_B.weight.float() @ q.lora_A.weight.float())).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
