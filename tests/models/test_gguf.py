@@ -51,7 +51,7 @@ def write_gguf(path, arch: str, cfg: dict, sd: dict[str, torch.Tensor], quantize
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))  # transformers' default where the config has none
     w.add_vocab_size(cfg["vocab_size"])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
@@ -123,7 +123,8 @@ def test_tiny_gguf_matches_transformers_gguf_loader(tmp_path, tiny_hf_config, fa
     assert err < 0.05
 
 
-@pytest.mark.parametrize("family,arch", [("llama3", "llama"), ("qwen3", "qwen3"), ("qwen2", "qwen2")])
+@pytest.mark.parametrize("family,arch", [("llama3", "llama"), ("qwen3", "qwen3"), ("qwen2", "qwen2"),
+                                         ("llama_bias", "llama")])
 def test_f32_gguf_gives_back_the_exact_weights(tmp_path, tiny_hf_config, family, arch):
     """Unquantized files: every tensor comes back bit for bit (names, Q/K un-permutation, head_dim from
     key_length for qwen3; transformers' own loader ignores key_length, so it is not the reference here).
@@ -138,7 +139,7 @@ def test_f32_gguf_gives_back_the_exact_weights(tmp_path, tiny_hf_config, family,
     assert set(got) == set(want)
     for name, t in want.items():
         assert torch.equal(got[name], t), name
-    assert ours.config.head_dim == model.config.head_dim and ours.config.rope_theta == cfg["rope_theta"]
+    assert ours.config.head_dim == model.config.head_dim and ours.config.rope_theta == cfg.get("rope_theta", 10000.0)
 
 
 def test_unknown_gguf_tensors_are_named():

@@ -146,6 +146,9 @@ def gguf_config(reader, source: str = "gguf") -> dict:
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": _f32(get("rope.scaling.factor", required=True))}
     if arch == "qwen2":
         cfg["use_sliding_window"] = False
+    if model_type == "llama":  # GGUF has no bias flags: llama files with biases carry them as tensors
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in names
+        cfg["mlp_bias"] = "blk.0.ffn_gate.bias" in names
     for key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                         ("padding_token_id", "pad_token_id")):
         v = _field(reader, f"tokenizer.ggml.{key}")
