@@ -19,6 +19,7 @@ target and eos.
 
 from __future__ import annotations
 
+import re
 import sys
 
 import numpy as np
@@ -26,9 +27,13 @@ import numpy as np
 from .formats import Example, FormatError
 
 
+# "{% generation %}" with any Jinja whitespace control: "{%- generation -%}", "{%generation%}", "{%+ generation %}"
+_GENERATION_TAG = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
+
+
 def has_generation_markers(tokenizer) -> bool:
     template = getattr(tokenizer, "chat_template", None) or ""
-    return isinstance(template, str) and "{% generation %}" in template.replace("{%- generation", "{% generation")
+    return isinstance(template, str) and _GENERATION_TAG.search(template) is not None
 
 
 def check_tokenizer(tokenizer) -> None:
