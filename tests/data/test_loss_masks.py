@@ -31,3 +31,22 @@ def test_generation_markers_with_whitespace_control_are_used(tokenizer, tmp_path
     ds = load_dataset(write_jsonl(tmp_path / "t.jsonl", [{"messages": THINKING}]), tokenizer, max_seq_len=256)
     ids, mask = ds[0]
     assert trained_spans(tokenizer, ids, mask) == ["one<|im_end|>", "<think>y</think>two<|im_end|>"]
+
+
+@pytest.mark.parametrize("loss_on", ["assistant", "all"])
+def test_a_tokenizer_that_appends_eos_ends_each_document_in_one(tokenizer, tmp_path, loss_on):
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    eos_id = tokenizer.eos_token_id
+    backend.post_processor = processors.TemplateProcessing(single="$A <|im_end|>",
+                                                           special_tokens=[("<|im_end|>", eos_id)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")  # no chat template
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Q: 2+2?\nA:", "completion": " 4"}, {"text": "hello"}])
+    ds = load_dataset(path, tok, max_seq_len=64, loss_on=loss_on)
+    (ids, mask), (ids2, mask2) = ds[0], ds[1]
+    assert ids.tolist() == tok("Q: 2+2?\nA: 4")["input_ids"] and ids.tolist().count(eos_id) == 1
+    assert ids2.tolist() == tok("hello")["input_ids"] and ids2.tolist().count(eos_id) == 1
+    assert trained_spans(tok, ids, mask) == [" 4<|im_end|>" if loss_on == "assistant" else "Q: 2+2?\nA: 4<|im_end|>"]
+    assert trained_spans(tok, ids2, mask2) == ["hello<|im_end|>"]

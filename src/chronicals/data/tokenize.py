@@ -138,10 +138,21 @@ def encode(tokenizer, ex: Example, loss_on: str = "assistant", markers: bool = F
         return encode_chat(tokenizer, ex.messages, ex.train_from, markers)
     eos = tokenizer.eos_token or ""
     text = ex.prompt + ex.target
-    if eos and not text.endswith(eos):
+    own_eos = _appends_eos(tokenizer)
+    if eos and not text.endswith(eos) and not own_eos:
         text += eos
     lo = 0 if loss_on == "all" else len(ex.prompt)
-    return _offsets_mask(tokenizer, text, [(lo, len(text))], add_special_tokens=True)
+    ids, mask = _offsets_mask(tokenizer, text, [(lo, len(text))], add_special_tokens=True)
+    if own_eos:  # the tokenizer's own eos covers no character of the text, so the span cannot reach it
+        mask[-1] = True
+    return ids, mask
+
+
+def _appends_eos(tokenizer) -> bool:
+    """True when the tokenizer ends every sequence with eos itself (Llama's add_eos_token=True): appending one
+    to the text as well would end each document in two."""
+    eos_id = tokenizer.eos_token_id
+    return eos_id is not None and tokenizer("a", add_special_tokens=True)["input_ids"][-1] == eos_id
 
 
 def _render_ids(tokenizer, messages) -> np.ndarray:
