@@ -41,6 +41,11 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
 
     temperature 0 is greedy decoding.
     """
+    # view(1, -1) would join a (B, S) batch's rows into one prompt of B * S tokens
+    if input_ids.dim() not in (1, 2) or input_ids.dim() == 2 and input_ids.shape[0] != 1 or not input_ids.shape[-1]:
+        raise ValueError(f"generate takes one prompt, input_ids (S,) or (1, S) with S >= 1, got shape "
+                         f"{tuple(input_ids.shape)}; call it once per prompt (an empty prompt: start it with the "
+                         "tokenizer's bos_token_id)")
     ids = input_ids.view(1, -1).to(model.lm_head.weight.device)
     max_new_tokens = new_token_budget(model, ids.shape[1], max_new_tokens)
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
