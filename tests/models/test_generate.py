@@ -1,11 +1,14 @@
 """models.generate on tiny random models: the arguments it refuses, and where it stops."""
 
+import importlib
 import re
 
 import pytest
 import torch
 
 from chronicals.models import CausalLM, ModelConfig, generate
+
+generate_mod = importlib.import_module("chronicals.models.generate")  # the package's name is the function
 
 
 def _model(tiny_hf_config, family="qwen3", **overrides) -> CausalLM:
@@ -21,3 +24,25 @@ def test_refuses_what_is_not_one_prompt(tiny_hf_config, shape):
     with pytest.raises(ValueError, match=re.escape(f"one prompt, input_ids (S,) or (1, S) with S >= 1, got shape "
                                                    f"{tuple(shape)}")):
         generate(model, ids, 4)
+
+
+def _argmax_without_cache(model, ids: torch.Tensor, n: int) -> list[int]:
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            out.append(int(model(ids[None])[0, -1].argmax()))
+            ids = torch.cat([ids, torch.tensor(out[-1:])])
+    return out
+
+
+@pytest.mark.parametrize("prompt_len,expected", [(9, 3), (12, 0), (14, 0)])
+def test_stops_at_the_sliding_window(tiny_hf_config, caplog, monkeypatch, prompt_len, expected):
+    """Prompt plus answer past a sliding window (Mistral's 4096 of 32768 positions) raised the model's ValueError
+    after generating the tokens that fit: chat and eval's QA answers then stopped with an error (exit 3) where a
+    prompt past max_position_embeddings gets the tokens that fit and a warning. It now stops at the window."""
+    monkeypatch.setattr(generate_mod, "_warned", set())  # the warning is said once per process
+    model = _model(tiny_hf_config, "mistral", sliding_window=12)
+    ids = torch.randint(3, 97, (prompt_len,), generator=torch.Generator().manual_seed(0))
+    out = generate(model, ids, 8).tolist()
+    assert out == _argmax_without_cache(model, ids, expected)
+    assert "sliding_window=12" in caplog.text

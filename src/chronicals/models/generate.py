@@ -15,21 +15,27 @@ _warned: set[tuple[int, int]] = set()  # (max_new_tokens, context) already warne
 def new_token_budget(model, prompt_len: int, max_new_tokens: int) -> int:
     """``max_new_tokens``, or fewer so that prompt and answer fit the model's context (max_position_embeddings):
     past it the positions were never trained, and a large request generated nonsense for minutes (100000 new
-    tokens on a 64-position model). A warning, once per process and setting, says so; a chat loop goes on."""
-    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    tokens on a 64-position model). A sliding window shorter than that is the context instead: past it the
+    model refuses (no sliding-window attention here), which ended a chat or eval with an error. A warning, once
+    per process and setting, says so; a chat loop goes on."""
+    cfg = getattr(model, "config", None)
+    context, limit = getattr(cfg, "max_position_embeddings", None), "max_position_embeddings"
+    window = getattr(cfg, "sliding_window", None)
+    if window and (not context or window < context):
+        context, limit = window, "sliding_window"
     if not context or prompt_len + max_new_tokens <= context:
         return max_new_tokens
     budget = max(0, context - prompt_len)
     if not budget:  # no answer at all, for this prompt: said each time (a chat loop's next prompt may fit)
-        log.warning("a %d-token prompt: the prompt alone fills the model's context (max_position_embeddings=%d), so "
-                    "no new token is generated; shorten the prompt to fewer than %d tokens", prompt_len, context,
-                    context)
+        log.warning("a %d-token prompt: the prompt alone fills the model's context (%s=%d), so "
+                    "no new token is generated; shorten the prompt to fewer than %d tokens", prompt_len, limit,
+                    context, context)
         return 0
     if (max_new_tokens, context) not in _warned:
         _warned.add((max_new_tokens, context))
         log.warning("max_new_tokens=%d with a %d-token prompt goes past the model's context "
-                    "(max_position_embeddings=%d): generating at most %d new tokens; lower max_new_tokens to at "
-                    "most %d minus the prompt's length", max_new_tokens, prompt_len, context, budget, context)
+                    "(%s=%d): generating at most %d new tokens; lower max_new_tokens to at "
+                    "most %d minus the prompt's length", max_new_tokens, prompt_len, limit, context, budget, context)
     return budget
 
 
@@ -37,7 +43,8 @@ def new_token_budget(model, prompt_len: int, max_new_tokens: int) -> int:
 def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64, *, eos_token_id=None,
              temperature: float = 0.0, generator: torch.Generator | None = None) -> torch.Tensor:
     """input_ids (S,) or (1, S) -> the new token ids (T,), T <= max_new_tokens; stops at eos, and at the model's
-    context (S + T <= max_position_embeddings, with a warning: see ``new_token_budget``).
+    context (S + T <= max_position_embeddings, or sliding_window when shorter, with a warning: see
+    ``new_token_budget``).
 
     temperature 0 is greedy decoding.
     """
