@@ -46,3 +46,13 @@ def test_stops_at_the_sliding_window(tiny_hf_config, caplog, monkeypatch, prompt
     out = generate(model, ids, 8).tolist()
     assert out == _argmax_without_cache(model, ids, expected)
     assert "sliding_window=12" in caplog.text
+
+
+def test_restores_each_module_mode(tiny_hf_config):
+    """A training model with a module left in eval mode (its LoRA dropout off) came back with every module in
+    training mode: generate restored model.train(True) over the whole tree."""
+    model = _model(tiny_hf_config).train()
+    model.model.layers[0].eval()
+    before = {name: m.training for name, m in model.named_modules()}
+    generate(model, torch.tensor([5, 6, 7]), 2)
+    assert {name: m.training for name, m in model.named_modules()} == before

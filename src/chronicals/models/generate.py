@@ -57,7 +57,8 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
     max_new_tokens = new_token_budget(model, ids.shape[1], max_new_tokens)
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     caches = [KVCache() for _ in model.model.layers]
-    was_training = model.training
+    # each module's own mode: model.train(True) afterwards also switched on the dropout of a module left in eval
+    modes = [(m, m.training) for m in model.modules()]
     model.eval()
     out: list[int] = []
     step_in = ids
@@ -75,5 +76,6 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
                 break
             step_in = torch.tensor([[nxt]], device=ids.device)
     finally:
-        model.train(was_training)
+        for m, training in modes:
+            m.training = training
     return torch.tensor(out, dtype=torch.long)
