@@ -56,3 +56,16 @@ def test_restores_each_module_mode(tiny_hf_config):
     before = {name: m.training for name, m in model.named_modules()}
     generate(model, torch.tensor([5, 6, 7]), 2)
     assert {name: m.training for name, m in model.named_modules()} == before
+
+
+def test_a_negative_temperature_is_refused_and_a_tensor_eos_stops(tiny_hf_config):
+    """temperature -1 decoded greedily without a word (transformers refuses it); eos_token_id as a 0-d tensor
+    failed with 'iteration over a 0-d tensor'."""
+    model = _model(tiny_hf_config)
+    ids = torch.randint(3, 97, (7,), generator=torch.Generator().manual_seed(1))
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"temperature=.* must be >= 0 \(0 = greedy decoding\)"):
+            generate(model, ids, 4, temperature=bad)
+    first = int(generate(model, ids, 1)[0])
+    assert generate(model, ids, 5, eos_token_id=torch.tensor(first)).tolist() == [first]
+    assert generate(model, ids, 5, eos_token_id=torch.tensor([first])).tolist() == [first]

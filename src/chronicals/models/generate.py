@@ -53,8 +53,12 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
         raise ValueError(f"generate takes one prompt, input_ids (S,) or (1, S) with S >= 1, got shape "
                          f"{tuple(input_ids.shape)}; call it once per prompt (an empty prompt: start it with the "
                          "tokenizer's bos_token_id)")
+    if not temperature >= 0:  # NaN too
+        raise ValueError(f"generate: temperature={temperature} must be >= 0 (0 = greedy decoding)")
     ids = input_ids.view(1, -1).to(model.lm_head.weight.device)
     max_new_tokens = new_token_budget(model, ids.shape[1], max_new_tokens)
+    if isinstance(eos_token_id, torch.Tensor):  # a 0-d or 1-d tensor of ids, as a tokenizer config may give
+        eos_token_id = eos_token_id.flatten().tolist()
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     caches = [KVCache() for _ in model.model.layers]
     # each module's own mode: model.train(True) afterwards also switched on the dropout of a module left in eval
