@@ -69,3 +69,23 @@ def test_a_negative_temperature_is_refused_and_a_tensor_eos_stops(tiny_hf_config
     first = int(generate(model, ids, 1)[0])
     assert generate(model, ids, 5, eos_token_id=torch.tensor(first)).tolist() == [first]
     assert generate(model, ids, 5, eos_token_id=torch.tensor([first])).tolist() == [first]
+
+
+def test_held_out_loss_and_qa_answers_restore_each_module_mode(tiny_hf_config):
+    """train.step.evaluate_loss and train.qa.greedy_same_length ran model.train(was_training) afterwards, which also
+    switched on a module the caller had left in eval (a LoRA dropout kept off, say)."""
+    from chronicals.train.qa import greedy_same_length
+    from chronicals.train.step import evaluate_loss
+
+    model = _model(tiny_hf_config).train()
+    model.model.layers[0].mlp.eval()
+    ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(2))
+    greedy_same_length(model, ids, 2, eos=set())
+    assert model.training and not model.model.layers[0].mlp.training
+
+    class Batch:  # what evaluate_loss reads of the loader's PackedBatch
+        input_ids, position_ids = ids, torch.arange(6).repeat(2, 1)
+        shift_labels, cu_seqlens, max_seqlen, num_loss_tokens = torch.roll(ids, -1, 1), None, None, 12
+
+    evaluate_loss(model, [Batch()], torch.device("cpu"))
+    assert model.training and not model.model.layers[0].mlp.training

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -39,6 +40,19 @@ def new_token_budget(model, prompt_len: int, max_new_tokens: int) -> int:
     return budget
 
 
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module):
+    """``model.eval()`` inside, and each module's own mode back afterwards: ``model.train(was_training)`` would
+    also switch on the dropout of a module the caller had left in eval."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 @torch.no_grad()
 def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64, *, eos_token_id=None,
              temperature: float = 0.0, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -61,12 +75,9 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
         eos_token_id = eos_token_id.flatten().tolist()
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     caches = [KVCache() for _ in model.model.layers]
-    # each module's own mode: model.train(True) afterwards also switched on the dropout of a module left in eval
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
     out: list[int] = []
     step_in = ids
-    try:
+    with eval_mode(model):
         for _ in range(max_new_tokens):
             h = model.hidden_states(step_in, kv_caches=caches)[:, -1]  # (1, H)
             logits = model.lm_head(h).float()[0]
@@ -79,7 +90,4 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
             if nxt in eos:
                 break
             step_in = torch.tensor([[nxt]], device=ids.device)
-    finally:
-        for m, training in modes:
-            m.training = training
     return torch.tensor(out, dtype=torch.long)

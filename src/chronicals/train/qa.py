@@ -217,7 +217,7 @@ def greedy_same_length(model, ids: torch.Tensor, max_new_tokens: int, eos: set[i
     where each step is bound by reading the 540 MB of fp32 weights.
     """
     from ..models.decoder import KVCache
-    from ..models.generate import new_token_budget
+    from ..models.generate import eval_mode, new_token_budget
 
     max_new_tokens = new_token_budget(model, ids.shape[1], max_new_tokens)  # stops at the model's context
     caches = [KVCache() for _ in model.model.layers]
@@ -225,9 +225,7 @@ def greedy_same_length(model, ids: torch.Tensor, max_new_tokens: int, eos: set[i
     out: list[list[int]] = [[] for _ in range(b)]
     done = [False] * b
     step_in = ids.to(model.lm_head.weight.device)
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         for _ in range(max_new_tokens):
             h = model.hidden_states(step_in, kv_caches=caches)[:, -1]  # (B, H)
             nxt = model.lm_head(h).float().argmax(dim=-1)  # (B,)
@@ -238,8 +236,6 @@ def greedy_same_length(model, ids: torch.Tensor, max_new_tokens: int, eos: set[i
             if all(done):
                 break
             step_in = nxt[:, None]
-    finally:
-        model.train(was_training)
     return out
 
 

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..models.generate import eval_mode
+
 if TYPE_CHECKING:
     from .distributed import DistContext
     from .grad_buckets import GradBuckets
@@ -100,13 +102,9 @@ def accumulate_data_parallel(model, micro_batches: list, device: torch.device, d
 @torch.no_grad()
 def evaluate_loss(model, batches, device: torch.device) -> tuple[float, int]:
     """Mean cross-entropy per loss token over ``batches`` (sum of sums / total count), and the count."""
-    was_training = model.training
-    model.eval()
     total, n = torch.zeros((), dtype=torch.float64, device=device), 0
-    try:
+    with eval_mode(model):
         for b in batches:
             total += batch_loss_sum(model, b, device).double()
             n += int(b.num_loss_tokens)
-    finally:
-        model.train(was_training)
     return (total / max(n, 1)).item(), n
