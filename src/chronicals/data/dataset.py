@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from . import cache as cache_mod
 from .formats import FORMATS, FormatError, detect_format, empty_target, to_example
 from .readers import DataError, Record, read_file, resolve_files
-from .tokenize import check_tokenizer, encode, has_generation_markers
+from .tokenize import appends_eos, check_tokenizer, encode, has_generation_markers
 
 log = logging.getLogger("chronicals.data")
 PARALLEL_THRESHOLD = 20_000  # records; below this, worker start-up (~1 s) costs more than it saves
@@ -273,7 +273,7 @@ def _encode_chunk(records: list[Record]):
         try:
             fmt = w["format"] if w["format"] != "auto" else detect_format(rec.data)
             ex = to_example(rec.data, fmt, w["has_template"], from_csv=rec.from_csv)
-            ids, mask = encode(w["tokenizer"], ex, w["loss_on"], w["markers"])
+            ids, mask = encode(w["tokenizer"], ex, w["loss_on"], w["markers"], w["own_eos"])
             out.append((ids, mask, fmt, empty_target(ex)))
         except FormatError as e:
             out.append((None, f"{rec.where}: {e}", None, False))
@@ -282,7 +282,7 @@ def _encode_chunk(records: list[Record]):
 
 def _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_error, num_proc) -> TokenizedDataset:
     opts = {"format": format, "loss_on": loss_on, "markers": has_generation_markers(tokenizer),
-            "has_template": getattr(tokenizer, "chat_template", None) is not None}
+            "own_eos": appends_eos(tokenizer), "has_template": getattr(tokenizer, "chat_template", None) is not None}
     if num_proc is None:
         num_proc = 1 if len(records) < PARALLEL_THRESHOLD else min(8, os.cpu_count() or 1)
     chunks = [records[i:i + CHUNK] for i in range(0, len(records), CHUNK)]

@@ -128,8 +128,10 @@ def encode_chat(tokenizer, messages: list[dict], train_from: int = 0, markers: b
     return _offsets_mask(tokenizer, full, spans, add_special_tokens=False)
 
 
-def encode(tokenizer, ex: Example, loss_on: str = "assistant", markers: bool = False):
-    """Example -> (ids (L,) int32, trainable (L,) bool). loss_on: "assistant" | "all"."""
+def encode(tokenizer, ex: Example, loss_on: str = "assistant", markers: bool = False, own_eos: bool | None = None):
+    """Example -> (ids (L,) int32, trainable (L,) bool). loss_on: "assistant" | "all". ``markers``
+    (``has_generation_markers``) and ``own_eos`` (``appends_eos``; None: asked here) are the tokenizer's, which
+    a caller encoding many records works out once."""
     if ex.messages is not None:
         if loss_on == "all":
             _need_template(tokenizer)  # else transformers' long "Cannot use chat template functions ..."
@@ -138,7 +140,8 @@ def encode(tokenizer, ex: Example, loss_on: str = "assistant", markers: bool = F
         return encode_chat(tokenizer, ex.messages, ex.train_from, markers)
     eos = tokenizer.eos_token or ""
     text = ex.prompt + ex.target
-    own_eos = _appends_eos(tokenizer)
+    if own_eos is None:
+        own_eos = appends_eos(tokenizer)
     if eos and not text.endswith(eos) and not own_eos:
         text += eos
     lo = 0 if loss_on == "all" else len(ex.prompt)
@@ -148,9 +151,9 @@ def encode(tokenizer, ex: Example, loss_on: str = "assistant", markers: bool = F
     return ids, mask
 
 
-def _appends_eos(tokenizer) -> bool:
+def appends_eos(tokenizer) -> bool:
     """True when the tokenizer ends every sequence with eos itself (Llama's add_eos_token=True): appending one
-    to the text as well would end each document in two."""
+    to the text as well would end each document in two. One tokenizer call (~40 us): ask once per dataset."""
     eos_id = tokenizer.eos_token_id
     return eos_id is not None and tokenizer("a", add_special_tokens=True)["input_ids"][-1] == eos_id
 
