@@ -75,6 +75,14 @@ def checkpoint_dirs(out_dir: str | Path) -> list[Path]:
     return [p for p in _step_dirs(out_dir) if (p / STATE_FILE).is_file()]
 
 
+def is_own(checkpoint: str | Path, out_dir: str | Path) -> bool:
+    """Whether ``checkpoint`` (a ``step-N`` directory or its state.pt) is one of ``out_dir``'s own checkpoints
+    (``out_dir/checkpoints/step-N``), not another run's."""
+    ckdir = Path(checkpoint)
+    ckdir = ckdir if ckdir.is_dir() else ckdir.parent
+    return ckdir.parent.resolve() == (Path(out_dir) / "checkpoints").resolve()
+
+
 def not_this_runs(out_dir: str | Path, resume_from: str | Path | None, start: int) -> list[Path]:
     """The checkpoints under ``out_dir`` that are not in the history of a run starting now: every one for a fresh
     run (``resume_from`` None) or a resume from another directory; those past ``start`` for a resume from one of
@@ -83,10 +91,7 @@ def not_this_runs(out_dir: str | Path, resume_from: str | Path | None, start: in
     dirs = _step_dirs(out_dir)  # with any that lost their state.pt: they are no part of this run either
     if resume_from is None:
         return dirs
-    src = Path(resume_from)
-    src = src if src.is_dir() else src.parent
-    root = Path(out_dir) / "checkpoints"
-    if root.is_dir() and src.parent.resolve() == root.resolve():
+    if is_own(resume_from, out_dir):
         return [d for d in dirs if int(_NAME.match(d.name).group(1)) > start]
     return dirs
 

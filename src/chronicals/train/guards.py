@@ -240,10 +240,10 @@ def earlier_final(cfg: TrainConfig, out_dir: Path, resume_from: Path | None) -> 
     final = final_dir(cfg, out_dir)
     if not final.is_dir() or final.is_symlink():
         return None
-    if resume_from is not None:  # one of out_dir's own checkpoints: the final directory is of this run's history
-        ckdir = resume_from if resume_from.is_dir() else resume_from.parent
-        if ckdir.parent.resolve() == (out_dir / "checkpoints").resolve():
-            return None
+    from .checkpoint import is_own
+
+    if resume_from is not None and is_own(resume_from, out_dir):  # the final directory is of this run's history
+        return None
     base = Path(cfg.model.path).expanduser().resolve()
     foreign = sorted(p.name for p in final.iterdir() if not any(fnmatch.fnmatch(p.name, pat)
                                                                 for pat in _final_files(cfg)))

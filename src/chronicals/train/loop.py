@@ -33,7 +33,7 @@ import torch
 from ..config import DEMO, ConfigError, TrainConfig, from_dict, load_config
 from ..cuda_alloc import allocator_setting
 from . import checkpoint as ckpt
-from .metrics import (MetricsLog, _read_records, matmul_peak_tflops, memory_gib, plot_losses, private_pool_bytes,
+from .metrics import (MetricsLog, matmul_peak_tflops, memory_gib, plot_losses, private_pool_bytes, read_records,
                       train_flops_per_token)
 from .optim import build_optimizer, build_scheduler
 from .distributed import DistContext, init_distributed
@@ -631,9 +631,9 @@ def _metrics_log(cfg: TrainConfig, out_dir: Path, resume_from: Path | None, star
     tb = cfg.logging.tensorboard
     if resume_from is None:
         return MetricsLog(out_dir, tb, None, on_open=on_open)
-    ckdir = resume_from if resume_from.is_dir() else resume_from.parent
-    if ckdir.parent.resolve() == (out_dir / "checkpoints").resolve():
+    if ckpt.is_own(resume_from, out_dir):
         return MetricsLog(out_dir, tb, start, on_open=on_open)
+    ckdir = resume_from if resume_from.is_dir() else resume_from.parent
     metrics = MetricsLog(out_dir, tb, None, on_open=on_open)  # out_dir's metrics.jsonl is replaced at the first record
     source = ckdir.parent.parent / "metrics.jsonl" if ckdir.parent.name == "checkpoints" else None
     why = None
@@ -666,9 +666,7 @@ def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, token
     result = TrainResult(status="completed", step=total, total_steps=total, out_dir=out_dir, checkpoint=checkpoint,
                          start_step=total)
     eval_loader, heldout_qa, report = closing
-    ckdir = checkpoint if checkpoint.is_dir() else checkpoint.parent
-    own = ckdir.parent.resolve() == (out_dir / "checkpoints").resolve()
-    if dp.is_main and eval_loader is not None and own and not _closed(out_dir, total):
+    if dp.is_main and eval_loader is not None and ckpt.is_own(checkpoint, out_dir) and not _closed(out_dir, total):
         metrics = MetricsLog(out_dir, cfg.logging.tensorboard, total)  # out_dir's records up to its last step
         result.eval_loss_before = next((r["eval_loss"] for r in metrics.records
                                         if r.get("kind") == "eval" and r.get("tag") == "before"), None)
@@ -693,7 +691,7 @@ def _closed(out_dir: Path, total: int) -> bool:
     closed (nothing is rewritten over it)."""
     try:
         return any(r.get("tag") == "after" and r.get("step") == total
-                   for r in _read_records(out_dir / "metrics.jsonl", total))
+                   for r in read_records(out_dir / "metrics.jsonl", total))
     except (OSError, ValueError):
         return True
 

@@ -105,7 +105,7 @@ class MetricsLog:
         if resume_step is not None and self.path.exists():
             # keep what the interrupted run logged up to its checkpoint, but not its closing "after" evaluation;
             # later steps are redone
-            self.records = [rec for rec in _read_records(self.path, resume_step)
+            self.records = [rec for rec in read_records(self.path, resume_step)
                             if rec.get("step", 0) <= resume_step and rec.get("tag") != "after"]
         self._fh = None
         self._on_open = on_open
@@ -140,7 +140,7 @@ class MetricsLog:
             self.tb.close()
 
 
-def _read_records(path: Path, resume_step: int) -> list[dict]:
+def read_records(path: Path, resume_step: int) -> list[dict]:
     """metrics.jsonl's records; ValueError naming the file and line of one that is not a record. Blank lines are
     skipped, and so is an unfinished last line (no newline after it: the run writing it was killed), with a warning."""
     again = (f"fix or delete that line, or move {path} away (a new one then holds the steps from "
