@@ -539,10 +539,11 @@ def from_dict(d: dict | None, overrides: list[str] | dict | None = None) -> Trai
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not key=value (e.g. optim.lr=3e-4)", item)
             k, v = item.split("=", 1)
-            if k.strip() in given:
-                raise ConfigError(f"{k.strip()} given twice ({given[k.strip()]} and {item}); give it once", k.strip())
-            given[k.strip()] = item
-            flat[k.strip()] = _override_value(k.strip(), v.strip())
+            k = k.strip()
+            if k in given:
+                raise ConfigError(f"{k} given twice ({given[k]} and {item}); give it once", k)
+            given[k] = item
+            flat[k] = _override_value(k, v.strip())
     known = set(all_keys())
     values: dict[str, dict] = {s: {} for s in _SECTION_TYPES}
     for key, v in flat.items():
