@@ -90,6 +90,7 @@ def test_a_cache_hit_names_this_runs_files(tokenizer, tmp_path, caplog):
     b.write_bytes(a.read_bytes())
     cache = tmp_path / "cache"
     load(a, tokenizer, cache)
+    caplog.clear()  # the first load's lines, captured when an earlier test left the logger at INFO
     with caplog.at_level(logging.INFO, logger="chronicals.data"):
         ds = load(b, tokenizer, cache)
     assert "loaded 6 documents from cache" in caplog.text
