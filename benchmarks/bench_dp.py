@@ -28,7 +28,7 @@ WORLD = 2
 
 
 def _worker(rank: int, port: int, method: str, graphs: bool, out: str, device: str, shape: str, reduce: str) -> None:
-    from chronicals.bench.contenders import CONTENDERS
+    from chronicals.bench.contenders import get_contender
     from chronicals.bench.protocol import RunSpec, timed_run, validate_row
     from chronicals.bench.shapes import get_shape
     from chronicals.train.distributed import init_distributed
@@ -47,7 +47,7 @@ def _worker(rank: int, port: int, method: str, graphs: bool, out: str, device: s
         dev = dp.device
         spec = RunSpec(contender=f"chronicals-{method}", shape=shape, warmup=3, steps=10, device=device,
                        **({} if shape == "0.5b" else {"rows": 2, "seq": 64}))  # same seed: same weights
-        built = CONTENDERS[spec.contender].build(spec, get_shape(spec.shape), dev)
+        built = get_contender(spec.contender).build(spec, get_shape(spec.shape), dev)
         reducer = GradBuckets(dp, built.params) if reduce == "overlap" else None
         graphed = GraphedStep(built.model, dev, params=built.params, reducer=reducer) if graphs else None
         prepare = built.prepare

@@ -51,7 +51,7 @@ class _Batches:
 
 
 def protocol_row(method: str, shape: str, dev: torch.device, warmup: int, steps: int) -> dict:
-    from chronicals.bench.contenders import CONTENDERS
+    from chronicals.bench.contenders import get_contender
     from chronicals.bench.protocol import RunSpec, timed_run, validate_row
     from chronicals.bench.shapes import get_shape
 
@@ -59,7 +59,7 @@ def protocol_row(method: str, shape: str, dev: torch.device, warmup: int, steps:
     sh = get_shape(shape)  # the shape's rows x seq, as trainer_row uses (RunSpec's defaults are 0.5B's 16 x 1024)
     spec = RunSpec(contender=name, shape=shape, warmup=warmup, steps=steps, device=dev.type,
                    **({"rows": sh.rows, "seq": sh.seq} if shape != "tiny" else {"rows": 2, "seq": 64}))
-    built = CONTENDERS[name].build(spec, get_shape(shape), dev)
+    built = get_contender(name).build(spec, get_shape(shape), dev)
     res = timed_run(built, spec, dev)
     row = validate_row({"method": method, "how": name, "tokens_per_s": round(res["tokens_per_s"]),
                         "step_ms": round(res["step_ms"], 2), "losses": res["losses"], "grad_norms": res["grad_norms"]})

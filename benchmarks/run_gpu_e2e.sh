@@ -40,7 +40,7 @@ case "${STAGE:-main}" in
     bench 380 --seq-sweep --contenders chronicals-full,chronicals-lora-graphs --warmup 2 --steps 4 --timeout 60 \
       > "$R/log_seqsweep.txt" 2>&1; tail -30 "$R"/log_*sweep.txt ;;
   ab)
-    C=chronicals-full,chronicals-full-offer,chronicals-full-gateup,chronicals-lora-graphs,chronicals-lora-graphs-gateup,chronicals-lora-graphs-gateup10,chronicals-lora-graphs-nogroup
+    C=chronicals-full,chronicals-full-offer,chronicals-full-gateup,chronicals-lora-graphs,chronicals-lora-graphs-gateup,chronicals-lora-graphs-gateup6,chronicals-lora-graphs-nogroup
     bench 300 --shape 0.5b --contenders "$C" --warmup 3 --steps 10 --timeout 120 --no-correctness --no-learning \
       --name bench_e2e_0.5b_ab > "$R/log_e2e_ab.txt" 2>&1; tail -12 "$R/log_e2e_ab.txt" ;;
   attention)

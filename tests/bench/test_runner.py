@@ -37,6 +37,21 @@ def test_lora_rows_train_only_adapters(rows):
     assert lora["flops_per_token"] < full["flops_per_token"]
 
 
+def test_gate_up_dial_takes_any_k_and_trains_as_the_plain_row(rows):
+    """chronicals-lora-gateup<k>: the same losses as chronicals-lora (the rebuilt gate/up output is the same GEMM)."""
+    from chronicals.bench.contenders import get_contender
+
+    c = get_contender("chronicals-lora-graphs-gateup7")
+    assert c.method == "lora" and "7 layers" in c.label and not c.in_default
+    row = run_contender(RunSpec("chronicals-lora-gateup1", **TINY))
+    assert row["status"] == "ok", row.get("traceback", row["reason"])
+    assert any("gate_up in the first 1 layers" in n for n in row["notes"]), row["notes"]
+    assert row["losses"] == pytest.approx(rows["chronicals-lora"]["losses"], rel=1e-5)
+    for bad in ("chronicals-lora-gateup0", "chronicals-lora-gateup", "chronicals-lora-gateup-3"):
+        with pytest.raises(ValueError, match="gateup<k>"):
+            get_contender(bad)
+
+
 def test_failures_become_rows():
     row = run_contender(RunSpec("no-such-contender", **TINY))
     assert row["status"] == "error" and "unknown contender" in row["reason"]

@@ -45,7 +45,8 @@ def parse_args(argv):
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--quick", action="store_true", help=f"0.5B table only, 2 + 6 steps, contenders {', '.join(QUICK)}")
     ap.add_argument("--shape", choices=list(SHAPES), help="one table at this shape (default: 0.5b and 8b)")
-    ap.add_argument("--contenders", help=f"comma-separated subset of: {', '.join(CONTENDERS)}")
+    ap.add_argument("--contenders", help=f"comma-separated subset of: {', '.join(CONTENDERS)}, "
+                    "or chronicals-{full,lora}[-graphs]-gateup<k> (gate/up rebuilt in the first k layers)")
     ap.add_argument("--rows", type=int, help="sequences per step (default: the shape's protocol)")
     ap.add_argument("--seq", type=int, help="tokens per sequence (default: the shape's protocol)")
     ap.add_argument("--warmup", type=int, help="warm-up steps (default 4; --quick 2; --tiny 1)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -271,15 +272,6 @@ _ALL = [
               _chronicals("full", False, recompute=("norm", "swiglu", "gate_up")), in_default=False),
     Contender("chronicals-lora-graphs-gateup", "chronicals LoRA, CUDA graphs, gate/up output recomputed too", "lora",
               _chronicals("lora", False, True, recompute=("norm", "swiglu", "gate_up")), in_default=False),
-    # the LoRA memory dial at the 0.5B protocol: ~0.25 GiB per layer, 10 of 24 layers for <= 10 GiB (12.1 measured)
-    Contender("chronicals-lora-graphs-gateup10", "chronicals LoRA, CUDA graphs, gate/up output recomputed in 10 layers",
-              "lora", _chronicals("lora", False, True, recompute=("norm", "swiglu", "gate_up"), gate_up_layers=10),
-              in_default=False),
-    # at the 8B shape (4 x 2048): ~0.44 GiB of gate/up output per layer, for ~0.6% of the step each by arithmetic
-    # (not yet measured); the default is 39.5 GiB since the in-place MLP backward (git 9764891)
-    Contender("chronicals-lora-graphs-gateup1", "chronicals LoRA, CUDA graphs, gate/up output recomputed in 1 layer",
-              "lora", _chronicals("lora", False, True, recompute=("norm", "swiglu", "gate_up"), gate_up_layers=1),
-              in_default=False),
     # the MLP backward's gradients into fresh buffers instead of over gate|up and d_act (3 (N, I) tensors more)
     Contender("chronicals-full-graphs-fresh", "chronicals, CUDA graphs, MLP backward into fresh buffers", "full",
               _chronicals("full", False, True, in_place=False), in_default=False),
@@ -305,8 +297,26 @@ _ALL = [
 CONTENDERS: dict[str, Contender] = {c.name: c for c in _ALL}
 
 
+# the memory dial: "chronicals-{full,lora}[-graphs]-gateup<k>" rebuilds the gate/up output in the first k layers
+# (``model.gate_up_layers``): ~0.27 GiB and ~0.47 ms a layer at the 0.5B protocol (session 5, k = 10: 12.1 -> 9.4
+# GiB); at 8B (4 x 2048) ~0.44 GiB a layer. Any k, so a sweep needs no new entry.
+_GATE_UP_K = re.compile(r"chronicals-(full|lora)(-graphs)?-gateup([1-9][0-9]*)")
+
+
+def _gate_up_contender(name: str) -> Contender | None:
+    m = _GATE_UP_K.fullmatch(name)
+    if m is None:
+        return None
+    method, graphs, k = m.group(1), m.group(2) is not None, int(m.group(3))
+    what = ("chronicals LoRA" if method == "lora" else "chronicals") + (", CUDA graphs" if graphs else "")
+    return Contender(name, f"{what}, gate/up output recomputed in {k} layer{'s' * (k > 1)}", method,
+                     _chronicals(method, False, graphs, recompute=("norm", "swiglu", "gate_up"), gate_up_layers=k),
+                     in_default=False)
+
+
 def get_contender(name: str) -> Contender:
-    try:
-        return CONTENDERS[name]
-    except KeyError:
-        raise ValueError(f"unknown contender {name!r}; choose from {', '.join(CONTENDERS)}") from None
+    c = CONTENDERS.get(name) or _gate_up_contender(name)
+    if c is None:
+        raise ValueError(f"unknown contender {name!r}; choose from {', '.join(CONTENDERS)}, or "
+                         "chronicals-{full,lora}[-graphs]-gateup<k> (gate/up rebuilt in the first k layers)")
+    return c
