@@ -61,9 +61,8 @@ def swiglu_gate_up_backward_da_ref(d_act: torch.Tensor, gu: torch.Tensor, dyb: t
 # ---------------------------------------------------------------- kernels
 
 # (BLOCK_R, BLOCK_C, warps): tl.dot needs BLOCK_R >= 16; 32 rows keep 256 programs at the 8B shape (8,192 rows)
-_XA_CONFIGS = [triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w, num_stages=st)
-               for r, c, w, st in ((32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4), (16, 256, 4, 3),
-                                   (32, 128, 4, 4), (64, 64, 4, 4), (32, 256, 8, 3), (64, 128, 4, 4), (16, 128, 2, 4))]
+_XA_CONFIGS = [triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
+               for r, c, w in ((32, 128, 4), (64, 64, 4), (64, 128, 8), (32, 64, 4), (16, 256, 4))]
 
 
 @triton.autotune(configs=tune_configs(_XA_CONFIGS), key=["n_cols", "R_PAD", "size_class"])
@@ -152,7 +151,7 @@ def swiglu_gate_up_xa(gu: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, 
 # The backward's launch shape, fixed: it may run in place, and the autotuner would rerun it on the buffers it
 # has overwritten. 64 x 64 bf16 tiles over 4 warps: 8 elements (16 bytes) a thread per tensor, and a
 # (32, 64) x (64, 64) dot a step.
-_DA_BLOCK_R, _DA_BLOCK_C, _DA_WARPS, _DA_STAGES = 32, 64, 4, 3
+_DA_BLOCK_R, _DA_BLOCK_C, _DA_WARPS = 64, 64, 4
 
 
 def _splits(n_rows: int, col_blocks: int, device: torch.device, block_r: int) -> int:
@@ -161,11 +160,11 @@ def _splits(n_rows: int, col_blocks: int, device: torch.device, block_r: int) ->
 
 
 def swiglu_gate_up_backward_da(d_act: torch.Tensor, gu: torch.Tensor, dyb: torch.Tensor, in_place: bool,
-                               block: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                               block: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """d_act (N, I) and dyb (N, r) contiguous, gu (N, 2I) with unit column stride, one dtype (``fused_ok``) ->
     (d_gu (N, 2I), dA = dyb^T act (r, I) in dyb's dtype). in_place: d_gu is written over gu (returned as d_gu;
     gu's values are gone); else into a fresh contiguous (N, 2I)).
-    block: (BLOCK_R, BLOCK_C, warps, stages) instead of the shipped launch shape (probes only)."""
+    block: (BLOCK_R, BLOCK_C, warps) instead of the shipped launch shape (probes only)."""
     n, i = d_act.shape
     r = dyb.shape[1]
     if (gu.shape != (n, 2 * i) or dyb.shape[0] != n or not (d_act.is_contiguous() and gu.stride(-1) == 1
@@ -177,7 +176,7 @@ def swiglu_gate_up_backward_da(d_act: torch.Tensor, gu: torch.Tensor, dyb: torch
     d_gu = gu if in_place else torch.empty((n, 2 * i), device=gu.device, dtype=gu.dtype)
     if not (n and i):
         return d_gu, dyb.new_zeros((r, i))
-    block_r, block_c, warps, stages = block or (_DA_BLOCK_R, _DA_BLOCK_C, _DA_WARPS, _DA_STAGES)
+    block_r, block_c, warps = block or (_DA_BLOCK_R, _DA_BLOCK_C, _DA_WARPS)
     col_blocks = triton.cdiv(i, block_c)
     splits = _splits(n, col_blocks, d_act.device, block_r)
     rows_per_split = triton.cdiv(triton.cdiv(n, splits), block_r) * block_r
@@ -186,5 +185,5 @@ def swiglu_gate_up_backward_da(d_act: torch.Tensor, gu: torch.Tensor, dyb: torch
     _swiglu_gate_up_bwd_da_kernel[(col_blocks, splits)](
         d_act, gu, d_gu, dyb, partial, n, i, r, rows_per_split, gu.stride(0), d_gu.stride(0), IN_PLACE=in_place, R_PAD=_r_pad(r),
         DOT_F32=triton_interpreting() or gu.dtype == torch.float32, BLOCK_R=block_r, BLOCK_C=block_c,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps)
     return d_gu, partial.sum(0).to(dyb.dtype)
