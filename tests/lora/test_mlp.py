@@ -193,7 +193,6 @@ def test_model_option_picks_the_swiglu_product_source(swiglu_forwards):
     apply_lora(model, r=2, alpha=4)  # gate/up form a group: the MLP passes packed gu to down_proj
     randomize_lora_b(model)
     model.set_impl("triton")
-    model.opts.lora_down_fused_rank = False  # else the rank-fused kernel runs instead of any SwiGLU forward
     mlp = model.model.layers[0].mlp
     x, dy = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
     got = {}
@@ -204,106 +203,6 @@ def test_model_option_picks_the_swiglu_product_source(swiglu_forwards):
         assert len(swiglu_forwards) == (1 if fused else 2)
     for a, b in zip(got[True], got[False]):
         assert torch.equal(a, b)
-
-
-@pytest.fixture
-def rank_kernels(monkeypatch):
-    """Counts of the rank-fused SwiGLU kernels' launchers the LoRA MLP calls: {"xa": forwards, "da": backwards}."""
-    import chronicals.lora.mlp as mlp_mod
-
-    calls = {"xa": 0, "da": 0}
-
-    def counted(key, fn):
-        def run(*a, **k):
-            calls[key] += 1
-            return fn(*a, **k)
-        return run
-
-    monkeypatch.setattr(mlp_mod, "swiglu_gate_up_xa", counted("xa", mlp_mod.swiglu_gate_up_xa))
-    monkeypatch.setattr(mlp_mod, "swiglu_gate_up_backward_da", counted("da", mlp_mod.swiglu_gate_up_backward_da))
-    return calls
-
-
-@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
-@pytest.mark.parametrize("in_place", [False, True])
-@pytest.mark.parametrize("r", [4, 33])
-def test_rank_fused_kernels_give_the_gemm_paths_gradients(rank_kernels, in_place, r):
-    """fused_rank: x A^T and dA come from the SwiGLU kernels. Output and every gradient equal the cuBLAS path's
-    up to summation order (fp32), and track float64; d_gu is the same kernel math, so bit-identical."""
-    g = torch.Generator().manual_seed(4)
-    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    fi, fo, lead = 24, 10, (3, 7)
-    gu0, a0, b0 = rnd(*lead, 2 * fi), rnd(r, fi), rnd(fo, r)
-    w, bi, dy = rnd(fo, fi), rnd(fo), rnd(*lead, fo)
-
-    def grads(fused_rank, dtype=torch.float32, impl="triton"):
-        gu, a, b = (t.to(dtype, copy=True).requires_grad_() for t in (gu0, a0, b0))
-        y = LoRASwiGLUDownFunction.apply(gu, None, w.to(dtype), bi.to(dtype), a, b, 1.3, None, 0.0, False, None,
-                                         impl, True, in_place, fused_rank)
-        return [y, *torch.autograd.grad(y, [gu, a, b], dy.to(dtype))]
-
-    fused = grads(True)
-    assert rank_kernels == {"xa": 1, "da": 1}
-    gemm = grads(False)
-    assert rank_kernels == {"xa": 1, "da": 1}
-    assert torch.equal(fused[1], gemm[1])  # d_gu
-    for i, (x_, y_) in enumerate(zip(fused, gemm)):
-        torch.testing.assert_close(x_, y_, rtol=1e-5, atol=1e-5, msg=f"output/grad {i} vs the GEMM path")
-    for i, (x_, y_) in enumerate(zip(fused, grads(False, torch.float64, "torch"))):
-        torch.testing.assert_close(x_.double(), y_, rtol=1e-5, atol=1e-5, msg=f"output/grad {i} vs float64")
-
-
-@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
-@pytest.mark.parametrize("case", ["dropout", "concat", "rank 65"])
-def test_rank_fused_kernels_step_aside_where_they_do_not_apply(rank_kernels, case):
-    """Dropout (the LoRA branch sees drop(act)), the concatenated layout, r > 64: the GEMM path runs, with the
-    same gradients as fused_rank=False (adapters of another dtype than act: ``fused_ok``, tests/ops)."""
-    g = torch.Generator().manual_seed(6)
-    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    fi, fo, r = 24, 10, 65 if case == "rank 65" else 4
-    gu0, a0, b0 = rnd(5, 2 * fi), rnd(r, fi), rnd(fo, r)
-    w, dy = rnd(fo, fi), rnd(5, fo)
-    mask = torch.rand(5, fi, generator=g) >= 0.25 if case == "dropout" else None
-
-    def grads(fused_rank):
-        gu, a, b = (t.clone().requires_grad_() for t in (gu0, a0, b0))
-        y = LoRASwiGLUDownFunction.apply(gu, None, w, None, a, b, 1.3, mask, 0.25 if mask is not None else 0.0,
-                                         case == "concat", None, "triton", True, False, fused_rank)
-        return [y, *torch.autograd.grad(y, [gu, a, b], dy)]
-
-    for x_, y_ in zip(grads(True), grads(False)):
-        assert torch.equal(x_, y_)
-    assert rank_kernels == {"xa": 0, "da": 0}
-
-
-@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
-def test_model_option_picks_the_rank_kernels(rank_kernels):
-    """RuntimeOptions.lora_down_fused_rank (default True) reaches the decoder's LoRA MLP; False: cuBLAS."""
-    model = tiny_model().train()
-    apply_lora(model, r=2, alpha=4)
-    randomize_lora_b(model)
-    model.set_impl("triton")
-    assert model.opts.lora_down_fused_rank
-    mlp = model.model.layers[0].mlp
-    x, dy = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
-    on = _mlp_grads(mlp, x, dy, lambda m, t: m(t))
-    assert rank_kernels == {"xa": 1, "da": 1}
-    model.opts.lora_down_fused_rank = False
-    off = _mlp_grads(mlp, x, dy, lambda m, t: m(t))
-    assert rank_kernels == {"xa": 1, "da": 1}
-    for a, b in zip(on, off):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
-def test_rank_fused_backward_in_place_refuses_a_second_backward():
-    gu = torch.randn(4, 16, requires_grad=True)
-    a, b = torch.randn(3, 8, requires_grad=True), torch.randn(5, 3, requires_grad=True)
-    y = LoRASwiGLUDownFunction.apply(gu, None, torch.randn(5, 8), None, a, b, 1.0, None, 0.0, False, None,
-                                     "triton", True, True, True)
-    y.sum().backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="swiglu_backward_in_place = False"):
-        y.sum().backward()
 
 
 # ---------------------------------------------------------------- checkpointing the first k layers

@@ -55,15 +55,13 @@ def concat_weight(weight: torch.Tensor, lora_b: torch.Tensor, scaling: float) ->
     return torch.cat([weight, lora_b * scaling], dim=1)
 
 
-def lora_forward(x2, weight, bias, lora_a, lora_b, scaling: float, mask, dropout: float, wcat, xa=None):
+def lora_forward(x2, weight, bias, lora_a, lora_b, scaling: float, mask, dropout: float, wcat):
     """x2 (N, in) -> (y (N, out), xa = drop(x2) A^T (N, r), unscaled). No autograd (called in forward).
 
     wcat: None for the addmm_ layout, else [W | s B] (out, in + r) for the concatenated layout.
-    xa: x2 A^T already computed by the caller (no dropout; ``ops.swiglu_lora`` writes it with x2), or None.
     """
-    if xa is None:
-        xd = x2 if mask is None else x2 * mask.reshape(x2.shape) * (1.0 / (1.0 - dropout))
-        xa = torch.mm(xd, lora_a.t())  # (N, r)
+    xd = x2 if mask is None else x2 * mask.reshape(x2.shape) * (1.0 / (1.0 - dropout))
+    xa = torch.mm(xd, lora_a.t())  # (N, r)
     if wcat is not None:
         xcat = torch.cat([x2, xa], dim=1)  # (N, in + r), freed after forward: only x and xa are saved
         y = torch.mm(xcat, wcat.t()) if bias is None else torch.addmm(bias, xcat, wcat.t())
@@ -74,13 +72,12 @@ def lora_forward(x2, weight, bias, lora_a, lora_b, scaling: float, mask, dropout
 
 
 def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, mask, scaling: float, dropout: float, wcat,
-                  need_x: bool, need_a: bool, need_b: bool, da_of=None):
+                  need_x: bool, need_a: bool, need_b: bool):
     """dy2 (N, out) -> (dx2 (N, in), dA (r, in), dB (out, r)), None where not needed.
 
     x2 is only read for dA (so a caller may pass a recomputed x2, or None when not need_a). It may also be a
     function of dx2 returning x2, called once dx2 exists (LoRASwiGLUDownFunction rebuilds its input in the
-    kernel that consumes dx2). da_of: instead, a function (dx2, dyb = s dy B (N, r)) -> dA, for a caller whose
-    kernel consuming dx2 computes dA itself (no dropout: ``ops.swiglu_lora``).
+    kernel that consumes dx2).
     """
     dx = da = db = None
     keep = 1.0 if mask is None else 1.0 / (1.0 - dropout)
@@ -104,9 +101,7 @@ def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, mask, scaling: float, dro
             dx = torch.addmm(dx_base, dyb, lora_a) if wcat is not None else dx_base.addmm_(dyb, lora_a)
         else:  # the LoRA branch saw drop(x): its gradient goes through the mask
             dx = mm_scaled(dyb, lora_a, keep).mul_(mask.reshape(dx_base.shape)).add_(dx_base)
-    if need_a and da_of is not None:
-        da = da_of(dx, dyb)
-    elif need_a:
+    if need_a:
         if callable(x2):
             x2 = x2(dx)
         xd = x2 if mask is None else x2 * mask.reshape(x2.shape)
@@ -282,15 +277,13 @@ class LoRALinear(nn.Module):
         return LoRALinearFunction.apply(x, self.weight, self.bias, a, b, self.scaling, mask, self.dropout,
                                         self.concat, wcat)
 
-    def forward_swiglu(self, gate, up=None, impl: str = "auto", fused_act: bool = True, in_place: bool = False,
-                       fused_rank: bool = False):
+    def forward_swiglu(self, gate, up=None, impl: str = "auto", fused_act: bool = True, in_place: bool = False):
         """``self(swiglu(gate, up))`` without keeping the SwiGLU product for backward: it is recomputed
         from the saved gate / up (see ``chronicals.lora.mlp``). gate, up (..., in) -> (..., out); up None:
         gate is the packed gu (..., 2 in) = [gate | up] (``ops.swiglu_gate_up``).
         The decoder's MLP calls this when its down_proj offers it; ``impl`` is the SwiGLU op's; ``fused_act``:
         the SwiGLU backward kernel writes the product for dA (packed gu on Triton), else a second forward;
-        ``in_place``: that kernel writes over the saved gu and d_act (``RuntimeOptions.swiglu_backward_in_place``);
-        ``fused_rank``: the SwiGLU kernels also compute x A^T and dA (``RuntimeOptions.lora_down_fused_rank``)."""
+        ``in_place``: that kernel writes over the saved gu and d_act (``RuntimeOptions.swiglu_backward_in_place``)."""
         from .mlp import LoRASwiGLUDownFunction, swiglu_for_impl
 
         if self.impl == "torch" or not self.recompute_swiglu:  # plain autograd: the product is kept
@@ -298,7 +291,7 @@ class LoRALinear(nn.Module):
         a, b, mask = self._adapters(gate, (*gate.shape[:-1], self.in_features))
         wcat = self._concat_buffer(b) if self._uses_wcat else None
         return LoRASwiGLUDownFunction.apply(gate, up, self.weight, self.bias, a, b, self.scaling, mask,
-                                            self.dropout, self.concat, wcat, impl, fused_act, in_place, fused_rank)
+                                            self.dropout, self.concat, wcat, impl, fused_act, in_place)
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:

@@ -19,10 +19,6 @@ With ``in_place`` (``RuntimeOptions.swiglu_backward_in_place``, the default) tha
 saved gu and act over d_act (``models.fused_proj.swiglu_backward_owned``): no (N, 2I) and (N, I) beside them.
 ``RuntimeOptions.fused_swiglu_recompute=False`` (bench contender ``chronicals-lora-graphs-offer``) picks the
 second forward.
-With ``fused_rank`` (``RuntimeOptions.lora_down_fused_rank``, the default) on that packed Triton path, rank
-r <= 64 and no dropout, the SwiGLU kernels also do the adapter's two skinny GEMMs over act
-(``ops.swiglu_lora``): the forward kernel writes xa = act A^T beside act, and the backward kernel sums dA =
-(s dy B)^T act without storing act at all.
 """
 
 from __future__ import annotations
@@ -31,9 +27,8 @@ import torch
 
 from ..ops import swiglu, swiglu_gate_up
 from ..ops._impl import resolve_impl
-from ..models.fused_proj import claim_in_place, swiglu_backward_owned
+from ..models.fused_proj import swiglu_backward_owned
 from ..ops.swiglu import _unit_col_rows, swiglu_backward, swiglu_gate_up_dgu, swiglu_gate_up_ref, swiglu_ref
-from ..ops.swiglu_lora import fused_ok, swiglu_gate_up_backward_da, swiglu_gate_up_xa
 from .layer import concat_weight, lora_backward, lora_forward
 
 
@@ -73,17 +68,15 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
 
     Arguments after gate / up are LoRALinearFunction's (weight, bias, lora_a, lora_b, scaling, mask,
     dropout, concat, wcat) plus ``impl``, the SwiGLU op's, ``fused_act`` (packed gu on Triton: the SwiGLU
-    backward kernel writes act for dA; False: a second SwiGLU forward rebuilds it), ``in_place`` (with
+    backward kernel writes act for dA; False: a second SwiGLU forward rebuilds it) and ``in_place`` (with
     fused_act: that kernel writes d_gu over the gu it was given, so only for a gu nobody reads after backward,
-    such as the decoder MLP's own GEMM output) and ``fused_rank`` (with fused_act: the SwiGLU kernels also
-    compute xa and dA, see the module docstring). ``mask`` (bool, act's shape) drops elements of act.
+    such as the decoder MLP's own GEMM output). ``mask`` (bool, act's shape) drops elements of act.
     up None: gate is the packed gu (..., 2I), and its gradient d_gu comes back whole.
     """
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scaling: float, mask, dropout: float,
-                concat: bool, wcat, impl: str, fused_act: bool = True, in_place: bool = False,
-                fused_rank: bool = False):
+                concat: bool, wcat, impl: str, fused_act: bool = True, in_place: bool = False):
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             raise RuntimeError("LoRASwiGLUDownFunction: down_proj's base weight and bias must be frozen "
                                "(requires_grad=False; apply_lora does this)")
@@ -91,21 +84,15 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
             raise ValueError(f"LoRA MLP: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
         if concat and wcat is None:
             wcat = concat_weight(weight, lora_b, scaling)
-        rank = (fused_rank and fused_act and mask is None and not concat and _fused_act_ok(gate, up, impl)
-                and fused_ok(gate, lora_a))
-        if rank:  # one kernel writes act and xa = act A^T
-            act, xa = swiglu_gate_up_xa(_unit_col_rows(gate, gate.shape[-1]), lora_a)
-            act = act.view(*gate.shape[:-1], act.shape[-1])
-        else:
-            act, xa = swiglu_for_impl(gate, up, impl), None  # (..., I): lives until the GEMMs below are done
+        act = swiglu_for_impl(gate, up, impl)  # (..., I): lives only until the GEMMs below are done
         shape = act.shape
         y, xa = lora_forward(act.reshape(-1, shape[-1]), weight, bias, lora_a, lora_b, scaling, mask, dropout,
-                             wcat if concat else None, xa)
+                             wcat if concat else None)
         del act
         ctx.save_for_backward(gate, up, weight, lora_a, lora_b, xa, mask)
         ctx.wcat = wcat if concat else None
         ctx.scaling, ctx.dropout, ctx.impl, ctx.act_shape = scaling, dropout, impl, shape
-        ctx.fused_act, ctx.in_place, ctx.spent, ctx.rank = fused_act, in_place, False, rank
+        ctx.fused_act, ctx.in_place, ctx.spent = fused_act, in_place, False
         return y.view(*shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -114,16 +101,8 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
         need_act = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         need_a, need_b = ctx.needs_input_grad[4], ctx.needs_input_grad[5]
         fused = ctx.fused_act and need_act and need_a and _fused_act_ok(gate, up, ctx.impl)
-        act2, da_of, out = None, None, {}
-        if fused and ctx.rank:
-            # d_act first, then one kernel writes d_gu and sums dA = dyb^T act from its registers
-            gu2 = _unit_col_rows(gate, gate.shape[-1])
-
-            def da_of(d_act, dyb):  # d_act: lora_backward's own fresh dx, unused after this
-                dyb = dyb.contiguous()
-                out["dgu"], da = swiglu_gate_up_backward_da(d_act, gu2, dyb, claim_in_place(ctx, d_act, gu2))
-                return da
-        elif fused:
+        act2, out = None, {}
+        if fused:
             # d_act first, then one kernel writes d_gu and act (its STORE_ACT output, the forward's bits),
             # then dA reads act: no separate SwiGLU forward pass over gu
             gu2 = _unit_col_rows(gate, gate.shape[-1])
@@ -135,7 +114,7 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
             with torch.no_grad():
                 act2 = swiglu_for_impl(gate, up, ctx.impl).reshape(-1, ctx.act_shape[-1])
         d_act, da, db = lora_backward(dy.reshape(-1, dy.shape[-1]), act2, weight, lora_a, lora_b, xa, mask,
-                                      ctx.scaling, ctx.dropout, ctx.wcat, need_act, need_a, need_b, da_of)
+                                      ctx.scaling, ctx.dropout, ctx.wcat, need_act, need_a, need_b)
         del act2  # freed before dgate / dup exist: the same transient peak as the plain MLP's backward
         ctx.wcat = None
         dg = du = None
@@ -143,7 +122,7 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
             dg = out["dgu"].view(gate.shape)
         elif need_act:
             dg, du = swiglu_grads(d_act.view(ctx.act_shape), gate, up, ctx.impl)
-        return dg, du, None, None, da, db, None, None, None, None, None, None, None, None, None
+        return dg, du, None, None, da, db, None, None, None, None, None, None, None, None
 
 
 def _fused_act_ok(gate: torch.Tensor, up: torch.Tensor | None, impl: str) -> bool:

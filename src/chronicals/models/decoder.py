@@ -60,10 +60,6 @@ class RuntimeOptions:
     # 8B LoRA shape, where the step's peak is the first MLP backward). Same bits. False: fresh buffers, for
     # more than one backward through one forward (retain_graph=True), which raises otherwise.
     swiglu_backward_in_place: bool = True
-    # with fused_swiglu_recompute on the Triton path, a LoRA down_proj (rank <= 64, no dropout): the SwiGLU
-    # kernels also compute its x A^T (forward) and dA (backward) from act in registers (ops.swiglu_lora), so no
-    # skinny GEMM streams act (N, I) twice more and backward never writes act. False: cuBLAS GEMMs over act
-    lora_down_fused_rank: bool = True
     # the loss head's vocab_parts (ops.linear_cross_entropy): k > 1 keeps no fp32 weight-gradient accumulator
     # beyond dW itself (0.79 -> 0.56 GiB at Qwen2.5-0.5B) for a second pass over part of the vocabulary (k = 2:
     # 29.7 -> 33.9 ms for the head on an H200, git 638f39e)
@@ -181,8 +177,7 @@ class MLP(nn.Module):
         if gu is not None:
             if lora_down is not None:
                 return lora_down(gu, None, impl=self.opts.impl, fused_act=self.opts.fused_swiglu_recompute,
-                                 in_place=self.opts.swiglu_backward_in_place,
-                                 fused_rank=self.opts.lora_down_fused_rank)
+                                 in_place=self.opts.swiglu_backward_in_place)
             recomputing = "swiglu" in self.opts.recompute and recompute.is_active()
             # not the session: a checkpointed layer's forward runs again in backward outside it, and must save
             # what its first run saved (torch.utils.checkpoint compares them): the training forward's own test
