@@ -11,8 +11,21 @@ Chat examples are rendered with the tokenizer's chat template. Which tokens belo
   that carry nothing (226 of the demo's 3,380 per epoch, counted in tokens/s). The full text
   is tokenized once with character offsets, and a token is trainable when it overlaps a span.
   Tokenizing the whole text once (not pieces) keeps the ids identical to ``apply_chat_template``.
-  Templates whose prefix renderings are not prefixes of the full one (some drop earlier reasoning)
-  raise with the fix, rather than mislabel tokens.
+  When a template is not prefix-stable, two fallbacks bound the turn from other facts, each proven on the
+  text (the span's text in the full rendering is the turn's text in the rendering it was found in, and holds
+  the reply):
+  (a) a closing the template writes only at the end of a conversation: Phi-3 ends the rendering with
+      ``{{ eos_token }}`` when there is no generation prompt, so messages[:i+1] ends ``reply<|end|>\\n<|endoftext|>``
+      where the full text goes on ``reply<|end|>\\n<|user|>``. The turn ends where the two agree, once only
+      special tokens and whitespace are left of messages[:i+1]'s rendering.
+  (b) a moved system message: Mistral v0.3 writes it into the user turn that ends the conversation, so it is in
+      the rendering of messages[:i] + generation prompt and dropped from the full one (ending in an assistant
+      turn); others write it into the last user turn. The turns are located in the rendering without the system
+      message and carried over to the full one, which must be that text or it with one inserted piece that
+      holds the system text, each turn on one side of the piece. (Mistral v0.3 itself thus trains without the
+      system message, as ``apply_chat_template`` renders it.)
+  A template that neither explains (one that drops earlier reasoning or rewrites earlier turns) raises with the
+  fix, rather than mislabel tokens: use ``{% generation %}`` markers, or loss on everything.
 Prompt/target examples: ``prompt + target + eos`` with the tokenizer's special tokens (e.g. BOS); loss on
 target and eos.
 """
@@ -94,6 +107,135 @@ def _need_template(tokenizer) -> None:
                           "set one, or convert the data to prompt/completion")
 
 
+class _Unbounded(Exception):
+    """The prefix renderings do not bound assistant message ``index``'s turn in the full rendering."""
+
+    def __init__(self, index: int):
+        super().__init__(index)
+        self.index = index
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]: bisect the first difference
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
+    return lo
+
+
+def _closing_dropped(upto: str, full: str, lo: int, specials: tuple[str, ...]) -> int | None:
+    """The turn's end when rendering messages[:i+1] (upto) closes the conversation with special tokens that the
+    full rendering does not have there (Phi-3 writes ``{{ eos_token }}`` only without the generation prompt:
+    upto ends ``reply<|end|>\\n<|endoftext|>``, full goes on ``reply<|end|>\\n<|user|>``). The end is the last
+    position p such that full[:p] == upto[:p] (the common prefix) and upto[p:] is only special tokens and
+    whitespace; None when no such p is past lo (the turn itself differs: not this case)."""
+    agree = lo + _common_prefix_len(upto[lo:], full[lo:])
+    q = len(upto)  # drop upto's closing specials one at a time until what is left agrees with full
+    ordered = sorted(specials, key=len, reverse=True)
+    while q > agree:
+        if upto[q - 1].isspace():
+            q -= 1
+            continue
+        s = next((s for s in ordered if upto.endswith(s, lo, q)), None)
+        if s is None:
+            return None  # upto and full differ in the turn's own text
+        q -= len(s)
+    return q if q > lo else None
+
+
+def _turn_span(tokenizer, messages, i: int, full: str, specials) -> tuple[int, int, bool]:
+    """(lo, hi, strict): assistant message i's reply and end-of-turn text as a character span of full; strict
+    when messages[:i+1] renders to a prefix of full. Raises _Unbounded when the renderings cannot bound it."""
+    try:
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
+    except Exception as e:  # a template may not render an empty prefix (assistant first)
+        raise FormatError(f"the chat template cannot render the messages before assistant message {i} "
+                          f"({type(e).__name__}: {e}); expected a user or system message first") from None
+    upto = _render(tokenizer, messages[:i + 1])
+    lo = len(before)
+    if full.startswith(upto) and upto.startswith(before):
+        return lo, _turn_end(full, lo, len(upto), specials), True
+    if not (upto.startswith(before) and full.startswith(before)):
+        raise _Unbounded(i)
+    hi = _closing_dropped(upto, full, lo, specials)
+    if hi is None:
+        raise _Unbounded(i)
+    return lo, _turn_end(full, lo, hi, specials), False
+
+
+def _holds_reply(full: str, span, message) -> bool:
+    """A located span holds the message's text (stripped: Mistral writes ``content|trim``); a check on the
+    fallbacks, which bound a turn from fewer facts than the strict test."""
+    content = message.get("content")
+    return not (isinstance(content, str) and content.strip()) or content.strip() in full[span[0]:span[1]]
+
+
+def _locate(tokenizer, messages, full: str, train_from: int, specials) -> list[tuple[int, int, int]]:
+    """(i, lo, hi) for the assistant turns at index i >= train_from; raises _Unbounded at the first one that the
+    prefix renderings do not bound."""
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or i < train_from:
+            continue
+        lo, hi, strict = _turn_span(tokenizer, messages, i, full, specials)
+        if not (strict or _holds_reply(full, (lo, hi), m)):
+            raise _Unbounded(i)
+        spans.append((i, lo, hi))
+    return spans
+
+
+def _insertion_points(short: str, long: str) -> range:
+    """The positions at with long == short[:at] + X + short[at:] (len(X) = len(long) - len(short) >= 0): X
+    slides over text that short repeats on either side of it, so at is a range; empty when long is not short
+    with one piece inserted."""
+    if len(long) < len(short):
+        return range(0)
+    last = _common_prefix_len(short, long)  # long[:at] == short[:at]
+    first = len(short) - _common_prefix_len(short[::-1], long[::-1])  # long ends with short[at:]
+    return range(first, last + 1)
+
+
+def _without_system(tokenizer, messages, full: str, train_from: int, specials) -> list[tuple[int, int]] | None:
+    """Spans for a template that moves the system message. Mistral v0.3 writes it into the user turn that is
+    the conversation's last message (``loop.last``): it is in the rendering of messages[:i] + generation prompt
+    and missing from the full one, which ends in an assistant turn; others write it into the last user turn,
+    after earlier replies. The turns are located in the rendering without the system message (prefix-stable
+    for these templates), then carried over to full, which must be that rendering (the system message dropped)
+    or it with one piece inserted that holds the system text. Each span must lie on one side of every place
+    the piece can go (it slides over repeated text), so the carried span holds the same text. None otherwise."""
+    if not messages or messages[0]["role"] != "system":
+        return None
+    rest = messages[1:]
+    try:
+        rest_full = _render(tokenizer, rest)
+        located = _locate(tokenizer, rest, rest_full, max(train_from - 1, 0), specials)
+    except (FormatError, _Unbounded):
+        return None
+    system = messages[0].get("content")
+    system = system.strip() if isinstance(system, str) else ""
+    width = len(full) - len(rest_full)
+    if width and not system:
+        return None  # an inserted piece that cannot be checked to be the system message
+    if width == 0:
+        places = [0] if full == rest_full else []  # dropped: nothing moves
+    else:
+        places = [at for at in _insertion_points(rest_full, full) if system in full[at:at + width]]
+    if not places:
+        return None
+    spans = []
+    for i, lo, hi in located:
+        if width and places[0] < hi and lo < places[-1]:
+            return None  # the system text may sit before or after (part of) this turn
+        span = (lo + width, hi + width) if width and lo >= places[-1] else (lo, hi)
+        if not _holds_reply(full, span, rest[i]):
+            return None
+        spans.append(span)
+    return spans
+
+
 def encode_chat(tokenizer, messages: list[dict], train_from: int = 0, markers: bool = False):
     """messages -> (ids (L,) int32, trainable (L,) bool): trainable = assistant turns at index >= train_from."""
     _need_template(tokenizer)
@@ -108,23 +250,19 @@ def encode_chat(tokenizer, messages: list[dict], train_from: int = 0, markers: b
         return ids, mask
     full = _render(tokenizer, messages)
     specials = _special_texts(tokenizer)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant" or i < train_from:
-            continue
-        try:
-            before = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        except Exception as e:  # a template may not render an empty prefix (assistant first)
-            raise FormatError(f"the chat template cannot render the messages before assistant message {i} "
-                              f"({type(e).__name__}: {e}); expected a user or system message first") from None
-        upto = _render(tokenizer, messages[:i + 1])
-        if not (full.startswith(upto) and upto.startswith(before)):
+    try:
+        spans = [(lo, hi) for _, lo, hi in _locate(tokenizer, messages, full, train_from, specials)]
+    except _Unbounded as e:
+        spans = _without_system(tokenizer, messages, full, train_from, specials)
+        if spans is None:
             raise FormatError(
-                f"the chat template is not prefix-stable at message {i} (rendering the first {i + 1} messages "
-                "is not a prefix of rendering them all, or an assistant message comes first), so the assistant "
-                "tokens cannot be located; use a template with {% generation %} markers or data.train_on=all "
-                "(load_dataset: loss_on='all')")
-        spans.append((len(before), _turn_end(full, len(before), len(upto), specials)))
+                f"the chat template is not prefix-stable at message {e.index}: rendering the first {e.index + 1} "
+                "messages is not a prefix of rendering them all (or an assistant message comes first), and neither "
+                "fallback located the reply (dropping special tokens the template writes only at the end of a "
+                "conversation, as Phi-3's eos; rendering without the system message, which Mistral v0.3 moves "
+                "into the last user turn), so the assistant tokens cannot be located without risking mislabeled "
+                "tokens; use a template with {% generation %} markers or data.train_on=all "
+                "(load_dataset: loss_on='all')") from None
     return _offsets_mask(tokenizer, full, spans, add_special_tokens=False)
 
 

@@ -1,0 +1,190 @@
+"""Loss masks of templates the strict prefix test cannot bound: Phi-3 (eos only at the end of a conversation) and
+Mistral v0.3 (the system message moved into the last user turn), with ChatML/Llama-3/Llama-2 as regressions.
+
+The templates are written from the structure of the published ones; each runs on a copy of the SmolLM2
+tokenizer with the template's special tokens added, so the decoded trained runs read like the real model's.
+"""
+
+import pytest
+
+from chronicals.data import load_dataset
+from chronicals.data.formats import FormatError
+from chronicals.data.tokenize import encode_chat
+
+from test_formats import trained_spans, write_jsonl
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'"
+          " + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}"
+          "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + "
+          "message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
+          "{% endif %}{{ content }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+LLAMA2 = ("{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+          "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+          "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
+          "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+          "{% if loop.index0 == 0 and system_message != false %}"
+          "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+          "{% else %}{% set content = message['content'] %}{% endif %}"
+          "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+          "{% elif message['role'] == 'assistant' %}{{ ' ' + content.strip() + ' ' + eos_token }}{% endif %}"
+          "{% endfor %}")
+
+# Phi-3-mini-4k-instruct: eos closes the text only when no generation prompt follows
+PHI3 = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}"
+        "{{ '<|system|>\n' + message['content'] + '<|end|>\n' }}{% elif message['role'] == 'user' %}"
+        "{{ '<|user|>\n' + message['content'] + '<|end|>\n' }}{% elif message['role'] == 'assistant' %}"
+        "{{ '<|assistant|>\n' + message['content'] + '<|end|>\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
+
+# Mistral-7B-Instruct-v0.3 (tool branches left out): the system message goes into the user turn that is the
+# last message, so a conversation that ends in a reply renders without it
+MISTRAL_V03 = """{%- if messages[0]["role"] == "system" %}
+    {%- set system_message = messages[0]["content"] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- set ns = namespace() %}
+{%- set ns.index = 0 %}
+{%- for message in loop_messages %}
+    {%- if (message["role"] == "user") != (ns.index % 2 == 0) %}
+        {{- raise_exception("After the optional system message, conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif %}
+    {%- set ns.index = ns.index + 1 %}
+{%- endfor %}
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if message["role"] == "user" %}
+        {%- if loop.last and system_message is defined %}
+            {{- "[INST] " + system_message + "\\n\\n" + message["content"] + "[/INST]" }}
+        {%- else %}
+            {{- "[INST] " + message["content"] + "[/INST]" }}
+        {%- endif %}
+    {%- elif message["role"] == "assistant" %}
+        {{- " " + message["content"]|trim + eos_token }}
+    {%- else %}
+        {{- raise_exception("Only user and assistant roles are supported, with the exception of an initial optional system message!") }}
+    {%- endif %}
+{%- endfor %}
+"""
+
+# the Mistral/Mixtral variant that writes the system message into the last user turn wherever it is, so it
+# moves past earlier replies as the conversation grows
+MISTRAL_LAST_USER = MISTRAL_V03.replace(
+    "{{- bos_token }}",
+    "{%- for message in loop_messages %}{%- if message['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}"
+    "{%- endif %}{%- endfor %}\n{{- bos_token }}").replace(
+    "loop.last and system_message is defined", "loop.index0 == ns.last_user and system_message is defined")
+
+BASES = {  # template -> bos, eos, added special tokens (as the model's tokenizer has them)
+    "chatml": (CHATML, None, "<|im_end|>", []),
+    "llama3": (LLAMA3, "<|begin_of_text|>", "<|eot_id|>", ["<|start_header_id|>", "<|end_header_id|>"]),
+    "llama2": (LLAMA2, "<s>", "</s>", []),
+    "phi3": (PHI3, "<s>", "<|endoftext|>", ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]),
+    "mistral_v03": (MISTRAL_V03, "<s>", "</s>", ["[INST]", "[/INST]"]),
+    "mistral_last_user": (MISTRAL_LAST_USER, "<s>", "</s>", ["[INST]", "[/INST]"]),
+}
+
+SYSTEM = {"role": "system", "content": "Be brief."}
+TURNS = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello there."},
+         {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4, I think\nso."},
+         {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6."}]
+REPLIES = [m["content"] for m in TURNS if m["role"] == "assistant"]
+
+
+def trained(name: str, reply: str, last: bool) -> str:
+    """The text a template's reply carries loss on: the reply and the end-of-turn token (the one generation
+    stops at), with the space Llama-2/Mistral write before a reply inside the reply's first token."""
+    return {"chatml": f"{reply}<|im_end|>", "llama3": f"{reply}<|eot_id|>", "llama2": f" {reply} </s>",
+            # Phi-3's last turn also carries the eos its template closes the conversation with (the strict
+            # test's span, unchanged: messages[:i+1] is all of them); earlier turns end at <|end|>
+            "phi3": f"{reply}<|end|>" + ("\n<|endoftext|>" if last else ""),
+            "mistral_v03": f" {reply}</s>", "mistral_last_user": f" {reply}</s>"}[name]
+
+
+def make_tokenizer(base, template, bos, eos, extra):
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(base.backend_tokenizer.to_str()),
+                                  bos_token=bos, eos_token=eos, additional_special_tokens=extra,
+                                  clean_up_tokenization_spaces=False)
+    tok.chat_template = template
+    return tok
+
+
+@pytest.fixture(scope="module", params=sorted(BASES))
+def named(request, tokenizer):
+    return request.param, make_tokenizer(tokenizer, *BASES[request.param])
+
+
+def encode(tok, messages, train_from=0):
+    ids, mask = encode_chat(tok, messages, train_from)
+    assert ids.tolist() == tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    return trained_spans(tok, ids, mask)
+
+
+@pytest.mark.parametrize("system", [False, True], ids=["no_system", "system"])
+@pytest.mark.parametrize("n_turns", [1, 2, 3])
+def test_trained_text_is_each_reply_and_its_end_of_turn(named, system, n_turns):
+    name, tok = named
+    messages = [SYSTEM] * system + TURNS[:2 * n_turns]
+    spans = encode(tok, messages)
+    assert spans == [trained(name, r, k == n_turns - 1) for k, r in enumerate(REPLIES[:n_turns])]
+    for span in spans:  # no user or system text, nor any role header, carries loss
+        assert not any(t in span for t in ("Be brief", "Hi!", "2+2?", "3+3", "user", "assistant", "INST"))
+
+
+@pytest.mark.parametrize("system", [False, True], ids=["no_system", "system"])
+def test_a_completion_trains_only_its_own_turns(named, system):
+    name, tok = named
+    prompt = [SYSTEM] * system + TURNS[:4]  # prompt/completion data: the completion is the last reply
+    assert encode(tok, prompt + TURNS[4:6], train_from=len(prompt)) == [trained(name, "6.", True)]
+    assert encode(tok, prompt[:-1] + TURNS[3:6], train_from=len(prompt) - 1) == [
+        trained(name, "4, I think\nso.", False), trained(name, "6.", True)]
+
+
+def test_load_dataset_reads_a_mistral_v03_chat_with_a_system_message(tokenizer, tmp_path):
+    tok = make_tokenizer(tokenizer, *BASES["mistral_v03"])
+    records = [{"messages": [SYSTEM] + TURNS}, {"prompt": [SYSTEM] + TURNS[:4], "completion": TURNS[4:6]}]
+    ds = load_dataset(write_jsonl(tmp_path / "m.jsonl", records), tok, max_seq_len=256)
+    assert trained_spans(tok, *ds[0]) == [f" {r}</s>" for r in REPLIES]
+    assert trained_spans(tok, *ds[1]) == [" 6.</s>"]
+
+
+# drops the reasoning of earlier replies without {% generation %} markers: the reply's own text changes
+THINK_NO_MARKERS = ("{% for m in messages %}{% set c = m['content'] %}"
+                    "{% if m['role'] == 'assistant' and not loop.last %}{% set c = c.split('</think>')[-1] %}{% endif %}"
+                    "{{ '<|im_start|>' + m['role'] + '\n' + c + '<|im_end|>\n' }}{% endfor %}"
+                    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}{{ eos_token }}")
+THINKING = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>x</think>one"},
+            {"role": "user", "content": "b"}, {"role": "assistant", "content": "<think>y</think>two"}]
+
+# writes the system message into the reply that ends the conversation: carried over without it, that reply's
+# span would hold the system text (or lose its end), so it cannot be located
+SYSTEM_IN_LAST_REPLY = MISTRAL_V03.replace(
+    '{{- " " + message["content"]|trim + eos_token }}',
+    '{%- if loop.last and system_message is defined %}{{- " " + system_message + "\\n\\n" + message["content"] '
+    '+ eos_token }}{%- else %}{{- " " + message["content"]|trim + eos_token }}{%- endif %}').replace(
+    "loop.last and system_message is defined %}\n            {{- \"[INST] \" + system_message",
+    "false %}\n            {{- \"[INST] \" + system_message")
+
+
+@pytest.mark.parametrize("system", [False, True], ids=["no_system", "system"])
+def test_a_template_that_rewrites_earlier_replies_still_raises(tokenizer, system):
+    tok = make_tokenizer(tokenizer, THINK_NO_MARKERS, None, "<|im_end|>", [])
+    with pytest.raises(FormatError, match=f"not prefix-stable at message {1 + system}: .*neither fallback"):
+        encode_chat(tok, [SYSTEM] * system + THINKING)
+
+
+def test_a_system_message_written_into_a_reply_still_raises(tokenizer):
+    tok = make_tokenizer(tokenizer, SYSTEM_IN_LAST_REPLY, "<s>", "</s>", ["[INST]", "[/INST]"])
+    full = tok.apply_chat_template([SYSTEM] + TURNS[:4], tokenize=False)
+    assert full == "<s>[INST] Hi![/INST] Hello there.</s>[INST] 2+2?[/INST] Be brief.\n\n4, I think\nso.</s>"
+    with pytest.raises(FormatError, match="not prefix-stable at message 2: .*rendering without the system message"):
+        encode_chat(tok, [SYSTEM] + TURNS[:4])
