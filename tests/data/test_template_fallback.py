@@ -158,8 +158,8 @@ def test_load_dataset_reads_a_mistral_v03_chat_with_a_system_message(tokenizer, 
 
 
 # drops the reasoning of earlier replies without {% generation %} markers: the reply's own text changes
-THINK_NO_MARKERS = ("{% for m in messages %}{% set c = m['content'] %}"
-                    "{% if m['role'] == 'assistant' and not loop.last %}{% set c = c.split('</think>')[-1] %}{% endif %}"
+THINK_NO_MARKERS = ("{% for m in messages %}{% set c = m['content'] %}{% if m['role'] == 'assistant' and not "
+                    "loop.last %}{% set c = c.split('</think>')[-1] %}{% endif %}"
                     "{{ '<|im_start|>' + m['role'] + '\n' + c + '<|im_end|>\n' }}{% endfor %}"
                     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}{{ eos_token }}")
 THINKING = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>x</think>one"},
