@@ -149,12 +149,20 @@ def test_a_completion_trains_only_its_own_turns(named, system):
         trained(name, "4, I think\nso.", False), trained(name, "6.", True)]
 
 
-def test_load_dataset_reads_a_mistral_v03_chat_with_a_system_message(tokenizer, tmp_path):
+def test_load_dataset_reads_a_mistral_v03_chat_with_a_system_message(tokenizer, tmp_path, caplog):
+    """...and says once that these examples train without their system prompt (the template drops it)."""
     tok = make_tokenizer(tokenizer, *BASES["mistral_v03"])
     records = [{"messages": [SYSTEM] + TURNS}, {"prompt": [SYSTEM] + TURNS[:4], "completion": TURNS[4:6]}]
-    ds = load_dataset(write_jsonl(tmp_path / "m.jsonl", records), tok, max_seq_len=256)
+    from chronicals.data import tokenize
+
+    tokenize._warned_dropped_system.clear()  # once a process: earlier tests here rendered this template
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="chronicals.data"):
+        ds = load_dataset(write_jsonl(tmp_path / "m.jsonl", records), tok, max_seq_len=256)
     assert trained_spans(tok, *ds[0]) == [f" {r}</s>" for r in REPLIES]
     assert trained_spans(tok, *ds[1]) == [" 6.</s>"]
+    said = [r.getMessage() for r in caplog.records if "without their system prompt" in r.getMessage()]
+    assert len(said) == 1, said
 
 
 # drops the reasoning of earlier replies without {% generation %} markers: the reply's own text changes

@@ -32,6 +32,7 @@ target and eos.
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 
@@ -39,6 +40,9 @@ import numpy as np
 
 from .formats import Example, FormatError
 
+
+log = logging.getLogger("chronicals.data")
+_warned_dropped_system: set[str] = set()  # chat templates already warned about (once a process each)
 
 # "{% generation %}" with any Jinja whitespace control: "{%- generation -%}", "{%generation%}", "{%+ generation %}"
 _GENERATION_TAG = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
@@ -221,6 +225,8 @@ def _without_system(tokenizer, messages, full: str, train_from: int, specials) -
         return None  # an inserted piece that cannot be checked to be the system message
     if width == 0:
         places = [0] if full == rest_full else []  # dropped: nothing moves
+        if places and system:
+            _warn_dropped_system(tokenizer)
     else:
         places = [at for at in _insertion_points(rest_full, full) if system in full[at:at + width]]
     if not places:
@@ -234,6 +240,18 @@ def _without_system(tokenizer, messages, full: str, train_from: int, specials) -
             return None
         spans.append(span)
     return spans
+
+
+def _warn_dropped_system(tokenizer) -> None:
+    """Once per template: its rendering of a conversation that ends in a reply has no system message (Mistral
+    v0.3 writes it only into a final user turn), so training never sees the system prompt."""
+    key = str(getattr(tokenizer, "chat_template", None))
+    if key not in _warned_dropped_system:
+        _warned_dropped_system.add(key)
+        log.warning("the chat template leaves the system message out of conversations that end in an assistant "
+                    "reply (as Mistral v0.3's writes it only into a final user turn): these examples train without "
+                    "their system prompt, exactly as apply_chat_template renders them. To train with it, prepend "
+                    "it to the first user message in the data, or use a template that keeps it")
 
 
 def encode_chat(tokenizer, messages: list[dict], train_from: int = 0, markers: bool = False):
