@@ -202,6 +202,19 @@ def check_cuda_graphs(cfg: TrainConfig, device) -> None:
                           "train.cuda_graphs")
 
 
+def check_impl(cfg: TrainConfig, device) -> None:
+    """model.impl=triton where the Triton kernels cannot run (a CPU run outside Triton's interpreter): a setting
+    this machine cannot run, exit status 2 before the model loads, as train.cuda_graphs=true (it was load_model's
+    ValueError after the load, exit status 3, "bad input", worded for the Python API)."""
+    from ..ops._impl import triton_interpreting
+
+    if cfg.model.impl == "triton" and device.type != "cuda" and not triton_interpreting():
+        raise ConfigError(f"model.impl=triton needs CUDA, but this run's device is {device} (model.device="
+                          f"{cfg.model.device}); use model.impl=auto (Triton on CUDA, the PyTorch reference elsewhere) "
+                          "or torch, or set TRITON_INTERPRET=1 to run the kernels in Triton's interpreter (slow)",
+                          "model.impl")
+
+
 def final_dir(cfg: TrainConfig, out_dir: Path) -> Path:
     """Where the run's result goes: out_dir/adapter (LoRA, PEFT format) or out_dir/model (full, Hugging Face)."""
     return out_dir / ("adapter" if cfg.lora.enabled else "model")

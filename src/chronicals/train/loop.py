@@ -41,8 +41,8 @@ from .grad_buckets import GradBuckets
 from .graphs import GraphedStep, resolve_cuda_graphs
 from .setup import build_loaders, load_base, prepare_model, resolve_dtype
 from .readback import StepReadback, StepStart
-from .guards import (check_cuda_graphs, check_data_paths, check_final_dir, check_out_dir, check_resume_path,
-                     check_token_ids, earlier_final, final_dir, out_dir_lock, remove_setup_files)
+from .guards import (check_cuda_graphs, check_data_paths, check_final_dir, check_impl, check_out_dir,
+                     check_resume_path, check_token_ids, earlier_final, final_dir, out_dir_lock, remove_setup_files)
 from .resume import (apply_optimizer_settings, check_same_adapter, data_position_diffs, optimizer_settings,
                      warn_data_changed)
 from .step import accumulate_data_parallel, evaluate_loss
@@ -297,6 +297,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         check_final_dir(cfg, out_dir)
     device = dp.device
     check_cuda_graphs(cfg, device)
+    check_impl(cfg, device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     if model is None:
         with dp.main_first():  # rank 0 fills the conversion cache (GGUF) before the others read it
