@@ -27,3 +27,22 @@ def test_model_impl_triton_on_a_cpu_exits_2_before_the_model_loads(device, tmp_p
     assert "model.impl=triton needs CUDA" in err and "model.impl=auto" in err, err
     assert "load_model" not in err and "Traceback" not in err, err
     assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("layout", ["cache is a file", "gguf/ is a file"])
+def test_a_gguf_cache_that_cannot_be_written_names_chronicals_cache(layout, tmp_path, monkeypatch, capsys):
+    """A .gguf model with $CHRONICALS_CACHE (or ~/.cache/chronicals) not writable: a read-only home, a file in the
+    way. It was a bare "error: [Errno 20] Not a directory: '.../gguf'" naming neither the setting nor the fix."""
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")  # never read: the cache folder fails first
+    cache = tmp_path / "cache"
+    if layout == "cache is a file":
+        cache.write_text("")
+    else:
+        cache.mkdir()
+        (cache / "gguf").write_text("")
+    monkeypatch.setenv("CHRONICALS_CACHE", str(cache))
+    assert main(["chat", "--model", str(model), "--device", "cpu", "hi"]) == 3
+    err = capsys.readouterr().err
+    assert f"{model}: cannot write its conversion" in err and "set CHRONICALS_CACHE to a writable directory" in err, err
+    assert "[Errno" not in err and "Traceback" not in err, err

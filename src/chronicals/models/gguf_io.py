@@ -280,10 +280,19 @@ def cached_gguf_dir(gguf_path: str | Path) -> Path:
     if (out / "config.json").is_file():
         return out
     log.info("converting %s to a Hugging Face directory in %s (first load only)", gguf_path, out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         convert_gguf(gguf_path, out, replace=False)
     except FileExistsError:  # another process finished the same conversion first: use theirs
-        pass
+        if not (out / "config.json").is_file():  # a file where a folder of the cache belongs
+            raise _cache_error(gguf_path, out, "a file is in the way") from None
+    except OSError as e:  # a read-only home, a CHRONICALS_CACHE that is a file: was a bare "[Errno 20] Not a
+        raise _cache_error(gguf_path, out, e.strerror or str(e)) from None  # directory: '.../gguf'"
     return out
+
+
+def _cache_error(gguf_path, out: Path, why: str) -> OSError:
+    return OSError(f"{gguf_path}: cannot write its conversion to a Hugging Face directory in {out.parent} ({why}); "
+                   "a .gguf file is converted once under $CHRONICALS_CACHE (default ~/.cache/chronicals): set "
+                   "CHRONICALS_CACHE to a writable directory")
 
