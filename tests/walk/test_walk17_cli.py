@@ -78,3 +78,17 @@ def test_evals_data_warnings_name_its_flags_not_config_keys(tiny_base, tmp_path,
     said = caplog.text
     assert "--on-long=drop" in said, said
     assert "data.on_long" not in said and "data.max_seq_len" not in said, said
+
+
+def test_a_data_directorys_unread_files_are_warned_about_once(tiny_base, tmp_path, caplog):
+    """chronicals eval DIR (and train's data.eval_path=DIR) printed "DIR: 1 file not read: x.jsonl.gz ..." twice:
+    once from the peek for question/answer records, once from the load."""
+    import json
+
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "a.jsonl").write_text(json.dumps({"text": "hello there"}) + "\n")
+    (d / "b.jsonl.gz").write_bytes(b"")
+    with caplog.at_level("WARNING", logger="chronicals.data"):
+        assert main(["eval", "--model", str(tiny_base), "--device", "cpu", "--cache-dir", "none", str(d)]) == 0
+    assert caplog.text.count("1 file not read") == 1, caplog.text
