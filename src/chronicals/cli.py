@@ -461,12 +461,18 @@ def _usage(argv: list[str]) -> int:
           "  export    merge a LoRA adapter into its base and write a Hugging Face directory\n"
           "  chat      answer prompts with a base or fine-tuned model (generate: the same)\n"
           "  eval      score a base or fine-tuned model on a dataset: held-out loss, perplexity, QA keywords\n"
-          "  bench     the end-to-end benchmark table")
+          "  bench     the end-to-end benchmark table\n"
+          "chronicals --version prints the version")
     return 0 if not argv or argv[0] in ("-h", "--help") else 2
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("--version", "-V"):  # was "error: unknown command '--version'", exit 2
+        from . import __version__
+
+        print(f"chronicals {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         return _quiet_if_stdout_closes(_usage, argv)
     if argv[0] != "bench":  # before any CUDA allocation; bench sets it for its chronicals rows only (the anchors

@@ -92,3 +92,12 @@ def test_a_data_directorys_unread_files_are_warned_about_once(tiny_base, tmp_pat
     with caplog.at_level("WARNING", logger="chronicals.data"):
         assert main(["eval", "--model", str(tiny_base), "--device", "cpu", "--cache-dir", "none", str(d)]) == 0
     assert caplog.text.count("1 file not read") == 1, caplog.text
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_flag(flag, capsys):
+    """`chronicals --version`, what a user of any pip-installed CLI tries first, was "unknown command", exit 2."""
+    import chronicals
+
+    assert main([flag]) == 0
+    assert capsys.readouterr().out.strip() == f"chronicals {chronicals.__version__}"
