@@ -122,6 +122,14 @@ class DistContext:
                 dist.broadcast(flat, src=0)
                 torch._foreach_copy_(bucket, _unflatten_dense_tensors(flat, bucket))
 
+    def gather_object(self, obj) -> list | None:
+        """Every rank's ``obj`` (picklable) in rank order on rank 0, None on the others (one process: ``[obj]``)."""
+        if not self.enabled:
+            return [obj]
+        out = [None] * self.world_size if self.is_main else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
     def barrier(self) -> None:
         if not self.enabled:
             return

@@ -360,6 +360,9 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         restored = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler, config=cfg_dict)
         warn_data_changed(restored["extra"].get("config"), cfg_dict, resume_from)  # names the keys, before a refusal
         _restore_position(stream, restored, cfg_dict, resume_from)
+        rank_rng = restored["extra"].get("rank_rng")
+        if dp.enabled and isinstance(rank_rng, list) and len(rank_rng) == dp.world_size:
+            ckpt.set_rng_state(rank_rng[dp.rank])  # load_checkpoint set rank 0's
         start = restored["step"]
         if start > total:
             raise ValueError(f"{resume_from} is at step {start}, past this run's {total} steps; raise "
@@ -408,10 +411,13 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
 
     def save(step: int, wait: bool = False) -> Path:
         state.saves += 1  # on every rank (the barriers below must pair)
+        extra = {"config": cfg_dict}  # names what differs if a resume does not fit
+        if dp.enabled:  # each rank's RNG: LoRA dropout masks of unequal batch shapes advance them apart
+            extra["rank_rng"] = dp.gather_object(ckpt.rng_state())
         if dp.is_main:
             forget_stale()  # before pruning by step can meet them
             writer.save(out_dir, step, model, optimizer, scheduler, stream.state_dict(), keep_last=cfg.train.keep_last,
-                        extra={"config": cfg_dict})  # names what differs if a resume does not fit
+                        extra=extra)
             if wait:
                 writer.wait()
         dp.barrier()  # no rank runs ahead of a checkpoint being taken (with wait: written)
