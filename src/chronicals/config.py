@@ -141,7 +141,7 @@ class DataSection:
                              "alpaca | prompt_completion | sharegpt (held-out question/answer records are read as chat)")
     eval_path: str = _f("auto", "held-out data for the eval loss (and QA when its records are question/answer/"
                         "keywords, .jsonl or .json; keywords default to the answer): auto (the packaged held-out questions when "
-                        "data.path=demo, else none) | '' | a path")
+                        "data.path=demo, else none) | demo (those questions) | '' | a path")
     system_prompt: str = _f(DEMO_SYSTEM_PROMPT, "system message of the demo data and of held-out QA prompts "
                             "('' = the chat template's default; beside your own data.path, QA gets it only when set, "
                             "else the template's default, as your records without one); put your own in your records")
