@@ -67,3 +67,107 @@ def test_data_parallel_lora_dropout_resumes_each_ranks_rng(tmp_path):
         assert got["stopped"] == ("interrupted", 2)
         for n, v in got["straight"].items():
             assert torch.equal(v, got["resumed"][n]), (r, n)
+
+
+# ---- one process: the final checkpoint and metrics.jsonl of a stopped-and-resumed run equal the straight run's ----
+def _sigterm_at(step_k):
+    def on_step(step, rec):
+        if step == step_k:
+            os.kill(os.getpid(), signal.SIGTERM)
+    return on_step
+
+
+def _sigterm_at_forward(model, k: int):
+    """SIGTERM during the model's k-th forward (a micro-batch inside a step's accumulation)."""
+    calls = [0]
+
+    def hook(module, args, out):
+        calls[0] += 1
+        if calls[0] == k:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+    model.model.norm.register_forward_hook(hook)
+    return model
+
+
+def _last_state(run: Path) -> dict:
+    from chronicals.train.checkpoint import STATE_FILE, checkpoint_dirs
+
+    state = torch.load(checkpoint_dirs(run)[-1] / STATE_FILE, weights_only=False)
+    for key in ("out_dir", "resume"):  # the two runs' own settings
+        state["extra"]["config"]["train"].pop(key)
+    return state
+
+
+def _assert_same(a, b, where: str = "state") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+def _rows(run: Path) -> list[dict]:
+    """metrics.jsonl without the timing fields."""
+    import json
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "step_s", "mfu", "mem_gib")} for r in rows]
+
+
+def _eval_loader():
+    from train_helpers import SyntheticLoader
+
+    return SyntheticLoader(synthetic_docs(10, seed=2), shuffle=False)
+
+
+def test_lora_dropout_padding_free_shuffled_epochs_resumed_twice_ends_like_a_straight_run(tmp_path):
+    """Padding-free shuffled batches (10 an epoch), grad_accum 3 (steps of 3, 3, 3, 1 per epoch), train.epochs=2,
+    eval.every=3 and save_every=2 (not dividing each other), keep_last=1, async saves, LoRA dropout (the RNG
+    matters): stopped at step 3, resumed and stopped at step 4 (the epoch's short last step), resumed to the end.
+    The last checkpoint (weights, AdamW moments, schedule, data position, RNG) and metrics.jsonl equal the
+    uninterrupted run's."""
+    over = dict(train__max_steps=0, train__epochs=2, train__grad_accum=3, eval__every=3, train__save_every=2,
+                train__keep_last=1, train__async_save=True, lora__enabled=True, lora__rank=4, lora__dropout=0.2,
+                lora__targets=["q_proj", "v_proj", "down_proj"], schedule__warmup_steps=3)
+    assert len(_padding_free_loader()) == 10
+    train(tiny_config(tmp_path / "a", **over), model=tiny_model(), train_loader=_padding_free_loader(),
+          eval_loader=_eval_loader())
+    cfg = tiny_config(tmp_path / "b", train__resume="auto", **over)
+    for stop in (3, 4):
+        got = train(cfg, model=tiny_model(), train_loader=_padding_free_loader(), eval_loader=_eval_loader(),
+                    on_step=_sigterm_at(stop))
+        assert (got.status, got.step) == ("interrupted", stop)
+    torch.manual_seed(1234)  # another global RNG at the restart must not matter
+    done = train(cfg, model=tiny_model(), train_loader=_padding_free_loader(), eval_loader=_eval_loader())
+    assert (done.status, done.step) == ("completed", 8)
+    _assert_same(_last_state(tmp_path / "a" / "run"), _last_state(tmp_path / "b" / "run"))
+    rows = _rows(tmp_path / "b" / "run")
+    assert rows == _rows(tmp_path / "a" / "run")
+    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, 9))
+
+
+def test_bf16_masters_pipelined_stop_inside_accumulation_ends_like_a_straight_run(tmp_path):
+    """Full fine-tuning of bf16 weights with fp32 master weights, fused AdamW (the pipelined loop, each step read
+    one step late), grad_accum 3: a SIGTERM during the 2nd micro-batch of step 3 finishes step 3, checkpoints it
+    and returns; the resumed run's last checkpoint (bf16 weights, fp32 masters and moments) and metrics equal
+    the uninterrupted run's."""
+    over = dict(train__max_steps=6, train__grad_accum=3, model__dtype="bfloat16", optim__master_weights="true",
+                optim__fused="true", optim__lr=1e-3, train__save_every=4)
+    loader = lambda: _padding_free_loader()  # noqa: E731
+    train(tiny_config(tmp_path / "a", **over), model=tiny_model(dtype=torch.bfloat16), train_loader=loader())
+    cfg = tiny_config(tmp_path / "b", train__resume="auto", **over)
+    got = train(cfg, model=_sigterm_at_forward(tiny_model(dtype=torch.bfloat16), 2 * 3 + 2), train_loader=loader())
+    assert (got.status, got.step) == ("interrupted", 3)
+    train(cfg, model=tiny_model(dtype=torch.bfloat16), train_loader=loader())
+    a, b = _last_state(tmp_path / "a" / "run"), _last_state(tmp_path / "b" / "run")
+    assert any("master" in s for s in a["optimizer"]["state"].values())
+    _assert_same(a, b)
+    assert _rows(tmp_path / "a" / "run") == _rows(tmp_path / "b" / "run")
