@@ -33,7 +33,7 @@ from .hf_io import atomic_dir, expected_names, write_state_dict
 log = logging.getLogger(__name__)
 
 # Bump when the converted directory's contents change, so stale caches are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: linear rope scaling given by its factor alone (llama.cpp: an absent type is linear)
 
 # GGUF architecture -> (HF model_type, Q/K rows permuted by llama.cpp's converter)
 SUPPORTED_GGUF_ARCHS = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
@@ -122,9 +122,15 @@ def gguf_config(reader, source: str = "gguf") -> dict:
                              "expected a complete llama.cpp model file")
         vocab = int(emb.shape[-1])  # GGUF shapes are (cols, rows)
     rope_dim = int(get("rope.dimension_count", head_dim))
-    scaling_type = get("rope.scaling.type", "none")
+    # as llama.cpp reads it: an absent type is linear, the factor is rope.scaling.factor or the older
+    # rope.scale_linear (absent or 0: none), and type none never scales
+    scaling_type = get("rope.scaling.type", "linear")
     if scaling_type not in ("none", "linear"):
-        raise ValueError(f"{source}: rope scaling {scaling_type!r} is not supported in GGUF files (none, linear)")
+        raise ValueError(f"{source}: metadata {arch}.rope.scaling.type={scaling_type!r} is not supported (none, "
+                         "linear); load the model's Hugging Face safetensors release instead")
+    factor = get("rope.scaling.factor")
+    if factor is None:
+        factor = get("rope.scale_linear")
     cfg = {
         "model_type": model_type,
         "vocab_size": int(vocab),
@@ -142,8 +148,8 @@ def gguf_config(reader, source: str = "gguf") -> dict:
     }
     if rope_dim != head_dim:
         cfg["partial_rotary_factor"] = rope_dim / head_dim
-    if scaling_type == "linear":
-        cfg["rope_scaling"] = {"rope_type": "linear", "factor": _f32(get("rope.scaling.factor", required=True))}
+    if scaling_type == "linear" and factor is not None and float(factor) not in (0.0, 1.0):
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": _f32(factor)}
     if arch == "qwen2":
         cfg["use_sliding_window"] = False
     if model_type == "llama":  # GGUF has no bias flags: llama files with biases carry them as tensors

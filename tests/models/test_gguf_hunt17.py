@@ -1,0 +1,111 @@
+"""GGUF in, hunted: GGUF files written here from tiny random transformers models (llama.cpp's conventions:
+names, Q/K row permutation for ``llama``, metadata keys), read back by chronicals and compared with the
+transformers model on the same weights."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import chronicals
+from chronicals.models.gguf_io import permute_qk
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+T = gguf.GGMLQuantizationType
+_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+            "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+            "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+            "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+            "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def _gguf_name(hf: str) -> str:
+    module, kind = hf.rsplit(".", 1)
+    if module.startswith("model.layers."):
+        _, _, i, sub = module.split(".", 3)
+        return f"blk.{i}.{_TO_GGUF[sub]}.{kind}"
+    return f"{_TO_GGUF[module]}.{kind}"
+
+
+def hf_model(model_type: str, **over):
+    """A tiny random transformers model (norm weights near 1, everything else ~0.1)."""
+    cfg = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=256, bos_token_id=1,
+               eos_token_id=2)
+    cfg.update(over)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **cfg),
+                                                      dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(0.1 * torch.randn_like(p) + (1.0 if name.endswith("norm.weight") else 0.0))
+    return m
+
+
+def write_gguf(path, arch: str, m, *, skip=(), extra=None) -> None:
+    """``m`` as llama.cpp's convert_hf_to_gguf.py writes it (F32 tensors): Q/K rows permuted for llama, tied
+    lm_head left out. skip: writer add_* metadata to leave out; extra(writer): more metadata."""
+    c = m.config
+    heads, kv = c.num_attention_heads, c.num_key_value_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    w = gguf.GGUFWriter(str(path), arch)
+    meta = dict(block_count=c.num_hidden_layers, context_length=c.max_position_embeddings,
+                embedding_length=c.hidden_size, feed_forward_length=c.intermediate_size, head_count=heads,
+                head_count_kv=kv, key_length=head_dim, value_length=head_dim, rope_dimension_count=head_dim,
+                layer_norm_rms_eps=c.rms_norm_eps, rope_freq_base=c.rope_parameters["rope_theta"],
+                vocab_size=c.vocab_size)
+    for k, v in meta.items():
+        if k not in skip:
+            getattr(w, f"add_{k}")(v)
+    if extra:
+        extra(w)
+    for name, t in m.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        t = t.detach().float()
+        if arch == "llama" and ".q_proj." in name:
+            t = permute_qk(t, heads)
+        elif arch == "llama" and ".k_proj." in name:
+            t = permute_qk(t, kv)
+        w.add_tensor(_gguf_name(name), t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _rel_err(ours, m, n: int = 40) -> float:
+    ids = torch.randint(0, m.config.vocab_size, (2, n), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours(ids), m(ids).logits
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("how", ["factor_only", "legacy_scale_linear", "typed"])
+def test_linear_rope_scaling_by_its_factor_alone(tmp_path, how):
+    """llama.cpp reads a missing rope.scaling.type as linear and the factor from rope.scaling.factor or the
+    older rope.scale_linear (files of older converters): both were ignored, so positions were off by 4x
+    (logits 90% off past the first tokens) without a word."""
+    m = hf_model("llama", rope_scaling={"rope_type": "linear", "factor": 4.0})
+    extra = {"factor_only": lambda w: w.add_rope_scaling_factor(4.0),
+             "legacy_scale_linear": lambda w: w.add_float32("llama.rope.scale_linear", 4.0),
+             "typed": lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
+                                 w.add_rope_scaling_factor(4.0))}[how]
+    path = tmp_path / f"{how}.gguf"
+    write_gguf(path, "llama", m, extra=extra)
+    ours, _ = chronicals.load_model(path, tokenizer=False)
+    assert ours.config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    assert _rel_err(ours, m) <= 1e-5
+
+
+def test_rope_scaling_type_none_never_scales(tmp_path):
+    m = hf_model("llama")
+    path = tmp_path / "none.gguf"
+    write_gguf(path, "llama", m, extra=lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.NONE),
+                                                  w.add_rope_scaling_factor(4.0)))
+    ours, _ = chronicals.load_model(path, tokenizer=False)
+    assert ours.config.rope_scaling is None and _rel_err(ours, m) <= 1e-5
