@@ -109,3 +109,44 @@ def test_rope_scaling_type_none_never_scales(tmp_path):
                                                   w.add_rope_scaling_factor(4.0)))
     ours, _ = chronicals.load_model(path, tokenizer=False)
     assert ours.config.rope_scaling is None and _rel_err(ours, m) <= 1e-5
+
+
+# a damaged file's metadata: (writer add_* left out, what is written instead, the error's pattern)
+_DAMAGED = {
+    # 6 heads of 16 over 2 kv heads: K has 32 rows, which 3 kv heads cannot split into rotary pairs; was a bare
+    # "RuntimeError: shape '[3, 5, 2, 96]' is invalid" from the un-permutation, naming no file
+    "kv_heads": ("head_count_kv", lambda w: w.add_head_count_kv(3),
+                 r"tensor 'blk\.0\.attn_k\.weight' has 32 rows, which do not split into rotary pairs of metadata "
+                 r"llama\.attention\.head_count_kv=3 heads; the file's metadata is damaged: convert the model again"),
+    # was a bare "ValueError: could not convert string to float: 'x'"
+    "eps_string": ("layer_norm_rms_eps", lambda w: w.add_string("llama.attention.layer_norm_rms_epsilon", "x"),
+                   r"metadata llama\.attention\.layer_norm_rms_epsilon='x' is not a number; the file's metadata is "
+                   r"damaged .*convert the model again"),
+    # per-layer kv heads that differ: was a bare "TypeError: int() argument must be ... not 'list'"
+    "kv_per_layer": ("head_count_kv", lambda w: w.add_array("llama.attention.head_count_kv", [2, 3]),
+                     r"metadata llama\.attention\.head_count_kv=\[2, 3\] is not an integer \(per-layer values that "
+                     r"differ"),
+    "heads_string": ("head_count", lambda w: w.add_string("llama.attention.head_count", "6"),
+                     r"metadata llama\.attention\.head_count='6' is not an integer"),
+}
+
+
+@pytest.mark.parametrize("case", list(_DAMAGED))
+def test_damaged_metadata_names_the_file_and_the_key(tmp_path, case):
+    skip, extra, pattern = _DAMAGED[case]
+    m = hf_model("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=64)
+    path = tmp_path / f"{case}.gguf"
+    write_gguf(path, "llama", m, skip=(skip,), extra=extra)
+    with pytest.raises(ValueError, match=rf"^{path}: {pattern}"):
+        chronicals.load_model(path, tokenizer=False)
+
+
+def test_per_layer_metadata_alike_for_every_layer_loads(tmp_path):
+    """llama.cpp accepts an array of one value per layer for head counts and the feed-forward width."""
+    m = hf_model("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=64)
+    path = tmp_path / "per_layer.gguf"
+    write_gguf(path, "llama", m, skip=("head_count_kv", "feed_forward_length"),
+               extra=lambda w: (w.add_array("llama.attention.head_count_kv", [2, 2]),
+                                w.add_array("llama.feed_forward_length", [64, 64])))
+    ours, _ = chronicals.load_model(path, tokenizer=False)
+    assert ours.config.num_key_value_heads == 2 and _rel_err(ours, m) <= 1e-5

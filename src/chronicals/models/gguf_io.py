@@ -104,45 +104,57 @@ def gguf_config(reader, source: str = "gguf") -> dict:
                          f"{', '.join(SUPPORTED_GGUF_ARCHS)} (Mistral files use 'llama')")
     model_type = SUPPORTED_GGUF_ARCHS[arch][0]
 
-    def get(key, default=None, required=False):
-        return _field(reader, f"{arch}.{key}", default, required, source)
+    def get(key, default=None, required=False, kind=None):
+        """The metadata value {arch}.{key}; kind int / float: checked to be a number of that kind."""
+        v = _field(reader, f"{arch}.{key}", default, required, source)
+        if kind is None or v is None:
+            return v
+        if isinstance(v, list) and v and all(x == v[0] for x in v):  # per-layer values, alike for every layer
+            v = v[0]
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or float(v).is_integer()):
+            return kind(v)
+        shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:60] + "..."
+        raise ValueError(f"{source}: metadata {arch}.{key}={shown} is not {'an integer' if kind is int else 'a number'}"
+                         f"{' (per-layer values that differ, which our decoder has no way to hold)' if isinstance(v, list) else ''}"
+                         "; the file's metadata is damaged or not from llama.cpp's converter: convert the model "
+                         "again with convert_hf_to_gguf.py, or load its Hugging Face safetensors release")
 
     names = {t.name for t in reader.tensors}
-    hidden = int(get("embedding_length", required=True))
-    heads = int(get("attention.head_count", required=True))
+    hidden = get("embedding_length", required=True, kind=int)
+    heads = get("attention.head_count", required=True, kind=int)
     if heads < 1 or hidden < 1:
         raise ValueError(f"{source}: metadata {arch}.attention.head_count={heads}, {arch}.embedding_length={hidden}: "
                          "both must be >= 1; the file's metadata is damaged, copy or convert it again")
-    head_dim = int(get("attention.key_length", hidden // heads))
-    vocab = get("vocab_size")
+    head_dim = get("attention.key_length", hidden // heads, kind=int)
+    vocab = get("vocab_size", kind=int)
     if vocab is None:
         emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
         if emb is None:
             raise ValueError(f"{source}: neither metadata {arch}.vocab_size nor tensor token_embd.weight is present; "
                              "expected a complete llama.cpp model file")
         vocab = int(emb.shape[-1])  # GGUF shapes are (cols, rows)
-    rope_dim = int(get("rope.dimension_count", head_dim))
+    rope_dim = get("rope.dimension_count", head_dim, kind=int)
     # as llama.cpp reads it: an absent type is linear, the factor is rope.scaling.factor or the older
     # rope.scale_linear (absent or 0: none), and type none never scales
     scaling_type = get("rope.scaling.type", "linear")
     if scaling_type not in ("none", "linear"):
         raise ValueError(f"{source}: metadata {arch}.rope.scaling.type={scaling_type!r} is not supported (none, "
                          "linear); load the model's Hugging Face safetensors release instead")
-    factor = get("rope.scaling.factor")
+    factor = get("rope.scaling.factor", kind=float)
     if factor is None:
-        factor = get("rope.scale_linear")
+        factor = get("rope.scale_linear", kind=float)
     cfg = {
         "model_type": model_type,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length", required=True)),
-        "num_hidden_layers": int(get("block_count", required=True)),
+        "intermediate_size": get("feed_forward_length", required=True, kind=int),
+        "num_hidden_layers": get("block_count", required=True, kind=int),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "num_key_value_heads": get("attention.head_count_kv", heads, kind=int),
         "head_dim": head_dim,
-        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": _f32(get("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(get("context_length", 4096)),
+        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon", 1e-6, kind=float)),
+        "rope_theta": _f32(get("rope.freq_base", 10000.0, kind=float)),
+        "max_position_embeddings": get("context_length", 4096, kind=int),
         "tie_word_embeddings": "output.weight" not in names,
         "hidden_act": "silu",
     }
@@ -211,10 +223,14 @@ def gguf_state_dict(reader, cfg: dict, source: str = "gguf") -> dict[str, torch.
         arr = _dequantize(t, source)  # (rows, cols) float32; GGUF lists shapes reversed
         w = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(  # a copy: F32 data is a read-only mmap
             tuple(int(s) for s in reversed(t.shape)))
-        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute_qk(w, cfg["num_attention_heads"])
-        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute_qk(w, cfg["num_key_value_heads"])
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+            key, n = (("head_count", cfg["num_attention_heads"]) if ".q_proj." in name
+                      else ("head_count_kv", cfg["num_key_value_heads"]))
+            if w.shape[0] % (2 * n):  # else a bare reshape error, before _check_tensors could name the file
+                raise ValueError(f"{source}: tensor {t.name!r} has {w.shape[0]} rows, which do not split into "
+                                 f"rotary pairs of metadata llama.attention.{key}={n} heads; the file's metadata is "
+                                 "damaged: convert the model again with llama.cpp's convert_hf_to_gguf.py")
+            w = unpermute_qk(w, n)
         out[name] = w.contiguous()
     return out
 
