@@ -150,3 +150,64 @@ def test_per_layer_metadata_alike_for_every_layer_loads(tmp_path):
                                 w.add_array("llama.feed_forward_length", [64, 64])))
     ours, _ = chronicals.load_model(path, tokenizer=False)
     assert ours.config.num_key_value_heads == 2 and _rel_err(ours, m) <= 1e-5
+
+
+def _bpe_tokenizer_metadata(w, *, model: str = "gpt2", merges: bool = True) -> None:
+    """A tiny byte-level BPE tokenizer as llama.cpp writes one (SmolLM2 / Qwen style): 3 special tokens, the
+    256 byte symbols, 3 merges, a ChatML template."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    VT = gguf.GGUFValueType
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    byte_syms = list(bytes_to_unicode().values())
+    tokens = specials + byte_syms + ["he", "ll", "hell"]
+    w.add_tokenizer_model(model)
+    w.add_string("tokenizer.ggml.pre", "gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * len(specials) + [1] * (len(tokens) - len(specials)))
+    if merges:
+        w.add_token_merges(["h e", "l l", "he ll"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_key_value("tokenizer.ggml.padding_token_id", 0, VT.UINT32)
+    w.add_add_bos_token(False)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+_BPE_VOCAB = 3 + 256 + 3
+
+
+@pytest.mark.parametrize("how", [dict(model="rwkv"), dict(merges=False)])
+def test_tokenizer_transformers_cannot_convert_leaves_the_weights_loadable(tmp_path, how):
+    """A GGUF whose tokenizer.ggml.* transformers' converter refuses (another tokenizer model; merges missing:
+    a bare KeyError 'scores') failed the whole conversion, so load_model(..., tokenizer=False) failed too with
+    an error naming no file; the weights load now and the tokenizer's error names the file."""
+    m = hf_model("llama", vocab_size=_BPE_VOCAB)
+    path = tmp_path / "badtok.gguf"
+    write_gguf(path, "llama", m, extra=lambda w: _bpe_tokenizer_metadata(w, **how))
+    ours, tok = chronicals.load_model(path, tokenizer=False)
+    assert tok is None and _rel_err(ours, m) <= 1e-5
+    with pytest.raises(ValueError, match=rf"^{path}: its tokenizer metadata \(tokenizer\.ggml\.\*\) cannot be made "
+                                         r"into a tokenizer by transformers' GGUF converter \(.+\); use the "
+                                         r"tokenizer of the model's Hugging Face directory"):
+        chronicals.load_model(path)
+
+
+def test_bpe_tokenizer_and_chat_template_survive_the_conversion(tmp_path):
+    """The cached tokenizer (transformers' GGUF conversion, saved and read back) tokenizes like transformers'
+    own GGUF tokenizer: special tokens, merges, bytes, the chat template; the config takes bos/eos/pad."""
+    m = hf_model("qwen2", vocab_size=_BPE_VOCAB, bos_token_id=1, eos_token_id=2)
+    path = tmp_path / "bpe.gguf"
+    write_gguf(path, "qwen2", m, extra=_bpe_tokenizer_metadata)
+    ours, tok = chronicals.load_model(path)
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ["hello", "<|im_start|>user\nhell<|im_end|>", "a<|endoftext|>b", "é 🤗\t\n  x", ""]:
+        assert tok(text)["input_ids"] == ref(text)["input_ids"], text
+    assert tok.convert_ids_to_tokens(tok("hello")["input_ids"]) == ["hell", "o"]  # the merges applied
+    msgs = [{"role": "user", "content": "hello"}]
+    assert tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False) == \
+        ref.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+    assert (ours.config.bos_token_id, ours.config.eos_token_id, ours.config.pad_token_id) == (1, 2, 0)
+    assert _rel_err(ours, m) <= 1e-5

@@ -291,9 +291,27 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = 
         hf["dtype"] = "float32"
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
         if has_tokenizer:  # transformers' GGUF tokenizer conversion (BPE / SentencePiece, chat template kept)
-            tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-            tok.save_pretrained(str(tmp))
+            try:
+                tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+            except Exception as e:  # KeyError 'scores', ValueError "tokenizer 'rwkv'", ...: the weights still load
+                msg = " ".join(str(e).split())[:300] or type(e).__name__
+                why = (f"{source}: its tokenizer metadata (tokenizer.ggml.*) cannot be made into a tokenizer by "
+                       f"transformers' GGUF converter ({type(e).__name__}: {msg}); use the tokenizer of the model's "
+                       "Hugging Face directory (from Python, load_model(..., tokenizer=False) loads the weights alone)")
+                log.warning("%s", why)
+                (tmp / TOKENIZER_ERROR).write_text(why + "\n")
+            else:
+                tok.save_pretrained(str(tmp))
     return Path(out_dir)
+
+
+TOKENIZER_ERROR = "gguf_tokenizer_error.txt"  # in a converted directory: why the GGUF's tokenizer is missing
+
+
+def tokenizer_error(converted_dir: str | Path) -> str | None:
+    """Why a GGUF file's converted directory has no tokenizer although the file has tokenizer metadata, or None."""
+    f = Path(converted_dir) / TOKENIZER_ERROR
+    return f.read_text().strip() if f.is_file() else None
 
 
 def cached_gguf_dir(gguf_path: str | Path) -> Path:

@@ -24,7 +24,7 @@ import torch
 from ..ops._impl import check_impl
 from .decoder import CausalLM
 from .generate import generate
-from .gguf_io import cached_gguf_dir
+from .gguf_io import cached_gguf_dir, tokenizer_error
 from .hf_io import has_tokenizer, load_hf_dir, save_hf_dir
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,9 @@ def load_tokenizer(path: str | os.PathLike):
     p = resolve_path(path)
     d = cached_gguf_dir(p) if p.is_file() else p
     if not has_tokenizer(d):
-        if p.is_file():  # the conversion writes tokenizer files exactly when the GGUF has tokenizer.ggml.*
+        if p.is_file() and tokenizer_error(d):  # tokenizer.ggml.* that transformers cannot convert
+            raise ValueError(tokenizer_error(d))
+        if p.is_file():  # the conversion writes tokenizer files when the GGUF has tokenizer.ggml.*
             raise FileNotFoundError(
                 f"{p}: this GGUF file has no tokenizer metadata (tokenizer.ggml.*), so it carries no tokenizer; "
                 "use a GGUF written with its tokenizer (llama.cpp's convert_hf_to_gguf.py writes it) or the "
