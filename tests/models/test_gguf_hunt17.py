@@ -211,3 +211,24 @@ def test_bpe_tokenizer_and_chat_template_survive_the_conversion(tmp_path):
     assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
     assert (ours.config.bos_token_id, ours.config.eos_token_id, ours.config.pad_token_id) == (1, 2, 0)
     assert _rel_err(ours, m) <= 1e-5
+
+
+def test_tensor_type_unknown_to_gguf_is_named(tmp_path):
+    """A tensor type id the gguf package does not know (a newer llama.cpp's) was reported as "not a readable
+    GGUF file (... np.uint32(77) is not a valid GGMLQuantizationType); the file is truncated or corrupt, copy it
+    again", a fix that cannot work."""
+    m = hf_model("llama")
+    path = tmp_path / "newtype.gguf"
+    write_gguf(path, "llama", m)
+    reader = gguf.GGUFReader(path)
+    field = next(t for t in reader.tensors if t.name == "blk.1.ffn_up.weight").field
+    at = field.parts[4].ctypes.data - reader.data.ctypes.data  # parts: name len, name, n_dims, dims, type, offset
+    assert int(field.parts[4][0]) == T.F32
+    del reader, field
+    data = bytearray(path.read_bytes())
+    data[at:at + 4] = (77).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"^{path}: a tensor is stored in GGML type 77, which the installed gguf "
+                                         r"package \(.+\) does not know .*; upgrade gguf \(pip install -U gguf\), or "
+                                         r"re-export the model as F16"):
+        chronicals.load_model(path, tokenizer=False)

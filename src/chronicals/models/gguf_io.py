@@ -276,6 +276,15 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = 
     try:
         reader = gguf.GGUFReader(gguf_path)
     except Exception as e:  # the reader raises ValueError/struct errors on damaged files
+        m = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", str(e))
+        if m:  # a tensor type newer than the installed gguf package (or a damaged type field)
+            from importlib.metadata import version
+
+            raise ValueError(
+                f"{source}: a tensor is stored in GGML type {m.group(1)}, which the installed gguf package "
+                f"({version('gguf')}) does not know (a type newer than it, or a damaged file); upgrade gguf "
+                "(pip install -U gguf), or re-export the model as F16, BF16, F32 or Q8_0 (llama.cpp: "
+                "convert_hf_to_gguf.py --outtype f16), or load its Hugging Face safetensors release") from e
         raise ValueError(f"{source}: not a readable GGUF file ({type(e).__name__}: {e}); "
                          "the file is truncated or corrupt, copy it again") from e
     cfg_dict = gguf_config(reader, source)
