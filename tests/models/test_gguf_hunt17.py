@@ -232,3 +232,41 @@ def test_tensor_type_unknown_to_gguf_is_named(tmp_path):
                                          r"package \(.+\) does not know .*; upgrade gguf \(pip install -U gguf\), or "
                                          r"re-export the model as F16"):
         chronicals.load_model(path, tokenizer=False)
+
+
+@pytest.mark.parametrize("model_type,arch,over", [
+    ("llama", "llama", dict(head_dim=32, rope_theta=500000.0)),  # head_dim != hidden / heads: key_length
+    ("llama", "llama", dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True, num_key_value_heads=1)),
+    ("qwen2", "qwen2", dict(tie_word_embeddings=True)),
+    ("qwen3", "qwen3", dict(head_dim=32, rope_theta=1000000.0)),
+])
+def test_logits_equal_the_transformers_model(tmp_path, model_type, arch, over):
+    """F32 files of transformers models (not of our decoder): the same logits, and the config fields kept."""
+    m = hf_model(model_type, **over)
+    path = tmp_path / f"{model_type}.gguf"
+    write_gguf(path, arch, m, extra=lambda w: (w.add_bos_token_id(1), w.add_eos_token_id(2)))
+    ours, _ = chronicals.load_model(path, tokenizer=False)
+    assert _rel_err(ours, m) <= 1e-5
+    c, want = ours.config, m.config
+    assert (c.tie_word_embeddings, c.head_dim, c.num_key_value_heads, c.max_position_embeddings, c.rms_norm_eps,
+            c.rope_theta, c.bos_token_id, c.eos_token_id) == \
+        (want.tie_word_embeddings, getattr(want, "head_dim", 16), want.num_key_value_heads, 256, 1e-5,
+         want.rope_parameters["rope_theta"], 1, 2)
+
+
+@pytest.mark.parametrize("change", ["drop", "extra"])
+def test_missing_or_extra_tensor_is_named(tmp_path, change):
+    m = hf_model("llama")
+    sd = m.state_dict()
+    if change == "drop":
+        del sd["model.layers.1.self_attn.v_proj.weight"]
+    else:
+        sd["model.layers.1.self_attn.q_norm.weight"] = torch.ones(16)  # a qwen3 tensor in a llama file
+    m.state_dict = lambda: sd
+    path = tmp_path / f"{change}.gguf"
+    write_gguf(path, "llama", m)
+    want = (r"missing tensors: model\.layers\.1\.self_attn\.v_proj\.weight" if change == "drop"
+            else r"tensors beyond them: model\.layers\.1\.self_attn\.q_norm\.weight")
+    with pytest.raises(ValueError, match=rf"^{path}: the tensors do not match the file's metadata .*{want}.*convert "
+                                         r"the model again with llama\.cpp's convert_hf_to_gguf\.py"):
+        chronicals.load_model(path, tokenizer=False)
