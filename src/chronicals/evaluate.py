@@ -77,7 +77,8 @@ class EvalResult:
         lost = [f"{n} {what}" for n, what in (
             (st.skipped_errors, "bad records skipped"), (st.truncated, "truncated to --max-seq-len"),
             (st.dropped_overlong, "dropped as too long"), (st.dropped_no_loss, "dropped with no loss tokens")) if n]
-        lines = [f"data: {self.data}: {self.examples} examples of {st.records} records"
+        lines = [f"data: {self.data}: {self.examples} example{'s' * (self.examples != 1)} of {st.records} "
+                 f"record{'s' * (st.records != 1)}"
                  + (f" ({', '.join(lost)})" if lost else "") + f", {self.loss_tokens} loss tokens",
                  f"held-out loss {self.loss:.4f}, perplexity {self.perplexity:.4g}"]
         if self.answers is not None:

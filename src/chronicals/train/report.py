@@ -72,7 +72,8 @@ class RunReport:
                 (st.skipped_errors, "bad records skipped"), (st.truncated, "truncated to data.max_seq_len"),
                 (st.dropped_overlong, "dropped as too long"), (st.dropped_no_loss, "dropped with no loss tokens"),
                 (st.empty_targets, "with an empty reply")) if n]
-            lines.append(f"training data: {st.documents} examples of {st.records} records"
+            lines.append(f"training data: {st.documents} example{'s' * (st.documents != 1)} of {st.records} "
+                         f"record{'s' * (st.records != 1)}"
                          + (f" ({', '.join(lost)})" if lost else ""))
         ran = result.step - result.start_step
         steps = f"{ran} step{'s' if ran != 1 else ''}" + (
