@@ -100,8 +100,8 @@ class ModelSection:
                          "down_proj adapter still takes the SwiGLU product from the SwiGLU backward); off with "
                          "model.compile")
     gate_up_layers: int = _f(0, "with gate_up in model.recompute: rebuild it in the first k decoder layers only "
-                                "(0 = every layer); ~0.25 GiB less per layer at Qwen2.5-0.5B x 16k tokens for "
-                                "~0.5% time each: the finer memory dial")
+                                "(0 = every layer); ~0.3 GiB less per layer at Qwen2.5-0.5B x 16k tokens for "
+                                "~0.6% time each (LoRA, k = 7: 11.7 -> 9.8 GiB for 4%): the finer memory dial")
     loss_vocab_parts: int = _f(1, "the loss head in k vocabulary parts: k > 1 keeps no fp32 weight-gradient "
                                   "accumulator beyond dW (0.79 -> 0.56 GiB at Qwen2.5-0.5B) for a second pass "
                                   "over part of the vocabulary (k = 2: ~14% slower head, the least extra work); "
