@@ -2,8 +2,9 @@
 
 A GGUF file is converted once into an ordinary HF directory (``model.safetensors`` in float32,
 ``config.json``, tokenizer files) under ``$CHRONICALS_CACHE`` (default ``~/.cache/chronicals``), keyed by
-the file's resolved path, size and mtime; later loads read that directory (seconds instead of a full
-dequantization: about 8 s vs 1 s for SmolLM2-135M on two CPU cores).
+the file's resolved path, size, mtime, inode and ctime (a file rewritten in place with its old size and
+mtime put back, by cp -p or touch -r, still changes its ctime, which users cannot set); later loads read
+that directory (seconds instead of a full dequantization: about 8 s vs 1 s for SmolLM2-135M on two CPU cores).
 
 What the conversion undoes:
 - names: llama.cpp's ``blk.N.attn_q.weight`` -> ``model.layers.N.self_attn.q_proj.weight`` (table below);
@@ -257,10 +258,14 @@ def cache_root() -> Path:
 
 
 def cache_dir_for(gguf_path: str | Path) -> Path:
-    """The cache directory of one GGUF file: keyed by resolved path, size, mtime and converter version."""
+    """The cache directory of one GGUF file: keyed by resolved path, size, mtime, inode, ctime and converter
+    version (size and mtime alone: a file overwritten in place with the same size and its mtime put back,
+    cp -p or touch -r, reused the stale conversion; ctime cannot be set by users, and moves a file's
+    replacement or in-place rewrite to a new key)."""
     p = Path(gguf_path).resolve()
     st = p.stat()
-    key = hashlib.sha256(f"{p}|{st.st_size}|{st.st_mtime_ns}|v{CONVERTER_VERSION}".encode()).hexdigest()[:16]
+    ident = f"{p}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}|v{CONVERTER_VERSION}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     return cache_root() / "gguf" / f"{p.stem}-{key}"
 
 

@@ -1,0 +1,64 @@
+"""The GGUF conversion cache follows the file's identity, not only its size and mtime: a file rewritten in
+place with the same size and an mtime put back (cp -p, touch -r, rsync -t) is converted again."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from test_gguf import _tiny, write_gguf
+
+import chronicals
+from chronicals.models import gguf_io
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _rewrite(path, data: bytes, mtime_ns: int) -> None:
+    with open(path, "r+b") as f:  # in place: the same inode
+        f.write(data)
+        f.truncate()
+    os.utime(path, ns=(mtime_ns, mtime_ns))
+
+
+def test_same_size_same_mtime_other_content_converts_again(tmp_path, tiny_hf_config):
+    cfg, model = _tiny(tiny_hf_config, "llama2")
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", cfg, model.state_dict(), quantize=False)
+    st = path.stat()
+    old, _ = chronicals.load_model(path, tokenizer=False)
+    first = gguf_io.cache_dir_for(path)
+    assert (first / "config.json").is_file()
+
+    other = tmp_path / "other.gguf"  # the same shapes, other weights: a file of the same size
+    with torch.no_grad():
+        sd = {k: v + 0.5 for k, v in model.state_dict().items()}
+    write_gguf(other, "llama", cfg, sd, quantize=False)
+    new_bytes = other.read_bytes()
+    assert len(new_bytes) == st.st_size and new_bytes != path.read_bytes()
+    _rewrite(path, new_bytes, st.st_mtime_ns)
+    st2 = path.stat()
+    assert (st2.st_size, st2.st_mtime_ns, st2.st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino)
+
+    assert gguf_io.cache_dir_for(path) != first
+    new, _ = chronicals.load_model(path, tokenizer=False)
+    w = "model.embed_tokens.weight"
+    assert torch.equal(new.state_dict()[w], sd[w]) and not torch.equal(old.state_dict()[w], sd[w])
+
+
+def test_same_size_same_mtime_replaced_file_converts_again(tmp_path, tiny_hf_config):
+    """Another file moved over the old one (os.replace, mv): a new inode."""
+    cfg, model = _tiny(tiny_hf_config, "llama2")
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", cfg, model.state_dict(), quantize=False)
+    st = path.stat()
+    first = gguf_io.cached_gguf_dir(path)
+    other = tmp_path / "other.gguf"
+    with torch.no_grad():
+        write_gguf(other, "llama", cfg, {k: v * 2 for k, v in model.state_dict().items()}, quantize=False)
+    os.utime(other, ns=(st.st_mtime_ns, st.st_mtime_ns))
+    os.replace(other, path)
+    assert gguf_io.cache_dir_for(path) != first
+    assert gguf_io.cached_gguf_dir(path) != first
+
