@@ -12,19 +12,6 @@ from chronicals.cli import main
 from chronicals.models import CausalLM, ModelConfig
 
 
-@pytest.fixture(scope="module")
-def tiny_base(tmp_path_factory):
-    """A tiny random Llama with the embedded SmolLM2 tokenizer (real chat template, 49152 tokens)."""
-    import transformers
-
-    tok = load_tokenizer("smollm2-135m-instruct")
-    hf = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                  tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
-    model = CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0)
-    return save_model(model, tok, tmp_path_factory.mktemp("tiny") / "base")
-
-
 def test_help_shows_every_field_doc(capsys):
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out

@@ -12,23 +12,11 @@ import transformers
 
 import chronicals
 from chronicals.models.gguf_io import permute_qk
+from test_gguf import _gguf_name  # HF -> llama.cpp names, kept apart from gguf_io's own table
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 T = gguf.GGMLQuantizationType
-_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
-            "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-            "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-            "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-            "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-
-
-def _gguf_name(hf: str) -> str:
-    module, kind = hf.rsplit(".", 1)
-    if module.startswith("model.layers."):
-        _, _, i, sub = module.split(".", 3)
-        return f"blk.{i}.{_TO_GGUF[sub]}.{kind}"
-    return f"{_TO_GGUF[module]}.{kind}"
 
 
 def hf_model(model_type: str, **over):

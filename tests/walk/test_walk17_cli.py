@@ -48,22 +48,6 @@ def test_a_gguf_cache_that_cannot_be_written_names_chronicals_cache(layout, tmp_
     assert "[Errno" not in err and "Traceback" not in err, err
 
 
-@pytest.fixture(scope="module")
-def tiny_base(tmp_path_factory):
-    """A tiny random Llama with the embedded SmolLM2 tokenizer (as tests/test_cli.py's)."""
-    import transformers
-
-    from chronicals import load_tokenizer, save_model
-    from chronicals.models import CausalLM, ModelConfig
-
-    tok = load_tokenizer("smollm2-135m-instruct")
-    hf = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                  tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
-    model = CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0)
-    return save_model(model, tok, tmp_path_factory.mktemp("tiny") / "base")
-
-
 def test_evals_data_warnings_name_its_flags_not_config_keys(tiny_base, tmp_path, caplog):
     """chronicals eval's errors said --on-long / --max-seq-len, but its warnings still said the config keys:
     "1 longer than max_seq_len=16 (dropped, data.on_long=drop)", "raise data.max_seq_len", which eval has no
