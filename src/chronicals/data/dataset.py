@@ -6,6 +6,7 @@ ids (T,) int32, trainable (T,) bool, offsets (n + 1,) int64; document i is ids[o
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections import Counter
@@ -61,6 +62,21 @@ class TokenizedDataset:
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
+
+    @property
+    def digest(self) -> str:
+        """A fingerprint of the documents (token ids, trainable masks, boundaries), computed once: a loader saves
+        it so that resuming over edited data that packs into as many rows is refused (its position would point
+        at other documents). sha256 over the arrays' bytes: about 0.4 s for 100M tokens."""
+        if getattr(self, "_digest", None) is None:
+            h = hashlib.sha256()
+            for a in (np.ascontiguousarray(self.ids, dtype=np.int32),
+                      np.packbits(np.asarray(self.trainable, dtype=bool)),
+                      np.ascontiguousarray(self.offsets, dtype=np.int64)):
+                h.update(len(a).to_bytes(8, "little"))
+                h.update(memoryview(a).cast("B"))
+            self._digest = h.hexdigest()[:32]
+        return self._digest
 
     def __getitem__(self, i: int):
         a, b = self.offsets[i], self.offsets[i + 1]

@@ -24,9 +24,13 @@ are not a multiple of W, ``remainder`` says what happens to the last ``G % W``:
 Resume: ``state_dict()`` = {"epoch", "position"}: position is the number of this rank's batches of that
 epoch already handed out, so a loader restored from it yields exactly the batches that would have come next.
 A position counts one rank's batches of W ranks, so another W refuses it (except at an epoch's start or end).
+The state also keeps the dataset's ``digest`` (token ids, masks, boundaries): data edited since the checkpoint
+that still packs into as many rows is refused (``DataChanged``) instead of resuming at other documents.
 """
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 
@@ -34,7 +38,13 @@ from .collate import PackedBatch, collate_rows
 from .packing import pack_bfd
 
 
+log = logging.getLogger("chronicals.data")
 REMAINDERS = ("train", "drop")  # data parallel: what becomes of an epoch's last, incomplete round of batches
+
+
+class DataChanged(ValueError):
+    """The saved loader's dataset had other contents (its digest differs) although it packed the same.
+    ``args[1]``: what differs, without the advice (a caller names its own settings)."""
 
 
 class PackedLoader:
@@ -142,7 +152,11 @@ class PackedLoader:
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
                 "batches_per_epoch": len(self), "rows": len(self.rows), "remainder": self.remainder,
-                "world_size": self.world_size}
+                "world_size": self.world_size, **self._digest_state()}
+
+    def _digest_state(self) -> dict:
+        digest = getattr(self.dataset, "digest", None)  # a dataset-like object without one: no check
+        return {"data_digest": digest} if isinstance(digest, str) else {}
 
     def load_state_dict(self, state: dict) -> None:
         saved = (state.get("seed", self.seed), state.get("rows", len(self.rows)),
@@ -173,6 +187,16 @@ class PackedLoader:
                              f"of {len(self)} per rank in epoch {state.get('epoch')}) counts the batches of "
                              f"{saved_w} rank(s) and would skip or repeat data under {self.world_size}; resume with "
                              f"{resume_w}")
+        saved_digest, digest = state.get("data_digest"), self._digest_state().get("data_digest")
+        if saved_digest is None:
+            log.info("the saved data position has no digest of its dataset (a checkpoint from before it was "
+                     "saved): the training data are not checked against it")
+        elif digest is not None and saved_digest != digest:  # the same counts, other documents
+            detail = (f"its dataset had other contents (digest {saved_digest}, this one {digest}) although both "
+                      f"pack into {len(self.rows)} rows, so its position (batch {state.get('position')} of epoch "
+                      f"{state.get('epoch')}) would point at other documents")
+            raise DataChanged(f"PackedLoader.load_state_dict: the training data changed since the saved loader's "
+                              f"state was written: {detail}; resume with the original data, or start fresh", detail)
         for key in ("epoch", "position"):
             if not isinstance(state.get(key), int) or state[key] < 0:
                 raise ValueError(f"PackedLoader.load_state_dict: the state has no '{key}' (a non-negative integer): "

@@ -32,6 +32,7 @@ import torch
 
 from ..config import DEMO, ConfigError, TrainConfig, from_dict, load_config
 from ..cuda_alloc import allocator_setting
+from ..data.loader import DataChanged
 from . import checkpoint as ckpt
 from .metrics import (MetricsLog, matmul_peak_tflops, memory_gib, plot_losses, private_pool_bytes, read_records,
                       train_flops_per_token)
@@ -198,6 +199,10 @@ def _restore_position(stream, restored: dict, cfg_dict: dict, path: Path) -> Non
     checkpoint's name and the keys this run changed (the loader's own message names only the counts)."""
     try:
         stream.load_state_dict(restored["data"])  # rank 0's position: every rank's equals it (equal shards)
+    except DataChanged as e:  # the same counts, other documents: the position would train other data
+        raise ValueError(f"cannot resume from {path}: the training data changed since this checkpoint was written: "
+                         f"{e.args[1]}; resume with the original data, or start fresh with train.resume=none (or "
+                         "another train.out_dir)") from None
     except ValueError as e:
         if "data.dp_remainder=drop" in str(e) or "data-parallel rank(s)" in str(e):  # the loader names the fix
             raise ValueError(f"cannot resume from {path}: {e}") from None
