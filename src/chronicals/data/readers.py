@@ -47,13 +47,14 @@ def glob_hint(path) -> str:
             if set("*?[") & set(str(path)) else "")
 
 
-def resolve_files(paths) -> list[Path]:
+def resolve_files(paths, quiet: bool = False) -> list[Path]:
     """Paths (files, directories, save_to_disk directories) -> the data files to read, in order.
 
     A directory is read recursively: its data files (extension in SUFFIXES, any case) and those of its
     subdirectories, in sorted name order; names starting with '.' (hidden files and folders, editor lock
     files such as ``.~lock.a.jsonl#``) are skipped, so are files of other types (a README; compressed shards,
     .txt and .tsv files are named in a warning). Symlinks are followed, each real file is read once.
+    ``quiet``: no log lines about skipped files (a caller peeking at the files before the load that reports them).
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -71,7 +72,7 @@ def resolve_files(paths) -> list[Path]:
                 raise DataError(f"{p}: unsupported file type {p.suffix!r} (expected one of {', '.join(SUFFIXES)})")
             files.append(p)
             continue
-        found = _dir_files(p)
+        found = _dir_files(p, quiet)
         if not found:
             raise DataError(f"{p}: directory holds no data files (expected {', '.join(SUFFIXES)} files, in it or "
                             "its subdirectories, or a datasets.save_to_disk directory with state.json)")
@@ -100,7 +101,7 @@ def _saved_dataset_files(p: Path) -> list[Path] | None:
     return [p / f["filename"] for f in entries]
 
 
-def _dir_files(p: Path) -> list[Path]:
+def _dir_files(p: Path, quiet: bool = False) -> list[Path]:
     """The data files under directory ``p`` (see resolve_files), each real file once.
 
     Symlinks are followed, but a file or directory reached through one is skipped when its real path is also
@@ -147,6 +148,8 @@ def _dir_files(p: Path) -> list[Path]:
                     unread.append(f)
 
     walk(p, False)
+    if quiet:
+        return out
     if dup:
         log.info("data: %s: %d %s reached again through a symlink, not read twice: %s", p, len(dup),
                  "entry" if len(dup) == 1 else "entries", _some(dup))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import json
-import logging
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -87,15 +86,10 @@ def _refuse_qa_elsewhere(p: Path) -> None:
     first file's first record only (a CSV header, a parquet schema, a JSON line)."""
     if not p.exists():
         return  # load_dataset names the missing path
-    quiet = _Drop()  # the walk's warnings (files it does not read) come once, from the load_dataset after this peek
-    data_log = logging.getLogger("chronicals.data")
-    data_log.addFilter(quiet)
-    try:
-        files = resolve_files(p)
+    try:  # quiet: the walk's warnings (files it does not read) come once, from the load_dataset after this peek
+        files = resolve_files(p, quiet=True)
     except DataError:
         return  # an empty directory, a damaged save_to_disk one: load_dataset reports it
-    finally:
-        data_log.removeFilter(quiet)
     first = files[0]
     if "question" not in _first_keys(first):
         return
@@ -106,11 +100,6 @@ def _refuse_qa_elsewhere(p: Path) -> None:
     raise DataError(f"{p}: question/answer held-out records are read from .jsonl or .json only; convert "
                     f"{first} (one {{\"question\": ..., \"answer\": ...}} object per line in a .jsonl) "
                     "and set data.eval_path to it")
-
-
-class _Drop(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return False
 
 
 def _first_keys(f: Path) -> list[str]:
