@@ -33,6 +33,16 @@ def _gguf_name(hf: str) -> str:
     return f"{_TO_GGUF[module]}.{kind}"
 
 
+def llama_cpp_rows(arch: str, name: str, t: torch.Tensor, heads: int, kv: int) -> torch.Tensor:
+    """HF tensor ``name`` in float32 as llama.cpp's converter stores it: Q/K rows permuted for ``llama``."""
+    t = t.detach().float()
+    if arch == "llama" and ".q_proj." in name:
+        return permute_qk(t, heads)
+    if arch == "llama" and ".k_proj." in name:
+        return permute_qk(t, kv)
+    return t
+
+
 def write_gguf(path, arch: str, cfg: dict, sd: dict[str, torch.Tensor], quantize: bool = True,
                raw: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None) -> None:
     """Write ``sd`` (HF names) as llama.cpp would: Q/K rows permuted for ``llama``, matrices whose rows
@@ -62,12 +72,7 @@ def write_gguf(path, arch: str, cfg: dict, sd: dict[str, torch.Tensor], quantize
             data, qtype = raw[name]
             w.add_tensor(_gguf_name(name), data, raw_shape=data.shape, raw_dtype=qtype)
             continue
-        t = t.detach().float()
-        if arch == "llama" and ".q_proj." in name:
-            t = permute_qk(t, heads)
-        elif arch == "llama" and ".k_proj." in name:
-            t = permute_qk(t, kv)
-        data = t.numpy()
+        data = llama_cpp_rows(arch, name, t, heads, kv).numpy()
         if quantize and data.ndim == 2 and data.shape[1] % 32 == 0:
             w.add_tensor(_gguf_name(name), gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)

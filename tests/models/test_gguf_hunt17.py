@@ -11,8 +11,7 @@ import torch
 import transformers
 
 import chronicals
-from chronicals.models.gguf_io import permute_qk
-from test_gguf import _gguf_name  # HF -> llama.cpp names, kept apart from gguf_io's own table
+from test_gguf import _gguf_name, llama_cpp_rows  # llama.cpp's names and layout, apart from gguf_io's own
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -54,12 +53,7 @@ def write_gguf(path, arch: str, m, *, skip=(), extra=None) -> None:
     for name, t in m.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
-        t = t.detach().float()
-        if arch == "llama" and ".q_proj." in name:
-            t = permute_qk(t, heads)
-        elif arch == "llama" and ".k_proj." in name:
-            t = permute_qk(t, kv)
-        w.add_tensor(_gguf_name(name), t.numpy())
+        w.add_tensor(_gguf_name(name), llama_cpp_rows(arch, name, t, heads, kv).numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
