@@ -15,10 +15,11 @@ def write(path, rows):
 
 def test_keywords_must_be_non_empty_strings(tmp_path):
     ok = {"question": "Capital of France?", "answer": "Paris", "keywords": ["paris"]}
-    for bad, what in (([1789], r"keywords\[0\] is a int"), ("paris", "'keywords' is a str"),
-                      ([""], r"keywords\[0\] is empty")):
+    for bad, what in (([1789], r"keywords\[0\] is a int"), (1789, "'keywords' is a int"),
+                      ({"k": "paris"}, "'keywords' is a dict"), ([""], r"keywords\[0\] is empty"),
+                      (["paris", None], r"keywords\[1\] is a NoneType"), (" ", "'keywords' is an empty string")):
         p = write(tmp_path / "q.jsonl", [ok, {**ok, "keywords": bad}])
-        with pytest.raises(DataError, match=rf"^{p}:2: {what}.*expected a list of non-empty strings"):
+        with pytest.raises(DataError, match=rf"^{p}:2: {what}.*expected a list of non-empty strings, or one string"):
             qa_mod.read_qa(p)
     for bad, what in ((5, "'answer' is a int"), (None, "'answer' is null"), ("", "'answer' is empty")):
         p = write(tmp_path / "q.jsonl", [{**ok, "answer": bad}])
@@ -30,6 +31,17 @@ def test_keywords_must_be_non_empty_strings(tmp_path):
     p = write(tmp_path / "q.jsonl", [{**ok, "question": "a\ud800b"}])
     with pytest.raises(DataError, match=rf"^{p}:1: 'question' is not valid Unicode \(lone surrogate"):
         qa_mod.read_qa(p)
+
+
+def test_a_keyword_given_as_a_string_is_one_keyword(tmp_path, monkeypatch):
+    """"keywords": "Paris" was refused ("'keywords' is a str"); it is the list ["Paris"]. Not split on commas:
+    "2,318" (the demo's own keyword) and "Lake Ostrel, the largest" stay whole."""
+    rows = [{"question": "Capital of France?", "answer": "Paris", "keywords": "Paris"},
+            {"question": "How tall?", "answer": "2,318 meters", "keywords": "2,318"},
+            {"question": "Largest lake?", "answer": "Lake Ostrel", "keywords": "Lake Ostrel, the largest"}]
+    qa = qa_mod.read_qa(write(tmp_path / "q.jsonl", rows))
+    assert [r["keywords"] for r in qa] == [["Paris"], ["2,318"], ["Lake Ostrel, the largest"]]
+    assert score(monkeypatch, qa, ["It is paris.", "2,318 m", "Lake Ostrel"]) == [True, True, False]
 
 
 def score(monkeypatch, qa, answers):

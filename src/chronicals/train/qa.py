@@ -1,8 +1,9 @@
 """Held-out questions: read them, turn them into chat records, answer them greedily, score keywords.
 
 A held-out file holds one JSON object per line (.jsonl) or a JSON array (.json) of
-{"question": str, "answer": str, "keywords": [str] (optional)}. An answer counts as right when it contains
-every keyword (case-insensitive); without keywords, the reference answer's whole text is the keyword.
+{"question": str, "answer": str, "keywords": [str] or str (optional)}. An answer counts as right when it contains
+every keyword (case-insensitive); a string is one keyword ("Lake Ostrel", never split); without keywords, the
+reference answer's whole text is the keyword.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def read_qa(path: str | Path, on_error: str = "fail") -> list[dict] | None:
     A QA file is JSON lines (.jsonl) or a JSON array (.json) of
     ``{"question": str, "answer": str, "keywords": [str, ...]}``; ``keywords`` is optional: without it (or
     with an empty list) the answer's whole text is the one keyword, so a generated answer is right when it
-    contains the reference answer (case-insensitive). Returns the records with ``keywords`` filled in.
+    contains the reference answer (case-insensitive); a string is one keyword, as ``[str]`` (not split: a
+    keyword may hold commas, "2,318"). Returns the records with ``keywords`` filled in, always a list.
     None (not QA: the caller reads the file as ordinary held-out data) when no record has a "question"
     or the file has no records. A .csv / .parquet / directory whose first record has a "question" is a
     DataError saying to convert it (it would fail as "cannot tell the format"). A malformed line or field, or
@@ -128,7 +130,7 @@ def _first_keys(f: Path) -> list[str]:
         return []  # unreadable here: load_dataset reports it with file:line
 
 
-QA_EXPECTED = 'expected {"question": str, "answer": str, "keywords": [str, ...] (optional)}'
+QA_EXPECTED = 'expected {"question": str, "answer": str, "keywords": [str, ...] or str (optional)}'
 
 
 def _qa_text(rec: dict, key: str, where: str) -> str:
@@ -151,7 +153,11 @@ def _qa_record(rec: dict, where: str) -> dict:
     kws = rec.get("keywords")
     if kws is None or kws == []:
         kws = [ans.strip()]  # an empty list would make every answer right (all() over nothing)
-    want = "expected a list of non-empty strings (or no 'keywords': the answer's text is the keyword)"
+    want = "expected a list of non-empty strings, or one string (or no 'keywords': the answer's text is the keyword)"
+    if isinstance(kws, str):  # "Paris": one keyword; never split on commas ("2,318" is one keyword)
+        if not kws.strip():
+            raise DataError(f"{where}: 'keywords' is an empty string, {want}")
+        kws = [kws]
     if not isinstance(kws, list):
         raise DataError(f"{where}: 'keywords' is a {type(kws).__name__}, {want}")
     for j, k in enumerate(kws):
