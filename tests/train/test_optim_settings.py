@@ -58,13 +58,79 @@ def test_constant_schedule_holds_the_peak_after_warmup(tmp_path):
     assert _lrs(tmp_path, 8, kind="constant", warmup_steps=2, min_lr_ratio=0.2) == [0.5] + [1.0] * 7
 
 
-def test_warmup_as_long_as_the_run_still_reaches_the_peak(tmp_path, caplog):
-    """schedule.warmup_steps >= the run's steps: warmup is shortened so the last step runs at the peak, as the
-    warning says (an unclamped warmup would end the run at 3/5 of the lr, with no warning)."""
+@pytest.mark.parametrize("kind", ["cosine", "linear"])
+def test_a_run_shorter_than_its_warmup_still_warms_up_and_decays(tmp_path, caplog, kind):
+    """schedule.warmup_steps=20 (a recipe's) in a 15-step run: warmup over ceil(15 / 10) = 2 steps, the peak at
+    step 2, then a decay to min_lr_ratio at the last step. Clamping the warmup to 14 steps (the earlier rule) put
+    the peak at step 14 and ran the last step there, with no decay; an unclamped warmup ends at 15/20 of the lr.
+    The warning names the key, both numbers, what it became and how to choose it."""
     with caplog.at_level(logging.WARNING, logger="chronicals.train"):
-        lrs = _lrs(tmp_path, 3, kind="cosine", warmup_steps=5)
-    assert lrs == [0.5, 1.0, 1.0]
-    assert "schedule.warmup_steps=5 is not shorter than the run's 3 steps" in caplog.text
+        lrs = _lrs(tmp_path, 15, kind=kind, warmup_steps=20, min_lr_ratio=0.1)
+    assert lrs[:3] == [0.5, 1.0, 1.0]
+    assert all(a > b for a, b in zip(lrs[2:], lrs[3:]))  # falls at every step after the peak
+    assert lrs[-1] == pytest.approx(0.1)
+    assert ("schedule.warmup_steps=20 is not shorter than the run's 15 steps" in caplog.text
+            and "warming up over 2 step(s) instead" in caplog.text
+            and f"peak at step 2 and decays ({kind}) to schedule.min_lr_ratio=0.1 of it at step 15" in caplog.text
+            and "set schedule.warmup_steps below 15" in caplog.text), caplog.text
+
+
+@pytest.mark.parametrize("total, warmup_steps, expected", [
+    (10, 20, [1.0]),         # ceil(10 / 10) = 1: the first step already at the peak
+    (3, 3, [1.0]),           # a warmup as long as the run is not shorter either
+    (30, 30, [1 / 3, 2 / 3, 1.0]),  # ceil(30 / 10) = 3, not 4 (30 * 0.1 is 3.0000000000000004 in floats)
+    (2, 5, [1.0, 1.0]),      # too short to decay: the step after warmup is still the peak, as in every run
+    (1, 5, [1.0]),
+])
+def test_short_run_warmup_is_a_tenth_of_the_run_rounded_up(tmp_path, total, warmup_steps, expected):
+    """The warmup part of the lr trajectory of short runs, by run length."""
+    lrs = _lrs(tmp_path, total, kind="cosine", warmup_steps=warmup_steps, min_lr_ratio=0.1)
+    assert lrs[:len(expected)] == pytest.approx(expected)
+    if total >= 3:
+        assert lrs[-1] == pytest.approx(0.1)
+
+
+def test_a_constant_short_run_warms_up_and_holds_the_peak(tmp_path, caplog):
+    """kind=constant: the same shortened warmup, then the peak to the end, and a warning that says so."""
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        assert _lrs(tmp_path, 12, kind="constant", warmup_steps=12) == [0.5] + [1.0] * 11
+    assert "peak at step 2 and holds it" in caplog.text
+
+
+def test_a_warmup_shorter_than_the_run_is_kept_as_set_and_unwarned(tmp_path, caplog):
+    """One step longer than the warmup is long enough: the rule leaves warmup_steps alone (19 warmup steps, the
+    last at the peak, as set) and says nothing. The demo's warmup (3 of 22 steps) is one of these runs."""
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        lrs = _lrs(tmp_path, 20, kind="linear", warmup_steps=19, min_lr_ratio=0.2)
+        demo = _lrs(tmp_path, 22, kind="cosine", warmup_steps=3, min_lr_ratio=0.1)
+    assert lrs[:19] == pytest.approx([(i + 1) / 19 for i in range(19)]) and lrs[19] == 1.0
+    assert demo[:4] == pytest.approx([1 / 3, 2 / 3, 1.0, 1.0]) and demo[-1] == pytest.approx(0.1)
+    assert "warmup_steps" not in caplog.text
+
+
+def test_short_run_warmup_resumes_on_the_same_schedule(tmp_path):
+    """A scheduler rebuilt at step 6 of a 15-step run from its state_dict (what a resume does) gives the same lrs
+    as the uninterrupted one: the shortened warmup depends on the run's length and the config only."""
+    cfg = tiny_config(tmp_path, schedule__warmup_steps=20)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = build_scheduler(opt, cfg, 15)
+    straight = []
+    for i in range(15):
+        straight.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+        if i == 5:
+            saved = sched.state_dict(), opt.state_dict()
+    opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched2 = build_scheduler(opt2, cfg, 15)  # built fresh, then the checkpoint's states loaded, as train() does
+    opt2.load_state_dict(saved[1])
+    sched2.load_state_dict(saved[0])
+    resumed = []
+    for _ in range(6, 15):
+        resumed.append(opt2.param_groups[0]["lr"])
+        opt2.step()
+        sched2.step()
+    assert resumed == straight[6:]
 
 
 def _groups(opt) -> dict:

@@ -127,12 +127,34 @@ def lr_factor(step: int, total: int, warmup: int, kind: str, min_ratio: float) -
     raise ValueError(f"schedule.kind={kind!r} is not one of cosine | linear | constant")
 
 
+SHORT_RUN_WARMUP = 10  # a run no longer than schedule.warmup_steps warms up over 1/10 of its steps (rounded up)
+
+
+def short_run_warmup(warmup_steps: int, total: int) -> int:
+    """The warmup a run of ``total`` steps uses: ``warmup_steps``, or ceil(total / 10) when the run is not longer.
+
+    A recipe's warmup_steps=20 in a 10-step smoke run would end the run before the lr peaks, with no decay at all;
+    1/10 of the run (the common warmup_ratio of 0.1) still warms up and leaves the other 9/10 to the decay:
+    10 steps -> 1, 15 -> 2, 3 -> 1. A function of (warmup_steps, total) only, so a resumed run's schedule is the
+    uninterrupted run's.
+    """
+    if 0 < total <= warmup_steps:
+        return -(-total // SHORT_RUN_WARMUP)  # ceil in integers: 30 * 0.1 is 3.0000000000000004
+    return warmup_steps
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
+    """LambdaLR at ``lr_factor`` of (step, total_steps, the config): nothing else, so a resume is exact."""
     s = cfg.schedule
-    warmup = min(s.warmup_steps, max(0, total_steps - 1))
-    if warmup < s.warmup_steps:
-        log.warning("schedule.warmup_steps=%d is not shorter than the run's %d steps: warming up over %d step(s) "
-                    "instead, so the lr reaches its peak at step %d and the decay has no steps left; lower "
-                    "schedule.warmup_steps", s.warmup_steps, total_steps, warmup, max(1, warmup))
+    warmup = short_run_warmup(s.warmup_steps, total_steps)
+    if warmup != s.warmup_steps:
+        decays = s.kind != "constant" and total_steps - warmup >= 2  # the first step after warmup is still the peak
+        after = (f"decays ({s.kind}) to schedule.min_lr_ratio={s.min_lr_ratio:g} of it at step {total_steps}"
+                 if decays else "holds it")
+        log.warning("schedule.warmup_steps=%d is not shorter than the run's %d steps (the warmup would take the "
+                    "whole run and leave no step to decay): warming up over %d step(s) instead (1/%d of the run, "
+                    "rounded up), so the lr reaches its peak at step %d and %s; set schedule.warmup_steps below %d "
+                    "to choose the warmup yourself (0 = none)", s.warmup_steps, total_steps, warmup,
+                    SHORT_RUN_WARMUP, warmup, after, total_steps)
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, warmup, s.kind, s.min_lr_ratio))
