@@ -439,3 +439,24 @@ def test_bf16_export_rounds_each_merged_weight_once(tiny_base, tmp_path):
     w = load_file(str(base16_dir / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"]
     want = (w.float() + q.scaling * (q.lora_B.weight.float() @ q.lora_A.weight.float())).to(torch.bfloat16)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_under_torchrun_only_rank_0_warns(rank, tmp_path, monkeypatch, caplog):
+    """Every torchrun rank said each warning ("config x.yaml sets nothing", the data's "3 of 5 records kept"):
+    once per rank. Rank 0 speaks; the others say only errors."""
+    import logging
+
+    ours = logging.getLogger("chronicals")
+    monkeypatch.setattr(ours, "level", ours.level)  # _setup_logging sets it for the process: put it back after
+    monkeypatch.setenv("RANK", rank)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing yet\n")
+    caplog.set_level(logging.INFO)  # the root's: what reaches it is what our logger let through
+    assert main(["train", str(empty), "train.max_steps=banana"]) == 2  # the warning comes first, then the error
+    logging.getLogger("chronicals.data").info("data: 3 of 5 records kept")
+    logging.getLogger("chronicals.train").error("rank %s: CUDA error", rank)
+    said = caplog.text
+    assert ("sets nothing" in said) == (rank == "0"), said
+    assert ("3 of 5 records kept" in said) == (rank == "0"), said
+    assert f"rank {rank}: CUDA error" in said, said

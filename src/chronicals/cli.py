@@ -42,10 +42,11 @@ def _rank() -> int:
 
 
 def _setup_logging(verbose: bool = False) -> None:
+    """The console log. Under torchrun every rank runs the same code and would say each line once per rank: rank 0
+    tells the story (info and warnings), the others say only errors (what failed there, e.g. its GPU)."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    # under torchrun every rank runs the same code: rank 0 tells the story, the others only warn
-    logging.getLogger("chronicals").setLevel(logging.INFO if _rank() == 0 else logging.WARNING)
+    logging.getLogger("chronicals").setLevel(logging.INFO if _rank() == 0 else logging.ERROR)
 
 
 def _train_args_problem(paths: list[str]) -> str | None:
@@ -86,12 +87,12 @@ def cmd_train(argv: list[str]) -> int:
     if problem:
         print(f"error: {problem}\n(see chronicals train --help)", file=sys.stderr)
         return 2
+    _setup_logging()  # before the config loads: its warnings ("config x.yaml sets nothing") are rank 0's too
     try:
         cfg = load_config(paths[0] if paths else None, overrides)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    _setup_logging()
     from .train import TrainingDiverged, train
     from .train.report import RunReport
 
