@@ -188,3 +188,30 @@ def test_bad_files_exit_3_naming_the_file_and_the_flag(tiny_base, data_file, tmp
 def test_usage_lists_eval(capsys):
     assert main(["--help"]) == 0
     assert "eval      score a base or fine-tuned model" in capsys.readouterr().out
+
+
+def test_the_data_messages_name_the_options_the_caller_passes(tiny_base, tmp_path, caplog):
+    """evaluate(option_names=) is what the data's warnings and errors call its options: eval's flags from chronicals
+    eval, the config keys by default (what train says). It replaced a logging filter that rewrote every line of the
+    shared chronicals.data and chronicals.train loggers while eval ran (any other thread's lines too)."""
+    import logging
+
+    from chronicals.config import DataSection
+    from chronicals.data import DataError
+    from chronicals.evaluate import evaluate
+
+    model, tok = load_model(str(tiny_base), device=torch.device("cpu"))
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("short one", "word " * 60, "another short")))
+    flags = {"max_seq_len": "--max-seq-len", "overlong": "--on-long", "on_error": "--on-error"}
+    opts = DataSection(path=str(data), max_seq_len=16, on_long="drop", cache_dir="none")
+    for names, says in ((flags, "--on-long=drop"), (None, "data.on_long=drop")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="chronicals.data"):
+            evaluate(model, tok, opts, CPU, option_names=names)
+        assert "1 longer than max_seq_len=16 (dropped, " + says in caplog.text, caplog.text
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text(json.dumps({"question": "a?", "answer": "b"}) + "\n{broken\n")
+    with pytest.raises(DataError, match=r":2: .*\(--on-error=skip drops bad records"):
+        evaluate(model, tok, DataSection(path=str(qa), cache_dir="none"), CPU, option_names=flags)
+    assert not logging.getLogger("chronicals.data").filters and not logging.getLogger("chronicals.train").filters

@@ -316,16 +316,6 @@ def _as_flags(message: str) -> str:
     return re.sub(rf"\bdata\.({'|'.join(_DATA_FLAGS)})\b", lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 
-class _FlagNames(logging.Filter):
-    """A log record's message with eval's flags for the data section's keys, as ``_as_flags`` gives its errors."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        said = record.getMessage()
-        if _as_flags(said) != said:
-            record.msg, record.args = _as_flags(said), ()
-        return True
-
-
 def cmd_eval(argv: list[str]) -> int:
     from .config import DataSection, EvalSection
 
@@ -377,7 +367,7 @@ def cmd_eval(argv: list[str]) -> int:
             p.error(f"--json {a.json}: the folder {out.parent} does not exist; create it or choose another file")
     from .config import DEMO, ConfigError
     from .data.readers import glob_hint
-    from .train.setup import resolve_device
+    from .train.setup import DATA_OPTION_KEYS, resolve_device
 
     try:
         dev = resolve_device(a.device, key="--device")
@@ -410,20 +400,16 @@ def cmd_eval(argv: list[str]) -> int:
     model, tok = _load(a.model, a.adapter, dev, a.dtype)
     # a row also costs max_seq_len^2 memory on the CPU path
     _within_context(p, model, a.model, ("--max-seq-len", a.max_seq_len), ("--max-new-tokens", a.max_new_tokens))
-    flags = _FlagNames()  # the data code's warnings name data.<key> too ("raise data.max_seq_len")
-    loggers = [logging.getLogger(name) for name in ("chronicals.data", "chronicals.train")]
-    for logger in loggers:
-        logger.addFilter(flags)
+    # the data's warnings and errors name these flags ("raise --max-seq-len or set --on-long=truncate")
+    flags = {option: _as_flags(key) for option, key in DATA_OPTION_KEYS.items()}
     try:
-        result = evaluate(model, tok, data, dev, qa_limit=a.qa_limit, max_new_tokens=a.max_new_tokens)
-    except ValueError as err:  # a data error names data.<key>: here that key is a flag (still exit 3: bad input)
+        result = evaluate(model, tok, data, dev, qa_limit=a.qa_limit, max_new_tokens=a.max_new_tokens,
+                          option_names=flags)
+    except ValueError as err:  # another error naming data.<key> (data.cache_dir): a flag here (still exit 3)
         said = _as_flags(str(err))
         if isinstance(err, ConfigError) or said == str(err):
             raise
         raise ValueError(said) from err
-    finally:
-        for logger in loggers:
-            logger.removeFilter(flags)
     if result.system_prompt is None and a.system_prompt is not None:
         print(f"note: --system-prompt has no effect: {a.data} holds no question/answer records (chat records keep "
               "their own system message)", file=sys.stderr)

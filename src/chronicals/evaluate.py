@@ -27,11 +27,11 @@ import torch
 
 from ._jsonio import write_text_atomic
 from .config import DataSection
-from .data import DataError, DatasetStats, PackedLoader
+from .data import DataError, DatasetStats, PackedLoader, load_dataset
 from .models import require_chat_template
 from .train.guards import check_ids_in_vocab
 from .train.qa import QAResult, answer_all, heldout_system_prompt, read_qa, write_chat_jsonl
-from .train.setup import heldout_loader as setup_heldout_loader
+from .train.setup import DATA_OPTION_KEYS, _dataset_options
 from .train.step import evaluate_loss
 
 log = logging.getLogger("chronicals.evaluate")
@@ -88,33 +88,48 @@ class EvalResult:
         return "\n".join(lines)
 
 
-def heldout_loader(data: DataSection, tokenizer, workdir: Path) -> tuple[PackedLoader, list[dict] | None]:
+def heldout_loader(data: DataSection, tokenizer, workdir: Path, option_names: dict[str, str] | None = None
+                   ) -> tuple[PackedLoader, list[dict] | None]:
     """(loader, QA records or None) over ``data.path``, as ``train()`` builds its held-out loader: QA records are
     written to ``workdir`` as chat records (the system message of ``qa.heldout_system_prompt``) and read as chat;
-    other data is read with ``data.format`` (``train.setup.heldout_loader`` for both)."""
-    qa = read_qa(data.path, data.on_error)
+    other data is read with ``data.format``. ``option_names``: what the data's errors and warnings call the options
+    (``load_dataset``'s option_names; None: the config keys, ``train.setup.DATA_OPTION_KEYS``, as train says them)."""
+    names = DATA_OPTION_KEYS | (option_names or {})
+    qa = read_qa(data.path, data.on_error, on_error_name=names["on_error"])
     if qa is None:  # load_dataset's messages name the files after it: "the data to score (x.jsonl)"
-        return setup_heldout_loader(data, tokenizer, Path(data.path).expanduser(), False, "the data to score"), qa
+        return _loader(data, tokenizer, Path(data.path).expanduser(), False, "the data to score", names), qa
     require_chat_template(tokenizer, "question/answer records are read as chat whatever data.format; to score "
                           "this model without a template, give text or prompt/completion records")  # once, as chat
     file = write_chat_jsonl(qa, workdir / "heldout.jsonl", heldout_system_prompt(data))
     name = f"the QA records of {data.path}, rewritten as chat"
     try:
-        return setup_heldout_loader(data, tokenizer, file, True, name), qa
+        return _loader(data, tokenizer, file, True, name, names), qa
     except DataError as e:  # "record 3", not the rewritten file's path: it is deleted before the message is read
         raise DataError(str(e).replace(f" ({file})", "").replace(f"{file}:", "record ")) from None
 
 
+def _loader(data: DataSection, tokenizer, file: Path, from_qa: bool, name: str, names: dict[str, str]) -> PackedLoader:
+    """``train.setup.heldout_loader`` (the trainer's held-out loader: same load_dataset options, unshuffled rows of
+    data.loader_shape()) with the messages' option names given: that one always says the config keys."""
+    opts = _dataset_options(data) | {"option_names": names} | ({"format": "chat"} if from_qa else {})
+    try:
+        ds = load_dataset([str(file)], tokenizer, **opts, name=name)
+    except DataError as e:  # say which data it is; record errors name only a file and line
+        raise DataError(str(e) if name in str(e) else f"{name}: {e}") from None
+    return PackedLoader(ds, max_seq_len=data.max_seq_len, seed=0, shuffle=False, **data.loader_shape())
+
+
 def evaluate(model, tokenizer, data: DataSection, device: torch.device, *, qa_limit: int = 0,
-             max_new_tokens: int = 24) -> EvalResult:
+             max_new_tokens: int = 24, option_names: dict[str, str] | None = None) -> EvalResult:
     """Held-out loss of ``model`` over ``data.path`` and, for a question/answer file, the keyword accuracy of its
-    greedy answers (the first ``qa_limit`` questions; 0 = all) of at most ``max_new_tokens`` tokens."""
+    greedy answers (the first ``qa_limit`` questions; 0 = all) of at most ``max_new_tokens`` tokens.
+    ``option_names``: what the data's messages call its options (``heldout_loader``; chronicals eval: its flags)."""
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if context and data.max_seq_len > context:
         log.warning("max_seq_len=%d is longer than the model's max_position_embeddings=%d: positions past %d were "
                     "not trained, so the loss of longer examples says little", data.max_seq_len, context, context)
     with tempfile.TemporaryDirectory(prefix="chronicals-eval-") as tmp:
-        loader, qa = heldout_loader(data, tokenizer, Path(tmp))
+        loader, qa = heldout_loader(data, tokenizer, Path(tmp), option_names)
     ds = loader.dataset
     if len(ds.ids):  # host ids: the embedding would raise a bare IndexError
         check_ids_in_vocab(model, int(ds.ids.max()), f"{data.path} holds token id")

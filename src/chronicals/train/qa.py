@@ -41,7 +41,7 @@ def demo_file(name: str) -> Path:
     return p
 
 
-def read_qa(path: str | Path, on_error: str = "fail") -> list[dict] | None:
+def read_qa(path: str | Path, on_error: str = "fail", on_error_name: str = "data.on_error") -> list[dict] | None:
     """The held-out questions of ``path`` ('demo' = packaged), or None if its records are not QA records.
 
     A QA file is JSON lines (.jsonl) or a JSON array (.json) of
@@ -55,6 +55,7 @@ def read_qa(path: str | Path, on_error: str = "fail") -> list[dict] | None:
     a record without "question" beside QA records, is a bad record: DataError ``file:line: ...`` under
     ``on_error="fail"`` (data.on_error); under "skip" it is left out, and one warning counts them and names the
     first three (as load_dataset reports its bad records: ``data.dataset.report_bad_records``).
+    ``on_error_name``: what the error calls the on_error option (chronicals eval: --on-error).
     """
     p = demo_file("heldout.jsonl") if str(path) == DEMO else Path(path).expanduser()
     if p.suffix.lower() not in (".jsonl", ".json") or not p.is_file():
@@ -78,7 +79,7 @@ def read_qa(path: str | Path, on_error: str = "fail") -> list[dict] | None:
             bad.append(str(e))
             if on_error == "fail":
                 break
-    report_bad_records(len(bad), bad, on_error, len(records), str(p), "data.on_error")
+    report_bad_records(len(bad), bad, on_error, len(records), str(p), on_error_name)
     return kept
 
 
