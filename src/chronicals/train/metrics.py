@@ -92,31 +92,48 @@ def memory_gib(device: torch.device, pools: tuple[int, int] | None = None) -> fl
 
 
 class MetricsLog:
-    """metrics.jsonl (one JSON object per line) plus TensorBoard scalars when enabled and installed."""
+    """metrics.jsonl (one JSON object per line) plus TensorBoard scalars when enabled and installed.
+
+    TensorBoard shows what metrics.jsonl holds. Its event files are only ever appended to, so the writer opened at
+    the first record carries a ``purge_step``: TensorBoard hides the steps >= it that earlier event files in
+    out_dir/tensorboard logged. A resume at step k purges from k + 1 (records are numbered by the optimizer step
+    they follow, 1-based, so k's records are kept and the interrupted run's k + 1.. are redone, not shown twice);
+    a fresh run purges from 0 (an earlier run's curves in a reused out_dir are not this run's). Kept records at or
+    past the purge step (another run's records taken at its checkpoint; those at k when k's closing "after"
+    evaluation was dropped) are written again.
+    """
 
     def __init__(self, out_dir: Path, tensorboard: bool, resume_step: int | None = None, on_open=None):
-        """The file is rewritten (or made) at the first ``write``, when ``on_open()`` also runs: a run that stops
-        before logging anything leaves an earlier run's metrics.jsonl as it was."""
+        """The file is rewritten (or made) at the first ``write``, when ``on_open()`` also runs and the TensorBoard
+        writer opens: a run that stops before logging anything leaves an earlier run's metrics.jsonl and
+        TensorBoard curves as they were."""
         self.path = out_dir / "metrics.jsonl"
         if self.path.is_dir():  # found now, not at the first record, when a fresh run has removed the old checkpoints
             raise IsADirectoryError(f"{self.path} is a directory: a run writes its metrics to that file; move it "
                                     "away or set another train.out_dir")
         self.records: list[dict] = []
+        # the first step TensorBoard forgets: every one on a fresh run, those the resumed run redoes on a resume
+        self.tb_purge_step = 0 if resume_step is None else resume_step + 1
         if resume_step is not None and self.path.exists():
             # keep what the interrupted run logged up to its checkpoint, but not its closing "after" evaluation;
             # later steps are redone
-            self.records = [rec for rec in read_records(self.path, resume_step)
-                            if rec.get("step", 0) <= resume_step and rec.get("tag") != "after"]
+            logged = read_records(self.path, resume_step)
+            self.records = [rec for rec in logged if rec.get("step", 0) <= resume_step and rec.get("tag") != "after"]
+            dropped = [rec.get("step", 0) for rec in logged if rec.get("step", 0) <= resume_step
+                       and rec.get("tag") == "after"]
+            self.tb_purge_step = min([self.tb_purge_step, *dropped])
         self._fh = None
         self._on_open = on_open
         self.tb = None
+        self._tb_dir = out_dir / "tensorboard"
+        self._summary_writer = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 log.info("TensorBoard not installed (pip install tensorboard); logging to metrics.jsonl only")
             else:
-                self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+                self._summary_writer = SummaryWriter
 
     def write(self, rec: dict) -> None:
         if self._fh is None:
@@ -125,9 +142,17 @@ class MetricsLog:
             # the kept records, replaced whole: a run killed (or out of disk) while writing them leaves the old file
             write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
             self._fh = self.path.open("a")
+            if self._summary_writer is not None:
+                self.tb = self._summary_writer(str(self._tb_dir), purge_step=self.tb_purge_step)
+                for kept in self.records:
+                    if kept.get("step", 0) >= self.tb_purge_step:
+                        self._add_scalars(kept)
         self.records.append(rec)
         self._fh.write(json.dumps(rec) + "\n")
         self._fh.flush()
+        self._add_scalars(rec)
+
+    def _add_scalars(self, rec: dict) -> None:
         if self.tb is not None:
             for k, v in rec.items():
                 if k != "step" and isinstance(v, (int, float)):
