@@ -1,0 +1,168 @@
+"""The GGUF conversion cache removes a file's older conversions when it completes a new one (540 MB each for the
+embedded SmolLM2), and only those: not other files' entries, not entries it cannot tell are that file's, not one
+used in the last PRUNE_AFTER_S seconds, not a write in progress; a failure to remove is a warning."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import pytest
+import torch
+from test_gguf import _tiny, write_gguf
+
+from chronicals.models import gguf_io
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LOGGER = "chronicals.models.gguf_io"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty cache of this test's own: the listing is what this test wrote."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("CHRONICALS_CACHE", str(root))
+    return root / "gguf"
+
+
+@pytest.fixture
+def tiny(tiny_hf_config):
+    return _tiny(tiny_hf_config, "llama2")
+
+
+def _write(path, tiny, shift: float = 0.0) -> None:
+    """A tiny GGUF at ``path``; each ``shift`` gives other weights (so a new identity)."""
+    cfg, model = tiny
+    with torch.no_grad():
+        sd = {k: v + shift for k, v in model.state_dict().items()}
+    tmp = path.with_name(path.name + ".new")
+    write_gguf(tmp, "llama", cfg, sd, quantize=False)
+    os.replace(tmp, path)  # a new inode: a new cache key
+
+
+def _age(entry, seconds: float = 2 * gguf_io.PRUNE_AFTER_S) -> None:
+    """Make ``entry`` look unused for ``seconds``: its record's mtime (or its config.json's, without one)."""
+    t = time.time() - seconds
+    f = entry / gguf_io.CACHE_ENTRY
+    os.utime(f if f.is_file() else entry / "config.json", (t, t))
+
+
+def _lines(caplog, level=logging.INFO):
+    return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == level]
+
+
+def test_new_conversion_removes_the_older_ones_of_the_same_file_only(tmp_path, cache, tiny, caplog):
+    path = tmp_path / "m.gguf"
+    _write(path, tiny)
+    first = gguf_io.cached_gguf_dir(path)
+    rec = json.loads((first / gguf_io.CACHE_ENTRY).read_text())
+    assert rec["source"] == str(path.resolve()) and rec["converter_version"] == gguf_io.CONVERTER_VERSION
+    _age(first)
+
+    (tmp_path / "elsewhere").mkdir()  # another file of the same name: the same {stem}-{key} pattern
+    _write(tmp_path / "elsewhere" / "m.gguf", tiny)
+    other = gguf_io.cached_gguf_dir(tmp_path / "elsewhere" / "m.gguf")
+    _age(other)
+    unknown = cache / "m-0123456789abcdef"  # the entry pattern, but no record saying whose it is
+    unknown.mkdir()
+    (unknown / "config.json").write_text("{}")
+    _age(unknown)
+    writing = cache / f".{first.name}.tmp-123-0123abcd"  # a write in progress (atomic_dir's temporary directory)
+    writing.mkdir()
+    (writing / gguf_io.CACHE_ENTRY).write_text((first / gguf_io.CACHE_ENTRY).read_text())
+    size = sum(f.stat().st_size for f in first.iterdir())
+
+    _write(path, tiny, shift=0.5)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        second = gguf_io.cached_gguf_dir(path)
+    assert second != first and (second / "config.json").is_file()
+    assert not first.exists()
+    assert other.is_dir() and unknown.is_dir() and writing.is_dir()
+    assert not [p for p in cache.iterdir() if ".pruned-" in p.name]
+    removed = [m for m in _lines(caplog) if m.startswith("removed")]
+    assert removed == [f"removed 1 older conversion of {path.resolve()} from {cache} ({first.name}): "
+                       f"{size / 1e6:.1f} MB freed"]
+
+
+def test_entry_used_recently_is_kept(tmp_path, cache, tiny):
+    """Another process may be loading an older entry: kept while it was used (a cache hit) in the last
+    PRUNE_AFTER_S seconds, removed by the next conversion after that."""
+    path = tmp_path / "m.gguf"
+    _write(path, tiny)
+    first = gguf_io.cached_gguf_dir(path)
+    _age(first)
+    assert gguf_io.cached_gguf_dir(path) == first  # a hit: stamps the use
+    _write(path, tiny, shift=0.5)
+    second = gguf_io.cached_gguf_dir(path)
+    assert first.is_dir() and second.is_dir()
+    _age(first)
+    _write(path, tiny, shift=1.0)
+    gguf_io.cached_gguf_dir(path)
+    assert not first.exists() and second.is_dir()  # second is still recent
+
+
+def test_converter_version_bump_removes_the_older_versions_entry_not_a_newer_ones(tmp_path, cache, tiny,
+                                                                                   monkeypatch):
+    path = tmp_path / "m.gguf"
+    _write(path, tiny)
+    v = gguf_io.CONVERTER_VERSION
+    entries = {}
+    for version in (v - 1, v + 1):
+        monkeypatch.setattr(gguf_io, "CONVERTER_VERSION", version)
+        entries[version] = gguf_io.cached_gguf_dir(path)
+    assert entries[v - 1].is_dir()  # the v+1 conversion kept v-1's entry: it was recent then
+    for entry in entries.values():
+        _age(entry)
+    monkeypatch.setattr(gguf_io, "CONVERTER_VERSION", v)
+    current = gguf_io.cached_gguf_dir(path)
+    assert current not in entries.values()
+    assert not entries[v - 1].exists()
+    assert entries[v + 1].is_dir()  # another install's newer converter keeps its entry
+
+
+def test_entry_from_before_records_is_recognised_by_its_key_and_stamped_when_used(tmp_path, cache, tiny,
+                                                                                   monkeypatch):
+    path = tmp_path / "m.gguf"
+    _write(path, tiny)
+    p, st = path.resolve(), path.stat()
+    v = gguf_io.CONVERTER_VERSION
+    # the present file's entry under the (path, size, mtime) key used before 2f71d96, without a record
+    monkeypatch.setattr(gguf_io, "CONVERTER_VERSION", v + 1)  # so that this entry is written beside, not used
+    legacy = cache / gguf_io._entry_name(p, gguf_io._identity(p, st, v, legacy=True))
+    gguf_io.convert_gguf(path, legacy)
+    assert not (legacy / gguf_io.CACHE_ENTRY).exists()
+    _age(legacy)
+    gguf_io.cached_gguf_dir(path)  # a new entry under v + 1
+    assert not legacy.exists()
+
+    current = gguf_io.cached_gguf_dir(path)  # a hit on an entry without a record writes it
+    (current / gguf_io.CACHE_ENTRY).unlink()
+    assert gguf_io.cached_gguf_dir(path) == current
+    assert json.loads((current / gguf_io.CACHE_ENTRY).read_text())["source"] == str(p)
+
+
+def test_failure_to_remove_is_a_warning(tmp_path, cache, tiny, monkeypatch, caplog):
+    path = tmp_path / "m.gguf"
+    _write(path, tiny)
+    first = gguf_io.cached_gguf_dir(path)
+    _age(first)
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if os.path.basename(src) == first.name and ".pruned-" in os.path.basename(dst):
+            raise PermissionError(13, "Permission denied")
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    _write(path, tiny, shift=0.5)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        second = gguf_io.cached_gguf_dir(path)
+    assert (second / "config.json").is_file() and first.is_dir()
+    warnings = _lines(caplog, logging.WARNING)
+    assert len(warnings) == 1 and warnings[0].startswith(f"could not remove {first}, an older conversion of ")
+    assert "Permission denied" in warnings[0] and "remove it by hand" in warnings[0]
+    assert not [m for m in _lines(caplog) if m.startswith("removed")]
