@@ -299,7 +299,8 @@ class OptimSection:
 class ScheduleSection:
     kind: str = _f("cosine", "learning-rate decay after warmup: cosine | linear | constant")
     warmup_steps: int = _f(3, "linear warmup over k steps: step i (1-based) runs at i / k of the peak lr, "
-                              "so step k at the peak")
+                              "so step k at the peak; a run of <= k steps warms up over a tenth of its "
+                              "steps instead (rounded up), so it still decays")
     min_lr_ratio: float = _f(0.1, "final lr as a fraction of the peak (cosine and linear)")
 
     def __post_init__(self):

@@ -551,12 +551,14 @@ def test_eval_every_without_held_out_data_is_named(tmp_path, docs, caplog):
 
 
 def test_a_warmup_as_long_as_the_run_is_named_with_where_the_peak_lands(tmp_path, docs, caplog):
-    """warmup 5 over a 3-step run is clamped to 2: steps 1, 2, 3 run at 1/2, 1, 1 of the peak."""
+    """warmup 5 over a 3-step run becomes ceil(3 / 10) = 1 step, so the run still decays: steps 1, 2, 3 run at
+    1, 1 and min_lr_ratio (0.1) of the peak (cosine from step 1 to the last step)."""
     with caplog.at_level("WARNING", logger="chronicals.train"):
         train(tiny_config(tmp_path, train__max_steps=3, schedule__warmup_steps=5, optim__lr=1e-3), model=tiny_model(),
               train_loader=SyntheticLoader(docs))
-    assert "warming up over 2 step(s) instead, so the lr reaches its peak at step 2" in caplog.text
-    assert [r["lr"] for r in _train_records(tmp_path / "run")] == pytest.approx([5e-4, 1e-3, 1e-3])
+    assert ("warming up over 1 step(s) instead (1/10 of the run, rounded up), so the lr reaches its peak at step 1"
+            in caplog.text)
+    assert [r["lr"] for r in _train_records(tmp_path / "run")] == pytest.approx([1e-3, 1e-3, 1e-4])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="model.device=auto resolves to the GPU here")
