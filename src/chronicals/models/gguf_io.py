@@ -6,7 +6,8 @@ the file's resolved path, size, mtime, inode and ctime (a file rewritten in plac
 mtime put back, by cp -p or touch -r, still changes its ctime, which users cannot set); later loads read
 that directory (seconds instead of a full dequantization: about 8 s vs 1 s for SmolLM2-135M on two CPU cores).
 Each entry records its source (``gguf_cache_entry.json``); completing a new one removes the source's older
-entries (``prune_older_entries``: 540 MB each for SmolLM2).
+entries (``prune_older_entries``: 540 MB each for SmolLM2). A tokenizer conversion that failed is recorded
+with the versions it failed under and retried once they change (``tokenizer_stamp``).
 
 What the conversion undoes:
 - names: llama.cpp's ``blk.N.attn_q.weight`` -> ``model.layers.N.self_attn.q_proj.weight`` (table below);
@@ -27,6 +28,7 @@ import re
 import shutil
 import time
 import uuid
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -291,7 +293,6 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = 
     cache_entry: the conversion cache's record of the entry, written as ``gguf_cache_entry.json``.
     """
     import gguf
-    from transformers import AutoTokenizer
 
     gguf_path, source = Path(gguf_path), str(gguf_path)
     try:
@@ -323,15 +324,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = 
         if cache_entry is not None:
             (tmp / CACHE_ENTRY).write_text(json.dumps(cache_entry, indent=2, sort_keys=True) + "\n")
         if has_tokenizer:  # transformers' GGUF tokenizer conversion (BPE / SentencePiece, chat template kept)
-            try:
-                tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-            except Exception as e:  # KeyError 'scores', ValueError "tokenizer 'rwkv'", ...: the weights still load
-                msg = " ".join(str(e).split())[:300] or type(e).__name__
-                why = (f"{source}: its tokenizer metadata (tokenizer.ggml.*) cannot be made into a tokenizer by "
-                       f"transformers' GGUF converter ({type(e).__name__}: {msg}); use the tokenizer of the model's "
-                       "Hugging Face directory (from Python, load_model(..., tokenizer=False) loads the weights alone)")
-                log.warning("%s", why)
-                (tmp / TOKENIZER_ERROR).write_text(why + "\n")
+            tok, why = _convert_tokenizer(gguf_path)
+            if tok is None:  # the weights still load
+                (tmp / TOKENIZER_ERROR).write_text(_tokenizer_error_json(why))
             else:
                 tok.save_pretrained(str(tmp))
     return Path(out_dir)
@@ -340,10 +335,51 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = 
 TOKENIZER_ERROR = "gguf_tokenizer_error.txt"  # in a converted directory: why the GGUF's tokenizer is missing
 
 
+def tokenizer_stamp() -> dict:
+    """What a failed GGUF tokenizer conversion is recorded under: the converter version and the packages the
+    conversion runs (transformers' GGUF converter, built on tokenizers and gguf). A failure recorded under another
+    stamp (an upgrade may have fixed it) is retried on the next load instead of being raised."""
+    return {"converter_version": CONVERTER_VERSION,
+            **{pkg: metadata.version(pkg) for pkg in ("transformers", "tokenizers", "gguf")}}
+
+
+def _convert_tokenizer(gguf_path: Path):
+    """(transformers' tokenizer of a GGUF file, None) or (None, why it failed, naming the file and the fix)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name), None
+    except Exception as e:  # KeyError 'scores', ValueError "tokenizer 'rwkv'", ...
+        msg = " ".join(str(e).split())[:300] or type(e).__name__
+        why = (f"{gguf_path}: its tokenizer metadata (tokenizer.ggml.*) cannot be made into a tokenizer by "
+               f"transformers' GGUF converter ({type(e).__name__}: {msg}); use the tokenizer of the model's "
+               "Hugging Face directory (from Python, load_model(..., tokenizer=False) loads the weights alone)")
+        log.warning("%s", why)
+        return None, why
+
+
+def _tokenizer_error_json(why: str) -> str:
+    return json.dumps({"error": why, **tokenizer_stamp()}, indent=2, sort_keys=True) + "\n"
+
+
+def _read_tokenizer_error(converted_dir: Path) -> dict | None:
+    """The recorded failure {"error", stamp...}; a plain-text file (written before the stamp) has no stamp."""
+    f = converted_dir / TOKENIZER_ERROR
+    try:
+        text = f.read_text()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        rec = json.loads(text)
+    except ValueError:
+        rec = None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("error"), str) else {"error": text.strip()}
+
+
 def tokenizer_error(converted_dir: str | Path) -> str | None:
     """Why a GGUF file's converted directory has no tokenizer although the file has tokenizer metadata, or None."""
-    f = Path(converted_dir) / TOKENIZER_ERROR
-    return f.read_text().strip() if f.is_file() else None
+    rec = _read_tokenizer_error(Path(converted_dir))
+    return rec["error"] if rec else None
 
 
 CACHE_ENTRY = "gguf_cache_entry.json"  # in a cache entry: its source (resolved path, identity), converter version
@@ -362,6 +398,11 @@ def cached_gguf_dir(gguf_path: str | Path) -> Path:
              "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "ctime_ns": st.st_ctime_ns}
     if (out / "config.json").is_file():
         _mark_used(out, entry)
+        rec = _read_tokenizer_error(out)
+        if rec is not None:  # a failure recorded under other versions (or none: written before stamps) is retried
+            stamp = tokenizer_stamp()
+            if any(rec.get(k) != v for k, v in stamp.items()):
+                _retry_tokenizer(p, out, rec, stamp)
         return out
     log.info("converting %s to a Hugging Face directory in %s (first load only)", gguf_path, out)
     try:
@@ -399,6 +440,32 @@ def _mark_used(out: Path, entry: dict) -> None:
             _write_small_file(f, json.dumps(entry, indent=2, sort_keys=True) + "\n")
     except OSError:
         pass
+
+
+def _retry_tokenizer(p: Path, out: Path, rec: dict, stamp: dict) -> None:
+    """Convert the tokenizer of a cached entry again, its recorded failure being from other versions (``stamp``
+    differs): on success the entry is published again with the tokenizer (its other files hard-linked, not
+    dequantized again); on failure the error is recorded under the new stamp. A cache we cannot write is left as
+    it is (the recorded error is raised)."""
+    was = ", ".join(f"{k} {rec.get(k, '?')}" for k in stamp if rec.get(k) != stamp[k])
+    log.info("retrying the tokenizer conversion of %s (it failed under %s; now %s)", p, was,
+             ", ".join(f"{k} {stamp[k]}" for k in stamp if rec.get(k) != stamp[k]))
+    tok, why = _convert_tokenizer(p)
+    try:
+        if tok is None:
+            _write_small_file(out / TOKENIZER_ERROR, _tokenizer_error_json(why))
+            return
+        with atomic_dir(out, replace=True) as tmp:
+            for f in out.iterdir():
+                if f.name != TOKENIZER_ERROR and not f.name.startswith(".") and f.is_file() and not f.is_symlink():
+                    try:
+                        os.link(f, tmp / f.name)
+                    except OSError:  # a file system without hard links
+                        shutil.copy2(f, tmp / f.name)
+            tok.save_pretrained(str(tmp))
+        log.info("%s: its tokenizer converts now; added to %s", p, out)
+    except OSError as e:
+        log.warning("could not update %s with the retried tokenizer conversion of %s (%s)", out, p, e)
 
 
 def prune_older_entries(p: Path, keep: Path, st: os.stat_result | None = None) -> list[Path]:
