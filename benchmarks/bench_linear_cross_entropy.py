@@ -72,10 +72,10 @@ def contenders() -> tuple[dict, list[str]]:
     else:
         notes.append("quack-kernels not importable: quack rows skipped")
     fns["chronicals (mean, grads in forward)"] = lambda h, w, y: linear_cross_entropy(h, w, y, impl="triton")
-    # larger chunks: the dW GEMM's K grows (less fp32 accumulator traffic per FLOP) but the workspace no
-    # longer doubles as dW's storage (+C x V x 2 bytes); tells whether the default C = H leaves time behind
-    fns["chronicals (mean, chunk 2H)"] = \
-        lambda h, w, y: linear_cross_entropy_triton(h, w, y, chunk_rows=2 * h.shape[1])
+    # chunks of H rows (the default until 2026-12, now max(H, 1,792)): the workspace is exactly dW's size
+    # (-C x V x 2 bytes at 0.5B), the dW GEMM's K half as long (twice the fp32 accumulator traffic per FLOP)
+    fns["chronicals (mean, chunk H)"] = \
+        lambda h, w, y: linear_cross_entropy_triton(h, w, y, chunk_rows=h.shape[1])
     # vocab_parts: no fp32 dW accumulator beyond dW itself, a second pass over (k-1)/k of the vocabulary
     for k in (2, 4):
         fns[f"chronicals (mean, vocab_parts {k})"] = \

@@ -303,8 +303,10 @@ def test_backward_allocates_no_zero_gradients_for_unused_outputs(reduction):
 
 
 def test_default_chunk_rows():
-    # with a weight gradient the chunk is H rows (the workspace is then exactly dW's size): 896 at 0.5B
-    assert default_chunk_rows(16384, 896, 151936, True, 2) == 896
+    # with a weight gradient the chunk is max(H, 1,792) rows (dW's fp32 accumulator traffic per FLOP halved
+    # at 0.5B against C = H; dW lives in the workspace's first V x H elements): 1,792 at 0.5B, 4,096 at 8B
+    assert default_chunk_rows(16384, 896, 151936, True, 2) == 1792
+    assert default_chunk_rows(8192, 4096, 128256, True, 2) == 4096
     # frozen head: ~256 MB of bf16 logits, 883 rows at V = 151,936; never more rows than the batch
     assert default_chunk_rows(16384, 896, 151936, False, 2) == 883
     assert default_chunk_rows(5, 896, 151936, True, 2) == 5

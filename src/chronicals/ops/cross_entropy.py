@@ -17,7 +17,8 @@ sum / count of this call (count clamped to 1, so an all-ignored batch gives 0, n
 
 Design of the Triton path (``impl="triton"``; the op ``chronicals::linear_cross_entropy``)
 -----------------------------------------------------------------------------------------
-Rows are processed in chunks of C (C = H when the weight needs a gradient, so 896 at Qwen2.5-0.5B):
+Rows are processed in chunks of C (C = max(H, 1,792) when the weight needs a gradient, so 1,792 at Qwen2.5-0.5B
+and 4,096 at Llama-3-8B; ``DW_MIN_ROWS``):
 
     logits[c]  = hidden[c] @ weight.T            cuBLAS, (C, V) in the input dtype, into one workspace
     row kernel : pass 1 online softmax over vocab tiles -> lse, loss (fp32 registers);
@@ -56,18 +57,17 @@ capture, where shapes must not depend on the batch. A step is CUDA-graph captura
 Expected cost, Qwen2.5-0.5B head (N 16,384, H 896, V 151,936, bf16) on an H200 (781 TFLOP/s measured):
 - GEMMs: 3 x 2NHV = 13.4 TFLOP = 17.1 ms at peak; ~20 ms at the ~85% cuBLAS reaches with K = 896.
 - row kernel: reads each logit twice and writes it once, 3 x N x V x 2 B = 14.9 GB = ~3.5 ms.
-- dW accumulator: 19 chunks x (read + write 544 MB) = 20.7 GB, mostly hidden under the dW GEMM's math
-  (per chunk 0.31 ms of math vs 0.23 ms of traffic); final fp32 -> bf16 cast 0.8 GB = 0.2 ms.
+- dW accumulator: 10 chunks x (read + write 544 MB) = 10.9 GB (at C = H it was 19 chunks, 20.7 GB, and the
+  accumulating GEMM ran 9.65 ms a step for 6.4 ms of math); final fp32 -> bf16 cast 0.8 GB = 0.2 ms.
 - total ~24 ms, ~1.4x the floor (torch.compile'd materialized: 26.7 ms with 5.2 GiB). The next step to
   ~1.2x: fold pass 1 into the logits GEMM's epilogue and d_logits into the other GEMMs' prologues
   (Triton GEMMs), removing the 3.5 ms; or overlap the row kernel of chunk i with GEMMs of chunk i-1.
-Memory at that shape: workspace C x V bf16 = 272 MB (reused as dW's storage at the end, since C x V =
-V x H), fp32 accumulator 544 MB, dH 29 MB: peak ~0.85 GB = 0.79 GiB including both gradients, 0.51 GiB
-beyond them (the fp32 accumulator). Without a weight gradient (LoRA) C = 256 MB / (2V) and the extra is
+Memory at that shape: workspace C x V bf16 = 544 MB (its first V x H elements become dW's storage at the
+end), fp32 accumulator 544 MB, dH 29 MB: peak ~1.12 GB = 1.04 GiB including both gradients (0.79 GiB at C = H,
+whose workspace was exactly dW's size; the whole training step peaks in the head, so C = 1,792 costs the
+step 0.25 GiB of peak for ~3% of its speed: see DW_MIN_ROWS). Without a weight gradient (LoRA) C = 256 MB / (2V) and the extra is
 the workspace alone. Llama-3-8B head (N 8,192, H 4,096, V 128,256): C = 4,096, two chunks, workspace =
 dW = 1.05 GB, fp32 accumulator 2.1 GB (3.2 GB in all with the gradients); its LoRA case has no dW at all.
-The bench also times C = 2H: fewer, longer dW GEMMs (K = 1,792 halves the accumulator traffic per FLOP)
-at +C x V x 2 bytes, since the workspace can then no longer double as dW's storage.
 
 Less memory, exactly (``vocab_parts`` k > 1, with a weight gradient): no fp32 accumulator beyond dW itself.
 - dW (V, H) is allocated first; its bytes, read as fp32, hold V x elt / 4 rows (V / 2 in bf16). The pass
@@ -142,10 +142,20 @@ def linear_cross_entropy_ref(hidden, weight, labels, *, bias=None, ignore_index=
 # ---------------------------------------------------------------- the chunked driver
 
 
+# Rows per chunk with a weight gradient, at least: each chunk's dW GEMM (K = C rows) reads and writes the fp32
+# (V, H) accumulator, 8 B per element against its 2 C FLOPs. At C = H = 896 (Qwen2.5-0.5B) that traffic showed:
+# the accumulating GEMM ran 9.65 ms a step for 6.4 ms of math (H200, 21ced11). C = 1,792 halves it: full
+# fine-tuning graphs 142.4k -> 146.5k tokens/s, same losses (probe_head_rows, 953e40e), for a (C, V) workspace
+# of 2 x dW's size (dW still lives in its first half at the end: +V x H x 2 B, 0.25 GiB at that head).
+# Heads with H >= 1,792 (Llama-3-8B: 4,096) keep C = H.
+DW_MIN_ROWS = 1792
+
+
 def default_chunk_rows(n: int, h: int, v: int, need_dw: bool, elt_bytes: int, vocab_parts: int = 1) -> int:
-    """Rows per chunk: H with a weight gradient (the workspace then holds V x H: dW's storage at the end with
-    one vocabulary part, the second pass's logits with several), else a workspace of ~256 MB."""
-    rows = h if need_dw else WORKSPACE_BYTES // (v * elt_bytes)
+    """Rows per chunk: max(H, DW_MIN_ROWS) with a weight gradient (the workspace then holds at least V x H:
+    dW's storage at the end with one vocabulary part, the second pass's logits with several), else a workspace
+    of ~256 MB."""
+    rows = max(h, DW_MIN_ROWS) if need_dw else WORKSPACE_BYTES // (v * elt_bytes)
     return max(1, min(n, max(MIN_CHUNK_ROWS, rows)))
 
 
@@ -221,10 +231,11 @@ def linear_ce_chunked(hidden, weight, labels, bias, scale, lse_in, *, ignore_ind
     lse = torch.empty(n, device=dev, dtype=torch.float32) if compute_lse else lse_in
     dh = torch.empty((n, h) if need_dh else (0,), device=dev, dtype=dt)
     db32 = torch.zeros(v if need_db else 0, device=dev, dtype=torch.float32)
-    # The workspace holds one chunk of logits (C x V). With one vocabulary part and C <= H (the default with a
-    # weight gradient) it is sized V x H instead and becomes dW's storage at the end: no second (V, H)
-    # allocation. With several parts, dW is allocated first and part 1's fp32 accumulator lives in its bytes.
-    reuse = need_dw and parts == 1 and c * v <= v * h
+    # The workspace holds one chunk of logits (C x V), and at least V x H elements with one vocabulary part and
+    # a weight gradient: dW is its first V x H elements at the end, no second (V, H) allocation (with C > H the
+    # returned dW is a view into the larger workspace, freed with it once the backward has scaled it). With
+    # several parts, dW is allocated first and part 1's fp32 accumulator lives in its bytes.
+    reuse = need_dw and parts == 1
     ws = torch.empty(max(c * v, v * h if reuse else 0), device=dev, dtype=dt)
     dw = torch.empty((v, h) if need_dw and not reuse else (0,), device=dev, dtype=weight.dtype)
     if need_dw and parts > 1:
