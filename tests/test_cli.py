@@ -460,3 +460,43 @@ def test_under_torchrun_only_rank_0_warns(rank, tmp_path, monkeypatch, caplog):
     assert ("sets nothing" in said) == (rank == "0"), said
     assert ("3 of 5 records kept" in said) == (rank == "0"), said
     assert f"rank {rank}: CUDA error" in said, said
+
+
+def test_chat_fits_each_prompt_and_its_answer_in_the_models_context(tmp_path, monkeypatch, capsys):
+    """chat checked --max-new-tokens against the context without the prompt: a 60-token answer to a 20-token prompt
+    on a 64-position model was asked for, and a prompt past the context got an empty answer and exit 0. Now the
+    answer is cut to fit (said once), and a prompt that fills the context alone is refused, naming it, and the
+    next one is answered (exit 3 at the end)."""
+    import io
+
+    import transformers
+
+    from chronicals.train import qa as qa_mod
+
+    tok = load_tokenizer("smollm2-135m-instruct")
+    hf = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                  tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
+    small = save_model(CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0), tok, tmp_path / "m")
+    asked = []
+    real = qa_mod.answer
+    monkeypatch.setattr(qa_mod, "answer", lambda m, t, q, system, n: asked.append(
+        len(qa_mod.prompt_ids(t, q, system)) + n) or real(m, t, q, system, n))
+    long = "word " * 80
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"hi\n{long}\nwhat is two plus two, in a few words?\n"))
+    rc = main(["chat", "--model", str(small), "--system", "Be brief.", "--max-new-tokens", "60"])
+    out, err = capsys.readouterr()
+    assert rc == 3, err
+    assert len(asked) == 2 and all(n <= 64 for n in asked) and max(asked) == 64, asked  # cut to fit, not below
+    assert "> hi\n" in out and "> what is two plus two" in out and "word word" not in out, out
+    assert err.count("note: --max-new-tokens 60: a prompt of ") == 1, err
+    assert "in the 64 tokens" in err and "(max_position_embeddings)" in err, err
+    assert "error: the prompt 'word word" in err and "no room for an answer; shorten it by at least" in err, err
+    assert "Traceback" not in err
+    # one that fits is answered in full, without a note
+    asked.clear()
+    assert main(["chat", "--model", str(small), "--system", "Be brief.", "--max-new-tokens", "4", "hi"]) == 0
+    assert "note:" not in capsys.readouterr().err and asked and asked[0] < 64
+    # a system message that fills the context by itself: the fix is --system, not the prompt
+    assert main(["chat", "--model", str(small), "--system", "x " * 60, "--max-new-tokens", "4", "hi"]) == 3
+    assert "alone fill it: give a shorter --system" in capsys.readouterr().err

@@ -252,7 +252,8 @@ def _within_context(p: argparse.ArgumentParser, model, name: str, *flags: tuple[
 def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     p = argparse.ArgumentParser(prog=f"chronicals {prog}",
                                 description="Answer prompts (greedy) with a base or fine-tuned model; with no "
-                                            "prompts, read one per line from stdin.")
+                                            "prompts, read one per line from stdin. Each prompt is asked on its own "
+                                            "(no earlier turns), with the system message.")
     p.add_argument("prompts", nargs="*", help="user messages to answer")
     p.add_argument("--model", default=None, help="HF directory, .gguf, or smollm2-135m-instruct (default: with "
                                                   "--adapter the base recorded in it, else smollm2-135m-instruct)")
@@ -260,7 +261,9 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     p.add_argument("--system", default=None, help="system message (default: the one the run that wrote --adapter "
                                                     "or --model used for its held-out prompts, read from the run's "
                                                     "config.yaml beside it; else the one the demo trains with)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many tokens per answer (>= 1)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many tokens per answer (>= 1); "
+                                                                   "fewer where prompt and answer would pass the "
+                                                                   "model's context (said once)")
     p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     a = p.parse_args(argv)
@@ -291,17 +294,53 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
         print("type a message and press enter (Ctrl-D to quit)", file=sys.stderr)
     if not prompts:
         prompts = (line.strip() for line in sys.stdin)  # one prompt per line; blank lines are skipped
-    answered = 0
+    answered = refused = 0
+    capped = False
     for q in prompts:
-        if q:
-            reply = answer(model, tok, q, system, a.max_new_tokens)
-            print(reply if interactive else f"> {q}\n{reply}", flush=True)
-            answered += 1
-    if not answered and not interactive:  # piped stdin with no prompt in it: said, not a silent success
+        if not q:
+            continue
+        room, why = _answer_room(model, tok, q, system, a.max_new_tokens, a.model)
+        if not room:  # this prompt alone fills the context: said, and the next one is read
+            print(f"error: {why}", file=sys.stderr, flush=True)
+            refused += 1
+            continue
+        if why and not capped:  # once: in a long session every long prompt would repeat it
+            print(f"note: {why}", file=sys.stderr)
+            capped = True
+        reply = answer(model, tok, q, system, room)
+        print(reply if interactive else f"> {q}\n{reply}", flush=True)
+        answered += 1
+    if not answered and not refused and not interactive:  # piped stdin with no prompt in it: not a silent success
         print("error: no prompt: stdin held no non-blank line; pass the message as an argument, or pipe one "
               "prompt per line", file=sys.stderr)
         return 2
-    return 0
+    return 3 if refused else 0  # 3: bad input, as a data file's bad record
+
+
+def _answer_room(model, tok, q: str, system: str, max_new_tokens: int, name: str) -> tuple[int, str | None]:
+    """(new tokens ``q``'s answer may take, why fewer than ``max_new_tokens`` or None). Each prompt is asked
+    alone (no earlier turns), and the templated prompt (system message, ``q``, the opened assistant turn) and its
+    answer share the model's context (generate.context_length): 0 when the prompt fills it by itself."""
+    from .models.generate import context_length
+    from .train.qa import prompt_ids
+
+    context, limit = context_length(model)
+    if not context:
+        return max_new_tokens, None
+    used = len(prompt_ids(tok, q, system))
+    if used < context:
+        room = min(max_new_tokens, context - used)
+        return room, None if room == max_new_tokens else (
+            f"--max-new-tokens {max_new_tokens}: a prompt of {used} tokens (with the system message and chat "
+            f"template) leaves room for {room} in the {context} tokens {name} attends to ({limit}); answers to "
+            "long prompts are cut there")
+    shown = repr(q) if len(q) <= 60 else repr(q[:57] + "...")
+    framing = len(prompt_ids(tok, "", system))  # the system message and the template around the message
+    fix = ("the system message and template alone fill it: give a shorter --system" if framing >= context else
+           f"shorten it by at least {used - context + 1} tokens" + (" or give a shorter --system"
+                                                                     if framing >= context // 2 else ""))
+    return 0, (f"the prompt {shown} takes {used} tokens ({framing} of them the system message and chat template), "
+               f"and {name} attends to {context} ({limit}): no room for an answer; {fix}")
 
 
 _DATA_FLAGS = ("format", "train_on", "max_seq_len", "system_prompt", "batch_size", "on_long", "on_error", "cache_dir")

@@ -13,17 +13,24 @@ log = logging.getLogger("chronicals.generate")
 _warned: set[tuple[int, int]] = set()  # (max_new_tokens, context) already warned about: once per process
 
 
-def new_token_budget(model, prompt_len: int, max_new_tokens: int) -> int:
-    """``max_new_tokens``, or fewer so that prompt and answer fit the model's context (max_position_embeddings):
-    past it the positions were never trained, and a large request generated nonsense for minutes (100000 new
-    tokens on a 64-position model). A sliding window shorter than that is the context instead: past it the
-    model refuses (no sliding-window attention here), which ended a chat or eval with an error. A warning, once
-    per process and setting, says so; a chat loop goes on."""
+def context_length(model) -> tuple[int | None, str]:
+    """(tokens a prompt and its answer share, the config field that says so): max_position_embeddings, or a
+    sliding_window shorter than that (no sliding-window attention here: past it the model refuses);
+    (None, "") when the config has neither."""
     cfg = getattr(model, "config", None)
     context, limit = getattr(cfg, "max_position_embeddings", None), "max_position_embeddings"
     window = getattr(cfg, "sliding_window", None)
     if window and (not context or window < context):
         context, limit = window, "sliding_window"
+    return (context, limit) if context else (None, "")
+
+
+def new_token_budget(model, prompt_len: int, max_new_tokens: int) -> int:
+    """``max_new_tokens``, or fewer so that prompt and answer fit the model's context (``context_length``):
+    past max_position_embeddings the positions were never trained, and a large request generated nonsense for
+    minutes (100000 new tokens on a 64-position model); past a shorter sliding window the model refuses, which
+    ended a chat or eval with an error. A warning, once per process and setting, says so; a chat loop goes on."""
+    context, limit = context_length(model)
     if not context or prompt_len + max_new_tokens <= context:
         return max_new_tokens
     budget = max(0, context - prompt_len)
