@@ -12,7 +12,7 @@ import torch
 import transformers
 
 import chronicals
-from chronicals.models import generate, gguf_io
+from chronicals.models import generate, gguf_cache, gguf_io
 from chronicals.models.gguf_io import permute_qk, unpermute_qk
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -187,7 +187,7 @@ def test_cache_key_follows_the_file(tmp_path, tiny_hf_config, monkeypatch):
     assert gguf_io.cached_gguf_dir(path) == first
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed: a new key
-    assert gguf_io.cache_dir_for(path) != first
+    assert gguf_cache.cache_dir_for(path) != first
 
 
 def test_short_name_without_package_says_how_to_install(monkeypatch):

@@ -10,7 +10,7 @@ import torch
 from test_gguf import _tiny, write_gguf
 
 import chronicals
-from chronicals.models import gguf_io
+from chronicals.models import gguf_cache, gguf_io
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,7 +28,7 @@ def test_same_size_same_mtime_other_content_converts_again(tmp_path, tiny_hf_con
     write_gguf(path, "llama", cfg, model.state_dict(), quantize=False)
     st = path.stat()
     old, _ = chronicals.load_model(path, tokenizer=False)
-    first = gguf_io.cache_dir_for(path)
+    first = gguf_cache.cache_dir_for(path)
     assert (first / "config.json").is_file()
 
     other = tmp_path / "other.gguf"  # the same shapes, other weights: a file of the same size
@@ -41,7 +41,7 @@ def test_same_size_same_mtime_other_content_converts_again(tmp_path, tiny_hf_con
     st2 = path.stat()
     assert (st2.st_size, st2.st_mtime_ns, st2.st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino)
 
-    assert gguf_io.cache_dir_for(path) != first
+    assert gguf_cache.cache_dir_for(path) != first
     new, _ = chronicals.load_model(path, tokenizer=False)
     w = "model.embed_tokens.weight"
     assert torch.equal(new.state_dict()[w], sd[w]) and not torch.equal(old.state_dict()[w], sd[w])
@@ -59,6 +59,6 @@ def test_same_size_same_mtime_replaced_file_converts_again(tmp_path, tiny_hf_con
         write_gguf(other, "llama", cfg, {k: v * 2 for k, v in model.state_dict().items()}, quantize=False)
     os.utime(other, ns=(st.st_mtime_ns, st.st_mtime_ns))
     os.replace(other, path)
-    assert gguf_io.cache_dir_for(path) != first
+    assert gguf_cache.cache_dir_for(path) != first
     assert gguf_io.cached_gguf_dir(path) != first
 

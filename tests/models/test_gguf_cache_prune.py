@@ -13,11 +13,11 @@ import pytest
 import torch
 from test_gguf import _tiny, write_gguf
 
-from chronicals.models import gguf_io
+from chronicals.models import gguf_cache, gguf_io
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-LOGGER = "chronicals.models.gguf_io"
+LOGGER = "chronicals.models.gguf_cache"
 
 
 @pytest.fixture
@@ -43,10 +43,10 @@ def _write(path, tiny, shift: float = 0.0) -> None:
     os.replace(tmp, path)  # a new inode: a new cache key
 
 
-def _age(entry, seconds: float = 2 * gguf_io.PRUNE_AFTER_S) -> None:
+def _age(entry, seconds: float = 2 * gguf_cache.PRUNE_AFTER_S) -> None:
     """Make ``entry`` look unused for ``seconds``: its record's mtime (or its config.json's, without one)."""
     t = time.time() - seconds
-    f = entry / gguf_io.CACHE_ENTRY
+    f = entry / gguf_cache.CACHE_ENTRY
     os.utime(f if f.is_file() else entry / "config.json", (t, t))
 
 
@@ -58,8 +58,8 @@ def test_new_conversion_removes_the_older_ones_of_the_same_file_only(tmp_path, c
     path = tmp_path / "m.gguf"
     _write(path, tiny)
     first = gguf_io.cached_gguf_dir(path)
-    rec = json.loads((first / gguf_io.CACHE_ENTRY).read_text())
-    assert rec["source"] == str(path.resolve()) and rec["converter_version"] == gguf_io.CONVERTER_VERSION
+    rec = json.loads((first / gguf_cache.CACHE_ENTRY).read_text())
+    assert rec["source"] == str(path.resolve()) and rec["converter_version"] == gguf_cache.CONVERTER_VERSION
     _age(first)
 
     (tmp_path / "elsewhere").mkdir()  # another file of the same name: the same {stem}-{key} pattern
@@ -72,7 +72,7 @@ def test_new_conversion_removes_the_older_ones_of_the_same_file_only(tmp_path, c
     _age(unknown)
     writing = cache / f".{first.name}.tmp-123-0123abcd"  # a write in progress (atomic_dir's temporary directory)
     writing.mkdir()
-    (writing / gguf_io.CACHE_ENTRY).write_text((first / gguf_io.CACHE_ENTRY).read_text())
+    (writing / gguf_cache.CACHE_ENTRY).write_text((first / gguf_cache.CACHE_ENTRY).read_text())
     size = sum(f.stat().st_size for f in first.iterdir())
 
     _write(path, tiny, shift=0.5)
@@ -109,15 +109,15 @@ def test_converter_version_bump_removes_the_older_versions_entry_not_a_newer_one
                                                                                    monkeypatch):
     path = tmp_path / "m.gguf"
     _write(path, tiny)
-    v = gguf_io.CONVERTER_VERSION
+    v = gguf_cache.CONVERTER_VERSION
     entries = {}
     for version in (v - 1, v + 1):
-        monkeypatch.setattr(gguf_io, "CONVERTER_VERSION", version)
+        monkeypatch.setattr(gguf_cache, "CONVERTER_VERSION", version)
         entries[version] = gguf_io.cached_gguf_dir(path)
     assert entries[v - 1].is_dir()  # the v+1 conversion kept v-1's entry: it was recent then
     for entry in entries.values():
         _age(entry)
-    monkeypatch.setattr(gguf_io, "CONVERTER_VERSION", v)
+    monkeypatch.setattr(gguf_cache, "CONVERTER_VERSION", v)
     current = gguf_io.cached_gguf_dir(path)
     assert current not in entries.values()
     assert not entries[v - 1].exists()
@@ -129,20 +129,20 @@ def test_entry_from_before_records_is_recognised_by_its_key_and_stamped_when_use
     path = tmp_path / "m.gguf"
     _write(path, tiny)
     p, st = path.resolve(), path.stat()
-    v = gguf_io.CONVERTER_VERSION
+    v = gguf_cache.CONVERTER_VERSION
     # the present file's entry under the (path, size, mtime) key used before 2f71d96, without a record
-    monkeypatch.setattr(gguf_io, "CONVERTER_VERSION", v + 1)  # so that this entry is written beside, not used
-    legacy = cache / gguf_io._entry_name(p, gguf_io._identity(p, st, v, legacy=True))
+    monkeypatch.setattr(gguf_cache, "CONVERTER_VERSION", v + 1)  # so that this entry is written beside, not used
+    legacy = cache / gguf_cache._entry_name(p, gguf_cache._identity(p, st, v, legacy=True))
     gguf_io.convert_gguf(path, legacy)
-    assert not (legacy / gguf_io.CACHE_ENTRY).exists()
+    assert not (legacy / gguf_cache.CACHE_ENTRY).exists()
     _age(legacy)
     gguf_io.cached_gguf_dir(path)  # a new entry under v + 1
     assert not legacy.exists()
 
     current = gguf_io.cached_gguf_dir(path)  # a hit on an entry without a record writes it
-    (current / gguf_io.CACHE_ENTRY).unlink()
+    (current / gguf_cache.CACHE_ENTRY).unlink()
     assert gguf_io.cached_gguf_dir(path) == current
-    assert json.loads((current / gguf_io.CACHE_ENTRY).read_text())["source"] == str(p)
+    assert json.loads((current / gguf_cache.CACHE_ENTRY).read_text())["source"] == str(p)
 
 
 def test_failure_to_remove_is_a_warning(tmp_path, cache, tiny, monkeypatch, caplog):

@@ -12,7 +12,7 @@ import transformers
 from test_gguf_hunt17 import _BPE_VOCAB, _bpe_tokenizer_metadata, hf_model, write_gguf
 
 import chronicals
-from chronicals.models import gguf_io
+from chronicals.models import gguf_cache, gguf_io
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,9 +58,9 @@ def test_failure_is_cached_then_retried_after_a_transformers_upgrade(bpe_gguf, m
         calls = _count_gguf_tokenizer_calls(m, fail=True)
         model, tok = chronicals.load_model(bpe_gguf, tokenizer=False)
         assert len(calls) == 1
-    d = gguf_io.cache_dir_for(bpe_gguf)
-    rec = json.loads((d / gguf_io.TOKENIZER_ERROR).read_text())
-    assert rec == {"error": gguf_io.tokenizer_error(d), **gguf_io.tokenizer_stamp()}
+    d = gguf_cache.cache_dir_for(bpe_gguf)
+    rec = json.loads((d / gguf_cache.TOKENIZER_ERROR).read_text())
+    assert rec == {"error": gguf_cache.tokenizer_error(d), **gguf_cache.tokenizer_stamp()}
     assert rec["transformers"] == transformers.__version__
 
     with monkeypatch.context() as m:  # the same versions: the recorded failure is raised, not retried
@@ -77,7 +77,7 @@ def test_failure_is_cached_then_retried_after_a_transformers_upgrade(bpe_gguf, m
         assert tok is not None and tok.convert_ids_to_tokens(tok("hello")["input_ids"]) == ["hell", "o"]
         chronicals.load_model(bpe_gguf)
         assert calls == [bpe_gguf.name]
-    assert gguf_io.cache_dir_for(bpe_gguf) == d and gguf_io.tokenizer_error(d) is None
+    assert gguf_cache.cache_dir_for(bpe_gguf) == d and gguf_cache.tokenizer_error(d) is None
     assert all((a == b).all() for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
 
 
@@ -86,7 +86,7 @@ def test_failure_still_there_after_an_upgrade_is_recorded_under_the_new_versions
     with monkeypatch.context() as m:
         _count_gguf_tokenizer_calls(m, fail=True)
         chronicals.load_model(bpe_gguf, tokenizer=False)
-    d = gguf_io.cache_dir_for(bpe_gguf)
+    d = gguf_cache.cache_dir_for(bpe_gguf)
     with monkeypatch.context() as m:
         _fake_version(m, package, "99.0.0")
         calls = _count_gguf_tokenizer_calls(m, fail=True)
@@ -96,7 +96,7 @@ def test_failure_still_there_after_an_upgrade_is_recorded_under_the_new_versions
         with pytest.raises(ValueError, match=r"KeyError: 'scores'"):
             chronicals.load_model(bpe_gguf)
         assert calls == [bpe_gguf.name]  # once: the retry's failure is cached in turn
-        assert json.loads((d / gguf_io.TOKENIZER_ERROR).read_text())[package] == "99.0.0"
+        assert json.loads((d / gguf_cache.TOKENIZER_ERROR).read_text())[package] == "99.0.0"
 
 
 def test_failure_recorded_before_stamps_is_retried(bpe_gguf, monkeypatch):
@@ -104,9 +104,9 @@ def test_failure_recorded_before_stamps_is_retried(bpe_gguf, monkeypatch):
     with monkeypatch.context() as m:
         _count_gguf_tokenizer_calls(m, fail=True)
         chronicals.load_model(bpe_gguf, tokenizer=False)
-    d = gguf_io.cache_dir_for(bpe_gguf)
-    (d / gguf_io.TOKENIZER_ERROR).write_text(f"{bpe_gguf}: its tokenizer metadata cannot be made into a tokenizer\n")
-    assert gguf_io.tokenizer_error(d) == f"{bpe_gguf}: its tokenizer metadata cannot be made into a tokenizer"
+    d = gguf_cache.cache_dir_for(bpe_gguf)
+    (d / gguf_cache.TOKENIZER_ERROR).write_text(f"{bpe_gguf}: its tokenizer metadata cannot be made into a tokenizer\n")
+    assert gguf_cache.tokenizer_error(d) == f"{bpe_gguf}: its tokenizer metadata cannot be made into a tokenizer"
     _no_dequantization(monkeypatch)
     _, tok = chronicals.load_model(bpe_gguf)
-    assert tok is not None and gguf_io.tokenizer_error(d) is None
+    assert tok is not None and gguf_cache.tokenizer_error(d) is None

@@ -1,13 +1,9 @@
-"""GGUF in: dequantize a llama.cpp checkpoint into a Hugging Face directory, cached on disk.
+"""GGUF in: dequantize a llama.cpp checkpoint into a Hugging Face directory.
 
-A GGUF file is converted once into an ordinary HF directory (``model.safetensors`` in float32,
-``config.json``, tokenizer files) under ``$CHRONICALS_CACHE`` (default ``~/.cache/chronicals``), keyed by
-the file's resolved path, size, mtime, inode and ctime (a file rewritten in place with its old size and
-mtime put back, by cp -p or touch -r, still changes its ctime, which users cannot set); later loads read
-that directory (seconds instead of a full dequantization: about 8 s vs 1 s for SmolLM2-135M on two CPU cores).
-Each entry records its source (``gguf_cache_entry.json``); completing a new one removes the source's older
-entries (``prune_older_entries``: 540 MB each for SmolLM2). A tokenizer conversion that failed is recorded
-with the versions it failed under and retried once they change (``tokenizer_stamp``).
+``convert_gguf`` writes an ordinary HF directory (``model.safetensors`` in float32, ``config.json``, tokenizer
+files); ``cached_gguf_dir`` does so once per file, into the conversion cache (``gguf_cache``: keys, entry records,
+pruning, the recorded tokenizer failure), and later loads read that directory (seconds instead of a full
+dequantization: about 8 s vs 1 s for SmolLM2-135M on two CPU cores).
 
 What the conversion undoes:
 - names: llama.cpp's ``blk.N.attn_q.weight`` -> ``model.layers.N.self_attn.q_proj.weight`` (table below);
@@ -20,15 +16,9 @@ What the conversion undoes:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import re
-import shutil
-import time
-import uuid
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -36,13 +26,11 @@ import torch
 
 from .config import ModelConfig
 from .decoder import CausalLM
+from .gguf_cache import CACHE_ENTRY, TOKENIZER_ERROR, cached_conversion, tokenizer_error_json
+from .gguf_cache import cache_root, tokenizer_error  # noqa: F401 (re-exported: train.setup and models.loading)
 from .hf_io import atomic_dir, expected_names, write_state_dict
-from .orphans import _remove_tree, _tree_bytes
 
 log = logging.getLogger(__name__)
-
-# Bump when the converted directory's contents change, so stale caches are not reused.
-CONVERTER_VERSION = 2  # 2: linear rope scaling given by its factor alone (llama.cpp: an absent type is linear)
 
 # GGUF architecture -> (HF model_type, Q/K rows permuted by llama.cpp's converter)
 SUPPORTED_GGUF_ARCHS = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
@@ -261,36 +249,13 @@ def _check_tensors(sd: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -
                          "model again with llama.cpp's convert_hf_to_gguf.py, or load its safetensors release")
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("CHRONICALS_CACHE") or Path.home() / ".cache" / "chronicals")
-
-
-def _identity(p: Path, st: os.stat_result, version: int, legacy: bool = False) -> str:
-    """The hashed part of a cache key (legacy: the (path, size, mtime) keys written before 2f71d96)."""
-    if legacy:
-        return f"{p}|{st.st_size}|{st.st_mtime_ns}|v{version}"
-    return f"{p}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}|v{version}"
-
-
-def _entry_name(p: Path, ident: str) -> str:
-    return f"{p.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
-
-
-def cache_dir_for(gguf_path: str | Path) -> Path:
-    """The cache directory of one GGUF file: keyed by resolved path, size, mtime, inode, ctime and converter
-    version (size and mtime alone: a file overwritten in place with the same size and its mtime put back,
-    cp -p or touch -r, reused the stale conversion; ctime cannot be set by users, and moves a file's
-    replacement or in-place rewrite to a new key)."""
-    p = Path(gguf_path).resolve()
-    return cache_root() / "gguf" / _entry_name(p, _identity(p, p.stat(), CONVERTER_VERSION))
-
-
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = True,
                  cache_entry: dict | None = None) -> Path:
     """Write the HF directory of a GGUF file to ``out_dir`` atomically.
 
     replace=False raises FileExistsError when ``out_dir`` appeared meanwhile (another process won).
     cache_entry: the conversion cache's record of the entry, written as ``gguf_cache_entry.json``.
+    A change to what it writes bumps ``gguf_cache.CONVERTER_VERSION`` (the cache's entries of it go stale).
     """
     import gguf
 
@@ -326,21 +291,10 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = 
         if has_tokenizer:  # transformers' GGUF tokenizer conversion (BPE / SentencePiece, chat template kept)
             tok, why = _convert_tokenizer(gguf_path)
             if tok is None:  # the weights still load
-                (tmp / TOKENIZER_ERROR).write_text(_tokenizer_error_json(why))
+                (tmp / TOKENIZER_ERROR).write_text(tokenizer_error_json(why))
             else:
                 tok.save_pretrained(str(tmp))
     return Path(out_dir)
-
-
-TOKENIZER_ERROR = "gguf_tokenizer_error.txt"  # in a converted directory: why the GGUF's tokenizer is missing
-
-
-def tokenizer_stamp() -> dict:
-    """What a failed GGUF tokenizer conversion is recorded under: the converter version and the packages the
-    conversion runs (transformers' GGUF converter, built on tokenizers and gguf). A failure recorded under another
-    stamp (an upgrade may have fixed it) is retried on the next load instead of being raised."""
-    return {"converter_version": CONVERTER_VERSION,
-            **{pkg: metadata.version(pkg) for pkg in ("transformers", "tokenizers", "gguf")}}
 
 
 def _convert_tokenizer(gguf_path: Path):
@@ -358,191 +312,7 @@ def _convert_tokenizer(gguf_path: Path):
         return None, why
 
 
-def _tokenizer_error_json(why: str) -> str:
-    return json.dumps({"error": why, **tokenizer_stamp()}, indent=2, sort_keys=True) + "\n"
-
-
-def _read_tokenizer_error(converted_dir: Path) -> dict | None:
-    """The recorded failure {"error", stamp...}; a plain-text file (written before the stamp) has no stamp."""
-    f = converted_dir / TOKENIZER_ERROR
-    try:
-        text = f.read_text()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    try:
-        rec = json.loads(text)
-    except ValueError:
-        rec = None
-    return rec if isinstance(rec, dict) and isinstance(rec.get("error"), str) else {"error": text.strip()}
-
-
-def tokenizer_error(converted_dir: str | Path) -> str | None:
-    """Why a GGUF file's converted directory has no tokenizer although the file has tokenizer metadata, or None."""
-    rec = _read_tokenizer_error(Path(converted_dir))
-    return rec["error"] if rec else None
-
-
-CACHE_ENTRY = "gguf_cache_entry.json"  # in a cache entry: its source (resolved path, identity), converter version
-# An older entry last used (read, or written) this recently is kept: another process may be loading it (entries
-# are read without a lock; a load of the embedded model takes about 1 s, a 7B model's from a slow disk minutes).
-PRUNE_AFTER_S = 600
-
-
 def cached_gguf_dir(gguf_path: str | Path) -> Path:
     """The converted HF directory of a GGUF file, converting it on first use (and then removing the file's older
-    conversions, ``prune_older_entries``)."""
-    p = Path(gguf_path).resolve()
-    st = p.stat()
-    out = cache_root() / "gguf" / _entry_name(p, _identity(p, st, CONVERTER_VERSION))
-    entry = {"source": str(p), "converter_version": CONVERTER_VERSION, "size": st.st_size,
-             "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "ctime_ns": st.st_ctime_ns}
-    if (out / "config.json").is_file():
-        _mark_used(out, entry)
-        rec = _read_tokenizer_error(out)
-        if rec is not None:  # a failure recorded under other versions (or none: written before stamps) is retried
-            stamp = tokenizer_stamp()
-            if any(rec.get(k) != v for k, v in stamp.items()):
-                _retry_tokenizer(p, out, rec, stamp)
-        return out
-    log.info("converting %s to a Hugging Face directory in %s (first load only)", gguf_path, out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        convert_gguf(gguf_path, out, replace=False, cache_entry=entry)
-    except FileExistsError:  # another process finished the same conversion first: use theirs (it prunes)
-        if not (out / "config.json").is_file():  # a file where a folder of the cache belongs
-            raise _cache_error(gguf_path, out, "a file is in the way") from None
-        return out
-    except OSError as e:  # a read-only home, a CHRONICALS_CACHE that is a file: was a bare "[Errno 20] Not a
-        raise _cache_error(gguf_path, out, e.strerror or str(e)) from None  # directory: '.../gguf'"
-    prune_older_entries(p, out, st)
-    return out
-
-
-def _write_small_file(path: Path, text: str) -> None:
-    """Write ``path`` whole or not at all (a temporary file renamed over it): readers run concurrently."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        tmp.write_text(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _mark_used(out: Path, entry: dict) -> None:
-    """Stamp a cache hit on the entry's record (its mtime is the last use ``prune_older_entries`` reads); an entry
-    written before records existed gets one. Best effort: a read-only cache is still read."""
-    f = out / CACHE_ENTRY
-    try:
-        if f.is_file():
-            os.utime(f)
-        else:
-            _write_small_file(f, json.dumps(entry, indent=2, sort_keys=True) + "\n")
-    except OSError:
-        pass
-
-
-def _retry_tokenizer(p: Path, out: Path, rec: dict, stamp: dict) -> None:
-    """Convert the tokenizer of a cached entry again, its recorded failure being from other versions (``stamp``
-    differs): on success the entry is published again with the tokenizer (its other files hard-linked, not
-    dequantized again); on failure the error is recorded under the new stamp. A cache we cannot write is left as
-    it is (the recorded error is raised)."""
-    was = ", ".join(f"{k} {rec.get(k, '?')}" for k in stamp if rec.get(k) != stamp[k])
-    log.info("retrying the tokenizer conversion of %s (it failed under %s; now %s)", p, was,
-             ", ".join(f"{k} {stamp[k]}" for k in stamp if rec.get(k) != stamp[k]))
-    tok, why = _convert_tokenizer(p)
-    try:
-        if tok is None:
-            _write_small_file(out / TOKENIZER_ERROR, _tokenizer_error_json(why))
-            return
-        with atomic_dir(out, replace=True) as tmp:
-            for f in out.iterdir():
-                if f.name != TOKENIZER_ERROR and not f.name.startswith(".") and f.is_file() and not f.is_symlink():
-                    try:
-                        os.link(f, tmp / f.name)
-                    except OSError:  # a file system without hard links
-                        shutil.copy2(f, tmp / f.name)
-            tok.save_pretrained(str(tmp))
-        log.info("%s: its tokenizer converts now; added to %s", p, out)
-    except OSError as e:
-        log.warning("could not update %s with the retried tokenizer conversion of %s (%s)", out, p, e)
-
-
-def prune_older_entries(p: Path, keep: Path, st: os.stat_result | None = None) -> list[Path]:
-    """Remove the cache entries of GGUF file ``p`` (resolved) other than ``keep``, its newly completed one: those of
-    its earlier contents (the key follows the file's identity) and of earlier converter versions. Return them.
-
-    An entry is removed only when it is recognisably ``p``'s: its name is ``{stem}-{16 hex}`` and its
-    ``gguf_cache_entry.json`` names ``p`` and a converter version not newer than ours (another install's newer
-    converter keeps its own), or, written before records existed, its name is a key of ``p``'s present identity
-    under an earlier key scheme or converter version (a converter upgrade leaves the previous entry of an unchanged
-    file). One used in the last PRUNE_AFTER_S seconds is kept (another process may be
-    reading it). Writes in progress are never touched: they are hidden ``.{name}.tmp-*`` directories until their
-    final rename (``atomic_dir``), and a published entry is complete. Each is renamed to a hidden
-    ``.{name}.pruned-*`` directory first, so a reader sees the whole entry or none (and converts again), then
-    removed. A failure is a warning: the load goes on."""
-    parent, st = keep.parent, st or p.stat()
-    entry_re = re.compile(rf"{re.escape(p.stem)}-[0-9a-f]{{16}}")
-    trash_re = re.compile(rf"\.{re.escape(p.stem)}-[0-9a-f]{{16}}\.pruned-\d+-[0-9a-f]{{8}}")
-    legacy = {_entry_name(p, _identity(p, st, v, old))  # the present file's entries under every earlier key
-              for v in range(1, CONVERTER_VERSION + 1) for old in (False, True)} - {keep.name}
-    now, removed, freed = time.time(), [], 0
-    try:
-        listing = sorted(parent.iterdir())
-    except OSError:
-        return []
-    for d in listing:
-        if trash_re.fullmatch(d.name) and d.is_dir() and not d.is_symlink():  # one whose removal failed before
-            size = _tree_bytes(d)
-            shutil.rmtree(d, ignore_errors=True)
-            if not d.exists():
-                removed.append(d)
-                freed += size
-            continue
-        if d == keep or not entry_re.fullmatch(d.name) or d.is_symlink() or not d.is_dir():
-            continue
-        last_use = _last_use_if_ours(d, p, legacy)
-        if last_use is None or now - last_use < PRUNE_AFTER_S:
-            continue
-        trash = parent / f".{d.name}.pruned-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        size = _tree_bytes(d)
-        try:
-            os.rename(d, trash)
-        except FileNotFoundError:  # another process pruned it first
-            continue
-        except OSError as e:
-            log.warning("could not remove %s, an older conversion of %s (%s); remove it by hand to free its %.1f MB",
-                        d, p, e.strerror or e, size / 1e6)
-            continue
-        removed.append(d)
-        if _remove_tree(trash, f"an older conversion of {p}", log) is not None:
-            freed += size
-    if removed:
-        log.info("removed %d older conversion%s of %s from %s (%s): %.1f MB freed", len(removed),
-                 "s" * (len(removed) > 1), p, parent, ", ".join(d.name for d in removed), freed / 1e6)
-    return removed
-
-
-def _last_use_if_ours(d: Path, p: Path, legacy: set[str]) -> float | None:
-    """When cache entry ``d`` was last used, if it is one of ``p``'s that we may remove, else None."""
-    try:
-        f = d / CACHE_ENTRY
-        if f.is_file():
-            rec = json.loads(f.read_text())
-            version = rec.get("converter_version") if isinstance(rec, dict) else None
-            if rec.get("source") != str(p) or not isinstance(version, int) or version > CONVERTER_VERSION:
-                return None
-            return f.stat().st_mtime
-        if d.name in legacy:  # no record to stamp uses on: its config.json's last access or write, best known
-            cst = (d / "config.json").stat()
-            return max(cst.st_atime, cst.st_mtime)
-    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not an object: not known to be ours
-        return None
-    return None
-
-
-def _cache_error(gguf_path, out: Path, why: str) -> OSError:
-    return OSError(f"{gguf_path}: cannot write its conversion to a Hugging Face directory in {out.parent} ({why}); "
-                   "a .gguf file is converted once under $CHRONICALS_CACHE (default ~/.cache/chronicals): set "
-                   "CHRONICALS_CACHE to a writable directory")
-
+    conversions, ``gguf_cache.prune_older_entries``)."""
+    return cached_conversion(gguf_path, convert_gguf, _convert_tokenizer)

@@ -79,7 +79,7 @@ def _try_lock(path: Path) -> int | None:
     return fd
 
 
-def _tree_bytes(path: Path) -> int:
+def tree_bytes(path: Path) -> int:
     """Bytes of the files under ``path`` (for the log line: a killed checkpoint write can leave GBs)."""
     total = 0
     for root, _, files in os.walk(path):
@@ -91,9 +91,9 @@ def _tree_bytes(path: Path) -> int:
     return total
 
 
-def _remove_tree(path: Path, what: str, logger: logging.Logger) -> int | None:
+def remove_tree(path: Path, what: str, logger: logging.Logger) -> int | None:
     """rmtree ``path``; its size in bytes, or None (with a warning that says how to free it) when it is still there."""
-    size = _tree_bytes(path)
+    size = tree_bytes(path)
     shutil.rmtree(path, ignore_errors=True)
     if path.exists():
         logger.warning("could not remove %s, %s; remove it by hand to free its %.1f MB", path, what, size / 1e6)
@@ -121,7 +121,7 @@ def remove_orphans(parent: Path, pattern: re.Pattern, logger: logging.Logger = l
             if is_lock:  # its directory was published or removed, then the writer died before the unlink
                 lock_path(tmp).unlink(missing_ok=True)
                 continue
-            size = _remove_tree(tmp, "left by a write that was killed", logger)
+            size = remove_tree(tmp, "left by a write that was killed", logger)
             if size is None:
                 continue
             if not os.path.lexists(old_path(tmp)):  # else recover_replaced still needs it
@@ -172,7 +172,7 @@ def recover_replaced(out: Path, tmp_pattern: re.Pattern, logger: logging.Logger 
                     if not tmp.exists():
                         lock_path(tmp).unlink(missing_ok=True)
                     continue
-            size = _remove_tree(old, f"the previous {out.name} left by a write that was killed", logger)
+            size = remove_tree(old, f"the previous {out.name} left by a write that was killed", logger)
             if size is None:
                 continue
             if not tmp.exists():
