@@ -27,11 +27,11 @@ import torch
 
 from ._jsonio import write_text_atomic
 from .config import DataSection
-from .data import DataError, DatasetStats, PackedLoader, load_dataset
+from .data import DataError, DatasetStats, PackedLoader
 from .models import require_chat_template
 from .train.guards import check_ids_in_vocab
 from .train.qa import QAResult, answer_all, heldout_system_prompt, read_qa, write_chat_jsonl
-from .train.setup import DATA_OPTION_KEYS, _dataset_options
+from .train.setup import DATA_OPTION_KEYS, heldout_loader as setup_heldout_loader
 from .train.step import evaluate_loss
 
 log = logging.getLogger("chronicals.evaluate")
@@ -92,31 +92,22 @@ def heldout_loader(data: DataSection, tokenizer, workdir: Path, option_names: di
                    ) -> tuple[PackedLoader, list[dict] | None]:
     """(loader, QA records or None) over ``data.path``, as ``train()`` builds its held-out loader: QA records are
     written to ``workdir`` as chat records (the system message of ``qa.heldout_system_prompt``) and read as chat;
-    other data is read with ``data.format``. ``option_names``: what the data's errors and warnings call the options
-    (``load_dataset``'s option_names; None: the config keys, ``train.setup.DATA_OPTION_KEYS``, as train says them)."""
+    other data is read with ``data.format`` (``train.setup.heldout_loader`` for both). ``option_names``: what the
+    data's errors and warnings call the options (``load_dataset``'s option_names; None: the config keys,
+    ``train.setup.DATA_OPTION_KEYS``, as train says them)."""
     names = DATA_OPTION_KEYS | (option_names or {})
     qa = read_qa(data.path, data.on_error, on_error_name=names["on_error"])
     if qa is None:  # load_dataset's messages name the files after it: "the data to score (x.jsonl)"
-        return _loader(data, tokenizer, Path(data.path).expanduser(), False, "the data to score", names), qa
+        return setup_heldout_loader(data, tokenizer, Path(data.path).expanduser(), False, "the data to score",
+                                    option_names=names), qa
     require_chat_template(tokenizer, "question/answer records are read as chat whatever data.format; to score "
                           "this model without a template, give text or prompt/completion records")  # once, as chat
     file = write_chat_jsonl(qa, workdir / "heldout.jsonl", heldout_system_prompt(data))
     name = f"the QA records of {data.path}, rewritten as chat"
     try:
-        return _loader(data, tokenizer, file, True, name, names), qa
+        return setup_heldout_loader(data, tokenizer, file, True, name, option_names=names), qa
     except DataError as e:  # "record 3", not the rewritten file's path: it is deleted before the message is read
         raise DataError(str(e).replace(f" ({file})", "").replace(f"{file}:", "record ")) from None
-
-
-def _loader(data: DataSection, tokenizer, file: Path, from_qa: bool, name: str, names: dict[str, str]) -> PackedLoader:
-    """``train.setup.heldout_loader`` (the trainer's held-out loader: same load_dataset options, unshuffled rows of
-    data.loader_shape()) with the messages' option names given: that one always says the config keys."""
-    opts = _dataset_options(data) | {"option_names": names} | ({"format": "chat"} if from_qa else {})
-    try:
-        ds = load_dataset([str(file)], tokenizer, **opts, name=name)
-    except DataError as e:  # say which data it is; record errors name only a file and line
-        raise DataError(str(e) if name in str(e) else f"{name}: {e}") from None
-    return PackedLoader(ds, max_seq_len=data.max_seq_len, seed=0, shuffle=False, **data.loader_shape())
 
 
 def evaluate(model, tokenizer, data: DataSection, device: torch.device, *, qa_limit: int = 0,

@@ -179,10 +179,10 @@ DATA_OPTION_KEYS = {"format": "data.format", "max_seq_len": "data.max_seq_len", 
                     "on_error": "data.on_error", "overlong": "data.on_long"}
 
 
-def _dataset_options(d) -> dict:
-    """load_dataset's options from a DataSection ``d``, its advice worded in the config's keys."""
+def _dataset_options(d, option_names: dict[str, str] = DATA_OPTION_KEYS) -> dict:
+    """load_dataset's options from a DataSection ``d``, its advice worded in ``option_names`` (the config's keys)."""
     return dict(format=d.format, max_seq_len=d.max_seq_len, loss_on=d.train_on, on_error=d.on_error,
-                overlong=d.on_long, cache_dir=tokenization_cache_dir(d.cache_dir), option_names=DATA_OPTION_KEYS)
+                overlong=d.on_long, cache_dir=tokenization_cache_dir(d.cache_dir), option_names=option_names)
 
 
 def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path, rank: int = 0, world_size: int = 1):
@@ -216,13 +216,15 @@ def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path, rank: int = 0, wor
     return train_loader, eval_loader, heldout_qa
 
 
-def heldout_loader(d, tokenizer, file: Path, from_qa: bool, name: str, shape: dict | None = None):
+def heldout_loader(d, tokenizer, file: Path, from_qa: bool, name: str, shape: dict | None = None, *,
+                   option_names: dict[str, str] = DATA_OPTION_KEYS):
     """An unshuffled loader over every batch of ``file`` (the held-out set: the trainer's, ``chronicals eval``'s),
     read with ``d`` (a DataSection); as chat when it holds QA records rewritten by ``qa.write_chat_jsonl`` (the
-    training data's format does not apply then). ``name`` prefixes its errors; shape: ``d.loader_shape()``."""
+    training data's format does not apply then). ``name`` prefixes its errors; shape: ``d.loader_shape()``;
+    ``option_names``: what its warnings and errors call load_dataset's options (chronicals eval: its flags)."""
     from ..data import DataError, PackedLoader, load_dataset
 
-    opts = _dataset_options(d) | ({"format": "chat"} if from_qa else {})
+    opts = _dataset_options(d, option_names) | ({"format": "chat"} if from_qa else {})
     try:
         ds = load_dataset([str(file)], tokenizer, **opts, name=name)
     except DataError as e:  # say which data it is; record errors name only a file and line
