@@ -28,6 +28,10 @@ CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
 _UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "rank_pattern": {}, "alpha_pattern": {},
                 "layers_to_transform": None, "lora_bias": False, "target_parameters": None,
                 "layer_replication": None, "trainable_token_indices": None, "exclude_modules": None}
+# init_lora_weights values that only set A and B (which the file then overwrites); the others rewrite the base
+# weights when PEFT initializes (PiSSA, OLoRA, CorDA, LoRA-GA: W - s B0 A0; LoftQ: W quantized), so the saved A and B
+# hold only on that changed base: loaded on the original one, PiSSA's logits were 0.09 off PEFT's at the test's shape
+_PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica")  # and True (PEFT's default), False (random B too)
 
 
 def _require_record(model: nn.Module, who: str) -> LoraRecord:
@@ -111,6 +115,14 @@ def read_adapter_config(adapter_dir) -> dict:
         if val not in (default, None) and not (isinstance(default, dict) and not val):
             raise ValueError(f"{path}: {key}={val!r} is not supported by chronicals.lora "
                              f"(supported: {key}={default!r}); merge it with PEFT first (merge_and_unload)")
+    init = cfg.get("init_lora_weights", True)
+    if not (init is None or isinstance(init, bool) or isinstance(init, str) and init in _PLAIN_INITS):
+        raise ValueError(f"{path}: init_lora_weights={init!r} is not supported by chronicals.lora (supported: true, "
+                         f"false, {', '.join(map(repr, _PLAIN_INITS))}): PEFT's other initializations rewrite the "
+                         "base weights (PiSSA, OLoRA, CorDA, LoRA-GA: W - s B0 A0; LoftQ: W quantized), so such an "
+                         "adapter's A and B hold only on that changed base; convert it to a plain "
+                         "LoRA adapter with PEFT (save_pretrained(..., path_initial_model_for_weight_conversion=<the "
+                         "initial adapter>)) or merge it with PEFT first (merge_and_unload)")
     return cfg
 
 
