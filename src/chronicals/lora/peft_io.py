@@ -28,10 +28,22 @@ CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
 _UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "rank_pattern": {}, "alpha_pattern": {},
                 "layers_to_transform": None, "lora_bias": False, "target_parameters": None,
                 "layer_replication": None, "trainable_token_indices": None, "exclude_modules": None}
+# PEFT's LoRA variants (not written by save_adapter: older PEFT versions refuse fields they do not know). Each computes
+# something other than x W^T + s x A^T B^T, or (KaSA) rewrites W: aLoRA's adapter acts only from its invocation tokens
+# on (loaded as plain LoRA: logits 0.35 off PEFT's at the test's shape); the others carry tensors of their own (QA-LoRA:
+# an A over pooled inputs, on GPTQ models), refused by key or shape as 'saved for a different model?'.
+_VARIANTS = {"alora_invocation_tokens": None, "use_qalora": False, "kasa_config": None, "velora_config": None,
+             "monteclora_config": None, "use_bdlora": None, "arrow_config": None}
 # init_lora_weights values that only set A and B (which the file then overwrites); the others rewrite the base
 # weights when PEFT initializes (PiSSA, OLoRA, CorDA, LoRA-GA: W - s B0 A0; LoftQ: W quantized), so the saved A and B
 # hold only on that changed base: loaded on the original one, PiSSA's logits were 0.09 off PEFT's at the test's shape
 _PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica")  # and True (PEFT's default), False (random B too)
+# every other field of PEFT's LoraConfig (0.21) and PeftConfig: settings that do not change the adapter's outputs.
+# A field outside all these lists (a PEFT newer than this code) with a value set is refused: it may be a variant.
+_INERT = {"peft_type", "task_type", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping",
+          "peft_version", "r", "lora_alpha", "lora_dropout", "use_rslora", "target_modules", "modules_to_save",
+          "init_lora_weights", "layers_pattern", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
+          "megatron_config", "megatron_core", "qalora_group_size", "runtime_config", "ensure_weight_tying"}
 
 
 def _require_record(model: nn.Module, who: str) -> LoraRecord:
@@ -110,7 +122,7 @@ def read_adapter_config(adapter_dir) -> dict:
                          "[\"lm_head\"]) or null")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{path}: peft_type={cfg['peft_type']!r}; only LORA adapters can be loaded")
-    for key, default in _UNSUPPORTED.items():
+    for key, default in {**_UNSUPPORTED, **_VARIANTS}.items():
         val = cfg.get(key, default)
         if val not in (default, None) and not (isinstance(default, dict) and not val):
             raise ValueError(f"{path}: {key}={val!r} is not supported by chronicals.lora "
@@ -123,6 +135,13 @@ def read_adapter_config(adapter_dir) -> dict:
                          "adapter's A and B hold only on that changed base; convert it to a plain "
                          "LoRA adapter with PEFT (save_pretrained(..., path_initial_model_for_weight_conversion=<the "
                          "initial adapter>)) or merge it with PEFT first (merge_and_unload)")
+    unknown = sorted(k for k in cfg if k not in _INERT and k not in _UNSUPPORTED and k not in _VARIANTS
+                     and cfg[k] not in (None, False, "") and cfg[k] != {} and cfg[k] != [])
+    if unknown:
+        raise ValueError(f"{path}: {unknown[0]}={cfg[unknown[0]]!r} is not supported by chronicals.lora (a field it "
+                         "does not know, perhaps a LoRA variant of a newer PEFT; unknown fields set: "
+                         f"{', '.join(unknown)}); merge it with PEFT first (merge_and_unload), or remove the field "
+                         "if it does not change what the adapter computes")
     return cfg
 
 
