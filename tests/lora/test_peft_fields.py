@@ -114,3 +114,48 @@ def test_our_tied_adapter_with_both_modules_stays_tied(tmp_path):
     again = tiny_model(tied=True)
     load_adapter(again, tmp_path / "a")
     assert again.lm_head.weight is again.model.embed_tokens.weight and again.config.tie_word_embeddings
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_failed_load_leaves_the_model_as_it_was(tmp_path, ids, tied):
+    """An adapter refused by the key or shape check (a file of another model) left LoRA applied, the base frozen, a
+    tied lm_head untied, and the tensors copied before the bad one in place: the final norm's base weight overwritten. A
+    second load_adapter then said 'call merge_lora(model) first', which merged the half-loaded adapter into W. Now the
+    model is as it was: same modules, flags, ties and weights, and the right adapter loads on it."""
+    from safetensors.torch import load_file, save_file
+
+    from chronicals.lora import LoRALinear
+
+    from .conftest import randomize_lora_b
+
+    src = tiny_model(tied=tied)
+    apply_lora(src, r=2, alpha=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head", "norm"])
+    randomize_lora_b(src)
+    with torch.no_grad():
+        src.lm_head.weight.add_(0.5)
+        src.model.norm.weight.add_(0.5)
+        want_adapted = src(ids)
+    save_adapter(src, tmp_path / "good")
+    save_adapter(src, tmp_path / "bad")
+    wpath = tmp_path / "bad" / "adapter_model.safetensors"
+    tensors = load_file(wpath)
+    tensors["base_model.model.lm_head.weight"] = torch.ones(5, 32)  # read after model.norm's tensor
+    if tied:  # lm_head alone in the file: load_adapter unties it from the embedding first
+        del tensors["base_model.model.model.embed_tokens.weight"]
+    save_file(tensors, wpath)
+    model = tiny_model(tied=tied)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        want = model(ids)
+    with pytest.raises(ValueError, match=r"lm_head.weight has shape \(5, 32\)"):
+        load_adapter(model, tmp_path / "bad")
+    assert getattr(model, "lora_config", None) is None and not any(isinstance(m, LoRALinear) for m in model.modules())
+    assert all(p.requires_grad for p in model.parameters())
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied == model.config.tie_word_embeddings
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    with torch.no_grad():
+        assert torch.equal(model(ids), want)
+    load_adapter(model, tmp_path / "good")
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), want_adapted, rtol=1e-5, atol=1e-5)

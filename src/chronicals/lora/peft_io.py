@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 
 from .._jsonio import read_json_object
 from ..models.hf_io import atomic_dir, load_safetensors
-from .inject import LoraRecord, apply_lora, lora_modules
+from .group import unbind_groups
+from .inject import LoraRecord, _set_module, apply_lora, lora_modules
 
 log = logging.getLogger("chronicals.lora")
 PREFIX = "base_model.model."
@@ -225,6 +226,7 @@ def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
             raise ValueError(f"{wpath}: tensor {key} is stored as {t.dtype}, not as floating point; save the "
                              "adapter again (a quantized adapter must be dequantized with PEFT first)")
     targets = cfg["target_modules"]
+    undo = _Undo(model)
     try:  # apply_lora's errors are about adapter_config.json's values: name the file
         rec = apply_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
                          target_modules=targets if isinstance(targets, str) else tuple(targets),
@@ -233,6 +235,18 @@ def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
                          impl=impl, adapter_dtype=adapter_dtype)
     except ValueError as e:
         raise ValueError(f"{adapter_dir / CONFIG_NAME}: {e}") from None
+    try:
+        _fill(model, rec, tensors, wpath)
+    except BaseException:
+        undo(rec)
+        raise
+    log.info("load_adapter: %s -> %d LoRA modules, %d full modules", adapter_dir, len(rec.lora_modules),
+             len(rec.saved_modules))
+    return rec
+
+
+def _fill(model: nn.Module, rec: LoraRecord, tensors: dict[str, torch.Tensor], wpath: Path) -> None:
+    """Untie as PEFT does, check every key and shape, then copy: nothing is written unless all of them fit."""
     _untie_if_partial(model, rec, set(tensors))
     _untie_if_different(model, rec, tensors)
     expected = {}
@@ -246,13 +260,41 @@ def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
     if missing or unexpected:
         raise ValueError(f"load_adapter {wpath}: missing keys {missing[:4]} ({len(missing)}), unexpected keys "
                          f"{unexpected[:4]} ({len(unexpected)}); was it saved for a different model?")
+    for key, p in expected.items():
+        if tensors[key].shape != p.shape:
+            raise ValueError(f"load_adapter {wpath}: {key} has shape {tuple(tensors[key].shape)}, the model expects "
+                             f"{tuple(p.shape)} (r={rec.r}); was it saved for a different model?")
     with torch.no_grad():
         for key, p in expected.items():
-            t = tensors[key]
-            if t.shape != p.shape:
-                raise ValueError(f"load_adapter {wpath}: {key} has shape {tuple(t.shape)}, the model expects "
-                                 f"{tuple(p.shape)} (r={rec.r}); was it saved for a different model?")
-            p.copy_(t)
-    log.info("load_adapter: %s -> %d LoRA modules, %d full modules", adapter_dir, len(rec.lora_modules),
-             len(rec.saved_modules))
-    return rec
+            p.copy_(tensors[key])
+
+
+class _Undo:
+    """What load_adapter changes past apply_lora, recorded before it, so that a refused file leaves the model as it
+    was. Left half-done, the model kept LoRA (a second load_adapter then said 'call merge_lora(model) first', which
+    merged the refused file's adapter into W) and the modules_to_save tensors copied before the bad key (base
+    weights, trained in full)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.modules = dict(model.named_modules())  # the nn.Linear objects apply_lora replaces, on the same Parameters
+        self.params = [(m, n, p) for m in model.modules() for n, p in m._parameters.items()]  # _untie_* rebinds
+        self.flags = [(p, p.requires_grad) for _, _, p in self.params if p is not None]
+        self.config = getattr(model, "config", None)
+        self.tied = getattr(self.config, "tie_word_embeddings", None)
+
+    @torch.no_grad()
+    def __call__(self, rec: LoraRecord) -> None:
+        unbind_groups(self.model)
+        for name in rec.lora_modules:  # W leaves the [W | s B] or group buffer for a storage of its own
+            lin = self.modules[name]
+            _set_module(self.model, name, lin)
+            lin.weight.data = lin.weight.data.clone(memory_format=torch.contiguous_format)
+        for mod, pname, p in self.params:
+            if mod._parameters.get(pname) is not p:
+                setattr(mod, pname, p)
+        for p, flag in self.flags:
+            p.requires_grad_(flag)
+        if self.tied is not None:
+            self.config.tie_word_embeddings = self.tied
+        self.model.__dict__.pop("lora_config", None)
