@@ -307,6 +307,8 @@ def test_default_chunk_rows():
     # at 0.5B against C = H; dW lives in the workspace's first V x H elements): 1,792 at 0.5B, 4,096 at 8B
     assert default_chunk_rows(16384, 896, 151936, True, 2) == 1792
     assert default_chunk_rows(8192, 4096, 128256, True, 2) == 4096
+    # vocab_parts > 1 is the low-memory mode: chunks of H keep its workspace at V x H (0.56 GiB in all at 0.5B)
+    assert default_chunk_rows(16384, 896, 151936, True, 2, vocab_parts=2) == 896
     # frozen head: ~256 MB of bf16 logits, 883 rows at V = 151,936; never more rows than the batch
     assert default_chunk_rows(16384, 896, 151936, False, 2) == 883
     assert default_chunk_rows(5, 896, 151936, True, 2) == 5

@@ -152,10 +152,13 @@ DW_MIN_ROWS = 1792
 
 
 def default_chunk_rows(n: int, h: int, v: int, need_dw: bool, elt_bytes: int, vocab_parts: int = 1) -> int:
-    """Rows per chunk: max(H, DW_MIN_ROWS) with a weight gradient (the workspace then holds at least V x H:
-    dW's storage at the end with one vocabulary part, the second pass's logits with several), else a workspace
-    of ~256 MB."""
-    rows = max(h, DW_MIN_ROWS) if need_dw else WORKSPACE_BYTES // (v * elt_bytes)
+    """Rows per chunk: with a weight gradient max(H, DW_MIN_ROWS) for one vocabulary part (the workspace then
+    holds at least V x H, dW's storage at the end) and H for several (the low-memory mode: the workspace holds
+    the second pass's logits, V x H elements); else a workspace of ~256 MB."""
+    if need_dw:
+        rows = max(h, DW_MIN_ROWS) if vocab_parts == 1 else h
+    else:
+        rows = WORKSPACE_BYTES // (v * elt_bytes)
     return max(1, min(n, max(MIN_CHUNK_ROWS, rows)))
 
 
