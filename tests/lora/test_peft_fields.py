@@ -31,10 +31,15 @@ def test_adapter_keeps_its_dropout(tmp_path):
 UNSUPPORTED = [("fan_in_fan_out", True), ("bias", "all"), ("rank_pattern", {"q_proj": 4}),
                ("alpha_pattern", {"q_proj": 8}), ("layers_to_transform", [0]), ("lora_bias", True),
                ("target_parameters", ["mlp.experts.gate_up_proj"]), ("layer_replication", [[0, 2]]),
-               ("trainable_token_indices", [1, 2]), ("exclude_modules", ["k_proj"])]
+               ("trainable_token_indices", [1, 2]), ("exclude_modules", ["k_proj"]),
+               # initializations that rewrite W (only A and B are saved), PEFT's LoRA variants, a future field
+               ("init_lora_weights", "corda"), ("init_lora_weights", "loftq"), ("init_lora_weights", "lora_ga"),
+               ("init_lora_weights", "some_new_init"), ("use_qalora", True),
+               ("kasa_config", {"svd_weight": 0.1}), ("velora_config", {"rank": 2}), ("monteclora_config", {"n": 4}),
+               ("use_bdlora", {"nblocks": 2}), ("arrow_config", {"top_k": 3}), ("use_future_variant", True)]
 
 
-@pytest.mark.parametrize("key,val", UNSUPPORTED, ids=[k for k, _ in UNSUPPORTED])
+@pytest.mark.parametrize("key,val", UNSUPPORTED, ids=[f"{k}={v}" for k, v in UNSUPPORTED])
 def test_every_unsupported_peft_option_is_refused(tmp_path, key, val):
     """An adapter that sets any PEFT option chronicals does not implement fails to load, naming the option,
     instead of loading and computing something other than PEFT would."""
@@ -43,7 +48,7 @@ def test_every_unsupported_peft_option_is_refused(tmp_path, key, val):
     save_adapter(ours, tmp_path / "a")
     path = tmp_path / "a" / "adapter_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), key: val}))
-    with pytest.raises(ValueError, match=f"{key}=.* is not supported by chronicals.lora"):
+    with pytest.raises(ValueError, match=rf"{path}: {key}=.* is not supported by chronicals.lora.*PEFT"):
         load_adapter(tiny_model(), tmp_path / "a")
 
 
