@@ -3,7 +3,7 @@ rewrote the base weights (PiSSA, OLoRA, CorDA, LoRA-GA: A and B belong to W - s 
 loaded without a word (logits 0.09-0.11 off PEFT's); it now fails naming init_lora_weights and what to do, and the
 initializations that only set A and B load. The LoRA variants (aLoRA, KaSA, VeLoRA, MonteCLoRA, BD-LoRA, Arrow,
 QA-LoRA) and fields of a newer PEFT: aLoRA loaded as plain LoRA (logits 0.35 off), the others were refused as
-'saved for a different model?'; each now fails naming its field."""
+'saved for a different model?'; each now fails naming its field (their refusal by name: test_peft_fields)."""
 
 import json
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from chronicals.lora import apply_lora, load_adapter, save_adapter
+from chronicals.lora import load_adapter
 
 from .conftest import hf_config, tiny_model
 
