@@ -57,7 +57,7 @@ def test_errors_name_the_set_and_the_users_file(tokenizer, tmp_path):
 
 def test_system_prompt_warning_for_user_data(tokenizer, tmp_path, caplog):
     train = write(tmp_path / "alpaca.jsonl", ALPACA)
-    for args, warned in (([], False), (["data.system_prompt=Be terse."], True)):
+    for args, warned in (([], False), (["data.system_prompt="], False), (["data.system_prompt=Be terse."], True)):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="chronicals.train"):
             build_loaders(cfg_for(tmp_path, f"data.path={train}", *args), tokenizer, tmp_path / "run")

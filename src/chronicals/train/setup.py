@@ -132,7 +132,8 @@ def data_files(cfg: TrainConfig, out_dir: Path) -> tuple[list[Path], Path | None
                                             qa_mod.heldout_system_prompt(d))
     else:
         eval_file = Path(eval_path) if eval_path else None
-    if d.path != DEMO and d.system_prompt != DEMO_SYSTEM_PROMPT:
+    # '' (the recipes' value) means the template's default, which is what the user's records without one get already
+    if d.path != DEMO and d.system_prompt not in (DEMO_SYSTEM_PROMPT, ""):
         log.warning("data.system_prompt=%r has no effect on your training records (data.path=%s): chat records keep "
                     "their own system message, and records without one get the chat template's default; it is "
                     "used only for the demo data and held-out QA questions%s. Put a system message in your "
