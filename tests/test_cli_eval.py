@@ -215,3 +215,17 @@ def test_the_data_messages_name_the_options_the_caller_passes(tiny_base, tmp_pat
     with pytest.raises(DataError, match=r":2: .*\(--on-error=skip drops bad records"):
         evaluate(model, tok, DataSection(path=str(qa), cache_dir="none"), CPU, option_names=flags)
     assert not logging.getLogger("chronicals.data").filters and not logging.getLogger("chronicals.train").filters
+
+
+@pytest.mark.parametrize("system, shown", [("", "system message none (the chat template's default))"),
+                                           ("none", "system message 'none')"),
+                                           (DEMO_SYSTEM_PROMPT, f"system message {DEMO_SYSTEM_PROMPT!r})")])
+def test_the_summary_tells_no_system_message_from_one_that_reads_none(system, shown):
+    """No system message was printed as 'none', quoted like the message --system-prompt none gives."""
+    from chronicals.data.dataset import DatasetStats
+    from chronicals.evaluate import EvalResult
+    from chronicals.train.qa import QAResult
+
+    res = EvalResult(data="qa.jsonl", loss=1.0, loss_tokens=2, examples=1, stats=DatasetStats(records=1),
+                     system_prompt=system, answers=QAResult(answers=["4"], correct=[True]))
+    assert res.summary().splitlines()[-1].endswith(shown), res.summary()

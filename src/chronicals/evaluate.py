@@ -83,8 +83,10 @@ class EvalResult:
                  f"held-out loss {self.loss:.4f}, perplexity {self.perplexity:.4g}"]
         if self.answers is not None:
             res = self.answers
+            # unquoted as chat says it: 'none' in quotes would read as a system message of that text
+            system = repr(self.system_prompt) if self.system_prompt else "none (the chat template's default)"
             lines.append(f"held-out answers with their keywords: {res.fraction:.0%} ({sum(res.correct)}/"
-                         f"{len(res.correct)}; greedy, system message {self.system_prompt or 'none'!r})")
+                         f"{len(res.correct)}; greedy, system message {system})")
         return "\n".join(lines)
 
 
