@@ -500,3 +500,22 @@ def test_chat_fits_each_prompt_and_its_answer_in_the_models_context(tmp_path, mo
     # a system message that fills the context by itself: the fix is --system, not the prompt
     assert main(["chat", "--model", str(small), "--system", "x " * 60, "--max-new-tokens", "4", "hi"]) == 3
     assert "alone fill it: give a shorter --system" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["export", "chat", "generate", "eval"])
+def test_every_option_has_help(command, monkeypatch):
+    """--help listed eval's --on-long and chat's and eval's --dtype with nothing but their choices."""
+    import argparse
+
+    parsers = []
+
+    def spy(self, argv=None, namespace=None):
+        parsers.append(self)
+        raise SystemExit(0)  # as --help does, before the command runs
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", spy)
+    with pytest.raises(SystemExit):
+        main([command])
+    (parser,) = parsers
+    bare = [a.option_strings or a.dest for a in parser._actions if not a.help]
+    assert not bare, f"chronicals {command} --help shows no text for {bare}"

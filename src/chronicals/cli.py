@@ -249,6 +249,9 @@ def _within_context(p: argparse.ArgumentParser, model, name: str, *flags: tuple[
                     f"use at most {context}")
 
 
+DTYPE_HELP = "weights dtype: auto (bf16 on CUDA, fp32 on CPU, as train loads them) | float32 | bfloat16"
+
+
 def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     p = argparse.ArgumentParser(prog=f"chronicals {prog}",
                                 description="Answer prompts (greedy) with a base or fine-tuned model; with no "
@@ -265,7 +268,8 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
                                                                    "fewer where prompt and answer would pass the "
                                                                    "model's context (said once)")
     p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help=DTYPE_HELP)
     a = p.parse_args(argv)
     if a.max_new_tokens < 1:
         p.error(f"--max-new-tokens {a.max_new_tokens}: an answer needs at least 1 new token")
@@ -378,19 +382,25 @@ def cmd_eval(argv: list[str]) -> int:
                                                                             "are read as chat)")
     p.add_argument("--train-on", default=d.train_on, choices=["assistant", "all"],
                    help="which tokens carry loss (default: %(default)s)")
-    p.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="tokens per packed row; longer examples "
-                                                                          "are cut (see --on-long)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="packed rows per forward")
+    p.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="tokens per packed row (default: "
+                                                                          "%(default)s); longer examples are cut (see "
+                                                                          "--on-long)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help="packed rows per forward (default: %(default)s)")
     p.add_argument("--system-prompt", default=None, help="system message of question/answer prompts (default: "
                                                          f"{d.system_prompt!r} for demo, else none, as train asks "
                                                          "its held-out questions beside your own data)")
-    p.add_argument("--on-long", default=d.on_long, choices=["truncate", "drop"])
-    p.add_argument("--on-error", default=d.on_error, choices=["fail", "skip"], help="malformed records")
+    p.add_argument("--on-long", default=d.on_long, choices=["truncate", "drop"],
+                   help="examples longer than --max-seq-len: cut to it or left out (default: %(default)s)")
+    p.add_argument("--on-error", default=d.on_error, choices=["fail", "skip"],
+                   help="malformed records: stop at the first, naming it (default), or skip and count them")
     p.add_argument("--cache-dir", default=d.cache_dir, help="tokenization cache ('' = the default, none = no cache)")
-    p.add_argument("--qa-limit", type=int, default=e.qa_limit, help="questions to answer (0 = all)")
-    p.add_argument("--max-new-tokens", type=int, default=e.max_new_tokens, help="tokens generated per answer")
+    p.add_argument("--qa-limit", type=int, default=e.qa_limit, help="questions to answer (0 = all, the default)")
+    p.add_argument("--max-new-tokens", type=int, default=e.max_new_tokens,
+                   help="tokens generated per answer (default: %(default)s, as train's eval.max_new_tokens)")
     p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help=DTYPE_HELP)
     a = p.parse_args(argv)
     for flag, value, least in (("--max-seq-len", a.max_seq_len, 8), ("--batch-size", a.batch_size, 1),
                                ("--qa-limit", a.qa_limit, 0), ("--max-new-tokens", a.max_new_tokens, 1)):
