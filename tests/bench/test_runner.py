@@ -113,6 +113,14 @@ def test_bench_without_a_gpu_says_how_to_run(monkeypatch):
         cli.main(["--quick"])
 
 
+def test_device_help_says_what_runs_without_a_gpu(capsys):
+    """--help said the default was cpu without a GPU, where the protocol's shapes stop instead (the test above)."""
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "cpu for --tiny and --shape tiny, and the protocol's shapes stop and say so unless --device cpu" in out
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--contenders", "chronicals-full,nope"], "--contenders: unknown contender 'nope'"),
     (["--device", "cpu", "--tiny", "--rows", "0"], "--rows 0: must be >= 1"),  # was the protocol's rows, silently

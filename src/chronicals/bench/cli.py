@@ -51,7 +51,9 @@ def parse_args(argv):
     ap.add_argument("--seq", type=int, help="tokens per sequence (default: the shape's protocol)")
     ap.add_argument("--warmup", type=int, help="warm-up steps (default 4; --quick 2; --tiny 1)")
     ap.add_argument("--steps", type=int, help="timed steps (default 12; --quick 6; --tiny 2)")
-    ap.add_argument("--device", help="cuda or cpu (default: cuda when a GPU is visible, else cpu)")
+    ap.add_argument("--device", help="cuda or cpu (default: cuda when a GPU is visible; without one, cpu for --tiny "
+                                     "and --shape tiny, and the protocol's shapes stop and say so unless --device cpu "
+                                     "is given)")
     ap.add_argument("--tiny", action="store_true", help="tiny model, 2 x 32 tokens: CPU tests of the harness")
     ap.add_argument("--impl", default="auto", choices=("auto", "triton", "torch"), help="chronicals op kernels")
     ap.add_argument("--step", default="trainer", choices=("trainer", "bench"),
