@@ -53,6 +53,20 @@ def test_modules_to_save_holding_a_target_is_refused(saved, ids):
     assert model.model.layers[0].self_attn.o_proj.weight.grad.norm() > 0
 
 
+def test_modules_to_save_holding_targets_in_every_layer_names_three():
+    """modules_to_save=[self_attn] on SmolLM2 listed all 30 layers' self_attn, sorted as text (0, 1, 10, 11, ...)."""
+    from chronicals.models import CausalLM, ModelConfig
+
+    hf = hf_config()
+    hf.num_hidden_layers = 12
+    model = CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0)
+    with pytest.raises(ValueError) as e:
+        apply_lora(model, r=2, target_modules=["q_proj"], modules_to_save=["self_attn"])
+    assert ("modules_to_save ['model.layers.0.self_attn', 'model.layers.1.self_attn', 'model.layers.2.self_attn'] "
+            "and 9 more hold LoRA targets (such as model.layers.0.self_attn.q_proj)") in str(e.value)
+    assert "layers.10" not in str(e.value)
+
+
 @pytest.mark.parametrize("saved", [["norm"], ["layernorm", "head"]])
 def test_peft_modules_to_save_entries_mean_what_peft_trained(saved, ids, tmp_path):
     """PEFT matches modules_to_save as a plain suffix: its "norm" trains model.norm and every layer's two norms,

@@ -173,8 +173,10 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
     holding = {s: [t for t in targets if t.startswith(s + ".")] for s in saved}
     holding = {s: ts for s, ts in holding.items() if ts}
     if holding:
-        first = next(iter(holding))
-        raise ConfigError(f"apply_lora: modules_to_save {sorted(holding)} hold LoRA targets (such as "
+        first, names = next(iter(holding)), list(holding)  # model order: layers.0, 1, 2 (sorted put 10 before 2)
+        # self_attn matches one module per layer: all 30 of SmolLM2's made a 900-character message
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        raise ConfigError(f"apply_lora: modules_to_save {names[:3]}{more} hold LoRA targets (such as "
                           f"{holding[first][0]}); a module is either adapted or trained in full: name the modules "
                           "inside them to train in full, or leave their projections out of target_modules (in a "
                           "config: lora.modules_to_save, lora.targets)", "lora.modules_to_save")
