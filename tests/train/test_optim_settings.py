@@ -69,7 +69,7 @@ def test_a_run_shorter_than_its_warmup_still_warms_up_and_decays(tmp_path, caplo
     assert lrs[:3] == [0.5, 1.0, 1.0]
     assert all(a > b for a, b in zip(lrs[2:], lrs[3:]))  # falls at every step after the peak
     assert lrs[-1] == pytest.approx(0.1)
-    assert ("schedule.warmup_steps=20 is not shorter than the run's 15 steps" in caplog.text
+    assert ("schedule.warmup_steps=20 is not shorter than the run's 15 step(s)" in caplog.text
             and "warming up over 2 step(s) instead" in caplog.text
             and f"peak at step 2 and decays ({kind}) to schedule.min_lr_ratio=0.1 of it at step 15" in caplog.text
             and "set schedule.warmup_steps below 15" in caplog.text), caplog.text

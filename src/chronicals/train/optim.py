@@ -151,7 +151,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_st
         decays = s.kind != "constant" and total_steps - warmup >= 2  # the first step after warmup is still the peak
         after = (f"decays ({s.kind}) to schedule.min_lr_ratio={s.min_lr_ratio:g} of it at step {total_steps}"
                  if decays else "holds it")
-        log.warning("schedule.warmup_steps=%d is not shorter than the run's %d steps (the warmup would take the "
+        log.warning("schedule.warmup_steps=%d is not shorter than the run's %d step(s) (the warmup would take the "
                     "whole run and leave no step to decay): warming up over %d step(s) instead (1/%d of the run, "
                     "rounded up), so the lr reaches its peak at step %d and %s; set schedule.warmup_steps below %d "
                     "to choose the warmup yourself (0 = none)", s.warmup_steps, total_steps, warmup,
