@@ -17,25 +17,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import random
 import shutil
 import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 
 import torch
 
-from ..config import DEMO, ConfigError, TrainConfig, from_dict, load_config
+from ..config import DEMO, TrainConfig, from_dict, load_config
 from ..cuda_alloc import allocator_setting
-from ..data.loader import DataChanged
 from . import checkpoint as ckpt
-from .metrics import (MetricsLog, matmul_peak_tflops, memory_gib, plot_losses, private_pool_bytes, read_records,
-                      train_flops_per_token)
+from .divergence import _check_finite, nonfinite_weights
+from .finish import TrainResult, _already_done, save_final
+from .metrics import matmul_peak_tflops, memory_gib, plot_losses, private_pool_bytes, train_flops_per_token
 from .optim import build_optimizer, build_scheduler
 from .distributed import DistContext, init_distributed
 from .grad_buckets import GradBuckets
@@ -43,84 +40,13 @@ from .graphs import GraphedStep, resolve_cuda_graphs
 from .setup import build_loaders, load_base, prepare_model, resolve_dtype
 from .readback import StepReadback, StepStart
 from .guards import (check_cuda_graphs, check_data_paths, check_final_dir, check_impl, check_out_dir,
-                     check_resume_path, check_token_ids, earlier_final, final_dir, out_dir_lock, remove_setup_files)
-from .resume import (apply_optimizer_settings, check_same_adapter, data_position_diffs, optimizer_settings,
-                     warn_data_changed)
+                     check_resume_path, check_token_ids, earlier_final, remove_setup_files)
+from .resume import apply_optimizer_settings, check_same_adapter, optimizer_settings, warn_data_changed
+from .run_dir import _locked_out_dir, _metrics_log, _RanksMetrics
 from .step import accumulate_data_parallel, evaluate_loss
+from .stream import _restore_position, _Stream, _total_steps
 
 log = logging.getLogger("chronicals.train")
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss or gradient norm became NaN/inf; the last good checkpoint is kept."""
-
-
-@dataclass
-class TrainResult:
-    status: str  # "completed" | "interrupted"
-    step: int  # optimizer steps done
-    total_steps: int
-    out_dir: Path
-    final_dir: Path | None = None  # adapter (LoRA) or HF model (full) directory
-    checkpoint: Path | None = None  # last resumable checkpoint written
-    start_step: int = 0  # the step this process began at (> 0 after a resume)
-    eval_loss_before: float | None = None
-    eval_loss_after: float | None = None
-    last_loss: float | None = None
-    tokens_per_s: float = 0.0  # loss tokens per second of training steps (eval excluded)
-    train_seconds: float = 0.0
-    plot: Path | None = None
-    data_stats: object | None = None  # the training set's DatasetStats (records kept, skipped, cut), if known
-
-
-class _Stream:
-    """An endless sequence of batches over epochs; the loader's own state_dict is the data position."""
-
-    def __init__(self, loader):
-        self.loader, self._it = loader, None
-
-    def take(self, k: int) -> list:
-        """The next ``k`` batches, or fewer when the epoch ends among them: a step never spans two epochs, so
-        train.epochs=1 trains every batch once (10 batches at grad_accum 3: steps of 3, 3, 3, 1), as the Hugging
-        Face Trainer does. Each step's loss is normalized by its own loss-token count, so a short step is exact."""
-        out, fresh_empty = [], 0
-        while len(out) < k:
-            fresh = self._it is None
-            if fresh:
-                self._it = iter(self.loader)  # the next `iter` of the loader continues with the next epoch
-            try:
-                out.append(next(self._it))
-            except StopIteration:
-                self._it = None
-                if out:
-                    break
-                # one empty pass is a loader saved at its epoch's end rolling over; two in a row would spin forever
-                fresh_empty += fresh
-                if fresh_empty > 1:
-                    raise ValueError("the training loader yielded no batches after its epoch ended: its __iter__ "
-                                     "must start the next epoch (as PackedLoader does), not return an exhausted "
-                                     "iterator") from None
-        return out
-
-    def state_dict(self) -> dict:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.loader.load_state_dict(sd)
-        self._it = None
-
-
-class _RanksMetrics:
-    """The MetricsLog stand-in of ranks other than 0: records kept in memory, no file written."""
-
-    def __init__(self):
-        self.records: list[dict] = []
-
-    def write(self, rec: dict) -> None:
-        self.records.append(rec)
-
-    def close(self) -> None:
-        pass
 
 
 class _StopFlag:
@@ -148,34 +74,6 @@ class _StopFlag:
             signal.signal(s, h)
 
 
-def nonfinite_weights(model: torch.nn.Module) -> list[str]:
-    """Names of the parameters holding NaN/inf (one pass over the weights: only asked once a step has failed)."""
-    return [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
-
-
-def _check_finite(step: int, loss_val: float, gnorm: float, last_good, bad_weights=None) -> None:
-    """TrainingDiverged when step ``step``'s loss or gradient norm is NaN/inf; its update is not applied.
-
-    ``last_good()``: the last good checkpoint (named in the message). ``bad_weights()`` (the run's first step
-    only): the parameters that were NaN/inf before any update, which no lr or warmup setting mends."""
-    if math.isfinite(loss_val) and math.isfinite(gnorm):
-        return
-    bad = bad_weights() if bad_weights is not None else []
-    if bad:
-        raise TrainingDiverged(f"{'loss' if not math.isfinite(loss_val) else 'gradient norm'} is not finite at step "
-                               f"{step}, the run's first, and the model's weights held NaN/inf before any update: "
-                               f"{len(bad)} tensors, e.g. {', '.join(bad[:3])}; the checkpoint (or model) it started "
-                               "from is damaged: load an intact copy (a lower optim.lr would not help)")
-    good = last_good()
-    where = (f"The last good checkpoint is {good}; train.resume=auto continues from it with the changed settings"
-             if good is not None else "No checkpoint was written before it (train.save_every=N writes them); "
-             "the run starts over")
-    what = (f"loss is {loss_val}" if not math.isfinite(loss_val)
-            else f"gradient norm is {gnorm} (loss {loss_val:.4f})")
-    raise TrainingDiverged(f"{what} at step {step}; stopping without its update. {where} (lower optim.lr, raise "
-                           "schedule.warmup_steps, or check the data)")
-
-
 @dataclass
 class _Pending:
     """An optimizer step whose scalars (loss, grad norm, loss tokens, the ranks' stop flag) are still on the way."""
@@ -192,42 +90,6 @@ class _LoopState:
     loss_tokens: int = 0
     others_stop: bool = False  # data parallel: some rank got a signal (the all-ranks max of the flags)
     saves: int = 0  # checkpoints taken
-
-
-def _restore_position(stream, restored: dict, cfg_dict: dict, path: Path) -> None:
-    """The data position of checkpoint ``path``; a loader of other data, batches or seed is refused with the
-    checkpoint's name and the keys this run changed (the loader's own message names only the counts)."""
-    try:
-        stream.load_state_dict(restored["data"])  # rank 0's position: every rank's equals it (equal shards)
-    except DataChanged as e:  # the same counts, other documents: the position would train other data
-        raise ValueError(f"cannot resume from {path}: the training data changed since this checkpoint was written: "
-                         f"{e.args[1]}; resume with the original data, or start fresh with train.resume=none (or "
-                         "another train.out_dir)") from None
-    except ValueError as e:
-        if "data.dp_remainder=drop" in str(e) or "data-parallel rank(s)" in str(e):  # the loader names the fix
-            raise ValueError(f"cannot resume from {path}: {e}") from None
-        diffs = data_position_diffs(restored["extra"].get("config"), cfg_dict)
-        new_run = "a run over other data or batches is a new run: set train.resume=none or another train.out_dir"
-        if diffs:
-            why = f"this run changed {', '.join(diffs)}; {new_run}"
-        else:
-            why = (f"no data setting changed, so either the data files' contents did ({new_run}) or the number of "
-                   "ranks did (resume with the checkpoint's torchrun --nproc-per-node)")
-        raise ValueError(f"cannot resume from {path}: {e}. {why}") from None
-
-
-def _total_steps(cfg: TrainConfig, batches_per_epoch: int) -> int:
-    if batches_per_epoch == 0:  # with max_steps too: the first step would end in a bare StopIteration
-        raise ValueError("the training loader yields no batches: is the dataset empty?")
-    if cfg.train.max_steps > 0:
-        return cfg.train.max_steps
-    # whole epochs of ceil(batches / grad_accum) steps (the last one short; see _Stream.take), then a fraction; in
-    # exact decimals: 1.1 - 1 is 0.10000000000000009 in floats, and 1.1 epochs of 10 batches would take 12 steps
-    epochs = Fraction(str(cfg.train.epochs))
-    whole = math.floor(epochs)
-    per_epoch = math.ceil(batches_per_epoch / cfg.train.grad_accum)
-    part = math.ceil((epochs - whole) * batches_per_epoch / cfg.train.grad_accum)
-    return max(1, whole * per_epoch + part)
 
 
 def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None, train_loader=None, eval_loader=None,
@@ -270,24 +132,6 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
                 raise
     finally:
         dp.destroy()
-
-
-@contextlib.contextmanager
-def _locked_out_dir(out_dir: Path, dp: DistContext):
-    """out_dir_lock, held by rank 0 alone (it alone writes there); a refusal there is raised on every rank
-    (a flag all-reduced), so no rank waits at a barrier for a rank 0 that has gone."""
-    with contextlib.ExitStack() as stack:
-        refused = None
-        try:
-            stack.enter_context(out_dir_lock(out_dir, hold=dp.is_main))
-        except ConfigError as e:
-            refused = e
-        if dp.enabled and bool(dp.all_reduce_flag(refused is not None)) and refused is None:
-            refused = ConfigError(f"train.out_dir={out_dir} is in use by another chronicals run (rank 0 could not "
-                                  "lock it); wait for it to finish, or set another train.out_dir", "train.out_dir")
-        if refused is not None:
-            raise refused
-        yield
 
 
 @dataclass
@@ -633,91 +477,3 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     if cfg.logging.plot and dp.is_main:
         result.plot = plot_losses(metrics.records, out_dir / "loss.png")
     return result
-
-
-def _metrics_log(cfg: TrainConfig, out_dir: Path, resume_from: Path | None, start: int, on_open) -> MetricsLog:
-    """The run's MetricsLog: a resume from one of out_dir's own checkpoints keeps out_dir's records up to its step;
-    one from another run's checkpoint (runs/a/checkpoints/step-N into runs/b) takes that run's records up to
-    step N instead (out_dir's own records are another history: kept, they mixed two runs' steps 1..N and gave
-    the summary the wrong held-out loss "before"), or none, said, when that run's metrics.jsonl cannot be read."""
-    tb = cfg.logging.tensorboard
-    if resume_from is None:
-        return MetricsLog(out_dir, tb, None, on_open=on_open)
-    if ckpt.is_own(resume_from, out_dir):
-        return MetricsLog(out_dir, tb, start, on_open=on_open)
-    ckdir = resume_from if resume_from.is_dir() else resume_from.parent
-    metrics = MetricsLog(out_dir, tb, None, on_open=on_open)  # out_dir's metrics.jsonl is replaced at the first record
-    source = ckdir.parent.parent / "metrics.jsonl" if ckdir.parent.name == "checkpoints" else None
-    why = None
-    if source is None or not source.is_file():
-        why = "no metrics.jsonl beside it" if source is None else f"{source} does not exist"
-    else:
-        try:
-            metrics.records = MetricsLog(source.parent, False, start).records
-        except (OSError, ValueError) as e:
-            why = f"{source} could not be read ({e})"
-    if why:
-        log.warning("%s is not one of %s's checkpoints and %s: %s starts at step %d", resume_from, out_dir, why,
-                    metrics.path, start + 1)
-    else:
-        log.info("%s is another run's checkpoint: %s starts with that run's %d records up to step %d (from %s)",
-                 resume_from, metrics.path, len(metrics.records), start, source)
-    return metrics
-
-
-def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, checkpoint: Path,
-                  total: int, closing: tuple) -> TrainResult:
-    """resume found the run's last step: nothing to train, nothing logged again; the final directory is written
-    from the checkpoint's weights, also when one is there: it may be an earlier run's (this one ran with
-    train.save_final=false, or stopped between its last checkpoint and its final save), and was returned as this
-    run's. A run stopped by a signal during its last step checkpointed that step but never ran its closing
-    evaluation: it runs now (its "after" record, the result's held-out losses, the "after" report), as the
-    uninterrupted run's end would have. ``closing``: (eval loader, held-out QA records, report callback)."""
-    log.warning("%s is this run's last step (%d of %d): nothing to train; raise train.max_steps to train on, or set "
-                "train.resume=none to start over", checkpoint, total, total)
-    result = TrainResult(status="completed", step=total, total_steps=total, out_dir=out_dir, checkpoint=checkpoint,
-                         start_step=total)
-    eval_loader, heldout_qa, report = closing
-    if dp.is_main and eval_loader is not None and ckpt.is_own(checkpoint, out_dir) and not _closed(out_dir, total):
-        metrics = MetricsLog(out_dir, cfg.logging.tensorboard, total)  # out_dir's records up to its last step
-        result.eval_loss_before = next((r["eval_loss"] for r in metrics.records
-                                        if r.get("kind") == "eval" and r.get("tag") == "before"), None)
-        loss, n = evaluate_loss(model, eval_loader, dp.device)
-        metrics.write({"kind": "eval", "step": total, "eval_loss": loss, "eval_tokens": n, "tag": "after"})
-        metrics.close()
-        result.eval_loss_after = loss
-        log.info("%s: the run was stopped in its last step; its closing held-out loss %.4f is logged now",
-                 checkpoint, loss)
-        if cfg.logging.plot:
-            result.plot = plot_losses(metrics.records, out_dir / "loss.png")
-    if cfg.train.save_final and dp.is_main:
-        result.final_dir = save_final(model, tokenizer, cfg, out_dir)
-    if report and result.eval_loss_after is not None:
-        report("after", model=model, tokenizer=tokenizer, eval_loss=result.eval_loss_after, heldout_qa=heldout_qa,
-               result=result)
-    return result
-
-
-def _closed(out_dir: Path, total: int) -> bool:
-    """out_dir's metrics.jsonl holds the closing ("after") evaluation of step ``total``; an unreadable file counts as
-    closed (nothing is rewritten over it)."""
-    try:
-        return any(r.get("tag") == "after" and r.get("step") == total
-                   for r in read_records(out_dir / "metrics.jsonl", total))
-    except (OSError, ValueError):
-        return True
-
-
-def save_final(model, tokenizer, cfg: TrainConfig, out_dir: Path) -> Path:
-    """LoRA: a PEFT adapter directory (out_dir/adapter); full: a Hugging Face directory (out_dir/model)."""
-    path = final_dir(cfg, out_dir)
-    if cfg.lora.enabled:
-        from ..lora import save_adapter
-
-        save_adapter(model, path, base_model_name_or_path=getattr(model, "chronicals_base", None))
-    else:
-        from .. import save_model
-
-        save_model(model, tokenizer, path)
-    log.info("saved %s", path)
-    return path

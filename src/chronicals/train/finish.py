@@ -1,0 +1,93 @@
+"""The end of a run: its TrainResult, the final adapter or model directory, and a resume that finds the run's
+last step already done (nothing to train; its closing evaluation runs if a signal stopped it before)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import TrainConfig
+from . import checkpoint as ckpt
+from .distributed import DistContext
+from .guards import final_dir
+from .metrics import MetricsLog, plot_losses, read_records
+from .step import evaluate_loss
+
+log = logging.getLogger("chronicals.train")
+
+
+@dataclass
+class TrainResult:
+    status: str  # "completed" | "interrupted"
+    step: int  # optimizer steps done
+    total_steps: int
+    out_dir: Path
+    final_dir: Path | None = None  # adapter (LoRA) or HF model (full) directory
+    checkpoint: Path | None = None  # last resumable checkpoint written
+    start_step: int = 0  # the step this process began at (> 0 after a resume)
+    eval_loss_before: float | None = None
+    eval_loss_after: float | None = None
+    last_loss: float | None = None
+    tokens_per_s: float = 0.0  # loss tokens per second of training steps (eval excluded)
+    train_seconds: float = 0.0
+    plot: Path | None = None
+    data_stats: object | None = None  # the training set's DatasetStats (records kept, skipped, cut), if known
+
+
+def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, checkpoint: Path,
+                  total: int, closing: tuple) -> TrainResult:
+    """resume found the run's last step: nothing to train, nothing logged again; the final directory is written
+    from the checkpoint's weights, also when one is there: it may be an earlier run's (this one ran with
+    train.save_final=false, or stopped between its last checkpoint and its final save), and was returned as this
+    run's. A run stopped by a signal during its last step checkpointed that step but never ran its closing
+    evaluation: it runs now (its "after" record, the result's held-out losses, the "after" report), as the
+    uninterrupted run's end would have. ``closing``: (eval loader, held-out QA records, report callback)."""
+    log.warning("%s is this run's last step (%d of %d): nothing to train; raise train.max_steps to train on, or set "
+                "train.resume=none to start over", checkpoint, total, total)
+    result = TrainResult(status="completed", step=total, total_steps=total, out_dir=out_dir, checkpoint=checkpoint,
+                         start_step=total)
+    eval_loader, heldout_qa, report = closing
+    if dp.is_main and eval_loader is not None and ckpt.is_own(checkpoint, out_dir) and not _closed(out_dir, total):
+        metrics = MetricsLog(out_dir, cfg.logging.tensorboard, total)  # out_dir's records up to its last step
+        result.eval_loss_before = next((r["eval_loss"] for r in metrics.records
+                                        if r.get("kind") == "eval" and r.get("tag") == "before"), None)
+        loss, n = evaluate_loss(model, eval_loader, dp.device)
+        metrics.write({"kind": "eval", "step": total, "eval_loss": loss, "eval_tokens": n, "tag": "after"})
+        metrics.close()
+        result.eval_loss_after = loss
+        log.info("%s: the run was stopped in its last step; its closing held-out loss %.4f is logged now",
+                 checkpoint, loss)
+        if cfg.logging.plot:
+            result.plot = plot_losses(metrics.records, out_dir / "loss.png")
+    if cfg.train.save_final and dp.is_main:
+        result.final_dir = save_final(model, tokenizer, cfg, out_dir)
+    if report and result.eval_loss_after is not None:
+        report("after", model=model, tokenizer=tokenizer, eval_loss=result.eval_loss_after, heldout_qa=heldout_qa,
+               result=result)
+    return result
+
+
+def _closed(out_dir: Path, total: int) -> bool:
+    """out_dir's metrics.jsonl holds the closing ("after") evaluation of step ``total``; an unreadable file counts as
+    closed (nothing is rewritten over it)."""
+    try:
+        return any(r.get("tag") == "after" and r.get("step") == total
+                   for r in read_records(out_dir / "metrics.jsonl", total))
+    except (OSError, ValueError):
+        return True
+
+
+def save_final(model, tokenizer, cfg: TrainConfig, out_dir: Path) -> Path:
+    """LoRA: a PEFT adapter directory (out_dir/adapter); full: a Hugging Face directory (out_dir/model)."""
+    path = final_dir(cfg, out_dir)
+    if cfg.lora.enabled:
+        from ..lora import save_adapter
+
+        save_adapter(model, path, base_model_name_or_path=getattr(model, "chronicals_base", None))
+    else:
+        from .. import save_model
+
+        save_model(model, tokenizer, path)
+    log.info("saved %s", path)
+    return path

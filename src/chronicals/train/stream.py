@@ -1,0 +1,85 @@
+"""The training batches as the loop takes them: an endless stream over epochs (a step never spans two), the
+run's number of steps, and a checkpoint's data position restored into the stream."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from pathlib import Path
+
+from ..config import TrainConfig
+from ..data.loader import DataChanged
+from .resume import data_position_diffs
+
+
+class _Stream:
+    """An endless sequence of batches over epochs; the loader's own state_dict is the data position."""
+
+    def __init__(self, loader):
+        self.loader, self._it = loader, None
+
+    def take(self, k: int) -> list:
+        """The next ``k`` batches, or fewer when the epoch ends among them: a step never spans two epochs, so
+        train.epochs=1 trains every batch once (10 batches at grad_accum 3: steps of 3, 3, 3, 1), as the Hugging
+        Face Trainer does. Each step's loss is normalized by its own loss-token count, so a short step is exact."""
+        out, fresh_empty = [], 0
+        while len(out) < k:
+            fresh = self._it is None
+            if fresh:
+                self._it = iter(self.loader)  # the next `iter` of the loader continues with the next epoch
+            try:
+                out.append(next(self._it))
+            except StopIteration:
+                self._it = None
+                if out:
+                    break
+                # one empty pass is a loader saved at its epoch's end rolling over; two in a row would spin forever
+                fresh_empty += fresh
+                if fresh_empty > 1:
+                    raise ValueError("the training loader yielded no batches after its epoch ended: its __iter__ "
+                                     "must start the next epoch (as PackedLoader does), not return an exhausted "
+                                     "iterator") from None
+        return out
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.loader.load_state_dict(sd)
+        self._it = None
+
+
+def _restore_position(stream, restored: dict, cfg_dict: dict, path: Path) -> None:
+    """The data position of checkpoint ``path``; a loader of other data, batches or seed is refused with the
+    checkpoint's name and the keys this run changed (the loader's own message names only the counts)."""
+    try:
+        stream.load_state_dict(restored["data"])  # rank 0's position: every rank's equals it (equal shards)
+    except DataChanged as e:  # the same counts, other documents: the position would train other data
+        raise ValueError(f"cannot resume from {path}: the training data changed since this checkpoint was written: "
+                         f"{e.args[1]}; resume with the original data, or start fresh with train.resume=none (or "
+                         "another train.out_dir)") from None
+    except ValueError as e:
+        if "data.dp_remainder=drop" in str(e) or "data-parallel rank(s)" in str(e):  # the loader names the fix
+            raise ValueError(f"cannot resume from {path}: {e}") from None
+        diffs = data_position_diffs(restored["extra"].get("config"), cfg_dict)
+        new_run = "a run over other data or batches is a new run: set train.resume=none or another train.out_dir"
+        if diffs:
+            why = f"this run changed {', '.join(diffs)}; {new_run}"
+        else:
+            why = (f"no data setting changed, so either the data files' contents did ({new_run}) or the number of "
+                   "ranks did (resume with the checkpoint's torchrun --nproc-per-node)")
+        raise ValueError(f"cannot resume from {path}: {e}. {why}") from None
+
+
+def _total_steps(cfg: TrainConfig, batches_per_epoch: int) -> int:
+    if batches_per_epoch == 0:  # with max_steps too: the first step would end in a bare StopIteration
+        raise ValueError("the training loader yields no batches: is the dataset empty?")
+    if cfg.train.max_steps > 0:
+        return cfg.train.max_steps
+    # whole epochs of ceil(batches / grad_accum) steps (the last one short; see _Stream.take), then a fraction; in
+    # exact decimals: 1.1 - 1 is 0.10000000000000009 in floats, and 1.1 epochs of 10 batches would take 12 steps
+    epochs = Fraction(str(cfg.train.epochs))
+    whole = math.floor(epochs)
+    per_epoch = math.ceil(batches_per_epoch / cfg.train.grad_accum)
+    part = math.ceil((epochs - whole) * batches_per_epoch / cfg.train.grad_accum)
+    return max(1, whole * per_epoch + part)
