@@ -136,7 +136,7 @@ def test_a_run_stopped_before_its_first_record_leaves_tensorboard_as_it_was(tmp_
 
 
 def test_another_runs_records_are_shown_too(tmp_path, tb):
-    """A resume from another run's checkpoint starts metrics.jsonl with that run's records (train/loop.py sets
+    """A resume from another run's checkpoint starts metrics.jsonl with that run's records (train/run_dir.py sets
     ``records``); TensorBoard gets them as well, and none of out_dir's own earlier steps."""
     _log(tmp_path / "b", range(1, 7))
     m = MetricsLog(tmp_path / "b", True)
