@@ -1,0 +1,125 @@
+"""``chronicals chat`` (and ``generate``, the same): answer prompts, greedy, with a base or fine-tuned model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .cli_models import DTYPE_HELP, _base_for, _load, _within_context
+
+
+def _run_system_prompt(path: str | None) -> str | None:
+    """The system message of the held-out prompts of the run that wrote ``path`` (``train.out_dir``/adapter or
+    /model): from the run's config.yaml beside it, so chat asks as the run's held-out questions were asked. None
+    when ``path`` is not in a run directory (or its config.yaml does not load)."""
+    if not path:
+        return None
+    cfg_file = Path(path).expanduser().parent / "config.yaml"
+    if Path(path).name not in ("adapter", "model") or not cfg_file.is_file():
+        return None
+    from .config import load_config
+    from .train.qa import heldout_system_prompt
+
+    try:
+        system = heldout_system_prompt(load_config(cfg_file).data)
+    except (ValueError, OSError):  # another tool's config.yaml, or one of an older version: not ours to judge
+        return None
+    shown = repr(system) if system else "none (the chat template's default)"
+    print(f"--system not given: using {shown}, the system message of {cfg_file}'s held-out prompts", file=sys.stderr)
+    return system
+
+
+def cmd_chat(argv: list[str], prog: str = "chat") -> int:
+    p = argparse.ArgumentParser(prog=f"chronicals {prog}",
+                                description="Answer prompts (greedy) with a base or fine-tuned model; with no "
+                                            "prompts, read one per line from stdin. Each prompt is asked on its own "
+                                            "(no earlier turns), with the system message.")
+    p.add_argument("prompts", nargs="*", help="user messages to answer")
+    p.add_argument("--model", default=None, help="HF directory, .gguf, or smollm2-135m-instruct (default: with "
+                                                  "--adapter the base recorded in it, else smollm2-135m-instruct)")
+    p.add_argument("--adapter", default=None, help="LoRA adapter directory to apply (e.g. runs/demo/adapter)")
+    p.add_argument("--system", default=None, help="system message (default: the one the run that wrote --adapter "
+                                                    "or --model used for its held-out prompts, read from the run's "
+                                                    "config.yaml beside it; else the one the demo trains with)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many tokens per answer (>= 1); "
+                                                                   "fewer where prompt and answer would pass the "
+                                                                   "model's context (said once)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help=DTYPE_HELP)
+    a = p.parse_args(argv)
+    if a.max_new_tokens < 1:
+        p.error(f"--max-new-tokens {a.max_new_tokens}: an answer needs at least 1 new token")
+    if any(not q.strip() for q in a.prompts):
+        p.error("an empty prompt was given; pass the message text (or no prompts to read them from stdin)")
+    from .train.setup import resolve_device
+
+    try:
+        dev = resolve_device(a.device, key="--device")
+    except ValueError as e:
+        p.error(str(e))
+    a.model = _base_for(a.adapter, a.model, "--model")
+    from .config import DEMO_SYSTEM_PROMPT
+    from .models import require_chat_template
+    from .train.qa import answer
+
+    model, tok = _load(a.model, a.adapter, dev, a.dtype)
+    require_chat_template(tok)  # before any prompt is read
+    _within_context(p, model, a.model, ("--max-new-tokens", a.max_new_tokens))
+    system = _run_system_prompt(a.adapter or a.model) if a.system is None else a.system
+    if system is None:
+        system = DEMO_SYSTEM_PROMPT
+    prompts = a.prompts
+    interactive = not prompts and sys.stdin.isatty()  # a terminal: answers only; piped or given: "> prompt" first
+    if interactive:
+        print("type a message and press enter (Ctrl-D to quit)", file=sys.stderr)
+    if not prompts:
+        prompts = (line.strip() for line in sys.stdin)  # one prompt per line; blank lines are skipped
+    answered = refused = 0
+    capped = False
+    for q in prompts:
+        if not q:
+            continue
+        room, why = _answer_room(model, tok, q, system, a.max_new_tokens, a.model)
+        if not room:  # this prompt alone fills the context: said, and the next one is read
+            print(f"error: {why}", file=sys.stderr, flush=True)
+            refused += 1
+            continue
+        if why and not capped:  # once: in a long session every long prompt would repeat it
+            print(f"note: {why}", file=sys.stderr)
+            capped = True
+        reply = answer(model, tok, q, system, room)
+        print(reply if interactive else f"> {q}\n{reply}", flush=True)
+        answered += 1
+    if not answered and not refused and not interactive:  # piped stdin with no prompt in it: not a silent success
+        print("error: no prompt: stdin held no non-blank line; pass the message as an argument, or pipe one "
+              "prompt per line", file=sys.stderr)
+        return 2
+    return 3 if refused else 0  # 3: bad input, as a data file's bad record
+
+
+def _answer_room(model, tok, q: str, system: str, max_new_tokens: int, name: str) -> tuple[int, str | None]:
+    """(new tokens ``q``'s answer may take, why fewer than ``max_new_tokens`` or None). Each prompt is asked
+    alone (no earlier turns), and the templated prompt (system message, ``q``, the opened assistant turn) and its
+    answer share the model's context (generate.context_length): 0 when the prompt fills it by itself."""
+    from .models.generate import context_length
+    from .train.qa import prompt_ids
+
+    context, limit = context_length(model)
+    if not context:
+        return max_new_tokens, None
+    used = len(prompt_ids(tok, q, system))
+    if used < context:
+        room = min(max_new_tokens, context - used)
+        return room, None if room == max_new_tokens else (
+            f"--max-new-tokens {max_new_tokens}: a prompt of {used} tokens (with the system message and chat "
+            f"template) leaves room for {room} in the {context} tokens {name} attends to ({limit}); answers to "
+            "long prompts are cut there")
+    shown = repr(q) if len(q) <= 60 else repr(q[:57] + "...")
+    framing = len(prompt_ids(tok, "", system))  # the system message and the template around the message
+    fix = ("the system message and template alone fill it: give a shorter --system" if framing >= context else
+           f"shorten it by at least {used - context + 1} tokens" + (" or give a shorter --system"
+                                                                     if framing >= context // 2 else ""))
+    return 0, (f"the prompt {shown} takes {used} tokens ({framing} of them the system message and chat template), "
+               f"and {name} attends to {context} ({limit}): no room for an answer; {fix}")

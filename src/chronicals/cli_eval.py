@@ -1,0 +1,141 @@
+"""``chronicals eval``: score a base or fine-tuned model on a dataset without training (held-out loss,
+perplexity, QA keyword accuracy), with the data section's keys as flags."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .cli_models import DTYPE_HELP, _base_for, _load, _within_context
+
+
+_DATA_FLAGS = ("format", "train_on", "max_seq_len", "system_prompt", "batch_size", "on_long", "on_error", "cache_dir")
+
+
+def _as_flags(message: str) -> str:
+    """A data error's ``data.max_seq_len`` / ``data.on_long=truncate`` as eval's flags ``--max-seq-len`` /
+    ``--on-long=truncate`` (argparse takes both forms), and ``data.eval_path`` / ``data.path`` as its DATA argument."""
+    import re
+
+    message = re.sub(r"\bdata\.(eval_)?path\b", "the DATA argument", message)
+    return re.sub(rf"\bdata\.({'|'.join(_DATA_FLAGS)})\b", lambda m: "--" + m.group(1).replace("_", "-"), message)
+
+
+def cmd_eval(argv: list[str]) -> int:
+    from .config import DataSection, EvalSection
+
+    d, e = DataSection(), EvalSection()  # the defaults of the config's data and eval sections
+    p = argparse.ArgumentParser(prog="chronicals eval",
+                                description="Score a base or fine-tuned model on a dataset without training: held-out "
+                                            "loss (mean over loss tokens), perplexity, examples and loss tokens, and "
+                                            "for question/answer/keywords records the keyword accuracy of greedy "
+                                            "answers; the same numbers as train's held-out 'before'/'after'. The data "
+                                            "options are the data section's keys (data.max_seq_len: --max-seq-len).")
+    p.add_argument("data", help="file to score: .jsonl/.json/.parquet/.csv or a directory of them (as data.path), or "
+                                "demo (the packaged held-out questions)")
+    p.add_argument("--model", default=None, help="HF directory, .gguf, or smollm2-135m-instruct (default: with "
+                                                  "--adapter the base recorded in it, else smollm2-135m-instruct)")
+    p.add_argument("--adapter", default=None, help="LoRA adapter directory to apply (PEFT format, e.g. "
+                                                    "runs/demo/adapter)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the numbers (and each answer) to FILE as "
+                                                                 "JSON, atomically")
+    p.add_argument("--format", default=d.format, choices=["auto", "text", "chat", "alpaca", "prompt_completion",
+                                                          "sharegpt"], help="record format (question/answer records "
+                                                                            "are read as chat)")
+    p.add_argument("--train-on", default=d.train_on, choices=["assistant", "all"],
+                   help="which tokens carry loss (default: %(default)s)")
+    p.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="tokens per packed row (default: "
+                                                                          "%(default)s); longer examples are cut (see "
+                                                                          "--on-long)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help="packed rows per forward (default: %(default)s)")
+    p.add_argument("--system-prompt", default=None, help="system message of question/answer prompts (default: "
+                                                         f"{d.system_prompt!r} for demo, else none, as train asks "
+                                                         "its held-out questions beside your own data)")
+    p.add_argument("--on-long", default=d.on_long, choices=["truncate", "drop"],
+                   help="examples longer than --max-seq-len: cut to it or left out (default: %(default)s)")
+    p.add_argument("--on-error", default=d.on_error, choices=["fail", "skip"],
+                   help="malformed records: stop at the first, naming it (default), or skip and count them")
+    p.add_argument("--cache-dir", default=d.cache_dir, help="tokenization cache ('' = the default, none = no cache)")
+    p.add_argument("--qa-limit", type=int, default=e.qa_limit, help="questions to answer (0 = all, the default)")
+    p.add_argument("--max-new-tokens", type=int, default=e.max_new_tokens,
+                   help="tokens generated per answer (default: %(default)s, as train's eval.max_new_tokens)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help=DTYPE_HELP)
+    a = p.parse_args(argv)
+    for flag, value, least in (("--max-seq-len", a.max_seq_len, 8), ("--batch-size", a.batch_size, 1),
+                               ("--qa-limit", a.qa_limit, 0), ("--max-new-tokens", a.max_new_tokens, 1)):
+        if value < least:
+            p.error(f"{flag} {value}: expected an integer >= {least}")
+    if not a.data.strip():
+        p.error("the data argument is empty; give the file to score (or demo)")
+    if a.json is not None:
+        out = Path(a.json).expanduser()
+        if not a.json.strip() or out.is_dir():
+            p.error(f"--json {a.json!r} is {'empty' if not a.json.strip() else 'a directory'}; give a file name")
+        if not out.parent.is_dir():
+            p.error(f"--json {a.json}: the folder {out.parent} does not exist; create it or choose another file")
+    from .config import DEMO, ConfigError
+    from .data.readers import glob_hint
+    from .train.setup import DATA_OPTION_KEYS, resolve_device
+
+    try:
+        dev = resolve_device(a.device, key="--device")
+        data = DataSection(path=a.data, format=a.format, train_on=a.train_on, max_seq_len=a.max_seq_len,
+                           batch_size=a.batch_size, on_long=a.on_long, on_error=a.on_error, cache_dir=a.cache_dir,
+                           system_prompt=d.system_prompt if a.system_prompt is None else a.system_prompt)
+    except ConfigError as err:  # "config data.max_seq_len=... is invalid": here that key is a flag
+        p.error(_as_flags(str(err).removeprefix("config ")))
+    if a.data != DEMO and not Path(a.data).expanduser().exists():  # before the model loads
+        where = "" if Path(a.data).is_absolute() else f" (relative paths are read from the working directory, " \
+                                                       f"{Path.cwd()})"
+        raise FileNotFoundError(f"{a.data}: no such file or directory{where}{glob_hint(a.data)}; give the data file "
+                                "to score, or demo for the packaged held-out questions")
+    a.model = _base_for(a.adapter, a.model, "--model")
+    if a.json is not None:  # before the load and scoring, not when the numbers are written
+        out = Path(a.json).expanduser().resolve()
+        for name, given in (("DATA", a.data), ("--model", a.model), ("--adapter", a.adapter)):
+            target = given and Path(given).expanduser().exists() and Path(given).expanduser().resolve()
+            if target and (out == target or target in out.parents):
+                p.error(f"--json {a.json} would {'overwrite' if out == target else 'write into'} {name} {given}; "
+                        "choose a file outside it")
+        import tempfile
+
+        try:  # a read-only folder, /proc: said now, not after minutes of scoring
+            tempfile.TemporaryFile(dir=out.parent).close()
+        except OSError as err:
+            p.error(f"--json {a.json}: cannot write in {out.parent} ({err.strerror or err}); choose another file")
+    from .evaluate import evaluate, write_json  # no _setup_logging: a summary, as chat prints answers only
+
+    model, tok = _load(a.model, a.adapter, dev, a.dtype)
+    # a row also costs max_seq_len^2 memory on the CPU path
+    _within_context(p, model, a.model, ("--max-seq-len", a.max_seq_len), ("--max-new-tokens", a.max_new_tokens))
+    # the data's warnings and errors name these flags ("raise --max-seq-len or set --on-long=truncate")
+    flags = {option: _as_flags(key) for option, key in DATA_OPTION_KEYS.items()}
+    try:
+        result = evaluate(model, tok, data, dev, qa_limit=a.qa_limit, max_new_tokens=a.max_new_tokens,
+                          option_names=flags)
+    except ValueError as err:  # another error naming data.<key> (data.cache_dir): a flag here (still exit 3)
+        said = _as_flags(str(err))
+        if isinstance(err, ConfigError) or said == str(err):
+            raise
+        raise ValueError(said) from err
+    if result.system_prompt is None and a.system_prompt is not None:
+        print(f"note: --system-prompt has no effect: {a.data} holds no question/answer records (chat records keep "
+              "their own system message)", file=sys.stderr)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    result.settings = {"model": a.model, "adapter": a.adapter, "device": str(dev), "dtype": dtype,
+                       "format": a.format, "train_on": a.train_on, "max_seq_len": a.max_seq_len,
+                       "batch_size": a.batch_size, "on_long": a.on_long}
+    print(f"model: {a.model}" + (f" + adapter {a.adapter}" if a.adapter else ""))
+    print(result.summary())
+    if a.json is not None:
+        try:
+            written = write_json(a.json, result.as_dict())
+        except OSError as err:
+            raise OSError(f"--json {a.json}: cannot write it ({err.strerror or err}); the numbers are printed "
+                          "above") from err
+        print(f"numbers: {written}")
+    return 0

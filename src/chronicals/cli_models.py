@@ -1,0 +1,76 @@
+"""The models ``chronicals export | chat | eval`` load: which base an adapter goes on, the load itself, and the
+check of their token-count flags against the model's context. Shared by cli.py, cli_chat.py and cli_eval.py."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+EMBEDDED = "smollm2-135m-instruct"
+
+
+def _recorded_base(adapter: str) -> str | None:
+    """The base an adapter was trained on (adapter_config.json's base_model_name_or_path), or None."""
+    from .lora.peft_io import read_adapter_config
+
+    base = read_adapter_config(adapter).get("base_model_name_or_path")
+    return base if base and isinstance(base, str) else None
+
+
+def _here(model: str) -> bool:
+    return model == EMBEDDED or Path(model).expanduser().exists()
+
+
+def _base_for(adapter: str | None, given: str | None, flag: str) -> str:
+    """The model an adapter goes on: ``given``, else the base recorded in the adapter, else the embedded model.
+    A given base other than the recorded one is allowed (a copy, a re-save) but warned about: an adapter on a
+    base of the same shapes loads without any error and gives wrong outputs."""
+    from .models.loading import same_model
+
+    recorded = _recorded_base(adapter) if adapter else None
+    if given is None:
+        if recorded is None:
+            if adapter:
+                print(f"{adapter}/adapter_config.json records no base model: using {EMBEDDED} (pass {flag} for "
+                      "another)", file=sys.stderr)
+            return EMBEDDED
+        if not _here(recorded):
+            raise FileNotFoundError(f"{adapter} was trained on {recorded} (adapter_config.json "
+                                    f"base_model_name_or_path), which is not here; pass {flag} with that model's "
+                                    "directory or .gguf")
+        print(f"{flag} not given: using {recorded}, the base recorded in {adapter}/adapter_config.json",
+              file=sys.stderr)
+        return recorded
+    if recorded and _here(recorded) and not same_model(given, recorded):
+        print(f"warning: {adapter} was trained on {recorded} (adapter_config.json base_model_name_or_path), not "
+              f"{flag} {given}; its outputs are right only if {given} holds the same weights", file=sys.stderr)
+    return given
+
+
+
+def _load(model_path: str, adapter: str | None, dev, dtype: str, adapter_dtype=None):
+    """(model in eval mode, tokenizer) on ``dev`` (a resolved torch.device), with ``adapter`` applied (its A and B
+    in ``adapter_dtype``; None: the base's)."""
+    from . import load_model
+    from .train.setup import resolve_dtype
+
+    model, tok = load_model(model_path, dtype=resolve_dtype(dtype, dev), device=dev)
+    if adapter:
+        from .lora import load_adapter
+
+        load_adapter(model, adapter, adapter_dtype=adapter_dtype)
+    return model.eval(), tok
+
+
+def _within_context(p: argparse.ArgumentParser, model, name: str, *flags: tuple[str, int]) -> None:
+    """Exit 2 for a (flag, tokens) past ``model``'s max_position_embeddings: positions past it were never trained
+    (garbage, and slower at every token)."""
+    context = model.config.max_position_embeddings
+    for flag, value in flags:
+        if value > context:
+            p.error(f"{flag} {value} is more than {name} can attend to (max_position_embeddings={context}); "
+                    f"use at most {context}")
+
+
+DTYPE_HELP = "weights dtype: auto (bf16 on CUDA, fp32 on CPU, as train loads them) | float32 | bfloat16"
