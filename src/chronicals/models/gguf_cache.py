@@ -63,7 +63,12 @@ def cache_dir_for(gguf_path: str | Path) -> Path:
     cp -p or touch -r, reused the stale conversion; ctime cannot be set by users, and moves a file's
     replacement or in-place rewrite to a new key)."""
     p = Path(gguf_path).resolve()
-    return cache_root() / "gguf" / _entry_name(p, _identity(p, p.stat(), CONVERTER_VERSION))
+    return _entry_dir(p, p.stat())
+
+
+def _entry_dir(p: Path, st: os.stat_result) -> Path:
+    """The cache directory of resolved GGUF path ``p`` with stat ``st`` under this CONVERTER_VERSION."""
+    return cache_root() / "gguf" / _entry_name(p, _identity(p, st, CONVERTER_VERSION))
 
 
 def cached_conversion(gguf_path: str | Path, convert: Callable[..., Path],
@@ -76,7 +81,7 @@ def cached_conversion(gguf_path: str | Path, convert: Callable[..., Path],
     run again when a recorded tokenizer failure is from other versions."""
     p = Path(gguf_path).resolve()
     st = p.stat()
-    out = cache_root() / "gguf" / _entry_name(p, _identity(p, st, CONVERTER_VERSION))
+    out = _entry_dir(p, st)
     entry = {"source": str(p), "converter_version": CONVERTER_VERSION, "size": st.st_size,
              "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "ctime_ns": st.st_ctime_ns}
     if (out / "config.json").is_file():

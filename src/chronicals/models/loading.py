@@ -88,8 +88,9 @@ def load_tokenizer(path: str | os.PathLike):
     p = resolve_path(path)
     d = cached_gguf_dir(p) if p.is_file() else p
     if not has_tokenizer(d):
-        if p.is_file() and tokenizer_error(d):  # tokenizer.ggml.* that transformers cannot convert
-            raise ValueError(tokenizer_error(d))
+        why = tokenizer_error(d) if p.is_file() else None  # tokenizer.ggml.* that transformers cannot convert
+        if why:
+            raise ValueError(why)
         if p.is_file():  # the conversion writes tokenizer files when the GGUF has tokenizer.ggml.*
             raise FileNotFoundError(
                 f"{p}: this GGUF file has no tokenizer metadata (tokenizer.ggml.*), so it carries no tokenizer; "
