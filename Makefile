@@ -2,7 +2,8 @@
 # Both create .venv if it is missing and install exactly what they need.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip -q --disable-pip-version-check
+# no wheel cache: the CI machine's disk is small (one run there failed with 'No space left on device' mid-install)
+PIP := $(PY) -m pip -q --disable-pip-version-check --no-cache-dir
 
 .PHONY: setup test demo clean
 
