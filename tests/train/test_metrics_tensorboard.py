@@ -28,11 +28,13 @@ class _FakeTensorBoard:
     def __init__(self):
         self.events: dict[str, list[tuple]] = {}
         self.purge_steps: list[int | None] = []
+        self.flush_secs: list[int] = []
         fake = self
 
         class SummaryWriter:
-            def __init__(self, log_dir, purge_step=None):
+            def __init__(self, log_dir, purge_step=None, flush_secs=120):
                 fake.purge_steps.append(purge_step)
+                fake.flush_secs.append(flush_secs)
                 self.events = fake.events.setdefault(str(log_dir), [])
                 if purge_step is not None:
                     self.events.append(("purge", purge_step))
@@ -101,6 +103,12 @@ def test_a_resume_shows_the_redone_steps_once(tmp_path, tb):
     assert [s for s, _ in shown["train/loss"]] == list(range(1, 9))
     assert dict(shown["train/loss"])[7] == 9.0  # the resumed run's
     assert shown == _in_jsonl(tmp_path)
+
+
+def test_the_writer_flushes_every_10_seconds(tmp_path, tb):
+    """TensorBoard's default (flush_secs=120) showed nothing of a run's first two minutes."""
+    _log(tmp_path, range(1, 3))
+    assert tb.flush_secs == [10]
 
 
 def test_a_fresh_run_in_a_reused_out_dir_shows_none_of_the_earlier_runs_steps(tmp_path, tb):

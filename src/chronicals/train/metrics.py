@@ -91,6 +91,9 @@ def memory_gib(device: torch.device, pools: tuple[int, int] | None = None) -> fl
     return peak / 2**30
 
 
+TB_FLUSH_SECS = 10  # how often TensorBoard's event file is flushed
+
+
 class MetricsLog:
     """metrics.jsonl (one JSON object per line) plus TensorBoard scalars when enabled and installed.
 
@@ -143,7 +146,10 @@ class MetricsLog:
             write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
             self._fh = self.path.open("a")
             if self._summary_writer is not None:
-                self.tb = self._summary_writer(str(self._tb_dir), purge_step=self.tb_purge_step)
+                # flush_secs: TensorBoard's default of 120 s leaves a run's first two minutes of curves unseen;
+                # one flush of a few scalars every 10 s costs nothing next to a training step
+                self.tb = self._summary_writer(str(self._tb_dir), purge_step=self.tb_purge_step,
+                                               flush_secs=TB_FLUSH_SECS)
                 for kept in self.records:
                     if kept.get("step", 0) >= self.tb_purge_step:
                         self._add_scalars(kept)
