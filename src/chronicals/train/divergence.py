@@ -31,7 +31,9 @@ def _check_finite(step: int, loss_val: float, gnorm: float, last_good, bad_weigh
                                f"{len(bad)} tensors, e.g. {', '.join(bad[:3])}; the checkpoint (or model) it started "
                                "from is damaged: load an intact copy (a lower optim.lr would not help)")
     good = last_good()
-    where = (f"The last good checkpoint is {good}; train.resume=auto continues from it with the changed settings"
+    # a large lr can leave finite but ruined weights in the checkpoints before the NaN: starting over is the other way
+    where = (f"The last good checkpoint is {good}; train.resume=auto continues from it with the changed settings, "
+             "train.resume=none starts over from the model (if the loss was already climbing before this step)"
              if good is not None else "No checkpoint was written before it (train.save_every=N writes them); "
              "the run starts over")
     what = (f"loss is {loss_val}" if not math.isfinite(loss_val)
