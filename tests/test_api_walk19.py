@@ -1,0 +1,67 @@
+"""The Python API walked as a new user would (session 19): what differed from the docstrings or from what
+transformers / peft users expect, each fixed and pinned here."""
+
+import pytest
+import torch
+import transformers
+
+import chronicals
+from chronicals.lora import apply_lora, load_adapter, read_adapter_config, save_adapter
+from chronicals.models import CausalLM, ModelConfig
+
+TINY = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def tiny_model(seed: int = 0) -> CausalLM:
+    cfg = ModelConfig.from_hf_dict(transformers.LlamaConfig(**TINY).to_dict())
+    return CausalLM(cfg, impl="torch").init_weights(std=0.1, seed=seed)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """``~`` is tmp_path/home for the test."""
+    h = tmp_path / "home"
+    h.mkdir()
+    monkeypatch.setenv("HOME", str(h))
+    return h
+
+
+def test_save_model_returns_the_directory_it_wrote_under_home(home):
+    # save_model("~/m") wrote $HOME/m but returned Path("~/m"), which names nothing (exists() is False)
+    out = chronicals.save_model(tiny_model(), None, "~/m")
+    assert out == home / "m" and (out / "config.json").is_file()
+    model, tok = chronicals.load_model(out, tokenizer=False)
+    assert tok is None and isinstance(model, CausalLM)
+
+
+def test_adapter_round_trip_under_home(home):
+    # save_adapter("~/a") wrote $HOME/a and returned Path("~/a"); load_adapter("~/a") and read_adapter_config said
+    # "~/a: no such directory", while load_model("~/m") expands ~ (so did `chronicals chat --adapter=~/a`)
+    model = tiny_model()
+    apply_lora(model, r=2, alpha=4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)  # B = 0 at init: make the adapter change the logits
+    out = save_adapter(model, "~/a")
+    assert out == home / "a" and (out / "adapter_config.json").is_file()
+    assert read_adapter_config("~/a")["r"] == 2
+    other = tiny_model()
+    load_adapter(other, "~/a")
+    ids = torch.randint(0, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(other.eval()(ids), model.eval()(ids), rtol=0, atol=0)
+
+
+def test_load_model_cuda_without_a_gpu_is_a_value_error_before_reading(tmp_path, monkeypatch):
+    # was torch's "AssertionError: Torch not compiled with CUDA enabled", after the checkpoint was read (and a .gguf
+    # converted, minutes for a large one); a bad device string already was a ValueError naming the fix
+    d = chronicals.save_model(tiny_model(), None, tmp_path / "m")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    reads = []
+    monkeypatch.setattr("chronicals.models.loading.load_hf_dir", lambda *a, **k: reads.append(a))
+    for device in ("cuda", "cuda:1", torch.device("cuda")):
+        with pytest.raises(ValueError, match=r"load_model: device=.* but no CUDA device is visible; use device='cpu'"):
+            chronicals.load_model(d, device=device, tokenizer=False)
+    assert not reads
