@@ -71,6 +71,23 @@ def test_a_negative_temperature_is_refused_and_a_tensor_eos_stops(tiny_hf_config
     assert generate(model, ids, 5, eos_token_id=torch.tensor([first])).tolist() == [first]
 
 
+def test_takes_a_tokenizer_output_for_one_prompt(tiny_hf_config):
+    """apply_chat_template(..., return_tensors="pt") returns a BatchEncoding in transformers 5: generate failed on
+    it with AttributeError ('dim'). A padded one is refused: its zeros would be read as prompt tokens."""
+    from transformers import BatchEncoding
+
+    model = _model(tiny_hf_config)
+    ids = torch.randint(3, 97, (1, 7), generator=torch.Generator().manual_seed(2))
+    enc = BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    assert generate(model, enc, 4).tolist() == generate(model, ids, 4).tolist()
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    with pytest.raises(ValueError, match="one unpadded prompt, and this one's attention_mask has zeros"):
+        generate(model, BatchEncoding({"input_ids": ids, "attention_mask": mask}), 4)
+    with pytest.raises(ValueError, match=r"without 'input_ids' \(keys: \['ids'\]\)"):
+        generate(model, {"ids": ids}, 4)
+
+
 def test_held_out_loss_and_qa_answers_restore_each_module_mode(tiny_hf_config):
     """train.step.evaluate_loss and train.qa.greedy_same_length ran model.train(was_training) afterwards, which also
     switched on a module the caller had left in eval (a LoRA dropout kept off, say)."""

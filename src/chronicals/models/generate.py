@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Mapping
 
 import torch
 
@@ -60,6 +61,18 @@ def eval_mode(model: torch.nn.Module):
             m.training = training
 
 
+def _one_prompt(enc: Mapping) -> torch.Tensor:
+    """The input_ids of a tokenizer's output for one prompt; ValueError for padded or id-less ones."""
+    if "input_ids" not in enc:
+        raise ValueError(f"generate got a mapping without 'input_ids' (keys: {sorted(enc)}); pass the tokenizer's "
+                         "output or its input_ids tensor")
+    mask = enc.get("attention_mask")
+    if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
+        raise ValueError("generate takes one unpadded prompt, and this one's attention_mask has zeros; tokenize "
+                         "the prompt alone (no padding=...) or pass its input_ids without the padding")
+    return torch.as_tensor(enc["input_ids"])
+
+
 @torch.no_grad()
 def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64, *, eos_token_id=None,
              temperature: float = 0.0, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -67,8 +80,11 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
     context (S + T <= max_position_embeddings, or sliding_window when shorter, with a warning: see
     ``new_token_budget``).
 
-    temperature 0 is greedy decoding.
+    temperature 0 is greedy decoding. ``input_ids`` may also be a tokenizer's output for one prompt (a mapping
+    with "input_ids", such as the BatchEncoding that ``apply_chat_template(..., return_tensors="pt")`` returns).
     """
+    if isinstance(input_ids, Mapping):
+        input_ids = _one_prompt(input_ids)
     # view(1, -1) would join a (B, S) batch's rows into one prompt of B * S tokens
     if input_ids.dim() not in (1, 2) or input_ids.dim() == 2 and input_ids.shape[0] != 1 or not input_ids.shape[-1]:
         raise ValueError(f"generate takes one prompt, input_ids (S,) or (1, S) with S >= 1, got shape "
