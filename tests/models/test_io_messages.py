@@ -18,8 +18,8 @@ def _save(tmp_path, tiny_hf_config, family="llama2", name="m"):
 
 
 @pytest.mark.parametrize("rope,match", [
-    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-     r"rope type 'yarn' is not supported \(supported: default, linear, llama3\); chronicals cannot load"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4},
+     r"rope_type='longrope': .* supported: default, linear, llama3, yarn, dynamic; chronicals cannot load"),
     ({"rope_type": "llama3", "factor": 8.0}, r"rope_parameters of rope_type 'llama3' lacks field 'low_freq_factor'"),
 ])
 def test_unsupported_rope_names_config_json(tmp_path, tiny_hf_config, rope, match):

@@ -37,7 +37,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v/o bias (Llama option); Qwen2 sets qkv_bias instead
     qkv_bias: bool = False  # Qwen2/2.5: bias on q, k, v only
-    mlp_bias: bool = False
+    mlp_bias: bool = False  # Llama option; transformers' Mistral/Qwen2/Qwen3 MLPs have none whatever config.json says
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     # the window when at least one layer uses sliding-window attention (Mistral; Qwen2/3 with use_sliding_window),
     # else None; we attend over the full causal window, so longer rows are refused
@@ -45,6 +45,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # transformers applies it to the attention probabilities in training; we have no attention dropout, so a
+    # training forward with it > 0 is refused (eval / generation equal transformers' either way)
+    attention_dropout: float = 0.0
     extra: dict = field(default_factory=dict)  # the rest of config.json, written back unchanged
 
     def __post_init__(self):
@@ -100,10 +103,8 @@ class ModelConfig:
                              "names head_dim under another key")
         try:
             heads = d["num_attention_heads"]
-            rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-            theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
-            if rope.get("rope_type", rope.get("type", "default")) == "default":
-                rope = None
+            max_pos = d.get("max_position_embeddings") or _MAX_POSITIONS[mt]
+            rope, theta = _rope_dict(d, max_pos)
             known = {
                 "model_type": mt, "vocab_size": d["vocab_size"], "hidden_size": d["hidden_size"],
                 "intermediate_size": d["intermediate_size"], "num_hidden_layers": d["num_hidden_layers"],
@@ -111,18 +112,22 @@ class ModelConfig:
                 "head_dim": d.get("head_dim") or d["hidden_size"] // heads,
                 "rms_norm_eps": d.get("rms_norm_eps", 1e-6), "rope_theta": float(theta), "rope_scaling": rope,
                 "partial_rotary_factor": d.get("partial_rotary_factor", 1.0),
-                "max_position_embeddings": d.get("max_position_embeddings", 4096),
+                "max_position_embeddings": max_pos,
                 "tie_word_embeddings": d.get("tie_word_embeddings", False),
                 "attention_bias": mt in ("llama", "qwen3") and d.get("attention_bias", False),
-                "qkv_bias": mt == "qwen2", "mlp_bias": d.get("mlp_bias", False), "qk_norm": mt == "qwen3",
+                "qkv_bias": mt == "qwen2", "mlp_bias": mt == "llama" and d.get("mlp_bias", False),
+                "qk_norm": mt == "qwen3",
                 "sliding_window": _sliding_window(d, mt),
                 "bos_token_id": d.get("bos_token_id"), "eos_token_id": d.get("eos_token_id"),
-                "pad_token_id": d.get("pad_token_id"),
+                "pad_token_id": d.get("pad_token_id"), "attention_dropout": d.get("attention_dropout") or 0.0,
             }
         except KeyError as e:
             raise ValueError(f"{source}: missing field {e.args[0]!r} needed to build a {mt} decoder") from None
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{source}: hidden_act {d['hidden_act']!r} is not supported (SwiGLU needs 'silu')")
+        act = d.get("hidden_act", "silu")
+        if act not in _SILU_NAMES:
+            raise ValueError(f"{source}: hidden_act={act!r}: chronicals' MLP computes silu(gate) * up (SwiGLU) and "
+                             f"no other activation, so this {mt} model's MLP cannot run here; hidden_act must be "
+                             "'silu' (or its alias 'swish'). Use transformers for this model")
         extra = {k: v for k, v in d.items() if k not in known and k not in ("rope_parameters", "rope_scaling")}
         if known["sliding_window"] is None and d.get("sliding_window") is not None:
             extra["sliding_window"] = d["sliding_window"]  # unused by every layer: written back unchanged
@@ -132,12 +137,13 @@ class ModelConfig:
             raise ValueError(f"{source}: {e}") from None
         try:  # the rope parameters are checked here, where the file is known, not at the first forward
             rope_inv_freq(cfg)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, ZeroDivisionError) as e:
             raise ValueError(f"{source}: {e}; chronicals cannot load this model (its rotary positions would "
                              "differ from transformers')") from None
         except KeyError as e:
-            raise ValueError(f"{source}: rope_parameters of rope_type {rope.get('rope_type', rope.get('type'))!r} "
-                             f"lacks field {e.args[0]!r}") from None
+            key = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+            raise ValueError(f"{source}: {key} of rope_type {rope.get('rope_type', rope.get('type'))!r} lacks field "
+                             f"{e.args[0]!r}; copy config.json from the original model again") from None
         return cfg
 
     @classmethod
@@ -153,7 +159,16 @@ class ModelConfig:
             missing += (f"; {run} is a run directory holding a LoRA adapter: pass --adapter {run / 'adapter'} (its "
                         "base is then the model)")
         d = read_json_object(path, "config.json", "copy config.json from the original model again", missing=missing)
-        return cls.from_hf_dict(d, source=str(Path(path)))
+        cfg = cls.from_hf_dict(d, source=str(Path(path)))
+        prf = hf_partial_rotary_factor(d)
+        if prf is not None and prf != 1:  # from_hf_dict builds it (GGUF's rope.dimension_count); transformers not
+            raise ValueError(
+                f"{path}: partial_rotary_factor={prf!r}, but transformers' {cfg.model_type} code has no partial "
+                f"rotary: with plain rope it rotates all head_dim={cfg.head_dim} dims (ignoring the field), with a "
+                "scaled rope type it fails, so it is unclear which model these weights are. If the model was trained "
+                "with full rotary embeddings (what transformers computes), remove partial_rotary_factor from "
+                "config.json")
+        return cfg
 
     def to_hf_dict(self) -> dict:
         d = dict(self.extra)
@@ -174,10 +189,45 @@ class ModelConfig:
         return d
 
 
+# transformers' defaults where config.json has no max_position_embeddings (LlamaConfig, MistralConfig, Qwen2Config,
+# Qwen3Config): dynamic rope and yarn without a factor read it
+_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
+_SILU_NAMES = ("silu", "swish")  # transformers' ACT2FN maps both to nn.SiLU
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+
+
+def _rope_dict(d: dict, max_pos: int) -> tuple[dict | None, float]:
+    """config.json -> (rope parameters without rope_theta, or None for plain rope; rope_theta), read as
+    transformers 5 does: ``rope_scaling`` wins over ``rope_parameters`` when both are set, ``rope_type`` over the
+    older ``type``, a ``rope_theta`` inside the dict over the top-level one; llama3 / yarn / longrope take
+    ``original_max_position_embeddings`` from the top level when it is there, else from the dict, else
+    max_position_embeddings."""
+    rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+    theta = rope.pop("rope_theta", None)
+    if theta is None:
+        theta = d.get("rope_theta") or 10000.0
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in ("llama3", "yarn", "longrope"):
+        if d.get("original_max_position_embeddings") is not None:
+            rope["original_max_position_embeddings"] = d["original_max_position_embeddings"]
+        else:
+            rope.setdefault("original_max_position_embeddings", max_pos)
+    return (None if kind == "default" else rope), theta
+
+
+def hf_partial_rotary_factor(d: dict) -> float | None:
+    """The partial_rotary_factor of a config.json, top level or inside its rope parameters (where transformers 5
+    writes it), or None."""
+    rope = d.get("rope_scaling") or d.get("rope_parameters")
+    inner = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    return inner if inner is not None else d.get("partial_rotary_factor")
+
+
 # config.json fields whose type is checked before any is used: a string "false" is truthy, "32" is no size
 _POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
-_ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                 "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 _OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
 _BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
 
@@ -206,7 +256,8 @@ def _bad_field(d: dict) -> str | None:
         v = d.get(k)
         if v is not None and not isinstance(v, bool):
             return f"{k}={v!r} must be true or false (a JSON boolean, not a string or number)"
-    for k, lo in (("rms_norm_eps", 0.0), ("rope_theta", None), ("partial_rotary_factor", None)):
+    for k, lo in (("rms_norm_eps", 0.0), ("rope_theta", None), ("partial_rotary_factor", None),
+                  ("attention_dropout", 0.0)):
         v = d.get(k)
         if v is not None and not (is_number(v) and (v >= lo if lo is not None else v > 0)):
             return f"{k}={v!r} must be a number {'>= 0' if lo is not None else '> 0'}"
@@ -232,8 +283,9 @@ def _sliding_window(d: dict, model_type: str) -> int | None:
     Mistral: every layer when ``sliding_window`` is set (its ``layer_types`` is ignored). Qwen2/Qwen3: only with
     ``use_sliding_window``, and then the layers marked "sliding_attention" in ``layer_types``, or without that
     list the layers i >= ``max_window_layers`` (default 28), so use_sliding_window=true with max_window_layers >=
-    num_hidden_layers (e.g. 28 of 28) has none. Llama has no sliding window."""
-    window = d.get("sliding_window")
+    num_hidden_layers (e.g. 28 of 28) has none. Llama has no sliding window. A config.json without the key gets
+    transformers' default window, 4096 (MistralConfig, Qwen2Config, Qwen3Config); null means none."""
+    window = d.get("sliding_window", 4096)
     if window is None or model_type == "llama":
         return None
     if model_type == "mistral":
@@ -247,15 +299,20 @@ def _sliding_window(d: dict, model_type: str) -> int | None:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (rotary_dim / 2,) fp32 and the attention scaling, computed exactly as
-    transformers does (same fp32 ops, so logits match to the last bit). Rope types: default, linear, llama3.
+    """Inverse frequencies (rotary_dim / 2,) fp32 and the attention scaling (cos and sin are multiplied by it),
+    computed exactly as transformers does (same fp32 ops, so logits match to the last bit). Rope types: default,
+    linear, llama3, yarn, and dynamic (NTK) within max_position_embeddings, where transformers' dynamic rope
+    equals the plain one; ``CausalLM`` refuses longer sequences, for which transformers rescales per batch.
     """
-    dim = cfg.rotary_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    dim, theta = cfg.rotary_dim, cfg.rope_theta
     rs = cfg.rope_scaling
-    if not rs:
+    kind = rs.get("rope_type", rs.get("type")) if rs else "default"
+    if kind == "dynamic":  # transformers' init at seq_len = max_position_embeddings: the base times 1.0 ** x
+        factor, n = rs["factor"], cfg.max_position_embeddings
+        theta = theta * ((factor * n / n) - (factor - 1)) ** (dim / (dim - 2))
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if kind in ("default", "dynamic"):
         return inv, 1.0
-    kind = rs.get("rope_type", rs.get("type"))
     if kind == "linear":
         return inv / rs["factor"], 1.0
     if kind == "llama3":
@@ -268,4 +325,42 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
         smoothed = (1 - smooth) * out / factor + smooth * out
         medium = ~(wavelen < hi_wl) * ~(wavelen > lo_wl)
         return torch.where(medium, smoothed, out), 1.0
-    raise ValueError(f"rope type {kind!r} is not supported (supported: default, linear, llama3)")
+    if kind == "yarn":
+        return _yarn_inv_freq(rs, dim, theta, cfg.max_position_embeddings)
+    fix = ("rope type 'longrope' switches between two frequency sets at original_max_position_embeddings (Phi-3 "
+           "style), which chronicals does not implement" if kind == "longrope" else "no such rope type is known")
+    raise ValueError(f"rope_type={kind!r}: {fix}; supported: {', '.join(ROPE_TYPES)}")
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(rs: dict, dim: int, theta: float, max_pos: int) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071): the fast rotations (more than beta_fast turns over the original context) are kept,
+    the slow ones (under beta_slow turns) divided by ``factor``, a linear ramp between; cos and sin are scaled by
+    0.1 ln(factor) + 1 unless ``attention_factor`` (or mscale / mscale_all_dim) says otherwise."""
+    old = rs["original_max_position_embeddings"]
+    factor = rs.get("factor")
+    if factor is None:  # transformers: the context extension max_position_embeddings / original
+        factor = max_pos / old
+    attn = rs.get("attention_factor")
+    if attn is None:
+        mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        attn = (float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)) if mscale and mscale_all
+                else _yarn_mscale(factor))
+    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+    def dim_of(turns):  # the (fractional) dimension index whose wavelength fits ``turns`` times into ``old``
+        return (dim * math.log(old / (turns * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)  # (dim / 2,)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    keep = 1 - ramp  # 1: the original frequency (extrapolation), 0: divided by factor (interpolation)
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep, attn

@@ -408,6 +408,13 @@ class CausalLM(nn.Module):
         if kv_caches is not None:
             longest += kv_caches[0].length
         self._check_sliding_window(longest)
+        self._check_dynamic_rope(longest)
+        if self.config.attention_dropout and self.training and torch.is_grad_enabled():
+            raise ValueError(
+                f"config.json sets attention_dropout={self.config.attention_dropout}: transformers drops that share of "
+                "the attention probabilities in training, and chronicals' attention has no dropout, so this training "
+                "step would differ from transformers'. Set attention_dropout to 0.0 in the model's config.json to "
+                "fine-tune without it (evaluation and generation are unaffected: model.eval() runs as is)")
         if position_ids is None:
             if cu_seqlens is not None:
                 raise ValueError("packed rows (cu_seqlens) need position_ids that restart at 0 per document")
@@ -428,6 +435,17 @@ class CausalLM(nn.Module):
                 f"implement (it attends over the full causal window, which differs past {w} tokens). Keep prompt "
                 f"plus generated tokens within {w}; for training set data.max_seq_len <= {w} (or use documents of "
                 f"at most {w} tokens).")
+
+    def _check_dynamic_rope(self, seqlen: int) -> None:
+        """Dynamic (NTK) rope equals the plain one up to max_position_embeddings; past it transformers recomputes
+        the frequencies from each batch's longest position, which we do not: refuse (host-side int check)."""
+        rs, n = self.config.rope_scaling, self.config.max_position_embeddings
+        if rs and rs.get("rope_type", rs.get("type")) == "dynamic" and seqlen > n:
+            raise ValueError(
+                f"a sequence of {seqlen} tokens is longer than this model's max_position_embeddings={n}, and its "
+                f"rope_type is 'dynamic': past {n} tokens transformers rescales the rotary frequencies to the "
+                f"sequence's length, which chronicals does not implement. Keep prompt plus generated tokens within "
+                f"{n}; for training set data.max_seq_len <= {n}.")
 
     def forward(self, input_ids, *, position_ids=None, cu_seqlens=None, max_seqlen=None, labels=None,
                 shift_labels=None, reduction: str = "mean", kv_caches=None, num_loss_tokens: int | None = None):
