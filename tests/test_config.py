@@ -45,6 +45,24 @@ def test_unknown_key_suggests(bad, message):
         load_config(None, [bad])
 
 
+@pytest.mark.parametrize("bad, first", [
+    ("optim.learning_rate=1", "optim.lr"),  # spelling alone put optim.weight_decay first
+    ("train.num_train_epochs=1", "train.epochs"),
+    ("lora.lora_r=4", "lora.rank"),
+    ("lora.target_modules=[q_proj]", "lora.targets"),
+    ("train.per_device_train_batch_size=2", "data.batch_size"),
+])
+def test_names_from_transformers_and_peft_suggest_our_key_first(bad, first):
+    with pytest.raises(ValueError, match=rf"did you mean {re.escape(first)}( or|\?)"):
+        load_config(None, [bad])
+
+
+def test_every_name_from_elsewhere_points_at_a_key():
+    from chronicals.config import KNOWN_ELSEWHERE
+
+    assert set(KNOWN_ELSEWHERE.values()) <= set(all_keys())
+
+
 def test_unknown_section_in_yaml_suggests(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("optimizer:\n  lr: 1.0\n")
