@@ -98,6 +98,9 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
 
     ``config``: a TrainConfig, a nested dict of sections, or a YAML path.
     ``report(event, **info)`` (optional) receives "before" / "after" evaluation events (the demo prints them).
+    A passed ``model`` is trained in place and stays as training left it: moved to model.device / model.dtype,
+    with ``lora.enabled`` its LoRA adapters injected (a model that already has them keeps them) and the rest
+    frozen, in training mode. ``merge_lora`` turns it back into plain linear layers.
     """
     if isinstance(config, TrainConfig):
         cfg = config
