@@ -196,3 +196,67 @@ def test_attention_dropout_refuses_a_training_step_only(tmp_path):
                                          r"config.json"):
         ours.train()(_ids(), labels=_ids())
     assert ours.config.to_hf_dict()["attention_dropout"] == 0.1  # written back as read
+
+
+# ---- tie_word_embeddings against what the checkpoint stores (models/hf_io.py) ----
+
+def _retie(path, keep: str, same: bool = False):
+    """Set tie_word_embeddings: true in ``path``'s config.json and keep ``keep`` of the two matrices in the file
+    ("both", "lm_head"); ``same`` makes the stored lm_head a copy of the embedding."""
+    from safetensors.torch import load_file, save_file
+
+    f = path / "model.safetensors"
+    sd = load_file(f)
+    if same:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+    if keep == "lm_head":
+        del sd["model.embed_tokens.weight"]
+    save_file(sd, f, metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    (path / "config.json").write_text(json.dumps(cfg))
+    return transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
+                                                             dtype=torch.float32).eval()
+
+
+def test_tied_config_with_a_different_stored_head_is_refused(tmp_path):
+    """transformers 5 keeps such a head apart from the embedding (4.x ties them); we used the embedding, silently."""
+    _, path = _saved(tmp_path, "qwen2")
+    hf = _retie(path, "both")
+    assert not torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)  # transformers 5: not tied
+    with pytest.raises(ValueError, match=r"tie_word_embeddings=true .* stores an lm_head.weight that differs from "
+                                         r"model.embed_tokens.weight.*set tie_word_embeddings to false"):
+        load_hf_dir(path)
+
+
+@pytest.mark.parametrize("keep,same", [("both", True), ("lm_head", False)])
+def test_tied_config_with_a_copied_or_only_a_head_matches_transformers(tmp_path, keep, same):
+    """A head equal to the embedding (.bin conversions store both) loads; a head stored alone is the embedding
+    (transformers ties the missing one to it; we refused: missing model.embed_tokens.weight)."""
+    _, path = _saved(tmp_path, "llama")
+    hf = _retie(path, keep, same)
+    ours = load_hf_dir(path)
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    _assert_logits_match(hf, ours)
+
+
+def test_untied_config_without_a_head_says_to_tie(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, path = _saved(tmp_path, "mistral")
+    sd = load_file(path / "model.safetensors")
+    del sd["lm_head.weight"]
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing tensors: lm_head.weight; .*needs tie_word_embeddings: true"):
+        load_hf_dir(path)
+
+
+def test_saving_a_partial_rotary_model_is_refused(tmp_path):
+    """A GGUF may rotate part of each head; transformers' config.json for these families cannot say so."""
+    from chronicals import save_model
+    from chronicals.models import CausalLM
+
+    cfg = ModelConfig.from_hf_dict({**BASE, "model_type": "llama", "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match=r"rotates 8 of its head_dim=16 dims \(partial_rotary_factor=0.5\)"):
+        save_model(CausalLM(cfg), None, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

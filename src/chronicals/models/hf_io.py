@@ -262,10 +262,14 @@ def load_hf_dir(model_dir: str | Path, *, dtype: torch.dtype | None = None, devi
     want = expected_names(cfg)
     where: dict[str, Path] = {}
     file_dtype = None
+    tied_head = None  # the file holding lm_head.weight although config.json ties it to the embedding
     for f in files:
         with _open(f) as fh:
             for name in fh.keys():
-                if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+                if cfg.tie_word_embeddings and name == "lm_head.weight":
+                    tied_head = f
+                    continue
+                if name.endswith(_IGNORED_SUFFIXES):
                     continue
                 if name in where:  # which copy to take is a guess: the last one read was taken
                     raise ValueError(f"{model_dir}: tensor {name} is stored twice, in {where[name].name} and "
@@ -278,6 +282,12 @@ def load_hf_dir(model_dir: str | Path, *, dtype: torch.dtype | None = None, devi
                                      "bitsandbytes) must be dequantized first, or load its unquantized release")
                 if name == "model.embed_tokens.weight":
                     file_dtype = _ST_DTYPES.get(st_dtype)
+    source = {}  # parameter -> tensor name in the file, where they differ
+    if tied_head is not None and "model.embed_tokens.weight" not in where:
+        # tied, stored as the head only: transformers ties the embedding to it, so do we
+        where["model.embed_tokens.weight"], source["model.embed_tokens.weight"] = tied_head, "lm_head.weight"
+        with _open(tied_head) as fh:
+            file_dtype = _ST_DTYPES.get(fh.get_slice("lm_head.weight").get_dtype())
     missing, unexpected = want - set(where), set(where) - want
     if missing or unexpected:
         msg = f"{model_dir}: the checkpoint does not match config.json ({cfg.model_type}, " \
@@ -286,6 +296,9 @@ def load_hf_dir(model_dir: str | Path, *, dtype: torch.dtype | None = None, devi
             msg += f"; missing tensors: {_list(missing)}"
         if unexpected:
             msg += f"; unexpected tensors: {_list(unexpected)}"
+        if missing == {"lm_head.weight"}:
+            msg += ("; a model whose output head is its embedding needs tie_word_embeddings: true in config.json "
+                    "(transformers would start a random head instead)")
         raise ValueError(msg + ". Names must be Hugging Face's (model.layers.N.self_attn.q_proj.weight, ...); "
                                "a LoRA adapter directory is loaded with chronicals.lora, not load_model")
     dtype = dtype or file_dtype or torch.float32
@@ -299,7 +312,7 @@ def load_hf_dir(model_dir: str | Path, *, dtype: torch.dtype | None = None, devi
             with _open(f) as fh:
                 for name in names:
                     try:
-                        t = fh.get_tensor(name)
+                        t = fh.get_tensor(source.get(name, name))
                     except SafetensorError as e:
                         raise ValueError(f"{f}: tensor {name} cannot be read ({e}); the file is corrupt: "
                                          "copy or download it again") from None
@@ -307,10 +320,27 @@ def load_hf_dir(model_dir: str | Path, *, dtype: torch.dtype | None = None, devi
                         raise ValueError(f"{f}: tensor {name} has shape {tuple(t.shape)} but config.json implies "
                                          f"{tuple(params[name].shape)}; config.json and the weights disagree")
                     params[name].copy_(t)
+    if tied_head is not None and not source:
+        _check_tied_head(model, tied_head, model_dir)
     gen = model_dir / GENERATION_CONFIG
     if gen.is_file():  # kept as bytes, written back unchanged by save_hf_dir
         model.source_generation_config = gen.read_bytes()
     return model.eval()
+
+
+def _check_tied_head(model: CausalLM, f: Path, model_dir: Path) -> None:
+    """config.json ties lm_head to the embedding, yet ``f`` stores an lm_head.weight too: a copy of the embedding is
+    fine (.bin conversions store both); a different one is a head we would drop, and transformers 5 then unties the
+    two (4.x ties them), so which model this is depends on the version: refuse."""
+    with _open(f) as fh:
+        head = fh.get_tensor("lm_head.weight")
+    emb = model.model.embed_tokens.weight
+    if head.shape != emb.shape or not torch.equal(head.to(emb.dtype), emb.to("cpu")):
+        raise ValueError(
+            f"{model_dir}: config.json sets tie_word_embeddings=true (lm_head is the embedding), but {f.name} stores "
+            "an lm_head.weight that differs from model.embed_tokens.weight; transformers 5 then keeps the two apart "
+            "(4.x ties them and drops the stored head). If the stored lm_head is the trained head, set "
+            "tie_word_embeddings to false in config.json; if the embedding is, remove lm_head.weight from the file")
 
 
 def has_tokenizer(model_dir: Path) -> bool:
@@ -326,6 +356,11 @@ def save_hf_dir(model: CausalLM, tokenizer, out_dir: str | Path, *, generation_c
     (``model.source_generation_config``), else none.
     """
     cfg = model.config
+    if cfg.partial_rotary_factor != 1:  # a GGUF whose rope.dimension_count < head_dim
+        raise ValueError(f"save_model: this model rotates {cfg.rotary_dim} of its head_dim={cfg.head_dim} dims "
+                         f"(partial_rotary_factor={cfg.partial_rotary_factor}), which transformers' {cfg.model_type} "
+                         "code cannot express (it rotates all of them), so a Hugging Face directory would load as a "
+                         "different model; chronicals does not write one")
     sd = model.state_dict()
     want = expected_names(cfg)
     extra = set(sd) - want - {"lm_head.weight"}
