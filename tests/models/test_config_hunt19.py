@@ -260,3 +260,18 @@ def test_saving_a_partial_rotary_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"rotates 8 of its head_dim=16 dims \(partial_rotary_factor=0.5\)"):
         save_model(CausalLM(cfg), None, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("rope", [{**YARN, "factor": None, "mscale": 0.707, "mscale_all_dim": 1.0},
+                                  {**YARN, "attention_factor": 0.8, "beta_fast": 8, "truncate": False}])
+def test_saved_scaled_rope_reads_back_the_same_in_transformers(tmp_path, rope):
+    """save_model writes the rope parameters back (config.to_hf_dict) so that transformers computes what we did."""
+    from chronicals import save_model
+
+    original, path = _saved(tmp_path / "in", "qwen3", rope_parameters=rope, max_position_embeddings=4096)
+    out = save_model(load_hf_dir(path), None, tmp_path / "out")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager",
+                                                           dtype=torch.float32).eval()
+    ids = _ids()
+    assert _rel(hf(ids).logits, original(ids).logits) <= 1e-6  # transformers reads the rope we wrote as the original
+    _assert_logits_match(original, load_hf_dir(out))
