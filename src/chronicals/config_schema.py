@@ -198,8 +198,7 @@ _MODULE_NAME = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
 LORA_VALUE_RULES = {
     "rank": (lambda v: v >= 1, "an integer >= 1, the adapter rank (8-64 is usual)"),
     "alpha": (lambda v: v > 0, "a finite number > 0; the update is scaled by alpha / r (2 r is usual)"),
-    "dropout": (lambda v: 0 <= v < 1, "a number in [0, 1) (0 lets the q/k/v and gate/up adapters of a block run as "
-                                      "one GEMM each)"),
+    "dropout": (lambda v: 0 <= v < 1, "a number in [0, 1) (0 is usual for fine-tuning; 0.05-0.1 on small data)"),
     "plus_ratio": (lambda v: v > 0, "a number > 0; LoRA+ trains B at plus_ratio x the learning rate of A "
                                     "(1 = plain LoRA, 16 is usual)"),
 }
@@ -235,7 +234,8 @@ class LoraSection:
     enabled: bool = _f(True, "train LoRA adapters (true) or every weight (false: full fine-tuning)")
     rank: int = _f(16, "LoRA rank r")
     alpha: float = _f(32.0, "LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with rslora)")
-    dropout: float = _f(0.0, "dropout on the LoRA branch input (0 needs no copy of the activations)")
+    dropout: float = _f(0.0, "dropout on the LoRA branch input, a mask per adapter as in PEFT (0 needs no masks "
+                             "and no dropped copies of the activations)")
     targets: list = _f(list(LORA_PROJECTIONS), "module names that get adapters (a name matches it and any dotted "
                                                "path ending in it, as in PEFT's list form; every match must be an "
                                                "nn.Linear other than lm_head); all-linear = the 7 projections")
@@ -245,7 +245,7 @@ class LoraSection:
     rslora: bool = _f(False, "rank-stabilized scaling alpha / sqrt(r)")
     plus_ratio: float = _f(16.0, "LoRA+: lr(B) = plus_ratio x lr(A); 1 = plain LoRA")
     group: bool = _f(True, "run the q/k/v and the gate/up adapters of a block as one GEMM each "
-                           "(lora.group; needs dropout 0 and the fused path, else one call per module)")
+                           "(lora.group; with any dropout; needs the fused path, else one call per module)")
 
     def __post_init__(self):
         _check_finite(self)

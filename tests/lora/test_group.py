@@ -52,6 +52,40 @@ def test_group_matches_per_module_reference_float64(fin, spec, bias, x_grad):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"gradient {i}")
 
 
+@pytest.mark.parametrize("fin,spec", MEMBERS)
+@pytest.mark.parametrize("drops", [(0.25, 0.5, 0.1), (0.0, 0.3, 0.0)])
+def test_group_with_dropout_matches_per_module_reference_float64(fin, spec, drops):
+    """Each member's branch sees its own mask (a member with dropout 0 none): output, dx, every dA and dB as
+    lora_linear_ref computes them with the same masks; recompute() with those masks gives the output again."""
+    mods = _members(fin, spec, bias=True)
+    for m, p in zip(mods, drops):
+        m.dropout = p
+    x = torch.randn(2, 3, fin, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    dy = torch.randn(2, 3, sum(o for o, _ in spec), dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    params = [p for m in mods for p in (m.lora_A.weight, m.lora_B.weight)]
+    group = LoRAGroup(mods)
+    xg = x.clone().requires_grad_(True)
+    torch.manual_seed(11)
+    got, recipe = group.with_recipe(xg)
+    got_g = torch.autograd.grad(got, [xg] + params, dy)
+    torch.manual_seed(11)  # the masks the group drew, in member order with x's shape
+    masks = [torch.rand(x.shape) >= m.dropout if m.dropout > 0 else None for m in mods]
+    assert any(mk is not None and not mk.all() for mk in masks)
+    xr = x.clone().requires_grad_(True)
+    want = torch.cat([lora_linear_ref(xr, m.weight, m.bias, m.lora_A.weight, m.lora_B.weight, m.scaling, mk,
+                                      m.dropout) for m, mk in zip(mods, masks)], dim=-1)
+    want_g = torch.autograd.grad(want, [xr] + params, dy)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for i, (a, b) in enumerate(zip(got_g, want_g)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"gradient {i}")
+    assert torch.equal(recipe(), got.detach())
+    for m in mods:  # eval: no masks, the plain group
+        m.eval()
+    plain = torch.cat([lora_linear_ref(x, m.weight, m.bias, m.lora_A.weight, m.lora_B.weight, m.scaling)
+                       for m in mods], dim=-1)
+    torch.testing.assert_close(group(x), plain, rtol=1e-12, atol=1e-12)
+
+
 def test_backward_writes_dx_in_place_without_a_copy():
     """dx is summed into the first in columns of the backward GEMM's (N, in + R) output, in place: no
     aten copy of that strided view (out of place, addmm copied it first: 1.8 ms a step at 0.5B on an H200)."""
@@ -97,9 +131,8 @@ def test_members_share_one_buffer_and_keep_their_state_dict():
 def test_why_not_names_the_reason():
     mods = _members(7, [(5, 3), (2, 1)], bias=False)
     assert why_not(mods) is None
-    mods[1].dropout = 0.1
-    assert "dropout" in why_not(mods)
-    mods[1].dropout = 0.0
+    mods[1].dropout = 0.1  # dropout runs in the group (its own masks per member)
+    assert why_not(mods) is None
     mods[0].impl = "torch"
     assert "impl" in why_not(mods)
     with pytest.raises(ValueError, match="cannot share one GEMM"):
@@ -126,6 +159,36 @@ def test_grouped_model_equals_ungrouped_float64(kind, adapter_dtype, ids):
     for n in ga:
         assert ga[n].abs().sum() > 0, n
         torch.testing.assert_close(ga[n], gb[n], rtol=1e-10, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("recompute", [("norm", "swiglu"), ("norm", "swiglu", "gate_up")])
+def test_grouped_model_with_dropout_equals_ungrouped_float64(recompute, ids):
+    """lora.dropout > 0 kept every block on one call per projection. Grouped now: the same masks (drawn in the
+    same order and shapes from the same seed), so the loss and every adapter gradient equal the separate
+    calls', also with the gate/up output rebuilt in backward from the group's recipe (``gate_up``)."""
+    out = []
+    for group in (True, False):
+        model = tiny_model("qwen2").double().train()
+        model.set_recompute(recompute)
+        apply_lora(model, r=4, alpha=8, dropout=0.2, group=group)
+        randomize_lora_b(model)
+        assert (model.model.layers[0].mlp.__dict__.get("lora_gate_up") is not None) == group
+        torch.manual_seed(3)
+        loss = model(ids, shift_labels=torch.roll(ids, -1, 1), reduction="sum")
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (la, ga), (lb, gb) = out
+    torch.testing.assert_close(la, lb, rtol=1e-12, atol=1e-12)
+    assert ga.keys() == gb.keys() and len(ga) == 2 * 7 * 2
+    for n in ga:
+        assert ga[n].abs().sum() > 0, n
+        torch.testing.assert_close(ga[n], gb[n], rtol=1e-10, atol=1e-12, msg=n)
+    model.eval()  # a dropout model in eval: the group's plain path, the ungrouped model's logits
+    ref = tiny_model("qwen2").double().eval()
+    apply_lora(ref, r=4, alpha=8, dropout=0.2, group=False)
+    ref.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids), rtol=1e-10, atol=1e-12)
 
 
 def test_to_dtype_rebinds_and_merge_restores_plain_linears(ids):

@@ -102,7 +102,7 @@ def _joint_gemm(kind: str, owner: nn.Module, attr: str, mods, x: torch.Tensor):
     group = _lora_group(owner, attr, mods)
     if group is not None:
         _note(kind, None, "one LoRA group GEMM")
-        return group(x), functools.partial(group.recompute, x)
+        return group.with_recipe(x)
     reason = fusable(*mods)
     if reason is None and not torch.is_grad_enabled():
         # what the one GEMM saves is in backward; without one, the concatenation is only a copy of the weights
