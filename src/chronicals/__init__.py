@@ -5,8 +5,10 @@
     loss = model(input_ids, labels=input_ids)      # labels shifted inside, as transformers' CausalLM; -100 = no loss
     chronicals.save_model(model, tokenizer, "out/my-model")  # an HF directory transformers loads
 
-There is no ``attention_mask``: rows attend causally, so right-padded rows give their real positions' logits
-unchanged (set the labels of padding to -100); left padding is not supported. The rest lives in the subpackages:
+``model(**tokenizer(texts, padding=True, return_tensors="pt"), labels=...)`` takes a right-padded batch: rows
+attend causally, so the tokens' logits are those of the unpadded rows, and the loss leaves the padding out
+(``attention_mask`` 0: never predicted, never a target); left padding is refused. The rest lives in the
+subpackages:
 
 - ``chronicals.lora``: ``apply_lora``, ``lora_plus_param_groups``, ``save_adapter`` / ``load_adapter`` (PEFT's
   format), ``merge_lora``;

@@ -22,9 +22,9 @@ from ..ops._impl import check_impl
 from ..ops.attention import attention_ref
 from ..ops.swiglu import swiglu_gate_up
 from .config import ModelConfig, rope_inv_freq
+from .forward_args import IGNORE_INDEX, check_forward_args, mask_padding
 from .fused_proj import gate_up_proj, qkv_proj, swiglu_down
 
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -309,41 +309,6 @@ def loss_rows(hidden: torch.Tensor, targets: torch.Tensor, num_loss_tokens: int 
     return hidden.index_select(0, keep), targets.index_select(0, keep)
 
 
-INDEX_DTYPES = (torch.int64, torch.int32)
-REDUCTIONS = ("mean", "sum", "none")
-
-
-def check_forward_args(input_ids, labels, shift_labels, reduction: str) -> None:
-    """CausalLM.forward's arguments, before any work: input_ids (B, S) int64 / int32, at most one of labels /
-    shift_labels, of input_ids' shape and an integer dtype, a known reduction. Reads only shapes and dtypes."""
-    if not isinstance(input_ids, torch.Tensor):
-        raise TypeError(f"input_ids must be a tensor of token ids (B, S), got {type(input_ids).__name__}; "
-                        "use torch.tensor(ids)[None] for one sequence")
-    if input_ids.dim() != 2:
-        fix = (f"add a batch dimension: model(ids[None]) gives (1, {input_ids.shape[0]})" if input_ids.dim() == 1
-               else "reshape to (batch, sequence)")
-        raise ValueError(f"input_ids must be 2-D (B, S), got shape {tuple(input_ids.shape)}; {fix}")
-    if input_ids.dtype not in INDEX_DTYPES:
-        raise ValueError(f"input_ids must hold token ids as int64 or int32, got {input_ids.dtype}; "
-                         "convert with input_ids.long()")
-    if labels is not None and shift_labels is not None:
-        raise ValueError("pass one of labels= (Hugging Face form, shifted here per document) and shift_labels= "
-                         "(already aligned targets), not both")
-    name, t = ("labels", labels) if labels is not None else ("shift_labels", shift_labels)
-    if t is None:
-        return
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor (B, S) like input_ids, got {type(t).__name__}")
-    if t.shape != input_ids.shape:
-        raise ValueError(f"{name} has shape {tuple(t.shape)} but input_ids has {tuple(input_ids.shape)}: "
-                         f"{name} needs one target per input token, the same (B, S) shape (-100 where no loss)")
-    if t.dtype not in INDEX_DTYPES:
-        raise ValueError(f"{name} must be int64 or int32 token ids (-100 where no loss), got {t.dtype}; "
-                         f"convert with {name}.long()")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction={reduction!r} is not one of {REDUCTIONS}")
-
-
 class CausalLM(nn.Module):
     """The decoder plus its loss head. ``model(input_ids)`` -> logits (B, S, V)."""
 
@@ -448,17 +413,25 @@ class CausalLM(nn.Module):
                 f"{n}; for training set data.max_seq_len <= {n}.")
 
     def forward(self, input_ids, *, position_ids=None, cu_seqlens=None, max_seqlen=None, labels=None,
-                shift_labels=None, reduction: str = "mean", kv_caches=None, num_loss_tokens: int | None = None):
+                shift_labels=None, reduction: str = "mean", kv_caches=None, num_loss_tokens: int | None = None,
+                attention_mask=None):
         """Logits (B, S, V) when no labels are given; otherwise the loss, never building the logits.
 
-        labels: (B, S) Hugging Face form, shifted here per document. shift_labels: (B, S) targets already
-        aligned (what the data collator produces). reduction: "mean" | "sum" | "none" (then (B, S)).
+        labels: (B, S) Hugging Face form, shifted here per document (a position whose ``position_ids`` entry
+        restarts at 0 begins a new document: the token before it predicts nothing). shift_labels: (B, S) targets
+        already aligned (what the data collator produces). reduction: "mean" | "sum" | "none" (then (B, S)).
         num_loss_tokens: the host-side count of targets != -100 (the collator's ``PackedBatch.num_loss_tokens``),
         or None. With it, "mean" / "sum" run the loss head on the loss rows only (see ``loss_rows``).
-        input_ids and labels / shift_labels are int64 or int32 (B, S); shapes and dtypes are checked first
-        (host metadata only, no device sync). Targets must be in [0, V) or -100: others give a NaN loss.
+        attention_mask: (B, S) 1 for tokens, 0 for padding, as a tokenizer returns it; right padding only (see
+        ``forward_args.mask_padding``): padding predicts nothing and is never a target.
+        input_ids, position_ids and labels / shift_labels are int64 or int32 (B, S); shapes and dtypes are checked
+        first (host metadata only, no device sync; an attention_mask is read on the host). Targets must be in
+        [0, V) or -100: others give a NaN loss.
         """
-        check_forward_args(input_ids, labels, shift_labels, reduction)
+        check_forward_args(input_ids, labels, shift_labels, reduction, position_ids, attention_mask)
+        if attention_mask is not None:
+            labels, shift_labels = mask_padding(attention_mask, labels, shift_labels, cu_seqlens=cu_seqlens,
+                                                kv_caches=kv_caches, num_loss_tokens=num_loss_tokens)
         h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen, kv_caches)
         if labels is None and shift_labels is None:
             return self.lm_head(h)
