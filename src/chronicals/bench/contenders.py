@@ -80,12 +80,13 @@ def build_chronicals_model(shape: Shape, device: torch.device, impl: str, seed: 
     return model.train()
 
 
-def add_chronicals_lora(model, spec: RunSpec, group: bool = True) -> list[dict]:
+def add_chronicals_lora(model, spec: RunSpec, group: bool = True, dropout: float = 0.0) -> list[dict]:
     """Inject LoRA on the 7 projections; return the LoRA+ parameter groups (B at 16 x the lr of A).
-    group: q/k/v and gate/up adapters as one GEMM each (``lora.group``), as the trainer's default."""
+    group: q/k/v and gate/up adapters as one GEMM each (``lora.group``), as the trainer's default.
+    dropout: LoRA dropout (the protocol's is 0; the -dropout contenders measure what masks cost)."""
     from ..lora import apply_lora, lora_plus_param_groups
 
-    out = apply_lora(model, r=spec.lora_r, alpha=spec.lora_alpha, dropout=0.0, target_modules=list(LORA_TARGETS),
+    out = apply_lora(model, r=spec.lora_r, alpha=spec.lora_alpha, dropout=dropout, target_modules=list(LORA_TARGETS),
                      group=group)
     if isinstance(out, torch.nn.Module) and out is not model:
         raise RuntimeError("chronicals.lora.apply_lora returned a new module; the bench expects in-place injection")
@@ -143,7 +144,7 @@ def chronicals_step(model, spec: RunSpec, device: torch.device, graphs: bool = F
 
 def _chronicals(method: str, compile_layers: bool, graphs: bool = False, keep: bool = False,
                 fused_swiglu: bool = True, group: bool = True, recompute: tuple | None = None,
-                gate_up_layers: int = 0, in_place: bool = True):
+                gate_up_layers: int = 0, in_place: bool = True, dropout: float = 0.0):
     """keep: no selective recomputation (``model.recompute=[]``): every activation stays saved.
     fused_swiglu: the SwiGLU backward kernel rebuilds the product (``RuntimeOptions.fused_swiglu_recompute``,
     the default); False: a second SwiGLU forward does (the offer).
@@ -151,7 +152,8 @@ def _chronicals(method: str, compile_layers: bool, graphs: bool = False, keep: b
     recompute: ``model.recompute`` names instead of the default (keep=True means ()); gate_up_layers: with
     "gate_up" among them, the first k layers only (``model.gate_up_layers``).
     in_place: the MLP backward writes its gradients over the saved gate|up output and d_act
-    (``RuntimeOptions.swiglu_backward_in_place``, the default); False: fresh buffers."""
+    (``RuntimeOptions.swiglu_backward_in_place``, the default); False: fresh buffers.
+    dropout: LoRA dropout (``lora.dropout``; the protocol's is 0)."""
     def build(spec: RunSpec, shape: Shape, device: torch.device) -> Built:
         model = build_chronicals_model(shape, device, spec.impl, spec.seed)
         model.set_checkpointing(spec.checkpointing)
@@ -162,9 +164,10 @@ def _chronicals(method: str, compile_layers: bool, graphs: bool = False, keep: b
             model.set_recompute(() if keep else recompute, gate_up_layers)
         notes = [f"impl={spec.impl}"]
         if method == "lora":
-            groups = add_chronicals_lora(model, spec, group)
+            groups = add_chronicals_lora(model, spec, group, dropout)
             notes.append(f"LoRA r={spec.lora_r} alpha={spec.lora_alpha}, LoRA+ ratio {LORA_PLUS_RATIO}"
-                         + ("" if group else ", no LoRA groups (one call per module)"))
+                         + ("" if group else ", no LoRA groups (one call per module)")
+                         + (f", LoRA dropout {dropout}" if dropout else ""))
         else:
             groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
         if compile_layers:
@@ -268,6 +271,11 @@ _ALL = [
               _chronicals("lora", False, group=False), in_default=False),
     Contender("chronicals-lora-graphs-nogroup", "chronicals LoRA, CUDA graphs, one call per projection", "lora",
               _chronicals("lora", False, True, group=False), in_default=False),
+    # LoRA dropout 0.1 (PEFT recipes' 0.05-0.1): groups with per-member masks (402f157) vs one call per projection
+    *(Contender(f"chronicals-lora{'-graphs' * graphs}{'-nogroup' * (not group)}-dropout",
+                "chronicals LoRA" + ", CUDA graphs" * graphs + ", one call per projection" * (not group)
+                + ", LoRA dropout 0.1", "lora", _chronicals("lora", False, graphs, group=group, dropout=0.1),
+                in_default=False) for graphs in (False, True) for group in (True, False)),
     Contender("chronicals-full-gateup", "chronicals, gate/up output recomputed too", "full",
               _chronicals("full", False, recompute=("norm", "swiglu", "gate_up")), in_default=False),
     Contender("chronicals-lora-graphs-gateup", "chronicals LoRA, CUDA graphs, gate/up output recomputed too", "lora",
