@@ -144,21 +144,33 @@ def test_why_not_names_the_reason():
 def test_grouped_model_equals_ungrouped_float64(kind, adapter_dtype, ids):
     """Logits and every adapter gradient, grouped (default) vs one call per module, on a float64 model
     (adapter_dtype float32: the adapters are cast to the activations' dtype, as LoRALinear does)."""
+    _grouped_equals_ungrouped(kind, ids, adapter_dtype=adapter_dtype)
+
+
+def _grouped_equals_ungrouped(kind, ids, recompute=None, **lora):
+    """The loss and every adapter gradient of a float64 model, grouped vs one call per module, agree (the same
+    seed before each forward: the same dropout masks); returns the grouped model."""
     out = []
     for group in (True, False):
         model = tiny_model(kind).double().train()
-        apply_lora(model, r=4, alpha=8, group=group, adapter_dtype=adapter_dtype)
+        if recompute is not None:
+            model.set_recompute(recompute)
+        apply_lora(model, r=4, alpha=8, group=group, **lora)
         randomize_lora_b(model)
         assert (model.model.layers[0].self_attn.__dict__.get("lora_qkv") is not None) == group
+        assert (model.model.layers[0].mlp.__dict__.get("lora_gate_up") is not None) == group
+        torch.manual_seed(3)
         loss = model(ids, shift_labels=torch.roll(ids, -1, 1), reduction="sum")
         loss.backward()
         out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+        grouped = model if group else grouped
     (la, ga), (lb, gb) = out
     torch.testing.assert_close(la, lb, rtol=1e-12, atol=1e-12)
     assert ga.keys() == gb.keys() and len(ga) == 2 * 7 * 2
     for n in ga:
         assert ga[n].abs().sum() > 0, n
         torch.testing.assert_close(ga[n], gb[n], rtol=1e-10, atol=1e-12, msg=n)
+    return grouped
 
 
 @pytest.mark.parametrize("recompute", [("norm", "swiglu"), ("norm", "swiglu", "gate_up")])
@@ -166,23 +178,7 @@ def test_grouped_model_with_dropout_equals_ungrouped_float64(recompute, ids):
     """lora.dropout > 0 kept every block on one call per projection. Grouped now: the same masks (drawn in the
     same order and shapes from the same seed), so the loss and every adapter gradient equal the separate
     calls', also with the gate/up output rebuilt in backward from the group's recipe (``gate_up``)."""
-    out = []
-    for group in (True, False):
-        model = tiny_model("qwen2").double().train()
-        model.set_recompute(recompute)
-        apply_lora(model, r=4, alpha=8, dropout=0.2, group=group)
-        randomize_lora_b(model)
-        assert (model.model.layers[0].mlp.__dict__.get("lora_gate_up") is not None) == group
-        torch.manual_seed(3)
-        loss = model(ids, shift_labels=torch.roll(ids, -1, 1), reduction="sum")
-        loss.backward()
-        out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
-    (la, ga), (lb, gb) = out
-    torch.testing.assert_close(la, lb, rtol=1e-12, atol=1e-12)
-    assert ga.keys() == gb.keys() and len(ga) == 2 * 7 * 2
-    for n in ga:
-        assert ga[n].abs().sum() > 0, n
-        torch.testing.assert_close(ga[n], gb[n], rtol=1e-10, atol=1e-12, msg=n)
+    model = _grouped_equals_ungrouped("qwen2", ids, recompute, dropout=0.2)
     model.eval()  # a dropout model in eval: the group's plain path, the ungrouped model's logits
     ref = tiny_model("qwen2").double().eval()
     apply_lora(ref, r=4, alpha=8, dropout=0.2, group=False)
