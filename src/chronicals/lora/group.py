@@ -247,11 +247,11 @@ class LoRAGroup:
         return torch.cat(a_s), bs, bias  # cat's backward splits dA back to the members
 
     def _masks(self, x: torch.Tensor):
-        """(masks, keeps): each member's dropout mask (or None) drawn by ``LoRALinear._adapters`` in member order,
+        """(masks, keeps): each member's dropout mask (or None) drawn by ``LoRALinear.dropout_mask`` in member order,
         as separate calls draw them; (None, ()) when no member drops (eval mode, or dropout 0)."""
         if not any(m.dropout > 0 and m.training for m in self.members):
             return None, ()
-        masks = tuple(m._adapters(x)[2] for m in self.members)
+        masks = tuple(m.dropout_mask(x) for m in self.members)
         return masks, tuple(1.0 / (1.0 - m.dropout) for m in self.members)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -264,10 +264,14 @@ class LoRALinear(nn.Module):
         a, b = self.lora_A.weight, self.lora_B.weight
         if a.dtype != x.dtype:  # fp32 adapters on a bf16 base: cast the small matrices, not x
             a, b = a.to(x.dtype), b.to(x.dtype)
-        mask = None
+        return a, b, self.dropout_mask(x, shape)
+
+    def dropout_mask(self, x, shape=None):
+        """The kept elements of the branch input, bool of ``shape`` (default x's), or None (eval, or dropout 0).
+        A LoRAGroup draws its members' masks here too, so grouped and separate calls draw the same ones."""
         if self.dropout > 0 and self.training:
-            mask = torch.rand(shape or x.shape, device=x.device) >= self.dropout  # bool: 1 byte per element saved
-        return a, b, mask
+            return torch.rand(shape or x.shape, device=x.device) >= self.dropout  # bool: 1 byte per element saved
+        return None
 
     def forward(self, x):
         a, b, mask = self._adapters(x)
