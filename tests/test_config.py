@@ -51,6 +51,7 @@ def test_unknown_key_suggests(bad, message):
     ("lora.lora_r=4", "lora.rank"),
     ("lora.target_modules=[q_proj]", "lora.targets"),
     ("train.per_device_train_batch_size=2", "data.batch_size"),
+    ("schedule.warmup_ratio=0.1", "schedule.warmup_steps"),  # spelling alone offered lora.plus_ratio
 ])
 def test_names_from_transformers_and_peft_suggest_our_key_first(bad, first):
     with pytest.raises(ValueError, match=rf"did you mean {re.escape(first)}( or|\?)"):

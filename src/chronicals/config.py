@@ -73,6 +73,8 @@ KNOWN_ELSEWHERE = {
     "r": "lora.rank", "lora_r": "lora.rank", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
     "target_modules": "lora.targets", "lora_target_modules": "lora.targets", "use_rslora": "lora.rslora",
     "loraplus_lr_ratio": "lora.plus_ratio", "base_model": "model.path", "model_name_or_path": "model.path",
+    "warmup_ratio": "schedule.warmup_steps", "bf16": "model.dtype", "fp16": "model.dtype",
+    "report_to": "logging.tensorboard",
 }
 
 

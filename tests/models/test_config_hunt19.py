@@ -133,6 +133,10 @@ def test_dynamic_rope_refuses_sequences_past_max_positions(tmp_path):
     with pytest.raises(ValueError, match=r"25 tokens is longer than this model's max_position_embeddings=24, and its "
                                          r"rope_type is 'dynamic'.*within 24"):
         ours(_ids(25))
+    ours(_ids(10), position_ids=torch.arange(14, 24)[None])  # the largest position counts, not the length
+    with pytest.raises(ValueError, match=r"position_ids up to 24 \(25 positions\) are more than this model's "
+                                         r"max_position_embeddings=24"):
+        ours(_ids(10), position_ids=torch.arange(15, 25)[None])
 
 
 def test_longrope_is_refused_naming_the_type():

@@ -84,6 +84,9 @@ def test_takes_a_tokenizer_output_for_one_prompt(tiny_hf_config):
     mask[0, :2] = 0
     with pytest.raises(ValueError, match="one unpadded prompt, and this one's attention_mask has zeros"):
         generate(model, BatchEncoding({"input_ids": ids, "attention_mask": mask}), 4)
+    with pytest.raises(ValueError, match="one prompt, and this tokenizer output holds 2"):  # ragged: no tensor
+        generate(model, BatchEncoding({"input_ids": [[5, 6], [7]]}), 4)
+    assert generate(model, BatchEncoding({"input_ids": [ids[0].tolist()]}), 4).tolist() == generate(model, ids, 4).tolist()
     with pytest.raises(ValueError, match=r"without 'input_ids' \(keys: \['ids'\]\)"):
         generate(model, {"ids": ids}, 4)
 

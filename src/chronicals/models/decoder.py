@@ -373,7 +373,7 @@ class CausalLM(nn.Module):
         if kv_caches is not None:
             longest += kv_caches[0].length
         self._check_sliding_window(longest)
-        self._check_dynamic_rope(longest)
+        self._check_dynamic_rope(longest, position_ids if cu_seqlens is None else None)
         if self.config.attention_dropout and self.training and torch.is_grad_enabled():
             raise ValueError(
                 f"config.json sets attention_dropout={self.config.attention_dropout}: transformers drops that share of "
@@ -401,13 +401,23 @@ class CausalLM(nn.Module):
                 f"plus generated tokens within {w}; for training set data.max_seq_len <= {w} (or use documents of "
                 f"at most {w} tokens).")
 
-    def _check_dynamic_rope(self, seqlen: int) -> None:
+    def _check_dynamic_rope(self, seqlen: int, position_ids=None) -> None:
         """Dynamic (NTK) rope equals the plain one up to max_position_embeddings; past it transformers recomputes
-        the frequencies from each batch's longest position, which we do not: refuse (host-side int check)."""
+        the frequencies from each batch's longest position, which we do not: refuse. A host-side int check, and for
+        explicit ``position_ids`` (not packed rows, whose positions restart within their length) a read of their
+        largest, on dynamic-rope models only and not while a CUDA graph is captured or torch.compile traces."""
         rs, n = self.config.rope_scaling, self.config.max_position_embeddings
-        if rs and rs.get("rope_type", rs.get("type")) == "dynamic" and seqlen > n:
+        if not rs or rs.get("rope_type", rs.get("type")) != "dynamic":
+            return
+        what = f"a sequence of {seqlen} tokens is longer"
+        if (position_ids is not None and position_ids.numel() and not torch.compiler.is_compiling()
+                and not (position_ids.is_cuda and torch.cuda.is_current_stream_capturing())):
+            top = int(position_ids.max())  # transformers rescales from the largest position
+            if top + 1 > seqlen:
+                seqlen, what = top + 1, f"position_ids up to {top} ({top + 1} positions) are more"
+        if seqlen > n:
             raise ValueError(
-                f"a sequence of {seqlen} tokens is longer than this model's max_position_embeddings={n}, and its "
+                f"{what} than this model's max_position_embeddings={n}, and its "
                 f"rope_type is 'dynamic': past {n} tokens transformers rescales the rotary frequencies to the "
                 f"sequence's length, which chronicals does not implement. Keep prompt plus generated tokens within "
                 f"{n}; for training set data.max_seq_len <= {n}.")

@@ -66,11 +66,15 @@ def _one_prompt(enc: Mapping) -> torch.Tensor:
     if "input_ids" not in enc:
         raise ValueError(f"generate got a mapping without 'input_ids' (keys: {sorted(enc)}); pass the tokenizer's "
                          "output or its input_ids tensor")
+    ids = enc["input_ids"]
+    if isinstance(ids, (list, tuple)) and len(ids) != 1 and ids and isinstance(ids[0], (list, tuple)):
+        raise ValueError(f"generate takes one prompt, and this tokenizer output holds {len(ids)}; call it once per "
+                         "prompt")
     mask = enc.get("attention_mask")
     if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
         raise ValueError("generate takes one unpadded prompt, and this one's attention_mask has zeros; tokenize "
                          "the prompt alone (no padding=...) or pass its input_ids without the padding")
-    return torch.as_tensor(enc["input_ids"])
+    return torch.as_tensor(ids)
 
 
 @torch.no_grad()
