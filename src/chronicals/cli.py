@@ -145,13 +145,19 @@ def cmd_export(argv: list[str]) -> int:
             print(f"error: --out {a.out} is inside {name} {given}: the merged model would become a folder of it, "
                   f"which a later save of {given} refuses to delete; choose an --out outside it", file=sys.stderr)
             return 2
-    from .models.hf_io import MODEL_DIR_FILES, check_output_dir
+    from .models.hf_io import MODEL_DIR_FILES, check_output_dir, has_tokenizer
 
     try:  # before the load and merge (minutes for an 8B model), not when the merged model is written
         check_output_dir(a.out, MODEL_DIR_FILES)
     except OSError as e:
         print(f"error: --out {a.out}: {e}", file=sys.stderr)
         return 2
+    # a base saved by transformers' save_pretrained alone has no tokenizer files, and a merge needs none: it was
+    # refused with "call load_model(..., tokenizer=False)", which the command line cannot do
+    with_tokenizer = not (Path(a.base).expanduser().is_dir() and not has_tokenizer(Path(a.base).expanduser()))
+    if not with_tokenizer:
+        print(f"note: --base {a.base} has no tokenizer files (tokenizer.json / tokenizer_config.json): {a.out} is "
+              "written without them; copy them from the original model", file=sys.stderr)
     _setup_logging()
     from . import save_model
     from .lora import merge_lora
@@ -162,7 +168,8 @@ def cmd_export(argv: list[str]) -> int:
 
     # A and B as the file has them (fp32 from PEFT and from us): in the base's bf16 they were rounded before the
     # merge, and 14.8% of a bf16 merge's elements then differed from W + s B A rounded once
-    model, tok = _load(a.base, a.adapter, resolve_device("cpu"), a.dtype, adapter_dtype=torch.float32)
+    model, tok = _load(a.base, a.adapter, resolve_device("cpu"), a.dtype, adapter_dtype=torch.float32,
+                       tokenizer=with_tokenizer)
     merge_lora(model)
     written = save_model(model, tok, a.out)
     print(f"merged {a.adapter} into {a.base}: {written}")

@@ -53,10 +53,15 @@ def refuse_foreign_files(out: Path, owned: tuple[str, ...]) -> None:
     """FileExistsError when the existing directory ``out`` holds entries matching none of the ``owned`` patterns.
 
     An output directory is replaced as a whole, so anything else in it (notes, a git clone, another model's
-    files) would be deleted: refuse before writing anything."""
+    files) would be deleted: refuse before writing anything. The patterns name files: a folder is foreign whatever
+    its name (a user's ``tokenizer_backup/`` matched ``tokenizer*`` and was deleted with its contents)."""
     if not out.is_dir():
         return
-    foreign = sorted(p.name for p in out.iterdir() if not any(fnmatch.fnmatch(p.name, pat) for pat in owned))
+    def folder(p: Path) -> bool:  # a link to a folder is removed as a link, not followed
+        return p.is_dir() and not p.is_symlink()
+
+    foreign = sorted(p.name + "/" if folder(p) else p.name for p in out.iterdir()
+                     if folder(p) or not any(fnmatch.fnmatch(p.name, pat) for pat in owned))
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise FileExistsError(f"{out} exists and holds files this save would delete ({shown}): the directory is "

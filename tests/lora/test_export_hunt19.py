@@ -1,0 +1,97 @@
+"""Getting models out (`chronicals export`, merge_lora, save_adapter, save_model): defects found by the export hunt,
+each checked against what transformers and peft load from the written files."""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+import transformers
+
+from chronicals import save_model
+from chronicals.cli import main
+from chronicals.lora import apply_lora, save_adapter
+
+from .conftest import hf_config, randomize_lora_b, tiny_model
+
+
+def _model_files(d):
+    """A written model directory's files, as save_model leaves them (no tokenizer: none is needed here)."""
+    save_model(tiny_model(), None, d)
+    return sorted(p.name for p in d.iterdir())
+
+
+@pytest.mark.parametrize("folder", ["tokenizer_backup", "model-00001-of-00002.safetensors", "special_tokens_map.json"])
+def test_a_folder_in_an_output_directory_is_never_deleted(tmp_path, folder):
+    """An output directory is replaced only when it holds nothing but a model's files. The file-name patterns
+    matched folders too: a user's tokenizer_backup/ (matching tokenizer*) was deleted with its contents by the next
+    save_model or export into that directory."""
+    out = tmp_path / "out"
+    files = _model_files(out)
+    (out / folder).mkdir()
+    (out / folder / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match=f"would delete \\({folder}/\\)"):
+        save_model(tiny_model(), None, out)
+    assert (out / folder / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in out.iterdir()) == sorted([*files, folder])
+
+
+def _tokenizer():
+    """A 61-token word-level tokenizer (the tiny models' vocabulary): real tokenizer files, no GGUF parse."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"w{i}": i for i in range(59)} | {"<unk>": 59, "</s>": 60}
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                                                unk_token="<unk>", eos_token="</s>")
+
+
+def test_export_refuses_an_out_holding_a_folder(tmp_path, capsys):
+    base = save_model(tiny_model(), _tokenizer(), tmp_path / "base")
+    model = tiny_model()
+    apply_lora(model, r=2, alpha=4)
+    adapter = save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(base))
+    out = tmp_path / "out"
+    _model_files(out)
+    (out / "tokenizer_backup").mkdir()
+    (out / "tokenizer_backup" / "notes.txt").write_text("keep me")
+    assert main(["export", "--adapter", str(adapter), "--out", str(out)]) == 2
+    assert "tokenizer_backup/" in capsys.readouterr().err
+    assert (out / "tokenizer_backup" / "notes.txt").read_text() == "keep me"
+
+
+def test_a_link_to_a_folder_is_replaced_as_a_file(tmp_path):
+    """A symlink is removed as a link (its target stays), so one named like a model file is still the model's."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    _model_files(out)
+    elsewhere.mkdir()
+    (elsewhere / "x").write_text("x")
+    (out / "tokenizer.json").symlink_to(elsewhere)
+    save_model(tiny_model(), None, out)
+    assert (elsewhere / "x").read_text() == "x" and not (out / "tokenizer.json").exists()
+
+
+def test_export_merges_onto_a_base_saved_without_tokenizer_files(tmp_path, ids, capsys):
+    """A base written by transformers' save_pretrained alone (what a PEFT user has) holds no tokenizer files, and a
+    merge needs none; export refused it (exit 3) with 'call load_model(..., tokenizer=False)', which the command
+    line cannot do. It now merges and writes the model without them, saying so; the merged model computes what
+    PEFT's merge_and_unload does on the same adapter."""
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_config("llama", tied=True)).eval()
+    hf.save_pretrained(tmp_path / "base")
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"],
+                                                 task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(n)))
+    pm.save_pretrained(tmp_path / "adapter")
+    with torch.no_grad():
+        want = pm.merge_and_unload().eval()(input_ids=ids).logits
+    out = tmp_path / "merged"
+    assert main(["export", "--base", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter"),
+                 "--out", str(out)]) == 0
+    assert "has no tokenizer files" in capsys.readouterr().err
+    assert not any(p.name.startswith("tokenizer") for p in out.iterdir())
+    got = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(got(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
