@@ -135,13 +135,16 @@ def cmd_export(argv: list[str]) -> int:
     if not a.out.strip():  # Path("") is the working directory
         p.error("--out is empty; give the output directory")
     a.base = _base_for(a.adapter, a.base, "--base")
-    out = Path(a.out).resolve()
+    # '~' expanded as the load and the write expand it: --base=~/m --out=~/m (no shell expands '~' after '=')
+    # passed these checks and the merged model replaced its own base
+    out = Path(a.out).expanduser().resolve()
     for name, given in (("--base", a.base), ("--adapter", a.adapter)):
-        if Path(given).exists() and out in (Path(given).resolve(), *Path(given).resolve().parents):
+        where = Path(given).expanduser()
+        if where.exists() and out in (where.resolve(), *where.resolve().parents):
             print(f"error: --out {a.out} would replace {name} {given} (the output directory is replaced as a "
                   "whole); choose another --out", file=sys.stderr)
             return 2
-        if Path(given).is_dir() and Path(given).resolve() in out.parents:  # a foreign folder in it from then on
+        if where.is_dir() and where.resolve() in out.parents:  # a foreign folder in it from then on
             print(f"error: --out {a.out} is inside {name} {given}: the merged model would become a folder of it, "
                   f"which a later save of {given} refuses to delete; choose an --out outside it", file=sys.stderr)
             return 2

@@ -95,3 +95,20 @@ def test_export_merges_onto_a_base_saved_without_tokenizer_files(tmp_path, ids, 
     got = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(got(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("out", ["~/base", "~/adapter/merged"])
+def test_export_guards_the_base_and_adapter_given_with_a_tilde(tmp_path, monkeypatch, capsys, out):
+    """--base=~/base --out=~/base: no shell expands '~' after '=', and the checks that --out is not the base or the
+    adapter (nor inside them) compared unexpanded paths, which named nothing: the merged model replaced its own
+    base (load and write expand '~')."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    base = save_model(tiny_model(), None, tmp_path / "base")
+    model = tiny_model()
+    apply_lora(model, r=2, alpha=4)
+    randomize_lora_b(model)
+    save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(base))
+    before = (base / "model.safetensors").read_bytes()
+    assert main(["export", "--base", "~/base", "--adapter", "~/adapter", "--out", out]) == 2
+    assert "--out " + out in capsys.readouterr().err
+    assert (base / "model.safetensors").read_bytes() == before and not (tmp_path / "adapter" / "merged").exists()
