@@ -149,6 +149,7 @@ def cmd_export(argv: list[str]) -> int:
                   f"which a later save of {given} refuses to delete; choose an --out outside it", file=sys.stderr)
             return 2
     from .models.hf_io import MODEL_DIR_FILES, check_output_dir, has_tokenizer
+    from .models.loading import SHORT_NAMES
 
     try:  # before the load and merge (minutes for an 8B model), not when the merged model is written
         check_output_dir(a.out, MODEL_DIR_FILES)
@@ -157,7 +158,8 @@ def cmd_export(argv: list[str]) -> int:
         return 2
     # a base saved by transformers' save_pretrained alone has no tokenizer files, and a merge needs none: it was
     # refused with "call load_model(..., tokenizer=False)", which the command line cannot do
-    with_tokenizer = not (Path(a.base).expanduser().is_dir() and not has_tokenizer(Path(a.base).expanduser()))
+    base_dir = None if a.base.lower() in SHORT_NAMES else Path(a.base).expanduser()  # a short name wins (load_model)
+    with_tokenizer = not (base_dir is not None and base_dir.is_dir() and not has_tokenizer(base_dir))
     if not with_tokenizer:
         print(f"note: --base {a.base} has no tokenizer files (tokenizer.json / tokenizer_config.json): {a.out} is "
               "written without them; copy them from the original model", file=sys.stderr)
