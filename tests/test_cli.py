@@ -439,6 +439,10 @@ def test_bf16_export_rounds_each_merged_weight_once(tiny_base, tmp_path):
     w = load_file(str(base16_dir / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"]
     want = (w.float() + q.scaling * (q.lora_B.weight.float() @ q.lora_A.weight.float())).to(torch.bfloat16)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    # the default (auto) keeps the base checkpoint's dtype: it wrote a bf16 base out in fp32, at twice its size
+    assert main(["export", "--adapter", str(adapter), "--out", str(tmp_path / "auto")]) == 0
+    auto, bf16 = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("auto", "m"))
+    assert auto.keys() == bf16.keys() and all(torch.equal(auto[k], bf16[k]) for k in auto)
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])

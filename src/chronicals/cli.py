@@ -127,10 +127,10 @@ def cmd_export(argv: list[str]) -> int:
     p.add_argument("--adapter", required=True, help="adapter directory (PEFT format, e.g. runs/demo/adapter)")
     p.add_argument("--out", required=True, help="output directory (replaced atomically if it exists and holds "
                                                 "only a model's files)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="dtype of the written weights; the base loads in it (bfloat16: half the memory), and each "
-                        "W + s B A is computed in fp32 and rounded once (from an fp32 base checkpoint, float32 "
-                        "avoids rounding W twice)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="dtype of the written weights: auto = the base checkpoint's own (a bf16 model stays bf16, "
+                        "as transformers + PEFT merge it); the base loads in it, and each W + s B A is computed in "
+                        "fp32 and rounded once (bfloat16 from an fp32 base rounds W twice)")
     a = p.parse_args(argv)
     if not a.out.strip():  # Path("") is the working directory
         p.error("--out is empty; give the output directory")
@@ -173,11 +173,11 @@ def cmd_export(argv: list[str]) -> int:
 
     # A and B as the file has them (fp32 from PEFT and from us): in the base's bf16 they were rounded before the
     # merge, and 14.8% of a bf16 merge's elements then differed from W + s B A rounded once
-    model, tok = _load(a.base, a.adapter, resolve_device("cpu"), a.dtype, adapter_dtype=torch.float32,
-                       tokenizer=with_tokenizer)
+    model, tok = _load(a.base, a.adapter, resolve_device("cpu"), "checkpoint" if a.dtype == "auto" else a.dtype,
+                       adapter_dtype=torch.float32, tokenizer=with_tokenizer)
     merge_lora(model)
     written = save_model(model, tok, a.out)
-    print(f"merged {a.adapter} into {a.base}: {written}")
+    print(f"merged {a.adapter} into {a.base}: {written} ({str(model.lm_head.weight.dtype).removeprefix('torch.')})")
     return 0
 
 

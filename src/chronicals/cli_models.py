@@ -51,11 +51,13 @@ def _base_for(adapter: str | None, given: str | None, flag: str) -> str:
 
 def _load(model_path: str, adapter: str | None, dev, dtype: str, adapter_dtype=None, tokenizer: bool = True):
     """(model in eval mode, tokenizer or None) on ``dev`` (a resolved torch.device), with ``adapter`` applied (its
-    A and B in ``adapter_dtype``; None: the base's); ``tokenizer=False`` loads none."""
+    A and B in ``adapter_dtype``; None: the base's); ``tokenizer=False`` loads none. ``dtype``: a --dtype value,
+    or "checkpoint" for the checkpoint's own."""
     from . import load_model
     from .train.setup import resolve_dtype
 
-    model, tok = load_model(model_path, dtype=resolve_dtype(dtype, dev), device=dev, tokenizer=tokenizer)
+    dt = None if dtype == "checkpoint" else resolve_dtype(dtype, dev)
+    model, tok = load_model(model_path, dtype=dt, device=dev, tokenizer=tokenizer)
     if adapter:
         from .lora import load_adapter
 
