@@ -11,11 +11,23 @@ EMBEDDED = "smollm2-135m-instruct"
 
 
 def _recorded_base(adapter: str) -> str | None:
-    """The base an adapter was trained on (adapter_config.json's base_model_name_or_path), or None."""
+    """The base an adapter was trained on (adapter_config.json's base_model_name_or_path; a LoRA run's training
+    checkpoint: the run's model.path), or None."""
     from .lora.peft_io import read_adapter_config
+    from .train.checkpoint_adapter import is_checkpoint_dir, read_lora_checkpoint
 
+    if is_checkpoint_dir(adapter):
+        return read_lora_checkpoint(adapter)[0].model.path
     base = read_adapter_config(adapter).get("base_model_name_or_path")
     return base if base and isinstance(base, str) else None
+
+
+def _recorded_where(adapter: str) -> tuple[str, str]:
+    """(file, field) where ``_recorded_base`` read the base, for messages."""
+    from .train.checkpoint_adapter import is_checkpoint_dir
+
+    return ("state.pt", "the run config's model.path") if is_checkpoint_dir(adapter) else (
+        "adapter_config.json", "base_model_name_or_path")
 
 
 def _here(model: str) -> bool:
@@ -36,14 +48,13 @@ def _base_for(adapter: str | None, given: str | None, flag: str) -> str:
                       "another)", file=sys.stderr)
             return EMBEDDED
         if not _here(recorded):
-            raise FileNotFoundError(f"{adapter} was trained on {recorded} (adapter_config.json "
-                                    f"base_model_name_or_path), which is not here; pass {flag} with that model's "
-                                    "directory or .gguf")
-        print(f"{flag} not given: using {recorded}, the base recorded in {adapter}/adapter_config.json",
+            raise FileNotFoundError(f"{adapter} was trained on {recorded} ({' '.join(_recorded_where(adapter))}), "
+                                    f"which is not here; pass {flag} with that model's directory or .gguf")
+        print(f"{flag} not given: using {recorded}, the base recorded in {adapter}/{_recorded_where(adapter)[0]}",
               file=sys.stderr)
         return recorded
     if recorded and _here(recorded) and not same_model(given, recorded):
-        print(f"warning: {adapter} was trained on {recorded} (adapter_config.json base_model_name_or_path), not "
+        print(f"warning: {adapter} was trained on {recorded} ({' '.join(_recorded_where(adapter))}), not "
               f"{flag} {given}; its outputs are right only if {given} holds the same weights", file=sys.stderr)
     return given
 
@@ -60,8 +71,12 @@ def _load(model_path: str, adapter: str | None, dev, dtype: str, adapter_dtype=N
     model, tok = load_model(model_path, dtype=dt, device=dev, tokenizer=tokenizer)
     if adapter:
         from .lora import load_adapter
+        from .train.checkpoint_adapter import apply_checkpoint_adapter, is_checkpoint_dir
 
-        load_adapter(model, adapter, adapter_dtype=adapter_dtype)
+        if is_checkpoint_dir(adapter):  # runs/x/checkpoints/step-N: the adapter of that step
+            apply_checkpoint_adapter(model, adapter, adapter_dtype=adapter_dtype)
+        else:
+            load_adapter(model, adapter, adapter_dtype=adapter_dtype)
     return model.eval(), tok
 
 

@@ -1,0 +1,70 @@
+"""`chronicals export / chat / eval --adapter runs/x/checkpoints/step-N`: a LoRA run's training checkpoint used as
+its adapter. It said "adapter_config.json: not found", and a step before the run's end could not be merged or
+asked without resuming the run."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from chronicals.cli import main
+
+RUN_ARGS = ["train.max_steps=2", "train.save_every=1", "train.keep_last=2", "eval.every=0", "eval.qa=false",
+            "logging.progress=false", "data.batch_size=2"]
+
+
+@pytest.fixture(scope="module")
+def run(tiny_base, tmp_path_factory):
+    """A 2-step LoRA run on the tiny base (modules_to_save too) with a checkpoint at each step."""
+    out = tmp_path_factory.mktemp("ckrun") / "run"
+    assert main(["train", f"model.path={tiny_base}", f"train.out_dir={out}", "lora.rank=4",
+                 "lora.modules_to_save=[norm]", "lora.dropout=0.1", *RUN_ARGS]) == 0
+    return out
+
+
+def _weights(d):
+    return load_file(str(d / "model.safetensors"))
+
+
+def test_export_of_the_last_checkpoint_equals_the_runs_adapter(run, tmp_path, capsys):
+    step2 = run / "checkpoints" / "step-000002"
+    assert main(["export", "--adapter", str(step2), "--out", str(tmp_path / "from_ckpt")]) == 0
+    err = capsys.readouterr().err
+    assert f"the base recorded in {step2}/state.pt" in err  # the run's model.path
+    assert main(["export", "--adapter", str(run / "adapter"), "--out", str(tmp_path / "from_adapter")]) == 0
+    a, b = _weights(tmp_path / "from_ckpt"), _weights(tmp_path / "from_adapter")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert main(["export", "--adapter", str(run / "checkpoints" / "step-000001"), "--out", str(tmp_path / "s1")]) == 0
+    s1 = _weights(tmp_path / "s1")
+    assert not all(torch.equal(s1[k], b[k]) for k in b)  # step 1's adapter is another one
+
+
+def test_chat_with_a_checkpoint_answers_as_with_the_runs_adapter(run, tiny_base, capsys):
+    q = ["--max-new-tokens", "4", "Who founded Vellmora?"]
+    assert main(["chat", "--adapter", str(run / "checkpoints" / "step-000002"), *q]) == 0
+    from_ckpt = capsys.readouterr().out
+    assert main(["chat", "--adapter", str(run / "adapter"), *q]) == 0
+    assert capsys.readouterr().out == from_ckpt
+
+
+def test_a_full_fine_tuning_checkpoint_is_refused_naming_what_to_use(tiny_base, tmp_path, capsys):
+    out = tmp_path / "full"
+    assert main(["train", f"model.path={tiny_base}", f"train.out_dir={out}", "lora.enabled=false", *RUN_ARGS]) == 0
+    capsys.readouterr()
+    assert main(["export", "--adapter", str(out / "checkpoints" / "step-000002"), "--out", str(tmp_path / "m")]) == 3
+    err = capsys.readouterr().err
+    assert "is a full fine-tuning run's (lora.enabled false)" in err and "model/ directory" in err
+
+
+def test_a_checkpoint_on_another_base_is_refused(run, tmp_path, capsys):
+    import transformers
+
+    from chronicals import load_tokenizer, save_model
+    from chronicals.models import CausalLM, ModelConfig
+
+    tok = load_tokenizer("smollm2-135m-instruct")
+    hf = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    other = save_model(CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0), tok, tmp_path / "b")
+    assert main(["export", "--base", str(other), "--adapter", str(run / "checkpoints" / "step-000002"),
+                 "--out", str(tmp_path / "m")]) == 3
+    assert "does not fit this base" in capsys.readouterr().err
