@@ -124,7 +124,8 @@ def cmd_export(argv: list[str]) -> int:
                                 description="Merge a LoRA adapter into its base model and write a Hugging Face directory.")
     p.add_argument("--base", default=None, help="base model: HF directory, .gguf, or smollm2-135m-instruct "
                                                  "(default: the base recorded in the adapter, else the embedded one)")
-    p.add_argument("--adapter", required=True, help="adapter directory (PEFT format, e.g. runs/demo/adapter)")
+    p.add_argument("--adapter", required=True, help="adapter directory (PEFT format, e.g. runs/demo/adapter), or a LoRA run's "
+                                                           "checkpoint (runs/demo/checkpoints/step-N)")
     p.add_argument("--out", required=True, help="output directory (replaced atomically if it exists and holds "
                                                 "only a model's files)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],

@@ -38,7 +38,8 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     p.add_argument("prompts", nargs="*", help="user messages to answer")
     p.add_argument("--model", default=None, help="HF directory, .gguf, or smollm2-135m-instruct (default: with "
                                                   "--adapter the base recorded in it, else smollm2-135m-instruct)")
-    p.add_argument("--adapter", default=None, help="LoRA adapter directory to apply (e.g. runs/demo/adapter)")
+    p.add_argument("--adapter", default=None, help="LoRA adapter directory to apply (e.g. runs/demo/adapter), "
+                                                         "or a LoRA run's checkpoint (runs/demo/checkpoints/step-N)")
     p.add_argument("--system", default=None, help="system message (default: the one the run that wrote --adapter "
                                                     "or --model used for its held-out prompts, read from the run's "
                                                     "config.yaml beside it; else the one the demo trains with)")

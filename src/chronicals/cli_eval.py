@@ -37,7 +37,8 @@ def cmd_eval(argv: list[str]) -> int:
     p.add_argument("--model", default=None, help="HF directory, .gguf, or smollm2-135m-instruct (default: with "
                                                   "--adapter the base recorded in it, else smollm2-135m-instruct)")
     p.add_argument("--adapter", default=None, help="LoRA adapter directory to apply (PEFT format, e.g. "
-                                                    "runs/demo/adapter)")
+                                                    "runs/demo/adapter), or a LoRA run's checkpoint "
+                                                    "(runs/demo/checkpoints/step-N)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the numbers (and each answer) to FILE as "
                                                                  "JSON, atomically")
     p.add_argument("--format", default=d.format, choices=["auto", "text", "chat", "alpaca", "prompt_completion",
