@@ -40,10 +40,13 @@ def test_export_of_the_last_checkpoint_equals_the_runs_adapter(run, tmp_path, ca
 
 def test_chat_with_a_checkpoint_answers_as_with_the_runs_adapter(run, tiny_base, capsys):
     q = ["--max-new-tokens", "4", "Who founded Vellmora?"]
-    assert main(["chat", "--adapter", str(run / "checkpoints" / "step-000002"), *q]) == 0
+    step2 = run / "checkpoints" / "step-000002"
+    assert main(["chat", "--adapter", str(step2), "--system", "Be brief.", *q]) == 0
     from_ckpt = capsys.readouterr().out
-    assert main(["chat", "--adapter", str(run / "adapter"), *q]) == 0
+    assert main(["chat", "--adapter", str(run / "adapter"), "--system", "Be brief.", *q]) == 0
     assert capsys.readouterr().out == from_ckpt
+    assert main(["chat", "--adapter", str(step2), *q]) == 0  # the system message of the run's held-out prompts
+    assert f"the system message of {step2 / 'state.pt'}'s held-out prompts" in capsys.readouterr().err
 
 
 def test_a_full_fine_tuning_checkpoint_is_refused_naming_what_to_use(tiny_base, tmp_path, capsys):

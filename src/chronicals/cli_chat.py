@@ -11,18 +11,23 @@ from .cli_models import DTYPE_HELP, _base_for, _load, _within_context
 
 def _run_system_prompt(path: str | None) -> str | None:
     """The system message of the held-out prompts of the run that wrote ``path`` (``train.out_dir``/adapter or
-    /model): from the run's config.yaml beside it, so chat asks as the run's held-out questions were asked. None
-    when ``path`` is not in a run directory (or its config.yaml does not load)."""
+    /model, or a LoRA run's checkpoint): from the run's config.yaml beside it (the config in the checkpoint's
+    state.pt), so chat asks as the run's held-out questions were asked. None when ``path`` is not in a run directory
+    (or its config does not load)."""
     if not path:
         return None
-    cfg_file = Path(path).expanduser().parent / "config.yaml"
-    if Path(path).name not in ("adapter", "model") or not cfg_file.is_file():
-        return None
     from .config import load_config
+    from .train.checkpoint_adapter import is_checkpoint_dir, read_lora_checkpoint
     from .train.qa import heldout_system_prompt
 
+    cfg_file = Path(path).expanduser().parent / "config.yaml"
     try:
-        system = heldout_system_prompt(load_config(cfg_file).data)
+        if is_checkpoint_dir(path):  # a LoRA run's checkpoint carries the run's config
+            system, cfg_file = heldout_system_prompt(read_lora_checkpoint(path)[0].data), Path(path) / "state.pt"
+        elif Path(path).name in ("adapter", "model") and cfg_file.is_file():
+            system = heldout_system_prompt(load_config(cfg_file).data)
+        else:
+            return None
     except (ValueError, OSError):  # another tool's config.yaml, or one of an older version: not ours to judge
         return None
     shown = repr(system) if system else "none (the chat template's default)"
