@@ -52,6 +52,23 @@ def test_every_unsupported_peft_option_is_refused(tmp_path, key, val):
         load_adapter(tiny_model(), tmp_path / "a")
 
 
+def test_rank_and_alpha_patterns_at_the_global_values_load(tmp_path, ids):
+    """rank_pattern {"q_proj": r} (and alpha_pattern at lora_alpha) change nothing, but were refused."""
+    ours = tiny_model()
+    apply_lora(ours, r=2, alpha=4, target_modules=["q_proj"])
+    with torch.no_grad():
+        ours.model.layers[0].self_attn.q_proj.lora_B.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+        want = ours.eval()(ids)
+    save_adapter(ours, tmp_path / "a")
+    path = tmp_path / "a" / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "rank_pattern": {"q_proj": 2},
+                                "alpha_pattern": {"q_proj": 4}}))
+    again = tiny_model()
+    load_adapter(again, tmp_path / "a")
+    with torch.no_grad():
+        torch.testing.assert_close(again.eval()(ids), want, rtol=0, atol=0)
+
+
 def test_a_trained_tied_lm_head_survives_merge_save_and_load(tmp_path, ids):
     """A PEFT adapter with modules_to_save=[lm_head] on a tied model (SmolLM2, small Qwen2.5): load_adapter
     unties lm_head as PEFT does, and the merged model saved as an HF directory (what `chronicals export` does)

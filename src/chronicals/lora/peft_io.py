@@ -126,6 +126,10 @@ def read_adapter_config(adapter_dir) -> dict:
                          "[\"lm_head\"]) or null")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{path}: peft_type={cfg['peft_type']!r}; only LORA adapters can be loaded")
+    for key, same in (("rank_pattern", "r"), ("alpha_pattern", "lora_alpha")):
+        pattern = cfg.get(key)
+        if isinstance(pattern, dict) and pattern and all(v == cfg[same] for v in pattern.values()):
+            cfg = {**cfg, key: {}}  # every listed module at the global value: it changes nothing
     for key, default in {**_UNSUPPORTED, **_VARIANTS}.items():
         val = cfg.get(key, default)
         if val not in (default, None) and not (isinstance(default, dict) and not val):
