@@ -285,3 +285,17 @@ def test_atomic_dir_removes_temporaries_of_killed_writers_only(tmp_path, caplog)
     assert (tmp_path / "model" / "config.json").is_file() and not lock_path(tmp).exists()
     logged = [r.getMessage() for r in caplog.records if r.name == "chronicals.models"]
     assert len(logged) == 1 and dead.name in logged[0] and "1.5 MB" in logged[0]
+
+
+def test_a_head_untied_in_code_is_not_dropped(tmp_path, tiny_hf_config):
+    """config says tied, but lm_head got its own Parameter with other values (user code): the directory, which holds
+    no lm_head when tied, lost the head without a word. Refused now; tied again, or marked untied, it saves."""
+    cfg = tiny_hf_config("llama2", tie_word_embeddings=True)
+    model = _model(cfg)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 2)
+    with pytest.raises(ValueError, match="tie_word_embeddings is true, but lm_head.weight is another tensor"):
+        chronicals.save_model(model, None, tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+    model.config.tie_word_embeddings = False
+    again, _ = chronicals.load_model(chronicals.save_model(model, None, tmp_path / "m"), tokenizer=False)
+    torch.testing.assert_close(_logits(again), _logits(model))

@@ -366,6 +366,12 @@ def save_hf_dir(model: CausalLM, tokenizer, out_dir: str | Path, *, generation_c
                          f"(partial_rotary_factor={cfg.partial_rotary_factor}), which transformers' {cfg.model_type} "
                          "code cannot express (it rotates all of them), so a Hugging Face directory would load as a "
                          "different model; chronicals does not write one")
+    head, emb = model.lm_head.weight, model.model.embed_tokens.weight
+    if cfg.tie_word_embeddings and head is not emb and not torch.equal(head, emb):
+        # the directory holds no lm_head when tied: a head untied in code (a new Parameter) would be dropped
+        raise ValueError("save_model: config.tie_word_embeddings is true, but lm_head.weight is another tensor than "
+                         "the embedding, with other values; set model.config.tie_word_embeddings = False to save "
+                         "both, or tie them again (model.lm_head.weight = model.model.embed_tokens.weight)")
     sd = model.state_dict()
     want = expected_names(cfg)
     extra = set(sd) - want - {"lm_head.weight"}
