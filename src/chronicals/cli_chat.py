@@ -47,7 +47,8 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
                                                          "or a LoRA run's checkpoint (runs/demo/checkpoints/step-N)")
     p.add_argument("--system", default=None, help="system message (default: the one the run that wrote --adapter "
                                                     "or --model used for its held-out prompts, read from the run's "
-                                                    "config.yaml beside it; else the one the demo trains with)")
+                                                    "config.yaml beside it, or from a checkpoint's state.pt; else "
+                                                    "the one the demo trains with)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many tokens per answer (>= 1); "
                                                                    "fewer where prompt and answer would pass the "
                                                                    "model's context (said once)")
