@@ -299,3 +299,16 @@ def test_a_head_untied_in_code_is_not_dropped(tmp_path, tiny_hf_config):
     model.config.tie_word_embeddings = False
     again, _ = chronicals.load_model(chronicals.save_model(model, None, tmp_path / "m"), tokenizer=False)
     torch.testing.assert_close(_logits(again), _logits(model))
+
+
+def test_a_tokenizer_with_named_chat_templates_saves_twice(tiny_base, tmp_path):
+    """transformers 5 writes named chat templates (default + tool_use) into additional_chat_templates/; a folder
+    counts as foreign in an output directory, so the second save_model or export into it was refused."""
+    model, tok = chronicals.load_model(tiny_base)
+    tok.chat_template = {"default": tok.chat_template, "tool_use": tok.chat_template}
+    out = chronicals.save_model(model, tok, tmp_path / "m")
+    assert (out / "additional_chat_templates").is_dir()
+    chronicals.save_model(model, tok, out)  # its own folder: replaced
+    (out / "additional_chat_templates_old").mkdir()  # a user's folder: still refused
+    with pytest.raises(FileExistsError, match=r"additional_chat_templates_old/"):
+        chronicals.save_model(model, tok, out)

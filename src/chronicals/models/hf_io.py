@@ -44,24 +44,36 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
 
 # what a model directory written by save_model (tokenizer files included) may hold: replacing such a directory
 # loses nothing that is not written again
+# a trailing "/" names a folder, matched by its exact name: transformers 5's tokenizer.save_pretrained writes
+# additional_chat_templates/ for a tokenizer with named chat templates (default + tool_use)
 MODEL_DIR_FILES = ("config.json", "generation_config.json", SINGLE_FILE, INDEX_FILE, "model-*-of-*.safetensors",
                    "tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.json",
-                   "merges.txt")
+                   "merges.txt", "additional_chat_templates/")
+
+
+def foreign_entries(out: Path, owned: tuple[str, ...]) -> list[str]:
+    """The entries of the directory ``out`` that match none of the ``owned`` patterns, sorted (folders shown with a
+    trailing "/"). The patterns name files, and a folder is foreign unless a pattern names it exactly with a trailing
+    "/" (a user's ``tokenizer_backup/`` matched ``tokenizer*`` and was deleted with its contents)."""
+    folders = {pat[:-1] for pat in owned if pat.endswith("/")}
+    files = [pat for pat in owned if not pat.endswith("/")]
+
+    def foreign_entry(p: Path) -> str | None:  # its name as shown, or None when the save owns it
+        if p.is_dir() and not p.is_symlink():  # a link to a folder is removed as a link, not followed
+            return None if p.name in folders else p.name + "/"
+        return None if any(fnmatch.fnmatch(p.name, pat) for pat in files) else p.name
+
+    return sorted(name for name in map(foreign_entry, out.iterdir()) if name is not None)
 
 
 def refuse_foreign_files(out: Path, owned: tuple[str, ...]) -> None:
-    """FileExistsError when the existing directory ``out`` holds entries matching none of the ``owned`` patterns.
+    """FileExistsError when the existing directory ``out`` holds entries that are not ``owned`` (``foreign_entries``).
 
     An output directory is replaced as a whole, so anything else in it (notes, a git clone, another model's
-    files) would be deleted: refuse before writing anything. The patterns name files: a folder is foreign whatever
-    its name (a user's ``tokenizer_backup/`` matched ``tokenizer*`` and was deleted with its contents)."""
+    files) would be deleted: refuse before writing anything."""
     if not out.is_dir():
         return
-    def folder(p: Path) -> bool:  # a link to a folder is removed as a link, not followed
-        return p.is_dir() and not p.is_symlink()
-
-    foreign = sorted(p.name + "/" if folder(p) else p.name for p in out.iterdir()
-                     if folder(p) or not any(fnmatch.fnmatch(p.name, pat) for pat in owned))
+    foreign = foreign_entries(out, owned)
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise FileExistsError(f"{out} exists and holds files this save would delete ({shown}): the directory is "

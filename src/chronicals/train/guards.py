@@ -248,7 +248,7 @@ def earlier_final(cfg: TrainConfig, out_dir: Path, resume_from: Path | None) -> 
 
     Left, with a warning, when it holds other files or is this run's model.path: a run deletes no file it
     could not have written."""
-    import fnmatch
+    from ..models.hf_io import foreign_entries
 
     final = final_dir(cfg, out_dir)
     if not final.is_dir() or final.is_symlink():
@@ -258,8 +258,7 @@ def earlier_final(cfg: TrainConfig, out_dir: Path, resume_from: Path | None) -> 
     if resume_from is not None and is_own(resume_from, out_dir):  # the final directory is of this run's history
         return None
     base = Path(cfg.model.path).expanduser().resolve()
-    foreign = sorted(p.name for p in final.iterdir() if not any(fnmatch.fnmatch(p.name, pat)
-                                                                for pat in _final_files(cfg)))
+    foreign = foreign_entries(final, _final_files(cfg))  # a folder in it too (a user's tokenizer_backup/)
     if foreign or final.resolve() in (base, *base.parents):
         why = f"it also holds {', '.join(foreign[:5])}" if foreign else f"it holds model.path={cfg.model.path}"
         log.warning("%s is an earlier run's final %s, not this run's; left in place as %s: move it away, or set "
