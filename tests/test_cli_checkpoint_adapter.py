@@ -71,3 +71,48 @@ def test_a_checkpoint_on_another_base_is_refused(run, tmp_path, capsys):
     assert main(["export", "--base", str(other), "--adapter", str(run / "checkpoints" / "step-000002"),
                  "--out", str(tmp_path / "m")]) == 3
     assert "does not fit this base" in capsys.readouterr().err
+
+
+def test_a_relative_model_path_is_recorded_as_the_model_that_run_loaded(tiny_base, tmp_path, monkeypatch, capsys):
+    """model.path=base (relative): the config in state.pt keeps it as typed, so from another directory the checkpoint
+    found no base, or a different model of that name. The checkpoint records the absolute path, as adapter/ does."""
+    import shutil
+
+    shutil.copytree(tiny_base, tmp_path / "start" / "base")
+    monkeypatch.chdir(tmp_path / "start")
+    assert main(["train", "model.path=base", "train.out_dir=run", "lora.rank=4", *RUN_ARGS]) == 0
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "base").mkdir()  # another "base" here: not the one trained
+    step2 = tmp_path / "start" / "run" / "checkpoints" / "step-000002"
+    assert main(["export", "--adapter", str(step2), "--out", str(tmp_path / "m")]) == 0
+    assert f"using {tmp_path / 'start' / 'base'}, the base recorded in {step2}/state.pt" in capsys.readouterr().err
+
+
+def test_a_model_passed_to_train_with_its_own_lora_exports_as_trained(tiny_base, tmp_path, capsys):
+    """A model given to train() already adapted (alpha 4, scaling 1) keeps its LoRA; the checkpoint was rebuilt from
+    the config's lora section (alpha 32) and merged 8x the update without a word. The applied settings are recorded
+    now; a model passed without chronicals_base names no base, and the export asks for one instead of guessing."""
+    from chronicals import load_model
+    from chronicals.lora import apply_lora
+    from chronicals.train import train
+
+    model, tok = load_model(tiny_base)
+    apply_lora(model, r=4, alpha=4, seed=0)
+    out = tmp_path / "run"
+    train({"train": {"out_dir": str(out), "max_steps": 2, "save_every": 1}, "lora": {"rank": 4},
+           "optim": {"lr": 0.05}, "eval": {"every": 0, "qa": False}, "logging": {"progress": False},
+           "data": {"batch_size": 2}}, model=model, tokenizer=tok)
+    step2 = out / "checkpoints" / "step-000002"
+    assert main(["export", "--adapter", str(step2), "--out", str(tmp_path / "x")]) == 3
+    assert "does not name a base model that can be found from here" in capsys.readouterr().err
+    for src, dst in ((step2, "from_ckpt"), (out / "adapter", "from_adapter")):
+        assert main(["export", "--base", str(tiny_base), "--adapter", str(src), "--out", str(tmp_path / dst)]) == 0
+    a, b = _weights(tmp_path / "from_ckpt"), _weights(tmp_path / "from_adapter")
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_an_empty_state_pt_is_bad_input_not_a_crash(tmp_path, capsys):
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "state.pt").write_bytes(b"")
+    assert main(["export", "--adapter", str(tmp_path / "ck"), "--out", str(tmp_path / "m")]) == 3
+    assert "cannot be read" in capsys.readouterr().err

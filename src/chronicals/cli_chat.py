@@ -23,7 +23,7 @@ def _run_system_prompt(path: str | None) -> str | None:
     cfg_file = Path(path).expanduser().parent / "config.yaml"
     try:
         if is_checkpoint_dir(path):  # a LoRA run's checkpoint carries the run's config
-            system, cfg_file = heldout_system_prompt(read_lora_checkpoint(path)[0].data), Path(path) / "state.pt"
+            system, cfg_file = heldout_system_prompt(read_lora_checkpoint(path).config.data), Path(path) / "state.pt"
         elif Path(path).name in ("adapter", "model") and cfg_file.is_file():
             system = heldout_system_prompt(load_config(cfg_file).data)
         else:

@@ -244,15 +244,15 @@ def _unsafe_globals(file: Path) -> list[str]:
         return []
 
 
-def _read_state(file: Path) -> dict:
+def _read_state(file: Path, mmap: bool = False) -> dict:
     """state.pt's dict, with the entries load_checkpoint uses; ValueError naming the file and what to do.
 
     Loaded with weights_only=True: tensors and plain Python values only, so a crafted state.pt (a shared run
     directory, a downloaded checkpoint) runs no code when resumed. The ones written here hold nothing else,
     unless a caller's own data loader puts other objects in its state_dict: those are named, with the way to
-    allow them."""
+    allow them. ``mmap``: tensors stay in the file, paged in when read (for a read-only use of a few of them)."""
     try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
         if not (isinstance(state, dict) and {"model", "optimizer", "scheduler", "step"} <= state.keys()):
             raise ValueError("not a chronicals checkpoint (no model / optimizer / scheduler / step entries)")
     except Exception as e:  # noqa: BLE001 (zip, pickle, EOF, OS errors alike) saves are atomic: damaged after writing
@@ -264,7 +264,7 @@ def _read_state(file: Path) -> dict:
                              "train_loader's state_dict with such values does). If "
                              "you trust the file, allow them before train() with torch.serialization."
                              "add_safe_globals([...]); else move it away") from None
-        raise ValueError(f"checkpoint {file} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+        raise ValueError(f"checkpoint {file} cannot be read ({type(e).__name__}: {str(e).partition(chr(10))[0][:120]}); "
                          f"it is truncated or corrupt: {_move_away_hint(file.parent)}") from None
     fmt = state.get("format", 1)
     if not isinstance(fmt, int) or fmt > FORMAT:

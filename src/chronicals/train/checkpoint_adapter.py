@@ -2,21 +2,44 @@
 runs/x/checkpoints/step-000120``, to merge, ask or score the model of a step before the run's end.
 
 A checkpoint directory holds one ``state.pt``: the trainable tensors under the model's own names (the LoRA A and B
-of every target, and any ``lora.modules_to_save`` module) and, in ``extra["config"]``, the run's config, which names
-the base (``model.path``) and the LoRA settings. Those rebuild the adapter in memory: ``apply_lora`` with the run's
-settings, then the tensors copied in, as a resume restores them. The tensors are the weights the step's forward
-used (bf16 on CUDA), the same ones the run's final ``adapter/`` is saved from.
+of every target, and any ``lora.modules_to_save`` module) and, in ``extra``, what the run trained: ``base`` (the
+model, as the run's adapter/ records it: an absolute path or a short name; None for a model passed to train()),
+``lora`` (the settings apply_lora used, from ``model.lora_config``) and ``config`` (the run's config). Those rebuild
+the adapter in memory: ``apply_lora`` with the recorded settings, then the tensors copied in, as a resume restores
+them. The tensors are the weights the step's forward used (bf16 on CUDA), the ones the run's final adapter/ is
+saved from. Checkpoints written before ``base`` and ``lora`` were recorded fall back to the config's model.path
+(only when it names the model from anywhere: absolute, ``~``, or a short name) and lora section.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..config import TrainConfig, from_dict
 from .checkpoint import STATE_FILE, _read_state
+
+
+def lora_settings(model: torch.nn.Module) -> dict | None:
+    """What apply_lora did to ``model`` (``model.lora_config``) as plain values for a checkpoint, or None."""
+    rec = getattr(model, "lora_config", None)
+    if rec is None:
+        return None
+    return {"r": rec.r, "alpha": rec.alpha, "dropout": rec.dropout, "use_rslora": rec.use_rslora,
+            "lora_modules": list(rec.lora_modules), "saved_modules": list(rec.saved_modules)}
+
+
+@dataclass
+class CheckpointAdapter:
+    file: Path
+    config: TrainConfig  # the run's
+    base: str | None  # the model the run trained; None: not known from here (``why_no_base`` says why)
+    why_no_base: str
+    lora: dict  # apply_lora keyword arguments
+    tensors: dict[str, torch.Tensor]  # memory-mapped from state.pt: read when copied in
 
 
 def is_checkpoint_dir(path: str | Path | None) -> bool:
@@ -27,18 +50,20 @@ def is_checkpoint_dir(path: str | Path | None) -> bool:
     return (p / STATE_FILE).is_file() and not (p / "adapter_config.json").exists()
 
 
-def read_lora_checkpoint(path: str | Path) -> tuple[TrainConfig, dict[str, torch.Tensor]]:
-    """(the run's config, its trainable tensors) of a LoRA run's checkpoint; ValueError naming the file and what to
-    do when it is a full fine-tuning run's or carries no config. Read once per file version (chat or export ask
-    for the base first, then the tensors)."""
+def read_lora_checkpoint(path: str | Path) -> CheckpointAdapter:
+    """The adapter a LoRA run's checkpoint directory describes; ValueError naming the file and what to do when it is
+    a full fine-tuning run's or carries no config. Read once per file version (chat or export ask for the base
+    first, then the tensors), memory-mapped: the optimizer's moments in the same file are never paged in."""
     file = Path(path).expanduser().resolve() / STATE_FILE
-    return _read(file, file.stat().st_mtime_ns)
+    st = file.stat()
+    return _read(file, (st.st_mtime_ns, st.st_size, st.st_ino))
 
 
 @functools.lru_cache(maxsize=1)
-def _read(file: Path, _mtime_ns: int) -> tuple[TrainConfig, dict[str, torch.Tensor]]:
-    state = _read_state(file)
-    saved = (state.get("extra") or {}).get("config")
+def _read(file: Path, _version: tuple) -> CheckpointAdapter:
+    state = _read_state(file, mmap=True)
+    extra = state.get("extra") or {}
+    saved = extra.get("config")
     if not isinstance(saved, dict):
         raise ValueError(f"checkpoint {file} records no run config, so the adapter's settings are unknown; use the "
                          "run's adapter/ directory, or resume the run (train.resume) to write one")
@@ -51,7 +76,36 @@ def _read(file: Path, _mtime_ns: int) -> tuple[TrainConfig, dict[str, torch.Tens
         raise ValueError(f"checkpoint {file} is a full fine-tuning run's (lora.enabled false): it holds the whole "
                          "model's trainable weights, not an adapter; the run writes the model to its model/ directory "
                          "at the end (chronicals chat / eval --model)")
-    return cfg, state["model"]
+    base, why = _base(extra, cfg)
+    for name, t in state["model"].items():  # a crafted file: load_adapter refuses these too
+        if not t.is_floating_point():
+            raise ValueError(f"checkpoint {file}: tensor {name} is stored as {t.dtype}, not as floating point; it "
+                             "was not written by chronicals: use the run's adapter/ directory")
+    return CheckpointAdapter(file, cfg, base, why, _lora_kwargs(extra.get("lora"), cfg), state["model"])
+
+
+def _base(extra: dict, cfg: TrainConfig) -> tuple[str | None, str]:
+    """(the base the run trained, or None with why) from the checkpoint's record, else from model.path."""
+    if "base" in extra:
+        return extra["base"], "the run was given its model in Python (train(cfg, model=...))"
+    path = cfg.model.path
+    from ..models.loading import SHORT_NAMES
+
+    if path.lower() in SHORT_NAMES or Path(path).is_absolute() or path.startswith("~"):
+        return path, ""
+    return None, (f"its model.path {path!r} is relative to the directory that run started in, and this checkpoint "
+                  "is older than the base it now records")
+
+
+def _lora_kwargs(record: dict | None, cfg: TrainConfig) -> dict:
+    """apply_lora's arguments: the recorded settings (the modules by their full names), else the config's."""
+    if record is not None:
+        return dict(r=record["r"], alpha=record["alpha"], dropout=record["dropout"], use_rslora=record["use_rslora"],
+                    target_modules=tuple(record["lora_modules"]), modules_to_save=tuple(record["saved_modules"]),
+                    group=cfg.lora.group)
+    lora = cfg.lora
+    return dict(r=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=tuple(lora.targets),
+                use_rslora=lora.rslora, group=lora.group, modules_to_save=tuple(lora.modules_to_save))
 
 
 def apply_checkpoint_adapter(model: torch.nn.Module, path: str | Path, adapter_dtype: torch.dtype | None = None):
@@ -60,19 +114,16 @@ def apply_checkpoint_adapter(model: torch.nn.Module, path: str | Path, adapter_d
     (another base; the model is then left adapted: the commands that call this stop there). Returns the model."""
     from ..lora import apply_lora
 
-    cfg, tensors = read_lora_checkpoint(path)
-    lora = cfg.lora
-    apply_lora(model, r=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=tuple(lora.targets),
-               use_rslora=lora.rslora, group=lora.group, modules_to_save=tuple(lora.modules_to_save),
-               adapter_dtype=adapter_dtype)
+    ck = read_lora_checkpoint(path)
+    apply_lora(model, adapter_dtype=adapter_dtype, **ck.lora)
     params = dict(model.named_parameters())
     trainable = {n for n, p in params.items() if p.requires_grad}
-    shapes = [n for n, t in tensors.items() if n in params and t.shape != params[n].shape]
-    if set(tensors) != trainable or shapes:
-        odd = sorted(set(tensors) ^ trainable) + shapes
+    shapes = [n for n, t in ck.tensors.items() if n in params and t.shape != params[n].shape]
+    if set(ck.tensors) != trainable or shapes:
+        odd = sorted(set(ck.tensors) ^ trainable) + shapes
         raise ValueError(f"checkpoint {path} does not fit this base ({len(odd)} tensors differ in name or shape, e.g. "
-                         f"{odd[0]}): it was trained on {cfg.model.path}; pass that model")
+                         f"{odd[0]}): it was trained on {ck.base or 'a model it does not name'}; pass that model")
     with torch.no_grad():
-        for name, t in tensors.items():
+        for name, t in ck.tensors.items():
             params[name].copy_(t)
     return model

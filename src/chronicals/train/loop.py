@@ -30,6 +30,7 @@ import torch
 from ..config import DEMO, TrainConfig, from_dict, load_config
 from ..cuda_alloc import allocator_setting
 from . import checkpoint as ckpt
+from .checkpoint_adapter import lora_settings
 from .divergence import _check_finite, nonfinite_weights
 from .finish import TrainResult, _already_done, save_final
 from .metrics import matmul_peak_tflops, memory_gib, plot_losses, private_pool_bytes, train_flops_per_token
@@ -259,11 +260,14 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     # rank 0 writes; periodic checkpoints in a background thread (train.async_save), waited for at a stop, at the
     # end and before an error names the last good one
     writer = ckpt.CheckpointWriter(background=cfg.train.async_save and dp.is_main)
+    lora_record = lora_settings(model)
     state = _LoopState()
 
     def save(step: int, wait: bool = False) -> Path:
         state.saves += 1  # on every rank (the barriers below must pair)
-        extra = {"config": cfg_dict}  # names what differs if a resume does not fit
+        # config: names what differs if a resume does not fit; base and lora: what was trained, for the checkpoint
+        # used as an adapter (train/checkpoint_adapter.py): a relative model.path, or a model passed in, differ
+        extra = {"config": cfg_dict, "base": getattr(model, "chronicals_base", None), "lora": lora_record}
         if dp.enabled:  # each rank's RNG: LoRA dropout masks of unequal batch shapes advance them apart
             extra["rank_rng"] = dp.gather_object(ckpt.rng_state())
         if dp.is_main:
