@@ -116,3 +116,12 @@ def test_an_empty_state_pt_is_bad_input_not_a_crash(tmp_path, capsys):
     (tmp_path / "ck" / "state.pt").write_bytes(b"")
     assert main(["export", "--adapter", str(tmp_path / "ck"), "--out", str(tmp_path / "m")]) == 3
     assert "cannot be read" in capsys.readouterr().err
+
+
+def test_the_checkpoints_folder_or_a_checkpoint_as_model_say_what_to_pass(run, capsys):
+    assert main(["export", "--adapter", str(run / "checkpoints"), "--out", str(run.parent / "m")]) == 3
+    assert f"holds a run's training checkpoints, each of which the commands take as --adapter: pass one, e.g. " \
+           f"{run / 'checkpoints' / 'step-000002'}" in capsys.readouterr().err
+    assert main(["chat", "--model", str(run / "checkpoints" / "step-000002"), "hi"]) == 3
+    assert "is a training checkpoint (state.pt), not a model: a LoRA run's checkpoint is passed as --adapter" \
+        in capsys.readouterr().err

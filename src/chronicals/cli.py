@@ -130,8 +130,9 @@ def cmd_export(argv: list[str]) -> int:
                                                 "only a model's files)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="dtype of the written weights: auto = the base checkpoint's own (a bf16 model stays bf16, "
-                        "as transformers + PEFT merge it); the base loads in it, and each W + s B A is computed in "
-                        "fp32 and rounded once (bfloat16 from an fp32 base rounds W twice)")
+                        "as transformers + PEFT merge it; a .gguf base is dequantized to float32); the base loads in "
+                        "it, and each W + s B A is computed in fp32 and rounded once (bfloat16 from an fp32 base "
+                        "rounds W twice)")
     a = p.parse_args(argv)
     if not a.out.strip():  # Path("") is the working directory
         p.error("--out is empty; give the output directory")

@@ -111,6 +111,9 @@ def read_adapter_config(adapter_dir) -> dict:
     elif (adapter_dir / "config.json").is_file():  # --adapter of a merged or full fine-tuned model
         missing = ("this is a model directory (config.json), not a LoRA adapter: pass it as --model (chat, eval), "
                    "without --adapter; a model has nothing to export (merge)")
+    elif steps := sorted(adapter_dir.glob("step-*/state.pt")):  # --adapter runs/x/checkpoints
+        missing += (f"; {adapter_dir} holds a run's training checkpoints, each of which the commands take as "
+                    f"--adapter: pass one, e.g. {steps[-1].parent}")
     cfg = read_json_object(path, CONFIG_NAME, "save the adapter again (save_adapter / PEFT's save_pretrained)",
                            missing=missing)
     missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in cfg]

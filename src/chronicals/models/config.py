@@ -158,6 +158,9 @@ class ModelConfig:
         elif (run / "adapter" / "adapter_config.json").is_file():
             missing += (f"; {run} is a run directory holding a LoRA adapter: pass --adapter {run / 'adapter'} (its "
                         "base is then the model)")
+        elif (run / "state.pt").is_file():  # --model runs/x/checkpoints/step-N
+            missing = (f"{run} is a training checkpoint (state.pt), not a model: a LoRA run's checkpoint is passed "
+                       "as --adapter (chat, eval, export), a full fine-tuning run's model is its model/ directory")
         d = read_json_object(path, "config.json", "copy config.json from the original model again", missing=missing)
         cfg = cls.from_hf_dict(d, source=str(Path(path)))
         prf = hf_partial_rotary_factor(d)
