@@ -111,7 +111,7 @@ class LoRAGroupFunction(torch.autograd.Function):
         # the B_i are inputs for their gradients only: M holds s B; masks: 1 byte per element, as LoRALinear's
         ctx.save_for_backward(x2, a_all, xa, *(masks or ()))
         ctx.mat, ctx.outs, ctx.ranks, ctx.scales, ctx.shape = mat, outs, ranks, scales, shape
-        ctx.keeps, ctx.n_bs = keeps, len(bs)
+        ctx.keeps = keeps
         return y.view(*shape[:-1], y.shape[-1])
 
     @staticmethod
