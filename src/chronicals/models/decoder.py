@@ -26,7 +26,6 @@ from .forward_args import IGNORE_INDEX, check_forward_args, mask_padding
 from .fused_proj import gate_up_proj, qkv_proj, swiglu_down
 
 
-
 @dataclass
 class RuntimeOptions:
     """Options shared by every module of one model (one object, referenced everywhere)."""
