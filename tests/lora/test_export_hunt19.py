@@ -112,3 +112,23 @@ def test_export_guards_the_base_and_adapter_given_with_a_tilde(tmp_path, monkeyp
     assert main(["export", "--base", "~/base", "--adapter", "~/adapter", "--out", out]) == 2
     assert "--out " + out in capsys.readouterr().err
     assert (base / "model.safetensors").read_bytes() == before and not (tmp_path / "adapter" / "merged").exists()
+
+
+def test_an_out_whose_folder_cannot_be_written_is_refused_before_the_merge(tmp_path, monkeypatch, capsys):
+    """Found only after the load and merge (minutes at 8B) when the temporary directory beside --out was made."""
+    import os
+    from pathlib import Path
+
+    from chronicals.models import hf_io
+
+    model = tiny_model()
+    apply_lora(model, r=2, alpha=4)
+    save_adapter(model, tmp_path / "a")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = os.access
+    monkeypatch.setattr(hf_io.os, "access", lambda p, mode: False if Path(p) == locked else real(p, mode))
+    monkeypatch.setattr("chronicals.cli._load", lambda *a, **k: pytest.fail("loaded before the check"))
+    assert main(["export", "--adapter", str(tmp_path / "a"), "--base", str(tmp_path / "b"),
+                 "--out", str(locked / "m")]) == 2
+    assert f"{locked} cannot be written by this user" in capsys.readouterr().err

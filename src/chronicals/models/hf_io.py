@@ -105,6 +105,9 @@ def check_output_dir(out_dir: str | Path, owned: tuple[str, ...] | None = None) 
     if parent is not None and not parent.is_dir():  # mkdir would say only "[Errno 17] File exists"
         raise NotADirectoryError(f"{parent} is a file, not a directory, so {out} cannot be created under it; "
                                  "choose another output path")
+    if parent is not None and not os.access(parent, os.W_OK | os.X_OK):  # found before a long load, not after it
+        raise PermissionError(f"{parent} cannot be written by this user, so {out} cannot be created there; choose "
+                              "another output path")
     if owned is not None:
         refuse_foreign_files(out, owned)
 
