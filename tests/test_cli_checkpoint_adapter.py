@@ -125,3 +125,29 @@ def test_the_checkpoints_folder_or_a_checkpoint_as_model_say_what_to_pass(run, c
     assert main(["chat", "--model", str(run / "checkpoints" / "step-000002"), "hi"]) == 3
     assert "is a training checkpoint (state.pt), not a model: a LoRA run's checkpoint is passed as --adapter" \
         in capsys.readouterr().err
+
+
+def test_no_merge_writes_the_steps_adapter_that_peft_loads(run, tiny_base, tmp_path, capsys):
+    """export --no-merge: the adapter of a step in PEFT's format. The last step's equals the run's adapter/ (tensors,
+    r, alpha, targets, modules_to_save, dropout), records the same base, and peft loads it with our logits."""
+    import json
+
+    import peft
+    import transformers
+
+    from chronicals import load_model
+    from chronicals.lora import load_adapter
+
+    out = tmp_path / "a2"
+    assert main(["export", "--no-merge", "--adapter", str(run / "checkpoints" / "step-000002"), "--out", str(out)]) == 0
+    got, want = load_file(str(out / "adapter_model.safetensors")), load_file(str(run / "adapter" /
+                                                                                 "adapter_model.safetensors"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k].float()) for k in want)
+    cfg, run_cfg = (json.loads((d / "adapter_config.json").read_text()) for d in (out, run / "adapter"))
+    assert cfg == run_cfg
+    ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(0))
+    ours, _ = load_model(tiny_base, tokenizer=False)
+    load_adapter(ours, out)
+    hf = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(tiny_base), out)
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(input_ids=ids).logits, ours.eval()(ids), rtol=1e-4, atol=1e-4)

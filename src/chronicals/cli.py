@@ -133,6 +133,10 @@ def cmd_export(argv: list[str]) -> int:
                         "as transformers + PEFT merge it; a .gguf base is dequantized to float32); the base loads in "
                         "it, and each W + s B A is computed in fp32 and rounded once (bfloat16 from an fp32 base "
                         "rounds W twice)")
+    p.add_argument("--no-merge", action="store_true",
+                   help="write the adapter in PEFT's format (adapter_config.json + adapter_model.safetensors, fp32) "
+                        "instead of the merged model: for a LoRA run's checkpoint, the adapter of that step, as "
+                        "peft.PeftModel.from_pretrained loads it")
     a = p.parse_args(argv)
     if not a.out.strip():  # Path("") is the working directory
         p.error("--out is empty; give the output directory")
@@ -150,19 +154,21 @@ def cmd_export(argv: list[str]) -> int:
             print(f"error: --out {a.out} is inside {name} {given}: the merged model would become a folder of it, "
                   f"which a later save of {given} refuses to delete; choose an --out outside it", file=sys.stderr)
             return 2
+    from .lora.peft_io import CONFIG_NAME, WEIGHTS_NAME
     from .models.hf_io import MODEL_DIR_FILES, check_output_dir, has_tokenizer
     from .models.loading import SHORT_NAMES
 
     try:  # before the load and merge (minutes for an 8B model), not when the merged model is written
-        check_output_dir(a.out, MODEL_DIR_FILES)
+        check_output_dir(a.out, (CONFIG_NAME, WEIGHTS_NAME) if a.no_merge else MODEL_DIR_FILES)
     except OSError as e:
         print(f"error: --out {a.out}: {e}", file=sys.stderr)
         return 2
     # a base saved by transformers' save_pretrained alone has no tokenizer files, and a merge needs none: it was
     # refused with "call load_model(..., tokenizer=False)", which the command line cannot do
     base_dir = None if a.base.lower() in SHORT_NAMES else Path(a.base).expanduser()  # a short name wins (load_model)
-    with_tokenizer = not (base_dir is not None and base_dir.is_dir() and not has_tokenizer(base_dir))
-    if not with_tokenizer:
+    with_tokenizer = not a.no_merge and not (base_dir is not None and base_dir.is_dir()
+                                             and not has_tokenizer(base_dir))
+    if not with_tokenizer and not a.no_merge:
         print(f"note: --base {a.base} has no tokenizer files (tokenizer.json / tokenizer_config.json): {a.out} is "
               "written without them; copy them from the original model", file=sys.stderr)
     _setup_logging()
@@ -177,6 +183,13 @@ def cmd_export(argv: list[str]) -> int:
     # merge, and 14.8% of a bf16 merge's elements then differed from W + s B A rounded once
     model, tok = _load(a.base, a.adapter, resolve_device("cpu"), "checkpoint" if a.dtype == "auto" else a.dtype,
                        adapter_dtype=torch.float32, tokenizer=with_tokenizer)
+    if a.no_merge:
+        from .lora import save_adapter
+
+        base = a.base if base_dir is None or not base_dir.exists() else str(base_dir.resolve())  # found from anywhere
+        written = save_adapter(model, a.out, base_model_name_or_path=base)
+        print(f"wrote the adapter of {a.adapter} (base {base}) in PEFT's format: {written}")
+        return 0
     merge_lora(model)
     written = save_model(model, tok, a.out)
     print(f"merged {a.adapter} into {a.base}: {written} ({str(model.lm_head.weight.dtype).removeprefix('torch.')})")

@@ -28,8 +28,9 @@ def lora_settings(model: torch.nn.Module) -> dict | None:
     rec = getattr(model, "lora_config", None)
     if rec is None:
         return None
+    targets = rec.target_modules if isinstance(rec.target_modules, str) else list(rec.target_modules)
     return {"r": rec.r, "alpha": rec.alpha, "dropout": rec.dropout, "use_rslora": rec.use_rslora,
-            "lora_modules": list(rec.lora_modules), "saved_modules": list(rec.saved_modules)}
+            "target_modules": targets, "lora_modules": list(rec.lora_modules), "saved_modules": list(rec.saved_modules)}
 
 
 @dataclass
@@ -40,6 +41,7 @@ class CheckpointAdapter:
     why_no_base: str
     lora: dict  # apply_lora keyword arguments
     tensors: dict[str, torch.Tensor]  # memory-mapped from state.pt: read when copied in
+    lora_modules: list[str] | None  # the modules the run adapted (None: not recorded)
 
 
 def is_checkpoint_dir(path: str | Path | None) -> bool:
@@ -81,7 +83,9 @@ def _read(file: Path, _version: tuple) -> CheckpointAdapter:
         if not t.is_floating_point():
             raise ValueError(f"checkpoint {file}: tensor {name} is stored as {t.dtype}, not as floating point; it "
                              "was not written by chronicals: use the run's adapter/ directory")
-    return CheckpointAdapter(file, cfg, base, why, _lora_kwargs(extra.get("lora"), cfg), state["model"])
+    record = extra.get("lora")
+    return CheckpointAdapter(file, cfg, base, why, _lora_kwargs(record, cfg), state["model"],
+                             None if record is None else list(record["lora_modules"]))
 
 
 def _base(extra: dict, cfg: TrainConfig) -> tuple[str | None, str]:
@@ -98,11 +102,13 @@ def _base(extra: dict, cfg: TrainConfig) -> tuple[str | None, str]:
 
 
 def _lora_kwargs(record: dict | None, cfg: TrainConfig) -> dict:
-    """apply_lora's arguments: the recorded settings (the modules by their full names), else the config's."""
+    """apply_lora's arguments: the recorded settings (the targets as given, so a saved adapter_config.json lists
+    them as the run's adapter/ does; the adapted modules are compared after), else the config's."""
     if record is not None:
+        targets = record["target_modules"]
         return dict(r=record["r"], alpha=record["alpha"], dropout=record["dropout"], use_rslora=record["use_rslora"],
-                    target_modules=tuple(record["lora_modules"]), modules_to_save=tuple(record["saved_modules"]),
-                    group=cfg.lora.group)
+                    target_modules=targets if isinstance(targets, str) else tuple(targets),
+                    modules_to_save=tuple(record["saved_modules"]), group=cfg.lora.group)
     lora = cfg.lora
     return dict(r=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=tuple(lora.targets),
                 use_rslora=lora.rslora, group=lora.group, modules_to_save=tuple(lora.modules_to_save))
@@ -115,7 +121,11 @@ def apply_checkpoint_adapter(model: torch.nn.Module, path: str | Path, adapter_d
     from ..lora import apply_lora
 
     ck = read_lora_checkpoint(path)
-    apply_lora(model, adapter_dtype=adapter_dtype, **ck.lora)
+    rec = apply_lora(model, adapter_dtype=adapter_dtype, **ck.lora)
+    if ck.lora_modules is not None and list(rec.lora_modules) != ck.lora_modules:
+        odd = sorted(set(rec.lora_modules) ^ set(ck.lora_modules))
+        raise ValueError(f"checkpoint {path} does not fit this base: its LoRA targets match other modules here (e.g. "
+                         f"{odd[0]}); it was trained on {ck.base or 'a model it does not name'}; pass that model")
     params = dict(model.named_parameters())
     trainable = {n for n, p in params.items() if p.requires_grad}
     shapes = [n for n, t in ck.tensors.items() if n in params and t.shape != params[n].shape]
