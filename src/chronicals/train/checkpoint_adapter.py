@@ -105,7 +105,7 @@ def _lora_kwargs(record: dict | None, cfg: TrainConfig) -> dict:
     """apply_lora's arguments: the recorded settings (the targets as given, so a saved adapter_config.json lists
     them as the run's adapter/ does; the adapted modules are compared after), else the config's."""
     if record is not None:
-        targets = record["target_modules"]
+        targets = record.get("target_modules", record["lora_modules"])  # full names match the same modules
         return dict(r=record["r"], alpha=record["alpha"], dropout=record["dropout"], use_rslora=record["use_rslora"],
                     target_modules=targets if isinstance(targets, str) else tuple(targets),
                     modules_to_save=tuple(record["saved_modules"]), group=cfg.lora.group)
