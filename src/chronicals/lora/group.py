@@ -42,7 +42,7 @@ import logging
 
 import torch
 
-from .layer import LoRALinear, mm_scaled
+from .layer import LoRALinear, dropped, mm_scaled
 
 log = logging.getLogger("chronicals.lora")
 
@@ -70,11 +70,6 @@ def why_not(members) -> str | None:
     return None
 
 
-def _dropped(x2, mask, keep: float):
-    """drop(x2) = x2 * mask / (1 - p) (N, in), as LoRALinear computes it (same ops: the same bits)."""
-    return x2 * mask.reshape(x2.shape) * keep
-
-
 def group_forward(x2, mat, bias, a_all, ranks=(), masks=None, keeps=()):
     """x2 (N, in) -> (y = [x2, xa] @ M^T (+ bias) (N, sum out), xa (N, R)). No autograd.
 
@@ -85,7 +80,7 @@ def group_forward(x2, mat, bias, a_all, ranks=(), masks=None, keeps=()):
     else:
         parts, r = [], 0
         for rank, mask, keep in zip(ranks, masks, keeps):
-            xd = x2 if mask is None else _dropped(x2, mask, keep)
+            xd = x2 if mask is None else dropped(x2, mask, keep)
             parts.append(torch.mm(xd, a_all[r:r + rank].t()))  # (N, r_i)
             r += rank
         xa = torch.cat(parts, dim=1)

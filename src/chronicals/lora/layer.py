@@ -55,12 +55,18 @@ def concat_weight(weight: torch.Tensor, lora_b: torch.Tensor, scaling: float) ->
     return torch.cat([weight, lora_b * scaling], dim=1)
 
 
+def dropped(x2, mask, keep: float):
+    """drop(x2) = x2 * mask / (1 - p) (N, in), ``keep`` = 1 / (1 - p): the LoRA branch's input under dropout. One
+    function for LoRALinear and LoRAGroup, so grouped and separate calls compute the same bits."""
+    return x2 * mask.reshape(x2.shape) * keep
+
+
 def lora_forward(x2, weight, bias, lora_a, lora_b, scaling: float, mask, dropout: float, wcat):
     """x2 (N, in) -> (y (N, out), xa = drop(x2) A^T (N, r), unscaled). No autograd (called in forward).
 
     wcat: None for the addmm_ layout, else [W | s B] (out, in + r) for the concatenated layout.
     """
-    xd = x2 if mask is None else x2 * mask.reshape(x2.shape) * (1.0 / (1.0 - dropout))
+    xd = x2 if mask is None else dropped(x2, mask, 1.0 / (1.0 - dropout))
     xa = torch.mm(xd, lora_a.t())  # (N, r)
     if wcat is not None:
         xcat = torch.cat([x2, xa], dim=1)  # (N, in + r), freed after forward: only x and xa are saved
