@@ -156,7 +156,7 @@ def cmd_export(argv: list[str]) -> int:
             return 2
     from .lora.peft_io import CONFIG_NAME, WEIGHTS_NAME
     from .models.hf_io import MODEL_DIR_FILES, check_output_dir, has_tokenizer
-    from .models.loading import SHORT_NAMES
+    from .models.loading import SHORT_NAMES, recorded_name
 
     try:  # before the load and merge (minutes for an 8B model), not when the merged model is written
         check_output_dir(a.out, (CONFIG_NAME, WEIGHTS_NAME) if a.no_merge else MODEL_DIR_FILES)
@@ -166,9 +166,8 @@ def cmd_export(argv: list[str]) -> int:
     # a base saved by transformers' save_pretrained alone has no tokenizer files, and a merge needs none: it was
     # refused with "call load_model(..., tokenizer=False)", which the command line cannot do
     base_dir = None if a.base.lower() in SHORT_NAMES else Path(a.base).expanduser()  # a short name wins (load_model)
-    with_tokenizer = not a.no_merge and not (base_dir is not None and base_dir.is_dir()
-                                             and not has_tokenizer(base_dir))
-    if not with_tokenizer and not a.no_merge:
+    no_tokenizer_files = base_dir is not None and base_dir.is_dir() and not has_tokenizer(base_dir)
+    if no_tokenizer_files and not a.no_merge:
         print(f"note: --base {a.base} has no tokenizer files (tokenizer.json / tokenizer_config.json): {a.out} is "
               "written without them; copy them from the original model", file=sys.stderr)
     _setup_logging()
@@ -182,11 +181,11 @@ def cmd_export(argv: list[str]) -> int:
     # A and B as the file has them (fp32 from PEFT and from us): in the base's bf16 they were rounded before the
     # merge, and 14.8% of a bf16 merge's elements then differed from W + s B A rounded once
     model, tok = _load(a.base, a.adapter, resolve_device("cpu"), "checkpoint" if a.dtype == "auto" else a.dtype,
-                       adapter_dtype=torch.float32, tokenizer=with_tokenizer)
+                       adapter_dtype=torch.float32, tokenizer=not (a.no_merge or no_tokenizer_files))
     if a.no_merge:
         from .lora import save_adapter
 
-        base = a.base if base_dir is None or not base_dir.exists() else str(base_dir.resolve())  # found from anywhere
+        base = recorded_name(a.base)  # found from anywhere, as a run's adapter/ records it
         written = save_adapter(model, a.out, base_model_name_or_path=base)
         print(f"wrote the adapter of {a.adapter} (base {base}) in PEFT's format: {written}")
         return 0

@@ -46,6 +46,15 @@ def same_model(a, b) -> bool:
         return False
 
 
+def recorded_name(path: str) -> str:
+    """How a run or an adapter records the model ``path`` so that it is found from any directory: a short name as
+    it is (load_model takes it before a folder of that name), an existing path made absolute, else as given."""
+    if path.lower() in SHORT_NAMES:
+        return path
+    p = Path(path).expanduser()
+    return str(p.resolve()) if p.exists() else path
+
+
 def resolve_path(path: str | os.PathLike) -> Path:
     """A short name, a .gguf file or an HF directory -> the file or directory to read."""
     if isinstance(path, str) and path.lower() in SHORT_NAMES:

@@ -29,6 +29,7 @@ import torch
 
 from ..config import DEMO, TrainConfig, from_dict, load_config
 from ..cuda_alloc import allocator_setting
+from ..models.loading import recorded_name
 from . import checkpoint as ckpt
 from .checkpoint_adapter import lora_settings
 from .divergence import _check_finite, nonfinite_weights
@@ -155,8 +156,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     if model is None:
         with dp.main_first():  # rank 0 fills the conversion cache (GGUF) before the others read it
             model, tokenizer = load_base(cfg, device, dtype)
-        base = Path(cfg.model.path).expanduser()  # absolute when a path: chat/export find it from anywhere
-        model.chronicals_base = str(base.resolve()) if base.exists() else cfg.model.path
+        model.chronicals_base = recorded_name(cfg.model.path)  # absolute when a path: chat/export find it anywhere
     elif getattr(model, "chronicals_base", None) is None:
         log.info("a model passed to train(): its adapter records no base model (model.path=%s is not what was "
                  "trained); set model.chronicals_base = its path or name to record one", cfg.model.path)
