@@ -10,24 +10,19 @@ from pathlib import Path
 EMBEDDED = "smollm2-135m-instruct"
 
 
-def _recorded_base(adapter: str) -> str | None:
-    """The base an adapter was trained on (adapter_config.json's base_model_name_or_path; a LoRA run's training
-    checkpoint: the run's model.path), or None."""
+def _recorded(adapter: str) -> tuple[str | None, str, str, str | None]:
+    """(the base an adapter was trained on or None, the file that records it, where in it (for messages), why a
+    training checkpoint names none or None): adapter_config.json's base_model_name_or_path, or for a LoRA run's
+    training checkpoint the base its state.pt records."""
     from .lora.peft_io import read_adapter_config
     from .train.checkpoint_adapter import is_checkpoint_dir, read_lora_checkpoint
 
     if is_checkpoint_dir(adapter):
-        return read_lora_checkpoint(adapter).base
+        ck = read_lora_checkpoint(adapter)
+        return ck.base, "state.pt", "recorded in its state.pt", ck.why_no_base
     base = read_adapter_config(adapter).get("base_model_name_or_path")
-    return base if base and isinstance(base, str) else None
-
-
-def _recorded_where(adapter: str) -> tuple[str, str]:
-    """(file, where in it) ``_recorded_base`` read the base, for messages."""
-    from .train.checkpoint_adapter import is_checkpoint_dir
-
-    return ("state.pt", "recorded in its state.pt") if is_checkpoint_dir(adapter) else (
-        "adapter_config.json", "adapter_config.json base_model_name_or_path")
+    return (base if base and isinstance(base, str) else None), "adapter_config.json", \
+        "adapter_config.json base_model_name_or_path", None
 
 
 def _here(model: str) -> bool:
@@ -40,27 +35,24 @@ def _base_for(adapter: str | None, given: str | None, flag: str) -> str:
     base of the same shapes loads without any error and gives wrong outputs."""
     from .models.loading import same_model
 
-    from .train.checkpoint_adapter import is_checkpoint_dir, read_lora_checkpoint
-
-    recorded = _recorded_base(adapter) if adapter else None
+    recorded, file, where, why_none = _recorded(adapter) if adapter else (None, "", "", None)
     if given is None:
-        if recorded is None and is_checkpoint_dir(adapter):  # the embedded model is no guess for a run's step
+        if recorded is None and why_none is not None:  # the embedded model is no guess for a run's step
             raise FileNotFoundError(f"{adapter} does not name a base model that can be found from here "
-                                    f"({read_lora_checkpoint(adapter).why_no_base}); pass {flag} with the model "
-                                    "that run trained")
+                                    f"({why_none}); pass {flag} with the model that run trained")
         if recorded is None:
             if adapter:
                 print(f"{adapter}/adapter_config.json records no base model: using {EMBEDDED} (pass {flag} for "
                       "another)", file=sys.stderr)
             return EMBEDDED
         if not _here(recorded):
-            raise FileNotFoundError(f"{adapter} was trained on {recorded} ({_recorded_where(adapter)[1]}), "
+            raise FileNotFoundError(f"{adapter} was trained on {recorded} ({where}), "
                                     f"which is not here; pass {flag} with that model's directory or .gguf")
-        print(f"{flag} not given: using {recorded}, the base recorded in {adapter}/{_recorded_where(adapter)[0]}",
+        print(f"{flag} not given: using {recorded}, the base recorded in {adapter}/{file}",
               file=sys.stderr)
         return recorded
     if recorded and _here(recorded) and not same_model(given, recorded):
-        print(f"warning: {adapter} was trained on {recorded} ({_recorded_where(adapter)[1]}), not "
+        print(f"warning: {adapter} was trained on {recorded} ({where}), not "
               f"{flag} {given}; its outputs are right only if {given} holds the same weights", file=sys.stderr)
     return given
 

@@ -264,7 +264,8 @@ def _read_state(file: Path, mmap: bool = False) -> dict:
                              "train_loader's state_dict with such values does). If "
                              "you trust the file, allow them before train() with torch.serialization."
                              "add_safe_globals([...]); else move it away") from None
-        raise ValueError(f"checkpoint {file} cannot be read ({type(e).__name__}: {str(e).partition(chr(10))[0][:120]}); "
+        first = str(e).partition("\n")[0][:120]  # an EOFError of an empty file has no message at all
+        raise ValueError(f"checkpoint {file} cannot be read ({type(e).__name__}: {first}); "
                          f"it is truncated or corrupt: {_move_away_hint(file.parent)}") from None
     fmt = state.get("format", 1)
     if not isinstance(fmt, int) or fmt > FORMAT:
