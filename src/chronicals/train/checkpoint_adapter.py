@@ -91,7 +91,8 @@ def _read(file: Path, _version: tuple) -> CheckpointAdapter:
 def _base(extra: dict, cfg: TrainConfig) -> tuple[str | None, str]:
     """(the base the run trained, or None with why) from the checkpoint's record, else from model.path."""
     if "base" in extra:
-        return extra["base"], "the run was given its model in Python (train(cfg, model=...))"
+        base = extra["base"]
+        return base, "" if base else "the run was given its model in Python (train(cfg, model=...))"
     path = cfg.model.path
     from ..models.loading import SHORT_NAMES
 
