@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 
 # Bump when the converted directory's contents change (what gguf_io.convert_gguf writes), so stale caches are not
 # reused.
-CONVERTER_VERSION = 2  # 2: linear rope scaling given by its factor alone (llama.cpp: an absent type is linear)
+# 2: linear rope scaling given by its factor alone (llama.cpp: an absent type is linear); 3: llama files with
+# partial rope (rope.dimension_count < head_dim) un-permute only the rotated rows of each head's Q/K
+CONVERTER_VERSION = 3
 
 CACHE_ENTRY = "gguf_cache_entry.json"  # in a cache entry: its source (resolved path, identity), converter version
 TOKENIZER_ERROR = "gguf_tokenizer_error.txt"  # in a converted directory: why the GGUF's tokenizer is missing

@@ -9,7 +9,16 @@ What the conversion undoes:
 - names: llama.cpp's ``blk.N.attn_q.weight`` -> ``model.layers.N.self_attn.q_proj.weight`` (table below);
 - layout: llama.cpp's converter permutes the rows of Q and K of the ``llama`` architecture so that
   rotary pairs are adjacent (GPT-J, interleaved rotation); our decoder rotates halves (GPT-NeoX, like
-  HF), so we apply the inverse permutation (``unpermute_qk``). ``qwen2``/``qwen3`` files are not permuted;
+  HF), so we apply the inverse permutation (``unpermute_qk``). With partial rope (``rope.dimension_count``
+  n_rot < head_dim D) llama.cpp rotates stored rows (2i, 2i + 1), 2i < n_rot, of each head and passes rows
+  n_rot..D-1 through, while we rotate dims (i, i + n_rot/2) of the first n_rot and pass the same tail
+  through: only each head's first n_rot rows are un-permuted. One head, D = 8, n_rot = 4:
+
+      stored (llama.cpp)   a0 b0 a1 b1 | t0 t1 t2 t3     pairs (a_i, b_i) rotate by theta^(-2i/4)
+      ours (HF layout)     a0 a1 b0 b1 | t0 t1 t2 t3     pairs (i, i + 2)  rotate by theta^(-2i/4)
+
+  ``qwen2``/``qwen3`` files are not permuted and llama.cpp rotates them in NEOX mode (pairs (i, i + n_rot/2),
+  the tail passed through), which is our layout, partial or not;
 - quantization: every tensor becomes float32 via ``gguf.quants.dequantize`` (exact dequantized values,
   the same numbers transformers' own GGUF loader produces).
 """
@@ -18,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from pathlib import Path
 
@@ -63,20 +73,33 @@ def hf_name(gguf_name: str, source: str = "gguf") -> str:
                      f"(known: {', '.join(_GLOBAL_NAMES)}, blk.N.{{{','.join(_LAYER_NAMES)}}})")
 
 
-def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def _swap_rotary_rows(w: torch.Tensor, n_head: int, n_rot: int | None, inverse: bool) -> torch.Tensor:
+    """Per head of w (n_head * D, ...): its first n_rot rows (None: all D) viewed as (2, n_rot/2) and transposed,
+    halves -> interleaved pairs (inverse: viewed as (n_rot/2, 2), pairs -> halves); rows n_rot..D-1 kept."""
+    rest, d = w.shape[1:], w.shape[0] // n_head
+    r = d if n_rot is None else n_rot
+    h = w.reshape(n_head, d, *rest)  # (n_head, D, ...)
+    split = (r // 2, 2) if inverse else (2, r // 2)
+    rot = h[:, :r].reshape(n_head, *split, *rest).transpose(1, 2).reshape(n_head, r, *rest)
+    return torch.cat((rot, h[:, r:]), dim=1).reshape(w.shape)
+
+
+def permute_qk(w: torch.Tensor, n_head: int, n_rot: int | None = None) -> torch.Tensor:
     """What llama.cpp's converter does to Q/K rows (rows = n_head * head_dim, halves -> interleaved pairs).
 
     w (n_head * D, ...) -> same shape; within each head, row i of the first half and row i of the second
-    half become rows 2i and 2i + 1. Used by tests to build GGUF files; ``unpermute_qk`` inverts it.
+    half become rows 2i and 2i + 1. n_rot (even, <= D; None: D): only the first n_rot rows of each head are
+    interleaved (rows i and i + n_rot/2 -> rows 2i and 2i + 1) and rows n_rot..D-1 stay, the layout in which
+    llama.cpp's partial rope (NORM mode) computes what ours computes on ``w``. Used by tests to build GGUF
+    files; ``unpermute_qk`` inverts it.
     """
-    rows = w.shape[0]
-    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return _swap_rotary_rows(w, n_head, n_rot, inverse=False)
 
 
-def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Inverse of ``permute_qk``: interleaved rotary pairs back to HF's half-rotation layout."""
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+def unpermute_qk(w: torch.Tensor, n_head: int, n_rot: int | None = None) -> torch.Tensor:
+    """Inverse of ``permute_qk``: interleaved rotary pairs (each head's first n_rot rows; None: all) back to HF's
+    half-rotation layout, rows n_rot..D-1 as they are."""
+    return _swap_rotary_rows(w, n_head, n_rot, inverse=True)
 
 
 def _field(reader, key: str, default=None, required: bool = False, source: str = "gguf"):
@@ -131,6 +154,11 @@ def gguf_config(reader, source: str = "gguf") -> dict:
                              "expected a complete llama.cpp model file")
         vocab = int(emb.shape[-1])  # GGUF shapes are (cols, rows)
     rope_dim = get("rope.dimension_count", head_dim, kind=int)
+    if rope_dim < 1 or rope_dim % 2 or rope_dim > head_dim:  # rotary dims come in pairs, within a head
+        raise ValueError(f"{source}: metadata {arch}.rope.dimension_count={rope_dim} must be even and in 2.."
+                         f"{head_dim} (head_dim, {arch}.attention.key_length or embedding_length / head_count); "
+                         "the file's metadata is damaged: convert the model again with llama.cpp's "
+                         "convert_hf_to_gguf.py, or load its Hugging Face safetensors release")
     # as llama.cpp reads it: an absent type is linear, the factor is rope.scaling.factor or the older
     # rope.scale_linear (absent or 0: none), and type none never scales
     scaling_type = get("rope.scaling.type", "linear")
@@ -155,8 +183,11 @@ def gguf_config(reader, source: str = "gguf") -> dict:
         "tie_word_embeddings": "output.weight" not in names,
         "hidden_act": "silu",
     }
-    if rope_dim != head_dim:
-        cfg["partial_rotary_factor"] = rope_dim / head_dim
+    if rope_dim != head_dim:  # ModelConfig.rotary_dim is int(head_dim * factor), as transformers computes it
+        prf = rope_dim / head_dim
+        if int(head_dim * prf) != rope_dim:  # 30 / 44 * 44 = 29.999999999999996: one ulp up gives back 30
+            prf = math.nextafter(prf, 1.0)
+        cfg["partial_rotary_factor"] = prf
     if scaling_type == "linear" and factor is not None and float(factor) not in (0.0, 1.0):
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": _f32(factor)}
     if arch == "qwen2":
@@ -212,8 +243,11 @@ def _dequantize(t, source: str) -> np.ndarray:
 
 
 def gguf_state_dict(reader, cfg: dict, source: str = "gguf") -> dict[str, torch.Tensor]:
-    """Every tensor of the file, dequantized to float32, under HF names, Q/K rows un-permuted."""
+    """Every tensor of the file, dequantized to float32, under HF names, Q/K rows un-permuted (each head's first
+    n_rot rows: those llama.cpp rotates)."""
     permuted = SUPPORTED_GGUF_ARCHS[_field(reader, "general.architecture")][1]
+    head_dim = cfg["head_dim"]
+    n_rot = int(head_dim * cfg.get("partial_rotary_factor", 1.0))  # rope.dimension_count, as ModelConfig reads it
     out = {}
     for t in reader.tensors:
         name = hf_name(t.name, source)
@@ -227,7 +261,9 @@ def gguf_state_dict(reader, cfg: dict, source: str = "gguf") -> dict[str, torch.
                 raise ValueError(f"{source}: tensor {t.name!r} has {w.shape[0]} rows, which do not split into "
                                  f"rotary pairs of metadata llama.attention.{key}={n} heads; the file's metadata is "
                                  "damaged: convert the model again with llama.cpp's convert_hf_to_gguf.py")
-            w = unpermute_qk(w, n)
+            # rows other than n * head_dim (a shape _check_tensors then names): the full-head permutation,
+            # which cannot fail on them
+            w = unpermute_qk(w, n, n_rot if w.shape[0] == n * head_dim else None)
         out[name] = w.contiguous()
     return out
 

@@ -1,0 +1,193 @@
+"""GGUF with partial rope (``rope.dimension_count`` n_rot < head_dim D), checked against llama.cpp's semantics
+written out here, not against gguf_io's layout.
+
+llama.cpp rotates each head's rows as the file stores them: for ``llama`` (rope mode NORM, GPT-J) the adjacent
+pairs (2i, 2i + 1), 2i < n_rot; for ``qwen2`` (mode NEOX) the pairs (i, i + n_rot/2), i < n_rot/2; pair i by
+position * theta^(-2i/n_rot) in both; rows n_rot..D-1 pass through. The files here hold random tensors in that
+stored layout. Attention scores q.k are unchanged by a permutation applied to the dims of both q and k, so
+comparing scores (per head, per query and key position) tests the rotation without assuming where the
+converter put each row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import gguf
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from chronicals.models import CausalLM, ModelConfig, gguf_io
+from chronicals.models.gguf_io import permute_qk, unpermute_qk
+from chronicals.ops import rope_cos_sin, rope_qk
+from test_gguf import _gguf_name  # llama.cpp's tensor names, apart from gguf_io's own table
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+THETA = 10000.0
+POSITIONS = [0, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89]  # per-token positions, as llama.cpp takes them
+
+
+def _hf_cfg(arch: str, head_dim: int, n_rot: int) -> dict:
+    """A tiny config: 4 query heads over 2 kv heads (GQA), head_dim not hidden / heads, q/k biases."""
+    cfg = dict(model_type=arch, vocab_size=97, hidden_size=32, intermediate_size=40, num_hidden_layers=1,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, rms_norm_eps=1e-6,
+               rope_theta=THETA, max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=1,
+               eos_token_id=2)
+    if arch == "llama":
+        cfg["attention_bias"] = True  # bias rows are permuted like weight rows
+    if arch == "qwen2":
+        cfg["use_sliding_window"] = False
+    if n_rot != head_dim:  # rotary_dim = int(head_dim * factor): 30 / 44 gives 29, one ulp more gives 30
+        f = n_rot / head_dim
+        cfg["partial_rotary_factor"] = f if int(head_dim * f) == n_rot else math.nextafter(f, 1.0)
+    assert ModelConfig.from_hf_dict(cfg).rotary_dim == n_rot
+    return cfg
+
+
+def _write(path, arch: str, cfg: dict, n_rot: int, stored: dict[str, torch.Tensor]) -> None:
+    """``stored`` (HF names -> tensors as the file holds them) as F32 tensors with llama.cpp's metadata."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_dimension_count(n_rot)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(THETA)
+    w.add_vocab_size(cfg["vocab_size"])
+    for name, t in stored.items():
+        w.add_tensor(_gguf_name(name), t.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _random_stored(cfg: dict) -> dict[str, torch.Tensor]:
+    """Random tensors of every parameter the config implies (norm weights near 1), taken as the file's rows."""
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in CausalLM(ModelConfig.from_hf_dict(cfg)).state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    return {k: 0.3 * torch.randn(s, generator=g) + (1.0 if k.endswith("norm.weight") else 0.0)
+            for k, s in shapes.items()}
+
+
+def _converted(path, tmp_path) -> CausalLM:
+    """The model that ``convert_gguf``'s directory of ``path`` holds (config.json read by from_hf_dict), torch ops.
+
+    Not ``load_model``: ``ModelConfig.from_json`` refuses any config.json with partial_rotary_factor != 1 (what
+    transformers would misread), the converted directory's included, so a partial-rope GGUF does not load there."""
+    out = gguf_io.convert_gguf(path, tmp_path / f"{path.stem}-hf")
+    cfg = ModelConfig.from_hf_dict(json.loads((out / "config.json").read_text()), source=str(out))
+    model = CausalLM(cfg, impl="torch")
+    model.load_state_dict(load_file(str(out / "model.safetensors")), strict=True)
+    return model.eval()
+
+
+def _llama_cpp_rotate(x: torch.Tensor, pos: torch.Tensor, n_rot: int, mode: str) -> torch.Tensor:
+    """x (S, H, D) float64 in the file's row order, pos (S,) -> x rotated as llama.cpp's rope ``mode`` does."""
+    i = torch.arange(n_rot // 2, dtype=torch.float64)
+    ang = pos.double()[:, None, None] * THETA ** (-2 * i / n_rot)  # (S, 1, n_rot/2)
+    c, s = ang.cos(), ang.sin()
+    out = x.clone()
+    a, b = ((slice(0, n_rot, 2), slice(1, n_rot, 2)) if mode == "norm"  # adjacent pairs (2i, 2i + 1)
+            else (slice(0, n_rot // 2), slice(n_rot // 2, n_rot)))  # neox: pairs (i, i + n_rot/2)
+    out[..., a] = x[..., a] * c - x[..., b] * s
+    out[..., b] = x[..., a] * s + x[..., b] * c
+    return out
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q (S, Hq, D), k (S, Hk, D) -> q.k (Hq, S, S), query head h against kv head h // (Hq / Hk)."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return torch.einsum("shd,thd->hst", q.double(), k.double())
+
+
+@pytest.mark.parametrize("arch,head_dim,n_rot", [
+    ("llama", 16, 8),   # the bug: the full-head un-permutation paired stored rows (2i, 2i+1) as dims (i, i+8)
+    ("llama", 16, 16),  # control: full rope
+    ("llama", 44, 30),  # 30 / 44 * 44 = 29.999...: the factor must give back rotary_dim 30, not int() 29
+    ("qwen2", 16, 8),   # not permuted; llama.cpp's NEOX mode is our partial rotary as it is
+])
+def test_attention_scores_match_llama_cpp_rope(tmp_path, arch, head_dim, n_rot):
+    """Layer 0's q.k after rope, ours (converted model, chronicals.ops rope) vs llama.cpp's (from the file's rows).
+    Before the fix llama 16/8 was off by 1.02 of the largest score and 44/30 loaded with rotary_dim 29; the
+    control and qwen2 passed."""
+    cfg = _hf_cfg(arch, head_dim, n_rot)
+    stored = _random_stored(cfg)
+    path = tmp_path / f"{arch}-{head_dim}-{n_rot}.gguf"
+    _write(path, arch, cfg, n_rot, stored)
+    model = _converted(path, tmp_path)
+    assert model.config.rotary_dim == n_rot
+
+    x = torch.randn(len(POSITIONS), cfg["hidden_size"], generator=torch.Generator().manual_seed(1))
+    pos = torch.tensor(POSITIONS)
+    nq, nkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim
+
+    def proj(name, heads):  # from the file's rows, in float64: (S, heads, D)
+        w, b = stored[f"model.layers.0.self_attn.{name}.weight"], stored.get(f"model.layers.0.self_attn.{name}.bias")
+        y = x.double() @ w.double().T + (0 if b is None else b.double())
+        return y.view(len(pos), heads, d)
+
+    mode = "norm" if arch == "llama" else "neox"
+    ref = _scores(_llama_cpp_rotate(proj("q_proj", nq), pos, n_rot, mode),
+                  _llama_cpp_rotate(proj("k_proj", nkv), pos, n_rot, mode))
+
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        q, k = attn.q_proj(x).view(1, len(pos), nq, d), attn.k_proj(x).view(1, len(pos), nkv, d)
+        cos, sin = rope_cos_sin(pos[None], model.model.inv_freq, model.model.attention_scaling)
+        q, k = rope_qk(q, k, cos, sin, impl="torch")
+    ours = _scores(q[0], k[0])
+    # fp32 projections and fp32 angles against float64: ~1e-6 of the largest score; a wrong pairing is ~1
+    err = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert err <= 1e-5, f"scores off by {err:.3g} of the largest"
+
+
+@pytest.mark.parametrize("head_dim,n_rot", [(16, 8), (16, 16), (44, 30)])
+def test_partial_rope_llama_roundtrips_through_gguf(tmp_path, head_dim, n_rot):
+    """Our decoder with partial rotary -> a llama GGUF with its Q/K rows in llama.cpp's order (``permute_qk``
+    with n_rot) -> loaded again: the same logits. With the score test above, permute_qk(..., n_rot) is the
+    layout in which llama.cpp computes what our decoder does."""
+    cfg = _hf_cfg("llama", head_dim, n_rot)
+    src = CausalLM(ModelConfig.from_hf_dict(cfg), impl="torch").init_weights(std=0.1, seed=0).eval()
+    stored = {}
+    for name, t in src.state_dict().items():
+        heads = cfg["num_attention_heads"] if ".q_proj." in name else cfg["num_key_value_heads"]
+        stored[name] = permute_qk(t, heads, n_rot) if ".q_proj." in name or ".k_proj." in name else t
+    path = tmp_path / "roundtrip.gguf"
+    _write(path, "llama", cfg, n_rot, stored)
+    ours = _converted(path, tmp_path)
+    ids = torch.randint(0, cfg["vocab_size"], (2, 23), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours(ids), src(ids)
+    assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-6
+
+
+def test_partial_permutation_interleaves_only_the_rotated_rows():
+    # one head, D = 8, n_rot = 4: rows (a0 a1 b0 b1 | t0 t1 t2 t3) -> (a0 b0 a1 b1 | t0 t1 t2 t3)
+    w = torch.arange(8.0).view(8, 1)
+    assert permute_qk(w, 1, 4).flatten().tolist() == [0, 2, 1, 3, 4, 5, 6, 7]
+    for rows, heads, n_rot in [(48, 3, 8), (48, 3, 2), (44, 1, 30), (32, 2, 16)]:
+        x = torch.randn(rows, 5)
+        assert torch.equal(unpermute_qk(permute_qk(x, heads, n_rot), heads, n_rot), x)
+        assert torch.equal(unpermute_qk(x, heads, rows // heads), unpermute_qk(x, heads))  # full: as before
+        b = torch.randn(rows)  # q/k biases alike
+        assert torch.equal(unpermute_qk(permute_qk(b, heads, n_rot), heads, n_rot), b)
+
+
+@pytest.mark.parametrize("n_rot", [7, 0, 20])
+def test_bad_rope_dimension_count_names_the_file_and_field(tmp_path, n_rot):
+    cfg = _hf_cfg("llama", 16, 16)
+    path = tmp_path / f"bad-{n_rot}.gguf"
+    _write(path, "llama", cfg, n_rot, _random_stored(cfg))
+    with pytest.raises(ValueError, match=rf"bad-{n_rot}\.gguf: metadata llama\.rope\.dimension_count={n_rot} .*"
+                                         r"even.*head_dim"):
+        gguf_io.convert_gguf(path, tmp_path / "out")
