@@ -7,6 +7,8 @@ import torch.nn as nn
 
 from chronicals.lora import LoRALinear, apply_lora, lora_linear_ref, merge_lora
 from chronicals.lora.group import LoRAGroup, LoRAGroupFunction, why_not
+from chronicals.lora.layer import draw_mask
+from chronicals.ops import dropout as D
 
 from .conftest import randomize_lora_b, tiny_model
 
@@ -68,12 +70,14 @@ def test_group_with_dropout_matches_per_module_reference_float64(fin, spec, drop
     torch.manual_seed(11)
     got, recipe = group.with_recipe(xg)
     got_g = torch.autograd.grad(got, [xg] + params, dy)
-    torch.manual_seed(11)  # the masks the group drew, in member order with x's shape
-    masks = [torch.rand(x.shape) >= m.dropout if m.dropout > 0 else None for m in mods]
+    torch.manual_seed(11)  # the draws the group made, in member order; their masks built in full
+    draws = [D.draw(m.dropout, "cpu") if m.dropout > 0 else None for m in mods]
+    masks = [None if d is None else draw_mask(d, x.shape) for d in draws]
     assert any(mk is not None and not mk.all() for mk in masks)
     xr = x.clone().requires_grad_(True)
     want = torch.cat([lora_linear_ref(xr, m.weight, m.bias, m.lora_A.weight, m.lora_B.weight, m.scaling, mk,
-                                      m.dropout) for m, mk in zip(mods, masks)], dim=-1)
+                                      0.0 if d is None else d.p_applied)
+                      for m, mk, d in zip(mods, masks, draws)], dim=-1)
     want_g = torch.autograd.grad(want, [xr] + params, dy)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     for i, (a, b) in enumerate(zip(got_g, want_g)):

@@ -7,6 +7,8 @@ import torch
 import torch.nn as nn
 
 from chronicals.lora import LoRALinear, LoRALinearFunction, lora_linear, lora_linear_ref
+from chronicals.lora.layer import draw_mask
+from chronicals.ops import dropout as D
 
 # (lead dims, in, out, r); in >= 2 out (5 -> 1, 40 -> 12) takes the one-GEMM dx = [dy | s dy B] @ [W ; A]
 SHAPES = [((1, 7), 13, 11, 3), ((2, 5), 16, 24, 8), ((9,), 5, 1, 1), ((3, 3), 6, 21, 4), ((2, 9), 40, 12, 5)]
@@ -22,14 +24,16 @@ def _inputs(lead, fin, fout, r, dtype, bias, seed=0):
     return x, w, b, a, bb
 
 
-def _mask(lead, fin, p, seed=1):
+def _draw(p, seed=1):
+    """A seeded dropout draw (its mask is a function of the seed and each element's index), or None."""
     if p == 0:
         return None
-    return torch.rand(*lead, fin, generator=torch.Generator().manual_seed(seed)) >= p
+    torch.manual_seed(seed)
+    return D.draw(p, "cpu")
 
 
-def _grads(impl, x, w, b, a, bb, s, mask, p, dy, concat=False):
-    y = lora_linear(x, w, b, a, bb, s, mask, p, impl=impl, concat=concat)
+def _grads(impl, x, w, b, a, bb, s, draw, dy, concat=False):
+    y = lora_linear(x, w, b, a, bb, s, draw, impl=impl, concat=concat)
     gx, ga, gb = torch.autograd.grad(y, (x, a, bb), dy)
     return y, gx, ga, gb
 
@@ -40,22 +44,26 @@ def _grads(impl, x, w, b, a, bb, s, mask, p, dy, concat=False):
 @pytest.mark.parametrize("concat", [False, True])
 def test_fused_matches_reference_float64(lead, fin, fout, r, bias, p, concat):
     x, w, b, a, bb = _inputs(lead, fin, fout, r, torch.float64, bias)
-    mask, s = _mask(lead, fin, p), 1.7
+    draw, s = _draw(p), 1.7
     dy = torch.randn(*lead, fout, dtype=torch.float64)
-    got = _grads("fused", x, w, b, a, bb, s, mask, p, dy, concat)
-    want = _grads("torch", x, w, b, a, bb, s, mask, p, dy)
+    got = _grads("fused", x, w, b, a, bb, s, draw, dy, concat)
+    want = _grads("torch", x, w, b, a, bb, s, draw, dy)  # lora_linear_ref with the draw's mask built in full
     for g_, w_, what in zip(got, want, ("y", "dx", "dA", "dB")):
         torch.testing.assert_close(g_, w_, rtol=1e-12, atol=1e-12, msg=what)
     if p > 0:  # the mask really drops: the result differs from the no-dropout one
         assert not torch.allclose(got[0], lora_linear_ref(x, w, b, a, bb, s))
+        mask = draw_mask(draw, x.shape)
+        assert 0 < mask.sum() < mask.numel()
+        by_hand = lora_linear_ref(x, w, b, a, bb, s, mask, draw.p_applied)  # the mask the reference was given
+        torch.testing.assert_close(got[0], by_hand, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.25])
 @pytest.mark.parametrize("concat", [False, True])
 def test_gradcheck(p, concat):
     x, w, b, a, bb = _inputs((2, 3), 6, 5, 2, torch.float64, bias=True)
-    mask = _mask((2, 3), 6, p)
-    fn = lambda x_, a_, b_: LoRALinearFunction.apply(x_, w, b, a_, b_, 0.8, mask, p, concat)  # noqa: E731
+    draw = _draw(p)
+    fn = lambda x_, a_, b_: LoRALinearFunction.apply(x_, w, b, a_, b_, 0.8, draw, concat)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x, a, bb))
 
 
@@ -69,11 +77,11 @@ def test_low_precision_error_no_worse_than_reference(dtype, concat, wide):
         fin, fout = 96, 40
     x64, w64, b64, a64, bb64 = _inputs(lead, fin, fout, r, torch.float64, True, seed=3)
     dy64 = torch.randn(*lead, fout, dtype=torch.float64)
-    exact = _grads("torch", x64, w64, b64, a64, bb64, s, None, 0.0, dy64)
+    exact = _grads("torch", x64, w64, b64, a64, bb64, s, None, dy64)
     low = [t.detach().to(dtype).requires_grad_(t.requires_grad) if t is not None else None
            for t in (x64, w64, b64, a64, bb64)]
-    fused = _grads("fused", *low, s, None, 0.0, dy64.to(dtype), concat)
-    ref = _grads("torch", *low, s, None, 0.0, dy64.to(dtype))
+    fused = _grads("fused", *low, s, None, dy64.to(dtype), concat)
+    ref = _grads("torch", *low, s, None, dy64.to(dtype))
     eps = torch.finfo(dtype).eps
     for f, rf, e, what in zip(fused, ref, exact, ("y", "dx", "dA", "dB")):
         err_f = (f.double() - e).abs().max().item()
@@ -87,7 +95,7 @@ def test_saves_no_full_size_extra_activation(concat):
     x, w, b, a, bb = _inputs((4, 8), 32, 40, 4, torch.float32, bias=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        LoRALinearFunction.apply(x, w, b, a, bb, 2.0, None, 0.0, concat).sum().backward()
+        LoRALinearFunction.apply(x, w, b, a, bb, 2.0, None, concat).sum().backward()
     big = [t for t in saved if t.numel() >= x.numel() and t.data_ptr() != w.data_ptr()]
     assert [t.data_ptr() for t in big] == [x.data_ptr()]
     small = [t for t in saved if t.shape == (32, 4)]  # x A^T (N, r)
@@ -97,7 +105,7 @@ def test_saves_no_full_size_extra_activation(concat):
 def test_frozen_base_weight_required():
     x, w, b, a, bb = _inputs((2,), 4, 3, 2, torch.float32, bias=False)
     with pytest.raises(RuntimeError, match="must be frozen"):
-        LoRALinearFunction.apply(x, w.requires_grad_(), b, a, bb, 1.0, None, 0.0)
+        LoRALinearFunction.apply(x, w.requires_grad_(), b, a, bb, 1.0, None)
 
 
 def test_layer_init_and_dropout_modes():

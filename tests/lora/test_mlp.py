@@ -8,7 +8,9 @@ import torch
 import torch.nn as nn
 
 from chronicals.lora import LoRALinear, apply_lora, merge_lora
+from chronicals.lora.layer import draw_mask
 from chronicals.lora.mlp import LoRASwiGLUDownFunction
+from chronicals.ops import dropout as D
 from chronicals.ops.swiglu import swiglu_ref
 
 from .conftest import randomize_lora_b, tiny_model
@@ -99,18 +101,20 @@ def test_function_matches_reference_float64(lead, fi, fo, r, bias, p, concat, pa
     rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     gate, up, a, b = rnd(*lead, fi), rnd(*lead, fi), rnd(r, fi), rnd(fo, r)
     w, bi, dy = rnd(fo, fi), (rnd(fo) if bias else None), rnd(*lead, fo)
-    mask = torch.rand(*lead, fi, generator=g) >= p if p else None
+    torch.manual_seed(int(p * 100) + fi)
+    draw = D.draw(p, "cpu") if p else None
+    mask = None if draw is None else draw_mask(draw, (*lead, fi))
     ins = [t.requires_grad_() for t in (gate, up, a, b)]
     if packed:
         gu = torch.cat([gate, up], dim=-1).detach().requires_grad_()
-        got_y = LoRASwiGLUDownFunction.apply(gu, None, w, bi, a, b, 1.3, mask, p, concat, None, "torch")
+        got_y = LoRASwiGLUDownFunction.apply(gu, None, w, bi, a, b, 1.3, draw, concat, None, "torch")
         dgu, da, db = torch.autograd.grad(got_y, [gu, a, b], dy)
         got = [got_y, dgu[..., :fi], dgu[..., fi:], da, db]
     else:
-        got_y = LoRASwiGLUDownFunction.apply(gate, up, w, bi, a, b, 1.3, mask, p, concat, None, "torch")
+        got_y = LoRASwiGLUDownFunction.apply(gate, up, w, bi, a, b, 1.3, draw, concat, None, "torch")
         got = [got_y, *torch.autograd.grad(got_y, ins, dy)]
     act = swiglu_ref(gate, up)
-    actd = act if mask is None else act * mask / (1 - p)
+    actd = act if mask is None else act * mask / (1 - draw.p_applied)
     want_y = nn.functional.linear(act, w, bi) + 1.3 * (actd @ a.t()) @ b.t()
     want = [want_y, *torch.autograd.grad(want_y, ins, dy)]
     for i, (x_, y_) in enumerate(zip(got, want)):
@@ -122,7 +126,7 @@ def test_function_gradcheck():
     gate, up, a, b = (torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()
                       for s in ((2, 3, 5), (2, 3, 5), (2, 5), (4, 2)))
     w = torch.randn(4, 5, dtype=torch.float64)
-    fn = lambda g_, u_, a_, b_: LoRASwiGLUDownFunction.apply(g_, u_, w, None, a_, b_, 0.7, None, 0.0,  # noqa: E731
+    fn = lambda g_, u_, a_, b_: LoRASwiGLUDownFunction.apply(g_, u_, w, None, a_, b_, 0.7, None,  # noqa: E731
                                                               False, None, "torch")
     assert torch.autograd.gradcheck(fn, (gate, up, a, b))
 
@@ -166,12 +170,13 @@ def test_packed_triton_backward_writes_act_in_the_swiglu_kernel(swiglu_forwards,
     fi, fo, r, lead = 24, 10, 4, (3, 7)
     gu0, a0, b0 = rnd(*lead, 2 * fi), rnd(r, fi), rnd(fo, r)
     w, bi, dy = rnd(fo, fi), rnd(fo), rnd(*lead, fo)
-    mask = torch.rand(*lead, fi, generator=g) >= p if p else None
+    torch.manual_seed(2)
+    draw = D.draw(p, "cpu") if p else None
 
     def grads(dtype=torch.float32, impl="triton", fused=True):
         # a copy: in place, the backward writes d_gu over the gu it was given (the decoder's own GEMM output)
         gu, a, b = (t.to(dtype, copy=True).requires_grad_() for t in (gu0, a0, b0))
-        y = LoRASwiGLUDownFunction.apply(gu, None, w.to(dtype), bi.to(dtype), a, b, 1.3, mask, p, concat, None,
+        y = LoRASwiGLUDownFunction.apply(gu, None, w.to(dtype), bi.to(dtype), a, b, 1.3, draw, concat, None,
                                          impl, fused, in_place and fused)
         return [y, *torch.autograd.grad(y, [gu, a, b], dy.to(dtype))]
 

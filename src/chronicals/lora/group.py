@@ -17,10 +17,11 @@ the off-diagonal blocks stay zero. Backward, with dy = [dy_0, dy_1, ...] (N, sum
 
 The zero blocks add exact zeros, so every sum is the members' own sum (up to the GEMMs' accumulation order).
 
-With LoRA dropout (in training), member i's branch sees drop_i(x) = x * m_i / (1 - p_i), its own bool mask m_i
-(..., in), drawn in member order with the shapes a separate call draws (so the same seed gives the same masks):
-x A_i^T becomes drop_i(x) A_i^T (one small GEMM per member instead of one for all), dx's rank-r term per member
-goes through m_i, and dA_i reads drop_i(x). The base GEMM, M, dy @ M and every dB_i are unchanged.
+With LoRA dropout (in training), member i's branch sees drop_i(x) = x * m_i / (1 - p_i), its own mask m_i from its
+own ``DropDraw`` (a seed, ``ops.dropout``: the mask is rebuilt where it is applied, never stored), drawn in member
+order as separate calls draw them (so the same seed gives the same masks): x A_i^T becomes drop_i(x) A_i^T (one
+small GEMM per member instead of one for all), dx's rank-r term per member is added through m_i in one pass, and
+dA_i reads drop_i(x) rebuilt. The base GEMM, M, dy @ M and every dB_i are unchanged.
 
 Why (Qwen2.5-0.5B protocol, LoRA r=32 on all 7 projections, 24 layers): per layer the separate path runs
 q/k/v as 3 base GEMMs (k and v are 896 -> 128: far too narrow to reach the matmul peak), 3 rank-r GEMMs
@@ -42,7 +43,8 @@ import logging
 
 import torch
 
-from .layer import LoRALinear, dropped, mm_scaled
+from ..ops import dropout as D
+from .layer import LoRALinear, branch_input, mm_scaled
 
 log = logging.getLogger("chronicals.lora")
 
@@ -70,18 +72,16 @@ def why_not(members) -> str | None:
     return None
 
 
-def group_forward(x2, mat, bias, a_all, ranks=(), masks=None, keeps=()):
+def group_forward(x2, mat, bias, a_all, ranks=(), draws=None):
     """x2 (N, in) -> (y = [x2, xa] @ M^T (+ bias) (N, sum out), xa (N, R)). No autograd.
 
-    xa = x2 A_all^T; with ``masks`` (one bool (..., in) mask or None per member, ``keeps`` = 1 / (1 - p_i)) member
-    i's columns are drop_i(x2) A_i^T."""
-    if masks is None:
+    xa = x2 A_all^T; with ``draws`` (one ``DropDraw`` or None per member) member i's columns are drop_i(x2) A_i^T."""
+    if draws is None:
         xa = torch.mm(x2, a_all.t())  # (N, R)
     else:
         parts, r = [], 0
-        for rank, mask, keep in zip(ranks, masks, keeps):
-            xd = x2 if mask is None else dropped(x2, mask, keep)
-            parts.append(torch.mm(xd, a_all[r:r + rank].t()))  # (N, r_i)
+        for rank, draw in zip(ranks, draws):
+            parts.append(torch.mm(branch_input(x2, draw), a_all[r:r + rank].t()))  # (N, r_i)
             r += rank
         xa = torch.cat(parts, dim=1)
     xcat = torch.cat([x2, xa], dim=1)  # (N, in + R): freed after forward, only x and xa are saved
@@ -94,25 +94,25 @@ class LoRAGroupFunction(torch.autograd.Function):
 
     Arguments: x (..., in); mat M (sum out, in + R), kept on ctx (its s B blocks are rewritten by the layer's
     next forward with the same values until the optimizer steps, which must not trip the version check);
-    bias (sum out,) or None; a_all (R, in); outs, ranks, scales (per member); masks: None (no dropout) or one
-    bool mask (..., in) or None per member, with keeps = 1 / (1 - p_i); then B_0, B_1, ... (out_i, r_i).
+    bias (sum out,) or None; a_all (R, in); outs, ranks, scales (per member); draws: None (no dropout) or one
+    ``DropDraw`` or None per member; then B_0, B_1, ... (out_i, r_i).
     """
 
     @staticmethod
-    def forward(ctx, x, mat, bias, a_all, outs, ranks, scales, masks, keeps, *bs):
+    def forward(ctx, x, mat, bias, a_all, outs, ranks, scales, draws, *bs):
         shape = x.shape
         x2 = x.reshape(-1, a_all.shape[1])  # (N, in)
-        y, xa = group_forward(x2, mat, bias, a_all, ranks, masks, keeps)
-        # the B_i are inputs for their gradients only: M holds s B; masks: 1 byte per element, as LoRALinear's
-        ctx.save_for_backward(x2, a_all, xa, *(masks or ()))
+        y, xa = group_forward(x2, mat, bias, a_all, ranks, draws)
+        # the B_i are inputs for their gradients only: M holds s B; draws hold a (1,) seed each, no mask
+        ctx.save_for_backward(x2, a_all, xa)
         ctx.mat, ctx.outs, ctx.ranks, ctx.scales, ctx.shape = mat, outs, ranks, scales, shape
-        ctx.keeps = keeps
+        ctx.draws = draws
         return y.view(*shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        x2, a_all, xa, *masks = ctx.saved_tensors
-        masks = masks or None
+        x2, a_all, xa = ctx.saved_tensors
+        draws = ctx.draws
         mat, fin = ctx.mat, a_all.shape[1]  # kept on ctx: the group's own buffer, and a second backward needs it
         dy2 = dy.reshape(-1, dy.shape[-1])  # (N, sum out)
         need_x, need_a = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
@@ -125,37 +125,37 @@ class LoRAGroupFunction(torch.autograd.Function):
             # (N, in) tensor with torch's strided copy kernel: 2 per layer, 1.8 ms of a 0.5B LoRA step and
             # ~4 ms at 8B in the H200 profiles. dx goes to the RMSNorm backward, which reads row strides.
             dx = g[:, :fin]
-            if masks is None:
+            if draws is None:
                 dx.addmm_(dyb, a_all)
-            else:  # member i's branch saw drop_i(x): its rank-r term goes through m_i
-                for dyb_i, a_i, mask, keep in _per_member(dyb, a_all, ctx.ranks, masks, ctx.keeps):
-                    if mask is None:
+            else:  # member i's branch saw drop_i(x): its rank-r term goes through m_i, added in one pass
+                for dyb_i, a_i, draw in _per_member(dyb, a_all, ctx.ranks, draws):
+                    if draw is None:
                         dx.addmm_(dyb_i, a_i)
                     else:
-                        dx.add_(mm_scaled(dyb_i, a_i, keep).mul_(mask.reshape(dx.shape)))
+                        D.add_dropped_(dx, torch.mm(dyb_i, a_i), draw)
         elif need_a:
             dyb = torch.mm(dy2, mat[:, fin:])  # (N, R)
         if need_a:
-            if masks is None:
+            if draws is None:
                 da = torch.mm(dyb.t(), x2)  # (R, in)
             else:  # dA_i = dyb_i^T drop_i(x), as LoRALinear computes it
-                da = torch.cat([torch.mm(dyb_i.t(), x2) if mask is None else
-                                mm_scaled(dyb_i.t(), x2 * mask.reshape(x2.shape), keep)
-                                for dyb_i, _, mask, keep in _per_member(dyb, a_all, ctx.ranks, masks, ctx.keeps)])
+                da = torch.cat([torch.mm(dyb_i.t(), branch_input(x2, draw))
+                                for dyb_i, _, draw in _per_member(dyb, a_all, ctx.ranks, draws)])
         dbs = []
         o = r = 0
         for i, (out, rank, s) in enumerate(zip(ctx.outs, ctx.ranks, ctx.scales)):
-            need_b = ctx.needs_input_grad[9 + i]
+            need_b = ctx.needs_input_grad[8 + i]  # x, mat, bias, a_all, outs, ranks, scales, draws, *bs
             dbs.append(mm_scaled(dy2[:, o:o + out].t(), xa[:, r:r + rank], s) if need_b else None)
             o, r = o + out, r + rank
-        return ((None if dx is None else dx.view(ctx.shape)), None, None, da, None, None, None, None, None, *dbs)
+        ctx.draws = None
+        return ((None if dx is None else dx.view(ctx.shape)), None, None, da, None, None, None, None, *dbs)
 
 
-def _per_member(dyb, a_all, ranks, masks, keeps):
-    """(dyb_i (N, r_i), A_i (r_i, in), mask_i, keep_i) per member: column / row blocks of dyb and A_all."""
+def _per_member(dyb, a_all, ranks, draws):
+    """(dyb_i (N, r_i), A_i (r_i, in), draw_i) per member: column / row blocks of dyb and A_all."""
     r = 0
-    for rank, mask, keep in zip(ranks, masks, keeps):
-        yield dyb[:, r:r + rank], a_all[r:r + rank], mask, keep
+    for rank, draw in zip(ranks, draws):
+        yield dyb[:, r:r + rank], a_all[r:r + rank], draw
         r += rank
 
 
@@ -241,13 +241,12 @@ class LoRAGroup:
         bias = None if self.members[0].bias is None else torch.cat([m.bias for m in self.members])
         return torch.cat(a_s), bs, bias  # cat's backward splits dA back to the members
 
-    def _masks(self, x: torch.Tensor):
-        """(masks, keeps): each member's dropout mask (or None) drawn by ``LoRALinear.dropout_mask`` in member order,
-        as separate calls draw them; (None, ()) when no member drops (eval mode, or dropout 0)."""
+    def _draws(self, x: torch.Tensor):
+        """Each member's dropout draw (or None) from ``LoRALinear.dropout_draw`` in member order, as separate calls
+        draw them; None when no member drops (eval mode, or dropout 0)."""
         if not any(m.dropout > 0 and m.training for m in self.members):
-            return None, ()
-        masks = tuple(m.dropout_mask(x) for m in self.members)
-        return masks, tuple(1.0 / (1.0 - m.dropout) for m in self.members)
+            return None
+        return tuple(m.dropout_draw(x) for m in self.members)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> y (..., sum out_i), member outputs side by side in member order."""
@@ -255,18 +254,18 @@ class LoRAGroup:
 
     def with_recipe(self, x: torch.Tensor):
         """(``self(x)``, a function that rebuilds that output bit for bit: for ``ops.recompute`` offers)."""
-        masks, keeps = self._masks(x)
+        draws = self._draws(x)
         a_all, bs, bias = self._inputs(x.dtype)
         mat = self.matrix(bs)
-        y = LoRAGroupFunction.apply(x, mat, bias, a_all, self.outs, self.ranks, self.scales, masks, keeps, *bs)
-        return y, functools.partial(self.recompute, x, masks, keeps)
+        y = LoRAGroupFunction.apply(x, mat, bias, a_all, self.outs, self.ranks, self.scales, draws, *bs)
+        return y, functools.partial(self.recompute, x, draws)
 
     @torch.no_grad()
-    def recompute(self, x: torch.Tensor, masks=None, keeps=()) -> torch.Tensor:
-        """The output of a ``self(x)`` with these dropout masks again, bit for bit (same GEMMs on the same values:
+    def recompute(self, x: torch.Tensor, draws=None) -> torch.Tensor:
+        """The output of a ``self(x)`` with these dropout draws again, bit for bit (same GEMMs on the same values:
         M's s B blocks still hold the forward's B, which only the optimizer step changes)."""
         a_all, _, bias = self._inputs(x.dtype)
-        y, _ = group_forward(x.reshape(-1, self.fin), self._mat, bias, a_all, self.ranks, masks, keeps)
+        y, _ = group_forward(x.reshape(-1, self.fin), self._mat, bias, a_all, self.ranks, draws)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 

@@ -9,8 +9,8 @@ Two implementations, picked explicitly with ``impl``:
 - ``"fused"``: ``LoRALinearFunction``, a custom autograd.Function. It never forms ``B @ A`` (out x in),
   computes no gradient for the frozen ``W`` / bias (a 0.5B model at 16k tokens skips 2 x 16384 x 896 x 4864
   FLOPs per MLP projection), and saves only ``x`` (shared with q/k/v or gate/up, so usually no new
-  memory), the small ``x A^T`` (N, r) and, with dropout, a bool mask (1 byte per element instead of a
-  second bf16 copy of x). Accumulations run as in-place ``addmm_`` and every scale ``s`` rides in a GEMM's
+  memory) and the small ``x A^T`` (N, r); with dropout, the mask is not saved either: a ``DropDraw`` (one seed,
+  ``ops.dropout``) rebuilds it inside the passes that apply it. Accumulations run as in-place ``addmm_`` and every scale ``s`` rides in a GEMM's
   ``alpha`` (cuBLAS applies it in the epilogue): no separate scaling kernels, no full-size temporaries.
 - ``"torch"``: ``lora_linear_ref``, plain autograd over F.linear (what PEFT does). Tests and benchmarks
   compare against it.
@@ -29,6 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops import dropout as D
+
 log = logging.getLogger("chronicals.lora")
 IMPLS = ("fused", "torch")
 
@@ -40,6 +42,12 @@ def lora_linear_ref(x, weight, bias, lora_a, lora_b, scaling: float, mask=None, 
     """
     xd = x if mask is None else x * mask / (1.0 - dropout)
     return F.linear(x, weight, bias) + scaling * F.linear(F.linear(xd, lora_a), lora_b)
+
+
+def draw_mask(draw: D.DropDraw, shape) -> torch.Tensor:
+    """The bool mask (``shape``, last dim = in) a draw applies: what ``lora_linear_ref`` takes, with
+    ``draw.p_applied`` as its dropout."""
+    return D.keep_mask(draw, math.prod(shape[:-1]), shape[-1], draw.seed.device).reshape(shape)
 
 
 def mm_scaled(a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
@@ -55,19 +63,19 @@ def concat_weight(weight: torch.Tensor, lora_b: torch.Tensor, scaling: float) ->
     return torch.cat([weight, lora_b * scaling], dim=1)
 
 
-def dropped(x2, mask, keep: float):
-    """drop(x2) = x2 * mask / (1 - p) (N, in), ``keep`` = 1 / (1 - p): the LoRA branch's input under dropout. One
-    function for LoRALinear and LoRAGroup, so grouped and separate calls compute the same bits."""
-    return x2 * mask.reshape(x2.shape) * keep
+def branch_input(x2, draw):
+    """The LoRA branch's input (N, in): x2, or drop(x2) under ``draw`` (one pass, ``ops.dropout``). One function
+    for LoRALinear and LoRAGroup, so grouped and separate calls compute the same bits."""
+    return x2 if draw is None else D.dropped(x2, draw)
 
 
-def lora_forward(x2, weight, bias, lora_a, lora_b, scaling: float, mask, dropout: float, wcat):
+def lora_forward(x2, weight, bias, lora_a, lora_b, scaling: float, draw, wcat):
     """x2 (N, in) -> (y (N, out), xa = drop(x2) A^T (N, r), unscaled). No autograd (called in forward).
 
-    wcat: None for the addmm_ layout, else [W | s B] (out, in + r) for the concatenated layout.
+    draw: a ``DropDraw`` (dropout) or None; wcat: None for the addmm_ layout, else [W | s B] (out, in + r) for
+    the concatenated layout.
     """
-    xd = x2 if mask is None else dropped(x2, mask, 1.0 / (1.0 - dropout))
-    xa = torch.mm(xd, lora_a.t())  # (N, r)
+    xa = torch.mm(branch_input(x2, draw), lora_a.t())  # (N, r)
     if wcat is not None:
         xcat = torch.cat([x2, xa], dim=1)  # (N, in + r), freed after forward: only x and xa are saved
         y = torch.mm(xcat, wcat.t()) if bias is None else torch.addmm(bias, xcat, wcat.t())
@@ -77,7 +85,7 @@ def lora_forward(x2, weight, bias, lora_a, lora_b, scaling: float, mask, dropout
     return y, xa
 
 
-def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, mask, scaling: float, dropout: float, wcat,
+def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, draw, scaling: float, wcat,
                   need_x: bool, need_a: bool, need_b: bool):
     """dy2 (N, out) -> (dx2 (N, in), dA (r, in), dB (out, r)), None where not needed.
 
@@ -86,7 +94,6 @@ def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, mask, scaling: float, dro
     kernel that consumes dx2).
     """
     dx = da = db = None
-    keep = 1.0 if mask is None else 1.0 / (1.0 - dropout)
     fin = lora_a.shape[1]
     # dyb = s dy B (N, r): the small tensor both dx and dA need.
     if need_x and wcat is not None:
@@ -94,7 +101,7 @@ def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, mask, scaling: float, dro
         dx_base, dyb = g[:, :fin], g[:, fin:]
     elif need_x or need_a:
         dyb = mm_scaled(dy2, lora_b, scaling)
-    if need_x and wcat is None and mask is None and fin >= 2 * dy2.shape[1]:
+    if need_x and wcat is None and draw is None and fin >= 2 * dy2.shape[1]:
         # A wide input (down_proj: in = I, out = H): dx = [dy | s dy B] @ [W ; A] in one GEMM (K = out + r),
         # rounded once. dy W + (s dy B) A as two GEMMs ends in an addmm_ of rank r that reads and writes
         # (N, in): 123 us a layer at the 0.5B LoRA protocol (16,384 x 4,864), 188 us at 8B (H200 profiles);
@@ -103,15 +110,15 @@ def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, mask, scaling: float, dro
     elif need_x:
         if wcat is None:
             dx_base = torch.mm(dy2, weight)  # (N, in)
-        if mask is None:  # out of place from the strided g view: same bytes as in place + a later copy
+        if draw is None:  # out of place from the strided g view: same bytes as in place + a later copy
             dx = torch.addmm(dx_base, dyb, lora_a) if wcat is not None else dx_base.addmm_(dyb, lora_a)
-        else:  # the LoRA branch saw drop(x): its gradient goes through the mask
-            dx = mm_scaled(dyb, lora_a, keep).mul_(mask.reshape(dx_base.shape)).add_(dx_base)
+        else:  # the LoRA branch saw drop(x): its gradient goes through the mask, added in one pass (in place
+            # into g's strided dx columns, as LoRAGroup's dx, or into the fresh dy W)
+            dx = D.add_dropped_(dx_base, torch.mm(dyb, lora_a), draw)
     if need_a:
         if callable(x2):
             x2 = x2(dx)
-        xd = x2 if mask is None else x2 * mask.reshape(x2.shape)
-        da = mm_scaled(dyb.t(), xd, keep)  # (r, in)
+        da = torch.mm(dyb.t(), branch_input(x2, draw))  # (r, in)
     if need_b:
         db = mm_scaled(dy2.t(), xa, scaling)  # (out, r); xa already carries the dropout scale
     return dx, da, db
@@ -135,8 +142,7 @@ class LoRALinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, mask, dropout: float,
-                concat: bool = False, wcat=None):
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, draw, concat: bool = False, wcat=None):
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             raise RuntimeError("LoRALinearFunction: the base weight and bias must be frozen "
                                "(requires_grad=False; apply_lora does this); train them with a plain nn.Linear")
@@ -144,29 +150,32 @@ class LoRALinearFunction(torch.autograd.Function):
             wcat = concat_weight(weight, lora_b, scaling)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (N, in); a view when x is contiguous
-        y, xa = lora_forward(x2, weight, bias, lora_a, lora_b, scaling, mask, dropout, wcat if concat else None)
-        ctx.save_for_backward(x2, weight, lora_a, lora_b, xa, mask)
+        y, xa = lora_forward(x2, weight, bias, lora_a, lora_b, scaling, draw, wcat if concat else None)
+        ctx.save_for_backward(x2, weight, lora_a, lora_b, xa)
         ctx.wcat = wcat if concat else None
-        ctx.scaling, ctx.dropout, ctx.shape = scaling, dropout, shape
+        ctx.scaling, ctx.draw, ctx.shape = scaling, draw, shape  # draw: a (1,) seed, not an activation
         return y.view(*shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, lora_a, lora_b, xa, mask = ctx.saved_tensors
-        dx, da, db = lora_backward(dy.reshape(-1, dy.shape[-1]), x2, weight, lora_a, lora_b, xa, mask,
-                                   ctx.scaling, ctx.dropout, ctx.wcat, ctx.needs_input_grad[0],
+        x2, weight, lora_a, lora_b, xa = ctx.saved_tensors
+        dx, da, db = lora_backward(dy.reshape(-1, dy.shape[-1]), x2, weight, lora_a, lora_b, xa, ctx.draw,
+                                   ctx.scaling, ctx.wcat, ctx.needs_input_grad[0],
                                    ctx.needs_input_grad[3], ctx.needs_input_grad[4])
         ctx.wcat = None
-        return (None if dx is None else dx.view(ctx.shape)), None, None, da, db, None, None, None, None, None
+        return (None if dx is None else dx.view(ctx.shape)), None, None, da, db, None, None, None, None
 
 
-def lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, mask=None, dropout: float = 0.0,
-                impl: str = "fused", concat: bool = False, wcat=None):
-    """See the module docstring. ``impl``: "fused" (LoRALinearFunction) or "torch" (reference)."""
+def lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, draw=None, impl: str = "fused",
+                concat: bool = False, wcat=None):
+    """See the module docstring. ``impl``: "fused" (LoRALinearFunction) or "torch" (reference, with the mask
+    ``draw`` applies built in full). ``draw``: a ``DropDraw`` (``ops.dropout.draw``) or None."""
     if impl == "fused":
-        return LoRALinearFunction.apply(x, weight, bias, lora_a, lora_b, scaling, mask, dropout, concat, wcat)
+        return LoRALinearFunction.apply(x, weight, bias, lora_a, lora_b, scaling, draw, concat, wcat)
     if impl == "torch":
-        return lora_linear_ref(x, weight, bias, lora_a, lora_b, scaling, mask, dropout)
+        if draw is None:
+            return lora_linear_ref(x, weight, bias, lora_a, lora_b, scaling)
+        return lora_linear_ref(x, weight, bias, lora_a, lora_b, scaling, draw_mask(draw, x.shape), draw.p_applied)
     raise ValueError(f"lora_linear: impl={impl!r} is not one of {IMPLS}")
 
 
@@ -265,27 +274,27 @@ class LoRALinear(nn.Module):
             self._bind_concat_buffer()
         return self
 
-    def _adapters(self, x, shape=None):
-        """(A, B in x's dtype, dropout mask of ``shape`` (default x's) or None)."""
+    def _adapters(self, x):
+        """(A, B in x's dtype, this call's ``DropDraw`` or None)."""
         a, b = self.lora_A.weight, self.lora_B.weight
         if a.dtype != x.dtype:  # fp32 adapters on a bf16 base: cast the small matrices, not x
             a, b = a.to(x.dtype), b.to(x.dtype)
-        return a, b, self.dropout_mask(x, shape)
+        return a, b, self.dropout_draw(x)
 
-    def dropout_mask(self, x, shape=None):
-        """The kept elements of the branch input, bool of ``shape`` (default x's), or None (eval, or dropout 0).
-        A LoRAGroup draws its members' masks here too, so grouped and separate calls draw the same ones."""
+    def dropout_draw(self, x):
+        """This call's dropout draw (one seed from torch's generator on x's device: the mask is rebuilt from it
+        where it is applied, never stored), or None (eval, or dropout 0). A LoRAGroup draws its members' here
+        too, in member order, so grouped and separate calls draw the same masks."""
         if self.dropout > 0 and self.training:
-            return torch.rand(shape or x.shape, device=x.device) >= self.dropout  # bool: 1 byte per element saved
+            return D.draw(self.dropout, x.device)
         return None
 
     def forward(self, x):
-        a, b, mask = self._adapters(x)
+        a, b, draw = self._adapters(x)
         if self.impl == "torch":
-            return lora_linear_ref(x, self.weight, self.bias, a, b, self.scaling, mask, self.dropout)
+            return lora_linear(x, self.weight, self.bias, a, b, self.scaling, draw, impl="torch")
         wcat = self._concat_buffer(b) if self._uses_wcat else None
-        return LoRALinearFunction.apply(x, self.weight, self.bias, a, b, self.scaling, mask, self.dropout,
-                                        self.concat, wcat)
+        return LoRALinearFunction.apply(x, self.weight, self.bias, a, b, self.scaling, draw, self.concat, wcat)
 
     def forward_swiglu(self, gate, up=None, impl: str = "auto", fused_act: bool = True, in_place: bool = False):
         """``self(swiglu(gate, up))`` without keeping the SwiGLU product for backward: it is recomputed
@@ -298,10 +307,10 @@ class LoRALinear(nn.Module):
 
         if self.impl == "torch" or not self.recompute_swiglu:  # plain autograd: the product is kept
             return self(swiglu_for_impl(gate, up, impl))
-        a, b, mask = self._adapters(gate, (*gate.shape[:-1], self.in_features))
+        a, b, draw = self._adapters(gate)
         wcat = self._concat_buffer(b) if self._uses_wcat else None
-        return LoRASwiGLUDownFunction.apply(gate, up, self.weight, self.bias, a, b, self.scaling, mask,
-                                            self.dropout, self.concat, wcat, impl, fused_act, in_place)
+        return LoRASwiGLUDownFunction.apply(gate, up, self.weight, self.bias, a, b, self.scaling, draw,
+                                            self.concat, wcat, impl, fused_act, in_place)
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:

@@ -66,17 +66,17 @@ def swiglu_grads(d_act: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | Non
 class LoRASwiGLUDownFunction(torch.autograd.Function):
     """y = LoRALinear(silu(gate) * up): gradients for gate, up, A, B (W and bias frozen).
 
-    Arguments after gate / up are LoRALinearFunction's (weight, bias, lora_a, lora_b, scaling, mask,
-    dropout, concat, wcat) plus ``impl``, the SwiGLU op's, ``fused_act`` (packed gu on Triton: the SwiGLU
+    Arguments after gate / up are LoRALinearFunction's (weight, bias, lora_a, lora_b, scaling, draw,
+    concat, wcat) plus ``impl``, the SwiGLU op's, ``fused_act`` (packed gu on Triton: the SwiGLU
     backward kernel writes act for dA; False: a second SwiGLU forward rebuilds it) and ``in_place`` (with
     fused_act: that kernel writes d_gu over the gu it was given, so only for a gu nobody reads after backward,
-    such as the decoder MLP's own GEMM output). ``mask`` (bool, act's shape) drops elements of act.
+    such as the decoder MLP's own GEMM output). ``draw`` (a ``DropDraw`` or None) drops elements of act.
     up None: gate is the packed gu (..., 2I), and its gradient d_gu comes back whole.
     """
 
     @staticmethod
-    def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scaling: float, mask, dropout: float,
-                concat: bool, wcat, impl: str, fused_act: bool = True, in_place: bool = False):
+    def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scaling: float, draw, concat: bool, wcat, impl: str,
+                fused_act: bool = True, in_place: bool = False):
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             raise RuntimeError("LoRASwiGLUDownFunction: down_proj's base weight and bias must be frozen "
                                "(requires_grad=False; apply_lora does this)")
@@ -86,18 +86,18 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
             wcat = concat_weight(weight, lora_b, scaling)
         act = swiglu_for_impl(gate, up, impl)  # (..., I): lives only until the GEMMs below are done
         shape = act.shape
-        y, xa = lora_forward(act.reshape(-1, shape[-1]), weight, bias, lora_a, lora_b, scaling, mask, dropout,
+        y, xa = lora_forward(act.reshape(-1, shape[-1]), weight, bias, lora_a, lora_b, scaling, draw,
                              wcat if concat else None)
         del act
-        ctx.save_for_backward(gate, up, weight, lora_a, lora_b, xa, mask)
+        ctx.save_for_backward(gate, up, weight, lora_a, lora_b, xa)
         ctx.wcat = wcat if concat else None
-        ctx.scaling, ctx.dropout, ctx.impl, ctx.act_shape = scaling, dropout, impl, shape
+        ctx.scaling, ctx.draw, ctx.impl, ctx.act_shape = scaling, draw, impl, shape
         ctx.fused_act, ctx.in_place, ctx.spent = fused_act, in_place, False
         return y.view(*shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        gate, up, weight, lora_a, lora_b, xa, mask = ctx.saved_tensors
+        gate, up, weight, lora_a, lora_b, xa = ctx.saved_tensors
         need_act = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         need_a, need_b = ctx.needs_input_grad[4], ctx.needs_input_grad[5]
         fused = ctx.fused_act and need_act and need_a and _fused_act_ok(gate, up, ctx.impl)
@@ -113,8 +113,8 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
         elif need_a:  # dA needs act again: recompute it (bit-identical to the forward's)
             with torch.no_grad():
                 act2 = swiglu_for_impl(gate, up, ctx.impl).reshape(-1, ctx.act_shape[-1])
-        d_act, da, db = lora_backward(dy.reshape(-1, dy.shape[-1]), act2, weight, lora_a, lora_b, xa, mask,
-                                      ctx.scaling, ctx.dropout, ctx.wcat, need_act, need_a, need_b)
+        d_act, da, db = lora_backward(dy.reshape(-1, dy.shape[-1]), act2, weight, lora_a, lora_b, xa, ctx.draw,
+                                      ctx.scaling, ctx.wcat, need_act, need_a, need_b)
         del act2  # freed before dgate / dup exist: the same transient peak as the plain MLP's backward
         ctx.wcat = None
         dg = du = None
@@ -122,7 +122,7 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
             dg = out["dgu"].view(gate.shape)
         elif need_act:
             dg, du = swiglu_grads(d_act.view(ctx.act_shape), gate, up, ctx.impl)
-        return dg, du, None, None, da, db, None, None, None, None, None, None, None, None
+        return dg, du, None, None, da, db, None, None, None, None, None, None, None
 
 
 def _fused_act_ok(gate: torch.Tensor, up: torch.Tensor | None, impl: str) -> bool:

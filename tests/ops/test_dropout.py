@@ -1,0 +1,121 @@
+"""ops.dropout: the seeded mask (Triton kernel vs the int64 twin vs Random123's Philox answers) and the two passes
+that apply it (drop(x), base += drop(t)) against float64 references built from the mask.
+
+Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (how `make test` runs it).
+"""
+
+import pytest
+import torch
+
+from chronicals.ops import dropout as D
+from chronicals.ops._impl import triton_interpreting
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(DEV == "cpu" and not triton_interpreting(),
+                                  reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (make test sets it)")
+SHAPES = [(1, 1), (3, 8), (5, 13), (7, 96), (2, 1000), (300, 33)]
+
+
+def _draw(p, seed):
+    torch.manual_seed(seed)
+    return D.draw(p, DEV)
+
+
+def test_philox_twin_gives_random123s_known_answers():
+    """Philox-4x32-10 known-answer vectors of Random123 (kat_vectors): an independent check of the twin."""
+    cases = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+             ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for ctr, (k0, k1), want in cases:
+        seed = torch.tensor([k0 | (k1 << 32)]) if k1 < 2 ** 31 else torch.tensor([k0 | ((k1 - 2 ** 32) << 32)])
+        got = D.philox_ref(seed, *(torch.tensor([c]) for c in ctr))
+        assert [int(w) for w in got] == list(want)
+
+
+@needs_triton
+@pytest.mark.parametrize("rows,cols", SHAPES)
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_kernel_mask_equals_the_twins(rows, cols, p):
+    d = _draw(p, rows * 31 + cols)
+    a = D.keep_mask(d, rows, cols, DEV, impl="torch")
+    b = D.keep_mask(d, rows, cols, DEV, impl="triton")
+    assert a.dtype == torch.bool and a.shape == (rows, cols)
+    assert torch.equal(a, b)
+
+
+def test_mask_statistics_and_layout():
+    d = _draw(0.1, 0)
+    m = D.keep_mask(d, 600, 1000, DEV, impl="torch")
+    assert abs(m.float().mean().item() - (1 - d.p_applied)) < 0.003  # 600k Bernoulli draws: sd 0.0004
+    assert abs(m[:, :8].float().mean().item() - 0.9) < 0.01  # every lane of a Philox call is used
+    assert abs(m[:, 1::8].float().mean().item() - 0.9) < 0.01
+    # a row's mask depends on its index and the column count only: a prefix of rows is a prefix of the mask
+    assert torch.equal(D.keep_mask(d, 7, 1000, DEV, impl="torch"), m[:7])
+    # another seed, another mask; the same seed, the same mask
+    assert not torch.equal(D.keep_mask(_draw(0.1, 1), 600, 1000, DEV, impl="torch"), m)
+    assert torch.equal(D.keep_mask(_draw(0.1, 0), 600, 1000, DEV, impl="torch"), m)
+
+
+def test_threshold_rounding():
+    assert D.threshold(0.0) == (0, 1.0)
+    thr, scale = D.threshold(0.1)
+    assert thr == 6554 and scale == 65536 / (65536 - 6554)
+    assert D.threshold(0.999999)[0] == 65535  # never drops everything
+    with pytest.raises(ValueError, match=r"dropout p=1.0 must be in \[0, 1\)"):
+        D.threshold(1.0)
+
+
+IMPLS = ["torch", pytest.param("triton", marks=needs_triton)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows,cols", [(7, 96), (300, 33), (5, 1000)])
+def test_dropped_and_add_match_the_mask(impl, dtype, rows, cols):
+    d = _draw(0.25, rows + cols)
+    md = torch.float64 if dtype == torch.float64 else torch.float32  # the math dtype the module docstring names
+    keep = D.keep_mask(d, rows, cols, DEV, impl="torch").to(md)
+    x = torch.randn(rows, cols, dtype=torch.float64, device=DEV).to(dtype)
+    scale = torch.tensor(d.scale, dtype=md)
+    want = x.to(md) * scale * keep
+    got = D.dropped(x, d, impl=impl)
+    assert got.dtype == dtype and got.shape == (rows, cols) and got.is_contiguous()
+    # bf16: the interpreter rounds by truncation (1 ulp); a GPU and the twin round to nearest
+    tol = dict(rtol=2 ** -7, atol=0) if dtype == torch.bfloat16 else dict(rtol=0, atol=0)
+    torch.testing.assert_close(got.double(), want.to(dtype).double(), **tol)
+    assert torch.equal(got == 0, (keep == 0) | (x == 0))
+
+    # base += drop(t) into a row-strided view of a wider buffer; the columns beside it stay as they were
+    buf = torch.randn(rows, cols + 9, dtype=torch.float64, device=DEV).to(dtype)
+    before = buf.clone()
+    out = D.add_dropped_(buf[:, :cols], x, d, impl=impl)
+    assert out.data_ptr() == buf.data_ptr()
+    want_add = (before[:, :cols].to(md) + x.to(md) * scale * keep).to(dtype).double()
+    torch.testing.assert_close(buf[:, :cols].double(), want_add, **tol)
+    assert torch.equal(buf[:, cols:], before[:, cols:])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dropped_takes_any_leading_shape_and_row_strides(impl):
+    d = _draw(0.5, 3)
+    x = torch.randn(2, 3, 40, device=DEV)
+    wide = torch.randn(6, 50, device=DEV)
+    torch.testing.assert_close(D.dropped(x, d, impl=impl), D.dropped(x.reshape(6, 40).clone(), d, impl=impl))
+    torch.testing.assert_close(D.dropped(wide[:, :40], d, impl=impl), D.dropped(wide[:, :40].contiguous(), d,
+                                                                                impl=impl))
+
+
+def test_add_dropped_refuses_what_it_cannot_write():
+    d = _draw(0.1, 0)
+    with pytest.raises(ValueError, match=r"must be 2-D with unit column stride and the shape of t \(4, 8\)"):
+        D.add_dropped_(torch.zeros(4, 7), torch.zeros(4, 8), d, impl="torch")
+    with pytest.raises(ValueError, match="unit column stride"):
+        D.add_dropped_(torch.zeros(8, 4).t(), torch.zeros(4, 8), d, impl="torch")
+
+
+def test_draws_follow_torch_seed():
+    """The seed comes from torch's generator: manual_seed replays it (what exact resume relies on)."""
+    a, b = _draw(0.1, 5), _draw(0.1, 5)
+    assert torch.equal(a.seed, b.seed) and a.seed.dtype == torch.int64 and a.seed.shape == (1,)
+    assert not torch.equal(_draw(0.1, 6).seed, a.seed)
