@@ -119,3 +119,19 @@ def test_draws_follow_torch_seed():
     a, b = _draw(0.1, 5), _draw(0.1, 5)
     assert torch.equal(a.seed, b.seed) and a.seed.dtype == torch.int64 and a.seed.shape == (1,)
     assert not torch.equal(_draw(0.1, 6).seed, a.seed)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_add_dropped_also_writes_drop_of_a_second_input_with_the_same_mask(impl, dtype):
+    d = _draw(0.3, 9)
+    t, x = (torch.randn(13, 70, device=DEV, dtype=dtype) for _ in range(2))
+    buf = torch.randn(13, 80, device=DEV, dtype=dtype)
+    want_base = D.add_dropped_(buf[:, :70].clone(), t, d, impl="torch")
+    got_base, got_x = D.add_dropped_(buf[:, :70], t, d, also=x, impl=impl)
+    tol = dict(rtol=2 ** -7, atol=0) if dtype == torch.bfloat16 else dict(rtol=0, atol=0)
+    torch.testing.assert_close(got_base, want_base, **tol)
+    torch.testing.assert_close(got_x, D.dropped(x, d, impl="torch"), **tol)
+    assert got_x.is_contiguous() and got_base.data_ptr() == buf.data_ptr()
+    with pytest.raises(ValueError, match=r"also \(13, 69\) .* must have base's shape and dtype"):
+        D.add_dropped_(buf[:, :70], t, d, also=x[:, :69], impl=impl)

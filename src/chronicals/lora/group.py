@@ -117,6 +117,7 @@ class LoRAGroupFunction(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])  # (N, sum out)
         need_x, need_a = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
         dx = da = None
+        da_parts = {}  # member -> dA_i computed beside its dx term (dropout: one pass builds both)
         if need_x:
             g = torch.mm(dy2, mat)  # (N, in + R) = [dy W | s dy B]
             dyb = g[:, fin:]
@@ -127,10 +128,15 @@ class LoRAGroupFunction(torch.autograd.Function):
             dx = g[:, :fin]
             if draws is None:
                 dx.addmm_(dyb, a_all)
-            else:  # member i's branch saw drop_i(x): its rank-r term goes through m_i, added in one pass
-                for dyb_i, a_i, draw in _per_member(dyb, a_all, ctx.ranks, draws):
+            else:  # member i's branch saw drop_i(x): its rank-r term goes through m_i, added in one pass that
+                # also writes drop_i(x) for dA_i (used at once, so one such copy is alive at a time)
+                for i, (dyb_i, a_i, draw) in enumerate(_per_member(dyb, a_all, ctx.ranks, draws)):
                     if draw is None:
                         dx.addmm_(dyb_i, a_i)
+                    elif need_a:
+                        _, xd = D.add_dropped_(dx, torch.mm(dyb_i, a_i), draw, also=x2)
+                        da_parts[i] = torch.mm(dyb_i.t(), xd)
+                        del xd
                     else:
                         D.add_dropped_(dx, torch.mm(dyb_i, a_i), draw)
         elif need_a:
@@ -139,8 +145,8 @@ class LoRAGroupFunction(torch.autograd.Function):
             if draws is None:
                 da = torch.mm(dyb.t(), x2)  # (R, in)
             else:  # dA_i = dyb_i^T drop_i(x), as LoRALinear computes it
-                da = torch.cat([torch.mm(dyb_i.t(), branch_input(x2, draw))
-                                for dyb_i, _, draw in _per_member(dyb, a_all, ctx.ranks, draws)])
+                da = torch.cat([da_parts[i] if i in da_parts else torch.mm(dyb_i.t(), branch_input(x2, draw))
+                                for i, (dyb_i, _, draw) in enumerate(_per_member(dyb, a_all, ctx.ranks, draws))])
         dbs = []
         o = r = 0
         for i, (out, rank, s) in enumerate(zip(ctx.outs, ctx.ranks, ctx.scales)):

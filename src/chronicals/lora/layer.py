@@ -93,7 +93,7 @@ def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, draw, scaling: float, wca
     function of dx2 returning x2, called once dx2 exists (LoRASwiGLUDownFunction rebuilds its input in the
     kernel that consumes dx2).
     """
-    dx = da = db = None
+    dx = da = db = xd = None
     fin = lora_a.shape[1]
     # dyb = s dy B (N, r): the small tensor both dx and dA need.
     if need_x and wcat is not None:
@@ -112,13 +112,16 @@ def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, draw, scaling: float, wca
             dx_base = torch.mm(dy2, weight)  # (N, in)
         if draw is None:  # out of place from the strided g view: same bytes as in place + a later copy
             dx = torch.addmm(dx_base, dyb, lora_a) if wcat is not None else dx_base.addmm_(dyb, lora_a)
-        else:  # the LoRA branch saw drop(x): its gradient goes through the mask, added in one pass (in place
-            # into g's strided dx columns, as LoRAGroup's dx, or into the fresh dy W)
+        elif need_a and not callable(x2):  # the LoRA branch saw drop(x): its gradient goes through the mask,
+            # added in one pass (in place into g's strided dx columns, or into the fresh dy W), which also
+            # writes drop(x) for dA (one launch, one mask build)
+            dx, xd = D.add_dropped_(dx_base, torch.mm(dyb, lora_a), draw, also=x2)
+        else:
             dx = D.add_dropped_(dx_base, torch.mm(dyb, lora_a), draw)
     if need_a:
         if callable(x2):
             x2 = x2(dx)
-        da = torch.mm(dyb.t(), branch_input(x2, draw))  # (r, in)
+        da = torch.mm(dyb.t(), branch_input(x2, draw) if xd is None else xd)  # (r, in)
     if need_b:
         db = mm_scaled(dy2.t(), xa, scaling)  # (out, r); xa already carries the dropout scale
     return dx, da, db

@@ -70,10 +70,11 @@ def draw(p: float, device: torch.device | str) -> DropDraw:
 # ---------------------------------------------------------------- kernel
 
 @triton.jit
-def _dropout_kernel(X_ptr, OUT_ptr, SEED_ptr, n_rows, n_cols, x_row_stride, out_row_stride, thr, scale,
-                    ADD: tl.constexpr, F64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+def _dropout_kernel(X_ptr, OUT_ptr, SEED_ptr, X2_ptr, OUT2_ptr, n_rows, n_cols, x_row_stride, out_row_stride,
+                    x2_row_stride, thr, ADD: tl.constexpr, PAIR: tl.constexpr, F64: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
     """OUT = drop(X) (ADD False) or OUT += drop(X) (ADD True) over a (BLOCK_R rows, BLOCK_G x 8 columns) tile;
-    one Philox call per row and group of 8 columns."""
+    one Philox call per row and group of 8 columns. PAIR: also OUT2 = drop(X2) (contiguous), the same mask."""
     rows = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None, None]  # (R, 1, 1)
     groups = (tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G))[None, :, None]  # (1, G, 1)
     lanes = tl.arange(0, 8)[None, None, :]  # (1, 1, 8)
@@ -91,25 +92,39 @@ def _dropout_kernel(X_ptr, OUT_ptr, SEED_ptr, n_rows, n_cols, x_row_stride, out_
     keep = bits.to(tl.int32) >= thr
     x = tl.load(X_ptr + rows * x_row_stride + cols, mask=mask, other=0.0)
     x = x.to(tl.float64) if F64 else x.to(tl.float32)
+    # scale = 65536 / (65536 - thr), correctly rounded in the math dtype (a float argument would arrive as
+    # fp32, off the twin's fp64 scale by up to 3e-8 relative)
+    if F64:
+        scale = 65536.0 / tl.cast(65536 - thr, tl.float64)  # fp64 division is correctly rounded
+    else:
+        denom = tl.cast(65536 - thr, tl.float32)
+        scale = tl.math.div_rn(denom * 0 + 65536.0, denom)  # fp32 "/" may be the approximate division
     y = tl.where(keep, x * scale, 0.0)
     o_ptrs = OUT_ptr + rows * out_row_stride + cols
     if ADD:
         base = tl.load(o_ptrs, mask=mask, other=0.0)
         y = (base.to(tl.float64) if F64 else base.to(tl.float32)) + y
     tl.store(o_ptrs, y.to(OUT_ptr.dtype.element_ty), mask=mask)
+    if PAIR:
+        x2 = tl.load(X2_ptr + rows * x2_row_stride + cols, mask=mask, other=0.0)
+        x2 = x2.to(tl.float64) if F64 else x2.to(tl.float32)
+        tl.store(OUT2_ptr + rows * n_cols + cols, tl.where(keep, x2 * scale, 0.0).to(OUT2_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 _BLOCK_R, _BLOCK_G = 4, 64  # 4 x 512 elements a program: 16 bf16 (32 bytes) per thread over 4 warps
 
 
-def _launch(x2, out2, d: DropDraw, add: bool) -> None:
+def _launch(x2, out2, d: DropDraw, add: bool, pair=None) -> None:
+    """pair: None, or (X2, OUT2) for the PAIR output (X2 of x2's shape, OUT2 contiguous)."""
     n_rows, n_cols = x2.shape
     if n_rows == 0 or n_cols == 0:
         return
     grid = (triton.cdiv(n_rows, _BLOCK_R), triton.cdiv(triton.cdiv(n_cols, 8), _BLOCK_G))
-    _dropout_kernel[grid](x2, out2, d.seed, n_rows, n_cols, x2.stride(0), out2.stride(0), d.thr, d.scale,
-                          ADD=add, F64=x2.dtype == torch.float64, BLOCK_R=_BLOCK_R, BLOCK_G=_BLOCK_G,
-                          num_warps=4)
+    src2, out_2 = pair if pair is not None else (x2, out2)  # unused pointers when PAIR is off
+    _dropout_kernel[grid](x2, out2, d.seed, src2, out_2, n_rows, n_cols, x2.stride(0), out2.stride(0),
+                          src2.stride(0), d.thr, ADD=add, PAIR=pair is not None, F64=x2.dtype == torch.float64,
+                          BLOCK_R=_BLOCK_R, BLOCK_G=_BLOCK_G, num_warps=4)
 
 
 # ---------------------------------------------------------------- reference twin
@@ -183,18 +198,31 @@ def dropped(x: torch.Tensor, d: DropDraw, *, impl: str = "auto") -> torch.Tensor
     return out
 
 
-def add_dropped_(base: torch.Tensor, t: torch.Tensor, d: DropDraw, *, impl: str = "auto") -> torch.Tensor:
+def add_dropped_(base: torch.Tensor, t: torch.Tensor, d: DropDraw, *, also: torch.Tensor | None = None,
+                 impl: str = "auto"):
     """base (rows, cols), unit column stride, any row stride (a view into a wider buffer is fine) += drop(t),
-    t (rows, cols) or (..., cols); in place, one pass: sum in fp32 (fp64), rounded once. Returns base."""
+    t (rows, cols) or (..., cols); in place, one pass: sum in fp32 (fp64), rounded once. Returns base; with
+    ``also`` (rows, cols), returns (base, drop(also)) from the same pass (LoRA's backward: dx's term and dA's input,
+    one launch and one mask build instead of two)."""
     t2 = _as_rows(t, "t")
     if base.dim() != 2 or tuple(base.shape) != tuple(t2.shape) or (base.shape[1] > 1 and base.stride(1) != 1):
         raise ValueError(f"add_dropped_: base {tuple(base.shape)} (strides {base.stride()}) must be 2-D with unit "
                          f"column stride and the shape of t {tuple(t2.shape)}")
-    check_device("dropout", base, t2, d.seed)
+    a2 = None if also is None else _as_rows(also, "also")
+    if a2 is not None and (tuple(a2.shape) != tuple(t2.shape) or a2.dtype != base.dtype):
+        raise ValueError(f"add_dropped_: also {tuple(a2.shape)} {a2.dtype} must have base's shape and dtype "
+                         f"{tuple(base.shape)} {base.dtype}")
+    check_device("dropout", base, t2, d.seed, a2)
     if resolve_impl("dropout", impl, base.device) == "torch":
         keep = _keep_ref(d, *t2.shape, base.device)
         md = _math_dtype(base)
         base.copy_(base.to(md) + torch.where(keep, t2.to(md) * d.scale, 0.0))
+        if a2 is None:
+            return base
+        return base, torch.where(keep, a2.to(md) * d.scale, 0.0).to(a2.dtype)
+    if a2 is None:
+        _launch(t2, base, d, add=True)
         return base
-    _launch(t2, base, d, add=True)
-    return base
+    out = torch.empty(a2.shape, dtype=a2.dtype, device=a2.device)
+    _launch(t2, base, d, add=True, pair=(a2, out))
+    return base, out
