@@ -234,8 +234,8 @@ class LoraSection:
     enabled: bool = _f(True, "train LoRA adapters (true) or every weight (false: full fine-tuning)")
     rank: int = _f(16, "LoRA rank r")
     alpha: float = _f(32.0, "LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with rslora)")
-    dropout: float = _f(0.0, "dropout on the LoRA branch input, a mask per adapter as in PEFT (0 needs no masks "
-                             "and no dropped copies of the activations)")
+    dropout: float = _f(0.0, "dropout on the LoRA branch input, a mask per adapter call as in PEFT, rebuilt from "
+                             "a seed where applied, never stored (p rounded to a multiple of 2^-16); 0 skips it")
     targets: list = _f(list(LORA_PROJECTIONS), "module names that get adapters (a name matches it and any dotted "
                                                "path ending in it, as in PEFT's list form; every match must be an "
                                                "nn.Linear other than lm_head); all-linear = the 7 projections")
