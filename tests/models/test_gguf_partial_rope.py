@@ -82,8 +82,8 @@ def _random_stored(cfg: dict) -> dict[str, torch.Tensor]:
 def _converted(path, tmp_path) -> CausalLM:
     """The model that ``convert_gguf``'s directory of ``path`` holds (config.json read by from_hf_dict), torch ops.
 
-    Not ``load_model``: ``ModelConfig.from_json`` refuses any config.json with partial_rotary_factor != 1 (what
-    transformers would misread), the converted directory's included, so a partial-rope GGUF does not load there."""
+    (``load_model`` reads the same directory through the conversion cache:
+    ``test_load_model_reads_a_partial_rope_gguf``.)"""
     out = gguf_io.convert_gguf(path, tmp_path / f"{path.stem}-hf")
     cfg = ModelConfig.from_hf_dict(json.loads((out / "config.json").read_text()), source=str(out))
     model = CausalLM(cfg, impl="torch")
@@ -191,3 +191,24 @@ def test_bad_rope_dimension_count_names_the_file_and_field(tmp_path, n_rot):
     with pytest.raises(ValueError, match=rf"bad-{n_rot}\.gguf: metadata llama\.rope\.dimension_count={n_rot} .*"
                                          r"even.*head_dim"):
         gguf_io.convert_gguf(path, tmp_path / "out")
+
+
+def test_load_model_reads_a_partial_rope_gguf(tmp_path):
+    """Through the conversion cache: from_json lets a partial rotary config through there (its cache entry says the
+    directory is our conversion) and refuses the same config.json elsewhere, as transformers would misread it."""
+    import shutil
+
+    import chronicals
+
+    cfg = _hf_cfg("llama", 16, 8)
+    path = tmp_path / "partial.gguf"
+    _write(path, "llama", cfg, 8, _random_stored(cfg))
+    loaded, _ = chronicals.load_model(path, tokenizer=False, impl="torch")
+    assert loaded.config.rotary_dim == 8
+    ids = torch.randint(0, cfg["vocab_size"], (1, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(ids), _converted(path, tmp_path)(ids), rtol=0, atol=0)
+    plain = tmp_path / "copied"
+    shutil.copytree(gguf_io.convert_gguf(path, tmp_path / "again"), plain)
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0.5, but transformers' llama code.*load_model"):
+        ModelConfig.from_json(plain / "config.json")

@@ -14,6 +14,9 @@ import torch
 
 from .._jsonio import read_json_object
 
+# written by gguf_io into each conversion-cache entry (gguf_cache.CACHE_ENTRY): the directory is our GGUF conversion
+GGUF_CONVERSION_RECORD = "gguf_cache_entry.json"
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # SmolLM2 ships as "llama"
 _ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "qwen3": "Qwen3ForCausalLM"}
@@ -164,13 +167,17 @@ class ModelConfig:
         d = read_json_object(path, "config.json", "copy config.json from the original model again", missing=missing)
         cfg = cls.from_hf_dict(d, source=str(Path(path)))
         prf = hf_partial_rotary_factor(d)
-        if prf is not None and prf != 1:  # from_hf_dict builds it (GGUF's rope.dimension_count); transformers not
+        # from_hf_dict builds it; transformers does not. A GGUF file with rope.dimension_count < head_dim converts to
+        # such a config (gguf_io lays its rows out for our rotation), and its cache entry says so.
+        converted = (Path(path).parent / GGUF_CONVERSION_RECORD).is_file()
+        if prf is not None and prf != 1 and not converted:
             raise ValueError(
                 f"{path}: partial_rotary_factor={prf!r}, but transformers' {cfg.model_type} code has no partial "
                 f"rotary: with plain rope it rotates all head_dim={cfg.head_dim} dims (ignoring the field), with a "
                 "scaled rope type it fails, so it is unclear which model these weights are. If the model was trained "
                 "with full rotary embeddings (what transformers computes), remove partial_rotary_factor from "
-                "config.json")
+                "config.json; a directory converted from a GGUF file with partial rope loads through "
+                "load_model('<that file>.gguf')")
         return cfg
 
     def to_hf_dict(self) -> dict:

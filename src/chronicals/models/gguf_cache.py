@@ -26,6 +26,7 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
+from .config import GGUF_CONVERSION_RECORD
 from .hf_io import atomic_dir
 from .orphans import remove_tree, tree_bytes
 
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 # partial rope (rope.dimension_count < head_dim) un-permute only the rotated rows of each head's Q/K
 CONVERTER_VERSION = 3
 
-CACHE_ENTRY = "gguf_cache_entry.json"  # in a cache entry: its source (resolved path, identity), converter version
+CACHE_ENTRY = GGUF_CONVERSION_RECORD  # in a cache entry: its source (resolved path, identity), converter version
 TOKENIZER_ERROR = "gguf_tokenizer_error.txt"  # in a converted directory: why the GGUF's tokenizer is missing
 # An older entry last used (read, or written) this recently is kept: another process may be loading it (entries
 # are read without a lock; a load of the embedded model takes about 1 s, a 7B model's from a slow disk minutes).
