@@ -139,6 +139,13 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
         dp.destroy()
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """The torch seed data-parallel rank ``rank`` > 0 trains with. The same seed on every rank drew the same LoRA
+    dropout masks on every rank, over other tokens: data parallelism then averaged none of that noise away. Rank 0
+    keeps ``seed`` (a one-process run's masks are rank 0's); a resume restores each rank's own state (rank_rng)."""
+    return (seed + rank * 0x9E3779B97F4A7C15) % 2 ** 63
+
+
 @dataclass
 class _Phase:
     training: bool = False  # set when the first step starts: from then on out_dir holds this run's record
@@ -200,6 +207,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
                  if reducer else "after backward")
     if use_graphs:  # captured at the first step (after any resume); raises off CUDA
         graphs = GraphedStep(model, device, params=trainable, reducer=reducer)
+    if dp.rank > 0:  # setup drew alike on every rank; training draws (LoRA dropout) now differ per rank
+        torch.manual_seed(rank_seed(cfg.train.seed, dp.rank))
 
     start = 0
     cfg_dict = cfg.to_dict()  # stored in checkpoints; a resume compares it with the one stored there

@@ -1,0 +1,76 @@
+"""Data parallelism with LoRA dropout: each rank draws its own masks (train.loop.rank_seed), and a run stopped by a
+signal and resumed ends bit for bit like a straight run (each rank's generator comes back from the checkpoint).
+2 ranks on gloo (CPU), as tests/train/test_distributed.py runs them."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from chronicals.train import train
+from chronicals.train.loop import rank_seed
+
+from test_distributed import DEVICE, WORLD, _cpu_state, _free_port, _shards, _torchrun_env
+from train_helpers import synthetic_docs, tiny_config, tiny_model
+
+
+def _dropout_worker(rank: int, ports: tuple, out: str) -> None:
+    import chronicals.ops.dropout as D
+
+    seeds, real_draw = [], D.draw
+
+    def recording_draw(p, device):
+        d = real_draw(p, device)
+        seeds.append(int(d.seed.item()))
+        return d
+
+    D.draw = recording_draw
+    docs = synthetic_docs(40, seed=1)
+    over = dict(lora__enabled=True, lora__dropout=0.3, train__max_steps=4, model__device=DEVICE,
+                train__cuda_graphs="false")
+    _torchrun_env(rank, ports[0])
+    straight = tiny_model(seed=0)
+    train(tiny_config(Path(out) / "straight", **over), model=straight, train_loader=_shards(docs, WORLD)[1][rank])
+    straight_seeds = list(seeds)
+    os.environ["MASTER_PORT"] = str(ports[1])
+    cfg = tiny_config(Path(out) / "stop", train__resume="auto", train__save_every=1, **over)
+    first = tiny_model(seed=0)
+    if rank == 1:
+        calls = [0]
+
+        def sigterm_at_2(module, args, output):
+            calls[0] += 1
+            if calls[0] == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+        first.model.norm.register_forward_hook(sigterm_at_2)
+    stopped = train(cfg, model=first, train_loader=_shards(docs, WORLD)[1][rank])
+    os.environ["MASTER_PORT"] = str(ports[2])
+    resumed = tiny_model(seed=0)  # LoRA: the checkpoint holds the adapters, the base comes from here
+    train(cfg, model=resumed, train_loader=_shards(docs, WORLD)[1][rank])
+    torch.save({"seeds": straight_seeds, "straight": _cpu_state(straight), "stopped": (stopped.status, stopped.step),
+                "resumed": _cpu_state(resumed)}, f"{out}/dropout{rank}.pt")
+
+
+def test_ranks_draw_their_own_masks_and_resume_exactly(tmp_path):
+    mp.spawn(_dropout_worker, args=(tuple(_free_port() for _ in range(3)), str(tmp_path)), nprocs=WORLD, join=True)
+    r0, r1 = (torch.load(tmp_path / f"dropout{r}.pt", weights_only=False) for r in range(WORLD))
+    assert len(r0["seeds"]) == len(r1["seeds"]) > 0
+    assert not set(r0["seeds"]) & set(r1["seeds"])  # the same seed on both ranks drew the same masks before
+    for n, v in r0["straight"].items():  # one all-reduced update: the ranks' weights stay equal
+        assert torch.equal(v, r1["straight"][n]), n
+    assert r0["stopped"] == r1["stopped"] and r0["stopped"][0] == "interrupted"
+    for r in (r0, r1):  # each rank's generator restored, after the rank seeding: bit for bit on the CPU
+        for n, v in r["resumed"].items():
+            if DEVICE == "cpu":
+                assert torch.equal(v, r0["straight"][n]), n
+            else:
+                torch.testing.assert_close(v, r0["straight"][n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_rank_seed_keeps_rank_0_and_spreads_the_others():
+    assert rank_seed(7, 0) == 7
+    assert len({rank_seed(7, r) for r in range(64)}) == 64 and all(0 <= rank_seed(7, r) < 2 ** 63 for r in range(64))
