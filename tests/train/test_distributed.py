@@ -278,6 +278,17 @@ def test_two_ranks_train_the_last_incomplete_round_like_one_process(tmp_path):
     assert [r["loss_tokens"] for r in dp_recs] == [r["loss_tokens"] for r in one_recs]
 
 
+def sigterm_at_forward(model, n: int) -> None:
+    """This process gets a SIGTERM during ``model``'s n-th forward (counted at its final norm)."""
+    calls = [0]
+
+    def hook(module, args, output):
+        calls[0] += 1
+        if calls[0] == n:
+            os.kill(os.getpid(), signal.SIGTERM)
+    model.model.norm.register_forward_hook(hook)
+
+
 def _pipelined_worker(rank: int, ports: tuple, out: str) -> None:
     """Fused AdamW, no on_step: each step is read one step late, with the ranks' stop flags. A SIGTERM to rank 1
     during step 2's forward reaches every rank with step 2's metrics, read while step 3 runs: all stop after 3."""
@@ -293,13 +304,7 @@ def _pipelined_worker(rank: int, ports: tuple, out: str) -> None:
     cfg = tiny_config(Path(out) / "stop", train__resume="auto", **over)
     first = tiny_model(seed=0)
     if rank == 1:
-        calls = [0]
-
-        def sigterm_at_2(module, args, output):
-            calls[0] += 1
-            if calls[0] == 2:
-                os.kill(os.getpid(), signal.SIGTERM)
-        first.model.norm.register_forward_hook(sigterm_at_2)
+        sigterm_at_forward(first, 2)
     stopped = train(cfg, model=first, train_loader=_shards(docs, WORLD)[1][rank])
     os.environ["MASTER_PORT"] = str(ports[2])
     resumed = tiny_model(seed=rank)

@@ -5,7 +5,6 @@ signal and resumed ends bit for bit like a straight run (each rank's generator c
 from __future__ import annotations
 
 import os
-import signal
 from pathlib import Path
 
 import torch
@@ -14,7 +13,7 @@ import torch.multiprocessing as mp
 from chronicals.train import train
 from chronicals.train.loop import rank_seed
 
-from test_distributed import DEVICE, WORLD, _cpu_state, _free_port, _shards, _torchrun_env
+from test_distributed import DEVICE, WORLD, _cpu_state, _free_port, _shards, _torchrun_env, sigterm_at_forward
 from train_helpers import synthetic_docs, tiny_config, tiny_model
 
 
@@ -40,13 +39,7 @@ def _dropout_worker(rank: int, ports: tuple, out: str) -> None:
     cfg = tiny_config(Path(out) / "stop", train__resume="auto", train__save_every=1, **over)
     first = tiny_model(seed=0)
     if rank == 1:
-        calls = [0]
-
-        def sigterm_at_2(module, args, output):
-            calls[0] += 1
-            if calls[0] == 2:
-                os.kill(os.getpid(), signal.SIGTERM)
-        first.model.norm.register_forward_hook(sigterm_at_2)
+        sigterm_at_forward(first, 2)
     stopped = train(cfg, model=first, train_loader=_shards(docs, WORLD)[1][rank])
     os.environ["MASTER_PORT"] = str(ports[2])
     resumed = tiny_model(seed=0)  # LoRA: the checkpoint holds the adapters, the base comes from here
