@@ -90,6 +90,26 @@ def test_group_with_dropout_matches_per_module_reference_float64(fin, spec, drop
     torch.testing.assert_close(group(x), plain, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("need_x", [True, False])
+def test_second_backward_with_dropout_gives_the_first_ones_gradients(need_x):
+    """retain_graph=True: a second backward through one grouped forward uses the same draws (the first backward
+    used to drop them from ctx, so the second ran with no dropout at all: other dx and dA without an error)."""
+    fin, spec = 13, [(11, 4), (5, 2), (5, 2)]
+    mods = _members(fin, spec, bias=False)
+    for m, p in zip(mods, (0.5, 0.0, 0.3)):
+        m.dropout = p
+    group = LoRAGroup(mods)
+    x = torch.randn(2, 3, fin, dtype=torch.float64, requires_grad=need_x)
+    torch.manual_seed(4)
+    y = group(x)
+    dy = torch.randn_like(y)
+    wrt = ([x] if need_x else []) + [m.lora_A.weight for m in mods]
+    first = torch.autograd.grad(y, wrt, dy, retain_graph=True)
+    second = torch.autograd.grad(y, wrt, dy)
+    for i, (a, b) in enumerate(zip(first, second)):
+        assert torch.equal(a, b), f"gradient {i}"
+
+
 def test_backward_writes_dx_in_place_without_a_copy():
     """dx is summed into the first in columns of the backward GEMM's (N, in + R) output, in place: no
     aten copy of that strided view (out of place, addmm copied it first: 1.8 ms a step at 0.5B on an H200)."""

@@ -153,7 +153,7 @@ class LoRAGroupFunction(torch.autograd.Function):
             need_b = ctx.needs_input_grad[8 + i]  # x, mat, bias, a_all, outs, ranks, scales, draws, *bs
             dbs.append(mm_scaled(dy2[:, o:o + out].t(), xa[:, r:r + rank], s) if need_b else None)
             o, r = o + out, r + rank
-        ctx.draws = None
+        # ctx.draws stays: a second backward (retain_graph) must drop what the first did (a (1,) seed each)
         return ((None if dx is None else dx.view(ctx.shape)), None, None, da, None, None, None, None, *dbs)
 
 
