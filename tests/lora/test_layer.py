@@ -130,3 +130,16 @@ def test_layer_init_and_dropout_modes():
     torch.manual_seed(5)
     torch.testing.assert_close(layer(x), y1)  # same seed, same mask
     assert not torch.allclose(layer(x), y1)
+
+
+def test_lora_linear_refuses_a_mask_where_a_draw_goes():
+    """lora_linear took (mask, dropout) before it took a DropDraw: that old call failed with "impl=0.1 is not one
+    of" (or an AttributeError on the mask's .seed); now the error names the argument and how to make one."""
+    x, w, b, a, bb = _inputs((2, 3), 6, 5, 2, torch.float64, bias=False)
+    mask = torch.rand(2, 3, 6) >= 0.1
+    fix = r"draw must be an ops\.dropout\.DropDraw .*ops\.dropout\.draw\(p, device\)"
+    with pytest.raises(TypeError, match=fix):
+        lora_linear(x, w, b, a, bb, 1.0, mask, 0.1)
+    for impl in ("fused", "torch"):
+        with pytest.raises(TypeError, match=fix):
+            lora_linear(x, w, b, a, bb, 1.0, mask, impl=impl)

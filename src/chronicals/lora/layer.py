@@ -173,6 +173,9 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, draw=None, impl
                 concat: bool = False, wcat=None):
     """See the module docstring. ``impl``: "fused" (LoRALinearFunction) or "torch" (reference, with the mask
     ``draw`` applies built in full). ``draw``: a ``DropDraw`` (``ops.dropout.draw``) or None."""
+    if draw is not None and not isinstance(draw, D.DropDraw):  # the (mask, dropout) arguments this took before
+        raise TypeError(f"lora_linear: draw must be an ops.dropout.DropDraw or None, got {type(draw).__name__}; "
+                        f"make one with ops.dropout.draw(p, device) (a bool mask and a dropout p are not taken)")
     if impl == "fused":
         return LoRALinearFunction.apply(x, weight, bias, lora_a, lora_b, scaling, draw, concat, wcat)
     if impl == "torch":
