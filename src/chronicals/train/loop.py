@@ -167,6 +167,15 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     elif getattr(model, "chronicals_base", None) is None:
         log.info("a model passed to train(): its adapter records no base model (model.path=%s is not what was "
                  "trained); set model.chronicals_base = its path or name to record one", cfg.model.path)
+    mcfg = getattr(model, "config", None)
+    if cfg.train.save_final and not cfg.lora.enabled and getattr(mcfg, "partial_rotary_factor", 1) != 1:
+        # save_model refuses it (hf_io.save_hf_dir): refused now, not after the whole run
+        raise ValueError(f"{getattr(model, 'chronicals_base', None) or 'the model passed to train()'} rotates "
+                         f"{mcfg.rotary_dim} of its head_dim={mcfg.head_dim} dims (a GGUF file whose "
+                         "rope.dimension_count is below head_dim), which a "
+                         "Hugging Face directory cannot express, so a full fine-tune's final model could not be saved; "
+                         "train a LoRA adapter (lora.enabled=true) or set train.save_final=false (the checkpoints "
+                         "keep the weights)")
     model = prepare_model(model, cfg, device, dtype)
     trained_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if trained_len and cfg.data.max_seq_len > trained_len:  # legitimate (context extension), rarely intended
