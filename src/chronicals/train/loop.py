@@ -234,6 +234,9 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         rank_rng = restored["extra"].get("rank_rng")
         if dp.enabled and isinstance(rank_rng, list) and len(rank_rng) == dp.world_size:
             ckpt.set_rng_state(rank_rng[dp.rank])  # load_checkpoint set rank 0's
+        elif dp.rank > 0:  # written by one process or another number of ranks: rank 0's state is on every rank;
+            # the step too, so rank r does not draw its masks of a fresh run's first steps again
+            torch.manual_seed(rank_seed(cfg.train.seed + restored["step"], dp.rank))
         start = restored["step"]
         if start > total:
             raise ValueError(f"{resume_from} is at step {start}, past this run's {total} steps; raise "
