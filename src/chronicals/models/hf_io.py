@@ -380,7 +380,9 @@ def save_hf_dir(model: CausalLM, tokenizer, out_dir: str | Path, *, generation_c
         raise ValueError(f"save_model: this model rotates {cfg.rotary_dim} of its head_dim={cfg.head_dim} dims "
                          f"(partial_rotary_factor={cfg.partial_rotary_factor}), which transformers' {cfg.model_type} "
                          "code cannot express (it rotates all of them), so a Hugging Face directory would load as a "
-                         "different model; chronicals does not write one")
+                         "different model; chronicals does not write one. Use the model where chronicals loads it "
+                         "(load_model of its .gguf file; a LoRA adapter trained on it as it is, with chronicals "
+                         "chat/eval --adapter, instead of export)")
     head, emb = model.lm_head.weight, model.model.embed_tokens.weight
     if cfg.tie_word_embeddings and head is not emb and not torch.equal(head, emb):
         # the directory holds no lm_head when tied: a head untied in code (a new Parameter) would be dropped
