@@ -259,7 +259,9 @@ def test_sections_built_directly_check_finiteness():
     ("schedule.warmup_steps=-1", r"schedule\.warmup_steps=-1 is invalid: expected an integer >= 0"),
     ("schedule.min_lr_ratio=1.5", r"schedule\.min_lr_ratio=1\.5 is invalid: expected a number in \[0, 1\]"),
     ("schedule.min_lr_ratio=-0.1", r"schedule\.min_lr_ratio=-0\.1 is invalid"),
-    ("train.seed=-1", r"train\.seed=-1 is invalid: expected an integer >= 0"),
+    ("train.seed=-1", r"train\.seed=-1 is invalid: expected an integer in \[0, 2\^64\)"),
+    ("train.seed=18446744073709551616", r"train\.seed=18446744073709551616 is invalid: expected an integer in "
+                                        r"\[0, 2\^64\).*torch\.manual_seed"),
     ("logging.peak_tflops=-1", r"logging\.peak_tflops=-1\.0 is invalid"),
     ("lora.plus_ratio=0", r"lora\.plus_ratio=0\.0 is invalid"),
 ])

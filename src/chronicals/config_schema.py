@@ -345,7 +345,8 @@ class TrainSection:
                "a number > 0, or set train.max_steps > 0")
         _check(self.max_steps >= 0, "train.max_steps", self.max_steps, "an integer >= 0")
         _check(self.grad_accum >= 1, "train.grad_accum", self.grad_accum, "an integer >= 1")
-        _check(self.seed >= 0, "train.seed", self.seed, "an integer >= 0 (numpy seeds the data order with it)")
+        _check(0 <= self.seed < 2 ** 64, "train.seed", self.seed, "an integer in [0, 2^64) (numpy seeds the data "
+               "order with it, torch.manual_seed the rest: past 2^64 - 1 it fails with an overflow naming no setting)")
         _check(self.save_every >= 0, "train.save_every", self.save_every, "an integer >= 0")
         _check(self.keep_last >= 1, "train.keep_last", self.keep_last, "an integer >= 1")
         self.cuda_graphs = _auto_bool(self.cuda_graphs, "train.cuda_graphs")
