@@ -25,7 +25,8 @@ from chronicals.train.distributed import DistContext, _buckets, init_distributed
 from chronicals.train.grad_buckets import GradBuckets
 from chronicals.train.step import accumulate_data_parallel, batch_loss_sum
 
-from train_helpers import SyntheticLoader, assert_graphed_run_like_eager, synthetic_docs, tiny_config, tiny_model
+from train_helpers import (SyntheticLoader, assert_graphed_run_like_eager, sigterm_at_forward, synthetic_docs,
+                           tiny_config, tiny_model)
 
 WORLD = 2
 CPU = torch.device("cpu")
@@ -276,17 +277,6 @@ def test_two_ranks_train_the_last_incomplete_round_like_one_process(tmp_path):
         torch.testing.assert_close(r0[n], v, rtol=1e-5, atol=1e-6, msg=n)
     dp_recs, one_recs = _train_recs(tmp_path / "rank0" / "run"), _train_recs(tmp_path / "single" / "run")
     assert [r["loss_tokens"] for r in dp_recs] == [r["loss_tokens"] for r in one_recs]
-
-
-def sigterm_at_forward(model, n: int) -> None:
-    """This process gets a SIGTERM during ``model``'s n-th forward (counted at its final norm)."""
-    calls = [0]
-
-    def hook(module, args, output):
-        calls[0] += 1
-        if calls[0] == n:
-            os.kill(os.getpid(), signal.SIGTERM)
-    model.model.norm.register_forward_hook(hook)
 
 
 def _pipelined_worker(rank: int, ports: tuple, out: str) -> None:

@@ -13,21 +13,12 @@ import torch.multiprocessing as mp
 from chronicals.train import train
 from chronicals.train.loop import rank_seed
 
-from test_distributed import DEVICE, WORLD, _cpu_state, _free_port, _shards, _torchrun_env, sigterm_at_forward
-from train_helpers import synthetic_docs, tiny_config, tiny_model
+from test_distributed import DEVICE, WORLD, _cpu_state, _free_port, _shards, _torchrun_env
+from train_helpers import record_dropout_seeds, sigterm_at_forward, synthetic_docs, tiny_config, tiny_model
 
 
 def _dropout_worker(rank: int, ports: tuple, out: str) -> None:
-    import chronicals.ops.dropout as D
-
-    seeds, real_draw = [], D.draw
-
-    def recording_draw(p, device):
-        d = real_draw(p, device)
-        seeds.append(int(d.seed.item()))
-        return d
-
-    D.draw = recording_draw
+    seeds = record_dropout_seeds()
     docs = synthetic_docs(40, seed=1)
     over = dict(lora__enabled=True, lora__dropout=0.3, train__max_steps=4, model__device=DEVICE,
                 train__cuda_graphs="false")

@@ -16,7 +16,7 @@ from chronicals.data import PackedLoader
 from chronicals.data.dataset import DatasetStats, TokenizedDataset
 from chronicals.train import train
 
-from train_helpers import synthetic_docs, tiny_config, tiny_model
+from train_helpers import sigterm_at_forward, synthetic_docs, tiny_config, tiny_model
 
 WORLD = 2
 
@@ -75,19 +75,6 @@ def _sigterm_at(step_k):
         if step == step_k:
             os.kill(os.getpid(), signal.SIGTERM)
     return on_step
-
-
-def _sigterm_at_forward(model, k: int):
-    """SIGTERM during the model's k-th forward (a micro-batch inside a step's accumulation)."""
-    calls = [0]
-
-    def hook(module, args, out):
-        calls[0] += 1
-        if calls[0] == k:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return out
-    model.model.norm.register_forward_hook(hook)
-    return model
 
 
 def _last_state(run: Path) -> dict:
@@ -164,7 +151,7 @@ def test_bf16_masters_pipelined_stop_inside_accumulation_ends_like_a_straight_ru
     loader = lambda: _padding_free_loader()  # noqa: E731
     train(tiny_config(tmp_path / "a", **over), model=tiny_model(dtype=torch.bfloat16), train_loader=loader())
     cfg = tiny_config(tmp_path / "b", train__resume="auto", **over)
-    got = train(cfg, model=_sigterm_at_forward(tiny_model(dtype=torch.bfloat16), 2 * 3 + 2), train_loader=loader())
+    got = train(cfg, model=sigterm_at_forward(tiny_model(dtype=torch.bfloat16), 2 * 3 + 2), train_loader=loader())
     assert (got.status, got.step) == ("interrupted", 3)
     train(cfg, model=tiny_model(dtype=torch.bfloat16), train_loader=loader())
     a, b = _last_state(tmp_path / "a" / "run"), _last_state(tmp_path / "b" / "run")

@@ -5,12 +5,10 @@ checkpoint (which restores that generator) must end bit for bit where an uninter
 reads every step and in the pipelined one (fused AdamW, read one step late)."""
 
 import json
-import os
-import signal
 
 import pytest
 import torch
-from train_helpers import SyntheticLoader, tiny_config, tiny_model
+from train_helpers import SyntheticLoader, sigterm_at_forward, tiny_config, tiny_model
 
 from chronicals.train import train
 from chronicals.train.checkpoint import checkpoint_dirs
@@ -25,18 +23,6 @@ def _losses(run_dir) -> list[float]:
     return [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
 
 
-def _stop_at_forward(model, k: int):
-    """SIGTERM during the model's k-th forward (1-based): the loop finishes that step, checkpoints it and returns."""
-    calls = [0]
-
-    def hook(module, args, out):
-        calls[0] += 1
-        if calls[0] == k:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return out
-    return model.model.norm.register_forward_hook(hook)
-
-
 @pytest.mark.parametrize("fused", [False, True], ids=["every-step", "pipelined"])
 def test_resume_with_lora_dropout_equals_uninterrupted(tmp_path, docs, fused):
     over = dict(OVER, optim__fused=fused)
@@ -47,7 +33,7 @@ def test_resume_with_lora_dropout_equals_uninterrupted(tmp_path, docs, fused):
 
     cfg = tiny_config(tmp_path / "b", train__resume="auto", **over)
     first = tiny_model()
-    _stop_at_forward(first, 2 * STOP)  # step 3's second micro-batch
+    sigterm_at_forward(first, 2 * STOP)  # step 3's second micro-batch
     done = train(cfg, model=first, train_loader=SyntheticLoader(docs, seed=5))
     assert (done.status, done.step) == ("interrupted", STOP)
     assert [p.name for p in checkpoint_dirs(tmp_path / "b" / "run")] == [f"step-{STOP:06d}"]

@@ -13,23 +13,14 @@ import torch.multiprocessing as mp
 from chronicals.train import train
 
 from test_distributed import WORLD, _free_port, _shards, _torchrun_env
-from train_helpers import synthetic_docs, tiny_config, tiny_model
+from train_helpers import record_dropout_seeds, synthetic_docs, tiny_config, tiny_model
 
 _OVER = dict(lora__enabled=True, lora__dropout=0.3, model__device="cpu", train__cuda_graphs="false",
              train__resume="auto")
 
 
 def _resume_worker(rank: int, port: int, out: str) -> None:
-    import chronicals.ops.dropout as D
-
-    seeds, real_draw = [], D.draw
-
-    def recording_draw(p, device):
-        d = real_draw(p, device)
-        seeds.append(int(d.seed.item()))
-        return d
-
-    D.draw = recording_draw
+    seeds = record_dropout_seeds()
     _torchrun_env(rank, port)
     docs = synthetic_docs(40, seed=1)
     train(tiny_config(Path(out), train__max_steps=4, **_OVER), model=tiny_model(seed=0),

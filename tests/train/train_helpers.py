@@ -98,3 +98,34 @@ def assert_graphed_run_like_eager(eager: list, graphed: list, steps: int) -> Non
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-2)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=5e-2) and b["grad_norm"] > 0
     assert len({r["loss"] for r in graphed}) > 1
+
+
+def sigterm_at_forward(model, k: int):
+    """This process gets a SIGTERM during ``model``'s k-th forward (1-based, counted at its final norm: a micro-batch
+    inside a step's accumulation counts); the loop finishes that step, checkpoints it and returns. -> the model."""
+    import os
+    import signal
+
+    calls = [0]
+
+    def hook(module, args, out):
+        calls[0] += 1
+        if calls[0] == k:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+    model.model.norm.register_forward_hook(hook)
+    return model
+
+
+def record_dropout_seeds() -> list[int]:
+    """From now on in this process, every LoRA dropout draw's seed is appended to the returned list."""
+    import chronicals.ops.dropout as D
+
+    seeds, real_draw = [], D.draw
+
+    def recording_draw(p, device):
+        d = real_draw(p, device)
+        seeds.append(int(d.seed.item()))
+        return d
+    D.draw = recording_draw
+    return seeds
