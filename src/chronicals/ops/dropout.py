@@ -168,7 +168,7 @@ def _math_dtype(t: torch.Tensor) -> torch.dtype:
 
 # ---------------------------------------------------------------- API
 
-def _as_rows(x: torch.Tensor, name: str) -> torch.Tensor:
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
     """x (..., cols) -> a (rows, cols) view with unit column stride (copies only if it has none)."""
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     if x2.shape[-1] > 1 and x2.stride(-1) != 1:
@@ -188,7 +188,7 @@ def keep_mask(d: DropDraw, n_rows: int, n_cols: int, device, *, impl: str = "aut
 
 def dropped(x: torch.Tensor, d: DropDraw, *, impl: str = "auto") -> torch.Tensor:
     """x (..., cols) -> drop(x) (rows, cols) contiguous, x's dtype: x * scale where kept, else 0."""
-    x2 = _as_rows(x, "x")
+    x2 = _as_rows(x)
     check_device("dropout", x2, d.seed)
     if resolve_impl("dropout", impl, x2.device) == "torch":
         keep = _keep_ref(d, *x2.shape, x2.device)
@@ -204,11 +204,11 @@ def add_dropped_(base: torch.Tensor, t: torch.Tensor, d: DropDraw, *, also: torc
     t (rows, cols) or (..., cols); in place, one pass: sum in fp32 (fp64), rounded once. Returns base; with
     ``also`` (rows, cols), returns (base, drop(also)) from the same pass (LoRA's backward: dx's term and dA's input,
     one launch and one mask build instead of two)."""
-    t2 = _as_rows(t, "t")
+    t2 = _as_rows(t)
     if base.dim() != 2 or tuple(base.shape) != tuple(t2.shape) or (base.shape[1] > 1 and base.stride(1) != 1):
         raise ValueError(f"add_dropped_: base {tuple(base.shape)} (strides {base.stride()}) must be 2-D with unit "
                          f"column stride and the shape of t {tuple(t2.shape)}")
-    a2 = None if also is None else _as_rows(also, "also")
+    a2 = None if also is None else _as_rows(also)
     if a2 is not None and (tuple(a2.shape) != tuple(t2.shape) or a2.dtype != base.dtype):
         raise ValueError(f"add_dropped_: also {tuple(a2.shape)} {a2.dtype} must have base's shape and dtype "
                          f"{tuple(base.shape)} {base.dtype}")
