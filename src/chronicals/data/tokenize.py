@@ -1,7 +1,8 @@
 """Turning an ``Example`` into token ids and a trainable mask (loss on predicting that token).
 
 Chat examples are rendered with the tokenizer's chat template. Which tokens belong to assistant turns:
-- if the template marks them (``{% generation %}``), transformers' ``return_assistant_tokens_mask``;
+- if the template marks them (``{% generation %}``), transformers' ``return_assistant_tokens_mask``; a completion
+  (``train_from``) blanks the tokens the prompt's rendering shares with the full one (``_prompt_end``);
 - otherwise by rendering prefixes: for assistant message i, the text of messages[:i] with the generation
   prompt and the text of messages[:i+1] bound the turn as a character span of the full rendering: the reply
   and the template's end-of-turn text, e.g. ``hello<|im_end|>`` of ``hello<|im_end|>\\n``. Whitespace the
@@ -254,6 +255,27 @@ def _warn_dropped_system(tokenizer) -> None:
                     "it to the first user message in the data, or use a template that keeps it")
 
 
+def _prompt_end(tokenizer, prompt, ids: np.ndarray) -> int:
+    """Where the prompt ends in the full rendering's ids (a template with ``{% generation %}`` markers): the tokens
+    the prompt's rendering (with the generation prompt) shares with them. Not its length: a generation prompt may
+    hold text the rendered reply does not (DeepSeek-R1's ``<think>\n``), or the prompt's rendering text the full
+    one drops (Mistral v0.3's system message, written into a final user turn), and blanking that many tokens
+    would blank the completion's first ones, or all of it. Every reply the prompt marks must lie in that shared
+    part (else its tokens in the full rendering are not known): raises FormatError otherwise."""
+    out = _apply(tokenizer, prompt, tokenize=True, add_generation_prompt=True, return_dict=True,
+                 return_assistant_tokens_mask=True)
+    head, head_mask = np.asarray(out["input_ids"], dtype=np.int32), np.asarray(out["assistant_masks"], dtype=bool)
+    n = min(len(head), len(ids))
+    differ = np.flatnonzero(head[:n] != ids[:n])
+    shared = int(differ[0]) if len(differ) else n
+    if head_mask[shared:].any():
+        raise FormatError(f"the chat template renders the prompt's replies (messages before {len(prompt)}) "
+                          "differently when the completion follows, so its {% generation %} markers cannot tell "
+                          "the completion's turns from the prompt's; put the whole conversation in 'messages' "
+                          "(loss on every reply) or use data.train_on=all (load_dataset: loss_on='all')")
+    return shared
+
+
 def encode_chat(tokenizer, messages: list[dict], train_from: int = 0, markers: bool = False):
     """messages -> (ids (L,) int32, trainable (L,) bool): trainable = assistant turns at index >= train_from."""
     _need_template(tokenizer)
@@ -261,10 +283,8 @@ def encode_chat(tokenizer, messages: list[dict], train_from: int = 0, markers: b
         out = _apply(tokenizer, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         ids = np.asarray(out["input_ids"], dtype=np.int32)
         mask = np.asarray(out["assistant_masks"], dtype=bool)
-        if train_from:  # loss only on the completion's turns: blank the prompt's rendering
-            head = len(_apply(tokenizer, messages[:train_from], tokenize=True, add_generation_prompt=True,
-                              return_dict=True)["input_ids"])
-            mask[:head] = False
+        if train_from:
+            mask[:_prompt_end(tokenizer, messages[:train_from], ids)] = False  # loss only on the completion's turns
         return ids, mask
     full = _render(tokenizer, messages)
     specials = _special_texts(tokenizer)
