@@ -150,3 +150,19 @@ def test_a_marked_template_that_rewrites_the_prompts_replies_is_refused(tokenize
         encode_chat(tok, TURNS, train_from=3, markers=True)
     ids, mask = encode_chat(tok, TURNS, markers=True)  # a whole conversation trains every reply
     assert trained_spans(tok, ids, mask) == ["Hello there.<|im_end|>", "It is four, I am quite sure.<|im_end|>"]
+
+
+def test_markers_of_the_default_template_of_several_are_used(tokenizer, tmp_path):
+    """A tokenizer saved with more than one template (additional_chat_templates/) has a dict chat_template, and
+    apply_chat_template renders its "default". Its {% generation %} markers went unseen, so a template that drops
+    earlier reasoning (only its markers locate the replies) was refused as not prefix-stable."""
+    from test_loss_masks import THINK, THINKING
+    from transformers import AutoTokenizer
+
+    tok = make_tokenizer(tokenizer, THINK.replace("TAG", "{% generation %}"), None, "<|im_end|>", [])
+    tok.chat_template = {"default": tok.chat_template, "tool_use": tok.chat_template + "{{ '' }}"}
+    tok.save_pretrained(tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    assert isinstance(tok.chat_template, dict)
+    ds = load_dataset(write_jsonl(tmp_path / "t.jsonl", [{"messages": THINKING}]), tok, max_seq_len=256)
+    assert trained_spans(tok, *ds[0]) == ["one<|im_end|>", "<think>y</think>two<|im_end|>"]

@@ -50,7 +50,12 @@ _GENERATION_TAG = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
 
 
 def has_generation_markers(tokenizer) -> bool:
+    """Whether the template apply_chat_template renders (no tools passed) has ``{% generation %}`` markers. A
+    tokenizer saved with more than one template (``additional_chat_templates/``, e.g. "tool_use") holds them as a
+    dict, of which apply_chat_template renders "default"."""
     template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = template.get("default") or ""
     return isinstance(template, str) and _GENERATION_TAG.search(template) is not None
 
 
