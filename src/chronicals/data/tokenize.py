@@ -263,7 +263,7 @@ def _warn_dropped_system(tokenizer) -> None:
 def _prompt_end(tokenizer, prompt, ids: np.ndarray) -> int:
     """Where the prompt ends in the full rendering's ids (a template with ``{% generation %}`` markers): the tokens
     the prompt's rendering (with the generation prompt) shares with them. Not its length: a generation prompt may
-    hold text the rendered reply does not (DeepSeek-R1's ``<think>\n``), or the prompt's rendering text the full
+    hold text the rendered reply does not (DeepSeek-R1's ``<think>\\n``), or the prompt's rendering text the full
     one drops (Mistral v0.3's system message, written into a final user turn), and blanking that many tokens
     would blank the completion's first ones, or all of it. Every reply the prompt marks must lie in that shared
     part (else its tokens in the full rendering are not known): raises FormatError otherwise."""
