@@ -367,6 +367,15 @@ def has_tokenizer(model_dir: Path) -> bool:
     return any((model_dir / f).is_file() for f in TOKENIZER_FILES)
 
 
+def no_hf_dir(cfg) -> str | None:
+    """Why a model of config ``cfg`` has no Hugging Face directory (``save_hf_dir`` refuses it), or None."""
+    if cfg.partial_rotary_factor != 1:  # a GGUF whose rope.dimension_count < head_dim
+        return (f"rotates {cfg.rotary_dim} of its head_dim={cfg.head_dim} dims (partial_rotary_factor="
+                f"{cfg.partial_rotary_factor}), which transformers' {cfg.model_type} code cannot express (it rotates "
+                "all of them)")
+    return None
+
+
 def save_hf_dir(model: CausalLM, tokenizer, out_dir: str | Path, *, generation_config: dict | None = None,
                 max_shard_bytes: int | None = None) -> Path:
     """Write ``model`` (+ tokenizer files when ``tokenizer`` is not None) as an HF directory, atomically.
@@ -376,13 +385,12 @@ def save_hf_dir(model: CausalLM, tokenizer, out_dir: str | Path, *, generation_c
     (``model.source_generation_config``), else none.
     """
     cfg = model.config
-    if cfg.partial_rotary_factor != 1:  # a GGUF whose rope.dimension_count < head_dim
-        raise ValueError(f"save_model: this model rotates {cfg.rotary_dim} of its head_dim={cfg.head_dim} dims "
-                         f"(partial_rotary_factor={cfg.partial_rotary_factor}), which transformers' {cfg.model_type} "
-                         "code cannot express (it rotates all of them), so a Hugging Face directory would load as a "
-                         "different model; chronicals does not write one. Use the model where chronicals loads it "
-                         "(load_model of its .gguf file; a LoRA adapter trained on it as it is, with chronicals "
-                         "chat/eval --adapter, instead of export)")
+    why = no_hf_dir(cfg)
+    if why:
+        raise ValueError(f"save_model: this model {why}, so a Hugging Face directory would load as a different "
+                         "model; chronicals does not write one. Use the model where chronicals loads it (load_model "
+                         "of its .gguf file; a LoRA adapter trained on it as it is, with chronicals chat/eval "
+                         "--adapter, instead of export)")
     head, emb = model.lm_head.weight, model.model.embed_tokens.weight
     if cfg.tie_word_embeddings and head is not emb and not torch.equal(head, emb):
         # the directory holds no lm_head when tied: a head untied in code (a new Parameter) would be dropped

@@ -182,8 +182,8 @@ def save_model(model: CausalLM, tokenizer, out_dir: str | os.PathLike, *, genera
 
     Atomic: written beside ``out_dir`` then renamed. An existing ``out_dir`` is replaced only when it holds
     nothing but a model's files (config.json, generation_config.json, model*.safetensors and the index,
-    tokenizer files, chat_template.jinja, additional_chat_templates/: ``hf_io.MODEL_DIR_FILES``); any other entry makes it a
-    FileExistsError naming those entries, raised before anything is written. tokenizer may be None (no
+    tokenizer files, chat_template.jinja, additional_chat_templates/: ``hf_io.MODEL_DIR_FILES``); any other
+    entry makes it a FileExistsError naming those entries, raised before anything is written. tokenizer may be None (no
     tokenizer files). max_shard_bytes splits the weights into HF-style shards plus an index.
     """
     # expanded here so that the path returned is the one written ('~/m' came back as a Path naming nothing)

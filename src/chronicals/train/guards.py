@@ -240,6 +240,22 @@ def check_final_dir(cfg: TrainConfig, out_dir: Path) -> None:
     refuse_foreign_files(final, _final_files(cfg))
 
 
+def check_final_model(cfg: TrainConfig, model) -> None:
+    """ValueError now, before the run, if save_final of a full fine-tune would be refused by save_model
+    (``hf_io.no_hf_dir``: a GGUF file with partial rope), not after the whole run."""
+    from ..models.hf_io import no_hf_dir
+
+    mcfg = getattr(model, "config", None)
+    if not cfg.train.save_final or cfg.lora.enabled or not hasattr(mcfg, "partial_rotary_factor"):
+        return
+    why = no_hf_dir(mcfg)
+    if why:
+        raise ValueError(f"{getattr(model, 'chronicals_base', None) or 'the model passed to train()'} {why}: a GGUF "
+                         "file whose rope.dimension_count is below head_dim. A full fine-tune's final model could not "
+                         "be saved; train a LoRA adapter (lora.enabled=true) or set train.save_final=false "
+                         "(the checkpoints keep the weights)")
+
+
 def earlier_final(cfg: TrainConfig, out_dir: Path, resume_from: Path | None) -> Path | None:
     """out_dir's final adapter (LoRA) or model (full) when an earlier run wrote it and this run does not continue
     that run (it starts over, or continues another directory's checkpoint), or None: it goes with that run's

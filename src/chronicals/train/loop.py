@@ -41,8 +41,8 @@ from .grad_buckets import GradBuckets
 from .graphs import GraphedStep, resolve_cuda_graphs
 from .setup import build_loaders, load_base, prepare_model, resolve_dtype
 from .readback import StepReadback, StepStart
-from .guards import (check_cuda_graphs, check_data_paths, check_final_dir, check_impl, check_out_dir,
-                     check_resume_path, check_token_ids, earlier_final, remove_setup_files)
+from .guards import (check_cuda_graphs, check_data_paths, check_final_dir, check_final_model, check_impl,
+                     check_out_dir, check_resume_path, check_token_ids, earlier_final, remove_setup_files)
 from .resume import apply_optimizer_settings, check_same_adapter, optimizer_settings, warn_data_changed
 from .run_dir import _locked_out_dir, _metrics_log, _RanksMetrics
 from .step import accumulate_data_parallel, evaluate_loss
@@ -167,15 +167,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     elif getattr(model, "chronicals_base", None) is None:
         log.info("a model passed to train(): its adapter records no base model (model.path=%s is not what was "
                  "trained); set model.chronicals_base = its path or name to record one", cfg.model.path)
-    mcfg = getattr(model, "config", None)
-    if cfg.train.save_final and not cfg.lora.enabled and getattr(mcfg, "partial_rotary_factor", 1) != 1:
-        # save_model refuses it (hf_io.save_hf_dir): refused now, not after the whole run
-        raise ValueError(f"{getattr(model, 'chronicals_base', None) or 'the model passed to train()'} rotates "
-                         f"{mcfg.rotary_dim} of its head_dim={mcfg.head_dim} dims (a GGUF file whose "
-                         "rope.dimension_count is below head_dim), which a "
-                         "Hugging Face directory cannot express, so a full fine-tune's final model could not be saved; "
-                         "train a LoRA adapter (lora.enabled=true) or set train.save_final=false (the checkpoints "
-                         "keep the weights)")
+    check_final_model(cfg, model)
     model = prepare_model(model, cfg, device, dtype)
     trained_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if trained_len and cfg.data.max_seq_len > trained_len:  # legitimate (context extension), rarely intended
