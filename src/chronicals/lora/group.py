@@ -43,8 +43,7 @@ import logging
 
 import torch
 
-from ..ops import dropout as D
-from .layer import LoRALinear, branch_input, mm_scaled
+from .layer import LoRALinear, add_branch_dx_, branch_input, mm_scaled
 
 log = logging.getLogger("chronicals.lora")
 
@@ -133,12 +132,11 @@ class LoRAGroupFunction(torch.autograd.Function):
                 for i, (dyb_i, a_i, draw) in enumerate(_per_member(dyb, a_all, ctx.ranks, draws)):
                     if draw is None:
                         dx.addmm_(dyb_i, a_i)
-                    elif need_a:
-                        _, xd = D.add_dropped_(dx, torch.mm(dyb_i, a_i), draw, also=x2)
+                        continue
+                    xd = add_branch_dx_(dx, dyb_i, a_i, draw, x2 if need_a else None)
+                    if xd is not None:
                         da_parts[i] = torch.mm(dyb_i.t(), xd)
                         del xd
-                    else:
-                        D.add_dropped_(dx, torch.mm(dyb_i, a_i), draw)
         elif need_a:
             dyb = torch.mm(dy2, mat[:, fin:])  # (N, R)
         if need_a:

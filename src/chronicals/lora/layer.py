@@ -69,6 +69,15 @@ def branch_input(x2, draw):
     return x2 if draw is None else D.dropped(x2, draw)
 
 
+def add_branch_dx_(dx, dyb, lora_a, draw, x2=None):
+    """dx (N, in) += drop(dyb A) in place, one pass (the rank-r term of a branch that saw drop(x)); with x2, also
+    returns drop(x2) from that pass (dA's input: one launch and one mask build), else None."""
+    if x2 is None:
+        D.add_dropped_(dx, torch.mm(dyb, lora_a), draw)
+        return None
+    return D.add_dropped_(dx, torch.mm(dyb, lora_a), draw, also=x2)[1]
+
+
 def lora_forward(x2, weight, bias, lora_a, lora_b, scaling: float, draw, wcat):
     """x2 (N, in) -> (y (N, out), xa = drop(x2) A^T (N, r), unscaled). No autograd (called in forward).
 
@@ -112,12 +121,9 @@ def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, draw, scaling: float, wca
             dx_base = torch.mm(dy2, weight)  # (N, in)
         if draw is None:  # out of place from the strided g view: same bytes as in place + a later copy
             dx = torch.addmm(dx_base, dyb, lora_a) if wcat is not None else dx_base.addmm_(dyb, lora_a)
-        elif need_a and not callable(x2):  # the LoRA branch saw drop(x): its gradient goes through the mask,
-            # added in one pass (in place into g's strided dx columns, or into the fresh dy W), which also
-            # writes drop(x) for dA (one launch, one mask build)
-            dx, xd = D.add_dropped_(dx_base, torch.mm(dyb, lora_a), draw, also=x2)
-        else:
-            dx = D.add_dropped_(dx_base, torch.mm(dyb, lora_a), draw)
+        else:  # the LoRA branch saw drop(x): in place into g's strided dx columns, or into the fresh dy W
+            xd = add_branch_dx_(dx_base, dyb, lora_a, draw, x2 if need_a and not callable(x2) else None)
+            dx = dx_base
     if need_a:
         if callable(x2):
             x2 = x2(dx)

@@ -6,7 +6,7 @@ element for every adapter of every layer until backward (4.0 GiB at the 0.5B LoR
 4 more bytes per element. Here a ``DropDraw`` holds one int64 seed on the device (drawn from torch's generator,
 so ``torch.manual_seed``, checkpoints' RNG state and CUDA-graph replays work as for ``torch.rand``), and every
 kernel that needs the mask recomputes it from the seed: forward ``dropped`` (read x, write drop(x)), backward
-``add_dropped_`` (base += drop(t), one pass) and ``dropped`` again for dA.
+``add_dropped_`` (base += drop(t) in one pass, which can also write drop(x) for dA with the same mask).
 
 The mask, exactly (both implementations give the same bits):
 - x is viewed as (rows, cols); counter c = row * ceil(cols / 8) + col // 8 (so a row's mask does not depend on
@@ -120,7 +120,7 @@ def _launch(x2, out2, d: DropDraw, add: bool, pair=None) -> None:
     n_rows, n_cols = x2.shape
     if n_rows == 0 or n_cols == 0:
         return
-    grid = (triton.cdiv(n_rows, _BLOCK_R), triton.cdiv(triton.cdiv(n_cols, 8), _BLOCK_G))
+    grid = (triton.cdiv(n_rows, _BLOCK_R), triton.cdiv(triton.cdiv(n_cols, LANES), _BLOCK_G))
     src2, out_2 = pair if pair is not None else (x2, out2)  # unused pointers when PAIR is off
     _dropout_kernel[grid](x2, out2, d.seed, src2, out_2, n_rows, n_cols, x2.stride(0), out2.stride(0),
                           src2.stride(0), d.thr, ADD=add, PAIR=pair is not None, F64=x2.dtype == torch.float64,
@@ -166,6 +166,11 @@ def _math_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def _drop_ref(x2: torch.Tensor, keep: torch.Tensor, d: DropDraw, md: torch.dtype) -> torch.Tensor:
+    """The twin's drop(x2) in the math dtype ``md``: x2 * scale where kept, else 0 (the kernel's ``y``)."""
+    return torch.where(keep, x2.to(md) * d.scale, 0.0)
+
+
 # ---------------------------------------------------------------- API
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -191,8 +196,7 @@ def dropped(x: torch.Tensor, d: DropDraw, *, impl: str = "auto") -> torch.Tensor
     x2 = _as_rows(x)
     check_device("dropout", x2, d.seed)
     if resolve_impl("dropout", impl, x2.device) == "torch":
-        keep = _keep_ref(d, *x2.shape, x2.device)
-        return torch.where(keep, x2.to(_math_dtype(x2)) * d.scale, 0.0).to(x2.dtype)
+        return _drop_ref(x2, _keep_ref(d, *x2.shape, x2.device), d, _math_dtype(x2)).to(x2.dtype)
     out = torch.empty(x2.shape, dtype=x2.dtype, device=x2.device)
     _launch(x2, out, d, add=False)
     return out
@@ -216,10 +220,10 @@ def add_dropped_(base: torch.Tensor, t: torch.Tensor, d: DropDraw, *, also: torc
     if resolve_impl("dropout", impl, base.device) == "torch":
         keep = _keep_ref(d, *t2.shape, base.device)
         md = _math_dtype(base)
-        base.copy_(base.to(md) + torch.where(keep, t2.to(md) * d.scale, 0.0))
+        base.copy_(base.to(md) + _drop_ref(t2, keep, d, md))
         if a2 is None:
             return base
-        return base, torch.where(keep, a2.to(md) * d.scale, 0.0).to(a2.dtype)
+        return base, _drop_ref(a2, keep, d, md).to(a2.dtype)
     if a2 is None:
         _launch(t2, base, d, add=True)
         return base
