@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import triton
+from common import wall_seconds_per_call
 
 from chronicals.bench.contenders import build_chronicals_model, rows_as_packed_batch
 from chronicals.bench.shapes import get_shape
@@ -64,21 +65,12 @@ def main() -> None:
           f"{t_add * 1e3:.1f} us ({3 * gb / t_add:.1f} TB/s), clone {t_copy * 1e3:.1f} us, "
           f"torch.rand mask path {t_old * 1e3:.1f} us")
     # host cost per call (eager steps are host-bound): small tensors, a sync only at the end
-    import time
-
     from chronicals.ops import swiglu
     small, sb = torch.randn(16, 896, device=DEV, dtype=torch.bfloat16), torch.randn(16, 896, device=DEV,
                                                                                    dtype=torch.bfloat16)
 
-    def host_us(fn, n=2000):
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / n * 1e6
+    def host_us(fn):
+        return wall_seconds_per_call(fn, 2000, warmup=50) * 1e6
 
     print(f"host per call: draw {host_us(lambda: D.draw(0.1, DEV)):.1f} us, dropped {host_us(lambda: D.dropped(small, d)):.1f}"
           f" us, add_dropped_ {host_us(lambda: D.add_dropped_(sb, small, d)):.1f} us, raw kernel launch "

@@ -23,6 +23,21 @@ def do_bench(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def wall_seconds_per_call(fn, n: int, warmup: int) -> float:
+    """Wall seconds per call of ``fn()`` over ``n`` calls after ``warmup``, the GPU synchronized at both ends only:
+    host time where the host is the limit (launch costs), GPU time where the GPU is (a training step)."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
     src = torch.randn(nbytes // 4, device="cuda")

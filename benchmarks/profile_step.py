@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -31,6 +31,9 @@ from chronicals.bench.shapes import get_shape, model_config
 from chronicals.train.metrics import matmul_peak_tflops
 from chronicals.train.graphs import GraphedStep
 from chronicals.train.step import accumulate_gradients
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py, also when imported by a test
+from common import wall_seconds_per_call  # noqa: E402
 
 FAMILIES = [("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")), ("flash/attn", ("flash", "fmha", "attn")),
             ("rms_norm", ("_rms_norm",)), ("swiglu", ("_swiglu",)), ("rope", ("_rope",)),
@@ -139,14 +142,7 @@ def profile(method: str, shape_name: str, steps: int, graphs: bool = False, ceil
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - t0) / steps * 1e3
+    step_ms = wall_seconds_per_call(step, steps, warmup=3) * 1e3
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts, record_shapes=not graphs) as prof:
         for _ in range(steps):
