@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from . import cache as cache_mod
 from .formats import FORMATS, FormatError, detect_format, empty_target, to_example
 from .readers import DataError, Record, read_file, resolve_files
-from .tokenize import appends_eos, check_tokenizer, encode, has_generation_markers
+from .tokenize import appends_eos, check_tokenizer, encode, has_generation_markers, turn_end_ids, unclosed_replies
 
 log = logging.getLogger("chronicals.data")
 PARALLEL_THRESHOLD = 20_000  # records; below this, worker start-up (~1 s) costs more than it saves
@@ -43,6 +43,10 @@ class DatasetStats:
     empty_no_loss: int = 0  # of those, the text that would carry loss is empty (e.g. {"text": ""}); 0 in older caches
     empty_targets: int = 0  # kept, but the reply / output / completion is blank: only end-of-turn has loss
     first_empty_target: str = ""  # "file:line" of the first of those
+    replies: int = 0  # runs of loss tokens in kept chat examples (loss_on="assistant"): one per reply as a rule
+    unclosed_replies: int = 0  # of those, the ones no trained special token closes: the model never learns to stop
+    unclosed_examples: int = 0  # kept chat examples with at least one (before truncation)
+    first_unclosed: str = ""  # "file:line" of the first of those
     tokens: int = 0
     loss_tokens: int = 0  # positions with a target, after the per-document shift
     first_errors: list[str] = field(default_factory=list)  # up to 10 "file:line: ..." messages
@@ -126,6 +130,7 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
                     log.info("data: %s", ds.summary)
                 _note_alpaca_prompt(ds.file_formats, tokenizer, name)
                 _finish(ds.stats, on_error, max_seq_len, names, files, name)
+                _warn_unclosed(ds.stats, tokenizer, names, files, name)  # from the entry's stats: every run says it
                 return ds
     per_file = [read_file(f) for f in files]
     records = [r for recs in per_file for r in recs]
@@ -136,6 +141,7 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
     log.info("data: %s", ds.summary)
     _note_alpaca_prompt(ds.file_formats, tokenizer, name)
     _finish(ds.stats, on_error, max_seq_len, names, files, name)
+    _warn_unclosed(ds.stats, tokenizer, names, files, name)
     if cache is not None:
         cache_mod.save(cache, ds.ids, ds.trainable, ds.offsets,
                        {"pad_id": ds.pad_id, "stats": asdict(ds.stats), "file_counts": ds.file_counts,
@@ -250,6 +256,30 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, n: dict[str, s
                 stats.documents, stats.records, "; ".join(parts))
 
 
+def _warn_unclosed(stats: DatasetStats, tokenizer, n: dict[str, str], files=(), name: str = "the dataset") -> None:
+    """One warning per set when replies train no end-of-turn token (``tokenize.unclosed_replies``): the model would
+    learn to write replies but not to end them, and nothing else would say so. The counts come from the stats (a
+    cache hit warns as the first run did); the template's source and the fix from this run's tokenizer."""
+    if not stats.unclosed_replies:
+        return
+    where = f"{name} ({_names(files)})" if files else name
+    source = getattr(tokenizer, "chronicals_source", None) or getattr(tokenizer, "name_or_path", None)
+    template = f"the chat template of {source}" if source else "the tokenizer's chat template"
+    counts = (f"{stats.unclosed_replies} of {stats.replies} assistant replies in {stats.unclosed_examples} of "
+              f"{stats.documents} examples train no end-of-turn token (first: {stats.first_unclosed}), so the model "
+              "never learns to stop after a reply")
+    if has_generation_markers(tokenizer):
+        why = (f"{template} closes its {{% generation %}} markers before the special token that ends the turn; "
+               "move {% endgeneration %} after that token (ChatML: {% generation %}{{ content + '<|im_end|>' }}"
+               f"{{% endgeneration %}}), or set {n['loss_on']}=all (loss on the prompts too)")
+    else:
+        why = (f"{template} closes no reply with a special token (a conversation that ends in a reply renders ending "
+               "in the reply's text, as GLM's does); end each assistant turn with a token generation stops at, e.g. "
+               "{{ content + eos_token }}, or mark the reply and that token with {% generation %} ... "
+               "{% endgeneration %}")
+    log.warning("data: %s: %s: %s", where, counts, why)
+
+
 def report_bad_records(count: int, first: list[str], on_error: str, records: int, where: str,
                        on_error_name: str = "on_error") -> None:
     """The one report of ``count`` bad records of ``records`` read (``first``: the first few ``file:line: what``):
@@ -278,27 +308,32 @@ def _init_worker(tokenizer, opts):
 
 
 def _encode_chunk(records: list[Record]):
-    """Records -> list of (ids, trainable, format, empty target) or (None, "file:line: message", None, False); empty
-    target: the text that would carry loss with loss on assistant turns / completion is blank (whatever loss_on)."""
+    """Records -> list of (ids, trainable, format, empty target, (runs, unclosed)) or (None, "file:line: message",
+    None, False, (0, 0)); empty target: the text that would carry loss with loss on assistant turns / completion is
+    blank (whatever loss_on); runs, unclosed: a chat example's replies and those that train no end-of-turn token
+    (``tokenize.unclosed_replies``; (0, 0) for other examples and loss_on="all")."""
     w = _WORKER
     out = []
     for rec in records:
         if rec.data is None:
-            out.append((None, f"{rec.where}: {rec.error}", None, False))
+            out.append((None, f"{rec.where}: {rec.error}", None, False, (0, 0)))
             continue
         try:
             fmt = w["format"] if w["format"] != "auto" else detect_format(rec.data)
             ex = to_example(rec.data, fmt, w["has_template"], from_csv=rec.from_csv)
             ids, mask = encode(w["tokenizer"], ex, w["loss_on"], w["markers"], w["own_eos"])
-            out.append((ids, mask, fmt, empty_target(ex)))
+            chat = ex.messages is not None and w["loss_on"] == "assistant"
+            ends = unclosed_replies(w["tokenizer"], ids, mask, w["end_ids"]) if chat else (0, 0)
+            out.append((ids, mask, fmt, empty_target(ex), ends))
         except FormatError as e:
-            out.append((None, f"{rec.where}: {e}", None, False))
+            out.append((None, f"{rec.where}: {e}", None, False, (0, 0)))
     return out
 
 
 def _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_error, num_proc) -> TokenizedDataset:
     opts = {"format": format, "loss_on": loss_on, "markers": has_generation_markers(tokenizer),
-            "own_eos": appends_eos(tokenizer), "has_template": getattr(tokenizer, "chat_template", None) is not None}
+            "own_eos": appends_eos(tokenizer), "end_ids": turn_end_ids(tokenizer),
+            "has_template": getattr(tokenizer, "chat_template", None) is not None}
     if num_proc is None:
         num_proc = 1 if len(records) < PARALLEL_THRESHOLD else min(8, os.cpu_count() or 1)
     chunks = [records[i:i + CHUNK] for i in range(0, len(records), CHUNK)]
@@ -319,7 +354,7 @@ def _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_err
     bar.close()
     stats = DatasetStats(records=len(records))
     ids_list, mask_list, lengths, fmts = [], [], [], []
-    for rec, (ids, mask, fmt, empty) in zip(records, (x for r in results for x in r)):
+    for rec, (ids, mask, fmt, empty, (runs, unclosed)) in zip(records, (x for r in results for x in r)):
         fmts.append(fmt)
         if ids is None:
             stats.skipped_errors += 1
@@ -346,6 +381,11 @@ def _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_err
         if empty and loss_on == "assistant":
             stats.empty_targets += 1
             stats.first_empty_target = stats.first_empty_target or rec.where
+        stats.replies += runs  # counted before truncation: a reply cut off at max_seq_len is reported as truncated
+        if unclosed:
+            stats.unclosed_replies += unclosed
+            stats.unclosed_examples += 1
+            stats.first_unclosed = stats.first_unclosed or rec.where
         ids_list.append(ids)
         mask_list.append(mask)
         lengths.append(len(ids))

@@ -29,6 +29,11 @@ Chat examples are rendered with the tokenizer's chat template. Which tokens belo
   fix, rather than mislabel tokens: use ``{% generation %}`` markers, or loss on everything.
 Prompt/target examples: ``prompt + target + eos`` with the tokenizer's special tokens (e.g. BOS); loss on
 target and eos.
+
+A reply whose loss ends in its text, with no trained special token after it, teaches the model to write replies
+but never to stop: a template whose ``{% generation %}`` markers close before ``<|im_end|>``, or one that closes
+no reply with a special token (GLM's turns end where the next ``<|user|>`` begins). ``unclosed_replies`` counts
+them per example and ``load_dataset`` warns once per set; which tokens carry loss stays the template's.
 """
 
 from __future__ import annotations
@@ -109,6 +114,37 @@ def _turn_end(text: str, lo: int, hi: int, specials: tuple[str, ...]) -> int:
     hi itself when the span does not end in one (a template whose turns end in plain text keeps its ending)."""
     kept = text[lo:hi].rstrip()
     return lo + len(kept) if len(kept) < hi - lo and kept.endswith(specials) else hi
+
+
+def turn_end_ids(tokenizer) -> np.ndarray:
+    """The ids of the tokenizer's special tokens (sorted int64), any of which may close a turn: eos, ``<|im_end|>``,
+    ``<|eot_id|>``, Gemma's ``<end_of_turn>``, Phi-3's ``<|end|>``. Which one a model stops at is its generation
+    config's, which the tokenizer does not hold, so every special token counts. Ask once per dataset."""
+    ids = {int(t) for t in getattr(tokenizer, "all_special_ids", None) or []}
+    for tid, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(tok, "special", False):
+            ids.add(int(tid))
+    return np.array(sorted(ids), dtype=np.int64)
+
+
+def unclosed_replies(tokenizer, ids: np.ndarray, mask: np.ndarray, end_ids: np.ndarray) -> tuple[int, int]:
+    """(runs, unclosed) of a chat example: its runs of consecutive trainable tokens (one per reply, unless the
+    template marks a turn in pieces) and how many of them no trained special token (``end_ids``) closes. A run
+    is closed when it ends in one, whitespace after it allowed (a template may mark ``<|im_end|>\\n``), or when
+    the first special token after its text carries loss (a later marked piece of the same turn holds it).
+    ``reply`` marked without ``<|im_end|>``, or GLM's ``reply`` before the next ``<|user|>``, is unclosed."""
+    edges = np.flatnonzero(np.diff(mask.astype(np.int8), prepend=0, append=0))  # run starts and ends, interleaved
+    is_end = np.isin(ids, end_ids)
+    unclosed = 0
+    for lo, hi in zip(edges[0::2].tolist(), edges[1::2].tolist()):
+        k = hi - 1  # back over the whitespace after the run's last special token or text
+        while k > lo and not is_end[k] and not tokenizer.decode([int(ids[k])]).strip():
+            k -= 1
+        if is_end[k]:
+            continue
+        later = np.flatnonzero(is_end[k + 1:])  # k: the reply's last text token
+        unclosed += not (len(later) and mask[k + 1 + later[0]])
+    return len(edges) // 2, unclosed
 
 
 def _need_template(tokenizer) -> None:
