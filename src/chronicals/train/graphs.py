@@ -43,6 +43,10 @@ it), so ``torch.cuda.memory_reserved`` stays at the step's peak. Sharing is safe
 graph's only outputs are ``loss_sum``, read right after its replay before any other graph runs, and (the
 assign graph) the home gradients, which stay allocated, so no later capture is given their memory.
 
+RNG: capturing leaves the device's generator as it found it (warm-up runs draw from it and are thrown away),
+and every replay advances it by what the step draws, as an eager step does: seeded LoRA dropout masks follow
+``manual_seed`` and a checkpoint's RNG state wherever the capture happens.
+
 Limits: activation checkpointing (it reads the CUDA RNG state during capture, which CUDA forbids) and
 parameters replaced after capture (the graph holds their storage) are not supported.
 """
@@ -292,6 +296,11 @@ class GraphedStep:
         self._load(cap, batch)
         args = (cap.input_ids, cap.position_ids, cap.shift_labels, cap.cu_seqlens, s)
         saved = [p.grad for p in self.params]
+        # warm-up draws from the device's generator (LoRA dropout seeds, ops/dropout.py); capture only records
+        # offsets that each replay takes. Put it back, so the step's masks are those an eager step or a run
+        # resumed at another step draws: a resume captures after restoring the generator, a straight run did
+        # not, and their masks would differ from the resumed step on
+        rng = torch.cuda.get_rng_state(d)
         reserved0 = torch.cuda.memory_reserved(d)
         # warm-up on a side stream (as torch's docs do): Triton autotuning, cuBLAS workspaces and lazy
         # initialization happen here, not in the capture; its gradients are thrown away
@@ -328,6 +337,7 @@ class GraphedStep:
         finally:
             for p, g in zip(self.params, saved):
                 p.grad = g
+            torch.cuda.set_rng_state(rng, d)
         if assign:
             self._assign = (key, cap)
         else:
