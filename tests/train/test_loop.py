@@ -496,9 +496,10 @@ def test_the_summary_of_a_resumed_run(tmp_path):
     text = rep.summary(res)
     assert "held-out loss: 2.2500 -> 1.5000" in text and "training data" not in text
     from chronicals.data.dataset import DatasetStats
-    res.data_stats = DatasetStats(records=10, documents=7, skipped_errors=2, truncated=1, dropped_no_loss=1)
+    res.data_stats = DatasetStats(records=10, documents=7, skipped_errors=2, truncated=1, dropped_no_loss=1,
+                                  unclosed_replies=3)
     assert "training data: 7 examples of 10 records (2 bad records skipped, 1 truncated to data.max_seq_len, " \
-           "1 dropped with no loss tokens)" in rep.summary(res)
+           "1 dropped with no loss tokens, 3 replies that train no end-of-turn token)" in rep.summary(res)
     assert "training: 4 steps (resumed at step 4, now at 8 of 8) in 2.0 s, 100 loss tokens/s" in text
     res.start_step = 7
     assert "training: 1 step (resumed at step 7, now at 8 of 8)" in rep.summary(res)
