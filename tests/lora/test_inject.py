@@ -137,7 +137,8 @@ def test_errors_say_what_to_do():
 
 
 def test_fp32_adapters_on_bf16_base(ids):
-    """adapter_dtype=float32 on a bf16 model: fp32 A/B receive fp32 gradients through the bf16 compute."""
+    """adapter_dtype=float32 on a bf16 model: fp32 A/B receive fp32 gradients through their fp32 branch (PEFT's
+    computation, tests/lora/test_adapter_dtype.py)."""
     model = tiny_model().to(torch.bfloat16)
     apply_lora(model, r=4, alpha=8, adapter_dtype=torch.float32)
     randomize_lora_b(model)

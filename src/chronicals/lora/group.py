@@ -32,7 +32,8 @@ writes d_gu whole). Cost: the zero blocks are extra K columns (R - r_i per row b
 32 of 960 at gate/up, 0.5B shape) and the activation cat (N x (in + R)).
 
 Which members qualify: LoRALinear with impl "fused", one in_features, base dtype and device,
-one adapter dtype, no forward hooks, all or none with a bias. Otherwise ``why_not`` says why, and the
+one adapter dtype no wider than the base's (fp32 adapters on a bf16 base run PEFT's fp32 branch apart, see
+``LoRALinear.forward``), no forward hooks, all or none with a bias. Otherwise ``why_not`` says why, and the
 members run apart.
 """
 
@@ -64,6 +65,9 @@ def why_not(members) -> str | None:
             return "the base weights differ in dtype or device"
         if m.lora_A.weight.dtype != m0.lora_A.weight.dtype or m.lora_B.weight.dtype != m0.lora_A.weight.dtype:
             return "the adapters differ in dtype"
+        if m.wide:  # M holds s B in W's dtype
+            return (f"{str(m.lora_A.weight.dtype).removeprefix('torch.')} adapters on "
+                    f"{str(m.weight.dtype).removeprefix('torch.')} weights run their branch in their own dtype")
         if m.weight.device.type == "meta":
             return "the weights are on the meta device"
     if len({m.bias is None for m in members}) > 1:
@@ -240,7 +244,7 @@ class LoRAGroup:
         """(A_all (R, in), [B_i], bias or None) in the activations' dtype ``dt``."""
         a_s = [m.lora_A.weight for m in self.members]
         bs = [m.lora_B.weight for m in self.members]
-        if a_s[0].dtype != dt:  # fp32 adapters on a bf16 base: cast the small matrices, not x
+        if a_s[0].dtype != dt:  # bf16 adapters on an fp32 base: cast the small matrices, not x
             a_s, bs = [a.to(dt) for a in a_s], [b.to(dt) for b in bs]
         bias = None if self.members[0].bias is None else torch.cat([m.bias for m in self.members])
         return torch.cat(a_s), bs, bias  # cat's backward splits dA back to the members

@@ -124,7 +124,10 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
     are trained in full. Tied embeddings share one Parameter: naming either of lm_head / embed_tokens
     trains the shared tensor, and both are saved with the adapter (PEFT then loads the same values into
     both copies). ``impl``: "fused" (custom autograd) or "torch" (reference). ``adapter_dtype``: dtype of
-    A and B (default: the base weight's). ``seed``: generator seed for A (None: torch's global RNG).
+    A and B (default: the base weight's; fp32 on a bf16 base computes their branch in fp32, as PEFT does, through
+    the reference: no fused layout or group, and autograd keeps an fp32 copy of each adapted input for dA; the
+    trainer instead keeps bf16 adapters with fp32 masters in the optimizer). ``seed``: generator seed for A (None:
+    torch's global RNG).
     ``concat``: how the fused path joins the rank-r GEMMs ("auto" by shape; see LoRALinearFunction).
     ``group``: q/k/v and gate/up adapters of one block run as one GEMM each (``lora.group.LoRAGroup``) when
     they qualify; False keeps one call per module.
@@ -202,6 +205,11 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
                      trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
                      total_params=sum(p.numel() for p in model.parameters()))
     model.lora_config = rec
+    wide = sorted({f"{m.lora_A.weight.dtype} adapters on {m.weight.dtype} weights" for _, m in lora_modules(model)
+                   if m.wide})
+    if wide:
+        log.info("apply_lora: %s: each branch runs in the adapters' dtype (lora_linear_ref, PEFT's computation), "
+                 "not in the fused layouts or groups", ", ".join(wide))
     if group:
         log.info("apply_lora: %d LoRA groups (q/k/v, gate/up) run as one GEMM each", bind_groups(model))
     log.info("apply_lora: r=%d alpha=%g scaling=%g on %d modules (%s), impl=%s; trainable %d of %d parameters",

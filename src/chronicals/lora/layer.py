@@ -35,13 +35,23 @@ log = logging.getLogger("chronicals.lora")
 IMPLS = ("fused", "torch")
 
 
+def wider(adapter_dtype: torch.dtype, x_dtype: torch.dtype) -> bool:
+    """True when adapters of ``adapter_dtype`` hold more precision than activations of ``x_dtype`` (fp32 A and B
+    on a bf16 or fp16 base): their branch then runs in the adapters' dtype, as PEFT's does."""
+    return adapter_dtype != x_dtype and torch.promote_types(adapter_dtype, x_dtype) == adapter_dtype
+
+
 def lora_linear_ref(x, weight, bias, lora_a, lora_b, scaling: float, mask=None, dropout: float = 0.0):
-    """Reference: F.linear(x, W, b) + s * F.linear(F.linear(drop(x), A), B).
+    """Reference: F.linear(x, W, b) + s * F.linear(F.linear(drop(x), A), B), in x's dtype.
 
     mask: bool (..., in) of kept elements (dropout p = ``dropout``), or None for no dropout.
+    A and B wider than x (fp32 on a bf16 base): x goes into the branch in their dtype and the sum is rounded to
+    x's, PEFT's own computation (``autocast_adapter_dtype``): round(round(x W^T + b) + s (drop(x) A^T) B^T).
     """
-    xd = x if mask is None else x * mask / (1.0 - dropout)
-    return F.linear(x, weight, bias) + scaling * F.linear(F.linear(xd, lora_a), lora_b)
+    xd = x.to(lora_a.dtype)  # a no-op unless the adapters are wider: then dropout's 1/(1-p) is applied in theirs
+    if mask is not None:
+        xd = xd * mask / (1.0 - dropout)
+    return (F.linear(x, weight, bias) + scaling * F.linear(F.linear(xd, lora_a), lora_b)).to(x.dtype)
 
 
 def draw_mask(draw: D.DropDraw, shape) -> torch.Tensor:
@@ -245,7 +255,13 @@ class LoRALinear(nn.Module):
     @property
     def _uses_wcat(self) -> bool:
         return (self.concat and self.impl == "fused" and self.group is None
-                and self.weight.device.type != "meta")
+                and self.weight.device.type != "meta" and not self.wide)
+
+    @property
+    def wide(self) -> bool:
+        """A and B wider than the base weight (fp32 on bf16 / fp16, as ``load_adapter`` puts them there): the
+        branch runs in their dtype through ``lora_linear_ref``, PEFT's computation (see ``forward``)."""
+        return wider(self.lora_A.weight.dtype, self.weight.dtype)
 
     @torch.no_grad()
     def _bind_concat_buffer(self) -> None:
@@ -287,10 +303,10 @@ class LoRALinear(nn.Module):
         return self
 
     def _adapters(self, x):
-        """(A, B in x's dtype, this call's ``DropDraw`` or None)."""
+        """(A, B in x's dtype unless wider than it, this call's ``DropDraw`` or None)."""
         a, b = self.lora_A.weight, self.lora_B.weight
-        if a.dtype != x.dtype:  # fp32 adapters on a bf16 base: cast the small matrices, not x
-            a, b = a.to(x.dtype), b.to(x.dtype)
+        if a.dtype != x.dtype and not wider(a.dtype, x.dtype):  # bf16 adapters on an fp32 base: cast the small
+            a, b = a.to(x.dtype), b.to(x.dtype)                 # matrices (exactly), not x
         return a, b, self.dropout_draw(x)
 
     def dropout_draw(self, x):
@@ -303,7 +319,11 @@ class LoRALinear(nn.Module):
 
     def forward(self, x):
         a, b, draw = self._adapters(x)
-        if self.impl == "torch":
+        # Adapters wider than x (fp32 A and B on a bf16 base: load_adapter's default there, as PEFT's) run the
+        # reference, PEFT's computation. The fused layouts would round them to bf16 ([W | s B] holds s B in W's
+        # dtype): the logits' mean error against float64 was then 1.23x PEFT's, 1.01x this way (bf16, 3 strong
+        # adapters, tests/lora/test_adapter_dtype.py). The trainer's adapters take the base's dtype: never here.
+        if self.impl == "torch" or a.dtype != x.dtype:
             return lora_linear(x, self.weight, self.bias, a, b, self.scaling, draw, impl="torch")
         wcat = self._concat_buffer(b) if self._uses_wcat else None
         return LoRALinearFunction.apply(x, self.weight, self.bias, a, b, self.scaling, draw, self.concat, wcat)
@@ -317,8 +337,8 @@ class LoRALinear(nn.Module):
         ``in_place``: that kernel writes over the saved gu and d_act (``RuntimeOptions.swiglu_backward_in_place``)."""
         from .mlp import LoRASwiGLUDownFunction, swiglu_for_impl
 
-        if self.impl == "torch" or not self.recompute_swiglu:  # plain autograd: the product is kept
-            return self(swiglu_for_impl(gate, up, impl))
+        if self.impl == "torch" or not self.recompute_swiglu or wider(self.lora_A.weight.dtype, gate.dtype):
+            return self(swiglu_for_impl(gate, up, impl))  # plain autograd (the product is kept), or wide adapters
         a, b, draw = self._adapters(gate)
         wcat = self._concat_buffer(b) if self._uses_wcat else None
         return LoRASwiGLUDownFunction.apply(gate, up, self.weight, self.bias, a, b, self.scaling, draw,
