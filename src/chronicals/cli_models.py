@@ -60,7 +60,8 @@ def _base_for(adapter: str | None, given: str | None, flag: str) -> str:
 
 def _load(model_path: str, adapter: str | None, dev, dtype: str, adapter_dtype=None, tokenizer: bool = True):
     """(model in eval mode, tokenizer or None) on ``dev`` (a resolved torch.device), with ``adapter`` applied (its
-    A and B in ``adapter_dtype``; None: the base's); ``tokenizer=False`` loads none. ``dtype``: a --dtype value,
+    A and B in ``adapter_dtype``; None: float32 on a bf16 or fp16 base, as PEFT keeps them, else the base's
+    dtype: ``lora.peft_io.loaded_adapter_dtype``); ``tokenizer=False`` loads none. ``dtype``: a --dtype value,
     or "checkpoint" for the checkpoint's own."""
     from . import load_model
     from .train.setup import resolve_dtype
