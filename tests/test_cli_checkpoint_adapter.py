@@ -151,3 +151,27 @@ def test_no_merge_writes_the_steps_adapter_that_peft_loads(run, tiny_base, tmp_p
     hf = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(tiny_base), out)
     with torch.no_grad():
         torch.testing.assert_close(hf.eval()(input_ids=ids).logits, ours.eval()(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_on_a_bf16_base_a_checkpoint_loads_as_the_runs_adapter(run, tiny_base):
+    """chat / eval --dtype bfloat16: a checkpoint's A and B go into float32 as load_adapter puts the run's adapter/
+    (PEFT's default on a bf16 base): the same values as state.pt's, the same logits bit for bit. They were rounded
+    to bf16 before, while load_adapter now keeps fp32 (tests/lora/test_adapter_dtype.py)."""
+    from chronicals import load_model
+    from chronicals.lora import load_adapter
+    from chronicals.train.checkpoint import _read_state
+    from chronicals.train.checkpoint_adapter import apply_checkpoint_adapter
+
+    step2 = run / "checkpoints" / "step-000002"
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    logits, loras = [], []
+    for put in (lambda m: apply_checkpoint_adapter(m, step2), lambda m: load_adapter(m, run / "adapter")):
+        model, _ = load_model(tiny_base, dtype=torch.bfloat16, tokenizer=False)
+        put(model)
+        loras.append({n: p for n, p in model.named_parameters() if ".lora_" in n})
+        assert loras[-1] and all(p.dtype == torch.float32 for p in loras[-1].values())
+        with torch.no_grad():
+            logits.append(model.eval()(ids))
+    saved = _read_state(step2 / "state.pt")["model"]
+    assert all(torch.equal(p, saved[n]) for n, p in loras[0].items())
+    assert torch.equal(logits[0], logits[1])

@@ -118,11 +118,14 @@ def _lora_kwargs(record: dict | None, cfg: TrainConfig) -> dict:
 def apply_checkpoint_adapter(model: torch.nn.Module, path: str | Path, adapter_dtype: torch.dtype | None = None):
     """Put the adapter of the LoRA run's checkpoint ``path`` on ``model`` (its base, not yet adapted) in place: LoRA
     with the run's settings, then the checkpoint's tensors. ValueError naming the checkpoint when they do not fit
-    (another base; the model is then left adapted: the commands that call this stop there). Returns the model."""
+    (another base; the model is then left adapted: the commands that call this stop there). Returns the model.
+    ``adapter_dtype``: as load_adapter's (None: float32 on a bf16 or fp16 model, so that a checkpoint and the run's
+    adapter/ answer alike there)."""
     from ..lora import apply_lora
+    from ..lora.peft_io import loaded_adapter_dtype
 
     ck = read_lora_checkpoint(path)
-    rec = apply_lora(model, adapter_dtype=adapter_dtype, **ck.lora)
+    rec = apply_lora(model, adapter_dtype=loaded_adapter_dtype(model, adapter_dtype), **ck.lora)
     if ck.lora_modules is not None and list(rec.lora_modules) != ck.lora_modules:
         odd = sorted(set(rec.lora_modules) ^ set(ck.lora_modules))
         raise ValueError(f"checkpoint {path} does not fit this base: its LoRA targets match other modules here (e.g. "
