@@ -35,8 +35,9 @@ def _run(fn, gu, dy):
     return y, dgu
 
 
+# I = 1031: past one column tile (BLOCK_C = 1024 in the interpreter; I = 4864 at the 0.5B shape takes 5), masked tail
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("i", [5, 96, 130])
+@pytest.mark.parametrize("i", [5, 96, 130, 1031])
 @pytest.mark.parametrize("rows", [1, 7, 33])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_matches_float64_reference(dtype, rows, i, impl):
@@ -85,11 +86,16 @@ def test_row_strided_input_and_one_gradient_node():
 @pytest.mark.parametrize("rows", [1, 7, 33])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_in_place_backward_writes_the_same_bits_over_its_inputs(dtype, rows, i):
-    """swiglu_gate_up_backward_: d_gu over gu and act over dy, bit for bit the out-of-place kernel's outputs."""
+    """swiglu_gate_up_backward_ (the decoder MLP's default backward): d_gu over gu and act over dy, bit for bit the
+    out-of-place kernel's outputs with act, which track the float64 reference (and act is the forward's bits)."""
     gu, dy = _inputs((rows,), i, dtype, seed=rows * 31 + i)
+    ref64 = _run(lambda t: swiglu_ref(*t.chunk(2, -1)), gu.double(), dy)
+    theirs = _run(lambda t: swiglu_ref(*t.chunk(2, -1)), gu, dy)  # PyTorch in the same dtype
     dy = dy.to(dtype)
     act = torch.empty_like(dy)
     dgu = swiglu_gate_up_backward(dy, gu, act)
+    assert_tracks_torch("d_gu", dgu, theirs[1], ref64[1])
+    assert_tracks_torch("act", act, theirs[0], ref64[0])
     assert torch.equal(act, swiglu_gate_up(gu, impl="triton"))
     gu2, dy2 = gu.clone(), dy.clone()
     dgu2, act2 = swiglu_gate_up_backward_(dy2, gu2)
