@@ -121,6 +121,27 @@ def test_vocab_parts_match_reference(dtype, reduction, bias, softcap, parts):
         assert_tracks_torch(name, o, t, r, dtype=dtype)  # the inputs' eps: see ops_tolerance
 
 
+@pytest.mark.parametrize("c,v,h", [(37, 1031, 200), (300, 77, 129)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dw_accumulate_adds_the_product_into_fp32(dtype, c, v, h):
+    """The weight-gradient GEMM (``dw_accumulate``: the Triton kernel under the interpreter and on torch builds
+    without cuBLAS's fp32-output addmm) adds d (C, V)^T @ x (C, H) into an fp32 (V, H) accumulator; against float64,
+    within 2x PyTorch's fp32 GEMM error. The head tests above have H <= 96, inside one column tile (BLOCK_H = 128 in
+    the interpreter): H = 200 and 129 run a second, masked one, V = 1031 a second row tile, C = 300 three K steps."""
+    from chronicals.ops._linear_ce_kernels import dw_accumulate
+
+    g = torch.Generator().manual_seed(c + v + h)
+    d = torch.randn(c, v, generator=g, dtype=torch.float64).to(dtype).to(DEV)
+    x = torch.randn(c, h, generator=g, dtype=torch.float64).to(dtype).to(DEV)
+    acc0 = torch.randn(v, h, generator=g, dtype=torch.float64).float().to(DEV)
+    acc = acc0.clone()
+    dw_accumulate(d, x, acc)
+    ref64 = acc0.double() + d.double().T @ x.double()
+    torch_fp32 = torch.addmm(acc0, d.float().T, x.float())  # PyTorch's GEMM on the same values, fp32
+    assert acc.dtype == torch.float32
+    assert_tracks_torch("dW", acc, torch_fp32, ref64)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_part_one_accumulator_is_rounded_in_place(dtype):
     """vocab_parts > 1 keeps part 1's fp32 accumulator in dW's own bytes; rounding it into dW's first rows
