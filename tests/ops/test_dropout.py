@@ -123,15 +123,19 @@ def test_draws_follow_torch_seed():
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
-def test_add_dropped_also_writes_drop_of_a_second_input_with_the_same_mask(impl, dtype):
+@pytest.mark.parametrize("rows,cols", [(13, 70), (5, 1000)])
+def test_add_dropped_also_writes_drop_of_a_second_input_with_the_same_mask(impl, dtype, rows, cols):
+    """``also`` is read through its own row stride (a slice of a wider tensor here) and drop(also) written
+    contiguous; 1000 columns take two column programs of the kernel."""
     d = _draw(0.3, 9)
-    t, x = (torch.randn(13, 70, device=DEV, dtype=dtype) for _ in range(2))
-    buf = torch.randn(13, 80, device=DEV, dtype=dtype)
-    want_base = D.add_dropped_(buf[:, :70].clone(), t, d, impl="torch")
-    got_base, got_x = D.add_dropped_(buf[:, :70], t, d, also=x, impl=impl)
+    t = torch.randn(rows, cols, device=DEV, dtype=dtype)
+    x = torch.randn(rows, cols + 7, device=DEV, dtype=dtype)[:, 3:cols + 3]  # row stride cols + 7
+    buf = torch.randn(rows, cols + 10, device=DEV, dtype=dtype)
+    want_base = D.add_dropped_(buf[:, :cols].clone(), t, d, impl="torch")
+    got_base, got_x = D.add_dropped_(buf[:, :cols], t, d, also=x, impl=impl)
     tol = dict(rtol=2 ** -7, atol=0) if dtype == torch.bfloat16 else dict(rtol=0, atol=0)
     torch.testing.assert_close(got_base, want_base, **tol)
-    torch.testing.assert_close(got_x, D.dropped(x, d, impl="torch"), **tol)
+    torch.testing.assert_close(got_x, D.dropped(x.contiguous(), d, impl="torch"), **tol)
     assert got_x.is_contiguous() and got_base.data_ptr() == buf.data_ptr()
-    with pytest.raises(ValueError, match=r"also \(13, 69\) .* must have base's shape and dtype"):
-        D.add_dropped_(buf[:, :70], t, d, also=x[:, :69], impl=impl)
+    with pytest.raises(ValueError, match=rf"also \({rows}, {cols - 1}\) .* must have base's shape and dtype"):
+        D.add_dropped_(buf[:, :cols], t, d, also=x[:, :cols - 1], impl=impl)
