@@ -90,6 +90,26 @@ def test_leading_dims_and_strided_rows():
     torch.testing.assert_close(rms_norm(x, w, 1e-5, impl="triton"), rms_norm_ref(x, w, 1e-5))
 
 
+@pytest.mark.parametrize("hidden", [96, 2 * 1024 + 3])  # one block, and (interpreter) looped column blocks
+def test_row_strided_upstream_gradients(hidden):
+    """dy and ds may arrive row-strided (a LoRA group's dx is a column slice of its [dx | ...] GEMM output, which the
+    norm's backward reads without a copy): the same dx, dweight and dresidual bits as from contiguous copies."""
+    g = torch.Generator().manual_seed(hidden + 1)
+    x, r = (torch.randn(7, hidden, generator=g).bfloat16().to(DEV) for _ in range(2))
+    w = (1 + 0.3 * torch.randn(hidden, generator=g)).bfloat16().to(DEV)
+    dy_wide, ds_wide = (torch.randn(7, hidden + 5, generator=g).bfloat16().to(DEV) for _ in range(2))
+    dy, ds = dy_wide[:, 2:hidden + 2], ds_wide[:, 1:hidden + 1]  # row stride hidden + 5
+
+    def grads(dy_, ds_):
+        xs, rs, ws = x.clone().requires_grad_(), r.clone().requires_grad_(), w.clone().requires_grad_()
+        y, s = rms_norm(xs, ws, 1e-6, residual=rs, impl="triton")
+        torch.autograd.backward([y, s], [dy_, ds_])
+        return xs.grad, ws.grad, rs.grad
+
+    for a, b in zip(grads(dy, ds), grads(dy.contiguous(), ds.contiguous())):
+        assert torch.equal(a, b)
+
+
 def test_weight_promotion_like_reference():
     """bf16 activations with an fp32 weight: the reference returns fp32 (weight * y.to(bf16)); so do we."""
     x = torch.randn(3, 64, device=DEV).bfloat16()
