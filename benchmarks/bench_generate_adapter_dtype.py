@@ -26,11 +26,24 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def profile_decode(model, prompt, name: str) -> None:
+    """torch.profiler over 8 new tokens (after the timed run): the ops that take the host's and the device's time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch.no_grad(), profile(activities=acts) as prof:
+        generate(model, prompt, 8, eos_token_id=None)
+        sync(next(model.parameters()).device)
+    print(f"--- {name}: 8 new tokens (and the 32-token prompt)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="0.5b")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", action="store_true", help="print each variant's top ops for 8 decoded tokens")
     args = ap.parse_args()
     dev = torch.device(args.device)
     shape = get_shape(args.shape)
@@ -53,13 +66,18 @@ def main() -> None:
             elif dtype is not None:
                 load_adapter(model, tmp, adapter_dtype=dtype)
             with torch.no_grad():
-                generate(model, prompt, 8, eos_token_id=None)  # warm-up: kernels, autotuning
+                # warm-up over the timed length: SDPA's backends build a plan per KV-cache length on first use, and a
+                # shorter warm-up left them to the first variant's timed run (session 21: "base only" 12.2 tokens/s
+                # timed first, against 28.1 and 33.8 for the two adapters timed after it)
+                generate(model, prompt, args.tokens, eos_token_id=None)
                 sync(dev)
                 t = time.perf_counter()
                 out = generate(model, prompt, args.tokens, eos_token_id=None)
                 sync(dev)
                 dt = time.perf_counter() - t
             rows[name] = (out.numel() / dt, out)
+            if args.profile:
+                profile_decode(model, prompt, name)
             del model
     print(f"{args.shape}, greedy, prompt 32 tokens, {args.tokens} new tokens, {dev}")
     for name, (tps, _) in rows.items():
