@@ -1,8 +1,9 @@
 """Greedy decoding with a LoRA adapter on a bf16 base: fp32 A and B (load_adapter's default there, PEFT's
-computation through the reference branch) against bf16 ones (the fused layouts and groups), and the base alone.
+computation through the reference branch) against bf16 ones (the fused layouts and groups), and the base alone;
+each eager and with one CUDA-graph replay per token (generate's default on CUDA, models/decode_graph.py).
 
 Decoding one token at a time is launch-bound: the fp32 branch runs ~7 small kernels per projection where the fused
-bf16 path runs 3-4 and groups q/k/v and gate/up. This says what that costs `chronicals chat` on a GPU.
+bf16 path runs 3-4 and groups q/k/v and gate/up. This says what that costs `chronicals chat` on a GPU, and what the captured step (one launch per token) saves.
 
 Usage: PYTHONPATH=src python benchmarks/bench_generate_adapter_dtype.py [--shape 0.5b] [--tokens 64]
 """
@@ -65,25 +66,34 @@ def main() -> None:
                 load_adapter(model, tmp)
             elif dtype is not None:
                 load_adapter(model, tmp, adapter_dtype=dtype)
-            with torch.no_grad():
-                # warm-up over the timed length: SDPA's backends build a plan per KV-cache length on first use, and a
-                # shorter warm-up left them to the first variant's timed run (session 21: "base only" 12.2 tokens/s
-                # timed first, against 28.1 and 33.8 for the two adapters timed after it)
-                generate(model, prompt, args.tokens, eos_token_id=None)
-                sync(dev)
-                t = time.perf_counter()
-                out = generate(model, prompt, args.tokens, eos_token_id=None)
-                sync(dev)
-                dt = time.perf_counter() - t
-            rows[name] = (out.numel() / dt, out)
+            for graph in (False, True):
+                if graph and dev.type != "cuda":
+                    continue
+                with torch.no_grad():
+                    # warm-up over the timed length: SDPA's backends build a plan per KV-cache length on first use,
+                    # and a shorter warm-up left them to the first variant's timed run (session 21: "base only"
+                    # 12.2 tokens/s timed first, against 28.1 and 33.8 for the two adapters timed after it)
+                    generate(model, prompt, args.tokens, eos_token_id=None, cuda_graph=graph)
+                    sync(dev)
+                    t = time.perf_counter()
+                    out = generate(model, prompt, args.tokens, eos_token_id=None, cuda_graph=graph)
+                    sync(dev)
+                    dt = time.perf_counter() - t
+                rows[name + (", CUDA graph" if graph else ", eager")] = (out.numel() / dt, out)
             if args.profile:
                 profile_decode(model, prompt, name)
             del model
     print(f"{args.shape}, greedy, prompt 32 tokens, {args.tokens} new tokens, {dev}")
     for name, (tps, _) in rows.items():
-        print(f"  {name:24s} {tps:8.1f} tokens/s")
-    same = torch.equal(rows["adapter fp32 (default)"][1], rows["adapter bf16"][1])
+        print(f"  {name:38s} {tps:8.1f} tokens/s")
+    same = torch.equal(rows["adapter fp32 (default), eager"][1], rows["adapter bf16, eager"][1])
     print(f"  fp32 and bf16 adapters chose the same tokens: {same}")
+    for name in ("base only", "adapter fp32 (default)", "adapter bf16"):
+        if name + ", CUDA graph" in rows:
+            a, b = rows[name + ", eager"][1], rows[name + ", CUDA graph"][1]
+            n = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
+            print(f"  {name}: CUDA graph and eager tokens " + ("the same" if n is None and len(a) == len(b) else
+                                                             f"first differ at new token {n}"))
 
 
 if __name__ == "__main__":
