@@ -134,9 +134,10 @@ def test_per_layer_metadata_alike_for_every_layer_loads(tmp_path):
     assert ours.config.num_key_value_heads == 2 and _rel_err(ours, m) <= 1e-5
 
 
-def _bpe_tokenizer_metadata(w, *, model: str = "gpt2", merges: bool = True) -> None:
+def _bpe_tokenizer_metadata(w, *, model: str = "gpt2", merges: bool = True, pre: str | None = "gpt-2",
+                            eos_id: int = 2) -> None:
     """A tiny byte-level BPE tokenizer as llama.cpp writes one (SmolLM2 / Qwen style): 3 special tokens, the
-    256 byte symbols, 3 merges, a ChatML template."""
+    256 byte symbols, 3 merges, a ChatML template; pre: tokenizer.ggml.pre (None: left out)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     VT = gguf.GGUFValueType
@@ -144,13 +145,14 @@ def _bpe_tokenizer_metadata(w, *, model: str = "gpt2", merges: bool = True) -> N
     byte_syms = list(bytes_to_unicode().values())
     tokens = specials + byte_syms + ["he", "ll", "hell"]
     w.add_tokenizer_model(model)
-    w.add_string("tokenizer.ggml.pre", "gpt-2")
+    if pre is not None:
+        w.add_string("tokenizer.ggml.pre", pre)
     w.add_token_list(tokens)
     w.add_token_types([3] * len(specials) + [1] * (len(tokens) - len(specials)))
     if merges:
         w.add_token_merges(["h e", "l l", "he ll"])
     w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    w.add_eos_token_id(eos_id)
     w.add_key_value("tokenizer.ggml.padding_token_id", 0, VT.UINT32)
     w.add_add_bos_token(False)
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -176,12 +178,15 @@ def test_tokenizer_transformers_cannot_convert_leaves_the_weights_loadable(tmp_p
         chronicals.load_model(path)
 
 
-def test_bpe_tokenizer_and_chat_template_survive_the_conversion(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_bpe_tokenizer_and_chat_template_survive_the_conversion(tmp_path, arch):
     """The cached tokenizer (transformers' GGUF conversion, saved and read back) tokenizes like transformers'
-    own GGUF tokenizer: special tokens, merges, bytes, the chat template; the config takes bos/eos/pad."""
-    m = hf_model("qwen2", vocab_size=_BPE_VOCAB, bos_token_id=1, eos_token_id=2)
+    own GGUF tokenizer: special tokens, merges, bytes, the chat template; the tokenizer and the config take
+    bos/eos/pad from the file (transformers 5.17 gave a qwen2 file no bos and a llama file eos = its bos token)."""
+    m = hf_model(arch, vocab_size=_BPE_VOCAB, bos_token_id=1, eos_token_id=2)
     path = tmp_path / "bpe.gguf"
-    write_gguf(path, "qwen2", m, extra=_bpe_tokenizer_metadata)
+    pre = "qwen2" if arch == "qwen2" else "gpt-2"  # each architecture's own split
+    write_gguf(path, arch, m, extra=lambda w: _bpe_tokenizer_metadata(w, pre=pre))
     ours, tok = chronicals.load_model(path)
     ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     for text in ["hello", "<|im_start|>user\nhell<|im_end|>", "a<|endoftext|>b", "é 🤗\t\n  x", ""]:

@@ -26,7 +26,6 @@ What the conversion undoes:
 from __future__ import annotations
 
 import json
-import logging
 import math
 import re
 from pathlib import Path
@@ -38,9 +37,8 @@ from .config import ModelConfig
 from .decoder import CausalLM
 from .gguf_cache import CACHE_ENTRY, TOKENIZER_ERROR, cached_conversion, tokenizer_error_json
 from .gguf_cache import cache_root, tokenizer_error  # noqa: F401 (re-exported: train.setup and models.loading)
+from .gguf_tokenizer import convert_tokenizer
 from .hf_io import atomic_dir, expected_names, write_state_dict
-
-log = logging.getLogger(__name__)
 
 # GGUF architecture -> (HF model_type, Q/K rows permuted by llama.cpp's converter)
 SUPPORTED_GGUF_ARCHS = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
@@ -324,8 +322,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = 
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
         if cache_entry is not None:
             (tmp / CACHE_ENTRY).write_text(json.dumps(cache_entry, indent=2, sort_keys=True) + "\n")
-        if has_tokenizer:  # transformers' GGUF tokenizer conversion (BPE / SentencePiece, chat template kept)
-            tok, why = _convert_tokenizer(gguf_path)
+        if has_tokenizer:  # transformers' GGUF tokenizer conversion, set to the metadata (gguf_tokenizer)
+            tok, why = convert_tokenizer(gguf_path, reader)
             if tok is None:  # the weights still load
                 (tmp / TOKENIZER_ERROR).write_text(tokenizer_error_json(why))
             else:
@@ -333,22 +331,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = 
     return Path(out_dir)
 
 
-def _convert_tokenizer(gguf_path: Path):
-    """(transformers' tokenizer of a GGUF file, None) or (None, why it failed, naming the file and the fix)."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name), None
-    except Exception as e:  # KeyError 'scores', ValueError "tokenizer 'rwkv'", ...
-        msg = " ".join(str(e).split())[:300] or type(e).__name__
-        why = (f"{gguf_path}: its tokenizer metadata (tokenizer.ggml.*) cannot be made into a tokenizer by "
-               f"transformers' GGUF converter ({type(e).__name__}: {msg}); use the tokenizer of the model's "
-               "Hugging Face directory (from Python, load_model(..., tokenizer=False) loads the weights alone)")
-        log.warning("%s", why)
-        return None, why
-
-
 def cached_gguf_dir(gguf_path: str | Path) -> Path:
     """The converted HF directory of a GGUF file, converting it on first use (and then removing the file's older
     conversions, ``gguf_cache.prune_older_entries``)."""
-    return cached_conversion(gguf_path, convert_gguf, _convert_tokenizer)
+    return cached_conversion(gguf_path, convert_gguf, convert_tokenizer)
