@@ -1,5 +1,5 @@
 """The GGUF tokenizer (models/gguf_tokenizer.py): transformers' converter, set to what the file's metadata says, so
-that every transformers 5 gives the same tokenizer (5.17 did not: special tokens, BOS)."""
+that every transformers 5 gives the same tokenizer (5.17 did not: special tokens, BOS, byte-level decoding)."""
 
 from __future__ import annotations
 
@@ -73,3 +73,19 @@ def test_a_damaged_special_token_id_names_the_file_and_the_key(tmp_path):
     assert why.startswith(f"{path}: its tokenizer metadata (tokenizer.ggml.*) cannot be made into a tokenizer by "
                           f"transformers' GGUF converter (metadata tokenizer.ggml.eos_token_id={_BPE_VOCAB + 5} is "
                           f"not a token id of its {_BPE_VOCAB} tokens; the file's metadata is damaged)")
+
+
+def test_byte_level_text_decodes_beside_a_token_outside_the_byte_alphabet(tmp_path):
+    """A special token added to a byte-level tokenizer (DeepSeek's '<｜end▁of▁sentence｜>', as a chat template
+    brings it): transformers 5.17's decoder of llama files fused all tokens before decoding the bytes, so that one
+    token left the whole text undecoded ('ĠParis.<｜end of sentence｜>')."""
+    m = hf_model("llama", vocab_size=_BPE_VOCAB)
+    path = tmp_path / "bpe.gguf"
+    write_gguf(path, "llama", m, extra=_bpe_tokenizer_metadata)
+    _, tok = chronicals.load_model(path)
+    end = "<｜end▁of▁sentence｜>"
+    tok.add_special_tokens({"additional_special_tokens": [end]}, replace_extra_special_tokens=False)
+    text = f"hello é 🤗,\n  hell{end}"
+    ids = tok(text)["input_ids"]
+    assert ids[-1] == tok.convert_tokens_to_ids(end) and tok.decode(ids) == text
+    assert tok.decode(ids, skip_special_tokens=True) == text[:-len(end)]

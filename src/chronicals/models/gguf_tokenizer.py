@@ -7,7 +7,10 @@ metadata here. Measured with transformers 5.17.0 (the GPU machine's) against 5.1
   the wrong token), a qwen2 file no bos, and neither a pad; bos / eos / unk / pad are set from the ids the file names
   (None where it names none, as 5.18 on do);
 - BOS: 5.17 ignores ``tokenizer.ggml.add_bos_token``, so SentencePiece files (Llama 2, Mistral) lost their BOS;
-  add_bos / add_eos are set from the file (absent: BOS for SentencePiece only, as llama.cpp and 5.18 on do).
+  add_bos / add_eos are set from the file (absent: BOS for SentencePiece only, as llama.cpp and 5.18 on do);
+- decoding: 5.17's byte-level decoder on llama files fuses the tokens before the byte decoding, so a single token
+  spelled outside the byte alphabet (an added '<｜end▁of▁sentence｜>') left the whole text undecoded ('ĠParis.');
+  byte-level files get the byte-level decoder, as 5.18 on give them.
 
 Differences left between versions: 5.17 splits a qwen2 file's text after NFC normalisation (as Qwen2's own
 tokenizer.json does) and 5.18 on without; a SentencePiece file's text right after a special token gets the space
@@ -69,7 +72,7 @@ def refusal(source, reason: str) -> str:
 
 def _match_metadata(tok, meta: _TokenizerMeta) -> None:
     """Set on ``tok`` what the file states and transformers' converter may have left otherwise (see the module's
-    docstring): special tokens, BOS / EOS added."""
+    docstring): special tokens, BOS / EOS added, the byte-level decoder."""
     for name, want in meta.specials.items():
         if getattr(tok, name) != want:
             log.debug("GGUF tokenizer: %s %r -> %r (the file's)", name, getattr(tok, name), want)
@@ -77,6 +80,12 @@ def _match_metadata(tok, meta: _TokenizerMeta) -> None:
     for name, want in (("add_bos_token", meta.add_bos), ("add_eos_token", meta.add_eos)):
         if bool(getattr(tok, name, False)) != want:
             setattr(tok, name, want)  # transformers rebuilds the post-processor that adds them
+    if meta.model == "gpt2":
+        from tokenizers import decoders
+
+        backend = tok.backend_tokenizer
+        if not isinstance(backend.decoder, decoders.ByteLevel):  # 5.17: ByteFallback, Fuse, Replace, ByteLevel
+            backend.decoder = decoders.ByteLevel()
 
 
 def convert_tokenizer(gguf_path: str | Path, reader=None):
