@@ -11,6 +11,7 @@ import torch
 import transformers
 
 import chronicals
+from chronicals.models.gguf_tokenizer import READS_TOKENIZER_MODEL, transformers_version
 from test_gguf import _gguf_name, llama_cpp_rows  # llama.cpp's names and layout, apart from gguf_io's own
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -166,15 +167,18 @@ _BPE_VOCAB = 3 + 256 + 3
 def test_tokenizer_transformers_cannot_convert_leaves_the_weights_loadable(tmp_path, how):
     """A GGUF whose tokenizer.ggml.* transformers' converter refuses (another tokenizer model; merges missing:
     a bare KeyError 'scores') failed the whole conversion, so load_model(..., tokenizer=False) failed too with
-    an error naming no file; the weights load now and the tokenizer's error names the file."""
+    an error naming no file; the weights load now and the tokenizer's error names the file. The 'rwkv' file:
+    transformers 5.18 on refuse it; 5.17 built it as byte-level BPE (tokenizer.ggml.model unread), which we refuse."""
     m = hf_model("llama", vocab_size=_BPE_VOCAB)
     path = tmp_path / "badtok.gguf"
     write_gguf(path, "llama", m, extra=lambda w: _bpe_tokenizer_metadata(w, **how))
     ours, tok = chronicals.load_model(path, tokenizer=False)
     assert tok is None and _rel_err(ours, m) <= 1e-5
+    ours_refuses = "model" in how and transformers_version() < READS_TOKENIZER_MODEL
+    fix = r"upgrade transformers \(pip install -U 'transformers>=5\.18' .+\), or " if ours_refuses else ""
     with pytest.raises(ValueError, match=rf"^{path}: its tokenizer metadata \(tokenizer\.ggml\.\*\) cannot be made "
-                                         r"into a tokenizer by transformers' GGUF converter \(.+\); use the "
-                                         r"tokenizer of the model's Hugging Face directory"):
+                                         r"into a tokenizer by transformers' GGUF converter \(.+\); "
+                                         rf"{fix}use the tokenizer of the model's Hugging Face directory"):
         chronicals.load_model(path)
 
 

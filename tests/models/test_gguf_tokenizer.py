@@ -1,11 +1,16 @@
 """The GGUF tokenizer (models/gguf_tokenizer.py): transformers' converter, set to what the file's metadata says, so
-that every transformers 5 gives the same tokenizer (5.17 did not: special tokens, BOS, byte-level decoding)."""
+that every transformers 5 gives the same tokenizer (5.17 did not: special tokens, BOS, byte-level decoding), or
+refused, naming the file and the fix, where transformers < 5.18 would build another tokenizer than the file's."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import transformers
 
 import chronicals
+from chronicals.models import gguf_tokenizer
 from chronicals.models.gguf_tokenizer import convert_tokenizer
 from test_gguf_hunt17 import _BPE_VOCAB, _bpe_tokenizer_metadata, hf_model, write_gguf
 
@@ -89,3 +94,71 @@ def test_byte_level_text_decodes_beside_a_token_outside_the_byte_alphabet(tmp_pa
     ids = tok(text)["input_ids"]
     assert ids[-1] == tok.convert_tokens_to_ids(end) and tok.decode(ids) == text
     assert tok.decode(ids, skip_special_tokens=True) == text[:-len(end)]
+
+
+def _bpe(**kw):
+    return lambda w: _bpe_tokenizer_metadata(w, **kw)
+
+
+_V = r"transformers 5\.17\.0"
+# case -> (architecture, tokenizer metadata, why transformers < 5.18 would build it otherwise: None where it builds
+# what 5.18 on build)
+_OLD_CASES = {
+    "llama_gpt2": ("llama", _bpe(), None),
+    "llama_smollm": ("llama", _bpe(pre="smollm"), None),
+    "llama_no_pre": ("llama", _bpe(pre=None), None),
+    "llama_sentencepiece": ("llama", _spm_tokenizer_metadata, None),
+    "qwen2_qwen2": ("qwen2", _bpe(pre="qwen2"), None),
+    "qwen3_deepseek_r1": ("qwen3", _bpe(pre="deepseek-r1-qwen"), None),
+    "llama_rwkv": ("llama", _bpe(model="rwkv"),
+                   rf"tokenizer\.ggml\.model='rwkv' of a llama file is built as byte-level BPE by {_V}"),
+    "llama_llama3_split": ("llama", _bpe(pre="llama-bpe"),
+                           rf"{_V} splits a llama file's text as GPT-2's pre-tokenizer does, not as its "
+                           r"tokenizer\.ggml\.pre='llama-bpe' says"),
+    "qwen2_gpt2_split": ("qwen2", _bpe(pre="gpt-2"),
+                         rf"{_V} splits a qwen2 file's text as Qwen2's pre-tokenizer does, not as its "
+                         r"tokenizer\.ggml\.pre='gpt-2' says"),
+    "qwen2_sentencepiece": ("qwen2", _spm_tokenizer_metadata,
+                            rf"tokenizer\.ggml\.model='llama' of a qwen2 file is built as Qwen2's byte-level BPE by "
+                            rf"{_V}"),
+}
+
+
+@pytest.mark.parametrize("case", list(_OLD_CASES))
+def test_before_transformers_5_18_what_it_would_build_otherwise_is_refused(tmp_path, monkeypatch, case):
+    """transformers 5.17 picks a GGUF tokenizer by the architecture and reads neither tokenizer.ggml.model nor .pre:
+    an 'rwkv' file became byte-level BPE, a Llama 3 file ('llama-bpe') was split like GPT-2. The check runs before
+    transformers does, so it is run here under every version with 5.17 stated; the files it lets through are then
+    built by the installed transformers."""
+    arch, meta, refused = _OLD_CASES[case]
+    monkeypatch.setattr(gguf_tokenizer, "transformers_version", lambda: (5, 17, 0))
+    spm = meta is _spm_tokenizer_metadata
+    m = hf_model(arch, vocab_size=len(_SPM_TOKENS) if spm else _BPE_VOCAB)
+    path = tmp_path / f"{case}.gguf"
+    write_gguf(path, arch, m, extra=meta)
+    tok, why = convert_tokenizer(path)
+    if refused is None:
+        assert why is None and tok.convert_ids_to_tokens(tok("hello")["input_ids"])[-1] == "o"
+    else:
+        assert tok is None and re.fullmatch(
+            rf"{re.escape(str(path))}: its tokenizer metadata \(tokenizer\.ggml\.\*\) cannot be made into a tokenizer "
+            rf"by transformers' GGUF converter \({refused}\); upgrade transformers \(pip install -U "
+            r"'transformers>=5\.18' builds it from tokenizer\.ggml\.model and \.pre\), or use the tokenizer of the "
+            r"model's Hugging Face directory \(from Python, load_model\(\.\.\., tokenizer=False\) loads the weights "
+            r"alone\)", why), why
+
+
+def test_a_converter_error_names_the_file_and_the_fix(tmp_path, monkeypatch):
+    """Whatever transformers' converter raises (a KeyError 'scores' for a file without merges, ...) becomes one
+    error naming the file, what transformers said, and the fix."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no\n   tokenizer here")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    m = hf_model("llama", vocab_size=_BPE_VOCAB)
+    path = tmp_path / "bpe.gguf"
+    write_gguf(path, "llama", m, extra=_bpe_tokenizer_metadata)
+    assert convert_tokenizer(path) == (None, (
+        f"{path}: its tokenizer metadata (tokenizer.ggml.*) cannot be made into a tokenizer by transformers' GGUF "
+        "converter (RuntimeError: no tokenizer here); use the tokenizer of the model's Hugging Face directory (from "
+        "Python, load_model(..., tokenizer=False) loads the weights alone)"))

@@ -1,8 +1,14 @@
 """GGUF tokenizer metadata (``tokenizer.ggml.*``) -> a transformers tokenizer, alike under every transformers 5.
 
 transformers' GGUF converter builds the tokenizer; what it leaves unlike the file's metadata is set from the
-metadata here. Measured with transformers 5.17.0 (the GPU machine's) against 5.18.0 and 5.24.0:
+metadata here, and what it would build wrongly is refused, naming the file and the fix. Measured with
+transformers 5.17.0 (the GPU machine's) against 5.18.0 and 5.24.0:
 
+- which tokenizer: 5.18 on build it from ``tokenizer.ggml.model`` and ``tokenizer.ggml.pre`` (and raise for a
+  model they do not know, e.g. 'rwkv'); 5.17 builds it from the architecture alone: a llama file's as SentencePiece
+  when the model is 'llama' and as byte-level BPE split like GPT-2 for any other model ('rwkv' included), a qwen2 /
+  qwen3 file's as byte-level BPE split like Qwen2. Under transformers < 5.18 a file whose model or split is not the
+  one its architecture gets is refused (``_old_converter_refusal``: Llama 3's 'llama-bpe' split, for one);
 - special tokens: 5.17 gives a llama file eos = its bos token (SmolLM2: eos '<|im_start|>', so documents ended on
   the wrong token), a qwen2 file no bos, and neither a pad; bos / eos / unk / pad are set from the ids the file names
   (None where it names none, as 5.18 on do);
@@ -21,9 +27,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+# the first transformers whose GGUF converter builds the tokenizer from tokenizer.ggml.model and .pre
+READS_TOKENIZER_MODEL = (5, 18)
+
+# tokenizer.ggml.pre values (None: absent) whose split transformers < 5.18 gives each architecture's byte-level files
+# and 5.18 on give them too: GPT-2's for llama files ('smollm': llama.cpp splits digits off first, which neither
+# transformers does: a no-op on SmolLM2's vocabulary, where no token holds a digit beside another character), Qwen2's
+# for qwen2 / qwen3 files
+_OLD_SPLITS = {"llama": (None, "default", "gpt-2", "smollm"),
+               "qwen2": ("qwen2", "deepseek-r1-qwen"), "qwen3": ("qwen2", "deepseek-r1-qwen")}
 
 # special token attribute -> its id's metadata key
 _SPECIAL_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
@@ -38,6 +55,17 @@ class _TokenizerMeta:
     specials: dict[str, str | None]  # bos_token / eos_token / unk_token / pad_token -> the token the file names
     add_bos: bool
     add_eos: bool
+
+
+def transformers_version() -> tuple[int, ...]:
+    """The installed transformers' (major, minor, patch) ("5.17.0.dev0" -> (5, 17, 0))."""
+    parts = []
+    for p in version("transformers").split(".")[:3]:
+        digits = "".join(c for c in p if c.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
 
 
 def _read_meta(reader) -> tuple[_TokenizerMeta | None, str | None]:
@@ -63,10 +91,26 @@ def _read_meta(reader) -> tuple[_TokenizerMeta | None, str | None]:
                           add_eos=bool(get("tokenizer.ggml.add_eos_token", False))), None
 
 
-def refusal(source, reason: str) -> str:
+def _old_converter_refusal(meta: _TokenizerMeta) -> str | None:
+    """Why transformers < 5.18 (which picks the tokenizer by the architecture) would build another tokenizer than
+    the file's, or None."""
+    arch, model, v = meta.arch, meta.model, ".".join(map(str, transformers_version()))
+    if arch == "llama" and model not in ("llama", "gpt2"):
+        return f"tokenizer.ggml.model={model!r} of a llama file is built as byte-level BPE by transformers {v}"
+    if arch != "llama" and model != "gpt2":
+        return f"tokenizer.ggml.model={model!r} of a {arch} file is built as Qwen2's byte-level BPE by transformers {v}"
+    if model == "gpt2" and meta.pre not in _OLD_SPLITS.get(arch, ()):
+        return (f"transformers {v} splits a {arch} file's text as {'GPT-2' if arch == 'llama' else 'Qwen2'}'s "
+                f"pre-tokenizer does, not as its tokenizer.ggml.pre={meta.pre!r} says")
+    return None
+
+
+def refusal(source, reason: str, upgrade: bool = False) -> str:
     """The error of a GGUF file's tokenizer that cannot be converted: names the file, the reason and the fix."""
+    fix = (f"upgrade transformers (pip install -U 'transformers>={'.'.join(map(str, READS_TOKENIZER_MODEL))}' "
+           "builds it from tokenizer.ggml.model and .pre), or " if upgrade else "")
     return (f"{source}: its tokenizer metadata (tokenizer.ggml.*) cannot be made into a tokenizer by transformers' "
-            f"GGUF converter ({reason}); use the tokenizer of the model's Hugging Face directory (from Python, "
+            f"GGUF converter ({reason}); {fix}use the tokenizer of the model's Hugging Face directory (from Python, "
             "load_model(..., tokenizer=False) loads the weights alone)")
 
 
@@ -105,6 +149,8 @@ def convert_tokenizer(gguf_path: str | Path, reader=None):
         meta, bad = None, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
     if bad is not None:
         why = refusal(gguf_path, f"{bad}; the file's metadata is damaged")
+    elif transformers_version() < READS_TOKENIZER_MODEL and (old := _old_converter_refusal(meta)):
+        why = refusal(gguf_path, old, upgrade=True)
     else:
         try:
             tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
