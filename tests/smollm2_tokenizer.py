@@ -1,8 +1,10 @@
-"""The embedded SmolLM2 tokenizer (with its chat template), for tests that need a real one.
+"""The embedded SmolLM2 tokenizer (with its chat template), for tests that need a real one: chronicals' GGUF
+tokenizer (``gguf_tokenizer.convert_tokenizer``, what load_model gives users; transformers 5.17's own gave eos
+'<|im_start|>').
 
 Parsing the GGUF takes ~6 s (load_tokenizer converts the whole 540 MB model first, ~20 s on 2 cores); the
-tokenizer is saved (save_pretrained) to a temp directory keyed by the GGUF's size and mtime, which later
-sessions load in ~0.3 s.
+tokenizer is saved (save_pretrained) to a temp directory keyed by the GGUF's size and mtime, the transformers
+version and the converter version, which later sessions load in ~0.3 s.
 """
 
 import importlib.util
@@ -21,18 +23,24 @@ def gguf_path() -> str:
 
 
 def smollm2_tokenizer():
+    import transformers
     from transformers import AutoTokenizer
+
+    from chronicals.models.gguf_cache import CONVERTER_VERSION
+    from chronicals.models.gguf_tokenizer import convert_tokenizer
 
     gguf = gguf_path()
     st = os.stat(gguf)
-    saved = Path(tempfile.gettempdir()) / f"chronicals-test-tokenizer-{st.st_size}-{int(st.st_mtime)}"
+    saved = Path(tempfile.gettempdir()) / (f"chronicals-test-tokenizer-{st.st_size}-{int(st.st_mtime)}-"
+                                           f"t{transformers.__version__}-c{CONVERTER_VERSION}")
     if (saved / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(saved)
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    tok, why = convert_tokenizer(gguf)
+    assert tok is not None, why
     tmp = Path(tempfile.mkdtemp(dir=saved.parent))
     tok.save_pretrained(tmp)
     try:
         tmp.rename(saved)
     except OSError:
         pass  # another session saved it first
-    return tok
+    return AutoTokenizer.from_pretrained(saved if (saved / "tokenizer_config.json").exists() else tmp)  # as loads read it
