@@ -156,3 +156,23 @@ def test_captured_step_in_bf16_stays_near_eager(tiny_hf_config):
                 step.token.fill_(tokens[i + 1])
     err = (torch.stack(got) - want).abs().max().item()
     assert err < 0.05 * want.abs().max().item(), err
+
+
+def test_qa_one_prompt_goes_through_generate_and_answers_as_in_a_batch(tiny_hf_config, monkeypatch):
+    """train.qa.greedy_same_length with one prompt (chat's answers, eval's prompts of a length no other has) runs
+    generate, which on CUDA replays the captured step; its tokens are those the prompt gets as a row of a batch,
+    eos included where the answer stops."""
+    from chronicals.train import qa
+
+    model = _model(tiny_hf_config, "qwen2")
+    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(8))
+    batch = qa.greedy_same_length(model, ids.repeat(2, 1), 10, eos=set())
+    assert batch[0] == batch[1]
+    eos = {batch[0][3]}
+    want = qa.greedy_same_length(model, ids.repeat(2, 1), 10, eos=eos)[0]
+    calls = []
+    monkeypatch.setattr(generate_mod, "_generate_graphed", lambda *a, **k: calls.append(a))  # not on the CPU
+    real = generate_mod.generate
+    monkeypatch.setattr(generate_mod, "generate", lambda *a, **k: calls.append("generate") or real(*a, **k))
+    assert qa.greedy_same_length(model, ids, 10, eos=eos) == [want]
+    assert want[-1] in eos and len(want) < 10 and calls == ["generate"]
