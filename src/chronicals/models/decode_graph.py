@@ -93,20 +93,22 @@ class DecodeStep:
         """Warm up (Triton autotuning, lazy inits) on a side stream, then capture one step. Warm-up writes the
         current slot, which the first replay writes again; pos is put back."""
         saved = self.pos.clone()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                self._step()
-                self.pos.copy_(saved)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = self._step()
+        with torch.cuda.device(self.device):  # the model's GPU, which need not be the current one
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    self._step()
+                    self.pos.copy_(saved)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self._step()
         self.graph, self.logits = graph, logits
 
     def run(self) -> torch.Tensor:
         if self.graph is None:
             return self._step()
-        self.graph.replay()
+        with torch.cuda.device(self.device):
+            self.graph.replay()
         return self.logits
