@@ -9,7 +9,7 @@ values per layer, L = prompt + new tokens, and the step attends over all L slots
 past the current position (a device tensor, advanced inside the graph). The prompt runs eagerly first, as in
 eager decoding, and fills the first slots.
 
-Memory: 2 x L x Hk x D x layers elements, 48 MiB at SmolLM2-135M (30 layers, 3 kv heads of 64, bf16) for L = 2,048.
+Memory: 2 x L x Hk x D x layers elements, 45 MiB at SmolLM2-135M (30 layers, 3 kv heads of 64, bf16) for L = 2,048.
 """
 
 from __future__ import annotations
