@@ -131,6 +131,7 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
                 _note_alpaca_prompt(ds.file_formats, tokenizer, name)
                 _finish(ds.stats, on_error, max_seq_len, names, files, name)
                 _warn_unclosed(ds.stats, tokenizer, names, files, name)  # from the entry's stats: every run says it
+                _warn_no_eos(ds.file_formats, tokenizer, files, name)
                 return ds
     per_file = [read_file(f) for f in files]
     records = [r for recs in per_file for r in recs]
@@ -142,6 +143,7 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
     _note_alpaca_prompt(ds.file_formats, tokenizer, name)
     _finish(ds.stats, on_error, max_seq_len, names, files, name)
     _warn_unclosed(ds.stats, tokenizer, names, files, name)
+    _warn_no_eos(ds.file_formats, tokenizer, files, name)
     if cache is not None:
         cache_mod.save(cache, ds.ids, ds.trainable, ds.offsets,
                        {"pad_id": ds.pad_id, "stats": asdict(ds.stats), "file_counts": ds.file_counts,
@@ -278,6 +280,23 @@ def _warn_unclosed(stats: DatasetStats, tokenizer, n: dict[str, str], files=(), 
                "{{ content + eos_token }}, or mark the reply and that token with {% generation %} ... "
                "{% endgeneration %}")
     log.warning("data: %s: %s: %s", where, counts, why)
+
+
+def _warn_no_eos(descs: list[str], tokenizer, files=(), name: str = "the dataset") -> None:
+    """One warning per set when its text / prompt_completion records (or alpaca ones without a chat template: the
+    Alpaca prompt) get no end token: ``tokenize.encode`` appends the tokenizer's eos, and this tokenizer has none
+    (nor adds one itself), so the model would never learn to stop. Chat records end as their template says."""
+    if tokenizer.eos_token or appends_eos(tokenizer):
+        return
+    plain = ["text", "prompt_completion"] + ([] if getattr(tokenizer, "chat_template", None) else ["alpaca"])
+    found = sorted({f for d in descs for f in plain if f in d})
+    if not found:
+        return
+    where = f"{name} ({_names(files)})" if files else name
+    log.warning("data: %s: the tokenizer has no eos_token, so its %s records end with no end token and the model "
+                "never learns to stop after one; set eos_token in the tokenizer's tokenizer_config.json (or "
+                "tokenizer.eos_token = ... before training), or end each record's text with the token generation "
+                "should stop at", where, " / ".join(found))
 
 
 def report_bad_records(count: int, first: list[str], on_error: str, records: int, where: str,
