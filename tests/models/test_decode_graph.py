@@ -43,7 +43,7 @@ def test_static_cache_step_gives_the_growing_caches_logits(tiny_hf_config, famil
     g = torch.Generator().manual_seed(1)
     ids, tokens = torch.randint(3, 97, (1, 7), generator=g), torch.randint(3, 97, (6,), generator=g).tolist()
     want = _eager_logits(model, ids, tokens)
-    step = DecodeStep(model, 7, 20)
+    step = DecodeStep(model, 20)
     with torch.no_grad():
         got = [step.prefill(ids)]
         for t in tokens:
@@ -55,9 +55,9 @@ def test_static_cache_step_gives_the_growing_caches_logits(tiny_hf_config, famil
 
 def test_second_prompt_into_a_filled_cache_is_refused(tiny_hf_config):
     model = _model(tiny_hf_config, "llama2")
-    step = DecodeStep(model, 4, 6)
+    step = DecodeStep(model, 6)
     with torch.no_grad(), pytest.raises(ValueError, match="4-token prompt after 0 tokens does not fit its 3 slots"):
-        DecodeStep(model, 4, 3).prefill(torch.randint(3, 97, (1, 4)))
+        DecodeStep(model, 3).prefill(torch.randint(3, 97, (1, 4)))
     with torch.no_grad():
         step.prefill(torch.randint(3, 97, (1, 4)))
         step.token.fill_(5)
@@ -127,7 +127,7 @@ def test_captured_step_decodes_as_eager_on_cuda(tiny_hf_config, family, lora):
     graphed = generate(model, ids, 24, cuda_graph=True)
     assert graphed.tolist() == eager.tolist()
     want = _eager_logits(model, ids.view(1, -1), eager.tolist()[:-1])
-    step = DecodeStep(model, 6, 30)
+    step = DecodeStep(model, 30)
     with torch.no_grad():
         got = [step.prefill(ids.view(1, -1)).clone()]
         step.token.fill_(eager[0].item())
@@ -145,7 +145,7 @@ def test_captured_step_in_bf16_stays_near_eager(tiny_hf_config):
     ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(6)).cuda()
     tokens = torch.randint(3, 97, (20,), generator=torch.Generator().manual_seed(7)).tolist()
     want = _eager_logits(model, ids, tokens)
-    step = DecodeStep(model, 6, 27)
+    step = DecodeStep(model, 27)
     with torch.no_grad():
         got = [step.prefill(ids).clone()]
         step.token.fill_(tokens[0])

@@ -29,8 +29,8 @@ class StaticKVCache:
         self.v = torch.zeros_like(self.k)
         self.pos = pos
         self.slots = torch.arange(capacity, device=device)
-        self.filled = 0  # the prompt's slots, counted on the host (decode steps count on the device only)
-        self.decoding = False  # set after the prompt: from then on one token per call, at pos
+        self.filled = 0  # the prompt's slots, counted on the host (decode steps count on the device only); once
+        # the prompt is in (filled > 0), one token per call, at pos
 
     @property
     def length(self) -> int:
@@ -40,12 +40,12 @@ class StaticKVCache:
 
     def attend(self, q, k, v):
         """q (1, s, Hq, D), k/v (1, s, Hk, D): the prompt (into the empty cache, causal over itself), or after it
-        (``decoding``) one token, written at slot pos and attending over slots 0..pos."""
+        one token, written at slot pos and attending over slots 0..pos."""
         s = q.shape[1]
-        if not self.decoding:
-            if self.filled or s > self.k.shape[1]:
+        if not self.filled:
+            if s > self.k.shape[1]:
                 raise ValueError(f"StaticKVCache: a {s}-token prompt after {self.filled} tokens does not fit its "
-                                 f"{self.k.shape[1]} slots, or came twice")
+                                 f"{self.k.shape[1]} slots")
             self.k[:, :s], self.v[:, :s] = k, v
             self.filled = s
             return attention_ref(q, k, v)
@@ -65,7 +65,7 @@ class DecodeStep:
     replays it. Without capture (CPU, or tests) it runs eagerly on the same static cache, so both paths share the
     cache logic."""
 
-    def __init__(self, model, prompt_len: int, capacity: int):
+    def __init__(self, model, capacity: int):
         cfg, w = model.config, model.lm_head.weight
         self.model, self.device = model, w.device
         self.pos = torch.zeros(1, dtype=torch.long, device=w.device)
@@ -78,8 +78,6 @@ class DecodeStep:
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (1, S) -> fp32 logits (V,) of the last prompt token; the cache holds the prompt and pos = S."""
         h = self.model.hidden_states(ids, kv_caches=self.caches)[:, -1]
-        for c in self.caches:
-            c.decoding = True
         self.pos.fill_(ids.shape[1])
         return self.model.lm_head(h).float()[0]
 

@@ -128,9 +128,13 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
     graphed = decode_with_graph(cuda_graph, ids.device, max_new_tokens)
     if (graphed, ids.device.type) not in _logged:
         _logged.add((graphed, ids.device.type))
-        log.info("generate: %s on %s", "one CUDA-graph replay per new token (cuda_graph=False: eager)" if graphed
-                 else "eager decoding" + (" (fewer than %d new tokens)" % GRAPH_MIN_NEW_TOKENS
-                                          if ids.device.type == "cuda" and cuda_graph is None else ""), ids.device)
+        if graphed:
+            how = "one CUDA-graph replay per new token (cuda_graph=False: eager)"
+        elif ids.device.type == "cuda" and cuda_graph is None:
+            how = f"eager decoding (fewer than {GRAPH_MIN_NEW_TOKENS} new tokens)"
+        else:
+            how = "eager decoding"
+        log.info("generate: %s on %s", how, ids.device)
     if not max_new_tokens:
         return torch.tensor([], dtype=torch.long)
 
@@ -140,36 +144,39 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
             return int(torch.multinomial(probs, 1, generator=generator))
         return int(logits.argmax())
 
-    out: list[int] = []
     with eval_mode(model):
         if graphed:
             return _generate_graphed(model, ids, max_new_tokens, eos, pick)
         caches = [KVCache() for _ in model.model.layers]
-        step_in = ids
-        for _ in range(max_new_tokens):
-            h = model.hidden_states(step_in, kv_caches=caches)[:, -1]  # (1, H)
-            nxt = pick(model.lm_head(h).float()[0])
-            out.append(nxt)
-            if nxt in eos:
-                break
-            step_in = torch.tensor([[nxt]], device=ids.device)
-    return torch.tensor(out, dtype=torch.long)
+
+        def logits_of(step_in: torch.Tensor) -> torch.Tensor:  # (1, s) -> fp32 logits (V,) of its last token
+            return model.lm_head(model.hidden_states(step_in, kv_caches=caches)[:, -1]).float()[0]
+
+        return _decode(logits_of(ids), lambda t: logits_of(torch.tensor([[t]], device=ids.device)),
+                       max_new_tokens, eos, pick)
+
+
+def _decode(logits: torch.Tensor, feed, max_new_tokens: int, eos: set, pick) -> torch.Tensor:
+    """The loop both paths share: pick a token from ``logits`` (the prompt's last), stop at eos or after
+    max_new_tokens, else ``feed(token)`` -> the next logits. -> the new token ids (T,)."""
+    out: list[int] = []
+    while True:
+        out.append(pick(logits))
+        if out[-1] in eos or len(out) == max_new_tokens:
+            return torch.tensor(out, dtype=torch.long)
+        logits = feed(out[-1])
 
 
 def _generate_graphed(model, ids: torch.Tensor, max_new_tokens: int, eos: set, pick, capture: bool = True):
     """``generate``'s loop on a static KV cache of prompt + max_new_tokens slots: the prompt eagerly, then one
-    captured step per token (``capture=False``: the same step eagerly, for CPU tests of the cache logic)."""
-    step = DecodeStep(model, ids.shape[1], ids.shape[1] + max_new_tokens)
-    out = [pick(step.prefill(ids))]
-    if out[0] in eos or max_new_tokens == 1:
-        return torch.tensor(out, dtype=torch.long)
-    step.token.fill_(out[0])
-    if capture:
-        step.capture()
-    for _ in range(max_new_tokens - 1):
-        nxt = pick(step.run())
-        out.append(nxt)
-        if nxt in eos:
-            break
-        step.token.fill_(nxt)
-    return torch.tensor(out, dtype=torch.long)
+    captured step per token, captured when the first one is fed (``capture=False``: the same step eagerly, for
+    CPU tests of the cache logic)."""
+    step = DecodeStep(model, ids.shape[1] + max_new_tokens)
+
+    def feed(token: int) -> torch.Tensor:
+        step.token.fill_(token)
+        if capture and step.graph is None:
+            step.capture()
+        return step.run()
+
+    return _decode(step.prefill(ids), feed, max_new_tokens, eos, pick)
