@@ -284,9 +284,9 @@ def _warn_unclosed(stats: DatasetStats, tokenizer, n: dict[str, str], files=(), 
 
 def _warn_no_eos(descs: list[str], tokenizer, files=(), name: str = "the dataset") -> None:
     """One warning per set when its text / prompt_completion records (or alpaca ones without a chat template: the
-    Alpaca prompt) get no end token: ``tokenize.encode`` appends the tokenizer's eos, and this tokenizer has none
-    (nor adds one itself), so the model would never learn to stop. Chat records end as their template says."""
-    if tokenizer.eos_token or appends_eos(tokenizer):
+    Alpaca prompt) get no end token: ``tokenize.encode`` appends the tokenizer's eos (or the tokenizer adds it), and
+    this tokenizer has none, so the model would never learn to stop. Chat records end as their template says."""
+    if tokenizer.eos_token:
         return
     plain = ["text", "prompt_completion"] + ([] if getattr(tokenizer, "chat_template", None) else ["alpaca"])
     found = sorted({f for d in descs for f in plain if f in d})
