@@ -5,7 +5,10 @@ each eager and with one CUDA-graph replay per token (generate's default on CUDA,
 Decoding one token at a time is launch-bound: the fp32 branch runs ~7 small kernels per projection where the fused
 bf16 path runs 3-4 and groups q/k/v and gate/up. This says what that costs `chronicals chat` on a GPU, and what the captured step (one launch per token) saves.
 
-Usage: PYTHONPATH=src python benchmarks/bench_generate_adapter_dtype.py [--shape 0.5b] [--tokens 64]
+`--rows B` adds the base model decoding B prompts of one length together (``generate.greedy_rows``, as eval's held-out
+answers are decoded), eager and through the captured B-row step.
+
+Usage: PYTHONPATH=src python benchmarks/bench_generate_adapter_dtype.py [--shape 0.5b] [--tokens 64] [--rows 8]
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 from chronicals.bench.contenders import build_chronicals_model
 from chronicals.bench.shapes import get_shape
 from chronicals.lora import apply_lora, load_adapter, save_adapter
-from chronicals.models.generate import generate
+from chronicals.models.generate import generate, greedy_rows
 
 
 def sync(dev: torch.device) -> None:
@@ -39,11 +42,35 @@ def profile_decode(model, prompt, name: str) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
+def bench_rows(shape, dev: torch.device, b: int, tokens: int) -> None:
+    """The base model decoding b random 32-token prompts together, eager and graphed: new tokens/s over all rows."""
+    model = build_chronicals_model(shape, dev, "auto", seed=0).eval()
+    vocab = min(1000, shape.hf_config["vocab_size"])
+    ids = torch.randint(0, vocab, (b, 32), generator=torch.Generator().manual_seed(1))
+    outs = {}
+    for graph in (False, True):
+        if graph and dev.type != "cuda":
+            continue
+        greedy_rows(model, ids, tokens, set(), cuda_graph=graph)  # warm-up over the timed length (see main)
+        sync(dev)
+        t = time.perf_counter()
+        out = greedy_rows(model, ids, tokens, set(), cuda_graph=graph)
+        sync(dev)
+        dt = time.perf_counter() - t
+        outs[graph] = out
+        print(f"  {b} rows, base only, {'CUDA graph' if graph else 'eager':10s} {sum(map(len, out)) / dt:8.1f} "
+              f"tokens/s ({dt * 1e3 / tokens:.2f} ms a step)")
+    if True in outs:
+        same = sum(a == g for a, g in zip(outs[False], outs[True]))
+        print(f"  {b} rows: CUDA graph and eager tokens the same in {same} of {b} rows")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="0.5b")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--rows", type=int, default=0, help="also decode this many prompts together (base only)")
     ap.add_argument("--profile", action="store_true", help="print each variant's top ops for 8 decoded tokens")
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -94,6 +121,8 @@ def main() -> None:
             n = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
             print(f"  {name}: CUDA graph and eager tokens " + ("the same" if n is None and len(a) == len(b) else
                                                              f"first differ at new token {n}"))
+    if args.rows > 1:
+        bench_rows(shape, dev, args.rows, args.tokens)
 
 
 if __name__ == "__main__":

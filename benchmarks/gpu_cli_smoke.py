@@ -93,9 +93,10 @@ def main(out_dir: str) -> int:
             rc, text, s = run(f"eval_{method}", ["eval", "demo", *model_args, "--json", str(logs / f"eval_{method}.json"),
                                                  "--qa-limit", "4"], logs, env)
             check(f"eval {method} exit 0 ({s:.0f} s)", rc == 0, "" if rc == 0 else text[-400:])
-            # 24 new tokens: generate's auto choice replays a captured decode step from 16 on (models/decode_graph.py)
-            rc, text, s = run(f"chat_{method}", ["chat", *model_args, "--max-new-tokens", "24", "What is the capital "
-                                                 "of Vellmora?"], logs, env)
+            # 24 new tokens: generate's auto choice replays a captured decode step from 16 on (models/decode_graph.py);
+            # -v: chat logs that choice (without it, answers only)
+            rc, text, s = run(f"chat_{method}", ["chat", "-v", *model_args, "--max-new-tokens", "24",
+                                                 "What is the capital of Vellmora?"], logs, env)
             check(f"chat {method} exit 0 ({s:.0f} s)", rc == 0, "" if rc == 0 else text[-400:])
             check(f"chat {method} decoded through a CUDA graph", "one CUDA-graph replay per new token" in text)
             if method == "lora":

@@ -523,3 +523,31 @@ def test_every_option_has_help(command, monkeypatch):
     (parser,) = parsers
     bare = [a.option_strings or a.dest for a in parser._actions if not a.help]
     assert not bare, f"chronicals {command} --help shows no text for {bare}"
+
+
+@pytest.mark.parametrize("command", ["chat", "eval"])
+def test_verbose_says_how_answers_are_decoded(command, tiny_base, tmp_path, monkeypatch, capsys, caplog):
+    """chat and eval print answers / a summary only, so nothing said how an answer was decoded (the GPU smoke
+    test could not see chat replay the captured decode step). -v turns the package's INFO log on."""
+    import logging
+    import sys
+
+    gen = sys.modules["chronicals.models.generate"]  # the module: the package exports its generate function
+
+    ours = logging.getLogger("chronicals")
+    monkeypatch.setattr(ours, "level", logging.NOTSET)  # a fresh process's: warnings only, through the root
+    monkeypatch.setattr(gen, "_logged", set())  # generate says its choice once per process
+    caplog.set_level(logging.INFO)  # caplog's handler takes INFO ...
+    monkeypatch.setattr(logging.getLogger(), "level", logging.WARNING)  # ... the root, as a fresh process's, not
+    if command == "chat":
+        argv = ["chat", "--model", str(tiny_base), "--device", "cpu", "--max-new-tokens", "3", "hi"]
+    else:
+        data = tmp_path / "qa.jsonl"
+        data.write_text(json.dumps({"question": "hi", "answer": "hello"}) + "\n")  # a QA record: answered
+        argv = ["eval", str(data), "--model", str(tiny_base), "--device", "cpu", "--max-new-tokens", "3",
+                "--cache-dir", "none"]
+    assert main(argv) == 0
+    assert "generate:" not in caplog.text
+    monkeypatch.setattr(gen, "_logged", set())
+    assert main([*argv, "-v"]) == 0
+    assert "generate: eager decoding on cpu" in caplog.text, caplog.text

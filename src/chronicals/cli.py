@@ -14,7 +14,6 @@ cli_chat.py, eval in cli_eval.py, and the model loading that export, chat and ev
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import select
 import shlex
@@ -25,7 +24,7 @@ from pathlib import Path
 
 from .cli_chat import _run_system_prompt, cmd_chat  # noqa: F401 (_run_system_prompt: chronicals.cli's before the split)
 from .cli_eval import cmd_eval
-from .cli_models import _base_for, _load
+from .cli_models import _base_for, _load, _rank, _setup_logging
 from .cuda_alloc import allocator_env
 
 USAGE = """usage: chronicals train [CONFIG.yaml] [section.key=value ...]
@@ -40,19 +39,6 @@ first step with nothing kept; after the last one (the final evaluation or save) 
 
 keys:
 """
-
-
-def _rank() -> int:
-    """This process's rank under torchrun (0 without it)."""
-    return int(os.environ.get("RANK", "0"))
-
-
-def _setup_logging(verbose: bool = False) -> None:
-    """The console log. Under torchrun every rank runs the same code and would say each line once per rank: rank 0
-    tells the story (info and warnings), the others say only errors (what failed there, e.g. its GPU)."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("chronicals").setLevel(logging.INFO if _rank() == 0 else logging.ERROR)
 
 
 def _train_args_problem(paths: list[str]) -> str | None:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .cli_models import DTYPE_HELP, _base_for, _load, _within_context
+from .cli_models import DTYPE_HELP, _base_for, _load, _setup_logging, _within_context
 
 
 def _run_system_prompt(path: str | None) -> str | None:
@@ -55,7 +55,12 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help=DTYPE_HELP)
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also log what the command does to stderr: the load, device and dtype, and how "
+                        "answers are decoded (eager, or one CUDA-graph replay per token)")
     a = p.parse_args(argv)
+    if a.verbose:  # else answers (chat) or the summary (eval) only, and warnings
+        _setup_logging()
     if a.max_new_tokens < 1:
         p.error(f"--max-new-tokens {a.max_new_tokens}: an answer needs at least 1 new token")
     if any(not q.strip() for q in a.prompts):

@@ -4,10 +4,25 @@ check of their token-count flags against the model's context. Shared by cli.py, 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from pathlib import Path
 
 EMBEDDED = "smollm2-135m-instruct"
+
+
+def _rank() -> int:
+    """This process's rank under torchrun (0 without it)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def _setup_logging(verbose: bool = False) -> None:
+    """The console log. Under torchrun every rank runs the same code and would say each line once per rank: rank 0
+    tells the story (info and warnings), the others say only errors (what failed there, e.g. its GPU)."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("chronicals").setLevel(logging.INFO if _rank() == 0 else logging.ERROR)
 
 
 def _recorded(adapter: str) -> tuple[str | None, str, str, str | None]:

@@ -45,10 +45,10 @@ def test_static_cache_step_gives_the_growing_caches_logits(tiny_hf_config, famil
     want = _eager_logits(model, ids, tokens)
     step = DecodeStep(model, 20)
     with torch.no_grad():
-        got = [step.prefill(ids)]
+        got = [step.prefill(ids)[0]]
         for t in tokens:
             step.token.fill_(t)
-            got.append(step.run())
+            got.append(step.run()[0])
     assert int(step.pos) == 13 and step.caches[0].filled == 7
     torch.testing.assert_close(torch.stack(got), want, rtol=1e-5, atol=1e-5)
 
@@ -62,8 +62,10 @@ def test_second_prompt_into_a_filled_cache_is_refused(tiny_hf_config):
         step.prefill(torch.randint(3, 97, (1, 4)))
         step.token.fill_(5)
         step.run()
-        with pytest.raises(ValueError, match="after the prompt, feed one token at a time"):
+        with pytest.raises(ValueError, match=r"feed one token a row to its 1 rows, .* got \(1, 2, "):
             step.model.hidden_states(torch.randint(3, 97, (1, 2)), kv_caches=step.caches)
+        with pytest.raises(ValueError, match="DecodeStep for 2 rows got 1 prompts"):
+            DecodeStep(model, 6, batch=2).prefill(torch.randint(3, 97, (1, 4)))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -129,11 +131,11 @@ def test_captured_step_decodes_as_eager_on_cuda(tiny_hf_config, family, lora):
     want = _eager_logits(model, ids.view(1, -1), eager.tolist()[:-1])
     step = DecodeStep(model, 30)
     with torch.no_grad():
-        got = [step.prefill(ids.view(1, -1)).clone()]
+        got = [step.prefill(ids.view(1, -1))[0].clone()]
         step.token.fill_(eager[0].item())
         step.capture()
         for t in eager.tolist()[1:]:
-            got.append(step.run().clone())
+            got.append(step.run()[0].clone())
             step.token.fill_(t)
     torch.testing.assert_close(torch.stack(got), want, rtol=1e-4, atol=1e-4)
 
@@ -147,32 +149,76 @@ def test_captured_step_in_bf16_stays_near_eager(tiny_hf_config):
     want = _eager_logits(model, ids, tokens)
     step = DecodeStep(model, 27)
     with torch.no_grad():
-        got = [step.prefill(ids).clone()]
+        got = [step.prefill(ids)[0].clone()]
         step.token.fill_(tokens[0])
         step.capture()
         for i, t in enumerate(tokens):
-            got.append(step.run().clone())
+            got.append(step.run()[0].clone())
             if i + 1 < len(tokens):
                 step.token.fill_(tokens[i + 1])
     err = (torch.stack(got) - want).abs().max().item()
     assert err < 0.05 * want.abs().max().item(), err
 
 
-def test_qa_one_prompt_goes_through_generate_and_answers_as_in_a_batch(tiny_hf_config, monkeypatch):
-    """train.qa.greedy_same_length with one prompt (chat's answers, eval's prompts of a length no other has) runs
-    generate, which on CUDA replays the captured step; its tokens are those the prompt gets as a row of a batch,
-    eos included where the answer stops."""
+def _rows_with_stops(model, ids, n):
+    """Greedy rows of ``ids`` (B, S) decoded eagerly, and an eos set that stops row 0 at its 3rd token and row 2 at
+    its 6th (when those tokens do not come earlier in the rows): rows that stop at different steps."""
+    free = generate_mod.greedy_rows(model, ids, n, set(), cuda_graph=False)
+    return {free[0][2], free[2][5]}
+
+
+@pytest.mark.parametrize("family", ["qwen2", "smollm2"])
+def test_batched_static_step_answers_each_row_as_alone(tiny_hf_config, family):
+    """greedy_rows on the static B-row cache (its step run eagerly here) against the growing cache and against
+    each prompt decoded alone by generate: same tokens per row, rows stopping at their own eos."""
+    model = _model(tiny_hf_config, family)
+    ids = torch.randint(3, 97, (3, 5), generator=torch.Generator().manual_seed(9))
+    eos = _rows_with_stops(model, ids, 12)
+    grown = generate_mod.greedy_rows(model, ids, 12, eos, cuda_graph=False)
+    with torch.no_grad():
+        static = generate_mod._greedy_rows_static(model, ids, 12, eos, capture=False)
+    alone = [generate(model, row, 12, eos_token_id=sorted(eos), cuda_graph=False).tolist() for row in ids]
+    assert static == grown == alone
+    assert len({len(r) for r in static}) > 1, static  # the rows stopped at different steps
+    assert generate_mod.greedy_rows(model, ids, 0, eos) == [[], [], []]
+    with pytest.raises(ValueError, match=r"ids \(B, S\) with S >= 1, got shape \(5,\)"):
+        generate_mod.greedy_rows(model, ids[0], 4, eos)
+
+
+def test_qa_answers_go_through_greedy_rows_in_batches_of_at_most_qa_batch_rows(tiny_hf_config, monkeypatch):
+    """train.qa.answer_many decodes prompts of one length together, QA_BATCH_ROWS at a time (a KV cache per batch),
+    each batch through generate.greedy_rows (on CUDA: the captured B-row step)."""
     from chronicals.train import qa
 
-    model = _model(tiny_hf_config, "qwen2")
-    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(8))
-    batch = qa.greedy_same_length(model, ids.repeat(2, 1), 10, eos=set())
-    assert batch[0] == batch[1]
-    eos = {batch[0][3]}
-    want = qa.greedy_same_length(model, ids.repeat(2, 1), 10, eos=eos)[0]
     calls = []
-    monkeypatch.setattr(generate_mod, "_generate_graphed", lambda *a, **k: calls.append(a))  # not on the CPU
-    real = generate_mod.generate
-    monkeypatch.setattr(generate_mod, "generate", lambda *a, **k: calls.append("generate") or real(*a, **k))
-    assert qa.greedy_same_length(model, ids, 10, eos=eos) == [want]
-    assert want[-1] in eos and len(want) < 10 and calls == ["generate"]
+    monkeypatch.setattr(qa, "QA_BATCH_ROWS", 2)
+    monkeypatch.setattr(qa, "greedy_rows", lambda model, ids, n, eos: calls.append(ids.shape) or [[7]] * len(ids))
+
+    class Tok:
+        eos_token_id = 1
+
+        def decode(self, toks, skip_special_tokens):
+            return f"tok{toks[0]}"
+    monkeypatch.setattr(qa, "prompt_ids", lambda tok, q, system: torch.full((len(q),), 5))
+    out = qa.answer_many(_model(tiny_hf_config, "qwen2"), Tok(), ["aaa", "bbb", "cc", "ddd", "eee"], "", 4)
+    assert out == ["tok7"] * 5
+    assert sorted(tuple(c) for c in calls) == [(1, 2), (2, 3), (2, 3)]  # 4 prompts of 3 tokens: two batches
+
+
+@needs_cuda
+@pytest.mark.parametrize("lora", [False, True])
+def test_captured_batched_step_decodes_as_eager_on_cuda(tiny_hf_config, lora):
+    """fp32 on CUDA: greedy_rows through the captured 3-row step gives eager decoding's tokens per row, rows
+    stopping at their own eos, with and without a LoRA adapter (B random)."""
+    model = _model(tiny_hf_config, "smollm2", device="cuda")
+    if lora:
+        apply_lora(model, r=4, alpha=8)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.2, generator=torch.Generator("cuda").manual_seed(4))
+    ids = torch.randint(3, 97, (3, 6), generator=torch.Generator().manual_seed(10)).cuda()
+    eos = _rows_with_stops(model, ids, 24)
+    eager = generate_mod.greedy_rows(model, ids, 24, eos, cuda_graph=False)
+    graphed = generate_mod.greedy_rows(model, ids, 24, eos, cuda_graph=True)
+    assert graphed == eager and len({len(r) for r in eager}) > 1, eager

@@ -92,15 +92,15 @@ def test_takes_a_tokenizer_output_for_one_prompt(tiny_hf_config):
 
 
 def test_held_out_loss_and_qa_answers_restore_each_module_mode(tiny_hf_config):
-    """train.step.evaluate_loss and train.qa.greedy_same_length ran model.train(was_training) afterwards, which also
+    """train.step.evaluate_loss and models.generate.greedy_rows ran model.train(was_training) afterwards, which also
     switched on a module the caller had left in eval (a LoRA dropout kept off, say)."""
-    from chronicals.train.qa import greedy_same_length
+    from chronicals.models.generate import greedy_rows
     from chronicals.train.step import evaluate_loss
 
     model = _model(tiny_hf_config).train()
     model.model.layers[0].mlp.eval()
     ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(2))
-    greedy_same_length(model, ids, 2, eos=set())
+    greedy_rows(model, ids, 2, eos=set())
     assert model.training and not model.model.layers[0].mlp.training
 
     class Batch:  # what evaluate_loss reads of the loader's PackedBatch

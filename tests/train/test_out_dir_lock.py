@@ -39,14 +39,14 @@ def _records(out: Path) -> list[dict]:
 
 def test_generation_stops_at_the_models_context_with_one_warning(caplog):
     from chronicals.models.generate import generate
-    from chronicals.train.qa import greedy_same_length
+    from chronicals.models.generate import greedy_rows
 
     model = tiny_model()  # max_position_embeddings=128
     prompt = torch.arange(100) % 50
     with caplog.at_level("WARNING", logger="chronicals.generate"):
         assert len(generate(model, prompt, 1000)) == 28
         assert len(generate(model, prompt, 1000)) == 28  # a chat loop: warned once
-        outs = greedy_same_length(model, torch.stack([prompt, prompt + 1]), 1000, set())
+        outs = greedy_rows(model, torch.stack([prompt, prompt + 1]), 1000, set())
     assert [len(o) for o in outs] == [28, 28]
     assert caplog.text.count("goes past the model's context (max_position_embeddings=128)") == 1
     assert len(generate(model, prompt, 5)) == 5

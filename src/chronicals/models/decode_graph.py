@@ -4,12 +4,14 @@ Eager decoding is host-bound: a 0.5B step launches ~25 kernels a layer from Pyth
 for ~1 ms of GPU work on an H200 (bench_generate_adapter_dtype.py --profile, git dd561e4: 54.9 tokens/s for the
 bare model, 21.0 with an fp32 adapter). Replaying one captured step costs one launch.
 
-Shapes must not change between replays, so the cache is preallocated for the whole answer: (1, L, Hk, D) keys and
+Shapes must not change between replays, so the cache is preallocated for the whole answer: (B, L, Hk, D) keys and
 values per layer, L = prompt + new tokens, and the step attends over all L slots with a mask that hides the slots
 past the current position (a device tensor, advanced inside the graph). The prompt runs eagerly first, as in
-eager decoding, and fills the first slots.
+eager decoding, and fills the first slots. B > 1 decodes B prompts of one length together (eval's held-out
+answers, ``generate.greedy_rows``): they share the position, so one mask serves every row.
 
-Memory: 2 x L x Hk x D x layers elements, 45 MiB at SmolLM2-135M (30 layers, 3 kv heads of 64, bf16) for L = 2,048.
+Memory: 2 x B x L x Hk x D x layers elements, 45 MiB at SmolLM2-135M (30 layers, 3 kv heads of 64, bf16) for B = 1,
+L = 2,048.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from ..ops.attention import attention_ref
 
 
 class StaticKVCache:
-    """Keys and values for one layer in preallocated (1, L, Hk, D) buffers. ``pos`` (1,) int64, on the device and
+    """Keys and values for one layer in preallocated (B, L, Hk, D) buffers. ``pos`` (1,) int64, on the device and
     shared by every layer, is the slot the next token's keys go to; the decode step reads and advances it."""
 
-    def __init__(self, capacity: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device, pos: torch.Tensor):
-        self.k = torch.zeros(1, capacity, n_kv_heads, head_dim, dtype=dtype, device=device)
+    def __init__(self, capacity: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device, pos: torch.Tensor,
+                 batch: int = 1):
+        self.k = torch.zeros(batch, capacity, n_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.pos = pos
         self.slots = torch.arange(capacity, device=device)
@@ -39,7 +42,7 @@ class StaticKVCache:
         return self.filled
 
     def attend(self, q, k, v):
-        """q (1, s, Hq, D), k/v (1, s, Hk, D): the prompt (into the empty cache, causal over itself), or after it
+        """q (B, s, Hq, D), k/v (B, s, Hk, D): the prompts (into the empty cache, causal over itself), or after it
         one token, written at slot pos and attending over slots 0..pos."""
         s = q.shape[1]
         if not self.filled:
@@ -49,8 +52,9 @@ class StaticKVCache:
             self.k[:, :s], self.v[:, :s] = k, v
             self.filled = s
             return attention_ref(q, k, v)
-        if s != 1:
-            raise ValueError("StaticKVCache: after the prompt, feed one token at a time")
+        if s != 1 or q.shape[0] != self.k.shape[0]:
+            raise ValueError(f"StaticKVCache: after the prompt, feed one token a row to its {self.k.shape[0]} rows, "
+                             f"q of shape (B, 1, H, D); got {tuple(q.shape)}")
         self.k.index_copy_(1, self.pos, k)
         self.v.index_copy_(1, self.pos, v)
         mask = (self.slots <= self.pos).view(1, 1, 1, -1)  # (1, 1, 1, L): slots written so far
@@ -60,30 +64,34 @@ class StaticKVCache:
 
 
 class DecodeStep:
-    """One token through the model at the device-side position: ``run()`` -> fp32 logits (V,) of the token in
-    ``self.token`` (1, 1), then the position advanced. ``capture()`` records it as a CUDA graph; ``run`` then
+    """One token a row through the model at the device-side position: ``run()`` -> fp32 logits (B, V) of the
+    tokens in ``self.token`` (B, 1), then the position advanced. ``capture()`` records it as a CUDA graph; ``run`` then
     replays it. Without capture (CPU, or tests) it runs eagerly on the same static cache, so both paths share the
     cache logic."""
 
-    def __init__(self, model, capacity: int):
+    def __init__(self, model, capacity: int, batch: int = 1):
         cfg, w = model.config, model.lm_head.weight
         self.model, self.device = model, w.device
         self.pos = torch.zeros(1, dtype=torch.long, device=w.device)
         dtype = model.model.embed_tokens.weight.dtype
-        self.caches = [StaticKVCache(capacity, cfg.num_key_value_heads, cfg.head_dim, dtype, w.device, self.pos)
-                       for _ in model.model.layers]
-        self.token = torch.zeros(1, 1, dtype=torch.long, device=w.device)
+        self.caches = [StaticKVCache(capacity, cfg.num_key_value_heads, cfg.head_dim, dtype, w.device, self.pos,
+                                     batch) for _ in model.model.layers]
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=w.device)
         self.graph = self.logits = None
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids (1, S) -> fp32 logits (V,) of the last prompt token; the cache holds the prompt and pos = S."""
+        """ids (B, S) -> fp32 logits (B, V) of each row's last prompt token; the cache holds the prompts and
+        pos = S."""
+        if ids.shape[0] != self.token.shape[0]:
+            raise ValueError(f"DecodeStep for {self.token.shape[0]} rows got {ids.shape[0]} prompts")
         h = self.model.hidden_states(ids, kv_caches=self.caches)[:, -1]
         self.pos.fill_(ids.shape[1])
-        return self.model.lm_head(h).float()[0]
+        return self.model.lm_head(h).float()
 
     def _step(self) -> torch.Tensor:
-        h = self.model.hidden_states(self.token, position_ids=self.pos.view(1, 1), kv_caches=self.caches)[:, -1]
-        logits = self.model.lm_head(h).float()[0]
+        positions = self.pos.view(1, 1).expand_as(self.token)  # every row is at the same position
+        h = self.model.hidden_states(self.token, position_ids=positions, kv_caches=self.caches)[:, -1]
+        logits = self.model.lm_head(h).float()
         self.pos.add_(1)
         return logits
 
