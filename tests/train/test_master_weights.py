@@ -293,3 +293,31 @@ def test_a_lora_sized_lr_for_full_fine_tuning_warns(tmp_path, caplog):
         with caplog.at_level(logging.WARNING, logger="chronicals.train"):
             build_optimizer(tiny_model(), tiny_config(tmp_path, optim__lr=lr), CPU)
         assert ("the default 1e-3 is LoRA's" in caplog.text) == warns, lr
+
+
+def test_bf16_lora_run_writes_its_fp32_masters_as_the_adapter(tmp_path, docs):
+    """The final adapter of a bf16 LoRA run held its bf16 weights: the fp32 masters rounded, so an update below
+    half a bf16 step (most of lora_A's at a small lr) was lost from the file though the run had kept it. Now the
+    file holds the masters, fp32 (PEFT's adapter dtype): rounded to bf16 they are the model's weights, and they are
+    not all bf16 values. A resume that finds the run done writes the same file from the checkpoint's masters."""
+    from safetensors.torch import load_file
+
+    from chronicals.lora.peft_io import adapter_state_dict
+
+    over = dict(model__dtype="bfloat16", lora__enabled=True, lora__rank=4, lora__alpha=8, train__max_steps=4,
+                optim__lr=1e-4, train__save_final=True, train__resume="auto")
+    model = tiny_model()
+    result = train(tiny_config(tmp_path, **over), model=model, train_loader=SyntheticLoader(docs, seed=5))
+    saved = load_file(str(result.final_dir / "adapter_model.safetensors"))
+    weights = adapter_state_dict(model)
+    assert saved.keys() == weights.keys() and len(saved) > 0
+    between = 0
+    for k, t in saved.items():
+        assert t.dtype == torch.float32 and weights[k].dtype == torch.bfloat16, k
+        assert torch.equal(t.to(torch.bfloat16), weights[k]), k
+        between += int((t != t.to(torch.bfloat16).float()).sum())
+    assert between > 0  # updates the bf16 weights do not show
+    again = train(tiny_config(tmp_path, **over), model=tiny_model(), train_loader=SyntheticLoader(docs, seed=5))
+    assert again.step == 4 and again.start_step == 4
+    resaved = load_file(str(again.final_dir / "adapter_model.safetensors"))
+    assert all(torch.equal(resaved[k], saved[k]) for k in saved)

@@ -66,27 +66,39 @@ def adapter_config_dict(rec: LoraRecord, base_model_name_or_path: str | None = N
     }
 
 
-def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """PEFT-named tensors (contiguous CPU copies; tied tensors copied per key, as safetensors requires)."""
+def adapter_state_dict(model: nn.Module, value=None) -> dict[str, torch.Tensor]:
+    """PEFT-named tensors (contiguous CPU copies; tied tensors copied per key, as safetensors requires).
+    ``value(parameter) -> tensor``: what to write for each parameter (default: the parameter itself; the trainer
+    passes its optimizer's fp32 masters of bf16 adapters)."""
     rec = _require_record(model, "adapter_state_dict")
+    value = value or (lambda p: p)
+
+    def copy(p: torch.Tensor) -> torch.Tensor:
+        t = value(p)
+        if t.shape != p.shape:
+            raise ValueError(f"adapter_state_dict: value() gave a tensor of shape {tuple(t.shape)} for a parameter "
+                             f"of shape {tuple(p.shape)}")
+        return t.detach().cpu().clone().contiguous()
+
     out = {}
     for name, mod in lora_modules(model):
-        out[f"{PREFIX}{name}.lora_A.weight"] = mod.lora_A.weight.detach().cpu().clone().contiguous()
-        out[f"{PREFIX}{name}.lora_B.weight"] = mod.lora_B.weight.detach().cpu().clone().contiguous()
+        out[f"{PREFIX}{name}.lora_A.weight"] = copy(mod.lora_A.weight)
+        out[f"{PREFIX}{name}.lora_B.weight"] = copy(mod.lora_B.weight)
     for name in rec.saved_modules:
         for pname, p in model.get_submodule(name).named_parameters():
-            out[f"{PREFIX}{name}.{pname}"] = p.detach().cpu().clone().contiguous()
+            out[f"{PREFIX}{name}.{pname}"] = copy(p)
     return out
 
 
-def save_adapter(model: nn.Module, out_dir, base_model_name_or_path: str | None = None) -> Path:
+def save_adapter(model: nn.Module, out_dir, base_model_name_or_path: str | None = None, value=None) -> Path:
     """Write ``out_dir``/adapter_config.json and adapter_model.safetensors atomically (``models.hf_io.atomic_dir``:
     a temporary directory beside ``out_dir`` renamed into place, so a crash never leaves half an adapter). An
-    existing ``out_dir`` is replaced when it holds nothing but those two files; else FileExistsError."""
+    existing ``out_dir`` is replaced when it holds nothing but those two files; else FileExistsError.
+    ``value``: as ``adapter_state_dict``'s."""
     rec = _require_record(model, "save_adapter")
     out = Path(out_dir).expanduser()  # the path returned is the one written (it was "~/a")
     with atomic_dir(out, owned=(CONFIG_NAME, WEIGHTS_NAME)) as tmp:
-        save_file(adapter_state_dict(model), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_file(adapter_state_dict(model, value), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         base = None if base_model_name_or_path is None else str(base_model_name_or_path)  # a Path: TypeError
         (tmp / CONFIG_NAME).write_text(json.dumps(adapter_config_dict(rec, base), indent=2))
     log.info("save_adapter: %d LoRA modules, %d full modules -> %s", len(rec.lora_modules),

@@ -36,7 +36,7 @@ class TrainResult:
 
 
 def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, checkpoint: Path,
-                  total: int, closing: tuple) -> TrainResult:
+                  total: int, closing: tuple, optimizer=None) -> TrainResult:
     """resume found the run's last step: nothing to train, nothing logged again; the final directory is written
     from the checkpoint's weights, also when one is there: it may be an earlier run's (this one ran with
     train.save_final=false, or stopped between its last checkpoint and its final save), and was returned as this
@@ -61,7 +61,7 @@ def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, token
         if cfg.logging.plot:
             result.plot = plot_losses(metrics.records, out_dir / "loss.png")
     if cfg.train.save_final and dp.is_main:
-        result.final_dir = save_final(model, tokenizer, cfg, out_dir)
+        result.final_dir = save_final(model, tokenizer, cfg, out_dir, optimizer)
     if report and result.eval_loss_after is not None:
         report("after", model=model, tokenizer=tokenizer, eval_loss=result.eval_loss_after, heldout_qa=heldout_qa,
                result=result)
@@ -78,13 +78,18 @@ def _closed(out_dir: Path, total: int) -> bool:
         return True
 
 
-def save_final(model, tokenizer, cfg: TrainConfig, out_dir: Path) -> Path:
-    """LoRA: a PEFT adapter directory (out_dir/adapter); full: a Hugging Face directory (out_dir/model)."""
+def save_final(model, tokenizer, cfg: TrainConfig, out_dir: Path, optimizer=None) -> Path:
+    """LoRA: a PEFT adapter directory (out_dir/adapter); full: a Hugging Face directory (out_dir/model).
+
+    bf16 adapters trained with fp32 masters (``optim.master_weights``) are written as the masters, fp32, as PEFT
+    keeps adapters: the bf16 weights are them rounded, and an update below half a bf16 step lives only in the
+    master. A full model is written in its own dtype (an fp32 copy of a bf16 model would double its size)."""
     path = final_dir(cfg, out_dir)
     if cfg.lora.enabled:
         from ..lora import save_adapter
 
-        save_adapter(model, path, base_model_name_or_path=getattr(model, "chronicals_base", None))
+        master = getattr(optimizer, "master", None)
+        save_adapter(model, path, base_model_name_or_path=getattr(model, "chronicals_base", None), value=master)
     else:
         from .. import save_model
 

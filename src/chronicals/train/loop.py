@@ -238,7 +238,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         apply_optimizer_settings(optimizer, scheduler, fresh, restored["extra"].get("config"), cfg_dict, start)
         if start == total:
             return _already_done(cfg, dp, out_dir, model, tokenizer, resume_from, total,
-                                 (eval_loader, heldout_qa, report))
+                                 (eval_loader, heldout_qa, report), optimizer)
     # another run's checkpoints in out_dir (resume=none over a finished run, or a resume from an earlier step), and
     # its final adapter/model (not for a resume from an earlier step: this run's history may have written it):
     # removed once this run writes its first record or checkpoint, so a run that fails in setup leaves them
@@ -489,7 +489,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
             result.checkpoint = save(total, wait=True)
         result.eval_loss_after = run_eval(result.step, "after")
         if cfg.train.save_final and dp.is_main:
-            result.final_dir = save_final(model, tokenizer, cfg, out_dir)
+            result.final_dir = save_final(model, tokenizer, cfg, out_dir, optimizer)
         if report:
             report("after", model=model, tokenizer=tokenizer, eval_loss=result.eval_loss_after,
                    heldout_qa=heldout_qa, result=result)

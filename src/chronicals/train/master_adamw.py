@@ -79,6 +79,11 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             st["master"] = p.detach().to(torch.float32, copy=True)
         return st
 
+    def master(self, p: torch.Tensor) -> torch.Tensor:
+        """p's fp32 master, or p itself (a float32 parameter, or one no step has updated yet): the trained value
+        before its rounding to bf16, which the trainer writes into the final adapter."""
+        return self.state.get(p, {}).get("master", p)
+
     def load_state_dict(self, state_dict: dict) -> None:
         """As ``Optimizer.load_state_dict``, but masters, moments and step counts stay fp32 (the base class
         casts floating state to the parameter's dtype, which would round the masters back to bf16)."""
