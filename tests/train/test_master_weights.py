@@ -321,3 +321,8 @@ def test_bf16_lora_run_writes_its_fp32_masters_as_the_adapter(tmp_path, docs):
     assert again.step == 4 and again.start_step == 4
     resaved = load_file(str(again.final_dir / "adapter_model.safetensors"))
     assert all(torch.equal(resaved[k], saved[k]) for k in saved)
+    # the last checkpoint as an adapter (chat / eval / export --adapter runs/x/checkpoints/step-N): the same masters
+    from chronicals.train.checkpoint_adapter import apply_checkpoint_adapter
+
+    from_ck = adapter_state_dict(apply_checkpoint_adapter(tiny_model(dtype=torch.bfloat16), result.checkpoint))
+    assert from_ck.keys() == saved.keys() and all(torch.equal(from_ck[k], saved[k]) for k in saved)

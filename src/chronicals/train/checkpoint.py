@@ -130,8 +130,32 @@ def snapshot(step: int, model: torch.nn.Module, optimizer, scheduler, data_state
     """Everything a checkpoint holds, as CPU copies taken now (the next optimizer step cannot change them)."""
     # deep copies of the host-side parts too: a loader may reshuffle an array its state_dict returned
     return {"format": FORMAT, "step": step, "model": trainable_state(model),
-            "optimizer": _to_cpu(optimizer.state_dict()), "scheduler": copy.deepcopy(scheduler.state_dict()),
+            "optimizer": _to_cpu(optimizer.state_dict()), "optimizer_params": optimizer_param_names(model, optimizer),
+            "scheduler": copy.deepcopy(scheduler.state_dict()),
             "data": copy.deepcopy(data_state), "rng": rng_state(), "extra": copy.deepcopy(extra or {})}
+
+
+def optimizer_param_names(model: torch.nn.Module, optimizer) -> list[str | None]:
+    """The model's name of each parameter in the optimizer's order (its state_dict numbers them 0, 1, ... across
+    param_groups), None for one the model does not hold: lets a reader of the checkpoint find a weight's fp32
+    master (``checkpoint_adapter``)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names.get(id(p)) for g in getattr(optimizer, "param_groups", []) for p in g["params"]]
+
+
+def masters_by_name(state: dict) -> dict[str, torch.Tensor]:
+    """{parameter name: fp32 master} from a checkpoint's optimizer state (``optim.master_weights``); {} for a run
+    without masters, or a checkpoint older than its ``optimizer_params`` list."""
+    names, opt = state.get("optimizer_params"), state.get("optimizer") or {}
+    if not isinstance(names, list) or not isinstance(opt.get("param_groups"), list):
+        return {}
+    ids = [i for g in opt["param_groups"] for i in g.get("params", [])]
+    out = {}
+    for i, name in zip(ids, names):
+        master = (opt.get("state") or {}).get(i, {}).get("master")
+        if name is not None and isinstance(master, torch.Tensor):
+            out[name] = master
+    return out
 
 
 def checkpoint_path(out_dir: str | Path, step: int) -> Path:

@@ -6,8 +6,9 @@ of every target, and any ``lora.modules_to_save`` module) and, in ``extra``, wha
 model, as the run's adapter/ records it: an absolute path or a short name; None for a model passed to train()),
 ``lora`` (the settings apply_lora used, from ``model.lora_config``) and ``config`` (the run's config). Those rebuild
 the adapter in memory: ``apply_lora`` with the recorded settings, then the tensors copied in, as a resume restores
-them. The tensors are the weights the step's forward used (bf16 on CUDA), the ones the run's final adapter/ is
-saved from. Checkpoints written before ``base`` and ``lora`` were recorded fall back to the config's model.path
+them. The tensors are the fp32 masters of a run with ``optim.master_weights`` (bf16 on CUDA), as the run's final
+adapter/ is saved, else the weights themselves; checkpoints older than their ``optimizer_params`` list give the
+bf16 weights (the masters rounded). Checkpoints written before ``base`` and ``lora`` were recorded fall back to the config's model.path
 (only when it names the model from anywhere: absolute, ``~``, or a short name) and lora section.
 """
 
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..config import TrainConfig, from_dict
-from .checkpoint import STATE_FILE, _read_state
+from .checkpoint import STATE_FILE, _read_state, masters_by_name
 
 
 def lora_settings(model: torch.nn.Module) -> dict | None:
@@ -84,7 +85,11 @@ def _read(file: Path, _version: tuple) -> CheckpointAdapter:
             raise ValueError(f"checkpoint {file}: tensor {name} is stored as {t.dtype}, not as floating point; it "
                              "was not written by chronicals: use the run's adapter/ directory")
     record = extra.get("lora")
-    return CheckpointAdapter(file, cfg, base, why, _lora_kwargs(record, cfg), state["model"],
+    tensors = dict(state["model"])
+    for name, master in masters_by_name(state).items():  # paged in from the file: the moments beside them are not
+        if name in tensors and master.shape == tensors[name].shape:
+            tensors[name] = master
+    return CheckpointAdapter(file, cfg, base, why, _lora_kwargs(record, cfg), tensors,
                              None if record is None else list(record["lora_modules"]))
 
 
