@@ -484,8 +484,8 @@ def test_chat_fits_each_prompt_and_its_answer_in_the_models_context(tmp_path, mo
     small = save_model(CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0), tok, tmp_path / "m")
     asked = []
     real = qa_mod.answer
-    monkeypatch.setattr(qa_mod, "answer", lambda m, t, q, system, n: asked.append(
-        len(qa_mod.prompt_ids(t, q, system)) + n) or real(m, t, q, system, n))
+    monkeypatch.setattr(qa_mod, "answer", lambda m, t, q, system, n, *sampling: asked.append(
+        len(qa_mod.prompt_ids(t, q, system)) + n) or real(m, t, q, system, n, *sampling))
     long = "word " * 80
     monkeypatch.setattr("sys.stdin", io.StringIO(f"hi\n{long}\nwhat is two plus two, in a few words?\n"))
     rc = main(["chat", "--model", str(small), "--system", "Be brief.", "--max-new-tokens", "60"])
@@ -551,3 +551,24 @@ def test_verbose_says_how_answers_are_decoded(command, tiny_base, tmp_path, monk
     monkeypatch.setattr(gen, "_logged", set())
     assert main([*argv, "-v"]) == 0
     assert "generate: eager decoding on cpu" in caplog.text, caplog.text
+
+
+def test_chat_samples_with_temperature_top_p_and_seed(tiny_base, capsys):
+    """--temperature > 0 samples (nucleus with --top-p), reproducibly under --seed; flags that shape sampling
+    without a temperature, or out of range, are refused before the model loads."""
+    base = ["chat", "--model", str(tiny_base), "--device", "cpu", "--max-new-tokens", "8", "hi"]
+    for bad, says in ((["--top-p", "0.5"], "without --temperature > 0 answers are greedy; add --temperature"),
+                      (["--seed", "3"], "without --temperature > 0 answers are greedy"),
+                      (["--temperature", "-1"], "--temperature -1.0: expected a number >= 0"),
+                      (["--temperature", "1", "--top-p", "0"], "--top-p 0.0: expected a number in (0, 1]")):
+        with pytest.raises(SystemExit) as e:
+            main([*base, *bad])
+        assert e.value.code == 2 and says in capsys.readouterr().err, bad
+    answers = {}
+    for name, extra in (("greedy", []), ("s1", ["--temperature", "1", "--seed", "1"]),
+                        ("s1 again", ["--temperature", "1", "--seed", "1"]),
+                        ("s2", ["--temperature", "1", "--top-p", "0.95", "--seed", "2"])):
+        assert main([*base, *extra]) == 0
+        answers[name] = capsys.readouterr().out
+    assert answers["s1"] == answers["s1 again"]
+    assert len({answers["greedy"], answers["s1"], answers["s2"]}) == 3, answers

@@ -37,9 +37,9 @@ def _run_system_prompt(path: str | None) -> str | None:
 
 def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     p = argparse.ArgumentParser(prog=f"chronicals {prog}",
-                                description="Answer prompts (greedy) with a base or fine-tuned model; with no "
-                                            "prompts, read one per line from stdin. Each prompt is asked on its own "
-                                            "(no earlier turns), with the system message.")
+                                description="Answer prompts (greedy, or sampled with --temperature) with a base or "
+                                            "fine-tuned model; with no prompts, read one per line from stdin. Each "
+                                            "prompt is asked on its own (no earlier turns), with the system message.")
     p.add_argument("prompts", nargs="*", help="user messages to answer")
     p.add_argument("--model", default=None, help="HF directory, .gguf, or smollm2-135m-instruct (default: with "
                                                   "--adapter the base recorded in it, else smollm2-135m-instruct)")
@@ -55,6 +55,14 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help=DTYPE_HELP)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy, the same answer every time; > 0: sample, higher is more varied")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="with --temperature > 0, sample from the most likely tokens whose probability reaches this "
+                        "(0 < p <= 1; default 1: from all)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="with --temperature > 0, the sampling seed (same seed, prompts and model: same answers); "
+                        "default: a fresh one each run")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also log what the command does to stderr: the load, device and dtype, and how "
                         "answers are decoded (eager, or one CUDA-graph replay per token)")
@@ -63,6 +71,13 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
         _setup_logging()
     if a.max_new_tokens < 1:
         p.error(f"--max-new-tokens {a.max_new_tokens}: an answer needs at least 1 new token")
+    if not a.temperature >= 0:  # NaN too
+        p.error(f"--temperature {a.temperature}: expected a number >= 0 (0 = greedy)")
+    if not 0 < a.top_p <= 1:
+        p.error(f"--top-p {a.top_p}: expected a number in (0, 1] (1 = sample from every token)")
+    if not a.temperature and (a.top_p != 1 or a.seed is not None):
+        p.error("--top-p and --seed shape sampling, and without --temperature > 0 answers are greedy; add "
+                "--temperature (e.g. 0.7)")
     if any(not q.strip() for q in a.prompts):
         p.error("an empty prompt was given; pass the message text (or no prompts to read them from stdin)")
     from .train.setup import resolve_device
@@ -88,6 +103,15 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
         print("type a message and press enter (Ctrl-D to quit)", file=sys.stderr)
     if not prompts:
         prompts = (line.strip() for line in sys.stdin)  # one prompt per line; blank lines are skipped
+    sampler = None
+    if a.temperature:  # one generator for the session: each answer draws on from where the last one stopped
+        import torch
+
+        sampler = torch.Generator(device=model.lm_head.weight.device)
+        if a.seed is None:
+            sampler.seed()
+        else:
+            sampler.manual_seed(a.seed)
     answered = refused = 0
     capped = False
     for q in prompts:
@@ -101,7 +125,7 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
         if why and not capped:  # once: in a long session every long prompt would repeat it
             print(f"note: {why}", file=sys.stderr)
             capped = True
-        reply = answer(model, tok, q, system, room)
+        reply = answer(model, tok, q, system, room, a.temperature, a.top_p, sampler)
         print(reply if interactive else f"> {q}\n{reply}", flush=True)
         answered += 1
     if not answered and not refused and not interactive:  # piped stdin with no prompt in it: not a silent success

@@ -109,3 +109,29 @@ def test_held_out_loss_and_qa_answers_restore_each_module_mode(tiny_hf_config):
 
     evaluate_loss(model, [Batch()], torch.device("cpu"))
     assert model.training and not model.model.layers[0].mlp.training
+
+
+def test_top_p_samples_only_from_the_nucleus(tiny_hf_config):
+    """Nucleus sampling: every drawn first token lies in the smallest set of most likely tokens whose probability
+    reaches top_p (computed here from the model's logits in float64); top_p=1 draws outside it; the same seed gives
+    the same tokens; a top_p outside (0, 1] is refused."""
+    model = _model(tiny_hf_config)
+    ids = torch.randint(3, 97, (6,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = model(ids.view(1, -1))[0, -1].double()
+    probs = torch.softmax(logits / 1.5, dim=-1)
+    sorted_p, order = probs.sort(descending=True)
+    k = int((sorted_p.cumsum(0) < 0.5).sum()) + 1  # tokens needed to reach 0.5
+    nucleus = set(order[:k].tolist())
+    assert 1 < k < 20  # a real cut: several tokens in, most out
+    g = torch.Generator().manual_seed(0)
+    firsts = {int(generate(model, ids, 1, temperature=1.5, top_p=0.5, generator=g)[0]) for _ in range(200)}
+    assert firsts <= nucleus and len(firsts) > 1
+    g = torch.Generator().manual_seed(0)
+    assert {int(generate(model, ids, 1, temperature=1.5, generator=g)[0]) for _ in range(200)} - nucleus
+    a = generate(model, ids, 8, temperature=1.0, top_p=0.9, generator=torch.Generator().manual_seed(5))
+    b = generate(model, ids, 8, temperature=1.0, top_p=0.9, generator=torch.Generator().manual_seed(5))
+    assert a.tolist() == b.tolist()
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"top_p=.* must be in \(0, 1\]"):
+            generate(model, ids, 4, temperature=1.0, top_p=bad)

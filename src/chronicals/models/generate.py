@@ -111,14 +111,17 @@ def _choose(cuda_graph: bool | None, device: torch.device, max_new_tokens: int) 
 
 @torch.no_grad()
 def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64, *, eos_token_id=None,
-             temperature: float = 0.0, generator: torch.Generator | None = None,
+             temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
              cuda_graph: bool | None = None) -> torch.Tensor:
     """input_ids (S,) or (1, S) -> the new token ids (T,), T <= max_new_tokens; stops at eos, and at the model's
     context (S + T <= max_position_embeddings, or sliding_window when shorter, with a warning: see
     ``new_token_budget``).
 
-    temperature 0 is greedy decoding. ``input_ids`` may also be a tokenizer's output for one prompt (a mapping
-    with "input_ids", such as the BatchEncoding that ``apply_chat_template(..., return_tensors="pt")`` returns).
+    temperature 0 is greedy decoding; above 0, tokens are drawn from softmax(logits / temperature) with
+    ``generator`` (on the model's device), from the smallest set of most likely tokens whose probability
+    reaches ``top_p`` (nucleus sampling; 1.0: from all). ``input_ids`` may also be a tokenizer's output for one
+    prompt (a mapping with "input_ids", such as the BatchEncoding that ``apply_chat_template(...,
+    return_tensors="pt")`` returns).
 
     cuda_graph: replay one captured decode step per token over a preallocated KV cache (``models.decode_graph``;
     the bare 0.5B model decoded ~10x faster on an H200, see benchmarks/bench_generate_adapter_dtype.py). None
@@ -135,6 +138,8 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
                          "tokenizer's bos_token_id)")
     if not temperature >= 0:  # NaN too
         raise ValueError(f"generate: temperature={temperature} must be >= 0 (0 = greedy decoding)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"generate: top_p={top_p} must be in (0, 1] (1 = sample from every token)")
     ids = input_ids.view(1, -1).to(model.lm_head.weight.device)
     max_new_tokens = new_token_budget(model, ids.shape[1], max_new_tokens)
     if isinstance(eos_token_id, torch.Tensor):  # a 0-d or 1-d tensor of ids, as a tokenizer config may give
@@ -147,6 +152,10 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
     def pick(logits: torch.Tensor) -> int:
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
+            if top_p < 1:  # keep a token while the mass of the likelier ones is below top_p (the first always)
+                probs, order = probs.sort(descending=True)
+                probs = probs * (probs.cumsum(0) - probs < top_p)
+                return int(order[torch.multinomial(probs, 1, generator=generator)])
             return int(torch.multinomial(probs, 1, generator=generator))
         return int(logits.argmax())
 

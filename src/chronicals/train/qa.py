@@ -20,7 +20,7 @@ from ..config import DEMO, DEMO_SYSTEM_PROMPT
 from ..data.dataset import report_bad_records
 from ..data.formats import FormatError, check_text
 from ..data.readers import DataError, read_file, resolve_files
-from ..models.generate import greedy_rows
+from ..models.generate import generate, greedy_rows
 from .guards import check_ids_in_vocab
 
 
@@ -212,8 +212,17 @@ def prompt_ids(tokenizer, question: str, system_prompt: str) -> torch.Tensor:
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
-def answer(model, tokenizer, question: str, system_prompt: str, max_new_tokens: int) -> str:
-    return answer_many(model, tokenizer, [question], system_prompt, max_new_tokens)[0]
+def answer(model, tokenizer, question: str, system_prompt: str, max_new_tokens: int, temperature: float = 0.0,
+           top_p: float = 1.0, generator: torch.Generator | None = None) -> str:
+    """One answer: greedy (``answer_many``), or sampled with ``temperature`` > 0 (``models.generate.generate``)."""
+    if not temperature:
+        return answer_many(model, tokenizer, [question], system_prompt, max_new_tokens)[0]
+    ids = prompt_ids(tokenizer, question, system_prompt)
+    if len(ids):
+        check_ids_in_vocab(model, int(ids.max()), f"the prompt {question[:60]!r} tokenizes to id")
+    out = generate(model, ids, max_new_tokens, eos_token_id=tokenizer.eos_token_id, temperature=temperature,
+                   top_p=top_p, generator=generator)
+    return tokenizer.decode(out.tolist(), skip_special_tokens=True).strip()
 
 
 # Prompts decoded together at most: the bf16 KV cache of 64 rows of 1,536 tokens (prompt + answer) takes 1.1 GiB
