@@ -572,3 +572,40 @@ def test_chat_samples_with_temperature_top_p_and_seed(tiny_base, capsys):
         answers[name] = capsys.readouterr().out
     assert answers["s1"] == answers["s1 again"]
     assert len({answers["greedy"], answers["s1"], answers["s2"]}) == 3, answers
+
+
+def test_chat_turns_carry_the_conversation_and_reset_forgets_it(tmp_path, monkeypatch, capsys):
+    """--turns multi (a terminal's default): each prompt follows the earlier turns, '/reset' forgets them, and the
+    oldest turns are dropped (said once) where they would shorten the answer; given or piped prompts are asked on
+    their own by default."""
+    import transformers
+
+    from chronicals.train import qa as qa_mod
+
+    tok = load_tokenizer("smollm2-135m-instruct")
+    hf = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+                                  tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
+    small = save_model(CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0), tok, tmp_path / "m")
+    seen = []
+    real = qa_mod.answer
+
+    def spy(m, t, q, system, n, temperature, top_p, generator, history):
+        seen.append([said for said, _ in history])
+        ids = qa_mod.prompt_ids(t, q, system, history)
+        assert all(said in t.decode(ids) for said, _ in history)  # the earlier turns are in the prompt
+        return real(m, t, q, system, n, temperature, top_p, generator, history)
+    monkeypatch.setattr(qa_mod, "answer", spy)
+    common = ["chat", "--model", str(small), "--system", "Be brief.", "--max-new-tokens", "4"]
+    assert main([*common, "--turns", "multi", "one", "two", "/reset", "three"]) == 0
+    assert seen == [[], ["one"], []]
+    assert "(the conversation starts over)" in capsys.readouterr().err
+    seen.clear()
+    assert main([*common, "one", "two"]) == 0  # given prompts: each on its own
+    assert seen == [[], []]
+    capsys.readouterr()
+    seen.clear()  # 96 positions: ~25 tokens of framing, ~9 a turn, an answer of 30: the oldest turns give way
+    assert main([*common[:-1], "30", "--turns", "multi", *[f"q{i}" for i in range(6)]]) == 0
+    err = capsys.readouterr().err
+    assert err.count("note: earlier turns are dropped, oldest first") == 1, err
+    assert seen[1] == ["q0"] and seen[-1] and seen[-1][0] != "q0" and seen[-1][-1] == "q4", seen

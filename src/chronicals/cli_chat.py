@@ -38,8 +38,9 @@ def _run_system_prompt(path: str | None) -> str | None:
 def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     p = argparse.ArgumentParser(prog=f"chronicals {prog}",
                                 description="Answer prompts (greedy, or sampled with --temperature) with a base or "
-                                            "fine-tuned model; with no prompts, read one per line from stdin. Each "
-                                            "prompt is asked on its own (no earlier turns), with the system message.")
+                                            "fine-tuned model; with no prompts, read one per line from stdin. In a "
+                                            "terminal the conversation goes on turn by turn (/reset starts over); "
+                                            "given or piped prompts are each asked on their own (--turns).")
     p.add_argument("prompts", nargs="*", help="user messages to answer")
     p.add_argument("--model", default=None, help="HF directory, .gguf, or smollm2-135m-instruct (default: with "
                                                   "--adapter the base recorded in it, else smollm2-135m-instruct)")
@@ -63,6 +64,10 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     p.add_argument("--seed", type=int, default=None,
                    help="with --temperature > 0, the sampling seed (same seed, prompts and model: same answers); "
                         "default: a fresh one each run")
+    p.add_argument("--turns", default="auto", choices=["auto", "multi", "single"],
+                   help="multi: each prompt follows the earlier prompts and answers (the oldest dropped when they "
+                        "would not fit the context; a line '/reset' forgets them); single: each prompt asked on its "
+                        "own; auto (default): multi in a terminal, single for given or piped prompts")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also log what the command does to stderr: the load, device and dtype, and how "
                         "answers are decoded (eager, or one CUDA-graph replay per token)")
@@ -99,8 +104,10 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
         system = DEMO_SYSTEM_PROMPT
     prompts = a.prompts
     interactive = not prompts and sys.stdin.isatty()  # a terminal: answers only; piped or given: "> prompt" first
+    multi = a.turns == "multi" or a.turns == "auto" and interactive
     if interactive:
-        print("type a message and press enter (Ctrl-D to quit)", file=sys.stderr)
+        print("type a message and press enter (Ctrl-D to quit" + ("; /reset starts the conversation over)" if multi
+                                                                  else ")"), file=sys.stderr)
     if not prompts:
         prompts = (line.strip() for line in sys.stdin)  # one prompt per line; blank lines are skipped
     sampler = None
@@ -112,12 +119,25 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
             sampler.seed()
         else:
             sampler.manual_seed(a.seed)
+    history: list[tuple[str, str]] = []  # (prompt, answer) of the turns so far, oldest first (multi)
     answered = refused = 0
-    capped = False
+    capped = dropped = False
     for q in prompts:
         if not q:
             continue
-        room, why = _answer_room(model, tok, q, system, a.max_new_tokens, a.model)
+        if multi and q == "/reset":
+            history.clear()
+            print("(the conversation starts over)", file=sys.stderr, flush=True)
+            continue
+        room, why = _answer_room(model, tok, q, system, a.max_new_tokens, a.model, history)
+        best = _answer_room(model, tok, q, system, a.max_new_tokens, a.model)[0] if history else room
+        while history and room < best:  # the oldest turns give way to as long an answer as this prompt alone gets
+            history.pop(0)
+            room, why = _answer_room(model, tok, q, system, a.max_new_tokens, a.model, history)
+            if not dropped:  # once a session
+                print("note: earlier turns are dropped, oldest first, where they would shorten the answer (the "
+                      "conversation and the answer share the model's context)", file=sys.stderr)
+                dropped = True
         if not room:  # this prompt alone fills the context: said, and the next one is read
             print(f"error: {why}", file=sys.stderr, flush=True)
             refused += 1
@@ -125,8 +145,10 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
         if why and not capped:  # once: in a long session every long prompt would repeat it
             print(f"note: {why}", file=sys.stderr)
             capped = True
-        reply = answer(model, tok, q, system, room, a.temperature, a.top_p, sampler)
+        reply = answer(model, tok, q, system, room, a.temperature, a.top_p, sampler, history)
         print(reply if interactive else f"> {q}\n{reply}", flush=True)
+        if multi:
+            history.append((q, reply))
         answered += 1
     if not answered and not refused and not interactive:  # piped stdin with no prompt in it: not a silent success
         print("error: no prompt: stdin held no non-blank line; pass the message as an argument, or pipe one "
@@ -135,22 +157,23 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     return 3 if refused else 0  # 3: bad input, as a data file's bad record
 
 
-def _answer_room(model, tok, q: str, system: str, max_new_tokens: int, name: str) -> tuple[int, str | None]:
-    """(new tokens ``q``'s answer may take, why fewer than ``max_new_tokens`` or None). Each prompt is asked
-    alone (no earlier turns), and the templated prompt (system message, ``q``, the opened assistant turn) and its
-    answer share the model's context (generate.context_length): 0 when the prompt fills it by itself."""
+def _answer_room(model, tok, q: str, system: str, max_new_tokens: int, name: str,
+                 history: list | tuple = ()) -> tuple[int, str | None]:
+    """(new tokens ``q``'s answer may take, why fewer than ``max_new_tokens`` or None). The templated prompt
+    (system message, the earlier turns ``history``, ``q``, the opened assistant turn) and its answer share the
+    model's context (generate.context_length): 0 when the prompt fills it by itself."""
     from .models.generate import context_length
     from .train.qa import prompt_ids
 
     context, limit = context_length(model)
     if not context:
         return max_new_tokens, None
-    used = len(prompt_ids(tok, q, system))
+    used = len(prompt_ids(tok, q, system, history))
     if used < context:
         room = min(max_new_tokens, context - used)
         return room, None if room == max_new_tokens else (
-            f"--max-new-tokens {max_new_tokens}: a prompt of {used} tokens (with the system message and chat "
-            f"template) leaves room for {room} in the {context} tokens {name} attends to ({limit}); answers to "
+            f"--max-new-tokens {max_new_tokens}: a prompt of {used} tokens (with the system message"
+            f"{', earlier turns' if history else ''} and chat template) leaves room for {room} in the {context} tokens {name} attends to ({limit}); answers to "
             "long prompts are cut there")
     shown = repr(q) if len(q) <= 60 else repr(q[:57] + "...")
     framing = len(prompt_ids(tok, "", system))  # the system message and the template around the message

@@ -179,8 +179,13 @@ def heldout_system_prompt(data) -> str:
     return ""
 
 
-def chat_messages(question: str, system_prompt: str, answer: str | None = None) -> list[dict]:
+def chat_messages(question: str, system_prompt: str, answer: str | None = None,
+                  history: tuple | list = ()) -> list[dict]:
+    """The system message, the earlier turns ``history`` ((user, assistant) pairs, oldest first), ``question`` and
+    ``answer`` if given, as chat messages."""
     msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    for said, replied in history:
+        msgs += [{"role": "user", "content": said}, {"role": "assistant", "content": replied}]
     msgs.append({"role": "user", "content": question})
     if answer is not None:
         msgs.append({"role": "assistant", "content": answer})
@@ -205,19 +210,19 @@ def write_chat_jsonl(records: list[dict], path: Path, system_prompt: str) -> Pat
     return path
 
 
-def prompt_ids(tokenizer, question: str, system_prompt: str) -> torch.Tensor:
-    """The chat-templated prompt with the assistant turn opened, (S,) int64."""
-    text = tokenizer.apply_chat_template(chat_messages(question, system_prompt), tokenize=False,
+def prompt_ids(tokenizer, question: str, system_prompt: str, history: tuple | list = ()) -> torch.Tensor:
+    """The chat-templated prompt (after the earlier turns ``history``, see chat_messages) with the assistant turn
+    opened, (S,) int64."""
+    text = tokenizer.apply_chat_template(chat_messages(question, system_prompt, history=history), tokenize=False,
                                          add_generation_prompt=True)
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
 def answer(model, tokenizer, question: str, system_prompt: str, max_new_tokens: int, temperature: float = 0.0,
-           top_p: float = 1.0, generator: torch.Generator | None = None) -> str:
-    """One answer: greedy (``answer_many``), or sampled with ``temperature`` > 0 (``models.generate.generate``)."""
-    if not temperature:
-        return answer_many(model, tokenizer, [question], system_prompt, max_new_tokens)[0]
-    ids = prompt_ids(tokenizer, question, system_prompt)
+           top_p: float = 1.0, generator: torch.Generator | None = None, history: tuple | list = ()) -> str:
+    """One answer (``models.generate.generate``: greedy, or sampled with ``temperature`` > 0), after the earlier
+    turns ``history`` ((user, assistant) pairs)."""
+    ids = prompt_ids(tokenizer, question, system_prompt, history)
     if len(ids):
         check_ids_in_vocab(model, int(ids.max()), f"the prompt {question[:60]!r} tokenizes to id")
     out = generate(model, ids, max_new_tokens, eos_token_id=tokenizer.eos_token_id, temperature=temperature,
