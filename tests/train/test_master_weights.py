@@ -295,7 +295,8 @@ def test_a_lora_sized_lr_for_full_fine_tuning_warns(tmp_path, caplog):
         assert ("the default 1e-3 is LoRA's" in caplog.text) == warns, lr
 
 
-def test_bf16_lora_run_writes_its_fp32_masters_as_the_adapter(tmp_path, docs):
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_lora_run_writes_its_fp32_masters_as_the_adapter(tmp_path, docs, device):
     """The final adapter of a bf16 LoRA run held its bf16 weights: the fp32 masters rounded, so an update below
     half a bf16 step (most of lora_A's at a small lr) was lost from the file though the run had kept it. Now the
     file holds the masters, fp32 (PEFT's adapter dtype): rounded to bf16 they are the model's weights, and they are
@@ -305,8 +306,9 @@ def test_bf16_lora_run_writes_its_fp32_masters_as_the_adapter(tmp_path, docs):
     from chronicals.lora.peft_io import adapter_state_dict
 
     over = dict(model__dtype="bfloat16", lora__enabled=True, lora__rank=4, lora__alpha=8, train__max_steps=4,
-                optim__lr=1e-4, train__save_final=True, train__resume="auto")
-    model = tiny_model()
+                optim__lr=1e-4, train__save_final=True, train__resume="auto", model__device=device)
+    fresh = (lambda: tiny_model()) if device == "cpu" else (lambda: _bf16_model(device))  # CUDA: graphs on (auto)
+    model = fresh()
     result = train(tiny_config(tmp_path, **over), model=model, train_loader=SyntheticLoader(docs, seed=5))
     saved = load_file(str(result.final_dir / "adapter_model.safetensors"))
     weights = adapter_state_dict(model)
@@ -317,12 +319,13 @@ def test_bf16_lora_run_writes_its_fp32_masters_as_the_adapter(tmp_path, docs):
         assert torch.equal(t.to(torch.bfloat16), weights[k]), k
         between += int((t != t.to(torch.bfloat16).float()).sum())
     assert between > 0  # updates the bf16 weights do not show
-    again = train(tiny_config(tmp_path, **over), model=tiny_model(), train_loader=SyntheticLoader(docs, seed=5))
+    again = train(tiny_config(tmp_path, **over), model=fresh(), train_loader=SyntheticLoader(docs, seed=5))
     assert again.step == 4 and again.start_step == 4
     resaved = load_file(str(again.final_dir / "adapter_model.safetensors"))
     assert all(torch.equal(resaved[k], saved[k]) for k in saved)
     # the last checkpoint as an adapter (chat / eval / export --adapter runs/x/checkpoints/step-N): the same masters
     from chronicals.train.checkpoint_adapter import apply_checkpoint_adapter
 
-    from_ck = adapter_state_dict(apply_checkpoint_adapter(tiny_model(dtype=torch.bfloat16), result.checkpoint))
+    base = tiny_model(dtype=torch.bfloat16) if device == "cpu" else _bf16_model(device)
+    from_ck = adapter_state_dict(apply_checkpoint_adapter(base, result.checkpoint))
     assert from_ck.keys() == saved.keys() and all(torch.equal(from_ck[k], saved[k]) for k in saved)
