@@ -143,3 +143,15 @@ def test_lora_linear_refuses_a_mask_where_a_draw_goes():
     for impl in ("fused", "torch"):
         with pytest.raises(TypeError, match=fix):
             lora_linear(x, w, b, a, bb, 1.0, mask, impl=impl)
+
+
+def test_fused_direct_call_with_wider_adapters_says_what_to_pass():
+    """fp32 A and B on a bf16 x (an adapter loaded as PEFT keeps it) failed inside torch.mm ("expected m1 and m2 to
+    have the same dtype"); the reference computes that case, as LoRALinear does."""
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    w = torch.randn(6, 8, dtype=torch.bfloat16)
+    a, b = torch.randn(2, 8), torch.randn(6, 2)
+    with pytest.raises(ValueError, match=r"takes A and B in x's dtype \(torch.bfloat16\), got A torch.float32 .* "
+                                         r"pass impl='torch'"):
+        lora_linear(x, w, None, a, b, 0.5)
+    assert lora_linear(x, w, None, a, b, 0.5, impl="torch").dtype == torch.bfloat16

@@ -193,6 +193,10 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, draw=None, impl
         raise TypeError(f"lora_linear: draw must be an ops.dropout.DropDraw or None, got {type(draw).__name__}; "
                         f"make one with ops.dropout.draw(p, device) (a bool mask and a dropout p are not taken)")
     if impl == "fused":
+        if not lora_a.dtype == lora_b.dtype == x.dtype:  # torch.mm's "expected m1 and m2 to have the same dtype"
+            raise ValueError(f"lora_linear(impl='fused') takes A and B in x's dtype ({x.dtype}), got A {lora_a.dtype} "
+                             f"and B {lora_b.dtype}; cast them (.to(x.dtype)), or pass impl='torch', which computes "
+                             "wider adapters as PEFT does (x cast to theirs in the branch, the sum rounded to x's)")
         return LoRALinearFunction.apply(x, weight, bias, lora_a, lora_b, scaling, draw, concat, wcat)
     if impl == "torch":
         if draw is None:
