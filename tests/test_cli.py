@@ -466,6 +466,17 @@ def test_under_torchrun_only_rank_0_warns(rank, tmp_path, monkeypatch, caplog):
     assert f"rank {rank}: CUDA error" in said, said
 
 
+def _small_chat_model(tok, positions: int, path):
+    """A 1-layer random Llama with the embedded tokenizer (its chat template) that attends to ``positions`` tokens,
+    saved as an HF directory at ``path``."""
+    import transformers
+
+    hf = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
+                                  tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
+    return save_model(CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0), tok, path)
+
+
 def test_chat_fits_each_prompt_and_its_answer_in_the_models_context(tmp_path, monkeypatch, capsys):
     """chat checked --max-new-tokens against the context without the prompt: a 60-token answer to a 20-token prompt
     on a 64-position model was asked for, and a prompt past the context got an empty answer and exit 0. Now the
@@ -473,15 +484,10 @@ def test_chat_fits_each_prompt_and_its_answer_in_the_models_context(tmp_path, mo
     next one is answered (exit 3 at the end)."""
     import io
 
-    import transformers
-
     from chronicals.train import qa as qa_mod
 
     tok = load_tokenizer("smollm2-135m-instruct")
-    hf = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                  tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
-    small = save_model(CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0), tok, tmp_path / "m")
+    small = _small_chat_model(tok, 64, tmp_path / "m")
     asked = []
     real = qa_mod.answer
     monkeypatch.setattr(qa_mod, "answer", lambda m, t, q, system, n, *sampling: asked.append(
@@ -578,15 +584,10 @@ def test_chat_turns_carry_the_conversation_and_reset_forgets_it(tmp_path, monkey
     """--turns multi (a terminal's default): each prompt follows the earlier turns, '/reset' forgets them, and the
     oldest turns are dropped (said once) where they would shorten the answer; given or piped prompts are asked on
     their own by default."""
-    import transformers
-
     from chronicals.train import qa as qa_mod
 
     tok = load_tokenizer("smollm2-135m-instruct")
-    hf = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
-                                  tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
-    small = save_model(CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0), tok, tmp_path / "m")
+    small = _small_chat_model(tok, 96, tmp_path / "m")
     seen = []
     real = qa_mod.answer
 

@@ -108,6 +108,15 @@ def test_auto_decodes_eagerly_on_cpu_and_says_so(tiny_hf_config, caplog, monkeyp
     assert not generate_mod.decode_with_graph(None, torch.device("cuda"), 15)
 
 
+def _random_lora(model) -> None:
+    """A LoRA adapter with B random (zero B leaves the branch invisible)."""
+    apply_lora(model, r=4, alpha=8)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2, generator=torch.Generator(p.device).manual_seed(4))
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
@@ -119,11 +128,7 @@ def test_captured_step_decodes_as_eager_on_cuda(tiny_hf_config, family, lora):
     those tokens fed (1e-4: other attention kernels), with and without a LoRA adapter (B random)."""
     model = _model(tiny_hf_config, family, device="cuda")
     if lora:
-        apply_lora(model, r=4, alpha=8)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0, 0.2, generator=torch.Generator("cuda").manual_seed(4))
+        _random_lora(model)
     ids = torch.randint(3, 97, (6,), generator=torch.Generator().manual_seed(5)).cuda()
     eager = generate(model, ids, 24, cuda_graph=False)
     graphed = generate(model, ids, 24, cuda_graph=True)
@@ -212,11 +217,7 @@ def test_captured_batched_step_decodes_as_eager_on_cuda(tiny_hf_config, lora):
     stopping at their own eos, with and without a LoRA adapter (B random)."""
     model = _model(tiny_hf_config, "smollm2", device="cuda")
     if lora:
-        apply_lora(model, r=4, alpha=8)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0, 0.2, generator=torch.Generator("cuda").manual_seed(4))
+        _random_lora(model)
     ids = torch.randint(3, 97, (3, 6), generator=torch.Generator().manual_seed(10)).cuda()
     eos = _rows_with_stops(model, ids, 24)
     eager = generate_mod.greedy_rows(model, ids, 24, eos, cuda_graph=False)
