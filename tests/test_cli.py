@@ -466,15 +466,16 @@ def test_under_torchrun_only_rank_0_warns(rank, tmp_path, monkeypatch, caplog):
     assert f"rank {rank}: CUDA error" in said, said
 
 
-def _small_chat_model(tok, positions: int, path):
+def _small_chat_model(tok, positions: int, path, **init):
     """A 1-layer random Llama with the embedded tokenizer (its chat template) that attends to ``positions`` tokens,
-    saved as an HF directory at ``path``."""
+    saved as an HF directory at ``path``; ``init``: init_weights' (std=0.5: answers of varied words, where the
+    default init repeats the template's last newline)."""
     import transformers
 
     hf = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
                                   tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
-    return save_model(CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0), tok, path)
+    return save_model(CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0, **init), tok, path)
 
 
 def test_chat_fits_each_prompt_and_its_answer_in_the_models_context(tmp_path, monkeypatch, capsys):
@@ -610,3 +611,35 @@ def test_chat_turns_carry_the_conversation_and_reset_forgets_it(tmp_path, monkey
     err = capsys.readouterr().err
     assert err.count("note: earlier turns are dropped, oldest first") == 1, err
     assert seen[1] == ["q0"] and seen[-1] and seen[-1][0] != "q0" and seen[-1][-1] == "q4", seen
+
+
+def test_chat_in_a_terminal_streams_answers_and_keeps_the_conversation(tmp_path, monkeypatch, capsys):
+    """In a terminal chat shows each answer as it is decoded (transformers' TextStreamer) and the conversation goes
+    on turn by turn; the streamed text is the answer a piped prompt gets."""
+    import io
+
+    from chronicals.train import qa as qa_mod
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    tok = load_tokenizer("smollm2-135m-instruct")
+    small = _small_chat_model(tok, 128, tmp_path / "m", std=0.5)
+    common = ["chat", "--model", str(small), "--system", "Be brief.", "--max-new-tokens", "6"]
+    assert main([*common, "hello there"]) == 0
+    alone = capsys.readouterr().out.split("\n", 1)[1].strip()  # after "> hello there"
+    assert alone  # a test of streaming needs text to stream
+    seen = []
+    real = qa_mod.answer
+
+    def spy(*args):
+        seen.append((len(args[8]), args[9] is not None))  # (earlier turns, streamed)
+        return real(*args)
+    monkeypatch.setattr(qa_mod, "answer", spy)
+    monkeypatch.setattr("sys.stdin", Terminal("hello there\nand then?\n"))
+    assert main(common) == 0
+    out, err = capsys.readouterr()
+    assert seen == [(0, True), (1, True)]
+    assert out.startswith(alone) and "> " not in out, out
+    assert "/reset starts the conversation over" in err

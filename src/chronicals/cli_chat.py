@@ -103,7 +103,8 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     if system is None:
         system = DEMO_SYSTEM_PROMPT
     prompts = a.prompts
-    interactive = not prompts and sys.stdin.isatty()  # a terminal: answers only; piped or given: "> prompt" first
+    interactive = not prompts and sys.stdin.isatty()  # a terminal: answers only, streamed; piped or given: "> prompt"
+    # first, then the whole answer
     multi = a.turns == "multi" or a.turns == "auto" and interactive
     if interactive:
         print("type a message and press enter (Ctrl-D to quit" + ("; /reset starts the conversation over)" if multi
@@ -119,6 +120,11 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
             sampler.seed()
         else:
             sampler.manual_seed(a.seed)
+    streamer = None
+    if interactive:
+        from transformers import TextStreamer
+
+        streamer = TextStreamer(tok, skip_special_tokens=True)
     history: list[tuple[str, str]] = []  # (prompt, answer) of the turns so far, oldest first (multi)
     answered = refused = 0
     capped = dropped = False
@@ -145,8 +151,11 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
         if why and not capped:  # once: in a long session every long prompt would repeat it
             print(f"note: {why}", file=sys.stderr)
             capped = True
-        reply = answer(model, tok, q, system, room, a.temperature, a.top_p, sampler, history)
-        print(reply if interactive else f"> {q}\n{reply}", flush=True)
+        if interactive:  # the answer shown as it is decoded (transformers' TextStreamer), then a new line
+            reply = answer(model, tok, q, system, room, a.temperature, a.top_p, sampler, history, streamer)
+        else:
+            reply = answer(model, tok, q, system, room, a.temperature, a.top_p, sampler, history)
+            print(f"> {q}\n{reply}", flush=True)
         if multi:
             history.append((q, reply))
         answered += 1

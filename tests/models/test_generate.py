@@ -135,3 +135,27 @@ def test_top_p_samples_only_from_the_nucleus(tiny_hf_config):
     for bad in (0.0, 1.5, float("nan")):
         with pytest.raises(ValueError, match=r"top_p=.* must be in \(0, 1\]"):
             generate(model, ids, 4, temperature=1.0, top_p=bad)
+
+
+def test_a_streamer_gets_each_token_as_picked_and_one_end(tiny_hf_config):
+    """generate(streamer=...) puts every new token, as a (1,) tensor, in order, then calls end() once, also when
+    no token is asked for (transformers' TextStreamer takes that protocol)."""
+    model = _model(tiny_hf_config)
+    ids = torch.randint(3, 97, (6,), generator=torch.Generator().manual_seed(4))
+
+    class Record:
+        def __init__(self):
+            self.put_ids, self.ends = [], 0
+
+        def put(self, value):
+            assert value.shape == (1,)
+            self.put_ids.append(int(value[0]))
+
+        def end(self):
+            self.ends += 1
+
+    rec = Record()
+    out = generate(model, ids, 9, streamer=rec)
+    assert rec.put_ids == out.tolist() == generate(model, ids, 9).tolist() and rec.ends == 1
+    rec = Record()
+    assert generate(model, ids, 0, streamer=rec).tolist() == [] and rec.put_ids == [] and rec.ends == 1

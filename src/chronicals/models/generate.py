@@ -112,7 +112,7 @@ def _choose(cuda_graph: bool | None, device: torch.device, max_new_tokens: int) 
 @torch.no_grad()
 def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64, *, eos_token_id=None,
              temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
-             cuda_graph: bool | None = None) -> torch.Tensor:
+             cuda_graph: bool | None = None, streamer=None) -> torch.Tensor:
     """input_ids (S,) or (1, S) -> the new token ids (T,), T <= max_new_tokens; stops at eos, and at the model's
     context (S + T <= max_position_embeddings, or sliding_window when shorter, with a warning: see
     ``new_token_budget``).
@@ -122,6 +122,9 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
     reaches ``top_p`` (nucleus sampling; 1.0: from all). ``input_ids`` may also be a tokenizer's output for one
     prompt (a mapping with "input_ids", such as the BatchEncoding that ``apply_chat_template(...,
     return_tensors="pt")`` returns).
+
+    streamer: an object with ``put(ids)`` and ``end()``, such as transformers' ``TextStreamer`` (prints the text
+    as it comes): each new token is put, as a (1,) tensor, when it is picked; end() after the last.
 
     cuda_graph: replay one captured decode step per token over a preallocated KV cache (``models.decode_graph``;
     the bare 0.5B model decoded ~10x faster on an H200, see benchmarks/bench_generate_adapter_dtype.py). None
@@ -146,9 +149,6 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
         eos_token_id = eos_token_id.flatten().tolist()
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     graphed = _choose(cuda_graph, ids.device, max_new_tokens)
-    if not max_new_tokens:
-        return torch.tensor([], dtype=torch.long)
-
     def pick(logits: torch.Tensor) -> int:
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
@@ -159,6 +159,22 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
             return int(torch.multinomial(probs, 1, generator=generator))
         return int(logits.argmax())
 
+    def shown(logits: torch.Tensor) -> int:  # the choice, put to the streamer as it is made
+        token = pick(logits)
+        streamer.put(torch.tensor([token]))
+        return token
+
+    try:
+        if not max_new_tokens:
+            return torch.tensor([], dtype=torch.long)
+        return _generate(model, ids, max_new_tokens, eos, pick if streamer is None else shown, graphed)
+    finally:
+        if streamer is not None:
+            streamer.end()
+
+
+def _generate(model, ids: torch.Tensor, max_new_tokens: int, eos: set, pick, graphed: bool) -> torch.Tensor:
+    """generate's loop on the chosen path: a captured step over a static cache, or eager over a growing one."""
     with eval_mode(model):
         if graphed:
             return _generate_graphed(model, ids, max_new_tokens, eos, pick)

@@ -219,14 +219,15 @@ def prompt_ids(tokenizer, question: str, system_prompt: str, history: tuple | li
 
 
 def answer(model, tokenizer, question: str, system_prompt: str, max_new_tokens: int, temperature: float = 0.0,
-           top_p: float = 1.0, generator: torch.Generator | None = None, history: tuple | list = ()) -> str:
+           top_p: float = 1.0, generator: torch.Generator | None = None, history: tuple | list = (),
+           streamer=None) -> str:
     """One answer (``models.generate.generate``: greedy, or sampled with ``temperature`` > 0), after the earlier
-    turns ``history`` ((user, assistant) pairs)."""
+    turns ``history`` ((user, assistant) pairs); ``streamer`` as generate's (shows the answer as it comes)."""
     ids = prompt_ids(tokenizer, question, system_prompt, history)
     if len(ids):
         check_ids_in_vocab(model, int(ids.max()), f"the prompt {question[:60]!r} tokenizes to id")
     out = generate(model, ids, max_new_tokens, eos_token_id=tokenizer.eos_token_id, temperature=temperature,
-                   top_p=top_p, generator=generator)
+                   top_p=top_p, generator=generator, streamer=streamer)
     return tokenizer.decode(out.tolist(), skip_special_tokens=True).strip()
 
 
