@@ -642,4 +642,4 @@ def test_chat_in_a_terminal_streams_answers_and_keeps_the_conversation(tmp_path,
     out, err = capsys.readouterr()
     assert seen == [(0, True), (1, True)]
     assert out.startswith(alone) and "> " not in out, out
-    assert "/reset starts the conversation over" in err
+    assert "/reset starts the conversation over" in err and err.count("> ") == 3  # before each line, and at Ctrl-D

@@ -109,7 +109,9 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     if interactive:
         print("type a message and press enter (Ctrl-D to quit" + ("; /reset starts the conversation over)" if multi
                                                                   else ")"), file=sys.stderr)
-    if not prompts:
+    if interactive:
+        prompts = _typed()
+    elif not prompts:
         prompts = (line.strip() for line in sys.stdin)  # one prompt per line; blank lines are skipped
     sampler = None
     if a.temperature:  # one generator for the session: each answer draws on from where the last one stopped
@@ -164,6 +166,17 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
               "prompt per line", file=sys.stderr)
         return 2
     return 3 if refused else 0  # 3: bad input, as a data file's bad record
+
+
+def _typed():
+    """The lines typed at a terminal, each after a "> " on stderr (stdout holds the answers only), to Ctrl-D."""
+    while True:
+        print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            print(file=sys.stderr)  # the shell's prompt on its own line after Ctrl-D
+            return
+        yield line.strip()
 
 
 def _answer_room(model, tok, q: str, system: str, max_new_tokens: int, name: str,
