@@ -592,11 +592,11 @@ def test_chat_turns_carry_the_conversation_and_reset_forgets_it(tmp_path, monkey
     seen = []
     real = qa_mod.answer
 
-    def spy(m, t, q, system, n, temperature, top_p, generator, history):
+    def spy(m, t, q, system, n, temperature, top_p, generator, history, streamer=None):
         seen.append([said for said, _ in history])
         ids = qa_mod.prompt_ids(t, q, system, history)
         assert all(said in t.decode(ids) for said, _ in history)  # the earlier turns are in the prompt
-        return real(m, t, q, system, n, temperature, top_p, generator, history)
+        return real(m, t, q, system, n, temperature, top_p, generator, history, streamer)
     monkeypatch.setattr(qa_mod, "answer", spy)
     common = ["chat", "--model", str(small), "--system", "Be brief.", "--max-new-tokens", "4"]
     assert main([*common, "--turns", "multi", "one", "two", "/reset", "three"]) == 0

@@ -103,13 +103,12 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     if system is None:
         system = DEMO_SYSTEM_PROMPT
     prompts = a.prompts
-    interactive = not prompts and sys.stdin.isatty()  # a terminal: answers only, streamed; piped or given: "> prompt"
-    # first, then the whole answer
+    # a terminal: answers only, streamed; given or piped: "> prompt", then the whole answer
+    interactive = not prompts and sys.stdin.isatty()
     multi = a.turns == "multi" or a.turns == "auto" and interactive
     if interactive:
         print("type a message and press enter (Ctrl-D to quit" + ("; /reset starts the conversation over)" if multi
                                                                   else ")"), file=sys.stderr)
-    if interactive:
         prompts = _typed()
     elif not prompts:
         prompts = (line.strip() for line in sys.stdin)  # one prompt per line; blank lines are skipped
@@ -123,7 +122,7 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
         else:
             sampler.manual_seed(a.seed)
     streamer = None
-    if interactive:
+    if interactive:  # the answer shown as it is decoded, then a new line
         from transformers import TextStreamer
 
         streamer = TextStreamer(tok, skip_special_tokens=True)
@@ -153,10 +152,8 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
         if why and not capped:  # once: in a long session every long prompt would repeat it
             print(f"note: {why}", file=sys.stderr)
             capped = True
-        if interactive:  # the answer shown as it is decoded (transformers' TextStreamer), then a new line
-            reply = answer(model, tok, q, system, room, a.temperature, a.top_p, sampler, history, streamer)
-        else:
-            reply = answer(model, tok, q, system, room, a.temperature, a.top_p, sampler, history)
+        reply = answer(model, tok, q, system, room, a.temperature, a.top_p, sampler, history, streamer)
+        if not interactive:
             print(f"> {q}\n{reply}", flush=True)
         if multi:
             history.append((q, reply))
@@ -195,8 +192,8 @@ def _answer_room(model, tok, q: str, system: str, max_new_tokens: int, name: str
         room = min(max_new_tokens, context - used)
         return room, None if room == max_new_tokens else (
             f"--max-new-tokens {max_new_tokens}: a prompt of {used} tokens (with the system message"
-            f"{', earlier turns' if history else ''} and chat template) leaves room for {room} in the {context} tokens {name} attends to ({limit}); answers to "
-            "long prompts are cut there")
+            f"{', earlier turns' if history else ''} and chat template) leaves room for {room} in the {context} "
+            f"tokens {name} attends to ({limit}); answers to long prompts are cut there")
     shown = repr(q) if len(q) <= 60 else repr(q[:57] + "...")
     framing = len(prompt_ids(tok, "", system))  # the system message and the template around the message
     fix = ("the system message and template alone fill it: give a shorter --system" if framing >= context else

@@ -204,7 +204,7 @@ def test_qa_answers_go_through_greedy_rows_in_batches_of_at_most_qa_batch_rows(t
 
         def decode(self, toks, skip_special_tokens):
             return f"tok{toks[0]}"
-    monkeypatch.setattr(qa, "prompt_ids", lambda tok, q, system: torch.full((len(q),), 5))
+    monkeypatch.setattr(qa, "prompt_ids", lambda tok, q, system, history=(): torch.full((len(q),), 5))
     out = qa.answer_many(_model(tiny_hf_config, "qwen2"), Tok(), ["aaa", "bbb", "cc", "ddd", "eee"], "", 4)
     assert out == ["tok7"] * 5
     assert sorted(tuple(c) for c in calls) == [(1, 2), (2, 3), (2, 3)]  # 4 prompts of 3 tokens: two batches

@@ -149,6 +149,7 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
         eos_token_id = eos_token_id.flatten().tolist()
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     graphed = _choose(cuda_graph, ids.device, max_new_tokens)
+
     def pick(logits: torch.Tensor) -> int:
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)

@@ -8,8 +8,9 @@ model, as the run's adapter/ records it: an absolute path or a short name; None 
 the adapter in memory: ``apply_lora`` with the recorded settings, then the tensors copied in, as a resume restores
 them. The tensors are the fp32 masters of a run with ``optim.master_weights`` (bf16 on CUDA), as the run's final
 adapter/ is saved, else the weights themselves; checkpoints older than their ``optimizer_params`` list give the
-bf16 weights (the masters rounded). Checkpoints written before ``base`` and ``lora`` were recorded fall back to the config's model.path
-(only when it names the model from anywhere: absolute, ``~``, or a short name) and lora section.
+bf16 weights (the masters rounded). Checkpoints written before ``base`` and ``lora`` were recorded fall back to the
+config's model.path (only when it names the model from anywhere: absolute, ``~``, or a short name) and lora
+section.
 """
 
 from __future__ import annotations

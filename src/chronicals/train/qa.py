@@ -218,14 +218,22 @@ def prompt_ids(tokenizer, question: str, system_prompt: str, history: tuple | li
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
+def checked_prompt_ids(model, tokenizer, question: str, system_prompt: str,
+                       history: tuple | list = ()) -> torch.Tensor:
+    """prompt_ids, checked against the model's vocabulary (host tensors: the embedding would raise a bare
+    IndexError on the device)."""
+    ids = prompt_ids(tokenizer, question, system_prompt, history)
+    if len(ids):
+        check_ids_in_vocab(model, int(ids.max()), f"the prompt {question[:60]!r} tokenizes to id")
+    return ids
+
+
 def answer(model, tokenizer, question: str, system_prompt: str, max_new_tokens: int, temperature: float = 0.0,
            top_p: float = 1.0, generator: torch.Generator | None = None, history: tuple | list = (),
            streamer=None) -> str:
     """One answer (``models.generate.generate``: greedy, or sampled with ``temperature`` > 0), after the earlier
     turns ``history`` ((user, assistant) pairs); ``streamer`` as generate's (shows the answer as it comes)."""
-    ids = prompt_ids(tokenizer, question, system_prompt, history)
-    if len(ids):
-        check_ids_in_vocab(model, int(ids.max()), f"the prompt {question[:60]!r} tokenizes to id")
+    ids = checked_prompt_ids(model, tokenizer, question, system_prompt, history)
     out = generate(model, ids, max_new_tokens, eos_token_id=tokenizer.eos_token_id, temperature=temperature,
                    top_p=top_p, generator=generator, streamer=streamer)
     return tokenizer.decode(out.tolist(), skip_special_tokens=True).strip()
@@ -240,10 +248,7 @@ def answer_many(model, tokenizer, questions: list[str], system_prompt: str, max_
     """Greedy answers to ``questions``, decoded in batches of equal prompt length."""
     eos = tokenizer.eos_token_id
     eos = set([eos] if isinstance(eos, int) else (eos or []))
-    prompts = [prompt_ids(tokenizer, q, system_prompt) for q in questions]
-    for q, p in zip(questions, prompts):  # host tensors; the embedding would raise a bare IndexError
-        if len(p):
-            check_ids_in_vocab(model, int(p.max()), f"the prompt {q[:60]!r} tokenizes to id")
+    prompts = [checked_prompt_ids(model, tokenizer, q, system_prompt) for q in questions]
     by_len: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         by_len.setdefault(len(p), []).append(i)
