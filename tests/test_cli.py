@@ -454,6 +454,7 @@ def test_under_torchrun_only_rank_0_warns(rank, tmp_path, monkeypatch, caplog):
     ours = logging.getLogger("chronicals")
     monkeypatch.setattr(ours, "level", ours.level)  # _setup_logging sets it for the process: put it back after
     monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun sets both; RANK alone is not data parallelism
     empty = tmp_path / "empty.yaml"
     empty.write_text("# nothing yet\n")
     caplog.set_level(logging.INFO)  # the root's: what reaches it is what our logger let through

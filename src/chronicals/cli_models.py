@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -13,8 +12,10 @@ EMBEDDED = "smollm2-135m-instruct"
 
 
 def _rank() -> int:
-    """This process's rank under torchrun (0 without it)."""
-    return int(os.environ.get("RANK", "0"))
+    """This process's rank under torchrun (0 without it): ``train.distributed.env_rank``, imported here (torch)."""
+    from .train.distributed import env_rank
+
+    return env_rank()
 
 
 def _setup_logging(verbose: bool = False) -> None:

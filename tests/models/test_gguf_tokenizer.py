@@ -162,3 +162,10 @@ def test_a_converter_error_names_the_file_and_the_fix(tmp_path, monkeypatch):
         f"{path}: its tokenizer metadata (tokenizer.ggml.*) cannot be made into a tokenizer by transformers' GGUF "
         "converter (RuntimeError: no tokenizer here); use the tokenizer of the model's Hugging Face directory (from "
         "Python, load_model(..., tokenizer=False) loads the weights alone)"))
+
+
+@pytest.mark.parametrize("installed, release", [("5.17.0.dev0", (5, 17, 0)), ("5.18.0rc1", (5, 18, 0)),
+                                                ("4.57.1", (4, 57, 1)), ("5.2", (5, 2)), ("5.20.0+local", (5, 20, 0))])
+def test_transformers_version_reads_the_release_numbers(installed, release, monkeypatch):
+    monkeypatch.setattr(gguf_tokenizer, "version", lambda name: installed)
+    assert gguf_tokenizer.transformers_version() == release

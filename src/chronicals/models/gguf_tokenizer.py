@@ -26,6 +26,7 @@ prefix under 5.17 (as llama.cpp does) and not under 5.18 on.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -58,14 +59,9 @@ class _TokenizerMeta:
 
 
 def transformers_version() -> tuple[int, ...]:
-    """The installed transformers' (major, minor, patch) ("5.17.0.dev0" -> (5, 17, 0))."""
-    parts = []
-    for p in version("transformers").split(".")[:3]:
-        digits = "".join(c for c in p if c.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
+    """The installed transformers' release numbers ("5.17.0.dev0" -> (5, 17, 0); "5.18.0rc1" -> (5, 18, 0))."""
+    # the leading dotted digits: ".dev0", "rc1", "+local" are not release numbers ("0rc1" is 0, not 1)
+    return tuple(int(p) for p in re.match(r"\d+(?:\.\d+)*", version("transformers")).group().split(".")[:3])
 
 
 def _read_meta(reader) -> tuple[_TokenizerMeta | None, str | None]:

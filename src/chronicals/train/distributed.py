@@ -36,6 +36,28 @@ log = logging.getLogger("chronicals.train")
 BUCKET_ELEMS = 25_000_000
 
 
+def env_rank() -> int:
+    """This process's rank as torchrun sets it (RANK; 0 without torchrun, or with WORLD_SIZE unset or 1, where
+    ``init_distributed`` runs one process whatever RANK says). Readable before any process group."""
+    return (_env_int("RANK") or 0) if (_env_int("WORLD_SIZE") or 1) > 1 else 0
+
+
+@contextmanager
+def main_rank_tells(rank: int | None = None):
+    """Within: on a rank other than 0, the ``chronicals`` log says errors only (its level raised to ERROR, put back
+    on exit). Every rank runs the same code, so each warning would otherwise appear once per rank (8 times on 8
+    GPUs); rank 0 tells the story, the others say only what failed there. ``rank`` None: ``env_rank()``."""
+    logger = logging.getLogger("chronicals")
+    rank = env_rank() if rank is None else rank
+    old = logger.level
+    if rank != 0 and logger.getEffectiveLevel() < logging.ERROR:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(old)
+
+
 @dataclass
 class DistContext:
     """Where this process stands in the data-parallel job. ``backend`` is None without a process group."""

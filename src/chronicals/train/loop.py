@@ -36,7 +36,7 @@ from .divergence import _check_finite, nonfinite_weights
 from .finish import TrainResult, _already_done, save_final
 from .metrics import matmul_peak_tflops, memory_gib, plot_losses, private_pool_bytes, train_flops_per_token
 from .optim import build_optimizer, build_scheduler
-from .distributed import DistContext, init_distributed
+from .distributed import DistContext, init_distributed, main_rank_tells
 from .grad_buckets import GradBuckets
 from .graphs import GraphedStep, resolve_cuda_graphs
 from .setup import build_loaders, load_base, prepare_model, resolve_dtype
@@ -104,39 +104,41 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
     with ``lora.enabled`` its LoRA adapters injected (a model that already has them keeps them) and the rest
     frozen, in training mode. ``merge_lora`` turns it back into plain linear layers.
     """
-    if isinstance(config, TrainConfig):
-        cfg = config
-    elif isinstance(config, dict):
-        cfg = from_dict(config)
-    else:
-        cfg = load_config(config)
-    check_out_dir(cfg)
-    check_resume_path(cfg)
-    if train_loader is None:
-        check_data_paths(cfg)  # before minutes of model loading, not after
-    out_dir = Path(cfg.train.out_dir).expanduser()
-    dp = init_distributed(cfg.model.device)
-    try:
-        # any rank's view: without the collective, rank 1's mkdir could come before rank 0's look, and a setup that
-        # failed would leave the new, empty out_dir behind as "already there"
-        created = bool(dp.all_reduce_flag(not out_dir.is_dir()))
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with _locked_out_dir(out_dir, dp):
-            existed = None if created else set(out_dir.iterdir())  # after the lock: another run's files are not ours
-            random.seed(cfg.train.seed)
-            torch.manual_seed(cfg.train.seed)  # the same seed on every rank: one checkpoint fits all
-            phase = _Phase()
-            try:
-                result = _train(cfg, dp, out_dir, model, tokenizer, train_loader, eval_loader, heldout_qa, on_step,
-                                report, phase)
-                dp.barrier()  # no rank returns (and tears the group down) while rank 0 still writes the final files
-                return result
-            except BaseException:
-                if dp.is_main and not phase.training:
-                    remove_setup_files(out_dir, existed)
-                raise
-    finally:
-        dp.destroy()
+    with main_rank_tells():  # under torchrun, each warning once (rank 0's), not once per rank
+        if isinstance(config, TrainConfig):
+            cfg = config
+        elif isinstance(config, dict):
+            cfg = from_dict(config)
+        else:
+            cfg = load_config(config)
+        check_out_dir(cfg)
+        check_resume_path(cfg)
+        if train_loader is None:
+            check_data_paths(cfg)  # before minutes of model loading, not after
+        out_dir = Path(cfg.train.out_dir).expanduser()
+        dp = init_distributed(cfg.model.device)
+        try:
+            # any rank's view: without the collective, rank 1's mkdir could come before rank 0's look, and a setup that
+            # failed would leave the new, empty out_dir behind as "already there"
+            created = bool(dp.all_reduce_flag(not out_dir.is_dir()))
+            out_dir.mkdir(parents=True, exist_ok=True)
+            with _locked_out_dir(out_dir, dp):
+                # after the lock: another run's files are not ours
+                existed = None if created else set(out_dir.iterdir())
+                random.seed(cfg.train.seed)
+                torch.manual_seed(cfg.train.seed)  # the same seed on every rank: one checkpoint fits all
+                phase = _Phase()
+                try:
+                    result = _train(cfg, dp, out_dir, model, tokenizer, train_loader, eval_loader, heldout_qa, on_step,
+                                    report, phase)
+                    dp.barrier()  # no rank returns (and tears the group down) while rank 0 still writes the final files
+                    return result
+                except BaseException:
+                    if dp.is_main and not phase.training:
+                        remove_setup_files(out_dir, existed)
+                    raise
+        finally:
+            dp.destroy()
 
 
 def rank_seed(seed: int, rank: int) -> int:
