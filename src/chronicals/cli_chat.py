@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .cli_models import DTYPE_HELP, _base_for, _load, _setup_logging, _within_context
+from .cli_models import DTYPE_HELP, add_verbose, _base_for, _load, _setup_logging, _within_context
 
 
 def _run_system_prompt(path: str | None) -> str | None:
@@ -68,9 +68,7 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
                    help="multi: each prompt follows the earlier prompts and answers (the oldest dropped when they "
                         "would not fit the context; a line '/reset' forgets them); single: each prompt asked on its "
                         "own; auto (default): multi in a terminal, single for given or piped prompts")
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="also log what the command does to stderr: the load, device and dtype, and how "
-                        "answers are decoded (eager, or one CUDA-graph replay per token)")
+    add_verbose(p)
     a = p.parse_args(argv)
     if a.verbose:  # else answers (chat) or the summary (eval) only, and warnings
         _setup_logging()

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .cli_models import DTYPE_HELP, _base_for, _load, _setup_logging, _within_context
+from .cli_models import DTYPE_HELP, add_verbose, _base_for, _load, _setup_logging, _within_context
 
 
 _DATA_FLAGS = ("format", "train_on", "max_seq_len", "system_prompt", "batch_size", "on_long", "on_error", "cache_dir")
@@ -65,9 +65,7 @@ def cmd_eval(argv: list[str]) -> int:
     p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help=DTYPE_HELP)
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="also log what the command does to stderr: the load, device and dtype, and how "
-                        "answers are decoded (eager, or one CUDA-graph replay per token)")
+    add_verbose(p)
     a = p.parse_args(argv)
     if a.verbose:  # else answers (chat) or the summary (eval) only, and warnings
         _setup_logging()

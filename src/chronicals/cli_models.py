@@ -106,3 +106,10 @@ def _within_context(p: argparse.ArgumentParser, model, name: str, *flags: tuple[
 
 
 DTYPE_HELP = "weights dtype: auto (bf16 on CUDA, fp32 on CPU, as train loads them) | float32 | bfloat16"
+
+
+def add_verbose(p: argparse.ArgumentParser) -> None:
+    """chat's and eval's ``-v``: without it they print answers (chat) or the summary (eval), and warnings."""
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also log what the command does to stderr: the load, device and dtype, and how "
+                        "answers are decoded (eager, or one CUDA-graph replay per token)")
