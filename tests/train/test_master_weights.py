@@ -329,3 +329,27 @@ def test_bf16_lora_run_writes_its_fp32_masters_as_the_adapter(tmp_path, docs, de
     base = tiny_model(dtype=torch.bfloat16) if device == "cpu" else _bf16_model(device)
     from_ck = adapter_state_dict(apply_checkpoint_adapter(base, result.checkpoint))
     assert from_ck.keys() == saved.keys() and all(torch.equal(from_ck[k], saved[k]) for k in saved)
+
+
+def test_a_checkpoint_without_its_parameter_names_still_gives_the_masters(tmp_path, docs):
+    """Checkpoints written before 49b06ef lack ``optimizer_params``: used as an adapter they gave the bf16 weights
+    (the masters rounded). Each master is now found by the one weight it rounds to."""
+    from chronicals.train.checkpoint import masters_by_name
+    from chronicals.train.checkpoint_adapter import apply_checkpoint_adapter
+
+    over = dict(model__dtype="bfloat16", lora__enabled=True, lora__rank=4, lora__alpha=8, train__max_steps=2,
+                optim__lr=1e-4, train__save_final=False)
+    result = train(tiny_config(tmp_path, **over), model=tiny_model(), train_loader=SyntheticLoader(docs, seed=5))
+    file = result.checkpoint / "state.pt"
+    state = torch.load(file, weights_only=True)
+    named = masters_by_name(state)
+    assert len(named) == len(state["model"]) > 0 and all(m.dtype == torch.float32 for m in named.values())
+    del state["optimizer_params"]  # as an old checkpoint
+    assert masters_by_name(state).keys() == named.keys()
+    assert all(torch.equal(masters_by_name(state)[n], m) for n, m in named.items())
+    torch.save(state, file)
+    got = dict(apply_checkpoint_adapter(tiny_model(dtype=torch.bfloat16), result.checkpoint).named_parameters())
+    assert all(got[n].dtype == torch.float32 and torch.equal(got[n], m) for n, m in named.items())
+    # two weights a master rounds to (a duplicated tensor): ambiguous, left as stored
+    state["model"]["copy"] = next(iter(state["model"].values())).clone()
+    assert len(masters_by_name(state)) == len(named) - 1

@@ -145,17 +145,29 @@ def optimizer_param_names(model: torch.nn.Module, optimizer) -> list[str | None]
 
 def masters_by_name(state: dict) -> dict[str, torch.Tensor]:
     """{parameter name: fp32 master} from a checkpoint's optimizer state (``optim.master_weights``); {} for a run
-    without masters, or a checkpoint older than its ``optimizer_params`` list."""
+    without masters. A checkpoint older than its ``optimizer_params`` list (before 49b06ef) names no master: each
+    is matched to the one weight of ``state["model"]`` of its shape that it rounds to (ambiguous ones are left out,
+    and that weight stays as stored)."""
     names, opt = state.get("optimizer_params"), state.get("optimizer") or {}
-    if not isinstance(names, list) or not isinstance(opt.get("param_groups"), list):
+    if not isinstance(opt.get("param_groups"), list):
         return {}
     ids = [i for g in opt["param_groups"] for i in g.get("params", [])]
-    out = {}
-    for i, name in zip(ids, names):
-        master = (opt.get("state") or {}).get(i, {}).get("master")
-        if name is not None and isinstance(master, torch.Tensor):
-            out[name] = master
-    return out
+    masters = [(opt.get("state") or {}).get(i, {}).get("master") for i in ids]
+    if isinstance(names, list):
+        return {n: m for n, m in zip(names, masters) if n is not None and isinstance(m, torch.Tensor)}
+    return _masters_by_value(state.get("model") or {}, [m for m in masters if isinstance(m, torch.Tensor)])
+
+
+def _masters_by_value(weights: dict[str, torch.Tensor], masters: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each master paired with the weight it is the fp32 copy of (same shape, rounds to its stored values), where
+    exactly one weight fits and no other master claims it."""
+    fits: dict[str, list[torch.Tensor]] = {}
+    for m in masters:
+        hits = [n for n, w in weights.items()
+                if w.shape == m.shape and w.is_floating_point() and torch.equal(m.to(w.dtype), w)]
+        if len(hits) == 1:
+            fits.setdefault(hits[0], []).append(m)
+    return {n: ms[0] for n, ms in fits.items() if len(ms) == 1}
 
 
 def checkpoint_path(out_dir: str | Path, step: int) -> Path:
