@@ -49,8 +49,9 @@ def _write(path, swap: tuple[str, str] | None = None) -> None:
 
 
 def _cfg(tmp_path, **over):
+    over = dict(data__max_seq_len=48, data__batch_size=2, data__format="text") | over
     return tiny_config(tmp_path, data__path=str(tmp_path / "train.jsonl"), data__cache_dir="none",
-                       data__max_seq_len=48, data__batch_size=2, data__format="text", train__save_every=1, **over)
+                       train__save_every=1, **over)
 
 
 def _rows(tok, path) -> int:
@@ -106,3 +107,21 @@ def test_loader_refuses_other_contents_and_skips_the_check_for_old_states(caplog
     c = PackedLoader(_dataset(np.arange(1, 33)), batch_size=1, max_seq_len=8, seed=0)
     c.load_state_dict(state)  # the same contents
     assert (c.epoch, c.position) == (state["epoch"], state["position"])
+
+
+def test_resume_under_another_train_on_names_the_setting(tmp_path, tok, caplog):
+    """data.train_on=all over an assistant-only checkpoint: the same documents with other loss tokens. The refusal
+    named no setting ("the training data changed") after a warning that read as if the run would go on."""
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{w} and", "completion": f" {WORDS[i % 7]} {w}"}) + "\n"
+                            for i, w in enumerate(WORDS * 2)))
+    cfg = dict(data__format="auto")
+    train(_cfg(tmp_path, train__max_steps=2, **cfg), model=_model(tok), tokenizer=tok)
+    last = checkpoint_dirs(tmp_path / "run")[-1]
+    with caplog.at_level(logging.WARNING, logger="chronicals"):
+        with pytest.raises(ValueError, match=rf"cannot resume from .*{last.name}: this run changed "
+                                             r"data.train_on='assistant' \(this run: 'all'\), which changes the "
+                                             r"training documents or their loss tokens .*set the checkpoint's value"):
+            train(_cfg(tmp_path, train__max_steps=4, train__resume="auto", data__train_on="all", **cfg),
+                  model=_model(tok), tokenizer=tok)
+    assert "from here on the run trains" not in caplog.text  # no warning that it goes on

@@ -17,7 +17,7 @@ import torch
 
 from chronicals.train import train
 from chronicals.train.checkpoint import STATE_FILE, checkpoint_dirs
-from chronicals.train.resume import check_same_adapter, warn_data_changed
+from chronicals.train.resume import check_same_adapter, warn_data_changed, warn_loss_settings_changed
 
 from train_helpers import SyntheticLoader, tiny_config, tiny_model
 
@@ -69,7 +69,8 @@ def test_resume_with_other_loss_tokens_warns(tmp_path, caplog, key, old, new, na
     saved = tiny_config(tmp_path, **{f"data__{key}": old}).to_dict()
     current = tiny_config(tmp_path, **{f"data__{key}": new}).to_dict()
     with caplog.at_level(logging.WARNING, logger="chronicals.train"):
-        warn_data_changed(saved, current, tmp_path / "step-000001")
+        warn_data_changed(saved, current, tmp_path / "step-000001")  # the batches: the same
+        warn_loss_settings_changed(saved, current, tmp_path / "step-000001")
     [msg] = warnings(caplog)
     assert f"written with {named}: from here on the run trains or evaluates on other tokens (data.{key}: " in msg
     assert "not comparable with the checkpoint's" in msg and "train.resume=none for a new run" in msg, msg
@@ -110,6 +111,7 @@ def test_resume_with_the_same_settings_warns_nothing(tmp_path, caplog, old, new)
     with caplog.at_level(logging.WARNING, logger="chronicals.train"):
         check_same_adapter(saved, current, tmp_path / "step-000001")
         warn_data_changed(saved, current, tmp_path / "step-000001")
+        warn_loss_settings_changed(saved, current, tmp_path / "step-000001")
     assert warnings(caplog) == []
 
 

@@ -83,6 +83,10 @@ class TokenizedDataset:
         return self._digest
 
     def __getitem__(self, i: int):
+        n = len(self.offsets) - 1
+        if not -n <= i < n:
+            raise IndexError(f"document {i} of a dataset of {n}")
+        i %= n  # ds[-1]: the last document, as for a list
         a, b = self.offsets[i], self.offsets[i + 1]
         return self.ids[a:b], self.trainable[a:b]
 

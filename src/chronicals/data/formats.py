@@ -43,8 +43,16 @@ class FormatError(ValueError):
 
 
 def detect_format(record: dict) -> str:
-    """The format of a record from its keys (see the module docstring)."""
-    keys = set(record)
+    """The format of a record from its keys (see the module docstring). Keys whose value is null count only when
+    the others name no format: a parquet or arrow file of mixed records fills every record's missing columns with
+    nulls ({"text": "hi", "messages": null} is text), and {"text": null} is text, with a null field to report."""
+    fmt = _format_of({k for k, v in record.items() if v is not None}) or _format_of(set(record))
+    if fmt is None:
+        raise FormatError(f"cannot tell the format from fields {sorted(record)}; expected one of {EXPECTED}")
+    return fmt
+
+
+def _format_of(keys: set) -> str | None:
     if "messages" in keys:
         return "chat"
     if "conversations" in keys:
@@ -55,7 +63,7 @@ def detect_format(record: dict) -> str:
         return "prompt_completion"
     if "text" in keys:
         return "text"
-    raise FormatError(f"cannot tell the format from fields {sorted(keys)}; expected one of {EXPECTED}")
+    return None
 
 
 def _field(record: dict, name: str, fmt: str, kinds=(str,), from_csv: bool = False):

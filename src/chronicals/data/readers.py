@@ -146,6 +146,9 @@ def _dir_files(p: Path, quiet: bool = False) -> list[Path]:
                     out.append(f)
                 elif f.suffix.lower() in UNREAD:
                     unread.append(f)
+            elif f.is_symlink() and f.suffix.lower() in SUFFIXES:  # a data file's link to nothing: a missing shard
+                raise DataError(f"{f}: a symlink to {os.readlink(f)}, which does not exist, so this data file cannot "
+                                f"be read (a download that did not finish?); restore its target or remove the link")
 
     walk(p, False)
     if quiet:
@@ -328,37 +331,46 @@ def _refuse_one_object(path: Path, data: bytes) -> None:
     raise DataError(msg)
 
 
+# a cell may hold a whole document: the csv module's default limit (131,072 characters) would refuse a long one as
+# "malformed"; a process-wide setting, raised once (2^31 - 1: the largest every platform's C long holds)
+CSV_FIELD_LIMIT = 2 ** 31 - 1
+
+
 def _read_csv(path: Path) -> list[Record]:
-    """Rows of a CSV file with a header line. strict: a field opened with a quote and never closed would
-    otherwise swallow every later row into one cell, silently."""
-    out = []
-    reader = csv.DictReader(io.StringIO(_decode(path, path.read_bytes()), newline=""), strict=True)
-    start = 2  # line 1 is the header
+    """Rows of a CSV file with a header line (blank lines skipped), each named by the line it starts on. strict: a
+    field opened with a quote and never closed would otherwise swallow every later row into one cell, silently."""
+    if csv.field_size_limit() < CSV_FIELD_LIMIT:
+        csv.field_size_limit(CSV_FIELD_LIMIT)
+    out, names = [], None
+    reader = csv.reader(io.StringIO(_decode(path, path.read_bytes()), newline=""), strict=True)
+    start = 1
     try:
-        names = reader.fieldnames or []
-        dup = next((n for n in names if names.count(n) > 1), None)
-        if dup is not None:  # DictReader keeps the last column of a name: the others' cells would be lost
-            raise DataError(f"{path}:1: column {dup!r} appears {names.count(dup)} times in the header; expected "
-                            "distinct column names (rename or remove the extra columns)")
-        for row in reader:
-            where = f"{path}:{start}"
-            start = reader.line_num + 1
-            if None in row:
-                out.append(Record(where, None, f"{len(reader.fieldnames) + len(row[None])} fields, expected "
-                                               f"{len(reader.fieldnames)} (the header's columns)"))
+        while True:
+            start = reader.line_num + 1  # the row read next starts on the line after the last one read
+            row = next(reader, None)
+            if row is None:
+                break
+            if not row:  # a blank line
                 continue
-            if None in row.values():  # DictReader fills the missing fields of a short row with restval=None
-                out.append(Record(where, None, f"{sum(v is not None for v in row.values())} fields, expected "
-                                               f"{len(reader.fieldnames)} (the header's columns)"))
+            if names is None:
+                names = row
+                dup = next((n for n in names if names.count(n) > 1), None)
+                if dup is not None:  # a dict keeps one column of a name: the others' cells would be lost
+                    raise DataError(f"{path}:{start}: column {dup!r} appears {names.count(dup)} times in the header; "
+                                    "expected distinct column names (rename or remove the extra columns)")
                 continue
-            out.append(Record(where, {k: v for k, v in row.items()}, from_csv=True))
+            if len(row) != len(names):
+                out.append(Record(f"{path}:{start}", None, f"{len(row)} fields, expected {len(names)} (the header's "
+                                                           "columns)"))
+                continue
+            out.append(Record(f"{path}:{start}", dict(zip(names, row)), from_csv=True))
     except csv.Error as e:
         if "end of data" in str(e):  # EOF inside a quoted field
             raise DataError(f"{path}:{start}: unclosed quote: a field of the row starting here opens a '\"' that "
                             "is never closed, so every later line would be read into it; close the quote (write a "
                             "quote inside a quoted field as \"\")") from None
-        raise DataError(f"{path}:{reader.line_num}: malformed CSV ({e}); expected comma-separated fields, "
-                        "quoted fields closed by '\"' right before the comma or line end") from None
+        raise DataError(f"{path}:{start}: malformed CSV ({e}); expected comma-separated fields, quoted fields closed "
+                        "by '\"' right before the comma or line end") from None
     return out
 
 

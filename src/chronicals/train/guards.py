@@ -70,12 +70,19 @@ def check_data_paths(cfg: TrainConfig) -> None:
                      f" (relative paths are read from the working directory, {Path.cwd()})")
             raise FileNotFoundError(f"{key}={value}: no such file or directory{where}{glob_hint(value)}; fix {key}")
         _check_pyarrow(path)
-        out = Path(cfg.train.out_dir).expanduser().resolve()
-        if path.is_dir() and (out == path.resolve() or path.resolve() in out.parents):
-            # directories are read recursively: the run's metrics.jsonl, data/ copies and checkpoints would
-            # become training records on the next run
-            raise ValueError(f"train.out_dir={cfg.train.out_dir} is inside {key}={value}, whose files are all read "
-                             f"as data; put train.out_dir outside {value}")
+        # directories are read recursively: the run's metrics.jsonl, data/ copies and checkpoints, or the cache's
+        # meta.json, would become training records on the next run
+        for setting, inside in (("train.out_dir", cfg.train.out_dir), ("data.cache_dir", cfg.data.cache_dir)):
+            if setting == "data.cache_dir" and inside in ("", "none"):
+                continue
+            there = Path(inside).expanduser().resolve()
+            if path.is_dir() and (there == path.resolve() or path.resolve() in there.parents):
+                raise ValueError(f"{setting}={inside} is inside {key}={value}, whose files are all read as data; put "
+                                 f"{setting} outside {value}")
+    cache = cfg.data.cache_dir
+    if cache not in ("", "none") and Path(cache).expanduser().is_file():
+        raise ValueError(f"data.cache_dir={cache} is a file, not a directory; point data.cache_dir at a directory, "
+                         "or set data.cache_dir=none to disable the tokenization cache")
 
 
 def _check_pyarrow(path: Path) -> None:

@@ -43,7 +43,8 @@ from .setup import build_loaders, load_base, prepare_model, resolve_dtype
 from .readback import StepReadback, StepStart
 from .guards import (check_cuda_graphs, check_data_paths, check_final_dir, check_final_model, check_impl,
                      check_out_dir, check_resume_path, check_token_ids, earlier_final, remove_setup_files)
-from .resume import apply_optimizer_settings, check_same_adapter, optimizer_settings, warn_data_changed
+from .resume import (apply_optimizer_settings, check_same_adapter, optimizer_settings, warn_data_changed,
+                     warn_loss_settings_changed)
 from .run_dir import _locked_out_dir, _metrics_log, _RanksMetrics
 from .step import accumulate_data_parallel, evaluate_loss
 from .stream import _restore_position, _Stream, _total_steps
@@ -225,6 +226,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         restored = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler, config=cfg_dict)
         warn_data_changed(restored["extra"].get("config"), cfg_dict, resume_from)  # names the keys, before a refusal
         _restore_position(stream, restored, cfg_dict, resume_from)
+        warn_loss_settings_changed(restored["extra"].get("config"), cfg_dict, resume_from)  # the same batches
         rank_rng = restored["extra"].get("rank_rng")
         if dp.enabled and isinstance(rank_rng, list) and len(rank_rng) == dp.world_size:
             ckpt.set_rng_state(rank_rng[dp.rank])  # load_checkpoint set rank 0's

@@ -78,17 +78,29 @@ def _same_effective_system_prompt(saved: dict, current: dict) -> bool:
     return effective(saved) == effective(current)
 
 
+def loss_setting_diffs(saved: dict | None, current: dict) -> dict[str, str]:
+    """{LOSS_KEYS key: "data.key=new (checkpoint: old)"} for the keys this run changed (data.system_prompt only where
+    its effective value changed)."""
+    loss = {k: d for k in LOSS_KEYS for d in ckpt.config_diffs(saved, current, {"data": (k,)})}
+    if "system_prompt" in loss and _same_effective_system_prompt(saved or {}, current):
+        del loss["system_prompt"]
+    return loss
+
+
 def warn_data_changed(saved: dict | None, current: dict, path: Path) -> None:
-    """Warn when a resumed checkpoint was written over other data or batches: its data position then points
-    elsewhere (typically resume=auto finding an unrelated earlier run in the same train.out_dir); and when it
-    was written with other LOSS_KEYS: the same batches then carry another loss."""
+    """Warn, before the data position is restored (which may refuse), when a resumed checkpoint was written over
+    other data or batches: its position then points elsewhere (typically resume=auto finding an unrelated earlier
+    run in the same train.out_dir)."""
     diffs = data_position_diffs(saved, current)
     if diffs:
         log.warning("resumed from %s, written with %s: its data position refers to other batches; if this is a "
                     "new run, set train.resume=none or another train.out_dir", path, ", ".join(diffs))
-    loss = {k: d for k in LOSS_KEYS for d in ckpt.config_diffs(saved, current, {"data": (k,)})}  # key -> diff
-    if "system_prompt" in loss and _same_effective_system_prompt(saved, current):
-        del loss["system_prompt"]
+
+
+def warn_loss_settings_changed(saved: dict | None, current: dict, path: Path) -> None:
+    """Warn, once the data position is restored (the same documents in the same batches), when the checkpoint was
+    written with other LOSS_KEYS: the same batches then carry another loss."""
+    loss = loss_setting_diffs(saved, current)
     if loss:
         log.warning("resumed from %s, written with %s: from here on the run trains or evaluates on other tokens "
                     "(%s), so its losses are not comparable with the checkpoint's; set the checkpoint's values to "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..config import TrainConfig
 from ..data.loader import DataChanged
-from .resume import data_position_diffs
+from .resume import data_position_diffs, loss_setting_diffs
 
 
 class _Stream:
@@ -54,7 +54,13 @@ def _restore_position(stream, restored: dict, cfg_dict: dict, path: Path) -> Non
     checkpoint's name and the keys this run changed (the loader's own message names only the counts)."""
     try:
         stream.load_state_dict(restored["data"])  # rank 0's position: every rank's equals it (equal shards)
-    except DataChanged as e:  # the same counts, other documents: the position would train other data
+    except DataChanged as e:  # the same counts, other documents (or other loss tokens): the run would change
+        loss = loss_setting_diffs(restored["extra"].get("config"), cfg_dict)
+        if loss:  # e.g. data.train_on: the same token ids with other trainable masks
+            raise ValueError(f"cannot resume from {path}: this run changed {', '.join(loss.values())}, which "
+                             f"changes the training documents or their loss tokens ({e.args[1]}); set the "
+                             "checkpoint's value to continue its run, or start fresh with train.resume=none (or "
+                             "another train.out_dir)") from None
         raise ValueError(f"cannot resume from {path}: the training data changed since this checkpoint was written: "
                          f"{e.args[1]}; resume with the original data, or start fresh with train.resume=none (or "
                          "another train.out_dir)") from None
@@ -62,6 +68,7 @@ def _restore_position(stream, restored: dict, cfg_dict: dict, path: Path) -> Non
         if "data.dp_remainder=drop" in str(e) or "data-parallel rank(s)" in str(e):  # the loader names the fix
             raise ValueError(f"cannot resume from {path}: {e}") from None
         diffs = data_position_diffs(restored["extra"].get("config"), cfg_dict)
+        diffs += list(loss_setting_diffs(restored["extra"].get("config"), cfg_dict).values())
         new_run = "a run over other data or batches is a new run: set train.resume=none or another train.out_dir"
         if diffs:
             why = f"this run changed {', '.join(diffs)}; {new_run}"
