@@ -567,7 +567,8 @@ def test_chat_samples_with_temperature_top_p_and_seed(tiny_base, capsys):
     base = ["chat", "--model", str(tiny_base), "--device", "cpu", "--max-new-tokens", "8", "hi"]
     for bad, says in ((["--top-p", "0.5"], "without --temperature > 0 answers are greedy; add --temperature"),
                       (["--seed", "3"], "without --temperature > 0 answers are greedy"),
-                      (["--temperature", "-1"], "--temperature -1.0: expected a number >= 0"),
+                      (["--temperature", "-1"], "--temperature -1.0: expected a finite number >= 0"),
+                      (["--temperature", "inf"], "--temperature inf: expected a finite number >= 0"),
                       (["--temperature", "1", "--top-p", "0"], "--top-p 0.0: expected a number in (0, 1]")):
         with pytest.raises(SystemExit) as e:
             main([*base, *bad])
@@ -644,3 +645,26 @@ def test_chat_in_a_terminal_streams_answers_and_keeps_the_conversation(tmp_path,
     assert seen == [(0, True), (1, True)]
     assert out.startswith(alone) and "> " not in out, out
     assert "/reset starts the conversation over" in err and err.count("> ") == 3  # before each line, and at Ctrl-D
+
+
+def test_chat_prompts_that_are_not_utf8_are_bad_input_not_a_crash(tiny_base, monkeypatch, capsys):
+    """A command line's undecodable byte reaches Python as a lone surrogate, which the tokenizer refused with a
+    TypeError (exit 4). Given prompts and --system exit 2 naming the byte; a piped line is said and skipped (exit 3
+    at the end, the other lines answered); eval's --system-prompt exits 2 instead of blaming the data file."""
+    import io
+
+    bad = b"caf\xe9".decode("utf-8", "surrogateescape")
+    base = ["chat", "--model", str(tiny_base), "--device", "cpu", "--max-new-tokens", "2"]
+    for extra, says in (([bad], "a prompt is not valid UTF-8 (byte 0xe9 at character 3)"),
+                        (["--system", bad, "hi"], "--system is not valid UTF-8 (byte 0xe9 at character 3)")):
+        with pytest.raises(SystemExit) as e:
+            main([*base, *extra])
+        assert e.value.code == 2 and says in capsys.readouterr().err, extra
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{bad}\nhi\n"))
+    assert main(base) == 3
+    out, err = capsys.readouterr()
+    assert "error: stdin line 'caf\ufffd' is not valid UTF-8 (byte 0xe9 at character 3)" in err, err
+    assert "> hi\n" in out and "caf" not in out
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "demo", "--model", str(tiny_base), "--system-prompt", bad])
+    assert e.value.code == 2 and "--system-prompt is not valid UTF-8" in capsys.readouterr().err

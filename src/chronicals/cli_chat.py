@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .cli_models import DTYPE_HELP, add_verbose, _base_for, _load, _setup_logging, _within_context
+from .cli_models import (DTYPE_HELP, _base_for, _load, _not_utf8, _setup_logging, _shown, _within_context,
+                         add_verbose)
 
 
 def _run_system_prompt(path: str | None) -> str | None:
@@ -74,8 +75,8 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
         _setup_logging()
     if a.max_new_tokens < 1:
         p.error(f"--max-new-tokens {a.max_new_tokens}: an answer needs at least 1 new token")
-    if not a.temperature >= 0:  # NaN too
-        p.error(f"--temperature {a.temperature}: expected a number >= 0 (0 = greedy)")
+    if not 0 <= a.temperature < float("inf"):  # NaN too
+        p.error(f"--temperature {a.temperature}: expected a finite number >= 0 (0 = greedy)")
     if not 0 < a.top_p <= 1:
         p.error(f"--top-p {a.top_p}: expected a number in (0, 1] (1 = sample from every token)")
     if not a.temperature and (a.top_p != 1 or a.seed is not None):
@@ -83,6 +84,9 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
                 "--temperature (e.g. 0.7)")
     if any(not q.strip() for q in a.prompts):
         p.error("an empty prompt was given; pass the message text (or no prompts to read them from stdin)")
+    for what, text in [("a prompt", q) for q in a.prompts] + [("--system", a.system or "")]:
+        if (bad := _not_utf8(text)) is not None:
+            p.error(f"{what} is not valid UTF-8 ({bad}); pass the text in UTF-8")
     from .train.setup import resolve_device
 
     try:
@@ -133,6 +137,12 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
         if multi and q == "/reset":
             history.clear()
             print("(the conversation starts over)", file=sys.stderr, flush=True)
+            continue
+        if (bad := _not_utf8(q)) is not None:  # a piped or typed line: said, and the next one is read
+            where = "the typed" if interactive else "stdin"
+            print(f"error: {where} line {_shown(q)!r} is not valid UTF-8 ({bad}); type or pipe UTF-8 text",
+                  file=sys.stderr, flush=True)
+            refused += 1
             continue
         room, why = _answer_room(model, tok, q, system, a.max_new_tokens, a.model, history)
         best = _answer_room(model, tok, q, system, a.max_new_tokens, a.model)[0] if history else room

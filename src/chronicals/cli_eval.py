@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .cli_models import DTYPE_HELP, add_verbose, _base_for, _load, _setup_logging, _within_context
+from .cli_models import DTYPE_HELP, _base_for, _load, _not_utf8, _setup_logging, _within_context, add_verbose
 
 
 _DATA_FLAGS = ("format", "train_on", "max_seq_len", "system_prompt", "batch_size", "on_long", "on_error", "cache_dir")
@@ -75,6 +75,8 @@ def cmd_eval(argv: list[str]) -> int:
             p.error(f"{flag} {value}: expected an integer >= {least}")
     if not a.data.strip():
         p.error("the data argument is empty; give the file to score (or demo)")
+    if a.system_prompt is not None and (bad := _not_utf8(a.system_prompt)) is not None:
+        p.error(f"--system-prompt is not valid UTF-8 ({bad}); pass the text in UTF-8")
     if a.json is not None:
         out = Path(a.json).expanduser()
         if not a.json.strip() or out.is_dir():

@@ -108,6 +108,22 @@ def _within_context(p: argparse.ArgumentParser, model, name: str, *flags: tuple[
 DTYPE_HELP = "weights dtype: auto (bf16 on CUDA, fp32 on CPU, as train loads them) | float32 | bfloat16"
 
 
+def _not_utf8(text: str) -> str | None:
+    """None for text that UTF-8 can hold; else which byte is not UTF-8. Python reads a command line's (and, in the
+    C locale, stdin's) undecodable bytes as lone surrogates, which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        raw = text[e.start:e.end].encode("utf-8", "surrogateescape")
+        return f"byte {' '.join(f'0x{b:02x}' for b in raw)} at character {e.start}"
+
+
+def _shown(text: str) -> str:
+    """``text`` for a message, its undecodable bytes as U+FFFD."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 def add_verbose(p: argparse.ArgumentParser) -> None:
     """chat's and eval's ``-v``: without it they print answers (chat) or the summary (eval), and warnings."""
     p.add_argument("-v", "--verbose", action="store_true",

@@ -64,7 +64,7 @@ def test_a_negative_temperature_is_refused_and_a_tensor_eos_stops(tiny_hf_config
     model = _model(tiny_hf_config)
     ids = torch.randint(3, 97, (7,), generator=torch.Generator().manual_seed(1))
     for bad in (-1.0, float("nan")):
-        with pytest.raises(ValueError, match=r"temperature=.* must be >= 0 \(0 = greedy decoding\)"):
+        with pytest.raises(ValueError, match=r"temperature=.* must be a finite number >= 0 \(0 = greedy decoding\)"):
             generate(model, ids, 4, temperature=bad)
     first = int(generate(model, ids, 1)[0])
     assert generate(model, ids, 5, eos_token_id=torch.tensor(first)).tolist() == [first]
@@ -159,3 +159,18 @@ def test_a_streamer_gets_each_token_as_picked_and_one_end(tiny_hf_config):
     assert rec.put_ids == out.tolist() == generate(model, ids, 9).tolist() and rec.ends == 1
     rec = Record()
     assert generate(model, ids, 0, streamer=rec).tolist() == [] and rec.put_ids == [] and rec.ends == 1
+
+
+@pytest.mark.parametrize("t", [1e-45, 1e-300, 1e-30])
+def test_a_temperature_near_zero_samples_the_greedy_tokens(tiny_hf_config, t):
+    """logits / 1e-45 was inf, the probabilities NaN: torch.multinomial raised. Near 0 it is greedy (no ties here)."""
+    model = _model(tiny_hf_config)
+    ids = torch.tensor([1, 5, 9, 2])
+    greedy = generate(model, ids, 6)
+    assert torch.equal(generate(model, ids, 6, temperature=t, generator=torch.Generator().manual_seed(1)), greedy)
+
+
+@pytest.mark.parametrize("t", [float("inf"), float("nan"), -1.0])
+def test_a_temperature_that_is_not_a_finite_number_is_refused(tiny_hf_config, t):
+    with pytest.raises(ValueError, match="must be a finite number >= 0"):
+        generate(_model(tiny_hf_config), torch.tensor([1, 2]), 2, temperature=t)

@@ -109,6 +109,11 @@ def _choose(cuda_graph: bool | None, device: torch.device, max_new_tokens: int) 
     return graphed
 
 
+# the smallest temperature sampling divides by; below it every temperature samples as this one (from the ties of the
+# largest logit: all others get probability 0)
+SHARPEST_TEMPERATURE = 1e-30
+
+
 @torch.no_grad()
 def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64, *, eos_token_id=None,
              temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
@@ -139,8 +144,8 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
         raise ValueError(f"generate takes one prompt, input_ids (S,) or (1, S) with S >= 1, got shape "
                          f"{tuple(input_ids.shape)}; call it once per prompt (an empty prompt: start it with the "
                          "tokenizer's bos_token_id)")
-    if not temperature >= 0:  # NaN too
-        raise ValueError(f"generate: temperature={temperature} must be >= 0 (0 = greedy decoding)")
+    if not 0 <= temperature < float("inf"):  # NaN too
+        raise ValueError(f"generate: temperature={temperature} must be a finite number >= 0 (0 = greedy decoding)")
     if not 0 < top_p <= 1:
         raise ValueError(f"generate: top_p={top_p} must be in (0, 1] (1 = sample from every token)")
     ids = input_ids.view(1, -1).to(model.lm_head.weight.device)
@@ -152,7 +157,10 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
 
     def pick(logits: torch.Tensor) -> int:
         if temperature > 0:
-            probs = torch.softmax(logits / temperature, dim=-1)
+            # from the largest logit down, in fp32: a temperature near 0 (1e-45) made logits / t inf and the
+            # probabilities NaN; t >= 1e-30 keeps (z - max) / t finite (|z - max| << 3e8) and is greedy-sharp
+            z = logits.float()
+            probs = torch.softmax((z - z.max()) / max(temperature, SHARPEST_TEMPERATURE), dim=-1)
             if top_p < 1:  # keep a token while the mass of the likelier ones is below top_p (the first always)
                 probs, order = probs.sort(descending=True)
                 probs = probs * (probs.cumsum(0) - probs < top_p)
