@@ -92,3 +92,19 @@ def test_a_dataset_indexes_like_a_list():
     for i in (2, -3):
         with pytest.raises(IndexError, match=f"document {i} of a dataset of 2"):
             ds[i]
+
+
+def test_a_cache_hit_names_the_files_by_this_runs_names(tmp_path, tokenizer):
+    """The cache is keyed by the files' contents: after `mv old.jsonl new.jsonl` the entry's "file:line" of the
+    first bad record named old.jsonl, a file that no longer exists."""
+    from chronicals.data import load_dataset
+
+    old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
+    old.write_text(json.dumps({"text": "a b c"}) + "\n" + json.dumps({"txt": "x"}) + "\n")
+    kw = dict(max_seq_len=32, on_error="skip", cache_dir=tmp_path / "cache")
+    first = load_dataset([str(old)], tokenizer, **kw)
+    assert first.stats.first_errors[0].startswith(f"{old}:2: ")
+    old.rename(new)
+    again = load_dataset([str(new)], tokenizer, **kw)  # a cache hit
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    assert again.stats.first_errors == [e.replace(str(old), str(new), 1) for e in first.stats.first_errors]

@@ -12,7 +12,7 @@ import transformers
 import chronicals
 from chronicals.lora import apply_lora, load_adapter, lora_modules, merge_lora, save_adapter
 
-from .conftest import hf_config, peft_adapter, tiny_model
+from .conftest import hf_config, peft_adapter, randomize_lora_b, tiny_model
 
 
 def test_adapter_keeps_its_dropout(tmp_path):
@@ -181,3 +181,25 @@ def test_a_failed_load_leaves_the_model_as_it_was(tmp_path, ids, tied):
     load_adapter(model, tmp_path / "good")
     with torch.no_grad():
         torch.testing.assert_close(model(ids), want_adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_all_linear_as_a_string_is_peft_shorthand_in_a_file_and_in_apply_lora(tmp_path, ids):
+    """target_modules "all-linear" (a string, as PEFT reads it: every linear layer but the output) was read as a
+    regular expression that matched nothing: refused with "matched no nn.Linear". PEFT loads such a file."""
+    ours = tiny_model()
+    apply_lora(ours, r=2, alpha=4, target_modules="all-linear")
+    assert sorted({n.rsplit(".", 1)[1] for n, _ in lora_modules(ours)}) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    randomize_lora_b(ours)
+    with torch.no_grad():
+        want = ours.eval()(ids)
+    save_adapter(ours, tmp_path / "a")
+    path = tmp_path / "a" / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "target_modules": "all-linear"}))
+    again = tiny_model()
+    load_adapter(again, tmp_path / "a")
+    with torch.no_grad():
+        torch.testing.assert_close(again.eval()(ids), want, rtol=0, atol=0)
+    hf = transformers.LlamaForCausalLM(hf_config()).eval()  # PEFT reads the file the same way: 7 targets a layer
+    pm = peft.PeftModel.from_pretrained(hf, tmp_path / "a")
+    assert sum("lora_A" in n for n, _ in pm.named_parameters()) == 2 * 7

@@ -31,6 +31,32 @@ def test_packed_rows_are_judged_by_their_longest_document():
     assert model(ids, position_ids=pos, cu_seqlens=cu, max_seqlen=6).shape == (1, 12, 97)
 
 
+def test_a_rows_padding_is_no_document_for_the_window():
+    """Rows of short documents and a long padding tail: the padding is one segment of cu_seqlens, so max_seqlen
+    counted it and the window refused (3 documents of 3-5 tokens in a row of 20 under a window of 8). The collator's
+    longest_doc is what the window limits; the loss equals each document's alone."""
+    import numpy as np
+
+    from chronicals.data.collate import collate_rows
+
+    model = _mistral(8)
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(1, 97, (n,), generator=g).numpy() for n in (5, 3, 4)]
+    batch = collate_rows([[(d, np.ones(len(d), bool)) for d in docs]], 20, 0)
+    assert (batch.max_seqlen, batch.longest_doc) == (8, 5)  # the 8 tokens of padding: at the window, not past it
+    batch = collate_rows([[(d, np.ones(len(d), bool)) for d in docs]], 24, 0)
+    assert (batch.max_seqlen, batch.longest_doc) == (12, 5)
+    with pytest.raises(ValueError, match="a sequence of 12 tokens is longer than this mistral model's sliding_window=8"):
+        model(batch.input_ids, **{**batch.model_kwargs(), "longest_doc": None}, reduction="sum")
+    loss = model(batch.input_ids, **batch.model_kwargs(), reduction="sum")
+    alone = sum(model(torch.as_tensor(d)[None], labels=torch.as_tensor(d)[None], reduction="sum") for d in docs)
+    torch.testing.assert_close(loss, alone)
+    long = torch.randint(1, 97, (9,), generator=g).numpy()
+    batch = collate_rows([[(long, np.ones(9, bool))]], 24, 0)
+    with pytest.raises(ValueError, match="a sequence of 9 tokens is longer than this mistral model's sliding_window=8"):
+        model(batch.input_ids, **batch.model_kwargs(), reduction="sum")
+
+
 def test_no_window_means_no_limit():
     model = _mistral(None)
     assert model(torch.randint(0, 97, (1, 40))).shape == (1, 40, 97)

@@ -41,8 +41,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
-# the code that turns records into token ids and trainable masks
-ENCODER_FILES = ("formats.py", "tokenize.py", "dataset.py")
+# the code that reads files into records and turns records into token ids and trainable masks (relative to this
+# package; the JSON reader is the package's own)
+ENCODER_FILES = ("readers.py", "../_jsonio.py", "formats.py", "tokenize.py", "dataset.py")
 
 
 def files_digest(paths) -> str:

@@ -26,8 +26,10 @@ class PackedBatch:
 
     input_ids (B, S) int64; position_ids (B, S) int64; shift_labels (B, S) int64 (-100: no loss);
     cu_seqlens (num_docs + 1,) int32 over the flattened B * S tokens, padding counted as documents;
-    max_seqlen: the longest entry of cu_seqlens' differences; num_loss_tokens: (shift_labels != -100).sum();
-    num_tokens: real (non-padding) tokens; num_docs: real documents.
+    max_seqlen: the longest entry of cu_seqlens' differences (the attention kernels' bound, padding included);
+    num_loss_tokens: (shift_labels != -100).sum(); num_tokens: real (non-padding) tokens; num_docs: real documents;
+    longest_doc: the longest real document (what a sliding window or a dynamic rope limits; a row's padding, one
+    segment of up to S tokens, attends only to itself), None where not known (max_seqlen stands in).
     """
 
     input_ids: torch.Tensor
@@ -38,6 +40,7 @@ class PackedBatch:
     num_loss_tokens: int
     num_tokens: int = 0
     num_docs: int = 0
+    longest_doc: int | None = None
 
     def _map(self, fn) -> "PackedBatch":
         """A copy with ``fn`` applied to every tensor field (the ints are kept)."""
@@ -54,7 +57,7 @@ class PackedBatch:
     def model_kwargs(self) -> dict:
         """Keyword arguments for ``CausalLM.forward`` (besides input_ids)."""
         return {"position_ids": self.position_ids, "cu_seqlens": self.cu_seqlens,
-                "max_seqlen": self.max_seqlen, "shift_labels": self.shift_labels}
+                "max_seqlen": self.max_seqlen, "shift_labels": self.shift_labels, "longest_doc": self.longest_doc}
 
 
 def shift_document(ids: np.ndarray, trainable: np.ndarray) -> np.ndarray:
@@ -74,7 +77,7 @@ def collate_rows(rows: list[list[tuple[np.ndarray, np.ndarray]]], row_len: int, 
     position_ids = np.zeros((b, row_len), dtype=np.int64)
     shift_labels = np.full((b, row_len), IGNORE_INDEX, dtype=np.int64)
     seqlens: list[int] = []
-    num_tokens = num_docs = 0
+    num_tokens = num_docs = longest = 0
     for r, docs in enumerate(rows):
         t = 0
         for ids, trainable in docs:
@@ -85,6 +88,7 @@ def collate_rows(rows: list[list[tuple[np.ndarray, np.ndarray]]], row_len: int, 
             position_ids[r, t:t + n] = np.arange(n)
             shift_labels[r, t:t + n] = shift_document(ids, trainable)
             seqlens.append(n)
+            longest = max(longest, n)
             t += n
         num_tokens += t
         num_docs += len(docs)
@@ -97,4 +101,5 @@ def collate_rows(rows: list[list[tuple[np.ndarray, np.ndarray]]], row_len: int, 
     return PackedBatch(
         input_ids=torch.from_numpy(input_ids), position_ids=torch.from_numpy(position_ids),
         shift_labels=labels, cu_seqlens=torch.from_numpy(cu), max_seqlen=int(max(seqlens)),
-        num_loss_tokens=int((labels != IGNORE_INDEX).sum()), num_tokens=num_tokens, num_docs=num_docs)
+        num_loss_tokens=int((labels != IGNORE_INDEX).sum()), num_tokens=num_tokens, num_docs=num_docs,
+        longest_doc=longest)

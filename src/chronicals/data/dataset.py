@@ -11,7 +11,7 @@ import logging
 import os
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -123,7 +123,7 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
         cache = cache_mod.cache_root(cache_dir) / cache_mod.cache_key(files, tokenizer, settings)
         if cache.exists():
             try:
-                ds = _from_cache(cache, max_seq_len)
+                ds = _from_cache(cache, max_seq_len, files)
             except cache_mod.CacheError as e:
                 log.warning("data: tokenization cache entry %s is damaged (%s); rebuilding it", cache, e)
             else:
@@ -151,8 +151,31 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
     if cache is not None:
         cache_mod.save(cache, ds.ids, ds.trainable, ds.offsets,
                        {"pad_id": ds.pad_id, "stats": asdict(ds.stats), "file_counts": ds.file_counts,
-                        "file_formats": ds.file_formats})
+                        "file_formats": ds.file_formats, "files": [str(f) for f in files]})
     return ds
+
+
+def _renamed(stats: DatasetStats, written: list | None, files: list[Path]) -> None:
+    """A cache entry is keyed by the files' contents: moved or renamed files hit the entry their old names wrote.
+    Its "file:line" strings (first_errors, first_no_loss, ...) are put under this run's names, file by file."""
+    if not isinstance(written, list) or len(written) != len(files):
+        return
+    moves = [(f"{old}:", f"{new}:") for old, new in zip(written, map(str, files)) if old != new]
+    if not moves:
+        return
+
+    def fix(text: str) -> str:
+        for old, new in moves:
+            if text.startswith(old):
+                return new + text[len(old):]
+        return text
+
+    for f in fields(stats):
+        value = getattr(stats, f.name)
+        if isinstance(value, str):
+            setattr(stats, f.name, fix(value))
+        elif isinstance(value, list):
+            setattr(stats, f.name, [fix(v) if isinstance(v, str) else v for v in value])
 
 
 def _note_alpaca_prompt(descs: list[str], tokenizer, name: str) -> None:
@@ -195,12 +218,13 @@ def _summary_line(name: str, files, counts: list[int], descs: list[str], format:
     return f"{head}; format auto -> {shown}"
 
 
-def _from_cache(path: Path, max_seq_len: int) -> TokenizedDataset:
+def _from_cache(path: Path, max_seq_len: int, files: list[Path]) -> TokenizedDataset:
     ids, trainable, offsets, meta = cache_mod.load(path)
     try:
         stats = DatasetStats(**meta["stats"])
     except TypeError as e:
         raise cache_mod.CacheError(f"meta.json: stats do not match this version ({e})") from None
+    _renamed(stats, meta.get("files"), files)
     ds = TokenizedDataset(ids, trainable, offsets, meta["pad_id"], stats, max_seq_len)
     counts, descs = meta.get("file_counts"), meta.get("file_formats")
     ds.file_counts = [int(n) for n in counts] if isinstance(counts, list) else []

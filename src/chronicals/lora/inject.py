@@ -113,12 +113,18 @@ def _check_lora_args(r, alpha, dropout, target_modules, use_rslora, modules_to_s
         raise ConfigError(f"apply_lora: group={group!r} must be True or False (lora.group)", "lora.group")
 
 
+# PEFT's target_modules="all-linear": every nn.Linear but the output layer (a list ["all-linear"] names a module)
+ALL_LINEAR = "all-linear"
+
+
 def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: float = 0.0,
                target_modules=DEFAULT_TARGETS, use_rslora: bool = False, modules_to_save=(),
                impl: str = "fused", adapter_dtype: torch.dtype | None = None, seed: int | None = 0,
                concat: bool | str = "auto", group: bool = True) -> LoraRecord:
     """Replace each targeted nn.Linear of ``model`` in place by a LoRALinear and freeze the rest.
 
+    ``target_modules``: module names as PEFT's list form matches them, a regular expression (a string), or the
+    string "all-linear" (PEFT's shorthand: every nn.Linear but lm_head).
     scaling = alpha / r, or alpha / sqrt(r) with ``use_rslora``. Every parameter is frozen except the
     adapters (A, B) and the parameters of ``modules_to_save`` (e.g. "lm_head", "embed_tokens"), which
     are trained in full. Tied embeddings share one Parameter: naming either of lm_head / embed_tokens
@@ -140,6 +146,9 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
         raise RuntimeError("apply_lora: this model already has LoRA adapters; call merge_lora(model) first")
     if isinstance(target_modules, list):
         target_modules = tuple(target_modules)
+    if isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR:  # PEFT's shorthand, as a string
+        target_modules = tuple(sorted({n.rpartition(".")[2] for n, m in model.named_modules()
+                                       if isinstance(m, nn.Linear) and n.rpartition(".")[2] != "lm_head"}))
     modules_to_save = (modules_to_save,) if isinstance(modules_to_save, str) else tuple(modules_to_save)
     matched = [(n, m) for n, m in model.named_modules() if n and name_matches(n, target_modules)]
     targets = [n for n, m in matched if isinstance(m, nn.Linear)]

@@ -366,13 +366,17 @@ class CausalLM(nn.Module):
         return self
 
     # ---- forward ----
-    def hidden_states(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, kv_caches=None):
-        """input_ids (B, S) -> final-norm hidden states (B, S, H)."""
-        longest = max_seqlen if cu_seqlens is not None and max_seqlen is not None else input_ids.shape[1]
+    def hidden_states(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, kv_caches=None,
+                      longest_doc: int | None = None):
+        """input_ids (B, S) -> final-norm hidden states (B, S, H). ``longest_doc``: see ``forward``."""
+        if cu_seqlens is not None:
+            longest = longest_doc if longest_doc is not None else max_seqlen
+            longest = input_ids.shape[1] if longest is None else longest
+        else:
+            longest = input_ids.shape[1]
         if kv_caches is not None:
             longest += kv_caches[0].length
-        self._check_sliding_window(longest)
-        self._check_dynamic_rope(longest, position_ids if cu_seqlens is None else None)
+        self.check_sequence_length(longest, position_ids if cu_seqlens is None else None)
         if self.config.attention_dropout and self.training and torch.is_grad_enabled():
             raise ValueError(
                 f"config.json sets attention_dropout={self.config.attention_dropout}: transformers drops that share of "
@@ -386,6 +390,13 @@ class CausalLM(nn.Module):
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
             position_ids = position_ids.unsqueeze(0).expand_as(input_ids)
         return self.model(input_ids, position_ids, cu_seqlens, max_seqlen, kv_caches)
+
+    def check_sequence_length(self, seqlen: int, position_ids=None) -> None:
+        """ValueError when a sequence of ``seqlen`` tokens is past what this model computes as transformers does
+        (a sliding window, a dynamic rope's limit). Host ints (and, for a dynamic rope, ``position_ids``' largest);
+        the trainer calls it per batch before replaying a captured step, which runs no Python."""
+        self._check_sliding_window(seqlen)
+        self._check_dynamic_rope(seqlen, position_ids)
 
     def _check_sliding_window(self, seqlen: int) -> None:
         """Sliding-window attention (in every layer for Mistral, in some for Qwen2/3) equals full causal attention
@@ -423,7 +434,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, *, position_ids=None, cu_seqlens=None, max_seqlen=None, labels=None,
                 shift_labels=None, reduction: str = "mean", kv_caches=None, num_loss_tokens: int | None = None,
-                attention_mask=None):
+                attention_mask=None, longest_doc: int | None = None):
         """Logits (B, S, V) when no labels are given; otherwise the loss, never building the logits.
 
         labels: (B, S) Hugging Face form, shifted here per document (a position whose ``position_ids`` entry
@@ -433,6 +444,9 @@ class CausalLM(nn.Module):
         or None. With it, "mean" / "sum" run the loss head on the loss rows only (see ``loss_rows``).
         attention_mask: (B, S) 1 for tokens, 0 for padding, as a tokenizer returns it; right padding only (see
         ``forward_args.mask_padding``): padding predicts nothing and is never a target.
+        longest_doc: packed rows (``cu_seqlens``): their longest real document (``PackedBatch.longest_doc``), which
+        the sliding-window and dynamic-rope checks read instead of ``max_seqlen``: that one bounds the attention
+        kernels and counts a row's padding segment (under CUDA graphs it is the row length).
         input_ids, position_ids and labels / shift_labels are int64 or int32 (B, S); shapes and dtypes are checked
         first (host metadata only, no device sync; an attention_mask is read on the host). Targets must be in
         [0, V) or -100: others give a NaN loss.
@@ -441,7 +455,7 @@ class CausalLM(nn.Module):
         if attention_mask is not None:
             labels, shift_labels = mask_padding(attention_mask, labels, shift_labels, cu_seqlens=cu_seqlens,
                                                 kv_caches=kv_caches, num_loss_tokens=num_loss_tokens)
-        h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen, kv_caches)
+        h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen, kv_caches, longest_doc)
         if labels is None and shift_labels is None:
             return self.lm_head(h)
         if shift_labels is None:

@@ -207,6 +207,11 @@ class GraphedStep:
         int64 scalar, returned as it is).
         """
         n = loss_token_count(micro_batches) if count is None else count  # an int, or a device scalar (DP)
+        check = getattr(self.model, "check_sequence_length", None)
+        for b in micro_batches:  # a replay runs no Python: the model's length checks, on the host, here
+            longest = getattr(b, "longest_doc", None)
+            if check is not None:
+                check(b.input_ids.shape[1] if b.cu_seqlens is None else b.max_seqlen if longest is None else longest)
         last = len(micro_batches) - 1  # with a reducer, its graph also all-reduces the gradients
         keys = [(graph_key(b), self.reducer is not None and i == last) for i, b in enumerate(micro_batches)]
         # capture before any replay: warm-up must not touch the grads. The first capture of all is the assign
@@ -246,9 +251,9 @@ class GraphedStep:
         return out + [(k, "accumulate+all-reduce" if comm else "accumulate") for k, comm in self.graphs]
 
     # ---- internals ----
-    def _forward_backward(self, ids, pos, labels, cu, s: int) -> torch.Tensor:
+    def _forward_backward(self, ids, pos, labels, cu, s: int, longest: int | None = None) -> torch.Tensor:
         loss_sum = self.model(ids, position_ids=pos, cu_seqlens=cu, max_seqlen=s, shift_labels=labels,
-                              reduction="sum")
+                              reduction="sum", longest_doc=longest)
         (loss_sum * self._inv_count).backward()
         return loss_sum
 
@@ -270,7 +275,8 @@ class GraphedStep:
         cu = None if batch.cu_seqlens is None else batch.cu_seqlens.to(d, non_blocking=True)
         return self._reduced(key[1], batch.input_ids.to(d, non_blocking=True),
                              batch.position_ids.to(d, non_blocking=True),
-                             batch.shift_labels.to(d, non_blocking=True), cu, batch.max_seqlen)
+                             batch.shift_labels.to(d, non_blocking=True), cu, batch.max_seqlen,
+                             getattr(batch, "longest_doc", None))
 
     @staticmethod
     def _load(cap: _Captured, batch) -> None:
@@ -294,7 +300,8 @@ class GraphedStep:
                         cu_seqlens=None if capacity == 0 else torch.zeros(capacity + 1, dtype=torch.int32, device=d),
                         loss_sum=None)
         self._load(cap, batch)
-        args = (cap.input_ids, cap.position_ids, cap.shift_labels, cap.cu_seqlens, s)
+        args = (cap.input_ids, cap.position_ids, cap.shift_labels, cap.cu_seqlens, s,
+                getattr(batch, "longest_doc", None))
         saved = [p.grad for p in self.params]
         # warm-up draws from the device's generator (LoRA dropout seeds, ops/dropout.py); capture only records
         # offsets that each replay takes. Put it back, so the step's masks are those an eager step or a run

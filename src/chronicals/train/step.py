@@ -26,15 +26,15 @@ def _to(batch, device: torch.device) -> dict:
             "position_ids": batch.position_ids.to(device, non_blocking=True),
             "shift_labels": batch.shift_labels.to(device, non_blocking=True),
             "cu_seqlens": None if cu is None else cu.to(device, non_blocking=True),
-            "max_seqlen": batch.max_seqlen}
+            "max_seqlen": batch.max_seqlen, "longest_doc": getattr(batch, "longest_doc", None)}
 
 
 def batch_loss_sum(model, batch, device: torch.device) -> torch.Tensor:
     """Summed cross-entropy over the batch's loss tokens (fp32 scalar); no logits are materialized."""
     t = _to(batch, device)
     return model(t["input_ids"], position_ids=t["position_ids"], cu_seqlens=t["cu_seqlens"],
-                 max_seqlen=t["max_seqlen"], shift_labels=t["shift_labels"], reduction="sum",
-                 num_loss_tokens=int(batch.num_loss_tokens))  # the loss head runs on the loss rows only
+                 max_seqlen=t["max_seqlen"], longest_doc=t["longest_doc"], shift_labels=t["shift_labels"],
+                 reduction="sum", num_loss_tokens=int(batch.num_loss_tokens))  # the head: on the loss rows only
 
 
 def loss_token_count(micro_batches: list) -> int:
