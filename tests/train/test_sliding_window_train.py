@@ -15,10 +15,10 @@ from train_helpers import VOCAB, SyntheticLoader, synthetic_docs, tiny_config
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def _mistral(window: int) -> CausalLM:
+def _mistral(window: int) -> CausalLM:  # head dim 16: the CUDA attention kernels take multiples of 8
     import transformers
 
-    hf = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+    hf = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                     sliding_window=window)
     return CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0)
