@@ -108,3 +108,23 @@ def test_a_cache_hit_names_the_files_by_this_runs_names(tmp_path, tokenizer):
     again = load_dataset([str(new)], tokenizer, **kw)  # a cache hit
     assert len(list((tmp_path / "cache").iterdir())) == 1
     assert again.stats.first_errors == [e.replace(str(old), str(new), 1) for e in first.stats.first_errors]
+
+
+def test_a_cache_entry_damaged_within_its_shape_is_rebuilt(tmp_path, tokenizer, caplog):
+    """Zeroed trainable masks (same shape and dtype) passed the entry's checks: a step trained on 0 loss tokens."""
+    import logging
+
+    from chronicals.data import load_dataset
+
+    data = tmp_path / "a.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f" a{i}"}) + "\n" for i in range(4)))
+    kw = dict(max_seq_len=32, cache_dir=tmp_path / "cache")
+    first = load_dataset([str(data)], tokenizer, **kw)
+    [entry] = list((tmp_path / "cache").iterdir())
+    masks = np.load(entry / "trainable.npy")
+    assert masks.any()
+    np.save(entry / "trainable.npy", np.zeros_like(masks))
+    with caplog.at_level(logging.WARNING, logger="chronicals.data"):
+        again = load_dataset([str(data)], tokenizer, **kw)
+    assert "is damaged (the arrays do not match the digest written with them" in caplog.text
+    assert np.array_equal(again.trainable, first.trainable)
