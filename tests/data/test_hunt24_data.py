@@ -128,3 +128,13 @@ def test_a_cache_entry_damaged_within_its_shape_is_rebuilt(tmp_path, tokenizer, 
         again = load_dataset([str(data)], tokenizer, **kw)
     assert "is damaged (the arrays do not match the digest written with them" in caplog.text
     assert np.array_equal(again.trainable, first.trainable)
+
+
+def test_a_pipe_as_data_says_what_to_do(tmp_path):
+    """data.path=<(cat a.jsonl) said "[Errno 20] Not a directory: '/dev/fd/63'"."""
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError, match=r"pipe: not a regular file or a directory \(a pipe\?\).*write it to a file"):
+        resolve_files([str(fifo)])

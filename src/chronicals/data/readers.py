@@ -72,6 +72,10 @@ def resolve_files(paths, quiet: bool = False) -> list[Path]:
                 raise DataError(f"{p}: unsupported file type {p.suffix!r} (expected one of {', '.join(SUFFIXES)})")
             files.append(p)
             continue
+        if not p.is_dir():  # a pipe (data.path=<(zcat x.jsonl.gz)), a socket, a device
+            raise DataError(f"{p}: not a regular file or a directory (a pipe?); the data is read more than once (its "
+                            "digest keys the tokenization cache, then its records), so write it to a file first "
+                            f"(expected a data file {'/'.join(SUFFIXES)} or a directory of them)")
         found = _dir_files(p, quiet)
         if not found:
             raise DataError(f"{p}: directory holds no data files (expected {', '.join(SUFFIXES)} files, in it or "
