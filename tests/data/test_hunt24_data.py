@@ -138,3 +138,26 @@ def test_a_pipe_as_data_says_what_to_do(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(DataError, match=r"pipe: not a regular file or a directory \(a pipe\?\).*write it to a file"):
         resolve_files([str(fifo)])
+
+
+@pytest.mark.parametrize("text, line, says", [
+    ('[{"text": "a"}\n {"text": "b"}]', 2, "expected ',' or ']' after an element"),
+    ('[{"text": "a"},\n,{"text": "b"}]', 2, "a ',' with no element after it"),
+    ('[{"text": "a"},\n]', 2, "a ',' with no element after it"),
+    ('[,{"text": "a"}]', 1, "a ',' before the first element"),
+])
+def test_a_json_array_with_missing_or_extra_commas_is_invalid(tmp_path, text, line, says):
+    """The array reader skipped commas and whitespace alike: [{...} {...}] and [{...},,{...}] read silently."""
+    path = tmp_path / "a.json"
+    path.write_text(text)
+    recs = read_file(path)
+    assert recs[-1].where == f"{path}:{line}" and recs[-1].error == f"invalid JSON array: {says} (reading stops here)"
+    assert [r.data for r in recs[:-1]] == [{"text": "a"}][:len(recs) - 1]
+
+
+def test_a_well_formed_json_array_still_reads(tmp_path):
+    path = tmp_path / "a.json"
+    path.write_text('[\n  {"text": "a"} ,\n  {"text": "b"}\n]\n')
+    assert [(r.where.rsplit(":", 1)[1], r.data) for r in read_file(path)] == [("2", {"text": "a"}), ("3", {"text": "b"})]
+    path.write_text("[ ]")
+    assert read_file(path) == []

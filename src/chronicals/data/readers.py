@@ -268,9 +268,25 @@ def _read_json(path: Path) -> list[Record]:
     i = len(text) - len(text.lstrip())
     out, line, last = [], 1, 0
     i += 1
+    ws = " \t\r\n"
+
+    def stop(at: int, what: str) -> list[Record]:  # a malformed array: what was read so far, then the error
+        out.append(Record(f"{path}:{text.count(chr(10), 0, at) + 1}", None, f"{what} (reading stops here)"))
+        return out
+
     while True:
-        while i < len(text) and text[i] in " \t\r\n,":
+        while i < len(text) and text[i] in ws:
             i += 1
+        if out and i < len(text) and text[i] not in ",]":  # [{...} {...}]: a missing comma
+            return stop(i, "invalid JSON array: expected ',' or ']' after an element")
+        if out and i < len(text) and text[i] == ",":
+            i += 1
+            while i < len(text) and text[i] in ws:
+                i += 1
+            if i < len(text) and text[i] in ",]":  # [{...},,{...}] or [{...},]
+                return stop(i, "invalid JSON array: a ',' with no element after it")
+        elif not out and i < len(text) and text[i] == ",":  # [,{...}]
+            return stop(i, "invalid JSON array: a ',' before the first element")
         if i >= len(text):
             line += text.count("\n", last, i)
             out.append(Record(f"{path}:{line}", None, "JSON array not closed; expected ']' at the end"))
