@@ -158,6 +158,7 @@ def test_a_json_array_with_missing_or_extra_commas_is_invalid(tmp_path, text, li
 def test_a_well_formed_json_array_still_reads(tmp_path):
     path = tmp_path / "a.json"
     path.write_text('[\n  {"text": "a"} ,\n  {"text": "b"}\n]\n')
-    assert [(r.where.rsplit(":", 1)[1], r.data) for r in read_file(path)] == [("2", {"text": "a"}), ("3", {"text": "b"})]
+    got = [(r.where.rsplit(":", 1)[1], r.data) for r in read_file(path)]
+    assert got == [("2", {"text": "a"}), ("3", {"text": "b"})]
     path.write_text("[ ]")
     assert read_file(path) == []
