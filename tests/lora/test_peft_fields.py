@@ -203,3 +203,30 @@ def test_all_linear_as_a_string_is_peft_shorthand_in_a_file_and_in_apply_lora(tm
     hf = transformers.LlamaForCausalLM(hf_config()).eval()  # PEFT reads the file the same way: 7 targets a layer
     pm = peft.PeftModel.from_pretrained(hf, tmp_path / "a")
     assert sum("lora_A" in n for n, _ in pm.named_parameters()) == 2 * 7
+
+
+def test_a_modules_to_save_entry_matching_nothing_is_left_out_as_peft_does(tmp_path, ids, caplog):
+    """PEFT skips a modules_to_save entry that names no module (a sequence-classification "score" in a causal LM's
+    adapter); it was refused here. Tensors saved under such a name are still unexpected keys."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    ours = tiny_model()
+    apply_lora(ours, r=2, alpha=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    randomize_lora_b(ours)
+    with torch.no_grad():
+        want = ours.eval()(ids)
+    save_adapter(ours, tmp_path / "a")
+    path = tmp_path / "a" / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "modules_to_save": ["lm_head", "score"]}))
+    again = tiny_model()
+    with caplog.at_level(logging.WARNING, logger="chronicals.lora"):
+        load_adapter(again, tmp_path / "a")
+    assert "modules_to_save entries ['score'] match no module of this model; left out, as PEFT does" in caplog.text
+    with torch.no_grad():
+        torch.testing.assert_close(again.eval()(ids), want, rtol=0, atol=0)
+    weights = tmp_path / "a" / "adapter_model.safetensors"
+    save_file({**load_file(str(weights)), "base_model.model.score.weight": torch.zeros(2, 32)}, str(weights))
+    with pytest.raises(ValueError, match=r"unexpected keys \['base_model.model.score.weight'\]"):
+        load_adapter(tiny_model(), tmp_path / "a")

@@ -223,10 +223,14 @@ def _peft_modules_to_save(model: nn.Module, entries) -> tuple[str, ...]:
     """The full names of the modules PEFT trains for an adapter_config.json's ``modules_to_save``. PEFT matches an
     entry as a plain suffix of the module's name in the PeftModel (``key.endswith(entry)``, not at a dot as for
     target_modules): "norm" is model.norm and every layer's input_layernorm and post_attention_layernorm, whose
-    saved tensors were 'unexpected keys' here. An entry matching nothing is kept, for apply_lora to name."""
+    saved tensors were 'unexpected keys' here. An entry matching nothing is left out with a warning, as PEFT skips
+    it (a sequence-classification "score" in a causal LM's file); tensors saved under it stay unexpected keys."""
     names = [n for n, _ in model.named_modules() if n]
     out = {n: None for n in names if any((PREFIX + n).endswith(e) for e in entries)}
-    out.update({e: None for e in entries if not any((PREFIX + n).endswith(e) for n in names)})
+    unmatched = [e for e in entries if not any((PREFIX + n).endswith(e) for n in names)]
+    if unmatched:
+        log.warning("load_adapter: modules_to_save entries %s match no module of this model; left out, as PEFT "
+                    "does", unmatched)
     return tuple(out)
 
 
