@@ -111,6 +111,13 @@ _DAMAGED = {
                      r"differ"),
     "heads_string": ("head_count", lambda w: w.add_string("llama.attention.head_count", "6"),
                      r"metadata llama\.attention\.head_count='6' is not an integer"),
+    # 0 kv heads: a bare ZeroDivisionError (ModelConfig reads 0 as "not set": as many kv heads as heads)
+    "kv_heads_zero": ("head_count_kv", lambda w: w.add_head_count_kv(0),
+                      r"tensor 'blk\.0\.attn_k\.weight' has 32 rows, which do not split into rotary pairs of "
+                      r"metadata llama\.attention\.head_count_kv=0 heads"),
+    # a token id that is no integer: a bare "invalid literal for int()" naming no file or key
+    "bos_string": (None, lambda w: w.add_string("tokenizer.ggml.bos_token_id", "abc"),
+                   r"metadata tokenizer\.ggml\.bos_token_id='abc' is not a token id \(an integer >= 0\)"),
 }
 
 
@@ -261,3 +268,14 @@ def test_missing_or_extra_tensor_is_named(tmp_path, change):
     with pytest.raises(ValueError, match=rf"^{path}: the tensors do not match the file's metadata .*{want}.*convert "
                                          r"the model again with llama\.cpp's convert_hf_to_gguf\.py"):
         chronicals.load_model(path, tokenizer=False)
+
+
+def test_a_zero_block_count_in_a_gguf_does_not_ask_for_a_config_json(tmp_path):
+    """GGUF metadata ModelConfig refuses (block_count 0) said "fix config.json", a file a GGUF user does not have."""
+    m = hf_model("llama")
+    path = tmp_path / "zero.gguf"
+    write_gguf(path, "llama", m, skip=("block_count",), extra=lambda w: w.add_block_count(0))
+    with pytest.raises(ValueError, match=rf"^{path}: num_hidden_layers=0 must be an integer >= 1; the file's "
+                                         r"metadata is damaged .*convert the model again") as e:
+        chronicals.load_model(path, tokenizer=False)
+    assert "config.json" not in str(e.value)

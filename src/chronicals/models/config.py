@@ -98,7 +98,10 @@ class ModelConfig:
                              f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama 2/3.x, SmolLM2, Mistral, Qwen2/2.5, Qwen3)")
         bad = _bad_field(d)
         if bad:
-            raise ValueError(f"{source}: {bad}; fix config.json (copy it from the original model)")
+            fix = ("the file's metadata is damaged (the HF name of its field is given): convert the model again "
+                   "with llama.cpp's convert_hf_to_gguf.py" if str(source).lower().endswith(".gguf")
+                   else "fix config.json (copy it from the original model)")
+            raise ValueError(f"{source}: {bad}; {fix}")
         if not d.get("head_dim") and d.get("hidden_size") and d.get("num_attention_heads") \
                 and d["hidden_size"] % d["num_attention_heads"]:
             raise ValueError(f"{source}: hidden_size={d['hidden_size']} is not a multiple of num_attention_heads="
@@ -266,6 +269,10 @@ def _bad_field(d: dict) -> str | None:
         v = d.get(k)
         if v is not None and not isinstance(v, bool):
             return f"{k}={v!r} must be true or false (a JSON boolean, not a string or number)"
+    # read only to place a sliding window (use_sliding_window without layer_types: see _sliding_window)
+    if (d.get("use_sliding_window") and d.get("layer_types") is None and "max_window_layers" in d
+            and not (_is_int(d["max_window_layers"]) and d["max_window_layers"] >= 0)):
+        return f"max_window_layers={d['max_window_layers']!r} must be an integer >= 0"
     for k, lo in (("rms_norm_eps", 0.0), ("rope_theta", None), ("partial_rotary_factor", None),
                   ("attention_dropout", 0.0)):
         v = d.get(k)

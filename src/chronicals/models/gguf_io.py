@@ -197,7 +197,11 @@ def gguf_config(reader, source: str = "gguf") -> dict:
                         ("padding_token_id", "pad_token_id")):
         v = _field(reader, f"tokenizer.ggml.{key}")
         if v is not None:
-            cfg[hf_key] = int(v)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:  # a string or array: int() named no field
+                raise ValueError(f"{source}: metadata tokenizer.ggml.{key}={v!r} is not a token id (an integer >= 0); "
+                                 "the file's metadata is damaged: convert the model again with llama.cpp's "
+                                 "convert_hf_to_gguf.py")
+            cfg[hf_key] = v
     return cfg
 
 
@@ -253,12 +257,13 @@ def gguf_state_dict(reader, cfg: dict, source: str = "gguf") -> dict[str, torch.
         w = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(  # a copy: F32 data is a read-only mmap
             tuple(int(s) for s in reversed(t.shape)))
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
-            key, n = (("head_count", cfg["num_attention_heads"]) if ".q_proj." in name
-                      else ("head_count_kv", cfg["num_key_value_heads"]))
-            if w.shape[0] % (2 * n):  # else a bare reshape error, before _check_tensors could name the file
+            key, shown = (("head_count", cfg["num_attention_heads"]) if ".q_proj." in name
+                          else ("head_count_kv", cfg["num_key_value_heads"]))
+            n = shown or cfg["num_attention_heads"]  # head_count_kv 0: not set, one kv head per head (ModelConfig)
+            if not n or w.shape[0] % (2 * n):  # else a bare reshape error, before _check_tensors could name the file
                 raise ValueError(f"{source}: tensor {t.name!r} has {w.shape[0]} rows, which do not split into "
-                                 f"rotary pairs of metadata llama.attention.{key}={n} heads; the file's metadata is "
-                                 "damaged: convert the model again with llama.cpp's convert_hf_to_gguf.py")
+                                 f"rotary pairs of metadata llama.attention.{key}={shown} heads; the file's metadata "
+                                 "is damaged: convert the model again with llama.cpp's convert_hf_to_gguf.py")
             # rows other than n * head_dim (a shape _check_tensors then names): the full-head permutation,
             # which cannot fail on them
             w = unpermute_qk(w, n, n_rot if w.shape[0] == n * head_dim else None)

@@ -98,7 +98,12 @@ def output_path(out_dir: str | Path) -> Path:
 def check_output_dir(out_dir: str | Path, owned: tuple[str, ...] | None = None) -> None:
     """The checks ``atomic_dir`` makes before writing, for callers that want them before a long load (export):
     ``out_dir`` is no file, nor under one, and holds nothing but ``owned`` entries (None: not checked)."""
+    if not str(out_dir).strip():  # Path("") is "."
+        raise ValueError("the output path is empty; name the directory to write")
     out = output_path(out_dir)
+    if out == Path.cwd() or out in Path.cwd().parents:  # replacing it renames the process's own directory away
+        raise ValueError(f"{out_dir} is the working directory{'' if out == Path.cwd() else ' or holds it'}; a "
+                         "write replaces the whole directory: choose a new directory (e.g. ./out)")
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a directory; choose another output path")
     parent = next((p for p in out.parents if p.exists()), None)  # the nearest existing ancestor
@@ -256,7 +261,9 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device, impl: str = "auto"
     """A CausalLM with uninitialized weights on ``device`` (built on meta: no time spent on random init)."""
     with torch.device("meta"):
         model = CausalLM(cfg, impl=impl)
-    model = model.to_empty(device=device).to(dtype)
+    # cast on meta, then allocate: allocating fp32 first and casting held both copies (a bf16 load peaked at 2.3x the
+    # weights' bytes in RAM: +588 MB for SmolLM2-135M's 257 MB, ~37 GB at 8B; transformers: +199 MB)
+    model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty makes new tensors per module; tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
     inv_freq, _ = rope_inv_freq(cfg)  # non-persistent buffer: recompute, in fp32 whatever the weights' dtype
@@ -264,13 +271,18 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device, impl: str = "auto"
     return model
 
 
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} a checkpoint of ``cfg`` holds (lm_head.weight optional when tied); built on meta."""
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in CausalLM(cfg).state_dict().items()}
+    if cfg.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
 def expected_names(cfg: ModelConfig) -> set[str]:
     """Tensor names a checkpoint of ``cfg`` holds (lm_head.weight optional when tied)."""
-    with torch.device("meta"):
-        names = set(CausalLM(cfg).state_dict())
-    if cfg.tie_word_embeddings:
-        names.discard("lm_head.weight")
-    return names
+    return set(expected_shapes(cfg))
 
 
 def load_hf_dir(model_dir: str | Path, *, dtype: torch.dtype | None = None, device=None,
@@ -279,7 +291,8 @@ def load_hf_dir(model_dir: str | Path, *, dtype: torch.dtype | None = None, devi
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_json(model_dir / "config.json")
     files = checkpoint_files(model_dir)
-    want = expected_names(cfg)
+    shapes = expected_shapes(cfg)
+    want = set(shapes)
     where: dict[str, Path] = {}
     file_dtype = None
     tied_head = None  # the file holding lm_head.weight although config.json ties it to the embedding
@@ -300,6 +313,12 @@ def load_hf_dir(model_dir: str | Path, *, dtype: torch.dtype | None = None, devi
                     raise ValueError(f"{f}: tensor {name} is stored as {st_dtype}, not as floating point; chronicals "
                                      "reads float checkpoints (F32, F16, BF16): a quantized one (GPTQ, AWQ, "
                                      "bitsandbytes) must be dequantized first, or load its unquantized release")
+                # from the header, before any allocation: config.json's vocab_size 10**9 over a real checkpoint
+                # allocated a 256 GB model (or failed to) before this message
+                shape = tuple(fh.get_slice(name).get_shape())
+                if name in shapes and shape != shapes[name]:
+                    raise ValueError(f"{f}: tensor {name} has shape {shape} but config.json implies {shapes[name]}; "
+                                     "config.json and the weights disagree")
                 if name == "model.embed_tokens.weight":
                     file_dtype = _ST_DTYPES.get(st_dtype)
     source = {}  # parameter -> tensor name in the file, where they differ
@@ -384,6 +403,10 @@ def save_hf_dir(model: CausalLM, tokenizer, out_dir: str | Path, *, generation_c
     the ``generation_config`` dict when given, else the source directory's file as loaded
     (``model.source_generation_config``), else none.
     """
+    if max_shard_bytes is not None and (isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int)
+                                        or max_shard_bytes < 1):
+        raise ValueError(f"save_model: max_shard_bytes={max_shard_bytes!r}; expected a number of bytes >= 1 (e.g. "
+                         "5 * 2**30 for 5 GiB shards) or None for one file")
     cfg = model.config
     why = no_hf_dir(cfg)
     if why:
@@ -405,6 +428,11 @@ def save_hf_dir(model: CausalLM, tokenizer, out_dir: str | Path, *, generation_c
                          f"(extra: {_list(extra) or 'none'}; missing: {_list(want - set(sd)) or 'none'}); "
                          "merge LoRA adapters into the weights first, or save the adapter with chronicals.lora")
     sd = {k: v for k, v in sd.items() if k in want}
+    if "lm_head.weight" in sd and (sd["lm_head.weight"].untyped_storage().data_ptr()
+                                   == sd["model.embed_tokens.weight"].untyped_storage().data_ptr()):
+        # one tensor under a config that says untied (the flag set after loading a tied model): both are written,
+        # as transformers writes an untied model; safetensors refuses two names for one storage
+        sd["lm_head.weight"] = sd["lm_head.weight"].clone()
     dtype = sd["model.embed_tokens.weight"].dtype
     hf = cfg.to_hf_dict()
     hf.pop("torch_dtype", None)
