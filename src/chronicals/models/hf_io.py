@@ -261,8 +261,9 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device, impl: str = "auto"
     """A CausalLM with uninitialized weights on ``device`` (built on meta: no time spent on random init)."""
     with torch.device("meta"):
         model = CausalLM(cfg, impl=impl)
-    # cast on meta, then allocate: allocating fp32 first and casting held both copies (a bf16 load peaked at 2.3x the
-    # weights' bytes in RAM: +588 MB for SmolLM2-135M's 257 MB, ~37 GB at 8B; transformers: +199 MB)
+    # cast on meta, then allocate: allocating fp32 first and casting made an fp32 copy first (SmolLM2-135M in bf16:
+    # empty_model raised peak RSS by 384 MB, now 75 MB; the whole load still peaks ~590 MB over its 257 MB of weights,
+    # the safetensors file's mapped pages counted in RSS while the tensors are copied out)
     model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty makes new tensors per module; tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
