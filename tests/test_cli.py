@@ -415,6 +415,15 @@ def test_the_continue_command_of_an_interrupted_run_can_be_pasted_as_printed(tmp
     assert main(["train", *argv]) == 130
     line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("continue with: "))
     assert shlex.split(line.removeprefix("continue with: ")) == ["chronicals", "train", *argv[:2], "train.resume=auto"]
+    # under torchrun (rank 0 prints): the torchrun command; a mid-epoch checkpoint resumes only on as many ranks
+    from chronicals.cli import _relaunch
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert shlex.split(_relaunch(["a=1"])) == ["torchrun", "--nproc-per-node", "2", "-m", "chronicals.cli", "train",
+                                               "a=1"]
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert _relaunch(["a=1"]).endswith("train a=1 (on each of the 4 nodes, as this run was launched)")
 
 
 def test_bf16_export_rounds_each_merged_weight_once(tiny_base, tmp_path):

@@ -98,11 +98,22 @@ def cmd_train(argv: list[str]) -> int:
         if _rank() == 0:
             again = [a for a in argv if not a.startswith("train.resume=")] + ["train.resume=auto"]
             print(f"stopped at step {result.step}/{result.total_steps}; checkpoint {result.checkpoint}\n"
-                  f"continue with: {shlex.join(['chronicals', 'train', *again])}")  # quoted: pasted as printed
+                  f"continue with: {_relaunch(again)}")
         return 130
     if _rank() == 0:
         print(report.summary(result))
     return 0
+
+
+def _relaunch(args: list[str]) -> str:
+    """The command that runs ``chronicals train ARGS`` as this process was launched, quoted to paste as printed:
+    under torchrun, torchrun with as many processes (a checkpoint taken mid-epoch resumes only on as many ranks,
+    and one process would train on half the global batch)."""
+    world, local = (int(os.environ.get(k) or 1) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"))
+    if world <= 1:
+        return shlex.join(["chronicals", "train", *args])
+    cmd = shlex.join(["torchrun", "--nproc-per-node", str(local), "-m", "chronicals.cli", "train", *args])
+    return cmd if local == world else f"{cmd} (on each of the {world // local} nodes, as this run was launched)"
 
 
 def cmd_export(argv: list[str]) -> int:

@@ -96,3 +96,19 @@ def test_a_failed_background_write_stops_training_with_its_error(tmp_path, docs,
     cfg = tiny_config(tmp_path, train__save_every=2, train__max_steps=6)
     with pytest.raises(OSError, match=r"No space left on device.*step-000002"):
         train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs))
+
+
+def test_a_full_disk_is_an_oserror_naming_the_checkpoint(tmp_path, monkeypatch, capsys):
+    """torch.save reports a full disk or a file-size limit as a RuntimeError ("unexpected pos"): the CLI called it an
+    internal error (exit 4, a traceback). It is an OSError naming the checkpoint and what to do: exit 3."""
+    from chronicals.cli import _failed
+
+    def full(obj, f, *a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(OSError, match=r"could not write checkpoint .*step-000003 \(.*unexpected pos.*\); is the disk "
+                                      r"of train.out_dir=.* full\?") as e:
+        ckpt.write_checkpoint(tmp_path, {"step": 3, "model": {}})
+    assert not any((tmp_path / "checkpoints").iterdir())  # no half-written directory left
+    assert _failed(e.value) == 3 and "error: could not write checkpoint" in capsys.readouterr().err

@@ -178,3 +178,45 @@ def test_a_resume_over_edited_data_under_the_same_settings_names_both_causes(tmp
     msg = str(err.value)
     assert "no data setting changed, so either the data files' contents did" in msg and "train.resume=none" in msg
     assert "resume with the checkpoint's torchrun --nproc-per-node" in msg
+
+
+def test_a_run_of_the_other_kind_removes_the_earlier_final_directory(tmp_path, docs, caplog):
+    """A LoRA run's adapter/, then a full run over the same out_dir (resume=none): the adapter stayed beside the full
+    run's config.yaml (chat --adapter run/adapter reads it); only the run's own kind was looked at. The other way
+    too: a full run's model/ under a LoRA run."""
+    lora = dict(lora__enabled=True, lora__targets=["q_proj", "v_proj"], train__max_steps=1)
+    run = tmp_path / "run"
+    _run(tmp_path, docs, train__save_final=True, **lora)
+    assert (run / "adapter").is_dir()
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        _run(tmp_path, docs, train__resume="none", train__max_steps=1, train__save_final=True)
+    assert not (run / "adapter").exists() and (run / "model").is_dir()
+    assert (f"removed {run / 'adapter'}, another run's final adapter (train.resume=none starts this out_dir over; "
+            "this run writes a model)") in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        _run(tmp_path, docs, train__resume="none", **lora)
+    assert not (run / "model").exists() and not (run / "adapter").exists()
+    assert f"removed {run / 'model'}, another run's final model" in caplog.text
+
+
+def test_a_resume_from_another_runs_last_checkpoint_makes_out_dir_that_runs_record(tmp_path, docs):
+    """Nothing to train (the checkpoint is at the run's last step): the final adapter was written, but out_dir kept
+    its earlier run's config.yaml, metrics.jsonl and checkpoints, mixing two runs. Now it is as a run that trained
+    from that checkpoint makes it: that run's records up to the step, this config.yaml, the earlier files gone."""
+    import json
+
+    lora = dict(lora__enabled=True, lora__targets=["q_proj", "v_proj"], train__save_final=True)
+    other = tmp_path / "other"
+    other.mkdir()
+    _run(other, docs, train__max_steps=3, **lora)
+    _run(tmp_path, docs, train__max_steps=2, optim__lr=5e-3, **lora)
+    run = tmp_path / "run"
+    source = other / "run" / "checkpoints" / "step-000003"
+    _run(tmp_path, docs, train__max_steps=3, train__resume=str(source), **lora)
+    assert "lr: 0.005" not in (run / "config.yaml").read_text()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    theirs = [json.loads(line) for line in (other / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records == [r for r in theirs if r.get("step", 0) <= 3]
+    assert _names(tmp_path) == []  # the earlier run's step-000002 went with it
+    assert (run / "adapter" / "adapter_model.safetensors").is_file()

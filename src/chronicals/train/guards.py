@@ -227,12 +227,12 @@ def final_dir(cfg: TrainConfig, out_dir: Path) -> Path:
     return out_dir / ("adapter" if cfg.lora.enabled else "model")
 
 
-def _final_files(cfg: TrainConfig) -> tuple[str, ...]:
-    """The names (fnmatch patterns) of the files of the final directory: an adapter's (LoRA) or a model's."""
+def _final_files(lora: bool) -> tuple[str, ...]:
+    """The names (fnmatch patterns) of the files of a final directory: an adapter's (LoRA) or a model's."""
     from ..lora.peft_io import CONFIG_NAME, WEIGHTS_NAME
     from ..models.hf_io import MODEL_DIR_FILES
 
-    return (CONFIG_NAME, WEIGHTS_NAME) if cfg.lora.enabled else MODEL_DIR_FILES
+    return (CONFIG_NAME, WEIGHTS_NAME) if lora else MODEL_DIR_FILES
 
 
 def check_final_dir(cfg: TrainConfig, out_dir: Path) -> None:
@@ -244,7 +244,7 @@ def check_final_dir(cfg: TrainConfig, out_dir: Path) -> None:
     if final.exists() and not final.is_dir():
         raise FileExistsError(f"{final} exists and is not a directory: the final {final.name} is written there; "
                               "move it away or set another train.out_dir")
-    refuse_foreign_files(final, _final_files(cfg))
+    refuse_foreign_files(final, _final_files(cfg.lora.enabled))
 
 
 def check_final_model(cfg: TrainConfig, model) -> None:
@@ -263,28 +263,31 @@ def check_final_model(cfg: TrainConfig, model) -> None:
                          "(the checkpoints keep the weights)")
 
 
-def earlier_final(cfg: TrainConfig, out_dir: Path, resume_from: Path | None) -> Path | None:
-    """out_dir's final adapter (LoRA) or model (full) when an earlier run wrote it and this run does not continue
-    that run (it starts over, or continues another directory's checkpoint), or None: it goes with that run's
-    checkpoints once this run writes, as it would otherwise sit beside this run's config.yaml (which
-    ``chat --adapter out_dir/adapter`` reads) though this run never wrote it (train.save_final=false, or a stop).
+def earlier_finals(cfg: TrainConfig, out_dir: Path, resume_from: Path | None) -> list[Path]:
+    """out_dir's final adapter/ (LoRA) and model/ (full) that an earlier run wrote and this run does not continue:
+    they go with that run's checkpoints once this run writes, as they would otherwise sit beside this run's
+    config.yaml (which ``chat --adapter out_dir/adapter`` reads) though this run never wrote them. This run's own
+    kind is kept when it continues its own checkpoints (its history wrote it); the other kind never is (a full run
+    over an earlier LoRA run's out_dir left its adapter/ beside the new config.yaml).
 
-    Left, with a warning, when it holds other files or is this run's model.path: a run deletes no file it
+    One is left, with a warning, when it holds other files or is this run's model.path: a run deletes no file it
     could not have written."""
     from ..models.hf_io import foreign_entries
-
-    final = final_dir(cfg, out_dir)
-    if not final.is_dir() or final.is_symlink():
-        return None
     from .checkpoint import is_own
 
-    if resume_from is not None and is_own(resume_from, out_dir):  # the final directory is of this run's history
-        return None
     base = Path(cfg.model.path).expanduser().resolve()
-    foreign = foreign_entries(final, _final_files(cfg))  # a folder in it too (a user's tokenizer_backup/)
-    if foreign or final.resolve() in (base, *base.parents):
-        why = f"it also holds {', '.join(foreign[:5])}" if foreign else f"it holds model.path={cfg.model.path}"
-        log.warning("%s is an earlier run's final %s, not this run's; left in place as %s: move it away, or set "
-                    "another train.out_dir", final, final.name, why)
-        return None
-    return final
+    out = []
+    for lora in (cfg.lora.enabled, not cfg.lora.enabled):  # this run's kind, then the other
+        final = out_dir / ("adapter" if lora else "model")
+        if not final.is_dir() or final.is_symlink():
+            continue
+        if lora == cfg.lora.enabled and resume_from is not None and is_own(resume_from, out_dir):
+            continue  # the final directory is of this run's history
+        foreign = foreign_entries(final, _final_files(lora))  # a folder in it too (a user's tokenizer_backup/)
+        if foreign or final.resolve() in (base, *base.parents):
+            why = f"it also holds {', '.join(foreign[:5])}" if foreign else f"it holds model.path={cfg.model.path}"
+            log.warning("%s is an earlier run's final %s, not this run's; left in place as %s: move it away, or set "
+                        "another train.out_dir", final, final.name, why)
+            continue
+        out.append(final)
+    return out

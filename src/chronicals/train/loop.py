@@ -42,7 +42,7 @@ from .graphs import GraphedStep, resolve_cuda_graphs
 from .setup import build_loaders, load_base, prepare_model, resolve_dtype
 from .readback import StepReadback, StepStart
 from .guards import (check_cuda_graphs, check_data_paths, check_final_dir, check_final_model, check_impl,
-                     check_out_dir, check_resume_path, check_token_ids, earlier_final, remove_setup_files)
+                     check_out_dir, check_resume_path, check_token_ids, earlier_finals, remove_setup_files)
 from .resume import (apply_optimizer_settings, check_same_adapter, optimizer_settings, warn_data_changed,
                      warn_loss_settings_changed)
 from .run_dir import _locked_out_dir, _metrics_log, _RanksMetrics
@@ -214,7 +214,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     if dp.rank > 0:  # setup drew alike on every rank; training draws (LoRA dropout) now differ per rank
         torch.manual_seed(rank_seed(cfg.train.seed, dp.rank))
 
-    start = 0
+    start, done = 0, False  # done: resumed at the run's last step
     cfg_dict = cfg.to_dict()  # stored in checkpoints; a resume compares it with the one stored there
     resume_from = None
     if cfg.train.resume == "auto":
@@ -240,14 +240,12 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         log.info("resumed from %s at step %d of %d", resume_from, start, total)
         check_same_adapter(restored["extra"].get("config"), cfg_dict, resume_from)
         apply_optimizer_settings(optimizer, scheduler, fresh, restored["extra"].get("config"), cfg_dict, start)
-        if start == total:
-            return _already_done(cfg, dp, out_dir, model, tokenizer, resume_from, total,
-                                 (eval_loader, heldout_qa, report), optimizer)
+        done = start == total
     # another run's checkpoints in out_dir (resume=none over a finished run, or a resume from an earlier step), and
     # its final adapter/model (not for a resume from an earlier step: this run's history may have written it):
     # removed once this run writes its first record or checkpoint, so a run that fails in setup leaves them
     stale = ckpt.not_this_runs(out_dir, resume_from, start) if dp.is_main else []
-    stale_final = [d for d in [earlier_final(cfg, out_dir, resume_from)] if d] if dp.is_main else []
+    stale_final = earlier_finals(cfg, out_dir, resume_from) if dp.is_main else []
 
     def forget_stale() -> None:
         why = ("train.resume=none starts this out_dir over" if resume_from is None else
@@ -258,11 +256,13 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
             log.warning("removed %d checkpoint(s) of another run from %s: %s (%s)", len(stale), stale[0].parent,
                         ", ".join(d.name for d in stale), why if resume_from is None else f"{why}, not from them")
             stale.clear()
-        if stale_final:  # chat --adapter out_dir/adapter would pair it with this run's config.yaml
-            shutil.rmtree(stale_final[0], ignore_errors=True)
-            log.warning("removed %s, another run's final %s (%s%s)", stale_final[0], stale_final[0].name, why,
-                        "" if cfg.train.save_final else "; train.save_final=false: this run writes none")
-            stale_final.clear()
+        for final in stale_final:  # chat --adapter out_dir/adapter would pair it with this run's config.yaml
+            shutil.rmtree(final, ignore_errors=True)
+            mine = final.name == ("adapter" if cfg.lora.enabled else "model")
+            log.warning("removed %s, another run's final %s (%s%s)", final, final.name, why,
+                        "; train.save_final=false: this run writes none" if mine and not cfg.train.save_final else
+                        "" if mine else f"; this run writes {'an adapter' if cfg.lora.enabled else 'a model'}")
+        stale_final.clear()
 
     def first_record() -> None:
         (out_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -272,6 +272,13 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         metrics = _metrics_log(cfg, out_dir, resume_from, start, first_record)
     else:
         metrics = _RanksMetrics()
+    if done:  # nothing to train; from another run's last checkpoint, out_dir becomes
+        # that run's record as a run that trained would make it (its records, this config.yaml, no earlier files)
+        if dp.is_main and not ckpt.is_own(resume_from, out_dir):
+            metrics.open()
+        metrics.close()
+        return _already_done(cfg, dp, out_dir, model, tokenizer, resume_from, total,
+                             (eval_loader, heldout_qa, report), optimizer)
     report = report if dp.is_main else None
 
     # rank 0 writes; periodic checkpoints in a background thread (train.async_save), waited for at a stop, at the
@@ -477,20 +484,30 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         # captured graphs go now, also when an exception's traceback keeps this frame: graphs holding NCCL
         # collectives still alive at destroy_process_group hung both ranks on 2 H200s (bench_dp, b796b3d)
         graphs = None
-    writer.wait()  # a checkpoint in flight is published (or its error raised) before train() goes on
-    if dp.enabled and cfg.train.async_save and state.saves:  # the other ranks name what rank 0 has now published
-        dp.barrier()
-        if not dp.is_main:
-            result.checkpoint = ckpt.latest_checkpoint(out_dir)
-    result.train_seconds = state.train_time
-    result.tokens_per_s = state.loss_tokens / state.train_time if state.train_time else 0.0
-
-    # ---- save ----
-    if result.status == "completed":
-        if not (cfg.train.save_every and total % cfg.train.save_every == 0):  # not just taken by the loop
+    # a signal from here to the last checkpoint's publication waits for it, as one in the loop does: a Ctrl-C
+    # raised into the writer's join abandoned the background write (no checkpoint; at exit, a SIGABRT)
+    with _StopFlag() as late:
+        writer.wait()  # a checkpoint in flight is published (or its error raised) before train() goes on
+        if dp.enabled and cfg.train.async_save and state.saves:  # the other ranks name what rank 0 has published
+            dp.barrier()
+            if not dp.is_main:
+                result.checkpoint = ckpt.latest_checkpoint(out_dir)
+        if result.status == "completed" and not (cfg.train.save_every and total % cfg.train.save_every == 0):
             # at the end too (train.save_every's "only at the end"): raising train.max_steps trains on from it,
             # and resume=auto in a finished out_dir finds the run done instead of an earlier signal's checkpoint
             result.checkpoint = save(total, wait=True)
+    result.train_seconds = state.train_time
+    result.tokens_per_s = state.loss_tokens / state.train_time if state.train_time else 0.0
+    if result.status == "completed" and bool(dp.all_reduce_flag(late.signum is not None)):
+        # every step trained and checkpointed; the closing evaluation and final directory are left to the resume,
+        # which finds the run done and does both (finish._already_done)
+        result.status = "interrupted"
+        why = signal.Signals(late.signum).name if late.signum is not None else "a signal to another rank"
+        log.warning("stopped by %s after the last step; checkpoint %s; run again with train.resume=auto to write "
+                    "the final %s", why, result.checkpoint, "adapter" if cfg.lora.enabled else "model")
+
+    # ---- save ----
+    if result.status == "completed":
         result.eval_loss_after = run_eval(result.step, "after")
         if cfg.train.save_final and dp.is_main:
             result.final_dir = save_final(model, tokenizer, cfg, out_dir, optimizer)

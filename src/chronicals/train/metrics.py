@@ -139,6 +139,14 @@ class MetricsLog:
                 self._summary_writer = SummaryWriter
 
     def write(self, rec: dict) -> None:
+        self.open()
+        self.records.append(rec)
+        self._fh.write(json.dumps(rec) + "\n")
+        self._fh.flush()
+        self._add_scalars(rec)
+
+    def open(self) -> None:
+        """Write the kept records (the file replaced whole) and run ``on_open``, once; ``write`` does it first."""
         if self._fh is None:
             if self._on_open is not None:
                 self._on_open()
@@ -153,10 +161,6 @@ class MetricsLog:
                 for kept in self.records:
                     if kept.get("step", 0) >= self.tb_purge_step:
                         self._add_scalars(kept)
-        self.records.append(rec)
-        self._fh.write(json.dumps(rec) + "\n")
-        self._fh.flush()
-        self._add_scalars(rec)
 
     def _add_scalars(self, rec: dict) -> None:
         if self.tb is not None:
