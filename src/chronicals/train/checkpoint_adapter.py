@@ -8,9 +8,9 @@ model, as the run's adapter/ records it: an absolute path or a short name; None 
 the adapter in memory: ``apply_lora`` with the recorded settings, then the tensors copied in, as a resume restores
 them. The tensors are the fp32 masters of a run with ``optim.master_weights`` (bf16 on CUDA), as the run's final
 adapter/ is saved, else the weights themselves; in checkpoints older than their ``optimizer_params`` list a master
-is found by the weight it rounds to (``masters_by_name``). Checkpoints written before ``base`` and ``lora`` were recorded fall back to the
-config's model.path (only when it names the model from anywhere: absolute, ``~``, or a short name) and lora
-section.
+is found by the weight it rounds to (``masters_by_name``). Checkpoints written before ``base`` and ``lora`` were
+recorded fall back to the config's model.path (only when it names the model from anywhere: absolute, ``~``, or a
+short name) and lora section.
 """
 
 from __future__ import annotations
