@@ -117,7 +117,7 @@ def test_an_integer_tensor_is_refused_not_cast(saved):
     sd["model.layers.0.mlp.up_proj.weight"] = sd["model.layers.0.mlp.up_proj.weight"].to(torch.int8)
     save_file(sd, str(saved / "model.safetensors"))
     with pytest.raises(ValueError, match=rf"{saved / 'model.safetensors'}: tensor model\.layers\.0\.mlp\.up_proj\."
-                                         r"weight is stored as I8, not as floating point.*dequantized first"):
+                                         r"weight is stored as I8, not as F32, F16 or BF16.*dequantized first"):
         chronicals.load_model(saved, tokenizer=False)
 
 

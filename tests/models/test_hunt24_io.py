@@ -88,3 +88,16 @@ def test_a_bad_max_window_layers_names_the_field(value):
     d["max_window_layers"] = value
     with pytest.raises(ValueError, match=rf"max_window_layers={value!r} must be an integer >= 0"):
         ModelConfig.from_hf_dict(d)
+
+
+def test_an_fp8_checkpoint_is_refused_as_quantized(tmp_path):
+    """F8_E4M3 passed the float check (it starts with "F"): cast to bf16 without its scales."""
+    from safetensors.torch import load_file, save_file
+
+    d = _llama_dir(tmp_path / "m")
+    sd = load_file(str(d / "model.safetensors"))
+    sd["model.layers.0.mlp.up_proj.weight"] = sd["model.layers.0.mlp.up_proj.weight"].to(torch.float8_e4m3fn)
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"up_proj.weight is stored as F8_E4M3, not as F32, F16 or BF16.*FP8\) must "
+                                         r"be dequantized first"):
+        chronicals.load_model(d, tokenizer=False)

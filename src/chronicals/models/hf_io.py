@@ -310,10 +310,11 @@ def load_hf_dir(model_dir: str | Path, *, dtype: torch.dtype | None = None, devi
                                      f"{f.name}; remove the stale shard (its index names the right one)")
                 where[name] = f
                 st_dtype = fh.get_slice(name).get_dtype()
-                if not st_dtype.startswith(("F", "BF")):  # an int/bool tensor was cast into the weights silently
-                    raise ValueError(f"{f}: tensor {name} is stored as {st_dtype}, not as floating point; chronicals "
+                # an int/bool tensor was cast into the weights silently; FP8 (F8_E4M3, F8_E5M2) needs its scales
+                if not st_dtype.startswith(("F", "BF")) or st_dtype.startswith("F8"):
+                    raise ValueError(f"{f}: tensor {name} is stored as {st_dtype}, not as F32, F16 or BF16; chronicals "
                                      "reads float checkpoints (F32, F16, BF16): a quantized one (GPTQ, AWQ, "
-                                     "bitsandbytes) must be dequantized first, or load its unquantized release")
+                                     "bitsandbytes, FP8) must be dequantized first, or load its unquantized release")
                 # from the header, before any allocation: config.json's vocab_size 10**9 over a real checkpoint
                 # allocated a 256 GB model (or failed to) before this message
                 shape = tuple(fh.get_slice(name).get_shape())
