@@ -101,3 +101,28 @@ def test_an_fp8_checkpoint_is_refused_as_quantized(tmp_path):
     with pytest.raises(ValueError, match=r"up_proj.weight is stored as F8_E4M3, not as F32, F16 or BF16.*FP8\) must "
                                          r"be dequantized first"):
         chronicals.load_model(d, tokenizer=False)
+
+
+def test_a_full_disk_while_saving_is_an_oserror_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    """safetensors reports a full disk as its own SafetensorError: the CLI called it an internal error (exit 4)."""
+    from safetensors import SafetensorError
+
+    import chronicals.models.hf_io as hf_io
+    from chronicals.cli import _failed
+    from chronicals.lora import apply_lora, save_adapter
+
+    model, _ = chronicals.load_model(_llama_dir(tmp_path / "m"), tokenizer=False)
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(hf_io, "save_file", full)
+    with pytest.raises(OSError, match=r"could not write .*model.safetensors \(.*No space left.*\); is its disk full") \
+            as e:
+        chronicals.save_model(model, None, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == ["m"]
+    assert _failed(e.value) == 3 and "error: could not write" in capsys.readouterr().err
+    apply_lora(model, r=2, alpha=4, target_modules=["q_proj"])
+    with pytest.raises(OSError, match=r"adapter_model.safetensors .*is its disk full"):
+        save_adapter(model, tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists()

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors.torch import save_file
 
 from .._jsonio import read_json_object
-from ..models.hf_io import atomic_dir, load_safetensors
+from ..models.hf_io import atomic_dir, load_safetensors, save_safetensors
 from .group import unbind_groups
 from .inject import LoraRecord, _set_module, apply_lora, lora_modules
 
@@ -98,7 +97,7 @@ def save_adapter(model: nn.Module, out_dir, base_model_name_or_path: str | None 
     rec = _require_record(model, "save_adapter")
     out = Path(out_dir).expanduser()  # the path returned is the one written (it was "~/a")
     with atomic_dir(out, owned=(CONFIG_NAME, WEIGHTS_NAME)) as tmp:
-        save_file(adapter_state_dict(model, value), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_safetensors(adapter_state_dict(model, value), tmp / WEIGHTS_NAME)
         base = None if base_model_name_or_path is None else str(base_model_name_or_path)  # a Path: TypeError
         (tmp / CONFIG_NAME).write_text(json.dumps(adapter_config_dict(rec, base), indent=2))
     log.info("save_adapter: %d LoRA modules, %d full modules -> %s", len(rec.lora_modules),

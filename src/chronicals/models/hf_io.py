@@ -170,13 +170,23 @@ def _write_then_publish(tmp: Path, out: Path, replace: bool):
         raise
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file, its I/O failures (a full disk: "Error while serializing: I/O error: No space left on
+    device") raised as an OSError naming the file, which the CLI reports as one error line (exit 3), not as an
+    internal error with a traceback (exit 4). The caller's temporary directory is removed by atomic_dir."""
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        raise OSError(f"could not write {path} ({e}); is its disk full? free space and run again") from e
+
+
 def write_state_dict(sd: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int | None = None) -> None:
     """Write ``model.safetensors``, or HF-style shards ``model-0000i-of-0000n.safetensors`` plus
     ``model.safetensors.index.json`` when the tensors exceed ``max_shard_bytes``."""
     sd = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
     total = sum(v.numel() * v.element_size() for v in sd.values())
     if max_shard_bytes is None or total <= max_shard_bytes:
-        save_file(sd, str(out_dir / SINGLE_FILE), metadata={"format": "pt"})
+        save_safetensors(sd, out_dir / SINGLE_FILE)
         return
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -190,7 +200,7 @@ def write_state_dict(sd: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes
     weight_map = {}
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
+        save_safetensors(shard, out_dir / name)
         weight_map.update({k: name for k in shard})
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
