@@ -67,18 +67,26 @@ def cache_key(files, tokenizer, settings) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
+_CACHE_FIX = "point data.cache_dir at a directory, or set data.cache_dir=none to disable the cache " \
+             "(load_dataset: cache_dir=None)"
+
+
+def check_cache_root(cache_dir) -> Path:
+    """``cache_dir`` expanded; DataError when it is a file (the trainer asks before the model loads)."""
+    root = Path(cache_dir).expanduser()
+    if root.exists() and not root.is_dir():
+        raise DataError(f"data.cache_dir={root} is a file, not a directory; {_CACHE_FIX}")
+    return root
+
+
 def cache_root(cache_dir) -> Path:
     """``cache_dir`` as an existing directory, checked before any tokenization (a file there used to fail
     with a bare "[Errno 17] File exists" only after the whole dataset was tokenized)."""
-    root = Path(cache_dir).expanduser()
-    fix = "point data.cache_dir at a directory, or set data.cache_dir=none to disable the cache " \
-          "(load_dataset: cache_dir=None)"
-    if root.exists() and not root.is_dir():
-        raise DataError(f"data.cache_dir={root} is a file, not a directory; {fix}")
+    root = check_cache_root(cache_dir)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise DataError(f"data.cache_dir={root}: cannot create it ({e.strerror or e}); {fix}") from None
+        raise DataError(f"data.cache_dir={root}: cannot create it ({e.strerror or e}); {_CACHE_FIX}") from None
     return root
 
 

@@ -268,25 +268,27 @@ def _read_json(path: Path) -> list[Record]:
     i = len(text) - len(text.lstrip())
     out, line, last = [], 1, 0
     i += 1
-    ws = " \t\r\n"
+    def skip_space(at: int) -> int:
+        while at < len(text) and text[at] in " \t\r\n":
+            at += 1
+        return at
 
     def stop(at: int, what: str) -> list[Record]:  # a malformed array: what was read so far, then the error
-        out.append(Record(f"{path}:{text.count(chr(10), 0, at) + 1}", None, f"{what} (reading stops here)"))
+        out.append(Record(f"{path}:{text.count(chr(10), 0, at) + 1}", None, f"invalid JSON array: {what} "
+                                                                           "(reading stops here)"))
         return out
 
     while True:
-        while i < len(text) and text[i] in ws:
-            i += 1
-        if out and i < len(text) and text[i] not in ",]":  # [{...} {...}]: a missing comma
-            return stop(i, "invalid JSON array: expected ',' or ']' after an element")
-        if out and i < len(text) and text[i] == ",":
-            i += 1
-            while i < len(text) and text[i] in ws:
-                i += 1
+        i = skip_space(i)
+        nxt = text[i] if i < len(text) else ""  # "": the end, said below
+        if nxt == "," and not out:  # [,{...}]
+            return stop(i, "a ',' before the first element")
+        if out and nxt not in ("", ",", "]"):  # [{...} {...}]
+            return stop(i, "expected ',' or ']' after an element")
+        if nxt == ",":
+            i = skip_space(i + 1)
             if i < len(text) and text[i] in ",]":  # [{...},,{...}] or [{...},]
-                return stop(i, "invalid JSON array: a ',' with no element after it")
-        elif not out and i < len(text) and text[i] == ",":  # [,{...}]
-            return stop(i, "invalid JSON array: a ',' before the first element")
+                return stop(i, "a ',' with no element after it")
         if i >= len(text):
             line += text.count("\n", last, i)
             out.append(Record(f"{path}:{line}", None, "JSON array not closed; expected ']' at the end"))

@@ -308,6 +308,15 @@ def loss_rows(hidden: torch.Tensor, targets: torch.Tensor, num_loss_tokens: int 
     return hidden.index_select(0, keep), targets.index_select(0, keep)
 
 
+def judged_length(seq_len: int, cu_seqlens=None, max_seqlen: int | None = None, longest_doc: int | None = None) -> int:
+    """The length a sliding window or a dynamic rope limits (``CausalLM.check_sequence_length``): a row's
+    ``seq_len``; for packed rows (``cu_seqlens``) their longest real document, else ``max_seqlen`` (which counts a
+    row's padding segment), else ``seq_len``."""
+    if cu_seqlens is None:
+        return seq_len
+    return next((n for n in (longest_doc, max_seqlen) if n is not None), seq_len)
+
+
 class CausalLM(nn.Module):
     """The decoder plus its loss head. ``model(input_ids)`` -> logits (B, S, V)."""
 
@@ -369,11 +378,7 @@ class CausalLM(nn.Module):
     def hidden_states(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, kv_caches=None,
                       longest_doc: int | None = None):
         """input_ids (B, S) -> final-norm hidden states (B, S, H). ``longest_doc``: see ``forward``."""
-        if cu_seqlens is not None:
-            longest = longest_doc if longest_doc is not None else max_seqlen
-            longest = input_ids.shape[1] if longest is None else longest
-        else:
-            longest = input_ids.shape[1]
+        longest = judged_length(input_ids.shape[1], cu_seqlens, max_seqlen, longest_doc)
         if kv_caches is not None:
             longest += kv_caches[0].length
         self.check_sequence_length(longest, position_ids if cu_seqlens is None else None)

@@ -193,12 +193,11 @@ def write_checkpoint(out_dir: str | Path, state: dict, keep_last: int = 2) -> Pa
         try:
             torch.save(state, tmp / STATE_FILE)
             _fsync(tmp / STATE_FILE)  # durable before the rename publishes it: no truncated state.pt after a power loss
-        except RuntimeError as e:  # torch.save's writer reports a full disk or a file-size limit as a RuntimeError
+        except BaseException as e:  # e.g. a full disk: leave nothing half-written behind
             shutil.rmtree(tmp, ignore_errors=True)
-            raise OSError(f"could not write checkpoint {final} ({e}); is the disk of train.out_dir={out_dir} full? "
-                          "free space (or lower train.keep_last) and resume with train.resume=auto") from e
-        except BaseException:  # e.g. a full disk: leave nothing half-written behind
-            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, RuntimeError):  # torch.save's writer reports a full disk or a file-size limit so
+                raise OSError(f"could not write checkpoint {final} ({e}); is the disk of train.out_dir={out_dir} "
+                              "full? free space (or lower train.keep_last) and resume with train.resume=auto") from e
             raise
         if final.exists():  # re-saving the same step (e.g. a signal right after a periodic save)
             shutil.rmtree(final)

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..models.decoder import judged_length
 from ..ops.attention_cudnn import MIN_DOCS, bucket
 from .step import loss_token_count
 
@@ -208,10 +209,8 @@ class GraphedStep:
         """
         n = loss_token_count(micro_batches) if count is None else count  # an int, or a device scalar (DP)
         check = getattr(self.model, "check_sequence_length", None)
-        for b in micro_batches:  # a replay runs no Python: the model's length checks, on the host, here
-            longest = getattr(b, "longest_doc", None)
-            if check is not None:
-                check(b.input_ids.shape[1] if b.cu_seqlens is None else b.max_seqlen if longest is None else longest)
+        for b in micro_batches if check is not None else ():  # a replay runs no Python: the model's checks, here
+            check(judged_length(b.input_ids.shape[1], b.cu_seqlens, b.max_seqlen, getattr(b, "longest_doc", None)))
         last = len(micro_batches) - 1  # with a reducer, its graph also all-reduces the gradients
         keys = [(graph_key(b), self.reducer is not None and i == last) for i, b in enumerate(micro_batches)]
         # capture before any replay: warm-up must not touch the grads. The first capture of all is the assign

@@ -60,7 +60,12 @@ def check_ids_in_vocab(model, top: int, what: str) -> None:
 def check_data_paths(cfg: TrainConfig) -> None:
     """FileNotFoundError naming the key and where a relative path was looked for, for data.path and
     data.eval_path (a missing file used to surface after the model had loaded: minutes at 8B); DataError when
-    they hold .parquet / arrow (save_to_disk) files and pyarrow is not installed."""
+    they hold .parquet / arrow (save_to_disk) files and pyarrow is not installed; ValueError / DataError when
+    train.out_dir or the tokenization cache lies inside a data directory, or the cache directory is a file."""
+    from ..data.cache import check_cache_root
+    from .setup import tokenization_cache_dir
+
+    cache = tokenization_cache_dir(cfg.data.cache_dir)  # None: no cache (data.cache_dir=none)
     for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
         if value in (DEMO, "auto", ""):
             continue
@@ -72,17 +77,13 @@ def check_data_paths(cfg: TrainConfig) -> None:
         _check_pyarrow(path)
         # directories are read recursively: the run's metrics.jsonl, data/ copies and checkpoints, or the cache's
         # meta.json, would become training records on the next run
-        for setting, inside in (("train.out_dir", cfg.train.out_dir), ("data.cache_dir", cfg.data.cache_dir)):
-            if setting == "data.cache_dir" and inside in ("", "none"):
-                continue
-            there = Path(inside).expanduser().resolve()
-            if path.is_dir() and (there == path.resolve() or path.resolve() in there.parents):
+        for setting, inside in (("train.out_dir", cfg.train.out_dir), ("data.cache_dir", cache)):
+            there = None if inside is None else Path(inside).expanduser().resolve()
+            if there is not None and path.is_dir() and (there == path.resolve() or path.resolve() in there.parents):
                 raise ValueError(f"{setting}={inside} is inside {key}={value}, whose files are all read as data; put "
                                  f"{setting} outside {value}")
-    cache = cfg.data.cache_dir
-    if cache not in ("", "none") and Path(cache).expanduser().is_file():
-        raise ValueError(f"data.cache_dir={cache} is a file, not a directory; point data.cache_dir at a directory, "
-                         "or set data.cache_dir=none to disable the tokenization cache")
+    if cache is not None:
+        check_cache_root(cache)  # a file: said before the model loads, not after
 
 
 def _check_pyarrow(path: Path) -> None:
@@ -222,9 +223,10 @@ def check_impl(cfg: TrainConfig, device) -> None:
                           "model.impl")
 
 
-def final_dir(cfg: TrainConfig, out_dir: Path) -> Path:
-    """Where the run's result goes: out_dir/adapter (LoRA, PEFT format) or out_dir/model (full, Hugging Face)."""
-    return out_dir / ("adapter" if cfg.lora.enabled else "model")
+def final_dir(cfg: TrainConfig, out_dir: Path, lora: bool | None = None) -> Path:
+    """Where the run's result goes: out_dir/adapter (LoRA, PEFT format) or out_dir/model (full, Hugging Face);
+    ``lora`` None: this run's kind (cfg.lora.enabled)."""
+    return out_dir / ("adapter" if (cfg.lora.enabled if lora is None else lora) else "model")
 
 
 def _final_files(lora: bool) -> tuple[str, ...]:
@@ -278,7 +280,7 @@ def earlier_finals(cfg: TrainConfig, out_dir: Path, resume_from: Path | None) ->
     base = Path(cfg.model.path).expanduser().resolve()
     out = []
     for lora in (cfg.lora.enabled, not cfg.lora.enabled):  # this run's kind, then the other
-        final = out_dir / ("adapter" if lora else "model")
+        final = final_dir(cfg, out_dir, lora)
         if not final.is_dir() or final.is_symlink():
             continue
         if lora == cfg.lora.enabled and resume_from is not None and is_own(resume_from, out_dir):

@@ -42,7 +42,7 @@ from .graphs import GraphedStep, resolve_cuda_graphs
 from .setup import build_loaders, load_base, prepare_model, resolve_dtype
 from .readback import StepReadback, StepStart
 from .guards import (check_cuda_graphs, check_data_paths, check_final_dir, check_final_model, check_impl,
-                     check_out_dir, check_resume_path, check_token_ids, earlier_finals, remove_setup_files)
+                     check_out_dir, check_resume_path, check_token_ids, earlier_finals, final_dir, remove_setup_files)
 from .resume import (apply_optimizer_settings, check_same_adapter, optimizer_settings, warn_data_changed,
                      warn_loss_settings_changed)
 from .run_dir import _locked_out_dir, _metrics_log, _RanksMetrics
@@ -258,7 +258,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
             stale.clear()
         for final in stale_final:  # chat --adapter out_dir/adapter would pair it with this run's config.yaml
             shutil.rmtree(final, ignore_errors=True)
-            mine = final.name == ("adapter" if cfg.lora.enabled else "model")
+            mine = final == final_dir(cfg, out_dir)
             log.warning("removed %s, another run's final %s (%s%s)", final, final.name, why,
                         "; train.save_final=false: this run writes none" if mine and not cfg.train.save_final else
                         "" if mine else f"; this run writes {'an adapter' if cfg.lora.enabled else 'a model'}")
@@ -272,8 +272,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         metrics = _metrics_log(cfg, out_dir, resume_from, start, first_record)
     else:
         metrics = _RanksMetrics()
-    if done:  # nothing to train; from another run's last checkpoint, out_dir becomes
-        # that run's record as a run that trained would make it (its records, this config.yaml, no earlier files)
+    if done:  # nothing to train. From another run's last checkpoint, out_dir becomes that run's record as a run
+        # that trained would make it: its records, this config.yaml, no earlier run's files
         if dp.is_main and not ckpt.is_own(resume_from, out_dir):
             metrics.open()
         metrics.close()
