@@ -196,3 +196,12 @@ def test_a_system_message_written_into_a_reply_still_raises(tokenizer):
     assert full == "<s>[INST] Hi![/INST] Hello there.</s>[INST] 2+2?[/INST] Be brief.\n\n4, I think\nso.</s>"
     with pytest.raises(FormatError, match="not prefix-stable at message 2: .*rendering without the system message"):
         encode_chat(tok, [SYSTEM] + TURNS[:4])
+
+
+def test_a_template_without_a_generation_prompt_trains_the_header_the_model_must_write(tokenizer):
+    """ChatML with no add_generation_prompt branch: served with it, a model is given the prompt up to
+    ``<|im_end|>\\n`` and must write ``<|im_start|>assistant\\n`` itself, so that header carries loss with the
+    reply (deliberate: the loss is on what follows the rendering with the generation prompt)."""
+    tok = make_tokenizer(tokenizer, CHATML.split("{% if add_generation_prompt %}")[0], None, "<|im_end|>", [])
+    assert encode(tok, TURNS[:4]) == [f"<|im_start|>assistant\n{r}<|im_end|>" for r in REPLIES[:2]]
+    assert encode(tok, TURNS[:4], train_from=3) == ["<|im_start|>assistant\n4, I think\nso.<|im_end|>"]

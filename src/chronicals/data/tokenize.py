@@ -11,6 +11,10 @@ Chat examples are rendered with the tokenizer's chat template. Which tokens belo
   generation stops at that token, so the newline is never sampled, and training on it adds loss tokens
   that carry nothing (226 of the demo's 3,380 per epoch, counted in tokens/s). The full text
   is tokenized once with character offsets, and a token is trainable when it overlaps a span.
+  The turn thus starts where the prompt's rendering with the generation prompt ends, so the loss falls on what
+  the model must write when it is served with that template. A template with no ``add_generation_prompt``
+  branch therefore trains the assistant header (``<|im_start|>assistant\\n``) with the reply: a model served
+  with it is given no header and writes one itself (Llama-2's space before the reply is such a header).
   Tokenizing the whole text once (not pieces) keeps the ids identical to ``apply_chat_template``.
   When a template is not prefix-stable, two fallbacks bound the turn from other facts, each proven on the
   text (the span's text in the full rendering is the turn's text in the rendering it was found in, and holds
