@@ -89,6 +89,9 @@ def cached_conversion(gguf_path: str | Path, convert: Callable[..., Path],
     out = _entry_dir(p, st)
     entry = {"source": str(p), "converter_version": CONVERTER_VERSION, "size": st.st_size,
              "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "ctime_ns": st.st_ctime_ns}
+    damage = _damage(out) if (out / "config.json").is_file() else None
+    if damage is not None:
+        _discard(out, p, damage)
     if (out / "config.json").is_file():
         _mark_used(out, entry)
         rec = _read_tokenizer_error(out)
@@ -109,6 +112,44 @@ def cached_conversion(gguf_path: str | Path, convert: Callable[..., Path],
         raise _cache_error(gguf_path, out, e.strerror or str(e)) from None  # directory: '.../gguf'"
     prune_older_entries(p, out, st)
     return out
+
+
+def _damage(out: Path) -> str | None:
+    """Why a published entry cannot be loaded, from its safetensors headers and sizes (a file truncated or zeroed
+    since: a full disk under a copy, an interrupted rsync of the cache), or None. Reads 8 bytes and a header per
+    file, not the tensors; a changed byte inside a tensor is not seen."""
+    files = sorted(out.glob("*.safetensors"))
+    if not files:
+        return "no .safetensors file"
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                size = os.fstat(fh.fileno()).st_size
+                if n <= 0 or 8 + n > size:
+                    return f"{f.name}: its header length {n} does not fit its {size} bytes"
+                header = json.loads(fh.read(n))
+            end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+        except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            return f"{f.name}: {type(e).__name__}: {e}"
+        if 8 + n + end != size:
+            return f"{f.name}: {size} bytes where its header needs {8 + n + end}"
+    return None
+
+
+def _discard(out: Path, p: Path, why: str) -> None:
+    """Move a damaged entry of ``p`` aside (a hidden ``.pruned-*`` name, so no reader sees half of it) and
+    remove it; the caller converts again. A cache we cannot change is an OSError with the fix."""
+    log.warning("the cached conversion of %s in %s is damaged (%s); converting it again", p, out, why)
+    trash = out.parent / f".{out.name}.pruned-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(out, trash)
+    except FileNotFoundError:  # another process discarded it first
+        return
+    except OSError as e:
+        raise OSError(f"{out}: this cached conversion of {p} is damaged ({why}) and cannot be removed "
+                      f"({e.strerror or e}); delete that directory by hand, and it is converted again") from None
+    remove_tree(trash, f"a damaged conversion of {p}", log)
 
 
 def tokenizer_stamp() -> dict:
