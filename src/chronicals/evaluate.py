@@ -117,6 +117,10 @@ def evaluate(model, tokenizer, data: DataSection, device: torch.device, *, qa_li
     """Held-out loss of ``model`` over ``data.path`` and, for a question/answer file, the keyword accuracy of its
     greedy answers (the first ``qa_limit`` questions; 0 = all) of at most ``max_new_tokens`` tokens.
     ``option_names``: what the data's messages call its options (``heldout_loader``; chronicals eval: its flags)."""
+    for name, value, least in (("qa_limit", qa_limit, 0), ("max_new_tokens", max_new_tokens, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:  # -1 had dropped the last question
+            raise ValueError(f"evaluate: {name}={value!r} must be a whole number >= {least}"
+                             + (" (0 = every question)" if name == "qa_limit" else ""))
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if context and data.max_seq_len > context:
         log.warning("max_seq_len=%d is longer than the model's max_position_embeddings=%d: positions past %d were "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 from collections.abc import Mapping
 
 import torch
@@ -32,7 +33,12 @@ def new_token_budget(model, prompt_len: int, max_new_tokens: int) -> int:
     """``max_new_tokens``, or fewer so that prompt and answer fit the model's context (``context_length``):
     past max_position_embeddings the positions were never trained, and a large request generated nonsense for
     minutes (100000 new tokens on a 64-position model); past a shorter sliding window the model refuses, which
-    ended a chat or eval with an error. A warning, once per process and setting, says so; a chat loop goes on."""
+    ended a chat or eval with an error. A warning, once per process and setting, says so; a chat loop goes on.
+    A max_new_tokens that is not a whole number >= 0 is a ValueError (-1 had decoded without end)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a whole number >= 0 (the most new tokens to "
+                         "generate)")
+    max_new_tokens = int(max_new_tokens)
     context, limit = context_length(model)
     if not context or prompt_len + max_new_tokens <= context:
         return max_new_tokens
@@ -114,6 +120,18 @@ def _choose(cuda_graph: bool | None, device: torch.device, max_new_tokens: int) 
 SHARPEST_TEMPERATURE = 1e-30
 
 
+def _eos_set(eos_token_id) -> set[int]:
+    """None, an id (int, numpy integer, 0-d tensor) or ids (a list, tuple, set, 1-d tensor) -> a set of ints."""
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, torch.Tensor):  # a 0-d or 1-d tensor of ids, as a tokenizer config may give
+        eos_token_id = eos_token_id.flatten().tolist()
+    ids = [eos_token_id] if isinstance(eos_token_id, numbers.Integral) else list(eos_token_id)
+    if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"eos_token_id={eos_token_id!r}: give a token id or a list of token ids")
+    return {int(i) for i in ids}
+
+
 @torch.no_grad()
 def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64, *, eos_token_id=None,
              temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
@@ -150,9 +168,7 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
         raise ValueError(f"generate: top_p={top_p} must be in (0, 1] (1 = sample from every token)")
     ids = input_ids.view(1, -1).to(model.lm_head.weight.device)
     max_new_tokens = new_token_budget(model, ids.shape[1], max_new_tokens)
-    if isinstance(eos_token_id, torch.Tensor):  # a 0-d or 1-d tensor of ids, as a tokenizer config may give
-        eos_token_id = eos_token_id.flatten().tolist()
-    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    eos = _eos_set(eos_token_id)
     graphed = _choose(cuda_graph, ids.device, max_new_tokens)
 
     def pick(logits: torch.Tensor) -> int:
@@ -239,6 +255,7 @@ def greedy_rows(model: CausalLM, ids: torch.Tensor, max_new_tokens: int, eos: se
                          f"{tuple(ids.shape)}")
     ids = ids.to(model.lm_head.weight.device)
     max_new_tokens = new_token_budget(model, ids.shape[1], max_new_tokens)
+    eos = _eos_set(eos)
     graphed = _choose(cuda_graph, ids.device, max_new_tokens)
     if not max_new_tokens:
         return [[] for _ in range(ids.shape[0])]

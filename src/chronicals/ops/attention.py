@@ -4,7 +4,9 @@ Shapes: q (B, S, Hq, D), k and v (B, S, Hk, D) with Hq % Hk == 0 (GQA) -> out (B
 
 Packed rows: several documents share a row; ``cu_seqlens`` (int32, (num_docs + 1,)) holds the
 cumulative document lengths over the flattened B * S tokens (row-major) and ``max_seqlen`` the
-longest document. A token attends only to earlier tokens of its own document.
+longest document. A token attends only to earlier tokens of its own document. A document lies within one
+row (the collator packs rows so): the CUDA kernels read the B rows as one stream, where a document that ran
+past a row's end would see the row before, and the reference, which masks each row, refuses one.
 
     row 0: [a a a b b | row 1: c c c c d]   cu_seqlens = [0, 3, 5, 9, 10], max_seqlen = 4
 
@@ -58,6 +60,20 @@ def packed_causal_mask(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> tor
     return (same_doc & causal)[:, None]
 
 
+def _check_within_rows(cu_seqlens: torch.Tensor, seqlen: int) -> None:
+    """Each document [start, end) of cu_seqlens lies within one row of ``seqlen`` tokens, else a ValueError. A
+    host read: skipped while a CUDA graph is captured or the compiler traces."""
+    if torch.compiler.is_compiling() or (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    starts, ends = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
+    crossing = (ends > starts) & (starts // seqlen != (ends - 1) // seqlen)
+    if bool(crossing.any()):
+        i = int(crossing.nonzero()[0, 0])
+        raise ValueError(f"attention: document {i} (tokens {int(starts[i])}..{int(ends[i]) - 1} of cu_seqlens) runs "
+                         f"across a row boundary (rows of {seqlen} tokens); pack each document into one row "
+                         "(chronicals.data's collator does)")
+
+
 def attention_ref(q, k, v, *, cu_seqlens=None, max_seqlen=None, scale=None):
     """SDPA reference: causal for unpacked rows, block-diagonal causal mask for packed rows."""
     b, s, hq, _ = q.shape
@@ -66,6 +82,7 @@ def attention_ref(q, k, v, *, cu_seqlens=None, max_seqlen=None, scale=None):
     if cu_seqlens is None:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
+        _check_within_rows(cu_seqlens, s)
         mask = packed_causal_mask(cu_seqlens, b, s)
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)

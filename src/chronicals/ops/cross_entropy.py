@@ -437,9 +437,9 @@ def _check(hidden, weight, labels, bias, reduction, softcap=None, vocab_parts=1)
     read (that would sync); out-of-range ones give NaN instead (module docstring)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"linear_cross_entropy: reduction={reduction!r} is not one of {REDUCTIONS}")
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or not weight.shape[1]:
         raise ValueError(f"linear_cross_entropy: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} "
-                         "must be (N, H) and (V, H); flatten batch dims with hidden.reshape(-1, H)")
+                         "must be (N, H) and (V, H) with H >= 1; flatten batch dims with hidden.reshape(-1, H)")
     if labels.shape != (hidden.shape[0],):
         raise ValueError(f"linear_cross_entropy: labels {tuple(labels.shape)} must be ({hidden.shape[0]},), "
                          "one target per row of hidden (flatten with labels.reshape(-1))")

@@ -24,6 +24,7 @@ Under ``torch.compile`` the session is not entered (the compiler plans its own r
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from typing import Callable
 
@@ -33,15 +34,46 @@ _active = 0  # nesting depth of open sessions
 _offers: dict[tuple[int, int], "_Offer"] = {}
 
 
+def _inputs(fn) -> tuple[tuple[torch.Tensor, int], ...]:
+    """(tensor, version) of each tensor ``fn`` holds: a functools.partial's arguments and a closure's cells,
+    lists and tuples of tensors included (``partial(torch.cat, ws)``)."""
+    held = []
+    if isinstance(fn, functools.partial):
+        held += [*fn.args, *fn.keywords.values()]
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            held.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    flat = [t for h in held for t in (h if isinstance(h, (list, tuple)) else (h,)) if isinstance(t, torch.Tensor)]
+    out = []
+    for t in flat:
+        try:
+            out.append((t, t._version))
+        except RuntimeError:  # an inference-mode tensor has no version counter (and cannot be changed in place here)
+            pass
+    return tuple(out)
+
+
 class _Offer:
-    __slots__ = ("fn", "dtype", "packs", "unpacks", "value", "__weakref__")
+    __slots__ = ("fn", "dtype", "inputs", "packs", "unpacks", "value", "__weakref__")
 
     def __init__(self, fn: Callable[[], torch.Tensor], dtype: torch.dtype):
         self.fn, self.dtype, self.packs, self.unpacks, self.value = fn, dtype, 0, 0, None
+        self.inputs = _inputs(fn)
 
     def peek(self) -> torch.Tensor:
-        """The rebuilt tensor, computed once and shared, without counting an unpack (see ``rebuilder``)."""
+        """The rebuilt tensor, computed once and shared, without counting an unpack (see ``rebuilder``). An input
+        of the recipe changed in place since the offer is a RuntimeError (autograd's own check on a saved tensor:
+        the rebuilt value would be wrong, and so would every gradient that reads it)."""
         if self.value is None:
+            for t, version in self.inputs:
+                if t._version != version:
+                    raise RuntimeError(
+                        f"recompute: a tensor {tuple(t.shape)} {t.dtype} that backward needs to rebuild a saved "
+                        f"activation was modified by an in-place operation after the forward (version {version} -> "
+                        f"{t._version}); autograd raises the same for a saved tensor. Modify a clone instead, or "
+                        "turn recomputation off (model.recompute: [], or no recompute_session)")
             with torch.no_grad():
                 self.value = self.fn()
         return self.value

@@ -370,12 +370,16 @@ _rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------- public API
 
 
+def _rms_norm_ref_contiguous(x, weight, eps):
+    return rms_norm_ref(x, weight, eps).contiguous()
+
+
 def _check_rms_norm(x, weight, residual) -> int:
     """The argument checks both impls run (before choosing one) -> H."""
     h = x.shape[-1] if x.dim() else 0
-    if x.dim() == 0 or weight.shape != (h,):
+    if x.dim() == 0 or weight.shape != (h,) or not h:
         raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({h},) for x {tuple(x.shape)} "
-                         "(x (..., H), weight (H,))")
+                         "(x (..., H), weight (H,), H >= 1)")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match x "
                          f"{tuple(x.shape)} {x.dtype}; cast it with .to(x.dtype) first")
@@ -395,9 +399,13 @@ def rms_norm(x, weight, eps: float, *, residual=None, impl: str = "auto", recomp
         out = rms_norm_ref(x, weight, eps, residual)
         if recompute and is_active():
             src = x if residual is None else out[1]
-            y = out if residual is None else out[0]
-            offer(y, functools.partial(rms_norm_ref, src, weight, eps))  # the same ops on the same input
+            # contiguous: the reference keeps a transposed x's strides, and an offer owns its whole storage
+            y = (out if residual is None else out[0]).contiguous()
+            offer(y, functools.partial(_rms_norm_ref_contiguous, src, weight, eps))  # the same ops, same input
+            return y if residual is None else (y, out[1])
         return out
+    # the kernels read weight as (H,) with unit stride: a strided or expanded weight gave wrong outputs
+    weight = weight.contiguous()
     x2, r2 = _rows(x, h), None if residual is None else _rows(residual, h)
     if torch.compiler.is_compiling():  # one graph node for the compiler
         y, s, _ = torch.ops.chronicals.rms_norm(x2, weight, r2, float(eps))
