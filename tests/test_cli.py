@@ -38,7 +38,7 @@ def test_unknown_key_suggests(capsys):
 
 def test_bad_input_found_while_running_is_an_error_line_not_a_traceback(tiny_base, tmp_path, capsys, monkeypatch):
     """Exit 3 with the file (and line, for data) when the data or the model is bad; CHRONICALS_TRACEBACK=1
-    raises instead, for debugging."""
+    prints the traceback too, for debugging."""
     bad = tmp_path / "bad.jsonl"
     good = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}'
     bad.write_text(good + '\n{"messages": [{"role": "user"}]}\n')
@@ -50,9 +50,13 @@ def test_bad_input_found_while_running_is_an_error_line_not_a_traceback(tiny_bas
     assert f"error: {bad}:2: messages[0] has no 'content'" in err and "Traceback" not in err
     assert main(["train", f"model.path={tmp_path / 'missing'}", f"train.out_dir={tmp_path / 'run'}"]) == 3
     assert "no such file or directory" in capsys.readouterr().err
-    monkeypatch.setenv("CHRONICALS_TRACEBACK", "1")
-    with pytest.raises(ValueError, match="has no 'content'"):
-        main(args)
+    monkeypatch.setenv("CHRONICALS_TRACEBACK", "1")  # the traceback too, with the error's own exit status
+    assert main(args) == 3
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and f"error: {bad}:2: messages[0] has no 'content'" in err
+    monkeypatch.setenv("CHRONICALS_TRACEBACK", "0")  # off: "0" had turned it on (and exited 1, "diverged")
+    assert main(args) == 3
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_demo_path_reduced(tiny_base, tmp_path, capsys):

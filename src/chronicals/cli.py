@@ -137,6 +137,9 @@ def cmd_export(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if not a.out.strip():  # Path("") is the working directory
         p.error("--out is empty; give the output directory")
+    if a.no_merge and a.dtype != "auto":  # the adapter is written in fp32 whatever --dtype says
+        p.error(f"--dtype {a.dtype} applies to the merged model; --no-merge writes the adapter in fp32 (PEFT's own "
+                "format): leave --dtype out")
     a.base = _base_for(a.adapter, a.base, "--base")
     # '~' expanded as the load and the write expand it: --base=~/m --out=~/m (no shell expands '~' after '=')
     # passed these checks and the merged model replaced its own base
@@ -157,7 +160,7 @@ def cmd_export(argv: list[str]) -> int:
 
     try:  # before the load and merge (minutes for an 8B model), not when the merged model is written
         check_output_dir(a.out, (CONFIG_NAME, WEIGHTS_NAME) if a.no_merge else MODEL_DIR_FILES)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: the working directory, an empty path (save_model's refusals)
         print(f"error: --out {a.out}: {e}", file=sys.stderr)
         return 2
     # a base saved by transformers' save_pretrained alone has no tokenizer files, and a merge needs none: it was
@@ -243,8 +246,6 @@ def main(argv: list[str] | None = None) -> int:
         interrupted = interrupted or [signal.SIGINT]
     except Exception as e:
         if not interrupted:
-            if isinstance(e, (ValueError, OSError)) and os.environ.get("CHRONICALS_TRACEBACK"):
-                raise
             return _failed(e)
     finally:
         for sig, handler in old.items():
@@ -288,6 +289,11 @@ def _quiet_if_stdout_closes(command, argv: list[str]) -> int:
     return 141
 
 
+def _traceback_wanted() -> bool:
+    """CHRONICALS_TRACEBACK set to anything but '', 0, false, no or off (0 had turned it on)."""
+    return os.environ.get("CHRONICALS_TRACEBACK", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def _failed(e: Exception) -> int:
     """Exit status and message for an exception out of a command: 2 for a config value found bad only once the run
     resolves it (a device this machine lacks, a lora.targets name no module of the loaded model matches), 3 for bad
@@ -296,6 +302,10 @@ def _failed(e: Exception) -> int:
     from .config import ConfigError
 
     if isinstance(e, (ValueError, OSError)):
+        if _traceback_wanted():  # the exit status stays the error's (1 means "diverged")
+            import traceback
+
+            traceback.print_exception(e)
         print(f"error: {e}\n(CHRONICALS_TRACEBACK=1 shows where it was raised)", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 3  # a setting this machine or model cannot take
     import traceback

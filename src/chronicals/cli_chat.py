@@ -18,6 +18,7 @@ def _run_system_prompt(path: str | None) -> str | None:
     if not path:
         return None
     from .config import load_config
+    from .config_schema import stored_config
     from .train.checkpoint_adapter import is_checkpoint_dir, read_lora_checkpoint
     from .train.qa import heldout_system_prompt
 
@@ -26,7 +27,8 @@ def _run_system_prompt(path: str | None) -> str | None:
         if is_checkpoint_dir(path):  # a LoRA run's checkpoint carries the run's config
             system, cfg_file = heldout_system_prompt(read_lora_checkpoint(path).config.data), Path(path) / "state.pt"
         elif Path(path).name in ("adapter", "model") and cfg_file.is_file():
-            system = heldout_system_prompt(load_config(cfg_file).data)
+            with stored_config():
+                system = heldout_system_prompt(load_config(cfg_file).data)
         else:
             return None
     except (ValueError, OSError):  # another tool's config.yaml, or one of an older version: not ours to judge
@@ -79,6 +81,8 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
         p.error(f"--temperature {a.temperature}: expected a finite number >= 0 (0 = greedy)")
     if not 0 < a.top_p <= 1:
         p.error(f"--top-p {a.top_p}: expected a number in (0, 1] (1 = sample from every token)")
+    if a.seed is not None and not -2**63 <= a.seed < 2**64:  # torch.Generator.manual_seed's range
+        p.error(f"--seed {a.seed} must be in [-2**63, 2**64)")
     if not a.temperature and (a.top_p != 1 or a.seed is not None):
         p.error("--top-p and --seed shape sampling, and without --temperature > 0 answers are greedy; add "
                 "--temperature (e.g. 0.7)")

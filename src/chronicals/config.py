@@ -124,13 +124,20 @@ def _coerce(key: str, value, typ):
             if isinstance(value, bool):
                 raise ValueError
             return float(value)  # YAML reads 3e-4 (no dot) as a string; float() takes it
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: an integer of 400 digits
             raise ConfigError(f"config {key}={value!r} is invalid: expected a number", key) from None
     if typ is list or origin is list:
+        example = {"model.recompute": "[norm, swiglu]", "lora.modules_to_save": "[embed_tokens, lm_head]"}.get(
+            key, "[q_proj, v_proj]")
         if isinstance(value, str):
-            value = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
+            text = value.strip()
+            if text.startswith("[") != text.endswith("]"):  # "[q_proj" had read as [q_proj]
+                raise ConfigError(f"config {key}={value!r} is invalid: an unclosed bracket; expected a list such as "
+                                  f"{example} ([] for none)", key)
+            value = [v.strip() for v in text.strip("[]").split(",") if v.strip()]
         if not isinstance(value, list):
-            raise ConfigError(f"config {key}={value!r} is invalid: expected a list such as [q_proj, v_proj]", key)
+            raise ConfigError(f"config {key}={value!r} is invalid: expected a list such as {example} ([] for none)",
+                              key)
         return list(value)
     if typ is str:
         if isinstance(value, (dict, list)):
@@ -287,7 +294,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
         if p.is_dir():  # FileNotFoundError too: the CLI reports both as a config error (exit 2)
             raise FileNotFoundError(f"config {p} is a directory, not a YAML file (give a file such as "
                                     "configs/smollm2-135m/lora.yaml)")
-        if not p.is_file():
+        if not p.exists():  # a pipe (bash's <(...)) is read: it had been "not found"
             raise FileNotFoundError(f"config file {p} not found (give a YAML file such as configs/smollm2-135m/lora.yaml)")
         try:
             raw = p.read_bytes()

@@ -11,6 +11,8 @@ import them from there.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
 import math
@@ -22,6 +24,22 @@ from pathlib import Path
 import yaml
 
 log = logging.getLogger("chronicals.config")  # one logger for the whole config, whichever module warns
+
+# set while a config that a run stored is read (its config.yaml, a checkpoint's copy): that run's train.resume named
+# a checkpoint that existed then, which keep_last or the user may have removed since; the record stays readable
+_STORED: contextvars.ContextVar[bool] = contextvars.ContextVar("chronicals_stored_config", default=False)
+
+
+@contextlib.contextmanager
+def stored_config():
+    """Read a run's stored config: its train.resume is not required to exist (chat, eval and export read a
+    resumed run's config.yaml and checkpoints, whose resume path may be relative to another directory, or
+    rotated away; they failed with "its run config no longer reads")."""
+    token = _STORED.set(True)
+    try:
+        yield
+    finally:
+        _STORED.reset(token)
 DEMO = "demo"  # data.path / data.eval_path value meaning "the packaged demo data"
 DEMO_SYSTEM_PROMPT = "You are a helpful assistant."
 # data.max_seq_len / data.tokens_per_batch at most this: 16x the longest row trained (262,144 tokens, --max-context
@@ -362,6 +380,7 @@ class TrainSection:
         if self.resume not in ("auto", "none"):
             _check(bool(self.resume), "train.resume", self.resume,
                    "auto | none | a checkpoint directory such as runs/demo/checkpoints/step-000008")
+        if self.resume not in ("auto", "none") and not _STORED.get():  # a stored config's may be gone since
             _check(Path(self.resume).exists(), "train.resume", self.resume,
                    f"auto | none | an existing checkpoint directory; {self.resume} does not exist (auto resumes "
                    "from the latest under train.out_dir, none starts over)")
@@ -405,11 +424,29 @@ class TrainConfig:
     logging: LoggingSection = field(default_factory=LoggingSection)
 
     def __post_init__(self):
+        if not _STORED.get():  # said when a run is configured, not each time its stored config is read again
+            self._warn_unused()
         if self.train.cuda_graphs == "true":  # device "auto": checked once resolved, before loading (train.guards)
             _check(self.model.device != "cpu", "train.cuda_graphs", True, "false with model.device=cpu "
                    "(CUDA graphs need a GPU)")
             _check(not self.model.checkpoint_setting, "train.cuda_graphs", True, "false with model.checkpointing=true "
                    "(checkpoint reads the CUDA RNG state during capture); turn one of them off")
+
+    def _warn_unused(self) -> None:
+        """Settings that this config makes do nothing, said once (as data.batch_size under tokens_per_batch)."""
+        if not self.lora.enabled:
+            default = LoraSection(enabled=False)
+            changed = [f"lora.{f.name}" for f in dataclasses.fields(LoraSection)
+                       if f.name != "enabled" and getattr(self.lora, f.name) != getattr(default, f.name)]
+            if changed:
+                log.warning("config: %s set, but lora.enabled=false (full fine-tuning) uses no LoRA setting; set "
+                            "lora.enabled=true to train an adapter", ", ".join(changed))
+        eval_path = (("demo" if self.data.path == DEMO else "") if self.data.eval_path == "auto"
+                     else self.data.eval_path)
+        if self.eval.every and not eval_path:
+            log.warning("config: eval.every=%d, but there is no held-out data (data.eval_path=%r%s), so no held-out "
+                        "loss is measured; set data.eval_path to a file", self.eval.every, self.data.eval_path,
+                        ", which is the demo's own only with data.path=demo" if self.data.eval_path == "auto" else "")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..config import TrainConfig, from_dict
+from ..config_schema import stored_config
 from .checkpoint import STATE_FILE, _read_state, masters_by_name
 
 
@@ -72,7 +73,8 @@ def _read(file: Path, _version: tuple) -> CheckpointAdapter:
         raise ValueError(f"checkpoint {file} records no run config, so the adapter's settings are unknown; use the "
                          "run's adapter/ directory, or resume the run (train.resume) to write one")
     try:
-        cfg = from_dict(saved)
+        with stored_config():
+            cfg = from_dict(saved)
     except ValueError as e:
         raise ValueError(f"checkpoint {file}: its run config no longer reads ({e}); it was written by another "
                          "version: use the run's adapter/ directory") from None

@@ -80,8 +80,8 @@ def check_data_paths(cfg: TrainConfig) -> None:
         for setting, inside in (("train.out_dir", cfg.train.out_dir), ("data.cache_dir", cache)):
             there = None if inside is None else Path(inside).expanduser().resolve()
             if there is not None and path.is_dir() and (there == path.resolve() or path.resolve() in there.parents):
-                raise ValueError(f"{setting}={inside} is inside {key}={value}, whose files are all read as data; put "
-                                 f"{setting} outside {value}")
+                raise ConfigError(f"{setting}={inside} is inside {key}={value}, whose files are all read as data; "
+                                  f"put {setting} outside {value}", setting)  # two settings that clash: exit 2
     if cache is not None:
         check_cache_root(cache)  # a file: said before the model loads, not after
 
@@ -109,6 +109,11 @@ def check_out_dir(cfg: TrainConfig) -> None:
         if p.exists() and not p.is_dir():
             raise ConfigError(f"train.out_dir={cfg.train.out_dir}: {p} is a file, not a directory; set "
                               "train.out_dir to a directory path", "train.out_dir")
+    model = Path(cfg.model.path).expanduser()
+    if model.is_dir() and out.exists() and out.resolve() == model.resolve():
+        raise ConfigError(f"train.out_dir={cfg.train.out_dir} is model.path: the run would write its checkpoints, "
+                          "config.yaml, metrics and outputs into the model's own directory; set train.out_dir to "
+                          "another directory", "train.out_dir")
     if (out / "config.yaml").is_dir():
         raise IsADirectoryError(f"{out / 'config.yaml'} is a directory: a run writes its config to that file; move "
                                 "it away or set another train.out_dir")

@@ -1,0 +1,107 @@
+"""Fixes from session 25's config / CLI hunt."""
+
+import json
+import logging
+import shutil
+
+import pytest
+
+from chronicals.cli import main
+from chronicals.config import load_config
+from chronicals.config_schema import stored_config
+
+RUN = ["train.save_every=1", "eval.every=0", "eval.qa=false", "logging.progress=false", "data.batch_size=2",
+       "lora.rank=4"]
+
+
+def test_a_resumed_runs_checkpoints_read_after_its_resume_point_is_gone(tiny_base, tmp_path, monkeypatch, capsys):
+    """B resumed from A's checkpoint by a relative path; once that path is gone (another directory, or A removed:
+    keep_last rotates the same way), chat / eval / export of B failed: "its run config no longer reads
+    (train.resume ... does not exist)", and chat fell back to the default system prompt without a word."""
+    monkeypatch.chdir(tmp_path)
+    base = [f"model.path={tiny_base}", *RUN, "data.system_prompt=Be terse."]
+    assert main(["train", *base, "train.out_dir=runA", "train.max_steps=2"]) == 0
+    assert main(["train", *base, "train.out_dir=runB", "train.max_steps=3",
+                 "train.resume=runA/checkpoints/step-000002"]) == 0
+    shutil.rmtree(tmp_path / "runA")
+    capsys.readouterr()
+    step3 = tmp_path / "runB" / "checkpoints" / "step-000003"
+    assert main(["export", "--adapter", str(step3), "--no-merge", "--out", str(tmp_path / "ad")]) == 0
+    assert (tmp_path / "ad" / "adapter_config.json").is_file()
+    assert main(["chat", "--adapter", str(tmp_path / "runB" / "adapter"), "--max-new-tokens", "2", "hi"]) == 0
+    assert "--system not given: using 'Be terse.'" in capsys.readouterr().err
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # export --out . is a usage error (exit 2), as --out <a file> is
+    assert main(["export", "--adapter", str(tmp_path / "runB" / "adapter"), "--out", "."]) == 2
+    assert "--out .:" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="does not exist"):  # a config about to train still needs it
+        load_config(tmp_path / "runB" / "config.yaml")
+    with stored_config():
+        assert load_config(tmp_path / "runB" / "config.yaml").train.resume == "runA/checkpoints/step-000002"
+
+
+def test_a_heldout_file_where_the_run_writes_its_copy_is_refused_not_overwritten(tiny_base, tmp_path, monkeypatch,
+                                                                                  capsys):
+    from chronicals.train.qa import demo_file
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    shutil.copy(demo_file("heldout.jsonl"), tmp_path / "data" / "heldout.jsonl")
+    before = (tmp_path / "data" / "heldout.jsonl").read_bytes()
+    assert main(["train", f"model.path={tiny_base}", *RUN, "train.max_steps=1", "train.out_dir=.",
+                 "data.eval_path=data/heldout.jsonl"]) == 2
+    err = capsys.readouterr().err
+    assert "data.eval_path=data/heldout.jsonl is" in err and "would overwrite it" in err
+    assert (tmp_path / "data" / "heldout.jsonl").read_bytes() == before
+    assert "keywords" in json.loads(before.splitlines()[0])
+
+
+def test_out_dir_that_is_the_model_directory_is_refused(tiny_base, capsys):
+    listing = sorted(p.name for p in tiny_base.iterdir())
+    assert main(["train", f"model.path={tiny_base}", f"train.out_dir={tiny_base}", *RUN, "train.max_steps=1"]) == 2
+    assert "is model.path" in capsys.readouterr().err
+    assert sorted(p.name for p in tiny_base.iterdir()) == listing
+
+
+@pytest.mark.parametrize("override,said", [
+    ("optim.lr=1" + "0" * 400, "expected a number"),
+    ("lora.targets=[q_proj", "an unclosed bracket"),
+    ("model.recompute=null", "expected a list such as [norm, swiglu]"),
+])
+def test_config_values_that_were_tracebacks_or_misread(override, said, capsys):
+    assert main(["train", override]) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_a_config_given_through_a_pipe_is_read(tmp_path):
+    import os
+
+    r, w = os.pipe()
+    os.write(w, b"train:\n  max_steps: 7\n")
+    os.close(w)
+    try:
+        assert load_config(f"/dev/fd/{r}").train.max_steps == 7  # bash's <(...) gives such a path
+    finally:
+        os.close(r)
+
+
+def test_settings_that_do_nothing_are_said(caplog):
+    with caplog.at_level(logging.WARNING, logger="chronicals.config"):
+        load_config(None, ["lora.enabled=false", "lora.rank=8", "lora.dropout=0.1"])
+        load_config(None, ["data.path=mine.jsonl", "eval.every=5"])
+        load_config(None, ["eval.every=5"])  # the demo has its held-out file: nothing to say
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said
+    assert "lora.rank, lora.dropout set, but lora.enabled=false" in said[0]
+    assert "eval.every=5, but there is no held-out data" in said[1]
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["chat", "--temperature", "1", "--seed", str(2**64), "hi"], "--seed 18446744073709551616 must be in"),
+    (["export", "--adapter", "a", "--out", "o", "--no-merge", "--dtype", "bfloat16"], "--no-merge writes the adapter"),
+])
+def test_argument_errors_before_any_load(argv, said, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and said in capsys.readouterr().err
