@@ -126,3 +126,15 @@ def test_a_full_disk_while_saving_is_an_oserror_and_leaves_nothing(tmp_path, mon
     with pytest.raises(OSError, match=r"adapter_model.safetensors .*is its disk full"):
         save_adapter(model, tmp_path / "adapter")
     assert not (tmp_path / "adapter").exists()
+
+
+def test_save_model_refuses_what_is_not_a_tokenizer_before_writing(tiny_hf_config, tmp_path):
+    """save_model(model, "a/path", out): the string where the tokenizer goes wrote every weight, then failed with
+    an AttributeError; now a TypeError that says the argument order, and nothing is written."""
+    from chronicals import save_model
+    from chronicals.models import CausalLM, ModelConfig
+
+    model = CausalLM(ModelConfig.from_hf_dict(tiny_hf_config("llama3"))).init_weights(seed=0)
+    with pytest.raises(TypeError, match=r"tokenizer is a str, not a tokenizer.*save_model\(model, tokenizer, out_dir\)"):
+        save_model(model, str(tmp_path / "a"), tmp_path / "out")
+    assert not list(tmp_path.iterdir())

@@ -419,6 +419,11 @@ def save_hf_dir(model: CausalLM, tokenizer, out_dir: str | Path, *, generation_c
                                         or max_shard_bytes < 1):
         raise ValueError(f"save_model: max_shard_bytes={max_shard_bytes!r}; expected a number of bytes >= 1 (e.g. "
                          "5 * 2**30 for 5 GiB shards) or None for one file")
+    if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
+        # found before the weights are written (a string here wrote every shard, then failed on .save_pretrained)
+        raise TypeError(f"save_model: tokenizer is a {type(tokenizer).__name__}, not a tokenizer; pass the one "
+                        "load_model / load_tokenizer returned (or None to write no tokenizer files), and the output "
+                        "directory as the third argument (save_model(model, tokenizer, out_dir))")
     cfg = model.config
     why = no_hf_dir(cfg)
     if why:
