@@ -328,7 +328,8 @@ class ScheduleSection:
 
 @dataclass
 class TrainSection:
-    epochs: float = _f(2.0, "passes over the training data (ignored when max_steps > 0)")
+    epochs: float = _f(2.0, "passes over the training data (ignored when max_steps > 0); a fraction trains that share "
+                            "of the next pass's batches, rounded up")
     max_steps: int = _f(0, "optimizer steps to run (0 = derive from epochs)")
     grad_accum: int = _f(1, "micro-batches per optimizer step (loss normalized by the step's loss tokens; "
                               "a step never spans two epochs: an epoch's last step may take fewer)")

@@ -84,6 +84,21 @@ def test_a_fraction_of_an_epoch_counts_its_own_steps(tmp_path, docs):
     res = train(tiny_config(tmp_path, train__max_steps=0, train__epochs=1.5, train__grad_accum=3), model=tiny_model(),
                 train_loader=loader)
     assert res.total_steps == 5
+    # the fraction is 4 batches of the second epoch: steps of 3 and 1 (the last step took 3, 6 batches: 1.75 epochs)
+    per_step = [sum(b.num_loss_tokens for b in loader.batches[i:j]) for i, j in ((0, 3), (3, 6), (6, 8), (0, 3),
+                                                                                 (3, 4))]
+    assert [r["loss_tokens"] for r in _train_records(tmp_path / "run")] == per_step
+
+
+@pytest.mark.parametrize("epochs,batches,accum,last", [(2.1, 10, 4, 1), (2.5, 6, 4, 3), (0.3, 10, 8, 3),
+                                                        (1.1, 10, 1, 1), (2, 10, 4, 4), (0.25, 10, 4, 3)])
+def test_the_last_step_takes_only_the_fractions_batches(epochs, batches, accum, last):
+    """The fraction of an epoch is its batches rounded up, not its steps: 0.3 epochs of 10 batches at grad_accum 8
+    trained 8 batches (0.8 epochs), 2.1 epochs of 10 at 4 trained 24 batches instead of 21."""
+    from chronicals.train.stream import _last_step_batches
+
+    cfg = tiny_config(Path("/nonexistent"), train__max_steps=0, train__epochs=epochs, train__grad_accum=accum)
+    assert _last_step_batches(cfg, batches) == last
 
 
 @pytest.mark.parametrize("epochs,batches,accum,steps", [(1.1, 10, 1, 11), (2.2, 20, 2, 22), (0.3, 10, 3, 1),

@@ -47,7 +47,7 @@ from .resume import (apply_optimizer_settings, check_same_adapter, optimizer_set
                      warn_loss_settings_changed)
 from .run_dir import _locked_out_dir, _metrics_log, _RanksMetrics
 from .step import accumulate_data_parallel, evaluate_loss
-from .stream import _restore_position, _Stream, _total_steps
+from .stream import _last_step_batches, _restore_position, _Stream, _total_steps
 
 log = logging.getLogger("chronicals.train")
 
@@ -187,6 +187,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     trainable = [p for p in model.parameters() if p.requires_grad]
     dp.broadcast_params(trainable)  # rank 0's values everywhere, even if an init differed between ranks
     total = _total_steps(cfg, len(train_loader))
+    last_batches = _last_step_batches(cfg, len(train_loader))
     optimizer = build_optimizer(model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg, total)
     stream = _Stream(train_loader)
@@ -421,7 +422,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
             after = None  # the previous step's readback when nothing ran between it and this step
             for step in range(start, total):
                 started = StepStart(device)
-                micro = stream.take(cfg.train.grad_accum)
+                micro = stream.take(last_batches if step == total - 1 else cfg.train.grad_accum)
                 # n_loss: all ranks' loss tokens, a host int (one process) or a device scalar (data parallel)
                 loss, n_loss = accumulate_data_parallel(model, micro, device, dp, trainable, graphs, reducer)
                 gnorm = torch.nn.utils.clip_grad_norm_(trainable, clip)

@@ -85,8 +85,25 @@ def _total_steps(cfg: TrainConfig, batches_per_epoch: int) -> int:
         return cfg.train.max_steps
     # whole epochs of ceil(batches / grad_accum) steps (the last one short; see _Stream.take), then a fraction; in
     # exact decimals: 1.1 - 1 is 0.10000000000000009 in floats, and 1.1 epochs of 10 batches would take 12 steps
+    whole, part_batches = _epoch_split(cfg, batches_per_epoch)
+    per_epoch = math.ceil(batches_per_epoch / cfg.train.grad_accum)
+    part = math.ceil(part_batches / cfg.train.grad_accum)
+    return max(1, whole * per_epoch + part)
+
+
+def _epoch_split(cfg: TrainConfig, batches_per_epoch: int) -> tuple[int, int]:
+    """train.epochs as (whole epochs, batches of the next one): its fraction of the epoch's batches, rounded up."""
     epochs = Fraction(str(cfg.train.epochs))
     whole = math.floor(epochs)
-    per_epoch = math.ceil(batches_per_epoch / cfg.train.grad_accum)
-    part = math.ceil((epochs - whole) * batches_per_epoch / cfg.train.grad_accum)
-    return max(1, whole * per_epoch + part)
+    return whole, math.ceil((epochs - whole) * batches_per_epoch)
+
+
+def _last_step_batches(cfg: TrainConfig, batches_per_epoch: int) -> int:
+    """Micro-batches of the run's last step: fewer than grad_accum when a fractional train.epochs ends inside a
+    step (2.1 epochs of 10 batches at grad_accum 4 is 21 batches: steps of 4, 4, 2 per epoch, then 1; it took 4,
+    24 batches). grad_accum under max_steps, or without a fraction (an epoch's end already shortens its step)."""
+    ga = cfg.train.grad_accum
+    if cfg.train.max_steps > 0:
+        return ga
+    _, part_batches = _epoch_split(cfg, batches_per_epoch)
+    return part_batches - (math.ceil(part_batches / ga) - 1) * ga if part_batches else ga
