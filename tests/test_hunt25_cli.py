@@ -105,3 +105,12 @@ def test_argument_errors_before_any_load(argv, said, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_a_tilde_on_the_command_line_is_the_home_directory(monkeypatch, tmp_path):
+    """YAML reads a bare ~ as null, so train.out_dir=~ was refused as '' and data.eval_path=~ turned held-out
+    evaluation off without a word; the shell does not expand ~ after '='."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert load_config(None, ["train.out_dir=~"]).train.out_dir == str(tmp_path)
+    assert load_config(None, ["data.eval_path=~"]).data.eval_path == "~"  # expanded where it is read
+    assert load_config(None, ["data.system_prompt=null"]).data.system_prompt == ""  # null stays null

@@ -162,15 +162,16 @@ def _is_str_key(key: str) -> bool:
 
 def _override_value(key: str, text: str):
     """A command-line value: a string key takes the text as written (YAML reads yes as True, 0x10 as 16 and cuts
-    'You are #1' at the '#'), less its quotes when quoted, '' for null; any other key the text's YAML value, or the
+    'You are #1' at the '#'), less its quotes when quoted, '' for null (``~`` is the home directory there, as a
+    path); any other key the text's YAML value, or the
     text itself when it is no YAML (``optim.lr=[1``), which the key's type check then refuses."""
     try:
         value = yaml.safe_load(text) if text else ""
     except yaml.YAMLError:
         return text
     quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
-    if _is_str_key(key) and value is not None and not quoted:
-        return text
+    if _is_str_key(key) and (value is not None or text == "~") and not quoted:
+        return text  # '~' too: YAML's null, but on a command line the home directory (train.out_dir=~ was '')
     return value
 
 
