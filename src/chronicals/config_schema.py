@@ -119,8 +119,8 @@ class ModelSection:
                                 "(0 = every layer); ~0.3 GiB less per layer at Qwen2.5-0.5B x 16k tokens for "
                                 "~0.6% time each (LoRA, k = 7: 11.7 -> 9.8 GiB for 4%): the finer memory dial")
     loss_vocab_parts: int = _f(1, "the loss head in k vocabulary parts: k > 1 keeps no fp32 weight-gradient "
-                                  "accumulator beyond dW (0.79 -> 0.56 GiB at Qwen2.5-0.5B) for a second pass "
-                                  "over part of the vocabulary (k = 2: ~14% slower head, the least extra work); "
+                                  "accumulator beyond dW (1.04 -> 0.56 GiB at Qwen2.5-0.5B) for a second pass "
+                                  "over part of the vocabulary (k = 2: ~28% slower head, the least extra work); "
                                   "acts when lm_head trains (full fine-tuning, or LoRA modules_to_save) on the "
                                   "Triton path (CUDA); the PyTorch reference (CPU) builds the logits")
 
@@ -316,8 +316,11 @@ class ScheduleSection:
     kind: str = _f("cosine", "learning-rate decay after warmup: cosine | linear | constant")
     warmup_steps: int = _f(3, "linear warmup over k steps: step i (1-based) runs at i / k of the peak lr, "
                               "so step k at the peak; a run of <= k steps warms up over a tenth of its "
-                              "steps instead (rounded up), so it still decays")
-    min_lr_ratio: float = _f(0.1, "final lr as a fraction of the peak (cosine and linear)")
+                              "steps instead (rounded up), so that it has steps left to decay")
+    min_lr_ratio: float = _f(0.1, "the last step's lr as a fraction of the peak (cosine and linear): the decay runs "
+                                  "from the peak at the first step after warmup to this at the last, so a run with "
+                                  "one step after warmup (a 2-step run, or max_steps = warmup_steps + 1) ends at "
+                                  "the peak")
 
     def __post_init__(self):
         _check_finite(self)

@@ -220,3 +220,18 @@ def test_a_resume_from_another_runs_last_checkpoint_makes_out_dir_that_runs_reco
     assert records == [r for r in theirs if r.get("step", 0) <= 3]
     assert _names(tmp_path) == []  # the earlier run's step-000002 went with it
     assert (run / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_a_run_that_starts_over_removes_the_earlier_loss_curve(tmp_path, docs, caplog):
+    """loss.png, the earlier run's curve, stayed beside the new run's config.yaml and metrics.jsonl (with
+    logging.plot=false the new run draws none); a resume of the run's own checkpoint keeps it until it draws its own."""
+    pytest.importorskip("matplotlib")
+    _run(tmp_path, docs, train__max_steps=2, train__save_every=1, logging__plot=True)
+    plot = tmp_path / "run" / "loss.png"
+    assert plot.is_file()
+    _run(tmp_path, docs, train__max_steps=3, train__resume="auto", logging__plot=False)  # its own history
+    assert plot.is_file()
+    with caplog.at_level("INFO", logger="chronicals.train"):
+        _run(tmp_path, docs, train__max_steps=1, train__resume="none", logging__plot=False)
+    assert not plot.exists()
+    assert f"removed {plot}, the loss curve of the run before" in caplog.text

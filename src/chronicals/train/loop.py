@@ -247,6 +247,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     # removed once this run writes its first record or checkpoint, so a run that fails in setup leaves them
     stale = ckpt.not_this_runs(out_dir, resume_from, start) if dp.is_main else []
     stale_final = earlier_finals(cfg, out_dir, resume_from) if dp.is_main else []
+    starts_history = dp.is_main and not (resume_from is not None and ckpt.is_own(resume_from, out_dir))
 
     def forget_stale() -> None:
         why = ("train.resume=none starts this out_dir over" if resume_from is None else
@@ -264,6 +265,10 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
                         "; train.save_final=false: this run writes none" if mine and not cfg.train.save_final else
                         "" if mine else f"; this run writes {'an adapter' if cfg.lora.enabled else 'a model'}")
         stale_final.clear()
+        plot = out_dir / "loss.png"  # the earlier history's curve: this run draws its own at the end
+        if starts_history and plot.is_file() and not plot.is_symlink():
+            plot.unlink(missing_ok=True)
+            log.info("removed %s, the loss curve of the run before (%s)", plot, why)
 
     def first_record() -> None:
         (out_dir / "config.yaml").write_text(cfg.to_yaml())
