@@ -17,7 +17,9 @@ the tests check it. ``fn`` runs under ``torch.no_grad()``.
 
 Lifetime rules: an offer lives as long as ``t``'s Python object (a finalizer drops it), so a later
 tensor reusing the same memory never matches a stale offer; saves are matched by storage pointer and
-storage size. Offers made outside a session are ignored (no cost beyond a flag check).
+storage size. Offers made outside a session are ignored (no cost beyond a flag check). The tensors a recipe
+holds (a ``functools.partial``'s arguments, a closure's cells) keep their version counters from the offer: one
+changed in place before the rebuild is a RuntimeError, as autograd raises for a saved tensor.
 Under ``torch.compile`` the session is not entered (the compiler plans its own recomputation).
 """
 
