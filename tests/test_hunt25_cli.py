@@ -114,3 +114,16 @@ def test_a_tilde_on_the_command_line_is_the_home_directory(monkeypatch, tmp_path
     assert load_config(None, ["train.out_dir=~"]).train.out_dir == str(tmp_path)
     assert load_config(None, ["data.eval_path=~"]).data.eval_path == "~"  # expanded where it is read
     assert load_config(None, ["data.system_prompt=null"]).data.system_prompt == ""  # null stays null
+
+
+@pytest.mark.parametrize("world,rc", [("2", 3), ("1", 4)])
+def test_a_lost_rank_is_said_as_such_not_as_our_bug(monkeypatch, capsys, world, rc):
+    """kill -9 of one rank: the other's gloo collective raised 'Connection reset by peer', which the CLI reported
+    as an internal error of chronicals (exit 4, 'please report it')."""
+    from chronicals import cli
+
+    monkeypatch.setenv("WORLD_SIZE", world)
+    e = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer")
+    assert cli._failed(e) == rc
+    err = capsys.readouterr().err
+    assert ("another process of this data-parallel job failed or was lost" in err) == (world == "2")

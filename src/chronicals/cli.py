@@ -294,6 +294,16 @@ def _traceback_wanted() -> bool:
     return os.environ.get("CHRONICALS_TRACEBACK", "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
+def _lost_rank(e: Exception) -> bool:
+    """A collective's failure under torchrun (WORLD_SIZE > 1): torch.distributed's DistError, or gloo's / NCCL's
+    RuntimeError for a peer that went away."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1 or not isinstance(e, RuntimeError):
+        return False
+    dist_error = getattr(sys.modules.get("torch.distributed"), "DistError", None)
+    peer_gone = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+    return (dist_error is not None and isinstance(e, dist_error)) or any(m in str(e) for m in peer_gone)
+
+
 def _failed(e: Exception) -> int:
     """Exit status and message for an exception out of a command: 2 for a config value found bad only once the run
     resolves it (a device this machine lacks, a lora.targets name no module of the loaded model matches), 3 for bad
@@ -301,6 +311,11 @@ def _failed(e: Exception) -> int:
     "diverged" to train's callers."""
     from .config import ConfigError
 
+    if _lost_rank(e):  # another rank died (killed, out of memory): this one's collective failed, no bug of ours
+        print(f"error: another process of this data-parallel job failed or was lost ({type(e).__name__}: "
+              f"{str(e).strip().splitlines()[0][:300]}); its own output says why. Checkpoints already written stay: "
+              "start the job again with train.resume=auto", file=sys.stderr)
+        return 3
     if isinstance(e, (ValueError, OSError)):
         if _traceback_wanted():  # the exit status stays the error's (1 means "diverged")
             import traceback

@@ -2,6 +2,8 @@
 
 import json
 
+import re
+
 import pytest
 
 from chronicals.bench import cli
@@ -124,11 +126,12 @@ def test_sweeps_tiny(tmp_path, monkeypatch):
     assert "| tiny | chronicals-full | 256 | n/a |" in md and "256 is the cap |" in md
 
 
-def test_bench_without_a_gpu_says_how_to_run(monkeypatch):
-    """No GPU and no --device/--tiny: a clear message at once, not rows of workers killed for memory."""
+def test_bench_without_a_gpu_says_how_to_run(monkeypatch, capsys):
+    """No GPU and no --device/--tiny: a clear message at once, not rows of workers killed for memory; exit 2 (a
+    SystemExit with the message gave 1, which means "diverged" to train's callers)."""
     monkeypatch.setattr(cli, "default_device", lambda: "cpu")
-    with pytest.raises(SystemExit, match=r"no CUDA GPU is visible .*chronicals bench --device cpu --tiny"):
-        cli.main(["--quick"])
+    assert cli.main(["--quick"]) == 2
+    assert re.search(r"no CUDA GPU is visible .*chronicals bench --device cpu --tiny", capsys.readouterr().err)
 
 
 def test_device_help_says_what_runs_without_a_gpu(capsys):
@@ -145,6 +148,16 @@ def test_device_help_says_what_runs_without_a_gpu(capsys):
     (["--device", "cpu", "--tiny", "--steps", "0"], "--steps 0: must be >= 1"),
     (["--device", "cpu", "--tiny", "--seq", "1"], "--seq 1: must be >= 2"),
     (["--tiny", "--shape", "0.5b"], "--tiny picks the tiny shape"),
+    # session 25: each of these ran every contender first (or ran nonsense) and failed or wrote outside --out
+    (["--device", "cpu", "--tiny", "--contenders", ""],
+     "--contenders '': give comma-separated contender names, none empty"),
+    (["--device", "cpu", "--tiny", "--contenders", "chronicals-full,chronicals-full"],
+     "--contenders 'chronicals-full,chronicals-full': a contender is named twice"),
+    (["--device", "cpu", "--tiny", "--attention", "cudnn"], "--attention cudnn chooses the packed rows' kernel"),
+    (["--device", "tpu", "--tiny"], "--device tpu: use cpu, cuda or cuda:N"),
+    (["--device", "cpu", "--tiny", "--name", "a/b"], "--name 'a/b': a file stem, without '/'"),
+    (["--device", "cpu", "--tiny", "--name", ".."], "--name '..': a file stem"),
+    (["--device", "cpu", "--tiny", "--out", __file__], f"--out {__file__}: {__file__} is a file, not a directory"),
 ])
 def test_bad_arguments_are_said_before_anything_runs(argv, says, capsys):
     """Exit 2 with the argument named, before the no-GPU check or any worker (an unknown contender came after the

@@ -235,3 +235,21 @@ def test_a_run_that_starts_over_removes_the_earlier_loss_curve(tmp_path, docs, c
         _run(tmp_path, docs, train__max_steps=1, train__resume="none", logging__plot=False)
     assert not plot.exists()
     assert f"removed {plot}, the loss curve of the run before" in caplog.text
+
+
+def test_the_runs_data_copy_is_replaced_whole(tmp_path):
+    """Under data parallel every rank writes out_dir/data/*.jsonl; each wrote in place (open "w"), so a rank could
+    read the file while another had emptied it. Now each writes a temporary file and renames it: a failed write
+    leaves the earlier copy and no temporary file."""
+    from chronicals.train.qa import write_chat_jsonl
+
+    path = tmp_path / "data" / "heldout.jsonl"
+    write_chat_jsonl([{"question": "q?", "answer": "a"}], path, "Be brief.")
+    before, inode = path.read_text(), path.stat().st_ino
+    assert '"Be brief."' in before and '"q?"' in before
+    with pytest.raises(TypeError):  # a value json cannot write, after the first record
+        write_chat_jsonl([{"question": "q2?", "answer": "b"}, {"messages": [{"role": "user", "content": object()}]}],
+                         path, "")
+    assert path.read_text() == before and sorted(p.name for p in path.parent.iterdir()) == ["heldout.jsonl"]
+    write_chat_jsonl([{"question": "q2?", "answer": "b"}], path, "")
+    assert '"q2?"' in path.read_text() and path.stat().st_ino != inode

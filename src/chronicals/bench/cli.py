@@ -13,10 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -88,6 +91,8 @@ class Runner:
         self.timeout, self.log = timeout, log
         self.tmp = Path(tempfile.mkdtemp(prefix="chronicals-bench-"))
         self.count = 0
+        # the workers' row files, read as they finish: removed with the runner (231 were left in /tmp)
+        weakref.finalize(self, shutil.rmtree, str(self.tmp), True)
 
     def run(self, task: str, spec: RunSpec) -> dict:
         self.count += 1
@@ -272,11 +277,17 @@ def result_name(args) -> str:
 def check_args(args) -> str | None:
     """What is wrong with the arguments, or None: said before anything runs (an unknown contender was reported
     after the no-GPU message, or as a bad-input error, exit 3; --rows 0 silently took the protocol's rows)."""
-    for n in [s.strip() for s in args.contenders.split(",")] if args.contenders else []:
-        try:
-            get_contender(n)
-        except ValueError as e:
-            return f"--contenders: {e}"
+    if args.contenders is not None:
+        names = [s.strip() for s in args.contenders.split(",")]
+        if not all(names):  # --contenders "" had run every contender
+            return f"--contenders {args.contenders!r}: give comma-separated contender names, none empty"
+        if len(set(names)) < len(names):
+            return f"--contenders {args.contenders!r}: a contender is named twice"
+        for n in names:
+            try:
+                get_contender(n)
+            except ValueError as e:
+                return f"--contenders: {e}"
     for flag, value, least in (("--rows", args.rows, 1), ("--seq", args.seq, 2), ("--warmup", args.warmup, 0),
                                ("--steps", args.steps, 1), ("--learning-steps", args.learning_steps, 1),
                                ("--timeout", args.timeout, 1)):
@@ -284,7 +295,26 @@ def check_args(args) -> str | None:
             return f"{flag} {value}: must be >= {least}"
     if args.tiny and args.shape and args.shape != "tiny":
         return "--tiny picks the tiny shape; drop --shape or --tiny"
+    if args.attention != "auto" and args.layout != "packed":
+        return f"--attention {args.attention} chooses the packed rows' kernel: add --layout packed, or drop it"
+    if args.device is not None:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+            return f"--device {args.device}: use cpu, cuda or cuda:N"
+        if args.device.startswith("cuda") and not _cuda_available():
+            return f"--device {args.device}: no CUDA GPU is visible here; use --device cpu with --tiny"
+    if args.name is not None and (not args.name.strip() or re.search(r"[/\\]|^\.\.?$", args.name)):
+        return f"--name {args.name!r}: a file stem, without '/' (the files go into --out)"
+    out = Path(args.out).expanduser()
+    for p in (out, *out.parents):  # said now, not after every contender has run
+        if p.exists() and not p.is_dir():
+            return f"--out {args.out}: {p} is a file, not a directory; give a directory for the result files"
     return None
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def main(argv=None) -> int:
@@ -295,10 +325,11 @@ def main(argv=None) -> int:
         return 2
     if args.device is None and not args.tiny and args.shape != "tiny" and default_device() == "cpu":
         # the protocol's shapes on the CPU only end in workers killed for memory (0.5B full at 16 x 1024 tokens)
-        raise SystemExit("chronicals bench: no CUDA GPU is visible (torch.cuda.is_available() is False), and the "
-                         "protocol's shapes (Qwen2.5-0.5B and Llama-3-8B at 16 x 1024 / 4 x 2048 tokens) are GPU "
-                         "work; run it on a GPU, or `chronicals bench --device cpu --tiny` for the same code paths "
-                         "on a tiny model (--device cpu with a --shape forces a CPU run)")
+        print("chronicals bench: no CUDA GPU is visible (torch.cuda.is_available() is False), and the "
+              "protocol's shapes (Qwen2.5-0.5B and Llama-3-8B at 16 x 1024 / 4 x 2048 tokens) are GPU "
+              "work; run it on a GPU, or `chronicals bench --device cpu --tiny` for the same code paths "
+              "on a tiny model (--device cpu with a --shape forces a CPU run)", file=sys.stderr)
+        return 2  # a usage error: 1 means "diverged" to train's callers
     results = run_plan(args)
     paths = write_report(results, args.out, args.name or result_name(args))
     print("\n".join(f"wrote {p}" for p in paths.values()))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -198,15 +199,23 @@ def write_chat_jsonl(records: list[dict], path: Path, system_prompt: str) -> Pat
     QA records ({"question", "answer"}) become a user turn and an assistant turn.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as fh:
-        for rec in records:
-            if "messages" in rec:
-                msgs = list(rec["messages"])
-                if system_prompt and (not msgs or msgs[0].get("role") != "system"):
-                    msgs.insert(0, {"role": "system", "content": system_prompt})
-            else:
-                msgs = chat_messages(rec["question"], system_prompt, rec["answer"])
-            fh.write(json.dumps({"messages": msgs}) + "\n")
+    # written whole, then renamed: under data parallel every rank writes the same copy, and a rank reading it while
+    # another truncated it saw an empty or partial file
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("w") as fh:
+            for rec in records:
+                if "messages" in rec:
+                    msgs = list(rec["messages"])
+                    if system_prompt and (not msgs or msgs[0].get("role") != "system"):
+                        msgs.insert(0, {"role": "system", "content": system_prompt})
+                else:
+                    msgs = chat_messages(rec["question"], system_prompt, rec["answer"])
+                fh.write(json.dumps({"messages": msgs}) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 
