@@ -145,10 +145,12 @@ def test_resume_with_other_batch_settings_fails():
     ds = synthetic()
     run = PackedLoader(ds, batch_size=2, max_seq_len=24, seed=3)
     next(iter(run))
-    for other in (PackedLoader(ds, batch_size=3, max_seq_len=24, seed=3),
-                  PackedLoader(ds, batch_size=2, max_seq_len=24, seed=3, world_size=2)):
-        with pytest.raises(ValueError, match=r"batches per epoch.*resume with the same dataset"):
-            other.load_state_dict(run.state_dict())
+    with pytest.raises(ValueError, match=r"batches per epoch.*resume with the same dataset"):
+        PackedLoader(ds, batch_size=3, max_seq_len=24, seed=3).load_state_dict(run.state_dict())
+    # another world size mid-epoch: the position's own message (an epoch's end resumes; see the test below)
+    with pytest.raises(ValueError, match=r"ran on 1 data-parallel rank\(s\), this one on 2; its position .*resume "
+                                         r"with torchrun --nproc-per-node 1 or plain chronicals train"):
+        PackedLoader(ds, batch_size=2, max_seq_len=24, seed=3, world_size=2).load_state_dict(run.state_dict())
 
 
 def test_loader_with_no_batch_fails_at_construction():
@@ -262,3 +264,29 @@ def test_build_loaders_names_a_batch_size_that_tokens_per_batch_overrides(tokeni
     assert all(len(row) == 1 for row in (b.input_ids for b in loader))  # one packed row per micro-batch
     warned = [r.getMessage() for r in caplog.records if "data.batch_size=3 is not used" in r.getMessage()]
     assert len(warned) == 1 and "data.tokens_per_batch=128" in warned[0], warned
+
+
+@pytest.mark.parametrize("saved_w,new_w", [(2, 1), (2, 3), (1, 2)])
+def test_an_epoch_end_resumes_on_another_number_of_ranks(saved_w, new_w):
+    """A checkpoint at an epoch's end (position = batches per rank) names the same place under any number of ranks,
+    as the README says; it was refused because the per-rank batch count, which follows the rank count, differed.
+    Mid-epoch positions stay refused."""
+    ds = synthetic(n=60)
+    kw = dict(batch_size=2, max_seq_len=24, seed=1)
+    old = PackedLoader(ds, **kw, world_size=saved_w)
+    list(old)  # one whole epoch: epoch 1, position 0 ...
+    end = {**old.state_dict(), "epoch": 0, "position": len(old)}  # ... or, as a checkpoint at the last step wrote it
+    for state in (old.state_dict(), end):
+        new = PackedLoader(ds, **kw, world_size=new_w)
+        new.load_state_dict(state)
+        first_of_next = next(iter(new))  # the next epoch's first batch of rank 0
+        fresh = PackedLoader(ds, **kw, world_size=new_w)
+        fresh.set_epoch(1)
+        assert first_of_next.input_ids.tolist() == next(iter(fresh)).input_ids.tolist()
+    mid = {**old.state_dict(), "epoch": 0, "position": 1}
+    with pytest.raises(ValueError, match=f"ran on {saved_w} data-parallel rank\\(s\\), this one on {new_w}; its "
+                                         f"position \\(batch 1 of {len(old)} per rank"):
+        PackedLoader(ds, **kw, world_size=new_w).load_state_dict(mid)
+    other = {**old.state_dict(), "seed": 2}  # a real change is still one
+    with pytest.raises(ValueError, match="the saved loader had seed=2"):
+        PackedLoader(ds, **kw, world_size=new_w).load_state_dict(other)

@@ -166,7 +166,12 @@ class PackedLoader:
         resume_w = f"torchrun --nproc-per-node {saved_w}" + ("" if saved_w != 1 else " or plain chronicals train")
         other_ranks = (f" (the saved loader ran on {saved_w} data-parallel rank(s), this one on {self.world_size}: "
                        f"resume with {resume_w})") if other_w else ""
-        if saved != (self.seed, len(self.rows), len(self)):  # else "position" would index other batches
+        # per-rank batches follow the rank count: under another one, the saved count is checked for this data
+        # under the saved count of ranks (an epoch's end resumes on any number of ranks; it was refused as a change)
+        here = len(self) if not other_w else (
+            -(-self._global_batches() // saved_w) if state.get("remainder", self.remainder) == "train"
+            else self._global_batches() // saved_w)
+        if saved != (self.seed, len(self.rows), here):  # else "position" would index other batches
             g, w = self._global_batches(), self.world_size
             if "remainder" not in state and self.remainder == "train" and saved[:2] == (self.seed, len(self.rows)) \
                     and saved[2] == g // w != len(self):
@@ -181,10 +186,10 @@ class PackedLoader:
         # rank r's position p means global batches up to p * W: under another W it names other batches even when
         # the counts agree (4 global batches: 2 per rank on 2 and on 3 ranks; the 2-rank position 1 resumed on 3
         # ranks at batch 3, skipping batch 2). An epoch's start or end is the same place under any W.
-        if other_w and state.get("position") not in (0, len(self)):
+        if other_w and state.get("position") not in (0, saved[2]):
             raise ValueError(f"PackedLoader.load_state_dict: the saved loader ran on {saved_w} data-parallel "
                              f"rank(s), this one on {self.world_size}; its position (batch {state.get('position')} "
-                             f"of {len(self)} per rank in epoch {state.get('epoch')}) counts the batches of "
+                             f"of {saved[2]} per rank in epoch {state.get('epoch')}) counts the batches of "
                              f"{saved_w} rank(s) and would skip or repeat data under {self.world_size}; resume with "
                              f"{resume_w}")
         saved_digest, digest = state.get("data_digest"), self._digest_state().get("data_digest")
@@ -201,6 +206,8 @@ class PackedLoader:
             if not isinstance(state.get(key), int) or state[key] < 0:
                 raise ValueError(f"PackedLoader.load_state_dict: the state has no '{key}' (a non-negative integer): "
                                  f"{key}={state.get(key)!r}; resume from a checkpoint this loader wrote")
+        if other_w and state["position"] == saved[2]:  # the saved epoch's end: this loader's own end of it
+            state = {**state, "position": len(self)}
         if state["position"] > len(self):  # else the position is ignored and the rest of that epoch is skipped
             raise ValueError(f"PackedLoader.load_state_dict: position={state['position']} is not in 0..{len(self)} "
                              "(this loader's batches per epoch); resume from a checkpoint this loader wrote")
