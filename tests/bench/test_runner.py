@@ -154,6 +154,8 @@ def test_device_help_says_what_runs_without_a_gpu(capsys):
     (["--device", "cpu", "--tiny", "--contenders", "chronicals-full,chronicals-full"],
      "--contenders 'chronicals-full,chronicals-full': a contender is named twice"),
     (["--device", "cpu", "--tiny", "--attention", "cudnn"], "--attention cudnn chooses the packed rows' kernel"),
+    (["--device", "cpu", "--tiny", "--learning-lr", "nan"], "--learning-lr nan: must be a finite number > 0"),
+    (["--device", "cpu", "--tiny", "--graphs"], "--graphs adds CUDA-graph rows, which need a GPU"),
     (["--device", "tpu", "--tiny"], "--device tpu: use cpu, cuda or cuda:N"),
     (["--device", "cpu", "--tiny", "--name", "a/b"], "--name 'a/b': a file stem, without '/'"),
     (["--device", "cpu", "--tiny", "--name", ".."], "--name '..': a file stem"),

@@ -295,6 +295,11 @@ def check_args(args) -> str | None:
             return f"{flag} {value}: must be >= {least}"
     if args.tiny and args.shape and args.shape != "tiny":
         return "--tiny picks the tiny shape; drop --shape or --tiny"
+    if args.learning_lr is not None and not 0 < args.learning_lr < float("inf"):  # nan too
+        return f"--learning-lr {args.learning_lr}: must be a finite number > 0"
+    if args.graphs and (args.device == "cpu" or (args.device is None and (args.tiny or args.shape == "tiny")
+                                                 and not _cuda_available())):
+        return "--graphs adds CUDA-graph rows, which need a GPU: drop it on the CPU"
     if args.attention != "auto" and args.layout != "packed":
         return f"--attention {args.attention} chooses the packed rows' kernel: add --layout packed, or drop it"
     if args.device is not None:
