@@ -428,29 +428,11 @@ class TrainConfig:
     logging: LoggingSection = field(default_factory=LoggingSection)
 
     def __post_init__(self):
-        if not _STORED.get():  # said when a run is configured, not each time its stored config is read again
-            self._warn_unused()
         if self.train.cuda_graphs == "true":  # device "auto": checked once resolved, before loading (train.guards)
             _check(self.model.device != "cpu", "train.cuda_graphs", True, "false with model.device=cpu "
                    "(CUDA graphs need a GPU)")
             _check(not self.model.checkpoint_setting, "train.cuda_graphs", True, "false with model.checkpointing=true "
                    "(checkpoint reads the CUDA RNG state during capture); turn one of them off")
-
-    def _warn_unused(self) -> None:
-        """Settings that this config makes do nothing, said once (as data.batch_size under tokens_per_batch)."""
-        if not self.lora.enabled:
-            default = LoraSection(enabled=False)
-            changed = [f"lora.{f.name}" for f in dataclasses.fields(LoraSection)
-                       if f.name != "enabled" and getattr(self.lora, f.name) != getattr(default, f.name)]
-            if changed:
-                log.warning("config: %s set, but lora.enabled=false (full fine-tuning) uses no LoRA setting; set "
-                            "lora.enabled=true to train an adapter", ", ".join(changed))
-        eval_path = (("demo" if self.data.path == DEMO else "") if self.data.eval_path == "auto"
-                     else self.data.eval_path)
-        if self.eval.every and not eval_path:
-            log.warning("config: eval.every=%d, but there is no held-out data (data.eval_path=%r%s), so no held-out "
-                        "loss is measured; set data.eval_path to a file", self.eval.every, self.data.eval_path,
-                        ", which is the demo's own only with data.path=demo" if self.data.eval_path == "auto" else "")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -298,14 +298,14 @@ def check_args(args) -> str | None:
     if args.learning_lr is not None and not 0 < args.learning_lr < float("inf"):  # nan too
         return f"--learning-lr {args.learning_lr}: must be a finite number > 0"
     if args.graphs and (args.device == "cpu" or (args.device is None and (args.tiny or args.shape == "tiny")
-                                                 and not _cuda_available())):
+                                                 and default_device() == "cpu")):
         return "--graphs adds CUDA-graph rows, which need a GPU: drop it on the CPU"
     if args.attention != "auto" and args.layout != "packed":
         return f"--attention {args.attention} chooses the packed rows' kernel: add --layout packed, or drop it"
     if args.device is not None:
         if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
             return f"--device {args.device}: use cpu, cuda or cuda:N"
-        if args.device.startswith("cuda") and not _cuda_available():
+        if args.device.startswith("cuda") and default_device() == "cpu":
             return f"--device {args.device}: no CUDA GPU is visible here; use --device cpu with --tiny"
     if args.name is not None and (not args.name.strip() or re.search(r"[/\\]|^\.\.?$", args.name)):
         return f"--name {args.name!r}: a file stem, without '/' (the files go into --out)"
@@ -314,12 +314,6 @@ def check_args(args) -> str | None:
         if p.exists() and not p.is_dir():
             return f"--out {args.out}: {p} is a file, not a directory; give a directory for the result files"
     return None
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def main(argv=None) -> int:

@@ -97,8 +97,12 @@ class PackedLoader:
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (every rank gets the same count; see ``remainder``)."""
-        g, w = self._global_batches(), self.world_size
-        return -(-g // w) if self.remainder == "train" else g // w
+        return self._per_rank(self.world_size, self.remainder)
+
+    def _per_rank(self, world_size: int, remainder: str) -> int:
+        """Batches per epoch for each of ``world_size`` ranks under ``remainder``."""
+        g = self._global_batches()
+        return -(-g // world_size) if remainder == "train" else g // world_size
 
     @property
     def rows_left_out(self) -> int:
@@ -168,13 +172,11 @@ class PackedLoader:
                        f"resume with {resume_w})") if other_w else ""
         # per-rank batches follow the rank count: under another one, the saved count is checked for this data
         # under the saved count of ranks (an epoch's end resumes on any number of ranks; it was refused as a change)
-        here = len(self) if not other_w else (
-            -(-self._global_batches() // saved_w) if state.get("remainder", self.remainder) == "train"
-            else self._global_batches() // saved_w)
+        here = self._per_rank(saved_w, state.get("remainder", self.remainder)) if other_w else len(self)
         if saved != (self.seed, len(self.rows), here):  # else "position" would index other batches
             g, w = self._global_batches(), self.world_size
             if "remainder" not in state and self.remainder == "train" and saved[:2] == (self.seed, len(self.rows)) \
-                    and saved[2] == g // w != len(self):
+                    and saved[2] == self._per_rank(w, "drop") != len(self):
                 raise ValueError(f"PackedLoader.load_state_dict: the saved loader, from before the remainder "
                                  f"setting, left the last {g % w} of {g} global batches out of each epoch "
                                  f"({saved[2]} per rank), this one trains them ({len(self)} per rank); resume it "

@@ -239,10 +239,10 @@ def _generate_graphed(model, ids: torch.Tensor, max_new_tokens: int, eos: set, p
 
 
 @torch.no_grad()
-def greedy_rows(model: CausalLM, ids: torch.Tensor, max_new_tokens: int, eos: set[int], *,
+def greedy_rows(model: CausalLM, ids: torch.Tensor, max_new_tokens: int, eos, *,
                 cuda_graph: bool | None = None) -> list[list[int]]:
     """Greedy continuations of B prompts of one length: ids (B, S) -> B lists of new ids, each ending at its first
-    eos or after max_new_tokens (fewer where prompt and answer would pass the model's context: new_token_budget).
+    eos (a token id, ids, or None, as ``generate``'s eos_token_id) or after max_new_tokens (fewer where prompt and answer would pass the model's context: new_token_budget).
 
     Equal lengths need no padding mask, so one batched step a token reads the weights once for all B rows (eval's
     held-out answers: ~1/6 of one-by-one decoding's time at B = 11 on a CPU, where a step is bound by reading the

@@ -255,8 +255,6 @@ QA_BATCH_ROWS = 64
 
 def answer_many(model, tokenizer, questions: list[str], system_prompt: str, max_new_tokens: int) -> list[str]:
     """Greedy answers to ``questions``, decoded in batches of equal prompt length."""
-    eos = tokenizer.eos_token_id
-    eos = set([eos] if isinstance(eos, int) else (eos or []))
     prompts = [checked_prompt_ids(model, tokenizer, q, system_prompt) for q in questions]
     by_len: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
@@ -265,7 +263,7 @@ def answer_many(model, tokenizer, questions: list[str], system_prompt: str, max_
     # rows of one length, QA_BATCH_ROWS at a time: the KV cache grows with rows x (prompt + answer)
     batches = [same[k:k + QA_BATCH_ROWS] for same in by_len.values() for k in range(0, len(same), QA_BATCH_ROWS)]
     for idx in batches:
-        outs = greedy_rows(model, torch.stack([prompts[i] for i in idx]), max_new_tokens, eos)
+        outs = greedy_rows(model, torch.stack([prompts[i] for i in idx]), max_new_tokens, tokenizer.eos_token_id)
         for i, toks in zip(idx, outs):
             answers[i] = tokenizer.decode(toks, skip_special_tokens=True).strip()
     return answers
