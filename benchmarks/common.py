@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from chronicals._jsonio import write_text_atomic
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -97,11 +99,9 @@ def result_path(name: str, suffix: str = "json", out_dir: str | os.PathLike | No
 def write_results(name: str, payload: dict, markdown: str | None = None, out_dir=None) -> Path:
     """Write JSON (environment + payload) and optionally a markdown table next to it."""
     path = result_path(name, "json", out_dir)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"environment": environment(), **payload}, indent=2))
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps({"environment": environment(), **payload}, indent=2))
     if markdown:
-        path.with_suffix(".md").write_text(markdown)
+        write_text_atomic(path.with_suffix(".md"), markdown)
     return path
 
 

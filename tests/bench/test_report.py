@@ -1,6 +1,9 @@
 """Table formatting, MFU, and the result files (JSON + markdown + PNG)."""
 
 import json
+from pathlib import Path
+
+import pytest
 
 from chronicals.bench.report import finish_row, markdown_table, table_cells, write_report
 
@@ -72,3 +75,38 @@ def test_a_graphed_row_says_what_its_peak_counts():
     plain = table_markdown({"title": "t", "rows_data": [finish_row(_ok_row(), 775.0)]}, 775.0)
     graphed = table_markdown({"title": "t", "rows_data": [finish_row(_ok_row(graph_pool_gib=11.4), 775.0)]}, 775.0)
     assert "graph's memory pool" not in plain and "graph's memory pool plus all the pool reserves" in graphed
+
+
+def _small_results(date="2026-11-30T10:00:00+00:00", sha="abc1234"):
+    return {"environment": {"gpu": "NVIDIA H200", "date": date, "git_sha": sha, "versions": {}},
+            "peak_tflops": 775.0, "plan": {"warmup": 4, "steps": 12, "note": ""},
+            "tables": [{"title": "0.5B", "rows_data": [finish_row(_ok_row(), 775.0)]}]}
+
+
+def test_a_second_run_of_one_plan_on_one_day_keeps_the_first(tmp_path):
+    """Same name, GPU and date: the second run's files get _2 (then _3), the first run's stay as written."""
+    first = write_report(_small_results(sha="aaaaaaa"), tmp_path, name="bench_e2e_0.5b")
+    second = write_report(_small_results(sha="bbbbbbb"), tmp_path, name="bench_e2e_0.5b")
+    third = write_report(_small_results(sha="ccccccc"), tmp_path, name="bench_e2e_0.5b")
+    assert second["json"].name == "bench_e2e_0.5b_NVIDIA-H200_2026-11-30_2.json"
+    assert third["md"].name == "bench_e2e_0.5b_NVIDIA-H200_2026-11-30_3.md"
+    for paths, sha in ((first, "aaaaaaa"), (second, "bbbbbbb"), (third, "ccccccc")):
+        assert json.loads(paths["json"].read_text())["environment"]["git_sha"] == sha
+        assert f"git {sha}" in paths["md"].read_text()
+    assert len(list(tmp_path.iterdir())) == 9  # three runs x json, md, png; no temporary file left
+    other_day = write_report(_small_results(date="2026-12-01T10:00:00+00:00"), tmp_path, name="bench_e2e_0.5b")
+    assert other_day["json"].name == "bench_e2e_0.5b_NVIDIA-H200_2026-12-01.json"
+
+
+def test_a_failed_chart_leaves_no_file_behind(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    def boom(self, fname, *a, **k):  # half a file written, then the disk fills up
+        Path(fname).write_bytes(b"\x89PNG half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", boom)
+    with pytest.raises(OSError, match="disk full"):
+        write_report(_small_results(), tmp_path, name="x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x_NVIDIA-H200_2026-11-30.json",
+                                                         "x_NVIDIA-H200_2026-11-30.md"]

@@ -7,6 +7,7 @@ are formatted. Versions are read from package metadata, never by importing (Unsl
 from __future__ import annotations
 
 import datetime as _dt
+import glob
 import importlib.metadata
 import json
 import math
@@ -192,25 +193,39 @@ def plot_png(results: dict, path: Path) -> Path | None:
     env = results["environment"]
     fig.suptitle(f"chronicals bench: {env['gpu']}, {env['date'][:10]}, git {env['git_sha']}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # whole or not at all, as the JSON and markdown
+    try:
+        fig.savefig(tmp, dpi=120, format="png")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        plt.close(fig)
     return path
 
 
 def output_stem(results: dict, out_dir: Path, name: str = "bench_e2e") -> Path:
+    """<out_dir>/<name>_<gpu>_<date>, or with _2, _3, ... after it when an earlier run's files hold that name (a
+    second run of one plan on the same day would overwrite the first's results)."""
     gpu = "".join(c if c.isalnum() or c in "-_." else "-" for c in results["environment"]["gpu"])
-    return Path(out_dir) / f"{name}_{gpu}_{results['environment']['date'][:10]}"
+    base = f"{name}_{gpu}_{results['environment']['date'][:10]}"
+    taken = {p.name for p in Path(out_dir).glob(f"{glob.escape(base)}*")} if Path(out_dir).is_dir() else set()
+    stem, n = base, 1
+    while any(stem + ext in taken for ext in (".json", ".md", ".png")):
+        n += 1
+        stem = f"{base}_{n}"
+    return Path(out_dir) / stem
 
 
 def write_report(results: dict, out_dir: str | os.PathLike, name: str = "bench_e2e") -> dict[str, Path]:
-    """Write <name>_<gpu>_<date>.json/.md/.png under ``out_dir``; returns the paths written."""
+    """Write <name>_<gpu>_<date>[_n].json/.md/.png under ``out_dir``, each whole (temporary file, then rename);
+    returns the paths written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = output_stem(results, out_dir, name)
     # append, never with_suffix: a shape name such as "0.5b" holds a dot that with_suffix would cut at
     paths = {"json": stem.with_name(stem.name + ".json"), "md": stem.with_name(stem.name + ".md")}
     write_text_atomic(paths["json"], json.dumps(results, indent=1, default=str))
-    paths["md"].write_text(report_markdown(results))
+    write_text_atomic(paths["md"], report_markdown(results))
     png = plot_png(results, stem.with_name(stem.name + ".png"))
     if png:
         paths["png"] = png
