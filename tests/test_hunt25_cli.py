@@ -125,3 +125,17 @@ def test_a_lost_rank_is_said_as_such_not_as_our_bug(monkeypatch, capsys, world, 
     assert cli._failed(e) == rc
     err = capsys.readouterr().err
     assert ("another process of this data-parallel job failed or was lost" in err) == (world == "2")
+
+
+def test_the_heldout_copy_clash_is_said_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """Session 26: the refusal above came after the model had loaded (minutes at 8B); a model path that does not
+    load shows it now comes first."""
+    from chronicals.train.qa import demo_file
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    shutil.copy(demo_file("heldout.jsonl"), tmp_path / "data" / "heldout.jsonl")
+    loads = []
+    monkeypatch.setattr("chronicals.train.loop.load_base", lambda *a, **k: loads.append(a) or 1 / 0)
+    assert main(["train", *RUN, "train.max_steps=1", "train.out_dir=.", "data.eval_path=data/heldout.jsonl"]) == 2
+    assert "would overwrite it" in capsys.readouterr().err and not loads

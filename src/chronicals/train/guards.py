@@ -84,6 +84,23 @@ def check_data_paths(cfg: TrainConfig) -> None:
                                   f"put {setting} outside {value}", setting)  # two settings that clash: exit 2
     if cache is not None:
         check_cache_root(cache)  # a file: said before the model loads, not after
+    _check_heldout_copy(cfg)
+
+
+def _check_heldout_copy(cfg: TrainConfig) -> None:
+    """A QA held-out file at out_dir/data/heldout.jsonl, where the run writes its chat copy of the questions, would
+    be overwritten by that copy and lose its keywords: a ConfigError (exit 2) before the model loads."""
+    from .qa import read_qa
+
+    value = cfg.data.eval_path
+    if value in (DEMO, "auto", ""):
+        return
+    copy = Path(cfg.train.out_dir).expanduser() / "data" / "heldout.jsonl"
+    if copy.is_file() and copy.resolve() == Path(value).expanduser().resolve() \
+            and read_qa(value, cfg.data.on_error) is not None:  # a chat-format file is read in place, not copied
+        raise ConfigError(f"data.eval_path={value} is {copy}, where this run writes its chat copy of the held-out "
+                          "questions (train.out_dir/data/heldout.jsonl), which would overwrite it; keep the file "
+                          "elsewhere or set another train.out_dir", "data.eval_path")
 
 
 def _check_pyarrow(path: Path) -> None:

@@ -128,12 +128,9 @@ def data_files(cfg: TrainConfig, out_dir: Path) -> tuple[list[Path], Path | None
     eval_path = (DEMO if d.path == DEMO else "") if d.eval_path == "auto" else d.eval_path
     heldout_qa = qa_mod.read_qa(eval_path, d.on_error) if eval_path else None
     if heldout_qa is not None:
-        copy = _copy_path(out_dir, "heldout.jsonl")
-        if copy.exists() and copy.resolve() == Path(eval_path).expanduser().resolve():  # it would lose its keywords
-            raise ConfigError(f"data.eval_path={eval_path} is {copy}, where this run writes its chat copy of the held-out "
-                              "questions (train.out_dir/data/heldout.jsonl), which would overwrite it; keep the file "
-                              "elsewhere or set another train.out_dir", "data.eval_path")
-        eval_file = qa_mod.write_chat_jsonl(heldout_qa, copy, qa_mod.heldout_system_prompt(d))
+        # a QA file at the copy's own path is refused before the model loads (guards.check_data_paths)
+        eval_file = qa_mod.write_chat_jsonl(heldout_qa, _copy_path(out_dir, "heldout.jsonl"),
+                                            qa_mod.heldout_system_prompt(d))
     else:
         eval_file = Path(eval_path) if eval_path else None
     # '' (the recipes' value) means the template's default, which is what the user's records without one get already
