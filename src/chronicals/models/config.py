@@ -102,7 +102,7 @@ class ModelConfig:
                    "with llama.cpp's convert_hf_to_gguf.py" if str(source).lower().endswith(".gguf")
                    else "fix config.json (copy it from the original model)")
             raise ValueError(f"{source}: {bad}; {fix}")
-        if not d.get("head_dim") and d.get("hidden_size") and d.get("num_attention_heads") \
+        if not _absent_default(d, mt, "head_dim") and d.get("hidden_size") and d.get("num_attention_heads") \
                 and d["hidden_size"] % d["num_attention_heads"]:
             raise ValueError(f"{source}: hidden_size={d['hidden_size']} is not a multiple of num_attention_heads="
                              f"{d['num_attention_heads']} and no head_dim is given; config.json is wrong, or "
@@ -114,8 +114,9 @@ class ModelConfig:
             known = {
                 "model_type": mt, "vocab_size": d["vocab_size"], "hidden_size": d["hidden_size"],
                 "intermediate_size": d["intermediate_size"], "num_hidden_layers": d["num_hidden_layers"],
-                "num_attention_heads": heads, "num_key_value_heads": d.get("num_key_value_heads") or heads,
-                "head_dim": d.get("head_dim") or d["hidden_size"] // heads,
+                "num_attention_heads": heads,
+                "num_key_value_heads": _absent_default(d, mt, "num_key_value_heads") or heads,
+                "head_dim": _absent_default(d, mt, "head_dim") or d["hidden_size"] // heads,
                 "rms_norm_eps": d.get("rms_norm_eps", 1e-6), "rope_theta": float(theta), "rope_scaling": rope,
                 "partial_rotary_factor": d.get("partial_rotary_factor", 1.0),
                 "max_position_embeddings": max_pos,
@@ -140,7 +141,7 @@ class ModelConfig:
         try:
             cfg = cls(**known, extra=extra)
         except ValueError as e:
-            raise ValueError(f"{source}: {e}") from None
+            raise ValueError(f"{source}: {e}{absent_defaults_note(d)}") from None
         try:  # the rope parameters are checked here, where the file is known, not at the first forward
             rope_inv_freq(cfg)
         except (ValueError, TypeError, ZeroDivisionError) as e:
@@ -205,6 +206,25 @@ class ModelConfig:
 # transformers' defaults where config.json has no max_position_embeddings (LlamaConfig, MistralConfig, Qwen2Config,
 # Qwen3Config): dynamic rope and yarn without a factor read it
 _MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
+# transformers' class defaults where config.json has no such key (MistralConfig, Qwen2Config, Qwen3Config in
+# transformers 5): not hidden / heads or heads, as Llama derives them. A key written as null (or 0) is derived.
+_ABSENT_DEFAULTS = {"mistral": {"num_key_value_heads": 8}, "qwen2": {"num_key_value_heads": 32},
+                    "qwen3": {"num_key_value_heads": 32, "head_dim": 128}}
+
+
+def _absent_default(d: dict, model_type: str, key: str):
+    """config.json's value of ``key``; where the key is absent, transformers' default for the family (None: derive)."""
+    return d[key] if key in d else _ABSENT_DEFAULTS.get(model_type, {}).get(key)
+
+
+def absent_defaults_note(d: dict) -> str:
+    """For an error about shapes: which of config.json's keys were absent and took transformers' family default
+    (a Mistral config without num_key_value_heads has 8, as transformers reads it); '' when none was."""
+    taken = [f"{k} (transformers' {d.get('model_type')} default, {v}, was used)"
+             for k, v in _ABSENT_DEFAULTS.get(d.get("model_type"), {}).items() if k not in d]
+    return f"; config.json has no {' and no '.join(taken)}: add the model's own value" if taken else ""
+
+
 _SILU_NAMES = ("silu", "swish")  # transformers' ACT2FN maps both to nn.SiLU
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 

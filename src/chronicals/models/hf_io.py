@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .._jsonio import json_kind, read_json_object
-from .config import ModelConfig, rope_inv_freq
+from .config import ModelConfig, absent_defaults_note, rope_inv_freq
 from .decoder import CausalLM
 from .orphans import old_path, recover_replaced, remove_orphans, writer_lock
 
@@ -296,6 +296,11 @@ def expected_names(cfg: ModelConfig) -> set[str]:
     return set(expected_shapes(cfg))
 
 
+def _absent_note(model_dir: Path) -> str:
+    """A shape error's hint when config.json lacked a key that took transformers' family default."""
+    return absent_defaults_note(read_json_object(model_dir / "config.json", "config.json", "copy it again"))
+
+
 def load_hf_dir(model_dir: str | Path, *, dtype: torch.dtype | None = None, device=None,
                 impl: str = "auto") -> CausalLM:
     """An HF directory -> our CausalLM in eval mode. dtype None keeps the checkpoint's (the embedding's)."""
@@ -330,7 +335,7 @@ def load_hf_dir(model_dir: str | Path, *, dtype: torch.dtype | None = None, devi
                 shape = tuple(fh.get_slice(name).get_shape())
                 if name in shapes and shape != shapes[name]:
                     raise ValueError(f"{f}: tensor {name} has shape {shape} but config.json implies {shapes[name]}; "
-                                     "config.json and the weights disagree")
+                                     f"config.json and the weights disagree{_absent_note(model_dir)}")
                 if name == "model.embed_tokens.weight":
                     file_dtype = _ST_DTYPES.get(st_dtype)
     source = {}  # parameter -> tensor name in the file, where they differ
@@ -369,7 +374,8 @@ def load_hf_dir(model_dir: str | Path, *, dtype: torch.dtype | None = None, devi
                                          "copy or download it again") from None
                     if t.shape != params[name].shape:
                         raise ValueError(f"{f}: tensor {name} has shape {tuple(t.shape)} but config.json implies "
-                                         f"{tuple(params[name].shape)}; config.json and the weights disagree")
+                                         f"{tuple(params[name].shape)}; config.json and the weights disagree"
+                                         f"{_absent_note(model_dir)}")
                     params[name].copy_(t)
     if tied_head is not None and not source:
         _check_tied_head(model, tied_head, model_dir)

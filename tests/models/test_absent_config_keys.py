@@ -1,0 +1,61 @@
+"""config.json without num_key_value_heads or head_dim reads as transformers 5 reads it: each family's class
+default (Mistral 8 kv heads, Qwen2 / Qwen3 32, Qwen3 head_dim 128), not heads or hidden / heads as Llama derives
+them (session 26: such directories were refused with "config.json and the weights disagree")."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from chronicals.models import ModelConfig
+from chronicals.models.hf_io import load_hf_dir
+
+BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("model_type,kw,dropped", [
+    ("mistral", dict(num_attention_heads=16, num_key_value_heads=8), ("num_key_value_heads",)),
+    ("qwen3", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=128), ("head_dim",)),
+    ("qwen3", dict(num_attention_heads=64, num_key_value_heads=32, head_dim=128), ("head_dim", "num_key_value_heads")),
+    ("qwen2", dict(num_attention_heads=32, num_key_value_heads=32), ("num_key_value_heads",)),
+    ("llama", dict(num_attention_heads=4, num_key_value_heads=4), ("num_key_value_heads", "head_dim")),
+])
+def test_a_key_left_out_takes_transformers_default(tmp_path, model_type, kw, dropped):
+    cfg = transformers.AutoConfig.for_model(model_type, **BASE, **kw)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    hf.save_pretrained(tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    for k in dropped:
+        d.pop(k, None)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = load_hf_dir(tmp_path, dtype=torch.float32)
+    ids = torch.randint(0, 96, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), theirs(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_default_that_does_not_fit_the_heads_says_which_key_is_missing():
+    """14 heads and no num_key_value_heads in a Qwen2 config: transformers' default 32 does not divide 14; the
+    error names the absent key rather than only the arithmetic."""
+    d = dict(model_type="qwen2", **{**BASE, "hidden_size": 56}, num_attention_heads=14)
+    with pytest.raises(ValueError, match="config.json has no num_key_value_heads .transformers' qwen2 default, 32"):
+        ModelConfig.from_hf_dict(d)
+    assert ModelConfig.from_hf_dict({**d, "num_key_value_heads": None}).num_key_value_heads == 14  # null: derived
+
+
+def test_weights_that_do_not_fit_the_default_name_the_absent_key(tmp_path):
+    """A Mistral checkpoint with 16 kv heads whose config.json lost num_key_value_heads: transformers reads 8 and
+    so do we; the shape error says the key is absent and which default was used."""
+    cfg = transformers.AutoConfig.for_model("mistral", **BASE, num_attention_heads=16, num_key_value_heads=16)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    del d["num_key_value_heads"]
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="disagree; config.json has no num_key_value_heads .transformers' mistral "
+                                         "default, 8, was used.: add the model's own value"):
+        load_hf_dir(tmp_path)
