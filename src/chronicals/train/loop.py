@@ -35,7 +35,7 @@ from .checkpoint_adapter import lora_settings
 from .divergence import _check_finite, nonfinite_weights
 from .finish import TrainResult, _already_done, save_final
 from .metrics import matmul_peak_tflops, memory_gib, plot_losses, private_pool_bytes, train_flops_per_token
-from .optim import build_optimizer, build_scheduler
+from .optim import build_optimizer, build_scheduler, set_total_steps
 from .distributed import DistContext, init_distributed, main_rank_tells
 from .grad_buckets import GradBuckets
 from .graphs import GraphedStep, resolve_cuda_graphs
@@ -47,7 +47,7 @@ from .resume import (apply_optimizer_settings, check_same_adapter, optimizer_set
                      warn_loss_settings_changed)
 from .run_dir import _locked_out_dir, _metrics_log, _RanksMetrics
 from .step import accumulate_data_parallel, evaluate_loss
-from .stream import _last_step_batches, _restore_position, _Stream, _total_steps
+from .stream import _last_step_batches, _replan, _restore_position, _Stream, _total_steps
 
 log = logging.getLogger("chronicals.train")
 
@@ -190,6 +190,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     last_batches = _last_step_batches(cfg, len(train_loader))
     optimizer = build_optimizer(model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg, total)
+    scheduled = total
     stream = _Stream(train_loader)
     graphs = None
     use_graphs, why = resolve_cuda_graphs(cfg.train.cuda_graphs, device, cfg.model.checkpoint_setting, dp.world_size)
@@ -228,6 +229,9 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         warn_data_changed(restored["extra"].get("config"), cfg_dict, resume_from)  # names the keys, before a refusal
         _restore_position(stream, restored, cfg_dict, resume_from)
         warn_loss_settings_changed(restored["extra"].get("config"), cfg_dict, resume_from)  # the same batches
+        total, last_batches = _replan(cfg, stream, restored["step"], total, last_batches, resume_from)
+        if total != scheduled:
+            set_total_steps(scheduler, cfg, total)
         rank_rng = restored["extra"].get("rank_rng")
         if dp.enabled and isinstance(rank_rng, list) and len(rank_rng) == dp.world_size:
             ckpt.set_rng_state(rank_rng[dp.rank])  # load_checkpoint set rank 0's

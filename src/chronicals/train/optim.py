@@ -145,6 +145,17 @@ def short_run_warmup(warmup_steps: int, total: int) -> int:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
     """LambdaLR at ``lr_factor`` of (step, total_steps, the config): nothing else, so a resume is exact."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg, total_steps))
+
+
+def set_total_steps(scheduler, cfg: TrainConfig, total_steps: int) -> None:
+    """A resumed run whose step count differs from the one the scheduler was built with (another train.epochs or
+    grad_accum: ``stream._step_plan``): its lr follows this run's length from the resume on."""
+    scheduler.lr_lambdas = [_schedule(cfg, total_steps)] * len(scheduler.lr_lambdas)
+
+
+def _schedule(cfg: TrainConfig, total_steps: int):
+    """step -> lr multiplier for a run of ``total_steps``; warns when the run is too short for its warmup."""
     s = cfg.schedule
     warmup = short_run_warmup(s.warmup_steps, total_steps)
     if warmup != s.warmup_steps:
@@ -156,5 +167,4 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_st
                     "rounded up), so the lr reaches its peak at step %d and %s; set schedule.warmup_steps below %d "
                     "to choose the warmup yourself (0 = none)", s.warmup_steps, total_steps, warmup,
                     SHORT_RUN_WARMUP, warmup, after, total_steps)
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, total_steps, warmup, s.kind, s.min_lr_ratio))
+    return lambda step: lr_factor(step, total_steps, warmup, s.kind, s.min_lr_ratio)

@@ -78,17 +78,73 @@ def _restore_position(stream, restored: dict, cfg_dict: dict, path: Path) -> Non
         raise ValueError(f"cannot resume from {path}: {e}. {why}") from None
 
 
+def _replan(cfg: TrainConfig, stream: _Stream, start: int, total: int, last_batches: int,
+            path: Path) -> tuple[int, int]:
+    """(total steps, batches of the last step) of a run resumed at step ``start`` from checkpoint ``path``: under
+    train.epochs, ``start`` plus the steps for the batches left after the restored data position (another
+    grad_accum or train.epochs than the checkpoint's run moves its steps off this run's grid); the plan from step 0
+    under train.max_steps, or for a loader whose state has no epoch and position."""
+    pos = stream.state_dict()
+    epoch, position = pos.get("epoch"), pos.get("position")
+    if cfg.train.max_steps > 0 or not (isinstance(epoch, int) and isinstance(position, int)):
+        return total, last_batches
+    batches = len(stream.loader)
+    try:
+        left, last = _step_plan(cfg, batches, epoch * batches + position)
+    except ValueError as e:
+        raise ValueError(f"cannot resume from {path}: {e}; raise train.epochs, or set train.resume=none to start "
+                         "over") from None
+    return start + left, last
+
+
 def _total_steps(cfg: TrainConfig, batches_per_epoch: int) -> int:
-    if batches_per_epoch == 0:  # with max_steps too: the first step would end in a bare StopIteration
+    """The run's optimizer steps from its start (``_step_plan`` from batch 0)."""
+    return _step_plan(cfg, batches_per_epoch)[0]
+
+
+def _last_step_batches(cfg: TrainConfig, batches_per_epoch: int) -> int:
+    """Micro-batches of the run's last step: fewer than grad_accum when a fractional train.epochs ends inside a
+    step (2.1 epochs of 10 batches at grad_accum 4 is 21 batches: steps of 4, 4, 2 per epoch, then 1; it took 4,
+    24 batches). grad_accum under max_steps; an epoch's end shortens its step by itself (``_Stream.take``)."""
+    return _step_plan(cfg, batches_per_epoch)[1]
+
+
+def _step_plan(cfg: TrainConfig, batches_per_epoch: int, done: int = 0) -> tuple[int, int]:
+    """(steps, batches of the last one) that take the run from ``done`` batches trained (over all epochs: a resumed
+    loader's epoch x batches_per_epoch + position) to its end. train.max_steps: that many steps from the start
+    (``done`` is not used), grad_accum batches each. train.epochs: its batches (whole epochs, then the fraction's
+    batches rounded up: ``_epoch_split``) in steps of grad_accum that never span two epochs (``_Stream.take``): 10
+    batches at grad_accum 3 are steps of 3, 3, 3, 1. From the batches, not the steps, so a resume under another
+    grad_accum or train.epochs trains exactly the batches that are left (the step count was worked out from 0 as
+    if every earlier step had used this run's grad_accum: 6 batches done at grad_accum 2, resumed at 4, stopped
+    after 8 of 16). ValueError when ``done`` is past the run's end."""
+    B, ga = batches_per_epoch, cfg.train.grad_accum
+    if B == 0:  # with max_steps too: the first step would end in a bare StopIteration
         raise ValueError("the training loader yields no batches: is the dataset empty?")
     if cfg.train.max_steps > 0:
-        return cfg.train.max_steps
-    # whole epochs of ceil(batches / grad_accum) steps (the last one short; see _Stream.take), then a fraction; in
-    # exact decimals: 1.1 - 1 is 0.10000000000000009 in floats, and 1.1 epochs of 10 batches would take 12 steps
-    whole, part_batches = _epoch_split(cfg, batches_per_epoch)
-    per_epoch = math.ceil(batches_per_epoch / cfg.train.grad_accum)
-    part = math.ceil(part_batches / cfg.train.grad_accum)
-    return max(1, whole * per_epoch + part)
+        return cfg.train.max_steps, ga
+    whole, part = _epoch_split(cfg, B)
+    end = whole * B + part  # in exact decimals: 1.1 - 1 is 0.10000000000000009 in floats (1.1 x 10 took 12 steps)
+    if done > end:
+        raise ValueError(f"{done} batches are trained, past this run's {end} (train.epochs={cfg.train.epochs:g} of "
+                         f"{B} batches)")
+    steps, last = 0, ga
+
+    def segment(n: int, times: int = 1) -> None:  # `times` runs of n batches inside one epoch each
+        nonlocal steps, last
+        k = math.ceil(n / ga)
+        steps, last = steps + k * times, n - (k - 1) * ga
+
+    if done % B and done < end:  # the rest of the epoch the resume lands in
+        n = min(done - done % B + B, end) - done
+        segment(n)
+        done += n
+    if (end - done) // B:
+        segment(B, (end - done) // B)
+        done += (end - done) // B * B
+    if end > done:
+        segment(end - done)
+    return steps, last
 
 
 def _epoch_split(cfg: TrainConfig, batches_per_epoch: int) -> tuple[int, int]:
@@ -96,14 +152,3 @@ def _epoch_split(cfg: TrainConfig, batches_per_epoch: int) -> tuple[int, int]:
     epochs = Fraction(str(cfg.train.epochs))
     whole = math.floor(epochs)
     return whole, math.ceil((epochs - whole) * batches_per_epoch)
-
-
-def _last_step_batches(cfg: TrainConfig, batches_per_epoch: int) -> int:
-    """Micro-batches of the run's last step: fewer than grad_accum when a fractional train.epochs ends inside a
-    step (2.1 epochs of 10 batches at grad_accum 4 is 21 batches: steps of 4, 4, 2 per epoch, then 1; it took 4,
-    24 batches). grad_accum under max_steps, or without a fraction (an epoch's end already shortens its step)."""
-    ga = cfg.train.grad_accum
-    if cfg.train.max_steps > 0:
-        return ga
-    _, part_batches = _epoch_split(cfg, batches_per_epoch)
-    return part_batches - (math.ceil(part_batches / ga) - 1) * ga if part_batches else ga
