@@ -66,3 +66,44 @@ def test_fewer_epochs_than_were_trained_are_refused(tmp_path, docs):
                                          r"\(train.epochs=1 of 8 batches\); raise train.epochs"):
         train(_cfg(tmp_path, train__epochs=1, train__grad_accum=3, train__resume="auto"), model=tiny_model(),
               train_loader=SyntheticLoader(docs[:36], shuffle=False))
+
+
+class _OtherKeysLoader(SyntheticLoader):
+    """Its position under its own key names: the trainer cannot read it, and keeps the plan from step 0."""
+
+    def state_dict(self):
+        return {"ep": self.epoch, "pos": self.position}
+
+    def load_state_dict(self, sd):
+        self.epoch, self.position = sd["ep"], sd["pos"]
+
+
+def test_a_loader_of_another_state_still_trains_the_epoch_to_its_end(tmp_path, docs):
+    """1 epoch of 8 batches, stopped after step 1 at grad_accum 2, resumed at 3: 6 batches left in steps of 3, 3.
+    The last step of a run that ends at an epoch's end asks for grad_accum (the epoch's end shortens it), so a
+    position the trainer cannot read (off its step grid) still reaches the end: it asked for 8 - 2 x 3 = 2 and
+    left batch 8 untrained."""
+    first = train(_cfg(tmp_path, train__epochs=1, train__grad_accum=2), model=sigterm_at_forward(tiny_model(), 2),
+                  train_loader=_OtherKeysLoader(docs[:36], shuffle=False))
+    assert (first.status, first.step) == ("interrupted", 1)
+    loader = _OtherKeysLoader(docs[:36], shuffle=False)
+    res = train(_cfg(tmp_path, train__epochs=1, train__grad_accum=3, train__resume="auto"), model=tiny_model(),
+                train_loader=loader)
+    counts = [r["loss_tokens"] for r in _records(tmp_path / "run")][1:]
+    assert res.status == "completed" and loader.position == 8
+    assert counts == _tokens(loader, (2, 5), (5, 8))
+
+
+def test_the_short_warmup_warning_names_the_length_the_resumed_run_trains(tmp_path, docs, caplog):
+    """6 batches x 2 epochs, warmup 5: stopped at step 5 of 12 (grad_accum 1), resumed at grad_accum 4, the run is
+    5 + 1 + 2 = 8 steps and keeps its 5-step warmup; the warning was said for the 4 steps a run from step 0 would
+    take, a schedule the run never used."""
+    import logging
+
+    cfg = dict(train__epochs=2, schedule__warmup_steps=5)
+    train(_cfg(tmp_path, train__grad_accum=1, **cfg), model=sigterm_at_forward(tiny_model(), 5),
+          train_loader=SyntheticLoader(docs[:28], shuffle=False))
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        res = train(_cfg(tmp_path, train__grad_accum=4, train__resume="auto", **cfg), model=tiny_model(),
+                    train_loader=SyntheticLoader(docs[:28], shuffle=False))
+    assert res.total_steps == 8 and "is not shorter than the run's" not in caplog.text, caplog.text

@@ -35,7 +35,7 @@ from .checkpoint_adapter import lora_settings
 from .divergence import _check_finite, nonfinite_weights
 from .finish import TrainResult, _already_done, save_final
 from .metrics import matmul_peak_tflops, memory_gib, plot_losses, private_pool_bytes, train_flops_per_token
-from .optim import build_optimizer, build_scheduler, set_total_steps
+from .optim import build_optimizer, build_scheduler, set_total_steps, warn_short_warmup
 from .distributed import DistContext, init_distributed, main_rank_tells
 from .grad_buckets import GradBuckets
 from .graphs import GraphedStep, resolve_cuda_graphs
@@ -189,7 +189,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     total = _total_steps(cfg, len(train_loader))
     last_batches = _last_step_batches(cfg, len(train_loader))
     optimizer = build_optimizer(model, cfg, device)
-    scheduler = build_scheduler(optimizer, cfg, total)
+    scheduler = build_scheduler(optimizer, cfg, total, warn=False)  # said below, for the length after a resume
     scheduled = total
     stream = _Stream(train_loader)
     graphs = None
@@ -246,6 +246,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         check_same_adapter(restored["extra"].get("config"), cfg_dict, resume_from)
         apply_optimizer_settings(optimizer, scheduler, fresh, restored["extra"].get("config"), cfg_dict, start)
         done = start == total
+    warn_short_warmup(cfg, total)
     # another run's checkpoints in out_dir (resume=none over a finished run, or a resume from an earlier step), and
     # its final adapter/model (not for a resume from an earlier step: this run's history may have written it):
     # removed once this run writes its first record or checkpoint, so a run that fails in setup leaves them

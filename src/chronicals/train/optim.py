@@ -143,8 +143,12 @@ def short_run_warmup(warmup_steps: int, total: int) -> int:
     return warmup_steps
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
-    """LambdaLR at ``lr_factor`` of (step, total_steps, the config): nothing else, so a resume is exact."""
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int, warn: bool = True):
+    """LambdaLR at ``lr_factor`` of (step, total_steps, the config): nothing else, so a resume is exact. ``warn``:
+    say here when the run is too short for its warmup (``warn_short_warmup``); the trainer says it once it knows
+    the run's length after a resume."""
+    if warn:
+        warn_short_warmup(cfg, total_steps)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg, total_steps))
 
 
@@ -154,8 +158,8 @@ def set_total_steps(scheduler, cfg: TrainConfig, total_steps: int) -> None:
     scheduler.lr_lambdas = [_schedule(cfg, total_steps)] * len(scheduler.lr_lambdas)
 
 
-def _schedule(cfg: TrainConfig, total_steps: int):
-    """step -> lr multiplier for a run of ``total_steps``; warns when the run is too short for its warmup."""
+def warn_short_warmup(cfg: TrainConfig, total_steps: int) -> None:
+    """A warning when schedule.warmup_steps is not shorter than the run (``short_run_warmup`` then shortens it)."""
     s = cfg.schedule
     warmup = short_run_warmup(s.warmup_steps, total_steps)
     if warmup != s.warmup_steps:
@@ -167,4 +171,10 @@ def _schedule(cfg: TrainConfig, total_steps: int):
                     "rounded up), so the lr reaches its peak at step %d and %s; set schedule.warmup_steps below %d "
                     "to choose the warmup yourself (0 = none)", s.warmup_steps, total_steps, warmup,
                     SHORT_RUN_WARMUP, warmup, after, total_steps)
+
+
+def _schedule(cfg: TrainConfig, total_steps: int):
+    """step -> lr multiplier for a run of ``total_steps``."""
+    s = cfg.schedule
+    warmup = short_run_warmup(s.warmup_steps, total_steps)
     return lambda step: lr_factor(step, total_steps, warmup, s.kind, s.min_lr_ratio)

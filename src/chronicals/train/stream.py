@@ -3,6 +3,7 @@ run's number of steps, and a checkpoint's data position restored into the stream
 
 from __future__ import annotations
 
+import logging
 import math
 from fractions import Fraction
 from pathlib import Path
@@ -10,6 +11,8 @@ from pathlib import Path
 from ..config import TrainConfig
 from ..data.loader import DataChanged
 from .resume import data_position_diffs, loss_setting_diffs
+
+log = logging.getLogger("chronicals.train")
 
 
 class _Stream:
@@ -87,6 +90,9 @@ def _replan(cfg: TrainConfig, stream: _Stream, start: int, total: int, last_batc
     pos = stream.state_dict()
     epoch, position = pos.get("epoch"), pos.get("position")
     if cfg.train.max_steps > 0 or not (isinstance(epoch, int) and isinstance(position, int)):
+        if cfg.train.max_steps == 0:
+            log.info("the training loader's state has no integer 'epoch' and 'position' (PackedLoader's): this "
+                     "resume counts %d steps from step 0 with this run's train.grad_accum", total)
         return total, last_batches
     batches = len(stream.loader)
     try:
@@ -144,7 +150,9 @@ def _step_plan(cfg: TrainConfig, batches_per_epoch: int, done: int = 0) -> tuple
         done += (end - done) // B * B
     if end > done:
         segment(end - done)
-    return steps, last
+    # a run that ends at an epoch's end: its last step is whatever is left of that epoch (``_Stream.take`` stops
+    # there), so ask for grad_accum; a loader whose position is not known (``_replan``) may be off this grid
+    return steps, last if end % B else ga
 
 
 def _epoch_split(cfg: TrainConfig, batches_per_epoch: int) -> tuple[int, int]:
