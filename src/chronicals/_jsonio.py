@@ -13,6 +13,7 @@ dependency rule (data/ depends on nothing else of ours).
 from __future__ import annotations
 
 import codecs
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -77,12 +78,27 @@ def read_json_object(path, what: str, fix: str, *, missing: str | None = None,
     return obj
 
 
+NAME_MAX = 255  # bytes of one file name on Linux file systems (ext4, xfs, tmpfs)
+
+
+def temp_beside(path) -> Path:
+    """The temporary file beside ``path`` that is written first and renamed over it: ``.<name>.tmp-<pid>``, or with
+    the name cut to 200 bytes and an 8-digit hash of it where that would pass NAME_MAX (a valid 250-byte name
+    failed after minutes of scoring with "File name too long")."""
+    path = Path(path)
+    tmp = f".{path.name}.tmp-{os.getpid()}"
+    if len(tmp.encode()) > NAME_MAX:
+        cut = path.name.encode()[:200].decode(errors="ignore")
+        tmp = f".{cut}.{hashlib.sha1(path.name.encode()).hexdigest()[:8]}.tmp-{os.getpid()}"
+    return path.with_name(tmp)
+
+
 def write_text_atomic(path, text: str) -> Path:
     """Write ``text`` to ``path`` whole: a temporary file beside it, fsynced, renamed over it. A reader never sees
     half a file, and a failed or interrupted write leaves the old one (and no temporary file). Serves
     metrics.jsonl's rewrite on resume, ``chronicals eval --json`` and the bench's result JSON."""
     path = Path(path).expanduser()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_beside(path)
     try:
         with tmp.open("w") as fh:
             fh.write(text)

@@ -53,7 +53,8 @@ def cmd_eval(argv: list[str]) -> int:
                    help="packed rows per forward (default: %(default)s)")
     p.add_argument("--system-prompt", default=None, help="system message of question/answer prompts (default: "
                                                          f"{d.system_prompt!r} for demo, else none, as train asks "
-                                                         "its held-out questions beside your own data)")
+                                                         "its held-out questions beside your own data; given, "
+                                                         "it is used as given, '' for none)")
     p.add_argument("--on-long", default=d.on_long, choices=["truncate", "drop"],
                    help="examples longer than --max-seq-len: cut to it or left out (default: %(default)s)")
     p.add_argument("--on-error", default=d.on_error, choices=["fail", "skip"],
@@ -107,10 +108,12 @@ def cmd_eval(argv: list[str]) -> int:
             if target and (out == target or target in out.parents):
                 p.error(f"--json {a.json} would {'overwrite' if out == target else 'write into'} {name} {given}; "
                         "choose a file outside it")
-        import tempfile
+        from ._jsonio import temp_beside
 
-        try:  # a read-only folder, /proc: said now, not after minutes of scoring
-            tempfile.TemporaryFile(dir=out.parent).close()
+        try:  # a read-only folder, /proc, a name too long: said now, not after minutes of scoring
+            tmp = temp_beside(out)
+            tmp.open("w").close()  # the very file the write makes first
+            tmp.unlink()
         except OSError as err:
             p.error(f"--json {a.json}: cannot write in {out.parent} ({err.strerror or err}); choose another file")
     from .evaluate import evaluate, write_json  # no _setup_logging: a summary, as chat prints answers only
@@ -122,7 +125,7 @@ def cmd_eval(argv: list[str]) -> int:
     flags = {option: _as_flags(key) for option, key in DATA_OPTION_KEYS.items()}
     try:
         result = evaluate(model, tok, data, dev, qa_limit=a.qa_limit, max_new_tokens=a.max_new_tokens,
-                          option_names=flags)
+                          option_names=flags, system_prompt=a.system_prompt)  # a given one as given
     except ValueError as err:  # another error naming data.<key> (data.cache_dir): a flag here (still exit 3)
         said = _as_flags(str(err))
         if isinstance(err, ConfigError) or said == str(err):

@@ -20,7 +20,7 @@ import logging
 import math
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -30,7 +30,7 @@ from .config import DataSection
 from .data import DataError, DatasetStats, PackedLoader
 from .models import require_chat_template
 from .train.guards import check_ids_in_vocab
-from .train.qa import QAResult, answer_all, heldout_system_prompt, read_qa, write_chat_jsonl
+from .train.qa import QAResult, answer_all, heldout_system_prompt, read_qa_counted, write_chat_jsonl
 from .train.setup import DATA_OPTION_KEYS, heldout_loader as setup_heldout_loader
 from .train.step import evaluate_loss
 
@@ -90,33 +90,63 @@ class EvalResult:
         return "\n".join(lines)
 
 
-def heldout_loader(data: DataSection, tokenizer, workdir: Path, option_names: dict[str, str] | None = None
-                   ) -> tuple[PackedLoader, list[dict] | None]:
+def heldout_loader(data: DataSection, tokenizer, workdir: Path, option_names: dict[str, str] | None = None,
+                   system_prompt: str | None = None) -> tuple[PackedLoader, list[dict] | None]:
     """(loader, QA records or None) over ``data.path``, as ``train()`` builds its held-out loader: QA records are
-    written to ``workdir`` as chat records (the system message of ``qa.heldout_system_prompt``) and read as chat;
-    other data is read with ``data.format`` (``train.setup.heldout_loader`` for both). ``option_names``: what the
-    data's errors and warnings call the options (``load_dataset``'s option_names; None: the config keys,
+    written to ``workdir`` as chat records (the system message ``system_prompt``, None: ``qa.heldout_system_prompt``)
+    and read as chat, the loader's stats counting the QA file's records and bad ones skipped; other data is read
+    with ``data.format`` (``train.setup.heldout_loader`` for both). ``option_names``: what the data's errors and
+    warnings call the options (``load_dataset``'s option_names; None: the config keys,
     ``train.setup.DATA_OPTION_KEYS``, as train says them)."""
     names = DATA_OPTION_KEYS | (option_names or {})
-    qa = read_qa(data.path, data.on_error, on_error_name=names["on_error"])
+    qa, records, skipped = read_qa_counted(data.path, data.on_error, on_error_name=names["on_error"])
     if qa is None:  # load_dataset's messages name the files after it: "the data to score (x.jsonl)"
         return setup_heldout_loader(data, tokenizer, Path(data.path).expanduser(), False, "the data to score",
                                     option_names=names), qa
     require_chat_template(tokenizer, "question/answer records are read as chat whatever data.format; to score "
                           "this model without a template, give text or prompt/completion records")  # once, as chat
-    file = write_chat_jsonl(qa, workdir / "heldout.jsonl", heldout_system_prompt(data))
+    system = heldout_system_prompt(data) if system_prompt is None else system_prompt
+    file = write_chat_jsonl(qa, workdir / "heldout.jsonl", system)
     name = f"the QA records of {data.path}, rewritten as chat"
+    hide = _Unnamed(file)  # "record 3", not the rewritten file's path: it is deleted before the message is read
+    data_log = logging.getLogger("chronicals.data")
+    data_log.addFilter(hide)
     try:
-        return setup_heldout_loader(data, tokenizer, file, True, name, option_names=names), qa
-    except DataError as e:  # "record 3", not the rewritten file's path: it is deleted before the message is read
-        raise DataError(str(e).replace(f" ({file})", "").replace(f"{file}:", "record ")) from None
+        loader = setup_heldout_loader(data, tokenizer, file, True, name, option_names=names)
+    except DataError as e:
+        raise DataError(hide.text(str(e))) from None
+    finally:
+        data_log.removeFilter(hide)
+    st = loader.dataset.stats  # the chat copy's records are the QA file's good ones: count the file's own
+    loader.dataset.stats = replace(st, records=records, skipped_errors=st.skipped_errors + skipped)
+    return loader, qa
+
+
+class _Unnamed(logging.Filter):
+    """Takes a temporary file's path out of the messages about it (warnings of chronicals.data, errors)."""
+
+    def __init__(self, file: Path):
+        super().__init__()
+        self.file = str(file)
+
+    def text(self, message: str) -> str:
+        return message.replace(f" ({self.file})", "").replace(f"{self.file}:", "record ").replace(self.file, "it")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if self.file in message:
+            record.msg, record.args = self.text(message), None
+        return True
 
 
 def evaluate(model, tokenizer, data: DataSection, device: torch.device, *, qa_limit: int = 0,
-             max_new_tokens: int = 24, option_names: dict[str, str] | None = None) -> EvalResult:
+             max_new_tokens: int = 24, option_names: dict[str, str] | None = None,
+             system_prompt: str | None = None) -> EvalResult:
     """Held-out loss of ``model`` over ``data.path`` and, for a question/answer file, the keyword accuracy of its
     greedy answers (the first ``qa_limit`` questions; 0 = all) of at most ``max_new_tokens`` tokens.
-    ``option_names``: what the data's messages call its options (``heldout_loader``; chronicals eval: its flags)."""
+    ``option_names``: what the data's messages call its options (``heldout_loader``; chronicals eval: its flags).
+    ``system_prompt``: the QA prompts' system message as given ('' = none); None: ``qa.heldout_system_prompt(data)``,
+    which is data.system_prompt for the demo data or when it differs from the default, else none, as train asks."""
     for name, value, least in (("qa_limit", qa_limit, 0), ("max_new_tokens", max_new_tokens, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:  # -1 had dropped the last question
             raise ValueError(f"evaluate: {name}={value!r} must be a whole number >= {least}"
@@ -126,7 +156,7 @@ def evaluate(model, tokenizer, data: DataSection, device: torch.device, *, qa_li
         log.warning("max_seq_len=%d is longer than the model's max_position_embeddings=%d: positions past %d were "
                     "not trained, so the loss of longer examples says little", data.max_seq_len, context, context)
     with tempfile.TemporaryDirectory(prefix="chronicals-eval-") as tmp:
-        loader, qa = heldout_loader(data, tokenizer, Path(tmp), option_names)
+        loader, qa = heldout_loader(data, tokenizer, Path(tmp), option_names, system_prompt)
     ds = loader.dataset
     if len(ds.ids):  # host ids: the embedding would raise a bare IndexError
         check_ids_in_vocab(model, int(ds.ids.max()), f"{data.path} holds token id")
@@ -134,7 +164,7 @@ def evaluate(model, tokenizer, data: DataSection, device: torch.device, *, qa_li
     result = EvalResult(data=data.path, loss=loss, loss_tokens=n, examples=len(ds), stats=ds.stats)
     if qa is not None:
         result.qa = qa[:qa_limit] if qa_limit else qa
-        result.system_prompt = heldout_system_prompt(data)
+        result.system_prompt = heldout_system_prompt(data) if system_prompt is None else system_prompt
         result.answers = answer_all(model, tokenizer, result.qa, result.system_prompt, max_new_tokens)
     return result
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 import csv
 import json
 import os
+import unicodedata
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import torch
 
+from .._jsonio import temp_beside
 from ..config import DEMO, DEMO_SYSTEM_PROMPT
 from ..data.dataset import report_bad_records
 from ..data.formats import FormatError, check_text
@@ -59,15 +61,22 @@ def read_qa(path: str | Path, on_error: str = "fail", on_error_name: str = "data
     first three (as load_dataset reports its bad records: ``data.dataset.report_bad_records``).
     ``on_error_name``: what the error calls the on_error option (chronicals eval: --on-error).
     """
+    return read_qa_counted(path, on_error, on_error_name)[0]
+
+
+def read_qa_counted(path: str | Path, on_error: str = "fail", on_error_name: str = "data.on_error"
+                    ) -> tuple[list[dict] | None, int, int]:
+    """``read_qa``'s records, with the file's record count and how many bad ones on_error=skip left out (0, 0 when
+    not a QA file): chronicals eval reports them as it does for a chat file."""
     p = demo_file("heldout.jsonl") if str(path) == DEMO else Path(path).expanduser()
     if p.suffix.lower() not in (".jsonl", ".json") or not p.is_file():
         _refuse_qa_elsewhere(p)
-        return None
+        return None, 0, 0
     records = read_file(p)
     good = [r for r in records if r.data is not None]
     qa = [r for r in good if "question" in r.data]
     if not qa:
-        return None
+        return None, 0, 0
     kept, bad = [], []
     for r in records:
         try:
@@ -82,7 +91,7 @@ def read_qa(path: str | Path, on_error: str = "fail", on_error_name: str = "data
             if on_error == "fail":
                 break
     report_bad_records(len(bad), bad, on_error, len(records), str(p), on_error_name)
-    return kept
+    return kept, len(records), len(bad)
 
 
 def _refuse_qa_elsewhere(p: Path) -> None:
@@ -201,7 +210,7 @@ def write_chat_jsonl(records: list[dict], path: Path, system_prompt: str) -> Pat
     path.parent.mkdir(parents=True, exist_ok=True)
     # written whole, then renamed: under data parallel every rank writes the same copy, and a rank reading it while
     # another truncated it saw an empty or partial file
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = temp_beside(path)
     try:
         with tmp.open("w") as fh:
             for rec in records:
@@ -272,6 +281,12 @@ def answer_many(model, tokenizer, questions: list[str], system_prompt: str, max_
 def answer_all(model, tokenizer, qa: list[dict], system_prompt: str, max_new_tokens: int) -> QAResult:
     answers = answer_many(model, tokenizer, [r["question"] for r in qa], system_prompt, max_new_tokens)
     # no keywords is never right: all() over an empty list would count every answer, even an empty one
-    correct = [bool(kw := r.get("keywords")) and all(k.lower() in a.lower() for k in kw)
+    correct = [bool(kw := r.get("keywords")) and all(_fold(k) in _fold(a) for k in kw)
                for r, a in zip(qa, answers)]
     return QAResult(answers, correct)
+
+
+def _fold(text: str) -> str:
+    """Case-insensitive form for keyword matching: Unicode case folding of the NFC text (lower() left "Straße"
+    apart from "STRASSE", and a composed "é" apart from "e" + combining accent)."""
+    return unicodedata.normalize("NFC", text).casefold()
