@@ -33,11 +33,14 @@ class CacheError(Exception):
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """Hash of the tokenizer's vocabulary/merges/normalizer (its JSON), chat template and special tokens."""
+    """Hash of the tokenizer's vocabulary/merges/normalizer (its JSON), chat template and special tokens, and of
+    ``split_special_tokens``, a flag of transformers' wrapper (not of its JSON) that turns '<|im_end|>' in text
+    into pieces of it rather than its id: with it left out, a cached entry kept the other setting's ids."""
     h = hashlib.sha256(type(tokenizer).__name__.encode())
     h.update(tokenizer.backend_tokenizer.to_str().encode())
     h.update(str(getattr(tokenizer, "chat_template", None)).encode())
     h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    h.update(f"split_special_tokens={bool(getattr(tokenizer, 'split_special_tokens', False))}".encode())
     return h.hexdigest()
 
 

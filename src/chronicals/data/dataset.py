@@ -371,7 +371,7 @@ def _encode_chunk(records: list[Record]):
             out.append((None, f"{rec.where}: {rec.error}", None, False, (0, 0)))
             continue
         try:
-            fmt = w["format"] if w["format"] != "auto" else detect_format(rec.data)
+            fmt = w["format"] if w["format"] != "auto" else detect_format(rec.data, rec.from_csv)
             ex = to_example(rec.data, fmt, w["has_template"], from_csv=rec.from_csv)
             ids, mask = encode(w["tokenizer"], ex, w["loss_on"], w["markers"], w["own_eos"])
             chat = ex.messages is not None and w["loss_on"] == "assistant"

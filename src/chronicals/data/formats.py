@@ -42,11 +42,14 @@ class FormatError(ValueError):
     """What is wrong with one record and what was expected (the reader adds ``file:line``)."""
 
 
-def detect_format(record: dict) -> str:
+def detect_format(record: dict, from_csv: bool = False) -> str:
     """The format of a record from its keys (see the module docstring). Keys whose value is null count only when
     the others name no format: a parquet or arrow file of mixed records fills every record's missing columns with
-    nulls ({"text": "hi", "messages": null} is text), and {"text": null} is text, with a null field to report."""
-    fmt = _format_of({k for k, v in record.items() if v is not None}) or _format_of(set(record))
+    nulls ({"text": "hi", "messages": null} is text), and {"text": null} is text, with a null field to report.
+    ``from_csv``: a CSV row, whose missing fields are empty cells (pandas' to_csv of mixed records), so an empty
+    cell counts as null: the row ",,Paris." under instruction,output,text is text, not an empty alpaca record."""
+    present = {k for k, v in record.items() if v is not None and not (from_csv and v == "")}
+    fmt = _format_of(present) or _format_of(set(record))
     if fmt is None:
         raise FormatError(f"cannot tell the format from fields {sorted(record)}; expected one of {EXPECTED}")
     return fmt

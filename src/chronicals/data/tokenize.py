@@ -363,10 +363,14 @@ def encode(tokenizer, ex: Example, loss_on: str = "assistant", markers: bool = F
     text = ex.prompt + ex.target
     if own_eos is None:
         own_eos = appends_eos(tokenizer)
-    if eos and not text.endswith(eos) and not own_eos:
+    # split_special_tokens=True tokenizes '<|im_end|>' written in text as its pieces: the eos is then added as its id
+    eos_id = tokenizer.eos_token_id if getattr(tokenizer, "split_special_tokens", False) else None
+    if eos and not text.endswith(eos) and not own_eos and eos_id is None:
         text += eos
     lo = 0 if loss_on == "all" else len(ex.prompt)
     ids, mask = _offsets_mask(tokenizer, text, [(lo, len(text))], add_special_tokens=True)
+    if eos and not own_eos and eos_id is not None:
+        ids, mask = np.append(ids, np.int32(eos_id)), np.append(mask, True)
     if own_eos:  # the tokenizer's own eos covers no character of the text, so the span cannot reach it
         mask[-1] = True
     return ids, mask

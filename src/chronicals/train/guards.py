@@ -84,7 +84,22 @@ def check_data_paths(cfg: TrainConfig) -> None:
                                   f"put {setting} outside {value}", setting)  # two settings that clash: exit 2
     if cache is not None:
         check_cache_root(cache)  # a file: said before the model loads, not after
+    _check_heldout_apart(cfg)
     _check_heldout_copy(cfg)
+
+
+def _check_heldout_apart(cfg: TrainConfig) -> None:
+    """data.eval_path that is data.path or lies in its directory (read recursively) would be trained on too, and
+    its held-out loss measured on trained examples: a ConfigError (exit 2), two settings that clash."""
+    d = cfg.data
+    if d.path == DEMO or d.eval_path in (DEMO, "auto", ""):
+        return
+    train, held = Path(d.path).expanduser().resolve(), Path(d.eval_path).expanduser().resolve()
+    if held == train or (train.is_dir() and train in held.parents):
+        raise ConfigError(f"data.eval_path={d.eval_path} is {'data.path' if held == train else 'inside data.path'}="
+                          f"{d.path}, {'which' if held == train else 'whose files are all read as training data, so it'}"
+                          " would be trained on and its held-out loss measured on trained examples; keep the "
+                          "held-out data apart from data.path", "data.eval_path")
 
 
 def _check_heldout_copy(cfg: TrainConfig) -> None:
