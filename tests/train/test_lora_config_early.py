@@ -143,3 +143,21 @@ def test_a_misspelled_target_beside_good_ones_exits_2_after_the_model_loads(tmp_
     err = capsys.readouterr().err
     assert "error: config lora.targets does not fit model.path=tiny: " in err and "['gate_porj']" in err, err
     assert "gate_proj" in err and "Traceback" not in err and not (tmp_path / "run" / "adapter").exists()
+
+
+def test_a_lora_model_under_lora_disabled_is_a_config_error_before_any_step(tmp_path, docs):
+    """Session 26: a model with adapters passed to train() with lora.enabled=false had every parameter unfrozen, and
+    the first step failed inside the LoRA autograd function ("the base weight and bias must be frozen"), naming
+    neither the setting nor the fix. Merged first, it fine-tunes in full."""
+    from train_helpers import SyntheticLoader, tiny_config
+
+    from chronicals.lora import merge_lora
+    from chronicals.train import train
+
+    model = tiny_model(0)
+    apply_lora(model, r=2, alpha=4)
+    with pytest.raises(ConfigError, match="has LoRA adapters .* lora.enabled=false .* set lora.enabled=true") as e:
+        train(tiny_config(tmp_path, train__max_steps=1), model=model, train_loader=SyntheticLoader(docs))
+    assert e.value.key == "lora.enabled"
+    res = train(tiny_config(tmp_path, train__max_steps=1), model=merge_lora(model), train_loader=SyntheticLoader(docs))
+    assert res.status == "completed"

@@ -74,6 +74,11 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
 
         from ..config import LoraSection
 
+        if getattr(model, "lora_config", None) is not None:  # its frozen base would fail at the first step
+            raise ConfigError("the model passed to train() has LoRA adapters (model.lora_config) but lora.enabled=false "
+                              "asks for full fine-tuning; set lora.enabled=true to train the adapters, or merge them "
+                              "first (chronicals.lora.merge_lora(model)) to fine-tune the merged model in full",
+                              "lora.enabled")
         defaults = asdict(LoraSection())
         set_keys = [f"lora.{k}" for k, v in asdict(cfg.lora).items() if k != "enabled" and v != defaults[k]]
         if set_keys:  # a recipe switched to full fine-tuning, or a typo'd lora.enabled
