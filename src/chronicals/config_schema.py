@@ -112,7 +112,7 @@ class ModelSection:
     recompute: list = _f(["norm", "swiglu"], "tensors rebuilt in backward instead of kept, bit-identical gradients: "
                          "norm (RMSNorm outputs, ~1.3 GiB less at Qwen2.5-0.5B x 16k tokens for ~0.6% time), "
                          "swiglu (the SwiGLU product, ~3.6 GiB less for ~2%), gate_up (the gate/up GEMM output, "
-                         "6.2 GiB less for one more GEMM per layer, 9-10% slower; opt-in); [] keeps everything (under LoRA the "
+                         "6.2 GiB less for one more GEMM per layer, ~10% slower; opt-in); [] keeps everything (under LoRA the "
                          "down_proj adapter still takes the SwiGLU product from the SwiGLU backward); off with "
                          "model.compile")
     gate_up_layers: int = _f(0, "with gate_up in model.recompute: rebuild it in the first k decoder layers only "
