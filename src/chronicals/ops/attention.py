@@ -26,7 +26,7 @@ Implementations (``impl``; "auto" = a varlen kernel on CUDA, reference on CPU):
   (``ops/attention_cudnn.py``; ``pip install nvidia-cudnn-frontend``), the kernels SDPA already uses for
   unpacked rows; "auto" takes cudnn where the frontend is installed, its cuDNN is >= 9.6, the GPU is Hopper
   or newer and the batch's documents average >= CUDNN_MIN_MEAN_DOC tokens, else flash. Each choice is logged
-  once. H200, the 0.5B training step on chat-like packed rows (39 documents per 16 x 1024 tokens, graphed):
+  once. H200, the 0.5B training step on chat-like packed rows (40-52 documents per 16 x 1024 tokens, graphed):
   full 114.95 -> 111.55 ms, LoRA 95.57 -> 92.61 ms with cudnn; one document a row, 0.5B full / LoRA and 8B LoRA
   reach 98.2% / 98.4% / 99.1% of dense rows' tokens/s with cudnn, 96.0% / 94.9% / 94.7% with flash (git
   6a5e008, b5bb95b). Eager steps pay its Python launch (~0.3 ms a call): the LoRA step at 0.5B is host-bound
