@@ -13,10 +13,18 @@ dependency rule (data/ depends on nothing else of ours).
 from __future__ import annotations
 
 import codecs
+import glob
 import hashlib
 import json
 import os
+import time
+from contextlib import contextmanager
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no locks, no sweeping
+    fcntl = None
 
 # json (C scanner and Python fallback alike) recurses once per nesting level and raises RecursionError near
 # Python's limit of 1000
@@ -93,19 +101,60 @@ def temp_beside(path) -> Path:
     return path.with_name(tmp)
 
 
-def write_text_atomic(path, text: str) -> Path:
-    """Write ``text`` to ``path`` whole: a temporary file beside it, fsynced, renamed over it. A reader never sees
-    half a file, and a failed or interrupted write leaves the old one (and no temporary file). Serves
-    metrics.jsonl's rewrite on resume, ``chronicals eval --json`` and the bench's result JSON."""
+@contextmanager
+def atomic_open(path, mode: str = "w"):
+    """A file handle on ``temp_beside(path)``; when the block ends, the file is fsynced and renamed over ``path``, so
+    a reader never sees half a file and a failed or interrupted write leaves the old one. The writer holds an flock
+    on its temporary file: a writer that was killed (SIGKILL, out of memory) leaves its temporary file unlocked, and
+    the next write of ``path`` removes it (they had piled up beside metrics.jsonl and the data copies)."""
     path = Path(path).expanduser()
+    _remove_dead_temps(path)
     tmp = temp_beside(path)
     try:
-        with tmp.open("w") as fh:
-            fh.write(text)
+        with tmp.open(mode) as fh:
+            if fcntl is not None:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh name: nobody else holds it
+            yield fh
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)  # while the lock is held: a sweeper never takes a finished file for a dead one
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _remove_dead_temps(path: Path) -> None:
+    """Remove the temporary files of earlier writes of ``path`` whose writer is gone (their flock is free)."""
+    if fcntl is None or not path.parent.is_dir():
+        return
+    stem = temp_beside(path).name[:-len(str(os.getpid()))]  # ".<name>.tmp-": the pid follows
+    for p in path.parent.glob(glob.escape(stem) + "*"):
+        if not p.name[len(stem):].isdigit() or p.name == temp_beside(path).name or not p.is_file() or p.is_symlink():
+            continue
+        try:  # a writer locks its file right after creating it: one younger than a minute may not be locked yet
+            if time.time() - p.stat().st_mtime < 60:
+                continue
+        except OSError:
+            continue
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live writer holds it
+            os.close(fd)
+            continue
+        try:
+            p.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+
+
+def write_text_atomic(path, text: str) -> Path:
+    """Write ``text`` to ``path`` whole (``atomic_open``): metrics.jsonl's rewrite on resume, the run's
+    config.yaml, ``chronicals eval --json`` and the bench's result files."""
+    path = Path(path).expanduser()
+    with atomic_open(path) as fh:
+        fh.write(text)
     return path

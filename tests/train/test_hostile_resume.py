@@ -158,6 +158,9 @@ def test_metrics_kept_by_a_resume_are_replaced_whole(tmp_path, docs, monkeypatch
         def write(self, text):
             raise OSError(errno.ENOSPC, "No space left on device")
 
+        def fileno(self):  # the writer locks its temporary file first
+            return self.fh.fileno()
+
         def __enter__(self):
             return self
 

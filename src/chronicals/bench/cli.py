@@ -107,9 +107,13 @@ class Runner:
         try:
             proc = subprocess.run(cmd, env=env, timeout=self.timeout, capture_output=True, text=True)
             tail = (proc.stdout + proc.stderr)[-3000:]
-            if out.exists():
-                row = json.loads(out.read_text())
-            else:  # the process died before writing (segfault, illegal memory access, killed for memory)
+            try:
+                row = json.loads(out.read_text()) if out.exists() else None
+            except (OSError, ValueError) as e:  # a row the worker could not finish: this row fails, not the bench
+                row = {"contender": spec.contender, "status": "crashed",
+                       "reason": f"worker row {out} unreadable ({e}); exit {proc.returncode}: "
+                                 f"{tail.strip().splitlines()[-1:]}"}
+            if row is None:  # the process died before writing (segfault, illegal memory access, killed for memory)
                 row = {"contender": spec.contender, "status": "crashed",
                        "reason": f"worker exited {proc.returncode} without a row: {tail.strip().splitlines()[-1:] }"}
             row["worker_log_tail"] = tail

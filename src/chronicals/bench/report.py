@@ -16,7 +16,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-from .._jsonio import temp_beside, write_text_atomic
+from .._jsonio import atomic_open, write_text_atomic
 
 PACKAGES = ("torch", "triton", "transformers", "peft", "liger-kernel", "unsloth", "unsloth_zoo", "tokenizers")
 COLUMNS = ("contender", "method", "tokens/s", "MFU", "peak GiB", "min grad norm", "loss first -> last", "status")
@@ -193,12 +193,10 @@ def plot_png(results: dict, path: Path) -> Path | None:
     env = results["environment"]
     fig.suptitle(f"chronicals bench: {env['gpu']}, {env['date'][:10]}, git {env['git_sha']}", fontsize=10)
     fig.tight_layout()
-    tmp = temp_beside(path)  # whole or not at all, as the JSON and markdown
     try:
-        fig.savefig(tmp, dpi=120, format="png")
-        os.replace(tmp, path)
+        with atomic_open(path, "wb") as fh:  # whole or not at all, as the JSON and markdown
+            fig.savefig(fh, dpi=120, format="png")
     finally:
-        tmp.unlink(missing_ok=True)
         plt.close(fig)
     return path
 

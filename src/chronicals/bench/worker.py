@@ -19,6 +19,7 @@ import traceback
 from dataclasses import fields
 from pathlib import Path
 
+from .._jsonio import write_text_atomic
 from .protocol import RunSpec
 
 TASKS = ("contender", "peak", "correctness", "learning")
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
         row = run_task(args.task, spec)
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(row, indent=1, default=str))
+    write_text_atomic(out, json.dumps(row, indent=1, default=str))  # a cut-off row is no row, not bad JSON
     return 0
 
 

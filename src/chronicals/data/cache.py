@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,6 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from .readers import DataError, file_digest
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no locks, no sweeping
+    fcntl = None
 
 log = logging.getLogger("chronicals.data")
 CACHE_VERSION = 2  # bump when the entry layout or DatasetStats change (2: meta.json names the files' formats)
@@ -93,15 +99,48 @@ def cache_root(cache_dir) -> Path:
     return root
 
 
+WRITER_LOCK = ".writer.lock"  # inside a temporary entry, flocked by its writer until the entry is published
+
+
+def _remove_dead_writes(root: Path) -> None:
+    """Remove the temporary entries (``.tmp-*``) of writers that were killed: their lock file is there and free. A
+    killed write had left up to a whole entry's size behind, for ever; one without the lock file (made just now,
+    or by an older version) is left alone."""
+    if fcntl is None:
+        return
+    for d in root.glob(".tmp-*"):
+        try:
+            fd = os.open(d / WRITER_LOCK, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # its writer is alive
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(d, ignore_errors=True)
+            log.info("data: removed %s, a tokenization cache entry whose writer was killed before it finished", d)
+        finally:
+            os.close(fd)
+
+
 def save(path: Path, ids, trainable, offsets, meta: dict) -> None:
     """Write the entry ``path`` atomically, replacing a damaged one. A failure is a warning: the data is
-    already tokenized and the run goes on; the next run tokenizes again."""
-    tmp = None
+    already tokenized and the run goes on; the next run tokenizes again. The writer holds an flock on a file in its
+    temporary entry, so the next save removes the temporary entry of a writer that was killed."""
+    tmp, lock = None, None
     try:
+        _remove_dead_writes(path.parent)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
+        if fcntl is not None:
+            lock = os.open(tmp / WRITER_LOCK, os.O_CREAT | os.O_RDWR, 0o644)
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh directory: nobody else holds it
         for (name, _), arr in zip(ARRAYS, (ids, trainable, offsets)):
             np.save(tmp / f"{name}.npy", arr)
         (tmp / "meta.json").write_text(json.dumps(meta))
+        if lock is not None:
+            os.unlink(tmp / WRITER_LOCK)  # not published with the entry; still locked until the rename is done
         if path.exists():  # damaged (load found it so): move it aside, then put the new one in its place
             trash = Path(tempfile.mkdtemp(dir=path.parent, prefix=".bad-"))
             try:
@@ -122,6 +161,8 @@ def save(path: Path, ids, trainable, offsets, meta: dict) -> None:
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        if lock is not None:
+            os.close(lock)
 
 
 def load(path: Path):

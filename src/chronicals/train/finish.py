@@ -60,6 +60,11 @@ def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, token
                  checkpoint, loss)
         if cfg.logging.plot:
             result.plot = plot_losses(metrics.records, out_dir / "loss.png")
+    plot, records = out_dir / "loss.png", out_dir / "metrics.jsonl"
+    if cfg.logging.plot and dp.is_main and result.plot is None and records.is_file():
+        # the run ended between its last step and the curve (a failed or killed final save, a signal): draw it now,
+        # as the uninterrupted run did; one that is there is the run's own
+        result.plot = plot if plot.is_file() else plot_losses(read_records(records, total), plot)
     if cfg.train.save_final and dp.is_main:
         result.final_dir = save_final(model, tokenizer, cfg, out_dir, optimizer)
     if report and result.eval_loss_after is not None:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..config import DEMO, TrainConfig, from_dict, load_config
+from .._jsonio import write_text_atomic
 from ..cuda_alloc import allocator_setting
 from ..models.loading import recorded_name
 from . import checkpoint as ckpt
@@ -276,7 +277,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
             log.info("removed %s, the loss curve of the run before (%s)", plot, why)
 
     def first_record() -> None:
-        (out_dir / "config.yaml").write_text(cfg.to_yaml())
+        write_text_atomic(out_dir / "config.yaml", cfg.to_yaml())  # chat / eval / export read it: never half
         forget_stale()
 
     if dp.is_main:  # config.yaml and metrics.jsonl change only once this run writes its first record

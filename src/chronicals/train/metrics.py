@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .._jsonio import write_text_atomic
+from .._jsonio import atomic_open, write_text_atomic
 
 log = logging.getLogger("chronicals.train")
 
@@ -228,7 +228,8 @@ def plot_losses(records: list[dict], path: Path) -> Path | None:
     ax.legend()
     fig.tight_layout()
     try:
-        fig.savefig(path)
+        with atomic_open(path, "wb") as fh:  # a failed write keeps the earlier curve, not half a PNG
+            fig.savefig(fh, format="png")
     except OSError as e:  # the run's checkpoint, model and metrics are written: a plot is no reason to fail it
         log.warning("could not write the loss curve %s (%s); the losses are in %s", path, e,
                     path.with_name("metrics.jsonl"))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import unicodedata
 from dataclasses import dataclass
 from importlib import resources
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .._jsonio import temp_beside
+from .._jsonio import atomic_open
 from ..config import DEMO, DEMO_SYSTEM_PROMPT
 from ..data.dataset import report_bad_records
 from ..data.formats import FormatError, check_text
@@ -210,21 +209,15 @@ def write_chat_jsonl(records: list[dict], path: Path, system_prompt: str) -> Pat
     path.parent.mkdir(parents=True, exist_ok=True)
     # written whole, then renamed: under data parallel every rank writes the same copy, and a rank reading it while
     # another truncated it saw an empty or partial file
-    tmp = temp_beside(path)
-    try:
-        with tmp.open("w") as fh:
-            for rec in records:
-                if "messages" in rec:
-                    msgs = list(rec["messages"])
-                    if system_prompt and (not msgs or msgs[0].get("role") != "system"):
-                        msgs.insert(0, {"role": "system", "content": system_prompt})
-                else:
-                    msgs = chat_messages(rec["question"], system_prompt, rec["answer"])
-                fh.write(json.dumps({"messages": msgs}) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_open(path) as fh:
+        for rec in records:
+            if "messages" in rec:
+                msgs = list(rec["messages"])
+                if system_prompt and (not msgs or msgs[0].get("role") != "system"):
+                    msgs.insert(0, {"role": "system", "content": system_prompt})
+            else:
+                msgs = chat_messages(rec["question"], system_prompt, rec["answer"])
+            fh.write(json.dumps({"messages": msgs}) + "\n")
     return path
 
 
