@@ -51,3 +51,30 @@ def test_a_document_longer_than_the_window_is_refused_also_after_capture(tmp_pat
     with pytest.raises(ValueError, match="a sequence of 20 tokens is longer than this mistral model's "
                                          "sliding_window=16"):
         train(tiny_config(tmp_path, **over), model=_mistral(16), train_loader=loader)
+
+
+def test_a_long_document_in_the_data_is_refused_before_the_first_step(tmp_path):
+    """Session 26: the per-batch check came at whichever step first drew the long document (a run died at step 3,
+    two steps logged, no checkpoint), without saying which set held it. The sets' longest documents are checked
+    when the loaders are built."""
+    import json
+
+    from chronicals import save_model
+    from smollm2_tokenizer import smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    import transformers
+
+    hf = transformers.MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                    sliding_window=32)
+    base = save_model(CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0), tok, tmp_path / "m")
+    recs = [{"text": "short one"}] * 6 + [{"text": "word " * 40}] + [{"text": "short two"}] * 6
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cfg = tiny_config(tmp_path, model__path=str(base), data__path=str(tmp_path / "d.jsonl"), data__eval_path="",
+                      data__max_seq_len=64, data__batch_size=1, train__max_steps=0, train__epochs=1)
+    with pytest.raises(ValueError, match=r"the training data's longest document \(number \d+ of 13, \d+ tokens "
+                                         r"after data.on_long\) does not fit this model: a sequence of \d+ tokens is "
+                                         r"longer than this mistral model's sliding_window=32"):
+        train(cfg)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -9,6 +9,8 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
+
 from ..config import DEMO, ConfigError, TrainConfig
 from ..data.readers import glob_hint, pyarrow_modules
 from .checkpoint import STATE_FILE
@@ -45,6 +47,27 @@ def check_token_ids(model, *loaders) -> None:
         ids = getattr(getattr(loader, "dataset", None), "ids", None)
         if ids is not None and len(ids):
             check_ids_in_vocab(model, int(ids.max()), f"the {name} data holds token id")
+
+
+def check_document_lengths(model, *loaders) -> None:
+    """ValueError before the first step when a set's longest document is past what the model computes as
+    transformers does (a sliding window, a dynamic rope's limit: ``CausalLM.check_sequence_length``). The forward
+    pass checks each batch too, but that came at whichever step first drew the document, hours in, without saying
+    which set held it."""
+    check = getattr(model, "check_sequence_length", None)
+    for name, loader in zip(("training", "held-out"), loaders):
+        lengths = getattr(getattr(loader, "dataset", None), "lengths", None)
+        if check is None or lengths is None or not len(lengths):
+            continue
+        i = int(np.argmax(lengths))
+        try:
+            check(int(lengths[i]))
+        except ValueError as e:
+            hint = (" A held-out question/answer file's documents hold data.system_prompt as their system message "
+                    "(the demo's, or the template's default when none is set): a shorter one shortens them."
+                    if name == "held-out" else "")
+            raise ValueError(f"the {name} data's longest document (number {i + 1} of {len(lengths)}, "
+                             f"{int(lengths[i])} tokens after data.on_long) does not fit this model: {e}{hint}") from None
 
 
 def check_ids_in_vocab(model, top: int, what: str) -> None:

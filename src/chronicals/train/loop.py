@@ -42,8 +42,9 @@ from .grad_buckets import GradBuckets
 from .graphs import GraphedStep, resolve_cuda_graphs
 from .setup import build_loaders, load_base, prepare_model, resolve_dtype
 from .readback import StepReadback, StepStart
-from .guards import (check_cuda_graphs, check_data_paths, check_final_dir, check_final_model, check_impl,
-                     check_out_dir, check_resume_path, check_token_ids, earlier_finals, final_dir, remove_setup_files)
+from .guards import (check_cuda_graphs, check_data_paths, check_document_lengths, check_final_dir, check_final_model,
+                     check_impl, check_out_dir, check_resume_path, check_token_ids, earlier_finals, final_dir,
+                     remove_setup_files)
 from .resume import (apply_optimizer_settings, check_same_adapter, optimizer_settings, warn_data_changed,
                      warn_loss_settings_changed)
 from .run_dir import _locked_out_dir, _metrics_log, _RanksMetrics
@@ -182,6 +183,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         with dp.main_first():  # rank 0 writes out_dir/data and the tokenization cache; the others reuse them
             train_loader, eval_loader, heldout_qa = build_loaders(cfg, tokenizer, out_dir, dp.rank, dp.world_size)
         check_token_ids(model, train_loader, eval_loader)
+        check_document_lengths(model, train_loader, eval_loader)  # before step 1, not when a batch draws one
     elif getattr(train_loader, "world_size", dp.world_size) != dp.world_size:
         raise ValueError(f"train_loader has world_size={train_loader.world_size} but the job runs "
                          f"{dp.world_size} ranks; build it with PackedLoader(rank=RANK, world_size=WORLD_SIZE)")
