@@ -122,6 +122,8 @@ def test_a_full_disk_while_saving_is_an_oserror_and_leaves_nothing(tmp_path, mon
         chronicals.save_model(model, None, tmp_path / "out")
     assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == ["m"]
     assert _failed(e.value) == 3 and "error: could not write" in capsys.readouterr().err
+    # session 26: the message names the output, not the temporary directory that is gone when it is read
+    assert f"could not write {tmp_path / 'out' / 'model.safetensors'} (" in str(e.value) and ".tmp-" not in str(e.value)
     apply_lora(model, r=2, alpha=4, target_modules=["q_proj"])
     with pytest.raises(OSError, match=r"adapter_model.safetensors .*is its disk full"):
         save_adapter(model, tmp_path / "adapter")

@@ -146,7 +146,12 @@ def _write_then_publish(tmp: Path, out: Path, replace: bool):
     tmp.mkdir()
     os.chmod(tmp, 0o755)  # a saved model should be readable like any directory, whatever the umask
     try:
-        yield tmp
+        try:
+            yield tmp
+        except OSError as e:  # "could not write <tmp>/x.safetensors": the user sees no <tmp>, it is removed below
+            if str(tmp) not in str(e):
+                raise
+            raise OSError(str(e).replace(str(tmp), str(out))) from e
         for f in tmp.rglob("*"):  # some writers create 0600 files; a model directory is world-readable
             os.chmod(f, 0o755 if f.is_dir() else 0o644)
         if out.exists():
