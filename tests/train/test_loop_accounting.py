@@ -95,20 +95,20 @@ def test_a_fraction_of_an_epoch_counts_its_own_steps(tmp_path, docs):
 def test_the_last_step_takes_only_the_fractions_batches(epochs, batches, accum, last):
     """The fraction of an epoch is its batches rounded up, not its steps: 0.3 epochs of 10 batches at grad_accum 8
     trained 8 batches (0.8 epochs), 2.1 epochs of 10 at 4 trained 24 batches instead of 21."""
-    from chronicals.train.stream import _last_step_batches
+    from chronicals.train.stream import _step_plan
 
     cfg = tiny_config(Path("/nonexistent"), train__max_steps=0, train__epochs=epochs, train__grad_accum=accum)
-    assert _last_step_batches(cfg, batches) == last
+    assert _step_plan(cfg, batches)[1] == last
 
 
 @pytest.mark.parametrize("epochs,batches,accum,steps", [(1.1, 10, 1, 11), (2.2, 20, 2, 22), (0.3, 10, 3, 1),
                                                          (2.5, 8, 3, 8)])
 def test_step_counts_of_fractional_epochs_are_exact_decimals(epochs, batches, accum, steps):
     """1.1 - 1 is 0.10000000000000009 in floats: counted that way 1.1 epochs of 10 batches took 12 steps."""
-    from chronicals.train.loop import _total_steps
+    from chronicals.train.stream import _step_plan
 
     cfg = tiny_config(Path("/nonexistent"), train__max_steps=0, train__epochs=epochs, train__grad_accum=accum)
-    assert _total_steps(cfg, batches) == steps
+    assert _step_plan(cfg, batches)[0] == steps
 
 
 class _OneShotLoader(SyntheticLoader):

@@ -49,7 +49,7 @@ from .resume import (apply_optimizer_settings, check_same_adapter, optimizer_set
                      warn_loss_settings_changed)
 from .run_dir import _locked_out_dir, _metrics_log, _RanksMetrics
 from .step import accumulate_data_parallel, evaluate_loss
-from .stream import _last_step_batches, _replan, _restore_position, _Stream, _total_steps
+from .stream import _replan, _restore_position, _step_plan, _Stream
 
 log = logging.getLogger("chronicals.train")
 
@@ -189,8 +189,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
                          f"{dp.world_size} ranks; build it with PackedLoader(rank=RANK, world_size=WORLD_SIZE)")
     trainable = [p for p in model.parameters() if p.requires_grad]
     dp.broadcast_params(trainable)  # rank 0's values everywhere, even if an init differed between ranks
-    total = _total_steps(cfg, len(train_loader))
-    last_batches = _last_step_batches(cfg, len(train_loader))
+    total, last_batches = _step_plan(cfg, len(train_loader))
     optimizer = build_optimizer(model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg, total, warn=False)  # said below, for the length after a resume
     scheduled = total

@@ -103,18 +103,6 @@ def _replan(cfg: TrainConfig, stream: _Stream, start: int, total: int, last_batc
     return start + left, last
 
 
-def _total_steps(cfg: TrainConfig, batches_per_epoch: int) -> int:
-    """The run's optimizer steps from its start (``_step_plan`` from batch 0)."""
-    return _step_plan(cfg, batches_per_epoch)[0]
-
-
-def _last_step_batches(cfg: TrainConfig, batches_per_epoch: int) -> int:
-    """Micro-batches of the run's last step: fewer than grad_accum when a fractional train.epochs ends inside a
-    step (2.1 epochs of 10 batches at grad_accum 4 is 21 batches: steps of 4, 4, 2 per epoch, then 1; it took 4,
-    24 batches). grad_accum under max_steps; an epoch's end shortens its step by itself (``_Stream.take``)."""
-    return _step_plan(cfg, batches_per_epoch)[1]
-
-
 def _step_plan(cfg: TrainConfig, batches_per_epoch: int, done: int = 0) -> tuple[int, int]:
     """(steps, batches of the last one) that take the run from ``done`` batches trained (over all epochs: a resumed
     loader's epoch x batches_per_epoch + position) to its end. train.max_steps: that many steps from the start
@@ -123,7 +111,9 @@ def _step_plan(cfg: TrainConfig, batches_per_epoch: int, done: int = 0) -> tuple
     batches at grad_accum 3 are steps of 3, 3, 3, 1. From the batches, not the steps, so a resume under another
     grad_accum or train.epochs trains exactly the batches that are left (the step count was worked out from 0 as
     if every earlier step had used this run's grad_accum: 6 batches done at grad_accum 2, resumed at 4, stopped
-    after 8 of 16). ValueError when ``done`` is past the run's end."""
+    after 8 of 16). The last step is fewer than grad_accum batches when a fractional train.epochs ends inside a step
+    (2.1 epochs of 10 batches at grad_accum 4 is 21 batches: steps of 4, 4, 2 per epoch, then 1; it took 4, 24
+    batches). ValueError when ``done`` is past the run's end."""
     B, ga = batches_per_epoch, cfg.train.grad_accum
     if B == 0:  # with max_steps too: the first step would end in a bare StopIteration
         raise ValueError("the training loader yields no batches: is the dataset empty?")
