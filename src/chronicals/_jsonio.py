@@ -127,28 +127,41 @@ def _remove_dead_temps(path: Path) -> None:
     """Remove the temporary files of earlier writes of ``path`` whose writer is gone (their flock is free)."""
     if fcntl is None or not path.parent.is_dir():
         return
-    stem = temp_beside(path).name[:-len(str(os.getpid()))]  # ".<name>.tmp-": the pid follows
+    mine = temp_beside(path).name
+    stem = mine[:-len(str(os.getpid()))]  # ".<name>.tmp-": the pid follows
     for p in path.parent.glob(glob.escape(stem) + "*"):
-        if not p.name[len(stem):].isdigit() or p.name == temp_beside(path).name or not p.is_file() or p.is_symlink():
+        if not p.name[len(stem):].isdigit() or p.name == mine or not p.is_file() or p.is_symlink():
             continue
         try:  # a writer locks its file right after creating it: one younger than a minute may not be locked yet
             if time.time() - p.stat().st_mtime < 60:
                 continue
         except OSError:
             continue
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # a live writer holds it
-            os.close(fd)
+        fd = lock_if_free(p)
+        if fd is None:
             continue
         try:
             p.unlink(missing_ok=True)
         finally:
             os.close(fd)
+
+
+def lock_if_free(path) -> int | None:
+    """An fd holding ``path``'s flock when no live process holds it (its writer is gone), else None (held by a live
+    writer, or no such file). The one liveness test of our temporaries: the kernel drops a dead writer's lock,
+    however it died. POSIX only (None elsewhere)."""
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # BlockingIOError: a live writer holds it
+        os.close(fd)
+        return None
+    return fd
 
 
 def write_text_atomic(path, text: str) -> Path:

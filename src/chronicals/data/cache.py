@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .._jsonio import lock_if_free
 from .readers import DataError, file_digest
 
 try:
@@ -109,14 +110,8 @@ def _remove_dead_writes(root: Path) -> None:
     if fcntl is None:
         return
     for d in root.glob(".tmp-*"):
-        try:
-            fd = os.open(d / WRITER_LOCK, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # its writer is alive
-            os.close(fd)
+        fd = lock_if_free(d / WRITER_LOCK)
+        if fd is None:  # its writer is alive, or no lock file
             continue
         try:
             shutil.rmtree(d, ignore_errors=True)

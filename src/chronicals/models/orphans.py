@@ -27,6 +27,8 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+from .._jsonio import lock_if_free
+
 try:
     import fcntl
 except ImportError:  # not POSIX: no locks, no sweeping
@@ -65,20 +67,6 @@ def writer_lock(tmp: Path):
         os.close(fd)
 
 
-def _try_lock(path: Path) -> int | None:
-    """An fd holding ``path``'s lock when its writer is gone, else None (held by a live writer, or no file)."""
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # BlockingIOError: a live writer holds it
-        os.close(fd)
-        return None
-    return fd
-
-
 def tree_bytes(path: Path) -> int:
     """Bytes of the files under ``path`` (for the log line: a killed checkpoint write can leave GBs)."""
     total = 0
@@ -114,7 +102,7 @@ def remove_orphans(parent: Path, pattern: re.Pattern, logger: logging.Logger = l
         if not pattern.fullmatch(tmp.name) or p.is_symlink() or \
                 (is_lock and (tmp.exists() or os.path.lexists(old_path(tmp)))) or (not is_lock and not p.is_dir()):
             continue
-        fd = _try_lock(lock_path(tmp))
+        fd = lock_if_free(lock_path(tmp))
         if fd is None:
             continue
         try:
@@ -149,7 +137,7 @@ def recover_replaced(out: Path, tmp_pattern: re.Pattern, logger: logging.Logger 
         if name == old.name or not tmp_pattern.fullmatch(name) or old.is_symlink() or not old.is_dir():
             continue
         tmp = old.with_name(name)  # old == old_path(tmp)
-        fd = _try_lock(lock_path(tmp))
+        fd = lock_if_free(lock_path(tmp))
         if fd is None:  # a live writer, or no lock file: not known to be a killed write's
             continue
         try:
