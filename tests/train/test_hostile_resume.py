@@ -143,35 +143,12 @@ def test_metrics_a_directory_is_refused_before_a_fresh_run_removes_the_old_check
 def test_metrics_kept_by_a_resume_are_replaced_whole(tmp_path, docs, monkeypatch):
     """The first record of a resumed run rewrote metrics.jsonl in place: a kill or a full disk in that write lost the
     earlier steps' records."""
-    import errno
-    from pathlib import Path
+    from train_helpers import full_disk_for
 
     _run(tmp_path, docs, train__max_steps=2, train__save_every=1)
     metrics = tmp_path / "run" / "metrics.jsonl"
     before = metrics.read_text()
-    real_open = Path.open
-
-    class Full:  # metrics.jsonl (or its temporary) on a full disk: opened (and truncated), every write fails
-        def __init__(self, fh):
-            self.fh = fh
-
-        def write(self, text):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        def fileno(self):  # the writer locks its temporary file first
-            return self.fh.fileno()
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.fh.close()
-
-    def open_on_a_full_disk(self, mode="r", *args, **kwargs):
-        fh = real_open(self, mode, *args, **kwargs)
-        return Full(fh) if "w" in mode and "metrics.jsonl" in self.name else fh
-
-    monkeypatch.setattr(Path, "open", open_on_a_full_disk)
+    full_disk_for(monkeypatch, "metrics.jsonl")  # metrics.jsonl or its temporary: every write fails
     with pytest.raises(OSError, match="No space left"):
         _run(tmp_path, docs, train__max_steps=3, train__resume="auto")
     monkeypatch.undo()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from train_helpers import SyntheticLoader, tiny_config, tiny_model
+from train_helpers import SyntheticLoader, full_disk_for, tiny_config, tiny_model
 
 from chronicals._jsonio import temp_beside, write_text_atomic
 from chronicals.train import train
@@ -24,43 +24,12 @@ def _run(tmp_path, docs, **over):
     return train(tiny_config(tmp_path, **over), model=tiny_model(), train_loader=SyntheticLoader(docs))
 
 
-def _full_disk_for(monkeypatch, name: str):
-    """Writes to any file whose name holds ``name`` (the target or its temporary file) fail with ENOSPC."""
-    real_open = Path.open
-
-    class Full:
-        def __init__(self, fh):
-            self.fh = fh
-
-        def write(self, data):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        def fileno(self):
-            return self.fh.fileno()
-
-        def flush(self):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.fh.close()
-
-    def fake_open(self, mode="r", *a, **k):
-        fh = real_open(self, mode, *a, **k)
-        return Full(fh) if "w" in mode and name in self.name else fh
-
-    monkeypatch.setattr(Path, "open", fake_open)
-    monkeypatch.setattr(Path, "write_text", lambda self, text, *a, **k: fake_open(self, "w").write(text))
-
-
 def test_a_full_disk_keeps_the_runs_config_yaml(tmp_path, docs, monkeypatch):
     _run(tmp_path, docs, train__max_steps=2, train__save_every=1, data__system_prompt="MY SYSTEM PROMPT")
     cfg = tmp_path / "run" / "config.yaml"
     good = cfg.read_text()
     with monkeypatch.context() as m:
-        _full_disk_for(m, "config.yaml")
+        full_disk_for(m, "config.yaml")
         with pytest.raises(OSError, match="No space left"):
             _run(tmp_path, docs, train__max_steps=4, train__save_every=1, train__resume="auto",
                  data__system_prompt="MY SYSTEM PROMPT")

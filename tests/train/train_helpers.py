@@ -129,3 +129,42 @@ def record_dropout_seeds() -> list[int]:
         return d
     D.draw = recording_draw
     return seeds
+
+
+def full_disk_for(monkeypatch, name: str) -> None:
+    """Files whose name holds ``name`` (the target or its temporary file) sit on a full disk: Path.open for writing
+    opens (and truncates) them, and every write raises ENOSPC; Path.write_text too."""
+    import errno
+    from pathlib import Path
+
+    real_open = Path.open
+
+    class Full:
+        def __init__(self, fh):
+            self.fh = fh
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def fileno(self):  # the writer locks its temporary file first
+            return self.fh.fileno()
+
+        def flush(self):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+    def fake_open(self, mode="r", *a, **k):
+        fh = real_open(self, mode, *a, **k)
+        return Full(fh) if "w" in mode and name in self.name else fh
+
+    def fake_write_text(self, text, *a, **k):
+        with fake_open(self, "w", *a, **k) as fh:
+            return fh.write(text)
+
+    monkeypatch.setattr(Path, "open", fake_open)
+    monkeypatch.setattr(Path, "write_text", fake_write_text)
