@@ -89,16 +89,21 @@ def read_json_object(path, what: str, fix: str, *, missing: str | None = None,
 NAME_MAX = 255  # bytes of one file name on Linux file systems (ext4, xfs, tmpfs)
 
 
+def fitting_name(name: str, room: int) -> str:
+    """``name``, or where ``room`` more bytes would pass NAME_MAX, its first 200 bytes and an 8-digit hash of it: the
+    stem of a temporary name beside ``name`` (a valid 250-byte name failed after minutes of scoring with "File name
+    too long")."""
+    if len(name.encode()) + room <= NAME_MAX:
+        return name
+    return f"{name.encode()[:200].decode(errors='ignore')}.{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+
+
 def temp_beside(path) -> Path:
-    """The temporary file beside ``path`` that is written first and renamed over it: ``.<name>.tmp-<pid>``, or with
-    the name cut to 200 bytes and an 8-digit hash of it where that would pass NAME_MAX (a valid 250-byte name
-    failed after minutes of scoring with "File name too long")."""
+    """The temporary file beside ``path`` that is written first and renamed over it: ``.<name>.tmp-<pid>``, the name
+    shortened by ``fitting_name`` where that would pass NAME_MAX."""
     path = Path(path)
-    tmp = f".{path.name}.tmp-{os.getpid()}"
-    if len(tmp.encode()) > NAME_MAX:
-        cut = path.name.encode()[:200].decode(errors="ignore")
-        tmp = f".{cut}.{hashlib.sha1(path.name.encode()).hexdigest()[:8]}.tmp-{os.getpid()}"
-    return path.with_name(tmp)
+    suffix = f".tmp-{os.getpid()}"
+    return path.with_name(f".{fitting_name(path.name, 1 + len(suffix))}{suffix}")
 
 
 @contextmanager

@@ -258,3 +258,21 @@ def test_a_replace_that_cannot_put_the_previous_output_back_keeps_its_lock(tmp_p
         with hf_io.atomic_dir(out, replace=False):
             pass
     assert (out / "config.json").read_text() == "old" and _names(tmp_path) == ["model"]
+
+
+def test_an_output_name_near_name_max_is_written_replaced_and_its_orphans_found(tmp_path):
+    """A 250-byte directory name is valid, but ``.<name>.tmp-<pid>-<hex>.lock`` would pass 255 bytes ("File name too
+    long" after the whole save): the temporaries take a shortened stem, and the sweep looks for that stem."""
+    from chronicals._jsonio import fitting_name
+    from chronicals.models.hf_io import _TEMP_ROOM, _temp_pattern, atomic_dir
+
+    out = tmp_path / ("m" * 250)
+    for text in ("first", "second"):
+        with atomic_dir(out) as d:
+            (d / "config.json").write_text(text)
+            assert all(len(p.name.encode()) <= 255 - len(".lock") for p in tmp_path.iterdir())
+    assert (out / "config.json").read_text() == "second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+    dead = _tmp(tmp_path, f".{'m' * 200}.{'0' * 8}.tmp-4242-0a1b2c3d")  # another target's stem: not ours
+    killed = _tmp(tmp_path, f".{fitting_name(out.name, _TEMP_ROOM)}.tmp-4242-0a1b2c3d")
+    assert orphans.remove_orphans(tmp_path, _temp_pattern(out.name)) == [killed] and dead.is_dir()

@@ -26,7 +26,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from .._jsonio import json_kind, read_json_object
+from .._jsonio import fitting_name, json_kind, read_json_object
 from .config import ModelConfig, absent_defaults_note, rope_inv_freq
 from .decoder import CausalLM
 from .orphans import old_path, recover_replaced, remove_orphans, writer_lock
@@ -81,9 +81,14 @@ def refuse_foreign_files(out: Path, owned: tuple[str, ...]) -> None:
 
 
 # ---------------------------------------------------------------- atomic writes
+# ".tmp-<pid up to 7 digits>-<8 hex>.lock" and the dot in front: what a temporary directory's lock file adds to a name
+_TEMP_ROOM = 1 + len(".tmp-4194304-01234567.lock")
+
+
 def _temp_pattern(name: str) -> re.Pattern:
-    """``atomic_dir``'s temporary directories for target ``name``: ``.{name}.tmp-{pid}-{8 hex digits}``."""
-    return re.compile(rf"\.{re.escape(name)}\.tmp-\d+-[0-9a-f]{{8}}")
+    """``atomic_dir``'s temporary directories for target ``name``: ``.{stem}.tmp-{pid}-{8 hex digits}``, the stem
+    ``name`` shortened by ``fitting_name`` where its lock file's name would pass NAME_MAX."""
+    return re.compile(rf"\.{re.escape(fitting_name(name, _TEMP_ROOM))}\.tmp-\d+-[0-9a-f]{{8}}")
 
 
 def output_path(out_dir: str | Path) -> Path:
@@ -125,8 +130,9 @@ def atomic_dir(out_dir: str | Path, *, replace: bool = True, owned: tuple[str, .
     ``out_dir`` is replaced (two renames: a reader in between sees no directory, never a partial one),
     or with replace=False a FileExistsError is raised. ``owned``: the file-name patterns the replaced
     directory may hold (``refuse_foreign_files``, checked before anything is written). The temporary
-    directory is ``.{name}.tmp-{pid}-{random}``, locked while it is written: those of earlier writers of
-    ``out_dir`` that were killed mid-write (their own cleanup never ran) are removed first (``orphans``).
+    directory is ``.{name}.tmp-{pid}-{random}`` (``name`` shortened by ``fitting_name`` near NAME_MAX), locked
+    while it is written: those of earlier writers of ``out_dir`` that were killed mid-write (their own cleanup
+    never ran) are removed first (``orphans``).
     The replaced ``out_dir`` is moved aside to ``<temp dir>.old`` under the same lock. A writer killed between
     the two renames leaves no ``out_dir`` until the next call, which first renames it back (a write that did
     not finish leaves ``out_dir`` as it was); one killed after them leaves a stale copy, which the next removes.
@@ -136,7 +142,7 @@ def atomic_dir(out_dir: str | Path, *, replace: bool = True, owned: tuple[str, .
     check_output_dir(out, owned if replace else None)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_orphans(out.parent, _temp_pattern(out.name))  # a killed earlier write's, before this one needs the space
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = out.parent / f".{fitting_name(out.name, _TEMP_ROOM)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     with writer_lock(tmp):
         yield from _write_then_publish(tmp, out, replace)
 
