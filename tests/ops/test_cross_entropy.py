@@ -327,7 +327,12 @@ def test_default_chunk_rows():
     # with a weight gradient the chunk is max(H, 1,792) rows (dW's fp32 accumulator traffic per FLOP halved
     # at 0.5B against C = H; dW lives in the workspace's first V x H elements): 1,792 at 0.5B, 4,096 at 8B
     assert default_chunk_rows(16384, 896, 151936, True, 2) == 1792
-    assert default_chunk_rows(8192, 4096, 128256, True, 2) == 4096
+    # ... or every row in one chunk where that takes no more memory (dW from one GEMM, no fp32 accumulator):
+    # at 8B, N 8,192 takes 2.1 GB of logits + 1.05 GB of dW, as two chunks took 1.05 + 2.1 GB; N 8,200 does not
+    assert default_chunk_rows(8192, 4096, 128256, True, 2) == 8192
+    assert default_chunk_rows(8200, 4096, 128256, True, 2) == 4096
+    assert default_chunk_rows(2688, 896, 151936, True, 2) == 2688  # 0.5B: up to 1,792 + H rows
+    assert default_chunk_rows(2689, 896, 151936, True, 2) == 1792
     # vocab_parts > 1 is the low-memory mode: chunks of H keep its workspace at V x H (0.56 GiB in all at 0.5B)
     assert default_chunk_rows(16384, 896, 151936, True, 2, vocab_parts=2) == 896
     # frozen head: ~256 MB of bf16 logits, 883 rows at V = 151,936; never more rows than the batch
@@ -373,3 +378,39 @@ def test_errors_say_what_to_fix(bad, match):
     kw = {k: (t.to(DEV) if isinstance(t, torch.Tensor) else t) for k, t in kw.items()}
     with pytest.raises(ValueError, match=match):
         linear_cross_entropy(kw.pop("hidden"), kw.pop("weight"), kw.pop("labels"), impl="triton", **kw)
+
+
+@pytest.mark.parametrize("chunk_rows,accumulators", [(None, 0), (3, 1)])
+def test_one_chunk_makes_no_fp32_weight_gradient_accumulator(chunk_rows, accumulators):
+    """All rows in one chunk (the default where that fits: 7 rows here, Llama-3-8B's head at N 8,192) take dW from
+    one GEMM over every row, so no (V, H) fp32 buffer is made; in chunks of 3 rows one accumulator is. Both track
+    the reference."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from chronicals.ops.cross_entropy import linear_ce_chunked
+
+    n, h, v = 7, 64, 1031
+    x, w, _, labels = make_inputs(n, h, v, torch.bfloat16, False, seed=23)
+    rows = default_chunk_rows(n, h, v, True, 2) if chunk_rows is None else chunk_rows
+    made = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outs = out if isinstance(out, (tuple, list)) else [out]
+            made.extend(str(func) for t in outs if isinstance(t, torch.Tensor) and t.dtype == torch.float32
+                        and t.numel() >= v * h)
+            return out
+
+    scale = torch.ones(1, device=DEV, dtype=torch.float32)
+    with Count():
+        _, _, dh, dw, _ = linear_ce_chunked(x, w, labels, None, scale, None, ignore_index=IGNORE, softcap=None,
+                                            need_dh=True, need_dw=True, need_db=False, chunk_rows=rows)
+    assert len({m for m in made if "zero" in m or "empty" in m}) == accumulators, made
+    ours = [dh, dw]  # scale 1: the gradients of the "sum" loss
+    same_dtype = run(lambda a, b, y, _: linear_cross_entropy_ref(a, b, y, reduction="sum"), x, w, None, labels,
+                     torch.ones(()))[1:]
+    exact = run(lambda a, b, y, _: exact_lce(a, b, y, None, "sum", None), x.double(), w.double(), None, labels,
+                torch.ones(()))[1:]
+    for name, o, t, r in zip(["d_hidden", "d_weight"], ours, same_dtype, exact):
+        assert_tracks_torch(name, o, t, r, dtype=torch.bfloat16)

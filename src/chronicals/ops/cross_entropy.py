@@ -17,8 +17,9 @@ sum / count of this call (count clamped to 1, so an all-ignored batch gives 0, n
 
 Design of the Triton path (``impl="triton"``; the op ``chronicals::linear_cross_entropy``)
 -----------------------------------------------------------------------------------------
-Rows are processed in chunks of C (C = max(H, 1,792) when the weight needs a gradient, so 1,792 at Qwen2.5-0.5B
-and 4,096 at Llama-3-8B; ``DW_MIN_ROWS``):
+Rows are processed in chunks of C (C = max(H, 1,792) when the weight needs a gradient, so 1,792 at Qwen2.5-0.5B;
+``DW_MIN_ROWS``; or all N rows at once where one chunk takes no more memory, ``single_chunk_fits``: Llama-3-8B's
+head at N 8,192, whose dW then comes from one GEMM over all rows with no fp32 accumulator):
 
     logits[c]  = hidden[c] @ weight.T            cuBLAS, (C, V) in the input dtype, into one workspace
     row kernel : pass 1 online softmax over vocab tiles -> lse, loss (fp32 registers);
@@ -66,8 +67,9 @@ Memory at that shape: workspace C x V bf16 = 544 MB (its first V x H elements be
 end), fp32 accumulator 544 MB, dH 29 MB: peak ~1.12 GB = 1.04 GiB including both gradients (0.79 GiB at C = H,
 whose workspace was exactly dW's size; the whole training step peaks in the head, so C = 1,792 costs the
 step 0.25 GiB of peak for ~3% of its speed: see DW_MIN_ROWS). Without a weight gradient (LoRA) C = 256 MB / (2V) and the extra is
-the workspace alone. Llama-3-8B head (N 8,192, H 4,096, V 128,256): C = 4,096, two chunks, workspace =
-dW = 1.05 GB, fp32 accumulator 2.1 GB (3.2 GB in all with the gradients); its LoRA case has no dW at all.
+the workspace alone. Llama-3-8B head (N 8,192, H 4,096, V 128,256): one chunk, workspace 2.1 GB, dW 1.05 GB
+written once by its GEMM (two chunks of 4,096 took the same 3.2 GB with the gradients: workspace = dW 1.05 GB and
+an fp32 accumulator of 2.1 GB read and written twice); its LoRA case has no dW at all.
 
 Less memory, exactly (``vocab_parts`` k > 1, with a weight gradient): no fp32 accumulator beyond dW itself.
 - dW (V, H) is allocated first; its bytes, read as fp32, hold V x elt / 4 rows (V / 2 in bf16). The pass
@@ -153,13 +155,24 @@ DW_MIN_ROWS = 1792
 
 def default_chunk_rows(n: int, h: int, v: int, need_dw: bool, elt_bytes: int, vocab_parts: int = 1) -> int:
     """Rows per chunk: with a weight gradient max(H, DW_MIN_ROWS) for one vocabulary part (the workspace then
-    holds at least V x H, dW's storage at the end) and H for several (the low-memory mode: the workspace holds
-    the second pass's logits, V x H elements); else a workspace of ~256 MB."""
+    holds at least V x H, dW's storage at the end), or all N rows where one chunk takes no more memory than that
+    (``single_chunk_fits``), and H for several parts (the low-memory mode: the workspace holds the second pass's
+    logits, V x H elements); else a workspace of ~256 MB."""
     if need_dw:
         rows = max(h, DW_MIN_ROWS) if vocab_parts == 1 else h
+        if vocab_parts == 1 and single_chunk_fits(n, h, v, rows, elt_bytes):
+            return max(1, n)
     else:
         rows = WORKSPACE_BYTES // (v * elt_bytes)
     return max(1, min(n, max(MIN_CHUNK_ROWS, rows)))
+
+
+def single_chunk_fits(n: int, h: int, v: int, rows: int, elt_bytes: int) -> bool:
+    """Whether one chunk of all N rows with a weight gradient (its (N, V) logits, and dW in one GEMM over all rows
+    into its own (V, H): no fp32 accumulator) takes no more memory than chunks of ``rows`` (a (rows, V) workspace
+    holding dW at the end, and the (V, H) fp32 accumulator). Llama-3-8B head, N 8,192: 2.1 + 1.05 GB against
+    1.05 + 2.1 GB, and it saves the accumulator's read-modify-write (2 x 2 x 2.1 GB) and its final cast."""
+    return n * v * elt_bytes + v * h * elt_bytes <= max(rows * v, v * h) * elt_bytes + v * h * 4
 
 
 def part_one_rows(v: int, parts: int, elt_bytes: int) -> int:
@@ -238,13 +251,16 @@ def linear_ce_chunked(hidden, weight, labels, bias, scale, lse_in, *, ignore_ind
     # a weight gradient: dW is its first V x H elements at the end, no second (V, H) allocation (with C > H the
     # returned dW is a view into the larger workspace, freed with it once the backward has scaled it). With
     # several parts, dW is allocated first and part 1's fp32 accumulator lives in its bytes.
-    reuse = need_dw and parts == 1
+    # One chunk of all rows (N > 0) takes dW in one GEMM contracted over N: fp32 inside the GEMM, rounded once, no
+    # fp32 (V, H) accumulator; the workspace holds the logits then, so dW has its own storage.
+    single = need_dw and parts == 1 and 0 < n <= c
+    reuse = need_dw and parts == 1 and not single
     ws = torch.empty(max(c * v, v * h if reuse else 0), device=dev, dtype=dt)
     dw = torch.empty((v, h) if need_dw and not reuse else (0,), device=dev, dtype=weight.dtype)
     if need_dw and parts > 1:
         dw32 = fp32_rows_of(dw, vp).zero_()
     else:
-        dw32 = torch.zeros((vp, h) if need_dw else (0,), device=dev, dtype=torch.float32)
+        dw32 = torch.zeros((vp, h) if need_dw and not single else (0,), device=dev, dtype=torch.float32)
     # One-pass row kernel (the training forward of "mean" / "sum" without a weight or bias gradient: LoRA, a frozen
     # head): the chunk holds w with d_logits = rho * w - gamma * onehot, so dH = rho * (w @ W) - gamma * W[label],
     # from the GEMM's fp32 output, rounded once (``dh_finish``). A weight gradient would need rho inside its
@@ -268,15 +284,17 @@ def linear_ce_chunked(hidden, weight, labels, bias, scale, lse_in, *, ignore_ind
                 dh_finish(_mm_wide(buf, weight, dh_acc[:rows]), weight, labels, r0, rho, gamma, dh[r0:r0 + rows])
             else:
                 torch.mm(buf, weight, out=dh[r0:r0 + rows])
-        if need_dw:
+        if single:
+            _dw_one_gemm(buf, x, dw)
+        elif need_dw:
             dw_accumulate(buf[:, :vp], x, dw32)  # part 1: the first vp vocabulary rows
         if need_db:
             db32 += buf.sum(0, dtype=torch.float32)
     if reuse:
         dw = ws[:v * h].view(v, h)
-    if need_dw and parts == 1:
+    if need_dw and parts == 1 and not single:
         dw.copy_(dw32)
-    elif need_dw and dw.dtype != torch.float32:  # fp32 weights: the accumulator already is dw[:vp]
+    elif need_dw and parts > 1 and dw.dtype != torch.float32:  # fp32 weights: the accumulator already is dw[:vp]
         downcast_in_place_(dw32, dw, ws)
     del dw32
     # Second pass: vocabulary rows vp..V in chunks of cv, each over all N rows: its logits (N x cv) from the
@@ -309,6 +327,16 @@ def _one_pass_ok(t: torch.Tensor) -> bool:
     if t.dtype == torch.bfloat16:
         return not t.is_cuda or _CUBLAS_MM_FP32
     return t.dtype in (torch.float32, torch.float64)
+
+
+def _dw_one_gemm(dlogits: torch.Tensor, x: torch.Tensor, dw: torch.Tensor) -> None:
+    """dw (V, H) = dlogits (N, V).T @ x (N, H), accumulated in fp32 (fp64 for fp64) and rounded once into dw's dtype:
+    cuBLAS accumulates its bf16 / fp16 GEMMs in fp32; on the CPU (the interpreter tests) the product is taken in
+    fp32 and cast."""
+    if dw.is_cuda or dw.dtype in (torch.float32, torch.float64):
+        torch.mm(dlogits.t(), x, out=dw)
+    else:
+        dw.copy_(torch.mm(dlogits.t().float(), x.float()))
 
 
 def _mm_wide(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
