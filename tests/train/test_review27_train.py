@@ -41,7 +41,8 @@ def test_resume_of_a_finished_run_without_its_closing_eval_runs_it(tmp_path, doc
 
 def test_interval_eval_skips_the_last_step(tmp_path, docs):
     cfg = tiny_config(tmp_path, train__max_steps=4, eval__every=2)
-    train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs), eval_loader=SyntheticLoader(docs[:4], shuffle=False))
+    train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs),
+          eval_loader=SyntheticLoader(docs[:4], shuffle=False))
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [(r["step"], r.get("tag")) for r in recs if r.get("kind") == "eval"]
     assert [s for s, _ in evals].count(4) == 1, evals
