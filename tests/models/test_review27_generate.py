@@ -3,8 +3,6 @@ same_model across spellings of one directory (LoRA resume and the base warnings 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from chronicals.bench.shapes import get_shape, model_config
