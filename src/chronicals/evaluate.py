@@ -155,8 +155,9 @@ def evaluate(model, tokenizer, data: DataSection, device: torch.device, *, qa_li
     if context and data.max_seq_len > context:
         log.warning("max_seq_len=%d is longer than the model's max_position_embeddings=%d: positions past %d were "
                     "not trained, so the loss of longer examples says little", data.max_seq_len, context, context)
+    system = heldout_system_prompt(data) if system_prompt is None else system_prompt  # one answer for both uses
     with tempfile.TemporaryDirectory(prefix="chronicals-eval-") as tmp:
-        loader, qa = heldout_loader(data, tokenizer, Path(tmp), option_names, system_prompt)
+        loader, qa = heldout_loader(data, tokenizer, Path(tmp), option_names, system)
     ds = loader.dataset
     if len(ds.ids):  # host ids: the embedding would raise a bare IndexError
         check_ids_in_vocab(model, int(ds.ids.max()), f"{data.path} holds token id")
@@ -164,7 +165,7 @@ def evaluate(model, tokenizer, data: DataSection, device: torch.device, *, qa_li
     result = EvalResult(data=data.path, loss=loss, loss_tokens=n, examples=len(ds), stats=ds.stats)
     if qa is not None:
         result.qa = qa[:qa_limit] if qa_limit else qa
-        result.system_prompt = heldout_system_prompt(data) if system_prompt is None else system_prompt
+        result.system_prompt = system
         result.answers = answer_all(model, tokenizer, result.qa, result.system_prompt, max_new_tokens)
     return result
 
