@@ -1,6 +1,6 @@
 """config.json without num_key_value_heads or head_dim reads as transformers 5 reads it: each family's class
 default (Mistral 8 kv heads, Qwen2 / Qwen3 32, Qwen3 head_dim 128), not heads or hidden / heads as Llama derives
-them (session 26: such directories were refused with "config.json and the weights disagree")."""
+them (such directories used to be refused with "config.json and the weights disagree")."""
 
 from __future__ import annotations
 

@@ -1,12 +1,17 @@
-"""models.generate on tiny random models: the arguments it refuses, and where it stops."""
+"""models.generate on tiny random models: the arguments it refuses, and where it stops; models.chat; the limits
+evaluate takes."""
 
 import importlib
 import re
 
+import numpy as np
 import pytest
 import torch
 
+from chronicals.bench.shapes import get_shape, model_config
+from chronicals.evaluate import evaluate
 from chronicals.models import CausalLM, ModelConfig, generate
+from chronicals.models.generate import greedy_rows
 
 generate_mod = importlib.import_module("chronicals.models.generate")  # the package's name is the function
 
@@ -174,3 +179,79 @@ def test_a_temperature_near_zero_samples_the_greedy_tokens(tiny_hf_config, t):
 def test_a_temperature_that_is_not_a_finite_number_is_refused(tiny_hf_config, t):
     with pytest.raises(ValueError, match="must be a finite number >= 0"):
         generate(_model(tiny_hf_config), torch.tensor([1, 2]), 2, temperature=t)
+
+
+@pytest.fixture
+def model(tiny_hf_config):
+    return CausalLM(ModelConfig.from_hf_dict(tiny_hf_config("qwen3"))).init_weights(std=0.5, seed=0).eval()
+
+
+@pytest.mark.parametrize("n", [-1, 2.5, True, "4"])
+def test_max_new_tokens_must_be_a_whole_number(model, n):
+    """-1 decoded without end (401 tokens past a 128-position context before a streamer stopped it)."""
+    ids = torch.tensor([5, 6, 7])
+    with pytest.raises(ValueError, match="must be a whole number >= 0"):
+        generate(model, ids, n)
+    with pytest.raises(ValueError, match="must be a whole number >= 0"):
+        greedy_rows(model, ids[None], n, set())
+
+
+def test_eos_ids_of_any_integer_kind(model):
+    ids = torch.tensor([5, 6, 7])
+    free = generate(model, ids, 6).tolist()
+    stop = free[2]
+    for eos in (np.int64(stop), [np.int32(stop)], torch.tensor(stop), (stop,)):
+        assert generate(model, ids, 6, eos_token_id=eos).tolist() == free[:free.index(stop) + 1]
+    assert greedy_rows(model, ids[None], 6, None) == [free]
+    assert greedy_rows(model, ids[None], 6, np.int64(stop)) == [free[:free.index(stop) + 1]]
+    with pytest.raises(ValueError, match="give a token id or a list of token ids"):
+        generate(model, ids, 6, eos_token_id="</s>")
+
+
+@pytest.mark.parametrize("kw,value", [("qa_limit", -1), ("qa_limit", 1.5), ("max_new_tokens", 0),
+                                      ("max_new_tokens", -3)])
+def test_evaluate_refuses_a_limit_it_would_misread(kw, value):
+    """qa_limit=-1 sliced off the last question; max_new_tokens <= 0 scored every answer 0 without a word."""
+    with pytest.raises(ValueError, match=f"evaluate: {kw}={value!r} must be a whole number"):
+        evaluate(None, None, None, torch.device("cpu"), **{kw: value})
+
+
+def _tiny_model():
+    return CausalLM(model_config(get_shape("tiny"))).float().init_weights(std=0.5, seed=0).eval()
+
+
+def test_top_p_keeps_the_token_that_crosses_it():
+    """Nucleus = the smallest set of most likely tokens whose mass REACHES top_p: with top_p below the top token's
+    probability it is that token alone (sampling is greedy), never an empty set."""
+    model = _tiny_model()
+    ids = torch.randint(3, 500, (6,), generator=torch.Generator().manual_seed(3))
+    greedy = generate(model, ids, 4)
+    for seed in range(3):
+        got = generate(model, ids, 4, temperature=1.0, top_p=1e-6, generator=torch.Generator().manual_seed(seed))
+        assert got.tolist() == greedy.tolist()
+
+
+class _Tok:
+    """A tokenizer stand-in: records the template call, decodes ids as text."""
+    chat_template = "{{ messages }}"
+    eos_token_id = None
+
+    def __init__(self):
+        self.calls = []
+
+    def apply_chat_template(self, messages, **kw):
+        self.calls.append((messages, kw))
+        return [5, 6, 7] + ([9] if kw.get("add_generation_prompt") else [])  # 9: the opened assistant turn
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(map(str, ids.tolist()))
+
+
+def test_models_chat_opens_the_assistant_turn():
+    from chronicals.models import chat
+
+    tok = _Tok()
+    text = chat(_tiny_model(), tok, "hi", max_new_tokens=3)
+    (messages, kw), = tok.calls
+    assert messages == [{"role": "user", "content": "hi"}] and kw["add_generation_prompt"] is True
+    assert len(text.split()) == 3

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from test_gguf import _tiny
 from test_gguf_cache_prune import _write
 
@@ -64,3 +65,15 @@ def test_an_intact_entry_is_reused_without_a_word(tmp_path, cache, tiny, caplog,
         assert gguf_io.cached_gguf_dir(path) == out
     assert gguf_cache._damage(out) is None
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_trailing_bytes_after_the_tensors_are_damage(tmp_path):
+    """A cached safetensors file longer than its header says (bytes after the tensors, as a copy into an existing
+    larger file leaves) is damage: safetensors refuses to load it, so the entry is converted again."""
+    f = tmp_path / "model.safetensors"
+    save_file({"w": torch.zeros(4, 4)}, str(f))
+    assert gguf_cache._damage(tmp_path) is None  # intact
+    with open(f, "ab") as fh:
+        fh.write(b"\0" * 16)
+    why = gguf_cache._damage(tmp_path)
+    assert why is not None and "model.safetensors" in why

@@ -12,7 +12,7 @@ import transformers
 import chronicals
 from chronicals.models import gguf_tokenizer
 from chronicals.models.gguf_tokenizer import convert_tokenizer
-from test_gguf_hunt17 import _BPE_VOCAB, _bpe_tokenizer_metadata, hf_model, write_gguf
+from test_gguf_metadata import _BPE_VOCAB, _bpe_tokenizer_metadata, hf_model, write_gguf
 
 _PIECES = ["▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "he", "ll", "hell", "hello", "▁hello", "▁w", "or", "▁wor",
            "▁world", "ld"]

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import transformers
-from test_gguf_hunt17 import _BPE_VOCAB, _bpe_tokenizer_metadata, hf_model, write_gguf
+from test_gguf_metadata import _BPE_VOCAB, _bpe_tokenizer_metadata, hf_model, write_gguf
 
 import chronicals
 from chronicals.models import gguf_cache, gguf_io

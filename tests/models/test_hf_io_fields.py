@@ -1,5 +1,6 @@
 """What save_model writes besides the weights, which the round trips of test_checkpoint_io.py never read:
-config.json's dtype (transformers' dtype="auto" follows it), the shard index's total_size, and file modes."""
+config.json's dtype (transformers' dtype="auto" follows it) and top-level rope_theta, the shard index's total_size,
+and file modes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import torch
 import transformers
 from safetensors import safe_open
+from test_decoder import _cfg
 
 import chronicals
 from chronicals.models import CausalLM, ModelConfig
@@ -69,3 +71,10 @@ def test_rope_scaling_named_by_the_older_type_key_survives_save(tmp_path, tiny_h
         want = model(ids)
         torch.testing.assert_close(again(ids), want)
         torch.testing.assert_close(hf(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_config_json_has_rope_theta_at_the_top_level_too():
+    """transformers 4.x (and converters that read it there) fall back to 10,000 without it: another model for
+    Qwen's 1e6."""
+    d = _cfg(model_type="qwen2", vocab_size=17, rope_theta=1e6, qkv_bias=True).to_hf_dict()
+    assert d["rope_theta"] == 1e6 and d["rope_parameters"]["rope_theta"] == 1e6

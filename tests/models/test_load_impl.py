@@ -1,5 +1,6 @@
 """load_model refuses an impl it cannot run when called, not at the first forward; CausalLM / set_impl refuse
-unknown names; save_model's docstring matches what it does with an existing directory."""
+unknown names; save_model's docstring matches what it does with an existing directory; same_model tells two
+spellings of one model directory from another model (LoRA resume and the base warnings read it)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 import chronicals
 from chronicals.models import CausalLM, ModelConfig
-from chronicals.models.loading import save_model
+from chronicals.models.loading import same_model, save_model
 
 
 @pytest.fixture
@@ -61,3 +62,15 @@ def test_save_model_docstring_says_when_a_directory_is_replaced(saved):
     with pytest.raises(FileExistsError, match=r"notes.txt"):
         chronicals.save_model(chronicals.load_model(saved, tokenizer=False)[0], None, saved)
     assert (saved / "notes.txt").read_text() == "mine" and (saved / "config.json").is_file()
+
+
+def test_two_spellings_of_one_model_are_the_same(tmp_path, monkeypatch):
+    d = tmp_path / "base"
+    d.mkdir()
+    (tmp_path / "link").symlink_to(d)
+    monkeypatch.chdir(tmp_path)
+    assert same_model("base", str(d)) and same_model(str(tmp_path / "link"), "./base")
+    other = tmp_path / "other"
+    other.mkdir()
+    assert not same_model(str(d), str(other))
+    assert not same_model("smollm2-135m-instruct", str(d)) and not same_model(None, str(d))

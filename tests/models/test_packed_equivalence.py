@@ -1,13 +1,16 @@
-"""Packed rows give exactly the per-document loss and every parameter gradient (our decoder, float32)."""
+"""Packed rows give exactly the per-document loss and every parameter gradient (our decoder, float32); the last
+token of each packed document predicts nothing."""
 
 import numpy as np
 import pytest
 import torch
 import transformers
+from test_decoder import _cfg
 
 from chronicals.data import collate_rows, pack_bfd
 from chronicals.models import CausalLM
 from chronicals.models.config import ModelConfig
+from chronicals.models.decoder import shift_labels_per_document
 
 
 def tiny_model():
@@ -88,3 +91,21 @@ def test_packed_training_step_on_cuda_matches_float32(varlen):
         assert abs(loss - ref_loss) <= 2e-2 * abs(ref_loss)
         errs[kernel] = max(((grads[k] - ref[k]).abs().max() / ref[k].abs().max()).item() for k in ref)
     assert errs["flash"] < 0.1 and errs[varlen] <= 1.5 * errs["flash"] + 1e-3, errs
+
+
+def test_the_last_token_of_each_packed_document_predicts_nothing():
+    labels = torch.tensor([[10, 11, 12, 20, 21, 22]])
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    assert shift_labels_per_document(labels, pos).tolist() == [[11, 12, -100, 21, 22, -100]]
+
+
+def test_a_packed_rows_loss_with_labels_is_the_sum_of_its_documents_losses():
+    model = CausalLM(_cfg()).init_weights(seed=0).eval()
+    a, b = torch.tensor([[3, 4, 5, 6]]), torch.tensor([[7, 8, 9]])
+    ids = torch.cat([a, b], 1)
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2]])
+    cu = torch.tensor([0, 4, 7], dtype=torch.int32)
+    with torch.no_grad():
+        packed = model(ids, position_ids=pos, cu_seqlens=cu, max_seqlen=4, labels=ids, reduction="sum")
+        apart = model(a, labels=a, reduction="sum") + model(b, labels=b, reduction="sum")
+    torch.testing.assert_close(packed, apart, rtol=1e-5, atol=1e-5)

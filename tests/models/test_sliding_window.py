@@ -4,6 +4,7 @@ of silently computing something else; a model none of whose layers slide has no 
 
 import pytest
 import torch
+import transformers
 
 from chronicals.models import CausalLM, ModelConfig
 
@@ -108,3 +109,14 @@ def test_qwen_with_some_sliding_layers_refuses_neutrally():
                                          r"longer than 8 tokens need sliding-window attention.*Keep prompt plus "
                                          r"generated tokens within 8; for training set data\.max_seq_len <= 8"):
         model(torch.randint(0, 97, (1, 9)))
+
+
+@pytest.mark.parametrize("value", ["1", None, -1, 1.5])
+def test_a_bad_max_window_layers_names_the_field(value):
+    """use_sliding_window with max_window_layers "1" or null gave a bare TypeError ('<' between str and int)."""
+    d = transformers.Qwen2Config(vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True).to_dict()
+    d.pop("layer_types", None)
+    d["max_window_layers"] = value
+    with pytest.raises(ValueError, match=rf"max_window_layers={value!r} must be an integer >= 0"):
+        ModelConfig.from_hf_dict(d)

@@ -1,6 +1,6 @@
-"""GGUF in, hunted: GGUF files written here from tiny random transformers models (llama.cpp's conventions:
-names, Q/K row permutation for ``llama``, metadata keys), read back by chronicals and compared with the
-transformers model on the same weights."""
+"""GGUF metadata in: GGUF files written here from tiny random transformers models (llama.cpp's conventions:
+names, Q/K row permutation for ``llama``, metadata keys: rope scaling, per-layer values, the tokenizer, damaged
+values), read back by chronicals and compared with the transformers model on the same weights."""
 
 from __future__ import annotations
 
