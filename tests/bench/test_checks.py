@@ -1,4 +1,7 @@
-"""Parity with transformers (full and LoRA) and the learning check, on the tiny model on CPU."""
+"""Parity with transformers (full and LoRA), the learning and correctness verdicts and the gradient cosine, on the
+tiny model on CPU."""
+
+import math
 
 import torch
 
@@ -35,3 +38,26 @@ def test_learning_loss_falls():
     assert res["status"] == "ok", res
     full = res["runs"][0]
     assert full["losses"][-1] < 0.75 * full["losses"][0]
+
+
+def test_learning_fails_a_loss_that_falls_less_than_min_drop():
+    res = checks.learning(RunSpec("learning", shape="tiny", rows=1, seq=32, steps=4, device="cpu", lr=3e-3),
+                          min_drop_full=0.99, min_drop_lora=0.99)
+    assert res["status"] == "FAILED"
+    assert [r["status"] for r in res["runs"]] == ["FAILED", "FAILED"]
+    assert all(r["losses"][-1] < r["losses"][0] for r in res["runs"])  # it fell, just not by 99%
+
+
+def test_correctness_fails_when_one_method_fails(monkeypatch):
+    def fake(spec, method):
+        ok = method == "full"
+        return {"method": method, "status": "ok" if ok else "FAILED", "reason": "" if ok else "lora off"}
+
+    monkeypatch.setattr(checks, "_parity", fake)
+    res = checks.correctness(RunSpec("correctness", shape="tiny", rows=2, seq=16, device="cpu"))
+    assert res["status"] == "FAILED" and "lora: lora off" in res["reason"]
+
+
+def test_cosine_is_nan_when_one_side_has_extra_parameters():
+    a = {"w": torch.tensor([1.0, 0.0])}
+    assert math.isnan(checks.cosine(dict(a, extra=torch.tensor([5.0])), a))  # not the cosine of the shared part

@@ -1,10 +1,13 @@
-"""Row validation, FLOP counting and the worker's spec round trip (no model runs)."""
+"""Row validation (rows already marked are kept), FLOP counting, the worker's spec round trip, and the timed run's
+tokens/s (over the timed steps only) and L2 gradient norm (no model runs)."""
 
 import math
 
 import pytest
+import torch
 
-from chronicals.bench.protocol import RunSpec, validate_row
+from chronicals.bench import protocol
+from chronicals.bench.protocol import RunSpec, grad_norm, timed_run, validate_row
 from chronicals.bench.shapes import get_shape, matmul_params, model_config, train_flops_per_token
 from chronicals.bench.worker import parse_args, spec_argv
 
@@ -59,3 +62,42 @@ def test_runspec_rejects_bad_values():
         RunSpec("x", layout="padded")
     with pytest.raises(ValueError, match="unknown keys"):
         RunSpec.from_dict({"contender": "x", "batch": 3})
+
+
+class _Built:
+    """A contenders.Built stand-in: one parameter, loss = sum(p)."""
+
+    def __init__(self):
+        self.p = torch.nn.Parameter(torch.ones(2))
+        self.params = [self.p]
+        self.optimizer = torch.optim.SGD(self.params, lr=0.0)
+        self.vocab_size = 7
+        self.prepare = lambda ids: ids
+
+    def forward_backward(self, batch):
+        loss = self.p.sum()
+        loss.backward()
+        return loss.detach()
+
+
+def test_tokens_per_s_counts_loss_tokens_of_timed_steps_only(monkeypatch):
+    """rows * (seq - 1) loss tokens per timed step, over the timed window only (warm-up steps excluded)."""
+    clock = iter([10.0, 12.0])  # t0, then the end of the timed window: 2 s
+    monkeypatch.setattr(protocol.time, "perf_counter", lambda: next(clock))
+    spec = RunSpec("x", rows=3, seq=5, warmup=3, steps=4, device="cpu")
+    out = timed_run(_Built(), spec, torch.device("cpu"))
+    assert out["seconds"] == 2.0
+    assert out["tokens_per_s"] == 3 * 4 * 4 / 2.0  # rows * (seq - 1) * steps / seconds
+    assert len(out["grad_norms"]) == 4 and len(out["losses"]) == 3 + 4
+
+
+def test_grad_norm_is_l2():
+    a, b = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    a.grad, b.grad = torch.tensor([3.0]), torch.tensor([4.0])
+    assert float(grad_norm([a, b])) == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("status", ["error", "not installed", "timeout", "crashed", "OOM"])
+def test_validate_row_keeps_every_already_marked_row(status):
+    row = {"contender": "x", "status": status, "reason": "why"}
+    assert validate_row(dict(row)) == row

@@ -1,10 +1,11 @@
-"""Table formatting, MFU, and the result files (JSON + markdown + PNG)."""
+"""Table formatting, MFU, and the result files (JSON + markdown + PNG, FAILED bars hatched)."""
 
 import json
 from pathlib import Path
 
 import pytest
 
+from chronicals.bench import report
 from chronicals.bench.report import finish_row, markdown_table, table_cells, write_report
 
 
@@ -113,3 +114,17 @@ def test_a_failed_chart_leaves_no_file_behind(tmp_path, monkeypatch):
         write_report(_small_results(), tmp_path, name="x")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x_NVIDIA-H200_2026-11-30.json",
                                                          "x_NVIDIA-H200_2026-11-30.md"]
+
+
+def test_chart_hatches_failed_rows_red(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figs = []
+    monkeypatch.setattr(plt, "close", lambda fig: figs.append(fig))
+    row = {"contender": "chronicals-full", "label": "chronicals", "method": "full", "tokens_per_s": 100.0}
+    results = {"environment": {"gpu": "g", "date": "2026-01-01T00:00:00+00:00", "git_sha": "s"},
+               "tables": [{"title": "t", "rows_data": [dict(row, status="ok"),
+                                                      dict(row, contender="hf-sdpa", status="FAILED")]}]}
+    report.plot_png(results, tmp_path / "x.png")
+    bars = figs[0].axes[0].patches
+    assert [b.get_hatch() for b in bars] == [None, "//"]

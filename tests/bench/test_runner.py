@@ -1,12 +1,14 @@
-"""The contender runner on the tiny model on CPU: the same code paths as the GPU bench."""
+"""The contender runner on the tiny model on CPU: the same code paths as the GPU bench; an out-of-memory error
+is an OOM row."""
 
 import json
 
 import re
 
 import pytest
+import torch
 
-from chronicals.bench import cli
+from chronicals.bench import cli, worker
 from chronicals.bench.protocol import RunSpec
 from chronicals.bench.worker import run_contender, run_task
 
@@ -148,7 +150,7 @@ def test_device_help_says_what_runs_without_a_gpu(capsys):
     (["--device", "cpu", "--tiny", "--steps", "0"], "--steps 0: must be >= 1"),
     (["--device", "cpu", "--tiny", "--seq", "1"], "--seq 1: must be >= 2"),
     (["--tiny", "--shape", "0.5b"], "--tiny picks the tiny shape"),
-    # session 25: each of these ran every contender first (or ran nonsense) and failed or wrote outside --out
+    # each of these ran every contender first (or ran nonsense) and failed or wrote outside --out
     (["--device", "cpu", "--tiny", "--contenders", ""],
      "--contenders '': give comma-separated contender names, none empty"),
     (["--device", "cpu", "--tiny", "--contenders", "chronicals-full,chronicals-full"],
@@ -167,3 +169,11 @@ def test_bad_arguments_are_said_before_anything_runs(argv, says, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert f"chronicals bench: error: {says}" in err and "no CUDA GPU" not in err
+
+
+def test_an_out_of_memory_error_is_an_oom_row():
+    try:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    except torch.OutOfMemoryError as e:
+        row = worker._error_row({"contender": "x"}, e)
+    assert row["status"] == "OOM" and "out of memory" in row["reason"]

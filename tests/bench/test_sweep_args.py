@@ -1,5 +1,5 @@
-"""--model-sweep honours --tiny and --shape: the plan and the tables run_plan builds from it (no model is built:
-the contender runs are recorded, not started)."""
+"""--model-sweep honours --tiny and --shape: the plan and the tables run_plan builds from it, an OOM row retried
+with checkpointing (no model is built: the contender runs are recorded, not started)."""
 
 import pytest
 
@@ -52,3 +52,21 @@ def test_shape_tiny_is_tiny(monkeypatch, argv):
     monkeypatch.setattr(cli, "contender_rows", lambda runner, names, spec, peak: specs.append(spec) or [])
     cli.run_plan(cli.parse_args(["--device", "cpu", "--no-correctness", "--no-learning", *argv]))
     assert specs and all((s.warmup, s.steps) == (1, 2) for s in specs)
+
+
+def test_model_sweep_retries_an_oom_row_with_checkpointing(monkeypatch):
+    runs = []
+
+    def fake_run(self, task, spec):
+        runs.append((spec.contender, spec.checkpointing))
+        if not spec.checkpointing:
+            return {"contender": spec.contender, "status": "OOM", "reason": "out of memory"}
+        return {"contender": spec.contender, "status": None, "grad_norms": [1.0], "losses": [2.0, 1.0],
+                "tokens_per_s": 10.0}
+
+    monkeypatch.setattr(cli.Runner, "run", fake_run)
+    res = cli.run_plan(cli.parse_args(["--device", "cpu", "--tiny", "--model-sweep", "--contenders",
+                                       "chronicals-lora"]))
+    assert runs == [("chronicals-lora", False), ("chronicals-lora", True)]
+    rows = res["tables"][0]["rows_data"]
+    assert [(r["status"], r["checkpointing"]) for r in rows] == [("OOM", False), ("ok", True)]

@@ -1,13 +1,23 @@
-"""The tokenization cache: damaged entries are detected, named in a warning, and rebuilt in place."""
+"""The tokenization cache: its key (the tokenizer's settings, the digest of every module that turns records into
+tokens, the files' contents but not their names), where data.cache_dir may be, and damaged entries detected,
+named in a warning, and rebuilt in place."""
 
 import json
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import chronicals.data.cache as cache_mod
 import chronicals.data.dataset as dsmod
+from chronicals.config import from_dict
 from chronicals.data import DataError, load_dataset
+from chronicals.data.cache import tokenizer_fingerprint
+from chronicals.train.guards import check_data_paths
+
+from smollm2_tokenizer import smollm2_tokenizer
+from test_formats import write_jsonl
 
 ROWS = [{"instruction": f"Add {i} and {i}.", "output": str(2 * i)} for i in range(6)]
 
@@ -95,3 +105,110 @@ def test_a_cache_hit_names_this_runs_files(tokenizer, tmp_path, caplog):
         ds = load(b, tokenizer, cache)
     assert "loaded 6 documents from cache" in caplog.text
     assert "second.jsonl" in ds.summary and "first.jsonl" not in caplog.text and "6 records" in ds.summary
+
+
+def test_encoder_digest_covers_every_module_that_turns_records_into_tokens():
+    names = {Path(f).name for f in cache_mod.ENCODER_FILES}
+    assert {"readers.py", "_jsonio.py", "formats.py", "tokenize.py", "dataset.py"} <= names
+
+
+def test_cache_entries_of_other_encoding_code_are_not_reused(tokenizer, tmp_path, monkeypatch):
+    import chronicals.data.cache as cache_mod
+
+    path = write_jsonl(tmp_path / "c.jsonl", [{"text": "abc"}])
+    load_dataset(path, tokenizer, max_seq_len=64, cache_dir=tmp_path / "cache")
+    monkeypatch.setattr(cache_mod, "encoder_digest", lambda: "the code of another release")
+    load_dataset(path, tokenizer, max_seq_len=64, cache_dir=tmp_path / "cache")
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+def test_the_encoder_digest_covers_the_masking_code(tmp_path):
+    from pathlib import Path
+
+    import chronicals.data.cache as cache_mod
+
+    here = Path(cache_mod.__file__).parent
+    assert {"tokenize.py", "formats.py"} <= set(cache_mod.ENCODER_FILES)  # where 3a2cf1f changed the masks
+    assert {"readers.py", "../_jsonio.py"} <= set(cache_mod.ENCODER_FILES)  # what a record is: read, then encoded
+    copies = [tmp_path / f"{i}_{Path(n).name}" for i, n in enumerate(cache_mod.ENCODER_FILES)]
+    for name, copy in zip(cache_mod.ENCODER_FILES, copies):
+        copy.write_bytes((here / name).read_bytes())
+    assert cache_mod.files_digest(copies) == cache_mod.encoder_digest()
+    copies[1].write_bytes(copies[1].read_bytes() + b"\n# edited\n")
+    assert cache_mod.files_digest(copies) != cache_mod.encoder_digest()
+
+
+def _text(path):
+    path.write_text(json.dumps({"text": "hello world"}) + "\n")
+    return path
+
+
+def test_split_special_tokens_is_part_of_the_cache_key_and_text_still_ends_in_eos(tmp_path):
+    plain, split = smollm2_tokenizer(), smollm2_tokenizer()
+    split.split_special_tokens = True
+    assert tokenizer_fingerprint(plain) != tokenizer_fingerprint(split)
+    data = _text(tmp_path / "a.jsonl")
+    a = load_dataset([data], plain, max_seq_len=64, cache_dir=tmp_path / "cache")
+    b = load_dataset([data], split, max_seq_len=64, cache_dir=tmp_path / "cache")
+    for ds in (a, b):  # the eos as its id (with loss), not '<|im_end|>' tokenized as text pieces
+        ids, mask = ds[0][0], ds[0][1]
+        assert int(ids[-1]) == plain.eos_token_id and bool(mask[-1])
+    assert a[0][0].tolist() == b[0][0].tolist()
+    # and text that spells a special token keeps it in pieces under the split setting, as the cache must know
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "a<|im_end|>b"}) + "\n")
+    c = load_dataset([tmp_path / "b.jsonl"], plain, max_seq_len=64, cache_dir=tmp_path / "cache")
+    d = load_dataset([tmp_path / "b.jsonl"], split, max_seq_len=64, cache_dir=tmp_path / "cache")
+    assert len(d[0][0]) > len(c[0][0])
+
+
+def test_a_cache_hit_names_the_files_by_this_runs_names(tmp_path, tokenizer):
+    """The cache is keyed by the files' contents: after `mv old.jsonl new.jsonl` the entry's "file:line" of the
+    first bad record named old.jsonl, a file that no longer exists."""
+    from chronicals.data import load_dataset
+
+    old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
+    old.write_text(json.dumps({"text": "a b c"}) + "\n" + json.dumps({"txt": "x"}) + "\n")
+    kw = dict(max_seq_len=32, on_error="skip", cache_dir=tmp_path / "cache")
+    first = load_dataset([str(old)], tokenizer, **kw)
+    assert first.stats.first_errors[0].startswith(f"{old}:2: ")
+    old.rename(new)
+    again = load_dataset([str(new)], tokenizer, **kw)  # a cache hit
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    assert again.stats.first_errors == [e.replace(str(old), str(new), 1) for e in first.stats.first_errors]
+
+
+def test_a_cache_entry_damaged_within_its_shape_is_rebuilt(tmp_path, tokenizer, caplog):
+    """Zeroed trainable masks (same shape and dtype) passed the entry's checks: a step trained on 0 loss tokens."""
+    import logging
+
+    from chronicals.data import load_dataset
+
+    data = tmp_path / "a.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f" a{i}"}) + "\n" for i in range(4)))
+    kw = dict(max_seq_len=32, cache_dir=tmp_path / "cache")
+    first = load_dataset([str(data)], tokenizer, **kw)
+    [entry] = list((tmp_path / "cache").iterdir())
+    masks = np.load(entry / "trainable.npy")
+    assert masks.any()
+    np.save(entry / "trainable.npy", np.zeros_like(masks))
+    with caplog.at_level(logging.WARNING, logger="chronicals.data"):
+        again = load_dataset([str(data)], tokenizer, **kw)
+    assert "is damaged (the arrays do not match the digest written with them" in caplog.text
+    assert np.array_equal(again.trainable, first.trainable)
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_a_cache_dir_inside_the_data_directory_is_refused_before_the_model_loads(tmp_path, inside):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_text(json.dumps({"text": "hi"}) + "\n")
+    cache = data / "cache" if inside else tmp_path / "cache"
+    cfg = from_dict({"data": {"path": str(data), "cache_dir": str(cache)}, "train": {"out_dir": str(tmp_path / "run")}})
+    if inside:  # its meta.json would be read as a data file by the next run
+        with pytest.raises(ValueError, match=r"data.cache_dir=.* is inside data.path=.*put data.cache_dir outside"):
+            check_data_paths(cfg)
+        return
+    check_data_paths(cfg)
+    cache.write_text("a file")  # said before the model loads (it was said after)
+    with pytest.raises(ValueError, match=r"data.cache_dir=.* is a file, not a directory"):
+        check_data_paths(cfg)

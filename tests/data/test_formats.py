@@ -1,4 +1,6 @@
-"""Each format, the chat-template loss mask, every reader, the cache and parallel tokenization."""
+"""Each format, the chat-template loss mask, every reader, the cache and parallel tokenization; text that looks
+like JSON, a template that refuses a conversation (a bad record), tool calls, null fields (parquet's filled-in
+columns) in auto-detection, the Alpaca-prompt note and the no-loss summary."""
 
 import csv
 import json
@@ -9,8 +11,11 @@ import pytest
 
 import chronicals.data.dataset as dsmod
 from chronicals.data import load_dataset
-from chronicals.data.formats import Example
+from chronicals.data.formats import Example, FormatError, detect_format
+from chronicals.data.readers import DataError, read_file
 from chronicals.data.tokenize import encode, encode_chat
+
+from smollm2_tokenizer import smollm2_tokenizer
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
         {"role": "assistant", "content": "Hello there."}, {"role": "user", "content": "2+2?"},
@@ -183,3 +188,199 @@ def test_serial_tokenization_leaves_tokenizer_threads_alone(tokenizer, tmp_path,
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
     load_dataset(write_jsonl(tmp_path / "s.jsonl", [{"text": "abc"}]), tokenizer, max_seq_len=64, num_proc=1)
     assert "TOKENIZERS_PARALLELISM" not in os.environ
+
+
+def write_csv(path, header, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+    return path
+
+
+BRACKETS = [("[INST] Say hi [/INST]", " hi"), ("Reverse the list:", " [3, 2, 1]"), ("[1, 2, 3]", " sorted"),
+            ('[{"role": "user"}] as text', " ok")]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "csv"])
+def test_prompt_completion_starting_with_a_bracket_is_text(tokenizer, tmp_path, kind):
+    if kind == "jsonl":
+        path = write_jsonl(tmp_path / "b.jsonl", [{"prompt": p, "completion": c} for p, c in BRACKETS])
+    else:
+        path = write_csv(tmp_path / "b.csv", ["prompt", "completion"], BRACKETS)
+    ds = load_dataset(path, tokenizer, max_seq_len=128)
+    assert ds.stats.documents == len(BRACKETS) and ds.stats.skipped_errors == 0
+    for i, (p, c) in enumerate(BRACKETS):
+        ids, mask = ds[i]
+        assert tokenizer.decode(ids) == p + c + tokenizer.eos_token
+        assert trained_spans(tokenizer, ids, mask) == [c + tokenizer.eos_token]
+
+
+def test_message_lists_as_json_text_only_in_csv(tokenizer, tmp_path):
+    msgs = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
+    rows = [(json.dumps(msgs),)]
+    chat = load_dataset(write_csv(tmp_path / "m.csv", ["messages"], rows), tokenizer, max_seq_len=128)
+    assert trained_spans(tokenizer, *chat[0]) == ["pong<|im_end|>"]
+    pc = write_csv(tmp_path / "pc.csv", ["prompt", "completion"], [(json.dumps(msgs[:1]), json.dumps(msgs[1:]))])
+    conv = load_dataset(pc, tokenizer, max_seq_len=128)
+    assert conv.ids.tolist() == chat.ids.tolist() and conv.trainable.tolist() == chat.trainable.tolist()
+    with pytest.raises(DataError, match=r"m2.csv:2: field 'messages' is JSON text of a list, expected a list of "
+                                        "messages"):
+        load_dataset(write_csv(tmp_path / "m2.csv", ["messages"], [("[1, 2]",)]), tokenizer, max_seq_len=128)
+    with pytest.raises(DataError, match=r"m3.csv:2: field 'messages' is not valid JSON \(Expecting value\)"):
+        load_dataset(write_csv(tmp_path / "m3.csv", ["messages"], [("hello",)]), tokenizer, max_seq_len=128)
+    # in JSON lines a list is a list: a string is not decoded
+    with pytest.raises(DataError, match=r"m.jsonl:1: field 'messages' is a str, expected list"):
+        load_dataset(write_jsonl(tmp_path / "m.jsonl", [{"messages": json.dumps(msgs)}]), tokenizer,
+                     max_seq_len=128)
+
+
+NO_SYSTEM = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+             "{% endif %}{{ '<|im_start|>' + m['role'] + '\n' }}{% if m['role'] == 'assistant' %}{GEN}"
+             "{{ m['content'] + '<|im_end|>' }}{END}{{ '\n' }}{% else %}{{ m['content'] + '<|im_end|>\n' }}{% endif %}"
+             "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@pytest.fixture
+def set_template(tokenizer):
+    saved = tokenizer.chat_template
+    yield lambda t: setattr(tokenizer, "chat_template", t)
+    tokenizer.chat_template = saved
+
+
+@pytest.mark.parametrize("markers", [False, True])
+@pytest.mark.parametrize("loss_on", ["assistant", "all"])
+def test_a_template_that_refuses_a_conversation_is_a_bad_record(tokenizer, tmp_path, set_template, markers, loss_on):
+    gen = ("{% generation %}", "{% endgeneration %}") if markers else ("", "")
+    set_template(NO_SYSTEM.replace("{GEN}", gen[0]).replace("{END}", gen[1]))
+    ok = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    path = write_jsonl(tmp_path / "sys.jsonl", [{"messages": ok},
+                                                {"messages": [{"role": "system", "content": "S"}] + ok},
+                                                {"messages": ok}])
+    with pytest.raises(DataError, match=rf"^{path}:2: the chat template refused this conversation: System role "
+                                        "not supported"):
+        load_dataset(path, tokenizer, max_seq_len=64, loss_on=loss_on)
+    ds = load_dataset(path, tokenizer, max_seq_len=64, loss_on=loss_on, on_error="skip")
+    assert (ds.stats.documents, ds.stats.skipped_errors) == (2, 1)
+    assert ds.stats.first_errors == [f"{path}:2: the chat template refused this conversation: System role not "
+                                     "supported"]
+
+
+TOOLS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
+         "{% if m.tool_calls is defined %}{% for t in m.tool_calls %}<tool_call>{{ t['function']['name'] }}("
+         "{{ t['function']['arguments'] }})</tool_call>{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+CALL = [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+
+
+@pytest.mark.parametrize("content", ["", None, "absent"])
+def test_tool_calls_reach_the_template_and_carry_loss(tokenizer, tmp_path, set_template, content):
+    set_template(TOOLS)
+    call = {"role": "assistant", "tool_calls": CALL} | ({} if content == "absent" else {"content": content})
+    messages = [{"role": "user", "content": "weather in Paris?"}, call,
+                {"role": "tool", "name": "get_weather", "tool_call_id": "c1", "content": "18C"},
+                {"role": "assistant", "content": "It is 18C."}]
+    ds = load_dataset(write_jsonl(tmp_path / "tool.jsonl", [{"messages": messages}]), tokenizer, max_seq_len=256)
+    ids, mask = ds[0]
+    assert ids.tolist() == tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    assert trained_spans(tokenizer, ids, mask) == [
+        '<tool_call>get_weather({"city": "Paris"})</tool_call><|im_end|>', "It is 18C.<|im_end|>"]
+    assert ds.stats.empty_targets == 0  # a tool call is a reply, not a blank one
+
+
+def test_tool_call_checks(tokenizer, tmp_path, set_template):
+    set_template(TOOLS)
+    user = {"role": "user", "content": "hi"}
+    bad = [{"role": "assistant", "content": None},  # null content without tool_calls
+           {"role": "assistant", "content": "", "tool_calls": "get_weather()"},
+           {"role": "assistant", "tool_calls": []}]  # no call: content is needed
+    ok = {"messages": [user, {"role": "assistant", "content": "yo"}]}
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [user, m]} for m in bad] + [ok])
+    ds = load_dataset(path, tokenizer, max_seq_len=64, on_error="skip")
+    assert (ds.stats.skipped_errors, ds.stats.documents) == (3, 1)
+    assert ds.stats.first_errors[0] == (f"{path}:1: messages[1].content is a NoneType, expected a string (null only "
+                                        "beside tool_calls)")
+    assert ds.stats.first_errors[1].startswith(f"{path}:2: messages[1].tool_calls is a str ('get_weather()'); "
+                                               "expected a list of")
+    assert ds.stats.first_errors[2] == f"{path}:3: messages[1] has no 'content'; expected {{'role', 'content'}}"
+
+
+def test_null_message_keys_are_dropped(tokenizer, tmp_path, set_template):
+    """Parquet struct columns give every message every key, null where absent: 'is defined' must stay false."""
+    pytest.importorskip("pyarrow")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    set_template(TOOLS)
+    messages = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": CALL},
+                {"role": "tool", "content": "18C"}, {"role": "assistant", "content": "18C."}]
+    pq.write_table(pa.Table.from_pylist([{"messages": messages}]), tmp_path / "t.parquet")
+    ds = load_dataset(tmp_path / "t.parquet", tokenizer, max_seq_len=256)
+    want = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    assert ds[0][0].tolist() == want
+
+
+def test_the_classic_alpaca_prompt_is_logged_once(tokenizer, tmp_path, set_template, caplog):
+    rows = [{"instruction": f"Add {i}.", "output": str(i)} for i in range(3)] + [{"text": "abc"}]
+    path = write_jsonl(tmp_path / "a.jsonl", rows)
+    with caplog.at_level("INFO", logger="chronicals.data"):
+        load_dataset(path, tokenizer, max_seq_len=128, cache_dir=tmp_path / "cache")
+    assert not [r for r in caplog.records if "classic Alpaca prompt" in r.getMessage()]  # a chat template
+    set_template(None)
+    for _ in range(2):  # tokenized, then from the cache
+        caplog.clear()
+        with caplog.at_level("INFO", logger="chronicals.data"):
+            ds = load_dataset(path, tokenizer, max_seq_len=128, cache_dir=tmp_path / "cache")
+        notes = [r.getMessage() for r in caplog.records if "classic Alpaca prompt" in r.getMessage()]
+        assert notes == ["data: the dataset: the tokenizer has no chat template, so alpaca records use the classic "
+                         "Alpaca prompt ('Below is an instruction ... ### Response:'); give the tokenizer a chat "
+                         "template to train them as a chat"]
+        assert "### Response:\n0" in tokenizer.decode(ds[0][0])
+
+
+def test_an_empty_text_is_reported_as_such(tokenizer, tmp_path, caplog):
+    path = write_jsonl(tmp_path / "e.jsonl", [{"text": "abc"}, {"text": ""}])
+    with caplog.at_level("WARNING", logger="chronicals.data"):
+        ds = load_dataset(path, tokenizer, max_seq_len=64)
+    assert (len(ds), ds.stats.dropped_no_loss, ds.stats.first_no_loss) == (1, 1, f"{path}:2")
+    assert any("1 without loss tokens (dropped: no assistant turn / output / completion, or empty text; "
+               f"first: {path}:2)" in r.getMessage() for r in caplog.records)
+
+
+def test_null_fields_do_not_decide_the_format():
+    assert detect_format({"text": "hello", "messages": None}) == "text"
+    assert detect_format({"prompt": "a", "completion": "b", "text": None, "messages": None}) == "prompt_completion"
+    assert detect_format({"messages": None}) == "chat"  # then read as chat: "field 'messages' is null"
+    with pytest.raises(FormatError, match=r"cannot tell the format from fields \['body'\]"):
+        detect_format({"body": None})
+
+
+def test_a_mixed_parquet_file_reads_as_its_jsonl_does(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    table = pa.table({"text": ["hello", None], "messages": [None, [{"role": "user", "content": "hi"}]]})
+    pq.write_table(table, tmp_path / "mixed.parquet")  # a column per field: each record's missing ones are null
+    got = [detect_format(r.data) for r in read_file(tmp_path / "mixed.parquet")]
+    assert got == ["text", "chat"]
+
+
+def test_a_mixed_csv_reads_its_text_rows_as_text(tmp_path):
+    """pandas' to_csv of mixed records writes the missing fields as empty cells: ",,Paris." is a text row."""
+    recs = [{"instruction": "Say hi", "output": "hi"}, {"text": "The capital of France is Paris."}]
+    cols = ["instruction", "output", "text"]
+    with open(tmp_path / "a.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        for r in recs:
+            w.writerow([r.get(c, "") for c in cols])
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    tok = smollm2_tokenizer()
+    from_csv = load_dataset([tmp_path / "a.csv"], tok, max_seq_len=128)
+    from_jsonl = load_dataset([tmp_path / "a.jsonl"], tok, max_seq_len=128)
+    assert "Paris" in tok.decode(from_csv[1][0])
+    for i in range(2):
+        assert from_csv[i][0].tolist() == from_jsonl[i][0].tolist()
+        assert from_csv[i][1].tolist() == from_jsonl[i][1].tolist()

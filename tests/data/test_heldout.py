@@ -1,12 +1,15 @@
-"""build_loaders' held-out data: QA files are chat whatever data.format says; errors say which set."""
+"""Held-out data: build_loaders reads QA files as chat whatever data.format says, and its errors say which set;
+read_qa takes question/answer records from .jsonl or .json files only; a held-out file inside (or equal to)
+data.path is refused, as it would be trained on as well."""
 
 import json
 import logging
 
 import pytest
 
-from chronicals.config import load_config
+from chronicals.config import ConfigError, load_config
 from chronicals.data import DataError
+from chronicals.train.guards import check_data_paths
 from chronicals.train.setup import build_loaders
 
 ALPACA = [{"instruction": f"Add {i} and {i}.", "output": str(2 * i)} for i in range(4)]
@@ -81,3 +84,54 @@ def test_a_qa_heldout_file_beside_user_data_gets_the_training_records_system_mes
         assert (msgs[0]["content"] if msgs[0]["role"] == "system" else None) == system
         assert heldout_system_prompt(cfg.data) == (system or "")
     assert heldout_system_prompt(cfg_for(tmp_path, "data.path=demo").data) == DEMO_SYSTEM_PROMPT
+
+
+def test_qa_heldout_in_csv_or_a_directory_says_to_convert(tmp_path):
+    from chronicals.train.qa import read_qa
+
+    p = tmp_path / "qa.csv"
+    p.write_text("question,answer\nCapital of France?,Paris\n")
+    with pytest.raises(DataError, match=rf"^{p}: question/answer held-out records are read from \.jsonl or "
+                                        rf"\.json only; convert {p} "):
+        read_qa(p)
+    d = tmp_path / "qa_dir"
+    d.mkdir()
+    (d / "part-0.jsonl").write_text(json.dumps({"question": "a?", "answer": "b"}) + "\n")
+    with pytest.raises(DataError, match=rf"^{d}: question/answer .*not a directory; set data.eval_path to "
+                                        rf"{d / 'part-0.jsonl'} itself$"):
+        read_qa(d)
+    (d / "part-0.jsonl").write_text(json.dumps({"text": "plain held-out text"}) + "\n")  # not QA: read as data
+    assert read_qa(d) is None
+    p.write_text("prompt,completion\na,b\n")
+    assert read_qa(p) is None and read_qa(tmp_path / "missing.csv") is None
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    q = tmp_path / "qa.parquet"
+    pq.write_table(pa.table({"question": ["a?"], "answer": ["b"]}), q)
+    with pytest.raises(DataError, match=rf"^{q}: question/answer held-out records are read from"):
+        read_qa(q)
+
+
+def _text(path):
+    path.write_text(json.dumps({"text": "hello world"}) + "\n")
+    return path
+
+
+def _cfg(tmp_path, *args):
+    return load_config(None, ["model.path=/nonexistent/model", f"train.out_dir={tmp_path / 'run'}", *args])
+
+
+def test_a_heldout_file_inside_or_equal_to_the_training_data_is_refused(tmp_path):
+    (tmp_path / "data").mkdir()
+    train = _text(tmp_path / "data" / "train.jsonl")
+    (tmp_path / "data" / "sub").mkdir()
+    held = _text(tmp_path / "data" / "sub" / "held.jsonl")
+    with pytest.raises(ConfigError, match=r"data.eval_path=.*held.jsonl is inside data.path=.*data, whose files are "
+                                          r"all read as training data, so it would be trained on"):
+        check_data_paths(_cfg(tmp_path, f"data.path={tmp_path / 'data'}", f"data.eval_path={held}"))
+    with pytest.raises(ConfigError, match=r"data.eval_path=.*train.jsonl is data.path=.*, which would be trained on"):
+        check_data_paths(_cfg(tmp_path, f"data.path={train}", f"data.eval_path={train}"))
+    apart = _text(tmp_path / "held.jsonl")
+    check_data_paths(_cfg(tmp_path, f"data.path={tmp_path / 'data'}", f"data.eval_path={apart}"))
+    check_data_paths(_cfg(tmp_path, f"data.path={train}", f"data.eval_path={held}"))  # a file beside a file

@@ -1,4 +1,6 @@
-"""PackedLoader: the batch contract, epochs, deterministic shuffle, exact resume, ranks, token budgets."""
+"""PackedLoader: the batch contract, epochs, deterministic shuffle, exact resume, ranks, token budgets; a saved
+position past its epoch is refused (it would skip the rest of the epoch without a word); the TokenizedDataset
+it reads indexes like a list."""
 
 import numpy as np
 import pytest
@@ -290,3 +292,24 @@ def test_an_epoch_end_resumes_on_another_number_of_ranks(saved_w, new_w):
     other = {**old.state_dict(), "seed": 2}  # a real change is still one
     with pytest.raises(ValueError, match="the saved loader had seed=2"):
         PackedLoader(ds, **kw, world_size=new_w).load_state_dict(other)
+
+
+def test_a_position_past_the_epoch_is_refused():
+    lengths = np.array([5, 7, 3, 6, 4, 8])
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    ds = TokenizedDataset(np.arange(1, offsets[-1] + 1, dtype=np.int32), np.ones(offsets[-1], bool), offsets, 0,
+                          DatasetStats(records=6, documents=6, tokens=int(offsets[-1])), 8)
+    loader = PackedLoader(ds, batch_size=1, max_seq_len=8)
+    state = loader.state_dict()
+    with pytest.raises(ValueError, match="position"):
+        loader.load_state_dict({**state, "position": len(loader) + 1})
+
+
+def test_a_dataset_indexes_like_a_list():
+    ids = np.arange(1, 11, dtype=np.int32)
+    ds = TokenizedDataset(ids, np.ones(10, bool), np.array([0, 3, 10]), 0, DatasetStats(), 16)
+    assert ds[-1][0].tolist() == list(range(4, 11)) and ds[-2][0].tolist() == [1, 2, 3]
+    assert [d[0].tolist() for d in ds] == [[1, 2, 3], list(range(4, 11))]
+    for i in (2, -3):
+        with pytest.raises(IndexError, match=f"document {i} of a dataset of 2"):
+            ds[i]

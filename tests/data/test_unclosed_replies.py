@@ -15,7 +15,7 @@ from chronicals.data import load_dataset
 from chronicals.data.tokenize import encode_chat, turn_end_ids, unclosed_replies
 
 from test_formats import trained_spans, write_jsonl
-from test_hunt20_chat_masks import CONVERSATION, FAMILIES, NO_SYSTEM, SYSTEM
+from test_loss_masks import CONVERSATION, FAMILIES, NO_SYSTEM, SYSTEM
 from test_template_fallback import BASES, make_tokenizer
 
 # ChatML with markers around the reply's text only: <|im_end|> is outside them

@@ -1,7 +1,10 @@
 """An fp32 adapter on a bf16 / fp16 base, as PEFT keeps one (``autocast_adapter_dtype=True``, its default):
 ``load_adapter`` keeps the file's fp32 A and B, their branch runs in fp32 as PEFT's does, and a merge rounds
 W + s B A once. Before, A and B were rounded to the base's dtype when loaded: a merge or a re-saved adapter lost those
-bits, and the logits were further from float64 than PEFT's."""
+bits, and the logits were further from float64 than PEFT's.
+
+The other way round, bf16 adapters on an fp32 base (``apply_lora(adapter_dtype=torch.bfloat16)``) match the
+reference on the adapters cast exactly to fp32."""
 
 import os
 
@@ -13,7 +16,7 @@ import transformers
 from safetensors.torch import load_file
 
 from chronicals.lora import apply_lora, load_adapter, merge_lora, save_adapter
-from chronicals.lora.layer import LoRALinear
+from chronicals.lora.layer import LoRALinear, lora_linear_ref
 
 from .conftest import hf_config, randomize_lora_b, tiny_model
 
@@ -184,3 +187,17 @@ def test_training_keeps_base_dtype_adapters():
     mods = [m for m in model.modules() if isinstance(m, LoRALinear)]
     assert mods and all(m.lora_A.weight.dtype == torch.bfloat16 for m in mods)
     assert "lora_qkv" in vars(model.model.layers[0].self_attn) and "lora_gate_up" in vars(model.model.layers[0].mlp)
+
+
+@pytest.mark.parametrize("impl", ["fused", "torch"])
+def test_bf16_adapters_on_an_fp32_base_match_the_reference(impl):
+    torch.manual_seed(0)
+    layer = LoRALinear(nn.Linear(12, 20, bias=True), r=4, alpha=8, impl=impl, adapter_dtype=torch.bfloat16,
+                       concat=False).eval()
+    with torch.no_grad():
+        layer.lora_B.weight.copy_(torch.randn(20, 4))
+    x = torch.randn(3, 12)
+    a, b = layer.lora_A.weight.float(), layer.lora_B.weight.float()  # bf16 -> fp32 is exact
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), lora_linear_ref(x, layer.weight, layer.bias, a, b, layer.scaling),
+                                   rtol=1e-6, atol=1e-6)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from chronicals import ops
+from chronicals.ops import linear_cross_entropy, rms_norm
 from chronicals.ops._impl import triton_interpreting
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -91,3 +92,12 @@ def test_autotune_env_picks_first_config_or_refuses(monkeypatch):
     monkeypatch.setenv("CHRONICALS_AUTOTUNE", "fist")
     with pytest.raises(ValueError, match=r"CHRONICALS_AUTOTUNE='fist': use 'all' .* or 'first'"):
         _triton_utils.tune_configs(configs)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_zero_hidden_size_is_a_clear_error(impl):
+    with pytest.raises(ValueError, match=r"H >= 1"):
+        rms_norm(torch.randn(3, 0, device=DEV), torch.randn(0, device=DEV), 1e-6, impl=impl)
+    with pytest.raises(ValueError, match=r"H >= 1"):
+        linear_cross_entropy(torch.randn(3, 0, device=DEV), torch.randn(7, 0, device=DEV),
+                             torch.zeros(3, dtype=torch.long, device=DEV), impl=impl)

@@ -1,4 +1,5 @@
-"""Attention for packed rows: the block-diagonal masked SDPA (CPU) and the CUDA varlen flash path."""
+"""Attention for packed rows: the block-diagonal masked SDPA (CPU) and the CUDA varlen flash path; the reference
+refuses a document that runs across a row."""
 
 import importlib
 
@@ -157,3 +158,14 @@ def test_shapes_cudnn_cannot_run_fall_back_to_flash_only_under_auto(caplog):
     with pytest.raises(attention_cudnn.Unsupported, match="heads of 512"):
         att.cudnn_or_flash("cudnn", unsupported, lambda: "flash ran")
     assert att.cudnn_or_flash("auto", lambda: "cudnn ran", lambda: "flash ran") == "cudnn ran"
+
+
+def test_the_reference_refuses_a_document_across_rows():
+    """The CUDA kernels read the B rows as one stream, the reference masks each row: a document that ran past a
+    row's end got two answers (3.3 apart on an H200). The collator never builds one; the reference refuses it."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 6, 2, 8, generator=g) for _ in range(3))
+    with pytest.raises(ValueError, match=r"document 0 \(tokens 0\.\.7 of cu_seqlens\) runs across a row boundary"):
+        attention(q, k, v, cu_seqlens=torch.tensor([0, 8, 12], dtype=torch.int32), impl="torch")
+    inside = attention(q, k, v, cu_seqlens=torch.tensor([0, 2, 6, 9, 12], dtype=torch.int32), impl="torch")
+    assert inside.shape == q.shape and torch.isfinite(inside).all()

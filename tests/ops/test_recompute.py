@@ -1,7 +1,8 @@
 """Selective recomputation (ops.recompute): same gradients bit for bit, and the graph really lets go.
 
 The decoder offers its RMSNorm outputs and the SwiGLU product; with a session open, the nodes that save
-them (q/k/v, gate/up, down_proj) hold a recipe instead, and backward rebuilds the tensor once.
+them (q/k/v, gate/up, down_proj) hold a recipe instead, and backward rebuilds the tensor once. An input changed
+in place before the rebuild raises, and a transposed input rebuilds to the same gradients.
 """
 
 import gc
@@ -280,3 +281,37 @@ def test_fused_swiglu_recompute_rebuilds_the_product_in_its_backward_kernel(monk
     loss, g = _grads(model)
     assert not calls
     assert torch.equal(loss, loss_keep) and all(torch.equal(g[n], g_keep[n]) for n in g_keep)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_an_input_changed_in_place_before_the_rebuild_raises(impl):
+    """The recipe held x; changing x in place after the forward rebuilt a different y, and W's gradient came out
+    off by 5-8 without a word. Autograd raises for a saved tensor changed in place; so does the rebuild."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 16, generator=g).to(DEV)
+    w = torch.randn(16, generator=g).to(DEV).requires_grad_()
+    W = torch.randn(16, 8, generator=g).to(DEV).requires_grad_()
+    with recompute.recompute_session():
+        z = (rms_norm(x, w, 1e-6, impl=impl, recompute=True) @ W).sum()
+    x.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an in-place operation after the forward"):
+        z.backward()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_recompute_of_a_transposed_input_gives_the_same_gradients(impl):
+    """The reference kept a transposed x's strides in y, which recompute.offer refused (a ValueError about
+    offer, from rms_norm)."""
+    g = torch.Generator().manual_seed(2)
+    x0 = torch.randn(16, 6, generator=g).to(DEV)
+    w = torch.randn(16, generator=g).to(DEV).requires_grad_()
+    W = torch.randn(16, 8, generator=g).to(DEV).requires_grad_()
+    grads = []
+    for on in (False, True):
+        w.grad = W.grad = None
+        x = x0.t().requires_grad_()
+        with recompute.recompute_session(on):
+            (rms_norm(x, w, 1e-6, impl=impl, recompute=on) @ W).square().sum().backward()
+        grads.append([x.grad.clone(), w.grad.clone(), W.grad.clone()])
+    for a, b in zip(*grads):  # close, not equal: the GEMM reads y transposed in one run and contiguous in the other
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

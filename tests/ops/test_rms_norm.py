@@ -1,4 +1,5 @@
-"""RMSNorm Triton kernel vs a float64 reference, with PyTorch's own error in the same dtype as the yardstick.
+"""RMSNorm Triton kernel vs a float64 reference, with PyTorch's own error in the same dtype as the yardstick; a
+strided or expanded weight is read at its strides.
 
 Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (how `make test` runs it).
 """
@@ -14,7 +15,9 @@ from chronicals.ops._impl import triton_interpreting
 
 rms_mod = import_module("chronicals.ops.rms_norm")  # the package attribute of that name is the function
 
+TRITON = torch.cuda.is_available() or triton_interpreting()
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+IMPLS = ["torch"] + (["triton"] if TRITON else [])
 pytestmark = pytest.mark.skipif(DEV == "cpu" and not triton_interpreting(),
                                 reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (make test sets it)")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -236,3 +239,29 @@ class _Spy:
 
     def __getattr__(self, name):
         return getattr(self.kernel, name)
+
+
+def _norm64(x, w, eps):
+    x64, w64 = x.double(), w.double()
+    return w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("weight", ["strided", "expanded"])
+def test_rms_norm_reads_a_strided_weight(impl, weight):
+    """The kernels read weight at unit stride: every other element of a (2H,) tensor, or one value expanded to
+    (H,), gave outputs 2.5-12.8 off and a wrong dx."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 24, generator=g).to(DEV).requires_grad_()
+    base = torch.randn(48, generator=g).to(DEV).requires_grad_()
+    w = base[::2] if weight == "strided" else base[:1].expand(24)
+    y = rms_norm(x, w, 1e-6, impl=impl)
+    dy = torch.randn(5, 24, generator=g).to(DEV)
+    (y * dy).sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    b64 = base.detach().double().requires_grad_()
+    w64 = b64[::2] if weight == "strided" else b64[:1].expand(24)
+    (_norm64(x64, w64, 1e-6) * dy.double()).sum().backward()
+    torch.testing.assert_close(y.double(), _norm64(x64, w64, 1e-6).detach(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(base.grad.double(), b64.grad, rtol=1e-4, atol=1e-4)

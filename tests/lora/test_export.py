@@ -1,5 +1,5 @@
-"""Getting models out (`chronicals export`, merge_lora, save_adapter, save_model): defects found by the export hunt,
-each checked against what transformers and peft load from the written files."""
+"""Getting models out (`chronicals export`, merge_lora, save_adapter, save_model): what an output directory may hold
+and where --out may be, each checked against what transformers and peft load from the written files."""
 
 from __future__ import annotations
 
