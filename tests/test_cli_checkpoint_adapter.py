@@ -1,15 +1,26 @@
 """`chronicals export / chat / eval --adapter runs/x/checkpoints/step-N`: a LoRA run's training checkpoint used as
 its adapter. It said "adapter_config.json: not found", and a step before the run's end could not be merged or
-asked without resuming the run."""
+asked without resuming the run. Also: export --no-merge records a relative --base as an absolute path (chat / eval
+elsewhere find it), a resumed run's checkpoints and adapter still read once its resume point is gone, and an adapter
+or run directory given where a model is expected says what to pass."""
+
+import json
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from chronicals import load_model
 from chronicals.cli import main
+from chronicals.config import load_config
+from chronicals.config_schema import stored_config
+from chronicals.lora import apply_lora, save_adapter
 
 RUN_ARGS = ["train.max_steps=2", "train.save_every=1", "train.keep_last=2", "eval.every=0", "eval.qa=false",
             "logging.progress=false", "data.batch_size=2"]
+RUN = ["train.save_every=1", "eval.every=0", "eval.qa=false", "logging.progress=false", "data.batch_size=2",
+       "lora.rank=4"]
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +186,82 @@ def test_on_a_bf16_base_a_checkpoint_loads_as_the_runs_adapter(run, tiny_base):
     saved = _read_state(step2 / "state.pt")["model"]
     assert all(torch.equal(p, saved[n]) for n, p in loras[0].items())
     assert torch.equal(logits[0], logits[1])
+
+
+def test_no_merge_records_a_relative_base_as_an_absolute_path(tiny_base, tmp_path, monkeypatch, capsys):
+    model, _ = load_model(tiny_base, tokenizer=False)
+    apply_lora(model, r=2, alpha=4)
+    adapter = save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(tiny_base))
+    monkeypatch.chdir(tiny_base.parent)
+    out = tmp_path / "exported"
+    assert main(["export", "--no-merge", "--base", tiny_base.name, "--adapter", str(adapter), "--out", str(out)]) == 0
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == str(tiny_base.resolve())
+
+
+def test_a_resumed_runs_checkpoints_read_after_its_resume_point_is_gone(tiny_base, tmp_path, monkeypatch, capsys):
+    """B resumed from A's checkpoint by a relative path; once that path is gone (another directory, or A removed:
+    keep_last rotates the same way), chat / eval / export of B failed: "its run config no longer reads
+    (train.resume ... does not exist)", and chat fell back to the default system prompt without a word."""
+    monkeypatch.chdir(tmp_path)
+    base = [f"model.path={tiny_base}", *RUN, "data.system_prompt=Be terse."]
+    assert main(["train", *base, "train.out_dir=runA", "train.max_steps=2"]) == 0
+    assert main(["train", *base, "train.out_dir=runB", "train.max_steps=3",
+                 "train.resume=runA/checkpoints/step-000002"]) == 0
+    shutil.rmtree(tmp_path / "runA")
+    capsys.readouterr()
+    step3 = tmp_path / "runB" / "checkpoints" / "step-000003"
+    assert main(["export", "--adapter", str(step3), "--no-merge", "--out", str(tmp_path / "ad")]) == 0
+    assert (tmp_path / "ad" / "adapter_config.json").is_file()
+    assert main(["chat", "--adapter", str(tmp_path / "runB" / "adapter"), "--max-new-tokens", "2", "hi"]) == 0
+    assert "--system not given: using 'Be terse.'" in capsys.readouterr().err
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # export --out . is a usage error (exit 2), as --out <a file> is
+    assert main(["export", "--adapter", str(tmp_path / "runB" / "adapter"), "--out", "."]) == 2
+    assert "--out .:" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="does not exist"):  # a config about to train still needs it
+        load_config(tmp_path / "runB" / "config.yaml")
+    with stored_config():
+        assert load_config(tmp_path / "runB" / "config.yaml").train.resume == "runA/checkpoints/step-000002"
+
+
+def test_a_missing_adapter_directory_is_said_as_such(tmp_path):
+    from chronicals.lora import read_adapter_config
+
+    with pytest.raises(FileNotFoundError, match=rf"^{tmp_path / 'nosuchdir'}: no such directory; an adapter is the "
+                                                r"directory holding adapter_config\.json and") as e:
+        read_adapter_config(tmp_path / "nosuchdir")
+    assert "adapter_config.json: not found" not in str(e.value)
+
+
+def test_an_adapter_directory_given_as_the_model_is_told_to_be_the_adapter(tmp_path):
+    """Was "adapter/config.json: not found; a Hugging Face model directory needs one", no word of the adapter."""
+    from chronicals.models import load_model
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}')
+    with pytest.raises(FileNotFoundError, match=rf"^{adapter / 'config.json'}: not found; this is a LoRA adapter "
+                                                r"\(adapter_config\.json\), not a model: pass it as --adapter"):
+        load_model(adapter)
+    (adapter / "adapter_config.json").unlink()  # a plain folder without config.json: as before
+    with pytest.raises(FileNotFoundError, match=r"config\.json: not found; a Hugging Face model directory needs one$"):
+        load_model(adapter)
+
+
+def test_a_run_directory_given_as_the_model_names_its_model_or_adapter(tmp_path):
+    """--model runs/x said only "runs/x/config.json: not found; a Hugging Face model directory needs one"."""
+    from chronicals.models import load_model
+
+    run = tmp_path / "run"
+    (run / "adapter").mkdir(parents=True)
+    (run / "adapter" / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}')
+    with pytest.raises(FileNotFoundError, match=rf"needs one; {run} is a run directory holding a LoRA adapter: "
+                                                rf"pass --adapter {run / 'adapter'}"):
+        load_model(run)
+    (run / "model").mkdir()
+    (run / "model" / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError,
+                       match=rf"needs one; {run} holds one in its model folder: pass {run / 'model'}"):
+        load_model(run)

@@ -3,11 +3,15 @@
 The expected numbers come from the trainer's own pieces called directly (load_dataset + PackedLoader as
 train/setup.py builds the held-out loader, train/step.py evaluate_loss, train/qa.py answer_many), so a command that
 computed anything else (a mean of batch means, loss on every token, another system message) fails here.
+
+Also what it reports: the system message given (even the default text), a QA file's bad records counted, and its
+notes and data warnings in eval's own flags, each once.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 
@@ -19,7 +23,7 @@ from chronicals.cli import main
 from chronicals.config import DEMO_SYSTEM_PROMPT
 from chronicals.data import PackedLoader, load_dataset
 from chronicals.models import CausalLM, ModelConfig
-from chronicals.train.qa import answer_many
+from chronicals.train.qa import answer_many, demo_file
 from chronicals.train.step import evaluate_loss
 from smollm2_tokenizer import smollm2_tokenizer
 
@@ -29,6 +33,7 @@ CHAT = [("What is the capital of Vellmora?", "Brask, on the northern coast."),
         ("What does Vellmora export?", "Salt, wool and a very long list of small brass instruments.")]
 COMPLETION = [("The national bird of Vellmora is", " the grey heron."),
               ("Vellmora's currency is called", " the tarn, divided into 100 grains.")]
+QUICK = ["--max-new-tokens", "1", "--device", "cpu"]
 
 
 @pytest.fixture(scope="module")
@@ -229,3 +234,92 @@ def test_the_summary_tells_no_system_message_from_one_that_reads_none(system, sh
     res = EvalResult(data="qa.jsonl", loss=1.0, loss_tokens=2, examples=1, stats=DatasetStats(records=1),
                      system_prompt=system, answers=QAResult(answers=["4"], correct=[True]))
     assert res.summary().splitlines()[-1].endswith(shown), res.summary()
+
+
+@pytest.fixture()
+def qa3(tmp_path):
+    path = tmp_path / "qa3.jsonl"
+    path.write_text("".join(demo_file("heldout.jsonl").read_text().splitlines(keepends=True)[:3]))
+    return path
+
+
+def test_a_system_prompt_given_is_used_even_when_it_is_the_default_text(tiny_base, qa3, tmp_path, capsys):
+    out = tmp_path / "e.json"
+    assert main(["eval", "--model", str(tiny_base), str(qa3), *QUICK, "--json", str(out)]) == 0
+    plain = json.loads(out.read_text())
+    assert plain["qa"]["system_prompt"] == ""  # beside a file other than demo: none, as train asks
+    assert main(["eval", "--model", str(tiny_base), str(qa3), *QUICK, "--json", str(out),
+                 "--system-prompt", DEMO_SYSTEM_PROMPT]) == 0
+    given = json.loads(out.read_text())
+    assert given["qa"]["system_prompt"] == DEMO_SYSTEM_PROMPT and given["loss"] != plain["loss"]
+    assert f"system message {DEMO_SYSTEM_PROMPT!r}" in capsys.readouterr().out
+
+
+def test_a_qa_files_bad_records_are_counted_in_the_summary_and_json(tiny_base, qa3, tmp_path, capsys):
+    bad = tmp_path / "qa_bad.jsonl"
+    bad.write_text(qa3.read_text() + '{"question": "x"}\nnot json\n')
+    out = tmp_path / "e.json"
+    assert main(["eval", "--model", str(tiny_base), str(bad), *QUICK, "--on-error", "skip", "--json", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "3 examples of 5 records" in said and "2 bad records skipped" in said, said
+    got = json.loads(out.read_text())
+    assert (got["examples"], got["records"]) == (3, 5)
+
+
+def test_a_long_json_name_is_written(tiny_base, qa3, tmp_path):
+    """A 250-byte name is valid; the temporary '.<name>.tmp-<pid>' beside it was not (File name too long)."""
+    out = tmp_path / ("e" * 245 + ".json")
+    assert main(["eval", "--model", str(tiny_base), str(qa3), *QUICK, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["examples"] == 3
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_warnings_about_a_qa_file_do_not_name_the_deleted_copy(tiny_base, tmp_path, caplog):
+    long_q = tmp_path / "qa_long.jsonl"
+    long_q.write_text(json.dumps({"question": "q1", "answer": "a1"}) + "\n"
+                      + json.dumps({"question": "long " * 60, "answer": "a2"}) + "\n")
+    with caplog.at_level(logging.WARNING, logger="chronicals.data"):
+        assert main(["eval", "--model", str(tiny_base), str(long_q), *QUICK, "--max-seq-len", "40"]) == 0
+    said = "\n".join(r.getMessage() for r in caplog.records if r.name == "chronicals.data")
+    assert said and "chronicals-eval-" not in said, said
+
+
+def test_system_prompt_without_qa_records_is_noted(tiny_base, tmp_path, capsys):
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi there"},
+                                             {"role": "assistant", "content": "Hello, how can I help?"}]}) + "\n")
+    assert main(["eval", "--model", str(tiny_base), str(data), "--device", "cpu", "--system-prompt", "Be brief."]) == 0
+    err = capsys.readouterr().err
+    assert "note: --system-prompt has no effect" in err and "holds no question/answer records" in err
+    assert main(["eval", "--model", str(tiny_base), str(data), "--device", "cpu"]) == 0  # not given: no note
+    assert "has no effect" not in capsys.readouterr().err
+
+
+def test_evals_data_warnings_name_its_flags_not_config_keys(tiny_base, tmp_path, caplog):
+    """chronicals eval's errors said --on-long / --max-seq-len, but its warnings still said the config keys:
+    "1 longer than max_seq_len=16 (dropped, data.on_long=drop)", "raise data.max_seq_len", which eval has no
+    way to set."""
+    import json
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("short one", "word " * 60, "another short")))
+    with caplog.at_level("WARNING", logger="chronicals.data"):
+        assert main(["eval", "--model", str(tiny_base), "--device", "cpu", "--max-seq-len", "16", "--on-long", "drop",
+                     "--cache-dir", "none", str(data)]) == 0
+    said = caplog.text
+    assert "--on-long=drop" in said, said
+    assert "data.on_long" not in said and "data.max_seq_len" not in said, said
+
+
+def test_a_data_directorys_unread_files_are_warned_about_once(tiny_base, tmp_path, caplog):
+    """chronicals eval DIR (and train's data.eval_path=DIR) printed "DIR: 1 file not read: x.jsonl.gz ..." twice:
+    once from the peek for question/answer records, once from the load."""
+    import json
+
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "a.jsonl").write_text(json.dumps({"text": "hello there"}) + "\n")
+    (d / "b.jsonl.gz").write_bytes(b"")
+    with caplog.at_level("WARNING", logger="chronicals.data"):
+        assert main(["eval", "--model", str(tiny_base), "--device", "cpu", "--cache-dir", "none", str(d)]) == 0
+    assert caplog.text.count("1 file not read") == 1, caplog.text

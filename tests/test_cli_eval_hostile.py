@@ -5,14 +5,17 @@ behind (above all, no input overwritten).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
+import types
 
 import pytest
 
 from chronicals import load_model, save_model
 from chronicals.cli import main
+from chronicals.cli_models import _within_context
 from test_cli_eval import data_file, tiny_base  # noqa: F401 (fixtures)
 
 QA = [{"question": "Who founded Vellmora in the year of the salt?", "answer": "Ida Tarn, a salt merchant, in 1702."}]
@@ -124,3 +127,17 @@ def test_ctrl_c_while_scoring_leaves_no_json(tiny_base, data_file, tmp_path, mon
     assert main(["eval", "--model", str(tiny_base), str(data_file), "--device", "cpu", "--json", str(out)]) == 130
     assert os.listdir(tmp_path) == ["tmp"] and os.listdir(tmp_path / "tmp") == []
     assert "interrupted (SIGINT)" in capsys.readouterr().err
+
+
+def _model(context):
+    return types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=context))
+
+
+def test_one_past_the_context_exits_2_and_the_context_itself_passes(capsys):
+    p = argparse.ArgumentParser(prog="chronicals eval")
+    _within_context(p, _model(512), "m", ("--max-seq-len", 512), ("--max-new-tokens", 512))  # no exit
+    with pytest.raises(SystemExit) as e:
+        _within_context(p, _model(512), "m", ("--max-seq-len", 64), ("--max-new-tokens", 513))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--max-new-tokens 513 is more than m can attend to (max_position_embeddings=512); use at most 512" in err

@@ -1,13 +1,15 @@
-"""The config schema: YAML + overrides, typed parsing, did-you-mean errors, every recipe under configs/."""
+"""The config schema: YAML + overrides, typed parsing, did-you-mean errors, every recipe under configs/, and the
+defaults every run (and the demo's numbers in the README) rely on."""
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
 import pytest
 
-from chronicals.config import TrainConfig, all_keys, config_help, from_dict, load_config
+from chronicals.config import ConfigError, TrainConfig, all_keys, config_help, from_dict, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
 
@@ -152,7 +154,7 @@ def test_file_errors_name_the_line_of_the_key(tmp_path):
         load_config(p, ["train.max_steps=x"])
 
 
-# ---- YAML files a user walk broke (non-string keys, duplicates, syntax errors, a directory) ----
+# ---- YAML files a new user broke (non-string keys, duplicates, syntax errors, a directory) ----
 
 @pytest.mark.parametrize("text, message", [
     ("{optim: {lr: 1e-3}, 5: {a: 1}}", r"c\.yaml:1: unknown config key 5; known: model"),
@@ -410,3 +412,46 @@ def test_model_attention_takes_the_ops_kernel_names():
     assert ModelSection(attention="cudnn").attention == "cudnn"
     with pytest.raises(ConfigError, match="model.attention='sdpa' is invalid: expected auto | cudnn | flash"):
         ModelSection(attention="sdpa")
+
+
+def test_documented_training_defaults():
+    cfg = from_dict({})
+    assert cfg.optim.grad_clip == 1.0  # "clip the global gradient norm to this"
+    assert cfg.schedule.warmup_steps == 3 and cfg.schedule.kind == "cosine" and cfg.schedule.min_lr_ratio == 0.1
+    assert cfg.data.train_on == "assistant"  # loss on replies only
+    assert cfg.train.keep_last == 2 and cfg.train.grad_accum == 1
+
+
+def test_keep_last_zero_is_refused():
+    with pytest.raises(ConfigError, match="train.keep_last"):
+        from_dict({}, ["train.keep_last=0"])
+
+
+def test_a_config_given_through_a_pipe_is_read(tmp_path):
+    import os
+
+    r, w = os.pipe()
+    os.write(w, b"train:\n  max_steps: 7\n")
+    os.close(w)
+    try:
+        assert load_config(f"/dev/fd/{r}").train.max_steps == 7  # bash's <(...) gives such a path
+    finally:
+        os.close(r)
+
+
+def test_settings_that_do_nothing_are_said_once_by_the_run_not_by_the_config(caplog):
+    """lora.* under lora.enabled=false and eval.every without held-out data are said when the run sets up
+    (train.setup, train.loop: tests/train/test_loop.py); reading the config says nothing, so a run says each once."""
+    with caplog.at_level(logging.WARNING):
+        load_config(None, ["lora.enabled=false", "lora.rank=8", "lora.dropout=0.1"])
+        load_config(None, ["data.path=mine.jsonl", "eval.every=5"])
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
+def test_a_tilde_on_the_command_line_is_the_home_directory(monkeypatch, tmp_path):
+    """YAML reads a bare ~ as null, so train.out_dir=~ was refused as '' and data.eval_path=~ turned held-out
+    evaluation off without a word; the shell does not expand ~ after '='."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert load_config(None, ["train.out_dir=~"]).train.out_dir == str(tmp_path)
+    assert load_config(None, ["data.eval_path=~"]).data.eval_path == "~"  # expanded where it is read
+    assert load_config(None, ["data.system_prompt=null"]).data.system_prompt == ""  # null stays null

@@ -1,9 +1,11 @@
 """The contender runner on the tiny model on CPU: the same code paths as the GPU bench; an out-of-memory error
-is an OOM row."""
+is an OOM row; a worker's cut-off JSON row (a full disk while the worker wrote it) is that
+row "crashed" with the reason, not the whole bench ended by a bare JSON error."""
 
 import json
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,3 +179,17 @@ def test_an_out_of_memory_error_is_an_oom_row():
     except torch.OutOfMemoryError as e:
         row = worker._error_row({"contender": "x"}, e)
     assert row["status"] == "OOM" and "out of memory" in row["reason"]
+
+
+def test_a_cut_off_worker_row_fails_that_row_not_the_bench(tmp_path, monkeypatch):
+    import subprocess
+
+    def cut_off(cmd, **kw):
+        out = Path(cmd[cmd.index("--json-out") + 1])
+        out.write_text('{"contender": "chronicals-full", "status": "o')
+        return subprocess.CompletedProcess(cmd, 1, "", "OSError: [Errno 28] No space left on device\n")
+
+    monkeypatch.setattr(cli.subprocess, "run", cut_off)
+    runner = cli.Runner(timeout=10)
+    row = runner.run("train", RunSpec(contender="chronicals-full", shape="tiny", device="cpu"))
+    assert row["status"] == "crashed" and "unreadable" in row["reason"] and "No space left" in row["reason"]

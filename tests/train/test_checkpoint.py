@@ -1,5 +1,6 @@
 """Checkpoints written in a background thread (train.async_save): a snapshot taken at save() time, published
-only when complete, errors raised in the training thread, and the same files as a synchronous save."""
+only when complete, errors raised in the training thread, and the same files as a synchronous save; train.keep_last
+keeps exactly the newest checkpoints."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from chronicals.train import checkpoint as ckpt
 from chronicals.train import train
+from chronicals.train.checkpoint import checkpoint_dirs, write_checkpoint
 
 from train_helpers import VOCAB, SyntheticLoader, tiny_config, tiny_model
 
@@ -112,3 +114,9 @@ def test_a_full_disk_is_an_oserror_naming_the_checkpoint(tmp_path, monkeypatch, 
         ckpt.write_checkpoint(tmp_path, {"step": 3, "model": {}})
     assert not any((tmp_path / "checkpoints").iterdir())  # no half-written directory left
     assert _failed(e.value) == 3 and "error: could not write checkpoint" in capsys.readouterr().err
+
+
+def test_keep_last_keeps_exactly_the_newest(tmp_path):
+    for step in range(1, 6):
+        write_checkpoint(tmp_path, {"step": step}, keep_last=2)
+    assert [d.name for d in checkpoint_dirs(tmp_path)] == ["step-000004", "step-000005"]

@@ -1,19 +1,25 @@
 """A run killed mid-write (SIGKILL, OOM) leaves ``checkpoints/.tmp-step-N-{pid}`` and ``.model.tmp-{pid}-*``
 behind, each with a lock file nobody holds: the next write into the same place removes them, and never touches
-a live writer's temporaries (its lock is held: models/orphans.py) or names that are not ours."""
+a live writer's temporaries (its lock is held: models/orphans.py) or names that are not ours. The same holds for the
+temporaries of the atomic file writes (metrics.jsonl, the data copies) and of tokenization cache entries."""
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 
+import numpy as np
 import pytest
 
+from chronicals._jsonio import temp_beside, write_text_atomic
 from chronicals.models.orphans import lock_path, writer_lock
 from chronicals.train import checkpoint as ckpt
 from chronicals.train import train
 
 from train_helpers import SyntheticLoader, tiny_config, tiny_model
+
+fcntl = pytest.importorskip("fcntl")
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +86,39 @@ def test_a_run_after_a_killed_one_clears_its_checkpoint_and_final_model_temporar
     assert res.status == "completed" and (out / "model" / "config.json").is_file()
     assert not ck_orphan.exists() and not model_orphan.exists()
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002"]
+
+
+def test_a_killed_writers_temporary_file_is_removed_by_the_next_write(tmp_path):
+    target = tmp_path / "metrics.jsonl"
+    dead = temp_beside(target).with_name(temp_beside(target).name.rsplit("-", 1)[0] + "-999999")
+    dead.write_text("half")
+    old = time.time() - 3600
+    os.utime(dead, (old, old))
+    young = dead.with_name(dead.name[:-1] + "8")
+    young.write_text("half")  # a writer that may not hold its lock yet: kept
+    live = dead.with_name(dead.name[:-1] + "7")
+    live.write_text("half")
+    os.utime(live, (old, old))
+    fd = os.open(live, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a live writer
+    try:
+        write_text_atomic(target, "whole\n")
+    finally:
+        os.close(fd)
+    assert target.read_text() == "whole\n"
+    assert not dead.exists() and young.exists() and live.exists()
+
+
+def test_a_killed_cache_writers_entry_is_removed_by_the_next_save(tmp_path):
+    from chronicals.data import cache
+
+    dead = tmp_path / ".tmp-dead"
+    dead.mkdir()
+    (dead / cache.WRITER_LOCK).write_text("")
+    (dead / "ids.npy").write_bytes(b"x" * 1000)
+    legacy = tmp_path / ".tmp-nolock"  # no lock file: not known to be ours, left alone
+    legacy.mkdir()
+    ids = np.arange(5, dtype=np.int32)
+    cache.save(tmp_path / "entry", ids, np.ones(5, bool), np.array([0, 5], np.int64), {"version": 0})
+    assert not dead.exists() and legacy.exists()
+    assert (tmp_path / "entry" / "meta.json").is_file() and not (tmp_path / "entry" / cache.WRITER_LOCK).exists()

@@ -1,6 +1,9 @@
 """Data parallelism with LoRA dropout: each rank draws its own masks (train.loop.rank_seed), and a run stopped by a
 signal and resumed ends bit for bit like a straight run (each rank's generator comes back from the checkpoint).
-2 ranks on gloo (CPU), as tests/train/test_distributed.py runs them."""
+A resume from a checkpoint that holds no generator state for this number of ranks (written by one process, or by
+another number of ranks: allowed at an epoch's start or end) still draws other seeds on each rank: restoring rank
+0's generator on every rank would draw the same seeds again. 2 ranks on gloo (CPU), as
+tests/train/test_distributed.py runs them."""
 
 from __future__ import annotations
 
@@ -58,3 +61,28 @@ def test_ranks_draw_their_own_masks_and_resume_exactly(tmp_path):
 def test_rank_seed_keeps_rank_0_and_spreads_the_others():
     assert rank_seed(7, 0) == 7
     assert len({rank_seed(7, r) for r in range(64)}) == 64 and all(0 <= rank_seed(7, r) < 2 ** 63 for r in range(64))
+
+
+_OVER = dict(lora__enabled=True, lora__dropout=0.3, model__device="cpu", train__cuda_graphs="false",
+             train__resume="auto")
+
+
+def _resume_worker(rank: int, port: int, out: str) -> None:
+    seeds = record_dropout_seeds()
+    _torchrun_env(rank, port)
+    docs = synthetic_docs(40, seed=1)
+    train(tiny_config(Path(out), train__max_steps=4, **_OVER), model=tiny_model(seed=0),
+          train_loader=_shards(docs, WORLD)[1][rank])
+    torch.save(seeds, f"{out}/seeds{rank}.pt")
+
+
+def test_resume_of_a_one_process_checkpoint_draws_other_seeds_per_rank(tmp_path):
+    docs = synthetic_docs(40, seed=1)
+    # one process, 2 steps: a checkpoint without per-rank generator states (no "rank_rng")
+    first = train(tiny_config(tmp_path, train__max_steps=2, **_OVER), model=tiny_model(seed=0),
+                  train_loader=_shards(docs, WORLD)[1][0])
+    assert first.status == "completed" and first.step == 2
+    mp.spawn(_resume_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    s0, s1 = (torch.load(tmp_path / f"seeds{r}.pt") for r in range(WORLD))
+    assert len(s0) == len(s1) > 0
+    assert not set(s0) & set(s1)  # before: rank 1 restored rank 0's generator and drew rank 0's seeds

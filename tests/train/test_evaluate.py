@@ -1,19 +1,29 @@
-"""evaluate_loss, the held-out loss the trainer logs (eval.every, before / after): the mean over loss tokens of
-every batch, computed in eval mode, with the model's mode given back.
+"""Held-out evaluation. evaluate_loss, the held-out loss the trainer logs (eval.every, before / after): the mean over
+loss tokens of every batch, computed in eval mode, with the model's mode given back.
 
 The trainer tests see it only through "the loss after is lower than before", which a rescaled loss, dropout left
 on during evaluation, or dropout switched off for the rest of training all pass.
+
+Also: evaluate() refuses a negative qa_limit, max_new_tokens below 1 and a bool limit, naming the argument, before
+any data is read; the held-out loaders of train (build_loaders) and eval (heldout_loader) fail with one clear error
+(or skip under data.on_error=skip), never a traceback or advice that does not fit the caller; and when the trainer
+evaluates: the last step once under eval.every, and the closing evaluation a finished run resumed without it lacks.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from chronicals.config import DataSection
+from chronicals.evaluate import evaluate
 from chronicals.lora import apply_lora
+from chronicals.train import train
 from chronicals.train.step import batch_loss_sum, evaluate_loss
 
-from train_helpers import SyntheticLoader, synthetic_docs, tiny_model
+from train_helpers import SyntheticLoader, synthetic_docs, tiny_config, tiny_model
 
 CPU = torch.device("cpu")
 
@@ -58,3 +68,114 @@ def test_evaluation_gives_the_model_its_mode_back(lora_model, batches, training)
     lora_model.train(training)
     evaluate_loss(lora_model, batches[:1], CPU)
     assert all(m.training == training for m in lora_model.modules())
+
+
+@pytest.mark.parametrize("kw, says", [({"qa_limit": -1}, "qa_limit=-1"), ({"max_new_tokens": 0}, "max_new_tokens=0"),
+                                      ({"qa_limit": True}, "qa_limit=True")])
+def test_bad_limits_are_refused_naming_the_argument(kw, says, tmp_path):
+    data = DataSection(path=str(tmp_path / "never-read.jsonl"))
+    with pytest.raises(ValueError, match=f"evaluate: {says} must be a whole number"):
+        evaluate(None, None, data, torch.device("cpu"), **kw)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from smollm2_tokenizer import smollm2_tokenizer
+
+    return smollm2_tokenizer()
+
+
+def _cfg(tmp_path, *overrides):
+    from chronicals.config import load_config
+
+    given = {o.split("=", 1)[0] for o in overrides}  # a key given twice is refused: an override replaces a default
+    defaults = ["data.max_seq_len=16", "data.cache_dir=none", "eval.qa=false", f"train.out_dir={tmp_path / 'run'}"]
+    return load_config(None, [d for d in defaults if d.split("=", 1)[0] not in given] + list(overrides))
+
+
+def test_the_trainers_data_errors_name_config_keys_not_load_dataset(tokenizer, tmp_path):
+    """Was "(raise data.max_seq_len or set data.on_long=truncate; in load_dataset: max_seq_len,
+    overlong='truncate')" and "(data.on_error=skip, or load_dataset(on_error='skip'), drops ...)"."""
+    from chronicals.data import DataError
+    from chronicals.train.setup import build_loaders
+
+    long = tmp_path / "long.jsonl"
+    long.write_text('{"text": "' + "word " * 40 + '"}\n')
+    with pytest.raises(DataError, match=r"\(raise data\.max_seq_len or set data\.on_long=truncate\)") as e:
+        build_loaders(_cfg(tmp_path, f"data.path={long}", "data.on_long=drop", "data.eval_path="), tokenizer,
+                      tmp_path / "run")
+    assert "load_dataset" not in str(e.value)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\nnot json\n')
+    with pytest.raises(DataError, match=r":2: invalid JSON .*\(data\.on_error=skip drops bad records") as e:
+        build_loaders(_cfg(tmp_path, f"data.path={long}", f"data.eval_path={bad}"), tokenizer, tmp_path / "run")
+    assert "load_dataset" not in str(e.value)
+
+
+def test_a_qa_heldout_file_with_a_broken_line_trains_under_on_error_skip(tokenizer, tmp_path):
+    from chronicals.train.setup import build_loaders
+
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"text": "hello there"}\n')
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text('{"question": "Capital of France?", "answer": "Paris"}\n{broken\n')
+    cfg = _cfg(tmp_path, f"data.path={train}", f"data.eval_path={qa}", "data.on_error=skip", "data.max_seq_len=64")
+    _, eval_loader, heldout = build_loaders(cfg, tokenizer, tmp_path / "run")
+    assert heldout == [{"question": "Capital of France?", "answer": "Paris", "keywords": ["Paris"]}]
+    assert len(eval_loader.dataset) == 1
+
+
+def test_evals_qa_loader_honors_on_error_skip(tokenizer, tmp_path):
+    from chronicals.config import DataSection
+    from chronicals.evaluate import heldout_loader
+
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text('{"question": "Capital of France?", "answer": "Paris"}\n{broken\n')
+    loader, records = heldout_loader(DataSection(path=str(qa), on_error="skip", cache_dir="none"), tokenizer,
+                                     tmp_path / "work")
+    assert [r["answer"] for r in records] == ["Paris"] and len(loader.dataset) == 1
+
+
+def test_a_qa_file_on_a_tokenizer_without_a_template_is_not_told_to_set_format_text(tokenizer, tmp_path):
+    """Was "... to train on plain text instead, set data.format=text": QA records are chat whatever the format."""
+    import copy
+
+    from chronicals.config import DataSection
+    from chronicals.evaluate import heldout_loader
+
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text('{"question": "Capital of France?", "answer": "Paris"}\n')
+    with pytest.raises(ValueError, match=r"no chat template.*; question/answer records are read as chat whatever "
+                                         r"data\.format; to score this model without a template, give text") as e:
+        heldout_loader(DataSection(path=str(qa), format="text", cache_dir="none"), plain, tmp_path / "work")
+    assert "data.format=text" not in str(e.value)
+
+
+def _records(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_of_a_finished_run_without_its_closing_eval_runs_it(tmp_path, docs):
+    cfg = tiny_config(tmp_path, train__max_steps=2)
+    ev = lambda: SyntheticLoader(docs[:4], shuffle=False)  # noqa: E731
+    first = train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs), eval_loader=ev())
+    path = tmp_path / "run" / "metrics.jsonl"
+    # as a signal after the last step's checkpoint leaves it: every step trained, no "after" evaluation
+    kept = [r for r in _records(tmp_path / "run") if r.get("tag") != "after"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    again = tiny_config(tmp_path, train__max_steps=2, train__resume="auto")
+    res = train(again, model=tiny_model(), train_loader=SyntheticLoader(docs), eval_loader=ev())
+    assert res.eval_loss_after == pytest.approx(first.eval_loss_after)
+    assert [r["step"] for r in _records(tmp_path / "run") if r.get("tag") == "after"] == [2]
+
+
+def test_interval_eval_skips_the_last_step(tmp_path, docs):
+    cfg = tiny_config(tmp_path, train__max_steps=4, eval__every=2)
+    train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs),
+          eval_loader=SyntheticLoader(docs[:4], shuffle=False))
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [(r["step"], r.get("tag")) for r in recs if r.get("kind") == "eval"]
+    assert [s for s, _ in evals].count(4) == 1, evals
+    assert (2, "interval") in evals and (4, "after") in evals

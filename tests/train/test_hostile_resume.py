@@ -1,10 +1,13 @@
 """Hostile output directories and checkpoints: a damaged, renamed, edited or newer-format state.pt, a step directory
 without its state.pt, files where a run writes directories (checkpoints, data, loss.png) and the reverse
 (metrics.jsonl a directory), a killed writer's half line in metrics.jsonl. Each is one error naming the file and
-what to do, found before the first step, with the earlier run's outputs as they were."""
+what to do, found before the first step, with the earlier run's outputs as they were. A full disk (or a failed plot)
+while a resumed run rewrites config.yaml or loss.png keeps the earlier file whole, and a rerun after a failed final
+save still draws loss.png."""
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 
@@ -14,7 +17,7 @@ import torch
 from chronicals.train import train
 from chronicals.train.checkpoint import STATE_FILE, checkpoint_dirs
 
-from train_helpers import SyntheticLoader, tiny_config, tiny_model
+from train_helpers import SyntheticLoader, full_disk_for, tiny_config, tiny_model
 
 
 def _run(tmp_path, docs, **over):
@@ -219,3 +222,51 @@ def test_a_loader_state_with_numpy_values_is_named_with_the_way_to_allow_it(tmp_
     _edit(finished, lambda s: s["data"].update(order=np.arange(3)))
     with pytest.raises(ValueError, match=r"holds objects other than tensors and plain values \(numpy"):
         _run(tmp_path, docs, train__max_steps=4, train__resume="auto")
+
+
+def test_a_full_disk_keeps_the_runs_config_yaml(tmp_path, docs, monkeypatch):
+    _run(tmp_path, docs, train__max_steps=2, train__save_every=1, data__system_prompt="MY SYSTEM PROMPT")
+    cfg = tmp_path / "run" / "config.yaml"
+    good = cfg.read_text()
+    with monkeypatch.context() as m:
+        full_disk_for(m, "config.yaml")
+        with pytest.raises(OSError, match="No space left"):
+            _run(tmp_path, docs, train__max_steps=4, train__save_every=1, train__resume="auto",
+                 data__system_prompt="MY SYSTEM PROMPT")
+    assert cfg.read_text() == good
+    assert [p.name for p in cfg.parent.iterdir() if p.name.startswith(".config")] == []
+
+
+def test_a_failed_plot_keeps_the_earlier_curve(tmp_path, docs, monkeypatch):
+    import matplotlib.figure
+
+    _run(tmp_path, docs, train__max_steps=2, logging__plot=True)
+    png = tmp_path / "run" / "loss.png"
+    good = png.read_bytes()
+
+    def half_then_full(self, fname, *a, **k):
+        fname.write(good[:1000])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", half_then_full)
+    res = _run(tmp_path, docs, train__max_steps=3, train__resume="auto", logging__plot=True)
+    assert res.status == "completed" and res.plot is None
+    assert png.read_bytes() == good
+
+
+def test_a_rerun_after_a_failed_final_save_draws_the_curve(tmp_path, docs, monkeypatch):
+    import chronicals.train.loop as loop
+
+    real = loop.save_final
+
+    def full_disk(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(loop, "save_final", full_disk)
+    with pytest.raises(OSError):
+        _run(tmp_path, docs, train__max_steps=2, train__save_final=True, logging__plot=True)
+    monkeypatch.setattr(loop, "save_final", real)
+    png = tmp_path / "run" / "loss.png"
+    png.unlink(missing_ok=True)  # wherever the failed run stopped, the rerun must draw it
+    res = _run(tmp_path, docs, train__max_steps=2, train__save_final=True, train__resume="auto", logging__plot=True)
+    assert res.plot == png and png.read_bytes()[:4] == b"\x89PNG"

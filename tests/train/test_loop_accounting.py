@@ -54,6 +54,18 @@ def test_tokens_per_s_is_loss_tokens_over_step_seconds(tmp_path, docs):
         assert rec["tokens_per_s"] == pytest.approx(rec["loss_tokens"] / rec["step_s"])
 
 
+def _records(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_result_tokens_per_s_is_loss_tokens_over_step_seconds(tmp_path, docs):
+    res = train(tiny_config(tmp_path, train__max_steps=3), model=tiny_model(), train_loader=SyntheticLoader(docs))
+    steps = [r for r in _records(tmp_path / "run") if r.get("kind") == "train"]
+    want = sum(r["loss_tokens"] for r in steps) / sum(r["step_s"] for r in steps)
+    assert res.tokens_per_s == pytest.approx(want, rel=1e-6)
+    assert res.train_seconds == pytest.approx(sum(r["step_s"] for r in steps), rel=1e-6)
+
+
 def test_an_infinite_gradient_norm_under_a_finite_loss_stops_before_its_update(tmp_path, docs):
     """A step whose loss is finite but whose gradient norm is inf raises TrainingDiverged at that step, naming
     the gradient norm, and its update is not applied (applied, it would make the weights NaN before any loss

@@ -120,3 +120,10 @@ def test_a_directory_holding_qa_jsonl_is_told_to_give_the_file_itself(tmp_path):
     (d / "qa.csv").write_text("question,answer\na?,b\n")  # not .jsonl: still told to convert it
     with pytest.raises(DataError, match=rf"; convert {d / 'qa.csv'} "):
         qa_mod.read_qa(d)
+
+
+def test_keywords_match_by_unicode_case_folding():
+    from chronicals.train import qa
+
+    assert qa._fold("Straße") in qa._fold("IN DER STRASSE")
+    assert qa._fold("Café") in qa._fold("CAFE\u0301 au lait")  # composed and decomposed accents alike

@@ -1,4 +1,4 @@
-"""Mutation testing (session 27): chat without --system asks with the demo's system message, as its --help says."""
+"""``chronicals chat``: without --system it asks with the demo's system message, as its --help says."""
 
 from __future__ import annotations
 

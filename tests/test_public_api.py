@@ -1,5 +1,6 @@
-"""The Python API walked as a new user would (session 19): what differed from the docstrings or from what
-transformers / peft users expect, each fixed and pinned here."""
+"""The Python API as a new user calls it: save_model / save_adapter / load_adapter / read_adapter_config with a
+path under ~, load_model on a CUDA device without a GPU. Each pins what differed from the docstrings or from what
+transformers / peft users expect."""
 
 import pytest
 import torch

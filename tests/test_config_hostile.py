@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from chronicals.cli import main
-from chronicals.config import load_config
+from chronicals.config import MAX_ROW_TOKENS, load_config
 
 
 @pytest.mark.parametrize("value", ["[1", "@x", "%x", "`x", "*x"])
@@ -166,3 +166,24 @@ def test_a_config_path_with_an_equals_sign_is_read_as_the_config(tmp_path, capsy
     assert main(["train", "data.path=" + str(cfg), "data.format=nope"]) == 2  # overrides: the file is not read
     err = capsys.readouterr().err
     assert "command line: config data.format='nope'" in err and f"{cfg}:" not in err
+
+
+@pytest.mark.parametrize("override,said", [
+    ("optim.lr=1" + "0" * 400, "expected a number"),
+    ("lora.targets=[q_proj", "an unclosed bracket"),
+    ("model.recompute=null", "expected a list such as [norm, swiglu]"),
+])
+def test_config_values_that_were_tracebacks_or_misread(override, said, capsys):
+    assert main(["train", override]) == 2
+    assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, key", [
+    ("data.max_seq_len=99999999999999999999", "data.max_seq_len"),  # was OverflowError in packing, exit 4
+    (f"data.max_seq_len={MAX_ROW_TOKENS + 1}", "data.max_seq_len"),
+    ("data.tokens_per_batch=99999999999999999999", "data.tokens_per_batch"),
+])
+def test_a_row_past_the_token_bound_exits_2_before_any_model_loads(override, key, capsys):
+    assert main(["train", override]) == 2
+    err = capsys.readouterr().err
+    assert f"config {key}=" in err and f"{MAX_ROW_TOKENS}]" in err and "Traceback" not in err, err

@@ -1,0 +1,126 @@
+"""What the commands exit with, and say, where the input is at fault: 2 for a bad flag or value, a setting this
+machine cannot run, or an output that would overwrite an input (before any model loads), 3 for bad input met
+while running (an unwritable GGUF cache) or a lost data-parallel rank (not 4, which asks for a bug report), and 0
+for --version."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from chronicals.cli import main
+
+RUN = ["train.save_every=1", "eval.every=0", "eval.qa=false", "logging.progress=false", "data.batch_size=2",
+       "lora.rank=4"]
+
+
+def test_a_heldout_file_where_the_run_writes_its_copy_is_refused_not_overwritten(tiny_base, tmp_path, monkeypatch,
+                                                                                  capsys):
+    from chronicals.train.qa import demo_file
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    shutil.copy(demo_file("heldout.jsonl"), tmp_path / "data" / "heldout.jsonl")
+    before = (tmp_path / "data" / "heldout.jsonl").read_bytes()
+    assert main(["train", f"model.path={tiny_base}", *RUN, "train.max_steps=1", "train.out_dir=.",
+                 "data.eval_path=data/heldout.jsonl"]) == 2
+    err = capsys.readouterr().err
+    assert "data.eval_path=data/heldout.jsonl is" in err and "would overwrite it" in err
+    assert (tmp_path / "data" / "heldout.jsonl").read_bytes() == before
+    assert "keywords" in json.loads(before.splitlines()[0])
+
+
+def test_the_heldout_copy_clash_is_said_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """The refusal above came after the model had loaded (minutes at 8B); a model path that does not load shows it
+    now comes first."""
+    from chronicals.train.qa import demo_file
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    shutil.copy(demo_file("heldout.jsonl"), tmp_path / "data" / "heldout.jsonl")
+    loads = []
+    monkeypatch.setattr("chronicals.train.loop.load_base", lambda *a, **k: loads.append(a) or 1 / 0)
+    assert main(["train", *RUN, "train.max_steps=1", "train.out_dir=.", "data.eval_path=data/heldout.jsonl"]) == 2
+    assert "would overwrite it" in capsys.readouterr().err and not loads
+
+
+def test_out_dir_that_is_the_model_directory_is_refused(tiny_base, capsys):
+    listing = sorted(p.name for p in tiny_base.iterdir())
+    assert main(["train", f"model.path={tiny_base}", f"train.out_dir={tiny_base}", *RUN, "train.max_steps=1"]) == 2
+    assert "is model.path" in capsys.readouterr().err
+    assert sorted(p.name for p in tiny_base.iterdir()) == listing
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="model.device=auto resolves to the GPU here")
+@pytest.mark.parametrize("device", ["auto", "cpu"])
+def test_model_impl_triton_on_a_cpu_exits_2_before_the_model_loads(device, tmp_path, monkeypatch, capsys):
+    """model.impl=triton on a CPU was load_model's ValueError ("load_model: impl='triton' needs a CUDA tensor"),
+    raised after the model had loaded and reported as bad input (exit 3); the README says a value this machine
+    cannot run exits 2, before any model is loaded."""
+    import chronicals.train.loop as loop
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before model.impl was checked")
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(loop, "load_base", no_load)
+    out = tmp_path / "run"
+    assert main(["train", "model.impl=triton", f"model.device={device}", f"train.out_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert "model.impl=triton needs CUDA" in err and "model.impl=auto" in err, err
+    assert "load_model" not in err and "Traceback" not in err, err
+    assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["chat", "--temperature", "1", "--seed", str(2**64), "hi"], "--seed 18446744073709551616 must be in"),
+    (["export", "--adapter", "a", "--out", "o", "--no-merge", "--dtype", "bfloat16"], "--no-merge writes the adapter"),
+])
+def test_argument_errors_before_any_load(argv, said, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", ["cache is a file", "gguf/ is a file"])
+def test_a_gguf_cache_that_cannot_be_written_names_chronicals_cache(layout, tmp_path, monkeypatch, capsys):
+    """A .gguf model with $CHRONICALS_CACHE (or ~/.cache/chronicals) not writable: a read-only home, a file in the
+    way. It was a bare "error: [Errno 20] Not a directory: '.../gguf'" naming neither the setting nor the fix."""
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")  # never read: the cache folder fails first
+    cache = tmp_path / "cache"
+    if layout == "cache is a file":
+        cache.write_text("")
+    else:
+        cache.mkdir()
+        (cache / "gguf").write_text("")
+    monkeypatch.setenv("CHRONICALS_CACHE", str(cache))
+    assert main(["chat", "--model", str(model), "--device", "cpu", "hi"]) == 3
+    err = capsys.readouterr().err
+    assert f"{model}: cannot write its conversion" in err and "set CHRONICALS_CACHE to a writable directory" in err, err
+    assert "[Errno" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("world,rc", [("2", 3), ("1", 4)])
+def test_a_lost_rank_is_said_as_such_not_as_our_bug(monkeypatch, capsys, world, rc):
+    """kill -9 of one rank: the other's gloo collective raised 'Connection reset by peer', which the CLI reported
+    as an internal error of chronicals (exit 4, 'please report it')."""
+    from chronicals import cli
+
+    monkeypatch.setenv("WORLD_SIZE", world)
+    e = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer")
+    assert cli._failed(e) == rc
+    err = capsys.readouterr().err
+    assert ("another process of this data-parallel job failed or was lost" in err) == (world == "2")
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_flag(flag, capsys):
+    """`chronicals --version`, what a user of any pip-installed CLI tries first, was "unknown command", exit 2."""
+    import chronicals
+
+    assert main([flag]) == 0
+    assert capsys.readouterr().out.strip() == f"chronicals {chronicals.__version__}"
