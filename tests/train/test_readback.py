@@ -1,0 +1,46 @@
+"""StepReadback (train/readback.py): a step's scalars come back in the order given, device tensors and host
+numbers mixed, also when the next step's readback reuses the pinned buffer before this one was read. The CUDA
+branch (pinned buffer, async copy behind an event) is what the trainer runs on a GPU; on the CPU the values are
+read at once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chronicals.train.readback import StepReadback, StepStart
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned-buffer branch needs CUDA")
+
+
+def _readback(scalars, device, after=None):
+    return StepReadback(scalars, device, started=StepStart(device), after=after)
+
+
+def test_cpu_values_in_order_and_seconds():
+    dev = torch.device("cpu")
+    rb = _readback([torch.tensor(1.5), 7.0, torch.tensor([2.25])], dev)
+    assert rb.values() == [1.5, 7.0, 2.25]
+    assert rb.seconds() >= 0.0
+
+
+@cuda
+def test_cuda_values_keep_their_order_with_host_numbers_between():
+    dev = torch.device("cuda")
+    loss, gnorm = torch.tensor(3.25, device=dev), torch.tensor([0.125], device=dev)
+    rb = _readback([loss, 11.0, gnorm, 4.0], dev)
+    assert rb.values() == [3.25, 11.0, 0.125, 4.0]
+    assert rb.values() == [3.25, 11.0, 0.125, 4.0]  # read twice: the same numbers
+
+
+@cuda
+def test_cuda_next_step_reusing_the_buffer_keeps_the_unread_values():
+    """Two steps' readbacks of one shape share one pinned buffer; the second copy first takes the first's values
+    out, so reading the first after the second was queued gives the first's numbers."""
+    dev = torch.device("cuda")
+    a = torch.randn(2048, 2048, device=dev)
+    first = _readback([(a @ a).sum() * 0 + 1.0, torch.tensor(2.0, device=dev)], dev)  # behind a real GEMM
+    second = _readback([torch.tensor(3.0, device=dev), torch.tensor(4.0, device=dev)], dev, after=first)
+    assert second.values() == [3.0, 4.0]
+    assert first.values() == [1.0, 2.0]
+    assert second.seconds() >= 0.0 and first.seconds() >= 0.0
