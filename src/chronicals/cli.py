@@ -252,8 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, handler)
     name = signal.Signals(interrupted[0]).name
     if argv[0] == "train":
-        print(f"\ninterrupted ({name}) outside a training step: checkpoints already written stay, and the run "
-              "continues from the newest with train.resume=auto", file=sys.stderr)
+        print(f"\ninterrupted ({name}): checkpoints already written stay, and the run continues from the newest "
+              "with train.resume=auto (steps after it are trained again)", file=sys.stderr)
     else:  # eval, chat, export, bench keep no checkpoints: train.resume means nothing to them
         print(f"\ninterrupted ({name}): chronicals {argv[0]} stopped; run it again to redo it", file=sys.stderr)
     return 130

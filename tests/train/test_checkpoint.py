@@ -72,6 +72,39 @@ def test_a_failed_background_write_is_raised_and_leaves_nothing(tmp_path, monkey
     writer.wait()  # raised once
 
 
+def test_a_ctrl_c_while_waiting_leaves_the_write_tracked_and_the_next_wait_publishes_it(tmp_path, monkeypatch):
+    """A real SIGINT to the main thread while wait() blocks raises KeyboardInterrupt there; the write goes on and
+    the next wait() waits for it. (Python 3.11's Thread.join, so interrupted, marked the thread finished: the next
+    join returned at once, and the CLI exited under the writing thread with exit 134 and no checkpoint.)"""
+    import os
+    import signal
+
+    model, opt, sched = _trained(1)
+    release, entered = threading.Event(), threading.Event()
+    real_save = ckpt.torch.save
+
+    def held_save(obj, path):
+        entered.set()
+        release.wait(timeout=30)
+        real_save(obj, path)
+    monkeypatch.setattr(ckpt.torch, "save", held_save)
+    writer = ckpt.CheckpointWriter(background=True)
+    path = writer.save(tmp_path, 5, model, opt, sched, {})
+    assert entered.wait(timeout=30) and writer.busy
+    main = threading.main_thread().ident
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.3, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            writer.wait()
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert writer.busy and not path.exists()  # still writing, still tracked
+    threading.Timer(0.3, release.set).start()
+    writer.wait()
+    assert path.is_dir() and (path / "state.pt").exists() and not writer.busy
+
+
 def test_training_with_background_saves_writes_what_synchronous_saves_write(tmp_path, docs):
     runs = {}
     for background in (True, False):

@@ -224,6 +224,7 @@ class CheckpointWriter:
     def __init__(self, background: bool):
         self.background = background
         self._thread: threading.Thread | None = None
+        self._done = threading.Event()  # set by the write's thread as it ends (see wait)
         self._error: BaseException | None = None
 
     def save(self, out_dir: str | Path, step: int, model: torch.nn.Module, optimizer, scheduler, data_state: dict,
@@ -238,14 +239,30 @@ class CheckpointWriter:
                 write_checkpoint(out_dir, state, keep_last)
             except BaseException as e:  # raised in the training thread by the next save() / wait()
                 self._error = e
+            finally:
+                self._done.set()
+        self._done.clear()
         self._thread = threading.Thread(target=run, name=f"checkpoint-step-{step}", daemon=False)
         self._thread.start()
         return checkpoint_path(out_dir, step)
 
+    @property
+    def busy(self) -> bool:
+        """Whether a write is still in flight."""
+        return self._thread is not None and not self._done.is_set()
+
     def wait(self) -> None:
-        """Block until the last write is published; raise its error if it failed."""
+        """Block until the last write is published; raise its error if it failed.
+
+        A Ctrl-C while waiting raises KeyboardInterrupt here and the write goes on, still tracked: the next ``wait``
+        waits for it. It waits on an Event, not in ``Thread.join``: Python 3.11's join, interrupted while the thread
+        runs, marks the thread finished (bpo-45274's handling), so the next join returned at once and the process
+        exited under the writing thread ("terminate called without an active exception", exit 134, the checkpoint
+        left as a temporary directory)."""
         if self._thread is not None:
-            self._thread.join()
+            while not self._done.wait(0.25):
+                pass
+            self._thread.join()  # its last bytecodes after the Event: returns at once
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None

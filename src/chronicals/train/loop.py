@@ -69,10 +69,10 @@ class _StopFlag:
 
     def _handle(self, signum, frame):
         if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C does not wait for the checkpoint
+            raise KeyboardInterrupt  # a second Ctrl-C does not finish the step (a write in flight still completes)
         self.signum = signum
-        log.warning("received %s: finishing this step, writing a checkpoint, then exiting",
-                    signal.Signals(signum).name)
+        log.warning("received %s: finishing this step, writing a checkpoint, then exiting (Ctrl-C again: stop "
+                    "without finishing this step)", signal.Signals(signum).name)
 
     def __exit__(self, *exc):
         for s, h in self._old.items():
@@ -318,6 +318,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
 
     def last_good() -> Path | None:
         """The newest complete checkpoint, after any write in flight (for the TrainingDiverged message)."""
+        if writer.busy:  # a second Ctrl-C lands here during the stop's write: say why the exit waits
+            log.warning("waiting for the checkpoint being written to finish")
         try:
             writer.wait()
         except OSError as e:
