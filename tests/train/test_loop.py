@@ -325,6 +325,19 @@ def test_resume_over_other_batches_warns(tmp_path, docs, caplog):
     assert "data position" not in caplog.text
 
 
+def test_a_missing_model_path_names_the_key(tmp_path, monkeypatch):
+    """model.path that does not exist: the error names the key and where a relative path was looked for, as
+    data.path's does (load_model alone said only the path)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.jsonl").write_text('{"text": "hello"}\n')
+    with pytest.raises(FileNotFoundError, match=rf"model.path=no/model: no such file or directory \(relative paths "
+                                                rf"are read from the working directory, {tmp_path}\); set model.path"):
+        train(tiny_config(tmp_path, data__path="train.jsonl", model__path="no/model"))
+    with pytest.raises(FileNotFoundError, match=r"model.path=/no/model: no such file or directory; set model.path .*"
+                                                r"smollm2-135m-instruct"):
+        train(tiny_config(tmp_path, data__path="train.jsonl", model__path="/no/model"))
+
+
 def test_a_missing_data_path_is_refused_before_the_model_loads(tmp_path, monkeypatch):
     """data.path / data.eval_path that do not exist: one error naming the key, before any model loading
     (minutes at 8B) and without creating train.out_dir."""

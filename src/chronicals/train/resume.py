@@ -93,7 +93,7 @@ def warn_data_changed(saved: dict | None, current: dict, path: Path) -> None:
     run in the same train.out_dir)."""
     diffs = data_position_diffs(saved, current)
     if diffs:
-        log.warning("resumed from %s, written with %s: its data position refers to other batches; if this is a "
+        log.warning("resuming from %s, written with %s: its data position refers to other batches; if this is a "
                     "new run, set train.resume=none or another train.out_dir", path, ", ".join(diffs))
 
 
