@@ -117,8 +117,11 @@ def test_bad_paths_and_options(tokenizer, tmp_path):
     with pytest.raises(DataError, match="nope.jsonl: no such file or directory"):
         load(tmp_path / "nope.jsonl", tokenizer)
     (tmp_path / "x.txt").write_text("hi")
-    with pytest.raises(DataError, match=r"x.txt: unsupported file type '.txt' \(expected one of .jsonl"):
+    with pytest.raises(DataError, match=r"x.txt: unsupported file type '.txt' \(expected one of .jsonl.*\); convert"):
         load(tmp_path / "x.txt", tokenizer)
+    (tmp_path / "x.jsonl.gz").write_bytes(b"\x1f\x8b")
+    with pytest.raises(DataError, match=r"x.jsonl.gz: unsupported file type '.gz' .*; decompress it first"):
+        load(tmp_path / "x.jsonl.gz", tokenizer)
     dd = tmp_path / "dd"
     dd.mkdir()
     (dd / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))

@@ -384,3 +384,18 @@ def test_a_mixed_csv_reads_its_text_rows_as_text(tmp_path):
     for i in range(2):
         assert from_csv[i][0].tolist() == from_jsonl[i][0].tolist()
         assert from_csv[i][1].tolist() == from_jsonl[i][1].tolist()
+
+
+@pytest.mark.parametrize("record, hint", [
+    ({"instruction": "Name a colour.", "input": ""}, "it has 'instruction' but no 'output': alpaca records need both"),
+    ({"output": "Blue.", "input": ""}, "it has 'output' but no 'instruction': alpaca records need both"),
+    ({"prompt": "Q: 1+1?"}, "it has 'prompt' but no 'completion': prompt/completion records need both"),
+])
+def test_a_record_with_half_of_a_two_field_format_names_the_missing_field(record, hint):
+    """An alpaca record missing its output, in a file of alpaca records: the error named no missing field."""
+    with pytest.raises(FormatError, match="cannot tell the format") as e:
+        detect_format(record)
+    assert hint in str(e.value)
+    with pytest.raises(FormatError) as e:
+        detect_format({"body": "x"})
+    assert "it has" not in str(e.value)

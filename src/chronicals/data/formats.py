@@ -51,8 +51,20 @@ def detect_format(record: dict, from_csv: bool = False) -> str:
     present = {k for k, v in record.items() if v is not None and not (from_csv and v == "")}
     fmt = _format_of(present) or _format_of(set(record))
     if fmt is None:
-        raise FormatError(f"cannot tell the format from fields {sorted(record)}; expected one of {EXPECTED}")
+        raise FormatError(f"cannot tell the format from fields {sorted(record)}; expected one of {EXPECTED}"
+                          f"{_half_pair(present or set(record))}")
     return fmt
+
+
+def _half_pair(keys: set) -> str:
+    """What a record with one field of a two-field format lacks: an alpaca record without its ``output`` read as
+    "cannot tell the format" alone, which named no missing field."""
+    for fmt, pair in (("alpaca", ("instruction", "output")), ("prompt/completion", ("prompt", "completion"))):
+        have = [k for k in pair if k in keys]
+        if len(have) == 1:
+            lacking = next(k for k in pair if k not in keys)
+            return f" (it has {have[0]!r} but no {lacking!r}: {fmt} records need both)"
+    return ""
 
 
 def _format_of(keys: set) -> str | None:

@@ -23,7 +23,8 @@ from .formats import FormatError, detect_format
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 # files that look like data but that a directory walk does not read (warned about rather than skipped silently)
-UNREAD = (".gz", ".zst", ".bz2", ".xz", ".zip", ".txt", ".tsv")
+COMPRESSED = (".gz", ".zst", ".bz2", ".xz", ".zip")
+UNREAD = COMPRESSED + (".txt", ".tsv")
 
 log = logging.getLogger("chronicals.data")
 
@@ -69,7 +70,9 @@ def resolve_files(paths, quiet: bool = False) -> list[Path]:
                             f"or a directory of them{glob_hint(p)})")
         if p.is_file():
             if p.suffix.lower() not in SUFFIXES + (".arrow",):
-                raise DataError(f"{p}: unsupported file type {p.suffix!r} (expected one of {', '.join(SUFFIXES)})")
+                fix = ("; decompress it first, e.g. to .jsonl" if p.suffix.lower() in COMPRESSED else
+                       "; convert it to .jsonl" if p.suffix.lower() in UNREAD else "")
+                raise DataError(f"{p}: unsupported file type {p.suffix!r} (expected one of {', '.join(SUFFIXES)}){fix}")
             files.append(p)
             continue
         if not p.is_dir():  # a pipe (data.path=<(zcat x.jsonl.gz)), a socket, a device
