@@ -80,6 +80,11 @@ def check_ids_in_vocab(model, top: int, what: str) -> None:
                          "the model's own tokenizer (or, in Python, a model whose embeddings were resized)")
 
 
+def where_read(path: Path) -> str:
+    """" (relative paths are read from the working directory, CWD)" for a relative path, "" for an absolute one."""
+    return "" if path.is_absolute() else f" (relative paths are read from the working directory, {Path.cwd()})"
+
+
 def check_data_paths(cfg: TrainConfig) -> None:
     """FileNotFoundError naming the key and where a relative path was looked for, for data.path and
     data.eval_path (a missing file used to surface after the model had loaded: minutes at 8B); DataError when
@@ -94,9 +99,8 @@ def check_data_paths(cfg: TrainConfig) -> None:
             continue
         path = Path(value).expanduser()
         if not path.exists():
-            where = ("" if path.is_absolute() else
-                     f" (relative paths are read from the working directory, {Path.cwd()})")
-            raise FileNotFoundError(f"{key}={value}: no such file or directory{where}{glob_hint(value)}; fix {key}")
+            raise FileNotFoundError(f"{key}={value}: no such file or directory{where_read(path)}{glob_hint(value)}; "
+                                    f"fix {key}")
         _check_pyarrow(path)
         # directories are read recursively: the run's metrics.jsonl, data/ copies and checkpoints, or the cache's
         # meta.json, would become training records on the next run

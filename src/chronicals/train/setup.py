@@ -99,12 +99,12 @@ def load_base(cfg: TrainConfig, device: torch.device, dtype: torch.dtype):
     is a FileNotFoundError naming the key, as data.path's is (load_model itself cannot know the key)."""
     from .. import load_model
     from ..models.loading import SHORT_NAMES
+    from .guards import where_read
 
     value = cfg.model.path
     if isinstance(value, str) and value.strip() and value.lower() not in SHORT_NAMES \
             and not Path(value).expanduser().exists():
-        where = "" if Path(value).expanduser().is_absolute() else \
-            f" (relative paths are read from the working directory, {Path.cwd()})"
+        where = where_read(Path(value).expanduser())
         raise FileNotFoundError(f"model.path={value}: no such file or directory{where}; set model.path to a Hugging "
                                 f"Face model directory, a .gguf file, or a short name: {', '.join(SHORT_NAMES)}")
     return load_model(cfg.model.path, dtype=dtype, device=device, impl=cfg.model.impl)
