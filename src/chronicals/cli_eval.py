@@ -86,6 +86,7 @@ def cmd_eval(argv: list[str]) -> int:
             p.error(f"--json {a.json}: the folder {out.parent} does not exist; create it or choose another file")
     from .config import DEMO, ConfigError
     from .data.readers import glob_hint
+    from .train.guards import where_read
     from .train.setup import DATA_OPTION_KEYS, resolve_device
 
     try:
@@ -96,8 +97,7 @@ def cmd_eval(argv: list[str]) -> int:
     except ConfigError as err:  # "config data.max_seq_len=... is invalid": here that key is a flag
         p.error(_as_flags(str(err).removeprefix("config ")))
     if a.data != DEMO and not Path(a.data).expanduser().exists():  # before the model loads
-        where = "" if Path(a.data).is_absolute() else f" (relative paths are read from the working directory, " \
-                                                       f"{Path.cwd()})"
+        where = where_read(Path(a.data).expanduser())
         raise FileNotFoundError(f"{a.data}: no such file or directory{where}{glob_hint(a.data)}; give the data file "
                                 "to score, or demo for the packaged held-out questions")
     a.model = _base_for(a.adapter, a.model, "--model")

@@ -260,8 +260,7 @@ class CheckpointWriter:
         exited under the writing thread ("terminate called without an active exception", exit 134, the checkpoint
         left as a temporary directory)."""
         if self._thread is not None:
-            while not self._done.wait(0.25):
-                pass
+            self._done.wait()  # a Ctrl-C interrupts it (POSIX lock waits are interruptible) and changes nothing
             self._thread.join()  # its last bytecodes after the Event: returns at once
             self._thread = None
         if self._error is not None:

@@ -85,6 +85,21 @@ def where_read(path: Path) -> str:
     return "" if path.is_absolute() else f" (relative paths are read from the working directory, {Path.cwd()})"
 
 
+def check_model_path(cfg: TrainConfig) -> None:
+    """FileNotFoundError naming model.path and where a relative path was looked for, as check_data_paths does for
+    the data keys (load_model alone said only the path, and cannot know the key)."""
+    from ..models.loading import SHORT_NAMES
+
+    value = cfg.model.path
+    if not isinstance(value, str) or not value.strip() or value.lower() in SHORT_NAMES:
+        return  # an empty path: load_model's own error; a short name: the embedded model
+    path = Path(value).expanduser()
+    if not path.exists():
+        names = ", ".join(SHORT_NAMES)
+        raise FileNotFoundError(f"model.path={value}: no such file or directory{where_read(path)}; set model.path to "
+                                f"a Hugging Face model directory, a .gguf file, or a short name: {names}")
+
+
 def check_data_paths(cfg: TrainConfig) -> None:
     """FileNotFoundError naming the key and where a relative path was looked for, for data.path and
     data.eval_path (a missing file used to surface after the model had loaded: minutes at 8B); DataError when

@@ -95,18 +95,9 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
 
 
 def load_base(cfg: TrainConfig, device: torch.device, dtype: torch.dtype):
-    """(model, tokenizer) from model.path (HF dir, .gguf, or the embedded short name). A path that does not exist
-    is a FileNotFoundError naming the key, as data.path's is (load_model itself cannot know the key)."""
+    """(model, tokenizer) from model.path (HF dir, .gguf, or the embedded short name)."""
     from .. import load_model
-    from ..models.loading import SHORT_NAMES
-    from .guards import where_read
 
-    value = cfg.model.path
-    if isinstance(value, str) and value.strip() and value.lower() not in SHORT_NAMES \
-            and not Path(value).expanduser().exists():
-        where = where_read(Path(value).expanduser())
-        raise FileNotFoundError(f"model.path={value}: no such file or directory{where}; set model.path to a Hugging "
-                                f"Face model directory, a .gguf file, or a short name: {', '.join(SHORT_NAMES)}")
     return load_model(cfg.model.path, dtype=dtype, device=device, impl=cfg.model.impl)
 
 
