@@ -43,8 +43,8 @@ from .graphs import GraphedStep, resolve_cuda_graphs
 from .setup import build_loaders, load_base, prepare_model, resolve_dtype
 from .readback import StepReadback, StepStart
 from .guards import (check_cuda_graphs, check_data_paths, check_document_lengths, check_final_dir, check_final_model,
-                     check_impl, check_model_path, check_out_dir, check_resume_path, check_token_ids, earlier_finals,
-                     final_dir, remove_setup_files)
+                     check_impl, check_out_dir, check_resume_path, check_token_ids, earlier_finals, final_dir,
+                     remove_setup_files)
 from .resume import (apply_optimizer_settings, check_same_adapter, optimizer_settings, warn_data_changed,
                      warn_loss_settings_changed)
 from .run_dir import _locked_out_dir, _metrics_log, _RanksMetrics
@@ -166,7 +166,6 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     check_impl(cfg, device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     if model is None:
-        check_model_path(cfg)  # after the settings this machine cannot run (exit 2 before a bad path's exit 3)
         with dp.main_first():  # rank 0 fills the conversion cache (GGUF) before the others read it
             model, tokenizer = load_base(cfg, device, dtype)
         model.chronicals_base = recorded_name(cfg.model.path)  # absolute when a path: chat/export find it anywhere

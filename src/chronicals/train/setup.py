@@ -95,9 +95,12 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
 
 
 def load_base(cfg: TrainConfig, device: torch.device, dtype: torch.dtype):
-    """(model, tokenizer) from model.path (HF dir, .gguf, or the embedded short name)."""
+    """(model, tokenizer) from model.path (HF dir, .gguf, or the embedded short name); a path that does not exist
+    fails naming the key (guards.check_model_path)."""
     from .. import load_model
+    from .guards import check_model_path
 
+    check_model_path(cfg)
     return load_model(cfg.model.path, dtype=dtype, device=device, impl=cfg.model.impl)
 
 
