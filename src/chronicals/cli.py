@@ -118,18 +118,23 @@ def _relaunch(args: list[str]) -> str:
 
 def cmd_export(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="chronicals export",
-                                description="Merge a LoRA adapter into its base model and write a Hugging Face directory.")
-    p.add_argument("--base", default=None, help="base model: HF directory, .gguf, or smollm2-135m-instruct "
-                                                 "(default: the base recorded in the adapter, else the embedded one)")
-    p.add_argument("--adapter", required=True, help="adapter directory (PEFT format, e.g. runs/demo/adapter), or a LoRA run's "
-                                                           "checkpoint (runs/demo/checkpoints/step-N)")
+                                description="Write a Hugging Face model directory: a LoRA adapter merged into its "
+                                            "base (--adapter), or a model as it is (--model without --adapter): a "
+                                            "full fine-tuning run's checkpoint, a .gguf file.")
+    p.add_argument("--base", "--model", dest="base", default=None,
+                   help="the model: HF directory, .gguf, smollm2-135m-instruct, or a full fine-tuning run's checkpoint "
+                        "(runs/x/checkpoints/step-N); with --adapter its base (default: the base recorded in the "
+                        "adapter, else the embedded one)")
+    p.add_argument("--adapter", default=None, help="adapter directory (PEFT format, e.g. runs/demo/adapter), or a LoRA "
+                                                   "run's checkpoint (runs/demo/checkpoints/step-N), merged into the "
+                                                   "base")
     p.add_argument("--out", required=True, help="output directory (replaced atomically if it exists and holds "
                                                 "only a model's files)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="dtype of the written weights: auto = the base checkpoint's own (a bf16 model stays bf16, "
                         "as transformers + PEFT merge it; a .gguf base is dequantized to float32); the base loads in "
                         "it, and each W + s B A is computed in fp32 and rounded once (bfloat16 from an fp32 base "
-                        "rounds W twice)")
+                        "rounds W twice); a training checkpoint's fp32 masters are rounded into it once")
     p.add_argument("--no-merge", action="store_true",
                    help="write the adapter in PEFT's format (adapter_config.json + adapter_model.safetensors, fp32) "
                         "instead of the merged model: for a LoRA run's checkpoint, the adapter of that step, as "
@@ -137,14 +142,22 @@ def cmd_export(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if not a.out.strip():  # Path("") is the working directory
         p.error("--out is empty; give the output directory")
+    if a.adapter is None and a.base is None:
+        p.error("give --adapter (a LoRA adapter or a LoRA run's checkpoint, merged into its base) or --model (a model "
+                "written as it is: a full fine-tuning run's checkpoint runs/x/checkpoints/step-N, a .gguf file)")
+    if a.no_merge and a.adapter is None:
+        p.error("--no-merge writes an adapter, and no --adapter was given; leave --no-merge out to write --model")
     if a.no_merge and a.dtype != "auto":  # the adapter is written in fp32 whatever --dtype says
         p.error(f"--dtype {a.dtype} applies to the merged model; --no-merge writes the adapter in fp32 (PEFT's own "
                 "format): leave --dtype out")
-    a.base = _base_for(a.adapter, a.base, "--base")
+    if a.adapter:
+        a.base = _base_for(a.adapter, a.base, "--base")
     # '~' expanded as the load and the write expand it: --base=~/m --out=~/m (no shell expands '~' after '=')
     # passed these checks and the merged model replaced its own base
     out = Path(a.out).expanduser().resolve()
-    for name, given in (("--base", a.base), ("--adapter", a.adapter)):
+    for name, given in (("--base" if a.adapter else "--model", a.base), ("--adapter", a.adapter)):
+        if given is None:
+            continue
         where = Path(given).expanduser()
         if where.exists() and out in (where.resolve(), *where.resolve().parents):
             print(f"error: --out {a.out} would replace {name} {given} (the output directory is replaced as a "
@@ -156,7 +169,7 @@ def cmd_export(argv: list[str]) -> int:
             return 2
     from .lora.peft_io import CONFIG_NAME, WEIGHTS_NAME
     from .models.hf_io import MODEL_DIR_FILES, check_output_dir, has_tokenizer
-    from .models.loading import SHORT_NAMES, recorded_name
+    from .models.loading import SHORT_NAMES, hf_dir, recorded_name
 
     try:  # before the load and merge (minutes for an 8B model), not when the merged model is written
         check_output_dir(a.out, (CONFIG_NAME, WEIGHTS_NAME) if a.no_merge else MODEL_DIR_FILES)
@@ -165,11 +178,22 @@ def cmd_export(argv: list[str]) -> int:
         return 2
     # a base saved by transformers' save_pretrained alone has no tokenizer files, and a merge needs none: it was
     # refused with "call load_model(..., tokenizer=False)", which the command line cannot do
-    base_dir = None if a.base.lower() in SHORT_NAMES else Path(a.base).expanduser()  # a short name wins (load_model)
+    from .train.checkpoint_adapter import is_checkpoint_dir
+
+    tok_from = a.base
+    if is_checkpoint_dir(a.base):  # a full fine-tuning run's step: its base holds the config and tokenizer
+        from .train.checkpoint_model import checkpoint_base
+
+        tok_from = checkpoint_base(a.base)
+    base_dir = None if tok_from.lower() in SHORT_NAMES else Path(tok_from).expanduser()  # a short name wins
+    if base_dir is not None and base_dir.is_file():  # a .gguf: its cached conversion holds what tokenizer it carries
+        base_dir = hf_dir(base_dir)
     no_tokenizer_files = base_dir is not None and base_dir.is_dir() and not has_tokenizer(base_dir)
     if no_tokenizer_files and not a.no_merge:
-        print(f"note: --base {a.base} has no tokenizer files (tokenizer.json / tokenizer_config.json): {a.out} is "
-              "written without them; copy them from the original model", file=sys.stderr)
+        what = "carries no tokenizer" if base_dir != Path(tok_from).expanduser() else \
+            "has no tokenizer files (tokenizer.json / tokenizer_config.json)"
+        print(f"note: {tok_from} {what}: {a.out} is written without them; copy them from the original model",
+              file=sys.stderr)
     _setup_logging()
     from . import save_model
     from .lora import merge_lora
@@ -189,9 +213,14 @@ def cmd_export(argv: list[str]) -> int:
         written = save_adapter(model, a.out, base_model_name_or_path=base)
         print(f"wrote the adapter of {a.adapter} (base {base}) in PEFT's format: {written}")
         return 0
+    dtype = str(model.lm_head.weight.dtype).removeprefix('torch.')
+    if not a.adapter:
+        written = save_model(model, tok, a.out)
+        print(f"wrote {a.base} as a Hugging Face directory: {written} ({dtype})")
+        return 0
     merge_lora(model)
     written = save_model(model, tok, a.out)
-    print(f"merged {a.adapter} into {a.base}: {written} ({str(model.lm_head.weight.dtype).removeprefix('torch.')})")
+    print(f"merged {a.adapter} into {a.base}: {written} ({dtype})")
     return 0
 
 
@@ -211,7 +240,7 @@ def _usage(argv: list[str]) -> int:
         print(f"error: unknown command {argv[0]!r}", file=sys.stderr)
     print("usage: chronicals {train,export,chat,generate,eval,bench} ...\n"
           "  train     fine-tune (no arguments: the embedded demo); chronicals train --help lists every key\n"
-          "  export    merge a LoRA adapter into its base and write a Hugging Face directory\n"
+          "  export    write a Hugging Face directory: a LoRA adapter merged into its base, a checkpoint's model\n"
           "  chat      answer prompts with a base or fine-tuned model (generate: the same)\n"
           "  eval      score a base or fine-tuned model on a dataset: held-out loss, perplexity, QA keywords\n"
           "  bench     the end-to-end benchmark table\n"

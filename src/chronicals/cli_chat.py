@@ -12,20 +12,20 @@ from .cli_models import (DTYPE_HELP, _base_for, _load, _not_utf8, _setup_logging
 
 def _run_system_prompt(path: str | None) -> str | None:
     """The system message of the held-out prompts of the run that wrote ``path`` (``train.out_dir``/adapter or
-    /model, or a LoRA run's checkpoint): from the run's config.yaml beside it (the config in the checkpoint's
+    /model, or one of the run's checkpoints): from the run's config.yaml beside it (the config in the checkpoint's
     state.pt), so chat asks as the run's held-out questions were asked. None when ``path`` is not in a run directory
     (or its config does not load)."""
     if not path:
         return None
     from .config import load_config
     from .config_schema import stored_config
-    from .train.checkpoint_adapter import is_checkpoint_dir, read_lora_checkpoint
+    from .train.checkpoint_adapter import is_checkpoint_dir, read_run_checkpoint
     from .train.qa import heldout_system_prompt
 
     cfg_file = Path(path).expanduser().parent / "config.yaml"
     try:
-        if is_checkpoint_dir(path):  # a LoRA run's checkpoint carries the run's config
-            system, cfg_file = heldout_system_prompt(read_lora_checkpoint(path).config.data), Path(path) / "state.pt"
+        if is_checkpoint_dir(path):  # a run's checkpoint (LoRA or full) carries the run's config
+            system, cfg_file = heldout_system_prompt(read_run_checkpoint(path).config.data), Path(path) / "state.pt"
         elif Path(path).name in ("adapter", "model") and cfg_file.is_file():
             with stored_config():
                 system = heldout_system_prompt(load_config(cfg_file).data)
@@ -45,7 +45,8 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
                                             "terminal the conversation goes on turn by turn (/reset starts over); "
                                             "given or piped prompts are each asked on their own (--turns).")
     p.add_argument("prompts", nargs="*", help="user messages to answer")
-    p.add_argument("--model", default=None, help="HF directory, .gguf, or smollm2-135m-instruct (default: with "
+    p.add_argument("--model", default=None, help="HF directory, .gguf, smollm2-135m-instruct, or a full fine-tuning "
+                                                  "run's checkpoint (runs/x/checkpoints/step-N) (default: with "
                                                   "--adapter the base recorded in it, else smollm2-135m-instruct)")
     p.add_argument("--adapter", default=None, help="LoRA adapter directory to apply (e.g. runs/demo/adapter), "
                                                          "or a LoRA run's checkpoint (runs/demo/checkpoints/step-N)")

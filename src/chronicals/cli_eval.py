@@ -34,7 +34,8 @@ def cmd_eval(argv: list[str]) -> int:
                                             "options are the data section's keys (data.max_seq_len: --max-seq-len).")
     p.add_argument("data", help="file to score: .jsonl/.json/.parquet/.csv or a directory of them (as data.path), or "
                                 "demo (the packaged held-out questions)")
-    p.add_argument("--model", default=None, help="HF directory, .gguf, or smollm2-135m-instruct (default: with "
+    p.add_argument("--model", default=None, help="HF directory, .gguf, smollm2-135m-instruct, or a full fine-tuning "
+                                                  "run's checkpoint (runs/x/checkpoints/step-N) (default: with "
                                                   "--adapter the base recorded in it, else smollm2-135m-instruct)")
     p.add_argument("--adapter", default=None, help="LoRA adapter directory to apply (PEFT format, e.g. "
                                                     "runs/demo/adapter), or a LoRA run's checkpoint "

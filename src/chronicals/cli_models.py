@@ -78,15 +78,21 @@ def _load(model_path: str, adapter: str | None, dev, dtype: str, adapter_dtype=N
     """(model in eval mode, tokenizer or None) on ``dev`` (a resolved torch.device), with ``adapter`` applied (its
     A and B in ``adapter_dtype``; None: float32 on a bf16 or fp16 base, as PEFT keeps them, else the base's
     dtype: ``lora.peft_io.loaded_adapter_dtype``); ``tokenizer=False`` loads none. ``dtype``: a --dtype value,
-    or "checkpoint" for the checkpoint's own."""
+    or "checkpoint" for the checkpoint's own. ``model_path`` may be a full fine-tuning run's training checkpoint
+    (``train.checkpoint_model``): its base with that step's weights."""
     from . import load_model
+    from .train.checkpoint_adapter import apply_checkpoint_adapter, is_checkpoint_dir
     from .train.setup import resolve_dtype
 
     dt = None if dtype == "checkpoint" else resolve_dtype(dtype, dev)
-    model, tok = load_model(model_path, dtype=dt, device=dev, tokenizer=tokenizer)
+    if is_checkpoint_dir(model_path):  # runs/x/checkpoints/step-N of a full fine-tuning run: that step's model
+        from .train.checkpoint_model import load_checkpoint_model
+
+        model, tok = load_checkpoint_model(model_path, dtype=dt, device=dev, tokenizer=tokenizer)
+    else:
+        model, tok = load_model(model_path, dtype=dt, device=dev, tokenizer=tokenizer)
     if adapter:
         from .lora import load_adapter
-        from .train.checkpoint_adapter import apply_checkpoint_adapter, is_checkpoint_dir
 
         if is_checkpoint_dir(adapter):  # runs/x/checkpoints/step-N: the adapter of that step
             apply_checkpoint_adapter(model, adapter, adapter_dtype=adapter_dtype)

@@ -310,3 +310,23 @@ def test_gguf_without_tokenizer_metadata_names_the_file(tmp_path, tiny_hf_config
                                                 r"\(tokenizer\.ggml\.\*\).*load_model\(\.\.\., tokenizer=False\)"):
         chronicals.load_model(path)
     assert chronicals.load_model(path, tokenizer=False)[1] is None
+
+
+def test_a_gguf_file_exports_to_a_hugging_face_directory(tmp_path, tiny_hf_config, capsys):
+    """`chronicals export --model file.gguf --out dir`: GGUF in, a Hugging Face directory out, weights bit for bit
+    (an F32 file). This file carries no tokenizer: said, and the directory is written without one."""
+    from chronicals.cli import main
+
+    cfg, model = _tiny(tiny_hf_config, "qwen2")
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "qwen2", cfg, model.state_dict(), quantize=False)
+    assert main(["export", "--model", str(path), "--out", str(tmp_path / "hf")]) == 0
+    out, err = capsys.readouterr()
+    assert f"wrote {path} as a Hugging Face directory" in out and f"{path} carries no tokenizer" in err
+    ours, _ = chronicals.load_model(tmp_path / "hf", tokenizer=False)
+    got, want = ours.state_dict(), model.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[n], t) for n, t in want.items())
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    ids = torch.randint(0, cfg["vocab_size"], (1, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(ours(ids), ref(ids).logits, atol=1e-5, rtol=1e-4)

@@ -123,8 +123,8 @@ def read_adapter_config(adapter_dir) -> dict:
         missing = ("this is a model directory (config.json), not a LoRA adapter: pass it as --model (chat, eval), "
                    "without --adapter; a model has nothing to export (merge)")
     elif steps := sorted(adapter_dir.glob("step-*/state.pt")):  # --adapter runs/x/checkpoints
-        missing += (f"; {adapter_dir} holds a run's training checkpoints, each of which the commands take as "
-                    f"--adapter: pass one, e.g. {steps[-1].parent}")
+        missing += (f"; {adapter_dir} holds a run's training checkpoints: pass one, e.g. {steps[-1].parent} (a LoRA "
+                    "run's as --adapter, a full fine-tuning run's as --model)")
     cfg = read_json_object(path, CONFIG_NAME, "save the adapter again (save_adapter / PEFT's save_pretrained)",
                            missing=missing)
     missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in cfg]

@@ -165,9 +165,13 @@ class ModelConfig:
         elif (run / "adapter" / "adapter_config.json").is_file():
             missing += (f"; {run} is a run directory holding a LoRA adapter: pass --adapter {run / 'adapter'} (its "
                         "base is then the model)")
-        elif (run / "state.pt").is_file():  # --model runs/x/checkpoints/step-N
-            missing = (f"{run} is a training checkpoint (state.pt), not a model: a LoRA run's checkpoint is passed "
-                       "as --adapter (chat, eval, export), a full fine-tuning run's model is its model/ directory")
+        elif (run / "state.pt").is_file():  # load_model(runs/x/checkpoints/step-N)
+            missing = (f"{run} is a training checkpoint (state.pt), not a model directory: a full fine-tuning run's "
+                       "loads with chronicals.train.load_checkpoint_model (on the command line: --model), a LoRA "
+                       "run's is an adapter (--adapter)")
+        elif steps := sorted(run.glob("step-*/state.pt")):  # --model runs/x/checkpoints
+            missing += (f"; {run} holds a run's training checkpoints: pass one, e.g. {steps[-1].parent} (a full "
+                        "fine-tuning run's as --model, a LoRA run's as --adapter)")
         d = read_json_object(path, "config.json", "copy config.json from the original model again", missing=missing)
         cfg = cls.from_hf_dict(d, source=str(Path(path)))
         prf = hf_partial_rotary_factor(d)

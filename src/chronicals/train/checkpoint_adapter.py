@@ -42,9 +42,9 @@ class CheckpointAdapter:
     config: TrainConfig  # the run's
     base: str | None  # the model the run trained; None: not known from here (``why_no_base`` says why)
     why_no_base: str
-    lora: dict  # apply_lora keyword arguments
+    lora: dict  # apply_lora keyword arguments ({} for a full fine-tuning run's)
     tensors: dict[str, torch.Tensor]  # memory-mapped from state.pt: read when copied in
-    lora_modules: list[str] | None  # the modules the run adapted (None: not recorded)
+    lora_modules: list[str] | None  # the modules the run adapted (None: not recorded, or no LoRA)
 
 
 def is_checkpoint_dir(path: str | Path | None) -> bool:
@@ -55,13 +55,25 @@ def is_checkpoint_dir(path: str | Path | None) -> bool:
     return (p / STATE_FILE).is_file() and not (p / "adapter_config.json").exists()
 
 
-def read_lora_checkpoint(path: str | Path) -> CheckpointAdapter:
-    """The adapter a LoRA run's checkpoint directory describes; ValueError naming the file and what to do when it is
-    a full fine-tuning run's or carries no config. Read once per file version (chat or export ask for the base
-    first, then the tensors), memory-mapped: the optimizer's moments in the same file are never paged in."""
+def read_run_checkpoint(path: str | Path) -> CheckpointAdapter:
+    """What a run's checkpoint directory holds, LoRA or full fine-tuning (``config.lora.enabled`` says which): its
+    config, the base it trained, its tensors (fp32 masters where the run kept them). ValueError naming the file when
+    it carries no config or a tensor that is not floating point. Read once per file version (chat or export ask for
+    the base first, then the tensors), memory-mapped: the optimizer's moments in the same file are never paged in."""
     file = Path(path).expanduser().resolve() / STATE_FILE
     st = file.stat()
     return _read(file, (st.st_mtime_ns, st.st_size, st.st_ino))
+
+
+def read_lora_checkpoint(path: str | Path) -> CheckpointAdapter:
+    """The adapter a LoRA run's checkpoint directory describes; ValueError naming the file and what to do when it is
+    a full fine-tuning run's or carries no config."""
+    ck = read_run_checkpoint(path)
+    if not ck.config.lora.enabled:
+        raise ValueError(f"checkpoint {ck.file} is a full fine-tuning run's (lora.enabled false): it holds the whole "
+                         "model's trainable weights, not an adapter; pass it as --model (chronicals chat / eval / "
+                         "export), without --adapter")
+    return ck
 
 
 @functools.lru_cache(maxsize=1)
@@ -70,29 +82,26 @@ def _read(file: Path, _version: tuple) -> CheckpointAdapter:
     extra = state.get("extra") or {}
     saved = extra.get("config")
     if not isinstance(saved, dict):
-        raise ValueError(f"checkpoint {file} records no run config, so the adapter's settings are unknown; use the "
-                         "run's adapter/ directory, or resume the run (train.resume) to write one")
+        raise ValueError(f"checkpoint {file} records no run config, so the model it belongs to is unknown; use the "
+                         "run's adapter/ or model/ directory, or resume the run (train.resume) to write one")
     try:
         with stored_config():
             cfg = from_dict(saved)
     except ValueError as e:
         raise ValueError(f"checkpoint {file}: its run config no longer reads ({e}); it was written by another "
-                         "version: use the run's adapter/ directory") from None
-    if not cfg.lora.enabled:
-        raise ValueError(f"checkpoint {file} is a full fine-tuning run's (lora.enabled false): it holds the whole "
-                         "model's trainable weights, not an adapter; the run writes the model to its model/ directory "
-                         "at the end (chronicals chat / eval --model)")
+                         "version: use the run's adapter/ or model/ directory") from None
     base, why = _base(extra, cfg)
     for name, t in state["model"].items():  # a crafted file: load_adapter refuses these too
         if not t.is_floating_point():
             raise ValueError(f"checkpoint {file}: tensor {name} is stored as {t.dtype}, not as floating point; it "
-                             "was not written by chronicals: use the run's adapter/ directory")
+                             "was not written by chronicals: use the run's adapter/ or model/ directory")
     record = extra.get("lora")
     tensors = dict(state["model"])
     for name, master in masters_by_name(state).items():  # paged in from the file: the moments beside them are not
         if name in tensors and master.shape == tensors[name].shape:
             tensors[name] = master
-    return CheckpointAdapter(file, cfg, base, why, _lora_kwargs(record, cfg), tensors,
+    lora = _lora_kwargs(record, cfg) if cfg.lora.enabled else {}
+    return CheckpointAdapter(file, cfg, base, why, lora, tensors,
                              None if record is None else list(record["lora_modules"]))
 
 

@@ -1,8 +1,9 @@
-"""`chronicals export / chat / eval --adapter runs/x/checkpoints/step-N`: a LoRA run's training checkpoint used as
-its adapter. It said "adapter_config.json: not found", and a step before the run's end could not be merged or
-asked without resuming the run. Also: export --no-merge records a relative --base as an absolute path (chat / eval
-elsewhere find it), a resumed run's checkpoints and adapter still read once its resume point is gone, and an adapter
-or run directory given where a model is expected says what to pass."""
+"""A run's training checkpoints used by `chronicals export / chat / eval`: a LoRA run's as its adapter (`--adapter
+runs/x/checkpoints/step-N`), a full fine-tuning run's as its model (`--model ...`), so the model of a step before
+the run's end can be merged, written, asked or scored without resuming the run. Also: export --no-merge records a
+relative --base as an absolute path (chat / eval elsewhere find it), a resumed run's checkpoints and adapter still
+read once its resume point is gone, and an adapter, run or checkpoint given where the other kind is expected says
+what to pass."""
 
 import json
 import shutil
@@ -60,13 +61,88 @@ def test_chat_with_a_checkpoint_answers_as_with_the_runs_adapter(run, tiny_base,
     assert f"the system message of {step2 / 'state.pt'}'s held-out prompts" in capsys.readouterr().err
 
 
-def test_a_full_fine_tuning_checkpoint_is_refused_naming_what_to_use(tiny_base, tmp_path, capsys):
-    out = tmp_path / "full"
-    assert main(["train", f"model.path={tiny_base}", f"train.out_dir={out}", "lora.enabled=false", *RUN_ARGS]) == 0
-    capsys.readouterr()
-    assert main(["export", "--adapter", str(out / "checkpoints" / "step-000002"), "--out", str(tmp_path / "m")]) == 3
+@pytest.fixture(scope="module")
+def full_run(tiny_base, tmp_path_factory):
+    """A 2-step full fine-tuning run on the tiny base with a checkpoint at each step."""
+    out = tmp_path_factory.mktemp("fullrun") / "full"
+    assert main(["train", f"model.path={tiny_base}", f"train.out_dir={out}", "lora.enabled=false", "optim.lr=0.01",
+                 *RUN_ARGS]) == 0
+    return out
+
+
+def test_a_full_fine_tuning_checkpoint_exports_as_the_model_of_its_step(full_run, tiny_base, tmp_path, capsys):
+    """`export --model runs/x/checkpoints/step-N`: the model of that step as a Hugging Face directory. Only the run's
+    last model was written (model/); a step before it could not be asked, scored or written without a resume. The
+    last step's export equals model/ tensor for tensor; step 1's is another model, and neither is the base."""
+    step1, step2 = (full_run / "checkpoints" / f"step-00000{i}" for i in (1, 2))
+    assert main(["export", "--model", str(step2), "--out", str(tmp_path / "s2")]) == 0
+    assert f"wrote {step2} as a Hugging Face directory" in capsys.readouterr().out
+    a, b = _weights(tmp_path / "s2"), _weights(full_run / "model")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "s2" / "tokenizer.json").is_file()  # the base's, as the run's model/ has it
+    assert main(["export", "--model", str(step1), "--out", str(tmp_path / "s1")]) == 0
+    s1, base = _weights(tmp_path / "s1"), _weights(tiny_base)
+    assert not all(torch.equal(s1[k], b[k]) for k in b) and not all(torch.equal(s1[k], base[k]) for k in base)
+    model, _ = load_model(tmp_path / "s1")  # a model directory again
+    assert model.config.num_hidden_layers == 2
+
+
+def test_a_full_fine_tuning_checkpoint_chats_and_scores_as_its_model(full_run, capsys):
+    step2 = full_run / "checkpoints" / "step-000002"
+    q = ["--max-new-tokens", "4", "Who founded Vellmora?"]
+    assert main(["chat", "--model", str(step2), *q]) == 0
+    out, err = capsys.readouterr()
+    assert f"the system message of {step2 / 'state.pt'}'s held-out prompts" in err  # the run's, as for LoRA
+    assert main(["chat", "--model", str(full_run / "model"), *q]) == 0
+    assert capsys.readouterr().out == out
+    assert main(["eval", "--model", str(step2), "demo", "--qa-limit", "1"]) == 0
+    ck = capsys.readouterr().out
+    assert main(["eval", "--model", str(full_run / "model"), "demo", "--qa-limit", "1"]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == ck.splitlines()[1:]  # the first line names the model
+
+
+def test_load_checkpoint_model_takes_the_masters_rounded_once(full_run):
+    """From Python: the fp32 masters of the step (optim.master_weights) loaded in float32 are the optimizer's state
+    itself, and rounded to bf16 they are the weights the run trained with."""
+    from chronicals.train import load_checkpoint_model
+    from chronicals.train.checkpoint_adapter import read_run_checkpoint
+
+    step2 = full_run / "checkpoints" / "step-000002"
+    model, tok = load_checkpoint_model(step2, dtype=torch.float32, tokenizer=False)
+    assert tok is None and not model.training
+    tensors = read_run_checkpoint(step2).tensors
+    params = dict(model.named_parameters())
+    assert set(tensors) <= set(params) and all(torch.equal(params[n], t.float()) for n, t in tensors.items())
+    bf16, _ = load_checkpoint_model(step2, dtype=torch.bfloat16, tokenizer=False)
+    assert all(torch.equal(p, params[n].to(torch.bfloat16)) for n, p in bf16.named_parameters())
+
+
+def test_a_checkpoint_given_as_the_wrong_kind_names_the_flag_to_use(full_run, run, tmp_path, capsys):
+    assert main(["export", "--adapter", str(full_run / "checkpoints" / "step-000002"), "--out", str(tmp_path / "m")]) == 3
     err = capsys.readouterr().err
-    assert "is a full fine-tuning run's (lora.enabled false)" in err and "model/ directory" in err
+    assert "is a full fine-tuning run's (lora.enabled false)" in err and "pass it as --model" in err
+    assert main(["chat", "--model", str(run / "checkpoints" / "step-000002"), "hi"]) == 3
+    err = capsys.readouterr().err
+    assert "is a LoRA run's (lora.enabled true)" in err and "pass it as --adapter" in err
+    for argv, said in ((["export"], "give --adapter"),
+                       (["export", "--model", str(full_run / "checkpoints" / "step-000002"), "--no-merge"],
+                        "no --adapter was given")):
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--out", str(tmp_path / "m")])
+        assert e.value.code == 2 and said in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_full_checkpoint_whose_base_moved_says_where_it_was(tiny_base, tmp_path, capsys):
+    base = tmp_path / "base"
+    shutil.copytree(tiny_base, base)
+    out = tmp_path / "full"
+    assert main(["train", f"model.path={base}", f"train.out_dir={out}", "lora.enabled=false", *RUN_ARGS]) == 0
+    base.rename(tmp_path / "moved")
+    capsys.readouterr()
+    assert main(["export", "--model", str(out / "checkpoints" / "step-000002"), "--out", str(tmp_path / "m")]) == 3
+    assert f"was trained from {base}, which is not here" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
 
 
 def test_a_checkpoint_on_another_base_is_refused(run, tmp_path, capsys):
@@ -131,11 +207,14 @@ def test_an_empty_state_pt_is_bad_input_not_a_crash(tmp_path, capsys):
 
 def test_the_checkpoints_folder_or_a_checkpoint_as_model_say_what_to_pass(run, capsys):
     assert main(["export", "--adapter", str(run / "checkpoints"), "--out", str(run.parent / "m")]) == 3
-    assert f"holds a run's training checkpoints, each of which the commands take as --adapter: pass one, e.g. " \
-           f"{run / 'checkpoints' / 'step-000002'}" in capsys.readouterr().err
-    assert main(["chat", "--model", str(run / "checkpoints" / "step-000002"), "hi"]) == 3
-    assert "is a training checkpoint (state.pt), not a model: a LoRA run's checkpoint is passed as --adapter" \
-        in capsys.readouterr().err
+    assert f"holds a run's training checkpoints: pass one, e.g. {run / 'checkpoints' / 'step-000002'} (a LoRA " \
+           "run's as --adapter" in capsys.readouterr().err
+    assert main(["chat", "--model", str(run / "checkpoints"), "hi"]) == 3
+    assert f"holds a run's training checkpoints: pass one, e.g. {run / 'checkpoints' / 'step-000002'} (a full " \
+           "fine-tuning run's as --model" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="is a training checkpoint .state.pt., not a model directory: a full "
+                                                "fine-tuning run.s loads with chronicals.train.load_checkpoint_model"):
+        load_model(run / "checkpoints" / "step-000002")
 
 
 def test_no_merge_writes_the_steps_adapter_that_peft_loads(run, tiny_base, tmp_path, capsys):
