@@ -271,19 +271,30 @@ def test_pipelined_sigterm_stops_after_that_step_and_resumes_exactly(tmp_path, d
 
 def test_resume_with_another_lora_config_names_what_differs(tmp_path, docs):
     """A checkpoint written with lora.rank=4 resumed with rank 8 (other shapes), or a full fine-tune's resumed
-    under LoRA (trainable parameters it lacks): one clear error naming the differing keys, not a copy_ traceback."""
+    under LoRA (trainable parameters it lacks): one clear error naming the differing keys, not a copy_ traceback;
+    said before the model is touched (check_resume_adapter). load_checkpoint itself, called on such a model, names
+    the tensors and the keys."""
+    from chronicals.lora import apply_lora
+    from chronicals.train.checkpoint import load_checkpoint
+
     over = dict(lora__enabled=True, lora__targets=["q_proj", "v_proj"], train__save_every=1, train__max_steps=1)
     train(tiny_config(tmp_path, lora__rank=4, **over), model=tiny_model(), train_loader=SyntheticLoader(docs))
     again = dict(over, train__resume="auto", train__max_steps=2)
+    with pytest.raises(ValueError, match=r"holds LoRA adapters trained with lora.rank=4 \(this run: 8\)"):
+        train(tiny_config(tmp_path, lora__rank=8, **again), model=tiny_model(), train_loader=SyntheticLoader(docs))
+    model = tiny_model()
+    apply_lora(model, r=8, target_modules=("q_proj", "v_proj"))
+    step1 = tmp_path / "run" / "checkpoints" / "step-000001"
+    cfg = tiny_config(tmp_path, lora__rank=8, **again).to_dict()
     with pytest.raises(ValueError, match=r"has other shapes .*lora_A.weight \(4, 24\) vs the model's \(8, 24\).*"
                                          r"another model or lora config: lora.rank=4 \(this run: 8\); resume with that config, or "
                                          r"start over \(another train.out_dir, or train.resume=none\)"):
-        train(tiny_config(tmp_path, lora__rank=8, **again), model=tiny_model(), train_loader=SyntheticLoader(docs))
+        load_checkpoint(step1, model, torch.optim.AdamW(model.parameters()), None, config=cfg)
     full = tmp_path / "full"
     train(tiny_config(full, lora__enabled=False, train__save_every=1, train__max_steps=1), model=tiny_model(),
           train_loader=SyntheticLoader(docs))
-    with pytest.raises(ValueError, match=r"lacks trainable parameters of the model .*lora_A.*lora config: "
-                                         r"lora.enabled=False \(this run: True\)"):
+    with pytest.raises(ValueError, match=r"was written by a full fine-tuning run \(lora.enabled false\), and this run "
+                                         r"is a LoRA run \(lora.enabled true\)"):
         train(tiny_config(full, lora__rank=4, **again), model=tiny_model(), train_loader=SyntheticLoader(docs))
 
 
@@ -389,7 +400,7 @@ def test_a_run_that_fails_while_setting_up_leaves_out_dir_as_it_found_it(tmp_pat
     train(tiny_config(tmp_path, lora__rank=4, **over), model=tiny_model(), train_loader=SyntheticLoader(docs))
     written = (run / "config.yaml").read_text()
     metrics = (run / "metrics.jsonl").read_text()
-    with pytest.raises(ValueError, match="has other shapes"):
+    with pytest.raises(ValueError, match=r"lora.rank=4 \(this run: 8\)"):
         train(tiny_config(tmp_path, lora__rank=8, **dict(over, train__resume="auto", train__max_steps=2)),
               model=tiny_model(), train_loader=SyntheticLoader(docs))
     assert (run / "config.yaml").read_text() == written and "rank: 4" in written

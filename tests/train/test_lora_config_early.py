@@ -161,3 +161,34 @@ def test_a_lora_model_under_lora_disabled_is_a_config_error_before_any_step(tmp_
     assert e.value.key == "lora.enabled"
     res = train(tiny_config(tmp_path, train__max_steps=1), model=merge_lora(model), train_loader=SyntheticLoader(docs))
     assert res.status == "completed"
+
+
+RUN = ["eval.every=0", "eval.qa=false", "logging.progress=false", "data.batch_size=2", "train.save_every=1"]
+
+
+@pytest.mark.parametrize("again, said", [
+    (["lora.rank=8"], "holds LoRA adapters trained with lora.rank=4 (this run: 8)"),
+    (["lora.alpha=64"], "holds LoRA adapters trained with lora.alpha=32.0 (this run: 64.0)"),
+    (["lora.enabled=false"], "was written by a LoRA run (lora.enabled true), and this run is a full fine-tuning run "
+                             "(lora.enabled false): its weights are not this run's trainable ones; set "
+                             "lora.enabled=true to resume it"),
+])
+def test_a_resume_under_other_adapter_settings_exits_before_the_model_loads(again, said, tiny_base, tmp_path,
+                                                                           monkeypatch, capsys):
+    """lora.rank was refused by load_checkpoint's shape check, other adapter settings by the check after it: both
+    after the model loaded and the data was tokenized. The checkpoint's config is read before either now."""
+    out = tmp_path / "run"
+    first = {"lora.rank": "4", "lora.alpha": "32"}
+    assert main(["train", f"model.path={tiny_base}", f"train.out_dir={out}", "train.max_steps=1", *RUN,
+                 *(f"{k}={v}" for k, v in first.items())]) == 0
+    capsys.readouterr()
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the checkpoint's settings were compared")
+
+    monkeypatch.setattr(loop, "load_base", refuse)
+    monkeypatch.setattr(loop, "build_loaders", refuse)
+    kept = [f"{k}={v}" for k, v in first.items() if not any(a.startswith(k + "=") for a in again)]
+    assert main(["train", f"model.path={tiny_base}", f"train.out_dir={out}", "train.max_steps=2", "train.resume=auto",
+                 *RUN, *kept, *again]) == 3
+    assert said in capsys.readouterr().err

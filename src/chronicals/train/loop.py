@@ -45,8 +45,8 @@ from .readback import StepReadback, StepStart
 from .guards import (check_cuda_graphs, check_data_paths, check_document_lengths, check_final_dir, check_final_model,
                      check_impl, check_out_dir, check_resume_path, check_token_ids, earlier_finals, final_dir,
                      remove_setup_files)
-from .resume import (apply_optimizer_settings, check_same_adapter, optimizer_settings, warn_data_changed,
-                     warn_loss_settings_changed)
+from .resume import (apply_optimizer_settings, check_resume_adapter, check_same_adapter, optimizer_settings,
+                     warn_data_changed, warn_loss_settings_changed)
 from .run_dir import _locked_out_dir, _metrics_log, _RanksMetrics
 from .step import accumulate_data_parallel, evaluate_loss
 from .stream import _replan, _restore_position, _step_plan, _Stream
@@ -165,6 +165,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     check_cuda_graphs(cfg, device)
     check_impl(cfg, device)
     dtype = resolve_dtype(cfg.model.dtype, device)
+    check_resume_adapter(cfg, out_dir)  # a LoRA resume under other adapter settings: before the load, not after
     if model is None:
         with dp.main_first():  # rank 0 fills the conversion cache (GGUF) before the others read it
             model, tokenizer = load_base(cfg, device, dtype)

@@ -109,7 +109,7 @@ def warn_loss_settings_changed(saved: dict | None, current: dict, path: Path) ->
 
 
 # LoRA settings that change what a checkpoint's adapter weights compute (scaling, which modules, which base): a
-# resume under other values would continue from weights that mean something else (lora.rank is caught by shape)
+# resume under other values would continue from weights that mean something else
 ADAPTER_KEYS = ("enabled", "rank", "alpha", "rslora", "targets", "modules_to_save")
 
 
@@ -123,6 +123,47 @@ def _module_sets(cfg: dict) -> dict:
     return {**cfg, "lora": lora}
 
 
+def _adapter_diffs(saved: dict, current: dict, path: Path, base: bool = True) -> tuple[bool, list[str]]:
+    """(whether either run is LoRA, the settings that differ: "key=old (this run: new)"); ValueError for a LoRA
+    checkpoint under other adapter settings or (``base``) another model.path."""
+    was, now = (bool(c.get("lora", {}).get("enabled")) for c in (saved, current))
+    if was != now:
+        kind = {True: "a LoRA run (lora.enabled true)", False: "a full fine-tuning run (lora.enabled false)"}
+        raise ValueError(f"checkpoint {path} was written by {kind[was]}, and this run is {kind[now]}: its weights "
+                         f"are not this run's trainable ones; set lora.enabled={str(was).lower()} to resume it, or "
+                         "start over (train.resume=none or another train.out_dir)")
+    lora = was
+    diffs = ckpt.config_diffs(_module_sets(saved), _module_sets(current), {"lora": ADAPTER_KEYS}) if lora else []
+    old_path, new_path = saved.get("model", {}).get("path"), current.get("model", {}).get("path")
+    if base and old_path is not None and not same_model(old_path, new_path):
+        diffs.append(f"model.path={old_path!r} (this run: {new_path!r})")
+    if lora and diffs:
+        raise ValueError(f"checkpoint {path} holds LoRA adapters trained with {', '.join(diffs)}: under this run's "
+                         "settings they would compute something else; resume with the checkpoint's values, or start "
+                         "over (train.resume=none or another train.out_dir)")
+    return lora, diffs
+
+
+def check_resume_adapter(cfg, out_dir: Path) -> None:
+    """Before the model loads and the data is tokenized (minutes for an 8B model): the ValueError check_same_adapter
+    raises after the resume, for a LoRA checkpoint this run would continue under other adapter settings (lora.rank
+    was refused only by load_checkpoint's shape check, after both). Another model.path is left to that later check:
+    a path that does not exist is the load's to say. The checkpoint's pickle is read, memory-mapped, not its tensors;
+    one that cannot be read is left to the resume, which says why."""
+    if cfg.train.resume == "none":
+        return
+    try:
+        path = ckpt.latest_checkpoint(out_dir) if cfg.train.resume == "auto" else Path(cfg.train.resume).expanduser()
+        if path is None:
+            return
+        file = path if path.is_file() else path / ckpt.STATE_FILE
+        saved = (ckpt._read_state(file, mmap=True).get("extra") or {}).get("config")
+    except (OSError, ValueError):
+        return
+    if isinstance(saved, dict):
+        _adapter_diffs(saved, cfg.to_dict(), path, base=False)
+
+
 def check_same_adapter(saved: dict | None, current: dict, path: Path) -> None:
     """A LoRA checkpoint resumes only under the lora settings and base model it was trained with (ValueError
     naming the keys that differ); a full fine-tune's checkpoint holds every trainable weight, so another
@@ -130,17 +171,9 @@ def check_same_adapter(saved: dict | None, current: dict, path: Path) -> None:
     if not saved:
         return
     _warn_dtype_changed(saved, current, path)
-    lora = bool(saved.get("lora", {}).get("enabled")) or bool(current.get("lora", {}).get("enabled"))
-    diffs = ckpt.config_diffs(_module_sets(saved), _module_sets(current), {"lora": ADAPTER_KEYS}) if lora else []
-    old_path, new_path = saved.get("model", {}).get("path"), current.get("model", {}).get("path")
-    if old_path is not None and not same_model(old_path, new_path):
-        diffs.append(f"model.path={old_path!r} (this run: {new_path!r})")
+    lora, diffs = _adapter_diffs(saved, current, path)
     if not diffs:
         return
-    if lora:
-        raise ValueError(f"checkpoint {path} holds LoRA adapters trained with {', '.join(diffs)}: under this run's "
-                         "settings they would compute something else; resume with the checkpoint's values, or start "
-                         "over (train.resume=none or another train.out_dir)")
     log.warning("resumed from %s, written with %s: the checkpoint's weights replace every trainable weight of "
                 "this run's model", path, ", ".join(diffs))
 
