@@ -300,8 +300,8 @@ def test_tool_call_checks(tokenizer, tmp_path, set_template):
     path = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [user, m]} for m in bad] + [ok])
     ds = load_dataset(path, tokenizer, max_seq_len=64, on_error="skip")
     assert (ds.stats.skipped_errors, ds.stats.documents) == (3, 1)
-    assert ds.stats.first_errors[0] == (f"{path}:1: messages[1].content is a NoneType, expected a string (null only "
-                                        "beside tool_calls)")
+    assert ds.stats.first_errors[0] == (f"{path}:1: messages[1].content is a NoneType, expected a string or a list "
+                                        "of {'type': 'text', 'text': ...} parts (null only beside tool_calls)")
     assert ds.stats.first_errors[1].startswith(f"{path}:2: messages[1].tool_calls is a str ('get_weather()'); "
                                                "expected a list of")
     assert ds.stats.first_errors[2] == f"{path}:3: messages[1] has no 'content'; expected {{'role', 'content'}}"
@@ -399,3 +399,33 @@ def test_a_record_with_half_of_a_two_field_format_names_the_missing_field(record
     with pytest.raises(FormatError) as e:
         detect_format({"body": "x"})
     assert "it has" not in str(e.value)
+
+
+def test_openai_text_parts_train_as_the_string_they_join_to(tokenizer, tmp_path):
+    """OpenAI's list content ([{"type": "text", "text": ...}, ...], what its chat exports and many datasets hold) was
+    refused as "a list, expected a string". A text model's template takes one string: the parts joined by newlines.
+    A part that is not text (an image) or an empty list is a bad record that names the part."""
+    def parts(*texts):
+        return [{"type": "text", "text": t} for t in texts]
+
+    as_parts = {"messages": [{"role": "system", "content": parts("Be brief.")},
+                             {"role": "user", "content": parts("Hi!", "2+2?")},
+                             {"role": "assistant", "content": parts("4.")}]}
+    as_text = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!\n2+2?"},
+                            {"role": "assistant", "content": "4."}]}
+    a = load_dataset(write_jsonl(tmp_path / "parts.jsonl", [as_parts]), tokenizer, max_seq_len=64)
+    b = load_dataset(write_jsonl(tmp_path / "text.jsonl", [as_text]), tokenizer, max_seq_len=64)
+    assert a[0][0].tolist() == b[0][0].tolist() and a[0][1].tolist() == b[0][1].tolist()
+    user = {"role": "user", "content": "hi"}
+    bad = [[{"type": "image_url", "image_url": {"url": "x.png"}}], [], ["hi"], [{"type": "text", "text": 3}]]
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [user, {"role": "assistant", "content": c}]}
+                                                for c in bad] + [as_parts])
+    ds = load_dataset(path, tokenizer, max_seq_len=64, on_error="skip")
+    assert (ds.stats.skipped_errors, ds.stats.documents) == (4, 1)
+    errors = ds.stats.first_errors
+    assert errors[0] == (f"{path}:1: messages[1].content[0] is a part of type 'image_url'; a text model takes only "
+                         "{'type': 'text', 'text': ...} parts: remove the others (images, audio), or give the content "
+                         "as a string")
+    assert errors[1].startswith(f"{path}:2: messages[1].content is an empty list")
+    assert errors[2].startswith(f"{path}:3: messages[1].content[0] is a str ('hi')")
+    assert errors[3].startswith(f"{path}:4: messages[1].content[0] is a part of type 'text'")

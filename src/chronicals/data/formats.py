@@ -142,7 +142,8 @@ def _messages(items: list, role_key: str, content_key: str, roles: dict | None, 
     """Messages as the chat template gets them: role and content under those names, every other key of the
     message (OpenAI's tool_calls, tool_call_id, name, ...) passed through as it is, as apply_chat_template does.
     A key whose value is null is dropped: parquet struct columns fill absent keys with null, and templates test
-    ``is defined``. Content may be null or absent on a message with tool_calls (OpenAI's export format)."""
+    ``is defined``. Content may be null or absent on a message with tool_calls (OpenAI's export format), or a list
+    of OpenAI's text parts (joined into one string: ``_text_parts``)."""
     if not items:
         raise FormatError(f"field {field!r} is an empty list; expected at least one message")
     out = []
@@ -158,11 +159,13 @@ def _messages(items: list, role_key: str, content_key: str, roles: dict | None, 
             if key not in m and not (key == content_key and tool_calls):
                 raise FormatError(f"{field}[{j}] has no {key!r}; expected {{{role_key!r}, {content_key!r}}}")
         role, content = m[role_key], m.get(content_key)
+        if isinstance(content, list):  # OpenAI's content parts: [{"type": "text", "text": ...}, ...]
+            content = _text_parts(content, f"{field}[{j}].{content_key}")
         if isinstance(content, str):
             check_text(content, f"{field}[{j}].{content_key}")
         elif not (content is None and tool_calls):
-            raise FormatError(f"{field}[{j}].{content_key} is a {type(content).__name__}, expected a string "
-                              "(null only beside tool_calls)")
+            raise FormatError(f"{field}[{j}].{content_key} is a {type(content).__name__}, expected a string or a "
+                              "list of {'type': 'text', 'text': ...} parts (null only beside tool_calls)")
         if roles is not None:
             if not isinstance(role, str) or role not in roles:  # a list or dict role is unhashable
                 raise FormatError(f"{field}[{j}].{role_key} is {role!r}; expected one of {sorted(roles)}")
@@ -179,6 +182,24 @@ def _messages(items: list, role_key: str, content_key: str, roles: dict | None, 
                 msg[k] = v
         out.append(msg)
     return out
+
+
+def _text_parts(parts: list, field: str) -> str:
+    """OpenAI-style list content as the one string a text model's chat template takes: the text parts joined by
+    newlines (as vLLM joins them for such templates). A part that is not text (an image, audio) is refused by name:
+    a text model cannot be trained on it."""
+    if not parts:
+        raise FormatError(f"{field} is an empty list; expected a string or a list of {{'type': 'text', 'text': ...}} "
+                          "parts")
+    texts = []
+    for k, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            what = f"a part of type {kind!r}" if isinstance(kind, str) else _short(part)
+            raise FormatError(f"{field}[{k}] is {what}; a text model takes only {{'type': 'text', 'text': ...}} "
+                              "parts: remove the others (images, audio), or give the content as a string")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _short(value) -> str:
