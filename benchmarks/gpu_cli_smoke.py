@@ -1,5 +1,5 @@
 """The CLI end to end on a GPU: `chronicals train` (LoRA and full, CUDA graphs auto), then `eval`, `chat` and
-`export` on what it wrote, each in its own process as a user runs them, on a small random model built here
+`export` on what it wrote (a full run's step checkpoint as --model too), each in its own process as a user runs them, on a small random model built here
 (the lent GPU machine has no model hub and no embedded model: a Qwen2-style decoder with a BPE tokenizer trained
 on the packaged demo data, ChatML template). Checks each command's exit status, that train ran on CUDA with the
 allocator default it prints (expandable segments unless PYTORCH_CUDA_ALLOC_CONF is set), that the loss fell,
@@ -99,6 +99,22 @@ def main(out_dir: str) -> int:
                                                  "What is the capital of Vellmora?"], logs, env)
             check(f"chat {method} exit 0 ({s:.0f} s)", rc == 0, "" if rc == 0 else text[-400:])
             check(f"chat {method} decoded through a CUDA graph", "one CUDA-graph replay per new token" in text)
+            if method == "full":  # a step's model: its checkpoint as --model (export, chat)
+                step40 = run_dir / "checkpoints" / "step-000040"
+                rc, text, s = run("export_step", ["export", "--model", str(step40), "--out", str(tmp / "step40")],
+                                  logs, env)
+                check(f"export --model of a full run's checkpoint exit 0 ({s:.0f} s)", rc == 0,
+                      "" if rc == 0 else text[-400:])
+                if rc == 0:
+                    from safetensors.torch import load_file
+
+                    a, b = (load_file(str(d / "model.safetensors")) for d in (tmp / "step40", run_dir / "model"))
+                    check("the last checkpoint's export equals the run's model/",
+                          a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a))
+                rc, text, s = run("chat_step", ["chat", "--model", str(run_dir / "checkpoints" / "step-000020"),
+                                                "--max-new-tokens", "8", "What is the capital of Vellmora?"], logs, env)
+                check(f"chat --model of a full run's step-20 checkpoint exit 0 ({s:.0f} s)", rc == 0,
+                      "" if rc == 0 else text[-400:])
             if method == "lora":
                 rc, text, s = run("export", ["export", "--adapter", str(run_dir / "adapter"), "--out",
                                              str(tmp / "merged")], logs, env)
