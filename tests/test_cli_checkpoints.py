@@ -87,6 +87,26 @@ def test_a_full_fine_tuning_checkpoint_exports_as_the_model_of_its_step(full_run
     assert model.config.num_hidden_layers == 2
 
 
+def test_a_bf16_runs_checkpoint_exports_in_bf16_as_its_model_dir(tiny_base, tmp_path, capsys):
+    """A bf16 run from an fp32 base (CUDA's default; here model.dtype=bfloat16 on the CPU): --dtype auto wrote the
+    base's fp32 with the fp32 masters, not what the run's model/ holds (found on the H200). The dtype the run trained
+    in is the default now; --dtype float32 keeps the masters."""
+    from chronicals.train.checkpoint_adapter import read_run_checkpoint
+
+    out = tmp_path / "bf16"
+    assert main(["train", f"model.path={tiny_base}", f"train.out_dir={out}", "lora.enabled=false", "optim.lr=0.01",
+                 "model.dtype=bfloat16", "optim.master_weights=true", *RUN_ARGS]) == 0
+    step2 = out / "checkpoints" / "step-000002"
+    assert main(["export", "--model", str(step2), "--out", str(tmp_path / "auto")]) == 0
+    a, b = _weights(tmp_path / "auto"), _weights(out / "model")
+    assert all(t.dtype == torch.bfloat16 for t in b.values())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert main(["export", "--model", str(step2), "--dtype", "float32", "--out", str(tmp_path / "fp32")]) == 0
+    masters, f32 = read_run_checkpoint(step2).tensors, _weights(tmp_path / "fp32")
+    assert masters and all(t.dtype == torch.float32 for t in masters.values())
+    assert all(torch.equal(f32[n], t) for n, t in masters.items() if n in f32)
+
+
 def test_a_full_fine_tuning_checkpoint_chats_and_scores_as_its_model(full_run, capsys):
     step2 = full_run / "checkpoints" / "step-000002"
     q = ["--max-new-tokens", "4", "Who founded Vellmora?"]

@@ -134,7 +134,8 @@ def cmd_export(argv: list[str]) -> int:
                    help="dtype of the written weights: auto = the base checkpoint's own (a bf16 model stays bf16, "
                         "as transformers + PEFT merge it; a .gguf base is dequantized to float32); the base loads in "
                         "it, and each W + s B A is computed in fp32 and rounded once (bfloat16 from an fp32 base "
-                        "rounds W twice); a training checkpoint's fp32 masters are rounded into it once")
+                        "rounds W twice); a full run's checkpoint: the dtype it trained in, as its model/ is written (its fp32 "
+                        "masters rounded once; float32 keeps them)")
     p.add_argument("--no-merge", action="store_true",
                    help="write the adapter in PEFT's format (adapter_config.json + adapter_model.safetensors, fp32) "
                         "instead of the merged model: for a LoRA run's checkpoint, the adapter of that step, as "

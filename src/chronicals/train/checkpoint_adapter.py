@@ -45,6 +45,7 @@ class CheckpointAdapter:
     lora: dict  # apply_lora keyword arguments ({} for a full fine-tuning run's)
     tensors: dict[str, torch.Tensor]  # memory-mapped from state.pt: read when copied in
     lora_modules: list[str] | None  # the modules the run adapted (None: not recorded, or no LoRA)
+    trained_dtype: torch.dtype | None = None  # the dtype of the weights as trained (bf16 beside fp32 masters)
 
 
 def is_checkpoint_dir(path: str | Path | None) -> bool:
@@ -97,12 +98,13 @@ def _read(file: Path, _version: tuple) -> CheckpointAdapter:
                              "was not written by chronicals: use the run's adapter/ or model/ directory")
     record = extra.get("lora")
     tensors = dict(state["model"])
+    trained = next(iter(tensors.values())).dtype if tensors else None
     for name, master in masters_by_name(state).items():  # paged in from the file: the moments beside them are not
         if name in tensors and master.shape == tensors[name].shape:
             tensors[name] = master
     lora = _lora_kwargs(record, cfg) if cfg.lora.enabled else {}
     return CheckpointAdapter(file, cfg, base, why, lora, tensors,
-                             None if record is None else list(record["lora_modules"]))
+                             None if record is None else list(record["lora_modules"]), trained)
 
 
 def _base(extra: dict, cfg: TrainConfig) -> tuple[str | None, str]:

@@ -64,6 +64,10 @@ def load_checkpoint_model(path: str | Path, *, base: str | None = None, dtype: t
                           device=None, impl: str = "auto", tokenizer: bool = True):
     """(model in eval mode, tokenizer or None) of a full fine-tuning run's checkpoint directory ``path``: ``base``
     (default: the one the checkpoint records) loaded by ``load_model`` with ``dtype`` / ``device`` / ``impl`` /
-    ``tokenizer`` as there (dtype None: the base's own), then the checkpoint's weights copied in."""
+    ``tokenizer`` as there, then the checkpoint's weights copied in. dtype None: the dtype the run trained in, as its
+    model/ directory is written (bf16 on CUDA from an fp32 base: a .gguf one too); torch.float32 keeps the fp32
+    masters of a bf16 run as they are."""
+    if dtype is None:
+        dtype = read_full_checkpoint(path).trained_dtype
     model, tok = load_model(base or checkpoint_base(path), dtype=dtype, device=device, impl=impl, tokenizer=tokenizer)
     return apply_checkpoint_weights(model, path).eval(), tok
