@@ -121,7 +121,7 @@ def cmd_export(argv: list[str]) -> int:
                                 description="Write a Hugging Face model directory: a LoRA adapter merged into its "
                                             "base (--adapter), or a model as it is (--model without --adapter): a "
                                             "full fine-tuning run's checkpoint, a .gguf file.")
-    p.add_argument("--base", "--model", dest="base", default=None,
+    p.add_argument("--base", "--model", dest="base", default=None, metavar="MODEL",
                    help="the model: HF directory, .gguf, smollm2-135m-instruct, or a full fine-tuning run's checkpoint "
                         "(runs/x/checkpoints/step-N); with --adapter its base (default: the base recorded in the "
                         "adapter, else the embedded one)")
