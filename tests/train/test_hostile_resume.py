@@ -179,6 +179,35 @@ def test_a_lora_resume_with_its_targets_in_another_order_resumes(tmp_path, docs)
     # as sets (sorted): the order is not what differs; said before the model loads (check_resume_adapter)
     with pytest.raises(ValueError, match=r"lora.targets=\['q_proj', 'v_proj'\] \(this run: \['k_proj', 'q_proj'\]"):
         _run(tmp_path, docs, **lora, lora__targets=["q_proj", "k_proj"], train__max_steps=3, train__resume="auto")
+    # other words for the same modules (PEFT's suffix rule): refused as 'would compute something else' before
+    again = _run(tmp_path, docs, **lora, lora__targets=["self_attn.v_proj", "q_proj"], train__max_steps=3,
+                 train__resume="auto")
+    assert again.start_step == 2 and again.step == 3
+    with pytest.raises(ValueError, match=r"this run: \['k_proj', 'self_attn.q_proj'\]"):
+        _run(tmp_path, docs, **lora, lora__targets=["self_attn.q_proj", "k_proj"], train__max_steps=4,
+             train__resume="auto")
+
+
+RECORD = {"lora_modules": [f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("q_proj", "v_proj")],
+          "saved_modules": ["lm_head", "model.embed_tokens"]}
+
+
+@pytest.mark.parametrize("key, names, now, same", [
+    ("targets", ["self_attn.q_proj", "v_proj"], None, True),
+    ("targets", r".*\.(q|v)_proj", None, True),  # a regular expression: the check after the load decides
+    ("targets", ["q_proj"], None, False),  # v_proj picked then, named by nothing now
+    ("targets", ["q_proj", "v_proj", "o_proj"], None, False),  # o_proj: not picked then
+    ("targets", ["q_proj", "v_proj"], {"lora_modules": RECORD["lora_modules"][::-1]}, True),
+    ("targets", ["q_proj", "v_proj"], {"lora_modules": RECORD["lora_modules"][:2]}, False),
+    ("modules_to_save", ["lm_head"], None, True),  # its tied partner needs no name
+    ("modules_to_save", ["lm_head"], {"saved_modules": ["lm_head"]}, False),  # untied now: embed_tokens not trained
+    ("modules_to_save", [], None, False),
+    ("modules_to_save", ["norm"], None, False),
+])
+def test_lora_names_that_pick_the_same_modules_are_the_same_setting(key, names, now, same):
+    from chronicals.train.resume import PICKED, _picks_same
+
+    assert _picks_same(key, names, RECORD[PICKED[key]], None if now is None else now[PICKED[key]]) is same
 
 
 @pytest.mark.parametrize("where, error, named", [

@@ -246,7 +246,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
             raise ValueError(f"{resume_from} is at step {start}, past this run's {total} steps; raise "
                              "train.max_steps (or train.epochs), or set train.resume=none to start over")
         log.info("resumed from %s at step %d of %d", resume_from, start, total)
-        check_same_adapter(restored["extra"].get("config"), cfg_dict, resume_from)
+        check_same_adapter(restored["extra"].get("config"), cfg_dict, resume_from,
+                           records=(restored["extra"].get("lora"), lora_settings(model)))
         apply_optimizer_settings(optimizer, scheduler, fresh, restored["extra"].get("config"), cfg_dict, start)
         done = start == total
     warn_short_warmup(cfg, total)

@@ -123,9 +123,49 @@ def _module_sets(cfg: dict) -> dict:
     return {**cfg, "lora": lora}
 
 
-def _adapter_diffs(saved: dict, current: dict, path: Path, base: bool = True) -> tuple[bool, list[str]]:
+# lora config key -> the list of the LoRA record (train.checkpoint_adapter.lora_settings) naming what it picked
+PICKED = {"targets": "lora_modules", "modules_to_save": "saved_modules"}
+
+
+def _picks_same(key: str, names, picked_then: list[str], picked_now: list[str] | None) -> bool:
+    """Whether this run's lora.``key`` (``names``) picks the modules the checkpoint's run picked (``picked_then``):
+    [self_attn.q_proj] and [q_proj] name the same modules of a decoder (PEFT's suffix rule), as may a regular
+    expression. ``picked_now`` (what apply_lora picked in this run's model) decides; before the model loads (None)
+    only a sure difference counts: a name matching none of the modules picked then, or a target module picked then
+    that no name matches (modules_to_save's list also holds tied partners, which need no name)."""
+    from ..lora.inject import name_matches
+
+    if picked_now is not None:
+        return sorted(picked_then) == sorted(picked_now)
+    listed = [names] if isinstance(names, str) else list(names or [])
+    if not listed:
+        return not picked_then
+    if isinstance(names, list) and any(not any(name_matches(m, [n]) for m in picked_then) for n in listed):
+        return False
+    return key != "targets" or all(name_matches(m, names) for m in picked_then)
+
+
+def _same_picks(saved: dict, current: dict, records: tuple[dict | None, dict | None]) -> dict:
+    """``current`` with lora.targets / lora.modules_to_save set to the checkpoint's where they name the same modules
+    in other words (``_picks_same``): resuming under them computes the same thing. ``records``: the checkpoint's
+    LoRA record and this run's (None before the model loads); without the checkpoint's, the words are compared."""
+    then, now = records
+    if not isinstance(then, dict):
+        return current
+    lora = dict(current.get("lora", {}))
+    for key, field in PICKED.items():
+        old, new = saved.get("lora", {}).get(key), lora.get(key)
+        picked = then.get(field)
+        if old != new and isinstance(picked, list) and \
+                _picks_same(key, new, picked, None if now is None else now.get(field, [])):
+            lora[key] = old
+    return {**current, "lora": lora}
+
+
+def _adapter_diffs(saved: dict, current: dict, path: Path, base: bool = True,
+                   records: tuple[dict | None, dict | None] = (None, None)) -> tuple[bool, list[str]]:
     """(whether either run is LoRA, the settings that differ: "key=old (this run: new)"); ValueError for a LoRA
-    checkpoint under other adapter settings or (``base``) another model.path."""
+    checkpoint under other adapter settings or (``base``) another model.path. ``records``: see _same_picks."""
     was, now = (bool(c.get("lora", {}).get("enabled")) for c in (saved, current))
     if was != now:
         kind = {True: "a LoRA run (lora.enabled true)", False: "a full fine-tuning run (lora.enabled false)"}
@@ -133,6 +173,8 @@ def _adapter_diffs(saved: dict, current: dict, path: Path, base: bool = True) ->
                          f"are not this run's trainable ones; set lora.enabled={str(was).lower()} to resume it, or "
                          "start over (train.resume=none or another train.out_dir)")
     lora = was
+    if lora:
+        current = _same_picks(saved, current, records)
     diffs = ckpt.config_diffs(_module_sets(saved), _module_sets(current), {"lora": ADAPTER_KEYS}) if lora else []
     old_path, new_path = saved.get("model", {}).get("path"), current.get("model", {}).get("path")
     if base and old_path is not None and not same_model(old_path, new_path):
@@ -157,21 +199,25 @@ def check_resume_adapter(cfg, out_dir: Path) -> None:
         if path is None:
             return
         file = path if path.is_file() else path / ckpt.STATE_FILE
-        saved = (ckpt._read_state(file, mmap=True).get("extra") or {}).get("config")
+        extra = ckpt._read_state(file, mmap=True).get("extra") or {}
     except (OSError, ValueError):
         return
+    saved = extra.get("config")
     if isinstance(saved, dict):
-        _adapter_diffs(saved, cfg.to_dict(), path, base=False)
+        _adapter_diffs(saved, cfg.to_dict(), path, base=False, records=(extra.get("lora"), None))
 
 
-def check_same_adapter(saved: dict | None, current: dict, path: Path) -> None:
+def check_same_adapter(saved: dict | None, current: dict, path: Path,
+                       records: tuple[dict | None, dict | None] = (None, None)) -> None:
     """A LoRA checkpoint resumes only under the lora settings and base model it was trained with (ValueError
-    naming the keys that differ); a full fine-tune's checkpoint holds every trainable weight, so another
-    model.path of the same shapes only warns. Another model.dtype warns in either case (_warn_dtype_changed)."""
+    naming the keys that differ; lora.targets / modules_to_save in other words for the same modules are the same:
+    ``records`` = the checkpoint's LoRA record and this run's, lora_settings); a full fine-tune's checkpoint holds
+    every trainable weight, so another model.path of the same shapes only warns. Another model.dtype warns in
+    either case (_warn_dtype_changed)."""
     if not saved:
         return
     _warn_dtype_changed(saved, current, path)
-    lora, diffs = _adapter_diffs(saved, current, path)
+    lora, diffs = _adapter_diffs(saved, current, path, records=records)
     if not diffs:
         return
     log.warning("resumed from %s, written with %s: the checkpoint's weights replace every trainable weight of "
