@@ -24,7 +24,7 @@ from pathlib import Path
 
 from .cli_chat import _run_system_prompt, cmd_chat  # noqa: F401 (_run_system_prompt: chronicals.cli's before the split)
 from .cli_eval import cmd_eval
-from .cli_models import _base_for, _load, _rank, _setup_logging
+from .cli_models import _base_for, _checkpoint_base, _load, _model_and_base, _rank, _setup_logging
 from .cuda_alloc import allocator_env
 
 USAGE = """usage: chronicals train [CONFIG.yaml] [section.key=value ...]
@@ -121,10 +121,13 @@ def cmd_export(argv: list[str]) -> int:
                                 description="Write a Hugging Face model directory: a LoRA adapter merged into its "
                                             "base (--adapter), or a model as it is (--model without --adapter): a "
                                             "full fine-tuning run's checkpoint, a .gguf file.")
-    p.add_argument("--base", "--model", dest="base", default=None, metavar="MODEL",
+    p.add_argument("--model", default=None, metavar="MODEL",
                    help="the model: HF directory, .gguf, smollm2-135m-instruct, or a full fine-tuning run's checkpoint "
                         "(runs/x/checkpoints/step-N); with --adapter its base (default: the base recorded in the "
                         "adapter, else the embedded one)")
+    p.add_argument("--base", default=None, metavar="MODEL",
+                   help="with --adapter: its base (as --model); with a full fine-tuning run's checkpoint as --model: "
+                        "the model that run trained from, where it has moved (default: the one the checkpoint records)")
     p.add_argument("--adapter", default=None, help="adapter directory (PEFT format, e.g. runs/demo/adapter), or a LoRA "
                                                    "run's checkpoint (runs/demo/checkpoints/step-N), merged into the "
                                                    "base")
@@ -143,6 +146,7 @@ def cmd_export(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if not a.out.strip():  # Path("") is the working directory
         p.error("--out is empty; give the output directory")
+    a.base, ckpt_base = _model_and_base(p, a, base_alone_is_model=True)
     if a.adapter is None and a.base is None:
         p.error("give --adapter (a LoRA adapter or a LoRA run's checkpoint, merged into its base) or --model (a model "
                 "written as it is: a full fine-tuning run's checkpoint runs/x/checkpoints/step-N, a .gguf file)")
@@ -153,10 +157,16 @@ def cmd_export(argv: list[str]) -> int:
                 "format): leave --dtype out")
     if a.adapter:
         a.base = _base_for(a.adapter, a.base, "--base")
+    from .train.checkpoint_adapter import is_checkpoint_dir
+
+    tok_from = a.base  # where the config and tokenizer come from
+    if is_checkpoint_dir(a.base):  # a full fine-tuning run's step: its base holds the config and tokenizer
+        tok_from = _checkpoint_base(a.base, ckpt_base)
     # '~' expanded as the load and the write expand it: --base=~/m --out=~/m (no shell expands '~' after '=')
     # passed these checks and the merged model replaced its own base
     out = Path(a.out).expanduser().resolve()
-    for name, given in (("--base" if a.adapter else "--model", a.base), ("--adapter", a.adapter)):
+    for name, given in (("--base" if a.adapter else "--model", a.base), ("--adapter", a.adapter),
+                        (f"the base of {a.base}" if ckpt_base is None else "--base", tok_from)):
         if given is None:
             continue
         where = Path(given).expanduser()
@@ -179,17 +189,11 @@ def cmd_export(argv: list[str]) -> int:
         return 2
     # a base saved by transformers' save_pretrained alone has no tokenizer files, and a merge needs none: it was
     # refused with "call load_model(..., tokenizer=False)", which the command line cannot do
-    from .train.checkpoint_adapter import is_checkpoint_dir
-
-    tok_from = a.base
-    if is_checkpoint_dir(a.base):  # a full fine-tuning run's step: its base holds the config and tokenizer
-        from .train.checkpoint_model import checkpoint_base
-
-        tok_from = checkpoint_base(a.base)
     base_dir = None if tok_from.lower() in SHORT_NAMES else Path(tok_from).expanduser()  # a short name wins
     if base_dir is not None and base_dir.is_file():  # a .gguf: its cached conversion holds what tokenizer it carries
         base_dir = hf_dir(base_dir)
-    no_tokenizer_files = base_dir is not None and base_dir.is_dir() and not has_tokenizer(base_dir)
+    # a model directory (config.json) only: any other folder is the load's to refuse, with no note before it
+    no_tokenizer_files = base_dir is not None and (base_dir / "config.json").is_file() and not has_tokenizer(base_dir)
     if no_tokenizer_files and not a.no_merge:
         what = "carries no tokenizer" if base_dir != Path(tok_from).expanduser() else \
             "has no tokenizer files (tokenizer.json / tokenizer_config.json)"
@@ -206,7 +210,8 @@ def cmd_export(argv: list[str]) -> int:
     # A and B as the file has them (fp32 from PEFT and from us): in the base's bf16 they were rounded before the
     # merge, and 14.8% of a bf16 merge's elements then differed from W + s B A rounded once
     model, tok = _load(a.base, a.adapter, resolve_device("cpu"), "checkpoint" if a.dtype == "auto" else a.dtype,
-                       adapter_dtype=torch.float32, tokenizer=not (a.no_merge or no_tokenizer_files))
+                       adapter_dtype=torch.float32, tokenizer=not (a.no_merge or no_tokenizer_files),
+                       ckpt_base=ckpt_base)
     if a.no_merge:
         from .lora import save_adapter
 

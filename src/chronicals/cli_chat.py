@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .cli_models import (DTYPE_HELP, _base_for, _load, _not_utf8, _setup_logging, _shown, _within_context,
-                         add_verbose)
+from .cli_models import (BASE_HELP, DTYPE_HELP, _base_for, _load, _model_and_base, _not_utf8, _setup_logging, _shown,
+                         _within_context, add_verbose)
 
 
 def _run_system_prompt(path: str | None) -> str | None:
@@ -48,6 +48,7 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     p.add_argument("--model", default=None, help="HF directory, .gguf, smollm2-135m-instruct, or a full fine-tuning "
                                                   "run's checkpoint (runs/x/checkpoints/step-N) (default: with "
                                                   "--adapter the base recorded in it, else smollm2-135m-instruct)")
+    p.add_argument("--base", default=None, metavar="MODEL", help=BASE_HELP)
     p.add_argument("--adapter", default=None, help="LoRA adapter directory to apply (e.g. runs/demo/adapter), "
                                                          "or a LoRA run's checkpoint (runs/demo/checkpoints/step-N)")
     p.add_argument("--system", default=None, help="system message (default: the one the run that wrote --adapter "
@@ -98,12 +99,13 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
         dev = resolve_device(a.device, key="--device")
     except ValueError as e:
         p.error(str(e))
+    a.model, ckpt_base = _model_and_base(p, a)
     a.model = _base_for(a.adapter, a.model, "--model")
     from .config import DEMO_SYSTEM_PROMPT
     from .models import require_chat_template
     from .train.qa import answer
 
-    model, tok = _load(a.model, a.adapter, dev, a.dtype)
+    model, tok = _load(a.model, a.adapter, dev, a.dtype, ckpt_base=ckpt_base)
     require_chat_template(tok)  # before any prompt is read
     _within_context(p, model, a.model, ("--max-new-tokens", a.max_new_tokens))
     system = _run_system_prompt(a.adapter or a.model) if a.system is None else a.system

@@ -7,7 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .cli_models import DTYPE_HELP, _base_for, _load, _not_utf8, _setup_logging, _within_context, add_verbose
+from .cli_models import (BASE_HELP, DTYPE_HELP, _base_for, _load, _model_and_base, _not_utf8, _setup_logging,
+                         _within_context, add_verbose)
 
 
 _DATA_FLAGS = ("format", "train_on", "max_seq_len", "system_prompt", "batch_size", "on_long", "on_error", "cache_dir")
@@ -37,6 +38,7 @@ def cmd_eval(argv: list[str]) -> int:
     p.add_argument("--model", default=None, help="HF directory, .gguf, smollm2-135m-instruct, or a full fine-tuning "
                                                   "run's checkpoint (runs/x/checkpoints/step-N) (default: with "
                                                   "--adapter the base recorded in it, else smollm2-135m-instruct)")
+    p.add_argument("--base", default=None, metavar="MODEL", help=BASE_HELP)
     p.add_argument("--adapter", default=None, help="LoRA adapter directory to apply (PEFT format, e.g. "
                                                     "runs/demo/adapter), or a LoRA run's checkpoint "
                                                     "(runs/demo/checkpoints/step-N)")
@@ -101,6 +103,7 @@ def cmd_eval(argv: list[str]) -> int:
         where = where_read(Path(a.data).expanduser())
         raise FileNotFoundError(f"{a.data}: no such file or directory{where}{glob_hint(a.data)}; give the data file "
                                 "to score, or demo for the packaged held-out questions")
+    a.model, ckpt_base = _model_and_base(p, a)
     a.model = _base_for(a.adapter, a.model, "--model")
     if a.json is not None:  # before the load and scoring, not when the numbers are written
         out = Path(a.json).expanduser().resolve()
@@ -119,7 +122,7 @@ def cmd_eval(argv: list[str]) -> int:
             p.error(f"--json {a.json}: cannot write in {out.parent} ({err.strerror or err}); choose another file")
     from .evaluate import evaluate, write_json  # no _setup_logging: a summary, as chat prints answers only
 
-    model, tok = _load(a.model, a.adapter, dev, a.dtype)
+    model, tok = _load(a.model, a.adapter, dev, a.dtype, ckpt_base=ckpt_base)
     # a row also costs max_seq_len^2 memory on the CPU path
     _within_context(p, model, a.model, ("--max-seq-len", a.max_seq_len), ("--max-new-tokens", a.max_new_tokens))
     # the data's warnings and errors name these flags ("raise --max-seq-len or set --on-long=truncate")

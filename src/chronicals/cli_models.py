@@ -74,12 +74,60 @@ def _base_for(adapter: str | None, given: str | None, flag: str) -> str:
 
 
 
-def _load(model_path: str, adapter: str | None, dev, dtype: str, adapter_dtype=None, tokenizer: bool = True):
+BASE_HELP = ("the model a full fine-tuning run's checkpoint (--model runs/x/checkpoints/step-N) trained from, where "
+             "it has moved (default: the one the checkpoint records); with --adapter: its base, as --model")
+
+
+def _model_and_base(p: argparse.ArgumentParser, a: argparse.Namespace,
+                    base_alone_is_model: bool = False) -> tuple[str | None, str | None]:
+    """(the model, or with --adapter its base; the base of a full fine-tuning checkpoint given as --model, else None)
+    from --model and --base. Both given named one thing before (export: the last won, and a checkpoint's step was
+    written as its untrained base). ``base_alone_is_model``: export's --base without --model or --adapter is the
+    model (its older name)."""
+    from .train.checkpoint_adapter import is_checkpoint_dir
+
+    model, base = a.model, a.base
+    if base is None:
+        return model, None
+    if a.adapter:
+        if model is not None and model != base:
+            p.error(f"with --adapter, --model and --base both name its base ({model} and {base}): give one")
+        return base, None
+    if model is None:
+        if base_alone_is_model:
+            return base, None
+        p.error("--base names the model a full fine-tuning run's checkpoint was trained from: give the checkpoint as "
+                "--model (runs/x/checkpoints/step-N), or the model itself as --model")
+    if not is_checkpoint_dir(model):
+        p.error(f"--base names the model a full fine-tuning run's checkpoint (--model) trained from, and {model} is "
+                "not a run's checkpoint: leave --base out")
+    return model, base
+
+
+def _checkpoint_base(checkpoint: str, given: str | None) -> str:
+    """The model a full fine-tuning run's ``checkpoint`` goes on: ``given`` (--base; warned about when the one it
+    records is here and holds other weights), else the recorded one (FileNotFoundError naming it when gone)."""
+    from .models.loading import same_model
+    from .train.checkpoint_model import checkpoint_base, read_full_checkpoint
+
+    if given is None:
+        return checkpoint_base(checkpoint)
+    recorded = read_full_checkpoint(checkpoint).base
+    if recorded and _here(recorded) and not same_model(given, recorded):
+        print(f"warning: {checkpoint} was trained from {recorded} (recorded in its state.pt), not --base {given}; "
+              f"weights the run froze, the config and the tokenizer are taken from {given}", file=sys.stderr)
+    return given
+
+
+def _load(model_path: str, adapter: str | None, dev, dtype: str, adapter_dtype=None, tokenizer: bool = True,
+          ckpt_base: str | None = None):
     """(model in eval mode, tokenizer or None) on ``dev`` (a resolved torch.device), with ``adapter`` applied (its
     A and B in ``adapter_dtype``; None: float32 on a bf16 or fp16 base, as PEFT keeps them, else the base's
     dtype: ``lora.peft_io.loaded_adapter_dtype``); ``tokenizer=False`` loads none. ``dtype``: a --dtype value,
     or "checkpoint" for the checkpoint's own. ``model_path`` may be a full fine-tuning run's training checkpoint
-    (``train.checkpoint_model``): its base with that step's weights."""
+    (``train.checkpoint_model``): its base (``ckpt_base``, default the one it records) with that step's weights;
+    under --dtype auto those are the weights the run trained with (a bf16 run's fp32 masters rounded to bf16 once,
+    as its model/ holds them), computed in auto's dtype, so the last step scores as model/ does."""
     from . import load_model
     from .train.checkpoint_adapter import apply_checkpoint_adapter, is_checkpoint_dir
     from .train.setup import resolve_dtype
@@ -88,7 +136,8 @@ def _load(model_path: str, adapter: str | None, dev, dtype: str, adapter_dtype=N
     if is_checkpoint_dir(model_path):  # runs/x/checkpoints/step-N of a full fine-tuning run: that step's model
         from .train.checkpoint_model import load_checkpoint_model
 
-        model, tok = load_checkpoint_model(model_path, dtype=dt, device=dev, tokenizer=tokenizer)
+        model, tok = load_checkpoint_model(model_path, base=_checkpoint_base(model_path, ckpt_base), dtype=dt,
+                                           device=dev, tokenizer=tokenizer, as_trained=dtype == "auto")
     else:
         model, tok = load_model(model_path, dtype=dt, device=dev, tokenizer=tokenizer)
     if adapter:
@@ -111,7 +160,9 @@ def _within_context(p: argparse.ArgumentParser, model, name: str, *flags: tuple[
                     f"use at most {context}")
 
 
-DTYPE_HELP = "weights dtype: auto (bf16 on CUDA, fp32 on CPU, as train loads them) | float32 | bfloat16"
+DTYPE_HELP = ("weights dtype: auto (bf16 on CUDA, fp32 on CPU, as train loads them; a full fine-tuning run's checkpoint "
+              "holds the weights as that run trained them, as its model/ does) | float32 (a checkpoint's fp32 "
+              "masters as kept) | bfloat16")
 
 
 def _not_utf8(text: str) -> str | None:

@@ -36,18 +36,23 @@ def checkpoint_base(path: str | Path) -> str:
     ck = read_full_checkpoint(path)
     if ck.base is None:
         raise FileNotFoundError(f"checkpoint {ck.file} does not name a base model that can be found from here "
-                                f"({ck.why_no_base}); its architecture and tokenizer come from that model: load it "
-                                "with chronicals.train.load_checkpoint_model(path, base=...)")
+                                f"({ck.why_no_base}); its architecture and tokenizer come from that model: pass it "
+                                "as --base (chronicals chat / eval / export; from Python: "
+                                "chronicals.train.load_checkpoint_model(path, base=...))")
     if ck.base.lower() not in SHORT_NAMES and not Path(ck.base).expanduser().exists():
         raise FileNotFoundError(f"checkpoint {ck.file} was trained from {ck.base}, which is not here: its "
-                                "architecture and tokenizer come from that model; put it back at that path")
+                                "architecture and tokenizer come from that model; put it back at that path, or pass "
+                                "its new place as --base (chronicals chat / eval / export; from Python: "
+                                "load_checkpoint_model(path, base=...))")
     return ck.base
 
 
-def apply_checkpoint_weights(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
+def apply_checkpoint_weights(model: torch.nn.Module, path: str | Path,
+                             rounded: torch.dtype | None = None) -> torch.nn.Module:
     """Copy a full fine-tuning run's checkpoint ``path`` into ``model`` (its base) in place, each tensor cast to the
-    parameter's dtype; ValueError naming the checkpoint when a tensor has no parameter of its name and shape (another
-    base). Weights the run froze stay the base's. Returns the model."""
+    parameter's dtype (first rounded to ``rounded`` when given: the dtype the run trained in, so a float32 model
+    holds the bf16 weights of a bf16 run, not its fp32 masters); ValueError naming the checkpoint when a tensor has
+    no parameter of its name and shape (another base). Weights the run froze stay the base's. Returns the model."""
     ck = read_full_checkpoint(path)
     params = dict(model.named_parameters())
     odd = sorted(n for n, t in ck.tensors.items() if n not in params or t.shape != params[n].shape)
@@ -56,18 +61,20 @@ def apply_checkpoint_weights(model: torch.nn.Module, path: str | Path) -> torch.
                          f"{odd[0]}): it was trained from {ck.base or 'a model it does not name'}; load that model")
     with torch.no_grad():
         for name, t in ck.tensors.items():
-            params[name].copy_(t)  # fp32 master -> bf16: round to nearest, as MasterWeightAdamW writes its params
+            # fp32 master -> bf16: round to nearest, as MasterWeightAdamW writes its params
+            params[name].copy_(t if rounded is None else t.to(rounded))
     return model
 
 
 def load_checkpoint_model(path: str | Path, *, base: str | None = None, dtype: torch.dtype | None = None,
-                          device=None, impl: str = "auto", tokenizer: bool = True):
+                          device=None, impl: str = "auto", tokenizer: bool = True, as_trained: bool = False):
     """(model in eval mode, tokenizer or None) of a full fine-tuning run's checkpoint directory ``path``: ``base``
     (default: the one the checkpoint records) loaded by ``load_model`` with ``dtype`` / ``device`` / ``impl`` /
     ``tokenizer`` as there, then the checkpoint's weights copied in. dtype None: the dtype the run trained in, as its
     model/ directory is written (bf16 on CUDA from an fp32 base: a .gguf one too); torch.float32 keeps the fp32
-    masters of a bf16 run as they are."""
-    if dtype is None:
-        dtype = read_full_checkpoint(path).trained_dtype
-    model, tok = load_model(base or checkpoint_base(path), dtype=dtype, device=device, impl=impl, tokenizer=tokenizer)
-    return apply_checkpoint_weights(model, path).eval(), tok
+    masters of a bf16 run as they are, unless ``as_trained``: the weights as the run trained with them (rounded to
+    its dtype once), held in ``dtype`` (chat / eval --dtype auto on a CPU: a bf16 run's step scores as its model/)."""
+    trained = read_full_checkpoint(path).trained_dtype
+    model, tok = load_model(base or checkpoint_base(path), dtype=dtype or trained, device=device, impl=impl,
+                            tokenizer=tokenizer)
+    return apply_checkpoint_weights(model, path, rounded=trained if as_trained else None).eval(), tok
