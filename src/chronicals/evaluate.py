@@ -74,9 +74,7 @@ class EvalResult:
 
     def summary(self) -> str:
         st = self.stats
-        lost = [f"{n} {what}" for n, what in (
-            (st.skipped_errors, "bad records skipped"), (st.truncated, "truncated to --max-seq-len"),
-            (st.dropped_overlong, "dropped as too long"), (st.dropped_no_loss, "dropped with no loss tokens")) if n]
+        lost = st.losses("--max-seq-len")
         lines = [f"data: {self.data}: {self.examples} example{'s' * (self.examples != 1)} of {st.records} "
                  f"record{'s' * (st.records != 1)}"
                  + (f" ({', '.join(lost)})" if lost else "") + f", {self.loss_tokens} loss tokens",

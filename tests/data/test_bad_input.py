@@ -115,7 +115,7 @@ def test_null_text_alpaca_input_and_chat_roles(tokenizer, tmp_path):
     ds = load(p, tokenizer, on_error="skip", loss_on="all")
     assert ds.stats.first_errors == [
         f"{p}:1: field 'text' is null (format text expects 'text')",
-        f"{p}:2: field 'input' is a int, expected a string (or null, or no 'input')",
+        f"{p}:2: field 'input' is an int, expected a string (or null, or no 'input')",
         f"{p}:3: field 'input' is a list, expected a string (or null, or no 'input')",
         f"{p}:5: messages[0].role is 'robot'; expected one of system, developer, user, assistant, tool, ipython, function"]
     assert len(ds) == 2  # null input is no input; a tool message is a chat message

@@ -133,3 +133,15 @@ def test_bad_paths_and_options(tokenizer, tmp_path):
         load(empty, tokenizer)
     with pytest.raises(ValueError, match="overlong='cut'; expected one of"):
         load(tmp_path, tokenizer, overlong="cut")
+
+
+def test_what_the_data_lost_is_counted_in_words():
+    """'1 bad records skipped' in the run's and eval's summaries."""
+    from chronicals.data.dataset import DatasetStats
+
+    st = DatasetStats(skipped_errors=1, truncated=2, unclosed_replies=1)
+    assert st.losses() == ["1 bad record skipped", "2 truncated to data.max_seq_len",
+                           "1 reply that trains no end-of-turn token"]
+    st = DatasetStats(skipped_errors=3, dropped_no_loss=1, unclosed_replies=2)
+    assert st.losses("--max-seq-len") == ["3 bad records skipped", "1 dropped with no loss tokens",
+                                          "2 replies that train no end-of-turn token"]

@@ -417,15 +417,19 @@ def test_openai_text_parts_train_as_the_string_they_join_to(tokenizer, tmp_path)
     b = load_dataset(write_jsonl(tmp_path / "text.jsonl", [as_text]), tokenizer, max_seq_len=64)
     assert a[0][0].tolist() == b[0][0].tolist() and a[0][1].tolist() == b[0][1].tolist()
     user = {"role": "user", "content": "hi"}
-    bad = [[{"type": "image_url", "image_url": {"url": "x.png"}}], [], ["hi"], [{"type": "text", "text": 3}]]
+    bad = [[{"type": "image_url", "image_url": {"url": "x.png"}}], [], ["hi"], [{"type": "text", "text": 3}],
+           [{"type": "text"}]]
     path = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [user, {"role": "assistant", "content": c}]}
                                                 for c in bad] + [as_parts])
     ds = load_dataset(path, tokenizer, max_seq_len=64, on_error="skip")
-    assert (ds.stats.skipped_errors, ds.stats.documents) == (4, 1)
+    assert (ds.stats.skipped_errors, ds.stats.documents) == (5, 1)
     errors = ds.stats.first_errors
     assert errors[0] == (f"{path}:1: messages[1].content[0] is a part of type 'image_url'; a text model takes only "
                          "{'type': 'text', 'text': ...} parts: remove the others (images, audio), or give the content "
                          "as a string")
     assert errors[1].startswith(f"{path}:2: messages[1].content is an empty list")
     assert errors[2].startswith(f"{path}:3: messages[1].content[0] is a str ('hi')")
-    assert errors[3].startswith(f"{path}:4: messages[1].content[0] is a part of type 'text'")
+    # a text part without its text: was told to 'remove the others (images, audio)'
+    assert errors[3] == (f"{path}:4: messages[1].content[0] is a part of type 'text' with 'text' an int (3), not a "
+                         "string; give its text as {'type': 'text', 'text': '...'}")
+    assert errors[4].startswith(f"{path}:5: messages[1].content[0] is a part of type 'text' with no 'text'; give")

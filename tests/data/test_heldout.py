@@ -54,7 +54,7 @@ def test_errors_name_the_set_and_the_users_file(tokenizer, tmp_path):
         build_loaders(cfg, tokenizer, tmp_path / "run")
     qa = write(tmp_path / "qa.jsonl", [{"question": "q?", "answer": 5}])
     cfg = cfg_for(tmp_path, f"data.path={train}", f"data.eval_path={qa}")
-    with pytest.raises(DataError, match=rf"^{qa}:1: 'answer' is a int, expected a string"):
+    with pytest.raises(DataError, match=rf"^{qa}:1: 'answer' is an int, expected a string"):
         build_loaders(cfg, tokenizer, tmp_path / "run")
 
 

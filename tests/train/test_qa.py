@@ -15,13 +15,13 @@ def write(path, rows):
 
 def test_keywords_must_be_non_empty_strings(tmp_path):
     ok = {"question": "Capital of France?", "answer": "Paris", "keywords": ["paris"]}
-    for bad, what in (([1789], r"keywords\[0\] is a int"), (1789, "'keywords' is a int"),
+    for bad, what in (([1789], r"keywords\[0\] is an int"), (1789, "'keywords' is an int"),
                       ({"k": "paris"}, "'keywords' is a dict"), ([""], r"keywords\[0\] is empty"),
                       (["paris", None], r"keywords\[1\] is a NoneType"), (" ", "'keywords' is an empty string")):
         p = write(tmp_path / "q.jsonl", [ok, {**ok, "keywords": bad}])
         with pytest.raises(DataError, match=rf"^{p}:2: {what}.*expected a list of non-empty strings, or one string"):
             qa_mod.read_qa(p)
-    for bad, what in ((5, "'answer' is a int"), (None, "'answer' is null"), ("", "'answer' is empty")):
+    for bad, what in ((5, "'answer' is an int"), (None, "'answer' is null"), ("", "'answer' is empty")):
         p = write(tmp_path / "q.jsonl", [{**ok, "answer": bad}])
         with pytest.raises(DataError, match=rf"^{p}:1: {what}"):
             qa_mod.read_qa(p)
@@ -96,7 +96,7 @@ def test_on_error_skip_leaves_bad_records_out_and_counts_them(tmp_path, caplog):
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1, warned
     assert f"{p}: skipped 3 bad records; first: {p}:2: invalid JSON" in warned[0]
-    assert f"; {p}:3: 'answer' is a int" in warned[0] and f"; {p}:4: a record without 'question'" in warned[0]
+    assert f"; {p}:3: 'answer' is an int" in warned[0] and f"; {p}:4: a record without 'question'" in warned[0]
     p.write_text("{bad json}\n" + json.dumps({**ok, "answer": ""}) + "\n")
     with pytest.raises(DataError, match=rf"^every record in {p} is bad \(2 skipped\); first: {p}:1: invalid JSON"):
         qa_mod.read_qa(p, on_error="skip")

@@ -51,6 +51,18 @@ class DatasetStats:
     loss_tokens: int = 0  # positions with a target, after the per-document shift
     first_errors: list[str] = field(default_factory=list)  # up to 10 "file:line: ..." messages
 
+    def losses(self, max_seq_len_name: str = "data.max_seq_len") -> list[str]:
+        """What the data lost on the way in, for a summary line: ["2 bad records skipped", "1 truncated to
+        data.max_seq_len", ...], the counts that are not 0 (``max_seq_len_name``: the option as the user set it)."""
+        counts = ((self.skipped_errors, "bad record skipped", "bad records skipped"),
+                  (self.truncated, f"truncated to {max_seq_len_name}", None),
+                  (self.dropped_overlong, "dropped as too long", None),
+                  (self.dropped_no_loss, "dropped with no loss tokens", None),
+                  (self.empty_targets, "with an empty reply", None),
+                  (self.unclosed_replies, "reply that trains no end-of-turn token",
+                   "replies that train no end-of-turn token"))
+        return [f"{n} {one if n == 1 or many is None else many}" for n, one, many in counts if n]
+
 
 class TokenizedDataset:
     """Documents as flat arrays. ``ds[i]`` -> (ids (L,) int32, trainable (L,) bool)."""
@@ -257,17 +269,17 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, n: dict[str, s
         first = f" (first: {stats.first_no_loss})" if stats.first_no_loss else ""
         if stats.empty_no_loss and stats.empty_no_loss == stats.dropped_no_loss:
             raise DataError(f"no example has a trainable token in {where}: all {stats.dropped_no_loss} have an "
-                            f"empty text{first}, {stats.skipped_errors} bad records; fill in the text (or the "
+                            f"empty text{first}, {_bad(stats.skipped_errors)}; fill in the text (or the "
                             "replies / outputs / completions) or remove those records")
         empty = f", {stats.empty_no_loss} of them with an empty text" if stats.empty_no_loss else ""
         if stats.truncated_no_loss:  # the cause is max_seq_len, not missing replies
             fix = f"before their replies start; raise {n['max_seq_len']} or shorten the prompts"
             if stats.truncated_no_loss == stats.dropped_no_loss:
                 raise DataError(f"no example has a trainable token in {where}: {stats.dropped_no_loss} without one, "
-                                f"all truncated to max_seq_len={max_seq_len} {fix}; {stats.skipped_errors} bad records")
+                                f"all truncated to max_seq_len={max_seq_len} {fix}; {_bad(stats.skipped_errors)}")
             empty += f", {stats.truncated_no_loss} of them truncated to max_seq_len={max_seq_len} {fix}"
         raise DataError(f"no example has a trainable token in {where}: {stats.dropped_no_loss} without one{first}"
-                        f"{empty}, {stats.skipped_errors} bad records; {n['loss_on']}=assistant needs assistant "
+                        f"{empty}, {_bad(stats.skipped_errors)}; {n['loss_on']}=assistant needs assistant "
                         f"turns / outputs / completions (or set {n['loss_on']}=all)")
     if stats.empty_targets:
         log.warning("data: %d examples in %s have an empty assistant reply / output / completion, so only the "
@@ -330,6 +342,10 @@ def _warn_no_eos(descs: list[str], tokenizer, files=(), name: str = "the dataset
                 "never learns to stop after one; set eos_token in the tokenizer's tokenizer_config.json (or "
                 "tokenizer.eos_token = ... before training), or end each record's text with the token generation "
                 "should stop at", where, " / ".join(found))
+
+
+def _bad(n: int) -> str:
+    return f"{n} bad record{'s' * (n != 1)}"
 
 
 def report_bad_records(count: int, first: list[str], on_error: str, records: int, where: str,

@@ -91,7 +91,7 @@ def _field(record: dict, name: str, fmt: str, kinds=(str,), from_csv: bool = Fal
         value = _csv_messages(value, name, text_ok=str in kinds)
     if not isinstance(value, kinds):
         want = " or ".join(k.__name__ for k in kinds)
-        raise FormatError(f"field {name!r} is a {type(value).__name__}, expected {want}")
+        raise FormatError(f"field {name!r} is {a_type(value)}, expected {want}")
     return check_text(value, f"field {name!r}") if isinstance(value, str) else value
 
 
@@ -116,7 +116,7 @@ def _csv_messages(value: str, name: str, text_ok: bool):
         return decoded
     if text_ok:
         return value
-    raise FormatError(f"field {name!r} is JSON text of a {type(decoded).__name__}, expected a list of messages "
+    raise FormatError(f"field {name!r} is JSON text of {a_type(decoded)}, expected a list of messages "
                       "(a CSV cell holds them as JSON text)")
 
 
@@ -149,7 +149,7 @@ def _messages(items: list, role_key: str, content_key: str, roles: dict | None, 
     out = []
     for j, m in enumerate(items):
         if not isinstance(m, dict):
-            raise FormatError(f"{field}[{j}] is a {type(m).__name__}, expected {{{role_key!r}, {content_key!r}}}")
+            raise FormatError(f"{field}[{j}] is {a_type(m)}, expected {{{role_key!r}, {content_key!r}}}")
         tool_calls = m.get("tool_calls")
         if tool_calls is not None and not (isinstance(tool_calls, list) and all(isinstance(t, dict)
                                                                                 for t in tool_calls)):
@@ -164,7 +164,7 @@ def _messages(items: list, role_key: str, content_key: str, roles: dict | None, 
         if isinstance(content, str):
             check_text(content, f"{field}[{j}].{content_key}")
         elif not (content is None and tool_calls):
-            raise FormatError(f"{field}[{j}].{content_key} is a {type(content).__name__}, expected a string or a "
+            raise FormatError(f"{field}[{j}].{content_key} is {a_type(content)}, expected a string or a "
                               "list of {'type': 'text', 'text': ...} parts (null only beside tool_calls)")
         if roles is not None:
             if not isinstance(role, str) or role not in roles:  # a list or dict role is unhashable
@@ -194,7 +194,11 @@ def _text_parts(parts: list, field: str) -> str:
     texts = []
     for k, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
+        if kind == "text" and not isinstance(part.get("text"), str):  # a text part whose text is missing or not one
+            what = "no 'text'" if "text" not in part else f"'text' {_short(part['text'])}, not a string"
+            raise FormatError(f"{field}[{k}] is a part of type 'text' with {what}; give its text as "
+                              "{'type': 'text', 'text': '...'}")
+        if kind != "text":
             what = f"a part of type {kind!r}" if isinstance(kind, str) else _short(part)
             raise FormatError(f"{field}[{k}] is {what}; a text model takes only {{'type': 'text', 'text': ...}} "
                               "parts: remove the others (images, audio), or give the content as a string")
@@ -202,9 +206,15 @@ def _text_parts(parts: list, field: str) -> str:
     return "\n".join(texts)
 
 
+def a_type(value) -> str:
+    """``value``'s type for a message, with its article: "an int", "a list"."""
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
 def _short(value) -> str:
     text = repr(value)
-    return f"a {type(value).__name__} ({text[:40] + '...' if len(text) > 40 else text})"
+    return f"{a_type(value)} ({text[:40] + '...' if len(text) > 40 else text})"
 
 
 def empty_target(ex: Example) -> bool:
@@ -236,7 +246,7 @@ def to_example(record: dict, fmt: str, has_chat_template: bool, from_csv: bool =
         if extra is None:  # absent or null: no input (0, [] or {} are errors, as 5 is)
             extra = ""
         if not isinstance(extra, str):
-            raise FormatError(f"field 'input' is a {type(extra).__name__}, expected a string (or null, or no 'input')")
+            raise FormatError(f"field 'input' is {a_type(extra)}, expected a string (or null, or no 'input')")
         check_text(extra, "field 'input'")
         if has_chat_template:
             user = instruction + ("\n\n" + extra if extra else "")

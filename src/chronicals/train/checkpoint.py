@@ -299,8 +299,18 @@ def _unsafe_globals(file: Path) -> list[str]:
         return []
 
 
-def _read_state(file: Path, mmap: bool = False) -> dict:
-    """state.pt's dict, with the entries load_checkpoint uses; ValueError naming the file and what to do.
+def _first_line(e: BaseException, limit: int = 160) -> str:
+    """An exception's first line for a message, cut at a word boundary past ``limit`` characters (torch's pickle
+    errors run to a page)."""
+    first = str(e).partition("\n")[0]
+    if len(first) <= limit:
+        return first
+    return first[:limit].rpartition(" ")[0].rstrip(",;:") + " ..."
+
+
+def _read_state(file: Path, mmap: bool = False, fix: str | None = None) -> dict:
+    """state.pt's dict, with the entries load_checkpoint uses; ValueError naming the file and what to do (``fix``;
+    default: for a resume, move it away and where train.resume=auto then goes).
 
     Loaded with weights_only=True: tensors and plain Python values only, so a crafted state.pt (a shared run
     directory, a downloaded checkpoint) runs no code when resumed. The ones written here hold nothing else,
@@ -319,18 +329,19 @@ def _read_state(file: Path, mmap: bool = False) -> dict:
                              "train_loader's state_dict with such values does). If "
                              "you trust the file, allow them before train() with torch.serialization."
                              "add_safe_globals([...]); else move it away") from None
-        first = str(e).partition("\n")[0][:120]  # an EOFError of an empty file has no message at all
-        raise ValueError(f"checkpoint {file} cannot be read ({type(e).__name__}: {first}); "
-                         f"it is truncated or corrupt: {_move_away_hint(file.parent)}") from None
+        # an EOFError of an empty file has no message at all
+        raise ValueError(f"checkpoint {file} cannot be read ({type(e).__name__}: {_first_line(e)}); "
+                         f"it is truncated or corrupt: {fix or _move_away_hint(file.parent)}") from None
     fmt = state.get("format", 1)
     if not isinstance(fmt, int) or fmt > FORMAT:
         raise ValueError(f"checkpoint {file} has format {fmt!r}, written by a newer chronicals (this one reads format "
-                         f"{FORMAT}): resume it with the chronicals version that wrote it, or start over "
-                         "(train.resume=none or another train.out_dir)")
+                         f"{FORMAT}): " + (f"read it with the chronicals version that wrote it, or {fix}" if fix else
+                                           "resume it with the chronicals version that wrote it, or start over "
+                                           "(train.resume=none or another train.out_dir)"))
     problem = _entry_problem(state, file.parent.name)
     if problem:
         raise ValueError(f"checkpoint {file} is not one chronicals wrote as it is: {problem}; "
-                         f"{_move_away_hint(file.parent)}")
+                         f"{fix or _move_away_hint(file.parent)}")
     return state
 
 
@@ -403,8 +414,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, schedul
         what = "random number generator"
         set_rng_state(state["rng"])
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-        msg = str(e).splitlines()[0][:160] if str(e) else ""
-        raise ValueError(f"checkpoint {file}: its {what} state does not fit this run ({type(e).__name__}: {msg}); "
+        raise ValueError(f"checkpoint {file}: its {what} state does not fit this run ({type(e).__name__}: "
+                         f"{_first_line(e)}); "
                          "it was written for another model or lora config, by another version, or edited: resume "
                          "with the config it was written with, or start over (train.resume=none or another "
                          "train.out_dir)") from None

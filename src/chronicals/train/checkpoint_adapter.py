@@ -79,7 +79,8 @@ def read_lora_checkpoint(path: str | Path) -> CheckpointAdapter:
 
 @functools.lru_cache(maxsize=1)
 def _read(file: Path, _version: tuple) -> CheckpointAdapter:
-    state = _read_state(file, mmap=True)
+    state = _read_state(file, mmap=True, fix="use another of the run's checkpoints, or its adapter/ or model/ "
+                                              "directory (written at the run's end)")
     extra = state.get("extra") or {}
     saved = extra.get("config")
     if not isinstance(saved, dict):

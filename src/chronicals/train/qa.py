@@ -20,7 +20,7 @@ import torch
 from .._jsonio import atomic_open
 from ..config import DEMO, DEMO_SYSTEM_PROMPT
 from ..data.dataset import report_bad_records
-from ..data.formats import FormatError, check_text
+from ..data.formats import FormatError, a_type, check_text
 from ..data.readers import DataError, read_file, resolve_files
 from ..models.generate import generate, greedy_rows
 from .guards import check_ids_in_vocab
@@ -149,7 +149,7 @@ def _qa_text(rec: dict, key: str, where: str) -> str:
         raise DataError(f"{where}: missing field {key!r}; {QA_EXPECTED}")
     v = rec[key]
     if v is None or not isinstance(v, str):
-        what = "null" if v is None else f"a {type(v).__name__}, expected a string"
+        what = "null" if v is None else f"{a_type(v)}, expected a string"
         raise DataError(f"{where}: {key!r} is {what}; {QA_EXPECTED}")
     if not v.strip():
         raise DataError(f"{where}: {key!r} is empty; {QA_EXPECTED}")
@@ -170,10 +170,10 @@ def _qa_record(rec: dict, where: str) -> dict:
             raise DataError(f"{where}: 'keywords' is an empty string, {want}")
         kws = [kws]
     if not isinstance(kws, list):
-        raise DataError(f"{where}: 'keywords' is a {type(kws).__name__}, {want}")
+        raise DataError(f"{where}: 'keywords' is {a_type(kws)}, {want}")
     for j, k in enumerate(kws):
         if not isinstance(k, str):
-            raise DataError(f"{where}: keywords[{j}] is a {type(k).__name__}, {want}")
+            raise DataError(f"{where}: keywords[{j}] is {a_type(k)}, {want}")
         if not k.strip():
             raise DataError(f"{where}: keywords[{j}] is empty, {want}")
     return {"question": question, "answer": ans, "keywords": kws}

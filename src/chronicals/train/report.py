@@ -68,11 +68,7 @@ class RunReport:
                          f"{self.after.fraction:.0%} ({sum(self.after.correct)}/{len(self.qa)})")
         st = result.data_stats
         if st is not None:  # what the data lost on the way in, where the log may have scrolled away
-            lost = [f"{n} {what}" for n, what in (
-                (st.skipped_errors, "bad records skipped"), (st.truncated, "truncated to data.max_seq_len"),
-                (st.dropped_overlong, "dropped as too long"), (st.dropped_no_loss, "dropped with no loss tokens"),
-                (st.empty_targets, "with an empty reply"),
-                (st.unclosed_replies, "replies that train no end-of-turn token")) if n]
+            lost = st.losses()
             lines.append(f"training data: {st.documents} example{'s' * (st.documents != 1)} of {st.records} "
                          f"record{'s' * (st.records != 1)}"
                          + (f" ({', '.join(lost)})" if lost else ""))
