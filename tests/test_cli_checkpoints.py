@@ -184,6 +184,9 @@ def test_a_full_checkpoint_whose_base_moved_says_where_it_was(tiny_base, tmp_pat
     shutil.move(str(moved), str(base))
     assert main(["chat", "--model", str(out / "model"), *q]) == 0 and capsys.readouterr().out == said
     assert main(["eval", "--model", str(step2), "--base", str(base), "demo", "--qa-limit", "1"]) == 0
+    with pytest.raises(SystemExit) as e:  # its numbers are not written into the model
+        main(["eval", "--model", str(step2), "--base", str(base), "demo", "--json", str(base / "e.json")])
+    assert e.value.code == 2 and f"would write into --base {base}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, said", [

@@ -107,7 +107,7 @@ def cmd_eval(argv: list[str]) -> int:
     a.model = _base_for(a.adapter, a.model, "--model")
     if a.json is not None:  # before the load and scoring, not when the numbers are written
         out = Path(a.json).expanduser().resolve()
-        for name, given in (("DATA", a.data), ("--model", a.model), ("--adapter", a.adapter)):
+        for name, given in (("DATA", a.data), ("--model", a.model), ("--adapter", a.adapter), ("--base", ckpt_base)):
             target = given and Path(given).expanduser().exists() and Path(given).expanduser().resolve()
             if target and (out == target or target in out.parents):
                 p.error(f"--json {a.json} would {'overwrite' if out == target else 'write into'} {name} {given}; "
