@@ -188,26 +188,51 @@ def test_a_lora_resume_with_its_targets_in_another_order_resumes(tmp_path, docs)
              train__resume="auto")
 
 
+def test_a_lora_resume_that_adapts_or_saves_other_modules_names_the_key(tmp_path, docs):
+    """modules_to_save [embed_tokens, norm] -> [embed_tokens] failed after the load as 'its optimizer state does not
+    fit this run', naming no key; targets [layers.0.self_attn.q_proj, v_proj] -> [q_proj, v_proj] (more modules in
+    words that match the old ones) is said by the modules this run's apply_lora picked, before the state loads."""
+    lora = dict(lora__enabled=True, train__save_every=1)
+    first = dict(lora__targets=["layers.0.self_attn.q_proj", "v_proj"], lora__modules_to_save=["embed_tokens", "norm"])
+    _run(tmp_path, docs, **lora, **first, train__max_steps=1)
+    again = dict(lora, train__max_steps=2, train__resume="auto")
+    with pytest.raises(ValueError, match=r"lora.modules_to_save=\['embed_tokens', 'norm'\] \(this run: "
+                                         r"\['embed_tokens'\]\): under this run's settings"):
+        _run(tmp_path, docs, **again, lora__targets=first["lora__targets"], lora__modules_to_save=["embed_tokens"])
+    with pytest.raises(ValueError, match=r"lora.targets=\['layers.0.self_attn.q_proj', 'v_proj'\] \(this run: "
+                                         r"\['q_proj', 'v_proj'\]\)"):
+        _run(tmp_path, docs, **again, lora__targets=["q_proj", "v_proj"], lora__modules_to_save=["embed_tokens", "norm"])
+    done = _run(tmp_path, docs, **again, lora__targets=["layers.0.self_attn.q_proj", "self_attn.v_proj"],
+                lora__modules_to_save=["model.norm", "embed_tokens"])
+    assert done.start_step == 1 and done.step == 2
+
+
 RECORD = {"lora_modules": [f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("q_proj", "v_proj")],
-          "saved_modules": ["lm_head", "model.embed_tokens"]}
+          "saved_modules": ["lm_head", "model.embed_tokens", "model.norm"]}  # lm_head tied: embed_tokens with it
+OLD = {"targets": ["q_proj", "v_proj"], "modules_to_save": ["lm_head", "norm"]}
 
 
 @pytest.mark.parametrize("key, names, now, same", [
     ("targets", ["self_attn.q_proj", "v_proj"], None, True),
-    ("targets", r".*\.(q|v)_proj", None, True),  # a regular expression: the check after the load decides
+    ("targets", r".*\.(q|v)_proj", None, True),
     ("targets", ["q_proj"], None, False),  # v_proj picked then, named by nothing now
     ("targets", ["q_proj", "v_proj", "o_proj"], None, False),  # o_proj: not picked then
+    ("targets", ["layers.0.self_attn.q_proj", "v_proj"], None, False),
     ("targets", ["q_proj", "v_proj"], {"lora_modules": RECORD["lora_modules"][::-1]}, True),
     ("targets", ["q_proj", "v_proj"], {"lora_modules": RECORD["lora_modules"][:2]}, False),
-    ("modules_to_save", ["lm_head"], None, True),  # its tied partner needs no name
-    ("modules_to_save", ["lm_head"], {"saved_modules": ["lm_head"]}, False),  # untied now: embed_tokens not trained
+    ("modules_to_save", ["model.norm", "lm_head"], None, True),
+    ("modules_to_save", ["embed_tokens", "norm"], None, True),  # the tied partner of lm_head: the model decides
+    ("modules_to_save", ["lm_head"], None, False),  # norm no longer trained (was refused only as the optimizer's
+    # state not fitting, after the load, naming no key)
+    ("modules_to_save", ["lm_head", "norm"], {"saved_modules": ["lm_head", "model.norm"]}, False),  # untied now
     ("modules_to_save", [], None, False),
-    ("modules_to_save", ["norm"], None, False),
+    ("modules_to_save", ["lm_head", "input_layernorm"], None, False),
 ])
 def test_lora_names_that_pick_the_same_modules_are_the_same_setting(key, names, now, same):
     from chronicals.train.resume import PICKED, _picks_same
 
-    assert _picks_same(key, names, RECORD[PICKED[key]], None if now is None else now[PICKED[key]]) is same
+    picked_now = None if now is None else now[PICKED[key]]
+    assert _picks_same(names, OLD[key], RECORD[PICKED[key]], picked_now) is same
 
 
 @pytest.mark.parametrize("where, error, named", [

@@ -127,28 +127,29 @@ def _module_sets(cfg: dict) -> dict:
 PICKED = {"targets": "lora_modules", "modules_to_save": "saved_modules"}
 
 
-def _picks_same(key: str, names, picked_then: list[str], picked_now: list[str] | None) -> bool:
-    """Whether this run's lora.``key`` (``names``) picks the modules the checkpoint's run picked (``picked_then``):
-    [self_attn.q_proj] and [q_proj] name the same modules of a decoder (PEFT's suffix rule), as may a regular
-    expression. ``picked_now`` (what apply_lora picked in this run's model) decides; before the model loads (None)
-    only a sure difference counts: a name matching none of the modules picked then, or a target module picked then
-    that no name matches (modules_to_save's list also holds tied partners, which need no name)."""
+def _picks_same(names, old_names, picked_then: list[str], picked_now: list[str] | None) -> bool:
+    """Whether this run's lora.targets or lora.modules_to_save (``names``) picks the modules the checkpoint's run
+    picked with ``old_names`` (``picked_then``): [self_attn.q_proj] and [q_proj] name the same modules of a decoder
+    (PEFT's suffix rule), as may a regular expression. ``picked_now`` (what apply_lora picked in this run's model)
+    decides; before the model is built (None) only a sure difference counts: a listed name matching none of the
+    modules picked then, or new names matching fewer of them than the old names did (modules_to_save's list also
+    holds tied partners, which no name picked: [embed_tokens] may stand for a tied [lm_head])."""
     from ..lora.inject import name_matches
 
     if picked_now is not None:
         return sorted(picked_then) == sorted(picked_now)
     listed = [names] if isinstance(names, str) else list(names or [])
-    if not listed:
-        return not picked_then
     if isinstance(names, list) and any(not any(name_matches(m, [n]) for m in picked_then) for n in listed):
         return False
-    return key != "targets" or all(name_matches(m, names) for m in picked_then)
+    named_then = [m for m in picked_then if old_names and name_matches(m, old_names)]
+    named_now = [m for m in picked_then if listed and name_matches(m, names)]
+    return len(named_now) >= len(named_then)
 
 
 def _same_picks(saved: dict, current: dict, records: tuple[dict | None, dict | None]) -> dict:
     """``current`` with lora.targets / lora.modules_to_save set to the checkpoint's where they name the same modules
     in other words (``_picks_same``): resuming under them computes the same thing. ``records``: the checkpoint's
-    LoRA record and this run's (None before the model loads); without the checkpoint's, the words are compared."""
+    LoRA record and this run's (None before the model is built); without the checkpoint's, the words are compared."""
     then, now = records
     if not isinstance(then, dict):
         return current
@@ -157,7 +158,7 @@ def _same_picks(saved: dict, current: dict, records: tuple[dict | None, dict | N
         old, new = saved.get("lora", {}).get(key), lora.get(key)
         picked = then.get(field)
         if old != new and isinstance(picked, list) and \
-                _picks_same(key, new, picked, None if now is None else now.get(field, [])):
+                _picks_same(new, old, picked, None if now is None else now.get(field, [])):
             lora[key] = old
     return {**current, "lora": lora}
 
@@ -186,12 +187,15 @@ def _adapter_diffs(saved: dict, current: dict, path: Path, base: bool = True,
     return lora, diffs
 
 
-def check_resume_adapter(cfg, out_dir: Path) -> None:
+def check_resume_adapter(cfg, out_dir: Path, now: dict | None = None) -> None:
     """Before the model loads and the data is tokenized (minutes for an 8B model): the ValueError check_same_adapter
     raises after the resume, for a LoRA checkpoint this run would continue under other adapter settings (lora.rank
     was refused only by load_checkpoint's shape check, after both). Another model.path is left to that later check:
-    a path that does not exist is the load's to say. The checkpoint's pickle is read, memory-mapped, not its tensors;
-    one that cannot be read is left to the resume, which says why."""
+    a path that does not exist is the load's to say. Called again with ``now`` (this run's LoRA record,
+    lora_settings) once apply_lora has run, before the checkpoint's state is loaded: lora.targets / modules_to_save in
+    other words are then compared by the modules they picked (another set failed as the optimizer's state not
+    fitting, naming no key). The checkpoint's pickle is read, memory-mapped, not its tensors; one that cannot be
+    read is left to the resume, which says why."""
     if cfg.train.resume == "none":
         return
     try:
@@ -204,7 +208,7 @@ def check_resume_adapter(cfg, out_dir: Path) -> None:
         return
     saved = extra.get("config")
     if isinstance(saved, dict):
-        _adapter_diffs(saved, cfg.to_dict(), path, base=False, records=(extra.get("lora"), None))
+        _adapter_diffs(saved, cfg.to_dict(), path, base=False, records=(extra.get("lora"), now))
 
 
 def check_same_adapter(saved: dict | None, current: dict, path: Path,
