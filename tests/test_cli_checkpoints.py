@@ -190,13 +190,21 @@ def test_a_full_checkpoint_whose_base_moved_says_where_it_was(tiny_base, tmp_pat
 
 
 @pytest.mark.parametrize("argv, said", [
-    (["--model", "{tiny}", "--base", "{tiny}"], "{tiny} is not a run's checkpoint: leave --base out"),
+    (["--model", "{tiny}", "--base", "{tiny}"], "{tiny} is not a run's checkpoint (runs/x/checkpoints/step-N), and "
+                                                "--base is only for one: leave --base out"),
+    (["--model", "{full}/checkpoints/step-000009", "--base", "{tiny}"], "step-000009 does not exist"),
+    (["--model", "{full}/checkpoints/step-000002/state.pt", "--base", "{tiny}"],
+     "state.pt is a file: pass its checkpoint directory {full}/checkpoints/step-000002"),
+    (["--model", "{adapter}", "--base", "{tiny}"], "is a LoRA adapter: pass it as --adapter"),
+    (["--model", "{full}/checkpoints/step-000002", "--base", "{full}/checkpoints/step-000001"],
+     "step-000001 is a run's training checkpoint; --base names the model a checkpoint (--model) was trained from"),
     (["--base", "{tiny}"], "give the checkpoint as --model"),
     (["--adapter", "{adapter}", "--model", "{tiny}", "--base", "{other}"], "with --adapter, --model and --base both"),
 ])
 @pytest.mark.parametrize("command", ["chat", "eval", "export"])
-def test_model_and_base_that_do_not_go_together_are_refused(command, argv, said, tiny_base, run, tmp_path, capsys):
-    names = {"tiny": tiny_base, "adapter": run / "adapter", "other": tmp_path}
+def test_model_and_base_that_do_not_go_together_are_refused(command, argv, said, tiny_base, run, full_run, tmp_path,
+                                                            capsys):
+    names = {"tiny": tiny_base, "adapter": run / "adapter", "other": tmp_path, "full": full_run}
     argv = [a.format(**names) for a in argv]
     rest = {"chat": ["hi"], "eval": ["demo"], "export": ["--out", str(tmp_path / "m")]}[command]
     if command == "export" and argv == ["--base", str(tiny_base)]:  # export's older name of --model: the model
@@ -217,11 +225,55 @@ def test_a_checkpoint_exported_onto_its_own_base_is_refused(tiny_base, tmp_path,
     assert main(["train", f"model.path={base}", f"train.out_dir={out}", "lora.enabled=false", *RUN_ARGS]) == 0
     before = {f.name: f.read_bytes() for f in base.iterdir()}
     step2 = out / "checkpoints" / "step-000002"
-    for target, said in ((base, "would replace the base of"), (base / "sub", "is inside the base of")):
+    for target, said in ((base, "would replace the base recorded in"), (base / "sub", "is inside the base recorded in")):
         capsys.readouterr()
         assert main(["export", "--model", str(step2), "--out", str(target)]) == 2
         assert f"{said} {step2} {base}" in capsys.readouterr().err
+        # --base another model of its shapes: the recorded base was still replaced
+        assert main(["export", "--model", str(step2), "--base", str(tiny_base), "--out", str(target)]) == 2
+        assert f"{said} {step2} {base}" in capsys.readouterr().err
+    assert main(["export", "--model", str(step2), "--out", str(base / "sub")]) == 2
+    assert "the written model would become a folder of it" in capsys.readouterr().err  # nothing is merged
+    # a LoRA run's adapter merged into another --base: its own base is kept too
+    assert main(["train", f"model.path={base}", f"train.out_dir={tmp_path / 'lora'}", "lora.rank=4", *RUN_ARGS]) == 0
+    capsys.readouterr()
+    assert main(["export", "--adapter", str(tmp_path / "lora" / "adapter"), "--base", str(tiny_base),
+                 "--out", str(base)]) == 2
+    assert f"would replace the base recorded in {tmp_path / 'lora' / 'adapter'} {base}" in capsys.readouterr().err
     assert {f.name: f.read_bytes() for f in base.iterdir()} == before
+
+
+def test_with_an_adapter_the_base_warning_names_the_flag_given(run, tiny_base, tmp_path, capsys):
+    """--base X with --adapter was warned about as 'not --model X' (eval) and --model X as 'not --base X' (export);
+    --model and --base both naming the base, spelled apart, were refused as two models."""
+    other = tmp_path / "other"
+    shutil.copytree(tiny_base, other)
+    from safetensors.torch import save_file
+
+    w = _weights(other)
+    save_file({k: v + 1 for k, v in w.items()}, str(other / "model.safetensors"), metadata={"format": "pt"})
+    adapter = run / "adapter"
+    assert main(["eval", "--adapter", str(adapter), "--base", str(other), "demo", "--qa-limit", "1"]) == 0
+    assert f"not --base {other}" in capsys.readouterr().err
+    assert main(["export", "--adapter", str(adapter), "--model", str(other), "--out", str(tmp_path / "m")]) == 0
+    assert f"not --model {other}" in capsys.readouterr().err
+    assert main(["eval", "--adapter", str(adapter), "--base", str(tiny_base), "--model", f"{tiny_base}/",
+                 "demo", "--qa-limit", "1"]) == 0
+
+
+def test_a_base_of_other_shapes_given_for_a_checkpoint_is_named(full_run, run, tmp_path, capsys):
+    import transformers
+
+    from chronicals import load_tokenizer, save_model
+    from chronicals.models import CausalLM, ModelConfig
+
+    tok = load_tokenizer("smollm2-135m-instruct")
+    hf = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    other = save_model(CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0), tok, tmp_path / "b")
+    step2 = full_run / "checkpoints" / "step-000002"
+    assert main(["eval", "--model", str(step2), "--base", str(other), "demo"]) == 3
+    assert f"does not fit --base {other}" in capsys.readouterr().err
 
 
 def test_a_checkpoint_on_another_base_is_refused(run, tmp_path, capsys):

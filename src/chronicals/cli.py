@@ -24,7 +24,7 @@ from pathlib import Path
 
 from .cli_chat import _run_system_prompt, cmd_chat  # noqa: F401 (_run_system_prompt: chronicals.cli's before the split)
 from .cli_eval import cmd_eval
-from .cli_models import _base_for, _checkpoint_base, _load, _model_and_base, _rank, _setup_logging
+from .cli_models import _base_for, _checkpoint_base, _load, _model_and_base, _rank, _recorded, _setup_logging
 from .cuda_alloc import allocator_env
 
 USAGE = """usage: chronicals train [CONFIG.yaml] [section.key=value ...]
@@ -146,7 +146,7 @@ def cmd_export(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if not a.out.strip():  # Path("") is the working directory
         p.error("--out is empty; give the output directory")
-    a.base, ckpt_base = _model_and_base(p, a, base_alone_is_model=True)
+    a.base, ckpt_base, flag = _model_and_base(p, a, base_alone_is_model=True, default_flag="--base")
     if a.adapter is None and a.base is None:
         p.error("give --adapter (a LoRA adapter or a LoRA run's checkpoint, merged into its base) or --model (a model "
                 "written as it is: a full fine-tuning run's checkpoint runs/x/checkpoints/step-N, a .gguf file)")
@@ -156,17 +156,23 @@ def cmd_export(argv: list[str]) -> int:
         p.error(f"--dtype {a.dtype} applies to the merged model; --no-merge writes the adapter in fp32 (PEFT's own "
                 "format): leave --dtype out")
     if a.adapter:
-        a.base = _base_for(a.adapter, a.base, "--base")
+        a.base = _base_for(a.adapter, a.base, flag)
     from .train.checkpoint_adapter import is_checkpoint_dir
 
     tok_from = a.base  # where the config and tokenizer come from
+    guarded = [(flag, a.base), ("--adapter", a.adapter)]
     if is_checkpoint_dir(a.base):  # a full fine-tuning run's step: its base holds the config and tokenizer
+        from .train.checkpoint_model import read_full_checkpoint
+
         tok_from = _checkpoint_base(a.base, ckpt_base)
+        guarded += [("--base", ckpt_base), (f"the base recorded in {a.base}", read_full_checkpoint(a.base).base)]
+    elif a.adapter:  # the model the adapter was trained on, whatever --base says: its run resumes on it
+        guarded.append((f"the base recorded in {a.adapter}", _recorded(a.adapter)[0]))
+    written = "the written model" if not a.adapter or a.no_merge else "the merged model"
     # '~' expanded as the load and the write expand it: --base=~/m --out=~/m (no shell expands '~' after '=')
     # passed these checks and the merged model replaced its own base
     out = Path(a.out).expanduser().resolve()
-    for name, given in (("--base" if a.adapter else "--model", a.base), ("--adapter", a.adapter),
-                        (f"the base of {a.base}" if ckpt_base is None else "--base", tok_from)):
+    for name, given in guarded:
         if given is None:
             continue
         where = Path(given).expanduser()
@@ -175,7 +181,7 @@ def cmd_export(argv: list[str]) -> int:
                   "whole); choose another --out", file=sys.stderr)
             return 2
         if where.is_dir() and where.resolve() in out.parents:  # a foreign folder in it from then on
-            print(f"error: --out {a.out} is inside {name} {given}: the merged model would become a folder of it, "
+            print(f"error: --out {a.out} is inside {name} {given}: {written} would become a folder of it, "
                   f"which a later save of {given} refuses to delete; choose an --out outside it", file=sys.stderr)
             return 2
     from .lora.peft_io import CONFIG_NAME, WEIGHTS_NAME

@@ -99,8 +99,8 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
         dev = resolve_device(a.device, key="--device")
     except ValueError as e:
         p.error(str(e))
-    a.model, ckpt_base = _model_and_base(p, a)
-    a.model = _base_for(a.adapter, a.model, "--model")
+    a.model, ckpt_base, flag = _model_and_base(p, a)
+    a.model = _base_for(a.adapter, a.model, flag)
     from .config import DEMO_SYSTEM_PROMPT
     from .models import require_chat_template
     from .train.qa import answer

@@ -103,8 +103,8 @@ def cmd_eval(argv: list[str]) -> int:
         where = where_read(Path(a.data).expanduser())
         raise FileNotFoundError(f"{a.data}: no such file or directory{where}{glob_hint(a.data)}; give the data file "
                                 "to score, or demo for the packaged held-out questions")
-    a.model, ckpt_base = _model_and_base(p, a)
-    a.model = _base_for(a.adapter, a.model, "--model")
+    a.model, ckpt_base, flag = _model_and_base(p, a)
+    a.model = _base_for(a.adapter, a.model, flag)
     if a.json is not None:  # before the load and scoring, not when the numbers are written
         out = Path(a.json).expanduser().resolve()
         for name, given in (("DATA", a.data), ("--model", a.model), ("--adapter", a.adapter), ("--base", ckpt_base)):

@@ -78,30 +78,41 @@ BASE_HELP = ("the model a full fine-tuning run's checkpoint (--model runs/x/chec
              "it has moved (default: the one the checkpoint records); with --adapter: its base, as --model")
 
 
-def _model_and_base(p: argparse.ArgumentParser, a: argparse.Namespace,
-                    base_alone_is_model: bool = False) -> tuple[str | None, str | None]:
-    """(the model, or with --adapter its base; the base of a full fine-tuning checkpoint given as --model, else None)
-    from --model and --base. Both given named one thing before (export: the last won, and a checkpoint's step was
-    written as its untrained base). ``base_alone_is_model``: export's --base without --model or --adapter is the
-    model (its older name)."""
+def _model_and_base(p: argparse.ArgumentParser, a: argparse.Namespace, base_alone_is_model: bool = False,
+                    default_flag: str = "--model") -> tuple[str | None, str | None, str]:
+    """(the model, or with --adapter its base; the base of a full fine-tuning checkpoint given as --model, else None;
+    the flag that named the first, for messages: ``default_flag`` when neither did) from --model and --base. Both
+    given named one thing before (export: the last won, and a checkpoint's step was written as its untrained base).
+    ``base_alone_is_model``: export's --base without --model or --adapter is the model (its older name)."""
+    from .models.loading import same_model
     from .train.checkpoint_adapter import is_checkpoint_dir
 
     model, base = a.model, a.base
     if base is None:
-        return model, None
+        return model, None, "--model" if model is not None else default_flag
+    if is_checkpoint_dir(base) and (model is not None or a.adapter):
+        p.error(f"--base {base} is a run's training checkpoint; --base names the model a checkpoint (--model) was "
+                "trained from: a model directory, .gguf or smollm2-135m-instruct")
     if a.adapter:
-        if model is not None and model != base:
+        if model is not None and not same_model(model, base):
             p.error(f"with --adapter, --model and --base both name its base ({model} and {base}): give one")
-        return base, None
+        return base, None, "--base"
     if model is None:
         if base_alone_is_model:
-            return base, None
+            return base, None, "--base"
         p.error("--base names the model a full fine-tuning run's checkpoint was trained from: give the checkpoint as "
                 "--model (runs/x/checkpoints/step-N), or the model itself as --model")
     if not is_checkpoint_dir(model):
-        p.error(f"--base names the model a full fine-tuning run's checkpoint (--model) trained from, and {model} is "
-                "not a run's checkpoint: leave --base out")
-    return model, base
+        where = Path(model).expanduser()
+        why = (f"--model {model} does not exist" if not where.exists() else
+               f"--model {model} is a file: pass its checkpoint directory {where.parent}"
+               if where.name == "state.pt" else
+               f"--model {model} is a LoRA adapter: pass it as --adapter, its base as --model"
+               if (where / "adapter_config.json").is_file() else
+               f"--model {model} is not a run's checkpoint (runs/x/checkpoints/step-N), and --base is only for one: "
+               "leave --base out")
+        p.error(f"{why}")
+    return model, base, "--model"
 
 
 def _checkpoint_base(checkpoint: str, given: str | None) -> str:

@@ -47,18 +47,21 @@ def checkpoint_base(path: str | Path) -> str:
     return ck.base
 
 
-def apply_checkpoint_weights(model: torch.nn.Module, path: str | Path,
-                             rounded: torch.dtype | None = None) -> torch.nn.Module:
+def apply_checkpoint_weights(model: torch.nn.Module, path: str | Path, rounded: torch.dtype | None = None,
+                             given: str | None = None) -> torch.nn.Module:
     """Copy a full fine-tuning run's checkpoint ``path`` into ``model`` (its base) in place, each tensor cast to the
     parameter's dtype (first rounded to ``rounded`` when given: the dtype the run trained in, so a float32 model
     holds the bf16 weights of a bf16 run, not its fp32 masters); ValueError naming the checkpoint when a tensor has
-    no parameter of its name and shape (another base). Weights the run froze stay the base's. Returns the model."""
+    no parameter of its name and shape (another base; ``given``: the base the caller named, for the message). Weights
+    the run froze stay the base's. Returns the model."""
     ck = read_full_checkpoint(path)
     params = dict(model.named_parameters())
     odd = sorted(n for n, t in ck.tensors.items() if n not in params or t.shape != params[n].shape)
     if odd:
-        raise ValueError(f"checkpoint {path} does not fit this model ({len(odd)} tensors differ in name or shape, e.g. "
-                         f"{odd[0]}): it was trained from {ck.base or 'a model it does not name'}; load that model")
+        model_is = f"--base {given}" if given else "this model"
+        raise ValueError(f"checkpoint {path} does not fit {model_is} ({len(odd)} tensors differ in name or shape, "
+                         f"e.g. {odd[0]}): it was trained from {ck.base or 'a model it does not name'}; pass that "
+                         "model" + (", or where it has moved to, as --base" if given else ""))
     with torch.no_grad():
         for name, t in ck.tensors.items():
             # fp32 master -> bf16: round to nearest, as MasterWeightAdamW writes its params
@@ -77,4 +80,4 @@ def load_checkpoint_model(path: str | Path, *, base: str | None = None, dtype: t
     trained = read_full_checkpoint(path).trained_dtype
     model, tok = load_model(base or checkpoint_base(path), dtype=dtype or trained, device=device, impl=impl,
                             tokenizer=tokenizer)
-    return apply_checkpoint_weights(model, path, rounded=trained if as_trained else None).eval(), tok
+    return apply_checkpoint_weights(model, path, rounded=trained if as_trained else None, given=base).eval(), tok
