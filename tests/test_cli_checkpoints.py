@@ -334,9 +334,32 @@ def test_an_empty_state_pt_is_bad_input_not_a_crash(tmp_path, capsys):
     (tmp_path / "ck" / "state.pt").write_bytes(b"")
     assert main(["export", "--adapter", str(tmp_path / "ck"), "--out", str(tmp_path / "m")]) == 3
     err = capsys.readouterr().err
-    # what to do here, not a resume's advice (train.resume=none)
-    assert "cannot be read" in err and "use another of the run's checkpoints, or its adapter/ or model/" in err
+    # what it is (torch said 'EOFError: ' or advised a re-save with _use_new_zipfile_serialization=True) and what to
+    # do here, not a resume's advice (train.resume=none)
+    assert "state.pt is empty (0 bytes); it is truncated or corrupt: use another checkpoint of that run" in err
     assert "train.resume" not in err
+
+
+def test_a_damaged_checkpoint_names_what_the_run_has_instead(full_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(full_run, run)
+    state = run / "checkpoints" / "step-000002" / "state.pt"
+    state.write_bytes(b"\x80\x02garbage" * 100)
+    for argv in (["eval", "--model", str(state.parent), "demo"], ["chat", "--model", str(state.parent), "hi"],
+                 ["export", "--model", str(state.parent), "--out", str(tmp_path / "m")]):
+        assert main(argv) == 3
+        err = capsys.readouterr().err
+        assert f"{state} is not the zip archive torch.save writes; it is truncated or corrupt: use another of the " \
+               f"run's checkpoints ({run / 'checkpoints' / 'step-000001'}) or the run's final model/ " \
+               f"({run / 'model'})" in err, err
+
+
+def test_a_long_error_is_cut_at_a_word_or_inside_one():
+    from chronicals.train.checkpoint import _first_line
+
+    assert _first_line(ValueError("word " * 100)) == ("word " * 32).rstrip() + " ..."
+    assert _first_line(ValueError("x" * 300)) == "x" * 160 + " ..."
+    assert _first_line(EOFError()) == "no message"
 
 
 def test_the_checkpoints_folder_or_a_checkpoint_as_model_say_what_to_pass(run, capsys):

@@ -300,7 +300,7 @@ def test_tool_call_checks(tokenizer, tmp_path, set_template):
     path = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [user, m]} for m in bad] + [ok])
     ds = load_dataset(path, tokenizer, max_seq_len=64, on_error="skip")
     assert (ds.stats.skipped_errors, ds.stats.documents) == (3, 1)
-    assert ds.stats.first_errors[0] == (f"{path}:1: messages[1].content is a NoneType, expected a string or a list "
+    assert ds.stats.first_errors[0] == (f"{path}:1: messages[1].content is null, expected a string or a list "
                                         "of {'type': 'text', 'text': ...} parts (null only beside tool_calls)")
     assert ds.stats.first_errors[1].startswith(f"{path}:2: messages[1].tool_calls is a str ('get_weather()'); "
                                                "expected a list of")

@@ -17,7 +17,7 @@ def test_keywords_must_be_non_empty_strings(tmp_path):
     ok = {"question": "Capital of France?", "answer": "Paris", "keywords": ["paris"]}
     for bad, what in (([1789], r"keywords\[0\] is an int"), (1789, "'keywords' is an int"),
                       ({"k": "paris"}, "'keywords' is a dict"), ([""], r"keywords\[0\] is empty"),
-                      (["paris", None], r"keywords\[1\] is a NoneType"), (" ", "'keywords' is an empty string")):
+                      (["paris", None], r"keywords\[1\] is null"), (" ", "'keywords' is an empty string")):
         p = write(tmp_path / "q.jsonl", [ok, {**ok, "keywords": bad}])
         with pytest.raises(DataError, match=rf"^{p}:2: {what}.*expected a list of non-empty strings, or one string"):
             qa_mod.read_qa(p)

@@ -207,7 +207,9 @@ def _text_parts(parts: list, field: str) -> str:
 
 
 def a_type(value) -> str:
-    """``value``'s type for a message, with its article: "an int", "a list"."""
+    """``value``'s type for a message, with its article: "an int", "a list"; JSON's "null" for None."""
+    if value is None:
+        return "null"
     name = type(value).__name__
     return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 

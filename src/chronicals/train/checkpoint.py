@@ -304,8 +304,25 @@ def _first_line(e: BaseException, limit: int = 160) -> str:
     errors run to a page)."""
     first = str(e).partition("\n")[0]
     if len(first) <= limit:
-        return first
-    return first[:limit].rpartition(" ")[0].rstrip(",;:") + " ..."
+        return first or "no message"  # an EOFError has none
+    cut = first[:limit].rpartition(" ")[0] or first[:limit]  # no space at all: cut inside the word
+    return cut.rstrip(",;:") + " ..."
+
+
+def _damage(file: Path, e: BaseException) -> str:
+    """Why a state.pt that torch.load refused is damaged: an empty file or one that is not a zip archive said as
+    such (torch's own reason for those, 'mmap can only be used with files saved with
+    _use_new_zipfile_serialization=True, please torch.save ...', advises a re-save that cannot happen)."""
+    try:
+        with open(file, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        head = None
+    if head == b"":
+        return "is empty (0 bytes)"
+    if head is not None and not head.startswith(b"PK"):
+        return "is not the zip archive torch.save writes"
+    return f"cannot be read ({type(e).__name__}: {_first_line(e)})"
 
 
 def _read_state(file: Path, mmap: bool = False, fix: str | None = None) -> dict:
@@ -329,13 +346,12 @@ def _read_state(file: Path, mmap: bool = False, fix: str | None = None) -> dict:
                              "train_loader's state_dict with such values does). If "
                              "you trust the file, allow them before train() with torch.serialization."
                              "add_safe_globals([...]); else move it away") from None
-        # an EOFError of an empty file has no message at all
-        raise ValueError(f"checkpoint {file} cannot be read ({type(e).__name__}: {_first_line(e)}); "
-                         f"it is truncated or corrupt: {fix or _move_away_hint(file.parent)}") from None
+        raise ValueError(f"checkpoint {file} {_damage(file, e)}; it is truncated or corrupt: "
+                         f"{fix or _move_away_hint(file.parent)}") from None
     fmt = state.get("format", 1)
     if not isinstance(fmt, int) or fmt > FORMAT:
         raise ValueError(f"checkpoint {file} has format {fmt!r}, written by a newer chronicals (this one reads format "
-                         f"{FORMAT}): " + (f"read it with the chronicals version that wrote it, or {fix}" if fix else
+                         f"{FORMAT}): " + ("read it with the chronicals version that wrote it" if fix else
                                            "resume it with the chronicals version that wrote it, or start over "
                                            "(train.resume=none or another train.out_dir)"))
     problem = _entry_problem(state, file.parent.name)

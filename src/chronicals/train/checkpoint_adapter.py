@@ -77,10 +77,24 @@ def read_lora_checkpoint(path: str | Path) -> CheckpointAdapter:
     return ck
 
 
+def _instead(ckdir: Path) -> str:
+    """What to use in place of a damaged run checkpoint ``ckdir`` (runs/x/checkpoints/step-N): the run's latest
+    other checkpoint, and its adapter/ or model/ where the run wrote one."""
+    from .checkpoint import checkpoint_dirs
+
+    run = ckdir.parent.parent
+    if ckdir.parent.name != "checkpoints":  # a copy outside a run
+        return "use another checkpoint of that run"
+    others = [d for d in checkpoint_dirs(run) if d != ckdir]
+    finals = [run / d for d in ("adapter", "model") if (run / d).is_dir()]
+    options = ([f"another of the run's checkpoints ({others[-1]})"] if others else []) + \
+        [f"the run's final {d.name}/ ({d})" for d in finals]
+    return "use " + " or ".join(options) if options else "use another checkpoint of that run"
+
+
 @functools.lru_cache(maxsize=1)
 def _read(file: Path, _version: tuple) -> CheckpointAdapter:
-    state = _read_state(file, mmap=True, fix="use another of the run's checkpoints, or its adapter/ or model/ "
-                                              "directory (written at the run's end)")
+    state = _read_state(file, mmap=True, fix=_instead(file.parent))
     extra = state.get("extra") or {}
     saved = extra.get("config")
     if not isinstance(saved, dict):
