@@ -155,6 +155,17 @@ def test_an_empty_config_says_it_sets_nothing(tmp_path, caplog, text):
     assert "c.yaml sets nothing: every key takes its default" in caplog.text
 
 
+def test_a_section_with_no_keys_under_it_is_said(tmp_path, caplog):
+    """'data:' with its keys not indented under it (YAML null) silently trained the embedded demo data."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model:\n  path: m\ndata:\npath: mine.jsonl\n".replace("path: mine", "# path: mine"))
+    with caplog.at_level("WARNING", logger="chronicals.config"):
+        c = load_config(cfg)
+    assert c.data.path == "demo"
+    assert "c.yaml:3: section data: has no keys under it, so every data.* key takes its default (data.path=demo" \
+        in caplog.text and "model" not in caplog.text
+
+
 def test_a_config_path_with_an_equals_sign_is_read_as_the_config(tmp_path, capsys):
     """runs/lr=3e-4/x.yaml is an existing file, not an override of a key 'runs/lr'; data.path=x.yaml stays one."""
     cfg = tmp_path / "lr=3e-4" / "x.yaml"

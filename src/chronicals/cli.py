@@ -293,8 +293,11 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, handler)
     name = signal.Signals(interrupted[0]).name
     if argv[0] == "train":
-        print(f"\ninterrupted ({name}): checkpoints already written stay, and the run continues from the newest "
-              "with train.resume=auto (steps after it are trained again)", file=sys.stderr)
+        # the checkpoints in train.out_dir may be an earlier run's (this one stopped before its first save, under
+        # train.resume=none or other data): resume=auto was advised and resumed that run, or failed on its data
+        print(f"\ninterrupted ({name}): the checkpoints this run wrote stay, and train.resume=auto continues from the "
+              "newest (steps after it are trained again); stopped before its first checkpoint, it wrote none: run "
+              "the same command again", file=sys.stderr)
     else:  # eval, chat, export, bench keep no checkpoints: train.resume means nothing to them
         print(f"\ninterrupted ({name}): chronicals {argv[0]} stopped; run it again to redo it", file=sys.stderr)
     return 130

@@ -318,6 +318,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
             raise ValueError(f"{p}: expected a mapping of sections (model, data, lora, ...), got {type(d).__name__}")
         if not d:  # an empty or comment-only file is valid YAML, but likely not what was meant
             log.warning("config %s sets nothing: every key takes its default (the embedded demo's model and data)", p)
+        for section in (k for k, v in d.items() if v is None):  # 'data:' with its keys not indented under it
+            where = f"{p}:{lines[section]}" if lines.get(section) else str(p)
+            log.warning("config %s: section %s: has no keys under it, so every %s.* key takes its default%s; indent "
+                        "its keys under it (or remove the line)", where, section, section,
+                        " (data.path=demo: the embedded demo data)" if section == "data" else "")
         for key, written in plain.items():  # a string key as written: YAML reads yes as True, 0x10 as 16
             section, name = key.split(".", 1)
             if _is_str_key(key) and not isinstance(d[section][name], str) and d[section][name] is not None:

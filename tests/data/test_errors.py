@@ -145,3 +145,17 @@ def test_what_the_data_lost_is_counted_in_words():
     st = DatasetStats(skipped_errors=3, dropped_no_loss=1, unclosed_replies=2)
     assert st.losses("--max-seq-len") == ["3 bad records skipped", "1 dropped with no loss tokens",
                                           "2 replies that train no end-of-turn token"]
+
+
+def test_files_after_a_failing_one_are_said_unread_not_unreadable(tokenizer, tmp_path, caplog):
+    """on_error=fail stops at the first bad record; the files after it were listed as 'no readable records', sending
+    the user to look for a problem in good files."""
+    d = tmp_path / "mix"
+    d.mkdir()
+    (d / "a_text.jsonl").write_text(json.dumps({"text": "hello there"}) + "\n")
+    (d / "b_bad.jsonl").write_text(json.dumps({"what": 1}) + "\n")
+    (d / "c_text.jsonl").write_text(json.dumps({"text": "good text"}) + "\n")
+    with caplog.at_level("INFO", logger="chronicals.data"), pytest.raises(DataError, match="b_bad.jsonl:1"):
+        load(d, tokenizer, loss_on="all")
+    assert "b_bad.jsonl: no readable records; c_text.jsonl: not read (stopped at a bad record before it)" \
+        in caplog.text

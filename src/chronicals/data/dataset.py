@@ -203,10 +203,11 @@ def _file_formats(files, counts: list[int], fmts: list, format_name: str = "form
     whose records have different formats gets a warning: often a typo'd field read as another format."""
     out, at = [], 0
     for f, n in zip(files, counts):
-        c = Counter(x for x in fmts[at:at + n] if x is not None)
+        c = Counter(x for x in fmts[at:at + n] if x)
+        unread = n and fmts[at] is False  # on_error=fail stopped at a bad record in an earlier file
         at += n
         desc = next(iter(c)) if len(c) == 1 else "mixed: " + ", ".join(f"{n} {k}" for k, n in c.most_common())
-        desc = desc if c else "no readable records"
+        desc = desc if c else "not read (stopped at a bad record before it)" if unread else "no readable records"
         if len(c) > 1:
             log.warning("data: %s mixes record formats (%s); each record is read in the format its fields say: "
                         "check that is intended (%s=FORMAT insists on one)", f, desc, format_name)
@@ -463,7 +464,7 @@ def _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_err
     stats.documents, stats.tokens = len(lengths), int(offsets[-1])
     ids = np.concatenate(ids_list) if ids_list else np.zeros(0, np.int32)
     mask = np.concatenate(mask_list) if mask_list else np.zeros(0, bool)
-    fmts += [None] * (len(records) - len(fmts))  # on_error=fail stopped early (and raises in _finish)
+    fmts += [False] * (len(records) - len(fmts))  # not read: on_error=fail stopped early (and raises in _finish)
     return TokenizedDataset(ids.astype(np.int32), mask, offsets, _pad_id(tokenizer), stats, max_seq_len), fmts
 
 
