@@ -299,13 +299,16 @@ def test_resume_with_another_lora_config_names_what_differs(tmp_path, docs):
         train(tiny_config(full, lora__rank=4, **again), model=tiny_model(), train_loader=SyntheticLoader(docs))
 
 
-def test_max_seq_len_past_the_model_context_warns(tmp_path, docs, caplog):
-    model = tiny_model()  # max_position_embeddings=128
-    with caplog.at_level("WARNING", logger="chronicals.train"):
-        train(tiny_config(tmp_path, train__max_steps=1, data__max_seq_len=256), model=model,
+def test_max_seq_len_past_the_model_context_is_refused(tmp_path, docs, caplog):
+    """As chronicals eval --max-seq-len: it was a warning, and data.max_seq_len=100000 (a typo) on a 512-token model
+    was killed for memory on the CPU with no error line (found in a walk through the commands)."""
+    from chronicals.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data.max_seq_len=256 is more than the model can attend to "
+                                          r"\(max_position_embeddings=128\).*use at most 128, or.*config.json") as e:
+        train(tiny_config(tmp_path, train__max_steps=1, data__max_seq_len=256), model=tiny_model(),
               train_loader=SyntheticLoader(docs))
-    assert "data.max_seq_len=256 is longer than the model's max_position_embeddings=128" in caplog.text
-    caplog.clear()
+    assert e.value.key == "data.max_seq_len"
     with caplog.at_level("WARNING", logger="chronicals.train"):
         train(tiny_config(tmp_path / "b", train__max_steps=1, data__max_seq_len=128), model=tiny_model(),
               train_loader=SyntheticLoader(docs))

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import DEMO, TrainConfig, from_dict, load_config
+from ..config import DEMO, ConfigError, TrainConfig, from_dict, load_config
 from .._jsonio import write_text_atomic
 from ..cuda_alloc import allocator_setting
 from ..models.loading import recorded_name
@@ -176,10 +176,14 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     check_final_model(cfg, model)
     model = prepare_model(model, cfg, device, dtype)
     trained_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if trained_len and cfg.data.max_seq_len > trained_len:  # legitimate (context extension), rarely intended
-        log.warning("data.max_seq_len=%d is longer than the model's max_position_embeddings=%d: positions past %d "
-                    "were not trained (RoPE extrapolates there); lower data.max_seq_len unless you mean to extend "
-                    "the context", cfg.data.max_seq_len, trained_len, trained_len)
+    if trained_len and cfg.data.max_seq_len > trained_len:  # as chronicals eval --max-seq-len refuses it
+        # a warning before: a typo'd 100000 on a 512-token model was killed for memory on the CPU (the attention
+        # mask is S x S a row) with no error, and the adapter could not be scored by eval at its own length
+        raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} is more than the model can attend to "
+                          f"(max_position_embeddings={trained_len}): positions past {trained_len} were never trained; "
+                          f"use at most {trained_len}, or, to extend the context on purpose, raise "
+                          "max_position_embeddings (with rope_scaling where the model needs it) in the model's "
+                          "config.json", "data.max_seq_len")
     if train_loader is None:
         with dp.main_first():  # rank 0 writes out_dir/data and the tokenization cache; the others reuse them
             train_loader, eval_loader, heldout_qa = build_loaders(cfg, tokenizer, out_dir, dp.rank, dp.world_size)
