@@ -433,3 +433,20 @@ def test_openai_text_parts_train_as_the_string_they_join_to(tokenizer, tmp_path)
     assert errors[3] == (f"{path}:4: messages[1].content[0] is a part of type 'text' with 'text' an int (3), not a "
                          "string; give its text as {'type': 'text', 'text': '...'}")
     assert errors[4].startswith(f"{path}:5: messages[1].content[0] is a part of type 'text' with no 'text'; give")
+
+
+def test_a_prompt_completion_split_inside_a_token_is_warned(tokenizer, tmp_path, caplog):
+    """'Name: Jo' + 'hn Smith': the token ' John' holds prompt text and is trained; served 'Name: Jo' alone, the model
+    sees ' Jo' and was never trained to go on from it. Said once with the count, the first record and the fix."""
+    path = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Name: Jo", "completion": "hn Smith"},
+                                                {"prompt": "Name:", "completion": " John Smith"},
+                                                {"prompt": "Complete the word: unbeliev", "completion": "able"}])
+    with caplog.at_level("WARNING", logger="chronicals.data"):
+        ds = load_dataset(path, tokenizer, max_seq_len=64, cache_dir=None)
+    assert (ds.stats.across_boundary, ds.stats.first_across) == (2, f"{path}:1")
+    assert f"2 of 3 examples split prompt and completion inside a token (first: {path}:1)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="chronicals.data"):
+        load_dataset(write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "Name:", "completion": " John"}]), tokenizer,
+                     max_seq_len=64, cache_dir=None)
+    assert "inside a token" not in caplog.text

@@ -47,6 +47,8 @@ class DatasetStats:
     unclosed_replies: int = 0  # of those, the ones no trained special token closes: the model never learns to stop
     unclosed_examples: int = 0  # kept chat examples with at least one (before truncation)
     first_unclosed: str = ""  # "file:line" of the first of those
+    across_boundary: int = 0  # prompt/completion examples whose boundary falls inside a token (tokenize.encode)
+    first_across: str = ""  # "file:line" of the first of those
     tokens: int = 0
     loss_tokens: int = 0  # positions with a target, after the per-document shift
     first_errors: list[str] = field(default_factory=list)  # up to 10 "file:line: ..." messages
@@ -147,6 +149,7 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
                 _note_alpaca_prompt(ds.file_formats, tokenizer, name)
                 _finish(ds.stats, on_error, max_seq_len, names, files, name)
                 _warn_unclosed(ds.stats, tokenizer, names, files, name)  # from the entry's stats: every run says it
+                _warn_across(ds.stats, files, name)
                 _warn_no_eos(ds.file_formats, tokenizer, files, name)
                 return ds
     per_file = [read_file(f) for f in files]
@@ -159,6 +162,7 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
     _note_alpaca_prompt(ds.file_formats, tokenizer, name)
     _finish(ds.stats, on_error, max_seq_len, names, files, name)
     _warn_unclosed(ds.stats, tokenizer, names, files, name)
+    _warn_across(ds.stats, files, name)
     _warn_no_eos(ds.file_formats, tokenizer, files, name)
     if cache is not None:
         cache_mod.save(cache, ds.ids, ds.trainable, ds.offsets,
@@ -328,6 +332,19 @@ def _warn_unclosed(stats: DatasetStats, tokenizer, n: dict[str, str], files=(), 
     log.warning("data: %s: %s: %s", where, counts, why)
 
 
+def _warn_across(stats: DatasetStats, files=(), name: str = "the dataset") -> None:
+    """One warning per set for prompt/completion examples whose boundary falls inside a token: its loss covers prompt
+    text, and served the prompt alone (tokenized on its own) the model continues another token sequence."""
+    if not stats.across_boundary:
+        return
+    where = f"{name} ({_names(files)})" if files else name
+    log.warning("data: %s: %d of %d examples split prompt and completion inside a token (first: %s): that token, "
+                "trained, holds the end of the prompt, and served the prompt alone the model sees it tokenized "
+                "another way; split them between words, the space at the start of the completion (prompt "
+                "'Name:', completion ' John Smith')", where, stats.across_boundary, stats.documents,
+                stats.first_across)
+
+
 def _warn_no_eos(descs: list[str], tokenizer, files=(), name: str = "the dataset") -> None:
     """One warning per set when its text / prompt_completion records (or alpaca ones without a chat template: the
     Alpaca prompt) get no end token: ``tokenize.encode`` appends the tokenizer's eos (or the tokenizer adds it), and
@@ -377,25 +394,27 @@ def _init_worker(tokenizer, opts):
 
 
 def _encode_chunk(records: list[Record]):
-    """Records -> list of (ids, trainable, format, empty target, (runs, unclosed)) or (None, "file:line: message",
-    None, False, (0, 0)); empty target: the text that would carry loss with loss on assistant turns / completion is
-    blank (whatever loss_on); runs, unclosed: a chat example's replies and those that train no end-of-turn token
-    (``tokenize.unclosed_replies``; (0, 0) for other examples and loss_on="all")."""
+    """Records -> list of (ids, trainable, format, empty target, (runs, unclosed, across)) or (None, "file:line:
+    message", None, False, (0, 0, False)); empty target: the text that would carry loss with loss on assistant turns
+    / completion is blank (whatever loss_on); runs, unclosed: a chat example's replies and those that train no
+    end-of-turn token (``tokenize.unclosed_replies``; (0, 0) for other examples and loss_on="all"); across: a
+    prompt/completion example's boundary falls inside a token (``tokenize.encode``)."""
     w = _WORKER
     out = []
     for rec in records:
         if rec.data is None:
-            out.append((None, f"{rec.where}: {rec.error}", None, False, (0, 0)))
+            out.append((None, f"{rec.where}: {rec.error}", None, False, (0, 0, False)))
             continue
         try:
             fmt = w["format"] if w["format"] != "auto" else detect_format(rec.data, rec.from_csv)
             ex = to_example(rec.data, fmt, w["has_template"], from_csv=rec.from_csv)
-            ids, mask = encode(w["tokenizer"], ex, w["loss_on"], w["markers"], w["own_eos"])
+            across: list[bool] = []
+            ids, mask = encode(w["tokenizer"], ex, w["loss_on"], w["markers"], w["own_eos"], across=across)
             chat = ex.messages is not None and w["loss_on"] == "assistant"
             ends = unclosed_replies(w["tokenizer"], ids, mask, w["end_ids"]) if chat else (0, 0)
-            out.append((ids, mask, fmt, empty_target(ex), ends))
+            out.append((ids, mask, fmt, empty_target(ex), (*ends, any(across))))
         except FormatError as e:
-            out.append((None, f"{rec.where}: {e}", None, False, (0, 0)))
+            out.append((None, f"{rec.where}: {e}", None, False, (0, 0, False)))
     return out
 
 
@@ -423,7 +442,7 @@ def _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_err
     bar.close()
     stats = DatasetStats(records=len(records))
     ids_list, mask_list, lengths, fmts = [], [], [], []
-    for rec, (ids, mask, fmt, empty, (runs, unclosed)) in zip(records, (x for r in results for x in r)):
+    for rec, (ids, mask, fmt, empty, (runs, unclosed, across)) in zip(records, (x for r in results for x in r)):
         fmts.append(fmt)
         if ids is None:
             stats.skipped_errors += 1
@@ -455,6 +474,9 @@ def _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_err
             stats.unclosed_replies += unclosed
             stats.unclosed_examples += 1
             stats.first_unclosed = stats.first_unclosed or rec.where
+        if across:
+            stats.across_boundary += 1
+            stats.first_across = stats.first_across or rec.where
         ids_list.append(ids)
         mask_list.append(mask)
         lengths.append(len(ids))

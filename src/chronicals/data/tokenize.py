@@ -93,7 +93,9 @@ def _render(tokenizer, messages, add_generation_prompt=False) -> str:
     return _apply(tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def _offsets_mask(tokenizer, text: str, spans, add_special_tokens: bool):
+def _offsets_mask(tokenizer, text: str, spans, add_special_tokens: bool, across: list | None = None):
+    """(ids, trainable): a token is trainable when it overlaps a span. ``across``: a list to which True is appended
+    when a token spans the start of the first span (it holds prompt text too), else False."""
     enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
     ids = np.asarray(enc["input_ids"], dtype=np.int32)
     offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
@@ -101,6 +103,9 @@ def _offsets_mask(tokenizer, text: str, spans, add_special_tokens: bool):
     mask = np.zeros(len(ids), dtype=bool)
     for lo, hi in spans:  # overlap, so " A" of "Q: " + "A" (one token across the boundary) is trained
         mask |= (ends > lo) & (starts < hi)
+    if across is not None:
+        lo = spans[0][0] if spans else 0
+        across.append(bool(((starts < lo) & (ends > lo)).any()))
     return ids, mask
 
 
@@ -349,10 +354,13 @@ def encode_chat(tokenizer, messages: list[dict], train_from: int = 0, markers: b
     return _offsets_mask(tokenizer, full, spans, add_special_tokens=False)
 
 
-def encode(tokenizer, ex: Example, loss_on: str = "assistant", markers: bool = False, own_eos: bool | None = None):
+def encode(tokenizer, ex: Example, loss_on: str = "assistant", markers: bool = False, own_eos: bool | None = None,
+           across: list | None = None):
     """Example -> (ids (L,) int32, trainable (L,) bool). loss_on: "assistant" | "all". ``markers``
     (``has_generation_markers``) and ``own_eos`` (``appends_eos``; None: asked here) are the tokenizer's, which
-    a caller encoding many records works out once."""
+    a caller encoding many records works out once. ``across``: for a prompt/target example with loss on the target,
+    True is appended to it when one token holds the end of the prompt and the start of the target ("Name: Jo" +
+    "hn": " John" is trained, and served the prompt alone the model sees " Jo" instead), else False."""
     if ex.messages is not None:
         if loss_on == "all":
             _need_template(tokenizer)  # else transformers' long "Cannot use chat template functions ..."
@@ -368,7 +376,8 @@ def encode(tokenizer, ex: Example, loss_on: str = "assistant", markers: bool = F
     if eos and not text.endswith(eos) and not own_eos and eos_id is None:
         text += eos
     lo = 0 if loss_on == "all" else len(ex.prompt)
-    ids, mask = _offsets_mask(tokenizer, text, [(lo, len(text))], add_special_tokens=True)
+    ids, mask = _offsets_mask(tokenizer, text, [(lo, len(text))], add_special_tokens=True,
+                              across=across if lo else None)
     if eos and not own_eos and eos_id is not None:
         ids, mask = np.append(ids, np.int32(eos_id)), np.append(mask, True)
     if own_eos:  # the tokenizer's own eos covers no character of the text, so the span cannot reach it
