@@ -81,6 +81,7 @@ def tiny_config(tmp_path, **over):
             "optim": {"lr": 3e-3, "grad_clip": 1.0},
             "schedule": {"warmup_steps": 2},
             "train": {"max_steps": 8, "out_dir": str(tmp_path / "run"), "resume": "none", "save_final": False},
+            "data": {"max_seq_len": 128},  # tiny_model's max_position_embeddings: train refuses rows past it
             "eval": {"qa": False},
             "logging": {"progress": False, "tensorboard": False, "plot": False}}
     for key, v in over.items():
