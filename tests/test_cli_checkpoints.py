@@ -243,7 +243,7 @@ def test_a_checkpoint_exported_onto_its_own_base_is_refused(tiny_base, tmp_path,
     assert {f.name: f.read_bytes() for f in base.iterdir()} == before
 
 
-def test_with_an_adapter_the_base_warning_names_the_flag_given(run, tiny_base, tmp_path, capsys):
+def test_with_an_adapter_the_base_warning_names_the_flag_given(run, full_run, tiny_base, tmp_path, capsys):
     """--base X with --adapter was warned about as 'not --model X' (eval) and --model X as 'not --base X' (export);
     --model and --base both naming the base, spelled apart, were refused as two models."""
     other = tmp_path / "other"
@@ -259,6 +259,11 @@ def test_with_an_adapter_the_base_warning_names_the_flag_given(run, tiny_base, t
     assert f"not --model {other}" in capsys.readouterr().err
     assert main(["eval", "--adapter", str(adapter), "--base", str(tiny_base), "--model", f"{tiny_base}/",
                  "demo", "--qa-limit", "1"]) == 0
+    # a full checkpoint on another --base: said once (export resolved the base twice and said it twice)
+    step2 = full_run / "checkpoints" / "step-000002"
+    capsys.readouterr()
+    assert main(["export", "--model", str(step2), "--base", str(other), "--out", str(tmp_path / "f")]) == 0
+    assert capsys.readouterr().err.count(f"was trained from {tiny_base} (recorded in its state.pt), not --base") == 1
 
 
 def test_a_base_of_other_shapes_given_for_a_checkpoint_is_named(full_run, run, tmp_path, capsys):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from .cli_chat import _run_system_prompt, cmd_chat  # noqa: F401 (_run_system_prompt: chronicals.cli's before the split)
 from .cli_eval import cmd_eval
-from .cli_models import _base_for, _checkpoint_base, _load, _model_and_base, _rank, _recorded, _setup_logging
+from .cli_models import _base_for, _load, _model_and_base, _rank, _recorded, _setup_logging
 from .cuda_alloc import allocator_env
 
 USAGE = """usage: chronicals train [CONFIG.yaml] [section.key=value ...]
@@ -162,9 +162,9 @@ def cmd_export(argv: list[str]) -> int:
     tok_from = a.base  # where the config and tokenizer come from
     guarded = [(flag, a.base), ("--adapter", a.adapter)]
     if is_checkpoint_dir(a.base):  # a full fine-tuning run's step: its base holds the config and tokenizer
-        from .train.checkpoint_model import read_full_checkpoint
+        from .train.checkpoint_model import checkpoint_base, read_full_checkpoint
 
-        tok_from = _checkpoint_base(a.base, ckpt_base)
+        tok_from = ckpt_base or checkpoint_base(a.base)  # _load says once when --base is not the recorded one
         guarded += [("--base", ckpt_base), (f"the base recorded in {a.base}", read_full_checkpoint(a.base).base)]
     elif a.adapter:  # the model the adapter was trained on, whatever --base says: its run resumes on it
         guarded.append((f"the base recorded in {a.adapter}", _recorded(a.adapter)[0]))

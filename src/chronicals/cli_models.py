@@ -111,7 +111,7 @@ def _model_and_base(p: argparse.ArgumentParser, a: argparse.Namespace, base_alon
                if (where / "adapter_config.json").is_file() else
                f"--model {model} is not a run's checkpoint (runs/x/checkpoints/step-N), and --base is only for one: "
                "leave --base out")
-        p.error(f"{why}")
+        p.error(why)
     return model, base, "--model"
 
 
