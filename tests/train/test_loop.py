@@ -190,6 +190,19 @@ def test_corrupt_checkpoint_is_a_clear_error_naming_the_one_before(tmp_path, doc
             train(cfg2, model=tiny_model(), train_loader=SyntheticLoader(docs))
 
 
+def test_corrupt_checkpoint_named_by_train_resume_points_to_the_one_before_it(tmp_path, docs):
+    """train.resume=PATH: moving it away does nothing for the next run (resume=auto looks in out_dir), so the fix
+    names the checkpoint before it as train.resume."""
+    cfg = tiny_config(tmp_path / "a", train__max_steps=3, train__save_every=1, train__keep_last=3)
+    train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs))
+    *_, before, last = checkpoint_dirs(cfg.train.out_dir)
+    (last / "state.pt").write_bytes((last / "state.pt").read_bytes()[:100])
+    cfg2 = tiny_config(tmp_path / "b", train__max_steps=4, train__resume=str(last))
+    with pytest.raises(ValueError, match=rf"truncated or corrupt: resume from the checkpoint before it "
+                                         rf"\(train.resume={before}\), or set train.resume=none"):
+        train(cfg2, model=tiny_model(), train_loader=SyntheticLoader(docs))
+
+
 # ---- the pipelined loop (fused AdamW, no on_step): step k read on the host while step k+1 runs ----
 def _train_records(run) -> list[dict]:
     return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]

@@ -283,9 +283,14 @@ def config_diffs(saved: dict | None, current: dict | None, sections: dict) -> li
     return diffs
 
 
-def _move_away_hint(ckdir: Path) -> str:
-    """What to do with a checkpoint directory that cannot be resumed: move it away, and where resume=auto then goes."""
+def _move_away_hint(ckdir: Path, auto: bool = True) -> str:
+    """What to do with a checkpoint directory that cannot be resumed: move it away, and where resume=auto then goes;
+    ``auto=False`` (train.resume named it): resume from the checkpoint before it instead."""
     earlier = [d for d in checkpoint_dirs(ckdir.parent.parent) if d != ckdir] if _NAME.match(ckdir.name) else []
+    if not auto:
+        return (f"resume from the checkpoint before it (train.resume={earlier[-1]}), or set train.resume=none to "
+                "start over" if earlier else "give train.resume another checkpoint, or set train.resume=none to "
+                "start over")
     return (f"move {ckdir} away, and train.resume=auto resumes from {earlier[-1]}" if earlier else
             f"move {ckdir} away, or set train.resume=none to start over")
 
@@ -376,7 +381,7 @@ def _entry_problem(state: dict, dir_name: str) -> str | None:
     return None
 
 
-def _check_moments(optimizer, file: Path) -> None:
+def _check_moments(optimizer, file: Path, auto: bool = True) -> None:
     """AdamW's moments, restored, belong to the parameters they were mapped to: a missing or misshapen one would
     fail (KeyError, a shape error) at the first step instead, without naming the checkpoint."""
     for group in optimizer.param_groups:
@@ -390,22 +395,25 @@ def _check_moments(optimizer, file: Path) -> None:
                     got = "none" if t is None else tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                     raise ValueError(f"checkpoint {file}: its optimizer state has {key} {got} for a parameter of "
                                      f"shape {tuple(p.shape)}; it was edited or written by another version: "
-                                     f"{_move_away_hint(file.parent)}")
+                                     f"{_move_away_hint(file.parent, auto)}")
 
 
-def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, scheduler, config: dict | None = None) -> dict:
+def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, scheduler, config: dict | None = None,
+                    auto: bool = True) -> dict:
     """Restore weights, optimizer, scheduler and RNG in place; return {step, data, extra}.
 
     ``config``: this run's config as a dict (``TrainConfig.to_dict()``); a checkpoint that does not fit the
-    model is then reported with the model/lora keys that differ from the ones it was written with."""
+    model is then reported with the model/lora keys that differ from the ones it was written with. ``auto``:
+    train.resume=auto found the checkpoint (a damaged one's fix: move it away), else the config named it (resume
+    from the one before it)."""
     path = Path(path)
     file = path / STATE_FILE if path.is_dir() else path
     if not file.is_file():
         if path.is_dir() and _NAME.match(path.name):  # resume=auto's newest step-N lost its state.pt
             raise FileNotFoundError(f"checkpoint {path} holds no {STATE_FILE} (copied in part, or the file was "
-                                    f"deleted): {_move_away_hint(path)}")
+                                    f"deleted): {_move_away_hint(path, auto)}")
         raise FileNotFoundError(f"checkpoint {file} not found (train.resume takes auto | none | a step-N directory)")
-    state = _read_state(file)
+    state = _read_state(file, fix=None if auto else _move_away_hint(file.parent, auto=False))
     params = dict(model.named_parameters())
     extra = [n for n in state["model"] if n not in params]
     absent = [n for n, p in params.items() if p.requires_grad and n not in state["model"]]
@@ -435,5 +443,5 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, schedul
                          "it was written for another model or lora config, by another version, or edited: resume "
                          "with the config it was written with, or start over (train.resume=none or another "
                          "train.out_dir)") from None
-    _check_moments(optimizer, file)
+    _check_moments(optimizer, file, auto)
     return {"step": state["step"], "data": state["data"], "extra": state.get("extra") or {}}

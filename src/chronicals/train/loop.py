@@ -233,7 +233,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     if resume_from is not None:
         fresh = optimizer_settings(optimizer, scheduler)
         check_resume_adapter(cfg, out_dir, now=lora_settings(model))  # the modules each run adapted, by name
-        restored = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler, config=cfg_dict)
+        restored = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler, config=cfg_dict,
+                                        auto=cfg.train.resume == "auto")
         warn_data_changed(restored["extra"].get("config"), cfg_dict, resume_from)  # names the keys, before a refusal
         _restore_position(stream, restored, cfg_dict, resume_from)
         warn_loss_settings_changed(restored["extra"].get("config"), cfg_dict, resume_from)  # the same batches
