@@ -21,6 +21,11 @@ def test_lone_surrogate_is_named(tokenizer, tmp_path):
     p.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\\udfffx"}]}\n')
     with pytest.raises(DataError, match=rf"^{p}:1: messages\[1\].content is not valid Unicode \(lone surrogate"):
         load(p, tokenizer)
+    parts = '[{"type": "text", "text": "ok"}, {"type": "text", "text": "x\\ud800"}]'
+    p.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ' + parts + '}]}\n')
+    with pytest.raises(DataError, match=rf"^{p}:1: messages\[1\].content\[1\].text is not valid Unicode "
+                                        r"\(lone surrogate '\\ud800' at character 1\)"):
+        load(p, tokenizer)
 
 
 def test_deeply_nested_json_is_a_record_error(tmp_path):

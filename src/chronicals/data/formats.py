@@ -202,7 +202,7 @@ def _text_parts(parts: list, field: str) -> str:
             what = f"a part of type {kind!r}" if isinstance(kind, str) else _short(part)
             raise FormatError(f"{field}[{k}] is {what}; a text model takes only {{'type': 'text', 'text': ...}} "
                               "parts: remove the others (images, audio), or give the content as a string")
-        texts.append(part["text"])
+        texts.append(check_text(part["text"], f"{field}[{k}].text"))
     return "\n".join(texts)
 
 
