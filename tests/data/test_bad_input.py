@@ -26,6 +26,17 @@ def test_lone_surrogate_is_named(tokenizer, tmp_path):
     with pytest.raises(DataError, match=rf"^{p}:1: messages\[1\].content\[1\].text is not valid Unicode "
                                         r"\(lone surrogate '\\ud800' at character 1\)"):
         load(p, tokenizer)
+    # other message fields the template renders: tool calls, names (the tokenizer raised a TypeError there)
+    call = '{"type": "function", "function": {"name": "f", "arguments": "{\\"a\\": \\"\\ud800\\"}"}}'
+    p.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [' + call
+                 + ']}]}\n')
+    with pytest.raises(DataError, match=rf"^{p}:1: messages\[1\]\.tool_calls\[0\]\.function\.arguments is not "
+                                        r"valid Unicode"):
+        load(p, tokenizer)
+    p.write_text('{"messages": [{"role": "user", "content": "q", "name": "b\\udc00"}, '
+                 '{"role": "assistant", "content": "a"}]}\n')
+    with pytest.raises(DataError, match=rf"^{p}:1: messages\[0\]\.name is not valid Unicode"):
+        load(p, tokenizer)
 
 
 def test_deeply_nested_json_is_a_record_error(tmp_path):

@@ -179,9 +179,25 @@ def _messages(items: list, role_key: str, content_key: str, roles: dict | None, 
             elif k == content_key:
                 msg["content"] = content
             elif v is not None and k not in ("role", "content"):  # sharegpt: from/value are role/content
-                msg[k] = v
+                msg[k] = _checked_strings(v, f"{field}[{j}].{k}")
         out.append(msg)
     return out
+
+
+def _checked_strings(value, name: str, depth: int = 0):
+    """``value`` (a message's tool_calls, name, reasoning_content, ...) after ``check_text`` on every string in it,
+    named by its path (messages[1].tool_calls[0].function.arguments): the template renders them, and a lone
+    surrogate there made the tokenizer raise a TypeError that stopped the whole load, even with on_error=skip.
+    Stops at depth 32: JSON deeper than that is no message field a template renders."""
+    if isinstance(value, str):
+        check_text(value, name)
+    elif depth < 32 and isinstance(value, dict):
+        for k, v in value.items():
+            _checked_strings(v, f"{name}.{k}", depth + 1)
+    elif depth < 32 and isinstance(value, list):
+        for i, v in enumerate(value):
+            _checked_strings(v, f"{name}[{i}]", depth + 1)
+    return value
 
 
 def _text_parts(parts: list, field: str) -> str:
