@@ -31,6 +31,9 @@ def test_keywords_must_be_non_empty_strings(tmp_path):
     p = write(tmp_path / "q.jsonl", [{**ok, "question": "a\ud800b"}])
     with pytest.raises(DataError, match=rf"^{p}:1: 'question' is not valid Unicode \(lone surrogate"):
         qa_mod.read_qa(p)
+    p = write(tmp_path / "q.jsonl", [{**ok, "keywords": ["paris", "x\udc00"]}])  # failed only when scored
+    with pytest.raises(DataError, match=rf"^{p}:1: keywords\[1\] is not valid Unicode \(lone surrogate"):
+        qa_mod.read_qa(p)
 
 
 def test_a_keyword_given_as_a_string_is_one_keyword(tmp_path, monkeypatch):

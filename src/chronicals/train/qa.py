@@ -176,6 +176,10 @@ def _qa_record(rec: dict, where: str) -> dict:
             raise DataError(f"{where}: keywords[{j}] is {a_type(k)}, {want}")
         if not k.strip():
             raise DataError(f"{where}: keywords[{j}] is empty, {want}")
+        try:  # else it failed only when the answers were scored, after training
+            check_text(k, f"keywords[{j}]")
+        except FormatError as e:
+            raise DataError(f"{where}: {e}; {want}") from None
     return {"question": question, "answer": ans, "keywords": kws}
 
 
