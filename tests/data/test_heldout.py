@@ -135,3 +135,7 @@ def test_a_heldout_file_inside_or_equal_to_the_training_data_is_refused(tmp_path
     apart = _text(tmp_path / "held.jsonl")
     check_data_paths(_cfg(tmp_path, f"data.path={tmp_path / 'data'}", f"data.eval_path={apart}"))
     check_data_paths(_cfg(tmp_path, f"data.path={train}", f"data.eval_path={held}"))  # a file beside a file
+    # the other way round: a held-out directory that holds the training file (was accepted)
+    with pytest.raises(ConfigError, match=r"data.eval_path=.*data is a directory that holds data.path=.*train.jsonl, "
+                                          r"and all its files are read as held-out data"):
+        check_data_paths(_cfg(tmp_path, f"data.path={train}", f"data.eval_path={tmp_path / 'data'}"))

@@ -132,7 +132,8 @@ def check_data_paths(cfg: TrainConfig) -> None:
 
 def _check_heldout_apart(cfg: TrainConfig) -> None:
     """data.eval_path that is data.path or lies in its directory (read recursively) would be trained on too, and
-    its held-out loss measured on trained examples: a ConfigError (exit 2), two settings that clash."""
+    its held-out loss measured on trained examples; an eval_path directory that holds data.path measures trained
+    examples as held-out: a ConfigError (exit 2), two settings that clash."""
     d = cfg.data
     if d.path == DEMO or d.eval_path in (DEMO, "auto", ""):
         return
@@ -142,6 +143,10 @@ def _check_heldout_apart(cfg: TrainConfig) -> None:
                           f"{d.path}, {'which' if held == train else 'whose files are all read as training data, so it'}"
                           " would be trained on and its held-out loss measured on trained examples; keep the "
                           "held-out data apart from data.path", "data.eval_path")
+    if held.is_dir() and held in train.parents:  # the other way round: the training file is read as held-out
+        raise ConfigError(f"data.eval_path={d.eval_path} is a directory that holds data.path={d.path}, and all its "
+                          "files are read as held-out data, so the held-out loss would be measured on trained "
+                          "examples; keep the held-out data apart from data.path", "data.eval_path")
 
 
 def _check_heldout_copy(cfg: TrainConfig) -> None:
