@@ -143,7 +143,12 @@ def test_every_reader_gives_the_same_dataset(tokenizer, tmp_path):
     pdir.mkdir()
     pq.write_table(table.slice(0, 2), pdir / "part-0.parquet")
     pq.write_table(table.slice(2), pdir / "part-1.parquet")
-    for source in ["a.json", "a.csv", "a.parquet", "saved", "pq_dir"]:
+    adir = tmp_path / "arrow_dir"  # loose arrow files, no state.json (were skipped without a word)
+    adir.mkdir()
+    for k, part in enumerate((table.slice(0, 3), table.slice(3))):
+        with pa.OSFile(str(adir / f"part-{k}.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+            w.write_table(part)
+    for source in ["a.json", "a.csv", "a.parquet", "saved", "pq_dir", "arrow_dir"]:
         ds = load_dataset(tmp_path / source, tokenizer, max_seq_len=256)
         assert ds.ids.tolist() == want.ids.tolist() and ds.trainable.tolist() == want.trainable.tolist(), source
         assert ds.offsets.tolist() == want.offsets.tolist(), source

@@ -75,7 +75,7 @@ def test_unread_data_like_files_are_named_in_a_warning(tmp_path, caplog):
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1
     assert (f"{d}: 4 files not read: {d / 'notes.txt'}, {d / 'part-1.jsonl.gz'}, {d / 'part-2.jsonl.zst'} and 1 "
-            "more; a data directory is read for .jsonl, .json, .parquet, .csv files only") in warned[0]
+            "more; a data directory is read for .jsonl, .json, .parquet, .arrow, .csv files only") in warned[0]
     assert "README" not in warned[0]
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from .._jsonio import BIG_NUMBER, NESTED, read_json_object  # NESTED: a record that deep is not training data
 from .formats import FormatError, detect_format
 
-SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv")  # a loose .arrow in a directory was skipped unnamed
 # files that look like data but that a directory walk does not read (warned about rather than skipped silently)
 COMPRESSED = (".gz", ".zst", ".bz2", ".xz", ".zip")
 UNREAD = COMPRESSED + (".txt", ".tsv")
@@ -69,7 +69,7 @@ def resolve_files(paths, quiet: bool = False) -> list[Path]:
             raise DataError(f"{p}: no such file or directory (expected a data file {'/'.join(SUFFIXES)} "
                             f"or a directory of them{glob_hint(p)})")
         if p.is_file():
-            if p.suffix.lower() not in SUFFIXES + (".arrow",):
+            if p.suffix.lower() not in SUFFIXES:
                 fix = ("; decompress it first, e.g. to .jsonl" if p.suffix.lower() in COMPRESSED else
                        "; convert it to .jsonl" if p.suffix.lower() in UNREAD else "")
                 raise DataError(f"{p}: unsupported file type {p.suffix!r} (expected one of {', '.join(SUFFIXES)}){fix}")
