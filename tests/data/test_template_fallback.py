@@ -205,3 +205,29 @@ def test_a_template_without_a_generation_prompt_trains_the_header_the_model_must
     tok = make_tokenizer(tokenizer, CHATML.split("{% if add_generation_prompt %}")[0], None, "<|im_end|>", [])
     assert encode(tok, TURNS[:4]) == [f"<|im_start|>assistant\n{r}<|im_end|>" for r in REPLIES[:2]]
     assert encode(tok, TURNS[:4], train_from=3) == ["<|im_start|>assistant\n4, I think\nso.<|im_end|>"]
+
+
+# Llama-3.1's date header, as its published template writes it
+DATED = ('{%- if not date_string is defined %}{%- if strftime_now is defined %}'
+         '{%- set date_string = strftime_now("%d %b %Y") %}{%- else %}{%- set date_string = "26 Jul 2024" %}'
+         '{%- endif %}{%- endif %}{{ "<|im_start|>system\nToday Date: " + date_string + "<|im_end|>\n" }}' + CHATML)
+
+
+def test_a_dated_template_renders_one_fixed_date_and_a_strftime_one_is_named(tokenizer, tmp_path, caplog):
+    """Today's date in the rendering made the same data tokenize to other ids on another day (a resume refused as
+    'data changed'); date_string pins it. A template that calls strftime_now itself cannot be pinned: a warning."""
+    from chronicals.data import tokenize
+
+    tok = make_tokenizer(tokenizer, DATED, None, "<|im_end|>", ["<|im_start|>", "<|im_end|>"])
+    records = [{"messages": TURNS[:2]}]
+    ds = load_dataset(write_jsonl(tmp_path / "d.jsonl", records), tok, max_seq_len=256, cache_dir=None)
+    assert "Today Date: 26 Jul 2024<|im_end|>" in tok.decode(ds[0][0].tolist())
+    assert trained_spans(tok, *ds[0]) == [f"{TURNS[1]['content']}<|im_end|>"]
+    tokenize._warned_dated.clear()
+    bare = make_tokenizer(tokenizer, DATED.replace("date_string", "d"), None, "<|im_end|>",
+                          ["<|im_start|>", "<|im_end|>"])
+    with caplog.at_level("WARNING", logger="chronicals.data"):
+        load_dataset(write_jsonl(tmp_path / "e.jsonl", records), bare, max_seq_len=256, cache_dir=None)
+        load_dataset(write_jsonl(tmp_path / "f.jsonl", records), bare, max_seq_len=256, cache_dir=None)
+    said = [r.getMessage() for r in caplog.records if "writes today's date (strftime_now)" in r.getMessage()]
+    assert len(said) == 1, said

@@ -74,12 +74,34 @@ def check_tokenizer(tokenizer) -> None:
                         f"{type(tokenizer).__name__}. Load it with AutoTokenizer.from_pretrained(..., use_fast=True)")
 
 
+# The date Llama-3.x templates write into the system header ("Today Date: ..."): their own fallback when the
+# renderer has no strftime_now. Left to the template, it is today's date, so the same data tokenized on another
+# day gave other ids (a resume with data.cache_dir=none refused as "data changed"), and a record whose prefixes
+# rendered either side of midnight lost its turn spans.
+TEMPLATE_DATE = "26 Jul 2024"
+_warned_dated: set[str] = set()  # chat templates already warned about (once a process each)
+
+
+def _warn_dated(tokenizer) -> None:
+    """Warn once per template that calls strftime_now with no date_string to pin (Mistral-Small-3's
+    ``strftime_now("%Y-%m-%d")``): transformers gives templates no way to fix that date."""
+    t = tokenizer.chat_template
+    text = "\n".join(t.values()) if isinstance(t, dict) else str(t)
+    if "strftime_now" in text and "date_string" not in text and text not in _warned_dated:
+        _warned_dated.add(text)
+        log.warning("data: the chat template writes today's date (strftime_now) into the conversation, so the "
+                    "same data tokenizes to other ids on another day; the tokenization cache (data.cache_dir, on "
+                    "by default) keeps the first day's ids, so keep it on to resume a run on a later day")
+
+
 def _apply(tokenizer, messages, **kw):
-    """``tokenizer.apply_chat_template``; a template that refuses the conversation (``raise_exception``:
-    Mistral's "Conversation roles must alternate", Gemma's "System role not supported") or fails on it
-    (``None + str``) raises FormatError, a bad record (file:line, skipped under on_error=skip)."""
+    """``tokenizer.apply_chat_template`` with ``date_string=TEMPLATE_DATE``; a template that refuses the
+    conversation (``raise_exception``: Mistral's "Conversation roles must alternate", Gemma's "System role not
+    supported") or fails on it (``None + str``) raises FormatError, a bad record (file:line, skipped under
+    on_error=skip)."""
+    _warn_dated(tokenizer)
     try:
-        return tokenizer.apply_chat_template(messages, **kw)
+        return tokenizer.apply_chat_template(messages, date_string=TEMPLATE_DATE, **kw)
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:  # what a template expression raises
         raise FormatError(f"the chat template failed on this conversation ({type(e).__name__}: {e})") from None
     except Exception as e:

@@ -22,6 +22,7 @@ from ..config import DEMO, DEMO_SYSTEM_PROMPT
 from ..data.dataset import report_bad_records
 from ..data.formats import FormatError, a_type, check_text
 from ..data.readers import DataError, read_file, resolve_files
+from ..data.tokenize import TEMPLATE_DATE
 from ..models.generate import generate, greedy_rows
 from .guards import check_ids_in_vocab
 
@@ -229,7 +230,7 @@ def prompt_ids(tokenizer, question: str, system_prompt: str, history: tuple | li
     """The chat-templated prompt (after the earlier turns ``history``, see chat_messages) with the assistant turn
     opened, (S,) int64."""
     text = tokenizer.apply_chat_template(chat_messages(question, system_prompt, history=history), tokenize=False,
-                                         add_generation_prompt=True)
+                                         add_generation_prompt=True, date_string=TEMPLATE_DATE)  # as trained
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
