@@ -232,3 +232,28 @@ def test_to_dtype_rebinds_and_merge_restores_plain_linears(ids):
         # merge computes s B A in fp32 (LoRALinear.delta_weight): agreement to fp32 rounding
         torch.testing.assert_close(model(ids), want, rtol=1e-5, atol=1e-6)
     assert not any(isinstance(m, LoRALinear) for m in model.modules())
+
+
+def test_a_hook_added_after_apply_lora_runs_and_an_unfrozen_base_weight_is_refused(ids):
+    """The group's one GEMM calls no member: a forward hook put on q_proj after apply_lora was skipped, and a base
+    weight unfrozen later got no gradient, both without a word. The members now run apart while one has a hook
+    (same logits), and an unfrozen base weight raises as a lone LoRALinear does."""
+    model = tiny_model("qwen2").double()
+    apply_lora(model, r=4, alpha=8)
+    randomize_lora_b(model)
+    with torch.no_grad():
+        want = model(ids)
+    attn = model.model.layers[0].self_attn
+    seen = []
+    handle = attn.k_proj.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), want, rtol=1e-12, atol=1e-12)
+    assert seen == [(*ids.shape, attn.k_proj.out_features)]
+    handle.remove()
+    model(ids)
+    assert len(seen) == 1  # grouped again
+    model.model.layers[1].mlp.up_proj.weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="LoRAGroup: the base weight and bias must be frozen"):
+        model(ids)
+    with torch.no_grad():
+        model(ids)  # no gradient: nothing to lose

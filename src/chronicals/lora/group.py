@@ -194,8 +194,11 @@ class LoRAGroup:
         return self.fin + sum(self.ranks)
 
     def is_current(self, mods) -> bool:
-        """True when ``mods`` are still exactly the members (merge_lora puts plain Linears back)."""
-        return len(mods) == len(self.members) and all(a is b for a, b in zip(mods, self.members))
+        """True when ``mods`` are still exactly the members (merge_lora puts plain Linears back) and none has
+        gained a forward hook since the group was made: the members then run apart, as ``why_not`` would have
+        them, so the hook runs (the group's GEMM calls no member; a hook added later was skipped silently)."""
+        return (len(mods) == len(self.members) and all(a is b for a, b in zip(mods, self.members))
+                and not any(m._forward_hooks or m._forward_pre_hooks for m in self.members))
 
     @torch.no_grad()
     def bind(self) -> None:
@@ -262,6 +265,10 @@ class LoRAGroup:
 
     def with_recipe(self, x: torch.Tensor):
         """(``self(x)``, a function that rebuilds that output bit for bit: for ``ops.recompute`` offers)."""
+        if torch.is_grad_enabled() and any(m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad)
+                                           for m in self.members):  # M is a buffer: W would get no gradient
+            raise RuntimeError("LoRAGroup: the base weight and bias must be frozen (requires_grad=False; "
+                               "apply_lora does this); train them with a plain nn.Linear, or merge_lora first")
         draws = self._draws(x)
         a_all, bs, bias = self._inputs(x.dtype)
         mat = self.matrix(bs)

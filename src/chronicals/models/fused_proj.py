@@ -51,11 +51,11 @@ _logged: set[tuple[str, str]] = set()
 
 def fusable(*mods: nn.Module) -> str | None:
     """None when ``mods`` can share one GEMM, else why not (a short reason, for the log)."""
+    if any(m._forward_hooks or m._forward_pre_hooks for m in mods):  # first: the reason a LoRA group runs apart
+        return "a module has forward hooks"
     for m in mods:
         if type(m) is not nn.Linear:
             return f"{type(m).__name__} is not a plain nn.Linear"
-        if m._forward_hooks or m._forward_pre_hooks:
-            return "a module has forward hooks"
     w0 = mods[0].weight
     if any(m.weight.dtype != w0.dtype or m.weight.device != w0.device for m in mods):
         return "the weights differ in dtype or device"
