@@ -134,7 +134,7 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     if interactive:  # the answer shown as it is decoded, then a new line
         from transformers import TextStreamer
 
-        streamer = TextStreamer(tok, skip_special_tokens=True)
+        streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     history: list[tuple[str, str]] = []  # (prompt, answer) of the turns so far, oldest first (multi)
     answered = refused = 0
     capped = dropped = False

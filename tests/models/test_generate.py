@@ -143,16 +143,23 @@ def test_top_p_samples_only_from_the_nucleus(tiny_hf_config):
 
 
 def test_a_streamer_gets_each_token_as_picked_and_one_end(tiny_hf_config):
-    """generate(streamer=...) puts every new token, as a (1,) tensor, in order, then calls end() once, also when
-    no token is asked for (transformers' TextStreamer takes that protocol)."""
+    """generate(streamer=...) puts the prompt as a (1, S) tensor, then every new token, as a (1,) tensor, in order,
+    then calls end() once, also when no token is asked for: transformers' protocol, so TextStreamer(skip_prompt=
+    True) shows exactly the new tokens (it skipped the first new one when the prompt was not put)."""
+    from transformers import TextStreamer
+
     model = _model(tiny_hf_config)
     ids = torch.randint(3, 97, (6,), generator=torch.Generator().manual_seed(4))
 
     class Record:
         def __init__(self):
-            self.put_ids, self.ends = [], 0
+            self.prompts, self.put_ids, self.ends = [], [], 0
 
         def put(self, value):
+            if value.dim() == 2:
+                assert not self.put_ids and value.device.type == "cpu"
+                self.prompts.append(value.tolist())
+                return
             assert value.shape == (1,)
             self.put_ids.append(int(value[0]))
 
@@ -161,9 +168,31 @@ def test_a_streamer_gets_each_token_as_picked_and_one_end(tiny_hf_config):
 
     rec = Record()
     out = generate(model, ids, 9, streamer=rec)
-    assert rec.put_ids == out.tolist() == generate(model, ids, 9).tolist() and rec.ends == 1
+    assert rec.prompts == [[ids.tolist()]] and rec.ends == 1
+    assert rec.put_ids == out.tolist() == generate(model, ids, 9).tolist()
     rec = Record()
     assert generate(model, ids, 0, streamer=rec).tolist() == [] and rec.put_ids == [] and rec.ends == 1
+
+    class Shown(TextStreamer):  # what it would print: each new token's "text"
+        def __init__(self):
+            super().__init__(_Digits(), skip_prompt=True)
+            self.text = ""
+
+        def on_finalized_text(self, text, stream_end=False):
+            self.text += text
+
+    shown = Shown()
+    for _ in range(2):  # end() re-arms skip_prompt for the next call
+        out = generate(model, ids, 5, streamer=shown)
+        shown.text, printed = "", shown.text
+        assert printed == "".join(f"<{t}>" for t in out.tolist()), printed
+
+
+class _Digits:
+    """A tokenizer's decode for TextStreamer: token t is "<t>"."""
+
+    def decode(self, ids, **kw):
+        return "".join(f"<{t}>" for t in ids)
 
 
 @pytest.mark.parametrize("t", [1e-45, 1e-300, 1e-30])

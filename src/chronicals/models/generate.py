@@ -147,7 +147,9 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
     return_tensors="pt")`` returns).
 
     streamer: an object with ``put(ids)`` and ``end()``, such as transformers' ``TextStreamer`` (prints the text
-    as it comes): each new token is put, as a (1,) tensor, when it is picked; end() after the last.
+    as it comes), in transformers' protocol: the prompt is put first, as a (1, S) tensor on the CPU (what
+    ``TextStreamer(..., skip_prompt=True)`` skips: without it put, that skip ate the first new token), then each
+    new token, as a (1,) tensor, when it is picked; end() after the last.
 
     cuda_graph: replay one captured decode step per token over a preallocated KV cache (``models.decode_graph``;
     the bare 0.5B model decoded ~10x faster on an H200, see benchmarks/bench_generate_adapter_dtype.py). None
@@ -190,6 +192,8 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
         return token
 
     try:
+        if streamer is not None:
+            streamer.put(ids.cpu())
         if not max_new_tokens:
             return torch.tensor([], dtype=torch.long)
         return _generate(model, ids, max_new_tokens, eos, pick if streamer is None else shown, graphed)
