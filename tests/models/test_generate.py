@@ -284,3 +284,23 @@ def test_models_chat_opens_the_assistant_turn():
     (messages, kw), = tok.calls
     assert messages == [{"role": "user", "content": "hi"}] and kw["add_generation_prompt"] is True
     assert len(text.split()) == 3
+
+
+def test_chat_stops_at_every_eos_the_model_lists():
+    """chat() stopped at the tokenizer's eos alone; a Llama-3.x instruct model lists more ends of a reply in
+    config.json and generation_config.json (<|eot_id|>, <|eom_id|>), and each of them ends the answer now."""
+    import json
+
+    from chronicals.models import chat, stop_ids
+
+    model, tok = _tiny_model(), _Tok()
+    first = int(chat(model, tok, "hi", max_new_tokens=3).split()[0])
+    assert stop_ids(model, tok) == {model.config.eos_token_id} != {first}
+    model.source_generation_config = json.dumps({"eos_token_id": [first + 1, first]}).encode()
+    assert chat(model, tok, "hi", max_new_tokens=3) == str(first)  # the eos ends the ids (a real tokenizer drops it)
+    assert stop_ids(model, tok) == {model.config.eos_token_id, first, first + 1}
+    model.source_generation_config = b"{not json"  # transformers names that file when it loads it
+    model.config.eos_token_id = [first]
+    assert chat(model, tok, "hi", max_new_tokens=3) == str(first)
+    tok.eos_token_id = 7
+    assert stop_ids(model, tok) == {first, 7}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import numbers
 from collections.abc import Mapping
@@ -130,6 +131,21 @@ def _eos_set(eos_token_id) -> set[int]:
     if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
         raise ValueError(f"eos_token_id={eos_token_id!r}: give a token id or a list of token ids")
     return {int(i) for i in ids}
+
+
+def stop_ids(model: CausalLM, tokenizer) -> set[int]:
+    """The ids a reply ends at: the tokenizer's eos, config.json's eos_token_id and generation_config.json's (of
+    the directory the model was loaded from), an id or a list each. Llama-3.x instruct models end a turn with
+    <|eot_id|> but list <|end_of_text|> and <|eom_id|> too; the tokenizer's eos alone ran past those."""
+    ids = _eos_set(getattr(tokenizer, "eos_token_id", None)) | _eos_set(model.config.eos_token_id)
+    raw = getattr(model, "source_generation_config", None)
+    if raw is not None:
+        try:
+            gen = json.loads(raw)
+            ids |= _eos_set(gen.get("eos_token_id") if isinstance(gen, dict) else None)
+        except (ValueError, TypeError):  # transformers refuses such a file when it loads it: named there, not here
+            pass
+    return ids
 
 
 @torch.no_grad()

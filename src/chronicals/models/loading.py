@@ -23,7 +23,7 @@ import torch
 
 from ..ops._impl import check_impl
 from .decoder import CausalLM
-from .generate import generate
+from .generate import generate, stop_ids
 from .gguf_io import cached_gguf_dir, tokenizer_error
 from .hf_io import has_tokenizer, load_hf_dir, save_hf_dir
 
@@ -192,11 +192,12 @@ def save_model(model: CausalLM, tokenizer, out_dir: str | os.PathLike, *, genera
 
 
 def chat(model: CausalLM, tokenizer, prompt: str, max_new_tokens: int = 64) -> str:
-    """Greedy answer of a chat model to one user message (the tokenizer's chat template applied)."""
+    """Greedy answer of a chat model to one user message (the tokenizer's chat template applied), ending at any of
+    ``stop_ids``."""
     require_chat_template(tokenizer)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                         return_dict=False)
-    out = generate(model, torch.tensor(ids), max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+    out = generate(model, torch.tensor(ids), max_new_tokens, eos_token_id=stop_ids(model, tokenizer))
     return tokenizer.decode(out, skip_special_tokens=True)
 
 

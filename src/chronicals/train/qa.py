@@ -23,7 +23,7 @@ from ..data.dataset import report_bad_records
 from ..data.formats import FormatError, a_type, check_text
 from ..data.readers import DataError, read_file, resolve_files
 from ..data.tokenize import TEMPLATE_DATE
-from ..models.generate import generate, greedy_rows
+from ..models.generate import generate, greedy_rows, stop_ids
 from .guards import check_ids_in_vocab
 
 
@@ -250,7 +250,7 @@ def answer(model, tokenizer, question: str, system_prompt: str, max_new_tokens: 
     """One answer (``models.generate.generate``: greedy, or sampled with ``temperature`` > 0), after the earlier
     turns ``history`` ((user, assistant) pairs); ``streamer`` as generate's (shows the answer as it comes)."""
     ids = checked_prompt_ids(model, tokenizer, question, system_prompt, history)
-    out = generate(model, ids, max_new_tokens, eos_token_id=tokenizer.eos_token_id, temperature=temperature,
+    out = generate(model, ids, max_new_tokens, eos_token_id=stop_ids(model, tokenizer), temperature=temperature,
                    top_p=top_p, generator=generator, streamer=streamer)
     return tokenizer.decode(out.tolist(), skip_special_tokens=True).strip()
 
@@ -270,7 +270,8 @@ def answer_many(model, tokenizer, questions: list[str], system_prompt: str, max_
     # rows of one length, QA_BATCH_ROWS at a time: the KV cache grows with rows x (prompt + answer)
     batches = [same[k:k + QA_BATCH_ROWS] for same in by_len.values() for k in range(0, len(same), QA_BATCH_ROWS)]
     for idx in batches:
-        outs = greedy_rows(model, torch.stack([prompts[i] for i in idx]), max_new_tokens, tokenizer.eos_token_id)
+        outs = greedy_rows(model, torch.stack([prompts[i] for i in idx]), max_new_tokens,
+                           stop_ids(model, tokenizer))
         for i, toks in zip(idx, outs):
             answers[i] = tokenizer.decode(toks, skip_special_tokens=True).strip()
     return answers
