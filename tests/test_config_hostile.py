@@ -183,6 +183,8 @@ def test_a_config_path_with_an_equals_sign_is_read_as_the_config(tmp_path, capsy
     ("optim.lr=1" + "0" * 400, "expected a number"),
     ("lora.targets=[q_proj", "an unclosed bracket"),
     ("model.recompute=null", "expected a list such as [norm, swiglu]"),
+    # was exit 3 blaming the run's own copy of the demo data (out_dir/data/train.jsonl)
+    ("data.format=text", "config data.format='text' does not fit data.path=demo: the demo data is chat records"),
 ])
 def test_config_values_that_were_tracebacks_or_misread(override, said, capsys):
     assert main(["train", override]) == 2

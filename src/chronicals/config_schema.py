@@ -186,6 +186,10 @@ class DataSection:
         _check(self.format in ("auto", "text", "chat", "alpaca", "prompt_completion", "sharegpt"),
                "data.format", self.format, "auto | text | chat | alpaca | prompt_completion | sharegpt")
         _check(bool(self.path), "data.path", self.path, "a data file or directory, or 'demo'")
+        if self.path == DEMO and self.format not in ("auto", "chat"):  # was exit 3 blaming the run's demo copy
+            raise ConfigError(f"config data.format={self.format!r} does not fit data.path={DEMO}: the demo data is "
+                              "chat records (messages); use data.format=auto or chat, or point data.path at your "
+                              f"own {self.format} data", "data.format")
         _check(self.tokens_per_batch == 0 or self.max_seq_len <= self.tokens_per_batch <= MAX_ROW_TOKENS,
                "data.tokens_per_batch", self.tokens_per_batch, f"0 (rows) or in [data.max_seq_len={self.max_seq_len}, "
                f"{MAX_ROW_TOKENS}] (a document must fit in the one row of a micro-batch)")

@@ -618,3 +618,28 @@ def test_cuda_graphs_true_where_they_cannot_run_is_refused_before_loading(tmp_pa
         train(tiny_config(tmp_path, train__cuda_graphs="true", model__device="auto"),
               train_loader=SyntheticLoader(synthetic_docs(4)))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_passed_model_needs_a_tokenizer_and_its_adapters_must_fit_the_config(tmp_path, docs):
+    """train(cfg, model=m) without a tokenizer said 'needs a fast tokenizer; got NoneType' after it had injected
+    LoRA into m; a retry with another rank then trained the first rank's adapters without a word. The tokenizer is
+    asked for before anything changes, and adapters that do not fit lora.* are refused naming the keys."""
+    from chronicals.lora import apply_lora
+
+    model = tiny_model()
+    with pytest.raises(TypeError, match=r"train\(config, model=\.\.\.\) needs tokenizer=\.\.\. too"):
+        train(tiny_config(tmp_path, lora__enabled=True), model=model)
+    assert getattr(model, "lora_config", None) is None and not (tmp_path / "run").exists()
+    apply_lora(model, r=4, alpha=8, target_modules=("q_proj", "v_proj"))
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    over = dict(lora__enabled=True, train__max_steps=1)
+    with pytest.raises(ConfigError, match=r"already has LoRA adapters .* asks for others: lora.rank=8 \(the "
+                                          r"adapters': 4\); lora.targets=\['q_proj', 'k_proj', 'v_proj'\] \(the "
+                                          r"adapters are on \['q_proj', 'v_proj'\]\)\. Set those keys") as e:
+        train(tiny_config(tmp_path, lora__rank=8, lora__alpha=8, lora__targets=["q_proj", "k_proj", "v_proj"], **over),
+              model=model, train_loader=SyntheticLoader(docs))
+    assert e.value.key == "lora.rank"
+    assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
+    res = train(tiny_config(tmp_path, lora__rank=4, lora__alpha=8, lora__targets=["q_proj", "v_proj"], **over),
+                model=model, train_loader=SyntheticLoader(docs))
+    assert res.step == 1 and res.status == "completed"

@@ -104,9 +104,14 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
     ``config``: a TrainConfig, a nested dict of sections, or a YAML path.
     ``report(event, **info)`` (optional) receives "before" / "after" evaluation events (the demo prints them).
     A passed ``model`` is trained in place and stays as training left it: moved to model.device / model.dtype,
-    with ``lora.enabled`` its LoRA adapters injected (a model that already has them keeps them) and the rest
-    frozen, in training mode. ``merge_lora`` turns it back into plain linear layers.
+    with ``lora.enabled`` its LoRA adapters injected (a model that already has them keeps them; lora.rank, alpha,
+    dropout, rslora and targets must then be theirs, else a ConfigError) and the rest frozen, in training mode.
+    A passed model needs ``tokenizer`` too, unless ``train_loader`` gives the batches. ``merge_lora`` turns it back into plain linear layers.
     """
+    if model is not None and tokenizer is None and train_loader is None:  # before anything is made or changed
+        raise TypeError("train(config, model=...) needs tokenizer=... too, to tokenize data.path (the model's own, "
+                        "e.g. from chronicals.load_model(path, tokenizer=True)), or train_loader=... with the "
+                        "batches ready")
     with main_rank_tells():  # under torchrun, each warning once (rank 0's), not once per rank
         if isinstance(config, TrainConfig):
             cfg = config

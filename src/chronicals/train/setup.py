@@ -39,6 +39,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dtype):
     """Move to device/dtype, set impl and checkpointing, inject LoRA (or unfreeze all), compile layers."""
+    if cfg.lora.enabled and getattr(model, "lora_config", None) is not None:
+        _check_adapters_fit(model, cfg)  # before the model is touched
     model.to(device=device, dtype=dtype)
     model.set_impl(cfg.model.impl)
     n_layers = len(model.model.layers)
@@ -92,6 +94,29 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
                  len(model.model.layers))
     model.train()
     return model
+
+
+def _check_adapters_fit(model, cfg: TrainConfig) -> None:
+    """A model passed to train() with LoRA adapters keeps them; a config asking for other ones (another rank, a
+    retry after a failed run that had injected its own) trained the old ones without a word: a ConfigError."""
+    from ..lora.inject import name_matches
+
+    rec, lo = model.lora_config, cfg.lora
+    said = [f"lora.{key}={ours} (the adapters': {theirs})" for key, theirs, ours in
+            (("rank", rec.r, lo.rank), ("alpha", float(rec.alpha), float(lo.alpha)),
+             ("dropout", float(rec.dropout), float(lo.dropout)), ("rslora", bool(rec.use_rslora), lo.rslora))
+            if theirs != ours]
+    names, targets = list(rec.lora_modules), tuple(lo.targets)
+    if not all(name_matches(n, targets) for n in names) or \
+            not all(any(name_matches(n, (t,)) for n in names) for t in targets):
+        on = sorted({n.rpartition(".")[2] for n in names})
+        said.append(f"lora.targets={list(targets)} (the adapters are on {on})")
+    if said:
+        raise ConfigError(f"the model passed to train() already has LoRA adapters (model.lora_config), which it "
+                          f"trains as they are, but the config asks for others: {'; '.join(said)}. Set those keys to "
+                          "the adapters' values to train these adapters, or pass a model without adapters "
+                          "(chronicals.lora.merge_lora(model), or a fresh load_model) for new ones",
+                          said[0].split("=", 1)[0])
 
 
 def load_base(cfg: TrainConfig, device: torch.device, dtype: torch.dtype):
