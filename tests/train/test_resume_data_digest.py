@@ -125,3 +125,16 @@ def test_resume_under_another_train_on_names_the_setting(tmp_path, tok, caplog):
             train(_cfg(tmp_path, train__max_steps=4, train__resume="auto", data__train_on="all", **cfg),
                   model=_model(tok), tokenizer=tok)
     assert "from here on the run trains" not in caplog.text  # no warning that it goes on
+
+
+def test_resume_over_another_batch_size_names_the_key_not_the_loaders_arguments(tmp_path, tok):
+    """The refusal read '... and seed. this run changed ...': the loader's own advice in its arguments' names
+    (drop_last is no config key), then a sentence starting in lower case. Now the counts, then this run's keys."""
+    _write(tmp_path / "train.jsonl")
+    train(_cfg(tmp_path, train__max_steps=1), model=_model(tok), tokenizer=tok)
+    with pytest.raises(ValueError) as e:
+        train(_cfg(tmp_path, train__max_steps=2, train__resume="auto", data__batch_size=1), model=_model(tok),
+              tokenizer=tok)
+    msg = str(e.value)
+    assert "drop_last" not in msg and "PackedLoader" not in msg and ". this" not in msg, msg
+    assert "the saved loader had seed=0," in msg and "this run changed data.batch_size" in msg, msg

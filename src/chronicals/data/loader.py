@@ -47,6 +47,12 @@ class DataChanged(ValueError):
     ``args[1]``: what differs, without the advice (a caller names its own settings)."""
 
 
+class LoaderMismatch(ValueError):
+    """The saved loader packed other rows or batches, or had another seed: its position would index other batches.
+    ``args[1]``: what differs, without the advice (the trainer names its own settings, not this class's
+    arguments)."""
+
+
 class PackedLoader:
     """Iterate PackedBatch over a TokenizedDataset (see the package docstring for the options)."""
 
@@ -181,10 +187,11 @@ class PackedLoader:
                                  f"setting, left the last {g % w} of {g} global batches out of each epoch "
                                  f"({saved[2]} per rank), this one trains them ({len(self)} per rank); resume it "
                                  "with remainder='drop' (data.dp_remainder=drop)")
-            raise ValueError(f"PackedLoader.load_state_dict: the saved loader had seed={saved[0]}, {saved[1]} packed "
-                             f"rows and {saved[2]} batches per epoch, this one seed={self.seed}, {len(self.rows)} "
-                             f"and {len(self)}; resume with the same dataset, max_seq_len, batch settings "
-                             f"(batch_size, drop_last, world_size) and seed{other_ranks}")
+            detail = (f"the saved loader had seed={saved[0]}, {saved[1]} packed rows and {saved[2]} batches per "
+                      f"epoch, this one seed={self.seed}, {len(self.rows)} and {len(self)}")
+            raise LoaderMismatch(f"PackedLoader.load_state_dict: {detail}; resume with the same dataset, max_seq_len, "
+                                 f"batch settings (batch_size, drop_last, world_size) and seed{other_ranks}",
+                                 detail + other_ranks)
         # rank r's position p means global batches up to p * W: under another W it names other batches even when
         # the counts agree (4 global batches: 2 per rank on 2 and on 3 ranks; the 2-rank position 1 resumed on 3
         # ranks at batch 3, skipping batch 2). An epoch's start or end is the same place under any W.

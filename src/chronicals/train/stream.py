@@ -9,7 +9,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from ..config import TrainConfig
-from ..data.loader import DataChanged
+from ..data.loader import DataChanged, LoaderMismatch
 from .resume import data_position_diffs, loss_setting_diffs
 
 log = logging.getLogger("chronicals.train")
@@ -78,7 +78,8 @@ def _restore_position(stream, restored: dict, cfg_dict: dict, path: Path) -> Non
         else:
             why = (f"no data setting changed, so either the data files' contents did ({new_run}) or the number of "
                    "ranks did (resume with the checkpoint's torchrun --nproc-per-node)")
-        raise ValueError(f"cannot resume from {path}: {e}. {why}") from None
+        detail = e.args[1] if isinstance(e, LoaderMismatch) else str(e)  # without its advice in its arguments' names
+        raise ValueError(f"cannot resume from {path}: {detail}; {why}") from None
 
 
 def _replan(cfg: TrainConfig, stream: _Stream, start: int, total: int, last_batches: int,
