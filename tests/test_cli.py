@@ -282,7 +282,7 @@ def test_ctrl_c_before_training_is_130_without_a_traceback(monkeypatch, capsys):
     monkeypatch.setitem(cli.COMMANDS, "train", interrupted)
     assert main(["train"]) == 130
     err = capsys.readouterr().err
-    assert "interrupted (SIGINT): the checkpoints this run wrote stay" in err and "Traceback" not in err
+    assert "interrupted (SIGINT): run the same command again to go on: train.resume=auto" in err and "Traceback" not in err
     assert "stopped before its first checkpoint, it wrote none: run the same command again" in err
 
     def interrupted_inside_a_library(argv):  # a Ctrl-C that a library turned into another error
@@ -297,7 +297,7 @@ def test_ctrl_c_before_training_is_130_without_a_traceback(monkeypatch, capsys):
     monkeypatch.setitem(cli.COMMANDS, "train", wrapped)
     assert main(["train"]) == 130
     err = capsys.readouterr().err
-    assert "interrupted (SIGINT): the checkpoints this run wrote stay" in err and "internal error" not in err and "Traceback" not in err
+    assert "interrupted (SIGINT): run the same command again to go on: train.resume=auto" in err and "internal error" not in err and "Traceback" not in err
 
 
 def test_chat_reads_piped_prompts_and_labels_each_answer(tiny_base, monkeypatch, capsys):

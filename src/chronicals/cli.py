@@ -295,9 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "train":
         # the checkpoints in train.out_dir may be an earlier run's (this one stopped before its first save, under
         # train.resume=none or other data): resume=auto was advised and resumed that run, or failed on its data
-        print(f"\ninterrupted ({name}): the checkpoints this run wrote stay, and train.resume=auto continues from the "
-              "newest (steps after it are trained again); stopped before its first checkpoint, it wrote none: run "
-              "the same command again", file=sys.stderr)
+        print(f"\ninterrupted ({name}): run the same command again to go on: train.resume=auto (the default) "
+              "continues from the newest checkpoint in train.out_dir (steps after it are trained again; past the "
+              "last step, only the closing evaluation and final save are left to run), or starts over when there is "
+              "none", file=sys.stderr)
     else:  # eval, chat, export, bench keep no checkpoints: train.resume means nothing to them
         print(f"\ninterrupted ({name}): chronicals {argv[0]} stopped; run it again to redo it", file=sys.stderr)
     return 130

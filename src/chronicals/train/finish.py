@@ -56,7 +56,8 @@ def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, token
         metrics.write({"kind": "eval", "step": total, "eval_loss": loss, "eval_tokens": n, "tag": "after"})
         metrics.close()
         result.eval_loss_after = loss
-        log.info("%s: the run was stopped in its last step; its closing held-out loss %.4f is logged now",
+        log.info("%s: the run was stopped after its last step, before its closing evaluation; its closing held-out "
+                 "loss %.4f is logged now",
                  checkpoint, loss)
         if cfg.logging.plot:
             result.plot = plot_losses(metrics.records, out_dir / "loss.png")
