@@ -134,6 +134,8 @@ def test_train_resumed_with_other_train_on_and_dtype_warns(tmp_path, docs, caplo
     text = "\n".join(resumed(train__max_steps=3, data__train_on="all", model__dtype="bfloat16"))
     assert "data.train_on='assistant' (this run: 'all')" in text, text
     assert "model.dtype='float32' (this run: 'bfloat16'): the checkpoint's float32 weights are rounded" in text, text
+    # the run is at its last step (3 of 3): nothing trains under another lr, so no 'they apply from step 4 on'
+    assert resumed(train__max_steps=3, data__train_on="all", model__dtype="bfloat16", optim__lr=1e-4) == []
 
 
 @pytest.mark.parametrize("tokens, warned", [(0, True), (512, False)])

@@ -259,7 +259,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         log.info("resumed from %s at step %d of %d", resume_from, start, total)
         check_same_adapter(restored["extra"].get("config"), cfg_dict, resume_from,
                            records=(restored["extra"].get("lora"), lora_settings(model)))
-        apply_optimizer_settings(optimizer, scheduler, fresh, restored["extra"].get("config"), cfg_dict, start)
+        apply_optimizer_settings(optimizer, scheduler, fresh, restored["extra"].get("config"), cfg_dict, start,
+                                 total)
         done = start == total
     warn_short_warmup(cfg, total)
     # another run's checkpoints in out_dir (resume=none over a finished run, or a resume from an earlier step), and

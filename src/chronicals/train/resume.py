@@ -22,10 +22,11 @@ def optimizer_settings(optimizer, scheduler) -> dict:
 
 
 def apply_optimizer_settings(optimizer, scheduler, fresh: dict, saved_cfg: dict | None, cfg_dict: dict,
-                           step: int) -> None:
+                           step: int, total: int | None = None) -> None:
     """After a resume, this run's optimizer / schedule settings apply from ``step`` on (the checkpoint's state
     dicts carry the old run's lr, betas, eps and weight decay; the AdamW moments and step counts are kept).
-    With an unchanged config the values are the ones restored, bit for bit."""
+    With an unchanged config the values are the ones restored, bit for bit. At the run's last step (``total``)
+    nothing is trained under them: no warning (the run says it has nothing to train)."""
     for group, new in zip(optimizer.param_groups, fresh["groups"]):
         group.update(new)
     scheduler.base_lrs = list(fresh["base_lrs"])
@@ -35,7 +36,7 @@ def apply_optimizer_settings(optimizer, scheduler, fresh: dict, saved_cfg: dict 
     scheduler._last_lr = lrs
     diffs = ckpt.config_diffs(saved_cfg, cfg_dict, {"optim": None, "schedule": None, "lora": ("plus_ratio", "dropout"),
                                                     "train": ("max_steps", "epochs", "grad_accum")})
-    if diffs:
+    if diffs and (total is None or step < total):
         log.warning("resumed at step %d with other settings than the checkpoint's run: %s; they apply from step %d "
                     "on (the AdamW moments are kept)", step, ", ".join(diffs), step + 1)
 
