@@ -94,6 +94,14 @@ def test_takes_a_tokenizer_output_for_one_prompt(tiny_hf_config):
     assert generate(model, BatchEncoding({"input_ids": [ids[0].tolist()]}), 4).tolist() == generate(model, ids, 4).tolist()
     with pytest.raises(ValueError, match=r"without 'input_ids' \(keys: \['ids'\]\)"):
         generate(model, {"ids": ids}, 4)
+    # a list of ints (apply_chat_template's default return) is ids; text and other types say what to pass
+    assert generate(model, ids[0].tolist(), 4).tolist() == generate(model, ids, 4).tolist()
+    with pytest.raises(TypeError, match=r"generate takes token ids, not text; tokenize it first"):
+        generate(model, "hello", 4)
+    with pytest.raises(TypeError, match=r"got a list it cannot read as ids"):
+        generate(model, [[5, 6], [7]], 4)
+    with pytest.raises(TypeError, match=r"got ndarray"):
+        generate(model, ids.numpy(), 4)
 
 
 def test_held_out_loss_and_qa_answers_restore_each_module_mode(tiny_hf_config):

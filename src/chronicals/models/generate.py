@@ -158,8 +158,8 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
 
     temperature 0 is greedy decoding; above 0, tokens are drawn from softmax(logits / temperature) with
     ``generator`` (on the model's device), from the smallest set of most likely tokens whose probability
-    reaches ``top_p`` (nucleus sampling; 1.0: from all). ``input_ids`` may also be a tokenizer's output for one
-    prompt (a mapping with "input_ids", such as the BatchEncoding that ``apply_chat_template(...,
+    reaches ``top_p`` (nucleus sampling; 1.0: from all). ``input_ids`` may also be a list of ints, or a tokenizer's
+    output for one prompt (a mapping with "input_ids", such as the BatchEncoding that ``apply_chat_template(...,
     return_tensors="pt")`` returns).
 
     streamer: an object with ``put(ids)`` and ``end()``, such as transformers' ``TextStreamer`` (prints the text
@@ -175,6 +175,19 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
     """
     if isinstance(input_ids, Mapping):
         input_ids = _one_prompt(input_ids)
+    elif isinstance(input_ids, str):  # was AttributeError: 'str' object has no attribute 'dim'
+        raise TypeError("generate takes token ids, not text; tokenize it first: generate(model, "
+                        "tokenizer(text, return_tensors='pt').input_ids), or chronicals.models.chat(model, tokenizer, "
+                        "text) for a chat model's answer")
+    elif isinstance(input_ids, (list, tuple)):  # a tokenizer's plain ids (apply_chat_template's default return)
+        try:
+            input_ids = torch.tensor(input_ids, dtype=torch.long)
+        except (TypeError, ValueError, RuntimeError) as e:  # ragged rows, strings in the list
+            raise TypeError(f"generate takes token ids (a tensor or a list of ints), got a list it cannot read as "
+                            f"ids ({e})") from None
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"generate takes token ids as a tensor (S,) or (1, S), a list of ints or a tokenizer's "
+                        f"output, got {type(input_ids).__name__}")
     # view(1, -1) would join a (B, S) batch's rows into one prompt of B * S tokens
     if input_ids.dim() not in (1, 2) or input_ids.dim() == 2 and input_ids.shape[0] != 1 or not input_ids.shape[-1]:
         raise ValueError(f"generate takes one prompt, input_ids (S,) or (1, S) with S >= 1, got shape "
