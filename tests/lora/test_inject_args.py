@@ -23,6 +23,10 @@ BAD = [
     (dict(target_modules=["q_proj", 3]), r"must be a non-empty list of module names"),
     (dict(target_modules="q_proj(("), r"does not compile"),
     (dict(target_modules=["nope"]), r"matched no nn.Linear"),
+    # one name as a string is a regular expression over full names: the fix is a list
+    (dict(target_modules="q_proj"), r"matched no nn.Linear.*a string is one regular expression matched against "
+                                    r"full module names such as 'model\.layers\.0\..*: for names, pass a list, "
+                                    r"e\.g\. target_modules=\['q_proj'\]"),
     (dict(modules_to_save=["nope"]), r"modules_to_save entries \['nope'\] match no module"),
     (dict(modules_to_save=[1]), r"modules_to_save=\[1\] must be a list of module names"),
     (dict(use_rslora="yes"), r"use_rslora='yes' must be True or False"),
@@ -54,3 +58,11 @@ def test_failed_call_leaves_model_unchanged(kw, match):
     assert not any(isinstance(m, LoRALinear) for m in model.modules())
     rec = apply_lora(model, r=2)  # the model is still usable
     assert rec.trainable_params > 0
+
+
+def test_a_set_of_names_is_taken_as_the_list():
+    """PEFT keeps target_modules as a set; apply_lora refused one ('must be a non-empty list')."""
+    model = tiny_model()
+    rec = apply_lora(model, r=2, target_modules={"v_proj", "q_proj"}, modules_to_save={"norm"})
+    assert rec.target_modules == ("q_proj", "v_proj") and rec.saved_modules == ["model.norm"]
+    assert {n.rpartition(".")[2] for n in rec.lora_modules} == {"q_proj", "v_proj"}

@@ -123,8 +123,9 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
                concat: bool | str = "auto", group: bool = True) -> LoraRecord:
     """Replace each targeted nn.Linear of ``model`` in place by a LoRALinear and freeze the rest.
 
-    ``target_modules``: module names as PEFT's list form matches them, a regular expression (a string), or the
-    string "all-linear" (PEFT's shorthand: every nn.Linear but lm_head).
+    ``target_modules``: module names as PEFT's list form matches them (a list, tuple or set), a regular
+    expression (a string) full-matched against full module names, or the string "all-linear" (PEFT's shorthand:
+    every nn.Linear but lm_head).
     scaling = alpha / r, or alpha / sqrt(r) with ``use_rslora``. Every parameter is frozen except the
     adapters (A, B) and the parameters of ``modules_to_save`` (e.g. "lm_head", "embed_tokens"), which
     are trained in full. Tied embeddings share one Parameter: naming either of lm_head / embed_tokens
@@ -140,6 +141,10 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
     Returns a LoraRecord, also stored as ``model.lora_config``. Every argument and name is checked before
     the model changes: a call that raises leaves it as it was.
     """
+    if isinstance(target_modules, (set, frozenset)):  # PEFT keeps its names as a set: taken as the sorted list
+        target_modules = sorted(target_modules)
+    if isinstance(modules_to_save, (set, frozenset)):
+        modules_to_save = sorted(modules_to_save)
     _check_lora_args(r, alpha, dropout, target_modules, use_rslora, modules_to_save, impl, adapter_dtype, seed,
                      concat, group)
     if getattr(model, "lora_config", None) is not None:
@@ -163,9 +168,14 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
                           "lora.modules_to_save)", "lora.targets")
     if not targets:
         leaves = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        regex = ""
+        if isinstance(target_modules, str):  # "q_proj" full-matches no full name (model.layers.0.self_attn.q_proj)
+            regex = (f"; a string is one regular expression matched against full module names such as "
+                     f"{next(n for n, m in model.named_modules() if isinstance(m, nn.Linear))!r}: for names, pass "
+                     f"a list, e.g. target_modules=[{target_modules!r}]")
         raise ConfigError(f"apply_lora: target_modules={target_modules!r} matched no nn.Linear; the model's "
                           f"linear layers are named {leaves}: name some of them but lm_head (in a config: "
-                          "lora.targets)", "lora.targets")
+                          f"lora.targets){regex}", "lora.targets")
     if "lm_head" in targets:  # matched by a regular expression (a list naming lm_head is refused before)
         raise ConfigError("apply_lora: LoRA on lm_head is not supported: CausalLM's loss reads lm_head.weight "
                           "directly (fused linear cross-entropy); train it with modules_to_save=('lm_head',) "
