@@ -432,6 +432,15 @@ def test_save_model_refuses_what_is_not_a_tokenizer_before_writing(tiny_hf_confi
         save_model(model, str(tmp_path / "a"), tmp_path / "out")
     assert not list(tmp_path.iterdir())
 
+    class Tok:  # stands for a tokenizer: save_model(model, "out", tok) raised Path's TypeError about a Tok
+        def save_pretrained(self, path):
+            raise AssertionError("not reached")
+
+    with pytest.raises(TypeError, match=r"out_dir is a Tok, not a path; the arguments are save_model\(model, "
+                                        r"tokenizer, out_dir\)"):
+        save_model(model, str(tmp_path / "b"), Tok())
+    assert not list(tmp_path.iterdir())
+
 
 def test_a_checkpoint_that_stores_rotary_inv_freq_loads(tmp_path):
     """Older Llama checkpoints store one per layer; they are recomputed, not refused as unexpected tensors."""

@@ -186,6 +186,9 @@ def save_model(model: CausalLM, tokenizer, out_dir: str | os.PathLike, *, genera
     entry makes it a FileExistsError naming those entries, raised before anything is written. tokenizer may be None (no
     tokenizer files). max_shard_bytes splits the weights into HF-style shards plus an index.
     """
+    if not isinstance(out_dir, (str, os.PathLike)):  # save_model(model, "out", tok): Path(tok) raised first
+        raise TypeError(f"save_model: out_dir is a {type(out_dir).__name__}, not a path; the arguments are "
+                        "save_model(model, tokenizer, out_dir): the tokenizer (or None) comes before the directory")
     # expanded here so that the path returned is the one written ('~/m' came back as a Path naming nothing)
     return save_hf_dir(model, tokenizer, Path(out_dir).expanduser(), generation_config=generation_config,
                        max_shard_bytes=max_shard_bytes)
