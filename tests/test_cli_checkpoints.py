@@ -377,6 +377,15 @@ def test_the_checkpoints_folder_or_a_checkpoint_as_model_say_what_to_pass(run, c
     with pytest.raises(FileNotFoundError, match="is a training checkpoint .state.pt., not a model directory: a full "
                                                 "fine-tuning run.s loads with chronicals.train.load_checkpoint_model"):
         load_model(run / "checkpoints" / "step-000002")
+    # load_adapter on one checkpoint said only that adapter_config.json is missing; its fix, in Python
+    from chronicals.lora import load_adapter
+    from chronicals.train import apply_checkpoint_adapter
+
+    base, _ = load_model(load_config(str(run / "config.yaml")).model.path, tokenizer=False)
+    with pytest.raises(FileNotFoundError, match=r"step-000002 is a training checkpoint \(state.pt\), not a PEFT "
+                                                r"adapter: .*chronicals.train.apply_checkpoint_adapter\(model, path\)"):
+        load_adapter(base, run / "checkpoints" / "step-000002")
+    assert apply_checkpoint_adapter(base, run / "checkpoints" / "step-000002").lora_config.r == 4
 
 
 def test_no_merge_writes_the_steps_adapter_that_peft_loads(run, tiny_base, tmp_path, capsys):

@@ -124,7 +124,13 @@ def read_adapter_config(adapter_dir) -> dict:
                    "without --adapter; a model has nothing to export (merge)")
     elif steps := sorted(adapter_dir.glob("step-*/state.pt")):  # --adapter runs/x/checkpoints
         missing += (f"; {adapter_dir} holds a run's training checkpoints: pass one, e.g. {steps[-1].parent} (a LoRA "
-                    "run's as --adapter, a full fine-tuning run's as --model)")
+                    "run's as --adapter, a full fine-tuning run's as --model; in Python, "
+                    "chronicals.train.apply_checkpoint_adapter(model, path) or load_checkpoint_model(path))")
+    elif (adapter_dir / "state.pt").is_file():  # load_adapter(model, runs/x/checkpoints/step-N): said nothing more
+        missing += (f"; {adapter_dir} is a training checkpoint (state.pt), not a PEFT adapter: the commands take it "
+                    "as --adapter (a LoRA run's) or --model (a full fine-tuning run's); in Python, "
+                    "chronicals.train.apply_checkpoint_adapter(model, path) puts a LoRA run's adapter on its base, or "
+                    "write its PEFT adapter with chronicals export --no-merge --adapter PATH --out DIR")
     cfg = read_json_object(path, CONFIG_NAME, "save the adapter again (save_adapter / PEFT's save_pretrained)",
                            missing=missing)
     missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in cfg]
