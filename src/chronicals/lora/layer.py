@@ -349,16 +349,22 @@ class LoRALinear(nn.Module):
                                             self.concat, wcat, impl, fused_act, in_place)
 
     @torch.no_grad()
+    def _merge_dtype(self) -> torch.dtype:
+        """fp32, or float64 when W, A or B is float64 (an fp64 model's merge was rounded to fp32 on the way)."""
+        wide = torch.float64 in (self.weight.dtype, self.lora_A.weight.dtype, self.lora_B.weight.dtype)
+        return torch.float64 if wide else torch.float32
+
     def delta_weight(self) -> torch.Tensor:
-        """s * B @ A (out, in) in fp32: only for merging, never in the training path."""
-        return self.scaling * (self.lora_B.weight.float() @ self.lora_A.weight.float())
+        """s * B @ A (out, in) in fp32 (float64 for float64 tensors): only for merging, never in the training path."""
+        dt = self._merge_dtype()
+        return self.scaling * (self.lora_B.weight.to(dt) @ self.lora_A.weight.to(dt))
 
     @torch.no_grad()
     def to_linear(self) -> nn.Linear:
-        """W += s B A (W + s B A computed in fp32, rounded once to W's dtype) and return a plain nn.Linear on the
+        """W += s B A (W + s B A computed in fp32, or float64, rounded once to W's dtype) and return a plain nn.Linear on the
         same Parameters. (Adding the rounded delta in bf16 rounds twice: ~46% of a bf16 merge's elements then
         differed from the correctly rounded sum.)"""
-        self.weight.copy_(self.weight.float().add_(self.delta_weight()))
+        self.weight.copy_(self.weight.to(self._merge_dtype()).add_(self.delta_weight()))
         if not self.weight.is_contiguous():  # leave the [W | s B] buffer: W gets its own storage back
             self.weight.data = self.weight.data.contiguous()
         self._wcat = None
