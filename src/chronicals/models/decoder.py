@@ -444,7 +444,9 @@ class CausalLM(nn.Module):
 
         labels: (B, S) Hugging Face form, shifted here per document (a position whose ``position_ids`` entry
         restarts at 0 begins a new document: the token before it predicts nothing). shift_labels: (B, S) targets
-        already aligned (what the data collator produces). reduction: "mean" | "sum" | "none" (then (B, S)).
+        already aligned (what the data collator produces). reduction: "mean" | "sum" | "none" (then (B, S)); with
+        every target -100, "mean" is 0 (not NaN: torch's cross_entropy gives NaN there) and the
+        gradients are zero.
         num_loss_tokens: the host-side count of targets != -100 (the collator's ``PackedBatch.num_loss_tokens``),
         or None. With it, "mean" / "sum" run the loss head on the loss rows only (see ``loss_rows``).
         attention_mask: (B, S) 1 for tokens, 0 for padding, as a tokenizer returns it; right padding only (see
