@@ -145,6 +145,10 @@ def test_what_the_data_lost_is_counted_in_words():
     st = DatasetStats(skipped_errors=3, dropped_no_loss=1, unclosed_replies=2)
     assert st.losses("--max-seq-len") == ["3 bad records skipped", "1 dropped with no loss tokens",
                                           "2 replies that train no end-of-turn token"]
+    # truncated to no loss token, then dropped: said once (was '2 truncated ..., 1 dropped ...' for 2 examples)
+    st = DatasetStats(truncated=2, dropped_no_loss=1, truncated_no_loss=1)
+    assert st.losses() == ["1 truncated to data.max_seq_len",
+                           "1 dropped with no loss tokens (1 of them truncated to none)"]
 
 
 def test_files_after_a_failing_one_are_said_unread_not_unreadable(tokenizer, tmp_path, caplog):

@@ -56,10 +56,13 @@ class DatasetStats:
     def losses(self, max_seq_len_name: str = "data.max_seq_len") -> list[str]:
         """What the data lost on the way in, for a summary line: ["2 bad records skipped", "1 truncated to
         data.max_seq_len", ...], the counts that are not 0 (``max_seq_len_name``: the option as the user set it)."""
+        # an example truncated to no loss token is dropped: counted once, with the dropped (it was in both counts)
+        cut = self.truncated_no_loss
         counts = ((self.skipped_errors, "bad record skipped", "bad records skipped"),
-                  (self.truncated, f"truncated to {max_seq_len_name}", None),
+                  (self.truncated - cut, f"truncated to {max_seq_len_name}", None),
                   (self.dropped_overlong, "dropped as too long", None),
-                  (self.dropped_no_loss, "dropped with no loss tokens", None),
+                  (self.dropped_no_loss, "dropped with no loss tokens" + (f" ({cut} of them truncated to none)"
+                                                                          if cut else ""), None),
                   (self.empty_targets, "with an empty reply", None),
                   (self.unclosed_replies, "reply that trains no end-of-turn token",
                    "replies that train no end-of-turn token"))
