@@ -135,3 +135,18 @@ def test_null_text_alpaca_input_and_chat_roles(tokenizer, tmp_path):
         f"{p}:3: field 'input' is a list, expected a string (or null, or no 'input')",
         f"{p}:5: messages[0].role is 'robot'; expected one of system, developer, user, assistant, tool, ipython, function"]
     assert len(ds) == 2  # null input is no input; a tool message is a chat message
+
+
+def test_a_pretty_printed_json_in_a_jsonl_file_is_named(tmp_path):
+    """Every line of a pretty-printed array was its own bad record ('invalid JSON (Expecting value at column 2)');
+    the file is said to be one JSON value, with the fix."""
+    p = tmp_path / "pp.jsonl"
+    p.write_text(json.dumps([{"text": "a"}, {"text": "b"}], indent=2))
+    with pytest.raises(DataError, match=rf"^{p}: one JSON array spread over lines \(pretty-printed\), not JSON lines; "
+                                        r"rename the file to pp\.json"):
+        read_file(p)
+    p.write_text(json.dumps({"text": "a"}, indent=2))
+    with pytest.raises(DataError, match=rf"^{p}: one JSON object spread over lines .*write each record on one line"):
+        read_file(p)
+    p.write_text('[\n{"text": "a"},\n')  # not one value: the lines are said, as before
+    assert read_file(p)[0].error.startswith("invalid JSON")

@@ -223,6 +223,7 @@ def _read_jsonl(path: Path, data: bytes) -> list[Record]:
     record (skipped and counted under on_error=skip) rather than the whole file."""
     out = []
     offset = 3 if data.startswith(codecs.BOM_UTF8) else 0
+    _refuse_spread_json(path, data[offset:])
     # split on "\n" only: str.splitlines also breaks at U+2028, U+2029 and U+0085, which JSON allows
     # unescaped inside strings (json.dumps(..., ensure_ascii=False) writes them raw); "\r" is JSON whitespace.
     # b"\n" never occurs inside a multi-byte UTF-8 sequence, so splitting the bytes is safe.
@@ -255,6 +256,24 @@ def _read_jsonl(path: Path, data: bytes) -> list[Record]:
             continue
         out.append(Record(where, obj))
     return out
+
+
+def _refuse_spread_json(path: Path, data: bytes) -> None:
+    """A DataError when the JSON-lines file ``path`` is one JSON value spread over lines (pretty-printed, the first
+    line a lone '[' or '{'): every line was a bad record ('invalid JSON at column 2', ...), none naming the cause."""
+    first = next((line.strip() for line in data.split(b"\n", 8)[:8] if line.strip()), b"")
+    if first not in (b"[", b"{"):
+        return
+    try:
+        value = json.loads(data)
+    except (ValueError, RecursionError):  # not one value: the lines say what is wrong with them
+        return
+    if isinstance(value, list):
+        raise DataError(f"{path}: one JSON array spread over lines (pretty-printed), not JSON lines; rename the file "
+                        f"to {path.stem}.json (read as an array of records), or write one record per line")
+    raise DataError(f"{path}: one JSON {'object' if isinstance(value, dict) else type(value).__name__} spread over "
+                    "lines (pretty-printed), not JSON lines; write each record on one line (json.dumps(record) per "
+                    "line), or, for a list of records under a key, save that list as a .json file")
 
 
 def _read_json(path: Path) -> list[Record]:
