@@ -8,19 +8,23 @@ import pytest
 import torch
 
 from chronicals.train import train
-from chronicals.train.metrics import matmul_params, matmul_peak_tflops, train_flops_per_token
+from chronicals.train.metrics import head_flops_per_token, matmul_params, matmul_peak_tflops, train_flops_per_token
 
 from train_helpers import SyntheticLoader, tiny_config, tiny_model
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_mfu_counts_the_methods_flops(tmp_path, docs, lora):
-    """LoRA computes no weight-gradient GEMM for frozen weights: 4 x matmul params per token, not 6."""
+    """LoRA computes no weight-gradient GEMM for frozen weights: 4 x matmul params per token, not 6. The loss head
+    runs on loss tokens only, so its FLOPs count per loss token (they were counted for every token, padding and
+    masked prompts too)."""
     cfg = tiny_config(tmp_path, train__max_steps=2, logging__peak_tflops=1.0, lora__enabled=lora, lora__rank=4,
                       data__max_seq_len=32)
     model, loader = tiny_model(), SyntheticLoader(docs, row_len=32, shuffle=False)
     ga = cfg.train.grad_accum
     computed = [sum(b.input_ids.numel() for b in loader.batches[k * ga:(k + 1) * ga]) for k in range(2)]
+    lossy = [sum(b.num_loss_tokens for b in loader.batches[k * ga:(k + 1) * ga]) for k in range(2)]
+    assert all(m < n for m, n in zip(lossy, computed))  # padding: fewer loss tokens than computed ones
     train(cfg, model=model, train_loader=loader)
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if r["kind"] == "train"]
@@ -28,8 +32,10 @@ def test_mfu_counts_the_methods_flops(tmp_path, docs, lora):
     per_token = train_flops_per_token(model.config, 32, "lora" if lora else "full")
     full = model.config.flops_per_token(32)
     assert (per_token < full - matmul_params(model.config)) if lora else per_token == full
-    for r, n in zip(recs, computed):  # every computed token, padding included
-        assert r["mfu"] == pytest.approx(per_token * n / r["step_s"] / 1e12, rel=1e-9)
+    head = (4 if lora else 6) * model.config.vocab_size * model.config.hidden_size
+    assert head == head_flops_per_token(model.config, "lora" if lora else "full")
+    for r, n, m in zip(recs, computed, lossy):  # the body for every computed token, padding included
+        assert r["mfu"] == pytest.approx(((per_token - head) * n + head * m) / r["step_s"] / 1e12, rel=1e-9)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the peak is measured on CUDA only")

@@ -35,7 +35,8 @@ from . import checkpoint as ckpt
 from .checkpoint_adapter import lora_settings
 from .divergence import _check_finite, nonfinite_weights
 from .finish import TrainResult, _already_done, save_final
-from .metrics import matmul_peak_tflops, memory_gib, plot_losses, private_pool_bytes, train_flops_per_token
+from .metrics import (head_flops_per_token, matmul_peak_tflops, memory_gib, plot_losses, private_pool_bytes,
+                      train_flops_per_token)
 from .optim import build_optimizer, build_scheduler, set_total_steps, warn_short_warmup
 from .distributed import DistContext, init_distributed, main_rank_tells
 from .grad_buckets import GradBuckets
@@ -87,6 +88,7 @@ class _Pending:
     lr: float
     readback: StepReadback
     computed: int  # tokens computed on this rank (padding included): MFU's numerator
+    own_loss: int = 0  # this rank's loss tokens: the loss head's FLOPs in MFU's numerator
 
 
 @dataclass
@@ -349,6 +351,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     peak = cfg.logging.peak_tflops or matmul_peak_tflops(device)
     method = "lora" if cfg.lora.enabled else "full"
     flops_per_token = train_flops_per_token(model.config, cfg.data.max_seq_len, method)
+    head_flops = head_flops_per_token(model.config, method)  # per loss token: the head runs on those rows only
 
     def eval_record(step: int, tag: str) -> dict | None:
         if eval_loader is None:
@@ -418,7 +421,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         rec = {"kind": "train", "step": rb.step, "loss": loss_val, "lr": rb.lr, "grad_norm": gnorm,
                "loss_tokens": n_loss, "tokens_per_s": n_loss / dt, "step_s": dt}
         if peak:
-            rec["mfu"] = flops_per_token * rb.computed / dt / (peak * 1e12)
+            flops = (flops_per_token - head_flops) * rb.computed + head_flops * rb.own_loss
+            rec["mfu"] = flops / dt / (peak * 1e12)
         if graphs is not None and len(graphs.captured()) != pool_seen[0]:  # the pools change only at a capture
             pool_seen[:] = [len(graphs.captured()), private_pool_bytes(device)]
         mem = memory_gib(device, pool_seen[1])  # with graphs: at least what a replay holds (metrics.memory_gib)
@@ -470,7 +474,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
                 # ranks, read with this step's metrics (pipelined) or below, after on_step (every step read)
                 flag = dp.all_reduce_flag(stop.signum is not None) if pipelined else 0
                 rb = StepReadback([loss, gnorm, n_loss, flag], device, started=started, after=after)
-                pending, after = _Pending(step + 1, lr, rb, sum(b.input_ids.numel() for b in micro)), rb
+                pending, after = _Pending(step + 1, lr, rb, sum(b.input_ids.numel() for b in micro),
+                                         sum(b.num_loss_tokens for b in micro)), rb
                 eval_due = bool(cfg.eval.every) and (step + 1) % cfg.eval.every == 0 and step + 1 < total
                 save_due = bool(cfg.train.save_every) and (step + 1) % cfg.train.save_every == 0
                 if not pipelined or eval_due or save_due or step + 1 == total:
