@@ -47,11 +47,12 @@ def test_files_and_formats_are_logged_once(tokenizer, tmp_path, caplog):
     assert len(info) == 1 and "2 files (" in info[0] and "a.jsonl: alpaca" in info[0], info
     assert "b.jsonl: mixed: 1 text, 1 chat" in info[0], info
     warned = messages(caplog, logging.WARNING)
-    assert len(warned) == 1 and "b.jsonl mixes record formats" in warned[0], warned
+    assert len(warned) == 1 and "b.jsonl mixes record formats (1 text, 1 chat)" in warned[0], warned
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="chronicals.data"):  # from the cache: the same line
+    with caplog.at_level(logging.INFO, logger="chronicals.data"):  # from the cache: the same line and warning
         load_dataset(d, tokenizer, max_seq_len=64, cache_dir=tmp_path / "cache")
     assert [m for m in messages(caplog) if m.startswith("data: the dataset: ")] == info
+    assert messages(caplog, logging.WARNING) == warned  # a cache hit said nothing
 
 
 def test_empty_targets_are_counted_and_warned(tokenizer, tmp_path, caplog):

@@ -150,6 +150,7 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
                 if ds.summary:
                     log.info("data: %s", ds.summary)
                 _note_alpaca_prompt(ds.file_formats, tokenizer, name)
+                _warn_mixed(files, ds.file_formats, names["format"])
                 _finish(ds.stats, on_error, max_seq_len, names, files, name)
                 _warn_unclosed(ds.stats, tokenizer, names, files, name)  # from the entry's stats: every run says it
                 _warn_across(ds.stats, files, name)
@@ -215,11 +216,19 @@ def _file_formats(files, counts: list[int], fmts: list, format_name: str = "form
         at += n
         desc = next(iter(c)) if len(c) == 1 else "mixed: " + ", ".join(f"{n} {k}" for k, n in c.most_common())
         desc = desc if c else "not read (stopped at a bad record before it)" if unread else "no readable records"
-        if len(c) > 1:
-            log.warning("data: %s mixes record formats (%s); each record is read in the format its fields say: "
-                        "check that is intended (%s=FORMAT insists on one)", f, desc, format_name)
         out.append(desc)
+    _warn_mixed(files, out, format_name)
     return out
+
+
+def _warn_mixed(files, descs: list[str], format_name: str) -> None:
+    """A file whose records have different formats (``descs``: _file_formats'), said on every load (a cache hit
+    said nothing)."""
+    for f, desc in zip(files, descs):
+        if desc.startswith("mixed: "):
+            log.warning("data: %s mixes record formats (%s); each record is read in the format its fields say: "
+                        "check that is intended (%s=FORMAT insists on one)", f, desc.removeprefix("mixed: "),
+                        format_name)
 
 
 def _summary_line(name: str, files, counts: list[int], descs: list[str], format: str) -> str:
