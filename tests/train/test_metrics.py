@@ -50,3 +50,22 @@ def test_peak_probe_leaves_the_cuda_rng_alone():
 
 def test_peak_is_none_off_cuda():
     assert matmul_peak_tflops(torch.device("cpu")) is None
+
+
+def test_the_grad_norm_of_bf16_gradients_is_fp32():
+    """clip_grad_norm_ gave the norm in the gradients' dtype: 20.125 for a bf16 norm of 20.1425. Ours: the fp32
+    norm of the same gradients, clipped by it as torch clips."""
+    from chronicals.train.step import clip_grad_norm
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16)) for n in (1000, 7, 333)]
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=g) * 0.37).bfloat16()
+    want = torch.linalg.vector_norm(torch.cat([p.grad.double() for p in params]))
+    grads = [p.grad.clone() for p in params]
+    total = clip_grad_norm(params, float("inf"))
+    assert total.dtype == torch.float32 and abs(total.item() / want.item() - 1) < 1e-6
+    assert all(torch.equal(p.grad, g0) for p, g0 in zip(params, grads))  # not clipped
+    clip_grad_norm(params, 1.0)
+    torch.testing.assert_close(torch.linalg.vector_norm(torch.cat([p.grad.float() for p in params])),
+                               torch.tensor(1.0), rtol=1e-2, atol=0)  # bf16 gradients, scaled to norm 1

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from ..ops.attention import VARLEN_KERNELS
+from ..train.step import grad_norm_fp32
 
 LORA_R, LORA_ALPHA, LORA_PLUS_RATIO = 32, 64, 16
 LR_FULL, LR_LORA = 1e-5, 1e-4
@@ -81,11 +82,9 @@ def synchronize(device: torch.device) -> None:
 
 
 def grad_norm(params) -> torch.Tensor:
-    """L2 norm over the gradients of ``params`` (fp32 scalar tensor; no host sync)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.tensor(0.0)
-    return torch.nn.utils.get_total_norm(grads, norm_type=2.0).float()
+    """L2 norm over the gradients of ``params``, computed and kept in fp32 for every contender alike (torch's
+    get_total_norm rounds a bf16 run's norm to bf16: 3 significant digits); no host sync."""
+    return grad_norm_fp32(params)
 
 
 def make_optimizer(param_groups, device: torch.device, lr: float) -> torch.optim.Optimizer:

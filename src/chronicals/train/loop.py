@@ -49,7 +49,7 @@ from .guards import (check_cuda_graphs, check_data_paths, check_document_lengths
 from .resume import (apply_optimizer_settings, check_resume_adapter, check_same_adapter, optimizer_settings,
                      warn_data_changed, warn_loss_settings_changed)
 from .run_dir import _locked_out_dir, _metrics_log, _RanksMetrics
-from .step import accumulate_data_parallel, evaluate_loss
+from .step import accumulate_data_parallel, clip_grad_norm, evaluate_loss
 from .stream import _replan, _restore_position, _step_plan, _Stream
 
 log = logging.getLogger("chronicals.train")
@@ -457,7 +457,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
                 micro = stream.take(last_batches if step == total - 1 else cfg.train.grad_accum)
                 # n_loss: all ranks' loss tokens, a host int (one process) or a device scalar (data parallel)
                 loss, n_loss = accumulate_data_parallel(model, micro, device, dp, trainable, graphs, reducer)
-                gnorm = torch.nn.utils.clip_grad_norm_(trainable, clip)
+                gnorm = clip_grad_norm(trainable, clip)
                 if pending is not None:  # the previous step, read now that this one is queued behind it
                     finish(pending)
                     pending = None

@@ -100,6 +100,29 @@ def accumulate_data_parallel(model, micro_batches: list, device: torch.device, d
 
 
 @torch.no_grad()
+def clip_grad_norm(params: list, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ with the total norm in fp32: torch's is in the gradients' dtype, so a bf16
+    run logged 20.125 where the norm was 20.1425 (3 significant digits; its clip coefficient rounded alike). The
+    same per-tensor foreach norms (accumulated in fp32, kept in fp32), then torch's clip_grads_with_norm_.
+    Returns the norm before clipping, a 0-d fp32 tensor on the first gradient's device; no host sync."""
+    total = grad_norm_fp32(params)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)  # no gradient: nothing to do
+    return total
+
+
+def grad_norm_fp32(params) -> torch.Tensor:
+    """The L2 norm over the gradients of ``params``, a 0-d fp32 tensor on the first gradient's device (0 on the CPU
+    when none has one): per-tensor foreach norms accumulated and kept in fp32. No host sync."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    groups: dict = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    norms = [n for gs in groups.values() for n in torch._foreach_norm(gs, 2, dtype=torch.float32)]
+    return torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]))
+
+
 def evaluate_loss(model, batches, device: torch.device) -> tuple[float, int]:
     """Mean cross-entropy per loss token over ``batches`` (sum of sums / total count), and the count."""
     total, n = torch.zeros((), dtype=torch.float64, device=device), 0
