@@ -620,7 +620,7 @@ def test_cuda_graphs_true_where_they_cannot_run_is_refused_before_loading(tmp_pa
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_a_passed_model_needs_a_tokenizer_and_its_adapters_must_fit_the_config(tmp_path, docs):
+def test_a_passed_model_needs_a_tokenizer_and_its_adapters_must_fit_the_config(tmp_path, docs, caplog):
     """train(cfg, model=m) without a tokenizer said 'needs a fast tokenizer; got NoneType' after it had injected
     LoRA into m; a retry with another rank then trained the first rank's adapters without a word. The tokenizer is
     asked for before anything changes, and adapters that do not fit lora.* are refused naming the keys."""
@@ -643,3 +643,9 @@ def test_a_passed_model_needs_a_tokenizer_and_its_adapters_must_fit_the_config(t
     res = train(tiny_config(tmp_path, lora__rank=4, lora__alpha=8, lora__targets=["q_proj", "v_proj"], **over),
                 model=model, train_loader=SyntheticLoader(docs))
     assert res.step == 1 and res.status == "completed"
+    # lora.* left at the defaults (a loaded PEFT adapter trained on): the adapters' own settings, named in a warning
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        res = train(tiny_config(tmp_path / "b", **over), model=model, train_loader=SyntheticLoader(docs))
+    assert res.status == "completed" and model.lora_config.r == 4
+    assert "has its own LoRA adapters, trained as they are: lora.rank=16 (the adapters': 4); lora.alpha=32.0 (the " \
+           "adapters': 8.0); lora.targets=" in caplog.text

@@ -106,8 +106,9 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
     ``config``: a TrainConfig, a nested dict of sections, or a YAML path.
     ``report(event, **info)`` (optional) receives "before" / "after" evaluation events (the demo prints them).
     A passed ``model`` is trained in place and stays as training left it: moved to model.device / model.dtype,
-    with ``lora.enabled`` its LoRA adapters injected (a model that already has them keeps them; lora.rank, alpha,
-    dropout, rslora and targets must then be theirs, else a ConfigError) and the rest frozen, in training mode.
+    with ``lora.enabled`` its LoRA adapters injected (a model that already has them keeps them: a lora.rank, alpha,
+    dropout, rslora or targets set away from its default must then be theirs, else a ConfigError; one left at its
+    default gives way to theirs, with a warning) and the rest frozen, in training mode.
     A passed model needs ``tokenizer`` too, unless ``train_loader`` gives the batches. ``merge_lora`` turns it back into plain linear layers.
     """
     if model is not None and tokenizer is None and train_loader is None:  # before anything is made or changed

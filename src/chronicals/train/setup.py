@@ -97,26 +97,37 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
 
 
 def _check_adapters_fit(model, cfg: TrainConfig) -> None:
-    """A model passed to train() with LoRA adapters keeps them; a config asking for other ones (another rank, a
-    retry after a failed run that had injected its own) trained the old ones without a word: a ConfigError."""
+    """A model passed to train() with LoRA adapters keeps them; a config asking for other ones trained the old ones
+    without a word (a retry with another rank after a failed run had injected its own). A lora.* value set away from
+    its default that differs from the adapters' is a ConfigError; one left at its default is named in a warning
+    (the adapters' own value is what trains: a loaded PEFT adapter is trained on without restating its settings)."""
+    from dataclasses import asdict
+
+    from ..config import LoraSection
     from ..lora.inject import name_matches
 
-    rec, lo = model.lora_config, cfg.lora
-    said = [f"lora.{key}={ours} (the adapters': {theirs})" for key, theirs, ours in
-            (("rank", rec.r, lo.rank), ("alpha", float(rec.alpha), float(lo.alpha)),
-             ("dropout", float(rec.dropout), float(lo.dropout)), ("rslora", bool(rec.use_rslora), lo.rslora))
-            if theirs != ours]
+    rec, lo, default = model.lora_config, cfg.lora, asdict(LoraSection())
     names, targets = list(rec.lora_modules), tuple(lo.targets)
-    if not all(name_matches(n, targets) for n in names) or \
-            not all(any(name_matches(n, (t,)) for n in names) for t in targets):
-        on = sorted({n.rpartition(".")[2] for n in names})
-        said.append(f"lora.targets={list(targets)} (the adapters are on {on})")
+    same_targets = all(name_matches(n, targets) for n in names) and \
+        all(any(name_matches(n, (t,)) for n in names) for t in targets)
+    on = sorted({n.rpartition(".")[2] for n in names})
+    differ = [(key, f"lora.{key}={ours} (the adapters': {theirs})") for key, theirs, ours in
+              (("rank", rec.r, lo.rank), ("alpha", float(rec.alpha), float(lo.alpha)),
+               ("dropout", float(rec.dropout), float(lo.dropout)), ("rslora", bool(rec.use_rslora), lo.rslora))
+              if theirs != ours]
+    if not same_targets:
+        differ.append(("targets", f"lora.targets={list(targets)} (the adapters are on {on})"))
+    said = [text for key, text in differ if getattr(lo, key) != default[key]]
     if said:
         raise ConfigError(f"the model passed to train() already has LoRA adapters (model.lora_config), which it "
                           f"trains as they are, but the config asks for others: {'; '.join(said)}. Set those keys to "
                           "the adapters' values to train these adapters, or pass a model without adapters "
                           "(chronicals.lora.merge_lora(model), or a fresh load_model) for new ones",
                           said[0].split("=", 1)[0])
+    if differ:
+        log.warning("the model passed to train() has its own LoRA adapters, trained as they are: %s (left at their "
+                    "defaults in the config); set them to the adapters' values to silence this",
+                    "; ".join(text for _, text in differ))
 
 
 def load_base(cfg: TrainConfig, device: torch.device, dtype: torch.dtype):
