@@ -246,3 +246,18 @@ def test_export_of_an_adapter_on_a_partial_rope_gguf_says_what_works(tmp_path, c
     assert "Traceback" not in err and "rotates 8 of its head_dim=16" in err
     assert "--adapter" in err.split("rotates", 1)[1], err  # the way on: the adapter with chat/eval --adapter
     assert not (tmp_path / "merged").exists()
+
+
+def test_convert_gguf_refuses_a_folder_with_other_files_before_writing(tmp_path):
+    """convert_gguf(gguf, out_dir) replaced an existing out_dir whatever it held: a folder of notes, or the folder
+    holding the .gguf itself, was emptied without a word. Now as save_model: refused, naming the files, nothing
+    written; a previous conversion (a model's files only) is still replaced."""
+    cfg = _hf_cfg("llama", 16, 16)
+    path = tmp_path / "m.gguf"
+    _write(path, "llama", cfg, 16, _random_stored(cfg))
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"holds files this save would delete \(.*m\.gguf.*notes\.txt"):
+        gguf_io.convert_gguf(path, tmp_path)
+    assert path.is_file() and (tmp_path / "notes.txt").read_text() == "mine"
+    out = gguf_io.convert_gguf(path, tmp_path / "hf")
+    assert gguf_io.convert_gguf(path, out) == out and (out / "config.json").is_file()  # its own files: replaced

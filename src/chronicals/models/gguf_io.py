@@ -38,7 +38,7 @@ from .decoder import CausalLM
 from .gguf_cache import CACHE_ENTRY, TOKENIZER_ERROR, cached_conversion, tokenizer_error_json
 from .gguf_cache import cache_root, tokenizer_error  # noqa: F401 (re-exported: train.setup and models.loading)
 from .gguf_tokenizer import convert_tokenizer
-from .hf_io import atomic_dir, expected_names, write_state_dict
+from .hf_io import MODEL_DIR_FILES, atomic_dir, expected_names, write_state_dict
 
 # GGUF architecture -> (HF model_type, Q/K rows permuted by llama.cpp's converter)
 SUPPORTED_GGUF_ARCHS = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
@@ -292,6 +292,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = 
                  cache_entry: dict | None = None) -> Path:
     """Write the HF directory of a GGUF file to ``out_dir`` atomically.
 
+    An existing ``out_dir`` is replaced only when it holds nothing but a model's files (as save_model's): any other
+    entry, the .gguf itself included, is a FileExistsError naming it, raised before anything is written.
     replace=False raises FileExistsError when ``out_dir`` appeared meanwhile (another process won).
     cache_entry: the conversion cache's record of the entry, written as ``gguf_cache_entry.json``.
     A change to what it writes bumps ``gguf_cache.CONVERTER_VERSION`` (the cache's entries of it go stale).
@@ -320,7 +322,10 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = 
         sd.pop("lm_head.weight", None)
     _check_tensors(sd, cfg, source)  # here, naming the .gguf: the cached directory's error would name the cache
     has_tokenizer = "tokenizer.ggml.model" in reader.fields
-    with atomic_dir(out_dir, replace=replace) as tmp:
+    # an existing out_dir is replaced only when it holds nothing but what a conversion writes (it was emptied, the
+    # .gguf itself too when it lay there): refuse_foreign_files, checked before anything is written
+    owned = MODEL_DIR_FILES + (CACHE_ENTRY, TOKENIZER_ERROR) if replace else None
+    with atomic_dir(out_dir, replace=replace, owned=owned) as tmp:
         write_state_dict(sd, tmp)
         hf = cfg.to_hf_dict()
         hf["dtype"] = "float32"
