@@ -386,6 +386,17 @@ def test_the_checkpoints_folder_or_a_checkpoint_as_model_say_what_to_pass(run, c
                                                 r"adapter: .*chronicals.train.apply_checkpoint_adapter\(model, path\)"):
         load_adapter(base, run / "checkpoints" / "step-000002")
     assert apply_checkpoint_adapter(base, run / "checkpoints" / "step-000002").lora_config.r == 4
+    # and the other way round: the run, its checkpoints/ or its adapter/ where a checkpoint goes (was a bare
+    # "[Errno 2] No such file or directory: '.../state.pt'")
+    from chronicals.train import load_checkpoint_model
+
+    for where, said in ((run, f"it holds a run's checkpoints: pass one, e.g. {run / 'checkpoints' / 'step-000002'}"),
+                        (run / "checkpoints", "it holds a run's checkpoints: pass one"),
+                        (run / "adapter", "it is a PEFT adapter: chronicals.lora.load_adapter(model, path)"),
+                        (run / "nope", "no such directory")):
+        with pytest.raises(FileNotFoundError, match="not a training checkpoint") as e:
+            load_checkpoint_model(where)
+        assert said in str(e.value), str(e.value)
 
 
 def test_no_merge_writes_the_steps_adapter_that_peft_loads(run, tiny_base, tmp_path, capsys):

@@ -62,8 +62,24 @@ def read_run_checkpoint(path: str | Path) -> CheckpointAdapter:
     it carries no config or a tensor that is not floating point. Read once per file version (chat or export ask for
     the base first, then the tensors), memory-mapped: the optimizer's moments in the same file are never paged in."""
     file = Path(path).expanduser().resolve() / STATE_FILE
+    if not file.is_file():  # was a bare "[Errno 2] No such file or directory: '.../state.pt'"
+        raise FileNotFoundError(_not_a_checkpoint(Path(path).expanduser()))
     st = file.stat()
     return _read(file, (st.st_mtime_ns, st.st_size, st.st_ino))
+
+
+def _not_a_checkpoint(p: Path) -> str:
+    """Why ``p`` is no run checkpoint (runs/x/checkpoints/step-N holding state.pt), and what to pass instead."""
+    what = f"{p}: not a training checkpoint (a run's checkpoints/step-N directory, holding {STATE_FILE})"
+    holder = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    steps = sorted(holder.glob(f"step-*/{STATE_FILE}")) if p.is_dir() else []
+    if steps:
+        return f"{what}; it holds a run's checkpoints: pass one, e.g. {steps[-1].parent}"
+    if (p / "adapter_config.json").is_file():
+        return f"{what}; it is a PEFT adapter: chronicals.lora.load_adapter(model, path) puts it on its base"
+    if (p / "config.json").is_file():
+        return f"{what}; it is a model directory: chronicals.load_model(path) loads it"
+    return what + ("" if p.exists() else "; no such directory")
 
 
 def read_lora_checkpoint(path: str | Path) -> CheckpointAdapter:
