@@ -139,7 +139,7 @@ def test_our_tied_adapter_with_both_modules_stays_tied(tmp_path):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_a_failed_load_leaves_the_model_as_it_was(tmp_path, ids, tied):
+def test_a_failed_load_leaves_the_model_as_it_was(tmp_path, ids, tied, caplog):
     """An adapter refused by the key or shape check (a file of another model) left LoRA applied, the base frozen, a
     tied lm_head untied, and the tensors copied before the bad one in place: the final norm's base weight overwritten. A
     second load_adapter then said 'call merge_lora(model) first', which merged the half-loaded adapter into W. Now the
@@ -169,8 +169,10 @@ def test_a_failed_load_leaves_the_model_as_it_was(tmp_path, ids, tied):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         want = model(ids)
-    with pytest.raises(ValueError, match=r"lm_head.weight has shape \(5, 32\)"):
+    with caplog.at_level("WARNING", logger="chronicals.lora"), \
+            pytest.raises(ValueError, match=r"lm_head.weight has shape \(5, 32\)"):
         load_adapter(model, tmp_path / "bad")
+    assert "untied" not in caplog.text  # said 'untied them as PEFT does' of the untying it then undid
     assert getattr(model, "lora_config", None) is None and not any(isinstance(m, LoRALinear) for m in model.modules())
     assert all(p.requires_grad for p in model.parameters())
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied == model.config.tie_word_embeddings
@@ -181,6 +183,14 @@ def test_a_failed_load_leaves_the_model_as_it_was(tmp_path, ids, tied):
     load_adapter(model, tmp_path / "good")
     with torch.no_grad():
         torch.testing.assert_close(model(ids), want_adapted, rtol=1e-5, atol=1e-5)
+    if tied:  # an accepted file that holds lm_head alone: untied, and said
+        tensors = load_file(tmp_path / "good" / "adapter_model.safetensors")
+        del tensors["base_model.model.model.embed_tokens.weight"]
+        save_file(tensors, tmp_path / "good" / "adapter_model.safetensors")
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="chronicals.lora"):
+            load_adapter(tiny_model(tied=tied), tmp_path / "good")
+        assert "but not its tied partner(s) ['model.embed_tokens']; untied them as PEFT does" in caplog.text
 
 
 def test_all_linear_as_a_string_is_peft_shorthand_in_a_file_and_in_apply_lora(tmp_path, ids):

@@ -173,15 +173,16 @@ def read_adapter_config(adapter_dir) -> dict:
     return cfg
 
 
-def _untie_if_partial(model: nn.Module, rec: LoraRecord, keys: set[str]) -> None:
+def _untie_if_partial(model: nn.Module, rec: LoraRecord, keys: set[str]) -> str | None:
     """PEFT saved only one of two tied modules (e.g. lm_head): it trained a private copy of that module.
-    Do the same: give the saved module its own Parameter, leave the partner on the frozen base tensor."""
+    Do the same: give the saved module its own Parameter, leave the partner on the frozen base tensor. Returns
+    the warning to give once the file is accepted (a refused one is undone: its warning would be wrong)."""
     in_file = [n for n in rec.saved_modules if any(k.startswith(f"{PREFIX}{n}.") for k in keys)]
     shared = {id(p) for n in in_file for p in model.get_submodule(n).parameters(recurse=False)}
     absent = [n for n in rec.saved_modules if n not in in_file
               and any(id(p) in shared for p in model.get_submodule(n).parameters(recurse=False))]
     if not absent:
-        return  # nothing tied is half-saved (a module missing for another reason fails the key check)
+        return None  # nothing tied is half-saved (a module missing for another reason fails the key check)
     present = [n for n in rec.saved_modules if n not in absent]
     for name in absent:
         for p in model.get_submodule(name).parameters(recurse=False):
@@ -193,15 +194,15 @@ def _untie_if_partial(model: nn.Module, rec: LoraRecord, keys: set[str]) -> None
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         model.config.tie_word_embeddings = False
     rec.saved_modules = present
-    log.warning("load_adapter: the adapter trains %s but not its tied partner(s) %s; untied them as PEFT does",
-                present, absent)
+    return f"load_adapter: the adapter trains {present} but not its tied partner(s) {absent}; untied them as PEFT does"
 
 
-def _untie_if_different(model: nn.Module, rec: LoraRecord, tensors: dict[str, torch.Tensor]) -> None:
+def _untie_if_different(model: nn.Module, rec: LoraRecord, tensors: dict[str, torch.Tensor]) -> str | None:
     """PEFT trains a private copy of each module of modules_to_save, tied or not: a file holding both tied
     partners (lm_head and embed_tokens) with different values trained two tensors. Loaded into the one shared
     Parameter, the last key read won and the other module ran with its partner's values (logits far from
-    PEFT's). Give each its own Parameter then; equal values (save_adapter's) stay tied."""
+    PEFT's). Give each its own Parameter then; equal values (save_adapter's) stay tied. Returns the warning, as
+    _untie_if_partial."""
     owners: dict[int, list[tuple[str, str]]] = {}  # id(shared Parameter) -> [(module, parameter name)]
     for name in rec.saved_modules:
         for pname, p in model.get_submodule(name).named_parameters(recurse=False):
@@ -217,11 +218,10 @@ def _untie_if_different(model: nn.Module, rec: LoraRecord, tensors: dict[str, to
             setattr(mod, pname, nn.Parameter(getattr(mod, pname).detach().clone(), requires_grad=True))
         untied += [n for n, _ in group]
     if not untied:
-        return
+        return None
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         model.config.tie_word_embeddings = False
-    log.warning("load_adapter: the adapter trains tied modules %s with different values; untied them as PEFT "
-                "does", untied)
+    return f"load_adapter: the adapter trains tied modules {untied} with different values; untied them as PEFT does"
 
 
 def _peft_modules_to_save(model: nn.Module, entries) -> tuple[str, ...]:
@@ -294,8 +294,7 @@ def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
 
 def _fill(model: nn.Module, rec: LoraRecord, tensors: dict[str, torch.Tensor], wpath: Path) -> None:
     """Untie as PEFT does, check every key and shape, then copy: nothing is written unless all of them fit."""
-    _untie_if_partial(model, rec, set(tensors))
-    _untie_if_different(model, rec, tensors)
+    said = [_untie_if_partial(model, rec, set(tensors)), _untie_if_different(model, rec, tensors)]
     expected = {}
     for name, mod in lora_modules(model):
         expected[f"{PREFIX}{name}.lora_A.weight"] = mod.lora_A.weight
@@ -311,6 +310,8 @@ def _fill(model: nn.Module, rec: LoraRecord, tensors: dict[str, torch.Tensor], w
         if tensors[key].shape != p.shape:
             raise ValueError(f"load_adapter {wpath}: {key} has shape {tuple(tensors[key].shape)}, the model expects "
                              f"{tuple(p.shape)} (r={rec.r}); was it saved for a different model?")
+    for warning in filter(None, said):  # the file fits: the untying stays
+        log.warning("%s", warning)
     with torch.no_grad():
         for key, p in expected.items():
             p.copy_(tensors[key])
