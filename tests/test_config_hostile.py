@@ -200,3 +200,26 @@ def test_a_row_past_the_token_bound_exits_2_before_any_model_loads(override, key
     assert main(["train", override]) == 2
     err = capsys.readouterr().err
     assert f"config {key}=" in err and f"{MAX_ROW_TOKENS}]" in err and "Traceback" not in err, err
+
+
+def test_date_like_tagged_and_deep_values_are_config_errors_not_bare_or_internal(tmp_path, capsys):
+    """YAML 1.1 read 2024-02-30 as a date that does not exist ('day is out of range for month', naming no key), a
+    !!float tag on text raised a bare ValueError, and nesting past the recursion limit was an internal error (exit
+    4). Date-like text is text (a string key takes it as written); the rest names the file or the key."""
+    from chronicals.config import load_config
+
+    assert load_config(None, ["train.out_dir=2024-02-30"]).train.out_dir == "2024-02-30"
+    assert load_config(None, ["data.system_prompt=2024-13-01"]).data.system_prompt == "2024-13-01"
+    (tmp_path / "d.yaml").write_text("train:\n  out_dir: 2024-02-28\n")  # was a datetime.date, then refused
+    assert load_config(tmp_path / "d.yaml").train.out_dir == "2024-02-28"
+    with pytest.raises(ValueError, match=r"optim.lr='2024-01-01' is invalid: expected a number"):
+        load_config(None, ["optim.lr=2024-01-01"])
+    (tmp_path / "t.yaml").write_text("optim:\n  lr: !!float abc\n")
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 't.yaml'}: invalid YAML: a value cannot be read \(could "
+                                         r"not convert string to float: 'abc'\)"):
+        load_config(tmp_path / "t.yaml")
+    (tmp_path / "deep.yaml").write_text("optim:\n  lr: " + "[" * 2000 + "]" * 2000 + "\n")
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'deep.yaml'}: invalid YAML: nested too deeply"):
+        load_config(tmp_path / "deep.yaml")
+    assert main(["train", "optim.lr=" + "[" * 2000 + "]" * 2000]) == 2
+    assert "config optim.lr=" in capsys.readouterr().err

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import sys
 import types
 import typing
 from pathlib import Path
@@ -160,14 +161,33 @@ def _is_str_key(key: str) -> bool:
     return cls is not None and name in {f.name for f in dataclasses.fields(cls)} and _field_type(cls, name) is str
 
 
+class _ConfigLoader(yaml.SafeLoader):
+    """SafeLoader without YAML 1.1's timestamps: no key takes a date, and ``train.out_dir=2024-02-30`` failed as
+    'day is out of range for month' naming no key, where 2024-02-28 was read as a date object. Such text stays a
+    string: a string key takes it as written, any other key's type check names itself."""
+
+
+_ConfigLoader.yaml_implicit_resolvers = {  # a copy per first character: SafeLoader's own stay as they are
+    ch: [(tag, rx) for tag, rx in rs if tag != "tag:yaml.org,2002:timestamp"]
+    for ch, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+# what else pyyaml raises on text it parsed: a tag its constructor refuses (!!float abc: ValueError, !!binary: a
+# binascii error, a ValueError too), and nesting deeper than the recursion limit (RecursionError, was exit 4)
+_YAML_VALUE_ERRORS = (ValueError, RecursionError)
+
+
+def _load_yaml(text: str):
+    return yaml.load(text, Loader=_ConfigLoader)
+
+
 def _override_value(key: str, text: str):
     """A command-line value: a string key takes the text as written (YAML reads yes as True, 0x10 as 16 and cuts
     'You are #1' at the '#'), less its quotes when quoted, '' for null (``~`` is the home directory there, as a
     path); any other key the text's YAML value, or the
     text itself when it is no YAML (``optim.lr=[1``), which the key's type check then refuses."""
     try:
-        value = yaml.safe_load(text) if text else ""
-    except yaml.YAMLError:
+        value = _load_yaml(text) if text else ""
+    except (yaml.YAMLError, *_YAML_VALUE_ERRORS):
         return text
     quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
     if _is_str_key(key) and (value is not None or text == "~") and not quoted:
@@ -239,7 +259,7 @@ def _key_lines(text: str, source, plain: dict[str, str] | None = None) -> dict[s
                               "keep one of them", name)
         lines[name] = line
 
-    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    root = yaml.compose(text, Loader=_ConfigLoader)
     if not isinstance(root, yaml.MappingNode):
         return lines
     for sec, body in root.value:
@@ -308,12 +328,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
             raise ValueError(f"{p}:{line}:{col}: not UTF-8 (byte 0x{raw[e.start]:02x}); "
                              "save the file as UTF-8") from None
         try:
-            d = yaml.safe_load(text) or {}
+            d = _load_yaml(text) or {}
             lines = _key_lines(text, p, plain := {})
         except yaml.YAMLError as e:
             raise ValueError(_yaml_error(p, e, text)) from None
         except ConfigError as e:  # a duplicate key: the message already names the file and both lines
             raise ValueError(str(e)) from None
+        except RecursionError:
+            raise ValueError(f"{p}: invalid YAML: nested too deeply (more than Python's recursion limit of "
+                             f"{sys.getrecursionlimit()} levels); a config is sections of keys") from None
+        except ValueError as e:  # a tag pyyaml cannot construct: !!float abc
+            raise ValueError(f"{p}: invalid YAML: a value cannot be read ({e}); check its explicit tag "
+                             "(!!float, !!int, ...), or remove the tag") from None
         if not isinstance(d, dict):
             raise ValueError(f"{p}: expected a mapping of sections (model, data, lora, ...), got {type(d).__name__}")
         if not d:  # an empty or comment-only file is valid YAML, but likely not what was meant
