@@ -240,3 +240,23 @@ def test_a_modules_to_save_entry_matching_nothing_is_left_out_as_peft_does(tmp_p
     save_file({**load_file(str(weights)), "base_model.model.score.weight": torch.zeros(2, 32)}, str(weights))
     with pytest.raises(ValueError, match=r"unexpected keys \['base_model.model.score.weight'\]"):
         load_adapter(tiny_model(), tmp_path / "a")
+
+
+def test_an_adapter_file_with_nan_or_integer_tensors_is_refused(tmp_path):
+    """A lora_A full of NaN loaded without a word (chat answered '', export wrote a NaN model, exit 0); an integer
+    tensor was refused by dtype. Both name the file and the tensor; the model is left as it was."""
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_model()
+    apply_lora(src, r=2, alpha=4, target_modules=["q_proj"])
+    save_adapter(src, tmp_path / "a")
+    wpath = tmp_path / "a" / "adapter_model.safetensors"
+    good = load_file(wpath)
+    key = next(k for k in good if "lora_A" in k)
+    for bad, said in ((good[key] * float("nan"), rf"tensor {key} holds {good[key].numel()} NaN or infinite value"),
+                      (good[key].to(torch.int32), rf"tensor {key} is stored as torch.int32, not as floating point")):
+        save_file({**good, key: bad}, wpath)
+        model = tiny_model()
+        with pytest.raises(ValueError, match=rf"^{wpath}: {said}"):
+            load_adapter(model, tmp_path / "a")
+        assert getattr(model, "lora_config", None) is None

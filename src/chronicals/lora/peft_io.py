@@ -272,6 +272,11 @@ def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
         if not t.is_floating_point():
             raise ValueError(f"{wpath}: tensor {key} is stored as {t.dtype}, not as floating point; save the "
                              "adapter again (a quantized adapter must be dequantized with PEFT first)")
+        if not bool(torch.isfinite(t).all()):  # chat answered '' and export wrote a model of NaN, all with exit 0
+            bad = int((~torch.isfinite(t)).sum())
+            raise ValueError(f"{wpath}: tensor {key} holds {bad} NaN or infinite value(s) of {t.numel()}; the "
+                             "adapter is damaged (saved from a run that diverged?): use an earlier checkpoint of "
+                             "its run, or train it again")
     targets = cfg["target_modules"]
     undo = _Undo(model)
     try:  # apply_lora's errors are about adapter_config.json's values: name the file
