@@ -261,3 +261,27 @@ def test_convert_gguf_refuses_a_folder_with_other_files_before_writing(tmp_path)
     assert path.is_file() and (tmp_path / "notes.txt").read_text() == "mine"
     out = gguf_io.convert_gguf(path, tmp_path / "hf")
     assert gguf_io.convert_gguf(path, out) == out and (out / "config.json").is_file()  # its own files: replaced
+
+
+def test_a_gguf_without_its_suffix_loads_and_other_files_say_what_a_model_is(tmp_path):
+    """A .gguf saved without its suffix was told 'for a file inside a directory pass the directory', which then
+    failed too; it is read by its magic bytes now. A model directory's config.json points to its directory."""
+    import shutil
+
+    cfg = _hf_cfg("llama", 16, 16)
+    path = tmp_path / "m.gguf"
+    _write(path, "llama", cfg, 16, _random_stored(cfg))
+    bare = tmp_path / "model-q8"
+    shutil.copyfile(path, bare)
+    a, _ = chronicals.load_model(path, tokenizer=False, impl="torch")
+    b, _ = chronicals.load_model(bare, tokenizer=False, impl="torch")
+    ids = torch.randint(0, cfg["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(a.eval()(ids), b.eval()(ids))
+    hf = gguf_io.convert_gguf(path, tmp_path / "hf")
+    with pytest.raises(ValueError, match=rf"a model is a Hugging Face directory or a \.gguf file; for a file of a "
+                                         rf"model directory pass the directory \({hf}\)"):
+        chronicals.load_model(hf / "config.json", tokenizer=False)
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match=r"this file is neither \(it does not start with GGUF's magic bytes\)"):
+        chronicals.load_model(tmp_path / "notes.txt", tokenizer=False)

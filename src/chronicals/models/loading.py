@@ -75,10 +75,25 @@ def resolve_path(path: str | os.PathLike) -> Path:
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such file or directory (expected a Hugging Face model directory, a .gguf "
                                 f"file, or a short name: {', '.join(SHORT_NAMES)})")
-    if p.is_file() and p.suffix.lower() != ".gguf":
-        raise ValueError(f"{p}: a model is a Hugging Face directory or a .gguf file; for a file inside a "
-                         f"directory pass the directory ({p.parent})")
+    if p.is_file() and p.suffix.lower() != ".gguf" and not _gguf_magic(p):  # a GGUF named otherwise is read
+        fix = (f"for a file of a model directory pass the directory ({p.parent})" if p.name in _MODEL_DIR_NAMES or
+               p.suffix.lower() in (".safetensors", ".json") else "this file is neither (it does not start with "
+               "GGUF's magic bytes)")
+        raise ValueError(f"{p}: a model is a Hugging Face directory or a .gguf file; {fix}")
     return p
+
+
+# files of an HF model directory that a user may pass in its place
+_MODEL_DIR_NAMES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def _gguf_magic(p: Path) -> bool:
+    """Whether file ``p`` starts with GGUF's magic bytes (a download saved without its .gguf suffix)."""
+    try:
+        with open(p, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def hf_dir(path: str | os.PathLike) -> Path:
