@@ -99,6 +99,9 @@ def cmd_eval(argv: list[str]) -> int:
                            system_prompt=d.system_prompt if a.system_prompt is None else a.system_prompt)
     except ConfigError as err:  # "config data.max_seq_len=... is invalid": here that key is a flag
         p.error(_as_flags(str(err).removeprefix("config ")))
+    from .train.qa import warn_demo_shadows
+
+    warn_demo_shadows(a.data, "DATA")
     if a.data != DEMO and not Path(a.data).expanduser().exists():  # before the model loads
         where = where_read(Path(a.data).expanduser())
         raise FileNotFoundError(f"{a.data}: no such file or directory{where}{glob_hint(a.data)}; give the data file "

@@ -130,3 +130,16 @@ def test_keywords_match_by_unicode_case_folding():
 
     assert qa._fold("Straße") in qa._fold("IN DER STRASSE")
     assert qa._fold("Café") in qa._fold("CAFE\u0301 au lait")  # composed and decomposed accents alike
+
+
+def test_demo_beside_a_local_demo_folder_says_which_one_is_read(tmp_path, monkeypatch, caplog):
+    """'demo' is the packaged demo data even where ./demo exists (the user's folder was left unread silently)."""
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        qa_mod.warn_demo_shadows("demo", "data.path")
+        assert not caplog.text
+        (tmp_path / "demo").mkdir()
+        qa_mod.warn_demo_shadows("demo", "data.path")
+        qa_mod.warn_demo_shadows("./demo", "data.path")
+    assert caplog.text.count("data.path=demo is chronicals' packaged demo data, not ./demo in this directory; to "
+                             "read that one, pass data.path=./demo") == 1

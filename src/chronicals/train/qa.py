@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import unicodedata
 from dataclasses import dataclass
 from importlib import resources
@@ -25,6 +26,8 @@ from ..data.readers import DataError, read_file, resolve_files
 from ..data.tokenize import TEMPLATE_DATE
 from ..models.generate import generate, greedy_rows, stop_ids
 from .guards import check_ids_in_vocab
+
+log = logging.getLogger("chronicals.train")
 
 
 @dataclass
@@ -43,6 +46,14 @@ def demo_file(name: str) -> Path:
     if not p.is_file():
         raise FileNotFoundError(f"packaged demo data {p} is missing; reinstall chronicals (pip install -e .)")
     return p
+
+
+def warn_demo_shadows(value: str, name: str) -> None:
+    """``value`` (data.path, data.eval_path, eval's DATA) "demo" is the packaged demo data, also where the working
+    directory holds a "demo" file or folder of the user's own, which was then left unread without a word."""
+    if value == DEMO and Path(DEMO).exists():
+        log.warning("%s=demo is chronicals' packaged demo data, not ./demo in this directory; to read that one, "
+                    "pass %s=./demo", name, name)
 
 
 def read_qa(path: str | Path, on_error: str = "fail", on_error_name: str = "data.on_error") -> list[dict] | None:

@@ -164,6 +164,8 @@ def data_files(cfg: TrainConfig, out_dir: Path) -> tuple[list[Path], Path | None
     (qa.heldout_system_prompt), as records without one are rendered in training.
     """
     d = cfg.data
+    qa_mod.warn_demo_shadows(d.path, "data.path")
+    qa_mod.warn_demo_shadows(d.eval_path, "data.eval_path")
     if d.path == DEMO:
         recs = [json.loads(line) for line in qa_mod.demo_file("train.jsonl").read_text().splitlines() if line.strip()]
         train = [qa_mod.write_chat_jsonl(recs, _copy_path(out_dir, "train.jsonl"), d.system_prompt)]
