@@ -120,8 +120,8 @@ def read_adapter_config(adapter_dir) -> dict:
     if (adapter_dir / "adapter" / CONFIG_NAME).is_file():  # --adapter runs/demo: the run's adapter is in it
         missing += f"; {adapter_dir} holds one in its adapter folder: pass {adapter_dir / 'adapter'}"
     elif (adapter_dir / "config.json").is_file():  # --adapter of a merged or full fine-tuned model
-        missing = ("this is a model directory (config.json), not a LoRA adapter: pass it as --model (chat, eval), "
-                   "without --adapter; a model has nothing to export (merge)")
+        missing = ("this is a model directory (config.json), not a LoRA adapter: pass it as --model (chat, eval, export), "
+                   "without --adapter (export --model writes it out again; there is no adapter to merge)")
     elif steps := sorted(adapter_dir.glob("step-*/state.pt")):  # --adapter runs/x/checkpoints
         missing += (f"; {adapter_dir} holds a run's training checkpoints: pass one, e.g. {steps[-1].parent} (a LoRA "
                     "run's as --adapter, a full fine-tuning run's as --model; in Python, "
