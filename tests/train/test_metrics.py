@@ -69,3 +69,28 @@ def test_the_grad_norm_of_bf16_gradients_is_fp32():
     clip_grad_norm(params, 1.0)
     torch.testing.assert_close(torch.linalg.vector_norm(torch.cat([p.grad.float() for p in params])),
                                torch.tensor(1.0), rtol=1e-2, atol=0)  # bf16 gradients, scaled to norm 1
+
+
+def test_float64_gradients_keep_a_float64_norm():
+    """A model.dtype=float64 run crashed at its first step once the norm was taken in fp32 (foreach_norm refuses to
+    narrow float64); it is float64 there, and mixed lists take the wider dtype."""
+    from chronicals.train.step import clip_grad_norm
+
+    g = torch.Generator().manual_seed(1)
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=dt)) for n, dt in ((50, torch.float64), (9, torch.float32))]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+    want = torch.linalg.vector_norm(torch.cat([p.grad.double() for p in params]))
+    total = clip_grad_norm(params, float("inf"))
+    assert total.dtype == torch.float64 and abs(total.item() / want.item() - 1) < 1e-7  # the fp32 part in fp32
+    only = params[:1]
+    assert abs(clip_grad_norm(only, float("inf")).item() - torch.linalg.vector_norm(only[0].grad).item()) < 1e-12
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_float64_run_trains(tmp_path, docs, lora):
+    """model.dtype=float64 (the CPU reference runs) crashed at the first step on the fp32 grad norm."""
+    cfg = tiny_config(tmp_path, train__max_steps=2, model__dtype="float64", lora__enabled=lora, lora__rank=4)
+    res = train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs))
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert res.status == "completed" and all(r["grad_norm"] > 0 for r in recs if r["kind"] == "train")

@@ -111,16 +111,19 @@ def clip_grad_norm(params: list, max_norm: float) -> torch.Tensor:
 
 
 def grad_norm_fp32(params) -> torch.Tensor:
-    """The L2 norm over the gradients of ``params``, a 0-d fp32 tensor on the first gradient's device (0 on the CPU
-    when none has one): per-tensor foreach norms accumulated and kept in fp32. No host sync."""
+    """The L2 norm over the gradients of ``params``, a 0-d tensor on the first gradient's device (0 on the CPU when
+    none has one): per-tensor foreach norms accumulated and kept in fp32, or in float64 when a gradient is float64
+    (model.dtype=float64 reference runs: foreach_norm refuses to narrow them). No host sync."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
     groups: dict = {}
     for g in grads:
         groups.setdefault((g.device, g.dtype), []).append(g)
-    norms = [n for gs in groups.values() for n in torch._foreach_norm(gs, 2, dtype=torch.float32)]
-    return torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]))
+    wide = torch.float64 if any(dt == torch.float64 for _, dt in groups) else torch.float32
+    norms = [n for (_, dt), gs in groups.items()
+             for n in torch._foreach_norm(gs, 2, dtype=torch.float64 if dt == torch.float64 else torch.float32)]
+    return torch.linalg.vector_norm(torch.stack([n.to(grads[0].device, wide) for n in norms]))
 
 
 def evaluate_loss(model, batches, device: torch.device) -> tuple[float, int]:
