@@ -210,11 +210,11 @@ def test_the_data_messages_name_the_options_the_caller_passes(tiny_base, tmp_pat
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("short one", "word " * 60, "another short")))
     flags = {"max_seq_len": "--max-seq-len", "overlong": "--on-long", "on_error": "--on-error"}
     opts = DataSection(path=str(data), max_seq_len=16, on_long="drop", cache_dir="none")
-    for names, says in ((flags, "--on-long=drop"), (None, "data.on_long=drop")):
+    for names, says in ((flags, ("--max-seq-len", "--on-long=drop")), (None, ("data.max_seq_len", "data.on_long=drop"))):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="chronicals.data"):
             evaluate(model, tok, opts, CPU, option_names=names)
-        assert "1 longer than max_seq_len=16 (dropped, " + says in caplog.text, caplog.text
+        assert f"1 longer than {says[0]}=16 (dropped, {says[1]}" in caplog.text, caplog.text
     qa = tmp_path / "qa.jsonl"
     qa.write_text(json.dumps({"question": "a?", "answer": "b"}) + "\n{broken\n")
     with pytest.raises(DataError, match=r":2: .*\(--on-error=skip drops bad records"):

@@ -77,9 +77,12 @@ def test_empty_and_all_too_long(tokenizer, tmp_path):
     with pytest.raises(DataError, match="every example was dropped: 3 longer than max_seq_len=16 "
                                         r"\(raise max_seq_len or set overlong=truncate\)"):
         load(p, tokenizer, max_seq_len=16, overlong="drop")
-    with pytest.raises(DataError, match=r"\(raise data.max_seq_len or set data.on_long=truncate\)"):
+    with pytest.raises(DataError, match=r"3 longer than data.max_seq_len=16 \(raise data.max_seq_len or set "
+                                        r"data.on_long=truncate\)"):  # the option named as the caller calls it
         load(p, tokenizer, max_seq_len=16, overlong="drop",
              option_names={"max_seq_len": "data.max_seq_len", "overlong": "data.on_long"})
+    with pytest.raises(ValueError, match=r"^--max-seq-len=1; expected >= 2"):
+        load(p, tokenizer, max_seq_len=1, option_names={"max_seq_len": "--max-seq-len"})
     ds = load(p, tokenizer, max_seq_len=16, overlong="truncate")
     assert ds.stats.truncated == 3 and ds.lengths.tolist() == [16, 16, 16]
 

@@ -130,7 +130,7 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
         if value not in allowed:
             raise ValueError(f"{key}={value!r}; expected one of {allowed}")
     if max_seq_len < 2:
-        raise ValueError(f"max_seq_len={max_seq_len}; expected >= 2 (a document needs a token and a target)")
+        raise ValueError(f"{names['max_seq_len']}={max_seq_len}; expected >= 2 (a document needs a token and a target)")
     check_tokenizer(tokenizer)
     files = resolve_files(paths)
     # the cache key also holds a digest of the encoding code (cache.encoder_digest): other code, another entry
@@ -280,8 +280,8 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, n: dict[str, s
             raise DataError(f"{name} is empty: no records in {_names(files) or 'the files'} (give data files "
                             "with at least one example)")
         if stats.dropped_overlong:
-            raise DataError(f"every example was dropped: {stats.dropped_overlong} longer than max_seq_len="
-                            f"{max_seq_len} (raise {n['max_seq_len']} or set {n['overlong']}=truncate), "
+            raise DataError(f"every example was dropped: {stats.dropped_overlong} longer than "
+                            f"{n['max_seq_len']}={max_seq_len} (raise {n['max_seq_len']} or set {n['overlong']}=truncate), "
                             f"{stats.dropped_no_loss} with no trainable token, {stats.skipped_errors} bad; in {where}")
         first = f" (first: {stats.first_no_loss})" if stats.first_no_loss else ""
         if stats.empty_no_loss and stats.empty_no_loss == stats.dropped_no_loss:
@@ -293,8 +293,8 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, n: dict[str, s
             fix = f"before their replies start; raise {n['max_seq_len']} or shorten the prompts"
             if stats.truncated_no_loss == stats.dropped_no_loss:
                 raise DataError(f"no example has a trainable token in {where}: {stats.dropped_no_loss} without one, "
-                                f"all truncated to max_seq_len={max_seq_len} {fix}; {_bad(stats.skipped_errors)}")
-            empty += f", {stats.truncated_no_loss} of them truncated to max_seq_len={max_seq_len} {fix}"
+                                f"all truncated to {n['max_seq_len']}={max_seq_len} {fix}; {_bad(stats.skipped_errors)}")
+            empty += f", {stats.truncated_no_loss} of them truncated to {n['max_seq_len']}={max_seq_len} {fix}"
         raise DataError(f"no example has a trainable token in {where}: {stats.dropped_no_loss} without one{first}"
                         f"{empty}, {_bad(stats.skipped_errors)}; {n['loss_on']}=assistant needs assistant "
                         f"turns / outputs / completions (or set {n['loss_on']}=all)")
@@ -304,12 +304,12 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, n: dict[str, s
                     stats.empty_targets, where, stats.first_empty_target)
     if stats.truncated or stats.dropped_overlong or stats.dropped_no_loss:
         cut = stats.truncated - stats.truncated_no_loss
-        parts = [f"{cut} truncated to max_seq_len={max_seq_len} (kept)"] if cut else []
+        parts = [f"{cut} truncated to {n['max_seq_len']}={max_seq_len} (kept)"] if cut else []
         if stats.truncated_no_loss:
             parts.append(f"{stats.truncated_no_loss} truncated to no loss tokens (dropped), their replies start past "
-                         f"max_seq_len={max_seq_len}: raise {n['max_seq_len']} or shorten the prompts")
+                         f"{n['max_seq_len']}={max_seq_len}: raise {n['max_seq_len']} or shorten the prompts")
         if stats.dropped_overlong:
-            parts.append(f"{stats.dropped_overlong} longer than max_seq_len={max_seq_len} (dropped, "
+            parts.append(f"{stats.dropped_overlong} longer than {n['max_seq_len']}={max_seq_len} (dropped, "
                          f"{n['overlong']}=drop)")
         if stats.dropped_no_loss - stats.truncated_no_loss:
             first = f"; first: {stats.first_no_loss}" if stats.first_no_loss else ""  # "" from an older cache
