@@ -136,3 +136,27 @@ def test_a_loader_that_does_not_start_its_next_epoch_is_refused_not_spun_on(tmp_
     loader = _OneShotLoader(docs[:36], shuffle=False)
     with pytest.raises(ValueError, match="yielded no batches after its epoch ended"):
         train(tiny_config(tmp_path, train__max_steps=len(loader) + 1), model=tiny_model(), train_loader=loader)
+
+
+def test_a_fractional_epoch_under_data_parallelism_says_it_rounds_to_rounds_of_ranks(tmp_path, caplog):
+    """2 ranks with train.epochs=0.2 of 5 global batches trained 2 of them, one process 1, without a word (a
+    data-parallel walk). Said now, with the numbers; a fraction that fits, whole epochs and one rank say nothing."""
+    from chronicals.train.stream import warn_fraction_rounds
+
+    class Loader:  # 5 global batches over 2 ranks: 3 per rank (the last round's second batch empty)
+        def __len__(self):
+            return 3
+
+        def _global_batches(self):
+            return 5
+
+    def said(epochs, world=2):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="chronicals.train"):
+            warn_fraction_rounds(tiny_config(tmp_path, train__epochs=epochs, train__max_steps=0), Loader(), world)
+        return caplog.text
+
+    assert "2 ranks train the fraction's batches in whole rounds of ranks, 2 of the last pass's 5 global batches " \
+           "where one process with the summed batch trains 1" in said(0.2)
+    assert "4 of the last pass's 5 global batches where one process with the summed batch trains 3" in said(1.5)
+    assert said(0.3) == said(2.0) == said(0.2, world=1) == ""  # 0.3: 1 a rank, 2 global = ceil(1.5)

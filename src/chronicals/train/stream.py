@@ -146,6 +146,24 @@ def _step_plan(cfg: TrainConfig, batches_per_epoch: int, done: int = 0) -> tuple
     return steps, last if end % B else ga
 
 
+def warn_fraction_rounds(cfg: TrainConfig, loader, world_size: int) -> None:
+    """Under data parallelism a fractional train.epochs rounds up to whole rounds of ranks: each rank trains
+    ceil(fraction x its batches), so W ranks train up to W - 1 global batches more of the last pass than one
+    process with the summed batch does (found in a data-parallel walk: 0.2 of 5 global batches, 2 ranks: 2, not
+    1). Said once, with the numbers; whole epochs and train.max_steps are unaffected."""
+    epochs = Fraction(str(cfg.train.epochs))
+    g = getattr(loader, "_global_batches", None)
+    if world_size < 2 or cfg.train.max_steps > 0 or epochs == math.floor(epochs) or g is None:
+        return
+    frac, total = epochs - math.floor(epochs), g()
+    one = math.ceil(frac * total)
+    here = min(total, math.ceil(frac * len(loader)) * world_size)
+    if here > one:
+        log.warning("train.epochs=%s: %d ranks train the fraction's batches in whole rounds of ranks, %d of the last "
+                    "pass's %d global batches where one process with the summed batch trains %d; where the two must "
+                    "match, give whole epochs or train.max_steps", cfg.train.epochs, world_size, here, total, one)
+
+
 def _epoch_split(cfg: TrainConfig, batches_per_epoch: int) -> tuple[int, int]:
     """train.epochs as (whole epochs, batches of the next one): its fraction of the epoch's batches, rounded up."""
     epochs = Fraction(str(cfg.train.epochs))
