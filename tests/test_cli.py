@@ -300,6 +300,25 @@ def test_ctrl_c_before_training_is_130_without_a_traceback(monkeypatch, capsys):
     assert "interrupted (SIGINT): run the same command again to go on: train.resume=auto" in err and "internal error" not in err and "Traceback" not in err
 
 
+def test_a_sigterm_under_torchrun_says_another_rank_may_have_failed(monkeypatch, capsys):
+    """torchrun SIGTERMs the other ranks when one fails (a config error on rank 0): rank 1 then advised only to run
+    again and resume, beside rank 0's real error (a data-parallel walk)."""
+    import os
+    import signal
+
+    import chronicals.cli as cli
+
+    def killed(argv):
+        os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setitem(cli.COMMANDS, "train", killed)
+    assert main(["train"]) == 130
+    assert "another rank failed" not in capsys.readouterr().err  # not under torchrun
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert main(["train"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted (SIGTERM)" in err and "under torchrun a SIGTERM also comes when another rank failed" in err
+
+
 def test_chat_reads_piped_prompts_and_labels_each_answer(tiny_base, monkeypatch, capsys):
     import io
 

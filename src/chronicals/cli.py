@@ -299,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
               "continues from the newest checkpoint in train.out_dir (steps after it are trained again; past the "
               "last step, only the closing evaluation and final save are left to run), or starts over when there is "
               "none", file=sys.stderr)
+        if name == "SIGTERM" and "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun stops the others when one fails
+            print("(under torchrun a SIGTERM also comes when another rank failed: if one printed an error above, "
+                  "fix that first)", file=sys.stderr)
     else:  # eval, chat, export, bench keep no checkpoints: train.resume means nothing to them
         print(f"\ninterrupted ({name}): chronicals {argv[0]} stopped; run it again to redo it", file=sys.stderr)
     return 130
