@@ -155,3 +155,10 @@ def test_fused_direct_call_with_wider_adapters_says_what_to_pass():
                                          r"pass impl='torch'"):
         lora_linear(x, w, None, a, b, 0.5)
     assert lora_linear(x, w, None, a, b, 0.5, impl="torch").dtype == torch.bfloat16
+
+
+def test_delta_weight_is_computed_without_autograd():
+    """s B A for merging: no graph back to the adapters (merge_lora copies it into W)."""
+    m = LoRALinear(nn.Linear(5, 3, dtype=torch.float64), r=2, alpha=4)
+    assert m.lora_A.weight.requires_grad and not m.delta_weight().requires_grad
+    assert m.delta_weight().dtype == torch.float64

@@ -179,3 +179,17 @@ def test_interval_eval_skips_the_last_step(tmp_path, docs):
     evals = [(r["step"], r.get("tag")) for r in recs if r.get("kind") == "eval"]
     assert [s for s, _ in evals].count(4) == 1, evals
     assert (2, "interval") in evals and (4, "after") in evals
+
+
+def test_held_out_loss_builds_no_autograd_graph(lora_model, batches, monkeypatch):
+    """evaluate_loss runs without gradients (a graph per batch would hold every activation until the sum is read)."""
+    import chronicals.train.step as step
+
+    seen = []
+
+    def spy(model, batch, device):
+        seen.append(torch.is_grad_enabled())
+        return batch_loss_sum(model, batch, device)
+    monkeypatch.setattr(step, "batch_loss_sum", spy)
+    evaluate_loss(lora_model, batches, CPU)
+    assert seen and not any(seen)

@@ -348,12 +348,12 @@ class LoRALinear(nn.Module):
         return LoRASwiGLUDownFunction.apply(gate, up, self.weight, self.bias, a, b, self.scaling, draw,
                                             self.concat, wcat, impl, fused_act, in_place)
 
-    @torch.no_grad()
     def _merge_dtype(self) -> torch.dtype:
         """fp32, or float64 when W, A or B is float64 (an fp64 model's merge was rounded to fp32 on the way)."""
         wide = torch.float64 in (self.weight.dtype, self.lora_A.weight.dtype, self.lora_B.weight.dtype)
         return torch.float64 if wide else torch.float32
 
+    @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
         """s * B @ A (out, in) in fp32 (float64 for float64 tensors): only for merging, never in the training path."""
         dt = self._merge_dtype()

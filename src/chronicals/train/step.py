@@ -126,6 +126,7 @@ def grad_norm_fp32(params) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(grads[0].device, wide) for n in norms]))
 
 
+@torch.no_grad()
 def evaluate_loss(model, batches, device: torch.device) -> tuple[float, int]:
     """Mean cross-entropy per loss token over ``batches`` (sum of sums / total count), and the count."""
     total, n = torch.zeros((), dtype=torch.float64, device=device), 0
