@@ -117,12 +117,12 @@ def grad_norm_fp32(params) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    groups: dict = {}
+    groups: dict = {}  # (device, dtype, accumulation dtype) -> gradients: one foreach kernel per device and dtype
     for g in grads:
-        groups.setdefault((g.device, g.dtype), []).append(g)
-    wide = torch.float64 if any(dt == torch.float64 for _, dt in groups) else torch.float32
-    norms = [n for (_, dt), gs in groups.items()
-             for n in torch._foreach_norm(gs, 2, dtype=torch.float64 if dt == torch.float64 else torch.float32)]
+        acc = torch.float64 if g.dtype == torch.float64 else torch.float32
+        groups.setdefault((g.device, g.dtype, acc), []).append(g)
+    wide = max((acc for *_, acc in groups), key=lambda dt: dt.itemsize)
+    norms = [n for (*_, acc), gs in groups.items() for n in torch._foreach_norm(gs, 2, dtype=acc)]
     return torch.linalg.vector_norm(torch.stack([n.to(grads[0].device, wide) for n in norms]))
 
 

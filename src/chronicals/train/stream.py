@@ -151,13 +151,12 @@ def warn_fraction_rounds(cfg: TrainConfig, loader, world_size: int) -> None:
     ceil(fraction x its batches), so W ranks train up to W - 1 global batches more of the last pass than one
     process with the summed batch does (found in a data-parallel walk: 0.2 of 5 global batches, 2 ranks: 2, not
     1). Said once, with the numbers; whole epochs and train.max_steps are unaffected."""
-    epochs = Fraction(str(cfg.train.epochs))
     g = getattr(loader, "_global_batches", None)
-    if world_size < 2 or cfg.train.max_steps > 0 or epochs == math.floor(epochs) or g is None:
+    if world_size < 2 or cfg.train.max_steps > 0 or g is None:
         return
-    frac, total = epochs - math.floor(epochs), g()
-    one = math.ceil(frac * total)
-    here = min(total, math.ceil(frac * len(loader)) * world_size)
+    total = g()
+    one = _epoch_split(cfg, total)[1]  # 0 for whole epochs: nothing said
+    here = min(total, _epoch_split(cfg, len(loader))[1] * world_size)
     if here > one:
         log.warning("train.epochs=%s: %d ranks train the fraction's batches in whole rounds of ranks, %d of the last "
                     "pass's %d global batches where one process with the summed batch trains %d; where the two must "
