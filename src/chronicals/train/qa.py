@@ -280,9 +280,9 @@ def answer_many(model, tokenizer, questions: list[str], system_prompt: str, max_
     answers: list[str] = [""] * len(questions)
     # rows of one length, QA_BATCH_ROWS at a time: the KV cache grows with rows x (prompt + answer)
     batches = [same[k:k + QA_BATCH_ROWS] for same in by_len.values() for k in range(0, len(same), QA_BATCH_ROWS)]
+    stops = stop_ids(model, tokenizer)  # once: generation_config.json is parsed there
     for idx in batches:
-        outs = greedy_rows(model, torch.stack([prompts[i] for i in idx]), max_new_tokens,
-                           stop_ids(model, tokenizer))
+        outs = greedy_rows(model, torch.stack([prompts[i] for i in idx]), max_new_tokens, stops)
         for i, toks in zip(idx, outs):
             answers[i] = tokenizer.decode(toks, skip_special_tokens=True).strip()
     return answers
