@@ -249,12 +249,14 @@ def _remainder_loader(rank: int, world: int):
     return PackedLoader(ds, batch_size=1, max_seq_len=32, shuffle=False, rank=rank, world_size=world)
 
 
-def _remainder_worker(rank: int, port: int, out: str) -> None:
+def _remainder_worker(rank: int, port: int, out: str, epochs: float = 0) -> None:
+    """One epoch of the remainder loader (train.max_steps), or train.epochs=``epochs`` when given."""
     from pathlib import Path
 
     _torchrun_env(rank, port)
     loader = _remainder_loader(rank, WORLD)
-    cfg = tiny_config(Path(out) / f"rank{rank}", train__max_steps=len(loader), model__device=DEVICE)
+    length = dict(train__max_steps=0, train__epochs=epochs) if epochs else dict(train__max_steps=len(loader))
+    cfg = tiny_config(Path(out) / f"rank{rank}", model__device=DEVICE, **length)
     model = tiny_model(seed=0)
     train(cfg, model=model, train_loader=loader)
     torch.save(_cpu_state(model), f"{out}/remainder{rank}.pt")
@@ -277,6 +279,24 @@ def test_two_ranks_train_the_last_incomplete_round_like_one_process(tmp_path):
         torch.testing.assert_close(r0[n], v, rtol=1e-5, atol=1e-6, msg=n)
     dp_recs, one_recs = _train_recs(tmp_path / "rank0" / "run"), _train_recs(tmp_path / "single" / "run")
     assert [r["loss_tokens"] for r in dp_recs] == [r["loss_tokens"] for r in one_recs]
+
+
+def test_two_ranks_train_a_fractional_epoch_like_one_process(tmp_path):
+    """train.epochs=1.3 of 9 global batches: one process with grad_accum 2 trains 9 + ceil(2.7) = 12 batches;
+    2 ranks trained whole rounds of the fraction, ceil(0.3 x 5) = 2 rounds = 4 batches (13; a data-parallel walk).
+    Now the last round's batch past the fraction is an empty one: the same loss tokens and weights."""
+    mp.spawn(_remainder_worker, args=(_free_port(), str(tmp_path), 1.3), nprocs=WORLD, join=True)
+    r0, r1 = (torch.load(tmp_path / f"remainder{r}.pt") for r in range(WORLD))
+    cfg = tiny_config(tmp_path / "single", train__max_steps=0, train__epochs=1.3, train__grad_accum=WORLD,
+                      model__device=DEVICE)
+    single = tiny_model(seed=0)
+    train(cfg, model=single, train_loader=_remainder_loader(0, 1))
+    dp_recs, one_recs = _train_recs(tmp_path / "rank0" / "run"), _train_recs(tmp_path / "single" / "run")
+    assert len(one_recs) == 7  # steps of 2, 2, 2, 2, 1 in the first epoch, then 2, 1
+    assert [r["loss_tokens"] for r in dp_recs] == [r["loss_tokens"] for r in one_recs]
+    for n, v in _cpu_state(single).items():
+        assert torch.equal(r0[n], r1[n]), n
+        torch.testing.assert_close(r0[n], v, rtol=1e-5, atol=1e-6, msg=n)
 
 
 def _pipelined_worker(rank: int, ports: tuple, out: str) -> None:

@@ -138,25 +138,61 @@ def test_a_loader_that_does_not_start_its_next_epoch_is_refused_not_spun_on(tmp_
         train(tiny_config(tmp_path, train__max_steps=len(loader) + 1), model=tiny_model(), train_loader=loader)
 
 
-def test_a_fractional_epoch_under_data_parallelism_says_it_rounds_to_rounds_of_ranks(tmp_path, caplog):
-    """2 ranks with train.epochs=0.2 of 5 global batches trained 2 of them, one process 1, without a word (a
-    data-parallel walk). Said now, with the numbers; a fraction that fits, whole epochs and one rank say nothing."""
-    from chronicals.train.stream import warn_fraction_rounds
+def test_a_fractional_epoch_under_data_parallelism_trains_what_one_process_does(tmp_path):
+    """2 ranks with train.epochs=0.2 of 5 global batches trained 2 of them (whole rounds of ranks), one process
+    with grad_accum 2 trains 1 (a data-parallel walk): the plan counts rounds of the fraction's global batches,
+    ceil(ceil(0.2 x 5) / 2) = 1, and the cut gives rank 1 an empty batch in that round."""
+    from chronicals.train.stream import _step_plan, cut_fraction
 
-    class Loader:  # 5 global batches over 2 ranks: 3 per rank (the last round's second batch empty)
-        def __len__(self):
-            return 3
+    loaders = [_packed_loader(9, rank, 2) for rank in range(2)]  # 9 rows, batch 2: 5 global batches, 3 per rank
+    cfg = tiny_config(tmp_path, train__epochs=1.2, train__max_steps=0)
+    assert _step_plan(cfg, 3, spread=(5, 2)) == (4, 1)  # 3 rounds, then 1
+    assert _step_plan(cfg, 3) == (4, 1)  # the count of rounds agrees here; 1.7 of 5 below does not (2 vs 3)
+    assert _step_plan(tiny_config(tmp_path, train__epochs=1.7, train__max_steps=0), 3, spread=(5, 2)) == (5, 1)
+    for loader in loaders:
+        cut_fraction(cfg, loader)
+    batches = [list(loader) + [next(iter(loader))] for loader in loaders]  # epoch 0, then epoch 1's first
+    rows = [[int(b.num_loss_tokens > 0) for b in per_rank] for per_rank in batches]
+    # epoch 0: batches 0..4 (rank 1's third empty: the remainder); epoch 1: batch 0 on rank 0, rank 1 empty
+    assert [r[3] for r in rows] == [1, 0] and [r[:3] for r in rows] == [[1, 1, 1], [1, 1, 0]]
+    one = _packed_loader(9, 0, 1)
+    cut_fraction(cfg, one)
+    assert one.state_dict()["cut"] == [1, 1]
+    cut_fraction(tiny_config(tmp_path, train__epochs=2, train__max_steps=0), one)
+    assert "cut" not in one.state_dict()  # whole epochs: no cut
 
-        def _global_batches(self):
-            return 5
 
-    def said(epochs, world=2):
-        caplog.clear()
-        with caplog.at_level("WARNING", logger="chronicals.train"):
-            warn_fraction_rounds(tiny_config(tmp_path, train__epochs=epochs, train__max_steps=0), Loader(), world)
-        return caplog.text
+def test_more_epochs_after_a_cut_fraction_say_which_batches_were_not_trained(tmp_path, caplog):
+    """A data-parallel run of 0.2 epochs gave rank 1 an empty batch in its round; continued with train.epochs=1,
+    the loader resumes after that round, so that global batch is never trained in the epoch: said."""
+    from chronicals.train.stream import cut_fraction
 
-    assert "2 ranks train the fraction's batches in whole rounds of ranks, 2 of the last pass's 5 global batches " \
-           "where one process with the summed batch trains 1" in said(0.2)
-    assert "4 of the last pass's 5 global batches where one process with the summed batch trains 3" in said(1.5)
-    assert said(0.3) == said(2.0) == said(0.2, world=1) == ""  # 0.3: 1 a rank, 2 global = ceil(1.5)
+    short = _packed_loader(9, 1, 2)
+    cut_fraction(tiny_config(tmp_path, train__epochs=0.2, train__max_steps=0), short)
+    next(iter(short))
+    state = short.state_dict()
+    longer = _packed_loader(9, 1, 2)
+    cut_fraction(tiny_config(tmp_path, train__epochs=1, train__max_steps=0), longer)
+    with caplog.at_level("WARNING", logger="chronicals.data"):
+        longer.load_state_dict(state)
+    assert "global batches 2..2 of that epoch are not trained" in caplog.text
+    caplog.clear()
+    again = _packed_loader(9, 1, 2)
+    cut_fraction(tiny_config(tmp_path, train__epochs=0.2, train__max_steps=0), again)
+    with caplog.at_level("WARNING", logger="chronicals.data"):
+        again.load_state_dict(state)  # the same run resumed: nothing to say
+    assert caplog.text == ""
+
+
+def _packed_loader(rows: int, rank: int, world: int):
+    """A PackedLoader over ``rows`` one-document rows of 8 tokens, batch_size 2, unshuffled."""
+    import numpy as np
+
+    from chronicals.data import PackedLoader
+    from chronicals.data.dataset import DatasetStats, TokenizedDataset
+
+    ids = np.arange(rows * 8, dtype=np.int32) % 50 + 1
+    offsets = np.arange(rows + 1) * 8
+    stats = DatasetStats(records=rows, documents=rows, tokens=rows * 8, loss_tokens=rows * 7)
+    ds = TokenizedDataset(ids, np.ones(rows * 8, dtype=bool), offsets, 0, stats, 8)
+    return PackedLoader(ds, batch_size=2, max_seq_len=8, shuffle=False, rank=rank, world_size=world)

@@ -85,6 +85,7 @@ class PackedLoader:
             raise ValueError(f"PackedLoader: pad_to_multiple_of={pad_to_multiple_of}; expected an integer >= 1")
         self.rows = pack_bfd(dataset.lengths.tolist(), capacity)  # list of document index lists
         self.epoch, self.position = 0, 0
+        self._cut: tuple[int, int] | None = None  # (epoch, global batches it trains): ``cut_epoch``
         if len(self) == 0:  # an epoch of no batches would make every `for` over the loader end at once
             # fewer global batches than ranks under "drop": "train" would run them (the other ranks empty)
             train_them = (" or remainder='train' (data.dp_remainder=train: the ranks past the last batch run an "
@@ -119,6 +120,19 @@ class PackedLoader:
         return len(self.rows) - min(len(self.rows), trained * (self.batch_size or 1))
 
     @property
+    def trained_global_batches(self) -> int:
+        """Global batches an epoch trains (all ranks): every one under remainder="train", whole rounds under "drop"."""
+        return self._global_batches() if self.remainder == "train" else len(self) * self.world_size
+
+    def cut_epoch(self, epoch: int | None, global_batches: int = 0) -> None:
+        """Train only the first ``global_batches`` global batches of epoch ``epoch`` (the last pass of a fractional
+        train.epochs); None: no cut. A rank's batch past them is an empty one, as in the last round of
+        remainder="train", so W ranks train exactly the batches one process with grad_accum x W does: 0.2 epochs
+        of 5 global batches is 1 batch, where whole rounds of 2 ranks trained 2 (a data-parallel walk). The rank's
+        batch count (``len``) and positions are unchanged; the trainer sets the cut from train.epochs."""
+        self._cut = None if epoch is None else (int(epoch), int(global_batches))
+
+    @property
     def empty_batches(self) -> int:
         """Empty batches per epoch (all ranks): the last round's ranks past the end, with remainder="train"."""
         return len(self) * self.world_size - self._global_batches() if self.remainder == "train" else 0
@@ -149,6 +163,8 @@ class PackedLoader:
             self.epoch, self.position = self.epoch + 1, 0
         order = self._row_order(self.epoch)
         n = self._global_batches()
+        if self._cut is not None and self._cut[0] == self.epoch:
+            n = min(n, self._cut[1])
         while self.position < len(self):
             g = self.position * self.world_size + self.rank
             self.position += 1  # counted when handed out: a checkpoint taken now resumes after this batch
@@ -162,7 +178,8 @@ class PackedLoader:
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
                 "batches_per_epoch": len(self), "rows": len(self.rows), "remainder": self.remainder,
-                "world_size": self.world_size, **self._digest_state()}
+                "world_size": self.world_size, **self._digest_state(),
+                **({"cut": list(self._cut)} if self._cut is not None else {})}
 
     def _digest_state(self) -> dict:
         digest = getattr(self.dataset, "digest", None)  # a dataset-like object without one: no check
@@ -220,7 +237,22 @@ class PackedLoader:
         if state["position"] > len(self):  # else the position is ignored and the rest of that epoch is skipped
             raise ValueError(f"PackedLoader.load_state_dict: position={state['position']} is not in 0..{len(self)} "
                              "(this loader's batches per epoch); resume from a checkpoint this loader wrote")
+        self._warn_cut_skipped(state)
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+    def _warn_cut_skipped(self, state: dict) -> None:
+        """A run cut short in its epoch (``cut_epoch``: a fractional train.epochs under data parallelism) handed
+        empty batches to the ranks past the cut in its last round; resumed on without that cut (more epochs), those
+        global batches of that epoch are not trained: said, with the numbers."""
+        cut = state.get("cut")
+        if not (isinstance(cut, list) and len(cut) == 2 and cut[0] == state["epoch"]) or tuple(cut) == self._cut:
+            return
+        handed = min(state["position"] * state.get("world_size", self.world_size), self._global_batches())
+        if handed > cut[1]:
+            log.warning("the saved loader trained %d of epoch %d's first %d global batches (its run's fractional "
+                        "train.epochs ended in that round of ranks); this run goes on from batch %d, so global "
+                        "batches %d..%d of that epoch are not trained in it", cut[1], cut[0], handed, handed + 1,
+                        cut[1] + 1, handed)
 
     # ---- stats ----
     @property

@@ -50,7 +50,7 @@ from .resume import (apply_optimizer_settings, check_resume_adapter, check_same_
                      warn_data_changed, warn_loss_settings_changed)
 from .run_dir import _locked_out_dir, _metrics_log, _RanksMetrics
 from .step import accumulate_data_parallel, clip_grad_norm, evaluate_loss
-from .stream import _replan, _restore_position, _step_plan, _Stream, warn_fraction_rounds
+from .stream import _replan, _restore_position, _spread, _step_plan, _Stream, cut_fraction
 
 log = logging.getLogger("chronicals.train")
 
@@ -202,9 +202,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
                          f"{dp.world_size} ranks; build it with PackedLoader(rank=RANK, world_size=WORLD_SIZE)")
     trainable = [p for p in model.parameters() if p.requires_grad]
     dp.broadcast_params(trainable)  # rank 0's values everywhere, even if an init differed between ranks
-    total, last_batches = _step_plan(cfg, len(train_loader))
-    if dp.is_main:
-        warn_fraction_rounds(cfg, train_loader, dp.world_size)
+    total, last_batches = _step_plan(cfg, len(train_loader), spread=_spread(train_loader))
+    cut_fraction(cfg, train_loader)  # a fractional epoch's last pass: the global batches one process would train
     optimizer = build_optimizer(model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg, total, warn=False)  # said below, for the length after a resume
     scheduled = total

@@ -97,14 +97,15 @@ def _replan(cfg: TrainConfig, stream: _Stream, start: int, total: int, last_batc
         return total, last_batches
     batches = len(stream.loader)
     try:
-        left, last = _step_plan(cfg, batches, epoch * batches + position)
+        left, last = _step_plan(cfg, batches, epoch * batches + position, _spread(stream.loader))
     except ValueError as e:
         raise ValueError(f"cannot resume from {path}: {e}; raise train.epochs, or set train.resume=none to start "
                          "over") from None
     return start + left, last
 
 
-def _step_plan(cfg: TrainConfig, batches_per_epoch: int, done: int = 0) -> tuple[int, int]:
+def _step_plan(cfg: TrainConfig, batches_per_epoch: int, done: int = 0,
+               spread: tuple[int, int] | None = None) -> tuple[int, int]:
     """(steps, batches of the last one) that take the run from ``done`` batches trained (over all epochs: a resumed
     loader's epoch x batches_per_epoch + position) to its end. train.max_steps: that many steps from the start
     (``done`` is not used), grad_accum batches each. train.epochs: its batches (whole epochs, then the fraction's
@@ -114,13 +115,14 @@ def _step_plan(cfg: TrainConfig, batches_per_epoch: int, done: int = 0) -> tuple
     if every earlier step had used this run's grad_accum: 6 batches done at grad_accum 2, resumed at 4, stopped
     after 8 of 16). The last step is fewer than grad_accum batches when a fractional train.epochs ends inside a step
     (2.1 epochs of 10 batches at grad_accum 4 is 21 batches: steps of 4, 4, 2 per epoch, then 1; it took 4, 24
-    batches). ValueError when ``done`` is past the run's end."""
+    batches). ``spread``: a cut loader's (global batches, ranks), ``_epoch_split``. ValueError when ``done`` is past
+    the run's end."""
     B, ga = batches_per_epoch, cfg.train.grad_accum
     if B == 0:  # with max_steps too: the first step would end in a bare StopIteration
         raise ValueError("the training loader yields no batches: is the dataset empty?")
     if cfg.train.max_steps > 0:
         return cfg.train.max_steps, ga
-    whole, part = _epoch_split(cfg, B)
+    whole, part = _epoch_split(cfg, B, spread)
     end = whole * B + part  # in exact decimals: 1.1 - 1 is 0.10000000000000009 in floats (1.1 x 10 took 12 steps)
     if done > end:
         raise ValueError(f"{done} batches are trained, past this run's {end} (train.epochs={cfg.train.epochs:g} of "
@@ -146,25 +148,32 @@ def _step_plan(cfg: TrainConfig, batches_per_epoch: int, done: int = 0) -> tuple
     return steps, last if end % B else ga
 
 
-def warn_fraction_rounds(cfg: TrainConfig, loader, world_size: int) -> None:
-    """Under data parallelism a fractional train.epochs rounds up to whole rounds of ranks: each rank trains
-    ceil(fraction x its batches), so W ranks train up to W - 1 global batches more of the last pass than one
-    process with the summed batch does (found in a data-parallel walk: 0.2 of 5 global batches, 2 ranks: 2, not
-    1). Said once, with the numbers; whole epochs and train.max_steps are unaffected."""
-    g = getattr(loader, "_global_batches", None)
-    if world_size < 2 or cfg.train.max_steps > 0 or g is None:
+def _spread(loader) -> tuple[int, int] | None:
+    """(global batches an epoch trains, ranks) of a loader that can cut its epochs (PackedLoader), else None."""
+    if not hasattr(loader, "cut_epoch"):
+        return None
+    return loader.trained_global_batches, loader.world_size
+
+
+def cut_fraction(cfg: TrainConfig, loader) -> None:
+    """The last pass of a fractional train.epochs trains ceil(fraction x G) of its G global batches, as one process
+    with grad_accum x W does (``PackedLoader.cut_epoch``: the ranks past them in that round get empty batches);
+    whole rounds of ranks trained up to W - 1 more (0.2 of 5 global batches on 2 ranks: 2, one process 1). No
+    cut under whole epochs or train.max_steps. Set before a checkpoint's data position is restored."""
+    spread = _spread(loader)
+    if spread is None:
         return
-    total = g()
-    one = _epoch_split(cfg, total)[1]  # 0 for whole epochs: nothing said
-    here = min(total, _epoch_split(cfg, len(loader))[1] * world_size)
-    if here > one:
-        log.warning("train.epochs=%s: %d ranks train the fraction's batches in whole rounds of ranks, %d of the last "
-                    "pass's %d global batches where one process with the summed batch trains %d; where the two must "
-                    "match, give whole epochs or train.max_steps", cfg.train.epochs, world_size, here, total, one)
+    whole, part = _epoch_split(cfg, spread[0]) if cfg.train.max_steps == 0 else (0, 0)
+    loader.cut_epoch(whole if part else None, part)
 
 
-def _epoch_split(cfg: TrainConfig, batches_per_epoch: int) -> tuple[int, int]:
-    """train.epochs as (whole epochs, batches of the next one): its fraction of the epoch's batches, rounded up."""
+def _epoch_split(cfg: TrainConfig, batches_per_epoch: int,
+                 spread: tuple[int, int] | None = None) -> tuple[int, int]:
+    """train.epochs as (whole epochs, batches of the next one): its fraction of the epoch's batches, rounded up.
+    ``spread`` = (G global batches an epoch trains, W ranks) of a cut loader (``cut_fraction``): the fraction is of
+    G, and a rank's batches are the rounds of ranks that hold them, ceil(ceil(fraction x G) / W)."""
     epochs = Fraction(str(cfg.train.epochs))
     whole = math.floor(epochs)
+    if spread is not None:
+        return whole, -(-math.ceil((epochs - whole) * spread[0]) // spread[1])
     return whole, math.ceil((epochs - whole) * batches_per_epoch)
