@@ -78,3 +78,29 @@ def test_config_json_has_rope_theta_at_the_top_level_too():
     Qwen's 1e6."""
     d = _cfg(model_type="qwen2", vocab_size=17, rope_theta=1e6, qkv_bias=True).to_hf_dict()
     assert d["rope_theta"] == 1e6 and d["rope_parameters"]["rope_theta"] == 1e6
+
+
+def test_rope_parameters_per_layer_type_are_refused_not_read_as_plain_rope():
+    """transformers 5's nested form ({"full_attention": {...}}) was read as plain rope with theta 10,000: its
+    theta of 1e6 and any scaling were lost without a word (an architecture walk). Refused, naming the field."""
+    import pytest
+
+    d = dict(model_type="qwen2", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+             layer_types=["full_attention"] * 2,
+             rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6}})
+    with pytest.raises(ValueError, match=r"my/config.json: rope_parameters holds rope parameters per layer type "
+                                         r"\('full_attention'\)"):
+        ModelConfig.from_hf_dict(d, source="my/config.json")
+
+
+def test_num_params_counts_every_bias():
+    """The o_proj bias (Llama's attention_bias) and the MLP biases (mlp_bias) were left out of the count."""
+    for extra in ({}, dict(attention_bias=True), dict(mlp_bias=True), dict(attention_bias=True, mlp_bias=True)):
+        d = dict(model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **extra)
+        cfg = ModelConfig.from_hf_dict(d)
+        assert cfg.num_params() == sum(p.numel() for p in CausalLM(cfg).parameters()), extra
+    q = ModelConfig.from_hf_dict(dict(model_type="qwen2", vocab_size=300, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    assert q.num_params() == sum(p.numel() for p in CausalLM(q).parameters())

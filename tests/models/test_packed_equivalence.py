@@ -109,3 +109,22 @@ def test_a_packed_rows_loss_with_labels_is_the_sum_of_its_documents_losses():
         packed = model(ids, position_ids=pos, cu_seqlens=cu, max_seqlen=4, labels=ids, reduction="sum")
         apart = model(a, labels=a, reduction="sum") + model(b, labels=b, reduction="sum")
     torch.testing.assert_close(packed, apart, rtol=1e-5, atol=1e-5)
+
+
+def test_restarting_position_ids_without_cu_seqlens_are_packed_documents():
+    """position_ids restarting at 0 inside a row, and no cu_seqlens: the loss was split per document while
+    attention crossed them (logits 80% off per-document ones; an architecture walk). Now they are documents, as
+    transformers 5 reads them: logits equal each document's own, over two rows; rows that do not restart stay
+    plain causal rows (positions need not start at 0)."""
+    model = tiny_model().eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 97, (2, 20), generator=gen)
+    pos = torch.stack([torch.cat([torch.arange(8), torch.arange(12)]), torch.cat([torch.arange(5), torch.arange(15)])])
+    got = model(ids, position_ids=pos)
+    for row, cut in ((0, 8), (1, 5)):
+        want = torch.cat([model(ids[row:row + 1, :cut]), model(ids[row:row + 1, cut:])], dim=1)
+        torch.testing.assert_close(got[row:row + 1], want, rtol=1e-5, atol=1e-5)
+    shifted = torch.arange(3, 23).expand(2, 20)  # no restart: one document a row, positions from 3
+    plain = model(ids, position_ids=shifted)
+    cu = torch.tensor([0, 20, 40], dtype=torch.int32)
+    torch.testing.assert_close(plain, model(ids, position_ids=shifted, cu_seqlens=cu, max_seqlen=20))

@@ -71,7 +71,8 @@ class ModelConfig:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if (self.qkv_bias or self.attention_bias) else 0)
-        mlp = 3 * h * i
+        attn += h if self.attention_bias else 0  # o_proj's bias (Llama's attention_bias; Qwen2's qkv_bias has none)
+        mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
         layer = attn + mlp + 2 * h + (2 * d if self.qk_norm else 0)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * layer + emb + h
@@ -110,7 +111,7 @@ class ModelConfig:
         try:
             heads = d["num_attention_heads"]
             max_pos = d.get("max_position_embeddings") or _MAX_POSITIONS[mt]
-            rope, theta = _rope_dict(d, max_pos)
+            rope, theta = _rope_dict(d, max_pos, source)
             known = {
                 "model_type": mt, "vocab_size": d["vocab_size"], "hidden_size": d["hidden_size"],
                 "intermediate_size": d["intermediate_size"], "num_hidden_layers": d["num_hidden_layers"],
@@ -233,13 +234,19 @@ _SILU_NAMES = ("silu", "swish")  # transformers' ACT2FN maps both to nn.SiLU
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
 
-def _rope_dict(d: dict, max_pos: int) -> tuple[dict | None, float]:
+def _rope_dict(d: dict, max_pos: int, source: str = "config.json") -> tuple[dict | None, float]:
     """config.json -> (rope parameters without rope_theta, or None for plain rope; rope_theta), read as
     transformers 5 does: ``rope_scaling`` wins over ``rope_parameters`` when both are set, ``rope_type`` over the
     older ``type``, a ``rope_theta`` inside the dict over the top-level one; llama3 / yarn / longrope take
     ``original_max_position_embeddings`` from the top level when it is there, else from the dict, else
     max_position_embeddings."""
     rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+    nested = [k for k, v in rope.items() if isinstance(v, dict)]
+    if nested:  # transformers 5's per-layer-type form; read as plain rope it lost its theta and scaling
+        field = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+        raise ValueError(f"{source}: {field} holds rope parameters per layer type ({', '.join(map(repr, nested))}): "
+                         "chronicals computes one rope for every layer; give the one set of parameters directly "
+                         f"(e.g. {field}={{\"rope_type\": \"default\", \"rope_theta\": ...}})")
     theta = rope.pop("rope_theta", None)
     if theta is None:
         theta = d.get("rope_theta") or 10000.0

@@ -5,7 +5,8 @@ Module and parameter names are exactly Hugging Face's (``model.layers.0.self_att
 
 Shapes: input_ids (B, S) -> hidden (B, S, H) -> logits (B, S, V) or a loss.
 Packed rows: ``position_ids`` restart at 0 per document and ``cu_seqlens`` / ``max_seqlen`` describe the
-documents (see ``chronicals.ops.attention``); the model passes them through untouched.
+documents (see ``chronicals.ops.attention``); the model passes them through untouched. Restarting position_ids
+without cu_seqlens are read as packed documents too, as transformers does (a host read of the positions).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..ops._impl import check_impl
 from ..ops.attention import attention_ref
 from ..ops.swiglu import swiglu_gate_up
 from .config import ModelConfig, rope_inv_freq
-from .forward_args import IGNORE_INDEX, check_forward_args, mask_padding
+from .forward_args import IGNORE_INDEX, check_forward_args, documents_from_positions, mask_padding
 from .fused_proj import gate_up_proj, qkv_proj, swiglu_down
 
 
@@ -377,7 +378,13 @@ class CausalLM(nn.Module):
     # ---- forward ----
     def hidden_states(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, kv_caches=None,
                       longest_doc: int | None = None):
-        """input_ids (B, S) -> final-norm hidden states (B, S, H). ``longest_doc``: see ``forward``."""
+        """input_ids (B, S) -> final-norm hidden states (B, S, H). ``longest_doc``: see ``forward``. position_ids
+        that restart at 0 inside a row without cu_seqlens are packed documents (``documents_from_positions``: read
+        on the host; not while compiling or capturing a CUDA graph, where cu_seqlens must be given)."""
+        if (cu_seqlens is None and position_ids is not None and kv_caches is None
+                and not torch.compiler.is_compiling()
+                and not (position_ids.is_cuda and torch.cuda.is_current_stream_capturing())):
+            cu_seqlens, max_seqlen = documents_from_positions(position_ids)
         longest = judged_length(input_ids.shape[1], cu_seqlens, max_seqlen, longest_doc)
         if kv_caches is not None:
             longest += kv_caches[0].length

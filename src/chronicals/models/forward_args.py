@@ -108,3 +108,22 @@ def mask_padding(attention_mask: torch.Tensor, labels, shift_labels, *, cu_seqle
         target_kept[:, :-1] = keep[:, 1:]
         return None, shift_labels.masked_fill(~(keep & target_kept), IGNORE_INDEX)
     return labels, shift_labels
+
+
+def documents_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor | None, int | None]:
+    """(cu_seqlens, max_seqlen) of the documents that ``position_ids`` (B, S) mark by restarting at 0 inside a row,
+    over the flattened B * S tokens as ``PackedBatch`` gives them; (None, None) when no row restarts (plain rows).
+    transformers 5 reads restarting position_ids without an attention mask as packed documents too
+    (DataCollatorWithFlattening): without this, the loss was split per document (``shift_labels_per_document``)
+    while attention crossed them (logits 80% off the per-document ones; an architecture walk). Reads the positions
+    on the host: a device sync on CUDA (the trainer passes cu_seqlens itself)."""
+    restart = position_ids[:, 1:] == 0
+    if not bool(restart.any()):
+        return None, None
+    B, S = position_ids.shape
+    starts = torch.ones(B, S, dtype=torch.bool, device=position_ids.device)
+    starts[:, 1:] = restart
+    begin = starts.reshape(-1).nonzero().squeeze(1)
+    end = torch.tensor([B * S], device=begin.device, dtype=begin.dtype)
+    cu = torch.cat([begin, end]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
