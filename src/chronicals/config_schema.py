@@ -159,8 +159,9 @@ class DataSection:
                         "keywords, .jsonl or .json; keywords default to the answer): auto (the packaged held-out questions when "
                         "data.path=demo, else none) | demo (those questions) | '' | a path")
     system_prompt: str = _f(DEMO_SYSTEM_PROMPT, "system message of the demo data and of held-out QA prompts "
-                            "('' = the chat template's default; beside your own data.path, QA gets it only when set, "
-                            "else the template's default, as your records without one); put your own in your records")
+                            "('' = the chat template's default; beside your own data.path, QA gets it only when set to "
+                            "another text than this default, else the template's default, as your records without "
+                            "one); put your own in your records")
     max_seq_len: int = _f(256, "tokens per packed row; longer examples are truncated or dropped (see on_long)")
     batch_size: int = _f(4, "packed rows per micro-batch")
     tokens_per_batch: int = _f(0, "padding-free batches: one packed row of at most this many tokens per "

@@ -197,8 +197,10 @@ def _qa_record(rec: dict, where: str) -> dict:
 
 def heldout_system_prompt(data) -> str:
     """The system message of held-out QA records and prompts for ``data`` (a DataConfig): data.system_prompt for
-    the demo data (whose training records carry it too) or when set; else '' (the chat template's default), which is
-    what the user's own records without a system message get, so held-out loss and answers see the training prompt."""
+    the demo data (whose training records carry it too) or when set to another text than the demo's (the default
+    is that text, so setting it to the default is not told apart from leaving it: a documented limit, found in a docs
+    walk); else '' (the chat template's default), which is what the user's own records without a system message
+    get, so held-out loss and answers see the training prompt."""
     if data.path == DEMO or data.system_prompt != DEMO_SYSTEM_PROMPT:
         return data.system_prompt
     return ""
