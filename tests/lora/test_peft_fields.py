@@ -260,3 +260,16 @@ def test_an_adapter_file_with_nan_or_integer_tensors_is_refused(tmp_path):
         with pytest.raises(ValueError, match=rf"^{wpath}: {said}"):
             load_adapter(model, tmp_path / "a")
         assert getattr(model, "lora_config", None) is None
+
+
+def test_an_empty_checkpoint_directory_as_an_adapter_says_what_it_is(tmp_path):
+    """runs/x/checkpoints/step-N without its state.pt (a removal cut short) was told to be a PEFT adapter missing
+    adapter_config.json (a checkpoint walk)."""
+    import pytest
+
+    from chronicals.lora.peft_io import read_adapter_config
+
+    step = tmp_path / "checkpoints" / "step-000005"
+    step.mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=r"step-000005 is a run's checkpoint directory without its state.pt"):
+        read_adapter_config(step)

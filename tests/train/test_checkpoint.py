@@ -153,3 +153,19 @@ def test_keep_last_keeps_exactly_the_newest(tmp_path):
     for step in range(1, 6):
         write_checkpoint(tmp_path, {"step": step}, keep_last=2)
     assert [d.name for d in checkpoint_dirs(tmp_path)] == ["step-000004", "step-000005"]
+
+
+def test_a_full_disk_at_fsync_is_an_oserror_naming_the_checkpoint(tmp_path, monkeypatch):
+    """fsync is where a full disk or quota shows on NFS or ext4's delayed allocation, as a bare OSError naming no
+    file: the CLI printed 'error: [Errno 28] No space left on device' (a checkpoint walk). Named like torch.save's."""
+    import errno
+    import os
+
+    def full(path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(ckpt, "_fsync", full)
+    with pytest.raises(OSError, match=r"could not write checkpoint .*step-000003 \(\[Errno 28\] No space left on "
+                                      r"device\); is the disk of train.out_dir=.* full\?"):
+        ckpt.write_checkpoint(tmp_path, {"step": 3, "model": {}})
+    assert not any((tmp_path / "checkpoints").iterdir())

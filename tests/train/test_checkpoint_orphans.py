@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -122,3 +123,41 @@ def test_a_killed_cache_writers_entry_is_removed_by_the_next_save(tmp_path):
     cache.save(tmp_path / "entry", ids, np.ones(5, bool), np.array([0, 5], np.int64), {"version": 0})
     assert not dead.exists() and legacy.exists()
     assert (tmp_path / "entry" / "meta.json").is_file() and not (tmp_path / "entry" / cache.WRITER_LOCK).exists()
+
+
+def _prune_then_die(out: str) -> None:
+    """In a child: write step 2 over step 1 with keep_last=1, and die (os._exit, as SIGKILL: no finally runs) in
+    the middle of removing step 1, after its state.pt went."""
+    import shutil
+
+    real = shutil.rmtree
+
+    def dies(path, *a, **k):
+        if (Path(path) / "state.pt").is_file() and "step-000001" in str(path):
+            (Path(path) / "state.pt").unlink()
+            os._exit(9)
+        return real(path, *a, **k)
+
+    shutil.rmtree = dies
+    ckpt.write_checkpoint(out, _state(1), keep_last=1)
+    ckpt.write_checkpoint(out, _state(2), keep_last=1)
+
+
+def test_a_kill_while_pruning_leaves_nothing_that_outlives_the_next_write(tmp_path):
+    """A SIGKILL between the removal of an old checkpoint's state.pt and its directory left an empty step-N that
+    pruning never listed (it lists complete checkpoints only) and that, as the newest, stopped resume=auto (a
+    SIGKILL walk found two). The old checkpoint is renamed to a locked temporary first: the next write sweeps it;
+    and an empty step-N older than the kept ones (from before) is pruned too."""
+    import multiprocessing
+
+    proc = multiprocessing.get_context("fork").Process(target=_prune_then_die, args=(str(tmp_path),))
+    proc.start()
+    proc.join()
+    assert proc.exitcode == 9
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-000002"]
+    leftovers = [p for p in root.iterdir() if p.name.startswith(".tmp-step-000001")]
+    assert leftovers  # the renamed directory and its lock, swept below
+    (root / "step-000000").mkdir()  # an empty step directory left by an older version
+    ckpt.write_checkpoint(tmp_path, _state(3), keep_last=1)
+    assert sorted(p.name for p in root.iterdir()) == ["step-000003"]

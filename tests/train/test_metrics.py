@@ -94,3 +94,27 @@ def test_a_float64_run_trains(tmp_path, docs, lora):
     res = train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs))
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert res.status == "completed" and all(r["grad_norm"] > 0 for r in recs if r["kind"] == "train")
+
+
+def test_a_full_disk_while_appending_a_record_names_metrics_jsonl(tmp_path):
+    """The per-step append's OSError named no file ('error: [Errno 28] No space left on device'; a checkpoint
+    walk): it names metrics.jsonl and the fix."""
+    import errno
+    import os
+
+    from chronicals.train.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path, False)
+    log.write({"kind": "train", "step": 1})
+
+    class Full:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def flush(self):
+            pass
+
+    log._fh = Full()
+    with pytest.raises(OSError, match=r"could not append to .*metrics.jsonl \(\[Errno 28\] No space left on device\); "
+                                      r"is its disk full\?"):
+        log.write({"kind": "train", "step": 2})

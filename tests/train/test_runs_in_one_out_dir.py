@@ -253,3 +253,38 @@ def test_the_runs_data_copy_is_replaced_whole(tmp_path):
     assert path.read_text() == before and sorted(p.name for p in path.parent.iterdir()) == ["heldout.jsonl"]
     write_chat_jsonl([{"question": "q2?", "answer": "b"}], path, "")
     assert '"q2?"' in path.read_text() and path.stat().st_ino != inode
+
+
+def test_resume_auto_without_checkpoints_over_a_finished_run_is_refused(tmp_path, docs, caplog):
+    """A finished run's checkpoints deleted (or moved away as an error advised): resume=auto started over from
+    step 0 without a word and, at its first record, deleted the run's adapter/ and metrics history, blaming
+    train.resume=none (a checkpoint walk). Refused before training, naming what is there and the fix; resume=none
+    starts over as asked, and says so in its own words."""
+    import shutil
+
+    from chronicals.config import ConfigError
+
+    lora = dict(lora__enabled=True, lora__targets=["q_proj", "v_proj"], train__max_steps=1, train__save_final=True)
+    run = tmp_path / "run"
+    _run(tmp_path, docs, **lora)
+    shutil.rmtree(run / "checkpoints")
+    before = (run / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match=r"train.resume=auto found no checkpoint in .*checkpoints, but .* holds an "
+                                          r"earlier run's adapter/: this run would start over from step 0"):
+        _run(tmp_path, docs, train__resume="auto", **lora)
+    assert (run / "adapter" / "adapter_model.safetensors").is_file() and (run / "metrics.jsonl").read_text() == before
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        _run(tmp_path, docs, train__resume="none", **dict(lora, train__save_final=False))
+    assert "(train.resume=none starts this out_dir over" in caplog.text and not (run / "adapter").exists()
+    shutil.rmtree(run / "checkpoints")
+    _run(tmp_path, docs, train__resume="auto", **lora)  # no final directory: a run stopped early starts over
+
+
+def test_an_own_resume_without_metrics_jsonl_says_where_the_file_starts(tmp_path, docs, caplog):
+    """Resuming out_dir's own checkpoint with metrics.jsonl gone restarted the file at step N+1 without a word (a
+    checkpoint walk; another run's checkpoint was already said)."""
+    _run(tmp_path, docs, train__max_steps=2)
+    (tmp_path / "run" / "metrics.jsonl").unlink()
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        _run(tmp_path, docs, train__max_steps=3, train__resume="auto")
+    assert "has no metrics.jsonl: it starts at step 3 (the records of steps 1..2" in caplog.text

@@ -131,6 +131,9 @@ def read_adapter_config(adapter_dir) -> dict:
                     "as --adapter (a LoRA run's) or --model (a full fine-tuning run's); in Python, "
                     "chronicals.train.apply_checkpoint_adapter(model, path) puts a LoRA run's adapter on its base, or "
                     "write its PEFT adapter with chronicals export --no-merge --adapter PATH --out DIR")
+    elif adapter_dir.parent.name == "checkpoints" and adapter_dir.name.startswith("step-"):
+        missing = (f"{adapter_dir} is a run's checkpoint directory without its state.pt (a removal or a write cut "
+                   f"short): pass another of {adapter_dir.parent}'s checkpoints, or the run's adapter folder")
     cfg = read_json_object(path, CONFIG_NAME, "save the adapter again (save_adapter / PEFT's save_pretrained)",
                            missing=missing)
     missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in cfg]

@@ -195,7 +195,9 @@ def write_checkpoint(out_dir: str | Path, state: dict, keep_last: int = 2) -> Pa
             _fsync(tmp / STATE_FILE)  # durable before the rename publishes it: no truncated state.pt after a power loss
         except BaseException as e:  # e.g. a full disk: leave nothing half-written behind
             shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, RuntimeError):  # torch.save's writer reports a full disk or a file-size limit so
+            # torch.save's writer reports a full disk or a file-size limit as a RuntimeError; fsync, where a full
+            # disk or quota shows on NFS or ext4's delayed allocation, as a bare OSError naming no file (a walk)
+            if isinstance(e, (RuntimeError, OSError)):
                 raise OSError(f"could not write checkpoint {final} ({e}); is the disk of train.out_dir={out_dir} "
                               "full? free space (or lower train.keep_last) and resume with train.resume=auto") from e
             raise
@@ -203,9 +205,28 @@ def write_checkpoint(out_dir: str | Path, state: dict, keep_last: int = 2) -> Pa
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync(root)  # the rename itself
-    for old in checkpoint_dirs(out_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    kept = checkpoint_dirs(out_dir)[-keep_last:]
+    for old in _step_dirs(out_dir):  # a step-N older than the kept ones without its state.pt too (a kill mid-removal)
+        if old not in kept and _step_of(old) < _step_of(kept[0]):
+            remove_checkpoint(old)
     return final
+
+
+def _step_of(ckdir: Path) -> int:
+    return int(_NAME.match(ckdir.name).group(1))
+
+
+def remove_checkpoint(ckdir: Path) -> None:
+    """Remove checkpoint directory ``ckdir``, renamed first to a write's temporary name (``.tmp-step-N-{pid}``):
+    a kill during the removal leaves a directory the next write sweeps (``remove_orphans``), not a step-N without
+    its state.pt that pruning never lists and that, as the newest, stops resume=auto (a SIGKILL walk left two)."""
+    trash = ckdir.with_name(f".tmp-{ckdir.name}-{os.getpid()}")
+    with writer_lock(trash):  # its lock file marks it as ours to sweep after a kill
+        try:
+            os.replace(ckdir, trash)
+        except OSError:  # e.g. a leftover of that name: remove in place
+            trash = ckdir
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 class CheckpointWriter:

@@ -202,6 +202,8 @@ def check_resume_path(cfg: TrainConfig) -> None:
     """ConfigError (exit status 2, as for a train.resume that does not exist) unless an explicit train.resume
     is a checkpoint directory (holding state.pt) or a state.pt file: found before the model loads. A run's
     out_dir given instead is answered with its newest checkpoint."""
+    if cfg.train.resume == "auto":
+        _check_auto_over_finished(cfg)
     if cfg.train.resume in ("auto", "none"):
         return
     from .checkpoint import latest_checkpoint
@@ -228,6 +230,28 @@ def check_resume_path(cfg: TrainConfig) -> None:
                           "train.resume")
     if path.is_file() and path.name != STATE_FILE:  # load_checkpoint would try it and blame its directory
         raise ConfigError(f"train.resume={cfg.train.resume} is a file, not a checkpoint; {fix}", "train.resume")
+
+
+def _check_auto_over_finished(cfg: TrainConfig) -> None:
+    """ConfigError when train.resume=auto finds no checkpoint in out_dir but an earlier run's final adapter/ or
+    model/ there: the run would start over from step 0 and, at its first record, delete them and metrics.jsonl's
+    history, without a word that it started over (a checkpoint walk: the checkpoints deleted, or moved away as an
+    error advised). A run stopped before its first checkpoint wrote no final directory: it starts over as before."""
+    from .checkpoint import latest_checkpoint
+
+    out = Path(cfg.train.out_dir).expanduser()
+    try:
+        if latest_checkpoint(out) is not None:
+            return
+    except OSError:  # out/checkpoints a file: check_out_dir's to say
+        return
+    finals = [f"{d.name}/" for d in (out / "adapter", out / "model") if d.is_dir() and not d.is_symlink()
+              and any(d.iterdir())]
+    if finals:
+        raise ConfigError(f"train.resume=auto found no checkpoint in {out / 'checkpoints'}, but {out} holds an earlier "
+                          f"run's {' and '.join(finals)}: this run would start over from step 0 and replace them "
+                          "(and metrics.jsonl's records); set train.resume=none to start this out_dir over, or "
+                          "another train.out_dir", "train.resume")
 
 
 LOCK_FILE = ".chronicals.lock"  # in train.out_dir while a run uses it (a dot-file: data readers skip it)

@@ -275,11 +275,11 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     starts_history = dp.is_main and not (resume_from is not None and ckpt.is_own(resume_from, out_dir))
 
     def forget_stale() -> None:
-        why = ("train.resume=none starts this out_dir over" if resume_from is None else
+        why = (f"train.resume={cfg.train.resume} starts this out_dir over" if resume_from is None else
                f"this run continues from {resume_from}")
         if stale:
             for d in stale:
-                shutil.rmtree(d, ignore_errors=True)
+                ckpt.remove_checkpoint(d)
             log.warning("removed %d checkpoint(s) of another run from %s: %s (%s)", len(stale), stale[0].parent,
                         ", ".join(d.name for d in stale), why if resume_from is None else f"{why}, not from them")
             stale.clear()

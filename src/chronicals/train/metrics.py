@@ -151,8 +151,12 @@ class MetricsLog:
     def write(self, rec: dict) -> None:
         self.open()
         self.records.append(rec)
-        self._fh.write(json.dumps(rec) + "\n")
-        self._fh.flush()
+        try:
+            self._fh.write(json.dumps(rec) + "\n")
+            self._fh.flush()
+        except OSError as e:  # a full disk named no file ('error: [Errno 28] ...'; a checkpoint walk)
+            raise OSError(f"could not append to {self.path} ({e}); is its disk full? free space and resume with "
+                          "train.resume=auto (the last checkpoint's records are kept)") from e
         self._add_scalars(rec)
 
     def open(self) -> None:

@@ -84,7 +84,7 @@ class RunReport:
             lines.append(f"{kind}: {result.final_dir}")
         if result.checkpoint is not None:
             lines.append(f"resumable checkpoint (weights + optimizer state; train.max_steps higher and "
-                         f"train.resume=auto train on from it, or delete it): {result.checkpoint}")
+                         f"train.resume=auto train on from it; a new run here sets train.resume=none): {result.checkpoint}")
         lines.append(f"metrics: {out / 'metrics.jsonl'}   config: {out / 'config.yaml'}")
         if result.plot is not None:
             lines.append(f"loss curve: {result.plot}")

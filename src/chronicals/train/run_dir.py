@@ -56,6 +56,9 @@ def _metrics_log(cfg: TrainConfig, out_dir: Path, resume_from: Path | None, star
     if resume_from is None:
         return MetricsLog(out_dir, tb, None, on_open=on_open)
     if ckpt.is_own(resume_from, out_dir):
+        if start > 0 and not (out_dir / "metrics.jsonl").exists():  # said as for another run's checkpoint (a walk)
+            log.warning("%s has no metrics.jsonl: it starts at step %d (the records of steps 1..%d, the held-out "
+                        "'before' included, are gone)", out_dir, start + 1, start)
         return MetricsLog(out_dir, tb, start, on_open=on_open)
     ckdir = resume_from if resume_from.is_dir() else resume_from.parent
     metrics = MetricsLog(out_dir, tb, None, on_open=on_open)  # out_dir's metrics.jsonl is replaced at the first record
