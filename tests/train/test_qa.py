@@ -143,3 +143,25 @@ def test_demo_beside_a_local_demo_folder_says_which_one_is_read(tmp_path, monkey
         qa_mod.warn_demo_shadows("./demo", "data.path")
     assert caplog.text.count("data.path=demo is chronicals' packaged demo data, not ./demo in this directory; to "
                              "read that one, pass data.path=./demo") == 1
+
+
+def test_keywords_match_whole_words_not_parts_of_longer_ones(tmp_path, monkeypatch):
+    """A substring test credited wrong answers with the demo's own keywords: "seven" in "seventeen", "1742" in
+    "17420", "green" and "gold" in "evergreen and golden" (a generation walk). Whole words now; punctuation beside
+    a keyword, keywords that begin or end with a symbol, and scripts without spaces still match."""
+    rows = [{"question": "q1", "answer": "seven islands", "keywords": ["seven"]},
+            {"question": "q2", "answer": "1742", "keywords": ["1742"]},
+            {"question": "q3", "answer": "green and gold", "keywords": ["green", "gold"]},
+            {"question": "q4", "answer": "C++", "keywords": ["C++"]},
+            {"question": "q5", "answer": "東京", "keywords": ["東京"]}]
+    qa = qa_mod.read_qa(write(tmp_path / "q.jsonl", rows))
+    wrong = ["It has seventeen islands.", "Founded in 17420 BC.", "It is evergreen and golden.", "C+", "大阪"]
+    right = ["Seven islands.", "In 1742.", "Green, and gold!", "Written in C++.", "東京都です"]
+    assert score(monkeypatch, qa, wrong) == [False] * 5
+    assert score(monkeypatch, qa, right) == [True] * 5
+
+
+def test_keywords_are_stripped_as_answers_are(tmp_path, monkeypatch):
+    """"Paris " never matched "Paris." (the answers are stripped, the keywords were not; a generation walk)."""
+    qa = qa_mod.read_qa(write(tmp_path / "q.jsonl", [{"question": "q", "answer": "Paris", "keywords": [" Paris "]}]))
+    assert qa[0]["keywords"] == ["Paris"] and score(monkeypatch, qa, ["Paris."]) == [True]

@@ -2,8 +2,9 @@
 
 A held-out file holds one JSON object per line (.jsonl) or a JSON array (.json) of
 {"question": str, "answer": str, "keywords": [str] or str (optional)}. An answer counts as right when it contains
-every keyword (case-insensitive); a string is one keyword ("Lake Ostrel", never split); without keywords, the
-reference answer's whole text is the keyword.
+every keyword (case-insensitive) as whole words: "seven" is not in "seventeen", nor "1742" in "17420" (``has_keyword``);
+a string is one keyword ("Lake Ostrel", never split); without keywords, the reference answer's whole text is the
+keyword.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import re
 import unicodedata
 from dataclasses import dataclass
 from importlib import resources
@@ -192,7 +194,8 @@ def _qa_record(rec: dict, where: str) -> dict:
             check_text(k, f"keywords[{j}]")
         except FormatError as e:
             raise DataError(f"{where}: {e}; {want}") from None
-    return {"question": question, "answer": ans, "keywords": kws}
+    # stripped as the answers are: "Paris " never matched "Paris." (a generation walk)
+    return {"question": question, "answer": ans, "keywords": [k.strip() for k in kws]}
 
 
 def heldout_system_prompt(data) -> str:
@@ -293,9 +296,24 @@ def answer_many(model, tokenizer, questions: list[str], system_prompt: str, max_
 def answer_all(model, tokenizer, qa: list[dict], system_prompt: str, max_new_tokens: int) -> QAResult:
     answers = answer_many(model, tokenizer, [r["question"] for r in qa], system_prompt, max_new_tokens)
     # no keywords is never right: all() over an empty list would count every answer, even an empty one
-    correct = [bool(kw := r.get("keywords")) and all(_fold(k) in _fold(a) for k in kw)
-               for r, a in zip(qa, answers)]
+    correct = [bool(kw := r.get("keywords")) and all(has_keyword(a, k) for k in kw) for r, a in zip(qa, answers)]
     return QAResult(answers, correct)
+
+
+def has_keyword(answer: str, keyword: str) -> bool:
+    """Whether ``answer`` holds ``keyword`` (case-folded) as whole words: where the keyword begins or ends with a
+    letter or digit, the answer's neighbouring character must not be one ("seven" is not in "seventeen", "1742" not
+    in "17420", "gold" not in "golden": a substring test credited those; a generation walk). Scripts written without
+    spaces (CJK, Thai: letters of Unicode category Lo) keep the plain substring test at that edge."""
+    key = _fold(keyword)
+    if not key:
+        return False
+
+    def bounded(ch: str) -> bool:
+        return ch.isalnum() and unicodedata.category(ch) != "Lo"
+
+    pattern = (r"(?<!\w)" if bounded(key[0]) else "") + re.escape(key) + (r"(?!\w)" if bounded(key[-1]) else "")
+    return re.search(pattern, _fold(answer)) is not None
 
 
 def _fold(text: str) -> str:
