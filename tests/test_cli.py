@@ -680,6 +680,19 @@ def test_chat_in_a_terminal_streams_answers_and_keeps_the_conversation(tmp_path,
     assert "/reset starts the conversation over" in err and err.count("> ") == 3  # before each line, and at Ctrl-D
 
 
+def test_chat_reads_strictly_decoded_stdin_line_by_line(tiny_base, monkeypatch, capsys):
+    """Under PYTHONIOENCODING=utf-8 stdin decodes strictly: one bad byte stopped the session with a bare codec
+    error (exit 3) before any line was answered (a generation walk). Now the bad line is said and skipped."""
+    import io
+
+    stdin = io.TextIOWrapper(io.BytesIO(b"hi\n\xff\xfe bad\nok\n"), encoding="utf-8", errors="strict")
+    monkeypatch.setattr("sys.stdin", stdin)
+    assert main(["chat", "--model", str(tiny_base), "--device", "cpu", "--max-new-tokens", "2"]) == 3
+    out, err = capsys.readouterr()
+    assert "> hi\n" in out and "> ok\n" in out, out
+    assert "error: stdin line" in err and "is not valid UTF-8 (byte 0xff" in err, err
+
+
 def test_chat_prompts_that_are_not_utf8_are_bad_input_not_a_crash(tiny_base, monkeypatch, capsys):
     """A command line's undecodable byte reaches Python as a lone surrogate, which the tokenizer refused with a
     TypeError (exit 4). Given prompts and --system exit 2 naming the byte; a piped line is said and skipped (exit 3

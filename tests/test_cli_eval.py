@@ -158,6 +158,8 @@ def test_a_question_answer_file_gets_the_keyword_accuracy_of_greedy_answers(tiny
     assert got["examples"] == 3 and got["loss_tokens"] > 0
     limited = _eval(["--model", parrot, qa_file, "--max-new-tokens", "6", "--qa-limit", str(right + 1)], tmp_path)
     assert (limited["qa"]["total"], limited["qa"]["correct"]) == (right + 1, 1) and limited["loss"] == got["loss"]
+    # the answers depend on these: the file says them (a generation walk)
+    assert (got["max_new_tokens"], got["qa_limit"]) == (6, 0) and limited["qa_limit"] == right + 1
     demo = _eval(["--model", tiny_base, "demo", "--max-new-tokens", "2", "--qa-limit", "2"], tmp_path)
     assert demo["qa"]["system_prompt"] == DEMO_SYSTEM_PROMPT and demo["qa"]["total"] == 2 and demo["examples"] > 2
 

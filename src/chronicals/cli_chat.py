@@ -120,7 +120,7 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
                                                                   else ")"), file=sys.stderr)
         prompts = _typed()
     elif not prompts:
-        prompts = (line.strip() for line in sys.stdin)  # one prompt per line; blank lines are skipped
+        prompts = (line.strip() for line in _stdin_lines())  # one prompt per line; blank lines are skipped
     sampler = None
     if a.temperature:  # one generator for the session: each answer draws on from where the last one stopped
         import torch
@@ -180,11 +180,27 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     return 3 if refused else 0  # 3: bad input, as a data file's bad record
 
 
+def _decoded(raw: bytes) -> str:
+    """A line of stdin's bytes as text, undecodable bytes kept as surrogates (``_not_utf8`` names the line)."""
+    return raw.decode(sys.stdin.encoding or "utf-8", errors="surrogateescape")
+
+
+def _stdin_lines():
+    """stdin's lines, each decoded apart: under PYTHONIOENCODING=utf-8 (strict) one bad byte stopped the session
+    with a bare codec error before any line was answered (a generation walk); now that line is refused, said, and
+    the next one is read, as under the default surrogateescape."""
+    if not hasattr(sys.stdin, "buffer"):  # a StringIO put in its place (tests, embedding)
+        yield from sys.stdin
+        return
+    for raw in sys.stdin.buffer:
+        yield _decoded(raw)
+
+
 def _typed():
     """The lines typed at a terminal, each after a "> " on stderr (stdout holds the answers only), to Ctrl-D."""
     while True:
         print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
+        line = _decoded(sys.stdin.buffer.readline()) if hasattr(sys.stdin, "buffer") else sys.stdin.readline()
         if not line:
             print(file=sys.stderr)  # the shell's prompt on its own line after Ctrl-D
             return

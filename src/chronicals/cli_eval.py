@@ -145,6 +145,8 @@ def cmd_eval(argv: list[str]) -> int:
     result.settings = {"model": a.model, "adapter": a.adapter, "device": str(dev), "dtype": dtype,
                        "format": a.format, "train_on": a.train_on, "max_seq_len": a.max_seq_len,
                        "batch_size": a.batch_size, "on_long": a.on_long}
+    if result.system_prompt is not None:  # QA: the answers and their accuracy depend on these (a generation walk)
+        result.settings.update(max_new_tokens=a.max_new_tokens, qa_limit=a.qa_limit)
     print(f"model: {a.model}" + (f" + adapter {a.adapter}" if a.adapter else ""))
     print(result.summary())
     if a.json is not None:
