@@ -44,11 +44,14 @@ def llama_cpp_rows(arch: str, name: str, t: torch.Tensor, heads: int, kv: int) -
 
 
 def write_gguf(path, arch: str, cfg: dict, sd: dict[str, torch.Tensor], quantize: bool = True,
-               raw: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None) -> None:
+               raw: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
+               endianess=None, more=None) -> None:
     """Write ``sd`` (HF names) as llama.cpp would: Q/K rows permuted for ``llama``, matrices whose rows
     are a multiple of 32 in Q8_0 (others F32), tied lm_head left out. ``raw``: HF name -> (bytes (rows,
     nbytes) uint8, type) written as they are instead of that tensor."""
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, **({"endianess": endianess} if endianess is not None else {}))
+    if more is not None:  # more metadata: more(writer)
+        more(w)
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     w.add_block_count(cfg["num_hidden_layers"])
@@ -330,3 +333,71 @@ def test_a_gguf_file_exports_to_a_hugging_face_directory(tmp_path, tiny_hf_confi
     ids = torch.randint(0, cfg["vocab_size"], (1, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(ours(ids), ref(ids).logits, atol=1e-5, rtol=1e-4)
+
+
+def test_a_big_endian_gguf_is_refused_not_read_byte_swapped(tmp_path, tiny_hf_config):
+    """The gguf reader gives a big-endian file's metadata right and its tensors as big-endian arrays, which
+    dequantize read as little-endian: every weight garbage, logits not finite, no word (a GGUF walk)."""
+    cfg, model = _tiny(tiny_hf_config, "llama2")
+    path = tmp_path / "be.gguf"
+    write_gguf(path, "llama", cfg, model.state_dict(), quantize=False, endianess=gguf.GGUFEndian.BIG)
+    with pytest.raises(ValueError, match=r"be\.gguf: a big-endian GGUF file; .*gguf_convert_endian\.py"):
+        chronicals.load_model(path, tokenizer=False)
+
+
+def test_a_part_of_a_split_gguf_says_so(tmp_path, tiny_hf_config):
+    """Part 1 of a gguf-split set was called damaged ("convert the model again"), the others said to lack their
+    architecture (a GGUF walk): each names its part and how to merge."""
+    cfg, model = _tiny(tiny_hf_config, "llama2")
+    path = tmp_path / "m-00001-of-00002.gguf"
+
+    def split(w):
+        w.add_uint16("split.no", 0)
+        w.add_uint16("split.count", 2)
+
+    write_gguf(path, "llama", cfg, model.state_dict(), quantize=False, more=split)
+    with pytest.raises(ValueError, match=r"part 1 of 2 of a split GGUF .*llama-gguf-split --merge"):
+        chronicals.load_model(path, tokenizer=False)
+
+
+def test_a_gguf_with_a_long_file_name_loads(tmp_path, tiny_hf_config, monkeypatch):
+    """A valid 246-byte file name made a cache entry name past 255 bytes: 'File name too long', naming the cache
+    (a GGUF walk). The entry's stem is cut; shorter names keep their entry names."""
+    monkeypatch.setenv("CHRONICALS_CACHE", str(tmp_path / "cache"))
+    cfg, model = _tiny(tiny_hf_config, "llama2")
+    path = tmp_path / ("x" * 240 + ".gguf")
+    write_gguf(path, "llama", cfg, model.state_dict(), quantize=False)
+    loaded, _ = chronicals.load_model(path, tokenizer=False)
+    torch.testing.assert_close(loaded.state_dict()["model.norm.weight"], model.state_dict()["model.norm.weight"])
+    assert len(gguf_cache.cache_dir_for(path).name.encode()) == 180 + 17
+
+
+def test_a_cache_path_with_a_tilde_is_expanded(tmp_path, monkeypatch):
+    """CHRONICALS_CACHE="~/cc" (quoted, or a Docker ENV: not expanded) wrote the conversion to $HOME/cc and looked
+    for it in ./~/cc (a GGUF walk); data.cache_dir too."""
+    from chronicals.train.setup import tokenization_cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("CHRONICALS_CACHE", "~/cc")
+    assert gguf_cache.cache_root() == tmp_path / "cc"
+    assert tokenization_cache_dir("~/tok") == tmp_path / "tok"
+
+
+def test_a_full_disk_while_writing_the_tokenizer_is_an_oserror_naming_the_output(tmp_path):
+    """The tokenizers library reports a full disk as a bare Exception ('... (os error 28)'): exit 4 and a
+    traceback from chat and export (a GGUF walk). An OSError naming the output; other errors pass as they are."""
+    from chronicals.models.hf_io import save_tokenizer
+
+    class Full:
+        def save_pretrained(self, d):
+            raise Exception("No space left on device (os error 28)")
+
+    class Bug:
+        def save_pretrained(self, d):
+            raise Exception("something else")
+
+    with pytest.raises(OSError, match=r"could not write the tokenizer files of .*out \(No space left on device "
+                                      r"\(os error 28\)\); is its disk full\?"):
+        save_tokenizer(Full(), tmp_path, tmp_path / "out")
+    with pytest.raises(Exception, match="something else"):
+        save_tokenizer(Bug(), tmp_path, tmp_path / "out")

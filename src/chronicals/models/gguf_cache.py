@@ -27,7 +27,7 @@ from importlib import metadata
 from pathlib import Path
 
 from .config import GGUF_CONVERSION_RECORD
-from .hf_io import atomic_dir
+from .hf_io import atomic_dir, save_tokenizer
 from .orphans import remove_tree, tree_bytes
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,9 @@ PRUNE_AFTER_S = 600
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("CHRONICALS_CACHE") or Path.home() / ".cache" / "chronicals")
+    """$CHRONICALS_CACHE (``~`` expanded: set in quotes or a Docker ENV it is not, and the conversion went to
+    $HOME while its load looked in ./~; a GGUF walk), else ~/.cache/chronicals."""
+    return Path(os.environ.get("CHRONICALS_CACHE") or Path.home() / ".cache" / "chronicals").expanduser()
 
 
 def _identity(p: Path, st: os.stat_result, version: int, legacy: bool = False) -> str:
@@ -58,8 +60,15 @@ def _identity(p: Path, st: os.stat_result, version: int, legacy: bool = False) -
     return f"{p}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}|v{version}"
 
 
+def _entry_stem(p: Path) -> str:
+    """The GGUF's stem, cut to its first 180 bytes: a file named with 244-255 bytes (a valid name) made an entry
+    name past the file system's 255 ('File name too long', naming the cache; a GGUF walk). Up to 180 bytes the
+    names are as before, with room for the ``.{name}.tmp-*`` and ``.pruned-*`` names made beside them."""
+    return p.stem.encode()[:180].decode(errors="ignore")
+
+
 def _entry_name(p: Path, ident: str) -> str:
-    return f"{p.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+    return f"{_entry_stem(p)}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
 
 
 def cache_dir_for(gguf_path: str | Path) -> Path:
@@ -229,7 +238,7 @@ def _retry_tokenizer(p: Path, out: Path, rec: dict, stamp: dict, convert_tokeniz
                         os.link(f, tmp / f.name)
                     except OSError:  # a file system without hard links
                         shutil.copy2(f, tmp / f.name)
-            tok.save_pretrained(str(tmp))
+            save_tokenizer(tok, tmp, out)
         log.info("%s: its tokenizer converts now; added to %s", p, out)
     except OSError as e:
         log.warning("could not update %s with the retried tokenizer conversion of %s (%s)", out, p, e)
@@ -249,8 +258,8 @@ def prune_older_entries(p: Path, keep: Path, st: os.stat_result | None = None) -
     ``.{name}.pruned-*`` directory first, so a reader sees the whole entry or none (and converts again), then
     removed. A failure is a warning: the load goes on."""
     parent, st = keep.parent, st or p.stat()
-    entry_re = re.compile(rf"{re.escape(p.stem)}-[0-9a-f]{{16}}")
-    trash_re = re.compile(rf"\.{re.escape(p.stem)}-[0-9a-f]{{16}}\.pruned-\d+-[0-9a-f]{{8}}")
+    entry_re = re.compile(rf"{re.escape(_entry_stem(p))}-[0-9a-f]{{16}}")
+    trash_re = re.compile(rf"\.{re.escape(_entry_stem(p))}-[0-9a-f]{{16}}\.pruned-\d+-[0-9a-f]{{8}}")
     legacy = {_entry_name(p, _identity(p, st, v, old))  # the present file's entries under every earlier key
               for v in range(1, CONVERTER_VERSION + 1) for old in (False, True)} - {keep.name}
     now, removed, freed = time.time(), [], 0

@@ -38,7 +38,7 @@ from .decoder import CausalLM
 from .gguf_cache import CACHE_ENTRY, TOKENIZER_ERROR, cached_conversion, tokenizer_error_json
 from .gguf_cache import cache_root, tokenizer_error  # noqa: F401 (re-exported: train.setup and models.loading)
 from .gguf_tokenizer import convert_tokenizer
-from .hf_io import MODEL_DIR_FILES, atomic_dir, expected_names, write_state_dict
+from .hf_io import MODEL_DIR_FILES, atomic_dir, expected_names, save_tokenizer, write_state_dict
 
 # GGUF architecture -> (HF model_type, Q/K rows permuted by llama.cpp's converter)
 SUPPORTED_GGUF_ARCHS = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
@@ -107,6 +107,23 @@ def _field(reader, key: str, default=None, required: bool = False, source: str =
             raise ValueError(f"{source}: metadata key {key!r} is missing; cannot build the model config")
         return default
     return f.contents()
+
+
+def refuse_foreign_layout(reader, source: str) -> None:
+    """ValueError for a GGUF this reader would read wrong or in part (a GGUF walk): a big-endian file (llama.cpp's
+    --bigendian; the gguf reader gives its metadata right, but its tensors as big-endian arrays that dequantize
+    reads as little-endian: every weight garbage, silently) and one part of a split set (llama.cpp's gguf-split:
+    part 1 read as a damaged file, the others as missing their architecture)."""
+    if getattr(reader, "byte_order", "I") == "S":
+        raise ValueError(f"{source}: a big-endian GGUF file; chronicals reads little-endian ones: convert it with "
+                         "gguf-py's gguf_convert_endian.py (gguf_convert_endian.py FILE little), or use the model's "
+                         "little-endian release")
+    count = _field(reader, "split.count", 0)
+    if isinstance(count, int) and count > 1:
+        part = _field(reader, "split.no", 0)
+        raise ValueError(f"{source}: part {part + 1 if isinstance(part, int) else '?'} of {count} of a split GGUF "
+                         "(llama.cpp's gguf-split); merge the parts into one file first: llama-gguf-split --merge "
+                         "FIRST-PART.gguf MERGED.gguf, then load MERGED.gguf")
 
 
 def _f32(x: float) -> float:
@@ -315,6 +332,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = 
                 "convert_hf_to_gguf.py --outtype f16), or load its Hugging Face safetensors release") from e
         raise ValueError(f"{source}: not a readable GGUF file ({type(e).__name__}: {e}); "
                          "the file is truncated or corrupt, copy it again") from e
+    refuse_foreign_layout(reader, source)
     cfg_dict = gguf_config(reader, source)
     cfg = ModelConfig.from_hf_dict(cfg_dict, source=source)
     sd = gguf_state_dict(reader, cfg_dict, source)
@@ -337,7 +355,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = 
             if tok is None:  # the weights still load
                 (tmp / TOKENIZER_ERROR).write_text(tokenizer_error_json(why))
             else:
-                tok.save_pretrained(str(tmp))
+                save_tokenizer(tok, tmp, Path(out_dir))
     return Path(out_dir)
 
 

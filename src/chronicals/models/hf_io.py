@@ -480,5 +480,18 @@ def save_hf_dir(model: CausalLM, tokenizer, out_dir: str | Path, *, generation_c
         elif getattr(model, "source_generation_config", None) is not None:
             (tmp / GENERATION_CONFIG).write_bytes(model.source_generation_config)
         if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
+            save_tokenizer(tokenizer, tmp, out_dir)
     return out_dir
+
+
+def save_tokenizer(tokenizer, directory: Path, target: Path) -> None:
+    """``tokenizer.save_pretrained(directory)`` for the output ``target``. The tokenizers library's Rust writer
+    reports a full disk as a bare Exception ("No space left on device (os error 28)"), which got past every handler:
+    exit 4 with a traceback (a GGUF walk). Such errors, and OSErrors, become an OSError naming ``target``."""
+    try:
+        tokenizer.save_pretrained(str(directory))
+    except Exception as e:
+        if isinstance(e, OSError) or "os error" in str(e).lower():
+            raise OSError(f"could not write the tokenizer files of {target} ({e}); is its disk full? free space and "
+                          "run again") from e
+        raise

@@ -196,7 +196,7 @@ def tokenization_cache_dir(setting: str) -> Path | None:
 
     if setting == "none":
         return None
-    return Path(setting) if setting else cache_root() / "data"
+    return Path(setting).expanduser() if setting else cache_root() / "data"
 
 
 def _warn_rows_left_out(loader, d) -> None:
