@@ -165,6 +165,36 @@ def _lora_kwargs(record: dict | None, cfg: TrainConfig) -> dict:
                 use_rslora=lora.rslora, group=lora.group, modules_to_save=tuple(lora.modules_to_save))
 
 
+def _untie_as_trained(model: torch.nn.Module, rec, names: set[str]) -> None:
+    """Untie tied saved modules (lm_head, embed_tokens) the way the checkpoint's run had them: a run continued
+    from a PEFT adapter that trained lm_head alone, or both with different values, trained them untied
+    (``load_adapter``: ``_untie_if_partial`` / ``_untie_if_different``), and its checkpoint holds ``lm_head.weight``
+    where ``apply_lora`` re-tied the pair under ``model.embed_tokens.weight``: every such checkpoint was refused as
+    "does not fit this base" (a LoRA walk). ``names``: the checkpoint's tensor names. A tied member the checkpoint
+    holds gets its own trainable Parameter; one it does not hold stays on the frozen base tensor and is no longer
+    saved."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for name in rec.saved_modules:
+        for pname, p in model.get_submodule(name).named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((name, pname))
+    listed = {id(p): n for n, p in model.named_parameters()}  # a shared Parameter under its first owner's name
+    dropped = set()
+    for key, group in owners.items():
+        held = [i for i, (n, pn) in enumerate(group) if f"{n}.{pn}" in names]
+        if len(group) < 2 or not held or [f"{group[i][0]}.{group[i][1]}" for i in held] == [listed.get(key)]:
+            continue  # tied, as apply_lora ties it
+        shared = getattr(model.get_submodule(group[0][0]), group[0][1])
+        for i, (n, pn) in enumerate(group):
+            if i in held:
+                setattr(model.get_submodule(n), pn, torch.nn.Parameter(shared.detach().clone(), requires_grad=True))
+            else:
+                dropped.add(n)
+        shared.requires_grad_(False)
+        if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+            model.config.tie_word_embeddings = False
+    rec.saved_modules = [n for n in rec.saved_modules if n not in dropped]
+
+
 def apply_checkpoint_adapter(model: torch.nn.Module, path: str | Path, adapter_dtype: torch.dtype | None = None):
     """Put the adapter of the LoRA run's checkpoint ``path`` on ``model`` (its base, not yet adapted) in place: LoRA
     with the run's settings, then the checkpoint's tensors. ValueError naming the checkpoint when they do not fit
@@ -180,6 +210,7 @@ def apply_checkpoint_adapter(model: torch.nn.Module, path: str | Path, adapter_d
         odd = sorted(set(rec.lora_modules) ^ set(ck.lora_modules))
         raise ValueError(f"checkpoint {path} does not fit this base: its LoRA targets match other modules here (e.g. "
                          f"{odd[0]}); it was trained on {ck.base or 'a model it does not name'}; pass that model")
+    _untie_as_trained(model, rec, set(ck.tensors))
     params = dict(model.named_parameters())
     trainable = {n for n, p in params.items() if p.requires_grad}
     shapes = [n for n, t in ck.tensors.items() if n in params and t.shape != params[n].shape]
