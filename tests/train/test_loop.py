@@ -620,6 +620,29 @@ def test_cuda_graphs_true_where_they_cannot_run_is_refused_before_loading(tmp_pa
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_a_passed_adapted_model_trains_its_adapters_and_saved_modules_only(tmp_path, docs):
+    """A config asking for lora.modules_to_save=[embed_tokens] on adapters that save nothing trained none, without
+    a word; a parameter unfrozen by hand after apply_lora trained and was missing from adapter/ (a LoRA walk). The
+    first is refused naming the key, the second naming the parameter; the adapters' own saved modules (with the
+    tied partner apply_lora adds) pass."""
+    from chronicals.lora import apply_lora
+
+    over = dict(lora__enabled=True, lora__rank=4, lora__alpha=8, train__max_steps=1)
+    model = tiny_model()
+    apply_lora(model, r=4, alpha=8, seed=0)
+    with pytest.raises(ConfigError, match=r"lora.modules_to_save=\['embed_tokens'\] \(the adapters train none\)"):
+        train(tiny_config(tmp_path, lora__modules_to_save=["embed_tokens"], **over), model=model,
+              train_loader=SyntheticLoader(docs))
+    model.model.norm.weight.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"trainable parameters outside them: \['model.norm.weight'\]"):
+        train(tiny_config(tmp_path, **over), model=model, train_loader=SyntheticLoader(docs))
+    saving = tiny_model()
+    apply_lora(saving, r=4, alpha=8, seed=0, modules_to_save=["lm_head"])
+    res = train(tiny_config(tmp_path / "ok", lora__modules_to_save=["lm_head"], **over), model=saving,
+                train_loader=SyntheticLoader(docs))
+    assert res.status == "completed"
+
+
 def test_a_passed_model_needs_a_tokenizer_and_its_adapters_must_fit_the_config(tmp_path, docs, caplog):
     """train(cfg, model=m) without a tokenizer said 'needs a fast tokenizer; got NoneType' after it had injected
     LoRA into m; a retry with another rank then trained the first rank's adapters without a word. The tokenizer is

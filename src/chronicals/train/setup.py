@@ -41,6 +41,7 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
     """Move to device/dtype, set impl and checkpointing, inject LoRA (or unfreeze all), compile layers."""
     if cfg.lora.enabled and getattr(model, "lora_config", None) is not None:
         _check_adapters_fit(model, cfg)  # before the model is touched
+        _check_only_adapters_train(model)
     model.to(device=device, dtype=dtype)
     model.set_impl(cfg.model.impl)
     n_layers = len(model.model.layers)
@@ -104,7 +105,7 @@ def _check_adapters_fit(model, cfg: TrainConfig) -> None:
     from dataclasses import asdict
 
     from ..config import LoraSection
-    from ..lora.inject import name_matches
+    from ..lora.inject import _tied_partners, name_matches
 
     rec, lo, default = model.lora_config, cfg.lora, asdict(LoraSection())
     names, targets = list(rec.lora_modules), tuple(lo.targets)
@@ -117,6 +118,13 @@ def _check_adapters_fit(model, cfg: TrainConfig) -> None:
               if theirs != ours]
     if not same_targets:
         differ.append(("targets", f"lora.targets={list(targets)} (the adapters are on {on})"))
+    # modules_to_save: each asked for is one the adapters train, and each they train was asked for (or is the tied
+    # partner apply_lora adds); it was not compared, and a config asking for embed_tokens trained none (a LoRA walk)
+    asked = [n for n in rec.saved_modules if lo.modules_to_save and name_matches(n, tuple(lo.modules_to_save))]
+    if any(not any(name_matches(n, (k,)) for n in rec.saved_modules) for k in lo.modules_to_save) or \
+            set(rec.saved_modules) - set(asked) - set(_tied_partners(model, asked)):
+        differ.append(("modules_to_save", f"lora.modules_to_save={list(lo.modules_to_save)} (the adapters train "
+                                          f"{rec.saved_modules or 'none'})"))
     said = [text for key, text in differ if getattr(lo, key) != default[key]]
     if said:
         raise ConfigError(f"the model passed to train() already has LoRA adapters (model.lora_config), which it "
@@ -128,6 +136,23 @@ def _check_adapters_fit(model, cfg: TrainConfig) -> None:
         log.warning("the model passed to train() has its own LoRA adapters, trained as they are: %s (left at their "
                     "defaults in the config); set them to the adapters' values to silence this",
                     "; ".join(text for _, text in differ))
+
+
+def _check_only_adapters_train(model) -> None:
+    """ValueError naming the parameters of an adapted model passed to train() that would train but are no part of
+    its adapter (not LoRA's A or B, not in a module of modules_to_save): unfrozen by hand after apply_lora or
+    load_adapter, they trained and were then missing from adapter/ (their values lost; a LoRA walk)."""
+    rec = model.lora_config
+    mine = {id(p) for n in rec.saved_modules for p in model.get_submodule(n).parameters()}
+    mine |= {id(p) for n in rec.lora_modules for part in ("lora_A", "lora_B")
+             for p in getattr(model.get_submodule(n), part).parameters()}
+    stray = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in mine]
+    if stray:
+        more = f" and {len(stray) - 3} more" if len(stray) > 3 else ""
+        raise ValueError(f"the model passed to train() has LoRA adapters and trainable parameters outside them: "
+                         f"{stray[:3]}{more}; the adapter saves only LoRA's A and B and its modules_to_save, so "
+                         "their training would be lost. Freeze them (p.requires_grad_(False)), or train their "
+                         "modules in full with apply_lora(..., modules_to_save=[...]) on the base model")
 
 
 def load_base(cfg: TrainConfig, device: torch.device, dtype: torch.dtype):
