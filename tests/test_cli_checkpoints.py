@@ -314,12 +314,15 @@ def test_a_relative_model_path_is_recorded_as_the_model_that_run_loaded(tiny_bas
 def test_a_model_passed_to_train_with_its_own_lora_exports_as_trained(tiny_base, tmp_path, capsys):
     """A model given to train() already adapted (alpha 4, scaling 1) keeps its LoRA; the checkpoint was rebuilt from
     the config's lora section (alpha 32) and merged 8x the update without a word. The applied settings are recorded
-    now; a model passed without chronicals_base names no base, and the export asks for one instead of guessing."""
+    now; a model passed without chronicals_base names no base, and the export asks for one instead of guessing.
+    load_model records it (a run continued from a loaded model wrote base null: a LoRA walk)."""
     from chronicals import load_model
     from chronicals.lora import apply_lora
     from chronicals.train import train
 
     model, tok = load_model(tiny_base)
+    assert model.chronicals_base == str(tiny_base.resolve())
+    model.chronicals_base = None  # as a model built without load_model
     apply_lora(model, r=4, alpha=4, seed=0)
     out = tmp_path / "run"
     train({"train": {"out_dir": str(out), "max_steps": 2, "save_every": 1}, "lora": {"rank": 4},

@@ -273,3 +273,48 @@ def test_an_empty_checkpoint_directory_as_an_adapter_says_what_it_is(tmp_path):
     step.mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match=r"step-000005 is a run's checkpoint directory without its state.pt"):
         read_adapter_config(step)
+
+
+def test_an_adapter_with_whole_embedding_layers_says_what_it_holds(tmp_path):
+    """PEFT's save_embedding_layers=True (its "auto" after resize_token_embeddings) writes embed_tokens and lm_head
+    whole: refused as "was it saved for a different model?" even on its own base (a LoRA walk). The refusal names
+    the layers and the fix."""
+    import peft
+    import pytest
+    import transformers
+
+    from chronicals import load_model, save_model
+    from chronicals.lora import load_adapter
+    from chronicals.models import CausalLM, ModelConfig
+
+    cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    base = save_model(CausalLM(ModelConfig.from_hf_dict(cfg.to_dict())).init_weights(seed=0), None, tmp_path / "b")
+    pm = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base),
+                             peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    pm.save_pretrained(tmp_path / "peft", save_embedding_layers=True)
+    model, _ = load_model(base, tokenizer=False)
+    with pytest.raises(ValueError, match=r"holds whole embedding layers outside its modules_to_save .*"
+                                         r"save_embedding_layers=True"):
+        load_adapter(model, tmp_path / "peft")
+
+
+def test_an_adapter_of_a_loaded_model_records_its_base(tmp_path):
+    """load_model recorded no base: a run continued from a loaded model (load_adapter, then train(model=...)) wrote
+    base_model_name_or_path null, and export / chat / eval --adapter fell back to the embedded model (a LoRA walk)."""
+    import transformers
+
+    from chronicals import load_model, save_model
+    from chronicals.lora import apply_lora, save_adapter
+    from chronicals.models import CausalLM, ModelConfig
+
+    cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    base = save_model(CausalLM(ModelConfig.from_hf_dict(cfg.to_dict())).init_weights(seed=0), None, tmp_path / "b")
+    model, _ = load_model(base, tokenizer=False)
+    apply_lora(model, r=4, alpha=8, seed=0)
+    saved = json.loads((save_adapter(model, tmp_path / "a") / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == str(base.resolve())
+    other = json.loads((save_adapter(model, tmp_path / "c", base_model_name_or_path="x") / "adapter_config.json")
+                       .read_text())
+    assert other["base_model_name_or_path"] == "x"

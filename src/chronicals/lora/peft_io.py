@@ -93,8 +93,11 @@ def save_adapter(model: nn.Module, out_dir, base_model_name_or_path: str | None 
     """Write ``out_dir``/adapter_config.json and adapter_model.safetensors atomically (``models.hf_io.atomic_dir``:
     a temporary directory beside ``out_dir`` renamed into place, so a crash never leaves half an adapter). An
     existing ``out_dir`` is replaced when it holds nothing but those two files; else FileExistsError.
-    ``value``: as ``adapter_state_dict``'s."""
+    ``value``: as ``adapter_state_dict``'s. ``base_model_name_or_path`` None: the model's own record
+    (``model.chronicals_base``, which load_model sets), so that export, chat and eval --adapter find the base."""
     rec = _require_record(model, "save_adapter")
+    if base_model_name_or_path is None:
+        base_model_name_or_path = getattr(model, "chronicals_base", None)
     out = Path(out_dir).expanduser()  # the path returned is the one written (it was "~/a")
     with atomic_dir(out, owned=(CONFIG_NAME, WEIGHTS_NAME)) as tmp:
         save_safetensors(adapter_state_dict(model, value), tmp / WEIGHTS_NAME)
@@ -312,6 +315,16 @@ def _fill(model: nn.Module, rec: LoraRecord, tensors: dict[str, torch.Tensor], w
             expected[f"{PREFIX}{name}.{pname}"] = p
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or unexpected:
+        # PEFT's save_embedding_layers=True (its "auto" after resize_token_embeddings) writes the whole embedding
+        # and head outside modules_to_save: "a different model?" was the wrong diagnosis (a LoRA walk)
+        layers = [k for k in unexpected if k.endswith(("embed_tokens.weight", "lm_head.weight"))
+                  and k.removeprefix(PREFIX).rsplit(".", 1)[0] not in rec.saved_modules]
+        if not missing and layers and len(layers) == len(unexpected):
+            raise ValueError(f"load_adapter {wpath}: the adapter holds whole embedding layers outside its "
+                             f"modules_to_save ({', '.join(layers)}): PEFT's save_pretrained(save_embedding_layers="
+                             "True), or 'auto' after resize_token_embeddings. chronicals does not load these; save "
+                             "the adapter again with the layers in modules_to_save (or save_embedding_layers=False "
+                             "if the vocabulary was not resized), or merge it with PEFT and load the merged model")
         raise ValueError(f"load_adapter {wpath}: missing keys {missing[:4]} ({len(missing)}), unexpected keys "
                          f"{unexpected[:4]} ({len(unexpected)}); was it saved for a different model?")
     for key, p in expected.items():

@@ -155,7 +155,8 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None, dev
     it. dtype: None keeps the checkpoint's dtype (float32 for GGUF, dequantized), or a torch dtype or its name
     ("bfloat16"). device: default CPU ("cuda" needs a visible GPU: else a ValueError before anything is read).
     impl: the ops implementation ("auto" | "triton" | "torch", see chronicals.ops).
-    tokenizer=False skips the tokenizer (for directories that have none).
+    tokenizer=False skips the tokenizer (for directories that have none). ``model.chronicals_base`` records the
+    path (absolute) or short name: what an adapter saved from it names as its base.
     A bad ``impl`` (not auto | triton | torch, or triton on a CPU device without TRITON_INTERPRET=1) is refused
     here, before anything is read, with the message the ops give (it used to surface at the first forward).
     """
@@ -170,6 +171,9 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None, dev
     t0 = time.perf_counter()
     d = hf_dir(path)
     model = load_hf_dir(d, dtype=dtype, device=device, impl=impl)
+    # the base an adapter of it records (save_adapter; train() on it): without it a run continued from a loaded
+    # model wrote base null, and export / chat / eval --adapter fell back to the embedded model (a LoRA walk)
+    model.chronicals_base = recorded_name(str(path)) if isinstance(path, (str, os.PathLike)) else None
     tok = load_tokenizer(path) if tokenizer else None  # the path given, so its errors name the .gguf file
     log.info("loaded %s (%.1fM params, %s) in %.1f s", path, model.config.num_params() / 1e6,
              model.lm_head.weight.dtype, time.perf_counter() - t0)
