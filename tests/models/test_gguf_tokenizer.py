@@ -48,6 +48,26 @@ def test_sentencepiece_tokenizer_adds_bos_as_the_file_says(tmp_path, add_bos):
     assert tok(text)["input_ids"] == ([1] if add_bos in (None, True) else []) + body
 
 
+@pytest.mark.parametrize("prefix", [None, True, False])
+def test_sentencepiece_space_prefix_is_as_the_file_says(tmp_path, prefix):
+    """tokenizer.ggml.add_space_prefix=false (a vocabulary trained with add_dummy_prefix=false): llama.cpp puts no
+    "▁" before the text; transformers' converter ignored the key, so "hello world" began '▁h' where the model was
+    trained on 'hello' (a GGUF walk). Absent or true: the prefix, as before; decoding gives the text back."""
+    m = hf_model("llama", vocab_size=len(_SPM_TOKENS))
+    path = tmp_path / "spm.gguf"
+
+    def meta(w):
+        _spm_tokenizer_metadata(w)
+        if prefix is not None:
+            w.add_add_space_prefix(prefix)
+
+    write_gguf(path, "llama", m, extra=meta)
+    _, tok = chronicals.load_model(path)  # converted, saved into the cache and read back
+    pieces = tok.convert_ids_to_tokens(tok("hello world", add_special_tokens=False)["input_ids"])
+    assert pieces[0].startswith("▁") is (prefix is not False) and pieces[-1] == "▁world", pieces
+    assert tok.decode(tok("hello world", add_special_tokens=False)["input_ids"]) == "hello world"
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_special_tokens_are_the_ones_the_file_names(tmp_path, arch):
     """bos / eos / pad / unk are the tokens of the ids the file names, and None where it names none, whatever

@@ -16,7 +16,9 @@ transformers 5.17.0 (the GPU machine's) against 5.18.0 and 5.24.0:
   add_bos / add_eos are set from the file (absent: BOS for SentencePiece only, as llama.cpp and 5.18 on do);
 - decoding: 5.17's byte-level decoder on llama files fuses the tokens before the byte decoding, so a single token
   spelled outside the byte alphabet (an added '<｜end▁of▁sentence｜>') left the whole text undecoded ('ĠParis.');
-  byte-level files get the byte-level decoder, as 5.18 on give them.
+  byte-level files get the byte-level decoder, as 5.18 on give them;
+- space prefix: every version ignores ``tokenizer.ggml.add_space_prefix``; a SentencePiece file that sets it false
+  gets no "▁" before the text, as llama.cpp tokenizes it (``_no_space_prefix``).
 
 Differences left between versions: 5.17 splits a qwen2 file's text after NFC normalisation (as Qwen2's own
 tokenizer.json does) and 5.18 on without; a SentencePiece file's text right after a special token gets the space
@@ -56,6 +58,7 @@ class _TokenizerMeta:
     specials: dict[str, str | None]  # bos_token / eos_token / unk_token / pad_token -> the token the file names
     add_bos: bool
     add_eos: bool
+    add_space_prefix: bool = True  # tokenizer.ggml.add_space_prefix (SentencePiece: "▁" before the text)
 
 
 def transformers_version() -> tuple[int, ...]:
@@ -84,7 +87,8 @@ def _read_meta(reader) -> tuple[_TokenizerMeta | None, str | None]:
     add_bos = get("tokenizer.ggml.add_bos_token")
     return _TokenizerMeta(arch=get("general.architecture"), model=model, pre=get("tokenizer.ggml.pre"),
                           specials=specials, add_bos=model == "llama" if add_bos is None else bool(add_bos),
-                          add_eos=bool(get("tokenizer.ggml.add_eos_token", False))), None
+                          add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
+                          add_space_prefix=bool(get("tokenizer.ggml.add_space_prefix", True))), None
 
 
 def _old_converter_refusal(meta: _TokenizerMeta) -> str | None:
@@ -120,12 +124,49 @@ def _match_metadata(tok, meta: _TokenizerMeta) -> None:
     for name, want in (("add_bos_token", meta.add_bos), ("add_eos_token", meta.add_eos)):
         if bool(getattr(tok, name, False)) != want:
             setattr(tok, name, want)  # transformers rebuilds the post-processor that adds them
+    if meta.model == "llama" and not meta.add_space_prefix:
+        _no_space_prefix(tok)
     if meta.model == "gpt2":
         from tokenizers import decoders
 
         backend = tok.backend_tokenizer
         if not isinstance(backend.decoder, decoders.ByteLevel):  # 5.17: ByteFallback, Fuse, Replace, ByteLevel
             backend.decoder = decoders.ByteLevel()
+
+
+def _no_space_prefix(tok) -> None:
+    """A SentencePiece file with tokenizer.ggml.add_space_prefix=false: no "▁" before the text, as llama.cpp
+    tokenizes it (transformers' converter ignores the key: "hello" came out '▁h', ... where the model was trained
+    on 'h', ...; a GGUF walk). Edited in the tokenizer's JSON, whichever form the converter built: a Metaspace
+    pre-tokenizer's prepend scheme, or a Prepend("▁") normalizer; and the decoder's Strip of that leading space."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tok.backend_tokenizer.to_str())
+
+    def drop(part, unwanted):  # a Sequence's members (or the part itself) without the unwanted ones
+        if part is None:
+            return None
+        if part.get("type") == "Sequence":
+            key = next(k for k in ("normalizers", "decoders", "pretokenizers") if k in part)
+            part[key] = [p for p in part[key] if not unwanted(p)]
+            return part
+        return None if unwanted(part) else part
+
+    def fix_pre(part):
+        if part is not None and part.get("type") == "Metaspace":
+            part["prepend_scheme"] = "never"
+            part.pop("add_prefix_space", None)
+        for sub in (part or {}).get("pretokenizers", []):
+            fix_pre(sub)
+
+    fix_pre(spec.get("pre_tokenizer"))
+    spec["normalizer"] = drop(spec.get("normalizer"), lambda p: p.get("type") == "Prepend")
+    spec["decoder"] = drop(spec.get("decoder"), lambda p: p.get("type") == "Strip" and p.get("start") == 1)
+    if spec.get("decoder", {}) and spec["decoder"].get("type") == "Metaspace":
+        spec["decoder"]["prepend_scheme"] = "never"
+    tok._tokenizer = Tokenizer.from_str(json.dumps(spec))
 
 
 def convert_tokenizer(gguf_path: str | Path, reader=None):
