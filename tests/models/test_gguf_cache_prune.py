@@ -166,3 +166,25 @@ def test_failure_to_remove_is_a_warning(tmp_path, cache, tiny, monkeypatch, capl
     assert len(warnings) == 1 and warnings[0].startswith(f"could not remove {first}, an older conversion of ")
     assert "Permission denied" in warnings[0] and "remove it by hand" in warnings[0]
     assert not [m for m in _lines(caplog) if m.startswith("removed")]
+
+
+def test_a_killed_conversion_of_an_older_key_is_swept_by_the_next_one(tmp_path, cache, tiny):
+    """atomic_dir sweeps killed writes of its own target name only: a conversion killed with -9 before the GGUF was
+    replaced (or touched, or the converter upgraded) left its temporary directory, 514 MB for SmolLM2, for ever (a
+    GGUF walk). The next conversion of that stem sweeps those whose writer is gone; a live one (lock held) stays."""
+    from chronicals.models.orphans import lock_path, writer_lock
+
+    path = tmp_path / "m.gguf"
+    _write(path, tiny)
+    first = gguf_io.cached_gguf_dir(path)
+    killed = cache / f".{first.name}.tmp-4242-0123abcd"  # a dead writer's: its lock file left, not held
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(b"x" * 1000)
+    lock_path(killed).write_text("")
+    live = cache / f".{first.name}.tmp-4243-0123abce"
+    with writer_lock(live):
+        live.mkdir()
+        _write(path, tiny, shift=0.5)
+        gguf_io.cached_gguf_dir(path)
+        assert not killed.exists() and not lock_path(killed).exists()
+        assert live.is_dir()

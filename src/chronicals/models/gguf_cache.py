@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .config import GGUF_CONVERSION_RECORD
 from .hf_io import atomic_dir, save_tokenizer
-from .orphans import remove_tree, tree_bytes
+from .orphans import remove_orphans, remove_tree, tree_bytes
 
 log = logging.getLogger(__name__)
 
@@ -293,6 +293,10 @@ def prune_older_entries(p: Path, keep: Path, st: os.stat_result | None = None) -
         removed.append(d)
         if remove_tree(trash, f"an older conversion of {p}", log) is not None:
             freed += size
+    # killed conversions of this stem under any key: atomic_dir sweeps those of its own target name only, so one of
+    # an older key (the file since replaced, touched, or a converter upgrade) stayed for ever (514 MB for SmolLM2;
+    # a GGUF walk). Only those whose writer is gone (its lock free) go.
+    remove_orphans(parent, re.compile(rf"\.{re.escape(_entry_stem(p))}-[0-9a-f]{{16}}\.tmp-\d+-[0-9a-f]{{8}}"), log)
     if removed:
         log.info("removed %d older conversion%s of %s from %s (%s): %.1f MB freed", len(removed),
                  "s" * (len(removed) > 1), p, parent, ", ".join(d.name for d in removed), freed / 1e6)
