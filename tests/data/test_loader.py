@@ -313,3 +313,29 @@ def test_a_dataset_indexes_like_a_list():
     for i in (2, -3):
         with pytest.raises(IndexError, match=f"document {i} of a dataset of 2"):
             ds[i]
+
+
+def test_a_state_of_another_row_order_is_refused():
+    """shuffle was not in the state: a shuffled loader's position loaded into an unshuffled one repeated some
+    documents and skipped others (a property walk). Refused; states from before it was saved still load."""
+    from chronicals.data.loader import LoaderMismatch
+
+    ds = synthetic()
+    run = PackedLoader(ds, batch_size=2, max_seq_len=24, seed=3)
+    next(iter(run))
+    state = run.state_dict()
+    with pytest.raises(LoaderMismatch, match=r"the saved loader shuffled its rows' order, this one keeps it; .*"
+                                             r"resume with shuffle=True"):
+        PackedLoader(ds, batch_size=2, max_seq_len=24, seed=3, shuffle=False).load_state_dict(state)
+    old = {k: v for k, v in state.items() if k != "shuffle"}
+    PackedLoader(ds, batch_size=2, max_seq_len=24, seed=3).load_state_dict(old)
+
+
+def test_an_empty_batch_is_as_wide_as_the_other_ranks_batches():
+    """Rows mode: batches are max_seq_len wide; the empty one of a last round was rounded up to pad_to_multiple_of
+    (token-budget mode's setting): (1, 20) beside (1, 16), a second shape for a CUDA graph (a property walk)."""
+    ds = synthetic(n=3, max_len=16)
+    loaders = [PackedLoader(ds, batch_size=1, max_seq_len=16, shuffle=False, rank=r, world_size=4,
+                            pad_to_multiple_of=5) for r in range(4)]
+    shapes = {tuple(b.input_ids.shape) for loader in loaders for b in loader}
+    assert shapes == {(1, 16)} and sum(loader.empty_batches for loader in loaders[:1]) > 0

@@ -154,8 +154,10 @@ class PackedLoader:
         return collate_rows([[ds[i] for i in self.rows[r]] for r in rows], self.max_seq_len, ds.pad_id)
 
     def _empty_batch(self) -> PackedBatch:
-        """One row of padding, no loss token: a rank's share of a last round that has no batch for it."""
-        m = self.pad_to_multiple_of
+        """One row of padding, no loss token: a rank's share of a last round that has no batch for it. As wide as
+        the other ranks' batches: rows mode's are max_seq_len (pad_to_multiple_of is token-budget mode's: it made
+        this one wider, a second shape for a CUDA graph; a property walk)."""
+        m = self.pad_to_multiple_of if self.batch_size is None else 1
         return collate_rows([[]], -(-self.max_seq_len // m) * m, self.dataset.pad_id)
 
     def __iter__(self):
@@ -176,7 +178,7 @@ class PackedLoader:
         self.epoch, self.position = int(epoch), 0
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "shuffle": self.shuffle,
                 "batches_per_epoch": len(self), "rows": len(self.rows), "remainder": self.remainder,
                 "world_size": self.world_size, **self._digest_state(),
                 **({"cut": list(self._cut)} if self._cut is not None else {})}
@@ -209,6 +211,11 @@ class PackedLoader:
             raise LoaderMismatch(f"PackedLoader.load_state_dict: {detail}; resume with the same dataset, max_seq_len, "
                                  f"batch settings (batch_size, drop_last, world_size) and seed{other_ranks}",
                                  detail + other_ranks)
+        if "shuffle" in state and bool(state["shuffle"]) != self.shuffle:  # the same counts, another row order
+            detail = (f"the saved loader {'shuffled' if state['shuffle'] else 'kept'} its rows' order, this one "
+                      f"{'shuffles' if self.shuffle else 'keeps'} it")
+            raise LoaderMismatch(f"PackedLoader.load_state_dict: {detail}; its position would index other batches: "
+                                 f"resume with shuffle={bool(state['shuffle'])}", detail)
         # rank r's position p means global batches up to p * W: under another W it names other batches even when
         # the counts agree (4 global batches: 2 per rank on 2 and on 3 ranks; the 2-rank position 1 resumed on 3
         # ranks at batch 3, skipping batch 2). An epoch's start or end is the same place under any W.
