@@ -91,7 +91,7 @@ def result_path(name: str, suffix: str = "json", out_dir: str | os.PathLike | No
     """benchmarks/results/<name>_<gpu>_<date>.<suffix> (or under ``out_dir``)."""
     gpu = (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu").replace(" ", "-")
     day = _dt.date.today().isoformat()
-    d = Path(out_dir) if out_dir else RESULTS
+    d = Path(out_dir).expanduser() if out_dir else RESULTS  # "~/x": mkdir made ./~/x, the write went to $HOME/x
     d.mkdir(parents=True, exist_ok=True)
     return d / f"{name}_{gpu}_{day}.{suffix}"
 

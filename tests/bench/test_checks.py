@@ -61,3 +61,32 @@ def test_correctness_fails_when_one_method_fails(monkeypatch):
 def test_cosine_is_nan_when_one_side_has_extra_parameters():
     a = {"w": torch.tensor([1.0, 0.0])}
     assert math.isnan(checks.cosine(dict(a, extra=torch.tensor([5.0])), a))  # not the cosine of the shared part
+
+
+def test_learning_fails_a_non_finite_gradient_norm_after_the_first_step(monkeypatch):
+    """min() over [1.0, nan] is 1.0: a NaN gradient norm after the first step passed the learning check with a
+    finite min_grad_norm (a bench walk). Every norm must be finite, as for the table's rows."""
+    real, calls = checks.train_step, []
+
+    def nan_at_three(*a, **k):
+        loss, gn = real(*a, **k)
+        calls.append(1)
+        return loss, (float("nan") if len(calls) % 8 == 3 else gn)
+
+    monkeypatch.setattr(checks, "train_step", nan_at_three)
+    res = checks.learning(RunSpec("learning", shape="tiny", rows=1, seq=32, steps=8, device="cpu", lr=3e-3),
+                          min_drop_lora=0.05)
+    assert [r["status"] for r in res["runs"]] == ["FAILED", "FAILED"]
+    assert all(math.isnan(r["min_grad_norm"]) and "not finite in 1 steps" in r["reason"] for r in res["runs"])
+
+
+def test_correctness_without_peft_says_not_installed_not_failed(monkeypatch):
+    """peft is a test extra: without it the LoRA parity row said FAILED (ModuleNotFoundError), read as 'wrong
+    gradients' (a bench walk). It says what is missing, and the check's status is the full row's."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "peft", None)
+    monkeypatch.setattr(checks, "_parity", lambda spec, method: {"method": method, "status": "ok", "reason": ""})
+    res = checks.correctness(RunSpec("correctness", shape="tiny", rows=2, seq=16, device="cpu"))
+    assert res["status"] == "ok" and [p["status"] for p in res["parity"]] == ["ok", "not installed"]
+    assert "needs peft" in res["reason"]

@@ -128,3 +128,66 @@ def test_chart_hatches_failed_rows_red(tmp_path, monkeypatch):
     report.plot_png(results, tmp_path / "x.png")
     bars = figs[0].axes[0].patches
     assert [b.get_hatch() for b in bars] == [None, "//"]
+
+
+def test_a_failed_rows_json_is_strict_json_and_its_cell_says_nan(tmp_path):
+    """A FAILED row's NaN grad norm was written as a bare NaN (strict parsers refuse the file) and shown as a blank
+    cell (a bench walk): "nan" in both."""
+    row = finish_row(_ok_row(status="FAILED", reason="gradient norm not finite in 1 timed steps"), 775.0)
+    row["min_grad_norm"], row["grad_norms"] = float("nan"), [1.0, float("inf")]
+    results = {"environment": {"gpu": "cpu", "date": "2026-11-30T10:00:00+00:00", "git_sha": "abc1234",
+                               "versions": {}}, "peak_tflops": None, "plan": {"warmup": 1, "steps": 2, "note": ""},
+               "tables": [{"title": "tiny", "rows_data": [row]}]}
+    paths = write_report(results, tmp_path)
+    text = paths["json"].read_text()
+    saved = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in the JSON"))
+    assert saved["tables"][0]["rows_data"][0]["min_grad_norm"] == "nan"
+    assert saved["tables"][0]["rows_data"][0]["grad_norms"] == [1.0, "inf"]
+    assert "| nan |" in paths["md"].read_text()
+
+
+def test_out_with_a_tilde_is_the_home_directory(tmp_path, monkeypatch):
+    """--out=~/x (not expanded by the shell): mkdir made ./~/x, the write went to $HOME/x, and every result was
+    lost after the run (a bench walk)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    results = {"environment": {"gpu": "cpu", "date": "2026-11-30T10:00:00+00:00", "git_sha": "abc1234",
+                               "versions": {}}, "peak_tflops": None, "plan": {"warmup": 1, "steps": 2, "note": ""},
+               "tables": [{"title": "tiny", "rows_data": [finish_row(_ok_row(), None)]}]}
+    paths = write_report(results, "~/res")
+    assert paths["json"].parent == tmp_path / "home" / "res" and not (tmp_path / "~").exists()
+
+
+def test_git_sha_says_dirty_and_another_projects_checkout_is_not_ours(tmp_path, monkeypatch):
+    """A dirty tree was stamped with the clean HEAD sha; a copy installed inside another git project got that
+    project's sha (a bench walk). Dirty trees say so; a copy outside chronicals' own checkout gives its version."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("CHRONICALS_GIT_SHA", raising=False)
+    repo = tmp_path / "proj"
+    shutil.copytree(Path(report.__file__).parent.parent, repo / "src" / "chronicals")
+    git = ["git", "-c", "user.email=a@b", "-c", "user.name=n"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "-C", str(repo), "add", "-A"], check=True)
+    subprocess.run([*git, "-C", str(repo), "commit", "-qm", "x"], check=True)
+    sha = subprocess.check_output(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], text=True).strip()
+    probe = [sys.executable, "-c", "from chronicals.bench.report import git_sha; print(git_sha())"]
+
+    def stamped(src):
+        env = {**os.environ, "PYTHONPATH": str(src)}
+        env.pop("CHRONICALS_GIT_SHA", None)
+        return subprocess.check_output(probe, text=True, env=env, cwd=tmp_path).strip()
+
+    assert stamped(repo / "src") == sha
+    with (repo / "src" / "chronicals" / "bench" / "shapes.py").open("a") as f:
+        f.write("# edited\n")
+    assert stamped(repo / "src") == f"{sha}-dirty"
+    inside = tmp_path / "other" / "venv" / "site"  # installed into a venv inside another project's checkout
+    shutil.copytree(repo / "src" / "chronicals", inside / "chronicals")
+    subprocess.run(["git", "init", "-q", str(tmp_path / "other")], check=True)
+    subprocess.run([*git, "-C", str(tmp_path / "other"), "commit", "-q", "--allow-empty", "-m", "y"], check=True)
+    assert stamped(inside) != sha and not stamped(inside).endswith("-dirty")
+    assert stamped(inside).startswith("v") or stamped(inside) == "unknown"

@@ -99,12 +99,13 @@ def test_main_tiny_end_to_end(tmp_path, monkeypatch, capsys):
     cli.main(["--device", "cpu", "--tiny", "--seq", "16", "--contenders", "chronicals-full,hf-sdpa,hf-liger",
               "--no-learning", "--no-correctness", "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "not installed" in out or "hf-liger" in out
+    liger_line = next(line for line in out.splitlines() if line.strip().startswith("hf-liger"))
     (js,) = tmp_path.glob("bench_e2e_cpu_*.json")
     res = json.loads(js.read_text())
     rows = {r["contender"]: r for r in res["tables"][0]["rows_data"]}
     assert rows["chronicals-full"]["status"] == "ok" and rows["hf-sdpa"]["status"] == "ok"
     assert rows["hf-liger"]["status"] in ("not installed", "ok", "error")
+    assert rows["hf-liger"]["status"] in liger_line  # the console line says what became of it
     assert "correctness" not in res and res["plan"]["steps"] == 2
     assert res["environment"]["versions"]["torch"]
     md = js.with_suffix(".md").read_text()
@@ -193,3 +194,20 @@ def test_a_cut_off_worker_row_fails_that_row_not_the_bench(tmp_path, monkeypatch
     runner = cli.Runner(timeout=10)
     row = runner.run("train", RunSpec(contender="chronicals-full", shape="tiny", device="cpu"))
     assert row["status"] == "crashed" and "unreadable" in row["reason"] and "No space left" in row["reason"]
+
+
+def test_an_out_that_cannot_be_written_is_said_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """A read-only --out failed with a bare 'Operation not permitted' after every contender had run, the JSON lost
+    (a bench walk). Exit 2 first, naming --out; nothing ran."""
+    ran = []
+    monkeypatch.setattr(cli, "run_plan", lambda args: ran.append(args))
+    real_mkdir = Path.mkdir
+
+    def read_only(self, *a, **k):
+        if "ro" in self.parts:
+            raise PermissionError(1, "Operation not permitted")
+        return real_mkdir(self, *a, **k)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    assert cli.main(["--device", "cpu", "--tiny", "--out", str(tmp_path / "ro" / "x")]) == 2
+    assert "--out " in capsys.readouterr().err and not ran

@@ -317,6 +317,25 @@ def check_args(args) -> str | None:
     for p in (out, *out.parents):  # said now, not after every contender has run
         if p.exists() and not p.is_dir():
             return f"--out {args.out}: {p} is a file, not a directory; give a directory for the result files"
+        if p.exists():  # the nearest existing directory: the results are made in it (a bench walk: a read-only
+            # --out failed only after the whole run, the JSON lost)
+            if not os.access(p, os.W_OK | os.X_OK):
+                return f"--out {args.out}: {p} cannot be written here; give a directory you can write"
+            break
+    return None
+
+
+def out_problem(out_arg: str) -> str | None:
+    """Why the result files could not be written to --out, found by making the directory and a file in it before
+    any contender runs (a read-only --out failed after the whole run, the JSON lost: a bench walk; os.access
+    answers yes to root on a read-only mount), or None."""
+    out = Path(out_arg).expanduser()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".bench-probe-"):
+            pass
+    except OSError as e:
+        return f"--out {out_arg}: the result files cannot be written there ({e.strerror or e}); give a directory you can write"
     return None
 
 
@@ -333,6 +352,10 @@ def main(argv=None) -> int:
               "work; run it on a GPU, or `chronicals bench --device cpu --tiny` for the same code paths "
               "on a tiny model (--device cpu with a --shape forces a CPU run)", file=sys.stderr)
         return 2  # a usage error: 1 means "diverged" to train's callers
+    problem = out_problem(args.out)
+    if problem:
+        print(f"chronicals bench: error: {problem}", file=sys.stderr)
+        return 2
     results = run_plan(args)
     paths = write_report(results, args.out, args.name or result_name(args))
     print("\n".join(f"wrote {p}" for p in paths.values()))

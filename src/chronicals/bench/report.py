@@ -33,15 +33,42 @@ def versions() -> dict:
 
 
 def git_sha() -> str:
-    """Short sha of the checkout. env CHRONICALS_GIT_SHA, when set, wins: a copied working tree (the GPU
-    machine's) can carry a .git whose HEAD is older than the files that ran."""
+    """Short sha of the checkout this package runs from, "-dirty" added when its tracked files differ from that
+    commit; env CHRONICALS_GIT_SHA, when set, wins: a copied working tree (the GPU machine's) can carry a .git whose
+    HEAD is older than the files that ran. A package not in its own checkout (installed into a venv inside another
+    git project: that project's sha was written; a bench walk) gives "v<version>" instead."""
     if os.environ.get("CHRONICALS_GIT_SHA"):
         return os.environ["CHRONICALS_GIT_SHA"]
+    here = Path(__file__).resolve().parent
+
+    def git(*argv: str) -> str:
+        return subprocess.check_output(["git", *argv], text=True, stderr=subprocess.DEVNULL, cwd=here).strip()
+
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL,
-                                       cwd=Path(__file__).resolve().parent).strip()
+        top = Path(git("rev-parse", "--show-toplevel")).resolve()
+        if (top / "src" / "chronicals").resolve() != here.parent:
+            raise OSError("not chronicals' own checkout")
+        sha = git("rev-parse", "--short", "HEAD")
+        return sha + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        try:
+            from importlib.metadata import version
+
+            return f"v{version('chronicals')}"
+        except Exception:
+            return "unknown"
+
+
+def finite_json(x):
+    """``x`` with every non-finite float as its text ("nan", "inf"): json.dumps wrote a bare NaN, which strict
+    parsers (jq, JavaScript) refuse, exactly in a FAILED row's grad norms (a bench walk)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: finite_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [finite_json(v) for v in x]
+    return x
 
 
 def finish_row(row: dict, peak_tflops: float | None) -> dict:
@@ -55,7 +82,7 @@ def finish_row(row: dict, peak_tflops: float | None) -> dict:
 
 
 def _num(x, fmt: str, missing: str = "n/a") -> str:
-    return missing if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+    return missing if x is None else str(x) if isinstance(x, float) and not math.isfinite(x) else format(x, fmt)
 
 
 def status_cell(row: dict) -> str:
@@ -217,12 +244,12 @@ def output_stem(results: dict, out_dir: Path, name: str = "bench_e2e") -> Path:
 def write_report(results: dict, out_dir: str | os.PathLike, name: str = "bench_e2e") -> dict[str, Path]:
     """Write <name>_<gpu>_<date>[_n].json/.md/.png under ``out_dir``, each whole (temporary file, then rename);
     returns the paths written."""
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).expanduser()  # '~/x' made ./~/x here while the write went to $HOME/x (a bench walk)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = output_stem(results, out_dir, name)
     # append, never with_suffix: a shape name such as "0.5b" holds a dot that with_suffix would cut at
     paths = {"json": stem.with_name(stem.name + ".json"), "md": stem.with_name(stem.name + ".md")}
-    write_text_atomic(paths["json"], json.dumps(results, indent=1, default=str))
+    write_text_atomic(paths["json"], json.dumps(finite_json(results), indent=1, default=str))
     write_text_atomic(paths["md"], report_markdown(results))
     png = plot_png(results, stem.with_name(stem.name + ".png"))
     if png:
