@@ -211,3 +211,28 @@ def test_an_out_that_cannot_be_written_is_said_before_anything_runs(tmp_path, mo
     monkeypatch.setattr(Path, "mkdir", read_only)
     assert cli.main(["--device", "cpu", "--tiny", "--out", str(tmp_path / "ro" / "x")]) == 2
     assert "--out " in capsys.readouterr().err and not ran
+
+
+def test_a_run_cut_short_keeps_the_tables_it_finished(tmp_path, monkeypatch):
+    """The files were written only at the end: a stage cut by its time limit (run_gpu_e2e.sh's timeout 580) lost
+    every finished row (a bench walk). Written after each table and check, marked partial until the end."""
+    def inprocess(self, task, spec):
+        if task == "learning":
+            raise KeyboardInterrupt  # the run stops here
+        return json.loads(json.dumps(run_task(task, spec), default=str))
+
+    monkeypatch.setattr(cli.Runner, "run", inprocess)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["--device", "cpu", "--tiny", "--seq", "16", "--contenders", "chronicals-full", "--no-correctness",
+                  "--out", str(tmp_path)])
+    (js,) = tmp_path.glob("bench_e2e_cpu_*.json")
+    res = json.loads(js.read_text())
+    assert res["complete"] is False and res["tables"][0]["rows_data"][0]["status"] == "ok"
+    assert "**Partial**" in js.with_suffix(".md").read_text()
+    monkeypatch.setattr(cli.Runner, "run", lambda self, task, spec: json.loads(json.dumps(run_task(task, spec),
+                                                                                          default=str)))
+    cli.main(["--device", "cpu", "--tiny", "--seq", "16", "--contenders", "chronicals-full", "--no-correctness",
+              "--no-learning", "--out", str(tmp_path / "whole")])
+    (whole,) = (tmp_path / "whole").glob("bench_e2e_cpu_*.json")
+    assert json.loads(whole.read_text())["complete"] is True and whole.with_suffix(".png").exists()
+    assert len(list((tmp_path / "whole").iterdir())) == 3  # one set of files, written over as the run went

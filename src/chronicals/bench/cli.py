@@ -167,7 +167,9 @@ def with_graphs(names: list[str]) -> list[str]:
     return out
 
 
-def run_plan(args) -> dict:
+def run_plan(args, save=None) -> dict:
+    """Run the plan; ``save(results)`` after each table and check (the files of a run cut short keep them)."""
+    save = save or (lambda results: None)
     tiny = args.tiny or args.shape == "tiny"  # --shape tiny is --tiny: its step counts and learning check too
     device = args.device or default_device()
     sweeping = args.seq_sweep or args.model_sweep or args.max_context
@@ -203,16 +205,19 @@ def run_plan(args) -> dict:
         results["tables"].append({"title": f"{sh.note}, {spec.rows} x {spec.seq} tokens per step", "shape": name,
                                   "rows": spec.rows, "seq": spec.seq, "rows_data": rows})
         print(markdown_table(rows))
+        save(results)
     check_shape = shapes[0] if get_shape(shapes[0]).methods == ("full", "lora") else ("tiny" if tiny else "0.5b")
     if not (args.no_correctness or sweeping):
         spec = spec_for(check_shape, rows=min(args.rows or 4, 4) if not tiny else 2)
         results["correctness"] = runner.run("correctness", replace(spec, contender="correctness"))
         print(f"correctness: {results['correctness'].get('status')} {results['correctness'].get('reason', '')}")
+        save(results)
     if not (args.no_learning or sweeping):
         spec = spec_for(check_shape, rows=2 if tiny else 8, seq=32 if tiny else 512)
         lr = args.learning_lr or (3e-3 if tiny else 3e-4)
         results["learning"] = runner.run("learning", replace(spec, contender="learning", steps=args.learning_steps, lr=lr))
         print(f"learning: {results['learning'].get('status')} {results['learning'].get('reason', '')}")
+        save(results)
     if args.seq_sweep:
         sh = get_shape(shapes[0])
         tokens = (args.rows or sh.rows) * (args.seq or sh.seq)
@@ -222,6 +227,7 @@ def run_plan(args) -> dict:
             rows = contender_rows(runner, chosen or SWEEP_DEFAULT, spec, peak)
             results["tables"].append({"title": f"seq sweep, {sh.note}, {spec.rows} x {seq}", "shape": sh.name,
                                       "rows": spec.rows, "seq": seq, "rows_data": rows})
+            save(results)
     if args.model_sweep:
         for name, n_rows, n_seq in model_sweep_plan(args):
             spec = spec_for(name, rows=n_rows, seq=n_seq)
@@ -232,6 +238,7 @@ def run_plan(args) -> dict:
                 rows += contender_rows(runner, retry, replace(spec, checkpointing=True), peak)
             results["tables"].append({"title": f"model sweep, {get_shape(name).note}, LoRA, {spec.rows} x {spec.seq}",
                                       "shape": name, "rows": spec.rows, "seq": spec.seq, "rows_data": rows})
+            save(results)
     if args.max_context:
         results["max_context"] = max_context(runner, shapes if args.shape or tiny else list(SWEEP_SHAPES),
                                              chosen or LORA_SWEEP, base, tiny)
@@ -356,7 +363,15 @@ def main(argv=None) -> int:
     if problem:
         print(f"chronicals bench: error: {problem}", file=sys.stderr)
         return 2
-    results = run_plan(args)
-    paths = write_report(results, args.out, args.name or result_name(args))
+    name, held = args.name or result_name(args), {}
+
+    def save(results: dict, complete: bool = False) -> dict:
+        results["complete"] = complete
+        paths = write_report(results, args.out, name, stem=held.get("stem"), chart=complete)
+        held["stem"] = paths["json"].with_name(paths["json"].name[:-len(".json")])
+        return paths
+
+    results = run_plan(args, save)
+    paths = save(results, complete=True)
     print("\n".join(f"wrote {p}" for p in paths.values()))
     return 0

@@ -167,6 +167,8 @@ def report_markdown(results: dict) -> str:
            "rows x (seq - 1) loss tokens, counted for every contender alike), torch AdamW(fused=True), "
            f"{results['plan']['warmup']} warm-up + {results['plan']['steps']} timed steps between synchronizations. "
            "A row is FAILED when its smallest gradient norm over the timed steps is not finite or is 0.", ""]
+    if results.get("complete") is False:
+        out += ["**Partial**: written as the run went; it had not finished (cut short, or still running).", ""]
     if results["plan"].get("note"):
         out += [results["plan"]["note"], ""]
     for t in results.get("tables", []):
@@ -241,17 +243,19 @@ def output_stem(results: dict, out_dir: Path, name: str = "bench_e2e") -> Path:
     return Path(out_dir) / stem
 
 
-def write_report(results: dict, out_dir: str | os.PathLike, name: str = "bench_e2e") -> dict[str, Path]:
+def write_report(results: dict, out_dir: str | os.PathLike, name: str = "bench_e2e", stem: Path | None = None,
+                 chart: bool = True) -> dict[str, Path]:
     """Write <name>_<gpu>_<date>[_n].json/.md/.png under ``out_dir``, each whole (temporary file, then rename);
-    returns the paths written."""
+    returns the paths written. ``stem``: the files of an earlier write of this run, written over (``bench.cli``
+    writes after each table and check, so a run cut short keeps what it finished); ``chart``: the PNG too."""
     out_dir = Path(out_dir).expanduser()  # '~/x' made ./~/x here while the write went to $HOME/x (a bench walk)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = output_stem(results, out_dir, name)
+    stem = stem or output_stem(results, out_dir, name)
     # append, never with_suffix: a shape name such as "0.5b" holds a dot that with_suffix would cut at
     paths = {"json": stem.with_name(stem.name + ".json"), "md": stem.with_name(stem.name + ".md")}
     write_text_atomic(paths["json"], json.dumps(finite_json(results), indent=1, default=str))
     write_text_atomic(paths["md"], report_markdown(results))
-    png = plot_png(results, stem.with_name(stem.name + ".png"))
+    png = plot_png(results, stem.with_name(stem.name + ".png")) if chart else None
     if png:
         paths["png"] = png
     return paths
