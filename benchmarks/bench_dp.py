@@ -45,8 +45,10 @@ def _worker(rank: int, port: int, method: str, graphs: bool, out: str, device: s
         faulthandler.dump_traceback_later(float(os.environ["BENCH_DP_STACKS_AFTER"]), exit=True)
     try:
         dev = dp.device
+        sh = get_shape(shape)  # the shape's own batch on a GPU (2 x 64 on the CPU: a dry run); --shape 8b ran
+        # 2 x 64 and the row said neither (a bench walk)
         spec = RunSpec(contender=f"chronicals-{method}", shape=shape, warmup=3, steps=10, device=device,
-                       **({} if shape == "0.5b" else {"rows": 2, "seq": 64}))  # same seed: same weights
+                       **({"rows": sh.rows, "seq": sh.seq} if device == "cuda" else {"rows": 2, "seq": 64}))
         built = get_contender(spec.contender).build(spec, get_shape(spec.shape), dev)
         reducer = GradBuckets(dp, built.params) if reduce == "overlap" else None
         graphed = GraphedStep(built.model, dev, params=built.params, reducer=reducer) if graphs else None
@@ -59,7 +61,8 @@ def _worker(rank: int, port: int, method: str, graphs: bool, out: str, device: s
         res = timed_run(built, spec, dev)
         if rank == 0:
             tok = res["tokens_per_s"] * WORLD  # both ranks ran the same count of loss tokens in the window
-            row = {"shape": shape, "method": method, "cuda_graphs": graphs, "all_reduce": reduce, "ranks": WORLD,
+            row = {"shape": shape, "rows": spec.rows, "seq": spec.seq, "method": method, "cuda_graphs": graphs,
+                   "all_reduce": reduce, "ranks": WORLD,
                    "tokens_per_s": round(tok),
                    "tokens_per_s_per_gpu": round(tok / WORLD), "step_ms": round(res["step_ms"], 2),
                    "peak_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if dev.type == "cuda" else None,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -184,6 +185,9 @@ def main() -> None:
                     help="only the train() rows: their peak memory then owes nothing to a protocol row run before "
                          "them in this process")
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():  # it wrote a results file of error rows, exit 0
+        sys.exit("bench_trainer.py needs a CUDA GPU (--device cuda, the default); on the CPU run the dry run: "
+                 "--device cpu --shape tiny --out DIR")
     global MASTER_WEIGHTS
     MASTER_WEIGHTS = args.master_weights
     dev = torch.device(args.device)

@@ -130,4 +130,8 @@ def main(out_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "cli_smoke_out"))
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])  # --help ran the smoke into ./--help
+    ap.add_argument("out_dir", nargs="?", default="cli_smoke_out", help="where every log goes")
+    sys.exit(main(ap.parse_args().out_dir))

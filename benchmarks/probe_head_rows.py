@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from chronicals.bench.protocol import RunSpec
+from chronicals.bench.shapes import get_shape
 from chronicals.bench.worker import run_contender
 from chronicals.ops import cross_entropy as ce
 
@@ -46,8 +47,9 @@ def main() -> int:
         return r
 
     ce.default_chunk_rows = rows  # read through the module global by linear_cross_entropy_triton
+    sh = get_shape(args.shape)  # its own rows x seq, not RunSpec's 0.5B defaults (a bench walk)
     row = run_contender(RunSpec(args.contender, shape=args.shape, warmup=args.warmup, steps=args.steps,
-                                 device=args.device))
+                                 device=args.device, rows=sh.rows, seq=sh.seq))
     row.update(dw_rows_mult=args.dw_rows_mult, workspace_mb=args.workspace_mb, head_chunks=sorted(set(seen)))
     keep = ("contender", "status", "reason", "tokens_per_s", "step_ms", "peak_gib", "graph_pool_gib",
             "min_grad_norm", "dw_rows_mult", "workspace_mb", "head_chunks")

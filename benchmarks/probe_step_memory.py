@@ -26,8 +26,10 @@ MIB = 2 ** 20
 
 
 def probe(method: str, shape_name: str, device: torch.device) -> dict:
+    sh = get_shape(shape_name)  # the shape's own rows x seq (RunSpec's defaults are 0.5B's 16 x 1024: --shape 8b
+    # measured 16 x 1024, not its 4 x 2048; a bench walk)
     spec = RunSpec(contender=f"chronicals-{method}", shape=shape_name, device=str(device),
-                   **({} if device.type == "cuda" else {"rows": 2, "seq": 32}))
+                   **({"rows": sh.rows, "seq": sh.seq} if device.type == "cuda" else {"rows": 2, "seq": 32}))
     cuda = device.type == "cuda"
     allocated = torch.cuda.memory_allocated if cuda else (lambda: 0)  # a CPU dry run checks the calls only
     peak_of = torch.cuda.max_memory_allocated if cuda else (lambda: 0)
