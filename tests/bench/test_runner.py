@@ -236,3 +236,18 @@ def test_a_run_cut_short_keeps_the_tables_it_finished(tmp_path, monkeypatch):
     (whole,) = (tmp_path / "whole").glob("bench_e2e_cpu_*.json")
     assert json.loads(whole.read_text())["complete"] is True and whole.with_suffix(".png").exists()
     assert len(list((tmp_path / "whole").iterdir())) == 3  # one set of files, written over as the run went
+
+
+def test_a_failed_row_is_exit_status_1(tmp_path, monkeypatch, capsys):
+    """A FAILED row or check exited 0: a wrapper could not tell it from a good run (a bench walk)."""
+    def failing(self, task, spec):
+        row = json.loads(json.dumps(run_task(task, spec), default=str))
+        if task == "contender":
+            row.update(status="FAILED", reason="gradient norm not finite in 1 timed steps")
+        return row
+
+    monkeypatch.setattr(cli.Runner, "run", failing)
+    argv = ["--device", "cpu", "--tiny", "--seq", "16", "--contenders", "chronicals-full", "--no-correctness",
+            "--no-learning", "--out", str(tmp_path)]
+    assert cli.main(argv) == 1
+    assert "FAILED: chronicals-full (tiny)" in capsys.readouterr().err and list(tmp_path.glob("*.json"))

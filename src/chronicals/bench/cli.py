@@ -6,6 +6,9 @@
     chronicals bench --seq-sweep | --model-sweep | --max-context
     chronicals bench --device cpu --tiny   # the same code paths on a tiny model (tests, no GPU)
     chronicals bench --shape 0.5b --contenders chronicals-lora --graphs   # + the CUDA-graph step beside it
+
+Exit status: 0; 1 when a row (its gradient norm not finite or 0) or the correctness / learning check is FAILED
+(the files are written either way); 2 for bad arguments or no GPU for the protocol's shapes.
 """
 
 from __future__ import annotations
@@ -374,4 +377,10 @@ def main(argv=None) -> int:
     results = run_plan(args, save)
     paths = save(results, complete=True)
     print("\n".join(f"wrote {p}" for p in paths.values()))
+    failed = [f"{r['contender']} ({t['shape']})" for t in results["tables"] for r in t["rows_data"]
+              if r.get("status") == "FAILED"]
+    failed += [check for check in ("correctness", "learning") if results.get(check, {}).get("status") == "FAILED"]
+    if failed:  # a wrapper could not tell a FAILED run from a good one (a bench walk)
+        print(f"chronicals bench: FAILED: {', '.join(failed)} (exit status 1)", file=sys.stderr)
+        return 1
     return 0
