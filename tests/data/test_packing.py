@@ -113,3 +113,20 @@ def test_collate_rows_contract():
     assert batch.num_tokens == 9 and batch.num_docs == 3
     with pytest.raises(ValueError, match="more than row_len=4"):
         collate_rows([[a, b]], 4, pad_id=0)
+
+
+def test_lengths_and_capacity_are_whole_numbers():
+    """A length of 2.7 was packed as 2, and a float capacity failed with a bare TypeError; collate_rows([]) said
+    'max() arg is an empty sequence' (a property walk). Each is a ValueError saying what is expected; integral
+    floats and numpy integers still pack."""
+    import numpy as np
+
+    from chronicals.data import collate_rows
+
+    with pytest.raises(ValueError, match=r"item 1 has length 2.7; lengths are whole token counts"):
+        pack_bfd([3, 2.7], 8)
+    with pytest.raises(ValueError, match=r"capacity=8.5; expected a whole number"):
+        pack_bfd([3, 2], 8.5)
+    assert pack_bfd(np.array([3, 5]), 8.0) == [[1, 0]]
+    with pytest.raises(ValueError, match=r"collate_rows: no rows"):
+        collate_rows([], 8, 0)

@@ -73,6 +73,8 @@ def collate_rows(rows: list[list[tuple[np.ndarray, np.ndarray]]], row_len: int, 
     Each row is its documents back to back, then padding (one extra document of pad_id, no loss).
     """
     b = len(rows)
+    if b == 0:  # max() over no row's lengths said 'max() arg is an empty sequence' (a property walk)
+        raise ValueError("collate_rows: no rows; a batch holds at least one row (a row of no documents is padding)")
     input_ids = np.full((b, row_len), pad_id, dtype=np.int64)
     position_ids = np.zeros((b, row_len), dtype=np.int64)
     shift_labels = np.full((b, row_len), IGNORE_INDEX, dtype=np.int64)

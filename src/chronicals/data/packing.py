@@ -20,7 +20,14 @@ from __future__ import annotations
 
 
 def _check(lengths, capacity: int) -> list[int]:
-    lengths = [int(x) for x in lengths]
+    # whole numbers only: int(2.7) packed a 2.7-token length as 2, and a float capacity failed in a list size
+    # (a property walk); numpy integers and integral floats such as 3.0 pass
+    bad = [(i, x) for i, x in enumerate(lengths) if isinstance(x, bool) or not float(x).is_integer()]
+    if bad:
+        raise ValueError(f"pack_bfd: item {bad[0][0]} has length {bad[0][1]!r}; lengths are whole token counts")
+    if isinstance(capacity, bool) or not float(capacity).is_integer():
+        raise ValueError(f"pack_bfd: capacity={capacity!r}; expected a whole number of tokens")
+    lengths, capacity = [int(x) for x in lengths], int(capacity)
     if capacity < 1:
         raise ValueError(f"pack_bfd: capacity must be >= 1 (got {capacity})")
     for i, n in enumerate(lengths):
@@ -42,6 +49,7 @@ def pack_bfd(lengths, capacity: int) -> list[list[int]]:
     Bins are listed in the order they were opened (the first holds the longest item).
     """
     lengths = _check(lengths, capacity)
+    capacity = int(capacity)
     bins = _best_fit(lengths, capacity)
     if len(bins) > 1:
         ffd = pack_ffd(lengths, capacity)
@@ -97,6 +105,7 @@ def _best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
 def pack_ffd(lengths, capacity: int) -> list[list[int]]:
     """First-Fit-Decreasing, O(n log n): each item goes to the lowest-numbered bin with room."""
     lengths = _check(lengths, capacity)
+    capacity = int(capacity)
     size = 1
     while size < max(1, len(lengths)):
         size *= 2
