@@ -19,7 +19,7 @@ over bins) and returns FFD's bins in that rare case, so its result never has mor
 from __future__ import annotations
 
 
-def _check(lengths, capacity: int) -> list[int]:
+def _check(lengths, capacity: int) -> tuple[list[int], int]:
     # whole numbers only: int(2.7) packed a 2.7-token length as 2, and a float capacity failed in a list size
     # (a property walk); numpy integers and integral floats such as 3.0 pass
     bad = [(i, x) for i, x in enumerate(lengths) if isinstance(x, bool) or not float(x).is_integer()]
@@ -34,7 +34,7 @@ def _check(lengths, capacity: int) -> list[int]:
         if n < 1 or n > capacity:
             raise ValueError(f"pack_bfd: item {i} has length {n}; every length must be in 1..{capacity} "
                              "(truncate or drop longer examples before packing)")
-    return lengths
+    return lengths, capacity
 
 
 def _decreasing(lengths: list[int]) -> list[int]:
@@ -48,8 +48,7 @@ def pack_bfd(lengths, capacity: int) -> list[list[int]]:
     Every index appears exactly once; no bin's total exceeds ``capacity``; never more bins than FFD.
     Bins are listed in the order they were opened (the first holds the longest item).
     """
-    lengths = _check(lengths, capacity)
-    capacity = int(capacity)
+    lengths, capacity = _check(lengths, capacity)
     bins = _best_fit(lengths, capacity)
     if len(bins) > 1:
         ffd = pack_ffd(lengths, capacity)
@@ -104,8 +103,7 @@ def _best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
 
 def pack_ffd(lengths, capacity: int) -> list[list[int]]:
     """First-Fit-Decreasing, O(n log n): each item goes to the lowest-numbered bin with room."""
-    lengths = _check(lengths, capacity)
-    capacity = int(capacity)
+    lengths, capacity = _check(lengths, capacity)
     size = 1
     while size < max(1, len(lengths)):
         size *= 2

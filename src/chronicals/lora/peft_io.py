@@ -203,16 +203,23 @@ def _untie_if_partial(model: nn.Module, rec: LoraRecord, keys: set[str]) -> str 
     return f"load_adapter: the adapter trains {present} but not its tied partner(s) {absent}; untied them as PEFT does"
 
 
+def saved_param_owners(model: nn.Module, rec: LoraRecord) -> dict[int, list[tuple[str, str]]]:
+    """id(Parameter) -> [(module, parameter name)] over the saved modules' own parameters: a tied pair (lm_head,
+    embed_tokens) shares one entry of two owners."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for name in rec.saved_modules:
+        for pname, p in model.get_submodule(name).named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((name, pname))
+    return owners
+
+
 def _untie_if_different(model: nn.Module, rec: LoraRecord, tensors: dict[str, torch.Tensor]) -> str | None:
     """PEFT trains a private copy of each module of modules_to_save, tied or not: a file holding both tied
     partners (lm_head and embed_tokens) with different values trained two tensors. Loaded into the one shared
     Parameter, the last key read won and the other module ran with its partner's values (logits far from
     PEFT's). Give each its own Parameter then; equal values (save_adapter's) stay tied. Returns the warning, as
     _untie_if_partial."""
-    owners: dict[int, list[tuple[str, str]]] = {}  # id(shared Parameter) -> [(module, parameter name)]
-    for name in rec.saved_modules:
-        for pname, p in model.get_submodule(name).named_parameters(recurse=False):
-            owners.setdefault(id(p), []).append((name, pname))
+    owners = saved_param_owners(model, rec)
     untied = []
     for group in owners.values():
         keys = [f"{PREFIX}{n}.{pn}" for n, pn in group]

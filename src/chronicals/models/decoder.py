@@ -262,6 +262,12 @@ class DecoderModel(nn.Module):
         return self.norm(h, residual)[0]
 
 
+def _host_readable(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values may be read on the host now: not while torch.compile traces or a CUDA graph is
+    captured (a read there breaks the graph or fails the capture)."""
+    return not torch.compiler.is_compiling() and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def shift_labels_per_document(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """labels (B, S) in Hugging Face form (token t's own id) -> targets (B, S): token t predicts t + 1.
 
@@ -381,9 +387,7 @@ class CausalLM(nn.Module):
         """input_ids (B, S) -> final-norm hidden states (B, S, H). ``longest_doc``: see ``forward``. position_ids
         that restart at 0 inside a row without cu_seqlens are packed documents (``documents_from_positions``: read
         on the host; not while compiling or capturing a CUDA graph, where cu_seqlens must be given)."""
-        if (cu_seqlens is None and position_ids is not None and kv_caches is None
-                and not torch.compiler.is_compiling()
-                and not (position_ids.is_cuda and torch.cuda.is_current_stream_capturing())):
+        if cu_seqlens is None and position_ids is not None and kv_caches is None and _host_readable(position_ids):
             cu_seqlens, max_seqlen = documents_from_positions(position_ids)
         longest = judged_length(input_ids.shape[1], cu_seqlens, max_seqlen, longest_doc)
         if kv_caches is not None:
@@ -432,8 +436,7 @@ class CausalLM(nn.Module):
         if not rs or rs.get("rope_type", rs.get("type")) != "dynamic":
             return
         what = f"a sequence of {seqlen} tokens is longer"
-        if (position_ids is not None and position_ids.numel() and not torch.compiler.is_compiling()
-                and not (position_ids.is_cuda and torch.cuda.is_current_stream_capturing())):
+        if position_ids is not None and position_ids.numel() and _host_readable(position_ids):
             top = int(position_ids.max())  # transformers rescales from the largest position
             if top + 1 > seqlen:
                 seqlen, what = top + 1, f"position_ids up to {top} ({top + 1} positions) are more"

@@ -27,7 +27,7 @@ from importlib import metadata
 from pathlib import Path
 
 from .config import GGUF_CONVERSION_RECORD
-from .hf_io import atomic_dir, save_tokenizer
+from .hf_io import TEMP_SUFFIX, atomic_dir, save_tokenizer
 from .orphans import remove_orphans, remove_tree, tree_bytes
 
 log = logging.getLogger(__name__)
@@ -296,7 +296,7 @@ def prune_older_entries(p: Path, keep: Path, st: os.stat_result | None = None) -
     # killed conversions of this stem under any key: atomic_dir sweeps those of its own target name only, so one of
     # an older key (the file since replaced, touched, or a converter upgrade) stayed for ever (514 MB for SmolLM2;
     # a GGUF walk). Only those whose writer is gone (its lock free) go.
-    remove_orphans(parent, re.compile(rf"\.{re.escape(_entry_stem(p))}-[0-9a-f]{{16}}\.tmp-\d+-[0-9a-f]{{8}}"), log)
+    remove_orphans(parent, re.compile(rf"\.{re.escape(_entry_stem(p))}-[0-9a-f]{{16}}{TEMP_SUFFIX}"), log)
     if removed:
         log.info("removed %d older conversion%s of %s from %s (%s): %.1f MB freed", len(removed),
                  "s" * (len(removed) > 1), p, parent, ", ".join(d.name for d in removed), freed / 1e6)

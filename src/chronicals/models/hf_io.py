@@ -85,10 +85,13 @@ def refuse_foreign_files(out: Path, owned: tuple[str, ...]) -> None:
 _TEMP_ROOM = 1 + len(".tmp-4194304-01234567.lock")
 
 
+TEMP_SUFFIX = r"\.tmp-\d+-[0-9a-f]{8}"  # after ".{name}": atomic_dir's temporary directory's name, as a regex
+
+
 def _temp_pattern(name: str) -> re.Pattern:
     """``atomic_dir``'s temporary directories for target ``name``: ``.{stem}.tmp-{pid}-{8 hex digits}``, the stem
     ``name`` shortened by ``fitting_name`` where its lock file's name would pass NAME_MAX."""
-    return re.compile(rf"\.{re.escape(fitting_name(name, _TEMP_ROOM))}\.tmp-\d+-[0-9a-f]{{8}}")
+    return re.compile(rf"\.{re.escape(fitting_name(name, _TEMP_ROOM))}{TEMP_SUFFIX}")
 
 
 def output_path(out_dir: str | Path) -> Path:

@@ -173,7 +173,7 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None, dev
     model = load_hf_dir(d, dtype=dtype, device=device, impl=impl)
     # the base an adapter of it records (save_adapter; train() on it): without it a run continued from a loaded
     # model wrote base null, and export / chat / eval --adapter fell back to the embedded model (a LoRA walk)
-    model.chronicals_base = recorded_name(str(path)) if isinstance(path, (str, os.PathLike)) else None
+    model.chronicals_base = recorded_name(str(path))
     tok = load_tokenizer(path) if tokenizer else None  # the path given, so its errors name the .gguf file
     log.info("loaded %s (%.1fM params, %s) in %.1f s", path, model.config.num_params() / 1e6,
              model.lm_head.weight.dtype, time.perf_counter() - t0)

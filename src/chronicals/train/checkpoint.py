@@ -205,15 +205,11 @@ def write_checkpoint(out_dir: str | Path, state: dict, keep_last: int = 2) -> Pa
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync(root)  # the rename itself
-    kept = checkpoint_dirs(out_dir)[-keep_last:]
-    for old in _step_dirs(out_dir):  # a step-N older than the kept ones without its state.pt too (a kill mid-removal)
-        if old not in kept and _step_of(old) < _step_of(kept[0]):
-            remove_checkpoint(old)
+    dirs = _step_dirs(out_dir)  # by step; those older than the kept ones go, a step-N that lost its state.pt too
+    oldest_kept = [p for p in dirs if (p / STATE_FILE).is_file()][-keep_last:][0]  # (a kill mid-removal)
+    for old in dirs[:dirs.index(oldest_kept)]:
+        remove_checkpoint(old)
     return final
-
-
-def _step_of(ckdir: Path) -> int:
-    return int(_NAME.match(ckdir.name).group(1))
 
 
 def remove_checkpoint(ckdir: Path) -> None:

@@ -173,10 +173,9 @@ def _untie_as_trained(model: torch.nn.Module, rec, names: set[str]) -> None:
     "does not fit this base" (a LoRA walk). ``names``: the checkpoint's tensor names. A tied member the checkpoint
     holds gets its own trainable Parameter; one it does not hold stays on the frozen base tensor and is no longer
     saved."""
-    owners: dict[int, list[tuple[str, str]]] = {}
-    for name in rec.saved_modules:
-        for pname, p in model.get_submodule(name).named_parameters(recurse=False):
-            owners.setdefault(id(p), []).append((name, pname))
+    from ..lora.peft_io import saved_param_owners
+
+    owners = saved_param_owners(model, rec)
     listed = {id(p): n for n, p in model.named_parameters()}  # a shared Parameter under its first owner's name
     dropped = set()
     for key, group in owners.items():
