@@ -285,3 +285,43 @@ def test_a_gguf_without_its_suffix_loads_and_other_files_say_what_a_model_is(tmp
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(ValueError, match=r"this file is neither \(it does not start with GGUF's magic bytes\)"):
         chronicals.load_model(tmp_path / "notes.txt", tokenizer=False)
+
+
+def test_convert_gguf_holds_one_shard_of_float32_at_a_time(tmp_path, monkeypatch):
+    """convert_gguf built the whole model in float32 before writing it: an 8B Q4 file needed ~32 GB of RAM. Now the
+    tensors are dequantized shard by shard (CONVERT_SHARD_BYTES, here shrunk to 1.5 embeddings): never more than one
+    shard's bytes alive, HF-style shards plus an index, and the same model as the single-file conversion."""
+    import gc
+    import weakref
+
+    cfg = _hf_cfg("llama", 16, 8)
+    path = tmp_path / "m.gguf"
+    _write(path, "llama", cfg, 8, _random_stored(cfg))
+    single = _converted(path, tmp_path)
+    limit = 3 * 4 * cfg["vocab_size"] * cfg["hidden_size"] // 2  # an embedding and a half: 3+ shards
+    monkeypatch.setattr(gguf_io, "CONVERT_SHARD_BYTES", limit)
+    alive: list[weakref.ref] = []
+    most = 0
+    made = gguf_io.gguf_tensor
+
+    def counted(*args, **kwargs):
+        nonlocal most
+        gc.collect()
+        w = made(*args, **kwargs)
+        alive.append(weakref.ref(w))
+        live = [r() for r in alive if r() is not None]
+        most = max(most, sum(t.numel() * 4 for t in live))
+        return w
+
+    monkeypatch.setattr(gguf_io, "gguf_tensor", counted)
+    out = gguf_io.convert_gguf(path, tmp_path / "sharded")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 3 and not (out / "model.safetensors").exists()
+    assert 0 < most <= limit, (most, limit)
+    sd = {}
+    for shard in shards:
+        sd.update(load_file(str(out / shard)))
+    assert sd.keys() == single.state_dict().keys()
+    for k, v in single.state_dict().items():
+        assert torch.equal(sd[k], v), k

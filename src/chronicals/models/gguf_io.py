@@ -1,7 +1,7 @@
 """GGUF in: dequantize a llama.cpp checkpoint into a Hugging Face directory.
 
-``convert_gguf`` writes an ordinary HF directory (``model.safetensors`` in float32, ``config.json``, tokenizer
-files); ``cached_gguf_dir`` does so once per file, into the conversion cache (``gguf_cache``: keys, entry records,
+``convert_gguf`` writes an ordinary HF directory (``model.safetensors`` in float32, in shards past 2 GiB, written
+one shard at a time; ``config.json``, tokenizer files); ``cached_gguf_dir`` does so once per file, into the conversion cache (``gguf_cache``: keys, entry records,
 pruning, the recorded tokenizer failure), and later loads read that directory (seconds instead of a full
 dequantization: about 8 s vs 1 s for SmolLM2-135M on two CPU cores).
 
@@ -38,7 +38,7 @@ from .decoder import CausalLM
 from .gguf_cache import CACHE_ENTRY, TOKENIZER_ERROR, cached_conversion, tokenizer_error_json
 from .gguf_cache import cache_root, tokenizer_error  # noqa: F401 (re-exported: train.setup and models.loading)
 from .gguf_tokenizer import convert_tokenizer
-from .hf_io import MODEL_DIR_FILES, atomic_dir, expected_names, save_tokenizer, write_state_dict
+from .hf_io import MODEL_DIR_FILES, atomic_dir, expected_names, save_tokenizer, write_tensors_lazily
 
 # GGUF architecture -> (HF model_type, Q/K rows permuted by llama.cpp's converter)
 SUPPORTED_GGUF_ARCHS = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
@@ -261,40 +261,54 @@ def _dequantize(t, source: str) -> np.ndarray:
     return np.asarray(arr, dtype=np.float32)
 
 
-def gguf_state_dict(reader, cfg: dict, source: str = "gguf") -> dict[str, torch.Tensor]:
-    """Every tensor of the file, dequantized to float32, under HF names, Q/K rows un-permuted (each head's first
-    n_rot rows: those llama.cpp rotates)."""
+# at most this much float32 in memory while a conversion writes (one shard; an 8B model is 32 GB of float32, so
+# building the whole state dict first took 32 GB of RAM beyond the reader's memory map)
+CONVERT_SHARD_BYTES = 2 << 30
+
+
+def gguf_tensor_plan(reader, cfg: dict, source: str = "gguf") -> list[tuple[str, tuple[int, ...], object, int]]:
+    """(HF name, shape, reader tensor, heads) of every tensor of the file, before any is dequantized; heads > 0:
+    the Q/K rows llama.cpp permuted per head (0: stored as they are). Rows that will not split into rotary pairs of
+    the metadata's heads are refused here, naming the file."""
     permuted = SUPPORTED_GGUF_ARCHS[_field(reader, "general.architecture")][1]
-    head_dim = cfg["head_dim"]
-    n_rot = int(head_dim * cfg.get("partial_rotary_factor", 1.0))  # rope.dimension_count, as ModelConfig reads it
-    out = {}
+    plan = []
     for t in reader.tensors:
         name = hf_name(t.name, source)
-        arr = _dequantize(t, source)  # (rows, cols) float32; GGUF lists shapes reversed
-        w = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(  # a copy: F32 data is a read-only mmap
-            tuple(int(s) for s in reversed(t.shape)))
+        shape, heads = tuple(int(s) for s in reversed(t.shape)), 0  # GGUF lists shapes reversed
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             key, shown = (("head_count", cfg["num_attention_heads"]) if ".q_proj." in name
                           else ("head_count_kv", cfg["num_key_value_heads"]))
             n = shown or cfg["num_attention_heads"]  # head_count_kv 0: not set, one kv head per head (ModelConfig)
-            if not n or w.shape[0] % (2 * n):  # else a bare reshape error, before _check_tensors could name the file
-                raise ValueError(f"{source}: tensor {t.name!r} has {w.shape[0]} rows, which do not split into "
+            if not n or shape[0] % (2 * n):  # else a bare reshape error, before _check_tensors could name the file
+                raise ValueError(f"{source}: tensor {t.name!r} has {shape[0]} rows, which do not split into "
                                  f"rotary pairs of metadata llama.attention.{key}={shown} heads; the file's metadata "
                                  "is damaged: convert the model again with llama.cpp's convert_hf_to_gguf.py")
-            # rows other than n * head_dim (a shape _check_tensors then names): the full-head permutation,
-            # which cannot fail on them
-            w = unpermute_qk(w, n, n_rot if w.shape[0] == n * head_dim else None)
-        out[name] = w.contiguous()
-    return out
+            heads = n
+        plan.append((name, shape, t, heads))
+    return plan
 
 
-def _check_tensors(sd: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> None:
-    """ValueError naming the GGUF file when its tensors are not those (names, shapes) its metadata implies."""
+def gguf_tensor(t, shape: tuple[int, ...], heads: int, cfg: dict, source: str = "gguf") -> torch.Tensor:
+    """One planned tensor (gguf_tensor_plan), dequantized to float32, its rows un-permuted (each of ``heads``
+    heads' first n_rot rows: those llama.cpp rotates) when heads > 0."""
+    arr = _dequantize(t, source)  # (rows, cols) float32
+    w = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape)  # a copy: F32 data is a read-only mmap
+    if heads:
+        head_dim = cfg["head_dim"]
+        n_rot = int(head_dim * cfg.get("partial_rotary_factor", 1.0))  # rope.dimension_count, as ModelConfig reads
+        # rows other than n * head_dim (a shape _check_tensors then names): the full-head permutation, which cannot
+        # fail on them
+        w = unpermute_qk(w, heads, n_rot if w.shape[0] == heads * head_dim else None)
+    return w.contiguous()
+
+
+def _check_tensors(sd: dict[str, tuple[int, ...]], cfg: ModelConfig, source: str) -> None:
+    """ValueError naming the GGUF file when its tensors (name -> shape) are not those its metadata implies."""
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in CausalLM(cfg).state_dict().items()}
     missing, unexpected = expected_names(cfg) - set(sd), set(sd) - set(shapes)
-    wrong = [f"{k} {tuple(v.shape)} (expected {shapes[k]})" for k, v in sd.items()
-             if k in shapes and tuple(v.shape) != shapes[k]]
+    wrong = [f"{k} {tuple(v)} (expected {shapes[k]})" for k, v in sd.items()
+             if k in shapes and tuple(v) != shapes[k]]
     if missing or unexpected or wrong:
         problems = [f"{what}: {', '.join(sorted(names)[:4])}{f' ({len(names)} in all)' if len(names) > 4 else ''}"
                     for what, names in (("missing tensors", missing), ("tensors beyond them", unexpected),
@@ -335,16 +349,17 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = 
     refuse_foreign_layout(reader, source)
     cfg_dict = gguf_config(reader, source)
     cfg = ModelConfig.from_hf_dict(cfg_dict, source=source)
-    sd = gguf_state_dict(reader, cfg_dict, source)
+    plan = gguf_tensor_plan(reader, cfg_dict, source)
     if cfg.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
-    _check_tensors(sd, cfg, source)  # here, naming the .gguf: the cached directory's error would name the cache
+        plan = [entry for entry in plan if entry[0] != "lm_head.weight"]
+    _check_tensors({name: shape for name, shape, _, _ in plan}, cfg, source)  # here, naming the .gguf: the cached directory's error would name the cache
     has_tokenizer = "tokenizer.ggml.model" in reader.fields
     # an existing out_dir is replaced only when it holds nothing but what a conversion writes (it was emptied, the
     # .gguf itself too when it lay there): refuse_foreign_files, checked before anything is written
     owned = MODEL_DIR_FILES + (CACHE_ENTRY, TOKENIZER_ERROR) if replace else None
     with atomic_dir(out_dir, replace=replace, owned=owned) as tmp:
-        write_state_dict(sd, tmp)
+        write_tensors_lazily([(name, 4 * math.prod(shape), lambda a=(t, shape, heads): gguf_tensor(*a, cfg_dict, source))
+                              for name, shape, t, heads in plan], tmp, CONVERT_SHARD_BYTES)
         hf = cfg.to_hf_dict()
         hf["dtype"] = "float32"
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -198,26 +199,41 @@ def write_state_dict(sd: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes
     """Write ``model.safetensors``, or HF-style shards ``model-0000i-of-0000n.safetensors`` plus
     ``model.safetensors.index.json`` when the tensors exceed ``max_shard_bytes``."""
     sd = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
-    total = sum(v.numel() * v.element_size() for v in sd.values())
+    write_tensors_lazily([(k, v.numel() * v.element_size(), lambda v=v: v) for k, v in sd.items()],
+                         out_dir, max_shard_bytes)
+
+
+def write_tensors_lazily(entries: list[tuple[str, int, Callable[[], torch.Tensor]]], out_dir: Path,
+                         max_shard_bytes: int | None = None) -> None:
+    """write_state_dict's files from (name, bytes, make) entries: each shard's tensors are made (``make()``, a
+    contiguous CPU tensor of that many bytes) only while that shard is written, so at most one shard is in memory
+    (a GGUF conversion of an 8B model: ~2 GiB instead of its 32 GB of float32)."""
+    total = sum(nbytes for _, nbytes, _ in entries)
     if max_shard_bytes is None or total <= max_shard_bytes:
-        save_safetensors(sd, out_dir / SINGLE_FILE)
-        return
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for k, v in sd.items():  # greedy in state-dict order, like transformers' own sharding
-        nbytes = v.numel() * v.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = v
-        size += nbytes
+        shards = [entries]
+    else:
+        shards, size = [[]], 0
+        for entry in entries:  # greedy in state-dict order, like transformers' own sharding
+            if shards[-1] and size + entry[1] > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(entry)
+            size += entry[1]
     weight_map = {}
     for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_safetensors(shard, out_dir / name)
-        weight_map.update({k: name for k in shard})
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        name = SINGLE_FILE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for key, nbytes, make in shard:
+            tensors[key] = make()
+            made = tensors[key].numel() * tensors[key].element_size()
+            if made != nbytes:  # the plan's sizes name the shards before any is written
+                raise AssertionError(f"tensor {key}: {made} bytes made, {nbytes} planned")
+        save_safetensors(tensors, out_dir / name)
+        del tensors
+        weight_map.update({key: name for key, _, _ in shard})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
 # ---------------------------------------------------------------- reading
