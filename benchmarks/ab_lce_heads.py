@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_linear_cross_entropy import HEADS, check, inputs, measure  # noqa: E402
-from common import markdown_table, matmul_peak_tflops, write_results  # noqa: E402
+from common import markdown_table, matmul_peak_tflops, require_cuda, write_results  # noqa: E402
 
 import chronicals  # noqa: E402
 from chronicals.ops.cross_entropy import linear_cross_entropy  # noqa: E402
@@ -30,6 +30,7 @@ def main() -> int:
     ap.add_argument("--tag", required=True)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    require_cuda(__file__)
     peak = matmul_peak_tflops()
     rows = []
     chk, ok = check(*HEADS["0.5b"])

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from common import markdown_table, write_results
+from common import markdown_table, require_cuda, write_results
 
 
 def _state(shape_name: str, dev: torch.device):
@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    require_cuda(__file__)
     dev = torch.device(args.device)
     model, opt, sched, step = _state(args.shape, dev)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())

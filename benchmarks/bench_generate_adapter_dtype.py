@@ -23,6 +23,7 @@ from chronicals.bench.contenders import build_chronicals_model
 from chronicals.bench.shapes import get_shape
 from chronicals.lora import apply_lora, load_adapter, save_adapter
 from chronicals.models.generate import generate, greedy_rows
+from common import require_cuda
 
 
 def sync(dev: torch.device) -> None:
@@ -73,6 +74,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=0, help="also decode this many prompts together (base only)")
     ap.add_argument("--profile", action="store_true", help="print each variant's top ops for 8 decoded tokens")
     args = ap.parse_args()
+    require_cuda(__file__)
     dev = torch.device(args.device)
     shape = get_shape(args.shape)
     prompt = torch.randint(0, min(1000, shape.hf_config["vocab_size"]), (1, 32), generator=torch.Generator().manual_seed(0))

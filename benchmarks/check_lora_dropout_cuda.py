@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 import triton
-from common import wall_seconds_per_call
+from common import require_cuda, wall_seconds_per_call
 
 from chronicals.bench.contenders import build_chronicals_model, rows_as_packed_batch
 from chronicals.bench.shapes import get_shape
@@ -85,4 +85,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    require_cuda(__file__)
     main()

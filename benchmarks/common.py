@@ -18,6 +18,19 @@ from chronicals._jsonio import write_text_atomic
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def require_cuda(script: str, usage: str | None = None) -> None:
+    """Exit with one line naming ``script`` when torch sees no CUDA GPU (the GPU-only probes raised raw CUDA
+    tracebacks on a CPU machine), or, with ``usage``, when no command-line argument was given."""
+    import sys
+
+    name = Path(script).name
+    if usage is not None and len(sys.argv) < 2:
+        sys.exit(f"usage: python benchmarks/{name} {usage}")
+    if not torch.cuda.is_available():
+        sys.exit(f"{name}: needs a CUDA GPU (torch.cuda.is_available() is False here); run it on the GPU machine "
+                 "with PYTHONPATH=src")
+
+
 def do_bench(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     """Median milliseconds of ``fn()`` with CUDA events (triton.testing.do_bench)."""
     import triton.testing

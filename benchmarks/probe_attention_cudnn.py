@@ -16,6 +16,7 @@ import torch
 from triton.testing import do_bench
 
 from bench_attention import packed_or_rows as packed
+from common import require_cuda
 from chronicals.ops.attention import attention_ref, attention_varlen_flash
 
 dev, bf = "cuda", torch.bfloat16
@@ -135,4 +136,5 @@ def _sdpa(q, k, v, backend):
 
 
 if __name__ == "__main__":
+    require_cuda(__file__, "OUT.json")
     main(sys.argv[1])

@@ -20,6 +20,7 @@ import torch
 from triton.testing import do_bench
 
 from bench_attention import packed_or_rows as cu_for
+from common import require_cuda
 from chronicals.ops import attention_cudnn as ac
 from chronicals.ops.attention import attention_ref, attention_varlen_flash
 
@@ -229,4 +230,5 @@ def main(path):
 
 
 if __name__ == "__main__":
+    require_cuda(__file__, "OUT.json")
     main(sys.argv[1])

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import do_bench, markdown_table, write_results  # noqa: E402
+from common import do_bench, markdown_table, require_cuda, write_results  # noqa: E402
 
 from chronicals.ops import attention_cudnn as ac  # noqa: E402
 
@@ -150,6 +150,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    require_cuda(__file__)
     cudnn = ac.cudnn_frontend()
     plans = []
     for shape in SHAPES:

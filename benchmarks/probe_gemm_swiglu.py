@@ -30,6 +30,7 @@ import triton.language as tl
 from chronicals.ops._triton_utils import tune_configs
 from chronicals.ops.swiglu import _swiglu_bwd_math, _swiglu_fwd_math, swiglu_gate_up_backward, swiglu_gate_up_forward
 from probe_gemm_tma import _grouped, tma_down_dact_swiglu_bwd, tma_gate_up_swiglu, tma_mm  # benchmarks/, beside this
+from common import require_cuda  # noqa: E402
 
 _CONFIGS = [triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_stages=s, num_warps=w)
             for bm, bn, bk, s, w in ((128, 128, 64, 3, 8), (128, 64, 64, 4, 4), (128, 128, 64, 4, 8),
@@ -295,4 +296,5 @@ if __name__ == "__main__":
         assert worst < 1e-4, worst
         print("ok")
     else:
+        require_cuda(__file__, "OUT.json | --check")
         bench(sys.argv[1])

@@ -21,7 +21,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth_gbs, do_bench, write_results  # noqa: E402
+from common import copy_bandwidth_gbs, do_bench, require_cuda, write_results  # noqa: E402
 
 from chronicals.ops._linear_ce_kernels import _lce_rows_kernel  # noqa: E402
 
@@ -68,6 +68,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    require_cuda(__file__)
     copy = copy_bandwidth_gbs()
     res = {f"{r}x151936": run(r, 151936) for r in (862, 1024)}
     lines = [f"copy bandwidth {copy:.0f} GB/s", "", "| chunk | rows x tile / warps | us | GB/s (6 B/logit) | "

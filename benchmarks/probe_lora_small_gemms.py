@@ -9,6 +9,9 @@ import sys
 import torch
 from triton.testing import do_bench
 
+from common import require_cuda
+
+require_cuda(__file__, "OUT.json")
 dev, bf = "cuda", torch.bfloat16
 
 def variants(A, B):

@@ -21,6 +21,7 @@ import torch
 from chronicals.bench.contenders import get_contender
 from chronicals.bench.protocol import RunSpec, make_batches
 from chronicals.bench.shapes import get_shape
+from common import require_cuda
 
 MIB = 2 ** 20
 
@@ -99,6 +100,7 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--device", default="cuda", help="cuda; cpu: a dry run of the calls (memory reads 0)")
     a = ap.parse_args()
+    require_cuda(__file__)
     rows = []
     for m in a.methods.split(","):
         rows.append(probe(m, a.shape, torch.device(a.device)))

@@ -33,7 +33,7 @@ from chronicals.train.graphs import GraphedStep
 from chronicals.train.step import accumulate_gradients
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py, also when imported by a test
-from common import wall_seconds_per_call  # noqa: E402
+from common import require_cuda, wall_seconds_per_call  # noqa: E402
 
 FAMILIES = [("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")), ("flash/attn", ("flash", "fmha", "attn")),
             ("rms_norm", ("_rms_norm",)), ("swiglu", ("_swiglu",)), ("rope", ("_rope",)),
@@ -181,6 +181,7 @@ def main():
     ap.add_argument("--graphs", action="store_true", help="each method eager, then as replayed CUDA graphs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    require_cuda(__file__)
     peak, copy = matmul_peak_tflops(torch.device("cuda")), copy_bandwidth_tb_s()
     print(f"ceilings: bf16 matmul {peak:.0f} TFLOP/s, copy {copy:.2f} TB/s")
     results = []
