@@ -202,6 +202,10 @@ def main():
     global DEV
     if args.smoke:
         DEV, args.shape, args.warmup, args.steps = "cpu", "smoke", 1, 2
+        if args.out is None:  # its peak is a made-up 1 TFLOP/s: not a result for benchmarks/results/
+            import tempfile
+
+            args.out = tempfile.mkdtemp(prefix="bench_lora_smoke_")
     elif not torch.cuda.is_available():
         raise SystemExit("bench_lora needs a CUDA GPU (run it on the GPU machine), or --smoke for a CPU dry run")
     spec = SHAPES[args.shape]

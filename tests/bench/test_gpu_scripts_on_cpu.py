@@ -36,3 +36,19 @@ def test_a_probe_without_its_output_argument_says_its_usage(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
     with pytest.raises(SystemExit, match=r"usage: python benchmarks/probe_lora_small_gemms.py OUT.json"):
         runpy.run_path(str(BENCH / "probe_lora_small_gemms.py"), run_name="__main__")
+
+
+def test_bench_lora_smoke_writes_its_made_up_numbers_outside_the_results(monkeypatch, tmp_path):
+    """bench_lora --smoke (a CPU dry run, MFU against a made-up 1 TFLOP/s peak) wrote its file into
+    benchmarks/results beside the measured ones; without --out it goes to a temporary directory now."""
+    import tempfile
+
+    results = BENCH / "results"
+    before = set(results.iterdir())
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", [str(BENCH / "bench_lora.py"), "--smoke", "--no-variants"])
+    monkeypatch.syspath_prepend(str(BENCH))
+    runpy.run_path(str(BENCH / "bench_lora.py"), run_name="__main__")
+    assert set(results.iterdir()) == before
+    written = list(tmp_path.glob("bench_lora_smoke_*/bench_lora_smoke_*.json"))
+    assert len(written) == 1, list(tmp_path.rglob("*"))
