@@ -191,3 +191,15 @@ def test_git_sha_says_dirty_and_another_projects_checkout_is_not_ours(tmp_path, 
     subprocess.run([*git, "-C", str(tmp_path / "other"), "commit", "-q", "--allow-empty", "-m", "y"], check=True)
     assert stamped(inside) != sha and not stamped(inside).endswith("-dirty")
     assert stamped(inside).startswith("v") or stamped(inside) == "unknown"
+
+
+def test_two_runs_choosing_a_name_at_once_get_two_names(tmp_path, monkeypatch):
+    """output_stem listed the folder, then write_report wrote later: two runs finishing in the same second both
+    chose <name>_<gpu>_<date> and the second overwrote the first. The name is claimed with an exclusive create."""
+    from chronicals.bench import report
+
+    monkeypatch.setattr(report.Path, "glob", lambda self, pattern: iter(()))  # both runs listed an empty folder
+    first = report.output_stem(_small_results(), tmp_path, name="bench_e2e_0.5b")
+    second = report.output_stem(_small_results(), tmp_path, name="bench_e2e_0.5b")
+    assert first.name == "bench_e2e_0.5b_NVIDIA-H200_2026-11-30"
+    assert second.name == "bench_e2e_0.5b_NVIDIA-H200_2026-11-30_2"

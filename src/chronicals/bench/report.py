@@ -232,15 +232,21 @@ def plot_png(results: dict, path: Path) -> Path | None:
 
 def output_stem(results: dict, out_dir: Path, name: str = "bench_e2e") -> Path:
     """<out_dir>/<name>_<gpu>_<date>, or with _2, _3, ... after it when an earlier run's files hold that name (a
-    second run of one plan on the same day would overwrite the first's results)."""
+    second run of one plan on the same day would overwrite the first's results). The name is claimed by creating
+    its .json empty (O_EXCL), so two runs choosing at once cannot both take it; write_report then fills it."""
     gpu = "".join(c if c.isalnum() or c in "-_." else "-" for c in results["environment"]["gpu"])
     base = f"{name}_{gpu}_{results['environment']['date'][:10]}"
     taken = {p.name for p in Path(out_dir).glob(f"{glob.escape(base)}*")} if Path(out_dir).is_dir() else set()
     stem, n = base, 1
-    while any(stem + ext in taken for ext in (".json", ".md", ".png")):
+    while True:
+        if not any(stem + ext in taken for ext in (".json", ".md", ".png")):
+            try:
+                os.close(os.open(Path(out_dir) / f"{stem}.json", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+                return Path(out_dir) / stem
+            except FileExistsError:  # another run claimed it since the listing
+                pass
         n += 1
         stem = f"{base}_{n}"
-    return Path(out_dir) / stem
 
 
 def write_report(results: dict, out_dir: str | os.PathLike, name: str = "bench_e2e", stem: Path | None = None,
