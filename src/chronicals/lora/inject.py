@@ -56,7 +56,7 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def _tied_partners(model: nn.Module, module_names: list[str]) -> list[str]:
+def tied_partners(model: nn.Module, module_names: list[str]) -> list[str]:
     """Names of other modules owning a Parameter object that one of ``module_names`` also owns."""
     owners: dict[int, set[str]] = {}
     for mname, mod in model.named_modules():
@@ -202,7 +202,7 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
                           f"{holding[first][0]}); a module is either adapted or trained in full: name the modules "
                           "inside them to train in full, or leave their projections out of target_modules (in a "
                           "config: lora.modules_to_save, lora.targets)", "lora.modules_to_save")
-    tied = _tied_partners(model, saved)
+    tied = tied_partners(model, saved)
     if tied:
         log.info("apply_lora: %s share weights with %s (tied); the shared tensor is trained and both are saved",
                  saved, tied)

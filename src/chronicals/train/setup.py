@@ -105,7 +105,7 @@ def _check_adapters_fit(model, cfg: TrainConfig) -> None:
     from dataclasses import asdict
 
     from ..config import LoraSection
-    from ..lora.inject import _tied_partners, name_matches
+    from ..lora.inject import tied_partners, name_matches
 
     rec, lo, default = model.lora_config, cfg.lora, asdict(LoraSection())
     names, targets = list(rec.lora_modules), tuple(lo.targets)
@@ -122,7 +122,7 @@ def _check_adapters_fit(model, cfg: TrainConfig) -> None:
     # partner apply_lora adds); it was not compared, and a config asking for embed_tokens trained none (a LoRA walk)
     asked = [n for n in rec.saved_modules if lo.modules_to_save and name_matches(n, tuple(lo.modules_to_save))]
     if any(not any(name_matches(n, (k,)) for n in rec.saved_modules) for k in lo.modules_to_save) or \
-            set(rec.saved_modules) - set(asked) - set(_tied_partners(model, asked)):
+            set(rec.saved_modules) - set(asked) - set(tied_partners(model, asked)):
         differ.append(("modules_to_save", f"lora.modules_to_save={list(lo.modules_to_save)} (the adapters train "
                                           f"{rec.saved_modules or 'none'})"))
     said = [text for key, text in differ if getattr(lo, key) != default[key]]
