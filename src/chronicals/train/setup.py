@@ -105,7 +105,7 @@ def _check_adapters_fit(model, cfg: TrainConfig) -> None:
     from dataclasses import asdict
 
     from ..config import LoraSection
-    from ..lora.inject import tied_partners, name_matches
+    from ..lora.inject import name_matches, tied_partners
 
     rec, lo, default = model.lora_config, cfg.lora, asdict(LoraSection())
     names, targets = list(rec.lora_modules), tuple(lo.targets)
