@@ -312,6 +312,32 @@ def test_tool_call_checks(tokenizer, tmp_path, set_template):
     assert ds.stats.first_errors[2] == f"{path}:3: messages[1] has no 'content'; expected {{'role', 'content'}}"
 
 
+@pytest.mark.parametrize("loss_on", ["assistant", "all"])
+@pytest.mark.parametrize("markers", [False, True])
+def test_a_template_that_drops_tool_calls_makes_a_bad_record(tokenizer, tmp_path, set_template, loss_on, markers):
+    """SmolLM2's template (the default model's) renders no tool_calls: a turn holding only a call trained
+    `<|im_end|>` alone (the model learns to stop at once) without a warning, since a tool call counts as a reply.
+    Now a bad record naming the message and the tool; the template that renders calls trains them as before."""
+    plain = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+             + ("{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}" if markers else
+                "{{ m['content'] }}<|im_end|>")
+             + "\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    set_template(plain)
+    messages = [{"role": "user", "content": "weather in Paris?"}, {"role": "assistant", "content": "",
+                                                                    "tool_calls": CALL},
+                {"role": "tool", "content": "18C"}, {"role": "assistant", "content": "It is 18C."}]
+    ok = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    path = write_jsonl(tmp_path / "tools.jsonl", [{"messages": messages}, ok])
+    ds = load_dataset(path, tokenizer, max_seq_len=256, loss_on=loss_on, on_error="skip")
+    assert (ds.stats.skipped_errors, ds.stats.documents) == (1, 1)
+    assert ds.stats.first_errors == [
+        f"{path}:1: message 1 calls tool 'get_weather', but the chat template does not render tool_calls (the call "
+        "would be left out and the turn trained as an empty reply); use a model whose template renders tool calls "
+        "(Qwen2.5's, Llama 3.1's), or write the call into the message's content"]
+    set_template(TOOLS)
+    assert load_dataset(path, tokenizer, max_seq_len=256, loss_on=loss_on).stats.documents == 2
+
+
 def test_null_message_keys_are_dropped(tokenizer, tmp_path, set_template):
     """Parquet struct columns give every message every key, null where absent: 'is defined' must stay false."""
     pytest.importorskip("pyarrow")

@@ -115,6 +115,25 @@ def _render(tokenizer, messages, add_generation_prompt=False) -> str:
     return _apply(tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+def _check_tool_calls(tokenizer, messages: list[dict], full: str | None = None) -> None:
+    """FormatError (a bad record) when a message's tool_calls are not in the rendering ``full`` (rendered here when
+    None and some message has tool_calls): SmolLM2's template drops them, so an assistant turn of only a tool
+    call trained `<|im_end|>` alone, teaching the model to end its turn at once, without a word. Checked by each
+    call's function name (a template may reformat the arguments)."""
+    names = [(j, (call.get("function") if isinstance(call.get("function"), dict) else call).get("name"))
+             for j, m in enumerate(messages) for call in (m.get("tool_calls") or ())]
+    names = [(j, n) for j, n in names if isinstance(n, str) and n]
+    if not names:
+        return
+    full = _render(tokenizer, messages) if full is None else full
+    for j, name in names:
+        if name not in full:
+            raise FormatError(f"message {j} calls tool {name!r}, but the chat template does not render tool_calls "
+                              "(the call would be left out and the turn trained as an empty reply); use a model "
+                              "whose template renders tool calls (Qwen2.5's, Llama 3.1's), or write the call into "
+                              "the message's content")
+
+
 def _offsets_mask(tokenizer, text: str, spans, add_special_tokens: bool, across: list | None = None):
     """(ids, trainable): a token is trainable when it overlaps a span. ``across``: a list to which True is appended
     when a token spans the start of the first span (it holds prompt text too), else False."""
@@ -352,6 +371,7 @@ def encode_chat(tokenizer, messages: list[dict], train_from: int = 0, markers: b
     """messages -> (ids (L,) int32, trainable (L,) bool): trainable = assistant turns at index >= train_from."""
     _need_template(tokenizer)
     if markers:
+        _check_tool_calls(tokenizer, messages)
         out = _apply(tokenizer, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         ids = np.asarray(out["input_ids"], dtype=np.int32)
         mask = np.asarray(out["assistant_masks"], dtype=bool)
@@ -359,6 +379,7 @@ def encode_chat(tokenizer, messages: list[dict], train_from: int = 0, markers: b
             mask[:_prompt_end(tokenizer, messages[:train_from], ids)] = False  # loss only on the completion's turns
         return ids, mask
     full = _render(tokenizer, messages)
+    _check_tool_calls(tokenizer, messages, full)
     specials = _special_texts(tokenizer)
     try:
         spans = [(lo, hi) for _, lo, hi in _locate(tokenizer, messages, full, train_from, specials)]
@@ -386,6 +407,7 @@ def encode(tokenizer, ex: Example, loss_on: str = "assistant", markers: bool = F
     if ex.messages is not None:
         if loss_on == "all":
             _need_template(tokenizer)  # else transformers' long "Cannot use chat template functions ..."
+            _check_tool_calls(tokenizer, ex.messages)
             ids = _render_ids(tokenizer, ex.messages)
             return ids, np.ones(len(ids), dtype=bool)
         return encode_chat(tokenizer, ex.messages, ex.train_from, markers)
