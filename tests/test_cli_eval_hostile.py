@@ -141,3 +141,16 @@ def test_one_past_the_context_exits_2_and_the_context_itself_passes(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--max-new-tokens 513 is more than m can attend to (max_position_embeddings=512); use at most 512" in err
+
+
+@pytest.mark.parametrize("inside", ["cache", "."])
+def test_a_cache_dir_inside_the_data_directory_exits_2_before_anything_is_written(inside, tmp_path, capsys):
+    """train refused a data.cache_dir inside data.path, eval did not: its first run left DATA/cache/<key>/meta.json,
+    and the next run read that file as a record (exit 3, or a 'bad record' skipped). Refused at once now."""
+    data = tmp_path / "evdir"
+    data.mkdir()
+    (data / "a.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                           {"role": "assistant", "content": "yo"}]}) + "\n")
+    err = _exit2([data, "--cache-dir", data / inside, "--model", tmp_path / "no-model-needed"], capsys)
+    assert f"--cache-dir {data / inside} is inside DATA {data}, whose files are all read as data" in err, err
+    assert [p.name for p in data.iterdir()] == ["a.jsonl"]

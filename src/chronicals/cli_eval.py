@@ -106,6 +106,15 @@ def cmd_eval(argv: list[str]) -> int:
         where = where_read(Path(a.data).expanduser())
         raise FileNotFoundError(f"{a.data}: no such file or directory{where}{glob_hint(a.data)}; give the data file "
                                 "to score, or demo for the packaged held-out questions")
+    if a.data != DEMO and Path(a.data).expanduser().is_dir():  # as train's check_data_paths: a directory is read
+        from .train.setup import tokenization_cache_dir  # whole, so the cache's meta.json became a record next time
+
+        cache = tokenization_cache_dir(data.cache_dir)
+        there = None if cache is None else Path(cache).expanduser().resolve()
+        if there is not None and (there == Path(a.data).expanduser().resolve()
+                                  or Path(a.data).expanduser().resolve() in there.parents):
+            p.error(f"--cache-dir {cache} is inside DATA {a.data}, whose files are all read as data; put the cache "
+                    "outside it")
     a.model, ckpt_base, flag = _model_and_base(p, a)
     a.model = _base_for(a.adapter, a.model, flag)
     if a.json is not None:  # before the load and scoring, not when the numbers are written
