@@ -1,5 +1,6 @@
-"""Loss masks of templates the strict prefix test cannot bound: Phi-3 (eos only at the end of a conversation) and
-Mistral v0.3 (the system message moved into the last user turn), with ChatML/Llama-3/Llama-2 as regressions.
+"""Loss masks of templates the strict prefix test cannot bound: Phi-3 (eos only at the end of a conversation),
+Mistral v0.3 (the system message moved into the last user turn) and Qwen3 (a think block only in the replies after
+the last user message), with ChatML/Llama-3/Llama-2 as regressions.
 
 The templates are written from the structure of the published ones; each runs on a copy of the SmolLM2
 tokenizer with the template's special tokens added, so the decoded trained runs read like the real model's.
@@ -81,6 +82,15 @@ MISTRAL_LAST_USER = MISTRAL_V03.replace(
     "{%- endif %}{%- endfor %}\n{{- bos_token }}").replace(
     "loop.last and system_message is defined", "loop.index0 == ns.last_user and system_message is defined")
 
+# Qwen3: replies after the last user message open with a think block (empty without reasoning), earlier ones do not,
+# so an earlier reply rendered as the last message gains a block that the whole conversation does not have there
+QWEN3 = ("{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+         "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}"
+         "{{ '<|im_start|>' + m['role'] + '\n' }}{% if m['role'] == 'assistant' and loop.index0 > ns.last %}"
+         "{{ '<think>\n' + (m['reasoning_content'] if m['reasoning_content'] is defined else '') + '\n</think>\n\n' }}"
+         "{% endif %}{{ m['content'] + '<|im_end|>\n' }}{% endfor %}"
+         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
 BASES = {  # template -> bos, eos, added special tokens (as the model's tokenizer has them)
     "chatml": (CHATML, None, "<|im_end|>", []),
     "llama3": (LLAMA3, "<|begin_of_text|>", "<|eot_id|>", ["<|start_header_id|>", "<|end_header_id|>"]),
@@ -88,6 +98,7 @@ BASES = {  # template -> bos, eos, added special tokens (as the model's tokenize
     "phi3": (PHI3, "<s>", "<|endoftext|>", ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]),
     "mistral_v03": (MISTRAL_V03, "<s>", "</s>", ["[INST]", "[/INST]"]),
     "mistral_last_user": (MISTRAL_LAST_USER, "<s>", "</s>", ["[INST]", "[/INST]"]),
+    "qwen3": (QWEN3, None, "<|im_end|>", []),
 }
 
 SYSTEM = {"role": "system", "content": "Be brief."}
@@ -104,7 +115,9 @@ def trained(name: str, reply: str, last: bool) -> str:
             # Phi-3's last turn also carries the eos its template closes the conversation with (the strict
             # test's span, unchanged: messages[:i+1] is all of them); earlier turns end at <|end|>
             "phi3": f"{reply}<|end|>" + ("\n<|endoftext|>" if last else ""),
-            "mistral_v03": f" {reply}</s>", "mistral_last_user": f" {reply}</s>"}[name]
+            "mistral_v03": f" {reply}</s>", "mistral_last_user": f" {reply}</s>",
+            # Qwen3: the last reply with the think block the template writes there, as apply_chat_template does
+            "qwen3": ("<think>\n\n</think>\n\n" if last else "") + f"{reply}<|im_end|>"}[name]
 
 
 def make_tokenizer(base, template, bos, eos, extra):
@@ -231,3 +244,13 @@ def test_a_dated_template_renders_one_fixed_date_and_a_strftime_one_is_named(tok
         load_dataset(write_jsonl(tmp_path / "f.jsonl", records), bare, max_seq_len=256, cache_dir=None)
     said = [r.getMessage() for r in caplog.records if "writes today's date (strftime_now)" in r.getMessage()]
     assert len(said) == 1, said
+
+
+def test_qwen3_reasoning_trains_where_the_template_writes_it(tokenizer):
+    """Multi-turn Qwen3 data was refused (not prefix-stable) under train_on=assistant. Each reply trains as the whole
+    conversation renders it: an earlier reply without its reasoning (the template drops it there), the last one
+    with its think block."""
+    tok = make_tokenizer(tokenizer, *BASES["qwen3"])
+    messages = [TURNS[0], TURNS[1] | {"reasoning_content": "greet back"}, TURNS[2],
+                TURNS[3] | {"reasoning_content": "add them"}]
+    assert encode(tok, messages) == ["Hello there.<|im_end|>", "<think>\nadd them\n</think>\n\n4, I think\nso.<|im_end|>"]

@@ -258,8 +258,28 @@ def _turn_span(tokenizer, messages, i: int, full: str, specials) -> tuple[int, i
         raise _Unbounded(i)
     hi = _closing_dropped(upto, full, lo, specials)
     if hi is None:
+        hi = _opened_differently(upto, full, lo)
+    if hi is None:
         raise _Unbounded(i)
     return lo, _turn_end(full, lo, hi, specials), False
+
+
+def _opened_differently(upto: str, full: str, lo: int) -> int | None:
+    """The turn's end when rendering messages[:i+1] (upto) opens the turn with text the full rendering does not
+    have there: Qwen3 writes ``<think>\n\n</think>\n\n`` (or the reasoning) only into assistant turns after the
+    last user message, so an earlier turn, rendered last, gains the block, and in full it has none. upto[lo:] is
+    then X + T and full[lo:] starts with T: the end is lo + len(T) for the longest such T (the fewest characters
+    dropped), checked by the caller to hold the reply. None when no tail of upto[lo:] starts full[lo:]."""
+    turn = upto[lo:]
+    if not turn:
+        return None
+    head = full[lo:lo + 8]
+    k = turn.find(head, 1) if head else -1
+    while k != -1:
+        if full.startswith(turn[k:], lo):
+            return lo + len(turn) - k
+        k = turn.find(head, k + 1)
+    return None
 
 
 def _holds_reply(full: str, span, message) -> bool:
