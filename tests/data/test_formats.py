@@ -65,8 +65,6 @@ def test_generation_markers_give_the_same_mask(tokenizer):
 
 
 def test_unlocatable_assistant_turns_raise(tokenizer):
-    with pytest.raises(ValueError, match="before assistant message 0 .*expected a user or system message first"):
-        encode_chat(tokenizer, [{"role": "assistant", "content": "first"}])
     saved = tokenizer.chat_template
     try:  # a template that rewrites earlier turns once more follow (as reasoning templates do)
         tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] + ': ' + (m['content'] if loop.last else "

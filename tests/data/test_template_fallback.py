@@ -254,3 +254,21 @@ def test_qwen3_reasoning_trains_where_the_template_writes_it(tokenizer):
     messages = [TURNS[0], TURNS[1] | {"reasoning_content": "greet back"}, TURNS[2],
                 TURNS[3] | {"reasoning_content": "add them"}]
     assert encode(tok, messages) == ["Hello there.<|im_end|>", "<think>\nadd them\n</think>\n\n4, I think\nso.<|im_end|>"]
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3", "phi3"])
+def test_a_conversation_that_opens_with_a_reply_trains_it(tokenizer, name):
+    """ShareGPT dumps that open with the assistant's greeting were refused as bad records: transformers will not
+    render the empty conversation before the first reply. Its header is now the text a sentinel reply renders
+    before itself, and the greeting trains like any reply. (Qwen3 opens a lone greeting with a think block and the
+    conversation's without one: still refused, naming the fix.)"""
+    tok = make_tokenizer(tokenizer, *BASES[name])
+    greeting = {"role": "assistant", "content": "Welcome!"}
+    spans = encode(tok, [greeting] + TURNS[:2])
+    assert spans == [trained(name, "Welcome!", False), trained(name, REPLIES[0], True)]
+
+
+def test_a_qwen3_conversation_that_opens_with_a_reply_is_refused(tokenizer):
+    tok = make_tokenizer(tokenizer, *BASES["qwen3"])
+    with pytest.raises(FormatError, match="not prefix-stable at message 0: .*data.train_on=all"):
+        encode_chat(tok, [{"role": "assistant", "content": "Welcome!"}] + TURNS[:2])

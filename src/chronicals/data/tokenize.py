@@ -246,7 +246,7 @@ def _turn_span(tokenizer, messages, i: int, full: str, specials) -> tuple[int, i
     """(lo, hi, strict): assistant message i's reply and end-of-turn text as a character span of full; strict
     when messages[:i+1] renders to a prefix of full. Raises _Unbounded when the renderings cannot bound it."""
     try:
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else _opening(tokenizer, messages)
     except Exception as e:  # a template may not render an empty prefix (assistant first)
         raise FormatError(f"the chat template cannot render the messages before assistant message {i} "
                           f"({type(e).__name__}: {e}); expected a user or system message first") from None
@@ -280,6 +280,21 @@ def _opened_differently(upto: str, full: str, lo: int) -> int | None:
             return lo + len(turn) - k
         k = turn.find(head, k + 1)
     return None
+
+
+_SENTINEL = "\x00chronicals-reply\x00"
+
+
+def _opening(tokenizer, messages) -> str:
+    """What a conversation that opens with an assistant message (a ShareGPT greeting) renders before that reply:
+    transformers refuses to render the empty conversation before it, so the text before a sentinel reply, when
+    the real reply's rendering starts with it (a template that writes the reply's text into its header cannot)."""
+    text = _render(tokenizer, [messages[0] | {"content": _SENTINEL}])
+    at = text.find(_SENTINEL)
+    head = text[:at] if at >= 0 else None
+    if head is None or not _render(tokenizer, messages[:1]).startswith(head):
+        raise ValueError("the reply's rendering does not start with the same text whatever the reply")
+    return head
 
 
 def _holds_reply(full: str, span, message) -> bool:
