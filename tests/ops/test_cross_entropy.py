@@ -93,6 +93,24 @@ def test_matches_reference(dtype, reduction, n, h, v, chunk_rows, bias, softcap)
         assert_tracks_torch(name, o, t, r, dtype=dtype)  # the inputs' eps: see ops_tolerance
 
 
+@pytest.mark.parametrize("softcap", [0.5, 30.0, 1e4, 1e6, 1e8])
+def test_any_softcap_is_exact_in_float32(softcap):
+    """The kernel's tanh (1 - 2 / (exp2(2x) + 1)) has an absolute error of ~1e-7, which near 0 is all of it: a
+    large softcap (a user's "practically no cap") gave z off by softcap x 1e-7, the loss off by 8e-3 at 1e6 and
+    log V at 1e8 (every logit 0). Loss and both gradients against float64, at fp32's own accuracy."""
+    x, w, _, labels = make_inputs(7, 64, 1031, torch.float32, False, seed=5)
+
+    def ours(x_, w_, labels_, b_):
+        return linear_cross_entropy_triton(x_, w_, labels_, ignore_index=IGNORE, softcap=softcap)
+
+    got = run(ours, x, w, None, labels, torch.tensor(1.0, device=DEV))
+    ref = run(lambda x_, w_, l_, b_: exact_lce(x_, w_, l_, b_, "mean", softcap), x.double(), w.double(), None,
+              labels, torch.tensor(1.0, dtype=torch.float64, device=DEV))
+    for name, o, r in zip(["loss", "d_hidden", "d_weight"], got, ref):
+        err = ((o.double() - r).abs().max() / r.abs().max().clamp(min=1e-30)).item()
+        assert err < 2e-5, f"{name}: relative error {err:.2e} at softcap {softcap:g}"
+
+
 @pytest.mark.parametrize("dtype,reduction,bias,softcap,parts", [
     (torch.float32, "mean", True, None, 2), (torch.bfloat16, "sum", False, 30.0, 3),
     (torch.float32, "none", True, 20.0, 7), (torch.bfloat16, "none", False, None, 2)])
