@@ -98,7 +98,8 @@ def _check_finite(section) -> None:
 class ModelSection:
     path: str = _f("smollm2-135m-instruct", "local HF directory, .gguf file, or 'smollm2-135m-instruct' (embedded)")
     dtype: str = _f("auto", "weights dtype: auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float32 | "
-                              "float64 (CPU reference runs with impl=torch; slow)")
+                              "float64 (CPU reference runs with impl=torch; slow; RMSNorm's statistics and the RoPE "
+                              "angles stay fp32, as transformers computes them)")
     device: str = _f("auto", "auto (cuda if available) | cpu | cuda | cuda:N")
     impl: str = _f("auto", "op implementations: auto (Triton on CUDA) | triton | torch")
     attention: str = _f("auto", "packed rows' attention kernel on CUDA: cudnn (cuDNN's ragged Hopper kernels, needs "

@@ -39,6 +39,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from ._impl import log, resolve_impl
 
@@ -100,6 +101,7 @@ class VarlenFlashFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the kernels' backward builds no graph: a double backward raises
     def backward(ctx, grad_out):
         q, k, v, out, lse, cu, rng_state, unused = ctx.saved_tensors
         dq, dk, dv = torch.ops.aten._flash_attention_backward(

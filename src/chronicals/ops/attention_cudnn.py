@@ -32,6 +32,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 MIN_DOCS, MIN_SEQ = 16, 64
 _lock = threading.Lock()
@@ -224,6 +225,7 @@ class CudnnRaggedAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the kernels' backward builds no graph: a double backward raises
     def backward(ctx, grad_out):
         q, k, v, out, stats = ctx.saved_tensors
         meta = ctx.meta

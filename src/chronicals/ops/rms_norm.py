@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from ._impl import resolve_impl, triton_interpreting
 from .recompute import is_active, offer
@@ -54,7 +55,9 @@ PROGRAMS_PER_SM = (2, 4, 8)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """Pure-PyTorch reference, numerically the Hugging Face Llama RMSNorm (fp32 math, cast, then scale)."""
+    """Pure-PyTorch reference, numerically the Hugging Face Llama RMSNorm (fp32 math, cast, then scale). float64
+    inputs too are normalized in fp32, as transformers does (``hidden_states.to(torch.float32)``): a float64 model
+    matches transformers' float64 model, not float64 arithmetic (~5e-7 apart)."""
     if residual is not None:
         x = x + residual
         residual = x
@@ -310,6 +313,7 @@ class RMSNormFunction(torch.autograd.Function):
         return y, s
 
     @staticmethod
+    @once_differentiable  # the kernels' backward builds no graph: a double backward raises
     def backward(ctx, dy, ds):
         s, weight, rstd = ctx.saved_tensors
         h = s.shape[1]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from ._impl import resolve_impl
 from ._triton_utils import check_device, tune_configs
@@ -33,7 +34,9 @@ from ._triton_utils import check_device, tune_configs
 
 def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float = 1.0,
                  dtype: torch.dtype = torch.float32):
-    """position_ids (B, S) int, inv_freq (R/2,) fp32 -> cos, sin (B, S, R) in ``dtype`` (math in fp32)."""
+    """position_ids (B, S) int, inv_freq (R/2,) fp32 -> cos, sin (B, S, R) in ``dtype``. The math is fp32 for any
+    ``dtype``, float64 too, as transformers' rotary embedding computes it (angles ~1.5e-4 off float64 at position
+    4095): a float64 model matches transformers' float64 model."""
     freqs = position_ids.float()[..., None] * inv_freq.float()  # (B, S, R/2)
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * attention_scaling).to(dtype), (emb.sin() * attention_scaling).to(dtype)
@@ -160,6 +163,7 @@ class RopeQKFunction(torch.autograd.Function):
         return rope_qk_apply(q, k, cos, sin, backward=False)
 
     @staticmethod
+    @once_differentiable  # the kernels' backward builds no graph: a double backward raises
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
         dq, dk = rope_qk_apply(dq, dk, cos, sin, backward=True)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from ._impl import resolve_impl
 from ._triton_utils import check_device, tune_configs
@@ -180,6 +181,7 @@ class SwiGLUFunction(torch.autograd.Function):
         return swiglu_forward(gate, up)
 
     @staticmethod
+    @once_differentiable  # the kernels' backward builds no graph: a double backward raises
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
         return swiglu_backward(dy.contiguous(), gate, up)
@@ -335,6 +337,7 @@ class SwiGLUGateUpFunction(torch.autograd.Function):
         return swiglu_gate_up_forward(gu2).view(*gu.shape[:-1], two_i // 2)
 
     @staticmethod
+    @once_differentiable  # the kernels' backward builds no graph: a double backward raises
     def backward(ctx, dy):
         (gu2,) = ctx.saved_tensors
         dgu = swiglu_gate_up_backward(_unit_col_rows(dy, gu2.shape[1] // 2), gu2)
