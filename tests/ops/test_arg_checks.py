@@ -60,6 +60,21 @@ CASES = {
     "lce dtypes": (lce(hidden=t(4, 17, dtype=torch.float64)), r"must share one dtype"),
     "lce reduction": (lce(reduction="avg"), r"reduction='avg' is not one of"),
     "lce vocab_parts": (lce(vocab_parts=0), r"vocab_parts=0 must be an integer >= 1"),
+    # found by an ops walk: each was a raw error from inside torch / triton, or a silent wrong value
+    "lce ignore_index 0.5": (lce(ignore_index=0.5), r"ignore_index=0.5 must be an integer label"),  # triton: 0
+    "lce V = 0": (lce(weight=t(0, 17), labels=torch.tensor([-100] * 4, device=DEV)), r"V >= 1"),
+    "attn Hk = 0": (lambda impl: ops.attention(t(1, 3, 2, 8), t(1, 3, 0, 8), t(1, 3, 0, 8), impl=impl),
+                    r"k and v have 0 heads"),
+    "attn max_seqlen 0": (lambda impl: ops.attention(t(1, 4, 2, 8), t(1, 4, 2, 8), t(1, 4, 2, 8), max_seqlen=0,
+                                                     cu_seqlens=torch.tensor([0, 4], dtype=torch.int32, device=DEV),
+                                                     impl=impl), r"max_seqlen=0; expected the longest document"),
+    "attn cu from 2": (lambda impl: ops.attention(t(1, 4, 2, 8), t(1, 4, 2, 8), t(1, 4, 2, 8), impl="torch",
+                                                  cu_seqlens=torch.tensor([2, 4], dtype=torch.int32, device=DEV)),
+                       r"cu_seqlens must start at 0 and never decrease"),
+    "attn cu decreasing": (lambda impl: ops.attention(
+        t(1, 4, 2, 8), t(1, 4, 2, 8), t(1, 4, 2, 8), impl="torch",
+        cu_seqlens=torch.tensor([0, 3, 1, 4], dtype=torch.int32, device=DEV)), r"never decrease"),
+    "gate_up I = 0": (lambda impl: ops.swiglu_gate_up(t(3, 0), impl=impl), r"even dim 2I >= 2"),
 }
 
 
@@ -101,3 +116,40 @@ def test_zero_hidden_size_is_a_clear_error(impl):
     with pytest.raises(ValueError, match=r"H >= 1"):
         linear_cross_entropy(torch.randn(3, 0, device=DEV), torch.randn(7, 0, device=DEV),
                              torch.zeros(3, dtype=torch.long, device=DEV), impl=impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_attention_dtypes_are_one_floating_dtype(impl):
+    with pytest.raises(TypeError, match=r"q, k and v must share one floating dtype"):
+        ops.attention(t(1, 3, 2, 8), t(1, 3, 2, 8), t(1, 3, 2, 8, dtype=torch.float64), impl=impl)
+    with pytest.raises(TypeError, match=r"q, k and v must share one floating dtype"):
+        ops.attention(*(torch.ones(1, 3, 2, 8, dtype=torch.long, device=DEV),) * 3, impl=impl)
+
+
+def test_dropout_refuses_what_it_cannot_do():
+    """dropped(impl='triton') returned a tensor without grad_fn for an x that requires grad (impl='torch' keeps
+    the graph): the gradient was silently cut. A 0-d x raised a bare IndexError."""
+    from chronicals.ops import dropout
+
+    d = dropout.draw(0.5, torch.device(DEV))
+    x = t(4, 8).requires_grad_()
+    if "triton" in IMPLS:
+        with pytest.raises(ValueError, match=r"builds no autograd graph"):
+            dropout.dropped(x, d, impl="triton")
+        with torch.no_grad():
+            assert dropout.dropped(x, d, impl="triton").shape == (4, 8)
+    assert dropout.dropped(x, d, impl="torch").grad_fn is not None
+    with pytest.raises(ValueError, match=r"0-d tensor"):
+        dropout.dropped(torch.tensor(1.0, device=DEV), d, impl="torch")
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the packed path's FlashAttention-2 kernels run on CUDA")
+@pytest.mark.parametrize("d", [68, 288])
+def test_packed_cuda_attention_names_its_head_dim_limits(d):
+    """FA2 said 'head_size must be a multiple of 8, this is ensured by padding!' (nothing pads) for 68, and its own
+    limit for 288; the same shapes work unpacked and under impl='torch'."""
+    q = t(1, 4, 2, d, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match=rf"multiple of 8 and at most 256 \(got {d}\); pass impl='torch'"):
+        ops.attention(q, q, q, cu_seqlens=cu, max_seqlen=2, impl="triton", varlen="flash")
+    assert ops.attention(q, q, q, cu_seqlens=cu, max_seqlen=2, impl="torch").shape == q.shape

@@ -36,6 +36,7 @@ Implementations (``impl``; "auto" = a varlen kernel on CUDA, reference on CPU):
 from __future__ import annotations
 
 import functools
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,9 @@ def _check_within_rows(cu_seqlens: torch.Tensor, seqlen: int) -> None:
     if torch.compiler.is_compiling() or (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     starts, ends = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
+    if int(cu_seqlens[0]) != 0 or bool((ends < starts).any()):
+        raise ValueError(f"attention: cu_seqlens must start at 0 and never decrease (cumulative document lengths), "
+                         f"got {cu_seqlens.tolist()[:8]}{' ...' if cu_seqlens.numel() > 8 else ''}")
     crossing = (ends > starts) & (starts // seqlen != (ends - 1) // seqlen)
     if bool(crossing.any()):
         i = int(crossing.nonzero()[0, 0])
@@ -121,6 +125,10 @@ def attention_varlen_flash(q, k, v, cu_seqlens, max_seqlen=None, scale=None):
         raise ValueError(f"attention: Hq={hq} is not a multiple of Hk={hk}")
     if cu_seqlens.dtype != torch.int32:  # its last entry must be B*S: not checked here (a sync per layer)
         raise ValueError(f"attention: cu_seqlens must be int32 (got {cu_seqlens.dtype})")
+    if d % 8 or d > 256:  # else FA2's "head_size must be a multiple of 8, this is ensured by padding!"
+        raise ValueError(f"attention: packed rows on CUDA run FlashAttention-2's varlen kernels, which need a head "
+                         f"dim that is a multiple of 8 and at most 256 (got {d}); pass impl='torch' (the masked "
+                         "SDPA reference), or train unpacked rows")
     if max_seqlen is None:  # one host sync; the collator passes it
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     scale = d ** -0.5 if scale is None else scale
@@ -130,12 +138,22 @@ def attention_varlen_flash(q, k, v, cu_seqlens, max_seqlen=None, scale=None):
     return out.view(b, s, hq, d)
 
 
-def _check_attention(q, k, v, cu_seqlens) -> None:
-    """The argument checks every impl runs (before choosing one); shapes and dtypes only. cu_seqlens' last
-    entry must equal B * S, which is not checked: reading it would sync the device once per layer."""
+def _check_attention(q, k, v, cu_seqlens, max_seqlen=None) -> None:
+    """The argument checks every impl runs (before choosing one); shapes, dtypes and max_seqlen only. cu_seqlens'
+    entries (0 first, non-decreasing, B * S last) are not checked here: reading them would sync the device once per
+    layer (the reference path reads them on the host and checks them there)."""
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise ValueError(f"attention: expected q (B, S, Hq, D) and k, v (B, S, Hk, D), got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype and q.is_floating_point()):
+        raise TypeError(f"attention: q, k and v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape[2] == 0:
+        raise ValueError("attention: k and v have 0 heads; expected Hk >= 1 key/value heads")
+    if max_seqlen is not None and not torch.compiler.is_compiling() and (  # traced: a SymInt, left to the guards
+            isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 1):
+        # FA2 read max_seqlen=0 as no tokens (garbage out) and 1 as a reshape error from inside the kernel's call
+        raise ValueError(f"attention: max_seqlen={max_seqlen!r}; expected the longest document's length, an int "
+                         ">= 1 (or None to read it from cu_seqlens, one host sync)")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"attention: Hq={q.shape[2]} query heads are not a multiple of Hk={k.shape[2]} key/value "
                          "heads (grouped-query attention shares each key head among Hq / Hk query heads)")
@@ -188,7 +206,7 @@ def resolve_varlen(varlen: str, device: torch.device, tokens: int = 0, docs: int
 
 def attention(q, k, v, *, cu_seqlens=None, max_seqlen=None, scale=None, impl: str = "auto", varlen: str = "auto"):
     """Causal attention; packed rows when ``cu_seqlens`` is given. See the module docstring."""
-    _check_attention(q, k, v, cu_seqlens)
+    _check_attention(q, k, v, cu_seqlens, max_seqlen)
     if varlen not in VARLEN_KERNELS:
         raise ValueError(f"attention: varlen={varlen!r} is not one of {VARLEN_KERNELS} (model.attention)")
     chosen = resolve_impl("attention", impl, q.device)

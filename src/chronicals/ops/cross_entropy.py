@@ -92,6 +92,7 @@ scheme this replaced measured 41.7 / 46.3 ms at 0.66 / 0.56 GiB (git fe9aee8).
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
@@ -460,14 +461,16 @@ _lce_op.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------- public API
 
 
-def _check(hidden, weight, labels, bias, reduction, softcap=None, vocab_parts=1):
+def _check(hidden, weight, labels, bias, reduction, softcap=None, vocab_parts=1, ignore_index=-100):
     """The argument checks both impls run (before choosing one). Host metadata only: label values are not
     read (that would sync); out-of-range ones give NaN instead (module docstring)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"linear_cross_entropy: reduction={reduction!r} is not one of {REDUCTIONS}")
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or not weight.shape[1]:
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or not weight.shape[1] \
+            or not weight.shape[0]:
         raise ValueError(f"linear_cross_entropy: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} "
-                         "must be (N, H) and (V, H) with H >= 1; flatten batch dims with hidden.reshape(-1, H)")
+                         "must be (N, H) and (V, H) with H >= 1 and V >= 1; flatten batch dims with "
+                         "hidden.reshape(-1, H)")
     if labels.shape != (hidden.shape[0],):
         raise ValueError(f"linear_cross_entropy: labels {tuple(labels.shape)} must be ({hidden.shape[0]},), "
                          "one target per row of hidden (flatten with labels.reshape(-1))")
@@ -487,13 +490,16 @@ def _check(hidden, weight, labels, bias, reduction, softcap=None, vocab_parts=1)
     if isinstance(vocab_parts, bool) or int(vocab_parts) != vocab_parts or vocab_parts < 1:
         raise ValueError(f"linear_cross_entropy: vocab_parts={vocab_parts!r} must be an integer >= 1 "
                          "(1: one fp32 weight-gradient accumulator of V x H; k: V x H / k for (k-1)/k more GEMMs)")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):  # 0.5 was read as 0
+        raise ValueError(f"linear_cross_entropy: ignore_index={ignore_index!r} must be an integer label (-100 is "
+                         "transformers' and the data collator's)")
     check_device("linear_cross_entropy", hidden, weight, labels, bias)
 
 
 def linear_cross_entropy_triton(hidden, weight, labels, *, bias=None, ignore_index=-100, reduction="mean",
                                 softcap=None, chunk_rows: int | None = None, vocab_parts: int = 1):
     """The fused path with an explicit chunk size (None: ``default_chunk_rows``); tests vary it."""
-    _check(hidden, weight, labels, bias, reduction, softcap, vocab_parts)
+    _check(hidden, weight, labels, bias, reduction, softcap, vocab_parts, ignore_index)
     grad_on = torch.is_grad_enabled()
     need_dh = grad_on and hidden.requires_grad
     need_dw = grad_on and weight.requires_grad
@@ -522,7 +528,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
     Labels must be in [0, V) or equal ignore_index; any other label gives NaN for its row (and for "mean" /
     "sum") and zero gradient from it, on both impls (no host-side check: that would sync the device).
     """
-    _check(hidden, weight, labels, bias, reduction, softcap, vocab_parts)
+    _check(hidden, weight, labels, bias, reduction, softcap, vocab_parts, ignore_index)
     if resolve_impl("linear_cross_entropy", impl, hidden.device) == "torch":
         return linear_cross_entropy_ref(hidden, weight, labels, bias=bias, ignore_index=ignore_index,
                                         reduction=reduction, softcap=softcap)

@@ -175,6 +175,8 @@ def _drop_ref(x2: torch.Tensor, keep: torch.Tensor, d: DropDraw, md: torch.dtype
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
     """x (..., cols) -> a (rows, cols) view with unit column stride (copies only if it has none)."""
+    if x.dim() == 0:
+        raise ValueError("dropout: x is a 0-d tensor; expected (..., cols)")
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     if x2.shape[-1] > 1 and x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -197,6 +199,9 @@ def dropped(x: torch.Tensor, d: DropDraw, *, impl: str = "auto") -> torch.Tensor
     check_device("dropout", x2, d.seed)
     if resolve_impl("dropout", impl, x2.device) == "torch":
         return _drop_ref(x2, _keep_ref(d, *x2.shape, x2.device), d, _math_dtype(x2)).to(x2.dtype)
+    if x.requires_grad and torch.is_grad_enabled():  # the kernel's output has no grad_fn: a silent constant
+        raise ValueError("dropout.dropped(impl='triton') builds no autograd graph (LoRA's backward applies the mask "
+                         "itself); call it under torch.no_grad() or on x.detach(), or use impl='torch'")
     out = torch.empty(x2.shape, dtype=x2.dtype, device=x2.device)
     _launch(x2, out, d, add=False)
     return out

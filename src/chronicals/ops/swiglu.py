@@ -395,8 +395,8 @@ def swiglu_gate_up(gu, *, impl: str = "auto"):
     """silu(gate) * up from one packed tensor: gu (..., 2I) = [gate | up] along the last dim (the output of
     ``x @ cat([Wg, Wu]).T``) -> (..., I) contiguous. The Triton backward writes d_gu (..., 2I) in one kernel.
     """
-    if gu.dim() < 1 or gu.shape[-1] % 2:
-        raise ValueError(f"swiglu_gate_up: gu {tuple(gu.shape)} must end in an even dim 2I (gate | up halves); "
+    if gu.dim() < 1 or gu.shape[-1] % 2 or not gu.shape[-1]:
+        raise ValueError(f"swiglu_gate_up: gu {tuple(gu.shape)} must end in an even dim 2I >= 2 (gate | up halves); "
                          "pass the output of one GEMM with cat([gate_proj.weight, up_proj.weight])")
     if resolve_impl("swiglu_gate_up", impl, gu.device) == "torch":
         return swiglu_gate_up_ref(gu)
