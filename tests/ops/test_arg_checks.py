@@ -75,6 +75,12 @@ CASES = {
         t(1, 4, 2, 8), t(1, 4, 2, 8), t(1, 4, 2, 8), impl="torch",
         cu_seqlens=torch.tensor([0, 3, 1, 4], dtype=torch.int32, device=DEV)), r"never decrease"),
     "gate_up I = 0": (lambda impl: ops.swiglu_gate_up(t(3, 0), impl=impl), r"even dim 2I >= 2"),
+    "rms int x": (lambda impl: ops.rms_norm(torch.ones(3, 4, dtype=torch.long, device=DEV), t(4), 1e-6, impl=impl),
+                  r"must be floating point"),
+    "rope cos dtype": (lambda impl: ops.rope_qk(t(1, 2, 2, 8, dtype=torch.bfloat16), t(1, 2, 1, 8, dtype=torch.bfloat16),
+                                                t(1, 2, 8), t(1, 2, 8), impl=impl), r"cos/sin .* of the same dtype"),
+    "rope int q": (lambda impl: ops.rope_qk(*(torch.ones(1, 2, 2, 8, dtype=torch.long, device=DEV),) * 2,
+                                            t(1, 2, 8), t(1, 2, 8), impl=impl), r"must be floating point"),
 }
 
 

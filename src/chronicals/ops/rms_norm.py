@@ -384,6 +384,8 @@ def _check_rms_norm(x, weight, residual) -> int:
     if x.dim() == 0 or weight.shape != (h,) or not h:
         raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({h},) for x {tuple(x.shape)} "
                          "(x (..., H), weight (H,), H >= 1)")
+    if not (x.is_floating_point() and weight.is_floating_point()):  # the torch impl truncated y to integers
+        raise ValueError(f"rms_norm: x ({x.dtype}) and weight ({weight.dtype}) must be floating point")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match x "
                          f"{tuple(x.shape)} {x.dtype}; cast it with .to(x.dtype) first")

@@ -227,6 +227,10 @@ def _check_rope_qk(q, k, cos, sin) -> tuple[int, int, int]:
     check_device("rope_qk", q, k, cos, sin)
     if q.dtype != k.dtype:
         raise ValueError(f"rope_qk: q and k must share a dtype, got {q.dtype} and {k.dtype}")
+    # fp32 cos with bf16 q came back fp32 from impl="torch" and bf16 from impl="triton"; integer q as fp32 / int64
+    if not q.is_floating_point() or cos.dtype != q.dtype or sin.dtype != q.dtype:
+        raise ValueError(f"rope_qk: q/k ({q.dtype}) must be floating point and cos/sin ({cos.dtype}, {sin.dtype}) "
+                         "of the same dtype; build them with rope_cos_sin(..., dtype=q.dtype)")
     return b, s, r
 
 
