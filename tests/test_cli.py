@@ -370,6 +370,18 @@ def test_sigterm_outside_the_training_loop_unwinds_like_ctrl_c(monkeypatch, caps
         signal.getsignal(signal.SIGTERM))
 
 
+def test_a_cuda_index_past_the_visible_devices_is_a_config_error(capsys, monkeypatch):
+    """model.device=cuda:7 on a one-GPU host raised 'CUDA error: invalid device ordinal' at the first move, exit 4
+    (an internal error); chat and eval --device share the check."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["train", "model.device=cuda:7", "model.path=/nonexistent/model"]) == 2
+    assert "model.device=cuda:7 but 1 CUDA device is visible (cuda:0); use model.device=cuda or one of those" in \
+        capsys.readouterr().err
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a GPU")
 def test_a_device_this_machine_lacks_is_a_config_error(capsys):
     """model.device=cuda without a GPU is a bad value for this machine: exit 2 (bad config), not 3 (bad input

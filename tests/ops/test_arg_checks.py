@@ -159,3 +159,15 @@ def test_packed_cuda_attention_names_its_head_dim_limits(d):
     with pytest.raises(ValueError, match=rf"multiple of 8 and at most 256 \(got {d}\); pass impl='torch'"):
         ops.attention(q, q, q, cu_seqlens=cu, max_seqlen=2, impl="triton", varlen="flash")
     assert ops.attention(q, q, q, cu_seqlens=cu, max_seqlen=2, impl="torch").shape == q.shape
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the packed path's varlen kernels run on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_packed_cuda_attention_in_float32_or_64_runs_the_masked_reference(dtype):
+    """model.dtype=float32 on CUDA crashed every training step (exit 4): FA2's varlen kernels take bf16/fp16 only.
+    Such rows run the masked SDPA reference now (logged once)."""
+    q, k, v = (t(2, 6, 2, 8, dtype=dtype).requires_grad_() for _ in range(3))
+    cu = torch.tensor([0, 2, 6, 9, 12], dtype=torch.int32, device=DEV)
+    got = ops.attention(q, k, v, cu_seqlens=cu, max_seqlen=4, impl="triton")
+    want = ops.attention_ref(q, k, v, cu_seqlens=cu)
+    assert torch.equal(got, want)

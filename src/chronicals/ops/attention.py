@@ -219,12 +219,15 @@ def attention(q, k, v, *, cu_seqlens=None, max_seqlen=None, scale=None, impl: st
             log.info("attention: packed rows on %s run the masked SDPA reference (the fast path is CUDA "
                      "varlen flash, not a Triton kernel)", q.device.type)
         return attention_ref(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scale=scale)
+    if q.dtype not in (torch.float16, torch.bfloat16):  # model.dtype=float32 / float64 on CUDA (exit 4 before)
+        if f"wide {q.dtype}" not in _logged_notes and not torch.compiler.is_compiling():
+            _logged_notes.add(f"wide {q.dtype}")
+            log.info("attention: packed rows in %s run the masked SDPA reference (FA2's and cuDNN's varlen "
+                     "kernels take bf16/fp16; the mask holds B x S x S booleans)", q.dtype)
+        return attention_ref(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scale=scale)
     if resolve_varlen(varlen, q.device, q.shape[0] * q.shape[1], cu_seqlens.numel() - 1) == "cudnn":
         from .attention_cudnn import attention_varlen_cudnn  # noqa: PLC0415
 
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            raise TypeError(f"attention: the cuDNN varlen path needs bfloat16/float16 q/k/v (got {q.dtype}); cast "
-                            "the model to bf16, or pass impl='torch' for the masked SDPA reference")
         if max_seqlen is None:  # one host sync; the collator passes it
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         return cudnn_or_flash(varlen, lambda: attention_varlen_cudnn(q, k, v, cu_seqlens, max_seqlen, scale),

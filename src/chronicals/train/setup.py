@@ -27,6 +27,10 @@ def resolve_device(name: str, key: str = "model.device") -> torch.device:
         raise ConfigError(f"{key}={name}: chronicals runs on cpu or cuda; use auto, cpu, cuda or cuda:N", key)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{key}={name} but no CUDA device is visible; use {key}=cpu", key)
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        n = torch.cuda.device_count()  # else "CUDA error: invalid device ordinal" at the first move, exit 4
+        raise ConfigError(f"{key}={name} but {n} CUDA device{'s are' if n > 1 else ' is'} visible "
+                          f"(cuda:0{f'..cuda:{n - 1}' if n > 1 else ''}); use {key}=cuda or one of those", key)
     return dev
 
 
