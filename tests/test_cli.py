@@ -726,3 +726,26 @@ def test_chat_prompts_that_are_not_utf8_are_bad_input_not_a_crash(tiny_base, mon
     with pytest.raises(SystemExit) as e:
         main(["eval", "demo", "--model", str(tiny_base), "--system-prompt", bad])
     assert e.value.code == 2 and "--system-prompt is not valid UTF-8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("error", ["cuda", "cpu", "python"])
+def test_running_out_of_memory_says_what_to_lower(error, capsys, monkeypatch):
+    """A batch too large for the card was 'internal error in chronicals ... please report it' (exit 4), with a
+    traceback; it is the most common way a run fails. Now one line, exit 3, naming the settings to lower."""
+    import torch
+
+    import chronicals.train as train_pkg
+
+    raised = {"cuda": torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 128.00 GiB"),
+              "cpu": RuntimeError("[enforce fail at alloc_cpu.cpp:118] data. DefaultCPUAllocator: can't allocate "
+                                  "memory: you tried to allocate 400000000000 bytes."),
+              "python": MemoryError()}[error]
+
+    def boom(*a, **k):
+        raise raised
+
+    monkeypatch.setattr(train_pkg, "train", boom)
+    assert main(["train", "train.max_steps=1"]) == 3
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "internal error" not in err, err
+    assert err.startswith("error: out of memory (") and "lower data.batch_size, data.max_seq_len" in err, err

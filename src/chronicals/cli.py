@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         interrupted = interrupted or [signal.SIGINT]
     except Exception as e:
         if not interrupted:
-            return _failed(e)
+            return _failed(e, argv[0])
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
@@ -352,17 +352,40 @@ def _lost_rank(e: Exception) -> bool:
     return (dist_error is not None and isinstance(e, dist_error)) or any(m in str(e) for m in peer_gone)
 
 
-def _failed(e: Exception) -> int:
+# what to lower when a command runs out of memory, by command
+_MEMORY_FIX = {
+    "train": "lower data.batch_size, data.max_seq_len or data.tokens_per_batch, set model.checkpointing=true or add "
+             "gate_up to model.recompute, or lower lora.rank; checkpoints already written stay (train.resume=auto "
+             "continues from the last)",
+    "eval": "lower --batch-size or --max-seq-len",
+    "chat": "lower --max-new-tokens or shorten the prompt",
+}
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, Python's MemoryError, or the CPU allocator's RuntimeError."""
+    import torch
+
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(e, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(e))
+
+
+def _failed(e: Exception, command: str = "") -> int:
     """Exit status and message for an exception out of a command: 2 for a config value found bad only once the run
     resolves it (a device this machine lacks, a lora.targets name no module of the loaded model matches), 3 for bad
-    input (the messages name the file and line), 4 for anything else: a bug, with its own status, as 1 means
-    "diverged" to train's callers."""
+    input (the messages name the file and line) or a run that does not fit in memory, 4 for anything else: a bug,
+    with its own status, as 1 means "diverged" to train's callers."""
     from .config import ConfigError
 
     if _lost_rank(e):  # another rank died (killed, out of memory): this one's collective failed, no bug of ours
         print(f"error: another process of this data-parallel job failed or was lost ({type(e).__name__}: "
               f"{str(e).strip().splitlines()[0][:300]}); its own output says why. Checkpoints already written stay: "
               "start the job again with train.resume=auto", file=sys.stderr)
+        return 3
+    if _out_of_memory(e):  # the most common way a run fails, and no bug: it was "internal error ... report it"
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        fix = _MEMORY_FIX.get(command, "use a smaller model, batch or sequence")
+        print(f"error: out of memory ({first}); {fix}", file=sys.stderr)
         return 3
     if isinstance(e, (ValueError, OSError)):
         if _traceback_wanted():  # the exit status stays the error's (1 means "diverged")
