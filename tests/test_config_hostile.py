@@ -32,6 +32,9 @@ def test_an_override_value_that_is_no_yaml_exits_2_without_a_traceback(capsys):
     ("data.system_prompt='quoted'", "quoted"),  # quotes are still taken off
     ("data.system_prompt=", ""),
     ("data.system_prompt=null", ""),
+    # YAML reads a leading '#' as a comment: the prompt became '' (the template's default), eval_path '' (none)
+    ("data.system_prompt=# Role: a terse pirate", "# Role: a terse pirate"),
+    ("data.eval_path=#held.jsonl", "#held.jsonl"),
 ])
 def test_string_overrides_are_taken_as_written(override, expected):
     key, _ = override.split("=", 1)

@@ -182,16 +182,18 @@ def _load_yaml(text: str):
 
 def _override_value(key: str, text: str):
     """A command-line value: a string key takes the text as written (YAML reads yes as True, 0x10 as 16 and cuts
-    'You are #1' at the '#'), less its quotes when quoted, '' for null (``~`` is the home directory there, as a
-    path); any other key the text's YAML value, or the
+    'You are #1' at the '#', and a text that starts with '#' whole), less its quotes when quoted, '' for null
+    written as null (``~`` is the home directory there, as a path); any other key the text's YAML value, or the
     text itself when it is no YAML (``optim.lr=[1``), which the key's type check then refuses."""
     try:
         value = _load_yaml(text) if text else ""
     except (yaml.YAMLError, *_YAML_VALUE_ERRORS):
         return text
     quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
-    if _is_str_key(key) and (value is not None or text == "~") and not quoted:
-        return text  # '~' too: YAML's null, but on a command line the home directory (train.out_dir=~ was '')
+    # null only when written as null: '~' is the home directory on a command line (train.out_dir=~ was ''), and
+    # '# Role: ...' is YAML's comment, whose None made data.system_prompt='' (the template's default prompt)
+    if _is_str_key(key) and not quoted and text.strip() not in ("", "null", "Null", "NULL"):
+        return text
     return value
 
 
