@@ -226,3 +226,18 @@ def test_date_like_tagged_and_deep_values_are_config_errors_not_bare_or_internal
         load_config(tmp_path / "deep.yaml")
     assert main(["train", "optim.lr=" + "[" * 2000 + "]" * 2000]) == 2
     assert "config optim.lr=" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, expected", [("010", 10), ("0100", 100), ("1:30", None), ("1:20:00", None),
+                                            ("0x10", 16), ("1_000", 1000)])
+def test_yaml_1_1_octal_and_base_60_ints_are_not_read(text, expected, tmp_path):
+    """save_every: 010 was 8 (octal) and max_steps: 1:30 was 90 (base 60), in a file and on the command line;
+    010 is ten now and 1:30 an error naming the key."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"train:\n  save_every: {text}\n")
+    for load in (lambda: load_config(str(path)), lambda: load_config(None, [f"train.save_every={text}"])):
+        if expected is None:
+            with pytest.raises(ValueError, match=r"train.save_every='1:[0-9:]+' is invalid: expected an integer"):
+                load()
+        else:
+            assert load().train.save_every == expected

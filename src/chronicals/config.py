@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import re
 import sys
 import types
 import typing
@@ -168,8 +169,13 @@ class _ConfigLoader(yaml.SafeLoader):
 
 
 _ConfigLoader.yaml_implicit_resolvers = {  # a copy per first character: SafeLoader's own stay as they are
-    ch: [(tag, rx) for tag, rx in rs if tag != "tag:yaml.org,2002:timestamp"]
+    ch: [(tag, rx) for tag, rx in rs if tag not in ("tag:yaml.org,2002:timestamp", "tag:yaml.org,2002:int")]
     for ch, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+# ints without YAML 1.1's octal and base-60 forms (save_every: 010 was 8, max_steps: 1:30 was 90): such text stays
+# a string, which an int key's type check names; binary and hex stay, as YAML 1.2 has them
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"))
 
 # what else pyyaml raises on text it parsed: a tag its constructor refuses (!!float abc: ValueError, !!binary: a
 # binascii error, a ValueError too), and nesting deeper than the recursion limit (RecursionError, was exit 4)
