@@ -241,3 +241,15 @@ def test_yaml_1_1_octal_and_base_60_ints_are_not_read(text, expected, tmp_path):
                 load()
         else:
             assert load().train.save_every == expected
+
+
+def test_a_config_of_nested_aliases_is_refused_in_a_short_message(tmp_path, capsys):
+    """498 bytes of YAML aliases ("billion laughs") are a list of 10^9 items; the error's full repr of it ran out
+    of memory (exit 4). The value is shown cut to a readable size."""
+    rows = ["&l0 [x, x, x, x, x, x, x, x, x, x]"] + [f"&l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]"
+                                                     for i in range(1, 9)]
+    path = tmp_path / "laughs.yaml"
+    path.write_text("optim:\n  lr: [" + ", ".join(rows) + "]\n")
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:2: config optim.lr=[[" in err and "is invalid: expected a number" in err and len(err) < 2000

@@ -41,6 +41,7 @@ from .config_schema import (
     TrainConfig,
     TrainSection,
     lora_names_problem,
+    shown,
 )
 
 __all__ = [
@@ -116,10 +117,10 @@ def _coerce(key: str, value, typ):
             return bool(value)
         if isinstance(value, str) and value.lower() in BOOL_WORDS:
             return BOOL_WORDS[value.lower()]
-        raise ConfigError(f"config {key}={value!r} is invalid: expected true or false", key)
+        raise ConfigError(f"config {key}={shown(value)} is invalid: expected true or false", key)
     if typ is int:
         if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and _is_int(value))):
-            raise ConfigError(f"config {key}={value!r} is invalid: expected an integer", key)
+            raise ConfigError(f"config {key}={shown(value)} is invalid: expected an integer", key)
         return int(value)
     if typ is float:
         try:
@@ -127,23 +128,23 @@ def _coerce(key: str, value, typ):
                 raise ValueError
             return float(value)  # YAML reads 3e-4 (no dot) as a string; float() takes it
         except (TypeError, ValueError, OverflowError):  # OverflowError: an integer of 400 digits
-            raise ConfigError(f"config {key}={value!r} is invalid: expected a number", key) from None
+            raise ConfigError(f"config {key}={shown(value)} is invalid: expected a number", key) from None
     if typ is list or origin is list:
         example = {"model.recompute": "[norm, swiglu]", "lora.modules_to_save": "[embed_tokens, lm_head]"}.get(
             key, "[q_proj, v_proj]")
         if isinstance(value, str):
             text = value.strip()
             if text.startswith("[") != text.endswith("]"):  # "[q_proj" had read as [q_proj]
-                raise ConfigError(f"config {key}={value!r} is invalid: an unclosed bracket; expected a list such as "
+                raise ConfigError(f"config {key}={shown(value)} is invalid: an unclosed bracket; expected a list such as "
                                   f"{example} ([] for none)", key)
             value = [v.strip() for v in text.strip("[]").split(",") if v.strip()]
         if not isinstance(value, list):
-            raise ConfigError(f"config {key}={value!r} is invalid: expected a list such as {example} ([] for none)",
+            raise ConfigError(f"config {key}={shown(value)} is invalid: expected a list such as {example} ([] for none)",
                               key)
         return list(value)
     if typ is str:
         if isinstance(value, (dict, list)):
-            raise ConfigError(f"config {key}={value!r} is invalid: expected a string", key)
+            raise ConfigError(f"config {key}={shown(value)} is invalid: expected a string", key)
         return "" if value is None else str(value)
     return value
 
@@ -215,7 +216,7 @@ def from_dict(d: dict | None, overrides: list[str] | dict | None = None) -> Trai
         if body is None:
             continue
         if not isinstance(body, dict):
-            raise ConfigError(f"config section {section!r} must be a mapping of keys to values, got {body!r}", section)
+            raise ConfigError(f"config section {section!r} must be a mapping of keys to values, got {shown(body)}", section)
         for k, v in body.items():
             flat[f"{section}.{k}"] = v
     if isinstance(overrides, dict):

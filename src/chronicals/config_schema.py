@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import re
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,9 +80,20 @@ class ConfigError(ValueError):
         self.key = key
 
 
+_SHOWN = reprlib.Repr()  # keyword arguments need Python 3.12
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxdict, _SHOWN.maxset = 2, 8, 8, 8, 8
+_SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 200, 200, 80
+
+
+def shown(value) -> str:
+    """repr(value) cut to a readable size: a 498-byte YAML of nested aliases is a list of 10^9 items, whose full
+    repr in an error message ran out of memory (exit 4)."""
+    return _SHOWN.repr(value)
+
+
 def _check(cond: bool, key: str, value, expected: str):
     if not cond:
-        raise ConfigError(f"config {key}={value!r} is invalid: expected {expected}", key)
+        raise ConfigError(f"config {key}={shown(value)} is invalid: expected {expected}", key)
 
 
 def _check_finite(section) -> None:
