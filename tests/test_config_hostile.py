@@ -253,3 +253,9 @@ def test_a_config_of_nested_aliases_is_refused_in_a_short_message(tmp_path, caps
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"{path}:2: config optim.lr=[[" in err and "is invalid: expected a number" in err and len(err) < 2000
+
+
+def test_negative_epochs_are_refused_beside_max_steps_too():
+    with pytest.raises(ValueError, match=r"train.epochs=-5.0 is invalid: expected a number > 0 \(0 only beside"):
+        load_config(None, ["train.max_steps=1", "train.epochs=-5"])
+    assert load_config(None, ["train.max_steps=1", "train.epochs=0"]).train.max_steps == 1

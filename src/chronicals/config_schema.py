@@ -381,8 +381,9 @@ class TrainSection:
 
     def __post_init__(self):
         _check_finite(self)
-        _check(self.epochs > 0 or self.max_steps > 0, "train.epochs", self.epochs,
-               "a number > 0, or set train.max_steps > 0")
+        _check(self.epochs > 0 or (self.max_steps > 0 and self.epochs == 0), "train.epochs", self.epochs,
+               "a number > 0 (0 only beside train.max_steps > 0)" if self.max_steps > 0 else
+               "a number > 0, or set train.max_steps > 0")  # -5 beside max_steps passed, and stayed in config.yaml
         _check(self.max_steps >= 0, "train.max_steps", self.max_steps, "an integer >= 0")
         _check(self.grad_accum >= 1, "train.grad_accum", self.grad_accum, "an integer >= 1")
         _check(0 <= self.seed < 2 ** 64, "train.seed", self.seed, "an integer in [0, 2^64) (numpy seeds the data "
