@@ -484,10 +484,30 @@ def test_a_resumed_runs_checkpoints_read_after_its_resume_point_is_gone(tiny_bas
     assert main(["export", "--adapter", str(tmp_path / "runB" / "adapter"), "--out", "."]) == 2
     assert "--out .:" in capsys.readouterr().err
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match="does not exist"):  # a config about to train still needs it
-        load_config(tmp_path / "runB" / "config.yaml")
-    with stored_config():
-        assert load_config(tmp_path / "runB" / "config.yaml").train.resume == "runA/checkpoints/step-000002"
+    # config.yaml continues runB (train.resume=auto), whatever runB started from (kept in a comment)
+    text = (tmp_path / "runB" / "config.yaml").read_text()
+    assert text.startswith("# train.resume is auto here, so that this file continues this run; it started with "
+                           "train.resume='runA/checkpoints/step-000002'\n"), text[:200]
+    assert load_config(tmp_path / "runB" / "config.yaml").train.resume == "auto"
+
+
+def test_running_a_resumed_runs_config_again_continues_that_run(tiny_base, tmp_path, monkeypatch, caplog):
+    """config.yaml stored train.resume as given: after B resumed from A's step 2 and trained to step 4, running
+    `chronicals train runB/config.yaml train.max_steps=6` went back to A's step 2 and removed B's own step-000004
+    and adapter/ as "another run's"."""
+    monkeypatch.chdir(tmp_path)
+    base = [f"model.path={tiny_base}", *RUN]
+    assert main(["train", *base, "train.out_dir=runA", "train.max_steps=2"]) == 0
+    assert main(["train", *base, "train.out_dir=runB", "train.max_steps=4",
+                 "train.resume=runA/checkpoints/step-000002"]) == 0
+    caplog.clear()
+    with caplog.at_level("INFO", logger="chronicals"):
+        assert main(["train", str(tmp_path / "runB" / "config.yaml"), "train.max_steps=6"]) == 0
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "another run" in m], said
+    assert any("resumed from" in m and "step-000004" in m for m in said), said
+    steps = [json.loads(line).get("step") for line in (tmp_path / "runB" / "metrics.jsonl").read_text().splitlines()]
+    assert max(s for s in steps if s is not None) == 6
 
 
 def test_a_missing_adapter_directory_is_said_as_such(tmp_path):

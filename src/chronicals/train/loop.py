@@ -99,6 +99,18 @@ class _LoopState:
     saves: int = 0  # checkpoints taken
 
 
+def config_yaml(cfg: TrainConfig) -> str:
+    """config.yaml's text: the run's settings with train.resume=auto, so that ``chronicals train out_dir/config.yaml``
+    continues this run. Stored as given, a resume from another run's checkpoint went back to that checkpoint and
+    removed this run's later checkpoints and final adapter as "another run's" (resume=none: started over). The
+    setting the run started with is kept in a comment."""
+    if cfg.train.resume == "auto":
+        return cfg.to_yaml()
+    stored = from_dict(cfg.to_dict(), ["train.resume=auto"])
+    return (f"# train.resume is auto here, so that this file continues this run; it started with "
+            f"train.resume={cfg.train.resume!r}\n" + stored.to_yaml())
+
+
 def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None, train_loader=None, eval_loader=None,
           heldout_qa=None, on_step=None, report=None) -> TrainResult:
     """Run the training described by ``config``; see the module docstring. Returns a TrainResult.
@@ -296,7 +308,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
             log.info("removed %s, the loss curve of the run before (%s)", plot, why)
 
     def first_record() -> None:
-        write_text_atomic(out_dir / "config.yaml", cfg.to_yaml())  # chat / eval / export read it: never half
+        write_text_atomic(out_dir / "config.yaml", config_yaml(cfg))  # chat / eval / export read it: never half
         forget_stale()
 
     if dp.is_main:  # config.yaml and metrics.jsonl change only once this run writes its first record
