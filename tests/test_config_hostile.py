@@ -94,6 +94,8 @@ def test_a_key_from_a_merge_names_its_section_line(tmp_path):
     (["optim.lr"], r"override 'optim\.lr' is not key=value"),
     (["c.txt"], r"c\.txt: a config file must end in \.yaml or \.yml"),
     (["a.yaml", "b.yaml"], r"one CONFIG\.yaml at most, got a\.yaml and b\.yaml"),
+    # a '/' before the '=': a path, not an override ("unknown config key 'runs/lr'" and the 60 keys, before)
+    (["runs/lr=3e-4/x.yaml"], r"config file runs/lr=3e-4/x\.yaml not found"),
 ])
 def test_train_arguments_that_are_neither_a_config_nor_an_override_say_what_to_do(argv, message, capsys):
     assert main(["train", *argv]) == 2
@@ -259,3 +261,26 @@ def test_negative_epochs_are_refused_beside_max_steps_too():
     with pytest.raises(ValueError, match=r"train.epochs=-5.0 is invalid: expected a number > 0 \(0 only beside"):
         load_config(None, ["train.max_steps=1", "train.epochs=-5"])
     assert load_config(None, ["train.max_steps=1", "train.epochs=0"]).train.max_steps == 1
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/dev/fd"), reason="needs /dev/fd for a pipe's path")
+def test_a_config_through_a_pipe_is_read(capsys):
+    """`chronicals train <(...)` was refused ("a config file must end in .yaml"), though load_config reads pipes."""
+    import os
+
+    read, write = os.pipe()
+    os.write(write, b"optim:\n  lr: x\n")
+    os.close(write)
+    try:
+        assert main(["train", f"/dev/fd/{read}"]) == 2
+    finally:
+        os.close(read)
+    assert f"/dev/fd/{read}:2: config optim.lr='x' is invalid: expected a number" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="needs /proc, where no folder can be made")
+def test_an_out_dir_that_cannot_be_created_is_named(capsys):
+    """A bare "[Errno 2] No such file or directory: '/proc/x'" named no setting."""
+    assert main(["train", "train.out_dir=/proc/chronicals-run", "train.max_steps=1", "eval.qa=false"]) == 3
+    err = capsys.readouterr().err
+    assert "train.out_dir=/proc/chronicals-run: cannot create it (" in err and "Traceback" not in err, err

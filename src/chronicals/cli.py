@@ -49,7 +49,8 @@ def _train_args_problem(paths: list[str]) -> str | None:
             return f"{a.split('=', 1)[0]} is not an option: give the config file itself, as in chronicals train {given}"
         if a.startswith("-"):
             return f"{a} is not an option: train takes [CONFIG.yaml] [section.key=value ...]"
-        if not a.endswith((".yaml", ".yml")):
+        pipe = Path(a).exists() and not Path(a).is_file() and not Path(a).is_dir()  # <(...): /dev/fd/63
+        if not a.endswith((".yaml", ".yml")) and not pipe:
             return f"{a}: a config file must end in .yaml or .yml (an override is section.key=value)"
     if len(paths) > 1:
         return f"one CONFIG.yaml at most, got {' and '.join(paths)}; set other values as section.key=value"
@@ -69,8 +70,9 @@ def cmd_train(argv: list[str]) -> int:
     def is_path(a: str) -> bool:
         if a.startswith("-"):
             return True
-        if "=" in a:
-            return a.endswith((".yaml", ".yml")) and a.split(".", 1)[0] not in sections and Path(a).is_file()
+        if "=" in a:  # a '/' before the '=' is in no key: a path, missing or not (then "not found", not a key)
+            return a.endswith((".yaml", ".yml")) and a.split(".", 1)[0] not in sections and (
+                Path(a).is_file() or "/" in a.split("=", 1)[0])
         return a.endswith((".yaml", ".yml")) or a.split(".", 1)[0] not in sections
 
     paths = [a for a in argv if is_path(a)]

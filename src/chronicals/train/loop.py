@@ -144,7 +144,11 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
             # any rank's view: without the collective, rank 1's mkdir could come before rank 0's look, and a setup that
             # failed would leave the new, empty out_dir behind as "already there"
             created = bool(dp.all_reduce_flag(not out_dir.is_dir()))
-            out_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                out_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:  # was a bare "[Errno 2] No such file or directory: '/proc/x'"
+                raise OSError(f"train.out_dir={cfg.train.out_dir}: cannot create it ({e.strerror or e}); set "
+                              "train.out_dir to a folder you can write") from e
             with _locked_out_dir(out_dir, dp):
                 # after the lock: another run's files are not ours
                 existed = None if created else set(out_dir.iterdir())
