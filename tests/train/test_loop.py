@@ -424,6 +424,20 @@ def test_a_run_that_fails_while_setting_up_leaves_out_dir_as_it_found_it(tmp_pat
     assert (run / "metrics.jsonl").read_text() == metrics and (run / "notes.md").read_text() == "mine"
 
 
+def test_a_run_that_fails_while_setting_up_removes_the_folders_it_created_above_out_dir(tmp_path, docs):
+    """train.out_dir=fresh/deeper/run failing in setup removed run/ and left the empty fresh/deeper/ it had made;
+    a folder above that holds something stays."""
+    out = tmp_path / "fresh" / "deeper" / "run"
+    with pytest.raises(ValueError, match="yields no batches"):
+        train(tiny_config(tmp_path, train__out_dir=str(out)), model=tiny_model(), train_loader=_NoBatches(docs))
+    assert not (tmp_path / "fresh").exists()
+    (tmp_path / "fresh").mkdir()
+    (tmp_path / "fresh" / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match="yields no batches"):
+        train(tiny_config(tmp_path, train__out_dir=str(out)), model=tiny_model(), train_loader=_NoBatches(docs))
+    assert sorted(p.name for p in (tmp_path / "fresh").iterdir()) == ["keep.txt"]
+
+
 def test_resume_applies_this_runs_optimizer_settings(tmp_path, docs, caplog):
     """A resume with another optim.lr (the divergence message's advice) trains on with it: the lr of the resumed
     steps equals a straight run's at that lr, and the change is named in a warning."""

@@ -20,10 +20,11 @@ log = logging.getLogger("chronicals.train")
 ARROW_SUFFIXES = (".parquet", ".arrow")  # the files data/readers.py reads through pyarrow
 
 
-def remove_setup_files(out_dir: Path, existed: set[Path] | None) -> None:
+def remove_setup_files(out_dir: Path, existed: set[Path] | None, new_parents: list[Path] = ()) -> None:
     """A run that failed before its first step (bad data, model or config found while setting up) leaves
     out_dir as it found it: the config.yaml, empty metrics.jsonl and data/ copies it wrote are removed, and
-    out_dir itself if this run created it. Entries that were there before are never touched."""
+    out_dir itself if this run created it, with the folders above it that it created (``new_parents``, deepest
+    first) while they are empty. Entries that were there before are never touched."""
     import shutil
 
     if not out_dir.is_dir():
@@ -34,10 +35,11 @@ def remove_setup_files(out_dir: Path, existed: set[Path] | None) -> None:
         else:
             entry.unlink(missing_ok=True)
     if existed is None:
-        try:
-            out_dir.rmdir()
-        except OSError:  # something else wrote there meanwhile: leave it
-            pass
+        for d in (out_dir, *new_parents):
+            try:
+                d.rmdir()
+            except OSError:  # something else wrote there meanwhile: leave it (and what holds it)
+                break
 
 
 def check_token_ids(model, *loaders) -> None:

@@ -144,6 +144,7 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
             # any rank's view: without the collective, rank 1's mkdir could come before rank 0's look, and a setup that
             # failed would leave the new, empty out_dir behind as "already there"
             created = bool(dp.all_reduce_flag(not out_dir.is_dir()))
+            new_parents = [d for d in out_dir.absolute().parents if not d.exists()]  # deepest first
             try:
                 out_dir.mkdir(parents=True, exist_ok=True)
             except OSError as e:  # was a bare "[Errno 2] No such file or directory: '/proc/x'"
@@ -162,7 +163,7 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
                     return result
                 except BaseException:
                     if dp.is_main and not phase.training:
-                        remove_setup_files(out_dir, existed)
+                        remove_setup_files(out_dir, existed, new_parents)
                     raise
         finally:
             dp.destroy()
