@@ -128,3 +128,17 @@ def test_restarting_position_ids_without_cu_seqlens_are_packed_documents():
     plain = model(ids, position_ids=shifted)
     cu = torch.tensor([0, 20, 40], dtype=torch.int32)
     torch.testing.assert_close(plain, model(ids, position_ids=shifted, cu_seqlens=cu, max_seqlen=20))
+
+
+def test_restarting_position_ids_of_one_row_mark_every_rows_documents():
+    """position_ids (1, S) serve every row alike; read as documents unexpanded, cu_seqlens covered row 0's tokens
+    only and rows 1.. attended across the documents (logits 0.24 off; a Python-API walk)."""
+    model = tiny_model().eval()
+    ids = torch.randint(1, 97, (3, 10), generator=torch.Generator().manual_seed(0))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4]])
+    with torch.no_grad():
+        got = model(ids, position_ids=pos)
+        want = torch.cat([model(ids[:, :5]), model(ids[:, 5:])], dim=1)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(ids, position_ids=pos, labels=ids),
+                                   model(ids, position_ids=pos.expand(3, -1), labels=ids))

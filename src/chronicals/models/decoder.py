@@ -387,6 +387,10 @@ class CausalLM(nn.Module):
         """input_ids (B, S) -> final-norm hidden states (B, S, H). ``longest_doc``: see ``forward``. position_ids
         that restart at 0 inside a row without cu_seqlens are packed documents (``documents_from_positions``: read
         on the host; not while compiling or capturing a CUDA graph, where cu_seqlens must be given)."""
+        if position_ids is not None and position_ids.shape[0] != input_ids.shape[0]:
+            # (1, S): every row alike. Read as documents unexpanded, cu_seqlens covered row 0's S tokens only and
+            # the other rows attended across their documents (transformers expands them too)
+            position_ids = position_ids.expand(input_ids.shape[0], -1)
         if cu_seqlens is None and position_ids is not None and kv_caches is None and _host_readable(position_ids):
             cu_seqlens, max_seqlen = documents_from_positions(position_ids)
         longest = judged_length(input_ids.shape[1], cu_seqlens, max_seqlen, longest_doc)
