@@ -686,3 +686,26 @@ def test_a_passed_model_needs_a_tokenizer_and_its_adapters_must_fit_the_config(t
     assert res.status == "completed" and model.lora_config.r == 4
     assert "has its own LoRA adapters, trained as they are: lora.rank=16 (the adapters': 4); lora.alpha=32.0 (the " \
            "adapters': 8.0); lora.targets=" in caplog.text
+
+
+def test_a_trainconfig_changed_after_it_was_built_is_checked_again(tmp_path, docs):
+    """The checks live in each section's __post_init__: c.train.grad_accum = 0 after building reached the loop and
+    failed there as a ZeroDivisionError (a Python-API walk); train() checks the config again."""
+    cfg = tiny_config(tmp_path)
+    cfg.train.grad_accum = 0
+    with pytest.raises(ConfigError, match=r"train.grad_accum=0 is invalid: expected an integer >= 1"):
+        train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_passed_models_own_base_is_what_the_run_records(tmp_path, docs):
+    """train(cfg, model=m) recorded cfg's model.path (the embedded model's name when the dict set none) in
+    config.yaml and its checkpoints, so `chronicals train out_dir/config.yaml` resumed the adapters on that other
+    model without a word. The passed model's own base (model.chronicals_base) is recorded now."""
+    import yaml
+
+    model = tiny_model()
+    model.chronicals_base = str(tmp_path / "my-base")
+    train(tiny_config(tmp_path, train__max_steps=1), model=model, train_loader=SyntheticLoader(docs))
+    stored = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert stored["model"]["path"] == str(tmp_path / "my-base")

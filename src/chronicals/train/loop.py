@@ -111,6 +111,21 @@ def config_yaml(cfg: TrainConfig) -> str:
             f"train.resume={cfg.train.resume!r}\n" + stored.to_yaml())
 
 
+def _record_passed_model(cfg: TrainConfig, model) -> TrainConfig:
+    """cfg with model.path set to a passed model's own base (``model.chronicals_base``, which load_model sets) when
+    it names another: config.yaml and the checkpoints recorded the config's model.path (the embedded model's name
+    when the dict set none), so `chronicals train out_dir/config.yaml` resumed the adapters on that other model
+    without a word."""
+    import dataclasses
+
+    base = getattr(model, "chronicals_base", None) if model is not None else None
+    if not base or recorded_name(cfg.model.path) == base:
+        return cfg
+    log.info("model.path=%s is not the model passed to train(): this run records %s (model.chronicals_base)",
+             cfg.model.path, base)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=base))
+
+
 def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None, train_loader=None, eval_loader=None,
           heldout_qa=None, on_step=None, report=None) -> TrainResult:
     """Run the training described by ``config``; see the module docstring. Returns a TrainResult.
@@ -134,6 +149,9 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
             cfg = from_dict(config)
         else:
             cfg = load_config(config)
+        if isinstance(config, TrainConfig):  # checked again: a TrainConfig changed after it was built (grad_accum = 0
+            cfg = from_dict(config.to_dict())  # gave a ZeroDivisionError deep in the loop, not the config's error)
+        cfg = _record_passed_model(cfg, model)
         check_out_dir(cfg)
         check_resume_path(cfg)
         if train_loader is None:
