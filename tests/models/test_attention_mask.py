@@ -134,3 +134,16 @@ def test_position_ids_of_one_row_serve_every_row(pair, batch):
         pos = torch.arange(3, 3 + ids.shape[1])
         torch.testing.assert_close(ours(ids, position_ids=pos[None]),
                                    ours(ids, position_ids=pos[None].expand_as(ids)), rtol=0, atol=0)
+
+
+def test_autocast_is_refused_naming_the_dtype_way():
+    """Under torch.autocast (a transformers idiom) the decoder failed inside rope / attention on mixed dtypes
+    (a Python-API walk); one error now names load_model(..., dtype=) / model.to(dtype)."""
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = CausalLM(cfg).init_weights(seed=0)
+    ids = torch.randint(0, 64, (2, 6))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError, match=r"does not run under torch.autocast: .*dtype=torch.bfloat16"):
+            model(ids, labels=ids)
+    assert model(ids).shape == (2, 6, 64)

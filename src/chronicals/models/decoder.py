@@ -473,6 +473,10 @@ class CausalLM(nn.Module):
         [0, V) or -100: others give a NaN loss.
         """
         check_forward_args(input_ids, labels, shift_labels, reduction, position_ids, attention_mask)
+        if torch.is_autocast_enabled(input_ids.device.type):  # else errors from inside rope / attention on mixed dtypes
+            raise RuntimeError("chronicals' decoder does not run under torch.autocast: its fused ops take one dtype; "
+                               "load or move the model to it instead (chronicals.load_model(path, "
+                               "dtype=torch.bfloat16) or model.to(torch.bfloat16)) and call it outside autocast")
         if attention_mask is not None:
             labels, shift_labels = mask_padding(attention_mask, labels, shift_labels, cu_seqlens=cu_seqlens,
                                                 kv_caches=kv_caches, num_loss_tokens=num_loss_tokens)
