@@ -15,7 +15,7 @@ subpackages:
 - ``chronicals.train.train(config)``: the trainer (a ``TrainConfig``, a nested dict of sections or a YAML path;
   ``chronicals.config.load_config(path, ["key=value"])`` builds one), as ``chronicals train`` runs it;
 - ``chronicals.models.generate(model, ids, max_new_tokens)`` and ``chat(model, tokenizer, prompt)``: greedy or
-  sampled generation of one prompt.
+  sampled generation of one prompt, stopping at the model's eos (``eos_token_id=`` sets other stops).
 """
 
 from .models import load_model, load_tokenizer, save_model

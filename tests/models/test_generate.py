@@ -76,6 +76,19 @@ def test_a_negative_temperature_is_refused_and_a_tensor_eos_stops(tiny_hf_config
     assert generate(model, ids, 5, eos_token_id=torch.tensor([first])).tolist() == [first]
 
 
+def test_by_default_generate_stops_at_the_models_own_eos(tiny_hf_config):
+    """Its docstring said "stops at eos", but eos_token_id=None stopped at nothing: the embedded model decoded on
+    past <|im_end|> into a made-up next turn (a Python-API walk). None is the model's eos now, as transformers'
+    generate; [] decodes max_new_tokens whatever comes."""
+    model = _model(tiny_hf_config)
+    ids = torch.randint(3, 97, (7,), generator=torch.Generator().manual_seed(1))
+    free = generate(model, ids, 5, eos_token_id=[]).tolist()
+    assert len(free) == 5
+    model.config.eos_token_id = free[1]
+    assert generate(model, ids, 5).tolist() == free[:2]
+    assert generate(model, ids, 5, eos_token_id=[]).tolist() == free
+
+
 def test_takes_a_tokenizer_output_for_one_prompt(tiny_hf_config):
     """apply_chat_template(..., return_tensors="pt") returns a BatchEncoding in transformers 5: generate failed on
     it with AttributeError ('dim'). A padded one is refused: its zeros would be read as prompt tokens."""

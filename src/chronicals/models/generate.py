@@ -156,6 +156,10 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
     context (S + T <= max_position_embeddings, or sliding_window when shorter, with a warning: see
     ``new_token_budget``).
 
+    eos_token_id: an id or ids to stop at (the eos included in the output); None (the default, as transformers'
+    generate): the model's own, config.json's and generation_config.json's eos_token_id (``stop_ids`` without a
+    tokenizer; it decoded past <|im_end|> before); ``[]`` to decode max_new_tokens whatever comes.
+
     temperature 0 is greedy decoding; above 0, tokens are drawn from softmax(logits / temperature) with
     ``generator`` (on the model's device), from the smallest set of most likely tokens whose probability
     reaches ``top_p`` (nucleus sampling; 1.0: from all). ``input_ids`` may also be a list of ints, or a tokenizer's
@@ -199,7 +203,7 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
         raise ValueError(f"generate: top_p={top_p} must be in (0, 1] (1 = sample from every token)")
     ids = input_ids.view(1, -1).to(model.lm_head.weight.device)
     max_new_tokens = new_token_budget(model, ids.shape[1], max_new_tokens)
-    eos = _eos_set(eos_token_id)
+    eos = stop_ids(model, None) if eos_token_id is None else _eos_set(eos_token_id)
     graphed = _choose(cuda_graph, ids.device, max_new_tokens)
 
     def pick(logits: torch.Tensor) -> int:
