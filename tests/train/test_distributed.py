@@ -516,3 +516,31 @@ def test_two_ranks_with_cuda_graphs_train_like_two_eager_ranks(tmp_path, overlap
              nprocs=WORLD, join=True)
     recs = torch.load(tmp_path / "graphs.pt")
     assert_graphed_run_like_eager(recs["false"], recs["true"], steps=5)
+
+
+def _disagree_worker(rank: int, port: int, out: str, first: bool) -> None:
+    """first: both ranks train 2 steps into one out_dir; else rank 0 resumes there and rank 1 from an empty one."""
+    from pathlib import Path
+
+    _torchrun_env(rank, port)
+    docs = synthetic_docs(40, seed=1)
+    run = Path(out) / ("a" if first or rank == 0 else "b")
+    cfg = tiny_config(run, train__max_steps=2 if first else 4, train__save_every=1, train__resume="auto",
+                      model__device=DEVICE)
+    try:
+        train(cfg, model=tiny_model(seed=0), train_loader=_shards(docs, WORLD)[1][rank])
+    except ValueError as e:
+        Path(out, f"error{rank}.txt").write_text(str(e))
+
+
+def test_ranks_that_resume_from_other_steps_stop_together_naming_them(tmp_path):
+    """Each rank finds its own checkpoint: ranks that did not see the same out_dir (several nodes without a shared
+    file system) trained other weights with the same summed gradients without an error, then hung until the
+    group's timeout (a data-parallel walk). Every rank now stops at once with the ranks' values."""
+    mp.spawn(_disagree_worker, args=(_free_port(), str(tmp_path), True), nprocs=WORLD, join=True)
+    assert not list(tmp_path.glob("error*.txt"))
+    mp.spawn(_disagree_worker, args=(_free_port(), str(tmp_path), False), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        said = (tmp_path / f"error{rank}.txt").read_text()
+        assert said.startswith("the data-parallel ranks disagree on this run's first step (rank 0: 2, rank 1: 0); "
+                               "every rank must read the same train.out_dir"), said

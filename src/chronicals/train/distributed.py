@@ -152,6 +152,25 @@ class DistContext:
         dist.gather_object(obj, out, dst=0)
         return out
 
+    def all_gather_object(self, obj) -> list:
+        """Every rank's ``obj`` (picklable) in rank order, on every rank (one process: ``[obj]``)."""
+        if not self.enabled:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def check_same(self, what: dict, fix: str) -> None:
+        """ValueError on every rank, naming each rank's value, when the ranks' ``what`` (name -> a picklable value)
+        differ: each rank reads its own files, and ranks that disagree (another checkpoint, other data) trained
+        other weights with the same summed gradients without an error, then hung until the group's timeout."""
+        every = self.all_gather_object(what)
+        for name in what:
+            seen = [w.get(name) for w in every]
+            if any(v != seen[0] for v in seen):
+                said = ", ".join(f"rank {r}: {v}" for r, v in enumerate(seen))
+                raise ValueError(f"the data-parallel ranks disagree on this run's {name} ({said}); {fix}")
+
     def barrier(self) -> None:
         if not self.enabled:
             return

@@ -302,6 +302,11 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
                                  total)
         done = start == total
     warn_short_warmup(cfg, total)
+    data = getattr(stream.loader, "dataset", None)
+    dp.check_same({"first step": start, "steps": total, "data": getattr(data, "digest", None),
+                   "batches an epoch": len(stream.loader) if hasattr(stream.loader, "__len__") else None},
+                  "every rank must read the same train.out_dir (its checkpoints) and data files: on several "
+                  "nodes, put them on a file system all of them share")
     # another run's checkpoints in out_dir (resume=none over a finished run, or a resume from an earlier step), and
     # its final adapter/model (not for a resume from an earlier step: this run's history may have written it):
     # removed once this run writes its first record or checkpoint, so a run that fails in setup leaves them
