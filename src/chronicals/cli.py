@@ -350,7 +350,8 @@ def _lost_rank(e: Exception) -> bool:
     if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1 or not isinstance(e, RuntimeError):
         return False
     dist_error = getattr(sys.modules.get("torch.distributed"), "DistError", None)
-    peer_gone = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+    peer_gone = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
+                 "Timed out waiting", "collective operation timeout")  # gloo's, NCCL's watchdog: a peer stuck
     return (dist_error is not None and isinstance(e, dist_error)) or any(m in str(e) for m in peer_gone)
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from chronicals.config import ConfigError
 from chronicals.train import accumulate_gradients, train
 from chronicals.train.distributed import DistContext, _buckets, init_distributed
 from chronicals.train.grad_buckets import GradBuckets
@@ -367,8 +368,32 @@ def test_single_process_context_without_torchrun(monkeypatch):
     assert (ctx.world_size, ctx.rank, ctx.backend, ctx.device) == (1, 0, None, CPU) and not dist.is_initialized()
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("MASTER_ADDR", raising=False)
-    with pytest.raises(RuntimeError, match="launch data-parallel training with torchrun"):
+    with pytest.raises(ConfigError, match="launch data-parallel training with torchrun"):
         init_distributed("cpu")
+
+
+def test_a_launch_mistake_is_one_line_exit_2(monkeypatch, capsys):
+    """WORLD_SIZE > 1 without torchrun's other variables was a RuntimeError: "internal error in chronicals ...
+    please report it", exit 4, with a traceback (a data-parallel walk)."""
+    from chronicals.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["train", "model.device=cpu", "train.max_steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "WORLD_SIZE=2 but RANK, MASTER_ADDR" in err and "Traceback" not in err, err
+
+
+def test_a_collective_timeout_is_said_as_another_rank_lost():
+    from chronicals.cli import _lost_rank
+
+    os.environ["WORLD_SIZE"] = "2"
+    try:
+        assert _lost_rank(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Timed out waiting "
+                                       "5000ms for recv operation to complete"))
+    finally:
+        del os.environ["WORLD_SIZE"]
 
 
 @pytest.mark.parametrize("reduce", ["after", "overlap"])

@@ -18,6 +18,7 @@ process group exists, so the single-process trainer runs exactly as before.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ..config import ConfigError
 from .setup import resolve_device
 
 log = logging.getLogger("chronicals.train")
@@ -221,6 +223,11 @@ def _buckets(tensors: list, bucket_elems: int):
         yield from numel_runs(group, bucket_elems)
 
 
+# a collective waits this long for the other ranks: rank 0 alone converts a GGUF model and tokenizes the data while
+# the others wait at a barrier (main_first), which NCCL's default 10 minutes cut short on a large first run
+GROUP_TIMEOUT = datetime.timedelta(minutes=60)
+
+
 def _env_int(name: str) -> int | None:
     v = os.environ.get(name)
     if v is None or v == "":
@@ -240,8 +247,8 @@ def _device(pref: str, local_rank: int, world_size: int) -> torch.device:
         raise ValueError(f"model.device={pref} names one GPU, but under torchrun each rank takes cuda:LOCAL_RANK "
                          f"(this is LOCAL_RANK={local_rank}); set model.device=cuda or auto")
     if local_rank >= torch.cuda.device_count():
-        raise RuntimeError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
-                           "launch with --nproc-per-node <= the GPU count")
+        raise ConfigError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
+                          "launch with --nproc-per-node <= the GPU count", "LOCAL_RANK")
     return torch.device("cuda", local_rank)
 
 
@@ -258,9 +265,10 @@ def init_distributed(device_pref: str = "auto") -> DistContext:
     rank, local_rank = _env_int("RANK"), _env_int("LOCAL_RANK")
     missing = [k for k, v in (("RANK", rank), ("MASTER_ADDR", os.environ.get("MASTER_ADDR")),
                               ("MASTER_PORT", os.environ.get("MASTER_PORT"))) if v is None]
-    if missing:
-        raise RuntimeError(f"WORLD_SIZE={world} but {', '.join(missing)} not set: launch data-parallel training "
-                           "with torchrun (torchrun --nproc-per-node N -m chronicals.cli train CONFIG.yaml)")
+    if missing:  # a launch mistake, not a bug: exit 2 (it was a RuntimeError, "internal error", exit 4)
+        raise ConfigError(f"WORLD_SIZE={world} but {', '.join(missing)} not set: launch data-parallel training "
+                          "with torchrun (torchrun --nproc-per-node N -m chronicals.cli train CONFIG.yaml)",
+                          "WORLD_SIZE")
     local_rank = rank if local_rank is None else local_rank
     device = _device(device_pref, local_rank, world)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -274,7 +282,7 @@ def init_distributed(device_pref: str = "auto") -> DistContext:
         backend = dist.get_backend()
     else:
         kw = {"device_id": device} if backend == "nccl" else {}
-        dist.init_process_group(backend=backend, rank=rank, world_size=world, **kw)
+        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=GROUP_TIMEOUT, **kw)
         owns = True
     ctx = DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend,
                       owns_group=owns)
