@@ -115,6 +115,32 @@ def test_resume_after_sigterm_equals_uninterrupted(tmp_path, docs, lora):
     assert steps == list(range(1, 14))
 
 
+def test_a_last_step_that_ruins_the_model_is_a_divergence_not_a_success(tmp_path, docs):
+    """The guard checks each step before its update: the last update was never checked, so a run whose last step
+    left NaN weights exited 0 "completed", saved its final model, and wrote "eval_loss": NaN into metrics.jsonl,
+    which strict JSON readers refuse (a metrics walk). Now TrainingDiverged, null in the file, the curve drawn."""
+    model = tiny_model()
+
+    def poison(step, rec):
+        if step == 2:  # after the last step's update, as a huge lr leaves it
+            with torch.no_grad():
+                model.model.norm.weight.fill_(float("nan"))
+
+    cfg = tiny_config(tmp_path, train__max_steps=2, train__save_final=True, logging__plot=True)
+    with pytest.raises(TrainingDiverged, match=r"held-out loss is nan after step 2: the weights there are not finite "
+                                               r"\(1 tensors, e.g. model.norm.weight\); the final model is not written"):
+        train(cfg, model=model, train_loader=SyntheticLoader(docs), eval_loader=SyntheticLoader(docs[:4], shuffle=False),
+              on_step=poison)
+    run = tmp_path / "run"
+    assert not (run / "model").exists() and (run / "loss.png").is_file()
+
+    def strict(text):
+        raise ValueError(f"not strict JSON: {text}")
+
+    records = [json.loads(line, parse_constant=strict) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["tag"] == "after" and records[-1]["eval_loss"] is None
+
+
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, docs):
     model = tiny_model()
 

@@ -183,3 +183,40 @@ def test_tensorboard_reads_each_step_once_after_a_resume(tmp_path):
     shown = {t: sorted((e.step, e.value) for e in acc.Scalars(t)) for t in acc.Tags()["scalars"]}
     assert [s for s, _ in shown["train/loss"]] == list(range(1, 9))
     assert shown == {t: [(s, pytest.approx(v)) for s, v in pts] for t, pts in _in_jsonl(tmp_path).items()}
+
+
+def test_a_writer_that_cannot_be_made_fails_before_the_earlier_run_is_removed(tmp_path):
+    """MetricsLog ran on_open (which removes an earlier run's checkpoints and final adapter) before making the
+    SummaryWriter: a file named tensorboard in out_dir then failed the run after the removal, nothing trained (a
+    metrics walk). The writer comes first now; its failure names the folder and logging.tensorboard=false."""
+    removed = []
+    log = MetricsLog(tmp_path, tensorboard=False, on_open=lambda: removed.append(True))
+
+    def no_writer(log_dir, purge_step=None, flush_secs=120):
+        raise FileExistsError(17, "File exists", log_dir)
+
+    log._summary_writer = no_writer
+    with pytest.raises(OSError, match=r"tensorboard: TensorBoard's writer cannot be made there \(File exists\); move "
+                                      r"it away or set logging.tensorboard=false"):
+        log.write({"kind": "train", "step": 1, "loss": 1.0})
+    assert removed == [] and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_broken_tensorboard_install_is_a_warning(tmp_path, monkeypatch, caplog):
+    """Importing tensorboard against another protobuf raises a TypeError: only ImportError was caught, so every
+    run with logging.tensorboard on (the default) stopped with an internal error, exit 4."""
+    import importlib.abc
+
+    class Broken(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch.utils.tensorboard":
+                raise TypeError("Descriptors cannot be created directly.")
+            return None
+
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Broken(), *sys.meta_path])
+    with caplog.at_level("WARNING", logger="chronicals"):
+        log = MetricsLog(tmp_path, tensorboard=True)
+    log.write({"kind": "train", "step": 1, "loss": 1.0})
+    assert "TensorBoard could not be imported (TypeError: Descriptors cannot be created directly.)" in caplog.text
+    assert log.tb is None and (tmp_path / "metrics.jsonl").read_text().count("\n") == 1

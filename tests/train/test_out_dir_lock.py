@@ -44,12 +44,12 @@ def test_generation_stops_at_the_models_context_with_one_warning(caplog):
     model = tiny_model()  # max_position_embeddings=128
     prompt = torch.arange(100) % 50
     with caplog.at_level("WARNING", logger="chronicals.generate"):
-        assert len(generate(model, prompt, 1000)) == 28
-        assert len(generate(model, prompt, 1000)) == 28  # a chat loop: warned once
+        assert len(generate(model, prompt, 1000, eos_token_id=[])) == 28
+        assert len(generate(model, prompt, 1000, eos_token_id=[])) == 28  # a chat loop: warned once
         outs = greedy_rows(model, torch.stack([prompt, prompt + 1]), 1000, set())
     assert [len(o) for o in outs] == [28, 28]
     assert caplog.text.count("goes past the model's context (max_position_embeddings=128)") == 1
-    assert len(generate(model, prompt, 5)) == 5
+    assert len(generate(model, prompt, 5, eos_token_id=[])) == 5
 
 
 def test_a_prompt_that_fills_the_context_is_said_to_be_too_long_each_time(caplog):
@@ -59,7 +59,7 @@ def test_a_prompt_that_fills_the_context_is_said_to_be_too_long_each_time(caplog
 
     model = tiny_model()  # max_position_embeddings=128
     with caplog.at_level("WARNING", logger="chronicals.generate"):
-        assert len(generate(model, torch.arange(130) % 50, 3)) == 0
+        assert len(generate(model, torch.arange(130) % 50, 3, eos_token_id=[])) == 0
         assert len(generate(model, torch.arange(140) % 50, 3)) == 0
     assert caplog.text.count("the prompt alone fills the model's context (max_position_embeddings=128)") == 2
     assert "130-token prompt" in caplog.text and "shorten the prompt" in caplog.text

@@ -50,7 +50,7 @@ def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, token
     eval_loader, heldout_qa, report = closing
     if dp.is_main and eval_loader is not None and ckpt.is_own(checkpoint, out_dir) and not _closed(out_dir, total):
         metrics = MetricsLog(out_dir, cfg.logging.tensorboard, total)  # out_dir's records up to its last step
-        result.eval_loss_before = next((r["eval_loss"] for r in metrics.records
+        result.eval_loss_before = next((r.get("eval_loss") for r in metrics.records
                                         if r.get("kind") == "eval" and r.get("tag") == "before"), None)
         loss, n = evaluate_loss(model, eval_loader, dp.device)
         metrics.write({"kind": "eval", "step": total, "eval_loss": loss, "eval_tokens": n, "tag": "after"})

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import random
 import shutil
 import signal
@@ -33,7 +34,7 @@ from ..cuda_alloc import allocator_setting
 from ..models.loading import recorded_name
 from . import checkpoint as ckpt
 from .checkpoint_adapter import lora_settings
-from .divergence import _check_finite, nonfinite_weights
+from .divergence import TrainingDiverged, _check_finite, nonfinite_weights
 from .finish import TrainResult, _already_done, save_final
 from .metrics import (head_flops_per_token, matmul_peak_tflops, memory_gib, plot_losses, private_pool_bytes,
                       train_flops_per_token)
@@ -386,7 +387,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     result = TrainResult(status="completed", step=start, total_steps=total, out_dir=out_dir, start_step=start)
     result.data_stats = getattr(getattr(train_loader, "dataset", None), "stats", None)
     if start:  # the held-out loss before training, from the run that began it (summary: before -> after)
-        result.eval_loss_before = next((r["eval_loss"] for r in metrics.records
+        result.eval_loss_before = next((r.get("eval_loss") for r in metrics.records
                                         if r.get("kind") == "eval" and r.get("tag") == "before"), None)
 
     # MFU: needs a peak (logging.peak_tflops, else measured on CUDA); LoRA has no weight-gradient GEMMs
@@ -407,6 +408,15 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
             return None
         loss = record["eval_loss"]
         metrics.write(record)
+        if tag != "before" and not math.isfinite(loss):  # the guard checks each step before its update: the last
+            # one's (or one before an interval evaluation) was never checked, and a ruined model exited 0 "completed"
+            bad = nonfinite_weights(model)
+            raise TrainingDiverged(
+                f"held-out loss is {loss} after step {step}: the weights there are "
+                f"{f'not finite ({len(bad)} tensors, e.g. {bad[0]})' if bad else 'finite, but give a non-finite loss'}"
+                f"; the final {'adapter' if cfg.lora.enabled else 'model'} is not written. Checkpoints from step "
+                f"{step} on hold these weights: resume from an earlier one (train.resume=PATH) with a lower optim.lr "
+                "or a longer schedule.warmup_steps, or start over (train.resume=none)")
         if tag == "interval" and dp.is_main:
             log.info("step %d/%d: held-out loss %.4f", step, total, loss)
         return loss
@@ -548,9 +558,11 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
                     log.warning("stopped by %s at step %d; checkpoint %s; run again with train.resume=auto",
                                 why, step + 1, result.checkpoint)
                     break
-    except BaseException:
+    except BaseException as e:
         metrics.close()
         last_good()  # a checkpoint in flight is published; a failed write is logged, the error in flight raised
+        if isinstance(e, TrainingDiverged) and cfg.logging.plot and dp.is_main:  # the climb to the NaN is the
+            plot_losses(metrics.records, out_dir / "loss.png")  # curve a diverged run's user wants to see
         raise
     finally:
         if bar is not None:
@@ -584,7 +596,13 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
 
     # ---- save ----
     if result.status == "completed":
-        result.eval_loss_after = run_eval(result.step, "after")
+        try:
+            result.eval_loss_after = run_eval(result.step, "after")
+        except TrainingDiverged:
+            metrics.close()
+            if cfg.logging.plot and dp.is_main:
+                plot_losses(metrics.records, out_dir / "loss.png")
+            raise
         if cfg.train.save_final and dp.is_main:
             result.final_dir = save_final(model, tokenizer, cfg, out_dir, optimizer)
         if report:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -145,6 +146,9 @@ class MetricsLog:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 log.info("TensorBoard not installed (pip install tensorboard); logging to metrics.jsonl only")
+            except Exception as e:  # a broken install (tensorboard against another protobuf: a TypeError) was exit 4
+                log.warning("TensorBoard could not be imported (%s: %s); logging to metrics.jsonl only (set "
+                            "logging.tensorboard=false to skip it)", type(e).__name__, str(e).splitlines()[0][:200])
             else:
                 self._summary_writer = SummaryWriter
 
@@ -152,7 +156,7 @@ class MetricsLog:
         self.open()
         self.records.append(rec)
         try:
-            self._fh.write(json.dumps(rec) + "\n")
+            self._fh.write(_json_line(rec))
             self._fh.flush()
         except OSError as e:  # a full disk named no file ('error: [Errno 28] ...'; a checkpoint walk)
             raise OSError(f"could not append to {self.path} ({e}); is its disk full? free space and resume with "
@@ -162,19 +166,24 @@ class MetricsLog:
     def open(self) -> None:
         """Write the kept records (the file replaced whole) and run ``on_open``, once; ``write`` does it first."""
         if self._fh is None:
+            if self._summary_writer is not None:  # before on_open, which removes an earlier run's checkpoints:
+                # a writer that cannot be made (a file named tensorboard) failed after them, nothing trained
+                try:
+                    # flush_secs: TensorBoard's default of 120 s leaves a run's first two minutes of curves unseen;
+                    # one flush of a few scalars every 10 s costs nothing next to a training step
+                    self.tb = self._summary_writer(str(self._tb_dir), purge_step=self.tb_purge_step,
+                                                   flush_secs=TB_FLUSH_SECS)
+                except OSError as e:
+                    raise OSError(f"{self._tb_dir}: TensorBoard's writer cannot be made there ({e.strerror or e}); "
+                                  "move it away or set logging.tensorboard=false") from e
             if self._on_open is not None:
                 self._on_open()
             # the kept records, replaced whole: a run killed (or out of disk) while writing them leaves the old file
-            write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+            write_text_atomic(self.path, "".join(_json_line(r) for r in self.records))
             self._fh = self.path.open("a")
-            if self._summary_writer is not None:
-                # flush_secs: TensorBoard's default of 120 s leaves a run's first two minutes of curves unseen;
-                # one flush of a few scalars every 10 s costs nothing next to a training step
-                self.tb = self._summary_writer(str(self._tb_dir), purge_step=self.tb_purge_step,
-                                               flush_secs=TB_FLUSH_SECS)
-                for kept in self.records:
-                    if kept.get("step", 0) >= self.tb_purge_step:
-                        self._add_scalars(kept)
+            for kept in self.records:
+                if kept.get("step", 0) >= self.tb_purge_step:
+                    self._add_scalars(kept)
 
     def _add_scalars(self, rec: dict) -> None:
         if self.tb is not None:
@@ -187,6 +196,12 @@ class MetricsLog:
             self._fh.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def _json_line(rec: dict) -> str:
+    """One record as a line of strict JSON: NaN / inf as null (json.dumps wrote NaN, which JSON.parse and other
+    strict readers refuse; eval --json writes null for them too)."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in rec.items()}) + "\n"
 
 
 def read_records(path: Path, resume_step: int) -> list[dict]:
@@ -222,8 +237,11 @@ def read_records(path: Path, resume_step: int) -> list[dict]:
 
 def plot_losses(records: list[dict], path: Path) -> Path | None:
     """loss.png: training loss per step and held-out loss at its steps."""
-    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
-    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("kind") == "eval"]
+    def points(kind: str, key: str) -> list[tuple]:  # null (non-finite) and missing values are left out
+        return [(r["step"], r[key]) for r in records if r.get("kind") == kind and isinstance(r.get(key), (int, float))
+                and math.isfinite(r[key]) and isinstance(r.get("step"), int)]
+
+    train, evals = points("train", "loss"), points("eval", "eval_loss")
     if not train and not evals:
         return None
     import matplotlib
