@@ -482,6 +482,20 @@ def test_resume_applies_this_runs_optimizer_settings(tmp_path, docs, caplog):
     assert resumed[1]["lr"] != straight[1]["lr"]  # step 2 ran at the old lr
 
 
+@pytest.mark.parametrize("first, then", [("false", "true"), ("true", "false")])
+def test_a_resume_under_another_optim_fused_runs_this_runs_path(tmp_path, docs, first, then):
+    """The checkpoint's optimizer groups carried the old run's fused flag: fused=false then true ran torch's
+    unfused AdamW, which refused the loop's found_inf ("Expected grad_scale and found_inf to be None", exit 4); the
+    other way the fused kernel stayed (a full fine-tuning walk). This run's optim.fused applies: both ways train on."""
+    over = dict(train__max_steps=4, train__save_every=2)
+    train(tiny_config(tmp_path / "a", **over, optim__fused=first), model=tiny_model(),
+          train_loader=SyntheticLoader(docs), on_step=lambda step, rec: step == 2 and os.kill(os.getpid(), signal.SIGINT))
+    resumed = tiny_model()
+    res = train(tiny_config(tmp_path / "a", **over, optim__fused=then, train__resume="auto"), model=resumed,
+                train_loader=SyntheticLoader(docs))
+    assert res.start_step == 2 and res.step == 4 and res.status == "completed"
+
+
 def test_resume_at_or_past_the_end(tmp_path, docs, caplog):
     """A finished out_dir: resume=auto finds its end checkpoint and trains nothing (metrics.jsonl unchanged, no
     second closing evaluation); a checkpoint past this run's steps is refused."""

@@ -158,3 +158,22 @@ def test_bf16_masters_pipelined_stop_inside_accumulation_ends_like_a_straight_ru
     assert any("master" in s for s in a["optimizer"]["state"].values())
     _assert_same(a, b)
     assert _rows(tmp_path / "a" / "run") == _rows(tmp_path / "b" / "run")
+
+
+def test_apply_optimizer_settings_puts_back_this_runs_implementation():
+    """The groups a checkpoint restores carry its run's fused flag; this run's comes back, and the step counts
+    move where that implementation reads them (fused: the parameter's device; unfused: the CPU)."""
+    from chronicals.train.resume import apply_optimizer_settings, optimizer_settings
+
+    p = torch.nn.Parameter(torch.randn(3))
+    old = torch.optim.AdamW([p], lr=0.1, fused=False)
+    p.grad = torch.ones(3)
+    old.step()
+    new = torch.optim.AdamW([p], lr=0.1, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(new, lambda s: 1.0)
+    fresh = optimizer_settings(new, sched)
+    new.load_state_dict(old.state_dict())
+    assert not new.param_groups[0]["fused"]
+    apply_optimizer_settings(new, sched, fresh, None, {}, 1)
+    assert new.param_groups[0]["fused"] and new.state[p]["step"].dtype == torch.float32
+    new.step()  # the fused kernel, on the restored moments

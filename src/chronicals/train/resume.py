@@ -17,8 +17,30 @@ log = logging.getLogger("chronicals.train")
 def optimizer_settings(optimizer, scheduler) -> dict:
     """What this run's config set in the freshly built optimizer and schedule (before a checkpoint's state
     replaces them): per group betas, eps, weight_decay, and the schedule's base learning rates."""
-    keys = ("betas", "eps", "weight_decay")
-    return {"groups": [{k: g[k] for k in keys} for g in optimizer.param_groups], "base_lrs": list(scheduler.base_lrs)}
+    keys = ("betas", "eps", "weight_decay") + IMPL_KEYS
+    return {"groups": [{k: g[k] for k in keys if k in g} for g in optimizer.param_groups],
+            "base_lrs": list(scheduler.base_lrs)}
+
+
+# how this run's AdamW computes (optim.fused, CUDA graphs' capturable): a checkpoint's groups carried the old run's,
+# so optim.fused=true over a fused=false checkpoint ran the unfused path, which refused the loop's found_inf
+# ("Expected grad_scale and found_inf to be None", exit 4)
+IMPL_KEYS = ("fused", "foreach", "capturable")
+
+
+def _place_steps(optimizer) -> None:
+    """Each AdamW state's step count where its group's implementation reads it: on the parameter's device (fp32)
+    for fused or capturable groups, on the CPU otherwise (torch's own load_state_dict policy, applied again after
+    IMPL_KEYS changed). MasterWeightAdamW keeps every step on the device itself."""
+    if not isinstance(optimizer, torch.optim.AdamW):
+        return
+    for group in optimizer.param_groups:
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            st = optimizer.state.get(p, {})
+            step = st.get("step")
+            if isinstance(step, torch.Tensor):
+                st["step"] = step.to(device=p.device if on_device else "cpu", dtype=torch.float32)
 
 
 def apply_optimizer_settings(optimizer, scheduler, fresh: dict, saved_cfg: dict | None, cfg_dict: dict,
@@ -29,6 +51,7 @@ def apply_optimizer_settings(optimizer, scheduler, fresh: dict, saved_cfg: dict 
     nothing is trained under them: no warning (the run says it has nothing to train)."""
     for group, new in zip(optimizer.param_groups, fresh["groups"]):
         group.update(new)
+    _place_steps(optimizer)
     scheduler.base_lrs = list(fresh["base_lrs"])
     lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
     for group, base, lr in zip(optimizer.param_groups, scheduler.base_lrs, lrs):
