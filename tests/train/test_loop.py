@@ -749,3 +749,13 @@ def test_a_passed_models_own_base_is_what_the_run_records(tmp_path, docs):
     train(tiny_config(tmp_path, train__max_steps=1), model=model, train_loader=SyntheticLoader(docs))
     stored = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert stored["model"]["path"] == str(tmp_path / "my-base")
+
+
+def test_full_fine_tuning_says_it_unfreezes_a_passed_models_frozen_weights(tmp_path, docs, caplog):
+    model = tiny_model()
+    model.model.embed_tokens.weight.requires_grad_(False)
+    with caplog.at_level("WARNING", logger="chronicals"):
+        train(tiny_config(tmp_path, train__max_steps=1), model=model, train_loader=SyntheticLoader(docs))
+    assert "full fine-tuning trains every weight: 1 parameter tensors frozen in the model passed " \
+           "(e.g. model.embed_tokens.weight) train too" in caplog.text
+    assert model.model.embed_tokens.weight.requires_grad

@@ -91,6 +91,11 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
         if set_keys:  # a recipe switched to full fine-tuning, or a typo'd lora.enabled
             log.warning("%s set, but lora.enabled=false: full fine-tuning, no adapters; drop them or set "
                         "lora.enabled=true", ", ".join(set_keys))
+        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+        if frozen:  # they were unfrozen without a word (a full fine-tuning walk)
+            log.warning("full fine-tuning trains every weight: %d parameter tensors frozen in the model passed "
+                        "(e.g. %s) train too; for adapters only, set lora.enabled=true", len(frozen),
+                        ", ".join(frozen[:3]))
         for p in model.parameters():
             p.requires_grad_(True)
     if cfg.model.compile:
