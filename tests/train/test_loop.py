@@ -759,3 +759,19 @@ def test_full_fine_tuning_says_it_unfreezes_a_passed_models_frozen_weights(tmp_p
     assert "full fine-tuning trains every weight: 1 parameter tensors frozen in the model passed " \
            "(e.g. model.embed_tokens.weight) train too" in caplog.text
     assert model.model.embed_tokens.weight.requires_grad
+
+
+def test_model_attention_cudnn_is_checked_before_the_model_loads(tmp_path, docs, caplog, monkeypatch):
+    """model.attention=cudnn without cuDNN's frontend failed at the first step's forward on CUDA (an ImportError,
+    exit 4) and did nothing, silently, on the CPU (a full fine-tuning walk)."""
+
+    from chronicals.ops import attention_cudnn
+    from chronicals.train.guards import check_impl
+
+    cfg = tiny_config(tmp_path, model__attention="cudnn")
+    with caplog.at_level("WARNING", logger="chronicals"):
+        check_impl(cfg, torch.device("cpu"))
+    assert "model.attention=cudnn does nothing on cpu" in caplog.text
+    monkeypatch.setattr(attention_cudnn, "available", lambda: False)
+    with pytest.raises(ConfigError, match=r"model.attention=cudnn needs NVIDIA's cuDNN Python frontend"):
+        check_impl(cfg, torch.device("cuda"))

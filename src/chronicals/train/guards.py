@@ -331,6 +331,16 @@ def check_impl(cfg: TrainConfig, device) -> None:
                           f"{cfg.model.device}); use model.impl=auto (Triton on CUDA, the PyTorch reference elsewhere) "
                           "or torch, or set TRITON_INTERPRET=1 to run the kernels in Triton's interpreter (slow)",
                           "model.impl")
+    if cfg.model.attention == "cudnn":  # was an ImportError at the first step's forward on CUDA (exit 4), silent here
+        from ..ops import attention_cudnn
+
+        if device.type != "cuda":
+            log.warning("model.attention=cudnn does nothing on %s: packed rows run the masked SDPA reference there",
+                        device)
+        elif not attention_cudnn.available():
+            raise ConfigError("model.attention=cudnn needs NVIDIA's cuDNN Python frontend with cuDNN >= 9.6: pip "
+                              "install 'nvidia-cudnn-frontend>=1.12' (or pip install 'chronicals[cudnn]'); "
+                              "model.attention=auto or flash runs without it", "model.attention")
 
 
 def final_dir(cfg: TrainConfig, out_dir: Path, lora: bool | None = None) -> Path:
