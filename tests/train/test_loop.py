@@ -775,3 +775,11 @@ def test_model_attention_cudnn_is_checked_before_the_model_loads(tmp_path, docs,
     monkeypatch.setattr(attention_cudnn, "available", lambda: False)
     with pytest.raises(ConfigError, match=r"model.attention=cudnn needs NVIDIA's cuDNN Python frontend"):
         check_impl(cfg, torch.device("cuda"))
+
+
+def test_gate_up_layers_past_the_layer_count_is_said(tmp_path, docs, caplog):
+    cfg = tiny_config(tmp_path, train__max_steps=1, model__recompute=["norm", "swiglu", "gate_up"],
+                      model__gate_up_layers=9)
+    with caplog.at_level("WARNING", logger="chronicals"):
+        train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs))
+    assert "model.gate_up_layers=9 but the model has 2 decoder layers: all of them rebuild gate|up" in caplog.text

@@ -52,6 +52,9 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
     if cfg.model.checkpoint_layers > n_layers:
         log.warning("model.checkpoint_layers=%d but the model has %d decoder layers: all of them are checkpointed",
                     cfg.model.checkpoint_layers, n_layers)
+    if cfg.model.gate_up_layers > n_layers:  # as checkpoint_layers: silent before (a full fine-tuning walk)
+        log.warning("model.gate_up_layers=%d but the model has %d decoder layers: all of them rebuild gate|up",
+                    cfg.model.gate_up_layers, n_layers)
     model.set_checkpointing(cfg.model.checkpoint_setting)
     model.set_recompute(cfg.model.recompute, cfg.model.gate_up_layers)
     model.opts.loss_vocab_parts = cfg.model.loss_vocab_parts
