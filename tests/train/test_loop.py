@@ -783,3 +783,15 @@ def test_gate_up_layers_past_the_layer_count_is_said(tmp_path, docs, caplog):
     with caplog.at_level("WARNING", logger="chronicals"):
         train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs))
     assert "model.gate_up_layers=9 but the model has 2 decoder layers: all of them rebuild gate|up" in caplog.text
+
+
+def test_a_divergence_before_the_first_checkpoint_does_not_ask_for_a_setting_already_set(tmp_path, docs):
+    """It said "train.save_every=N writes them" with train.save_every=4 set, the NaN coming at step 1."""
+    model = tiny_model()
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = 1e38  # finite weights whose first loss overflows
+    cfg = tiny_config(tmp_path, train__save_every=4, train__max_steps=6)
+    with pytest.raises(TrainingDiverged) as e:
+        train(cfg, model=model, train_loader=SyntheticLoader(docs))
+    assert "No checkpoint was written before it (one is written every train.save_every steps, and at the end)" in \
+        str(e.value) and "save_every=N" not in str(e.value), str(e.value)

@@ -34,8 +34,8 @@ def _check_finite(step: int, loss_val: float, gnorm: float, last_good, bad_weigh
     # a large lr can leave finite but ruined weights in the checkpoints before the NaN: starting over is the other way
     where = (f"The last good checkpoint is {good}; train.resume=auto continues from it with the changed settings, "
              "train.resume=none starts over from the model (if the loss was already climbing before this step)"
-             if good is not None else "No checkpoint was written before it (train.save_every=N writes them); "
-             "the run starts over")
+             if good is not None else "No checkpoint was written before it (one is written every train.save_every "
+             "steps, and at the end); the run starts over")
     what = (f"loss is {loss_val}" if not math.isfinite(loss_val)
             else f"gradient norm is {gnorm} (loss {loss_val:.4f})")
     raise TrainingDiverged(f"{what} at step {step}; stopping without its update. {where} (lower optim.lr, raise "
