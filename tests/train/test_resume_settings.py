@@ -80,7 +80,8 @@ def test_resume_with_other_loss_tokens_warns(tmp_path, caplog, key, old, new, na
     (dict(dtype="float32"), dict(dtype="bfloat16"), "model.dtype='float32' (this run: 'bfloat16')",
      "float32 weights are rounded to bfloat16"),
     (dict(dtype="bfloat16"), dict(dtype="float32"), "model.dtype='bfloat16' (this run: 'float32')",
-     "bfloat16 weights are widened (exactly) to float32"),
+     "bfloat16 weights are loaded from its fp32 master weights where it kept them (optim.master_weights), else "
+     "widened, as float32"),
     (dict(dtype="auto", device="cpu"), dict(dtype="bfloat16", device="cpu"),
      "model.dtype='auto' = float32 (this run: 'bfloat16')", "float32 weights are rounded to bfloat16"),
 ])
@@ -175,3 +176,28 @@ def test_a_data_parallel_checkpoint_from_before_dp_remainder_is_refused_with_the
     assert msg.startswith(f"cannot resume from {tmp_path / 'step-1'}: ") and "data.dp_remainder=drop" in msg
     assert "number of ranks" not in msg, msg
     _restore_position(_Stream(loader("drop")), restored, tiny_config(tmp_path).to_dict(), tmp_path / "step-1")
+
+
+def test_a_bf16_checkpoint_resumed_in_float32_loads_its_masters(tmp_path):
+    """The checkpoint holds fp32 masters (optim.master_weights), but a float32 resume widened the bf16 weights (up
+    to half a bf16 step per weight of trained value lost), while export / eval --dtype float32 read the masters (a
+    full fine-tuning walk). The resumed float32 weights are the masters now."""
+    import torch
+
+    from chronicals.train import train
+    from chronicals.train.checkpoint import masters_by_name
+    from train_helpers import SyntheticLoader, synthetic_docs, tiny_model
+
+    docs = synthetic_docs(20, seed=1)
+    over = dict(train__max_steps=2, train__save_every=2, optim__lr=1e-2, optim__master_weights="true")
+    train(tiny_config(tmp_path, model__dtype="bfloat16", **over), model=tiny_model(),
+          train_loader=SyntheticLoader(docs))
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step-000002" / "state.pt", weights_only=False)
+    masters = masters_by_name(state)
+    assert masters and any(not torch.equal(m, state["model"][n].float()) for n, m in masters.items())
+    model = tiny_model()
+    train(tiny_config(tmp_path, model__dtype="float32", train__resume="auto", **over), model=model,
+          train_loader=SyntheticLoader(docs))  # at its last step: loads and trains nothing
+    params = dict(model.named_parameters())
+    for n, m in masters.items():
+        assert torch.equal(params[n].detach(), m), n

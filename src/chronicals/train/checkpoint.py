@@ -444,9 +444,14 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, schedul
         raise ValueError(f"checkpoint {path} {what}: it was written for another model or lora config"
                          f"{': ' + ', '.join(diffs) if diffs else ''}; resume with that config, "
                          "or start over (another train.out_dir, or train.resume=none)")
+    # a bf16 run's checkpoint resumed in float32 (or wider): its fp32 masters where it kept them, not the bf16
+    # weights widened (up to half a bf16 step per weight lost; export / eval --dtype float32 read the masters too)
+    wide = {n for n, t in state["model"].items() if n in params and params[n].element_size() >= 4
+            and t.dtype in (torch.bfloat16, torch.float16)}
+    masters = masters_by_name(state) if wide else {}
     with torch.no_grad():
         for n, t in state["model"].items():
-            params[n].copy_(t)
+            params[n].copy_(masters[n] if n in wide and n in masters else t)
     what = "optimizer"
     try:  # another parameter grouping, an edited or foreign state: the library's errors name no file
         optimizer.load_state_dict(state["optimizer"])

@@ -277,7 +277,8 @@ def _warn_dtype_changed(saved: dict, current: dict, path: Path) -> None:
         return
     # "'auto' = bfloat16": the setting as written, and what it meant where auto decided
     shown = [repr(m["dtype"]) + ("" if m["dtype"] == d else f" = {d}") for m, d in ((old_model, old), (new_model, new))]
-    cast = "rounded to" if BITS.get(new, 0) < BITS.get(old, 0) else "widened (exactly) to"
+    cast = ("rounded to" if BITS.get(new, 0) < BITS.get(old, 0) else
+            "loaded from its fp32 master weights where it kept them (optim.master_weights), else widened, as")
     log.warning("resumed from %s, written with model.dtype=%s (this run: %s): the checkpoint's %s weights are %s %s "
                 "and every step from here on computes in %s, so the loss moves at the resume; set model.dtype=%s to "
                 "continue its run as it was, or train.resume=none for a new run", path, shown[0], shown[1], old,
