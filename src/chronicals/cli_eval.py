@@ -107,12 +107,11 @@ def cmd_eval(argv: list[str]) -> int:
         raise FileNotFoundError(f"{a.data}: no such file or directory{where}{glob_hint(a.data)}; give the data file "
                                 "to score, or demo for the packaged held-out questions")
     if a.data != DEMO and Path(a.data).expanduser().is_dir():  # as train's check_data_paths: a directory is read
-        from .train.setup import tokenization_cache_dir  # whole, so the cache's meta.json became a record next time
+        from .train.guards import lies_in  # whole, so the cache's meta.json became a record next time
+        from .train.setup import tokenization_cache_dir
 
         cache = tokenization_cache_dir(data.cache_dir)
-        there = None if cache is None else Path(cache).expanduser().resolve()
-        if there is not None and (there == Path(a.data).expanduser().resolve()
-                                  or Path(a.data).expanduser().resolve() in there.parents):
+        if cache is not None and lies_in(cache, a.data):
             p.error(f"--cache-dir {cache} is inside DATA {a.data}, whose files are all read as data; put the cache "
                     "outside it")
     a.model, ckpt_base, flag = _model_and_base(p, a)

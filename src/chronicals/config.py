@@ -135,12 +135,12 @@ def _coerce(key: str, value, typ):
         if isinstance(value, str):
             text = value.strip()
             if text.startswith("[") != text.endswith("]"):  # "[q_proj" had read as [q_proj]
-                raise ConfigError(f"config {key}={shown(value)} is invalid: an unclosed bracket; expected a list such as "
-                                  f"{example} ([] for none)", key)
+                raise ConfigError(f"config {key}={shown(value)} is invalid: an unclosed bracket; expected a list "
+                                  f"such as {example} ([] for none)", key)
             value = [v.strip() for v in text.strip("[]").split(",") if v.strip()]
         if not isinstance(value, list):
-            raise ConfigError(f"config {key}={shown(value)} is invalid: expected a list such as {example} ([] for none)",
-                              key)
+            raise ConfigError(f"config {key}={shown(value)} is invalid: expected a list such as {example} "
+                              "([] for none)", key)
         return list(value)
     if typ is str:
         if isinstance(value, (dict, list)):
@@ -216,7 +216,8 @@ def from_dict(d: dict | None, overrides: list[str] | dict | None = None) -> Trai
         if body is None:
             continue
         if not isinstance(body, dict):
-            raise ConfigError(f"config section {section!r} must be a mapping of keys to values, got {shown(body)}", section)
+            raise ConfigError(f"config section {section!r} must be a mapping of keys to values, got {shown(body)}",
+                              section)
         for k, v in body.items():
             flat[f"{section}.{k}"] = v
     if isinstance(overrides, dict):

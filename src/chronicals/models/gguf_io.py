@@ -1,9 +1,9 @@
 """GGUF in: dequantize a llama.cpp checkpoint into a Hugging Face directory.
 
 ``convert_gguf`` writes an ordinary HF directory (``model.safetensors`` in float32, in shards past 2 GiB, written
-one shard at a time; ``config.json``, tokenizer files); ``cached_gguf_dir`` does so once per file, into the conversion cache (``gguf_cache``: keys, entry records,
-pruning, the recorded tokenizer failure), and later loads read that directory (seconds instead of a full
-dequantization: about 8 s vs 1 s for SmolLM2-135M on two CPU cores).
+one shard at a time; ``config.json``, tokenizer files); ``cached_gguf_dir`` does so once per file, into the
+conversion cache (``gguf_cache``: keys, entry records, pruning, the recorded tokenizer failure), and later loads
+read that directory (seconds instead of a full dequantization: about 8 s vs 1 s for SmolLM2-135M on two CPU cores).
 
 What the conversion undoes:
 - names: llama.cpp's ``blk.N.attn_q.weight`` -> ``model.layers.N.self_attn.q_proj.weight`` (table below);
@@ -352,13 +352,15 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = 
     plan = gguf_tensor_plan(reader, cfg_dict, source)
     if cfg.tie_word_embeddings:
         plan = [entry for entry in plan if entry[0] != "lm_head.weight"]
-    _check_tensors({name: shape for name, shape, _, _ in plan}, cfg, source)  # here, naming the .gguf: the cached directory's error would name the cache
+    # here, naming the .gguf: the cached directory's error would name the cache
+    _check_tensors({name: shape for name, shape, _, _ in plan}, cfg, source)
     has_tokenizer = "tokenizer.ggml.model" in reader.fields
     # an existing out_dir is replaced only when it holds nothing but what a conversion writes (it was emptied, the
     # .gguf itself too when it lay there): refuse_foreign_files, checked before anything is written
     owned = MODEL_DIR_FILES + (CACHE_ENTRY, TOKENIZER_ERROR) if replace else None
     with atomic_dir(out_dir, replace=replace, owned=owned) as tmp:
-        write_tensors_lazily([(name, 4 * math.prod(shape), lambda a=(t, shape, heads): gguf_tensor(*a, cfg_dict, source))
+        write_tensors_lazily([(name, 4 * math.prod(shape),
+                               lambda a=(t, shape, heads): gguf_tensor(*a, cfg_dict, source))
                               for name, shape, t, heads in plan], tmp, CONVERT_SHARD_BYTES)
         hf = cfg.to_hf_dict()
         hf["dtype"] = "float32"

@@ -68,7 +68,7 @@ def _check_within_rows(cu_seqlens: torch.Tensor, seqlen: int) -> None:
     if torch.compiler.is_compiling() or (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     starts, ends = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
-    if int(cu_seqlens[0]) != 0 or bool((ends < starts).any()):
+    if bool((cu_seqlens[0] != 0) | (ends < starts).any()):  # one host read
         raise ValueError(f"attention: cu_seqlens must start at 0 and never decrease (cumulative document lengths), "
                          f"got {cu_seqlens.tolist()[:8]}{' ...' if cu_seqlens.numel() > 8 else ''}")
     crossing = (ends > starts) & (starts // seqlen != (ends - 1) // seqlen)
@@ -213,17 +213,15 @@ def attention(q, k, v, *, cu_seqlens=None, max_seqlen=None, scale=None, impl: st
     if chosen == "torch" or cu_seqlens is None:
         # unpacked rows: SDPA picks flash / cuDNN / efficient kernels on CUDA itself
         return attention_ref(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scale=scale)
-    if q.device.type != "cuda":  # impl="triton" under TRITON_INTERPRET=1: attention has no Triton kernel
-        if "interpret" not in _logged_notes:
-            _logged_notes.add("interpret")
-            log.info("attention: packed rows on %s run the masked SDPA reference (the fast path is CUDA "
-                     "varlen flash, not a Triton kernel)", q.device.type)
-        return attention_ref(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scale=scale)
-    if q.dtype not in (torch.float16, torch.bfloat16):  # model.dtype=float32 / float64 on CUDA (exit 4 before)
-        if f"wide {q.dtype}" not in _logged_notes and not torch.compiler.is_compiling():
-            _logged_notes.add(f"wide {q.dtype}")
-            log.info("attention: packed rows in %s run the masked SDPA reference (FA2's and cuDNN's varlen "
-                     "kernels take bf16/fp16; the mask holds B x S x S booleans)", q.dtype)
+    # the varlen kernels run on CUDA in bf16/fp16: elsewhere (impl="triton" under TRITON_INTERPRET=1; attention has
+    # no Triton kernel) and in float32 / float64 on CUDA (model.dtype=float32 there was exit 4) the masked reference
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+        why = (f"on {q.device.type} (the fast path is CUDA varlen flash, not a Triton kernel)"
+               if q.device.type != "cuda" else
+               f"in {q.dtype} (FA2's and cuDNN's varlen kernels take bf16/fp16; the mask holds B x S x S booleans)")
+        if why not in _logged_notes and not torch.compiler.is_compiling():
+            _logged_notes.add(why)
+            log.info("attention: packed rows %s run the masked SDPA reference", why)
         return attention_ref(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scale=scale)
     if resolve_varlen(varlen, q.device, q.shape[0] * q.shape[1], cu_seqlens.numel() - 1) == "cudnn":
         from .attention_cudnn import attention_varlen_cudnn  # noqa: PLC0415

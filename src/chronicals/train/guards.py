@@ -102,6 +102,13 @@ def check_model_path(cfg: TrainConfig) -> None:
                                 f"a Hugging Face model directory, a .gguf file, or a short name: {names}")
 
 
+def lies_in(path, folder) -> bool:
+    """Whether ``path`` is ``folder`` or lies below it (``~`` expanded, links resolved): a data directory is read
+    whole, so an output or cache there becomes data on the next run."""
+    there, folder = Path(path).expanduser().resolve(), Path(folder).expanduser().resolve()
+    return there == folder or folder in there.parents
+
+
 def check_data_paths(cfg: TrainConfig) -> None:
     """FileNotFoundError naming the key and where a relative path was looked for, for data.path and
     data.eval_path (a missing file used to surface after the model had loaded: minutes at 8B); DataError when
@@ -122,8 +129,7 @@ def check_data_paths(cfg: TrainConfig) -> None:
         # directories are read recursively: the run's metrics.jsonl, data/ copies and checkpoints, or the cache's
         # meta.json, would become training records on the next run
         for setting, inside in (("train.out_dir", cfg.train.out_dir), ("data.cache_dir", cache)):
-            there = None if inside is None else Path(inside).expanduser().resolve()
-            if there is not None and path.is_dir() and (there == path.resolve() or path.resolve() in there.parents):
+            if inside is not None and path.is_dir() and lies_in(inside, path):
                 raise ConfigError(f"{setting}={inside} is inside {key}={value}, whose files are all read as data; "
                                   f"put {setting} outside {value}", setting)  # two settings that clash: exit 2
     if cache is not None:

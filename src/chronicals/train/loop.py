@@ -144,14 +144,12 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
                         "e.g. from chronicals.load_model(path, tokenizer=True)), or train_loader=... with the "
                         "batches ready")
     with main_rank_tells():  # under torchrun, each warning once (rank 0's), not once per rank
-        if isinstance(config, TrainConfig):
-            cfg = config
+        if isinstance(config, TrainConfig):  # checked again: a TrainConfig changed after it was built (grad_accum = 0
+            cfg = from_dict(config.to_dict())  # gave a ZeroDivisionError deep in the loop, not the config's error)
         elif isinstance(config, dict):
             cfg = from_dict(config)
         else:
             cfg = load_config(config)
-        if isinstance(config, TrainConfig):  # checked again: a TrainConfig changed after it was built (grad_accum = 0
-            cfg = from_dict(config.to_dict())  # gave a ZeroDivisionError deep in the loop, not the config's error)
         cfg = _record_passed_model(cfg, model)
         check_out_dir(cfg)
         check_resume_path(cfg)
@@ -303,11 +301,12 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
                                  total)
         done = start == total
     warn_short_warmup(cfg, total)
-    data = getattr(stream.loader, "dataset", None)
-    dp.check_same({"first step": start, "steps": total, "data": getattr(data, "digest", None),
-                   "batches an epoch": len(stream.loader) if hasattr(stream.loader, "__len__") else None},
-                  "every rank must read the same train.out_dir (its checkpoints) and data files: on several "
-                  "nodes, put them on a file system all of them share")
+    if dp.enabled:  # each rank found its own checkpoint and read its own data: they must be the same
+        data = getattr(stream.loader, "dataset", None)
+        dp.check_same({"first step": start, "steps": total, "data": getattr(data, "digest", None),
+                       "batches an epoch": len(stream.loader) if hasattr(stream.loader, "__len__") else None},
+                      "every rank must read the same train.out_dir (its checkpoints) and data files: on several "
+                      "nodes, put them on a file system all of them share")
     # another run's checkpoints in out_dir (resume=none over a finished run, or a resume from an earlier step), and
     # its final adapter/model (not for a resume from an earlier step: this run's history may have written it):
     # removed once this run writes its first record or checkpoint, so a run that fails in setup leaves them
@@ -401,6 +400,13 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
             return None
         loss, n = evaluate_loss(model, eval_loader, device)
         return {"kind": "eval", "step": step, "eval_loss": loss, "eval_tokens": n, "tag": tag}
+
+    def close_diverged() -> None:
+        """metrics.jsonl closed and, for a run that diverged, its loss curve drawn: the climb to the NaN is the
+        curve its user wants to see."""
+        metrics.close()
+        if cfg.logging.plot and dp.is_main:
+            plot_losses(metrics.records, out_dir / "loss.png")
 
     def run_eval(step: int, tag: str) -> float | None:
         record = eval_record(step, tag)
@@ -559,10 +565,11 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
                                 why, step + 1, result.checkpoint)
                     break
     except BaseException as e:
-        metrics.close()
+        if isinstance(e, TrainingDiverged):
+            close_diverged()
+        else:
+            metrics.close()
         last_good()  # a checkpoint in flight is published; a failed write is logged, the error in flight raised
-        if isinstance(e, TrainingDiverged) and cfg.logging.plot and dp.is_main:  # the climb to the NaN is the
-            plot_losses(metrics.records, out_dir / "loss.png")  # curve a diverged run's user wants to see
         raise
     finally:
         if bar is not None:
@@ -599,9 +606,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         try:
             result.eval_loss_after = run_eval(result.step, "after")
         except TrainingDiverged:
-            metrics.close()
-            if cfg.logging.plot and dp.is_main:
-                plot_losses(metrics.records, out_dir / "loss.png")
+            close_diverged()
             raise
         if cfg.train.save_final and dp.is_main:
             result.final_dir = save_final(model, tokenizer, cfg, out_dir, optimizer)
