@@ -777,6 +777,30 @@ def test_model_attention_cudnn_is_checked_before_the_model_loads(tmp_path, docs,
         check_impl(cfg, torch.device("cuda"))
 
 
+def test_loss_vocab_parts_on_the_reference_head_is_said(tmp_path, caplog, monkeypatch):
+    """model.loss_vocab_parts=4 on the CPU (the reference head, which materializes the logits) did nothing, without
+    a word (session 33's note)."""
+    from chronicals.train.guards import check_impl
+
+    cfg = tiny_config(tmp_path, model__loss_vocab_parts=4, model__impl="auto")
+    with caplog.at_level("WARNING", logger="chronicals"):
+        check_impl(cfg, torch.device("cpu"))
+    assert "model.loss_vocab_parts=4 does nothing on cpu" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton head in the interpreter has the parts
+    with caplog.at_level("WARNING", logger="chronicals"):
+        check_impl(tiny_config(tmp_path, model__loss_vocab_parts=4, model__impl="triton"), torch.device("cpu"))
+    assert "loss_vocab_parts" not in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="chronicals"):
+        check_impl(tiny_config(tmp_path, model__loss_vocab_parts=4, model__impl="torch"), torch.device("cuda"))
+    assert "model.loss_vocab_parts=4 does nothing with model.impl=torch" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="chronicals"):
+        check_impl(tiny_config(tmp_path, model__loss_vocab_parts=4, model__impl="auto"), torch.device("cuda"))
+    assert "loss_vocab_parts" not in caplog.text
+
+
 def test_gate_up_layers_past_the_layer_count_is_said(tmp_path, docs, caplog):
     cfg = tiny_config(tmp_path, train__max_steps=1, model__recompute=["norm", "swiglu", "gate_up"],
                       model__gate_up_layers=9)

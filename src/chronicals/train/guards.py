@@ -337,6 +337,13 @@ def check_impl(cfg: TrainConfig, device) -> None:
                           f"{cfg.model.device}); use model.impl=auto (Triton on CUDA, the PyTorch reference elsewhere) "
                           "or torch, or set TRITON_INTERPRET=1 to run the kernels in Triton's interpreter (slow)",
                           "model.impl")
+    if cfg.model.loss_vocab_parts > 1 and (cfg.model.impl == "torch"
+                                           or (cfg.model.impl == "auto" and device.type != "cuda")):
+        # the reference head materializes the (N, V) logits and has no parts: the setting was silent there
+        where = "with model.impl=torch" if cfg.model.impl == "torch" else f"on {device}"
+        log.warning("model.loss_vocab_parts=%d does nothing %s: the PyTorch reference loss head builds the whole "
+                    "logits; the parts are the Triton head's (model.impl=auto or triton on CUDA)",
+                    cfg.model.loss_vocab_parts, where)
     if cfg.model.attention == "cudnn":  # was an ImportError at the first step's forward on CUDA (exit 4), silent here
         from ..ops import attention_cudnn
 
