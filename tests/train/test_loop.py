@@ -819,3 +819,31 @@ def test_a_divergence_before_the_first_checkpoint_does_not_ask_for_a_setting_alr
         train(cfg, model=model, train_loader=SyntheticLoader(docs))
     assert "No checkpoint was written before it (one is written every train.save_every steps, and at the end)" in \
         str(e.value) and "save_every=N" not in str(e.value), str(e.value)
+
+
+def _hand_untied_model():
+    """A tied config whose lm_head was made its own Parameter in code (same values at first)."""
+    from chronicals.models import CausalLM, ModelConfig
+    from train_helpers import VOCAB
+
+    hf = dict(model_type="llama", vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=1,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
+    model = CausalLM(ModelConfig.from_hf_dict(hf)).init_weights(seed=0)
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    return model
+
+
+def test_a_hand_untied_head_on_a_tied_config_is_refused_before_a_full_fine_tune(tmp_path):
+    """It trained every step, then save_model refused the final save (the head had moved away from the embedding;
+    a full fine-tuning walk)."""
+    steps = []
+    with pytest.raises(ValueError, match=r"tie_word_embeddings is true, but lm_head.weight is another tensor.*"
+                                         r"tie_word_embeddings = False"):
+        train(tiny_config(tmp_path, train__max_steps=2, train__save_final=True), model=_hand_untied_model(),
+              train_loader=SyntheticLoader(synthetic_docs(20)), on_step=lambda step, rec: steps.append(step))
+    assert steps == [] and not (tmp_path / "run" / "checkpoints").exists()
+    model = _hand_untied_model()
+    model.config.tie_word_embeddings = False  # the fix the message names
+    res = train(tiny_config(tmp_path / "b", train__max_steps=2, train__save_final=True), model=model,
+                train_loader=SyntheticLoader(synthetic_docs(20)))
+    assert res.status == "completed" and (res.final_dir / "model.safetensors").is_file()

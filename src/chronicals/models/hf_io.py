@@ -443,6 +443,16 @@ def no_hf_dir(cfg) -> str | None:
     return None
 
 
+UNTIED_HEAD = "config.tie_word_embeddings is true, but lm_head.weight is another tensor than the embedding"
+UNTIED_HEAD_FIX = ("set model.config.tie_word_embeddings = False to save both, or tie them again "
+                   "(model.lm_head.weight = model.model.embed_tokens.weight)")
+
+
+def head_untied_in_code(model: CausalLM) -> bool:
+    """A tied config whose lm_head was made its own tensor in code: save_hf_dir refuses it once the values differ."""
+    return bool(model.config.tie_word_embeddings) and model.lm_head.weight is not model.model.embed_tokens.weight
+
+
 def save_hf_dir(model: CausalLM, tokenizer, out_dir: str | Path, *, generation_config: dict | None = None,
                 max_shard_bytes: int | None = None) -> Path:
     """Write ``model`` (+ tokenizer files when ``tokenizer`` is not None) as an HF directory, atomically.
@@ -467,12 +477,9 @@ def save_hf_dir(model: CausalLM, tokenizer, out_dir: str | Path, *, generation_c
                          "model; chronicals does not write one. Use the model where chronicals loads it (load_model "
                          "of its .gguf file; a LoRA adapter trained on it as it is, with chronicals chat/eval "
                          "--adapter, instead of export)")
-    head, emb = model.lm_head.weight, model.model.embed_tokens.weight
-    if cfg.tie_word_embeddings and head is not emb and not torch.equal(head, emb):
+    if head_untied_in_code(model) and not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight):
         # the directory holds no lm_head when tied: a head untied in code (a new Parameter) would be dropped
-        raise ValueError("save_model: config.tie_word_embeddings is true, but lm_head.weight is another tensor than "
-                         "the embedding, with other values; set model.config.tie_word_embeddings = False to save "
-                         "both, or tie them again (model.lm_head.weight = model.model.embed_tokens.weight)")
+        raise ValueError(f"save_model: {UNTIED_HEAD}, with other values; {UNTIED_HEAD_FIX}")
     sd = model.state_dict()
     want = expected_names(cfg)
     extra = set(sd) - want - {"lm_head.weight"}

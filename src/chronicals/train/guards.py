@@ -384,12 +384,16 @@ def check_final_dir(cfg: TrainConfig, out_dir: Path) -> None:
 
 def check_final_model(cfg: TrainConfig, model) -> None:
     """ValueError now, before the run, if save_final of a full fine-tune would be refused by save_model
-    (``hf_io.no_hf_dir``: a GGUF file with partial rope), not after the whole run."""
-    from ..models.hf_io import no_hf_dir
+    (``hf_io.no_hf_dir``: a GGUF file with partial rope; a head untied in code under a tied config, which
+    training moves away from the embedding), not after the whole run."""
+    from ..models.hf_io import UNTIED_HEAD, UNTIED_HEAD_FIX, head_untied_in_code, no_hf_dir
 
     mcfg = getattr(model, "config", None)
     if not cfg.train.save_final or cfg.lora.enabled or not hasattr(mcfg, "partial_rotary_factor"):
         return
+    if head_untied_in_code(model):
+        raise ValueError(f"the model passed to train(): {UNTIED_HEAD}, and full fine-tuning would train them apart, "
+                         f"so the final model could not be saved; {UNTIED_HEAD_FIX}")
     why = no_hf_dir(mcfg)
     if why:
         raise ValueError(f"{getattr(model, 'chronicals_base', None) or 'the model passed to train()'} {why}: a GGUF "
