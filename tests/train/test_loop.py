@@ -847,3 +847,36 @@ def test_a_hand_untied_head_on_a_tied_config_is_refused_before_a_full_fine_tune(
     res = train(tiny_config(tmp_path / "b", train__max_steps=2, train__save_final=True), model=model,
                 train_loader=SyntheticLoader(synthetic_docs(20)))
     assert res.status == "completed" and (res.final_dir / "model.safetensors").is_file()
+
+
+def test_no_log_line_is_glued_to_the_progress_bar(tmp_path, docs, monkeypatch):
+    """On a terminal, "step metrics: ..." was logged after the bar was drawn and outside tqdm's logging redirect, so
+    it printed on the bar's first line ("train:   0%|  | 0/2 [00:00<?, ?step/s]INFO step metrics: ...")."""
+    import io
+    import logging
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    handler = logging.StreamHandler(term)  # what the CLI's basicConfig puts on the root logger
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    root = logging.getLogger()
+    old_level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        train(tiny_config(tmp_path, train__max_steps=2, logging__progress=True), model=tiny_model(),
+              train_loader=SyntheticLoader(docs))
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+    lines = term.getvalue().split("\n")
+    assert any("train:" in line and "step/s" in line for line in lines)  # the bar was drawn on this "terminal"
+    assert any("step metrics:" in line for line in lines)
+    # tqdm's redirect clears the bar's line ("\r   \r") before a log line; glued, the line follows the bar's text
+    glued = [seg for line in lines for seg in line.split("\r") if "INFO" in seg and "step/s" in seg]
+    assert not glued, glued

@@ -441,7 +441,16 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     phase.training = True
     if before:
         metrics.write(before)  # this run's first record: config.yaml and the other run's checkpoints go now
-    bar = None
+    # Pipelined (fused AdamW, no on_step): step k's loss, gradient norm and token count are read on the host while
+    # step k+1's forward/backward runs (train/readback.py: the per-step reads cost 2.5-2.8% at the 0.5B protocol);
+    # a non-finite step's update is skipped on the device (fused AdamW's found_inf) and the stop is raised
+    # before the next update. Otherwise (the CPU default, or an on_step callback, which sees each step as it
+    # ends) every step is read before its update, as a host sync.
+    pipelined = bool(optimizer.defaults.get("fused")) and on_step is None
+    log.info("step metrics: %s", "read one step late, once the next step is queued (a non-finite step's update is "
+             "skipped by the fused optimizer)" if pipelined else "read every step before the update (a host sync "
+             "per step)")
+    bar = None  # drawn after the lines above: a log line outside the redirect below prints on the bar's line
     # a terminal gets a progress bar; a log file (CI, nohup, a pipe) a plain line every ~5% of the run instead of
     # one carriage-return update per step
     log_every = 0
@@ -453,15 +462,6 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         else:
             log_every = max(1, total // 20)
             log.info("training steps %d..%d of %d", start + 1, total, total)
-    # Pipelined (fused AdamW, no on_step): step k's loss, gradient norm and token count are read on the host while
-    # step k+1's forward/backward runs (train/readback.py: the per-step reads cost 2.5-2.8% at the 0.5B protocol);
-    # a non-finite step's update is skipped on the device (fused AdamW's found_inf) and the stop is raised
-    # before the next update. Otherwise (the CPU default, or an on_step callback, which sees each step as it
-    # ends) every step is read before its update, as a host sync.
-    pipelined = bool(optimizer.defaults.get("fused")) and on_step is None
-    log.info("step metrics: %s", "read one step late, once the next step is queued (a non-finite step's update is "
-             "skipped by the fused optimizer)" if pipelined else "read every step before the update (a host sync "
-             "per step)")
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
 
     pool_seen: list = [0, None]  # [graphs captured when last read, their pools' (reserved, allocated) bytes]
