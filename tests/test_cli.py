@@ -22,7 +22,7 @@ def test_bad_value_fails_before_model_load(capsys):
     # the model path does not exist: reaching the loader would give another error
     assert main(["train", "model.path=/nonexistent/model", "optim.lr=-1"]) == 2
     err = capsys.readouterr().err
-    assert "optim.lr=-1.0 is invalid: expected a number > 0" in err
+    assert "optim.lr=-1.0 is invalid: expected a number in (0, 10]" in err
 
 
 def test_override_given_twice_is_a_config_error(capsys):

@@ -74,7 +74,7 @@ def test_unknown_section_in_yaml_suggests(tmp_path):
 
 
 @pytest.mark.parametrize("bad, message", [
-    ("optim.lr=-1", r"optim.lr=-1.0 is invalid: expected a number > 0"),
+    ("optim.lr=-1", r"optim.lr=-1.0 is invalid: expected a number in \(0, 10\]"),
     ("optim.lr=fast", r"optim.lr='fast' is invalid: expected a number"),
     ("lora.rank=0", r"lora.rank=0 is invalid"),
     ("lora.rank=2.5", r"expected an integer"),

@@ -284,3 +284,12 @@ def test_an_out_dir_that_cannot_be_created_is_named(capsys):
     assert main(["train", "train.out_dir=/proc/chronicals-run", "train.max_steps=1", "eval.qa=false"]) == 3
     err = capsys.readouterr().err
     assert "train.out_dir=/proc/chronicals-run: cannot create it (" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("value", ["11", "3.5e37", "1e300"])
+def test_a_learning_rate_no_adamw_can_take_is_a_config_error(value):
+    """optim.lr >= 3.4e37 overflowed inside AdamW's step (lr / (1 - beta1) past float32's max: a RuntimeError at the
+    first update, exit 4); smaller absurd ones diverged at step 2. Refused when the config is read."""
+    with pytest.raises(ValueError, match=r"optim\.lr=.* is invalid: expected a number in \(0, 10\]"):
+        load_config(None, [f"optim.lr={value}"])
+    assert load_config(None, ["optim.lr=10"]).optim.lr == 10.0

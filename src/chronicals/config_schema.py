@@ -319,7 +319,10 @@ class OptimSection:
 
     def __post_init__(self):
         _check_finite(self)
-        _check(self.lr > 0, "optim.lr", self.lr, "a number > 0")
+        # AdamW moves each weight by up to ~lr a step; from 3.4e37 its step size lr / (1 - beta1) overflowed float32
+        # inside the optimizer (exit 4), and values far below that diverge at once
+        _check(0 < self.lr <= 10, "optim.lr", self.lr, "a number in (0, 10] (AdamW moves each weight by up to ~lr "
+               "a step; fine-tuning takes 1e-5 to 1e-3)")
         _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "a number >= 0")
         _check(0 <= self.beta1 < 1, "optim.beta1", self.beta1, "a number in [0, 1)")
         _check(0 <= self.beta2 < 1, "optim.beta2", self.beta2, "a number in [0, 1)")
