@@ -49,6 +49,8 @@ def _edit(file, fn):
      "its optimizer state does not fit this run (ValueError: loaded state dict has a different number"),
     (lambda s: [st.pop("exp_avg") for st in s["optimizer"]["state"].values()],
      "its optimizer state has exp_avg none for a parameter"),
+    # resumed silently with fresh AdamW moments and step counts at step 2 (a checkpoints walk)
+    (lambda s: s["optimizer"].update(state={}), "its optimizer state holds no AdamW moments at step 2"),
 ])
 def test_an_edited_checkpoint_is_one_error_naming_it(tmp_path, docs, finished, edit, named):
     """These were KeyError / TypeError / RuntimeError tracebacks (exit 4), an error naming no file, or (step -3) a

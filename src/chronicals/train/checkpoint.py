@@ -466,4 +466,10 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, schedul
                          "with the config it was written with, or start over (train.resume=none or another "
                          "train.out_dir)") from None
     _check_moments(optimizer, file, auto)
+    if state["step"] > 0 and not any("step" in (optimizer.state.get(p) or {})
+                                     for g in optimizer.param_groups for p in g["params"]):
+        # every step updates some parameter, which then has its moments: none at step N > 0 means they were removed,
+        # and the run would go on with fresh moments and bias corrections, off its trajectory
+        raise ValueError(f"checkpoint {file}: its optimizer state holds no AdamW moments at step {state['step']}; it "
+                         f"was edited or written by another version: {_move_away_hint(file.parent, auto)}")
     return {"step": state["step"], "data": state["data"], "extra": state.get("extra") or {}}
