@@ -55,3 +55,14 @@ def test_int32_ids_and_labels_equal_int64(model, ids, impl):
             assert torch.isfinite(got).all()
     finally:
         model.set_impl("torch")
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="on CUDA an id past the table is a device-side assert, not an IndexError")
+@pytest.mark.parametrize("bad", [53, 1000, -60])
+def test_an_id_past_the_embedding_names_the_vocabulary_size(model, ids, bad):
+    """A tokenizer with more tokens than the model's embedding gave a bare 'IndexError: index out of range in self'
+    from the Python API (the CLI checks the tokenizer against the model before)."""
+    wrong = ids.clone()
+    wrong[1, 3] = bad
+    with pytest.raises(IndexError, match=r"input_ids hold ids outside \[0, 53\), the model's vocab_size.*tokenizer"):
+        model(wrong)

@@ -248,7 +248,12 @@ class DecoderModel(nn.Module):
             return self._forward(input_ids, position_ids, cu_seqlens, max_seqlen, kv_caches, training)
 
     def _forward(self, input_ids, position_ids, cu_seqlens, max_seqlen, kv_caches, training):
-        h = self.embed_tokens(input_ids)  # (B, S, H)
+        try:
+            h = self.embed_tokens(input_ids)  # (B, S, H)
+        except IndexError:  # the CPU's bare "index out of range in self" (CUDA: a device-side assert)
+            raise IndexError(f"input_ids hold ids outside [0, {self.embed_tokens.num_embeddings}), the model's "
+                             "vocab_size: were they made by a tokenizer of another model, or one with added tokens? "
+                             "Use the model's own tokenizer, or grow the embedding for the new tokens") from None
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, self.attention_scaling, dtype=h.dtype)
         residual = None
         n_ckpt = self.opts.checkpointed_layers(len(self.layers)) if training else 0
