@@ -385,6 +385,25 @@ def test_a_launch_mistake_is_one_line_exit_2(monkeypatch, capsys):
     assert "WORLD_SIZE=2 but RANK, MASTER_ADDR" in err and "Traceback" not in err, err
 
 
+def test_the_process_group_waits_an_hour_for_rank_0s_first_run(monkeypatch):
+    """Rank 0 alone converts a GGUF model and tokenizes the data while the others wait at a barrier; NCCL's default
+    10 minutes (gloo's 30) cut a large first run short. The group is made with a 60-minute timeout."""
+    import datetime
+
+    from chronicals.train import distributed
+
+    made = {}
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kw: made.update(kw))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    ctx = init_distributed("cpu")
+    assert (ctx.world_size, ctx.rank, ctx.backend) == (2, 1, "gloo")
+    assert made["timeout"] == datetime.timedelta(minutes=60) and made["backend"] == "gloo"
+
+
 def test_a_collective_timeout_is_said_as_another_rank_lost():
     from chronicals.cli import _lost_rank
 
