@@ -140,6 +140,28 @@ def _grad_worker(rank: int, port: int, out: str, reduce: str = "after", split: s
         dp.destroy()
 
 
+def _main_first_worker(rank: int, port: int, out: str) -> None:
+    """Rank 0's block (tokenizing, in a real run) outlasts the process group's timeout, cut to 2 s here."""
+    import datetime
+    import time
+
+    from chronicals.train import distributed
+
+    distributed.GROUP_TIMEOUT = datetime.timedelta(seconds=2)
+    _torchrun_env(rank, port)
+    dp = init_distributed(DEVICE)
+    try:
+        with dp.main_first():
+            if rank == 0:
+                time.sleep(5)
+        t = torch.ones(1, device=dp.device)
+        dp.all_reduce_sum_(t)  # the group itself still works afterwards
+        torch.save({"sum": float(t)}, f"{out}/rank{rank}.pt")
+        dp.barrier()
+    finally:
+        dp.destroy()
+
+
 def _none_grad_worker(rank: int, port: int, out: str) -> None:
     _torchrun_env(rank, port)
     dp = init_distributed(DEVICE)
@@ -385,16 +407,18 @@ def test_a_launch_mistake_is_one_line_exit_2(monkeypatch, capsys):
     assert "WORLD_SIZE=2 but RANK, MASTER_ADDR" in err and "Traceback" not in err, err
 
 
-def test_the_process_group_waits_an_hour_for_rank_0s_first_run(monkeypatch):
-    """Rank 0 alone converts a GGUF model and tokenizes the data while the others wait at a barrier; NCCL's default
-    10 minutes (gloo's 30) cut a large first run short. The group is made with a 60-minute timeout."""
+def test_the_process_group_waits_an_hour_and_main_first_a_week(monkeypatch):
+    """Rank 0 alone writes checkpoints and the final model while the others wait at the next collective: NCCL's
+    default 10 minutes was short for a large model, so the group waits 60 minutes. Rank 0's conversion and
+    tokenization (main_first) wait on a gloo group of their own, without that deadline."""
     import datetime
 
     from chronicals.train import distributed
 
-    made = {}
+    made, waits = {}, {}
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kw: made.update(kw))
+    monkeypatch.setattr(distributed.dist, "new_group", lambda **kw: waits.update(kw) or "wait-group")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -402,6 +426,15 @@ def test_the_process_group_waits_an_hour_for_rank_0s_first_run(monkeypatch):
     ctx = init_distributed("cpu")
     assert (ctx.world_size, ctx.rank, ctx.backend) == (2, 1, "gloo")
     assert made["timeout"] == datetime.timedelta(minutes=60) and made["backend"] == "gloo"
+    assert waits == {"backend": "gloo", "timeout": datetime.timedelta(days=7)} and ctx.wait_group == "wait-group"
+
+
+def test_ranks_wait_for_rank_0s_data_preparation_past_the_group_timeout(tmp_path):
+    """The other ranks waited for rank 0's tokenization at a barrier bound by the process group's timeout (60
+    minutes): past it they failed, torchrun killed rank 0 mid-tokenization, no cache entry was kept, and every retry
+    did the same (a data walk at scale). main_first waits without that deadline."""
+    mp.spawn(_main_first_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    assert [torch.load(tmp_path / f"rank{r}.pt")["sum"] for r in range(WORLD)] == [2.0, 2.0]
 
 
 def test_a_collective_timeout_is_said_as_another_rank_lost():

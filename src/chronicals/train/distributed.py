@@ -70,6 +70,9 @@ class DistContext:
     device: torch.device = torch.device("cpu")
     backend: str | None = None
     owns_group: bool = False  # True when init_distributed created the group (and destroy() should end it)
+    # a gloo group with a long timeout for main_first's waits (init_distributed makes it): rank 0's first conversion
+    # and tokenization of a large dataset can outlast the default group's collective timeout
+    wait_group: object = None
 
     @property
     def is_main(self) -> bool:
@@ -185,12 +188,19 @@ class DistContext:
     def main_first(self):
         """Rank 0 runs the block first (it writes shared files and caches), then the others (they reuse them)."""
         if not self.is_main:
-            self.barrier()
+            self._wait()
         try:
             yield
         finally:
             if self.is_main:
-                self.barrier()
+                self._wait()
+
+    def _wait(self) -> None:
+        """A barrier without the default group's deadline (``wait_group``); a plain one without that group."""
+        if self.enabled and self.wait_group is not None:
+            dist.barrier(group=self.wait_group)
+        else:
+            self.barrier()
 
     def destroy(self) -> None:
         """End the process group if init_distributed created it (safe to call more than once)."""
@@ -223,9 +233,13 @@ def _buckets(tensors: list, bucket_elems: int):
         yield from numel_runs(group, bucket_elems)
 
 
-# a collective waits this long for the other ranks: rank 0 alone converts a GGUF model and tokenizes the data while
-# the others wait at a barrier (main_first), which NCCL's default 10 minutes cut short on a large first run
+# a collective waits this long for the other ranks (NCCL's default is 10 minutes): rank 0 alone writes the checkpoints
+# and the final model while the others wait at the next collective
 GROUP_TIMEOUT = datetime.timedelta(minutes=60)
+# main_first's waits: rank 0 alone converts a GGUF model and tokenizes the data (0.7 ms of CPU a short chat: ~10 GB
+# of jsonl took an hour) while the others wait; past GROUP_TIMEOUT they failed, torchrun killed rank 0 mid-tokenization
+# and no cache entry was kept, on every retry. A lost rank 0 still ends the wait at once (its sockets close).
+WAIT_TIMEOUT = datetime.timedelta(days=7)
 
 
 def _env_int(name: str) -> int | None:
@@ -284,8 +298,10 @@ def init_distributed(device_pref: str = "auto") -> DistContext:
         kw = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=GROUP_TIMEOUT, **kw)
         owns = True
+    # every rank makes it here, in the same order (new_group is a collective over the default group)
+    wait_group = dist.new_group(backend="gloo", timeout=WAIT_TIMEOUT)
     ctx = DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend,
-                      owns_group=owns)
+                      owns_group=owns, wait_group=wait_group)
     if ctx.is_main:
         log.info("data parallel: world_size=%d backend=%s", world, backend)
     return ctx
