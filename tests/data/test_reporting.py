@@ -78,6 +78,30 @@ def test_truncated_to_no_loss_tokens_is_reported_as_dropped(tokenizer, tmp_path,
     assert len(warned) == 1 and "1 truncated to no loss tokens (dropped)" in warned[0], warned
 
 
+def test_the_tokens_truncation_cuts_are_counted_and_a_large_share_warned(tokenizer, tmp_path, caplog):
+    """Only the count of truncated examples was said, at INFO: a set of long replies lost 81% of its tokens to
+    data.max_seq_len without a word of it (a data walk at scale)."""
+    long_reply = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 300}]}
+    short = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}
+    p = write(tmp_path / "long.jsonl", [long_reply, short, short])
+    full = len(load_dataset(p, tokenizer, max_seq_len=4096)[0][0])
+    for _ in range(2):  # tokenized, then from the cache: the same count and warning
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="chronicals.data"):
+            ds = load_dataset(p, tokenizer, max_seq_len=64, cache_dir=tmp_path / "cache")
+        assert ds.stats.truncated == 1 and ds.stats.truncated_tokens == full - 64
+        share = (full - 64) / (full - 64 + ds.stats.tokens)
+        assert share > 0.5
+        warned = [m for m in messages(caplog, logging.WARNING) if "truncated to max_seq_len=64" in m]
+        assert len(warned) == 1 and f"{full - 64:,} of their tokens cut ({share:.0%} of the data's)" in warned[0], \
+            warned
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="chronicals.data"):  # a small share: said at INFO
+        load_dataset(write(tmp_path / "few.jsonl", [long_reply] + [short] * 400), tokenizer, max_seq_len=120)
+    said = [m for m in messages(caplog) if "truncated to max_seq_len=120" in m]
+    assert len(said) == 1 and not messages(caplog, logging.WARNING), said
+
+
 def test_records_without_loss_tokens_are_located(tokenizer, tmp_path, caplog):
     ok = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
     no_reply = {"messages": [{"role": "user", "content": "q"}]}

@@ -28,6 +28,7 @@ PARALLEL_THRESHOLD = 20_000  # records; below this, worker start-up (~1 s) costs
 CHUNK = 1_000
 # the load_dataset options its messages advise on; a caller whose users set them under other names passes those
 OPTIONS = ("format", "max_seq_len", "loss_on", "on_error", "overlong")
+LOST_TOKENS_WARN = 0.1  # truncation that cuts this share of the data's tokens is a warning, not an info line
 
 
 @dataclass
@@ -36,6 +37,7 @@ class DatasetStats:
     documents: int = 0  # kept
     skipped_errors: int = 0  # bad records skipped (on_error="skip")
     truncated: int = 0  # longer than max_seq_len, cut to it (overlong="truncate")
+    truncated_tokens: int = 0  # tokens cut off the kept truncated examples; 0 in older caches
     dropped_overlong: int = 0  # longer than max_seq_len, dropped (overlong="drop")
     dropped_no_loss: int = 0  # no trainable token left (no assistant turn, or truncated away)
     truncated_no_loss: int = 0  # of those, truncation cut every loss token (also counted in truncated)
@@ -306,7 +308,14 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, n: dict[str, s
                     stats.empty_targets, where, stats.first_empty_target)
     if stats.truncated or stats.dropped_overlong or stats.dropped_no_loss:
         cut = stats.truncated - stats.truncated_no_loss
-        parts = [f"{cut} truncated to {n['max_seq_len']}={max_seq_len} (kept)"] if cut else []
+        # the share of the data's tokens truncation took: 966 long replies of 20,000 lost 81% of a set's tokens
+        # while only their count was said, at INFO (a data walk at scale)
+        lost = stats.truncated_tokens / max(1, stats.truncated_tokens + stats.tokens)
+        tokens = (f"; {stats.truncated_tokens:,} of their tokens cut ({lost:.0%} of the data's)"
+                  if stats.truncated_tokens else "")
+        parts = [f"{cut} truncated to {n['max_seq_len']}={max_seq_len} (kept{tokens})"] if cut else []
+        if lost >= LOST_TOKENS_WARN:
+            parts[-1] += f": raise {n['max_seq_len']} to keep more of them"
         if stats.truncated_no_loss:
             parts.append(f"{stats.truncated_no_loss} truncated to no loss tokens (dropped), their replies start past "
                          f"{n['max_seq_len']}={max_seq_len}: raise {n['max_seq_len']} or shorten the prompts")
@@ -317,7 +326,7 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, n: dict[str, s
             first = f"; first: {stats.first_no_loss}" if stats.first_no_loss else ""  # "" from an older cache
             parts.append(f"{stats.dropped_no_loss - stats.truncated_no_loss} without loss tokens (dropped: no "
                          f"assistant turn / output / completion, or empty text{first})")
-        dropped = stats.dropped_no_loss or stats.dropped_overlong
+        dropped = stats.dropped_no_loss or stats.dropped_overlong or lost >= LOST_TOKENS_WARN
         log.log(logging.WARNING if dropped else logging.INFO, "data: %s: %d of %d records kept; %s", where,
                 stats.documents, stats.records, "; ".join(parts))
 
@@ -470,6 +479,7 @@ def _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_err
             if overlong == "drop":
                 stats.dropped_overlong += 1
                 continue
+            cut_tokens = len(ids) - max_seq_len
             ids, mask = ids[:max_seq_len], mask[:max_seq_len]
             stats.truncated += 1
         n_loss = int(mask[1:].sum())  # the first token is never a target
@@ -491,6 +501,8 @@ def _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_err
         if across:
             stats.across_boundary += 1
             stats.first_across = stats.first_across or rec.where
+        if cut:
+            stats.truncated_tokens += cut_tokens
         ids_list.append(ids)
         mask_list.append(mask)
         lengths.append(len(ids))
