@@ -115,3 +115,41 @@ def test_records_without_loss_tokens_are_located(tokenizer, tmp_path, caplog):
         assert len(warned) == 1 and "2 of 4 records kept" in warned[0], warned
         assert (f"2 without loss tokens (dropped: no assistant turn / output / completion, or empty text; "
                 f"first: {p}:2)" in warned[0]), warned
+
+
+def test_the_tokenizing_bar_shows_for_any_slow_set(tokenizer, tmp_path, monkeypatch):
+    """The bar was shown from 20,000 records only: 19,999 long records tokenized for a minute without a line (a data
+    walk at scale). It is on for every set and drawn once tokenizing has taken 2 s."""
+    from chronicals.data import dataset
+
+    made = []
+
+    class Bar:
+        def __init__(self, *args, **kw):
+            made.append(kw)
+
+        def update(self, n):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(dataset, "tqdm", Bar)
+    load_dataset(write(tmp_path / "s.jsonl", [{"text": "a b"}] * 3), tokenizer, max_seq_len=64)
+    assert len(made) == 1 and not made[0].get("disable") and made[0]["delay"] == 2, made
+
+
+def test_reading_a_large_set_is_said_before_it_starts(tokenizer, tmp_path, monkeypatch, caplog):
+    """Hashing and reading the files come before the tokenizing bar, ~4.5 s per 65 MB, without a line."""
+    from chronicals.data import dataset
+
+    p = write(tmp_path / "s.jsonl", [{"text": "a b"}] * 3)
+    monkeypatch.setattr(dataset, "SAY_READING_BYTES", p.stat().st_size)
+    with caplog.at_level(logging.INFO, logger="chronicals.data"):
+        load_dataset(p, tokenizer, max_seq_len=64)
+    assert "data: reading the dataset (0.0 GB in 1 file)" in messages(caplog)
+    caplog.clear()
+    monkeypatch.setattr(dataset, "SAY_READING_BYTES", p.stat().st_size + 1)
+    with caplog.at_level(logging.INFO, logger="chronicals.data"):
+        load_dataset(p, tokenizer, max_seq_len=64)
+    assert not [m for m in messages(caplog) if m.startswith("data: reading")]

@@ -26,6 +26,7 @@ from .tokenize import appends_eos, check_tokenizer, encode, has_generation_marke
 log = logging.getLogger("chronicals.data")
 PARALLEL_THRESHOLD = 20_000  # records; below this, worker start-up (~1 s) costs more than it saves
 CHUNK = 1_000
+SAY_READING_BYTES = 256 << 20  # data files this large get a line before they are hashed and read (~18 s)
 # the load_dataset options its messages advise on; a caller whose users set them under other names passes those
 OPTIONS = ("format", "max_seq_len", "loss_on", "on_error", "overlong")
 LOST_TOKENS_WARN = 0.1  # truncation that cuts this share of the data's tokens is a warning, not an info line
@@ -135,6 +136,9 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
         raise ValueError(f"{names['max_seq_len']}={max_seq_len}; expected >= 2 (a document needs a token and a target)")
     check_tokenizer(tokenizer)
     files = resolve_files(paths)
+    size = sum(f.stat().st_size for f in files)
+    if size >= SAY_READING_BYTES:  # the hashing and reading below take ~4.5 s per 65 MB, before any bar
+        log.info("data: reading %s (%.1f GB in %d file%s)", name, size / 1e9, len(files), "s"[:len(files) != 1])
     # the cache key also holds a digest of the encoding code (cache.encoder_digest): other code, another entry
     settings = {"format": format, "max_seq_len": max_seq_len, "loss_on": loss_on, "overlong": overlong}
     cache = None
@@ -448,7 +452,8 @@ def _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_err
     if num_proc is None:
         num_proc = 1 if len(records) < PARALLEL_THRESHOLD else min(8, os.cpu_count() or 1)
     chunks = [records[i:i + CHUNK] for i in range(0, len(records), CHUNK)]
-    bar = tqdm(total=len(records), desc="tokenizing", unit="ex", disable=len(records) < PARALLEL_THRESHOLD)
+    # drawn once tokenizing has taken 2 s, whatever the record count (19,999 long records ran a minute unseen)
+    bar = tqdm(total=len(records), desc="tokenizing", unit="ex", delay=2)
     results = []
     if num_proc <= 1 or len(chunks) <= 1:
         _WORKER.update(tokenizer=tokenizer, **opts)  # not _init_worker: keep this process's tokenizer threads
