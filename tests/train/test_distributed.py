@@ -305,17 +305,19 @@ def test_two_ranks_train_the_last_incomplete_round_like_one_process(tmp_path):
 
 
 def test_two_ranks_train_a_fractional_epoch_like_one_process(tmp_path):
-    """train.epochs=1.3 of 9 global batches: one process with grad_accum 2 trains 9 + ceil(2.7) = 12 batches;
-    2 ranks trained whole rounds of the fraction, ceil(0.3 x 5) = 2 rounds = 4 batches (13; a data-parallel walk).
-    Now the last round's batch past the fraction is an empty one: the same loss tokens and weights."""
-    mp.spawn(_remainder_worker, args=(_free_port(), str(tmp_path), 1.3), nprocs=WORLD, join=True)
+    """train.epochs=1.65 of 9 global batches: one process with grad_accum 2 trains 9 + ceil(5.85) = 15 batches;
+    2 ranks trained the fraction of their own 5 batches, ceil(0.65 x 5) = 4 rounds = 8 (17; a data-parallel walk).
+    The plan counts rounds of the fraction's global batches, ceil(6 / 2) = 3 (the trainer passes the loader's
+    spread: without it, a 4th step of empty batches still moved the weights), and the last round's batch past the
+    fraction is an empty one: the same loss tokens and weights. (At 1.3 the two plans agree: a mutation walk.)"""
+    mp.spawn(_remainder_worker, args=(_free_port(), str(tmp_path), 1.65), nprocs=WORLD, join=True)
     r0, r1 = (torch.load(tmp_path / f"remainder{r}.pt") for r in range(WORLD))
-    cfg = tiny_config(tmp_path / "single", train__max_steps=0, train__epochs=1.3, train__grad_accum=WORLD,
+    cfg = tiny_config(tmp_path / "single", train__max_steps=0, train__epochs=1.65, train__grad_accum=WORLD,
                       model__device=DEVICE)
     single = tiny_model(seed=0)
     train(cfg, model=single, train_loader=_remainder_loader(0, 1))
     dp_recs, one_recs = _train_recs(tmp_path / "rank0" / "run"), _train_recs(tmp_path / "single" / "run")
-    assert len(one_recs) == 7  # steps of 2, 2, 2, 2, 1 in the first epoch, then 2, 1
+    assert len(one_recs) == 8 and len(dp_recs) == 8  # steps of 2, 2, 2, 2, 1 in the first epoch, then 2, 2, 2
     assert [r["loss_tokens"] for r in dp_recs] == [r["loss_tokens"] for r in one_recs]
     for n, v in _cpu_state(single).items():
         assert torch.equal(r0[n], r1[n]), n

@@ -184,7 +184,7 @@ def test_more_epochs_after_a_cut_fraction_say_which_batches_were_not_trained(tmp
     assert caplog.text == ""
 
 
-def _packed_loader(rows: int, rank: int, world: int):
+def _packed_loader(rows: int, rank: int, world: int, remainder: str = "train"):
     """A PackedLoader over ``rows`` one-document rows of 8 tokens, batch_size 2, unshuffled."""
     import numpy as np
 
@@ -195,4 +195,58 @@ def _packed_loader(rows: int, rank: int, world: int):
     offsets = np.arange(rows + 1) * 8
     stats = DatasetStats(records=rows, documents=rows, tokens=rows * 8, loss_tokens=rows * 7)
     ds = TokenizedDataset(ids, np.ones(rows * 8, dtype=bool), offsets, 0, stats, 8)
-    return PackedLoader(ds, batch_size=2, max_seq_len=8, shuffle=False, rank=rank, world_size=world)
+    return PackedLoader(ds, batch_size=2, max_seq_len=8, shuffle=False, rank=rank, world_size=world,
+                        remainder=remainder)
+
+def test_a_resumed_data_parallel_plan_counts_rounds_of_the_fraction(tmp_path):
+    """The resume's re-plan (stream._replan) takes the loader's spread as the first plan does: 0.7 of 5 global
+    batches on 2 ranks is ceil(ceil(3.5) / 2) = 2 steps, where the rank's own 3 batches gave ceil(2.1) = 3
+    (untested: a mutation walk)."""
+    from chronicals.train.stream import _replan, _Stream, cut_fraction
+
+    cfg = tiny_config(tmp_path, train__epochs=0.7, train__max_steps=0)
+    loader = _packed_loader(9, 0, 2)
+    cut_fraction(cfg, loader)
+    assert _replan(cfg, _Stream(loader), 0, 99, 1, tmp_path) == (2, 1)
+    next(iter(loader))  # one batch in: position 1 of epoch 0
+    assert _replan(cfg, _Stream(loader), 1, 99, 1, tmp_path) == (2, 1)
+
+
+def test_a_cut_under_drop_counts_only_the_whole_rounds(tmp_path):
+    """remainder="drop": 5 global batches on 2 ranks train 4 an epoch, so 0.5 epochs is ceil(2 / 2) = 1 step (counting
+    the dropped batch gave ceil(ceil(2.5) / 2) = 2, a step into the half-empty round; a mutation walk)."""
+    from chronicals.train.stream import _spread, _step_plan
+
+    loader = _packed_loader(9, 0, 2, remainder="drop")
+    assert loader.trained_global_batches == 4 and len(loader) == 2
+    assert _step_plan(tiny_config(tmp_path, train__epochs=0.5, train__max_steps=0), len(loader),
+                      spread=_spread(loader)) == (1, 1)
+
+
+def test_no_cut_under_max_steps(tmp_path):
+    """train.max_steps with a fractional train.epochs beside it: the steps decide; the ranks' epochs are not cut (a cut
+    would hand them empty batches for the rest of each epoch; untested: a mutation walk)."""
+    from chronicals.train.stream import cut_fraction
+
+    loader = _packed_loader(9, 0, 2)
+    cut_fraction(tiny_config(tmp_path, train__max_steps=5, train__epochs=0.5), loader)
+    assert "cut" not in loader.state_dict()
+    cut_fraction(tiny_config(tmp_path, train__max_steps=0, train__epochs=0.5), loader)
+    assert "cut" in loader.state_dict()  # the same fraction without max_steps is cut
+
+
+def test_a_cut_on_a_full_round_says_nothing_when_resumed_longer(tmp_path, caplog):
+    """0.4 of 5 global batches on 2 ranks is 2: one full round, nothing handed empty. Resumed with train.epochs=1,
+    no batch is skipped, so no warning (">=" said "global batches 3..2 are not trained"; a mutation walk)."""
+    from chronicals.train.stream import cut_fraction
+
+    short = _packed_loader(9, 1, 2)
+    cut_fraction(tiny_config(tmp_path, train__epochs=0.4, train__max_steps=0), short)
+    next(iter(short))
+    state = short.state_dict()
+    assert state["cut"] == [0, 2]
+    longer = _packed_loader(9, 1, 2)
+    cut_fraction(tiny_config(tmp_path, train__epochs=1, train__max_steps=0), longer)
+    with caplog.at_level("WARNING", logger="chronicals.data"):
+        longer.load_state_dict(state)
+    assert caplog.text == ""
