@@ -155,6 +155,16 @@ def test_keep_last_keeps_exactly_the_newest(tmp_path):
     assert [d.name for d in checkpoint_dirs(tmp_path)] == ["step-000004", "step-000005"]
 
 
+def test_pruning_keeps_the_newest_checkpoints_that_hold_their_state(tmp_path):
+    """A step directory without state.pt (an old kill mid-removal, a copy cut short) is not a checkpoint: it neither
+    counts toward keep_last nor survives (counted, it pushed a resumable checkpoint out; a mutation walk)."""
+    write_checkpoint(tmp_path, {"step": 2}, keep_last=2)
+    (tmp_path / "checkpoints" / "step-000003").mkdir()  # no state.pt
+    write_checkpoint(tmp_path, {"step": 4}, keep_last=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step-000002", "step-000004"]
+
+
 def test_a_full_disk_at_fsync_is_an_oserror_naming_the_checkpoint(tmp_path, monkeypatch):
     """fsync is where a full disk or quota shows on NFS or ext4's delayed allocation, as a bare OSError naming no
     file: the CLI printed 'error: [Errno 28] No space left on device' (a checkpoint walk). Named like torch.save's."""

@@ -205,10 +205,12 @@ def write_checkpoint(out_dir: str | Path, state: dict, keep_last: int = 2) -> Pa
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync(root)  # the rename itself
-    dirs = _step_dirs(out_dir)  # by step; those older than the kept ones go, a step-N that lost its state.pt too
-    oldest_kept = [p for p in dirs if (p / STATE_FILE).is_file()][-keep_last:][0]  # (a kill mid-removal)
-    for old in dirs[:dirs.index(oldest_kept)]:
-        remove_checkpoint(old)
+    dirs = _step_dirs(out_dir)  # by step; those older than the kept ones go, and a step-N that lost its state.pt
+    kept = [p for p in dirs if (p / STATE_FILE).is_file()][-keep_last:]  # (a kill mid-removal) wherever it is
+    first = dirs.index(kept[0])
+    for i, old in enumerate(dirs):
+        if old not in kept and (i < first or not (old / STATE_FILE).is_file()):
+            remove_checkpoint(old)
     return final
 
 
