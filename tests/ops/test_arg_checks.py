@@ -81,6 +81,12 @@ CASES = {
                                                 t(1, 2, 8), t(1, 2, 8), impl=impl), r"cos/sin .* of the same dtype"),
     "rope int q": (lambda impl: ops.rope_qk(*(torch.ones(1, 2, 2, 8, dtype=torch.long, device=DEV),) * 2,
                                             t(1, 2, 8), t(1, 2, 8), impl=impl), r"must be floating point"),
+    # the other halves of the two checks above (a mutation walk: dropping either survived)
+    "rms int weight": (lambda impl: ops.rms_norm(t(3, 4), torch.ones(4, dtype=torch.long, device=DEV), 1e-6, impl=impl),
+                       r"must be floating point"),
+    "rope sin dtype": (lambda impl: ops.rope_qk(t(1, 2, 2, 8, dtype=torch.bfloat16), t(1, 2, 1, 8, dtype=torch.bfloat16),
+                                                t(1, 2, 8, dtype=torch.bfloat16), t(1, 2, 8), impl=impl),
+                       r"cos/sin .* of the same dtype"),
 }
 
 

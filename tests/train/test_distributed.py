@@ -65,9 +65,16 @@ def _free_port() -> int:
 
 
 def _torchrun_env(rank: int, port: int) -> None:
+    import datetime
+
+    from chronicals.train import distributed
+
     os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    # a regression that leaves one rank waiting in a collective fails in 5 minutes, not the job's 60 (with the
+    # agreement check removed, its test hung until then: a mutation walk)
+    distributed.GROUP_TIMEOUT = datetime.timedelta(minutes=5)
 
 
 def _grads(model) -> dict:
@@ -147,8 +154,8 @@ def _main_first_worker(rank: int, port: int, out: str) -> None:
 
     from chronicals.train import distributed
 
-    distributed.GROUP_TIMEOUT = datetime.timedelta(seconds=2)
     _torchrun_env(rank, port)
+    distributed.GROUP_TIMEOUT = datetime.timedelta(seconds=2)
     dp = init_distributed(DEVICE)
     try:
         with dp.main_first():
@@ -623,3 +630,36 @@ def test_ranks_that_resume_from_other_steps_stop_together_naming_them(tmp_path):
         said = (tmp_path / f"error{rank}.txt").read_text()
         assert said.startswith("the data-parallel ranks disagree on this run's first step (rank 0: 2, rank 1: 0); "
                                "every rank must read the same train.out_dir"), said
+
+
+def _other_data_worker(rank: int, port: int, out: str) -> None:
+    """Rank 1 reads a copy of the data with one token edited: the same documents' lengths, other contents."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from chronicals.data import PackedLoader
+    from chronicals.data.dataset import DatasetStats, TokenizedDataset
+
+    _torchrun_env(rank, port)
+    ids = np.arange(12 * 8, dtype=np.int32) % 50 + 1
+    if rank == 1:
+        ids[17] = 3  # another node's stale copy, say
+    stats = DatasetStats(records=12, documents=12, tokens=96, loss_tokens=84)
+    ds = TokenizedDataset(ids, np.ones(96, dtype=bool), np.arange(13) * 8, 0, stats, 8)
+    loader = PackedLoader(ds, batch_size=2, max_seq_len=8, shuffle=False, rank=rank, world_size=WORLD)
+    cfg = tiny_config(Path(out) / f"r{rank}", train__max_steps=2, model__device=DEVICE)
+    try:
+        train(cfg, model=tiny_model(seed=0), train_loader=loader)
+    except ValueError as e:
+        Path(out, f"error{rank}.txt").write_text(str(e))
+
+
+def test_ranks_that_read_other_data_stop_together_naming_it(tmp_path):
+    """Ranks whose data files differ with the same shape (one node's stale copy) trained on other data without a
+    word before the agreement check; only its 'first step' value was tested (a mutation walk: dropping the data's
+    digest from it survived)."""
+    mp.spawn(_other_data_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        said = (tmp_path / f"error{rank}.txt").read_text()
+        assert said.startswith("the data-parallel ranks disagree on this run's data (rank 0: "), said

@@ -149,12 +149,14 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, docs):
             with torch.no_grad():
                 model.model.norm.weight.fill_(float("nan"))
 
-    cfg = tiny_config(tmp_path, train__save_every=2, train__max_steps=6)
+    cfg = tiny_config(tmp_path, train__save_every=2, train__max_steps=6, logging__plot=True)
     with pytest.raises(TrainingDiverged, match=r"loss is nan at step 3.*step-000002.*resume=auto continues from "
                        r"it.*resume=none starts over"):
         train(cfg, model=model, train_loader=SyntheticLoader(docs), on_step=poison)
     dirs = checkpoint_dirs(tmp_path / "run")
     assert [p.name for p in dirs] == ["step-000002"]
+    # the curve up to the divergence is drawn (only the closing evaluation's divergence was tested: a mutation walk)
+    assert (tmp_path / "run" / "loss.png").stat().st_size > 1000
     state = torch.load(dirs[0] / "state.pt", weights_only=False)
     assert all(torch.isfinite(t).all() for t in state["model"].values())
 
@@ -880,3 +882,13 @@ def test_no_log_line_is_glued_to_the_progress_bar(tmp_path, docs, monkeypatch):
     # tqdm's redirect clears the bar's line ("\r   \r") before a log line; glued, the line follows the bar's text
     glued = [seg for line in lines for seg in line.split("\r") if "INFO" in seg and "step/s" in seg]
     assert not glued, glued
+
+
+def test_the_gradient_norm_of_no_gradient_is_zero():
+    """A step in which no parameter got a gradient has norm 0 (and clipping changes nothing): untested before (a
+    mutation walk: returning 1 survived)."""
+    from chronicals.train.step import clip_grad_norm, grad_norm_fp32
+
+    p = torch.nn.Parameter(torch.ones(3))
+    assert float(grad_norm_fp32([p])) == 0.0
+    assert float(clip_grad_norm([p], 1.0)) == 0.0 and p.grad is None and torch.equal(p.detach(), torch.ones(3))

@@ -165,3 +165,10 @@ def test_keywords_are_stripped_as_answers_are(tmp_path, monkeypatch):
     """"Paris " never matched "Paris." (the answers are stripped, the keywords were not; a generation walk)."""
     qa = qa_mod.read_qa(write(tmp_path / "q.jsonl", [{"question": "q", "answer": "Paris", "keywords": [" Paris "]}]))
     assert qa[0]["keywords"] == ["Paris"] and score(monkeypatch, qa, ["Paris."]) == [True]
+
+
+@pytest.mark.parametrize("keyword", ["", "  ", "\t"])
+def test_an_empty_keyword_matches_nothing(keyword):
+    """has_keyword is public: a blank keyword passed from Python (not through the QA file's loader, which refuses
+    it) would credit every answer (untested: a mutation walk)."""
+    assert not qa_mod.has_keyword("anything at all", keyword)

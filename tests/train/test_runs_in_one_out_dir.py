@@ -277,6 +277,7 @@ def test_resume_auto_without_checkpoints_over_a_finished_run_is_refused(tmp_path
         _run(tmp_path, docs, train__resume="none", **dict(lora, train__save_final=False))
     assert "(train.resume=none starts this out_dir over" in caplog.text and not (run / "adapter").exists()
     shutil.rmtree(run / "checkpoints")
+    (run / "model").mkdir()  # an empty folder (made by hand or by a tool) is no earlier run's result: not refused
     _run(tmp_path, docs, train__resume="auto", **lora)  # no final directory: a run stopped early starts over
 
 
