@@ -77,6 +77,43 @@ def cache_key(files, tokenizer, settings) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
+def source_key(files, tokenizer, settings) -> str:
+    """What an entry was made from, less the files' contents and the encoding code: the files' paths, the tokenizer
+    and the settings. A new entry of the same source replaces the older ones (``prune_stale``)."""
+    blob = json.dumps({"files": [str(Path(f).resolve()) for f in files], "tokenizer": tokenizer_fingerprint(tokenizer),
+                       **settings}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _size(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+
+
+def prune_stale(path: Path, source: str) -> tuple[int, int]:
+    """Remove the other entries beside ``path`` whose meta.json names the same ``source``: the same files edited
+    since, or tokenized by older code (each edit of a dataset left a whole entry behind, ~5 bytes a token, for
+    ever; a data walk at scale). -> (entries removed, their bytes). Moved aside first, so a reader sees the whole
+    entry or none (and tokenizes again); a process that mapped its arrays keeps reading them."""
+    count, size = 0, 0
+    for d in path.parent.iterdir():
+        if d == path or d.name.startswith(".") or not d.is_dir():
+            continue
+        try:
+            if json.loads((d / "meta.json").read_text()).get("source") != source:
+                continue
+            n = _size(d)
+            trash = Path(tempfile.mkdtemp(dir=path.parent, prefix=".bad-"))
+        except (OSError, ValueError, AttributeError):  # not an entry, or one being removed by another process
+            continue
+        try:
+            d.rename(trash / "entry")
+            count, size = count + 1, size + n
+        except OSError:
+            pass  # another process moved it first
+        shutil.rmtree(trash, ignore_errors=True)
+    return count, size
+
+
 _CACHE_FIX = "point data.cache_dir at a directory, or set data.cache_dir=none to disable the cache " \
              "(load_dataset: cache_dir=None)"
 
@@ -150,6 +187,13 @@ def save(path: Path, ids, trainable, offsets, meta: dict) -> None:
             if not (path / "meta.json").exists():
                 raise
             # a concurrent writer of the same key finished first: its entry is the same data
+        log.info("data: cached %d tokens in %s (%.1f MB)", int(offsets[-1]) if len(offsets) else 0, path,
+                 _size(path) / 1e6)
+        if meta.get("source"):
+            count, size = prune_stale(path, meta["source"])
+            if count:
+                log.info("data: removed %d older tokenization cache entr%s of the same files and settings (%.1f MB)",
+                         count, "y" if count == 1 else "ies", size / 1e6)
     except OSError as e:
         log.warning("data: could not write the tokenization cache entry %s (%s); training goes on, the next "
                     "run tokenizes again", path, e)

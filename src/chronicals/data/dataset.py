@@ -177,7 +177,8 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
     if cache is not None:
         cache_mod.save(cache, ds.ids, ds.trainable, ds.offsets,
                        {"pad_id": ds.pad_id, "stats": asdict(ds.stats), "file_counts": ds.file_counts,
-                        "file_formats": ds.file_formats, "files": [str(f) for f in files], "digest": ds.digest})
+                        "file_formats": ds.file_formats, "files": [str(f) for f in files], "digest": ds.digest,
+                        "source": cache_mod.source_key(files, tokenizer, settings)})
     return ds
 
 
