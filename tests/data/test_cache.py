@@ -122,9 +122,11 @@ def test_cache_entries_of_other_encoding_code_are_not_reused(tokenizer, tmp_path
 
     path = write_jsonl(tmp_path / "c.jsonl", [{"text": "abc"}])
     load_dataset(path, tokenizer, max_seq_len=64, cache_dir=tmp_path / "cache")
+    before = list((tmp_path / "cache").iterdir())
     monkeypatch.setattr(cache_mod, "encoder_digest", lambda: "the code of another release")
     load_dataset(path, tokenizer, max_seq_len=64, cache_dir=tmp_path / "cache")
-    assert len(list((tmp_path / "cache").iterdir())) == 2
+    after = [d for d in (tmp_path / "cache").iterdir() if not d.name.startswith(".")]
+    assert len(after) == 1 and after != before  # another entry, which replaced the older code's
 
 
 def test_the_encoder_digest_covers_the_masking_code(tmp_path):
