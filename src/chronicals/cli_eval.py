@@ -11,7 +11,8 @@ from .cli_models import (BASE_HELP, DTYPE_HELP, _base_for, _load, _model_and_bas
                          _within_context, add_verbose)
 
 
-_DATA_FLAGS = ("format", "train_on", "max_seq_len", "system_prompt", "batch_size", "on_long", "on_error", "cache_dir")
+_DATA_FLAGS = ("format", "train_on", "max_seq_len", "system_prompt", "batch_size", "on_long", "on_error", "cache_dir",
+               "num_proc")
 
 
 def _as_flags(message: str) -> str:
@@ -63,6 +64,8 @@ def cmd_eval(argv: list[str]) -> int:
     p.add_argument("--on-error", default=d.on_error, choices=["fail", "skip"],
                    help="malformed records: stop at the first, naming it (default), or skip and count them")
     p.add_argument("--cache-dir", default=d.cache_dir, help="tokenization cache ('' = the default, none = no cache)")
+    p.add_argument("--num-proc", type=int, default=d.num_proc,
+                   help="processes that tokenize DATA (0 = auto: 1 below 20,000 records, else min(8, cpus))")
     p.add_argument("--qa-limit", type=int, default=e.qa_limit, help="questions to answer (0 = all, the default)")
     p.add_argument("--max-new-tokens", type=int, default=e.max_new_tokens,
                    help="tokens generated per answer (default: %(default)s, as train's eval.max_new_tokens)")
@@ -96,6 +99,7 @@ def cmd_eval(argv: list[str]) -> int:
         dev = resolve_device(a.device, key="--device")
         data = DataSection(path=a.data, format=a.format, train_on=a.train_on, max_seq_len=a.max_seq_len,
                            batch_size=a.batch_size, on_long=a.on_long, on_error=a.on_error, cache_dir=a.cache_dir,
+                           num_proc=a.num_proc,
                            system_prompt=d.system_prompt if a.system_prompt is None else a.system_prompt)
     except ConfigError as err:  # "config data.max_seq_len=... is invalid": here that key is a flag
         p.error(_as_flags(str(err).removeprefix("config ")))

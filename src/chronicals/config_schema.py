@@ -187,12 +187,15 @@ class DataSection:
     train_on: str = _f("assistant", "which tokens carry loss: assistant (completion/output) | all")
     cache_dir: str = _f("", "tokenization cache directory ('' = $CHRONICALS_CACHE/data, default "
                             "~/.cache/chronicals/data; 'none' = no cache)")
+    num_proc: int = _f(0, "processes that tokenize the data the first time (0 = auto: 1 below 20,000 records, else "
+                          "min(8, cpus)); each holds a share of the records in memory")
 
     def __post_init__(self):
         _check_finite(self)
         _check(8 <= self.max_seq_len <= MAX_ROW_TOKENS, "data.max_seq_len", self.max_seq_len,
                f"an integer in [8, {MAX_ROW_TOKENS}] (tokens per packed row)")
         _check(self.batch_size >= 1, "data.batch_size", self.batch_size, "an integer >= 1")
+        _check(self.num_proc >= 0, "data.num_proc", self.num_proc, "an integer >= 0 (0 = auto)")
         _check(self.on_long in ("truncate", "drop"), "data.on_long", self.on_long, "truncate | drop")
         _check(self.dp_remainder in ("train", "drop"), "data.dp_remainder", self.dp_remainder, "train | drop")
         _check(self.on_error in ("fail", "skip"), "data.on_error", self.on_error, "fail | skip")

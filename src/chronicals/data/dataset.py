@@ -10,7 +10,10 @@ import hashlib
 import logging
 import os
 from collections import Counter
+import signal
+import sys
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, fields
 from multiprocessing import get_context
 from pathlib import Path
@@ -28,7 +31,7 @@ PARALLEL_THRESHOLD = 20_000  # records; below this, worker start-up (~1 s) costs
 CHUNK = 1_000
 SAY_READING_BYTES = 256 << 20  # data files this large get a line before they are hashed and read (~18 s)
 # the load_dataset options its messages advise on; a caller whose users set them under other names passes those
-OPTIONS = ("format", "max_seq_len", "loss_on", "on_error", "overlong")
+OPTIONS = ("format", "max_seq_len", "loss_on", "on_error", "overlong", "num_proc")
 LOST_TOKENS_WARN = 0.1  # truncation that cuts this share of the data's tokens is a warning, not an info line
 
 
@@ -164,7 +167,13 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
                 return ds
     per_file = [read_file(f) for f in files]
     records = [r for recs in per_file for r in recs]
-    ds, fmts = _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_error, num_proc)
+    try:
+        ds, fmts = _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_error, num_proc)
+    except BrokenProcessPool:  # a worker killed (the OOM killer, a SIGKILL): the pool cannot finish the set
+        raise DataError(f"a tokenizer worker process died while tokenizing {name} ({len(records)} records; killed by "
+                        "the system, out of memory?); the first tokenization holds every record in memory, so "
+                        f"fewer processes need less: set {names['num_proc']}=1 (or 2), or split the data, and run "
+                        "again") from None
     ds.file_counts = [len(recs) for recs in per_file]
     ds.file_formats = _file_formats(files, ds.file_counts, fmts, names["format"])
     ds.summary = _summary_line(name, files, ds.file_counts, ds.file_formats, format)
@@ -415,8 +424,31 @@ def report_bad_records(count: int, first: list[str], on_error: str, records: int
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer, opts):
-    """Worker processes only: each runs one tokenizer thread (8 workers x N Rust threads oversubscribe)."""
+def _die_with_parent(parent: int) -> None:
+    """Linux: SIGTERM this process when its parent (pid ``parent``) dies (prctl PR_SET_PDEATHSIG); elsewhere
+    nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the call: nobody would send the signal
+        os._exit(1)
+
+
+def _init_worker(tokenizer, opts, parent: int):
+    """Worker processes only: each runs one tokenizer thread (8 workers x N Rust threads oversubscribe).
+
+    Forked from a process whose SIGINT/SIGTERM may raise KeyboardInterrupt (the CLI's handler): a worker caught
+    the pool's SIGTERM that stops the survivors of a killed worker and blocked again, so the run hung for ever (a
+    concurrency walk). SIGTERM kills a worker, Ctrl-C is the parent's to handle, and a worker dies with its parent
+    (a SIGKILLed run left them running)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent(parent)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER.update(tokenizer=tokenizer, **opts)
 
@@ -464,7 +496,7 @@ def _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_err
     else:
         log.info("data: tokenizing %d records in %d processes", len(records), num_proc)
         with ProcessPoolExecutor(num_proc, mp_context=get_context("fork"), initializer=_init_worker,
-                                 initargs=(tokenizer, opts)) as pool:
+                                 initargs=(tokenizer, opts, os.getpid())) as pool:
             for c, r in zip(chunks, pool.map(_encode_chunk, chunks)):
                 results.append(r)
                 bar.update(len(c))

@@ -261,13 +261,14 @@ def _warn_rows_left_out(loader, d) -> None:
 
 # load_dataset's options as this config names them, so its advice reads "set data.on_long=truncate"
 DATA_OPTION_KEYS = {"format": "data.format", "max_seq_len": "data.max_seq_len", "loss_on": "data.train_on",
-                    "on_error": "data.on_error", "overlong": "data.on_long"}
+                    "on_error": "data.on_error", "overlong": "data.on_long", "num_proc": "data.num_proc"}
 
 
 def _dataset_options(d, option_names: dict[str, str] = DATA_OPTION_KEYS) -> dict:
     """load_dataset's options from a DataSection ``d``, its advice worded in ``option_names`` (the config's keys)."""
     return dict(format=d.format, max_seq_len=d.max_seq_len, loss_on=d.train_on, on_error=d.on_error,
-                overlong=d.on_long, cache_dir=tokenization_cache_dir(d.cache_dir), option_names=option_names)
+                overlong=d.on_long, cache_dir=tokenization_cache_dir(d.cache_dir), num_proc=d.num_proc or None,
+                option_names=option_names)
 
 
 def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path, rank: int = 0, world_size: int = 1):

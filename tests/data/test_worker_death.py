@@ -1,0 +1,67 @@
+"""A tokenizer worker process killed (the kernel's OOM killer, a SIGKILL) while the data is tokenized in processes:
+`chronicals train` hung for ever, holding its out_dir lock. The workers inherited the CLI's SIGINT/SIGTERM handler
+(raise KeyboardInterrupt), so the pool's SIGTERM to the survivors was caught and they blocked again (a concurrency
+walk). Now the run ends with one DataError naming data.num_proc, and a worker dies with its parent."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+SCRIPT = textwrap.dedent("""
+    import json, os, signal, sys
+    sys.path.insert(0, {tests!r})
+    import chronicals.data.dataset as dsmod
+    from chronicals.data import DataError, load_dataset
+    from smollm2_tokenizer import smollm2_tokenizer
+
+    def on_signal(signum, frame):  # what chronicals.cli installs
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    real = dsmod._encode_chunk
+    def encode(records):
+        if records[0].data.get("text") == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(records)
+    dsmod._encode_chunk = encode  # the forked workers look it up here
+    path = {path!r}
+    with open(path, "w") as f:
+        for i in range(3 * dsmod.CHUNK):
+            f.write(json.dumps({{"text": "die" if i == dsmod.CHUNK else f"record {{i}}"}}) + "\\n")
+    try:
+        load_dataset(path, smollm2_tokenizer(), max_seq_len=32, num_proc=2,
+                     option_names={{"num_proc": "data.num_proc"}})
+    except DataError as e:
+        print("DataError:", e)
+""")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork and SIGKILL semantics of Linux")
+def test_a_killed_tokenizer_worker_ends_the_load_with_one_error(tmp_path):
+    script = SCRIPT.format(tests=str(HERE.parent), path=str(tmp_path / "d.jsonl"))
+    try:
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("load_dataset hung after a tokenizer worker was killed")
+    said = out.stdout + out.stderr
+    assert out.returncode == 0 and "DataError: a tokenizer worker process died" in said, said
+    assert "data.num_proc=1" in said, said
+
+
+def test_data_num_proc_reaches_the_tokenizer():
+    """data.num_proc (train) and --num-proc (eval) choose the processes: the fix the error above names."""
+    from chronicals.cli_eval import _DATA_FLAGS, _as_flags
+    from chronicals.config import ConfigError, from_dict
+    from chronicals.train.setup import _dataset_options
+
+    assert _dataset_options(from_dict({"data": {"num_proc": 3}}).data)["num_proc"] == 3
+    assert _dataset_options(from_dict({}).data)["num_proc"] is None  # 0: auto
+    with pytest.raises(ConfigError, match=r"data.num_proc=-1 is invalid: expected an integer >= 0"):
+        from_dict({"data": {"num_proc": -1}})
+    assert "num_proc" in _DATA_FLAGS and _as_flags("set data.num_proc=1") == "set --num-proc=1"
