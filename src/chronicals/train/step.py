@@ -127,11 +127,15 @@ def grad_norm_fp32(params) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate_loss(model, batches, device: torch.device) -> tuple[float, int]:
-    """Mean cross-entropy per loss token over ``batches`` (sum of sums / total count), and the count."""
+def evaluate_loss(model, batches, device: torch.device, stop=None) -> tuple[float | None, int]:
+    """Mean cross-entropy per loss token over ``batches`` (sum of sums / total count), and the count.
+
+    ``stop`` (a callable, optional) is asked before each batch: True abandons the pass -> (None, count so far)."""
     total, n = torch.zeros((), dtype=torch.float64, device=device), 0
     with eval_mode(model):
         for b in batches:
+            if stop is not None and stop():
+                return None, n
             total += batch_loss_sum(model, b, device).double()
             n += int(b.num_loss_tokens)
     return (total / max(n, 1)).item(), n
