@@ -281,3 +281,25 @@ def test_data_parallel_ranks_are_all_refused_when_rank_0_cannot_lock(tmp_path):
     with _hold(tmp_path / "run"):
         mp.spawn(_rank_worker, args=(tmp_path, port), nprocs=2, join=True)
     assert IN_USE in (tmp_path / "rank0").read_text() and IN_USE in (tmp_path / "rank1").read_text()
+
+
+def test_an_out_dir_that_cannot_be_written_names_the_setting_and_the_fix(tmp_path, docs, monkeypatch, capsys):
+    """A finished run's out_dir on a read-only file system (or another user's directory) gave a bare
+    "error: [Errno 30] Read-only file system: '.../.chronicals.lock'" (a concurrency walk)."""
+    import errno
+    import os
+
+    _run(tmp_path, docs, train__max_steps=1)
+    out = tmp_path / "run"
+    real = os.open
+
+    def read_only(path, *a, **k):
+        if str(path).endswith(LOCK_FILE):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "open", read_only)
+    assert main(["train", f"train.out_dir={out}", f"model.path={tmp_path / 'missing'}", "train.max_steps=2"]) == 3
+    err = capsys.readouterr().err
+    assert f"error: train.out_dir={out} cannot be written (Read-only file system" in err, err
+    assert "set train.out_dir to a folder you can write" in err and "Traceback" not in err

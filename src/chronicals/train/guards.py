@@ -286,7 +286,13 @@ def out_dir_lock(out_dir: Path, hold: bool = True):
         return
     path = out_dir / LOCK_FILE
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a read-only file system, another user's directory: was a bare "[Errno 30] ..."
+            raise OSError(f"train.out_dir={out_dir} cannot be written ({e.strerror or e}: {path}): a run writes its "
+                          "lock, checkpoints and metrics there; set train.out_dir to a folder you can write (to go on "
+                          "from its checkpoints elsewhere: train.resume=OUT_DIR/checkpoints/step-N "
+                          "train.out_dir=NEW)") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
