@@ -916,3 +916,23 @@ def test_a_stop_signal_during_an_interval_evaluation_checkpoints_without_finishi
     assert forwards[0] == e + 2 + 2  # the evaluation stopped at the batch the signal came in
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("tag") for r in recs if r["kind"] == "eval"] == ["before"]
+
+
+def test_a_rerun_after_a_stop_in_the_closing_evaluation_says_it_finishes_the_run(tmp_path, docs, caplog):
+    """Stopped in its closing evaluation or final save, the rerun completed the run (as the stop's message promised)
+    but warned "nothing to train; ... set train.resume=none to start over" (a concurrency walk)."""
+    import json
+    import shutil
+
+    cfg = tiny_config(tmp_path, train__max_steps=3, train__save_final=True, train__resume="auto")
+    train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs), eval_loader=SyntheticLoader(docs[:4]))
+    run = tmp_path / "run"
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs if r.get("tag") != "after"))
+    shutil.rmtree(run / "model")  # as a stop before the final save leaves it
+    with caplog.at_level("INFO", logger="chronicals.train"):
+        res = train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs), eval_loader=SyntheticLoader(docs[:4]))
+    assert "is this run's last step (3 of 3): the run stopped before its end; finishing it: its closing " \
+           "evaluation, its final model" in caplog.text
+    assert "nothing to train" not in caplog.text and "start over" not in caplog.text
+    assert res.status == "completed" and res.eval_loss_after is not None and (run / "model").is_dir()

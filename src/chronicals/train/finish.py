@@ -43,12 +43,21 @@ def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, token
     run's. A run stopped by a signal during its last step checkpointed that step but never ran its closing
     evaluation: it runs now (its "after" record, the result's held-out losses, the "after" report), as the
     uninterrupted run's end would have. ``closing``: (eval loader, held-out QA records, report callback)."""
-    log.warning("%s is this run's last step (%d of %d): nothing to train; raise train.max_steps to train on, or set "
-                "train.resume=none to start over", checkpoint, total, total)
+    eval_loader, heldout_qa, report = closing
+    closing_due = dp.is_main and eval_loader is not None and ckpt.is_own(checkpoint, out_dir) and not _closed(out_dir,
+                                                                                                              total)
+    final = final_dir(cfg, out_dir)
+    left = (["its closing evaluation"] if closing_due else []) + (
+        [f"its final {final.name}"] if cfg.train.save_final and dp.is_main and not final.is_dir() else [])
+    if left:  # a stop in the closing evaluation or the final save: this rerun completes the run, as the stop said
+        log.info("%s is this run's last step (%d of %d): the run stopped before its end; finishing it: %s",
+                 checkpoint, total, total, ", ".join(left))
+    else:
+        log.warning("%s is this run's last step (%d of %d): nothing to train; raise train.max_steps to train on, or "
+                    "set train.resume=none to start over", checkpoint, total, total)
     result = TrainResult(status="completed", step=total, total_steps=total, out_dir=out_dir, checkpoint=checkpoint,
                          start_step=total)
-    eval_loader, heldout_qa, report = closing
-    if dp.is_main and eval_loader is not None and ckpt.is_own(checkpoint, out_dir) and not _closed(out_dir, total):
+    if closing_due:
         metrics = MetricsLog(out_dir, cfg.logging.tensorboard, total)  # out_dir's records up to its last step
         result.eval_loss_before = next((r.get("eval_loss") for r in metrics.records
                                         if r.get("kind") == "eval" and r.get("tag") == "before"), None)
