@@ -549,3 +549,22 @@ def test_a_run_directory_given_as_the_model_names_its_model_or_adapter(tmp_path)
     with pytest.raises(FileNotFoundError,
                        match=rf"needs one; {run} holds one in its model folder: pass {run / 'model'}"):
         load_model(run)
+
+
+def test_a_pruned_checkpoint_and_a_run_without_its_adapter_yet_say_what_to_pass(run, tmp_path, capsys):
+    """Pointed at a live run: a checkpoint that keep_last pruning removed was described as a PEFT adapter ("an
+    adapter is the directory holding adapter_config.json"), and a run directory still training (checkpoints, no
+    adapter/ yet) did not point at its checkpoints (a concurrency walk)."""
+    import shutil
+
+    gone = run / "checkpoints" / "step-000000"  # as keep_last pruning leaves a path read a moment before
+    assert main(["export", "--no-merge", "--adapter", str(gone), "--out", str(tmp_path / "o")]) == 3
+    err = capsys.readouterr().err
+    assert f"{gone}: no such checkpoint; a run keeps only its newest train.keep_last checkpoints; the newest there " \
+           f"now: {run / 'checkpoints' / 'step-000002'}" in err, err
+    live = tmp_path / "live"
+    shutil.copytree(run / "checkpoints", live / "checkpoints")
+    assert main(["export", "--no-merge", "--adapter", str(live), "--out", str(tmp_path / "o")]) == 3
+    err = capsys.readouterr().err
+    assert f"holds a run's training checkpoints: pass one, e.g. {live / 'checkpoints' / 'step-000002'}" in err, err
+    assert not (tmp_path / "o").exists()

@@ -116,6 +116,12 @@ def read_adapter_config(adapter_dir) -> dict:
         raise ValueError(f"{adapter_dir}: is a file; an adapter is the directory holding {CONFIG_NAME} and "
                          f"{WEIGHTS_NAME} (pass {adapter_dir.parent})")
     if not adapter_dir.exists():  # "nosuchdir/adapter_config.json: not found" hid the typo in the directory
+        if adapter_dir.parent.name == "checkpoints" and adapter_dir.name.startswith("step-"):
+            # a running train's keep_last pruning removed it (a concurrency walk: it was described as a PEFT adapter)
+            kept = sorted(p.parent for p in adapter_dir.parent.glob("step-*/state.pt"))
+            now = f"; the newest there now: {kept[-1]}" if kept else ""
+            raise FileNotFoundError(f"{adapter_dir}: no such checkpoint; a run keeps only its newest train.keep_last "
+                                    f"checkpoints{now} (copy one elsewhere before using it while its run trains)")
         raise FileNotFoundError(f"{adapter_dir}: no such directory; an adapter is the directory holding {CONFIG_NAME} "
                                 f"and {WEIGHTS_NAME} (e.g. runs/demo/adapter)")
     path = adapter_dir / CONFIG_NAME
@@ -125,7 +131,8 @@ def read_adapter_config(adapter_dir) -> dict:
     elif (adapter_dir / "config.json").is_file():  # --adapter of a merged or full fine-tuned model
         missing = ("this is a model directory (config.json), not a LoRA adapter: pass it as --model (chat, eval, export), "
                    "without --adapter (export --model writes it out again; there is no adapter to merge)")
-    elif steps := sorted(adapter_dir.glob("step-*/state.pt")):  # --adapter runs/x/checkpoints
+    elif steps := sorted(adapter_dir.glob("step-*/state.pt")) or sorted(adapter_dir.glob("checkpoints/step-*/state.pt")):
+        # --adapter runs/x/checkpoints, or runs/x of a run with no adapter yet (still training)
         missing += (f"; {adapter_dir} holds a run's training checkpoints: pass one, e.g. {steps[-1].parent} (a LoRA "
                     "run's as --adapter, a full fine-tuning run's as --model; in Python, "
                     "chronicals.train.apply_checkpoint_adapter(model, path) or load_checkpoint_model(path))")
