@@ -248,3 +248,14 @@ def test_an_edited_files_older_entry_is_removed_when_the_new_one_is_written(toke
     # the copy's entry was the edited file's old one: its next load tokenizes again, and keeps the new entry
     load_dataset(copy, tokenizer, max_seq_len=64, cache_dir=cache)
     assert len(_entries(cache)) == 3
+
+
+def test_a_cache_entry_is_readable_by_others(tokenizer, tmp_path):
+    """Entries were mkdtemp's 0700: in a cache shared by a team the others re-tokenized, then warned they could not
+    write the entry (a concurrency walk). Readable like the GGUF cache's."""
+    import stat
+
+    cache = tmp_path / "cache"
+    load_dataset(write_jsonl(tmp_path / "d.jsonl", [{"text": "a b"}]), tokenizer, max_seq_len=64, cache_dir=cache)
+    (entry,) = [d for d in cache.iterdir() if not d.name.startswith(".")]
+    assert stat.S_IMODE(entry.stat().st_mode) & 0o055 == 0o055

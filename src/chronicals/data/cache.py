@@ -165,6 +165,7 @@ def save(path: Path, ids, trainable, offsets, meta: dict) -> None:
     try:
         _remove_dead_writes(path.parent)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 kept a cache shared by a team unreadable to the others (a walk)
         if fcntl is not None:
             lock = os.open(tmp / WRITER_LOCK, os.O_CREAT | os.O_RDWR, 0o644)
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh directory: nobody else holds it
