@@ -65,7 +65,7 @@ def cmd_eval(argv: list[str]) -> int:
                    help="malformed records: stop at the first, naming it (default), or skip and count them")
     p.add_argument("--cache-dir", default=d.cache_dir, help="tokenization cache ('' = the default, none = no cache)")
     p.add_argument("--num-proc", type=int, default=d.num_proc,
-                   help="processes that tokenize DATA (0 = auto: 1 below 20,000 records, else min(8, cpus))")
+                   help="processes that tokenize DATA (0 = auto: 1 below 8 MB of files, else min(8, cpus))")
     p.add_argument("--qa-limit", type=int, default=e.qa_limit, help="questions to answer (0 = all, the default)")
     p.add_argument("--max-new-tokens", type=int, default=e.max_new_tokens,
                    help="tokens generated per answer (default: %(default)s, as train's eval.max_new_tokens)")

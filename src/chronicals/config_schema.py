@@ -187,7 +187,7 @@ class DataSection:
     train_on: str = _f("assistant", "which tokens carry loss: assistant (completion/output) | all")
     cache_dir: str = _f("", "tokenization cache directory ('' = $CHRONICALS_CACHE/data, default "
                             "~/.cache/chronicals/data; 'none' = no cache)")
-    num_proc: int = _f(0, "processes that tokenize the data the first time (0 = auto: 1 below 20,000 records, else "
+    num_proc: int = _f(0, "processes that tokenize the data the first time (0 = auto: 1 below 8 MB of data files, else "
                           "min(8, cpus)); each holds a share of the records in memory")
 
     def __post_init__(self):

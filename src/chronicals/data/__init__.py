@@ -21,7 +21,7 @@ The API the trainer codes against::
         overlong="truncate",          # "truncate" | "drop" examples longer than max_seq_len (counted)
         cache_dir=None,               # tokenization cache (keyed by file contents, tokenizer, settings);
                                       # a damaged entry is logged and rebuilt (data/cache.py)
-        num_proc=None,                # worker processes; None: 1 below 20,000 records, else min(8, cpus)
+        num_proc=None,                # worker processes; None: 1 below 8 MB of files, else min(8, cpus)
         name="the dataset",           # which set, in whole-set errors and the log ("the held-out set")
     )  # -> TokenizedDataset; logs one line of files read and formats found (ds.summary)
     len(ds); ds[i] -> (ids (L,) int32, trainable (L,) bool)   # trainable: loss on predicting the token

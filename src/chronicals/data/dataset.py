@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections import Counter
+from collections import Counter, deque
 import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -23,11 +23,12 @@ from tqdm.auto import tqdm
 
 from . import cache as cache_mod
 from .formats import FORMATS, FormatError, detect_format, empty_target, to_example
-from .readers import DataError, Record, read_file, resolve_files
+from .readers import DataError, Record, iter_records, resolve_files
 from .tokenize import appends_eos, check_tokenizer, encode, has_generation_markers, turn_end_ids, unclosed_replies
 
 log = logging.getLogger("chronicals.data")
-PARALLEL_THRESHOLD = 20_000  # records; below this, worker start-up (~1 s) costs more than it saves
+PARALLEL_BYTES = 8 << 20  # data files below this (~25,000 short chats) tokenize in one process: worker start-up
+# (~1 s) costs more than it saves
 CHUNK = 1_000
 SAY_READING_BYTES = 256 << 20  # data files this large get a line before they are hashed and read (~18 s)
 # the load_dataset options its messages advise on; a caller whose users set them under other names passes those
@@ -165,17 +166,15 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
                 _warn_across(ds.stats, files, name)
                 _warn_no_eos(ds.file_formats, tokenizer, files, name)
                 return ds
-    per_file = [read_file(f) for f in files]
-    records = [r for recs in per_file for r in recs]
     try:
-        ds, fmts = _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_error, num_proc)
+        ds, fmts, counts, reached = _tokenize(files, tokenizer, format, max_seq_len, loss_on, overlong, on_error,
+                                              num_proc)
     except BrokenProcessPool:  # a worker killed (the OOM killer, a SIGKILL): the pool cannot finish the set
-        raise DataError(f"a tokenizer worker process died while tokenizing {name} ({len(records)} records; killed by "
-                        "the system, out of memory?); the first tokenization holds every record in memory, so "
-                        f"fewer processes need less: set {names['num_proc']}=1 (or 2), or split the data, and run "
-                        "again") from None
-    ds.file_counts = [len(recs) for recs in per_file]
-    ds.file_formats = _file_formats(files, ds.file_counts, fmts, names["format"])
+        raise DataError(f"a tokenizer worker process died while tokenizing {name} (killed by the system, out of "
+                        f"memory?); each holds its share of the records: set {names['num_proc']}=1 (or 2), or split "
+                        "the data, and run again") from None
+    ds.file_counts = counts
+    ds.file_formats = _file_formats(files, counts, fmts, names["format"], reached)
     ds.summary = _summary_line(name, files, ds.file_counts, ds.file_formats, format)
     log.info("data: %s", ds.summary)
     _note_alpaca_prompt(ds.file_formats, tokenizer, name)
@@ -222,13 +221,15 @@ def _note_alpaca_prompt(descs: list[str], tokenizer, name: str) -> None:
                  "as a chat", name)
 
 
-def _file_formats(files, counts: list[int], fmts: list, format_name: str = "format") -> list[str]:
+def _file_formats(files, counts: list[int], fmts: list, format_name: str = "format",
+                  reached: int | None = None) -> list[str]:
     """Per file, the format of its records ("chat", "mixed: 3 chat, 1 text", "no readable records"). A file
-    whose records have different formats gets a warning: often a typo'd field read as another format."""
+    whose records have different formats gets a warning: often a typo'd field read as another format. Files from
+    index ``reached`` on were not read (on_error=fail stopped at a bad record in an earlier one)."""
     out, at = [], 0
-    for f, n in zip(files, counts):
+    for k, (f, n) in enumerate(zip(files, counts)):
         c = Counter(x for x in fmts[at:at + n] if x)
-        unread = n and fmts[at] is False  # on_error=fail stopped at a bad record in an earlier file
+        unread = reached is not None and k >= reached
         at += n
         desc = next(iter(c)) if len(c) == 1 else "mixed: " + ", ".join(f"{n} {k}" for k, n in c.most_common())
         desc = desc if c else "not read (stopped at a bad record before it)" if unread else "no readable records"
@@ -478,80 +479,143 @@ def _encode_chunk(records: list[Record]):
     return out
 
 
-def _tokenize(records, tokenizer, format, max_seq_len, loss_on, overlong, on_error, num_proc) -> TokenizedDataset:
+def _chunks(files):
+    """(file index, up to CHUNK records) over ``files`` in order, made as they are taken (a chunk never spans two
+    files): the records are never all in memory at once."""
+    for i, f in enumerate(files):
+        chunk = []
+        for rec in iter_records(f):
+            chunk.append(rec)
+            if len(chunk) == CHUNK:
+                yield i, chunk
+                chunk = []
+        if chunk:
+            yield i, chunk
+
+
+def _encoded(files, num_proc: int, tokenizer, opts):
+    """((file index, chunk), its _encode_chunk results) in order; in ``num_proc`` worker processes with at most
+    2 x num_proc chunks in flight (Executor.map would read and submit every record at once)."""
+    chunks = _chunks(files)
+    if num_proc <= 1:
+        _WORKER.update(tokenizer=tokenizer, **opts)  # not _init_worker: keep this process's tokenizer threads
+        for item in chunks:
+            yield item, _encode_chunk(item[1])
+        return
+    with ProcessPoolExecutor(num_proc, mp_context=get_context("fork"), initializer=_init_worker,
+                             initargs=(tokenizer, opts, os.getpid())) as pool:
+        pending = deque()
+        try:
+            for item in chunks:
+                pending.append((item, pool.submit(_encode_chunk, item[1])))
+                if len(pending) >= 2 * num_proc:
+                    done, fut = pending.popleft()
+                    yield done, fut.result()
+            while pending:
+                done, fut = pending.popleft()
+                yield done, fut.result()
+        finally:
+            for _, fut in pending:  # stopped early (a bad record under on_error=fail, Ctrl-C)
+                fut.cancel()
+
+
+class _Fold:
+    """The kept documents and the stats, one encoded record at a time; ids and masks joined per chunk."""
+
+    def __init__(self, max_seq_len: int, overlong: str, loss_on: str, on_error: str):
+        self.max_seq_len, self.overlong, self.loss_on, self.on_error = max_seq_len, overlong, loss_on, on_error
+        self.stats = DatasetStats()
+        self.ids, self.masks, self.lengths, self.fmts = [], [], [], []
+
+    def add(self, records, results) -> bool:
+        """Fold one chunk in; False: on_error=fail met a bad record (stop reading)."""
+        stats, max_seq_len = self.stats, self.max_seq_len
+        ids_list, mask_list = [], []
+        go_on = True
+        for rec, (ids, mask, fmt, empty, (runs, unclosed, across)) in zip(records, results):
+            stats.records += 1
+            self.fmts.append(fmt)
+            if ids is None:
+                stats.skipped_errors += 1
+                if len(stats.first_errors) < 10:
+                    stats.first_errors.append(mask)
+                if self.on_error == "fail":
+                    go_on = False
+                    break
+                continue
+            cut = len(ids) > max_seq_len
+            if cut:
+                if self.overlong == "drop":
+                    stats.dropped_overlong += 1
+                    continue
+                cut_tokens = len(ids) - max_seq_len
+                ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+                stats.truncated += 1
+            n_loss = int(mask[1:].sum())  # the first token is never a target
+            if n_loss == 0:
+                stats.dropped_no_loss += 1
+                stats.truncated_no_loss += cut
+                if not cut:
+                    stats.first_no_loss = stats.first_no_loss or rec.where
+                    stats.empty_no_loss += empty
+                continue
+            if empty and self.loss_on == "assistant":
+                stats.empty_targets += 1
+                stats.first_empty_target = stats.first_empty_target or rec.where
+            stats.replies += runs  # counted before truncation: a reply cut off at max_seq_len is reported as truncated
+            if unclosed:
+                stats.unclosed_replies += unclosed
+                stats.unclosed_examples += 1
+                stats.first_unclosed = stats.first_unclosed or rec.where
+            if across:
+                stats.across_boundary += 1
+                stats.first_across = stats.first_across or rec.where
+            if cut:
+                stats.truncated_tokens += cut_tokens
+            ids_list.append(ids)
+            mask_list.append(mask)
+            self.lengths.append(len(ids))
+            stats.loss_tokens += n_loss
+        if ids_list:  # one array per chunk: per-record arrays cost ~100 bytes each beyond their tokens
+            self.ids.append(np.concatenate(ids_list).astype(np.int32, copy=False))
+            self.masks.append(np.concatenate(mask_list))
+        return go_on
+
+
+def _tokenize(files, tokenizer, format, max_seq_len, loss_on, overlong, on_error,
+              num_proc) -> tuple[TokenizedDataset, list, list[int], int]:
+    """-> (dataset, each read record's format (None: bad), records read per file, files reached): under
+    on_error=fail the reading stops at the first bad record, and the files after it are not reached."""
     opts = {"format": format, "loss_on": loss_on, "markers": has_generation_markers(tokenizer),
             "own_eos": appends_eos(tokenizer), "end_ids": turn_end_ids(tokenizer),
             "has_template": getattr(tokenizer, "chat_template", None) is not None}
     if num_proc is None:
-        num_proc = 1 if len(records) < PARALLEL_THRESHOLD else min(8, os.cpu_count() or 1)
-    chunks = [records[i:i + CHUNK] for i in range(0, len(records), CHUNK)]
+        size = sum(f.stat().st_size for f in files)
+        num_proc = 1 if size < PARALLEL_BYTES else min(8, os.cpu_count() or 1)
+    if num_proc > 1:
+        log.info("data: tokenizing in %d processes", num_proc)
     # drawn once tokenizing has taken 2 s, whatever the record count (19,999 long records ran a minute unseen)
-    bar = tqdm(total=len(records), desc="tokenizing", unit="ex", delay=2)
-    results = []
-    if num_proc <= 1 or len(chunks) <= 1:
-        _WORKER.update(tokenizer=tokenizer, **opts)  # not _init_worker: keep this process's tokenizer threads
-        for c in chunks:
-            results.append(_encode_chunk(c))
-            bar.update(len(c))
-    else:
-        log.info("data: tokenizing %d records in %d processes", len(records), num_proc)
-        with ProcessPoolExecutor(num_proc, mp_context=get_context("fork"), initializer=_init_worker,
-                                 initargs=(tokenizer, opts, os.getpid())) as pool:
-            for c, r in zip(chunks, pool.map(_encode_chunk, chunks)):
-                results.append(r)
-                bar.update(len(c))
-    bar.close()
-    stats = DatasetStats(records=len(records))
-    ids_list, mask_list, lengths, fmts = [], [], [], []
-    for rec, (ids, mask, fmt, empty, (runs, unclosed, across)) in zip(records, (x for r in results for x in r)):
-        fmts.append(fmt)
-        if ids is None:
-            stats.skipped_errors += 1
-            if len(stats.first_errors) < 10:
-                stats.first_errors.append(mask)
-            if on_error == "fail":
+    bar = tqdm(desc="tokenizing", unit="ex", delay=2)
+    fold, counts, reached = _Fold(max_seq_len, overlong, loss_on, on_error), [0] * len(files), 0
+    try:
+        for (i, records), results in _encoded(files, num_proc, tokenizer, opts):
+            reached = i + 1
+            counts[i] += len(records)
+            bar.update(len(records))
+            if not fold.add(records, results):
                 break
-            continue
-        cut = len(ids) > max_seq_len
-        if cut:
-            if overlong == "drop":
-                stats.dropped_overlong += 1
-                continue
-            cut_tokens = len(ids) - max_seq_len
-            ids, mask = ids[:max_seq_len], mask[:max_seq_len]
-            stats.truncated += 1
-        n_loss = int(mask[1:].sum())  # the first token is never a target
-        if n_loss == 0:
-            stats.dropped_no_loss += 1
-            stats.truncated_no_loss += cut
-            if not cut:
-                stats.first_no_loss = stats.first_no_loss or rec.where
-                stats.empty_no_loss += empty
-            continue
-        if empty and loss_on == "assistant":
-            stats.empty_targets += 1
-            stats.first_empty_target = stats.first_empty_target or rec.where
-        stats.replies += runs  # counted before truncation: a reply cut off at max_seq_len is reported as truncated
-        if unclosed:
-            stats.unclosed_replies += unclosed
-            stats.unclosed_examples += 1
-            stats.first_unclosed = stats.first_unclosed or rec.where
-        if across:
-            stats.across_boundary += 1
-            stats.first_across = stats.first_across or rec.where
-        if cut:
-            stats.truncated_tokens += cut_tokens
-        ids_list.append(ids)
-        mask_list.append(mask)
-        lengths.append(len(ids))
-        stats.loss_tokens += n_loss
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    stats.documents, stats.tokens = len(lengths), int(offsets[-1])
-    ids = np.concatenate(ids_list) if ids_list else np.zeros(0, np.int32)
-    mask = np.concatenate(mask_list) if mask_list else np.zeros(0, bool)
-    fmts += [False] * (len(records) - len(fmts))  # not read: on_error=fail stopped early (and raises in _finish)
-    return TokenizedDataset(ids.astype(np.int32), mask, offsets, _pad_id(tokenizer), stats, max_seq_len), fmts
+        else:
+            reached = len(files)
+    finally:
+        bar.close()
+    stats = fold.stats
+    offsets = np.zeros(len(fold.lengths) + 1, dtype=np.int64)
+    np.cumsum(fold.lengths, out=offsets[1:])
+    stats.documents, stats.tokens = len(fold.lengths), int(offsets[-1])
+    ids = np.concatenate(fold.ids) if fold.ids else np.zeros(0, np.int32)
+    mask = np.concatenate(fold.masks) if fold.masks else np.zeros(0, bool)
+    ds = TokenizedDataset(ids.astype(np.int32, copy=False), mask, offsets, _pad_id(tokenizer), stats, max_seq_len)
+    return ds, fold.fmts, counts, reached
 
 
 def _pad_id(tokenizer) -> int:

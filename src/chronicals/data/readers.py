@@ -17,6 +17,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from .._jsonio import BIG_NUMBER, NESTED, read_json_object  # NESTED: a record that deep is not training data
 from .formats import FormatError, detect_format
@@ -187,6 +188,12 @@ def file_digest(path: Path) -> str:
 
 def read_file(path: Path) -> list[Record]:
     """All records of one file, in order. Text files are UTF-8, a leading byte-order mark is ignored."""
+    return list(iter_records(path))
+
+
+def iter_records(path: Path) -> Iterator[Record]:
+    """The records of one file, in order, as ``read_file``'s; a JSON-lines file's are made as they are taken (its
+    bytes are read whole, its records not held: as a list they took ~5x the file's size in memory)."""
     kind = path.suffix.lower()
     if kind in (".jsonl", ".json", ".csv"):
         with open(path, "rb") as f:
@@ -195,12 +202,12 @@ def read_file(path: Path) -> list[Record]:
             raise DataError(f"{path}: UTF-16 (it starts with a UTF-16 byte-order mark), expected UTF-8; re-encode "
                             "it: iconv -f utf-16 -t utf-8 FILE > NEW (PowerShell: Out-File -Encoding utf8)")
     if kind == ".jsonl":
-        return _read_jsonl(path, path.read_bytes())
+        return _iter_jsonl(path, path.read_bytes())
     if kind == ".json":
-        return _read_json(path)
+        return iter(_read_json(path))
     if kind == ".csv":
-        return _read_csv(path)
-    return _read_arrow(path)  # .parquet, .arrow
+        return iter(_read_csv(path))
+    return iter(_read_arrow(path))  # .parquet, .arrow
 
 
 def _not_utf8(e: UnicodeDecodeError, offset: int) -> str:
@@ -219,21 +226,29 @@ def _decode(path: Path, data: bytes) -> str:
 
 
 def _read_jsonl(path: Path, data: bytes) -> list[Record]:
+    return list(_iter_jsonl(path, data))
+
+
+def _iter_jsonl(path: Path, data: bytes) -> Iterator[Record]:
     """JSON lines from the file's bytes; each line is decoded alone, so a line that is not UTF-8 is one bad
     record (skipped and counted under on_error=skip) rather than the whole file."""
-    out = []
     offset = 3 if data.startswith(codecs.BOM_UTF8) else 0
     _refuse_spread_json(path, data[offset:])
     # split on "\n" only: str.splitlines also breaks at U+2028, U+2029 and U+0085, which JSON allows
     # unescaped inside strings (json.dumps(..., ensure_ascii=False) writes them raw); "\r" is JSON whitespace.
-    # b"\n" never occurs inside a multi-byte UTF-8 sequence, so splitting the bytes is safe.
-    for i, raw in enumerate(data[offset:].split(b"\n"), 1):
+    # b"\n" never occurs inside a multi-byte UTF-8 sequence, so splitting the bytes is safe. One line at a time:
+    # data.split() held a second copy of the file.
+    i = 0
+    while offset <= len(data):
+        end = data.find(b"\n", offset)
+        end = len(data) if end < 0 else end
+        raw, i = data[offset:end], i + 1
         where = f"{path}:{i}"
-        start, offset = offset, offset + len(raw) + 1
+        start, offset = offset, end + 1
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            out.append(Record(where, None, _not_utf8(e, start)))
+            yield Record(where, None, _not_utf8(e, start))
             continue
         if not line.strip():
             continue
@@ -242,20 +257,19 @@ def _read_jsonl(path: Path, data: bytes) -> list[Record]:
         except json.JSONDecodeError as e:
             cr = ("; the lines end in a bare carriage return ('\\r'), not '\\n': convert them "
                   "(tr '\\r' '\\n' < FILE > NEW)" if "\r" in line.strip() and e.msg == "Extra data" else "")
-            out.append(Record(where, None, f"invalid JSON ({e.msg} at column {e.colno}); "
-                                           f"expected one JSON object per line{cr}"))
+            yield Record(where, None, f"invalid JSON ({e.msg} at column {e.colno}); "
+                                      f"expected one JSON object per line{cr}")
             continue
         except RecursionError:
-            out.append(Record(where, None, f"{NESTED}; expected one JSON object per line"))
+            yield Record(where, None, f"{NESTED}; expected one JSON object per line")
             continue
         except ValueError:
-            out.append(Record(where, None, f"{BIG_NUMBER}; expected one JSON object per line"))
+            yield Record(where, None, f"{BIG_NUMBER}; expected one JSON object per line")
             continue
         if not isinstance(obj, dict):
-            out.append(Record(where, None, f"a JSON {type(obj).__name__}, expected a JSON object per line"))
+            yield Record(where, None, f"a JSON {type(obj).__name__}, expected a JSON object per line")
             continue
-        out.append(Record(where, obj))
-    return out
+        yield Record(where, obj)
 
 
 def _refuse_spread_json(path: Path, data: bytes) -> None:
