@@ -207,7 +207,7 @@ def iter_records(path: Path) -> Iterator[Record]:
         return iter(_read_json(path))
     if kind == ".csv":
         return iter(_read_csv(path))
-    return iter(_read_arrow(path))  # .parquet, .arrow
+    return _iter_arrow(path)  # .parquet, .arrow
 
 
 def _not_utf8(e: UnicodeDecodeError, offset: int) -> str:
@@ -444,19 +444,38 @@ def pyarrow_modules(path: Path):
 
 
 def _read_arrow(path: Path) -> list[Record]:
+    return list(_iter_arrow(path))
+
+
+def _iter_arrow(path: Path) -> Iterator[Record]:
+    """A .parquet / .arrow file's rows as records, one record batch at a time (the whole table's to_pylist took
+    ~27x the parquet file's size in memory; a data walk at scale)."""
     pa, pq = pyarrow_modules(path)
     kind = path.suffix[1:].lower()
-    try:
+
+    def batches():
         if kind == "parquet":
-            table = pq.read_table(path)
-        else:  # datasets writes the arrow IPC streaming format; plain IPC files are accepted too
+            yield from pq.ParquetFile(path).iter_batches(batch_size=1_000)
+            return
+        with pa.memory_map(str(path)) as src:  # datasets writes the arrow IPC streaming format; files are accepted
             try:
-                with pa.memory_map(str(path)) as src:
-                    table = pa.ipc.open_stream(src).read_all()
-            except pa.ArrowInvalid:
-                with pa.memory_map(str(path)) as src:
-                    table = pa.ipc.open_file(src).read_all()
+                stream = pa.ipc.open_stream(src)
+            except pa.ArrowInvalid:  # not a stream (a damaged stream fails later, below, as damaged)
+                stream = None
+            if stream is not None:
+                yield from stream
+                return
+        with pa.memory_map(str(path)) as src:
+            reader = pa.ipc.open_file(src)
+            for k in range(reader.num_record_batches):
+                yield reader.get_batch(k)
+
+    i = 0
+    try:
+        for batch in batches():
+            for row in batch.to_pylist():
+                i += 1
+                yield Record(f"{path}:row {i}", row)
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: not a readable {kind} file ({type(e).__name__}: {e}); it is damaged or not "
                         f"{kind}: write it again, or remove it from the data") from None
-    return [Record(f"{path}:row {i + 1}", row) for i, row in enumerate(table.to_pylist())]
