@@ -62,3 +62,37 @@ def test_same_size_same_mtime_replaced_file_converts_again(tmp_path, tiny_hf_con
     assert gguf_cache.cache_dir_for(path) != first
     assert gguf_io.cached_gguf_dir(path) != first
 
+
+
+def test_two_loads_of_a_new_gguf_at_once_convert_it_once(tmp_path, tiny_hf_config):
+    """Two processes loading one new GGUF both converted it in full: 2 x the model's size of temporary disk and
+    the CPU time (an 8B file: ~32 GB each; a concurrency walk). The second waits for the first, then reads its
+    conversion. (Two threads stand in for the processes: each opens the lock file itself, and flock locks of
+    separate opens exclude each other.)"""
+    import threading
+    import time
+
+    cfg, model = _tiny(tiny_hf_config, "llama2")
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", cfg, model.state_dict(), quantize=False)
+    calls = []
+
+    def slow_convert(*a, **k):
+        calls.append(1)
+        time.sleep(1.0)  # the second load arrives while this one converts
+        return gguf_io.convert_gguf(*a, **k)
+
+    outs = []
+
+    def load():
+        outs.append(gguf_cache.cached_conversion(path, slow_convert, gguf_io.convert_tokenizer))
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)
+    for t in threads:
+        t.join(60)
+    assert len(outs) == 2 and outs[0] == outs[1] and (outs[0] / "config.json").is_file()
+    assert len(calls) == 1
+    assert not list(outs[0].parent.glob(".*.lock"))  # the lock file goes with the conversion

@@ -23,6 +23,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
@@ -96,6 +97,52 @@ def cached_conversion(gguf_path: str | Path, convert: Callable[..., Path],
     p = Path(gguf_path).resolve()
     st = p.stat()
     out = _entry_dir(p, st)
+    if not (out / "config.json").is_file():
+        with _converting(out):  # a second process waits for the first's conversion, then reads it
+            return _cached_conversion(gguf_path, p, st, out, convert, convert_tokenizer)
+    return _cached_conversion(gguf_path, p, st, out, convert, convert_tokenizer)
+
+
+@contextmanager
+def _converting(out: Path):
+    """An flock on ``.{out.name}.lock`` beside the entry while it is converted: two processes loading one new GGUF
+    both converted it in full (2 x the model's size of temporary disk and the CPU time; a concurrency walk). The
+    kernel drops a killed holder's lock; the small file stays. No lock without fcntl or where the cache is not
+    writable (the conversion then says why)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    lock = out.parent / f".{out.name}.lock"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process converting to %s", out)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a file system without flock: convert unlocked
+            pass
+        yield
+    finally:
+        # removed while held: a process that opened it before then finds the entry once it gets the lock; one that
+        # makes a new file meanwhile finds the entry too (at worst, after a failed conversion, two convert at once,
+        # as without the lock: the second's publish yields to the first's)
+        try:
+            lock.unlink()
+        except OSError:
+            pass
+        os.close(fd)
+
+
+def _cached_conversion(gguf_path, p: Path, st: os.stat_result, out: Path, convert: Callable[..., Path],
+                       convert_tokenizer: Callable[[Path], tuple]) -> Path:
     entry = {"source": str(p), "converter_version": CONVERTER_VERSION, "size": st.st_size,
              "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "ctime_ns": st.st_ctime_ns}
     damage = _damage(out) if (out / "config.json").is_file() else None
