@@ -936,3 +936,21 @@ def test_a_rerun_after_a_stop_in_the_closing_evaluation_says_it_finishes_the_run
            "evaluation, its final model" in caplog.text
     assert "nothing to train" not in caplog.text and "start over" not in caplog.text
     assert res.status == "completed" and res.eval_loss_after is not None and (run / "model").is_dir()
+
+
+def test_a_resume_over_a_before_record_without_its_loss_goes_on(tmp_path, docs):
+    """A "before" evaluation record without eval_loss (a hand-edited or another tool's metrics.jsonl) gives no
+    before-loss on resume, not a KeyError (exit 4; untested: a mutation walk)."""
+    import json
+
+    cfg = tiny_config(tmp_path, train__max_steps=2, train__save_every=1)
+    train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs), eval_loader=SyntheticLoader(docs[:4]))
+    path = tmp_path / "run" / "metrics.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in recs:
+        if r.get("tag") == "before":
+            del r["eval_loss"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    res = train(tiny_config(tmp_path, train__max_steps=3, train__resume="auto"), model=tiny_model(),
+                train_loader=SyntheticLoader(docs), eval_loader=SyntheticLoader(docs[:4]))
+    assert res.status == "completed" and res.start_step == 2 and res.eval_loss_before is None
