@@ -59,8 +59,9 @@ def cmd_eval(argv: list[str]) -> int:
                                                          f"{d.system_prompt!r} for demo, else none, as train asks "
                                                          "its held-out questions beside your own data; given, "
                                                          "it is used as given, '' for none)")
-    p.add_argument("--on-long", default=d.on_long, choices=["truncate", "drop"],
-                   help="examples longer than --max-seq-len: cut to it or left out (default: %(default)s)")
+    p.add_argument("--on-long", default=d.on_long, choices=["truncate", "drop", "split"],
+                   help="examples longer than --max-seq-len: cut to it, left out, or split into documents of it "
+                        "(default: %(default)s)")
     p.add_argument("--on-error", default=d.on_error, choices=["fail", "skip"],
                    help="malformed records: stop at the first, naming it (default), or skip and count them")
     p.add_argument("--cache-dir", default=d.cache_dir, help="tokenization cache ('' = the default, none = no cache)")

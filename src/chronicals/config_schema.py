@@ -182,7 +182,8 @@ class DataSection:
     dp_remainder: str = _f("train", "data parallel, an epoch's last batches that do not make a full round of ranks: "
                                     "train (ranks past the end run an empty batch: no loss, no gradient) | drop "
                                     "(not trained that epoch; what checkpoints from before this setting need)")
-    on_long: str = _f("truncate", "examples longer than max_seq_len: truncate | drop")
+    on_long: str = _f("truncate", "examples longer than max_seq_len: truncate | drop | split (into documents of "
+                                  "max_seq_len, for text corpora: a chat's later pieces lose its earlier turns)")
     on_error: str = _f("fail", "malformed records: fail (with file:line) | skip (and count)")
     train_on: str = _f("assistant", "which tokens carry loss: assistant (completion/output) | all")
     cache_dir: str = _f("", "tokenization cache directory ('' = $CHRONICALS_CACHE/data, default "
@@ -196,7 +197,7 @@ class DataSection:
                f"an integer in [8, {MAX_ROW_TOKENS}] (tokens per packed row)")
         _check(self.batch_size >= 1, "data.batch_size", self.batch_size, "an integer >= 1")
         _check(self.num_proc >= 0, "data.num_proc", self.num_proc, "an integer >= 0 (0 = auto)")
-        _check(self.on_long in ("truncate", "drop"), "data.on_long", self.on_long, "truncate | drop")
+        _check(self.on_long in ("truncate", "drop", "split"), "data.on_long", self.on_long, "truncate | drop | split")
         _check(self.dp_remainder in ("train", "drop"), "data.dp_remainder", self.dp_remainder, "train | drop")
         _check(self.on_error in ("fail", "skip"), "data.on_error", self.on_error, "fail | skip")
         _check(self.train_on in ("assistant", "all"), "data.train_on", self.train_on, "assistant | all")

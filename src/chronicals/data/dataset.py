@@ -44,6 +44,8 @@ class DatasetStats:
     truncated: int = 0  # longer than max_seq_len, cut to it (overlong="truncate")
     truncated_tokens: int = 0  # tokens cut off the kept truncated examples; 0 in older caches
     dropped_overlong: int = 0  # longer than max_seq_len, dropped (overlong="drop")
+    split: int = 0  # longer than max_seq_len, cut into documents of max_seq_len (overlong="split"); 0 in older caches
+    split_pieces: int = 0  # the documents those became (a piece without a target is left out)
     dropped_no_loss: int = 0  # no trainable token left (no assistant turn, or truncated away)
     truncated_no_loss: int = 0  # of those, truncation cut every loss token (also counted in truncated)
     first_no_loss: str = ""  # "file:line" of the first dropped with no loss token that truncation did not cause
@@ -133,7 +135,7 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
     if format not in ("auto",) + FORMATS:
         raise ValueError(f"format={format!r}; expected one of {('auto',) + FORMATS}")
     for key, value, allowed in (("loss_on", loss_on, ("assistant", "all")), ("on_error", on_error, ("fail", "skip")),
-                                 ("overlong", overlong, ("truncate", "drop"))):
+                                 ("overlong", overlong, ("truncate", "drop", "split"))):
         if value not in allowed:
             raise ValueError(f"{key}={value!r}; expected one of {allowed}")
     if max_seq_len < 2:
@@ -321,7 +323,7 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, n: dict[str, s
         log.warning("data: %d examples in %s have an empty assistant reply / output / completion, so only the "
                     "end-of-turn token carries their loss (first: %s); fill them in or remove them",
                     stats.empty_targets, where, stats.first_empty_target)
-    if stats.truncated or stats.dropped_overlong or stats.dropped_no_loss:
+    if stats.truncated or stats.dropped_overlong or stats.dropped_no_loss or stats.split:
         cut = stats.truncated - stats.truncated_no_loss
         # the share of the data's tokens truncation took: 966 long replies of 20,000 lost 81% of a set's tokens
         # while only their count was said, at INFO (a data walk at scale)
@@ -337,13 +339,17 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, n: dict[str, s
         if stats.dropped_overlong:
             parts.append(f"{stats.dropped_overlong} longer than {n['max_seq_len']}={max_seq_len} (dropped, "
                          f"{n['overlong']}=drop)")
+        if stats.split:
+            parts.append(f"{stats.split} longer than {n['max_seq_len']}={max_seq_len} split into {stats.split_pieces} "
+                         f"documents ({n['overlong']}=split)")
         if stats.dropped_no_loss - stats.truncated_no_loss:
             first = f"; first: {stats.first_no_loss}" if stats.first_no_loss else ""  # "" from an older cache
             parts.append(f"{stats.dropped_no_loss - stats.truncated_no_loss} without loss tokens (dropped: no "
                          f"assistant turn / output / completion, or empty text{first})")
         dropped = stats.dropped_no_loss or stats.dropped_overlong or lost >= LOST_TOKENS_WARN
+        kept = stats.documents - stats.split_pieces + stats.split  # records: a split one is several documents
         log.log(logging.WARNING if dropped else logging.INFO, "data: %s: %d of %d records kept; %s", where,
-                stats.documents, stats.records, "; ".join(parts))
+                kept, stats.records, "; ".join(parts))
 
 
 def _warn_unclosed(stats: DatasetStats, tokenizer, n: dict[str, str], files=(), name: str = "the dataset") -> None:
@@ -544,14 +550,22 @@ class _Fold:
                     break
                 continue
             cut = len(ids) > max_seq_len
-            if cut:
+            pieces = None
+            if cut and self.overlong == "split":  # rows of max_seq_len, each its own document; a piece with no
+                # target (a chat's prompt alone, a last single token) trains nothing and is left out
+                pieces = [(ids[k:k + max_seq_len], mask[k:k + max_seq_len]) for k in range(0, len(ids), max_seq_len)]
+                pieces = [(a, m) for a, m in pieces if m[1:].any()]
+                cut = False
+            elif cut:
                 if self.overlong == "drop":
                     stats.dropped_overlong += 1
                     continue
                 cut_tokens = len(ids) - max_seq_len
                 ids, mask = ids[:max_seq_len], mask[:max_seq_len]
                 stats.truncated += 1
-            n_loss = int(mask[1:].sum())  # the first token is never a target
+            if pieces is None:
+                pieces = [(ids, mask)]
+            n_loss = sum(int(m[1:].sum()) for _, m in pieces)  # the first token of a document is never a target
             if n_loss == 0:
                 stats.dropped_no_loss += 1
                 stats.truncated_no_loss += cut
@@ -572,9 +586,13 @@ class _Fold:
                 stats.first_across = stats.first_across or rec.where
             if cut:
                 stats.truncated_tokens += cut_tokens
-            ids_list.append(ids)
-            mask_list.append(mask)
-            self.lengths.append(len(ids))
+            if len(pieces) > 1:
+                stats.split += 1
+                stats.split_pieces += len(pieces)
+            for a, m in pieces:
+                ids_list.append(a)
+                mask_list.append(m)
+                self.lengths.append(len(a))
             stats.loss_tokens += n_loss
         if ids_list:  # one array per chunk: per-record arrays cost ~100 bytes each beyond their tokens
             self.ids.append(np.concatenate(ids_list).astype(np.int32, copy=False))

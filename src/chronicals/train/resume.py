@@ -68,7 +68,7 @@ def apply_optimizer_settings(optimizer, scheduler, fresh: dict, saved_cfg: dict 
 # refusal: a resume under other values went on silently (data.train_on=all took a loss of 0.39 to 3.39)
 LOSS_KEYS = {
     "train_on": "data.train_on: whether only the replies / outputs / completions or every token carries loss",
-    "on_long": "data.on_long: whether examples longer than data.max_seq_len are cut or dropped",
+    "on_long": "data.on_long: whether examples longer than data.max_seq_len are cut, dropped or split",
     "system_prompt": "data.system_prompt: the system message of the demo data and of held-out QA prompts",
 }
 
