@@ -95,6 +95,7 @@ def test_the_tokens_truncation_cuts_are_counted_and_a_large_share_warned(tokeniz
         warned = [m for m in messages(caplog, logging.WARNING) if "truncated to max_seq_len=64" in m]
         assert len(warned) == 1 and f"{full - 64:,} of their tokens cut ({share:.0%} of the data's)" in warned[0], \
             warned
+        assert "raise max_seq_len to keep more of them, or set overlong=split" in warned[0]
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="chronicals.data"):  # a small share: said at INFO
         load_dataset(write(tmp_path / "few.jsonl", [long_reply] + [short] * 400), tokenizer, max_seq_len=120)

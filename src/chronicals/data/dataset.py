@@ -332,7 +332,7 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, n: dict[str, s
                   if stats.truncated_tokens else "")
         parts = [f"{cut} truncated to {n['max_seq_len']}={max_seq_len} (kept{tokens})"] if cut else []
         if lost >= LOST_TOKENS_WARN:
-            parts[-1] += f": raise {n['max_seq_len']} to keep more of them"
+            parts[-1] += f": raise {n['max_seq_len']} to keep more of them, or set {n['overlong']}=split"
         if stats.truncated_no_loss:
             parts.append(f"{stats.truncated_no_loss} truncated to no loss tokens (dropped), their replies start past "
                          f"{n['max_seq_len']}={max_seq_len}: raise {n['max_seq_len']} or shorten the prompts")
