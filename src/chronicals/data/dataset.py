@@ -9,9 +9,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections import Counter, deque
 import signal
 import sys
+from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, fields
@@ -170,7 +170,7 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
                 return ds
     try:
         ds, fmts, counts, reached = _tokenize(files, tokenizer, format, max_seq_len, loss_on, overlong, on_error,
-                                              num_proc)
+                                              num_proc, size)
     except BrokenProcessPool:  # a worker killed (the OOM killer, a SIGKILL): the pool cannot finish the set
         raise DataError(f"a tokenizer worker process died while tokenizing {name} (killed by the system, out of "
                         f"memory?); each holds its share of the records: set {names['num_proc']}=1 (or 2), or split "
@@ -229,9 +229,9 @@ def _file_formats(files, counts: list[int], fmts: list, format_name: str = "form
     whose records have different formats gets a warning: often a typo'd field read as another format. Files from
     index ``reached`` on were not read (on_error=fail stopped at a bad record in an earlier one)."""
     out, at = [], 0
-    for k, (f, n) in enumerate(zip(files, counts)):
+    for index, (f, n) in enumerate(zip(files, counts)):
         c = Counter(x for x in fmts[at:at + n] if x)
-        unread = reached is not None and k >= reached
+        unread = reached is not None and index >= reached
         at += n
         desc = next(iter(c)) if len(c) == 1 else "mixed: " + ", ".join(f"{n} {k}" for k, n in c.most_common())
         desc = desc if c else "not read (stopped at a bad record before it)" if unread else "no readable records"
@@ -600,15 +600,15 @@ class _Fold:
         return go_on
 
 
-def _tokenize(files, tokenizer, format, max_seq_len, loss_on, overlong, on_error,
-              num_proc) -> tuple[TokenizedDataset, list, list[int], int]:
+def _tokenize(files, tokenizer, format, max_seq_len, loss_on, overlong, on_error, num_proc,
+              size: int) -> tuple[TokenizedDataset, list, list[int], int]:
     """-> (dataset, each read record's format (None: bad), records read per file, files reached): under
-    on_error=fail the reading stops at the first bad record, and the files after it are not reached."""
+    on_error=fail the reading stops at the first bad record, and the files after it are not reached. ``size``:
+    the files' bytes (num_proc None: one process below PARALLEL_BYTES)."""
     opts = {"format": format, "loss_on": loss_on, "markers": has_generation_markers(tokenizer),
             "own_eos": appends_eos(tokenizer), "end_ids": turn_end_ids(tokenizer),
             "has_template": getattr(tokenizer, "chat_template", None) is not None}
     if num_proc is None:
-        size = sum(f.stat().st_size for f in files)
         num_proc = 1 if size < PARALLEL_BYTES else min(8, os.cpu_count() or 1)
     if num_proc > 1:
         log.info("data: tokenizing in %d processes", num_proc)

@@ -443,10 +443,6 @@ def pyarrow_modules(path: Path):
     return pa, pq
 
 
-def _read_arrow(path: Path) -> list[Record]:
-    return list(_iter_arrow(path))
-
-
 def _iter_arrow(path: Path) -> Iterator[Record]:
     """A .parquet / .arrow file's rows as records, one record batch at a time (the whole table's to_pylist took
     ~27x the parquet file's size in memory; a data walk at scale)."""

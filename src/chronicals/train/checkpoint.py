@@ -206,10 +206,10 @@ def write_checkpoint(out_dir: str | Path, state: dict, keep_last: int = 2) -> Pa
         os.replace(tmp, final)
         _fsync(root)  # the rename itself
     dirs = _step_dirs(out_dir)  # by step; those older than the kept ones go, and a step-N that lost its state.pt
-    kept = [p for p in dirs if (p / STATE_FILE).is_file()][-keep_last:]  # (a kill mid-removal) wherever it is
-    first = dirs.index(kept[0])
-    for i, old in enumerate(dirs):
-        if old not in kept and (i < first or not (old / STATE_FILE).is_file()):
+    whole = [(p / STATE_FILE).is_file() for p in dirs]  # (a kill mid-removal) wherever it is
+    first = [i for i, w in enumerate(whole) if w][-keep_last:][0]  # the oldest kept
+    for i, (old, w) in enumerate(zip(dirs, whole)):
+        if i < first or not w:
             remove_checkpoint(old)
     return final
 

@@ -44,8 +44,8 @@ def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, token
     evaluation: it runs now (its "after" record, the result's held-out losses, the "after" report), as the
     uninterrupted run's end would have. ``closing``: (eval loader, held-out QA records, report callback)."""
     eval_loader, heldout_qa, report = closing
-    closing_due = dp.is_main and eval_loader is not None and ckpt.is_own(checkpoint, out_dir) and not _closed(out_dir,
-                                                                                                              total)
+    closing_due = (dp.is_main and eval_loader is not None and ckpt.is_own(checkpoint, out_dir)
+                   and not _closed(out_dir, total))
     final = final_dir(cfg, out_dir)
     left = (["its closing evaluation"] if closing_due else []) + (
         [f"its final {final.name}"] if cfg.train.save_final and dp.is_main and not final.is_dir() else [])

@@ -336,6 +336,7 @@ def check_impl(cfg: TrainConfig, device) -> None:
     """model.impl=triton where the Triton kernels cannot run (a CPU run outside Triton's interpreter): a setting
     this machine cannot run, exit status 2 before the model loads, as train.cuda_graphs=true (it was load_model's
     ValueError after the load, exit status 3, "bad input", worded for the Python API)."""
+    from ..ops._impl import check_impl as op_impl
     from ..ops._impl import triton_interpreting
 
     if cfg.model.impl == "triton" and device.type != "cuda" and not triton_interpreting():
@@ -343,8 +344,7 @@ def check_impl(cfg: TrainConfig, device) -> None:
                           f"{cfg.model.device}); use model.impl=auto (Triton on CUDA, the PyTorch reference elsewhere) "
                           "or torch, or set TRITON_INTERPRET=1 to run the kernels in Triton's interpreter (slow)",
                           "model.impl")
-    if cfg.model.loss_vocab_parts > 1 and (cfg.model.impl == "torch"
-                                           or (cfg.model.impl == "auto" and device.type != "cuda")):
+    if cfg.model.loss_vocab_parts > 1 and op_impl("linear_cross_entropy", cfg.model.impl, device) == "torch":
         # the reference head materializes the (N, V) logits and has no parts: the setting was silent there
         where = "with model.impl=torch" if cfg.model.impl == "torch" else f"on {device}"
         log.warning("model.loss_vocab_parts=%d does nothing %s: the PyTorch reference loss head builds the whole "

@@ -14,18 +14,18 @@ from . import checkpoint as ckpt
 log = logging.getLogger("chronicals.train")
 
 
+# how this run's AdamW computes (optim.fused, CUDA graphs' capturable): a checkpoint's groups carried the old run's,
+# so optim.fused=true over a fused=false checkpoint ran the unfused path, which refused the loop's found_inf
+# ("Expected grad_scale and found_inf to be None", exit 4)
+IMPL_KEYS = ("fused", "foreach", "capturable")
+
+
 def optimizer_settings(optimizer, scheduler) -> dict:
     """What this run's config set in the freshly built optimizer and schedule (before a checkpoint's state
     replaces them): per group betas, eps, weight_decay, and the schedule's base learning rates."""
     keys = ("betas", "eps", "weight_decay") + IMPL_KEYS
     return {"groups": [{k: g[k] for k in keys if k in g} for g in optimizer.param_groups],
             "base_lrs": list(scheduler.base_lrs)}
-
-
-# how this run's AdamW computes (optim.fused, CUDA graphs' capturable): a checkpoint's groups carried the old run's,
-# so optim.fused=true over a fused=false checkpoint ran the unfused path, which refused the loop's found_inf
-# ("Expected grad_scale and found_inf to be None", exit 4)
-IMPL_KEYS = ("fused", "foreach", "capturable")
 
 
 def _place_steps(optimizer) -> None:
