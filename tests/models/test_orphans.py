@@ -276,3 +276,52 @@ def test_an_output_name_near_name_max_is_written_replaced_and_its_orphans_found(
     dead = _tmp(tmp_path, f".{'m' * 200}.{'0' * 8}.tmp-4242-0a1b2c3d")  # another target's stem: not ours
     killed = _tmp(tmp_path, f".{fitting_name(out.name, _TEMP_ROOM)}.tmp-4242-0a1b2c3d")
     assert orphans.remove_orphans(tmp_path, _temp_pattern(out.name)) == [killed] and dead.is_dir()
+
+
+@pytest.mark.parametrize("exists", [True, False], ids=["replace", "first-write"])
+def test_two_writers_of_one_output_at_once_both_succeed_and_the_later_wins(tmp_path, monkeypatch, exists):
+    """Two ``export --out SAME`` at once: the second writer's publish waits for the first's two renames (a lock on the
+    parent directory for the few milliseconds of the swap) instead of renaming into the gap between them, which failed
+    one of them with "Directory not empty" or "No such file" (2 of 600 writes in a concurrency walk)."""
+    import threading
+
+    from chronicals.models import hf_io
+
+    out = tmp_path / "model"
+    if exists:
+        _model_dir(out, "old")
+    real, paused, go = hf_io.os.rename, threading.Event(), threading.Event()
+
+    def rename(src, dst):  # writer A stops inside its publish: after it saw whether ``out`` exists, before it is done
+        if not exists:  # a first write is one rename: stop before it
+            pause()
+        real(src, dst)
+        if exists:  # a replace is two: stop between them
+            pause()
+
+    def pause():
+        if threading.current_thread().name == "A" and not paused.is_set():
+            paused.set()
+            go.wait(10)
+
+    monkeypatch.setattr(hf_io.os, "rename", rename)
+    errors = []
+
+    def write(text):
+        try:
+            with hf_io.atomic_dir(out) as tmp:
+                (tmp / "config.json").write_text(text)
+        except BaseException as e:  # noqa: BLE001 -- reported by the assert below
+            errors.append(f"{text}: {e!r}")
+
+    a = threading.Thread(target=write, args=("A",), name="A")
+    a.start()
+    assert paused.wait(10)
+    b = threading.Thread(target=write, args=("B",), name="B")
+    b.start()
+    b.join(0.5)  # B runs its write now; its publish must wait for A's
+    go.set()
+    a.join(10)
+    b.join(10)
+    assert errors == []
+    assert (out / "config.json").read_text() == "B" and _names(tmp_path) == ["model"]

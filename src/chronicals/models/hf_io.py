@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from .._jsonio import fitting_name, json_kind, read_json_object
 from .config import ModelConfig, absent_defaults_note, rope_inv_freq
 from .decoder import CausalLM
-from .orphans import old_path, recover_replaced, remove_orphans, writer_lock
+from .orphans import old_path, publish_lock, recover_replaced, remove_orphans, writer_lock
 
 log = logging.getLogger(__name__)
 
@@ -164,25 +164,31 @@ def _write_then_publish(tmp: Path, out: Path, replace: bool):
             raise OSError(str(e).replace(str(tmp), str(out))) from e
         for f in tmp.rglob("*"):  # some writers create 0600 files; a model directory is world-readable
             os.chmod(f, 0o755 if f.is_dir() else 0o644)
-        if out.exists():
-            if not replace:
-                raise FileExistsError(f"{out} already exists")
-            old = old_path(tmp)  # under tmp's lock: a killed writer's is told from a live one's (recover_replaced)
-            os.rename(out, old)
-            try:
-                os.rename(tmp, out)
-            except BaseException:  # put the previous output back rather than leave none under its name
-                os.rename(old, out)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            try:
-                os.rename(tmp, out)
-            except OSError as e:  # ENOTEMPTY/EEXIST: another writer created it after our check
-                raise FileExistsError(f"{out} appeared while writing it ({e})") from e
+        with publish_lock(out.parent):
+            _publish(tmp, out, replace)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _publish(tmp: Path, out: Path, replace: bool) -> None:
+    """Rename the written ``tmp`` to ``out`` (moving a previous ``out`` aside first), under the parent's lock."""
+    if out.exists():
+        if not replace:
+            raise FileExistsError(f"{out} already exists")
+        old = old_path(tmp)  # under tmp's lock: a killed writer's is told from a live one's (recover_replaced)
+        os.rename(out, old)
+        try:
+            os.rename(tmp, out)
+        except BaseException:  # put the previous output back rather than leave none under its name
+            os.rename(old, out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        try:
+            os.rename(tmp, out)
+        except OSError as e:  # ENOTEMPTY/EEXIST: a writer that takes no lock created it after our check
+            raise FileExistsError(f"{out} appeared while writing it ({e})") from e
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:

@@ -67,6 +67,27 @@ def writer_lock(tmp: Path):
         os.close(fd)
 
 
+@contextmanager
+def publish_lock(parent: Path):
+    """Hold an exclusive lock on directory ``parent`` while the block runs (waiting for other holders): the publish
+    step of ``hf_io.atomic_dir`` (one or two renames, milliseconds), so that a second writer of the same output
+    renames after the first's swap, not into the gap between its two renames (which failed one of two concurrent
+    ``export --out SAME`` with "Directory not empty"). A file system whose directories take no flock (some network
+    ones) publishes unlocked, as before: one of two concurrent writers may then fail, the output stays whole."""
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:  # EBADF/ENOLCK/EINVAL where flock on a directory is not supported
+            log.debug("no lock on %s (%s): publishing unlocked", parent, e)
+        yield
+    finally:
+        os.close(fd)
+
+
 def tree_bytes(path: Path) -> int:
     """Bytes of the files under ``path`` (for the log line: a killed checkpoint write can leave GBs)."""
     total = 0
