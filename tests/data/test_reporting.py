@@ -202,5 +202,12 @@ def test_on_long_split_keeps_every_token_as_documents_of_max_seq_len(tokenizer, 
         in caplog.text
     chat = write(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "word " * 100},
                                                       {"role": "assistant", "content": "ok"}]}])
-    ds = load_dataset(chat, tokenizer, max_seq_len=64, overlong="split")  # the prompt-only pieces train nothing
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="chronicals.data"):  # the prompt-only pieces train nothing: left out
+        ds = load_dataset(chat, tokenizer, max_seq_len=64, overlong="split")
+    n = int(load_dataset(chat, tokenizer, max_seq_len=4096).lengths[0])
     assert len(ds) == 1 and ds.stats.loss_tokens >= 1
+    # split into one trainable piece is still a split, and the prompt tokens it left out are said
+    assert ds.stats.split == 1 and ds.stats.split_pieces == 1 and ds.stats.split_left_tokens == n - ds.lengths[0] > 0
+    assert (f"1 of 1 records kept; 1 longer than max_seq_len=64 split into 1 documents (overlong=split; "
+            f"{n - ds.lengths[0]:,} tokens in pieces without a target left out)") in caplog.text

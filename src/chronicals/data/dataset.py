@@ -46,6 +46,7 @@ class DatasetStats:
     dropped_overlong: int = 0  # longer than max_seq_len, dropped (overlong="drop")
     split: int = 0  # longer than max_seq_len, cut into documents of max_seq_len (overlong="split"); 0 in older caches
     split_pieces: int = 0  # the documents those became (a piece without a target is left out)
+    split_left_tokens: int = 0  # tokens of the pieces left out (a chat's prompt-only pieces); 0 in older caches
     dropped_no_loss: int = 0  # no trainable token left (no assistant turn, or truncated away)
     truncated_no_loss: int = 0  # of those, truncation cut every loss token (also counted in truncated)
     first_no_loss: str = ""  # "file:line" of the first dropped with no loss token that truncation did not cause
@@ -340,8 +341,10 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, n: dict[str, s
             parts.append(f"{stats.dropped_overlong} longer than {n['max_seq_len']}={max_seq_len} (dropped, "
                          f"{n['overlong']}=drop)")
         if stats.split:
+            left = (f"; {stats.split_left_tokens:,} tokens in pieces without a target left out"
+                    if stats.split_left_tokens else "")
             parts.append(f"{stats.split} longer than {n['max_seq_len']}={max_seq_len} split into {stats.split_pieces} "
-                         f"documents ({n['overlong']}=split)")
+                         f"documents ({n['overlong']}=split{left})")
         if stats.dropped_no_loss - stats.truncated_no_loss:
             first = f"; first: {stats.first_no_loss}" if stats.first_no_loss else ""  # "" from an older cache
             parts.append(f"{stats.dropped_no_loss - stats.truncated_no_loss} without loss tokens (dropped: no "
@@ -550,9 +553,9 @@ class _Fold:
                     break
                 continue
             cut = len(ids) > max_seq_len
-            pieces = None
-            if cut and self.overlong == "split":  # rows of max_seq_len, each its own document; a piece with no
-                # target (a chat's prompt alone, a last single token) trains nothing and is left out
+            pieces, split = None, cut and self.overlong == "split"
+            if split:  # rows of max_seq_len, each its own document; a piece with no target (a chat's prompt
+                # alone, a last single token) trains nothing and is left out
                 pieces = [(ids[k:k + max_seq_len], mask[k:k + max_seq_len]) for k in range(0, len(ids), max_seq_len)]
                 pieces = [(a, m) for a, m in pieces if m[1:].any()]
                 cut = False
@@ -586,9 +589,10 @@ class _Fold:
                 stats.first_across = stats.first_across or rec.where
             if cut:
                 stats.truncated_tokens += cut_tokens
-            if len(pieces) > 1:
+            if split:  # also when one piece is left: the tokens of the others are said, as truncation's are
                 stats.split += 1
                 stats.split_pieces += len(pieces)
+                stats.split_left_tokens += len(ids) - sum(len(a) for a, _ in pieces)
             for a, m in pieces:
                 ids_list.append(a)
                 mask_list.append(m)
