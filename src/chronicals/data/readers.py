@@ -17,7 +17,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 from .._jsonio import BIG_NUMBER, NESTED, read_json_object  # NESTED: a record that deep is not training data
 from .formats import FormatError, detect_format
@@ -192,8 +192,9 @@ def read_file(path: Path) -> list[Record]:
 
 
 def iter_records(path: Path) -> Iterator[Record]:
-    """The records of one file, in order, as ``read_file``'s; a JSON-lines file's are made as they are taken (its
-    bytes are read whole, its records not held: as a list they took ~5x the file's size in memory)."""
+    """The records of one file, in order, as ``read_file``'s, made as they are taken: as a list they took ~5x the
+    file's size in memory. JSON lines and CSV are read a line at a time (a 10 GB .jsonl was read whole before its
+    first record); a .json array's text is decoded whole (one JSON value), its records are not held."""
     kind = path.suffix.lower()
     if kind in (".jsonl", ".json", ".csv"):
         with open(path, "rb") as f:
@@ -202,11 +203,11 @@ def iter_records(path: Path) -> Iterator[Record]:
             raise DataError(f"{path}: UTF-16 (it starts with a UTF-16 byte-order mark), expected UTF-8; re-encode "
                             "it: iconv -f utf-16 -t utf-8 FILE > NEW (PowerShell: Out-File -Encoding utf8)")
     if kind == ".jsonl":
-        return _iter_jsonl(path, path.read_bytes())
+        return _iter_jsonl_file(path)
     if kind == ".json":
-        return iter(_read_json(path))
+        return _iter_json(path)
     if kind == ".csv":
-        return iter(_read_csv(path))
+        return _iter_csv(path)
     return _iter_arrow(path)  # .parquet, .arrow
 
 
@@ -225,26 +226,24 @@ def _decode(path: Path, data: bytes) -> str:
         raise DataError(f"{path}:{line}: {_not_utf8(e, bom)}") from None
 
 
-def _read_jsonl(path: Path, data: bytes) -> list[Record]:
-    return list(_iter_jsonl(path, data))
+def _iter_jsonl_file(path: Path) -> Iterator[Record]:
+    with open(path, "rb") as f:
+        yield from _iter_jsonl(path, f)
 
 
-def _iter_jsonl(path: Path, data: bytes) -> Iterator[Record]:
-    """JSON lines from the file's bytes; each line is decoded alone, so a line that is not UTF-8 is one bad
-    record (skipped and counted under on_error=skip) rather than the whole file."""
-    offset = 3 if data.startswith(codecs.BOM_UTF8) else 0
-    _refuse_spread_json(path, data[offset:])
-    # split on "\n" only: str.splitlines also breaks at U+2028, U+2029 and U+0085, which JSON allows
-    # unescaped inside strings (json.dumps(..., ensure_ascii=False) writes them raw); "\r" is JSON whitespace.
-    # b"\n" never occurs inside a multi-byte UTF-8 sequence, so splitting the bytes is safe. One line at a time:
-    # data.split() held a second copy of the file.
-    i = 0
-    while offset <= len(data):
-        end = data.find(b"\n", offset)
-        end = len(data) if end < 0 else end
-        raw, i = data[offset:end], i + 1
-        where = f"{path}:{i}"
-        start, offset = offset, end + 1
+def _iter_jsonl(path: Path, f: BinaryIO) -> Iterator[Record]:
+    """JSON lines from a binary file (or BytesIO); each line is decoded alone, so a line that is not UTF-8 is one
+    bad record (skipped and counted under on_error=skip) rather than the whole file."""
+    _refuse_spread_json(path, f)
+    # split on "\n" only (a binary file's lines): str.splitlines also breaks at U+2028, U+2029 and U+0085, which
+    # JSON allows unescaped inside strings (json.dumps(..., ensure_ascii=False) writes them raw); "\r" is JSON
+    # whitespace. b"\n" never occurs inside a multi-byte UTF-8 sequence, so splitting the bytes is safe.
+    offset = 0
+    for i, raw in enumerate(f, 1):
+        where, start, offset = f"{path}:{i}", offset, offset + len(raw)
+        if i == 1 and raw.startswith(codecs.BOM_UTF8):  # Excel and Notepad write one; utf-8-sig semantics
+            raw, start = raw[3:], 3
+        raw = raw.removesuffix(b"\n")
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -272,16 +271,21 @@ def _iter_jsonl(path: Path, data: bytes) -> Iterator[Record]:
         yield Record(where, obj)
 
 
-def _refuse_spread_json(path: Path, data: bytes) -> None:
-    """A DataError when the JSON-lines file ``path`` is one JSON value spread over lines (pretty-printed, the first
-    line a lone '[' or '{'): every line was a bad record ('invalid JSON at column 2', ...), none naming the cause."""
-    first = next((line.strip() for line in data.split(b"\n", 8)[:8] if line.strip()), b"")
+def _refuse_spread_json(path: Path, f: BinaryIO) -> None:
+    """A DataError when the JSON-lines file ``path`` (open as ``f``, left at its start) is one JSON value spread over
+    lines (pretty-printed, the first line a lone '[' or '{'): every line was a bad record ('invalid JSON at column
+    2', ...), none naming the cause."""
+    head = [f.readline() for _ in range(8)]
+    first = next((line.strip() for line in head if line.strip()), b"").removeprefix(codecs.BOM_UTF8).strip()
+    f.seek(0)
     if first not in (b"[", b"{"):
         return
-    try:
-        value = json.loads(data)
+    try:  # the whole file, once: only a file that opens like one JSON value gets here
+        value = json.loads(f.read().removeprefix(codecs.BOM_UTF8))
     except (ValueError, RecursionError):  # not one value: the lines say what is wrong with them
         return
+    finally:
+        f.seek(0)
     if isinstance(value, list):
         raise DataError(f"{path}: one JSON array spread over lines (pretty-printed), not JSON lines; rename the file "
                         f"to {path.stem}.json (read as an array of records), or write one record per line")
@@ -290,7 +294,7 @@ def _refuse_spread_json(path: Path, data: bytes) -> None:
                     "line), or, for a list of records under a key, save that list as a .json file")
 
 
-def _read_json(path: Path) -> list[Record]:
+def _iter_json(path: Path) -> Iterator[Record]:
     """A JSON array of objects (each record located by its line), or JSON lines saved as .json; a file that is
     one JSON object over several lines, or a wrapper of records such as {"data": [...]}, is a DataError."""
     data = path.read_bytes()
@@ -298,64 +302,69 @@ def _read_json(path: Path) -> list[Record]:
     if not head.startswith(b"["):
         if head.startswith(b"{"):
             _refuse_one_object(path, data)
-        return _read_jsonl(path, data)  # {...}\n{...}: JSON lines under a .json name (or empty)
+        yield from _iter_jsonl(path, io.BytesIO(data))  # {...}\n{...}: JSON lines under a .json name (or empty)
+        return
     text = _decode(path, data)
+    del data, head  # the text is the file from here on: one copy, not two
     dec = json.JSONDecoder()
     i = len(text) - len(text.lstrip())
-    out, line, last = [], 1, 0
+    count, line, last = 0, 1, 0  # count: elements read
     i += 1
+
     def skip_space(at: int) -> int:
         while at < len(text) and text[at] in " \t\r\n":
             at += 1
         return at
 
-    def stop(at: int, what: str) -> list[Record]:  # a malformed array: what was read so far, then the error
-        out.append(Record(f"{path}:{text.count(chr(10), 0, at) + 1}", None, f"invalid JSON array: {what} "
-                                                                           "(reading stops here)"))
-        return out
+    def stop(at: int, what: str) -> Record:  # a malformed array: what was read so far, then this error
+        return Record(f"{path}:{text.count(chr(10), 0, at) + 1}", None, f"invalid JSON array: {what} "
+                                                                       "(reading stops here)")
 
     while True:
         i = skip_space(i)
         nxt = text[i] if i < len(text) else ""  # "": the end, said below
-        if nxt == "," and not out:  # [,{...}]
-            return stop(i, "a ',' before the first element")
-        if out and nxt not in ("", ",", "]"):  # [{...} {...}]
-            return stop(i, "expected ',' or ']' after an element")
+        if nxt == "," and not count:  # [,{...}]
+            yield stop(i, "a ',' before the first element")
+            return
+        if count and nxt not in ("", ",", "]"):  # [{...} {...}]
+            yield stop(i, "expected ',' or ']' after an element")
+            return
         if nxt == ",":
             i = skip_space(i + 1)
             if i < len(text) and text[i] in ",]":  # [{...},,{...}] or [{...},]
-                return stop(i, "a ',' with no element after it")
+                yield stop(i, "a ',' with no element after it")
+                return
         if i >= len(text):
             line += text.count("\n", last, i)
-            out.append(Record(f"{path}:{line}", None, "JSON array not closed; expected ']' at the end"))
-            return out
+            yield Record(f"{path}:{line}", None, "JSON array not closed; expected ']' at the end")
+            return
         line += text.count("\n", last, i)
         last = i
         if text[i] == "]":
             rest = text[i + 1:]
             if rest.strip():  # e.g. a second array appended: its records would be lost without a word
                 line += text.count("\n", i, i + 1 + len(rest) - len(rest.lstrip()))
-                out.append(Record(f"{path}:{line}", None, "content after the JSON array's closing ']' (not read); "
-                                  "expected one array per file: merge the arrays, or write JSON lines"))
-            return out
+                yield Record(f"{path}:{line}", None, "content after the JSON array's closing ']' (not read); "
+                             "expected one array per file: merge the arrays, or write JSON lines")
+            return
         try:
             obj, i = dec.raw_decode(text, i)
         except json.JSONDecodeError as e:
-            out.append(Record(f"{path}:{e.lineno}", None, f"invalid JSON ({e.msg} at column {e.colno}); "
-                                                           "expected a JSON array of objects (reading stops here)"))
-            return out
+            yield Record(f"{path}:{e.lineno}", None, f"invalid JSON ({e.msg} at column {e.colno}); "
+                                                      "expected a JSON array of objects (reading stops here)")
+            return
         except RecursionError:
-            out.append(Record(f"{path}:{line}", None, f"{NESTED}; expected a JSON array of objects (reading "
-                                                       "stops here)"))
-            return out
+            yield Record(f"{path}:{line}", None, f"{NESTED}; expected a JSON array of objects (reading stops here)")
+            return
         except ValueError:
-            out.append(Record(f"{path}:{line}", None, f"{BIG_NUMBER}; expected a JSON array of objects (reading "
-                                                       "stops here)"))
-            return out
+            yield Record(f"{path}:{line}", None, f"{BIG_NUMBER}; expected a JSON array of objects (reading "
+                                                  "stops here)")
+            return
+        count += 1
         if isinstance(obj, dict):
-            out.append(Record(f"{path}:{line}", obj))
+            yield Record(f"{path}:{line}", obj)
         else:
-            out.append(Record(f"{path}:{line}", None, f"a JSON {type(obj).__name__} in the array, expected objects"))
+            yield Record(f"{path}:{line}", None, f"a JSON {type(obj).__name__} in the array, expected objects")
 
 
 def _refuse_one_object(path: Path, data: bytes) -> None:
@@ -367,7 +376,7 @@ def _refuse_one_object(path: Path, data: bytes) -> None:
     try:
         obj = json.loads(data.decode("utf-8-sig"))
     except (ValueError, RecursionError):  # UnicodeDecodeError, JSONDecodeError, a number too long
-        return  # JSON lines ("Extra data" after the first line) or damaged: _read_jsonl reports each line
+        return  # JSON lines ("Extra data" after the first line) or damaged: _iter_jsonl reports each line
     try:
         detect_format(obj)
         record = True
@@ -394,42 +403,47 @@ def _refuse_one_object(path: Path, data: bytes) -> None:
 CSV_FIELD_LIMIT = 2 ** 31 - 1
 
 
-def _read_csv(path: Path) -> list[Record]:
-    """Rows of a CSV file with a header line (blank lines skipped), each named by the line it starts on. strict: a
-    field opened with a quote and never closed would otherwise swallow every later row into one cell, silently."""
+def _iter_csv(path: Path) -> Iterator[Record]:
+    """Rows of a CSV file with a header line (blank lines skipped), each named by the line it starts on, read a
+    line at a time. strict: a field opened with a quote and never closed would otherwise swallow every later row
+    into one cell, silently. A byte that is not UTF-8 fails with its line and offset (``_decode``)."""
     if csv.field_size_limit() < CSV_FIELD_LIMIT:
         csv.field_size_limit(CSV_FIELD_LIMIT)
-    out, names = [], None
-    reader = csv.reader(io.StringIO(_decode(path, path.read_bytes()), newline=""), strict=True)
+    names = None
     start = 1
-    try:
-        while True:
-            start = reader.line_num + 1  # the row read next starts on the line after the last one read
-            row = next(reader, None)
-            if row is None:
-                break
-            if not row:  # a blank line
-                continue
-            if names is None:
-                names = row
-                dup = next((n for n in names if names.count(n) > 1), None)
-                if dup is not None:  # a dict keeps one column of a name: the others' cells would be lost
-                    raise DataError(f"{path}:{start}: column {dup!r} appears {names.count(dup)} times in the header; "
-                                    "expected distinct column names (rename or remove the extra columns)")
-                continue
-            if len(row) != len(names):
-                out.append(Record(f"{path}:{start}", None, f"{len(row)} fields, expected {len(names)} (the header's "
-                                                           "columns)"))
-                continue
-            out.append(Record(f"{path}:{start}", dict(zip(names, row)), from_csv=True))
-    except csv.Error as e:
-        if "end of data" in str(e):  # EOF inside a quoted field
-            raise DataError(f"{path}:{start}: unclosed quote: a field of the row starting here opens a '\"' that "
-                            "is never closed, so every later line would be read into it; close the quote (write a "
-                            "quote inside a quoted field as \"\")") from None
-        raise DataError(f"{path}:{start}: malformed CSV ({e}); expected comma-separated fields, quoted fields closed "
-                        "by '\"' right before the comma or line end") from None
-    return out
+    # utf-8-sig: a leading byte-order mark (Excel writes one) is not part of the first column's name
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        reader = csv.reader(f, strict=True)
+        try:
+            while True:
+                start = reader.line_num + 1  # the row read next starts on the line after the last one read
+                row = next(reader, None)
+                if row is None:
+                    break
+                if not row:  # a blank line
+                    continue
+                if names is None:
+                    names = row
+                    dup = next((n for n in names if names.count(n) > 1), None)
+                    if dup is not None:  # a dict keeps one column of a name: the others' cells would be lost
+                        raise DataError(f"{path}:{start}: column {dup!r} appears {names.count(dup)} times in the "
+                                        "header; expected distinct column names (rename or remove the extra columns)")
+                    continue
+                if len(row) != len(names):
+                    yield Record(f"{path}:{start}", None, f"{len(row)} fields, expected {len(names)} (the header's "
+                                                          "columns)")
+                    continue
+                yield Record(f"{path}:{start}", dict(zip(names, row)), from_csv=True)
+        except UnicodeDecodeError:  # decoded in blocks ahead of the rows: the whole file says where, once
+            _decode(path, path.read_bytes())
+            raise
+        except csv.Error as e:
+            if "end of data" in str(e):  # EOF inside a quoted field
+                raise DataError(f"{path}:{start}: unclosed quote: a field of the row starting here opens a '\"' that "
+                                "is never closed, so every later line would be read into it; close the quote (write a "
+                                "quote inside a quoted field as \"\")") from None
+            raise DataError(f"{path}:{start}: malformed CSV ({e}); expected comma-separated fields, quoted fields "
+                            "closed by '\"' right before the comma or line end") from None
 
 
 def pyarrow_modules(path: Path):
