@@ -383,6 +383,58 @@ def _graphs_worker(rank: int, ports: tuple, out: str, graphed_runs: tuple, overl
         torch.save(recs, f"{out}/graphs.pt")
 
 
+def _eval_worker(rank: int, port: int, out: str) -> None:
+    """evaluate_loss under 2 ranks on a held-out loader of 5 batches: which batches this rank ran, the result, and
+    the result of a pass that rank 1 alone is told to stop (before its second round)."""
+    from chronicals.train import step as step_mod
+
+    _torchrun_env(rank, port)
+    dp = init_distributed(DEVICE)
+    try:
+        dev = dp.device
+        model = _on(tiny_model(seed=0), dev)
+        loader = SyntheticLoader(synthetic_docs(40, seed=3), batch_size=1, shuffle=False)
+        ran, real = [], step_mod.batch_loss_sum
+
+        def counted(m, b, d):
+            ran.append(int(b.input_ids[0, 0]))
+            return real(m, b, d)
+
+        step_mod.batch_loss_sum = counted
+        loss, n = step_mod.evaluate_loss(model, loader, dev, dp=dp)
+        mine = list(ran)
+        asked = []
+
+        def stop():  # a signal to rank 1 only, got after its first round
+            asked.append(1)
+            return rank == 1 and len(asked) == 2
+
+        stopped = step_mod.evaluate_loss(model, loader, dev, stop=stop, dp=dp)
+        torch.save({"len": len(loader), "ran": mine, "loss": loss, "n": n, "stopped": stopped},
+                   f"{out}/eval{rank}.pt")
+        dp.barrier()
+    finally:
+        dp.destroy()
+
+
+def _eval_stop_worker(rank: int, port: int, out: str) -> None:
+    """Training with an interval evaluation (fused AdamW: the pipelined loop, whose stop flags are read with the
+    next step's metrics) where rank 1 alone gets a SIGTERM in step 2's evaluation."""
+    from pathlib import Path
+
+    from train_helpers import sigterm_at_forward
+
+    _torchrun_env(rank, port)
+    held = SyntheticLoader(synthetic_docs(60, seed=5), shuffle=False)
+    e = len(held)
+    model = tiny_model(seed=0)
+    if rank == 1:  # its share of the "before" pass, steps 1 and 2, then its 2nd batch of step 2's evaluation
+        sigterm_at_forward(model, e // 2 + 2 + 2)
+    cfg = tiny_config(Path(out), train__max_steps=6, eval__every=2, optim__fused="true", model__device=DEVICE)
+    res = train(cfg, model=model, train_loader=_shards(synthetic_docs(48, seed=2), WORLD)[1][rank], eval_loader=held)
+    torch.save({"status": res.status, "step": res.step, "e": e}, f"{out}/stop{rank}.pt")
+
+
 # ---- tests ----
 def test_buckets_split_by_dtype_and_size():
     ts = [torch.zeros(3), torch.zeros(4, dtype=torch.float64), torch.zeros(5), torch.zeros(9), torch.zeros(2)]
@@ -663,3 +715,39 @@ def test_ranks_that_read_other_data_stop_together_naming_it(tmp_path):
     for rank in range(WORLD):
         said = (tmp_path / f"error{rank}.txt").read_text()
         assert said.startswith("the data-parallel ranks disagree on this run's data (rank 0: "), said
+
+
+def test_held_out_evaluation_is_split_over_the_ranks_and_stopped_by_all_together(tmp_path):
+    """Under data parallelism each rank evaluates its share of the held-out batches (rank r: r, r + W, ...) and the
+    sums are all-reduced: the loss and count of one process's whole pass, in 1/W of its time (every rank ran the
+    whole pass before). A stop signal to one rank abandons the pass on every rank at the same round (None, and the
+    loss tokens counted so far over all ranks), so no rank is left waiting in a collective."""
+    from chronicals.train.step import evaluate_loss
+
+    mp.spawn(_eval_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    loader = SyntheticLoader(synthetic_docs(40, seed=3), batch_size=1, shuffle=False)
+    firsts = [int(b.input_ids[0, 0]) for b in loader]
+    loss_1, n_1 = evaluate_loss(_on(tiny_model(seed=0), REF), loader, REF)
+    r0, r1 = (torch.load(tmp_path / f"eval{r}.pt") for r in range(WORLD))
+    assert r0["len"] == len(firsts) and len(firsts) % WORLD == 1  # rank 1 has one batch less
+    assert r0["ran"] == firsts[0::2] and r1["ran"] == firsts[1::2]
+    for r in (r0, r1):
+        assert r["n"] == n_1 and r["loss"] == pytest.approx(loss_1, rel=1e-6)
+    assert r0["loss"] == r1["loss"]
+    # rank 1 stops before its second round: both abandon there, having run round 1 (batches 0 and 1)
+    first_round = sum(int(b.num_loss_tokens) for b in list(SyntheticLoader(synthetic_docs(40, seed=3), batch_size=1,
+                                                                              shuffle=False))[:2])
+    assert r0["stopped"] == r1["stopped"] == (None, first_round)
+
+
+def test_a_stop_signal_to_one_rank_in_an_interval_evaluation_checkpoints_that_step_on_all(tmp_path):
+    """The abandoned evaluation is the ranks' agreement to stop: the pipelined loop checkpoints the finished step at
+    once, as one process does, rather than training one step more before it reads the flag."""
+    mp.spawn(_eval_stop_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    r0, r1 = (torch.load(tmp_path / f"stop{r}.pt") for r in range(WORLD))
+    assert r0["e"] >= 6
+    assert (r0["status"], r0["step"]) == (r1["status"], r1["step"]) == ("interrupted", 2)
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("tag") for r in recs if r["kind"] == "eval"] == ["before"]
+    assert (tmp_path / "run" / "checkpoints" / "step-000002").is_dir()
+    assert not (tmp_path / "run" / "checkpoints" / "step-000003").exists()

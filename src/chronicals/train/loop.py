@@ -400,12 +400,14 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
             return None
         # a stop signal during an interval evaluation abandons it: the finished step is checkpointed at once (it
         # waited for the whole held-out pass, 51 s against 0.3 s steps in a concurrency walk, past a supervisor's
-        # grace period); the "before" and "after" passes run outside the signal flag and stop at once
-        signalled = (lambda: stop.signum is not None) if tag == "interval" and not dp.enabled else None
-        loss, n = evaluate_loss(model, eval_loader, device, stop=signalled)
+        # grace period); the "before" and "after" passes run outside the signal flag and stop at once. Under data
+        # parallelism each rank evaluates its share of the batches, and a signal to any rank stops them all
+        signalled = (lambda: stop.signum is not None) if tag == "interval" else None
+        loss, n = evaluate_loss(model, eval_loader, device, stop=signalled, dp=dp)
         if loss is None:
             log.warning("held-out evaluation of step %d stopped after %d loss tokens for the signal; no record of it",
                         step, n)
+            state.others_stop = True  # the ranks agreed on it: the pipelined loop reads its flags a step later
             return None
         return {"kind": "eval", "step": step, "eval_loss": loss, "eval_tokens": n, "tag": tag}
 

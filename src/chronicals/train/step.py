@@ -127,15 +127,29 @@ def grad_norm_fp32(params) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate_loss(model, batches, device: torch.device, stop=None) -> tuple[float | None, int]:
+def evaluate_loss(model, batches, device: torch.device, stop=None,
+                  dp: DistContext | None = None) -> tuple[float | None, int]:
     """Mean cross-entropy per loss token over ``batches`` (sum of sums / total count), and the count.
 
-    ``stop`` (a callable, optional) is asked before each batch: True abandons the pass -> (None, count so far)."""
-    total, n = torch.zeros((), dtype=torch.float64, device=device), 0
+    ``stop`` (a callable, optional) is asked before each batch: True abandons the pass -> (None, count so far).
+    ``dp`` (data parallel, optional; every rank calls this with the same ``batches``): rank r evaluates batches
+    r, r + W, ... and the sums and counts are all-reduced, so each rank returns the whole pass's loss in 1/W of its
+    time; ``stop`` is then asked before each round of W batches and agreed on (any rank's True stops all of them
+    there: a host sync a round, only when ``stop`` is given)."""
+    rank, world = (dp.rank, dp.world_size) if dp is not None and dp.enabled else (0, 1)
+    total, n, stopped = torch.zeros((), dtype=torch.float64, device=device), 0, False
     with eval_mode(model):
-        for b in batches:
-            if stop is not None and stop():
-                return None, n
+        for i, b in enumerate(batches):
+            if stop is not None and i % world == 0:
+                stopped = bool(dp.all_reduce_flag(stop())) if world > 1 else bool(stop())
+                if stopped:
+                    break
+            if i % world != rank:
+                continue
             total += batch_loss_sum(model, b, device).double()
             n += int(b.num_loss_tokens)
-    return (total / max(n, 1)).item(), n
+    if world > 1:
+        sums = torch.stack([total, torch.tensor(float(n), dtype=torch.float64, device=device)])
+        dp.all_reduce_sum_(sums)
+        total, n = sums[0], int(sums[1].item())
+    return (None if stopped else (total / max(n, 1)).item()), n
