@@ -84,11 +84,16 @@ MISTRAL_LAST_USER = MISTRAL_V03.replace(
 
 # Qwen3: replies after the last user message open with a think block (empty without reasoning), earlier ones do not,
 # so an earlier reply rendered as the last message gains a block that the whole conversation does not have there
+# (reasoning written inline, "<think>r</think>a" in content, is taken out of it as Qwen3's own template does)
 QWEN3 = ("{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m['role'] == 'user' %}"
          "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}"
+         "{% set content = m['content'] %}{% set reasoning = m['reasoning_content'] if m['reasoning_content'] is "
+         "defined else '' %}{% if m['role'] == 'assistant' and '</think>' in content %}"
+         "{% set reasoning = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}"
+         "{% set content = content.split('</think>')[-1].lstrip('\n') %}{% endif %}"
          "{{ '<|im_start|>' + m['role'] + '\n' }}{% if m['role'] == 'assistant' and loop.index0 > ns.last %}"
-         "{{ '<think>\n' + (m['reasoning_content'] if m['reasoning_content'] is defined else '') + '\n</think>\n\n' }}"
-         "{% endif %}{{ m['content'] + '<|im_end|>\n' }}{% endfor %}"
+         "{{ '<think>\n' + reasoning + '\n</think>\n\n' }}"
+         "{% endif %}{{ content + '<|im_end|>\n' }}{% endfor %}"
          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 BASES = {  # template -> bos, eos, added special tokens (as the model's tokenizer has them)
@@ -254,6 +259,22 @@ def test_qwen3_reasoning_trains_where_the_template_writes_it(tokenizer):
     messages = [TURNS[0], TURNS[1] | {"reasoning_content": "greet back"}, TURNS[2],
                 TURNS[3] | {"reasoning_content": "add them"}]
     assert encode(tok, messages) == ["Hello there.<|im_end|>", "<think>\nadd them\n</think>\n\n4, I think\nso.<|im_end|>"]
+
+
+def test_qwen3_reasoning_written_inline_trains_as_reasoning_content_does(tokenizer):
+    """Reasoning datasets keep the thinking in the reply ("<think>r</think>a"); Qwen3's template takes it out and
+    drops it from replies before the last user message. The record renders as its reasoning_content form and
+    trains the same tokens; it was refused (the located turn holds "a", not the content's whole text)."""
+    tok = make_tokenizer(tokenizer, *BASES["qwen3"])
+    inline = [TURNS[0], TURNS[1] | {"content": "<think>\ngreet back\n</think>\n\nHello there."}, TURNS[2],
+              TURNS[3] | {"content": "<think>add them</think>4, I think\nso."}]
+    keyed = [TURNS[0], TURNS[1] | {"reasoning_content": "greet back"}, TURNS[2],
+             TURNS[3] | {"reasoning_content": "add them"}]
+    assert tok.apply_chat_template(inline, tokenize=False) == tok.apply_chat_template(keyed, tokenize=False)
+    a, b = encode_chat(tok, inline), encode_chat(tok, keyed)
+    assert a[0].tolist() == b[0].tolist() and a[1].tolist() == b[1].tolist()
+    assert encode(tok, inline) == ["Hello there.<|im_end|>",
+                                   "<think>\nadd them\n</think>\n\n4, I think\nso.<|im_end|>"]
 
 
 @pytest.mark.parametrize("name", ["chatml", "llama3", "phi3"])

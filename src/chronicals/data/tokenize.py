@@ -299,9 +299,14 @@ def _opening(tokenizer, messages) -> str:
 
 def _holds_reply(full: str, span, message) -> bool:
     """A located span holds the message's text (stripped: Mistral writes ``content|trim``); a check on the
-    fallbacks, which bound a turn from fewer facts than the strict test."""
+    fallbacks, which bound a turn from fewer facts than the strict test. Reasoning written inline
+    (``<think>r</think>a``) counts by the text after it: Qwen3's template takes it out of the reply and drops it
+    from replies before the last user message, so such a turn holds ``a`` alone."""
     content = message.get("content")
-    return not (isinstance(content, str) and content.strip()) or content.strip() in full[span[0]:span[1]]
+    if not (isinstance(content, str) and content.strip()):
+        return True
+    reply = content.split("</think>")[-1].strip()  # the whole content when it has no think block
+    return not reply or reply in full[span[0]:span[1]]
 
 
 def _locate(tokenizer, messages, full: str, train_from: int, specials) -> list[tuple[int, int, int]]:
