@@ -131,7 +131,7 @@ def family(request, tokenizer):
 
 def expected(name: str, reply: str, last: bool) -> str:
     text = reply.strip() if name in TRIMS else reply
-    end = FAMILIES[name][4] + ("\n<|endoftext|>" if name == "phi3" and last else "")  # Phi-3: its closing eos too
+    end = FAMILIES[name][4]  # Phi-3's last turn too: the "\n<|endoftext|>" closing the conversation is not trained
     return LEAD.get(name, "") + text + end
 
 

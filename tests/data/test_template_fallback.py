@@ -117,9 +117,9 @@ def trained(name: str, reply: str, last: bool) -> str:
     """The text a template's reply carries loss on: the reply and the end-of-turn token (the one generation
     stops at), with the space Llama-2/Mistral write before a reply inside the reply's first token."""
     return {"chatml": f"{reply}<|im_end|>", "llama3": f"{reply}<|eot_id|>", "llama2": f" {reply} </s>",
-            # Phi-3's last turn also carries the eos its template closes the conversation with (the strict
-            # test's span, unchanged: messages[:i+1] is all of them); earlier turns end at <|end|>
-            "phi3": f"{reply}<|end|>" + ("\n<|endoftext|>" if last else ""),
+            # Phi-3 closes the conversation with "\n<|endoftext|>" after the last reply's <|end|>: not trained, the
+            # turn ends at <|end|> as the earlier ones do (generation stops there)
+            "phi3": f"{reply}<|end|>",
             "mistral_v03": f" {reply}</s>", "mistral_last_user": f" {reply}</s>",
             # Qwen3: the last reply with the think block the template writes there, as apply_chat_template does
             "qwen3": ("<think>\n\n</think>\n\n" if last else "") + f"{reply}<|im_end|>"}[name]

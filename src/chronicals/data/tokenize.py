@@ -253,7 +253,10 @@ def _turn_span(tokenizer, messages, i: int, full: str, specials) -> tuple[int, i
     upto = _render(tokenizer, messages[:i + 1])
     lo = len(before)
     if full.startswith(upto) and upto.startswith(before):
-        return lo, _turn_end(full, lo, len(upto), specials), True
+        hi = _turn_end(full, lo, len(upto), specials)
+        if i == len(messages) - 1 and _closes_twice(full, lo, hi, specials):
+            hi = _where_it_goes_on(tokenizer, messages, full, lo, hi, specials)
+        return lo, hi, True
     if not (upto.startswith(before) and full.startswith(before)):
         raise _Unbounded(i)
     hi = _closing_dropped(upto, full, lo, specials)
@@ -262,6 +265,35 @@ def _turn_span(tokenizer, messages, i: int, full: str, specials) -> tuple[int, i
     if hi is None:
         raise _Unbounded(i)
     return lo, _turn_end(full, lo, hi, specials), False
+
+
+def _closes_twice(text: str, lo: int, hi: int, specials: tuple[str, ...]) -> bool:
+    """The span ends in two special tokens with only whitespace between them (Phi-3's last turn:
+    ``reply<|end|>\n<|endoftext|>``), which may be a turn's closing and the conversation's."""
+    ordered = sorted(specials, key=len, reverse=True)
+    last = next((s for s in ordered if text.endswith(s, lo, hi)), None)
+    if last is None:
+        return False
+    head = text[lo:hi - len(last)].rstrip()
+    return head.endswith(specials)
+
+
+def _where_it_goes_on(tokenizer, messages, full: str, lo: int, hi: int, specials: tuple[str, ...]) -> int:
+    """The last reply's end when the template closes the whole conversation after the turn's own closing: Phi-3
+    writes ``{{ eos_token }}`` after the last ``<|end|>`` only when no turn follows, so the span held
+    ``reply<|end|>\n<|endoftext|>`` and trained two tokens that the earlier replies (ending at ``<|end|>``) and
+    the template's own ``{% generation %}`` markers do not. The turn ends where the conversation with one more
+    user message departs from it, when only special tokens and whitespace are left after that point (else, a
+    reply whose text ends in special-token strings, the span stays)."""
+    try:
+        more = _render(tokenizer, list(messages) + [{"role": "user", "content": "\ue000"}])
+    except Exception:  # a template that refuses the probe (roles must alternate, ...): keep the span
+        return hi
+    q = _closing_dropped(full[:hi], more, lo, specials)  # full[:q] == more[:q], then specials and whitespace
+    if q is None or q >= hi:
+        return hi
+    end = _turn_end(full, lo, q, specials)
+    return end if full[lo:end].endswith(specials) else hi
 
 
 def _opened_differently(upto: str, full: str, lo: int) -> int | None:
