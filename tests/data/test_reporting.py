@@ -59,12 +59,16 @@ def test_empty_targets_are_counted_and_warned(tokenizer, tmp_path, caplog):
     p = write(tmp_path / "e.jsonl", [
         {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]},
         {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": " "}]},
-        {"instruction": "i", "output": ""}, {"prompt": "p", "completion": "ok"}])
+        {"instruction": "i", "output": ""}, {"prompt": "p", "completion": "ok"},
+        # one blank reply among others: that turn trains "answer nothing" as much as a lone blank one (a chat walk)
+        {"messages": [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."},
+                      {"role": "user", "content": "And of Spain?"}, {"role": "assistant", "content": ""}]}])
     with caplog.at_level(logging.WARNING, logger="chronicals.data"):
         ds = load_dataset(p, tokenizer, max_seq_len=64)
-    assert ds.stats.empty_targets == 3 and len(ds) == 4
+    assert ds.stats.empty_targets == 4 and len(ds) == 5
     warned = [m for m in messages(caplog, logging.WARNING) if "empty assistant reply" in m]
-    assert len(warned) == 1 and "3 examples" in warned[0] and f"first: {p}:1" in warned[0], warned
+    assert len(warned) == 1 and "4 examples" in warned[0] and f"first: {p}:1" in warned[0], warned
+    assert "its turn trains the end-of-turn token alone" in warned[0]
 
 
 def test_truncated_to_no_loss_tokens_is_reported_as_dropped(tokenizer, tmp_path, caplog):

@@ -321,8 +321,9 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, n: dict[str, s
                         f"{empty}, {_bad(stats.skipped_errors)}; {n['loss_on']}=assistant needs assistant "
                         f"turns / outputs / completions (or set {n['loss_on']}=all)")
     if stats.empty_targets:
-        log.warning("data: %d examples in %s have an empty assistant reply / output / completion, so only the "
-                    "end-of-turn token carries their loss (first: %s); fill them in or remove them",
+        log.warning("data: %d examples in %s have an empty assistant reply / output / completion (in a chat, one "
+                    "of its replies or more): its turn trains the end-of-turn token alone, so the model learns to "
+                    "answer with nothing (first: %s); fill them in or remove them",
                     stats.empty_targets, where, stats.first_empty_target)
     if stats.truncated or stats.dropped_overlong or stats.dropped_no_loss or stats.split:
         cut = stats.truncated - stats.truncated_no_loss

@@ -236,13 +236,14 @@ def _short(value) -> str:
 
 
 def empty_target(ex: Example) -> bool:
-    """True when every text that would carry loss (with loss on assistant turns / completion) is blank, so
-    only the end-of-turn token would be trained: usually a gap in the data, not a wanted example."""
+    """True when a text that would carry loss (with loss on assistant turns / completion) is blank, so its turn
+    trains the end-of-turn token alone, "answer with nothing": usually a gap in the data, not a wanted example. In
+    a chat, any blank reply counts, also beside others (one in a five-turn chat trains that as much as a lone one)."""
     if ex.messages is None:
         return not ex.target.strip()
     replies = [(m.get("content") or "").strip() or m.get("tool_calls") for i, m in enumerate(ex.messages)
                if m["role"] == "assistant" and i >= ex.train_from]  # a tool call is a reply
-    return bool(replies) and not any(replies)
+    return not all(replies)
 
 
 def to_example(record: dict, fmt: str, has_chat_template: bool, from_csv: bool = False) -> Example:
