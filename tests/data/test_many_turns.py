@@ -1,0 +1,97 @@
+"""Chats of many turns: from tokenize.LINEAR_FROM replies on, the turns are located from ~8 template renders
+(``_locate_linear``) instead of 2 a reply (quadratic: 500 turns took 3.7-11 s a record in a chat walk). Wherever the
+shortcut answers, it must give exactly the ids and mask of the prefix renders; where a template's turns do not all
+have one shape, it must step aside."""
+
+import random
+
+import pytest
+
+from chronicals.data import tokenize
+from chronicals.data.tokenize import encode_chat
+
+from test_loss_masks import FAMILIES, NO_SYSTEM
+from test_template_fallback import BASES, make_tokenizer
+
+TEMPLATES = {name: spec[:4] for name, spec in FAMILIES.items()} | {
+    "chatml": BASES["chatml"], "llama2": BASES["llama2"], "qwen3": BASES["qwen3"],
+    "mistral_last_user": BASES["mistral_last_user"]}
+# the templates whose turns are not all alike: the last turn (Qwen3's think block, Phi-3's closing eos), or the
+# system message moving into the last user turn (Mistral v0.3, with a system message)
+STEPS_ASIDE = {"qwen3", "phi3"}
+MOVES_SYSTEM = {"mistral_v03", "mistral_last_user"}
+# replies a template must render faithfully: whitespace at either end, markers of other templates, unicode, empty
+POOL = ["Paris.", "", "  padded both  ", "\nnewline first", "last newline\n", "<|im_end|> inside", "[INST] x [/INST]",
+        "你好！🙂 ça va", "a\r\nb", "two\n\nparagraphs", " ", "</s>", "x" * 40, "Answer briefly."]
+
+
+def conversation(rng: random.Random, turns: int, system: bool) -> list[dict]:
+    msgs = [{"role": "system", "content": "Answer briefly."}] if system else []
+    for _ in range(turns):
+        msgs.append({"role": "user", "content": rng.choice(POOL[:1] + POOL[2:]) + f" q{rng.randrange(99)}"})
+        msgs.append({"role": "assistant", "content": rng.choice(POOL)})
+    return msgs
+
+
+def exact(tok, messages, train_from=0):
+    saved = tokenize.LINEAR_FROM
+    tokenize.LINEAR_FROM = 10 ** 9
+    try:
+        return encode_chat(tok, messages, train_from)
+    finally:
+        tokenize.LINEAR_FROM = saved
+
+
+@pytest.fixture(scope="module", params=sorted(TEMPLATES))
+def template(request, tokenizer):
+    name = request.param
+    return name, make_tokenizer(tokenizer, *TEMPLATES[name])
+
+
+def test_the_shortcut_gives_the_prefix_renders_ids_and_mask(template, monkeypatch):
+    name, tok = template
+    renders = []
+    real = tokenize._render
+    monkeypatch.setattr(tokenize, "_render", lambda *a, **k: (renders.append(1), real(*a, **k))[1])
+    rng = random.Random(name)
+    for case in range(12):
+        system = case % 2 == 1 and name not in NO_SYSTEM
+        msgs = conversation(rng, rng.choice([8, 9, 13, 30]), system)
+        train_from = rng.choice([0, 0, 5]) if case > 6 else 0  # a conversational completion: loss from message 5
+        renders.clear()
+        got = encode_chat(tok, msgs, train_from)
+        used = len(renders)
+        want = exact(tok, msgs, train_from)
+        assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist(), (name, case, msgs)
+        replies = sum(m["role"] == "assistant" for m in msgs)
+        shortcut = name not in STEPS_ASIDE and not (system and name in MOVES_SYSTEM)
+        # the shortcut: the conversation, it with stand-ins, 2 prefix renders for each of 3 replies (and one probe
+        # when the last reply ends in a special token's text)
+        assert (used <= 9) == shortcut, (name, case, used, replies)
+
+
+def test_a_reply_the_template_rewrites_steps_aside(tokenizer):
+    """Qwen3 takes inline reasoning out of a reply: the stand-in rendering then differs from the real one around
+    that reply, and the prefix renders locate the turns (the same result either way)."""
+    tok = make_tokenizer(tokenizer, *BASES["chatml"])
+    tok.chat_template = tok.chat_template.replace("message['content']", "message['content'].split('</think>')[-1]")
+    msgs = conversation(random.Random(1), 10, False)
+    msgs[5]["content"] = "<think>hidden</think>shown"
+    got, want = encode_chat(tok, msgs), exact(tok, msgs)
+    assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+    assert "hidden" not in tok.decode(got[0])
+
+
+def test_turns_of_another_shape_step_aside(tokenizer):
+    """A template whose first reply closes otherwise than the later ones (here: the later ones with one special token
+    more): the prefix renders of the first, a middle and the last reply disagree on the turn's shape, and the
+    shortcut, which would carry the first one's to all, steps aside."""
+    tok = make_tokenizer(tokenizer, *BASES["chatml"])
+    tok.chat_template = tok.chat_template.replace(
+        "message['content'] + '<|im_end|>'",
+        "message['content'] + '<|im_end|>' + ('<|endoftext|>' if message['role'] == 'assistant' and loop.index0 > 1 "
+        "else '')")
+    msgs = conversation(random.Random(2), 9, False)
+    got, want = encode_chat(tok, msgs), exact(tok, msgs)
+    assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+    assert tok.decode(got[0][got[1]]).count("<|endoftext|>") == 8
