@@ -259,3 +259,32 @@ def test_a_cache_entry_is_readable_by_others(tokenizer, tmp_path):
     load_dataset(write_jsonl(tmp_path / "d.jsonl", [{"text": "a b"}]), tokenizer, max_seq_len=64, cache_dir=cache)
     (entry,) = [d for d in cache.iterdir() if not d.name.startswith(".")]
     assert stat.S_IMODE(entry.stat().st_mode) & 0o055 == 0o055
+
+
+def test_pruning_keeps_other_tokenizers_entries_and_survives_damaged_neighbours(tokenizer, tmp_path, caplog):
+    """The entry a new one replaces is of the same files, settings and tokenizer: two models trained in turn on one
+    data set keep an entry each (else each run re-tokenized the whole set). A damaged neighbour's meta.json ('{', a
+    list) is not an entry of ours: left alone, and the load goes on (a ValueError there crashed load_dataset after
+    the whole set was tokenized). A writer's hidden temporary directory is never moved (its rename would fail)."""
+    from test_template_fallback import BASES, make_tokenizer
+
+    cache = tmp_path / "cache"
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": "one two"}])
+    load_dataset(data, tokenizer, max_seq_len=64, cache_dir=cache)
+    (entry,) = _entries(cache)
+    source = json.loads((cache / entry / "meta.json").read_text())["source"]
+    other = make_tokenizer(tokenizer, *BASES["chatml"])  # the same vocabulary, another template
+    load_dataset(data, other, max_seq_len=64, cache_dir=cache)
+    assert len(_entries(cache)) == 2
+    for name, text in (("x", "{"), ("y", "[]")):
+        (cache / name).mkdir()
+        (cache / name / "meta.json").write_text(text)
+    writing = cache / ".tmp-live"
+    writing.mkdir()
+    (writing / "meta.json").write_text(json.dumps({"source": source}))
+    write_jsonl(data, [{"text": "one two three"}])  # edited: the first tokenizer's entry is replaced
+    with caplog.at_level(logging.INFO, logger="chronicals.data"):
+        load_dataset(data, tokenizer, max_seq_len=64, cache_dir=cache)
+    assert len(_entries(cache)) == 4 and entry not in _entries(cache)  # 2 entries + x + y (_entries: not hidden)
+    assert writing.is_dir() and (cache / "x").is_dir() and (cache / "y").is_dir()
+    assert "removed 1 older tokenization cache entry of the same files and settings" in caplog.text

@@ -215,3 +215,44 @@ def test_on_long_split_keeps_every_token_as_documents_of_max_seq_len(tokenizer, 
     assert ds.stats.split == 1 and ds.stats.split_pieces == 1 and ds.stats.split_left_tokens == n - ds.lengths[0] > 0
     assert (f"1 of 1 records kept; 1 longer than max_seq_len=64 split into 1 documents (overlong=split; "
             f"{n - ds.lengths[0]:,} tokens in pieces without a target left out)") in caplog.text
+
+
+def test_record_counts_and_formats_per_file_past_one_chunk(tokenizer, tmp_path, monkeypatch):
+    """Records are tokenized in chunks (dataset.CHUNK); a file of several chunks is counted whole and its format
+    said of it, not of the next file; a trailing file with no records is "no readable records", not "not read"."""
+    from chronicals.data import dataset
+
+    monkeypatch.setattr(dataset, "CHUNK", 10)
+    d = tmp_path / "d"
+    write(d / "a.jsonl", [{"text": f"a {i}"} for i in range(25)])
+    write(d / "b.jsonl", [{"prompt": f"p {i}", "completion": " c"} for i in range(25)])
+    (d / "c.jsonl").write_text("\n")
+    ds = load_dataset(d, tokenizer, max_seq_len=64)
+    assert ds.file_counts == [25, 25, 0]
+    assert ds.file_formats == ["text", "prompt_completion", "no readable records"]
+
+
+def test_on_long_split_counts_two_pieces_and_leaves_out_a_one_token_tail(tokenizer, tmp_path):
+    """A text of n tokens at max_seq_len n - 5 is two documents (counted as a split); at n - 1 its last piece is
+    one token, which has no target: left out, and said as such (1 token), the record one document."""
+    p = write(tmp_path / "x.jsonl", [{"text": "word " * 50}])
+    n = int(load_dataset(p, tokenizer, max_seq_len=4096, loss_on="all").lengths[0])
+    two = load_dataset(p, tokenizer, max_seq_len=n - 5, loss_on="all", overlong="split")
+    assert (two.stats.split, two.stats.split_pieces, len(two), two.stats.split_left_tokens) == (1, 2, 2, 0)
+    one = load_dataset(p, tokenizer, max_seq_len=n - 1, loss_on="all", overlong="split")
+    assert (len(one), one.stats.split_pieces, one.stats.split_left_tokens) == (1, 1, 1)
+    assert one.stats.loss_tokens == n - 2  # the first piece's targets: its tokens but the first
+
+
+def test_truncation_that_cuts_a_tenth_or_more_names_the_fixes(tokenizer, tmp_path, caplog):
+    """From 10% of the data's tokens cut (LOST_TOKENS_WARN), a WARNING naming both fixes; the other tests cut over
+    half or under a tenth."""
+    long_text = {"text": "word " * 100}
+    short = [{"text": "word " * 55} for _ in range(4)]
+    p = write(tmp_path / "t.jsonl", [long_text] + short)
+    with caplog.at_level(logging.INFO, logger="chronicals.data"):
+        ds = load_dataset(p, tokenizer, max_seq_len=64, loss_on="all")
+    lost = ds.stats.truncated_tokens / (ds.stats.truncated_tokens + ds.stats.tokens)
+    assert 0.1 <= lost < 0.5, lost
+    warned = messages(caplog, logging.WARNING)
+    assert len(warned) == 1 and "raise max_seq_len to keep more of them, or set overlong=split" in warned[0], warned
