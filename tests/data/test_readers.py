@@ -257,3 +257,35 @@ def test_records_are_made_as_they_are_read(tmp_path, suffix):
     assert streamed * (4 if suffix == "parquet" else 2) < held, (streamed, held)
     if suffix in ("jsonl", "csv"):  # not the file's bytes at once either
         assert streamed * 8 < path.stat().st_size, (streamed, path.stat().st_size)
+
+
+def _arrow(path, rows: int, kind: str) -> None:
+    pa = pytest.importorskip("pyarrow")
+    table = pa.Table.from_pylist([{"text": f"row {i}"} for i in range(rows)])
+    new = pa.ipc.new_file if kind == "file" else pa.ipc.new_stream
+    with pa.OSFile(str(path), "wb") as sink, new(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=100)
+
+
+@pytest.mark.parametrize("kind", ["file", "stream"])
+def test_an_arrow_files_every_batch_is_read_and_rows_numbered_across_batches(tmp_path, kind):
+    """datasets writes the IPC stream format; pyarrow's own writers also the file format, read by the fallback.
+    Every record batch is read, and a row's "file:row N" counts on across batches (what a bad row's error says)."""
+    path = tmp_path / "d.arrow"
+    _arrow(path, 250, kind)
+    recs = read_file(path)
+    assert len(recs) == 250 and recs[-1].data == {"text": "row 249"}
+    assert [r.where for r in recs[99:101]] == [f"{path}:row 100", f"{path}:row 101"]
+    assert recs[-1].where == f"{path}:row 250"
+
+
+def test_a_truncated_arrow_stream_is_a_data_error(tmp_path):
+    """An interrupted copy: pyarrow raises a plain OSError ("Expected to be able to read N bytes"), said as the
+    file's error with the fix, not a traceback."""
+    from chronicals.data import DataError
+
+    path = tmp_path / "s.arrow"
+    _arrow(path, 2500, "stream")
+    path.write_bytes(path.read_bytes()[: path.stat().st_size * 2 // 3])
+    with pytest.raises(DataError, match="not a readable arrow file"):
+        read_file(path)
