@@ -325,3 +325,15 @@ def test_a_data_directorys_unread_files_are_warned_about_once(tiny_base, tmp_pat
     with caplog.at_level("WARNING", logger="chronicals.data"):
         assert main(["eval", "--model", str(tiny_base), "--device", "cpu", "--cache-dir", "none", str(d)]) == 0
     assert caplog.text.count("1 file not read") == 1, caplog.text
+
+
+def test_eval_passes_num_proc_and_on_long_split_to_the_data(tiny_base, data_file, monkeypatch):
+    """--num-proc (the fix a dead tokenizer worker's error names) and --on-long split reach load_dataset, not
+    accepted and dropped."""
+    import chronicals.data as data_pkg
+
+    seen, real = [], data_pkg.load_dataset
+    monkeypatch.setattr(data_pkg, "load_dataset", lambda *a, **k: (seen.append(k), real(*a, **k))[1])
+    assert main(["eval", "--model", str(tiny_base), str(data_file), "--device", "cpu", "--max-seq-len", "16",
+                 "--on-long", "split", "--num-proc", "1", "--cache-dir", "none"]) == 0
+    assert seen and seen[-1]["num_proc"] == 1 and seen[-1]["overlong"] == "split", seen

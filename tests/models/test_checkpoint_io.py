@@ -302,6 +302,13 @@ def test_a_head_untied_in_code_is_not_dropped(tmp_path, tiny_hf_config):
     model.config.tie_word_embeddings = False
     again, _ = chronicals.load_model(chronicals.save_model(model, None, tmp_path / "m"), tokenizer=False)
     torch.testing.assert_close(_logits(again), _logits(model))
+    # a separate head with the embedding's values (a copy, e.g. after a load that cloned it) loses nothing: saved
+    # tied, and it loads as the same model
+    model = _model(cfg)
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    again, _ = chronicals.load_model(chronicals.save_model(model, None, tmp_path / "copy"), tokenizer=False)
+    assert again.config.tie_word_embeddings
+    torch.testing.assert_close(_logits(again), _logits(model))
 
 
 def test_a_tokenizer_with_named_chat_templates_saves_twice(tiny_base, tmp_path):
