@@ -65,3 +65,59 @@ def test_data_num_proc_reaches_the_tokenizer():
     with pytest.raises(ConfigError, match=r"data.num_proc=-1 is invalid: expected an integer >= 0"):
         from_dict({"data": {"num_proc": -1}})
     assert "num_proc" in _DATA_FLAGS and _as_flags("set data.num_proc=1") == "set --num-proc=1"
+
+
+ORPHAN = textwrap.dedent("""
+    import json, os, sys, time
+    sys.path.insert(0, {tests!r})
+    import chronicals.data.dataset as dsmod
+    from chronicals.data import load_dataset
+    from smollm2_tokenizer import smollm2_tokenizer
+
+    def slow(records):  # each worker says its pid, then works for a minute
+        print("worker", os.getpid(), flush=True)
+        time.sleep(60)
+    dsmod._encode_chunk = slow
+    path = {path!r}
+    with open(path, "w") as f:
+        for i in range(3 * dsmod.CHUNK):
+            f.write(json.dumps({{"text": f"record {{i}}"}}) + "\\n")
+    load_dataset(path, smollm2_tokenizer(), max_seq_len=32, num_proc=2)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_tokenizer_workers_die_with_a_killed_run(tmp_path):
+    """A SIGKILLed run (the OOM killer, a preempted job) left its tokenizer workers running, each holding its share
+    of the records; they now get a SIGTERM when their parent dies."""
+    import signal
+    import time
+
+    script = ORPHAN.format(tests=str(HERE.parent), path=str(tmp_path / "d.jsonl"))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pids: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 2 and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if line.startswith("worker"):
+                pids.add(int(line.split()[1]))
+        assert len(pids) == 2, pids
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while any(map(_alive, pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if _alive(p)]
+    finally:
+        proc.kill()
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
