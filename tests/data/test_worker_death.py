@@ -74,8 +74,8 @@ ORPHAN = textwrap.dedent("""
     from chronicals.data import load_dataset
     from smollm2_tokenizer import smollm2_tokenizer
 
-    def slow(records):  # each worker says its pid, then works for a minute
-        print("worker", os.getpid(), flush=True)
+    def slow(records):  # each worker says its pid (one write: print's pieces of two workers interleaved), then
+        os.write(1, f"worker {{os.getpid()}}\\n".encode())  # works for a minute
         time.sleep(60)
     dsmod._encode_chunk = slow
     path = {path!r}
@@ -104,11 +104,11 @@ def test_tokenizer_workers_die_with_a_killed_run(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     pids: set[int] = set()
     try:
-        deadline = time.monotonic() + 120
-        while len(pids) < 2 and time.monotonic() < deadline:
-            line = proc.stdout.readline()
+        for line in proc.stdout:  # (a run that ends early ends the loop: EOF)
             if line.startswith("worker"):
                 pids.add(int(line.split()[1]))
+            if len(pids) == 2:
+                break
         assert len(pids) == 2, pids
         proc.kill()
         proc.wait()
