@@ -568,3 +568,20 @@ def test_a_pruned_checkpoint_and_a_run_without_its_adapter_yet_say_what_to_pass(
     err = capsys.readouterr().err
     assert f"holds a run's training checkpoints: pass one, e.g. {live / 'checkpoints' / 'step-000002'}" in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_eval_json_refuses_the_base_a_full_checkpoint_records(full_run, tiny_base, capsys):
+    """eval --model runs/x/checkpoints/step-N (no --base) loads the base the checkpoint records: a --json there
+    overwrote its config.json (exit 0; then neither the base nor the checkpoint loaded). Refused before the load, as
+    with --base given and as export refuses it (a docs walk)."""
+    step2 = full_run / "checkpoints" / "step-000002"
+    inside = tiny_base / "eval.json"
+    try:
+        with pytest.raises(SystemExit) as e:
+            main(["eval", "--model", str(step2), "demo", "--qa-limit", "1", "--json", str(inside)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2, err
+        assert f"--json {inside} would write into the base recorded in {step2}" in err, err
+        assert not inside.exists()
+    finally:
+        inside.unlink(missing_ok=True)

@@ -110,7 +110,7 @@ def test_an_adapter_changes_the_score_to_the_adapted_models(tiny_base, data_file
 def test_json_is_written_atomically(tiny_base, data_file, tmp_path, monkeypatch, capsys):
     """A temporary file beside FILE renamed over it; a failed rename leaves the old FILE and no temporary file."""
     out = tmp_path / "scores.json"
-    out.write_text("old")
+    out.write_text('{"data": "x", "loss": 1.0}')  # an earlier result (eval writes over nothing else)
     real, renames = os.replace, []
     monkeypatch.setattr(os, "replace", lambda src, dst: (renames.append((str(src), str(dst))), real(src, dst))[1])
     got = _eval(["--model", tiny_base, data_file], tmp_path, "scores.json")
@@ -121,11 +121,12 @@ def test_json_is_written_atomically(tiny_base, data_file, tmp_path, monkeypatch,
     def failing(src, dst):
         raise OSError(28, "No space left on device")
 
-    out.write_text("old")
+    old = '{"data": "x", "loss": 2.0}'
+    out.write_text(old)
     monkeypatch.setattr(os, "replace", failing)
     assert main(["eval", "--model", str(tiny_base), str(data_file), "--device", "cpu", "--json", str(out)]) == 3
     assert "No space left on device" in capsys.readouterr().err
-    assert out.read_text() == "old" and sorted(os.listdir(tmp_path)) == ["scores.json"]
+    assert out.read_text() == old and sorted(os.listdir(tmp_path)) == ["scores.json"]
 
 
 def test_a_question_answer_file_gets_the_keyword_accuracy_of_greedy_answers(tiny_base, tmp_path):
@@ -337,3 +338,20 @@ def test_eval_passes_num_proc_and_on_long_split_to_the_data(tiny_base, data_file
     assert main(["eval", "--model", str(tiny_base), str(data_file), "--device", "cpu", "--max-seq-len", "16",
                  "--on-long", "split", "--num-proc", "1", "--cache-dir", "none"]) == 0
     assert seen and seen[-1]["num_proc"] == 1 and seen[-1]["overlong"] == "split", seen
+
+
+def test_eval_json_replaces_an_earlier_result_but_no_other_file(tiny_base, data_file, tmp_path, capsys):
+    """--json over an existing file replaced it whatever it was (another run's adapter_config.json or config.yaml,
+    which chat / eval / train read back; a docs walk): only an earlier eval result is written over; a directory is
+    said before the scoring, not when the rename onto it fails."""
+    first = _eval(["--model", tiny_base, data_file], tmp_path, "e.json")
+    assert _eval(["--model", tiny_base, data_file], tmp_path, "e.json") == first  # an earlier result: replaced
+    other = tmp_path / "adapter_config.json"
+    other.write_text('{"peft_type": "LORA"}')
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for target, says in ((other, "exists and is not an earlier chronicals eval result"), (folder, "is a directory")):
+        with pytest.raises(SystemExit) as e:
+            main(["eval", "--model", str(tiny_base), str(data_file), "--device", "cpu", "--json", str(target)])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+    assert other.read_text() == '{"peft_type": "LORA"}'

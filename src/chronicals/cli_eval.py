@@ -4,6 +4,7 @@ perplexity, QA keyword accuracy), with the data section's keys as flags."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -123,11 +124,19 @@ def cmd_eval(argv: list[str]) -> int:
     a.model = _base_for(a.adapter, a.model, flag)
     if a.json is not None:  # before the load and scoring, not when the numbers are written
         out = Path(a.json).expanduser().resolve()
-        for name, given in (("DATA", a.data), ("--model", a.model), ("--adapter", a.adapter), ("--base", ckpt_base)):
+        guarded = [("DATA", a.data), ("--model", a.model), ("--adapter", a.adapter), ("--base", ckpt_base)]
+        if ckpt_base is None:  # a full fine-tuning checkpoint loads the base it records: its config.json was
+            guarded.append((f"the base recorded in {a.model}", _recorded_base(a.model)))  # overwritten, exit 0
+        for name, given in guarded:
             target = given and Path(given).expanduser().exists() and Path(given).expanduser().resolve()
             if target and (out == target or target in out.parents):
                 p.error(f"--json {a.json} would {'overwrite' if out == target else 'write into'} {name} {given}; "
                         "choose a file outside it")
+        if out.is_dir():  # the rename onto it failed after the scoring
+            p.error(f"--json {a.json} is a directory; give a file name (e.g. {Path(a.json) / 'eval.json'})")
+        if out.exists() and not _earlier_result(out):  # another run's adapter_config.json, config.yaml, ...
+            p.error(f"--json {a.json} exists and is not an earlier chronicals eval result (a JSON object with "
+                    "'data' and 'loss'), which is all eval writes over; choose another file, or remove it first")
         from ._jsonio import temp_beside
 
         try:  # a read-only folder, /proc, a name too long: said now, not after minutes of scoring
@@ -170,3 +179,26 @@ def cmd_eval(argv: list[str]) -> int:
                           "above") from err
         print(f"numbers: {written}")
     return 0
+
+
+def _recorded_base(model: str | None) -> str | None:
+    """The base a full fine-tuning run's checkpoint ``model`` records, else None (not a checkpoint, or one the load
+    will refuse with its own error)."""
+    from .train.checkpoint_adapter import is_checkpoint_dir
+    from .train.checkpoint_model import read_full_checkpoint
+
+    if model is None or not is_checkpoint_dir(model):
+        return None
+    try:
+        return read_full_checkpoint(model).base
+    except (OSError, ValueError):
+        return None
+
+
+def _earlier_result(path: Path) -> bool:
+    """``path`` holds what eval --json writes (a JSON object with "data" and "loss"): a rerun may replace it."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(obj, dict) and {"data", "loss"} <= obj.keys()
