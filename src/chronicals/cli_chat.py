@@ -55,8 +55,8 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
                                                     "or --model used for its held-out prompts, read from the run's "
                                                     "config.yaml beside it, or from a checkpoint's state.pt; else "
                                                     "the one the demo trains with)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many tokens per answer (>= 1); "
-                                                                   "fewer where prompt and answer would pass the "
+    p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many tokens per answer (>= 1; "
+                                                                   "default 128); fewer where prompt and answer would pass the "
                                                                    "model's context (said once)")
     p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],

@@ -35,7 +35,8 @@ def cmd_eval(argv: list[str]) -> int:
                                             "for question/answer/keywords records the keyword accuracy of greedy "
                                             "answers; the same numbers as train's held-out 'before'/'after'. The data "
                                             "options are the data section's keys (data.max_seq_len: --max-seq-len).")
-    p.add_argument("data", help="file to score: .jsonl/.json/.parquet/.csv or a directory of them (as data.path), or "
+    p.add_argument("data", help="file to score: .jsonl/.json/.parquet/.arrow/.csv, a directory of them or a "
+                                "datasets.save_to_disk directory (as data.path), or "
                                 "demo (the packaged held-out questions)")
     p.add_argument("--model", default=None, help="HF directory, .gguf, smollm2-135m-instruct, or a full fine-tuning "
                                                   "run's checkpoint (runs/x/checkpoints/step-N) (default: with "

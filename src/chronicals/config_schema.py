@@ -164,8 +164,9 @@ class ModelSection:
 
 @dataclass
 class DataSection:
-    path: str = _f(DEMO, "training data: a .jsonl/.json/.parquet/.csv file or a directory of them (read recursively, "
-                         "dot-files skipped); 'demo' = packaged demo set")
+    path: str = _f(DEMO, "training data: a .jsonl/.json/.parquet/.arrow/.csv file, a directory of them (read "
+                         "recursively, dot-files skipped) or a datasets.save_to_disk directory; 'demo' = packaged demo "
+                         "set")
     format: str = _f("auto", "record format of data.path and of data.eval_path: auto | text | chat (messages) | "
                              "alpaca | prompt_completion | sharegpt (held-out question/answer records are read as chat)")
     eval_path: str = _f("auto", "held-out data for the eval loss (and QA when its records are question/answer/"
@@ -175,7 +176,7 @@ class DataSection:
                             "('' = the chat template's default; beside your own data.path, QA gets it only when set to "
                             "another text than this default, else the template's default, as your records without "
                             "one); put your own in your records")
-    max_seq_len: int = _f(256, "tokens per packed row; longer examples are truncated or dropped (see on_long)")
+    max_seq_len: int = _f(256, "tokens per packed row; longer examples are truncated, dropped or split (see on_long)")
     batch_size: int = _f(4, "packed rows per micro-batch")
     tokens_per_batch: int = _f(0, "padding-free batches: one packed row of at most this many tokens per "
                                   "micro-batch instead of batch_size rows (0 = rows); >= max_seq_len")
@@ -362,8 +363,9 @@ class TrainSection:
     grad_accum: int = _f(1, "micro-batches per optimizer step (loss normalized by the step's loss tokens; "
                               "a step never spans two epochs: an epoch's last step may take fewer)")
     seed: int = _f(0, "seed for init, shuffling and dropout")
-    out_dir: str = _f("runs/demo", "output directory: adapter or model, checkpoints, metrics, plots, config, and "
-                                   "data/ (the demo and held-out QA data as the run used them)")
+    out_dir: str = _f("runs/demo", "output directory: adapter or model, checkpoints, metrics, plots, config, "
+                                   "tensorboard/ (when installed), and data/ (the demo and held-out QA data as the run "
+                                   "used them)")
     save_every: int = _f(0, "write a resumable checkpoint every N optimizer steps (0 = only at the end/on signal)")
     keep_last: int = _f(2, "resumable checkpoints to keep")
     async_save: bool = _f(True, "write periodic checkpoints in a background thread: training waits only for the "
