@@ -16,9 +16,10 @@ from test_template_fallback import BASES, make_tokenizer
 TEMPLATES = {name: spec[:4] for name, spec in FAMILIES.items()} | {
     "chatml": BASES["chatml"], "llama2": BASES["llama2"], "qwen3": BASES["qwen3"],
     "mistral_last_user": BASES["mistral_last_user"]}
-# the templates whose turns are not all alike: the last turn (Qwen3's think block, Phi-3's closing eos), or the
-# system message moving into the last user turn (Mistral v0.3, with a system message)
-STEPS_ASIDE = {"qwen3", "phi3"}
+# the templates whose turns are not all alike: Qwen3's replies after the last user message open with a think block,
+# the earlier ones without; Mistral v0.3 (with a system message) moves it into the last user turn. (Phi-3 closes the
+# conversation with eos after the last reply: that one keeps its own end, the others share one)
+STEPS_ASIDE = {"qwen3"}
 MOVES_SYSTEM = {"mistral_v03", "mistral_last_user"}
 # replies a template must render faithfully: whitespace at either end, markers of other templates, unicode, empty
 POOL = ["Paris.", "", "  padded both  ", "\nnewline first", "last newline\n", "<|im_end|> inside", "[INST] x [/INST]",
@@ -95,3 +96,34 @@ def test_turns_of_another_shape_step_aside(tokenizer):
     got, want = encode_chat(tok, msgs), exact(tok, msgs)
     assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
     assert tok.decode(got[0][got[1]]).count("<|endoftext|>") == 8
+
+
+def test_a_reply_with_fields_the_others_lack_steps_aside(tokenizer):
+    """A template that writes each reply's reasoning_content before it, kept in history: one middle reply with
+    reasoning has another shape than the three the prefix renders sample (its think block, which the prefix renders
+    train with it, is template text to the stand-in rendering): the shortcut must not carry their shape to it."""
+    tok = make_tokenizer(tokenizer, *BASES["chatml"])
+    plain = tok.chat_template
+    tok.chat_template = plain.replace(
+        "+ message['content']", "+ ('<think>' + message['reasoning_content'] + '</think>' if "
+        "message['reasoning_content'] is defined else '') + message['content']")
+    assert tok.chat_template != plain
+    msgs = conversation(random.Random(3), 9, False)
+    msgs[5]["reasoning_content"] = "step by step"  # the 3rd reply: not the first, middle or last
+    got, want = encode_chat(tok, msgs), exact(tok, msgs)
+    assert "<think>step by step</think>" in tok.decode(want[0][want[1]])
+    assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+
+
+def test_one_reply_closed_otherwise_steps_aside(tokenizer):
+    """One reply, not among the three the prefix renders sample, closes with a special token more: the text after it
+    differs from the other replies', and the shortcut steps aside (the prefix renders train that token with it)."""
+    tok = make_tokenizer(tokenizer, *BASES["chatml"])
+    plain = tok.chat_template
+    tok.chat_template = plain.replace(
+        "+ '<|im_end|>'", "+ '<|im_end|>' + ('<|endoftext|>' if loop.index0 == 5 else '')")
+    assert tok.chat_template != plain
+    msgs = conversation(random.Random(4), 9, False)
+    got, want = encode_chat(tok, msgs), exact(tok, msgs)
+    assert tok.decode(want[0][want[1]]).count("<|endoftext|>") == 1
+    assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()

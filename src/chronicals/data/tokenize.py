@@ -32,8 +32,9 @@ Chat examples are rendered with the tokenizer's chat template. Which tokens belo
   A template that neither explains (one that drops earlier reasoning or rewrites earlier turns) raises with the
   fix, rather than mislabel tokens: use ``{% generation %}`` markers, or loss on everything.
   Two renders a reply, each of the conversation so far, is quadratic in the turns; a chat of LINEAR_FROM replies
-  or more first tries ``_locate_linear``: the replies' places from one render with stand-ins for them, the turn's
-  shape from the prefix renders of three replies, which must agree, and every reply checked to have that shape.
+  or more first tries ``_locate_linear``: the messages' places from one render with stand-ins for their contents;
+  every reply must have the same template text before it and (but the last) after it, and the turn's bounds in
+  that text come from the prefix renders of three replies, which must agree.
 Prompt/target examples: ``prompt + target + eos`` with the tokenizer's special tokens (e.g. BOS); loss on
 target and eos.
 
@@ -365,71 +366,91 @@ def _locate(tokenizer, messages, full: str, train_from: int, specials) -> list[t
 # (quadratic: 500 turns took 3.7 s a record with SmolLM2's template, 11 s with Qwen3's; a chat walk); the shortcut
 # costs ~8 renders of the whole conversation, so it pays from a few replies on
 LINEAR_FROM = 8
-_MARK = "\ue000{}\ue001"  # a reply's stand-in (private-use characters, which text rarely holds: checked)
+_MARK = "\ue000{}\ue001"  # a message's stand-in (private-use characters, which text rarely holds: checked)
 
 
-def _locate_linear(tokenizer, messages, full: str, train_from: int, specials) -> list[tuple[int, int, int]] | None:
-    """_locate's spans from ~8 renders instead of 2 a reply, for a template whose turns all have one shape; None
-    when any check fails (the caller then renders the prefixes, as for a short conversation).
-
-    1. Render the conversation with each reply replaced by a stand-in: the text between the stand-ins is the
-       template's own; in ``full`` each stand-in must be, in turn, exactly one of the reply, it stripped, or it
-       stripped at one end (``content|trim``), and the rest the same text: the reply's place (rlo, rhi).
-    2. The turn's shape, the text the turn holds before the reply (Mistral's " ") and after it (``<|im_end|>``),
-       is found by the prefix renders for the first, a middle and the last reply, which must agree and be strict
-       (a template that writes the last turn otherwise, as Qwen3's think block or Phi-3's closing eos, or moves
-       the system message, fails here); then every reply must sit between that text. The turn is then
-       (rlo - len(head), rhi + len(tail)): what the prefix renders give the three, by the same arithmetic."""
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if len(turns) < LINEAR_FROM or turns[0] == 0 or "\ue000" in full:
-        return None
-    if any(not isinstance(messages[i].get("content"), str) or messages[i].get("tool_calls") for i in turns):
-        return None
-    marks = {i: _MARK.format(k) for k, i in enumerate(turns)}
-    try:
-        text = _render(tokenizer, [m | {"content": marks[i]} if i in marks else m for i, m in enumerate(messages)])
-    except Exception:  # a template that refuses the stand-ins: the prefix renders say what it refuses
-        return None
+def _placed(full: str, messages, text: str, marks: list[str]) -> tuple[list[tuple[int, int]], list[str]] | None:
+    """Where each message's content lies in ``full`` (the real rendering), found from ``text`` (the rendering with
+    every content replaced by its mark): the text between the marks is the template's own, and in ``full`` each
+    content must be, in turn, exactly one of the content, it stripped, or it stripped at one end (``content|trim``),
+    with the template's text around it. -> ((start, end) per message, the template text before each message and
+    after the last), or None."""
     segments, at = [], 0
-    for i in turns:
-        k = text.find(marks[i], at)
-        if k < 0 or text.count(marks[i]) != 1:
+    for mark in marks:
+        k = text.find(mark, at)
+        if k < 0 or text.count(mark) != 1:
             return None
         segments.append(text[at:k])
-        at = k + len(marks[i])
+        at = k + len(mark)
     segments.append(text[at:])
     if not full.startswith(segments[0]):
         return None
-    p, replies = len(segments[0]), []
-    for i, after in zip(turns, segments[1:]):
-        c = messages[i]["content"]
+    p, places = len(segments[0]), []
+    for m, after in zip(messages, segments[1:]):
+        c = m["content"]
         fits = [r for r in dict.fromkeys((c, c.strip(), c.lstrip(), c.rstrip())) if full.startswith(r + after, p)]
-        if len(fits) != 1:  # none, or whitespace the reply and the template's text could share: not decided here
+        if len(fits) != 1:  # none, or whitespace the content and the template's text could share: not decided here
             return None
-        replies.append((p, p + len(fits[0])))
+        places.append((p, p + len(fits[0])))
         p += len(fits[0]) + len(after)
-    if p != len(full):
+    return (places, segments) if p == len(full) else None
+
+
+def _locate_linear(tokenizer, messages, full: str, train_from: int, specials) -> list[tuple[int, int, int]] | None:
+    """_locate's spans from ~8 renders instead of 2 a reply, for a template that writes every reply alike; None when
+    any check fails (the caller then renders the prefixes, as for a short conversation).
+
+    1. Render the conversation with every message's content replaced by a stand-in (``_placed``): each reply's
+       place in ``full``, and the template's own text before and after it. Every reply must have the same text
+       before it (from the end of the message before), and every reply but the last the same text after it (to the
+       next message's content): a reply the template writes with more (its reasoning_content, a name), after
+       another kind of message, or next to another reply fails here.
+    2. The prefix renders of the first, a middle and the last reply give the turn: the text it holds before the reply
+       (Mistral's " ", Qwen3's think block) must be the same for the three and lie in that text before; the text
+       after the reply (``<|im_end|>``) the same for the first and middle one and lie in the text after. The last
+       reply keeps its own end (Phi-3 closes the conversation after it). Each reply's turn then follows by the same
+       arithmetic as the three's."""
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if len(turns) < LINEAR_FROM or turns[0] == 0 or "\ue000" in full:
         return None
-    shapes = set()
+    if any(not isinstance(m.get("content"), str) or m.get("tool_calls") for m in messages):
+        return None
+    marks = [_MARK.format(j) for j in range(len(messages))]
+    try:
+        text = _render(tokenizer, [m | {"content": mark} for m, mark in zip(messages, marks)])
+    except Exception:  # a template that refuses the stand-ins: the prefix renders say what it refuses
+        return None
+    found = _placed(full, messages, text, marks)
+    if found is None:
+        return None
+    places, segments = found
+    before = {segments[i] for i in turns}
+    after = {segments[i + 1] for i in turns[:-1]}
+    if len(before) != 1 or len(after) != 1:
+        return None
+    before, after = before.pop(), after.pop()
+    heads, tails, last = set(), set(), None
     for k in sorted({0, len(turns) // 2, len(turns) - 1}):
+        i = turns[k]
         try:
-            lo, hi, strict = _turn_span(tokenizer, messages, turns[k], full, specials)
+            lo, hi, strict = _turn_span(tokenizer, messages, i, full, specials)
         except (_Unbounded, FormatError):
             return None
-        rlo, rhi = replies[k]
-        if not (strict and lo <= rlo <= rhi <= hi):
+        rlo, rhi = places[i]
+        if not (strict or _holds_reply(full, (lo, hi), messages[i])) or not (rlo - len(before) <= lo <= rlo <= rhi <= hi):
             return None
-        shapes.add((full[lo:rlo], full[rhi:hi]))
-    if len(shapes) != 1:
+        heads.add(full[lo:rlo])
+        if k == len(turns) - 1:
+            last = (lo, hi)
+        elif hi - rhi <= len(after):
+            tails.add(full[rhi:hi])
+        else:
+            return None
+    if len(heads) != 1 or len(tails) != 1:
         return None
-    head, tail = shapes.pop()
-    spans = []
-    for i, (rlo, rhi) in zip(turns, replies):
-        if not (full.startswith(head, rlo - len(head)) and full.startswith(tail, rhi)) or rlo < len(head):
-            return None
-        if i >= train_from:
-            spans.append((i, rlo - len(head), rhi + len(tail)))
-    return spans
+    head, tail = len(heads.pop()), len(tails.pop())
+    spans = [(i, places[i][0] - head, places[i][1] + tail) for i in turns[:-1]] + [(turns[-1], *last)]
+    return [s for s in spans if s[0] >= train_from]
 
 
 def _insertion_points(short: str, long: str) -> range:
