@@ -293,3 +293,12 @@ def test_a_qwen3_conversation_that_opens_with_a_reply_is_refused(tokenizer):
     tok = make_tokenizer(tokenizer, *BASES["qwen3"])
     with pytest.raises(FormatError, match="not prefix-stable at message 0: .*data.train_on=all"):
         encode_chat(tok, [{"role": "assistant", "content": "Welcome!"}] + TURNS[:2])
+
+
+def test_a_blank_system_message_moved_into_the_last_user_turn_still_trains(tokenizer):
+    """Mistral v0.3 writes the system message into the last user turn: a whitespace-only one is an inserted piece of
+    whitespace, which no system text can be checked against; the record was refused, where "Be brief." trains."""
+    tok = make_tokenizer(tokenizer, *BASES["mistral_v03"])
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]
+    for system in ("Be brief.", " "):
+        assert encode(tok, [{"role": "system", "content": system}] + turns) == [" a</s>"], system

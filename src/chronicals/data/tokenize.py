@@ -483,14 +483,13 @@ def _without_system(tokenizer, messages, full: str, train_from: int, specials) -
     system = messages[0].get("content")
     system = system.strip() if isinstance(system, str) else ""
     width = len(full) - len(rest_full)
-    if width and not system:
-        return None  # an inserted piece that cannot be checked to be the system message
     if width == 0:
         places = [0] if full == rest_full else []  # dropped: nothing moves
         if places and system:
             _warn_dropped_system(tokenizer)
-    else:
-        places = [at for at in _insertion_points(rest_full, full) if system in full[at:at + width]]
+    else:  # the inserted piece holds the system text; a blank system message (" "): the piece is only whitespace
+        places = [at for at in _insertion_points(rest_full, full)
+                  if (system in full[at:at + width] if system else not full[at:at + width].strip())]
     if not places:
         return None
     spans = []
