@@ -302,3 +302,12 @@ def test_a_blank_system_message_moved_into_the_last_user_turn_still_trains(token
     turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]
     for system in ("Be brief.", " "):
         assert encode(tok, [{"role": "system", "content": system}] + turns) == [" a</s>"], system
+
+
+def test_a_refusal_at_two_replies_in_a_row_says_to_merge_them(tokenizer):
+    """Qwen3 gives a reply rendered last the think block it has nowhere else: two assistant messages in a row cannot
+    be located by prefix renders. The refusal names the pair and the fix in the data."""
+    tok = make_tokenizer(tokenizer, *BASES["qwen3"])
+    msgs = [TURNS[0], {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}, TURNS[2], TURNS[3]]
+    with pytest.raises(FormatError, match=r"messages 1 and 2 are both assistant messages: merge them into one reply"):
+        encode_chat(tok, msgs)

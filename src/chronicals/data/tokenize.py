@@ -555,8 +555,13 @@ def encode_chat(tokenizer, messages: list[dict], train_from: int = 0, markers: b
     except _Unbounded as e:
         spans = _without_system(tokenizer, messages, full, train_from, specials)
         if spans is None:
+            pair = next((j for j in range(max(e.index, 1), 0, -1) if messages[j]["role"] == messages[j - 1]["role"]
+                         == "assistant"), None)
+            hint = (f"; messages {pair - 1} and {pair} are both assistant messages: merge them into one reply (a "
+                    "template that writes the last reply otherwise, as Qwen3's think block, renders the first of "
+                    "them differently when it is last)" if pair is not None else "")
             raise FormatError(
-                f"the chat template is not prefix-stable at message {e.index}: rendering the first {e.index + 1} "
+                f"the chat template is not prefix-stable at message {e.index}{hint}: rendering the first {e.index + 1} "
                 "messages is not a prefix of rendering them all (or an assistant message comes first), and neither "
                 "fallback located the reply (dropping special tokens the template writes only at the end of a "
                 "conversation, as Phi-3's eos; rendering without the system message, which Mistral v0.3 moves "
