@@ -127,3 +127,27 @@ def test_one_reply_closed_otherwise_steps_aside(tokenizer):
     got, want = encode_chat(tok, msgs), exact(tok, msgs)
     assert tok.decode(want[0][want[1]]).count("<|endoftext|>") == 1
     assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+
+
+# turns that end in plain text: the whitespace after a reply is trained unless the reply's own text ends in a special
+# token's (then _turn_end trims it); a template with no generation prompt whose header ends in a special token
+PLAIN = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ '### User: ' + m['content'] + '\n' }}"
+         "{% else %}{{ '### Assistant: ' + m['content'] + '\n\n' }}{% endif %}{% endfor %}"
+         "{% if add_generation_prompt %}{{ '### Assistant: ' }}{% endif %}")
+HEADER_SPECIAL = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ '<|im_start|>user: ' + m['content'] + '\n' }}"
+                  "{% else %}{{ '<|im_end|>' + m['content'] + '\n' }}{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("template, odd", [(PLAIN, "</s>"), (PLAIN, "y<|endoftext|>"), (HEADER_SPECIAL, "")],
+                         ids=["plain-special", "plain-special-tail", "header-special-empty"])
+@pytest.mark.parametrize("at", [2, 8], ids=["middle", "last"])
+def test_where_a_reply_ends_is_its_own(tokenizer, template, odd, at):
+    """Whether the whitespace after a reply is trained depends on the reply's own text (_turn_end trims it after a
+    special token's text): the shortcut ends each reply as the prefix renders do, not by three sampled replies'
+    lengths (the labels of a record depended on whether it had 7 or 8 replies; a mutation walk)."""
+    tok = make_tokenizer(tokenizer, template, "<s>", "</s>", [])
+    msgs = []
+    for k in range(9):
+        msgs += [{"role": "user", "content": f"q{k}"}, {"role": "assistant", "content": odd if k == at else f"a{k}"}]
+    got, want = encode_chat(tok, msgs), exact(tok, msgs)
+    assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()

@@ -246,9 +246,10 @@ def _closing_dropped(upto: str, full: str, lo: int, specials: tuple[str, ...]) -
     return q if q > lo else None
 
 
-def _turn_span(tokenizer, messages, i: int, full: str, specials) -> tuple[int, int, bool]:
-    """(lo, hi, strict): assistant message i's reply and end-of-turn text as a character span of full; strict
-    when messages[:i+1] renders to a prefix of full. Raises _Unbounded when the renderings cannot bound it."""
+def _turn_span(tokenizer, messages, i: int, full: str, specials) -> tuple[int, int, bool, int]:
+    """(lo, hi, strict, end): assistant message i's reply and end-of-turn text as a character span of full; strict
+    when messages[:i+1] renders to a prefix of full; end: where the turn's text ends before ``_turn_end`` trims the
+    whitespace after its closing special token. Raises _Unbounded when the renderings cannot bound it."""
     try:
         before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else _opening(tokenizer, messages)
     except Exception as e:  # a template may not render an empty prefix (assistant first)
@@ -260,7 +261,7 @@ def _turn_span(tokenizer, messages, i: int, full: str, specials) -> tuple[int, i
         hi = _turn_end(full, lo, len(upto), specials)
         if i == len(messages) - 1 and _closes_twice(full, lo, hi, specials):
             hi = _where_it_goes_on(tokenizer, messages, full, lo, hi, specials)
-        return lo, hi, True
+        return lo, hi, True, len(upto)
     if not (upto.startswith(before) and full.startswith(before)):
         raise _Unbounded(i)
     hi = _closing_dropped(upto, full, lo, specials)
@@ -268,7 +269,7 @@ def _turn_span(tokenizer, messages, i: int, full: str, specials) -> tuple[int, i
         hi = _opened_differently(upto, full, lo)
     if hi is None:
         raise _Unbounded(i)
-    return lo, _turn_end(full, lo, hi, specials), False
+    return lo, _turn_end(full, lo, hi, specials), False, hi
 
 
 def _closes_twice(text: str, lo: int, hi: int, specials: tuple[str, ...]) -> bool:
@@ -355,7 +356,7 @@ def _locate(tokenizer, messages, full: str, train_from: int, specials) -> list[t
     for i, m in enumerate(messages):
         if m["role"] != "assistant" or i < train_from:
             continue
-        lo, hi, strict = _turn_span(tokenizer, messages, i, full, specials)
+        lo, hi, strict, _ = _turn_span(tokenizer, messages, i, full, specials)
         if not (strict or _holds_reply(full, (lo, hi), m)):
             raise _Unbounded(i)
         spans.append((i, lo, hi))
@@ -433,7 +434,7 @@ def _locate_linear(tokenizer, messages, full: str, train_from: int, specials) ->
     for k in sorted({0, len(turns) // 2, len(turns) - 1}):
         i = turns[k]
         try:
-            lo, hi, strict = _turn_span(tokenizer, messages, i, full, specials)
+            lo, hi, strict, end = _turn_span(tokenizer, messages, i, full, specials)
         except (_Unbounded, FormatError):
             return None
         rlo, rhi = places[i]
@@ -442,14 +443,15 @@ def _locate_linear(tokenizer, messages, full: str, train_from: int, specials) ->
         heads.add(full[lo:rlo])
         if k == len(turns) - 1:
             last = (lo, hi)
-        elif hi - rhi <= len(after):
-            tails.add(full[rhi:hi])
+        elif end - rhi <= len(after):
+            tails.add(full[rhi:end])  # untrimmed: whether the whitespace after it is trained is each reply's own
         else:
             return None
     if len(heads) != 1 or len(tails) != 1:
         return None
     head, tail = len(heads.pop()), len(tails.pop())
-    spans = [(i, places[i][0] - head, places[i][1] + tail) for i in turns[:-1]] + [(turns[-1], *last)]
+    spans = [(i, places[i][0] - head, _turn_end(full, places[i][0] - head, places[i][1] + tail, specials))
+             for i in turns[:-1]] + [(turns[-1], *last)]
     return [s for s in spans if s[0] >= train_from]
 
 
