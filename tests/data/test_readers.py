@@ -2,6 +2,7 @@
 dangling links, a .json holding one object, JSON arrays with missing or extra commas, short CSV rows, long CSV
 cells and CSV line numbers, pipes, data-like files a directory walk does not read, and a missing pyarrow."""
 
+import codecs
 import csv
 import json
 import logging
@@ -289,3 +290,26 @@ def test_a_truncated_arrow_stream_is_a_data_error(tmp_path):
     path.write_bytes(path.read_bytes()[: path.stat().st_size * 2 // 3])
     with pytest.raises(DataError, match="not a readable arrow file"):
         read_file(path)
+
+
+@pytest.mark.parametrize("lead", [b"", codecs.BOM_UTF8, codecs.BOM_UTF8 + b"\n", b"\n\n \n"],
+                         ids=["plain", "bom", "bom-blank-line", "blank-lines"])
+def test_a_pretty_printed_array_in_a_jsonl_is_named_through_a_bom_and_blank_lines(tmp_path, lead):
+    """One JSON array spread over lines under a .jsonl name is one DataError saying so, also after a byte-order
+    mark and blank lines (BOM + blank line gave an 'invalid JSON' per line: a mutation walk)."""
+    p = tmp_path / "x.jsonl"
+    p.write_bytes(lead + json.dumps([{"prompt": "a", "completion": "b"}], indent=1).encode())
+    with pytest.raises(DataError, match="one JSON array spread over lines"):
+        read_file(p)
+
+
+def test_line_one_of_a_bom_file_counts_the_bom_in_its_byte_offset_and_csv_keeps_quoted_crlf(tmp_path):
+    """Byte offsets are the file's (the 3 BOM bytes included); a quoted CSV cell keeps its "\\r\\n" (universal
+    newlines would make it "\\n")."""
+    p = tmp_path / "b.jsonl"
+    p.write_bytes(codecs.BOM_UTF8 + b'{"text": "\xff"}\n')
+    (rec,) = read_file(p)
+    assert rec.data is None and "not valid UTF-8 at byte 13" in rec.error, rec.error
+    c = tmp_path / "c.csv"
+    c.write_bytes(b'prompt,completion\r\n"line1\r\nline2",ok\r\n')
+    assert [r.data for r in read_file(c)] == [{"prompt": "line1\r\nline2", "completion": "ok"}]

@@ -276,7 +276,8 @@ def _refuse_spread_json(path: Path, f: BinaryIO) -> None:
     lines (pretty-printed, the first line a lone '[' or '{'): every line was a bad record ('invalid JSON at column
     2', ...), none naming the cause."""
     head = [f.readline() for _ in range(8)]
-    first = next((line.strip() for line in head if line.strip()), b"").removeprefix(codecs.BOM_UTF8).strip()
+    head[0] = head[0].removeprefix(codecs.BOM_UTF8)  # BOM + a blank line: that line is blank
+    first = next((line.strip() for line in head if line.strip()), b"")
     f.seek(0)
     if first not in (b"[", b"{"):
         return
