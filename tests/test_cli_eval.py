@@ -342,16 +342,19 @@ def test_eval_passes_num_proc_and_on_long_split_to_the_data(tiny_base, data_file
 
 def test_eval_json_replaces_an_earlier_result_but_no_other_file(tiny_base, data_file, tmp_path, capsys):
     """--json over an existing file replaced it whatever it was (another run's adapter_config.json or config.yaml,
-    which chat / eval / train read back; a docs walk): only an earlier eval result is written over; a directory is
-    said before the scoring, not when the rename onto it fails."""
+    which chat / eval / train read back; a docs walk): only an earlier eval result (a JSON object with "data" and
+    "loss") is written over; a directory is said before the scoring, not when the rename onto it fails."""
     first = _eval(["--model", tiny_base, data_file], tmp_path, "e.json")
     assert _eval(["--model", tiny_base, data_file], tmp_path, "e.json") == first  # an earlier result: replaced
-    other = tmp_path / "adapter_config.json"
-    other.write_text('{"peft_type": "LORA"}')
+    others = {"adapter_config.json": '{"peft_type": "LORA"}', "config.yaml": "model: x\n",
+              "metrics.json": '{"loss": 1.0, "step": 3}'}  # JSON, not JSON, a loss without data
     folder = tmp_path / "folder"
     folder.mkdir()
-    for target, says in ((other, "exists and is not an earlier chronicals eval result"), (folder, "is a directory")):
+    targets = [(tmp_path / n, "exists and is not an earlier chronicals eval result") for n in others]
+    for (target, says) in targets + [(folder, "is a directory")]:
+        if target.name in others:
+            target.write_text(others[target.name])
         with pytest.raises(SystemExit) as e:
             main(["eval", "--model", str(tiny_base), str(data_file), "--device", "cpu", "--json", str(target)])
-        assert e.value.code == 2 and says in capsys.readouterr().err
-    assert other.read_text() == '{"peft_type": "LORA"}'
+        assert e.value.code == 2 and says in capsys.readouterr().err, target
+    assert {n: (tmp_path / n).read_text() for n in others} == others

@@ -133,8 +133,6 @@ def cmd_eval(argv: list[str]) -> int:
             if target and (out == target or target in out.parents):
                 p.error(f"--json {a.json} would {'overwrite' if out == target else 'write into'} {name} {given}; "
                         "choose a file outside it")
-        if out.is_dir():  # the rename onto it failed after the scoring
-            p.error(f"--json {a.json} is a directory; give a file name (e.g. {Path(a.json) / 'eval.json'})")
         if out.exists() and not _earlier_result(out):  # another run's adapter_config.json, config.yaml, ...
             p.error(f"--json {a.json} exists and is not an earlier chronicals eval result (a JSON object with "
                     "'data' and 'loss'), which is all eval writes over; choose another file, or remove it first")
