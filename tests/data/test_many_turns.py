@@ -151,3 +151,20 @@ def test_where_a_reply_ends_is_its_own(tokenizer, template, odd, at):
         msgs += [{"role": "user", "content": f"q{k}"}, {"role": "assistant", "content": odd if k == at else f"a{k}"}]
     got, want = encode_chat(tok, msgs), exact(tok, msgs)
     assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+
+
+def test_a_template_that_refuses_the_stand_ins_or_the_probe_keeps_the_prefix_renders(tokenizer):
+    """A template that checks the content (here: refuses private-use characters) fails the stand-in rendering, and for
+    Phi-3's last reply the one-more-turn probe: the record is located by the prefix renders (and its last turn keeps
+    its span), not refused."""
+    from test_template_fallback import PHI3
+
+    guard = "{% for m in messages %}{% if '\ue000' in m['content'] %}{{ raise_exception('no') }}{% endif %}{% endfor %}"
+    for name, template in (("chatml", BASES["chatml"][0]), ("phi3", PHI3)):
+        spec = BASES[name]
+        tok = make_tokenizer(tokenizer, guard + template, *spec[1:])
+        msgs = conversation(random.Random(5), 9, False)
+        msgs[-1]["content"] = "x"
+        got, want = encode_chat(tok, msgs), exact(tok, msgs)
+        assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+        assert got[0].tolist() == tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"]

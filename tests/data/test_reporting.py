@@ -256,3 +256,16 @@ def test_truncation_that_cuts_a_tenth_or_more_names_the_fixes(tokenizer, tmp_pat
     assert 0.1 <= lost < 0.5, lost
     warned = messages(caplog, logging.WARNING)
     assert len(warned) == 1 and "raise max_seq_len to keep more of them, or set overlong=split" in warned[0], warned
+
+
+def test_a_blank_reply_in_a_conversational_prompt_is_not_an_empty_target(tokenizer, tmp_path, caplog):
+    """The empty-target warning is about what is trained: a blank assistant message inside a conversational
+    completion's prompt trains nothing, and says nothing; a blank reply in its completion does."""
+    prompt = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""},
+              {"role": "user", "content": "Capital of France?"}]
+    p = write(tmp_path / "c.jsonl", [{"prompt": prompt, "completion": [{"role": "assistant", "content": "Paris."}]}])
+    with caplog.at_level(logging.WARNING, logger="chronicals.data"):
+        ds = load_dataset(p, tokenizer, max_seq_len=128)
+    assert ds.stats.empty_targets == 0 and not [m for m in messages(caplog, logging.WARNING) if "empty" in m]
+    q = write(tmp_path / "d.jsonl", [{"prompt": prompt, "completion": [{"role": "assistant", "content": " "}]}])
+    assert load_dataset(q, tokenizer, max_seq_len=128).stats.empty_targets == 1
