@@ -410,7 +410,10 @@ def _eval_worker(rank: int, port: int, out: str) -> None:
             return rank == 1 and len(asked) == 2
 
         stopped = step_mod.evaluate_loss(model, loader, dev, stop=stop, dp=dp)
-        torch.save({"len": len(loader), "ran": mine, "loss": loss, "n": n, "stopped": stopped},
+        # a loader already sharded by rank (train(eval_loader=PackedLoader(..., rank=, world_size=))): each rank
+        # scores all of its own batches (an empty one in the last round), the sums all-reduced
+        own = step_mod.evaluate_loss(model, _remainder_loader(rank, WORLD), dev, dp=dp)
+        torch.save({"len": len(loader), "ran": mine, "loss": loss, "n": n, "stopped": stopped, "own": own},
                    f"{out}/eval{rank}.pt")
         dp.barrier()
     finally:
@@ -738,6 +741,9 @@ def test_held_out_evaluation_is_split_over_the_ranks_and_stopped_by_all_together
     first_round = sum(int(b.num_loss_tokens) for b in list(SyntheticLoader(synthetic_docs(40, seed=3), batch_size=1,
                                                                               shuffle=False))[:2])
     assert r0["stopped"] == r1["stopped"] == (None, first_round)
+    whole = evaluate_loss(_on(tiny_model(seed=0), REF), _remainder_loader(0, 1), REF)
+    for r in (r0, r1):
+        assert r["own"][1] == whole[1] and r["own"][0] == pytest.approx(whole[0], rel=1e-6)
 
 
 def test_a_stop_signal_to_one_rank_in_an_interval_evaluation_checkpoints_that_step_on_all(tmp_path):

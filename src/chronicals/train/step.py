@@ -135,20 +135,24 @@ def evaluate_loss(model, batches, device: torch.device, stop=None,
     ``dp`` (data parallel, optional; every rank calls this with the same ``batches``): rank r evaluates batches
     r, r + W, ... and the sums and counts are all-reduced, so each rank returns the whole pass's loss in 1/W of its
     time; ``stop`` is then asked before each round of W batches and agreed on (any rank's True stops all of them
-    there: a host sync a round, only when ``stop`` is given)."""
+    there: a host sync a round, only when ``stop`` is given). A loader already sharded by rank (a PackedLoader with
+    ``world_size`` > 1, which gives every rank as many batches) is this rank's share: all of it is scored."""
     rank, world = (dp.rank, dp.world_size) if dp is not None and dp.enabled else (0, 1)
+    reduce = world > 1
+    if getattr(batches, "world_size", 1) > 1:  # its own shard: every batch here, one round each
+        rank, world = 0, 1
     total, n, stopped = torch.zeros((), dtype=torch.float64, device=device), 0, False
     with eval_mode(model):
         for i, b in enumerate(batches):
             if stop is not None and i % world == 0:
-                stopped = bool(dp.all_reduce_flag(stop())) if world > 1 else bool(stop())
+                stopped = bool(dp.all_reduce_flag(stop())) if reduce else bool(stop())
                 if stopped:
                     break
             if i % world != rank:
                 continue
             total += batch_loss_sum(model, b, device).double()
             n += int(b.num_loss_tokens)
-    if world > 1:
+    if reduce:
         sums = torch.stack([total, torch.tensor(float(n), dtype=torch.float64, device=device)])
         dp.all_reduce_sum_(sums)
         total, n = sums[0], int(sums[1].item())
