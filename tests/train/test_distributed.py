@@ -438,6 +438,60 @@ def _eval_stop_worker(rank: int, port: int, out: str) -> None:
     torch.save({"status": res.status, "step": res.step, "e": e}, f"{out}/stop{rank}.pt")
 
 
+def _heldout_disagree_worker(rank: int, port: int, out: str) -> None:
+    """Each rank is given another held-out set (rank 1 a shorter one), then an eval loader sharded for 4 ranks:
+    the error each train() raises."""
+    from pathlib import Path
+
+    from chronicals.data import PackedLoader
+
+    _torchrun_env(rank, port)
+    docs = synthetic_docs(40, seed=1)
+    said = []
+    ds = _remainder_loader(0, 1).dataset
+    other = PackedLoader(ds, batch_size=1, max_seq_len=32, shuffle=False)  # rank 1: the same batches, other tokens
+    other.dataset = type(ds)(ds.ids[::-1].copy(), ds.trainable, ds.offsets, 0, ds.stats, 32)
+    held = PackedLoader(ds, batch_size=1, max_seq_len=32, shuffle=False) if rank == 0 else other
+    for i, eval_loader in enumerate((held, PackedLoader(ds, batch_size=1, max_seq_len=32, shuffle=False, rank=rank,
+                                                        world_size=4))):
+        os.environ["MASTER_PORT"] = str(port + i)
+        cfg = tiny_config(Path(out) / f"r{i}", train__max_steps=2, eval__every=1, model__device=DEVICE)
+        try:
+            train(cfg, model=tiny_model(seed=0), train_loader=_shards(docs, WORLD)[1][rank], eval_loader=eval_loader)
+            said.append("no error")
+        except ValueError as e:
+            said.append(str(e))
+    torch.save(said, f"{out}/disagree{rank}.pt")
+
+
+def _closing_worker(rank: int, port: int, out: str) -> None:
+    """A finished run whose closing evaluation is then taken out of its metrics (a stop between its last step and
+    that evaluation), run again with resume=auto, with a held-out loader sharded by rank: the result's held-out
+    losses on each rank."""
+    import json
+    from pathlib import Path
+
+    from chronicals.data import PackedLoader
+
+    _torchrun_env(rank, port)
+    docs = synthetic_docs(40, seed=1)
+    ds = _remainder_loader(0, 1).dataset
+    held = lambda: PackedLoader(ds, batch_size=1, max_seq_len=32, shuffle=False, rank=rank, world_size=WORLD)  # noqa
+    cfg = tiny_config(Path(out), train__max_steps=2, train__resume="auto", model__device=DEVICE)
+    first = train(cfg, model=tiny_model(seed=0), train_loader=_shards(docs, WORLD)[1][rank], eval_loader=held())
+    if rank == 0:
+        m = Path(out) / "run" / "metrics.jsonl"
+        recs = [json.loads(line) for line in m.read_text().splitlines()]
+        m.write_text("".join(json.dumps(r) + "\n" for r in recs if r.get("tag") != "after"))
+    os.environ["MASTER_PORT"] = str(port + 1)
+    dist_barrier_file = Path(out) / f"edited{rank}"
+    dist_barrier_file.touch()
+    while not all((Path(out) / f"edited{r}").exists() for r in range(WORLD)):
+        pass
+    again = train(cfg, model=tiny_model(seed=0), train_loader=_shards(docs, WORLD)[1][rank], eval_loader=held())
+    torch.save({"first": first.eval_loss_after, "again": again.eval_loss_after}, f"{out}/closing{rank}.pt")
+
+
 # ---- tests ----
 def test_buckets_split_by_dtype_and_size():
     ts = [torch.zeros(3), torch.zeros(4, dtype=torch.float64), torch.zeros(5), torch.zeros(9), torch.zeros(2)]
@@ -757,3 +811,35 @@ def test_a_stop_signal_to_one_rank_in_an_interval_evaluation_checkpoints_that_st
     assert [r.get("tag") for r in recs if r["kind"] == "eval"] == ["before"]
     assert (tmp_path / "run" / "checkpoints" / "step-000002").is_dir()
     assert not (tmp_path / "run" / "checkpoints" / "step-000003").exists()
+
+
+def test_ranks_with_other_held_out_sets_or_a_wrongly_sharded_one_are_refused(tmp_path):
+    """The held-out pass is a series of collectives now: ranks given other held-out sets logged a loss mixed from
+    both (and with eval.every hung at the first interval evaluation, until the collective timeout). Their held-out
+    data and batches are compared at setup like the training data's; an eval loader sharded for another number of
+    ranks is refused like a train loader (a data-parallel walk)."""
+    port = _free_port()
+    while port + 1 in _USED_PORTS:
+        port = _free_port()
+    _USED_PORTS.add(port + 1)
+    mp.spawn(_heldout_disagree_worker, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
+    for r in range(WORLD):
+        other, sharded = torch.load(tmp_path / f"disagree{r}.pt")
+        assert "the data-parallel ranks disagree on this run's held-out data" in other, other
+        assert "eval_loader has world_size=4 but the job runs 2 ranks" in sharded, sharded
+
+
+def test_a_rerun_that_only_closes_the_run_scores_the_whole_held_out_set_on_every_rank(tmp_path):
+    """The closing evaluation a rerun runs after a stop (finish._already_done) ran on rank 0 alone, without the
+    other ranks: a loader sharded by rank was scored in part (55 of 104 tokens in a walk) and the other ranks
+    returned no held-out loss. Every rank scores its share now, as at the end of a run."""
+    port = _free_port()
+    while port + 1 in _USED_PORTS:
+        port = _free_port()
+    _USED_PORTS.add(port + 1)
+    mp.spawn(_closing_worker, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
+    r0, r1 = (torch.load(tmp_path / f"closing{r}.pt") for r in range(WORLD))
+    assert r0["first"] is not None and r0["first"] == r1["first"]
+    assert r0["again"] == pytest.approx(r0["first"], rel=1e-9) and r1["again"] == r0["again"]
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["eval_loss"] for r in recs if r.get("tag") == "after"] == [r0["again"]]

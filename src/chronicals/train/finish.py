@@ -46,6 +46,8 @@ def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, token
     eval_loader, heldout_qa, report = closing
     closing_due = (dp.is_main and eval_loader is not None and ckpt.is_own(checkpoint, out_dir)
                    and not _closed(out_dir, total))
+    if dp.enabled:  # rank 0's finding, for every rank: each scores its share of the held-out set (collectives)
+        closing_due = bool(dp.all_reduce_flag(closing_due))
     final = final_dir(cfg, out_dir)
     left = (["its closing evaluation"] if closing_due else []) + (
         [f"its final {final.name}"] if cfg.train.save_final and dp.is_main and not final.is_dir() else [])
@@ -58,13 +60,14 @@ def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, token
     result = TrainResult(status="completed", step=total, total_steps=total, out_dir=out_dir, checkpoint=checkpoint,
                          start_step=total)
     if closing_due:
+        loss, n = evaluate_loss(model, eval_loader, dp.device, dp=dp)
+        result.eval_loss_after = loss
+    if closing_due and dp.is_main:
         metrics = MetricsLog(out_dir, cfg.logging.tensorboard, total)  # out_dir's records up to its last step
         result.eval_loss_before = next((r.get("eval_loss") for r in metrics.records
                                         if r.get("kind") == "eval" and r.get("tag") == "before"), None)
-        loss, n = evaluate_loss(model, eval_loader, dp.device)
         metrics.write({"kind": "eval", "step": total, "eval_loss": loss, "eval_tokens": n, "tag": "after"})
         metrics.close()
-        result.eval_loss_after = loss
         log.info("%s: the run was stopped after its last step, before its closing evaluation; its closing held-out "
                  "loss %.4f is logged now",
                  checkpoint, loss)

@@ -16,6 +16,8 @@ the final adapter/model and the plot; every rank evaluates the whole held-out se
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import math
 import random
@@ -54,6 +56,13 @@ from .step import accumulate_data_parallel, clip_grad_norm, evaluate_loss
 from .stream import _replan, _restore_position, _spread, _step_plan, _Stream, cut_fraction
 
 log = logging.getLogger("chronicals.train")
+
+
+def _qa_digest(records: list[dict] | None) -> str | None:
+    """A digest of the held-out question/answer records (ranks compare them), or None."""
+    if records is None:
+        return None
+    return hashlib.sha256(json.dumps(records, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 class _StopFlag:
@@ -234,6 +243,10 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     elif getattr(train_loader, "world_size", dp.world_size) != dp.world_size:
         raise ValueError(f"train_loader has world_size={train_loader.world_size} but the job runs "
                          f"{dp.world_size} ranks; build it with PackedLoader(rank=RANK, world_size=WORLD_SIZE)")
+    if getattr(eval_loader, "world_size", 1) not in (1, dp.world_size):  # scored in part, silently
+        raise ValueError(f"eval_loader has world_size={eval_loader.world_size} but the job runs {dp.world_size} "
+                         "ranks; pass the held-out loader unsharded (each rank scores its share) or built with "
+                         "PackedLoader(rank=RANK, world_size=WORLD_SIZE)")
     trainable = [p for p in model.parameters() if p.requires_grad]
     dp.broadcast_params(trainable)  # rank 0's values everywhere, even if an init differed between ranks
     total, last_batches = _step_plan(cfg, len(train_loader), spread=_spread(train_loader))
@@ -303,8 +316,12 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     warn_short_warmup(cfg, total)
     if dp.enabled:  # each rank found its own checkpoint and read its own data: they must be the same
         data = getattr(stream.loader, "dataset", None)
-        dp.check_same({"first step": start, "steps": total, "data": getattr(data, "digest", None),
-                       "batches an epoch": len(stream.loader) if hasattr(stream.loader, "__len__") else None},
+        held = getattr(eval_loader, "dataset", None)  # its pass is a series of collectives: other held-out sets
+        dp.check_same({"first step": start, "steps": total, "data": getattr(data, "digest", None),  # mixed, or hung
+                       "batches an epoch": len(stream.loader) if hasattr(stream.loader, "__len__") else None,
+                       "held-out data": getattr(held, "digest", None),
+                       "held-out batches": len(eval_loader) if hasattr(eval_loader, "__len__") else None,
+                       "held-out questions": _qa_digest(heldout_qa)},
                       "every rank must read the same train.out_dir (its checkpoints) and data files: on several "
                       "nodes, put them on a file system all of them share")
     # another run's checkpoints in out_dir (resume=none over a finished run, or a resume from an earlier step), and
