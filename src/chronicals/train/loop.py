@@ -16,8 +16,6 @@ the final adapter/model and the plot; every rank evaluates the whole held-out se
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import math
 import random
@@ -56,13 +54,6 @@ from .step import accumulate_data_parallel, clip_grad_norm, evaluate_loss
 from .stream import _replan, _restore_position, _spread, _step_plan, _Stream, cut_fraction
 
 log = logging.getLogger("chronicals.train")
-
-
-def _qa_digest(records: list[dict] | None) -> str | None:
-    """A digest of the held-out question/answer records (ranks compare them), or None."""
-    if records is None:
-        return None
-    return hashlib.sha256(json.dumps(records, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 class _StopFlag:
@@ -320,8 +311,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         dp.check_same({"first step": start, "steps": total, "data": getattr(data, "digest", None),  # mixed, or hung
                        "batches an epoch": len(stream.loader) if hasattr(stream.loader, "__len__") else None,
                        "held-out data": getattr(held, "digest", None),
-                       "held-out batches": len(eval_loader) if hasattr(eval_loader, "__len__") else None,
-                       "held-out questions": _qa_digest(heldout_qa)},
+                       "held-out batches": len(eval_loader) if hasattr(eval_loader, "__len__") else None},
                       "every rank must read the same train.out_dir (its checkpoints) and data files: on several "
                       "nodes, put them on a file system all of them share")
     # another run's checkpoints in out_dir (resume=none over a finished run, or a resume from an earlier step), and
