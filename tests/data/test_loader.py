@@ -339,3 +339,72 @@ def test_an_empty_batch_is_as_wide_as_the_other_ranks_batches():
                             pad_to_multiple_of=5) for r in range(4)]
     shapes = {tuple(b.input_ids.shape) for loader in loaders for b in loader}
     assert shapes == {(1, 16)} and sum(loader.empty_batches for loader in loaders[:1]) > 0
+
+
+def test_token_budget_mode_reshuffles_its_rows_each_epoch():
+    """data.tokens_per_batch: each epoch takes the packed rows in another seeded order, as rows mode does (unshuffled,
+    BFD's order is longest-first, a silent curriculum; untested: a mutation walk)."""
+    ds = synthetic()
+    a = PackedLoader(ds, tokens_per_batch=64, max_seq_len=24, seed=7)
+    e0, e1 = [b.input_ids.tolist() for b in a], [b.input_ids.tolist() for b in a]
+    assert e0 != e1 and sorted(map(str, e0)) == sorted(map(str, e1))
+    assert [b.input_ids.tolist() for b in PackedLoader(ds, tokens_per_batch=64, max_seq_len=24, seed=8)] != e0
+
+
+def test_shuffle_false_keeps_the_packed_order():
+    """shuffle=False (the held-out loader's) takes the rows as packed, every epoch (untested: a mutation walk)."""
+    keep = PackedLoader(synthetic(), batch_size=1, max_seq_len=24, shuffle=False)
+    for _ in range(2):
+        assert [int(b.input_ids[0, 0]) // 1000 - 1 for b in keep] == [row[0] for row in keep.rows]
+
+
+def test_an_epoch_yields_exactly_its_batches():
+    """One epoch's iterator ends after len(loader) batches: read through islice, so a loader that never ends fails
+    here at once instead of filling the memory (a mutation walk's `list(loader)` reached 10.9 GB)."""
+    from itertools import islice
+
+    for kw in (dict(batch_size=3), dict(tokens_per_batch=64), dict(batch_size=2, rank=1, world_size=3)):
+        loader = PackedLoader(synthetic(), max_seq_len=24, **kw)
+        assert len(list(islice(iter(loader), len(loader) + 1))) == len(loader), kw
+
+
+def test_token_budget_slots_count_the_padding_to_a_multiple():
+    """stats["slots"] (the setup log's packing efficiency) counts the padding to pad_to_multiple_of: the batches'
+    own sizes (untested: a mutation walk)."""
+    padded = PackedLoader(synthetic(), tokens_per_batch=64, max_seq_len=24, pad_to_multiple_of=16)
+    assert padded.stats["slots"] == sum(b.input_ids.numel() for b in padded) > padded.stats["tokens"]
+
+
+def test_the_loader_refuses_bad_arguments_from_python():
+    """The config checks these first; a Python caller gets the loader's own message instead of a ZeroDivisionError
+    (batch_size=0), rank 0's batches twice (rank == world_size) or other rows (a negative position)."""
+    ds = synthetic()
+    with pytest.raises(ValueError, match="batch_size=0"):
+        PackedLoader(ds, batch_size=0, max_seq_len=24)
+    with pytest.raises(ValueError, match="rank=2 must be in 0..world_size-1"):
+        PackedLoader(ds, batch_size=1, max_seq_len=24, rank=2, world_size=2)
+    loader = PackedLoader(ds, batch_size=2, max_seq_len=24)
+    with pytest.raises(ValueError, match="no 'position'"):
+        loader.load_state_dict({**loader.state_dict(), "position": -1})
+
+
+@pytest.mark.parametrize("new_w", [1, 2, 3])
+def test_a_cut_epoch_end_resumed_on_other_ranks_names_the_untrained_batch(new_w, caplog):
+    """0.9 of 10 global batches on 2 ranks: rank 1's 5th batch is empty, so global batch 10 is not trained. A resume
+    of that epoch's end on any number of ranks says so. On 3 ranks it said nothing: the saved position was first
+    rewritten to this loader's own batches (4), times the saved 2 ranks is 8 < 9; without the cap at the epoch's
+    batches 1 rank said "10..20" (a mutation walk)."""
+    import logging
+
+    lengths = np.full(10, 8)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    ds = TokenizedDataset(np.arange(1, offsets[-1] + 1, dtype=np.int32), np.ones(offsets[-1], bool), offsets, 0,
+                          DatasetStats(records=10, documents=10, tokens=int(offsets[-1])), 8)
+    saved = PackedLoader(ds, batch_size=1, max_seq_len=8, seed=0, rank=0, world_size=2)
+    saved.cut_epoch(0, 9)
+    assert len(list(saved)) == 5  # the whole cut epoch: position 5 of 5
+    state = {**saved.state_dict(), "epoch": 0, "position": 5}  # as the checkpoint at its last step wrote it
+    new = PackedLoader(ds, batch_size=1, max_seq_len=8, seed=0, rank=0, world_size=new_w)
+    with caplog.at_level(logging.WARNING, logger="chronicals.data"):
+        new.load_state_dict(state)
+    assert "global batches 10..10 of that epoch are not trained" in caplog.text, caplog.text

@@ -239,18 +239,20 @@ class PackedLoader:
             if not isinstance(state.get(key), int) or state[key] < 0:
                 raise ValueError(f"PackedLoader.load_state_dict: the state has no '{key}' (a non-negative integer): "
                                  f"{key}={state.get(key)!r}; resume from a checkpoint this loader wrote")
+        as_saved = state  # its position counts the saving loader's batches (the cut warning's arithmetic)
         if other_w and state["position"] == saved[2]:  # the saved epoch's end: this loader's own end of it
             state = {**state, "position": len(self)}
         if state["position"] > len(self):  # else the position is ignored and the rest of that epoch is skipped
             raise ValueError(f"PackedLoader.load_state_dict: position={state['position']} is not in 0..{len(self)} "
                              "(this loader's batches per epoch); resume from a checkpoint this loader wrote")
-        self._warn_cut_skipped(state)
+        self._warn_cut_skipped(as_saved)
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
     def _warn_cut_skipped(self, state: dict) -> None:
         """A run cut short in its epoch (``cut_epoch``: a fractional train.epochs under data parallelism) handed
         empty batches to the ranks past the cut in its last round; resumed on without that cut (more epochs), those
-        global batches of that epoch are not trained: said, with the numbers."""
+        global batches of that epoch are not trained: said, with the numbers. ``state``: as saved (its position in
+        the saving loader's batches, which times its ranks is the global batches handed out)."""
         cut = state.get("cut")
         if not (isinstance(cut, list) and len(cut) == 2 and cut[0] == state["epoch"]) or tuple(cut) == self._cut:
             return
