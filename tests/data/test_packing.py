@@ -66,6 +66,16 @@ def test_ffd_runs_only_when_bfd_misses_the_lower_bound(monkeypatch):
     assert len(packing.pack_bfd([4, 20, 9, 2, 7, 11, 4, 24, 18, 5, 3, 17], 25)) == 5 and calls == [1]
 
 
+def test_items_of_exactly_half_the_capacity_share_a_bin_in_the_bound():
+    """Two items of capacity / 2 fit one bin, so they are not "over half" in the lower bound: counted, the bound
+    here is 7 = BFD's bins and the FFD pass that finds 6 was skipped (a mutation walk's directed search)."""
+    lengths, cap = [3, 4, 4, 24, 18, 4, 3, 19, 11, 3, 9, 13, 13, 13, 13], 26
+    assert len(_bfd_scan(lengths, cap)) == 7 and _ffd_scan(lengths, cap) == 6
+    bins = pack_bfd(lengths, cap)
+    _check_bins(bins, lengths, cap)
+    assert len(bins) == 6
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.integers(1, 64).flatmap(lambda cap: st.tuples(st.just(cap), st.lists(st.integers(1, cap), max_size=60))))
 def test_properties(case):
@@ -141,5 +151,9 @@ def test_lengths_and_capacity_are_whole_numbers():
     with pytest.raises(ValueError, match=r"capacity=8.5; expected a whole number"):
         pack_bfd([3, 2], 8.5)
     assert pack_bfd(np.array([3, 5]), 8.0) == [[1, 0]]
+    with pytest.raises(ValueError, match=r"item 0 has length True"):  # a bool is no token count (it packed as 1)
+        pack_bfd([True, 3], 8)
+    with pytest.raises(ValueError, match=r"capacity=True"):
+        pack_bfd([1], True)
     with pytest.raises(ValueError, match=r"collate_rows: no rows"):
         collate_rows([], 8, 0)

@@ -235,7 +235,9 @@ def test_build_optimizer_chooses_and_says_why(tmp_path, caplog):
              ({"lora__enabled": True, "lora__targets": ["q_proj"]}, torch.bfloat16, MasterWeightAdamW),
              ({"lora__enabled": True, "lora__targets": ["q_proj"], "optim__master_weights": "false"}, torch.bfloat16,
               torch.optim.AdamW),
-             ({"lora__enabled": True, "lora__targets": ["q_proj"]}, torch.float32, torch.optim.AdamW)]
+             ({"lora__enabled": True, "lora__targets": ["q_proj"]}, torch.float32, torch.optim.AdamW),
+             ({"optim__master_weights": "true"}, torch.bfloat16, MasterWeightAdamW),  # untested: a mutation walk
+             ({"optim__master_weights": "true"}, torch.float32, torch.optim.AdamW)]
     for over, dtype, kind in cases:
         caplog.clear()
         cfg = tiny_config(tmp_path, **over)
@@ -353,3 +355,38 @@ def test_a_checkpoint_without_its_parameter_names_still_gives_the_masters(tmp_pa
     # two weights a master rounds to (a duplicated tensor): ambiguous, left as stored
     state["model"]["copy"] = next(iter(state["model"].values())).clone()
     assert len(masters_by_name(state)) == len(named) - 1
+
+
+def test_mixed_trainable_dtypes_get_masters(tmp_path):
+    """fp32 adapters beside a bf16 module to save (a norm trained whole): auto keeps fp32 masters for the bf16 one,
+    whose small updates would otherwise round away ("all" trainables bf16 turned them off; a mutation walk)."""
+    from chronicals.lora.inject import apply_lora
+
+    model = tiny_model(dtype=torch.bfloat16)
+    apply_lora(model, r=2, alpha=4, target_modules=("q_proj",), modules_to_save=["norm"], adapter_dtype=torch.float32)
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32, torch.bfloat16}
+    cfg = tiny_config(tmp_path, lora__enabled=True, lora__targets=["q_proj"])
+    assert type(build_optimizer(model, cfg, CPU)) is MasterWeightAdamW
+
+
+def test_a_parameter_without_a_gradient_is_left_alone():
+    """An unused parameter (no .grad) in a group: the step updates the others and leaves it and its state alone
+    (untested: a mutation walk; without the check the step failed on None.dtype)."""
+    a = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    b = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = MasterWeightAdamW([a, b], lr=1e-2)
+    a.grad = torch.ones_like(a)
+    opt.step()
+    assert not torch.equal(a, torch.ones_like(a))
+    assert torch.equal(b, torch.ones_like(b)) and b not in opt.state
+
+
+def test_master_adamw_refuses_bad_hyperparameters_and_takes_lr_zero():
+    """The config checks these first; a Python caller gets the optimizer's own message, not NaN weights (eps=0 on a
+    zero gradient, beta2=1 a bias correction of 0). lr=0 is allowed, as in torch.optim.AdamW."""
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match="eps=0.0 must be > 0"):
+        MasterWeightAdamW(p, eps=0.0)
+    with pytest.raises(ValueError, match=r"betas=\(0.9, 1.0\) must be two numbers in \[0, 1\)"):
+        MasterWeightAdamW(p, betas=(0.9, 1.0))
+    MasterWeightAdamW(p, lr=0.0)

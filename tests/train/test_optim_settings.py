@@ -198,3 +198,38 @@ def test_each_update_runs_at_the_lr_its_step_records(tmp_path, docs):
           train_loader=SyntheticLoader(docs), on_step=on_step)
     assert seen["lr"] == pytest.approx(3e-3 / 3)
     assert seen["dw"] == pytest.approx(seen["lr"], rel=1e-3)
+
+
+def test_a_run_of_warmup_plus_two_steps_is_said_to_decay(tmp_path, caplog):
+    """3 steps under warmup_steps=5: warmup 1, the peak at step 1, and the last step at min_lr_ratio: the warning
+    says it decays (a mutation walk: "holds it" survived)."""
+    from chronicals.train.optim import warn_short_warmup
+
+    assert _lrs(tmp_path, 3, kind="cosine", warmup_steps=5, min_lr_ratio=0.1)[-1] == pytest.approx(0.1)
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        warn_short_warmup(tiny_config(tmp_path, schedule__warmup_steps=5), 3)
+    assert "decays (cosine) to schedule.min_lr_ratio=0.1 of it at step 3" in caplog.text, caplog.text
+
+
+def test_nothing_trainable_is_named(tmp_path):
+    """A model with every parameter frozen: our message, not torch's "optimizer got an empty parameter list"."""
+    model = tiny_model()
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        build_optimizer(model, tiny_config(tmp_path), CPU)
+
+
+def test_fused_auto_is_off_on_the_cpu(tmp_path):
+    """optim.fused=auto: torch's fused AdamW on CUDA only (untested: a mutation walk)."""
+    assert not build_optimizer(tiny_model(), tiny_config(tmp_path), CPU).defaults["fused"]
+    assert build_optimizer(tiny_model(), tiny_config(tmp_path, optim__fused="true"), CPU).defaults["fused"]
+
+
+def test_lora_plus_refuses_a_ratio_of_zero():
+    """ratio 0 from Python would give every lora_B an lr of 0 (B never trains); the config refuses it first."""
+    from chronicals.lora import lora_plus_param_groups
+
+    model = tiny_model()
+    apply_lora(model, r=2, alpha=4, target_modules=("q_proj",))
+    with pytest.raises(ValueError, match="must be positive"):
+        lora_plus_param_groups(model, lr=1e-3, ratio=0)
