@@ -257,3 +257,23 @@ def test_a_hook_added_after_apply_lora_runs_and_an_unfrozen_base_weight_is_refus
         model(ids)
     with torch.no_grad():
         model(ids)  # no gradient: nothing to lose
+
+
+def test_a_base_weight_given_new_storage_from_outside_is_followed(ids):
+    """`q_proj.weight.data = t` (a loader rebinding .data) leaves the group's buffer holding the old W: the group sees
+    that the member's weight no longer points into it and rebuilds, so the logits are those of the new weights, as
+    the ungrouped model's (untested for the group: a mutation walk; LoRALinear had its test)."""
+    grouped, plain = tiny_model("qwen2").double(), tiny_model("qwen2").double()
+    apply_lora(grouped, r=4, alpha=8)
+    apply_lora(plain, r=4, alpha=8, group=False)
+    for m in (grouped, plain):
+        randomize_lora_b(m)
+    with torch.no_grad():
+        grouped(ids)  # bound: the members' weights are views of the group's buffer
+        g = torch.Generator().manual_seed(9)
+        for m in (grouped, plain):
+            layer = m.model.layers[0]
+            for lin in (layer.self_attn.q_proj, layer.mlp.up_proj):
+                lin.weight.data = torch.randn(lin.weight.shape, generator=g.manual_seed(lin.weight.shape[0]),
+                                              dtype=torch.float64)
+        torch.testing.assert_close(grouped(ids), plain(ids), rtol=1e-12, atol=1e-12)

@@ -283,3 +283,31 @@ def test_merge_gives_contiguous_weights(ids):
     apply_lora(model, r=2, alpha=4, concat=True)
     merge_lora(model)
     assert all(p.is_contiguous() for p in model.parameters())
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("packed, need_a", [(False, True), (True, False)])
+def test_triton_backward_with_separate_gate_up_or_a_frozen_lora_a(packed, need_a):
+    """The act-writing SwiGLU kernel serves packed gu with lora_A trained only: separate gate and up (down_proj
+    adapted, gate/up not one group) go the plain way (the packed kernel would read gate as [gate | up]), and so
+    does a frozen lora_A (nothing asks for act: the fused closure never ran, a KeyError). Gradients as the torch
+    path's (neither case was tested: a mutation walk)."""
+    g = torch.Generator().manual_seed(4)
+    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    fi, fo, r, lead = 24, 10, 4, (3, 5)
+    gate0, up0, a0, b0 = rnd(*lead, fi), rnd(*lead, fi), rnd(r, fi), rnd(fo, r)
+    w, dy = rnd(fo, fi), rnd(*lead, fo)
+
+    def grads(dtype, impl):
+        a, b = a0.to(dtype, copy=True).requires_grad_(need_a), b0.to(dtype, copy=True).requires_grad_()
+        if packed:
+            ins = [torch.cat([gate0, up0], -1).to(dtype).requires_grad_()]
+            y = LoRASwiGLUDownFunction.apply(ins[0], None, w.to(dtype), None, a, b, 1.3, None, False, None, impl, True)
+        else:
+            ins = [gate0.to(dtype, copy=True).requires_grad_(), up0.to(dtype, copy=True).requires_grad_()]
+            y = LoRASwiGLUDownFunction.apply(*ins, w.to(dtype), None, a, b, 1.3, None, False, None, impl, True)
+        wrt = ins + ([a] if need_a else []) + [b]
+        return [y, *torch.autograd.grad(y, wrt, dy.to(dtype))]
+
+    for i, (x_, y_) in enumerate(zip(grads(torch.float32, "triton"), grads(torch.float64, "torch"))):
+        torch.testing.assert_close(x_.double(), y_, rtol=1e-5, atol=1e-5, msg=f"output/grad {i}")
