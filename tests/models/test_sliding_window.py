@@ -24,6 +24,21 @@ def test_rows_within_the_window_run_and_longer_rows_are_refused():
         model(torch.randint(0, 97, (1, 9)))
 
 
+def test_cached_steps_count_the_cache_against_the_window():
+    """model(token, kv_caches=...) one token at a time: the step that takes prompt + cache past the window is
+    refused, as generate's own stop does (without the cached length the check saw 1 token: a mutation walk)."""
+    from chronicals.models.decoder import KVCache
+
+    model = _mistral(8).eval()
+    caches = [KVCache() for _ in model.model.layers]
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, 6)), kv_caches=caches)
+        model(torch.tensor([[5]]), kv_caches=caches)
+        model(torch.tensor([[6]]), kv_caches=caches)  # the 8th token: still inside the window
+        with pytest.raises(ValueError, match=r"9 tokens is longer than this mistral model's sliding_window=8"):
+            model(torch.tensor([[7]]), kv_caches=caches)
+
+
 def test_packed_rows_are_judged_by_their_longest_document():
     model = _mistral(8)
     ids = torch.randint(0, 97, (1, 12))

@@ -56,6 +56,20 @@ def test_accumulation_equals_one_big_batch():
     assert max(((naive[n] - g_1[n]).abs().max() / g_1[n].abs().max()).item() for n in g_1) > 100 * max(worst, 1e-9)
 
 
+def test_a_step_without_loss_tokens_gives_zero_loss_and_zero_gradients():
+    """Every label ignored in every micro-batch: loss 0 and zero gradients, as reduction="mean" of an all-ignored
+    batch is 0, not 0 / 0 = NaN (untested: a mutation walk)."""
+    from dataclasses import replace
+
+    b = SyntheticLoader(synthetic_docs(4, seed=1), batch_size=1, row_len=29, shuffle=False).batches[0]
+    b = replace(b, shift_labels=torch.full_like(b.shift_labels, -100), num_loss_tokens=0)
+    model = tiny_model()
+    loss, n = accumulate_gradients(model, [b, b], torch.device("cpu"))
+    assert n == 0 and loss.item() == 0.0
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.count_nonzero(g) == 0 for g in grads)
+
+
 def test_tiny_run_lowers_loss(tmp_path, docs):
     cfg = tiny_config(tmp_path, train__max_steps=30, optim__lr=1e-2, logging__plot=True, train__save_final=True)
     model = tiny_model()
