@@ -478,7 +478,10 @@ def _closing_worker(rank: int, port: int, out: str) -> None:
     ds = _remainder_loader(0, 1).dataset
     held = lambda: PackedLoader(ds, batch_size=1, max_seq_len=32, shuffle=False, rank=rank, world_size=WORLD)  # noqa
     cfg = tiny_config(Path(out), train__max_steps=2, train__resume="auto", model__device=DEVICE)
-    first = train(cfg, model=tiny_model(seed=0), train_loader=_shards(docs, WORLD)[1][rank], eval_loader=held())
+    events = []
+    report = lambda event, **info: events.append(event)  # noqa: E731  (the CLI's RunReport answers QA and prints)
+    first = train(cfg, model=tiny_model(seed=0), train_loader=_shards(docs, WORLD)[1][rank], eval_loader=held(),
+                  report=report)
     if rank == 0:
         m = Path(out) / "run" / "metrics.jsonl"
         recs = [json.loads(line) for line in m.read_text().splitlines()]
@@ -488,8 +491,10 @@ def _closing_worker(rank: int, port: int, out: str) -> None:
     dist_barrier_file.touch()
     while not all((Path(out) / f"edited{r}").exists() for r in range(WORLD)):
         pass
-    again = train(cfg, model=tiny_model(seed=0), train_loader=_shards(docs, WORLD)[1][rank], eval_loader=held())
-    torch.save({"first": first.eval_loss_after, "again": again.eval_loss_after}, f"{out}/closing{rank}.pt")
+    again = train(cfg, model=tiny_model(seed=0), train_loader=_shards(docs, WORLD)[1][rank], eval_loader=held(),
+                  report=report)
+    torch.save({"first": first.eval_loss_after, "again": again.eval_loss_after, "events": events},
+               f"{out}/closing{rank}.pt")
 
 
 # ---- tests ----
@@ -841,5 +846,8 @@ def test_a_rerun_that_only_closes_the_run_scores_the_whole_held_out_set_on_every
     r0, r1 = (torch.load(tmp_path / f"closing{r}.pt") for r in range(WORLD))
     assert r0["first"] is not None and r0["first"] == r1["first"]
     assert r0["again"] == pytest.approx(r0["first"], rel=1e-9) and r1["again"] == r0["again"]
+    # the report (the CLI's answers and printout) on rank 0 alone, in the rerun too: rank 1 answered every held-out
+    # question again and printed its own "== after training ==" block
+    assert r0["events"] == ["before", "after", "after"] and r1["events"] == []
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["eval_loss"] for r in recs if r.get("tag") == "after"] == [r0["again"]]

@@ -350,6 +350,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         metrics = _metrics_log(cfg, out_dir, resume_from, start, first_record)
     else:
         metrics = _RanksMetrics()
+    # the report (the CLI's held-out answers and printout) is rank 0's, in a rerun that only closes the run too
+    report = report if dp.is_main else None
     if done:  # nothing to train. From another run's last checkpoint, out_dir becomes that run's record as a run
         # that trained would make it: its records, this config.yaml, no earlier run's files
         if dp.is_main and not ckpt.is_own(resume_from, out_dir):
@@ -357,7 +359,6 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         metrics.close()
         return _already_done(cfg, dp, out_dir, model, tokenizer, resume_from, total,
                              (eval_loader, heldout_qa, report), optimizer)
-    report = report if dp.is_main else None
 
     # rank 0 writes; periodic checkpoints in a background thread (train.async_save), waited for at a stop, at the
     # end and before an error names the last good one
