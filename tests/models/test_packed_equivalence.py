@@ -142,3 +142,12 @@ def test_restarting_position_ids_of_one_row_mark_every_rows_documents():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(model(ids, position_ids=pos, labels=ids),
                                    model(ids, position_ids=pos.expand(3, -1), labels=ids))
+
+
+def test_cu_seqlens_without_position_ids_is_refused():
+    """Packed rows need their per-document positions: without them RoPE ran 0..S-1 across the documents while the
+    attention was cut per document, logits silently wrong (untested: a mutation walk)."""
+    model = tiny_model().eval()
+    ids = torch.randint(1, 97, (1, 10), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="need position_ids"):
+        model(ids, cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32), max_seqlen=6)

@@ -179,3 +179,60 @@ def test_a_full_disk_at_fsync_is_an_oserror_naming_the_checkpoint(tmp_path, monk
                                       r"device\); is the disk of train.out_dir=.* full\?"):
         ckpt.write_checkpoint(tmp_path, {"step": 3, "model": {}})
     assert not any((tmp_path / "checkpoints").iterdir())
+
+
+# ---- unit gaps a mutation walk found (each test fails on its mutant) ----
+def test_is_own_compares_resolved_paths(tmp_path, monkeypatch):
+    """train.resume spelled another way than train.out_dir (absolute vs relative, or the state.pt file) is still this
+    run's checkpoint: otherwise the resume removed every step directory of its own run, the one it resumed from
+    too, as "another run's", and started its metrics over."""
+    monkeypatch.chdir(tmp_path)
+    d = tmp_path / "run" / "checkpoints" / "step-000002"
+    d.mkdir(parents=True)
+    (d / "state.pt").write_bytes(b"x")
+    assert ckpt.is_own(d, "run") and ckpt.is_own(d / "state.pt", "run")
+    assert ckpt.is_own("run/checkpoints/step-000002", tmp_path / "run")
+    assert not ckpt.is_own(d, tmp_path / "other")
+
+
+def test_re_saving_a_step_replaces_its_checkpoint(tmp_path):
+    """A signal right after a periodic save writes that step again: the new state replaces the old (os.replace onto
+    the existing directory failed with "Directory not empty" and the stop's checkpoint was lost)."""
+    def state(v):
+        return {"format": 1, "step": 3, "model": {"w": torch.full((2,), v)}, "optimizer": {}, "scheduler": {},
+                "data": {}, "rng": ckpt.rng_state(), "extra": {}}
+    write_checkpoint(tmp_path, state(1.0))
+    p = write_checkpoint(tmp_path, state(2.0))
+    assert torch.equal(torch.load(p / "state.pt", weights_only=True)["model"]["w"], torch.full((2,), 2.0))
+    assert [d.name for d in checkpoint_dirs(tmp_path)] == ["step-000003"]
+
+
+def test_trainable_state_holds_only_the_trainable_parameters():
+    """A LoRA checkpoint holds the adapters, not the frozen base (59 MB, not ~600 MB, for SmolLM2-135M)."""
+    from chronicals.lora import apply_lora
+
+    model = tiny_model()
+    apply_lora(model, r=2)
+    want = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert want and set(ckpt.trainable_state(model)) == want and len(want) < len(list(model.parameters()))
+
+
+def test_rng_state_round_trips_python_and_torch():
+    """Python's random state is restored too: a user's loader or collate drawing from it resumes exactly."""
+    import random
+
+    s = ckpt.rng_state()
+    a, b = random.random(), torch.rand(3)
+    random.random(), torch.rand(5)
+    ckpt.set_rng_state(s)
+    assert random.random() == a and torch.equal(torch.rand(3), b)
+
+
+def test_latest_checkpoint_orders_by_step_number_not_by_name(tmp_path):
+    """From step 1,000,000 the zero-padded names no longer sort as the steps do (nor hand-made step-5, step-10)."""
+    for name in ("step-999999", "step-1000000", "step-5"):
+        d = tmp_path / "checkpoints" / name
+        d.mkdir(parents=True)
+        (d / "state.pt").write_bytes(b"x")
+    assert ckpt.latest_checkpoint(tmp_path).name == "step-1000000"
+    assert [d.name for d in checkpoint_dirs(tmp_path)] == ["step-5", "step-999999", "step-1000000"]

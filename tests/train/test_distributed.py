@@ -851,3 +851,36 @@ def test_a_rerun_that_only_closes_the_run_scores_the_whole_held_out_set_on_every
     assert r0["events"] == ["before", "after", "after"] and r1["events"] == []
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["eval_loss"] for r in recs if r.get("tag") == "after"] == [r0["again"]]
+
+
+def test_a_backward_outside_a_step_is_ignored_by_the_buckets():
+    """GradBuckets' hooks count only between begin() and finish(): a backward outside a step (an eval with grads, a
+    user's probe) raised IndexError from the hook, and after the first step would have issued collectives on one
+    rank alone (a mutation walk)."""
+    from types import SimpleNamespace
+
+    lin = torch.nn.Linear(4, 3)
+    params = list(lin.parameters())
+    rb = GradBuckets(SimpleNamespace(enabled=True, rank=0, world_size=2), params)
+    lin(torch.randn(2, 4)).sum().backward()
+    assert all(p.grad is not None for p in params) and not rb.armed and rb._works == []
+
+
+def test_a_grad_rebound_after_begin_is_summed_through_the_flat_buffer(tmp_path):
+    """A .grad rebound between begin() and the backward (CUDA graphs, user code) is copied into its bucket and bound
+    back: left in the new tensor, the bucket all-reduced zeros for it and the ranks silently diverged."""
+    from types import SimpleNamespace
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        lin = torch.nn.Linear(4, 3)
+        rb = GradBuckets(SimpleNamespace(enabled=True, rank=0, world_size=1), list(lin.parameters()))
+        rb.begin(1)
+        lin.weight.grad = torch.zeros_like(lin.weight)
+        x = torch.randn(2, 4)
+        lin(x).sum().backward()
+        rb.finish()
+        assert lin.weight.grad is rb.view(lin.weight)
+        torch.testing.assert_close(rb.view(lin.weight), torch.ones(3, 1) * x.sum(0))
+    finally:
+        dist.destroy_process_group()

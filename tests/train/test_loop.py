@@ -63,11 +63,12 @@ def test_a_step_without_loss_tokens_gives_zero_loss_and_zero_gradients():
 
     b = SyntheticLoader(synthetic_docs(4, seed=1), batch_size=1, row_len=29, shuffle=False).batches[0]
     b = replace(b, shift_labels=torch.full_like(b.shift_labels, -100), num_loss_tokens=0)
-    model = tiny_model()
-    loss, n = accumulate_gradients(model, [b, b], torch.device("cpu"))
-    assert n == 0 and loss.item() == 0.0
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    assert grads and all(torch.count_nonzero(g) == 0 for g in grads)
+    for count in (None, torch.tensor(0)):  # one process's int count; data parallelism's all-ranks device count
+        model = tiny_model()
+        loss, n = accumulate_gradients(model, [b, b], torch.device("cpu"), count=count)
+        assert int(n) == 0 and loss.item() == 0.0
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        assert grads and all(torch.count_nonzero(g) == 0 for g in grads)
 
 
 def test_tiny_run_lowers_loss(tmp_path, docs):

@@ -201,3 +201,27 @@ def test_a_bf16_checkpoint_resumed_in_float32_loads_its_masters(tmp_path):
     params = dict(model.named_parameters())
     for n, m in masters.items():
         assert torch.equal(params[n].detach(), m), n
+
+
+def test_a_resume_under_another_lr_shows_the_new_lr_at_once():
+    """scheduler.get_last_lr() right after a resume under another optim.lr is the new run's lr, as the optimizer's
+    param groups are (it showed the checkpoint's until the first step: a mutation walk)."""
+    from chronicals.train import resume
+
+    def opt_sched(lr):
+        p = torch.nn.Parameter(torch.zeros(3))
+        opt = torch.optim.AdamW([p], lr=lr)
+        return p, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+
+    p, opt, sched = opt_sched(1e-3)
+    for _ in range(2):
+        p.grad = torch.ones(3)
+        opt.step()
+        sched.step()
+    _, opt2, sched2 = opt_sched(2e-3)
+    fresh = resume.optimizer_settings(opt2, sched2)
+    opt2.load_state_dict(opt.state_dict())
+    sched2.load_state_dict(sched.state_dict())
+    resume.apply_optimizer_settings(opt2, sched2, fresh, None, {}, 2)
+    want = 2e-3 * 3 / 4
+    assert opt2.param_groups[0]["lr"] == pytest.approx(want) and sched2.get_last_lr() == [pytest.approx(want)]
