@@ -1,0 +1,113 @@
+"""Hugging Face directories in and out, where a mutation walk found no test: shard files filled greedily with none
+empty, a tied checkpoint stored as its head alone, the written dtype, links in the output, a full disk in the
+tokenizers writer, and the defaults of keys a config.json leaves out (as transformers reads them)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from chronicals.models import CausalLM, ModelConfig
+from chronicals.models.hf_io import load_hf_dir, save_hf_dir
+
+_COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=128, hidden_act="silu",
+               bos_token_id=1, eos_token_id=2)
+
+
+def _model(**kw):
+    cfg = {**_COMMON, "model_type": "llama", "tie_word_embeddings": False, **kw}
+    return CausalLM(ModelConfig.from_hf_dict(cfg)).init_weights(std=0.2, seed=0).eval()
+
+
+def _greedy(sizes, cap):  # the plan: greedy in state-dict order, a tensor larger than cap alone in its shard
+    shards, size = [[]], 0
+    for n in sizes:
+        if shards[-1] and size + n > cap:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += n
+    return len(shards)
+
+
+@pytest.mark.parametrize("cap", [1, 5_000, 20_000])
+def test_shards_are_filled_greedily_and_every_shard_file_holds_tensors(tmp_path, cap):
+    """No empty first shard when the first tensor exceeds the cap, and the byte count restarts at each shard (else
+    one tensor a shard after the first split)."""
+    model = _model()
+    sd = {k: v for k, v in model.state_dict().items()}
+    out = save_hf_dir(model, None, tmp_path / "m", max_shard_bytes=cap)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    named = set(index["weight_map"].values())
+    on_disk = {p.name for p in out.glob("model-*.safetensors")}
+    assert named == on_disk  # no shard file without tensors
+    assert len(on_disk) == _greedy([v.numel() * v.element_size() for v in sd.values()], cap)
+    for f in on_disk:
+        with safe_open(str(out / f), "pt") as fh:
+            assert len(list(fh.keys())) >= 1
+
+
+def test_a_tied_checkpoint_stored_as_its_head_alone_keeps_the_files_dtype(tmp_path):
+    """A tied bf16 checkpoint that stores lm_head.weight only loads in bf16 (dtype None: the file's)."""
+    model = _model(tie_word_embeddings=True).to(torch.bfloat16)
+    out = save_hf_dir(model, None, tmp_path / "m")
+    sd = {k: v.contiguous() for k, v in model.state_dict().items() if k not in ("lm_head.weight",
+                                                                                 "model.embed_tokens.weight")}
+    sd["lm_head.weight"] = model.model.embed_tokens.weight.detach().clone()
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    ours = load_hf_dir(out)
+    assert ours.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+
+
+def test_a_stale_torch_dtype_of_the_source_config_is_not_written_back(tmp_path):
+    """A config.json of transformers 4 says torch_dtype=bfloat16; the model saved in fp32 must not say both."""
+    cfg = {**_COMMON, "model_type": "llama", "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    model = CausalLM(ModelConfig.from_hf_dict(cfg)).init_weights(std=0.2, seed=0)
+    out = save_hf_dir(model, None, tmp_path / "m")
+    written = json.loads((out / "config.json").read_text())
+    assert written["dtype"] == "float32" and "torch_dtype" not in written
+
+
+def test_a_link_to_a_folder_counts_as_a_file_entry(tmp_path):
+    """A symlink is removed as a link: one named like an owned folder is not that folder (foreign), one named
+    like owned files is owned (its target is not deleted)."""
+    from chronicals.models.hf_io import MODEL_DIR_FILES, foreign_entries
+
+    target, out = tmp_path / "elsewhere", tmp_path / "out"
+    target.mkdir()
+    out.mkdir()
+    (target / "keep.txt").write_text("x")
+    (out / "additional_chat_templates").symlink_to(target, target_is_directory=True)
+    (out / "tokenizer_extra").symlink_to(target, target_is_directory=True)
+    assert foreign_entries(out, MODEL_DIR_FILES) == ["additional_chat_templates"]
+
+
+class _RustFullDisk:
+    def save_pretrained(self, d):
+        raise Exception("No space left on device (os error 28)")  # the tokenizers library's bare Exception
+
+
+def test_a_full_disk_in_the_tokenizers_rust_writer_is_an_oserror_naming_the_output(tmp_path):
+    """The Rust writer's bare Exception is an OSError naming the output, and nothing is left behind."""
+    with pytest.raises(OSError, match=r"could not write the tokenizer files of .*out.*os error 28.*disk full"):
+        save_hf_dir(_model(), _RustFullDisk(), tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_absent_keys_take_transformers_class_defaults(model_type):
+    """rms_norm_eps, tie_word_embeddings, max_position_embeddings: a config.json without a key reads as
+    transformers reads it."""
+    import transformers
+
+    d = dict(model_type=model_type, vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    ours, theirs = ModelConfig.from_hf_dict(d), transformers.AutoConfig.for_model(**d)
+    assert ours.rms_norm_eps == theirs.rms_norm_eps
+    assert ours.tie_word_embeddings == theirs.tie_word_embeddings
+    assert ours.max_position_embeddings == theirs.max_position_embeddings
