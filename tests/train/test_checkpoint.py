@@ -236,3 +236,17 @@ def test_latest_checkpoint_orders_by_step_number_not_by_name(tmp_path):
         (d / "state.pt").write_bytes(b"x")
     assert ckpt.latest_checkpoint(tmp_path).name == "step-1000000"
     assert [d.name for d in checkpoint_dirs(tmp_path)] == ["step-5", "step-999999", "step-1000000"]
+
+
+def test_a_cpu_checkpoint_resumes_where_cuda_is_available(monkeypatch):
+    """A checkpoint written on a machine without CUDA has no "cuda" generator state: resumed on a GPU machine, the
+    CUDA generators are left as they are instead of failing on the missing key (CPU cannot tell otherwise, so the
+    GPU is faked)."""
+    state = ckpt.rng_state()
+    assert "cuda" not in state  # this CPU machine's
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", calls.append)
+    ckpt.set_rng_state(state)
+    ckpt.set_rng_state({**state, "cuda": ["saved"]})
+    assert calls == [["saved"]]

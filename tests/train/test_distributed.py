@@ -884,3 +884,15 @@ def test_a_grad_rebound_after_begin_is_summed_through_the_flat_buffer(tmp_path):
         torch.testing.assert_close(rb.view(lin.weight), torch.ones(3, 1) * x.sum(0))
     finally:
         dist.destroy_process_group()
+
+
+def test_graphs_and_a_call_that_disagree_on_the_reducer_are_refused():
+    """The graphed step's reducer and this call's must be the same object: else the gradient sum runs twice (once in
+    the captured graph, once here) or not at all."""
+    from types import SimpleNamespace
+
+    model = tiny_model()
+    fake_dist = SimpleNamespace(enabled=True)
+    with pytest.raises(ValueError, match="graphs and this call disagree on the reducer"):
+        accumulate_data_parallel(model, [], CPU, fake_dist, [], graphs=SimpleNamespace(reducer=None, model=model),
+                                 reducer=object())
