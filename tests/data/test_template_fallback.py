@@ -82,16 +82,18 @@ MISTRAL_LAST_USER = MISTRAL_V03.replace(
     "{%- endif %}{%- endfor %}\n{{- bos_token }}").replace(
     "loop.last and system_message is defined", "loop.index0 == ns.last_user and system_message is defined")
 
-# Qwen3: replies after the last user message open with a think block (empty without reasoning), earlier ones do not,
-# so an earlier reply rendered as the last message gains a block that the whole conversation does not have there
-# (reasoning written inline, "<think>r</think>a" in content, is taken out of it as Qwen3's own template does)
+# Qwen3: the last reply, and a reply with reasoning after the last user message, open with a think block (empty
+# without reasoning); the others do not, so an earlier reply rendered as the last message gains a block that the
+# whole conversation does not have there (reasoning written inline, "<think>r</think>a" in content, is taken out of
+# it as Qwen3's own template does)
 QWEN3 = ("{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m['role'] == 'user' %}"
          "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}"
          "{% set content = m['content'] %}{% set reasoning = m['reasoning_content'] if m['reasoning_content'] is "
          "defined else '' %}{% if m['role'] == 'assistant' and '</think>' in content %}"
          "{% set reasoning = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}"
          "{% set content = content.split('</think>')[-1].lstrip('\n') %}{% endif %}"
-         "{{ '<|im_start|>' + m['role'] + '\n' }}{% if m['role'] == 'assistant' and loop.index0 > ns.last %}"
+         "{{ '<|im_start|>' + m['role'] + '\n' }}{% if m['role'] == 'assistant' and loop.index0 > ns.last and "
+         "(loop.last or reasoning) %}"
          "{{ '<think>\n' + reasoning + '\n</think>\n\n' }}"
          "{% endif %}{{ content + '<|im_end|>\n' }}{% endfor %}"
          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -304,10 +306,26 @@ def test_a_blank_system_message_moved_into_the_last_user_turn_still_trains(token
         assert encode(tok, [{"role": "system", "content": system}] + turns) == [" a</s>"], system
 
 
-def test_a_refusal_at_two_replies_in_a_row_says_to_merge_them(tokenizer):
-    """Qwen3 gives a reply rendered last the think block it has nowhere else: two assistant messages in a row cannot
-    be located by prefix renders. The refusal names the pair and the fix in the data."""
+@pytest.mark.parametrize("roles", ["uaa", "uaaua", "uaaa", "uaau", "suaaua"])
+def test_qwen3_replies_in_a_row_train_as_the_whole_conversation_writes_them(tokenizer, roles):
+    """Qwen3 gives a reply rendered last the think block it has nowhere else, so two assistant messages in a row (split
+    replies, agent traces) were refused: the rendering before the second holds the first with a block. The second
+    turn now opens where the first one, as located in the whole conversation, ends. Each reply trains as the whole
+    conversation writes it: the last message with its block, the others without."""
     tok = make_tokenizer(tokenizer, *BASES["qwen3"])
-    msgs = [TURNS[0], {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}, TURNS[2], TURNS[3]]
-    with pytest.raises(FormatError, match=r"messages 1 and 2 are both assistant messages: merge them into one reply"):
-        encode_chat(tok, msgs)
+    text = {"u": "Hi!", "a": "part {}", "s": "Be brief."}
+    role = {"u": "user", "a": "assistant", "s": "system"}
+    msgs = [{"role": role[r], "content": text[r].format(k)} for k, r in enumerate(roles)]
+    want = [trained("qwen3", m["content"], k == len(msgs) - 1) for k, m in enumerate(msgs) if m["role"] == "assistant"]
+    assert encode(tok, msgs) == want
+    first = roles.index("a") + 1  # a completion that starts at the second reply of the pair trains from there
+    assert encode(tok, msgs, train_from=first) == want[1:]
+
+
+def test_qwen3_replies_in_a_row_with_reasoning_on_the_first(tokenizer):
+    """A first reply with reasoning after the last user message keeps its block in the whole conversation too (Qwen3
+    writes reasoning there), so its turn is a prefix and the second reply follows it as usual."""
+    tok = make_tokenizer(tokenizer, *BASES["qwen3"])
+    msgs = [TURNS[0], {"role": "assistant", "content": "a", "reasoning_content": "r"},
+            {"role": "assistant", "content": "b"}]
+    assert encode(tok, msgs) == ["<think>\nr\n</think>\n\na<|im_end|>", "<think>\n\n</think>\n\nb<|im_end|>"]

@@ -246,22 +246,31 @@ def _closing_dropped(upto: str, full: str, lo: int, specials: tuple[str, ...]) -
     return q if q > lo else None
 
 
-def _turn_span(tokenizer, messages, i: int, full: str, specials) -> tuple[int, int, bool, int]:
+def _turn_span(tokenizer, messages, i: int, full: str, specials, prev=None) -> tuple[int, int, bool, int]:
     """(lo, hi, strict, end): assistant message i's reply and end-of-turn text as a character span of full; strict
     when messages[:i+1] renders to a prefix of full; end: where the turn's text ends before ``_turn_end`` trims the
-    whitespace after its closing special token. Raises _Unbounded when the renderings cannot bound it."""
+    whitespace after its closing special token. ``prev``: this function's answer for message i-1 when that one is
+    a reply too (``_after_reply``). Raises _Unbounded when the renderings cannot bound it."""
     try:
         before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else _opening(tokenizer, messages)
     except Exception as e:  # a template may not render an empty prefix (assistant first)
         raise FormatError(f"the chat template cannot render the messages before assistant message {i} "
                           f"({type(e).__name__}: {e}); expected a user or system message first") from None
     upto = _render(tokenizer, messages[:i + 1])
+    moved = prev is not None and not full.startswith(before)
+    if moved:  # the reply before this one renders otherwise when last: take full's own text before this turn
+        at = _after_reply(tokenizer, messages, i, before, full, prev)
+        if at is None:
+            raise _Unbounded(i)
+        if upto.startswith(before):
+            upto = full[:at] + upto[len(before):]
+        before = full[:at]
     lo = len(before)
     if full.startswith(upto) and upto.startswith(before):
         hi = _turn_end(full, lo, len(upto), specials)
         if i == len(messages) - 1 and _closes_twice(full, lo, hi, specials):
             hi = _where_it_goes_on(tokenizer, messages, full, lo, hi, specials)
-        return lo, hi, True, len(upto)
+        return lo, hi, not moved, len(upto)
     if not (upto.startswith(before) and full.startswith(before)):
         raise _Unbounded(i)
     hi = _closing_dropped(upto, full, lo, specials)
@@ -270,6 +279,22 @@ def _turn_span(tokenizer, messages, i: int, full: str, specials) -> tuple[int, i
     if hi is None:
         raise _Unbounded(i)
     return lo, _turn_end(full, lo, hi, specials), False, hi
+
+
+def _after_reply(tokenizer, messages, i: int, before: str, full: str, prev) -> int | None:
+    """Where assistant message i's turn opens in full when message i-1 is a reply that renders otherwise as the
+    last message: Qwen3 writes its think block into the last reply only, so in ``[user, a, b]`` the rendering of
+    the first two messages (before b's turn) holds a block before "a" that full does not. ``before`` is that
+    rendering (R) and the generation prompt (G); R is full's text up to a's turn (``prev``: its lo and end in
+    full) and something more inside that turn, ending with the turn's text as full has it; b's turn opens after
+    that text and G in full. None when any of these does not hold."""
+    lo, _, _, end = prev
+    rest = _render(tokenizer, messages[:i])
+    turn = full[lo:end]
+    if not (turn and before.startswith(rest) and rest.startswith(full[:lo]) and rest.endswith(turn)):
+        return None
+    g = before[len(rest):]
+    return end + len(g) if full.startswith(g, end) else None
 
 
 def _closes_twice(text: str, lo: int, hi: int, specials: tuple[str, ...]) -> bool:
@@ -352,14 +377,23 @@ def _locate(tokenizer, messages, full: str, train_from: int, specials) -> list[t
     spans = _locate_linear(tokenizer, messages, full, train_from, specials)
     if spans is not None:
         return spans
-    spans = []
+    spans, prev = [], None  # prev: the span of message i-1 when it is a reply, which bounds a reply right after it
     for i, m in enumerate(messages):
-        if m["role"] != "assistant" or i < train_from:
+        if m["role"] != "assistant":
+            prev = None
             continue
-        lo, hi, strict, _ = _turn_span(tokenizer, messages, i, full, specials)
+        if i < train_from:  # not trained; located only to bound a trained reply right after it
+            try:
+                ahead = i + 1 < len(messages) and messages[i + 1]["role"] == "assistant"
+                prev = _turn_span(tokenizer, messages, i, full, specials, prev) if ahead else None
+            except (_Unbounded, FormatError):
+                prev = None
+            continue
+        lo, hi, strict, end = _turn_span(tokenizer, messages, i, full, specials, prev)
         if not (strict or _holds_reply(full, (lo, hi), m)):
             raise _Unbounded(i)
         spans.append((i, lo, hi))
+        prev = (lo, hi, strict, end)
     return spans
 
 
@@ -557,13 +591,8 @@ def encode_chat(tokenizer, messages: list[dict], train_from: int = 0, markers: b
     except _Unbounded as e:
         spans = _without_system(tokenizer, messages, full, train_from, specials)
         if spans is None:
-            pair = next((j for j in range(max(e.index, 1), 0, -1) if messages[j]["role"] == messages[j - 1]["role"]
-                         == "assistant"), None)
-            hint = (f"; messages {pair - 1} and {pair} are both assistant messages: merge them into one reply (a "
-                    "template that writes the last reply otherwise, as Qwen3's think block, renders the first of "
-                    "them differently when it is last)" if pair is not None else "")
             raise FormatError(
-                f"the chat template is not prefix-stable at message {e.index}{hint}: rendering the first {e.index + 1} "
+                f"the chat template is not prefix-stable at message {e.index}: rendering the first {e.index + 1} "
                 "messages is not a prefix of rendering them all (or an assistant message comes first), and neither "
                 "fallback located the reply (dropping special tokens the template writes only at the end of a "
                 "conversation, as Phi-3's eos; rendering without the system message, which Mistral v0.3 moves "
