@@ -329,3 +329,55 @@ def test_qwen3_replies_in_a_row_with_reasoning_on_the_first(tokenizer):
     msgs = [TURNS[0], {"role": "assistant", "content": "a", "reasoning_content": "r"},
             {"role": "assistant", "content": "b"}]
     assert encode(tok, msgs) == ["<think>\nr\n</think>\n\na<|im_end|>", "<think>\n\n</think>\n\nb<|im_end|>"]
+
+
+def test_replies_in_a_row_under_a_template_that_thinks_after_the_last_user_message(tokenizer):
+    """A template that opens every reply after the last user message with a think block (not only the last one):
+    the first of two earlier replies, rendered last, gains a block, and so does the rendering of the pair, whose
+    turn text is then read from the whole conversation's."""
+    every = QWEN3.replace(" and (loop.last or reasoning) %}", " %}")
+    assert every != QWEN3
+    tok = make_tokenizer(tokenizer, every, *BASES["qwen3"][1:])
+    msgs = [TURNS[0], {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}, TURNS[2],
+            {"role": "assistant", "content": "c"}]
+    assert encode(tok, msgs) == ["a<|im_end|>", "b<|im_end|>", "<think>\n\n</think>\n\nc<|im_end|>"]
+
+
+class _Scripted:
+    """A tokenizer whose chat template renders messages[:k] as ``texts[k]`` (``_after_reply`` renders only that)."""
+    chat_template = "scripted"
+
+    def __init__(self, texts):
+        self.texts = texts
+
+    def apply_chat_template(self, messages, **kw):
+        return self.texts[len(messages)]
+
+
+@pytest.mark.parametrize("case", ["fits", "no_turn", "prompt_not_after", "prefix_differs", "turn_differs",
+                                  "prompt_not_in_full"])
+def test_the_second_of_two_replies_opens_after_the_first_only_when_every_fact_holds(case):
+    """``_after_reply`` places the second reply's turn from the first one's span in the whole conversation: the
+    rendering before it must be that rendering of the first reply and the generation prompt, agree with the whole
+    conversation up to the first turn, end with the first turn's text, and the prompt must follow that text in the
+    whole conversation. Any fact that fails refuses (None), rather than guess a boundary."""
+    from chronicals.data.tokenize import _after_reply
+
+    full = "U:q|A:a.|A:<t>b.|"  # the first reply's turn "a.|" lies at 6..9 in full
+    rest = "U:q|A:<t>a.|"  # the first two messages, the first reply rendered last (with a block)
+    before, prev = rest + "A:", (6, 8, False, 9)
+    msgs = [{"role": "user"}, {"role": "assistant"}, {"role": "assistant"}]
+    if case == "no_turn":  # an empty span that full's prefix and the prompt after it would both fit
+        prev = (4, 4, False, 4)
+    elif case == "prompt_not_after":  # the prompt is the same, what comes before it is not that rendering
+        before = before.replace("q", "Q")
+    elif case == "prefix_differs":
+        rest, before = "V" + rest[1:], "V" + before[1:]
+    elif case == "turn_differs":
+        rest, before = rest[:-2] + "!|", rest[:-2] + "!|A:"
+    elif case == "prompt_not_in_full":
+        full = full.replace("|A:<t>", "|B:<t>")
+    at = _after_reply(_Scripted({2: rest}), msgs, 2, before, full, prev)
+    assert at == (11 if case == "fits" else None)
+    if case == "fits":
+        assert full[at:] == "<t>b.|"
