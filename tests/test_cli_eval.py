@@ -358,3 +358,50 @@ def test_eval_json_replaces_an_earlier_result_but_no_other_file(tiny_base, data_
             main(["eval", "--model", str(tiny_base), str(data_file), "--device", "cpu", "--json", str(target)])
         assert e.value.code == 2 and says in capsys.readouterr().err, target
     assert {n: (tmp_path / n).read_text() for n in others} == others
+
+
+def test_eval_refuses_token_ids_past_the_models_vocabulary(tmp_path, capsys):
+    """A tokenizer with more tokens than the model's embedding rows is one clear error (exit 3), not an IndexError
+    from the embedding lookup (a device-side assert on CUDA)."""
+    import transformers
+
+    tok = smollm2_tokenizer()
+    hf = transformers.LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                  tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
+    small = save_model(CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0), tok, tmp_path / "m")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi there"},
+                                             {"role": "assistant", "content": "hello, friend"}]}) + "\n")
+    assert main(["eval", "--model", str(small), str(data), "--device", "cpu", "--cache-dir", "none"]) == 3
+    err = capsys.readouterr().err
+    assert "holds token id" in err and "vocabulary has 1000 entries" in err
+
+
+def test_json_writes_null_for_a_non_finite_loss(tiny_base, data_file, tmp_path, monkeypatch):
+    """A non-finite loss is null in --json (strict JSON), as its perplexity is: a bare NaN makes the file
+    unreadable by JSON.parse and other strict readers."""
+    import chronicals.evaluate as ev
+
+    monkeypatch.setattr(ev, "evaluate_loss", lambda model, loader, device: (float("nan"), 7))
+    out = tmp_path / "r.json"
+    assert main(["eval", "--model", str(tiny_base), str(data_file), "--device", "cpu", "--cache-dir", "none",
+                 "--json", str(out)]) == 0
+    text = out.read_text()
+    got = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c} in {text}"))
+    assert got["loss"] is None and got["perplexity"] is None and got["loss_tokens"] == 7
+
+
+def test_json_into_the_adapter_directory_is_refused(tiny_base, data_file, tmp_path, capsys):
+    """--json FILE inside the --adapter directory is refused before the load (exit 2): written there, it is a
+    foreign file in out_dir/adapter, which a later final save of that run refuses to replace."""
+    from chronicals.lora import apply_lora, save_adapter
+
+    model, _ = load_model(str(tiny_base), device="cpu")
+    apply_lora(model, r=2, alpha=4)
+    adapter = save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(tiny_base))
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", "--adapter", str(adapter), str(data_file), "--device", "cpu", "--cache-dir", "none",
+              "--json", str(adapter / "scores.json")])
+    assert exit_.value.code == 2 and "would write into --adapter" in capsys.readouterr().err
+    assert not (adapter / "scores.json").exists()

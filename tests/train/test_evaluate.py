@@ -13,14 +13,16 @@ evaluates: the last step once under eval.every, and the closing evaluation a fin
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
 
-from chronicals.config import DataSection
+from chronicals.config import DataSection, from_dict
 from chronicals.evaluate import evaluate
 from chronicals.lora import apply_lora
 from chronicals.train import train
+from chronicals.train.setup import data_files
 from chronicals.train.step import batch_loss_sum, evaluate_loss
 
 from train_helpers import SyntheticLoader, synthetic_docs, tiny_config, tiny_model
@@ -193,3 +195,75 @@ def test_held_out_loss_builds_no_autograd_graph(lora_model, batches, monkeypatch
     monkeypatch.setattr(step, "batch_loss_sum", spy)
     evaluate_loss(lora_model, batches, CPU)
     assert seen and not any(seen)
+
+
+def test_another_runs_last_checkpoint_is_no_stopped_run_to_close(tmp_path, caplog):
+    """A resume from ANOTHER run's last checkpoint (with held-out data) trains nothing and is no run "stopped before
+    its closing evaluation": out_dir gets that run's records (its "after" left out, as metrics.py keeps them), and
+    no closing evaluation runs there under the message meant for an interrupted run of this out_dir."""
+    docs = synthetic_docs(40, seed=1)
+    ev = lambda: SyntheticLoader(docs[:4], shuffle=False)  # noqa: E731
+    other = tmp_path / "other"
+    other.mkdir()
+    train(tiny_config(other, train__max_steps=2), model=tiny_model(), train_loader=SyntheticLoader(docs),
+          eval_loader=ev())
+    source = other / "run" / "checkpoints" / "step-000002"
+    assert source.is_dir()
+    with caplog.at_level(logging.INFO, logger="chronicals.train"):
+        res = train(tiny_config(tmp_path, train__max_steps=2, train__resume=str(source)), model=tiny_model(),
+                    train_loader=SyntheticLoader(docs), eval_loader=ev())
+    assert res.status == "completed" and res.step == 2
+    assert "before its closing evaluation" not in caplog.text
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert not [r for r in records if r.get("tag") == "after"]
+    assert res.eval_loss_after is None
+
+
+def test_a_resume_to_an_earlier_last_step_closes_at_that_step(tmp_path):
+    """A run of 4 steps (checkpoints 2 and 4, its closing
+    "after" at step 4) resumed from its own step 2 with train.max_steps=2 finds step 2 its last. Its records past 2
+    are another history: the rerun closes the run at step 2 (an "after" record at 2, the later steps dropped) rather
+    than taking the step-4 "after" as this run's closing evaluation (metrics.jsonl kept describing steps 3-4 and a
+    held-out loss of weights the final model does not hold)."""
+    docs = synthetic_docs(40, seed=1)
+    ev = lambda: SyntheticLoader(docs[:4], shuffle=False)  # noqa: E731
+    train(tiny_config(tmp_path, train__max_steps=4, train__save_every=2, train__keep_last=2), model=tiny_model(),
+          train_loader=SyntheticLoader(docs), eval_loader=ev())
+    source = tmp_path / "run" / "checkpoints" / "step-000002"
+    assert source.is_dir()
+    res = train(tiny_config(tmp_path, train__max_steps=2, train__resume=str(source)), model=tiny_model(),
+                train_loader=SyntheticLoader(docs), eval_loader=ev())
+    assert res.step == 2 and res.eval_loss_after is not None
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("tag") == "after"] == [2]
+    assert max(r.get("step", 0) for r in records) == 2
+
+
+def test_a_rerun_of_a_closed_run_reports_nothing_after(tmp_path):
+    """A rerun that finds the
+    run finished and closed (nothing to train, no closing evaluation due) calls no "after" report. With the CLI's
+    RunReport and held-out QA (the demo), that report re-answers every held-out question greedily (minutes on a
+    real model) and prints "== after training ==" for a run that did nothing."""
+    docs = synthetic_docs(40, seed=1)
+    ev = lambda: SyntheticLoader(docs[:4], shuffle=False)  # noqa: E731
+    cfg = tiny_config(tmp_path, train__max_steps=2)
+    train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs), eval_loader=ev())
+    calls = []
+    res = train(tiny_config(tmp_path, train__max_steps=2, train__resume="auto"), model=tiny_model(),
+                train_loader=SyntheticLoader(docs), eval_loader=ev(),
+                report=lambda event, **info: calls.append((event, info.get("eval_loss"))))
+    assert res.step == 2 and res.eval_loss_after is None
+    assert calls == []
+
+
+def test_eval_path_auto_holds_out_nothing_beside_your_own_data(tmp_path):
+    """data.eval_path=auto is the demo's held-out questions for data.path=demo only; beside a user's data it is no
+    held-out set (the user's run must not be scored, and answer, on the packaged Vellmora questions)."""
+    data = tmp_path / "mine.jsonl"
+    data.write_text(json.dumps({"text": "hello world"}) + "\n")
+    cfg = from_dict({"data": {"path": str(data), "eval_path": "auto"}, "train": {"out_dir": str(tmp_path / "run")}})
+    train, eval_file, qa = data_files(cfg, tmp_path / "run")
+    assert train == [data] and eval_file is None and qa is None
+    demo = from_dict({"data": {"path": "demo", "eval_path": "auto"}, "train": {"out_dir": str(tmp_path / "d")}})
+    _, eval_file, qa = data_files(demo, tmp_path / "d")
+    assert eval_file is not None and qa
