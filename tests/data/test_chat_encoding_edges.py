@@ -1,0 +1,99 @@
+"""Chat encoding edges: one BOS with a BOS-adding tokenizer, one eos with a tokenizer that appends its own, plain-text
+turn endings, each spelling of the generation tag, and template errors as bad records. Every other data test uses
+SmolLM2's tokenizer, which adds no BOS and appends no eos."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from chronicals.data.formats import Example, FormatError
+from chronicals.data.tokenize import encode, encode_chat, has_generation_markers
+from test_formats import trained_spans
+
+ONE_TURN = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+TWO_TURNS = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "one"},
+             {"role": "user", "content": "b"}, {"role": "assistant", "content": "two"}]
+ROLE_LINES = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+
+
+def _bos_adding(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.bos_token = "<|im_start|>"
+    tok.add_bos_token = True
+    assert tok("x")["input_ids"][0] == tok.bos_token_id  # it does add BOS
+    return tok
+
+
+def test_a_bos_adding_tokenizer_under_a_bos_template_gives_apply_chat_templates_ids(tokenizer):
+    """The rendered text is tokenized without the tokenizer's own special tokens: a tokenizer that adds BOS (Llama 2,
+    Mistral: add_bos_token) under a template that writes {{ bos_token }} gets one BOS, not two."""
+    tok = _bos_adding(tokenizer)
+    tok.chat_template = "{{ bos_token }}" + ROLE_LINES + "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+    ids, mask = encode_chat(tok, ONE_TURN)
+    want = tok.apply_chat_template(ONE_TURN, tokenize=True, return_dict=False)
+    assert ids.tolist() == list(want) and ids.tolist().count(tok.bos_token_id) == 1
+    assert tok.decode(ids[mask]).strip() == "hello"
+
+
+def test_loss_on_all_under_a_bos_adding_tokenizer_gives_apply_chat_templates_ids(tokenizer):
+    """The same for data.train_on=all."""
+    tok = _bos_adding(tokenizer)
+    tok.chat_template = "{{ bos_token }}" + ROLE_LINES
+    ids, mask = encode(tok, Example(messages=ONE_TURN), loss_on="all")
+    assert ids.tolist() == list(tok.apply_chat_template(ONE_TURN, tokenize=True, return_dict=False)) and mask.all()
+
+
+def test_own_eos_and_split_special_tokens_end_in_one_eos(tokenizer):
+    """A tokenizer that both appends eos itself (add_eos_token) and splits special-token text ends a prompt/target
+    document in one eos, not its own and another."""
+    tok = copy.deepcopy(tokenizer)
+    tok.add_eos_token = True
+    tok.split_special_tokens = True
+    eos = tok.eos_token_id
+    assert tok("a")["input_ids"][-1] == eos
+    ids, mask = encode(tok, Example(prompt="Q: hi\nA:", target=" hello"))
+    assert ids.tolist().count(eos) == 1 and ids[-1] == eos and mask[-1]
+
+
+def test_a_plain_text_turn_ending_keeps_its_whitespace(tokenizer):
+    """A template whose turns end in plain text keeps that ending, whitespace included, in the loss; only whitespace
+    after a closing special token is left out."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n\n' }}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "again"}, {"role": "assistant", "content": "bye"}]
+    ids, mask = encode_chat(tok, msgs)
+    text = tok.decode(ids[mask])
+    assert text == " hello\n\n bye\n\n", repr(text)  # " hello": one token across ": " and the reply
+
+
+MARKED = ("{% for m in messages %}{% if m['role'] == 'assistant' %}"
+          "TAG{{ '<|im_start|>assistant\n' + m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+          "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("tag", ["{% generation %}", "{%- generation %}", "{% generation -%}", "{%- generation -%}",
+                                 "{%generation%}", "{%+ generation %}", "{%+ generation +%}"])
+def test_each_spelling_of_the_tag_is_a_marker_and_its_spans_are_the_markers(tokenizer, tag):
+    """Jinja's whitespace controls around the tag still make it a marker. The markers here cover the assistant
+    header too, which the prefix renders never train, so only the markers give these spans."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = MARKED.replace("TAG", tag)
+    assert has_generation_markers(tok)
+    ids, mask = encode_chat(tok, TWO_TURNS, markers=True)
+    assert trained_spans(tok, ids, mask) == ["<|im_start|>assistant\none<|im_end|>",
+                                             "<|im_start|>assistant\ntwo<|im_end|>"]
+
+
+@pytest.mark.parametrize("expr", ["'{0}{1}'.format(m['content'])", "'{who}'.format(m['content'])"])
+def test_a_template_index_or_key_error_is_a_bad_record(tokenizer, expr):
+    """A template expression that raises IndexError or KeyError on a record (str.format with a missing field) makes
+    that record a FormatError (file:line, skipped under on_error=skip), as TypeError and ValueError do."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = "{% for m in messages %}{{ " + expr + " }}{% endfor %}"
+    with pytest.raises(FormatError, match="the chat template failed on this conversation"):
+        encode_chat(tok, ONE_TURN)

@@ -1,0 +1,52 @@
+"""GGUF metadata keys the model config needs: missing, stored as a fractional float, or a vocabulary size left out."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+
+import chronicals
+from test_gguf_metadata import _rel_err, hf_model, write_gguf
+
+
+def _write_block_count(path, value):
+    write_gguf(path, "llama", hf_model("llama"), skip=("block_count",),
+               extra=lambda w: w.add_key_value("llama.block_count", value, gguf.GGUFValueType.FLOAT32))
+
+
+def test_a_fractional_block_count_is_refused(tmp_path):
+    """An integer key stored as a float with a fraction (a damaged or hand-edited file) is refused, naming the key,
+    rather than truncated (2.5 layers read as 2) without a word."""
+    _write_block_count(tmp_path / "m.gguf", 2.5)
+    with pytest.raises(ValueError, match=r"metadata llama\.block_count=2\.5 is not an integer"):
+        chronicals.load_model(tmp_path / "m.gguf", tokenizer=False)
+
+
+def test_an_integer_valued_float_block_count_loads(tmp_path):
+    _write_block_count(tmp_path / "m.gguf", 2.0)
+    model, _ = chronicals.load_model(tmp_path / "m.gguf", tokenizer=False)
+    assert model.config.num_hidden_layers == 2
+
+
+@pytest.mark.parametrize("skip, key", [("embedding_length", "llama.embedding_length"),
+                                       ("feed_forward_length", "llama.feed_forward_length"),
+                                       ("block_count", "llama.block_count"),
+                                       ("head_count", "llama.attention.head_count")])
+def test_a_missing_required_key_is_named(tmp_path, skip, key):
+    """A key the config needs, left out, is one error naming the file and the key (without the check: a bare
+    TypeError, '<' between NoneType and int, or a config error that names no GGUF key)."""
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", hf_model("llama"), skip=(skip,))
+    with pytest.raises(ValueError, match=rf"^{path}: metadata key '{key}' is missing; cannot build the model config"):
+        chronicals.load_model(path, tokenizer=False)
+
+
+def test_a_gguf_without_vocab_size_loads_with_the_embeddings_rows(tmp_path):
+    """llama.cpp's converter wrote no {arch}.vocab_size before 2024: the size is then token_embd.weight's last GGUF
+    dimension (its shape is (hidden, vocab)); the first one, the hidden size, refused every such file as damaged."""
+    m = hf_model("llama", vocab_size=97)
+    path = tmp_path / "novocab.gguf"
+    write_gguf(path, "llama", m, skip=("vocab_size",))
+    ours, _ = chronicals.load_model(path, tokenizer=False)
+    assert ours.config.vocab_size == 97 and ours.model.embed_tokens.weight.shape == (97, 64)
+    assert _rel_err(ours, m) <= 1e-5

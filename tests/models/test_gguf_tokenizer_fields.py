@@ -1,0 +1,158 @@
+"""A GGUF tokenizer's fields as the file states them: add_eos_token, the specials and decoder that transformers 5.17's
+converter got wrong, the space prefix in each tokenizer form, an out-of-range special id, and the .gguf named as the
+tokenizer's source."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import transformers
+from tokenizers import Tokenizer, decoders
+
+from chronicals.data.tokenize import appends_eos
+from chronicals.models.gguf_tokenizer import _no_space_prefix, convert_tokenizer
+from chronicals.models.loading import load_tokenizer, require_chat_template
+from test_gguf_metadata import _BPE_VOCAB, _bpe_tokenizer_metadata, hf_model, write_gguf
+from test_gguf_tokenizer import _SPM_TOKENS, _spm_tokenizer_metadata
+
+
+@pytest.mark.parametrize("add_eos", [None, True, False])
+def test_add_eos_token_is_as_the_file_says(tmp_path, add_eos):
+    """tokenizer.ggml.add_eos_token=true gives a tokenizer that appends eos; false, or the key left out, one that
+    appends none (the key is read, not left to transformers' converter)."""
+    m = hf_model("llama", vocab_size=_BPE_VOCAB)
+    path = tmp_path / "eos.gguf"
+
+    def meta(w):
+        _bpe_tokenizer_metadata(w)
+        if add_eos is not None:
+            w.add_add_eos_token(add_eos)
+
+    write_gguf(path, "llama", m, extra=meta)
+    tok, why = convert_tokenizer(path)
+    assert tok is not None, why
+    ids = tok("hell")["input_ids"]
+    assert (ids[-1] == tok.eos_token_id) is bool(add_eos), ids
+    assert appends_eos(tok) is bool(add_eos)
+
+
+def _as_5_17(monkeypatch):
+    """transformers' converter spoiled as 5.17's (the GPU machine's) builds it: a llama file's eos is its bos token,
+    no pad, no BOS for SentencePiece files, a decoder that is not byte-level. Later versions build these right, so
+    only this shows that ``_match_metadata`` sets them from the file."""
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def spoiled(*a, **kw):
+        tok = real(*a, **kw)
+        tok.eos_token = tok.bos_token  # 5.17: a llama file's eos = its bos token
+        tok.pad_token = None
+        tok.add_bos_token = False  # 5.17 ignored tokenizer.ggml.add_bos_token
+        tok.backend_tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+        return tok
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spoiled)
+
+
+def test_a_byte_level_file_gets_its_own_specials_and_decoder(tmp_path, monkeypatch):
+    m = hf_model("llama", vocab_size=_BPE_VOCAB)
+    path = tmp_path / "bpe.gguf"
+    write_gguf(path, "llama", m, extra=_bpe_tokenizer_metadata)
+    _as_5_17(monkeypatch)
+    tok, why = convert_tokenizer(path)
+    assert tok is not None, why
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+    text = "hello é,\n  hell"
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+
+
+def test_a_sentencepiece_file_gets_its_bos(tmp_path, monkeypatch):
+    m = hf_model("llama", vocab_size=len(_SPM_TOKENS))
+    path = tmp_path / "spm.gguf"
+    write_gguf(path, "llama", m, extra=_spm_tokenizer_metadata)
+    _as_5_17(monkeypatch)
+    tok, why = convert_tokenizer(path)
+    assert tok is not None, why
+    assert tok("hello")["input_ids"][0] == 1  # <s>, as llama.cpp adds it (add_bos_token absent: SentencePiece)
+
+
+def test_the_old_sentencepiece_form_loses_its_space_prefix_and_decodes_back(tmp_path):
+    """``_no_space_prefix`` edits whichever form the converter built; the older SentencePiece form (normalizer
+    Prepend + Replace, decoder ending in Strip(' ', 1, 0)), which 5.17 builds for some files, loses its prefix and
+    its decoder's Strip, which would otherwise eat a text's own first space."""
+    m = hf_model("llama", vocab_size=len(_SPM_TOKENS))
+    path = tmp_path / "spm.gguf"
+    write_gguf(path, "llama", m, extra=_spm_tokenizer_metadata)
+    tok, why = convert_tokenizer(path)
+    assert tok is not None, why
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    spec["pre_tokenizer"] = None
+    spec["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
+                                                              {"type": "Replace", "pattern": {"String": " "},
+                                                               "content": "▁"}]}
+    spec["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"},
+        {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
+    tok._tokenizer = Tokenizer.from_str(json.dumps(spec))
+    ids = tok("hello world", add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(ids)[0].startswith("▁") and tok.decode(ids) == "hello world"  # the old form works
+    _no_space_prefix(tok)
+    ids = tok("hello world", add_special_tokens=False)["input_ids"]
+    assert not tok.convert_ids_to_tokens(ids)[0].startswith("▁"), tok.convert_ids_to_tokens(ids)
+    assert tok.decode(ids) == "hello world"
+    # a text that starts with a space keeps it (the decoder's Strip of the prefix's space would eat the text's own)
+    assert tok.decode(tok(" hello world", add_special_tokens=False)["input_ids"]) == " hello world"
+
+
+def _spm(tmp_path, prefix):
+    m = hf_model("llama", vocab_size=len(_SPM_TOKENS))
+    path = tmp_path / "spm.gguf"
+    write_gguf(path, "llama", m, extra=lambda w: (_spm_tokenizer_metadata(w), w.add_add_space_prefix(prefix)))
+    tok, why = convert_tokenizer(path)
+    assert tok is not None, why
+    return tok
+
+
+def test_the_installed_converters_form_keeps_a_leading_space_of_the_text(tmp_path):
+    """The installed transformers' own form (Metaspace pre-tokenizer, decoder ending in Strip(' ', 1, 0)) with
+    add_space_prefix=false: a text's leading space survives the decode ("hello world" alone cannot tell)."""
+    tok = _spm(tmp_path, False)
+    ids = tok(" hello world", add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == " hello world"
+
+
+def test_a_metaspace_inside_a_sequence_pre_tokenizer_loses_its_prefix(tmp_path):
+    """A Metaspace wrapped in a Sequence pre-tokenizer (as converters that add a digit or punctuation split
+    build it) gets prepend_scheme never too."""
+    tok = _spm(tmp_path, True)
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [spec["pre_tokenizer"]]}
+    tok._tokenizer = Tokenizer.from_str(json.dumps(spec))
+    assert tok.convert_ids_to_tokens(tok("hello", add_special_tokens=False)["input_ids"])[0].startswith("▁")
+    _no_space_prefix(tok)
+    pieces = tok.convert_ids_to_tokens(tok("hello world", add_special_tokens=False)["input_ids"])
+    assert not pieces[0].startswith("▁"), pieces
+
+
+def test_an_eos_id_equal_to_the_vocabulary_size_is_named(tmp_path):
+    """A special token id one past the last token is named as not a token id, as one further out is (not a bare
+    IndexError in the message)."""
+    m = hf_model("llama", vocab_size=_BPE_VOCAB)
+    path = tmp_path / "eos_at_n.gguf"
+    write_gguf(path, "llama", m, extra=lambda w: _bpe_tokenizer_metadata(w, eos_id=_BPE_VOCAB))
+    tok, why = convert_tokenizer(path)
+    assert tok is None
+    assert (f"metadata tokenizer.ggml.eos_token_id={_BPE_VOCAB} is not a token id of its {_BPE_VOCAB} tokens"
+            in why), why
+
+
+def test_a_gguf_without_a_chat_template_is_named_by_its_file(tmp_path):
+    """A .gguf's tokenizer records the .gguf as its source, so the missing-template error names the file the user
+    passed, not the conversion cache's directory."""
+    m = hf_model("llama", vocab_size=len(_SPM_TOKENS))
+    path = tmp_path / "base.gguf"
+    write_gguf(path, "llama", m, extra=_spm_tokenizer_metadata)  # no tokenizer.chat_template
+    tok = load_tokenizer(path)
+    assert tok.chronicals_source == str(path)
+    with pytest.raises(ValueError, match=rf"^{path}: the tokenizer has no chat template"):
+        require_chat_template(tok)
