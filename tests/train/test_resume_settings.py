@@ -225,3 +225,52 @@ def test_a_resume_under_another_lr_shows_the_new_lr_at_once():
     resume.apply_optimizer_settings(opt2, sched2, fresh, None, {}, 2)
     want = 2e-3 * 3 / 4
     assert opt2.param_groups[0]["lr"] == pytest.approx(want) and sched2.get_last_lr() == [pytest.approx(want)]
+
+
+def _optimizer():
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+
+def test_resume_under_another_grad_accum_warns(tmp_path, caplog):
+    """train.grad_accum changes the batch each step averages over: the settings warning names it."""
+    from chronicals.train.resume import apply_optimizer_settings, optimizer_settings
+
+    saved = tiny_config(tmp_path, train__grad_accum=1).to_dict()
+    current = tiny_config(tmp_path, train__grad_accum=4).to_dict()
+    opt, sched = _optimizer()
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        apply_optimizer_settings(opt, sched, optimizer_settings(opt, sched), saved, current, step=1, total=5)
+    assert any("train.grad_accum=1 (this run: 4)" in m for m in warnings(caplog)), warnings(caplog)
+
+
+@pytest.mark.parametrize("old, new, named", [
+    (dict(train__seed=1), dict(train__seed=2), "train.seed=1 (this run: 2)"),
+    (dict(data__dp_remainder="train"), dict(data__dp_remainder="drop"), "data.dp_remainder='train' (this run: 'drop')"),
+])
+def test_the_data_warning_names_the_seed_and_dp_remainder(tmp_path, caplog, old, new, named):
+    """Both decide which batches come after the checkpoint's position."""
+    saved, current = tiny_config(tmp_path, **old).to_dict(), tiny_config(tmp_path, **new).to_dict()
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        warn_data_changed(saved, current, tmp_path / "step-000001")
+    assert any(named in m for m in warnings(caplog)), warnings(caplog)
+
+
+def test_a_checkpoint_config_without_dtype_warns_nothing(tmp_path, caplog):
+    """A checkpoint from before model.dtype was recorded has no dtype to compare."""
+    saved = tiny_config(tmp_path, model__device="cpu").to_dict()
+    del saved["model"]["dtype"]
+    current = tiny_config(tmp_path, model__device="cpu", model__dtype="bfloat16").to_dict()
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        check_same_adapter(saved, current, tmp_path / "step-000001")
+    assert warnings(caplog) == []
+
+
+def test_auto_dtype_on_a_cuda_machine_is_bfloat16(tmp_path, caplog, monkeypatch):
+    """model.dtype=auto trained in bfloat16 on a GPU machine: resumed in float32 there, the warning says so."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    saved = tiny_config(tmp_path, model__device="auto", model__dtype="auto").to_dict()
+    current = tiny_config(tmp_path, model__device="auto", model__dtype="float32").to_dict()
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        check_same_adapter(saved, current, tmp_path / "step-000001")
+    assert any("model.dtype='auto' = bfloat16 (this run: 'float32')" in m for m in warnings(caplog)), warnings(caplog)

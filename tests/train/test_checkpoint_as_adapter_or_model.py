@@ -1,0 +1,108 @@
+"""A run's checkpoint read as an adapter or a model (export / chat / eval --adapter or --model
+runs/x/checkpoints/step-N): the run's LoRA scaling, the base it names (short names, '~' paths), what is not a
+checkpoint, records it cannot hold, and a checkpoint rewritten in the same process read again."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from chronicals.config import TrainConfig
+from chronicals.lora import apply_lora
+from chronicals.train import checkpoint as ckpt
+from chronicals.train.checkpoint_adapter import (apply_checkpoint_adapter, is_checkpoint_dir, lora_settings,
+                                                 read_run_checkpoint)
+from chronicals.train.checkpoint_model import checkpoint_base
+
+from train_helpers import tiny_model
+
+
+def _write(out, extra=None, *, tensor=None, config=None, step=1):
+    if config is None:
+        config = TrainConfig().to_dict()
+    model = {"model.norm.weight": torch.ones(4) if tensor is None else tensor}
+    state = {"format": 1, "step": step, "model": model, "optimizer": {}, "scheduler": {}, "data": {}, "rng": {},
+             "extra": {"config": config, "base": None, **(extra or {})}}
+    return ckpt.write_checkpoint(out, state)
+
+
+def test_an_rslora_runs_checkpoint_is_applied_with_its_scaling(tmp_path):
+    """A run trained with lora.rslora=true: its checkpoint as the adapter scales by alpha / sqrt(r), as it trained,
+    not alpha / r (every output of export, chat and eval would be off)."""
+    torch.manual_seed(0)
+    model = tiny_model()
+    rec = apply_lora(model, r=4, alpha=8, use_rslora=True)
+    cfg = TrainConfig().to_dict()
+    cfg["lora"].update(enabled=True, rank=4, alpha=8, rslora=True)
+    path = _write(tmp_path / "run", {"lora": lora_settings(model)}, config=cfg)
+    state = torch.load(path / "state.pt", weights_only=False)
+    state["model"] = ckpt.trainable_state(model)
+    torch.save(state, path / "state.pt")
+    torch.manual_seed(0)
+    again = apply_checkpoint_adapter(tiny_model(), path)
+    assert again.lora_config.scaling == rec.scaling == 8 / 4 ** 0.5
+
+
+def test_no_path_is_no_checkpoint_dir():
+    assert not is_checkpoint_dir(None) and not is_checkpoint_dir("")
+
+
+def test_a_peft_adapter_dir_with_a_state_pt_is_no_checkpoint_dir(tmp_path):
+    (tmp_path / "state.pt").write_bytes(b"x")
+    assert is_checkpoint_dir(tmp_path)
+    (tmp_path / "adapter_config.json").write_text("{}")
+    assert not is_checkpoint_dir(tmp_path)
+
+
+def test_a_config_that_is_not_a_dict_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="records no run config"):
+        read_run_checkpoint(_write(tmp_path / "run", config="model: x"))
+
+
+def test_an_integer_tensor_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="not as floating point"):
+        read_run_checkpoint(_write(tmp_path / "run", tensor=torch.ones(4, dtype=torch.int64)))
+
+
+def _full_config():
+    config = TrainConfig().to_dict()
+    config["lora"]["enabled"] = False
+    return config
+
+
+def test_a_full_checkpoint_of_the_default_model_names_it_by_its_short_name(tmp_path, monkeypatch):
+    """The default model's short name is no path here, and still the base: not refused as "which is not here"."""
+    monkeypatch.chdir(tmp_path)
+    assert checkpoint_base(_write(tmp_path / "run", {"base": "smollm2-135m-instruct"},
+                                          config=_full_config())) == "smollm2-135m-instruct"
+
+
+def test_a_home_relative_base_is_found(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "base").mkdir()
+    assert checkpoint_base(_write(tmp_path / "run", {"base": "~/base"}, config=_full_config())) == "~/base"
+
+
+def test_an_older_checkpoint_with_a_home_relative_model_path_names_it(tmp_path, monkeypatch):
+    """A checkpoint from before the base was recorded names model.path of its config, a '~' path here."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "base").mkdir()
+    p = _write(tmp_path / "run")
+    st = torch.load(p / "state.pt", weights_only=False)
+    del st["extra"]["base"]
+    st["extra"]["config"]["model"]["path"] = "~/base"
+    torch.save(st, p / "state.pt")
+    ck = read_run_checkpoint(p)
+    assert ck.base == "~/base" and ck.why_no_base == ""
+
+
+def test_a_rewritten_checkpoint_is_read_again(tmp_path):
+    """The same step saved again (a signal right after a save) in one process: the memoized read sees the new file."""
+    p = _write(tmp_path / "run", tensor=torch.full((4,), 1.0))
+    assert torch.equal(read_run_checkpoint(p).tensors["model.norm.weight"], torch.full((4,), 1.0))
+    assert _write(tmp_path / "run", tensor=torch.full((4,), 2.0)) == p
+    os.utime(p / "state.pt", ns=(time.time_ns(), time.time_ns() + 10**9))  # a coarse mtime: make it differ
+    assert torch.equal(read_run_checkpoint(p).tensors["model.norm.weight"], torch.full((4,), 2.0))

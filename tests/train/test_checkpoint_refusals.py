@@ -1,0 +1,159 @@
+"""Checkpoints edited or crafted by hand are refused naming the checkpoint and what is wrong, not a raw error later
+or a silent resume; what a background save holds is what it was at save() time; the config comparison behind the
+resume refusals takes keys and sections one side lacks as nothing to compare."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from chronicals.train import checkpoint as ckpt
+from chronicals.train.resume import check_same_adapter
+
+from train_helpers import VOCAB, tiny_model
+
+
+def _parts(steps=0):
+    torch.manual_seed(0)
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    for _ in range(steps):
+        model(torch.randint(0, VOCAB, (1, 8)), labels=torch.randint(0, VOCAB, (1, 8))).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return model, opt, sched
+
+
+def _written(tmp_path, step, edit):
+    model, opt, sched = _parts(step)
+    state = ckpt.snapshot(step, model, opt, sched, {"position": step})
+    edit(state)
+    return ckpt.write_checkpoint(tmp_path, state)
+
+
+def _first(state):
+    return next(iter(state["model"]))
+
+
+@pytest.mark.parametrize("step, edit, said", [
+    (2, lambda s: s.update(format="2"), "has format '2'"),
+    (1, lambda s: s.update(step=True), "its step is True"),
+    (2, lambda s: s["model"].update({_first(s): [1.0, 2.0]}), "its model entry is not a dict of tensors"),
+    (2, lambda s: s["model"].pop(_first(s)), "lacks trainable parameters of the model"),
+    (2, lambda s: s["optimizer"]["state"][0].update(exp_avg=torch.zeros(3)),
+     "its optimizer state has exp_avg (3,) for a parameter"),
+    (2, lambda s: s["optimizer"]["state"][0].pop("exp_avg_sq"), "has exp_avg_sq none"),
+    (1, lambda s: s["optimizer"].update(state={}), "holds no AdamW moments at step 1"),
+], ids=["format_string", "step_bool", "model_entry_list", "missing_parameter", "moment_shape", "moment_missing",
+        "no_moments_after_a_step"])
+def test_an_edited_checkpoint_is_refused_naming_it(tmp_path, step, edit, said):
+    path = _written(tmp_path, step, edit)
+    with pytest.raises(ValueError, match="checkpoint .*step-00000") as e:
+        ckpt.load_checkpoint(path, *_parts())
+    assert said in str(e.value)
+
+
+def test_a_file_named_like_a_step_is_not_a_checkpoint(tmp_path):
+    path = _written(tmp_path, 2, lambda s: None)
+    (tmp_path / "checkpoints" / "step-000009").write_bytes(b"not a directory")
+    assert ckpt.latest_checkpoint(tmp_path) == path
+    assert [d.name for d in ckpt.checkpoint_dirs(tmp_path)] == ["step-000002"]
+
+
+def test_a_state_pt_without_model_optimizer_scheduler_is_not_a_checkpoint(tmp_path):
+    d = tmp_path / "checkpoints" / "step-000001"
+    d.mkdir(parents=True)
+    torch.save({"step": 1, "data": {}, "rng": {}}, d / "state.pt")
+    with pytest.raises(ValueError, match="not a chronicals checkpoint"):
+        ckpt._read_state(d / "state.pt")
+
+
+def test_two_masters_claiming_one_weight_are_left_out():
+    """A checkpoint from before masters were saved by name: a master is matched to its weight by value, and two
+    masters that both round to one bf16 weight are ambiguous, so neither is taken (either could be half a bf16
+    step off)."""
+    w = torch.ones(4, dtype=torch.bfloat16)
+    m1, m2 = torch.full((4,), 1.0001), torch.full((4,), 0.9999)
+    assert ckpt._masters_by_value({"a": w, "c": torch.zeros(3, dtype=torch.bfloat16)}, [m1, m2]) == {}
+
+
+def test_a_checkpoint_is_removed_when_its_trash_name_is_taken(tmp_path):
+    """A leftover directory at the name removal renames to first (a crash during an earlier removal) does not keep
+    the checkpoint, which pruning would then keep for ever."""
+    d = tmp_path / "checkpoints" / "step-000001"
+    d.mkdir(parents=True)
+    (d / "state.pt").write_bytes(b"x")
+    taken = d.with_name(f".tmp-step-000001-{os.getpid()}")
+    taken.mkdir()
+    (taken / "leftover").write_bytes(b"y")
+    ckpt.remove_checkpoint(d)
+    assert not d.exists()
+
+
+def _held_writer(monkeypatch):
+    release = threading.Event()
+    real_save = torch.save
+
+    def held_save(obj, path):
+        release.wait(timeout=30)
+        real_save(obj, path)
+    monkeypatch.setattr(ckpt.torch, "save", held_save)
+    return release
+
+
+def test_a_background_save_holds_the_data_state_as_it_was(tmp_path, monkeypatch):
+    """A loader whose state_dict returns its own list, reshuffled in place for the next epoch while the file is
+    written, resumes from the position saved, not the one after."""
+    release = _held_writer(monkeypatch)
+    order = [3, 1, 2]
+    data = {"order": order, "position": {"epoch": 0}}
+    writer = ckpt.CheckpointWriter(background=True)
+    path = writer.save(tmp_path, 1, *_parts(), data)
+    order.reverse()
+    data["position"]["epoch"] = 1
+    release.set()
+    writer.wait()
+    assert torch.load(path / "state.pt", weights_only=False)["data"] == {"order": [3, 1, 2], "position": {"epoch": 0}}
+
+
+def test_a_background_save_holds_extra_as_it_was(tmp_path, monkeypatch):
+    release = _held_writer(monkeypatch)
+    extra = {"config": {"train": {"max_steps": 5}}, "lora": {"lora_modules": ["a"]}}
+    writer = ckpt.CheckpointWriter(background=True)
+    path = writer.save(tmp_path, 1, *_parts(), {}, extra=extra)
+    extra["config"]["train"]["max_steps"] = 9
+    extra["lora"]["lora_modules"].append("b")
+    release.set()
+    writer.wait()
+    st = torch.load(path / "state.pt", weights_only=False)
+    assert st["extra"] == {"config": {"train": {"max_steps": 5}}, "lora": {"lora_modules": ["a"]}}
+
+
+def test_a_key_the_checkpoint_predates_is_no_difference():
+    """A checkpoint written before lora.rslora existed: no "rslora=None (this run: False)"."""
+    saved = {"lora": {"enabled": True, "rank": 4}}
+    now = {"lora": {"enabled": True, "rank": 4, "rslora": False}}
+    assert ckpt.config_diffs(saved, now, {"lora": ("rank", "rslora")}) == []
+
+
+def test_an_older_lora_checkpoint_without_a_newer_key_still_resumes(tmp_path):
+    saved = {"model": {"path": "m"}, "lora": {"enabled": True, "rank": 4, "alpha": 8, "targets": ["q_proj"]}}
+    now = {"model": {"path": "m"}, "lora": {"enabled": True, "rank": 4, "alpha": 8, "targets": ["q_proj"],
+                                            "rslora": False, "modules_to_save": []}}
+    check_same_adapter(saved, now, tmp_path)  # does not raise
+
+
+def test_no_current_config_is_no_differences():
+    assert ckpt.config_diffs({"model": {"path": "a"}}, None, {"model": None}) == []
+
+
+def test_a_section_absent_on_either_side_compares_as_empty():
+    assert ckpt.config_diffs({"model": {"path": "a"}}, {"model": {"path": "a"}},
+                             {"schedule": None, "lora": ("rank",)}) == []
+    assert ckpt.config_diffs({"model": {"path": "a"}}, {"other": {}}, {"model": None}) == \
+        ["model.path='a' (this run: None)"]
