@@ -405,3 +405,88 @@ def test_json_into_the_adapter_directory_is_refused(tiny_base, data_file, tmp_pa
               "--json", str(adapter / "scores.json")])
     assert exit_.value.code == 2 and "would write into --adapter" in capsys.readouterr().err
     assert not (adapter / "scores.json").exists()
+
+
+def test_json_records_the_data_settings_it_scored_under(tiny_base, data_file, tmp_path):
+    """--json records the settings the numbers depend on, so two result files can be compared: --on-long changes
+    which tokens are scored (drop / split / truncate), --train-on which carry loss."""
+    out = tmp_path / "r.json"
+    assert main(["eval", "--model", str(tiny_base), str(data_file), "--device", "cpu", "--cache-dir", "none",
+                 "--on-long", "split", "--train-on", "all", "--max-seq-len", "32", "--batch-size", "2",
+                 "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert (got["on_long"], got["train_on"], got["max_seq_len"], got["batch_size"], got["model"], got["device"]) == \
+        ("split", "all", 32, 2, str(tiny_base), "cpu"), got
+
+
+def _refused_before_the_load(args, monkeypatch, capsys):
+    """(exit status, stderr) of ``chronicals eval ARGS``, which must not have loaded a model."""
+    import chronicals.cli_eval as cli_eval
+
+    loads = []
+    monkeypatch.setattr(cli_eval, "_load", lambda *a, **k: loads.append(a) or 1 / 0)
+    try:
+        rc = main(["eval", *map(str, args)])
+    except SystemExit as e:
+        rc = e.code
+    assert not loads, "the model was loaded before the refusal"
+    return rc, capsys.readouterr().err
+
+
+def test_an_empty_data_argument_is_refused(tiny_base, tmp_path, monkeypatch, capsys):
+    """DATA '' (or blanks) is refused: Path('') is the working directory, which would be read whole as data."""
+    monkeypatch.chdir(tmp_path)
+    rc, err = _refused_before_the_load(["--model", tiny_base, "  ", "--device", "cpu"], monkeypatch, capsys)
+    assert rc == 2 and "the data argument is empty" in err, err
+
+
+def test_a_system_prompt_that_is_not_utf8_is_refused(tiny_base, data_file, monkeypatch, capsys):
+    """A prompt of undecodable bytes (a shell in another locale gives surrogate escapes) is exit 2 naming the flag,
+    before the model loads."""
+    rc, err = _refused_before_the_load(["--model", tiny_base, data_file, "--device", "cpu",
+                                        "--system-prompt", "caf\udce9"], monkeypatch, capsys)
+    assert rc == 2 and "--system-prompt is not valid UTF-8" in err, err
+
+
+def test_missing_data_is_said_before_the_model_loads(tiny_base, tmp_path, monkeypatch, capsys):
+    """A DATA path that does not exist is said before the model loads (minutes at 8B), naming the path."""
+    rc, err = _refused_before_the_load(["--model", tiny_base, tmp_path / "nope.jsonl", "--device", "cpu"],
+                                       monkeypatch, capsys)
+    assert rc != 0 and "nope.jsonl: no such file or directory" in err, err
+
+
+def test_a_loss_past_exps_range_has_infinite_perplexity():
+    """exp of a loss above ~709.8 overflows: the perplexity is +inf, printed as inf, not nan (which reads as a
+    broken computation)."""
+    from chronicals.data import DatasetStats
+    from chronicals.evaluate import EvalResult
+
+    r = EvalResult(data="x", loss=1000.0, loss_tokens=3, examples=1, stats=DatasetStats(records=1, documents=1))
+    assert r.perplexity == math.inf and "perplexity inf" in r.summary()
+
+
+def test_the_summary_names_evals_own_flag_for_truncation():
+    """eval has no data.max_seq_len: its summary names --max-seq-len, what the user can change."""
+    from chronicals.data import DatasetStats
+    from chronicals.evaluate import EvalResult
+
+    stats = DatasetStats(records=3, documents=3, truncated=2)
+    r = EvalResult(data="x", loss=1.0, loss_tokens=3, examples=3, stats=stats)
+    assert "2 truncated to --max-seq-len" in r.summary(), r.summary()
+
+
+def test_evaluate_warns_of_a_max_seq_len_past_the_models_context(monkeypatch, caplog):
+    """From Python (the CLI refuses earlier): rows past the model's trained positions are warned of, since their
+    loss says little."""
+    import types
+
+    import chronicals.evaluate as ev
+    from chronicals.config import DataSection
+
+    def stop(*a, **k):
+        raise RuntimeError("stop here")
+    monkeypatch.setattr(ev, "heldout_loader", stop)
+    model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=64))
+    with caplog.at_level(logging.WARNING, logger="chronicals.evaluate"), pytest.raises(RuntimeError, match="stop"):
+        ev.evaluate(model, None, DataSection(path="x.jsonl", max_seq_len=128), CPU)
+    assert "max_seq_len=128 is longer than the model's max_position_embeddings=64" in caplog.text

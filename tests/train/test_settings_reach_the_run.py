@@ -1,0 +1,197 @@
+"""What the config asks reaches the run: lora.rslora, lora.group, lora.dropout of a passed model's adapters,
+train.seed (LoRA initialisation and batch order), model options, the demo's system prompt; what setup refuses before
+the first step, removes after a failed setup, and leaves alone; reruns of a finished run."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from chronicals.config import TrainConfig
+from chronicals.train import train
+from chronicals.train.guards import check_ids_in_vocab, earlier_finals
+
+from train_helpers import SyntheticLoader, synthetic_docs, tiny_config, tiny_model
+
+LORA = dict(lora__enabled=True, lora__rank=4, lora__alpha=8.0, lora__targets=["q_proj", "v_proj"])
+
+
+def test_lora_rslora_reaches_the_adapters(tmp_path):
+    """lora.rslora=true trains and saves rank-stabilised adapters (scaling alpha/sqrt(r)), not plain ones (alpha/r)
+    under a config that says rslora."""
+    cfg = tiny_config(tmp_path, lora__rslora=True, train__max_steps=1, train__save_final=True, **LORA)
+    train(cfg, model=tiny_model(), train_loader=SyntheticLoader(synthetic_docs(40, seed=1)))
+    got = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
+    assert got["use_rslora"] is True, got
+
+
+def test_a_final_adapter_path_that_is_a_file_is_refused_before_training(tmp_path):
+    """A file at out_dir/adapter is refused before the first step, not found by save_final after the whole run."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "adapter").write_text("my notes\n")
+    cfg = tiny_config(tmp_path, train__max_steps=2, train__save_final=True, **LORA)
+    with pytest.raises(FileExistsError, match="exists and is not a directory"):
+        train(cfg, model=tiny_model(), train_loader=SyntheticLoader(synthetic_docs(40, seed=1)))
+    assert (out / "adapter").read_text() == "my notes\n"
+    assert not (out / "metrics.jsonl").exists() or "train" not in (out / "metrics.jsonl").read_text()
+
+
+def test_a_rerun_at_the_last_step_under_save_final_false_writes_no_final_directory(tmp_path):
+    """A rerun of a finished run (train.resume=auto finds its last checkpoint, nothing to train) under
+    train.save_final=false writes no out_dir/adapter or out_dir/model, as the run itself did not."""
+    for lora in (False, True):
+        out = tmp_path / str(lora)
+        over = dict(train__max_steps=2, train__save_every=1, train__save_final=False, **(LORA if lora else {}))
+        train(tiny_config(out, **over), model=tiny_model(), train_loader=SyntheticLoader(synthetic_docs(40, seed=1)))
+        result = train(tiny_config(out, train__resume="auto", **over), model=tiny_model(),
+                       train_loader=SyntheticLoader(synthetic_docs(40, seed=1)))
+        assert result.start_step == result.step == 2
+        assert not (out / "run" / "adapter").exists() and not (out / "run" / "model").exists()
+        assert result.final_dir is None
+
+
+def test_the_demo_training_copy_carries_the_system_prompt_the_questions_are_asked_with(tmp_path):
+    """The demo trains under the same system message its held-out questions are asked and scored with; without it
+    SmolLM2's template puts its own default system prompt into every training example."""
+    from chronicals.train.qa import heldout_system_prompt
+    from chronicals.train.setup import data_files
+
+    cfg = tiny_config(tmp_path, data__path="demo", data__eval_path="auto")
+    train_files, eval_file, qa = data_files(cfg, tmp_path / "run")
+    first = json.loads(train_files[0].read_text().splitlines()[0])["messages"][0]
+    assert cfg.data.system_prompt and first == {"role": "system", "content": cfg.data.system_prompt}
+    assert heldout_system_prompt(cfg.data) == cfg.data.system_prompt
+
+
+def test_a_passed_models_adapters_under_another_dropout_are_refused(tmp_path):
+    """A model passed with adapters of dropout 0 under a config asking lora.dropout=0.1 is refused, not trained
+    silently without the dropout asked for."""
+    from chronicals.config import ConfigError
+    from chronicals.lora import apply_lora
+
+    model = tiny_model()
+    apply_lora(model, r=4, alpha=8.0, dropout=0.0, target_modules=("q_proj", "v_proj"), seed=0)
+    cfg = tiny_config(tmp_path, train__max_steps=1, lora__dropout=0.1, **LORA)
+    with pytest.raises(ConfigError, match=r"lora.dropout=0.1 \(the adapters': 0.0\)"):
+        train(cfg, model=model, train_loader=SyntheticLoader(synthetic_docs(40, seed=1)))
+
+
+def test_train_seed_sets_the_lora_initialisation(tmp_path):
+    """Runs under other train.seed values start from other LoRA A matrices (a seed sweep was otherwise no sweep of
+    the adapters' start)."""
+    from chronicals.train.setup import prepare_model
+
+    def lora_a(seed):
+        cfg = tiny_config(tmp_path, train__seed=seed, **LORA)
+        model = prepare_model(tiny_model(), cfg, torch.device("cpu"), torch.float32)
+        return torch.cat([p.detach().flatten() for n, p in model.named_parameters() if "lora_A" in n])
+
+    assert torch.equal(lora_a(1), lora_a(1)) and not torch.equal(lora_a(1), lora_a(2))
+
+
+def test_train_seed_sets_the_training_batch_order(tmp_path):
+    """train.seed shuffles the training batches (every seed gave seed 0's order without it)."""
+    from smollm2_tokenizer import smollm2_tokenizer
+
+    from chronicals.train.setup import build_loaders
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"record number {i} " * 3}) + "\n" for i in range(40)))
+    tok = smollm2_tokenizer()
+
+    def order(seed):
+        cfg = tiny_config(tmp_path, train__seed=seed, data__path=str(data), data__eval_path="", data__max_seq_len=32,
+                          data__cache_dir="none")
+        loader = build_loaders(cfg, tok, tmp_path / "run")[0]
+        return [b.input_ids[0, :8].tolist() for b in loader]
+
+    assert order(3) == order(3) and order(3) != order(4)
+
+
+def test_lora_group_false_gives_separate_adapters(tmp_path):
+    """lora.group=false runs the projections as separate adapters."""
+    from chronicals.train.setup import prepare_model
+
+    def kinds(group):
+        cfg = tiny_config(tmp_path, lora__group=group, **dict(LORA, lora__targets=["q_proj", "k_proj", "v_proj"]))
+        model = prepare_model(tiny_model(), cfg, torch.device("cpu"), torch.float32)
+        return sum(getattr(m, "lora_qkv", None) is not None for m in model.modules())  # the blocks' LoRAGroups
+
+    assert kinds(True) == 2 and kinds(False) == 0
+
+
+def test_model_loss_vocab_parts_and_attention_reach_the_model(tmp_path):
+    """model.loss_vocab_parts and model.attention reach the model's options, not dropped for the defaults."""
+    from chronicals.train.setup import prepare_model
+
+    cfg = tiny_config(tmp_path, model__loss_vocab_parts=3, model__attention="flash")
+    model = prepare_model(tiny_model(), cfg, torch.device("cpu"), torch.float32)
+    assert model.opts.loss_vocab_parts == 3
+    assert model.opts.attention == "flash"
+
+
+def test_a_failed_setup_keeps_an_out_dir_that_was_there_empty(tmp_path):
+    """A run that fails while setting up removes only what it wrote; an out_dir the user had made (empty) stays."""
+    from chronicals.train.guards import remove_setup_files
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("x")  # what the failed run wrote
+    remove_setup_files(out, set())
+    assert out.is_dir() and list(out.iterdir()) == []
+
+
+def test_a_rerun_of_a_finished_run_without_its_metrics_file_completes(tmp_path):
+    """A rerun that finds the run's last checkpoint, with logging.plot on and metrics.jsonl and loss.png gone (moved
+    away, as an error about a bad line advises), completes instead of failing on the missing file."""
+    over = dict(train__max_steps=2, train__save_every=1, logging__plot=True)
+    train(tiny_config(tmp_path, **over), model=tiny_model(), train_loader=SyntheticLoader(synthetic_docs(40, seed=1)))
+    run = tmp_path / "run"
+    (run / "metrics.jsonl").unlink()
+    (run / "loss.png").unlink(missing_ok=True)
+    result = train(tiny_config(tmp_path, train__resume="auto", **over), model=tiny_model(),
+                   train_loader=SyntheticLoader(synthetic_docs(40, seed=1)))
+    assert result.status == "completed" and result.step == 2
+
+
+def test_an_earlier_final_model_dir_holding_model_path_is_kept(tmp_path):
+    """A final model/ that holds model.path (here a single weights file, e.g. a GGUF saved under a Hugging Face file
+    name) is never deleted by a new run in that out_dir: it is the very model being trained."""
+    out = tmp_path / "run"
+    final = out / "model"
+    final.mkdir(parents=True)
+    (final / "config.json").write_text("{}")
+    (final / "model.safetensors").write_bytes(b"GGUF....")
+    cfg = TrainConfig()
+    cfg.model.path = str(final / "model.safetensors")
+    cfg.train.out_dir = str(out)
+    cfg.lora.enabled = True
+    assert earlier_finals(cfg, out, None) == []
+
+
+def test_a_linked_final_directory_is_no_earlier_final_to_remove(tmp_path):
+    """A link at out_dir/adapter to a folder elsewhere is not this out_dir's earlier final: it is not listed for
+    removal (the loop would then say "removed" of it, and rmtree(ignore_errors) silently does nothing to a link)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    elsewhere = tmp_path / "kept"
+    elsewhere.mkdir()
+    (elsewhere / "adapter_config.json").write_text("{}")
+    (out / "adapter").symlink_to(elsewhere, target_is_directory=True)
+    cfg = TrainConfig()
+    cfg.train.out_dir = str(out)
+    cfg.lora.enabled = True
+    assert earlier_finals(cfg, out, None) == []
+
+
+def test_a_token_id_equal_to_the_vocabulary_size_is_refused():
+    """Token id V of a V-row embedding has no row either; it is the one clear error, not an IndexError from the embedding
+    (a device-side assert on CUDA)."""
+    model = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=100))
+    check_ids_in_vocab(model, 99, "the training data holds token id")
+    with pytest.raises(ValueError, match="holds token id 100, but the model's vocabulary has 100 entries"):
+        check_ids_in_vocab(model, 100, "the training data holds token id")
