@@ -1,6 +1,7 @@
-"""Chat encoding edges: one BOS with a BOS-adding tokenizer, one eos with a tokenizer that appends its own, plain-text
-turn endings, each spelling of the generation tag, and template errors as bad records. Every other data test uses
-SmolLM2's tokenizer, which adds no BOS and appends no eos."""
+"""Chat encoding edges: one BOS with a BOS-adding tokenizer, one eos with a tokenizer that appends its own or a text
+that ends in it, plain-text turn endings, each spelling of the generation tag, template errors as bad records, and
+templates that close or rewrite turns in ways the prefix-render fallbacks must bound or refuse. Every other data test
+uses SmolLM2's tokenizer, which adds no BOS and appends no eos."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import copy
 import pytest
 
 from chronicals.data.formats import Example, FormatError
-from chronicals.data.tokenize import encode, encode_chat, has_generation_markers
+from chronicals.data.tokenize import _insertion_points, _render, encode, encode_chat, has_generation_markers
 from test_formats import trained_spans
+from test_template_fallback import BASES, PHI3, make_tokenizer
 
 ONE_TURN = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 TWO_TURNS = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "one"},
@@ -97,3 +99,73 @@ def test_a_template_index_or_key_error_is_a_bad_record(tokenizer, expr):
     tok.chat_template = "{% for m in messages %}{{ " + expr + " }}{% endfor %}"
     with pytest.raises(FormatError, match="the chat template failed on this conversation"):
         encode_chat(tok, ONE_TURN)
+
+
+def test_a_text_that_ends_in_eos_gets_no_second_one(tokenizer):
+    """Pre-formatted text and prompt/target records often end in the eos string already."""
+    eos = tokenizer.eos_token
+    for ex in (Example(prompt="", target="plain text" + eos), Example(prompt="Q: ", target="A." + eos)):
+        ids, mask = encode(tokenizer, ex, loss_on="all" if not ex.prompt else "assistant")
+        assert ids.tolist() == tokenizer(ex.prompt + ex.target, add_special_tokens=True)["input_ids"]
+        assert ids.tolist().count(tokenizer.eos_token_id) == 1 and mask[-1]
+
+
+def test_eos_and_a_newline_only_at_the_end_still_locate_earlier_replies(tokenizer):
+    """A Phi-3-like template that closes the conversation with eos and a newline only when no generation prompt
+    follows: an earlier reply still trains as ``reply<|end|>`` (the record was refused)."""
+    template = PHI3.replace("{{ eos_token }}", "{{ eos_token + '\\n' }}")
+    assert template != PHI3
+    tok = make_tokenizer(tokenizer, template, *BASES["phi3"][1:])
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    ids, mask = encode_chat(tok, messages)
+    assert ids.tolist() == tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    assert trained_spans(tok, ids, mask)[0] == "Hello<|end|>"
+
+
+BLANKS_EARLIER_REPLIES = ("{% for m in messages %}{% set c = m['content'] if (m['role'] != 'assistant' or loop.last) "
+                          "else '' %}{{ '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' }}{% endfor %}"
+                          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_reply_the_conversation_does_not_hold_is_refused(tokenizer):
+    """A template that writes earlier replies empty: the fallback bounds such a turn as the bare ``<|im_end|>``,
+    which does not hold the reply, so the record is refused rather than trained as an empty reply."""
+    tok = make_tokenizer(tokenizer, BLANKS_EARLIER_REPLIES, None, "<|im_end|>", [])
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"},
+                {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    with pytest.raises(FormatError, match="not prefix-stable at message 1"):
+        encode_chat(tok, messages)
+
+
+def test_a_reply_inside_the_system_texts_sliding_range_is_not_mislabelled(tokenizer):
+    """The system text Mistral's last-user variant inserts can slide over text it repeats; a reply that starts
+    inside that range is refused or located right, never carried onto the wrong characters."""
+    tok = make_tokenizer(tokenizer, *BASES["mistral_last_user"])
+    messages = [{"role": "system", "content": "Q2[/INST] B"}, {"role": "user", "content": "Q"},
+                {"role": "assistant", "content": "A"}, {"role": "user", "content": "Q2"},
+                {"role": "assistant", "content": "B"}]
+    full, rest = _render(tok, messages), _render(tok, messages[1:])
+    places = _insertion_points(rest, full)
+    assert places[0] < rest.rindex(" B</s>") < places[-1]  # the case: the reply starts inside the range
+    try:
+        ids, mask = encode_chat(tok, messages)
+    except FormatError:
+        return
+    assert trained_spans(tok, ids, mask) == [" A</s>", " B</s>"]
+
+
+ENDS_ONLY_AT_THE_END = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+                        "{% if add_generation_prompt %}{{ 'assistant: ' }}{% else %}{{ '<|im_end|>\\n<|endoftext|>' }}"
+                        "{% endif %}")
+
+
+def test_the_last_reply_keeps_the_conversations_closing_tokens(tokenizer):
+    """A template that closes only the whole conversation, with two special tokens, and no turn between: the last
+    reply keeps them (the only stop the model can learn), not cut back to the reply's text."""
+    tok = make_tokenizer(tokenizer, ENDS_ONLY_AT_THE_END, None, "<|endoftext|>", ["<|im_end|>"])
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    ids, mask = encode_chat(tok, messages)
+    assert ids.tolist() == tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    spans = trained_spans(tok, ids, mask)
+    assert len(spans) == 1 and spans[0].startswith(("Hello", " Hello")) and spans[0].rstrip().endswith("<|endoftext|>")

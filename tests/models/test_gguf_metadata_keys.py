@@ -50,3 +50,25 @@ def test_a_gguf_without_vocab_size_loads_with_the_embeddings_rows(tmp_path):
     ours, _ = chronicals.load_model(path, tokenizer=False)
     assert ours.config.vocab_size == 97 and ours.model.embed_tokens.weight.shape == (97, 64)
     assert _rel_err(ours, m) <= 1e-5
+
+
+def test_head_count_kv_zero_loads_as_one_kv_head_per_head(tmp_path):
+    """head_count_kv=0 means "not set" (one kv head per head): the K rows are un-permuted by the query head count,
+    not refused as "do not split into rotary pairs of 0 heads"."""
+    m = hf_model("llama", num_key_value_heads=4)
+    path = tmp_path / "kv0.gguf"
+    write_gguf(path, "llama", m, skip=("head_count_kv",), extra=lambda w: w.add_head_count_kv(0))
+    ours, _ = chronicals.load_model(path, tokenizer=False)
+    assert ours.config.num_key_value_heads == 4
+    assert _rel_err(ours, m) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", [gguf.RopeScalingType.YARN, gguf.RopeScalingType.LONGROPE])
+def test_an_unsupported_rope_scaling_type_is_refused(tmp_path, kind):
+    """A GGUF that asks for YaRN or longrope scaling is refused naming the key, not loaded with linear or no scaling
+    (positions past the original context silently wrong)."""
+    path = tmp_path / "yarn.gguf"
+    write_gguf(path, "llama", hf_model("llama"),
+               extra=lambda w: (w.add_rope_scaling_type(kind), w.add_rope_scaling_factor(4.0)))
+    with pytest.raises(ValueError, match=r"rope\.scaling\.type"):
+        chronicals.load_model(path, tokenizer=False)

@@ -95,7 +95,7 @@ def test_the_old_sentencepiece_form_loses_its_space_prefix_and_decodes_back(tmp_
         {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
     tok._tokenizer = Tokenizer.from_str(json.dumps(spec))
     ids = tok("hello world", add_special_tokens=False)["input_ids"]
-    assert tok.convert_ids_to_tokens(ids)[0].startswith("▁") and tok.decode(ids) == "hello world"  # the old form works
+    assert tok.convert_ids_to_tokens(ids)[0].startswith("▁") and tok.decode(ids) == "hello world"  # the old form
     _no_space_prefix(tok)
     ids = tok("hello world", add_special_tokens=False)["input_ids"]
     assert not tok.convert_ids_to_tokens(ids)[0].startswith("▁"), tok.convert_ids_to_tokens(ids)
@@ -158,3 +158,17 @@ def test_a_gguf_without_a_chat_template_is_named_by_its_file(tmp_path):
     assert tok.chronicals_source == str(path)
     with pytest.raises(ValueError, match=rf"^{path}: the tokenizer has no chat template"):
         require_chat_template(tok)
+
+
+def test_a_metaspace_decoder_keeps_the_texts_leading_space(tmp_path):
+    """The SentencePiece form whose decoder is a Metaspace (tokenizers' own default beside a Metaspace
+    pre-tokenizer) strips the first space of a decoded text when it prepends one: with the prefix off, a text's own
+    leading space survives the decode."""
+    tok = _spm(tmp_path, True)
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    spec["normalizer"] = None
+    spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": True}
+    spec["decoder"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": True}
+    tok._tokenizer = Tokenizer.from_str(json.dumps(spec))
+    _no_space_prefix(tok)
+    assert tok.decode(tok(" hello world", add_special_tokens=False)["input_ids"]) == " hello world"
