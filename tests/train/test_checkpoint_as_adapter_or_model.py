@@ -106,3 +106,22 @@ def test_a_rewritten_checkpoint_is_read_again(tmp_path):
     assert _write(tmp_path / "run", tensor=torch.full((4,), 2.0)) == p
     os.utime(p / "state.pt", ns=(time.time_ns(), time.time_ns() + 10**9))  # a coarse mtime: make it differ
     assert torch.equal(read_run_checkpoint(p).tensors["model.norm.weight"], torch.full((4,), 2.0))
+
+
+def test_a_full_checkpoint_of_a_model_given_in_python_says_to_pass_base(tmp_path):
+    """train(cfg, model=...) records no base: the checkpoint as --model says to pass --base, not an AttributeError
+    on None."""
+    with pytest.raises(FileNotFoundError, match="does not name a base model.*--base"):
+        checkpoint_base(_write(tmp_path / "run", config=_full_config()))
+
+
+def test_an_older_checkpoint_with_a_relative_model_path_names_no_base(tmp_path):
+    """A relative model.path is relative to where that run started, not to here: not taken as the base, and why is
+    said."""
+    p = _write(tmp_path / "run")
+    st = torch.load(p / "state.pt", weights_only=False)
+    del st["extra"]["base"]
+    st["extra"]["config"]["model"]["path"] = "models/mine"
+    torch.save(st, p / "state.pt")
+    ck = read_run_checkpoint(p)
+    assert ck.base is None and "relative to the directory that run started in" in ck.why_no_base

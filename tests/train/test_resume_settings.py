@@ -274,3 +274,27 @@ def test_auto_dtype_on_a_cuda_machine_is_bfloat16(tmp_path, caplog, monkeypatch)
     with caplog.at_level(logging.WARNING, logger="chronicals.train"):
         check_same_adapter(saved, current, tmp_path / "step-000001")
     assert any("model.dtype='auto' = bfloat16 (this run: 'float32')" in m for m in warnings(caplog)), warnings(caplog)
+
+
+def test_a_fused_resume_of_an_unfused_checkpoint_gets_its_steps_where_the_fused_kernel_reads_them():
+    """A checkpoint saved under optim.fused=false keeps each AdamW step as saved (on the CPU); resumed with
+    fused=true, the fused kernel needs them as float32 on the parameter's device (on a GPU the first step failed).
+    On the CPU the device is the same, so the saved step is given another dtype to tell the move apart."""
+    from chronicals.train.resume import apply_optimizer_settings, optimizer_settings
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=1e-3, fused=False)
+    p.grad = torch.ones(3)
+    opt.step()
+    saved = opt.state_dict()
+    p2 = torch.nn.Parameter(torch.ones(3))
+    new = torch.optim.AdamW([p2], lr=1e-3, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(new, lambda s: 1.0)
+    fresh = optimizer_settings(new, sched)
+    new.load_state_dict(saved)
+    new.state[p2]["step"] = new.state[p2]["step"].to(torch.float64)
+    apply_optimizer_settings(new, sched, fresh, None, {}, step=1)
+    step = new.state[p2]["step"]
+    assert new.param_groups[0]["fused"] is True and step.dtype == torch.float32 and step.device == p2.device
+    p2.grad = torch.ones(3)
+    new.step()
