@@ -29,11 +29,8 @@ def _trained(steps: int = 2):
     return model, opt, sched
 
 
-def test_background_save_holds_the_state_at_save_time(tmp_path, monkeypatch):
-    """The write is held back until the weights and moments have changed: the file still holds save() time's."""
-    model, opt, sched = _trained()
-    expect = {n: p.detach().clone() for n, p in model.named_parameters()}
-    moments = {k: v["exp_avg"].clone() for k, v in opt.state_dict()["state"].items()}
+def _held_writer(monkeypatch) -> threading.Event:
+    """torch.save held back until the returned event is set: the test changes the state while the file is written."""
     release = threading.Event()
     real_save = torch.save
 
@@ -41,6 +38,15 @@ def test_background_save_holds_the_state_at_save_time(tmp_path, monkeypatch):
         release.wait(timeout=30)
         real_save(obj, path)
     monkeypatch.setattr(ckpt.torch, "save", held_save)
+    return release
+
+
+def test_background_save_holds_the_state_at_save_time(tmp_path, monkeypatch):
+    """The write is held back until the weights and moments have changed: the file still holds save() time's."""
+    model, opt, sched = _trained()
+    expect = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moments = {k: v["exp_avg"].clone() for k, v in opt.state_dict()["state"].items()}
+    release = _held_writer(monkeypatch)
     writer = ckpt.CheckpointWriter(background=True)
     path = writer.save(tmp_path, 7, model, opt, sched, {"position": [1, 2]}, keep_last=2)
     assert path == tmp_path / "checkpoints" / "step-000007" and not path.exists()  # not published yet
@@ -56,6 +62,34 @@ def test_background_save_holds_the_state_at_save_time(tmp_path, monkeypatch):
     for k, v in moments.items():
         assert torch.equal(state["optimizer"]["state"][k]["exp_avg"], v), k
     assert state["step"] == 7 and state["data"] == {"position": [1, 2]}
+
+
+def test_a_background_save_holds_the_data_state_as_it_was(tmp_path, monkeypatch):
+    """A loader whose state_dict returns its own list, reshuffled in place for the next epoch while the file is
+    written, resumes from the position saved, not the one after."""
+    release = _held_writer(monkeypatch)
+    order = [3, 1, 2]
+    data = {"order": order, "position": {"epoch": 0}}
+    writer = ckpt.CheckpointWriter(background=True)
+    path = writer.save(tmp_path, 1, *_trained(), data)
+    order.reverse()
+    data["position"]["epoch"] = 1
+    release.set()
+    writer.wait()
+    assert torch.load(path / "state.pt", weights_only=False)["data"] == {"order": [3, 1, 2], "position": {"epoch": 0}}
+
+
+def test_a_background_save_holds_extra_as_it_was(tmp_path, monkeypatch):
+    release = _held_writer(monkeypatch)
+    extra = {"config": {"train": {"max_steps": 5}}, "lora": {"lora_modules": ["a"]}}
+    writer = ckpt.CheckpointWriter(background=True)
+    path = writer.save(tmp_path, 1, *_trained(), {}, extra=extra)
+    extra["config"]["train"]["max_steps"] = 9
+    extra["lora"]["lora_modules"].append("b")
+    release.set()
+    writer.wait()
+    st = torch.load(path / "state.pt", weights_only=False)
+    assert st["extra"] == {"config": {"train": {"max_steps": 5}}, "lora": {"lora_modules": ["a"]}}
 
 
 def test_a_failed_background_write_is_raised_and_leaves_nothing(tmp_path, monkeypatch):

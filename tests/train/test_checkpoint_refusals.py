@@ -1,11 +1,10 @@
 """Checkpoints edited or crafted by hand are refused naming the checkpoint and what is wrong, not a raw error later
-or a silent resume; what a background save holds is what it was at save() time; the config comparison behind the
-resume refusals takes keys and sections one side lacks as nothing to compare."""
+or a silent resume; the config comparison behind the resume refusals takes keys and sections one side lacks as nothing to
+compare."""
 
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 import torch
@@ -13,20 +12,7 @@ import torch
 from chronicals.train import checkpoint as ckpt
 from chronicals.train.resume import check_same_adapter
 
-from train_helpers import VOCAB, tiny_model
-
-
-def _parts(steps=0):
-    torch.manual_seed(0)
-    model = tiny_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    for _ in range(steps):
-        model(torch.randint(0, VOCAB, (1, 8)), labels=torch.randint(0, VOCAB, (1, 8))).backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-    return model, opt, sched
+from test_checkpoint import _trained as _parts
 
 
 def _written(tmp_path, step, edit):
@@ -93,45 +79,6 @@ def test_a_checkpoint_is_removed_when_its_trash_name_is_taken(tmp_path):
     (taken / "leftover").write_bytes(b"y")
     ckpt.remove_checkpoint(d)
     assert not d.exists()
-
-
-def _held_writer(monkeypatch):
-    release = threading.Event()
-    real_save = torch.save
-
-    def held_save(obj, path):
-        release.wait(timeout=30)
-        real_save(obj, path)
-    monkeypatch.setattr(ckpt.torch, "save", held_save)
-    return release
-
-
-def test_a_background_save_holds_the_data_state_as_it_was(tmp_path, monkeypatch):
-    """A loader whose state_dict returns its own list, reshuffled in place for the next epoch while the file is
-    written, resumes from the position saved, not the one after."""
-    release = _held_writer(monkeypatch)
-    order = [3, 1, 2]
-    data = {"order": order, "position": {"epoch": 0}}
-    writer = ckpt.CheckpointWriter(background=True)
-    path = writer.save(tmp_path, 1, *_parts(), data)
-    order.reverse()
-    data["position"]["epoch"] = 1
-    release.set()
-    writer.wait()
-    assert torch.load(path / "state.pt", weights_only=False)["data"] == {"order": [3, 1, 2], "position": {"epoch": 0}}
-
-
-def test_a_background_save_holds_extra_as_it_was(tmp_path, monkeypatch):
-    release = _held_writer(monkeypatch)
-    extra = {"config": {"train": {"max_steps": 5}}, "lora": {"lora_modules": ["a"]}}
-    writer = ckpt.CheckpointWriter(background=True)
-    path = writer.save(tmp_path, 1, *_parts(), {}, extra=extra)
-    extra["config"]["train"]["max_steps"] = 9
-    extra["lora"]["lora_modules"].append("b")
-    release.set()
-    writer.wait()
-    st = torch.load(path / "state.pt", weights_only=False)
-    assert st["extra"] == {"config": {"train": {"max_steps": 5}}, "lora": {"lora_modules": ["a"]}}
 
 
 def test_a_key_the_checkpoint_predates_is_no_difference():
