@@ -20,12 +20,18 @@ from chronicals.train.checkpoint_model import checkpoint_base
 from train_helpers import tiny_model
 
 
-def _write(out, extra=None, *, tensor=None, config=None, step=1):
+def _write(out, extra=None, *, model=None, tensor=None, config=None, model_path=None, step=1):
+    """A run's checkpoint at step ``step`` in out/checkpoints. ``model_path``: one from before the base was recorded
+    (no extra["base"]), whose config's model.path names it."""
     if config is None:
         config = TrainConfig().to_dict()
-    model = {"model.norm.weight": torch.ones(4) if tensor is None else tensor}
+    if model is None:
+        model = {"model.norm.weight": torch.ones(4) if tensor is None else tensor}
+    if model_path is not None:
+        config["model"]["path"] = model_path
+    recorded = {} if model_path is not None else {"base": None}
     state = {"format": 1, "step": step, "model": model, "optimizer": {}, "scheduler": {}, "data": {}, "rng": {},
-             "extra": {"config": config, "base": None, **(extra or {})}}
+             "extra": {"config": config, **recorded, **(extra or {})}}
     return ckpt.write_checkpoint(out, state)
 
 
@@ -37,10 +43,7 @@ def test_an_rslora_runs_checkpoint_is_applied_with_its_scaling(tmp_path):
     rec = apply_lora(model, r=4, alpha=8, use_rslora=True)
     cfg = TrainConfig().to_dict()
     cfg["lora"].update(enabled=True, rank=4, alpha=8, rslora=True)
-    path = _write(tmp_path / "run", {"lora": lora_settings(model)}, config=cfg)
-    state = torch.load(path / "state.pt", weights_only=False)
-    state["model"] = ckpt.trainable_state(model)
-    torch.save(state, path / "state.pt")
+    path = _write(tmp_path / "run", {"lora": lora_settings(model)}, model=ckpt.trainable_state(model), config=cfg)
     torch.manual_seed(0)
     again = apply_checkpoint_adapter(tiny_model(), path)
     assert again.lora_config.scaling == rec.scaling == 8 / 4 ** 0.5
@@ -90,12 +93,7 @@ def test_an_older_checkpoint_with_a_home_relative_model_path_names_it(tmp_path, 
     """A checkpoint from before the base was recorded names model.path of its config, a '~' path here."""
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "base").mkdir()
-    p = _write(tmp_path / "run")
-    st = torch.load(p / "state.pt", weights_only=False)
-    del st["extra"]["base"]
-    st["extra"]["config"]["model"]["path"] = "~/base"
-    torch.save(st, p / "state.pt")
-    ck = read_run_checkpoint(p)
+    ck = read_run_checkpoint(_write(tmp_path / "run", model_path="~/base"))
     assert ck.base == "~/base" and ck.why_no_base == ""
 
 
@@ -118,10 +116,5 @@ def test_a_full_checkpoint_of_a_model_given_in_python_says_to_pass_base(tmp_path
 def test_an_older_checkpoint_with_a_relative_model_path_names_no_base(tmp_path):
     """A relative model.path is relative to where that run started, not to here: not taken as the base, and why is
     said."""
-    p = _write(tmp_path / "run")
-    st = torch.load(p / "state.pt", weights_only=False)
-    del st["extra"]["base"]
-    st["extra"]["config"]["model"]["path"] = "models/mine"
-    torch.save(st, p / "state.pt")
-    ck = read_run_checkpoint(p)
+    ck = read_run_checkpoint(_write(tmp_path / "run", model_path="models/mine"))
     assert ck.base is None and "relative to the directory that run started in" in ck.why_no_base
