@@ -3,12 +3,16 @@ tokenizer (``gguf_tokenizer.convert_tokenizer``, what load_model gives users; tr
 '<|im_start|>').
 
 Parsing the GGUF takes ~6 s (load_tokenizer converts the whole 540 MB model first, ~20 s on 2 cores); the
-tokenizer is saved (save_pretrained) to a temp directory keyed by the GGUF's size and mtime, the transformers
-version and the converter version, which later sessions load in ~0.3 s.
+tokenizer is saved (save_pretrained) to a temp directory keyed by a hash of the GGUF's first 8 MiB (its metadata,
+which holds the whole vocabulary and chat template: 1.7 MiB here), the transformers version and the converter
+version, which later sessions load in ~0.3 s. The key holds no mtime: each fresh install of the package (a CI
+rehearsal) would otherwise leave another 3.4 MB directory behind.
 """
 
+import hashlib
 import importlib.util
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -30,8 +34,9 @@ def smollm2_tokenizer():
     from chronicals.models.gguf_tokenizer import convert_tokenizer
 
     gguf = gguf_path()
-    st = os.stat(gguf)
-    saved = Path(tempfile.gettempdir()) / (f"chronicals-test-tokenizer-{st.st_size}-{int(st.st_mtime)}-"
+    with open(gguf, "rb") as f:
+        head = hashlib.sha256(f.read(8 << 20)).hexdigest()[:16]
+    saved = Path(tempfile.gettempdir()) / (f"chronicals-test-tokenizer-{head}-"
                                            f"t{transformers.__version__}-c{CONVERTER_VERSION}")
     if (saved / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(saved)
@@ -41,6 +46,8 @@ def smollm2_tokenizer():
     tok.save_pretrained(tmp)
     try:
         tmp.rename(saved)
-    except OSError:
-        pass  # another session saved it first
-    return AutoTokenizer.from_pretrained(saved if (saved / "tokenizer_config.json").exists() else tmp)  # as loads read it
+    except OSError:  # another session saved it first (or a damaged directory sits there: keep ours then)
+        if not (saved / "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return AutoTokenizer.from_pretrained(saved)  # as loads read it
