@@ -455,3 +455,94 @@ def test_a_tilde_on_the_command_line_is_the_home_directory(monkeypatch, tmp_path
     assert load_config(None, ["train.out_dir=~"]).train.out_dir == str(tmp_path)
     assert load_config(None, ["data.eval_path=~"]).data.eval_path == "~"  # expanded where it is read
     assert load_config(None, ["data.system_prompt=null"]).data.system_prompt == ""  # null stays null
+
+
+@pytest.mark.parametrize("model", [{"checkpointing": True}, {"checkpoint_layers": 3}])
+def test_cuda_graphs_true_with_any_activation_checkpointing_is_refused(model):
+    """model.checkpoint_layers=k is activation checkpointing too (checkpoint_setting): with
+    train.cuda_graphs=true it is refused when read, as model.checkpointing=true is, rather than capturing a
+    checkpointed step that reads the CUDA RNG state."""
+    with pytest.raises(ConfigError, match="checkpoint reads the CUDA RNG state"):
+        from_dict({"model": {"device": "cuda", **model}, "train": {"cuda_graphs": "true"}})
+
+
+def test_a_tilde_in_train_resume_is_the_home_directory(tmp_path, monkeypatch):
+    """train.resume=~/runs/x/checkpoints/step-000004 names the checkpoint under $HOME (as train.out_dir's ~
+    does): it was refused as "does not exist" (Path('~/...') is looked up literally)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ck" / "step-000004").mkdir(parents=True)
+    c = from_dict({}, ["train.resume=~/ck/step-000004"])
+    assert c.train.resume == str(tmp_path / "ck" / "step-000004")
+
+
+@pytest.mark.parametrize("value", [-1, -512])
+def test_a_negative_tokens_per_batch_is_refused(value):
+    """data.tokens_per_batch is 0 (rows) or in [max_seq_len, 2^22]; a negative value passed the config and
+    reached the loader as a batch of -1 tokens (loader_shape returns it: it is not 0)."""
+    with pytest.raises(ConfigError, match=r"data.tokens_per_batch=-\d+ is invalid") as e:
+        from_dict({"data": {"tokens_per_batch": value}})
+    assert e.value.key == "data.tokens_per_batch"
+
+
+def test_tokens_per_batch_equal_to_max_seq_len_is_accepted():
+    """data.tokens_per_batch is documented as ">= max_seq_len": one row of exactly max_seq_len tokens per
+    micro-batch (the smallest padding-free batch) must be accepted, not refused as out of range."""
+    c = from_dict({"data": {"max_seq_len": 256, "tokens_per_batch": 256}})
+    assert c.data.loader_shape(warn=False) == {"tokens_per_batch": 256}
+
+
+def test_a_batch_size_of_zero_is_refused_when_read():
+    """data.batch_size=0 fails when the config is read (exit 2, naming the key), not after the model and data
+    load, in the loader."""
+    with pytest.raises(ConfigError, match=r"data.batch_size=0 is invalid: expected an integer >= 1") as e:
+        from_dict({"data": {"batch_size": 0}})
+    assert e.value.key == "data.batch_size"
+
+
+@pytest.mark.parametrize("value", [1, 7])
+def test_max_seq_len_below_eight_is_refused(value):
+    """data.max_seq_len is in [8, 2^22]: a row of 1..7 tokens holds no chat example (the template alone is
+    longer), so every record was truncated away after the model loaded."""
+    with pytest.raises(ConfigError, match=rf"data.max_seq_len={value} is invalid: expected an integer in \[8, "):
+        from_dict({"data": {"max_seq_len": value}})
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear"])
+def test_min_lr_ratio_zero_decays_to_zero(kind):
+    """schedule.min_lr_ratio is in [0, 1]; 0 (decay to zero, the usual cosine schedule) must be accepted."""
+    assert from_dict({"schedule": {"kind": kind, "min_lr_ratio": 0}}).schedule.min_lr_ratio == 0
+
+
+def test_the_demo_format_mismatch_names_the_format_line(tmp_path):
+    """data.format=text beside data.path=demo (the default) fails naming the YAML line of data.format, the
+    value to change, not data.path's (absent here) or the section's."""
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  max_steps: 2\ndata:\n  max_seq_len: 64\n  format: text\n")
+    with pytest.raises(ValueError, match=rf"^{p}:5: config data.format='text' does not fit data.path=demo"):
+        load_config(p, [])
+
+
+def test_max_new_tokens_zero_is_refused():
+    """eval.max_new_tokens=0 generates no answer at all: every held-out question scores 0, silently."""
+    with pytest.raises(ConfigError, match=r"eval.max_new_tokens=0 is invalid: expected an integer >= 1"):
+        from_dict({"eval": {"max_new_tokens": 0}})
+
+
+def test_a_fractional_loss_vocab_parts_is_refused_from_python():
+    """the YAML path types model.loss_vocab_parts as an integer; a config built in Python
+    (ModelSection(loss_vocab_parts=1.5), chronicals.config's documented API) must be refused by the section itself,
+    not reach the loss head as a number of parts that is not a count."""
+    from chronicals.config import ModelSection
+
+    with pytest.raises(ConfigError, match="model.loss_vocab_parts=1.5 is invalid: expected an integer >= 1"):
+        ModelSection(loss_vocab_parts=1.5)
+
+
+def test_configs_do_not_share_their_default_lists():
+    """each config gets its own copy of a list default (model.recompute, lora.targets, lora.modules_to_save):
+    a program that edits one config's list in place (a sweep adding gate_up) changed every later config's default."""
+    a = TrainConfig()
+    a.model.recompute.append("gate_up")
+    a.lora.modules_to_save.append("lm_head")
+    b = TrainConfig()
+    assert b.model.recompute == ["norm", "swiglu"] and b.lora.modules_to_save == []

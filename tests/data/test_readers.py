@@ -313,3 +313,95 @@ def test_line_one_of_a_bom_file_counts_the_bom_in_its_byte_offset_and_csv_keeps_
     c = tmp_path / "c.csv"
     c.write_bytes(b'prompt,completion\r\n"line1\r\nline2",ok\r\n')
     assert [r.data for r in read_file(c)] == [{"prompt": "line1\r\nline2", "completion": "ok"}]
+
+
+def test_a_json_line_that_is_not_an_object_is_a_record_error(tmp_path):
+    """A .jsonl line holding a string, number, true or null is a bad record naming its line (skipped and counted
+    under on_error=skip): read as a record, format detection crashed with AttributeError and no line."""
+    p = tmp_path / "d.jsonl"
+    p.write_text('"hello"\n3\ntrue\nnull\n{"text": "ok"}\n')
+    recs = read_file(p)
+    assert [r.data for r in recs] == [None, None, None, None, {"text": "ok"}]
+    assert [r.error.split(",")[0] for r in recs[:4]] == ["a JSON str", "a JSON int", "a JSON bool", "a JSON NoneType"]
+    assert [r.where for r in recs] == [f"{p}:{i}" for i in range(1, 6)]
+
+
+def test_whitespace_only_lines_in_json_lines_are_blank(tmp_path):
+    """Spaces, a tab or a lone '\\r' (a CRLF file's blank line) is a blank line, not one "invalid JSON" record that
+    on_error=fail (the default) refuses the whole file for."""
+    p = tmp_path / "crlf.jsonl"
+    p.write_bytes(b'{"text": "a"}\r\n\r\n   \n\t\n{"text": "b"}\r\n')
+    assert [(r.where, r.data, r.error) for r in read_file(p)] == [(f"{p}:1", {"text": "a"}, None),
+                                                                  (f"{p}:5", {"text": "b"}, None)]
+
+
+@pytest.mark.parametrize("name", ["UP.JSONL", "UP.Json", "UP.CSV", "UP.PARQUET", "UP.Arrow"])
+def test_upper_case_suffixes_are_read_as_their_format(tmp_path, name):
+    """resolve_files takes TRAIN.JSONL (any case); reading must use the same case-blind suffix, or a .JSONL or
+    .PARQUET (Windows tools write such names) went to the arrow reader and was refused as damaged."""
+    p = tmp_path / name
+    if name.endswith("CSV"):
+        p.write_text("text\nrow 0\nrow 1\n")
+    elif name.endswith("PARQUET"):
+        pa = pytest.importorskip("pyarrow")
+        import pyarrow.parquet as pq
+        pq.write_table(pa.table({"text": ["row 0", "row 1"]}), p)
+    elif name.endswith("Arrow"):
+        _arrow(p, 2, "stream")
+    else:
+        p.write_text('{"text": "row 0"}\n{"text": "row 1"}\n')
+    assert resolve_files(tmp_path) == [p]
+    recs = read_file(p)
+    assert [r.data for r in recs] == [{"text": "row 0"}, {"text": "row 1"}]
+
+
+def test_a_link_to_a_folder_above_the_data_reads_each_file_once(tmp_path):
+    """data/up -> .. : a file under a symlinked directory is reached through a link even where its own entry is
+    none, so data/'s files are not read a second time through up/data/."""
+    d = tmp_path / "data"
+    d.mkdir()
+    _chat(d / "a.jsonl")
+    (d / "up").symlink_to(tmp_path)
+    assert resolve_files(d) == [d / "a.jsonl"]
+
+
+def test_a_loop_inside_a_linked_folder_outside_the_tree_ends(tmp_path):
+    """A link loop inside a shared folder outside the data tree (shared/again -> shared, reached through data/s)
+    is walked once: it went round until the OS refused the path (ELOOP), and the file came back 39 levels deep."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    _chat(shared / "s.jsonl")
+    (shared / "again").symlink_to(shared)
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "s").symlink_to(shared)
+    assert resolve_files(d) == [d / "s" / "s.jsonl"]
+
+
+def test_a_saved_dataset_listing_no_files_is_named(tmp_path):
+    """A datasets.save_to_disk directory whose state.json lists no '_data_files' says so, also nested in a data
+    directory, where it contributed nothing without a word."""
+    d = tmp_path / "data"
+    (d / "saved").mkdir(parents=True)
+    (d / "saved" / "state.json").write_text('{"_data_files": []}')
+    _chat(d / "a.jsonl")
+    with pytest.raises(DataError, match="no '_data_files' listed"):
+        resolve_files(d)
+
+
+def test_a_header_with_two_unnamed_columns_is_refused(tmp_path):
+    """Two empty header cells (a spreadsheet's trailing ',,') are a duplicate column name too: a dict keeps one ''
+    column, and the other's cells were lost."""
+    p = tmp_path / "t.csv"
+    p.write_text("prompt,completion,,\nq,a,note 1,note 2\n")
+    with pytest.raises(DataError, match=rf"{p}:1: column '' appears 2 times in the header"):
+        read_file(p)
+
+
+def test_the_bare_cr_hint_is_only_for_bare_cr_lines(tmp_path):
+    """A CRLF line with two objects is "Extra data"; its '\\r' is only the line end, so no hint sends the user to
+    convert line endings that are fine."""
+    p = tmp_path / "x.jsonl"
+    p.write_bytes(b'{"text": "a"} {"text": "b"}\r\n')
+    (rec,) = read_file(p)
+    assert rec.error.startswith("invalid JSON (Extra data") and "carriage return" not in rec.error
