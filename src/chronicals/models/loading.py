@@ -125,7 +125,11 @@ def load_tokenizer(path: str | os.PathLike):
                                 "the original model, or call load_model(..., tokenizer=False) for weights only")
     try:
         tok = AutoTokenizer.from_pretrained(str(d))
-    except (ValueError, OSError, TypeError, KeyError) as e:  # a JSONDecodeError names no file; the others, no fix
+    except ImportError:  # a missing optional package (sentencepiece, protobuf): transformers names it
+        raise
+    except Exception as e:  # noqa: BLE001 -- a JSONDecodeError names no file; the others, no fix; a tokenizer.json
+        # the installed tokenizers cannot parse (a newer writer's model type) raises a bare Exception, a
+        # tokenizer_config.json of the wrong shape an AttributeError: all are the files' fault
         msg = " ".join(str(e).split())[:300] or type(e).__name__
         raise ValueError(f"{d}: the tokenizer files cannot be loaded ({type(e).__name__}: {msg}); copy "
                          "tokenizer.json and tokenizer_config.json from the original model again, or call "
