@@ -153,3 +153,25 @@ def test_every_family_closes_its_replies(tokenizer, name):
     messages = CONVERSATION if name in NO_SYSTEM else [SYSTEM] + CONVERSATION
     ids, mask = encode_chat(tok, messages, markers=name == "chatml_marked")
     assert unclosed_replies(tok, ids, mask, turn_end_ids(tok)) == (3, 0)
+
+
+def _chatml_with_another_eos(tokenizer):
+    """ChatML whose <|im_end|> is a special token of the vocabulary (added_tokens_decoder) but neither eos nor a
+    named special token: a base model's tokenizer (eos <|endoftext|>), Llama 3 base with its <|eot_id|>."""
+    tok = make_tokenizer(tokenizer, BASES["chatml"][0], None, "<|endoftext|>", [])
+    assert "<|im_end|>" not in tok.all_special_tokens  # the case under test
+    return tok
+
+
+def test_a_special_token_of_the_vocabulary_closes_a_reply(tokenizer):
+    """turn_end_ids holds every special token of the vocabulary, and the whitespace after one is the template's:
+    with only the named ones, both replies counted as unclosed (a false "will not learn to stop" warning) and
+    "<|im_end|>\\n" trained, newline and all."""
+    tok = _chatml_with_another_eos(tokenizer)
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A."}]
+    ends = turn_end_ids(tok)
+    assert tok.convert_tokens_to_ids("<|im_end|>") in ends.tolist()
+    ids, mask = encode_chat(tok, msgs)
+    assert trained_spans(tok, ids, mask) == ["Hello.<|im_end|>", "A.<|im_end|>"]
+    assert unclosed_replies(tok, ids, mask, ends) == (2, 0)

@@ -279,3 +279,27 @@ def test_a_zero_block_count_in_a_gguf_does_not_ask_for_a_config_json(tmp_path):
                                          r"metadata is damaged .*convert the model again") as e:
         chronicals.load_model(path, tokenizer=False)
     assert "config.json" not in str(e.value)
+
+
+@pytest.mark.parametrize("skip, key, says", [("rope_freq_base", "llama.rope.freq_base", "a number"),
+                                             ("context_length", "llama.context_length", "an integer")])
+def test_a_boolean_where_a_number_belongs_is_refused(tmp_path, skip, key, says):
+    """A bool is an int to Python: a damaged file's rope.freq_base=true loaded as rope_theta 1.0 (every rotary angle
+    wrong, silently) and context_length=true as a one-token context."""
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", hf_model("llama"), skip=(skip,),
+               extra=lambda w: w.add_key_value(key, True, gguf.GGUFValueType.BOOL))
+    with pytest.raises(ValueError, match=rf"^{path}: metadata {key}=True is not {says}"):
+        chronicals.load_model(path, tokenizer=False)
+
+
+@pytest.mark.parametrize("key", ["bos_token_id", "eos_token_id", "padding_token_id"])
+def test_a_negative_token_id_is_refused(tmp_path, key):
+    """A token id stored as a signed -1 (llama.cpp writes uint32) is no token: it went into config.json as
+    bos/eos/pad_token_id=-1, which no token matches (generation never stops at that eos), without a word."""
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", hf_model("llama"),
+               extra=lambda w: w.add_key_value(f"tokenizer.ggml.{key}", -1, gguf.GGUFValueType.INT32))
+    with pytest.raises(ValueError, match=rf"^{path}: metadata tokenizer\.ggml\.{key}=-1 is not a token id "
+                                         r"\(an integer >= 0\)"):
+        chronicals.load_model(path, tokenizer=False)

@@ -52,6 +52,9 @@ def test_tokenizer_without_chat_template_names_the_model(tmp_path, tiny_hf_confi
         chronicals.models.chat(model, tok, "hi", max_new_tokens=2)  # no "set data.format=text": chat trains nothing
     with pytest.raises(ValueError, match=r"directory\); or score text$"):  # the caller's own way around it
         chronicals.models.require_chat_template(tok, "or score text")
+    tok.chat_template = ""  # blanked by an export: no template (taken as one, chat() failed in generate on 0 tokens)
+    with pytest.raises(ValueError, match=rf"{out}: the tokenizer has no chat template"):
+        chronicals.models.chat(model, tok, "hi", max_new_tokens=2)
     tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     chronicals.models.require_chat_template(tok)  # a template: no complaint
     assert isinstance(chronicals.models.chat(model, tok, "hi", max_new_tokens=2), str)
