@@ -21,7 +21,7 @@ from chronicals.cli import main
 from chronicals.config import ConfigError
 from chronicals.train import train
 from chronicals.train.checkpoint import STATE_FILE, checkpoint_dirs
-from chronicals.train.guards import LOCK_FILE
+from chronicals.train.guards import LOCK_FILE, out_dir_lock
 
 from train_helpers import SyntheticLoader, synthetic_docs, tiny_config, tiny_model
 
@@ -174,6 +174,34 @@ def test_a_resume_from_another_runs_checkpoint_takes_that_runs_history(tmp_path,
 IN_USE = "is in use by another chronicals run"
 
 
+def test_a_locked_out_dir_is_refused_at_once_not_waited_for(tmp_path):
+    """A second run on an out_dir in use fails at once, not after waiting, silently, for the first run to finish
+    (hours) to train over its out_dir. First of the lock tests: a lock that waits hangs those below (make test's -x
+    stops at this failure instead)."""
+    import threading
+
+    out = tmp_path / "run"
+    out.mkdir()
+    fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the first run's lock
+    said = []
+
+    def second():
+        try:
+            with out_dir_lock(out):
+                said.append("locked")
+        except ConfigError as e:
+            said.append(str(e))
+
+    t = threading.Thread(target=second, daemon=True)
+    t.start()
+    t.join(20)
+    waited = t.is_alive()
+    os.close(fd)  # lets a waiting thread go
+    t.join(20)
+    assert not waited and len(said) == 1 and "is in use by another chronicals run" in said[0]
+
+
 def _hold(out: Path):
     """The lock a running run holds, taken by this process: the file object (closing it releases the lock)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -303,3 +331,28 @@ def test_an_out_dir_that_cannot_be_written_names_the_setting_and_the_fix(tmp_pat
     err = capsys.readouterr().err
     assert f"error: train.out_dir={out} cannot be written (Read-only file system" in err, err
     assert "set train.out_dir to a folder you can write" in err and "Traceback" not in err
+
+
+def test_a_lock_file_removed_before_it_was_locked_is_not_the_one_held(tmp_path, monkeypatch):
+    """A run that opened out_dir/.chronicals.lock just as the run before removed it on its way out holds a lock on a
+    file no path names: it locks the new file instead, or a third run locks that one and two runs train in one
+    out_dir, mixing their checkpoints and metrics.jsonl."""
+
+    out = tmp_path / "run"
+    out.mkdir()
+    real, calls = fcntl.flock, []
+
+    def flock(fd, op):
+        calls.append(op)
+        if len(calls) == 1:  # the run before this one removes the file and lets its lock go, right now
+            (out / LOCK_FILE).unlink()
+        return real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with out_dir_lock(out):
+        assert (out / LOCK_FILE).read_text() == f"{os.getpid()}\n"
+        monkeypatch.setattr(fcntl, "flock", real)
+        with pytest.raises(ConfigError, match="is in use by another chronicals run"):
+            with out_dir_lock(out):
+                pass
+    assert not (out / LOCK_FILE).exists()

@@ -1,0 +1,81 @@
+"""The checks before the model loads (train.guards), on paths: a short model name in another case, out_dir or the
+cache reached through a link into the data, an earlier run's chat copy of its held-out questions, a linked adapter
+folder beside train.resume=auto, and the loss_vocab_parts warning on the reference head."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from chronicals.config import ConfigError, load_config
+from chronicals.train.guards import check_data_paths, check_impl, check_model_path, check_resume_path
+
+from train_helpers import tiny_config
+
+
+def _cfg(tmp_path, *args, out_dir=None, cache_dir="none"):
+    return load_config(None, ["model.path=/nonexistent/model", f"data.cache_dir={cache_dir}",
+                              f"train.out_dir={out_dir or tmp_path / 'run'}", *args])
+
+
+def _chat(path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                             {"role": "assistant", "content": "Hello"}]}) + "\n")
+    return path
+
+
+def test_a_short_model_name_in_another_case_is_no_missing_path():
+    """load_model takes a short name in any case (model.path=SmolLM2-135M-Instruct, as the model card spells it):
+    the early check must not call it "no such file or directory" and stop the run."""
+    check_model_path(load_config(None, ["model.path=SmolLM2-135M-Instruct"]))
+    check_model_path(load_config(None, ["model.path=SMOLLM2-135M-INSTRUCT"]))
+
+
+def test_an_out_dir_or_cache_inside_the_data_through_a_link_is_refused(tmp_path):
+    """train.out_dir (or data.cache_dir) given through a link into data.path's directory is inside it: its
+    metrics.jsonl, data/ copies and checkpoints would be read as training records on the next run."""
+    data = tmp_path / "data"
+    _chat(data / "train.jsonl")
+    (tmp_path / "link").symlink_to(data, target_is_directory=True)
+    with pytest.raises(ConfigError, match=r"train.out_dir=.*link.*run is inside data.path="):
+        check_data_paths(_cfg(tmp_path, f"data.path={data}", out_dir=tmp_path / "link" / "run"))
+    with pytest.raises(ConfigError, match=r"data.cache_dir=.*link.*cache is inside data.path="):
+        check_data_paths(_cfg(tmp_path, f"data.path={data}", cache_dir=tmp_path / "link" / "cache"))
+
+
+def test_an_earlier_runs_chat_heldout_copy_is_accepted_as_eval_path(tmp_path):
+    """out_dir/data/heldout.jsonl in chat format (an earlier run's own chat copy of its questions, given back as
+    data.eval_path) is read in place, never overwritten, so it is not refused; a QA file there still is."""
+    train = _chat(tmp_path / "train.jsonl")
+    copy = _chat(tmp_path / "run" / "data" / "heldout.jsonl")
+    check_data_paths(_cfg(tmp_path, f"data.path={train}", f"data.eval_path={copy}"))
+    copy.write_text(json.dumps({"question": "Who?", "answer": "Ida"}) + "\n")
+    with pytest.raises(ConfigError, match="where this run writes its chat copy"):
+        check_data_paths(_cfg(tmp_path, f"data.path={train}", f"data.eval_path={copy}"))
+
+
+def test_resume_auto_beside_a_linked_adapter_folder_starts(tmp_path):
+    """out_dir/adapter as a link to an adapter kept elsewhere is no earlier final of this out_dir (a new run never
+    deletes it), so train.resume=auto with no checkpoint starts; a real adapter folder there is refused."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "adapter_config.json").write_text("{}")
+    (out / "adapter").symlink_to(tmp_path / "kept", target_is_directory=True)
+    check_resume_path(_cfg(tmp_path, "train.resume=auto"))
+    (out / "adapter").unlink()
+    (out / "adapter").mkdir()
+    (out / "adapter" / "adapter_config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="holds an earlier run's adapter/"):
+        check_resume_path(_cfg(tmp_path, "train.resume=auto"))
+
+
+def test_loss_vocab_parts_2_on_the_reference_head_is_said(tmp_path, caplog):
+    """model.loss_vocab_parts=2, the smallest split, does nothing on the PyTorch head either: the warning comes for
+    it too, or a user who set it to save memory learns only from an out-of-memory error that it never applied."""
+    with caplog.at_level("WARNING", logger="chronicals"):
+        check_impl(tiny_config(tmp_path, model__loss_vocab_parts=2, model__impl="torch"), torch.device("cpu"))
+    assert "model.loss_vocab_parts=2 does nothing with model.impl=torch" in caplog.text
