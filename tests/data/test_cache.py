@@ -288,3 +288,121 @@ def test_pruning_keeps_other_tokenizers_entries_and_survives_damaged_neighbours(
     assert len(_entries(cache)) == 4 and entry not in _entries(cache)  # 2 entries + x + y (_entries: not hidden)
     assert writing.is_dir() and (cache / "x").is_dir() and (cache / "y").is_dir()
     assert "removed 1 older tokenization cache entry of the same files and settings" in caplog.text
+
+
+def test_a_tokenizer_with_another_chat_template_gets_its_own_entry(tokenizer, tmp_path):
+    """Another chat template over the same vocabulary and special tokens (a fine-tuner's edited template, another
+    default system prompt) gives other ids and masks: keyed without the template, the second run hit the first
+    one's entry and trained on the other template's tokens, without a word."""
+    import copy
+
+    data = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    other = copy.deepcopy(tokenizer)
+    other.chat_template = tokenizer.chat_template.replace("You are a helpful AI assistant named SmolLM",
+                                                          "You answer arithmetic questions")
+    first = load(data, tokenizer, tmp_path / "cache")
+    fresh = load(data, other, None)
+    assert not same(fresh, first) and same(load(data, other, tmp_path / "cache"), fresh)
+
+
+def test_a_tokenizer_with_another_eos_gets_its_own_entry(tokenizer, tmp_path):
+    """Another eos token (set in code, or named by another tokenizer_config.json) ends every text document in
+    another id: keyed without the special tokens, the second run trained its documents to end in the old eos, which
+    this model's generation does not stop on."""
+    import copy
+
+    data = write_jsonl(tmp_path / "t.jsonl", [{"text": f"note {i}"} for i in range(3)])
+    other = copy.deepcopy(tokenizer)
+    other.eos_token = "<|endoftext|>"
+    assert other.eos_token_id != tokenizer.eos_token_id
+    load(data, tokenizer, tmp_path / "cache")
+    cached = load(data, other, tmp_path / "cache")
+    assert int(cached.ids[-1]) == other.eos_token_id and same(cached, load(data, other, None))
+
+
+@pytest.mark.parametrize("kind", ["start", "end", "empty"])
+def test_an_entry_from_before_the_digest_with_bad_offsets_is_rebuilt(tokenizer, tmp_path, caplog, kind):
+    """An entry written before meta.json carried the arrays' digest (the same CACHE_VERSION, so still read) has only
+    load()'s checks between a damaged offsets.npy and training: documents that skip tokens, cut into others or are
+    empty. It is said to be damaged and rebuilt."""
+    data = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    first = load(data, tokenizer, tmp_path / "cache")
+    [entry] = [tmp_path / "cache" / n for n in _entries(tmp_path / "cache")]
+    meta = json.loads((entry / "meta.json").read_text())
+    del meta["digest"]
+    (entry / "meta.json").write_text(json.dumps(meta))
+    off = np.load(entry / "offsets.npy")
+    if kind == "start":  # the first document starts past token 0
+        off[0] = 1
+    elif kind == "end":  # the last document ends before the last token
+        off[-1] -= 1
+    else:
+        off[1] = off[2]
+    np.save(entry / "offsets.npy", off)
+    with caplog.at_level(logging.WARNING, logger="chronicals.data"):
+        again = load(data, tokenizer, tmp_path / "cache")
+    assert "offsets.npy does not split" in caplog.text and "rebuilding it" in caplog.text
+    assert same(again, first)
+
+
+def test_a_nested_cache_dir_that_does_not_exist_yet_is_made(tokenizer, tmp_path):
+    """data.cache_dir defaults to ~/.cache/chronicals/data, whose parents a fresh machine (or a new CHRONICALS_CACHE)
+    lacks too: it is made with its parents, not refused as "cannot create it"."""
+    cache = tmp_path / "home" / ".cache" / "chronicals" / "data"
+    load(write_jsonl(tmp_path / "d.jsonl", ROWS), tokenizer, cache)
+    assert len(_entries(cache)) == 1
+
+
+def test_an_edited_files_older_entry_is_removed_whatever_the_paths_spelling(tokenizer, tmp_path, monkeypatch):
+    """An entry names its files by their resolved paths: `d.jsonl` from its directory, then the absolute path after
+    an edit, is one file, and its older entry goes (else each edit left a whole entry, ~5 bytes a token)."""
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "d.jsonl", [{"text": "one two"}])
+    load("d.jsonl", tokenizer, tmp_path / "cache")
+    write_jsonl(tmp_path / "d.jsonl", [{"text": "one two three"}])
+    load(str(tmp_path / "d.jsonl"), tokenizer, tmp_path / "cache")
+    assert len(_entries(tmp_path / "cache")) == 1
+
+
+def _entry(path: Path, meta: dict | None = None) -> Path:
+    cache_mod.save(path, np.arange(5, dtype=np.int32), np.ones(5, bool), np.array([0, 2, 5], np.int64),
+                   meta if meta is not None else {"pad_id": 0, "stats": {"documents": 2, "tokens": 5}})
+    return path
+
+
+@pytest.mark.parametrize("meta", ["{}", "[]", '{"pad_id": 0, "stats": {"documents": 2}}', '{"pad_id": 0, "stats": 3}',
+                                  "pad_id: '0'", "pad_id: null", "pad_id: 1.5"])
+def test_a_meta_json_of_the_wrong_shape_is_a_damaged_entry(tmp_path, meta):
+    """Valid JSON that is not an entry's meta (a hand edit, another tool's file), or a pad_id that is no integer (the
+    collator pads rows with it), is a CacheError, which load_dataset rebuilds: a bare KeyError or TypeError crashed
+    every run until the user found the entry and deleted it."""
+    entry = _entry(tmp_path / "e")
+    if meta.startswith("pad_id: "):  # the entry's own meta.json with only pad_id edited
+        pad = json.loads(meta[len("pad_id: "):].replace("'", '"'))
+        meta = json.dumps({**json.loads((entry / "meta.json").read_text()), "pad_id": pad})
+    (entry / "meta.json").write_text(meta)
+    with pytest.raises(cache_mod.CacheError, match="meta.json is unreadable|pad_id is"):
+        cache_mod.load(entry)
+
+
+def test_a_writer_that_loses_the_race_for_its_key_says_nothing(tmp_path, monkeypatch, caplog):
+    """Two runs started together tokenize the same data into one cache; the other publishes the same entry between
+    this writer's check and its rename. The entry is there and whole: no warning that the next run tokenizes again
+    (it does not), the entry loads, and no temporary entry is left."""
+    import shutil
+
+    entry, real = tmp_path / "e", Path.rename
+
+    def raced(self, target):
+        if Path(target) == entry and self.name.startswith(".tmp-"):
+            shutil.copytree(self, entry)  # the other writer's entry, published just now
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", raced)
+    with caplog.at_level(logging.WARNING, logger="chronicals.data"):
+        _entry(entry)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    monkeypatch.setattr(Path, "rename", real)
+    ids, trainable, offsets, meta = cache_mod.load(entry)
+    assert ids.tolist() == list(range(5)) and offsets.tolist() == [0, 2, 5]
+    assert not [d for d in tmp_path.iterdir() if d.name.startswith(".")]
