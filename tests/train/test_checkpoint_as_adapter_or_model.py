@@ -49,6 +49,33 @@ def test_an_rslora_runs_checkpoint_is_applied_with_its_scaling(tmp_path):
     assert again.lora_config.scaling == rec.scaling == 8 / 4 ** 0.5
 
 
+@pytest.mark.parametrize("layers", [3, 1])
+def test_an_older_checkpoint_on_a_base_of_other_depth_is_refused(tmp_path, layers):
+    """A checkpoint from before the adapter record (its lora section alone rebuilds the adapter) given a base of the
+    same widths and another depth (--base a sibling model): every tensor in both fits, only the names differ. It is
+    refused as "does not fit this base": a deeper base kept its extra layers unadapted, and export / chat / eval
+    answered with a model never trained, without a word; a shallower one gave a raw KeyError."""
+    torch.manual_seed(0)
+    model = tiny_model()
+    apply_lora(model, r=4, alpha=8)
+    cfg = TrainConfig().to_dict()
+    cfg["lora"].update(enabled=True, rank=4, alpha=8)
+    path = _write(tmp_path / "run", model=ckpt.trainable_state(model), config=cfg)
+    with pytest.raises(ValueError, match="does not fit this base"):
+        apply_checkpoint_adapter(tiny_model(layers=layers), path)
+
+
+def test_a_master_of_another_shape_is_not_taken(tmp_path):
+    """A master weight whose shape is not its weight's (a damaged or mismatched optimizer_params list) is not read as
+    the weight's fp32 value."""
+    state = {"format": 1, "step": 1, "model": {"model.norm.weight": torch.full((4,), 2.0)},
+             "optimizer": {"param_groups": [{"params": [0]}], "state": {0: {"master": torch.ones(3)}}},
+             "optimizer_params": ["model.norm.weight"], "scheduler": {}, "data": {}, "rng": {},
+             "extra": {"config": TrainConfig().to_dict(), "base": None}}
+    path = ckpt.write_checkpoint(tmp_path / "run", state)
+    assert torch.equal(read_run_checkpoint(path).tensors["model.norm.weight"], torch.full((4,), 2.0))
+
+
 def test_no_path_is_no_checkpoint_dir():
     assert not is_checkpoint_dir(None) and not is_checkpoint_dir("")
 

@@ -138,3 +138,18 @@ def test_resume_over_another_batch_size_names_the_key_not_the_loaders_arguments(
     msg = str(e.value)
     assert "drop_last" not in msg and "PackedLoader" not in msg and ". this" not in msg, msg
     assert "the saved loader had seed=0," in msg and "this run changed data.batch_size" in msg, msg
+
+
+def test_a_resume_under_another_on_long_that_changes_the_batches_names_it(tmp_path, tok):
+    """data.on_long=drop over a checkpoint of an on_long=truncate run: the long examples are gone, the set packs into
+    fewer rows, and the loader refuses the position. The refusal names data.on_long: without the loss settings among
+    the diffs it said "no data setting changed", sending the user to check files and torchrun instead."""
+    lines = []
+    for i in range(24):
+        n = 70 if i % 2 else 4 + i % 5  # every other example is longer than data.max_seq_len=48 tokens
+        lines.append(json.dumps({"text": " ".join(WORDS[(i + k) % len(WORDS)] for k in range(n))}) + "\n")
+    (tmp_path / "train.jsonl").write_text("".join(lines))
+    train(_cfg(tmp_path, train__max_steps=2), model=_model(tok), tokenizer=tok)
+    with pytest.raises(ValueError, match=r"cannot resume from .*this run changed data.on_long="):
+        train(_cfg(tmp_path, train__max_steps=4, train__resume="auto", data__on_long="drop"), model=_model(tok),
+              tokenizer=tok)

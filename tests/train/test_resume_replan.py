@@ -107,3 +107,31 @@ def test_the_short_warmup_warning_names_the_length_the_resumed_run_trains(tmp_pa
         res = train(_cfg(tmp_path, train__grad_accum=4, train__resume="auto", **cfg), model=tiny_model(),
                     train_loader=SyntheticLoader(docs[:28], shuffle=False))
     assert res.total_steps == 8 and "is not shorter than the run's" not in caplog.text, caplog.text
+
+
+def test_a_finished_epochs_run_started_again_is_complete(tmp_path, docs):
+    """A completed train.epochs run started again with train.resume=auto (the same command twice, a scheduler's
+    retry) has every batch trained and completes at once: it was refused with "8 batches are trained, past this
+    run's 8 ... raise train.epochs", a message that contradicts itself."""
+    def run(**over):
+        return train(_cfg(tmp_path, train__epochs=1, train__grad_accum=3, **over), model=tiny_model(),
+                     train_loader=SyntheticLoader(docs[:36], shuffle=False))
+
+    first = run()
+    again = run(train__resume="auto")
+    assert (first.status, first.step) == (again.status, again.step) == ("completed", 3)
+
+
+def test_a_checkpoint_at_an_epochs_last_batch_resumes_into_the_next_epoch(tmp_path, docs):
+    """8 batches at grad_accum 4: the step that takes an epoch's last batch asks the loader for no other, so its
+    checkpoint's position is the epoch's end, and the resumed loader's first pass is empty before it rolls over.
+    Taking that pass for a loader that never starts its next epoch refused every such resume (a finished run given
+    more epochs) with "the training loader yielded no batches after its epoch ended"."""
+    def run(epochs, **over):
+        return train(_cfg(tmp_path, train__epochs=epochs, train__grad_accum=4, **over), model=tiny_model(),
+                     train_loader=SyntheticLoader(docs[:36], shuffle=False))
+
+    first = run(1)
+    assert (first.status, first.step) == ("completed", 2)
+    more = run(2, train__resume="auto")
+    assert (more.status, more.step, more.total_steps) == ("completed", 4, 4)

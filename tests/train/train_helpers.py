@@ -13,10 +13,10 @@ from chronicals.models import CausalLM, ModelConfig
 VOCAB = 61  # odd on purpose
 
 
-def tiny_model(seed: int = 0, dtype=torch.float32) -> CausalLM:
+def tiny_model(seed: int = 0, dtype=torch.float32, layers: int = 2) -> CausalLM:
     import transformers
 
-    hf = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+    hf = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=layers,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     return CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=seed).to(dtype)
 
