@@ -186,12 +186,18 @@ def test_a_marked_templates_completion_keeps_its_loss(tokenizer, tmp_path, name)
     assert trained_spans(tok, ids, mask) == [f"{lead}It is four, I am quite sure.{end}"]
 
 
-def test_a_marked_template_that_rewrites_the_prompts_replies_is_refused(tokenizer):
+@pytest.mark.parametrize("old, new", [
+    # the prompt's reply rewritten once the completion follows
+    ("{% generation %}", "{% if add_generation_prompt %}{{ '(earlier) ' }}{% endif %}{% generation %}"),
+    # the prompt's last reply closing with another token (the renderings first differ at that marked token)
+    ("{{ m['content'] + '<|im_end|>' }}", "{{ m['content'] + ('<|endoftext|>' if add_generation_prompt else "
+                                          "'<|im_end|>') }}"),
+])
+def test_a_marked_template_that_renders_the_prompts_replies_otherwise_is_refused(tokenizer, old, new):
     """The prompt's reply renders otherwise once the completion follows: where its tokens are in the full rendering
-    is not known, so the completion cannot be told from it."""
-    template = CHATML_MARKED.replace("{% generation %}", "{% if add_generation_prompt %}{{ '(earlier) ' }}{% endif %}"
-                                                         "{% generation %}")
-    tok = make_tokenizer(tokenizer, template, None, "<|im_end|>", [])
+    is not known, so the completion cannot be told from it (unchecked, the second case trained the prompt reply's
+    <|im_end|> as part of the completion, silently)."""
+    tok = make_tokenizer(tokenizer, CHATML_MARKED.replace(old, new), None, "<|im_end|>", [])
     with pytest.raises(FormatError, match=r"\{% generation %\} markers cannot tell the completion's turns"):
         encode_chat(tok, TURNS, train_from=3, markers=True)
     ids, mask = encode_chat(tok, TURNS, markers=True)  # a whole conversation trains every reply
@@ -211,17 +217,3 @@ def test_markers_of_the_default_template_of_several_are_used(tokenizer, tmp_path
     assert isinstance(tok.chat_template, dict)
     ds = load_dataset(write_jsonl(tmp_path / "t.jsonl", [{"messages": THINKING}]), tok, max_seq_len=256)
     assert trained_spans(tok, *ds[0]) == ["one<|im_end|>", "<think>y</think>two<|im_end|>"]
-
-
-def test_a_marked_prompt_reply_that_ends_otherwise_is_refused(tokenizer):
-    """The prompt's reply renders with another closing token when it is the prompt's last reply (the renderings
-    first differ at that marked token): its token in the full rendering is not known to be the prompt's, and is
-    refused; unchecked, the prompt reply's <|im_end|> trained as part of the completion, silently."""
-    template = CHATML_MARKED.replace("{{ m['content'] + '<|im_end|>' }}",
-                                     "{{ m['content'] + ('<|endoftext|>' if add_generation_prompt else "
-                                     "'<|im_end|>') }}")
-    tok = make_tokenizer(tokenizer, template, None, "<|im_end|>", [])
-    with pytest.raises(FormatError, match=r"\{% generation %\} markers cannot tell the completion's turns"):
-        encode_chat(tok, TURNS, train_from=3, markers=True)
-    ids, mask = encode_chat(tok, TURNS, markers=True)  # a whole conversation trains every reply
-    assert trained_spans(tok, ids, mask) == ["Hello there.<|im_end|>", "It is four, I am quite sure.<|im_end|>"]
