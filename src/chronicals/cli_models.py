@@ -55,7 +55,11 @@ def _recorded(adapter: str) -> tuple[str | None, str, str, str | None]:
 
 
 def _here(model: str) -> bool:
-    return model == EMBEDDED or Path(model).expanduser().exists()
+    """A short name in any case (load_model's rule: a run records model.path as the user spelled it, such as the
+    README's "SmolLM2-135M-Instruct"), or an existing path."""
+    from .models.loading import SHORT_NAMES
+
+    return model.lower() in SHORT_NAMES or Path(model).expanduser().exists()
 
 
 def _base_for(adapter: str | None, given: str | None, flag: str) -> str:

@@ -37,8 +37,8 @@ SHORT_NAMES = {
 
 def same_model(a, b) -> bool:
     """Whether two model.path values name one model: equal strings, or two spellings (relative / absolute, ~, a
-    symlink) of one existing file or directory."""
-    if a == b:
+    symlink) of one existing file or directory, or one short name in two cases."""
+    if a == b or isinstance(a, str) and isinstance(b, str) and a.lower() == b.lower() and a.lower() in SHORT_NAMES:
         return True
     try:
         return os.path.samefile(Path(a).expanduser(), Path(b).expanduser())
