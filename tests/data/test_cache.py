@@ -406,3 +406,18 @@ def test_a_writer_that_loses_the_race_for_its_key_says_nothing(tmp_path, monkeyp
     ids, trainable, offsets, meta = cache_mod.load(entry)
     assert ids.tolist() == list(range(5)) and offsets.tolist() == [0, 2, 5]
     assert not [d for d in tmp_path.iterdir() if d.name.startswith(".")]
+
+
+def test_changing_overlong_is_another_cache_entry(tokenizer, tmp_path):
+    """overlong decides which documents exist (truncate: cut to max_seq_len; drop: gone; split: several pieces), so
+    it is part of the cache key: a rerun with data.on_long=split after a truncating run must not load the
+    truncated documents from the cache (the tokens the user asked to keep silently lost)."""
+    p = write_jsonl(tmp_path / "t.jsonl", [{"text": "word " * 100}, {"text": "short one"}])
+    kw = dict(max_seq_len=32, cache_dir=tmp_path / "cache")
+    truncated = load_dataset(p, tokenizer, overlong="truncate", **kw)
+    split = load_dataset(p, tokenizer, overlong="split", **kw)
+    dropped = load_dataset(p, tokenizer, overlong="drop", **kw)
+    assert (len(truncated), truncated.stats.truncated) == (2, 1)
+    assert len(split) > 2 and split.stats.split == 1 and split.stats.truncated == 0
+    assert (len(dropped), dropped.stats.dropped_overlong, dropped.stats.truncated) == (1, 1, 0)
+    assert len(_entries(tmp_path / "cache")) == 3

@@ -3,8 +3,12 @@ first record without a loss token, an empty completion under loss on all, and th
 from __future__ import annotations
 
 import json
+import logging
+
+import pytest
 
 from chronicals.data import load_dataset
+from chronicals.data.readers import DataError
 
 
 def write(path, rows):
@@ -53,3 +57,50 @@ def test_all_dropped_some_truncated_some_without_a_reply_names_both_causes(token
         load_dataset(p, tokenizer, max_seq_len=64)
     msg = str(e.value)
     assert "2 without one" in msg and "1 of them truncated to max_seq_len=64" in msg and "all truncated" not in msg
+
+
+def test_the_truncated_and_kept_count_leaves_out_those_truncated_to_no_loss(tokenizer, tmp_path, caplog):
+    """"N truncated to max_seq_len (kept)" counts the truncated examples that train; one truncated to no loss token
+    is said once, as dropped. Counting it in both told the user a dropped example was kept and trained."""
+    long_prompt = {"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]}
+    long_text = {"text": "word " * 200}
+    short = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}
+    p = write(tmp_path / "t.jsonl", [long_prompt, long_text, short])
+    with caplog.at_level(logging.INFO, logger="chronicals.data"):
+        ds = load_dataset(p, tokenizer, max_seq_len=64)
+    assert (ds.stats.truncated, ds.stats.truncated_no_loss, ds.stats.documents) == (2, 1, 2)
+    line = next(r.getMessage() for r in caplog.records if "records kept" in r.getMessage())
+    assert "2 of 3 records kept" in line
+    assert "1 truncated to max_seq_len=64 (kept" in line and "2 truncated to max_seq_len=64" not in line
+    assert "1 truncated to no loss tokens (dropped)" in line
+
+
+def test_a_skipped_bad_record_keeps_each_files_format_its_own(tokenizer, tmp_path, caplog):
+    """Each read record holds its place in the per-file format tally, a bad one too (as no format): else the next
+    file's records were counted in this one's, and a clean text file was warned about as mixing text and
+    prompt/completion records."""
+    a = write(tmp_path / "a.jsonl", [{"text": "one two"}, {"txt": "typo"}, {"text": "three"}])
+    b = write(tmp_path / "b.jsonl", [{"prompt": "q", "completion": " a"}, {"prompt": "r", "completion": " b"}])
+    with caplog.at_level(logging.INFO, logger="chronicals.data"):
+        ds = load_dataset([str(a), str(b)], tokenizer, max_seq_len=32, on_error="skip")
+    assert ds.stats.skipped_errors == 1 and ds.file_counts == [3, 2]
+    assert ds.file_formats == ["text", "prompt_completion"]
+    assert "mixes record formats" not in caplog.text
+
+
+def test_fail_on_a_cache_entry_written_under_skip_names_the_first_bad_record(tokenizer, tmp_path):
+    """on_error is not part of the cache key: a run with on_error=fail that hits the entry a skip run wrote raises
+    from the entry's list of bad records. It must name the first bad record (line 2), as a fresh read stops there;
+    naming another one (the list's last) sent the user to line 4 while line 2 still fails."""
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in [{"text": "a b c"}, {"txt": "x"}, {"text": "d e"}, {"txt": "y"}])
+                 + "\n")
+    kw = dict(max_seq_len=32, cache_dir=tmp_path / "cache")
+    skipped = load_dataset(p, tokenizer, on_error="skip", **kw)
+    assert skipped.stats.skipped_errors == 2 and len(skipped.stats.first_errors) == 2
+    with pytest.raises(DataError) as fresh:
+        load_dataset(p, tokenizer, on_error="fail", max_seq_len=32)
+    with pytest.raises(DataError) as hit:
+        load_dataset(p, tokenizer, on_error="fail", **kw)  # a cache hit
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    assert str(fresh.value).startswith(f"{p}:2: ") and str(hit.value) == str(fresh.value)

@@ -79,3 +79,17 @@ def test_loss_vocab_parts_2_on_the_reference_head_is_said(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="chronicals"):
         check_impl(tiny_config(tmp_path, model__loss_vocab_parts=2, model__impl="torch"), torch.device("cpu"))
     assert "model.loss_vocab_parts=2 does nothing with model.impl=torch" in caplog.text
+
+
+def test_a_relative_heldout_file_inside_relative_training_data_is_refused(tmp_path, monkeypatch):
+    """data.path=data and data.eval_path=data/sub/held.jsonl, relative to the working directory as users write
+    them: the held-out file is read as training data too, and its held-out loss would be measured on trained
+    examples. Compared unresolved, the two spellings never matched and the run trained on its held-out set."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data" / "sub").mkdir(parents=True)
+    for f in ("data/train.jsonl", "data/sub/held.jsonl"):
+        (tmp_path / f).write_text(json.dumps({"text": "hello world"}) + "\n")
+    with pytest.raises(ConfigError, match=r"data.eval_path=data/sub/held.jsonl is inside data.path=data"):
+        check_data_paths(_cfg(tmp_path, "data.path=data", "data.eval_path=data/sub/held.jsonl"))
+    with pytest.raises(ConfigError, match=r"is data.path=data/train.jsonl, which would be trained on"):
+        check_data_paths(_cfg(tmp_path, "data.path=data/train.jsonl", "data.eval_path=./data/train.jsonl"))
