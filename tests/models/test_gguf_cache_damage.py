@@ -3,6 +3,7 @@ of the cache, zeroed, removed) is converted again on the next load, with a warni
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("CHRONICALS_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "gguf"
 
 
 @pytest.fixture
@@ -77,3 +79,77 @@ def test_trailing_bytes_after_the_tensors_are_damage(tmp_path):
         fh.write(b"\0" * 16)
     why = gguf_cache._damage(tmp_path)
     assert why is not None and "model.safetensors" in why
+
+
+@pytest.mark.parametrize("header, error", [
+    ({"w": {"dtype": "F32", "shape": [1]}}, "KeyError"),  # a tensor without data_offsets (another tool's file)
+    ('{"w": {"data_offsets": [0, 1e400]}}', "OverflowError"),  # int(inf)
+    ("[" * 2000 + "]" * 2000, "RecursionError"),  # nested past the JSON parser's depth
+])
+def test_a_header_the_damage_check_cannot_read_is_damage_not_a_crash(tmp_path, header, error):
+    """A cached safetensors header that names a tensor without data_offsets, an offset past any integer or a
+    nesting past the parser's depth is damage: the entry is converted again. An exception out of _damage failed
+    every load of that GGUF with a traceback until the user found and deleted the cache entry by hand."""
+    header = (header if isinstance(header, str) else json.dumps(header)).encode()
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    why = gguf_cache._damage(tmp_path)
+    assert why is not None and why.startswith(f"model.safetensors: {error}")
+
+
+def test_a_damaged_entry_whose_reconversion_fails_is_not_left_aside(tmp_path, cache, tiny):
+    """A damaged entry is moved aside and removed before the conversion runs again; when that conversion fails (the
+    full disk that damaged the entry), the damaged copy (540 MB for SmolLM2) must not stay hidden in the cache as
+    a ``.pruned-*`` directory: the user loses the space, and the next attempt fails for want of it again."""
+    path = tmp_path / "m.gguf"
+    _write(path, tiny)
+    out = gguf_io.cached_gguf_dir(path)
+    with open(out / "model.safetensors", "r+b") as fh:
+        fh.truncate(os.path.getsize(out / "model.safetensors") - 100)
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left on device"):
+        gguf_cache.cached_conversion(path, full_disk, gguf_io.convert_tokenizer)
+    assert not [d.name for d in cache.iterdir() if ".pruned-" in d.name]
+    assert not out.exists()
+
+
+def test_a_conversion_another_process_published_first_is_used(tmp_path, cache, tiny):
+    """Two converters of one new GGUF where flock is not available (a network file system): the second's publish
+    fails with FileExistsError after the first's; its load uses the first's entry. A file where the entry belongs
+    is an OSError that names the cache and CHRONICALS_CACHE."""
+    path = tmp_path / "m.gguf"
+    _write(path, tiny)
+
+    def other_won(gguf_path, out, replace=False, cache_entry=None):
+        gguf_io.convert_gguf(gguf_path, out, replace=False, cache_entry=cache_entry)  # the other process
+        raise FileExistsError(17, "File exists", str(out))
+
+    out = gguf_cache.cached_conversion(path, other_won, gguf_io.convert_tokenizer)
+    assert (out / "config.json").is_file() and out == gguf_cache.cache_dir_for(path)
+
+    _write(path, tiny, shift=1.0)
+    blocked = gguf_cache.cache_dir_for(path)
+
+    def in_the_way(gguf_path, out, replace=False, cache_entry=None):
+        out.write_text("not a directory")
+        raise FileExistsError(17, "File exists", str(out))
+
+    with pytest.raises(OSError, match=r"a file is in the way.*CHRONICALS_CACHE"):
+        gguf_cache.cached_conversion(path, in_the_way, gguf_io.convert_tokenizer)
+    assert blocked.is_file()
+
+
+def test_a_small_file_that_cannot_be_renamed_leaves_no_temporary(tmp_path, monkeypatch):
+    """_write_small_file (a cache entry's record, a retried tokenizer's error) writes a temporary beside the file
+    and renames it over: when the rename fails, the temporary must go, not pile up hidden in the cache entry."""
+    target = tmp_path / "gguf_tokenizer_error.txt"
+
+    def fails(src, dst):
+        raise PermissionError(13, "Permission denied", str(dst))
+
+    monkeypatch.setattr(gguf_cache.os, "replace", fails)
+    with pytest.raises(PermissionError):
+        gguf_cache._write_small_file(target, "x\n")
+    assert list(tmp_path.iterdir()) == []

@@ -188,3 +188,37 @@ def test_a_killed_conversion_of_an_older_key_is_swept_by_the_next_one(tmp_path, 
         gguf_io.cached_gguf_dir(path)
         assert not killed.exists() and not lock_path(killed).exists()
         assert live.is_dir()
+
+
+def test_an_older_entry_left_aside_by_a_failed_removal_is_swept_by_the_next_conversion(tmp_path, cache, tiny):
+    """An older entry renamed to ``.{name}.pruned-*`` whose removal then failed (a file busy on a network file
+    system, the process killed mid-rmtree) is hidden from the user; the next conversion of that file removes it
+    (a whole model's size, 540 MB for SmolLM2), and an unrelated file's stays."""
+    path = tmp_path / "m.gguf"
+    _write(path, tiny)
+    first = gguf_io.cached_gguf_dir(path)
+    trash = cache / f".{first.name}.pruned-4242-0123abcd"
+    trash.mkdir()
+    (trash / "model.safetensors").write_bytes(b"x" * 1000)
+    other = cache / ".other-0123456789abcdef.pruned-4242-0123abcd"
+    other.mkdir()
+    _write(path, tiny, shift=0.5)
+    gguf_io.cached_gguf_dir(path)
+    assert not trash.exists() and other.is_dir()
+
+
+def test_an_entry_without_a_record_written_recently_is_kept_whatever_its_atime(tmp_path, cache, tiny, monkeypatch):
+    """An entry without a record (written by a chronicals from before records) is last used at its config.json's
+    atime or mtime, the later: on a noatime mount (or after cp -a) the atime is old while the entry was written
+    moments ago by the other install, which may be loading it now; removing it under that load fails it."""
+    path = tmp_path / "m.gguf"
+    _write(path, tiny)
+    p, st = path.resolve(), path.stat()
+    v = gguf_cache.CONVERTER_VERSION
+    monkeypatch.setattr(gguf_cache, "CONVERTER_VERSION", v + 1)
+    legacy = cache / gguf_cache._entry_name(p, gguf_cache._identity(p, st, v, legacy=True))
+    gguf_io.convert_gguf(path, legacy)
+    old = time.time() - 2 * gguf_cache.PRUNE_AFTER_S
+    os.utime(legacy / "config.json", (old, time.time()))  # atime old, written just now
+    gguf_io.cached_gguf_dir(path)
+    assert legacy.is_dir()

@@ -186,7 +186,8 @@ def _damage(out: Path) -> str | None:
                     return f"{f.name}: its header length {n} does not fit its {size} bytes"
                 header = json.loads(fh.read(n))
             end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
-        except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
+                RecursionError) as e:  # int(1e400): OverflowError; a header nested 1,000 deep: RecursionError
             return f"{f.name}: {type(e).__name__}: {e}"
         if 8 + n + end != size:
             return f"{f.name}: {size} bytes where its header needs {8 + n + end}"
