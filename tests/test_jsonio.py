@@ -1,12 +1,15 @@
 """read_json_object: every way a small JSON file can fail names the file, what is wrong, and the caller's fix."""
 
 import json
+import os
 import re
+import time
 from pathlib import Path
 
 import pytest
 
-from chronicals._jsonio import json_kind, read_json_object
+from chronicals import _jsonio
+from chronicals._jsonio import atomic_open, json_kind, read_json_object, temp_beside, write_text_atomic
 from chronicals.data.readers import DataError
 
 FIX = "copy the thing again"
@@ -105,3 +108,57 @@ def test_errors_take_the_callers_class(tmp_path):
         p.write_bytes(text.encode("latin-1"))
         with pytest.raises(DataError, match=rf"^{re.escape(str(p))}"):
             _read(p, error=DataError)
+
+
+def test_a_name_one_byte_too_long_for_its_plain_temporary_is_written(tmp_path):
+    """A valid name one byte too long for '.' + name + '.tmp-<pid>' to fit NAME_MAX: its temporary is named
+    shorter, not refused with 'File name too long' (after minutes of scoring, for eval --json)."""
+    suffix = f".tmp-{os.getpid()}"
+    target = tmp_path / ("a" * (_jsonio.NAME_MAX - len(suffix) - len(".json")) + ".json")
+    write_text_atomic(target, "whole\n")
+    assert len(temp_beside(target).name.encode()) <= _jsonio.NAME_MAX
+    assert target.read_text() == "whole\n" and os.listdir(tmp_path) == [target.name]
+
+
+def test_an_interrupted_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    """Ctrl-C (KeyboardInterrupt, a BaseException) inside the write keeps the old file and removes the hidden
+    temporary at once; it is not left for a later write to sweep."""
+    target = tmp_path / "scores.json"
+    target.write_text("old\n")
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_open(target) as fh:
+            fh.write("half")
+            raise KeyboardInterrupt
+    assert target.read_text() == "old\n" and os.listdir(tmp_path) == ["scores.json"]
+
+
+@pytest.mark.skipif(_jsonio.fcntl is None, reason="POSIX flock")
+def test_a_slow_live_writers_temporary_is_not_swept_by_another_writer(tmp_path, monkeypatch):
+    """A write of one file running for more than a minute holds the flock on its temporary: another process
+    writing the same file then must leave it, or the first write fails at its rename with its data lost."""
+    target = tmp_path / "metrics.jsonl"
+    with atomic_open(target) as fh:
+        fh.write("first ")
+        old = time.time() - 3600
+        os.utime(temp_beside(target), (old, old))
+        with monkeypatch.context() as m:
+            m.setattr(os, "getpid", lambda: 999999)  # another process
+            write_text_atomic(target, "second\n")
+        fh.write("whole\n")
+    assert target.read_text() == "first whole\n"
+
+
+@pytest.mark.skipif(_jsonio.fcntl is None, reason="POSIX flock")
+def test_a_file_named_like_a_temporary_but_not_ours_is_left_alone(tmp_path):
+    """Only '.<name>.tmp-<pid>' (digits alone after the dash) is one of our temporaries: a user's
+    '.metrics.jsonl.tmp-backup' or another tool's '.metrics.jsonl.tmp-12-x' beside the file is not removed by
+    our next write of it (data the user kept there would be lost)."""
+    target = tmp_path / "metrics.jsonl"
+    stem = temp_beside(target).name.rsplit("-", 1)[0] + "-"
+    theirs = [tmp_path / (stem + "backup"), tmp_path / (stem + "12-x")]
+    old = time.time() - 3600
+    for f in theirs:
+        f.write_text("keep me")
+        os.utime(f, (old, old))
+    write_text_atomic(target, "whole\n")
+    assert all(f.read_text() == "keep me" for f in theirs)

@@ -347,3 +347,40 @@ def test_a_racing_creator_of_the_output_is_named(tmp_path, monkeypatch):
         with hf_io.atomic_dir(fresh) as tmp:
             (tmp / "config.json").write_text("new")
     assert (fresh / "x").read_text() == "someone else's"
+
+
+def test_an_orphan_that_cannot_be_removed_keeps_its_lock_and_is_not_said_removed(tmp_path, monkeypatch, caplog):
+    """A killed write's temporary directory whose removal fails (a busy file on NFS, a read-only subfolder) is
+    said with the fix (remove it by hand), not logged as removed; its lock file stays, so the next write still
+    knows it for a dead writer's and retries (without the lock file it is never swept again: a whole model)."""
+    dead = _tmp(tmp_path, ".model.tmp-4242-0a1b2c3d")
+    monkeypatch.setattr(orphans.shutil, "rmtree", lambda *a, **k: None)  # the removal fails
+    with caplog.at_level(logging.INFO, logger="chronicals.models"):
+        assert orphans.remove_orphans(tmp_path, PATTERN) == []
+    assert dead.is_dir() and orphans.lock_path(dead).exists()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and msgs[0].startswith(f"could not remove {dead}") and "by hand" in msgs[0], msgs
+    monkeypatch.undo()
+    assert orphans.remove_orphans(tmp_path, PATTERN) == [dead] and not dead.exists()
+
+
+def test_a_previous_output_another_sweeper_restored_first_is_not_handled_twice(tmp_path, monkeypatch, caplog):
+    """Two loads sweeping one killed replace at once: the one that takes the lock second finds the ``.old``
+    directory already renamed back to the output; it must not log a removal of it nor count it handled."""
+    out = tmp_path / "model"
+    tmp = tmp_path / ".model.tmp-4242-0a1b2c3d"
+    old = orphans.old_path(tmp)
+    old.mkdir()
+    (old / "config.json").write_text("old")
+    orphans.lock_path(tmp).touch()
+    real = orphans.lock_if_free
+
+    def other_sweeper_first(path):
+        old.rename(out)  # the other sweeper restored it between our listing and our lock
+        return real(path)
+
+    monkeypatch.setattr(orphans, "lock_if_free", other_sweeper_first)
+    with caplog.at_level(logging.INFO, logger="chronicals.models"):
+        assert orphans.recover_replaced(out, PATTERN) == []
+    assert (out / "config.json").read_text() == "old"
+    assert not [r.getMessage() for r in caplog.records if "removed" in r.getMessage()]

@@ -202,6 +202,39 @@ def test_a_locked_out_dir_is_refused_at_once_not_waited_for(tmp_path):
     assert not waited and len(said) == 1 and "is in use by another chronicals run" in said[0]
 
 
+def test_an_own_resume_from_step_1_without_metrics_jsonl_says_where_the_file_starts(tmp_path, docs, caplog):
+    """As at step 2 (test_runs_in_one_out_dir): a resume of out_dir's step-1 checkpoint with metrics.jsonl gone
+    restarts the file at step 2; the user is told step 1's records (and the 'before' loss) are gone."""
+    _run(tmp_path, docs, train__max_steps=1)
+    (tmp_path / "run" / "metrics.jsonl").unlink()
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        _run(tmp_path, docs, train__max_steps=2, train__resume="auto")
+    assert "has no metrics.jsonl: it starts at step 2 (the records of steps 1..1" in caplog.text
+
+
+def test_another_runs_unreadable_metrics_is_said_and_the_resume_goes_on(tmp_path, docs, caplog):
+    """Resuming runs/b from runs/a's checkpoint while runs/a/metrics.jsonl has a damaged line: the resume goes on
+    (that history is optional), with a warning naming the file and line; it did not fail the run."""
+    _run(tmp_path / "a", docs, train__max_steps=2)
+    a_metrics = tmp_path / "a" / "run" / "metrics.jsonl"
+    a_metrics.write_text("not json\n" + a_metrics.read_text())
+    src = tmp_path / "a" / "run" / "checkpoints" / "step-000002"
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        _run(tmp_path / "b", docs, train__max_steps=3, train__resume=str(src))
+    assert f"{a_metrics} could not be read" in caplog.text and "metrics.jsonl:1:" in caplog.text
+    assert [r["step"] for r in _records(tmp_path / "b" / "run") if r["kind"] == "train"] == [3]
+
+
+def test_a_resume_from_another_runs_state_file_takes_that_runs_history(tmp_path, docs):
+    """train.resume may name a checkpoint's state.pt instead of its step-N directory (load_checkpoint takes
+    both): the history taken is the same, runs/a's steps 1..2, not none."""
+    _run(tmp_path / "a", docs, train__max_steps=2)
+    src = tmp_path / "a" / "run" / "checkpoints" / "step-000002" / STATE_FILE
+    _run(tmp_path / "b", docs, train__max_steps=3, train__resume=str(src))
+    assert [r["step"] for r in _records(tmp_path / "b" / "run") if r["kind"] == "train"] == [1, 2, 3]
+
+
+
 def _hold(out: Path):
     """The lock a running run holds, taken by this process: the file object (closing it releases the lock)."""
     out.mkdir(parents=True, exist_ok=True)
