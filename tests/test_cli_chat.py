@@ -1,24 +1,81 @@
-"""``chronicals chat``: without --system it asks with the demo's system message, as its --help says."""
+"""``chronicals chat``: the system message it asks with (the demo's without --system, a full run's own for its
+model/), the sampling options reaching each answer, and prompts given on the command line at a terminal. The model
+and the answers are faked: what is checked is what chat passes on."""
 
 from __future__ import annotations
 
+import io
 import types
 
+import torch
+
 from chronicals import cli_chat
-from chronicals.config import DEMO_SYSTEM_PROMPT
+from chronicals.config import DEMO_SYSTEM_PROMPT, from_dict
+
+
+def _fake(monkeypatch, answer) -> None:
+    """chat's load and its prompt ids faked; ``answer`` stands for qa.answer."""
+    import chronicals.train.qa as qa
+
+    model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=4096),
+                                  lm_head=types.SimpleNamespace(weight=torch.zeros(1)))
+    tok = types.SimpleNamespace(chat_template="{{ x }}")
+    monkeypatch.setattr(cli_chat, "_load", lambda *a, **k: (model, tok))
+    monkeypatch.setattr(qa, "prompt_ids", lambda tok, q, system, history=(): [1, 2, 3])
+    monkeypatch.setattr(qa, "answer", answer)
 
 
 def test_chat_without_system_uses_the_demo_system_prompt(monkeypatch, capsys):
-    import chronicals.train.qa as qa
-
-    model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=4096))
-    tok = types.SimpleNamespace(chat_template="{{ x }}")
     seen = []
-    monkeypatch.setattr(cli_chat, "_load", lambda *a, **k: (model, tok))
-    monkeypatch.setattr(qa, "prompt_ids", lambda tok, q, system, history=(): [1, 2, 3])
-    monkeypatch.setattr(qa, "answer", lambda m, t, q, system, *a, **k: seen.append(system) or "ok")
+    _fake(monkeypatch, lambda m, t, q, system, *a, **k: seen.append(system) or "ok")
     assert cli_chat.cmd_chat(["--model", "some-model", "--device", "cpu", "hi"]) == 0
     assert seen == [DEMO_SYSTEM_PROMPT]
     assert cli_chat.cmd_chat(["--model", "some-model", "--device", "cpu", "--system", "", "hi"]) == 0
     assert seen[-1] == ""  # given, as given
     assert "> hi\nok" in capsys.readouterr().out
+
+
+def test_chat_with_a_full_runs_model_asks_with_that_runs_system_message(tmp_path, monkeypatch):
+    """--model runs/x/model (a full fine-tuning run's output) without --system asks with the system message of that
+    run's held-out prompts (its config.yaml beside model/), as --help says, not the demo's."""
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    cfg = from_dict({"data": {"path": "chats.jsonl", "system_prompt": "Be terse."}})
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    seen = []
+    _fake(monkeypatch, lambda m, t, q, system, *a, **k: seen.append(system) or "ok")
+    assert cli_chat.cmd_chat(["--model", str(run / "model"), "--device", "cpu", "hi"]) == 0
+    assert seen == ["Be terse."]
+
+
+def test_chat_passes_temperature_top_p_and_the_seeded_generator_to_each_answer(monkeypatch):
+    """--top-p reaches the answer (the sampling test compares seed 1 with seed 2, which differ whatever top-p does),
+    with --temperature, --max-new-tokens and a generator seeded by --seed."""
+    seen = []
+
+    def answer(m, t, q, system, room, temperature, top_p, generator, history, streamer):
+        seen.append((room, temperature, top_p, generator.initial_seed()))
+        return "ok"
+
+    _fake(monkeypatch, answer)
+    assert cli_chat.cmd_chat(["--model", "some-model", "--device", "cpu", "--temperature", "0.7", "--top-p", "0.9",
+                              "--seed", "5", "--max-new-tokens", "7", "hi"]) == 0
+    assert seen == [(7, 0.7, 0.9, 5)]
+
+
+def test_prompts_given_in_a_terminal_are_answered_not_replaced_by_typed_ones(monkeypatch, capsys):
+    """`chronicals chat "Who founded Vellmora?"` typed at a terminal (stdin a tty) answers that prompt, labelled, and
+    exits: the other tests' stdin is no tty, so a check on the tty alone passed them while a user's own prompt was
+    ignored and chat sat waiting for typed lines."""
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    seen = []
+    monkeypatch.setattr("sys.stdin", Tty(""))
+    _fake(monkeypatch, lambda m, t, q, system, room, temp, top_p, gen, history, streamer:
+          seen.append((q, list(history), streamer)) or "ok")
+    assert cli_chat.cmd_chat(["--model", "some-model", "--device", "cpu", "hi", "again"]) == 0
+    assert seen == [("hi", [], None), ("again", [], None)]  # each on its own (--turns auto), not streamed
+    out, err = capsys.readouterr()
+    assert out == "> hi\nok\n> again\nok\n" and "type a message" not in err

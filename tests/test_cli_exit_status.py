@@ -128,3 +128,51 @@ def test_version_flag(flag, capsys):
 
     assert main([flag]) == 0
     assert capsys.readouterr().out.strip() == f"chronicals {chronicals.__version__}"
+
+
+def test_a_diverged_run_exits_1_with_one_error_line(monkeypatch, capsys):
+    """USAGE promises exit 1 for a run that diverged (NaN/inf), kept apart from 4 (our bug) so a sweep script can
+    retry with a lower lr; no test held the status the CLI returns for TrainingDiverged."""
+    import chronicals.train as train_pkg
+    from chronicals.train import TrainingDiverged
+
+    def diverged(cfg, report=None):
+        raise TrainingDiverged("loss is nan at step 3")
+    monkeypatch.setattr(train_pkg, "train", diverged)
+    assert main(["train", "train.max_steps=1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: loss is nan at step 3") and "Traceback" not in err, err
+
+
+def test_an_existing_config_with_an_equals_sign_in_its_name_is_the_config(tmp_path, monkeypatch):
+    """A config file in the working directory named lr=3e-4.yaml (a sweep's naming) is the CONFIG.yaml: without the
+    is_file() check it was taken for an override 'lr=3e-4.yaml' and the run refused with an unknown key."""
+    import chronicals.config as config
+
+    (tmp_path / "lr=3e-4.yaml").write_text("optim:\n  lr: 3.0e-4\n")
+    monkeypatch.chdir(tmp_path)
+    seen = []
+
+    def load_config(path, overrides):
+        seen.append((path, list(overrides)))
+        raise ValueError("stop here")
+    monkeypatch.setattr(config, "load_config", load_config)
+    assert main(["train", "lr=3e-4.yaml", "train.max_steps=2"]) == 2
+    assert seen == [("lr=3e-4.yaml", ["train.max_steps=2"])]
+
+
+def test_an_unknown_command_exits_2_and_help_exits_0(capsys):
+    """A typo'd command (chronicals trian) prints the usage and must fail (exit 2) so a script stops there; with
+    the status dropped it exited 0 and a pipeline went on as if training had run."""
+    assert main(["trian"]) == 2
+    err = capsys.readouterr().err
+    assert "error: unknown command 'trian'" in err
+    assert main([]) == 0 and main(["--help"]) == 0
+
+
+def test_help_after_other_train_arguments_still_prints_the_keys(capsys):
+    """`chronicals train my.yaml --help` (help asked for at the end of a typed command) prints the usage and every
+    key, exit 0; checked at argv[0] only, it was refused as "--help is not an option", exit 2."""
+    assert main(["train", "my.yaml", "optim.lr=1e-4", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: chronicals train") and "optim.lr" in out

@@ -5,6 +5,8 @@ read at once."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -44,3 +46,15 @@ def test_cuda_next_step_reusing_the_buffer_keeps_the_unread_values():
     assert second.values() == [3.0, 4.0]
     assert first.values() == [1.0, 2.0]
     assert second.seconds() >= 0.0 and first.seconds() >= 0.0
+
+
+def test_cpu_step_seconds_stop_at_the_readback_not_when_read():
+    """With optim.fused=true on a CPU the trainer is pipelined: it reads step k's seconds() after step k+1 ran. A
+    step's time must end when its readback was made; counted to the read, each step's time took in the next
+    step's, and the logged step_s / tokens_per_s were off by up to 2x."""
+    dev = torch.device("cpu")
+    start = StepStart(dev)
+    rb = StepReadback([torch.tensor(1.0)], dev, started=start)
+    time.sleep(1.0)  # the next step runs
+    assert rb.values() == [1.0]
+    assert 0.0 <= rb.seconds() < 0.5
