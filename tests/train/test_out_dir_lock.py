@@ -171,37 +171,6 @@ def test_a_resume_from_another_runs_checkpoint_takes_that_runs_history(tmp_path,
 
 # ---- the lock ----
 
-IN_USE = "is in use by another chronicals run"
-
-
-def test_a_locked_out_dir_is_refused_at_once_not_waited_for(tmp_path):
-    """A second run on an out_dir in use fails at once, not after waiting, silently, for the first run to finish
-    (hours) to train over its out_dir. First of the lock tests: a lock that waits hangs those below (make test's -x
-    stops at this failure instead)."""
-    import threading
-
-    out = tmp_path / "run"
-    out.mkdir()
-    fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the first run's lock
-    said = []
-
-    def second():
-        try:
-            with out_dir_lock(out):
-                said.append("locked")
-        except ConfigError as e:
-            said.append(str(e))
-
-    t = threading.Thread(target=second, daemon=True)
-    t.start()
-    t.join(20)
-    waited = t.is_alive()
-    os.close(fd)  # lets a waiting thread go
-    t.join(20)
-    assert not waited and len(said) == 1 and "is in use by another chronicals run" in said[0]
-
-
 def test_an_own_resume_from_step_1_without_metrics_jsonl_says_where_the_file_starts(tmp_path, docs, caplog):
     """As at step 2 (test_runs_in_one_out_dir): a resume of out_dir's step-1 checkpoint with metrics.jsonl gone
     restarts the file at step 2; the user is told step 1's records (and the 'before' loss) are gone."""
@@ -234,6 +203,8 @@ def test_a_resume_from_another_runs_state_file_takes_that_runs_history(tmp_path,
     assert [r["step"] for r in _records(tmp_path / "b" / "run") if r["kind"] == "train"] == [1, 2, 3]
 
 
+IN_USE = "is in use by another chronicals run"
+
 
 def _hold(out: Path):
     """The lock a running run holds, taken by this process: the file object (closing it releases the lock)."""
@@ -245,6 +216,32 @@ def _hold(out: Path):
 
 def _contents(out: Path) -> dict:
     return {str(p.relative_to(out)): p.read_bytes() if p.is_file() else None for p in sorted(out.rglob("*"))}
+
+
+def test_a_locked_out_dir_is_refused_at_once_not_waited_for(tmp_path):
+    """A second run on an out_dir in use fails at once, not after waiting, silently, for the first run to finish
+    (hours) to train over its out_dir. First of the lock tests: a lock that waits hangs those below (make test's -x
+    stops at this failure instead)."""
+    import threading
+
+    out = tmp_path / "run"
+    said = []
+
+    def second():
+        try:
+            with out_dir_lock(out):
+                said.append("locked")
+        except ConfigError as e:
+            said.append(str(e))
+
+    first = _hold(out)
+    t = threading.Thread(target=second, daemon=True)
+    t.start()
+    t.join(20)
+    waited = t.is_alive()
+    first.close()  # lets a waiting thread go
+    t.join(20)
+    assert not waited and len(said) == 1 and IN_USE in said[0]
 
 
 def test_a_second_run_on_a_locked_out_dir_is_refused_at_once_and_leaves_it_alone(tmp_path, docs, capsys):
@@ -370,7 +367,6 @@ def test_a_lock_file_removed_before_it_was_locked_is_not_the_one_held(tmp_path, 
     """A run that opened out_dir/.chronicals.lock just as the run before removed it on its way out holds a lock on a
     file no path names: it locks the new file instead, or a third run locks that one and two runs train in one
     out_dir, mixing their checkpoints and metrics.jsonl."""
-
     out = tmp_path / "run"
     out.mkdir()
     real, calls = fcntl.flock, []
@@ -385,7 +381,7 @@ def test_a_lock_file_removed_before_it_was_locked_is_not_the_one_held(tmp_path, 
     with out_dir_lock(out):
         assert (out / LOCK_FILE).read_text() == f"{os.getpid()}\n"
         monkeypatch.setattr(fcntl, "flock", real)
-        with pytest.raises(ConfigError, match="is in use by another chronicals run"):
+        with pytest.raises(ConfigError, match=IN_USE):
             with out_dir_lock(out):
                 pass
     assert not (out / LOCK_FILE).exists()
