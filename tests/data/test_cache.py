@@ -370,17 +370,18 @@ def _entry(path: Path, meta: dict | None = None) -> Path:
     return path
 
 
-@pytest.mark.parametrize("meta", ["{}", "[]", '{"pad_id": 0, "stats": {"documents": 2}}', '{"pad_id": 0, "stats": 3}',
-                                  "pad_id: '0'", "pad_id: null", "pad_id: 1.5"])
-def test_a_meta_json_of_the_wrong_shape_is_a_damaged_entry(tmp_path, meta):
+@pytest.mark.parametrize("edit", [
+    lambda meta: {}, lambda meta: [], lambda meta: {"pad_id": 0, "stats": {"documents": 2}},
+    lambda meta: {"pad_id": 0, "stats": 3},
+    # the entry's own meta.json with only pad_id edited
+    lambda meta: {**meta, "pad_id": "0"}, lambda meta: {**meta, "pad_id": None}, lambda meta: {**meta, "pad_id": 1.5},
+], ids=["empty", "a list", "no tokens", "stats a number", "pad_id a string", "pad_id null", "pad_id a float"])
+def test_a_meta_json_of_the_wrong_shape_is_a_damaged_entry(tmp_path, edit):
     """Valid JSON that is not an entry's meta (a hand edit, another tool's file), or a pad_id that is no integer (the
     collator pads rows with it), is a CacheError, which load_dataset rebuilds: a bare KeyError or TypeError crashed
     every run until the user found the entry and deleted it."""
     entry = _entry(tmp_path / "e")
-    if meta.startswith("pad_id: "):  # the entry's own meta.json with only pad_id edited
-        pad = json.loads(meta[len("pad_id: "):].replace("'", '"'))
-        meta = json.dumps({**json.loads((entry / "meta.json").read_text()), "pad_id": pad})
-    (entry / "meta.json").write_text(meta)
+    (entry / "meta.json").write_text(json.dumps(edit(json.loads((entry / "meta.json").read_text()))))
     with pytest.raises(cache_mod.CacheError, match="meta.json is unreadable|pad_id is"):
         cache_mod.load(entry)
 

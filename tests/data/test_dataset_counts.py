@@ -92,9 +92,7 @@ def test_fail_on_a_cache_entry_written_under_skip_names_the_first_bad_record(tok
     """on_error is not part of the cache key: a run with on_error=fail that hits the entry a skip run wrote raises
     from the entry's list of bad records. It must name the first bad record (line 2), as a fresh read stops there;
     naming another one (the list's last) sent the user to line 4 while line 2 still fails."""
-    p = tmp_path / "t.jsonl"
-    p.write_text("\n".join(json.dumps(r) for r in [{"text": "a b c"}, {"txt": "x"}, {"text": "d e"}, {"txt": "y"}])
-                 + "\n")
+    p = write(tmp_path / "t.jsonl", [{"text": "a b c"}, {"txt": "x"}, {"text": "d e"}, {"txt": "y"}])
     kw = dict(max_seq_len=32, cache_dir=tmp_path / "cache")
     skipped = load_dataset(p, tokenizer, on_error="skip", **kw)
     assert skipped.stats.skipped_errors == 2 and len(skipped.stats.first_errors) == 2

@@ -103,8 +103,7 @@ def test_a_damaged_entry_whose_reconversion_fails_is_not_left_aside(tmp_path, ca
     path = tmp_path / "m.gguf"
     _write(path, tiny)
     out = gguf_io.cached_gguf_dir(path)
-    with open(out / "model.safetensors", "r+b") as fh:
-        fh.truncate(os.path.getsize(out / "model.safetensors") - 100)
+    _truncate(out / "model.safetensors")
 
     def full_disk(*a, **k):
         raise OSError(28, "No space left on device")
