@@ -122,6 +122,23 @@ def test_a_cache_hit_warns_again_with_this_runs_source(tokenizer, tmp_path, capl
     assert msg.replace("/second/path", "/first/path") == warned[0]
 
 
+def test_loss_on_every_token_warns_for_a_last_reply_the_template_leaves_open(tokenizer, tmp_path, caplog):
+    """loss_on="all" trains the rendering as it is: GLM's next <|user|> closes a reply another turn follows, but the
+    last reply ends the text, so a conversation that ends in one never trains a stop token; loss_on="all" warned
+    of nothing. A conversation that ends in the user's turn has no last reply to close."""
+    tok = glm4(tokenizer)
+    asks = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Bye?"}]
+    path = write_jsonl(tmp_path / "g.jsonl", records() + [{"messages": asks}])
+    ds, warned = load(tok, path, caplog, loss_on="all", option_names={"loss_on": "data.train_on"})
+    assert ds.stats.unclosed_replies == ds.stats.unclosed_examples == ds.stats.replies == 3  # not the 4th
+    assert len(warned) == 1, warned
+    assert ("3 of 3 conversations that end in an assistant reply (of 4 examples) end in no end-of-turn token, so "
+            "with data.train_on=all the model learns to stop only after replies that another turn follows "
+            f"(first: {path}:1)") in warned[0], warned
+    assert "writes nothing after a conversation's last reply" in warned[0] and "{{ content + eos_token }}" in warned[0]
+
+
 @pytest.mark.parametrize("kind", ["loss_on_all", "closed_marked", "newline_marked", "pieces"])
 def test_closed_replies_do_not_warn(tokenizer, tmp_path, caplog, kind):
     """loss on every token; markers that hold <|im_end|>, or <|im_end|> and the newline after it; a turn marked in

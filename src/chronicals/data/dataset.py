@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 from . import cache as cache_mod
 from .formats import FORMATS, FormatError, detect_format, empty_target, to_example
 from .readers import DataError, Record, iter_records, resolve_files
-from .tokenize import appends_eos, check_tokenizer, encode, has_generation_markers, turn_end_ids, unclosed_replies
+from .tokenize import (appends_eos, check_tokenizer, encode, has_generation_markers, turn_end_ids,
+                       unclosed_last_reply, unclosed_replies)
 
 log = logging.getLogger("chronicals.data")
 PARALLEL_BYTES = 8 << 20  # data files below this (~25,000 short chats) tokenize in one process: worker start-up
@@ -53,7 +54,8 @@ class DatasetStats:
     empty_no_loss: int = 0  # of those, the text that would carry loss is empty (e.g. {"text": ""}); 0 in older caches
     empty_targets: int = 0  # kept, but the reply / output / completion is blank: only end-of-turn has loss
     first_empty_target: str = ""  # "file:line" of the first of those
-    replies: int = 0  # runs of loss tokens in kept chat examples (loss_on="assistant"): one per reply as a rule
+    replies: int = 0  # runs of loss tokens in kept chat examples: one per reply as a rule (loss_on="all": examples
+    # that end in a reply)
     unclosed_replies: int = 0  # of those, the ones no trained special token closes: the model never learns to stop
     unclosed_examples: int = 0  # kept chat examples with at least one (before truncation)
     first_unclosed: str = ""  # "file:line" of the first of those
@@ -165,7 +167,7 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
                 _note_alpaca_prompt(ds.file_formats, tokenizer, name)
                 _warn_mixed(files, ds.file_formats, names["format"])
                 _finish(ds.stats, on_error, max_seq_len, names, files, name)
-                _warn_unclosed(ds.stats, tokenizer, names, files, name)  # from the entry's stats: every run says it
+                _warn_unclosed(ds.stats, tokenizer, names, files, name, loss_on)  # the entry's stats: every run says it
                 _warn_across(ds.stats, files, name)
                 _warn_no_eos(ds.file_formats, tokenizer, files, name)
                 return ds
@@ -182,7 +184,7 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
     log.info("data: %s", ds.summary)
     _note_alpaca_prompt(ds.file_formats, tokenizer, name)
     _finish(ds.stats, on_error, max_seq_len, names, files, name)
-    _warn_unclosed(ds.stats, tokenizer, names, files, name)
+    _warn_unclosed(ds.stats, tokenizer, names, files, name, loss_on)
     _warn_across(ds.stats, files, name)
     _warn_no_eos(ds.file_formats, tokenizer, files, name)
     if cache is not None:
@@ -356,7 +358,8 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, n: dict[str, s
                 kept, stats.records, "; ".join(parts))
 
 
-def _warn_unclosed(stats: DatasetStats, tokenizer, n: dict[str, str], files=(), name: str = "the dataset") -> None:
+def _warn_unclosed(stats: DatasetStats, tokenizer, n: dict[str, str], files=(), name: str = "the dataset",
+                   loss_on: str = "assistant") -> None:
     """One warning per set when replies train no end-of-turn token (``tokenize.unclosed_replies``): the model would
     learn to write replies but not to end them, and nothing else would say so. The counts come from the stats (a
     cache hit warns as the first run did); the template's source and the fix from this run's tokenizer."""
@@ -368,7 +371,14 @@ def _warn_unclosed(stats: DatasetStats, tokenizer, n: dict[str, str], files=(), 
     counts = (f"{stats.unclosed_replies} of {stats.replies} assistant replies in {stats.unclosed_examples} of "
               f"{stats.documents} examples train no end-of-turn token (first: {stats.first_unclosed}), so the model "
               "never learns to stop after a reply")
-    if has_generation_markers(tokenizer):
+    if loss_on == "all":  # one count per conversation that ends in a reply (tokenize.unclosed_last_reply)
+        counts = (f"{stats.unclosed_replies} of {stats.replies} conversations that end in an assistant reply (of "
+                  f"{stats.documents} examples) end in no end-of-turn token, so with {n['loss_on']}=all the model "
+                  f"learns to stop only after replies that another turn follows (first: {stats.first_unclosed})")
+        why = (f"{template} writes nothing after a conversation's last reply (as GLM's does: a turn ends where the "
+               "next one begins); end each assistant turn with a token generation stops at, e.g. "
+               "{{ content + eos_token }}")
+    elif has_generation_markers(tokenizer):
         why = (f"{template} closes its {{% generation %}} markers before the special token that ends the turn; "
                "move {% endgeneration %} after that token (ChatML: {% generation %}{{ content + '<|im_end|>' }}"
                f"{{% endgeneration %}}), or set {n['loss_on']}=all (loss on the prompts too)")
@@ -468,7 +478,8 @@ def _encode_chunk(records: list[Record]):
     """Records -> list of (ids, trainable, format, empty target, (runs, unclosed, across)) or (None, "file:line:
     message", None, False, (0, 0, False)); empty target: the text that would carry loss with loss on assistant turns
     / completion is blank (whatever loss_on); runs, unclosed: a chat example's replies and those that train no
-    end-of-turn token (``tokenize.unclosed_replies``; (0, 0) for other examples and loss_on="all"); across: a
+    end-of-turn token (``tokenize.unclosed_replies``; loss_on="all": ``tokenize.unclosed_last_reply``; (0, 0) for
+    other examples); across: a
     prompt/completion example's boundary falls inside a token (``tokenize.encode``)."""
     w = _WORKER
     out = []
@@ -481,8 +492,12 @@ def _encode_chunk(records: list[Record]):
             ex = to_example(rec.data, fmt, w["has_template"], from_csv=rec.from_csv)
             across: list[bool] = []
             ids, mask = encode(w["tokenizer"], ex, w["loss_on"], w["markers"], w["own_eos"], across=across)
-            chat = ex.messages is not None and w["loss_on"] == "assistant"
-            ends = unclosed_replies(w["tokenizer"], ids, mask, w["end_ids"]) if chat else (0, 0)
+            if ex.messages is None:
+                ends = (0, 0)
+            elif w["loss_on"] == "assistant":
+                ends = unclosed_replies(w["tokenizer"], ids, mask, w["end_ids"])
+            else:
+                ends = unclosed_last_reply(w["tokenizer"], ex.messages, ids, w["end_ids"])
             out.append((ids, mask, fmt, empty_target(ex), (*ends, any(across))))
         except FormatError as e:
             out.append((None, f"{rec.where}: {e}", None, False, (0, 0, False)))

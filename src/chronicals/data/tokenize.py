@@ -201,6 +201,17 @@ def unclosed_replies(tokenizer, ids: np.ndarray, mask: np.ndarray, end_ids: np.n
     return len(edges) // 2, unclosed
 
 
+def unclosed_last_reply(tokenizer, messages: list[dict], ids: np.ndarray, end_ids: np.ndarray) -> tuple[int, int]:
+    """(ends in a reply, unclosed) of a chat example trained on every token (loss_on="all"), each 0 or 1: a
+    conversation that ends in an assistant reply, and whether its rendering then ends, past whitespace, in no token
+    of ``end_ids`` (GLM's writes nothing after the last reply: its turns end where the next one begins). A reply
+    with a turn after it trains whatever the template writes between them (GLM's next ``<|user|>``), so only the
+    last reply is checked."""
+    if not messages or messages[-1].get("role") != "assistant" or not len(ids):
+        return 0, 0
+    return unclosed_replies(tokenizer, ids, np.ones(len(ids), dtype=bool), end_ids)
+
+
 def _need_template(tokenizer) -> None:
     if getattr(tokenizer, "chat_template", None) is None:
         raise FormatError("chat data needs a tokenizer with a chat template (tokenizer.chat_template is None); "
