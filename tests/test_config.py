@@ -27,6 +27,48 @@ def test_overrides_are_typed():
     assert c.lora.rank == 8 and c.model.checkpointing is True
     assert c.lora.targets == ["q_proj", "v_proj"]
     assert c.train.epochs == 1.0 and c.data.system_prompt == ""
+    with pytest.raises(ValueError, match=r"expected an integer"):
+        from_dict({"train": {"max_steps": True}})
+
+
+def test_override_text_is_read_as_written():
+    """An override splits at its first '=' only; its value is stripped (a quoted one loses its quotes); YAML's null
+    in any spelling but '~' (the home directory) empties a string key; a list given as text drops empty items
+    (an empty module name would reach the model code); bool words given as strings are case-blind."""
+    c = load_config(None, ["data.system_prompt=a=b=c", "train.out_dir=runs/lr=1e-4"])
+    assert c.data.system_prompt == "a=b=c" and c.train.out_dir == "runs/lr=1e-4"
+    c = load_config(None, ["data.system_prompt= 'quoted' ", "train.out_dir= runs/x "])
+    assert c.data.system_prompt == "quoted" and c.train.out_dir == "runs/x"
+    for null in ("Null", "NULL"):  # not a file named NULL
+        c = load_config(None, [f"data.eval_path={null}", f"data.system_prompt={null}"])
+        assert (c.data.eval_path, c.data.system_prompt) == ("", "")
+    assert load_config(None, ["model.recompute="]).model.recompute == []
+    assert load_config(None, ["lora.targets=q_proj,v_proj,"]).lora.targets == ["q_proj", "v_proj"]
+    assert load_config(None, {"lora.modules_to_save": "[]"}).lora.modules_to_save == []
+    c = load_config(None, {"model.compile": "True", "model.checkpointing": "YES"})
+    assert c.model.compile is True and c.model.checkpointing is True
+    assert load_config(None, ["lora.rslora=tRUE"]).lora.rslora is True
+    assert from_dict({"logging": {"plot": "Off"}}).logging.plot is False
+
+
+@pytest.mark.parametrize("null", ["null", "~", "Null"])
+def test_a_null_string_key_in_a_file_is_empty_not_its_spelling(tmp_path, null):
+    """A string key written as YAML null in a file is '' (eval_path: null = no held-out data), not the text 'null'
+    (a file that does not exist)."""
+    p = tmp_path / "c.yaml"
+    p.write_text(f"data:\n  eval_path: {null}\n  system_prompt: {null}\n")
+    c = load_config(p)
+    assert (c.data.eval_path, c.data.system_prompt) == ("", "")
+
+
+@pytest.mark.parametrize("text", ["train:\n  out_dir: [a, b]\n", "data:\n  system_prompt: {role: x}\n"])
+def test_a_string_key_given_a_list_or_mapping_in_yaml_is_refused_at_its_line(tmp_path, text):
+    """A string key written as a YAML list or mapping fails naming the file, the key's line and the key; it became
+    the path or prompt "['a', 'b']"."""
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=r"c\.yaml:2: config \w+\.\w+=.* is invalid: expected a string"):
+        load_config(p)
 
 
 def test_yaml_then_overrides(tmp_path):
@@ -54,6 +96,8 @@ def test_unknown_key_suggests(bad, message):
     ("lora.target_modules=[q_proj]", "lora.targets"),
     ("train.per_device_train_batch_size=2", "data.batch_size"),
     ("schedule.warmup_ratio=0.1", "schedule.warmup_steps"),  # spelling alone offered lora.plus_ratio
+    ("optim.Learning_Rate=1", "optim.lr"),  # looked up in any case
+    ("optim.LEARNING_RATE=1", "optim.lr"),
 ])
 def test_names_from_transformers_and_peft_suggest_our_key_first(bad, first):
     with pytest.raises(ValueError, match=rf"did you mean {re.escape(first)}( or|\?)"):
@@ -83,6 +127,12 @@ def test_unknown_section_in_yaml_suggests(tmp_path):
     ("data.train_on=prompt", r"assistant \| all"),
     ("train.grad_accum=0", r"an integer >= 1"),
     ("lora.dropout=1.5", r"\[0, 1\)"),
+    # bool is an int subclass: true/yes/on for an integer key became 1
+    ("train.max_steps=true", r"train.max_steps=True is invalid: expected an integer"),
+    ("train.save_every=yes", r"expected an integer"),
+    ("lora.rank=on", r"expected an integer"),
+    ("lora.targets=[q_proj", r"^command line: config .* is invalid: an unclosed bracket"),
+    ("model.recompute=norm]", r"^command line: config .* is invalid: an unclosed bracket"),
 ])
 def test_bad_values_fail(bad, message):
     with pytest.raises(ValueError, match=message):

@@ -155,5 +155,54 @@ def test_lengths_and_capacity_are_whole_numbers():
         pack_bfd([True, 3], 8)
     with pytest.raises(ValueError, match=r"capacity=True"):
         pack_bfd([1], True)
+    # text is no token count either: '3' packed as 3, and '3.0' failed in int() with Python's bare message
+    with pytest.raises(ValueError, match=r"item 0 has length '3'; lengths are whole token counts"):
+        pack_bfd(["3", 5], 8)
+    with pytest.raises(ValueError, match=r"item 0 has length '3.0'; lengths are whole token counts"):
+        pack_ffd(["3.0"], 8)
+    with pytest.raises(ValueError, match=r"capacity='8'; expected a whole number"):
+        pack_bfd([3], "8")
     with pytest.raises(ValueError, match=r"collate_rows: no rows"):
         collate_rows([], 8, 0)
+
+
+@pytest.mark.parametrize("fn", [pack_bfd, pack_ffd])
+def test_a_capacity_of_zero_is_refused_as_the_capacity(fn):
+    """Capacity 0 fails saying the capacity is wrong (not blaming an item's length), with or without items."""
+    for lengths in ([3], []):
+        with pytest.raises(ValueError, match=r"capacity must be >= 1 \(got 0\)"):
+            fn(lengths, 0)
+
+
+def test_equal_lengths_keep_their_input_order():
+    """Decreasing order is stable: documents of equal length are placed in their input order, so a shuffled
+    dataset gives a shuffled packing (and the first bin holds the first of the longest)."""
+    assert pack_bfd([4, 4, 4, 4], 4) == [[0], [1], [2], [3]]
+    assert pack_ffd([2, 2, 2, 2, 2], 4) == [[0, 1], [2, 3], [4]]
+
+
+def test_ffd_bins_are_returned_only_when_fewer():
+    """Past the lower bound pack_bfd runs FFD but keeps its own packing unless FFD uses strictly fewer bins.
+    [1, 8, 5, 4, 4] at 11: both need 3 bins (bound 2); best fit puts the 1 with 5 + 4 (the tightest), FFD with the 8."""
+    lengths, cap = [1, 8, 5, 4, 4], 11
+    assert pack_ffd(lengths, cap) == [[1, 0], [2, 3], [4]]
+    assert pack_bfd(lengths, cap) == [[1], [2, 3, 0], [4]]
+
+
+def test_padding_is_pad_id():
+    """A row's padding (and a row of no documents) is filled with pad_id, not 0 (token 0 is a real token)."""
+    doc = (np.array([5, 6]), np.ones(2, bool))
+    batch = collate_rows([[doc], []], 4, pad_id=7)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 7], [7, 7, 7, 7]]
+    assert batch.shift_labels.tolist() == [[6, -100, -100, -100], [-100] * 4]
+
+
+def test_to_moves_every_tensor_including_cu_seqlens():
+    """PackedBatch.to(device) moves each tensor field (cu_seqlens too: the varlen kernels read it on the GPU) and
+    keeps the int fields. The meta device shows it on the CPU."""
+    batch = collate_rows([[(np.array([1, 2, 3]), np.ones(3, bool))]], 5, pad_id=0)
+    moved = batch.to("meta")
+    for name in ("input_ids", "position_ids", "shift_labels", "cu_seqlens"):
+        assert getattr(moved, name).device.type == "meta", name
+    ints = ("max_seqlen", "num_loss_tokens", "num_tokens", "num_docs", "longest_doc")
+    assert [getattr(moved, k) for k in ints] == [getattr(batch, k) for k in ints]

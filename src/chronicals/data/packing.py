@@ -18,14 +18,21 @@ over bins) and returns FFD's bins in that rare case, so its result never has mor
 
 from __future__ import annotations
 
+import numbers
+
+
+def _whole(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and float(x).is_integer()
+
 
 def _check(lengths, capacity: int) -> tuple[list[int], int]:
     # whole numbers only: int(2.7) packed a 2.7-token length as 2, and a float capacity failed in a list size
-    # (a property walk); numpy integers and integral floats such as 3.0 pass
-    bad = [(i, x) for i, x in enumerate(lengths) if isinstance(x, bool) or not float(x).is_integer()]
+    # (a property walk); numpy integers and integral floats such as 3.0 pass; strings do not ('3' packed as 3 and
+    # '3.0' failed in int() with Python's own message)
+    bad = [(i, x) for i, x in enumerate(lengths) if not _whole(x)]
     if bad:
         raise ValueError(f"pack_bfd: item {bad[0][0]} has length {bad[0][1]!r}; lengths are whole token counts")
-    if isinstance(capacity, bool) or not float(capacity).is_integer():
+    if not _whole(capacity):
         raise ValueError(f"pack_bfd: capacity={capacity!r}; expected a whole number of tokens")
     lengths, capacity = [int(x) for x in lengths], int(capacity)
     if capacity < 1:
