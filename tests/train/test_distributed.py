@@ -866,6 +866,46 @@ def test_a_backward_outside_a_step_is_ignored_by_the_buckets():
     assert all(p.grad is not None for p in params) and not rb.armed and rb._works == []
 
 
+def test_grad_buckets_refuse_one_process_and_zero_micro_batches():
+    """One process (world_size 1): refused at construction instead of hooking every parameter and failing at the
+    first all-reduce on a process group that does not exist. begin(0) expects no gradient: the first backward
+    overran its count inside autograd's hook; refused at begin."""
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match=r"GradBuckets is for data parallelism \(world_size > 1\)"):
+        GradBuckets(DistContext(), list(torch.nn.Linear(4, 3).parameters()))
+    rb = GradBuckets(SimpleNamespace(enabled=True, rank=0, world_size=2), list(torch.nn.Linear(4, 3).parameters()))
+    with pytest.raises(ValueError, match=r"micro_batches=0 must be >= 1"):
+        rb.begin(micro_batches=0)
+    assert not rb.armed
+
+
+def test_buckets_start_each_step_from_zero_and_go_out_during_backward(tmp_path):
+    """Buckets fill in reverse parameter order, the order backward finishes them: when the first layer's gradient
+    is computed (the end of backward) the second layer's buckets are already issued, so their all-reduce overlaps
+    the rest (filled in forward order the sums are the same and nothing goes out before the end). begin() zeroes
+    the flat buffers: a second step's gradients are its own backward's, not added to the first's."""
+    from types import SimpleNamespace
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
+        rb = GradBuckets(SimpleNamespace(enabled=True, rank=0, world_size=1), list(net.parameters()), bucket_elems=8)
+        assert len(rb.flats) >= 3
+        issued = []
+        net[0].weight.register_hook(lambda g: issued.append(rb._next))  # before the first layer's weight lands
+        for x in (torch.ones(2, 4), torch.full((2, 4), 3.0)):
+            rb.begin(1)
+            net(x).sum().backward()
+            assert rb.finish() == 0
+        assert issued and issued[0] >= 1, issued
+        y = net[0](torch.full((2, 4), 3.0))  # the second step's gradient of the last layer: its inputs summed
+        torch.testing.assert_close(net[1].weight.grad, y.sum(0).expand(3, 4).detach())
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_grad_rebound_after_begin_is_summed_through_the_flat_buffer(tmp_path):
     """A .grad rebound between begin() and the backward (CUDA graphs, user code) is copied into its bucket and bound
     back: left in the new tensor, the bucket all-reduced zeros for it and the ranks silently diverged."""

@@ -250,3 +250,16 @@ def test_a_cut_on_a_full_round_says_nothing_when_resumed_longer(tmp_path, caplog
     with caplog.at_level("WARNING", logger="chronicals.data"):
         longer.load_state_dict(state)
     assert caplog.text == ""
+
+
+def test_the_first_steps_divergence_names_the_quantity_that_was_not_finite():
+    """At the run's first step with NaN/inf weights the message says which check failed: the loss (NaN loss) or the
+    gradient norm (finite loss, inf norm); no last good checkpoint is asked for, as there is none."""
+    from chronicals.train.divergence import _check_finite
+
+    never = lambda: pytest.fail("no last good checkpoint is asked for at the first step")  # noqa: E731
+    with pytest.raises(TrainingDiverged, match=r"^loss is not finite at step 1, the run's first, .*1 tensors, e\.g\. w"):
+        _check_finite(1, math.nan, 1.0, never, lambda: ["w"])
+    with pytest.raises(TrainingDiverged, match=r"^gradient norm is not finite at step 1, the run's first"):
+        _check_finite(1, 2.5, math.inf, never, lambda: ["w"])
+    _check_finite(1, 2.5, 1.0, never, lambda: ["w"])

@@ -290,7 +290,8 @@ def test_bf16_full_finetune_resume_equals_uninterrupted(tmp_path, docs, fused, c
 
 
 def test_a_lora_sized_lr_for_full_fine_tuning_warns(tmp_path, caplog):
-    for lr, warns in ((1e-3, True), (2e-5, False)):
+    """Above 2e-4 (the top of the usual full fine-tuning range, not warned itself)."""
+    for lr, warns in ((1e-3, True), (2e-5, False), (2e-4, False), (3e-4, True)):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="chronicals.train"):
             build_optimizer(tiny_model(), tiny_config(tmp_path, optim__lr=lr), CPU)
@@ -390,3 +391,59 @@ def test_master_adamw_refuses_bad_hyperparameters_and_takes_lr_zero():
     with pytest.raises(ValueError, match=r"betas=\(0.9, 1.0\) must be two numbers in \[0, 1\)"):
         MasterWeightAdamW(p, betas=(0.9, 1.0))
     MasterWeightAdamW(p, lr=0.0)
+    with pytest.raises(ValueError, match=r"weight_decay=-0.1 must be >= 0"):  # it grew each weight a step
+        MasterWeightAdamW(p, weight_decay=-0.1)
+    MasterWeightAdamW(p, weight_decay=0.0)
+
+
+def test_float32_parameters_are_their_own_master_and_updated_in_place():
+    """Beside a bf16 parameter (which gets an fp32 master), a float32 one keeps no master copy (``master(p)`` is p)
+    and is stepped where it is: a change made to its weight between steps (a resume loading weights, a user's edit)
+    is what the next step starts from, not overwritten by a stale copy."""
+    lo = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    hi = torch.nn.Parameter(torch.ones(4))
+    opt = MasterWeightAdamW([lo, hi], lr=1e-2)
+    for edit in (None, 5.0):
+        if edit is not None:
+            with torch.no_grad():
+                hi.fill_(edit)
+        for p in (lo, hi):
+            p.grad = torch.ones_like(p)
+        opt.step()
+    assert "master" in opt.state[lo] and "master" not in opt.state[hi] and opt.master(hi) is hi
+    # Adam's second step on a constant gradient moves by ~lr: 5.0 - 0.01, not 0.99 - 0.01
+    torch.testing.assert_close(hi.detach(), torch.full((4,), 4.99), rtol=0, atol=1e-6)
+
+
+def test_a_loaded_master_of_a_now_float32_parameter_is_dropped():
+    """A state saved where a parameter was bf16 (its fp32 master in the state), loaded where it is float32 (a LoRA
+    adapter_dtype changed between the runs): the saved master is dropped and the parameter's own weight is what
+    the next step updates."""
+    lo = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    first = MasterWeightAdamW([lo], lr=1e-2)
+    lo.grad = torch.ones_like(lo)
+    first.step()
+    saved = first.state_dict()
+    assert "master" in saved["state"][0]
+    hi = torch.nn.Parameter(torch.full((4,), 3.0))
+    second = MasterWeightAdamW([hi], lr=1e-2)
+    second.load_state_dict(saved)
+    assert "master" not in second.state[hi] and second.state[hi]["exp_avg"].dtype == torch.float32
+    hi.grad = torch.ones_like(hi)
+    second.step()
+    torch.testing.assert_close(hi.detach(), torch.full((4,), 2.99), rtol=0, atol=1e-6)
+
+
+def test_master_weights_false_warns_when_any_trainable_weight_is_bf16(tmp_path, caplog):
+    """optim.master_weights=false with fp32 adapters beside a bf16 module to save (the norm trained whole): the bf16
+    norm's small updates round away, so the warning is given although not every trainable weight is bf16."""
+    from chronicals.lora import apply_lora
+
+    model = tiny_model(dtype=torch.bfloat16)
+    apply_lora(model, r=2, alpha=4, target_modules=("q_proj",), modules_to_save=["norm"], adapter_dtype=torch.float32)
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32, torch.bfloat16}
+    cfg = tiny_config(tmp_path, lora__enabled=True, lora__targets=["q_proj"], optim__master_weights="false")
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        opt = build_optimizer(model, cfg, CPU)
+    assert type(opt) is torch.optim.AdamW
+    assert "rounded away" in caplog.text and "bfloat16/float32" in caplog.text, caplog.text

@@ -211,6 +211,44 @@ def test_a_run_of_warmup_plus_two_steps_is_said_to_decay(tmp_path, caplog):
     assert "decays (cosine) to schedule.min_lr_ratio=0.1 of it at step 3" in caplog.text, caplog.text
 
 
+def test_a_run_of_warmup_plus_one_step_is_said_to_hold_the_peak(tmp_path, caplog):
+    """2 steps under warmup_steps=5: warmup 1, and the one step after it is still the peak (the decay's first step),
+    so the lr never decays; the warning says it holds the peak (the other side of the test above)."""
+    from chronicals.train.optim import warn_short_warmup
+
+    assert _lrs(tmp_path, 2, kind="cosine", warmup_steps=5, min_lr_ratio=0.1) == pytest.approx([1.0, 1.0])
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        warn_short_warmup(tiny_config(tmp_path, schedule__warmup_steps=5, schedule__min_lr_ratio=0.1), 2)
+    assert "peak at step 1 and holds it" in caplog.text and "decays" not in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear"])
+def test_the_schedule_never_goes_below_min_lr_ratio(tmp_path, kind):
+    """After a run's last step the scheduler steps once more (the lr the final checkpoint's optimizer stores): the
+    decay stays at min_lr_ratio past the last step (linear ran on to -0.03 of the peak one step past a 10-step run
+    at min_lr_ratio=0.1; cosine rose again)."""
+    from chronicals.train.optim import lr_factor
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    cfg = tiny_config(tmp_path, schedule__kind=kind, schedule__warmup_steps=2, schedule__min_lr_ratio=0.1)
+    sched = build_scheduler(opt, cfg, 10)
+    for _ in range(10):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+    assert lr_factor(12, 10, 2, kind, 0.1) == pytest.approx(0.1)
+
+
+def test_lr_factor_refuses_an_unknown_schedule_kind():
+    """A kind lr_factor does not know (a typo past the config, "cosin") raises, naming the choices, instead of
+    training the whole run at the peak lr as "constant" would; warmup steps still warm up."""
+    from chronicals.train.optim import lr_factor
+
+    assert lr_factor(0, 10, 2, "cosin", 0.1) == 0.5
+    with pytest.raises(ValueError, match=r"schedule.kind='cosin' is not one of cosine \| linear \| constant"):
+        lr_factor(5, 10, 2, "cosin", 0.1)
+
+
 def test_nothing_trainable_is_named(tmp_path):
     """A model with every parameter frozen: our message, not torch's "optimizer got an empty parameter list"."""
     model = tiny_model()
@@ -225,11 +263,14 @@ def test_fused_auto_is_off_on_the_cpu(tmp_path):
     assert build_optimizer(tiny_model(), tiny_config(tmp_path, optim__fused="true"), CPU).defaults["fused"]
 
 
-def test_lora_plus_refuses_a_ratio_of_zero():
-    """ratio 0 from Python would give every lora_B an lr of 0 (B never trains); the config refuses it first."""
+def test_lora_plus_refuses_a_ratio_or_lr_of_zero():
+    """ratio 0 from Python would give every lora_B an lr of 0 (B never trains), lr 0 every group; the config refuses
+    both first."""
     from chronicals.lora import lora_plus_param_groups
 
     model = tiny_model()
     apply_lora(model, r=2, alpha=4, target_modules=("q_proj",))
     with pytest.raises(ValueError, match="must be positive"):
         lora_plus_param_groups(model, lr=1e-3, ratio=0)
+    with pytest.raises(ValueError, match=r"lr=0.0 and ratio=16.0 must be positive"):
+        lora_plus_param_groups(model, lr=0.0)
