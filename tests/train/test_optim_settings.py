@@ -274,3 +274,6 @@ def test_lora_plus_refuses_a_ratio_or_lr_of_zero():
         lora_plus_param_groups(model, lr=1e-3, ratio=0)
     with pytest.raises(ValueError, match=r"lr=0.0 and ratio=16.0 must be positive"):
         lora_plus_param_groups(model, lr=0.0)
+    for lr, ratio in ((float("nan"), 16.0), (1e-3, float("nan")), (float("inf"), 16.0)):  # NaN weights, no message
+        with pytest.raises(ValueError, match=r"must be positive and finite"):
+            lora_plus_param_groups(model, lr=lr, ratio=ratio)

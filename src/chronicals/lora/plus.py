@@ -6,6 +6,8 @@ features efficiently at large width; a ratio of ~16 is its default.
 
 from __future__ import annotations
 
+import math
+
 import torch.nn as nn
 
 from .layer import LoRALinear
@@ -23,8 +25,8 @@ def lora_plus_param_groups(model: nn.Module, lr: float, *, ratio: float = 16.0,
       - "no_decay": trainable 1-D parameters (biases, norm weights), at ``lr`` without weight decay.
     Frozen parameters are left out; a tied parameter appears once.
     """
-    if ratio <= 0 or lr <= 0:
-        raise ValueError(f"lora_plus_param_groups: lr={lr} and ratio={ratio} must be positive")
+    if not (0 < ratio < math.inf and 0 < lr < math.inf):  # NaN fails both: NaN weights with no message otherwise
+        raise ValueError(f"lora_plus_param_groups: lr={lr} and ratio={ratio} must be positive and finite")
     a_ids, b_ids = set(), set()
     for mod in model.modules():
         if isinstance(mod, LoRALinear):
