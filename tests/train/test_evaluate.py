@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -181,6 +182,22 @@ def test_interval_eval_skips_the_last_step(tmp_path, docs):
     evals = [(r["step"], r.get("tag")) for r in recs if r.get("kind") == "eval"]
     assert [s for s, _ in evals].count(4) == 1, evals
     assert (2, "interval") in evals and (4, "after") in evals
+
+
+def test_a_non_finite_interval_evaluation_stops_the_run_at_that_step(tmp_path, docs):
+    """An interval evaluation (eval.every) whose held-out loss is NaN stops the run there (TrainingDiverged naming the
+    step) instead of training on to the end on weights that give a NaN held-out loss."""
+    from chronicals.train import TrainingDiverged
+
+    model = tiny_model()
+    # every held-out pass (the model in eval mode) gives NaN; training (train mode) stays finite
+    model.model.norm.register_forward_hook(lambda m, a, out: out if m.training else (out[0] * float("nan"), *out[1:]))
+    with pytest.raises(TrainingDiverged, match=r"held-out loss is nan after step 2"):
+        train(tiny_config(tmp_path, train__max_steps=4, eval__every=2), model=model,
+              train_loader=SyntheticLoader(docs), eval_loader=SyntheticLoader(docs[:2], shuffle=False))
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in recs if r["kind"] == "train") == 2
+    assert all(math.isfinite(r["loss"]) for r in recs if r["kind"] == "train")
 
 
 def test_held_out_loss_builds_no_autograd_graph(lora_model, batches, monkeypatch):

@@ -37,3 +37,73 @@ def test_a_signal_during_the_last_checkpoint_keeps_it(tmp_path, monkeypatch, asy
     monkeypatch.setattr(torch, "save", real)
     again = train(tiny_config(tmp_path, **over), model=tiny_model(), train_loader=SyntheticLoader(docs))
     assert again.status == "completed" and again.start_step == 3 and (run / "adapter").is_dir()
+
+
+def test_a_second_sigterm_finishes_the_step_and_a_second_ctrl_c_stops_at_once():
+    """Only a second Ctrl-C aborts the step in flight (KeyboardInterrupt, as the log line promises); a repeated SIGTERM
+    (supervisors resend it) keeps "finish this step, checkpoint, exit". The handlers are restored on exit."""
+    from chronicals.train.loop import _StopFlag
+
+    before = signal.getsignal(signal.SIGINT)
+    with _StopFlag() as stop:
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler runs between bytecodes: room to land inside the block
+            pass
+    assert stop.signum == signal.SIGTERM
+    with pytest.raises(KeyboardInterrupt):
+        with _StopFlag() as stop:
+            os.kill(os.getpid(), signal.SIGINT)  # the first: a flag only
+            assert stop.signum == signal.SIGINT
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                pass
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_the_stop_flag_works_in_a_worker_thread():
+    """train() in a worker thread (a notebook's or a server's): signal.signal() works only in the main thread, so the
+    stop flag installs no handlers there (and changes none) instead of failing with "signal only works in main
+    thread"."""
+    import threading
+
+    from chronicals.train.loop import _StopFlag
+
+    before = signal.getsignal(signal.SIGTERM)
+    got = {}
+
+    def run():
+        try:
+            with _StopFlag() as stop:
+                got["signum"] = stop.signum
+        except BaseException as e:  # noqa: BLE001 - reported below
+            got["error"] = e
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(10)
+    assert got == {"signum": None}, got
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_an_error_after_a_checkpoint_publishes_it_before_it_is_raised(tmp_path, monkeypatch):
+    """Training fails (an on_step callback raises) while a background checkpoint write is in flight: the checkpoint is
+    published before the error leaves train(), so resume=auto finds it at once and no write goes on after train()
+    (and its out_dir lock) are gone."""
+    import time
+
+    import chronicals.train.checkpoint as ckpt
+
+    real = ckpt.write_checkpoint
+
+    def slow(*a, **k):
+        time.sleep(0.5)
+        return real(*a, **k)
+    monkeypatch.setattr(ckpt, "write_checkpoint", slow)
+
+    def on_step(step, rec):
+        if step == 2:
+            raise RuntimeError("callback failed")
+    with pytest.raises(RuntimeError, match="callback failed"):
+        train(tiny_config(tmp_path, train__max_steps=4, train__save_every=1, train__async_save=True),
+              model=tiny_model(), train_loader=SyntheticLoader(synthetic_docs(40, seed=1)), on_step=on_step)
+    assert ckpt.latest_checkpoint(tmp_path / "run").name == "step-000002"

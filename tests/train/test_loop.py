@@ -183,9 +183,24 @@ def test_nan_weights_before_the_first_step_are_named(tmp_path, docs, fused):
     with torch.no_grad():
         dict(model.named_parameters())["model.layers.0.mlp.down_proj.weight"].view(-1)[3] = float("inf")
     cfg = tiny_config(tmp_path, train__max_steps=2, optim__fused=fused)
-    with pytest.raises(TrainingDiverged, match=r"at step 1, the run's first, and the model's weights held NaN/inf "
-                                               r"before any update: 1 tensors, e.g. model\.layers\.0\.mlp\.down_proj"):
+    with pytest.raises(TrainingDiverged, match=r"at step 1, the first this process ran, and the model's weights held "
+                                               r"NaN/inf before any update: 1 tensors, e.g. model\.layers\.0\.mlp\.down_proj"):
         train(cfg, model=model, train_loader=SyntheticLoader(docs))
+
+
+@pytest.mark.parametrize("fused", ["false", "true"])
+def test_damaged_base_weights_at_a_resumed_first_step_are_named(tmp_path, docs, fused):
+    """A LoRA run resumed onto a base model whose weights hold inf (a damaged download) names the damaged tensors at
+    the first step this process runs (step 2), not only at the run's step 1."""
+    over = dict(lora__enabled=True, lora__rank=4, lora__targets=["q_proj", "v_proj"], optim__fused=fused)
+    train(tiny_config(tmp_path, train__max_steps=1, **over), model=tiny_model(), train_loader=SyntheticLoader(docs))
+    model = tiny_model()
+    with torch.no_grad():
+        dict(model.named_parameters())["model.layers.0.mlp.down_proj.weight"].view(-1)[3] = float("inf")
+    with pytest.raises(TrainingDiverged, match=r"at step 2, the first this process ran, and the model's weights held "
+                                               r"NaN/inf before any update: 1 tensors, e.g. model\.layers\.0\.mlp"):
+        train(tiny_config(tmp_path, train__max_steps=2, train__resume="auto", **over), model=model,
+              train_loader=SyntheticLoader(docs))
 
 
 def test_keep_last_checkpoints(tmp_path, docs):

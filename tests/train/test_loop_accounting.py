@@ -66,7 +66,8 @@ def test_result_tokens_per_s_is_loss_tokens_over_step_seconds(tmp_path, docs):
     assert res.train_seconds == pytest.approx(sum(r["step_s"] for r in steps), rel=1e-6)
 
 
-def test_an_infinite_gradient_norm_under_a_finite_loss_stops_before_its_update(tmp_path, docs):
+@pytest.mark.parametrize("fused", ["false", "true"])  # read before the update / the pipelined loop's device skip
+def test_an_infinite_gradient_norm_under_a_finite_loss_stops_before_its_update(tmp_path, docs, fused):
     """A step whose loss is finite but whose gradient norm is inf raises TrainingDiverged at that step, naming
     the gradient norm, and its update is not applied (applied, it would make the weights NaN before any loss
     showed it)."""
@@ -74,7 +75,8 @@ def test_an_infinite_gradient_norm_under_a_finite_loss_stops_before_its_update(t
     w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
     model.lm_head.weight.register_hook(lambda g: g + math.inf)
     with pytest.raises(TrainingDiverged, match=r"gradient norm is inf \(loss [0-9.]+\) at step 1;"):
-        train(tiny_config(tmp_path, train__max_steps=3), model=model, train_loader=SyntheticLoader(docs))
+        train(tiny_config(tmp_path, train__max_steps=3, optim__fused=fused), model=model,
+              train_loader=SyntheticLoader(docs))
     assert all(torch.equal(p.detach(), w0[n]) for n, p in model.named_parameters())
 
 
@@ -253,13 +255,14 @@ def test_a_cut_on_a_full_round_says_nothing_when_resumed_longer(tmp_path, caplog
 
 
 def test_the_first_steps_divergence_names_the_quantity_that_was_not_finite():
-    """At the run's first step with NaN/inf weights the message says which check failed: the loss (NaN loss) or the
+    """At a process's first step with NaN/inf weights the message says which check failed: the loss (NaN loss) or the
     gradient norm (finite loss, inf norm); no last good checkpoint is asked for, as there is none."""
     from chronicals.train.divergence import _check_finite
 
     never = lambda: pytest.fail("no last good checkpoint is asked for at the first step")  # noqa: E731
-    with pytest.raises(TrainingDiverged, match=r"^loss is not finite at step 1, the run's first, .*1 tensors, e\.g\. w"):
+    with pytest.raises(TrainingDiverged, match=r"^loss is not finite at step 1, the first this process ran, "
+                                               r".*1 tensors, e\.g\. w"):
         _check_finite(1, math.nan, 1.0, never, lambda: ["w"])
-    with pytest.raises(TrainingDiverged, match=r"^gradient norm is not finite at step 1, the run's first"):
+    with pytest.raises(TrainingDiverged, match=r"^gradient norm is not finite at step 1, the first this process ran"):
         _check_finite(1, 2.5, math.inf, never, lambda: ["w"])
     _check_finite(1, 2.5, 1.0, never, lambda: ["w"])

@@ -237,6 +237,57 @@ def test_a_run_that_starts_over_removes_the_earlier_loss_curve(tmp_path, docs, c
     assert f"removed {plot}, the loss curve of the run before" in caplog.text
 
 
+def test_a_linked_loss_curve_is_left_alone_and_plot_false_draws_none(tmp_path, docs):
+    """A loss.png that is a link (the user's, e.g. into a dashboard folder) is not the earlier run's file: a run that
+    starts over leaves it. logging.plot=false draws no curve and returns none."""
+    res = _run(tmp_path, docs, train__max_steps=1, logging__plot=False)
+    plot = tmp_path / "run" / "loss.png"
+    assert res.plot is None and not plot.exists()
+    target = tmp_path / "dashboard.png"
+    target.write_bytes(b"the user's file")
+    plot.symlink_to(target)
+    _run(tmp_path, docs, train__max_steps=1, logging__plot=False)  # resume=none: starts the history over
+    assert plot.is_symlink() and target.read_bytes() == b"the user's file"
+
+
+def test_a_rerun_of_a_finished_run_keeps_its_loss_curve_untouched(tmp_path, docs):
+    """A rerun that finds the run finished changes nothing in its record: loss.png is kept as it is (not rewritten),
+    as metrics.jsonl is; a curve is drawn only where the run left none."""
+    pytest.importorskip("matplotlib")
+    _run(tmp_path, docs, train__max_steps=2, train__resume="auto", logging__plot=True)
+    plot = tmp_path / "run" / "loss.png"
+    before = plot.stat()
+    res = _run(tmp_path, docs, train__max_steps=2, train__resume="auto", logging__plot=True)
+    after = plot.stat()
+    assert res.plot == plot and res.start_step == 2
+    assert (after.st_ino, after.st_mtime_ns, after.st_size) == (before.st_ino, before.st_mtime_ns, before.st_size)
+    plot.unlink()
+    assert _run(tmp_path, docs, train__max_steps=2, train__resume="auto", logging__plot=True).plot == plot
+    assert plot.is_file()
+
+
+def test_the_rerun_that_closes_a_stopped_run_redraws_its_curve(tmp_path, docs, monkeypatch):
+    """A run stopped by a signal in its last step drew loss.png without its closing held-out loss; the rerun that
+    logs that evaluation redraws the curve from records that hold it (as an uninterrupted run's curve does)."""
+    import os
+    import signal
+
+    import chronicals.train.finish as finish
+
+    pytest.importorskip("matplotlib")
+    cfg = tiny_config(tmp_path, train__max_steps=3, train__resume="auto", logging__plot=True)
+    held = lambda: SyntheticLoader(docs[:4], shuffle=False)  # noqa: E731
+    first = train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs), eval_loader=held(),
+                  on_step=lambda step, rec: step == 3 and os.kill(os.getpid(), signal.SIGTERM))
+    assert first.status == "interrupted" and (tmp_path / "run" / "loss.png").is_file()
+    drawn = []
+    real = finish.plot_losses
+    monkeypatch.setattr(finish, "plot_losses", lambda records, path: drawn.append(list(records)) or real(records, path))
+    res = train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs), eval_loader=held())
+    assert res.eval_loss_after is not None and res.plot == tmp_path / "run" / "loss.png"
+    assert drawn and any(r.get("tag") == "after" and r.get("step") == 3 for r in drawn[-1])
+
+
 def test_the_runs_data_copy_is_replaced_whole(tmp_path):
     """Under data parallel every rank writes out_dir/data/*.jsonl; each wrote in place (open "w"), so a rank could
     read the file while another had emptied it. Now each writes a temporary file and renames it: a failed write

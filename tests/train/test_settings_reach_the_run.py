@@ -147,15 +147,25 @@ def test_a_failed_setup_keeps_an_out_dir_that_was_there_empty(tmp_path):
 
 def test_a_rerun_of_a_finished_run_without_its_metrics_file_completes(tmp_path):
     """A rerun that finds the run's last checkpoint, with logging.plot on and metrics.jsonl and loss.png gone (moved
-    away, as an error about a bad line advises), completes instead of failing on the missing file."""
+    away, as an error about a bad line advises), completes instead of failing on the missing file. A metrics.jsonl
+    gone or unreadable counts as closed: the closing evaluation is not run again, and no metrics.jsonl holding a
+    lone "after" record is written over the gap."""
+    from chronicals.train.finish import _closed
+
+    docs = synthetic_docs(40, seed=1)
     over = dict(train__max_steps=2, train__save_every=1, logging__plot=True)
-    train(tiny_config(tmp_path, **over), model=tiny_model(), train_loader=SyntheticLoader(synthetic_docs(40, seed=1)))
+    held = lambda: SyntheticLoader(docs[:4], shuffle=False)  # noqa: E731
+    train(tiny_config(tmp_path, **over), model=tiny_model(), train_loader=SyntheticLoader(docs), eval_loader=held())
     run = tmp_path / "run"
+    assert _closed(run, 2) and not _closed(run, 3)
+    (run / "metrics.jsonl").write_text('not a record\n{"kind": "train", "step": 1}\n')
+    assert _closed(run, 2)
     (run / "metrics.jsonl").unlink()
     (run / "loss.png").unlink(missing_ok=True)
     result = train(tiny_config(tmp_path, train__resume="auto", **over), model=tiny_model(),
-                   train_loader=SyntheticLoader(synthetic_docs(40, seed=1)))
-    assert result.status == "completed" and result.step == 2
+                   train_loader=SyntheticLoader(docs), eval_loader=held())
+    assert result.status == "completed" and result.step == 2 and result.eval_loss_after is None
+    assert not (run / "metrics.jsonl").exists()
 
 
 def test_an_earlier_final_model_dir_holding_model_path_is_kept(tmp_path):
