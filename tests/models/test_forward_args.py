@@ -5,6 +5,7 @@ import torch
 import transformers
 
 from chronicals.models import CausalLM, ModelConfig
+from chronicals.models.decoder import KVCache
 from chronicals.ops._impl import triton_interpreting
 
 TRITON = torch.cuda.is_available() or triton_interpreting()
@@ -36,10 +37,50 @@ def ids():
     (lambda m, ids: m(ids, labels=ids.float()), r"labels must be int64 or int32 .* got torch.float32"),
     (lambda m, ids: m(ids, shift_labels=ids.bool()), r"shift_labels must be int64 or int32 .* got torch.bool"),
     (lambda m, ids: m(ids, labels=ids, reduction="avg"), r"reduction='avg' is not one of"),
+    # other integer dtypes (int16 / uint8 from numpy, bool): the message, not an error inside the embedding
+    *[(lambda m, ids, dt=dt: m(ids.to(dt)),
+       rf"input_ids must hold token ids as int64 or int32, got {dt}; convert with input_ids.long\(\)")
+      for dt in (torch.int16, torch.uint8, torch.bool)],
+    *[(lambda m, ids, dt=dt: m(ids, position_ids=torch.arange(11, device=ids.device)[None].to(dt)),
+       rf"position_ids must be int64 or int32, got {dt}") for dt in (torch.int16, torch.uint8)],  # int16 wraps
+    (lambda m, ids: m(ids, attention_mask=torch.ones_like(ids, dtype=torch.complex64), labels=ids),
+     r"attention_mask must be bool or integer .* got torch.complex64"),
+    # generation runs one unpadded row: a padded mask would be ignored by the cached attention
+    (lambda m, ids: m(ids[:1], attention_mask=torch.ones_like(ids[:1]), kv_caches=[KVCache()]),
+     "attention_mask with kv_caches"),
 ])
 def test_bad_arguments_say_what_and_how(model, ids, call, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match), torch.no_grad():
         call(model, ids)
+
+
+@pytest.mark.parametrize("kw, says", [("position_ids", r"position_ids must be a tensor \(B, S\) or \(1, S\)"),
+                                      ("attention_mask", r"attention_mask must be a tensor \(B, S\) like input_ids"),
+                                      ("labels", r"labels must be a tensor \(B, S\) like input_ids"),
+                                      ("shift_labels", r"shift_labels must be a tensor \(B, S\) like input_ids")])
+def test_an_argument_given_as_a_list_is_a_type_error_naming_it(model, ids, kw, says):
+    """A Python list (as a user may pass it): a TypeError naming the argument, not an AttributeError from inside."""
+    value = torch.arange(11).expand(2, 11) if kw == "position_ids" else torch.ones_like(ids)
+    with pytest.raises(TypeError, match=says + ", got list"):
+        model(ids, **{kw: value.tolist()})
+
+
+def test_restarting_positions_are_documents_as_long_as_the_longest():
+    """Restarting position_ids read as packed documents give max_seqlen = the longest document, not the row length:
+    a row of two 6-token documents on a model with a sliding window of 8 is not refused, and its logits are each
+    document's own."""
+    from chronicals.models.forward_args import documents_from_positions
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 4, 5, 6, 0, 1, 2]])
+    cu, longest = documents_from_positions(pos)
+    assert cu.tolist() == [0, 3, 8, 10, 17, 20] and cu.dtype == torch.int32 and longest == 7
+    hf = transformers.MistralConfig(**{**TINY, "tie_word_embeddings": False}, sliding_window=8)
+    windowed = CausalLM(ModelConfig.from_hf_dict(hf.to_dict()), impl="torch").init_weights(seed=0).eval()
+    ids = torch.randint(0, TINY["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = windowed(ids, position_ids=torch.cat([torch.arange(6), torch.arange(6)])[None])
+        want = torch.cat([windowed(ids[:, :6]), windowed(ids[:, 6:])], dim=1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("impl", ["torch"] + (["triton"] if TRITON else []))

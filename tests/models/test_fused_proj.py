@@ -138,6 +138,87 @@ def test_lora_and_other_modules_take_the_separate_path(tiny_hf_config):
     assert "bias" in fusable(nn.Linear(4, 4), nn.Linear(4, 4, bias=False))
     assert "dtype" in fusable(nn.Linear(4, 4), nn.Linear(4, 4).double())
     assert fusable(nn.Linear(4, 4), nn.Linear(4, 2)) is None
+    # weights on different devices (the meta device stands in for a second one): torch.cat would fail or copy
+    assert "dtype or device" in fusable(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))
+    assert fusable(nn.Linear(4, 4, device="meta"), nn.Linear(4, 2, device="meta")) is None
+
+
+def test_a_forward_pre_hook_takes_the_separate_path_and_runs(tiny_hf_config):
+    """A forward pre-hook keeps the module out of the joint GEMM, as a forward hook does: the joint GEMM calls
+    F.linear directly and would skip it."""
+    pre = nn.Linear(4, 4)
+    pre.register_forward_pre_hook(lambda m, args: None)
+    assert "hooks" in fusable(pre, nn.Linear(4, 4))
+    model, attn, mlp = _model(tiny_hf_config, "llama3")
+    seen = []
+    attn.k_proj.register_forward_pre_hook(lambda m, args: seen.append("k") or (args[0] * 2,))
+    mlp.up_proj.register_forward_pre_hook(lambda m, args: seen.append("up"))
+    x = _x(attn.q_proj.in_features, torch.float32)
+    q, k, v = qkv_proj(attn, x)
+    assert seen == ["k"]
+    torch.testing.assert_close(k, nn.functional.linear(2 * x, attn.k_proj.weight, attn.k_proj.bias).view(k.shape))
+    assert gate_up_proj(mlp, x) is None  # the MLP then calls gate_proj / up_proj, hooks and all
+
+
+def test_the_path_is_logged_once_per_kind(tiny_hf_config, monkeypatch, caplog):
+    """Which projection path runs is said once per (kind, path), not at every layer of every step and token."""
+    import logging
+
+    monkeypatch.setattr(fused_proj, "_logged", set())
+    model = CausalLM(ModelConfig.from_hf_dict(tiny_hf_config("llama3", num_hidden_layers=2))).init_weights(seed=0)
+    ids = torch.randint(0, 64, (1, 4))
+    with caplog.at_level(logging.INFO, logger="chronicals.models"):
+        for _ in range(2):
+            model(ids, labels=ids).backward()
+            with torch.no_grad():
+                model(ids)
+    said = [r.getMessage() for r in caplog.records if r.name == "chronicals.models"
+            and r.getMessage().startswith(("qkv_proj:", "gate_up_proj:"))]
+    separate = "separate modules (no gradient: the weights are read where they are, not concatenated per call)"
+    assert sorted(said) == sorted(["qkv_proj: one GEMM", "gate_up_proj: one GEMM", f"qkv_proj: {separate}",
+                                   f"gate_up_proj: {separate}"]), said
+
+
+@pytest.mark.skipif(OP_IMPL != "triton" and not torch.cuda.is_available(), reason="needs CUDA or TRITON_INTERPRET=1")
+def test_a_strided_gate_up_view_takes_fresh_buffers_in_place_or_not():
+    """SwiGLUDownFunction with in_place=True on a gate|up input that is a strided view (rows wider than 2I, a slice
+    of a larger GEMM output) falls back to fresh buffers: the same gradients as in_place=False, and the caller's
+    tensor is not written over (the in-place kernel refuses that layout)."""
+    from chronicals.models.fused_proj import SwiGLUDownFunction
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    inter, hidden = 8, 6
+    big, w, b, dy = (torch.randn(*shape, generator=g).to(dev) for shape in ((2, 3, 2 * inter + 4), (hidden, inter),
+                                                                            (hidden,), (2, 3, hidden)))
+    grads = []
+    for in_place in (False, True):
+        src, wt, bt = (t.clone().requires_grad_() for t in (big, w, b))
+        gu = src[..., :2 * inter]  # unit column stride, row stride 2I + 4: not contiguous
+        assert not gu.is_contiguous()
+        y = SwiGLUDownFunction.apply(gu, wt, bt, in_place)
+        y.backward(dy)
+        assert torch.equal(src.detach(), big)  # the input's values are left as they were
+        grads.append((y.detach(), src.grad, wt.grad, bt.grad))
+    for a, c in zip(*grads):
+        assert torch.equal(a, c)
+
+
+@pytest.mark.skipif(OP_IMPL != "triton" and not torch.cuda.is_available(), reason="needs CUDA or TRITON_INTERPRET=1")
+def test_a_hooked_down_proj_runs_its_hook_under_swiglu_recompute(tiny_hf_config):
+    """With SwiGLU recomputation on the Triton path, a down_proj with a forward hook keeps its own call (the hook
+    runs and may change the output) instead of being skipped by the fused SwiGLU+down function."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = ModelConfig.from_hf_dict(tiny_hf_config("llama3", num_hidden_layers=1))
+    model = CausalLM(cfg, impl="triton").init_weights(std=0.1, seed=0).to(dev).train()
+    model.set_recompute(("swiglu",))
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(0)).to(dev)
+    plain = model(ids, labels=ids)
+    seen = []
+    model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(1) or o * 0)
+    hooked = model(ids, labels=ids)
+    assert seen == [1]
+    assert not torch.equal(hooked, plain)  # the hook's zeroed MLP output reached the loss
 
 
 class _CountOps(TorchDispatchMode):

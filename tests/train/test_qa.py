@@ -21,9 +21,17 @@ def test_keywords_must_be_non_empty_strings(tmp_path):
         p = write(tmp_path / "q.jsonl", [ok, {**ok, "keywords": bad}])
         with pytest.raises(DataError, match=rf"^{p}:2: {what}.*expected a list of non-empty strings, or one string"):
             qa_mod.read_qa(p)
+    for blank in (" ", "\t", "  \n"):  # a blank keyword can never be scored right
+        p = write(tmp_path / "q.jsonl", [{**ok, "keywords": ["paris", blank]}])
+        with pytest.raises(DataError, match=rf"^{p}:1: keywords\[1\] is empty, expected a list of non-empty strings"):
+            qa_mod.read_qa(p)
     for bad, what in ((5, "'answer' is an int"), (None, "'answer' is null"), ("", "'answer' is empty")):
         p = write(tmp_path / "q.jsonl", [{**ok, "answer": bad}])
         with pytest.raises(DataError, match=rf"^{p}:1: {what}"):
+            qa_mod.read_qa(p)
+    for field in ("question", "answer"):
+        p = write(tmp_path / "q.jsonl", [{**ok, field: "  \t "}])
+        with pytest.raises(DataError, match=rf"^{p}:1: '{field}' is empty; expected"):
             qa_mod.read_qa(p)
     p = write(tmp_path / "q.jsonl", [{**ok, "question": ["x"]}])
     with pytest.raises(DataError, match=rf"^{p}:1: 'question' is a list, expected a string"):
@@ -118,8 +126,16 @@ def test_a_directory_holding_qa_jsonl_is_told_to_give_the_file_itself(tmp_path):
     write(d / "qa2.jsonl", [{"question": "c?", "answer": "d"}])
     with pytest.raises(DataError, match=rf"itself \(merge the 2 files of {d} into one first\)$"):
         qa_mod.read_qa(d)
-    (d / "qa.jsonl").unlink()
     (d / "qa2.jsonl").unlink()
+    (d / "qa.jsonl").write_text("\n  \n" + json.dumps({"question": "a?", "answer": "b"}) + "\n")  # a leading blank
+    with pytest.raises(DataError, match=r"not a directory; set data.eval_path to .*qa\.jsonl itself$"):
+        qa_mod.read_qa(d)
+    (d / "qa.jsonl").unlink()
+    (d / "qa.json").write_text(json.dumps([{"question": "a?", "answer": "b"}]))  # a JSON array file alike
+    with pytest.raises(DataError, match=r"not a directory; set data.eval_path to .*qa\.json itself$") as e:
+        qa_mod.read_qa(d)
+    assert "convert" not in str(e.value)
+    (d / "qa.json").unlink()
     (d / "qa.csv").write_text("question,answer\na?,b\n")  # not .jsonl: still told to convert it
     with pytest.raises(DataError, match=rf"; convert {d / 'qa.csv'} "):
         qa_mod.read_qa(d)
@@ -159,6 +175,20 @@ def test_keywords_match_whole_words_not_parts_of_longer_ones(tmp_path, monkeypat
     right = ["Seven islands.", "In 1742.", "Green, and gold!", "Written in C++.", "東京都です"]
     assert score(monkeypatch, qa, wrong) == [False] * 5
     assert score(monkeypatch, qa, right) == [True] * 5
+    for answer, keyword in (("Built on ASP.NET Core.", ".NET"), ("It costs US$5 a day.", "$5"),
+                            ("Winters reach 0-40 C there.", "-40")):  # a symbol edge needs no boundary
+        assert qa_mod.has_keyword(answer, keyword) and not qa_mod.has_keyword(answer, keyword + "x")
+
+
+@pytest.mark.parametrize("answer, keyword", [("1742年に設立されました", "1742"), ("西暦1742年", "1742"),
+                                             ("東京Towerです", "Tower"), ("人口は2,318人", "2,318")])
+def test_a_latin_or_digit_keyword_beside_cjk_text_matches(answer, keyword):
+    """Chinese and Japanese write a number or Latin word against the characters around it: those are no word's
+    continuation, so the keyword matches (it scored correct CJK answers wrong); a digit or letter beside it still
+    makes it part of a longer word."""
+    assert qa_mod.has_keyword(answer, keyword)
+    assert not qa_mod.has_keyword(answer.replace(keyword, keyword + "0"), keyword)
+    assert not qa_mod.has_keyword(answer.replace(keyword, "x" + keyword), keyword)
 
 
 def test_keywords_are_stripped_as_answers_are(tmp_path, monkeypatch):
@@ -172,3 +202,89 @@ def test_an_empty_keyword_matches_nothing(keyword):
     """has_keyword is public: a blank keyword passed from Python (not through the QA file's loader, which refuses
     it) would credit every answer (untested: a mutation walk)."""
     assert not qa_mod.has_keyword("anything at all", keyword)
+
+
+def test_fraction_of_no_answers_is_zero_and_otherwise_the_share():
+    assert qa_mod.QAResult(answers=[], correct=[]).fraction == 0.0
+    assert qa_mod.QAResult(answers=["a", "b", "c", "d"], correct=[True, False, True, True]).fraction == 0.75
+
+
+def test_qa_files_by_suffix_in_any_case_and_a_csv_with_a_bom_is_told_to_convert(tmp_path):
+    """QA.JSONL / QA.Json are QA files (their suffix in any case); a QA CSV saved with a byte-order mark is still
+    seen as QA records and told to convert (QA is read from .jsonl or .json only)."""
+    rec = {"question": "a?", "answer": "b"}
+    lines = write(tmp_path / "QA.JSONL", [rec])
+    array = tmp_path / "QA.Json"
+    array.write_text(json.dumps([rec]))
+    for p in (lines, array):
+        assert qa_mod.read_qa(p) == [{"question": "a?", "answer": "b", "keywords": ["b"]}]
+    p = tmp_path / "qa.csv"
+    p.write_bytes(b"\xef\xbb\xbfquestion,answer\nCapital?,Paris\n")
+    assert qa_mod._first_keys(p) == ["question", "answer"]
+    with pytest.raises(DataError, match=r"read from \.jsonl or \.json only; convert .*qa\.csv"):
+        qa_mod.read_qa(p)
+
+
+def test_a_records_own_system_message_is_kept_alone(tmp_path):
+    from chronicals.train.qa import write_chat_jsonl
+
+    own = [{"role": "system", "content": "Mine."}, {"role": "user", "content": "u"},
+           {"role": "assistant", "content": "a"}]
+    bare = own[1:]
+    path = write_chat_jsonl([{"messages": own}, {"messages": bare}], tmp_path / "h.jsonl", "Be brief.")
+    got = [json.loads(line)["messages"] for line in path.read_text().splitlines()]
+    assert got == [own, [{"role": "system", "content": "Be brief."}, *bare]]
+
+
+def test_a_prompt_opens_the_assistant_turn_after_earlier_turns_oldest_first():
+    """chat_messages puts the earlier turns as user then assistant, oldest first; prompt_ids renders them with the
+    assistant turn opened (add_generation_prompt) and the fixed template date, tokenized without extra specials."""
+    import torch
+
+    from chronicals.data.tokenize import TEMPLATE_DATE
+    from chronicals.train.qa import chat_messages, prompt_ids
+
+    assert chat_messages("q3", "S", history=[("q1", "a1"), ("q2", "a2")]) == [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}, {"role": "user", "content": "q3"}]
+
+    class FakeTok:
+        calls = []
+
+        def apply_chat_template(self, msgs, **kw):
+            self.calls.append(kw)
+            text = "".join(f"<{m['role']}>{m['content']}" for m in msgs)
+            return text + ("<assistant>" if kw.get("add_generation_prompt") else "")
+
+        def __call__(self, text, add_special_tokens):
+            assert add_special_tokens is False
+            return {"input_ids": [len(part) for part in text.split("<")[1:]]}
+
+    tok = FakeTok()
+    ids = prompt_ids(tok, "q?", "S")
+    assert tok.calls == [dict(tokenize=False, add_generation_prompt=True, date_string=TEMPLATE_DATE)]
+    assert ids.dtype == torch.long and ids.tolist() == [len("system>S"), len("user>q?"), len("assistant>")]
+
+
+def test_a_single_answer_is_stripped_and_prompt_ids_are_checked_against_the_vocabulary(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=64))
+    monkeypatch.setattr(qa_mod, "prompt_ids", lambda tok, q, system, history=(): torch.tensor([3, 70, 5]))
+    with pytest.raises(ValueError, match=r"the prompt 'Capital\?' tokenizes to id 70, but the model's vocabulary "
+                                         r"has 64 entries"):
+        qa_mod.checked_prompt_ids(model, None, "Capital?", "")
+    monkeypatch.setattr(qa_mod, "prompt_ids", lambda tok, q, system, history=(): torch.tensor([3, 63, 5]))
+    assert qa_mod.checked_prompt_ids(model, None, "Capital?", "").tolist() == [3, 63, 5]
+
+    monkeypatch.setattr(qa_mod, "checked_prompt_ids", lambda *a, **k: torch.tensor([1, 2]))
+    monkeypatch.setattr(qa_mod, "stop_ids", lambda model, tok: {0})
+    monkeypatch.setattr(qa_mod, "generate", lambda model, ids, n, **kw: torch.tensor([5, 6]))
+
+    class Tok:
+        def decode(self, toks, skip_special_tokens):
+            assert toks == [5, 6] and skip_special_tokens
+            return "\n Paris \n"
+    assert qa_mod.answer(None, Tok(), "Capital?", "", 4) == "Paris"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import re
 import unicodedata
 from dataclasses import dataclass
 from importlib import resources
@@ -303,17 +302,28 @@ def answer_all(model, tokenizer, qa: list[dict], system_prompt: str, max_new_tok
 def has_keyword(answer: str, keyword: str) -> bool:
     """Whether ``answer`` holds ``keyword`` (case-folded) as whole words: where the keyword begins or ends with a
     letter or digit, the answer's neighbouring character must not be one ("seven" is not in "seventeen", "1742" not
-    in "17420", "gold" not in "golden": a substring test credited those; a generation walk). Scripts written without
-    spaces (CJK, Thai: letters of Unicode category Lo) keep the plain substring test at that edge."""
+    in "17420", "gold" not in "golden": a substring test credited those; a generation walk). Letters of scripts
+    written without spaces (CJK, Thai: Unicode category Lo) are no word's continuation: a keyword edge of one keeps
+    the plain substring test, and one beside a keyword edge is a boundary ("1742" in "1742年", "Tower" in "東京Tower":
+    the neighbour was judged as \\w, and CJK answers with Latin or digit keywords scored wrong; a mutation walk)."""
     key = _fold(keyword)
     if not key:
         return False
 
-    def bounded(ch: str) -> bool:
+    def bounded(ch: str) -> bool:  # a letter or digit that continues a word (not Lo)
         return ch.isalnum() and unicodedata.category(ch) != "Lo"
 
-    pattern = (r"(?<!\w)" if bounded(key[0]) else "") + re.escape(key) + (r"(?!\w)" if bounded(key[-1]) else "")
-    return re.search(pattern, _fold(answer)) is not None
+    def joins(ch: str) -> bool:  # a neighbour that would make the keyword part of a longer word
+        return ch == "_" or bounded(ch)
+
+    text, n = _fold(answer), len(key)
+    i = text.find(key)
+    while i >= 0:
+        if not (bounded(key[0]) and i > 0 and joins(text[i - 1])) and \
+                not (bounded(key[-1]) and i + n < len(text) and joins(text[i + n])):
+            return True
+        i = text.find(key, i + 1)
+    return False
 
 
 def _fold(text: str) -> str:
