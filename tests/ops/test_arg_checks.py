@@ -53,6 +53,10 @@ CASES = {
     "lce softcap 0": (lce(softcap=0.0), r"softcap=0.0 must be None .* or a finite number > 0"),
     "lce softcap < 0": (lce(softcap=-2.0), r"softcap=-2.0 must be None"),
     "lce softcap nan": (lce(softcap=float("nan")), r"softcap=nan must be None"),
+    "lce softcap inf": (lce(softcap=float("inf")), r"softcap=inf must be None"),  # inf * tanh(z / inf) = NaN
+    "lce softcap bool": (lce(softcap=True), r"softcap=True must be None"),
+    "lce devices": (lce(bias=torch.randn(29, device="meta")), r"all tensors must be on one device"),  # meta: a 2nd
+    "lce label device": (lce(labels=torch.tensor([0, 3, -100, 28], device="meta")), r"must be on one device"),
     "lce float labels": (lce(labels=torch.tensor([0.0, 3.0, -100.0, 28.0], device=DEV)),
                          r"labels must be int64 or int32 .* got torch.float32"),
     "lce labels 2-D": (lce(labels=torch.tensor([[0, 3, -100, 28]], device=DEV)), r"labels \(1, 4\) must be \(4,\)"),
@@ -60,6 +64,7 @@ CASES = {
     "lce dtypes": (lce(hidden=t(4, 17, dtype=torch.float64)), r"must share one dtype"),
     "lce reduction": (lce(reduction="avg"), r"reduction='avg' is not one of"),
     "lce vocab_parts": (lce(vocab_parts=0), r"vocab_parts=0 must be an integer >= 1"),
+    "lce vocab_parts 2.5": (lce(vocab_parts=2.5), r"vocab_parts=2.5 must be an integer >= 1"),
     # found by an ops walk: each was a raw error from inside torch / triton, or a silent wrong value
     "lce ignore_index 0.5": (lce(ignore_index=0.5), r"ignore_index=0.5 must be an integer label"),  # triton: 0
     "lce V = 0": (lce(weight=t(0, 17), labels=torch.tensor([-100] * 4, device=DEV)), r"V >= 1"),
@@ -177,3 +182,33 @@ def test_packed_cuda_attention_in_float32_or_64_runs_the_masked_reference(dtype)
     got = ops.attention(q, k, v, cu_seqlens=cu, max_seqlen=4, impl="triton")
     want = ops.attention_ref(q, k, v, cu_seqlens=cu)
     assert torch.equal(got, want)
+
+
+def test_auto_is_triton_on_cuda_and_torch_elsewhere(monkeypatch):
+    """The choice is host logic (no GPU needed to check it): "auto" -> "triton" for a cuda device, "torch" for the
+    cpu; explicit choices pass through; without a device "auto" is only validated."""
+    from chronicals.ops import _impl
+
+    monkeypatch.setattr(_impl, "_logged", set())
+    cuda = torch.device("cuda")
+    assert _impl.check_impl("linear_cross_entropy", "auto", cuda) == "triton"
+    assert _impl.resolve_impl("linear_cross_entropy", "auto", cuda) == "triton"
+    assert _impl.check_impl("linear_cross_entropy", "torch", cuda) == "torch"
+    assert _impl.check_impl("linear_cross_entropy", "auto", torch.device("cpu")) == "torch"
+    assert _impl.check_impl("linear_cross_entropy", "auto") == "auto"
+
+
+def test_the_choice_is_logged_once_per_op_impl_and_device(monkeypatch, caplog):
+    """One line per (op, impl, device type), not one per call (every step of training); it names the result."""
+    import logging
+
+    from chronicals.ops import _impl
+
+    monkeypatch.setattr(_impl, "_logged", set())
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.INFO, logger="chronicals.ops"):
+        for _ in range(3):
+            assert _impl.resolve_impl("walk_op", "auto", cpu) == "torch"
+        _impl.resolve_impl("walk_op", "torch", cpu)
+    lines = [r.getMessage() for r in caplog.records if r.name == "chronicals.ops"]
+    assert lines == ["walk_op: impl=auto resolved to torch on cpu", "walk_op: impl=torch resolved to torch on cpu"]

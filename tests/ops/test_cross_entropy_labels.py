@@ -99,3 +99,56 @@ def test_int32_labels_match_int64(impl):
     want = linear_cross_entropy(x, w, lab, reduction="none", impl=impl)
     got = linear_cross_entropy(x, w, lab.int(), reduction="none", impl=impl)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_reference_honours_ignore_index_and_gives_zero_when_all_are_ignored():
+    """impl="torch" forwards a non-default ignore_index, as the fused path does; with every label ignored "mean" is
+    0 with zero gradients, not 0/0 = NaN (the count clamp; a NaN stops a training run at its NaN check)."""
+    from chronicals.ops import cross_entropy_ref
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 8, generator=g), torch.randn(11, 8, generator=g)
+    labels = torch.tensor([3, 7, 0, 7, 10])
+    rows = linear_cross_entropy(x, w, labels, ignore_index=7, reduction="none", impl="torch")
+    want = torch.nn.functional.cross_entropy(x @ w.T, labels, reduction="none")
+    want[labels == 7] = 0
+    torch.testing.assert_close(rows, want)
+    torch.testing.assert_close(linear_cross_entropy(x, w, labels, ignore_index=7, impl="torch"), want.sum() / 3)
+    x, w = x.requires_grad_(), w.requires_grad_()
+    loss = linear_cross_entropy(x, w, torch.full((5,), -100), impl="torch")
+    loss.backward()
+    assert loss.item() == 0.0 and torch.count_nonzero(x.grad) == 0 and torch.count_nonzero(w.grad) == 0
+    assert cross_entropy_ref(torch.randn(3, 5), torch.full((3,), 7), ignore_index=7).item() == 0.0
+
+
+@pytest.mark.parametrize("reduction", ["avg", "Mean", None])
+def test_cross_entropy_ref_refuses_an_unknown_reduction(reduction):
+    """cross_entropy_ref is public (chronicals.ops): an unknown reduction is refused, not silently "mean"."""
+    from chronicals.ops import cross_entropy_ref
+
+    with pytest.raises(ValueError, match=r"reduction=.* is not one of \('mean', 'sum', 'none'\)"):
+        cross_entropy_ref(torch.randn(3, 5), torch.tensor([0, 1, 2]), reduction=reduction)
+
+
+def test_a_frozen_bias_asks_for_no_bias_gradient(monkeypatch):
+    """A frozen bias (requires_grad False) asks the fused op for no bias gradient: no dbias accumulation, and a
+    frozen head with a frozen bias keeps the one-pass row kernel (need_db is what forces two passes)."""
+    from chronicals.ops import cross_entropy
+
+    seen = []
+    real = cross_entropy.linear_ce_chunked
+
+    def spy(*a, **kw):
+        seen.append((kw["need_dh"], kw["need_dw"], kw["need_db"]))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cross_entropy, "linear_ce_chunked", spy)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 16, generator=g).requires_grad_()
+    w, b = torch.randn(29, 16, generator=g), torch.randn(29, generator=g)
+    labels = torch.tensor([0, 3, -100, 28])
+    linear_cross_entropy_triton(x, w, labels, bias=b).backward()
+    assert seen == [(True, False, False)]
+    ref = x.detach().clone().requires_grad_()
+    cross_entropy.linear_cross_entropy_ref(ref, w, labels, bias=b).backward()
+    torch.testing.assert_close(x.grad, ref.grad, rtol=1e-5, atol=1e-6)

@@ -139,3 +139,22 @@ def test_add_dropped_also_writes_drop_of_a_second_input_with_the_same_mask(impl,
     assert got_x.is_contiguous() and got_base.data_ptr() == buf.data_ptr()
     with pytest.raises(ValueError, match=rf"also \({rows}, {cols - 1}\) .* must have base's shape and dtype"):
         D.add_dropped_(buf[:, :cols], t, d, also=x[:, :cols - 1], impl=impl)
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_a_column_strided_input_gives_the_contiguous_result(impl):
+    """The kernel reads unit column stride: a transposed x (column stride 8) is copied first, so the result equals
+    that of x.contiguous() (and the twin's); without the copy the kernel read the wrong elements."""
+    d = _draw(0.5, 1)
+    x = torch.randn(40, 8, device=DEV).t()  # (8, 40), strides (1, 8)
+    want = D.dropped(x.contiguous(), d, impl="torch")
+    assert torch.equal(D.dropped(x, d, impl=impl), want)
+    assert torch.equal(D.add_dropped_(torch.zeros(8, 40, device=DEV), x, d, impl=impl), want)
+
+
+def test_also_must_share_bases_dtype():
+    """drop(also) is written in base's math: an ``also`` of another dtype is refused with the fix."""
+    d = _draw(0.1, 2)
+    base, t = torch.zeros(4, 8, device=DEV), torch.randn(4, 8, device=DEV)
+    with pytest.raises(ValueError, match=r"also \(4, 8\) torch.float64 must have base's shape and dtype"):
+        D.add_dropped_(base, t, d, also=torch.randn(4, 8, device=DEV, dtype=torch.float64), impl="torch")

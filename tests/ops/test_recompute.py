@@ -5,6 +5,7 @@ them (q/k/v, gate/up, down_proj) hold a recipe instead, and backward rebuilds th
 in place before the rebuild raises, and a transposed input rebuilds to the same gradients.
 """
 
+import functools
 import gc
 import weakref
 
@@ -315,3 +316,93 @@ def test_recompute_of_a_transposed_input_gives_the_same_gradients(impl):
         grads.append([x.grad.clone(), w.grad.clone(), W.grad.clone()])
     for a, b in zip(*grads):  # close, not equal: the GEMM reads y transposed in one run and contiguous in the other
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+def test_offer_refuses_a_prefix_of_a_larger_storage():
+    """offset 0 and contiguous is not enough: base[:2] shares base's storage, and a rebuilt (2, 4) tensor
+    could not stand in for saves of that storage's other bytes."""
+    with recompute.recompute_session():
+        base = torch.randn(4, 6)
+        with pytest.raises(ValueError, match="owns its whole storage"):
+            recompute.offer(base[:2], lambda: base[:2].clone())
+
+
+def _offered(src):
+    """src * 2, offered with its recipe (the tests of the offer table below)."""
+    t = src * 2
+    return recompute.offer(t, functools.partial(torch.mul, src, 2))
+
+
+def test_rebuilt_value_is_released_after_the_last_unpack():
+    """the shared rebuilt tensor lives until the last saver unpacked it, then the offer drops it (the memory
+    recompute saves would otherwise come back in backward and stay)."""
+    with recompute.recompute_session():
+        src = torch.randn(3, 4)
+        w = torch.randn(3, 4, requires_grad=True)
+        t = _offered(src)
+        entry = recompute._offers[recompute._key(t)]
+        loss = (t * w).sum()  # mul saves t for w's gradient
+        assert entry.packs == 1
+        loss.backward()
+        assert entry.unpacks == 1 and entry.value is None
+        torch.testing.assert_close(w.grad, src * 2)
+
+
+def test_rebuilder_matches_dtype_too():
+    """a reinterpretation of the offered storage in another dtype is not the offered tensor."""
+    with recompute.recompute_session():
+        t = _offered(torch.randn(3, 4))
+        assert recompute.rebuilder(t) is not None
+        assert recompute.rebuilder(t.view(torch.int32)) is None
+
+
+def test_inner_session_exit_keeps_the_outer_sessions_offers():
+    """closing a nested session leaves the open outer one's offers in place."""
+    with recompute.recompute_session():
+        t = _offered(torch.randn(3, 4))
+        with recompute.recompute_session():
+            pass
+        assert recompute.rebuilder(t) is not None
+
+
+def test_closing_the_session_clears_offers_of_live_tensors():
+    """offers (and the tensors their recipes hold) do not outlive the session, even while t lives on."""
+    with recompute.recompute_session():
+        t = _offered(torch.randn(3, 4))
+        assert recompute._offers
+    assert not recompute._offers
+    del t
+
+
+def test_a_stale_finalizer_does_not_drop_a_newer_offer_of_the_same_storage():
+    """two tensor objects over one storage, each offered: the first one's death must not remove the second's
+    offer (the finalizer checks that the table still holds its own entry)."""
+    with recompute.recompute_session():
+        t = _offered(torch.randn(3, 4))
+        t2 = t.detach()
+        assert t2._base is None and recompute._key(t2) == recompute._key(t)
+        recompute.offer(t2, lambda: torch.zeros(3, 4))
+        del t
+        gc.collect()
+        assert recompute.rebuilder(t2) is not None
+
+
+def test_in_place_change_of_a_recipe_list_input_raises():
+    """partial(torch.cat, [a, b]) holds its tensors in a list; their versions are checked as well."""
+    with recompute.recompute_session():
+        a, b = torch.randn(2, 4), torch.randn(2, 4)
+        t = recompute.offer(torch.cat([a, b]), functools.partial(torch.cat, [a, b]))
+        w = torch.randn(4, 4, requires_grad=True)
+        loss = (t * w).sum()
+        a.add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an in-place operation"):
+            loss.backward()
+
+
+def test_a_saved_view_with_an_offset_is_rebuilt_at_its_offset():
+    """a node that saved t[1:] (storage offset 4) gets those elements back from the rebuilt tensor."""
+    with recompute.recompute_session():
+        src = torch.randn(3, 4)
+        t = _offered(src)
+        w = torch.randn(2, 4, requires_grad=True)
+        (t[1:] * w).sum().backward()
+        torch.testing.assert_close(w.grad, src[1:] * 2)
