@@ -159,3 +159,14 @@ def test_bf16_merge_rounds_once():
     assert not torch.equal(twice, want)  # double rounding differs here, so the test can fail
     merge_lora(model)
     assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, want)
+
+
+def test_merge_without_adapters_is_refused():
+    """merge_lora on a model without LoRA (never adapted, or merged already) says so instead of a silent no-op."""
+    with pytest.raises(ValueError, match=r"merge_lora: the model has no LoRA adapters \(apply_lora or load_adapter"):
+        merge_lora(tiny_model())
+    model = tiny_model()
+    apply_lora(model, r=2, alpha=4, target_modules=["q_proj"])
+    merge_lora(model)
+    with pytest.raises(ValueError, match="merge_lora: the model has no LoRA adapters"):
+        merge_lora(model)

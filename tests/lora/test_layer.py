@@ -162,3 +162,53 @@ def test_delta_weight_is_computed_without_autograd():
     m = LoRALinear(nn.Linear(5, 3, dtype=torch.float64), r=2, alpha=4)
     assert m.lora_A.weight.requires_grad and not m.delta_weight().requires_grad
     assert m.delta_weight().dtype == torch.float64
+
+
+def test_the_layer_checks_impl_and_concat_as_apply_lora_does():
+    """LoRALinear built directly: an unknown impl is refused (not silently the fused path), and concat other than
+    'auto', True or False is refused (not read by truthiness)."""
+    with pytest.raises(ValueError, match=r"LoRALinear: impl='triton' is not one of \('fused', 'torch'\)"):
+        LoRALinear(nn.Linear(4, 3), r=2, alpha=2, impl="triton")
+    for concat in ("yes", None, "false"):
+        with pytest.raises(ValueError, match=rf"LoRALinear: concat={concat!r} must be 'auto', True or False"):
+            LoRALinear(nn.Linear(4, 3), r=2, alpha=2, concat=concat)
+
+
+def test_a_replaced_base_weight_is_used_by_the_concatenated_layout():
+    """The concatenated layout keeps W inside a private [W | s B] buffer: a base weight replaced from outside
+    (``weight.data = ...``, as a loader or a user may do) is what the next forward computes with."""
+    g = torch.Generator().manual_seed(0)
+    layer = LoRALinear(nn.Linear(4, 8, dtype=torch.float64), r=2, alpha=2, generator=g)
+    assert layer.concat and layer._uses_wcat
+    with torch.no_grad():
+        layer.lora_B.weight.copy_(torch.randn(8, 2, generator=g, dtype=torch.float64))
+    x = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    layer(x)  # the buffer is bound and used once
+    layer.weight.data = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    want = lora_linear_ref(x, layer.weight, layer.bias, layer.lora_A.weight, layer.lora_B.weight, layer.scaling)
+    torch.testing.assert_close(layer(x), want)
+
+
+def test_a_merge_rounds_once_and_gives_w_its_own_storage():
+    """float64 adapters on an fp32 layer merge in float64 and round once to W's dtype; a W that lived in the
+    [W | s B] buffer gets a contiguous storage of its own (no view keeping the r extra columns alive)."""
+    from chronicals.lora import apply_lora, merge_lora
+
+    g = torch.Generator().manual_seed(0)
+    layer = LoRALinear(nn.Linear(16, 12), r=4, alpha=8, adapter_dtype=torch.float64, generator=g, concat=False)
+    with torch.no_grad():
+        layer.lora_B.weight.copy_(torch.randn(12, 4, generator=g, dtype=torch.float64))
+    assert layer.delta_weight().dtype == torch.float64
+    want = (layer.weight.double() + layer.scaling * (layer.lora_B.weight @ layer.lora_A.weight)).float()
+    lin = layer.to_linear()
+    assert lin.weight.dtype == torch.float32 and torch.equal(lin.weight, want)
+    layer = LoRALinear(nn.Linear(4, 8), r=2, alpha=2)
+    layer(torch.randn(3, 4))
+    assert layer.concat and not layer.weight.is_contiguous()  # W is a view into [W | s B]
+    lin = layer.to_linear()
+    assert lin.weight.is_contiguous() and lin.weight.untyped_storage().nbytes() == 8 * 4 * 4
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 16))
+    apply_lora(model, r=2, alpha=4, target_modules=["0", "2"], group=False)
+    model(torch.randn(2, 4))
+    merge_lora(model)
+    assert all(p.is_contiguous() for p in model.parameters()) and model[0].weight.untyped_storage().nbytes() == 128

@@ -15,6 +15,16 @@ from chronicals.lora import apply_lora, load_adapter, lora_modules, merge_lora, 
 from .conftest import hf_config, peft_adapter, randomize_lora_b, tiny_model
 
 
+def _saved(tmp_path, **config):
+    """A q_proj adapter saved from the tiny model, its adapter_config.json updated with ``config`` -> its dir."""
+    model = tiny_model()
+    apply_lora(model, r=2, alpha=4, target_modules=["q_proj"])
+    out = save_adapter(model, tmp_path / "a")
+    cfg = out / "adapter_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), **config}))
+    return out
+
+
 def test_adapter_keeps_its_dropout(tmp_path):
     """lora_dropout is written to adapter_config.json (PEFT reads it back) and applied by load_adapter, so an
     adapter trained further, by PEFT or by us, keeps its dropout instead of training on without it."""
@@ -318,3 +328,119 @@ def test_an_adapter_of_a_loaded_model_records_its_base(tmp_path):
     other = json.loads((save_adapter(model, tmp_path / "c", base_model_name_or_path="x") / "adapter_config.json")
                        .read_text())
     assert other["base_model_name_or_path"] == "x"
+
+
+def test_hand_written_and_partly_set_configs_load(tmp_path, ids):
+    """A config without peft_type (r, lora_alpha, target_modules only) is a LoRA adapter; init_lora_weights null
+    (hand edits, some PEFT versions) concerns only the init the file overwrites; an unknown field left empty (null,
+    false, "", {}, [], a newer PEFT's default) loads, and one that is set is refused."""
+    from chronicals.lora import read_adapter_config
+
+    model = tiny_model()
+    apply_lora(model, r=2, alpha=4, target_modules=["q_proj"])
+    randomize_lora_b(model)
+    with torch.no_grad():
+        want = model(ids)
+    out = save_adapter(model, tmp_path / "a")
+    (out / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}))
+    again = tiny_model()
+    load_adapter(again, out)
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids), want)
+    assert load_adapter(tiny_model(), _saved(tmp_path / "n", init_lora_weights=None)).r == 2
+    for val in (None, False, "", {}, []):
+        assert read_adapter_config(_saved(tmp_path / repr(val), some_future_option=val))["some_future_option"] == val
+    with pytest.raises(ValueError, match=r"some_future_option=\[1\] is not supported"):
+        read_adapter_config(_saved(tmp_path / "set", some_future_option=[1]))
+
+
+@pytest.mark.parametrize("saved", [["lm_head", 3], [None], [["lm_head"]]])
+def test_modules_to_save_entries_must_be_names(tmp_path, saved):
+    """A list holding a non-string: a ValueError naming the field, not a TypeError from the name matching."""
+    from chronicals.lora import read_adapter_config
+
+    out = _saved(tmp_path, modules_to_save=saved)
+    for read in (read_adapter_config, lambda d: load_adapter(tiny_model(), d)):
+        with pytest.raises(ValueError, match=r"modules_to_save=.* must be a list of module names"):
+            read(out)
+
+
+def test_an_adapter_file_given_for_its_directory_or_a_weights_folder_is_named(tmp_path):
+    """adapter_config.json (or the weights file) passed instead of its directory names the directory to pass, not
+    'adapter_config.json/adapter_config.json: not found'; a weights path that is a folder says so (not 'not found
+    ... convert adapter_model.bin') and the model is left unchanged."""
+    from chronicals.lora import read_adapter_config
+
+    out = _saved(tmp_path)
+    for path in (out / "adapter_config.json", out / "adapter_model.safetensors"):
+        with pytest.raises(ValueError, match=rf"{path}: is a file; an adapter is the directory holding "
+                                             rf".*\(pass {out}\)"):
+            read_adapter_config(path)
+    with pytest.raises(ValueError, match=rf"is a file; .*\(pass {out}\)"):
+        load_adapter(tiny_model(), out / "adapter_config.json")
+    (out / "adapter_model.safetensors").unlink()
+    (out / "adapter_model.safetensors").mkdir()
+    again = tiny_model()
+    with pytest.raises(ValueError, match=r"adapter_model\.safetensors: is a directory, not a file; save the adapter "
+                                         r"again"):
+        load_adapter(again, out)
+    assert getattr(again, "lora_config", None) is None
+
+
+def test_missing_adapter_keys_are_named_even_beside_embedding_layers(tmp_path):
+    """The 'whole embedding layers outside modules_to_save' diagnosis is given only when those layers are all that
+    is wrong: a file that also lacks adapter keys gets the missing / unexpected keys message naming them."""
+    from safetensors.torch import load_file, save_file
+
+    out = _saved(tmp_path)
+    wpath = out / "adapter_model.safetensors"
+    tensors = load_file(wpath)
+    tensors["base_model.model.model.embed_tokens.weight"] = torch.zeros(61, 32)
+    save_file(tensors, wpath)
+    with pytest.raises(ValueError, match="holds whole embedding layers outside its modules_to_save"):
+        load_adapter(tiny_model(), out)
+    del tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"]
+    save_file(tensors, wpath)
+    with pytest.raises(ValueError, match=r"missing keys \['base_model\.model\.model\.layers\.1\.self_attn\.q_proj\."
+                                         r"lora_B\.weight'\] \(1\), unexpected keys .*embed_tokens"):
+        load_adapter(tiny_model(), out)
+
+
+def test_tied_modules_loaded_apart_both_train(tmp_path):
+    """A tied lm_head / embed_tokens pair saved with different values is untied on load and both copies stay
+    trainable, as in PEFT (a further run updates both)."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model(tied=True)
+    apply_lora(model, r=2, alpha=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    out = save_adapter(model, tmp_path / "a")
+    wpath = out / "adapter_model.safetensors"
+    tensors = load_file(wpath)
+    tensors["base_model.model.model.embed_tokens.weight"] = tensors["base_model.model.lm_head.weight"] + 0.5
+    save_file(tensors, wpath)
+    again = tiny_model(tied=True)
+    rec = load_adapter(again, out)
+    lm, emb = again.lm_head.weight, again.model.embed_tokens.weight
+    assert lm is not emb and not again.config.tie_word_embeddings
+    assert set(rec.saved_modules) == {"lm_head", "model.embed_tokens"} and lm.requires_grad and emb.requires_grad
+    assert torch.equal(emb, tensors["base_model.model.model.embed_tokens.weight"])
+    assert torch.equal(lm, tensors["base_model.model.lm_head.weight"])
+
+
+def test_adapter_state_dict_values_and_a_path_as_the_base(tmp_path):
+    """adapter_state_dict's value() (the trainer's fp32 masters) must give each parameter's own shape (a wrong one is
+    named, not written into the file); save_adapter writes a pathlib.Path base as its string (json.dumps raised
+    TypeError after the weights were written)."""
+    from chronicals.lora import read_adapter_config
+    from chronicals.lora.peft_io import adapter_state_dict
+
+    model = tiny_model()
+    apply_lora(model, r=2, alpha=4, target_modules=["q_proj"])
+    with pytest.raises(ValueError, match=r"value\(\) gave a tensor of shape \(64,\) for a parameter of shape "
+                                         r"\(2, 32\)"):
+        adapter_state_dict(model, value=lambda p: p.flatten())
+    sd = adapter_state_dict(model, value=lambda p: p * 2)
+    assert len(sd) == 4 and sd["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (2, 32)
+    out = save_adapter(model, tmp_path / "a", base_model_name_or_path=tmp_path / "base")
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tmp_path / "base")
+    assert read_adapter_config(out)["base_model_name_or_path"] == str(tmp_path / "base")
