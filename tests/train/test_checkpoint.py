@@ -281,3 +281,13 @@ def test_a_cpu_checkpoint_resumes_where_cuda_is_available(monkeypatch):
     ckpt.set_rng_state(state)
     ckpt.set_rng_state({**state, "cuda": ["saved"]})
     assert calls == [["saved"]]
+
+
+def test_a_step_0_checkpoint_without_moments_loads(tmp_path):
+    """A checkpoint at step 0 (written through the API before any optimizer step) holds no AdamW moments, rightly:
+    it loads; only one at step N > 0 without any moments is refused as edited."""
+    model, opt, sched = _trained(0)
+    path = ckpt.write_checkpoint(tmp_path, ckpt.snapshot(0, model, opt, sched, {"position": 0}))
+    assert path.name == "step-000000"
+    restored = ckpt.load_checkpoint(path, *_trained(0))
+    assert restored["step"] == 0 and restored["data"] == {"position": 0}

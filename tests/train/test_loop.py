@@ -259,6 +259,12 @@ def test_corrupt_checkpoint_named_by_train_resume_points_to_the_one_before_it(tm
     with pytest.raises(ValueError, match=rf"truncated or corrupt: resume from the checkpoint before it "
                                          rf"\(train.resume={before}\), or set train.resume=none"):
         train(cfg2, model=tiny_model(), train_loader=SyntheticLoader(docs))
+    # a damaged checkpoint with a newer one beside it: the one before it, not the newest other (step-3 was named)
+    first, middle, _ = checkpoint_dirs(cfg.train.out_dir)
+    (middle / "state.pt").write_bytes((middle / "state.pt").read_bytes()[:100])
+    with pytest.raises(ValueError, match=rf"resume from the checkpoint before it \(train.resume={first}\)"):
+        train(tiny_config(tmp_path / "c", train__max_steps=4, train__resume=str(middle)), model=tiny_model(),
+              train_loader=SyntheticLoader(docs))
 
 
 # ---- the pipelined loop (fused AdamW, no on_step): step k read on the host while step k+1 runs ----

@@ -266,14 +266,37 @@ def test_a_checkpoint_config_without_dtype_warns_nothing(tmp_path, caplog):
     assert warnings(caplog) == []
 
 
-def test_auto_dtype_on_a_cuda_machine_is_bfloat16(tmp_path, caplog, monkeypatch):
-    """model.dtype=auto trained in bfloat16 on a GPU machine: resumed in float32 there, the warning says so."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+@pytest.mark.parametrize("cuda, same, other", [(True, "bfloat16", "float32"), (False, "float32", "bfloat16")])
+def test_auto_dtype_and_device_mean_what_the_machine_gave(tmp_path, caplog, monkeypatch, cuda, same, other):
+    """model.dtype=auto with model.device=auto trained in bfloat16 on a GPU machine and in float32 on one without
+    CUDA: resumed there in the same dtype nothing is said, in the other the warning names what auto meant."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     saved = tiny_config(tmp_path, model__device="auto", model__dtype="auto").to_dict()
-    current = tiny_config(tmp_path, model__device="auto", model__dtype="float32").to_dict()
-    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
-        check_same_adapter(saved, current, tmp_path / "step-000001")
-    assert any("model.dtype='auto' = bfloat16 (this run: 'float32')" in m for m in warnings(caplog)), warnings(caplog)
+    for dtype, warned in ((same, False), (other, True)):
+        caplog.clear()
+        current = tiny_config(tmp_path, model__device="auto", model__dtype=dtype).to_dict()
+        with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+            check_same_adapter(saved, current, tmp_path / "step-000001")
+        said = f"model.dtype='auto' = {same} (this run: '{dtype}')"
+        assert any(said in m for m in warnings(caplog)) == warned and bool(warnings(caplog)) == warned, warnings(caplog)
+
+
+def test_the_early_adapter_check_leaves_another_model_path_to_the_later_one(tmp_path):
+    """check_resume_adapter (before the model loads) refuses a LoRA checkpoint under other adapter settings only:
+    another model.path is check_same_adapter's to name after the load (a path that does not exist is the load's)."""
+    from chronicals.train import checkpoint as ckpt
+    from chronicals.train.resume import check_resume_adapter
+
+    saved = tiny_config(tmp_path, lora__enabled=True, model__path="base-a").to_dict()
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    path = ckpt.write_checkpoint(tmp_path / "run",
+                                 ckpt.snapshot(0, model, opt, sched, {"position": 0}, extra={"config": saved}))
+    current = tiny_config(tmp_path, lora__enabled=True, model__path="base-b", train__resume="auto")
+    check_resume_adapter(current, tmp_path / "run")  # no refusal before the model loads
+    with pytest.raises(ValueError, match=r"model.path='base-a' \(this run: 'base-b'\)"):
+        check_same_adapter(saved, current.to_dict(), path)
 
 
 def test_a_fused_resume_of_an_unfused_checkpoint_gets_its_steps_where_the_fused_kernel_reads_them():
