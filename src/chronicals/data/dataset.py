@@ -479,8 +479,7 @@ def _encode_chunk(records: list[Record]):
     message", None, False, (0, 0, False)); empty target: the text that would carry loss with loss on assistant turns
     / completion is blank (whatever loss_on); runs, unclosed: a chat example's replies and those that train no
     end-of-turn token (``tokenize.unclosed_replies``; loss_on="all": ``tokenize.unclosed_last_reply``; (0, 0) for
-    other examples); across: a
-    prompt/completion example's boundary falls inside a token (``tokenize.encode``)."""
+    other examples); across: a prompt/completion example's boundary falls inside a token (``tokenize.encode``)."""
     w = _WORKER
     out = []
     for rec in records:
