@@ -368,9 +368,6 @@ def _warn_unclosed(stats: DatasetStats, tokenizer, n: dict[str, str], files=(), 
     where = f"{name} ({_names(files)})" if files else name
     source = getattr(tokenizer, "chronicals_source", None) or getattr(tokenizer, "name_or_path", None)
     template = f"the chat template of {source}" if source else "the tokenizer's chat template"
-    counts = (f"{stats.unclosed_replies} of {stats.replies} assistant replies in {stats.unclosed_examples} of "
-              f"{stats.documents} examples train no end-of-turn token (first: {stats.first_unclosed}), so the model "
-              "never learns to stop after a reply")
     if loss_on == "all":  # one count per conversation that ends in a reply (tokenize.unclosed_last_reply)
         counts = (f"{stats.unclosed_replies} of {stats.replies} conversations that end in an assistant reply (of "
                   f"{stats.documents} examples) end in no end-of-turn token, so with {n['loss_on']}=all the model "
@@ -378,15 +375,19 @@ def _warn_unclosed(stats: DatasetStats, tokenizer, n: dict[str, str], files=(), 
         why = (f"{template} writes nothing after a conversation's last reply (as GLM's does: a turn ends where the "
                "next one begins); end each assistant turn with a token generation stops at, e.g. "
                "{{ content + eos_token }}")
-    elif has_generation_markers(tokenizer):
-        why = (f"{template} closes its {{% generation %}} markers before the special token that ends the turn; "
-               "move {% endgeneration %} after that token (ChatML: {% generation %}{{ content + '<|im_end|>' }}"
-               f"{{% endgeneration %}}), or set {n['loss_on']}=all (loss on the prompts too)")
     else:
-        why = (f"{template} closes no reply with a special token (a conversation that ends in a reply renders ending "
-               "in the reply's text, as GLM's does); end each assistant turn with a token generation stops at, e.g. "
-               "{{ content + eos_token }}, or mark the reply and that token with {% generation %} ... "
-               "{% endgeneration %}")
+        counts = (f"{stats.unclosed_replies} of {stats.replies} assistant replies in {stats.unclosed_examples} of "
+                  f"{stats.documents} examples train no end-of-turn token (first: {stats.first_unclosed}), so the "
+                  "model never learns to stop after a reply")
+        if has_generation_markers(tokenizer):
+            why = (f"{template} closes its {{% generation %}} markers before the special token that ends the turn; "
+                   "move {% endgeneration %} after that token (ChatML: {% generation %}{{ content + '<|im_end|>' }}"
+                   f"{{% endgeneration %}}), or set {n['loss_on']}=all (loss on the prompts too)")
+        else:
+            why = (f"{template} closes no reply with a special token (a conversation that ends in a reply renders "
+                   "ending in the reply's text, as GLM's does); end each assistant turn with a token generation stops "
+                   "at, e.g. {{ content + eos_token }}, or mark the reply and that token with {% generation %} ... "
+                   "{% endgeneration %}")
     log.warning("data: %s: %s: %s", where, counts, why)
 
 

@@ -305,10 +305,10 @@ def config_diffs(saved: dict | None, current: dict | None, sections: dict) -> li
 def _move_away_hint(ckdir: Path, auto: bool = True) -> str:
     """What to do with a checkpoint directory that cannot be resumed: move it away, and where resume=auto then goes;
     ``auto=False`` (train.resume named it): resume from the checkpoint before it instead."""
-    earlier = [d for d in checkpoint_dirs(ckdir.parent.parent) if d != ckdir] if _NAME.match(ckdir.name) else []
+    named = _NAME.match(ckdir.name)
+    earlier = [d for d in checkpoint_dirs(ckdir.parent.parent) if d != ckdir] if named else []
     if not auto:  # the newest one before it, not the newest other (step-3 was offered for a damaged step-2)
-        step = int(_NAME.match(ckdir.name)[1]) if _NAME.match(ckdir.name) else 0
-        earlier = [d for d in earlier if int(_NAME.match(d.name)[1]) < step]
+        earlier = [d for d in earlier if int(_NAME.match(d.name)[1]) < int(named[1])]
         return (f"resume from the checkpoint before it (train.resume={earlier[-1]}), or set train.resume=none to "
                 "start over" if earlier else "give train.resume another checkpoint, or set train.resume=none to "
                 "start over")
