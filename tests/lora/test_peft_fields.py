@@ -53,13 +53,10 @@ UNSUPPORTED = [("fan_in_fan_out", True), ("bias", "all"), ("rank_pattern", {"q_p
 def test_every_unsupported_peft_option_is_refused(tmp_path, key, val):
     """An adapter that sets any PEFT option chronicals does not implement fails to load, naming the option,
     instead of loading and computing something other than PEFT would."""
-    ours = tiny_model()
-    apply_lora(ours, r=2, alpha=4, target_modules=["q_proj"])
-    save_adapter(ours, tmp_path / "a")
-    path = tmp_path / "a" / "adapter_config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), key: val}))
-    with pytest.raises(ValueError, match=rf"{path}: {key}=.* is not supported by chronicals.lora.*PEFT"):
-        load_adapter(tiny_model(), tmp_path / "a")
+    out = _saved(tmp_path, **{key: val})
+    with pytest.raises(ValueError, match=rf"{out / 'adapter_config.json'}: {key}=.* is not supported by "
+                                         r"chronicals.lora.*PEFT"):
+        load_adapter(tiny_model(), out)
 
 
 def test_rank_and_alpha_patterns_at_the_global_values_load(tmp_path, ids):

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from chronicals.data import DataError
 from chronicals.train import qa as qa_mod
@@ -239,8 +240,6 @@ def test_a_records_own_system_message_is_kept_alone(tmp_path):
 def test_a_prompt_opens_the_assistant_turn_after_earlier_turns_oldest_first():
     """chat_messages puts the earlier turns as user then assistant, oldest first; prompt_ids renders them with the
     assistant turn opened (add_generation_prompt) and the fixed template date, tokenized without extra specials."""
-    import torch
-
     from chronicals.data.tokenize import TEMPLATE_DATE
     from chronicals.train.qa import chat_messages, prompt_ids
 
@@ -268,8 +267,6 @@ def test_a_prompt_opens_the_assistant_turn_after_earlier_turns_oldest_first():
 
 def test_a_single_answer_is_stripped_and_prompt_ids_are_checked_against_the_vocabulary(monkeypatch):
     from types import SimpleNamespace
-
-    import torch
 
     model = SimpleNamespace(config=SimpleNamespace(vocab_size=64))
     monkeypatch.setattr(qa_mod, "prompt_ids", lambda tok, q, system, history=(): torch.tensor([3, 70, 5]))
