@@ -389,6 +389,21 @@ def test_a_saved_dataset_listing_no_files_is_named(tmp_path):
         resolve_files(d)
 
 
+def test_a_saved_dataset_missing_a_listed_shard_is_named(tmp_path):
+    """A save_to_disk directory whose copy stopped partway (state.json there, a listed arrow shard not) is a
+    DataError naming state.json and the missing shard, directly and nested: it was a bare FileNotFoundError from
+    load_dataset's size sum, which `chronicals train` did not catch."""
+    sv = tmp_path / "data" / "saved"
+    sv.mkdir(parents=True)
+    (sv / "data-00000-of-00002.arrow").write_bytes(b"")
+    (sv / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00002.arrow"},
+                                                                {"filename": "data-00001-of-00002.arrow"}]}))
+    for where in (sv, sv.parent):
+        with pytest.raises(DataError, match=rf"{sv / 'state.json'}: lists 1 arrow file this directory lacks "
+                                            r"\(data-00001-of-00002.arrow\); copy the whole"):
+            resolve_files(where)
+
+
 def test_a_header_with_two_unnamed_columns_is_refused(tmp_path):
     """Two empty header cells (a spreadsheet's trailing ',,') are a duplicate column name too: a dict keeps one ''
     column, and the other's cells were lost."""

@@ -106,7 +106,13 @@ def _saved_dataset_files(p: Path) -> list[Path] | None:
                         "datasets.save_to_disk directory); the file is damaged: save the dataset again")
     if not entries:
         raise DataError(f"{p}/state.json: no '_data_files' listed (expected a datasets.save_to_disk directory)")
-    return [p / f["filename"] for f in entries]
+    files = [p / f["filename"] for f in entries]
+    missing = [f["filename"] for f, path in zip(entries, files) if not path.is_file()]
+    if missing:  # a copy or download that stopped partway: state.json came, a shard did not
+        raise DataError(f"{p / 'state.json'}: lists {len(missing)} arrow file{'s'[:len(missing) != 1]} this "
+                        f"directory lacks ({_some([Path(m) for m in missing])}); copy the whole save_to_disk "
+                        "directory again or save the dataset again")
+    return files
 
 
 def _dir_files(p: Path, quiet: bool = False) -> list[Path]:
