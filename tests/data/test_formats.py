@@ -11,7 +11,7 @@ import pytest
 
 import chronicals.data.dataset as dsmod
 from chronicals.data import load_dataset
-from chronicals.data.formats import Example, FormatError, detect_format
+from chronicals.data.formats import Example, FormatError, detect_format, to_example
 from chronicals.data.readers import DataError, read_file
 from chronicals.data.tokenize import encode, encode_chat
 
@@ -479,3 +479,15 @@ def test_a_prompt_completion_split_inside_a_token_is_warned(tokenizer, tmp_path,
         load_dataset(write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "Name:", "completion": " John"}]), tokenizer,
                      max_seq_len=64, cache_dir=None)
     assert "inside a token" not in caplog.text
+
+
+def test_a_tool_call_message_without_a_role_is_a_format_error_naming_it():
+    """tool_calls excuse a missing 'content' only, not a missing 'role' ('from' in sharegpt): such a message is a
+    FormatError naming its index and key (a bare KeyError escaped on_error=skip and named no record)."""
+    call = [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    rec = {"messages": [{"role": "user", "content": "q"}, {"content": None, "tool_calls": call}]}
+    with pytest.raises(FormatError, match=r"messages\[1\] has no 'role'"):
+        to_example(rec, "chat", True)
+    conv = {"conversations": [{"value": None, "tool_calls": call}]}
+    with pytest.raises(FormatError, match=r"conversations\[0\] has no 'from'"):
+        to_example(conv, "sharegpt", True)
