@@ -83,8 +83,18 @@ def test_a_link_to_a_folder_counts_as_a_file_entry(tmp_path):
     out.mkdir()
     (target / "keep.txt").write_text("x")
     (out / "additional_chat_templates").symlink_to(target, target_is_directory=True)
-    (out / "tokenizer_extra").symlink_to(target, target_is_directory=True)
+    (out / "tokenizer.json").symlink_to(target, target_is_directory=True)
     assert foreign_entries(out, MODEL_DIR_FILES) == ["additional_chat_templates"]
+
+
+def test_a_users_file_named_like_a_tokenizer_file_is_not_replaced(tmp_path):
+    """Only the tokenizer's own file names are owned: a user's tokenizer_notes.txt in a model directory matched
+    "tokenizer*" and the next replacing save deleted it without a word; now that save is refused and the note kept."""
+    out = save_hf_dir(_model(), None, tmp_path / "m")
+    (out / "tokenizer_notes.txt").write_text("my notes")
+    with pytest.raises(FileExistsError, match=r"holds files this save would delete \(tokenizer_notes.txt\)"):
+        save_hf_dir(_model(), None, out)
+    assert (out / "tokenizer_notes.txt").read_text() == "my notes"
 
 
 class _RustFullDisk:

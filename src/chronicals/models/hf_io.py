@@ -47,8 +47,10 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
 # loses nothing that is not written again
 # a trailing "/" names a folder, matched by its exact name: transformers 5's tokenizer.save_pretrained writes
 # additional_chat_templates/ for a tokenizer with named chat templates (default + tool_use)
+# the tokenizer's files by name, not "tokenizer*": that pattern also owned (and deleted) a user's tokenizer_notes.txt
 MODEL_DIR_FILES = ("config.json", "generation_config.json", SINGLE_FILE, INDEX_FILE, "model-*-of-*.safetensors",
-                   "tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.json",
+                   "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tokenizer.model.v[0-9]*",
+                   "tekken.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.json",
                    "merges.txt", "additional_chat_templates/")
 
 
