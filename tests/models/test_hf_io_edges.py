@@ -64,6 +64,27 @@ def test_a_tied_checkpoint_stored_as_its_head_alone_keeps_the_files_dtype(tmp_pa
     assert ours.lm_head.weight is ours.model.embed_tokens.weight
 
 
+@pytest.mark.parametrize("stored, st_name", [(torch.int8, "I8"), (torch.float8_e4m3fn, "F8_E4M3")])
+def test_a_tied_head_stored_alone_gets_the_embeddings_dtype_and_shape_checks(tmp_path, stored, st_name):
+    """A tied checkpoint's head stored alone is read as the embedding, so it is refused as the embedding would be:
+    an I8 or FP8 head (cast into a float embedding without a word, FP8 without its scales) and a head of another
+    shape, named before any weight is read."""
+    model = _model(tie_word_embeddings=True)
+    out = save_hf_dir(model, None, tmp_path / "m")
+    sd = {k: v.contiguous() for k, v in model.state_dict().items() if k not in ("lm_head.weight",
+                                                                                 "model.embed_tokens.weight")}
+    emb = model.model.embed_tokens.weight.detach()
+    sd["lm_head.weight"] = emb.to(stored)
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"tensor lm_head.weight is stored as {st_name}, not as F32.*dequantized"):
+        load_hf_dir(out)
+    sd["lm_head.weight"] = emb[:1].clone()
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"tensor lm_head.weight has shape \(1, 32\) but config.json implies "
+                                         r"\(97, 32\)"):
+        load_hf_dir(out)
+
+
 def test_a_stale_torch_dtype_of_the_source_config_is_not_written_back(tmp_path):
     """A config.json of transformers 4 says torch_dtype=bfloat16; the model saved in fp32 must not say both."""
     cfg = {**_COMMON, "model_type": "llama", "tie_word_embeddings": False, "torch_dtype": "bfloat16"}

@@ -339,6 +339,23 @@ def _absent_note(model_dir: Path) -> str:
     return absent_defaults_note(read_json_object(model_dir / "config.json", "config.json", "copy it again"))
 
 
+def _checked_header(fh, f: Path, name: str, want: tuple[int, ...] | None, model_dir: Path) -> str:
+    """Tensor ``name``'s safetensors dtype string, after checking from ``f``'s header (before any allocation) that it
+    is a float tensor and of shape ``want`` (None: not checked)."""
+    st_dtype = fh.get_slice(name).get_dtype()
+    # an int/bool tensor was cast into the weights silently; FP8 (F8_E4M3, F8_E5M2) needs its scales
+    if not st_dtype.startswith(("F", "BF")) or st_dtype.startswith("F8"):
+        raise ValueError(f"{f}: tensor {name} is stored as {st_dtype}, not as F32, F16 or BF16; chronicals "
+                         "reads float checkpoints (F32, F16, BF16): a quantized one (GPTQ, AWQ, "
+                         "bitsandbytes, FP8) must be dequantized first, or load its unquantized release")
+    # config.json's vocab_size 10**9 over a real checkpoint allocated a 256 GB model (or failed to) before this message
+    shape = tuple(fh.get_slice(name).get_shape())
+    if want is not None and shape != want:
+        raise ValueError(f"{f}: tensor {name} has shape {shape} but config.json implies {want}; "
+                         f"config.json and the weights disagree{_absent_note(model_dir)}")
+    return st_dtype
+
+
 def load_hf_dir(model_dir: str | Path, *, dtype: torch.dtype | None = None, device=None,
                 impl: str = "auto") -> CausalLM:
     """An HF directory -> our CausalLM in eval mode. dtype None keeps the checkpoint's (the embedding's)."""
@@ -362,26 +379,18 @@ def load_hf_dir(model_dir: str | Path, *, dtype: torch.dtype | None = None, devi
                     raise ValueError(f"{model_dir}: tensor {name} is stored twice, in {where[name].name} and "
                                      f"{f.name}; remove the stale shard (its index names the right one)")
                 where[name] = f
-                st_dtype = fh.get_slice(name).get_dtype()
-                # an int/bool tensor was cast into the weights silently; FP8 (F8_E4M3, F8_E5M2) needs its scales
-                if not st_dtype.startswith(("F", "BF")) or st_dtype.startswith("F8"):
-                    raise ValueError(f"{f}: tensor {name} is stored as {st_dtype}, not as F32, F16 or BF16; chronicals "
-                                     "reads float checkpoints (F32, F16, BF16): a quantized one (GPTQ, AWQ, "
-                                     "bitsandbytes, FP8) must be dequantized first, or load its unquantized release")
-                # from the header, before any allocation: config.json's vocab_size 10**9 over a real checkpoint
-                # allocated a 256 GB model (or failed to) before this message
-                shape = tuple(fh.get_slice(name).get_shape())
-                if name in shapes and shape != shapes[name]:
-                    raise ValueError(f"{f}: tensor {name} has shape {shape} but config.json implies {shapes[name]}; "
-                                     f"config.json and the weights disagree{_absent_note(model_dir)}")
+                st_dtype = _checked_header(fh, f, name, shapes.get(name), model_dir)
                 if name == "model.embed_tokens.weight":
                     file_dtype = _ST_DTYPES.get(st_dtype)
     source = {}  # parameter -> tensor name in the file, where they differ
     if tied_head is not None and "model.embed_tokens.weight" not in where:
-        # tied, stored as the head only: transformers ties the embedding to it, so do we
+        # tied, stored as the head only: transformers ties the embedding to it, so do we (the same header checks:
+        # an I8 or FP8 head alone was cast into the float embedding without a word)
         where["model.embed_tokens.weight"], source["model.embed_tokens.weight"] = tied_head, "lm_head.weight"
         with _open(tied_head) as fh:
-            file_dtype = _ST_DTYPES.get(fh.get_slice("lm_head.weight").get_dtype())
+            st_dtype = _checked_header(fh, tied_head, "lm_head.weight", shapes["model.embed_tokens.weight"],
+                                       model_dir)
+            file_dtype = _ST_DTYPES.get(st_dtype)
     missing, unexpected = want - set(where), set(where) - want
     if missing or unexpected:
         msg = f"{model_dir}: the checkpoint does not match config.json ({cfg.model_type}, " \
