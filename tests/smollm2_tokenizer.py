@@ -4,8 +4,9 @@ tokenizer (``gguf_tokenizer.convert_tokenizer``, what load_model gives users; tr
 
 Parsing the GGUF takes ~6 s (load_tokenizer converts the whole 540 MB model first, ~20 s on 2 cores); the
 tokenizer is saved (save_pretrained) to a temp directory keyed by a hash of the GGUF's first 8 MiB (its metadata,
-which holds the whole vocabulary and chat template: 1.7 MiB here), the transformers version and the converter
-version, which later sessions load in ~0.3 s. The key holds no mtime: each fresh install of the package (a CI
+which holds the whole vocabulary and chat template: 1.7 MiB here), the transformers version, the converter
+version and a digest of gguf_tokenizer.py (an edit there reached no test through a saved tokenizer), which later
+sessions load in ~0.3 s. The key holds no mtime: each fresh install of the package (a CI
 rehearsal) would otherwise leave another 3.4 MB directory behind.
 """
 
@@ -30,17 +31,18 @@ def smollm2_tokenizer():
     import transformers
     from transformers import AutoTokenizer
 
+    from chronicals.models import gguf_tokenizer
     from chronicals.models.gguf_cache import CONVERTER_VERSION
-    from chronicals.models.gguf_tokenizer import convert_tokenizer
 
     gguf = gguf_path()
     with open(gguf, "rb") as f:
         head = hashlib.sha256(f.read(8 << 20)).hexdigest()[:16]
+    code = hashlib.sha256(Path(gguf_tokenizer.__file__).read_bytes()).hexdigest()[:8]
     saved = Path(tempfile.gettempdir()) / (f"chronicals-test-tokenizer-{head}-"
-                                           f"t{transformers.__version__}-c{CONVERTER_VERSION}")
+                                           f"t{transformers.__version__}-c{CONVERTER_VERSION}-{code}")
     if (saved / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(saved)
-    tok, why = convert_tokenizer(gguf)
+    tok, why = gguf_tokenizer.convert_tokenizer(gguf)
     assert tok is not None, why
     tmp = Path(tempfile.mkdtemp(dir=saved.parent))
     tok.save_pretrained(tmp)
