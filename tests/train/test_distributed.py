@@ -497,6 +497,27 @@ def _closing_worker(rank: int, port: int, out: str) -> None:
                f"{out}/closing{rank}.pt")
 
 
+def _no_group_yet(monkeypatch) -> dict:
+    """dist's group calls replaced: no group exists yet, init_process_group records its arguments (no port used)."""
+    from chronicals.train import distributed
+
+    made: dict = {}
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kw: made.update(kw))
+    monkeypatch.setattr(distributed.dist, "new_group", lambda **kw: "wait-group")
+    return made
+
+
+def _torchrun_vars(monkeypatch, **env) -> None:
+    """torchrun's variables for a 2-rank job (rank 0, a local master), overridden by ``env`` (None: unset)."""
+    base = dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK=None, MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    for k, v in {**base, **env}.items():
+        if v is None:
+            monkeypatch.delenv(k, raising=False)
+        else:
+            monkeypatch.setenv(k, v)
+
+
 # ---- tests ----
 def test_buckets_split_by_dtype_and_size():
     ts = [torch.zeros(3), torch.zeros(4, dtype=torch.float64), torch.zeros(5), torch.zeros(9), torch.zeros(2)]
@@ -550,6 +571,83 @@ def test_the_process_group_waits_an_hour_and_main_first_a_week(monkeypatch):
     assert (ctx.world_size, ctx.rank, ctx.backend) == (2, 1, "gloo")
     assert made["timeout"] == datetime.timedelta(minutes=60) and made["backend"] == "gloo"
     assert waits == {"backend": "gloo", "timeout": datetime.timedelta(days=7)} and ctx.wait_group == "wait-group"
+
+
+def test_torchrun_variables_that_are_empty_mean_unset_and_others_must_be_integers(monkeypatch):
+    """WORLD_SIZE="" and RANK="" (a launcher's `export WORLD_SIZE=` left behind) mean one process, rank 0: they
+    were read as int(""). A value that is not an integer is a ValueError naming the variable and torchrun, not
+    Python's bare "invalid literal for int() with base 10"."""
+    from chronicals.train import distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "")
+    monkeypatch.setenv("RANK", "")
+    ctx = init_distributed("cpu")
+    assert (ctx.world_size, ctx.rank, ctx.backend) == (1, 0, None) and distributed.env_rank() == 0
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match=r"^environment variable WORLD_SIZE='two' is not an integer \(torchrun "
+                                         r"sets it\)$"):
+        init_distributed("cpu")
+
+
+def test_a_missing_master_port_is_a_launch_mistake(monkeypatch):
+    """WORLD_SIZE > 1 with RANK and MASTER_ADDR but no MASTER_PORT is refused before any group is made, naming
+    MASTER_PORT (a ConfigError: exit 2), not left to init_process_group's env:// rendezvous error."""
+    made = _no_group_yet(monkeypatch)
+    _torchrun_vars(monkeypatch, MASTER_PORT=None)
+    with pytest.raises(ConfigError, match=r"^WORLD_SIZE=2 but MASTER_PORT not set: launch data-parallel training "
+                                          r"with torchrun"):
+        init_distributed("cpu")
+    assert made == {}
+
+
+def test_local_rank_defaults_to_rank(monkeypatch):
+    """Without LOCAL_RANK (a launcher that sets RANK only, on one node) a rank's local rank is its rank: with 0
+    every rank of a CUDA job took cuda:0. torchrun's LOCAL_RANK wins where it is set (two nodes of one GPU)."""
+    _no_group_yet(monkeypatch)
+    _torchrun_vars(monkeypatch, RANK="1")
+    ctx = init_distributed("cpu")
+    assert (ctx.rank, ctx.local_rank, ctx.world_size, ctx.owns_group) == (1, 1, 2, True)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert init_distributed("cpu").local_rank == 0
+
+
+def test_an_existing_process_group_of_another_rank_is_refused(monkeypatch):
+    """A process group the caller made already, of the same size but another rank than RANK says, is refused
+    naming both: training on as the group's rank 1 while the loader shards by RANK=0 trains one shard twice and
+    the other never. With the rank RANK says it is joined, not owned (destroy() leaves it to its maker)."""
+    from chronicals.train import distributed
+
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(distributed.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(distributed.dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(distributed.dist, "new_group", lambda **kw: "wait-group")
+    _torchrun_vars(monkeypatch, RANK="0")
+    with pytest.raises(RuntimeError, match=r"a process group already exists with world_size=2, rank=1, but the "
+                                           r"environment says WORLD_SIZE=2, RANK=0"):
+        init_distributed("cpu")
+    monkeypatch.setenv("RANK", "1")
+    ctx = init_distributed("cpu")
+    assert (ctx.rank, ctx.owns_group, ctx.backend) == (1, False, "gloo")
+
+
+def test_the_callers_own_process_group_outlives_the_trainers_context(tmp_path, monkeypatch):
+    """A script that made its own (one-process) group and then trains without torchrun's variables: train() runs
+    init_distributed() and, on its way out, destroy(); the script's group must still exist afterwards. Ending any
+    initialized group made the script's next collective fail with "Default process group has not been
+    initialized"."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        ctx = init_distributed("cpu")  # as train() does
+        assert not ctx.owns_group and not ctx.enabled
+        ctx.destroy()
+        assert dist.is_initialized()
+        DistContext().destroy()
+        assert dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_ranks_wait_for_rank_0s_data_preparation_past_the_group_timeout(tmp_path):

@@ -13,6 +13,7 @@ import pytest
 
 from chronicals.train import train
 from chronicals.train.optim import lr_factor
+from chronicals.train.stream import _step_plan
 
 from train_helpers import SyntheticLoader, sigterm_at_forward, tiny_config, tiny_model
 
@@ -57,6 +58,23 @@ def test_more_epochs_after_a_fractional_run_train_every_batch_left(tmp_path, doc
     assert (res.status, res.step) == ("completed", 7)
     assert [r["loss_tokens"] for r in _records(tmp_path / "run")] == \
         _tokens(loader, (0, 3), (3, 6), (6, 8), (0, 3), (3, 4), (4, 7), (7, 8))
+
+
+def test_a_resume_inside_a_fractional_runs_last_epoch_trains_only_the_fractions_batches(tmp_path, docs):
+    """1.5 epochs of 8 batches end after batch 12 (epoch 1's first 4). Stopped after 9 batches at grad_accum 1 and
+    resumed at grad_accum 3, 3 batches are left: one step of 3. Counting the rest of the epoch the resume lands in
+    to the epoch's end (16), not the run's, then back one epoch, planned 2 steps: a batch past the fraction was
+    trained and the lr schedule was a step long."""
+    loader = SyntheticLoader(docs[:36], shuffle=False)
+    first = train(_cfg(tmp_path, train__epochs=1.5, train__grad_accum=1), model=sigterm_at_forward(tiny_model(), 9),
+                  train_loader=loader)
+    assert (first.status, first.step) == ("interrupted", 9)
+    cfg = _cfg(tmp_path, train__epochs=1.5, train__grad_accum=3, train__resume="auto")
+    res = train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs[:36], shuffle=False))
+    assert (res.status, res.step, res.total_steps) == ("completed", 10, 10)
+    assert [r["loss_tokens"] for r in _records(tmp_path / "run")][9:] == _tokens(loader, (1, 4))
+    # (steps, batches of the last one) from 9..12 batches done
+    assert [_step_plan(cfg, 8, done=d) for d in (9, 10, 11, 12)] == [(1, 3), (1, 2), (1, 1), (0, 3)]
 
 
 def test_fewer_epochs_than_were_trained_are_refused(tmp_path, docs):
