@@ -63,6 +63,20 @@ def test_restores_each_module_mode(tiny_hf_config):
     assert {name: m.training for name, m in model.named_modules()} == before
 
 
+def test_decoding_runs_every_module_in_eval_mode(tiny_hf_config):
+    """generate and greedy_rows run every module in eval mode, whatever mode the caller left it in (restoring the
+    modes afterwards is not enough: a training model's LoRA dropout would drop during decoding); the training mode
+    is back afterwards."""
+    model = _model(tiny_hf_config).train()
+    seen = []
+    for m in (model, model.model.layers[0], model.model.layers[0].mlp, model.lm_head):
+        m.register_forward_pre_hook(lambda mod, args: seen.append(mod.training))
+    generate(model, torch.tensor([5, 6, 7]), 3)
+    greedy_rows(model, torch.tensor([[5, 6, 7], [8, 9, 10]]), 2, set())
+    assert seen and not any(seen)
+    assert all(m.training for m in model.modules())
+
+
 def test_a_negative_temperature_is_refused_and_a_tensor_eos_stops(tiny_hf_config):
     """temperature -1 decoded greedily without a word (transformers refuses it); eos_token_id as a 0-d tensor
     failed with 'iteration over a 0-d tensor'."""
@@ -115,6 +129,18 @@ def test_takes_a_tokenizer_output_for_one_prompt(tiny_hf_config):
         generate(model, [[5, 6], [7]], 4)
     with pytest.raises(TypeError, match=r"got ndarray"):
         generate(model, ids.numpy(), 4)
+
+
+def test_takes_an_unbatched_tokenizer_output_as_one_prompt(tiny_hf_config):
+    """tokenizer(text) without return_tensors gives input_ids as a flat list of ints (and a mask of ones): one
+    prompt, decoded as its ids are, not refused as a tokenizer output holding 4 prompts."""
+    from transformers import BatchEncoding
+
+    model = _model(tiny_hf_config)
+    ids = [11, 5, 42, 7]
+    want = generate(model, torch.tensor(ids), 4).tolist()
+    assert generate(model, BatchEncoding({"input_ids": ids, "attention_mask": [1] * 4}), 4).tolist() == want
+    assert generate(model, {"input_ids": [ids]}, 4).tolist() == want  # the batched form of one row
 
 
 def test_held_out_loss_and_qa_answers_restore_each_module_mode(tiny_hf_config):
@@ -246,6 +272,38 @@ def test_max_new_tokens_must_be_a_whole_number(model, n):
         greedy_rows(model, ids[None], n, set())
 
 
+def test_greedy_rows_refuses_prompts_of_no_tokens(model):
+    """(B, 0) ids get the ValueError that says what greedy_rows takes, as generate's empty prompt does, not an
+    IndexError from deep inside the model."""
+    with pytest.raises(ValueError, match=r"ids \(B, S\) with S >= 1, got shape \(2, 0\)"):
+        greedy_rows(model, torch.zeros(2, 0, dtype=torch.long), 4, set())
+
+
+def test_greedy_rows_never_feeds_its_last_token(model):
+    """greedy_rows runs the model max_new_tokens times a batch (the prompt, then each new token but the last):
+    feeding the last token too cost one more batched forward over the whole cache for nothing (two forwards for
+    max_new_tokens=1)."""
+    forwards = []
+    model.lm_head.register_forward_hook(lambda mod, args, out: forwards.append(out.shape))
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    for n in (1, 3):
+        forwards.clear()
+        assert [len(row) for row in greedy_rows(model, ids, n, set())] == [n, n]
+        assert len(forwards) == n, forwards
+
+
+def test_temperature_zero_takes_the_first_tied_token_and_draws_nothing(model):
+    """temperature=0 (the default) is greedy decoding: the argmax, the first of tied logits every time, drawing
+    nothing from torch's global random generator (sampling at a greedy-sharp temperature picked among the ties at
+    random and moved the caller's RNG)."""
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # every logit 0: all tokens tie
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    assert generate(model, torch.tensor([5, 6, 7]), 5, eos_token_id=[]).tolist() == [0] * 5
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_eos_ids_of_any_integer_kind(model):
     ids = torch.tensor([5, 6, 7])
     free = generate(model, ids, 6).tolist()
@@ -325,3 +383,15 @@ def test_chat_stops_at_every_eos_the_model_lists():
     assert chat(model, tok, "hi", max_new_tokens=3) == str(first)
     tok.eos_token_id = 7
     assert stop_ids(model, tok) == {first, 7}
+
+
+def test_a_generation_config_that_is_not_a_json_object_is_skipped(model):
+    """stop_ids reads eos_token_id from a generation_config.json that is a JSON object; one that parses to something
+    else (a list) is skipped as unreadable JSON is, not an AttributeError that ends chat and eval."""
+    import json
+
+    from chronicals.models import stop_ids
+
+    model.config.eos_token_id = 3
+    model.source_generation_config = json.dumps([{"eos_token_id": 9}]).encode()
+    assert stop_ids(model, None) == {3}

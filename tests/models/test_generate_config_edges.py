@@ -37,6 +37,17 @@ def test_a_prompt_that_fills_the_context_is_said_every_time(tiny_hf_config, capl
     assert caplog.text.count("the prompt alone fills the model's context") == 2
 
 
+def test_the_past_context_warning_is_said_once_per_setting(tiny_hf_config, caplog, monkeypatch):
+    """The 'goes past the model's context' warning is said once per process and (max_new_tokens, context), while the
+    budget is cut every time (a chat loop asking the same max_new_tokens every turn is not warned every turn)."""
+    monkeypatch.setattr(generate_mod, "_warned", set())
+    model = _model(tiny_hf_config)  # max_position_embeddings 128
+    with caplog.at_level(logging.WARNING, logger="chronicals.generate"):
+        assert [new_token_budget(model, 100, 64) for _ in range(3)] == [28, 28, 28]
+        assert new_token_budget(model, 100, 65) == 28  # another max_new_tokens: warned again
+    assert caplog.text.count("goes past the model's context") == 2, caplog.text
+
+
 @pytest.mark.parametrize("eos", [True, [2, False]])
 def test_a_bool_eos_is_refused(tiny_hf_config, eos):
     """eos_token_id=True stopped at token 1 without a word (JSON/YAML true is no token id)."""

@@ -143,9 +143,10 @@ def test_per_layer_metadata_alike_for_every_layer_loads(tmp_path):
 
 
 def _bpe_tokenizer_metadata(w, *, model: str = "gpt2", merges: bool = True, pre: str | None = "gpt-2",
-                            eos_id: int = 2) -> None:
+                            eos_id: int | None = 2) -> None:
     """A tiny byte-level BPE tokenizer as llama.cpp writes one (SmolLM2 / Qwen style): 3 special tokens, the
-    256 byte symbols, 3 merges, a ChatML template; pre: tokenizer.ggml.pre (None: left out)."""
+    256 byte symbols, 3 merges, a ChatML template; pre: tokenizer.ggml.pre, eos_id: tokenizer.ggml.eos_token_id
+    (None: left out)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     VT = gguf.GGUFValueType
@@ -160,7 +161,8 @@ def _bpe_tokenizer_metadata(w, *, model: str = "gpt2", merges: bool = True, pre:
     if merges:
         w.add_token_merges(["h e", "l l", "he ll"])
     w.add_bos_token_id(1)
-    w.add_eos_token_id(eos_id)
+    if eos_id is not None:
+        w.add_eos_token_id(eos_id)
     w.add_key_value("tokenizer.ggml.padding_token_id", 0, VT.UINT32)
     w.add_add_bos_token(False)
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

@@ -100,6 +100,18 @@ def test_a_damaged_special_token_id_names_the_file_and_the_key(tmp_path):
                           f"not a token id of its {_BPE_VOCAB} tokens; the file's metadata is damaged)")
 
 
+def test_a_file_without_tokens_is_named(tmp_path):
+    """A GGUF file without tokenizer.ggml.tokens gets the error that says so and names the file, not an
+    AttributeError text about None."""
+    path = tmp_path / "no_tokens.gguf"
+    write_gguf(path, "llama", hf_model("llama"))
+    tok, why = convert_tokenizer(path)
+    assert tok is None
+    assert why.startswith(f"{path}: its tokenizer metadata (tokenizer.ggml.*) cannot be made into a tokenizer by "
+                          "transformers' GGUF converter (metadata tokenizer.ggml.tokens is missing; the file's "
+                          "metadata is damaged)"), why
+
+
 def test_byte_level_text_decodes_beside_a_token_outside_the_byte_alphabet(tmp_path):
     """A special token added to a byte-level tokenizer (DeepSeek's '<｜end▁of▁sentence｜>', as a chat template
     brings it): transformers 5.17's decoder of llama files fused all tokens before decoding the bytes, so that one
@@ -128,7 +140,9 @@ _OLD_CASES = {
     "llama_smollm": ("llama", _bpe(pre="smollm"), None),
     "llama_no_pre": ("llama", _bpe(pre=None), None),
     "llama_sentencepiece": ("llama", _spm_tokenizer_metadata, None),
+    "llama_default": ("llama", _bpe(pre="default"), None),
     "qwen2_qwen2": ("qwen2", _bpe(pre="qwen2"), None),
+    "qwen2_deepseek_r1": ("qwen2", _bpe(pre="deepseek-r1-qwen"), None),  # DeepSeek-R1-Distill-Qwen: qwen2 files
     "qwen3_deepseek_r1": ("qwen3", _bpe(pre="deepseek-r1-qwen"), None),
     "llama_rwkv": ("llama", _bpe(model="rwkv"),
                    rf"tokenizer\.ggml\.model='rwkv' of a llama file is built as byte-level BPE by {_V}"),
@@ -166,6 +180,17 @@ def test_before_transformers_5_18_what_it_would_build_otherwise_is_refused(tmp_p
             r"'transformers>=5\.18' builds it from tokenizer\.ggml\.model and \.pre\), or use the tokenizer of the "
             r"model's Hugging Face directory \(from Python, load_model\(\.\.\., tokenizer=False\) loads the weights "
             r"alone\)", why), why
+
+
+@pytest.mark.parametrize("version", [(5, 18, 0), (5, 18)], ids=["5.18.0", "5.18"])  # "5.18" reads as (5, 18)
+def test_from_transformers_5_18_a_file_is_built_as_its_metadata_says(tmp_path, monkeypatch, version):
+    """transformers 5.18 is the first that reads tokenizer.ggml.model and .pre: a Llama 3 ('llama-bpe') file,
+    refused under 5.17, is built under 5.18 however its version reads."""
+    monkeypatch.setattr(gguf_tokenizer, "transformers_version", lambda: version)
+    path = tmp_path / "llama3.gguf"
+    write_gguf(path, "llama", hf_model("llama", vocab_size=_BPE_VOCAB), extra=_bpe(pre="llama-bpe"))
+    tok, why = convert_tokenizer(path)
+    assert why is None and tok.eos_token == "<|im_end|>"
 
 
 def test_a_converter_error_names_the_file_and_the_fix(tmp_path, monkeypatch):

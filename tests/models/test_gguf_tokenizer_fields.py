@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import gguf
 import pytest
 import transformers
 from tokenizers import Tokenizer, decoders
@@ -18,9 +19,18 @@ from test_gguf_tokenizer import _SPM_TOKENS, _spm_tokenizer_metadata
 
 
 @pytest.mark.parametrize("add_eos", [None, True, False])
-def test_add_eos_token_is_as_the_file_says(tmp_path, add_eos):
+def test_add_eos_token_is_as_the_file_says(tmp_path, monkeypatch, add_eos):
     """tokenizer.ggml.add_eos_token=true gives a tokenizer that appends eos; false, or the key left out, one that
-    appends none (the key is read, not left to transformers' converter)."""
+    appends none (the key is read, not left to transformers' converter: here one that says the opposite, as 5.17's
+    ignored add_bos_token)."""
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def contrary(*a, **kw):
+        tok = real(*a, **kw)
+        tok.add_eos_token = not add_eos
+        return tok
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", contrary)
     m = hf_model("llama", vocab_size=_BPE_VOCAB)
     path = tmp_path / "eos.gguf"
 
@@ -74,6 +84,28 @@ def test_a_sentencepiece_file_gets_its_bos(tmp_path, monkeypatch):
     tok, why = convert_tokenizer(path)
     assert tok is not None, why
     assert tok("hello")["input_ids"][0] == 1  # <s>, as llama.cpp adds it (add_bos_token absent: SentencePiece)
+
+
+def test_the_files_specials_overrule_the_converters(tmp_path, monkeypatch):
+    """Every special token is the token of the id the file names, and None where it names none, whatever
+    transformers' converter set: a converter that invents a pad, or another unk, is overruled by the file (a pad the
+    file names none of was left as the converter set it, and the unk was not read at all)."""
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def spoiled(*a, **kw):
+        tok = real(*a, **kw)
+        tok.pad_token = "</s>"  # the file names no pad
+        tok.unk_token = "<s>"  # the file's unk is <unk>
+        return tok
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spoiled)
+    m = hf_model("llama", vocab_size=len(_SPM_TOKENS))
+    path = tmp_path / "spm.gguf"
+    write_gguf(path, "llama", m, extra=_spm_tokenizer_metadata)
+    tok, why = convert_tokenizer(path)
+    assert tok is not None, why
+    assert (tok.bos_token, tok.eos_token, tok.unk_token, tok.pad_token) == ("<s>", "</s>", "<unk>", None)
+    assert (tok.unk_token_id, tok.pad_token_id) == (0, None)
 
 
 def test_the_old_sentencepiece_form_loses_its_space_prefix_and_decodes_back(tmp_path):
@@ -136,16 +168,20 @@ def test_a_metaspace_inside_a_sequence_pre_tokenizer_loses_its_prefix(tmp_path):
     assert not pieces[0].startswith("▁"), pieces
 
 
-def test_an_eos_id_equal_to_the_vocabulary_size_is_named(tmp_path):
-    """A special token id one past the last token is named as not a token id, as one further out is (not a bare
-    IndexError in the message)."""
+@pytest.mark.parametrize("value, vtype", [(_BPE_VOCAB, gguf.GGUFValueType.UINT32), (-1, gguf.GGUFValueType.INT32),
+                                          ("2", gguf.GGUFValueType.STRING)], ids=["past_the_end", "negative", "string"])
+def test_an_eos_id_that_is_no_token_id_is_named(tmp_path, value, vtype):
+    """A special token id that is not an integer in [0, n_tokens) is named as not a token id, as one further out
+    is: one past the last token (not a bare IndexError in the message), a negative one (an INT32 -1 would index the
+    token list from its end: eos = the last token, silently) and a string (not a bare TypeError text)."""
     m = hf_model("llama", vocab_size=_BPE_VOCAB)
-    path = tmp_path / "eos_at_n.gguf"
-    write_gguf(path, "llama", m, extra=lambda w: _bpe_tokenizer_metadata(w, eos_id=_BPE_VOCAB))
+    path = tmp_path / "bad_eos.gguf"
+    write_gguf(path, "llama", m, extra=lambda w: (_bpe_tokenizer_metadata(w, eos_id=None),
+                                                  w.add_key_value("tokenizer.ggml.eos_token_id", value, vtype)))
     tok, why = convert_tokenizer(path)
-    assert tok is None
-    assert (f"metadata tokenizer.ggml.eos_token_id={_BPE_VOCAB} is not a token id of its {_BPE_VOCAB} tokens"
-            in why), why
+    assert tok is None, (tok.eos_token, tok.eos_token_id)
+    assert (f"metadata tokenizer.ggml.eos_token_id={value!r} is not a token id of its {_BPE_VOCAB} tokens; the "
+            "file's metadata is damaged" in why), why
 
 
 def test_a_gguf_without_a_chat_template_is_named_by_its_file(tmp_path):
