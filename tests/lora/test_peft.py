@@ -6,6 +6,7 @@ import peft
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from chronicals.lora import apply_lora, load_adapter, merge_lora, save_adapter
@@ -103,6 +104,16 @@ def test_save_replaces_an_existing_adapter_and_config_fields(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
     cfg = json.loads((out / "adapter_config.json").read_text())
     assert (cfg["peft_type"], cfg["r"], cfg["lora_alpha"], cfg["target_modules"]) == ("LORA", 2, 4, ["q_proj"])
+
+
+def test_the_adapter_weights_file_says_format_pt(tmp_path):
+    """adapter_model.safetensors carries metadata {"format": "pt"}, as PEFT's save_pretrained writes it:
+    transformers 4.x and other safetensors readers look for it."""
+    ours = tiny_model()
+    apply_lora(ours, r=2, alpha=4, target_modules=["q_proj"])
+    save_adapter(ours, tmp_path / "a")
+    with safe_open(str(tmp_path / "a" / "adapter_model.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
 
 
 def test_load_rejects_unsupported_and_mismatched(tmp_path):

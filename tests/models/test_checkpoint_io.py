@@ -85,6 +85,9 @@ def test_hf_saved_checkpoint_loads_with_dtype(tmp_path, tiny_hf_config):
 
 
 def test_tied_checkpoint_may_carry_lm_head(tmp_path, tiny_hf_config):
+    """A tied checkpoint storing a copy of its embedding as lm_head.weight (.bin conversions do) loads, in its own
+    dtype and in another: the two are compared in the dtype loaded (compared in the file's fp32 against the
+    bf16-rounded embedding, a load with dtype=bfloat16 was refused as having a different head)."""
     cfg = tiny_hf_config("qwen2")
     model = _model(cfg)
     out = chronicals.save_model(model, None, tmp_path / "m")
@@ -92,6 +95,9 @@ def test_tied_checkpoint_may_carry_lm_head(tmp_path, tiny_hf_config):
     sd["lm_head.weight"] = model.lm_head.weight.detach().clone()
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     assert torch.equal(_logits(chronicals.load_model(out, tokenizer=False)[0]), _logits(model))
+    bf16, _ = chronicals.load_model(out, tokenizer=False, dtype=torch.bfloat16)
+    assert bf16.lm_head.weight is bf16.model.embed_tokens.weight
+    assert torch.equal(bf16.model.embed_tokens.weight, model.model.embed_tokens.weight.detach().to(torch.bfloat16))
 
 
 def test_save_with_tokenizer_round_trips(tmp_path, one_thread, smollm2):
@@ -125,6 +131,18 @@ def test_overwrite_is_atomic(tmp_path, tiny_hf_config):
     chronicals.save_model(b, None, out)  # a successful overwrite replaces it
     assert torch.equal(_logits(chronicals.load_model(out, tokenizer=False)[0]), _logits(b))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_a_save_interrupted_by_ctrl_c_leaves_no_temporary_directory(tmp_path, tiny_hf_config):
+    """The temporary directory is removed for any BaseException, not only for errors: a KeyboardInterrupt while the
+    tokenizer files were written left a .m.tmp-* directory (up to a whole model's size) beside the output."""
+    class InterruptedTokenizer:
+        def save_pretrained(self, path):
+            raise KeyboardInterrupt  # the user's Ctrl-C
+
+    with pytest.raises(KeyboardInterrupt):
+        chronicals.save_model(_model(tiny_hf_config("llama2")), InterruptedTokenizer(), tmp_path / "m")
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------- errors
@@ -167,6 +185,25 @@ def test_missing_shard(tmp_path, tiny_hf_config):
     (out / shards[1]).unlink()
     with pytest.raises(FileNotFoundError, match=rf"names shard\(s\) that are missing: {shards[1]}"):
         chronicals.load_model(out, tokenizer=False)
+
+
+def test_a_shard_index_that_is_a_directory_says_so(saved):
+    """A model.safetensors.index.json that is a directory (a botched copy) is named as one, not reported as a
+    directory holding no checkpoint file at all ("no model.safetensors or model.safetensors.index.json")."""
+    (saved / "model.safetensors").rename(saved / "model-00001-of-00001.safetensors")
+    (saved / "model.safetensors.index.json").mkdir()
+    with pytest.raises(ValueError, match=rf"{saved / 'model.safetensors.index.json'}: is a directory, not a file"):
+        chronicals.load_model(saved, tokenizer=False)
+
+
+def test_a_tensor_mapped_to_an_empty_name_makes_the_index_invalid(saved):
+    """A shard index mapping a tensor to "" is an invalid index naming the tensor, not a missing shard named by
+    the directory's own name ("names shard(s) that are missing: m")."""
+    (saved / "model.safetensors").rename(saved / "model-00001-of-00001.safetensors")
+    (saved / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": ""}}))
+    with pytest.raises(ValueError, match=r"not a valid safetensors index \(tensor 'model\.norm\.weight' is mapped "
+                                         r"to '', not to a file name in"):
+        chronicals.load_model(saved, tokenizer=False)
 
 
 def test_missing_and_unexpected_tensor_names(saved):

@@ -3,6 +3,7 @@ empty, a tied checkpoint stored as its head alone, the written dtype, links in t
 tokenizers writer, and the defaults of keys a config.json leaves out (as transformers reads them)."""
 from __future__ import annotations
 
+import errno
 import json
 
 import pytest
@@ -11,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from chronicals.models import CausalLM, ModelConfig
-from chronicals.models.hf_io import load_hf_dir, save_hf_dir
+from chronicals.models.hf_io import load_hf_dir, save_hf_dir, write_state_dict, write_tensors_lazily
 
 _COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=128, hidden_act="silu",
@@ -51,6 +52,27 @@ def test_shards_are_filled_greedily_and_every_shard_file_holds_tensors(tmp_path,
             assert len(list(fh.keys())) >= 1
 
 
+def test_a_shard_is_filled_up_to_exactly_max_shard_bytes(tmp_path):
+    """max_shard_bytes is inclusive, as in transformers: tensors of 400 + 600 bytes share a 1000-byte shard (with
+    ``>=`` they were split into a shard each, a third shard for the same tensors)."""
+    sd = {"a": torch.zeros(100), "b": torch.zeros(150), "c": torch.zeros(100)}  # 400, 600, 400 bytes (fp32)
+    write_state_dict(sd, tmp_path, max_shard_bytes=1000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {"a": "model-00001-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
+                                   "c": "model-00002-of-00002.safetensors"}
+    assert sorted(p.name for p in tmp_path.glob("model-*")) == ["model-00001-of-00002.safetensors",
+                                                                 "model-00002-of-00002.safetensors"]
+
+
+def test_a_lazy_tensor_of_other_bytes_than_planned_is_refused(tmp_path):
+    """The shards are laid out from the planned sizes before any tensor is made (a GGUF conversion), so a tensor of
+    other bytes is refused, and nothing written: unchecked, it made shards above max_shard_bytes and an index whose
+    total_size is wrong."""
+    with pytest.raises(AssertionError, match=r"tensor w: 16 bytes made, 8 planned"):
+        write_tensors_lazily([("w", 8, lambda: torch.zeros(4))], tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_tied_checkpoint_stored_as_its_head_alone_keeps_the_files_dtype(tmp_path):
     """A tied bf16 checkpoint that stores lm_head.weight only loads in bf16 (dtype None: the file's)."""
     model = _model(tie_word_embeddings=True).to(torch.bfloat16)
@@ -62,6 +84,17 @@ def test_a_tied_checkpoint_stored_as_its_head_alone_keeps_the_files_dtype(tmp_pa
     ours = load_hf_dir(out)
     assert ours.model.embed_tokens.weight.dtype == torch.bfloat16
     assert ours.lm_head.weight is ours.model.embed_tokens.weight
+
+
+def test_dtype_none_follows_the_embedding_not_other_tensors(tmp_path):
+    """A bf16 checkpoint with fp32 norms (as some releases keep them) loads in bf16, the embedding's dtype, not
+    in the dtype of whichever tensor is read last (fp32, at twice the memory)."""
+    model = _model().to(torch.bfloat16)
+    out = save_hf_dir(model, None, tmp_path / "m")
+    sd = {k: (v.float() if k.endswith("norm.weight") else v).contiguous() for k, v in model.state_dict().items()}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    ours = load_hf_dir(out)
+    assert ours.model.embed_tokens.weight.dtype == torch.bfloat16 and ours.model.norm.weight.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("stored, st_name", [(torch.int8, "I8"), (torch.float8_e4m3fn, "F8_E4M3")])
@@ -123,10 +156,18 @@ class _RustFullDisk:
         raise Exception("No space left on device (os error 28)")  # the tokenizers library's bare Exception
 
 
-def test_a_full_disk_in_the_tokenizers_rust_writer_is_an_oserror_naming_the_output(tmp_path):
-    """The Rust writer's bare Exception is an OSError naming the output, and nothing is left behind."""
-    with pytest.raises(OSError, match=r"could not write the tokenizer files of .*out.*os error 28.*disk full"):
-        save_hf_dir(_model(), _RustFullDisk(), tmp_path / "out")
+class _PythonFullDisk:
+    def save_pretrained(self, d):
+        raise OSError(errno.ENOSPC, "No space left on device")  # transformers' own Python writing a file
+
+
+@pytest.mark.parametrize("writer", [_RustFullDisk, _PythonFullDisk])
+def test_a_full_disk_in_the_tokenizer_writer_is_an_oserror_naming_the_output(tmp_path, writer):
+    """The Rust writer's bare Exception and a Python OSError are both an OSError naming the output with the
+    disk-full hint (the OSError was passed on as it came, naming neither), and nothing is left behind."""
+    with pytest.raises(OSError, match=rf"could not write the tokenizer files of {tmp_path / 'out'} \(.*No space "
+                                      r"left on device.*\); is its disk full"):
+        save_hf_dir(_model(), writer(), tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -42,17 +42,37 @@ def test_shard_index_total_size_is_the_bytes_of_every_tensor(tmp_path, tiny_hf_c
     assert index["metadata"]["total_size"] == total > 0
 
 
+class _TokenizerWithFolder:
+    def save_pretrained(self, d):  # what transformers 5 writes for named chat templates
+        os.mkdir(os.path.join(d, "additional_chat_templates"))
+        with open(os.path.join(d, "additional_chat_templates", "tool_use.jinja"), "w") as f:
+            f.write("{{ messages }}")
+        with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+            f.write("{}")
+
+
 def test_saved_files_are_world_readable_under_a_strict_umask(tmp_path, tiny_hf_config):
-    """Under umask 077 (some writers create 0600 files) the saved directory is 0755 and its files 0644, so a
-    model saved on a shared machine can be read by other users."""
+    """Under umask 077 (some writers create 0600 files) the saved directory and the folders in it (a tokenizer's
+    additional_chat_templates/, once 0700) are 0755 and every file 0644, so a model saved on a shared machine can
+    be read by other users."""
     old = os.umask(0o077)
     try:
-        out = chronicals.save_model(_model(tiny_hf_config("llama2")), None, tmp_path / "m", max_shard_bytes=20_000)
+        out = chronicals.save_model(_model(tiny_hf_config("llama2")), _TokenizerWithFolder(), tmp_path / "m",
+                                    max_shard_bytes=20_000)
     finally:
         os.umask(old)
-    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in out.iterdir()}
-    assert len(modes) >= 3 and modes == {name: "0o644" for name in modes}
+    modes = {str(f.relative_to(out)): oct(f.stat().st_mode & 0o777) for f in out.rglob("*")}
+    assert len(modes) >= 5 and "additional_chat_templates/tool_use.jinja" in modes
+    assert modes == {name: "0o755" if (out / name).is_dir() else "0o644" for name in modes}
     assert oct(out.stat().st_mode & 0o777) == "0o755"
+
+
+def test_saved_safetensors_files_say_format_pt(tmp_path, tiny_hf_config):
+    """model.safetensors carries metadata {"format": "pt"}, as transformers' save_pretrained writes it: transformers
+    4.x and other safetensors readers look for it (tests/lora/test_peft.py checks the adapter's file)."""
+    out = chronicals.save_model(_model(tiny_hf_config("llama2")), None, tmp_path / "m")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
 
 
 def test_rope_scaling_named_by_the_older_type_key_survives_save(tmp_path, tiny_hf_config):

@@ -1,14 +1,17 @@
-"""How a model is named: dtype names with torch's prefix, relative paths recorded absolute, short names in any case,
-and two equal names that point at no file."""
+"""How a model is named: dtype names with torch's prefix, relative paths recorded absolute, short names in any case
+(and only short names), two equal names that point at no file, and the source a GGUF's tokenizer names."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
+from test_gguf_metadata import hf_model, write_gguf
+from test_gguf_tokenizer import _SPM_TOKENS, _spm_tokenizer_metadata
 
 import chronicals
-from chronicals.models.loading import _check_dtype, recorded_name, resolve_path, same_model
+from chronicals.models.loading import _check_dtype, recorded_name, require_chat_template, resolve_path, same_model
 from chronicals.train.resume import _adapter_diffs
 
 
@@ -30,6 +33,10 @@ def test_a_relative_model_path_is_recorded_absolute(tmp_path, monkeypatch, tiny_
     monkeypatch.chdir(tmp_path)
     assert recorded_name("base") == str((tmp_path / "base").resolve())
     assert recorded_name("~/../nonexistent-xyz") == "~/../nonexistent-xyz"  # a missing path: as given
+    # a short name stays as it is, even beside a folder of its name (load_model takes the short name first: the
+    # folder's absolute path was recorded as the base of a model that is the embedded one)
+    (tmp_path / "smollm2-135m-instruct").mkdir()
+    assert recorded_name("smollm2-135m-instruct") == "smollm2-135m-instruct"
     assert recorded_name("SmolLM2-135M-Instruct") == "SmolLM2-135M-Instruct"
     model, _ = chronicals.load_model("base", tokenizer=False)
     assert model.chronicals_base == str((tmp_path / "base").resolve())
@@ -41,6 +48,16 @@ def test_equal_short_names_and_missing_paths_are_one_model():
     model: comparing files only made them differ."""
     assert same_model("smollm2-135m-instruct", "smollm2-135m-instruct")
     assert same_model("/nowhere/base", "/nowhere/base")
+
+
+def test_paths_that_differ_in_case_are_two_models(tmp_path):
+    """Only a short name is taken in any case: /models/Llama and /models/llama are two models on a case-sensitive
+    file system, so a resume or --adapter onto one from a run of the other is not waved through as the same base."""
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "Llama").mkdir()
+    assert not same_model(str(tmp_path / "llama"), str(tmp_path / "Llama"))
+    assert not same_model("/nowhere/Model", "/nowhere/model")  # neither exists: still two names
+    assert same_model("SmolLM2-135M-Instruct", "smollm2-135m-instruct")
 
 
 def test_a_lora_checkpoint_on_the_embedded_model_resumes_on_it(tmp_path):
@@ -55,3 +72,15 @@ def test_a_short_name_in_the_models_own_spelling_resolves():
     """A short name is taken in any case ("SmolLM2-135M-Instruct", as the model card spells it)."""
     assert resolve_path("SmolLM2-135M-Instruct") == resolve_path("smollm2-135m-instruct")
     assert resolve_path("SmolLM2-135M-Instruct").name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_the_tokenizer_of_a_gguf_names_the_gguf_as_its_source(tmp_path):
+    """load_model(x.gguf) loads the tokenizer from the path given, so its chronicals_source, which later errors name,
+    is the .gguf file the user passed, not the conversion cache's directory."""
+    m = hf_model("llama", vocab_size=len(_SPM_TOKENS))
+    path = tmp_path / "base.gguf"
+    write_gguf(path, "llama", m, extra=_spm_tokenizer_metadata)  # no chat template
+    _, tok = chronicals.load_model(path)
+    assert tok.chronicals_source == str(path)
+    with pytest.raises(ValueError, match=rf"^{path}: the tokenizer has no chat template"):
+        require_chat_template(tok)
