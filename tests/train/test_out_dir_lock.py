@@ -5,6 +5,7 @@ stopping at the model's context."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -385,3 +386,23 @@ def test_a_lock_file_removed_before_it_was_locked_is_not_the_one_held(tmp_path, 
             with out_dir_lock(out):
                 pass
     assert not (out / LOCK_FILE).exists()
+
+
+def test_a_file_system_without_flock_trains_unlocked_and_says_so(tmp_path, monkeypatch, caplog):
+    """Where flock fails with another error than "held" (ENOLCK on some network mounts) the run goes on unlocked
+    with a warning naming out_dir, and leaves no lock file behind (not a ConfigError saying the directory is in
+    use: nothing else holds it)."""
+    out = tmp_path / "run"
+    out.mkdir()
+
+    def flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    ran = []
+    with caplog.at_level("WARNING", logger="chronicals"):
+        with out_dir_lock(out):
+            ran.append(True)
+    assert ran == [True] and not (out / LOCK_FILE).exists()
+    assert f"train.out_dir={out} is not locked against a second run" in caplog.text
+    assert "No locks available" in caplog.text

@@ -302,7 +302,13 @@ def out_dir_lock(out_dir: Path, hold: bool = True):
         except OSError as e:  # a filesystem without flock (some network mounts): train unlocked, say so
             os.close(fd)
             log.warning("cannot lock %s (%s): train.out_dir=%s is not locked against a second run", path, e, out_dir)
-            yield
+            try:
+                yield
+            finally:  # the file this run made is left behind by no run
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError:
+                    pass
             return
         try:
             same = os.path.samestat(os.fstat(fd), os.stat(path))
