@@ -235,6 +235,32 @@ def test_a_replace_leaves_nothing_beside_its_output(tmp_path, monkeypatch):
     assert (out / "config.json").read_text() == "new" and _names(tmp_path) == ["model"]
 
 
+def test_a_directory_that_takes_no_flock_publishes_unlocked(tmp_path, monkeypatch, caplog):
+    """Where the output's parent directory takes no flock (EBADF/ENOLCK on some network file systems) the publish
+    step runs unlocked and the replace completes, said at DEBUG; the writer's own lock (a file) is still taken."""
+    import errno
+    import fcntl
+
+    from chronicals.models import hf_io
+
+    real, ops = fcntl.flock, []
+
+    def flock(fd, op):
+        ops.append(op)
+        if op == fcntl.LOCK_EX:  # the blocking lock is publish_lock's, on the directory
+            raise OSError(errno.ENOLCK, "No locks available")
+        return real(fd, op)
+
+    monkeypatch.setattr(orphans.fcntl, "flock", flock)
+    out = _model_dir(tmp_path / "model", "old")
+    with caplog.at_level(logging.DEBUG, logger="chronicals"):
+        with hf_io.atomic_dir(out) as tmp:
+            (tmp / "config.json").write_text("new")
+    assert (out / "config.json").read_text() == "new" and _names(tmp_path) == ["model"]
+    assert fcntl.LOCK_EX in ops and fcntl.LOCK_EX | fcntl.LOCK_NB in ops
+    assert f"no lock on {tmp_path} ([Errno {errno.ENOLCK}] No locks available): publishing unlocked" in caplog.text
+
+
 def test_a_replace_that_cannot_put_the_previous_output_back_keeps_its_lock(tmp_path, monkeypatch):
     """When both the new directory's rename and the previous output's rename back fail, the previous output stays
     under ``<tmp>.old`` with its lock file (free once the writer is done): the next write puts it back."""
