@@ -80,6 +80,15 @@ def test_learning_fails_a_non_finite_gradient_norm_after_the_first_step(monkeypa
     assert all(math.isnan(r["min_grad_norm"]) and "not finite in 1 steps" in r["reason"] for r in res["runs"])
 
 
+def test_learning_names_a_non_finite_loss_as_such(monkeypatch):
+    """A run whose loss goes NaN while its gradient norms stay finite is FAILED with the reason the table's row check
+    gives ("loss not finite"), not "loss did not fall by 25%", which read as slow learning."""
+    real = checks.train_step
+    monkeypatch.setattr(checks, "train_step", lambda *a, **k: (torch.tensor(float("nan")), real(*a, **k)[1]))
+    res = checks.learning(RunSpec("learning", shape="tiny", rows=1, seq=16, steps=2, device="cpu", lr=3e-3))
+    assert [(r["status"], r["reason"]) for r in res["runs"]] == [("FAILED", "loss not finite in 2 steps")] * 2
+
+
 def test_correctness_without_peft_says_not_installed_not_failed(monkeypatch):
     """peft is a test extra: without it the LoRA parity row said FAILED (ModuleNotFoundError), read as 'wrong
     gradients' (a bench walk). It says what is missing, and the check's status is the full row's."""

@@ -171,8 +171,11 @@ def learning(spec: RunSpec, period: int = 16, min_drop_full: float = 0.25, min_d
             smallest = min(norms) if finite else float("nan")
             ok = all(map(math.isfinite, losses)) and losses[-1] <= (1 - min_drop) * losses[0] and finite \
                 and smallest > 0
+            bad_losses = sum(not math.isfinite(x) for x in losses)
             why = (f"gradient norm not finite in {sum(not math.isfinite(n) for n in norms)} steps" if not finite
-                   else "gradient norm 0" if smallest <= 0 else f"loss did not fall by {min_drop:.0%} of its first value")
+                   else "gradient norm 0" if smallest <= 0
+                   else f"loss not finite in {bad_losses} steps" if bad_losses  # as the table's row check says
+                   else f"loss did not fall by {min_drop:.0%} of its first value")
             out["runs"].append({"method": method, "losses": losses, "min_grad_norm": smallest,
                                 "status": "ok" if ok else "FAILED", "reason": "" if ok else why})
             del model, opt
