@@ -48,6 +48,30 @@ def test_a_default_that_does_not_fit_the_heads_says_which_key_is_missing():
     assert ModelConfig.from_hf_dict({**d, "num_key_value_heads": None}).num_key_value_heads == 14  # null: derived
 
 
+@pytest.mark.parametrize("family", ["llama2", "mistral", "qwen2"])
+def test_zero_kv_heads_and_head_dim_are_derived_like_null(tiny_hf_config, family):
+    """num_key_value_heads and head_dim written as 0 mean "not set", as null does, even in families whose absent key
+    takes a class default (gguf_io relies on it for a head_count_kv of 0): one kv head per head, head_dim = hidden /
+    heads. Such configs were refused as "num_key_value_heads=0 must be an integer >= 1"."""
+    cfg = ModelConfig.from_hf_dict(tiny_hf_config(family, num_key_value_heads=0, head_dim=0))
+    assert (cfg.num_key_value_heads, cfg.head_dim) == (4, 32 // 4)
+
+
+@pytest.mark.parametrize("family,max_pos", [("llama2", 2048), ("qwen2", 32768)])
+def test_null_max_positions_and_attention_dropout_read_and_save_as_their_defaults(tiny_hf_config, family, max_pos):
+    """max_position_embeddings and attention_dropout written as null read as an absent key does (the family's
+    transformers default: Llama 2048, Qwen2 32768; 0.0) and are saved so. A kept null gave generation and evaluation
+    no context limit, failed a llama3 rope (no original context: None / float), and saved an attention_dropout of
+    null, which transformers passes to its attention as the dropout probability in training."""
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    cfg = ModelConfig.from_hf_dict(tiny_hf_config(family, max_position_embeddings=None, attention_dropout=None,
+                                                  rope_scaling=rope))
+    assert cfg.max_position_embeddings == cfg.rope_scaling["original_max_position_embeddings"] == max_pos
+    assert cfg.attention_dropout == 0.0 and isinstance(cfg.attention_dropout, float)
+    saved = cfg.to_hf_dict()
+    assert (saved["max_position_embeddings"], saved["attention_dropout"]) == (max_pos, 0.0)
+
+
 def test_weights_that_do_not_fit_the_default_name_the_absent_key(tmp_path):
     """A Mistral checkpoint with 16 kv heads whose config.json lost num_key_value_heads: transformers reads 8 and
     so do we; the shape error says the key is absent and which default was used."""

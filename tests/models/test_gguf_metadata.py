@@ -142,6 +142,17 @@ def test_per_layer_metadata_alike_for_every_layer_loads(tmp_path):
     assert ours.config.num_key_value_heads == 2 and _rel_err(ours, m) <= 1e-5
 
 
+def test_a_split_count_of_one_is_a_whole_file_and_loads(tmp_path):
+    """llama.cpp's gguf-split writes split.count into every part, 1 when the model fit in one: such a file is the
+    whole model and loads (only split.count > 1 is one part of several); it was refused as "part 1 of 1 of a split
+    GGUF"."""
+    m = hf_model("llama")
+    path = tmp_path / "whole.gguf"
+    write_gguf(path, "llama", m, extra=lambda w: (w.add_uint16("split.count", 1), w.add_uint16("split.no", 0)))
+    ours, _ = chronicals.load_model(path, tokenizer=False)
+    assert _rel_err(ours, m) <= 1e-5
+
+
 def _bpe_tokenizer_metadata(w, *, model: str = "gpt2", merges: bool = True, pre: str | None = "gpt-2",
                             eos_id: int | None = 2) -> None:
     """A tiny byte-level BPE tokenizer as llama.cpp writes one (SmolLM2 / Qwen style): 3 special tokens, the

@@ -52,12 +52,16 @@ def test_a_gguf_without_vocab_size_loads_with_the_embeddings_rows(tmp_path):
     assert _rel_err(ours, m) <= 1e-5
 
 
-def test_head_count_kv_zero_loads_as_one_kv_head_per_head(tmp_path):
-    """head_count_kv=0 means "not set" (one kv head per head): the K rows are un-permuted by the query head count,
-    not refused as "do not split into rotary pairs of 0 heads"."""
+@pytest.mark.parametrize("kv", [None, 0])
+def test_head_count_kv_absent_or_zero_loads_as_one_kv_head_per_head(tmp_path, kv):
+    """No head_count_kv (older Llama 1/2 files; llama.cpp then reads head_count) or head_count_kv=0 ("not set") is
+    one kv head per head: the K rows are un-permuted by the query head count. An absent key was read as one kv head
+    and the file refused as damaged ("k_proj.weight (64, 64) (expected (16, 64))"); 0 as "do not split into rotary
+    pairs of 0 heads"."""
     m = hf_model("llama", num_key_value_heads=4)
-    path = tmp_path / "kv0.gguf"
-    write_gguf(path, "llama", m, skip=("head_count_kv",), extra=lambda w: w.add_head_count_kv(0))
+    path = tmp_path / "kv.gguf"
+    write_gguf(path, "llama", m, skip=("head_count_kv",),
+               extra=None if kv is None else lambda w: w.add_head_count_kv(kv))
     ours, _ = chronicals.load_model(path, tokenizer=False)
     assert ours.config.num_key_value_heads == 4
     assert _rel_err(ours, m) <= 1e-5

@@ -46,6 +46,9 @@ def _edit_config(d, **fields):
     ({"num_attention_heads": 5, "num_key_value_heads": 5, "head_dim": None},  # was a shape mismatch of k_proj
      r"hidden_size=32 is not a multiple of num_attention_heads=5 and no head_dim is given"),
     ({"num_key_value_heads": 3}, r"num_attention_heads=4 is not a multiple of num_key_value_heads=3"),  # no file
+    # rotary dims past head_dim: from_hf_dict built the config (its first forward failed in rope_qk, naming neither
+    # file nor field); load_model refused it only as a partial rotary transformers lacks, not as out of range
+    ({"partial_rotary_factor": 1.5}, r"partial_rotary_factor=1\.5 must be in \(0, 1\]; fix config\.json"),
 ])
 def test_config_field_of_a_wrong_type_or_range_names_file_and_field(saved, fields, says):
     _edit_config(saved, **fields)
