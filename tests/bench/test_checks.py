@@ -3,19 +3,74 @@ tiny model on CPU."""
 
 import math
 
+import pytest
 import torch
 
 from chronicals.bench import checks
 from chronicals.bench.protocol import RunSpec
 
 
-def test_parity_full_and_lora():
+def test_parity_full_and_lora(monkeypatch):
+    """Also: LoRA parity sets PEFT's B non-zero (PEFT starts it at 0), so the adapters shape the loss and every A
+    gets a gradient; with B left at 0 the A gradients were all 0 and the LoRA parity checked almost nothing."""
+    real, grads = checks.first_step, []
+
+    def first_step(*a):
+        out = real(*a)
+        grads.append(out[2])
+        return out
+
+    monkeypatch.setattr(checks, "first_step", first_step)
     res = checks.correctness(RunSpec("correctness", shape="tiny", rows=2, seq=16, device="cpu"))
     assert res["status"] == "ok", res
     for p in res["parity"]:
         assert p["grad_cos_ours"] > 0.999 and p["grad_norm_ours"] > 0
     lora = res["parity"][1]
     assert lora["method"] == "lora" and lora["params_compared"] == 2 * 7 * 2  # A and B of 7 projections x 2 layers
+    a_grads = [g for step in grads for n, g in step.items() if "lora_A" in n]  # reference, transformers, ours
+    assert len(a_grads) == 3 * 2 * 7 and all(float(g.abs().max()) > 0 for g in a_grads)
+
+
+def _off_step(monkeypatch, loss_scale=1.0, grad_scale=1.0, shuffle=False):
+    """Ours (checks.chronicals_step) made wrong in one quantity: its loss scaled, its gradients scaled, or the
+    largest gradient's entries permuted (same norm, another direction)."""
+    real = checks.chronicals_step
+
+    def step(model, spec, device, *a, **k):
+        prep, fb = real(model, spec, device, *a, **k)
+
+        def off(batch):
+            loss = fb(batch)
+            with torch.no_grad():
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                for g in grads:
+                    g.mul_(grad_scale)
+                if shuffle:
+                    flat = max(grads, key=lambda t: t.numel()).view(-1)
+                    flat.copy_(flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(0))])
+            return loss * loss_scale
+
+        return prep, off
+
+    monkeypatch.setattr(checks, "chronicals_step", step)
+
+
+@pytest.mark.parametrize("off,status", [({}, "ok"), ({"loss_scale": 1.01}, "FAILED"), ({"grad_scale": 1.1}, "FAILED"),
+                                        ({"shuffle": True}, "FAILED")])
+def test_parity_fails_ours_off_in_loss_norm_or_direction(monkeypatch, off, status):
+    """Each of the loss, the gradient norm and the gradient direction is checked on its own (the other two left
+    exact): nothing made the parity FAIL before, so dropping the norm or the cosine condition, or a loss floor of
+    10%, passed. Full fine-tune, 1 x 8 tokens."""
+    _off_step(monkeypatch, **off)
+    res = checks._parity(RunSpec("correctness", shape="tiny", rows=1, seq=8, device="cpu"), "full")
+    assert res["status"] == status, res
+    err = res["rel_err"]
+    if "loss_scale" in off:
+        assert err["loss_ours"] > 5e-3
+    if "grad_scale" in off:
+        assert err["norm_ours"] > 5e-3
+    if "shuffle" in off:  # the norm is untouched, only the direction is wrong
+        assert err["norm_ours"] < 2e-2 and res["grad_cos_ours"] < 0.99
 
 
 def test_canonical_names_and_cosine():
@@ -48,6 +103,39 @@ def test_learning_fails_a_loss_that_falls_less_than_min_drop():
     assert all(r["losses"][-1] < r["losses"][0] for r in res["runs"])  # it fell, just not by 99%
 
 
+def test_learning_fails_when_either_run_fails():
+    """Each run has its own min_drop and the check is FAILED when either run fails: a passing full run carried a
+    failing LoRA run (any instead of all)."""
+    res = checks.learning(RunSpec("learning", shape="tiny", rows=1, seq=16, steps=2, device="cpu", lr=3e-3),
+                          min_drop_full=0.0, min_drop_lora=0.99)
+    assert [r["status"] for r in res["runs"]] == ["ok", "FAILED"]
+    assert res["status"] == "FAILED" and res["reason"] == "lora: loss did not fall by 99% of its first value"
+
+
+def test_learning_fails_a_zero_gradient_norm(monkeypatch):
+    """A run whose gradient norm is 0 is not training: FAILED even when its loss fell (min_drop 0 here)."""
+    real = checks.train_step
+    monkeypatch.setattr(checks, "train_step", lambda *a, **k: (real(*a, **k)[0], torch.tensor(0.0)))
+    res = checks.learning(RunSpec("learning", shape="tiny", rows=1, seq=16, steps=2, device="cpu", lr=3e-3),
+                          min_drop_full=0.0, min_drop_lora=0.0)
+    assert [r["status"] for r in res["runs"]] == ["FAILED", "FAILED"]
+    assert all(r["reason"] == "gradient norm 0" and r["min_grad_norm"] == 0.0 for r in res["runs"])
+
+
+@pytest.mark.parametrize("lr,want", [(3e-3, 3e-3), (0.0, 3e-4)])
+def test_learning_rates_full_at_spec_lr_lora_a_third_and_b_16x(monkeypatch, lr, want):
+    """Full fine-tuning at spec.lr (3e-4 when 0); LoRA's A at a third of it and B at 16 x that (LoRA+), whatever the
+    protocol's LR_LORA is. LoRA at the full lr, or every LoRA group at one lr (LoRA+ lost), passed."""
+    real, made = checks.make_optimizer, []
+    monkeypatch.setattr(checks, "make_optimizer", lambda *a: made.append(real(*a)) or made[-1])
+    res = checks.learning(RunSpec("learning", shape="tiny", rows=1, seq=8, steps=1, device="cpu", lr=lr))
+    assert res["lr_full"] == want and res["lr_lora"] == pytest.approx(want / 3)
+    full, lora = made
+    assert [g["lr"] for g in full.param_groups] == [want]
+    by_name = {g["name"]: g["lr"] for g in lora.param_groups}
+    assert by_name["lora_A"] == pytest.approx(want / 3) and by_name["lora_B"] == pytest.approx(16 * want / 3)
+
+
 def test_correctness_fails_when_one_method_fails(monkeypatch):
     def fake(spec, method):
         ok = method == "full"
@@ -56,6 +144,20 @@ def test_correctness_fails_when_one_method_fails(monkeypatch):
     monkeypatch.setattr(checks, "_parity", fake)
     res = checks.correctness(RunSpec("correctness", shape="tiny", rows=2, seq=16, device="cpu"))
     assert res["status"] == "FAILED" and "lora: lora off" in res["reason"]
+
+
+def test_a_parity_that_raises_is_that_methods_error_row(monkeypatch):
+    """An exception inside one method's parity is that method's "error" row; the other row stays and the check is
+    FAILED. Catching only ImportError let it end the whole correctness check."""
+    def fake(spec, method):
+        if method == "lora":
+            raise RuntimeError("state dicts differ")
+        return {"method": method, "status": "ok", "reason": ""}
+
+    monkeypatch.setattr(checks, "_parity", fake)
+    res = checks.correctness(RunSpec("correctness", shape="tiny", rows=1, seq=8, device="cpu"))
+    assert [p["status"] for p in res["parity"]] == ["ok", "error"]
+    assert res["status"] == "FAILED" and "lora: RuntimeError: state dicts differ" in res["reason"]
 
 
 def test_cosine_is_nan_when_one_side_has_extra_parameters():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from chronicals.bench import protocol
-from chronicals.bench.protocol import RunSpec, grad_norm, timed_run, validate_row
+from chronicals.bench.protocol import RunSpec, grad_norm, make_batches, timed_run, validate_row
 from chronicals.bench.shapes import get_shape, matmul_params, model_config, train_flops_per_token
 from chronicals.bench.worker import parse_args, spec_argv
 
@@ -26,6 +26,14 @@ def test_validate_row_ok_and_min_norm():
 def test_validate_row_failed(norms, why):
     row = validate_row(_row(norms))
     assert row["status"] == "FAILED" and why in row["reason"]
+
+
+def test_validate_row_min_grad_norm_is_nan_when_a_norm_is_not_finite():
+    """A FAILED row with one NaN norm among finite ones showed the smallest finite norm (0.5), a healthy-looking
+    value beside FAILED; the table says nan."""
+    row = validate_row(_row([1.0, math.nan, 0.5]))
+    assert row["status"] == "FAILED" and math.isnan(row["min_grad_norm"])
+    assert "not finite in 1 timed steps" in row["reason"]
 
 
 def test_validate_row_failed_on_nan_loss_and_keeps_errors():
@@ -55,13 +63,16 @@ def test_spec_round_trip_through_worker_flags():
     assert spec.loss_tokens == 3 * 16
 
 
-def test_runspec_rejects_bad_values():
-    with pytest.raises(ValueError, match="seq >= 2"):
-        RunSpec("x", seq=1)
-    with pytest.raises(ValueError, match="layout"):
-        RunSpec("x", layout="padded")
-    with pytest.raises(ValueError, match="unknown keys"):
-        RunSpec.from_dict({"contender": "x", "batch": 3})
+@pytest.mark.parametrize("bad,why", [({"seq": 1}, "seq >= 2"), ({"rows": 0}, "rows >= 1"), ({"steps": 0}, "steps >= 1"),
+                                     ({"warmup": -1}, "warmup >= 0"), ({"layout": "padded"}, "layout"),
+                                     ({"attention": "sdpa"}, "attention='sdpa' must be one of"),
+                                     ({"batch": 3}, "unknown keys")])
+def test_runspec_rejects_bad_values(bad, why):
+    """Refused in the parent, before a worker starts: rows=0 (no loss tokens), steps=0 (timed_run divided by zero
+    after the whole warm-up), a negative warm-up, and an attention kernel outside VARLEN_KERNELS (found only inside
+    the worker) were all accepted by a looser check."""
+    with pytest.raises(ValueError, match=why):
+        RunSpec.from_dict({"contender": "x", **bad})
 
 
 class _Built:
@@ -81,14 +92,74 @@ class _Built:
 
 
 def test_tokens_per_s_counts_loss_tokens_of_timed_steps_only(monkeypatch):
-    """rows * (seq - 1) loss tokens per timed step, over the timed window only (warm-up steps excluded)."""
+    """rows * (seq - 1) loss tokens per timed step, over the timed window only (warm-up steps excluded); step_ms is
+    that window per timed step (not the whole window)."""
     clock = iter([10.0, 12.0])  # t0, then the end of the timed window: 2 s
     monkeypatch.setattr(protocol.time, "perf_counter", lambda: next(clock))
     spec = RunSpec("x", rows=3, seq=5, warmup=3, steps=4, device="cpu")
     out = timed_run(_Built(), spec, torch.device("cpu"))
     assert out["seconds"] == 2.0
     assert out["tokens_per_s"] == 3 * 4 * 4 / 2.0  # rows * (seq - 1) * steps / seconds
+    assert out["step_ms"] == 2000.0 / 4
     assert len(out["grad_norms"]) == 4 and len(out["losses"]) == 3 + 4
+
+
+def test_make_batches_follows_the_seed():
+    """The same seed gives the same batches (every contender sees the same tokens) and another seed others; the
+    seed was ignored (--seed did nothing) and no test noticed. Batches are distinct, int64 and in the vocabulary."""
+    a = make_batches(RunSpec("x", rows=2, seq=8, seed=0), 50, 2, "cpu")
+    b = make_batches(RunSpec("y", rows=2, seq=8, seed=0), 50, 2, "cpu")
+    c = make_batches(RunSpec("x", rows=2, seq=8, seed=1), 50, 2, "cpu")
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], c[0])
+    assert not torch.equal(a[0], a[1]) and a[0].dtype == torch.int64 and a[0].shape == (2, 8)
+    assert int(torch.cat(a).min()) >= 0 and int(torch.cat(a).max()) < 50
+
+
+class _Recording(_Built):
+    """_Built that keeps every batch it is fed."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward_backward(self, batch):
+        self.seen.append(batch.clone())
+        return super().forward_backward(batch)
+
+
+@pytest.mark.parametrize("warmup,steps", [(2, 3), (1, 9)])
+def test_timed_run_feeds_distinct_batches_in_order(warmup, steps):
+    """Warm-up steps take make_batches' first batches and timed step i takes batch warmup + i, up to 8 distinct
+    batches cycled: one batch reused for every step, or a timed window replaying the warm-up's batches, passed."""
+    spec = RunSpec("x", rows=2, seq=6, warmup=warmup, steps=steps, device="cpu")
+    built = _Recording()
+    timed_run(built, spec, torch.device("cpu"))
+    want = make_batches(spec, built.vocab_size, min(warmup + steps, 8), "cpu")
+    assert len(built.seen) == warmup + steps
+    assert all(torch.equal(s, want[i % len(want)]) for i, s in enumerate(built.seen))
+
+
+def test_the_clock_is_read_after_a_synchronize_at_both_ends(monkeypatch):
+    """sync, clock, timed steps, sync, clock: without the second sync a GPU run's clock stops while kernels are still
+    queued and tokens/s is inflated (on CPU only the order of the calls shows it)."""
+    events = []
+    built = _Built()
+    real_fb = built.forward_backward
+    built.forward_backward = lambda b: (events.append("step"), real_fb(b))[1]
+    monkeypatch.setattr(protocol, "synchronize", lambda device: events.append("sync"))
+    monkeypatch.setattr(protocol.time, "perf_counter", lambda: (events.append("clock"), float(len(events)))[1])
+    timed_run(built, RunSpec("x", rows=1, seq=3, warmup=1, steps=2, device="cpu"), torch.device("cpu"))
+    assert events == ["step", "sync", "clock", "step", "step", "sync", "clock"]
+
+
+def test_each_grad_norm_is_one_steps_own():
+    """The gradients are cleared after each optimizer step; without that every recorded norm was a running sum over
+    the steps so far. _Built's loss is sum(p) over 2 elements: each step's gradient norm is sqrt(2)."""
+    built = _Built()
+    out = timed_run(built, RunSpec("x", rows=1, seq=3, warmup=2, steps=3, device="cpu"), torch.device("cpu"))
+    assert out["grad_norms"] == pytest.approx([math.sqrt(2.0)] * 3)
+    assert built.p.grad is None
 
 
 def test_grad_norm_is_l2():

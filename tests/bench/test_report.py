@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from chronicals.bench import report
-from chronicals.bench.report import finish_row, markdown_table, table_cells, write_report
+from chronicals.bench.report import (finish_row, markdown_table, report_markdown, table_cells, table_markdown,
+                                     write_report)
 
 
 def _ok_row(**kw):
@@ -33,6 +34,21 @@ def test_table_cells_format():
     missing = table_cells({"contender": "hf-liger", "label": "transformers + Liger", "status": "not installed",
                            "reason": "needs liger_kernel"})
     assert missing["tokens/s"] == "" and missing["status"] == "not installed: needs liger_kernel"
+    assert table_cells(_ok_row(checkpointing=True))["contender"] == "chronicals (ckpt)"  # slower by design
+    assert table_cells(_ok_row(losses=[6.2, 6.0, 5.5, 5.1]))["loss first -> last"] == "6.200 -> 5.100"  # not the 2nd
+
+
+def test_mfu_and_peak_cells_say_na_only_for_measured_rows():
+    """A measured row without MFU or peak (CPU: no matmul peak, no allocator peak) says "n/a"; a row that measured
+    nothing (OOM: tokens_per_s None) is blank, and finish_row gives it the limit without an MFU: it computed one
+    from None and crashed the report (bench.cli calls it on every row)."""
+    cpu = table_cells(finish_row(_ok_row(peak_gib=None), None))
+    assert cpu["MFU"] == "n/a" and cpu["peak GiB"] == "n/a" and cpu["tokens/s"] == "150,000"
+    oom = finish_row({"contender": "hf-sdpa", "label": "transformers", "method": "full", "status": "OOM",
+                      "reason": "out of memory", "flops_per_token": 3.1e9, "tokens_per_s": None}, 775.0)
+    assert "mfu" not in oom and abs(oom["limit_tokens_per_s"] - 775e12 / 3.1e9) < 1e-6
+    cells = table_cells(oom)
+    assert cells["MFU"] == "" and cells["peak GiB"] == "" and cells["tokens/s"] == ""
 
 
 def test_markdown_table_shape():
@@ -70,9 +86,17 @@ def test_write_report_keeps_a_dotted_shape_name(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths.values())
 
 
-def test_a_graphed_row_says_what_its_peak_counts():
-    from chronicals.bench.report import table_markdown
+def test_table_heading_states_the_limit_at_the_measured_peak():
+    """Each method's heading line gives its FLOP per token and, when a peak was measured, its limit in tokens/s at
+    that peak (100% MFU); a table without a peak (CPU) gets no limit clause."""
+    md = table_markdown({"title": "t", "rows_data": [finish_row(_ok_row(), 775.0)]}, 775.0)
+    assert ("- full: 3.1 GFLOP per token (6 x matmul params + attention), limit 250,000 tokens/s at the measured "
+            "peak") in md
+    cpu = table_markdown({"title": "t", "rows_data": [finish_row(_ok_row(), None)]}, None)
+    assert "- full: 3.1 GFLOP per token" in cpu and "limit" not in cpu
 
+
+def test_a_graphed_row_says_what_its_peak_counts():
     plain = table_markdown({"title": "t", "rows_data": [finish_row(_ok_row(), 775.0)]}, 775.0)
     graphed = table_markdown({"title": "t", "rows_data": [finish_row(_ok_row(graph_pool_gib=11.4), 775.0)]}, 775.0)
     assert "graph's memory pool" not in plain and "graph's memory pool plus all the pool reserves" in graphed
@@ -97,6 +121,46 @@ def test_a_second_run_of_one_plan_on_one_day_keeps_the_first(tmp_path):
     assert len(list(tmp_path.iterdir())) == 9  # three runs x json, md, png; no temporary file left
     other_day = write_report(_small_results(date="2026-12-01T10:00:00+00:00"), tmp_path, name="bench_e2e_0.5b")
     assert other_day["json"].name == "bench_e2e_0.5b_NVIDIA-H200_2026-12-01.json"
+
+
+def test_an_earlier_md_or_png_alone_holds_the_name(tmp_path):
+    """An earlier run that left only its .md (or a _2 .png) under the name, its .json gone, still holds the name:
+    the new run goes on to _3 and does not write over those files."""
+    (tmp_path / "b_NVIDIA-H200_2026-11-30.md").write_text("first run")
+    (tmp_path / "b_NVIDIA-H200_2026-11-30_2.png").write_bytes(b"\x89PNG")
+    stem = report.output_stem(_small_results(), tmp_path, name="b")
+    assert stem.name == "b_NVIDIA-H200_2026-11-30_3"
+    assert (tmp_path / "b_NVIDIA-H200_2026-11-30.md").read_text() == "first run"
+
+
+def test_a_given_stem_is_written_over_and_chart_false_writes_no_png(tmp_path):
+    """bench.cli saves after each table: chart=False writes JSON and markdown only (it wrote the PNG too), and
+    stem= writes over that run's files (no _2)."""
+    first = write_report(_small_results(sha="aaaaaaa"), tmp_path, name="b", chart=False)
+    assert set(first) == {"json", "md"} and not list(tmp_path.glob("*.png"))
+    stem = first["json"].with_name(first["json"].name[:-len(".json")])
+    again = write_report(_small_results(sha="bbbbbbb"), tmp_path, name="b", stem=stem)
+    assert again["json"] == first["json"] and again["md"] == first["md"] and again["png"].exists()
+    assert '"bbbbbbb"' in first["json"].read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in again.values())
+
+
+def test_a_run_with_no_measured_row_writes_no_chart(tmp_path):
+    """Only checks, or every row OOM: JSON and markdown, no chart; plot_png crashed in plt.subplots(0, 1)."""
+    results = {"environment": {"gpu": "cpu", "date": "2026-11-30T10:00:00+00:00", "git_sha": "abc1234",
+                               "versions": {}}, "peak_tflops": None, "plan": {"warmup": 1, "steps": 2, "note": ""},
+               "tables": [{"title": "tiny", "rows_data": [{"contender": "hf-sdpa", "status": "OOM",
+                                                           "reason": "out of memory"}]}]}
+    paths = write_report(results, tmp_path)
+    assert set(paths) == {"json", "md"} and sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".md"]
+
+
+def test_partial_only_when_complete_is_false():
+    """**Partial** only for complete: False; results without the key (a caller other than bench.cli) or with
+    complete: True are not called partial."""
+    assert "**Partial**" not in report_markdown(_small_results())
+    assert "**Partial**" not in report_markdown(dict(_small_results(), complete=True))
+    assert "**Partial**" in report_markdown(dict(_small_results(), complete=False))
 
 
 def test_a_failed_chart_leaves_no_file_behind(tmp_path, monkeypatch):
@@ -191,6 +255,30 @@ def test_git_sha_says_dirty_and_another_projects_checkout_is_not_ours(tmp_path, 
     subprocess.run([*git, "-C", str(tmp_path / "other"), "commit", "-q", "--allow-empty", "-m", "y"], check=True)
     assert stamped(inside) != sha and not stamped(inside).endswith("-dirty")
     assert stamped(inside).startswith("v") or stamped(inside) == "unknown"
+
+
+def test_git_sha_is_the_override_else_dirty_only_for_tracked_changes(tmp_path, monkeypatch):
+    """CHRONICALS_GIT_SHA, when set, is the stamp (the GPU machine's copied tree may have an older .git; it was
+    ignored). Otherwise "-dirty" only when tracked files differ from HEAD: an untracked file (a results folder, a
+    scratch script) made the stamp dirty. A stand-in checkout: report.__file__ pointed into a tiny git repo."""
+    import subprocess
+
+    monkeypatch.setenv("CHRONICALS_GIT_SHA", "feed123-dirty")
+    assert report.git_sha() == "feed123-dirty" and report.environment("cpu")["git_sha"] == "feed123-dirty"
+    monkeypatch.delenv("CHRONICALS_GIT_SHA")
+    mod = tmp_path / "src" / "chronicals" / "bench" / "report.py"
+    mod.parent.mkdir(parents=True)
+    mod.write_text("# stand-in\n")
+    git = ["git", "-c", "user.email=a@b", "-c", "user.name=n", "-C", str(tmp_path)]
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], check=True)
+    sha = subprocess.check_output([*git, "rev-parse", "--short", "HEAD"], text=True).strip()
+    monkeypatch.setattr(report, "__file__", str(mod))
+    (tmp_path / "results.json").write_text("{}")  # untracked
+    assert report.git_sha() == sha
+    mod.write_text("# edited\n")
+    assert report.git_sha() == f"{sha}-dirty"
 
 
 def test_two_runs_choosing_a_name_at_once_get_two_names(tmp_path, monkeypatch):
