@@ -5,9 +5,12 @@ The trainer tests see it only through "the loss after is lower than before", whi
 on during evaluation, or dropout switched off for the rest of training all pass.
 
 Also: evaluate() refuses a negative qa_limit, max_new_tokens below 1 and a bool limit, naming the argument, before
-any data is read; the held-out loaders of train (build_loaders) and eval (heldout_loader) fail with one clear error
-(or skip under data.on_error=skip), never a traceback or advice that does not fit the caller; and when the trainer
-evaluates: the last step once under eval.every, and the closing evaluation a finished run resumed without it lacks.
+any data is read, and takes system_prompt='' as no system message, not as unset; the held-out loaders of train
+(build_loaders) and eval (heldout_loader) fail with one clear error naming which data (or skip under
+data.on_error=skip), never a traceback or advice that does not fit the caller, read a QA file as chat whatever
+data.format, and name its records, not its temporary chat copy, in warnings; and when the trainer evaluates: the last
+step once under eval.every, the closing evaluation a finished run resumed without it lacks, and each eval record's
+loss-token count.
 """
 
 from __future__ import annotations
@@ -115,6 +118,25 @@ def test_the_trainers_data_errors_name_config_keys_not_load_dataset(tokenizer, t
     assert "load_dataset" not in str(e.value)
 
 
+def test_a_bad_held_out_record_is_named_with_the_data_it_is_in(tokenizer, tmp_path):
+    """A bad record of a held-out file fails as "the held-out set: FILE:LINE: ..." in train's loaders and "the data to
+    score: FILE:LINE: ..." in chronicals eval's; without the prefix the record error named only a file and line."""
+    from chronicals.data import DataError
+    from chronicals.evaluate import heldout_loader
+    from chronicals.train.setup import build_loaders
+
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"text": "hello there"}\n')
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n{"text": 5}\n')
+    with pytest.raises(DataError) as e:
+        build_loaders(_cfg(tmp_path, f"data.path={train}", f"data.eval_path={bad}"), tokenizer, tmp_path / "run")
+    assert str(e.value).startswith(f"the held-out set: {bad}:2: field 'text' is an int"), str(e.value)
+    with pytest.raises(DataError) as e:
+        heldout_loader(DataSection(path=str(bad), max_seq_len=16, cache_dir="none"), tokenizer, tmp_path / "work")
+    assert str(e.value).startswith(f"the data to score: {bad}:2: field 'text' is an int"), str(e.value)
+
+
 def test_a_qa_heldout_file_with_a_broken_line_trains_under_on_error_skip(tokenizer, tmp_path):
     from chronicals.train.setup import build_loaders
 
@@ -126,6 +148,27 @@ def test_a_qa_heldout_file_with_a_broken_line_trains_under_on_error_skip(tokeniz
     _, eval_loader, heldout = build_loaders(cfg, tokenizer, tmp_path / "run")
     assert heldout == [{"question": "Capital of France?", "answer": "Paris", "keywords": ["Paris"]}]
     assert len(eval_loader.dataset) == 1
+
+
+def test_a_qa_heldout_file_is_read_as_chat_under_data_format_text(tokenizer, tmp_path):
+    """A question/answer held-out file is read as chat (its rewritten copy's format) whatever data.format says for the
+    training data: under data.format=text, train's loader (build_loaders) and eval's (heldout_loader) each score its
+    one example with the loss on the answer only. Read with data.format, the chat copy failed as a text record."""
+    from chronicals.evaluate import heldout_loader
+    from chronicals.train.setup import build_loaders
+
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"text": "hello there"}\n')
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text('{"question": "Capital of France?", "answer": "Paris"}\n')
+    cfg = _cfg(tmp_path, f"data.path={train}", f"data.eval_path={qa}", "data.format=text", "data.max_seq_len=64")
+    _, eval_loader, heldout = build_loaders(cfg, tokenizer, tmp_path / "run")
+    assert heldout is not None and len(eval_loader.dataset) == 1
+    n = eval_loader.dataset.stats.loss_tokens
+    assert 0 < n <= 4  # the answer (and its end of turn), not the whole rendered prompt
+    loader, records = heldout_loader(DataSection(path=str(qa), format="text", max_seq_len=64, cache_dir="none"),
+                                     tokenizer, tmp_path / "work")
+    assert records is not None and loader.dataset.stats.loss_tokens == n
 
 
 def test_evals_qa_loader_honors_on_error_skip(tokenizer, tmp_path):
@@ -156,6 +199,50 @@ def test_a_qa_file_on_a_tokenizer_without_a_template_is_not_told_to_set_format_t
     assert "data.format=text" not in str(e.value)
 
 
+def test_a_qa_files_data_warnings_name_records_not_the_temporary_copy(tokenizer, tmp_path, caplog):
+    """eval of a QA file: a data warning about its chat copy (deleted before the warning is read) names "record N" of
+    "the QA records of FILE, rewritten as chat", never the copy's path; here the first reply without an end-of-turn
+    token, under a chat template that closes no reply. The line number was left bare ("first: 1")."""
+    import copy
+
+    from chronicals.evaluate import heldout_loader
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                         "{% if m['role'] != 'assistant' %}<|im_end|>\n{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text('{"question": "Capital of France?", "answer": "Paris"}\n{"question": "Q?", "answer": "Yes"}\n')
+    work = tmp_path / "work"
+    with caplog.at_level(logging.WARNING, logger="chronicals.data"):
+        heldout_loader(DataSection(path=str(qa), max_seq_len=64, cache_dir="none"), tok, work)
+    assert "train no end-of-turn token (first: record 1)" in caplog.text, caplog.text
+    assert str(work) not in caplog.text and f"the QA records of {qa}, rewritten as chat" in caplog.text
+
+
+def test_an_empty_system_prompt_given_to_evaluate_is_used(tokenizer, tmp_path):
+    """evaluate(system_prompt='') asks the QA prompts with no system message (the chat template's default) even when
+    data.system_prompt is another text (chronicals eval --system-prompt ''); '' was taken as unset, and the
+    data's "Be brief." was used."""
+    import transformers
+
+    from chronicals.models import CausalLM, ModelConfig
+
+    hf = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                  tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
+    model = CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0)
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text('{"question": "Capital of France?", "answer": "Paris"}\n')
+    opts = dict(path=str(qa), max_seq_len=128, cache_dir="none")
+    given = evaluate(model, tokenizer, DataSection(system_prompt="Be brief.", **opts), CPU, system_prompt="",
+                     max_new_tokens=1)
+    plain = evaluate(model, tokenizer, DataSection(**opts), CPU, max_new_tokens=1)  # the default: none
+    told = evaluate(model, tokenizer, DataSection(system_prompt="Be brief.", **opts), CPU, max_new_tokens=1)
+    assert given.system_prompt == "" == plain.system_prompt and told.system_prompt == "Be brief."
+    assert given.loss == plain.loss != told.loss and given.as_dict()["qa"]["system_prompt"] == ""
+
+
 def _records(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -182,6 +269,21 @@ def test_interval_eval_skips_the_last_step(tmp_path, docs):
     evals = [(r["step"], r.get("tag")) for r in recs if r.get("kind") == "eval"]
     assert [s for s, _ in evals].count(4) == 1, evals
     assert (2, "interval") in evals and (4, "after") in evals
+
+
+def test_eval_records_count_every_held_out_loss_token(tmp_path, docs):
+    """Each eval record ("before", "interval", "after") has eval_tokens equal to the held-out set's whole loss-token
+    count (an off-by-one there went unseen), and the "before" eval_loss is evaluate_loss of the untrained model."""
+    held = SyntheticLoader(docs[:6], shuffle=False)
+    total = sum(int(b.num_loss_tokens) for b in held.batches)
+    want_before, n = evaluate_loss(tiny_model(), held, CPU)
+    assert n == total
+    train(tiny_config(tmp_path, train__max_steps=2, eval__every=1), model=tiny_model(),
+          train_loader=SyntheticLoader(docs[:16]), eval_loader=held)
+    evals = [r for r in _records(tmp_path / "run") if r["kind"] == "eval"]
+    assert [(r["step"], r["tag"]) for r in evals] == [(0, "before"), (1, "interval"), (2, "after")]
+    assert all(r["eval_tokens"] == total for r in evals)
+    assert evals[0]["eval_loss"] == pytest.approx(want_before, rel=1e-6)
 
 
 def test_a_non_finite_interval_evaluation_stops_the_run_at_that_step(tmp_path, docs):

@@ -1,4 +1,5 @@
-"""Training metrics: MFU counts the FLOPs the method really does; the peak probe leaves the RNG alone."""
+"""Training metrics: MFU counts the FLOPs the method really does; the peak probe leaves the RNG alone;
+metrics.jsonl is strict JSON, read back with integer steps only; loss.png is drawn from whatever losses there are."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 from chronicals.train import train
-from chronicals.train.metrics import head_flops_per_token, matmul_params, matmul_peak_tflops, train_flops_per_token
+from chronicals.train.metrics import (MetricsLog, _json_line, head_flops_per_token, matmul_params, matmul_peak_tflops,
+                                      plot_losses, read_records, train_flops_per_token)
 
 from train_helpers import SyntheticLoader, tiny_config, tiny_model
 
@@ -102,8 +104,6 @@ def test_a_full_disk_while_appending_a_record_names_metrics_jsonl(tmp_path):
     import errno
     import os
 
-    from chronicals.train.metrics import MetricsLog
-
     log = MetricsLog(tmp_path, False)
     log.write({"kind": "train", "step": 1})
 
@@ -118,3 +118,44 @@ def test_a_full_disk_while_appending_a_record_names_metrics_jsonl(tmp_path):
     with pytest.raises(OSError, match=r"could not append to .*metrics.jsonl \(\[Errno 28\] No space left on device\); "
                                       r"is its disk full\?"):
         log.write({"kind": "train", "step": 2})
+
+
+def _strict_json(text):
+    def refuse(constant):
+        raise ValueError(constant)
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_metrics_jsonl_writes_every_non_finite_number_as_null(tmp_path):
+    """NaN, +inf and -inf are all written as null, so metrics.jsonl is strict JSON; with NaN alone nulled, a diverging
+    run's inf loss or grad norm was written as `Infinity`, which JSON.parse and other strict readers refuse."""
+    line = _json_line({"kind": "train", "step": 1, "loss": float("inf"), "grad_norm": float("-inf"),
+                       "lr": float("nan"), "loss_tokens": 3})
+    assert _strict_json(line) == {"kind": "train", "step": 1, "loss": None, "grad_norm": None, "lr": None,
+                                  "loss_tokens": 3}
+    log = MetricsLog(tmp_path, False)
+    log.write({"kind": "eval", "step": 2, "eval_loss": float("inf"), "tag": "interval"})
+    log.close()
+    assert _strict_json((tmp_path / "metrics.jsonl").read_text())["eval_loss"] is None
+
+
+def test_a_resume_refuses_a_record_whose_step_is_a_bool(tmp_path):
+    """read_records (a resume reading metrics.jsonl) refuses `"step": true` naming its line, as it refuses a string
+    step (an isinstance check let the bool through as step 1); a record with no step is kept."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 1}\n{"kind": "train", "step": true}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: its step is True, not an integer"):
+        read_records(path, 1)
+    path.write_text('{"kind": "train", "step": 1}\n{"kind": "eval", "tag": "before"}\n')
+    assert [r.get("step") for r in read_records(path, 1)] == [1, None]
+
+
+def test_held_out_losses_alone_are_plotted(tmp_path):
+    """loss.png is drawn from held-out losses when there is no training loss yet (a run stopped in its first step,
+    after its "before" evaluation); it was skipped whenever no train loss was there. Neither: None, no file."""
+    recs = [{"kind": "eval", "step": 0, "eval_loss": 3.0, "tag": "before"},
+            {"kind": "train", "step": 1, "loss": float("nan")}]  # a non-finite train loss is no point
+    out = plot_losses(recs, tmp_path / "loss.png")
+    assert out == tmp_path / "loss.png" and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_losses([{"kind": "train", "step": 1, "loss": None}], tmp_path / "none.png") is None
+    assert not (tmp_path / "none.png").exists()

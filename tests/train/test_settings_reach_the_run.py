@@ -1,6 +1,7 @@
-"""What the config asks reaches the run: lora.rslora, lora.group, lora.dropout of a passed model's adapters,
-train.seed (LoRA initialisation and batch order), model options, the demo's system prompt; what setup refuses before
-the first step, removes after a failed setup, and leaves alone; reruns of a finished run."""
+"""What the config asks reaches the run: lora.rslora, lora.group, lora.dropout and lora.modules_to_save of a passed
+model's adapters, train.seed (LoRA initialisation and batch order), model options, model.dtype=auto, the demo's
+system prompt; what setup refuses before the first step, removes after a failed setup, and leaves alone; reruns of a
+finished run."""
 
 from __future__ import annotations
 
@@ -80,6 +81,29 @@ def test_a_passed_models_adapters_under_another_dropout_are_refused(tmp_path):
         train(cfg, model=model, train_loader=SyntheticLoader(synthetic_docs(40, seed=1)))
 
 
+def test_adapters_training_a_module_not_asked_for_are_refused(tmp_path, caplog):
+    """A passed model whose adapters train lm_head and embed_tokens, under lora.modules_to_save=[lm_head], is refused
+    naming lora.modules_to_save (it was trained silently, saving a module the config never asked for); with the key
+    left at its default (none), the difference is a warning."""
+    import logging
+
+    from chronicals.config import ConfigError
+    from chronicals.lora import apply_lora
+    from chronicals.train.setup import _check_adapters_fit
+
+    model = tiny_model()
+    apply_lora(model, r=16, alpha=32, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                      "down_proj"), modules_to_save=("lm_head", "embed_tokens"))
+    assert sorted(model.lora_config.saved_modules) == ["lm_head", "model.embed_tokens"]
+    cfg = tiny_config(tmp_path, lora__enabled=True, lora__modules_to_save=["lm_head"])
+    with pytest.raises(ConfigError, match=r"lora\.modules_to_save=\['lm_head'\] \(the adapters train ") as e:
+        _check_adapters_fit(model, cfg)
+    assert e.value.key == "lora.modules_to_save"
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        _check_adapters_fit(model, tiny_config(tmp_path, lora__enabled=True))
+    assert "lora.modules_to_save=[] (the adapters train" in caplog.text
+
+
 def test_train_seed_sets_the_lora_initialisation(tmp_path):
     """Runs under other train.seed values start from other LoRA A matrices (a seed sweep was otherwise no sweep of
     the adapters' start)."""
@@ -132,6 +156,17 @@ def test_model_loss_vocab_parts_and_attention_reach_the_model(tmp_path):
     model = prepare_model(tiny_model(), cfg, torch.device("cpu"), torch.float32)
     assert model.opts.loss_vocab_parts == 3
     assert model.opts.attention == "flash"
+
+
+def test_model_dtype_auto_is_float32_on_cpu_and_bfloat16_on_cuda():
+    """model.dtype=auto: bf16 weights on CUDA, fp32 on CPU (bf16 matmuls are slow there, fp64 doubles the memory);
+    any other value is the torch dtype of that name."""
+    from chronicals.train.setup import resolve_dtype
+
+    assert resolve_dtype("auto", torch.device("cpu")) is torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) is torch.bfloat16
+    assert resolve_dtype("float64", torch.device("cpu")) is torch.float64
+    assert resolve_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16
 
 
 def test_a_failed_setup_keeps_an_out_dir_that_was_there_empty(tmp_path):
