@@ -91,13 +91,16 @@ def test_each_spelling_of_the_tag_is_a_marker_and_its_spans_are_the_markers(toke
                                              "<|im_start|>assistant\ntwo<|im_end|>"]
 
 
-@pytest.mark.parametrize("expr", ["'{0}{1}'.format(m['content'])", "'{who}'.format(m['content'])"])
-def test_a_template_index_or_key_error_is_a_bad_record(tokenizer, expr):
-    """A template expression that raises IndexError or KeyError on a record (str.format with a missing field) makes
-    that record a FormatError (file:line, skipped under on_error=skip), as TypeError and ValueError do."""
+@pytest.mark.parametrize("expr, error", [("'{0}{1}'.format(m['content'])", "IndexError"),
+                                         ("'{who}'.format(m['content'])", "KeyError"),
+                                         ("m['content']|dictsort", "AttributeError")])  # str has no .items()
+def test_a_template_index_key_or_attribute_error_is_a_bad_record(tokenizer, expr, error):
+    """A template expression that raises IndexError or KeyError (str.format with a missing field) or AttributeError
+    (a dict filter on a string) on a record makes that record a FormatError (file:line, skipped under
+    on_error=skip), as TypeError and ValueError do; a bare AttributeError ended the whole load."""
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = "{% for m in messages %}{{ " + expr + " }}{% endfor %}"
-    with pytest.raises(FormatError, match="the chat template failed on this conversation"):
+    with pytest.raises(FormatError, match=rf"the chat template failed on this conversation \({error}"):
         encode_chat(tok, ONE_TURN)
 
 

@@ -25,6 +25,20 @@ def test_malformed_json_line(tokenizer, tmp_path):
     assert len(ds) == 2 and ds.stats.skipped_errors == 1 and ds.stats.first_errors[0].startswith(f"{p}:2:")
 
 
+def test_the_skip_warning_names_the_first_three_bad_records(tokenizer, tmp_path, caplog):
+    """on_error=skip says once how many bad records it skipped and names the first three (file:line: what), so the
+    user sees whether they share one cause; only the first was named."""
+    p = tmp_path / "d.jsonl"
+    p.write_text("\n".join(["{bad", "{worse", "{worst", "{fourth", json.dumps(GOOD)]) + "\n")
+    with caplog.at_level("WARNING", logger="chronicals.data"):
+        ds = load(p, tokenizer, on_error="skip")
+    assert (len(ds), ds.stats.skipped_errors) == (1, 4)
+    warned = [r.getMessage() for r in caplog.records if "skipped 4 bad records" in r.getMessage()]
+    assert len(warned) == 1, caplog.messages
+    assert all(f"{p}:{line}: invalid JSON" in warned[0] for line in (1, 2, 3)), warned[0]
+    assert f"{p}:4:" not in warned[0]
+
+
 def test_missing_field_with_named_format(tokenizer, tmp_path):
     p = tmp_path / "a.jsonl"
     p.write_text("\n".join(json.dumps(r) for r in [GOOD, GOOD, {"instruction": "no output"}]))

@@ -481,6 +481,22 @@ def test_a_prompt_completion_split_inside_a_token_is_warned(tokenizer, tmp_path,
     assert "inside a token" not in caplog.text
 
 
+def test_a_cache_hit_warns_again_about_a_split_inside_a_token(tokenizer, tmp_path, caplog, monkeypatch):
+    """The cache entry's stats hold the count and the first record: a run that reads the entry says the warning as
+    the run that tokenized did (a cache hit said nothing)."""
+    path = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Name: Jo", "completion": "hn Smith"},
+                                                {"prompt": "Name:", "completion": " John Smith"}])
+    for run in ("tokenized", "cache hit"):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="chronicals.data"):
+            ds = load_dataset(path, tokenizer, max_seq_len=64, cache_dir=tmp_path / "cache")
+        assert ds.stats.across_boundary == 1
+        said = [r.getMessage() for r in caplog.records if "inside a token" in r.getMessage()]
+        assert len(said) == 1, (run, said)
+        assert f"1 of 2 examples split prompt and completion inside a token (first: {path}:1)" in said[0]
+        monkeypatch.setattr(dsmod, "_tokenize", lambda *a, **k: pytest.fail("not a cache hit"))
+
+
 def test_a_tool_call_message_without_a_role_is_a_format_error_naming_it():
     """tool_calls excuse a missing 'content' only, not a missing 'role' ('from' in sharegpt): such a message is a
     FormatError naming its index and key (a bare KeyError escaped on_error=skip and named no record)."""

@@ -168,3 +168,28 @@ def test_a_template_that_refuses_the_stand_ins_or_the_probe_keeps_the_prefix_ren
         got, want = encode_chat(tok, msgs), exact(tok, msgs)
         assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
         assert got[0].tolist() == tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"]
+
+
+# no user header: a reply's turn is closed by the whole template text between it and the next message
+NO_USER_HEADER = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}"
+                  "{% else %}{{ '<|im_start|>' + m['content'] + '<|im_end|>' }}{% endif %}{% endfor %}"
+                  "{% if add_generation_prompt %}{{ '<|im_start|>' }}{% endif %}")
+
+
+def test_a_turn_end_that_is_all_the_text_before_the_next_message_takes_the_shortcut(tokenizer, monkeypatch):
+    """A turn whose end-of-turn text is the whole text between the reply and the next message (``<|im_end|>``, then
+    the user's text at once) has the shape the shortcut carries: it answers in at most 9 renders with the prefix
+    renders' ids and mask. Refused at that boundary, it stepped aside to 2 renders a reply (the same output)."""
+    tok = make_tokenizer(tokenizer, NO_USER_HEADER, None, "<|im_end|>", [])
+    msgs = []
+    for k in range(10):
+        msgs += [{"role": "user", "content": f"question {k}?"}, {"role": "assistant", "content": f"answer {k}."}]
+    renders = []
+    real = tokenize._render
+    monkeypatch.setattr(tokenize, "_render", lambda *a, **k: (renders.append(1), real(*a, **k))[1])
+    got = encode_chat(tok, msgs)
+    used = len(renders)
+    want = exact(tok, msgs)
+    assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+    assert tok.decode(got[0][got[1]]).count("<|im_end|>") == 10
+    assert used <= 9, used

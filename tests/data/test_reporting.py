@@ -82,6 +82,18 @@ def test_truncated_to_no_loss_tokens_is_reported_as_dropped(tokenizer, tmp_path,
     assert len(warned) == 1 and "1 truncated to no loss tokens (dropped)" in warned[0], warned
 
 
+def test_examples_dropped_as_too_long_are_a_warning(tokenizer, tmp_path, caplog):
+    """overlong=drop leaves out data the user gave: the summary is a WARNING with the count and the option that
+    dropped them (it was an INFO line, as a small truncation is)."""
+    p = write(tmp_path / "d.jsonl", [{"text": "short one"}, {"text": "word " * 80}])
+    with caplog.at_level(logging.INFO, logger="chronicals.data"):
+        ds = load_dataset(p, tokenizer, max_seq_len=16, overlong="drop")
+    assert (len(ds), ds.stats.dropped_overlong) == (1, 1)
+    warned = messages(caplog, logging.WARNING)
+    assert len(warned) == 1 and "1 of 2 records kept; 1 longer than max_seq_len=16 (dropped, overlong=drop)" \
+        in warned[0], messages(caplog)
+
+
 def test_the_tokens_truncation_cuts_are_counted_and_a_large_share_warned(tokenizer, tmp_path, caplog):
     """Only the count of truncated examples was said, at INFO: a set of long replies lost 81% of its tokens to
     data.max_seq_len without a word of it (a data walk at scale)."""

@@ -306,6 +306,50 @@ def test_a_blank_system_message_moved_into_the_last_user_turn_still_trains(token
         assert encode(tok, [{"role": "system", "content": system}] + turns) == [" a</s>"], system
 
 
+# writes the system text right after the last reply's header when the conversation ends in a reply (into the last user
+# turn under a generation prompt): the inserted piece goes exactly where that reply's turn opens
+SYSTEM_AFTER_LAST_HEADER = (
+    "{% set sys = messages[0]['content'] if messages[0]['role'] == 'system' else '' %}"
+    "{% set msgs = messages[1:] if messages[0]['role'] == 'system' else messages %}"
+    "{% for m in msgs %}{% if m['role'] == 'user' %}{{ '<|im_start|>user\n' + m['content'] }}"
+    "{% if loop.last and sys %}{{ ' ' + sys }}{% endif %}{{ '<|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>assistant\n' }}{% if loop.last and sys %}{{ '[' + sys + '] ' }}{% endif %}"
+    "{{ m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+# writes the system text into a user turn that is the last message, a fixed note (not the system text) into the others
+NOTE_NOT_SYSTEM = (
+    "{% set sys = messages[0]['content'] if messages[0]['role'] == 'system' else '' %}"
+    "{% set msgs = messages[1:] if messages[0]['role'] == 'system' else messages %}"
+    "{% for m in msgs %}{% if m['role'] == 'user' %}{{ '<|im_start|>user\n' + m['content'] }}"
+    "{% if sys %}{{ (' ' + sys) if loop.last else ' (see system)' }}{% endif %}{{ '<|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>assistant\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_a_turn_that_opens_where_the_system_text_is_inserted_is_shifted_past_it(tokenizer):
+    """The moved-system fallback carries a turn over to the whole conversation shifted by the inserted piece when
+    the turn starts exactly where the piece goes, not only after it: the reply trains as ``4, I think.<|im_end|>``.
+    Left unshifted, the turn held the system text and lost the reply's end, and the record was refused."""
+    tok = make_tokenizer(tokenizer, SYSTEM_AFTER_LAST_HEADER, None, "<|im_end|>", [])
+    messages = [SYSTEM, {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4, I think."}]
+    full = tok.apply_chat_template(messages, tokenize=False)
+    assert full == "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n[Be brief.] 4, I think.<|im_end|>\n"
+    assert encode(tok, messages) == ["4, I think.<|im_end|>"]
+
+
+def test_an_inserted_piece_without_the_system_text_still_raises(tokenizer):
+    """The moved-system fallback takes a difference from the rendering without the system message as the moved
+    system message only when the inserted piece holds the system text. Other text there (a fixed note) means the
+    template did something else: the record is refused, not trained as if the system message had moved."""
+    tok = make_tokenizer(tokenizer, NOTE_NOT_SYSTEM, None, "<|im_end|>", [])
+    messages = [SYSTEM, {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4."}]
+    full = tok.apply_chat_template(messages, tokenize=False)
+    assert full == "<|im_start|>user\n2+2? (see system)<|im_end|>\n<|im_start|>assistant\n4.<|im_end|>\n"
+    with pytest.raises(FormatError, match="not prefix-stable at message 2: .*rendering without the system message"):
+        encode_chat(tok, messages)
+
+
 @pytest.mark.parametrize("roles", ["uaa", "uaaua", "uaaa", "uaau", "suaaua"])
 def test_qwen3_replies_in_a_row_train_as_the_whole_conversation_writes_them(tokenizer, roles):
     """Qwen3 gives a reply rendered last the think block it has nowhere else, so two assistant messages in a row (split
