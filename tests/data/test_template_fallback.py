@@ -227,6 +227,23 @@ def test_a_template_without_a_generation_prompt_trains_the_header_the_model_must
     assert encode(tok, TURNS[:4], train_from=3) == ["<|im_start|>assistant\n4, I think\nso.<|im_end|>"]
 
 
+# GLM-like turns that no text closes, with eos written only at the end of a conversation (no generation prompt)
+OPEN_TURNS_EOS_AT_END = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
+
+
+@pytest.mark.parametrize("last", ["a2", ""])
+def test_an_empty_reply_of_a_template_with_open_turns_trains_nothing_and_the_rest_trains(tokenizer, last):
+    """Under such a template an empty reply before another turn has nothing to train: it was refused as "not
+    prefix-stable" (the whole conversation lost under on_error=skip), while a non-empty one trained unclosed."""
+    tok = make_tokenizer(tokenizer, OPEN_TURNS_EOS_AT_END, None, "<|endoftext|>", ["<|user|>", "<|assistant|>"])
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""},
+            {"role": "user", "content": "q2"}, {"role": "assistant", "content": last}]
+    assert encode(tok, chat) == [f"{last}<|endoftext|>"]
+    chat[1]["content"] = "ok"
+    assert encode(tok, chat) == ["ok", f"{last}<|endoftext|>"]
+
+
 # Llama-3.1's date header, as its published template writes it
 DATED = ('{%- if not date_string is defined %}{%- if strftime_now is defined %}'
          '{%- set date_string = strftime_now("%d %b %Y") %}{%- else %}{%- set date_string = "26 Jul 2024" %}'

@@ -242,7 +242,10 @@ def _closing_dropped(upto: str, full: str, lo: int, specials: tuple[str, ...]) -
     full rendering does not have there (Phi-3 writes ``{{ eos_token }}`` only without the generation prompt:
     upto ends ``reply<|end|>\\n<|endoftext|>``, full goes on ``reply<|end|>\\n<|user|>``). The end is the last
     position p such that full[:p] == upto[:p] (the common prefix) and upto[p:] is only special tokens and
-    whitespace; None when no such p is past lo (the turn itself differs: not this case)."""
+    whitespace; None when no such p is at or past lo (the turn itself differs: not this case). p == lo is an empty
+    reply of a template whose turns close with no text (GLM-like, eos only at the conversation's end): it trains
+    nothing, and the conversation's other replies train (it was refused as "not prefix-stable", and under
+    on_error=skip the whole conversation was lost)."""
     agree = lo + _common_prefix_len(upto[lo:], full[lo:])
     q = len(upto)  # drop upto's closing specials one at a time until what is left agrees with full
     ordered = sorted(specials, key=len, reverse=True)
@@ -254,7 +257,7 @@ def _closing_dropped(upto: str, full: str, lo: int, specials: tuple[str, ...]) -
         if s is None:
             return None  # upto and full differ in the turn's own text
         q -= len(s)
-    return q if q > lo else None
+    return q if q >= lo else None
 
 
 def _turn_span(tokenizer, messages, i: int, full: str, specials, prev=None) -> tuple[int, int, bool, int]:
