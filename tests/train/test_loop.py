@@ -446,6 +446,9 @@ def test_a_missing_data_path_is_refused_before_the_model_loads(tmp_path, monkeyp
     with pytest.raises(FileNotFoundError, match=r"data.path=/data/\*.jsonl: no such file or directory; glob patterns "
                                                 r"are not expanded: give the directory that holds the files; fix"):
         train(tiny_config(tmp_path, data__path="/data/*.jsonl"))
+    # "auto" means something for data.eval_path only: data.path=auto is a path like any other (it went unchecked)
+    with pytest.raises(FileNotFoundError, match=r"data.path=auto: no such file or directory .*; fix data.path"):
+        train(tiny_config(tmp_path, data__path="auto"))
     assert not (tmp_path / "run").exists()
     not_a_checkpoint = tmp_path / "elsewhere"
     not_a_checkpoint.mkdir()

@@ -119,7 +119,9 @@ def check_data_paths(cfg: TrainConfig) -> None:
 
     cache = tokenization_cache_dir(cfg.data.cache_dir)  # None: no cache (data.cache_dir=none)
     for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
-        if value in (DEMO, "auto", ""):
+        # "auto" is a value of data.eval_path only: data.path=auto is a path, checked (it went unchecked, the model
+        # loaded, and the reader then said "auto: no such file or directory", naming no setting)
+        if value in (DEMO, "") or (key == "data.eval_path" and value == "auto"):
             continue
         path = Path(value).expanduser()
         if not path.exists():
