@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from chronicals.config import ConfigError, TrainConfig, all_keys, config_help, from_dict, load_config
+from chronicals.config import (MAX_ROW_TOKENS, ConfigError, TrainConfig, all_keys, config_help, from_dict,
+                                load_config)
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
 
@@ -133,6 +134,12 @@ def test_unknown_section_in_yaml_suggests(tmp_path):
     ("lora.rank=on", r"expected an integer"),
     ("lora.targets=[q_proj", r"^command line: config .* is invalid: an unclosed bracket"),
     ("model.recompute=norm]", r"^command line: config .* is invalid: an unclosed bracket"),
+    # a device that merely contains "cuda" is no CUDA device
+    ("model.device=xcuda", r"model.device='xcuda' is invalid: expected auto \| cpu \| cuda \| cuda:N"),
+    ("model.device=gpu-cuda:0", r"model.device='gpu-cuda:0' is invalid: expected auto \| cpu \| cuda"),
+    ("model.loss_vocab_parts=0", r"model.loss_vocab_parts=0 is invalid: expected an integer >= 1"),
+    ("data.num_proc=-1", r"data.num_proc=-1 is invalid: expected an integer >= 0 \(0 = auto\)"),
+    ("data.max_seq_len=4194305", r"data.max_seq_len=4194305 is invalid: expected an integer in \[8, 4194304\]"),
 ])
 def test_bad_values_fail(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -516,6 +523,20 @@ def test_cuda_graphs_true_with_any_activation_checkpointing_is_refused(model):
         from_dict({"model": {"device": "cuda", **model}, "train": {"cuda_graphs": "true"}})
 
 
+def test_cuda_graphs_true_on_the_cpu_device_is_refused_when_read():
+    """train.cuda_graphs=true beside model.device=cpu is refused when the config is read (exit 2, naming
+    train.cuda_graphs and the fix; YAML's `on` is true too), not only later by the run's device check once setup has
+    begun; auto and false are accepted on the CPU."""
+    with pytest.raises(ValueError, match=r"^command line: config train.cuda_graphs=True is invalid: expected false "
+                                         r"with model.device=cpu \(CUDA graphs need a GPU\)"):
+        load_config(None, ["model.device=cpu", "train.cuda_graphs=true"])
+    with pytest.raises(ConfigError, match="CUDA graphs need a GPU") as e:
+        from_dict({"model": {"device": "cpu"}, "train": {"cuda_graphs": "on"}})
+    assert e.value.key == "train.cuda_graphs"
+    for ok in ("auto", "false"):
+        assert load_config(None, ["model.device=cpu", f"train.cuda_graphs={ok}"]).train.cuda_graphs == ok
+
+
 def test_a_tilde_in_train_resume_is_the_home_directory(tmp_path, monkeypatch):
     """train.resume=~/runs/x/checkpoints/step-000004 names the checkpoint under $HOME (as train.out_dir's ~
     does): it was refused as "does not exist" (Path('~/...') is looked up literally)."""
@@ -539,6 +560,16 @@ def test_tokens_per_batch_equal_to_max_seq_len_is_accepted():
     micro-batch (the smallest padding-free batch) must be accepted, not refused as out of range."""
     c = from_dict({"data": {"max_seq_len": 256, "tokens_per_batch": 256}})
     assert c.data.loader_shape(warn=False) == {"tokens_per_batch": 256}
+
+
+def test_the_edges_of_the_model_and_data_ranges_are_accepted():
+    """The smallest or largest value each range allows is itself a valid setting: data.max_seq_len and
+    data.tokens_per_batch at MAX_ROW_TOKENS (2^22; a bound written `<` refused the documented maximum),
+    model.loss_vocab_parts=1, data.num_proc=0 (auto) and a numbered CUDA device."""
+    c = load_config(None, [f"data.max_seq_len={MAX_ROW_TOKENS}", f"data.tokens_per_batch={MAX_ROW_TOKENS}",
+                           "model.loss_vocab_parts=1", "data.num_proc=0", "model.device=cuda:1"])
+    assert c.data.max_seq_len == c.data.tokens_per_batch == MAX_ROW_TOKENS == 2 ** 22
+    assert (c.model.loss_vocab_parts, c.data.num_proc, c.model.device) == (1, 0, "cuda:1")
 
 
 def test_a_batch_size_of_zero_is_refused_when_read():

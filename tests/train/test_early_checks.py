@@ -1,16 +1,19 @@
 """The checks before the model loads (train.guards), on paths: a short model name in another case, out_dir or the
-cache reached through a link into the data, an earlier run's chat copy of its held-out questions, a linked adapter
-folder beside train.resume=auto, and the loss_vocab_parts warning on the reference head."""
+cache reached through a link into the data or equal to it, an earlier run's chat copy of its held-out questions, the
+early "needs pyarrow" walk of a data directory, a linked adapter folder beside train.resume=auto, and the
+loss_vocab_parts warning on the reference head."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
 
 from chronicals.config import ConfigError, load_config
-from chronicals.train.guards import check_data_paths, check_impl, check_model_path, check_resume_path
+from chronicals.data.readers import DataError
+from chronicals.train.guards import check_data_paths, check_impl, check_model_path, check_resume_path, lies_in
 
 from train_helpers import tiny_config
 
@@ -44,6 +47,50 @@ def test_an_out_dir_or_cache_inside_the_data_through_a_link_is_refused(tmp_path)
         check_data_paths(_cfg(tmp_path, f"data.path={data}", out_dir=tmp_path / "link" / "run"))
     with pytest.raises(ConfigError, match=r"data.cache_dir=.*link.*cache is inside data.path="):
         check_data_paths(_cfg(tmp_path, f"data.path={data}", cache_dir=tmp_path / "link" / "cache"))
+
+
+def test_an_out_dir_or_cache_equal_to_the_data_directory_is_refused(tmp_path):
+    """train.out_dir (or data.cache_dir) that IS data.path's directory, not only a folder below it, is refused too:
+    the directory is read whole, so the run's metrics.jsonl, data/ copies and checkpoints (or the cache's files)
+    would be read as training records on the next run. lies_in counts the folder itself as in it."""
+    data = tmp_path / "data"
+    _chat(data / "train.jsonl")
+    assert lies_in(data, data) and lies_in(data / "x", data) and not lies_in(tmp_path, data)
+    with pytest.raises(ConfigError, match=rf"train.out_dir={data} is inside data.path={data}") as e:
+        check_data_paths(_cfg(tmp_path, f"data.path={data}", out_dir=data))
+    assert e.value.key == "train.out_dir"
+    with pytest.raises(ConfigError, match=rf"data.cache_dir={data} is inside data.path={data}"):
+        check_data_paths(_cfg(tmp_path, f"data.path={data}", cache_dir=data))
+
+
+def _no_pyarrow(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+
+
+def test_a_parquet_folder_before_a_jsonl_folder_needs_pyarrow_before_the_model_loads(tmp_path, monkeypatch):
+    """Without pyarrow, a data directory whose first folder (sorted, top-down) holds a .parquet file is refused
+    early, naming that file: a later sibling folder holding only .jsonl must not hide it (the walk went on and
+    forgot it), or the run loads the model first and fails in the reader minutes later."""
+    data = tmp_path / "data"
+    (data / "a").mkdir(parents=True)
+    (data / "a" / "part.parquet").write_bytes(b"PAR1")  # never opened: the import fails first
+    _chat(data / "b" / "more.jsonl")
+    _no_pyarrow(monkeypatch)
+    with pytest.raises(DataError, match=rf"^{data / 'a' / 'part.parquet'}: reading \.parquet files needs pyarrow"):
+        check_data_paths(_cfg(tmp_path, f"data.path={data}"))
+
+
+def test_a_parquet_file_in_a_dot_folder_of_the_data_needs_no_pyarrow(tmp_path, monkeypatch):
+    """The early "needs pyarrow" walk skips dot-folders as the data reader does: a .cache/ (or .git/) holding a
+    .parquet file inside a .jsonl data directory is never read, so the run is not refused for a pyarrow it does
+    not need."""
+    data = tmp_path / "data"
+    (data / ".cache").mkdir(parents=True)
+    (data / ".cache" / "old.parquet").write_bytes(b"PAR1")
+    _chat(data / "train.jsonl")
+    _no_pyarrow(monkeypatch)
+    check_data_paths(_cfg(tmp_path, f"data.path={data}"))
 
 
 def test_an_earlier_runs_chat_heldout_copy_is_accepted_as_eval_path(tmp_path):

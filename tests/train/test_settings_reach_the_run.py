@@ -233,6 +233,27 @@ def test_a_linked_final_directory_is_no_earlier_final_to_remove(tmp_path):
     assert earlier_finals(cfg, out, None) == []
 
 
+def test_resuming_ones_own_checkpoint_keeps_only_ones_own_kind_of_final_directory(tmp_path):
+    """A run that continues its own checkpoint keeps its own kind's final directory (its history wrote it) but not
+    the other kind's: a LoRA run resumed in an out_dir that also holds an earlier full run's model/ lists that
+    model/ for removal, or it would sit beside the LoRA run's config.yaml though this run never wrote it."""
+    out = tmp_path / "run"
+    own = out / "checkpoints" / "step-000002"
+    own.mkdir(parents=True)
+    (own / "state.pt").write_bytes(b"x")
+    (out / "adapter").mkdir()
+    (out / "adapter" / "adapter_config.json").write_text("{}")
+    (out / "model").mkdir()
+    (out / "model" / "config.json").write_text("{}")
+    cfg = TrainConfig()
+    cfg.train.out_dir = str(out)
+    cfg.lora.enabled = True
+    assert earlier_finals(cfg, out, own) == [out / "model"]  # adapter/ is this run's; model/ an earlier full run's
+    assert earlier_finals(cfg, out, None) == [out / "adapter", out / "model"]  # a fresh run continues neither
+    cfg.lora.enabled = False
+    assert earlier_finals(cfg, out, own) == [out / "adapter"]
+
+
 def test_a_token_id_equal_to_the_vocabulary_size_is_refused():
     """Token id V of a V-row embedding has no row either; it is the one clear error, not an IndexError from the embedding
     (a device-side assert on CUDA)."""
