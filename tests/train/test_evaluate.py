@@ -137,13 +137,18 @@ def test_a_bad_held_out_record_is_named_with_the_data_it_is_in(tokenizer, tmp_pa
     assert str(e.value).startswith(f"the data to score: {bad}:2: field 'text' is an int"), str(e.value)
 
 
+def _train_and_qa(tmp_path, qa_lines: str):
+    """A one-record text training file and a question/answer held-out file of ``qa_lines``: their paths."""
+    train, qa = tmp_path / "train.jsonl", tmp_path / "qa.jsonl"
+    train.write_text('{"text": "hello there"}\n')
+    qa.write_text('{"question": "Capital of France?", "answer": "Paris"}\n' + qa_lines)
+    return train, qa
+
+
 def test_a_qa_heldout_file_with_a_broken_line_trains_under_on_error_skip(tokenizer, tmp_path):
     from chronicals.train.setup import build_loaders
 
-    train = tmp_path / "train.jsonl"
-    train.write_text('{"text": "hello there"}\n')
-    qa = tmp_path / "qa.jsonl"
-    qa.write_text('{"question": "Capital of France?", "answer": "Paris"}\n{broken\n')
+    train, qa = _train_and_qa(tmp_path, "{broken\n")
     cfg = _cfg(tmp_path, f"data.path={train}", f"data.eval_path={qa}", "data.on_error=skip", "data.max_seq_len=64")
     _, eval_loader, heldout = build_loaders(cfg, tokenizer, tmp_path / "run")
     assert heldout == [{"question": "Capital of France?", "answer": "Paris", "keywords": ["Paris"]}]
@@ -157,10 +162,7 @@ def test_a_qa_heldout_file_is_read_as_chat_under_data_format_text(tokenizer, tmp
     from chronicals.evaluate import heldout_loader
     from chronicals.train.setup import build_loaders
 
-    train = tmp_path / "train.jsonl"
-    train.write_text('{"text": "hello there"}\n')
-    qa = tmp_path / "qa.jsonl"
-    qa.write_text('{"question": "Capital of France?", "answer": "Paris"}\n')
+    train, qa = _train_and_qa(tmp_path, "")
     cfg = _cfg(tmp_path, f"data.path={train}", f"data.eval_path={qa}", "data.format=text", "data.max_seq_len=64")
     _, eval_loader, heldout = build_loaders(cfg, tokenizer, tmp_path / "run")
     assert heldout is not None and len(eval_loader.dataset) == 1
