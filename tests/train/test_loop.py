@@ -15,7 +15,7 @@ from chronicals.data import PackedBatch
 from chronicals.train import TrainingDiverged, accumulate_gradients, train
 from chronicals.train.checkpoint import checkpoint_dirs
 
-from train_helpers import SyntheticLoader, synthetic_docs, tiny_config, tiny_model
+from train_helpers import SyntheticLoader, strict_json, synthetic_docs, tiny_config, tiny_model
 
 
 def merge_batches(batches: list[PackedBatch]) -> PackedBatch:
@@ -148,11 +148,7 @@ def test_a_last_step_that_ruins_the_model_is_a_divergence_not_a_success(tmp_path
               on_step=poison)
     run = tmp_path / "run"
     assert not (run / "model").exists() and (run / "loss.png").is_file()
-
-    def strict(text):
-        raise ValueError(f"not strict JSON: {text}")
-
-    records = [json.loads(line, parse_constant=strict) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = [strict_json(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["tag"] == "after" and records[-1]["eval_loss"] is None
 
 

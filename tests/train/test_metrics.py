@@ -12,7 +12,7 @@ from chronicals.train import train
 from chronicals.train.metrics import (MetricsLog, _json_line, head_flops_per_token, matmul_params, matmul_peak_tflops,
                                       plot_losses, read_records, train_flops_per_token)
 
-from train_helpers import SyntheticLoader, tiny_config, tiny_model
+from train_helpers import SyntheticLoader, strict_json, tiny_config, tiny_model
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -120,23 +120,17 @@ def test_a_full_disk_while_appending_a_record_names_metrics_jsonl(tmp_path):
         log.write({"kind": "train", "step": 2})
 
 
-def _strict_json(text):
-    def refuse(constant):
-        raise ValueError(constant)
-    return json.loads(text, parse_constant=refuse)
-
-
 def test_metrics_jsonl_writes_every_non_finite_number_as_null(tmp_path):
     """NaN, +inf and -inf are all written as null, so metrics.jsonl is strict JSON; with NaN alone nulled, a diverging
     run's inf loss or grad norm was written as `Infinity`, which JSON.parse and other strict readers refuse."""
     line = _json_line({"kind": "train", "step": 1, "loss": float("inf"), "grad_norm": float("-inf"),
                        "lr": float("nan"), "loss_tokens": 3})
-    assert _strict_json(line) == {"kind": "train", "step": 1, "loss": None, "grad_norm": None, "lr": None,
+    assert strict_json(line) == {"kind": "train", "step": 1, "loss": None, "grad_norm": None, "lr": None,
                                   "loss_tokens": 3}
     log = MetricsLog(tmp_path, False)
     log.write({"kind": "eval", "step": 2, "eval_loss": float("inf"), "tag": "interval"})
     log.close()
-    assert _strict_json((tmp_path / "metrics.jsonl").read_text())["eval_loss"] is None
+    assert strict_json((tmp_path / "metrics.jsonl").read_text())["eval_loss"] is None
 
 
 def test_a_resume_refuses_a_record_whose_step_is_a_bool(tmp_path):

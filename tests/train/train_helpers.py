@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -169,3 +171,10 @@ def full_disk_for(monkeypatch, name: str) -> None:
 
     monkeypatch.setattr(Path, "open", fake_open)
     monkeypatch.setattr(Path, "write_text", fake_write_text)
+
+
+def strict_json(text: str):
+    """json.loads that refuses NaN / Infinity / -Infinity (what JSON.parse and other strict readers refuse)."""
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant} in {text}")
+    return json.loads(text, parse_constant=refuse)
