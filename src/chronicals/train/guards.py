@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
@@ -307,10 +307,8 @@ def out_dir_lock(out_dir: Path, hold: bool = True):
             try:
                 yield
             finally:  # the file this run made is left behind by no run
-                try:
+                with suppress(OSError):
                     path.unlink(missing_ok=True)
-                except OSError:
-                    pass
             return
         try:
             same = os.path.samestat(os.fstat(fd), os.stat(path))
@@ -324,10 +322,8 @@ def out_dir_lock(out_dir: Path, hold: bool = True):
         os.write(fd, f"{os.getpid()}\n".encode())  # who holds it, for a person looking
         yield
     finally:
-        try:
+        with suppress(OSError):
             path.unlink(missing_ok=True)  # before the lock goes: see above
-        except OSError:
-            pass
         os.close(fd)
 
 
