@@ -1,6 +1,7 @@
 """Table formatting, MFU, and the result files (JSON + markdown + PNG, FAILED bars hatched)."""
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -222,22 +223,28 @@ def test_out_with_a_tilde_is_the_home_directory(tmp_path, monkeypatch):
     assert paths["json"].parent == tmp_path / "home" / "res" and not (tmp_path / "~").exists()
 
 
+_GIT = ["git", "-c", "user.email=a@b", "-c", "user.name=n"]
+
+
+def _committed_repo(root: Path) -> str:
+    """``git init`` at ``root`` and one commit of everything under it: HEAD's short sha."""
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    subprocess.run([*_GIT, "-C", str(root), "add", "-A"], check=True)
+    subprocess.run([*_GIT, "-C", str(root), "commit", "-qm", "x"], check=True)
+    return subprocess.check_output(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], text=True).strip()
+
+
 def test_git_sha_says_dirty_and_another_projects_checkout_is_not_ours(tmp_path, monkeypatch):
     """A dirty tree was stamped with the clean HEAD sha; a copy installed inside another git project got that
     project's sha (a bench walk). Dirty trees say so; a copy outside chronicals' own checkout gives its version."""
     import os
     import shutil
-    import subprocess
     import sys
 
     monkeypatch.delenv("CHRONICALS_GIT_SHA", raising=False)
     repo = tmp_path / "proj"
     shutil.copytree(Path(report.__file__).parent.parent, repo / "src" / "chronicals")
-    git = ["git", "-c", "user.email=a@b", "-c", "user.name=n"]
-    subprocess.run(["git", "init", "-q", str(repo)], check=True)
-    subprocess.run([*git, "-C", str(repo), "add", "-A"], check=True)
-    subprocess.run([*git, "-C", str(repo), "commit", "-qm", "x"], check=True)
-    sha = subprocess.check_output(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], text=True).strip()
+    sha = _committed_repo(repo)
     probe = [sys.executable, "-c", "from chronicals.bench.report import git_sha; print(git_sha())"]
 
     def stamped(src):
@@ -252,7 +259,7 @@ def test_git_sha_says_dirty_and_another_projects_checkout_is_not_ours(tmp_path, 
     inside = tmp_path / "other" / "venv" / "site"  # installed into a venv inside another project's checkout
     shutil.copytree(repo / "src" / "chronicals", inside / "chronicals")
     subprocess.run(["git", "init", "-q", str(tmp_path / "other")], check=True)
-    subprocess.run([*git, "-C", str(tmp_path / "other"), "commit", "-q", "--allow-empty", "-m", "y"], check=True)
+    subprocess.run([*_GIT, "-C", str(tmp_path / "other"), "commit", "-q", "--allow-empty", "-m", "y"], check=True)
     assert stamped(inside) != sha and not stamped(inside).endswith("-dirty")
     assert stamped(inside).startswith("v") or stamped(inside) == "unknown"
 
@@ -261,19 +268,13 @@ def test_git_sha_is_the_override_else_dirty_only_for_tracked_changes(tmp_path, m
     """CHRONICALS_GIT_SHA, when set, is the stamp (the GPU machine's copied tree may have an older .git; it was
     ignored). Otherwise "-dirty" only when tracked files differ from HEAD: an untracked file (a results folder, a
     scratch script) made the stamp dirty. A stand-in checkout: report.__file__ pointed into a tiny git repo."""
-    import subprocess
-
     monkeypatch.setenv("CHRONICALS_GIT_SHA", "feed123-dirty")
     assert report.git_sha() == "feed123-dirty" and report.environment("cpu")["git_sha"] == "feed123-dirty"
     monkeypatch.delenv("CHRONICALS_GIT_SHA")
     mod = tmp_path / "src" / "chronicals" / "bench" / "report.py"
     mod.parent.mkdir(parents=True)
     mod.write_text("# stand-in\n")
-    git = ["git", "-c", "user.email=a@b", "-c", "user.name=n", "-C", str(tmp_path)]
-    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
-    subprocess.run([*git, "add", "-A"], check=True)
-    subprocess.run([*git, "commit", "-qm", "x"], check=True)
-    sha = subprocess.check_output([*git, "rev-parse", "--short", "HEAD"], text=True).strip()
+    sha = _committed_repo(tmp_path)
     monkeypatch.setattr(report, "__file__", str(mod))
     (tmp_path / "results.json").write_text("{}")  # untracked
     assert report.git_sha() == sha
