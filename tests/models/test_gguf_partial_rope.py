@@ -118,6 +118,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     ("llama", 16, 8),   # the bug: the full-head un-permutation paired stored rows (2i, 2i+1) as dims (i, i+8)
     ("llama", 16, 16),  # control: full rope
     ("llama", 44, 30),  # 30 / 44 * 44 = 29.999...: the factor must give back rotary_dim 30, not int() 29
+    ("llama", 5, 4),    # odd head_dim, even rotary rows: was refused as "rows do not split into rotary pairs"
     ("qwen2", 16, 8),   # not permuted; llama.cpp's NEOX mode is our partial rotary as it is
 ])
 def test_attention_scores_match_llama_cpp_rope(tmp_path, arch, head_dim, n_rot):
@@ -155,7 +156,7 @@ def test_attention_scores_match_llama_cpp_rope(tmp_path, arch, head_dim, n_rot):
     assert err <= 1e-5, f"scores off by {err:.3g} of the largest"
 
 
-@pytest.mark.parametrize("head_dim,n_rot", [(16, 8), (16, 16), (44, 30)])
+@pytest.mark.parametrize("head_dim,n_rot", [(16, 8), (16, 16), (44, 30), (5, 4)])
 def test_partial_rope_llama_roundtrips_through_gguf(tmp_path, head_dim, n_rot):
     """Our decoder with partial rotary -> a llama GGUF with its Q/K rows in llama.cpp's order (``permute_qk``
     with n_rot) -> loaded again: the same logits. With the score test above, permute_qk(..., n_rot) is the

@@ -279,7 +279,9 @@ def gguf_tensor_plan(reader, cfg: dict, source: str = "gguf") -> list[tuple[str,
             key, shown = (("head_count", cfg["num_attention_heads"]) if ".q_proj." in name
                           else ("head_count_kv", cfg["num_key_value_heads"]))
             n = shown or cfg["num_attention_heads"]  # head_count_kv 0: not set, one kv head per head (ModelConfig)
-            if not n or shape[0] % (2 * n):  # else a bare reshape error, before _check_tensors could name the file
+            # else a bare reshape error, before _check_tensors could name the file; an odd head_dim is fine when
+            # its rotary rows are even (key_length 5, rope.dimension_count 4: pairs 0-1 and 2-3, row 4 kept)
+            if not n or shape[0] % n or _rotary_rows(shape[0] // n, cfg) % 2:
                 raise ValueError(f"{source}: tensor {t.name!r} has {shape[0]} rows, which do not split into "
                                  f"rotary pairs of metadata llama.attention.{key}={shown} heads; the file's metadata "
                                  "is damaged: convert the model again with llama.cpp's convert_hf_to_gguf.py")
@@ -294,12 +296,18 @@ def gguf_tensor(t, shape: tuple[int, ...], heads: int, cfg: dict, source: str = 
     arr = _dequantize(t, source)  # (rows, cols) float32
     w = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape)  # a copy: F32 data is a read-only mmap
     if heads:
-        head_dim = cfg["head_dim"]
-        n_rot = int(head_dim * cfg.get("partial_rotary_factor", 1.0))  # rope.dimension_count, as ModelConfig reads
-        # rows other than n * head_dim (a shape _check_tensors then names): the full-head permutation, which cannot
-        # fail on them
-        w = unpermute_qk(w, heads, n_rot if w.shape[0] == heads * head_dim else None)
+        w = unpermute_qk(w, heads, _rotary_rows(w.shape[0] // heads, cfg))
     return w.contiguous()
+
+
+def _rotary_rows(rows_per_head: int, cfg: dict) -> int:
+    """How many of each head's rows llama.cpp interleaved: rope.dimension_count (int(head_dim * factor), as
+    ModelConfig reads it) when a head has head_dim rows; else all of them (a shape _check_tensors then names,
+    permuted whole so the swap cannot fail first)."""
+    head_dim = cfg["head_dim"]
+    if rows_per_head != head_dim:
+        return rows_per_head
+    return int(head_dim * cfg.get("partial_rotary_factor", 1.0))
 
 
 def _check_tensors(sd: dict[str, tuple[int, ...]], cfg: ModelConfig, source: str) -> None:
