@@ -404,6 +404,19 @@ def test_a_saved_dataset_missing_a_listed_shard_is_named(tmp_path):
             resolve_files(where)
 
 
+def test_a_saved_dataset_naming_files_outside_it_is_refused(tmp_path):
+    """state.json's '_data_files' names are joined to the directory: an absolute name or one with '..' read a file
+    elsewhere (here another dataset's shard) as this dataset's, without a word."""
+    sv = tmp_path / "saved"
+    sv.mkdir()
+    (tmp_path / "other.arrow").write_bytes(b"")
+    for name in (str(tmp_path / "other.arrow"), "../other.arrow"):
+        (sv / "state.json").write_text(json.dumps({"_data_files": [{"filename": name}]}))
+        with pytest.raises(DataError, match=rf"{sv / 'state.json'}: '_data_files' names files outside this "
+                                            r"directory \(.*other.arrow\); save_to_disk lists"):
+            resolve_files(sv)
+
+
 def test_a_header_with_two_unnamed_columns_is_refused(tmp_path):
     """Two empty header cells (a spreadsheet's trailing ',,') are a duplicate column name too: a dict keeps one ''
     column, and the other's cells were lost."""

@@ -106,6 +106,11 @@ def _saved_dataset_files(p: Path) -> list[Path] | None:
                         "datasets.save_to_disk directory); the file is damaged: save the dataset again")
     if not entries:
         raise DataError(f"{p}/state.json: no '_data_files' listed (expected a datasets.save_to_disk directory)")
+    outside = [f["filename"] for f in entries if Path(f["filename"]).is_absolute() or ".." in Path(f["filename"]).parts]
+    if outside:  # save_to_disk lists names inside the directory; p / "/abs" would read a file elsewhere
+        raise DataError(f"{p / 'state.json'}: '_data_files' names files outside this directory "
+                        f"({_some([Path(m) for m in outside])}); save_to_disk lists names inside it: the file is "
+                        "damaged or hand-edited, save the dataset again")
     files = [p / f["filename"] for f in entries]
     missing = [f["filename"] for f, path in zip(entries, files) if not path.is_file()]
     if missing:  # a copy or download that stopped partway: state.json came, a shard did not
