@@ -129,6 +129,17 @@ def test_cache_entries_of_other_encoding_code_are_not_reused(tokenizer, tmp_path
     assert len(after) == 1 and after != before  # another entry, which replaced the older code's
 
 
+def test_a_cache_version_bump_is_another_key(tokenizer, tmp_path, monkeypatch):
+    """CACHE_VERSION is bumped when the entry layout or DatasetStats change: every entry of the older layout is then
+    another key (tokenized again), never loaded as if it had the new layout."""
+    p = write_jsonl(tmp_path / "d.jsonl", [{"text": "one two"}])
+    settings = {"format": "auto", "max_seq_len": 64, "loss_on": "assistant", "overlong": "truncate"}
+    before = cache_mod.cache_key([p], tokenizer, settings)
+    assert cache_mod.cache_key([p], tokenizer, settings) == before
+    monkeypatch.setattr(cache_mod, "CACHE_VERSION", cache_mod.CACHE_VERSION + 1)
+    assert cache_mod.cache_key([p], tokenizer, settings) != before
+
+
 def test_the_encoder_digest_covers_the_masking_code(tmp_path):
     from pathlib import Path
 
@@ -383,6 +394,17 @@ def test_a_meta_json_of_the_wrong_shape_is_a_damaged_entry(tmp_path, edit):
     entry = _entry(tmp_path / "e")
     (entry / "meta.json").write_text(json.dumps(edit(json.loads((entry / "meta.json").read_text()))))
     with pytest.raises(cache_mod.CacheError, match="meta.json is unreadable|pad_id is"):
+        cache_mod.load(entry)
+
+
+@pytest.mark.parametrize("name, dtype", [("ids", np.float32), ("trainable", np.int8), ("offsets", np.int32)])
+def test_an_array_of_another_dtype_is_a_damaged_entry(tmp_path, name, dtype):
+    """ids.npy is int32, trainable.npy bool, offsets.npy int64: one of the right length in another dtype (another
+    tool's or a hand-made file: float ids, a 0/1/2 int8 mask) is a CacheError naming it, which load_dataset rebuilds;
+    it was loaded as a valid entry, arrays the collator would misread."""
+    entry = _entry(tmp_path / "e")
+    np.save(entry / f"{name}.npy", np.load(entry / f"{name}.npy").astype(dtype))
+    with pytest.raises(cache_mod.CacheError, match=f"{name}.npy holds {np.dtype(dtype)}"):
         cache_mod.load(entry)
 
 

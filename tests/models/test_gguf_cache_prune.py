@@ -222,3 +222,44 @@ def test_an_entry_without_a_record_written_recently_is_kept_whatever_its_atime(t
     os.utime(legacy / "config.json", (old, time.time()))  # atime old, written just now
     gguf_io.cached_gguf_dir(path)
     assert legacy.is_dir()
+
+
+def _older_entry(tmp_path, cache, version=gguf_cache.CONVERTER_VERSION):
+    """(m.gguf resolved, its present entry dir, a directory holding an unused older entry of it: config.json and a
+    record naming it with converter_version ``version``)."""
+    p = tmp_path / "m.gguf"
+    p.write_bytes(b"GGUF")
+    p = p.resolve()
+    keep = gguf_cache.cache_dir_for(p)
+    keep.mkdir(parents=True)
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.json").write_text("{}")
+    (old / gguf_cache.CACHE_ENTRY).write_text(json.dumps({"source": str(p), "converter_version": version}))
+    _age(old)
+    return p, keep, old
+
+
+@pytest.mark.parametrize("version", [None, "3", 4.0], ids=["null", "a string", "a float"])
+def test_a_record_whose_converter_version_is_no_integer_is_kept(tmp_path, cache, version):
+    """An older entry of this GGUF whose record says converter_version null, "3" or 4.0 (a hand edit, another tool's
+    file) is not known to be ours: pruning keeps it and the load goes on. null or "3" raised a TypeError out of the
+    load (compared with an int); 4.0 was removed."""
+    p, keep, old = _older_entry(tmp_path, cache, version)
+    entry = old.rename(cache / f"m-{'0' * 16}")
+    assert gguf_cache.prune_older_entries(p, keep) == []
+    assert (entry / "config.json").is_file()
+
+
+def test_a_symlinked_older_entry_is_left_alone(tmp_path, cache, caplog):
+    """An entry linked into the cache (a conversion kept on another disk) stays as it is: pruning the file's older
+    entries skips it. It was renamed to a hidden .pruned-* link that removal cannot delete: the entry gone from the
+    cache, a warning, and nothing freed."""
+    p, keep, old = _older_entry(tmp_path, cache)
+    link = cache / f"m-{'0' * 16}"
+    link.symlink_to(old, target_is_directory=True)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert gguf_cache.prune_older_entries(p, keep) == []
+    assert link.is_symlink() and (old / "config.json").is_file()
+    assert sorted(d.name for d in cache.iterdir()) == sorted([keep.name, link.name])
+    assert not _lines(caplog, logging.WARNING)

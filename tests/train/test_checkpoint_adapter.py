@@ -1,9 +1,14 @@
-"""A LoRA run's checkpoint as an adapter (``apply_checkpoint_adapter``: export, chat and eval --adapter take it)
-for runs whose saved modules were untied from a tied base (continued from a PEFT adapter)."""
+"""A LoRA run's checkpoint as an adapter (``apply_checkpoint_adapter``: export, chat and eval --adapter take it):
+runs whose saved modules were untied from a tied base (continued from a PEFT adapter), older checkpoints whose
+config alone rebuilds the adapter, a base whose LoRA targets match other modules, and a checkpoint copied over in
+place read again."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import time
 
 import pytest
 import torch
@@ -11,11 +16,15 @@ import transformers
 from safetensors.torch import load_file
 
 from chronicals import load_model, save_model
-from chronicals.lora import load_adapter, merge_lora, save_adapter
+from chronicals.config import TrainConfig
+from chronicals.lora import apply_lora, load_adapter, merge_lora, save_adapter
 from chronicals.models import CausalLM, ModelConfig
 from chronicals.train import apply_checkpoint_adapter, train
+from chronicals.train import checkpoint as ckpt
+from chronicals.train.checkpoint_adapter import lora_settings, read_run_checkpoint
 
-from train_helpers import VOCAB, SyntheticLoader, synthetic_docs
+from test_checkpoint_as_adapter_or_model import _write
+from train_helpers import VOCAB, SyntheticLoader, synthetic_docs, tiny_model
 
 
 @pytest.mark.parametrize("saved", [["lm_head"], ["lm_head", "embed_tokens"]])
@@ -63,3 +72,51 @@ def test_a_checkpoint_of_a_run_on_untied_saved_modules_is_an_adapter(tmp_path, s
         torch.testing.assert_close(load_model(merged, tokenizer=False)[0].eval()(ids), want, rtol=1e-5, atol=1e-5)
         hf_logits = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()(ids).logits
         torch.testing.assert_close(hf_logits, want, rtol=1e-5, atol=1e-5)
+
+
+def _lora_checkpoint(out, *, record: bool, modules_to_save=(), base=None):
+    """A LoRA run's checkpoint (rank 4, alpha 8) of a two-layer tiny_model, model.norm.weight 3.0 (saved where
+    ``modules_to_save`` has "norm"), recording ``base``; ``record``: with the adapter record (extra["lora"]), else
+    only the config's lora section, as older checkpoints."""
+    torch.manual_seed(0)
+    model = tiny_model()
+    apply_lora(model, r=4, alpha=8, modules_to_save=modules_to_save)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(3.0)
+    cfg = TrainConfig().to_dict()
+    cfg["lora"].update(enabled=True, rank=4, alpha=8, modules_to_save=list(modules_to_save))
+    extra = {"base": base, **({"lora": lora_settings(model)} if record else {})}
+    return _write(out, extra, model=ckpt.trainable_state(model), config=cfg)
+
+
+def test_an_older_checkpoint_with_modules_to_save_is_applied_with_them(tmp_path):
+    """No adapter record (an older checkpoint): lora.modules_to_save of the run's config makes those modules
+    trainable again, so the checkpoint's model.norm.weight fits and is copied in. Without them the checkpoint was
+    refused as "does not fit this base" on the very base it trained."""
+    path = _lora_checkpoint(tmp_path / "run", record=False, modules_to_save=("norm",))
+    torch.manual_seed(0)
+    again = apply_checkpoint_adapter(tiny_model(), path)
+    assert torch.equal(again.model.norm.weight, torch.full_like(again.model.norm.weight, 3.0))
+
+
+def test_a_checkpoint_on_a_deeper_base_is_refused_naming_a_module_its_targets_match_there(tmp_path):
+    """With the adapter record, a base whose LoRA targets match other modules (one layer more) is refused naming
+    such a module (model.layers.2...) and the base the run trained, not only by a count of tensors that differ."""
+    path = _lora_checkpoint(tmp_path / "run", record=True, base="/models/two-layers")
+    with pytest.raises(ValueError, match=r"LoRA targets match other modules here \(e\.g\. model\.layers\.2\.") as e:
+        apply_checkpoint_adapter(tiny_model(layers=3), path)
+    assert "/models/two-layers" in str(e.value)
+
+
+def test_a_checkpoint_copied_over_in_place_is_read_again(tmp_path):
+    """Another checkpoint of the same size copied over state.pt (cp: the same inode and size, a new mtime): the next
+    read in the process sees the new file's record (its base), not the memoized read of the old one."""
+    p = _write(tmp_path / "run", {"base": "/models/aaaa"})
+    other = _write(tmp_path / "other", {"base": "/models/bbbb"})
+    assert read_run_checkpoint(p).base == "/models/aaaa"
+    ino = os.stat(p / "state.pt").st_ino
+    assert os.path.getsize(other / "state.pt") == os.path.getsize(p / "state.pt")
+    shutil.copyfile(other / "state.pt", p / "state.pt")  # rewrites in place: the same inode
+    assert os.stat(p / "state.pt").st_ino == ino
+    os.utime(p / "state.pt", ns=(time.time_ns(), time.time_ns() + 10**9))  # a coarse mtime: make it differ
+    assert read_run_checkpoint(p).base == "/models/bbbb"
