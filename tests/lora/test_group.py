@@ -1,6 +1,9 @@
 """LoRA groups (q/k/v, gate/up as one GEMM): the function against per-module references, the model against
 the ungrouped model, and the shared weight buffer through .to(), state dicts and merging."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn as nn
@@ -232,6 +235,19 @@ def test_to_dtype_rebinds_and_merge_restores_plain_linears(ids):
         # a float64 model merges in float64 (LoRALinear.delta_weight; it was fp32: agreement only to 1e-6)
         torch.testing.assert_close(model(ids), want, rtol=1e-11, atol=1e-12)
     assert not any(isinstance(m, LoRALinear) for m in model.modules())
+
+
+def test_to_frees_the_old_shared_buffer_before_the_next_call():
+    """After model.to(...) the groups' old (sum out, in + R) buffers are freed at once, as release_if_stale says:
+    the group's B views into one had kept the whole buffer (every member's W) alive until the next forward, e.g.
+    the base's q/k/v and gate/up weights held on the GPU after moving the model to the CPU."""
+    model = tiny_model("qwen2")
+    apply_lora(model, r=4, alpha=8)
+    groups = [g for layer in model.model.layers for g in (layer.self_attn.lora_qkv, layer.mlp.lora_gate_up)]
+    olds = [weakref.ref(g._mat) for g in groups]
+    model.double()
+    gc.collect()
+    assert [o() for o in olds] == [None] * len(olds)
 
 
 def test_a_hook_added_after_apply_lora_runs_and_an_unfrozen_base_weight_is_refused(ids):

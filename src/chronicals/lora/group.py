@@ -221,8 +221,8 @@ class LoRAGroup:
     def release_if_stale(self) -> None:
         """Called by a member's ``_apply`` (``model.to``): when a W got new storage, drop the buffer now (so the
         old device's copy is freed once every member has moved) and rebind at the next call."""
-        if not self._bound():
-            self._mat = None
+        if not self._bound():  # the B views too: they held the whole old buffer (q/k/v or gate/up W) alive
+            self._mat, self._ptrs, self._b_views = None, [], []
 
     def _bound(self) -> bool:
         mat = self._mat
