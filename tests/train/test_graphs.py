@@ -288,3 +288,97 @@ def test_trainer_with_cuda_graphs_trains_like_eager(tmp_path, lora):
         lines = (tmp_path / str(graphed) / "run" / "metrics.jsonl").read_text().splitlines()
         recs[graphed] = [r for r in map(json.loads, lines) if r["kind"] == "train"]
     assert_graphed_run_like_eager(recs[False], recs[True], steps=5)
+
+
+@cuda
+def test_a_step_replaying_one_graph_twice_sums_both_losses():
+    """A step whose first micro-batch is not of the assign graph's shape replays one accumulating graph for both
+    of its micro-batches: the step's loss sums both replays' losses. Had the first been kept as the graph's own
+    loss buffer (not a copy), the second replay overwrote it: the loss read twice the second micro-batch's."""
+    model = _gpu_model("full")
+    twin = copy.deepcopy(model)
+    batches = _micro_batches("rows", steps=1, seq=32, per_step=1) + _micro_batches("rows", steps=1, seq=24)
+    eager = _train(model, batches)
+    graphs = GraphedStep(twin, "cuda")
+    _assert_same_training(eager, _train(twin, batches, graphs))
+    assert graphs.captured() == [((2, 32, 0), "assign"), ((2, 24, 0), "accumulate")]
+
+
+@cuda
+def test_a_step_without_loss_tokens_gives_zero_loss_and_zero_grads():
+    """Every label ignored (a batch of prompts only): the replayed step gives loss 0 and zero gradients, as the
+    eager step does (1 / max(n, 1)), instead of dividing by zero."""
+    model = _gpu_model("lora")
+    twin = copy.deepcopy(model)
+    (micro,) = _micro_batches("rows", steps=1, per_step=1)
+    for b in micro:
+        b.shift_labels.fill_(-100)
+        b.num_loss_tokens = 0
+    eager = _train(model, [micro])
+    graphed = _train(twin, [micro], GraphedStep(twin, "cuda"))
+    assert eager[0] == graphed[0] == [0.0]
+    assert all(not g.any() for g in eager[1][0] + graphed[1][0])
+
+
+@cuda
+def test_grads_of_an_eager_backward_before_the_first_capture_are_added_to():
+    """Gradients made by an eager backward before the graphs' first capture (no zero_grad after it) are added to
+    by the graphed step, as eager backward adds: the capture puts them back when it is done. Left as the capture's
+    own gradient tensors, the step's gradients were the warm-up's leftovers, the earlier ones lost."""
+    dev = torch.device("cuda")
+    model = _gpu_model("lora")
+    twin = copy.deepcopy(model)
+    first, second = _micro_batches("rows", steps=2, per_step=1)
+    for m, g in ((model, None), (twin, GraphedStep(twin, "cuda"))):
+        accumulate_gradients(m, first, dev, None)  # eager, both
+        accumulate_gradients(m, second, dev, g)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        if p.requires_grad:
+            err = float((p.grad.float() - q.grad.float()).norm()) / max(float(p.grad.float().norm()), 1e-12)
+            assert err < 1e-2, f"{name}: relative gradient error {err:.2e}"
+
+
+@cuda
+def test_max_graphs_zero_runs_every_micro_batch_eagerly():
+    """max_graphs=0 captures nothing (not even the assign graph): every micro-batch runs eagerly, counted."""
+    model = _gpu_model("full")
+    twin = copy.deepcopy(model)
+    batches = _micro_batches("rows", steps=2)
+    eager = _train(model, batches)
+    graphs = GraphedStep(twin, "cuda", max_graphs=0)
+    _assert_same_training(eager, _train(twin, batches, graphs))
+    assert graphs.captured() == [] and graphs.eager_fallbacks == 4
+
+
+@cuda
+def test_a_packed_batch_of_exactly_the_capacity_in_documents_replays():
+    """16 documents fill the smallest capacity (16): the static cu_seqlens buffer holds all 17 boundaries. One
+    entry short, this batch was refused by fill_cu_seqlens_ (at the capacity the graph was picked for)."""
+    model = _gpu_model("full")
+    twin = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(0)
+    batches = [[rows_as_packed_batch(torch.randint(0, 512, (16, 32), generator=gen), "packed")] for _ in range(2)]
+    assert graph_key(batches[0][0]) == (16, 32, 16)
+    eager = _train(model, batches)
+    _assert_same_training(eager, _train(twin, batches, GraphedStep(twin, "cuda")))
+
+
+@cuda
+def test_an_unused_trainable_parameter_keeps_no_gradient():
+    """A trainable parameter the forward does not use keeps grad None through graphed steps, as eager, also in a
+    step that accumulates into the others' gradients (no zero_grad before it, another shape)."""
+    dev = torch.device("cuda")
+    model = _gpu_model("full")
+    model.register_parameter("unused", torch.nn.Parameter(torch.ones(3, device=dev)))
+    twin = copy.deepcopy(model)
+    first, second = _micro_batches("rows", steps=1, seq=32, per_step=1) + _micro_batches("rows", steps=1, seq=24,
+                                                                                        per_step=1)
+    graphs = GraphedStep(twin, "cuda")
+    for m, g in ((model, None), (twin, graphs)):
+        accumulate_gradients(m, first, dev, g)
+        accumulate_gradients(m, second, dev, g)  # another shape, grads kept: binds the home grads, zeroing none
+    assert model.unused.grad is None and twin.unused.grad is None
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        if p.grad is not None:
+            err = float((p.grad.float() - q.grad.float()).norm()) / max(float(p.grad.float().norm()), 1e-12)
+            assert err < 1e-2, f"{name}: relative gradient error {err:.2e}"
