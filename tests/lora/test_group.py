@@ -2,14 +2,17 @@
 the ungrouped model, and the shared weight buffer through .to(), state dicts and merging."""
 
 import gc
+import logging
+import re
 import weakref
 
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from chronicals.lora import LoRALinear, apply_lora, lora_linear_ref, merge_lora
-from chronicals.lora.group import LoRAGroup, LoRAGroupFunction, why_not
+from chronicals.lora.group import LoRAGroup, LoRAGroupFunction, bind_groups, why_not
 from chronicals.lora.layer import draw_mask
 from chronicals.ops import dropout as D
 
@@ -33,6 +36,18 @@ def _members(fin, spec, bias, seed=0):
             m.lora_B.weight.copy_(torch.randn(out, r, generator=g, dtype=torch.float64))
         mods.append(m)
     return mods
+
+
+class _Ops(TorchDispatchMode):
+    """Records the aten ops run under it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("fin,spec", MEMBERS)
@@ -113,26 +128,35 @@ def test_second_backward_with_dropout_gives_the_first_ones_gradients(need_x):
         assert torch.equal(a, b), f"gradient {i}"
 
 
+def test_eval_with_dropout_configured_takes_the_plain_one_gemm_path():
+    """Dropout only applies in training: in eval a group whose members have dropout draws no masks and runs the
+    same ops as one without (one GEMM for every member's x A_i^T). Drawing a tuple of Nones in eval had sent it down
+    the per-member dropout path: 3 + 1 GEMMs and a cat instead of 2 GEMMs."""
+    def ops_of(drops):
+        mods = _members(13, [(11, 4), (5, 2), (5, 2)], bias=False)
+        for m, p in zip(mods, drops):
+            m.dropout = p
+            m.eval()
+        group = LoRAGroup(mods)
+        x = torch.randn(2, 3, 13, dtype=torch.float64)
+        with torch.no_grad(), _Ops() as ops:
+            group(x)
+        return ops.names
+
+    plain, dropped = ops_of((0.0, 0.0, 0.0)), ops_of((0.3, 0.0, 0.5))
+    assert dropped == plain, (dropped, plain)
+    assert dropped.count("aten.mm") == 2, dropped
+
+
 def test_backward_writes_dx_in_place_without_a_copy():
     """dx is summed into the first in columns of the backward GEMM's (N, in + R) output, in place: no
     aten copy of that strided view (out of place, addmm copied it first: 1.8 ms a step at 0.5B on an H200)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
-
     fin, spec = 13, [(11, 4), (11, 4)]
     mods = _members(fin, spec, bias=False)
     group = LoRAGroup(mods)
     x = torch.randn(2, 3, fin, dtype=torch.float64, requires_grad=True)
     y = group(x)
-    with Ops() as ops:
+    with _Ops() as ops:
         (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
     assert "aten.copy_" not in ops.names and "aten.addmm_" in ops.names, ops.names
     assert dx.stride() == (3 * (fin + 8), fin + 8, 1)  # a view of the (N, in + R) GEMM output
@@ -165,6 +189,57 @@ def test_why_not_names_the_reason():
     with pytest.raises(ValueError, match="cannot share one GEMM"):
         LoRAGroup(mods)
     assert "LoRALinear" in why_not([nn.Linear(3, 3)])
+
+
+def _hooked(mods, pre=False):
+    if pre:
+        mods[0].register_forward_pre_hook(lambda mod, args: None)
+    else:
+        mods[1].register_forward_hook(lambda mod, args, out: None)
+    return mods
+
+
+def _b_in_float32(mods):
+    mods[1].lora_B.weight = nn.Parameter(mods[1].lora_B.weight.detach().float())
+    return mods
+
+
+MISMATCHES = {  # members that cannot share one GEMM -> the reason why_not gives
+    "forward hook": (lambda: _hooked(_members(7, [(5, 3), (2, 1)], bias=False)), "a module has forward hooks"),
+    "forward pre-hook": (lambda: _hooked(_members(7, [(5, 3), (2, 1)], bias=False), pre=True),
+                         "a module has forward hooks"),
+    "in_features": (lambda: _members(7, [(5, 3)], bias=False) + _members(6, [(2, 1)], bias=False, seed=1),
+                    "the modules differ in in_features"),
+    "base dtype": (lambda: _members(7, [(5, 3)], bias=False) + [_members(7, [(2, 1)], bias=False, seed=1)[0].float()],
+                   "the base weights differ in dtype or device"),
+    "B dtype": (lambda: _b_in_float32(_members(7, [(5, 3), (2, 1)], bias=False)), "the adapters differ in dtype"),
+    "bias mix": (lambda: _members(7, [(5, 3)], bias=True) + _members(7, [(3, 2)], bias=False, seed=1),
+                 "some have a bias and some do not"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISMATCHES))
+def test_why_not_names_each_mismatch_and_the_group_refuses_it(case):
+    """The group's one GEMM reads one x, calls no member (so a hook would never run), holds s B in W's dtype and adds
+    one cat of the biases: a member with a hook, another in_features, another base or B dtype, or a bias where the
+    others have none is refused by name. Without each check the group formed (and skipped the hook, or failed inside
+    cat / mm), or, for the base dtype, the log blamed the adapters."""
+    make, reason = MISMATCHES[case]
+    mods = make()
+    assert why_not(mods) == reason
+    with pytest.raises(ValueError, match=f"cannot share one GEMM: {re.escape(reason)}"):
+        LoRAGroup(mods)
+
+
+def test_bind_groups_counts_the_groups_it_makes(caplog):
+    """Two layers, each with q/k/v and gate/up: bind_groups returns 4, and apply_lora's log line says 4 (the count
+    was unchecked: a bind_groups returning 0 went unnoticed)."""
+    model = tiny_model("llama")
+    apply_lora(model, r=2, alpha=4, group=False)
+    assert bind_groups(model) == 4
+    with caplog.at_level(logging.INFO, logger="chronicals"):
+        apply_lora(tiny_model("llama"), r=2, alpha=4)
+    assert "apply_lora: 4 LoRA groups" in caplog.text
 
 
 @pytest.mark.parametrize("kind,adapter_dtype", [("llama", None), ("qwen2", None), ("qwen2", torch.float32)])
@@ -248,6 +323,24 @@ def test_to_frees_the_old_shared_buffer_before_the_next_call():
     model.double()
     gc.collect()
     assert [o() for o in olds] == [None] * len(olds)
+
+
+def test_merge_frees_each_group_and_its_buffer_without_the_cycle_collector():
+    """Each member points at its group (m.group) and the group at its members: merge_lora breaks that cycle, so the
+    group and its (sum out, in + R) buffer (the q/k/v or gate/up weights' old storage) are freed by reference
+    counting at once, not left for a later gc pass (with gc disabled they stayed alive)."""
+    model = tiny_model("llama")
+    apply_lora(model, r=2, alpha=4)
+    group = model.model.layers[0].self_attn.lora_qkv
+    wg, wm = weakref.ref(group), weakref.ref(group._mat)
+    del group
+    gc.collect()
+    gc.disable()
+    try:
+        merge_lora(model)
+        assert wg() is None and wm() is None
+    finally:
+        gc.enable()
 
 
 def test_a_hook_added_after_apply_lora_runs_and_an_unfrozen_base_weight_is_refused(ids):

@@ -2,6 +2,8 @@
 the same ValueError on impl="torch" as on impl="triton" (the torch path used to compute garbage or fail
 deep inside PyTorch). Nothing here launches a kernel: ~1 s."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -30,6 +32,10 @@ CASES = {
                    r"rotary dims R=10 must be even and <= head_dim 8"),
     "rope cos seq": (lambda impl: ops.rope_qk(t(1, 2, 2, 8), t(1, 2, 1, 8), t(1, 3, 8), t(1, 3, 8), impl=impl),
                      r"cos/sin must be \(1 or 1, 2, R\)"),
+    "rope q/k head dim": (lambda impl: ops.rope_qk(t(1, 2, 2, 8), t(1, 2, 1, 6), t(1, 2, 6), t(1, 2, 6), impl=impl),
+                          r"expected q \(B, S, Hq, D\) and k \(B, S, Hk, D\)"),  # torch rotated both silently
+    "rope cos batch": (lambda impl: ops.rope_qk(t(3, 2, 2, 8), t(3, 2, 1, 8), t(2, 2, 8), t(2, 2, 8), impl=impl),
+                       r"cos/sin must be \(3 or 1, 2, R\)"),  # neither 1 nor B: a raw broadcast error
     "rope q/k dtype": (lambda impl: ops.rope_qk(t(1, 2, 2, 8), t(1, 2, 1, 8, dtype=torch.float64), t(1, 2, 8),
                                                 t(1, 2, 8), impl=impl), r"q and k must share a dtype"),
     "swiglu shapes": (lambda impl: ops.swiglu(t(3, 4), t(3, 5), impl=impl), r"swiglu: gate \(3, 4\)"),
@@ -47,6 +53,9 @@ CASES = {
     "attn cu float": (lambda impl: ops.attention(t(1, 4, 2, 8), t(1, 4, 2, 8), t(1, 4, 2, 8),
                                                  cu_seqlens=torch.tensor([0.0, 2.0, 4.0], device=DEV), impl=impl),
                       r"cu_seqlens must be int32 .* \(got torch.float32 \(3,\)\)"),
+    "attn cu one entry": (lambda impl: ops.attention(t(2, 6, 2, 8), t(2, 6, 2, 8), t(2, 6, 2, 8), impl=impl,
+                                                     cu_seqlens=torch.tensor([0], dtype=torch.int32, device=DEV)),
+                          r"cu_seqlens must be int32 \(num_docs \+ 1,\).*\(got torch.int32 \(1,\)\)"),  # no document
     "attn cu int64": (lambda impl: ops.attention(t(1, 4, 2, 8), t(1, 4, 2, 8), t(1, 4, 2, 8),
                                                  cu_seqlens=torch.tensor([0, 4], device=DEV), impl=impl),
                       r"cu_seqlens must be int32"),
@@ -73,6 +82,16 @@ CASES = {
     "attn max_seqlen 0": (lambda impl: ops.attention(t(1, 4, 2, 8), t(1, 4, 2, 8), t(1, 4, 2, 8), max_seqlen=0,
                                                      cu_seqlens=torch.tensor([0, 4], dtype=torch.int32, device=DEV),
                                                      impl=impl), r"max_seqlen=0; expected the longest document"),
+    # FA2 takes max_seqlen as a C++ int: True (a bool is an Integral) became 1, a reshape error inside its call
+    "attn max_seqlen True": (lambda impl: ops.attention(t(1, 4, 2, 8), t(1, 4, 2, 8), t(1, 4, 2, 8), max_seqlen=True,
+                                                        cu_seqlens=torch.tensor([0, 4], dtype=torch.int32, device=DEV),
+                                                        impl=impl), r"max_seqlen=True; expected the longest document"),
+    "attn max_seqlen 2.5": (lambda impl: ops.attention(t(1, 4, 2, 8), t(1, 4, 2, 8), t(1, 4, 2, 8), max_seqlen=2.5,
+                                                       cu_seqlens=torch.tensor([0, 4], dtype=torch.int32, device=DEV),
+                                                       impl=impl), r"max_seqlen=2\.5; expected the longest document"),
+    "attn max_seqlen 4.0": (lambda impl: ops.attention(t(1, 4, 2, 8), t(1, 4, 2, 8), t(1, 4, 2, 8), max_seqlen=4.0,
+                                                       cu_seqlens=torch.tensor([0, 4], dtype=torch.int32, device=DEV),
+                                                       impl=impl), r"max_seqlen=4\.0; expected the longest document"),
     "attn cu from 2": (lambda impl: ops.attention(t(1, 4, 2, 8), t(1, 4, 2, 8), t(1, 4, 2, 8), impl="torch",
                                                   cu_seqlens=torch.tensor([2, 4], dtype=torch.int32, device=DEV)),
                        r"cu_seqlens must start at 0 and never decrease"),
@@ -170,6 +189,17 @@ def test_packed_cuda_attention_names_its_head_dim_limits(d):
     with pytest.raises(ValueError, match=rf"multiple of 8 and at most 256 \(got {d}\); pass impl='torch'"):
         ops.attention(q, q, q, cu_seqlens=cu, max_seqlen=2, impl="triton", varlen="flash")
     assert ops.attention(q, q, q, cu_seqlens=cu, max_seqlen=2, impl="torch").shape == q.shape
+
+
+@pytest.mark.parametrize("d", [12, 68])
+def test_the_varlen_flash_door_names_its_head_dim_limit_before_any_kernel(d):
+    """attention_varlen_flash refuses a head dim that is not a multiple of 8 before calling FA2 (whose own error says
+    'ensured by padding!', and nothing pads). Checked on any device: the test above needs CUDA."""
+    att = importlib.import_module("chronicals.ops.attention")  # the package attribute of that name is the function
+    q = t(1, 4, 2, d, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match=rf"multiple of 8 and at most 256 \(got {d}\)"):
+        att.attention_varlen_flash(q, q, q, cu, max_seqlen=2)
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the packed path's varlen kernels run on CUDA")

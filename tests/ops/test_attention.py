@@ -101,6 +101,54 @@ def test_varlen_kernels_match_reference_on_cuda(hq, hk, d, varlen):
         assert (a - r).abs().max() <= 2 * (c - r).abs().max() + 1e-3
 
 
+def _varlen_error_ratio(rows: int, s: int, cuts: list[int], hq: int, hk: int, d: int, varlen: str,
+                        upstream: str) -> float:
+    """Worst of out / dq / dk / dv error, varlen kernel (bf16) against float64, over bf16 masked SDPA's own error
+    (+ a floor): documents ``cuts`` (cu_seqlens over rows * s tokens); ``upstream``: "dense" (a random gradient),
+    "sum" (o.sum(): an expanded, stride-0 gradient) or "transposed" (a random one whose last two dims are swapped)."""
+    gen = torch.Generator().manual_seed(3)
+    cu = torch.tensor(cuts, dtype=torch.int32).cuda()
+    qkv = [torch.randn(rows, s, h, d, generator=gen).cuda() for h in (hq, hk, hk)]
+    ref, fast, low = ([t.to(dt).requires_grad_() for t in qkv] for dt in (torch.float64, torch.bfloat16,
+                                                                          torch.bfloat16))
+    outs = [attention_ref(*ref, cu_seqlens=cu),
+            attention(*fast, cu_seqlens=cu, max_seqlen=int(cu.diff().max()), impl="triton", varlen=varlen),
+            attention_ref(*low, cu_seqlens=cu)]
+    g = torch.randn(rows, s, d, hq, generator=gen).cuda().transpose(-1, -2)  # (rows, s, hq, d), not contiguous
+    g = g.contiguous() if upstream == "dense" else g
+    for o in outs:
+        if upstream == "sum":
+            o.sum().backward()
+        else:
+            o.backward(g.to(o.dtype))
+    worst = 0.0
+    for i in range(4):
+        r, a, c = (([o] + [t.grad for t in ts])[i].double() for o, ts in zip(outs, (ref, fast, low)))
+        worst = max(worst, float((a - r).abs().max() / (2 * (c - r).abs().max() + 1e-3)))
+    return worst
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen kernels need CUDA")
+@pytest.mark.parametrize("varlen", ["flash", "cudnn"])
+def test_varlen_kernels_fit_each_batch_documents_and_tokens(varlen):
+    """cuDNN's graphs are built per shape key: a batch with the same document bucket and length bound but 3x the
+    tokens gets a plan of its own (the backward's token bound), and a single document longer than half the bound
+    is covered by it; an upstream gradient that is not contiguous (o.sum(): stride 0; a transposed one) is read
+    as it is laid out. Heads 6 / 3 of 64: a key no other test builds first."""
+    if varlen == "cudnn" and not _cudnn_ok():
+        pytest.skip("needs nvidia-cudnn-frontend, cuDNN >= 9.6 and a Hopper GPU")
+    hq, hk, d = 6, 3, 64
+    cases = [
+        (1, 300, [0, 200, 300], "dense"),  # 300 tokens: built first
+        (3, 300, [0, 200, 300, 500, 600, 800, 900], "dense"),  # same bucket and bound, 900 tokens
+        (1, 300, [0, 300], "dense"),  # one document of 300: above half its bound (512)
+        (2, 96, [0, 40, 96, 192], "sum"),
+        (2, 96, [0, 40, 96, 192], "transposed"),
+    ]
+    for case in cases:
+        assert _varlen_error_ratio(*case[:3], hq, hk, d, varlen, case[3]) <= 1, case
+
+
 def test_cudnn_ragged_meta_pads_documents_and_scales_offsets():
     """cu_seqlens [0, 3, 5, 9] padded to a 4-document bucket: the extra document is empty, offsets in elements."""
     cu = torch.tensor([0, 3, 5, 9], dtype=torch.int32)
@@ -114,9 +162,14 @@ def test_cudnn_ragged_meta_pads_documents_and_scales_offsets():
 
 
 def test_cudnn_path_without_the_frontend_says_what_to_install(monkeypatch):
+    """Also through resolve_varlen: model.attention=cudnn resolves to cudnn without probing the GPU, then imports the
+    frontend at once, so the ImportError says what to pip install (not a failure later, inside the first cuDNN call)."""
     monkeypatch.setitem(__import__("sys").modules, "cudnn", None)  # import cudnn -> ImportError
     with pytest.raises(ImportError, match="pip install 'nvidia-cudnn-frontend"):
         attention_cudnn.cudnn_frontend()
+    att = importlib.import_module("chronicals.ops.attention")  # the package's attribute is the function
+    with pytest.raises(ImportError, match="pip install 'nvidia-cudnn-frontend"):
+        att.resolve_varlen("cudnn", torch.device("cuda", 0), tokens=1024, docs=1)
 
 
 def test_unknown_varlen_kernel_is_refused():
@@ -169,3 +222,15 @@ def test_the_reference_refuses_a_document_across_rows():
         attention(q, k, v, cu_seqlens=torch.tensor([0, 8, 12], dtype=torch.int32), impl="torch")
     inside = attention(q, k, v, cu_seqlens=torch.tensor([0, 2, 6, 9, 12], dtype=torch.int32), impl="torch")
     assert inside.shape == q.shape and torch.isfinite(inside).all()
+
+
+def test_empty_documents_at_a_row_boundary_are_not_a_crossing():
+    """CUDA-graph runs pad cu_seqlens by repeating its last value (B * S): empty documents at the end of the last row,
+    and an empty one may sit at any row boundary. They hold no token, so they cross no row: the reference gives the
+    unpadded answer (without the ends > starts test it raised 'runs across a row boundary')."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 6, 2, 8, generator=g) for _ in range(3))
+    want = attention_ref(q, k, v, cu_seqlens=torch.tensor([0, 2, 6, 9, 12], dtype=torch.int32))
+    for cu in ([0, 2, 6, 9, 12, 12, 12], [0, 2, 6, 6, 9, 12], [0, 0, 2, 6, 9, 12]):
+        got = attention(q, k, v, cu_seqlens=torch.tensor(cu, dtype=torch.int32), impl="torch")
+        assert torch.equal(got, want), cu

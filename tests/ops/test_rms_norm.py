@@ -113,6 +113,42 @@ def test_row_strided_upstream_gradients(hidden):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("layout", ["row-strided x", "column-major dy"])
+def test_strided_x_or_dy_without_residual_get_the_references_gradients(layout):
+    """Without a residual the backward kernel reads the saved x and dy as contiguous (N, H) rows: the eager door saves
+    x.contiguous() and lays dy out row-major. A column slice of a wider x (row stride 50 for H = 24) saved as it was,
+    or a transposed (H, N) dy (as a y.t() consumer hands back) passed as it was, gave wrong dx and dweight."""
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(6, 50, generator=g).to(DEV)
+    w0 = (1 + 0.3 * torch.randn(24, generator=g)).to(DEV)
+    dy = torch.randn(24, 6, generator=g).to(DEV).t()  # (6, 24), strides (1, 6)
+    if layout == "row-strided x":
+        dy = dy.contiguous()
+    out = []
+    for fn in (lambda x, w: rms_norm(x, w, 1e-6, impl="triton"), lambda x, w: rms_norm_ref(x, w, 1e-6)):
+        b, w = big.clone().requires_grad_(), w0.clone().requires_grad_()
+        x = b[:, 3:27] if layout == "row-strided x" else b[:, :24].contiguous()
+        out.append(torch.autograd.grad(fn(x, w), [b, w], dy))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_zero_rows_give_a_zero_weight_gradient_on_both_impls(residual):
+    """An empty batch (0 rows) still reaches the weight: its gradient is zeros of weight's shape on both impls (the
+    triton launcher's early return for 0 rows handed back None, so w.grad stayed None under triton only)."""
+    grads = {}
+    for impl in IMPLS:
+        x = torch.randn(0, 8, device=DEV, requires_grad=True)
+        w = torch.randn(8, device=DEV, requires_grad=True)
+        r = torch.randn(0, 8, device=DEV, requires_grad=True) if residual else None
+        out = rms_norm(x, w, 1e-6, residual=r, impl=impl)
+        (sum(o.sum() for o in out) if residual else out.sum()).backward()
+        grads[impl] = w.grad
+    for impl, g in grads.items():
+        assert g is not None and torch.equal(g, torch.zeros(8, device=DEV)), impl
+
+
 def test_weight_promotion_like_reference():
     """bf16 activations with an fp32 weight: the reference returns fp32 (weight * y.to(bf16)); so do we."""
     x = torch.randn(3, 64, device=DEV).bfloat16()

@@ -85,11 +85,49 @@ def test_strided_inputs_and_broadcast_cos():
         torch.testing.assert_close(a, b)
 
 
+def test_cos_contiguous_and_sin_broadcast_over_the_batch():
+    """The kernel reads cos and sin at one set of strides: when they differ (cos (B, S, R) contiguous, sin an
+    expanded (1, S, R)) the launcher lays both out alike first. Without that, sin was read at cos's batch stride
+    (past its one row of storage for b >= 1): wrong outputs and gradients."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(3, 5, 2, 16, generator=g).to(DEV).requires_grad_()
+    k = torch.randn(3, 5, 1, 16, generator=g).to(DEV).requires_grad_()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    cos, sin = (t.to(DEV) for t in rope_cos_sin(torch.arange(5)[None], inv_freq))  # (1, 5, 16)
+    cos, sin = cos.expand(3, 5, 16).contiguous(), sin.expand(3, 5, 16)  # sin: stride 0 over the batch
+    assert cos.stride() != sin.stride()
+    ours, ref = rope_qk(q, k, cos, sin, impl="triton"), rope_qk_ref(q, k, cos, sin)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b)
+    w = [torch.randn(t.shape, generator=g).to(DEV) for t in ref]
+    got = torch.autograd.grad(sum((a * b).sum() for a, b in zip(ours, w)), [q, k])
+    want = torch.autograd.grad(sum((a * b).sum() for a, b in zip(ref, w)), [q, k])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_zero_rotary_dims_leave_q_and_k_unchanged(impl):
+    """R = 0 passes the argument checks (even, <= D): every dim passes through, forward and backward. The launcher's
+    BLOCK_HALF = next_power_of_2(max(R // 2, 1)) keeps the kernel's tile non-empty (without the max the
+    interpreter raised from tl.arange(0, 0))."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 2, 8, generator=g).to(DEV).requires_grad_()
+    k = torch.randn(2, 3, 1, 8, generator=g).to(DEV).requires_grad_()
+    cos = torch.empty(2, 3, 0, device=DEV)
+    qo, ko = rope_qk(q, k, cos, cos, impl=impl)
+    assert torch.equal(qo, q) and torch.equal(ko, k)
+    (qo.sum() + 2 * ko.sum()).backward()
+    assert torch.equal(q.grad, torch.ones_like(q)) and torch.equal(k.grad, 2 * torch.ones_like(k))
+
+
 def test_bad_inputs_say_what_is_wrong():
     q, k = torch.randn(1, 4, 2, 16, device=DEV), torch.randn(1, 4, 1, 16, device=DEV)
     cos = torch.randn(1, 4, 16, device=DEV)
     with pytest.raises(ValueError, match="does not differentiate cos/sin"):
         rope_qk(q, k, cos.requires_grad_(), cos.detach(), impl="triton")
+    with pytest.raises(ValueError, match="does not differentiate cos/sin"):  # sin too: it got no gradient
+        rope_qk(q, k, cos.detach(), cos.detach().clone().requires_grad_(), impl="triton")
     with pytest.raises(ValueError, match="must be even and <= head_dim"):
         rope_qk(q, k, torch.randn(1, 4, 18, device=DEV), torch.randn(1, 4, 18, device=DEV), impl="triton")
     with pytest.raises(ValueError, match="expected q"):

@@ -82,6 +82,18 @@ def test_row_strided_input_and_one_gradient_node():
 
 
 @needs_triton
+def test_a_column_major_dy_gives_the_references_d_gu():
+    """dy (N, I) that is a transposed (I, N) tensor (column stride N) is laid out at unit column stride before the
+    backward kernel, which reads dy's columns contiguously; passed with its strides, d_gu was garbage."""
+    g = torch.Generator().manual_seed(3)
+    gu = torch.randn(6, 2 * 20, generator=g).to(DEV).requires_grad_()
+    dy = torch.randn(20, 6, generator=g).to(DEV).t()  # (6, 20), strides (1, 6)
+    (ours,) = torch.autograd.grad(swiglu_gate_up(gu, impl="triton"), gu, dy)
+    (ref,) = torch.autograd.grad(swiglu_gate_up_ref(gu), gu, dy)
+    torch.testing.assert_close(ours, ref)
+
+
+@needs_triton
 @pytest.mark.parametrize("i", [5, 130, 1031])
 @pytest.mark.parametrize("rows", [1, 7, 33])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -105,6 +117,8 @@ def test_in_place_backward_writes_the_same_bits_over_its_inputs(dtype, rows, i):
 
 @needs_triton
 def test_in_place_backward_refuses_other_layouts():
+    """A strided gu or dy, two dtypes, or a contiguous gu whose width is not 2I for dy (N, I) (the kernel assumes a
+    row stride of 2I: without the shape check it wrote d_gu at the wrong offsets) raise before any kernel."""
     gu, dy = torch.randn(4, 20, device=DEV), torch.randn(4, 10, device=DEV)
     with pytest.raises(ValueError, match="contiguous"):
         swiglu_gate_up_backward_(dy, torch.randn(4, 23, device=DEV)[:, :20])
@@ -112,6 +126,9 @@ def test_in_place_backward_refuses_other_layouts():
         swiglu_gate_up_backward_(dy.t().contiguous().t(), gu)
     with pytest.raises(ValueError, match="one dtype"):
         swiglu_gate_up_backward_(dy.double(), gu)
+    for cols in (22, 18):
+        with pytest.raises(ValueError, match=r"must be contiguous \(N, I\) and \(N, 2I\)"):
+            swiglu_gate_up_backward_(dy, torch.randn(4, cols, device=DEV))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
