@@ -319,6 +319,20 @@ def test_a_sigterm_under_torchrun_says_another_rank_may_have_failed(monkeypatch,
     assert "interrupted (SIGTERM)" in err and "under torchrun a SIGTERM also comes when another rank failed" in err
 
 
+def test_a_ctrl_c_under_torchrun_does_not_blame_another_rank(monkeypatch, capsys):
+    """The torchrun note ("a SIGTERM also comes when another rank failed") is for a SIGTERM only: a Ctrl-C (SIGINT)
+    under torchrun is the user's own stop, and the note sent them looking for another rank's error."""
+    import chronicals.cli as cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+    monkeypatch.setitem(cli.COMMANDS, "train", interrupted)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert main(["train"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted (SIGINT)" in err and "another rank failed" not in err, err
+
+
 def test_chat_reads_piped_prompts_and_labels_each_answer(tiny_base, monkeypatch, capsys):
     import io
 

@@ -13,11 +13,11 @@ from chronicals import cli_chat
 from chronicals.config import DEMO_SYSTEM_PROMPT, from_dict
 
 
-def _fake(monkeypatch, answer) -> None:
-    """chat's load and its prompt ids faked; ``answer`` stands for qa.answer."""
+def _fake(monkeypatch, answer, positions=4096) -> None:
+    """chat's load and its prompt ids faked; ``answer`` stands for qa.answer; the model attends to ``positions``."""
     import chronicals.train.qa as qa
 
-    model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=4096),
+    model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=positions),
                                   lm_head=types.SimpleNamespace(weight=torch.zeros(1)))
     tok = types.SimpleNamespace(chat_template="{{ x }}")
     monkeypatch.setattr(cli_chat, "_load", lambda *a, **k: (model, tok))
@@ -79,3 +79,37 @@ def test_prompts_given_in_a_terminal_are_answered_not_replaced_by_typed_ones(mon
     assert seen == [("hi", [], None), ("again", [], None)]  # each on its own (--turns auto), not streamed
     out, err = capsys.readouterr()
     assert out == "> hi\nok\n> again\nok\n" and "type a message" not in err
+
+
+def test_reset_is_an_ordinary_prompt_where_each_prompt_is_asked_alone(monkeypatch, capsys):
+    """'/reset' forgets the conversation under --turns multi only; where each prompt is asked on its own (--turns
+    single, and given or piped prompts by default) there is nothing to forget and it is answered like any other
+    prompt. Taken as the command there too, it was dropped without a word (alone: "no prompt", exit 2)."""
+    seen = []
+    _fake(monkeypatch, lambda m, t, q, system, *a, **k: seen.append(q) or "ok")
+    for turns in (["--turns", "single"], []):
+        assert cli_chat.cmd_chat(["--model", "some-model", "--device", "cpu", *turns, "/reset", "hi"]) == 0
+        out, err = capsys.readouterr()
+        assert out == "> /reset\nok\n> hi\nok\n" and "starts over" not in err, (out, err)
+    assert seen == ["/reset", "hi"] * 2
+
+
+def test_a_prompt_that_exactly_fills_the_context_is_told_to_shorten_by_one_token(monkeypatch, capsys):
+    """The templated prompt and its answer share the model's context: a prompt of exactly the context's tokens
+    leaves no room and is refused (exit 3) with "shorten it by at least 1 tokens"; a context one token longer
+    answers it in 1 token, with a note. At that edge a prompt taken to fit was refused as "leaves room for 0", a
+    --max-new-tokens note that says nothing of what to cut."""
+    import chronicals.train.qa as qa
+
+    rooms = []
+    prompt = "w w w w"  # 4 tokens + 2 of framing (system message and template): 6
+    for positions in (6, 7):
+        _fake(monkeypatch, lambda m, t, q, system, room, *a, **k: rooms.append(room) or "ok", positions)
+        monkeypatch.setattr(qa, "prompt_ids", lambda tok, q, system, history=(): [1] * (2 + len(q.split())))
+        rc = cli_chat.cmd_chat(["--model", "some-model", "--device", "cpu", "--max-new-tokens", "2", prompt])
+        err = capsys.readouterr().err
+        if positions == 6:
+            assert rc == 3 and "no room for an answer; shorten it by at least 1 tokens" in err, err
+            assert "leaves room" not in err and rooms == [], err
+        else:
+            assert rc == 0 and "leaves room for 1 in the 7 tokens" in err and rooms == [1], err

@@ -198,6 +198,8 @@ def test_a_full_checkpoint_whose_base_moved_says_where_it_was(tiny_base, tmp_pat
     (["--model", "{adapter}", "--base", "{tiny}"], "is a LoRA adapter: pass it as --adapter"),
     (["--model", "{full}/checkpoints/step-000002", "--base", "{full}/checkpoints/step-000001"],
      "step-000001 is a run's training checkpoint; --base names the model a checkpoint (--model) was trained from"),
+    (["--adapter", "{adapter}", "--base", "{full}/checkpoints/step-000001"],  # an adapter's base: a model too
+     "step-000001 is a run's training checkpoint; --base names the model a checkpoint (--model) was trained from"),
     (["--base", "{tiny}"], "give the checkpoint as --model"),
     (["--adapter", "{adapter}", "--model", "{tiny}", "--base", "{other}"], "with --adapter, --model and --base both"),
 ])

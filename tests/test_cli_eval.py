@@ -409,7 +409,9 @@ def test_json_into_the_adapter_directory_is_refused(tiny_base, data_file, tmp_pa
 
 def test_json_records_the_data_settings_it_scored_under(tiny_base, data_file, tmp_path):
     """--json records the settings the numbers depend on, so two result files can be compared: --on-long changes
-    which tokens are scored (drop / split / truncate), --train-on which carry loss."""
+    which tokens are scored (drop / split / truncate), --train-on which carry loss. --max-new-tokens and --qa-limit
+    only for question/answer records, whose answers depend on them: a file without any claimed generation settings
+    that had no effect on its numbers."""
     out = tmp_path / "r.json"
     assert main(["eval", "--model", str(tiny_base), str(data_file), "--device", "cpu", "--cache-dir", "none",
                  "--on-long", "split", "--train-on", "all", "--max-seq-len", "32", "--batch-size", "2",
@@ -417,6 +419,7 @@ def test_json_records_the_data_settings_it_scored_under(tiny_base, data_file, tm
     got = json.loads(out.read_text())
     assert (got["on_long"], got["train_on"], got["max_seq_len"], got["batch_size"], got["model"], got["device"]) == \
         ("split", "all", 32, 2, str(tiny_base), "cpu"), got
+    assert "max_new_tokens" not in got and "qa_limit" not in got, got
 
 
 def _refused_before_the_load(args, monkeypatch, capsys):

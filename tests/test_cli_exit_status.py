@@ -144,12 +144,15 @@ def test_a_diverged_run_exits_1_with_one_error_line(monkeypatch, capsys):
     assert err.startswith("error: loss is nan at step 3") and "Traceback" not in err, err
 
 
-def test_an_existing_config_with_an_equals_sign_in_its_name_is_the_config(tmp_path, monkeypatch):
-    """A config file in the working directory named lr=3e-4.yaml (a sweep's naming) is the CONFIG.yaml: without the
-    is_file() check it was taken for an override 'lr=3e-4.yaml' and the run refused with an unknown key."""
+@pytest.mark.parametrize("name", ["lr=3e-4.yaml", "my.yml"])
+def test_an_existing_config_file_is_the_config(tmp_path, monkeypatch, name):
+    """The first argument naming a config file in the working directory is the CONFIG: lr=3e-4.yaml (a sweep's
+    naming; without the is_file() check it was taken for an override 'lr=3e-4.yaml' and the run refused with an
+    unknown key) and my.yml (USAGE and the refusal "a config file must end in .yaml or .yml" promise .yml; no test
+    gave train one, so a check of .yaml alone would have refused it)."""
     import chronicals.config as config
 
-    (tmp_path / "lr=3e-4.yaml").write_text("optim:\n  lr: 3.0e-4\n")
+    (tmp_path / name).write_text("optim:\n  lr: 3.0e-4\n")
     monkeypatch.chdir(tmp_path)
     seen = []
 
@@ -157,8 +160,8 @@ def test_an_existing_config_with_an_equals_sign_in_its_name_is_the_config(tmp_pa
         seen.append((path, list(overrides)))
         raise ValueError("stop here")
     monkeypatch.setattr(config, "load_config", load_config)
-    assert main(["train", "lr=3e-4.yaml", "train.max_steps=2"]) == 2
-    assert seen == [("lr=3e-4.yaml", ["train.max_steps=2"])]
+    assert main(["train", name, "train.max_steps=2"]) == 2
+    assert seen == [(name, ["train.max_steps=2"])]
 
 
 def test_an_unknown_command_exits_2_and_help_exits_0(capsys):
