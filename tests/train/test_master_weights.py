@@ -358,6 +358,22 @@ def test_a_checkpoint_without_its_parameter_names_still_gives_the_masters(tmp_pa
     assert len(masters_by_name(state)) == len(named) - 1
 
 
+def test_named_masters_are_taken_by_name_where_values_are_ambiguous():
+    """With ``optimizer_params`` (the checkpoint's parameter names) each master goes to its named weight, even where
+    two weights hold the same bf16 values (weights still at their init) and the by-value pairing of older
+    checkpoints must leave both out as ambiguous: matched by value there, both lost their masters."""
+    from chronicals.train.checkpoint import masters_by_name
+
+    w = torch.ones(4, dtype=torch.bfloat16)
+    m_a, m_b = torch.full((4,), 1.0001), torch.full((4,), 0.9999)  # both round to w
+    state = {"model": {"a": w.clone(), "b": w.clone()}, "optimizer_params": ["a", "b"],
+             "optimizer": {"state": {0: {"master": m_a}, 1: {"master": m_b}}, "param_groups": [{"params": [0, 1]}]}}
+    got = masters_by_name(state)
+    assert set(got) == {"a", "b"} and torch.equal(got["a"], m_a) and torch.equal(got["b"], m_b)
+    del state["optimizer_params"]  # a checkpoint before 49b06ef: ambiguous, nothing taken
+    assert masters_by_name(state) == {}
+
+
 def test_mixed_trainable_dtypes_get_masters(tmp_path):
     """fp32 adapters beside a bf16 module to save (a norm trained whole): auto keeps fp32 masters for the bf16 one,
     whose small updates would otherwise round away ("all" trainables bf16 turned them off; a mutation walk)."""

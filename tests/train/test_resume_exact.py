@@ -177,3 +177,21 @@ def test_apply_optimizer_settings_puts_back_this_runs_implementation():
     apply_optimizer_settings(new, sched, fresh, None, {}, 1)
     assert new.param_groups[0]["fused"] and new.state[p]["step"].dtype == torch.float32
     new.step()  # the fused kernel, on the restored moments
+
+
+def test_a_capturable_groups_steps_go_to_the_parameters_device():
+    """A capturable AdamW (CUDA graphs) resumed from a checkpoint of an uncapturable run gets its flag back and its
+    step counts on the parameter's device (as torch's load_state_dict does for fused or capturable groups), not left
+    on the CPU for a captured step to read. On a CPU machine both would be the CPU: the parameter is on meta."""
+    from chronicals.train.resume import apply_optimizer_settings, optimizer_settings
+
+    p = torch.nn.Parameter(torch.empty(3, device="meta"))
+    opt = torch.optim.AdamW([p], lr=1e-3, capturable=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    fresh = optimizer_settings(opt, sched)
+    opt.state[p] = {"step": torch.tensor(2.0, dtype=torch.float64), "exp_avg": torch.empty(3, device="meta"),
+                    "exp_avg_sq": torch.empty(3, device="meta")}  # as the uncapturable run's checkpoint restores
+    opt.param_groups[0]["capturable"] = False
+    apply_optimizer_settings(opt, sched, fresh, None, {}, step=2)
+    step = opt.state[p]["step"]
+    assert opt.param_groups[0]["capturable"] is True and step.device == p.device and step.dtype == torch.float32
