@@ -87,6 +87,18 @@ def test_lora_mlp_does_not_keep_the_swiglu_product():
     assert _n_by_i_saved(mlp, x.clone(), lambda m, t: m(t)) >= 3  # gu, act (and the SwiGLU autograd's own)
 
 
+def test_down_proj_only_lora_trains_the_first_layer_whose_mlp_input_needs_no_grad(ids):
+    """LoRA on down_proj only: in layer 0 gate and up need no gradient (embedding, attention, gate/up all frozen), so
+    the backward must skip the SwiGLU backward there and still give lora_A / lora_B their gradients (it ran the
+    SwiGLU backward on a gradient that was never computed: an AttributeError on None)."""
+    model = tiny_model(kind="qwen2").train()
+    apply_lora(model, r=2, alpha=4, target_modules=("down_proj",))
+    randomize_lora_b(model)
+    _, grads = _model_grads(model, ids)
+    down = [g for n, g in grads.items() if n.startswith("model.layers.0.mlp.down_proj.")]
+    assert len(down) == 2 and all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in down)
+
+
 SHAPES = [((1, 7), 11, 13, 3), ((2, 3), 24, 6, 4), ((5,), 1, 9, 1)]  # (lead dims, I, H, r)
 
 

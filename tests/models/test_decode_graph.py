@@ -68,6 +68,18 @@ def test_second_prompt_into_a_filled_cache_is_refused(tiny_hf_config):
             DecodeStep(model, 6, batch=2).prefill(torch.randint(3, 97, (1, 4)))
 
 
+def test_growing_cache_refuses_two_new_tokens_after_the_prompt():
+    """KVCache's decode step runs SDPA without a causal mask (right for one query token): two new tokens at once
+    would let the first attend to the second, so they are refused (without the check: a silently wrong output)."""
+    g = torch.Generator().manual_seed(0)
+    cache = KVCache()
+    q, k, v = (torch.randn(1, 3, 2, 4, generator=g) for _ in range(3))
+    assert cache.attend(q, k, v).shape == (1, 3, 2, 4)  # the prompt: causal over itself
+    q2, k2, v2 = (torch.randn(1, 2, 2, 4, generator=g) for _ in range(3))
+    with pytest.raises(ValueError, match="feed one token at a time"):
+        cache.attend(q2, k2, v2)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_graphed_loop_picks_the_eager_loops_tokens(tiny_hf_config, temperature):
     """_generate_graphed (its step run eagerly here) against generate's eager loop: same tokens, greedy and sampled

@@ -83,6 +83,19 @@ def test_restarting_positions_are_documents_as_long_as_the_longest():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_restarting_positions_with_kv_caches_are_one_sequence():
+    """With kv_caches restarting position_ids are no documents: the cache attends over the whole row, so the
+    sliding window judges every token of the prompt (read as documents, a 10-token prompt with positions 0..4, 0..4
+    passed a window of 8 by its longest "document" and attended over all 10)."""
+    hf = transformers.MistralConfig(**{**TINY, "tie_word_embeddings": False}, sliding_window=8)
+    windowed = CausalLM(ModelConfig.from_hf_dict(hf.to_dict()), impl="torch").init_weights(seed=0).eval()
+    caches = [KVCache() for _ in windowed.model.layers]
+    pos = torch.cat([torch.arange(5), torch.arange(5)])[None]
+    with torch.no_grad(), pytest.raises(ValueError, match=r"10 tokens is longer than this mistral model's "
+                                                          r"sliding_window=8"):
+        windowed(torch.randint(0, TINY["vocab_size"], (1, 10)), position_ids=pos, kv_caches=caches)
+
+
 @pytest.mark.parametrize("impl", ["torch"] + (["triton"] if TRITON else []))
 def test_int32_ids_and_labels_equal_int64(model, ids, impl):
     model.set_impl(impl)

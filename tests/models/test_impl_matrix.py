@@ -10,6 +10,7 @@ import transformers
 
 from chronicals.lora import apply_lora
 from chronicals.models import CausalLM, ModelConfig
+from chronicals.models.decoder import RECOMPUTABLE, RuntimeOptions, check_recompute
 from chronicals.ops._impl import triton_interpreting
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or triton_interpreting()),
@@ -18,6 +19,17 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TINY = dict(vocab_size=89, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False)
 DEFAULT, KEEP, GATE_UP = ("norm", "swiglu"), (), ("norm", "swiglu", "gate_up")
+
+
+def test_recompute_names_as_true_or_one_string():
+    """Besides a list, recompute takes True (every name, "gate_up" included, so gate_up_layers may go with it) and
+    one name as a str. True once lacked "gate_up" (gate_up_layers refused), and a str was iterated as characters
+    (refused as unknown names 'n', 'o', 'r', 'm')."""
+    assert set(check_recompute(True)) == set(RECOMPUTABLE) == set(GATE_UP)
+    opts = RuntimeOptions(recompute=True, gate_up_layers=1)
+    assert opts.rebuilds_gate_up(0) and not opts.rebuilds_gate_up(1)
+    assert check_recompute("norm") == ("norm",) and check_recompute("gate_up") == ("gate_up",)
+    assert RuntimeOptions(recompute="swiglu").recompute == ("swiglu",)
 
 # (lora, checkpointing, recompute, loss_vocab_parts, modules_to_save): every option value at least once, every
 # checkpointing value with every recompute choice under full fine-tuning, and the LoRA cases that save lm_head

@@ -57,6 +57,25 @@ def test_rows_in_order_and_identity_below_threshold():
     y_none = torch.full((20,), IGNORE_INDEX)  # a data-parallel rank's empty batch: the head keeps its rows
     h4, y4 = loss_rows(h, y_none, 0)
     assert h4 is h and y4 is y_none
+    y_all = torch.arange(20)  # no target ignored: count == n, the closed range's end, and nothing moves
+    h5, y5 = loss_rows(h, y_all, 20)
+    assert h5 is h and y5 is y_all
+
+
+def test_per_token_losses_keep_their_shape_with_a_loss_token_count():
+    """reduction="none" with num_loss_tokens gives the (B, S) per-token losses, as without the count, 0 where
+    ignored: the loss-row compaction is for "mean" / "sum" only (compacted, the n values could not take the
+    (B, S) view, and a per-token eval forwarding the collator's count failed)."""
+    cfg = ModelConfig.from_hf_dict(transformers.Qwen2Config(**{**TINY, "num_hidden_layers": 1}).to_dict())
+    model = CausalLM(cfg, impl="torch").init_weights(std=0.1, seed=0).eval()
+    ids, targets, count = _batch(0.6)
+    assert 0 < count < 0.9 * targets.numel()  # compaction would run
+    with torch.no_grad():
+        ref = model(ids, shift_labels=targets, reduction="none")
+        got = model(ids, shift_labels=targets, reduction="none", num_loss_tokens=count)
+    assert got.shape == targets.shape
+    torch.testing.assert_close(got, ref)
+    assert torch.all(got[targets == IGNORE_INDEX] == 0)
 
 
 def test_wrong_count_is_caught_and_all_ignored_gives_zero():

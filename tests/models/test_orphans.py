@@ -82,6 +82,29 @@ def test_a_lock_held_by_a_live_writer_survives_its_release_race(tmp_path, held_l
     assert orphans.remove_orphans(tmp_path, PATTERN) == [] and lock.exists()
 
 
+def test_symlinks_named_like_temporaries_or_locks_are_left_alone(tmp_path, caplog):
+    """A symlink is never ours to sweep, whatever its name: without the guard the sweep tried to rmtree a link
+    named like a temporary directory (failing, with a false "could not remove ... by hand" warning) and unlinked a
+    link named like a stale lock file."""
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep.bin").write_bytes(b"x" * 10)
+    parent = tmp_path / "out"
+    parent.mkdir()
+    link = parent / ".model.tmp-7-0a1b2c3d"
+    link.symlink_to(target)
+    orphans.lock_path(link).touch()  # a free lock beside it, as a killed writer's
+    lock_target = tmp_path / "some.file"
+    lock_target.write_text("data")
+    lock_link = orphans.lock_path(parent / ".model.tmp-8-0a1b2c3e")
+    lock_link.symlink_to(lock_target)
+    with caplog.at_level(logging.INFO, logger="chronicals.models"):
+        assert orphans.remove_orphans(parent, PATTERN) == []
+    assert link.is_symlink() and (target / "keep.bin").exists()
+    assert lock_link.is_symlink() and lock_target.read_text() == "data"
+    assert not [r for r in caplog.records if "could not remove" in r.getMessage()]
+
+
 # ---------------------------------------------------------------- an interrupted replace (hf_io.atomic_dir)
 # Replacing ``model`` renames it to ``<tmp>.old``, then ``<tmp>`` to ``model``, under ``<tmp>``'s lock.
 OUT_PATTERN = re.compile(r"\.model\.tmp-\d+-[0-9a-f]{8}")  # hf_io._temp_pattern("model")

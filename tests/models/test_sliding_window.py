@@ -78,6 +78,20 @@ def test_no_window_means_no_limit():
     assert model(torch.randint(0, 97, (1, 40))).shape == (1, 40, 97)
 
 
+def test_a_legacy_type_key_dynamic_rope_limits_the_row_length():
+    """Like a window, dynamic rope limits a row (to max_position_embeddings), also when an older config.json names
+    it rope_scaling={"type": "dynamic"} (config.py keeps that key): reading only "rope_type", such a model computed
+    plain rope past the limit, where transformers rescales, instead of refusing."""
+    cfg = ModelConfig(model_type="llama", vocab_size=17, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=8,
+                      rope_scaling={"type": "dynamic", "factor": 2.0})
+    model = CausalLM(cfg).init_weights(seed=0).eval()
+    with torch.no_grad():
+        assert model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, 17)
+        with pytest.raises(ValueError, match=r"9 tokens is longer than this model's max_position_embeddings=8"):
+            model(torch.zeros(1, 9, dtype=torch.long))
+
+
 def _qwen(family, layers=3, **kw):
     transformers = pytest.importorskip("transformers")
     cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[family]
