@@ -69,6 +69,9 @@ def test_not_utf8_gives_line_byte_and_both_fixes(tmp_path):
     p.write_bytes(b"\xef\xbb\xbf\xff")  # the offset counts the byte-order mark
     with pytest.raises(ValueError, match=r":1: not UTF-8 text \(byte 3: invalid start byte"):
         _read(p)
+    p.write_bytes(b'{\n"a": "caf\xe9",\n"b": 1\n}\n')  # lines after the bad byte are not counted
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(p))}:2: not UTF-8 text \(byte 11:"):
+        _read(p)
 
 
 def test_invalid_json_gives_line_and_column(tmp_path):
@@ -92,7 +95,7 @@ def test_too_deep_and_too_long_a_number(tmp_path):
 
 
 @pytest.mark.parametrize("text,kind", [("[1, 2]", "array"), ("null", "null"), ('"x"', "string"), ("3.5", "number"),
-                                       ("true", "true/false")])
+                                       ("3", "number"), ("true", "true/false")])
 def test_a_value_that_is_no_object(tmp_path, text, kind):
     p = tmp_path / "a.json"
     p.write_text(text)
@@ -118,6 +121,18 @@ def test_a_name_one_byte_too_long_for_its_plain_temporary_is_written(tmp_path):
     write_text_atomic(target, "whole\n")
     assert len(temp_beside(target).name.encode()) <= _jsonio.NAME_MAX
     assert target.read_text() == "whole\n" and os.listdir(tmp_path) == [target.name]
+
+
+def test_the_temporary_is_fsynced_before_it_replaces_the_file(tmp_path, monkeypatch):
+    """The temporary's data reach the disk before the rename over the target: without the fsync a power cut after
+    the rename can leave an empty file where the old one was."""
+    calls = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(_jsonio.os, "fsync", lambda fd: calls.append("fsync") or real_fsync(fd))
+    monkeypatch.setattr(_jsonio.os, "replace", lambda a, b: calls.append("replace") or real_replace(a, b))
+    target = tmp_path / "x.json"
+    write_text_atomic(target, "whole\n")
+    assert target.read_text() == "whole\n" and calls == ["fsync", "replace"]
 
 
 def test_an_interrupted_write_leaves_the_old_file_and_no_temporary(tmp_path):

@@ -54,19 +54,24 @@ def test_shape_tiny_is_tiny(monkeypatch, argv):
     assert specs and all((s.warmup, s.steps) == (1, 2) for s in specs)
 
 
-def test_model_sweep_retries_an_oom_row_with_checkpointing(monkeypatch):
-    runs = []
+@pytest.mark.parametrize("flags,runs,rows", [
+    ([], [("chronicals-lora", False), ("chronicals-lora", True)], [("OOM", False), ("ok", True)]),
+    (["--checkpointing"], [("chronicals-lora", True)], [("OOM", True)]),
+])
+def test_model_sweep_retries_an_oom_row_with_checkpointing(monkeypatch, flags, runs, rows):
+    """An OOM row is retried once with checkpointing, only when it ran without: under --checkpointing the OOM row
+    already had it, and a retry ran the same thing again."""
+    ran = []
 
     def fake_run(self, task, spec):
-        runs.append((spec.contender, spec.checkpointing))
-        if not spec.checkpointing:
+        ran.append((spec.contender, spec.checkpointing))
+        if len(ran) == 1:
             return {"contender": spec.contender, "status": "OOM", "reason": "out of memory"}
         return {"contender": spec.contender, "status": None, "grad_norms": [1.0], "losses": [2.0, 1.0],
                 "tokens_per_s": 10.0}
 
     monkeypatch.setattr(cli.Runner, "run", fake_run)
-    res = cli.run_plan(cli.parse_args(["--device", "cpu", "--tiny", "--model-sweep", "--contenders",
+    res = cli.run_plan(cli.parse_args(["--device", "cpu", "--tiny", "--model-sweep", *flags, "--contenders",
                                        "chronicals-lora"]))
-    assert runs == [("chronicals-lora", False), ("chronicals-lora", True)]
-    rows = res["tables"][0]["rows_data"]
-    assert [(r["status"], r["checkpointing"]) for r in rows] == [("OOM", False), ("ok", True)]
+    assert ran == runs
+    assert [(r["status"], r["checkpointing"]) for r in res["tables"][0]["rows_data"]] == rows

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from chronicals.config import from_dict
 from chronicals.train.finish import TrainResult
 from chronicals.train.qa import QAResult
@@ -35,6 +37,45 @@ def test_the_summary_counts_eval_qa_limit_questions_and_says_before_and_after_ap
     assert "held-out answers with their keywords: 0% (0/2) -> 100% (2/2)" in text
     assert text.count("  before [ ] answer 1") == 2 and text.count("  after  [x] answer 2") == 2
     assert "training: 3 steps in 1.0 s" in text and "resumed" not in text
+
+
+def test_held_out_questions_without_an_eval_loss_are_still_answered(monkeypatch, tmp_path):
+    """Held-out QA records but no eval data (eval_loss None): the questions are answered under the
+    "== before training ==" header, with no loss line; returning early whenever eval_loss was None left them
+    unanswered. Only a report with nothing held out at all stays silent."""
+    import chronicals.train.report as report
+
+    calls = []
+    monkeypatch.setattr(report, "answer_all", lambda m, t, qa, system, n: calls.append(len(qa)) or
+                        QAResult(["a"] * len(qa), [True] * len(qa)))
+    said = []
+    rep = report.RunReport(from_dict({"train": {"out_dir": str(tmp_path)}}), out=said.append)
+    rep("before", model=None, tokenizer=object(), eval_loss=None, heldout_qa=[{"question": "q?", "keywords": ["k"]}])
+    assert calls == [1] and "== before training ==" in said and rep.before is not None
+    assert not any("held-out loss" in s for s in said)
+
+
+def test_the_after_loss_alone_is_shown_when_no_before_loss_is_known(tmp_path):
+    """No before-loss (none measured, none in metrics.jsonl): the summary still shows the after-training loss, as
+    "held-out loss: A", not a blank line."""
+    from chronicals.train.report import RunReport
+
+    rep = RunReport(from_dict({"train": {"out_dir": str(tmp_path)}}), out=lambda *a: None)
+    rep("after", model=None, tokenizer=None, eval_loss=1.5, heldout_qa=None)
+    text = rep.summary(TrainResult(status="completed", step=2, total_steps=2, out_dir=tmp_path))
+    assert "held-out loss: 1.5000" in text.splitlines() and "->" not in text
+
+
+@pytest.mark.parametrize("lora,kind", [(True, "adapter (PEFT format)"), (False, "model (Hugging Face format)")])
+def test_the_summary_says_whether_the_final_directory_is_an_adapter_or_a_model(tmp_path, lora, kind):
+    """The final directory is named as what it holds: a LoRA run's is an adapter (loaded with PEFT), a full
+    fine-tune's a model (loaded with from_pretrained); calling both a model sent LoRA users to the wrong loader."""
+    from chronicals.train.report import RunReport
+
+    rep = RunReport(from_dict({"lora": {"enabled": lora}, "train": {"out_dir": str(tmp_path)}}), out=lambda *a: None)
+    final = tmp_path / "final"
+    text = rep.summary(TrainResult(status="completed", step=1, total_steps=1, out_dir=tmp_path, final_dir=final))
+    assert f"{kind}: {final}" in text.splitlines()
 
 
 def test_the_report_asks_held_out_questions_with_the_held_out_system_message(monkeypatch, tmp_path):

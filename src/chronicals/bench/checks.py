@@ -16,13 +16,14 @@ ln(vocab).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import torch
 
 from .contenders import (add_chronicals_lora, add_peft_lora, build_chronicals_model, build_hf_model,
                          chronicals_step, hf_style)
-from .protocol import LR_LORA, RunSpec, grad_norm, make_batches, make_optimizer, train_step
+from .protocol import RunSpec, grad_norm, make_batches, make_optimizer, train_step
 from .shapes import get_shape
 
 LOSS_FLOOR, NORM_FLOOR, COS_FLOOR = 1e-3, 2e-2, 1e-2
@@ -150,9 +151,7 @@ def learning(spec: RunSpec, period: int = 16, min_drop_full: float = 0.25, min_d
             lr = lr_lora if method == "lora" else lr_full
             min_drop = min_drop_lora if method == "lora" else min_drop_full
             if method == "lora":
-                groups = add_chronicals_lora(model, spec)
-                for g in groups:
-                    g["lr"] = g["lr"] * lr / LR_LORA
+                groups = add_chronicals_lora(model, dataclasses.replace(spec, lr=lr))  # A at lr, B at 16 x
             else:
                 groups = [{"params": list(model.parameters())}]
             params = [p for g in groups for p in g["params"]]

@@ -81,7 +81,8 @@ def build_chronicals_model(shape: Shape, device: torch.device, impl: str, seed: 
 
 
 def add_chronicals_lora(model, spec: RunSpec, group: bool = True, dropout: float = 0.0) -> list[dict]:
-    """Inject LoRA on the 7 projections; return the LoRA+ parameter groups (B at 16 x the lr of A).
+    """Inject LoRA on the 7 projections; return the LoRA+ parameter groups (B at 16 x the lr of A; A's lr: spec.lr,
+    0 for the protocol's LR_LORA, as every contender reads it).
     group: q/k/v and gate/up adapters as one GEMM each (``lora.group``), as the trainer's default.
     dropout: LoRA dropout (the protocol's is 0; the -dropout contenders measure what masks cost)."""
     from ..lora import apply_lora, lora_plus_param_groups
@@ -95,7 +96,7 @@ def add_chronicals_lora(model, spec: RunSpec, group: bool = True, dropout: float
     if n_train == n_all or n_train == 0:
         raise RuntimeError(f"apply_lora left {n_train} of {n_all} parameters trainable: base weights must be "
                            "frozen and adapters trainable")
-    return lora_plus_param_groups(model, LR_LORA, ratio=LORA_PLUS_RATIO)
+    return lora_plus_param_groups(model, spec.lr or LR_LORA, ratio=LORA_PLUS_RATIO)
 
 
 def rows_as_packed_batch(ids: torch.Tensor, layout: str):
