@@ -67,7 +67,7 @@ def test_per_token_losses_keep_their_shape_with_a_loss_token_count():
     ignored: the loss-row compaction is for "mean" / "sum" only (compacted, the n values could not take the
     (B, S) view, and a per-token eval forwarding the collator's count failed)."""
     cfg = ModelConfig.from_hf_dict(transformers.Qwen2Config(**{**TINY, "num_hidden_layers": 1}).to_dict())
-    model = CausalLM(cfg, impl="torch").init_weights(std=0.1, seed=0).eval()
+    model = CausalLM(cfg, impl="torch").init_weights(std=0.1, seed=0).to(DEV).eval()
     ids, targets, count = _batch(0.6)
     assert 0 < count < 0.9 * targets.numel()  # compaction would run
     with torch.no_grad():
