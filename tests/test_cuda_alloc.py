@@ -18,6 +18,9 @@ def test_set_only_when_the_user_set_neither_name():
     assert allocator_env({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}) == {}
     assert allocator_setting({}).startswith("PyTorch's default")
     assert allocator_setting({"PYTORCH_ALLOC_CONF": "x"}) == "PYTORCH_ALLOC_CONF=x"
+    # both set: the log names both (which one PyTorch reads differs between its releases), not only the first
+    both = allocator_setting({"PYTORCH_ALLOC_CONF": "a", "PYTORCH_CUDA_ALLOC_CONF": "b"})
+    assert both == "PYTORCH_CUDA_ALLOC_CONF=b and PYTORCH_ALLOC_CONF=a (both set: PyTorch reads one of them)"
 
 
 @pytest.fixture

@@ -28,9 +28,10 @@ def allocator_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def allocator_setting(environ: Mapping[str, str] | None = None) -> str:
-    """What this process's allocator runs with, for the log."""
+    """What this process's allocator runs with, for the log. Both variables set: both are named, since which one
+    PyTorch reads then differs between releases (and between its readers within one)."""
     environ = os.environ if environ is None else environ
-    for v in VARIABLES:
-        if v in environ:
-            return f"{v}={environ[v]}"
-    return "PyTorch's default (no PYTORCH_CUDA_ALLOC_CONF)"
+    set_ = [f"{v}={environ[v]}" for v in VARIABLES if v in environ]
+    if not set_:
+        return "PyTorch's default (no PYTORCH_CUDA_ALLOC_CONF)"
+    return set_[0] if len(set_) == 1 else f"{' and '.join(set_)} (both set: PyTorch reads one of them)"
