@@ -31,7 +31,7 @@ def allocator_setting(environ: Mapping[str, str] | None = None) -> str:
     """What this process's allocator runs with, for the log. Both variables set: both are named, since which one
     PyTorch reads then differs between releases (and between its readers within one)."""
     environ = os.environ if environ is None else environ
-    set_ = [f"{v}={environ[v]}" for v in VARIABLES if v in environ]
-    if not set_:
+    named = [f"{v}={environ[v]}" for v in VARIABLES if v in environ]
+    if not named:
         return "PyTorch's default (no PYTORCH_CUDA_ALLOC_CONF)"
-    return set_[0] if len(set_) == 1 else f"{' and '.join(set_)} (both set: PyTorch reads one of them)"
+    return named[0] if len(named) == 1 else f"{' and '.join(named)} (both set: PyTorch reads one of them)"
