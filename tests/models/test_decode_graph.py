@@ -18,8 +18,8 @@ generate_mod = importlib.import_module("chronicals.models.generate")
 FAMILIES = ["llama2", "qwen2", "qwen3", "smollm2", "llama3"]
 
 
-def _model(tiny_hf_config, family, dtype=torch.float32, device="cpu") -> CausalLM:
-    cfg = ModelConfig.from_hf_dict(tiny_hf_config(family))
+def _model(tiny_hf_config, family, dtype=torch.float32, device="cpu", **over) -> CausalLM:
+    cfg = ModelConfig.from_hf_dict(tiny_hf_config(family, **over))
     return CausalLM(cfg).init_weights(std=0.5, seed=0).to(device=device, dtype=dtype).eval()
 
 
@@ -53,19 +53,53 @@ def test_static_cache_step_gives_the_growing_caches_logits(tiny_hf_config, famil
     torch.testing.assert_close(torch.stack(got), want, rtol=1e-5, atol=1e-5)
 
 
-def test_second_prompt_into_a_filled_cache_is_refused(tiny_hf_config):
+def test_the_static_cache_refuses_what_does_not_fit_its_slots_or_rows(tiny_hf_config):
+    """The static cache refuses what does not fit its slots or rows with a ValueError naming the shapes: a prompt
+    longer than its slots (one of exactly its slots fits), then two tokens for a row, or a token for each of 2 rows
+    into a 1-row cache (without that check: a raw index_copy_ error from inside the step)."""
     model = _model(tiny_hf_config, "llama2")
     step = DecodeStep(model, 6)
     with torch.no_grad(), pytest.raises(ValueError, match="4-token prompt after 0 tokens does not fit its 3 slots"):
         DecodeStep(model, 3).prefill(torch.randint(3, 97, (1, 4)))
     with torch.no_grad():
+        assert DecodeStep(model, 4).prefill(torch.randint(3, 97, (1, 4))).shape[0] == 1
         step.prefill(torch.randint(3, 97, (1, 4)))
         step.token.fill_(5)
         step.run()
         with pytest.raises(ValueError, match=r"feed one token a row to its 1 rows, .* got \(1, 2, "):
             step.model.hidden_states(torch.randint(3, 97, (1, 2)), kv_caches=step.caches)
+        with pytest.raises(ValueError, match=r"feed one token a row to its 1 rows, .* got \(2, 1, "):
+            step.model.hidden_states(torch.randint(3, 97, (2, 1)), kv_caches=step.caches)
         with pytest.raises(ValueError, match="DecodeStep for 2 rows got 1 prompts"):
             DecodeStep(model, 6, batch=2).prefill(torch.randint(3, 97, (1, 4)))
+
+
+def test_a_decode_step_past_the_sliding_window_is_refused_on_the_host(tiny_hf_config):
+    """The cache's `length` is the prompt's token count, which the decoder's host-side length check adds to the
+    step's one token: after an 8-token prompt, a Mistral model with sliding_window=8 refuses the decode step (9
+    tokens need sliding-window attention, which chronicals does not implement) instead of computing full attention
+    over 9 slots, a silently different output."""
+    model = _model(tiny_hf_config, "mistral", sliding_window=8)
+    step = DecodeStep(model, 9)
+    with torch.no_grad():
+        step.prefill(torch.randint(3, 97, (1, 8)))
+        assert step.caches[0].length == 8
+        step.token.fill_(5)
+        with pytest.raises(ValueError, match="a sequence of 9 tokens is longer than this mistral model's "
+                                             "sliding_window=8"):
+            step.run()
+
+
+def test_the_static_cache_takes_the_models_dtype(tiny_hf_config):
+    """A bf16 model gets bf16 cache buffers, and a decode step runs on the CPU (an fp32 cache doubled the memory
+    and index_copy_ refused the bf16 keys)."""
+    model = _model(tiny_hf_config, "llama2", dtype=torch.bfloat16)
+    step = DecodeStep(model, 8)
+    assert step.caches[0].k.dtype == step.caches[0].v.dtype == torch.bfloat16
+    with torch.no_grad():
+        step.prefill(torch.randint(3, 97, (1, 3)))
+        step.token.fill_(5)
+        assert step.run().shape == (1, model.config.vocab_size)
 
 
 def test_growing_cache_refuses_two_new_tokens_after_the_prompt():

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
 import signal
+import warnings
 
 import pytest
 import torch
@@ -599,6 +601,23 @@ def test_a_finished_run_found_by_resume_writes_its_own_final_directory(tmp_path,
     assert not all(torch.equal(got[k], first[k]) for k in first)
 
 
+def test_a_done_rerun_from_another_runs_last_checkpoint_closes_its_metrics_log(tmp_path, docs):
+    """train.resume=<another run's step-2>, max_steps=2: nothing to train; out_dir takes that run's records (its
+    metrics.jsonl opened for them) and gets the closing evaluation. That handle is closed before train() returns,
+    not left to the garbage collector (a ResourceWarning naming out_dir's metrics.jsonl)."""
+    train(tiny_config(tmp_path / "a", train__max_steps=2, train__save_every=2), model=tiny_model(),
+          train_loader=SyntheticLoader(docs))
+    last = checkpoint_dirs(tmp_path / "a" / "run")[-1]
+    b = tiny_config(tmp_path / "b", train__max_steps=2, train__resume=str(last))
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        res = train(b, model=tiny_model(), train_loader=SyntheticLoader(docs), eval_loader=SyntheticLoader(docs[:4]))
+        gc.collect()
+    assert res.step == 2 and (tmp_path / "b" / "run" / "metrics.jsonl").is_file()
+    assert [str(w.message) for w in got if issubclass(w.category, ResourceWarning)
+            and "metrics.jsonl" in str(w.message)] == []
+
+
 class _FailingEval(SyntheticLoader):
     def __iter__(self):
         raise ValueError("held-out data went bad")
@@ -614,6 +633,22 @@ def test_a_new_run_that_fails_before_logging_keeps_the_old_runs_record(tmp_path,
         train(tiny_config(tmp_path, train__max_steps=5, optim__lr=1e-4), model=tiny_model(),
               train_loader=SyntheticLoader(docs), eval_loader=_FailingEval(docs[:4]))
     assert {n: (run / n).read_text() for n in before} == before
+
+
+def test_a_new_run_removes_the_old_runs_checkpoints_and_final_model_once(tmp_path, docs, caplog):
+    """resume=none over a finished run with checkpoints at steps 2 and 4 and a final model: the new run removes
+    them at its first record and says so once. Its own step-2, 4 and 6 checkpoints then stay (keep_last=5) and its
+    own model/ is written. With the stale lists kept, each later save removed the new run's step-2 or step-4
+    checkpoint again as "another run's" and repeated the final-model warning."""
+    over = dict(train__save_every=2, train__keep_last=5, train__save_final=True)
+    train(tiny_config(tmp_path, train__max_steps=4, **over), model=tiny_model(), train_loader=SyntheticLoader(docs))
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        train(tiny_config(tmp_path, train__max_steps=6, **over), model=tiny_model(seed=1),
+              train_loader=SyntheticLoader(docs))
+    assert [d.name for d in checkpoint_dirs(tmp_path / "run")] == ["step-000002", "step-000004", "step-000006"]
+    said = [r.getMessage() for r in caplog.records if "another run's final" in r.getMessage()]
+    assert len(said) == 1, said
+    assert (tmp_path / "run" / "model" / "config.json").is_file()
 
 
 def test_the_summary_of_a_resumed_run(tmp_path):
@@ -640,14 +675,16 @@ def test_the_summary_of_a_resumed_run(tmp_path):
 
 
 def test_a_log_file_gets_step_lines_not_a_progress_bar(tmp_path, docs, caplog, capsys):
-    """logging.progress with stderr not a terminal (CI, nohup): a plain line every ~5% of the run and the interval
-    evaluations, no carriage-return bar."""
-    cfg = tiny_config(tmp_path, train__max_steps=40, eval__every=20, logging__progress=True)
+    """logging.progress with stderr not a terminal (CI, nohup): a plain line every ~5% of the run (41 // 20 = 2
+    steps) and the interval evaluations, no carriage-return bar; and a line for step 41, the run's last (its final
+    loss), though 41 is not a multiple of 2 (without it the log file ended at step 40)."""
+    cfg = tiny_config(tmp_path, train__max_steps=41, eval__every=20, logging__progress=True)
     with caplog.at_level("INFO", logger="chronicals.train"):
         train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs), eval_loader=SyntheticLoader(docs[:4]))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
-    assert [m.split(":")[0] for m in lines if "loss tokens/s" in m] == [f"step {k}/40" for k in range(2, 41, 2)]
-    assert any(m.startswith("step 20/40: held-out loss") for m in lines)
+    assert [m.split(":")[0] for m in lines if "loss tokens/s" in m] == \
+        [f"step {k}/41" for k in range(2, 41, 2)] + ["step 41/41"]
+    assert any(m.startswith("step 20/41: held-out loss") for m in lines)
     assert "\r" not in capsys.readouterr().err
 
 
@@ -773,6 +810,17 @@ def test_a_trainconfig_changed_after_it_was_built_is_checked_again(tmp_path, doc
     with pytest.raises(ConfigError, match=r"train.grad_accum=0 is invalid: expected an integer >= 1"):
         train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_train_loader_built_for_two_ranks_is_refused_in_one_process(tmp_path, docs):
+    """A train_loader sharded for world_size=2 in a one-process run would train half the data as if it were all
+    of it (nothing refused it): train() refuses it with the fix before any step runs."""
+    loader = SyntheticLoader(docs)
+    loader.world_size = 2
+    with pytest.raises(ValueError, match=r"train_loader has world_size=2 but the job runs 1 ranks; build it with "
+                                         r"PackedLoader\(rank=RANK, world_size=WORLD_SIZE\)"):
+        train(tiny_config(tmp_path, train__max_steps=2), model=tiny_model(), train_loader=loader)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_a_passed_models_own_base_is_what_the_run_records(tmp_path, docs):

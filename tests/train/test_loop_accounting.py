@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from chronicals.data.dataset import DatasetStats
 from chronicals.train import TrainingDiverged, train
 
 from train_helpers import SyntheticLoader, tiny_config, tiny_model
@@ -64,6 +66,20 @@ def test_result_tokens_per_s_is_loss_tokens_over_step_seconds(tmp_path, docs):
     want = sum(r["loss_tokens"] for r in steps) / sum(r["step_s"] for r in steps)
     assert res.tokens_per_s == pytest.approx(want, rel=1e-6)
     assert res.train_seconds == pytest.approx(sum(r["step_s"] for r in steps), rel=1e-6)
+
+
+def test_the_result_holds_the_last_loss_and_the_training_data_stats(tmp_path, docs):
+    """TrainResult.last_loss is the last train record's loss, and TrainResult.data_stats is
+    train_loader.dataset.stats (what the run summary prints as "training data: N examples of M records ..."); either
+    could be left None and the summary lost them."""
+    stats = DatasetStats(records=10, documents=7, skipped_errors=2, truncated=1, dropped_no_loss=1,
+                         unclosed_replies=0)
+    loader = SyntheticLoader(docs)
+    loader.dataset = SimpleNamespace(stats=stats)
+    res = train(tiny_config(tmp_path, train__max_steps=3), model=tiny_model(), train_loader=loader)
+    steps = [r for r in _records(tmp_path / "run") if r.get("kind") == "train"]
+    assert res.step == 3 and steps[-1]["step"] == 3 and res.last_loss == steps[-1]["loss"]
+    assert res.data_stats is stats
 
 
 @pytest.mark.parametrize("fused", ["false", "true"])  # read before the update / the pipelined loop's device skip
