@@ -21,6 +21,14 @@ def synthetic(n=37, max_len=24, seed=0):
     return TokenizedDataset(ids, trainable, offsets, 0, stats, max_len)
 
 
+def rows_of_eight(n):
+    """n documents of 8 tokens: with max_seq_len=8 and batch_size=1, one row and one global batch each."""
+    lengths = np.full(n, 8)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    return TokenizedDataset(np.arange(1, offsets[-1] + 1, dtype=np.int32), np.ones(offsets[-1], bool), offsets, 0,
+                            DatasetStats(records=n, documents=n, tokens=int(offsets[-1])), 8)
+
+
 def check_batch(batch, ds):
     b, s = batch.input_ids.shape
     cu = batch.cu_seqlens.tolist()
@@ -63,6 +71,8 @@ def test_rows_mode_epoch_covers_every_document_once():
 
 
 def test_shuffle_is_deterministic_and_changes_per_epoch():
+    """The order is seeded by the pair (seed, epoch): seeded by their sum, seed 8's first epoch was seed 7's second,
+    so runs of neighbouring seeds trained the same epochs shifted by one."""
     ds = synthetic()
     a = PackedLoader(ds, batch_size=2, max_seq_len=24, seed=7)
     b = PackedLoader(ds, batch_size=2, max_seq_len=24, seed=7)
@@ -71,7 +81,8 @@ def test_shuffle_is_deterministic_and_changes_per_epoch():
     e1 = [x.input_ids.tolist() for x in a]
     assert e1 != e0 and sorted(map(str, e1)) != sorted(map(str, e0))  # other rows share a batch
     c = PackedLoader(ds, batch_size=2, max_seq_len=24, seed=8)
-    assert [x.input_ids.tolist() for x in c] != e0
+    c0 = [x.input_ids.tolist() for x in c]
+    assert c0 != e0 and c0 != e1
 
 
 @pytest.mark.parametrize("stop", [0, 3, 7, "epoch"])
@@ -94,6 +105,21 @@ def test_exact_resume(stop):
     assert got == want
     with pytest.raises(ValueError, match="resume with the same dataset"):
         PackedLoader(ds, batch_size=2, max_seq_len=24, seed=4).load_state_dict(run.state_dict())
+
+
+def test_set_epoch_starts_the_epoch_from_its_first_batch():
+    """set_epoch(e) jumps to the start of epoch e: keeping the position, a loader set mid-epoch skipped the new
+    epoch's first batches and its state named the old position."""
+    ds = synthetic()
+    ref = PackedLoader(ds, batch_size=2, max_seq_len=24, seed=5)
+    epochs = [[b.input_ids.tolist() for b in ref] for _ in range(3)]
+    run = PackedLoader(ds, batch_size=2, max_seq_len=24, seed=5)
+    it = iter(run)
+    for _ in range(3):
+        next(it)
+    run.set_epoch(2)
+    assert (run.state_dict()["epoch"], run.state_dict()["position"]) == (2, 0)
+    assert [b.input_ids.tolist() for b in run] == epochs[2]
 
 
 @pytest.mark.parametrize("remainder", ["train", "drop"])
@@ -134,8 +160,9 @@ def test_token_budget_mode_is_padding_free():
 
 def test_bad_loader_options():
     ds = synthetic()
-    with pytest.raises(ValueError, match="exactly one of batch_size"):
-        PackedLoader(ds, max_seq_len=24)
+    for both in ({}, dict(batch_size=2, tokens_per_batch=64)):  # neither, or both (then collate_rows failed later)
+        with pytest.raises(ValueError, match="give exactly one of batch_size"):
+            PackedLoader(ds, max_seq_len=24, **both)
     with pytest.raises(ValueError, match="> max_seq_len=16; load the dataset with the same max_seq_len"):
         PackedLoader(ds, batch_size=2, max_seq_len=16)
     with pytest.raises(ValueError, match="a step must hold the longest document"):
@@ -156,14 +183,18 @@ def test_resume_with_other_batch_settings_fails():
 
 
 def test_loader_with_no_batch_fails_at_construction():
+    """The refusal suggests remainder='train' only where there are global batches for it to spread over the ranks
+    (with none at all, "train" gives no batch either)."""
     ds = synthetic(n=3)  # 3 documents of <= 24 tokens: at most 3 rows
-    with pytest.raises(ValueError, match=r"give no batch per rank .*world_size=8"):
+    with pytest.raises(ValueError, match=r"give no batch per rank .*world_size=8.* or remainder='train'"):
         PackedLoader(ds, batch_size=1, max_seq_len=24, world_size=8, remainder="drop")
     assert len(PackedLoader(ds, batch_size=1, max_seq_len=24, world_size=8)) == 1  # "train": 5 ranks get an empty one
     with pytest.raises(ValueError, match="remainder='keep'; expected one of train, drop"):
         PackedLoader(ds, batch_size=1, max_seq_len=24, remainder="keep")
-    with pytest.raises(ValueError, match=r"give no batch per rank .*drop_last=True"):
-        PackedLoader(ds, batch_size=4, max_seq_len=24, drop_last=True)
+    for remainder in ("train", "drop"):  # 0 global batches
+        with pytest.raises(ValueError, match=r"give no batch per rank .*drop_last=True") as e:
+            PackedLoader(ds, batch_size=4, max_seq_len=24, drop_last=True, remainder=remainder)
+        assert "or remainder='train'" not in str(e.value)
     with pytest.raises(ValueError, match=r"pad_to_multiple_of=0; expected an integer >= 1"):
         PackedLoader(ds, tokens_per_batch=64, max_seq_len=24, pad_to_multiple_of=0)
 
@@ -331,6 +362,32 @@ def test_a_state_of_another_row_order_is_refused():
     PackedLoader(ds, batch_size=2, max_seq_len=24, seed=3).load_state_dict(old)
 
 
+def test_a_dataset_without_a_digest_resumes_a_state_with_one():
+    """A dataset-like object without ``digest`` is not checked against the saved digest (no check, as the loader
+    documents): comparing the saved digest with None refused every such resume as DataChanged."""
+
+    class NoDigest:  # the TokenizedDataset interface the loader reads, without digest
+        def __init__(self, ds):
+            self._ds, self.lengths, self.pad_id, self.stats = ds, ds.lengths, ds.pad_id, ds.stats
+
+        def __len__(self):
+            return len(self._ds)
+
+        def __getitem__(self, i):
+            return self._ds[i]
+
+    ds = synthetic()
+    saved = PackedLoader(ds, batch_size=2, max_seq_len=24, seed=1)
+    it = iter(saved)
+    for _ in range(3):
+        next(it)
+    state = saved.state_dict()
+    assert isinstance(state["data_digest"], str)
+    new = PackedLoader(NoDigest(ds), batch_size=2, max_seq_len=24, seed=1)
+    new.load_state_dict(state)
+    assert new.state_dict()["position"] == 3 and "data_digest" not in new.state_dict()
+
+
 def test_an_empty_batch_is_as_wide_as_the_other_ranks_batches():
     """Rows mode: batches are max_seq_len wide; the empty one of a last round was rounded up to pad_to_multiple_of
     (token-budget mode's setting): (1, 20) beside (1, 16), a second shape for a CUDA graph (a property walk)."""
@@ -377,15 +434,17 @@ def test_token_budget_slots_count_the_padding_to_a_multiple():
 
 def test_the_loader_refuses_bad_arguments_from_python():
     """The config checks these first; a Python caller gets the loader's own message instead of a ZeroDivisionError
-    (batch_size=0), rank 0's batches twice (rank == world_size) or other rows (a negative position)."""
+    (batch_size=0), rank 0's batches twice (rank == world_size) or other rows (a negative or fractional position)."""
     ds = synthetic()
     with pytest.raises(ValueError, match="batch_size=0"):
         PackedLoader(ds, batch_size=0, max_seq_len=24)
     with pytest.raises(ValueError, match="rank=2 must be in 0..world_size-1"):
         PackedLoader(ds, batch_size=1, max_seq_len=24, rank=2, world_size=2)
     loader = PackedLoader(ds, batch_size=2, max_seq_len=24)
-    with pytest.raises(ValueError, match="no 'position'"):
-        loader.load_state_dict({**loader.state_dict(), "position": -1})
+    # not an integer: 1.5 resumed silently at batch 1, "2" failed with Python's bare TypeError
+    for key, value in (("position", -1), ("position", 1.5), ("position", "2"), ("epoch", 0.5)):
+        with pytest.raises(ValueError, match=f"no '{key}' \\(a non-negative integer\\)"):
+            loader.load_state_dict({**loader.state_dict(), key: value})
 
 
 @pytest.mark.parametrize("new_w", [1, 2, 3])
@@ -396,10 +455,7 @@ def test_a_cut_epoch_end_resumed_on_other_ranks_names_the_untrained_batch(new_w,
     batches 1 rank said "10..20" (a mutation walk)."""
     import logging
 
-    lengths = np.full(10, 8)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    ds = TokenizedDataset(np.arange(1, offsets[-1] + 1, dtype=np.int32), np.ones(offsets[-1], bool), offsets, 0,
-                          DatasetStats(records=10, documents=10, tokens=int(offsets[-1])), 8)
+    ds = rows_of_eight(10)
     saved = PackedLoader(ds, batch_size=1, max_seq_len=8, seed=0, rank=0, world_size=2)
     saved.cut_epoch(0, 9)
     assert len(list(saved)) == 5  # the whole cut epoch: position 5 of 5
@@ -408,3 +464,44 @@ def test_a_cut_epoch_end_resumed_on_other_ranks_names_the_untrained_batch(new_w,
     with caplog.at_level(logging.WARNING, logger="chronicals.data"):
         new.load_state_dict(state)
     assert "global batches 10..10 of that epoch are not trained" in caplog.text, caplog.text
+
+
+def test_the_cut_warning_names_only_the_cut_epochs_batches(caplog):
+    """The not-trained warning counts handed-out global batches capped at the cut epoch's own, and only for the
+    cut's own epoch. Uncapped, 9 global batches on 2 ranks (rank 1's 5th batch empty) named batches "8..10" and
+    warned about a cut of all 9; for a checkpoint in epoch 0 of a 1.5-epoch run (cut on epoch 1) it warned that
+    epoch 1's batches are not trained although the resumed run trains them."""
+    import logging
+
+    def resume(ds, state, kw):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="chronicals.data"):
+            new = PackedLoader(ds, **kw)
+            new.load_state_dict(state)
+        return new, caplog.text
+
+    ds = rows_of_eight(9)
+    kw = dict(batch_size=1, max_seq_len=8, seed=0, rank=0, world_size=2)
+    for cut, warned in ((7, "8..9"), (9, None)):
+        saved = PackedLoader(ds, **kw)
+        saved.cut_epoch(0, cut)
+        assert len(list(saved)) == 5  # 9 global batches on 2 ranks: 5 each, rank 1's 5th empty
+        _, text = resume(ds, {**saved.state_dict(), "epoch": 0, "position": 5}, kw)
+        if warned:
+            assert f"trained {cut} of epoch 0's first 9 global batches" in text, text
+            assert f"global batches {warned} of that epoch are not trained" in text, text
+        else:
+            assert "not trained" not in text, text
+
+    ds = synthetic()
+    kw = dict(batch_size=2, max_seq_len=24, seed=0)
+    saved = PackedLoader(ds, **kw)
+    saved.cut_epoch(1, 2)  # the last pass: 2 global batches of epoch 1
+    it = iter(saved)
+    for _ in range(5):
+        next(it)
+    state = saved.state_dict()
+    assert state["epoch"] == 0 and state["cut"] == [1, 2]
+    new, text = resume(ds, state, kw)  # resumed without that cut (more epochs)
+    assert "not trained" not in text, text
+    assert (new.epoch, new.position) == (0, 5)
