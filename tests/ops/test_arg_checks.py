@@ -71,6 +71,11 @@ CASES = {
     "lce labels 2-D": (lce(labels=torch.tensor([[0, 3, -100, 28]], device=DEV)), r"labels \(1, 4\) must be \(4,\)"),
     "lce hidden 3-D": (lce(hidden=t(1, 4, 17)), r"must be \(N, H\) and \(V, H\)"),
     "lce dtypes": (lce(hidden=t(4, 17, dtype=torch.float64)), r"must share one dtype"),
+    # a bias of another dtype or shape: without the check impl="torch" raised PyTorch's own dtype or "expanded
+    # size" error, not the fix
+    "lce bias dtype": (lce(bias=t(29, dtype=torch.float64)), r"bias torch.float64 must share one dtype"),
+    "lce bias V + 1": (lce(bias=t(30)), r"bias \(30,\) must be \(29,\)"),
+    "lce bias (1, V)": (lce(bias=t(1, 29)), r"bias \(1, 29\) must be \(29,\)"),
     "lce reduction": (lce(reduction="avg"), r"reduction='avg' is not one of"),
     "lce vocab_parts": (lce(vocab_parts=0), r"vocab_parts=0 must be an integer >= 1"),
     "lce vocab_parts 2.5": (lce(vocab_parts=2.5), r"vocab_parts=2.5 must be an integer >= 1"),

@@ -178,6 +178,18 @@ def test_part_one_accumulator_is_rounded_in_place(dtype):
     assert cross_entropy.part_one_rows(5, 2, 2) == 2
 
 
+def test_bias_gradient_sums_chunks_in_fp32():
+    """dbias adds each chunk's column sum in fp32 and rounds once: with bf16 d_logits a per-chunk bf16 sum drops
+    chunk 1's 2^-10 (1 + 2^-10 rounds to 1), leaving 0 after chunk 2's -1 where the true value is ~1.0e-3."""
+    x = torch.tensor([[10.0], [-6.9375], [-10.0], [-10.0]], dtype=torch.bfloat16, device=DEV)
+    w = torch.tensor([[1.0], [0.0]], dtype=torch.bfloat16, device=DEV)  # logits (x, 0): p0 = sigmoid(x)
+    labels = torch.tensor([1, 1, 0, 1], device=DEV)
+    b = torch.zeros(2, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    linear_cross_entropy_triton(x, w, labels, bias=b, reduction="sum", chunk_rows=2).backward()
+    want = float((torch.sigmoid(x.double()[:, 0]) - (labels == 0).double()).sum())
+    assert abs(float(b.grad[0]) - want) < 2.5e-4, (float(b.grad[0]), want)
+
+
 @pytest.mark.parametrize("n", [1, 5])
 def test_vocab_parts_with_a_vocabulary_narrower_than_hidden(n):
     """V < H with one row: the workspace (1 x V) is smaller than one row of dW, which the in-place rounding
@@ -206,9 +218,18 @@ def test_no_rows_give_zero_loss_and_zero_gradients(parts, reduction):
 
 
 def test_vocab_parts_second_pass_in_many_vocabulary_chunks(monkeypatch):
-    """The second pass in chunks of 37 vocabulary rows (the last one shorter), bf16 with bias and ignored rows:
-    loss and gradients track the reference like the one-part head."""
+    """The second pass in chunks of DW_CHUNK_BYTES (37 fp32 rows of dW, aligned down to 32; the last one shorter),
+    bf16 with bias and ignored rows: no chunk is wider (the fp32 staging buffer's bound; without the cap it took
+    the whole workspace's width), and loss and gradients track the reference like the one-part head."""
     monkeypatch.setattr(cross_entropy, "DW_CHUNK_BYTES", 37 * 4 * 64)
+    widths, real = [], cross_entropy.lce_rows
+
+    def spy(logits, *a, **k):
+        if k.get("col0"):  # a second-pass chunk
+            widths.append(logits.shape[1])
+        return real(logits, *a, **k)
+
+    monkeypatch.setattr(cross_entropy, "lce_rows", spy)
     n, h, v = 90, 64, 1000
     x, w, b, labels = make_inputs(n, h, v, torch.bfloat16, True, seed=23)
     grad_out = torch.ones((), dtype=torch.float64, device=DEV)
@@ -217,6 +238,7 @@ def test_vocab_parts_second_pass_in_many_vocabulary_chunks(monkeypatch):
         return linear_cross_entropy(x_, w_, labels_, bias=b_, ignore_index=IGNORE, impl="triton", vocab_parts=2)
 
     got = run(ours, x, w, b, labels, grad_out)
+    assert max(widths) == 32 and sum(widths) == v - cross_entropy.part_one_rows(v, 2, 2), widths
     torch_out = run(lambda x_, w_, l_, b_: linear_cross_entropy_ref(x_, w_, l_, bias=b_, ignore_index=IGNORE),
                     x, w, b, labels, grad_out)
     ref = run(lambda x_, w_, l_, b_: exact_lce(x_, w_, l_, b_, "mean", None),
@@ -298,12 +320,44 @@ def test_tied_embeddings_gradient_lands_in_shared_weight():
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
 
 
-def test_no_grad_eval_and_frozen_weight():
-    """Eval runs only the loss; a frozen head (LoRA) yields d_hidden alone and no weight gradient."""
-    x, w, _, labels = make_inputs(7, 64, 1031, torch.float32, False, seed=9)
-    with torch.no_grad():
-        loss = linear_cross_entropy(x, w, labels, reduction="none", impl="triton")
-    torch.testing.assert_close(loss, linear_cross_entropy_ref(x, w, labels, reduction="none"))
+@pytest.mark.parametrize("strided", ["hidden", "frozen weight"])
+def test_non_contiguous_inputs_match_the_reference(strided):
+    """A transposed hidden (in chunks, with dW) or a transposed frozen weight (the one-pass path) gives the
+    contiguous copy's loss and gradients: the dW accumulation and dh_finish read rows by stride(0) alone, so
+    without the driver's .contiguous() both were silently wrong."""
+    x, w, _, labels = make_inputs(7, 16, 101, torch.float32, False, seed=3)
+    if strided == "hidden":
+        x, w, chunk_rows = x.t().contiguous().t(), w.requires_grad_(), 3
+    else:
+        w, chunk_rows = w.t().contiguous().t(), None
+    assert not (x if strided == "hidden" else w).is_contiguous()
+
+    def grads(fn, x_, w_):
+        x_ = x_.detach().requires_grad_()
+        w_ = w_.detach().requires_grad_(w.requires_grad)
+        loss = fn(x_, w_)
+        return [loss, *torch.autograd.grad(loss, [x_] + ([w_] if w.requires_grad else []))]
+
+    got = grads(lambda a, b: linear_cross_entropy_triton(a, b, labels, chunk_rows=chunk_rows), x, w)
+    ref = grads(lambda a, b: linear_cross_entropy_ref(a, b, labels), x.contiguous(), w.contiguous())
+    for o, r in zip(got, ref):
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-6)
+
+
+def test_no_grad_eval_and_frozen_weight(monkeypatch):
+    """Eval runs only the loss, also with trainable hidden, weight and bias: no dH, dW or dbias is asked for ("mean"
+    computed them in the forward: a V x H dW and two GEMMs in every eval step, thrown away). A frozen head (LoRA)
+    yields d_hidden alone and no weight gradient."""
+    needs, real = [], cross_entropy.linear_ce_chunked
+    monkeypatch.setattr(cross_entropy, "linear_ce_chunked",
+                        lambda *a, **k: needs.append((k["need_dh"], k["need_dw"], k["need_db"])) or real(*a, **k))
+    x, w, b, labels = make_inputs(7, 64, 1031, torch.float32, True, seed=9)
+    xt, wt, bt = (t.clone().requires_grad_() for t in (x, w, b))
+    for reduction in ("none", "mean"):
+        with torch.no_grad():
+            loss = linear_cross_entropy(xt, wt, labels, bias=bt, reduction=reduction, impl="triton")
+        torch.testing.assert_close(loss, linear_cross_entropy_ref(x, w, labels, bias=b, reduction=reduction))
+    assert needs == [(False, False, False)] * 2
     xg = x.clone().requires_grad_()
     linear_cross_entropy(xg, w, labels, impl="triton").backward()
     xr = x.clone().requires_grad_()
@@ -341,6 +395,18 @@ def test_backward_allocates_no_zero_gradients_for_unused_outputs(reduction):
     torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_backward_through_lse_alone_gives_no_gradient(reduction):
+    """The op's other outputs (lse, the forward's gradients) are not differentiated: a backward that reaches only
+    lse hands back no gradient (it crashed on the missing loss gradient: an AttributeError or inside the backward
+    op)."""
+    x, w, _, labels = make_inputs(5, 64, 1000, torch.float32, False, seed=19)
+    x.requires_grad_(), w.requires_grad_()
+    out = torch.ops.chronicals.linear_cross_entropy(x, w, labels, None, IGNORE, reduction, None, True, True, False,
+                                                   3, 1)
+    assert torch.autograd.grad(out[1].sum(), [x, w], allow_unused=True) == (None, None)
+
+
 def test_default_chunk_rows():
     # with a weight gradient the chunk is max(H, 1,792) rows (dW's fp32 accumulator traffic per FLOP halved
     # at 0.5B against C = H; dW lives in the workspace's first V x H elements): 1,792 at 0.5B, 4,096 at 8B
@@ -353,22 +419,51 @@ def test_default_chunk_rows():
     assert default_chunk_rows(2689, 896, 151936, True, 2) == 1792
     # vocab_parts > 1 is the low-memory mode: chunks of H keep its workspace at V x H (0.56 GiB in all at 0.5B)
     assert default_chunk_rows(16384, 896, 151936, True, 2, vocab_parts=2) == 896
+    # ... also where one chunk of all rows would fit at one part (N <= 2H here)
+    assert default_chunk_rows(1792, 896, 151936, True, 2, vocab_parts=1) == 1792
+    assert default_chunk_rows(1792, 896, 151936, True, 2, vocab_parts=2) == 896
     # frozen head: ~256 MB of bf16 logits, 883 rows at V = 151,936; never more rows than the batch
     assert default_chunk_rows(16384, 896, 151936, False, 2) == 883
+    # ... but never below MIN_CHUNK_ROWS GEMM rows: 256 MB holds only 111 rows of a 600,000 fp32 vocabulary
+    assert default_chunk_rows(16384, 896, 600000, False, 4) == cross_entropy.MIN_CHUNK_ROWS == 256
+    assert default_chunk_rows(100, 896, 600000, False, 4) == 100
     assert default_chunk_rows(5, 896, 151936, True, 2) == 5
 
 
-def test_torch_compile_sees_one_op():
+def test_frozen_head_default_chunk_follows_the_workspace_target(monkeypatch):
+    """Without a weight gradient (a frozen head, LoRA) the op's default chunk is WORKSPACE_BYTES of logits (floored
+    at MIN_CHUNK_ROWS), not the weight-gradient rule (max(H, 1,792) rows, or all rows): sized by that rule the
+    workspace grew past its target. Scaled down: 5 rows of fp32 logits."""
+    monkeypatch.setattr(cross_entropy, "WORKSPACE_BYTES", 101 * 4 * 5)
+    monkeypatch.setattr(cross_entropy, "MIN_CHUNK_ROWS", 4)
+    seen, real = [], cross_entropy.linear_ce_chunked
+    monkeypatch.setattr(cross_entropy, "linear_ce_chunked",
+                        lambda *a, **k: seen.append(k["chunk_rows"]) or real(*a, **k))
+    x, w, _, labels = make_inputs(12, 8, 101, torch.float32, False, seed=1)
+    xg, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    loss = linear_cross_entropy_triton(xg, w, labels)  # w frozen
+    loss.backward()
+    assert seen == [5]
+    ref = linear_cross_entropy_ref(xr, w, labels)
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(xg.grad, xr.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_torch_compile_sees_one_op(reduction):
+    """fullgraph compile with backward; "none" computes its gradients in the backward op, traced through that op's
+    fake (whose dW shape must be the real op's (V, H))."""
     x, w, _, labels = make_inputs(7, 64, 1000, torch.float32, False, seed=13)
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
 
     def step(x_, w_):
-        return linear_cross_entropy(x_, w_, labels, reduction="sum", impl="triton") * 0.5
+        return linear_cross_entropy(x_, w_, labels, reduction=reduction, impl="triton").sum() * 0.5
 
     step(x, w)  # resolve_impl logs its choice on the first call; dynamo cannot trace a logger call
     loss = torch.compile(step, backend="aot_eager", fullgraph=True)(xg, wg)
     loss.backward()
-    ref = linear_cross_entropy_ref(x.requires_grad_(), w.requires_grad_(), labels, reduction="sum") * 0.5
+    ref = linear_cross_entropy_ref(x.requires_grad_(), w.requires_grad_(), labels, reduction=reduction).sum() * 0.5
     ref.backward()
     torch.testing.assert_close(loss, ref)
     torch.testing.assert_close(xg.grad, x.grad, rtol=1e-5, atol=1e-7)

@@ -189,3 +189,21 @@ def test_dh_finish_is_the_formula_rounded_once(out_dtype):
     # always round to nearest
     tol = 1e-6 if out_dtype == torch.float32 else 2 ** -7
     torch.testing.assert_close(out.double(), want.to(out_dtype).double(), rtol=tol, atol=1e-6)
+
+
+@pytest.mark.parametrize("misuse,match", [
+    (dict(compute_lse=True, write_grad=False, col0=5, vocab=20), "needs the whole vocabulary"),
+    (dict(compute_lse=False, write_grad=True, rho=0, gamma=0), "one-pass kernel needs"),
+    (dict(compute_lse=True, write_grad=False, rho=0, gamma=0), "one-pass kernel needs"),
+    (dict(compute_lse=False, write_grad=True, col0=5), "needs vocab="),
+])
+def test_lce_rows_refuses_misuse_before_the_kernel(misuse, match):
+    """lce_rows' guards for its callers: the log-sum-exp over one vocabulary part (col0 > 0) ran silently over that
+    part; rho/gamma without compute_lse and write_grad failed inside the kernel; a part without vocab= took its own
+    width as the vocabulary (the wrong out-of-range rule), silently."""
+    c = 3
+    kw = dict(misuse, **{k: torch.empty(c, device=DEV) for k in ("rho", "gamma") if k in misuse})
+    with pytest.raises(ValueError, match=match):
+        lce_rows(torch.randn(c, 10, device=DEV), torch.tensor([0, 1, 2], device=DEV), 0, None,
+                 torch.ones(1, device=DEV), torch.empty(c, device=DEV), torch.empty(c, device=DEV),
+                 ignore_index=IGNORE, softcap=None, **kw)
