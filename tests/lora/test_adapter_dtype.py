@@ -15,8 +15,9 @@ import torch.nn as nn
 import transformers
 from safetensors.torch import load_file
 
-from chronicals.lora import apply_lora, load_adapter, merge_lora, save_adapter
+from chronicals.lora import apply_lora, load_adapter, lora_modules, merge_lora, save_adapter
 from chronicals.lora.layer import LoRALinear, lora_linear_ref
+from chronicals.lora.peft_io import loaded_adapter_dtype
 
 from .conftest import hf_config, randomize_lora_b, tiny_model
 
@@ -56,6 +57,31 @@ def test_load_keeps_the_files_values_and_saves_them_back(dt, tmp_path):
         assert p.dtype == torch.float32 and torch.equal(p, want[k]), k
     again = load_file(save_adapter(model, tmp_path / "again") / "adapter_model.safetensors")
     assert all(torch.equal(again[k], want[k]) for k in want)  # a load and a save lose nothing
+
+
+def test_the_loaded_adapters_dtype_default_and_argument(tmp_path):
+    """load_adapter's A and B are fp32 on a model with any bf16 / fp16 weight, a bf16 model keeping its norms in fp32
+    included (it got the base's dtype: only an all-low-precision model counted), and its adapter_dtype argument
+    overrides that default (float64 on an fp32 model, bf16 on a bf16 one were given fp32)."""
+    ours = tiny_model()
+    apply_lora(ours, r=2, alpha=4, target_modules=["q_proj"])
+    out = save_adapter(ours, tmp_path / "a")
+    mixed = tiny_model().to(torch.bfloat16)
+    for name, mod in mixed.named_modules():
+        if name.endswith("norm"):
+            mod.float()
+    assert {p.dtype for p in mixed.parameters()} == {torch.bfloat16, torch.float32}
+    assert loaded_adapter_dtype(mixed) == torch.float32
+    load_adapter(mixed, out)
+    assert {m.lora_A.weight.dtype for _, m in lora_modules(mixed)} == {torch.float32}
+    m64 = tiny_model()
+    load_adapter(m64, out, adapter_dtype=torch.float64)
+    assert {m.lora_A.weight.dtype for _, m in lora_modules(m64)} == {torch.float64}
+    mbf = tiny_model().to(torch.bfloat16)
+    assert loaded_adapter_dtype(mbf) == torch.float32
+    assert loaded_adapter_dtype(mbf, torch.bfloat16) == torch.bfloat16
+    load_adapter(mbf, out, adapter_dtype=torch.bfloat16)
+    assert {m.lora_B.weight.dtype for _, m in lora_modules(mbf)} == {torch.bfloat16}
 
 
 def test_merge_of_a_loaded_adapter_rounds_once(tmp_path):

@@ -106,6 +106,44 @@ def test_save_replaces_an_existing_adapter_and_config_fields(tmp_path):
     assert (cfg["peft_type"], cfg["r"], cfg["lora_alpha"], cfg["target_modules"]) == ("LORA", 2, 4, ["q_proj"])
 
 
+def test_save_adapter_expands_a_home_path(tmp_path, monkeypatch, ids):
+    """An out_dir starting with "~" is written under $HOME (as load_adapter reads it) and that path is returned; it
+    went to a literal "./~/a" folder under the working directory, and the returned "~/a" named no adapter."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    ours = tiny_model()
+    apply_lora(ours, r=2, alpha=4, target_modules=["q_proj"])
+    randomize_lora_b(ours)
+    out = save_adapter(ours, "~/a")
+    assert out == home / "a"
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert not (cwd / "~").exists()
+    again = tiny_model()
+    load_adapter(again, "~/a")
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids), ours(ids))
+
+
+def test_a_saved_module_with_children_keeps_all_their_parameters(tmp_path, ids):
+    """modules_to_save naming a block whose parameters sit in its children (a whole MLP trained beside q_proj
+    adapters) saves every one of them and loads back with the trained values; the block was saved with none of
+    its parameters and the adapter then failed to load ("missing keys")."""
+    ours = tiny_model()
+    apply_lora(ours, r=2, alpha=4, target_modules=["q_proj"], modules_to_save=["model.layers.1.mlp"])
+    randomize_lora_b(ours)
+    with torch.no_grad():
+        ours.model.layers[1].mlp.up_proj.weight.add_(0.5)
+    out = save_adapter(ours, tmp_path / "a")
+    assert "base_model.model.model.layers.1.mlp.up_proj.weight" in load_file(out / "adapter_model.safetensors")
+    again = tiny_model()
+    load_adapter(again, out)
+    torch.testing.assert_close(again.model.layers[1].mlp.up_proj.weight, ours.model.layers[1].mlp.up_proj.weight)
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids), ours(ids))
+
+
 def test_the_adapter_weights_file_says_format_pt(tmp_path):
     """adapter_model.safetensors carries metadata {"format": "pt"}, as PEFT's save_pretrained writes it:
     transformers 4.x and other safetensors readers look for it."""

@@ -7,7 +7,9 @@ import json
 import peft
 import pytest
 import torch
+import torch.nn as nn
 import transformers
+from safetensors.torch import load_file, save_file
 
 import chronicals
 from chronicals.lora import apply_lora, load_adapter, lora_modules, merge_lora, save_adapter
@@ -145,6 +147,22 @@ def test_our_tied_adapter_with_both_modules_stays_tied(tmp_path):
     assert again.lm_head.weight is again.model.embed_tokens.weight and again.config.tie_word_embeddings
 
 
+def test_a_tied_pair_absent_from_the_file_is_named_as_missing_keys(tmp_path):
+    """A config that trains the tied lm_head / embed_tokens pair with a file holding neither tensor is refused with
+    the "missing keys" message naming them (it was a bare KeyError), and the model keeps no LoRA and stays tied."""
+    ours = tiny_model(tied=True)
+    apply_lora(ours, r=2, alpha=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    out = save_adapter(ours, tmp_path / "a")
+    wpath = out / "adapter_model.safetensors"
+    save_file({k: v for k, v in load_file(wpath).items() if "lora_" in k}, wpath, metadata={"format": "pt"})
+    model = tiny_model(tied=True)
+    with pytest.raises(ValueError, match=r"missing keys .*(lm_head|embed_tokens)"):
+        load_adapter(model, out)
+    assert getattr(model, "lora_config", None) is None
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.config.tie_word_embeddings
+    assert not any("lora_" in n for n, _ in model.named_parameters())
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_failed_load_leaves_the_model_as_it_was(tmp_path, ids, tied, caplog):
     """An adapter refused by the key or shape check (a file of another model) left LoRA applied, the base frozen, a
@@ -200,6 +218,24 @@ def test_a_failed_load_leaves_the_model_as_it_was(tmp_path, ids, tied, caplog):
         assert "but not its tied partner(s) ['model.embed_tokens']; untied them as PEFT does" in caplog.text
 
 
+def test_a_failed_load_gives_each_base_weight_its_own_storage(tmp_path):
+    """A refused file (r edited, so no shape fits) leaves every base weight contiguous in a storage of its own size;
+    q/k/v and gate/up stayed strided views into the freed LoRA group's [W | s B] buffer, which they kept alive."""
+    ours = tiny_model()
+    apply_lora(ours, r=2, alpha=4)  # all seven projections: q/k/v and gate/up grouped
+    out = save_adapter(ours, tmp_path / "a")
+    cfg = out / "adapter_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "r": 3}))
+    model = tiny_model()
+    with pytest.raises(ValueError, match="shape"):
+        load_adapter(model, out)
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            w = mod.weight
+            assert type(mod) is nn.Linear and w.is_contiguous(), name
+            assert w.untyped_storage().nbytes() == w.numel() * w.element_size(), name
+
+
 def test_all_linear_as_a_string_is_peft_shorthand_in_a_file_and_in_apply_lora(tmp_path, ids):
     """target_modules "all-linear" (a string, as PEFT reads it: every linear layer but the output) was read as a
     regular expression that matched nothing: refused with "matched no nn.Linear". PEFT loads such a file."""
@@ -220,6 +256,41 @@ def test_all_linear_as_a_string_is_peft_shorthand_in_a_file_and_in_apply_lora(tm
     hf = transformers.LlamaForCausalLM(hf_config()).eval()  # PEFT reads the file the same way: 7 targets a layer
     pm = peft.PeftModel.from_pretrained(hf, tmp_path / "a")
     assert sum("lora_A" in n for n, _ in pm.named_parameters()) == 2 * 7
+
+
+def test_a_regex_target_modules_round_trips_as_that_string(tmp_path, ids):
+    """A regular-expression target_modules (one string) is written to adapter_config.json as that string and loads
+    back onto the same modules with the same logits; it was sorted into a list of its characters."""
+    regex = r"model\.layers\.\d+\.self_attn\.(q|v)_proj"
+    ours = tiny_model()
+    apply_lora(ours, r=2, alpha=4, target_modules=regex)
+    randomize_lora_b(ours)
+    out = save_adapter(ours, tmp_path / "a")
+    assert json.loads((out / "adapter_config.json").read_text())["target_modules"] == regex
+    again = tiny_model()
+    assert load_adapter(again, out).target_modules == regex
+    assert [n for n, _ in lora_modules(again)] == [n for n, _ in lora_modules(ours)]
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids), ours(ids))
+
+
+def test_a_modules_to_save_entry_is_a_plain_suffix_as_in_peft(tmp_path):
+    """PEFT matches a modules_to_save entry as a plain suffix of the module name: "norm" is model.norm and every
+    layer's input_layernorm and post_attention_layernorm. Matched at a dot, it named model.norm only and the file's
+    layernorm tensors were refused as unexpected keys."""
+    ours = tiny_model()
+    norms = [n for n, _ in ours.named_modules() if n.endswith("norm")]
+    assert len(norms) == 5  # model.norm and two per layer
+    apply_lora(ours, r=2, alpha=4, target_modules=["q_proj"], modules_to_save=norms)
+    with torch.no_grad():
+        ours.model.layers[0].input_layernorm.weight.add_(0.25)
+    out = save_adapter(ours, tmp_path / "a")
+    cfg = out / "adapter_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "modules_to_save": ["norm"]}))
+    again = tiny_model()
+    assert sorted(load_adapter(again, out).saved_modules) == sorted(norms)
+    torch.testing.assert_close(again.model.layers[0].input_layernorm.weight,
+                               ours.model.layers[0].input_layernorm.weight)
 
 
 def test_a_modules_to_save_entry_matching_nothing_is_left_out_as_peft_does(tmp_path, ids, caplog):
@@ -351,14 +422,17 @@ def test_hand_written_and_partly_set_configs_load(tmp_path, ids):
         read_adapter_config(_saved(tmp_path / "set", some_future_option=[1]))
 
 
-@pytest.mark.parametrize("saved", [["lm_head", 3], [None], [["lm_head"]]])
-def test_modules_to_save_entries_must_be_names(tmp_path, saved):
-    """A list holding a non-string: a ValueError naming the field, not a TypeError from the name matching."""
+@pytest.mark.parametrize("field", ["modules_to_save", "target_modules"])
+@pytest.mark.parametrize("entries", [["q_proj", 3], [None], [["q_proj"]]])
+def test_module_name_entries_must_be_names(tmp_path, field, entries):
+    """A list holding a non-string: a ValueError naming the field, not a TypeError from the name matching. The
+    public read_adapter_config checks it itself (cli_models reads configs through it): target_modules [..., 3] was
+    returned unchecked there."""
     from chronicals.lora import read_adapter_config
 
-    out = _saved(tmp_path, modules_to_save=saved)
+    out = _saved(tmp_path, **{field: entries})
     for read in (read_adapter_config, lambda d: load_adapter(tiny_model(), d)):
-        with pytest.raises(ValueError, match=r"modules_to_save=.* must be a list of module names"):
+        with pytest.raises(ValueError, match=rf"adapter_config.json: {field}=.* must be a list of module names"):
             read(out)
 
 
