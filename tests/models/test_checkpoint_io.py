@@ -133,6 +133,16 @@ def test_overwrite_is_atomic(tmp_path, tiny_hf_config):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
+def test_a_sharded_output_is_replaced_by_a_single_file_save(tmp_path, tiny_hf_config):
+    """The shard files of an earlier save (model-0000i-of-0000n.safetensors) are the save's own, matched by glob:
+    compared as exact names they were taken for the user's files, and saving over a sharded output was refused."""
+    model = _model(tiny_hf_config("llama2"))
+    out = chronicals.save_model(model, None, tmp_path / "m", max_shard_bytes=4096)
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
+    chronicals.save_model(model, None, out)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
 def test_a_save_interrupted_by_ctrl_c_leaves_no_temporary_directory(tmp_path, tiny_hf_config):
     """The temporary directory is removed for any BaseException, not only for errors: a KeyboardInterrupt while the
     tokenizer files were written left a .m.tmp-* directory (up to a whole model's size) beside the output."""
@@ -348,6 +358,17 @@ def test_a_head_untied_in_code_is_not_dropped(tmp_path, tiny_hf_config):
     torch.testing.assert_close(_logits(again), _logits(model))
 
 
+def test_a_non_contiguous_parameter_is_saved(tmp_path, tiny_hf_config):
+    """A parameter that is a non-contiguous view (a transposed tensor assigned in code) is saved and loads back
+    equal: safetensors refuses such a view, so the model could not be saved at all."""
+    model = _model(tiny_hf_config("llama2"))
+    w = model.lm_head.weight.detach()
+    model.lm_head.weight = torch.nn.Parameter(w.t().contiguous().t())
+    assert not model.lm_head.weight.is_contiguous()
+    again, _ = chronicals.load_model(chronicals.save_model(model, None, tmp_path / "m"), tokenizer=False)
+    assert torch.equal(again.lm_head.weight, w)
+
+
 def test_a_tokenizer_with_named_chat_templates_saves_twice(tiny_base, tmp_path):
     """transformers 5 writes named chat templates (default + tool_use) into additional_chat_templates/; a folder
     counts as foreign in an output directory, so the second save_model or export into it was refused."""
@@ -403,8 +424,13 @@ def test_save_model_refuses_the_working_directory_and_bad_shard_sizes(tmp_path, 
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
-    for where in (".", "", str(work), str(tmp_path)):
-        with pytest.raises(ValueError, match="is the working directory|the output path is empty"):
+    for where in (".", str(work), str(tmp_path)):
+        with pytest.raises(ValueError, match="is the working directory"):
+            chronicals.save_model(model, None, where)
+    # empty or blank: refused as such before the path is resolved ("  " was written as a folder of two spaces here,
+    # "" refused as the working directory)
+    for where in ("", "  "):
+        with pytest.raises(ValueError, match=rf"the output path is empty or blank \({where!r}\)"):
             chronicals.save_model(model, None, where)
     assert work.is_dir() and not any(work.iterdir())
     for bad in ("10KB", 0, -5, True):

@@ -97,6 +97,15 @@ def test_dtype_none_follows_the_embedding_not_other_tensors(tmp_path):
     assert ours.model.embed_tokens.weight.dtype == torch.bfloat16 and ours.model.norm.weight.dtype == torch.bfloat16
 
 
+def test_an_f16_checkpoint_loads_as_float16_by_default(tmp_path):
+    """dtype=None keeps an F16 checkpoint in float16, bit for bit: read as bfloat16 it lost mantissa bits of every
+    weight without a word."""
+    model = _model().to(torch.float16)
+    ours = load_hf_dir(save_hf_dir(model, None, tmp_path / "m"))
+    assert ours.model.embed_tokens.weight.dtype == torch.float16
+    assert torch.equal(ours.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
 @pytest.mark.parametrize("stored, st_name", [(torch.int8, "I8"), (torch.float8_e4m3fn, "F8_E4M3")])
 def test_a_tied_head_stored_alone_gets_the_embeddings_dtype_and_shape_checks(tmp_path, stored, st_name):
     """A tied checkpoint's head stored alone is read as the embedding, so it is refused as the embedding would be:

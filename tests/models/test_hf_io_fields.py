@@ -28,6 +28,15 @@ def test_config_names_the_saved_dtype_and_transformers_loads_it(tmp_path, tiny_h
     assert transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype="auto").dtype == torch.bfloat16
 
 
+def test_config_dtype_follows_the_embedding_not_the_norms(tmp_path, tiny_hf_config):
+    """A bf16 model whose norms were kept in fp32 is written with dtype "bfloat16", the embedding's dtype that
+    load_model's dtype=None and transformers read; taken from the final norm it said "float32"."""
+    model = _model(tiny_hf_config("llama2"), torch.bfloat16)
+    model.model.norm.float()
+    out = chronicals.save_model(model, None, tmp_path / "m")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
 def test_shard_index_total_size_is_the_bytes_of_every_tensor(tmp_path, tiny_hf_config):
     """model.safetensors.index.json's metadata.total_size is the byte count of all tensors over the shards, as
     transformers writes it (tools read it to size downloads and memory)."""

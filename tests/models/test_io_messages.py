@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import transformers
 
 import chronicals
 from chronicals.models import CausalLM, ModelConfig
+from chronicals.models.loading import load_tokenizer
 
 
 def _save(tmp_path, tiny_hf_config, family="llama2", name="m"):
@@ -68,3 +70,16 @@ def test_output_under_a_regular_file_says_so(tmp_path, tiny_hf_config, under):
                                                  rf"{tmp_path / under} cannot be created under it"):
         chronicals.save_model(model, None, tmp_path / under)
     assert (tmp_path / "afile").read_text() == "a note" and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_a_missing_tokenizer_package_is_not_blamed_on_the_files(tmp_path, monkeypatch):
+    """An ImportError from transformers (sentencepiece or protobuf not installed) reaches the user naming the
+    package: wrapped as "the tokenizer files cannot be loaded ... copy them again", it blamed good files."""
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+
+    def needs_sentencepiece(*a, **k):
+        raise ImportError("this tokenizer requires the SentencePiece library: pip install sentencepiece")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", needs_sentencepiece)
+    with pytest.raises(ImportError, match="pip install sentencepiece"):
+        load_tokenizer(tmp_path)

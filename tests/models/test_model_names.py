@@ -60,6 +60,15 @@ def test_paths_that_differ_in_case_are_two_models(tmp_path):
     assert same_model("SmolLM2-135M-Instruct", "smollm2-135m-instruct")
 
 
+def test_a_tilde_path_and_its_absolute_path_are_one_model(tmp_path, monkeypatch):
+    """"~/base" and its absolute path name one model: without expanding ~ the first named no file, so a resume or
+    --adapter check called the same base a different model."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "base").mkdir()
+    assert same_model("~/base", str(tmp_path / "base"))
+    assert not same_model("~/base", str(tmp_path / "other"))
+
+
 def test_a_lora_checkpoint_on_the_embedded_model_resumes_on_it(tmp_path):
     """Otherwise a LoRA run on the default model could not resume: "model.path='smollm2-135m-instruct' (this run:
     'smollm2-135m-instruct')"."""
@@ -72,6 +81,18 @@ def test_a_short_name_in_the_models_own_spelling_resolves():
     """A short name is taken in any case ("SmolLM2-135M-Instruct", as the model card spells it)."""
     assert resolve_path("SmolLM2-135M-Instruct") == resolve_path("smollm2-135m-instruct")
     assert resolve_path("SmolLM2-135M-Instruct").name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.mark.parametrize("name", ["x.gguf", "x.GGUF"])
+def test_a_gguf_suffix_in_any_case_is_a_gguf(tmp_path, name):
+    """A truncated "x.GGUF" gets the GGUF reader's "truncated or corrupt, copy it again", as "x.gguf" does:
+    with the suffix compared case-sensitively it was refused as neither a model directory nor a .gguf file,
+    which hid the real cause."""
+    p = tmp_path / name
+    p.write_bytes(b"GGU")  # a download cut after three bytes: not even the magic is whole
+    assert resolve_path(p) == p
+    with pytest.raises(ValueError, match=r"not a readable GGUF file .*truncated or corrupt, copy it again"):
+        chronicals.load_model(p)
 
 
 def test_the_tokenizer_of_a_gguf_names_the_gguf_as_its_source(tmp_path):

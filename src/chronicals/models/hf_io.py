@@ -106,11 +106,17 @@ def output_path(out_dir: str | Path) -> Path:
     return Path(out_dir).expanduser().resolve()
 
 
+def refuse_blank(out_dir: str | Path) -> None:
+    """ValueError for an empty or blank output path ("" is Path("."), the working directory; "  " a folder named
+    by spaces), checked before the path is resolved."""
+    if not str(out_dir).strip():
+        raise ValueError(f"the output path is empty or blank ({str(out_dir)!r}); name the directory to write")
+
+
 def check_output_dir(out_dir: str | Path, owned: tuple[str, ...] | None = None) -> None:
     """The checks ``atomic_dir`` makes before writing, for callers that want them before a long load (export):
     ``out_dir`` is no file, nor under one, and holds nothing but ``owned`` entries (None: not checked)."""
-    if not str(out_dir).strip():  # Path("") is "."
-        raise ValueError("the output path is empty; name the directory to write")
+    refuse_blank(out_dir)
     out = output_path(out_dir)
     if out == Path.cwd() or out in Path.cwd().parents:  # replacing it renames the process's own directory away
         raise ValueError(f"{out_dir} is the working directory{'' if out == Path.cwd() else ' or holds it'}; a "
@@ -143,6 +149,7 @@ def atomic_dir(out_dir: str | Path, *, replace: bool = True, owned: tuple[str, .
     the two renames leaves no ``out_dir`` until the next call, which first renames it back (a write that did
     not finish leaves ``out_dir`` as it was); one killed after them leaves a stale copy, which the next removes.
     """
+    refuse_blank(out_dir)  # output_path resolves "  " to a folder of that name: checked on the path as given
     out = output_path(out_dir)
     recover_replaced(out, _temp_pattern(out.name))  # first: the checks below must see a restored out_dir
     check_output_dir(out, owned if replace else None)

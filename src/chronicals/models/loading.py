@@ -25,7 +25,7 @@ from ..ops._impl import check_impl
 from .decoder import CausalLM
 from .generate import generate, stop_ids
 from .gguf_io import cached_gguf_dir, tokenizer_error
-from .hf_io import has_tokenizer, load_hf_dir, save_hf_dir
+from .hf_io import has_tokenizer, load_hf_dir, refuse_blank, save_hf_dir
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +212,7 @@ def save_model(model: CausalLM, tokenizer, out_dir: str | os.PathLike, *, genera
     if not isinstance(out_dir, (str, os.PathLike)):  # save_model(model, "out", tok): Path(tok) raised first
         raise TypeError(f"save_model: out_dir is a {type(out_dir).__name__}, not a path; the arguments are "
                         "save_model(model, tokenizer, out_dir): the tokenizer (or None) comes before the directory")
+    refuse_blank(out_dir)  # before Path(): Path('') is '.', the working directory
     # expanded here so that the path returned is the one written ('~/m' came back as a Path naming nothing)
     return save_hf_dir(model, tokenizer, Path(out_dir).expanduser(), generation_config=generation_config,
                        max_shard_bytes=max_shard_bytes)
