@@ -168,9 +168,8 @@ def learning(spec: RunSpec, period: int = 16, min_drop_full: float = 0.25, min_d
             # passed; a bench walk)
             finite = all(map(math.isfinite, norms))
             smallest = min(norms) if finite else float("nan")
-            ok = all(map(math.isfinite, losses)) and losses[-1] <= (1 - min_drop) * losses[0] and finite \
-                and smallest > 0
             bad_losses = sum(not math.isfinite(x) for x in losses)
+            ok = not bad_losses and losses[-1] <= (1 - min_drop) * losses[0] and finite and smallest > 0
             why = (f"gradient norm not finite in {sum(not math.isfinite(n) for n in norms)} steps" if not finite
                    else "gradient norm 0" if smallest <= 0
                    else f"loss not finite in {bad_losses} steps" if bad_losses  # as the table's row check says
