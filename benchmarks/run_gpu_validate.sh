@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine call (~8 min on an H100): the CUDA test subsets and the CLI smoke, all at once: tests/lora,
 # tests/models, tests/train in two halves, tests/data + the root CLI tests + tests/ops/test_arg_checks.py, and
-# benchmarks/gpu_cli_smoke.py. Each pytest is capped at 540 s; a summary of each is printed last.
+# benchmarks/gpu_cli_smoke.py. Each pytest is capped at 540 s; a summary of each is printed last. OPS=1 adds
+# tests/ops whole, in two more processes (~3 min more on an H100 when run alone).
 # Usage (device tool, repo root, carry .whl with the gguf wheel; ../shared/GPU.md):  bash benchmarks/run_gpu_validate.sh
 # The embedded SmolLM2 package (98 MB) cannot be carried: its fixtures error or skip there, and pass on the CPU.
 set -u
@@ -21,9 +22,16 @@ run models tests/models &
 run trainA "${TA[@]}" &
 run trainB "${TB[@]}" &
 run rest tests/data tests/test_*.py tests/ops/test_arg_checks.py &
+NAMES="lora models trainA trainB rest"
+if [ "${OPS:-0}" = 1 ]; then
+  O=( $(ls tests/ops/test_*.py | grep -v test_arg_checks) ); OA=(); OB=(); i=0
+  for f in "${O[@]}"; do if (( i % 2 )); then OB+=("$f"); else OA+=("$f"); fi; i=$((i+1)); done
+  run opsA "${OA[@]}" & run opsB "${OB[@]}" &
+  NAMES="$NAMES opsA opsB"
+fi
 { timeout 540 python3 benchmarks/gpu_cli_smoke.py /tmp/smoke > "$L/smoke.txt" 2>&1
   echo "smoke rc=$? ($(( $(date +%s) - t0 )) s)" >> "$L/smoke.txt"; } &
 wait
-for n in lora models trainA trainB rest smoke; do
+for n in $NAMES smoke; do
   echo "### $n"; grep -E "^(ERROR|FAILED)|passed|failed|rc=|^(ok|FAIL|BAD|ALL|SOME)" "$L/$n.txt" | cut -c1-200 | tail -25
 done
