@@ -189,6 +189,22 @@ def test_keep_last_keeps_exactly_the_newest(tmp_path):
     assert [d.name for d in checkpoint_dirs(tmp_path)] == ["step-000004", "step-000005"]
 
 
+@pytest.mark.parametrize("background", [False, True])
+@pytest.mark.parametrize("keep_last", [0, -1, 1.5, True])
+def test_a_keep_last_below_one_is_refused_before_anything_is_written(tmp_path, keep_last, background):
+    """keep_last=0 from Python read as ``[-0:]`` and kept every checkpoint, the opposite of what it says (the config
+    refuses train.keep_last < 1; the API did not). Refused by name before a write, by the caller's save in the
+    background writer too (not later, from its thread), and the checkpoints there stay."""
+    write_checkpoint(tmp_path, {"step": 1}, keep_last=1)
+    with pytest.raises(ValueError, match=rf"keep_last={keep_last!r}: .* integer >= 1"):
+        write_checkpoint(tmp_path, {"step": 2}, keep_last=keep_last)
+    model, opt, sched = _trained(1)
+    with pytest.raises(ValueError, match="keep_last="):
+        ckpt.CheckpointWriter(background).save(tmp_path, 3, model, opt, sched, {}, keep_last=keep_last)
+    assert [d.name for d in checkpoint_dirs(tmp_path)] == ["step-000001"]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-000001"]
+
+
 def test_pruning_keeps_the_newest_checkpoints_that_hold_their_state(tmp_path):
     """A step directory without state.pt (an old kill mid-removal, a copy cut short) is not a checkpoint: it neither
     counts toward keep_last nor survives (counted, it pushed a resumable checkpoint out; a mutation walk)."""

@@ -175,6 +175,13 @@ def checkpoint_path(out_dir: str | Path, step: int) -> Path:
     return Path(out_dir) / "checkpoints" / f"step-{step:06d}"
 
 
+def _check_keep_last(keep_last: int) -> None:
+    # keep_last=0 read as "[-0:]", i.e. every checkpoint kept: the opposite of what it says (a session-41 walk)
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"keep_last={keep_last!r}: checkpoints to keep must be an integer >= 1 (the one just "
+                         "written is always kept); pass keep_last=1 to keep only the newest")
+
+
 def write_checkpoint(out_dir: str | Path, state: dict, keep_last: int = 2) -> Path:
     """Write a ``snapshot`` to ``checkpoint_path(out_dir, state["step"])`` atomically (a ``.tmp-*`` directory,
     fsynced, then renamed); delete all but the newest ``keep_last``.
@@ -182,6 +189,7 @@ def write_checkpoint(out_dir: str | Path, state: dict, keep_last: int = 2) -> Pa
     First removes the ``.tmp-step-*`` directories of writes that were killed (SIGKILL, OOM): each leaves a partial
     checkpoint, as large as a whole one, that ``checkpoint_dirs`` never lists. A live writer's, this process's
     background ``CheckpointWriter`` thread's included, holds its lock and is never touched (``models.orphans``)."""
+    _check_keep_last(keep_last)
     final = checkpoint_path(out_dir, state["step"])
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
@@ -249,6 +257,7 @@ class CheckpointWriter:
     def save(self, out_dir: str | Path, step: int, model: torch.nn.Module, optimizer, scheduler, data_state: dict,
              keep_last: int = 2, extra: dict | None = None) -> Path:
         self.wait()
+        _check_keep_last(keep_last)  # here, not in the background thread, so the caller's save raises it
         state = snapshot(step, model, optimizer, scheduler, data_state, extra)
         if not self.background:
             return write_checkpoint(out_dir, state, keep_last)
