@@ -978,6 +978,65 @@ def test_grad_buckets_refuse_one_process_and_zero_micro_batches():
     assert not rb.armed
 
 
+def test_grad_buckets_refuse_a_finish_without_begin_and_more_gradients_than_announced(tmp_path):
+    """finish() without begin() is refused (it would issue every bucket's all-reduce on this rank alone: a hang on
+    many ranks); so is a parameter that gets more gradients than begin(micro_batches=k) announced (its bucket's
+    all-reduce already went out, so the sum would silently miss the extra gradient)."""
+    from types import SimpleNamespace
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        lin = torch.nn.Linear(4, 3)
+        rb = GradBuckets(SimpleNamespace(enabled=True, rank=0, world_size=1), list(lin.parameters()))
+        with pytest.raises(RuntimeError, match=r"finish without begin"):
+            rb.finish()
+        rb.begin(1)
+        lin(torch.randn(2, 4)).sum().backward()
+        with pytest.raises(RuntimeError, match=r"more gradients this step than begin\(micro_batches=k\)"):
+            lin(torch.randn(2, 4)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_short_buckets_are_counted_every_step_and_warned_once(tmp_path, caplog):
+    """A trainable parameter the step does not use leaves its bucket short: finish() returns the count of short
+    buckets at every step (its documented return), and the warning about it is logged once, not at every step."""
+    import logging
+    from types import SimpleNamespace
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(4, 3)
+        unused = torch.nn.Parameter(torch.ones(2))  # first: it lands in the last bucket
+        rb = GradBuckets(SimpleNamespace(enabled=True, rank=0, world_size=1), [unused, *lin.parameters()],
+                         bucket_elems=4)
+        with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+            for _ in range(2):
+                rb.begin(1)
+                lin(torch.randn(2, 4)).sum().backward()
+                assert rb.finish() == 1
+        assert sum("short of gradients" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        dist.destroy_process_group()
+
+
+def test_grad_buckets_remove_takes_the_hooks_off_the_parameters():
+    """remove() (train() calls it at the end) takes the hooks off: no hook on the user's model keeps the
+    GradBuckets, and the flat buffers' owner, alive."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    lin = torch.nn.Linear(4, 3)
+    rb = GradBuckets(SimpleNamespace(enabled=True, rank=0, world_size=1), list(lin.parameters()))
+    ref = weakref.ref(rb)
+    rb.remove()
+    del rb
+    gc.collect()
+    assert ref() is None
+
+
 def test_buckets_start_each_step_from_zero_and_go_out_during_backward(tmp_path):
     """Buckets fill in reverse parameter order, the order backward finishes them: when the first layer's gradient
     is computed (the end of backward) the second layer's buckets are already issued, so their all-reduce overlaps

@@ -10,7 +10,8 @@ any data is read, and takes system_prompt='' as no system message, not as unset;
 data.on_error=skip), never a traceback or advice that does not fit the caller, read a QA file as chat whatever
 data.format, and name its records, not its temporary chat copy, in warnings; and when the trainer evaluates: the last
 step once under eval.every, the closing evaluation a finished run resumed without it lacks, and each eval record's
-loss-token count.
+loss-token count. And step.py's other pieces with no GPU: accumulate_gradients' refusal of another model's graphs
+and clip_grad_norm's returned norm and fp32 clip coefficient.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,7 +30,7 @@ from chronicals.evaluate import evaluate
 from chronicals.lora import apply_lora
 from chronicals.train import train
 from chronicals.train.setup import data_files
-from chronicals.train.step import batch_loss_sum, evaluate_loss
+from chronicals.train.step import accumulate_gradients, batch_loss_sum, clip_grad_norm, evaluate_loss
 
 from train_helpers import SyntheticLoader, synthetic_docs, tiny_config, tiny_model
 
@@ -74,6 +77,24 @@ def test_evaluation_gives_the_model_its_mode_back(lora_model, batches, training)
     lora_model.train(training)
     evaluate_loss(lora_model, batches[:1], CPU)
     assert all(m.training == training for m in lora_model.modules())
+
+
+def test_a_stop_already_requested_scores_no_batch(batches):
+    """``stop`` is asked before the first batch too: a stop requested before the pass abandons it at once,
+    (None, 0), with no forward run (asked only after a batch, one batch, a whole round under DP, was scored)."""
+    model = tiny_model()
+    calls = []
+    model.register_forward_hook(lambda *a: calls.append(1))
+    assert evaluate_loss(model, batches[:2], CPU, stop=lambda: True) == (None, 0)
+    assert not calls
+
+
+def test_held_out_batches_without_loss_tokens_give_zero_not_nan(batches):
+    """A held-out set with no loss token gives (0.0, 0), not 0/0 = NaN, which the trainer's interval evaluation
+    reads as a divergence and stops the run on (the zero-token case was tested only for training steps)."""
+    b = replace(batches[0], shift_labels=torch.full_like(batches[0].shift_labels, -100), num_loss_tokens=0)
+    loss, n = evaluate_loss(tiny_model(), [b, b], CPU)
+    assert n == 0 and loss == 0.0
 
 
 @pytest.mark.parametrize("kw, says", [({"qa_limit": -1}, "qa_limit=-1"), ({"max_new_tokens": 0}, "max_new_tokens=0"),
@@ -388,3 +409,43 @@ def test_eval_path_auto_holds_out_nothing_beside_your_own_data(tmp_path):
     demo = from_dict({"data": {"path": "demo", "eval_path": "auto"}, "train": {"out_dir": str(tmp_path / "d")}})
     _, eval_file, qa = data_files(demo, tmp_path / "d")
     assert eval_file is not None and qa
+
+
+def test_graphs_built_on_another_model_are_refused_without_replaying_them():
+    """accumulate_gradients refuses a GraphedStep built on another model (its replay would train that model's
+    parameters while this one's gradients stay untouched), before calling it."""
+    model, other = tiny_model(), tiny_model()
+    called = []
+    graphs = SimpleNamespace(model=other, accumulate=lambda micro, count: called.append(count) or (torch.zeros(()), 0))
+    with pytest.raises(ValueError, match="graphs was built on another model"):
+        accumulate_gradients(model, [], CPU, graphs)
+    assert not called
+
+
+def _params_with_grad_norm(total: float) -> list:
+    """Two fp32 parameters whose gradients together have norm ``total``."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (100, 7)]
+    grads = [torch.randn(p.shape, generator=g) for p in params]
+    norm = torch.linalg.vector_norm(torch.cat(grads))
+    for p, gr in zip(params, grads):
+        p.grad = gr * (total / norm)
+    return params
+
+
+def _grad_norm(params) -> float:
+    return torch.linalg.vector_norm(torch.cat([p.grad for p in params])).item()
+
+
+def test_clip_grad_norm_returns_the_norm_before_clipping_and_clips_by_the_fp32_norm():
+    """clip_grad_norm returns the norm before clipping (what a step logs as grad_norm and the divergence guard
+    reads; the clipped norm would read max_norm on every clipped step), and scales by a coefficient from the fp32
+    norm: fp32 gradients of norm 20.1425 clipped to 1.0 have norm 1.0 to fp32 precision (from the bf16-rounded
+    norm, 20.125, they came out 1.0009)."""
+    params = _params_with_grad_norm(5.0)
+    assert clip_grad_norm(params, 1.0).item() == pytest.approx(5.0, abs=1e-5)
+    assert _grad_norm(params) == pytest.approx(1.0, abs=1e-5)
+    params = _params_with_grad_norm(20.1425)
+    assert torch.tensor(20.1425).bfloat16().item() == 20.125  # the rounding the fp32 norm avoids
+    clip_grad_norm(params, 1.0)
+    assert _grad_norm(params) == pytest.approx(1.0, abs=2e-6)

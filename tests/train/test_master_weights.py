@@ -205,6 +205,40 @@ def test_state_dict_round_trip_keeps_fp32_and_continues_bit_for_bit(tmp_path):
     assert len(plain2.state) == len(list(resumed.parameters()))
 
 
+def test_a_state_loaded_from_a_live_optimizer_is_not_shared_with_it():
+    """load_state_dict copies the loaded masters and moments: an optimizer loaded from another live optimizer's
+    state_dict() does not share its fp32 masters, so stepping one leaves the other's state (and the weights it
+    writes at its next step) alone. torch.optim.AdamW aliases them; the trainer loads from torch.load either way."""
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    q = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    a, b = MasterWeightAdamW([p], lr=1e-2), MasterWeightAdamW([q], lr=1e-2)
+    p.grad = torch.ones_like(p)
+    a.step()
+    b.load_state_dict(a.state_dict())
+    before = {k: v.clone() for k, v in a.state[p].items()}
+    q.grad = torch.ones_like(q)
+    b.step()
+    for k, v in before.items():
+        assert torch.equal(a.state[p][k], v), k
+        assert a.state[p][k] is not b.state[q][k], k
+
+
+def test_step_runs_a_closure_with_grad_enabled():
+    """step(closure) runs the closure with autograd on (step itself runs under no_grad), as torch optimizers do: a
+    closure that calls backward works, its loss is returned and its gradient is the one stepped on."""
+    w = torch.nn.Parameter(torch.full((3,), 2.0, dtype=torch.bfloat16))
+    opt = MasterWeightAdamW([w], lr=0.1)
+
+    def closure():
+        opt.zero_grad()
+        loss = (w.float() ** 2).sum()
+        loss.backward()
+        return loss
+
+    assert float(opt.step(closure).detach()) == 12.0
+    assert torch.all(w.float() < 2.0)
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_scheduler_lr_is_the_lr_used(fused):
     """The update uses param_groups' lr as the LambdaLR sets it (Adam's first step is lr x sign(g) where
@@ -400,12 +434,15 @@ def test_a_parameter_without_a_gradient_is_left_alone():
 
 def test_master_adamw_refuses_bad_hyperparameters_and_takes_lr_zero():
     """The config checks these first; a Python caller gets the optimizer's own message, not NaN weights (eps=0 on a
-    zero gradient, beta2=1 a bias correction of 0). lr=0 is allowed, as in torch.optim.AdamW."""
+    zero gradient, beta2=1 a bias correction of 0; three betas failed only unpacking them at the first step). lr=0 is
+    allowed, as in torch.optim.AdamW."""
     p = [torch.nn.Parameter(torch.zeros(2))]
     with pytest.raises(ValueError, match="eps=0.0 must be > 0"):
         MasterWeightAdamW(p, eps=0.0)
     with pytest.raises(ValueError, match=r"betas=\(0.9, 1.0\) must be two numbers in \[0, 1\)"):
         MasterWeightAdamW(p, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match=r"betas=\(0.9, 0.99, 0.5\) must be two numbers"):  # not at the first step
+        MasterWeightAdamW(p, betas=(0.9, 0.99, 0.5))
     MasterWeightAdamW(p, lr=0.0)
     with pytest.raises(ValueError, match=r"weight_decay=-0.1 must be >= 0"):  # it grew each weight a step
         MasterWeightAdamW(p, weight_decay=-0.1)
@@ -429,6 +466,30 @@ def test_float32_parameters_are_their_own_master_and_updated_in_place():
     assert "master" in opt.state[lo] and "master" not in opt.state[hi] and opt.master(hi) is hi
     # Adam's second step on a constant gradient moves by ~lr: 5.0 - 0.01, not 0.99 - 0.01
     torch.testing.assert_close(hi.detach(), torch.full((4,), 4.99), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_float16_weights_train_through_fp32_masters(fused):
+    """float16 weights (like bf16 ones) get fp32 masters and their fp16 gradients are cast to fp32 before the
+    update, on both paths: the first AdamW step moves the master by lr (m_hat / sqrt(v_hat) = 1) and the weight is
+    the master rounded (every other test used bf16; fp16 failed with "expected scalar type Float but found Half")."""
+    w = torch.nn.Parameter(torch.ones(5, dtype=torch.float16))
+    opt = MasterWeightAdamW([w], lr=1e-3, fused=fused)
+    w.grad = torch.full((5,), 0.5, dtype=torch.float16)
+    opt.step()
+    m = opt.master(w)
+    assert m.dtype == torch.float32
+    torch.testing.assert_close(m, torch.full((5,), 1 - 1e-3), rtol=0, atol=1e-6)
+    assert torch.equal(w.detach(), m.half())
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_a_float64_parameter_is_refused(fused):
+    """A float64 parameter is refused, naming its dtype and torch.optim.AdamW: it would be updated from fp32
+    gradients and fp32 moments, silently losing its precision."""
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"dtype torch.float64 .*use torch.optim.AdamW"):
+        MasterWeightAdamW([p], fused=fused)
 
 
 def test_a_loaded_master_of_a_now_float32_parameter_is_dropped():

@@ -13,10 +13,10 @@ import logging
 import pytest
 import torch
 
-from chronicals.lora import apply_lora
+from chronicals.lora import apply_lora, lora_plus_param_groups
 from chronicals.train import train
 from chronicals.train.master_adamw import MasterWeightAdamW
-from chronicals.train.optim import build_optimizer, build_scheduler
+from chronicals.train.optim import build_optimizer, build_scheduler, lr_factor, set_total_steps
 
 from train_helpers import SyntheticLoader, tiny_config, tiny_model
 
@@ -56,6 +56,13 @@ def test_constant_schedule_holds_the_peak_after_warmup(tmp_path):
     """schedule.kind=constant keeps the peak lr after warmup (a schedule that always decays would pass a check
     of the warmup alone)."""
     assert _lrs(tmp_path, 8, kind="constant", warmup_steps=2, min_lr_ratio=0.2) == [0.5] + [1.0] * 7
+
+
+def test_a_constant_schedule_without_warmup_is_the_peak_from_the_first_step(tmp_path):
+    """schedule.kind=constant with warmup_steps=0 holds the peak lr from step 0: the constant case must not depend
+    on a warmup (falling through to the decay code, it refused "constant" as an unknown kind at start-up)."""
+    assert [lr_factor(s, 5, 0, "constant", 0.1) for s in range(5)] == [1.0] * 5
+    assert _lrs(tmp_path, 4, kind="constant", warmup_steps=0) == [1.0] * 4
 
 
 @pytest.mark.parametrize("kind", ["cosine", "linear"])
@@ -133,6 +140,30 @@ def test_short_run_warmup_resumes_on_the_same_schedule(tmp_path):
     assert resumed == straight[6:]
 
 
+def test_set_total_steps_replans_every_param_group(tmp_path):
+    """A resume under another run length (train.epochs, grad_accum) replans the lr of every param group, not only
+    the first: a LoRA+ run's lora_B (at ratio x lr) and its other groups follow the new length too. The resume
+    tests read the logged lr, which is group 0's."""
+    cfg = tiny_config(tmp_path, lora__enabled=True, lora__plus_ratio=4.0, optim__lr=1e-3, schedule__kind="linear",
+                      schedule__warmup_steps=1, schedule__min_lr_ratio=0.0)
+    model = tiny_model()
+    apply_lora(model, r=2, alpha=4, target_modules=("q_proj",))
+    opt = build_optimizer(model, cfg, CPU)
+    assert len(opt.param_groups) >= 2
+    base = [g["lr"] for g in opt.param_groups]
+    sched = build_scheduler(opt, cfg, 20, warn=False)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    set_total_steps(sched, cfg, 6)
+    opt.step()
+    sched.step()  # step 4 of a 6-step run
+    want = lr_factor(4, 6, 1, "linear", 0.0)
+    assert want != pytest.approx(lr_factor(4, 20, 1, "linear", 0.0))
+    for g, b in zip(opt.param_groups, base):
+        assert g["lr"] == pytest.approx(b * want, rel=1e-9), g["name"]
+
+
 def _groups(opt) -> dict:
     return {g["name"]: g for g in opt.param_groups}
 
@@ -151,6 +182,16 @@ def test_lora_optimizer_takes_lr_ratio_betas_eps_and_weight_decay_from_the_confi
     assert {k: g["weight_decay"] for k, g in groups.items()} == {"lora_A": 0.1, "lora_B": 0.1, "full": 0.1,
                                                                  "no_decay": 0.0}
     assert all(g["betas"] == (0.8, 0.95) and g["eps"] == 1e-7 for g in groups.values())
+
+
+def test_lora_plus_leaves_empty_groups_out():
+    """lora_plus_param_groups leaves empty groups out (its docstring): adapters on q_proj only and nothing else
+    trainable give exactly the lora_A and lora_B groups, no empty "full" or "no_decay" group."""
+    model = tiny_model()
+    apply_lora(model, r=2, alpha=4, target_modules=("q_proj",))
+    groups = lora_plus_param_groups(model, lr=1e-3)
+    assert [g["name"] for g in groups] == ["lora_A", "lora_B"]
+    assert all(g["params"] for g in groups)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["AdamW", "MasterWeightAdamW"])
@@ -265,7 +306,7 @@ def test_fused_auto_is_off_on_the_cpu(tmp_path):
 
 def test_lora_plus_refuses_a_ratio_or_lr_of_zero():
     """ratio 0 from Python would give every lora_B an lr of 0 (B never trains), lr 0 every group; the config refuses
-    both first."""
+    both first. A NaN or infinite lr or ratio (an inf ratio gives lora_B an lr of inf) is refused too."""
     from chronicals.lora import lora_plus_param_groups
 
     model = tiny_model()
@@ -274,6 +315,7 @@ def test_lora_plus_refuses_a_ratio_or_lr_of_zero():
         lora_plus_param_groups(model, lr=1e-3, ratio=0)
     with pytest.raises(ValueError, match=r"lr=0.0 and ratio=16.0 must be positive"):
         lora_plus_param_groups(model, lr=0.0)
-    for lr, ratio in ((float("nan"), 16.0), (1e-3, float("nan")), (float("inf"), 16.0)):  # NaN weights, no message
+    for lr, ratio in ((float("nan"), 16.0), (1e-3, float("nan")), (float("inf"), 16.0),
+                      (1e-3, float("inf"))):  # NaN weights, no message
         with pytest.raises(ValueError, match=r"must be positive and finite"):
             lora_plus_param_groups(model, lr=lr, ratio=ratio)
