@@ -195,6 +195,23 @@ def test_a_cache_hit_names_the_files_by_this_runs_names(tmp_path, tokenizer):
     assert again.stats.first_errors == [e.replace(str(old), str(new), 1) for e in first.stats.first_errors]
 
 
+def test_a_cache_hit_renames_each_file_by_its_whole_name(tokenizer, tmp_path, caplog):
+    """The entry was written for d/a.jsonl and d/a.jsonl.jsonl (one name a prefix of the other); the same contents
+    read again as e/x.jsonl and e/y.jsonl hit it. The second file's bad record is e/y.jsonl:2: matching old names
+    without their ":" renamed it by the first file's prefix, to "e/x.jsonl.jsonl:2"."""
+    good, bad = [{"text": "one"}, {"text": "two"}], [{"text": "three"}, {"nothing": 1}]
+    d, e = tmp_path / "d", tmp_path / "e"
+    d.mkdir(), e.mkdir()
+    kw = dict(max_seq_len=64, on_error="skip", cache_dir=tmp_path / "cache")
+    first = load_dataset([write_jsonl(d / "a.jsonl", good), write_jsonl(d / "a.jsonl.jsonl", bad)], tokenizer, **kw)
+    assert first.stats.first_errors[0].startswith(f"{d / 'a.jsonl.jsonl'}:2: ")
+    x, y = write_jsonl(e / "x.jsonl", good), write_jsonl(e / "y.jsonl", bad)
+    with caplog.at_level(logging.INFO, logger="chronicals.data"):
+        again = load_dataset([x, y], tokenizer, **kw)
+    assert "loaded 3 documents from cache" in caplog.text
+    assert again.stats.first_errors[0].startswith(f"{y}:2: "), again.stats.first_errors
+
+
 def test_a_cache_entry_damaged_within_its_shape_is_rebuilt(tmp_path, tokenizer, caplog):
     """Zeroed trainable masks (same shape and dtype) passed the entry's checks: a step trained on 0 loss tokens."""
     import logging
@@ -444,3 +461,17 @@ def test_changing_overlong_is_another_cache_entry(tokenizer, tmp_path):
     assert len(split) > 2 and split.stats.split == 1 and split.stats.truncated == 0
     assert (len(dropped), dropped.stats.dropped_overlong, dropped.stats.truncated) == (1, 1, 0)
     assert len(_entries(tmp_path / "cache")) == 3
+
+
+def test_another_format_on_the_same_files_is_another_cache_entry(tokenizer, tmp_path):
+    """format decides how a record reads: {"prompt", "completion", "text"} is prompt/completion under auto and text
+    under format=text, so format is part of the cache key. Without it a format=text run after an auto one loaded
+    the auto entry and trained the completion alone, the prompt masked, though the user asked for the text field."""
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Q: hi", "completion": " A: yo", "text": "something else"}])
+    kw = dict(max_seq_len=64, cache_dir=tmp_path / "cache")
+    auto = load_dataset(p, tokenizer, **kw)
+    text = load_dataset(p, tokenizer, format="text", **kw)
+    fresh = load_dataset(p, tokenizer, max_seq_len=64, format="text")
+    assert not np.array_equal(auto.ids, fresh.ids)
+    assert np.array_equal(text.ids, fresh.ids) and np.array_equal(text.trainable, fresh.trainable)
+    assert len(_entries(tmp_path / "cache")) == 2

@@ -6,6 +6,7 @@ uses SmolLM2's tokenizer, which adds no BOS and appends no eos."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 
@@ -89,6 +90,17 @@ def test_each_spelling_of_the_tag_is_a_marker_and_its_spans_are_the_markers(toke
     ids, mask = encode_chat(tok, TWO_TURNS, markers=True)
     assert trained_spans(tok, ids, mask) == ["<|im_start|>assistant\none<|im_end|>",
                                              "<|im_start|>assistant\ntwo<|im_end|>"]
+
+
+def test_the_markers_are_those_of_the_default_template_of_several():
+    """A tokenizer saved with several templates (additional_chat_templates/) holds a dict, of which
+    apply_chat_template renders "default" (no tools passed): only its markers count. Reading the dict's first
+    template instead took the markers route for a marked "tool_use" listed first (return_assistant_tokens_mask on
+    the unmarked default masks nothing) and missed the default's markers behind an unmarked one."""
+    marked = MARKED.replace("TAG", "{% generation %}")
+    assert not has_generation_markers(SimpleNamespace(chat_template={"tool_use": marked, "default": ROLE_LINES}))
+    assert has_generation_markers(SimpleNamespace(chat_template={"tool_use": ROLE_LINES, "default": marked}))
+    assert not has_generation_markers(SimpleNamespace(chat_template={"tool_use": marked}))  # no default: none
 
 
 @pytest.mark.parametrize("expr, error", [("'{0}{1}'.format(m['content'])", "IndexError"),

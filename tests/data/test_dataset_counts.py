@@ -1,13 +1,16 @@
 """What load_dataset counts and says where a mutation walk found no test: a document of exactly max_seq_len, the
-first record without a loss token, an empty completion under loss on all, and the cause when every one dropped."""
+first record without a loss token, an empty completion under loss on all, the cause when every one dropped, the
+share of cut tokens that makes truncation a warning, and the pad id."""
 from __future__ import annotations
 
 import json
 import logging
+from types import SimpleNamespace
 
 import pytest
 
 from chronicals.data import load_dataset
+from chronicals.data.dataset import LOST_TOKENS_WARN, OPTIONS, DatasetStats, _finish, _pad_id
 from chronicals.data.readers import DataError
 
 
@@ -75,6 +78,19 @@ def test_the_truncated_and_kept_count_leaves_out_those_truncated_to_no_loss(toke
     assert "1 truncated to no loss tokens (dropped)" in line
 
 
+def test_truncation_that_cuts_exactly_the_warning_share_of_tokens_warns(caplog):
+    """The summary turns WARNING (with the advice to raise max_seq_len or split) from LOST_TOKENS_WARN of the data's
+    tokens cut, that share included: 1 of 10 tokens cut warns, 1 of 11 stays INFO. A `>` said exactly 10% at INFO."""
+    assert LOST_TOKENS_WARN == 0.1
+    names = {k: k for k in OPTIONS}
+    with caplog.at_level(logging.INFO, logger="chronicals.data"):
+        _finish(DatasetStats(records=1, documents=1, truncated=1, truncated_tokens=1, tokens=9), "fail", 9, names)
+        _finish(DatasetStats(records=1, documents=1, truncated=1, truncated_tokens=1, tokens=10), "fail", 10, names)
+    at, below = [r for r in caplog.records if "records kept" in r.getMessage()]
+    assert at.levelno == logging.WARNING and "raise max_seq_len to keep more of them" in at.getMessage()
+    assert below.levelno == logging.INFO and "raise max_seq_len" not in below.getMessage()
+
+
 def test_a_skipped_bad_record_keeps_each_files_format_its_own(tokenizer, tmp_path, caplog):
     """Each read record holds its place in the per-file format tally, a bad one too (as no format): else the next
     file's records were counted in this one's, and a clean text file was warned about as mixing text and
@@ -102,3 +118,11 @@ def test_fail_on_a_cache_entry_written_under_skip_names_the_first_bad_record(tok
         load_dataset(p, tokenizer, on_error="fail", **kw)  # a cache hit
     assert len(list((tmp_path / "cache").iterdir())) == 1
     assert str(fresh.value).startswith(f"{p}:2: ") and str(hit.value) == str(fresh.value)
+
+
+def test_the_pad_id_is_the_pad_token_before_eos():
+    """ds.pad_id (collate_rows fills rows with it) is the tokenizer's pad token when it has one, else eos, else 0.
+    SmolLM2's pad is its eos, so preferring eos over a pad token of its own went unseen."""
+    assert _pad_id(SimpleNamespace(pad_token_id=3, eos_token_id=2)) == 3
+    assert _pad_id(SimpleNamespace(pad_token_id=None, eos_token_id=2)) == 2
+    assert _pad_id(SimpleNamespace(pad_token_id=None, eos_token_id=None)) == 0
