@@ -69,6 +69,30 @@ def test_threshold_rounding():
 IMPLS = ["torch", pytest.param("triton", marks=needs_triton)]
 
 
+def _value_at(seed, col):
+    """The 16-bit value of element (0, col), col < 8: half col % 2 of Philox word col // 2 at counter 0, straight
+    from philox_ref (not through the twin's mask)."""
+    z = torch.zeros(1, dtype=torch.int64)
+    w = D.philox_ref(seed.cpu(), z, z)[col // 2]
+    return int((w >> (16 * (col % 2))) & 0xFFFF)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_an_element_whose_value_equals_thr_is_kept(impl):
+    """keep = value >= thr: an element whose 16-bit value equals thr is kept (and scaled), one with thr a step
+    above it is dropped. A random mask hits value == thr for 1 element in 65536, so `>` in the kernel or the
+    twin was caught only by one lucky element of one seed."""
+    seed = torch.tensor([0x1234_5678_9ABC_DEF], dtype=torch.int64)
+    col = next(c for c in range(8) if 0 < _value_at(seed, c) < 65535)
+    v = _value_at(seed, col)
+    at = D.DropDraw(seed.to(DEV), v / 65536, v, 65536.0 / (65536 - v))
+    above = D.DropDraw(seed.to(DEV), (v + 1) / 65536, v + 1, 65536.0 / (65535 - v))
+    assert bool(D.keep_mask(at, 1, 8, DEV, impl=impl)[0, col])
+    assert not bool(D.keep_mask(above, 1, 8, DEV, impl=impl)[0, col])
+    x = torch.ones(1, 8, device=DEV, dtype=torch.float64)
+    assert D.dropped(x, at, impl=impl)[0, col].item() == at.scale
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rows,cols", [(7, 96), (300, 33), (5, 1000)])
@@ -119,6 +143,14 @@ def test_draws_follow_torch_seed():
     a, b = _draw(0.1, 5), _draw(0.1, 5)
     assert torch.equal(a.seed, b.seed) and a.seed.dtype == torch.int64 and a.seed.shape == (1,)
     assert not torch.equal(_draw(0.1, 6).seed, a.seed)
+
+
+def test_draws_use_the_high_32_bits_of_the_seed():
+    """Seeds span [0, 2^62), so the Philox key's high word varies too; drawn below 2^32 there were only 2^32
+    masks, and two draws collided after ~65k of them (birthday bound)."""
+    seeds = [int(_draw(0.1, 0).seed.item())] + [int(D.draw(0.1, DEV).seed.item()) for _ in range(15)]
+    assert all(0 <= s < 2 ** 62 for s in seeds)
+    assert any(s >> 32 for s in seeds)  # all 16 below 2^32 from [0, 2^62): chance 2^-480
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -326,6 +326,17 @@ def test_offer_refuses_a_prefix_of_a_larger_storage():
             recompute.offer(base[:2], lambda: base[:2].clone())
 
 
+def test_offer_refuses_a_transposed_tensor_that_owns_its_storage():
+    """offset 0 and the whole storage are not enough either: a transposed t (strides (1, 4)) would have its saves
+    re-read at its own strides from a contiguous rebuild, i.e. the wrong elements; without the contiguity check
+    offer accepted it."""
+    with recompute.recompute_session():
+        t = torch.randn(4, 3).t()
+        assert t.storage_offset() == 0 and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+        with pytest.raises(ValueError, match="owns its whole storage"):
+            recompute.offer(t, lambda: t.contiguous())
+
+
 def _offered(src):
     """src * 2, offered with its recipe (the tests of the offer table below)."""
     t = src * 2
@@ -347,12 +358,59 @@ def test_rebuilt_value_is_released_after_the_last_unpack():
         torch.testing.assert_close(w.grad, src * 2)
 
 
+def test_the_recipe_runs_once_under_no_grad():
+    """Two nodes saving t share one rebuild (the recipe runs once, not per unpack), and the recipe runs under
+    torch.no_grad() even in a create_graph backward, where grad mode is on."""
+    seen = []
+    src = torch.randn(3, 4)
+
+    def fn():
+        seen.append(torch.is_grad_enabled())
+        return src * 2
+
+    with recompute.recompute_session():
+        t = recompute.offer(src * 2, fn)
+        w1, w2 = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+        loss = (t * w1).sum() + (t * w2).sum()
+    g1, g2 = torch.autograd.grad(loss, [w1, w2], create_graph=True)
+    assert seen == [False]
+    torch.testing.assert_close(g1, src * 2)
+    torch.testing.assert_close(g2, src * 2)
+
+
 def test_rebuilder_matches_dtype_too():
     """a reinterpretation of the offered storage in another dtype is not the offered tensor."""
     with recompute.recompute_session():
         t = _offered(torch.randn(3, 4))
         assert recompute.rebuilder(t) is not None
         assert recompute.rebuilder(t.view(torch.int32)) is None
+
+
+def test_a_save_of_the_storage_in_another_dtype_keeps_its_values():
+    """A node that saves the offered storage viewed as bf16 gets those bf16 values back; it was handed the fp32
+    recipe's output at bf16 geometry, and backward raised from as_strided."""
+    with recompute.recompute_session():
+        t = _offered(torch.randn(3, 4))
+        tb = t.view(torch.bfloat16)  # (3, 8) over the same bytes
+        want = tb.clone()
+        w = torch.randn(3, 8, dtype=torch.bfloat16, requires_grad=True)
+        loss = (tb * w).float().sum()
+    loss.backward()
+    assert torch.equal(w.grad, want)
+
+
+def test_a_sparse_save_passes_through_while_an_offer_is_open():
+    """With an offer in the table, a node that saves a sparse tensor (torch.sparse.mm) still works: it has no
+    strided storage to look up (the lookup raised NotImplementedError from SparseTensorImpl)."""
+    with recompute.recompute_session():
+        t = _offered(torch.randn(3, 4))  # kept alive: the offer stays
+        assert recompute._offers
+        s = torch.randn(3, 3).to_sparse()
+        w = torch.randn(3, 2, requires_grad=True)
+        loss = torch.sparse.mm(s, w).sum()
+    loss.backward()
+    torch.testing.assert_close(w.grad, s.to_dense().t() @ torch.ones(3, 2))
+    del t
 
 
 def test_inner_session_exit_keeps_the_outer_sessions_offers():
@@ -371,6 +429,25 @@ def test_closing_the_session_clears_offers_of_live_tensors():
         assert recompute._offers
     assert not recompute._offers
     del t
+
+
+def test_offers_outside_an_enabled_session_are_ignored():
+    """offer is a no-op outside a session and in recompute_session(enabled=False) (not active either): nothing is
+    registered, so a later session's saves of t keep t itself. An offer that stayed in the table had a later
+    session's save of t rebuilt by that stale recipe (wrong gradients)."""
+    src = torch.randn(3, 4)
+    t = src * 2
+    assert recompute.offer(t, lambda: torch.zeros(3, 4)) is t
+    assert not recompute._offers
+    with recompute.recompute_session(enabled=False):
+        assert not recompute.is_active()
+        assert recompute.offer(t, lambda: torch.zeros(3, 4)) is t
+        assert not recompute._offers
+    w = torch.randn(3, 4, requires_grad=True)
+    with recompute.recompute_session():
+        loss = (t * w).sum()
+    loss.backward()
+    torch.testing.assert_close(w.grad, src * 2)
 
 
 def test_a_stale_finalizer_does_not_drop_a_newer_offer_of_the_same_storage():
@@ -396,6 +473,21 @@ def test_in_place_change_of_a_recipe_list_input_raises():
         a.add_(1.0)
         with pytest.raises(RuntimeError, match="modified by an in-place operation"):
             loss.backward()
+
+
+@pytest.mark.parametrize("held", ["partial keyword", "closure"])
+def test_in_place_change_of_a_keyword_or_closure_input_raises(held):
+    """partial(torch.mul, a, other=b) holds b as a keyword argument, and a lambda holds b in a closure cell; both
+    are version-checked like positional arguments (without it the rebuild silently used the changed b)."""
+    with recompute.recompute_session():
+        a, b = torch.randn(3, 4), torch.randn(3, 4)
+        fn = functools.partial(torch.mul, a, other=b) if held == "partial keyword" else (lambda: a * b)
+        t = recompute.offer(a * b, fn)
+        w = torch.randn(3, 4, requires_grad=True)
+        loss = (t * w).sum()
+    b.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an in-place operation"):
+        loss.backward()
 
 
 def test_a_saved_view_with_an_offset_is_rebuilt_at_its_offset():

@@ -193,6 +193,35 @@ def test_wide_rows_loop_over_blocks():
     torch.testing.assert_close(rms_norm(x, w, 1e-6, impl="triton"), rms_norm_ref(x, w, 1e-6), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("hidden", [96, 2 * 1024 + 3])  # one block, and (interpreter) looped column blocks
+def test_eps_is_added_inside_the_rsqrt(hidden):
+    """rstd = rsqrt(mean(x^2) + eps), in the one-block and the looped forward, for large eps and small x, and an
+    all-zero row gives 0, not NaN. With the grid's eps = 1e-6 and |x| ~ 1, a dropped eps (or one added outside
+    the rsqrt) moved y by ~1e-6 relative, inside the tolerance."""
+    g = torch.Generator().manual_seed(hidden)
+    x = 0.05 * torch.randn(3, hidden, generator=g)
+    x[1] = 0.0
+    x = x.to(DEV)
+    w = (1 + 0.3 * torch.randn(hidden, generator=g)).to(DEV)
+    for eps in (1e-2, 0.5):
+        y = rms_norm(x, w, eps, impl="triton")
+        assert torch.isfinite(y).all()
+        torch.testing.assert_close(y, rms_norm_ref(x, w, eps), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("hidden", [96, 2 * 1024 + 3])
+def test_residual_output_normalizes_the_stored_stream(hidden, dtype):
+    """With a residual, y normalizes the stream s as stored (x + r rounded to x's dtype), like the reference: y
+    equals rms_norm(s) bit for bit. Normalizing the unrounded fp32 sum moved some outputs by an ulp, which the
+    reference grid's tolerance let through (only the recompute apply kernel's bit check noticed)."""
+    g = torch.Generator().manual_seed(hidden + 7)
+    x, r = (torch.randn(5, hidden, generator=g).to(dtype).to(DEV) for _ in range(2))
+    w = (1 + 0.3 * torch.randn(hidden, generator=g)).to(dtype).to(DEV)
+    y, s = rms_norm(x, w, 1e-6, residual=r, impl="triton")
+    assert torch.equal(y, rms_norm(s, w, 1e-6, impl="triton"))
+
+
 def _graph_targets(fn, *args):
     """The call targets of the graph Dynamo captures for ``fn`` (fullgraph), to see which door it took."""
     targets = []

@@ -106,6 +106,25 @@ def test_cos_contiguous_and_sin_broadcast_over_the_batch():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("d,r", [(16, 16), (20, 12)])
+def test_cos_and_sin_with_unequal_halves_match_the_reference(d, r):
+    """rope_qk takes any (B, S, R) cos/sin and rotates with both halves of each, like rope_qk_ref, forward and
+    backward, full and partial rotary. rope_cos_sin builds equal halves, so a kernel that read the first half of
+    cos or sin twice (or swapped the halves in backward) passed every other test."""
+    g = torch.Generator().manual_seed(d + r)
+    q = torch.randn(2, 5, 3, d, generator=g).to(DEV).requires_grad_()
+    k = torch.randn(2, 5, 1, d, generator=g).to(DEV).requires_grad_()
+    cos, sin = (torch.randn(2, 5, r, generator=g).to(DEV) for _ in range(2))
+    ours, ref = rope_qk(q, k, cos, sin, impl="triton"), rope_qk_ref(q, k, cos, sin)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b)
+    w = [torch.randn(t.shape, generator=g).to(DEV) for t in ref]
+    got = torch.autograd.grad(sum((a * b).sum() for a, b in zip(ours, w)), [q, k])
+    want = torch.autograd.grad(sum((a * b).sum() for a, b in zip(ref, w)), [q, k])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_zero_rotary_dims_leave_q_and_k_unchanged(impl):
     """R = 0 passes the argument checks (even, <= D): every dim passes through, forward and backward. The launcher's

@@ -94,6 +94,23 @@ def test_a_column_major_dy_gives_the_references_d_gu():
 
 
 @needs_triton
+def test_a_row_strided_dy_gives_the_references_d_gu():
+    """dy may arrive row-strided: when y feeds torch.cat, cat's backward hands y a column slice of the upstream
+    gradient (row stride 49 here). The backward kernel reads dy at its own row stride; read at I, d_gu was
+    garbage (every other dy in these tests is contiguous)."""
+    g = torch.Generator().manual_seed(0)
+    gu0 = torch.randn(6, 2 * 40, generator=g, dtype=torch.float64).to(DEV)
+    other = torch.randn(6, 9, generator=g, dtype=torch.float64).to(DEV)
+    up = torch.randn(6, 49, generator=g, dtype=torch.float64).to(DEV)
+    grads = []
+    for fn in (lambda t: swiglu_gate_up(t, impl="triton"), swiglu_gate_up_ref):
+        gu = gu0.clone().requires_grad_()
+        (d_gu,) = torch.autograd.grad(torch.cat([fn(gu), other], dim=-1), [gu], up)
+        grads.append(d_gu)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)  # the kernel computes in fp32
+
+
+@needs_triton
 @pytest.mark.parametrize("i", [5, 130, 1031])
 @pytest.mark.parametrize("rows", [1, 7, 33])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
