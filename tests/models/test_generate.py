@@ -129,6 +129,13 @@ def test_takes_a_tokenizer_output_for_one_prompt(tiny_hf_config):
         generate(model, [[5, 6], [7]], 4)
     with pytest.raises(TypeError, match=r"got ndarray"):
         generate(model, ids.numpy(), 4)
+    # ids that are not integers are refused, not read as ids: a list of floats was cut to ints (5.9 -> 5), bools
+    # read as 1 and 0
+    for bad, dtype in (([5.9, 6.2, 7.7], "torch.float32"), ([True, False], "torch.bool"),
+                       (ids.float(), "torch.float32"), (ids.bool(), "torch.bool")):
+        with pytest.raises(TypeError, match=rf"integer token ids, got {dtype} ones"):
+            generate(model, bad, 4)
+    assert generate(model, ids.int(), 4).tolist() == generate(model, ids, 4).tolist()
 
 
 def test_takes_an_unbatched_tokenizer_output_as_one_prompt(tiny_hf_config):

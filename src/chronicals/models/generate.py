@@ -185,7 +185,7 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
                         "text) for a chat model's answer")
     elif isinstance(input_ids, (list, tuple)):  # a tokenizer's plain ids (apply_chat_template's default return)
         try:
-            input_ids = torch.tensor(input_ids, dtype=torch.long)
+            input_ids = torch.tensor(input_ids)  # its own dtype, checked below: dtype=long cut 5.9 to 5 silently
         except (TypeError, ValueError, RuntimeError) as e:  # ragged rows, strings in the list
             raise TypeError(f"generate takes token ids (a tensor or a list of ints), got a list it cannot read as "
                             f"ids ({e})") from None
@@ -197,6 +197,9 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
         raise ValueError(f"generate takes one prompt, input_ids (S,) or (1, S) with S >= 1, got shape "
                          f"{tuple(input_ids.shape)}; call it once per prompt (an empty prompt: start it with the "
                          "tokenizer's bos_token_id)")
+    if input_ids.dtype == torch.bool or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex:
+        raise TypeError(f"generate takes integer token ids, got {input_ids.dtype} ones (e.g. "
+                        f"{input_ids.view(-1)[0].item()}); pass the tokenizer's ids as they are, not scores or a mask")
     if not 0 <= temperature < float("inf"):  # NaN too
         raise ValueError(f"generate: temperature={temperature} must be a finite number >= 0 (0 = greedy decoding)")
     if not 0 < top_p <= 1:
