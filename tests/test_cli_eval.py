@@ -20,8 +20,9 @@ import torch
 
 from chronicals import load_model, save_model
 from chronicals.cli import main
-from chronicals.config import DEMO_SYSTEM_PROMPT
+from chronicals.config import DEMO_SYSTEM_PROMPT, DataSection
 from chronicals.data import PackedLoader, load_dataset
+from chronicals.evaluate import evaluate, heldout_loader
 from chronicals.models import CausalLM, ModelConfig
 from chronicals.train.qa import answer_many, demo_file
 from chronicals.train.step import evaluate_loss
@@ -159,6 +160,7 @@ def test_a_question_answer_file_gets_the_keyword_accuracy_of_greedy_answers(tiny
     assert got["examples"] == 3 and got["loss_tokens"] > 0
     limited = _eval(["--model", parrot, qa_file, "--max-new-tokens", "6", "--qa-limit", str(right + 1)], tmp_path)
     assert (limited["qa"]["total"], limited["qa"]["correct"]) == (right + 1, 1) and limited["loss"] == got["loss"]
+    assert [x["question"] for x in limited["qa"]["answers"]] == questions[:right + 1]  # the first, not the last
     # the answers depend on these: the file says them (a generation walk)
     assert (got["max_new_tokens"], got["qa_limit"]) == (6, 0) and limited["qa_limit"] == right + 1
     demo = _eval(["--model", tiny_base, "demo", "--max-new-tokens", "2", "--qa-limit", "2"], tmp_path)
@@ -376,6 +378,28 @@ def test_eval_refuses_token_ids_past_the_models_vocabulary(tmp_path, capsys):
     assert main(["eval", "--model", str(small), str(data), "--device", "cpu", "--cache-dir", "none"]) == 3
     err = capsys.readouterr().err
     assert "holds token id" in err and "vocabulary has 1000 entries" in err
+
+
+def test_evaluate_refuses_a_token_id_equal_to_the_vocabulary_size(tmp_path):
+    """An id equal to the model's vocabulary size (one past its last embedding row) is evaluate's ValueError naming
+    the data and the id, before any forward pass, not the model's own IndexError; one row more and it runs."""
+    import transformers
+
+    tok = smollm2_tokenizer()
+    f = tmp_path / "t.jsonl"
+    f.write_text(json.dumps({"text": "Paris is the capital of France."}) + "\n")
+    data = DataSection(path=str(f), format="text", train_on="all", max_seq_len=64, cache_dir="none")
+    top = int(heldout_loader(data, tok, tmp_path / "w")[0].dataset.ids.max())
+
+    def model(vocab):
+        hf = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      tie_word_embeddings=True, eos_token_id=0)
+        return CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0)
+
+    with pytest.raises(ValueError, match=rf"holds token id {top}, but the model's vocabulary has {top} entries"):
+        evaluate(model(top), tok, data, CPU)
+    assert evaluate(model(top + 1), tok, data, CPU).loss_tokens > 0
 
 
 def test_json_writes_null_for_a_non_finite_loss(tiny_base, data_file, tmp_path, monkeypatch):

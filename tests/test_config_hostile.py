@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from chronicals.cli import main
-from chronicals.config import MAX_ROW_TOKENS, load_config
+from chronicals.config import MAX_ROW_TOKENS, from_dict, load_config
 
 
 @pytest.mark.parametrize("value", ["[1", "@x", "%x", "`x", "*x"])
@@ -129,6 +129,21 @@ def test_boolean_keys_take_1_and_0_as_bool_words_says(tmp_path):
     assert load_config(None, ["model.checkpointing=1"]).model.checkpointing is True
     with pytest.raises(ValueError, match=r"lora\.enabled=2 is invalid: expected true or false"):
         load_config(None, ["lora.enabled=2"])
+
+
+def test_a_number_key_refuses_a_boolean(tmp_path):
+    """A float key refuses a boolean: optim.lr=true on the command line, lr: yes in a file and a dict's False fail as
+    "expected a number" naming where the value came from (float(True) made the learning rate 1.0); an integer is
+    still a number."""
+    with pytest.raises(ValueError, match=r"^command line: config optim\.lr=True is invalid: expected a number"):
+        load_config(None, ["optim.lr=true"])
+    f = tmp_path / "c.yaml"
+    f.write_text("optim:\n  lr: yes\n")
+    with pytest.raises(ValueError, match=rf"^{f}:2: config optim\.lr=.* is invalid: expected a number"):
+        load_config(f)
+    with pytest.raises(ValueError, match=r"lora\.dropout=.* is invalid: expected a number"):
+        from_dict({"lora": {"dropout": False}})
+    assert load_config(None, ["optim.lr=1"]).optim.lr == 1.0
 
 
 def test_a_config_that_cannot_be_read_is_a_config_error(tmp_path, monkeypatch, capsys):

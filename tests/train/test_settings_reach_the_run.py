@@ -68,6 +68,39 @@ def test_the_demo_training_copy_carries_the_system_prompt_the_questions_are_aske
     assert heldout_system_prompt(cfg.data) == cfg.data.system_prompt
 
 
+def test_a_system_prompt_is_said_to_do_nothing_only_beside_ones_own_records(tmp_path, caplog):
+    """data.system_prompt set to another text is warned to have no effect on the user's own training records, but
+    not beside the demo data, whose training copy is written with it (demo users were told it did nothing)."""
+    import logging
+
+    from chronicals.train.setup import data_files
+
+    cfg = tiny_config(tmp_path, data__path="demo", data__system_prompt="Answer in French.")
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        train_files, _, _ = data_files(cfg, tmp_path / "run")
+    assert "has no effect" not in caplog.text, caplog.text
+    first = json.loads(train_files[0].read_text().splitlines()[0])["messages"][0]
+    assert first == {"role": "system", "content": "Answer in French."}
+    own = tmp_path / "own.jsonl"
+    own.write_text('{"text": "hello"}\n')
+    cfg = tiny_config(tmp_path, data__path=str(own), data__eval_path="", data__system_prompt="Answer in French.")
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        data_files(cfg, tmp_path / "run2")
+    assert "data.system_prompt='Answer in French.' has no effect on your training records" in caplog.text
+
+
+def test_a_directory_at_the_demo_copys_path_is_refused_with_the_fix(tmp_path):
+    """A directory where a run writes its copy of the demo (out_dir/data/train.jsonl) is refused naming the fix
+    (move it away or set another train.out_dir), not a bare '[Errno 21] Is a directory' from the write."""
+    from chronicals.train.setup import data_files
+
+    out = tmp_path / "run"
+    (out / "data" / "train.jsonl").mkdir(parents=True)
+    with pytest.raises(IsADirectoryError, match=r"train.jsonl is a directory: a run writes its copy of the data to "
+                                                r"that file; move it away or set another train.out_dir"):
+        data_files(tiny_config(tmp_path, data__path="demo"), out)
+
+
 def test_a_passed_models_adapters_under_another_dropout_are_refused(tmp_path):
     """A model passed with adapters of dropout 0 under a config asking lora.dropout=0.1 is refused, not trained
     silently without the dropout asked for."""
@@ -136,6 +169,16 @@ def test_train_seed_sets_the_training_batch_order(tmp_path):
     assert order(3) == order(3) and order(3) != order(4)
 
 
+def test_data_num_proc_zero_reaches_load_dataset_as_auto():
+    """data.num_proc=0 is "auto" (one process below 8 MB of data files, else up to 8): the trainer and chronicals
+    eval pass load_dataset num_proc=None for it; 0 reads there as one process whatever the data's size."""
+    from chronicals.config import DataSection
+    from chronicals.train.setup import _dataset_options
+
+    assert _dataset_options(DataSection())["num_proc"] is None
+    assert _dataset_options(DataSection(num_proc=3))["num_proc"] == 3
+
+
 def test_lora_group_false_gives_separate_adapters(tmp_path):
     """lora.group=false runs the projections as separate adapters."""
     from chronicals.train.setup import prepare_model
@@ -158,6 +201,40 @@ def test_model_loss_vocab_parts_and_attention_reach_the_model(tmp_path):
     assert model.opts.attention == "flash"
 
 
+def test_a_passed_model_takes_the_runs_impl_dtype_recompute_and_training_mode(tmp_path):
+    """prepare_model sets on a model passed to train() what the config asks, not what the model came with:
+    model.impl; the run's dtype as well as its device (adapters included); model.gate_up_layers beside gate_up in
+    model.recompute (without it, 0: every layer rebuilds gate|up); and training mode (load_model returns a model in
+    eval mode, so LoRA dropout and any other dropout were off for the whole run without a word)."""
+    from chronicals.train.setup import prepare_model
+
+    model = tiny_model(dtype=torch.float32).set_impl("triton").eval()
+    cfg = tiny_config(tmp_path, model__impl="torch", model__dtype="float64", model__recompute=["norm", "gate_up"],
+                      model__gate_up_layers=1, **dict(LORA, lora__dropout=0.1))
+    prepare_model(model, cfg, torch.device("cpu"), torch.float64)
+    assert model.opts.impl == "torch"
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    assert any("lora_A" in n for n, _ in model.named_parameters())
+    assert model.opts.gate_up_layers == 1 and "gate_up" in model.opts.recompute
+    assert model.training and all(m.training for m in model.modules())
+
+
+def test_full_fine_tuning_warns_only_of_the_lora_keys_set(tmp_path, caplog):
+    """Full fine-tuning (lora.enabled=false) names the lora.* keys set away from their defaults, and only those:
+    lora.enabled itself is never listed (the warning fired on every full fine-tuning run)."""
+    import logging
+
+    from chronicals.train.setup import prepare_model
+
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        prepare_model(tiny_model(), tiny_config(tmp_path), torch.device("cpu"), torch.float32)
+    assert "but lora.enabled=false" not in caplog.text, caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        prepare_model(tiny_model(), tiny_config(tmp_path, lora__rank=4), torch.device("cpu"), torch.float32)
+    assert "lora.rank set, but lora.enabled=false: full fine-tuning" in caplog.text, caplog.text
+
+
 def test_model_dtype_auto_is_float32_on_cpu_and_bfloat16_on_cuda():
     """model.dtype=auto: bf16 weights on CUDA, fp32 on CPU (bf16 matmuls are slow there, fp64 doubles the memory);
     any other value is the torch dtype of that name."""
@@ -167,6 +244,27 @@ def test_model_dtype_auto_is_float32_on_cpu_and_bfloat16_on_cuda():
     assert resolve_dtype("auto", torch.device("cuda")) is torch.bfloat16
     assert resolve_dtype("float64", torch.device("cpu")) is torch.float64
     assert resolve_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16
+
+
+def test_model_device_follows_the_visible_cuda_devices(monkeypatch):
+    """model.device=auto (and eval/chat --device auto) is CUDA whenever a CUDA device is visible, else the CPU;
+    cuda or cuda:0 with none visible is a ConfigError naming the setting and the fix, not a device that fails at the
+    first move. The suite runs on CPU machines, where an auto that always answered cpu passed every other test."""
+    from chronicals.config import ConfigError
+    from chronicals.train.setup import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert resolve_device("auto") == torch.device("cpu")
+    for name in ("cuda", "cuda:0"):
+        with pytest.raises(ConfigError, match=rf"^model.device={name} but no CUDA device is visible; "
+                                              r"use model.device=cpu$"):
+            resolve_device(name)
+    with pytest.raises(ConfigError, match=r"^--device=cuda but no CUDA device is visible; use --device=cpu$") as e:
+        resolve_device("cuda", key="--device")
+    assert e.value.key == "--device"
 
 
 def test_a_failed_setup_keeps_an_out_dir_that_was_there_empty(tmp_path):
