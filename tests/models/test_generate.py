@@ -53,6 +53,17 @@ def test_stops_at_the_sliding_window(tiny_hf_config, caplog, monkeypatch, prompt
     assert "sliding_window=12" in caplog.text
 
 
+def test_no_new_token_is_an_empty_tensor_of_ids(tiny_hf_config, monkeypatch):
+    """max_new_tokens=0, and a prompt that fills a sliding window, give an empty int64 tensor as a non-empty answer
+    is: an empty float32 one made torch.cat([prompt, answer]) float, no longer token ids."""
+    monkeypatch.setattr(generate_mod, "_warned", set())
+    model = _model(tiny_hf_config, "mistral", sliding_window=12)
+    for ids, n in ((torch.tensor([5, 6, 7]), 0), (torch.arange(3, 15), 4)):
+        out = generate(model, ids, n)
+        assert out.dtype == torch.long and out.shape == (0,)
+        assert torch.cat([ids, out]).dtype == torch.long
+
+
 def test_restores_each_module_mode(tiny_hf_config):
     """A training model with a module left in eval mode (its LoRA dropout off) came back with every module in
     training mode: generate restored model.train(True) over the whole tree."""
@@ -75,6 +86,18 @@ def test_decoding_runs_every_module_in_eval_mode(tiny_hf_config):
     greedy_rows(model, torch.tensor([[5, 6, 7], [8, 9, 10]]), 2, set())
     assert seen and not any(seen)
     assert all(m.training for m in model.modules())
+
+
+def test_the_decoding_choice_is_logged_once_per_process(tiny_hf_config, caplog, monkeypatch):
+    """The INFO line saying eager or CUDA-graph decoding is said once per (choice, device), not at every chat turn
+    or every batch of eval's answers."""
+    monkeypatch.setattr(generate_mod, "_logged", set())
+    caplog.set_level("INFO", logger="chronicals.generate")
+    model = _model(tiny_hf_config)
+    for _ in range(3):
+        generate(model, torch.tensor([5, 6]), 2)
+    greedy_rows(model, torch.tensor([[5, 6]]), 2, set())
+    assert caplog.text.count("generate: eager decoding on cpu") == 1, caplog.text
 
 
 def test_a_negative_temperature_is_refused_and_a_tensor_eos_stops(tiny_hf_config):
@@ -105,17 +128,19 @@ def test_by_default_generate_stops_at_the_models_own_eos(tiny_hf_config):
 
 def test_takes_a_tokenizer_output_for_one_prompt(tiny_hf_config):
     """apply_chat_template(..., return_tensors="pt") returns a BatchEncoding in transformers 5: generate failed on
-    it with AttributeError ('dim'). A padded one is refused: its zeros would be read as prompt tokens."""
+    it with AttributeError ('dim'). A padded one (left or right) is refused: its pad ids would be read as prompt
+    tokens."""
     from transformers import BatchEncoding
 
     model = _model(tiny_hf_config)
     ids = torch.randint(3, 97, (1, 7), generator=torch.Generator().manual_seed(2))
     enc = BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     assert generate(model, enc, 4).tolist() == generate(model, ids, 4).tolist()
-    mask = torch.ones_like(ids)
-    mask[0, :2] = 0
-    with pytest.raises(ValueError, match="one unpadded prompt, and this one's attention_mask has zeros"):
-        generate(model, BatchEncoding({"input_ids": ids, "attention_mask": mask}), 4)
+    for pad in (slice(None, 2), slice(-2, None)):  # left padding, and right (a mask read by its first column passed)
+        mask = torch.ones_like(ids)
+        mask[0, pad] = 0
+        with pytest.raises(ValueError, match="one unpadded prompt, and this one's attention_mask has zeros"):
+            generate(model, BatchEncoding({"input_ids": ids, "attention_mask": mask}), 4)
     with pytest.raises(ValueError, match="one prompt, and this tokenizer output holds 2"):  # ragged: no tensor
         generate(model, BatchEncoding({"input_ids": [[5, 6], [7]]}), 4)
     assert generate(model, BatchEncoding({"input_ids": [ids[0].tolist()]}), 4).tolist() == generate(model, ids, 4).tolist()
@@ -196,6 +221,48 @@ def test_top_p_samples_only_from_the_nucleus(tiny_hf_config):
             generate(model, ids, 4, temperature=1.0, top_p=bad)
 
 
+def _fixed_logits_model(tiny_hf_config, logits):
+    """A tiny qwen3 model whose next-token logits are always ``logits`` for the first tokens and -1e4 for the rest
+    (lm_head: weight 0, bias the logits)."""
+    model = _model(tiny_hf_config)
+    v, h = model.lm_head.weight.shape
+    head = torch.nn.Linear(h, v, bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.fill_(-1e4)
+        head.bias[:len(logits)] = torch.tensor(logits)
+    model.lm_head = head
+    return model
+
+
+@pytest.fixture
+def draws(monkeypatch):
+    """The probability vectors generate hands torch.multinomial."""
+    seen, real = [], torch.multinomial
+
+    def spy(probs, n, **kw):
+        seen.append(probs.detach().clone())
+        return real(probs, n, **kw)
+
+    monkeypatch.setattr(torch, "multinomial", spy)
+    return seen
+
+
+@pytest.mark.parametrize("logits, top_p, kept", [([0.0, 0.0], 0.5, 1),
+                                                 ([0.0, float(np.log(0.004 / 0.996))], 0.995, 1),
+                                                 ([0.0, float(np.log(0.004 / 0.996))], 0.999, 2)],
+                         ids=["tie_at_top_p", "top_p_0.995", "top_p_0.999"])
+def test_the_nucleus_ends_at_the_token_that_reaches_top_p(tiny_hf_config, draws, logits, top_p, kept):
+    """A token stays in the nucleus while the mass of the likelier ones is BELOW top_p: two tied tokens (0.5 each)
+    at top_p=0.5 give one token (keeping the second too made it two), and ~0.996 / ~0.004 give one token at
+    top_p=0.995 and both at 0.999 (any top_p < 1 cuts, not only ones well below 1)."""
+    model = _fixed_logits_model(tiny_hf_config, logits)
+    generate(model, torch.tensor([5, 6, 7]), 1, temperature=1.0, top_p=top_p, eos_token_id=[],
+             generator=torch.Generator().manual_seed(0))
+    (p,) = draws
+    assert int((p > 0).sum()) == kept, p[:3]
+
+
 def test_a_streamer_gets_each_token_as_picked_and_one_end(tiny_hf_config):
     """generate(streamer=...) puts the prompt as a (1, S) tensor, then every new token, as a (1,) tensor, in order,
     then calls end() once, also when no token is asked for: transformers' protocol, so TextStreamer(skip_prompt=
@@ -258,6 +325,26 @@ def test_a_temperature_near_zero_samples_the_greedy_tokens(tiny_hf_config, t):
     assert torch.equal(generate(model, ids, 6, temperature=t, generator=torch.Generator().manual_seed(1)), greedy)
 
 
+def test_a_temperature_below_the_sharpest_samples_among_the_ties(tiny_hf_config, draws):
+    """A temperature above 0 but below SHARPEST_TEMPERATURE samples as SHARPEST_TEMPERATURE does (the module's
+    comment): from the tied largest logits, by the generator, not always the argmax's first of them."""
+    model = _fixed_logits_model(tiny_hf_config, [0.0, 0.0, 0.0, -1.0])
+    got = {int(generate(model, torch.tensor([5, 6, 7]), 1, temperature=1e-40, eos_token_id=[],
+                        generator=torch.Generator().manual_seed(s))[0]) for s in range(20)}
+    assert got == {0, 1, 2} and len(draws) == 20
+
+
+def test_a_greedy_sharp_temperature_over_huge_logits_stays_finite(tiny_hf_config, draws):
+    """Sampling divides (logits - max) by the temperature: at SHARPEST_TEMPERATURE logits as large as 1e9 (an
+    unnormalised head) give the greedy token, where logits / 1e-30 gave inf / inf = NaN probabilities that
+    torch.multinomial refuses."""
+    model = _fixed_logits_model(tiny_hf_config, [1e9, 0.0, -1e9])
+    out = generate(model, torch.tensor([5, 6, 7]), 2, temperature=1e-30, eos_token_id=[],
+                   generator=torch.Generator().manual_seed(0))
+    assert out.tolist() == [0, 0]
+    assert all(bool(torch.isfinite(p).all()) for p in draws)
+
+
 @pytest.mark.parametrize("t", [float("inf"), float("nan"), -1.0])
 def test_a_temperature_that_is_not_a_finite_number_is_refused(tiny_hf_config, t):
     with pytest.raises(ValueError, match="must be a finite number >= 0"):
@@ -279,6 +366,15 @@ def test_max_new_tokens_must_be_a_whole_number(model, n):
         greedy_rows(model, ids[None], n, set())
 
 
+def test_max_new_tokens_may_be_a_numpy_integer(model):
+    """A whole number of any integer kind (numpy's, as read from an array or a config) is a max_new_tokens, in
+    generate and greedy_rows alike, not only a Python int."""
+    ids = torch.tensor([5, 6, 7])
+    want = generate(model, ids, 3, eos_token_id=[]).tolist()
+    assert generate(model, ids, np.int64(3), eos_token_id=[]).tolist() == want
+    assert greedy_rows(model, ids[None], np.int32(3), set()) == [want]
+
+
 def test_greedy_rows_refuses_prompts_of_no_tokens(model):
     """(B, 0) ids get the ValueError that says what greedy_rows takes, as generate's empty prompt does, not an
     IndexError from deep inside the model."""
@@ -297,6 +393,25 @@ def test_greedy_rows_never_feeds_its_last_token(model):
         forwards.clear()
         assert [len(row) for row in greedy_rows(model, ids, n, set())] == [n, n]
         assert len(forwards) == n, forwards
+
+
+def test_greedy_rows_with_no_token_to_generate_runs_no_forward(tiny_hf_config, monkeypatch):
+    """max_new_tokens=0, or prompts that fill (or pass) a sliding window, give B empty answers without running the
+    model: a 14-token prefill on a 12-token window is refused by the model, which ended eval's QA answers."""
+    monkeypatch.setattr(generate_mod, "_warned", set())
+    model = _model(tiny_hf_config, "mistral", sliding_window=12)
+    forwards = []
+    model.lm_head.register_forward_hook(lambda mod, args, out: forwards.append(out.shape))
+    assert greedy_rows(model, torch.tensor([[5, 6, 7], [8, 9, 10]]), 0, set()) == [[], []]
+    ids = torch.randint(3, 97, (2, 14), generator=torch.Generator().manual_seed(0))
+    assert greedy_rows(model, ids, 4, set()) == [[], []]
+    assert forwards == []
+
+
+def test_greedy_rows_refuses_cuda_graph_true_on_a_cpu_model(model):
+    """greedy_rows(cuda_graph=True) on a CPU model gets generate's ValueError, not silently eager decoding."""
+    with pytest.raises(ValueError, match=r"cuda_graph=True\) needs a model on CUDA, and this one is on cpu"):
+        greedy_rows(model, torch.tensor([[5, 6, 7]]), 4, set(), cuda_graph=True)
 
 
 def test_temperature_zero_takes_the_first_tied_token_and_draws_nothing(model):

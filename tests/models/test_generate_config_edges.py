@@ -3,13 +3,14 @@ at the last dimension, FLOPs per token), where a mutation walk found no test."""
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 
 import pytest
 import torch
 
 from chronicals.models import CausalLM, ModelConfig
-from chronicals.models.generate import generate, new_token_budget
+from chronicals.models.generate import generate, new_token_budget, stop_ids
 
 generate_mod = importlib.import_module("chronicals.models.generate")  # the package's name is the function
 
@@ -54,6 +55,17 @@ def test_a_bool_eos_is_refused(tiny_hf_config, eos):
     model = _model(tiny_hf_config)
     with pytest.raises(ValueError, match="give a token id or a list of token ids"):
         generate(model, torch.tensor([5, 6, 7]), 2, eos_token_id=eos)
+
+
+@pytest.mark.parametrize("eos", [2.5, "</s>", [4, "x"]])
+def test_a_generation_config_eos_that_is_no_id_is_skipped(tiny_hf_config, eos):
+    """generation_config.json's eos_token_id that is not an id or ids (a float, a string, a mixed list) is skipped,
+    as an unreadable file is (transformers names that file when it loads it), leaving config.json's eos: a float
+    raised a TypeError out of chat and eval."""
+    model = _model(tiny_hf_config)
+    model.config.eos_token_id = 3
+    model.source_generation_config = json.dumps({"eos_token_id": eos}).encode()
+    assert stop_ids(model, None) == {3}
 
 
 def test_qwen_use_sliding_window_without_max_window_layers_takes_transformers_28():

@@ -112,6 +112,19 @@ def test_a_file_without_tokens_is_named(tmp_path):
                           "metadata is damaged)"), why
 
 
+def test_an_unreadable_file_is_named_and_logged_not_raised(tmp_path, caplog):
+    """convert_tokenizer without a reader (the cache's tokenizer retry) parses the file itself: a truncated .gguf,
+    whatever gguf's reader raises (an IndexError here), is (None, why) naming the file as damaged, not an exception,
+    and that why is logged as a warning."""
+    path = tmp_path / "cut.gguf"
+    write_gguf(path, "llama", hf_model("llama", vocab_size=_BPE_VOCAB), extra=_bpe_tokenizer_metadata)
+    path.write_bytes(path.read_bytes()[:200])
+    caplog.set_level("WARNING", logger="chronicals.models.gguf_tokenizer")
+    tok, why = convert_tokenizer(path)
+    assert tok is None and why.startswith(f"{path}: its tokenizer metadata") and "the file's metadata is damaged" in why
+    assert why in caplog.text
+
+
 def test_byte_level_text_decodes_beside_a_token_outside_the_byte_alphabet(tmp_path):
     """A special token added to a byte-level tokenizer (DeepSeek's '<｜end▁of▁sentence｜>', as a chat template
     brings it): transformers 5.17's decoder of llama files fused all tokens before decoding the bytes, so that one
@@ -143,6 +156,7 @@ _OLD_CASES = {
     "llama_default": ("llama", _bpe(pre="default"), None),
     "qwen2_qwen2": ("qwen2", _bpe(pre="qwen2"), None),
     "qwen2_deepseek_r1": ("qwen2", _bpe(pre="deepseek-r1-qwen"), None),  # DeepSeek-R1-Distill-Qwen: qwen2 files
+    "qwen3_qwen2": ("qwen3", _bpe(pre="qwen2"), None),  # how llama.cpp writes Qwen3 files
     "qwen3_deepseek_r1": ("qwen3", _bpe(pre="deepseek-r1-qwen"), None),
     "llama_rwkv": ("llama", _bpe(model="rwkv"),
                    rf"tokenizer\.ggml\.model='rwkv' of a llama file is built as byte-level BPE by {_V}"),
@@ -193,11 +207,14 @@ def test_from_transformers_5_18_a_file_is_built_as_its_metadata_says(tmp_path, m
     assert why is None and tok.eos_token == "<|im_end|>"
 
 
-def test_a_converter_error_names_the_file_and_the_fix(tmp_path, monkeypatch):
+@pytest.mark.parametrize("message, said", [("no\n   tokenizer here", "no tokenizer here"), ("", "RuntimeError")],
+                         ids=["message", "no_message"])
+def test_a_converter_error_names_the_file_and_the_fix(tmp_path, monkeypatch, message, said):
     """Whatever transformers' converter raises (a KeyError 'scores' for a file without merges, ...) becomes one
-    error naming the file, what transformers said, and the fix."""
+    error naming the file, what transformers said, and the fix; an error without a message is named by its type
+    (not a bare 'RuntimeError: ')."""
     def refuse(*args, **kwargs):
-        raise RuntimeError("no\n   tokenizer here")
+        raise RuntimeError(message)
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
     m = hf_model("llama", vocab_size=_BPE_VOCAB)
@@ -205,7 +222,7 @@ def test_a_converter_error_names_the_file_and_the_fix(tmp_path, monkeypatch):
     write_gguf(path, "llama", m, extra=_bpe_tokenizer_metadata)
     assert convert_tokenizer(path) == (None, (
         f"{path}: its tokenizer metadata (tokenizer.ggml.*) cannot be made into a tokenizer by transformers' GGUF "
-        "converter (RuntimeError: no tokenizer here); use the tokenizer of the model's Hugging Face directory (from "
+        f"converter (RuntimeError: {said}); use the tokenizer of the model's Hugging Face directory (from "
         "Python, load_model(..., tokenizer=False) loads the weights alone)"))
 
 

@@ -136,6 +136,25 @@ def test_the_old_sentencepiece_form_loses_its_space_prefix_and_decodes_back(tmp_
     assert tok.decode(tok(" hello world", add_special_tokens=False)["input_ids"]) == " hello world"
 
 
+def test_a_bare_prepend_normalizer_loses_its_space_prefix(tmp_path):
+    """``_no_space_prefix`` on the form whose normalizer is a lone Prepend("▁"), not inside a Sequence (a form its
+    docstring names): the normalizer goes, so "hello" is no longer tokenized as '▁h'... (it was kept)."""
+    m = hf_model("llama", vocab_size=len(_SPM_TOKENS))
+    path = tmp_path / "spm.gguf"
+    write_gguf(path, "llama", m, extra=_spm_tokenizer_metadata)
+    tok, why = convert_tokenizer(path)
+    assert tok is not None, why
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    spec["pre_tokenizer"] = None
+    spec["normalizer"] = {"type": "Prepend", "prepend": "▁"}
+    tok._tokenizer = Tokenizer.from_str(json.dumps(spec))
+    assert tok.convert_ids_to_tokens(tok("hello", add_special_tokens=False)["input_ids"])[0].startswith("▁")
+    _no_space_prefix(tok)
+    assert json.loads(tok.backend_tokenizer.to_str())["normalizer"] is None
+    pieces = tok.convert_ids_to_tokens(tok("hello", add_special_tokens=False)["input_ids"])
+    assert not pieces[0].startswith("▁"), pieces
+
+
 def _spm(tmp_path, prefix):
     m = hf_model("llama", vocab_size=len(_SPM_TOKENS))
     path = tmp_path / "spm.gguf"
