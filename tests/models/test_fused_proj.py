@@ -205,6 +205,30 @@ def test_a_strided_gate_up_view_takes_fresh_buffers_in_place_or_not():
 
 
 @pytest.mark.skipif(OP_IMPL != "triton" and not torch.cuda.is_available(), reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("in_place", [False, True])
+def test_swiglu_down_gives_the_bias_and_weight_gradients_of_the_plain_path(in_place):
+    """SwiGLUDownFunction returns down_proj's bias gradient (dy summed over the tokens) and weight gradient as
+    silu(gate) * up -> F.linear's backward does. The recompute models have no MLP bias, so a dropped db only
+    failed the strided test by accident (torch.equal(None, None)); an MLP bias (Llama mlp_bias) takes this path."""
+    from chronicals.models.fused_proj import SwiGLUDownFunction
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    inter, hidden = 8, 6
+    gu0, w0, b0, dy = (torch.randn(*shape, generator=g).to(dev)
+                       for shape in ((2, 3, 2 * inter), (hidden, inter), (hidden,), (2, 3, hidden)))
+    gu, w, b = (t.clone().requires_grad_() for t in (gu0, w0, b0))
+    SwiGLUDownFunction.apply(gu.clone(), w, b, in_place).backward(dy)
+    ref_gu, ref_w, ref_b = (t.clone().requires_grad_() for t in (gu0, w0, b0))
+    gate, up = ref_gu.chunk(2, -1)
+    nn.functional.linear(nn.functional.silu(gate) * up, ref_w, ref_b).backward(dy)
+    assert b.grad is not None
+    torch.testing.assert_close(b.grad, ref_b.grad)
+    torch.testing.assert_close(b.grad, dy.sum((0, 1)))
+    torch.testing.assert_close(w.grad, ref_w.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(OP_IMPL != "triton" and not torch.cuda.is_available(), reason="needs CUDA or TRITON_INTERPRET=1")
 def test_a_hooked_down_proj_runs_its_hook_under_swiglu_recompute(tiny_hf_config):
     """With SwiGLU recomputation on the Triton path, a down_proj with a forward hook keeps its own call (the hook
     runs and may change the output) instead of being skipped by the fused SwiGLU+down function."""
@@ -340,3 +364,22 @@ def test_traces_under_torch_compile_fullgraph(tiny_hf_config):
     got = torch.autograd.grad(torch.compile(f, backend="aot_eager", fullgraph=True)(x), params)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_a_first_call_traced_by_torch_compile_logs_nothing_while_tracing(tiny_hf_config, monkeypatch):
+    """The path is not logged while torch.compile traces (a logging call breaks fullgraph): with nothing logged yet,
+    a compiled qkv_proj / gate_up_proj traces with fullgraph=True, and the path is logged once it runs eagerly. The
+    test above calls f eagerly first, so the log was already filled when its trace ran."""
+    monkeypatch.setattr(fused_proj, "_logged", set())
+    torch._dynamo.reset()
+    _, attn, mlp = _model(tiny_hf_config, "qwen2")
+
+    def f(t):
+        q, k, v = qkv_proj(attn, t)
+        return q.sum() + k.sum() + v.sum() + gate_up_proj(mlp, t).sum()
+
+    x = _x(attn.q_proj.in_features, torch.float32)
+    got = torch.compile(f, backend="eager", fullgraph=True)(x)
+    assert fused_proj._logged == set()  # nothing said while tracing
+    torch.testing.assert_close(got, f(x))
+    assert ("qkv_proj", "one GEMM") in fused_proj._logged

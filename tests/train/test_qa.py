@@ -142,6 +142,28 @@ def test_a_directory_holding_qa_jsonl_is_told_to_give_the_file_itself(tmp_path):
         qa_mod.read_qa(d)
 
 
+def test_a_directory_named_like_a_qa_file_is_read_as_a_directory(tmp_path):
+    """A directory whose name ends in .jsonl goes through the directory check (told to give the QA file inside it),
+    not read_file, which failed with a bare IsADirectoryError."""
+    d = tmp_path / "held.jsonl"
+    d.mkdir()
+    write(d / "qa.jsonl", [{"question": "a?", "answer": "b"}])
+    with pytest.raises(DataError, match=r"not a directory; set data.eval_path to .*held\.jsonl/qa\.jsonl itself$"):
+        qa_mod.read_qa(d)
+    write(d / "qa.jsonl", [{"text": "x"}])
+    assert qa_mod.read_qa(d) is None  # not QA: load_dataset reads the directory
+
+
+def test_a_directory_whose_first_jsonl_line_is_bad_is_left_to_load_dataset(tmp_path):
+    """The QA peek into a held-out directory is quiet about a first line it cannot parse: read_qa returns None and
+    load_dataset then names the bad line with file:line (the peek raised a bare JSONDecodeError)."""
+    d = tmp_path / "held"
+    d.mkdir()
+    (d / "a.jsonl").write_text("{bad json\n")
+    assert qa_mod.read_qa(d) is None
+    assert qa_mod._first_keys(d / "a.jsonl") == []
+
+
 def test_keywords_match_by_unicode_case_folding():
     from chronicals.train import qa
 
@@ -179,6 +201,30 @@ def test_keywords_match_whole_words_not_parts_of_longer_ones(tmp_path, monkeypat
     for answer, keyword in (("Built on ASP.NET Core.", ".NET"), ("It costs US$5 a day.", "$5"),
                             ("Winters reach 0-40 C there.", "-40")):  # a symbol edge needs no boundary
         assert qa_mod.has_keyword(answer, keyword) and not qa_mod.has_keyword(answer, keyword + "x")
+
+
+def test_the_keyword_search_goes_on_past_an_occurrence_inside_a_longer_word():
+    """After an occurrence inside a longer word the search resumes one character on, so a whole-word occurrence that
+    overlaps it is found ("ha ha" in "aha ha ha", "2-2" in "12-2-2"); resuming after it missed them."""
+    assert qa_mod.has_keyword("aha ha ha", "ha ha")
+    assert qa_mod.has_keyword("It was 12-2-2 at the end", "2-2")
+    assert not qa_mod.has_keyword("aha haha", "ha ha")
+
+
+def test_an_underscore_joins_a_keyword_to_a_longer_word():
+    """"_" beside a keyword's letter or digit edge continues the word (as \\w does): "paris" is not a whole word in
+    "paris_texas" or "my_paris", nor "1742" in "id_1742"; other punctuation still bounds it."""
+    assert not qa_mod.has_keyword("see paris_texas", "paris")
+    assert not qa_mod.has_keyword("my_paris", "paris")
+    assert not qa_mod.has_keyword("id_1742", "1742")
+    assert qa_mod.has_keyword("paris-texas", "paris") and qa_mod.has_keyword("(1742)", "1742")
+
+
+def test_an_answer_is_right_only_with_every_keyword(monkeypatch):
+    """One keyword of two is not enough; both, in any order, are."""
+    qa = [{"question": "q", "answer": "green and gold", "keywords": ["green", "gold"]}]
+    assert score(monkeypatch, qa, ["green only"]) == [False]
+    assert score(monkeypatch, qa, ["gold and green"]) == [True]
 
 
 @pytest.mark.parametrize("answer, keyword", [("1742年に設立されました", "1742"), ("西暦1742年", "1742"),
@@ -237,6 +283,17 @@ def test_a_records_own_system_message_is_kept_alone(tmp_path):
     assert got == [own, [{"role": "system", "content": "Be brief."}, *bare]]
 
 
+def test_no_system_prompt_adds_no_system_message(tmp_path):
+    """write_chat_jsonl with system prompt "" (the user's data has none) writes chat and QA records without a system
+    message: an empty one would change the chat template's rendering from what training saw."""
+    from chronicals.train.qa import write_chat_jsonl
+
+    bare = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    path = write_chat_jsonl([{"messages": bare}, {"question": "q?", "answer": "b"}], tmp_path / "h.jsonl", "")
+    got = [json.loads(line)["messages"] for line in path.read_text().splitlines()]
+    assert got == [bare, [{"role": "user", "content": "q?"}, {"role": "assistant", "content": "b"}]]
+
+
 def test_a_prompt_opens_the_assistant_turn_after_earlier_turns_oldest_first():
     """chat_messages puts the earlier turns as user then assistant, oldest first; prompt_ids renders them with the
     assistant turn opened (add_generation_prompt) and the fixed template date, tokenized without extra specials."""
@@ -285,3 +342,39 @@ def test_a_single_answer_is_stripped_and_prompt_ids_are_checked_against_the_voca
             assert toks == [5, 6] and skip_special_tokens
             return "\n Paris \n"
     assert qa_mod.answer(None, Tok(), "Capital?", "", 4) == "Paris"
+
+
+def test_a_chat_reply_passes_its_sampling_settings_and_stop_ids_to_generate(monkeypatch):
+    """answer (chat's reply) hands generate the token budget, eos_token_id=stop_ids(model, tokenizer), temperature,
+    top_p, the generator and the streamer (a fake generate that ignored them let a dropped one pass)."""
+    seen = {}
+    monkeypatch.setattr(qa_mod, "checked_prompt_ids", lambda *a, **k: torch.tensor([1, 2]))
+    monkeypatch.setattr(qa_mod, "stop_ids", lambda model, tok: {7, 9})
+    monkeypatch.setattr(qa_mod, "generate", lambda model, ids, n, **kw: seen.update(kw, n=n) or torch.tensor([5]))
+
+    class Tok:
+        def decode(self, toks, skip_special_tokens):
+            return "ok"
+
+    gen, streamer = torch.Generator(), object()
+    assert qa_mod.answer(None, Tok(), "q?", "", 4, temperature=0.7, top_p=0.9, generator=gen,
+                         streamer=streamer) == "ok"
+    assert seen == dict(n=4, eos_token_id={7, 9}, temperature=0.7, top_p=0.9, generator=gen, streamer=streamer)
+
+
+def test_batched_answers_skip_special_tokens_and_group_prompts_by_length(monkeypatch):
+    """answer_many decodes each row without special tokens (an eos or chat marker is not part of the scored answer),
+    strips it, and batches prompts of equal length together. The CLI's batched test compared with a one-by-one
+    decode that also skipped them, and its tiny model emits none."""
+    calls, decoded = [], []
+    monkeypatch.setattr(qa_mod, "checked_prompt_ids", lambda m, t, q, s: torch.tensor([1] * len(q)))
+    monkeypatch.setattr(qa_mod, "stop_ids", lambda m, t: {0})
+    monkeypatch.setattr(qa_mod, "greedy_rows", lambda m, ids, n, stops: calls.append(ids.shape) or [[4] for _ in ids])
+
+    class Tok:
+        def decode(self, toks, skip_special_tokens):
+            decoded.append(skip_special_tokens)
+            return " Paris " if skip_special_tokens else " Paris<|im_end|> "
+
+    assert qa_mod.answer_many(None, Tok(), ["ab", "cd", "xyz"], "", 4) == ["Paris"] * 3
+    assert decoded == [True] * 3 and sorted(calls) == [(1, 3), (2, 2)]
