@@ -37,6 +37,14 @@ def test_lone_surrogate_is_named(tokenizer, tmp_path):
                  '{"role": "assistant", "content": "a"}]}\n')
     with pytest.raises(DataError, match=rf"^{p}:1: messages\[0\]\.name is not valid Unicode"):
         load(p, tokenizer)
+    # an arguments object's keys, which templates print (Qwen3-Coder's <parameter={{ k }}>), named escaped
+    call = '{"type": "function", "function": {"name": "f", "arguments": {"ci\\ud800ty": "Paris"}}}'
+    p.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [' + call
+                 + ']}]}\n')
+    with pytest.raises(DataError, match=rf"^{p}:1: messages\[1\]\.tool_calls\[0\]\.function\.arguments key "
+                                        r"'ci\\ud800ty' is not valid Unicode \(lone surrogate '\\ud800' at "
+                                        r"character 2\)"):
+        load(p, tokenizer)
 
 
 def test_deeply_nested_json_is_a_record_error(tmp_path):

@@ -188,11 +188,14 @@ def _checked_strings(value, name: str, depth: int = 0):
     """``value`` (a message's tool_calls, name, reasoning_content, ...) after ``check_text`` on every string in it,
     named by its path (messages[1].tool_calls[0].function.arguments): the template renders them, and a lone
     surrogate there made the tokenizer raise a TypeError that stopped the whole load, even with on_error=skip.
+    Dict keys too: templates print an arguments object's keys (Qwen3-Coder's ``<parameter={{ k }}>``).
     Stops at depth 32: JSON deeper than that is no message field a template renders."""
     if isinstance(value, str):
         check_text(value, name)
     elif depth < 32 and isinstance(value, dict):
         for k, v in value.items():
+            if isinstance(k, str):
+                check_text(k, f"{name} key {ascii(k)}")  # ascii: the name itself must print
             _checked_strings(v, f"{name}.{k}", depth + 1)
     elif depth < 32 and isinstance(value, list):
         for i, v in enumerate(value):
