@@ -1,6 +1,7 @@
 """A hostile user's data: each case fails as ``file:line: what is wrong, what to do``, or is kept and counted,
 instead of a raw traceback or data silently lost."""
 
+import codecs
 import copy
 import json
 
@@ -127,12 +128,17 @@ def test_loader_state_missing_or_out_of_range():
         ld.load_state_dict({**ld.state_dict(), "position": 99})
 
 
+@pytest.mark.parametrize("codec, bits", [("utf-16", 16), ("utf-16-be", 16), ("utf-32", 32), ("utf-32-be", 32)])
 @pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv"])
-def test_utf16_file_names_the_encoding(tmp_path, suffix):
-    """PowerShell's ``>`` writes UTF-16 with a byte-order mark: one error for the file, with the right iconv."""
+def test_utf16_file_names_the_encoding(tmp_path, suffix, codec, bits):
+    """PowerShell's ``>`` writes UTF-16 with a byte-order mark: one error for the file, with the right iconv. A
+    UTF-32 file is named UTF-32 (little-endian, its mark starts with UTF-16-LE's and was named UTF-16, whose iconv
+    garbles it)."""
     p = tmp_path / f"ps{suffix}"
-    p.write_bytes('{"text": "a"}\n'.encode("utf-16"))
-    with pytest.raises(DataError, match=rf"^{p}: UTF-16 \(it starts with a UTF-16 byte-order mark\).*iconv -f utf-16"):
+    bom = {"utf-16-be": codecs.BOM_UTF16_BE, "utf-32-be": codecs.BOM_UTF32_BE}.get(codec, b"")
+    p.write_bytes(bom + '{"text": "a"}\n'.encode(codec))
+    with pytest.raises(DataError, match=rf"^{p}: UTF-{bits} \(it starts with a UTF-{bits} byte-order mark\).*"
+                                        rf"iconv -f utf-{bits} "):
         read_file(p)
 
 

@@ -209,10 +209,15 @@ def iter_records(path: Path) -> Iterator[Record]:
     kind = path.suffix.lower()
     if kind in (".jsonl", ".json", ".csv"):
         with open(path, "rb") as f:
-            head = f.read(2)
-        if head in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):  # PowerShell's `>` writes UTF-16: every line failed
-            raise DataError(f"{path}: UTF-16 (it starts with a UTF-16 byte-order mark), expected UTF-8; re-encode "
-                            "it: iconv -f utf-16 -t utf-8 FILE > NEW (PowerShell: Out-File -Encoding utf8)")
+            head = f.read(4)
+        # UTF-32-LE's mark starts with UTF-16-LE's, so it is tested first (iconv -f utf-16 garbles UTF-32)
+        utf = next((n for n, boms in ((32, (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)),
+                                      (16, (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)))
+                    if head.startswith(boms)), None)
+        if utf:  # PowerShell's `>` writes UTF-16: every line failed
+            raise DataError(f"{path}: UTF-{utf} (it starts with a UTF-{utf} byte-order mark), expected UTF-8; "
+                            f"re-encode it: iconv -f utf-{utf} -t utf-8 FILE > NEW (PowerShell: Out-File -Encoding "
+                            "utf8)")
     if kind == ".jsonl":
         return _iter_jsonl_file(path)
     if kind == ".json":
