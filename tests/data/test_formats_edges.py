@@ -1,10 +1,16 @@
-"""Records -> examples where a mutation walk found no test: CSV cells holding JSON, null message fields, blank
-targets, mixed prompt/completion forms, ShareGPT roles and the classic Alpaca prompt with an input."""
+"""Records -> examples where a mutation walk found no test: CSV cells holding JSON (ShareGPT conversations too),
+tool_calls that are not a list of objects, null message fields, blank targets (blank assistant replies only), mixed
+prompt/completion forms, ShareGPT roles, the classic Alpaca prompt with an input and an input that is not valid
+Unicode."""
 from __future__ import annotations
+
+import csv
+import json
 
 import pytest
 
-from chronicals.data.formats import to_example
+from chronicals.data.formats import Example, FormatError, detect_format, empty_target, to_example
+from chronicals.data.readers import read_file
 
 
 def test_a_csv_message_list_cell_may_start_with_whitespace():
@@ -22,6 +28,28 @@ def test_a_csv_prompt_that_is_json_but_no_message_list_stays_text(text):
     assert ex.messages is None and ex.prompt == text and ex.target == "ok"
 
 
+def test_a_sharegpt_csv_reads_its_conversations_cell_as_json(tmp_path):
+    """A CSV cell cannot hold a list, so a 'conversations' column holds JSON text: decoded to turns with ShareGPT's
+    roles mapped, as a 'messages' cell is. Without it the row was a FormatError ('conversations' is a str)."""
+    conv = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]
+    p = tmp_path / "s.csv"
+    with open(p, "w", newline="") as f:
+        csv.writer(f).writerows([["conversations"], [json.dumps(conv)]])
+    (rec,) = read_file(p)
+    assert detect_format(rec.data, rec.from_csv) == "sharegpt"
+    ex = to_example(rec.data, "sharegpt", True, from_csv=rec.from_csv)
+    assert ex.messages == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+
+def test_tool_calls_whose_items_are_not_objects_are_a_format_error():
+    """A list of strings as tool_calls would reach the chat template, which indexes each call's 'function': refused
+    up front, naming the message (only a str tool_calls was refused before)."""
+    rec = {"messages": [{"role": "user", "content": "q"},
+                        {"role": "assistant", "content": None, "tool_calls": ["get_weather()"]}]}
+    with pytest.raises(FormatError, match=r"messages\[1\]\.tool_calls is a list .*expected a list of"):
+        to_example(rec, "chat", True)
+
+
 def test_a_null_message_field_is_dropped_not_passed_to_the_template():
     """Parquet struct columns fill absent keys with null; templates test `is defined`, so a null must not reach them."""
     ex = to_example({"messages": [{"role": "user", "content": "hi", "name": None},
@@ -31,19 +59,27 @@ def test_a_null_message_field_is_dropped_not_passed_to_the_template():
 
 def test_a_whitespace_only_target_counts_as_empty():
     """A completion/output of blanks trains end-of-turn alone, as an empty one does."""
-    from chronicals.data.formats import Example, empty_target
-
     assert empty_target(Example(prompt="q", target=" \n\t"))
     assert empty_target(Example(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]))
     assert not empty_target(Example(prompt="q", target=" a"))
+
+
+def test_a_blank_system_or_tool_message_is_not_an_empty_target():
+    """Only blank assistant replies count: a blank system prompt or tool result carries no loss, so beside real
+    replies the example is not "answer with nothing" (counting any non-user role flagged these)."""
+    msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert not empty_target(Example(messages=msgs))
+    call = [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    tool = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": call},
+            {"role": "tool", "content": " "}, {"role": "assistant", "content": "done"}]
+    assert not empty_target(Example(messages=tool))
+    assert empty_target(Example(messages=msgs[:2] + [{"role": "assistant", "content": " "}]))
 
 
 @pytest.mark.parametrize("prompt,completion", [("hi", [{"role": "assistant", "content": "x"}]),
                                                ([{"role": "user", "content": "hi"}], "x")])
 def test_a_prompt_completion_mixing_text_and_messages_is_a_format_error(prompt, completion):
     """Without the check, str + list raised a bare TypeError (not skipped by on_error=skip)."""
-    from chronicals.data.formats import FormatError
-
     with pytest.raises(FormatError, match="mix a string and a message list"):
         to_example({"prompt": prompt, "completion": completion}, "prompt_completion", True)
 
@@ -63,3 +99,11 @@ def test_alpaca_without_a_template_uses_the_classic_prompt_with_input():
                          "context. Write a response that appropriately completes the request.\n\n### Instruction:\n"
                          "Add.\n\n### Input:\n2 and 3\n\n### Response:\n")
     assert ex.target == "5"
+
+
+@pytest.mark.parametrize("has_template", [True, False])
+def test_an_alpaca_input_that_is_not_valid_unicode_is_a_format_error(has_template):
+    """An input with a lone surrogate is refused, naming field 'input', as instruction and output are; unchecked it
+    reached the tokenizer, whose bare TypeError stopped the whole load (even with on_error=skip)."""
+    with pytest.raises(FormatError, match="field 'input' is not valid Unicode"):
+        to_example({"instruction": "i", "input": "x\ud800", "output": "o"}, "alpaca", has_template)

@@ -184,6 +184,17 @@ def test_a_data_files_dangling_symlink_is_an_error_not_a_lost_shard(tmp_path):
     assert [p.name for p in resolve_files([str(d)])] == ["shard1.jsonl"]
 
 
+def test_a_data_path_starting_with_tilde_is_under_the_home_directory(tmp_path, monkeypatch):
+    """data.path=~/train.jsonl quoted (the shell left the ~) names $HOME/train.jsonl, a file or a directory, not a
+    relative folder called '~' ("no such file or directory")."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _chat(tmp_path / "train.jsonl")
+    (tmp_path / "d").mkdir()
+    _chat(tmp_path / "d" / "x.jsonl")
+    assert resolve_files("~/train.jsonl") == [tmp_path / "train.jsonl"]
+    assert resolve_files(["~/d"]) == [tmp_path / "d" / "x.jsonl"]
+
+
 def test_a_pipe_as_data_says_what_to_do(tmp_path):
     """data.path=<(cat a.jsonl) said "[Errno 20] Not a directory: '/dev/fd/63'"."""
     import os
