@@ -1,19 +1,23 @@
 """The checks before the model loads (train.guards), on paths: a short model name in another case, out_dir or the
 cache reached through a link into the data or equal to it, an earlier run's chat copy of its held-out questions, the
-early "needs pyarrow" walk of a data directory, a linked adapter folder beside train.resume=auto, and the
-loss_vocab_parts warning on the reference head."""
+early "needs pyarrow" walk of a data directory, a linked adapter folder beside train.resume=auto, the
+loss_vocab_parts warning on the reference head and model.impl=triton on a CPU; and the checks of the tokenized
+data before the first step: the set the token-id and document-length checks name."""
 
 from __future__ import annotations
 
 import json
 import sys
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from chronicals.config import ConfigError, load_config
-from chronicals.data.readers import DataError
-from chronicals.train.guards import check_data_paths, check_impl, check_model_path, check_resume_path, lies_in
+from chronicals.data.readers import DataError, resolve_files
+from chronicals.train.guards import (check_data_paths, check_document_lengths, check_impl, check_model_path,
+                                     check_resume_path, check_token_ids, lies_in)
 
 from train_helpers import tiny_config
 
@@ -81,14 +85,26 @@ def test_a_parquet_folder_before_a_jsonl_folder_needs_pyarrow_before_the_model_l
         check_data_paths(_cfg(tmp_path, f"data.path={data}"))
 
 
-def test_a_parquet_file_in_a_dot_folder_of_the_data_needs_no_pyarrow(tmp_path, monkeypatch):
-    """The early "needs pyarrow" walk skips dot-folders as the data reader does: a .cache/ (or .git/) holding a
-    .parquet file inside a .jsonl data directory is never read, so the run is not refused for a pyarrow it does
-    not need."""
+def test_an_upper_case_parquet_data_path_needs_pyarrow_before_the_model_loads(tmp_path, monkeypatch):
+    """data.path=TRAIN.PARQUET: the reader's suffixes are case-insensitive, so the early "needs pyarrow" check is
+    too; matching .parquet alone let the run load the model first and fail in the reader."""
+    f = tmp_path / "TRAIN.PARQUET"
+    f.write_bytes(b"PAR1")
+    _no_pyarrow(monkeypatch)
+    with pytest.raises(DataError, match=r"TRAIN\.PARQUET: reading \.PARQUET files needs pyarrow"):
+        check_data_paths(_cfg(tmp_path, f"data.path={f}"))
+
+
+def test_a_parquet_dot_file_or_file_in_a_dot_folder_of_the_data_needs_no_pyarrow(tmp_path, monkeypatch):
+    """The early "needs pyarrow" walk skips dot-folders and dot-files as the data reader does: a .cache/ (or .git/)
+    holding a .parquet file, or a .old.parquet, inside a .jsonl data directory is never read, so the run is not
+    refused for a pyarrow it does not need."""
     data = tmp_path / "data"
     (data / ".cache").mkdir(parents=True)
     (data / ".cache" / "old.parquet").write_bytes(b"PAR1")
+    (data / ".old.parquet").write_bytes(b"PAR1")
     _chat(data / "train.jsonl")
+    assert [p.name for p in resolve_files(str(data), quiet=True)] == ["train.jsonl"]  # what the reader reads
     _no_pyarrow(monkeypatch)
     check_data_paths(_cfg(tmp_path, f"data.path={data}"))
 
@@ -122,10 +138,28 @@ def test_resume_auto_beside_a_linked_adapter_folder_starts(tmp_path):
 
 def test_loss_vocab_parts_2_on_the_reference_head_is_said(tmp_path, caplog):
     """model.loss_vocab_parts=2, the smallest split, does nothing on the PyTorch head either: the warning comes for
-    it too, or a user who set it to save memory learns only from an out-of-memory error that it never applied."""
+    it too, or a user who set it to save memory learns only from an out-of-memory error that it never applied. The
+    default 1 asks for no split, so it is not said (a warning at >= 1 came on every reference-head run)."""
     with caplog.at_level("WARNING", logger="chronicals"):
         check_impl(tiny_config(tmp_path, model__loss_vocab_parts=2, model__impl="torch"), torch.device("cpu"))
     assert "model.loss_vocab_parts=2 does nothing with model.impl=torch" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="chronicals"):
+        check_impl(tiny_config(tmp_path, model__impl="torch"), torch.device("cpu"))  # the default, 1: no split asked
+    assert "loss_vocab_parts" not in caplog.text
+
+
+def test_impl_triton_on_a_cpu_is_accepted_under_the_interpreter_only(tmp_path, monkeypatch):
+    """model.impl=triton on a CPU runs the kernels in Triton's interpreter with TRITON_INTERPRET=1 (as this suite
+    does), so it is accepted there; without it the setting is a ConfigError naming the fix. Refusing it under the
+    interpreter too stopped every CPU run of the Triton kernels."""
+    cfg = tiny_config(tmp_path, model__impl="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    check_impl(cfg, torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ConfigError, match=r"model.impl=triton needs CUDA, but this run's device is cpu .*"
+                                          r"set TRITON_INTERPRET=1"):
+        check_impl(cfg, torch.device("cpu"))
 
 
 def test_a_relative_heldout_file_inside_relative_training_data_is_refused(tmp_path, monkeypatch):
@@ -140,3 +174,44 @@ def test_a_relative_heldout_file_inside_relative_training_data_is_refused(tmp_pa
         check_data_paths(_cfg(tmp_path, "data.path=data", "data.eval_path=data/sub/held.jsonl"))
     with pytest.raises(ConfigError, match=r"is data.path=data/train.jsonl, which would be trained on"):
         check_data_paths(_cfg(tmp_path, "data.path=data/train.jsonl", "data.eval_path=./data/train.jsonl"))
+
+
+def _loader(**dataset):
+    return SimpleNamespace(dataset=SimpleNamespace(**dataset))
+
+
+def test_a_token_id_past_the_vocabulary_names_its_set_and_a_set_without_tokens_is_skipped():
+    """check_token_ids names the set that holds the id ("the held-out data holds token id 61", not the training
+    data), and skips a set with no tokens at all (an empty ids array), where numpy's max of nothing raised."""
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=61))
+    ok, bad, empty = (_loader(ids=np.array(x, dtype=np.int64)) for x in ([0, 5, 60], [3, 61, 2], []))
+    check_token_ids(model, ok, ok)
+    check_token_ids(model, empty, empty)
+    with pytest.raises(ValueError, match=r"^the held-out data holds token id 61, but the model's vocabulary has 61"):
+        check_token_ids(model, empty, bad)
+    with pytest.raises(ValueError, match=r"^the training data holds token id 61, but"):
+        check_token_ids(model, bad, ok)
+
+
+class _WindowModel:
+    def check_sequence_length(self, n):
+        if n > 10:
+            raise ValueError(f"{n} tokens are past the sliding window of 10")
+
+
+def test_the_longest_document_check_names_its_set_and_document_from_1():
+    """check_document_lengths numbers the longest document from 1 ("number 2 of 3"), gives the data.system_prompt
+    hint with the held-out set only (its question files hold the system prompt; the training data's do not), and
+    skips a set with no documents, where numpy's argmax of nothing raised."""
+    ok, long, empty = (_loader(lengths=np.array(x, dtype=np.int64)) for x in ([3, 4], [5, 12, 7], []))
+    check_document_lengths(_WindowModel(), ok, ok)
+    check_document_lengths(_WindowModel(), empty, empty)
+    with pytest.raises(ValueError) as e:
+        check_document_lengths(_WindowModel(), long, ok)
+    assert str(e.value) == ("the training data's longest document (number 2 of 3, 12 tokens after data.on_long) does "
+                            "not fit this model: 12 tokens are past the sliding window of 10")
+    with pytest.raises(ValueError) as e:
+        check_document_lengths(_WindowModel(), ok, long)
+    assert str(e.value).startswith("the held-out data's longest document (number 2 of 3, 12 tokens after "
+                                   "data.on_long) does not fit this model: 12 tokens are past the sliding window of 10")
+    assert "documents hold data.system_prompt as their system message" in str(e.value)

@@ -40,6 +40,17 @@ def test_mfu_counts_the_methods_flops(tmp_path, docs, lora):
         assert r["mfu"] == pytest.approx(((per_token - head) * n + head * m) / r["step_s"] / 1e12, rel=1e-9)
 
 
+
+def test_the_flop_helpers_refuse_a_method_other_than_full_or_lora():
+    """head_flops_per_token refuses an unknown method as train_flops_per_token does: it returned the LoRA head's
+    4 V h for any name ("qlora", "Full", ""), so an MFU for a method it does not know came out quietly wrong."""
+    cfg = tiny_model().config
+    for method in ("qlora", "Full", ""):
+        with pytest.raises(ValueError, match=f"method {method!r} is not 'full' or 'lora'"):
+            head_flops_per_token(cfg, method)
+        with pytest.raises(ValueError, match=f"method {method!r} is not 'full' or 'lora'"):
+            train_flops_per_token(cfg, 32, method)
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the peak is measured on CUDA only")
 def test_peak_probe_leaves_the_cuda_rng_alone():
     """The trainer probes the peak after restoring a checkpoint's RNG: drawing its operands from the global
@@ -120,6 +131,21 @@ def test_a_full_disk_while_appending_a_record_names_metrics_jsonl(tmp_path):
         log.write({"kind": "train", "step": 2})
 
 
+def test_a_written_record_is_in_metrics_jsonl_before_the_log_closes(tmp_path):
+    """Each record is flushed to metrics.jsonl as it is written, not left in Python's buffer until close: `tail -f`
+    shows the steps, and a run killed with SIGKILL (the OOM killer, a preempted job) keeps its records for the
+    resume to read back. Unflushed, the file was empty until the log closed."""
+    log = MetricsLog(tmp_path, False)
+    try:
+        for step in (1, 2, 3):
+            log.write({"kind": "train", "step": step, "loss": 1.0 / step, "loss_tokens": 7})
+            lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+            assert [json.loads(x)["step"] for x in lines] == list(range(1, step + 1))
+        assert [r["step"] for r in read_records(tmp_path / "metrics.jsonl", 2)] == [1, 2, 3]
+    finally:
+        log.close()
+
+
 def test_metrics_jsonl_writes_every_non_finite_number_as_null(tmp_path):
     """NaN, +inf and -inf are all written as null, so metrics.jsonl is strict JSON; with NaN alone nulled, a diverging
     run's inf loss or grad norm was written as `Infinity`, which JSON.parse and other strict readers refuse."""
@@ -142,6 +168,19 @@ def test_a_resume_refuses_a_record_whose_step_is_a_bool(tmp_path):
         read_records(path, 1)
     path.write_text('{"kind": "train", "step": 1}\n{"kind": "eval", "tag": "before"}\n')
     assert [r.get("step") for r in read_records(path, 1)] == [1, None]
+
+
+def test_a_resume_skips_lines_of_whitespace_in_metrics_jsonl(tmp_path):
+    """read_records skips a line of only whitespace (a CRLF file's blank "\\r" line, spaces, a tab) as it skips an
+    empty one; such a line made the resume fail with "not a JSON record". A line with text that is not JSON is
+    still refused, naming its line."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"kind": "train", "step": 1}\r\n  \n\t\r\n{"kind": "train", "step": 2}\r\n\r\n'
+                     b'{"kind": "eval", "step": 2, "tag": "after"}\n')
+    assert [(r["kind"], r["step"]) for r in read_records(path, 2)] == [("train", 1), ("train", 2), ("eval", 2)]
+    path.write_text('{"step": 1}\n x\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON record"):
+        read_records(path, 2)
 
 
 def test_held_out_losses_alone_are_plotted(tmp_path):

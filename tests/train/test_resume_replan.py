@@ -8,12 +8,13 @@ finished 1.5-epoch run resumed with train.epochs=2 left the last batch untrained
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from chronicals.train import train
 from chronicals.train.optim import lr_factor
-from chronicals.train.stream import _step_plan
+from chronicals.train.stream import _epoch_split, _replan, _step_plan, _Stream
 
 from train_helpers import SyntheticLoader, sigterm_at_forward, tiny_config, tiny_model
 
@@ -77,6 +78,29 @@ def test_a_resume_inside_a_fractional_runs_last_epoch_trains_only_the_fractions_
     assert [_step_plan(cfg, 8, done=d) for d in (9, 10, 11, 12)] == [(1, 3), (1, 2), (1, 1), (0, 3)]
 
 
+@pytest.mark.parametrize("accum,done,plan", [(4, 2, (3, 4)), (3, 2, (4, 1)), (4, 1, (3, 4)), (3, 5, (3, 1))])
+def test_a_resume_inside_the_first_epoch_finishes_that_epoch_before_the_fraction(tmp_path, accum, done, plan):
+    """1.5 epochs of 8 batches, resumed after `done` batches: the rest of that epoch is 8 - done batches, then the
+    fraction's 4. Counting a whole epoch (8) from the resume point moved the plan's last step off the fraction's end:
+    resumed after 2 batches at grad_accum 4, the last step took 2 of the fraction's 4 batches and the run still
+    said "completed" with 2 of them never trained."""
+    cfg = _cfg(tmp_path, train__epochs=1.5, train__grad_accum=accum)
+    assert _step_plan(cfg, 8, done=done) == plan
+
+
+@pytest.mark.parametrize("epochs,G,W,split,plan", [(1.5, 5, 2, (1, 2), (5, 1)), (0.5, 5, 2, (0, 2), (2, 1)),
+                                                  (1.5, 5, 1, (1, 3), (8, 1)), (0.1, 9, 4, (0, 1), (1, 1))])
+def test_a_cut_loaders_fraction_of_an_epoch_is_planned_rounded_up_as_the_cut(tmp_path, epochs, G, W, split, plan):
+    """Under data parallelism (G global batches an epoch over W ranks) the plan's fraction of an epoch is
+    ceil(fraction x G) global batches, rounded up as the loader's own cut (cut_fraction) rounds it: 1.5 epochs of 5
+    on 2 ranks is 3 global batches of the second pass, 2 rounds. Rounded down, the plan ended a step early and the
+    cut's second round of the fraction was never trained."""
+    cfg = _cfg(tmp_path, train__epochs=epochs, train__grad_accum=1)
+    B = -(-G // W)  # a rank's batches an epoch (the remainder padded)
+    assert _epoch_split(cfg, B, (G, W)) == split
+    assert _step_plan(cfg, B, spread=(G, W)) == plan
+
+
 def test_fewer_epochs_than_were_trained_are_refused(tmp_path, docs):
     train(_cfg(tmp_path, train__epochs=1.5, train__grad_accum=3), model=tiny_model(),
           train_loader=SyntheticLoader(docs[:36], shuffle=False))
@@ -110,6 +134,31 @@ def test_a_loader_of_another_state_still_trains_the_epoch_to_its_end(tmp_path, d
     counts = [r["loss_tokens"] for r in _records(tmp_path / "run")][1:]
     assert res.status == "completed" and loader.position == 8
     assert counts == _tokens(loader, (2, 5), (5, 8))
+
+
+class _EpochOnlyLoader:
+    """A custom loader's state: an integer 'epoch' but no integer 'position'."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def __len__(self):
+        return 8
+
+    def state_dict(self):
+        return dict(self.state)
+
+
+@pytest.mark.parametrize("state", [{"epoch": 1, "seed": 0}, {"epoch": 1, "position": None},
+                                   {"epoch": 1, "position": "3"}])
+def test_a_state_with_an_epoch_but_no_integer_position_keeps_the_plan_from_step_0(tmp_path, state):
+    """A loader state the trainer cannot read a position from keeps the plan from step 0, as one with neither key
+    does; checking the epoch alone read the missing position into the re-plan (TypeError: int + NoneType)."""
+    cfg = _cfg(tmp_path, train__epochs=2, train__grad_accum=3)
+    total, last = _step_plan(cfg, 8)
+    assert (total, last) == (6, 3)  # 3, 3, 2 per epoch; the epoch's end shortens the last step
+    plan = _replan(cfg, _Stream(_EpochOnlyLoader(state)), 2, total, last, Path("run/checkpoints/step-2"))
+    assert plan == (total, last)
 
 
 def test_the_short_warmup_warning_names_the_length_the_resumed_run_trains(tmp_path, docs, caplog):
