@@ -73,6 +73,102 @@ def test_parity_fails_ours_off_in_loss_norm_or_direction(monkeypatch, off, statu
         assert err["norm_ours"] < 2e-2 and res["grad_cos_ours"] < 0.99
 
 
+def _tilt(grads: dict, t: float, seed: int) -> dict:
+    """The gradients plus random noise of t x their total norm: about the same norm, 1 - cos ~ t^2 / 2."""
+    gen = torch.Generator().manual_seed(seed)
+    noise = {k: torch.randn(g.shape, generator=gen) for k, g in grads.items()}
+    norm = torch.cat([g.flatten() for g in grads.values()]).norm()
+    scale = t * norm / torch.cat([n.flatten() for n in noise.values()]).norm()
+    return {k: g + scale * noise[k] for k, g in grads.items()}
+
+
+def _skewed(monkeypatch, hf: dict, ours: dict):
+    """checks.first_step runs the fp32 reference, transformers bf16, ours, in that order: the last two come back with
+    their loss / grad norm scaled, or their gradients tilted, by the given amounts."""
+    real, n = checks.first_step, []
+
+    def first_step(*a):
+        loss, norm, grads = real(*a)
+        n.append(1)
+        off = {2: hf, 3: ours}.get(len(n), {})
+        if "tilt" in off:
+            grads = _tilt(grads, off["tilt"], len(n))
+        return loss * off.get("loss", 1.0), norm * off.get("norm", 1.0), grads
+
+    monkeypatch.setattr(checks, "first_step", first_step)
+
+
+@pytest.mark.parametrize("hf,ours,status", [  # (transformers' own error, ours, verdict)
+    ({"loss": 1.01}, {"loss": 1.03}, "FAILED"),  # 3% > 2 x 1%
+    ({"loss": 1.01}, {"loss": 1.015}, "ok"),  # 1.5% <= 2 x 1% (the 0.1% floor is not what passes it)
+    ({"norm": 1.05}, {"norm": 1.15}, "FAILED"),  # 15% > 2 x 5%
+    ({"norm": 1.05}, {"norm": 1.08}, "ok"),
+    ({"tilt": 0.25}, {"tilt": 0.5}, "FAILED"),  # 1 - cos: ~0.1 > 2 x ~0.03
+    ({"tilt": 0.25}, {"tilt": 0.3}, "ok"),  # ~0.04 <= 2 x ~0.03
+    ({}, {"tilt": 0.25}, "FAILED"),  # ~0.03 > the 1e-2 cosine floor, transformers exact
+    ({}, {"tilt": 0.1}, "ok")])  # ~0.005 under the floor
+def test_parity_allows_ours_twice_transformers_error_or_the_floor(monkeypatch, hf, ours, status):
+    """Ours passes when its error against the fp32 reference is at most 2 x transformers' own bf16 error, in each of
+    loss, grad norm and 1 - cosine, or under the floor (1e-2 for 1 - cosine). On the tiny CPU model transformers'
+    error is under every floor, so the factor 2 was never exercised: 10 x passed, as did a cosine floor of 1e-1."""
+    _skewed(monkeypatch, hf, ours)
+    res = checks._parity(RunSpec("correctness", shape="tiny", rows=1, seq=8, device="cpu", impl="torch"), "full")
+    assert res["status"] == status, (res["rel_err"], 1 - res["grad_cos_hf"], 1 - res["grad_cos_ours"])
+    if "tilt" in ours:  # the tilt is in the direction only
+        assert res["rel_err"]["norm_ours"] < 0.02
+
+
+def test_the_parity_reference_runs_in_fp32(monkeypatch):
+    """The reference is transformers in fp32 (the same bf16 weight values, fp32 arithmetic); transformers and ours
+    run in bf16. Without .float() the 'reference' was transformers' own bf16 run, whose error is then 0."""
+    real, dtypes = checks.first_step, []
+
+    def first_step(fb, prepare, model, ids):
+        dtypes.append({p.dtype for p in model.parameters()})
+        return real(fb, prepare, model, ids)
+
+    monkeypatch.setattr(checks, "first_step", first_step)
+    res = checks._parity(RunSpec("correctness", shape="tiny", rows=1, seq=8, device="cpu", impl="torch"), "full")
+    assert dtypes[0] == {torch.float32} and dtypes[1] == {torch.bfloat16}
+    assert res["loss_ref"] != res["loss_hf"]
+
+
+class _Peft(torch.nn.Module):
+    """PEFT-style names: base_model.model.<module>.lora_A.default.weight."""
+
+    def __init__(self, names):
+        super().__init__()
+        inner = torch.nn.Module()
+        for n in names:
+            m = torch.nn.Module()
+            m.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(2, 1, bias=False)})
+            m.lora_B = torch.nn.ModuleDict({"default": torch.nn.Linear(1, 2, bias=False)})
+            inner.add_module(n, m)
+        self.base_model = torch.nn.Module()
+        self.base_model.model = inner
+
+
+class _Ours(torch.nn.Module):
+    def __init__(self, names):
+        super().__init__()
+        for n in names:
+            m = torch.nn.Module()
+            m.lora_A, m.lora_B = torch.nn.Linear(2, 1, bias=False), torch.nn.Linear(1, 2, bias=False)
+            self.add_module(n, m)
+
+
+def test_copy_adapters_copies_by_name_and_refuses_names_on_either_side_only():
+    """PEFT's adapters and ours must match by canonical name both ways: an adapter PEFT has and ours lacks was left
+    out of the copy silently (only ours-only names were refused), so the parity compared different models."""
+    peft, ours = _Peft(["q", "k"]), _Ours(["q", "k"])
+    assert checks.copy_adapters(peft, ours) == 4
+    assert torch.equal(ours.k.lora_B.weight, peft.base_model.model.k.lora_B["default"].weight)
+    with pytest.raises(RuntimeError, match=r"PEFT only \['v.lora_A.weight', 'v.lora_B.weight'\]"):
+        checks.copy_adapters(_Peft(["q", "k", "v"]), _Ours(["q", "k"]))
+    with pytest.raises(RuntimeError, match=r"ours only \['v.lora_A.weight'"):
+        checks.copy_adapters(_Peft(["q"]), _Ours(["q", "v"]))
+
+
 def test_canonical_names_and_cosine():
     assert checks.canonical("base_model.model.model.layers.0.mlp.up_proj.lora_A.default.weight") == \
         "model.layers.0.mlp.up_proj.lora_A.weight"
@@ -110,6 +206,54 @@ def test_learning_fails_when_either_run_fails():
                           min_drop_full=0.0, min_drop_lora=0.99)
     assert [r["status"] for r in res["runs"]] == ["ok", "FAILED"]
     assert res["status"] == "FAILED" and res["reason"] == "lora: loss did not fall by 99% of its first value"
+
+
+def _scripted(monkeypatch, losses):
+    """checks.train_step gives these losses (grad norm 1) step after step, from the start for each run."""
+    seen = []
+
+    def step(*a, **k):
+        seen.append(1)
+        return torch.tensor(losses[(len(seen) - 1) % len(losses)]), torch.tensor(1.0)
+
+    monkeypatch.setattr(checks, "train_step", step)
+
+
+def _scripted_learning(steps, **kw):
+    return checks.learning(RunSpec("learning", shape="tiny", rows=1, seq=8, steps=steps, device="cpu", impl="torch",
+                                   lr=3e-3), **kw)
+
+
+@pytest.mark.parametrize("losses,want", [([4.0, 3.0], ["ok", "ok"]), ([4.0, 2.0, 4.0], ["FAILED", "FAILED"])])
+def test_learning_judges_the_last_loss_at_most_min_drop_below_the_first(monkeypatch, losses, want):
+    """The LAST loss must be AT MOST (1 - min_drop) x the first: 4 -> 3 is exactly a 25% fall and passes (a strict
+    < failed it); 4 -> 2 -> 4 fell on the way and came back, so FAILED (the lowest loss passed it)."""
+    _scripted(monkeypatch, losses)
+    res = _scripted_learning(len(losses), min_drop_full=0.25, min_drop_lora=0.25)
+    assert [r["status"] for r in res["runs"]] == want, res
+
+
+@pytest.mark.parametrize("losses,want", [([4.0, 3.2], ["FAILED", "ok"]), ([4.0, 3.6], ["FAILED", "FAILED"]),
+                                          ([4.0, 3.3], ["FAILED", "ok"]), ([4.0, 2.9], ["ok", "ok"])])
+def test_learning_default_min_drops_are_25_and_15_percent(monkeypatch, losses, want):
+    """The worker calls learning(spec) with the defaults: full must fall 25%, LoRA 15% (module docstring), with a
+    period of 16; a 20% fall fails full and passes LoRA, a 10% fall fails both. Every other test passed its own."""
+    _scripted(monkeypatch, losses)
+    res = _scripted_learning(2)
+    assert res["min_drop"] == {"full": 0.25, "lora": 0.15} and res["period"] == 16
+    assert [r["status"] for r in res["runs"]] == want, res
+
+
+def test_a_learning_run_that_raises_is_that_runs_error_row(monkeypatch):
+    """An exception in the LoRA run is that run's "error" row; the full run stays and the check is FAILED with the
+    error named. Re-raising it ended the worker without any row (the correctness check's twin is below)."""
+    def boom(*a, **k):
+        raise RuntimeError("apply_lora broke")
+
+    monkeypatch.setattr(checks, "add_chronicals_lora", boom)
+    res = _scripted_learning(1, min_drop_full=0.0)
+    assert [r["status"] for r in res["runs"]] == ["ok", "error"]
+    assert res["status"] == "FAILED" and res["reason"] == "lora: RuntimeError: apply_lora broke"
 
 
 def test_learning_fails_a_zero_gradient_norm(monkeypatch):

@@ -1,5 +1,5 @@
-"""Row validation (rows already marked are kept), FLOP counting, the worker's spec round trip, and the timed run's
-tokens/s (over the timed steps only) and L2 gradient norm (no model runs)."""
+"""Row validation (an "ok" row checked again, other marks kept), FLOP counting, the worker's spec round trip, the
+protocol's defaults and optimizer, and the timed run's tokens/s (over the timed steps only) and L2 gradient norm."""
 
 import math
 
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from chronicals.bench import protocol
-from chronicals.bench.protocol import RunSpec, grad_norm, make_batches, timed_run, validate_row
+from chronicals.bench.contenders import get_contender
+from chronicals.bench.protocol import RunSpec, grad_norm, make_batches, make_optimizer, timed_run, validate_row
 from chronicals.bench.shapes import get_shape, matmul_params, model_config, train_flops_per_token
 from chronicals.bench.worker import parse_args, spec_argv
 
@@ -21,10 +22,13 @@ def test_validate_row_ok_and_min_norm():
     assert row["status"] == "ok" and row["min_grad_norm"] == 0.25
 
 
+@pytest.mark.parametrize("marked", [None, "ok"])
 @pytest.mark.parametrize("norms,why", [([1.0, 0.0, 1.0], "gradient norm 0"), ([1.0, math.nan], "not finite"),
                                        ([math.inf, 1.0], "not finite"), ([], "no timed steps")])
-def test_validate_row_failed(norms, why):
-    row = validate_row(_row(norms))
+def test_validate_row_failed(norms, why, marked):
+    """A row the worker already marked "ok" is checked again (bench.cli re-validates every worker row): keeping "ok"
+    rows as they came let a worker's verdict stand unchecked."""
+    row = validate_row(dict(_row(norms), status=marked))
     assert row["status"] == "FAILED" and why in row["reason"]
 
 
@@ -63,14 +67,39 @@ def test_spec_round_trip_through_worker_flags():
     assert spec.loss_tokens == 3 * 16
 
 
+def test_runspec_defaults_are_the_protocols():
+    """The protocol of ANCHORS.md: 16 x 1024 tokens, 4 warm-up + 12 timed steps, 16 * 1023 loss tokens per step; a
+    worker started without those flags uses the same values. Nothing pinned them (a warm-up of 2 passed)."""
+    s = RunSpec("x")
+    assert (s.rows, s.seq, s.warmup, s.steps, s.loss_tokens) == (16, 1024, 4, 12, 16_368)
+    a = parse_args(["--json-out", "x.json"])
+    assert (a.rows, a.seq, a.warmup, a.steps) == (16, 1024, 4, 12)
+    assert RunSpec("x", step="bench").step == "bench"
+
+
+def test_the_protocols_optimizer_and_full_lr():
+    """Every contender's optimizer is torch AdamW(betas=(0.9, 0.95), weight_decay=0, fused=True); lr=0 means the
+    protocol's LR_FULL (1e-5) for a full fine-tune. None of these was pinned: other betas, a weight decay, an unfused
+    AdamW or LR_FULL 1e-4 passed (LoRA's 1e-4 is test_runner's test_lora_groups_take_the_runs_lr)."""
+    assert (protocol.LR_FULL, protocol.LR_LORA) == (1e-5, 1e-4)
+    spec = RunSpec("chronicals-full", shape="tiny", rows=1, seq=8, device="cpu", impl="torch")
+    opt = get_contender("chronicals-full").build(spec, get_shape("tiny"), torch.device("cpu")).optimizer
+    assert isinstance(opt, torch.optim.AdamW) and [g["lr"] for g in opt.param_groups] == [pytest.approx(1e-5)]
+    assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["weight_decay"] == 0.0
+    assert opt.defaults["fused"] is True
+    p = torch.nn.Parameter(torch.ones(3))
+    assert make_optimizer([{"params": [p]}], torch.device("cpu"), 2e-3).param_groups[0]["lr"] == pytest.approx(2e-3)
+
+
 @pytest.mark.parametrize("bad,why", [({"seq": 1}, "seq >= 2"), ({"rows": 0}, "rows >= 1"), ({"steps": 0}, "steps >= 1"),
                                      ({"warmup": -1}, "warmup >= 0"), ({"layout": "padded"}, "layout"),
+                                     ({"step": "fast"}, "step='fast' must be 'trainer' or 'bench'"),
                                      ({"attention": "sdpa"}, "attention='sdpa' must be one of"),
                                      ({"batch": 3}, "unknown keys")])
 def test_runspec_rejects_bad_values(bad, why):
     """Refused in the parent, before a worker starts: rows=0 (no loss tokens), steps=0 (timed_run divided by zero
-    after the whole warm-up), a negative warm-up, and an attention kernel outside VARLEN_KERNELS (found only inside
-    the worker) were all accepted by a looser check."""
+    after the whole warm-up), a negative warm-up, an attention kernel outside VARLEN_KERNELS (found only inside
+    the worker) and an unknown step name were all accepted by a looser check."""
     with pytest.raises(ValueError, match=why):
         RunSpec.from_dict({"contender": "x", **bad})
 
@@ -106,7 +135,8 @@ def test_tokens_per_s_counts_loss_tokens_of_timed_steps_only(monkeypatch):
 
 def test_make_batches_follows_the_seed():
     """The same seed gives the same batches (every contender sees the same tokens) and another seed others; the
-    seed was ignored (--seed did nothing) and no test noticed. Batches are distinct, int64 and in the vocabulary."""
+    seed was ignored (--seed did nothing) and no test noticed. Batches are distinct, int64 and in the vocabulary,
+    its last id included (a range cut at vocab_size - 1 never drew it)."""
     a = make_batches(RunSpec("x", rows=2, seq=8, seed=0), 50, 2, "cpu")
     b = make_batches(RunSpec("y", rows=2, seq=8, seed=0), 50, 2, "cpu")
     c = make_batches(RunSpec("x", rows=2, seq=8, seed=1), 50, 2, "cpu")
@@ -114,6 +144,8 @@ def test_make_batches_follows_the_seed():
     assert not torch.equal(a[0], c[0])
     assert not torch.equal(a[0], a[1]) and a[0].dtype == torch.int64 and a[0].shape == (2, 8)
     assert int(torch.cat(a).min()) >= 0 and int(torch.cat(a).max()) < 50
+    (small,) = make_batches(RunSpec("x", rows=4, seq=64), 3, 1, "cpu")
+    assert sorted(torch.unique(small).tolist()) == [0, 1, 2]
 
 
 class _Recording(_Built):
@@ -151,6 +183,20 @@ def test_the_clock_is_read_after_a_synchronize_at_both_ends(monkeypatch):
     monkeypatch.setattr(protocol.time, "perf_counter", lambda: (events.append("clock"), float(len(events)))[1])
     timed_run(built, RunSpec("x", rows=1, seq=3, warmup=1, steps=2, device="cpu"), torch.device("cpu"))
     assert events == ["step", "sync", "clock", "step", "step", "sync", "clock"]
+
+
+def test_synchronize_and_peak_reset_use_the_rows_device(monkeypatch):
+    """On cuda:1 the clock waits for cuda:1 (not the current device) and the memory peak is reset on cuda:1; on CPU
+    neither is called. A check on str(device) == 'cuda' skipped cuda:N, so its peak counted the build's memory."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(("sync", a)))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: calls.append(("reset", a)))
+    dev = torch.device("cuda", 1)
+    protocol.synchronize(dev)
+    protocol.reset_peak_memory(dev)
+    protocol.synchronize(torch.device("cpu"))
+    protocol.reset_peak_memory(torch.device("cpu"))
+    assert calls == [("sync", (dev,)), ("reset", (dev,))]
 
 
 def test_each_grad_norm_is_one_steps_own():

@@ -1,14 +1,16 @@
 """Table formatting, MFU, and the result files (JSON + markdown + PNG, FAILED bars hatched)."""
 
+import datetime
 import json
+import math
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from chronicals.bench import report
-from chronicals.bench.report import (finish_row, markdown_table, report_markdown, table_cells, table_markdown,
-                                     write_report)
+from chronicals.bench.report import (correctness_markdown, finish_row, learning_markdown, markdown_table,
+                                     report_markdown, table_cells, table_markdown, write_report)
 
 
 def _ok_row(**kw):
@@ -88,11 +90,16 @@ def test_write_report_keeps_a_dotted_shape_name(tmp_path):
 
 
 def test_table_heading_states_the_limit_at_the_measured_peak():
-    """Each method's heading line gives its FLOP per token and, when a peak was measured, its limit in tokens/s at
-    that peak (100% MFU); a table without a peak (CPU) gets no limit clause."""
-    md = table_markdown({"title": "t", "rows_data": [finish_row(_ok_row(), 775.0)]}, 775.0)
+    """Each method's heading line gives its FLOP per token, its basis (LoRA: 4 x matmul params, not full's 6 x) and,
+    when a peak was measured, its limit in tokens/s at that peak (100% MFU); a table without a peak (CPU) gets no
+    limit clause."""
+    md = table_markdown({"title": "t", "rows_data": [finish_row(_ok_row(), 775.0),
+                                                     finish_row(_ok_row(method="lora", flops_per_token=2.1e9), 775.0)]},
+                        775.0)
     assert ("- full: 3.1 GFLOP per token (6 x matmul params + attention), limit 250,000 tokens/s at the measured "
             "peak") in md
+    assert ("- lora: 2.1 GFLOP per token (4 x matmul params + attention: frozen weights have no weight-gradient GEMM)"
+            ", limit 369,048 tokens/s at the measured peak") in md
     cpu = table_markdown({"title": "t", "rows_data": [finish_row(_ok_row(), None)]}, None)
     assert "- full: 3.1 GFLOP per token" in cpu and "limit" not in cpu
 
@@ -107,6 +114,67 @@ def _small_results(date="2026-11-30T10:00:00+00:00", sha="abc1234"):
     return {"environment": {"gpu": "NVIDIA H200", "date": date, "git_sha": sha, "versions": {}},
             "peak_tflops": 775.0, "plan": {"warmup": 4, "steps": 12, "note": ""},
             "tables": [{"title": "0.5B", "rows_data": [finish_row(_ok_row(), 775.0)]}]}
+
+
+def test_report_states_the_plan_its_note_and_its_checks():
+    """The protocol line gives the plan's warm-up and timed step counts in that order (3 warm-up + 7 timed here);
+    the plan's note (--quick's skips, a sweep's left-out checks) and the learning check's table are in the
+    markdown. Swapped counts, or a dropped note or learning section, passed."""
+    res = _small_results()
+    res["plan"] = {"warmup": 3, "steps": 7, "note": "--quick: 2 warm-up + 6 timed steps, contenders a, b"}
+    res["learning"] = {"rows": 2, "seq": 32, "steps": 5, "shape": "tiny", "status": "ok",
+                       "runs": [{"method": "full", "losses": [6.0, 3.0], "min_grad_norm": 0.5, "status": "ok",
+                                 "reason": ""}]}
+    md = report_markdown(res)
+    assert "3 warm-up + 7 timed steps between synchronizations" in md
+    assert "\n--quick: 2 warm-up + 6 timed steps, contenders a, b\n" in md
+    assert "### Learning check: chronicals on a periodic sequence (2 x 32, 5 steps, tiny shape)" in md
+    assert "| full | 6.000 -> 3.000 | 0.5 | ok |" in md
+
+
+def test_max_context_rows_say_none_the_failure_or_the_cap():
+    """The longest-context table: a contender that trained up to the cap says '<cap> is the cap' (the cell was
+    blank); one that failed says its first failure; one that trained nothing says 'none'."""
+    res = _small_results()
+    res["max_context"] = [
+        {"shape": "tiny", "contender": "a", "max_ok": 256, "first_failure": "", "cap": 256, "peak_gib": 0.5,
+         "tokens_per_s": 1234.0},
+        {"shape": "tiny", "contender": "b", "max_ok": 128, "first_failure": "seq 256: OOM out of memory", "cap": 256,
+         "peak_gib": 0.25, "tokens_per_s": 99.0},
+        {"shape": "tiny", "contender": "c", "max_ok": None, "first_failure": "seq 64: error boom", "cap": 256,
+         "peak_gib": None, "tokens_per_s": None}]
+    md = report_markdown(res)
+    assert "| tiny | a | 256 | 0.5 | 1,234 | 256 is the cap |" in md
+    assert "| tiny | b | 128 | 0.2 | 99 | seq 256: OOM out of memory |" in md
+    assert "| tiny | c | none | n/a | n/a | seq 64: error boom |" in md
+
+
+def test_correctness_row_puts_each_number_in_its_column():
+    """The parity table's columns in order: fp32 reference, transformers bf16, chronicals for the loss and for the
+    grad norm, then the cosine 'transformers / chronicals'. Every value distinct, so a swap shows (no test had a
+    parity row with numbers)."""
+    p = {"method": "full", "loss_ref": 1.0, "loss_hf": 2.0, "loss_ours": 3.0, "grad_norm_ref": 4.0,
+         "grad_norm_hf": 5.0, "grad_norm_ours": 6.0, "grad_cos_hf": 0.9, "grad_cos_ours": 0.8, "status": "ok",
+         "reason": ""}
+    md = correctness_markdown({"rows": 4, "seq": 1024, "shape": "0.5b", "status": "ok", "parity": [p]})
+    assert "| full | 1.0000 | 2.0000 | 3.0000 | 4 | 5 | 6 | 0.90000 / 0.80000 | ok |" in md
+
+
+def test_learning_table_rows_and_a_check_level_error():
+    """A run's row: first -> LAST loss (of 4, not the second), its min grad norm, and its status with the reason; a
+    check that ended in an error (no runs judged) says so under the table. learning_markdown was untested."""
+    res = {"rows": 8, "seq": 512, "steps": 40, "shape": "0.5b", "status": "FAILED",
+           "runs": [{"method": "full", "losses": [6.0, 5.0, 4.0, 3.0], "min_grad_norm": 0.25, "status": "ok",
+                     "reason": ""},
+                    {"method": "lora", "losses": [6.0, 5.9], "min_grad_norm": 0.5, "status": "FAILED",
+                     "reason": "loss did not fall by 15% of its first value"}]}
+    md = learning_markdown(res)
+    assert "(8 x 512, 40 steps, 0.5b shape)" in md
+    assert "| full | 6.000 -> 3.000 | 0.25 | ok |" in md
+    assert "| lora | 6.000 -> 5.900 | 0.5 | FAILED: loss did not fall by 15% of its first value |" in md
+    err = learning_markdown({"rows": 8, "seq": 512, "steps": 40, "shape": "0.5b", "status": "timeout",
+                             "reason": "worker timed out after 600 s", "runs": []})
+    assert err.rstrip().endswith("timeout: worker timed out after 600 s")
 
 
 def test_a_second_run_of_one_plan_on_one_day_keeps_the_first(tmp_path):
@@ -209,6 +277,21 @@ def test_a_failed_rows_json_is_strict_json_and_its_cell_says_nan(tmp_path):
     assert saved["tables"][0]["rows_data"][0]["min_grad_norm"] == "nan"
     assert saved["tables"][0]["rows_data"][0]["grad_norms"] == [1.0, "inf"]
     assert "| nan |" in paths["md"].read_text()
+    assert report.finite_json({"t": (1.0, math.nan, (math.inf,))}) == {"t": [1.0, "nan", ["inf"]]}  # tuples too
+
+
+def test_environment_date_is_utc_and_versions_go_past_a_missing_package(monkeypatch):
+    """The date in the result file names and headings is UTC (an ISO time with +00:00), so machines in other time
+    zones name one moment's run alike (a local naive time had no offset); a package that is not installed (unsloth
+    on most machines) is left out of the versions and the packages after it are still read (not the list's end)."""
+    monkeypatch.setenv("CHRONICALS_GIT_SHA", "abc1234")
+    monkeypatch.setattr(report, "PACKAGES", ("no-such-package-installed", "torch"))
+    env = report.environment("cpu")
+    when = datetime.datetime.fromisoformat(env["date"])
+    assert env["date"].endswith("+00:00") and when.utcoffset() == datetime.timedelta(0)
+    assert abs((datetime.datetime.now(datetime.timezone.utc) - when).total_seconds()) < 60
+    assert env["gpu"] == "cpu" and env["git_sha"] == "abc1234"
+    assert set(env["versions"]) == {"python", "torch"} and env["versions"]["torch"]
 
 
 def test_out_with_a_tilde_is_the_home_directory(tmp_path, monkeypatch):
