@@ -5,12 +5,15 @@ them (such directories used to be refused with "config.json and the weights disa
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 import transformers
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from chronicals.models import ModelConfig
+from chronicals.models.config import rope_inv_freq
 from chronicals.models.hf_io import load_hf_dir
 
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1, max_position_embeddings=64)
@@ -70,6 +73,37 @@ def test_null_max_positions_and_attention_dropout_read_and_save_as_their_default
     assert cfg.attention_dropout == 0.0 and isinstance(cfg.attention_dropout, float)
     saved = cfg.to_hf_dict()
     assert (saved["max_position_embeddings"], saved["attention_dropout"]) == (max_pos, 0.0)
+
+
+def test_a_negative_attention_dropout_is_refused(tiny_hf_config):
+    """A negative attention_dropout is no probability (transformers' training forward fails on it): it is refused
+    naming the field, where the check for training with attention dropout (> 0) let it pass as "no dropout"."""
+    with pytest.raises(ValueError, match=r"^config\.json: attention_dropout=-0\.1 must be a number >= 0; fix "
+                                         r"config\.json"):
+        ModelConfig.from_hf_dict(tiny_hf_config("llama2", attention_dropout=-0.1))
+
+
+def test_yarn_mscale_without_mscale_all_dim_takes_the_default_attention_factor(tiny_hf_config):
+    """A yarn rope with mscale but no mscale_all_dim takes the default attention factor 0.1 ln(factor) + 1, as
+    transformers does (the mscale ratio needs both keys); reading the ratio when either key was set divided by
+    _yarn_mscale(factor, None) and refused a config transformers loads."""
+    rope = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 2048,
+            "mscale": 0.707}
+    d = tiny_hf_config("llama2", rope_parameters=rope, max_position_embeddings=8192)
+    inv, attn = rope_inv_freq(ModelConfig.from_hf_dict(d))
+    assert attn == 0.1 * math.log(4.0) + 1.0
+    hf = transformers.LlamaConfig(**{k: v for k, v in d.items() if k != "model_type"})
+    want_inv, want_attn = ROPE_INIT_FUNCTIONS["yarn"](hf, torch.device("cpu"))
+    assert attn == want_attn and torch.equal(inv, want_inv)
+
+
+def test_a_saved_qwen2_config_has_no_attention_bias(tiny_hf_config):
+    """transformers' Qwen2Config writes no attention_bias (Qwen2 has q/k/v biases whatever such a key says; a
+    "attention_bias": false beside them misdescribes the model to other readers): a Qwen2 config.json that carried
+    the key is saved without it, and saved again reads back the same."""
+    d = ModelConfig.from_hf_dict(tiny_hf_config("qwen2", attention_bias=False)).to_hf_dict()
+    assert "attention_bias" not in d
+    assert ModelConfig.from_hf_dict(d).to_hf_dict() == d
 
 
 def test_weights_that_do_not_fit_the_default_name_the_absent_key(tmp_path):

@@ -4,13 +4,17 @@ values), read back by chronicals and compared with the transformers model on the
 
 from __future__ import annotations
 
+import json
+
 import gguf
 import numpy as np
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 
 import chronicals
+from chronicals.models import convert_gguf
 from chronicals.models.gguf_tokenizer import READS_TOKENIZER_MODEL, transformers_version
 from test_gguf import _gguf_name, llama_cpp_rows  # llama.cpp's names and layout, apart from gguf_io's own
 
@@ -90,6 +94,17 @@ def test_rope_scaling_type_none_never_scales(tmp_path):
     path = tmp_path / "none.gguf"
     write_gguf(path, "llama", m, extra=lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.NONE),
                                                   w.add_rope_scaling_factor(4.0)))
+    ours, _ = chronicals.load_model(path, tokenizer=False)
+    assert ours.config.rope_scaling is None and _rel_err(ours, m) <= 1e-5
+
+
+@pytest.mark.parametrize("key", ["llama.rope.scaling.factor", "llama.rope.scale_linear"])
+def test_a_zero_rope_scaling_factor_is_no_scaling(tmp_path, key):
+    """A rope.scaling.factor (or the older rope.scale_linear) of 0 means "no scaling", as llama.cpp reads it
+    (`if (ropescale != 0.0f)`): read as a linear rope of factor 0, a valid file was refused by ModelConfig."""
+    m = hf_model("llama")
+    path = tmp_path / "zero_factor.gguf"
+    write_gguf(path, "llama", m, extra=lambda w: w.add_key_value(key, 0.0, gguf.GGUFValueType.FLOAT32))
     ours, _ = chronicals.load_model(path, tokenizer=False)
     assert ours.config.rope_scaling is None and _rel_err(ours, m) <= 1e-5
 
@@ -295,10 +310,12 @@ def test_a_zero_block_count_in_a_gguf_does_not_ask_for_a_config_json(tmp_path):
 
 
 @pytest.mark.parametrize("skip, key, says", [("rope_freq_base", "llama.rope.freq_base", "a number"),
-                                             ("context_length", "llama.context_length", "an integer")])
+                                             ("context_length", "llama.context_length", "an integer"),
+                                             (None, "tokenizer.ggml.eos_token_id", "a token id")])
 def test_a_boolean_where_a_number_belongs_is_refused(tmp_path, skip, key, says):
     """A bool is an int to Python: a damaged file's rope.freq_base=true loaded as rope_theta 1.0 (every rotary angle
-    wrong, silently) and context_length=true as a one-token context."""
+    wrong, silently), context_length=true as a one-token context, and tokenizer.ggml.eos_token_id=true went into
+    config.json as eos_token_id true, which no generated token id equals."""
     path = tmp_path / "m.gguf"
     write_gguf(path, "llama", hf_model("llama"), skip=(skip,),
                extra=lambda w: w.add_key_value(key, True, gguf.GGUFValueType.BOOL))
@@ -316,3 +333,15 @@ def test_a_negative_token_id_is_refused(tmp_path, key):
     with pytest.raises(ValueError, match=rf"^{path}: metadata tokenizer\.ggml\.{key}=-1 is not a token id "
                                          r"\(an integer >= 0\)"):
         chronicals.load_model(path, tokenizer=False)
+
+
+def test_converted_config_json_records_float32(tmp_path):
+    """convert_gguf writes config.json with dtype "float32", the dtype of the safetensors it writes, so transformers'
+    from_pretrained(dtype="auto") loads the dequantized weights as they are (another dtype there rounds every weight
+    on load)."""
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", hf_model("llama"))
+    out = convert_gguf(path, tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"F32"}

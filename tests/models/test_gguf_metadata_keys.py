@@ -41,6 +41,23 @@ def test_a_missing_required_key_is_named(tmp_path, skip, key):
         chronicals.load_model(path, tokenizer=False)
 
 
+@pytest.mark.parametrize("skip, over, field, value", [
+    ("layer_norm_rms_eps", dict(rms_norm_eps=1e-6), "rms_norm_eps", 1e-6),  # transformers' LlamaConfig default
+    ("rope_freq_base", dict(rope_theta=10000.0), "rope_theta", 10000.0),  # llama.cpp's rope_freq_base_train default
+    ("context_length", {}, "max_position_embeddings", 4096),  # ModelConfig's default: generation's context limit
+])
+def test_an_absent_optional_key_takes_its_default(tmp_path, skip, over, field, value):
+    """A GGUF without attention.layer_norm_rms_epsilon, rope.freq_base or context_length loads with the default
+    llama.cpp and transformers use (the logits equal such a transformers model's), not some other epsilon, theta or
+    context length."""
+    m = hf_model("llama", **over)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", m, skip=(skip,))
+    ours, _ = chronicals.load_model(path, tokenizer=False)
+    assert getattr(ours.config, field) == value
+    assert _rel_err(ours, m) <= 1e-5
+
+
 def test_a_gguf_without_vocab_size_loads_with_the_embeddings_rows(tmp_path):
     """llama.cpp's converter wrote no {arch}.vocab_size before 2024: the size is then token_embd.weight's last GGUF
     dimension (its shape is (hidden, vocab)); the first one, the hidden size, refused every such file as damaged."""

@@ -125,6 +125,17 @@ def test_qwen_window_follows_transformers_layer_types(family, kw, with_layer_typ
     assert cfg.to_hf_dict()["sliding_window"] == d["sliding_window"]  # written back as read
 
 
+@pytest.mark.parametrize("over", [{"sliding_window": 16},
+                                  {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 0}])
+def test_llama_has_no_sliding_window(tiny_hf_config, over):
+    """transformers' Llama ignores sliding_window and use_sliding_window: a llama config.json carrying Qwen2-style
+    keys (edited from a Qwen2 one) attends over the full causal window, so rows past 16 tokens are not refused, and
+    its sliding_window is written back unchanged."""
+    cfg = ModelConfig.from_hf_dict(tiny_hf_config("llama2", **over))
+    assert cfg.sliding_window is None
+    assert cfg.to_hf_dict()["sliding_window"] == 16
+
+
 def test_qwen_without_sliding_layers_runs_past_the_window():
     cfg = ModelConfig.from_hf_dict(_qwen("qwen2", use_sliding_window=True, max_window_layers=3).to_dict())
     model = CausalLM(cfg).init_weights(seed=0)
@@ -148,4 +159,12 @@ def test_a_bad_max_window_layers_names_the_field(value):
     d.pop("layer_types", None)
     d["max_window_layers"] = value
     with pytest.raises(ValueError, match=rf"max_window_layers={value!r} must be an integer >= 0"):
+        ModelConfig.from_hf_dict(d)
+
+
+def test_use_sliding_window_as_a_string_is_refused(tiny_hf_config):
+    """use_sliding_window must be a JSON boolean: the string "false" is truthy, and read as it is it turned a Qwen2
+    model's sliding window on (longer rows refused, config.json saying so), the opposite of what the file says."""
+    d = tiny_hf_config("qwen2", use_sliding_window="false", sliding_window=16, max_window_layers=0)
+    with pytest.raises(ValueError, match=r"^config\.json: use_sliding_window='false' must be true or false"):
         ModelConfig.from_hf_dict(d)
