@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from chronicals.lora import LoRALinear, apply_lora, lora_linear_ref, merge_lora
+from chronicals.lora import group as group_mod
 from chronicals.lora.group import LoRAGroup, LoRAGroupFunction, bind_groups, why_not
 from chronicals.lora.layer import draw_mask
 from chronicals.ops import dropout as D
@@ -72,6 +73,23 @@ def test_group_matches_per_module_reference_float64(fin, spec, bias, x_grad):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"gradient {i}")
 
 
+def test_float32_adapters_on_a_float64_base_scale_b_in_the_base_dtype():
+    """M holds s_i B_i: with float32 adapters on a float64 base both A and B are cast to float64 (exactly) before
+    B is scaled, as LoRALinear does. Casting only A let torch.mul(B_fp32, s) round s B to float32 (s = 7/3 here;
+    the model test's s = 2 is exact): an output off by ~1e-8 relative."""
+    mods = _members(7, [(5, 3), (2, 1), (2, 2)], bias=True)
+    for m in mods:
+        m.lora_A.weight = nn.Parameter(m.lora_A.weight.detach().float())
+        m.lora_B.weight = nn.Parameter(m.lora_B.weight.detach().float())
+    assert abs(mods[0].scaling - 7 / 3) < 1e-15
+    x = torch.randn(2, 3, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    want = torch.cat([lora_linear_ref(x, m.weight, m.bias, m.lora_A.weight.double(), m.lora_B.weight.double(),
+                                      m.scaling) for m in mods], dim=-1)
+    group = LoRAGroup(mods)
+    with torch.no_grad():
+        torch.testing.assert_close(group(x), want, rtol=1e-13, atol=1e-13)
+
+
 @pytest.mark.parametrize("fin,spec", MEMBERS)
 @pytest.mark.parametrize("drops", [(0.25, 0.5, 0.1), (0.0, 0.3, 0.0)])
 def test_group_with_dropout_matches_per_module_reference_float64(fin, spec, drops):
@@ -128,6 +146,18 @@ def test_second_backward_with_dropout_gives_the_first_ones_gradients(need_x):
         assert torch.equal(a, b), f"gradient {i}"
 
 
+def test_recipe_output_carries_no_graph():
+    """The recipe handed to ops.recompute only rebuilds the forward's bits: called with grad mode on (a direct
+    caller, or a backward with create_graph) it must record no graph on A (without no_grad its GEMMs did, keeping x,
+    A_all and the cat alive)."""
+    group = LoRAGroup(_members(7, [(5, 3), (2, 1)], bias=True))
+    x = torch.randn(2, 3, 7, dtype=torch.float64)
+    y, recipe = group.with_recipe(x)
+    again = recipe()
+    assert not again.requires_grad and again.grad_fn is None
+    assert torch.equal(again, y.detach())
+
+
 def test_eval_with_dropout_configured_takes_the_plain_one_gemm_path():
     """Dropout only applies in training: in eval a group whose members have dropout draws no masks and runs the
     same ops as one without (one GEMM for every member's x A_i^T). Drawing a tuple of Nones in eval had sent it down
@@ -162,6 +192,51 @@ def test_backward_writes_dx_in_place_without_a_copy():
     assert dx.stride() == (3 * (fin + 8), fin + 8, 1)  # a view of the (N, in + R) GEMM output
 
 
+def test_dropout_backward_takes_the_dropped_input_for_da_from_the_dx_pass(monkeypatch):
+    """With dx and dA both needed, add_branch_dx_ hands back drop_i(x) from the pass that adds member i's rank-r term
+    to dx; the backward must not build it again with branch_input and a draw (a second dropout pass and mask over
+    (N, in) per dropout member: same values, twice the work). A member without dropout reads x itself."""
+    mods = _members(13, [(11, 4), (5, 2), (5, 2)], bias=False)
+    for m, p in zip(mods, (0.5, 0.0, 0.3)):
+        m.dropout = p
+    group = LoRAGroup(mods)
+    x = torch.randn(2, 3, 13, dtype=torch.float64, requires_grad=True)
+    torch.manual_seed(4)
+    y = group(x)
+    draws = []
+    real = group_mod.branch_input
+    monkeypatch.setattr(group_mod, "branch_input", lambda x2, d: (d is not None and draws.append(d)) or real(x2, d))
+    y.backward(torch.randn_like(y))
+    assert draws == []
+    assert all(m.lora_A.weight.grad.abs().sum() > 0 for m in mods)
+
+
+def test_backward_runs_no_gemm_for_a_frozen_a_or_b(monkeypatch):
+    """Only the gradients asked for are computed: a frozen B gets no dB (mm_scaled) and a frozen A no dA GEMM
+    (exactly one aten.mm fewer). Both were computed and then dropped by autograd: same values, wasted GEMMs."""
+    def backward_ops(freeze_a=False, freeze_b=False):
+        mods = _members(13, [(11, 4), (5, 2)], bias=False)
+        for m in mods:
+            m.lora_A.weight.requires_grad_(not freeze_a)
+            m.lora_B.weight.requires_grad_(not freeze_b)
+        group = LoRAGroup(mods)
+        x = torch.randn(2, 3, 13, dtype=torch.float64, requires_grad=True)
+        y = group(x)
+        with _Ops() as ops:
+            y.backward(torch.ones_like(y))
+        return ops.names
+
+    db_calls = []
+    real = group_mod.mm_scaled
+    monkeypatch.setattr(group_mod, "mm_scaled", lambda *a: db_calls.append(1) or real(*a))
+    backward_ops(freeze_b=True)
+    assert db_calls == []
+    trained = backward_ops()
+    assert len(db_calls) == 2  # one dB per member when B trains
+    frozen_a = backward_ops(freeze_a=True)
+    assert frozen_a.count("aten.mm") == trained.count("aten.mm") - 1, (frozen_a, trained)
+
+
 def test_members_share_one_buffer_and_keep_their_state_dict():
     mods = _members(7, [(5, 3), (2, 1)], bias=True)
     keys = [sorted(m.state_dict()) for m in mods]
@@ -177,6 +252,42 @@ def test_members_share_one_buffer_and_keep_their_state_dict():
     assert torch.equal(mat[:5, 7 + 3:], torch.zeros(5, 1, dtype=mat.dtype))
     assert torch.equal(mat[5:, 7:7 + 3], torch.zeros(2, 3, dtype=mat.dtype))
     torch.testing.assert_close(mat[5:, 10:], mods[1].lora_B.weight * mods[1].scaling)
+
+
+def test_grouped_members_drop_their_own_concat_buffer():
+    """concat=True members hold a persistent [W | s B] buffer; in a group W lives in the group's M, so each member's
+    buffer (a full copy of the old W) is released, not kept beside M. Also so for gate/up grouped by apply_lora."""
+    g = torch.Generator().manual_seed(0)
+    mods = [LoRALinear(nn.Linear(4, n, dtype=torch.float64), r=2, alpha=3, concat=True, generator=g) for n in (9, 3)]
+    assert all(m._wcat is not None for m in mods)
+    olds = [weakref.ref(m._wcat) for m in mods]
+    group = LoRAGroup(mods)
+    gc.collect()
+    assert all(m._wcat is None for m in mods)
+    assert [o() for o in olds] == [None, None]
+    assert mods[0].weight.data_ptr() == group._mat.data_ptr()
+    model = tiny_model("llama")
+    apply_lora(model, r=2, alpha=4, concat=True)
+    mlp = model.model.layers[0].mlp
+    assert mlp.__dict__.get("lora_gate_up") is not None
+    assert mlp.gate_proj._wcat is None and mlp.up_proj._wcat is None
+
+
+def test_calls_reuse_the_bound_buffer(caplog):
+    """Once bound, the group keeps M across calls and only refreshes its s B blocks in place (B changed by an
+    optimizer step): no rebuild of M (a full copy of every W) and no "rebinding" log line per call."""
+    mods = _members(7, [(5, 3), (2, 1), (2, 2)], bias=False)
+    group = LoRAGroup(mods)
+    mat = group._mat
+    x = torch.randn(3, 7, dtype=torch.float64)
+    with caplog.at_level(logging.INFO, logger="chronicals"):
+        for step in range(2):
+            with torch.no_grad():
+                mods[2].lora_B.weight.add_(1.0)  # an optimizer step, in place
+            group(x)
+            assert group._mat is mat, step
+    assert "rebinding" not in caplog.text
+    torch.testing.assert_close(mat[7:, 7 + 4:], mods[2].lora_B.weight * mods[2].scaling)
 
 
 def test_why_not_names_the_reason():
@@ -215,6 +326,8 @@ MISMATCHES = {  # members that cannot share one GEMM -> the reason why_not gives
     "B dtype": (lambda: _b_in_float32(_members(7, [(5, 3), (2, 1)], bias=False)), "the adapters differ in dtype"),
     "bias mix": (lambda: _members(7, [(5, 3)], bias=True) + _members(7, [(3, 2)], bias=False, seed=1),
                  "some have a bias and some do not"),
+    "meta device": (lambda: [LoRALinear(nn.Linear(6, n, bias=False, device="meta"), r=2, alpha=4) for n in (6, 3)],
+                    "the weights are on the meta device"),
 }
 
 
@@ -222,8 +335,9 @@ MISMATCHES = {  # members that cannot share one GEMM -> the reason why_not gives
 def test_why_not_names_each_mismatch_and_the_group_refuses_it(case):
     """The group's one GEMM reads one x, calls no member (so a hook would never run), holds s B in W's dtype and adds
     one cat of the biases: a member with a hook, another in_features, another base or B dtype, or a bias where the
-    others have none is refused by name. Without each check the group formed (and skipped the hook, or failed inside
-    cat / mm), or, for the base dtype, the log blamed the adapters."""
+    others have none is refused by name, and so are weights on the meta device (nothing to copy into M). Without each
+    check the group formed (and skipped the hook, or failed inside cat / mm, or built a meta M), or, for the base
+    dtype, the log blamed the adapters."""
     make, reason = MISMATCHES[case]
     mods = make()
     assert why_not(mods) == reason
@@ -325,20 +439,36 @@ def test_to_frees_the_old_shared_buffer_before_the_next_call():
     assert [o() for o in olds] == [None] * len(olds)
 
 
+def test_bind_during_cuda_graph_capture_raises_and_keeps_the_buffer(monkeypatch):
+    """A rebind allocates M and copies every W: inside a CUDA-graph capture it would bake a fresh allocation into the
+    graph, so bind() raises (move or load the model before the first step) and leaves M alone (capture faked on the
+    CPU; the check was untested)."""
+    group = LoRAGroup(_members(7, [(5, 3), (2, 1)], bias=False))
+    mat = group._mat
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="changed storage during CUDA-graph capture"):
+        group.bind()
+    assert group._mat is mat
+
+
 def test_merge_frees_each_group_and_its_buffer_without_the_cycle_collector():
     """Each member points at its group (m.group) and the group at its members: merge_lora breaks that cycle, so the
     group and its (sum out, in + R) buffer (the q/k/v or gate/up weights' old storage) are freed by reference
-    counting at once, not left for a later gc pass (with gc disabled they stayed alive)."""
+    counting at once, not left for a later gc pass (with gc disabled they stayed alive). No module keeps a group
+    attribute: the gate/up groups had been left on the MLPs, their buffers alive."""
     model = tiny_model("llama")
     apply_lora(model, r=2, alpha=4)
-    group = model.model.layers[0].self_attn.lora_qkv
-    wg, wm = weakref.ref(group), weakref.ref(group._mat)
-    del group
+    layer = model.model.layers[0]
+    groups = [layer.self_attn.lora_qkv, layer.mlp.lora_gate_up]
+    refs = [weakref.ref(o) for g in groups for o in (g, g._mat)]
+    del groups
     gc.collect()
     gc.disable()
     try:
         merge_lora(model)
-        assert wg() is None and wm() is None
+        assert not any(a in m.__dict__ for m in model.modules() for a in ("lora_qkv", "lora_gate_up"))
+        assert [r() for r in refs] == [None] * 4
     finally:
         gc.enable()
 
@@ -366,6 +496,23 @@ def test_a_hook_added_after_apply_lora_runs_and_an_unfrozen_base_weight_is_refus
         model(ids)
     with torch.no_grad():
         model(ids)  # no gradient: nothing to lose
+
+
+def test_a_pre_hook_added_after_apply_lora_runs(ids):
+    """As a forward hook, a forward pre-hook put on up_proj after apply_lora makes the gate/up members run apart, so
+    it runs once, with the same logits (a pre-hook added late was skipped without a word)."""
+    model = tiny_model("qwen2").double()
+    apply_lora(model, r=4, alpha=8)
+    randomize_lora_b(model)
+    with torch.no_grad():
+        want = model(ids)
+    seen = []
+    up = model.model.layers[1].mlp.up_proj
+    handle = up.register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), want, rtol=1e-12, atol=1e-12)
+    assert seen == [(*ids.shape, up.in_features)]
+    handle.remove()
 
 
 def test_a_base_weight_given_new_storage_from_outside_is_followed(ids):

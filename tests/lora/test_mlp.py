@@ -143,6 +143,24 @@ def test_function_gradcheck():
     assert torch.autograd.gradcheck(fn, (gate, up, a, b))
 
 
+@pytest.mark.parametrize("which", ["gate", "up"])
+def test_function_with_only_gate_or_only_up_needing_a_gradient(which):
+    """LoRA on up_proj (or gate_proj) and down_proj only: in layer 0 the other projection's output needs no
+    gradient. The SwiGLU backward must still run for the one that does (keyed on gate alone, up got no gradient and
+    autograd raised "not used in the graph"): its gradient and dA as the float64 reference's."""
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    gate, up, a, b, w, dy = rnd(2, 3, 5), rnd(2, 3, 5), rnd(2, 5), rnd(4, 2), rnd(4, 5), rnd(2, 3, 4)
+    t = (gate if which == "gate" else up).requires_grad_()
+    a.requires_grad_()
+    y = LoRASwiGLUDownFunction.apply(gate, up, w, None, a, b, 1.3, None, False, None, "torch")
+    got = torch.autograd.grad(y, [t, a], dy)
+    act = swiglu_ref(gate, up)
+    want = torch.autograd.grad(nn.functional.linear(act, w) + 1.3 * (act @ a.t()) @ b.t(), [t, a], dy)
+    for x_, y_ in zip(got, want):
+        torch.testing.assert_close(x_, y_, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
 def test_triton_swiglu_inside_lora_mlp():
     """impl="triton": the recompute and the SwiGLU backward run the ops' kernels; fp32 vs the torch path."""
@@ -290,6 +308,23 @@ def test_concat_buffer_is_w_itself_and_follows_b():
     assert lin.weight.is_contiguous() and layer._wcat is None
 
 
+def test_concat_down_proj_passes_its_persistent_buffer(monkeypatch, ids):
+    """A concat=True LoRA down_proj hands its persistent [W | s B] to the SwiGLU-down function: neither forward nor
+    backward calls concat_weight (which built a new [W | s B], a copy of all of W, on every call)."""
+    import chronicals.lora.mlp as mlp_mod
+
+    model = tiny_model("llama").train()
+    apply_lora(model, r=2, alpha=4, concat=True, target_modules=("down_proj",))
+    randomize_lora_b(model)
+    calls = []
+    real = mlp_mod.concat_weight
+    monkeypatch.setattr(mlp_mod, "concat_weight", lambda *a: calls.append(1) or real(*a))
+    loss = model(ids, shift_labels=torch.roll(ids, -1, 1), reduction="sum")
+    loss.backward()
+    assert calls == []
+    assert model.model.layers[1].mlp.down_proj.lora_A.weight.grad.abs().sum() > 0
+
+
 def test_merge_gives_contiguous_weights(ids):
     model = tiny_model()
     apply_lora(model, r=2, alpha=4, concat=True)
@@ -323,3 +358,77 @@ def test_triton_backward_with_separate_gate_up_or_a_frozen_lora_a(packed, need_a
 
     for i, (x_, y_) in enumerate(zip(grads(torch.float32, "triton"), grads(torch.float64, "torch"))):
         torch.testing.assert_close(x_.double(), y_, rtol=1e-5, atol=1e-5, msg=f"output/grad {i}")
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
+def test_triton_packed_gu_needing_no_gradient_still_trains_the_adapters():
+    """Packed gu with no gradient (gate/up adapters frozen) on Triton: d_act is never computed, so the backward must
+    take the recompute path (the act-writing kernel ran on a None d_act: a TypeError). dA and dB as the torch path's."""
+    g = torch.Generator().manual_seed(4)
+    gu0, a0, b0 = torch.randn(3, 5, 48, generator=g), torch.randn(4, 24, generator=g), torch.randn(10, 4, generator=g)
+    w, dy = torch.randn(10, 24, generator=g), torch.randn(3, 5, 10, generator=g)
+
+    def grads(dtype, impl):
+        a, b = a0.to(dtype, copy=True).requires_grad_(), b0.to(dtype, copy=True).requires_grad_()
+        y = LoRASwiGLUDownFunction.apply(gu0.to(dtype), None, w.to(dtype), None, a, b, 1.3, None, False, None, impl,
+                                         True)
+        return torch.autograd.grad(y, [a, b], dy.to(dtype))
+
+    for x_, y_ in zip(grads(torch.float32, "triton"), grads(torch.float64, "torch")):
+        torch.testing.assert_close(x_.double(), y_, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("concat,p", [(False, 0.0), (True, 0.25)])
+def test_triton_backward_with_strided_gate_up_or_d_act(concat, p):
+    """The Triton SwiGLU backward reads flat contiguous memory: separate gate/up that are row-strided views of one
+    wider tensor, and (concat with dropout) a d_act that is a view into lora_backward's (N, in + r) GEMM output, are
+    made contiguous first. Passed as they are, dgate/dup came out wrong. Gradients as the torch path's."""
+    g = torch.Generator().manual_seed(4)
+    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    fi, fo, r, lead = 24, 10, 4, (3, 5)
+    gu0, a0, b0, w, dy = rnd(*lead, 2 * fi), rnd(r, fi), rnd(fo, r), rnd(fo, fi), rnd(*lead, fo)
+    torch.manual_seed(1)
+    draw = D.draw(p, "cpu") if p else None
+
+    def grads(dtype, impl):
+        gu = gu0.to(dtype, copy=True).requires_grad_()
+        a, b = a0.to(dtype, copy=True).requires_grad_(), b0.to(dtype, copy=True).requires_grad_()
+        gate, up = gu[..., :fi], gu[..., fi:]  # row stride 2I
+        y = LoRASwiGLUDownFunction.apply(gate, up, w.to(dtype), None, a, b, 1.3, draw, concat, None, impl)
+        return [y, *torch.autograd.grad(y, [gu, a, b], dy.to(dtype))]
+
+    for i, (x_, y_) in enumerate(zip(grads(torch.float32, "triton"), grads(torch.float64, "torch"))):
+        torch.testing.assert_close(x_.double(), y_, rtol=1e-5, atol=1e-5, msg=f"output/grad {i}")
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
+def test_triton_fused_backward_with_a_column_strided_gu():
+    """The act-writing kernel assumes unit column stride: a column-strided gu (a transpose) is laid out first.
+    Passed as a plain reshape it gave wrong gradients. Output and gradients as the torch path's."""
+    g = torch.Generator().manual_seed(5)
+    base, a0, b0 = torch.randn(48, 15, generator=g), torch.randn(4, 24, generator=g), torch.randn(10, 4, generator=g)
+    w, dy = torch.randn(10, 24, generator=g), torch.randn(15, 10, generator=g)
+
+    def grads(dtype, impl):
+        t = base.to(dtype, copy=True).requires_grad_()
+        a, b = a0.to(dtype, copy=True).requires_grad_(), b0.to(dtype, copy=True).requires_grad_()
+        y = LoRASwiGLUDownFunction.apply(t.t(), None, w.to(dtype), None, a, b, 1.3, None, False, None, impl, True)
+        return [y, *torch.autograd.grad(y, [t, a, b], dy.to(dtype))]
+
+    for i, (x_, y_) in enumerate(zip(grads(torch.float32, "triton"), grads(torch.float64, "torch"))):
+        torch.testing.assert_close(x_.double(), y_, rtol=1e-5, atol=1e-5, msg=f"output/grad {i}")
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
+def test_packed_triton_backward_leaves_gu_alone_by_default():
+    """in_place defaults to False: a caller that omits it keeps its gu (with True as the default, the fused backward
+    wrote d_gu over it)."""
+    g = torch.Generator().manual_seed(3)
+    gu = torch.randn(3, 7, 16, generator=g).requires_grad_()
+    a, b = torch.randn(4, 8, generator=g).requires_grad_(), torch.randn(10, 4, generator=g).requires_grad_()
+    w = torch.randn(10, 8, generator=g)
+    before = gu.detach().clone()
+    y = LoRASwiGLUDownFunction.apply(gu, None, w, None, a, b, 1.3, None, False, None, "triton", True)
+    y.sum().backward()
+    assert torch.equal(gu.detach(), before)
