@@ -256,7 +256,9 @@ class DecoderModel(nn.Module):
                              "Use the model's own tokenizer, or grow the embedding for the new tokens") from None
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, self.attention_scaling, dtype=h.dtype)
         residual = None
-        n_ckpt = self.opts.checkpointed_layers(len(self.layers)) if training else 0
+        # not with caches: a checkpointed layer took none (it attended over the new tokens alone and left its cache
+        # empty), and a recompute in backward would append the same keys twice (a mutation walk)
+        n_ckpt = self.opts.checkpointed_layers(len(self.layers)) if training and kv_caches is None else 0
         for i, layer in enumerate(self.layers):
             cache = None if kv_caches is None else kv_caches[i]
             if i < n_ckpt:
