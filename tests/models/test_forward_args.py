@@ -37,6 +37,9 @@ def ids():
     (lambda m, ids: m(ids, labels=ids.float()), r"labels must be int64 or int32 .* got torch.float32"),
     (lambda m, ids: m(ids, shift_labels=ids.bool()), r"shift_labels must be int64 or int32 .* got torch.bool"),
     (lambda m, ids: m(ids, labels=ids, reduction="avg"), r"reduction='avg' is not one of"),
+    # without labels too: a typo must not silently return the logits
+    *[(lambda m, ids, r=r: m(ids, reduction=r), rf"reduction='{r}' is not one of \('mean', 'sum', 'none'\)")
+      for r in ("avg", "None", "MEAN")],
     # other integer dtypes (int16 / uint8 from numpy, bool): the message, not an error inside the embedding
     *[(lambda m, ids, dt=dt: m(ids.to(dt)),
        rf"input_ids must hold token ids as int64 or int32, got {dt}; convert with input_ids.long\(\)")
@@ -54,15 +57,16 @@ def test_bad_arguments_say_what_and_how(model, ids, call, match):
         call(model, ids)
 
 
-@pytest.mark.parametrize("kw, says", [("position_ids", r"position_ids must be a tensor \(B, S\) or \(1, S\)"),
+@pytest.mark.parametrize("kw, says", [("input_ids", r"input_ids must be a tensor of token ids \(B, S\)"),
+                                      ("position_ids", r"position_ids must be a tensor \(B, S\) or \(1, S\)"),
                                       ("attention_mask", r"attention_mask must be a tensor \(B, S\) like input_ids"),
                                       ("labels", r"labels must be a tensor \(B, S\) like input_ids"),
                                       ("shift_labels", r"shift_labels must be a tensor \(B, S\) like input_ids")])
 def test_an_argument_given_as_a_list_is_a_type_error_naming_it(model, ids, kw, says):
     """A Python list (as a user may pass it): a TypeError naming the argument, not an AttributeError from inside."""
-    value = torch.arange(11).expand(2, 11) if kw == "position_ids" else torch.ones_like(ids)
+    value = {"input_ids": ids, "position_ids": torch.arange(11).expand(2, 11)}.get(kw, torch.ones_like(ids))
     with pytest.raises(TypeError, match=says + ", got list"):
-        model(ids, **{kw: value.tolist()})
+        model(**{"input_ids": ids, kw: value.tolist()})
 
 
 def test_restarting_positions_are_documents_as_long_as_the_longest():

@@ -47,6 +47,19 @@ def test_packed_rows_are_judged_by_their_longest_document():
     assert model(ids, position_ids=pos, cu_seqlens=cu, max_seqlen=6).shape == (1, 12, 97)
 
 
+def test_a_row_without_cu_seqlens_is_judged_by_its_whole_length():
+    """max_seqlen and longest_doc describe packed documents: without cu_seqlens a row is one sequence, and the
+    window judges all of it (else longest_doc=5 let a 10-token row through a window of 8)."""
+    from chronicals.models.decoder import judged_length
+
+    assert judged_length(10, None, max_seqlen=5, longest_doc=4) == 10
+    cu = torch.tensor([0, 5, 10], dtype=torch.int32)
+    assert judged_length(10, cu, max_seqlen=5, longest_doc=4) == 4
+    assert judged_length(10, cu, max_seqlen=5) == 5
+    with pytest.raises(ValueError, match=r"10 tokens is longer than this mistral model's sliding_window=8"):
+        _mistral(8)(torch.randint(0, 97, (1, 10)), longest_doc=5, max_seqlen=5)
+
+
 def test_a_rows_padding_is_no_document_for_the_window():
     """Rows of short documents and a long padding tail: the padding is one segment of cu_seqlens, so max_seqlen
     counted it and the window refused (3 documents of 3-5 tokens in a row of 20 under a window of 8). The collator's
