@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import types
 
+import pytest
 import torch
 
 from chronicals import cli_chat
@@ -23,6 +24,12 @@ def _fake(monkeypatch, answer, positions=4096) -> None:
     monkeypatch.setattr(cli_chat, "_load", lambda *a, **k: (model, tok))
     monkeypatch.setattr(qa, "prompt_ids", lambda tok, q, system, history=(): [1, 2, 3])
     monkeypatch.setattr(qa, "answer", answer)
+
+
+class _Tty(io.StringIO):
+    """stdin at a terminal: its input is the given text, then Ctrl-D."""
+    def isatty(self):
+        return True
 
 
 def test_chat_without_system_uses_the_demo_system_prompt(monkeypatch, capsys):
@@ -63,22 +70,47 @@ def test_chat_passes_temperature_top_p_and_the_seeded_generator_to_each_answer(m
     assert seen == [(7, 0.7, 0.9, 5)]
 
 
+def test_max_new_tokens_may_be_the_whole_context_but_not_more(monkeypatch, capsys):
+    """--max-new-tokens is checked against the model's max_position_embeddings: exactly the context is allowed (the
+    refusal itself says "use at most {context}"), one more exits 2 before any prompt is answered. A `>=` at that
+    edge refused the very value the message advises."""
+    rooms = []
+    _fake(monkeypatch, lambda m, t, q, system, room, *a, **k: rooms.append(room) or "ok", positions=64)
+    argv = ["--model", "some-model", "--device", "cpu", "hi", "--max-new-tokens"]
+    assert cli_chat.cmd_chat([*argv, "64"]) == 0
+    assert rooms == [61]  # the prompt's 3 tokens share the 64
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        cli_chat.cmd_chat([*argv, "65"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--max-new-tokens 65 is more than some-model can attend to" in err, err
+    assert "use at most 64" in err and rooms == [61], err
+
+
 def test_prompts_given_in_a_terminal_are_answered_not_replaced_by_typed_ones(monkeypatch, capsys):
     """`chronicals chat "Who founded Vellmora?"` typed at a terminal (stdin a tty) answers that prompt, labelled, and
     exits: the other tests' stdin is no tty, so a check on the tty alone passed them while a user's own prompt was
     ignored and chat sat waiting for typed lines."""
-    class Tty(io.StringIO):
-        def isatty(self):
-            return True
-
     seen = []
-    monkeypatch.setattr("sys.stdin", Tty(""))
+    monkeypatch.setattr("sys.stdin", _Tty(""))
     _fake(monkeypatch, lambda m, t, q, system, room, temp, top_p, gen, history, streamer:
           seen.append((q, list(history), streamer)) or "ok")
     assert cli_chat.cmd_chat(["--model", "some-model", "--device", "cpu", "hi", "again"]) == 0
     assert seen == [("hi", [], None), ("again", [], None)]  # each on its own (--turns auto), not streamed
     out, err = capsys.readouterr()
     assert out == "> hi\nok\n> again\nok\n" and "type a message" not in err
+
+
+def test_ctrl_d_at_once_in_a_terminal_exits_0_quietly(monkeypatch, capsys):
+    """At a terminal, Ctrl-D before any message ends chat quietly with exit 0: the user chose to leave. "no prompt",
+    exit 2, is for piped stdin holding no line (a script's mistake); taken for that at a terminal too, leaving
+    chat without a word typed was an error."""
+    _fake(monkeypatch, lambda *a, **k: 1 / 0)  # nothing is asked
+    monkeypatch.setattr("transformers.TextStreamer", lambda *a, **k: None)
+    monkeypatch.setattr("sys.stdin", _Tty(""))
+    assert cli_chat.cmd_chat(["--model", "some-model", "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "" and "error" not in err and "type a message" in err, err
 
 
 def test_reset_is_an_ordinary_prompt_where_each_prompt_is_asked_alone(monkeypatch, capsys):

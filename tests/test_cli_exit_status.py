@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 
 import pytest
 import torch
@@ -164,6 +165,16 @@ def test_an_existing_config_file_is_the_config(tmp_path, monkeypatch, name):
     assert seen == [(name, ["train.max_steps=2"])]
 
 
+def test_a_joined_config_flag_names_the_file_to_give(capsys):
+    """`chronicals train --config=runs/x.yaml` (the joined form of a flag other tools take) is refused, exit 2, with
+    the hint naming the file to give instead, as the separate `--config runs/x.yaml` is; a check of the separate
+    form alone gave the joined one the generic "--config=runs/x.yaml is not an option" without the file."""
+    assert main(["train", "--config=runs/x.yaml", "optim.lr=1e-4"]) == 2
+    err = capsys.readouterr().err
+    assert ("error: --config is not an option: give the config file itself, as in chronicals train runs/x.yaml"
+            in err), err
+
+
 def test_an_unknown_command_exits_2_and_help_exits_0(capsys):
     """A typo'd command (chronicals trian) prints the usage and must fail (exit 2) so a script stops there; with
     the status dropped it exited 0 and a pipeline went on as if training had run."""
@@ -179,3 +190,30 @@ def test_help_after_other_train_arguments_still_prints_the_keys(capsys):
     assert main(["train", "my.yaml", "optim.lr=1e-4", "--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: chronicals train") and "optim.lr" in out
+
+
+def test_short_help_prints_the_usage_and_keys(capsys):
+    """`chronicals train -h` prints the usage and every key, exit 0, as --help does (the usual short form of any
+    CLI); with -h left out of the check it was refused as "-h is not an option", exit 2."""
+    assert main(["train", "-h"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: chronicals train") and "optim.lr" in out
+
+
+def test_main_puts_the_callers_signal_handlers_back(capsys):
+    """main() installs its own SIGINT/SIGTERM handlers while a command runs and puts the caller's back when it
+    returns, whatever the outcome (a return, an argparse SystemExit): a program or test calling main() in-process
+    keeps its own handlers. Without the restore, a later SIGTERM in the caller raised KeyboardInterrupt."""
+    def mine(signum, frame):
+        pass
+
+    old = {s: signal.signal(s, mine) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert main(["train", "--help"]) == 0
+        assert signal.getsignal(signal.SIGINT) is mine and signal.getsignal(signal.SIGTERM) is mine
+        with pytest.raises(SystemExit):  # an argument error: argparse exits from inside the command
+            main(["chat", "--max-new-tokens", "0", "hi"])
+        assert signal.getsignal(signal.SIGINT) is mine and signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

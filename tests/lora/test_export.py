@@ -97,6 +97,22 @@ def test_export_merges_onto_a_base_saved_without_tokenizer_files(tmp_path, ids, 
         torch.testing.assert_close(got(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
 
 
+def test_export_no_merge_says_nothing_of_missing_tokenizer_files(tmp_path, capsys):
+    """export --no-merge of an adapter whose base has no tokenizer files writes the adapter without the "written
+    without them" note of the merge above: an adapter in PEFT's format never carries a tokenizer, so the note would
+    send the user after files the output does not need."""
+    base = save_model(tiny_model(), None, tmp_path / "base")  # config.json and weights, no tokenizer files
+    model = tiny_model()
+    apply_lora(model, r=2, alpha=4)
+    randomize_lora_b(model)
+    adapter = save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(base))
+    out = tmp_path / "peft"
+    assert main(["export", "--no-merge", "--adapter", str(adapter), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "tokenizer" not in err, err
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("out", ["~/base", "~/adapter/merged"])
 def test_export_guards_the_base_and_adapter_given_with_a_tilde(tmp_path, monkeypatch, capsys, out):
     """--base=~/base --out=~/base: no shell expands '~' after '=', and the checks that --out is not the base or the
