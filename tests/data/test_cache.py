@@ -256,7 +256,9 @@ def _entries(root: Path) -> list[str]:
 def test_an_edited_files_older_entry_is_removed_when_the_new_one_is_written(tokenizer, tmp_path, caplog):
     """Each edit of the data left another full entry under the cache for ever (~5 bytes a token: 12 GB per edit of a
     10 GB set; a data walk at scale). The new entry of the same files, tokenizer and settings replaces it; entries of
-    other settings or of the same contents under another path stay, and the new entry's size is said."""
+    other settings or of the same contents under another path stay, and the new entry's size is said. The replaced
+    entry is really deleted: it was left moved aside in a hidden .bad-* directory, none of its bytes freed, while the
+    log said "removed"."""
     cache = tmp_path / "cache"
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": "one two"}, {"text": "three"}])
     load_dataset(data, tokenizer, max_seq_len=64, cache_dir=cache)
@@ -270,6 +272,7 @@ def test_an_edited_files_older_entry_is_removed_when_the_new_one_is_written(toke
         ds = load_dataset(data, tokenizer, max_seq_len=64, cache_dir=cache)
     now = _entries(cache)
     assert len(now) == 2 and len(set(now) - set(first)) == 1  # the max_seq_len=32 entry stays
+    assert not [d.name for d in cache.iterdir() if d.name.startswith(".")]  # nothing hidden left behind
     assert "removed 1 older tokenization cache entry of the same files and settings" in caplog.text
     assert "data: cached" in caplog.text and "tokens in" in caplog.text
     assert load_dataset(data, tokenizer, max_seq_len=64, cache_dir=cache).ids.tolist() == ds.ids.tolist()
@@ -446,6 +449,27 @@ def test_a_writer_that_loses_the_race_for_its_key_says_nothing(tmp_path, monkeyp
     ids, trainable, offsets, meta = cache_mod.load(entry)
     assert ids.tolist() == list(range(5)) and offsets.tolist() == [0, 2, 5]
     assert not [d for d in tmp_path.iterdir() if d.name.startswith(".")]
+
+
+def test_a_live_writers_temporary_entry_is_not_swept_by_another_save(tmp_path, monkeypatch, caplog):
+    """A writer holds the flock on its temporary entry's lock file until it publishes: another save meanwhile (a
+    second run writing another entry into the same cache) leaves that temporary entry alone and both entries are
+    published. Without the lock the second save took the live write for a killed writer's and removed it: the first
+    save failed with a warning and its entry was never written."""
+    real, nested = np.save, []
+
+    def other_writer_meanwhile(file, arr, *a, **k):
+        if not nested:  # the first writer is between its lock and its rename
+            nested.append(1)
+            _entry(tmp_path / "other")
+        return real(file, arr, *a, **k)
+
+    monkeypatch.setattr(np, "save", other_writer_meanwhile)
+    with caplog.at_level(logging.WARNING, logger="chronicals.data"):
+        _entry(tmp_path / "e")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    for name in ("e", "other"):
+        assert cache_mod.load(tmp_path / name)[0].tolist() == list(range(5))
 
 
 def test_changing_overlong_is_another_cache_entry(tokenizer, tmp_path):

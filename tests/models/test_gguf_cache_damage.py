@@ -153,3 +153,12 @@ def test_a_small_file_that_cannot_be_renamed_leaves_no_temporary(tmp_path, monke
     with pytest.raises(PermissionError):
         gguf_cache._write_small_file(target, "x\n")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("text", ['{"why": "no vocab"}', '{"error": 3}'], ids=["no error key", "error not a string"])
+def test_a_json_tokenizer_error_file_that_is_no_record_is_read_as_text(tmp_path, text):
+    """A gguf_tokenizer_error.txt that is JSON but not a record (no "error" string: a hand edit, another tool's file)
+    is read as plain text, the error being its whole text. It made tokenizer_error raise a KeyError, or return the
+    number 3 as the reason."""
+    (tmp_path / gguf_cache.TOKENIZER_ERROR).write_text(text + "\n")
+    assert gguf_cache.tokenizer_error(tmp_path) == text

@@ -224,6 +224,26 @@ def test_an_entry_without_a_record_written_recently_is_kept_whatever_its_atime(t
     assert legacy.is_dir()
 
 
+@pytest.mark.parametrize("read_now, kept", [(True, True), (False, False)], ids=["read just now", "unused for long"])
+def test_an_entry_without_a_record_read_recently_is_kept_whatever_its_mtime(tmp_path, cache, read_now, kept):
+    """The other way round: an entry without a record written long ago (old mtime) that another process read just
+    now (atime now) is kept, for that process may be loading it; pruned by its mtime alone, it went under that
+    load. With both times old it goes (its name is known as this file's older entry)."""
+    p = tmp_path / "m.gguf"
+    p.write_bytes(b"GGUF")
+    p = p.resolve()
+    keep = gguf_cache.cache_dir_for(p)
+    keep.mkdir(parents=True)
+    legacy = cache / gguf_cache._entry_name(p, gguf_cache._identity(p, p.stat(), gguf_cache.CONVERTER_VERSION - 1,
+                                                                   legacy=True))
+    legacy.mkdir()
+    (legacy / "config.json").write_text("{}")
+    old = time.time() - 2 * gguf_cache.PRUNE_AFTER_S
+    os.utime(legacy / "config.json", (time.time() if read_now else old, old))
+    assert gguf_cache.prune_older_entries(p, keep) == ([] if kept else [legacy])
+    assert (legacy / "config.json").is_file() == kept
+
+
 def _older_entry(tmp_path, cache, version=gguf_cache.CONVERTER_VERSION):
     """(m.gguf resolved, its present entry dir, a directory holding an unused older entry of it: config.json and a
     record naming it with converter_version ``version``)."""

@@ -20,7 +20,7 @@ from chronicals.train.checkpoint_model import checkpoint_base
 from train_helpers import tiny_model
 
 
-def _write(out, extra=None, *, model=None, tensor=None, config=None, model_path=None, step=1):
+def _write(out, extra=None, *, model=None, tensor=None, config=None, model_path=None, step=1, keep_last=2):
     """A run's checkpoint at step ``step`` in out/checkpoints. ``model_path``: one from before the base was recorded
     (no extra["base"]), whose config's model.path names it."""
     if config is None:
@@ -32,7 +32,7 @@ def _write(out, extra=None, *, model=None, tensor=None, config=None, model_path=
     recorded = {} if model_path is not None else {"base": None}
     state = {"format": 1, "step": step, "model": model, "optimizer": {}, "scheduler": {}, "data": {}, "rng": {},
              "extra": {"config": config, **recorded, **(extra or {})}}
-    return ckpt.write_checkpoint(out, state)
+    return ckpt.write_checkpoint(out, state, keep_last=keep_last)
 
 
 def test_an_rslora_runs_checkpoint_is_applied_with_its_scaling(tmp_path):
@@ -80,6 +80,27 @@ def test_no_path_is_no_checkpoint_dir():
     assert not is_checkpoint_dir(None) and not is_checkpoint_dir("")
 
 
+def test_a_model_directory_given_as_a_checkpoint_is_named_as_one(tmp_path):
+    """A model directory (config.json, no state.pt) where a run checkpoint goes is refused saying what it is and what
+    loads it, not only "not a training checkpoint"."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="not a training checkpoint") as e:
+        read_run_checkpoint(tmp_path / "model")
+    assert "it is a model directory: chronicals.load_model(path) loads it" in str(e.value), str(e.value)
+
+
+def test_a_damaged_checkpoint_names_the_runs_latest_other_one(tmp_path):
+    """A damaged checkpoint of a run with several others names the latest as the one to use instead, not the oldest
+    (which throws away the most training; with two checkpoints the two are the same)."""
+    run = tmp_path / "run"
+    first, _, third = (_write(run, step=step, keep_last=3) for step in (1, 2, 3))
+    (first / ckpt.STATE_FILE).write_bytes(b"\x80\x02garbage" * 100)
+    with pytest.raises(ValueError) as e:
+        read_run_checkpoint(first)
+    assert f"use another of the run's checkpoints ({third})" in str(e.value), str(e.value)
+
+
 def test_a_peft_adapter_dir_with_a_state_pt_is_no_checkpoint_dir(tmp_path):
     (tmp_path / "state.pt").write_bytes(b"x")
     assert is_checkpoint_dir(tmp_path)
@@ -122,6 +143,15 @@ def test_an_older_checkpoint_with_a_home_relative_model_path_names_it(tmp_path, 
     (tmp_path / "base").mkdir()
     ck = read_run_checkpoint(_write(tmp_path / "run", model_path="~/base"))
     assert ck.base == "~/base" and ck.why_no_base == ""
+
+
+def test_an_older_checkpoint_names_a_short_name_base_in_any_case(tmp_path, monkeypatch):
+    """model.path a short name spelled in other case (SmolLM2-135M-Instruct; the loader takes short names in any
+    case) is the base of a checkpoint from before the base was recorded: it was refused as "relative to the
+    directory that run started in"."""
+    monkeypatch.chdir(tmp_path)
+    ck = read_run_checkpoint(_write(tmp_path / "run", model_path="SmolLM2-135M-Instruct"))
+    assert ck.base == "SmolLM2-135M-Instruct" and ck.why_no_base == ""
 
 
 def test_a_rewritten_checkpoint_is_read_again(tmp_path):
