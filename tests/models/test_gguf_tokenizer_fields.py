@@ -108,10 +108,9 @@ def test_the_files_specials_overrule_the_converters(tmp_path, monkeypatch):
     assert (tok.unk_token_id, tok.pad_token_id) == (0, None)
 
 
-def test_the_old_sentencepiece_form_loses_its_space_prefix_and_decodes_back(tmp_path):
-    """``_no_space_prefix`` edits whichever form the converter built; the older SentencePiece form (normalizer
-    Prepend + Replace, decoder ending in Strip(' ', 1, 0)), which 5.17 builds for some files, loses its prefix and
-    its decoder's Strip, which would otherwise eat a text's own first space."""
+def _spm_tokenizer_and_spec(tmp_path):
+    """The tokenizer converted from a tiny SentencePiece GGUF, and its tokenizers JSON spec without a
+    pre-tokenizer, for a test to give another normalizer / decoder form."""
     m = hf_model("llama", vocab_size=len(_SPM_TOKENS))
     path = tmp_path / "spm.gguf"
     write_gguf(path, "llama", m, extra=_spm_tokenizer_metadata)
@@ -119,6 +118,14 @@ def test_the_old_sentencepiece_form_loses_its_space_prefix_and_decodes_back(tmp_
     assert tok is not None, why
     spec = json.loads(tok.backend_tokenizer.to_str())
     spec["pre_tokenizer"] = None
+    return tok, spec
+
+
+def test_the_old_sentencepiece_form_loses_its_space_prefix_and_decodes_back(tmp_path):
+    """``_no_space_prefix`` edits whichever form the converter built; the older SentencePiece form (normalizer
+    Prepend + Replace, decoder ending in Strip(' ', 1, 0)), which 5.17 builds for some files, loses its prefix and
+    its decoder's Strip, which would otherwise eat a text's own first space."""
+    tok, spec = _spm_tokenizer_and_spec(tmp_path)
     spec["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
                                                               {"type": "Replace", "pattern": {"String": " "},
                                                                "content": "▁"}]}
@@ -139,13 +146,7 @@ def test_the_old_sentencepiece_form_loses_its_space_prefix_and_decodes_back(tmp_
 def test_a_bare_prepend_normalizer_loses_its_space_prefix(tmp_path):
     """``_no_space_prefix`` on the form whose normalizer is a lone Prepend("▁"), not inside a Sequence (a form its
     docstring names): the normalizer goes, so "hello" is no longer tokenized as '▁h'... (it was kept)."""
-    m = hf_model("llama", vocab_size=len(_SPM_TOKENS))
-    path = tmp_path / "spm.gguf"
-    write_gguf(path, "llama", m, extra=_spm_tokenizer_metadata)
-    tok, why = convert_tokenizer(path)
-    assert tok is not None, why
-    spec = json.loads(tok.backend_tokenizer.to_str())
-    spec["pre_tokenizer"] = None
+    tok, spec = _spm_tokenizer_and_spec(tmp_path)
     spec["normalizer"] = {"type": "Prepend", "prepend": "▁"}
     tok._tokenizer = Tokenizer.from_str(json.dumps(spec))
     assert tok.convert_ids_to_tokens(tok("hello", add_special_tokens=False)["input_ids"])[0].startswith("▁")

@@ -74,11 +74,15 @@ def test_strided_inputs_and_broadcast_cos():
     k = torch.randn(3, 2, 9, 32, generator=g).to(DEV).transpose(1, 2).requires_grad_()
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 32, 2, dtype=torch.float32) / 32))
     cos, sin = rope_cos_sin(torch.arange(9)[None], inv_freq)
-    cos, sin = cos.to(DEV), sin.to(DEV)
+    _triton_matches_reference(q, k, cos.to(DEV), sin.to(DEV), g)
+
+
+def _triton_matches_reference(q, k, cos, sin, g):
+    """The Triton rope_qk's outputs and q / k gradients (under a random upstream gradient) equal rope_qk_ref's."""
     ours, ref = rope_qk(q, k, cos, sin, impl="triton"), rope_qk_ref(q, k, cos, sin)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b)
-    w = [torch.randn_like(t) for t in ref]
+    w = [torch.randn(t.shape, generator=g).to(DEV) for t in ref]
     got = torch.autograd.grad(sum((a * b).sum() for a, b in zip(ours, w)), [q, k])
     want = torch.autograd.grad(sum((a * b).sum() for a, b in zip(ref, w)), [q, k])
     for a, b in zip(got, want):
@@ -96,14 +100,7 @@ def test_cos_contiguous_and_sin_broadcast_over_the_batch():
     cos, sin = (t.to(DEV) for t in rope_cos_sin(torch.arange(5)[None], inv_freq))  # (1, 5, 16)
     cos, sin = cos.expand(3, 5, 16).contiguous(), sin.expand(3, 5, 16)  # sin: stride 0 over the batch
     assert cos.stride() != sin.stride()
-    ours, ref = rope_qk(q, k, cos, sin, impl="triton"), rope_qk_ref(q, k, cos, sin)
-    for a, b in zip(ours, ref):
-        torch.testing.assert_close(a, b)
-    w = [torch.randn(t.shape, generator=g).to(DEV) for t in ref]
-    got = torch.autograd.grad(sum((a * b).sum() for a, b in zip(ours, w)), [q, k])
-    want = torch.autograd.grad(sum((a * b).sum() for a, b in zip(ref, w)), [q, k])
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
+    _triton_matches_reference(q, k, cos, sin, g)
 
 
 @pytest.mark.parametrize("d,r", [(16, 16), (20, 12)])
@@ -115,14 +112,7 @@ def test_cos_and_sin_with_unequal_halves_match_the_reference(d, r):
     q = torch.randn(2, 5, 3, d, generator=g).to(DEV).requires_grad_()
     k = torch.randn(2, 5, 1, d, generator=g).to(DEV).requires_grad_()
     cos, sin = (torch.randn(2, 5, r, generator=g).to(DEV) for _ in range(2))
-    ours, ref = rope_qk(q, k, cos, sin, impl="triton"), rope_qk_ref(q, k, cos, sin)
-    for a, b in zip(ours, ref):
-        torch.testing.assert_close(a, b)
-    w = [torch.randn(t.shape, generator=g).to(DEV) for t in ref]
-    got = torch.autograd.grad(sum((a * b).sum() for a, b in zip(ours, w)), [q, k])
-    want = torch.autograd.grad(sum((a * b).sum() for a, b in zip(ref, w)), [q, k])
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
+    _triton_matches_reference(q, k, cos, sin, g)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
