@@ -233,6 +233,23 @@ def test_auto_is_triton_on_cuda_and_torch_elsewhere(monkeypatch):
     assert _impl.check_impl("linear_cross_entropy", "auto") == "auto"
 
 
+@pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("On", True), ("yes", True), ("0", False),
+                                       ("false", False), ("", False)])
+def test_triton_interpret_is_read_as_triton_reads_it(monkeypatch, value, on):
+    """TRITON_INTERPRET=true (or on, yes, any case) runs Triton's interpreter, as =1 does: impl="triton" on a CPU
+    tensor is accepted then, and refused with the fix when it is off. Reading "1" alone refused it under =true,
+    telling the user to set what was set."""
+    from chronicals.ops import _impl
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert triton_interpreting() is on
+    if on:
+        assert _impl.check_impl("rms_norm", "triton", torch.device("cpu")) == "triton"
+    else:
+        with pytest.raises(ValueError, match="set TRITON_INTERPRET=1"):
+            _impl.check_impl("rms_norm", "triton", torch.device("cpu"))
+
+
 def test_the_choice_is_logged_once_per_op_impl_and_device(monkeypatch, caplog):
     """One line per (op, impl, device type), not one per call (every step of training); it names the result."""
     import logging

@@ -9,9 +9,9 @@ fallback: asking for ``"triton"`` where it cannot run raises with the fix.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
+from triton import knobs  # TRITON_INTERPRET as Triton reads it, at each access
 
 log = logging.getLogger("chronicals.ops")
 _logged: set[tuple[str, str, str]] = set()
@@ -19,7 +19,9 @@ IMPLS = ("auto", "triton", "torch")
 
 
 def triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether Triton runs its kernels in the interpreter, read as Triton reads TRITON_INTERPRET (1, true, on, yes,
+    any case): a test for "1" alone refused impl="triton" on CPU under TRITON_INTERPRET=true (a mutation walk)."""
+    return bool(knobs.runtime.interpret)
 
 
 def check_impl(op: str, impl: str, device: torch.device | None = None) -> str:
