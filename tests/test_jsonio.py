@@ -107,7 +107,7 @@ def test_a_value_that_is_no_object(tmp_path, text, kind):
 
 def test_errors_take_the_callers_class(tmp_path):
     p = tmp_path / "a.json"
-    for text in ("[1]", "{bad", "\xff"):
+    for text in ("[1]", "{bad", "\xff", '{"a": ' + "9" * 5000 + "}"):  # the too-long number too, not a ValueError
         p.write_bytes(text.encode("latin-1"))
         with pytest.raises(DataError, match=rf"^{re.escape(str(p))}"):
             _read(p, error=DataError)
@@ -121,6 +121,25 @@ def test_a_name_one_byte_too_long_for_its_plain_temporary_is_written(tmp_path):
     write_text_atomic(target, "whole\n")
     assert len(temp_beside(target).name.encode()) <= _jsonio.NAME_MAX
     assert target.read_text() == "whole\n" and os.listdir(tmp_path) == [target.name]
+
+
+def test_fitting_name_keeps_a_name_that_fits_exactly_and_hashes_the_whole_name(tmp_path):
+    """A name whose temporary is exactly NAME_MAX bytes is kept (the limit is inclusive); one byte more is shortened.
+    Two long names sharing their first 200+ bytes get different stems: hashing only a prefix made their temporaries
+    collide, so one write's temporary could replace the other's target."""
+    name = "a" * (_jsonio.NAME_MAX - 10)
+    assert _jsonio.fitting_name(name, 10) == name and _jsonio.fitting_name(name + "b", 10) != name + "b"
+    a, b = "p" * 240 + "-one.json", "p" * 240 + "-two.json"
+    assert _jsonio.fitting_name(a, 20) != _jsonio.fitting_name(b, 20)
+    assert temp_beside(tmp_path / a) != temp_beside(tmp_path / b)
+
+
+def test_the_written_path_is_returned_with_home_expanded(tmp_path, monkeypatch):
+    """write_text_atomic returns the path it wrote with '~' expanded (what `chronicals eval --json ~/x.json` reports
+    as written), not the path as given."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert write_text_atomic("~/scores.json", "whole\n") == tmp_path / "scores.json"
+    assert (tmp_path / "scores.json").read_text() == "whole\n"
 
 
 def test_the_temporary_is_fsynced_before_it_replaces_the_file(tmp_path, monkeypatch):
@@ -165,15 +184,19 @@ def test_a_slow_live_writers_temporary_is_not_swept_by_another_writer(tmp_path, 
 
 @pytest.mark.skipif(_jsonio.fcntl is None, reason="POSIX flock")
 def test_a_file_named_like_a_temporary_but_not_ours_is_left_alone(tmp_path):
-    """Only '.<name>.tmp-<pid>' (digits alone after the dash) is one of our temporaries: a user's
+    """Only '.<name>.tmp-<pid>' (digits alone after the dash), a regular file, is one of our temporaries: a user's
     '.metrics.jsonl.tmp-backup' or another tool's '.metrics.jsonl.tmp-12-x' beside the file is not removed by
-    our next write of it (data the user kept there would be lost)."""
+    our next write of it (data the user kept there would be lost), nor is a symlink '.metrics.jsonl.tmp-12345'
+    (even an old one to an unlocked file: the sweep unlinked the user's link)."""
     target = tmp_path / "metrics.jsonl"
     stem = temp_beside(target).name.rsplit("-", 1)[0] + "-"
-    theirs = [tmp_path / (stem + "backup"), tmp_path / (stem + "12-x")]
+    theirs = [tmp_path / (stem + "backup"), tmp_path / (stem + "12-x"), tmp_path / "real.txt"]
     old = time.time() - 3600
     for f in theirs:
         f.write_text("keep me")
         os.utime(f, (old, old))
+    link = tmp_path / (stem + "12345")
+    link.symlink_to(theirs[-1])
     write_text_atomic(target, "whole\n")
-    assert all(f.read_text() == "keep me" for f in theirs)
+    assert all(f.read_text() == "keep me" for f in theirs) and link.is_symlink()
+    assert target.read_text() == "whole\n"

@@ -82,10 +82,11 @@ def test_a_lock_held_by_a_live_writer_survives_its_release_race(tmp_path, held_l
     assert orphans.remove_orphans(tmp_path, PATTERN) == [] and lock.exists()
 
 
-def test_symlinks_named_like_temporaries_or_locks_are_left_alone(tmp_path, caplog):
+def test_symlinks_and_files_named_like_temporaries_or_locks_are_left_alone(tmp_path, caplog):
     """A symlink is never ours to sweep, whatever its name: without the guard the sweep tried to rmtree a link
     named like a temporary directory (failing, with a false "could not remove ... by hand" warning) and unlinked a
-    link named like a stale lock file."""
+    link named like a stale lock file. A regular file named like a temporary directory is not ours either: left
+    alone, silently (no false warning)."""
     target = tmp_path / "elsewhere"
     target.mkdir()
     (target / "keep.bin").write_bytes(b"x" * 10)
@@ -98,9 +99,12 @@ def test_symlinks_named_like_temporaries_or_locks_are_left_alone(tmp_path, caplo
     lock_target.write_text("data")
     lock_link = orphans.lock_path(parent / ".model.tmp-8-0a1b2c3e")
     lock_link.symlink_to(lock_target)
+    a_file = parent / ".model.tmp-9-0a1b2c3f"
+    a_file.write_text("not a directory")
+    orphans.lock_path(a_file).touch()
     with caplog.at_level(logging.INFO, logger="chronicals.models"):
         assert orphans.remove_orphans(parent, PATTERN) == []
-    assert link.is_symlink() and (target / "keep.bin").exists()
+    assert link.is_symlink() and (target / "keep.bin").exists() and a_file.read_text() == "not a directory"
     assert lock_link.is_symlink() and lock_target.read_text() == "data"
     assert not [r for r in caplog.records if "could not remove" in r.getMessage()]
 
@@ -216,6 +220,18 @@ def test_recover_replaced_removes_a_stale_previous_output(tmp_path, caplog):
     assert (out / "config.json").read_text() == "new" and _names(tmp_path) == ["model"]
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 1 and old.name in msgs[0] and "1.5 MB" in msgs[0]
+
+
+def test_a_stale_previous_output_is_removed_and_its_temporary_directory_then_swept(tmp_path):
+    """A write killed after both renames with its temporary directory still there: once recover_replaced removes
+    the stale ``<T>.old``, ``<T>.lock`` stays so that remove_orphans then removes ``<T>``; unlinking the lock early
+    left ``<T>`` without one, never swept (up to a whole checkpoint)."""
+    out = _model_dir(tmp_path / "model", "new")
+    tmp = _tmp(tmp_path, ".model.tmp-7-0a1b2c3d")
+    old = _model_dir(orphans.old_path(tmp), "previous")
+    assert orphans.recover_replaced(out, OUT_PATTERN) == [old]
+    assert not old.exists() and orphans.lock_path(tmp).exists()
+    assert orphans.remove_orphans(tmp_path, OUT_PATTERN) == [tmp] and _names(tmp_path) == ["model"]
 
 
 @pytest.mark.parametrize("out_exists", [False, True])

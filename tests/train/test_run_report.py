@@ -9,6 +9,21 @@ from chronicals.config import from_dict
 from chronicals.train.finish import TrainResult
 from chronicals.train.qa import QAResult
 
+HELD = [{"question": "q?", "keywords": ["k"]}]
+
+
+def _stub_report(monkeypatch, tmp_path, cfg=None):
+    """A RunReport whose answer_all is a stub answering "the answer", all right; returns it, the number of questions
+    of each answer_all call, and the lines it printed."""
+    import chronicals.train.report as report
+
+    calls = []
+    monkeypatch.setattr(report, "answer_all", lambda m, t, qa, system, n: calls.append(len(qa)) or
+                        QAResult(["the answer"] * len(qa), [True] * len(qa)))
+    said = []
+    rep = report.RunReport(from_dict({"train": {"out_dir": str(tmp_path)}, **(cfg or {})}), out=said.append)
+    return rep, calls, said
+
 
 def test_the_summary_counts_eval_qa_limit_questions_and_says_before_and_after_apart(monkeypatch, tmp_path):
     """eval.qa_limit=2 answers exactly 2 held-out questions (the report slices them itself); the before line shows
@@ -53,6 +68,67 @@ def test_held_out_questions_without_an_eval_loss_are_still_answered(monkeypatch,
     rep("before", model=None, tokenizer=object(), eval_loss=None, heldout_qa=[{"question": "q?", "keywords": ["k"]}])
     assert calls == [1] and "== before training ==" in said and rep.before is not None
     assert not any("held-out loss" in s for s in said)
+
+
+def test_held_out_questions_are_not_asked_without_a_tokenizer_or_with_eval_qa_off(monkeypatch, tmp_path):
+    """With no tokenizer (answer_all needs one) the eval loss is still reported but no question is asked; with
+    eval.qa=false and no eval loss there is nothing to report: no empty "== before training ==" header either."""
+    rep, calls, said = _stub_report(monkeypatch, tmp_path)
+    rep("before", model=None, tokenizer=None, eval_loss=2.0, heldout_qa=HELD)
+    assert calls == [] and rep.before is None and rep.qa is None and "  held-out loss 2.0000" in said
+    rep, calls, said = _stub_report(monkeypatch, tmp_path, {"eval": {"qa": False}})
+    rep("before", model=None, tokenizer=object(), eval_loss=None, heldout_qa=HELD)
+    assert said == [] and calls == []
+
+
+def test_the_summary_of_answers_on_one_side_only(monkeypatch, tmp_path):
+    """A resumed run has after-answers only: each question is listed with its after line and no before line, and the
+    score line shows "-" for the before score. A run stopped before its closing evaluation has before-answers only:
+    no question list and no score line. Either one-sided case crashed on the missing answers (AttributeError)."""
+    rep, _, _ = _stub_report(monkeypatch, tmp_path)
+    rep("after", model=None, tokenizer=object(), eval_loss=1.0, heldout_qa=HELD)
+    lines = rep.summary(TrainResult(status="completed", step=4, total_steps=4, out_dir=tmp_path,
+                                    start_step=2)).splitlines()
+    assert "  after  [x] the answer" in lines and not any(s.startswith("  before [") for s in lines)
+    assert "held-out answers with their keywords: - -> 100% (1/1)" in lines
+    rep, calls, _ = _stub_report(monkeypatch, tmp_path)
+    rep("before", model=None, tokenizer=object(), eval_loss=2.0, heldout_qa=HELD)
+    assert calls == [1]
+    text = rep.summary(TrainResult(status="interrupted", step=1, total_steps=3, out_dir=tmp_path))
+    assert "Q: " not in text and "held-out answers with their keywords" not in text
+
+
+def test_the_summary_counts_pluralise(tmp_path):
+    """Counts read as English at 0 and 1: "0 examples of 1 record", "1 example of 2 records", and a resumed run
+    with nothing left to train "0 steps" (pluralising on > 1 gave "0 example", "0 step")."""
+    from types import SimpleNamespace
+
+    from chronicals.train.report import RunReport
+
+    rep = RunReport(from_dict({"train": {"out_dir": str(tmp_path)}}), out=lambda *a: None)
+
+    def data_line(documents, records, lost=()):
+        st = SimpleNamespace(documents=documents, records=records, losses=lambda: list(lost))
+        text = rep.summary(TrainResult(status="completed", step=1, total_steps=1, out_dir=tmp_path, data_stats=st))
+        return next(s for s in text.splitlines() if s.startswith("training data:"))
+
+    assert data_line(0, 1, ["1 too long"]) == "training data: 0 examples of 1 record (1 too long)"
+    assert data_line(1, 2) == "training data: 1 example of 2 records"
+    text = rep.summary(TrainResult(status="completed", step=5, total_steps=5, out_dir=tmp_path, start_step=5))
+    assert "training: 0 steps (resumed at step 5, now at 5 of 5) in" in text
+
+
+def test_the_summary_names_a_resumable_checkpoint_only_when_there_is_one(tmp_path):
+    """With no checkpoint written (train.save_every 0, or a run that saved none) there is no "resumable checkpoint
+    ...: None" line; with one, the line names it."""
+    from chronicals.train.report import RunReport
+
+    rep = RunReport(from_dict({"train": {"out_dir": str(tmp_path)}}), out=lambda *a: None)
+    text = rep.summary(TrainResult(status="completed", step=1, total_steps=1, out_dir=tmp_path))
+    assert "resumable checkpoint" not in text and "None" not in text
+    ck = tmp_path / "checkpoint-1"
+    text = rep.summary(TrainResult(status="completed", step=1, total_steps=1, out_dir=tmp_path, checkpoint=ck))
+    assert any(s.startswith("resumable checkpoint") and s.endswith(f": {ck}") for s in text.splitlines())
 
 
 def test_the_after_loss_alone_is_shown_when_no_before_loss_is_known(tmp_path):
