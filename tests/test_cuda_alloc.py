@@ -30,6 +30,19 @@ def environ(monkeypatch):
     return env
 
 
+def test_a_given_mapping_is_read_as_given_and_none_reads_os_environ(environ):
+    """An explicit {} (a scrubbed child env) is that mapping, not the process env; no mapping is os.environ, which
+    train() logs as allocator_setting() (read as {}, the log always said PyTorch's default)."""
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:64"
+    assert allocator_env({}) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert allocator_setting({}).startswith("PyTorch's default")
+    assert allocator_setting() == "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:64"
+    assert allocator_env() == {}
+    del environ["PYTORCH_CUDA_ALLOC_CONF"]
+    assert allocator_setting().startswith("PyTorch's default")
+    assert allocator_env() == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
 def test_a_command_sets_it_before_it_runs(environ, tmp_path, capsys):
     assert cli.main(["chat", "--model", str(tmp_path / "absent"), "hi"]) != 0  # fails at once, after the setting
     assert environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"

@@ -231,6 +231,10 @@ def test_auto_is_triton_on_cuda_and_torch_elsewhere(monkeypatch):
     assert _impl.check_impl("linear_cross_entropy", "torch", cuda) == "torch"
     assert _impl.check_impl("linear_cross_entropy", "auto", torch.device("cpu")) == "torch"
     assert _impl.check_impl("linear_cross_entropy", "auto") == "auto"
+    # the interpreter is for CPU tensors only: "triton" on a cuda device needs no TRITON_INTERPRET
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert _impl.check_impl("linear_cross_entropy", "triton", cuda) == "triton"
+    assert _impl.check_impl("linear_cross_entropy", "auto", cuda) == "triton"
 
 
 @pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("On", True), ("yes", True), ("0", False),

@@ -70,6 +70,49 @@ def test_no_attention_across_documents():
     assert torch.equal(out[:, 5:], out2[:, 5:]) and not torch.allclose(out[:, :5], out2[:, :5])
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_scale_is_honoured_on_unpacked_and_packed_rows(packed):
+    """scale=c is softmax(c * q k^T): the same as the default 1/sqrt(D) with q * c * sqrt(D), through the reference and
+    attention(impl='torch'). Dropping scale= from either SDPA call went unseen (no test passed a scale)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 6, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 2, 6, 9, 12], dtype=torch.int32) if packed else None
+    want = attention_ref(q * (0.9 * 8 ** 0.5), k, v, cu_seqlens=cu)
+    assert not torch.allclose(want, attention_ref(q, k, v, cu_seqlens=cu))  # the scale makes a difference
+    torch.testing.assert_close(attention_ref(q, k, v, cu_seqlens=cu, scale=0.9), want)
+    torch.testing.assert_close(attention(q, k, v, cu_seqlens=cu, scale=0.9, impl="torch"), want)
+
+
+def test_shapes_attention_cannot_take_are_refused_by_name():
+    """A key head dim other than the query's, and a 2-D cu_seqlens, get attention's own ValueError naming the expected
+    shape (without the checks: SDPA's 'bmm batch2' RuntimeError, and 'Boolean value of Tensor ... ambiguous')."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 2, 8, generator=g)
+    k = torch.randn(2, 6, 2, 16, generator=g)
+    with pytest.raises(ValueError, match=r"expected q \(B, S, Hq, D\) and k, v \(B, S, Hk, D\)"):
+        attention(q, k, k, impl="torch")
+    with pytest.raises(ValueError, match=r"cu_seqlens must be int32 \(num_docs \+ 1,\).*\(1, 5\)"):
+        attention(q, q, q, cu_seqlens=torch.tensor([[0, 2, 6, 9, 12]], dtype=torch.int32), impl="torch")
+
+
+@pytest.mark.parametrize("hq, d, dtype, cu_dtype, error, match", [
+    (2, 264, torch.bfloat16, torch.int32, ValueError, r"multiple of 8 and at most 256 \(got 264\)"),
+    (2, 8, torch.bfloat16, torch.int64, ValueError, r"cu_seqlens must be int32 \(got torch.int64\)"),
+    (3, 8, torch.bfloat16, torch.int32, ValueError, r"Hq=3 is not a multiple of Hk=2"),
+    (2, 8, torch.float32, torch.int32, TypeError, r"needs bfloat16/float16 q/k/v"),
+    (2, 8, torch.float64, torch.int32, TypeError, r"needs bfloat16/float16 q/k/v"),
+])
+def test_the_varlen_flash_door_refuses_what_its_kernels_cannot_take(hq, d, dtype, cu_dtype, error, match):
+    """attention_varlen_flash, called directly (attention() checks some of these first), refuses a head dim over 256,
+    a cu_seqlens that is not int32, Hq not a multiple of Hk, and fp32/fp64, by name before any kernel; on the CPU
+    they reached the aten op's NotImplementedError instead."""
+    att = importlib.import_module("chronicals.ops.attention")  # the package attribute of that name is the function
+    q = torch.zeros(1, 4, hq, d, dtype=dtype)
+    k = torch.zeros(1, 4, 2, d, dtype=dtype)
+    with pytest.raises(error, match=match):
+        att.attention_varlen_flash(q, k, k, torch.tensor([0, 2, 4], dtype=cu_dtype), max_seqlen=2)
+
+
 def _cudnn_ok() -> bool:
     return torch.cuda.is_available() and attention_cudnn.available() and torch.cuda.get_device_capability()[0] >= 9
 
@@ -196,6 +239,11 @@ def test_auto_picks_cudnn_for_documents_of_128_tokens_or_more(monkeypatch):
     monkeypatch.setattr(att, "_hopper", lambda device: True)
     monkeypatch.setattr(attention_cudnn, "available", lambda: False)
     assert att.resolve_varlen("auto", cuda, tokens=16 * 1024, docs=1) == "flash"
+    # under torch.compile auto takes FA2 (the cuDNN frontend's call would break the graph); explicit cudnn stands
+    monkeypatch.setattr(attention_cudnn, "available", lambda: True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert att.resolve_varlen("auto", cuda, tokens=16 * 1024, docs=1) == "flash"
+    assert att.resolve_varlen("cudnn", cuda, tokens=16 * 1024, docs=1) == "cudnn"
 
 
 def test_shapes_cudnn_cannot_run_fall_back_to_flash_only_under_auto(caplog):
@@ -213,6 +261,32 @@ def test_shapes_cudnn_cannot_run_fall_back_to_flash_only_under_auto(caplog):
     assert att.cudnn_or_flash("auto", lambda: "cudnn ran", lambda: "flash ran") == "cudnn ran"
 
 
+def test_attention_notes_are_logged_once(monkeypatch, caplog):
+    """Each call is one layer of one step: the cuDNN-fallback warning (flash still runs each time), the note that
+    packed rows off CUDA run the masked reference, and resolve_varlen's choice are each logged once, not per call."""
+    att = importlib.import_module("chronicals.ops.attention")
+    monkeypatch.setattr(att, "_logged_notes", set())
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(attention_cudnn, "cudnn_frontend", lambda: None)
+    monkeypatch.setattr(attention_cudnn, "available", lambda: True)
+    monkeypatch.setattr(att, "_hopper", lambda device: True)
+
+    def unsupported():
+        raise attention_cudnn.Unsupported("attention: no ragged kernel for these heads")
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 6, 2, 8, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 2, 6, 9, 12], dtype=torch.int32)
+    with caplog.at_level("INFO", logger="chronicals.ops"):
+        for _ in range(3):
+            assert att.cudnn_or_flash("auto", unsupported, lambda: "flash ran") == "flash ran"
+            attention(q, k, v, cu_seqlens=cu, impl="triton")
+            assert att.resolve_varlen("auto", torch.device("cuda", 0), tokens=16 * 1024, docs=1) == "cudnn"
+    lines = [r.getMessage() for r in caplog.records]
+    for note in ("no ragged kernel", "run the masked SDPA reference", "packed rows use cudnn"):
+        assert sum(note in line for line in lines) == 1, note
+
+
 def test_the_reference_refuses_a_document_across_rows():
     """The CUDA kernels read the B rows as one stream, the reference masks each row: a document that ran past a
     row's end got two answers (3.3 apart on an H200). The collator never builds one; the reference refuses it."""
@@ -220,6 +294,9 @@ def test_the_reference_refuses_a_document_across_rows():
     q, k, v = (torch.randn(2, 6, 2, 8, generator=g) for _ in range(3))
     with pytest.raises(ValueError, match=r"document 0 \(tokens 0\.\.7 of cu_seqlens\) runs across a row boundary"):
         attention(q, k, v, cu_seqlens=torch.tensor([0, 8, 12], dtype=torch.int32), impl="torch")
+    q3, k3, v3 = (torch.randn(3, 4, 2, 8, generator=g) for _ in range(3))  # two crossing documents: the first is named
+    with pytest.raises(ValueError, match=r"document 0 \(tokens 0\.\.5 of cu_seqlens\) runs across a row boundary"):
+        attention(q3, k3, v3, cu_seqlens=torch.tensor([0, 6, 10, 12], dtype=torch.int32), impl="torch")
     inside = attention(q, k, v, cu_seqlens=torch.tensor([0, 2, 6, 9, 12], dtype=torch.int32), impl="torch")
     assert inside.shape == q.shape and torch.isfinite(inside).all()
 
