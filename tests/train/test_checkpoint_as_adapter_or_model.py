@@ -15,7 +15,7 @@ from chronicals.lora import apply_lora
 from chronicals.train import checkpoint as ckpt
 from chronicals.train.checkpoint_adapter import (apply_checkpoint_adapter, is_checkpoint_dir, lora_settings,
                                                  read_run_checkpoint)
-from chronicals.train.checkpoint_model import checkpoint_base
+from chronicals.train.checkpoint_model import apply_checkpoint_weights, checkpoint_base
 
 from train_helpers import tiny_model
 
@@ -131,6 +131,14 @@ def test_a_full_checkpoint_of_the_default_model_names_it_by_its_short_name(tmp_p
                                           config=_full_config())) == "smollm2-135m-instruct"
 
 
+def test_a_full_checkpoint_names_a_short_name_base_in_any_case(tmp_path, monkeypatch):
+    """A recorded short-name base spelled in other case (SmolLM2-135M-Instruct; the loader takes short names in any
+    case) is named, not refused as a path "which is not here"."""
+    monkeypatch.chdir(tmp_path)
+    assert checkpoint_base(_write(tmp_path / "run", {"base": "SmolLM2-135M-Instruct"},
+                                  config=_full_config())) == "SmolLM2-135M-Instruct"
+
+
 def test_a_home_relative_base_is_found(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "base").mkdir()
@@ -175,3 +183,17 @@ def test_an_older_checkpoint_with_a_relative_model_path_names_no_base(tmp_path):
     said."""
     ck = read_run_checkpoint(_write(tmp_path / "run", model_path="models/mine"))
     assert ck.base is None and "relative to the directory that run started in" in ck.why_no_base
+
+
+def test_a_tensor_of_a_name_the_model_lacks_is_refused_by_name_before_any_copy(tmp_path):
+    """A full checkpoint holding a tensor the model has no parameter of that name for (another base) is refused with
+    the ValueError naming it, before anything is copied; it was a KeyError out of the copy loop with the model half
+    overwritten."""
+    model = tiny_model()
+    norm = dict(model.named_parameters())["model.norm.weight"]
+    before = norm.detach().clone()
+    path = _write(tmp_path / "run", config=_full_config(),
+                  model={"model.norm.weight": torch.full_like(before, 7.0), "model.not_there.weight": torch.ones(3)})
+    with pytest.raises(ValueError, match=r"does not fit this model \(1 tensors differ.*model\.not_there\.weight"):
+        apply_checkpoint_weights(model, path)
+    assert torch.equal(norm, before)

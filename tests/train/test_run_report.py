@@ -167,3 +167,35 @@ def test_the_report_asks_held_out_questions_with_the_held_out_system_message(mon
     rep = report.RunReport(cfg, out=lambda *a: None)
     rep("before", model=None, tokenizer=object(), eval_loss=2.0, heldout_qa=[{"question": "q?", "keywords": ["k"]}])
     assert systems == [""]
+
+
+def test_the_closing_rerun_reports_after_with_the_held_out_qa_and_only_a_before_loss(tmp_path):
+    """The rerun that runs a stopped run's closing evaluation calls the "after" report as an uninterrupted run's end
+    does: with the held-out QA given to train() (the CLI's RunReport re-answers them; it got None), the closing loss
+    and the result. Its "before" loss comes from a "before" record only: with that record gone it is None, not the
+    loss of step 1's interval evaluation."""
+    import json
+
+    from chronicals.train import train
+
+    from train_helpers import SyntheticLoader, synthetic_docs, tiny_config, tiny_model
+
+    docs = synthetic_docs(40, seed=1)
+    ev = lambda: SyntheticLoader(docs[:4], shuffle=False)  # noqa: E731
+    train(tiny_config(tmp_path, train__max_steps=2, eval__every=1), model=tiny_model(),
+          train_loader=SyntheticLoader(docs), eval_loader=ev())
+    path = tmp_path / "run" / "metrics.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r.get("tag") for r in recs if r.get("kind") == "eval"] == ["before", "interval", "after"]
+    # the "before" record gone (as after an own resume without metrics.jsonl), and stopped before the "after" one
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs if r.get("tag") not in ("before", "after")))
+    calls = []
+    res = train(tiny_config(tmp_path, train__max_steps=2, eval__every=1, train__resume="auto"), model=tiny_model(),
+                train_loader=SyntheticLoader(docs), eval_loader=ev(), heldout_qa=HELD,
+                report=lambda event, **info: calls.append((event, info)))
+    assert [event for event, _ in calls] == ["after"]
+    info = calls[0][1]
+    assert info["heldout_qa"] is HELD and info["result"] is res
+    assert info["eval_loss"] == res.eval_loss_after is not None
+    assert res.eval_loss_before is None
+

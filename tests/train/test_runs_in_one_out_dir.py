@@ -340,3 +340,74 @@ def test_an_own_resume_without_metrics_jsonl_says_where_the_file_starts(tmp_path
     with caplog.at_level("WARNING", logger="chronicals.train"):
         _run(tmp_path, docs, train__max_steps=3, train__resume="auto")
     assert "has no metrics.jsonl: it starts at step 3 (the records of steps 1..2" in caplog.text
+
+
+def _records(path):
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_an_own_step_0_resume_without_metrics_jsonl_says_nothing_is_gone(tmp_path, caplog):
+    """A step-0 checkpoint (one written through the API before any optimizer step) has no records to lose: its own
+    resume without metrics.jsonl used to warn that "the records of steps 1..0 are gone". At step 2 it still warns."""
+    from chronicals.train.run_dir import _metrics_log
+
+    cfg = tiny_config(tmp_path)
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step-000000").mkdir(parents=True)
+    (out / "checkpoints" / "step-000002").mkdir()
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        assert _metrics_log(cfg, out, out / "checkpoints" / "step-000000", 0, None).records == []
+        assert "has no metrics.jsonl" not in caplog.text
+        _metrics_log(cfg, out, out / "checkpoints" / "step-000002", 2, None)
+    assert "has no metrics.jsonl: it starts at step 3" in caplog.text
+
+
+def test_a_checkpoint_copied_out_of_its_run_starts_metrics_at_the_next_step(tmp_path, docs, caplog):
+    """A checkpoint copied out of its run (its parent is no ``checkpoints`` dir) has no run records beside it:
+    metrics.jsonl starts at step N+1. It took an unrelated metrics.jsonl two levels up as that run's records, and
+    with none taken it kept out_dir's own earlier run's records (another history)."""
+    import shutil
+
+    other = tmp_path / "other"
+    other.mkdir()
+    _run(other, docs, train__max_steps=2)
+    _run(tmp_path, docs, train__max_steps=2, optim__lr=5e-3)  # out_dir's earlier run: records of steps 1, 2
+    saved = tmp_path / "saved" / "step-000002"
+    shutil.copytree(other / "run" / "checkpoints" / "step-000002", saved)
+    (tmp_path / "metrics.jsonl").write_text((other / "run" / "metrics.jsonl").read_text())  # unrelated, 2 levels up
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        _run(tmp_path, docs, train__max_steps=3, train__resume=str(saved))
+    steps = [r.get("step") for r in _records(tmp_path / "run" / "metrics.jsonl")]
+    assert steps and min(steps) == 3, steps
+    assert "no metrics.jsonl beside it" in caplog.text
+
+
+def test_another_runs_state_pt_as_resume_takes_that_runs_records(tmp_path, docs):
+    """train.resume=<other run>/checkpoints/step-N/state.pt (the file, not its directory) starts metrics.jsonl with
+    that run's records up to step N, as the directory does; the file's path was not mapped to its directory."""
+    other = tmp_path / "other"
+    other.mkdir()
+    _run(other, docs, train__max_steps=3, train__save_every=1, train__keep_last=3)
+    state = other / "run" / "checkpoints" / "step-000002" / "state.pt"
+    assert state.is_file()
+    _run(tmp_path, docs, train__max_steps=3, train__resume=str(state))
+    theirs = [r for r in _records(other / "run" / "metrics.jsonl") if r.get("step", 0) <= 2 and r.get("tag") != "after"]
+    mine = _records(tmp_path / "run" / "metrics.jsonl")
+    assert theirs and mine[:len(theirs)] == theirs
+
+
+def test_another_runs_unreadable_metrics_is_said_and_the_run_goes_on(tmp_path, docs, caplog):
+    """Another run's metrics.jsonl holding a line that is no record is said ("could not be read") and the run goes
+    on, its metrics.jsonl starting at step N+1; it stopped with that file's ValueError."""
+    other = tmp_path / "other"
+    other.mkdir()
+    _run(other, docs, train__max_steps=2)
+    theirs = other / "run" / "metrics.jsonl"
+    theirs.write_text("not a record\n" + theirs.read_text())
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        res = _run(tmp_path, docs, train__max_steps=3, train__resume=str(other / "run" / "checkpoints" / "step-000002"))
+    assert res.status == "completed" and res.step == 3
+    assert "could not be read" in caplog.text
+    assert min(r.get("step") for r in _records(tmp_path / "run" / "metrics.jsonl")) == 3
