@@ -237,15 +237,18 @@ def test_auto_is_triton_on_cuda_and_torch_elsewhere(monkeypatch):
     assert _impl.check_impl("linear_cross_entropy", "auto", cuda) == "triton"
 
 
-@pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("On", True), ("yes", True), ("0", False),
-                                       ("false", False), ("", False)])
+@pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("On", True), ("yes", True), ("Y", True),
+                                       ("0", False), ("false", False), ("", False), (" 1", False), ("2", False)])
 def test_triton_interpret_is_read_as_triton_reads_it(monkeypatch, value, on):
     """TRITON_INTERPRET=true (or on, yes, any case) runs Triton's interpreter, as =1 does: impl="triton" on a CPU
     tensor is accepted then, and refused with the fix when it is off. Reading "1" alone refused it under =true,
-    telling the user to set what was set."""
+    telling the user to set what was set. Triton's own reading (triton.knobs) is the reference."""
+    from triton import knobs
+
     from chronicals.ops import _impl
 
     monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert bool(knobs.runtime.interpret) is on
     assert triton_interpreting() is on
     if on:
         assert _impl.check_impl("rms_norm", "triton", torch.device("cpu")) == "triton"

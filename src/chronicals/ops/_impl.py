@@ -9,19 +9,24 @@ fallback: asking for ``"triton"`` where it cannot run raises with the fix.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
-from triton import knobs  # TRITON_INTERPRET as Triton reads it, at each access
 
 log = logging.getLogger("chronicals.ops")
 _logged: set[tuple[str, str, str]] = set()
 IMPLS = ("auto", "triton", "torch")
 
 
+# the values Triton's getenv_bool reads as on, any case (triton 3.7); tested against triton.knobs
+_TRITON_TRUE = ("1", "true", "on", "yes", "y")
+
+
 def triton_interpreting() -> bool:
-    """Whether Triton runs its kernels in the interpreter, read as Triton reads TRITON_INTERPRET (1, true, on, yes,
-    any case): a test for "1" alone refused impl="triton" on CPU under TRITON_INTERPRET=true (a mutation walk)."""
-    return bool(knobs.runtime.interpret)
+    """Whether Triton runs its kernels in the interpreter, read as Triton reads TRITON_INTERPRET: a test for "1"
+    alone refused impl="triton" on CPU under TRITON_INTERPRET=true (a mutation walk). os.environ, not
+    triton.knobs: Dynamo cannot trace knobs' C getenv, and ops call this inside torch.compile'd code."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in _TRITON_TRUE
 
 
 def check_impl(op: str, impl: str, device: torch.device | None = None) -> str:
