@@ -4,6 +4,7 @@ adapter settings and base model it was trained with."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -25,6 +26,11 @@ def _run(tmp_path, docs, **over):
 
 def _names(tmp_path):
     return [d.name for d in checkpoint_dirs(tmp_path / "run")]
+
+
+def _records(path):
+    """The records of a metrics.jsonl, in order."""
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_a_fresh_run_replaces_an_earlier_runs_checkpoints(tmp_path, docs, caplog):
@@ -204,8 +210,6 @@ def test_a_resume_from_another_runs_last_checkpoint_makes_out_dir_that_runs_reco
     """Nothing to train (the checkpoint is at the run's last step): the final adapter was written, but out_dir kept
     its earlier run's config.yaml, metrics.jsonl and checkpoints, mixing two runs. Now it is as a run that trained
     from that checkpoint makes it: that run's records up to the step, this config.yaml, the earlier files gone."""
-    import json
-
     lora = dict(lora__enabled=True, lora__targets=["q_proj", "v_proj"], train__save_final=True)
     other = tmp_path / "other"
     other.mkdir()
@@ -215,9 +219,8 @@ def test_a_resume_from_another_runs_last_checkpoint_makes_out_dir_that_runs_reco
     source = other / "run" / "checkpoints" / "step-000003"
     _run(tmp_path, docs, train__max_steps=3, train__resume=str(source), **lora)
     assert "lr: 0.005" not in (run / "config.yaml").read_text()
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    theirs = [json.loads(line) for line in (other / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert records == [r for r in theirs if r.get("step", 0) <= 3]
+    theirs = _records(other / "run" / "metrics.jsonl")
+    assert _records(run / "metrics.jsonl") == [r for r in theirs if r.get("step", 0) <= 3]
     assert _names(tmp_path) == []  # the earlier run's step-000002 went with it
     assert (run / "adapter" / "adapter_model.safetensors").is_file()
 
@@ -340,12 +343,6 @@ def test_an_own_resume_without_metrics_jsonl_says_where_the_file_starts(tmp_path
     with caplog.at_level("WARNING", logger="chronicals.train"):
         _run(tmp_path, docs, train__max_steps=3, train__resume="auto")
     assert "has no metrics.jsonl: it starts at step 3 (the records of steps 1..2" in caplog.text
-
-
-def _records(path):
-    import json
-
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_an_own_step_0_resume_without_metrics_jsonl_says_nothing_is_gone(tmp_path, caplog):
