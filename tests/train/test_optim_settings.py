@@ -268,8 +268,6 @@ def test_the_schedule_never_goes_below_min_lr_ratio(tmp_path, kind):
     """After a run's last step the scheduler steps once more (the lr the final checkpoint's optimizer stores): the
     decay stays at min_lr_ratio past the last step (linear ran on to -0.03 of the peak one step past a 10-step run
     at min_lr_ratio=0.1; cosine rose again)."""
-    from chronicals.train.optim import lr_factor
-
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     cfg = tiny_config(tmp_path, schedule__kind=kind, schedule__warmup_steps=2, schedule__min_lr_ratio=0.1)
     sched = build_scheduler(opt, cfg, 10)
@@ -283,8 +281,6 @@ def test_the_schedule_never_goes_below_min_lr_ratio(tmp_path, kind):
 def test_lr_factor_refuses_an_unknown_schedule_kind():
     """A kind lr_factor does not know (a typo past the config, "cosin") raises, naming the choices, instead of
     training the whole run at the peak lr as "constant" would; warmup steps still warm up."""
-    from chronicals.train.optim import lr_factor
-
     assert lr_factor(0, 10, 2, "cosin", 0.1) == 0.5
     with pytest.raises(ValueError, match=r"schedule.kind='cosin' is not one of cosine \| linear \| constant"):
         lr_factor(5, 10, 2, "cosin", 0.1)
@@ -307,8 +303,6 @@ def test_fused_auto_is_off_on_the_cpu(tmp_path):
 def test_lora_plus_refuses_a_ratio_or_lr_of_zero():
     """ratio 0 from Python would give every lora_B an lr of 0 (B never trains), lr 0 every group; the config refuses
     both first. A NaN or infinite lr or ratio (an inf ratio gives lora_B an lr of inf) is refused too."""
-    from chronicals.lora import lora_plus_param_groups
-
     model = tiny_model()
     apply_lora(model, r=2, alpha=4, target_modules=("q_proj",))
     with pytest.raises(ValueError, match="must be positive"):
