@@ -290,7 +290,18 @@ def test_frozen_weight_gets_no_gradient_and_the_same_dx(hidden, monkeypatch):
     dx, dr, dw = grads(False)
     assert dw is None and dw_full is not None
     assert sums == [False]  # one launch, with HAS_DW off
-    assert torch.equal(dx, dx_full) and torch.equal(dr, dr_full)
+    if _tuned_warps(hidden) <= 1:
+        assert torch.equal(dx, dx_full) and torch.equal(dr, dr_full)
+    else:  # CUDA tuned HAS_DW on and off to other warp counts: x-hat . w dy summed in another order
+        for a, b in ((dx, dx_full), (dr, dr_full)):
+            torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-6)  # one bf16 ulp
+
+
+def _tuned_warps(hidden):
+    """How many warp counts the backward kernel's autotuner chose across its keys for this H: 0 or 1 means every
+    launch summed rows in one order (the interpreter and CHRONICALS_AUTOTUNE=first tune nothing, so 0)."""
+    cache = getattr(rms_mod._rms_norm_bwd_kernel, "cache", {})
+    return len({cfg.num_warps for key, cfg in cache.items() if key[0] == hidden})
 
 
 class _Spy:
