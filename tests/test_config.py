@@ -11,6 +11,7 @@ import pytest
 
 from chronicals.config import (MAX_ROW_TOKENS, ConfigError, TrainConfig, all_keys, config_help, from_dict,
                                 load_config)
+from chronicals.config_schema import stored_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
 
@@ -120,6 +121,8 @@ def test_unknown_section_in_yaml_suggests(tmp_path):
 
 @pytest.mark.parametrize("bad, message", [
     ("optim.lr=-1", r"optim.lr=-1.0 is invalid: expected a number in \(0, 10\]"),
+    # lr=0 is the open lower edge: a run that never moves a weight
+    ("optim.lr=0", r"^command line: config optim\.lr=0\.0 is invalid: expected a number in \(0, 10\]"),
     ("optim.lr=fast", r"optim.lr='fast' is invalid: expected a number"),
     ("lora.rank=0", r"lora.rank=0 is invalid"),
     ("lora.rank=2.5", r"expected an integer"),
@@ -134,6 +137,9 @@ def test_unknown_section_in_yaml_suggests(tmp_path):
     ("lora.rank=on", r"expected an integer"),
     ("lora.targets=[q_proj", r"^command line: config .* is invalid: an unclosed bracket"),
     ("model.recompute=norm]", r"^command line: config .* is invalid: an unclosed bracket"),
+    # a name the model does not rebuild (attn) is refused, not passed on to it
+    ("model.recompute=[norm,attn]", r"^command line: config model\.recompute=\['norm', 'attn'\] is invalid: "
+                                    r"expected a list drawn from \[norm, swiglu, gate_up\], or \[\]$"),
     # a device that merely contains "cuda" is no CUDA device
     ("model.device=xcuda", r"model.device='xcuda' is invalid: expected auto \| cpu \| cuda \| cuda:N"),
     ("model.device=gpu-cuda:0", r"model.device='gpu-cuda:0' is invalid: expected auto \| cpu \| cuda"),
@@ -376,6 +382,22 @@ def test_resume_must_be_auto_none_or_an_existing_path(tmp_path, monkeypatch):
     p.write_text("train:\n  out_dir: elsewhere\n  resume: gone/step-1\n")
     with pytest.raises(ValueError, match=r"c\.yaml:3: config train\.resume='gone/step-1' is invalid"):
         load_config(p)
+
+
+def test_a_stored_configs_missing_resume_is_taken_only_inside_its_block(tmp_path):
+    """stored_config() lets a run's stored config name a checkpoint that is gone, for its block only: after the block
+    (left normally or by an exception) a missing train.resume is refused again. Without the reset, one chat/eval/export
+    read of a stored config let every later config in the process name a missing checkpoint."""
+    gone = str(tmp_path / "checkpoints" / "step-000003")
+    with stored_config():
+        assert load_config(None, [f"train.resume={gone}"]).train.resume == gone
+    with pytest.raises(ValueError, match=r"train\.resume=.* is invalid: expected auto \| none \| an existing"):
+        load_config(None, [f"train.resume={gone}"])
+    with pytest.raises(RuntimeError, match="boom"):
+        with stored_config():
+            raise RuntimeError("boom")
+    with pytest.raises(ValueError, match=r"train\.resume=.* does not exist"):
+        load_config(None, [f"train.resume={gone}"])
 
 
 def test_data_and_model_paths_need_not_exist_here():

@@ -272,10 +272,30 @@ def test_a_config_of_nested_aliases_is_refused_in_a_short_message(tmp_path, caps
     assert f"{path}:2: config optim.lr=[[" in err and "is invalid: expected a number" in err and len(err) < 2000
 
 
+@pytest.mark.parametrize("key", ["data.format", "model.dtype"])
+def test_a_long_bad_string_is_shown_cut_in_its_error(key):
+    """A pasted 5000-character value is shown cut (to about 200 characters) in the error, and what is expected still
+    follows it; shown in full, it flooded the one error line."""
+    with pytest.raises(ValueError) as e:
+        load_config(None, [f"{key}=" + "x" * 5000])
+    msg = str(e.value)
+    assert msg.startswith(f"command line: config {key}='xxx") and "..." in msg and "is invalid: expected" in msg
+    assert len(msg) < 600, len(msg)
+
+
 def test_negative_epochs_are_refused_beside_max_steps_too():
     with pytest.raises(ValueError, match=r"train.epochs=-5.0 is invalid: expected a number > 0 \(0 only beside"):
         load_config(None, ["train.max_steps=1", "train.epochs=-5"])
     assert load_config(None, ["train.max_steps=1", "train.epochs=0"]).train.max_steps == 1
+
+
+def test_zero_epochs_without_max_steps_are_refused():
+    """train.epochs=0 is taken only beside train.max_steps > 0: alone (max_steps=0, the default) it is a run that
+    trains nothing, refused when read with the hint to set max_steps (dropping the max_steps condition passed it)."""
+    for overrides in (["train.epochs=0"], ["train.epochs=0", "train.max_steps=0"]):
+        with pytest.raises(ValueError, match=r"^command line: config train\.epochs=0\.0 is invalid: expected a number "
+                                             r"> 0, or set train\.max_steps > 0$"):
+            load_config(None, overrides)
 
 
 @pytest.mark.skipif(not __import__("os").path.isdir("/dev/fd"), reason="needs /dev/fd for a pipe's path")

@@ -272,13 +272,48 @@ def test_a_cut_on_a_full_round_says_nothing_when_resumed_longer(tmp_path, caplog
 
 def test_the_first_steps_divergence_names_the_quantity_that_was_not_finite():
     """At a process's first step with NaN/inf weights the message says which check failed: the loss (NaN loss) or the
-    gradient norm (finite loss, inf norm); no last good checkpoint is asked for, as there is none."""
+    gradient norm (finite loss, inf norm); no last good checkpoint is asked for, as there is none. A non-finite loss
+    is named even when the norm is NaN too (as a NaN loss leaves it): picking by the norm said "gradient norm"."""
     from chronicals.train.divergence import _check_finite
 
     never = lambda: pytest.fail("no last good checkpoint is asked for at the first step")  # noqa: E731
     with pytest.raises(TrainingDiverged, match=r"^loss is not finite at step 1, the first this process ran, "
                                                r".*1 tensors, e\.g\. w"):
         _check_finite(1, math.nan, 1.0, never, lambda: ["w"])
+    for loss in (math.nan, math.inf):
+        with pytest.raises(TrainingDiverged, match=r"^loss is not finite at step 4, the first this process ran"):
+            _check_finite(4, loss, math.nan, never, lambda: ["w"])
     with pytest.raises(TrainingDiverged, match=r"^gradient norm is not finite at step 1, the first this process ran"):
         _check_finite(1, 2.5, math.inf, never, lambda: ["w"])
+    with pytest.raises(TrainingDiverged, match=r"^gradient norm is not finite at step 4"):
+        _check_finite(4, 1.25, math.nan, never, lambda: ["w"])
     _check_finite(1, 2.5, 1.0, never, lambda: ["w"])
+
+
+def test_the_first_steps_divergence_counts_every_damaged_tensor_and_names_three():
+    """With 5 damaged tensors the message counts all 5 and names the first three, in order: counting only the
+    names shown said 3, and naming one hid the rest."""
+    from chronicals.train.divergence import _check_finite
+
+    bad = ["a.weight", "b.weight", "c.weight", "d.weight", "e.weight"]
+    with pytest.raises(TrainingDiverged) as e:
+        _check_finite(1, math.nan, math.nan, lambda: pytest.fail("no last good checkpoint is asked for"), lambda: bad)
+    msg = str(e.value)
+    assert "before any update: 5 tensors, e.g. a.weight, b.weight, c.weight; the checkpoint" in msg, msg
+    assert "d.weight" not in msg
+
+
+def test_a_later_steps_infinite_loss_is_named_as_the_loss():
+    """After the first step, an inf (or -inf) loss under a finite norm says "loss is inf", with the last good
+    checkpoint or its absence; testing the loss with isnan reported it as a gradient-norm divergence with the loss
+    in brackets. A finite loss under an inf norm names the norm."""
+    from chronicals.train.divergence import _check_finite
+
+    with pytest.raises(TrainingDiverged, match=r"^loss is inf at step 3; stopping without its update\. No checkpoint "
+                                               r"was written before it"):
+        _check_finite(3, math.inf, 2.0, lambda: None)
+    with pytest.raises(TrainingDiverged, match=r"^loss is -inf at step 3; stopping without its update\. The last "
+                                               r"good checkpoint is runs/x/checkpoints/step-000002;"):
+        _check_finite(3, -math.inf, 2.0, lambda: Path("runs/x/checkpoints/step-000002"))
+    with pytest.raises(TrainingDiverged, match=r"^gradient norm is inf \(loss 1\.5000\) at step 3;"):
+        _check_finite(3, 1.5, math.inf, lambda: None)
