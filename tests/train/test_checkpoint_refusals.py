@@ -5,11 +5,13 @@ compare."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
 
 from chronicals.train import checkpoint as ckpt
+from chronicals.train.checkpoint_adapter import read_run_checkpoint
 from chronicals.train.resume import check_same_adapter
 
 from test_checkpoint import _trained as _parts
@@ -31,17 +33,48 @@ def _first(state):
     (1, lambda s: s.update(step=True), "its step is True"),
     (2, lambda s: s["model"].update({_first(s): [1.0, 2.0]}), "its model entry is not a dict of tensors"),
     (2, lambda s: s["model"].pop(_first(s)), "lacks trainable parameters of the model"),
+    (2, lambda s: s["model"].update({"extra.weight": torch.zeros(2)}),
+     "holds parameters the model lacks (['extra.weight']): it was written for another model or lora config"),
     (2, lambda s: s["optimizer"]["state"][0].update(exp_avg=torch.zeros(3)),
      "its optimizer state has exp_avg (3,) for a parameter"),
     (2, lambda s: s["optimizer"]["state"][0].pop("exp_avg_sq"), "has exp_avg_sq none"),
     (1, lambda s: s["optimizer"].update(state={}), "holds no AdamW moments at step 1"),
-], ids=["format_string", "step_bool", "model_entry_list", "missing_parameter", "moment_shape", "moment_missing",
+], ids=["format_string", "step_bool", "model_entry_list", "missing_parameter", "extra_parameter", "moment_shape", "moment_missing",
         "no_moments_after_a_step"])
 def test_an_edited_checkpoint_is_refused_naming_it(tmp_path, step, edit, said):
     path = _written(tmp_path, step, edit)
     with pytest.raises(ValueError, match="checkpoint .*step-00000") as e:
         ckpt.load_checkpoint(path, *_parts())
     assert said in str(e.value)
+
+
+def test_a_named_resume_with_a_misshapen_moment_points_to_the_checkpoint_before_it(tmp_path):
+    """train.resume naming step-2 (auto=False) whose AdamW exp_avg has another shape is told to resume from the
+    checkpoint before it, as for the other damage a named resume meets; resume=auto (auto=True) is told where it
+    goes once step-2 is moved away. The named resume got resume=auto's hint."""
+    _written(tmp_path, 1, lambda s: None)
+    path = _written(tmp_path, 2, lambda s: s["optimizer"]["state"][0].update(exp_avg=torch.zeros(3)))
+    with pytest.raises(ValueError, match="exp_avg") as e:
+        ckpt.load_checkpoint(path, *_parts(), auto=False)
+    assert f"resume from the checkpoint before it (train.resume={path.with_name('step-000001')})" in str(e.value)
+    with pytest.raises(ValueError, match="exp_avg") as e:
+        ckpt.load_checkpoint(path, *_parts(), auto=True)
+    assert "train.resume=auto resumes from" in str(e.value)
+
+
+def test_a_newer_format_tells_a_reader_to_read_it_and_a_resume_to_resume_it_or_start_over(tmp_path):
+    """A checkpoint of a newer format: a reader (chat, export: read_run_checkpoint) is told to read it with the
+    chronicals version that wrote it; a resume, found by train.resume=auto or named by it, to resume it with that
+    version or start over. The named resume got the reader's advice, without the start-over."""
+    path = _written(tmp_path, 1, lambda s: s.update(format=ckpt.FORMAT + 1))
+    with pytest.raises(ValueError, match="written by a newer chronicals") as e:
+        read_run_checkpoint(path)
+    assert str(e.value).endswith("read it with the chronicals version that wrote it")
+    for auto in (True, False):
+        with pytest.raises(ValueError, match="written by a newer chronicals") as e:
+            ckpt.load_checkpoint(path, *_parts(), auto=auto)
+        assert str(e.value).endswith("resume it with the chronicals version that wrote it, or start over "
+                                     "(train.resume=none or another train.out_dir)"), (auto, str(e.value))
 
 
 def test_a_file_named_like_a_step_is_not_a_checkpoint(tmp_path):
@@ -66,6 +99,27 @@ def test_two_masters_claiming_one_weight_are_left_out():
     w = torch.ones(4, dtype=torch.bfloat16)
     m1, m2 = torch.full((4,), 1.0001), torch.full((4,), 0.9999)
     assert ckpt._masters_by_value({"a": w, "c": torch.zeros(3, dtype=torch.bfloat16)}, [m1, m2]) == {}
+
+
+def test_busy_is_false_once_the_background_write_has_finished(tmp_path, monkeypatch):
+    """busy means a write still in flight: once the thread has published the checkpoint it is False, also before
+    wait() (true until wait(), the loop's last_good() warned "waiting for the checkpoint being written" for
+    nothing)."""
+    finished = threading.Event()
+    real = ckpt.write_checkpoint
+
+    def write_then_tell(*a, **kw):
+        try:
+            return real(*a, **kw)
+        finally:
+            finished.set()
+    monkeypatch.setattr(ckpt, "write_checkpoint", write_then_tell)
+    writer = ckpt.CheckpointWriter(background=True)
+    path = writer.save(tmp_path, 3, *_parts(1), {"position": 3})
+    assert finished.wait(timeout=30) and writer._done.wait(timeout=30)
+    assert path.is_dir() and not writer.busy
+    writer.wait()
+    assert not writer.busy
 
 
 def test_a_checkpoint_is_removed_when_its_trash_name_is_taken(tmp_path):

@@ -360,9 +360,10 @@ def _damage(file: Path, e: BaseException) -> str:
     return f"cannot be read ({type(e).__name__}: {_first_line(e)})"
 
 
-def _read_state(file: Path, mmap: bool = False, fix: str | None = None) -> dict:
+def _read_state(file: Path, mmap: bool = False, fix: str | None = None, resuming: bool = True) -> dict:
     """state.pt's dict, with the entries load_checkpoint uses; ValueError naming the file and what to do (``fix``;
-    default: for a resume, move it away and where train.resume=auto then goes).
+    default: for a resume, move it away and where train.resume=auto then goes). ``resuming``: False for a reader
+    (export, chat), told to read a newer format with the version that wrote it rather than to resume it.
 
     Loaded with weights_only=True: tensors and plain Python values only, so a crafted state.pt (a shared run
     directory, a downloaded checkpoint) runs no code when resumed. The ones written here hold nothing else,
@@ -386,7 +387,7 @@ def _read_state(file: Path, mmap: bool = False, fix: str | None = None) -> dict:
     fmt = state.get("format", 1)
     if not isinstance(fmt, int) or fmt > FORMAT:
         raise ValueError(f"checkpoint {file} has format {fmt!r}, written by a newer chronicals (this one reads format "
-                         f"{FORMAT}): " + ("read it with the chronicals version that wrote it" if fix else
+                         f"{FORMAT}): " + ("read it with the chronicals version that wrote it" if not resuming else
                                            "resume it with the chronicals version that wrote it, or start over "
                                            "(train.resume=none or another train.out_dir)"))
     problem = _entry_problem(state, file.parent.name)

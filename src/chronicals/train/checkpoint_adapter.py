@@ -110,7 +110,7 @@ def _instead(ckdir: Path) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _read(file: Path, _version: tuple) -> CheckpointAdapter:
-    state = _read_state(file, mmap=True, fix=_instead(file.parent))
+    state = _read_state(file, mmap=True, fix=_instead(file.parent), resuming=False)
     extra = state.get("extra") or {}
     saved = extra.get("config")
     if not isinstance(saved, dict):
