@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from chronicals.config import ConfigError
 from chronicals.train import accumulate_gradients, train
-from chronicals.train.distributed import DistContext, _buckets, init_distributed
+from chronicals.train.distributed import DistContext, _buckets, _device, init_distributed
 from chronicals.train.grad_buckets import GradBuckets
 from chronicals.train.step import accumulate_data_parallel, batch_loss_sum
 
@@ -528,6 +528,14 @@ def test_buckets_split_by_dtype_and_size():
     assert not one.enabled and one.is_main
 
 
+def test_buckets_never_mix_devices():
+    """Each bucket is flattened into one tensor, so tensors of one dtype on two devices go to buckets of their own,
+    in input order within each: grouped by dtype alone, cpu and meta tensors shared a bucket."""
+    ts = [torch.zeros(3), torch.zeros(4, device="meta"), torch.zeros(2), torch.zeros(1, device="meta")]
+    got = [[(t.numel(), t.device.type) for t in b] for b in _buckets(ts, bucket_elems=100)]
+    assert got == [[(3, "cpu"), (2, "cpu")], [(4, "meta"), (1, "meta")]]
+
+
 def test_single_process_context_without_torchrun(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     ctx = init_distributed("cpu")
@@ -611,6 +619,35 @@ def test_local_rank_defaults_to_rank(monkeypatch):
     assert init_distributed("cpu").local_rank == 0
 
 
+def _two_gpus(monkeypatch) -> None:
+    """resolve_device as on a machine with 2 GPUs (cuda:N kept, cuda without an index), without touching CUDA."""
+    from chronicals.train import distributed
+
+    monkeypatch.setattr(distributed, "resolve_device", lambda pref: torch.device(pref))
+    monkeypatch.setattr(distributed.torch.cuda, "device_count", lambda: 2)
+
+
+def test_under_torchrun_a_gpu_named_by_index_must_be_the_ranks_own(monkeypatch):
+    """Under torchrun each rank takes cuda:LOCAL_RANK: model.device=cuda:1 on LOCAL_RANK=0 is refused naming the fix
+    (taken as named, two ranks could share one GPU), and accepted on LOCAL_RANK=1. One process (world_size 1) keeps
+    the GPU it names, whatever LOCAL_RANK would say (that rule refused it too)."""
+    _two_gpus(monkeypatch)
+    with pytest.raises(ValueError, match=r"model.device=cuda:1 names one GPU, but under torchrun each rank takes "
+                                         r"cuda:LOCAL_RANK \(this is LOCAL_RANK=0\); set model.device=cuda or auto"):
+        _device("cuda:1", 0, 2)
+    assert _device("cuda:1", 1, 2) == torch.device("cuda", 1)
+    assert _device("cuda:1", 0, 1) == torch.device("cuda", 1)
+
+
+def test_a_local_rank_past_the_visible_gpus_is_a_launch_mistake(monkeypatch):
+    """With 2 GPUs (cuda:0, cuda:1) LOCAL_RANK=2 is a ConfigError naming the GPU count, not a raw CUDA error later;
+    LOCAL_RANK=1, the last GPU, takes cuda:1."""
+    _two_gpus(monkeypatch)
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK=2 but only 2 GPUs are visible"):
+        _device("cuda", 2, 3)
+    assert _device("cuda", 1, 2) == torch.device("cuda", 1)
+
+
 def test_an_existing_process_group_of_another_rank_is_refused(monkeypatch):
     """A process group the caller made already, of the same size but another rank than RANK says, is refused
     naming both: training on as the group's rank 1 while the loader shards by RANK=0 trains one shard twice and
@@ -629,6 +666,21 @@ def test_an_existing_process_group_of_another_rank_is_refused(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     ctx = init_distributed("cpu")
     assert (ctx.rank, ctx.owns_group, ctx.backend) == (1, False, "gloo")
+
+
+def test_a_joined_process_group_keeps_its_own_backend(monkeypatch):
+    """A group the caller made is joined with its own backend (dist.get_backend(), "mpi" here), not the one this
+    device would have picked ("gloo" on the CPU): barrier() chooses its form by ctx.backend."""
+    from chronicals.train import distributed
+
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(distributed.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(distributed.dist, "get_backend", lambda: "mpi")
+    monkeypatch.setattr(distributed.dist, "new_group", lambda **kw: "wait-group")
+    _torchrun_vars(monkeypatch)
+    ctx = init_distributed("cpu")
+    assert (ctx.backend, ctx.owns_group) == ("mpi", False)
 
 
 def test_the_callers_own_process_group_outlives_the_trainers_context(tmp_path, monkeypatch):

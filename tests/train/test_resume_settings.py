@@ -139,12 +139,14 @@ def test_train_resumed_with_other_train_on_and_dtype_warns(tmp_path, docs, caplo
     assert resumed(train__max_steps=3, data__train_on="all", model__dtype="bfloat16", optim__lr=1e-4) == []
 
 
-@pytest.mark.parametrize("tokens, warned", [(0, True), (512, False)])
-def test_a_batch_size_that_tokens_per_batch_overrides_moves_no_batch(tmp_path, caplog, tokens, warned):
+@pytest.mark.parametrize("old_tokens, new_tokens, warned", [(0, 0, True), (512, 512, False), (512, 0, True),
+                                                             (0, 512, True)])
+def test_a_batch_size_that_tokens_per_batch_overrides_moves_no_batch(tmp_path, caplog, old_tokens, new_tokens, warned):
     """data.batch_size picks the batches only without data.tokens_per_batch: beside it, another value is no
-    change of data position (no warning, and no cause named if a position refusal comes)."""
-    saved = tiny_config(tmp_path, data__batch_size=2, data__tokens_per_batch=tokens).to_dict()
-    current = tiny_config(tmp_path, data__batch_size=3, data__tokens_per_batch=tokens).to_dict()
+    change of data position (no warning, and no cause named if a position refusal comes). Only where both runs set
+    it: where one did, batch_size shaped the other run's batches (left out then, it went unnamed)."""
+    saved = tiny_config(tmp_path, data__batch_size=2, data__tokens_per_batch=old_tokens).to_dict()
+    current = tiny_config(tmp_path, data__batch_size=3, data__tokens_per_batch=new_tokens).to_dict()
     with caplog.at_level(logging.WARNING, logger="chronicals.train"):
         warn_data_changed(saved, current, tmp_path / "step-000001")
     msgs = warnings(caplog)
@@ -244,12 +246,27 @@ def test_resume_under_another_grad_accum_warns(tmp_path, caplog):
     assert any("train.grad_accum=1 (this run: 4)" in m for m in warnings(caplog)), warnings(caplog)
 
 
+def test_resume_under_another_lora_plus_ratio_warns(tmp_path, caplog):
+    """lora.plus_ratio sets B's learning rate against A's: the settings warning names it (it resumed unnamed)."""
+    from chronicals.train.resume import apply_optimizer_settings, optimizer_settings
+
+    saved = tiny_config(tmp_path, lora__enabled=True, lora__plus_ratio=16.0).to_dict()
+    current = tiny_config(tmp_path, lora__enabled=True, lora__plus_ratio=4.0).to_dict()
+    opt, sched = _optimizer()
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        apply_optimizer_settings(opt, sched, optimizer_settings(opt, sched), saved, current, step=3, total=10)
+    assert any("lora.plus_ratio=16.0 (this run: 4.0)" in m and "apply from step 4" in m for m in warnings(caplog)), \
+        warnings(caplog)
+
+
 @pytest.mark.parametrize("old, new, named", [
     (dict(train__seed=1), dict(train__seed=2), "train.seed=1 (this run: 2)"),
     (dict(data__dp_remainder="train"), dict(data__dp_remainder="drop"), "data.dp_remainder='train' (this run: 'drop')"),
+    (dict(data__max_seq_len=64), dict(data__max_seq_len=128), "data.max_seq_len=64 (this run: 128)"),
 ])
-def test_the_data_warning_names_the_seed_and_dp_remainder(tmp_path, caplog, old, new, named):
-    """Both decide which batches come after the checkpoint's position."""
+def test_the_data_warning_names_the_seed_dp_remainder_and_max_seq_len(tmp_path, caplog, old, new, named):
+    """Each decides which batches come after the checkpoint's position (data.max_seq_len how documents are cut
+    and packed into rows: under another value the resume went on without a data warning)."""
     saved, current = tiny_config(tmp_path, **old).to_dict(), tiny_config(tmp_path, **new).to_dict()
     with caplog.at_level(logging.WARNING, logger="chronicals.train"):
         warn_data_changed(saved, current, tmp_path / "step-000001")
@@ -266,19 +283,36 @@ def test_a_checkpoint_config_without_dtype_warns_nothing(tmp_path, caplog):
     assert warnings(caplog) == []
 
 
-@pytest.mark.parametrize("cuda, same, other", [(True, "bfloat16", "float32"), (False, "float32", "bfloat16")])
-def test_auto_dtype_and_device_mean_what_the_machine_gave(tmp_path, caplog, monkeypatch, cuda, same, other):
+@pytest.mark.parametrize("device, cuda, same, other", [("auto", True, "bfloat16", "float32"),
+                                                       ("auto", False, "float32", "bfloat16"),
+                                                       ("cuda:1", False, "bfloat16", "float32")])
+def test_auto_dtype_and_device_mean_what_the_machine_gave(tmp_path, caplog, monkeypatch, device, cuda, same, other):
     """model.dtype=auto with model.device=auto trained in bfloat16 on a GPU machine and in float32 on one without
-    CUDA: resumed there in the same dtype nothing is said, in the other the warning names what auto meant."""
+    CUDA: resumed there in the same dtype nothing is said, in the other the warning names what auto meant. With
+    model.device=cuda:N it ran on a GPU, so in bfloat16, also asked on a machine without CUDA (it was taken as
+    float32)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    saved = tiny_config(tmp_path, model__device="auto", model__dtype="auto").to_dict()
+    saved = tiny_config(tmp_path, model__device=device, model__dtype="auto").to_dict()
     for dtype, warned in ((same, False), (other, True)):
         caplog.clear()
-        current = tiny_config(tmp_path, model__device="auto", model__dtype=dtype).to_dict()
+        current = tiny_config(tmp_path, model__device=device, model__dtype=dtype).to_dict()
         with caplog.at_level(logging.WARNING, logger="chronicals.train"):
             check_same_adapter(saved, current, tmp_path / "step-000001")
         said = f"model.dtype='auto' = {same} (this run: '{dtype}')"
         assert any(said in m for m in warnings(caplog)) == warned and bool(warnings(caplog)) == warned, warnings(caplog)
+
+
+def test_lora_modules_in_another_order_are_the_same_adapter_without_records(tmp_path, caplog):
+    """Without LoRA records (a checkpoint written before them, or check_same_adapter called without them)
+    lora.modules_to_save is compared as a set, as lora.targets is: [norm, lm_head] adapts what [lm_head, norm]
+    does (it was refused as another adapter)."""
+    saved = tiny_config(tmp_path, lora__enabled=True, lora__targets=["q_proj", "v_proj"],
+                        lora__modules_to_save=["lm_head", "norm"]).to_dict()
+    current = tiny_config(tmp_path, lora__enabled=True, lora__targets=["v_proj", "q_proj"],
+                          lora__modules_to_save=["norm", "lm_head"]).to_dict()
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        check_same_adapter(saved, current, tmp_path / "step-000001")  # no refusal
+    assert warnings(caplog) == []
 
 
 def test_the_early_adapter_check_leaves_another_model_path_to_the_later_one(tmp_path):
