@@ -15,6 +15,7 @@ from ops_tolerance import assert_tracks_torch
 from chronicals.ops import linear_cross_entropy, linear_cross_entropy_ref
 from chronicals.ops._impl import triton_interpreting
 from chronicals.ops import cross_entropy
+from chronicals.ops._linear_ce_kernels import BLOCK_V_ROWS, lce_rows
 from chronicals.ops.cross_entropy import default_chunk_rows, linear_cross_entropy_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -290,6 +291,50 @@ def test_all_labels_ignored_gives_zero_loss_and_grads(reduction):
         assert torch.isfinite(t).all() and (t == 0).all()
 
 
+def test_a_first_vocab_tile_masked_by_minus_inf_bias_keeps_the_loss_finite():
+    """A bias of -inf over the whole first vocab tile (BLOCK_V_ROWS tokens masked out of the vocabulary): the online
+    softmax's running max is clamped at -1e30, so that tile gives s = 0, not exp(-inf - -inf) = NaN; loss and
+    d_hidden are finite and match the reference (without the clamp both were NaN)."""
+    g = torch.Generator().manual_seed(4)
+    n, h, v = 3, 8, BLOCK_V_ROWS + 40
+    x = torch.randn(n, h, generator=g).to(DEV)
+    w = (torch.randn(v, h, generator=g) * 0.5).to(DEV)
+    bias = torch.zeros(v)
+    bias[:BLOCK_V_ROWS] = float("-inf")
+    labels = torch.randint(BLOCK_V_ROWS, v, (n,), generator=g).to(DEV)
+    out = []
+    for fn in (linear_cross_entropy_triton, linear_cross_entropy_ref):
+        xs = x.clone().requires_grad_()
+        loss = fn(xs, w, labels, bias=bias.to(DEV), reduction="none")
+        out.append((loss.detach(), *torch.autograd.grad(loss, [xs], torch.ones(n, device=DEV))))
+    (loss, dx), (loss_r, dx_r) = out
+    assert torch.isfinite(loss).all() and torch.isfinite(dx).all()
+    torch.testing.assert_close(loss, loss_r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx, dx_r, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_without_loss_get_zero_d_logits_even_with_inf_logits():
+    """Two-pass kernel, fp16 chunk: an ignored row and an out-of-range row holding +inf (an fp16 GEMM output that
+    overflowed) get d_logits exactly 0 (lse = inf there gives exp(inf - inf) = NaN before the row mask), so dW stays
+    finite; the other rows are float64's softmax - onehot. Per row: on CUDA (one row per program) the ignored row
+    takes the all-ignored branch and the out-of-range row the masked one; in the interpreter all share a program."""
+    c, v = 5, 32
+    g = torch.Generator().manual_seed(0)
+    buf = torch.randn(c, v, generator=g).to(torch.float16)
+    buf[2, 7] = buf[4, 3] = float("inf")
+    labels = torch.tensor([1, 2, IGNORE, 4, v + 3])
+    ref = torch.softmax(buf.double(), -1)
+    ref[[0, 1, 3], labels[[0, 1, 3]]] -= 1
+    ref[[2, 4]] = 0
+    b = buf.to(DEV)
+    loss, lse = torch.empty(c, device=DEV), torch.empty(c, device=DEV)
+    lce_rows(b, labels.to(DEV), 0, None, torch.ones(1, device=DEV), loss, lse, ignore_index=IGNORE, softcap=None,
+             compute_lse=True, write_grad=True)
+    assert torch.isfinite(b).all() and (b[[2, 4]] == 0).all()
+    assert loss[2] == 0 and torch.isnan(loss[4])
+    torch.testing.assert_close(b.double().cpu(), ref, rtol=2e-3, atol=1e-3)
+
+
 def test_sum_over_global_count_equals_mean():
     """The trainer's contract: reduction="sum" / count of non-ignored labels == reduction="mean"."""
     x, w, _, labels = make_inputs(9, 64, 1000, torch.float32, False, seed=5)
@@ -320,17 +365,24 @@ def test_tied_embeddings_gradient_lands_in_shared_weight():
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("strided", ["hidden", "frozen weight"])
+@pytest.mark.parametrize("strided", ["hidden", "frozen weight", "labels", "bias"])
 def test_non_contiguous_inputs_match_the_reference(strided):
     """A transposed hidden (in chunks, with dW) or a transposed frozen weight (the one-pass path) gives the
     contiguous copy's loss and gradients: the dW accumulation and dh_finish read rows by stride(0) alone, so
-    without the driver's .contiguous() both were silently wrong."""
-    x, w, _, labels = make_inputs(7, 16, 101, torch.float32, False, seed=3)
+    without the driver's .contiguous() both were silently wrong. Likewise labels as a column of an (N, 2) int64
+    tensor (.long() keeps the stride-2 view) and a bias taking every other element: the kernel reads both by unit
+    stride, so without .contiguous() it took other rows' labels and the first V elements of the bias' storage."""
+    x, w, b, labels = make_inputs(7, 16, 101, torch.float32, strided == "bias", seed=3)
+    chunk_rows = None
     if strided == "hidden":
         x, w, chunk_rows = x.t().contiguous().t(), w.requires_grad_(), 3
+    elif strided == "frozen weight":
+        w = w.t().contiguous().t()
+    elif strided == "labels":
+        labels = torch.stack([labels, (labels + 5) % 101], 1)[:, 0]  # column 1 differs from column 0
     else:
-        w, chunk_rows = w.t().contiguous().t(), None
-    assert not (x if strided == "hidden" else w).is_contiguous()
+        b = torch.stack([b, torch.randn(101, generator=torch.Generator().manual_seed(9)).to(DEV) * 3], 1)[:, 0]
+    assert not {"hidden": x, "frozen weight": w, "labels": labels, "bias": b}[strided].is_contiguous()
 
     def grads(fn, x_, w_):
         x_ = x_.detach().requires_grad_()
@@ -338,8 +390,9 @@ def test_non_contiguous_inputs_match_the_reference(strided):
         loss = fn(x_, w_)
         return [loss, *torch.autograd.grad(loss, [x_] + ([w_] if w.requires_grad else []))]
 
-    got = grads(lambda a, b: linear_cross_entropy_triton(a, b, labels, chunk_rows=chunk_rows), x, w)
-    ref = grads(lambda a, b: linear_cross_entropy_ref(a, b, labels), x.contiguous(), w.contiguous())
+    got = grads(lambda x_, w_: linear_cross_entropy_triton(x_, w_, labels, bias=b, chunk_rows=chunk_rows), x, w)
+    ref = grads(lambda x_, w_: linear_cross_entropy_ref(x_, w_, labels.contiguous(), bias=b), x.contiguous(),
+                w.contiguous())
     for o, r in zip(got, ref):
         torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-6)
 

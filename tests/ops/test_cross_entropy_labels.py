@@ -8,6 +8,7 @@ import torch
 
 from chronicals.ops import linear_cross_entropy
 from chronicals.ops._impl import triton_interpreting
+from chronicals.ops._linear_ce_kernels import lce_rows
 from chronicals.ops.cross_entropy import linear_cross_entropy_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -89,6 +90,23 @@ def test_out_of_range_labels_give_nan_and_leave_other_rows_exact(impl, kw, reduc
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-5)
     assert (x.grad.cpu()[bad] == 0).all()  # a bad row contributes nothing, like an ignored one
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+def test_ignored_rows_get_zero_lse_whichever_rows_share_their_program():
+    """The forward's lse (and loss) is 0 on every ignored row, also where the row shares its program with valid rows
+    (16 rows per program in the interpreter; on CUDA each row is its own program, so there only the all-ignored
+    branch runs): the log-sum-exp computed for the block was stored on the ignored rows too, so their lse depended
+    on the block layout. Valid rows get the logsumexp of their logits."""
+    c, v = 5, 40
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randn(c, v, generator=g).to(DEV)
+    labels = torch.tensor([3, IGNORE, 7, IGNORE, 1], device=DEV)
+    loss, lse = (torch.full((c,), float("nan"), device=DEV) for _ in range(2))
+    lce_rows(buf, labels, 0, None, torch.ones(1, device=DEV), loss, lse, ignore_index=IGNORE, softcap=None,
+             compute_lse=True, write_grad=False)
+    assert (lse[[1, 3]] == 0).all() and (loss[[1, 3]] == 0).all(), (lse, loss)
+    torch.testing.assert_close(lse[[0, 2, 4]], torch.logsumexp(buf[[0, 2, 4]].double(), -1).float())
 
 
 @pytest.mark.parametrize("impl", ["torch"] + (["triton"] if HAS_TRITON else []))

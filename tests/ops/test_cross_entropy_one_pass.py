@@ -6,6 +6,8 @@ up and the row's written tiles are rescaled), ignored, out of range, and a block
 CUDA, or on the CPU under TRITON_INTERPRET=1 (16 rows per program there).
 """
 
+import math
+
 import pytest
 import torch
 from ops_tolerance import assert_tracks_torch
@@ -104,6 +106,51 @@ def test_one_pass_keeps_the_confident_rows_gradient():
     assert -1e-3 < want < -1e-5 and abs(got - want) <= 0.02 * abs(want), (got, want)
 
 
+def test_one_pass_moves_the_reference_for_any_gap_past_the_threshold():
+    """A logit 76 above the target (between ONE_PASS_MAX_GAP and twice it; the chunk above only has gaps of 45 and
+    100) moves c up: every w stays <= e^40, and with scale 1e-9 (the small end) rho * w - gamma * onehot is still
+    scale * (softmax - onehot). A threshold of 2 x the gap let w reach e^76 and rho = scale * e^(c - lse) fall
+    below fp32's normal range (denormal on the CPU, flushed to 0 on CUDA). Each claim is per row."""
+    c, v, scale = 2, 64, 1e-9
+    z = torch.zeros(c, v, dtype=torch.float64)
+    labels = torch.tensor([3, 5])
+    z[0, 40] = 1.9 * ONE_PASS_MAX_GAP  # 76: moves c
+    z[1, 9] = ONE_PASS_MAX_GAP / 2  # 20: does not
+    want = torch.softmax(z, -1) * scale
+    want[torch.arange(c), labels] -= scale
+    buf = z.float().to(DEV)
+    rho, gamma, loss, lse = (torch.empty(c, device=DEV) for _ in range(4))
+    lce_rows(buf, labels.to(DEV), 0, None, torch.tensor([scale], device=DEV), loss, lse, ignore_index=IGNORE,
+             softcap=None, compute_lse=True, write_grad=True, rho=rho, gamma=gamma)
+    assert (buf.amax(1) <= math.exp(ONE_PASS_MAX_GAP) * 1.0001).all(), buf.amax(1)
+    d = rho.double().cpu()[:, None] * buf.double().cpu()
+    d[torch.arange(c), labels] -= gamma.double().cpu()
+    torch.testing.assert_close(d, want, rtol=1e-4, atol=1e-15)
+
+
+def test_one_pass_rows_without_loss_write_zero_w_even_where_exp_overflows():
+    """fp32 chunk, one-pass: an ignored row and an out-of-range row whose logits reach 200 (exp(200) is inf in fp32)
+    get w = 0, rho = gamma = 0, not exp(z - 0): rho = 0 times an inf row of w @ W gave NaN d_hidden. The other
+    rows keep their gradient. Per row: on CUDA (one row per program) the ignored row takes the all-ignored branch
+    and the out-of-range row (not ignored, so the main branch) pins it; in the interpreter (16 rows per program)
+    both share a program with valid rows."""
+    g = torch.Generator().manual_seed(0)
+    c, v = 4, 97
+    z = torch.randn(c, v, generator=g, dtype=torch.float64)
+    labels = torch.tensor([4, IGNORE, v + 3, 11])
+    z[1, 5] = z[2, 6] = 200.0
+    buf = z.float().to(DEV)
+    rho, gamma, loss, lse = (torch.full((c,), float("nan"), device=DEV) for _ in range(4))
+    lce_rows(buf, labels.to(DEV), 0, None, torch.ones(1, device=DEV), loss, lse, ignore_index=IGNORE,
+             softcap=None, compute_lse=True, write_grad=True, rho=rho, gamma=gamma)
+    buf, rho, gamma = buf.double().cpu(), rho.double().cpu(), gamma.double().cpu()
+    assert (buf[[1, 2]] == 0).all() and (rho[[1, 2]] == 0).all() and (gamma[[1, 2]] == 0).all()
+    d = rho[:, None] * buf
+    d[[0, 3], labels[[0, 3]]] -= gamma[[0, 3]]
+    assert torch.isfinite(d).all()
+    torch.testing.assert_close(d, d_logits64(z, labels, 1.0, None), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("chunk_rows", [None, 16])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_a_frozen_head_runs_one_pass_and_matches_the_reference(monkeypatch, reduction, chunk_rows):
@@ -143,6 +190,30 @@ def test_a_frozen_head_runs_one_pass_and_matches_the_reference(monkeypatch, redu
     assert len(calls) == (1 if chunk_rows is None else -(-n // chunk_rows))
     for i, name in enumerate(("loss", "d_hidden")):
         assert_tracks_torch(name, grads["ours"][i], grads["torch"][i], grads["exact"][i], dtype=torch.bfloat16)
+
+
+def test_one_pass_d_hidden_of_a_confident_bf16_row_is_formed_in_fp32():
+    """bf16 frozen head, a row with target probability ~ 1 - 4e-4 whose logits are exact in bf16 (x is e_0): its
+    d_hidden = sum_j p_j W_j - W_t is ~4e-4 |W|. The one-pass product w @ W must be accumulated and kept in fp32
+    until dh_finish subtracts gamma * W_t: rounded to bf16 first (a bf16 accumulator, or a bf16 GEMM output), it
+    carries one bf16 ulp of W_t (~2^-9 |W|), several times the value (relative error 0.075 against 0.007)."""
+    g = torch.Generator().manual_seed(5)
+    n, h, v, t = 3, 16, 300, 11
+    w = torch.randn(v, h, generator=g).to(torch.bfloat16)
+    w[t, 0] = 14.0
+    x = torch.randn(n, h, generator=g).to(torch.bfloat16)
+    x[1] = 0
+    x[1, 0] = 1.0
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[1] = t
+    dx = {}
+    for name, fn, dt, dev in (("ours", linear_cross_entropy_triton, torch.bfloat16, DEV),
+                              ("exact", linear_cross_entropy_ref, torch.float64, "cpu")):
+        xs = x.to(dt).to(dev).requires_grad_()
+        loss = fn(xs, w.to(dt).to(dev), labels.to(dev), ignore_index=IGNORE, reduction="sum")
+        (dx[name],) = torch.autograd.grad(loss, [xs])
+    err = ((dx["ours"][1].double().cpu() - dx["exact"][1]).abs().max() / dx["exact"][1].abs().max()).item()
+    assert err < 0.03, err
 
 
 @pytest.mark.parametrize("dtype,bias,reduction,frozen", [
