@@ -10,7 +10,7 @@ import transformers
 
 from chronicals import save_model
 from chronicals.cli import main
-from chronicals.lora import apply_lora, save_adapter
+from chronicals.lora import apply_lora, merge_lora, save_adapter
 
 from .conftest import hf_config, randomize_lora_b, tiny_model
 
@@ -68,6 +68,20 @@ def test_a_link_to_a_folder_is_replaced_as_a_file(tmp_path):
     (out / "tokenizer.json").symlink_to(elsewhere)
     save_model(tiny_model(), None, out)
     assert (elsewhere / "x").read_text() == "x" and not (out / "tokenizer.json").exists()
+
+
+def test_merge_lora_returns_the_merged_model(ids):
+    """merge_lora returns the model it merged (its signature says nn.Module), so `model = merge_lora(model)` keeps
+    a plain model with the adapter's logits; returning None went unseen, every other caller uses the side effect."""
+    model = tiny_model()
+    apply_lora(model, r=2, alpha=4, target_modules=["q_proj"])
+    randomize_lora_b(model)
+    with torch.no_grad():
+        want = model(ids)
+    merged = merge_lora(model)
+    assert merged is model and getattr(merged, "lora_config", None) is None
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids), want)
 
 
 def test_export_merges_onto_a_base_saved_without_tokenizer_files(tmp_path, ids, capsys):

@@ -3,9 +3,10 @@ requires_grad flags, the modules and the weights as they were (r=0 used to freez
 
 import pytest
 import torch
+import torch.nn as nn
 
-from chronicals.lora import apply_lora
-from chronicals.lora.layer import LoRALinear
+from chronicals.lora import apply_lora, lora_modules
+from chronicals.lora.layer import LoRALinear, LoRALinearFunction, lora_linear_ref
 
 from .conftest import tiny_model
 
@@ -33,6 +34,8 @@ BAD = [
     (dict(impl="triton"), r"impl='triton' is not one of \('fused', 'torch'\)"),
     (dict(adapter_dtype=torch.int8), r"adapter_dtype=torch.int8 must be None"),
     (dict(seed="0"), r"seed='0' must be an integer or None"),
+    (dict(seed=True), r"seed=True must be an integer or None"),  # a bool is no seed, as it is no rank
+    (dict(seed=False), r"seed=False must be an integer or None"),
     (dict(concat="yes"), r"concat='yes' must be 'auto', True or False"),
     (dict(group=None), r"group=None must be True or False"),
 ]
@@ -66,3 +69,87 @@ def test_a_set_of_names_is_taken_as_the_list():
     rec = apply_lora(model, r=2, target_modules={"v_proj", "q_proj"}, modules_to_save={"norm"})
     assert rec.target_modules == ("q_proj", "v_proj") and rec.saved_modules == ["model.norm"]
     assert {n.rpartition(".")[2] for n in rec.lora_modules} == {"q_proj", "v_proj"}
+
+
+def test_the_seed_decides_the_adapters_initialization():
+    """apply_lora's seed picks A: the same seed gives the same A, another seed another, whatever torch's global RNG
+    holds. A generator seeded with 0 whatever the seed went unseen: only seed=0 and seed=None were compared."""
+
+    def lora_a(seed):
+        model = tiny_model()
+        torch.manual_seed(1234 + seed)  # the global RNG differs per call: only the seed may decide A
+        apply_lora(model, r=2, alpha=4, target_modules=["q_proj", "v_proj"], seed=seed)
+        return torch.cat([m.lora_A.weight.flatten() for _, m in lora_modules(model)])
+
+    assert torch.equal(lora_a(7), lora_a(7))
+    assert not torch.equal(lora_a(7), lora_a(8))
+    assert not torch.equal(lora_a(7), lora_a(0))
+
+
+class _Siblings(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.proj2 = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj2(self.proj(x))
+
+
+def test_a_saved_module_beside_a_target_of_a_longer_name_is_not_its_parent():
+    """The "modules_to_save hold LoRA targets" refusal is for a module's children (its name and a dot):
+    modules_to_save=["proj"] beside a target "proj2" was refused as its parent. Both now train."""
+    net = _Siblings()
+    rec = apply_lora(net, r=2, alpha=4, target_modules=["proj2"], modules_to_save=["proj"])
+    assert rec.lora_modules == ["proj2"] and rec.saved_modules == ["proj"]
+    assert isinstance(net.proj2, LoRALinear) and type(net.proj) is nn.Linear
+    assert net.proj.weight.requires_grad and not net.proj2.weight.requires_grad
+    net(torch.randn(3, 4)).sum().backward()
+    assert net.proj.weight.grad is not None
+
+
+def test_a_saved_block_trains_all_its_childrens_parameters():
+    """modules_to_save=["model.layers.1.mlp"] unfreezes gate/up/down_proj's weights, counts them in
+    trainable_params and gives them gradients. Unfreezing only the block's own parameters (it has none) left the
+    MLP frozen: saved and loaded, never trained."""
+    model = tiny_model()
+    rec = apply_lora(model, r=2, alpha=4, target_modules=["q_proj"], modules_to_save=["model.layers.1.mlp"])
+    mlp = model.model.layers[1].mlp
+    assert list(mlp.parameters()) and all(p.requires_grad for p in mlp.parameters())
+    assert not any(p.requires_grad for p in model.model.layers[0].mlp.parameters())
+    adapters = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    assert rec.trainable_params == adapters + sum(p.numel() for p in mlp.parameters())
+    model.train()
+    model(torch.tensor([[1, 2, 3, 4]])).float().sum().backward()
+    assert all(p.grad is not None for p in mlp.parameters())
+
+
+@pytest.mark.parametrize("p", [-0.1, -1e-9])
+def test_a_negative_dropout_is_refused_by_the_layer(p):
+    """A LoRALinear built directly refuses a negative dropout as apply_lora does; without the lower bound
+    dropout=-0.1 was taken and silently meant no dropout."""
+    with pytest.raises(ValueError, match=rf"LoRA dropout={p} must be in \[0, 1\)"):
+        LoRALinear(nn.Linear(4, 3), r=2, alpha=2, dropout=p)
+    assert LoRALinear(nn.Linear(4, 3), r=2, alpha=2, dropout=0.0).dropout == 0.0
+
+
+@pytest.mark.parametrize("fin,fout", [(8, 6), (4, 8)], ids=["addmm", "concatenated"])
+def test_impl_torch_runs_the_reference_not_the_fused_function(fin, fout, monkeypatch):
+    """LoRALinear(impl="torch") runs lora_linear_ref (plain autograd, as PEFT), never LoRALinearFunction, in both
+    layouts. With the impl check dropped, impl="torch" ran the fused path unseen: the outputs agree to rounding,
+    and "torch" is the reference the suite compares the fused path against."""
+    torch.manual_seed(0)
+    layer = LoRALinear(nn.Linear(fin, fout).double(), r=2, alpha=4, impl="torch")
+    with torch.no_grad():
+        layer.lora_B.weight.normal_()
+
+    def refuse(*a, **k):
+        raise AssertionError("impl='torch' called LoRALinearFunction")
+
+    monkeypatch.setattr(LoRALinearFunction, "apply", refuse)
+    x = torch.randn(3, fin, dtype=torch.float64, requires_grad=True)
+    y = layer(x)
+    assert torch.equal(y, lora_linear_ref(x, layer.weight, layer.bias, layer.lora_A.weight, layer.lora_B.weight,
+                                          layer.scaling))
+    y.sum().backward()
+    assert layer.lora_A.weight.grad is not None and layer.lora_B.weight.grad is not None

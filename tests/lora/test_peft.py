@@ -1,6 +1,7 @@
 """PEFT-format round trips against transformers + peft on tiny configs: same logits both ways."""
 
 import json
+import re
 
 import peft
 import pytest
@@ -9,7 +10,7 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from chronicals.lora import apply_lora, load_adapter, merge_lora, save_adapter
+from chronicals.lora import apply_lora, load_adapter, lora_modules, merge_lora, save_adapter
 
 from .conftest import hf_config, randomize_lora_b, tiny_model
 
@@ -144,6 +145,24 @@ def test_a_saved_module_with_children_keeps_all_their_parameters(tmp_path, ids):
         torch.testing.assert_close(again(ids), ours(ids))
 
 
+def test_load_adapter_builds_layers_of_the_impl_asked(tmp_path, ids):
+    """load_adapter(..., impl="torch") puts reference-path layers on the model, as apply_lora(impl="torch") does,
+    with the saved adapter's logits. Dropping the argument (always "fused") gave no failing test: the logits agree."""
+    ours = tiny_model()
+    apply_lora(ours, r=2, alpha=4, target_modules=["q_proj", "up_proj"])
+    randomize_lora_b(ours)
+    with torch.no_grad():
+        want = ours(ids)
+    out = save_adapter(ours, tmp_path / "a")
+    for impl in ("torch", "fused"):
+        again = tiny_model()
+        load_adapter(again, out, impl=impl)
+        mods = lora_modules(again)
+        assert mods and all(m.impl == impl for _, m in mods)
+        with torch.no_grad():
+            torch.testing.assert_close(again(ids), want)
+
+
 def test_the_adapter_weights_file_says_format_pt(tmp_path):
     """adapter_model.safetensors carries metadata {"format": "pt"}, as PEFT's save_pretrained writes it:
     transformers 4.x and other safetensors readers look for it."""
@@ -169,6 +188,27 @@ def test_load_rejects_unsupported_and_mismatched(tmp_path):
     cfg_path.write_text(json.dumps({**cfg, "target_modules": ["q_proj", "k_proj"]}))
     with pytest.raises(ValueError, match="missing keys"):
         load_adapter(tiny_model(), tmp_path / "a")
+
+
+@pytest.mark.parametrize("edit,match", [
+    (dict(r=0), r"apply_lora: r=0 must be an integer >= 1"),
+    (dict(lora_dropout=1.0), r"apply_lora: dropout=1\.0 must be a number in \[0, 1\)"),
+    (dict(target_modules=["nope"]), r"apply_lora: target_modules=\('nope',\) matched no nn\.Linear"),
+], ids=["r=0", "lora_dropout=1", "target_modules=nope"])
+def test_a_value_apply_lora_refuses_in_a_file_names_the_file(tmp_path, edit, match):
+    """An adapter_config.json value that apply_lora refuses (r=0, a dropout of 1, targets naming no linear layer)
+    is a ValueError starting with that file's path, then apply_lora's reason, and the model is left unfrozen and
+    without LoRA. Without load_adapter's re-raise the bare 'apply_lora: r=0 must be ...' named no file."""
+    ours = tiny_model()
+    apply_lora(ours, r=2, alpha=4, target_modules=["q_proj"])
+    out = save_adapter(ours, tmp_path / "a")
+    cfg = out / "adapter_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), **edit}))
+    model = tiny_model()
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(cfg))}: {match}"):
+        load_adapter(model, out)
+    assert getattr(model, "lora_config", None) is None
+    assert all(p.requires_grad for p in model.parameters())
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])

@@ -3,6 +3,7 @@ mode), every PEFT option we do not implement (test_peft.py tries use_dora only),
 the adapter, which only shows once the merged model is saved and loaded again (`chronicals export`)."""
 
 import json
+import re
 
 import peft
 import pytest
@@ -13,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import chronicals
 from chronicals.lora import apply_lora, load_adapter, lora_modules, merge_lora, save_adapter
+from chronicals.lora.group import LoRAGroup
 
 from .conftest import hf_config, peft_adapter, randomize_lora_b, tiny_model
 
@@ -38,6 +40,48 @@ def test_adapter_keeps_its_dropout(tmp_path):
     again = tiny_model()
     assert load_adapter(again, tmp_path / "a").dropout == 0.1
     assert [m.dropout for _, m in lora_modules(again)] == [0.1] * 4
+
+
+def test_a_config_without_lora_dropout_loads_without_dropout(tmp_path, ids):
+    """A hand-written adapter_config.json without lora_dropout loads with PEFT's default 0.0, on the record and on
+    every layer, so a train-mode forward draws no mask. Any other default went unseen: the minimal-config load
+    compares eval-mode logits, where dropout is off."""
+    ours = tiny_model()
+    apply_lora(ours, r=2, alpha=4, target_modules=["q_proj"])
+    randomize_lora_b(ours)
+    out = save_adapter(ours, tmp_path / "a")
+    (out / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}))
+    again = tiny_model()
+    rec = load_adapter(again, out)
+    assert rec.dropout == 0.0 and all(m.dropout == 0.0 for _, m in lora_modules(again))
+    again.train()
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids), again(ids), rtol=0, atol=0)
+
+
+def test_modules_to_save_is_null_without_saved_modules_as_peft_writes_it(tmp_path):
+    """adapter_config.json's modules_to_save is null when the adapter trains no module in full (as PEFT writes it)
+    and the names otherwise; an empty list written for "none" went unnoticed."""
+    plain = tiny_model()
+    apply_lora(plain, r=2, alpha=4, target_modules=["q_proj"])
+    cfg = json.loads((save_adapter(plain, tmp_path / "a") / "adapter_config.json").read_text())
+    assert "modules_to_save" in cfg and cfg["modules_to_save"] is None
+    head = tiny_model()
+    apply_lora(head, r=2, alpha=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    cfg = json.loads((save_adapter(head, tmp_path / "b") / "adapter_config.json").read_text())
+    assert cfg["modules_to_save"] == ["lm_head"]
+
+
+def test_peft_loads_our_adapter_as_a_causal_lm_model(tmp_path):
+    """adapter_config.json says task_type CAUSAL_LM, so PEFT loads our adapter as a PeftModelForCausalLM (its
+    generate and prepare_inputs hooks), not a bare PeftModel. task_type null went unseen: the logit round trip is
+    the same for both classes."""
+    ours = tiny_model()
+    apply_lora(ours, r=2, alpha=4, target_modules=["q_proj"])
+    out = save_adapter(ours, tmp_path / "a")
+    assert json.loads((out / "adapter_config.json").read_text())["task_type"] == "CAUSAL_LM"
+    pm = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM(hf_config()).eval(), out)
+    assert isinstance(pm, peft.PeftModelForCausalLM)
 
 
 UNSUPPORTED = [("fan_in_fan_out", True), ("bias", "all"), ("rank_pattern", {"q_proj": 4}),
@@ -220,9 +264,13 @@ def test_a_failed_load_leaves_the_model_as_it_was(tmp_path, ids, tied, caplog):
 
 def test_a_failed_load_gives_each_base_weight_its_own_storage(tmp_path):
     """A refused file (r edited, so no shape fits) leaves every base weight contiguous in a storage of its own size;
-    q/k/v and gate/up stayed strided views into the freed LoRA group's [W | s B] buffer, which they kept alive."""
+    q/k/v and gate/up stayed strided views into the freed LoRA group's [W | s B] buffer, which they kept alive. No
+    module keeps a LoRAGroup either: with the groups left bound, the attention and MLP blocks held the refused LoRA
+    layers and their concatenated weight buffers (a copy of every q/k/v and gate/up W) until the next load."""
     ours = tiny_model()
     apply_lora(ours, r=2, alpha=4)  # all seven projections: q/k/v and gate/up grouped
+    assert {k for _, m in ours.named_modules() for k, v in vars(m).items() if isinstance(v, LoRAGroup)} == {
+        "group", "lora_gate_up", "lora_qkv"}
     out = save_adapter(ours, tmp_path / "a")
     cfg = out / "adapter_config.json"
     cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "r": 3}))
@@ -234,6 +282,8 @@ def test_a_failed_load_gives_each_base_weight_its_own_storage(tmp_path):
             w = mod.weight
             assert type(mod) is nn.Linear and w.is_contiguous(), name
             assert w.untyped_storage().nbytes() == w.numel() * w.element_size(), name
+    # no block's lora_qkv / lora_gate_up, no member's group
+    assert [(n, k) for n, m in model.named_modules() for k, v in vars(m).items() if isinstance(v, LoRAGroup)] == []
 
 
 def test_all_linear_as_a_string_is_peft_shorthand_in_a_file_and_in_apply_lora(tmp_path, ids):
@@ -353,6 +403,27 @@ def test_an_empty_checkpoint_directory_as_an_adapter_says_what_it_is(tmp_path):
         read_adapter_config(step)
 
 
+def test_a_checkpoint_directory_given_as_an_adapter_says_what_it_is(tmp_path):
+    """runs/x/checkpoints/step-N (with its state.pt) given as a PEFT adapter is named a training checkpoint, with how
+    to use one (apply_checkpoint_adapter, export --no-merge), by read_adapter_config and load_adapter; without that
+    hint only 'a PEFT adapter directory holds ...' was said. The model is left without LoRA."""
+    from chronicals.lora import read_adapter_config
+
+    step = tmp_path / "run" / "checkpoints" / "step-000002"
+    step.mkdir(parents=True)
+    (step / "state.pt").write_bytes(b"not read")
+    cfg, here = re.escape(str(step / "adapter_config.json")), re.escape(str(step))
+    match = (rf"{cfg}: not found; a PEFT adapter directory holds adapter_config\.json and "
+             rf"adapter_model\.safetensors; {here} is a training checkpoint \(state\.pt\), not a PEFT adapter: .*"
+             r"apply_checkpoint_adapter\(model, path\).*export --no-merge")
+    with pytest.raises(FileNotFoundError, match=match):
+        read_adapter_config(step)
+    model = tiny_model()
+    with pytest.raises(FileNotFoundError, match=match):
+        load_adapter(model, step)
+    assert getattr(model, "lora_config", None) is None
+
+
 def test_an_adapter_with_whole_embedding_layers_says_what_it_holds(tmp_path):
     """PEFT's save_embedding_layers=True (its "auto" after resize_token_embeddings) writes embed_tokens and lm_head
     whole: refused as "was it saved for a different model?" even on its own base (a LoRA walk). The refusal names
@@ -434,6 +505,22 @@ def test_module_name_entries_must_be_names(tmp_path, field, entries):
     for read in (read_adapter_config, lambda d: load_adapter(tiny_model(), d)):
         with pytest.raises(ValueError, match=rf"adapter_config.json: {field}=.* must be a list of module names"):
             read(out)
+
+
+def test_a_missing_adapter_directory_is_file_not_found(tmp_path):
+    """An adapter directory that does not exist is a FileNotFoundError naming it and what an adapter directory
+    holds, from read_adapter_config and load_adapter, the model left without LoRA. Callers tell a missing path from
+    a bad file by the exception type: as a ValueError it would read as a damaged adapter."""
+    from chronicals.lora import read_adapter_config
+
+    gone = tmp_path / "runs" / "demo" / "adaptr"
+    match = rf"{re.escape(str(gone))}: no such directory; an adapter is the directory holding adapter_config\.json"
+    with pytest.raises(FileNotFoundError, match=match):
+        read_adapter_config(gone)
+    model = tiny_model()
+    with pytest.raises(FileNotFoundError, match=match):
+        load_adapter(model, gone)
+    assert getattr(model, "lora_config", None) is None
 
 
 def test_an_adapter_file_given_for_its_directory_or_a_weights_folder_is_named(tmp_path):
