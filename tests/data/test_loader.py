@@ -7,6 +7,7 @@ import pytest
 
 from chronicals.data import IGNORE_INDEX, PackedLoader
 from chronicals.data.dataset import DatasetStats, TokenizedDataset
+from chronicals.data.loader import LoaderMismatch
 
 
 def synthetic(n=37, max_len=24, seed=0):
@@ -72,7 +73,10 @@ def test_rows_mode_epoch_covers_every_document_once():
 
 def test_shuffle_is_deterministic_and_changes_per_epoch():
     """The order is seeded by the pair (seed, epoch): seeded by their sum, seed 8's first epoch was seed 7's second,
-    so runs of neighbouring seeds trained the same epochs shifted by one."""
+    so runs of neighbouring seeds trained the same epochs shifted by one. It is exactly
+    default_rng([seed, epoch]).permutation(rows), as loader.py says: a checkpoint keeps only (epoch, position), so
+    this mapping is part of exact resume; seeded by [epoch, seed] every order still looked shuffled and
+    deterministic, yet a resumed checkpoint trained other rows."""
     ds = synthetic()
     a = PackedLoader(ds, batch_size=2, max_seq_len=24, seed=7)
     b = PackedLoader(ds, batch_size=2, max_seq_len=24, seed=7)
@@ -83,6 +87,13 @@ def test_shuffle_is_deterministic_and_changes_per_epoch():
     c = PackedLoader(ds, batch_size=2, max_seq_len=24, seed=8)
     c0 = [x.input_ids.tolist() for x in c]
     assert c0 != e0 and c0 != e1
+    ds = rows_of_eight(12)  # one document per row, rows in document order
+    for seed in (0, 3):
+        loader = PackedLoader(ds, batch_size=1, max_seq_len=8, seed=seed)
+        assert loader.rows == [[i] for i in range(12)]
+        for epoch in range(3):
+            got = [(int(b.input_ids[0, 0]) - 1) // 8 for b in loader]
+            assert got == np.random.default_rng([seed, epoch]).permutation(12).tolist(), (seed, epoch)
 
 
 @pytest.mark.parametrize("stop", [0, 3, 7, "epoch"])
@@ -170,7 +181,9 @@ def test_bad_loader_options():
 
 
 def test_resume_with_other_batch_settings_fails():
-    """Same rows and seed but another batch_size / world_size: the saved position means other batches."""
+    """Same rows and seed but another batch_size / world_size: the saved position means other batches. Other rows
+    with the same batch count (20 rows of 24 tokens, 14 of 40: one batch an epoch) are refused too, by the row count
+    the state keeps; without it the position resumed silently over other documents."""
     ds = synthetic()
     run = PackedLoader(ds, batch_size=2, max_seq_len=24, seed=3)
     next(iter(run))
@@ -180,6 +193,12 @@ def test_resume_with_other_batch_settings_fails():
     with pytest.raises(ValueError, match=r"ran on 1 data-parallel rank\(s\), this one on 2; its position .*resume "
                                          r"with torchrun --nproc-per-node 1 or plain chronicals train"):
         PackedLoader(ds, batch_size=2, max_seq_len=24, seed=3, world_size=2).load_state_dict(run.state_dict())
+    a = PackedLoader(ds, batch_size=64, max_seq_len=24, seed=0)
+    b = PackedLoader(ds, batch_size=64, max_seq_len=40, seed=0)
+    assert len(a) == len(b) == 1 and len(a.rows) != len(b.rows)
+    with pytest.raises(LoaderMismatch, match=f"{len(a.rows)} packed rows and 1 batches per epoch, this one seed=0, "
+                                             f"{len(b.rows)} and 1"):
+        b.load_state_dict(a.state_dict())
 
 
 def test_loader_with_no_batch_fails_at_construction():
@@ -197,17 +216,24 @@ def test_loader_with_no_batch_fails_at_construction():
         assert "or remainder='train'" not in str(e.value)
     with pytest.raises(ValueError, match=r"pad_to_multiple_of=0; expected an integer >= 1"):
         PackedLoader(ds, tokens_per_batch=64, max_seq_len=24, pad_to_multiple_of=0)
+    # no documents at all (load_dataset refuses them first; a direct caller got numpy's "zero-size array" message)
+    empty = TokenizedDataset(np.zeros(0, np.int32), np.zeros(0, bool), np.zeros(1, np.int64), 0, DatasetStats(), 8)
+    for kw in (dict(batch_size=1), dict(tokens_per_batch=16)):
+        with pytest.raises(ValueError, match="PackedLoader: 0 documents pack into 0 rows, which give no batch"):
+            PackedLoader(empty, max_seq_len=8, **kw)
 
 
 @pytest.mark.parametrize("remainder", ["train", "drop"])
 def test_rows_left_out_under_data_parallel(remainder):
     """Every rank takes the same number of batches: with remainder="drop" rows_left_out counts the rows of the
     remainder batches; with "train" every document is trained once an epoch, the last round padded with empty
-    batches."""
+    batches. With drop_last, the short last global batch's rows are left out beside the empty batches (which train
+    nothing): counted as trained, "train" on 3 ranks said 0 rows left out and build_loaders' warning stayed silent."""
     ds = synthetic(n=60)
     left, empty = {}, {}
     for shape, w in (({"batch_size": 5}, 1), ({"batch_size": 5}, 2), ({"batch_size": 5}, 3),
-                     ({"batch_size": 7}, 4), ({"tokens_per_batch": 40}, 3), ({"tokens_per_batch": 40}, 1)):
+                     ({"batch_size": 7}, 4), ({"tokens_per_batch": 40}, 3), ({"tokens_per_batch": 40}, 1),
+                     ({"batch_size": 5, "drop_last": True}, 3)):
         ranks = [PackedLoader(ds, max_seq_len=24, seed=1, rank=r, world_size=w, remainder=remainder, **shape)
                  for r in range(w)]
         batches = [b for r in ranks for b in r]
@@ -218,23 +244,30 @@ def test_rows_left_out_under_data_parallel(remainder):
         assert sum(not b.num_docs for b in batches) == ranks[0].empty_batches
         left[(*shape.values(), w)] = ranks[0].rows_left_out
         empty[(*shape.values(), w)] = ranks[0].empty_batches
-        if remainder == "train":
+        if remainder == "train" and "drop_last" not in shape:
             assert sorted(seen) == list(range(len(ds)))
-    # 36 rows: 8 batches of 5 (3 ranks: 6 rows left), 6 of 7 (4 ranks: the 8 rows of batches 5-6); 20 budget rows
+    # 36 rows: 8 batches of 5 (3 ranks: 6 rows left), 6 of 7 (4 ranks: the 8 rows of batches 5-6); 20 budget rows;
+    # drop_last: 7 batches of 5 (1 row left; 3 ranks: "drop" leaves batch 7 too, "train" runs 2 empty batches)
     if remainder == "drop":
-        assert left == {(5, 1): 0, (5, 2): 0, (5, 3): 6, (7, 4): 8, (40, 3): 2, (40, 1): 0}, left
+        assert left == {(5, 1): 0, (5, 2): 0, (5, 3): 6, (7, 4): 8, (40, 3): 2, (40, 1): 0, (5, True, 3): 6}, left
         assert set(empty.values()) == {0}
     else:
-        assert set(left.values()) == {0}
-        assert empty == {(5, 1): 0, (5, 2): 0, (5, 3): 1, (7, 4): 2, (40, 3): 1, (40, 1): 0}, empty
+        assert left == {(5, 1): 0, (5, 2): 0, (5, 3): 0, (7, 4): 0, (40, 3): 0, (40, 1): 0, (5, True, 3): 1}, left
+        assert empty == {(5, 1): 0, (5, 2): 0, (5, 3): 1, (7, 4): 2, (40, 3): 1, (40, 1): 0, (5, True, 3): 2}, empty
 
 
 def test_a_checkpoint_from_before_the_remainder_setting_names_the_fix():
     """A loader state saved when the remainder was always dropped (no "remainder" key) under a remainder: the
-    refusal says to resume with remainder='drop', which then restores the position."""
+    refusal says to resume with remainder='drop', which then restores the position. A state that has its remainder
+    is a LoaderMismatch naming the counts (the trainer's "this run changed data.dp_remainder"), not told that it
+    predates the remainder setting."""
     ds = synthetic(n=60)
     old = PackedLoader(ds, batch_size=5, max_seq_len=24, seed=1, world_size=3, remainder="drop")
     next(iter(old))
+    assert old.state_dict()["remainder"] == "drop"
+    with pytest.raises(LoaderMismatch, match="2 batches per epoch, this one seed=1, 36 and 3") as e:
+        PackedLoader(ds, batch_size=5, max_seq_len=24, seed=1, world_size=3).load_state_dict(old.state_dict())
+    assert "from before the remainder setting" not in str(e.value)
     state = {k: v for k, v in old.state_dict().items() if k != "remainder"}
     with pytest.raises(ValueError, match=r"left the last 2 of 8 global batches out .*remainder='drop' "
                                          r"\(data.dp_remainder=drop\)"):
@@ -325,6 +358,26 @@ def test_an_epoch_end_resumes_on_another_number_of_ranks(saved_w, new_w):
         PackedLoader(ds, **kw, world_size=new_w).load_state_dict(other)
 
 
+@pytest.mark.parametrize("saved,new,new_w", [("drop", "train", 1), ("train", "drop", 1), ("drop", "train", 3)])
+def test_an_epoch_end_resumes_under_another_remainder(saved, new, new_w):
+    """The saved per-rank batch count is checked under the saved world_size and the saved remainder (the state keeps
+    it): 9 global batches on 2 ranks, 4 per rank under "drop", 5 under "train". Recomputed under this run's
+    remainder, an epoch's end was refused as a LoaderMismatch."""
+    ds = synthetic(n=60)
+    kw = dict(batch_size=4, max_seq_len=24, seed=1)
+    old = PackedLoader(ds, **kw, world_size=2, remainder=saved)
+    assert old._global_batches() == 9
+    list(old)
+    for state in (old.state_dict(), {**old.state_dict(), "epoch": 0, "position": len(old)}):
+        resumed = PackedLoader(ds, **kw, world_size=new_w, remainder=new)
+        resumed.load_state_dict(state)
+        fresh = PackedLoader(ds, **kw, world_size=new_w, remainder=new)
+        fresh.set_epoch(1)
+        assert next(iter(resumed)).input_ids.tolist() == next(iter(fresh)).input_ids.tolist()
+        assert resumed.epoch == 1  # the next epoch's first batch, not one of the saved epoch
+    assert old.state_dict()["remainder"] == saved
+
+
 def test_a_position_past_the_epoch_is_refused():
     lengths = np.array([5, 7, 3, 6, 4, 8])
     offsets = np.concatenate([[0], np.cumsum(lengths)])
@@ -390,12 +443,22 @@ def test_a_dataset_without_a_digest_resumes_a_state_with_one():
 
 def test_an_empty_batch_is_as_wide_as_the_other_ranks_batches():
     """Rows mode: batches are max_seq_len wide; the empty one of a last round was rounded up to pad_to_multiple_of
-    (token-budget mode's setting): (1, 20) beside (1, 16), a second shape for a CUDA graph (a property walk)."""
+    (token-budget mode's setting): (1, 20) beside (1, 16), a second shape for a CUDA graph (a property walk).
+    Token-budget mode: the empty batch is rounded up to pad_to_multiple_of like every other batch; unrounded it was
+    (1, 24) beside widths of 32 and 48, off the multiple that bounds the shapes a compiled step sees."""
     ds = synthetic(n=3, max_len=16)
     loaders = [PackedLoader(ds, batch_size=1, max_seq_len=16, shuffle=False, rank=r, world_size=4,
                             pad_to_multiple_of=5) for r in range(4)]
     shapes = {tuple(b.input_ids.shape) for loader in loaders for b in loader}
     assert shapes == {(1, 16)} and sum(loader.empty_batches for loader in loaders[:1]) > 0
+    ds = synthetic(n=5)  # 5 documents of <= 24 tokens in rows of <= 48: fewer global batches than 4 ranks
+    loaders = [PackedLoader(ds, tokens_per_batch=48, max_seq_len=24, seed=0, rank=r, world_size=4,
+                            pad_to_multiple_of=16) for r in range(4)]
+    batches = [b for loader in loaders for b in loader]
+    empty = [b for b in batches if not b.num_docs]
+    assert len(empty) == loaders[0].empty_batches > 0
+    assert all(b.input_ids.shape[1] % 16 == 0 for b in batches), [b.input_ids.shape for b in batches]
+    assert {tuple(b.input_ids.shape) for b in empty} == {(1, 32)}
 
 
 def test_token_budget_mode_reshuffles_its_rows_each_epoch():
@@ -438,8 +501,10 @@ def test_the_loader_refuses_bad_arguments_from_python():
     ds = synthetic()
     with pytest.raises(ValueError, match="batch_size=0"):
         PackedLoader(ds, batch_size=0, max_seq_len=24)
-    with pytest.raises(ValueError, match="rank=2 must be in 0..world_size-1"):
-        PackedLoader(ds, batch_size=1, max_seq_len=24, rank=2, world_size=2)
+    # a negative rank too: rank=-1 failed at iteration (rows mode) or took the epoch's last row (token budgets)
+    for rank, kw in ((2, dict(batch_size=1)), (-1, dict(batch_size=2)), (-1, dict(tokens_per_batch=48))):
+        with pytest.raises(ValueError, match=rf"rank={rank} must be in 0..world_size-1 \(world_size=2\)"):
+            PackedLoader(ds, max_seq_len=24, rank=rank, world_size=2, **kw)
     loader = PackedLoader(ds, batch_size=2, max_seq_len=24)
     # not an integer: 1.5 resumed silently at batch 1, "2" failed with Python's bare TypeError
     for key, value in (("position", -1), ("position", 1.5), ("position", "2"), ("epoch", 0.5)):
@@ -505,3 +570,18 @@ def test_the_cut_warning_names_only_the_cut_epochs_batches(caplog):
     new, text = resume(ds, state, kw)  # resumed without that cut (more epochs)
     assert "not trained" not in text, text
     assert (new.epoch, new.position) == (0, 5)
+
+
+def test_a_cut_past_the_epochs_end_trains_the_whole_epoch():
+    """cut_epoch(epoch, k) trains the first k global batches, capped at the epoch's own: a cut past the end trains the
+    whole epoch as cut G does, the rank past the last batch getting its empty batch. Uncapped, that rank asked for
+    global batch G, which holds no rows, and failed in collate_rows ("no rows"). The trainer's cut is <= G; the cap
+    is for direct callers."""
+    ds = rows_of_eight(5)  # 5 global batches on 2 ranks: rank 1's 3rd batch is empty
+    for cut in (5, 8):
+        got = []
+        for rank in range(2):
+            loader = PackedLoader(ds, batch_size=1, max_seq_len=8, seed=0, rank=rank, world_size=2)
+            loader.cut_epoch(0, cut)
+            got.append([int(b.num_docs) for b in loader])
+        assert got == [[1, 1, 1], [1, 1, 0]], (cut, got)

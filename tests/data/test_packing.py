@@ -125,19 +125,35 @@ def test_rejects_bad_lengths():
 
 
 def test_collate_rows_contract():
-    a = (np.array([10, 11, 12]), np.array([False, True, True]))
+    a = (np.array([10, 11, 12], dtype=np.int32), np.array([False, True, True]))  # a dataset's ids are int32
     b = (np.array([20, 21]), np.array([False, True]))
     c = (np.array([30, 31, 32, 33]), np.array([True, False, True, True]))
     batch = collate_rows([[a, b], [c]], 6, pad_id=0)
     assert batch.input_ids.tolist() == [[10, 11, 12, 20, 21, 0], [30, 31, 32, 33, 0, 0]]
     assert batch.position_ids.tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]]
     assert batch.shift_labels.tolist() == [[11, 12, -100, 21, -100, -100], [-100, 32, 33, -100, -100, -100]]
+    # the documented dtypes: input_ids collated as int32 passed every CPU test (the CUDA graphs are built for int64)
+    assert [t.dtype for t in (batch.input_ids, batch.position_ids, batch.shift_labels)] == [torch.int64] * 3
     assert batch.cu_seqlens.dtype == torch.int32
     assert batch.cu_seqlens.tolist() == [0, 3, 5, 6, 10, 12]
     assert batch.max_seqlen == 4 and batch.num_loss_tokens == 5
     assert batch.num_tokens == 9 and batch.num_docs == 3
     with pytest.raises(ValueError, match="more than row_len=4"):
         collate_rows([[a, b]], 4, pad_id=0)
+
+
+def test_model_kwargs_pass_the_batchs_own_tensors():
+    """model_kwargs() gives the forward the batch's own cu_seqlens, position_ids and shift_labels, max_seqlen and
+    longest_doc. A None cu_seqlens went unnoticed: the eager CPU forward rebuilds it from the position ids, but under
+    torch.compile or a CUDA graph it must be given (CausalLM.hidden_states)."""
+    a = (np.array([5, 6, 7]), np.array([False, True, True]))
+    b = (np.array([8, 9]), np.array([False, True]))
+    batch = collate_rows([[a, b], [b]], 6, pad_id=0)
+    kw = batch.model_kwargs()
+    assert set(kw) == {"position_ids", "cu_seqlens", "max_seqlen", "shift_labels", "longest_doc"}
+    assert kw["cu_seqlens"] is batch.cu_seqlens and kw["cu_seqlens"].tolist() == [0, 3, 5, 6, 8, 12]
+    assert kw["position_ids"] is batch.position_ids and kw["shift_labels"] is batch.shift_labels
+    assert kw["max_seqlen"] == batch.max_seqlen == 4 and kw["longest_doc"] == batch.longest_doc == 3
 
 
 def test_lengths_and_capacity_are_whole_numbers():
@@ -208,3 +224,37 @@ def test_to_moves_every_tensor_including_cu_seqlens():
         assert getattr(moved, name).device.type == "meta", name
     ints = ("max_seqlen", "num_loss_tokens", "num_tokens", "num_docs", "longest_doc")
     assert [getattr(moved, k) for k in ints] == [getattr(batch, k) for k in ints]
+
+
+def test_pin_memory_and_non_blocking_to_reach_every_tensor(monkeypatch):
+    """The asynchronous host-to-device copy: pin_memory() returns a copy with every tensor pinned (the ints kept), and
+    to(device, non_blocking=...) passes the flag to every tensor's copy. pin_memory() returning the batch itself and
+    to() dropping non_blocking both went unnoticed (no CPU result shows them). Pinning needs CUDA, so
+    Tensor.pin_memory is stood in for by a recording copy, and Tensor.to records its flag."""
+    pinned, flags = [], []
+
+    def fake_pin(t):
+        pinned.append(t.clone())
+        return pinned[-1]
+
+    real_to = torch.Tensor.to
+
+    def recording_to(t, *args, **kwargs):
+        flags.append(kwargs.get("non_blocking", False))
+        return real_to(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    batch = collate_rows([[(np.array([3, 4, 5]), np.ones(3, bool))]], 4, pad_id=0)
+    out = batch.pin_memory()
+    assert out is not batch and len(pinned) == 4
+    tensors = ("input_ids", "position_ids", "shift_labels", "cu_seqlens")
+    for name in tensors:
+        assert any(getattr(out, name) is p for p in pinned), name
+        assert torch.equal(getattr(out, name), getattr(batch, name))
+    ints = ("max_seqlen", "num_loss_tokens", "num_tokens", "num_docs", "longest_doc")
+    assert [getattr(out, k) for k in ints] == [getattr(batch, k) for k in ints]
+    for flag in (True, False):
+        flags.clear()
+        moved = out.to("cpu", non_blocking=flag)
+        assert flags == [flag] * 4 and all(torch.equal(getattr(moved, k), getattr(batch, k)) for k in tensors)
