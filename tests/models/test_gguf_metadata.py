@@ -239,6 +239,27 @@ def test_bpe_tokenizer_and_chat_template_survive_the_conversion(tmp_path, arch):
     assert _rel_err(ours, m) <= 1e-5
 
 
+def test_a_gguf_without_its_suffix_gives_its_tokenizer(tmp_path):
+    """A GGUF saved without its .gguf suffix (read by its magic bytes) gives the tokenizer its metadata carries, and
+    the tokenizer names the file: its weights loaded, but its tokenizer was looked for as a directory's and refused
+    as "no tokenizer metadata"."""
+    path = tmp_path / "model-download"  # a browser's download, suffix lost
+    write_gguf(path, "llama", hf_model("llama", vocab_size=_BPE_VOCAB), extra=_bpe_tokenizer_metadata)
+    _, tok = chronicals.load_model(path)
+    assert tok.chronicals_source == str(path)
+    assert len(tok) == _BPE_VOCAB and tok.chat_template
+
+
+def test_a_gguf_model_records_the_gguf_file_as_its_base(tmp_path, monkeypatch):
+    """A model loaded from a .gguf (by a relative path) records that file, absolute, as its base (what an adapter
+    saved from it names), not the cache directory its conversion was read from (gone once the cache is pruned, and
+    on another machine)."""
+    write_gguf(tmp_path / "tiny.gguf", "llama", hf_model("llama"))
+    monkeypatch.chdir(tmp_path)
+    model, _ = chronicals.load_model("tiny.gguf", tokenizer=False)
+    assert model.chronicals_base == str((tmp_path / "tiny.gguf").resolve())
+
+
 def test_tensor_type_unknown_to_gguf_is_named(tmp_path):
     """A tensor type id the gguf package does not know (a newer llama.cpp's) was reported as "not a readable
     GGUF file (... np.uint32(77) is not a valid GGMLQuantizationType); the file is truncated or corrupt, copy it

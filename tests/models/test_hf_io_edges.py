@@ -1,10 +1,13 @@
 """Hugging Face directories in and out, where a mutation walk found no test: shard files filled greedily with none
-empty, a tied checkpoint stored as its head alone, the written dtype, links in the output, a full disk in the
-tokenizers writer, and the defaults of keys a config.json leaves out (as transformers reads them)."""
+empty, a single file whatever the cap, the single file read before a stale index, a tied checkpoint stored as its
+head alone, the written dtype, links in the output, the tokenizer files a replacing save owns, blank and nested
+output paths, a full disk in the tokenizers writer, and the defaults of keys a config.json leaves out (as
+transformers reads them)."""
 from __future__ import annotations
 
 import errno
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from chronicals.models import CausalLM, ModelConfig
-from chronicals.models.hf_io import load_hf_dir, save_hf_dir, write_state_dict, write_tensors_lazily
+from chronicals.models.hf_io import (atomic_dir, checkpoint_files, load_hf_dir, load_safetensors, save_hf_dir,
+                                     write_state_dict, write_tensors_lazily)
 
 _COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=128, hidden_act="silu",
@@ -62,6 +66,28 @@ def test_a_shard_is_filled_up_to_exactly_max_shard_bytes(tmp_path):
                                    "c": "model-00002-of-00002.safetensors"}
     assert sorted(p.name for p in tmp_path.glob("model-*")) == ["model-00001-of-00002.safetensors",
                                                                  "model-00002-of-00002.safetensors"]
+
+
+def test_one_tensor_over_max_shard_bytes_is_written_as_model_safetensors(tmp_path):
+    """Tensors over max_shard_bytes that still make one shard (a tensor larger than the cap) are written as the
+    single file model.safetensors: named model-00001-of-00001.safetensors, with no index, no reader found them."""
+    w = torch.arange(250, dtype=torch.float32)  # 1000 bytes
+    write_state_dict({"w": w}, tmp_path, max_shard_bytes=100)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    assert checkpoint_files(tmp_path) == [tmp_path / "model.safetensors"]
+    assert torch.equal(load_safetensors(tmp_path / "model.safetensors")["w"], w)
+
+
+def test_the_single_file_is_read_before_a_stale_index(tmp_path):
+    """model.safetensors is read even with a stale model.safetensors.index.json beside it (naming shards that are
+    gone), as transformers looks for the single file first: read by its index, the directory was refused as naming
+    missing shards."""
+    model = _model()
+    out = save_hf_dir(model, None, tmp_path / "m")
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": 1}, "weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}))
+    assert checkpoint_files(out) == [out / "model.safetensors"]
+    assert torch.equal(load_hf_dir(out).model.norm.weight, model.model.norm.weight)
 
 
 def test_a_lazy_tensor_of_other_bytes_than_planned_is_refused(tmp_path):
@@ -158,6 +184,47 @@ def test_a_users_file_named_like_a_tokenizer_file_is_not_replaced(tmp_path):
     with pytest.raises(FileExistsError, match=r"holds files this save would delete \(tokenizer_notes.txt\)"):
         save_hf_dir(_model(), None, out)
     assert (out / "tokenizer_notes.txt").read_text() == "my notes"
+
+
+class _FilesTokenizer:
+    """save_pretrained writes these files, as a tokenizer of that kind does."""
+
+    def __init__(self, *names):
+        self.names = names
+
+    def save_pretrained(self, d):
+        for name in self.names:
+            (Path(d) / name).write_text("{}\n")
+
+
+@pytest.mark.parametrize("files", [("vocab.json", "merges.txt"), ("tokenizer.model.v3",)], ids=["bpe", "mistral"])
+def test_a_directory_with_a_tokenizers_own_files_is_replaced_by_the_next_save(tmp_path, files):
+    """A GPT-2 style BPE tokenizer's vocab.json + merges.txt and Mistral's versioned tokenizer.model.v3 are files a
+    saved model directory owns: the next save over it replaces them (it was refused as holding files this save would
+    delete, merges.txt or tokenizer.model.v3)."""
+    out = save_hf_dir(_model(), _FilesTokenizer("tokenizer_config.json", *files), tmp_path / "m")
+    assert set(files) <= {p.name for p in out.iterdir()}
+    save_hf_dir(_model(), None, out)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("blank", ["  ", "\t"])
+def test_atomic_dir_refuses_a_blank_path_and_writes_nothing(tmp_path, monkeypatch, blank):
+    """atomic_dir itself (under save_model, save_adapter and the GGUF cache) refuses a blank output path before
+    resolving it: "  " was written as a folder named by two spaces in the working directory, without a word."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"the output path is empty or blank"):
+        with atomic_dir(blank) as tmp:
+            (tmp / "x").write_text("x")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_outputs_missing_parent_folders_are_created(tmp_path):
+    """A save to a/b/m with a/ missing makes a/ and a/b/ (as mkdir -p does): it was a FileNotFoundError."""
+    model = _model()
+    out = save_hf_dir(model, None, tmp_path / "a" / "b" / "m")
+    assert out == tmp_path / "a" / "b" / "m"
+    assert torch.equal(load_hf_dir(out).model.norm.weight, model.model.norm.weight)
 
 
 class _RustFullDisk:

@@ -1,8 +1,10 @@
-"""load_model refuses an impl it cannot run when called, not at the first forward; CausalLM / set_impl refuse
-unknown names; save_model's docstring matches what it does with an existing directory; same_model tells two
+"""load_model refuses an impl it cannot run when called, not at the first forward, and a device or dtype name it
+cannot use as a ValueError; CausalLM / set_impl refuse unknown names; save_model's docstring matches what it does with an existing directory; same_model tells two
 spellings of one model directory from another model (LoRA resume and the base warnings read it)."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -40,9 +42,21 @@ def test_triton_on_cpu_needs_the_interpreter(saved, monkeypatch):
     assert model.opts.impl == "torch"
 
 
-def test_bad_device_is_a_value_error(saved):
-    with pytest.raises(ValueError, match=r"device='gpu' is not a device"):
-        chronicals.load_model(saved, tokenizer=False, device="gpu")
+@pytest.mark.parametrize("device", ["gpu", 1.5, ["cpu"]])
+def test_bad_device_is_a_value_error(saved, device):
+    """A device of a type torch.device refuses with a TypeError (a float, a list) is the same ValueError as a bad
+    device string (it was torch's raw TypeError)."""
+    with pytest.raises(ValueError, match=rf"(?s)load_model: device={re.escape(repr(device))} is not a device .*; "
+                                         r"use 'cpu', 'cuda' or 'cuda:1'"):
+        chronicals.load_model(saved, tokenizer=False, device=device)
+
+
+@pytest.mark.parametrize("name", ["int8", "torch.int32", "bool", "float8_e4m3fn"])
+def test_a_dtype_name_of_no_float_weight_dtype_is_refused_before_the_path_is_read(tmp_path, name):
+    """A dtype given by name must name a float weight dtype: torch also has "int8", "bool", "float8_e4m3fn", and
+    these went on as the weights' dtype, past the check that refuses torch.int32 itself."""
+    with pytest.raises(ValueError, match=rf"load_model: dtype={name!r} is not a weight dtype; use None"):
+        chronicals.load_model(tmp_path / "missing", tokenizer=False, dtype=name)
 
 
 def test_set_impl_and_constructor_refuse_unknown_names(tiny_hf_config):
