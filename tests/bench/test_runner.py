@@ -3,15 +3,19 @@ is an OOM row; a worker's cut-off JSON row (a full disk while the worker wrote i
 row "crashed" with the reason, not the whole bench ended by a bare JSON error."""
 
 import json
-
+import os
 import re
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from chronicals.bench import cli, worker
-from chronicals.bench.protocol import RunSpec
+from chronicals.bench.contenders import get_contender
+from chronicals.bench.protocol import LR_FULL, LR_LORA, RunSpec
+from chronicals.bench.shapes import get_shape
 from chronicals.bench.worker import run_contender, run_task
 
 TINY = dict(shape="tiny", rows=2, seq=16, warmup=1, steps=2, device="cpu")
@@ -131,6 +135,17 @@ def test_lora_groups_take_the_runs_lr(tiny_hf_config, lr, want_a):
     assert groups["lora_A"] == pytest.approx(want_a) and groups["lora_B"] == pytest.approx(16 * want_a)
 
 
+@pytest.mark.parametrize("name, lr, want", [("hf-peft", 0.0, LR_LORA), ("hf-sdpa", 0.0, LR_FULL),
+                                            ("hf-peft", 2e-3, 2e-3)])
+def test_hf_contenders_start_at_their_methods_lr(name, lr, want):
+    """The hf contenders' one optimizer group starts at RunSpec.lr, 0 meaning the protocol's lr of the method:
+    LR_LORA (1e-4) for hf-peft, LR_FULL (1e-5) for hf-sdpa; hf-peft trained at the full lr when it took LR_FULL."""
+    spec = RunSpec(name, shape="tiny", rows=2, seq=16, device="cpu", lr=lr)
+    built = get_contender(name).build(spec, get_shape("tiny"), torch.device("cpu"))
+    lrs = [g["lr"] for g in built.optimizer.param_groups]
+    assert lrs and all(g == pytest.approx(want) for g in lrs), lrs
+
+
 def test_the_packed_layout_has_one_document_per_row():
     """The packed layout's cu_seqlens are the B + 1 boundaries [0, S, ..., B*S], int32 (the varlen kernels read the
     last one as the total length; the packed rows run only on a GPU); the rows layout has none."""
@@ -148,6 +163,83 @@ def test_worker_process_writes_row(tmp_path):
     row = runner.run("contender", RunSpec("chronicals-full", **TINY))
     assert row["status"] == "ok", row.get("worker_log_tail")
     assert row["min_grad_norm"] > 0 and row["wall_s"] > 0
+
+
+def fake_worker(calls, rows):
+    """subprocess.run stand-in for Runner.run: records (cmd, kw) in ``calls`` and writes the next of ``rows`` to
+    --json-out (exit 0), or no row where it is None (exit -9, "Killed" on stderr)."""
+    def run(cmd, **kw):
+        calls.append((cmd, kw))
+        row = rows.pop(0) if rows else None
+        if row is not None:
+            Path(cmd[cmd.index("--json-out") + 1]).write_text(json.dumps(row))
+        return subprocess.CompletedProcess(cmd, 0 if row is not None else -9, "out\n", "Killed\n")
+    return run
+
+
+def test_a_worker_starts_offline_on_this_package_within_the_timeout(monkeypatch):
+    """Runner.run starts each worker with HF_HUB_OFFLINE=1 even where the caller's environment says 0 (the bench
+    builds from configs; the worker's own setdefault covers only an unset variable), with the folder holding this
+    chronicals package first on PYTHONPATH and the caller's after it (a checkout that is not installed started
+    workers that could not import it), and bounded by --timeout (a hung worker hung the bench)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("PYTHONPATH", "/some/user/path")
+    calls = []
+    monkeypatch.setattr(cli.subprocess, "run", fake_worker(calls, [{"contender": "chronicals-full", "status": "ok"}]))
+    cli.Runner(timeout=7).run("contender", RunSpec("chronicals-full", **TINY))
+    ((cmd, kw),) = calls
+    assert kw["timeout"] == 7 and kw["env"]["HF_HUB_OFFLINE"] == "1"
+    assert kw["env"]["PYTHONPATH"].split(os.pathsep) == [str(cli.PACKAGE_ROOT), "/some/user/path"]
+
+
+def test_a_worker_past_the_timeout_is_a_timeout_row(monkeypatch):
+    """A worker still running at --timeout is a "timeout" row naming the limit (it was never exercised: a
+    "crashed" row passed), with its wall time."""
+    def hang(cmd, **kw):
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"])
+
+    monkeypatch.setattr(cli.subprocess, "run", hang)
+    row = cli.Runner(timeout=3).run("contender", RunSpec("chronicals-full", **TINY))
+    assert row["status"] == "timeout" and row["reason"] == "no result within 3 s" and row["wall_s"] >= 0
+
+
+def test_a_contender_not_installed_starts_no_worker(monkeypatch):
+    """contender_rows: a contender whose packages are missing is a "not installed" row naming them, and no worker
+    process is started for it (the worker said so too, but only after a process start and its imports)."""
+    class Runner:
+        log = staticmethod(lambda *a: None)
+
+        def run(self, task, spec):
+            raise AssertionError("a worker was started for a contender that is not installed")
+
+    monkeypatch.setattr(cli, "missing_requirements", lambda c: ["nopkg"])
+    (row,) = cli.contender_rows(Runner(), ["hf-peft"], RunSpec("hf-peft", **TINY), None)
+    assert row["status"] == "not installed" and row["reason"] == "needs nopkg" and row["method"] == "lora"
+
+
+def test_a_false_bool_field_reaches_the_worker_off():
+    """spec_argv writes a bool field's flag only when it is on: the worker's store_true flags cannot be turned
+    off, so a flag written for False ran every row with checkpointing."""
+    spec = RunSpec("chronicals-full", shape="tiny", device="cpu", checkpointing=False)
+    argv = worker.spec_argv(spec)
+    assert "--checkpointing" not in argv
+    args = worker.parse_args(["--json-out", "x.json", *argv])
+    assert RunSpec(**{k: getattr(args, k) for k in spec.to_dict()}) == spec
+
+
+@pytest.mark.parametrize("argv, contender, says", [
+    (["--task", "contender", "--contender", "chronicals-full", "--rows", "0"], "chronicals-full", "rows=0"),
+    (["--task", "contender", "--contender", "chronicals-full", "--seq", "1"], "chronicals-full", "seq=1"),
+    # no --contender (a hand run): the row is named after the task
+    (["--task", "correctness", "--rows", "0"], "correctness", "rows=0"),
+])
+def test_the_worker_writes_arguments_runspec_refuses_as_an_error_row(tmp_path, argv, contender, says):
+    """worker.main turns arguments RunSpec refuses into an "error" row, written and exit 0 (a traceback left no
+    row), and makes --json-out's missing folders."""
+    out = tmp_path / "a" / "b" / "row.json"
+    assert worker.main([*argv, "--json-out", str(out)]) == 0
+    row = json.loads(out.read_text())
+    assert row["status"] == "error" and says in row["reason"] and row["contender"] == contender
 
 
 def test_main_tiny_end_to_end(tmp_path, monkeypatch, capsys):
@@ -189,6 +281,89 @@ def test_sweeps_tiny(tmp_path, monkeypatch):
     assert mc["cap"] == 256 and mc["tokens_per_s"] > 0  # the longest row's own numbers ride along
     md = next(tmp_path.glob("bench_e2e_seqsweep_maxctx_cpu_*.md")).read_text()
     assert "| tiny | chronicals-full | 256 | n/a |" in md and "256 is the cap |" in md
+
+
+def plan_calls(monkeypatch, argv):
+    """run_plan(argv) with no process started: returns (tasks, tables), tasks the Runner.run calls (task, spec)
+    and tables the contender_rows calls (names, spec)."""
+    tasks, tables = [], []
+
+    class Runner:
+        def __init__(self, timeout):
+            self.log = lambda *a: None
+
+        def run(self, task, spec):
+            tasks.append((task, spec))
+            return {"contender": spec.contender, "status": "ok", "gpu": "fake", "peak_tflops": 100.0}
+
+    monkeypatch.setattr(cli, "Runner", Runner)
+    monkeypatch.setattr(cli, "contender_rows",
+                        lambda runner, names, spec, peak: tables.append((list(names), spec)) or [])
+    cli.run_plan(cli.parse_args(argv))
+    return tasks, tables
+
+
+@pytest.mark.parametrize("argv, tables", [
+    ([], [("0.5b", 4, 12), ("8b", 4, 12)]),  # 0.5b (full + LoRA), then 8b (LoRA only)
+    (["--quick"], [("0.5b", 2, 6)]),  # the < 5 minute plan
+    (["--shape", "0.5b"], [("0.5b", 4, 12)]),
+])
+def test_the_default_plans_tables_and_step_counts(monkeypatch, argv, tables):
+    """Without --shape the bench runs the 0.5b table then the 8b one (--quick: 0.5b only), each with the default
+    contenders of its methods, for 4 warm-up + 12 timed steps (--quick: 2 + 6)."""
+    _, ran = plan_calls(monkeypatch, ["--device", "cpu", "--no-correctness", "--no-learning", *argv])
+    assert [(s.shape, s.warmup, s.steps) for _, s in ran] == tables
+    for names, s in ran:
+        assert names == cli.default_contenders(get_shape(s.shape), "--quick" in argv, "cpu")
+        assert names and all(get_contender(n).method in get_shape(s.shape).methods for n in names)
+
+
+@pytest.mark.parametrize("argv, tables, skipped", [
+    (["--contenders", "chronicals-full"], [("0.5b", ["chronicals-full"])], True),
+    (["--contenders", "chronicals-full,chronicals-lora"],
+     [("0.5b", ["chronicals-full", "chronicals-lora"]), ("8b", ["chronicals-lora"])], False),
+    (["--shape", "8b", "--contenders", "chronicals-full"], [("8b", ["chronicals-full"])], False),
+    # on a GPU without --graphs: exactly the named ones, no CUDA-graph twin added
+    (["--device", "cuda", "--tiny", "--contenders", "chronicals-full,chronicals-lora"],
+     [("tiny", ["chronicals-full", "chronicals-lora"])], False),
+])
+def test_named_contenders_run_in_the_default_tables_of_their_method(monkeypatch, capsys, argv, tables, skipped):
+    """Without --shape, each default table takes those of --contenders whose method is one of its shape's: the 8B
+    table is LoRA only (a full fine-tune named there ran at 8B and ran out of memory), and a table left with none
+    is skipped with a line saying so. With --shape the named contenders run there whatever its methods."""
+    _, ran = plan_calls(monkeypatch, ["--device", "cpu", "--no-correctness", "--no-learning", *argv])
+    assert [(s.shape, names) for names, s in ran] == tables
+    assert ("table 8b: skipped, no contender of --contenders is a lora one" in capsys.readouterr().out) == skipped
+
+
+@pytest.mark.parametrize("device, peak", [("cuda:1", [("peak", "cuda:1")]), ("cuda", [("peak", "cuda")]),
+                                          ("cpu", [])])
+def test_the_matmul_peak_is_measured_on_any_cuda_device(monkeypatch, device, peak):
+    """The bf16 matmul peak (MFU's denominator) is measured on the run's CUDA device, cuda:N included (MFU was
+    n/a on --device cuda:1), and not on the CPU."""
+    tasks, _ = plan_calls(monkeypatch, ["--device", device, "--tiny", "--no-correctness", "--no-learning"])
+    assert [(t, s.device) for t, s in tasks] == peak
+
+
+@pytest.mark.parametrize("argv, checks", [
+    # 8b is LoRA only: both checks need full and LoRA, so they run at 0.5b
+    (["--shape", "8b"], [("correctness", "0.5b", 4, 1024, 0.0, 12), ("learning", "0.5b", 8, 512, 3e-4, 40)]),
+    # correctness: at most 4 rows; --rows caps it lower, never raises it
+    (["--shape", "0.5b", "--rows", "16"], [("correctness", "0.5b", 4, 1024, 0.0, 12),
+                                           ("learning", "0.5b", 8, 512, 3e-4, 40)]),
+    (["--shape", "0.5b", "--rows", "2"], [("correctness", "0.5b", 2, 1024, 0.0, 12),
+                                          ("learning", "0.5b", 8, 512, 3e-4, 40)]),
+    (["--tiny"], [("correctness", "tiny", 2, 32, 0.0, 2), ("learning", "tiny", 2, 32, 3e-3, 40)]),
+    (["--tiny", "--learning-lr", "1e-2", "--learning-steps", "5"],
+     [("correctness", "tiny", 2, 32, 0.0, 2), ("learning", "tiny", 2, 32, 1e-2, 5)]),
+])
+def test_the_correctness_and_learning_checks_specs(monkeypatch, argv, checks):
+    """The checks' (shape, rows, seq, lr, steps): on a shape with full and LoRA (else 0.5b), correctness at most 4
+    rows (2 for --tiny); learning 8 x 512 at lr 3e-4 (--tiny: 2 x 32 at 3e-3) for --learning-steps steps, lr
+    overridden by --learning-lr."""
+    tasks, _ = plan_calls(monkeypatch, ["--device", "cpu", *argv])
+    assert [(t, s.shape, s.rows, s.seq, s.lr, s.steps) for t, s in tasks] == checks
+    assert [s.contender for _, s in tasks] == ["correctness", "learning"]
 
 
 def test_bench_without_a_gpu_says_how_to_run(tmp_path, monkeypatch, capsys):
@@ -238,6 +413,9 @@ def test_device_help_says_what_runs_without_a_gpu(capsys):
     (["--device", "cuda:0", "--tiny"], "--device cuda:0: no CUDA GPU is visible here"),
     (["--device", "cpu", "--tiny", "--name", "a/b"], "--name 'a/b': a file stem, without '/'"),
     (["--device", "cpu", "--tiny", "--name", ".."], "--name '..': a file stem"),
+    (["--device", "cpu", "--tiny", "--name", "."], "--name '.': a file stem"),
+    (["--device", "cpu", "--tiny", "--name", ""], "--name '': a file stem"),
+    (["--device", "cpu", "--tiny", "--name", "   "], "--name '   ': a file stem"),  # files ' _cpu_<date>.json'
     (["--device", "cpu", "--tiny", "--out", "{tmp}/afile"],
      "--out {tmp}/afile: {tmp}/afile is a file, not a directory"),
     (["--device", "cpu", "--tiny", "--out", "{tmp}/afile/sub/dir"],
@@ -273,12 +451,31 @@ def test_bad_arguments_are_said_before_anything_runs(argv, says, tmp_path, monke
     (["--shape", "tiny", "--graphs"], True),
     (["--device", "cuda"], True),
     (["--device", "cuda:1"], True),
+    (["--device", "cpu", "--tiny", "--name", "run.1"], False),
+    (["--device", "cpu", "--tiny", "--name", ".x"], False),
+    (["--device", "cpu", "--tiny", "--name", "..."], False),
 ])
 def test_good_arguments_pass_the_checks(argv, gpu, tmp_path, monkeypatch):
     """The checks above refuse only what is wrong: the least allowed values, --attention with --layout packed (the
-    packed rows' kernel), --graphs and --device cuda[:N] where a GPU is visible all pass."""
+    packed rows' kernel), --graphs and --device cuda[:N] where a GPU is visible, and --name stems that only start
+    with dots all pass."""
     monkeypatch.setattr(cli, "default_device", lambda: "cuda" if gpu else "cpu")
     assert cli.check_args(cli.parse_args([*argv, "--out", str(tmp_path)])) is None
+
+
+def test_the_result_files_stem_names_the_plan_or_is_the_name(tmp_path, monkeypatch):
+    """The result files' stem is bench_e2e[_quick][_<shape>][_seqsweep][_modelsweep][_maxctx], so a --quick run
+    does not write over a full run of the same day; --name replaces it (it was ignored)."""
+    assert cli.result_name(cli.parse_args([])) == "bench_e2e"
+    assert cli.result_name(cli.parse_args(["--quick"])) == "bench_e2e_quick"
+    assert cli.result_name(cli.parse_args(["--quick", "--shape", "0.5b", "--seq-sweep", "--model-sweep",
+                                           "--max-context"])) == "bench_e2e_quick_0.5b_seqsweep_modelsweep_maxctx"
+    names = []
+    monkeypatch.setattr(cli, "run_plan", lambda args, save=None: {"tables": []})
+    monkeypatch.setattr(cli, "write_report", lambda results, out, name, stem=None, chart=False:
+                        names.append(name) or {"json": tmp_path / f"{name}_cpu.json"})
+    assert cli.main(["--device", "cpu", "--tiny", "--name", "mine", "--out", str(tmp_path)]) == 0
+    assert names == ["mine"]
 
 
 @pytest.mark.parametrize("error, status, says", [
@@ -294,9 +491,19 @@ def test_an_out_of_memory_or_import_error_is_its_own_row_status(error, status, s
     assert row["status"] == status and says in row["reason"]
 
 
-def test_a_cut_off_worker_row_fails_that_row_not_the_bench(tmp_path, monkeypatch):
-    import subprocess
+def test_an_error_rows_reason_is_its_first_line_cut_at_300():
+    """An error row's reason is the exception's type and the headline of its message (its first line, not the
+    last), at most 300 characters."""
+    for message, reason in (("the headline\nsecond line\nthird", "RuntimeError: the headline"),
+                            ("y" * 1000, ("RuntimeError: " + "y" * 1000)[:300])):
+        try:
+            raise RuntimeError(message)
+        except RuntimeError as e:
+            row = worker._error_row({"contender": "x"}, e)
+        assert row["status"] == "error" and row["reason"] == reason
 
+
+def test_a_cut_off_worker_row_fails_that_row_not_the_bench(tmp_path, monkeypatch):
     def cut_off(cmd, **kw):
         out = Path(cmd[cmd.index("--json-out") + 1])
         out.write_text('{"contender": "chronicals-full", "status": "o')
@@ -310,19 +517,39 @@ def test_a_cut_off_worker_row_fails_that_row_not_the_bench(tmp_path, monkeypatch
 
 def test_a_worker_dead_without_a_row_is_a_crashed_row(monkeypatch):
     """A worker that dies before writing its row (a segfault, killed for memory) gives a "crashed" row naming its
-    exit status and last log line, not a generic error."""
-    import subprocess
-
-    monkeypatch.setattr(cli.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, -9, "", "Killed\n"))
-    row = cli.Runner(timeout=10).run("contender", RunSpec("chronicals-full", shape="tiny", device="cpu"))
+    exit status and last log line, not a generic error. Each worker has its own row file: with one file for all, a
+    dead worker's row was the previous worker's ("ok"). A row read keeps the worker's output tail (stdout +
+    stderr) for the results JSON."""
+    calls = []
+    monkeypatch.setattr(cli.subprocess, "run", fake_worker(calls, [{"contender": "chronicals-full", "status": "ok"},
+                                                                   None]))
+    runner = cli.Runner(timeout=10)
+    first = runner.run("contender", RunSpec("chronicals-full", **TINY))
+    row = runner.run("contender", RunSpec("chronicals-full", **TINY))
+    assert first["status"] == "ok" and first["worker_log_tail"] == "out\nKilled\n"
     assert row["status"] == "crashed" and row["reason"] == "worker exited -9 without a row: ['Killed']"
+    assert len({cmd[cmd.index("--json-out") + 1] for cmd, _ in calls}) == 2
+
+
+def test_a_row_that_cannot_be_synced_leaves_no_file(tmp_path, monkeypatch):
+    """The worker writes its row atomically: when the write fails (a full disk at the flush) the error propagates
+    and no row file is left, so the host reads "crashed", never a cut-off or unsynced row."""
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        worker.main(["--task", "contender", "--contender", "chronicals-full", "--seq", "1", "--json-out",
+                     str(tmp_path / "row.json")])
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_out_that_cannot_be_written_is_said_before_anything_runs(tmp_path, monkeypatch, capsys):
     """A read-only --out failed with a bare 'Operation not permitted' after every contender had run, the JSON lost
     (a bench walk). Exit 2 first, naming --out; nothing ran."""
-    ran = []
-    monkeypatch.setattr(cli, "run_plan", lambda args: ran.append(args))
+    def run_plan(args, save=None):
+        raise AssertionError(f"--out {args.out} passed the checks and would have run")
+    monkeypatch.setattr(cli, "run_plan", run_plan)
     real_mkdir = Path.mkdir
 
     def read_only(self, *a, **k):
@@ -332,7 +559,18 @@ def test_an_out_that_cannot_be_written_is_said_before_anything_runs(tmp_path, mo
 
     monkeypatch.setattr(Path, "mkdir", read_only)
     assert cli.main(["--device", "cpu", "--tiny", "--out", str(tmp_path / "ro" / "x")]) == 2
-    assert "--out " in capsys.readouterr().err and not ran
+    assert "--out " in capsys.readouterr().err
+    # an existing directory where no file can be made (a read-only mount: os.access says yes to root): a file is
+    # tried, not only the directory made
+    assert cli.out_problem(str(tmp_path)) is None
+
+    def refuse(*a, **k):
+        raise PermissionError(30, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", refuse)
+    assert cli.main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 2
+    assert (f"--out {tmp_path}: the result files cannot be written there (Read-only file system); give a directory "
+            "you can write") in capsys.readouterr().err
 
 
 def test_a_run_cut_short_keeps_the_tables_it_finished(tmp_path, monkeypatch):

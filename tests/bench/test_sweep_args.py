@@ -2,8 +2,12 @@
 with checkpointing (no model is built: the contender runs are recorded, not started)."""
 
 import pytest
+import torch
 
 from chronicals.bench import cli
+from chronicals.bench.contenders import get_contender
+from chronicals.bench.protocol import RunSpec
+from chronicals.bench.shapes import get_shape
 
 
 @pytest.mark.parametrize("argv,plan", [
@@ -33,6 +37,21 @@ def test_run_plan_sweeps_only_the_chosen_shape(monkeypatch, argv, tables):
     res = cli.run_plan(cli.parse_args(["--device", "cpu", "--model-sweep", *argv]))
     assert ran == [(*t, cli.LORA_SWEEP) for t in tables]
     assert [(t["shape"], t["rows"], t["seq"]) for t in res["tables"]] == tables
+
+
+@pytest.mark.parametrize("argv,tables", [
+    # the rows are tokens // seq (2 x 32 = 64 tokens per step), not --rows
+    (["--rows", "2", "--seq", "32"], [(8, 8), (4, 16), (2, 32)]),
+    # the seq of all the step's tokens in one row is in the sweep
+    (["--rows", "1", "--seq", "32"], [(4, 8), (2, 16), (1, 32)]),
+])
+def test_seq_sweep_keeps_the_tokens_per_step(monkeypatch, argv, tables):
+    """--seq-sweep keeps --rows x --seq tokens per step at every seq, up to the seq that takes them all in one row."""
+    ran = []
+    monkeypatch.setattr(cli, "contender_rows",
+                        lambda runner, names, spec, peak: ran.append((spec.rows, spec.seq)) or [])
+    cli.run_plan(cli.parse_args(["--device", "cpu", "--tiny", "--seq-sweep", *argv]))
+    assert ran == tables
 
 
 @pytest.mark.parametrize("argv", [["--tiny"], ["--shape", "tiny"]])
@@ -75,3 +94,13 @@ def test_model_sweep_retries_an_oom_row_with_checkpointing(monkeypatch, flags, r
                                        "chronicals-lora"]))
     assert ran == runs
     assert [(r["status"], r["checkpointing"]) for r in res["tables"][0]["rows_data"]] == rows
+
+
+@pytest.mark.parametrize("name", ["chronicals-full", "chronicals-lora"])
+@pytest.mark.parametrize("on", [True, False])
+def test_the_chronicals_contenders_build_with_the_specs_checkpointing(name, on):
+    """The chronicals contenders build their model with RunSpec.checkpointing, which --checkpointing, the OOM
+    retry above and --max-context set: ignored, they all ran silently without checkpointing."""
+    spec = RunSpec(name, shape="tiny", rows=2, seq=16, device="cpu", checkpointing=on)
+    built = get_contender(name).build(spec, get_shape("tiny"), torch.device("cpu"))
+    assert built.model.opts.checkpointing is on
