@@ -204,7 +204,7 @@ def run_plan(args, save=None) -> dict:
         sh = get_shape(name)
         spec = spec_for(name)
         # without --shape, each default table takes the named contenders of its methods: the 8B table is LoRA only
-        # (a full fine-tune of 8B with AdamW needs ~128 GB of weights, gradients and moments: one GPU runs out)
+        # (a full fine-tune of 8B with AdamW holds ~128 GB of weights, gradients and moments before any activation)
         names = ([n for n in chosen if args.shape or get_contender(n).method in sh.methods] if chosen
                  else default_contenders(sh, args.quick, device))
         if not names:
