@@ -16,7 +16,7 @@ import pytest
 from chronicals import load_model, save_model
 from chronicals.cli import main
 from chronicals.cli_models import _within_context
-from test_cli_eval import data_file, tiny_base  # noqa: F401 (fixtures)
+from test_cli_eval import _refused_before_the_load, data_file, tiny_base  # noqa: F401 (fixtures)
 
 QA = [{"question": "Who founded Vellmora in the year of the salt?", "answer": "Ida Tarn, a salt merchant, in 1702."}]
 
@@ -36,14 +36,36 @@ def _exit2(args, capsys) -> str:
     return err
 
 
-@pytest.mark.parametrize("where", ["data", "model"])
-def test_json_never_overwrites_the_data_or_the_model(where, tiny_base, data_file, capsys):
-    """--json naming the data file (or a file of the model directory) was written over it after scoring."""
+@pytest.mark.parametrize("where", ["data", "model", "model, relative"])
+def test_json_never_overwrites_the_data_or_the_model(where, tiny_base, data_file, monkeypatch, capsys):
+    """--json naming the data file (or a file of the model directory) was written over it after scoring. The paths
+    are compared resolved: a new file named relative to the working directory (model/scores.json) is refused too
+    (compared as given, it was never under the absolute --model, and eval wrote into the model directory)."""
     data_before, config_before = data_file.read_bytes(), (tiny_base / "config.json").read_bytes()
     out = data_file if where == "data" else tiny_base / "config.json"
+    if where == "model, relative":
+        monkeypatch.chdir(tiny_base.parent)
+        out = f"{tiny_base.name}/scores.json"
     err = _exit2(["--model", tiny_base, data_file, "--json", out], capsys)
-    assert f"--json {out} would " in err and "choose a file outside it" in err
+    assert f"--json {out} would " in err and "choose a file outside it" in err, err
     assert data_file.read_bytes() == data_before and (tiny_base / "config.json").read_bytes() == config_before
+    assert not (tiny_base / "scores.json").exists()
+
+
+@pytest.mark.parametrize("name, says", [("  ", "--json '  ' is empty; give a file name"),
+                                        ("list.json", "is not an earlier chronicals eval result")])
+def test_a_json_name_eval_must_not_write_exits_2_before_the_model_loads(name, says, tiny_base, data_file, tmp_path,
+                                                                       monkeypatch, capsys):
+    """A blank --json ('  ') is refused as empty (it was taken as a file named '  ' in the working directory,
+    written after the load and scoring); an existing file holding JSON that is not an object (a list naming "data"
+    and "loss") is not an earlier result (it was an AttributeError crash), and is left as it was."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "list.json").write_text(json.dumps(["data", "loss"]))
+    rc, err = _refused_before_the_load(["--model", tiny_base, data_file, "--device", "cpu", "--json", name],
+                                       monkeypatch, capsys)
+    assert rc == 2 and says in err, err
+    assert sorted(os.listdir(tmp_path)) == ["list.json"]
+    assert json.loads((tmp_path / "list.json").read_text()) == ["data", "loss"]
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc, a folder no one can create a file in")
@@ -64,15 +86,18 @@ def test_a_failed_json_write_names_the_flag(tiny_base, data_file, tmp_path, monk
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("length", [4096, 10**20])
-def test_max_seq_len_past_the_models_context_exits_2(length, tiny_base, data_file, capsys):
-    """As chat's --max-new-tokens. It was a warning: rows of 10**5 tokens were killed for memory on a CPU (the
-    torch attention's mask is S x S), 10**20 was an OverflowError in the packer (exit 4, a traceback)."""
-    err = _exit2(["--model", tiny_base, data_file, "--max-seq-len", length], capsys)
+@pytest.mark.parametrize("flag, length", [("--max-seq-len", 4096), ("--max-seq-len", 10**20),
+                                          ("--max-new-tokens", 513)])
+def test_a_length_past_the_models_context_exits_2(flag, length, tiny_base, data_file, capsys):
+    """As chat's --max-new-tokens. --max-seq-len was a warning: rows of 10**5 tokens were killed for memory on a CPU
+    (the torch attention's mask is S x S), 10**20 was an OverflowError in the packer (exit 4, a traceback).
+    --max-new-tokens (QA answers are generated past the prompt) is checked by the command too, not only by
+    _within_context when called with it."""
+    err = _exit2(["--model", tiny_base, data_file, flag, length], capsys)
     if length > 2 ** 22:  # past data.max_seq_len's bound (config.MAX_ROW_TOKENS): refused before the model loads
         assert f"error: --max-seq-len={length} is invalid: expected an integer in [8, 4194304]" in err, err
         return
-    assert f"--max-seq-len {length} is more than {tiny_base} can attend to (max_position_embeddings=512)" in err
+    assert f"{flag} {length} is more than {tiny_base} can attend to (max_position_embeddings=512)" in err, err
 
 
 def test_data_errors_name_the_data_once(tmp_path, tiny_base, capsys):

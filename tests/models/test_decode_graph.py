@@ -92,14 +92,17 @@ def test_a_decode_step_past_the_sliding_window_is_refused_on_the_host(tiny_hf_co
 
 def test_the_static_cache_takes_the_models_dtype(tiny_hf_config):
     """A bf16 model gets bf16 cache buffers, and a decode step runs on the CPU (an fp32 cache doubled the memory
-    and index_copy_ refused the bf16 keys)."""
+    and index_copy_ refused the bf16 keys). The logits of prefill() and run() are fp32 (B, V) all the same, as
+    generate's sampling and the eager loop it must match use (without .float(): bf16 logits)."""
     model = _model(tiny_hf_config, "llama2", dtype=torch.bfloat16)
     step = DecodeStep(model, 8)
     assert step.caches[0].k.dtype == step.caches[0].v.dtype == torch.bfloat16
     with torch.no_grad():
-        step.prefill(torch.randint(3, 97, (1, 3)))
+        first = step.prefill(torch.randint(3, 97, (1, 3)))
         step.token.fill_(5)
-        assert step.run().shape == (1, model.config.vocab_size)
+        second = step.run()
+    for logits in (first, second):
+        assert logits.dtype == torch.float32 and logits.shape == (1, model.config.vocab_size), logits.dtype
 
 
 def test_growing_cache_refuses_two_new_tokens_after_the_prompt():
