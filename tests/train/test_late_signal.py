@@ -5,10 +5,12 @@ write finishes, the run returns "interrupted", and resume=auto finds it done and
 
 import os
 import signal
+import time
 
 import pytest
 import torch
 
+import chronicals.train.checkpoint as ckpt
 from chronicals.train import train
 from chronicals.train.checkpoint import checkpoint_dirs
 
@@ -64,6 +66,34 @@ def test_a_second_sigterm_finishes_the_step_and_a_second_ctrl_c_stops_at_once():
     assert signal.getsignal(signal.SIGINT) is before
 
 
+@pytest.mark.parametrize("save_every", [0, 2], ids=["stop-save", "save_every-step"])
+def test_a_second_ctrl_c_during_the_stops_checkpoint_write_stops_once_it_is_written(tmp_path, monkeypatch,
+                                                                                     save_every):
+    """A SIGTERM at step 2, then a Ctrl-C while the stop's checkpoint (its own, or the save_every step's in flight) is
+    written: the write finishes (step-000002 is published) and train() raises KeyboardInterrupt, with the handlers
+    restored. Waited for only after the loop, under the late-signal flag, the second Ctrl-C was taken for a first
+    one and train() returned "interrupted" as if nothing more had been asked."""
+    real = ckpt.write_checkpoint
+
+    def ctrl_c_during_the_write(*a, **k):
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)  # the second signal: the first was the SIGTERM below
+        time.sleep(0.2)
+        return real(*a, **k)
+    monkeypatch.setattr(ckpt, "write_checkpoint", ctrl_c_during_the_write)
+
+    def sigterm_at_step_2(step, rec):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+    cfg = tiny_config(tmp_path, train__max_steps=6, train__save_every=save_every, train__async_save=True)
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, model=tiny_model(), train_loader=SyntheticLoader(synthetic_docs(40, seed=1)),
+              on_step=sigterm_at_step_2)
+    assert signal.getsignal(signal.SIGINT) is before
+    assert ckpt.latest_checkpoint(tmp_path / "run").name == "step-000002"
+
+
 def test_the_stop_flag_works_in_a_worker_thread():
     """train() in a worker thread (a notebook's or a server's): signal.signal() works only in the main thread, so the
     stop flag installs no handlers there (and changes none) instead of failing with "signal only works in main
@@ -92,10 +122,6 @@ def test_an_error_after_a_checkpoint_publishes_it_before_it_is_raised(tmp_path, 
     """Training fails (an on_step callback raises) while a background checkpoint write is in flight: the checkpoint is
     published before the error leaves train(), so resume=auto finds it at once and no write goes on after train()
     (and its out_dir lock) are gone."""
-    import time
-
-    import chronicals.train.checkpoint as ckpt
-
     real = ckpt.write_checkpoint
 
     def slow(*a, **k):

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import gc
+import io
 import json
 import math
 import os
 import signal
+import sys
+import time
 import warnings
 
 import pytest
 import torch
+import tqdm.auto
 
+import chronicals.train.checkpoint as ckpt
 from chronicals.config import ConfigError
 from chronicals.data import PackedBatch
 from chronicals.train import TrainingDiverged, accumulate_gradients, train
 from chronicals.train.checkpoint import checkpoint_dirs
 
-from train_helpers import SyntheticLoader, strict_json, synthetic_docs, tiny_config, tiny_model
+from train_helpers import SyntheticLoader, sigterm_at_forward, strict_json, synthetic_docs, tiny_config, tiny_model
 
 
 def merge_batches(batches: list[PackedBatch]) -> PackedBatch:
@@ -208,6 +213,25 @@ def test_keep_last_checkpoints(tmp_path, docs):
     assert not [p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith(".tmp")]
 
 
+@pytest.mark.parametrize("max_steps, sigterm", [(4, None), (8, 4)], ids=["last-step", "stopped"])
+def test_an_async_checkpoint_in_flight_is_the_results(tmp_path, docs, monkeypatch, max_steps, sigterm):
+    """train.async_save with slow writes: a run whose last step is a save_every step, and a SIGTERM at a save_every
+    step, both return (and name in the summary and the stop line) that step's checkpoint, written by the time
+    train() returns. Taking the newest published checkpoint instead gave the one before while the write was in
+    flight (step-000002)."""
+    real = ckpt.write_checkpoint
+
+    def slow(*a, **k):
+        time.sleep(0.3)
+        return real(*a, **k)
+    monkeypatch.setattr(ckpt, "write_checkpoint", slow)
+    model = tiny_model() if sigterm is None else sigterm_at_forward(tiny_model(), sigterm)
+    res = train(tiny_config(tmp_path, train__max_steps=max_steps, train__save_every=2, train__async_save=True),
+                model=model, train_loader=SyntheticLoader(docs))
+    assert (res.status, res.step) == ("completed" if sigterm is None else "interrupted", 4)
+    assert res.checkpoint == tmp_path / "run" / "checkpoints" / "step-000004" and res.checkpoint.is_dir()
+
+
 def test_schedule_shapes():
     from chronicals.train.optim import lr_factor
 
@@ -296,6 +320,12 @@ def test_pipelined_loop_equals_reading_every_step(tmp_path, docs, caplog):
         assert late == (how == "pipelined"), caplog.text
     a, b = (_train_records(tmp_path / how / "run") for how in ("pipelined", "every step"))
     assert [r["step"] for r in a] == list(range(1, 8))
+    # each interval evaluation runs once its step is read and checked: its record follows that step's
+    for how in ("pipelined", "every step"):
+        recs = [json.loads(line) for line in (tmp_path / how / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert [(r["kind"][0], r["step"]) for r in recs] == [
+            ("e", 0), ("t", 1), ("t", 2), ("e", 2), ("t", 3), ("t", 4), ("e", 4), ("t", 5), ("t", 6), ("e", 6),
+            ("t", 7), ("e", 7)], how
     for key in ("loss", "grad_norm", "loss_tokens", "lr"):
         assert [r[key] for r in a] == [r[key] for r in b], key
     assert all(r["step_s"] > 0 and r["tokens_per_s"] > 0 for r in a)
@@ -320,6 +350,19 @@ def test_pipelined_nan_step_is_not_applied_and_stops(tmp_path, docs):
     for n, v in model.state_dict().items():
         assert torch.isfinite(v).all() and torch.equal(v, saved[n]), n
     assert [r["step"] for r in _train_records(tmp_path / "run")] == [1, 2]
+
+
+def test_a_pipelined_nan_at_a_save_step_is_not_checkpointed(tmp_path, docs):
+    """Step 4's loss is NaN and step 4 is a save_every step: the step is read and checked before its checkpoint, so
+    the run stops with step 2's checkpoint as the last good one and metrics end at step 3. Checkpointed first,
+    "step-000004" held step 3's weights under step 4's name and the error named it as the last good one."""
+    model = tiny_model()
+    _at_forward(model, 4, lambda out: (out[0] * float("nan"), *out[1:]))
+    cfg = tiny_config(tmp_path, optim__fused="true", train__save_every=2, train__max_steps=6, train__keep_last=5)
+    with pytest.raises(TrainingDiverged, match=r"loss is nan at step 4.*step-000002"):
+        train(cfg, model=model, train_loader=SyntheticLoader(docs))
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step-000002"]
+    assert [r["step"] for r in _train_records(tmp_path / "run")] == [1, 2, 3]
 
 
 def test_pipelined_sigterm_stops_after_that_step_and_resumes_exactly(tmp_path, docs):
@@ -601,16 +644,19 @@ def test_a_finished_run_found_by_resume_writes_its_own_final_directory(tmp_path,
     assert not all(torch.equal(got[k], first[k]) for k in first)
 
 
-def test_a_done_rerun_from_another_runs_last_checkpoint_closes_its_metrics_log(tmp_path, docs):
-    """train.resume=<another run's step-2>, max_steps=2: nothing to train; out_dir takes that run's records (its
-    metrics.jsonl opened for them) and gets the closing evaluation. That handle is closed before train() returns,
-    not left to the garbage collector (a ResourceWarning naming out_dir's metrics.jsonl)."""
-    train(tiny_config(tmp_path / "a", train__max_steps=2, train__save_every=2), model=tiny_model(),
-          train_loader=SyntheticLoader(docs))
-    last = checkpoint_dirs(tmp_path / "a" / "run")[-1]
-    b = tiny_config(tmp_path / "b", train__max_steps=2, train__resume=str(last))
+def test_a_finished_run_and_a_done_rerun_close_their_metrics_log(tmp_path, docs):
+    """A run that trains to its end, then train.resume=<its step-2> into another out_dir, max_steps=2: nothing to
+    train; out_dir takes that run's records (its metrics.jsonl opened for them) and gets the closing evaluation.
+    Each metrics log is closed before train() returns, not left to the garbage collector (a ResourceWarning naming
+    a metrics.jsonl)."""
+    gc.collect()
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
+        train(tiny_config(tmp_path / "a", train__max_steps=2, train__save_every=2), model=tiny_model(),
+              train_loader=SyntheticLoader(docs))
+        gc.collect()
+        last = checkpoint_dirs(tmp_path / "a" / "run")[-1]
+        b = tiny_config(tmp_path / "b", train__max_steps=2, train__resume=str(last))
         res = train(b, model=tiny_model(), train_loader=SyntheticLoader(docs), eval_loader=SyntheticLoader(docs[:4]))
         gc.collect()
     assert res.step == 2 and (tmp_path / "b" / "run" / "metrics.jsonl").is_file()
@@ -686,6 +732,11 @@ def test_a_log_file_gets_step_lines_not_a_progress_bar(tmp_path, docs, caplog, c
         [f"step {k}/41" for k in range(2, 41, 2)] + ["step 41/41"]
     assert any(m.startswith("step 20/41: held-out loss") for m in lines)
     assert "\r" not in capsys.readouterr().err
+    caplog.clear()
+    with caplog.at_level("INFO", logger="chronicals.train"):  # logging.progress=false: no step lines
+        train(tiny_config(tmp_path / "quiet", train__max_steps=2), model=tiny_model(),
+              train_loader=SyntheticLoader(docs))
+    assert "training steps" not in caplog.text and "step 2/2" not in caplog.text
 
 
 def test_an_out_dir_that_is_a_file_is_refused(tmp_path):
@@ -934,18 +985,17 @@ def test_a_hand_untied_head_on_a_tied_config_is_refused_before_a_full_fine_tune(
     assert res.status == "completed" and (res.final_dir / "model.safetensors").is_file()
 
 
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
 def test_no_log_line_is_glued_to_the_progress_bar(tmp_path, docs, monkeypatch):
     """On a terminal, "step metrics: ..." was logged after the bar was drawn and outside tqdm's logging redirect, so
     it printed on the bar's first line ("train:   0%|  | 0/2 [00:00<?, ?step/s]INFO step metrics: ...")."""
-    import io
     import logging
-    import sys
 
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
-
-    term = Terminal()
+    term = _Terminal()
     monkeypatch.setattr(sys, "stderr", term)
     handler = logging.StreamHandler(term)  # what the CLI's basicConfig puts on the root logger
     handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
@@ -965,6 +1015,36 @@ def test_no_log_line_is_glued_to_the_progress_bar(tmp_path, docs, monkeypatch):
     # tqdm's redirect clears the bar's line ("\r   \r") before a log line; glued, the line follows the bar's text
     glued = [seg for line in lines for seg in line.split("\r") if "INFO" in seg and "step/s" in seg]
     assert not glued, glued
+
+
+def test_a_resumed_runs_progress_bar_counts_from_its_step_to_the_runs_end(tmp_path, docs, monkeypatch):
+    """On a terminal the bar counts the whole run: total = the run's steps, initial = the step a resume starts at,
+    one update per step trained, so a resumed run's bar ends at its total (it started at 0, or moved by the step
+    number); and logging.progress=false draws no bar (the setting was ignored)."""
+    made = []
+
+    class Bar(tqdm.auto.tqdm):  # the real bar, drawn into a string; what it was told is kept
+        def __init__(self, *a, **k):
+            super().__init__(*a, **{**k, "file": io.StringIO()})
+            self.start_n, self.updates, self.was_closed = self.n, [], False
+            made.append(self)
+
+        def update(self, n=1):
+            self.updates.append(n)
+            return super().update(n)
+
+        def close(self):
+            self.was_closed = True
+            return super().close()
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    cfg = tiny_config(tmp_path, train__max_steps=6, train__resume="auto", logging__progress=True)
+    assert train(cfg, model=sigterm_at_forward(tiny_model(), 2), train_loader=SyntheticLoader(docs)).step == 2
+    assert train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs)).step == 6
+    assert [(b.total, b.start_n, b.updates, b.n, b.was_closed) for b in made] == \
+        [(6, 0, [1, 1], 2, True), (6, 2, [1, 1, 1, 1], 6, True)]
+    train(tiny_config(tmp_path / "quiet", train__max_steps=2), model=tiny_model(), train_loader=SyntheticLoader(docs))
+    assert len(made) == 2
 
 
 def test_the_gradient_norm_of_no_gradient_is_zero():

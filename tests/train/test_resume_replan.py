@@ -10,8 +10,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from chronicals.data import PackedLoader
+from chronicals.data.dataset import DatasetStats, TokenizedDataset
 from chronicals.train import train
 from chronicals.train.optim import lr_factor
 from chronicals.train.stream import _epoch_split, _replan, _step_plan, _Stream
@@ -31,21 +34,28 @@ def _cfg(tmp_path, **over):
     return tiny_config(tmp_path, train__max_steps=0, train__save_every=1, **over)
 
 
-def test_another_grad_accum_trains_the_rest_of_both_epochs(tmp_path, docs):
+@pytest.mark.parametrize("stop", [3, 4], ids=["inside-epoch-0", "at-epoch-0s-end"])
+def test_another_grad_accum_trains_the_rest_of_both_epochs(tmp_path, docs, caplog, stop):
+    """Stopped at step 3 (6 of 8 batches at grad_accum 2), the resume takes epoch 0's last 2 batches as a short step;
+    stopped at step 4 (one epoch done) it goes straight into epoch 1. Either way the resumed run has 6 steps and says
+    it runs under other settings. Given the plan from step 0 (16 batches / 4 = 4 steps), step 4 looked like the
+    run's last, and the "resumed with other settings" warning was dropped."""
     loader = SyntheticLoader(docs[:36], shuffle=False)  # 8 batches
     assert len(loader) == 8
-    first = train(_cfg(tmp_path, train__epochs=2, train__grad_accum=2), model=sigterm_at_forward(tiny_model(), 6),
-                  train_loader=loader)
-    assert (first.status, first.step, first.total_steps) == ("interrupted", 3, 8)
+    first = train(_cfg(tmp_path, train__epochs=2, train__grad_accum=2),
+                  model=sigterm_at_forward(tiny_model(), 2 * stop), train_loader=loader)
+    assert (first.status, first.step, first.total_steps) == ("interrupted", stop, 8)
     cfg = _cfg(tmp_path, train__epochs=2, train__grad_accum=4, train__resume="auto")
-    res = train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs[:36], shuffle=False))
-    # epoch 0's last 2 batches (a short step), then epoch 1 in steps of 4
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        res = train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs[:36], shuffle=False))
+    assert f"resumed at step {stop} with other settings" in caplog.text and "train.grad_accum" in caplog.text
+    # the rest of epoch 0 in steps of 2 (at step 3 a short step), then epoch 1 in steps of 4
     assert (res.status, res.step, res.total_steps) == ("completed", 6, 6)
     recs = _records(tmp_path / "run")
     assert [r["loss_tokens"] for r in recs] == _tokens(loader, (0, 2), (2, 4), (4, 6), (6, 8), (0, 4), (4, 8))
     peak, s = cfg.optim.lr, cfg.schedule
     # from the resume on the lr follows the 6-step run (min_lr_ratio at its last step), not the 8-step one
-    for step in (3, 4, 5):
+    for step in range(stop, 6):
         want = peak * lr_factor(step, 6, s.warmup_steps, s.kind, s.min_lr_ratio)
         assert recs[step]["lr"] == pytest.approx(want, rel=1e-6)
 
@@ -61,21 +71,27 @@ def test_more_epochs_after_a_fractional_run_train_every_batch_left(tmp_path, doc
         _tokens(loader, (0, 3), (3, 6), (6, 8), (0, 3), (3, 4), (4, 7), (7, 8))
 
 
-def test_a_resume_inside_a_fractional_runs_last_epoch_trains_only_the_fractions_batches(tmp_path, docs):
+@pytest.mark.parametrize("accum,spans,plans", [
+    (3, [(1, 4)], [(1, 3), (1, 2), (1, 1), (0, 3)]),
+    (2, [(1, 3), (3, 4)], [(2, 1), (1, 2), (1, 1), (0, 2)])], ids=["full-last-step", "short-last-step"])
+def test_a_resume_inside_a_fractional_runs_last_epoch_trains_only_the_fractions_batches(tmp_path, docs, accum, spans,
+                                                                                        plans):
     """1.5 epochs of 8 batches end after batch 12 (epoch 1's first 4). Stopped after 9 batches at grad_accum 1 and
     resumed at grad_accum 3, 3 batches are left: one step of 3. Counting the rest of the epoch the resume lands in
     to the epoch's end (16), not the run's, then back one epoch, planned 2 steps: a batch past the fraction was
-    trained and the lr schedule was a step long."""
+    trained and the lr schedule was a step long. Resumed at grad_accum 2, the last step is a short one (1 batch):
+    its short count applied only to a run that started at step 0, so the resumed run's last step took a full 2,
+    one batch past the fraction."""
     loader = SyntheticLoader(docs[:36], shuffle=False)
     first = train(_cfg(tmp_path, train__epochs=1.5, train__grad_accum=1), model=sigterm_at_forward(tiny_model(), 9),
                   train_loader=loader)
     assert (first.status, first.step) == ("interrupted", 9)
-    cfg = _cfg(tmp_path, train__epochs=1.5, train__grad_accum=3, train__resume="auto")
+    cfg = _cfg(tmp_path, train__epochs=1.5, train__grad_accum=accum, train__resume="auto")
     res = train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs[:36], shuffle=False))
-    assert (res.status, res.step, res.total_steps) == ("completed", 10, 10)
-    assert [r["loss_tokens"] for r in _records(tmp_path / "run")][9:] == _tokens(loader, (1, 4))
+    assert (res.status, res.step, res.total_steps) == ("completed", 9 + len(spans), 9 + len(spans))
+    assert [r["loss_tokens"] for r in _records(tmp_path / "run")][9:] == _tokens(loader, *spans)
     # (steps, batches of the last one) from 9..12 batches done
-    assert [_step_plan(cfg, 8, done=d) for d in (9, 10, 11, 12)] == [(1, 3), (1, 2), (1, 1), (0, 3)]
+    assert [_step_plan(cfg, 8, done=d) for d in (9, 10, 11, 12)] == plans
 
 
 @pytest.mark.parametrize("accum,done,plan", [(4, 2, (3, 4)), (3, 2, (4, 1)), (4, 1, (3, 4)), (3, 5, (3, 1))])
@@ -99,6 +115,21 @@ def test_a_cut_loaders_fraction_of_an_epoch_is_planned_rounded_up_as_the_cut(tmp
     B = -(-G // W)  # a rank's batches an epoch (the remainder padded)
     assert _epoch_split(cfg, B, (G, W)) == split
     assert _step_plan(cfg, B, spread=(G, W)) == plan
+
+
+def test_a_fractional_epoch_run_cuts_its_loaders_last_pass(tmp_path):
+    """train.epochs=0.5 over a PackedLoader of 5 batches: train() itself sets the loader's cut (cut_fraction), so
+    the last pass stops after ceil(0.5 x 5) = 3 batches and the cut goes into the checkpoint's data position (under
+    data parallelism it decides which ranks get empty batches). Without it the step plan alone ended the run and
+    the loader was never cut."""
+    rows = 9  # 5 batches of 2 rows
+    ids = np.arange(rows * 8, dtype=np.int32) % 50 + 1
+    stats = DatasetStats(records=rows, documents=rows, tokens=rows * 8, loss_tokens=rows * 7)
+    ds = TokenizedDataset(ids, np.ones(rows * 8, dtype=bool), np.arange(rows + 1) * 8, 0, stats, 8)
+    loader = PackedLoader(ds, batch_size=2, max_seq_len=8, shuffle=False, rank=0, world_size=1)
+    res = train(_cfg(tmp_path, train__epochs=0.5), model=tiny_model(), train_loader=loader)
+    assert (res.status, res.step) == ("completed", 3)
+    assert loader.state_dict()["cut"] == [0, 3]
 
 
 def test_fewer_epochs_than_were_trained_are_refused(tmp_path, docs):
