@@ -9,6 +9,7 @@ import functools
 import gc
 import weakref
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -378,6 +379,29 @@ def test_the_recipe_runs_once_under_no_grad():
     torch.testing.assert_close(g2, src * 2)
 
 
+def test_a_rebuilder_call_shares_the_graphs_rebuild_and_counts_no_unpack():
+    """``rebuilder(t)()`` returns the rebuilt value without counting an unpack: the graph's own unpack of t reuses
+    it (the recipe runs once) and the value is let go after that last unpack. Counted as an unpack, the value was
+    dropped before the graph's unpack, which ran the recipe a second time."""
+    calls = []
+    src = torch.randn(3, 4)
+
+    def fn():
+        calls.append(1)
+        return src * 2
+
+    with recompute.recompute_session():
+        t = recompute.offer(src * 2, fn)
+        entry = recompute._offers[recompute._key(t)]
+        w = torch.randn(3, 4, requires_grad=True)
+        loss = (t * w).sum()
+        torch.testing.assert_close(recompute.rebuilder(t)(), src * 2)
+        assert entry.unpacks == 0 and entry.value is not None
+        loss.backward()
+        assert len(calls) == 1 and entry.unpacks == 1 and entry.value is None
+    torch.testing.assert_close(w.grad, src * 2)
+
+
 def test_rebuilder_matches_dtype_too():
     """a reinterpretation of the offered storage in another dtype is not the offered tensor."""
     with recompute.recompute_session():
@@ -388,15 +412,33 @@ def test_rebuilder_matches_dtype_too():
 
 def test_a_save_of_the_storage_in_another_dtype_keeps_its_values():
     """A node that saves the offered storage viewed as bf16 gets those bf16 values back; it was handed the fp32
-    recipe's output at bf16 geometry, and backward raised from as_strided."""
+    recipe's output at bf16 geometry, and backward raised from as_strided. fp32 bytes read as bf16 can be NaN
+    (about 4% of draws), so the values come from a local generator and NaNs compare equal."""
+    g = torch.Generator().manual_seed(0)
     with recompute.recompute_session():
-        t = _offered(torch.randn(3, 4))
+        t = _offered(torch.randn(3, 4, generator=g))
         tb = t.view(torch.bfloat16)  # (3, 8) over the same bytes
         want = tb.clone()
-        w = torch.randn(3, 8, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(3, 8, generator=g, dtype=torch.bfloat16, requires_grad=True)
         loss = (tb * w).float().sum()
     loss.backward()
-    assert torch.equal(w.grad, want)
+    torch.testing.assert_close(w.grad, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_larger_storage_at_the_offered_address_keeps_its_values():
+    """Saves are matched by storage address and size: two numpy prefix views give two storages that start at one
+    address, and a save of the larger one keeps its own values. Matched by address alone it was rebuilt from the
+    smaller tensor's recipe at the larger geometry (as_strided out of bounds)."""
+    a = np.arange(24, dtype=np.float32)
+    big = torch.from_numpy(a).view(4, 6)
+    small = torch.from_numpy(a[:12]).view(3, 4)
+    assert big.untyped_storage().data_ptr() == small.untyped_storage().data_ptr()
+    with recompute.recompute_session():
+        recompute.offer(small, lambda: torch.zeros(3, 4))
+        w = torch.randn(4, 6, requires_grad=True)
+        loss = (big * w).sum()
+    loss.backward()
+    assert torch.equal(w.grad, big)
 
 
 def test_a_sparse_save_passes_through_while_an_offer_is_open():
@@ -431,6 +473,23 @@ def test_closing_the_session_clears_offers_of_live_tensors():
     del t
 
 
+def test_an_exception_inside_a_session_closes_it():
+    """An error raised inside ``with recompute_session()`` still closes the session: afterwards it is not active,
+    the table is empty and offers are ignored. Left open, every later offer registered and the table kept the
+    recipes (and the tensors they hold)."""
+    try:
+        with pytest.raises(KeyError):
+            with recompute.recompute_session():
+                recompute.offer(torch.randn(3, 4) * 2, lambda: torch.zeros(3, 4))
+                raise KeyError("boom")
+        assert not recompute.is_active() and not recompute._offers
+        recompute.offer(torch.randn(2, 2), lambda: torch.zeros(2, 2))
+        assert not recompute._offers
+    finally:  # a session left open must not leak into the next tests
+        recompute._active = 0
+        recompute._offers.clear()
+
+
 def test_offers_outside_an_enabled_session_are_ignored():
     """offer is a no-op outside a session and in recompute_session(enabled=False) (not active either): nothing is
     registered, so a later session's saves of t keep t itself. An offer that stayed in the table had a later
@@ -450,6 +509,25 @@ def test_offers_outside_an_enabled_session_are_ignored():
     torch.testing.assert_close(w.grad, src * 2)
 
 
+def test_under_torch_compile_no_session_opens_and_offers_are_ignored(monkeypatch):
+    """While torch.compile traces (torch.compiler.is_compiling()), offer and rebuilder are no-ops even inside a
+    session opened in eager code, and recompute_session does not open. Without the checks the offer registered
+    under tracing, and the session opened (is_active) inside a compiled region."""
+    with recompute.recompute_session():
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        t = torch.randn(3, 4) * 2
+        assert recompute.offer(t, lambda: torch.zeros(3, 4)) is t
+        assert not recompute._offers and recompute.rebuilder(t) is None
+        monkeypatch.undo()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    try:
+        with recompute.recompute_session():
+            assert not recompute.is_active()
+    finally:  # a session left open must not leak into the next tests
+        recompute._active = 0
+        recompute._offers.clear()
+
+
 def test_a_stale_finalizer_does_not_drop_a_newer_offer_of_the_same_storage():
     """two tensor objects over one storage, each offered: the first one's death must not remove the second's
     offer (the finalizer checks that the table still holds its own entry)."""
@@ -463,11 +541,13 @@ def test_a_stale_finalizer_does_not_drop_a_newer_offer_of_the_same_storage():
         assert recompute.rebuilder(t2) is not None
 
 
-def test_in_place_change_of_a_recipe_list_input_raises():
-    """partial(torch.cat, [a, b]) holds its tensors in a list; their versions are checked as well."""
+@pytest.mark.parametrize("container", [list, tuple])
+def test_in_place_change_of_a_recipe_list_or_tuple_input_raises(container):
+    """partial(torch.cat, [a, b]) holds its tensors in a list, partial(torch.cat, (a, b)) in a tuple; their versions
+    are checked as well (with lists alone, the tuple's changed a was silently used by the rebuild)."""
     with recompute.recompute_session():
         a, b = torch.randn(2, 4), torch.randn(2, 4)
-        t = recompute.offer(torch.cat([a, b]), functools.partial(torch.cat, [a, b]))
+        t = recompute.offer(torch.cat(container((a, b))), functools.partial(torch.cat, container((a, b))))
         w = torch.randn(4, 4, requires_grad=True)
         loss = (t * w).sum()
         a.add_(1.0)
@@ -488,6 +568,29 @@ def test_in_place_change_of_a_keyword_or_closure_input_raises(held):
     b.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an in-place operation"):
         loss.backward()
+
+
+@pytest.mark.parametrize("held", ["empty closure cell", "inference tensor"])
+def test_recipe_inputs_without_a_version_are_accepted(held):
+    """The version check skips what it cannot read: a closure cell still empty at the offer (a name the enclosing
+    function binds later) and an inference-mode tensor (no version counter). Both are offered and rebuild the
+    right gradient; offer raised "Cell is empty" or "Inference tensors do not track version counter"."""
+    if held == "empty closure cell":
+        src = torch.randn(3, 4)
+
+        def fn():
+            return src * 2 if later is None else None
+    else:
+        with torch.inference_mode():
+            src = torch.randn(3, 4)
+        fn = functools.partial(torch.mul, src, 2)
+    with recompute.recompute_session():
+        t = recompute.offer(src * 2, fn)
+        w = torch.randn(3, 4, requires_grad=True)
+        loss = (t * w).sum()
+    later = None
+    loss.backward()
+    torch.testing.assert_close(w.grad, src * 2)
 
 
 def test_a_saved_view_with_an_offset_is_rebuilt_at_its_offset():

@@ -1003,17 +1003,78 @@ def test_a_rerun_that_only_closes_the_run_scores_the_whole_held_out_set_on_every
     assert [r["eval_loss"] for r in recs if r.get("tag") == "after"] == [r0["again"]]
 
 
-def test_a_backward_outside_a_step_is_ignored_by_the_buckets():
+class _Work:
+    def __init__(self):
+        self.waited = False
+
+    def wait(self):
+        self.waited = True
+
+
+def _recorded_all_reduce(monkeypatch) -> list:
+    """dist.all_reduce replaced by a recorder, so GradBuckets runs without a process group: each call's
+    (tensor, async_op, work) is recorded and the tensor left as it is (one rank's sum)."""
+    calls = []
+
+    def fake(t, op=None, async_op=False, **kw):
+        calls.append((t, async_op, _Work()))
+        return calls[-1][2]
+
+    monkeypatch.setattr(dist, "all_reduce", fake)
+    return calls
+
+
+def test_a_backward_outside_a_step_is_ignored_by_the_buckets(monkeypatch):
     """GradBuckets' hooks count only between begin() and finish(): a backward outside a step (an eval with grads, a
     user's probe) raised IndexError from the hook, and after the first step would have issued collectives on one
-    rank alone (a mutation walk)."""
+    rank alone (a mutation walk). finish() disarms them: a backward after a step neither issues a collective nor
+    raises about more gradients than announced."""
     from types import SimpleNamespace
 
+    calls = _recorded_all_reduce(monkeypatch)
     lin = torch.nn.Linear(4, 3)
     params = list(lin.parameters())
     rb = GradBuckets(SimpleNamespace(enabled=True, rank=0, world_size=2), params)
     lin(torch.randn(2, 4)).sum().backward()
     assert all(p.grad is not None for p in params) and not rb.armed and rb._works == []
+    rb.begin(1)
+    lin(torch.randn(2, 4)).sum().backward()
+    rb.finish()
+    n = len(calls)
+    assert n >= 1 and not rb.armed
+    lin(torch.randn(2, 4)).sum().backward()
+    assert len(calls) == n
+
+
+def test_bf16_parameters_get_bf16_gradient_buckets():
+    """Each bucket's flat buffer has its parameters' dtype: bf16 parameters get bf16 gradient views. Every other
+    bucket test used fp32 parameters; with fp32 buffers begin() failed to bind a float gradient to a bf16 one."""
+    from types import SimpleNamespace
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)).to(torch.bfloat16)
+    rb = GradBuckets(SimpleNamespace(enabled=True, rank=0, world_size=2), list(net.parameters()), bucket_elems=8)
+    rb.begin(1)
+    assert len(rb.flats) >= 3 and all(f.dtype == torch.bfloat16 for f in rb.flats)
+    assert all(p.grad is rb.view(p) and p.grad.dtype == torch.bfloat16 for p in net.parameters())
+    rb.remove()
+
+
+def test_begin_without_bind_leaves_the_buffers_and_grads_as_they_are():
+    """begin(bind=False) (a CUDA graph's replay: the captured graph zeroes and binds) only arms the counts: it
+    neither zeroes the flat buffers nor rebinds the grads (it would have zeroed what the graph holds)."""
+    from types import SimpleNamespace
+
+    lin = torch.nn.Linear(4, 3)
+    rb = GradBuckets(SimpleNamespace(enabled=True, rank=0, world_size=2), list(lin.parameters()))
+    rb.bind()
+    for f in rb.flats:
+        f.fill_(3.0)
+    other = torch.zeros_like(lin.bias)
+    lin.bias.grad = other
+    rb.begin(2, bind=False)
+    assert rb.armed and all(torch.all(f == 3.0) for f in rb.flats)
+    assert lin.bias.grad is other
+    rb.remove()
 
 
 def test_grad_buckets_refuse_one_process_and_zero_micro_batches():
@@ -1115,22 +1176,51 @@ def test_buckets_start_each_step_from_zero_and_go_out_during_backward(tmp_path):
         dist.destroy_process_group()
 
 
-def test_a_grad_rebound_after_begin_is_summed_through_the_flat_buffer(tmp_path):
+def test_finish_waits_for_every_buckets_all_reduce(monkeypatch):
+    """Each step issues every bucket's all-reduce asynchronously, once and in bucket order, and finish() waits on
+    each before the step reads the sums. Without the wait only the spawned 2-rank test noticed, by crashing at exit
+    with the collectives still in flight."""
+    from types import SimpleNamespace
+
+    calls = _recorded_all_reduce(monkeypatch)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
+    rb = GradBuckets(SimpleNamespace(enabled=True, rank=0, world_size=2), list(net.parameters()), bucket_elems=8)
+    assert len(rb.flats) >= 3
+    for step in range(2):
+        start = len(calls)
+        rb.begin(1)
+        net(torch.randn(2, 4)).sum().backward()
+        assert rb.finish() == 0
+        got = calls[start:]
+        assert [t for t, _, _ in got] == rb.flats and all(a for _, a, _ in got), step
+        assert all(w.waited for _, _, w in got), step
+    rb.remove()
+
+
+@pytest.mark.parametrize("when", ["before the backward", "between micro-batches"])
+def test_a_grad_rebound_after_begin_is_summed_through_the_flat_buffer(tmp_path, when):
     """A .grad rebound between begin() and the backward (CUDA graphs, user code) is copied into its bucket and bound
-    back: left in the new tensor, the bucket all-reduced zeros for it and the ranks silently diverged."""
+    back: left in the new tensor, the bucket all-reduced zeros for it and the ranks silently diverged. Rebound to a
+    copy between two micro-batches, the copy holds both, and the bucket gets that sum once (copied, not added to
+    the first micro-batch's gradient already in the bucket, which counted it twice)."""
     from types import SimpleNamespace
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
         lin = torch.nn.Linear(4, 3)
         rb = GradBuckets(SimpleNamespace(enabled=True, rank=0, world_size=1), list(lin.parameters()))
-        rb.begin(1)
-        lin.weight.grad = torch.zeros_like(lin.weight)
-        x = torch.randn(2, 4)
-        lin(x).sum().backward()
+        xs = [torch.randn(2, 4)] if when == "before the backward" else [torch.randn(2, 4), torch.randn(2, 4)]
+        rb.begin(len(xs))
+        if when == "before the backward":
+            lin.weight.grad = torch.zeros_like(lin.weight)
+        for i, x in enumerate(xs):
+            lin(x).sum().backward()
+            if i == 0 and when == "between micro-batches":
+                lin.weight.grad = lin.weight.grad.clone()
         rb.finish()
         assert lin.weight.grad is rb.view(lin.weight)
-        torch.testing.assert_close(rb.view(lin.weight), torch.ones(3, 1) * x.sum(0))
+        torch.testing.assert_close(rb.view(lin.weight), torch.ones(3, 1) * sum(x.sum(0) for x in xs))
     finally:
         dist.destroy_process_group()
 

@@ -260,6 +260,33 @@ def test_scheduler_lr_is_the_lr_used(fused):
     assert torch.equal(opt.state[model.lm_head.weight]["master"], master)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_each_groups_own_eps_and_betas_and_a_large_decay_match_torch_adamw(fused):
+    """Against torch.optim.AdamW on float32 weights, with settings large enough to tell the orderings apart: a group
+    with its own eps and betas gets them (not the constructor's defaults: the config passes eps and betas as
+    defaults, so no other test had a group of its own), decoupled decay w (1 - lr wd) comes before the Adam step,
+    and eps is added after the bias correction of sqrt(v)."""
+    torch.manual_seed(0)
+    w0 = [torch.randn(4, 3), torch.randn(5)]
+    grads = [[torch.randn(4, 3), torch.randn(5)] for _ in range(3)]
+
+    def groups(ps):
+        return [{"params": [ps[0]], "weight_decay": 0.5, "eps": 0.3, "betas": (0.5, 0.6)},
+                {"params": [ps[1]], "weight_decay": 0.0}]
+
+    ours_p = [torch.nn.Parameter(t.clone()) for t in w0]
+    ref_p = [torch.nn.Parameter(t.clone()) for t in w0]
+    ours = MasterWeightAdamW(groups(ours_p), lr=0.1, eps=1e-8, fused=fused)
+    ref = torch.optim.AdamW(groups(ref_p), lr=0.1, eps=1e-8, foreach=False)
+    for g in grads:
+        for p, q, gi in zip(ours_p, ref_p, g):
+            p.grad, q.grad = gi.clone(), gi.clone()
+        ours.step()
+        ref.step()
+    for p, q in zip(ours_p, ref_p):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-6)
+
+
 def test_build_optimizer_chooses_and_says_why(tmp_path, caplog):
     """auto: masters for bf16 trainable weights (full fine-tuning and LoRA adapters), none for fp32; false on
     bf16 warns."""
@@ -432,11 +459,24 @@ def test_a_parameter_without_a_gradient_is_left_alone():
     assert torch.equal(b, torch.ones_like(b)) and b not in opt.state
 
 
+def test_a_sparse_gradient_is_refused():
+    """A sparse gradient (nn.Embedding(sparse=True)) is refused by name at the step; without the check the foreach
+    ops failed with a raw dispatcher error."""
+    emb = torch.nn.Embedding(5, 3, sparse=True)
+    opt = MasterWeightAdamW(emb.parameters(), lr=1e-2)
+    emb(torch.tensor([1, 2])).sum().backward()
+    assert emb.weight.grad.is_sparse
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        opt.step()
+
+
 def test_master_adamw_refuses_bad_hyperparameters_and_takes_lr_zero():
     """The config checks these first; a Python caller gets the optimizer's own message, not NaN weights (eps=0 on a
     zero gradient, beta2=1 a bias correction of 0; three betas failed only unpacking them at the first step). lr=0 is
     allowed, as in torch.optim.AdamW."""
     p = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match="a tensor lr is not supported"):  # a 0-dim tensor passed lr >= 0
+        MasterWeightAdamW(p, lr=torch.tensor(1e-3))
     with pytest.raises(ValueError, match="eps=0.0 must be > 0"):
         MasterWeightAdamW(p, eps=0.0)
     with pytest.raises(ValueError, match=r"betas=\(0.9, 1.0\) must be two numbers in \[0, 1\)"):
@@ -447,6 +487,16 @@ def test_master_adamw_refuses_bad_hyperparameters_and_takes_lr_zero():
     with pytest.raises(ValueError, match=r"weight_decay=-0.1 must be >= 0"):  # it grew each weight a step
         MasterWeightAdamW(p, weight_decay=-0.1)
     MasterWeightAdamW(p, weight_decay=0.0)
+
+
+def test_fused_on_a_device_without_the_kernel_is_refused(monkeypatch):
+    """fused=True on a device torch has no fused AdamW kernel for is refused at construction, naming the fix (CPU
+    has the kernel, so the refusal is reached by taking CPU off torch's list)."""
+    monkeypatch.setattr("chronicals.train.master_adamw._get_fused_kernels_supported_devices", lambda: ["cuda"])
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match=r"no fused AdamW kernel on cpu; pass fused=False"):
+        MasterWeightAdamW(p, fused=True)
+    MasterWeightAdamW(p, fused=False)
 
 
 def test_float32_parameters_are_their_own_master_and_updated_in_place():
