@@ -8,6 +8,7 @@ from chronicals.bench import cli
 from chronicals.bench.contenders import get_contender
 from chronicals.bench.protocol import RunSpec
 from chronicals.bench.shapes import get_shape
+from test_runner import plan_calls
 
 
 @pytest.mark.parametrize("argv,plan", [
@@ -47,29 +48,15 @@ def test_run_plan_sweeps_only_the_chosen_shape(monkeypatch, argv, tables):
 ])
 def test_seq_sweep_keeps_the_tokens_per_step(monkeypatch, argv, tables):
     """--seq-sweep keeps --rows x --seq tokens per step at every seq, up to the seq that takes them all in one row."""
-    ran = []
-    monkeypatch.setattr(cli, "contender_rows",
-                        lambda runner, names, spec, peak: ran.append((spec.rows, spec.seq)) or [])
-    cli.run_plan(cli.parse_args(["--device", "cpu", "--tiny", "--seq-sweep", *argv]))
-    assert ran == tables
+    _, ran = plan_calls(monkeypatch, ["--device", "cpu", "--tiny", "--seq-sweep", *argv])
+    assert [(spec.rows, spec.seq) for _, spec in ran] == tables
 
 
 @pytest.mark.parametrize("argv", [["--tiny"], ["--shape", "tiny"]])
 def test_shape_tiny_is_tiny(monkeypatch, argv):
     """--shape tiny runs as --tiny does: 1 + 2 steps, not the protocol's 4 + 12 (a CPU run of minutes)."""
-    specs = []
-
-    class Runner:
-        def __init__(self, timeout):
-            pass
-
-        def run(self, name, spec):
-            specs.append(spec)
-            return {"contender": name, "status": "skipped"}
-
-    monkeypatch.setattr(cli, "Runner", Runner)
-    monkeypatch.setattr(cli, "contender_rows", lambda runner, names, spec, peak: specs.append(spec) or [])
-    cli.run_plan(cli.parse_args(["--device", "cpu", "--no-correctness", "--no-learning", *argv]))
+    tasks, tables = plan_calls(monkeypatch, ["--device", "cpu", "--no-correctness", "--no-learning", *argv])
+    specs = [spec for _, spec in tasks + tables]
     assert specs and all((s.warmup, s.steps) == (1, 2) for s in specs)
 
 
