@@ -387,9 +387,9 @@ def _read_state(file: Path, mmap: bool = False, fix: str | None = None, resuming
     fmt = state.get("format", 1)
     if not isinstance(fmt, int) or fmt > FORMAT:
         raise ValueError(f"checkpoint {file} has format {fmt!r}, written by a newer chronicals (this one reads format "
-                         f"{FORMAT}): " + ("read it with the chronicals version that wrote it" if not resuming else
-                                           "resume it with the chronicals version that wrote it, or start over "
-                                           "(train.resume=none or another train.out_dir)"))
+                         f"{FORMAT}): " + ("resume it with the chronicals version that wrote it, or start over "
+                                           "(train.resume=none or another train.out_dir)" if resuming else
+                                           "read it with the chronicals version that wrote it"))
     problem = _entry_problem(state, file.parent.name)
     if problem:
         raise ValueError(f"checkpoint {file} is not one chronicals wrote as it is: {problem}; "
