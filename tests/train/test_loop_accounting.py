@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from chronicals.data.dataset import DatasetStats
-from chronicals.train import TrainingDiverged, train
+from chronicals.train import TrainingDiverged, loop, train
 
 from train_helpers import SyntheticLoader, tiny_config, tiny_model
 
@@ -317,3 +317,27 @@ def test_a_later_steps_infinite_loss_is_named_as_the_loss():
         _check_finite(3, -math.inf, 2.0, lambda: Path("runs/x/checkpoints/step-000002"))
     with pytest.raises(TrainingDiverged, match=r"^gradient norm is inf \(loss 1\.5000\) at step 3;"):
         _check_finite(3, 1.5, math.inf, lambda: None)
+
+
+@pytest.mark.parametrize("fused", ["false", "true"])  # every step read / the pipelined loop
+def test_a_step_after_an_evaluation_or_a_checkpoint_is_timed_from_its_own_start(tmp_path, docs, monkeypatch, fused):
+    """A step's time runs from the previous step's end only when nothing ran between the two; after an interval
+    evaluation or a checkpoint it runs from the step's own start. Chained across them, a step's step_s on CUDA
+    would also hold the evaluation's or the save's time (its tokens/s and MFU too low). Checked on the wiring, since
+    the CPU times each step from its start anyway: which readback each step's readback is chained to."""
+    made = []
+
+    class Recorded(loop.StepReadback):
+        def __init__(self, *args, after=None, **kw):
+            super().__init__(*args, after=after, **kw)
+            made.append((self, after))
+
+    monkeypatch.setattr(loop, "StepReadback", Recorded)
+    # evaluations after steps 2 and 4 (none after the last step: the "after" pass), checkpoints after 3 and 6
+    cfg = tiny_config(tmp_path, train__max_steps=6, eval__every=2, train__save_every=3, optim__fused=fused)
+    train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs),
+          eval_loader=SyntheticLoader(docs[:4], shuffle=False))
+    assert len(made) == 6
+    chained = [after is not None for _, after in made]
+    assert chained == [False, True, False, False, False, True]
+    assert made[1][1] is made[0][0] and made[5][1] is made[4][0]  # the step just before, not an older one
