@@ -376,6 +376,21 @@ def test_an_entry_from_before_the_digest_with_bad_offsets_is_rebuilt(tokenizer, 
     assert same(again, first)
 
 
+def test_an_intact_entry_from_before_the_digest_is_loaded(tokenizer, tmp_path, caplog):
+    """The digest check applies only to an entry that has one: a pre-digest entry with intact arrays is loaded from
+    the cache as it is (checking it regardless raised a bare KeyError out of load_dataset)."""
+    data = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    first = load(data, tokenizer, tmp_path / "cache")
+    [entry] = [tmp_path / "cache" / n for n in _entries(tmp_path / "cache")]
+    meta = json.loads((entry / "meta.json").read_text())
+    del meta["digest"]
+    (entry / "meta.json").write_text(json.dumps(meta))
+    with caplog.at_level(logging.INFO, logger="chronicals.data"):
+        again = load(data, tokenizer, tmp_path / "cache")
+    assert "loaded 6 documents from cache" in caplog.text and "damaged" not in caplog.text
+    assert same(again, first)
+
+
 def test_a_nested_cache_dir_that_does_not_exist_yet_is_made(tokenizer, tmp_path):
     """data.cache_dir defaults to ~/.cache/chronicals/data, whose parents a fresh machine (or a new CHRONICALS_CACHE)
     lacks too: it is made with its parents, not refused as "cannot create it"."""

@@ -1,7 +1,7 @@
 """Chat encoding edges: one BOS with a BOS-adding tokenizer, one eos with a tokenizer that appends its own or a text
-that ends in it, plain-text turn endings, each spelling of the generation tag, template errors as bad records, and
-templates that close or rewrite turns in ways the prefix-render fallbacks must bound or refuse. Every other data test
-uses SmolLM2's tokenizer, which adds no BOS and appends no eos."""
+that ends in it, plain-text turn endings, each spelling of the generation tag, template errors as bad records, tool
+calls in the flat form, and templates that close or rewrite turns in ways the prefix-render fallbacks must bound or
+refuse. Every other data test uses SmolLM2's tokenizer, which adds no BOS and appends no eos."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from chronicals.data.formats import Example, FormatError
 from chronicals.data.tokenize import _insertion_points, _render, encode, encode_chat, has_generation_markers
 from test_formats import trained_spans
-from test_template_fallback import BASES, PHI3, make_tokenizer
+from test_template_fallback import BASES, NOTE_NOT_SYSTEM, PHI3, make_tokenizer
 
 ONE_TURN = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 TWO_TURNS = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "one"},
@@ -116,6 +116,17 @@ def test_a_template_index_key_or_attribute_error_is_a_bad_record(tokenizer, expr
         encode_chat(tok, ONE_TURN)
 
 
+@pytest.mark.parametrize("loss_on", ["assistant", "all"])
+def test_a_flat_tool_call_the_template_drops_is_refused(tokenizer, loss_on):
+    """A tool call in the flat form ({"name", "arguments"}, no "function" wrapper, which Llama 3.1's template reads)
+    is checked against the rendering as the OpenAI form is: SmolLM2's template drops it, so the record is refused.
+    Reading names only from "function" trained it as an empty reply (the model learns to end its turn at once)."""
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"name": "get_weather", "arguments": {"c": "x"}}]}]
+    with pytest.raises(FormatError, match=r"message 1 calls tool 'get_weather'"):
+        encode(tokenizer, Example(messages=msgs), loss_on)
+
+
 def test_a_text_that_ends_in_eos_gets_no_second_one(tokenizer):
     """Pre-formatted text and prompt/target records often end in the eos string already."""
     eos = tokenizer.eos_token
@@ -168,6 +179,19 @@ def test_a_reply_inside_the_system_texts_sliding_range_is_not_mislabelled(tokeni
     except FormatError:
         return
     assert trained_spans(tok, ids, mask) == [" A</s>", " B</s>"]
+
+
+def test_a_non_blank_piece_for_a_blank_system_message_is_refused(tokenizer):
+    """The moved-system fallback with a blank system message (" ") accepts an inserted piece only when it is
+    whitespace: there is no system text to check it against, so a template that writes other text there (a fixed
+    "(see system)" note) is refused, not trained as if the difference were the moved system message."""
+    tok = make_tokenizer(tokenizer, NOTE_NOT_SYSTEM, None, "<|im_end|>", [])
+    messages = [{"role": "system", "content": " "}, {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4."}]
+    full = tok.apply_chat_template(messages, tokenize=False)
+    assert full == "<|im_start|>user\n2+2? (see system)<|im_end|>\n<|im_start|>assistant\n4.<|im_end|>\n"
+    with pytest.raises(FormatError, match="not prefix-stable at message 2"):
+        encode_chat(tok, messages)
 
 
 ENDS_ONLY_AT_THE_END = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"

@@ -1,6 +1,6 @@
 """What load_dataset counts and says where a mutation walk found no test: a document of exactly max_seq_len, the
 first record without a loss token, an empty completion under loss on all, the cause when every one dropped, the
-share of cut tokens that makes truncation a warning, and the pad id."""
+share of cut tokens that makes truncation a warning, the pad id, and a tokenizer that is not a fast one."""
 from __future__ import annotations
 
 import json
@@ -126,3 +126,12 @@ def test_the_pad_id_is_the_pad_token_before_eos():
     assert _pad_id(SimpleNamespace(pad_token_id=3, eos_token_id=2)) == 3
     assert _pad_id(SimpleNamespace(pad_token_id=None, eos_token_id=2)) == 2
     assert _pad_id(SimpleNamespace(pad_token_id=None, eos_token_id=None)) == 0
+
+
+def test_a_slow_tokenizer_is_refused_with_how_to_load_a_fast_one(tmp_path):
+    """Character offsets need a fast (Rust) tokenizer: load_dataset refuses another one up front with a TypeError
+    that says use_fast=True. Without the check it failed later with an unrelated error from inside tokenizing."""
+    p = write(tmp_path / "d.jsonl", [{"text": "hello"}])
+    slow = SimpleNamespace(is_fast=False, chat_template=None, eos_token="</s>", eos_token_id=2, pad_token_id=None)
+    with pytest.raises(TypeError, match=r"needs a fast \(Rust\) tokenizer .*use_fast=True"):
+        load_dataset(p, slow, max_seq_len=16)

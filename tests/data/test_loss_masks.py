@@ -204,6 +204,26 @@ def test_a_marked_template_that_renders_the_prompts_replies_otherwise_is_refused
     assert trained_spans(tok, ids, mask) == ["Hello there.<|im_end|>", "It is four, I am quite sure.<|im_end|>"]
 
 
+# marked, with no generation prompt and nothing between turns: a prompt ending in a reply shares all of its tokens,
+# that reply's marked <|im_end|> last, with the full rendering
+MARKED_NO_GEN_PROMPT = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}"
+                        "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>' }}"
+                        "{% endgeneration %}{% else %}{{ m['content'] + '<|im_end|>' }}{% endif %}{% endfor %}")
+
+
+def test_a_marked_completion_after_a_prompt_reply_trains_none_of_the_prompt_reply(tokenizer):
+    """With markers, a completion blanks every token the prompt's rendering shares with the full one, the last one
+    too: here that is the prompt reply's own marked <|im_end|>, which must not carry loss (blanking one token short
+    trained it with the completion)."""
+    tok = make_tokenizer(tokenizer, MARKED_NO_GEN_PROMPT, None, "<|im_end|>", [])
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+            {"role": "assistant", "content": "b"}]
+    ids, mask = encode_chat(tok, msgs, markers=True)
+    assert trained_spans(tok, ids, mask) == ["a<|im_end|>", "b<|im_end|>"]
+    ids, mask = encode_chat(tok, msgs, train_from=2, markers=True)
+    assert trained_spans(tok, ids, mask) == ["b<|im_end|>"]
+
+
 def test_markers_of_the_default_template_of_several_are_used(tokenizer, tmp_path):
     """A tokenizer saved with more than one template (additional_chat_templates/) has a dict chat_template, and
     apply_chat_template renders its "default". Its {% generation %} markers went unseen, so a template that drops

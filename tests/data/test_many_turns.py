@@ -8,6 +8,7 @@ import random
 import pytest
 
 from chronicals.data import tokenize
+from chronicals.data.formats import FormatError
 from chronicals.data.tokenize import encode_chat
 
 from test_loss_masks import FAMILIES, NO_SYSTEM
@@ -127,6 +128,27 @@ def test_one_reply_closed_otherwise_steps_aside(tokenizer):
     got, want = encode_chat(tok, msgs), exact(tok, msgs)
     assert tok.decode(want[0][want[1]]).count("<|endoftext|>") == 1
     assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+
+
+# a plain-text note after the last message when that is a reply past message 8: such a reply renders otherwise as the
+# last message than with a turn after it
+LATE_NOTE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+             "{% if loop.last and m['role'] == 'assistant' and loop.index0 > 8 %}{{ '(late)' }}{% endif %}"
+             "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_a_middle_reply_that_renders_otherwise_when_last_is_refused_as_the_prefix_renders_refuse_it(tokenizer):
+    """The shortcut checks the bounds of a middle reply too, not only the first and last: a template that renders
+    a reply past message 8 otherwise as the last message is not prefix-stable there, and the shortcut refuses the
+    record as the prefix renders do (checking only the first and last reply, it trained every reply)."""
+    tok = make_tokenizer(tokenizer, LATE_NOTE, None, "<|im_end|>", [])
+    msgs = []
+    for k in range(tokenize.LINEAR_FROM):
+        msgs += [{"role": "user", "content": f"q{k}"}, {"role": "assistant", "content": f"a{k}"}]
+    with pytest.raises(FormatError, match="not prefix-stable at message 9"):
+        exact(tok, msgs)
+    with pytest.raises(FormatError, match="not prefix-stable at message 9"):
+        encode_chat(tok, msgs)
 
 
 # turns that end in plain text: the whitespace after a reply is trained unless the reply's own text ends in a special

@@ -72,6 +72,8 @@ def test_empty_targets_are_counted_and_warned(tokenizer, tmp_path, caplog):
 
 
 def test_truncated_to_no_loss_tokens_is_reported_as_dropped(tokenizer, tmp_path, caplog):
+    """An example truncated to no loss token is said as that one cause; the "N without loss tokens" part counts only
+    the drops truncation did not cause, so it is left out here (it said "0 without loss tokens" beside it)."""
     long_turn = {"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]}
     short = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}
     p = write(tmp_path / "t.jsonl", [long_turn, short])
@@ -80,6 +82,7 @@ def test_truncated_to_no_loss_tokens_is_reported_as_dropped(tokenizer, tmp_path,
     assert (len(ds), ds.stats.truncated, ds.stats.truncated_no_loss) == (1, 1, 1)
     warned = messages(caplog, logging.WARNING)
     assert len(warned) == 1 and "1 truncated to no loss tokens (dropped)" in warned[0], warned
+    assert "without loss tokens" not in warned[0], warned
 
 
 def test_examples_dropped_as_too_long_are_a_warning(tokenizer, tmp_path, caplog):
