@@ -156,6 +156,11 @@ def test_unknown_gguf_tensors_are_named():
         gguf_io.hf_name("rope_freqs.weight", "x.gguf")
     with pytest.raises(ValueError, match=r"x\.gguf: tensor 'blk\.0\.ffn_gate_exps\.weight' has no counterpart"):
         gguf_io.hf_name("blk.0.ffn_gate_exps.weight", "x.gguf")
+    # a known name with a suffix (another converter's extra tensor) is no known tensor: read as layer 0's q_proj
+    # weight, it stood in for (or collided with) the real one
+    for name in ["blk.0.attn_q.weight_scale", "blk.1.ffn_down.bias.old"]:
+        with pytest.raises(ValueError, match=rf"^x\.gguf: tensor '{name}' has no counterpart in our decoder"):
+            gguf_io.hf_name(name, "x.gguf")
 
 
 def test_unsupported_gguf_architecture(tmp_path, tiny_hf_config):
@@ -378,6 +383,16 @@ def test_a_gguf_with_a_long_file_name_loads(tmp_path, tiny_hf_config, monkeypatc
     assert len(gguf_cache.cache_dir_for(path).name.encode()) == 180 + 17
 
 
+def test_a_long_name_cut_inside_a_multibyte_character_gets_an_entry(tmp_path, monkeypatch):
+    """A long non-ASCII GGUF name whose 180-byte cut falls inside a multi-byte character gets an entry named with
+    the characters before it (the split one dropped), not a UnicodeDecodeError out of the load."""
+    monkeypatch.setenv("CHRONICALS_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / ("a" + "é" * 120 + ".gguf")  # byte 180 falls inside the 90th "é"
+    path.write_bytes(b"GGUF")
+    d = gguf_cache.cache_dir_for(path)
+    assert d.name.startswith("a" + "é" * 89 + "-") and len(d.name.encode()) <= 255
+
+
 def test_a_cache_path_with_a_tilde_is_expanded(tmp_path, monkeypatch):
     """CHRONICALS_CACHE="~/cc" (quoted, or a Docker ENV: not expanded) wrote the conversion to $HOME/cc and looked
     for it in ./~/cc (a GGUF walk); data.cache_dir too."""
@@ -387,6 +402,14 @@ def test_a_cache_path_with_a_tilde_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("CHRONICALS_CACHE", "~/cc")
     assert gguf_cache.cache_root() == tmp_path / "cc"
     assert tokenization_cache_dir("~/tok") == tmp_path / "tok"
+
+
+def test_an_empty_chronicals_cache_is_the_default_cache(tmp_path, monkeypatch):
+    """CHRONICALS_CACHE set but empty (``export CHRONICALS_CACHE=``, an empty Docker ENV) is "not set": the cache is
+    ~/.cache/chronicals. Read as Path(""), it was ".", and every GGUF was converted under the current directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("CHRONICALS_CACHE", "")
+    assert gguf_cache.cache_root() == tmp_path / ".cache" / "chronicals"
 
 
 def test_a_full_disk_while_writing_the_tokenizer_is_an_oserror_naming_the_output(tmp_path):

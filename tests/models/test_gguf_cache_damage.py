@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 
 import pytest
 import torch
@@ -56,6 +57,23 @@ def test_a_damaged_entry_is_converted_again(tmp_path, cache, tiny, caplog, damag
     got = load_hf_dir(again, dtype=torch.float32).state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert [d.name for d in out.parent.iterdir()] == [out.name]  # the damaged copy is gone, not left aside
+
+
+def test_a_damaged_entry_that_cannot_be_moved_aside_says_so(tmp_path, cache, tiny, monkeypatch):
+    """A damaged entry that cannot be moved aside (a cache we may not change) is an OSError naming the entry, the
+    damage and the fix (delete it by hand); it was returned and loaded as it was."""
+    path = tmp_path / "m.gguf"
+    _write(path, tiny)
+    out = gguf_io.cached_gguf_dir(path)
+    (out / "model.safetensors").unlink()
+
+    def denied(src, dst):
+        raise PermissionError(13, "Permission denied", str(src))
+
+    monkeypatch.setattr(gguf_cache.os, "rename", denied)
+    with pytest.raises(OSError, match=rf"^{out}: this cached conversion of .* is damaged \(no \.safetensors file\) "
+                                      r"and cannot be removed \(Permission denied\); delete that directory by hand"):
+        gguf_io.cached_gguf_dir(path)
 
 
 def test_an_intact_entry_is_reused_without_a_word(tmp_path, cache, tiny, caplog, monkeypatch):
@@ -153,6 +171,18 @@ def test_a_small_file_that_cannot_be_renamed_leaves_no_temporary(tmp_path, monke
     with pytest.raises(PermissionError):
         gguf_cache._write_small_file(target, "x\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_small_file_is_world_readable_under_a_strict_umask(tmp_path):
+    """_write_small_file's files (an entry's record stamped on a hit, a retried tokenizer's error) are 0644 under
+    umask 077, as the rest of a shared cache entry is; they were 0600, unreadable to the cache's other users."""
+    target = tmp_path / gguf_cache.CACHE_ENTRY
+    old = os.umask(0o077)
+    try:
+        gguf_cache._write_small_file(target, "{}\n")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644
 
 
 @pytest.mark.parametrize("text", ['{"why": "no vocab"}', '{"error": 3}'], ids=["no error key", "error not a string"])

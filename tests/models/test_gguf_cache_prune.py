@@ -88,6 +88,19 @@ def test_new_conversion_removes_the_older_ones_of_the_same_file_only(tmp_path, c
                        f"{size / 1e6:.1f} MB freed"]
 
 
+def test_older_entries_of_a_gguf_loaded_by_a_relative_path_are_removed(tmp_path, cache, tiny, monkeypatch):
+    """The record names the resolved path (the one pruning compares with), not the path as given: a GGUF loaded by a
+    relative path never had its older entries removed."""
+    monkeypatch.chdir(tmp_path)
+    _write(tmp_path / "m.gguf", tiny)
+    first = gguf_io.cached_gguf_dir("m.gguf")
+    assert json.loads((first / gguf_cache.CACHE_ENTRY).read_text())["source"] == str((tmp_path / "m.gguf").resolve())
+    _age(first)
+    _write(tmp_path / "m.gguf", tiny, shift=0.5)
+    second = gguf_io.cached_gguf_dir("m.gguf")
+    assert second != first and not first.exists()
+
+
 def test_entry_used_recently_is_kept(tmp_path, cache, tiny):
     """Another process may be loading an older entry: kept while it was used (a cache hit) in the last
     PRUNE_AFTER_S seconds, removed by the next conversion after that."""
@@ -103,6 +116,20 @@ def test_entry_used_recently_is_kept(tmp_path, cache, tiny):
     _write(path, tiny, shift=1.0)
     gguf_io.cached_gguf_dir(path)
     assert not first.exists() and second.is_dir()  # second is still recent
+
+
+def test_a_hit_whose_use_cannot_be_stamped_still_loads(tmp_path, cache, tiny, monkeypatch):
+    """Stamping a hit on the entry's record is best effort: a cache hit on a cache that cannot be written (shared
+    read-only) returns the entry; it failed the load with PermissionError."""
+    path = tmp_path / "m.gguf"
+    _write(path, tiny)
+    first = gguf_io.cached_gguf_dir(path)
+
+    def denied(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(gguf_cache.os, "utime", denied)
+    assert gguf_io.cached_gguf_dir(path) == first
 
 
 def test_converter_version_bump_removes_the_older_versions_entry_not_a_newer_ones(tmp_path, cache, tiny,
@@ -266,6 +293,17 @@ def test_a_record_whose_converter_version_is_no_integer_is_kept(tmp_path, cache,
     file) is not known to be ours: pruning keeps it and the load goes on. null or "3" raised a TypeError out of the
     load (compared with an int); 4.0 was removed."""
     p, keep, old = _older_entry(tmp_path, cache, version)
+    entry = old.rename(cache / f"m-{'0' * 16}")
+    assert gguf_cache.prune_older_entries(p, keep) == []
+    assert (entry / "config.json").is_file()
+
+
+def test_a_record_that_is_not_a_json_object_is_kept(tmp_path, cache):
+    """An older entry whose record is JSON but no object (a list: a hand edit, another tool's file) is not known to
+    be ours: pruning keeps it and goes on; it raised an AttributeError out of the load."""
+    p, keep, old = _older_entry(tmp_path, cache)
+    (old / gguf_cache.CACHE_ENTRY).write_text("[]\n")
+    _age(old)
     entry = old.rename(cache / f"m-{'0' * 16}")
     assert gguf_cache.prune_older_entries(p, keep) == []
     assert (entry / "config.json").is_file()

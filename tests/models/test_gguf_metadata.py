@@ -5,6 +5,7 @@ values), read back by chronicals and compared with the transformers model on the
 from __future__ import annotations
 
 import json
+import struct
 
 import gguf
 import numpy as np
@@ -109,6 +110,17 @@ def test_a_zero_rope_scaling_factor_is_no_scaling(tmp_path, key):
     assert ours.config.rope_scaling is None and _rel_err(ours, m) <= 1e-5
 
 
+def test_a_float32_rope_scaling_factor_reads_as_its_shortest_decimal(tmp_path):
+    """rope.scaling.factor is stored as float32: 1.1 is read back as 1.1 (the Hugging Face release's value) in the
+    model config and in the converted config.json, not as 1.100000023841858."""
+    path = tmp_path / "factor.gguf"
+    write_gguf(path, "llama", hf_model("llama"), extra=lambda w: w.add_rope_scaling_factor(1.1))
+    ours, _ = chronicals.load_model(path, tokenizer=False)
+    assert ours.config.rope_scaling == {"rope_type": "linear", "factor": 1.1}
+    out = convert_gguf(path, tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["rope_parameters"]["factor"] == 1.1
+
+
 # a damaged file's metadata: (writer add_* left out, what is written instead, the error's pattern)
 _DAMAGED = {
     # 6 heads of 16 over 2 kv heads: K has 32 rows, which 3 kv heads cannot split into rotary pairs; was a bare
@@ -155,6 +167,31 @@ def test_per_layer_metadata_alike_for_every_layer_loads(tmp_path):
                                 w.add_array("llama.feed_forward_length", [64, 64])))
     ours, _ = chronicals.load_model(path, tokenizer=False)
     assert ours.config.num_key_value_heads == 2 and _rel_err(ours, m) <= 1e-5
+
+
+def _write_empty_per_layer_array(path, key: bytes = b"llama.feed_forward_length", pad: bytes = b"zz.pad") -> None:
+    """A GGUF whose ``key`` is an empty INT32 array. gguf's writer refuses empty arrays, so a 1-element array is
+    written and its element cut out; a padding string grows by the same 4 bytes, so every offset after the metadata
+    (tensor infos, aligned tensor data) stays where the writer put it."""
+    write_gguf(path, "llama", hf_model("llama"), skip=("feed_forward_length",),
+               extra=lambda w: (w.add_array(key.decode(), [96]), w.add_string(pad.decode(), "x")))
+    raw = path.read_bytes()
+    i = raw.index(key) + len(key)  # then: type ARRAY (9), item type INT32 (5), count 1 (u64), the element (u32)
+    assert struct.unpack_from("<IIQ", raw, i) == (9, 5, 1)
+    raw = raw[:i + 8] + struct.pack("<Q", 0) + raw[i + 20:]
+    j = raw.index(pad) + len(pad)  # then: type STRING (8), length 1 (u64), "x"
+    assert struct.unpack_from("<IQ", raw, j) == (8, 1)
+    raw = raw[:j + 4] + struct.pack("<Q", 5) + b"xabcd" + raw[j + 13:]
+    path.write_bytes(raw)
+
+
+def test_an_empty_per_layer_array_names_the_file_and_the_key(tmp_path):
+    """An empty array where a per-layer value belongs (a damaged file) is refused naming the file and the key, not
+    a bare IndexError out of the per-layer collapse."""
+    path = tmp_path / "empty_array.gguf"
+    _write_empty_per_layer_array(path)
+    with pytest.raises(ValueError, match=rf"^{path}: metadata llama\.feed_forward_length=\[\] is not an integer"):
+        chronicals.load_model(path, tokenizer=False)
 
 
 def test_a_split_count_of_one_is_a_whole_file_and_loads(tmp_path):

@@ -45,11 +45,13 @@ def test_a_missing_required_key_is_named(tmp_path, skip, key):
     ("layer_norm_rms_eps", dict(rms_norm_eps=1e-6), "rms_norm_eps", 1e-6),  # transformers' LlamaConfig default
     ("rope_freq_base", dict(rope_theta=10000.0), "rope_theta", 10000.0),  # llama.cpp's rope_freq_base_train default
     ("context_length", {}, "max_position_embeddings", 4096),  # ModelConfig's default: generation's context limit
+    # the whole head rotates: head_dim from key_length (32), not hidden / heads (16: a partial rope, logits wrong)
+    ("rope_dimension_count", dict(head_dim=32), "rotary_dim", 32),
 ])
 def test_an_absent_optional_key_takes_its_default(tmp_path, skip, over, field, value):
-    """A GGUF without attention.layer_norm_rms_epsilon, rope.freq_base or context_length loads with the default
-    llama.cpp and transformers use (the logits equal such a transformers model's), not some other epsilon, theta or
-    context length."""
+    """A GGUF without attention.layer_norm_rms_epsilon, rope.freq_base, context_length or rope.dimension_count
+    loads with the default llama.cpp and transformers use (the logits equal such a transformers model's), not some
+    other epsilon, theta, context length or rotary dimension."""
     m = hf_model("llama", **over)
     path = tmp_path / "m.gguf"
     write_gguf(path, "llama", m, skip=(skip,))

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 import chronicals
 from chronicals.cli import main
 from chronicals.lora import apply_lora, save_adapter
-from chronicals.models import CausalLM, ModelConfig, gguf_io
+from chronicals.models import CausalLM, ModelConfig, gguf_cache, gguf_io
 from chronicals.models.gguf_io import permute_qk, unpermute_qk
 from chronicals.ops import rope_cos_sin, rope_qk
 from test_gguf import _gguf_name  # llama.cpp's tensor names, apart from gguf_io's own table
@@ -252,7 +252,8 @@ def test_export_of_an_adapter_on_a_partial_rope_gguf_says_what_works(tmp_path, c
 def test_convert_gguf_refuses_a_folder_with_other_files_before_writing(tmp_path):
     """convert_gguf(gguf, out_dir) replaced an existing out_dir whatever it held: a folder of notes, or the folder
     holding the .gguf itself, was emptied without a word. Now as save_model: refused, naming the files, nothing
-    written; a previous conversion (a model's files only) is still replaced."""
+    written; a previous conversion (a model's files only, with a cache entry's record and tokenizer error: a copied
+    cache entry, an earlier export of a file whose tokenizer failed) is still replaced."""
     cfg = _hf_cfg("llama", 16, 16)
     path = tmp_path / "m.gguf"
     _write(path, "llama", cfg, 16, _random_stored(cfg))
@@ -260,8 +261,11 @@ def test_convert_gguf_refuses_a_folder_with_other_files_before_writing(tmp_path)
     with pytest.raises(FileExistsError, match=r"holds files this save would delete \(.*m\.gguf.*notes\.txt"):
         gguf_io.convert_gguf(path, tmp_path)
     assert path.is_file() and (tmp_path / "notes.txt").read_text() == "mine"
-    out = gguf_io.convert_gguf(path, tmp_path / "hf")
+    out = gguf_io.convert_gguf(path, tmp_path / "hf", cache_entry={"source": str(path)})
+    (out / gguf_cache.TOKENIZER_ERROR).write_text(gguf_cache.tokenizer_error_json("no tokenizer"))
+    assert (out / gguf_cache.CACHE_ENTRY).is_file()
     assert gguf_io.convert_gguf(path, out) == out and (out / "config.json").is_file()  # its own files: replaced
+    assert not (out / gguf_cache.CACHE_ENTRY).exists() and not (out / gguf_cache.TOKENIZER_ERROR).exists()
 
 
 def test_a_gguf_without_its_suffix_loads_and_other_files_say_what_a_model_is(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 
 import pytest
 import transformers
@@ -97,6 +98,51 @@ def test_failure_still_there_after_an_upgrade_is_recorded_under_the_new_versions
             chronicals.load_model(bpe_gguf)
         assert calls == [bpe_gguf.name]  # once: the retry's failure is cached in turn
         assert json.loads((d / gguf_cache.TOKENIZER_ERROR).read_text())[package] == "99.0.0"
+
+
+def test_a_retry_that_cannot_record_its_failure_is_a_warning(bpe_gguf, monkeypatch, caplog):
+    """A retry that fails again and cannot record its failure (a read-only cache) is a warning: the weights load and
+    the tokenizer's own error is raised, not the PermissionError of the cache write."""
+    with monkeypatch.context() as m:
+        _count_gguf_tokenizer_calls(m, fail=True)
+        chronicals.load_model(bpe_gguf, tokenizer=False)
+
+    def denied(src, dst):
+        raise PermissionError(13, "Permission denied", str(dst))
+
+    with monkeypatch.context() as m:
+        _fake_version(m, "tokenizers", "99.0.0")
+        _count_gguf_tokenizer_calls(m, fail=True)
+        _no_dequantization(m)
+        m.setattr(gguf_cache.os, "replace", denied)
+        with caplog.at_level(logging.WARNING, logger="chronicals.models.gguf_cache"):
+            model, tok = chronicals.load_model(bpe_gguf, tokenizer=False)
+            with pytest.raises(ValueError, match=r"KeyError: 'scores'"):
+                chronicals.load_model(bpe_gguf)
+    assert model is not None and tok is None
+    assert any("could not update" in r.getMessage() for r in caplog.records)
+
+
+def test_a_retried_tokenizer_is_added_without_hard_links(bpe_gguf, monkeypatch):
+    """On a file system without hard links (os.link fails: some network and FUSE file systems) a tokenizer that
+    converts after an upgrade is still added to the entry, its files copied; the entry was never updated and the old
+    failure was raised on every load."""
+    with monkeypatch.context() as m:
+        _count_gguf_tokenizer_calls(m, fail=True)
+        chronicals.load_model(bpe_gguf, tokenizer=False)
+    d = gguf_cache.cache_dir_for(bpe_gguf)
+    assert gguf_cache.tokenizer_error(d) is not None
+
+    def no_links(src, dst):
+        raise OSError(1, "Operation not permitted", str(src))
+
+    with monkeypatch.context() as m:
+        _fake_version(m, "transformers", "99.0.0")
+        _no_dequantization(m)
+        m.setattr(gguf_cache.os, "link", no_links)
+        _, tok = chronicals.load_model(bpe_gguf)
+    assert tok is not None and gguf_cache.tokenizer_error(d) is None
+    assert (d / "model.safetensors").is_file() and (d / gguf_cache.CACHE_ENTRY).is_file()
 
 
 def test_failure_recorded_before_stamps_is_retried(bpe_gguf, monkeypatch):
