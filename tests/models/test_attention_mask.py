@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from chronicals.models import CausalLM, ModelConfig
+from chronicals.models.forward_args import mask_padding
 
 TINY = dict(vocab_size=53, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, rms_norm_eps=1e-6, pad_token_id=0)
@@ -82,6 +83,23 @@ def test_loss_leaves_the_padding_out(pair, batch):
         p.grad = None
 
 
+def test_a_row_without_padding_keeps_its_last_shift_label(pair, batch):
+    """In shift_labels form the user supplies the last position's target (e.g. the next chunk's first token): a row
+    without padding keeps it beside padded rows; only positions whose token or target is padding lose theirs (every
+    row's last target was dropped, the unpadded row's too)."""
+    ours, _ = pair
+    ids, mask = batch
+    targets = torch.arange(10).view(2, 5) + 1
+    labels, shift = mask_padding(torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]), None, targets)
+    assert labels is None and shift.tolist() == [[1, 2, 3, 4, 5], [6, 7, -100, -100, -100]]
+    aligned = torch.roll(ids, -1, 1)
+    with torch.no_grad():
+        got = ours(ids, attention_mask=mask, shift_labels=aligned, reduction="none")
+        want = ours(ids[:1], shift_labels=aligned[:1], reduction="none")
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    assert got[0, -1] > 0
+
+
 def test_a_mask_of_ones_changes_nothing(pair, batch):
     ours, _ = pair
     ids, _ = batch
@@ -91,11 +109,26 @@ def test_a_mask_of_ones_changes_nothing(pair, batch):
         assert torch.equal(ours(ids, attention_mask=ones.bool(), labels=ids), ours(ids, labels=ids))
 
 
+def _set(mask, row, col, value):
+    mask = mask.clone()
+    mask[row, col] = value
+    return mask
+
+
 @pytest.mark.parametrize("mask,match", [
     (lambda m: m.flip(1), r"attention_mask row 1 has padding before a token \(left padding\)"),
     (lambda m: m * 2, "values other than 0 and 1"),
     (lambda m: m.float(), "must be bool or integer .* got torch.float32"),
     (lambda m: m[:, :5], r"attention_mask has shape \(3, 5\) but input_ids has \(3, 9\)"),
+    # the exact (B, S) shape: one row's mask is not broadcast onto every row's labels
+    (lambda m: m[:1], r"attention_mask has shape \(1, 9\) but input_ids has \(3, 9\)"),
+    (lambda m: m[:, None], r"attention_mask has shape \(3, 1, 9\) but input_ids has \(3, 9\)"),
+    # a hole after a row's first token is padding before a token too, not silently dropped from the loss
+    (lambda m: _set(m, 1, 1, 0), r"attention_mask row 1 has padding before a token"),
+    (lambda m: _set(m, 1, 8, 1), r"attention_mask row 1 has padding before a token"),
+    # negative values (a label-like mask) and 2 in every integer dtype, not only int64
+    *[(lambda m, v=v: m.masked_fill(m == 0, v), "values other than 0 and 1") for v in (-1, -100)],
+    *[(lambda m, dt=dt: (m * 2).to(dt), "values other than 0 and 1") for dt in (torch.int32, torch.uint8, torch.int8)],
 ])
 def test_bad_masks_say_what_and_how(pair, batch, mask, match):
     ours, _ = pair

@@ -28,6 +28,7 @@ def ids():
 @pytest.mark.parametrize("call,match", [
     (lambda m, ids: m(ids[0]), r"2-D \(B, S\), got shape \(11,\); add a batch dimension: model\(ids\[None\]\)"),
     (lambda m, ids: m(ids[None]), r"2-D \(B, S\), got shape \(1, 2, 11\)"),
+    (lambda m, ids: m(ids[0, 0]), r"2-D \(B, S\), got shape \(\); reshape to \(batch, sequence\)"),  # 0-d
     (lambda m, ids: m(ids.float()), r"input_ids .* int64 or int32, got torch.float32"),
     (lambda m, ids: m(ids, labels=ids[:, :10]), r"labels has shape \(2, 10\) but input_ids has \(2, 11\)"),
     (lambda m, ids: m(ids, labels=ids.reshape(-1)), r"labels has shape \(22,\) but input_ids has \(2, 11\)"),
@@ -85,6 +86,22 @@ def test_restarting_positions_are_documents_as_long_as_the_longest():
         got = windowed(ids, position_ids=torch.cat([torch.arange(6), torch.arange(6)])[None])
         want = torch.cat([windowed(ids[:, :6]), windowed(ids[:, 6:])], dim=1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_documents_restart_in_any_row_and_the_last_one_counts_for_max_seqlen():
+    """Restarts are looked for in every row, also when row 0 is a plain row (a batch whose second row holds two
+    documents was read as plain rows, attention crossing them), and max_seqlen counts the batch's last document
+    too (it was left out of the max)."""
+    from chronicals.models.forward_args import documents_from_positions
+
+    cu, longest = documents_from_positions(torch.tensor([[0, 1, 2, 3, 4], [0, 1, 0, 1, 2]]))
+    assert cu.tolist() == [0, 5, 7, 10] and longest == 5
+    cu, longest = documents_from_positions(torch.tensor([[0, 1, 2], [0, 1, 2], [0, 0, 1]]))
+    assert cu.tolist() == [0, 3, 6, 7, 9] and longest == 3
+    cu, longest = documents_from_positions(torch.tensor([[0, 1, 0, 1, 2, 3, 4, 5]]))
+    assert cu.tolist() == [0, 2, 8] and longest == 6
+    cu, longest = documents_from_positions(torch.tensor([[0, 1, 0], [0, 1, 2]]))
+    assert cu.tolist() == [0, 2, 3, 6] and longest == 3
 
 
 def test_restarting_positions_with_kv_caches_are_one_sequence():

@@ -143,6 +143,36 @@ def test_lora_and_other_modules_take_the_separate_path(tiny_hf_config):
     assert fusable(nn.Linear(4, 4, device="meta"), nn.Linear(4, 2, device="meta")) is None
 
 
+def test_every_one_of_three_modules_is_checked(tiny_hf_config):
+    """fusable checks the type, bias presence, dtype and device of each module, not only the first two or the first
+    and last: a k_proj without the bias of q and v failed in torch.cat on None, a v_proj in float64 promoted the
+    GEMM, and LoRA on v_proj / up_proj alone went into the joint GEMM through the base weight, the adapter dropped."""
+    class MyLinear(nn.Linear):
+        pass
+
+    assert "MyLinear" in fusable(nn.Linear(4, 4), nn.Linear(4, 2), MyLinear(4, 2))
+    assert "bias" in fusable(nn.Linear(4, 4), nn.Linear(4, 2, bias=False), nn.Linear(4, 2))
+    assert "bias" in fusable(nn.Linear(4, 4, bias=False), nn.Linear(4, 2), nn.Linear(4, 2, bias=False))
+    assert fusable(nn.Linear(4, 4, bias=False), nn.Linear(4, 2, bias=False), nn.Linear(4, 2, bias=False)) is None
+    assert "dtype or device" in fusable(nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2).double())
+    assert "dtype or device" in fusable(nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2, device="meta"))
+    assert fusable(nn.Linear(4, 4).double(), nn.Linear(4, 2).double(), nn.Linear(4, 2).double()) is None
+
+    model, attn, mlp = _model(tiny_hf_config, "llama3")
+    apply_lora(model, r=2, alpha=4, target_modules=("v_proj", "up_proj"))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # B = 0 after init would make the adapter a no-op
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    x = _x(attn.q_proj.in_features, torch.float32)
+    q, k, v = qkv_proj(attn, x)
+    torch.testing.assert_close(v, attn.v_proj(x).view(v.shape), rtol=0, atol=0)
+    gu = gate_up_proj(mlp, x)
+    if gu is not None:  # a LoRA group GEMM may serve gate/up: it must hold the adapter's contribution
+        torch.testing.assert_close(gu, torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1), **TOL[torch.float32])
+
+
 def test_a_forward_pre_hook_takes_the_separate_path_and_runs(tiny_hf_config):
     """A forward pre-hook keeps the module out of the joint GEMM, as a forward hook does: the joint GEMM calls
     F.linear directly and would skip it."""
@@ -229,6 +259,62 @@ def test_swiglu_down_gives_the_bias_and_weight_gradients_of_the_plain_path(in_pl
 
 
 @pytest.mark.skipif(OP_IMPL != "triton" and not torch.cuda.is_available(), reason="needs CUDA or TRITON_INTERPRET=1")
+def test_swiglu_down_takes_a_non_contiguous_incoming_gradient():
+    """SwiGLUDownFunction's backward reshapes dy (a transposed view, as a transpose / permute downstream gives):
+    with dy.view it raised "view size is not compatible with input tensor's size and stride"."""
+    from chronicals.models.fused_proj import SwiGLUDownFunction
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    gu0, w0, b0 = (torch.randn(*shape, generator=g).to(dev) for shape in ((2, 3, 16), (6, 8), (6,)))
+    c = torch.randn(3, 2, 6, generator=g).to(dev)
+    gu, w, b = (t.clone().requires_grad_() for t in (gu0, w0, b0))
+    y = SwiGLUDownFunction.apply(gu.clone(), w, b, False)
+    (y.transpose(0, 1).contiguous() * c).sum().backward()  # dy arrives as c.transpose(0, 1): not contiguous
+    ref_gu, ref_w, ref_b = (t.clone().requires_grad_() for t in (gu0, w0, b0))
+    gate, up = ref_gu.chunk(2, -1)
+    (nn.functional.linear(nn.functional.silu(gate) * up, ref_w, ref_b).transpose(0, 1) * c).sum().backward()
+    for a, r in ((gu, ref_gu), (w, ref_w), (b, ref_b)):
+        torch.testing.assert_close(a.grad, r.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(OP_IMPL != "triton" and not torch.cuda.is_available(), reason="needs CUDA or TRITON_INTERPRET=1")
+def test_swiglu_down_steps_aside_while_torch_compile_traces(tiny_hf_config, monkeypatch):
+    """While dynamo traces, swiglu_down returns None (the MLP then runs traceable modules) instead of the Triton
+    autograd Function; compile_layers turns recompute off, so the compiled suite never reached this check."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = ModelConfig.from_hf_dict(tiny_hf_config("llama3", num_hidden_layers=1))
+    mlp = CausalLM(cfg, impl="triton").init_weights(std=0.1, seed=0).to(dev).model.layers[0].mlp
+    gu = torch.randn(1, 3, 2 * mlp.down_proj.in_features, device=dev, requires_grad=True)
+    assert fused_proj.swiglu_down(mlp, gu) is not None  # the control: eager, on Triton, a plain down_proj
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert fused_proj.swiglu_down(mlp, gu) is None
+
+
+@pytest.mark.parametrize("names", [("swiglu",), ("gate_up",), ("swiglu", "gate_up")])
+def test_mlp_biases_under_recompute_give_the_plain_loss_and_gradients(tiny_hf_config, names):
+    """Llama mlp_bias=True with recomputation: "swiglu" (SwiGLUDownFunction on Triton) keeps down_proj's bias and
+    "gate_up" rebuilds gu with gate / up's biases; loss and every gradient equal the run without recompute (the
+    recompute models had no MLP bias, so a dropped bias went unseen)."""
+    def run(recomputed):
+        model, _, _ = _model(tiny_hf_config, "llama_bias")
+        model.set_impl(OP_IMPL)
+        model.set_recompute(recomputed)
+        model.train()
+        ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(0))
+        loss = model(ids, labels=ids)
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    want_loss, want = run(())
+    got_loss, got = run(names)
+    torch.testing.assert_close(got_loss, want_loss, **TOL[torch.float32])
+    assert got.keys() == want.keys()
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, **TOL[torch.float32], msg=name)
+
+
+@pytest.mark.skipif(OP_IMPL != "triton" and not torch.cuda.is_available(), reason="needs CUDA or TRITON_INTERPRET=1")
 def test_a_hooked_down_proj_runs_its_hook_under_swiglu_recompute(tiny_hf_config):
     """With SwiGLU recomputation on the Triton path, a down_proj with a forward hook keeps its own call (the hook
     runs and may change the output) instead of being skipped by the fused SwiGLU+down function."""
@@ -269,6 +355,28 @@ def test_backward_is_one_dx_gemm_without_adds(tiny_hf_config):
     ops = counted.ops
     assert ops["mm"] == 4 and ops["cat"] == 1 and ops["sum"] == 2, ops
     assert not any(op in ops for op in ("add", "add_", "zeros", "new_zeros", "zero_", "fill_")), ops
+
+
+@pytest.mark.skipif(OP_IMPL != "triton" and not torch.cuda.is_available(), reason="needs CUDA or TRITON_INTERPRET=1")
+def test_a_frozen_down_proj_gets_no_weight_or_bias_gradient_work():
+    """SwiGLUDownFunction's backward runs the dW GEMM and the bias reduction only when down_proj's weight / bias
+    needs a gradient: a frozen MLP (LoRA on the attention only) paid an (H, I) GEMM per layer per step, thrown away."""
+    from chronicals.models.fused_proj import SwiGLUDownFunction
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ops = {}
+    for trainable in (False, True):
+        g = torch.Generator().manual_seed(0)
+        gu = torch.randn(2, 3, 16, generator=g).to(dev).requires_grad_()
+        w, b = torch.randn(6, 8, generator=g).to(dev), torch.randn(6, generator=g).to(dev)
+        w.requires_grad_(trainable), b.requires_grad_(trainable)
+        y = SwiGLUDownFunction.apply(gu * 1, w, b, False)
+        with _CountOps() as counted:
+            y.sum().backward()
+        ops[trainable] = counted.ops
+        assert (w.grad is None) != trainable and (b.grad is None) != trainable
+    assert ops[False]["mm"] == 1 and ops[True]["mm"] == 2, ops  # d_act, then dW only when trainable
+    assert ops[True]["sum"] - ops[False]["sum"] == 1, ops  # the bias reduction (the interpreter sums on its own)
 
 
 @pytest.mark.parametrize("session", [True, False])
