@@ -1,4 +1,4 @@
-"""Data-parallel edge cases: resuming under another number of ranks.
+"""Data-parallel edge cases: resuming under another number of ranks; the warning of rows left out of every epoch.
 
 PackedLoader-level (no process group needed): each rank's loader is built as torchrun's rank r would build it,
 and the checkpoint's data state is rank 0's, as the trainer saves it.
@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from smollm2_tokenizer import smollm2_tokenizer
 
+from chronicals.config import load_config
 from chronicals.data import PackedLoader
 from chronicals.data.dataset import DatasetStats, TokenizedDataset
+from chronicals.train.setup import build_loaders
 
 from train_helpers import synthetic_docs
 
@@ -67,6 +70,28 @@ def test_fewer_batches_than_ranks_under_drop_names_the_remainder_setting():
     assert len(_loader(1, 2, n_docs=1)) == 1
     with pytest.raises(ValueError, match=r"no batch per rank .*remainder='drop'.*data\.dp_remainder=train"):
         _loader(0, 2, n_docs=1, remainder="drop")
+
+
+def test_rows_left_out_under_drop_are_warned_of_with_their_share_and_the_batch_sizes_that_fit(tmp_path, caplog):
+    """7 one-document rows, data.batch_size=3, 2 ranks, data.dp_remainder=drop: 3 global batches, the third (1 row)
+    never trained. Rank 0 warns once, counting the rows and their share of the loss tokens (1/7 of 98, not all 98),
+    and advises data.dp_remainder=train or the two nearest batch sizes whose ceil(7 / batch_size) is a multiple of
+    the ranks: 2 or 4 (floor division advised 3, the size that leaves the row out; one size was named, not two).
+    Without the warning the row was left out of every epoch without a word."""
+    f = tmp_path / "t.jsonl"
+    f.write_text("".join('{"text": "record %d says a few more words here, and then a few"}\n' % i for i in range(7)))
+    cfg = load_config(None, [f"data.path={f}", "data.eval_path=", "data.max_seq_len=16", "data.cache_dir=none",
+                             "eval.qa=false", "data.dp_remainder=drop", "data.batch_size=3",
+                             f"train.out_dir={tmp_path / 'run'}"])
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        loader, _, _ = build_loaders(cfg, smollm2_tokenizer(), tmp_path / "run", rank=0, world_size=2)
+    assert len(loader.rows) == 7 and loader.rows_left_out == 1 and loader.dataset.stats.loss_tokens == 98
+    said = [r.getMessage() for r in caplog.records if "are not trained" in r.getMessage()]
+    assert len(said) == 1, caplog.text
+    assert said[0].startswith("training data: 1 of 7 packed rows per epoch (about 1 document"), said[0]
+    assert "14 loss tokens; 14.3%) are not trained" in said[0], said[0]
+    assert "To train them all use data.dp_remainder=train (a new run), or data.batch_size=2 or 4 (ceil(7 / " \
+           "batch_size) a multiple of 2 ranks), or a number of ranks that divides the 3 batches" in said[0], said[0]
 
 
 def test_a_rank_count_refusal_reaches_the_user_without_a_guess(tmp_path):

@@ -105,6 +105,22 @@ def test_bad_limits_are_refused_naming_the_argument(kw, says, tmp_path):
         evaluate(None, None, data, torch.device("cpu"), **kw)
 
 
+def test_max_seq_len_equal_to_the_models_context_is_not_warned_of(monkeypatch, caplog):
+    """evaluate: a max_seq_len equal to the model's max_position_embeddings uses only trained positions and is not
+    warned of; one past it is ("positions past 64 were not trained" was said for rows of exactly 64). The data is
+    never read: the loader is stubbed to stop right after the check."""
+    def stop(*a, **k):
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr("chronicals.evaluate.heldout_loader", stop)
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=64))
+    for length in (64, 65):
+        with caplog.at_level(logging.WARNING, logger="chronicals.evaluate"), pytest.raises(RuntimeError, match="stop"):
+            evaluate(model, None, DataSection(path="x.jsonl", max_seq_len=length), CPU)
+    said = [r.getMessage() for r in caplog.records if "max_position_embeddings" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("max_seq_len=65 is longer than"), said
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     from smollm2_tokenizer import smollm2_tokenizer

@@ -9,12 +9,14 @@ import json
 import re
 
 import pytest
-from train_helpers import tiny_model
+import torch
+from train_helpers import tiny_config, tiny_model
 
 import chronicals.train.loop as loop
 from chronicals.cli import main
 from chronicals.config import LORA_VALUE_RULES, ConfigError, LoraSection, load_config
 from chronicals.lora import apply_lora, load_adapter, save_adapter
+from chronicals.train.setup import prepare_model
 
 
 @pytest.fixture
@@ -93,6 +95,17 @@ def test_a_lora_name_that_does_not_fit_the_model_exits_2_after_it_loads(override
     assert f"in a config: {key}" in err and "Traceback" not in err and "internal error" not in err
 
 
+@pytest.mark.parametrize("overrides, key, words", DOES_NOT_FIT, ids=[o[0] for o, _, _ in DOES_NOT_FIT])
+def test_a_lora_name_that_does_not_fit_the_model_keeps_the_key_apply_lora_named(overrides, key, words, tmp_path):
+    """prepare_model re-raises apply_lora's refusal as the config's fault with apply_lora's key (ConfigError.key),
+    lora.modules_to_save for a modules_to_save entry; it was lora.targets for every refusal, the text still saying
+    lora.modules_to_save."""
+    cfg = load_config(None, ["model.device=cpu", "model.impl=torch", "lora.enabled=true", *overrides])
+    with pytest.raises(ConfigError, match=rf"^config {key} does not fit model.path=") as e:
+        prepare_model(tiny_model(), cfg, torch.device("cpu"), torch.float32)
+    assert e.value.key == key and words in str(e.value)
+
+
 def test_a_peft_adapter_whose_names_do_not_fit_is_still_bad_input_not_a_config_error(tmp_path):
     """load_adapter names its adapter_config.json (chat / export exit 3: a bad file), not a config key."""
     model = tiny_model()
@@ -135,14 +148,20 @@ def test_good_lora_settings_still_load():
 
 def test_a_misspelled_target_beside_good_ones_exits_2_after_the_model_loads(tmp_path, monkeypatch, capsys):
     """lora.targets=[q_proj, gate_porj]: the typo matched nothing and the run trained q_proj alone (exit 0), its
-    adapter_config.json recording gate_porj as a target; every name the config lists must match a module."""
+    adapter_config.json recording gate_porj as a target; every name the config lists must match a module. The
+    refusal lists the model's linear layers to pick from, without lm_head (it named lm_head, which apply_lora
+    refuses as a target)."""
     monkeypatch.setattr(loop, "load_base", lambda *a, **k: (tiny_model(), None))
     monkeypatch.delenv("CHRONICALS_TRACEBACK", raising=False)
     assert main(["train", "lora.targets=[q_proj, gate_porj]", "model.path=tiny",
                  f"train.out_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
     assert "error: config lora.targets does not fit model.path=tiny: " in err and "['gate_porj']" in err, err
-    assert "gate_proj" in err and "Traceback" not in err and not (tmp_path / "run" / "adapter").exists()
+    assert "Traceback" not in err and not (tmp_path / "run" / "adapter").exists()
+    # the names to pick from are the decoder's projections; lm_head is no LoRA target (lora.modules_to_save is)
+    named = re.search(r"its linear layers are named (\[.*?\])", err)
+    assert named and named.group(1) == str(["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                                            "v_proj"]), err
 
 
 def test_a_lora_model_under_lora_disabled_is_a_config_error_before_any_step(tmp_path, docs):
@@ -161,6 +180,21 @@ def test_a_lora_model_under_lora_disabled_is_a_config_error_before_any_step(tmp_
     assert e.value.key == "lora.enabled"
     res = train(tiny_config(tmp_path, train__max_steps=1), model=merge_lora(model), train_loader=SyntheticLoader(docs))
     assert res.status == "completed"
+
+
+def test_a_lora_model_under_lora_disabled_is_refused_as_such_whatever_lora_keys_are_set(tmp_path, caplog):
+    """The lora.enabled refusal of an adapted model under full fine-tuning holds with lora.* keys set beside it: the
+    comparison of the config's lora values with the adapters' is for lora.enabled=true only. Run under
+    lora.enabled=false too, it refused with "asks for others: lora.rank=8" and advised the adapters' values, which
+    still fail."""
+    model = tiny_model()
+    apply_lora(model, r=4, alpha=8, target_modules=("q_proj", "v_proj"))
+    for over in ({"lora__rank": 8}, {}):
+        with caplog.at_level("WARNING", logger="chronicals"), pytest.raises(ConfigError) as e:
+            prepare_model(model, tiny_config(tmp_path, **over), torch.device("cpu"), torch.float32)
+        assert "but lora.enabled=false asks for full fine-tuning; set lora.enabled=true" in str(e.value), str(e.value)
+        assert e.value.key == "lora.enabled"
+    assert "has its own LoRA adapters" not in caplog.text
 
 
 RUN = ["eval.every=0", "eval.qa=false", "logging.progress=false", "data.batch_size=2", "train.save_every=1"]

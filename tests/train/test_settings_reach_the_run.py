@@ -89,6 +89,34 @@ def test_a_system_prompt_is_said_to_do_nothing_only_beside_ones_own_records(tmp_
     assert "data.system_prompt='Answer in French.' has no effect on your training records" in caplog.text
 
 
+def test_the_system_prompt_warning_says_whether_the_held_out_questions_use_it(tmp_path, caplog):
+    """The warning that data.system_prompt does nothing for one's own training records says whether data.eval_path's
+    QA questions use it: "(which data.eval_path has)" beside a QA held-out file, "(data.eval_path has none)" beside a
+    text one or none (swapped, it told a user with QA questions that none use it)."""
+    import logging
+
+    from chronicals.train.setup import data_files
+
+    own = tmp_path / "own.jsonl"
+    own.write_text('{"text": "hello there"}\n')
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text('{"question": "Capital of France?", "answer": "Paris"}\n')
+    text = tmp_path / "text.jsonl"
+    text.write_text('{"text": "held out"}\n')
+    said = {}
+    for name, eval_path in (("qa", qa), ("text", text), ("none", "")):
+        caplog.clear()
+        cfg = tiny_config(tmp_path, data__path=str(own), data__eval_path=str(eval_path),
+                          data__system_prompt="Be kind.")
+        with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+            data_files(cfg, tmp_path / "run")
+        said[name] = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
+    assert len(said["qa"]) == 1 and "used only for the demo data and held-out QA questions (which data.eval_path " \
+        "has). Put a system message" in said["qa"][0], said
+    for name in ("text", "none"):
+        assert len(said[name]) == 1 and "QA questions (data.eval_path has none). Put" in said[name][0], said
+
+
 def test_a_directory_at_the_demo_copys_path_is_refused_with_the_fix(tmp_path):
     """A directory where a run writes its copy of the demo (out_dir/data/train.jsonl) is refused naming the fix
     (move it away or set another train.out_dir), not a bare '[Errno 21] Is a directory' from the write."""
@@ -114,6 +142,20 @@ def test_a_passed_models_adapters_under_another_dropout_are_refused(tmp_path):
         train(cfg, model=model, train_loader=SyntheticLoader(synthetic_docs(40, seed=1)))
 
 
+def test_a_passed_models_adapters_without_rslora_under_lora_rslora_true_are_refused(tmp_path):
+    """lora.rslora is compared with a passed model's adapters as rank, alpha and dropout are: adapters with plain
+    alpha/r scaling under lora.rslora=true are refused naming lora.rslora, not trained under a config saying rslora."""
+    from chronicals.config import ConfigError
+    from chronicals.lora import apply_lora
+    from chronicals.train.setup import prepare_model
+
+    model = tiny_model()
+    apply_lora(model, r=4, alpha=8, target_modules=("q_proj", "v_proj"), use_rslora=False)
+    with pytest.raises(ConfigError, match=r"lora\.rslora=True \(the adapters': False\)") as e:
+        prepare_model(model, tiny_config(tmp_path, lora__rslora=True, **LORA), torch.device("cpu"), torch.float32)
+    assert e.value.key == "lora.rslora"
+
+
 def test_adapters_training_a_module_not_asked_for_are_refused(tmp_path, caplog):
     """A passed model whose adapters train lm_head and embed_tokens, under lora.modules_to_save=[lm_head], is refused
     naming lora.modules_to_save (it was trained silently, saving a module the config never asked for); with the key
@@ -135,6 +177,33 @@ def test_adapters_training_a_module_not_asked_for_are_refused(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="chronicals.train"):
         _check_adapters_fit(model, tiny_config(tmp_path, lora__enabled=True))
     assert "lora.modules_to_save=[] (the adapters train" in caplog.text
+
+
+def test_adapters_saving_a_tied_lm_head_fit_modules_to_save_lm_head(tmp_path, caplog):
+    """On a model with tied embeddings, adapters saving lm_head also save its tied partner model.embed_tokens
+    (apply_lora adds it); a config asking for lora.modules_to_save=[lm_head] asks for exactly those adapters and
+    trains them without an error or a warning. Counted as "a module not asked for", the tied partner got the model's
+    own adapters refused under the very config they were made with."""
+    import logging
+
+    import transformers
+
+    from chronicals.lora import apply_lora
+    from chronicals.models import CausalLM, ModelConfig
+    from chronicals.train.setup import prepare_model
+
+    from train_helpers import VOCAB
+
+    hf = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                  tie_word_embeddings=True)
+    model = CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0)
+    apply_lora(model, r=4, alpha=8, target_modules=("q_proj", "v_proj"), modules_to_save=("lm_head",))
+    assert sorted(model.lora_config.saved_modules) == ["lm_head", "model.embed_tokens"]
+    with caplog.at_level(logging.WARNING, logger="chronicals"):
+        prepare_model(model, tiny_config(tmp_path, lora__modules_to_save=["lm_head"], **LORA), torch.device("cpu"),
+                      torch.float32)
+    assert "LoRA adapters" not in caplog.text, caplog.text
 
 
 def test_train_seed_sets_the_lora_initialisation(tmp_path):
@@ -201,6 +270,59 @@ def test_model_loss_vocab_parts_and_attention_reach_the_model(tmp_path):
     assert model.opts.attention == "flash"
 
 
+def test_model_checkpoint_layers_reaches_the_model(tmp_path):
+    """model.checkpoint_layers=k (model.checkpointing left false) checkpoints the first k layers; model.checkpointing
+    =true all of them. Passed model.checkpointing alone, checkpoint_layers did nothing and the run kept every
+    activation."""
+    from chronicals.train.setup import prepare_model
+
+    model = prepare_model(tiny_model(layers=2), tiny_config(tmp_path, model__checkpoint_layers=1),
+                          torch.device("cpu"), torch.float32)
+    assert model.opts.checkpointed_layers(2) == 1, model.opts.checkpointing
+    model = prepare_model(tiny_model(layers=2), tiny_config(tmp_path, model__checkpointing=True),
+                          torch.device("cpu"), torch.float32)
+    assert model.opts.checkpointed_layers(2) == 2
+
+
+def test_layer_counts_equal_to_the_models_layers_are_not_warned_of(tmp_path, caplog):
+    """model.checkpoint_layers and model.gate_up_layers equal to the model's layer count are valid (every layer, as
+    asked) and not warned of; only a count past the layers is ("all of them are checkpointed" / "all of them rebuild
+    gate|up" was said for exactly the layer count)."""
+    import logging
+
+    from chronicals.train.setup import prepare_model
+
+    gate_up = dict(model__recompute=["norm", "swiglu", "gate_up"])
+    for key, over in (("checkpoint_layers", {}), ("gate_up_layers", gate_up)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="chronicals"):
+            model = prepare_model(tiny_model(layers=2), tiny_config(tmp_path, **{f"model__{key}": 2}, **over),
+                                  torch.device("cpu"), torch.float32)
+        assert key not in caplog.text, caplog.text
+        with caplog.at_level(logging.WARNING, logger="chronicals"):
+            prepare_model(tiny_model(layers=2), tiny_config(tmp_path, **{f"model__{key}": 3}, **over),
+                          torch.device("cpu"), torch.float32)
+        assert f"model.{key}=3 but the model has 2 decoder layers" in caplog.text, caplog.text
+    assert model.opts.gate_up_layers == 2
+
+
+def test_model_compile_reaches_the_model(tmp_path, monkeypatch, caplog):
+    """model.compile=true compiles the decoder layers (CausalLM.compile_layers, stubbed here) and says so; false
+    leaves them alone. The setting was otherwise never exercised: ignored, the run trained eager."""
+    import logging
+
+    from chronicals.train.setup import prepare_model
+
+    calls = []
+    for compile_ in (False, True):
+        model = tiny_model()
+        monkeypatch.setattr(model, "compile_layers", lambda: calls.append(compile_))
+        with caplog.at_level(logging.INFO, logger="chronicals.train"):
+            prepare_model(model, tiny_config(tmp_path, model__compile=compile_), torch.device("cpu"), torch.float32)
+    assert calls == [True]
+    assert "torch.compile on 2 decoder layers" in caplog.text
+
+
 def test_a_passed_model_takes_the_runs_impl_dtype_recompute_and_training_mode(tmp_path):
     """prepare_model sets on a model passed to train() what the config asks, not what the model came with:
     model.impl; the run's dtype as well as its device (adapters included); model.gate_up_layers beside gate_up in
@@ -264,6 +386,27 @@ def test_model_device_follows_the_visible_cuda_devices(monkeypatch):
             resolve_device(name)
     with pytest.raises(ConfigError, match=r"^--device=cuda but no CUDA device is visible; use --device=cpu$") as e:
         resolve_device("cuda", key="--device")
+    assert e.value.key == "--device"
+
+
+def test_a_cuda_index_past_the_visible_devices_is_refused_naming_those_that_exist(monkeypatch):
+    """cuda:N is refused from N = the number of visible devices on, naming the ones that exist (cuda:0..cuda:{n-1}):
+    cuda:1 on a one-GPU host was accepted and failed at the first move as "invalid device ordinal" (exit 4), and a
+    range ending at cuda:{n} named a device that does not exist as one to use."""
+    from chronicals.config import ConfigError
+    from chronicals.train.setup import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("cuda:0") == torch.device("cuda:0")
+    with pytest.raises(ConfigError, match=r"^model.device=cuda:1 but 1 CUDA device is visible \(cuda:0\); "):
+        resolve_device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1", key="--device") == torch.device("cuda:1")
+    with pytest.raises(ConfigError) as e:
+        resolve_device("cuda:2", key="--device")
+    assert str(e.value) == ("--device=cuda:2 but 2 CUDA devices are visible (cuda:0..cuda:1); use --device=cuda or "
+                            "one of those"), str(e.value)
     assert e.value.key == "--device"
 
 
