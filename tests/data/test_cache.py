@@ -2,12 +2,17 @@
 tokens, the files' contents but not their names), where data.cache_dir may be, and damaged entries detected,
 named in a warning, and rebuilt in place."""
 
+import errno
 import json
 import logging
 from pathlib import Path
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import PreTrainedTokenizerFast
 
 import chronicals.data.cache as cache_mod
 import chronicals.data.dataset as dsmod
@@ -351,6 +356,23 @@ def test_a_tokenizer_with_another_eos_gets_its_own_entry(tokenizer, tmp_path):
     assert int(cached.ids[-1]) == other.eos_token_id and same(cached, load(data, other, None))
 
 
+def _word_level(vocab: dict) -> PreTrainedTokenizerFast:
+    t = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=t, unk_token="[UNK]", eos_token="[EOS]")
+
+
+def test_a_tokenizer_with_another_vocabulary_gets_another_fingerprint():
+    """Two tokenizers of one class, chat template and special tokens that give the same words other ids: the
+    fingerprint (part of the cache key) covers the vocabulary, so the second does not load the first one's entry
+    and train on its ids. Keyed without it, the two shared an entry; the same vocabulary still shares one."""
+    vocab = {"[UNK]": 0, "[EOS]": 1, "hello": 2, "world": 3}
+    a, b = _word_level(vocab), _word_level({**vocab, "hello": 3, "world": 2})
+    assert a("hello world").input_ids != b("hello world").input_ids and a.special_tokens_map == b.special_tokens_map
+    assert tokenizer_fingerprint(a) != tokenizer_fingerprint(b)
+    assert tokenizer_fingerprint(a) == tokenizer_fingerprint(_word_level(dict(vocab)))
+
+
 @pytest.mark.parametrize("kind", ["start", "end", "empty"])
 def test_an_entry_from_before_the_digest_with_bad_offsets_is_rebuilt(tokenizer, tmp_path, caplog, kind):
     """An entry written before meta.json carried the arrays' digest (the same CACHE_VERSION, so still read) has only
@@ -399,6 +421,19 @@ def test_a_nested_cache_dir_that_does_not_exist_yet_is_made(tokenizer, tmp_path)
     assert len(_entries(cache)) == 1
 
 
+def test_a_cache_dir_starting_with_tilde_is_under_the_home_directory(tmp_path, monkeypatch):
+    """data.cache_dir=~/tok-cache names $HOME/tok-cache; without expanding it a directory literally named '~' was
+    made in the working directory."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    assert cache_mod.check_cache_root("~/tok-cache") == home / "tok-cache"
+    assert cache_mod.cache_root("~/tok-cache") == home / "tok-cache"
+    assert (home / "tok-cache").is_dir() and not (cwd / "~").exists()
+
+
 def test_an_edited_files_older_entry_is_removed_whatever_the_paths_spelling(tokenizer, tmp_path, monkeypatch):
     """An entry names its files by their resolved paths: `d.jsonl` from its directory, then the absolute path after
     an edit, is one file, and its older entry goes (else each edit left a whole entry, ~5 bytes a token)."""
@@ -441,6 +476,19 @@ def test_an_array_of_another_dtype_is_a_damaged_entry(tmp_path, name, dtype):
     np.save(entry / f"{name}.npy", np.load(entry / f"{name}.npy").astype(dtype))
     with pytest.raises(cache_mod.CacheError, match=f"{name}.npy holds {np.dtype(dtype)}"):
         cache_mod.load(entry)
+
+
+def test_a_cache_entry_that_cannot_be_written_is_a_warning_and_leaves_nothing(tmp_path, monkeypatch, caplog):
+    """A disk full while writing an entry: the data is tokenized already, so it is a warning and the run goes on,
+    with no entry and no temporary entry left behind. Let through, the OSError stopped the run after tokenizing."""
+    def disk_full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "save", disk_full)
+    with caplog.at_level(logging.WARNING, logger="chronicals.data"):
+        _entry(tmp_path / "e")
+    assert "could not write the tokenization cache entry" in caplog.text and "No space left" in caplog.text
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_writer_that_loses_the_race_for_its_key_says_nothing(tmp_path, monkeypatch, caplog):

@@ -386,6 +386,20 @@ def test_null_fields_do_not_decide_the_format():
         detect_format({"body": None})
 
 
+def test_a_formats_own_fields_win_over_a_text_field_beside_them():
+    """Exports often carry a rendered "text" column beside messages, conversations, an alpaca record's fields or
+    prompt/completion: the record is the structured format, which keeps its loss on the replies or the completion.
+    Read as text (text checked first), it silently trained on every token."""
+    msgs, conv = [{"role": "user", "content": "hi"}], [{"from": "human", "value": "hi"}]
+    records = [{"text": "<rendered>", "messages": msgs}, {"messages": msgs, "text": "<rendered>"},
+               {"text": "<rendered>", "conversations": conv},
+               {"text": "<rendered>", "instruction": "Say hi", "output": "hi"},
+               {"text": "Q: 2+2? A: 4", "prompt": "Q: 2+2? ", "completion": "A: 4"}]
+    assert [detect_format(r) for r in records] == ["chat", "chat", "sharegpt", "alpaca", "prompt_completion"]
+    ex = to_example(records[-1], detect_format(records[-1]), has_chat_template=False)
+    assert (ex.prompt, ex.target) == ("Q: 2+2? ", "A: 4")
+
+
 def test_a_mixed_parquet_file_reads_as_its_jsonl_does(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq

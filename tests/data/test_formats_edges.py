@@ -1,7 +1,8 @@
-"""Records -> examples where a mutation walk found no test: CSV cells holding JSON (ShareGPT conversations too),
-tool_calls that are not a list of objects, null message fields, blank targets (blank assistant replies only), mixed
-prompt/completion forms, ShareGPT roles, the classic Alpaca prompt with an input and an input that is not valid
-Unicode."""
+"""Records -> examples where a mutation walk found no test: CSV cells holding JSON (ShareGPT conversations too,
+JSON nested too deeply), tool_calls that are not a list of objects, null message fields, blank targets (blank
+assistant replies only), mixed prompt/completion forms, ShareGPT roles (and turns carrying role/content keys too),
+the Alpaca user turn with and without an input, the classic Alpaca prompt with an input and an input that is not
+valid Unicode."""
 from __future__ import annotations
 
 import csv
@@ -26,6 +27,16 @@ def test_a_csv_prompt_that_is_json_but_no_message_list_stays_text(text):
     """Dicts without 'role', or the empty list, in a prompt cell: text, not a broken message list."""
     ex = to_example({"prompt": text, "completion": "ok"}, "prompt_completion", False, from_csv=True)
     assert ex.messages is None and ex.prompt == text and ex.target == "ok"
+
+
+def test_a_csv_cell_of_json_nested_too_deeply_is_a_format_error_or_text():
+    """JSON text nested 200k deep in a CSV cell: in a messages cell a FormatError (a bad record on_error=skip skips),
+    in a prompt cell plain text. Uncaught, the bare RecursionError stopped the whole load."""
+    deep = "[" * 200_000 + "]" * 200_000
+    with pytest.raises(FormatError, match=r"field 'messages' is not valid JSON \(nested too deeply\)"):
+        to_example({"messages": deep}, "chat", True, from_csv=True)
+    ex = to_example({"prompt": deep, "completion": "done"}, "prompt_completion", True, from_csv=True)
+    assert (ex.messages, ex.prompt, ex.target) == (None, deep, "done")
 
 
 def test_a_sharegpt_csv_reads_its_conversations_cell_as_json(tmp_path):
@@ -92,6 +103,16 @@ def test_sharegpt_roles_map_as_documented():
     assert [m["role"] for m in ex.messages] == ["system", "user", "assistant", "tool", "assistant"]
 
 
+def test_a_sharegpt_turns_own_role_and_content_keys_do_not_override_from_and_value():
+    """Some exports keep both spellings in a turn: role and content come from 'from' and 'value' alone, other keys
+    (name) pass through. Passed through, 'role': 'human' replaced the mapped "user" (a role the template does not
+    know) and a stale 'content' replaced the turn's text."""
+    conv = [{"from": "human", "value": "hi", "role": "human"},
+            {"from": "gpt", "value": "hello", "content": "stale copy", "name": "bot"}]
+    ex = to_example({"conversations": conv}, "sharegpt", True)
+    assert ex.messages == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "name": "bot"}]
+
+
 def test_alpaca_without_a_template_uses_the_classic_prompt_with_input():
     """The Stanford Alpaca prompt for records with an input names it in the first sentence."""
     ex = to_example({"instruction": "Add.", "input": "2 and 3", "output": "5"}, "alpaca", False)
@@ -99,6 +120,16 @@ def test_alpaca_without_a_template_uses_the_classic_prompt_with_input():
                          "context. Write a response that appropriately completes the request.\n\n### Instruction:\n"
                          "Add.\n\n### Input:\n2 and 3\n\n### Response:\n")
     assert ex.target == "5"
+
+
+@pytest.mark.parametrize("extra, user", [({}, "Say hi"), ({"input": None}, "Say hi"), ({"input": ""}, "Say hi"),
+                                         ({"input": "to Ana"}, "Say hi\n\nto Ana")])
+def test_an_alpaca_user_turn_is_the_instruction_and_a_blank_line_only_before_an_input(extra, user):
+    """With a chat template, an alpaca record without an input (absent, null or "") is a user turn of the bare
+    instruction; the blank line only joins it to an input. It was appended regardless, and the model was trained on
+    user turns ending in a stray blank line."""
+    ex = to_example({"instruction": "Say hi", "output": "hi", **extra}, "alpaca", True)
+    assert ex.messages == [{"role": "user", "content": user}, {"role": "assistant", "content": "hi"}]
 
 
 @pytest.mark.parametrize("has_template", [True, False])

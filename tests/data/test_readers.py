@@ -229,6 +229,15 @@ def test_a_well_formed_json_array_still_reads(tmp_path):
     assert read_file(path) == []
 
 
+def test_a_json_array_after_leading_blank_lines_is_read(tmp_path):
+    """Blank lines and spaces before the '[' are skipped and each record keeps its own line; not skipped, the whole
+    array was read as one element ("a JSON list in the array")."""
+    path = tmp_path / "a.json"
+    path.write_text('\n\n  [\n{"text": "a"},\n{"text": "b"}\n]\n')
+    assert [(r.where, r.data, r.error) for r in read_file(path)] == [(f"{path}:4", {"text": "a"}, None),
+                                                                    (f"{path}:5", {"text": "b"}, None)]
+
+
 @pytest.mark.parametrize("suffix", ["jsonl", "parquet", "json", "csv"])
 def test_records_are_made_as_they_are_read(tmp_path, suffix):
     """A file's records were all made at once (parquet: the table's to_pylist, ~27x the file; jsonl: ~5x; a data walk
@@ -326,6 +335,16 @@ def test_line_one_of_a_bom_file_counts_the_bom_in_its_byte_offset_and_csv_keeps_
     assert [r.data for r in read_file(c)] == [{"prompt": "line1\r\nline2", "completion": "ok"}]
 
 
+def test_a_bom_at_the_start_of_a_later_json_line_is_a_bad_record_there(tmp_path):
+    """A byte-order mark counts only at the start of the file (utf-8-sig): one at a later line (cat a.jsonl b.jsonl,
+    b saved by Notepad) is a bad record at that line naming the BOM, so the seam is reported, not read past."""
+    p = tmp_path / "joined.jsonl"
+    p.write_bytes(codecs.BOM_UTF8 + b'{"text": "a"}\n' + codecs.BOM_UTF8 + b'{"text": "b"}\n{"text": "c"}\n')
+    recs = read_file(p)
+    assert [r.data for r in recs] == [{"text": "a"}, None, {"text": "c"}]
+    assert recs[1].where == f"{p}:2" and "BOM" in recs[1].error
+
+
 def test_a_json_line_that_is_not_an_object_is_a_record_error(tmp_path):
     """A .jsonl line holding a string, number, true or null is a bad record naming its line (skipped and counted
     under on_error=skip): read as a record, format detection crashed with AttributeError and no line."""
@@ -335,6 +354,17 @@ def test_a_json_line_that_is_not_an_object_is_a_record_error(tmp_path):
     assert [r.data for r in recs] == [None, None, None, None, {"text": "ok"}]
     assert [r.error.split(",")[0] for r in recs[:4]] == ["a JSON str", "a JSON int", "a JSON bool", "a JSON NoneType"]
     assert [r.where for r in recs] == [f"{p}:{i}" for i in range(1, 6)]
+
+
+def test_an_element_of_a_json_array_that_is_not_an_object_is_a_record_error(tmp_path):
+    """As a .jsonl line: an int, string or list element of a .json array is a bad record at its line. Accepted, its
+    data was an int or a str, which later code took for a dict and failed on far from the file and line."""
+    p = tmp_path / "d.json"
+    p.write_text('[\n{"text": "a"},\n5,\n"b",\n[{"text": "c"}]\n]\n')
+    recs = read_file(p)
+    assert [(r.where, r.data) for r in recs] == [(f"{p}:{i}", d) for i, d in [(2, {"text": "a"}), (3, None),
+                                                                               (4, None), (5, None)]]
+    assert [r.error for r in recs[1:]] == [f"a JSON {t} in the array, expected objects" for t in ("int", "str", "list")]
 
 
 def test_whitespace_only_lines_in_json_lines_are_blank(tmp_path):
@@ -387,6 +417,23 @@ def test_a_loop_inside_a_linked_folder_outside_the_tree_ends(tmp_path):
     d.mkdir()
     (d / "s").symlink_to(shared)
     assert resolve_files(d) == [d / "s" / "s.jsonl"]
+
+
+def test_a_link_into_a_hidden_folder_of_the_data_is_read(tmp_path):
+    """Hidden folders are not walked, so a link into one (train.jsonl -> .versions/v3.jsonl, latest -> .snapshots/v2)
+    is the only way to their files: read through the link. Walking hidden folders in the duplicate check took the
+    link for a second path to a file read directly and dropped it: fewer files, or "holds no data files"."""
+    d = tmp_path / "data"
+    (d / ".versions").mkdir(parents=True)
+    _chat(d / ".versions" / "v3.jsonl")
+    _chat(d / "other.jsonl")
+    (d / "train.jsonl").symlink_to(".versions/v3.jsonl")
+    assert resolve_files(d) == [d / "other.jsonl", d / "train.jsonl"]
+    e = tmp_path / "snap"
+    (e / ".snapshots" / "v2").mkdir(parents=True)
+    _chat(e / ".snapshots" / "v2" / "part-0.jsonl")
+    (e / "latest").symlink_to(".snapshots/v2")
+    assert resolve_files(e) == [e / "latest" / "part-0.jsonl"]
 
 
 def test_a_saved_dataset_listing_no_files_is_named(tmp_path):
