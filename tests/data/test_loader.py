@@ -293,7 +293,7 @@ def test_build_loaders_warns_about_rows_left_out(tokenizer, tmp_path, caplog):
     assert len(loader.rows) == 7 and loader.rows_left_out == 1  # 3 global batches of 3, 3, 1 rows: 2 trained
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and warned[0].startswith("training data: 1 of 7 packed rows per epoch (about 1 "
-                                                     "documents, ")
+                                                     "document, ")
     assert "other ones are left out each time" in warned[0]
     assert warned[0].endswith("use data.dp_remainder=train (a new run), or data.batch_size=2 or 4 (ceil(7 / "
                               "batch_size) a multiple of 2 ranks), or a number of ranks that divides the 3 batches")

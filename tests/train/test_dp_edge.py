@@ -88,7 +88,7 @@ def test_rows_left_out_under_drop_are_warned_of_with_their_share_and_the_batch_s
     assert len(loader.rows) == 7 and loader.rows_left_out == 1 and loader.dataset.stats.loss_tokens == 98
     said = [r.getMessage() for r in caplog.records if "are not trained" in r.getMessage()]
     assert len(said) == 1, caplog.text
-    assert said[0].startswith("training data: 1 of 7 packed rows per epoch (about 1 document"), said[0]
+    assert said[0].startswith("training data: 1 of 7 packed rows per epoch (about 1 document, 14 loss tokens"), said[0]
     assert "14 loss tokens; 14.3%) are not trained" in said[0], said[0]
     assert "To train them all use data.dp_remainder=train (a new run), or data.batch_size=2 or 4 (ceil(7 / " \
            "batch_size) a multiple of 2 ranks), or a number of ranks that divides the 3 batches" in said[0], said[0]
@@ -106,3 +106,20 @@ def test_a_rank_count_refusal_reaches_the_user_without_a_guess(tmp_path):
 
     with pytest.raises(ValueError, match=r"cannot resume from .*step-000001: .*--nproc-per-node 2\)$"):
         _restore_position(Stream(), {"data": {}, "extra": {}}, {}, tmp_path / "step-000001")
+
+
+def test_rows_left_out_warning_counts_documents_in_the_singular_and_plural(caplog):
+    """"about 1 document" and "about 3 documents": the count's noun follows the count (it said "about 1
+    documents")."""
+    from types import SimpleNamespace
+
+    from chronicals.train.setup import _warn_rows_left_out
+
+    d = SimpleNamespace(tokens_per_batch=None, batch_size=3)
+    for left, docs, noun in ((1, 10, "1 document,"), (3, 10, "3 documents,"), (0, 10, "0 documents,")):
+        dataset = type("Dataset", (), {"__len__": lambda self, n=docs: n, "stats": SimpleNamespace(loss_tokens=100)})
+        loader = SimpleNamespace(rows=list(range(10)), world_size=2, rows_left_out=left, dataset=dataset())
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="chronicals.train"):
+            _warn_rows_left_out(loader, d)
+        assert f"(about {noun} {10 * left} loss tokens;" in caplog.text, caplog.text

@@ -250,12 +250,13 @@ def _warn_rows_left_out(loader, d) -> None:
         fix = (f"data.batch_size={' or '.join(map(str, sorted(near)))} (ceil({rows} / batch_size) a multiple of "
                f"{w} ranks)" if near else f"a data.batch_size that makes ceil({rows} / batch_size) a multiple of {w}")
         fix += f", or a number of ranks that divides the {-(-rows // d.batch_size)} batches"
-    log.warning("training data: %d of %d packed rows per epoch (about %d documents, %d loss tokens; %.1f%%) are "
+    docs = round(share * len(loader.dataset))
+    log.warning("training data: %d of %d packed rows per epoch (about %d document%s, %d loss tokens; %.1f%%) are "
                 "not trained: each of the %d ranks takes the same number of batches, and with "
                 "data.dp_remainder=drop the remainder batches are left out. The rows reshuffle each epoch, so other "
                 "ones are left out each time (with train.epochs=1 they are never seen). To train them all use "
                 "data.dp_remainder=train (a new run), or %s", left, rows,
-                round(share * len(loader.dataset)), round(share * loader.dataset.stats.loss_tokens), 100 * share,
+                docs, "" if docs == 1 else "s", round(share * loader.dataset.stats.loss_tokens), 100 * share,
                 w, fix)
 
 
