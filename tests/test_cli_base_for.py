@@ -49,3 +49,15 @@ def test_the_embedded_models_name_in_any_case_is_here(tmp_path, capsys):
     capsys.readouterr()
     assert _base_for(ad, EMBEDDED, "--base") == EMBEDDED
     assert "warning" not in capsys.readouterr().err
+
+
+def test_a_base_given_for_an_adapter_whose_recorded_base_is_gone_is_taken_without_a_warning(tmp_path, capsys):
+    """The recorded base is not here (the adapter came from another machine): without a base the refusal says to
+    pass one, and the one then passed is taken without a warning; there is nothing here to compare it with, and a
+    warning on the very step the refusal advises would be noise (a mutation walk)."""
+    ad = _adapter(tmp_path, str(tmp_path / "gone"))
+    with pytest.raises(FileNotFoundError, match="which is not here; pass --base with that model's directory"):
+        _base_for(ad, None, "--base")
+    (tmp_path / "copy").mkdir()
+    assert _base_for(ad, str(tmp_path / "copy"), "--base") == str(tmp_path / "copy")
+    assert capsys.readouterr().err == ""

@@ -128,7 +128,7 @@ def test_reset_is_an_ordinary_prompt_where_each_prompt_is_asked_alone(monkeypatc
 
 def test_a_prompt_that_exactly_fills_the_context_is_told_to_shorten_by_one_token(monkeypatch, capsys):
     """The templated prompt and its answer share the model's context: a prompt of exactly the context's tokens
-    leaves no room and is refused (exit 3) with "shorten it by at least 1 tokens"; a context one token longer
+    leaves no room and is refused (exit 3) with "shorten it by at least 1 token"; a context one token longer
     answers it in 1 token, with a note. At that edge a prompt taken to fit was refused as "leaves room for 0", a
     --max-new-tokens note that says nothing of what to cut."""
     import chronicals.train.qa as qa
@@ -141,7 +141,122 @@ def test_a_prompt_that_exactly_fills_the_context_is_told_to_shorten_by_one_token
         rc = cli_chat.cmd_chat(["--model", "some-model", "--device", "cpu", "--max-new-tokens", "2", prompt])
         err = capsys.readouterr().err
         if positions == 6:
-            assert rc == 3 and "no room for an answer; shorten it by at least 1 tokens" in err, err
+            assert rc == 3 and "no room for an answer; shorten it by at least 1 token" in err, err
             assert "leaves room" not in err and rooms == [], err
         else:
             assert rc == 0 and "leaves room for 1 in the 7 tokens" in err and rooms == [1], err
+
+
+def test_a_run_config_that_cannot_be_read_leaves_the_system_message_to_the_default(tmp_path, monkeypatch, capsys):
+    """A config.yaml beside the adapter that cannot be read (permissions, a network share gone) is not chat's to
+    fail on: no run system message is taken, and chat asks with the default (an OSError had ended chat before any
+    prompt; a mutation walk)."""
+    import chronicals.config
+
+    d = tmp_path / "run"
+    (d / "adapter").mkdir(parents=True)
+    (d / "config.yaml").write_text("data: {path: demo}\n")
+
+    def unreadable(*a, **k):
+        raise PermissionError(13, "Permission denied", str(d / "config.yaml"))
+
+    monkeypatch.setattr(chronicals.config, "load_config", unreadable)
+    assert cli_chat._run_system_prompt(str(d / "adapter")) is None
+    assert capsys.readouterr().err == ""
+
+
+def test_seed_takes_the_whole_generator_range_and_nothing_past_it(monkeypatch, capsys):
+    """--seed in [-2**63, 2**64), torch.Generator.manual_seed's range: both ends reach the generator (2**64 - 1 was
+    refused by a bound of 2**63; a mutation walk), one past either end exits 2 before the model loads."""
+    seeds = []
+    _fake(monkeypatch, lambda m, t, q, system, room, temperature, top_p, generator, *a: seeds.append(
+        generator.initial_seed()) or "ok")
+    argv = ["--model", "some-model", "--device", "cpu", "--temperature", "1", "hi", "--seed"]
+    for seed, seen in ((2**64 - 1, 2**64 - 1), (-2**63, 2**63)):  # a negative seed wraps, as torch takes it
+        assert cli_chat.cmd_chat([*argv, str(seed)]) == 0
+        assert seeds.pop() == seen
+    for seed in (2**64, -2**63 - 1):
+        with pytest.raises(SystemExit) as e:
+            cli_chat.cmd_chat([*argv, str(seed)])
+        assert e.value.code == 2 and f"--seed {seed} must be in [-2**63, 2**64)" in capsys.readouterr().err
+
+
+def test_typed_lines_are_stripped_so_blank_ones_are_skipped_and_a_spaced_reset_resets(monkeypatch, capsys):
+    """At a terminal each typed line is taken without its surrounding spaces: a line of spaces is no prompt, and
+    " /reset " forgets the conversation (kept as typed, both were asked as prompts; a mutation walk)."""
+    seen = []
+    monkeypatch.setattr("transformers.TextStreamer", lambda *a, **k: None)
+    monkeypatch.setattr("sys.stdin", _Tty("  hello  \n   \n /reset \nagain\n"))
+    _fake(monkeypatch, lambda m, t, q, system, room, temp, top_p, gen, history, streamer:
+          seen.append((q, [said for said, _ in history])) or "ok")
+    assert cli_chat.cmd_chat(["--model", "some-model", "--device", "cpu"]) == 0
+    assert seen == [("hello", []), ("again", [])], seen
+    assert "(the conversation starts over)" in capsys.readouterr().err
+
+
+def test_sampling_without_a_seed_draws_a_fresh_one_each_run(monkeypatch):
+    """--temperature without --seed: each run's generator starts from a fresh seed, so two runs answer differently
+    (left unseeded, torch's generator starts from its fixed default seed and every run gave the same answers)."""
+    seeds = []
+    _fake(monkeypatch, lambda m, t, q, system, room, temperature, top_p, generator, *a: seeds.append(
+        generator.initial_seed()) or "ok")
+    for _ in range(2):
+        assert cli_chat.cmd_chat(["--model", "some-model", "--device", "cpu", "--temperature", "1", "hi"]) == 0
+    assert len(set(seeds)) == 2 and torch.Generator().initial_seed() not in seeds, seeds
+
+
+@pytest.mark.parametrize("system_len, q_len, fix", [
+    (64, 2, "the system message and template alone fill it: give a shorter --system"),
+    (32, 40, "shorten it by at least 9 tokens or give a shorter --system"),
+    (31, 40, "shorten it by at least 8 tokens"),
+    (31, 34, "shorten it by at least 2 tokens"),
+    (31, 33, "shorten it by at least 1 token"),
+])
+def test_a_prompt_past_the_context_is_told_what_to_cut(system_len, q_len, fix, monkeypatch):
+    """A 64-token context, a template of one token per character: a system message that fills it alone is the
+    thing to shorten; one of half the context or more is named beside the prompt; a shorter one is not (the bounds
+    at exactly 64 and exactly 32 were each one off in a mutation walk)."""
+    import chronicals.train.qa as qa
+
+    model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=64))
+    monkeypatch.setattr(qa, "prompt_ids", lambda tok, q, system, history=(): [1] * (len(system) + len(q)))
+    room, why = cli_chat._answer_room(model, None, "q" * q_len, "s" * system_len, 8, "tiny")
+    assert room == 0 and why.endswith(f"no room for an answer; {fix}"), why
+    assert f"the prompt {'q' * q_len!r} takes {system_len + q_len} tokens ({system_len} of them" in why, why
+
+
+def test_a_long_prompt_is_shown_cut_at_sixty_characters(monkeypatch):
+    """Up to 60 characters the refused prompt is shown whole; a longer one as its first 57 and "...", 60 in all."""
+    import chronicals.train.qa as qa
+
+    model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=8))
+    monkeypatch.setattr(qa, "prompt_ids", lambda tok, q, system, history=(): [1] * len(q))
+    q60, q61 = "".join(str(i % 10) for i in range(60)), "".join(str(i % 10) for i in range(61))
+    assert cli_chat._answer_room(model, None, q60, "", 4, "tiny")[1].startswith(f"the prompt {q60!r} takes 60 ")
+    assert cli_chat._answer_room(model, None, q61, "", 4, "tiny")[1].startswith(
+        f"the prompt {q61[:57] + '...'!r} takes 61 ")
+
+
+def test_the_cap_note_names_earlier_turns_when_there_are_some(monkeypatch):
+    """An answer cut short by the context: the note counts what shares it, the earlier turns when there are any."""
+    import chronicals.train.qa as qa
+
+    model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=16))
+    monkeypatch.setattr(qa, "prompt_ids", lambda tok, q, system, history=(): [1] * (len(q) + 4 * len(history)))
+    room, why = cli_chat._answer_room(model, None, "q" * 6, "", 8, "tiny", [("a", "b")])
+    assert room == 6 and "a prompt of 10 tokens (with the system message, earlier turns and chat template) leaves " \
+        "room for 6 in the 16 tokens tiny attends to (max_position_embeddings)" in why, why
+    room, why = cli_chat._answer_room(model, None, "q" * 10, "", 8, "tiny")
+    assert room == 6 and "a prompt of 10 tokens (with the system message and chat template) leaves room" in why, why
+
+
+def test_a_typed_line_that_is_not_utf8_is_named_as_typed(monkeypatch, capsys):
+    """At a terminal a line that is not UTF-8 is "the typed line" (a piped one is "stdin line"), shown with U+FFFD for
+    the bad byte; the next line is answered and the exit status is 3 (bad input)."""
+    seen = []
+    monkeypatch.setattr("transformers.TextStreamer", lambda *a, **k: None)
+    monkeypatch.setattr("sys.stdin", _Tty("ok\udcff\nfine\n"))
+    _fake(monkeypatch, lambda m, t, q, *a: seen.append(q) or "ok")
+    assert cli_chat.cmd_chat(["--model", "some-model", "--device", "cpu"]) == 3
+    assert seen == ["fine"]
+    assert "error: the typed line 'ok\ufffd' is not valid UTF-8 (byte 0xff at character 2)" in capsys.readouterr().err

@@ -175,6 +175,7 @@ def test_a_full_checkpoint_whose_base_moved_says_where_it_was(tiny_base, tmp_pat
     # last one given won, and `--model CKPT --base X` wrote X untrained with exit 0)
     step2, moved = out / "checkpoints" / "step-000002", tmp_path / "moved"
     assert main(["export", "--model", str(step2), "--base", str(moved), "--out", str(tmp_path / "m")]) == 0
+    assert "warning" not in capsys.readouterr().err  # the recorded base is gone: nothing to compare --base with
     a, b = _weights(tmp_path / "m"), _weights(out / "model")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     capsys.readouterr()
@@ -197,9 +198,11 @@ def test_a_full_checkpoint_whose_base_moved_says_where_it_was(tiny_base, tmp_pat
      "state.pt is a file: pass its checkpoint directory {full}/checkpoints/step-000002"),
     (["--model", "{adapter}", "--base", "{tiny}"], "is a LoRA adapter: pass it as --adapter"),
     (["--model", "{full}/checkpoints/step-000002", "--base", "{full}/checkpoints/step-000001"],
-     "step-000001 is a run's training checkpoint; --base names the model a checkpoint (--model) was trained from"),
+     "step-000001 is a run's training checkpoint; --base names the model a checkpoint (--model) was trained from: "
+     "a model directory, .gguf or smollm2-135m-instruct"),
     (["--adapter", "{adapter}", "--base", "{full}/checkpoints/step-000001"],  # an adapter's base: a model too
-     "step-000001 is a run's training checkpoint; --base names the model a checkpoint (--model) was trained from"),
+     "step-000001 is a run's training checkpoint; --base names the model a checkpoint (--model) was trained from: "
+     "a model directory, .gguf or smollm2-135m-instruct"),
     (["--base", "{tiny}"], "give the checkpoint as --model"),
     (["--adapter", "{adapter}", "--model", "{tiny}", "--base", "{other}"], "with --adapter, --model and --base both"),
 ])
