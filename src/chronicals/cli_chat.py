@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ._words import counted
 from .cli_models import (BASE_HELP, DTYPE_HELP, _base_for, _load, _model_and_base, _not_utf8, _setup_logging, _shown,
                          _within_context, add_verbose)
 
@@ -227,9 +228,8 @@ def _answer_room(model, tok, q: str, system: str, max_new_tokens: int, name: str
             f"tokens {name} attends to ({limit}); answers to long prompts are cut there")
     shown = repr(q) if len(q) <= 60 else repr(q[:57] + "...")
     framing = len(prompt_ids(tok, "", system))  # the system message and the template around the message
-    cut = used - context + 1
     fix = ("the system message and template alone fill it: give a shorter --system" if framing >= context else
-           f"shorten it by at least {cut} token{'' if cut == 1 else 's'}" + (" or give a shorter --system"
-                                                                            if framing >= context // 2 else ""))
+           f"shorten it by at least {counted(used - context + 1, 'token')}" + (" or give a shorter --system"
+                                                                                 if framing >= context // 2 else ""))
     return 0, (f"the prompt {shown} takes {used} tokens ({framing} of them the system message and chat template), "
                f"and {name} attends to {context} ({limit}): no room for an answer; {fix}")

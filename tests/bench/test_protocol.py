@@ -37,7 +37,7 @@ def test_validate_row_min_grad_norm_is_nan_when_a_norm_is_not_finite():
     value beside FAILED; the table says nan."""
     row = validate_row(_row([1.0, math.nan, 0.5]))
     assert row["status"] == "FAILED" and math.isnan(row["min_grad_norm"])
-    assert "not finite in 1 timed steps" in row["reason"]
+    assert row["reason"] == "gradient norm not finite in 1 timed step"
 
 
 def test_validate_row_failed_on_nan_loss_and_keeps_errors():

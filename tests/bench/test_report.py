@@ -266,7 +266,7 @@ def test_chart_hatches_failed_rows_red(tmp_path, monkeypatch):
 def test_a_failed_rows_json_is_strict_json_and_its_cell_says_nan(tmp_path):
     """A FAILED row's NaN grad norm was written as a bare NaN (strict parsers refuse the file) and shown as a blank
     cell (a bench walk): "nan" in both."""
-    row = finish_row(_ok_row(status="FAILED", reason="gradient norm not finite in 1 timed steps"), 775.0)
+    row = finish_row(_ok_row(status="FAILED", reason="gradient norm not finite in 1 timed step"), 775.0)
     row["min_grad_norm"], row["grad_norms"] = float("nan"), [1.0, float("inf")]
     results = {"environment": {"gpu": "cpu", "date": "2026-11-30T10:00:00+00:00", "git_sha": "abc1234",
                                "versions": {}}, "peak_tflops": None, "plan": {"warmup": 1, "steps": 2, "note": ""},

@@ -603,7 +603,7 @@ def test_a_failed_row_is_exit_status_1(tmp_path, monkeypatch, capsys):
     def failing(self, task, spec):
         row = json.loads(json.dumps(run_task(task, spec), default=str))
         if task == "contender":
-            row.update(status="FAILED", reason="gradient norm not finite in 1 timed steps")
+            row.update(status="FAILED", reason="gradient norm not finite in 1 timed step")
         return row
 
     monkeypatch.setattr(cli.Runner, "run", failing)

@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from .._words import counted
 from .contenders import (add_chronicals_lora, add_peft_lora, build_chronicals_model, build_hf_model,
                          chronicals_step, hf_style)
 from .protocol import RunSpec, grad_norm, make_batches, make_optimizer, train_step
@@ -170,9 +171,10 @@ def learning(spec: RunSpec, period: int = 16, min_drop_full: float = 0.25, min_d
             smallest = min(norms) if finite else float("nan")
             bad_losses = sum(not math.isfinite(x) for x in losses)
             ok = not bad_losses and losses[-1] <= (1 - min_drop) * losses[0] and finite and smallest > 0
-            why = (f"gradient norm not finite in {sum(not math.isfinite(n) for n in norms)} steps" if not finite
+            bad_norms = sum(not math.isfinite(n) for n in norms)
+            why = (f"gradient norm not finite in {counted(bad_norms, 'step')}" if not finite
                    else "gradient norm 0" if smallest <= 0
-                   else f"loss not finite in {bad_losses} steps" if bad_losses  # as the table's row check says
+                   else f"loss not finite in {counted(bad_losses, 'step')}" if bad_losses  # as the row check says
                    else f"loss did not fall by {min_drop:.0%} of its first value")
             out["runs"].append({"method": method, "losses": losses, "min_grad_norm": smallest,
                                 "status": "ok" if ok else "FAILED", "reason": "" if ok else why})

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
+from .._words import counted
 from ..ops.attention import VARLEN_KERNELS
 from ..train.step import grad_norm_fp32
 
@@ -146,7 +147,8 @@ def validate_row(row: dict) -> dict:
     finite = [g for g in norms if math.isfinite(g)]
     row["min_grad_norm"] = min(finite) if len(finite) == len(norms) else float("nan")
     if len(finite) != len(norms):
-        row.update(status="FAILED", reason=f"gradient norm not finite in {len(norms) - len(finite)} timed steps")
+        bad = counted(len(norms) - len(finite), "timed step")
+        row.update(status="FAILED", reason=f"gradient norm not finite in {bad}")
     elif row["min_grad_norm"] == 0.0:
         row.update(status="FAILED", reason="gradient norm 0: the model is not training")
     elif not all(math.isfinite(x) for x in losses):

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from .._words import counted
 from . import cache as cache_mod
 from .formats import FORMATS, FormatError, detect_format, empty_target, to_example
 from .readers import DataError, Record, iter_records, resolve_files
@@ -258,14 +259,16 @@ def _summary_line(name: str, files, counts: list[int], descs: list[str], format:
     when the per-file facts are missing or do not fit ``files`` (a cache entry from before they were kept)."""
     if not counts or len(counts) != len(files) or len(descs) != len(files):
         return ""
-    head = f"{name}: {len(files)} file{'s' if len(files) != 1 else ''} ({_names(files)}), {sum(counts)} records"
+    head = f"{name}: {counted(len(files), 'file')} ({_names(files)}), {counted(sum(counts), 'record')}"
     if format != "auto":
         return f"{head}; format {format}"
     kinds = set(descs)
     if len(kinds) == 1:
         return f"{head}; format auto -> {kinds.pop()}"
     per = [(Path(f).name, d) for f, d in zip(files, descs)]
-    shown = "; ".join(f"{n}: {d}" for n, d in per[:8]) + (f"; and {len(per) - 8} more files" if len(per) > 8 else "")
+    shown = "; ".join(f"{n}: {d}" for n, d in per[:8])
+    if len(per) > 8:
+        shown += f"; and {counted(len(per) - 8, 'more file')}"
     return f"{head}; format auto -> {shown}"
 
 
@@ -437,7 +440,7 @@ def report_bad_records(count: int, first: list[str], on_error: str, records: int
         raise DataError(f"{first[0]} ({on_error_name}=skip drops bad records and counts them)")
     if count == records:
         raise DataError(f"every record in {where} is bad ({count} skipped); first: {first[0]}")
-    log.warning("data: %s: skipped %d bad record%s; first: %s", where, count, "s" if count != 1 else "",
+    log.warning("data: %s: skipped %s; first: %s", where, counted(count, "bad record"),
                 "; ".join(first[:3]))
 
 

@@ -34,6 +34,7 @@ import logging
 
 import numpy as np
 
+from .._words import counted
 from .collate import PackedBatch, collate_rows
 from .packing import pack_bfd
 
@@ -90,7 +91,8 @@ class PackedLoader:
             # fewer global batches than ranks under "drop": "train" would run them (the other ranks empty)
             train_them = (" or remainder='train' (data.dp_remainder=train: the ranks past the last batch run an "
                           "empty one)") if remainder == "drop" and self._global_batches() else ""
-            raise ValueError(f"PackedLoader: {len(dataset)} documents pack into {len(self.rows)} rows, which give "
+            raise ValueError(f"PackedLoader: {counted(len(dataset), 'document')} pack{'s' * (len(dataset) == 1)} into "
+                             f"{counted(len(self.rows), 'row')}, which give "
                              f"no batch per rank (batch_size={batch_size}, drop_last={drop_last}, "
                              f"world_size={world_size}, remainder={remainder!r}); use more data, a smaller "
                              f"batch_size, fewer ranks{train_them}")

@@ -30,6 +30,7 @@ import torch
 
 from ..config import DEMO, ConfigError, TrainConfig, from_dict, load_config
 from .._jsonio import write_text_atomic
+from .._words import counted
 from ..cuda_alloc import allocator_setting
 from ..models.loading import recorded_name
 from . import checkpoint as ckpt
@@ -296,7 +297,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
             torch.manual_seed(rank_seed(cfg.train.seed + restored["step"], dp.rank))
         start = restored["step"]
         if start > total:
-            raise ValueError(f"{resume_from} is at step {start}, past this run's {total} steps; raise "
+            raise ValueError(f"{resume_from} is at step {start}, past this run's {counted(total, 'step')}; raise "
                              "train.max_steps (or train.epochs), or set train.resume=none to start over")
         log.info("resumed from %s at step %d of %d", resume_from, start, total)
         check_same_adapter(restored["extra"].get("config"), cfg_dict, resume_from,

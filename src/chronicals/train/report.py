@@ -9,6 +9,7 @@ from __future__ import annotations
 import textwrap
 import time
 
+from .._words import counted
 from ..config import TrainConfig
 from .qa import QAResult, answer_all, heldout_system_prompt
 
@@ -69,11 +70,10 @@ class RunReport:
         st = result.data_stats
         if st is not None:  # what the data lost on the way in, where the log may have scrolled away
             lost = st.losses()
-            lines.append(f"training data: {st.documents} example{'s' * (st.documents != 1)} of {st.records} "
-                         f"record{'s' * (st.records != 1)}"
+            lines.append(f"training data: {counted(st.documents, 'example')} of {counted(st.records, 'record')}"
                          + (f" ({', '.join(lost)})" if lost else ""))
         ran = result.step - result.start_step
-        steps = f"{ran} step{'s' if ran != 1 else ''}" + (
+        steps = counted(ran, "step") + (
             f" (resumed at step {result.start_step}, now at {result.step} of {result.total_steps})"
             if result.start_step else "")
         lines.append(f"training: {steps} in {result.train_seconds:.1f} s, {result.tokens_per_s:,.0f} loss tokens/s; "

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from .._words import counted
 from ..config import DEMO, DEMO_SYSTEM_PROMPT, ConfigError, TrainConfig
 from . import qa as qa_mod
 
@@ -250,13 +251,13 @@ def _warn_rows_left_out(loader, d) -> None:
         fix = (f"data.batch_size={' or '.join(map(str, sorted(near)))} (ceil({rows} / batch_size) a multiple of "
                f"{w} ranks)" if near else f"a data.batch_size that makes ceil({rows} / batch_size) a multiple of {w}")
         fix += f", or a number of ranks that divides the {-(-rows // d.batch_size)} batches"
-    docs = round(share * len(loader.dataset))
-    log.warning("training data: %d of %d packed rows per epoch (about %d document%s, %d loss tokens; %.1f%%) are "
+    log.warning("training data: %d of %d packed rows per epoch (about %s, %d loss tokens; %.1f%%) are "
                 "not trained: each of the %d ranks takes the same number of batches, and with "
                 "data.dp_remainder=drop the remainder batches are left out. The rows reshuffle each epoch, so other "
                 "ones are left out each time (with train.epochs=1 they are never seen). To train them all use "
                 "data.dp_remainder=train (a new run), or %s", left, rows,
-                docs, "" if docs == 1 else "s", round(share * loader.dataset.stats.loss_tokens), 100 * share,
+                counted(round(share * len(loader.dataset)), "document"),
+                round(share * loader.dataset.stats.loss_tokens), 100 * share,
                 w, fix)
 
 

@@ -8,6 +8,7 @@ import math
 from fractions import Fraction
 from pathlib import Path
 
+from .._words import counted
 from ..config import TrainConfig
 from ..data.loader import DataChanged, LoaderMismatch
 from .resume import data_position_diffs, loss_setting_diffs
@@ -125,8 +126,8 @@ def _step_plan(cfg: TrainConfig, batches_per_epoch: int, done: int = 0,
     whole, part = _epoch_split(cfg, B, spread)
     end = whole * B + part  # in exact decimals: 1.1 - 1 is 0.10000000000000009 in floats (1.1 x 10 took 12 steps)
     if done > end:
-        raise ValueError(f"{done} batches are trained, past this run's {end} (train.epochs={cfg.train.epochs:g} of "
-                         f"{B} batches)")
+        raise ValueError(f"{counted(done, 'batch', 'batches')} {'is' if done == 1 else 'are'} trained, past this "
+                         f"run's {end} (train.epochs={cfg.train.epochs:g} of {counted(B, 'batch', 'batches')})")
     steps, last = 0, ga
 
     def segment(n: int, times: int = 1) -> None:  # `times` runs of n batches inside one epoch each
