@@ -102,7 +102,9 @@ def test_an_adapter_changes_the_score_to_the_adapted_models(tiny_base, data_file
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
     adapter = save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(tiny_base))
     got = _eval(["--adapter", adapter, data_file, "--batch-size", "1", "--max-seq-len", "64"], tmp_path)
-    assert f"--model not given: using {tiny_base}" in capsys.readouterr().err
+    said = capsys.readouterr()
+    assert f"--model not given: using {tiny_base}" in said.err
+    assert said.out.startswith(f"model: {tiny_base} + adapter {adapter}\n"), said.out  # the summary says what scored
     want = _trainer_loss(model, tok, data_file)[0]
     assert got["loss"] == pytest.approx(want, rel=1e-6) and abs(got["loss"] - base_loss) > 1e-3
     assert got["adapter"] == str(adapter) and got["model"] == str(tiny_base)
@@ -443,6 +445,7 @@ def test_json_records_the_data_settings_it_scored_under(tiny_base, data_file, tm
     got = json.loads(out.read_text())
     assert (got["on_long"], got["train_on"], got["max_seq_len"], got["batch_size"], got["model"], got["device"]) == \
         ("split", "all", 32, 2, str(tiny_base), "cpu"), got
+    assert got["dtype"] == "float32" and got["adapter"] is None, got  # the dtype's name, as --dtype takes it
     assert "max_new_tokens" not in got and "qa_limit" not in got, got
 
 
@@ -517,3 +520,27 @@ def test_evaluate_warns_of_a_max_seq_len_past_the_models_context(monkeypatch, ca
     with caplog.at_level(logging.WARNING, logger="chronicals.evaluate"), pytest.raises(RuntimeError, match="stop"):
         ev.evaluate(model, None, DataSection(path="x.jsonl", max_seq_len=128), CPU)
     assert "max_seq_len=128 is longer than the model's max_position_embeddings=64" in caplog.text
+
+
+class _Loaded(Exception):
+    """Raised where eval loads the model: what came before it is what a test checks."""
+
+
+def test_data_under_home_is_found_and_demo_beside_a_demo_folder_is_warned_of(tiny_base, tmp_path, monkeypatch,
+                                                                              caplog):
+    """DATA ~/x.jsonl is the file under $HOME (was "no such file or directory" with the ~ taken literally), and
+    DATA demo where the working directory holds a demo folder warns that the packaged data is read, not ./demo
+    (train says so for data.path; eval said nothing). Both before the model loads."""
+    import chronicals.cli_eval as cli_eval
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "x.jsonl").write_text('{"text": "a record"}\n')
+    monkeypatch.setattr(cli_eval, "_load", lambda *a, **k: (_ for _ in ()).throw(_Loaded()))
+    with pytest.raises(_Loaded):
+        cli_eval.cmd_eval(["~/x.jsonl", "--model", str(tiny_base), "--device", "cpu"])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo").mkdir()
+    with caplog.at_level("WARNING"), pytest.raises(_Loaded):
+        cli_eval.cmd_eval(["demo", "--model", str(tiny_base), "--device", "cpu"])
+    assert "DATA=demo is chronicals' packaged demo data, not ./demo in this directory; to read that one, pass " \
+           "DATA=./demo" in caplog.text, caplog.text
