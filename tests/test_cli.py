@@ -474,6 +474,9 @@ def test_the_continue_command_of_an_interrupted_run_can_be_pasted_as_printed(tmp
                                                "a=1"]
     monkeypatch.setenv("WORLD_SIZE", "8")
     assert _relaunch(["a=1"]).endswith("train a=1 (on each of the 4 nodes, as this run was launched)")
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):  # set but empty (an env file's blank line): one process
+        monkeypatch.setenv(name, "")
+    assert _relaunch(["a=1"]) == "chronicals train a=1"
 
 
 def test_bf16_export_rounds_each_merged_weight_once(tiny_base, tmp_path):
@@ -763,3 +766,23 @@ def test_running_out_of_memory_says_what_to_lower(error, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "Traceback" not in err and "internal error" not in err, err
     assert err.startswith("error: out of memory (") and "lower data.batch_size, data.max_seq_len" in err, err
+
+
+@pytest.mark.parametrize("rank, said", [("0", "THE SUMMARY\n"), ("1", "")])
+def test_under_torchrun_only_rank_0_prints_the_run_summary(rank, said, monkeypatch, capsys):
+    """The summary after a finished run is printed once, by rank 0; every rank printing it repeated the whole table
+    once per GPU (a mutation walk)."""
+    import logging
+    import types
+
+    import chronicals.train as train_pkg
+    from chronicals.train.report import RunReport
+
+    ours = logging.getLogger("chronicals")
+    monkeypatch.setattr(ours, "level", ours.level)  # _setup_logging sets it for the process: put it back after
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(train_pkg, "train", lambda cfg, report: types.SimpleNamespace(status="done"))
+    monkeypatch.setattr(RunReport, "summary", lambda self, result: "THE SUMMARY")
+    assert main(["train", "train.max_steps=1"]) == 0
+    assert capsys.readouterr().out == said

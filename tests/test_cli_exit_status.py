@@ -79,6 +79,7 @@ def test_model_impl_triton_on_a_cpu_exits_2_before_the_model_loads(device, tmp_p
 @pytest.mark.parametrize("argv,said", [
     (["chat", "--temperature", "1", "--seed", str(2**64), "hi"], "--seed 18446744073709551616 must be in"),
     (["export", "--adapter", "a", "--out", "o", "--no-merge", "--dtype", "bfloat16"], "--no-merge writes the adapter"),
+    (["export", "--adapter", "a", "--out", "  "], "--out is empty; give the output directory"),  # not a folder "  "
     # a device torch names but chronicals does not run on: the flags are checked here alone (model.device when read)
     (["eval", "--model", "no-model", "no-data.jsonl", "--device", "mps"], "--device=mps: chronicals runs on cpu or "
                                                                           "cuda; use auto, cpu, cuda or cuda:N"),

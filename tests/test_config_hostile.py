@@ -328,3 +328,24 @@ def test_a_learning_rate_no_adamw_can_take_is_a_config_error(value):
     with pytest.raises(ValueError, match=r"optim\.lr=.* is invalid: expected a number in \(0, 10\]"):
         load_config(None, [f"optim.lr={value}"])
     assert load_config(None, ["optim.lr=10"]).optim.lr == 10.0
+
+
+def test_an_override_stays_an_override_even_where_a_file_of_its_name_exists(tmp_path, monkeypatch):
+    """`data.path=x.yaml` sets data.path although a file named "data.path=x.yaml" exists in the working directory
+    (an existing .yaml file with '=' in its name is otherwise the config, as runs/lr=3e-4/x.yaml is): its text before
+    the '=' names a key section. Taken for the config, the file's contents replaced the user's override."""
+    import chronicals.config as config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.path=x.yaml").write_text("optim:\n  lr: 0.5\n")
+    (tmp_path / "lr=3e-4.yaml").write_text("optim:\n  lr: 0.5\n")
+    seen = []
+
+    def load(path, overrides):
+        seen.append((path, list(overrides)))
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(config, "load_config", load)
+    assert main(["train", "data.path=x.yaml"]) == 2
+    assert main(["train", "lr=3e-4.yaml"]) == 2  # no key section before the '=': the existing file is the config
+    assert seen == [(None, ["data.path=x.yaml"]), ("lr=3e-4.yaml", [])], seen
