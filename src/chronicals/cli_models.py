@@ -30,12 +30,13 @@ class _LevelFormatter(logging.Formatter):
         return super().format(record)
 
 
-def _setup_logging(verbose: bool = False) -> None:
+def _setup_logging() -> None:
     """The console log. Under torchrun every rank runs the same code and would say each line once per rank: rank 0
-    tells the story (info and warnings), the others say only errors (what failed there, e.g. its GPU)."""
+    tells the story (info and warnings), the others say only errors (what failed there, e.g. its GPU). Other
+    libraries' loggers say warnings and errors only (the root logger's WARNING)."""
     console = logging.StreamHandler()  # stderr; basicConfig adds it only when the root logger has no handler yet
     console.setFormatter(_LevelFormatter("%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[console])
+    logging.basicConfig(level=logging.WARNING, handlers=[console])
     logging.getLogger("chronicals").setLevel(logging.INFO if _rank() == 0 else logging.ERROR)
 
 
