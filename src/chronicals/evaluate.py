@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ._jsonio import write_text_atomic
+from ._words import counted
 from .config import DataSection
 from .data import DataError, DatasetStats, PackedLoader
 from .models import require_chat_template
@@ -75,8 +76,7 @@ class EvalResult:
     def summary(self) -> str:
         st = self.stats
         lost = st.losses("--max-seq-len")
-        lines = [f"data: {self.data}: {self.examples} example{'s' * (self.examples != 1)} of {st.records} "
-                 f"record{'s' * (st.records != 1)}"
+        lines = [f"data: {self.data}: {counted(self.examples, 'example')} of {counted(st.records, 'record')}"
                  + (f" ({', '.join(lost)})" if lost else "") + f", {self.loss_tokens} loss tokens",
                  f"held-out loss {self.loss:.4f}, perplexity {self.perplexity:.4g}"]
         if self.answers is not None:

@@ -167,11 +167,11 @@ def learning(spec: RunSpec, period: int = 16, min_drop_full: float = 0.25, min_d
             losses, norms = [float(x) for x in losses], [float(x) for x in norms]
             # every norm finite, then the smallest > 0 (min() over [1.0, nan] is 1.0: a NaN after the first step
             # passed; a bench walk)
-            finite = all(map(math.isfinite, norms))
+            bad_norms = sum(not math.isfinite(n) for n in norms)
+            finite = not bad_norms
             smallest = min(norms) if finite else float("nan")
             bad_losses = sum(not math.isfinite(x) for x in losses)
             ok = not bad_losses and losses[-1] <= (1 - min_drop) * losses[0] and finite and smallest > 0
-            bad_norms = sum(not math.isfinite(n) for n in norms)
             why = (f"gradient norm not finite in {counted(bad_norms, 'step')}" if not finite
                    else "gradient norm 0" if smallest <= 0
                    else f"loss not finite in {counted(bad_losses, 'step')}" if bad_losses  # as the row check says

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .._jsonio import lock_if_free
+from .._words import counted
 from .readers import DataError, file_digest
 
 try:
@@ -193,8 +194,9 @@ def save(path: Path, ids, trainable, offsets, meta: dict) -> None:
         if meta.get("source"):
             count, size = prune_stale(path, meta["source"])
             if count:
-                log.info("data: removed %d older tokenization cache entr%s of the same files and settings (%.1f MB)",
-                         count, "y" if count == 1 else "ies", size / 1e6)
+                log.info("data: removed %s of the same files and settings (%.1f MB)",
+                         counted(count, "older tokenization cache entry", "older tokenization cache entries"),
+                         size / 1e6)
     except OSError as e:
         log.warning("data: could not write the tokenization cache entry %s (%s); training goes on, the next "
                     "run tokenizes again", path, e)

@@ -311,19 +311,20 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, n: dict[str, s
                             f"{n['max_seq_len']}={max_seq_len} (raise {n['max_seq_len']} or set {n['overlong']}=truncate), "
                             f"{stats.dropped_no_loss} with no trainable token, {stats.skipped_errors} bad; in {where}")
         first = f" (first: {stats.first_no_loss})" if stats.first_no_loss else ""
+        bad = counted(stats.skipped_errors, "bad record")
         if stats.empty_no_loss and stats.empty_no_loss == stats.dropped_no_loss:
             raise DataError(f"no example has a trainable token in {where}: all {stats.dropped_no_loss} have an "
-                            f"empty text{first}, {_bad(stats.skipped_errors)}; fill in the text (or the "
+                            f"empty text{first}, {bad}; fill in the text (or the "
                             "replies / outputs / completions) or remove those records")
         empty = f", {stats.empty_no_loss} of them with an empty text" if stats.empty_no_loss else ""
         if stats.truncated_no_loss:  # the cause is max_seq_len, not missing replies
             fix = f"before their replies start; raise {n['max_seq_len']} or shorten the prompts"
             if stats.truncated_no_loss == stats.dropped_no_loss:
                 raise DataError(f"no example has a trainable token in {where}: {stats.dropped_no_loss} without one, "
-                                f"all truncated to {n['max_seq_len']}={max_seq_len} {fix}; {_bad(stats.skipped_errors)}")
+                                f"all truncated to {n['max_seq_len']}={max_seq_len} {fix}; {bad}")
             empty += f", {stats.truncated_no_loss} of them truncated to {n['max_seq_len']}={max_seq_len} {fix}"
         raise DataError(f"no example has a trainable token in {where}: {stats.dropped_no_loss} without one{first}"
-                        f"{empty}, {_bad(stats.skipped_errors)}; {n['loss_on']}=assistant needs assistant "
+                        f"{empty}, {bad}; {n['loss_on']}=assistant needs assistant "
                         f"turns / outputs / completions (or set {n['loss_on']}=all)")
     if stats.empty_targets:
         log.warning("data: %d examples in %s have an empty assistant reply / output / completion (in a chat, one "
@@ -422,10 +423,6 @@ def _warn_no_eos(descs: list[str], tokenizer, files=(), name: str = "the dataset
                 "never learns to stop after one; set eos_token in the tokenizer's tokenizer_config.json (or "
                 "tokenizer.eos_token = ... before training), or end each record's text with the token generation "
                 "should stop at", where, " / ".join(found))
-
-
-def _bad(n: int) -> str:
-    return f"{n} bad record{'s' * (n != 1)}"
 
 
 def report_bad_records(count: int, first: list[str], on_error: str, records: int, where: str,

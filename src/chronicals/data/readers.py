@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from .._jsonio import BIG_NUMBER, NESTED, read_json_object  # NESTED: a record that deep is not training data
+from .._words import counted
 from .formats import FormatError, detect_format
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv")  # a loose .arrow in a directory was skipped unnamed
@@ -173,12 +174,12 @@ def _dir_files(p: Path, quiet: bool = False) -> list[Path]:
     if quiet:
         return out
     if dup:
-        log.info("data: %s: %d %s reached again through a symlink, not read twice: %s", p, len(dup),
-                 "entry" if len(dup) == 1 else "entries", _some(dup))
+        log.info("data: %s: %s reached again through a symlink, not read twice: %s", p,
+                 counted(len(dup), "entry", "entries"), _some(dup))
     if unread:
-        log.warning("data: %s: %d %s not read: %s; a data directory is read for %s files only (decompress "
-                    "compressed shards, convert text/TSV files to .jsonl)", p, len(unread),
-                    "file" if len(unread) == 1 else "files", _some(unread), ", ".join(SUFFIXES))
+        log.warning("data: %s: %s not read: %s; a data directory is read for %s files only (decompress "
+                    "compressed shards, convert text/TSV files to .jsonl)", p, counted(len(unread), "file"),
+                    _some(unread), ", ".join(SUFFIXES))
     return out
 
 

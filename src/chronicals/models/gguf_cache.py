@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
+from .._words import counted
 from .config import GGUF_CONVERSION_RECORD
 from .hf_io import TEMP_SUFFIX, atomic_dir, save_tokenizer
 from .orphans import remove_orphans, remove_tree, tree_bytes
@@ -346,8 +347,8 @@ def prune_older_entries(p: Path, keep: Path, st: os.stat_result | None = None) -
     # a GGUF walk). Only those whose writer is gone (its lock free) go.
     remove_orphans(parent, re.compile(rf"\.{re.escape(_entry_stem(p))}-[0-9a-f]{{16}}{TEMP_SUFFIX}"), log)
     if removed:
-        log.info("removed %d older conversion%s of %s from %s (%s): %.1f MB freed", len(removed),
-                 "s" * (len(removed) > 1), p, parent, ", ".join(d.name for d in removed), freed / 1e6)
+        log.info("removed %s of %s from %s (%s): %.1f MB freed", counted(len(removed), "older conversion"), p,
+                 parent, ", ".join(d.name for d in removed), freed / 1e6)
     return removed
 
 

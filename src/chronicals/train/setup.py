@@ -288,8 +288,8 @@ def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path, rank: int = 0, wor
     shape = d.loader_shape(warn=rank == 0)  # warns when a data.batch_size beside tokens_per_batch goes unused
     train_loader = PackedLoader(ds, max_seq_len=d.max_seq_len, seed=cfg.train.seed, shuffle=True, rank=rank,
                                 world_size=world_size, remainder=d.dp_remainder, **shape)
-    log.info("training data: %d example%s -> %d batch%s per epoch%s; packing %s", len(ds), "s" * (len(ds) != 1),
-             len(train_loader), "es" * (len(train_loader) != 1),
+    log.info("training data: %s -> %s per epoch%s; packing %s", counted(len(ds), "example"),
+             counted(len(train_loader), "batch", "batches"),
              f" per rank ({world_size} ranks)" if world_size > 1 else "", train_loader.stats)
     if rank == 0 and train_loader.rows_left_out:
         _warn_rows_left_out(train_loader, d)
