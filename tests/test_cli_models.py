@@ -64,19 +64,13 @@ def test_load_returns_the_model_in_eval_mode_and_no_tokenizer_when_asked_for_non
         assert torch.equal(model(ids), model(ids))
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="chronicals chat")
-    p.exit_on_error = False
-    return p
-
-
 def test_a_pt_file_other_than_state_pt_given_with_base_is_no_checkpoint(tmp_path, capsys):
     """--model x/weights.pt --base M: not a run's checkpoint, so "leave --base out"; only a checkpoint's state.pt is
     answered with "pass its checkpoint directory" (any .pt file was taken for one)."""
     (tmp_path / "weights.pt").write_bytes(b"x")
     a = argparse.Namespace(model=str(tmp_path / "weights.pt"), base=str(tmp_path), adapter=None)
     with pytest.raises(SystemExit):
-        _model_and_base(_parser(), a)
+        _model_and_base(argparse.ArgumentParser(prog="chronicals chat"), a)
     err = capsys.readouterr().err
     assert "is not a run's checkpoint (runs/x/checkpoints/step-N), and --base is only for one: leave --base out" \
         in err, err

@@ -373,17 +373,24 @@ def test_a_tokenizer_with_another_vocabulary_gets_another_fingerprint():
     assert tokenizer_fingerprint(a) == tokenizer_fingerprint(_word_level(dict(vocab)))
 
 
-@pytest.mark.parametrize("kind", ["start", "end", "empty"])
-def test_an_entry_from_before_the_digest_with_bad_offsets_is_rebuilt(tokenizer, tmp_path, caplog, kind):
-    """An entry written before meta.json carried the arrays' digest (the same CACHE_VERSION, so still read) has only
-    load()'s checks between a damaged offsets.npy and training: documents that skip tokens, cut into others or are
-    empty. It is said to be damaged and rebuilt."""
+def _pre_digest_entry(tokenizer, tmp_path):
+    """(data file, its dataset, its cache entry) with the digest taken out of the entry's meta.json, as an entry
+    written before meta.json carried one."""
     data = write_jsonl(tmp_path / "d.jsonl", ROWS)
     first = load(data, tokenizer, tmp_path / "cache")
     [entry] = [tmp_path / "cache" / n for n in _entries(tmp_path / "cache")]
     meta = json.loads((entry / "meta.json").read_text())
     del meta["digest"]
     (entry / "meta.json").write_text(json.dumps(meta))
+    return data, first, entry
+
+
+@pytest.mark.parametrize("kind", ["start", "end", "empty"])
+def test_an_entry_from_before_the_digest_with_bad_offsets_is_rebuilt(tokenizer, tmp_path, caplog, kind):
+    """An entry written before meta.json carried the arrays' digest (the same CACHE_VERSION, so still read) has only
+    load()'s checks between a damaged offsets.npy and training: documents that skip tokens, cut into others or are
+    empty. It is said to be damaged and rebuilt."""
+    data, first, entry = _pre_digest_entry(tokenizer, tmp_path)
     off = np.load(entry / "offsets.npy")
     if kind == "start":  # the first document starts past token 0
         off[0] = 1
@@ -401,12 +408,7 @@ def test_an_entry_from_before_the_digest_with_bad_offsets_is_rebuilt(tokenizer, 
 def test_an_intact_entry_from_before_the_digest_is_loaded(tokenizer, tmp_path, caplog):
     """The digest check applies only to an entry that has one: a pre-digest entry with intact arrays is loaded from
     the cache as it is (checking it regardless raised a bare KeyError out of load_dataset)."""
-    data = write_jsonl(tmp_path / "d.jsonl", ROWS)
-    first = load(data, tokenizer, tmp_path / "cache")
-    [entry] = [tmp_path / "cache" / n for n in _entries(tmp_path / "cache")]
-    meta = json.loads((entry / "meta.json").read_text())
-    del meta["digest"]
-    (entry / "meta.json").write_text(json.dumps(meta))
+    data, first, entry = _pre_digest_entry(tokenizer, tmp_path)
     with caplog.at_level(logging.INFO, logger="chronicals.data"):
         again = load(data, tokenizer, tmp_path / "cache")
     assert "loaded 6 documents from cache" in caplog.text and "damaged" not in caplog.text

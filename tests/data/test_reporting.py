@@ -6,6 +6,7 @@ import logging
 import pytest
 
 from chronicals.data import load_dataset
+from chronicals.data.dataset import _summary_line
 from chronicals.data.readers import resolve_files
 
 
@@ -284,3 +285,15 @@ def test_a_blank_reply_in_a_conversational_prompt_is_not_an_empty_target(tokeniz
     assert ds.stats.empty_targets == 0 and not [m for m in messages(caplog, logging.WARNING) if "empty" in m]
     q = write(tmp_path / "d.jsonl", [{"prompt": prompt, "completion": [{"role": "assistant", "content": " "}]}])
     assert load_dataset(q, tokenizer, max_seq_len=128).stats.empty_targets == 1
+
+
+def test_the_data_summary_counts_files_records_and_files_past_eight_in_both_numbers():
+    """The summary line of what was read: "1 file ..., 1 record" and, past eight files listed, "and 1 more file"."""
+    assert _summary_line("train", ["a.jsonl"], [1], ["chat"], "auto") == "train: 1 file (a.jsonl), 1 record; " \
+                                                                          "format auto -> chat"
+    files = [f"d/{i}.jsonl" for i in range(9)]
+    line = _summary_line("train", files, [2] * 9, ["chat", "text"] * 4 + ["chat"], "auto")
+    assert line.startswith("train: 9 files (") and ", 18 records; format auto -> 0.jsonl: chat" in line, line
+    assert line.endswith("; 7.jsonl: text; and 1 more file"), line
+    line = _summary_line("train", files + ["d/9.jsonl"], [2] * 10, ["chat", "text"] * 5, "auto")
+    assert line.endswith("; and 2 more files"), line

@@ -111,14 +111,19 @@ def test_without_gradients_the_weights_are_not_concatenated(tiny_hf_config, monk
     torch.testing.assert_close(logits_eval, logits_grad.detach(), **TOL[torch.float32])
 
 
-def test_lora_and_other_modules_take_the_separate_path(tiny_hf_config):
-    model, attn, mlp = _model(tiny_hf_config, "qwen2")
-    apply_lora(model, r=2, alpha=4, target_modules=("q_proj", "gate_proj"))
+def _lora_with_live_b(model, targets) -> None:
+    """LoRA (r=2) on ``targets``, each B drawn from a seeded normal (B = 0 after init makes the adapter a no-op)."""
+    apply_lora(model, r=2, alpha=4, target_modules=targets)
     g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # B = 0 after init would make the adapter a no-op
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+def test_lora_and_other_modules_take_the_separate_path(tiny_hf_config):
+    model, attn, mlp = _model(tiny_hf_config, "qwen2")
+    _lora_with_live_b(model, ("q_proj", "gate_proj"))
     x = _x(attn.q_proj.in_features, torch.float32)
     q, k, v = qkv_proj(attn, x)
     want = attn.q_proj(x).view(q.shape)
@@ -159,12 +164,7 @@ def test_every_one_of_three_modules_is_checked(tiny_hf_config):
     assert fusable(nn.Linear(4, 4).double(), nn.Linear(4, 2).double(), nn.Linear(4, 2).double()) is None
 
     model, attn, mlp = _model(tiny_hf_config, "llama3")
-    apply_lora(model, r=2, alpha=4, target_modules=("v_proj", "up_proj"))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # B = 0 after init would make the adapter a no-op
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    _lora_with_live_b(model, ("v_proj", "up_proj"))
     x = _x(attn.q_proj.in_features, torch.float32)
     q, k, v = qkv_proj(attn, x)
     torch.testing.assert_close(v, attn.v_proj(x).view(v.shape), rtol=0, atol=0)

@@ -117,9 +117,9 @@ def test_rows_left_out_warning_counts_documents_in_the_singular_and_plural(caplo
     from chronicals.train.setup import _warn_rows_left_out
 
     d = SimpleNamespace(tokens_per_batch=None, batch_size=3)
-    for left, docs, noun in ((1, 10, "1 document,"), (3, 10, "3 documents,"), (0, 10, "0 documents,")):
-        dataset = type("Dataset", (), {"__len__": lambda self, n=docs: n, "stats": SimpleNamespace(loss_tokens=100)})
-        loader = SimpleNamespace(rows=list(range(10)), world_size=2, rows_left_out=left, dataset=dataset())
+    dataset = type("Dataset", (), {"__len__": lambda self: 10, "stats": SimpleNamespace(loss_tokens=100)})()
+    for left, noun in ((1, "1 document,"), (3, "3 documents,"), (0, "0 documents,")):
+        loader = SimpleNamespace(rows=list(range(10)), world_size=2, rows_left_out=left, dataset=dataset)
         caplog.clear()
         with caplog.at_level("WARNING", logger="chronicals.train"):
             _warn_rows_left_out(loader, d)
