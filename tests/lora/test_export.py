@@ -127,6 +127,20 @@ def test_export_no_merge_says_nothing_of_missing_tokenizer_files(tmp_path, capsy
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
 
 
+def test_export_no_merge_never_reads_the_bases_tokenizer(tmp_path):
+    """export --no-merge writes only the adapter: the base's tokenizer is not loaded, so a base whose tokenizer.json
+    is damaged (or slow to build) does not stop an export that never writes a tokenizer."""
+    base = save_model(tiny_model(), None, tmp_path / "base")
+    (base / "tokenizer.json").write_text("{ not json")
+    model = tiny_model()
+    apply_lora(model, r=2, alpha=4)
+    randomize_lora_b(model)
+    adapter = save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(base))
+    out = tmp_path / "peft"
+    assert main(["export", "--no-merge", "--adapter", str(adapter), "--out", str(out)]) == 0
+    assert (out / "adapter_model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("out", ["~/base", "~/adapter/merged"])
 def test_export_guards_the_base_and_adapter_given_with_a_tilde(tmp_path, monkeypatch, capsys, out):
     """--base=~/base --out=~/base: no shell expands '~' after '=', and the checks that --out is not the base or the
