@@ -433,15 +433,22 @@ def test_no_merge_writes_the_steps_adapter_that_peft_loads(run, tiny_base, tmp_p
         torch.testing.assert_close(hf.eval()(input_ids=ids).logits, ours.eval()(ids), rtol=1e-4, atol=1e-4)
 
 
-def test_on_a_bf16_base_a_checkpoint_loads_as_the_runs_adapter(run, tiny_base):
+@pytest.mark.parametrize("trained", ["default", "bfloat16"])
+def test_on_a_bf16_base_a_checkpoint_loads_as_the_runs_adapter(run, tiny_base, tmp_path, trained):
     """chat / eval --dtype bfloat16: a checkpoint's A and B go into float32 as load_adapter puts the run's adapter/
-    (PEFT's default on a bf16 base): the same values as state.pt's, the same logits bit for bit. They were rounded
-    to bf16 before, while load_adapter now keeps fp32 (tests/lora/test_adapter_dtype.py)."""
+    (PEFT's default on a bf16 base): state.pt's fp32 masters where the run kept them (a bf16 run: the default on
+    CUDA), else its weights; the same logits bit for bit. They were rounded to bf16 before, while load_adapter now
+    keeps fp32 (tests/lora/test_adapter_dtype.py). This compared with the stored weights alone, which failed on
+    CUDA, where the default run trains bf16 weights beside fp32 masters."""
     from chronicals import load_model
     from chronicals.lora import load_adapter
-    from chronicals.train.checkpoint import _read_state
+    from chronicals.train.checkpoint import _read_state, masters_by_name
     from chronicals.train.checkpoint_adapter import apply_checkpoint_adapter
 
+    if trained == "bfloat16":  # the CUDA default's bf16 weights and fp32 masters, on any machine
+        run = tmp_path / "run"
+        assert main(["train", f"model.path={tiny_base}", f"train.out_dir={run}", "lora.rank=4", "model.dtype=bfloat16",
+                     "lora.modules_to_save=[norm]", *RUN_ARGS]) == 0
     step2 = run / "checkpoints" / "step-000002"
     ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
     logits, loras = [], []
@@ -452,8 +459,11 @@ def test_on_a_bf16_base_a_checkpoint_loads_as_the_runs_adapter(run, tiny_base):
         assert loras[-1] and all(p.dtype == torch.float32 for p in loras[-1].values())
         with torch.no_grad():
             logits.append(model.eval()(ids))
-    saved = _read_state(step2 / "state.pt")["model"]
-    assert all(torch.equal(p, saved[n]) for n, p in loras[0].items())
+    state = _read_state(step2 / "state.pt")
+    masters = masters_by_name(state)
+    assert bool(masters) == (state["model"][next(iter(loras[0]))].dtype == torch.bfloat16)
+    want = {**state["model"], **masters}
+    assert all(torch.equal(p, want[n]) for n, p in loras[0].items())
     assert torch.equal(logits[0], logits[1])
 
 
