@@ -66,6 +66,21 @@ def test_result_tokens_per_s_is_loss_tokens_over_step_seconds(tmp_path, docs):
     want = sum(r["loss_tokens"] for r in steps) / sum(r["step_s"] for r in steps)
     assert res.tokens_per_s == pytest.approx(want, rel=1e-6)
     assert res.train_seconds == pytest.approx(sum(r["step_s"] for r in steps), rel=1e-6)
+    # the summary's rate without the first step's warm-up: steps 2 and 3 alone
+    assert res.first_step_seconds == pytest.approx(steps[0]["step_s"], rel=1e-6)
+    want = sum(r["loss_tokens"] for r in steps[1:]) / sum(r["step_s"] for r in steps[1:])
+    assert res.tokens_per_s_after_first == pytest.approx(want, rel=1e-6)
+
+
+def test_a_resumed_process_times_its_own_first_step_apart(tmp_path, docs):
+    """After a resume at step 2, the warm-up the summary sets apart is step 3's (this process's first), and the rate
+    after it counts step 4 alone; step 1 of the earlier process is no step of this one."""
+    for steps in (2, 4):
+        res = train(tiny_config(tmp_path, train__max_steps=steps, train__save_every=2, train__resume="auto"),
+                    model=tiny_model(), train_loader=SyntheticLoader(docs))
+    recs = {r["step"]: r for r in _records(tmp_path / "run") if r.get("kind") == "train"}
+    assert res.start_step == 2 and res.first_step_seconds == pytest.approx(recs[3]["step_s"], rel=1e-6)
+    assert res.tokens_per_s_after_first == pytest.approx(recs[4]["loss_tokens"] / recs[4]["step_s"], rel=1e-6)
 
 
 def test_the_result_holds_the_last_loss_and_the_training_data_stats(tmp_path, docs):

@@ -52,6 +52,10 @@ def test_the_summary_counts_eval_qa_limit_questions_and_says_before_and_after_ap
     assert "held-out answers with their keywords: 0% (0/2) -> 100% (2/2)" in text
     assert text.count("  before [ ] answer 1") == 2 and text.count("  after  [x] answer 2") == 2
     assert "training: 3 steps in 1.0 s" in text and "resumed" not in text
+    assert "after the first step" not in text  # a result without the rate after the first step: nothing said
+    res.first_step_seconds, res.tokens_per_s_after_first = 0.8, 1234.5
+    assert "training: 3 steps in 1.0 s, 10 loss tokens/s (1,234 after the first step, which took 0.8 s with its " \
+           "one-time warm-up); total wall time" in rep.summary(res)
 
 
 def test_held_out_questions_without_an_eval_loss_are_still_answered(monkeypatch, tmp_path):

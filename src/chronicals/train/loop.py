@@ -97,6 +97,8 @@ class _Pending:
 class _LoopState:
     train_time: float = 0.0
     loss_tokens: int = 0
+    first_step_s: float = 0.0  # this process's first step: its one-time warm-up (autotuning, compiling, capture)
+    first_loss_tokens: int = 0
     others_stop: bool = False  # data parallel: some rank got a signal (the all-ranks max of the flags)
     saves: int = 0  # checkpoints taken
 
@@ -493,6 +495,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         n_loss, dt = int(n_loss), rb.readback.seconds()
         state.train_time += dt
         state.loss_tokens += n_loss
+        if rb.step == start + 1:
+            state.first_step_s, state.first_loss_tokens = dt, n_loss
         state.others_stop = state.others_stop or others_stop > 0
         # loss, loss_tokens, tokens_per_s: all ranks'; mfu: this rank's computed tokens on its GPU
         rec = {"kind": "train", "step": rb.step, "loss": loss_val, "lr": rb.lr, "grad_norm": gnorm,
@@ -612,6 +616,9 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
             result.checkpoint = save(total, wait=True)
     result.train_seconds = state.train_time
     result.tokens_per_s = state.loss_tokens / state.train_time if state.train_time else 0.0
+    result.first_step_seconds = state.first_step_s
+    rest = state.train_time - state.first_step_s
+    result.tokens_per_s_after_first = (state.loss_tokens - state.first_loss_tokens) / rest if rest > 0 else 0.0
     if result.status == "completed" and bool(dp.all_reduce_flag(late.signum is not None)):
         # every step trained and checkpointed; the closing evaluation and final directory are left to the resume,
         # which finds the run done and does both (finish._already_done)

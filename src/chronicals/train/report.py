@@ -76,8 +76,10 @@ class RunReport:
         steps = counted(ran, "step") + (
             f" (resumed at step {result.start_step}, now at {result.step} of {result.total_steps})"
             if result.start_step else "")
-        lines.append(f"training: {steps} in {result.train_seconds:.1f} s, {result.tokens_per_s:,.0f} loss tokens/s; "
-                     f"total wall time {time.perf_counter() - self.t_start:.0f} s")
+        warm = (f" ({result.tokens_per_s_after_first:,.0f} after the first step, which took "
+                f"{result.first_step_seconds:.1f} s with its one-time warm-up)" if result.tokens_per_s_after_first else "")
+        lines.append(f"training: {steps} in {result.train_seconds:.1f} s, {result.tokens_per_s:,.0f} loss tokens/s"
+                     f"{warm}; total wall time {time.perf_counter() - self.t_start:.0f} s")
         out = result.out_dir
         if result.final_dir is not None:
             kind = "adapter (PEFT format)" if self.cfg.lora.enabled else "model (Hugging Face format)"
