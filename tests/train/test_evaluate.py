@@ -155,6 +155,24 @@ def test_the_trainers_data_errors_name_config_keys_not_load_dataset(tokenizer, t
     assert "load_dataset" not in str(e.value)
 
 
+def test_the_training_data_line_says_how_the_rows_were_packed_in_words(tokenizer, tmp_path, caplog):
+    """build_loaders logs the packing in words, its counts from the loader's stats: it logged the stats dict
+    (efficiency 0.2800071022727273 in the demo's log)."""
+    from chronicals.train.setup import build_loaders
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join('{"text": "%s"}\n' % ("word " * n) for n in (3, 5, 9, 2, 7)))
+    with caplog.at_level(logging.INFO, logger="chronicals"):
+        loader, _, _ = build_loaders(_cfg(tmp_path, f"data.path={train}", "data.eval_path=", "data.batch_size=2"),
+                                     tokenizer, tmp_path / "run")
+    st = loader.stats
+    assert st["rows"] > 1 and 0 < st["loss_tokens"] < st["tokens"] < st["slots"]  # every count its own number
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("training data: "))
+    assert line == (f"training data: 5 examples -> {len(loader)} batches per epoch; packed into {st['rows']} rows: "
+                    f"{st['tokens']} tokens in {st['slots']} slots ({st['tokens'] / st['slots']:.1%} full), "
+                    f"{st['loss_tokens']} with loss (efficiency {st['loss_tokens'] / st['slots']:.1%})"), line
+
+
 def test_a_bad_held_out_record_is_named_with_the_data_it_is_in(tokenizer, tmp_path):
     """A bad record of a held-out file fails as "the held-out set: FILE:LINE: ..." in train's loaders and "the data to
     score: FILE:LINE: ..." in chronicals eval's; without the prefix the record error named only a file and line."""
