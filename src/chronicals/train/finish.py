@@ -31,7 +31,7 @@ class TrainResult:
     last_loss: float | None = None
     tokens_per_s: float = 0.0  # loss tokens per second of training steps (eval excluded)
     train_seconds: float = 0.0
-    first_step_seconds: float = 0.0  # this process's first step, one-time warm-up included (10.6 of the demo's
+    first_step_seconds: float = 0.0  # this process's first step, one-time warm-up included (10.5 of the demo's
     # 10.8 s of training on an H100: Triton autotuning, compiling, the CUDA-graph capture)
     tokens_per_s_after_first: float = 0.0  # loss tokens per second of the steps after it (0: fewer than 2 steps)
     plot: Path | None = None
