@@ -114,7 +114,7 @@ def test_csv_row_with_too_few_fields_is_counted_like_too_many(tmp_path):
     p = tmp_path / "short.csv"
     p.write_text('prompt,completion\nok,fine\nshort row\na,b,c\n"",\n')
     recs = read_file(p)
-    assert [r.error for r in recs] == [None, "1 fields, expected 2 (the header's columns)",
+    assert [r.error for r in recs] == [None, "1 field, expected 2 (the header's columns)",
                                        "3 fields, expected 2 (the header's columns)", None]
     assert recs[1].where == f"{p}:3" and recs[3].data == {"prompt": "", "completion": ""}
 

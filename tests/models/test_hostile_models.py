@@ -193,7 +193,7 @@ def _gguf(tmp_path, tiny_hf_config, name, sd_edit=None, arch="llama", **cfg_over
      r"tensors of other shapes: model\.layers\.0\.mlp\.up_proj\.weight \(40, 32\) \(expected \(56, 32\)\)"),
     ("missing.gguf", lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight"), {},
      r"missing tensors: model\.layers\.1\.mlp\.up_proj\.weight"),
-    ("layers.gguf", None, {"num_hidden_layers": 1}, r"\(llama, 1 layers, hidden 32\); tensors beyond them: "
+    ("layers.gguf", None, {"num_hidden_layers": 1}, r"\(llama, 1 layer, hidden 32\); tensors beyond them: "
                                                     r"model\.layers\.1\.input_layernorm\.weight"),
 ])
 def test_gguf_tensors_that_disagree_with_its_metadata_name_the_gguf(tmp_path, tiny_hf_config, chronicals_cache, name,

@@ -150,7 +150,7 @@ def test_a_last_step_that_ruins_the_model_is_a_divergence_not_a_success(tmp_path
 
     cfg = tiny_config(tmp_path, train__max_steps=2, train__save_final=True, logging__plot=True)
     with pytest.raises(TrainingDiverged, match=r"held-out loss is nan after step 2: the weights there are not finite "
-                                               r"\(1 tensors, e.g. model.norm.weight\); the final model is not written"):
+                                               r"\(1 tensor, e.g. model.norm.weight\); the final model is not written"):
         train(cfg, model=model, train_loader=SyntheticLoader(docs), eval_loader=SyntheticLoader(docs[:4], shuffle=False),
               on_step=poison)
     run = tmp_path / "run"
@@ -187,7 +187,7 @@ def test_nan_weights_before_the_first_step_are_named(tmp_path, docs, fused):
         dict(model.named_parameters())["model.layers.0.mlp.down_proj.weight"].view(-1)[3] = float("inf")
     cfg = tiny_config(tmp_path, train__max_steps=2, optim__fused=fused)
     with pytest.raises(TrainingDiverged, match=r"at step 1, the first this process ran, and the model's weights held "
-                                               r"NaN/inf before any update: 1 tensors, e.g. model\.layers\.0\.mlp\.down_proj"):
+                                               r"NaN/inf before any update: 1 tensor, e.g. model\.layers\.0\.mlp\.down_proj"):
         train(cfg, model=model, train_loader=SyntheticLoader(docs))
 
 
@@ -201,7 +201,7 @@ def test_damaged_base_weights_at_a_resumed_first_step_are_named(tmp_path, docs, 
     with torch.no_grad():
         dict(model.named_parameters())["model.layers.0.mlp.down_proj.weight"].view(-1)[3] = float("inf")
     with pytest.raises(TrainingDiverged, match=r"at step 2, the first this process ran, and the model's weights held "
-                                               r"NaN/inf before any update: 1 tensors, e.g. model\.layers\.0\.mlp"):
+                                               r"NaN/inf before any update: 1 tensor, e.g. model\.layers\.0\.mlp"):
         train(tiny_config(tmp_path, train__max_steps=2, train__resume="auto", **over), model=model,
               train_loader=SyntheticLoader(docs))
 

@@ -293,7 +293,7 @@ def test_the_first_steps_divergence_names_the_quantity_that_was_not_finite():
 
     never = lambda: pytest.fail("no last good checkpoint is asked for at the first step")  # noqa: E731
     with pytest.raises(TrainingDiverged, match=r"^loss is not finite at step 1, the first this process ran, "
-                                               r".*1 tensors, e\.g\. w"):
+                                               r".*1 tensor, e\.g\. w"):
         _check_finite(1, math.nan, 1.0, never, lambda: ["w"])
     for loss in (math.nan, math.inf):
         with pytest.raises(TrainingDiverged, match=r"^loss is not finite at step 4, the first this process ran"):

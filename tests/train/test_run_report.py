@@ -46,6 +46,10 @@ def test_the_summary_counts_eval_qa_limit_questions_and_says_before_and_after_ap
     assert calls == [2, 2]
     assert any(s.startswith("  answered 2 held-out questions") and s.endswith("0/2 contain their keywords")
                for s in said)
+    one = []  # eval.qa_limit=1: "1 held-out question" (it said "1 held-out questions")
+    report.RunReport(from_dict({"eval": {"qa_limit": 1}, "train": {"out_dir": str(tmp_path)}}), out=one.append)(
+        "before", model=None, tokenizer=object(), eval_loss=None, heldout_qa=heldout)
+    assert any(s.startswith("  answered 1 held-out question in ") for s in one), one
     res = TrainResult(status="completed", step=3, total_steps=3, out_dir=tmp_path, train_seconds=1.0, tokens_per_s=10.0)
     text = rep.summary(res)
     assert text.count("Q: ") == 2

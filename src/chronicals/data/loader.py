@@ -233,8 +233,8 @@ class PackedLoader:
                      "saved): the training data are not checked against it")
         elif digest is not None and saved_digest != digest:  # the same counts, other documents
             detail = (f"its dataset had other contents (digest {saved_digest}, this one {digest}) although both "
-                      f"pack into {len(self.rows)} rows, so its position (batch {state.get('position')} of epoch "
-                      f"{state.get('epoch')}) would point at other documents")
+                      f"pack into {counted(len(self.rows), 'row')}, so its position (batch {state.get('position')} "
+                      f"of epoch {state.get('epoch')}) would point at other documents")
             raise DataChanged(f"PackedLoader.load_state_dict: the training data changed since the saved loader's "
                               f"state was written: {detail}; resume with the original data, or start fresh", detail)
         for key in ("epoch", "position"):

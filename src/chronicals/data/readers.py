@@ -448,8 +448,8 @@ def _iter_csv(path: Path) -> Iterator[Record]:
                                         "header; expected distinct column names (rename or remove the extra columns)")
                     continue
                 if len(row) != len(names):
-                    yield Record(f"{path}:{start}", None, f"{len(row)} fields, expected {len(names)} (the header's "
-                                                          "columns)")
+                    yield Record(f"{path}:{start}", None,
+                                 f"{counted(len(row), 'field')}, expected {len(names)} (the header's columns)")
                     continue
                 yield Record(f"{path}:{start}", dict(zip(names, row)), from_csv=True)
         except UnicodeDecodeError:  # decoded in blocks ahead of the rows: the whole file says where, once

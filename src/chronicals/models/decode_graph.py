@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .._words import counted
 from ..ops.attention import attention_ref
 
 
@@ -53,8 +54,8 @@ class StaticKVCache:
             self.filled = s
             return attention_ref(q, k, v)
         if s != 1 or q.shape[0] != self.k.shape[0]:
-            raise ValueError(f"StaticKVCache: after the prompt, feed one token a row to its {self.k.shape[0]} rows, "
-                             f"q of shape (B, 1, H, D); got {tuple(q.shape)}")
+            raise ValueError(f"StaticKVCache: after the prompt, feed one token a row to its "
+                             f"{counted(self.k.shape[0], 'row')}, q of shape (B, 1, H, D); got {tuple(q.shape)}")
         self.k.index_copy_(1, self.pos, k)
         self.v.index_copy_(1, self.pos, v)
         mask = (self.slots <= self.pos).view(1, 1, 1, -1)  # (1, 1, 1, L): slots written so far

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .._words import counted
 from .config import ModelConfig
 from .decoder import CausalLM
 from .gguf_cache import CACHE_ENTRY, TOKENIZER_ERROR, cached_conversion, tokenizer_error_json
@@ -322,7 +323,7 @@ def _check_tensors(sd: dict[str, tuple[int, ...]], cfg: ModelConfig, source: str
                     for what, names in (("missing tensors", missing), ("tensors beyond them", unexpected),
                                         ("tensors of other shapes", wrong)) if names]
         raise ValueError(f"{source}: the tensors do not match the file's metadata ({cfg.model_type}, "
-                         f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}); {'; '.join(problems)} "
+                         f"{counted(cfg.num_hidden_layers, 'layer')}, hidden {cfg.hidden_size}); {'; '.join(problems)} "
                          "(HF names); the file is damaged or was written by a converter we do not know: convert the "
                          "model again with llama.cpp's convert_hf_to_gguf.py, or load its safetensors release")
 

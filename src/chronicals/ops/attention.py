@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from .._words import counted
 from ._impl import log, resolve_impl
 
 _logged_notes: set[str] = set()
@@ -75,7 +76,7 @@ def _check_within_rows(cu_seqlens: torch.Tensor, seqlen: int) -> None:
     if bool(crossing.any()):
         i = int(crossing.nonzero()[0, 0])
         raise ValueError(f"attention: document {i} (tokens {int(starts[i])}..{int(ends[i]) - 1} of cu_seqlens) runs "
-                         f"across a row boundary (rows of {seqlen} tokens); pack each document into one row "
+                         f"across a row boundary (rows of {counted(seqlen, 'token')}); pack each document into one row "
                          "(chronicals.data's collator does)")
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .._words import counted
 from ..config import TrainConfig, from_dict
 from ..config_schema import stored_config
 from .checkpoint import STATE_FILE, _read_state, masters_by_name
@@ -215,8 +216,9 @@ def apply_checkpoint_adapter(model: torch.nn.Module, path: str | Path, adapter_d
     shapes = [n for n, t in ck.tensors.items() if n in params and t.shape != params[n].shape]
     if set(ck.tensors) != trainable or shapes:
         odd = sorted(set(ck.tensors) ^ trainable) + shapes
-        raise ValueError(f"checkpoint {path} does not fit this base ({len(odd)} tensors differ in name or shape, e.g. "
-                         f"{odd[0]}): it was trained on {ck.base or 'a model it does not name'}; pass that model")
+        raise ValueError(f"checkpoint {path} does not fit this base ({counted(len(odd), 'tensor')} of another name or "
+                         f"shape, e.g. {odd[0]}): it was trained on {ck.base or 'a model it does not name'}; pass "
+                         "that model")
     with torch.no_grad():
         for name, t in ck.tensors.items():
             params[name].copy_(t)

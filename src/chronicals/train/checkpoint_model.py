@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .._words import counted
 from ..models.loading import SHORT_NAMES, load_model
 from .checkpoint_adapter import CheckpointAdapter, read_run_checkpoint
 
@@ -59,9 +60,9 @@ def apply_checkpoint_weights(model: torch.nn.Module, path: str | Path, rounded: 
     odd = sorted(n for n, t in ck.tensors.items() if n not in params or t.shape != params[n].shape)
     if odd:
         model_is = f"--base {given}" if given else "this model"
-        raise ValueError(f"checkpoint {path} does not fit {model_is} ({len(odd)} tensors differ in name or shape, "
-                         f"e.g. {odd[0]}): it was trained from {ck.base or 'a model it does not name'}; pass that "
-                         "model" + (", or where it has moved to, as --base" if given else ""))
+        raise ValueError(f"checkpoint {path} does not fit {model_is} ({counted(len(odd), 'tensor')} of another name "
+                         f"or shape, e.g. {odd[0]}): it was trained from {ck.base or 'a model it does not name'}; "
+                         "pass that model" + (", or where it has moved to, as --base" if given else ""))
     with torch.no_grad():
         for name, t in ck.tensors.items():
             # fp32 master -> bf16: round to nearest, as MasterWeightAdamW writes its params

@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from .._words import counted
+
 
 class TrainingDiverged(RuntimeError):
     """The loss or gradient norm became NaN/inf; the last good checkpoint is kept."""
@@ -29,8 +31,9 @@ def _check_finite(step: int, loss_val: float, gnorm: float, last_good, bad_weigh
     if bad:
         raise TrainingDiverged(f"{'loss' if not math.isfinite(loss_val) else 'gradient norm'} is not finite at step "
                                f"{step}, the first this process ran, and the model's weights held NaN/inf before any "
-                               f"update: {len(bad)} tensors, e.g. {', '.join(bad[:3])}; the checkpoint (or model) it "
-                               "started from is damaged: load an intact copy (a lower optim.lr would not help)")
+                               f"update: {counted(len(bad), 'tensor')}, e.g. {', '.join(bad[:3])}; the checkpoint "
+                               "(or model) it started from is damaged: load an intact copy (a lower optim.lr would "
+                               "not help)")
     good = last_good()
     # a large lr can leave finite but ruined weights in the checkpoints before the NaN: starting over is the other way
     where = (f"The last good checkpoint is {good}; train.resume=auto continues from it with the changed settings, "

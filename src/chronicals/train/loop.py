@@ -438,9 +438,10 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         if tag != "before" and not math.isfinite(loss):  # the guard checks each step before its update: the last
             # one's (or one before an interval evaluation) was never checked, and a ruined model exited 0 "completed"
             bad = nonfinite_weights(model)
+            weights = (f"not finite ({counted(len(bad), 'tensor')}, e.g. {bad[0]})" if bad else
+                       "finite, but give a non-finite loss")
             raise TrainingDiverged(
-                f"held-out loss is {loss} after step {step}: the weights there are "
-                f"{f'not finite ({len(bad)} tensors, e.g. {bad[0]})' if bad else 'finite, but give a non-finite loss'}"
+                f"held-out loss is {loss} after step {step}: the weights there are {weights}"
                 f"; the final {'adapter' if cfg.lora.enabled else 'model'} is not written. Checkpoints from step "
                 f"{step} on hold these weights: resume from an earlier one (train.resume=PATH) with a lower optim.lr "
                 "or a longer schedule.warmup_steps, or start over (train.resume=none)")

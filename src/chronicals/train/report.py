@@ -32,7 +32,7 @@ class RunReport:
         self.qa = qa
         t0 = time.perf_counter()
         res = answer_all(model, tokenizer, qa, heldout_system_prompt(self.cfg.data), self.cfg.eval.max_new_tokens)
-        self.out(f"  answered {len(qa)} held-out questions in {time.perf_counter() - t0:.1f} s: "
+        self.out(f"  answered {counted(len(qa), 'held-out question')} in {time.perf_counter() - t0:.1f} s: "
                  f"{sum(res.correct)}/{len(qa)} contain their keywords")
         return res
 
@@ -76,8 +76,9 @@ class RunReport:
         steps = counted(ran, "step") + (
             f" (resumed at step {result.start_step}, now at {result.step} of {result.total_steps})"
             if result.start_step else "")
-        warm = (f" ({result.tokens_per_s_after_first:,.0f} after the first step, which took "
-                f"{result.first_step_seconds:.1f} s with its one-time warm-up)" if result.tokens_per_s_after_first else "")
+        warm = "" if not result.tokens_per_s_after_first else (
+            f" ({result.tokens_per_s_after_first:,.0f} after the first step, which took "
+            f"{result.first_step_seconds:.1f} s with its one-time warm-up)")
         lines.append(f"training: {steps} in {result.train_seconds:.1f} s, {result.tokens_per_s:,.0f} loss tokens/s"
                      f"{warm}; total wall time {time.perf_counter() - self.t_start:.0f} s")
         out = result.out_dir
