@@ -196,7 +196,7 @@ def test_resume_with_other_batch_settings_fails():
     a = PackedLoader(ds, batch_size=64, max_seq_len=24, seed=0)
     b = PackedLoader(ds, batch_size=64, max_seq_len=40, seed=0)
     assert len(a) == len(b) == 1 and len(a.rows) != len(b.rows)
-    with pytest.raises(LoaderMismatch, match=f"{len(a.rows)} packed rows and 1 batches per epoch, this one seed=0, "
+    with pytest.raises(LoaderMismatch, match=f"{len(a.rows)} packed rows and 1 batch per epoch, this one seed=0, "
                                              f"{len(b.rows)} and 1"):
         b.load_state_dict(a.state_dict())
 

@@ -70,7 +70,7 @@ def test_the_static_cache_refuses_what_does_not_fit_its_slots_or_rows(tiny_hf_co
             step.model.hidden_states(torch.randint(3, 97, (1, 2)), kv_caches=step.caches)
         with pytest.raises(ValueError, match=r"feed one token a row to its 1 row, .* got \(2, 1, "):
             step.model.hidden_states(torch.randint(3, 97, (2, 1)), kv_caches=step.caches)
-        with pytest.raises(ValueError, match="DecodeStep for 2 rows got 1 prompts"):
+        with pytest.raises(ValueError, match="DecodeStep for 2 rows got 1 prompt$"):
             DecodeStep(model, 6, batch=2).prefill(torch.randint(3, 97, (1, 4)))
 
 

@@ -208,8 +208,9 @@ class PackedLoader:
                                  f"setting, left the last {g % w} of {g} global batches out of each epoch "
                                  f"({saved[2]} per rank), this one trains them ({len(self)} per rank); resume it "
                                  "with remainder='drop' (data.dp_remainder=drop)")
-            detail = (f"the saved loader had seed={saved[0]}, {saved[1]} packed rows and {saved[2]} batches per "
-                      f"epoch, this one seed={self.seed}, {len(self.rows)} and {len(self)}")
+            detail = (f"the saved loader had seed={saved[0]}, {counted(saved[1], 'packed row')} and "
+                      f"{counted(saved[2], 'batch', 'batches')} per epoch, this one seed={self.seed}, {len(self.rows)} "
+                      f"and {len(self)}")
             raise LoaderMismatch(f"PackedLoader.load_state_dict: {detail}; resume with the same dataset, max_seq_len, "
                                  f"batch settings (batch_size, drop_last, world_size) and seed{other_ranks}",
                                  detail + other_ranks)

@@ -49,7 +49,7 @@ class StaticKVCache:
         if not self.filled:
             if s > self.k.shape[1]:
                 raise ValueError(f"StaticKVCache: a {s}-token prompt after {self.filled} tokens does not fit its "
-                                 f"{self.k.shape[1]} slots")
+                                 f"{counted(self.k.shape[1], 'slot')}")
             self.k[:, :s], self.v[:, :s] = k, v
             self.filled = s
             return attention_ref(q, k, v)
@@ -84,7 +84,8 @@ class DecodeStep:
         """ids (B, S) -> fp32 logits (B, V) of each row's last prompt token; the cache holds the prompts and
         pos = S."""
         if ids.shape[0] != self.token.shape[0]:
-            raise ValueError(f"DecodeStep for {self.token.shape[0]} rows got {ids.shape[0]} prompts")
+            raise ValueError(f"DecodeStep for {counted(self.token.shape[0], 'row')} got "
+                             f"{counted(ids.shape[0], 'prompt')}")
         h = self.model.hidden_states(ids, kv_caches=self.caches)[:, -1]
         self.pos.fill_(ids.shape[1])
         return self.model.lm_head(h).float()

@@ -258,7 +258,7 @@ def _warn_rows_left_out(loader, d) -> None:
         near = sorted(sizes, key=lambda b: (abs(b - d.batch_size), b))[:2]
         fix = (f"data.batch_size={' or '.join(map(str, sorted(near)))} (ceil({rows} / batch_size) a multiple of "
                f"{w} ranks)" if near else f"a data.batch_size that makes ceil({rows} / batch_size) a multiple of {w}")
-        fix += f", or a number of ranks that divides the {-(-rows // d.batch_size)} batches"
+        fix += f", or a number of ranks that divides the {counted(-(-rows // d.batch_size), 'batch', 'batches')}"
     log.warning("training data: %d of %d packed rows per epoch (about %s, %d loss tokens; %.1f%%) are "
                 "not trained: each of the %d ranks takes the same number of batches, and with "
                 "data.dp_remainder=drop the remainder batches are left out. The rows reshuffle each epoch, so other "
