@@ -254,7 +254,8 @@ def test_new_shape_beyond_max_graphs_runs_eagerly_with_a_warning(caplog):
         graphed = _train(twin, batches, graphs)
     _assert_same_training(eager, graphed)
     assert list(graphs.graphs) == [((2, 32, 0), False)] and graphs.eager_fallbacks == 2  # (shape, holds the all-reduce)
-    assert "not captured" in caplog.text
+    assert "not captured and the max_graphs limit (1 graph) is reached" in caplog.text
+    assert "(1 eager micro-batch so far)" in caplog.text and "(2 eager micro-batches so far)" in caplog.text
 
 
 @cuda

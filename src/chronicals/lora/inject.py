@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from .._words import counted
 from ..config import LORA_PROJECTIONS, LORA_VALUE_RULES, ConfigError, lora_names_problem
 from ..models.config import is_number
 from .group import bind_groups, unbind_groups
@@ -230,9 +231,9 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
         log.info("apply_lora: %s: each branch runs in the adapters' dtype (lora_linear_ref, PEFT's computation), "
                  "not in the fused layouts or groups", ", ".join(wide))
     if group:
-        log.info("apply_lora: %d LoRA groups (q/k/v, gate/up) run as one GEMM each", bind_groups(model))
-    log.info("apply_lora: r=%d alpha=%g scaling=%g on %d modules (%s), impl=%s; trainable %d of %d parameters",
-             r, alpha, rec.scaling, len(targets), target_modules, impl, rec.trainable_params, rec.total_params)
+        log.info("apply_lora: %s (q/k/v, gate/up) run as one GEMM each", counted(bind_groups(model), "LoRA group"))
+    log.info("apply_lora: r=%d alpha=%g scaling=%g on %s (%s), impl=%s; trainable %d of %d parameters",
+             r, alpha, rec.scaling, counted(len(targets), "module"), target_modules, impl, rec.trainable_params, rec.total_params)
     return rec
 
 

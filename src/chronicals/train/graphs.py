@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .._words import counted
 from ..models.decoder import judged_length
 from ..ops.attention_cudnn import MIN_DOCS, bucket
 from .step import loss_token_count
@@ -267,9 +268,10 @@ class GraphedStep:
 
     def _eager(self, batch, key) -> torch.Tensor:
         self.eager_fallbacks += 1
-        log.warning("cuda_graphs: batch shape %s is not captured and %d graphs (max_graphs) already are: running "
-                    "it eagerly (%d eager micro-batches so far); fixed shapes (data.max_seq_len, packed rows) "
-                    "avoid this", key[0], len(self.graphs), self.eager_fallbacks)
+        log.warning("cuda_graphs: batch shape %s is not captured and the max_graphs limit (%s) is reached: running "
+                    "it eagerly (%s so far); fixed shapes (data.max_seq_len, packed rows) avoid this", key[0],
+                    counted(len(self.graphs), "graph"),
+                    counted(self.eager_fallbacks, "eager micro-batch", "eager micro-batches"))
         d = self.device
         cu = None if batch.cu_seqlens is None else batch.cu_seqlens.to(d, non_blocking=True)
         return self._reduced(key[1], batch.input_ids.to(d, non_blocking=True),
@@ -348,7 +350,8 @@ class GraphedStep:
             self._assign = (key, cap)
         else:
             self.graphs[key] = cap
-        log.info("cuda_graphs: captured the step for (B, S, doc capacity)=%s%s (%d graphs; reserved memory %+.2f "
+        log.info("cuda_graphs: captured the step for (B, S, doc capacity)=%s%s (%s; reserved memory %+.2f "
                  "GiB incl. warm-up)", key[0], " with the gradient all-reduce" if comm else
-                 " writing the step's first gradients" if assign else "", len(self.graphs) + (self._assign is not None),
+                 " writing the step's first gradients" if assign else "",
+                 counted(len(self.graphs) + (self._assign is not None), "graph"),
                  (torch.cuda.memory_reserved(d) - reserved0) / 2**30)

@@ -416,8 +416,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         signalled = (lambda: stop.signum is not None) if tag == "interval" else None
         loss, n = evaluate_loss(model, eval_loader, device, stop=signalled, dp=dp)
         if loss is None:
-            log.warning("held-out evaluation of step %d stopped after %d loss tokens for the signal; no record of it",
-                        step, n)
+            log.warning("held-out evaluation of step %d stopped after %s for the signal; no record of it",
+                        step, counted(n, "loss token"))
             state.others_stop = True  # the ranks agreed on it: the pipelined loop reads its flags a step later
             return None
         return {"kind": "eval", "step": step, "eval_loss": loss, "eval_tokens": n, "tag": tag}

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from .._words import counted
 from ..config import TrainConfig
 from .master_adamw import LOW_PRECISION, MasterWeightAdamW
 
@@ -61,8 +62,8 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
     masters, why = uses_master_weights(cfg, params)
     kw = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
     if masters:
-        log.info("MasterWeightAdamW over %d trainable parameters in %d groups (fused=%s): %s", n, len(groups), fused,
-                 why)
+        log.info("MasterWeightAdamW over %d trainable parameters in %s (fused=%s): %s", n,
+                 counted(len(groups), "group"), fused, why)
         return MasterWeightAdamW(groups, fused=fused, **kw)
     if any(p.dtype in LOW_PRECISION for p in params):  # only optim.master_weights=false gets here
         log.warning("%s in %s without fp32 masters (%s): AdamW updates smaller than half a bf16 step of a weight "
@@ -70,7 +71,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
                     "RMSNorm weight near 1.0 at lr=2e-5; 85%% of lora_A elements at lr=1e-4 in a test); "
                     "optim.master_weights=auto keeps them (+8 bytes per trainable parameter: fp32 master and "
                     "moments)", "LoRA adapters" if cfg.lora.enabled else "full fine-tuning", _dtypes(params), why)
-    log.info("AdamW over %d trainable parameters in %d groups (fused=%s)", n, len(groups), fused)
+    log.info("AdamW over %d trainable parameters in %s (fused=%s)", n, counted(len(groups), "group"), fused)
     opt = torch.optim.AdamW(groups, fused=fused or None, **kw)
     opt.register_load_state_dict_pre_hook(_drop_masters)
     return opt

@@ -7,6 +7,7 @@ import contextlib
 import logging
 from pathlib import Path
 
+from .._words import counted
 from ..config import ConfigError, TrainConfig
 from . import checkpoint as ckpt
 from .distributed import DistContext
@@ -75,6 +76,6 @@ def _metrics_log(cfg: TrainConfig, out_dir: Path, resume_from: Path | None, star
         log.warning("%s is not one of %s's checkpoints and %s: %s starts at step %d", resume_from, out_dir, why,
                     metrics.path, start + 1)
     else:
-        log.info("%s is another run's checkpoint: %s starts with that run's %d records up to step %d (from %s)",
-                 resume_from, metrics.path, len(metrics.records), start, source)
+        log.info("%s is another run's checkpoint: %s starts with that run's %s up to step %d (from %s)",
+                 resume_from, metrics.path, counted(len(metrics.records), "record"), start, source)
     return metrics

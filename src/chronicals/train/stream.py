@@ -94,7 +94,7 @@ def _replan(cfg: TrainConfig, stream: _Stream, start: int, total: int, last_batc
     if cfg.train.max_steps > 0 or not (isinstance(epoch, int) and isinstance(position, int)):
         if cfg.train.max_steps == 0:
             log.info("the training loader's state has no integer 'epoch' and 'position' (PackedLoader's): this "
-                     "resume counts %d steps from step 0 with this run's train.grad_accum", total)
+                     "resume counts %s from step 0 with this run's train.grad_accum", counted(total, "step"))
         return total, last_batches
     batches = len(stream.loader)
     try:
