@@ -450,15 +450,17 @@ def test_a_batch_size_beside_tokens_per_batch_is_named_as_unused(caplog):
     cases = [(["data.batch_size=8"], {"batch_size": 8}, False),
              (["data.tokens_per_batch=512"], {"tokens_per_batch": 512}, False),
              ([f"data.batch_size={default}", "data.tokens_per_batch=512"], {"tokens_per_batch": 512}, False),
-             (["data.batch_size=8", "data.tokens_per_batch=512"], {"tokens_per_batch": 512}, True)]
+             (["data.batch_size=8", "data.tokens_per_batch=512"], {"tokens_per_batch": 512}, True),
+             (["data.batch_size=1", "data.tokens_per_batch=512"], {"tokens_per_batch": 512}, True)]
     for overrides, shape, warned in cases:
+        n = int(overrides[0].split("=")[1])
         caplog.clear()
         with caplog.at_level("WARNING", logger="chronicals.config"):
             assert load_config(None, overrides).data.loader_shape() == shape
         assert [r.getMessage() for r in caplog.records] == warned * [
-            "config: data.batch_size=8 is not used: data.tokens_per_batch=512 makes each micro-batch one padding-free "
-            f"row of at most that many tokens; leave data.batch_size at its default ({default}) to silence this, or "
-            "set data.tokens_per_batch=0 for 8 rows of data.max_seq_len"], overrides
+            f"config: data.batch_size={n} is not used: data.tokens_per_batch=512 makes each micro-batch one "
+            f"padding-free row of at most that many tokens; leave data.batch_size at its default ({default}) to "
+            f"silence this, or set data.tokens_per_batch=0 for {n} row{'s' * (n != 1)} of data.max_seq_len"], overrides
     caplog.clear()
     with caplog.at_level("WARNING", logger="chronicals.config"):
         load_config(None, ["data.batch_size=8", "data.tokens_per_batch=512"]).data.loader_shape(warn=False)

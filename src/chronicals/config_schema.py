@@ -24,6 +24,8 @@ from pathlib import Path
 
 import yaml
 
+from ._words import counted
+
 log = logging.getLogger("chronicals.config")  # one logger for the whole config, whichever module warns
 
 # set while a config that a run stored is read (its config.yaml, a checkpoint's copy): that run's train.resume named
@@ -223,8 +225,8 @@ class DataSection:
         if warn and self.batch_size != default:
             log.warning("config: data.batch_size=%d is not used: data.tokens_per_batch=%d makes each micro-batch "
                         "one padding-free row of at most that many tokens; leave data.batch_size at its default "
-                        "(%d) to silence this, or set data.tokens_per_batch=0 for %d rows of data.max_seq_len",
-                        self.batch_size, self.tokens_per_batch, default, self.batch_size)
+                        "(%d) to silence this, or set data.tokens_per_batch=0 for %s of data.max_seq_len",
+                        self.batch_size, self.tokens_per_batch, default, counted(self.batch_size, "row"))
         return {"tokens_per_batch": self.tokens_per_batch}
 
 
