@@ -233,7 +233,8 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
     if group:
         log.info("apply_lora: %s (q/k/v, gate/up) run as one GEMM each", counted(bind_groups(model), "LoRA group"))
     log.info("apply_lora: r=%d alpha=%g scaling=%g on %s (%s), impl=%s; trainable %d of %d parameters",
-             r, alpha, rec.scaling, counted(len(targets), "module"), target_modules, impl, rec.trainable_params, rec.total_params)
+             r, alpha, rec.scaling, counted(len(targets), "module"), target_modules, impl, rec.trainable_params,
+             rec.total_params)
     return rec
 
 
