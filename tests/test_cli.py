@@ -521,7 +521,7 @@ def test_under_torchrun_only_rank_0_warns(rank, tmp_path, monkeypatch, caplog):
     empty.write_text("# nothing yet\n")
     caplog.set_level(logging.INFO)  # the root's: what reaches it is what our logger let through
     assert main(["train", str(empty), "train.max_steps=banana"]) == 2  # the warning comes first, then the error
-    logging.getLogger("chronicals.data").info("data: 3 of 5 records kept")
+    logging.getLogger("chronicals.data").info("3 of 5 records kept")
     logging.getLogger("chronicals.train").error("rank %s: CUDA error", rank)
     said = caplog.text
     assert ("sets nothing" in said) == (rank == "0"), said

@@ -458,7 +458,7 @@ def test_a_batch_size_beside_tokens_per_batch_is_named_as_unused(caplog):
         with caplog.at_level("WARNING", logger="chronicals.config"):
             assert load_config(None, overrides).data.loader_shape() == shape
         assert [r.getMessage() for r in caplog.records] == warned * [
-            f"config: data.batch_size={n} is not used: data.tokens_per_batch=512 makes each micro-batch one "
+            f"data.batch_size={n} is not used: data.tokens_per_batch=512 makes each micro-batch one "
             f"padding-free row of at most that many tokens; leave data.batch_size at its default ({default}) to "
             f"silence this, or set data.tokens_per_batch=0 for {n} row{'s' * (n != 1)} of data.max_seq_len"], overrides
     caplog.clear()

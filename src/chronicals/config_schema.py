@@ -223,7 +223,7 @@ class DataSection:
             return {"batch_size": self.batch_size}
         default = next(f.default for f in dataclasses.fields(self) if f.name == "batch_size")
         if warn and self.batch_size != default:
-            log.warning("config: data.batch_size=%d is not used: data.tokens_per_batch=%d makes each micro-batch "
+            log.warning("data.batch_size=%d is not used: data.tokens_per_batch=%d makes each micro-batch "
                         "one padding-free row of at most that many tokens; leave data.batch_size at its default "
                         "(%d) to silence this, or set data.tokens_per_batch=0 for %s of data.max_seq_len",
                         self.batch_size, self.tokens_per_batch, default, counted(self.batch_size, "row"))

@@ -363,7 +363,7 @@ def test_the_classic_alpaca_prompt_is_logged_once(tokenizer, tmp_path, set_templ
         with caplog.at_level("INFO", logger="chronicals.data"):
             ds = load_dataset(path, tokenizer, max_seq_len=128, cache_dir=tmp_path / "cache")
         notes = [r.getMessage() for r in caplog.records if "classic Alpaca prompt" in r.getMessage()]
-        assert notes == ["data: the dataset: the tokenizer has no chat template, so alpaca records use the classic "
+        assert notes == ["the dataset: the tokenizer has no chat template, so alpaca records use the classic "
                          "Alpaca prompt ('Below is an instruction ... ### Response:'); give the tokenizer a chat "
                          "template to train them as a chat"]
         assert "### Response:\n0" in tokenizer.decode(ds[0][0])

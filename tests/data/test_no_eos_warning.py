@@ -33,7 +33,7 @@ def test_records_without_an_end_token_are_warned_about_once_per_set(tokenizer, t
     assert all(ds[i][0][-1] != tokenizer.eos_token_id for i in range(len(ds)))  # nothing ends them
     got = warnings(caplog)
     assert len(got) == 1 and f"its {want} records end with no end token" in got[0], got
-    assert got[0].startswith(f"data: the training set ({path}): the tokenizer has no eos_token")
+    assert got[0].startswith(f"the training set ({path}): the tokenizer has no eos_token")
     caplog.clear()
     load_dataset(path, tok, max_seq_len=64, cache_dir=tmp_path / "cache", name="the training set")  # cache hit
     assert len(warnings(caplog)) == 1

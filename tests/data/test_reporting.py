@@ -44,7 +44,7 @@ def test_files_and_formats_are_logged_once(tokenizer, tmp_path, caplog):
                                                        {"role": "assistant", "content": "a"}]}])
     with caplog.at_level(logging.INFO, logger="chronicals.data"):
         load_dataset(d, tokenizer, max_seq_len=64, cache_dir=tmp_path / "cache")
-    info = [m for m in messages(caplog) if m.startswith("data: the dataset: ")]
+    info = [m for m in messages(caplog) if m.startswith("the dataset: ")]
     assert len(info) == 1 and "2 files (" in info[0] and "a.jsonl: alpaca" in info[0], info
     assert "b.jsonl: mixed: 1 text, 1 chat" in info[0], info
     warned = messages(caplog, logging.WARNING)
@@ -52,7 +52,7 @@ def test_files_and_formats_are_logged_once(tokenizer, tmp_path, caplog):
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="chronicals.data"):  # from the cache: the same line and warning
         load_dataset(d, tokenizer, max_seq_len=64, cache_dir=tmp_path / "cache")
-    assert [m for m in messages(caplog) if m.startswith("data: the dataset: ")] == info
+    assert [m for m in messages(caplog) if m.startswith("the dataset: ")] == info
     assert messages(caplog, logging.WARNING) == warned  # a cache hit said nothing
 
 
@@ -168,12 +168,12 @@ def test_reading_a_large_set_is_said_before_it_starts(tokenizer, tmp_path, monke
     monkeypatch.setattr(dataset, "SAY_READING_BYTES", p.stat().st_size)
     with caplog.at_level(logging.INFO, logger="chronicals.data"):
         load_dataset(p, tokenizer, max_seq_len=64)
-    assert "data: reading the dataset (0.0 GB in 1 file)" in messages(caplog)
+    assert "reading the dataset (0.0 GB in 1 file)" in messages(caplog)
     caplog.clear()
     monkeypatch.setattr(dataset, "SAY_READING_BYTES", p.stat().st_size + 1)
     with caplog.at_level(logging.INFO, logger="chronicals.data"):
         load_dataset(p, tokenizer, max_seq_len=64)
-    assert not [m for m in messages(caplog) if m.startswith("data: reading")]
+    assert not [m for m in messages(caplog) if m.startswith("reading")]
 
 
 @pytest.mark.parametrize("num_proc", [1, 2])

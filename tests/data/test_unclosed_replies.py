@@ -75,7 +75,7 @@ def test_the_warning_names_the_template_source_and_the_callers_option(tokenizer,
     tok.chronicals_source = "/models/my-chatml"  # what load_tokenizer sets: the path the user gave
     ds, warned = load(tok, write_jsonl(tmp_path / "t.jsonl", records(1)), caplog, name="the training set",
                       option_names={"loss_on": "data.train_on"})
-    assert len(warned) == 1 and warned[0].startswith("data: the training set ("), warned
+    assert len(warned) == 1 and warned[0].startswith("the training set ("), warned
     assert "the chat template of /models/my-chatml closes its" in warned[0] and "data.train_on=all" in warned[0]
 
 

@@ -153,7 +153,7 @@ def _remove_dead_writes(root: Path) -> None:
             continue
         try:
             shutil.rmtree(d, ignore_errors=True)
-            log.info("data: removed %s, a tokenization cache entry whose writer was killed before it finished", d)
+            log.info("removed %s, a tokenization cache entry whose writer was killed before it finished", d)
         finally:
             os.close(fd)
 
@@ -189,16 +189,16 @@ def save(path: Path, ids, trainable, offsets, meta: dict) -> None:
             if not (path / "meta.json").exists():
                 raise
             # a concurrent writer of the same key finished first: its entry is the same data
-        log.info("data: cached %d tokens in %s (%.1f MB)", int(offsets[-1]) if len(offsets) else 0, path,
+        log.info("cached %d tokens in %s (%.1f MB)", int(offsets[-1]) if len(offsets) else 0, path,
                  _size(path) / 1e6)
         if meta.get("source"):
             count, size = prune_stale(path, meta["source"])
             if count:
-                log.info("data: removed %s of the same files and settings (%.1f MB)",
+                log.info("removed %s of the same files and settings (%.1f MB)",
                          counted(count, "older tokenization cache entry", "older tokenization cache entries"),
                          size / 1e6)
     except OSError as e:
-        log.warning("data: could not write the tokenization cache entry %s (%s); training goes on, the next "
+        log.warning("could not write the tokenization cache entry %s (%s); training goes on, the next "
                     "run tokenizes again", path, e)
     finally:
         if tmp is not None:

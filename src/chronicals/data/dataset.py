@@ -148,7 +148,7 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
     files = resolve_files(paths)
     size = sum(f.stat().st_size for f in files)
     if size >= SAY_READING_BYTES:  # the hashing and reading below take ~4.5 s per 65 MB, before any bar
-        log.info("data: reading %s (%.1f GB in %d file%s)", name, size / 1e9, len(files), "s"[:len(files) != 1])
+        log.info("reading %s (%.1f GB in %d file%s)", name, size / 1e9, len(files), "s"[:len(files) != 1])
     # the cache key also holds a digest of the encoding code (cache.encoder_digest): other code, another entry
     settings = {"format": format, "max_seq_len": max_seq_len, "loss_on": loss_on, "overlong": overlong}
     cache = None
@@ -158,13 +158,13 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
             try:
                 ds = _from_cache(cache, max_seq_len, files)
             except cache_mod.CacheError as e:
-                log.warning("data: tokenization cache entry %s is damaged (%s); rebuilding it", cache, e)
+                log.warning("tokenization cache entry %s is damaged (%s); rebuilding it", cache, e)
             else:
-                log.info("data: loaded %d documents from cache %s", len(ds), cache)
+                log.info("loaded %d documents from cache %s", len(ds), cache)
                 # the entry is keyed by content: the line is rebuilt with this run's file names and set name
                 ds.summary = _summary_line(name, files, ds.file_counts, ds.file_formats, format)
                 if ds.summary:
-                    log.info("data: %s", ds.summary)
+                    log.info("%s", ds.summary)
                 _note_alpaca_prompt(ds.file_formats, tokenizer, name)
                 _warn_mixed(files, ds.file_formats, names["format"])
                 _finish(ds.stats, on_error, max_seq_len, names, files, name)
@@ -182,7 +182,7 @@ def load_dataset(paths, tokenizer, *, format: str = "auto", max_seq_len: int, lo
     ds.file_counts = counts
     ds.file_formats = _file_formats(files, counts, fmts, names["format"], reached)
     ds.summary = _summary_line(name, files, ds.file_counts, ds.file_formats, format)
-    log.info("data: %s", ds.summary)
+    log.info("%s", ds.summary)
     _note_alpaca_prompt(ds.file_formats, tokenizer, name)
     _finish(ds.stats, on_error, max_seq_len, names, files, name)
     _warn_unclosed(ds.stats, tokenizer, names, files, name, loss_on)
@@ -222,7 +222,7 @@ def _renamed(stats: DatasetStats, written: list | None, files: list[Path]) -> No
 def _note_alpaca_prompt(descs: list[str], tokenizer, name: str) -> None:
     """Once per set: alpaca records without a chat template use the classic Alpaca prompt (formats.ALPACA_PROMPT)."""
     if getattr(tokenizer, "chat_template", None) is None and any("alpaca" in d for d in descs):
-        log.info("data: %s: the tokenizer has no chat template, so alpaca records use the classic Alpaca prompt "
+        log.info("%s: the tokenizer has no chat template, so alpaca records use the classic Alpaca prompt "
                  "('Below is an instruction ... ### Response:'); give the tokenizer a chat template to train them "
                  "as a chat", name)
 
@@ -249,7 +249,7 @@ def _warn_mixed(files, descs: list[str], format_name: str) -> None:
     said nothing)."""
     for f, desc in zip(files, descs):
         if desc.startswith("mixed: "):
-            log.warning("data: %s mixes record formats (%s); each record is read in the format its fields say: "
+            log.warning("%s mixes record formats (%s); each record is read in the format its fields say: "
                         "check that is intended (%s=FORMAT insists on one)", f, desc.removeprefix("mixed: "),
                         format_name)
 
@@ -327,7 +327,7 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, n: dict[str, s
                         f"{empty}, {bad}; {n['loss_on']}=assistant needs assistant "
                         f"turns / outputs / completions (or set {n['loss_on']}=all)")
     if stats.empty_targets:
-        log.warning("data: %d examples in %s have an empty assistant reply / output / completion (in a chat, one "
+        log.warning("%d examples in %s have an empty assistant reply / output / completion (in a chat, one "
                     "of its replies or more): its turn trains the end-of-turn token alone, so the model learns to "
                     "answer with nothing (first: %s); fill them in or remove them",
                     stats.empty_targets, where, stats.first_empty_target)
@@ -358,7 +358,7 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, n: dict[str, s
                          f"assistant turn / output / completion, or empty text{first})")
         dropped = stats.dropped_no_loss or stats.dropped_overlong or lost >= LOST_TOKENS_WARN
         kept = stats.documents - stats.split_pieces + stats.split  # records: a split one is several documents
-        log.log(logging.WARNING if dropped else logging.INFO, "data: %s: %d of %d records kept; %s", where,
+        log.log(logging.WARNING if dropped else logging.INFO, "%s: %d of %d records kept; %s", where,
                 kept, stats.records, "; ".join(parts))
 
 
@@ -392,7 +392,7 @@ def _warn_unclosed(stats: DatasetStats, tokenizer, n: dict[str, str], files=(), 
                    "ending in the reply's text, as GLM's does); end each assistant turn with a token generation stops "
                    "at, e.g. {{ content + eos_token }}, or mark the reply and that token with {% generation %} ... "
                    "{% endgeneration %}")
-    log.warning("data: %s: %s: %s", where, counts, why)
+    log.warning("%s: %s: %s", where, counts, why)
 
 
 def _warn_across(stats: DatasetStats, files=(), name: str = "the dataset") -> None:
@@ -401,7 +401,7 @@ def _warn_across(stats: DatasetStats, files=(), name: str = "the dataset") -> No
     if not stats.across_boundary:
         return
     where = f"{name} ({_names(files)})" if files else name
-    log.warning("data: %s: %d of %d examples split prompt and completion inside a token (first: %s): that token, "
+    log.warning("%s: %d of %d examples split prompt and completion inside a token (first: %s): that token, "
                 "trained, holds the end of the prompt, and served the prompt alone the model sees it tokenized "
                 "another way; split them between words, the space at the start of the completion (prompt "
                 "'Name:', completion ' John Smith')", where, stats.across_boundary, stats.documents,
@@ -419,7 +419,7 @@ def _warn_no_eos(descs: list[str], tokenizer, files=(), name: str = "the dataset
     if not found:
         return
     where = f"{name} ({_names(files)})" if files else name
-    log.warning("data: %s: the tokenizer has no eos_token, so its %s records end with no end token and the model "
+    log.warning("%s: the tokenizer has no eos_token, so its %s records end with no end token and the model "
                 "never learns to stop after one; set eos_token in the tokenizer's tokenizer_config.json (or "
                 "tokenizer.eos_token = ... before training), or end each record's text with the token generation "
                 "should stop at", where, " / ".join(found))
@@ -437,7 +437,7 @@ def report_bad_records(count: int, first: list[str], on_error: str, records: int
         raise DataError(f"{first[0]} ({on_error_name}=skip drops bad records and counts them)")
     if count == records:
         raise DataError(f"every record in {where} is bad ({count} skipped); first: {first[0]}")
-    log.warning("data: %s: skipped %s; first: %s", where, counted(count, "bad record"),
+    log.warning("%s: skipped %s; first: %s", where, counted(count, "bad record"),
                 "; ".join(first[:3]))
 
 
@@ -631,7 +631,7 @@ def _tokenize(files, tokenizer, format, max_seq_len, loss_on, overlong, on_error
     if num_proc is None:
         num_proc = 1 if size < PARALLEL_BYTES else min(8, os.cpu_count() or 1)
     if num_proc > 1:
-        log.info("data: tokenizing in %d processes", num_proc)
+        log.info("tokenizing in %d processes", num_proc)
     # drawn once tokenizing has taken 2 s, whatever the record count (19,999 long records ran a minute unseen)
     bar = tqdm(desc="tokenizing", unit="ex", delay=2)
     fold, counts, reached = _Fold(max_seq_len, overlong, loss_on, on_error), [0] * len(files), 0

@@ -174,10 +174,10 @@ def _dir_files(p: Path, quiet: bool = False) -> list[Path]:
     if quiet:
         return out
     if dup:
-        log.info("data: %s: %s reached again through a symlink, not read twice: %s", p,
+        log.info("%s: %s reached again through a symlink, not read twice: %s", p,
                  counted(len(dup), "entry", "entries"), _some(dup))
     if unread:
-        log.warning("data: %s: %s not read: %s; a data directory is read for %s files only (decompress "
+        log.warning("%s: %s not read: %s; a data directory is read for %s files only (decompress "
                     "compressed shards, convert text/TSV files to .jsonl)", p, counted(len(unread), "file"),
                     _some(unread), ", ".join(SUFFIXES))
     return out

@@ -93,7 +93,7 @@ def _warn_dated(tokenizer) -> None:
     text = "\n".join(t.values()) if isinstance(t, dict) else str(t)
     if "strftime_now" in text and "date_string" not in text and text not in _warned_dated:
         _warned_dated.add(text)
-        log.warning("data: the chat template writes today's date (strftime_now) into the conversation, so the "
+        log.warning("the chat template writes today's date (strftime_now) into the conversation, so the "
                     "same data tokenizes to other ids on another day; the tokenization cache (data.cache_dir, on "
                     "by default) keeps the first day's ids, so keep it on to resume a run on a later day")
 
