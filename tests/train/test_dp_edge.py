@@ -68,7 +68,7 @@ def test_fewer_batches_than_ranks_under_drop_names_the_remainder_setting():
     """1 global batch on 2 ranks: "drop" gives no batch per rank, "train" gives rank 0 the batch and rank 1 an
     empty one; the refusal under "drop" said to use more data or fewer ranks, not the setting that caused it."""
     assert len(_loader(1, 2, n_docs=1)) == 1
-    with pytest.raises(ValueError, match=r"PackedLoader: 1 document packs into 1 row, which give no batch per rank "
+    with pytest.raises(ValueError, match=r"PackedLoader: 1 document packs into 1 row, which gives no batch per rank "
                                          r".*remainder='drop'.*data\.dp_remainder=train"):
         _loader(0, 2, n_docs=1, remainder="drop")
 

@@ -92,7 +92,7 @@ class PackedLoader:
             train_them = (" or remainder='train' (data.dp_remainder=train: the ranks past the last batch run an "
                           "empty one)") if remainder == "drop" and self._global_batches() else ""
             raise ValueError(f"PackedLoader: {counted(len(dataset), 'document')} pack{'s' * (len(dataset) == 1)} into "
-                             f"{counted(len(self.rows), 'row')}, which give "
+                             f"{counted(len(self.rows), 'row')}, which give{'s' * (len(self.rows) == 1)} "
                              f"no batch per rank (batch_size={batch_size}, drop_last={drop_last}, "
                              f"world_size={world_size}, remainder={remainder!r}); use more data, a smaller "
                              f"batch_size, fewer ranks{train_them}")
