@@ -530,7 +530,8 @@ def test_data_under_home_is_found_and_demo_beside_a_demo_folder_is_warned_of(tin
                                                                               caplog):
     """DATA ~/x.jsonl is the file under $HOME (was "no such file or directory" with the ~ taken literally), and
     DATA demo where the working directory holds a demo folder warns that the packaged data is read, not ./demo
-    (train says so for data.path; eval said nothing). Both before the model loads."""
+    (train says so for data.path; eval said nothing), and --json demo/eval.json there is not "inside DATA". All
+    before the model loads."""
     import chronicals.cli_eval as cli_eval
 
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -544,3 +545,9 @@ def test_data_under_home_is_found_and_demo_beside_a_demo_folder_is_warned_of(tin
         cli_eval.cmd_eval(["demo", "--model", str(tiny_base), "--device", "cpu"])
     assert "DATA=demo is chronicals' packaged demo data, not ./demo in this directory; to read that one, pass " \
            "DATA=./demo" in caplog.text, caplog.text
+    with pytest.raises(_Loaded):  # the README's --json runs/demo/eval.json, typed from runs/: ./demo is not DATA
+        cli_eval.cmd_eval(["demo", "--model", str(tiny_base), "--device", "cpu", "--json", "demo/eval.json"])
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(SystemExit) as exit_:  # DATA a folder of the user's: still guarded
+        cli_eval.cmd_eval(["mine", "--model", str(tiny_base), "--device", "cpu", "--json", "mine/eval.json"])
+    assert exit_.value.code == 2

@@ -125,7 +125,8 @@ def cmd_eval(argv: list[str]) -> int:
     a.model = _base_for(a.adapter, a.model, flag)
     if a.json is not None:  # before the load and scoring, not when the numbers are written
         out = Path(a.json).expanduser().resolve()
-        guarded = [("DATA", a.data), ("--model", a.model), ("--adapter", a.adapter), ("--base", ckpt_base)]
+        guarded = [("DATA", None if a.data == DEMO else a.data),  # the packaged data, not ./demo: nothing to guard
+                   ("--model", a.model), ("--adapter", a.adapter), ("--base", ckpt_base)]
         if ckpt_base is None:  # a full fine-tuning checkpoint loads the base it records: its config.json was
             guarded.append((f"the base recorded in {a.model}", _recorded_base(a.model)))  # overwritten, exit 0
         for name, given in guarded:
