@@ -48,12 +48,14 @@ def test_bad_input_found_while_running_is_an_error_line_not_a_traceback(tiny_bas
     assert main(args) == 3
     err = capsys.readouterr().err
     assert f"error: {bad}:2: messages[0] has no 'content'" in err and "Traceback" not in err
+    assert "(CHRONICALS_TRACEBACK=1 shows where it was raised)" in err  # how to see where
     assert main(["train", f"model.path={tmp_path / 'missing'}", f"train.out_dir={tmp_path / 'run'}"]) == 3
     assert "no such file or directory" in capsys.readouterr().err
     monkeypatch.setenv("CHRONICALS_TRACEBACK", "1")  # the traceback too, with the error's own exit status
     assert main(args) == 3
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and f"error: {bad}:2: messages[0] has no 'content'" in err
+    assert "CHRONICALS_TRACEBACK=1 shows" not in err  # it is shown: no hint to show it
     monkeypatch.setenv("CHRONICALS_TRACEBACK", "0")  # off: "0" had turned it on (and exited 1, "diverged")
     assert main(args) == 3
     assert "Traceback" not in capsys.readouterr().err

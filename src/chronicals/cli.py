@@ -391,11 +391,13 @@ def _failed(e: Exception, command: str = "") -> int:
         print(f"error: out of memory ({first}); {fix}", file=sys.stderr)
         return 3
     if isinstance(e, (ValueError, OSError)):
-        if _traceback_wanted():  # the exit status stays the error's (1 means "diverged")
+        shown = _traceback_wanted()
+        if shown:  # the exit status stays the error's (1 means "diverged")
             import traceback
 
             traceback.print_exception(e)
-        print(f"error: {e}\n(CHRONICALS_TRACEBACK=1 shows where it was raised)", file=sys.stderr)
+        print(f"error: {e}" + ("" if shown else "\n(CHRONICALS_TRACEBACK=1 shows where it was raised)"),
+              file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 3  # a setting this machine or model cannot take
     import traceback
 
