@@ -229,6 +229,22 @@ def test_a_well_formed_json_array_still_reads(tmp_path):
     assert read_file(path) == []
 
 
+@pytest.mark.parametrize("text, line", [
+    ('[\n{"text": "a"},\n{"text": "b"},\n', 4),  # cut off after a comma (a download stopped between elements)
+    ('[\n{"text": "a"},\n{"text": "b"}\n\n', 5),  # cut off before the ']': named at the end, not at "b"'s line
+    ('[{"text": "a"}', 1),
+])
+def test_a_json_array_cut_off_before_its_closing_bracket_is_a_bad_record_at_the_end(tmp_path, text, line):
+    """The records read so far, then a bad record at the file's last line saying the array is not closed: a
+    truncated file is not read as if it were whole."""
+    path = tmp_path / "a.json"
+    path.write_text(text)
+    recs = read_file(path)
+    assert [r.data for r in recs[:-1]] == [{"text": "a"}, {"text": "b"}][:len(recs) - 1]
+    assert (recs[-1].where, recs[-1].data) == (f"{path}:{line}", None)
+    assert recs[-1].error == "JSON array not closed; expected ']' at the end"
+
+
 def test_a_json_array_after_leading_blank_lines_is_read(tmp_path):
     """Blank lines and spaces before the '[' are skipped and each record keeps its own line; not skipped, the whole
     array was read as one element ("a JSON list in the array")."""
@@ -333,6 +349,19 @@ def test_line_one_of_a_bom_file_counts_the_bom_in_its_byte_offset_and_csv_keeps_
     c = tmp_path / "c.csv"
     c.write_bytes(b'prompt,completion\r\n"line1\r\nline2",ok\r\n')
     assert [r.data for r in read_file(c)] == [{"prompt": "line1\r\nline2", "completion": "ok"}]
+
+
+@pytest.mark.parametrize("name, body, line, byte", [
+    ("c.csv", b"text\n\xe9t\n", 2, 8),  # the BOM's 3 bytes + "text\n": the bad byte opens line 2
+    ("c.json", b'[\n\xe9]', 2, 5),
+])
+def test_a_bad_byte_of_a_bom_file_is_named_at_its_line_and_file_offset(tmp_path, name, body, line, byte):
+    """.csv and .json are decoded whole: with a BOM, the line and byte offset of a byte that is not UTF-8 are
+    counted in the file as it is on disk, BOM included (as the .jsonl reader does, above)."""
+    p = tmp_path / name
+    p.write_bytes(codecs.BOM_UTF8 + body)
+    with pytest.raises(DataError, match=rf"^{p}:{line}: not valid UTF-8 at byte {byte} "):
+        read_file(p)
 
 
 def test_a_bom_at_the_start_of_a_later_json_line_is_a_bad_record_there(tmp_path):
