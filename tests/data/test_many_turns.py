@@ -130,6 +130,43 @@ def test_one_reply_closed_otherwise_steps_aside(tokenizer):
     assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
 
 
+# the first reply, when it is the last message (its prefix render), has no <|im_end|>: its end differs from the
+# middle reply's, though the full render writes every reply alike
+FIRST_OPEN = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '\nEND' }}"
+              "{% if not (loop.last and loop.index0 == 1) %}{{ '<|im_end|>\n' }}{% endif %}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# replies trimmed, the template's own text between messages only whitespace: where a reply's "\n" belongs (its
+# content, or the template's text after it) is not decided by the full render
+TRIMMED = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] | trim }}{% else %}"
+           "{{ m['content'] }}{% endif %}{{ '\n\n' }}{% endfor %}")
+
+
+def _pairs(n, reply=lambda k: f"a{k}", user=lambda k: f"q{k}"):
+    return [m for k in range(n) for m in ({"role": "user", "content": user(k)},
+                                          {"role": "assistant", "content": reply(k)})]
+
+
+def test_a_sampled_reply_that_ends_otherwise_in_its_prefix_render_steps_aside(tokenizer):
+    """The shortcut takes every reply's end from the sampled ones only when the first and the middle reply end
+    alike: here the first ends without <|im_end|> in its prefix render, and the shortcut steps aside (taking the
+    middle reply's end for all, most replies trained without their <|im_end|>)."""
+    tok = make_tokenizer(tokenizer, FIRST_OPEN, None, "<|im_end|>", [])
+    msgs = _pairs(tokenize.LINEAR_FROM + 1)
+    got, want = encode_chat(tok, msgs), exact(tok, msgs)
+    assert tok.decode(want[0][want[1]]).count("<|im_end|>") >= len(msgs) // 2 - 1
+    assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+
+
+def test_a_reply_whose_newline_could_be_the_templates_steps_aside(tokenizer):
+    """A trimmed reply ("a3\n" written "a3") followed by the template's "\n\n" and a user message that starts with
+    "\n": the full render cannot say which newline is the reply's, so the shortcut steps aside and the prefix renders
+    decide (taken as the reply's, one "\n" more was trained)."""
+    tok = make_tokenizer(tokenizer, TRIMMED, None, "<|im_end|>", [])
+    msgs = _pairs(tokenize.LINEAR_FROM + 1, reply=lambda k: "a3\n" if k == 3 else f"a{k}", user=lambda k: f"\nq{k}")
+    got, want = encode_chat(tok, msgs), exact(tok, msgs)
+    assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+
+
 # a plain-text note after the last message when that is a reply past message 8: such a reply renders otherwise as the
 # last message than with a turn after it
 LATE_NOTE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
