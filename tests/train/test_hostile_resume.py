@@ -222,6 +222,7 @@ OLD = {"targets": ["q_proj", "v_proj"], "modules_to_save": ["lm_head", "norm"]}
     ("targets", ["layers.0.self_attn.q_proj", "v_proj"], None, False),
     ("targets", ["q_proj", "v_proj"], {"lora_modules": RECORD["lora_modules"][::-1]}, True),
     ("targets", ["q_proj", "v_proj"], {"lora_modules": RECORD["lora_modules"][:2]}, False),
+    ("targets", r".*_proj", {"lora_modules": RECORD["lora_modules"] + ["model.layers.0.self_attn.o_proj"]}, False),
     ("modules_to_save", ["model.norm", "lm_head"], None, True),
     ("modules_to_save", ["embed_tokens", "norm"], None, True),  # the tied partner of lm_head: the model decides
     ("modules_to_save", ["lm_head"], None, False),  # norm no longer trained (was refused only as the optimizer's

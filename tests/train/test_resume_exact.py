@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -177,6 +178,27 @@ def test_apply_optimizer_settings_puts_back_this_runs_implementation():
     apply_optimizer_settings(new, sched, fresh, None, {}, 1)
     assert new.param_groups[0]["fused"] and new.state[p]["step"].dtype == torch.float32
     new.step()  # the fused kernel, on the restored moments
+
+
+@pytest.mark.parametrize("step, total, warned", [(2, None, True), (2, 5, True), (5, 5, False)])
+def test_other_optimizer_settings_are_said_unless_nothing_is_left_to_train(caplog, step, total, warned):
+    """Resumed under another optim.lr, the warning names it and the step it applies from; with no total given (a
+    caller that does not know the run's length) too; at the run's last step nothing trains under it: no warning."""
+    import logging
+
+    from chronicals.train.resume import apply_optimizer_settings, optimizer_settings
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([p], lr=2e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        apply_optimizer_settings(opt, sched, optimizer_settings(opt, sched), {"optim": {"lr": 1e-3}},
+                                 {"optim": {"lr": 2e-3}}, step=step, total=total)
+    said = [r.getMessage() for r in caplog.records]
+    assert bool(said) == warned, said
+    if warned:
+        assert said == [f"resumed at step {step} with other settings than the checkpoint's run: optim.lr=0.001 "
+                        f"(this run: 0.002); they apply from step {step + 1} on (the AdamW moments are kept)"]
 
 
 def test_a_capturable_groups_steps_go_to_the_parameters_device():

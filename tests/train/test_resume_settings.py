@@ -285,12 +285,13 @@ def test_a_checkpoint_config_without_dtype_warns_nothing(tmp_path, caplog):
 
 @pytest.mark.parametrize("device, cuda, same, other", [("auto", True, "bfloat16", "float32"),
                                                        ("auto", False, "float32", "bfloat16"),
-                                                       ("cuda:1", False, "bfloat16", "float32")])
+                                                       ("cuda:1", False, "bfloat16", "float32"),
+                                                       ("cpu", True, "float32", "bfloat16")])
 def test_auto_dtype_and_device_mean_what_the_machine_gave(tmp_path, caplog, monkeypatch, device, cuda, same, other):
     """model.dtype=auto with model.device=auto trained in bfloat16 on a GPU machine and in float32 on one without
     CUDA: resumed there in the same dtype nothing is said, in the other the warning names what auto meant. With
     model.device=cuda:N it ran on a GPU, so in bfloat16, also asked on a machine without CUDA (it was taken as
-    float32)."""
+    float32); with model.device=cpu on the CPU, in float32, also asked on a machine with CUDA."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     saved = tiny_config(tmp_path, model__device=device, model__dtype="auto").to_dict()
     for dtype, warned in ((same, False), (other, True)):
