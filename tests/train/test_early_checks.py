@@ -215,3 +215,6 @@ def test_the_longest_document_check_names_its_set_and_document_from_1():
     assert str(e.value).startswith("the held-out data's longest document (number 2 of 3, 12 tokens after "
                                    "data.on_long) does not fit this model: 12 tokens are past the sliding window of 10")
     assert "documents hold data.system_prompt as their system message" in str(e.value)
+    for first in (empty, _loader()):  # a training set with no documents, or no lengths: the held-out set still checked
+        with pytest.raises(ValueError, match="^the held-out data's longest document"):
+            check_document_lengths(_WindowModel(), first, long)
