@@ -142,6 +142,7 @@ TRIMMED = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['conten
 
 
 def _pairs(n, reply=lambda k: f"a{k}", user=lambda k: f"q{k}"):
+    """``n`` user / assistant pairs: user(k), then reply(k), for k = 0 .. n - 1."""
     return [m for k in range(n) for m in ({"role": "user", "content": user(k)},
                                           {"role": "assistant", "content": reply(k)})]
 
@@ -179,9 +180,7 @@ def test_a_middle_reply_that_renders_otherwise_when_last_is_refused_as_the_prefi
     a reply past message 8 otherwise as the last message is not prefix-stable there, and the shortcut refuses the
     record as the prefix renders do (checking only the first and last reply, it trained every reply)."""
     tok = make_tokenizer(tokenizer, LATE_NOTE, None, "<|im_end|>", [])
-    msgs = []
-    for k in range(tokenize.LINEAR_FROM):
-        msgs += [{"role": "user", "content": f"q{k}"}, {"role": "assistant", "content": f"a{k}"}]
+    msgs = _pairs(tokenize.LINEAR_FROM)
     with pytest.raises(FormatError, match="not prefix-stable at message 9"):
         exact(tok, msgs)
     with pytest.raises(FormatError, match="not prefix-stable at message 9"):
@@ -205,9 +204,7 @@ def test_where_a_reply_ends_is_its_own(tokenizer, template, odd, at):
     special token's text): the shortcut ends each reply as the prefix renders do, not by three sampled replies'
     lengths (the labels of a record depended on whether it had 7 or 8 replies; a mutation walk)."""
     tok = make_tokenizer(tokenizer, template, "<s>", "</s>", [])
-    msgs = []
-    for k in range(9):
-        msgs += [{"role": "user", "content": f"q{k}"}, {"role": "assistant", "content": odd if k == at else f"a{k}"}]
+    msgs = _pairs(9, reply=lambda k: odd if k == at else f"a{k}")
     got, want = encode_chat(tok, msgs), exact(tok, msgs)
     assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
 
@@ -240,9 +237,7 @@ def test_a_turn_end_that_is_all_the_text_before_the_next_message_takes_the_short
     the user's text at once) has the shape the shortcut carries: it answers in at most 9 renders with the prefix
     renders' ids and mask. Refused at that boundary, it stepped aside to 2 renders a reply (the same output)."""
     tok = make_tokenizer(tokenizer, NO_USER_HEADER, None, "<|im_end|>", [])
-    msgs = []
-    for k in range(10):
-        msgs += [{"role": "user", "content": f"question {k}?"}, {"role": "assistant", "content": f"answer {k}."}]
+    msgs = _pairs(10, reply=lambda k: f"answer {k}.", user=lambda k: f"question {k}?")
     renders = []
     real = tokenize._render
     monkeypatch.setattr(tokenize, "_render", lambda *a, **k: (renders.append(1), real(*a, **k))[1])
