@@ -34,8 +34,8 @@ def overlapped(subs: int, cuda_only: bool = True):
         n, h = hidden.shape
         v = weight.shape[0]
         c = max(1, min(n, chunk_rows))
-        if not ((hidden.is_cuda or not cuda_only) and need_dw and need_dh and vocab_parts == 1 and lse_in is None and bias is None
-                and not need_db and n > c and subs > 1):
+        covered = need_dw and need_dh and not need_db and bias is None and vocab_parts == 1 and lse_in is None
+        if not ((hidden.is_cuda or not cuda_only) and covered and n > c and subs > 1):
             return ORIGINAL(hidden, weight, labels, bias, scale, lse_in, ignore_index=ignore_index, softcap=softcap,
                             need_dh=need_dh, need_dw=need_dw, need_db=need_db, chunk_rows=chunk_rows,
                             vocab_parts=vocab_parts)
