@@ -388,6 +388,18 @@ def test_a_lock_file_removed_before_it_was_locked_is_not_the_one_held(tmp_path, 
     assert not (out / LOCK_FILE).exists()
 
 
+def test_a_lock_file_left_by_a_killed_run_names_only_the_run_that_holds_it(tmp_path):
+    """A run killed with SIGKILL leaves its lock file (nothing unlinks it); the next run locks that file and writes
+    its own pid over the old one's whole content, not over its first bytes ("4242\n" after "1234567890\n" read
+    "4242\n67890\n", a pid a person would look for)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK_FILE).write_text("1234567890123\n")
+    with out_dir_lock(out):
+        assert (out / LOCK_FILE).read_text() == f"{os.getpid()}\n"
+    assert not (out / LOCK_FILE).exists()
+
+
 def test_a_file_system_without_flock_trains_unlocked_and_says_so(tmp_path, monkeypatch, caplog):
     """Where flock fails with another error than "held" (ENOLCK on some network mounts) the run goes on unlocked
     with a warning naming out_dir, and leaves no lock file behind (not a ConfigError saying the directory is in
