@@ -89,6 +89,17 @@ def test_a_peft_type_other_than_lora_is_named(tmp_path):
         read_adapter_config(_config(tmp_path, peft_type="ADALORA"))
 
 
+@pytest.mark.parametrize("kind, peft_type", [("LoHaConfig", "LOHA"), ("IA3Config", "IA3")])
+def test_a_peft_adapter_of_another_type_is_named_by_its_type(tmp_path, kind, peft_type):
+    """A LoHa adapter (alpha, not lora_alpha) or an IA3 one (no r), as PEFT writes them, was told it missed
+    LoRA fields ("missing field(s) lora_alpha"), not that only LoRA adapters can be loaded."""
+    import peft
+
+    getattr(peft, kind)(target_modules=["q_proj"]).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"peft_type='{peft_type}'; only LORA adapters can be loaded"):
+        read_adapter_config(tmp_path)
+
+
 def test_explicit_nulls_in_an_adapter_config_load(tmp_path):
     """Some PEFT versions and hand edits write null for options left unset: they load as the defaults."""
     model = tiny_model()

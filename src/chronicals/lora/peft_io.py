@@ -146,6 +146,9 @@ def read_adapter_config(adapter_dir) -> dict:
                    f"short): pass another of {adapter_dir.parent}'s checkpoints, or the run's adapter folder")
     cfg = read_json_object(path, CONFIG_NAME, "save the adapter again (save_adapter / PEFT's save_pretrained)",
                            missing=missing)
+    if cfg.get("peft_type", "LORA") != "LORA":  # before the LoRA fields: a LoHa (alpha) or IA3 (no r) adapter was
+        # told it missed lora_alpha
+        raise ValueError(f"{path}: peft_type={cfg['peft_type']!r}; only LORA adapters can be loaded")
     missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in cfg]
     if missing:
         raise ValueError(f"{path}: missing field(s) {', '.join(missing)}; a PEFT LoRA adapter_config.json has "
@@ -157,8 +160,6 @@ def read_adapter_config(adapter_dir) -> dict:
     if saved is not None and not (isinstance(saved, list) and all(isinstance(t, str) for t in saved)):
         raise ValueError(f"{path}: modules_to_save={saved!r} must be a list of module names (such as "
                          "[\"lm_head\"]) or null")
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"{path}: peft_type={cfg['peft_type']!r}; only LORA adapters can be loaded")
     for key, same in (("rank_pattern", "r"), ("alpha_pattern", "lora_alpha")):
         pattern = cfg.get(key)
         if isinstance(pattern, dict) and pattern and all(v == cfg[same] for v in pattern.values()):
