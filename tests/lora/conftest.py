@@ -35,13 +35,13 @@ def randomize_lora_b(model, seed: int = 1):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
 
 
-def peft_adapter(hf_model, modules_to_save, ids, out_dir, seed: int = 3) -> torch.Tensor:
-    """A PEFT LoRA (r=2 on q_proj) over ``hf_model`` with B and the saved modules perturbed (so comparisons can
-    fail), saved to ``out_dir``; returns its logits on ``ids``."""
+def peft_adapter(hf_model, modules_to_save, ids, out_dir, seed: int = 3, **opts) -> torch.Tensor:
+    """A PEFT LoRA (r=2 on q_proj, LoraConfig ``opts``) over ``hf_model`` with B and the saved modules perturbed (so
+    comparisons can fail), saved to ``out_dir``; returns its logits on ``ids``."""
     import peft
 
     pm = peft.get_peft_model(hf_model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"],
-                                                       modules_to_save=modules_to_save, task_type="CAUSAL_LM"))
+                                                       modules_to_save=modules_to_save, task_type="CAUSAL_LM", **opts))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in pm.named_parameters():

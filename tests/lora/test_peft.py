@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from chronicals.lora import apply_lora, load_adapter, lora_modules, merge_lora, save_adapter
 
@@ -107,6 +107,24 @@ def test_save_replaces_an_existing_adapter_and_config_fields(tmp_path):
     assert (cfg["peft_type"], cfg["r"], cfg["lora_alpha"], cfg["target_modules"]) == ("LORA", 2, 4, ["q_proj"])
 
 
+def test_a_save_that_fails_part_way_leaves_the_previous_adapter(tmp_path, monkeypatch):
+    """save_adapter writes into a temporary directory renamed into place: one that fails after the weights are
+    written (here: the config) leaves the previous adapter as it was, not new weights beside its old config."""
+    from chronicals.lora import peft_io
+
+    before = tiny_model()
+    apply_lora(before, r=2, alpha=4, target_modules=["q_proj"])
+    out = save_adapter(before, tmp_path / "a")
+    files = {p.name: p.read_bytes() for p in out.iterdir()}
+    ours = tiny_model()
+    apply_lora(ours, r=4, alpha=8, target_modules=["v_proj"])
+    monkeypatch.setattr(peft_io, "adapter_config_dict", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        save_adapter(ours, out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # no temporary directory left behind
+
+
 def test_save_adapter_expands_a_home_path(tmp_path, monkeypatch, ids):
     """An out_dir starting with "~" is written under $HOME (as load_adapter reads it) and that path is returned; it
     went to a literal "./~/a" folder under the working directory, and the returned "~/a" named no adapter."""
@@ -187,6 +205,11 @@ def test_load_rejects_unsupported_and_mismatched(tmp_path):
         load_adapter(tiny_model(), tmp_path / "a")
     cfg_path.write_text(json.dumps({**cfg, "target_modules": ["q_proj", "k_proj"]}))
     with pytest.raises(ValueError, match="missing keys"):
+        load_adapter(tiny_model(), tmp_path / "a")
+    cfg_path.write_text(json.dumps(cfg))  # a lora_A stored transposed (in, r), as a fan_in_fan_out layout has it
+    wpath = tmp_path / "a" / "adapter_model.safetensors"
+    save_file({k: v.t().contiguous() if "lora_A" in k else v for k, v in load_file(wpath).items()}, wpath)
+    with pytest.raises(ValueError, match=r"lora_A\.weight has shape \(32, 2\), the model expects \(2, 32\)"):
         load_adapter(tiny_model(), tmp_path / "a")
 
 

@@ -181,6 +181,23 @@ def test_tied_lm_head_and_embedding_trained_apart_by_peft_load_apart(tmp_path, i
         torch.testing.assert_close(again(ids), want, rtol=1e-4, atol=1e-4)
 
 
+def test_a_peft_adapter_with_ensure_weight_tying_loads_tied(tmp_path, ids):
+    """PEFT asks for ensure_weight_tying=True when a tied lm_head is in modules_to_save (one trained copy for both
+    modules): such an adapter loads with PEFT's logits, the pair still tied. The field must not be refused as one of
+    a LoRA variant's."""
+    ours = tiny_model(tied=True)
+    cfg = hf_config("llama", tied=True)
+    cfg._attn_implementation = "eager"
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.load_state_dict(ours.state_dict(), strict=False)
+    want = peft_adapter(hf, ["lm_head"], ids, tmp_path / "peft", ensure_weight_tying=True)
+    assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["ensure_weight_tying"] is True
+    load_adapter(ours, tmp_path / "peft")
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), want, rtol=1e-4, atol=1e-4)
+
+
 def test_our_tied_adapter_with_both_modules_stays_tied(tmp_path):
     """save_adapter writes the shared tensor under both names (equal values): loading keeps them one Parameter."""
     ours = tiny_model(tied=True)
@@ -371,8 +388,9 @@ def test_a_modules_to_save_entry_matching_nothing_is_left_out_as_peft_does(tmp_p
 
 
 def test_an_adapter_file_with_nan_or_integer_tensors_is_refused(tmp_path):
-    """A lora_A full of NaN loaded without a word (chat answered '', export wrote a NaN model, exit 0); an integer
-    tensor was refused by dtype. Both name the file and the tensor; the model is left as it was."""
+    """A lora_A full of NaN loaded without a word (chat answered '', export wrote a NaN model, exit 0), as would
+    one with a few infinite values; an integer tensor was refused by dtype. All name the file and the tensor; the
+    model is left as it was."""
     from safetensors.torch import load_file, save_file
 
     src = tiny_model()
@@ -382,6 +400,7 @@ def test_an_adapter_file_with_nan_or_integer_tensors_is_refused(tmp_path):
     good = load_file(wpath)
     key = next(k for k in good if "lora_A" in k)
     for bad, said in ((good[key] * float("nan"), rf"tensor {key} holds {good[key].numel()} NaN or infinite value"),
+                      (good[key].index_fill(1, torch.tensor([0]), float("inf")), rf"tensor {key} holds 2 NaN or inf"),
                       (good[key].to(torch.int32), rf"tensor {key} is stored as torch.int32, not as floating point")):
         save_file({**good, key: bad}, wpath)
         model = tiny_model()
