@@ -263,7 +263,20 @@ def test_save_refuses_extra_parameters(tmp_path, tiny_hf_config):
     assert not list(tmp_path.iterdir())
 
 
-def test_atomic_dir_restores_the_old_output_when_the_final_rename_fails(tmp_path, monkeypatch):
+def test_save_refuses_a_model_that_lacks_parameters_its_config_names(tmp_path, tiny_hf_config):
+    """A layer dropped in code, config.num_hidden_layers left at 2: the directory would say two layers and hold one,
+    which no loader reads; refused naming what is missing, before anything is written."""
+    model = _model(tiny_hf_config("llama2"))
+    model.model.layers = model.model.layers[:1]
+    with pytest.raises(ValueError, match=r"extra: none; missing: model\.layers\.1\..*merge LoRA"):
+        chronicals.save_model(model, None, tmp_path / "m")
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("error", [OSError("simulated failure"), KeyboardInterrupt()], ids=["oserror", "ctrl-c"])
+def test_atomic_dir_restores_the_old_output_when_the_final_rename_fails(tmp_path, monkeypatch, error):
+    """A Ctrl-C in the final rename puts the previous output back too (caught as an Exception only, it would stay
+    under <tmp>.old and the output would be gone until the next write)."""
     import os
 
     from chronicals.models import hf_io
@@ -277,11 +290,11 @@ def test_atomic_dir_restores_the_old_output_when_the_final_rename_fails(tmp_path
         # the new directory's rename into place fails (e.g. a full disk, EIO); the old output's moves (to and from
         # <tmp>.old) go through
         if ".tmp-" in str(src) and not str(src).endswith(".old"):
-            raise OSError("simulated failure")
+            raise error
         return real_rename(src, dst)
 
     monkeypatch.setattr(hf_io.os, "rename", rename)
-    with pytest.raises(OSError, match="simulated failure"):
+    with pytest.raises(type(error)):
         with hf_io.atomic_dir(out) as tmp:
             (tmp / "config.json").write_text("new")
     assert (out / "config.json").read_text() == "old"
@@ -308,6 +321,8 @@ def test_generation_config_of_the_source_is_carried(tmp_path, tiny_hf_config):
     assert chronicals.load_model(merged, tokenizer=False)[0].source_generation_config == text
     given = chronicals.save_model(model, None, tmp_path / "given", generation_config={"eos_token_id": 2})
     assert json.loads((given / "generation_config.json").read_text()) == {"eos_token_id": 2}
+    # the file is the save's own: a save over that directory replaces it (not refused as a file it would delete)
+    assert not (chronicals.save_model(plain, None, given) / "generation_config.json").exists()
 
 
 def test_atomic_dir_removes_temporaries_of_killed_writers_only(tmp_path, caplog):
@@ -321,7 +336,8 @@ def test_atomic_dir_removes_temporaries_of_killed_writers_only(tmp_path, caplog)
 
     dead = tmp_path / ".model.tmp-4242-0a1b2c3d"
     keep = [tmp_path / name for name in (".model.tmp-4243-0a1b2c3d", ".other.tmp-4242-0a1b2c3d",
-                                         ".model.old-0a1b2c3d", "model.tmp-4242-0a1b2c3d")]
+                                         ".model.old-0a1b2c3d", "model.tmp-4242-0a1b2c3d",
+                                         ".model.tmp-4242-0a1b2c3")]  # 7 hex digits: another program's
     for d in [dead, *keep]:
         d.mkdir()
         (d / "model.safetensors").write_bytes(b"\0" * 1_500_000)

@@ -1,7 +1,8 @@
 """Hugging Face directories in and out, where a mutation walk found no test: shard files filled greedily with none
 empty, a single file whatever the cap, the single file read before a stale index, a tied checkpoint stored as its
 head alone, the written dtype, links in the output, the tokenizer files a replacing save owns, blank and nested
-output paths, a full disk in the tokenizers writer, and the defaults of keys a config.json leaves out (as
+output paths, a full disk in the tokenizers writer (and its other errors), the device loaded on, a BPE tokenizer of
+vocab.json + merges.txt alone, and the defaults of keys a config.json leaves out (as
 transformers reads them)."""
 from __future__ import annotations
 
@@ -197,11 +198,14 @@ class _FilesTokenizer:
             (Path(d) / name).write_text("{}\n")
 
 
-@pytest.mark.parametrize("files", [("vocab.json", "merges.txt"), ("tokenizer.model.v3",)], ids=["bpe", "mistral"])
+@pytest.mark.parametrize("files", [("vocab.json", "merges.txt"), ("tokenizer.model.v3",), ("tekken.json",),
+                                   ("tokenizer.model", "special_tokens_map.json", "added_tokens.json",
+                                    "chat_template.jinja")], ids=["bpe", "mistral", "tekken", "sentencepiece"])
 def test_a_directory_with_a_tokenizers_own_files_is_replaced_by_the_next_save(tmp_path, files):
-    """A GPT-2 style BPE tokenizer's vocab.json + merges.txt and Mistral's versioned tokenizer.model.v3 are files a
-    saved model directory owns: the next save over it replaces them (it was refused as holding files this save would
-    delete, merges.txt or tokenizer.model.v3)."""
+    """A GPT-2 style BPE tokenizer's vocab.json + merges.txt, Mistral's versioned tokenizer.model.v3 and its
+    tekken.json, and a SentencePiece tokenizer's files as transformers writes them are files a saved model directory
+    owns: the next save over it replaces them (it was refused as holding files this save would delete, merges.txt or
+    tokenizer.model.v3)."""
     out = save_hf_dir(_model(), _FilesTokenizer("tokenizer_config.json", *files), tmp_path / "m")
     assert set(files) <= {p.name for p in out.iterdir()}
     save_hf_dir(_model(), None, out)
@@ -244,6 +248,37 @@ def test_a_full_disk_in_the_tokenizer_writer_is_an_oserror_naming_the_output(tmp
     with pytest.raises(OSError, match=rf"could not write the tokenizer files of {tmp_path / 'out'} \(.*No space "
                                       r"left on device.*\); is its disk full"):
         save_hf_dir(_model(), writer(), tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_model_is_built_on_the_device_asked_for(tmp_path):
+    """load_hf_dir's device reaches the allocation (ignored, load_model(device="cuda") would give a CPU model); meta
+    stands in for another device on a CPU-only machine."""
+    ours = load_hf_dir(save_hf_dir(_model(), None, tmp_path / "m"), device="meta")
+    assert {p.device.type for p in ours.parameters()} == {"meta"} and ours.model.inv_freq.is_meta
+
+
+def test_a_bpe_tokenizer_of_vocab_json_and_merges_alone_is_a_tokenizer(tmp_path):
+    """A directory whose tokenizer is vocab.json + merges.txt (no tokenizer.json, as GPT-2 style releases ship it)
+    loads it, and is not told it has no tokenizer files."""
+    from chronicals.models.loading import load_tokenizer
+
+    out = save_hf_dir(_model(model_type="qwen2"), None, tmp_path / "m")
+    (out / "vocab.json").write_text(json.dumps({"a": 0, "b": 1, "ab": 2, "<|endoftext|>": 3}))
+    (out / "merges.txt").write_text("#version: 0.2\na b\n")
+    assert load_tokenizer(out)("ab")["input_ids"] == [2]
+
+
+class _BrokenTokenizer:
+    def save_pretrained(self, d):
+        raise ValueError("cannot serialize this tokenizer")  # no full disk: a bug of the tokenizer's own
+
+
+def test_another_error_of_the_tokenizer_writer_fails_the_save_as_it_came(tmp_path):
+    """Only a full disk is reworded; any other error passes as it came and the save leaves nothing (swallowed, the
+    directory would be published without its tokenizer files)."""
+    with pytest.raises(ValueError, match=r"^cannot serialize this tokenizer$"):
+        save_hf_dir(_model(), _BrokenTokenizer(), tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
 
 
