@@ -371,6 +371,27 @@ def test_a_part_of_a_split_gguf_says_so(tmp_path, tiny_hf_config):
         chronicals.load_model(path, tokenizer=False)
 
 
+def test_a_gguf_with_rope_freqs_names_the_file(tmp_path, tiny_hf_config):
+    """A Llama 3.1-style file carries rope_freqs.weight, which we do not read: the refusal names the .gguf loaded (a
+    user with several files knows which), not just "gguf"."""
+    cfg, model = _tiny(tiny_hf_config, "llama2")
+    path = tmp_path / "llama31.gguf"
+    write_gguf(path, "llama", cfg, model.state_dict(), quantize=False,
+               more=lambda w: w.add_tensor("rope_freqs.weight", np.ones(8, np.float32)))
+    with pytest.raises(ValueError, match=rf"^{path}: has per-frequency rope factors \(rope_freqs"):
+        chronicals.load_model(path, tokenizer=False)
+
+
+def test_a_gguf_without_an_architecture_names_the_file(tmp_path, tiny_hf_config):
+    """A file without general.architecture (damaged, or not a model) is refused naming the .gguf and the key."""
+    cfg, model = _tiny(tiny_hf_config, "llama2")
+    path = tmp_path / "noarch.gguf"
+    write_gguf(path, "llama", cfg, model.state_dict(), quantize=False,
+               more=lambda w: w.kv_data[0].pop("general.architecture"))
+    with pytest.raises(ValueError, match=rf"^{path}: metadata key 'general\.architecture' is missing"):
+        chronicals.load_model(path, tokenizer=False)
+
+
 def test_a_gguf_with_a_long_file_name_loads(tmp_path, tiny_hf_config, monkeypatch):
     """A valid 246-byte file name made a cache entry name past 255 bytes: 'File name too long', naming the cache
     (a GGUF walk). The entry's stem is cut; shorter names keep their entry names."""

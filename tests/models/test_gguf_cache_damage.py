@@ -159,6 +159,23 @@ def test_a_conversion_another_process_published_first_is_used(tmp_path, cache, t
     assert blocked.is_file()
 
 
+def test_a_conversion_that_finishes_second_leaves_the_first_entry_in_place(tmp_path, cache, tiny):
+    """Two converters of one new GGUF without flock: the one that finishes second must not replace the entry the
+    first published (a process already reading it would find its files renamed away and removed); its load uses
+    the first's entry."""
+    path = tmp_path / "m.gguf"
+    _write(path, tiny)
+    first = []
+
+    def second(gguf_path, out, replace=False, cache_entry=None):
+        gguf_io.convert_gguf(gguf_path, out, replace=False, cache_entry=cache_entry)  # the other process
+        first.append((out / "model.safetensors").stat().st_ino)
+        return gguf_io.convert_gguf(gguf_path, out, replace=replace, cache_entry=cache_entry)  # this one
+
+    out = gguf_cache.cached_conversion(path, second, gguf_io.convert_tokenizer)
+    assert (out / "model.safetensors").stat().st_ino == first[0]
+
+
 def test_a_small_file_that_cannot_be_renamed_leaves_no_temporary(tmp_path, monkeypatch):
     """_write_small_file (a cache entry's record, a retried tokenizer's error) writes a temporary beside the file
     and renames it over: when the rename fails, the temporary must go, not pile up hidden in the cache entry."""

@@ -45,13 +45,15 @@ def test_a_missing_required_key_is_named(tmp_path, skip, key):
     ("layer_norm_rms_eps", dict(rms_norm_eps=1e-6), "rms_norm_eps", 1e-6),  # transformers' LlamaConfig default
     ("rope_freq_base", dict(rope_theta=10000.0), "rope_theta", 10000.0),  # llama.cpp's rope_freq_base_train default
     ("context_length", {}, "max_position_embeddings", 4096),  # ModelConfig's default: generation's context limit
+    # older converters wrote no key_length: head_dim is hidden / heads (64 / 4), as llama.cpp reads it
+    ("key_length", {}, "head_dim", 16),
     # the whole head rotates: head_dim from key_length (32), not hidden / heads (16: a partial rope, logits wrong)
     ("rope_dimension_count", dict(head_dim=32), "rotary_dim", 32),
 ])
 def test_an_absent_optional_key_takes_its_default(tmp_path, skip, over, field, value):
-    """A GGUF without attention.layer_norm_rms_epsilon, rope.freq_base, context_length or rope.dimension_count
-    loads with the default llama.cpp and transformers use (the logits equal such a transformers model's), not some
-    other epsilon, theta, context length or rotary dimension."""
+    """A GGUF without attention.layer_norm_rms_epsilon, rope.freq_base, context_length, rope.dimension_count or
+    attention.key_length loads with the default llama.cpp and transformers use (the logits equal such a transformers
+    model's), not some other epsilon, theta, context length, rotary dimension or head size."""
     m = hf_model("llama", **over)
     path = tmp_path / "m.gguf"
     write_gguf(path, "llama", m, skip=(skip,))
@@ -69,6 +71,16 @@ def test_a_gguf_without_vocab_size_loads_with_the_embeddings_rows(tmp_path):
     ours, _ = chronicals.load_model(path, tokenizer=False)
     assert ours.config.vocab_size == 97 and ours.model.embed_tokens.weight.shape == (97, 64)
     assert _rel_err(ours, m) <= 1e-5
+
+
+def test_a_zero_embedding_length_names_the_file_and_the_key(tmp_path):
+    """embedding_length 0 (a damaged file) is refused naming the file and the GGUF key, not by an error about
+    hidden_size, a name the GGUF does not have."""
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", hf_model("llama"), skip=("embedding_length",), extra=lambda w: w.add_embedding_length(0))
+    with pytest.raises(ValueError, match=rf"^{path}: metadata llama\.attention\.head_count=4, "
+                                         r"llama\.embedding_length=0: both must be >= 1"):
+        chronicals.load_model(path, tokenizer=False)
 
 
 @pytest.mark.parametrize("kv", [None, 0])
