@@ -62,6 +62,32 @@ def test_a_named_resume_with_a_misshapen_moment_points_to_the_checkpoint_before_
     assert "train.resume=auto resumes from" in str(e.value)
 
 
+def test_a_named_resume_of_a_damaged_checkpoint_is_pointed_before_it_not_past_it(tmp_path):
+    """The run went on past a damaged step-2 (step-3 exists): the named resume is told step-1, the checkpoint
+    before it; step-3, the newest other one, continues a later point of the run than the one asked for."""
+    for step in (1, 2, 3):
+        model, opt, sched = _parts(step)
+        state = ckpt.snapshot(step, model, opt, sched, {"position": step})
+        if step == 2:
+            state["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3)
+        path = ckpt.write_checkpoint(tmp_path, state, keep_last=3)
+    path = path.with_name("step-000002")
+    with pytest.raises(ValueError, match="exp_avg") as e:
+        ckpt.load_checkpoint(path, *_parts(), auto=False)
+    assert f"(train.resume={path.with_name('step-000001')})" in str(e.value)
+
+
+def test_a_named_resume_of_a_damaged_checkpoint_is_not_pointed_at_a_step_directory_without_its_state(tmp_path):
+    """The checkpoint before a damaged step-3 is step-1 when step-2 lost its state.pt (a copy cut short):
+    counted as a checkpoint, step-2 would be advised, and the resume the fix named would fail again."""
+    _written(tmp_path, 1, lambda s: None)
+    path = _written(tmp_path, 3, lambda s: s["optimizer"]["state"][0].update(exp_avg=torch.zeros(3)))
+    (tmp_path / "checkpoints" / "step-000002").mkdir()  # after the write of step-3, whose pruning removes it
+    with pytest.raises(ValueError, match="exp_avg") as e:
+        ckpt.load_checkpoint(path, *_parts(), auto=False)
+    assert f"(train.resume={path.with_name('step-000001')})" in str(e.value)
+
+
 def test_a_newer_format_tells_a_reader_to_read_it_and_a_resume_to_resume_it_or_start_over(tmp_path):
     """A checkpoint of a newer format: a reader (chat, export: read_run_checkpoint) is told to read it with the
     chronicals version that wrote it; a resume, found by train.resume=auto or named by it, to resume it with that
@@ -90,6 +116,16 @@ def test_a_state_pt_without_model_optimizer_scheduler_is_not_a_checkpoint(tmp_pa
     torch.save({"step": 1, "data": {}, "rng": {}}, d / "state.pt")
     with pytest.raises(ValueError, match="not a chronicals checkpoint"):
         ckpt._read_state(d / "state.pt")
+
+
+def test_a_resume_of_a_state_pt_without_its_optimizer_is_refused_as_not_a_checkpoint(tmp_path):
+    """A state.pt with weights but no optimizer entry (another tool's, a hand edit) is no chronicals checkpoint,
+    with the fix to move it away: read as one, the resume would say its optimizer state "does not fit this run" and
+    send the user to the config it was written with."""
+    path = _written(tmp_path, 1, lambda s: s.pop("optimizer"))
+    with pytest.raises(ValueError, match="not a chronicals checkpoint") as e:
+        ckpt.load_checkpoint(path, *_parts())
+    assert f"move {path} away" in str(e.value)
 
 
 def test_two_masters_claiming_one_weight_are_left_out():
