@@ -96,7 +96,8 @@ def test_a_peft_adapter_of_another_type_is_named_by_its_type(tmp_path, kind, pef
     import peft
 
     getattr(peft, kind)(target_modules=["q_proj"]).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=rf"peft_type='{peft_type}'; only LORA adapters can be loaded"):
+    with pytest.raises(ValueError, match=rf"peft_type='{peft_type}'; only LORA adapters can be loaded: merge it with "
+                       r"PEFT first \(merge_and_unload\) and load the merged model"):
         read_adapter_config(tmp_path)
 
 

@@ -148,7 +148,8 @@ def read_adapter_config(adapter_dir) -> dict:
                            missing=missing)
     if cfg.get("peft_type", "LORA") != "LORA":  # before the LoRA fields: a LoHa (alpha) or IA3 (no r) adapter was
         # told it missed lora_alpha
-        raise ValueError(f"{path}: peft_type={cfg['peft_type']!r}; only LORA adapters can be loaded")
+        raise ValueError(f"{path}: peft_type={cfg['peft_type']!r}; only LORA adapters can be loaded: merge it with "
+                         "PEFT first (merge_and_unload) and load the merged model")
     missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in cfg]
     if missing:
         raise ValueError(f"{path}: missing field(s) {', '.join(missing)}; a PEFT LoRA adapter_config.json has "
