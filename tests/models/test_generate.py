@@ -517,3 +517,13 @@ def test_a_generation_config_that_is_not_a_json_object_is_skipped(model):
     model.config.eos_token_id = 3
     model.source_generation_config = json.dumps([{"eos_token_id": 9}]).encode()
     assert stop_ids(model, None) == {3}
+
+
+def test_an_eos_of_id_zero_stops_generate_and_greedy_rows(tiny_hf_config):
+    """Token id 0 is an eos like any other (SmolLM2's <|endoftext|> is 0): read as "no eos" (a falsy check), both
+    decoders would run on to max_new_tokens past the end of the reply."""
+    model = _fixed_logits_model(tiny_hf_config, [1.0, 0.0])  # token 0 always
+    ids = torch.tensor([5, 6, 7])
+    assert generate(model, ids, 4, eos_token_id=0).tolist() == [0]
+    assert greedy_rows(model, torch.stack([ids, ids + 1]), 4, 0) == [[0], [0]]
+    assert greedy_rows(model, ids[None], 4, [0]) == [[0]]

@@ -111,3 +111,14 @@ def test_flops_per_token_counts_causal_attention_once():
     h, i, q, kv, L = 16, 32, 16, 8, 2
     matmul = L * (2 * h * q + 2 * h * kv + 3 * h * i) + 100 * h
     assert cfg.flops_per_token(64) == 6 * matmul + 6 * 64 * q * L
+
+
+@pytest.mark.parametrize("window", [129, 4096])
+def test_a_sliding_window_past_max_position_embeddings_leaves_that_limit(tiny_hf_config, monkeypatch, window):
+    """A sliding window longer than max_position_embeddings (Mistral's default 4096 on a short model) leaves the
+    context at max_position_embeddings: taking the window would decode past the positions the model was trained
+    on, and the warning would name the wrong field."""
+    monkeypatch.setattr(generate_mod, "_warned", set())
+    model = _model(tiny_hf_config, "mistral", max_position_embeddings=128, sliding_window=window)
+    assert generate_mod.context_length(model) == (128, "max_position_embeddings")
+    assert new_token_budget(model, 120, 20) == 8
