@@ -378,3 +378,49 @@ def test_batched_answers_skip_special_tokens_and_group_prompts_by_length(monkeyp
 
     assert qa_mod.answer_many(None, Tok(), ["ab", "cd", "xyz"], "", 4) == ["Paris"] * 3
     assert decoded == [True] * 3 and sorted(calls) == [(1, 3), (2, 2)]
+
+
+def test_a_keyword_followed_by_the_answers_last_character_is_not_a_whole_word():
+    """A letter or digit that ends the answer right after the keyword still makes it part of a longer word: "1742"
+    is not in "Founded in 17420", nor "seven" in "sevens"; an end-of-text check off by one would credit them."""
+    assert not qa_mod.has_keyword("Founded in 17420", "1742")
+    assert not qa_mod.has_keyword("sevens", "seven")
+    assert qa_mod.has_keyword("Founded in 1742", "1742") and qa_mod.has_keyword("In 1742.", "1742")
+
+
+def test_the_answer_is_case_folded_and_normalized_as_the_keyword_is():
+    """has_keyword folds the answer as it folds the keyword (NFC, then casefold): "Straße" answers "STRASSE" and a
+    decomposed "e" + combining accent answers "café". Lowering the answer alone would leave "ß" and the combining
+    accent apart, and score such right answers wrong."""
+    assert qa_mod.has_keyword("Die Straße", "STRASSE")
+    assert qa_mod.has_keyword("CAFE\u0301 au lait", "café")
+
+
+def test_a_directory_holding_an_upper_case_qa_jsonl_is_told_to_give_the_file_itself(tmp_path):
+    """A held-out directory holding QA.JSONL (the suffix in any case, as read_qa reads it) is told to give that file,
+    not to "convert" a file that already is JSON lines."""
+    d = tmp_path / "qadir"
+    d.mkdir()
+    write(d / "QA.JSONL", [{"question": "a?", "answer": "b"}])
+    with pytest.raises(DataError, match=r"not a directory; set data.eval_path to .*QA\.JSONL itself$") as e:
+        qa_mod.read_qa(d)
+    assert "convert" not in str(e.value)
+
+
+def test_batched_answers_cover_every_row_past_a_full_batch(monkeypatch):
+    """Prompts of one length beyond QA_BATCH_ROWS go in several batches of at most that many rows, and every
+    question gets its own answer: a batch slice one short would leave a question unanswered ("" scored wrong)."""
+    calls = []
+    monkeypatch.setattr(qa_mod, "QA_BATCH_ROWS", 2)
+    monkeypatch.setattr(qa_mod, "checked_prompt_ids", lambda m, t, q, s: torch.tensor([int(q[1:]), 0]))
+    monkeypatch.setattr(qa_mod, "stop_ids", lambda m, t: {0})
+    monkeypatch.setattr(qa_mod, "greedy_rows",
+                        lambda m, ids, n, stops: calls.append(len(ids)) or [[int(row[0])] for row in ids])
+
+    class Tok:
+        def decode(self, toks, skip_special_tokens):
+            return f"a{toks[0]}"
+
+    questions = [f"q{i}" for i in range(5)]
+    assert qa_mod.answer_many(None, Tok(), questions, "", 4) == [f"a{i}" for i in range(5)]
+    assert calls == [2, 2, 1]
