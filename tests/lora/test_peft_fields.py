@@ -122,16 +122,22 @@ def test_rank_and_alpha_patterns_at_the_global_values_load(tmp_path, ids):
         torch.testing.assert_close(again.eval()(ids), want, rtol=0, atol=0)
 
 
-def test_a_trained_tied_lm_head_survives_merge_save_and_load(tmp_path, ids):
-    """A PEFT adapter with modules_to_save=[lm_head] on a tied model (SmolLM2, small Qwen2.5): load_adapter
-    unties lm_head as PEFT does, and the merged model saved as an HF directory (what `chronicals export` does)
-    says it is untied and carries that lm_head, so it loads back with PEFT's logits. Left marked as tied, the
-    directory would hold no lm_head and the reloaded model would tie it to the embedding again."""
+def _tied_pair():
+    """(our tiny tied llama, transformers' eager LlamaForCausalLM with the same weights)."""
     ours = tiny_model(tied=True)
     cfg = hf_config("llama", tied=True)
     cfg._attn_implementation = "eager"
     hf = transformers.LlamaForCausalLM(cfg).eval()
     hf.load_state_dict(ours.state_dict(), strict=False)
+    return ours, hf
+
+
+def test_a_trained_tied_lm_head_survives_merge_save_and_load(tmp_path, ids):
+    """A PEFT adapter with modules_to_save=[lm_head] on a tied model (SmolLM2, small Qwen2.5): load_adapter
+    unties lm_head as PEFT does, and the merged model saved as an HF directory (what `chronicals export` does)
+    says it is untied and carries that lm_head, so it loads back with PEFT's logits. Left marked as tied, the
+    directory would hold no lm_head and the reloaded model would tie it to the embedding again."""
+    ours, hf = _tied_pair()
     want = peft_adapter(hf, ["lm_head"], ids, tmp_path / "peft")
     load_adapter(ours, tmp_path / "peft")
     merge_lora(ours)
@@ -165,11 +171,7 @@ def test_tied_lm_head_and_embedding_trained_apart_by_peft_load_apart(tmp_path, i
     Both were copied into our one shared Parameter (the last key won), so the embedding ran with lm_head's values:
     logits off by more than their own size. Now the two are untied when the file's values differ, and stay so
     through merge, save and load (what `chronicals export` does)."""
-    ours = tiny_model(tied=True)
-    cfg = hf_config("llama", tied=True)
-    cfg._attn_implementation = "eager"
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    hf.load_state_dict(ours.state_dict(), strict=False)
+    ours, hf = _tied_pair()
     want = peft_adapter(hf, ["lm_head", "embed_tokens"], ids, tmp_path / "peft")
     load_adapter(ours, tmp_path / "peft")
     assert ours.lm_head.weight is not ours.model.embed_tokens.weight
@@ -185,11 +187,7 @@ def test_a_peft_adapter_with_ensure_weight_tying_loads_tied(tmp_path, ids):
     """PEFT asks for ensure_weight_tying=True when a tied lm_head is in modules_to_save (one trained copy for both
     modules): such an adapter loads with PEFT's logits, the pair still tied. The field must not be refused as one of
     a LoRA variant's."""
-    ours = tiny_model(tied=True)
-    cfg = hf_config("llama", tied=True)
-    cfg._attn_implementation = "eager"
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    hf.load_state_dict(ours.state_dict(), strict=False)
+    ours, hf = _tied_pair()
     want = peft_adapter(hf, ["lm_head"], ids, tmp_path / "peft", ensure_weight_tying=True)
     assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["ensure_weight_tying"] is True
     load_adapter(ours, tmp_path / "peft")
