@@ -171,6 +171,34 @@ def test_a_loader_that_does_not_start_its_next_epoch_is_refused_not_spun_on(tmp_
         train(tiny_config(tmp_path, train__max_steps=len(loader) + 1), model=tiny_model(), train_loader=loader)
 
 
+class _LazyRolloverLoader(SyntheticLoader):
+    """Its epoch's iterator ends without starting the next epoch; the next __iter__ does, in a pass that yields
+    nothing (as any loader resumed at its epoch's end does)."""
+
+    def __iter__(self):
+        if self.position >= len(self):
+            self.epoch, self.position = self.epoch + 1, 0
+            return iter(())
+        return self._rest()
+
+    def _rest(self):
+        while self.position < len(self):
+            self.position += 1
+            yield self.batches[self.position - 1]
+
+
+def test_an_epoch_ended_by_a_running_iterator_is_not_counted_as_an_empty_pass(tmp_path, docs):
+    """8 batches at grad_accum 4: step 2 takes the epoch's last batch, step 3 finds the running iterator ended and
+    the loader's roll-over pass empty before epoch 1's batches. Only fresh passes that yield nothing count towards
+    the refusal: counted too, the ended iterator and the empty roll-over pass would read as two empty passes, and
+    this loader would be refused ("yielded no batches after its epoch ended") wherever an epoch ends on a step's end."""
+    loader = _LazyRolloverLoader(docs[:36], shuffle=False)
+    assert len(loader) == 8
+    res = train(tiny_config(tmp_path, train__max_steps=4, train__grad_accum=4), model=tiny_model(),
+                train_loader=loader)
+    assert (res.status, res.step, loader.epoch, loader.position) == ("completed", 4, 1, 8)
+
+
 def test_a_fractional_epoch_under_data_parallelism_trains_what_one_process_does(tmp_path):
     """2 ranks with train.epochs=0.2 of 5 global batches trained 2 of them (whole rounds of ranks), one process
     with grad_accum 2 trains 1 (a data-parallel walk): the plan counts rounds of the fraction's global batches,

@@ -182,14 +182,18 @@ class _EpochOnlyLoader:
 
 @pytest.mark.parametrize("state", [{"epoch": 1, "seed": 0}, {"epoch": 1, "position": None},
                                    {"epoch": 1, "position": "3"}])
-def test_a_state_with_an_epoch_but_no_integer_position_keeps_the_plan_from_step_0(tmp_path, state):
+def test_a_state_with_an_epoch_but_no_integer_position_keeps_the_plan_from_step_0(tmp_path, state, caplog):
     """A loader state the trainer cannot read a position from keeps the plan from step 0, as one with neither key
-    does; checking the epoch alone read the missing position into the re-plan (TypeError: int + NoneType)."""
+    does, and says so in an info line naming the steps it counts from step 0 (without it nothing tells that this
+    resume's length was not worked out from the batches left); checking the epoch alone read the missing position
+    into the re-plan (TypeError: int + NoneType)."""
     cfg = _cfg(tmp_path, train__epochs=2, train__grad_accum=3)
     total, last = _step_plan(cfg, 8)
     assert (total, last) == (6, 3)  # 3, 3, 2 per epoch; the epoch's end shortens the last step
-    plan = _replan(cfg, _Stream(_EpochOnlyLoader(state)), 2, total, last, Path("run/checkpoints/step-2"))
+    with caplog.at_level("INFO", logger="chronicals.train"):
+        plan = _replan(cfg, _Stream(_EpochOnlyLoader(state)), 2, total, last, Path("run/checkpoints/step-2"))
     assert plan == (total, last)
+    assert "no integer 'epoch' and 'position'" in caplog.text and "counts 6 steps from step 0" in caplog.text
 
 
 def test_the_short_warmup_warning_names_the_length_the_resumed_run_trains(tmp_path, docs, caplog):
