@@ -17,11 +17,16 @@ from chronicals.train.resume import check_same_adapter
 from test_checkpoint import _trained as _parts
 
 
-def _written(tmp_path, step, edit):
+def _written(tmp_path, step, edit, **write):
     model, opt, sched = _parts(step)
     state = ckpt.snapshot(step, model, opt, sched, {"position": step})
     edit(state)
-    return ckpt.write_checkpoint(tmp_path, state)
+    return ckpt.write_checkpoint(tmp_path, state, **write)
+
+
+def _misshapen_moment(state):
+    """The first parameter's AdamW exp_avg replaced by one of another shape, (3,)."""
+    state["optimizer"]["state"][0].update(exp_avg=torch.zeros(3))
 
 
 def _first(state):
@@ -35,8 +40,7 @@ def _first(state):
     (2, lambda s: s["model"].pop(_first(s)), "lacks trainable parameters of the model"),
     (2, lambda s: s["model"].update({"extra.weight": torch.zeros(2)}),
      "holds parameters the model lacks (['extra.weight']): it was written for another model or lora config"),
-    (2, lambda s: s["optimizer"]["state"][0].update(exp_avg=torch.zeros(3)),
-     "its optimizer state has exp_avg (3,) for a parameter"),
+    (2, _misshapen_moment, "its optimizer state has exp_avg (3,) for a parameter"),
     (2, lambda s: s["optimizer"]["state"][0].pop("exp_avg_sq"), "has exp_avg_sq none"),
     (1, lambda s: s["optimizer"].update(state={}), "holds no AdamW moments at step 1"),
 ], ids=["format_string", "step_bool", "model_entry_list", "missing_parameter", "extra_parameter", "moment_shape", "moment_missing",
@@ -53,7 +57,7 @@ def test_a_named_resume_with_a_misshapen_moment_points_to_the_checkpoint_before_
     checkpoint before it, as for the other damage a named resume meets; resume=auto (auto=True) is told where it
     goes once step-2 is moved away. The named resume got resume=auto's hint."""
     _written(tmp_path, 1, lambda s: None)
-    path = _written(tmp_path, 2, lambda s: s["optimizer"]["state"][0].update(exp_avg=torch.zeros(3)))
+    path = _written(tmp_path, 2, _misshapen_moment)
     with pytest.raises(ValueError, match="exp_avg") as e:
         ckpt.load_checkpoint(path, *_parts(), auto=False)
     assert f"resume from the checkpoint before it (train.resume={path.with_name('step-000001')})" in str(e.value)
@@ -66,11 +70,7 @@ def test_a_named_resume_of_a_damaged_checkpoint_is_pointed_before_it_not_past_it
     """The run went on past a damaged step-2 (step-3 exists): the named resume is told step-1, the checkpoint
     before it; step-3, the newest other one, continues a later point of the run than the one asked for."""
     for step in (1, 2, 3):
-        model, opt, sched = _parts(step)
-        state = ckpt.snapshot(step, model, opt, sched, {"position": step})
-        if step == 2:
-            state["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3)
-        path = ckpt.write_checkpoint(tmp_path, state, keep_last=3)
+        path = _written(tmp_path, step, _misshapen_moment if step == 2 else lambda s: None, keep_last=3)
     path = path.with_name("step-000002")
     with pytest.raises(ValueError, match="exp_avg") as e:
         ckpt.load_checkpoint(path, *_parts(), auto=False)
@@ -81,7 +81,7 @@ def test_a_named_resume_of_a_damaged_checkpoint_is_not_pointed_at_a_step_directo
     """The checkpoint before a damaged step-3 is step-1 when step-2 lost its state.pt (a copy cut short):
     counted as a checkpoint, step-2 would be advised, and the resume the fix named would fail again."""
     _written(tmp_path, 1, lambda s: None)
-    path = _written(tmp_path, 3, lambda s: s["optimizer"]["state"][0].update(exp_avg=torch.zeros(3)))
+    path = _written(tmp_path, 3, _misshapen_moment)
     (tmp_path / "checkpoints" / "step-000002").mkdir()  # after the write of step-3, whose pruning removes it
     with pytest.raises(ValueError, match="exp_avg") as e:
         ckpt.load_checkpoint(path, *_parts(), auto=False)

@@ -8,6 +8,7 @@ itself; a two-process test (test_distributed.py) is the only other one that sees
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -179,12 +180,8 @@ class _LazyRolloverLoader(SyntheticLoader):
         if self.position >= len(self):
             self.epoch, self.position = self.epoch + 1, 0
             return iter(())
-        return self._rest()
-
-    def _rest(self):
-        while self.position < len(self):
-            self.position += 1
-            yield self.batches[self.position - 1]
+        # the base's batches of this epoch, stopped before its own roll-over (islice takes no item past the last)
+        return itertools.islice(super().__iter__(), len(self) - self.position)
 
 
 def test_an_epoch_ended_by_a_running_iterator_is_not_counted_as_an_empty_pass(tmp_path, docs):
