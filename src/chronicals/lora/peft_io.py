@@ -146,8 +146,8 @@ def read_adapter_config(adapter_dir) -> dict:
                    f"short): pass another of {adapter_dir.parent}'s checkpoints, or the run's adapter folder")
     cfg = read_json_object(path, CONFIG_NAME, "save the adapter again (save_adapter / PEFT's save_pretrained)",
                            missing=missing)
-    if cfg.get("peft_type", "LORA") != "LORA":  # before the LoRA fields: a LoHa (alpha) or IA3 (no r) adapter was
-        # told it missed lora_alpha
+    # peft_type before the LoRA fields: a LoHa (alpha) or IA3 (no r) adapter was told it missed lora_alpha
+    if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{path}: peft_type={cfg['peft_type']!r}; only LORA adapters can be loaded: merge it with "
                          "PEFT first (merge_and_unload) and load the merged model")
     missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in cfg]
