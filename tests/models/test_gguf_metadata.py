@@ -206,10 +206,10 @@ def test_a_split_count_of_one_is_a_whole_file_and_loads(tmp_path):
 
 
 def _bpe_tokenizer_metadata(w, *, model: str = "gpt2", merges: bool = True, pre: str | None = "gpt-2",
-                            eos_id: int | None = 2) -> None:
+                            eos_id: int | None = 2, add_bos: bool | None = False) -> None:
     """A tiny byte-level BPE tokenizer as llama.cpp writes one (SmolLM2 / Qwen style): 3 special tokens, the
-    256 byte symbols, 3 merges, a ChatML template; pre: tokenizer.ggml.pre, eos_id: tokenizer.ggml.eos_token_id
-    (None: left out)."""
+    256 byte symbols, 3 merges, a ChatML template; pre: tokenizer.ggml.pre, eos_id: tokenizer.ggml.eos_token_id,
+    add_bos: tokenizer.ggml.add_bos_token (None: each left out)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     VT = gguf.GGUFValueType
@@ -227,7 +227,8 @@ def _bpe_tokenizer_metadata(w, *, model: str = "gpt2", merges: bool = True, pre:
     if eos_id is not None:
         w.add_eos_token_id(eos_id)
     w.add_key_value("tokenizer.ggml.padding_token_id", 0, VT.UINT32)
-    w.add_add_bos_token(False)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 

@@ -69,6 +69,18 @@ def test_sentencepiece_space_prefix_is_as_the_file_says(tmp_path, prefix):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_byte_level_file_without_add_bos_token_adds_no_bos(tmp_path, arch):
+    """tokenizer.ggml.add_bos_token left out of a byte-level (gpt2) file: no BOS, as llama.cpp tokenizes it (only
+    SentencePiece vocabularies get one by default); a BOS the model never saw would begin every sequence."""
+    path = tmp_path / "bpe.gguf"
+    write_gguf(path, arch, hf_model(arch, vocab_size=_BPE_VOCAB),
+               extra=lambda w: _bpe_tokenizer_metadata(w, pre="qwen2" if arch == "qwen2" else "gpt-2", add_bos=None))
+    tok, why = convert_tokenizer(path)
+    assert why is None and tok.bos_token == "<|im_start|>"
+    assert tok("hell")["input_ids"] == [261]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_special_tokens_are_the_ones_the_file_names(tmp_path, arch):
     """bos / eos / pad / unk are the tokens of the ids the file names, and None where it names none, whatever
     transformers' converter chose (5.17: a llama file's eos was its bos token)."""
@@ -123,6 +135,23 @@ def test_an_unreadable_file_is_named_and_logged_not_raised(tmp_path, caplog):
     tok, why = convert_tokenizer(path)
     assert tok is None and why.startswith(f"{path}: its tokenizer metadata") and "the file's metadata is damaged" in why
     assert why in caplog.text
+
+
+class _DamagedReader:
+    """A GGUFReader whose metadata fields cannot be read: the error's message spans lines and runs long."""
+
+    @property
+    def fields(self):
+        raise ValueError("tokenizer.ggml.tokens:\n   " + "x" * 400)
+
+
+def test_a_damaged_readers_error_is_one_line_of_at_most_300_characters(tmp_path):
+    """What the reader raised is quoted in the refusal on one line and cut to 300 characters, as the converter's
+    errors are: the refusal is logged, recorded in the cache entry and raised on every load."""
+    path = tmp_path / "damaged.gguf"
+    tok, why = convert_tokenizer(path, reader=_DamagedReader())
+    said = ("tokenizer.ggml.tokens: " + "x" * 400)[:300]
+    assert tok is None and f"(ValueError: {said}; the file's metadata is damaged)" in why, why
 
 
 def test_byte_level_text_decodes_beside_a_token_outside_the_byte_alphabet(tmp_path):

@@ -204,6 +204,18 @@ def test_an_eos_id_that_is_no_token_id_is_named(tmp_path, value, vtype):
             "file's metadata is damaged" in why), why
 
 
+def test_a_boolean_unknown_token_id_is_named(tmp_path):
+    """A bool is an int to Python: tokenizer.ggml.unknown_token_id=true (a damaged file; the model's config reads
+    no unk id, so only the tokenizer sees it) would give unk = token 1, silently; it is named as not a token id."""
+    path = tmp_path / "bool_unk.gguf"
+    write_gguf(path, "llama", hf_model("llama", vocab_size=_BPE_VOCAB),
+               extra=lambda w: (_bpe_tokenizer_metadata(w), w.add_key_value("tokenizer.ggml.unknown_token_id", True,
+                                                                            gguf.GGUFValueType.BOOL)))
+    with pytest.raises(ValueError, match=rf"^{path}: .*\(metadata tokenizer\.ggml\.unknown_token_id=True is not a "
+                                         rf"token id of its {_BPE_VOCAB} tokens; the file's metadata is damaged\)"):
+        load_tokenizer(path)
+
+
 def test_a_gguf_without_a_chat_template_is_named_by_its_file(tmp_path):
     """A .gguf's tokenizer records the .gguf as its source, so the missing-template error names the file the user
     passed, not the conversion cache's directory."""

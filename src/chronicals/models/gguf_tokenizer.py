@@ -80,7 +80,7 @@ def _read_meta(reader) -> tuple[_TokenizerMeta | None, str | None]:
     specials = {}
     for name, key in _SPECIAL_IDS.items():
         tid = get(key)
-        if tid is not None and not (isinstance(tid, int) and 0 <= tid < n):
+        if tid is not None and not (isinstance(tid, int) and not isinstance(tid, bool) and 0 <= tid < n):
             return None, f"metadata {key}={tid!r} is not a token id of its {n} tokens"
         specials[name] = None if tid is None else tokens.contents(tid)
     model = get("tokenizer.ggml.model")
