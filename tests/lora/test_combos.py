@@ -11,16 +11,19 @@ from chronicals.lora import apply_lora, load_adapter, save_adapter
 from .conftest import hf_config, peft_adapter, tiny_model
 
 
-@pytest.mark.parametrize("targets,named", [(["q_proj", "embed_tokens"], "model.embed_tokens (Embedding)"),
-                                           (r"model\.layers\.1\..*", "model.layers.1.input_layernorm (RMSNorm)"),
-                                           (["q_proj", "norm"], "model.norm (RMSNorm)")])
-def test_a_target_that_is_not_a_linear_is_refused(targets, named):
+@pytest.mark.parametrize("targets,count,named", [
+    (["q_proj", "embed_tokens"], 1, "model.embed_tokens (Embedding)"),
+    # 4 of them (2 norms, self_attn, mlp; not its 7 projections), the first 3 named
+    (r"model\.layers\.1\..*", 4, "model.layers.1.input_layernorm (RMSNorm).*model.layers.1.post_attention_layernorm"),
+    (["q_proj", "norm"], 1, "model.norm (RMSNorm)")])
+def test_a_target_that_is_not_a_linear_is_refused(targets, count, named):
     """PEFT adapts an embed_tokens target (lora_embedding_A/B) and refuses a norm or a decoder layer; apply_lora
     skipped every such match silently: no embedding adapter was trained, and the saved regex made an adapter that
     PEFT refused to load ('Target module Qwen2Attention(...) is not supported')."""
     model = tiny_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match=rf"not nn.Linear, such as \[.*{named.replace('(', '.').replace(')', '.')}"):
+    with pytest.raises(ValueError, match=rf"matches {count} module.s. that are not nn.Linear, such as "
+                                         rf"\[.*{named.replace('(', '.').replace(')', '.')}"):
         apply_lora(model, r=2, target_modules=targets)
     assert getattr(model, "lora_config", None) is None and all(p.requires_grad for p in model.parameters())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
@@ -53,17 +56,18 @@ def test_modules_to_save_holding_a_target_is_refused(saved, ids):
     assert model.model.layers[0].self_attn.o_proj.weight.grad.norm() > 0
 
 
-def test_modules_to_save_holding_targets_in_every_layer_names_three():
+@pytest.mark.parametrize("layers, more", [(12, " and 9 more"), (3, "")])
+def test_modules_to_save_holding_targets_in_every_layer_names_three(layers, more):
     """modules_to_save=[self_attn] on SmolLM2 listed all 30 layers' self_attn, sorted as text (0, 1, 10, 11, ...)."""
     from chronicals.models import CausalLM, ModelConfig
 
     hf = hf_config()
-    hf.num_hidden_layers = 12
+    hf.num_hidden_layers = layers
     model = CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0)
     with pytest.raises(ValueError) as e:
         apply_lora(model, r=2, target_modules=["q_proj"], modules_to_save=["self_attn"])
-    assert ("modules_to_save ['model.layers.0.self_attn', 'model.layers.1.self_attn', 'model.layers.2.self_attn'] "
-            "and 9 more hold LoRA targets (such as model.layers.0.self_attn.q_proj)") in str(e.value)
+    assert ("modules_to_save ['model.layers.0.self_attn', 'model.layers.1.self_attn', 'model.layers.2.self_attn']"
+            f"{more} hold LoRA targets (such as model.layers.0.self_attn.q_proj)") in str(e.value)
     assert "layers.10" not in str(e.value)
 
 

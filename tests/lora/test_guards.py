@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from chronicals.config import ConfigError
 from chronicals.lora import apply_lora, load_adapter, save_adapter
 from chronicals.lora.layer import LoRALinear, LoRALinearFunction
 from chronicals.lora.mlp import LoRASwiGLUDownFunction
@@ -40,16 +41,18 @@ def test_a_trainable_bias_in_a_group_is_refused():
         model(torch.tensor([[1, 2, 3]]))
 
 
-@pytest.mark.parametrize("kw, match", [
+@pytest.mark.parametrize("kw, match, key", [
     (dict(target_modules=["q_proj"], modules_to_save=["model.layers.0.self_attn.q_proj"]),
-     "both LoRA targets and modules_to_save"),
-    (dict(target_modules=r".*(q_proj|lm_head)"), "lm_head is not supported"),
+     "both LoRA targets and modules_to_save", "lora.modules_to_save"),
+    (dict(target_modules=r".*(q_proj|lm_head)"), "lm_head is not supported", "lora.targets"),
 ])
-def test_apply_lora_refusals_reached_by_dotted_names_or_a_regex(kw, match):
+def test_apply_lora_refusals_reached_by_dotted_names_or_a_regex(kw, match, key):
     """The config refuses the plain-name forms first; these reach apply_lora's own checks (without them: an unfrozen
-    base weight failing in autograd, or an adapter on lm_head the loss never trains but generation uses)."""
-    with pytest.raises(ValueError, match=match):
+    base weight failing in autograd, or an adapter on lm_head the loss never trains but generation uses), each
+    naming the config key to change."""
+    with pytest.raises(ConfigError, match=match) as e:
         apply_lora(tiny_model(), r=2, alpha=4, **kw)
+    assert e.value.key == key
 
 
 def test_all_linear_in_capitals_is_the_shorthand():

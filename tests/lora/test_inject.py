@@ -1,5 +1,7 @@
 """apply_lora / merge_lora / lora_plus_param_groups on our decoder."""
 
+import logging
+
 import pytest
 import torch
 
@@ -74,6 +76,15 @@ def test_modules_to_save_with_tied_embeddings(ids):
     opt.step()
     assert not torch.equal(model.lm_head.weight, w0)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+
+
+def test_only_tied_weights_are_logged_as_shared(caplog):
+    with caplog.at_level(logging.INFO, logger="chronicals.lora"):
+        rec = apply_lora(tiny_model(), r=2, alpha=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    assert rec.saved_modules == ["lm_head"] and "tied" not in caplog.text
+    with caplog.at_level(logging.INFO, logger="chronicals.lora"):
+        apply_lora(tiny_model(tied=True), r=2, alpha=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    assert "['lm_head'] share weights with ['model.embed_tokens'] (tied)" in caplog.text
 
 
 def test_merge_gives_same_logits_and_plain_modules(ids):

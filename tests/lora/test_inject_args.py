@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from chronicals.config import LoraSection
 from chronicals.lora import apply_lora, lora_modules
 from chronicals.lora.layer import LoRALinear, LoRALinearFunction, lora_linear_ref
 
@@ -20,10 +21,13 @@ BAD = [
     (dict(alpha="16"), r"alpha='16' must be a finite number > 0"),
     (dict(dropout=1.0), r"dropout=1.0 must be a number in \[0, 1\)"),
     (dict(dropout=-0.1), r"dropout=-0.1 must be a number in \[0, 1\)"),
+    (dict(dropout="0.1"), r"dropout='0.1' must be a number in \[0, 1\)"),
     (dict(target_modules=[]), r"target_modules=\[\] must be a non-empty list"),
     (dict(target_modules=["q_proj", 3]), r"must be a non-empty list of module names"),
     (dict(target_modules="q_proj(("), r"does not compile"),
     (dict(target_modules=["nope"]), r"matched no nn.Linear"),
+    # full-matched as in PEFT: a pattern matching only the start of q_proj's name matches nothing
+    (dict(target_modules=r".*\.q"), r"matched no nn.Linear"),
     # one name as a string is a regular expression over full names: the fix is a list
     (dict(target_modules="q_proj"), r"matched no nn.Linear.*a string is one regular expression matched against "
                                     r"full module names such as 'model\.layers\.0\..*: for names, pass a list, "
@@ -66,9 +70,11 @@ def test_failed_call_leaves_model_unchanged(kw, match):
 def test_a_set_of_names_is_taken_as_the_list():
     """PEFT keeps target_modules as a set; apply_lora refused one ('must be a non-empty list')."""
     model = tiny_model()
-    rec = apply_lora(model, r=2, target_modules={"v_proj", "q_proj"}, modules_to_save={"norm"})
-    assert rec.target_modules == ("q_proj", "v_proj") and rec.saved_modules == ["model.norm"]
-    assert {n.rpartition(".")[2] for n in rec.lora_modules} == {"q_proj", "v_proj"}
+    # four names: a set's own order (it varies with the string hash seed) is the sorted one once in 24 runs
+    names = {"v_proj", "q_proj", "up_proj", "k_proj"}
+    rec = apply_lora(model, r=2, target_modules=names, modules_to_save={"norm"})
+    assert rec.target_modules == ("k_proj", "q_proj", "up_proj", "v_proj") and rec.saved_modules == ["model.norm"]
+    assert {n.rpartition(".")[2] for n in rec.lora_modules} == names
 
 
 def test_the_seed_decides_the_adapters_initialization():
@@ -84,6 +90,55 @@ def test_the_seed_decides_the_adapters_initialization():
     assert torch.equal(lora_a(7), lora_a(7))
     assert not torch.equal(lora_a(7), lora_a(8))
     assert not torch.equal(lora_a(7), lora_a(0))
+
+
+def test_seed_none_draws_a_from_torchs_global_rng():
+    def lora_a(global_seed):
+        model = tiny_model()
+        torch.manual_seed(global_seed)
+        apply_lora(model, r=2, alpha=4, target_modules=["q_proj"], seed=None)
+        return torch.cat([m.lora_A.weight.flatten() for _, m in lora_modules(model)])
+
+    assert torch.equal(lora_a(5), lora_a(5))
+    assert not torch.equal(lora_a(5), lora_a(6))
+
+
+def test_the_defaults_are_the_configs_and_reproducible():
+    """apply_lora(model) trains what a config left at its defaults trains (lora.* of LoraSection), with the same A
+    whatever torch's global RNG holds."""
+
+    def adapted(global_seed):
+        model = tiny_model()
+        torch.manual_seed(global_seed)
+        return model, apply_lora(model)
+
+    (model, rec), (again, _) = adapted(1), adapted(2)
+    d = LoraSection()
+    assert (rec.r, rec.alpha, rec.dropout, rec.use_rslora) == (d.rank, d.alpha, d.dropout, d.rslora)
+    assert sorted({n.rpartition(".")[2] for n in rec.lora_modules}) == sorted(d.targets)
+    assert d.group and all(layer.self_attn.lora_qkv is not None for layer in model.model.layers)
+    assert all(m.impl == "fused" for _, m in lora_modules(model))
+    assert all(torch.equal(a.lora_A.weight, b.lora_A.weight)
+               for (_, a), (_, b) in zip(lora_modules(model), lora_modules(again)))
+
+
+def test_every_layer_gets_the_arguments():
+    model = tiny_model()
+    apply_lora(model, r=4, alpha=8, dropout=0.25, use_rslora=True, impl="torch", concat=True, group=False)
+    mods = [m for _, m in lora_modules(model)]
+    assert len(mods) == 14 and all(
+        (m.r, m.dropout, m.scaling, m.impl, m.concat, m.group) == (4, 0.25, 4.0, "torch", True, None) for m in mods)
+    apply_lora(other := tiny_model(), r=4, alpha=8, concat=False)
+    assert not any(m.concat for _, m in lora_modules(other))
+
+
+def test_one_name_or_a_frozenset_as_modules_to_save():
+    """A single name is that one module (not its letters); a frozenset is taken as the sorted list, as a set is."""
+    rec = apply_lora(tiny_model(), r=2, target_modules=["q_proj"], modules_to_save="lm_head")
+    assert rec.saved_modules == ["lm_head"]
+    rec = apply_lora(tiny_model(), r=2, target_modules=frozenset({"v_proj", "q_proj"}),
+                     modules_to_save=frozenset({"norm", "lm_head"}))
+    assert rec.target_modules == ("q_proj", "v_proj") and rec.saved_modules == ["model.norm", "lm_head"]
 
 
 class _Siblings(nn.Module):
@@ -115,6 +170,7 @@ def test_a_saved_block_trains_all_its_childrens_parameters():
     model = tiny_model()
     rec = apply_lora(model, r=2, alpha=4, target_modules=["q_proj"], modules_to_save=["model.layers.1.mlp"])
     mlp = model.model.layers[1].mlp
+    assert rec.saved_modules == ["model.layers.1.mlp"]  # its children are inside it, not tied partners
     assert list(mlp.parameters()) and all(p.requires_grad for p in mlp.parameters())
     assert not any(p.requires_grad for p in model.model.layers[0].mlp.parameters())
     adapters = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)

@@ -305,9 +305,10 @@ def test_all_linear_as_a_string_is_peft_shorthand_in_a_file_and_in_apply_lora(tm
     """target_modules "all-linear" (a string, as PEFT reads it: every linear layer but the output) was read as a
     regular expression that matched nothing: refused with "matched no nn.Linear". PEFT loads such a file."""
     ours = tiny_model()
-    apply_lora(ours, r=2, alpha=4, target_modules="all-linear")
-    assert sorted({n.rsplit(".", 1)[1] for n, _ in lora_modules(ours)}) == sorted(
-        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    rec = apply_lora(ours, r=2, alpha=4, target_modules="all-linear")
+    seven = sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    assert sorted({n.rsplit(".", 1)[1] for n, _ in lora_modules(ours)}) == seven
+    assert rec.target_modules == tuple(seven)  # saved as the names PEFT resolves all-linear to, not 14 full names
     randomize_lora_b(ours)
     with torch.no_grad():
         want = ours.eval()(ids)
