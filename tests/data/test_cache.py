@@ -69,8 +69,14 @@ def damage_file_counts(entry):  # valid JSON, a field edited by hand: int("x") r
     (entry / "meta.json").write_text(json.dumps(meta | {"file_counts": ["x"]}))
 
 
+def damage_file_counts_bool(entry):  # true is no record count, though Python's sum() takes it as 1
+    meta = json.loads((entry / "meta.json").read_text())
+    (entry / "meta.json").write_text(json.dumps(meta | {"file_counts": [True]}))
+
+
 @pytest.mark.parametrize("damage", [damage_truncate_header, damage_truncate_data, damage_meta, damage_shorter_ids,
-                                    damage_missing_meta, damage_offsets_disagree, damage_file_counts])
+                                    damage_missing_meta, damage_offsets_disagree, damage_file_counts,
+                                    damage_file_counts_bool])
 def test_damaged_entry_is_rebuilt(tokenizer, tmp_path, caplog, damage):
     p = tmp_path / "a.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in ROWS))

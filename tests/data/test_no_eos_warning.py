@@ -46,3 +46,14 @@ def test_chat_records_and_tokenizers_with_an_eos_are_not_warned_about(tokenizer,
     tok = make_tokenizer(tokenizer, template, None, eos, ["<|im_start|>", "<|im_end|>"])
     load_dataset(write_jsonl(tmp_path / "d.jsonl", records), tok, max_seq_len=64)
     assert not warnings(caplog)
+
+
+def test_an_empty_eos_token_is_no_end_token(tokenizer, tmp_path, caplog):
+    """A tokenizer_config.json with "eos_token": "" names a token that is not in the vocabulary (its id is None, in
+    all_special_ids too): the records load, with the same warning as for no eos_token (encoding appends nothing)."""
+    tok = make_tokenizer(tokenizer, CHATML, None, "", ["<|im_start|>", "<|im_end|>"])
+    assert tok.eos_token == "" and None in tok.all_special_ids
+    ds = load_dataset(write_jsonl(tmp_path / "d.jsonl", PC), tok, max_seq_len=64)
+    assert len(ds) == 2
+    got = warnings(caplog)
+    assert len(got) == 1 and "its prompt_completion records end with no end token" in got[0], got

@@ -56,6 +56,17 @@ def test_files_and_formats_are_logged_once(tokenizer, tmp_path, caplog):
     assert messages(caplog, logging.WARNING) == warned  # a cache hit said nothing
 
 
+def test_a_mixed_file_lists_its_most_common_format_first(tokenizer, tmp_path, caplog):
+    """"mixed: 2 chat, 1 text" leads with the format most of the file's records have, whatever comes first in it:
+    the one or two odd records (often a typo'd field) read as the exception they are."""
+    chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    p = write(tmp_path / "m.jsonl", [{"text": "t"}, chat, chat])
+    with caplog.at_level(logging.WARNING, logger="chronicals.data"):
+        ds = load_dataset(p, tokenizer, max_seq_len=64)
+    assert ds.file_formats == ["mixed: 2 chat, 1 text"]
+    assert f"{p} mixes record formats (2 chat, 1 text)" in messages(caplog, logging.WARNING)[0]
+
+
 def test_empty_targets_are_counted_and_warned(tokenizer, tmp_path, caplog):
     p = write(tmp_path / "e.jsonl", [
         {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]},
@@ -297,3 +308,21 @@ def test_the_data_summary_counts_files_records_and_files_past_eight_in_both_numb
     assert line.endswith("; 7.jsonl: text; and 1 more file"), line
     line = _summary_line("train", files + ["d/9.jsonl"], [2] * 10, ["chat", "text"] * 5, "auto")
     assert line.endswith("; and 2 more files"), line
+
+
+def test_the_data_summary_says_the_format_the_user_set():
+    """format=chat (not auto) is said as set, so the line shows how the records were read."""
+    assert _summary_line("train", ["a.jsonl"], [2], ["chat"], "chat") == "train: 1 file (a.jsonl), 2 records; " \
+                                                                          "format chat"
+
+
+def test_the_data_summary_at_its_limits_says_no_more_files_than_there_are():
+    """Three files are named whole and eight formats listed whole: "and 0 more" is never said; one past either
+    limit is."""
+    files = [f"d/{i}.jsonl" for i in range(8)]
+    line = _summary_line("train", files[:3], [1] * 3, ["chat"] * 3, "auto")
+    assert line.startswith("train: 3 files (d/0.jsonl, d/1.jsonl, d/2.jsonl), 3 records"), line
+    line = _summary_line("train", files[:4], [1] * 4, ["chat"] * 4, "auto")
+    assert line.startswith("train: 4 files (d/0.jsonl, d/1.jsonl, d/2.jsonl and 1 more), 4 records"), line
+    line = _summary_line("train", files, [1] * 8, ["chat", "text"] * 4, "auto")
+    assert line.endswith("; 7.jsonl: text") and "more file" not in line.split("), ", 1)[1], line

@@ -173,8 +173,9 @@ def _turn_end(text: str, lo: int, hi: int, specials: tuple[str, ...]) -> int:
 def turn_end_ids(tokenizer) -> np.ndarray:
     """The ids of the tokenizer's special tokens (sorted int64), any of which may close a turn: eos, ``<|im_end|>``,
     ``<|eot_id|>``, Gemma's ``<end_of_turn>``, Phi-3's ``<|end|>``. Which one a model stops at is its generation
-    config's, which the tokenizer does not hold, so every special token counts. Ask once per dataset."""
-    ids = {int(t) for t in getattr(tokenizer, "all_special_ids", None) or []}
+    config's, which the tokenizer does not hold, so every special token counts; one not in the vocabulary (an
+    eos_token of "") has the id None and closes nothing. Ask once per dataset."""
+    ids = {int(t) for t in getattr(tokenizer, "all_special_ids", None) or [] if t is not None}
     for tid, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
         if getattr(tok, "special", False):
             ids.add(int(tid))
