@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,15 @@ import pytest
 from chronicals.data import load_dataset
 from chronicals.data.dataset import LOST_TOKENS_WARN, OPTIONS, DatasetStats, _finish, _pad_id
 from chronicals.data.readers import DataError
+
+
+TRAINER_NAMES = {k: k for k in OPTIONS} | {"max_seq_len": "data.max_seq_len", "loss_on": "data.train_on",
+                                            "overlong": "data.on_long"}
+
+
+def bare_option(text):
+    """An option said by its parameter name ("overlong=split") where the caller gave its own (data.on_long)."""
+    return re.search(r"(?<![\w.])(max_seq_len|loss_on|overlong)\b", text)
 
 
 def write(path, rows):
@@ -135,3 +145,27 @@ def test_a_slow_tokenizer_is_refused_with_how_to_load_a_fast_one(tmp_path):
     slow = SimpleNamespace(is_fast=False, chat_template=None, eos_token="</s>", eos_token_id=2, pad_token_id=None)
     with pytest.raises(TypeError, match=r"needs a fast \(Rust\) tokenizer .*use_fast=True"):
         load_dataset(p, slow, max_seq_len=16)
+
+
+def test_what_the_data_lost_names_each_fix_by_the_callers_option_names(caplog):
+    """The trainer's users set data.on_long / data.max_seq_len: every fix the summary advises names those, in each
+    of its parts (truncated past the warning share, truncated to no loss, dropped, split)."""
+    stats = DatasetStats(records=9, documents=6, truncated=2, truncated_tokens=50, tokens=100, truncated_no_loss=1,
+                         dropped_no_loss=1, dropped_overlong=1, split=1, split_pieces=2)
+    with caplog.at_level(logging.INFO, logger="chronicals.data"):
+        _finish(stats, "fail", 64, TRAINER_NAMES)
+    (line,) = [r.getMessage() for r in caplog.records if "records kept" in r.getMessage()]
+    for fix in ("or set data.on_long=split", "raise data.max_seq_len or shorten the prompts",
+                "(dropped, data.on_long=drop)", "(data.on_long=split)"):
+        assert fix in line, (fix, line)
+    assert not bare_option(line), line
+
+
+@pytest.mark.parametrize("truncated, fix", [(1, "raise data.max_seq_len or shorten the prompts"),
+                                            (0, "(or set data.train_on=all)")], ids=["truncated", "no_reply"])
+def test_no_trainable_token_names_the_fix_by_the_callers_option_names(truncated, fix):
+    """Every example dropped without a loss token: the refusal's fix names the option as the caller's users set it."""
+    stats = DatasetStats(records=2, dropped_no_loss=2, truncated=truncated, truncated_no_loss=truncated)
+    with pytest.raises(DataError) as e:
+        _finish(stats, "fail", 64, TRAINER_NAMES)
+    assert fix in str(e.value) and not bare_option(str(e.value)), str(e.value)

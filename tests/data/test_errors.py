@@ -180,3 +180,14 @@ def test_files_after_a_failing_one_are_said_unread_not_unreadable(tokenizer, tmp
         load(d, tokenizer, loss_on="all")
     assert "b_bad.jsonl: no readable records; c_text.jsonl: not read (stopped at a bad record before it)" \
         in caplog.text
+
+
+def test_fail_reads_no_record_after_the_bad_one(tokenizer, tmp_path, caplog):
+    """on_error=fail stops at the bad record: the chat record after it (in the same chunk) is not read, so the file
+    is said to hold text records and no mix of formats is warned about before the error."""
+    p = tmp_path / "t.jsonl"
+    chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    p.write_text("".join(json.dumps(r) + "\n" for r in [{"text": "t"}, {"txt": "typo"}, chat]))
+    with caplog.at_level("INFO", logger="chronicals.data"), pytest.raises(DataError, match=f"^{p}:2: "):
+        load(p, tokenizer)
+    assert "format auto -> text" in caplog.text and "mixes record formats" not in caplog.text, caplog.text

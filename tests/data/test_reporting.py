@@ -56,15 +56,21 @@ def test_files_and_formats_are_logged_once(tokenizer, tmp_path, caplog):
     assert messages(caplog, logging.WARNING) == warned  # a cache hit said nothing
 
 
-def test_a_mixed_file_lists_its_most_common_format_first(tokenizer, tmp_path, caplog):
+def test_a_mixed_file_lists_its_most_common_format_first_and_the_callers_option(tokenizer, tmp_path, caplog):
     """"mixed: 2 chat, 1 text" leads with the format most of the file's records have, whatever comes first in it:
-    the one or two odd records (often a typo'd field) read as the exception they are."""
+    the one or two odd records (often a typo'd field) read as the exception they are. The fix names the format
+    option as the caller calls it, when tokenizing and on a cache hit."""
     chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
     p = write(tmp_path / "m.jsonl", [{"text": "t"}, chat, chat])
-    with caplog.at_level(logging.WARNING, logger="chronicals.data"):
-        ds = load_dataset(p, tokenizer, max_seq_len=64)
-    assert ds.file_formats == ["mixed: 2 chat, 1 text"]
-    assert f"{p} mixes record formats (2 chat, 1 text)" in messages(caplog, logging.WARNING)[0]
+    for _ in ("tokenized", "cache hit"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="chronicals.data"):
+            ds = load_dataset(p, tokenizer, max_seq_len=64, cache_dir=tmp_path / "cache",
+                              option_names={"format": "data.format"})
+        assert ds.file_formats == ["mixed: 2 chat, 1 text"]
+        (warned,) = messages(caplog, logging.WARNING)
+        assert f"{p} mixes record formats (2 chat, 1 text)" in warned, warned
+        assert "(data.format=FORMAT insists on one)" in warned, warned
 
 
 def test_empty_targets_are_counted_and_warned(tokenizer, tmp_path, caplog):
