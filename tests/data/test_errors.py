@@ -95,6 +95,11 @@ def test_empty_and_all_too_long(tokenizer, tmp_path):
                                         r"data.on_long=truncate\)"):  # the option named as the caller calls it
         load(p, tokenizer, max_seq_len=16, overlong="drop",
              option_names={"max_seq_len": "data.max_seq_len", "overlong": "data.on_long"})
+    skipped = tmp_path / "s.jsonl"  # a skipped bad record is counted among the causes
+    skipped.write_text(p.read_text() + "\n{bad\n")
+    with pytest.raises(DataError, match=r"every example was dropped: 3 longer .*, 0 with no trainable token, 1 bad; "
+                                        rf"in the dataset \({skipped}\)"):
+        load(skipped, tokenizer, max_seq_len=16, overlong="drop", on_error="skip")
     with pytest.raises(ValueError, match=r"^--max-seq-len=1; expected >= 2"):
         load(p, tokenizer, max_seq_len=1, option_names={"max_seq_len": "--max-seq-len"})
     ds = load(p, tokenizer, max_seq_len=16, overlong="truncate")
