@@ -474,6 +474,7 @@ class _Tok:
         return [5, 6, 7] + ([9] if kw.get("add_generation_prompt") else [])  # 9: the opened assistant turn
 
     def decode(self, ids, skip_special_tokens=False):
+        self.skipped_special = skip_special_tokens
         return " ".join(map(str, ids.tolist()))
 
 
@@ -485,6 +486,7 @@ def test_models_chat_opens_the_assistant_turn():
     (messages, kw), = tok.calls
     assert messages == [{"role": "user", "content": "hi"}] and kw["add_generation_prompt"] is True
     assert len(text.split()) == 3
+    assert tok.skipped_special is True  # the reply is shown without its end-of-turn token
 
 
 def test_chat_stops_at_every_eos_the_model_lists():
@@ -505,6 +507,7 @@ def test_chat_stops_at_every_eos_the_model_lists():
     assert chat(model, tok, "hi", max_new_tokens=3) == str(first)
     tok.eos_token_id = 7
     assert stop_ids(model, tok) == {first, 7}
+    assert chat(model, tok, "hi", max_new_tokens=3) == str(first)  # the tokenizer's eos adds to the model's
 
 
 def test_a_generation_config_that_is_not_a_json_object_is_skipped(model):

@@ -32,12 +32,13 @@ def test_a_relative_model_path_is_recorded_absolute(tmp_path, monkeypatch, tiny_
     transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path / "base")
     monkeypatch.chdir(tmp_path)
     assert recorded_name("base") == str((tmp_path / "base").resolve())
+    assert recorded_name("base/../base") == str((tmp_path / "base").resolve())  # one spelling per directory
     assert recorded_name("~/../nonexistent-xyz") == "~/../nonexistent-xyz"  # a missing path: as given
     # a short name stays as it is, even beside a folder of its name (load_model takes the short name first: the
     # folder's absolute path was recorded as the base of a model that is the embedded one)
-    (tmp_path / "smollm2-135m-instruct").mkdir()
-    assert recorded_name("smollm2-135m-instruct") == "smollm2-135m-instruct"
-    assert recorded_name("SmolLM2-135M-Instruct") == "SmolLM2-135M-Instruct"
+    for name in ("smollm2-135m-instruct", "SmolLM2-135M-Instruct"):  # the short name in any case
+        (tmp_path / name).mkdir()
+        assert recorded_name(name) == name
     model, _ = chronicals.load_model("base", tokenizer=False)
     assert model.chronicals_base == str((tmp_path / "base").resolve())
     assert os.path.isabs(model.chronicals_base)
