@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import stat
 
 import pytest
@@ -209,3 +210,22 @@ def test_a_json_tokenizer_error_file_that_is_no_record_is_read_as_text(tmp_path,
     number 3 as the reason."""
     (tmp_path / gguf_cache.TOKENIZER_ERROR).write_text(text + "\n")
     assert gguf_cache.tokenizer_error(tmp_path) == text
+
+
+def test_a_damaged_entry_another_process_discarded_first_is_converted_again(tmp_path, cache, tiny, monkeypatch):
+    """Two loads find one damaged entry: the one whose move aside finds it gone (the other moved it first) goes on
+    to convert it again, not out with a FileNotFoundError."""
+    path = tmp_path / "m.gguf"
+    _write(path, tiny)
+    out = gguf_io.cached_gguf_dir(path)
+    _truncate(out / "model.safetensors")
+    real = os.rename
+
+    def discarded_by_the_other(src, dst):
+        if ".pruned-" in os.path.basename(dst):
+            shutil.rmtree(src)
+            raise FileNotFoundError(2, "No such file or directory", str(src))
+        return real(src, dst)
+
+    monkeypatch.setattr(gguf_cache.os, "rename", discarded_by_the_other)
+    assert gguf_io.cached_gguf_dir(path) == out and gguf_cache._damage(out) is None

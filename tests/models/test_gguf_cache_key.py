@@ -3,7 +3,9 @@ place with the same size and an mtime put back (cp -p, touch -r, rsync -t) is co
 
 from __future__ import annotations
 
+import hashlib
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -96,3 +98,50 @@ def test_two_loads_of_a_new_gguf_at_once_convert_it_once(tmp_path, tiny_hf_confi
     assert len(outs) == 2 and outs[0] == outs[1] and (outs[0] / "config.json").is_file()
     assert len(calls) == 1
     assert not list(outs[0].parent.glob(".*.lock"))  # the lock file goes with the conversion
+
+
+def _stat(**fields):
+    st = {"st_size": 100, "st_mtime_ns": 10**18, "st_ino": 7, "st_ctime_ns": 2 * 10**18}
+    return SimpleNamespace(**{**st, **fields})
+
+
+@pytest.mark.parametrize("field", ["st_size", "st_mtime_ns", "st_ino", "st_ctime_ns"])
+def test_each_part_of_the_files_identity_moves_its_key(tmp_path, field):
+    """Each part is needed: the inode tells a replacement of the same size, mtime and (on a file system with coarse
+    timestamps) ctime from the file it replaced."""
+    p = tmp_path / "m.gguf"
+    assert gguf_cache._entry_dir(p, _stat()) != gguf_cache._entry_dir(p, _stat(**{field: getattr(_stat(), field) + 1}))
+
+
+def test_an_entry_name_of_the_older_key_scheme_is_spelled_as_it_was_written(tmp_path):
+    """Entries written before the inode and ctime joined the key are found by the name older chronicals gave them:
+    sha256 of "path|size|mtime_ns|vN". The spelling is fixed here, not taken from _identity, so that a change to
+    it cannot go unseen (those entries would never be pruned)."""
+    p, st = tmp_path / "m.gguf", _stat()
+    key = hashlib.sha256(f"{p}|{st.st_size}|{st.st_mtime_ns}|v3".encode()).hexdigest()[:16]
+    assert gguf_cache._entry_name(p, gguf_cache._identity(p, st, 3, legacy=True)) == f"m-{key}"
+
+
+def test_cache_dir_for_a_link_or_a_relative_path_is_the_entry_a_load_uses(tmp_path, tiny_hf_config, monkeypatch):
+    cfg, model = _tiny(tiny_hf_config, "llama2")
+    write_gguf(tmp_path / "m.gguf", "llama", cfg, model.state_dict(), quantize=False)
+    (tmp_path / "link.gguf").symlink_to(tmp_path / "m.gguf")
+    monkeypatch.chdir(tmp_path)
+    entry = gguf_io.cached_gguf_dir("m.gguf")
+    assert gguf_cache.cache_dir_for("m.gguf") == entry and gguf_cache.cache_dir_for("link.gguf") == entry
+
+
+def test_a_file_system_without_flock_converts_unlocked(tmp_path, tiny_hf_config, monkeypatch):
+    """flock failing with an OSError (ENOLCK on some network file systems) leaves the conversion unlocked; the load
+    goes on."""
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(37, "No locks available")
+
+    cfg, model = _tiny(tiny_hf_config, "llama2")
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", cfg, model.state_dict(), quantize=False)
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    out = gguf_cache.cached_conversion(path, gguf_io.convert_gguf, gguf_io.convert_tokenizer)
+    assert (out / "config.json").is_file()

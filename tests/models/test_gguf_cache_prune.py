@@ -321,3 +321,33 @@ def test_a_symlinked_older_entry_is_left_alone(tmp_path, cache, caplog):
     assert link.is_symlink() and (old / "config.json").is_file()
     assert sorted(d.name for d in cache.iterdir()) == sorted([keep.name, link.name])
     assert not _lines(caplog, logging.WARNING)
+
+
+@pytest.mark.parametrize("back, legacy", [(1, False), (0, True)],
+                         ids=["an earlier converter version", "the older key scheme, this converter version"])
+def test_an_unused_entry_without_a_record_under_an_earlier_key_is_removed(tmp_path, cache, back, legacy):
+    """The present file's entry without a record is recognised by its name under every key this file had before
+    (an earlier converter version; the (path, size, mtime) key scheme, the present version included) and removed
+    once unused: left, each is a whole model's size."""
+    p = tmp_path / "m.gguf"
+    p.write_bytes(b"GGUF")
+    p = p.resolve()
+    keep = gguf_cache.cache_dir_for(p)
+    keep.mkdir(parents=True)
+    version = gguf_cache.CONVERTER_VERSION - back
+    older = cache / gguf_cache._entry_name(p, gguf_cache._identity(p, p.stat(), version, legacy=legacy))
+    older.mkdir()
+    (older / "config.json").write_text("{}")
+    _age(older)
+    assert gguf_cache.prune_older_entries(p, keep) == [older]
+    assert not older.exists() and keep.is_dir()
+
+
+def test_an_entry_left_aside_that_still_cannot_be_removed_is_not_reported_removed(tmp_path, cache, monkeypatch):
+    """The sweep of ``.pruned-*`` directories reports (and counts as freed) only those that are gone."""
+    p, keep, _ = _older_entry(tmp_path, cache)
+    trash = cache / f".{keep.name}.pruned-4242-0123abcd"
+    trash.mkdir()
+    monkeypatch.setattr(gguf_cache.shutil, "rmtree", lambda *a, **k: None)  # a file busy on a network file system
+    assert gguf_cache.prune_older_entries(p, keep) == []
+    assert trash.is_dir()

@@ -156,3 +156,17 @@ def test_failure_recorded_before_stamps_is_retried(bpe_gguf, monkeypatch):
     _no_dequantization(monkeypatch)
     _, tok = chronicals.load_model(bpe_gguf)
     assert tok is not None and gguf_cache.tokenizer_error(d) is None
+
+
+def test_a_retried_tokenizer_does_not_carry_hidden_leftovers_into_the_entry(bpe_gguf, monkeypatch):
+    """The entry published again with the tokenizer takes the old entry's files, not a hidden temporary left in it
+    by a killed write of its record."""
+    with monkeypatch.context() as m:
+        _count_gguf_tokenizer_calls(m, fail=True)
+        chronicals.load_model(bpe_gguf, tokenizer=False)
+    d = gguf_cache.cache_dir_for(bpe_gguf)
+    (d / f".{gguf_cache.CACHE_ENTRY}.tmp-4242-0123abcd").write_text("{")
+    _fake_version(monkeypatch, "transformers", "99.0.0")
+    _no_dequantization(monkeypatch)
+    _, tok = chronicals.load_model(bpe_gguf)
+    assert tok is not None and not [f.name for f in d.iterdir() if f.name.startswith(".")]

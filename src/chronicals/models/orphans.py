@@ -56,7 +56,10 @@ def writer_lock(tmp: Path):
     path = lock_path(tmp)
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh name: nobody else holds it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh name: nobody else holds it
+        except OSError:  # a file system without flock (ENOLCK): written unlocked; sweepers cannot lock it either
+            pass  # (lock_if_free), so it is never taken for a dead writer's
         yield
     finally:
         try:
