@@ -117,8 +117,7 @@ def atomic_open(path, mode: str = "w"):
     tmp = temp_beside(path)
     try:
         with tmp.open(mode) as fh:
-            if fcntl is not None:
-                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh name: nobody else holds it
+            lock_fresh(fh.fileno())
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
@@ -149,6 +148,20 @@ def _remove_dead_temps(path: Path) -> None:
             p.unlink(missing_ok=True)
         finally:
             os.close(fd)
+
+
+def lock_fresh(fd: int) -> bool:
+    """Take the writer's flock on the fresh temporary ``fd`` (a new name: nobody else holds it). False where the file
+    system takes no flock (ENOLCK on some network mounts): the write goes on unlocked, and since ``lock_if_free``
+    cannot lock it there either, no sweeper takes it for a dead writer's. Raising instead failed every atomic write
+    there (config.yaml, checkpoints, GGUF conversions) after the run lock had warned that it trains unlocked."""
+    if fcntl is None:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
 
 
 def lock_if_free(path) -> int | None:

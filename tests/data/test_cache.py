@@ -570,3 +570,22 @@ def test_another_format_on_the_same_files_is_another_cache_entry(tokenizer, tmp_
     assert not np.array_equal(auto.ids, fresh.ids)
     assert np.array_equal(text.ids, fresh.ids) and np.array_equal(text.trainable, fresh.trainable)
     assert len(_entries(tmp_path / "cache")) == 2
+
+
+def test_a_cache_on_a_file_system_without_flock_is_written_and_hit(tokenizer, tmp_path, monkeypatch, caplog):
+    """flock failing with ENOLCK (some network mounts): the entry is written unlocked, so the next load reads it
+    instead of tokenizing again, and the writer's lock file is not published with it."""
+    import fcntl
+
+    def flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    p = tmp_path / "a.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    first = load(p, tokenizer, tmp_path / "cache")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="chronicals.data"):
+        again = load(p, tokenizer, tmp_path / "cache")
+    assert "loaded 6 documents from cache" in caplog.text and same(first, again)
+    assert not list((tmp_path / "cache").rglob(cache_mod.WRITER_LOCK))

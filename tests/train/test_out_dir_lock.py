@@ -418,3 +418,22 @@ def test_a_file_system_without_flock_trains_unlocked_and_says_so(tmp_path, monke
     assert ran == [True] and not (out / LOCK_FILE).exists()
     assert f"train.out_dir={out} is not locked against a second run" in caplog.text
     assert "No locks available" in caplog.text
+
+
+def test_a_run_on_a_file_system_without_flock_writes_everything_and_resumes(tmp_path, monkeypatch):
+    """Past the run lock's warning, every write still takes its writer's flock (config.yaml, metrics, checkpoints,
+    model/): each goes on unlocked there, so the run trains, saves and resumes exactly as anywhere else."""
+    def flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    docs = synthetic_docs(40)
+    _run(tmp_path, docs, train__max_steps=2, train__save_every=2, train__save_final=True)
+    out = tmp_path / "run"
+    assert (out / "config.yaml").is_file() and (out / "model" / "config.json").is_file()
+    (ck,) = checkpoint_dirs(out)
+    assert ck.name == "step-000002" and (ck / STATE_FILE).is_file()
+    _run(tmp_path, docs, train__max_steps=4, train__resume="auto")
+    steps = [r["step"] for r in _records(out) if r["kind"] == "train"]
+    assert steps == [1, 2, 3, 4]
+    assert not list(out.rglob("*.lock")) and not list(out.rglob(".*tmp*"))

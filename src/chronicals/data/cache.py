@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .._jsonio import lock_if_free
+from .._jsonio import lock_fresh, lock_if_free
 from .._words import counted
 from .readers import DataError, file_digest
 
@@ -169,7 +169,7 @@ def save(path: Path, ids, trainable, offsets, meta: dict) -> None:
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 kept a cache shared by a team unreadable to the others (a walk)
         if fcntl is not None:
             lock = os.open(tmp / WRITER_LOCK, os.O_CREAT | os.O_RDWR, 0o644)
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh directory: nobody else holds it
+            lock_fresh(lock)  # a fresh directory: nobody else holds it
         for (name, _), arr in zip(ARRAYS, (ids, trainable, offsets)):
             np.save(tmp / f"{name}.npy", arr)
         (tmp / "meta.json").write_text(json.dumps(meta))

@@ -27,7 +27,7 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
-from .._jsonio import lock_if_free
+from .._jsonio import lock_fresh, lock_if_free
 
 try:
     import fcntl
@@ -56,10 +56,7 @@ def writer_lock(tmp: Path):
     path = lock_path(tmp)
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh name: nobody else holds it
-        except OSError:  # a file system without flock (ENOLCK): written unlocked; sweepers cannot lock it either
-            pass  # (lock_if_free), so it is never taken for a dead writer's
+        lock_fresh(fd)
         yield
     finally:
         try:
