@@ -386,6 +386,17 @@ def test_null_fields_do_not_decide_the_format():
         detect_format({"body": None})
 
 
+def test_null_columns_of_other_formats_do_not_decide_a_half_records_format():
+    """pandas' to_json or a parquet file of mixed records gives each record every column, null where absent: a prompt
+    whose completion is null is a prompt/completion record lacking its completion (it was read as chat, "field
+    'messages' is null"), and an instruction beside a null output an alpaca record lacking its output."""
+    record = {"messages": None, "instruction": None, "output": None, "prompt": "Q: 1+1?", "completion": None}
+    assert detect_format(record) == "prompt_completion"
+    with pytest.raises(FormatError, match=r"^field 'completion' is null \(format prompt_completion expects"):
+        to_example(record, "prompt_completion", True)
+    assert detect_format({"messages": None, "instruction": "Say hi", "output": None}) == "alpaca"
+
+
 def test_a_formats_own_fields_win_over_a_text_field_beside_them():
     """Exports often carry a rendered "text" column beside messages, conversations, an alpaca record's fields or
     prompt/completion: the record is the structured format, which keeps its loss on the replies or the completion.

@@ -2,7 +2,9 @@
 JSON nested too deeply), tool_calls that are not a list of objects, null message fields, blank targets (blank
 assistant replies only), mixed prompt/completion forms, ShareGPT roles (and turns carrying role/content keys too),
 the Alpaca user turn with and without an input, the classic Alpaca prompt with an input and an input that is not
-valid Unicode."""
+valid Unicode; the half-pair hint of a record of nulls, what each format expects, the types a field takes, messages
+that are not objects, ShareGPT's other senders, the index of a conversational prompt/completion's message, an
+alpaca output list and a long bad value cut short."""
 from __future__ import annotations
 
 import csv
@@ -138,3 +140,82 @@ def test_an_alpaca_input_that_is_not_valid_unicode_is_a_format_error(has_templat
     reached the tokenizer, whose bare TypeError stopped the whole load (even with on_error=skip)."""
     with pytest.raises(FormatError, match="field 'input' is not valid Unicode"):
         to_example({"instruction": "i", "input": "x\ud800", "output": "o"}, "alpaca", has_template)
+
+
+@pytest.mark.parametrize("record, hint", [({"instruction": None}, "it has 'instruction' but no 'output'"),
+                                          ({"prompt": None}, "it has 'prompt' but no 'completion'")])
+def test_a_record_of_nulls_alone_still_names_the_missing_field(record, hint):
+    """With every field null the hint still names the field that is there and the one that is not."""
+    with pytest.raises(FormatError, match="cannot tell the format") as e:
+        detect_format(record)
+    assert hint in str(e.value)
+
+
+def test_the_half_pair_hint_comes_from_the_fields_that_hold_values():
+    """A null 'instruction' beside a prompt is a column of other records: the record lacks its completion."""
+    with pytest.raises(FormatError) as e:
+        detect_format({"instruction": None, "prompt": "Q: 1+1?"})
+    assert "it has 'prompt' but no 'completion': prompt/completion records need both" in str(e.value)
+
+
+@pytest.mark.parametrize("fmt, record, says", [
+    ("text", {"body": "x"}, "missing field 'text' (format text expects 'text')"),
+    ("chat", {}, "missing field 'messages' (format chat expects 'messages': [{'role', 'content'}, ...])"),
+    ("sharegpt", {},
+     "missing field 'conversations' (format sharegpt expects 'conversations': [{'from', 'value'}, ...])"),
+    ("prompt_completion", {"prompt": "Q"},
+     "missing field 'completion' (format prompt_completion expects 'prompt' and 'completion')"),
+])
+def test_a_missing_field_names_what_its_format_expects(fmt, record, says):
+    with pytest.raises(FormatError) as e:
+        to_example(record, fmt, True)
+    assert str(e.value) == says
+
+
+def test_a_prompt_that_is_neither_text_nor_messages_names_both_types():
+    with pytest.raises(FormatError) as e:
+        to_example({"prompt": 3, "completion": "x"}, "prompt_completion", True)
+    assert str(e.value) == "field 'prompt' is an int, expected str or list"
+
+
+@pytest.mark.parametrize("fmt, record, says", [
+    ("chat", {"messages": ["hi"]}, "messages[0] is a str, expected {'role', 'content'}"),
+    ("sharegpt", {"conversations": [{"from": "human", "value": "q"}, None]}, "conversations[1] is null, expected "
+                                                                              "{'from', 'value'}"),
+])
+def test_a_message_that_is_not_an_object_is_a_format_error_naming_it(fmt, record, says):
+    """A string or null where a message stands is a bad record (on_error=skip skips it), not an AttributeError."""
+    with pytest.raises(FormatError) as e:
+        to_example(record, fmt, True)
+    assert str(e.value) == says
+
+
+@pytest.mark.parametrize("sender, role", [("chatgpt", "assistant"), ("tool", "tool"), ("function", "tool")])
+def test_sharegpt_senders_beyond_human_and_gpt_map_to_chat_roles(sender, role):
+    """ShareGPT exports also say chatgpt, tool and function: the role decides whether the turn trains."""
+    ex = to_example({"conversations": [{"from": "human", "value": "q"}, {"from": sender, "value": "a"}]}, "sharegpt",
+                    True)
+    assert ex.messages[1] == {"role": role, "content": "a"}
+
+
+def test_a_conversational_prompt_completion_error_names_the_joined_list():
+    """Its messages are checked as one list, prompt then completion: the index counts on from the prompt's."""
+    rec = {"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "robot", "content": "a"}]}
+    with pytest.raises(FormatError, match=r"^prompt\+completion\[1\]\.role is 'robot'; expected one of system"):
+        to_example(rec, "prompt_completion", True)
+
+
+@pytest.mark.parametrize("has_template", [True, False])
+def test_an_alpaca_output_that_is_a_list_is_a_format_error(has_template):
+    """Only prompt/completion take message lists: an alpaca output list would reach the tokenizer as the target."""
+    with pytest.raises(FormatError, match=r"^field 'output' is a list, expected str$"):
+        to_example({"instruction": "List two colours.", "output": ["red", "blue"]}, "alpaca", has_template)
+
+
+def test_a_long_bad_value_is_shown_cut_to_its_first_40_characters():
+    """An error quotes a bad value so the user finds it, but a whole serialized tool call would bury the message."""
+    calls = "get_weather(" + "x" * 60 + ")"
+    rec = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": calls}]}
+    with pytest.raises(FormatError) as e:
+        to_example(rec, "chat", True)
+    assert str(e.value).startswith(f"messages[1].tool_calls is a str ({repr(calls)[:40]}...); expected a list of")

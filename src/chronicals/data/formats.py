@@ -49,7 +49,7 @@ def detect_format(record: dict, from_csv: bool = False) -> str:
     ``from_csv``: a CSV row, whose missing fields are empty cells (pandas' to_csv of mixed records), so an empty
     cell counts as null: the row ",,Paris." under instruction,output,text is text, not an empty alpaca record."""
     present = {k for k, v in record.items() if v is not None and not (from_csv and v == "")}
-    fmt = _format_of(present) or _format_of(set(record))
+    fmt = _format_of(present) or _format_of(set(record), prefer=present)
     if fmt is None:
         raise FormatError(f"cannot tell the format from fields {sorted(record)}; expected one of {EXPECTED}"
                           f"{_half_pair(present or set(record))}")
@@ -67,18 +67,17 @@ def _half_pair(keys: set) -> str:
     return ""
 
 
-def _format_of(keys: set) -> str | None:
-    if "messages" in keys:
-        return "chat"
-    if "conversations" in keys:
-        return "sharegpt"
-    if {"instruction", "output"} <= keys:
-        return "alpaca"
-    if {"prompt", "completion"} <= keys:
-        return "prompt_completion"
-    if "text" in keys:
-        return "text"
-    return None
+_FIELDS = (("chat", {"messages"}), ("sharegpt", {"conversations"}), ("alpaca", {"instruction", "output"}),
+           ("prompt_completion", {"prompt", "completion"}), ("text", {"text"}))  # in order of precedence
+
+
+def _format_of(keys: set, prefer: set = frozenset()) -> str | None:
+    """The first format whose fields are all in ``keys``, preferring one with a field in ``prefer`` (the fields that
+    hold a value): a prompt beside a null completion and the null columns of other records' formats (a mixed
+    parquet file, pandas' to_json) is a prompt/completion record that lacks its completion, not a chat record whose
+    'messages' is null."""
+    fits = [(fmt, need) for fmt, need in _FIELDS if need <= keys]
+    return next((fmt for fmt, need in fits if need & prefer), fits[0][0] if fits else None)
 
 
 def _field(record: dict, name: str, fmt: str, kinds=(str,), from_csv: bool = False):
