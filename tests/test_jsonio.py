@@ -57,13 +57,16 @@ def test_an_unreadable_file_says_why(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=rf"^{re.escape(str(p))}: cannot read it \(Permission denied\); "
                                          rf"check that it is a readable file, or {FIX}$"):
         _read(p)
+    with pytest.raises(DataError, match=rf"^{re.escape(str(p))}: cannot read it"):  # the caller's class here too
+        _read(p, error=DataError)
 
 
 def test_not_utf8_gives_line_byte_and_both_fixes(tmp_path):
     p = tmp_path / "a.json"
     p.write_bytes(b'{\n"a": "caf\xe9"}')  # Latin-1 e-acute on line 2, byte 11
+    bad = re.escape(repr(b'\xe9"}'))  # the bad byte and what follows it, to find it in an editor
     with pytest.raises(ValueError, match=rf"^{re.escape(str(p))}:2: not UTF-8 text \(byte 11: invalid continuation "
-                                         r"byte, .*\), so not a valid thing\.json; re-encode it as UTF-8 \(e\.g\. "
+                                         rf"byte, {bad}\), so not a valid thing\.json; re-encode it as UTF-8 \(e\.g\. "
                                          rf"iconv .*\), or {FIX}$"):
         _read(p)
     p.write_bytes(b"\xef\xbb\xbf\xff")  # the offset counts the byte-order mark
@@ -123,6 +126,16 @@ def test_a_name_one_byte_too_long_for_its_plain_temporary_is_written(tmp_path):
     assert target.read_text() == "whole\n" and os.listdir(tmp_path) == [target.name]
 
 
+def test_a_long_non_ascii_name_is_measured_and_cut_in_bytes(tmp_path):
+    """NAME_MAX counts bytes: a 250-byte name of 124 characters needs a shortened temporary, and the cut at 200 bytes,
+    inside a two-byte character here, drops that character rather than failing to decode."""
+    target = tmp_path / ("a" + "\u00e9" * 122 + ".json")
+    assert len(target.name.encode()) == 250
+    write_text_atomic(target, "whole\n")
+    assert len(temp_beside(target).name.encode()) <= _jsonio.NAME_MAX
+    assert target.read_text() == "whole\n" and os.listdir(tmp_path) == [target.name]
+
+
 def test_fitting_name_keeps_a_name_that_fits_exactly_and_hashes_the_whole_name(tmp_path):
     """A name whose temporary is exactly NAME_MAX bytes is kept (the limit is inclusive); one byte more is shortened.
     Two long names sharing their first 200+ bytes get different stems: hashing only a prefix made their temporaries
@@ -140,6 +153,9 @@ def test_the_written_path_is_returned_with_home_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     assert write_text_atomic("~/scores.json", "whole\n") == tmp_path / "scores.json"
     assert (tmp_path / "scores.json").read_text() == "whole\n"
+    with atomic_open("~/curve.png", "wb") as fh:  # the plots and the bench write through atomic_open itself
+        fh.write(b"png")
+    assert (tmp_path / "curve.png").read_bytes() == b"png"
 
 
 def test_the_temporary_is_fsynced_before_it_replaces_the_file(tmp_path, monkeypatch):
@@ -200,3 +216,40 @@ def test_a_file_named_like_a_temporary_but_not_ours_is_left_alone(tmp_path):
     write_text_atomic(target, "whole\n")
     assert all(f.read_text() == "keep me" for f in theirs) and link.is_symlink()
     assert target.read_text() == "whole\n"
+
+
+def _aged(path):
+    old = time.time() - 3600
+    os.utime(path, (old, old))
+    return path
+
+
+@pytest.mark.skipif(_jsonio.fcntl is None, reason="POSIX flock")
+def test_a_finished_temporary_is_renamed_while_its_writer_still_holds_the_lock(tmp_path, monkeypatch):
+    """Another writer of the same file sweeping between this writer's last byte and its rename must find the
+    temporary locked; an unlocked old temporary is taken for a killed writer's and removed, and the rename would
+    fail with the data lost."""
+    target, real_replace = tmp_path / "metrics.jsonl", os.replace
+
+    def another_writer_sweeps_first(src, dst):
+        _aged(src)
+        with monkeypatch.context() as m:
+            m.setattr(os, "getpid", lambda: 999999)
+            _jsonio._remove_dead_temps(target)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(_jsonio.os, "replace", another_writer_sweeps_first)
+    write_text_atomic(target, "whole\n")
+    assert target.read_text() == "whole\n"
+
+
+@pytest.mark.skipif(_jsonio.fcntl is None, reason="POSIX flock")
+def test_a_killed_writers_temporary_beside_a_name_with_glob_characters_is_removed(tmp_path):
+    """'metrics[1].jsonl' is a file name, not a pattern: the killed writer's temporary beside it is found and removed
+    by the next write ('[1]' read as a pattern matches only '1', and the temporary would stay for ever)."""
+    target = tmp_path / "metrics[1].jsonl"
+    dead = target.with_name(f".{target.name}.tmp-999999")
+    dead.write_text("half")
+    _aged(dead)
+    write_text_atomic(target, "whole\n")
+    assert os.listdir(tmp_path) == [target.name] and target.read_text() == "whole\n"

@@ -522,6 +522,24 @@ def test_a_writer_that_loses_the_race_for_its_key_says_nothing(tmp_path, monkeyp
     assert not [d for d in tmp_path.iterdir() if d.name.startswith(".")]
 
 
+def test_a_publish_that_fails_is_a_warning_naming_its_cause(tmp_path, monkeypatch, caplog):
+    """The rename that publishes the entry failing with no other writer's entry in its place: the warning that the
+    next run tokenizes again names the rename's own error (not a later one of a missing entry), and no temporary
+    entry is left."""
+    entry, real = tmp_path / "e", Path.rename
+
+    def refused(self, target):
+        if Path(target) == entry:
+            raise OSError(errno.EACCES, "Permission denied")
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", refused)
+    with caplog.at_level(logging.WARNING, logger="chronicals.data"):
+        _entry(entry)
+    assert "could not write the tokenization cache entry" in caplog.text and "Permission denied" in caplog.text
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_live_writers_temporary_entry_is_not_swept_by_another_save(tmp_path, monkeypatch, caplog):
     """A writer holds the flock on its temporary entry's lock file until it publishes: another save meanwhile (a
     second run writing another entry into the same cache) leaves that temporary entry alone and both entries are

@@ -125,6 +125,30 @@ def test_a_killed_cache_writers_entry_is_removed_by_the_next_save(tmp_path):
     assert (tmp_path / "entry" / "meta.json").is_file() and not (tmp_path / "entry" / cache.WRITER_LOCK).exists()
 
 
+def _cache_save_then_die(root: str) -> None:
+    """In a child: a tokenization cache save killed (os._exit, as SIGKILL: no finally runs) writing its first array."""
+    from chronicals.data import cache
+
+    np.save = lambda *a, **k: os._exit(9)
+    cache.save(Path(root) / "entry", np.arange(5, dtype=np.int32), np.ones(5, bool), np.array([0, 5], np.int64), {})
+
+
+def test_a_cache_save_killed_mid_write_leaves_what_the_next_save_removes(tmp_path):
+    """The temporary entry a real kill leaves (its name, its lock file nobody holds) is the one the next save's sweep
+    finds and removes: nothing but the new entry stays in the cache."""
+    import multiprocessing
+
+    from chronicals.data import cache
+
+    proc = multiprocessing.get_context("fork").Process(target=_cache_save_then_die, args=(str(tmp_path),))
+    proc.start()
+    proc.join()
+    assert proc.exitcode == 9 and len(os.listdir(tmp_path)) == 1  # the killed save's temporary entry
+    cache.save(tmp_path / "entry", np.arange(5, dtype=np.int32), np.ones(5, bool), np.array([0, 5], np.int64),
+               {"pad_id": 0, "stats": {"documents": 1, "tokens": 5}})
+    assert os.listdir(tmp_path) == ["entry"] and cache.load(tmp_path / "entry")[0].tolist() == list(range(5))
+
+
 def _prune_then_die(out: str) -> None:
     """In a child: write step 2 over step 1 with keep_last=1, and die (os._exit, as SIGKILL: no finally runs) in
     the middle of removing step 1, after its state.pt went."""
