@@ -150,18 +150,17 @@ def _remove_dead_temps(path: Path) -> None:
             os.close(fd)
 
 
-def lock_fresh(fd: int) -> bool:
-    """Take the writer's flock on the fresh temporary ``fd`` (a new name: nobody else holds it). False where the file
-    system takes no flock (ENOLCK on some network mounts): the write goes on unlocked, and since ``lock_if_free``
-    cannot lock it there either, no sweeper takes it for a dead writer's. Raising instead failed every atomic write
-    there (config.yaml, checkpoints, GGUF conversions) after the run lock had warned that it trains unlocked."""
+def lock_fresh(fd: int) -> None:
+    """Take the writer's flock on the fresh temporary ``fd`` (a new name: nobody else holds it). Where the file system
+    takes no flock (ENOLCK on some network mounts) the write goes on unlocked, and since ``lock_if_free`` cannot lock
+    it there either, no sweeper takes it for a dead writer's. Raising instead failed every atomic write there
+    (config.yaml, checkpoints, GGUF conversions) after the run lock had warned that it trains unlocked."""
     if fcntl is None:
-        return False
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        return False
-    return True
+        pass
 
 
 def lock_if_free(path) -> int | None:
