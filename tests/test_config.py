@@ -98,6 +98,11 @@ def test_unknown_key_suggests(bad, message):
     ("lora.target_modules=[q_proj]", "lora.targets"),
     ("train.per_device_train_batch_size=2", "data.batch_size"),
     ("schedule.warmup_ratio=0.1", "schedule.warmup_steps"),  # spelling alone offered lora.plus_ratio
+    # spelling alone offers train.save_final, train.grad_accum, train.epochs and train.seed for these
+    ("train.save_total_limit=2", "train.keep_last"),
+    ("train.max_grad_norm=1", "optim.grad_clip"),
+    ("train.torch_dtype=bf16", "model.dtype"),
+    ("train.base_model=x", "model.path"),
     ("optim.Learning_Rate=1", "optim.lr"),  # looked up in any case
     ("optim.LEARNING_RATE=1", "optim.lr"),
 ])
@@ -110,6 +115,7 @@ def test_every_name_from_elsewhere_points_at_a_key():
     from chronicals.config import KNOWN_ELSEWHERE
 
     assert set(KNOWN_ELSEWHERE.values()) <= set(all_keys())
+
 
 
 def test_unknown_section_in_yaml_suggests(tmp_path):
@@ -137,6 +143,7 @@ def test_unknown_section_in_yaml_suggests(tmp_path):
     ("lora.rank=on", r"expected an integer"),
     ("lora.targets=[q_proj", r"^command line: config .* is invalid: an unclosed bracket"),
     ("model.recompute=norm]", r"^command line: config .* is invalid: an unclosed bracket"),
+    ("lora.modules_to_save=[lm_head", r"an unclosed bracket; expected a list such as \[embed_tokens, lm_head\]"),
     # a name the model does not rebuild (attn) is refused, not passed on to it
     ("model.recompute=[norm,attn]", r"^command line: config model\.recompute=\['norm', 'attn'\] is invalid: "
                                     r"expected a list drawn from \[norm, swiglu, gate_up\], or \[\]$"),
@@ -157,6 +164,9 @@ def test_help_lists_every_key_with_its_doc():
     for key in all_keys():
         assert key in text
     assert "LoRA+: lr(B) = plus_ratio x lr(A)" in text
+    # a list key's default comes from its default_factory
+    assert "lora.modules_to_save (list, default [])" in text
+    assert "lora.targets (list, default ['q_proj', 'k_proj'," in text
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(p.parents[1])) for p in CONFIGS])
@@ -355,6 +365,8 @@ def test_override_errors_name_the_command_line(tmp_path, path):
         load_config(path, {"optim.lr": -1.0})  # a dict from Python is not a command line
     with pytest.raises(ValueError, match=r"^command line: override 'optim\.lr' is not key=value"):
         load_config(path, ["optim.lr"])
+    with pytest.raises(ValueError, match=r"^command line: config optim\.lr=-1\.0 is invalid"):
+        load_config(path, [" optim.lr =-1"])  # the key as the override gives it, spaces around it
 
 
 def test_file_error_keeps_its_line_next_to_other_overrides(tmp_path):
