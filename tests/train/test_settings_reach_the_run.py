@@ -117,6 +117,17 @@ def test_the_system_prompt_warning_says_whether_the_held_out_questions_use_it(tm
         assert len(said[name]) == 1 and "QA questions (data.eval_path has none). Put" in said[name][0], said
 
 
+def test_eval_path_auto_beside_ones_own_data_is_no_held_out_set(tmp_path):
+    """data.eval_path=auto holds out the demo's questions only under data.path=demo: beside one's own training
+    records it is no held-out set (the demo's questions would score a model trained on other data)."""
+    from chronicals.train.setup import data_files
+
+    own = tmp_path / "own.jsonl"
+    own.write_text('{"text": "hello there"}\n')
+    cfg = tiny_config(tmp_path, data__path=str(own), data__eval_path="auto")
+    assert data_files(cfg, tmp_path / "run") == ([own], None, None)
+
+
 def test_a_directory_at_the_demo_copys_path_is_refused_with_the_fix(tmp_path):
     """A directory where a run writes its copy of the demo (out_dir/data/train.jsonl) is refused naming the fix
     (move it away or set another train.out_dir), not a bare '[Errno 21] Is a directory' from the write."""
@@ -154,6 +165,28 @@ def test_a_passed_models_adapters_without_rslora_under_lora_rslora_true_are_refu
     with pytest.raises(ConfigError, match=r"lora\.rslora=True \(the adapters': False\)") as e:
         prepare_model(model, tiny_config(tmp_path, lora__rslora=True, **LORA), torch.device("cpu"), torch.float32)
     assert e.value.key == "lora.rslora"
+
+
+def test_a_passed_models_adapters_of_another_rank_are_refused_naming_lora_rank(tmp_path):
+    """Adapters of rank 4 under lora.rank=8 are refused, not trained at rank 4 under a config saying 8."""
+    from chronicals.config import ConfigError
+    from chronicals.lora import apply_lora
+    from chronicals.train.setup import prepare_model
+
+    model = tiny_model()
+    apply_lora(model, r=4, alpha=8, target_modules=("q_proj", "v_proj"))
+    with pytest.raises(ConfigError, match=r"lora\.rank=8 \(the adapters': 4\)") as e:
+        prepare_model(model, tiny_config(tmp_path, **dict(LORA, lora__rank=8)), torch.device("cpu"), torch.float32)
+    assert e.value.key == "lora.rank"
+
+
+def test_lora_dropout_reaches_new_adapters(tmp_path):
+    """lora.dropout reaches the adapters setup injects (the dropout they train and save with)."""
+    from chronicals.train.setup import prepare_model
+
+    cfg = tiny_config(tmp_path, lora__dropout=0.1, **LORA)
+    model = prepare_model(tiny_model(), cfg, torch.device("cpu"), torch.float32)
+    assert model.lora_config.dropout == 0.1
 
 
 def test_adapters_training_a_module_not_asked_for_are_refused(tmp_path, caplog):
