@@ -139,3 +139,14 @@ def test_a_heldout_file_inside_or_equal_to_the_training_data_is_refused(tmp_path
     with pytest.raises(ConfigError, match=r"data.eval_path=.*data is a directory that holds data.path=.*train.jsonl, "
                                           r"and all its files are read as held-out data"):
         check_data_paths(_cfg(tmp_path, f"data.path={train}", f"data.eval_path={tmp_path / 'data'}"))
+
+
+def test_heldout_rows_are_packed_to_data_max_seq_len_as_training_rows_are(tokenizer, tmp_path):
+    """The held-out loader packs rows of data.max_seq_len, as training does: the same records pack alike (wider
+    rows would take more memory at eval time than training did)."""
+    train = write(tmp_path / "alpaca.jsonl", ALPACA)
+    heldout = write(tmp_path / "heldout.jsonl", ALPACA)
+    cfg = cfg_for(tmp_path, f"data.path={train}", "data.format=alpaca", f"data.eval_path={heldout}")
+    train_loader, eval_loader, _ = build_loaders(cfg, tokenizer, tmp_path / "run")
+    assert eval_loader.stats["rows"] == train_loader.stats["rows"] > 1
+    assert eval_loader.stats["slots"] == 64 * eval_loader.stats["rows"]

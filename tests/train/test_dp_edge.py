@@ -93,6 +93,10 @@ def test_rows_left_out_under_drop_are_warned_of_with_their_share_and_the_batch_s
     assert "14 loss tokens; 14.3%) are not trained" in said[0], said[0]
     assert "To train them all use data.dp_remainder=train (a new run), or data.batch_size=2 or 4 (ceil(7 / " \
            "batch_size) a multiple of 2 ranks), or a number of ranks that divides the 3 batches" in said[0], said[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="chronicals.train"):  # the other ranks leave the same rows out unsaid
+        loader, _, _ = build_loaders(cfg, smollm2_tokenizer(), tmp_path / "run", rank=1, world_size=2)
+    assert loader.rows_left_out == 1 and "are not trained" not in caplog.text, caplog.text
 
 
 def test_a_rank_count_refusal_reaches_the_user_without_a_guess(tmp_path):

@@ -251,6 +251,8 @@ def test_tokenization_cache_defaults_under_the_chronicals_cache(monkeypatch, tmp
     assert tokenization_cache_dir("") == tmp_path / "data"
     assert tokenization_cache_dir("none") is None
     assert tokenization_cache_dir(str(tmp_path / "mine")) == tmp_path / "mine"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert tokenization_cache_dir("~/mine") == tmp_path / "mine"  # not a folder named '~' in the working directory
 
 
 def test_corrupt_checkpoint_is_a_clear_error_naming_the_one_before(tmp_path, docs):

@@ -390,6 +390,36 @@ def test_full_fine_tuning_warns_only_of_the_lora_keys_set(tmp_path, caplog):
     assert "lora.rank set, but lora.enabled=false: full fine-tuning" in caplog.text, caplog.text
 
 
+def test_full_fine_tuning_trains_the_frozen_weights_of_a_passed_model_and_says_so(tmp_path, caplog):
+    """lora.enabled=false unfreezes every weight of the model passed, naming the frozen ones in a warning."""
+    import logging
+
+    from chronicals.train.setup import prepare_model
+
+    model = tiny_model()
+    model.model.norm.weight.requires_grad_(False)
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        prepare_model(model, tiny_config(tmp_path), torch.device("cpu"), torch.float32)
+    assert "1 parameter tensors frozen in the model passed (e.g. model.norm.weight) train too" in caplog.text
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_trainable_parameters_outside_the_adapters_are_named_three_and_counted(tmp_path):
+    """A passed adapted model with weights unfrozen outside its adapters is refused naming the first three and
+    counting the rest."""
+    from chronicals.lora import apply_lora
+    from chronicals.train.setup import prepare_model
+
+    model = tiny_model()
+    apply_lora(model, r=4, alpha=8, target_modules=("q_proj", "v_proj"))
+    norms = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
+    for p in norms:
+        p.requires_grad_(True)
+    assert len(norms) > 3
+    with pytest.raises(ValueError, match=rf"outside them: \[[^]]*\] and {len(norms) - 3} more; the adapter saves"):
+        prepare_model(model, tiny_config(tmp_path, **LORA), torch.device("cpu"), torch.float32)
+
+
 def test_model_dtype_auto_is_float32_on_cpu_and_bfloat16_on_cuda():
     """model.dtype=auto: bf16 weights on CUDA, fp32 on CPU (bf16 matmuls are slow there, fp64 doubles the memory);
     any other value is the torch dtype of that name."""
@@ -419,6 +449,19 @@ def test_model_device_follows_the_visible_cuda_devices(monkeypatch):
             resolve_device(name)
     with pytest.raises(ConfigError, match=r"^--device=cuda but no CUDA device is visible; use --device=cpu$") as e:
         resolve_device("cuda", key="--device")
+    assert e.value.key == "--device"
+
+
+@pytest.mark.parametrize("name, said", [("mps", "chronicals runs on cpu or cuda"), ("meta", "chronicals runs on cpu or cuda"),
+                                        ("gpu0", "is not a device")])
+def test_a_device_other_than_cpu_or_cuda_is_refused_naming_the_setting(name, said):
+    """A device torch knows but chronicals does not run on, or no device at all, is a ConfigError naming the
+    setting it came from (a config key or a CLI flag) and the values that work."""
+    from chronicals.config import ConfigError
+    from chronicals.train.setup import resolve_device
+
+    with pytest.raises(ConfigError, match=rf"^--device={name}:? {said}; use auto, cpu, cuda or cuda:N$") as e:
+        resolve_device(name, key="--device")
     assert e.value.key == "--device"
 
 
