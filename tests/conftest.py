@@ -107,3 +107,15 @@ def tiny_base(tmp_path_factory):
                                   tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
     model = CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0)
     return save_model(model, tok, tmp_path_factory.mktemp("tiny") / "base")
+
+
+@pytest.fixture
+def no_flock(monkeypatch):
+    """A file system that takes no flock (ENOLCK, as some network mounts answer): every fcntl.flock raises."""
+    import errno
+    import fcntl
+
+    def flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", flock)

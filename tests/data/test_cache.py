@@ -590,15 +590,9 @@ def test_another_format_on_the_same_files_is_another_cache_entry(tokenizer, tmp_
     assert len(_entries(tmp_path / "cache")) == 2
 
 
-def test_a_cache_on_a_file_system_without_flock_is_written_and_hit(tokenizer, tmp_path, monkeypatch, caplog):
+def test_a_cache_on_a_file_system_without_flock_is_written_and_hit(tokenizer, tmp_path, no_flock, caplog):
     """flock failing with ENOLCK (some network mounts): the entry is written unlocked, so the next load reads it
     instead of tokenizing again, and the writer's lock file is not published with it."""
-    import fcntl
-
-    def flock(fd, op):
-        raise OSError(errno.ENOLCK, "No locks available")
-
-    monkeypatch.setattr(fcntl, "flock", flock)
     p = tmp_path / "a.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     first = load(p, tokenizer, tmp_path / "cache")

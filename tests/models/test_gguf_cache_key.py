@@ -131,17 +131,11 @@ def test_cache_dir_for_a_link_or_a_relative_path_is_the_entry_a_load_uses(tmp_pa
     assert gguf_cache.cache_dir_for("m.gguf") == entry and gguf_cache.cache_dir_for("link.gguf") == entry
 
 
-def test_a_file_system_without_flock_converts_unlocked(tmp_path, tiny_hf_config, monkeypatch):
+def test_a_file_system_without_flock_converts_unlocked(tmp_path, tiny_hf_config, no_flock):
     """flock failing with an OSError (ENOLCK on some network file systems) leaves the conversion unlocked; the load
     goes on."""
-    import fcntl
-
-    def no_locks(fd, op):
-        raise OSError(37, "No locks available")
-
     cfg, model = _tiny(tiny_hf_config, "llama2")
     path = tmp_path / "m.gguf"
     write_gguf(path, "llama", cfg, model.state_dict(), quantize=False)
-    monkeypatch.setattr(fcntl, "flock", no_locks)
     out = gguf_cache.cached_conversion(path, gguf_io.convert_gguf, gguf_io.convert_tokenizer)
     assert (out / "config.json").is_file()

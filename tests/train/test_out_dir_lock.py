@@ -5,7 +5,6 @@ stopping at the model's context."""
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import os
@@ -400,17 +399,12 @@ def test_a_lock_file_left_by_a_killed_run_names_only_the_run_that_holds_it(tmp_p
     assert not (out / LOCK_FILE).exists()
 
 
-def test_a_file_system_without_flock_trains_unlocked_and_says_so(tmp_path, monkeypatch, caplog):
+def test_a_file_system_without_flock_trains_unlocked_and_says_so(tmp_path, no_flock, caplog):
     """Where flock fails with another error than "held" (ENOLCK on some network mounts) the run goes on unlocked
     with a warning naming out_dir, and leaves no lock file behind (not a ConfigError saying the directory is in
     use: nothing else holds it)."""
     out = tmp_path / "run"
     out.mkdir()
-
-    def flock(fd, op):
-        raise OSError(errno.ENOLCK, "No locks available")
-
-    monkeypatch.setattr(fcntl, "flock", flock)
     ran = []
     with caplog.at_level("WARNING", logger="chronicals"):
         with out_dir_lock(out):
@@ -420,13 +414,9 @@ def test_a_file_system_without_flock_trains_unlocked_and_says_so(tmp_path, monke
     assert "No locks available" in caplog.text
 
 
-def test_a_run_on_a_file_system_without_flock_writes_everything_and_resumes(tmp_path, monkeypatch):
+def test_a_run_on_a_file_system_without_flock_writes_everything_and_resumes(tmp_path, no_flock):
     """Past the run lock's warning, every write still takes its writer's flock (config.yaml, metrics, checkpoints,
     model/): each goes on unlocked there, so the run trains, saves and resumes exactly as anywhere else."""
-    def flock(fd, op):
-        raise OSError(errno.ENOLCK, "No locks available")
-
-    monkeypatch.setattr(fcntl, "flock", flock)
     docs = synthetic_docs(40)
     _run(tmp_path, docs, train__max_steps=2, train__save_every=2, train__save_final=True)
     out = tmp_path / "run"
