@@ -182,6 +182,12 @@ def test_an_interrupted_write_leaves_the_old_file_and_no_temporary(tmp_path):
     assert target.read_text() == "old\n" and os.listdir(tmp_path) == ["scores.json"]
 
 
+def _aged(path):
+    old = time.time() - 3600
+    os.utime(path, (old, old))
+    return path
+
+
 @pytest.mark.skipif(_jsonio.fcntl is None, reason="POSIX flock")
 def test_a_slow_live_writers_temporary_is_not_swept_by_another_writer(tmp_path, monkeypatch):
     """A write of one file running for more than a minute holds the flock on its temporary: another process
@@ -189,8 +195,7 @@ def test_a_slow_live_writers_temporary_is_not_swept_by_another_writer(tmp_path, 
     target = tmp_path / "metrics.jsonl"
     with atomic_open(target) as fh:
         fh.write("first ")
-        old = time.time() - 3600
-        os.utime(temp_beside(target), (old, old))
+        _aged(temp_beside(target))
         with monkeypatch.context() as m:
             m.setattr(os, "getpid", lambda: 999999)  # another process
             write_text_atomic(target, "second\n")
@@ -207,21 +212,14 @@ def test_a_file_named_like_a_temporary_but_not_ours_is_left_alone(tmp_path):
     target = tmp_path / "metrics.jsonl"
     stem = temp_beside(target).name.rsplit("-", 1)[0] + "-"
     theirs = [tmp_path / (stem + "backup"), tmp_path / (stem + "12-x"), tmp_path / "real.txt"]
-    old = time.time() - 3600
     for f in theirs:
         f.write_text("keep me")
-        os.utime(f, (old, old))
+        _aged(f)
     link = tmp_path / (stem + "12345")
     link.symlink_to(theirs[-1])
     write_text_atomic(target, "whole\n")
     assert all(f.read_text() == "keep me" for f in theirs) and link.is_symlink()
     assert target.read_text() == "whole\n"
-
-
-def _aged(path):
-    old = time.time() - 3600
-    os.utime(path, (old, old))
-    return path
 
 
 @pytest.mark.skipif(_jsonio.fcntl is None, reason="POSIX flock")
