@@ -464,7 +464,9 @@ def _entry(path: Path, meta: dict | None = None) -> Path:
     lambda meta: {"pad_id": 0, "stats": 3},
     # the entry's own meta.json with only pad_id edited
     lambda meta: {**meta, "pad_id": "0"}, lambda meta: {**meta, "pad_id": None}, lambda meta: {**meta, "pad_id": 1.5},
-], ids=["empty", "a list", "no tokens", "stats a number", "pad_id a string", "pad_id null", "pad_id a float"])
+    lambda meta: {**meta, "pad_id": True},
+], ids=["empty", "a list", "no tokens", "stats a number", "pad_id a string", "pad_id null", "pad_id a float",
+        "pad_id true"])
 def test_a_meta_json_of_the_wrong_shape_is_a_damaged_entry(tmp_path, edit):
     """Valid JSON that is not an entry's meta (a hand edit, another tool's file), or a pad_id that is no integer (the
     collator pads rows with it), is a CacheError, which load_dataset rebuilds: a bare KeyError or TypeError crashed

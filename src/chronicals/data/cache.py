@@ -217,7 +217,7 @@ def load(path: Path):
         raise CacheError("meta.json is missing (a write that did not finish)") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CacheError(f"meta.json is unreadable ({type(e).__name__}: {e})") from None
-    if not isinstance(pad_id, int):
+    if not isinstance(pad_id, int) or isinstance(pad_id, bool):  # JSON true is a Python int
         raise CacheError(f"meta.json: pad_id is {pad_id!r}, expected an integer")
     arrays = []
     for name, dtype in ARRAYS:
