@@ -258,3 +258,10 @@ def test_pin_memory_and_non_blocking_to_reach_every_tensor(monkeypatch):
         flags.clear()
         moved = out.to("cpu", non_blocking=flag)
         assert flags == [flag] * 4 and all(torch.equal(getattr(moved, k), getattr(batch, k)) for k in tensors)
+
+
+@pytest.mark.parametrize("fn", [pack_bfd, pack_ffd])
+def test_the_first_length_that_is_no_whole_number_is_named(fn):
+    """With several bad lengths the refusal names the first one, by index and value."""
+    with pytest.raises(ValueError, match=r"item 1 has length 2.5; lengths are whole token counts"):
+        fn([3, 2.5, 4, 1.5], 8)
