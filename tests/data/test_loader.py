@@ -30,6 +30,14 @@ def rows_of_eight(n):
                             DatasetStats(records=n, documents=n, tokens=int(offsets[-1])), 8)
 
 
+def of_lengths(*lengths, stats=None):
+    """Documents of these lengths, every token trainable (max_seq_len: the longest)."""
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    stats = stats or DatasetStats(records=len(lengths), documents=len(lengths), tokens=int(offsets[-1]))
+    return TokenizedDataset(np.arange(1, offsets[-1] + 1, dtype=np.int32), np.ones(offsets[-1], bool), offsets, 0,
+                            stats, max(lengths))
+
+
 def check_batch(batch, ds):
     b, s = batch.input_ids.shape
     cu = batch.cu_seqlens.tolist()
@@ -585,3 +593,45 @@ def test_a_cut_past_the_epochs_end_trains_the_whole_epoch():
             loader.cut_epoch(0, cut)
             got.append([int(b.num_docs) for b in loader])
         assert got == [[1, 1, 1], [1, 1, 0]], (cut, got)
+
+
+def test_a_document_one_token_over_max_seq_len_is_refused_in_either_mode():
+    """The loader refuses any document longer than max_seq_len with its own message, in rows mode and in
+    token-budget mode, where a budget of several max_seq_len would hold it."""
+    ds = of_lengths(5, 9, 3)
+    for kw in (dict(batch_size=1), dict(tokens_per_batch=32)):
+        with pytest.raises(ValueError, match="a document has 9 tokens > max_seq_len=8; load the dataset"):
+            PackedLoader(ds, max_seq_len=8, **kw)
+
+
+def test_a_token_budget_below_max_seq_len_is_refused_even_for_short_documents():
+    """tokens_per_batch must hold a document of max_seq_len, whether or not this dataset has one; a budget of exactly
+    max_seq_len is accepted."""
+    ds = of_lengths(3, 4, 2)
+    with pytest.raises(ValueError, match="tokens_per_batch=7 < max_seq_len=8; a step must hold the longest"):
+        PackedLoader(ds, tokens_per_batch=7, max_seq_len=8)
+    assert len(PackedLoader(ds, tokens_per_batch=8, max_seq_len=8).rows) == 2
+
+
+def test_a_state_without_shuffle_loads_into_an_unshuffled_loader():
+    """States written before the loader saved ``shuffle`` carry no row order to compare: they load into an unshuffled
+    loader (the held-out one) as into a shuffled one."""
+    ds = of_lengths(5, 7, 3, 6, 4, 8)
+    run = PackedLoader(ds, batch_size=1, max_seq_len=8, shuffle=False)
+    next(iter(run))
+    old = {k: v for k, v in run.state_dict().items() if k != "shuffle"}
+    resumed = PackedLoader(ds, batch_size=1, max_seq_len=8, shuffle=False)
+    resumed.load_state_dict(old)
+    assert (resumed.epoch, resumed.position) == (0, 1)
+
+
+def test_stats_carry_the_datasets_counts():
+    """loader.stats reports the rows and batches it packed beside the dataset's own counts, each under its name."""
+    ds = of_lengths(5, 7, 3, stats=DatasetStats(records=13, documents=3, tokens=15, loss_tokens=12, truncated=1,
+                                                dropped_overlong=2, dropped_no_loss=3, skipped_errors=4))
+    st = PackedLoader(ds, batch_size=2, max_seq_len=8).stats
+    keys = ("documents", "rows", "batches_per_epoch", "tokens", "loss_tokens", "truncated", "dropped_overlong",
+            "dropped_no_loss", "skipped_errors")
+    assert {k: st[k] for k in keys} == {"documents": 3, "rows": 2, "batches_per_epoch": 1, "tokens": 15,
+                                        "loss_tokens": 12, "truncated": 1, "dropped_overlong": 2,
+                                        "dropped_no_loss": 3, "skipped_errors": 4}
