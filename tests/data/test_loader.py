@@ -30,12 +30,12 @@ def rows_of_eight(n):
                             DatasetStats(records=n, documents=n, tokens=int(offsets[-1])), 8)
 
 
-def of_lengths(*lengths, stats=None):
-    """Documents of these lengths, every token trainable (max_seq_len: the longest)."""
+def of_lengths(*lengths, stats=None, pad_id=0):
+    """Documents of these lengths, token ids 1, 2, ... in order, every token trainable (max_seq_len: the longest)."""
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     stats = stats or DatasetStats(records=len(lengths), documents=len(lengths), tokens=int(offsets[-1]))
-    return TokenizedDataset(np.arange(1, offsets[-1] + 1, dtype=np.int32), np.ones(offsets[-1], bool), offsets, 0,
-                            stats, max(lengths))
+    return TokenizedDataset(np.arange(1, offsets[-1] + 1, dtype=np.int32), np.ones(offsets[-1], bool), offsets,
+                            pad_id, stats, max(lengths))
 
 
 def check_batch(batch, ds):
@@ -635,3 +635,15 @@ def test_stats_carry_the_datasets_counts():
     assert {k: st[k] for k in keys} == {"documents": 3, "rows": 2, "batches_per_epoch": 1, "tokens": 15,
                                         "loss_tokens": 12, "truncated": 1, "dropped_overlong": 2,
                                         "dropped_no_loss": 3, "skipped_errors": 4}
+
+
+def test_every_batch_pads_with_the_datasets_pad_id():
+    """Rows mode, a token-budget row rounded up to pad_to_multiple_of and the empty batch of a last round all fill
+    their padding with the dataset's pad_id (token 0 is a real token), so input_ids != pad_id marks the real tokens."""
+    ds = of_lengths(5, 7, 3, pad_id=99)  # ids 1..15; rows [7], [5, 3]
+    for kw in (dict(batch_size=1), dict(tokens_per_batch=8, pad_to_multiple_of=8)):
+        loaders = [PackedLoader(ds, max_seq_len=8, shuffle=False, rank=r, world_size=3, **kw) for r in range(3)]
+        batches = [b for loader in loaders for b in loader]
+        assert sum(not b.num_docs for b in batches) == loaders[0].empty_batches == 1, kw
+        for b in batches:
+            assert int((b.input_ids != 99).sum()) == b.num_tokens, kw
