@@ -164,6 +164,19 @@ def test_delta_weight_is_computed_without_autograd():
     assert m.delta_weight().dtype == torch.float64
 
 
+@pytest.mark.parametrize("wide", ["A", "B"])
+def test_delta_weight_is_float64_when_either_adapter_is(wide):
+    """An fp32 layer with one float64 adapter matrix computes s B A in float64, not rounded through fp32."""
+    g = torch.Generator().manual_seed(0)
+    m = LoRALinear(nn.Linear(5, 3), r=2, alpha=4, generator=g)
+    for mod, dt in ((m.lora_A, torch.float64 if wide == "A" else torch.float32),
+                    (m.lora_B, torch.float64 if wide == "B" else torch.float32)):
+        mod.weight = nn.Parameter(torch.randn(mod.weight.shape, generator=g, dtype=dt))
+    want = m.scaling * (m.lora_B.weight.double() @ m.lora_A.weight.double())
+    assert m.delta_weight().dtype == torch.float64
+    torch.testing.assert_close(m.delta_weight(), want, rtol=1e-15, atol=0)
+
+
 def test_the_layer_checks_impl_and_concat_as_apply_lora_does():
     """LoRALinear built directly: an unknown impl is refused (not silently the fused path), and concat other than
     'auto', True or False is refused (not read by truthiness)."""
@@ -212,3 +225,29 @@ def test_a_merge_rounds_once_and_gives_w_its_own_storage():
     model(torch.randn(2, 4))
     merge_lora(model)
     assert all(p.is_contiguous() for p in model.parameters()) and model[0].weight.untyped_storage().nbytes() == 128
+
+
+@pytest.mark.parametrize("trained", ["A", "B"])
+@pytest.mark.parametrize("x_grad", [True, False])
+@pytest.mark.parametrize("concat", [False, True])
+def test_only_a_or_only_b_trained_gets_the_reference_gradient_float64(trained, x_grad, concat):
+    """A frozen A (or B) with the other trained, as a LoRA+ or partially frozen setup leaves them: the trained one
+    gets its float64 reference gradient, and the frozen one none."""
+    x, w, b, a, bb = _inputs((2, 3), 6, 5, 2, torch.float64, bias=True)
+    x.requires_grad_(x_grad)
+    (a if trained == "B" else bb).requires_grad_(False)
+    wrt = ([x] if x_grad else []) + [a if trained == "A" else bb]
+    dy = torch.randn(2, 3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    got = torch.autograd.grad(lora_linear(x, w, b, a, bb, 1.7, concat=concat), wrt, dy)
+    want = torch.autograd.grad(lora_linear_ref(x, w, b, a, bb, 1.7), wrt, dy)
+    for g_, w_ in zip(got, want, strict=True):
+        torch.testing.assert_close(g_, w_, rtol=1e-12, atol=1e-12)
+
+
+def test_fused_direct_call_with_only_b_wider_says_what_to_pass():
+    """A in x's dtype and B wider (fp32 on bf16) is refused by name as wider A and B are, not left to torch.mm."""
+    x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(6, 8, dtype=torch.bfloat16)
+    a, b = torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(6, 2)
+    with pytest.raises(ValueError, match=r"takes A and B in x's dtype \(torch.bfloat16\), got A torch.bfloat16 "
+                                         r"and B torch.float32"):
+        lora_linear(x, w, None, a, b, 0.5)
