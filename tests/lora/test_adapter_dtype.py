@@ -227,3 +227,13 @@ def test_bf16_adapters_on_an_fp32_base_match_the_reference(impl):
     with torch.no_grad():
         torch.testing.assert_close(layer(x), lora_linear_ref(x, layer.weight, layer.bias, a, b, layer.scaling),
                                    rtol=1e-6, atol=1e-6)
+
+
+def test_a_wide_concat_layer_keeps_w_in_its_own_storage():
+    """fp32 adapters on a bf16 base run the fp32 reference branch, which never reads a [W | s B] buffer: W stays a
+    contiguous tensor of its own (out x in elements), also after a forward, with no r extra columns beside it."""
+    layer = LoRALinear(nn.Linear(4, 8, dtype=torch.bfloat16), r=2, alpha=4, adapter_dtype=torch.float32, concat=True)
+    assert layer.wide
+    layer(torch.randn(3, 4, dtype=torch.bfloat16))
+    assert layer._wcat is None and layer.weight.is_contiguous()
+    assert layer.weight.untyped_storage().nbytes() == 8 * 4 * 2
