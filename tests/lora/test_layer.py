@@ -227,19 +227,22 @@ def test_a_merge_rounds_once_and_gives_w_its_own_storage():
     assert all(p.is_contiguous() for p in model.parameters()) and model[0].weight.untyped_storage().nbytes() == 128
 
 
-@pytest.mark.parametrize("trained", ["A", "B"])
+@pytest.mark.parametrize("trained", ["A", "B", "AB"])
 @pytest.mark.parametrize("x_grad", [True, False])
+@pytest.mark.parametrize("p", [0.0, 0.3])
 @pytest.mark.parametrize("concat", [False, True])
-def test_only_a_or_only_b_trained_gets_the_reference_gradient_float64(trained, x_grad, concat):
-    """A frozen A (or B) with the other trained, as a LoRA+ or partially frozen setup leaves them: the trained one
-    gets its float64 reference gradient, and the frozen one none."""
+def test_each_subset_of_x_a_b_gets_the_reference_gradient_float64(trained, x_grad, p, concat):
+    """Only some of x, A and B needing a gradient (a first layer's input needs none; a frozen A or B): each one that
+    does gets its float64 reference gradient, with and without dropout."""
     x, w, b, a, bb = _inputs((2, 3), 6, 5, 2, torch.float64, bias=True)
     x.requires_grad_(x_grad)
-    (a if trained == "B" else bb).requires_grad_(False)
-    wrt = ([x] if x_grad else []) + [a if trained == "A" else bb]
+    a.requires_grad_("A" in trained)
+    bb.requires_grad_("B" in trained)
+    wrt = ([x] if x_grad else []) + ([a] if "A" in trained else []) + ([bb] if "B" in trained else [])
+    draw = _draw(p)
     dy = torch.randn(2, 3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    got = torch.autograd.grad(lora_linear(x, w, b, a, bb, 1.7, concat=concat), wrt, dy)
-    want = torch.autograd.grad(lora_linear_ref(x, w, b, a, bb, 1.7), wrt, dy)
+    got = torch.autograd.grad(lora_linear(x, w, b, a, bb, 1.7, draw, concat=concat), wrt, dy)
+    want = torch.autograd.grad(lora_linear(x, w, b, a, bb, 1.7, draw, impl="torch"), wrt, dy)
     for g_, w_ in zip(got, want, strict=True):
         torch.testing.assert_close(g_, w_, rtol=1e-12, atol=1e-12)
 
