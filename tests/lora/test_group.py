@@ -92,9 +92,11 @@ def test_float32_adapters_on_a_float64_base_scale_b_in_the_base_dtype():
 
 @pytest.mark.parametrize("fin,spec", MEMBERS)
 @pytest.mark.parametrize("drops", [(0.25, 0.5, 0.1), (0.0, 0.3, 0.0)])
-def test_group_with_dropout_matches_per_module_reference_float64(fin, spec, drops):
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_group_with_dropout_matches_per_module_reference_float64(fin, spec, drops, x_grad):
     """Each member's branch sees its own mask (a member with dropout 0 none): output, dx, every dA and dB as
-    lora_linear_ref computes them with the same masks; recompute() with those masks gives the output again."""
+    lora_linear_ref computes them with the same masks, also for an x that needs no gradient (a first layer's);
+    recompute() with those masks gives the output again."""
     mods = _members(fin, spec, bias=True)
     for m, p in zip(mods, drops):
         m.dropout = p
@@ -102,19 +104,19 @@ def test_group_with_dropout_matches_per_module_reference_float64(fin, spec, drop
     dy = torch.randn(2, 3, sum(o for o, _ in spec), dtype=torch.float64, generator=torch.Generator().manual_seed(6))
     params = [p for m in mods for p in (m.lora_A.weight, m.lora_B.weight)]
     group = LoRAGroup(mods)
-    xg = x.clone().requires_grad_(True)
+    xg = x.clone().requires_grad_(x_grad)
     torch.manual_seed(11)
     got, recipe = group.with_recipe(xg)
-    got_g = torch.autograd.grad(got, [xg] + params, dy)
+    got_g = torch.autograd.grad(got, ([xg] if x_grad else []) + params, dy)
     torch.manual_seed(11)  # the draws the group made, in member order; their masks built in full
     draws = [D.draw(m.dropout, "cpu") if m.dropout > 0 else None for m in mods]
     masks = [None if d is None else draw_mask(d, x.shape) for d in draws]
     assert any(mk is not None and not mk.all() for mk in masks)
-    xr = x.clone().requires_grad_(True)
+    xr = x.clone().requires_grad_(x_grad)
     want = torch.cat([lora_linear_ref(xr, m.weight, m.bias, m.lora_A.weight, m.lora_B.weight, m.scaling, mk,
                                       0.0 if d is None else d.p_applied)
                       for m, mk, d in zip(mods, masks, draws)], dim=-1)
-    want_g = torch.autograd.grad(want, [xr] + params, dy)
+    want_g = torch.autograd.grad(want, ([xr] if x_grad else []) + params, dy)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     for i, (a, b) in enumerate(zip(got_g, want_g)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"gradient {i}")
@@ -237,6 +239,24 @@ def test_backward_runs_no_gemm_for_a_frozen_a_or_b(monkeypatch):
     assert frozen_a.count("aten.mm") == trained.count("aten.mm") - 1, (frozen_a, trained)
 
 
+@pytest.mark.parametrize("frozen", [0, 1])
+def test_a_member_with_a_frozen_b_leaves_the_others_b_gradients_float64(frozen):
+    """One member's B frozen, the others' trained: each trained B gets the per-module reference gradient (its own
+    rows of dy)."""
+    fin, spec = 7, [(5, 3), (2, 1), (2, 2)]
+    mods = _members(fin, spec, bias=False)
+    mods[frozen].lora_B.weight.requires_grad_(False)
+    x = torch.randn(2, 3, fin, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    dy = torch.randn(2, 3, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    bs = [m.lora_B.weight for i, m in enumerate(mods) if i != frozen]
+    want = torch.cat([lora_linear_ref(x, m.weight, m.bias, m.lora_A.weight, m.lora_B.weight, m.scaling)
+                      for m in mods], dim=-1)
+    want_g = torch.autograd.grad(want, bs, dy)
+    got_g = torch.autograd.grad(LoRAGroup(mods)(x), bs, dy)
+    for i, (a, b) in enumerate(zip(got_g, want_g, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"dB {i}")
+
+
 def test_members_share_one_buffer_and_keep_their_state_dict():
     mods = _members(7, [(5, 3), (2, 1)], bias=True)
     keys = [sorted(m.state_dict()) for m in mods]
@@ -315,6 +335,11 @@ def _b_in_float32(mods):
     return mods
 
 
+def _a_in_float32(mods):
+    mods[1].lora_A.weight = nn.Parameter(mods[1].lora_A.weight.detach().float())
+    return mods
+
+
 MISMATCHES = {  # members that cannot share one GEMM -> the reason why_not gives
     "forward hook": (lambda: _hooked(_members(7, [(5, 3), (2, 1)], bias=False)), "a module has forward hooks"),
     "forward pre-hook": (lambda: _hooked(_members(7, [(5, 3), (2, 1)], bias=False), pre=True),
@@ -324,6 +349,10 @@ MISMATCHES = {  # members that cannot share one GEMM -> the reason why_not gives
     "base dtype": (lambda: _members(7, [(5, 3)], bias=False) + [_members(7, [(2, 1)], bias=False, seed=1)[0].float()],
                    "the base weights differ in dtype or device"),
     "B dtype": (lambda: _b_in_float32(_members(7, [(5, 3), (2, 1)], bias=False)), "the adapters differ in dtype"),
+    "A dtype": (lambda: _a_in_float32(_members(7, [(5, 3), (2, 1)], bias=False)), "the adapters differ in dtype"),
+    "device": (lambda: _members(7, [(5, 3)], bias=False)
+               + [LoRALinear(nn.Linear(7, 2, bias=False, device="meta", dtype=torch.float64), r=1, alpha=3)],
+               "the base weights differ in dtype or device"),
     "bias mix": (lambda: _members(7, [(5, 3)], bias=True) + _members(7, [(3, 2)], bias=False, seed=1),
                  "some have a bias and some do not"),
     "meta device": (lambda: [LoRALinear(nn.Linear(6, n, bias=False, device="meta"), r=2, alpha=4) for n in (6, 3)],
@@ -334,10 +363,10 @@ MISMATCHES = {  # members that cannot share one GEMM -> the reason why_not gives
 @pytest.mark.parametrize("case", list(MISMATCHES))
 def test_why_not_names_each_mismatch_and_the_group_refuses_it(case):
     """The group's one GEMM reads one x, calls no member (so a hook would never run), holds s B in W's dtype and adds
-    one cat of the biases: a member with a hook, another in_features, another base or B dtype, or a bias where the
-    others have none is refused by name, and so are weights on the meta device (nothing to copy into M). Without each
-    check the group formed (and skipped the hook, or failed inside cat / mm, or built a meta M), or, for the base
-    dtype, the log blamed the adapters."""
+    one cat of the biases: a member with a hook, another in_features, another base dtype or device, another A or B
+    dtype, or a bias where the others have none is refused by name, and so are weights on the meta device (nothing to
+    copy into M). Without each check the group formed (and skipped the hook, or failed inside cat / mm, or built a
+    meta M), or, for the base dtype, the log blamed the adapters."""
     make, reason = MISMATCHES[case]
     mods = make()
     assert why_not(mods) == reason
@@ -354,6 +383,23 @@ def test_bind_groups_counts_the_groups_it_makes(caplog):
     with caplog.at_level(logging.INFO, logger="chronicals"):
         apply_lora(tiny_model("llama"), r=2, alpha=4)
     assert "apply_lora: 4 LoRA groups" in caplog.text
+
+
+def test_bind_groups_logs_why_a_block_runs_apart_and_nothing_for_blocks_without_lora(caplog):
+    """A block whose projections are all LoRA but cannot share one GEMM is named with the reason; a block where only
+    some projections are LoRA (q_proj, gate_proj here) is no candidate: no group and no reason logged for it."""
+    model = tiny_model("llama")
+    apply_lora(model, r=2, alpha=4, group=False)
+    model.model.layers[0].self_attn.k_proj.impl = "torch"
+    with caplog.at_level(logging.INFO, logger="chronicals"):
+        assert bind_groups(model) == 3
+    assert "separate projection calls (lora_qkv: impl='torch' (the group is the fused path))" in caplog.text
+    caplog.clear()
+    model = tiny_model("llama")
+    apply_lora(model, r=2, alpha=4, target_modules=["q_proj", "gate_proj"], group=False)
+    with caplog.at_level(logging.INFO, logger="chronicals"):
+        assert bind_groups(model) == 0
+    assert "LoRA groups" not in caplog.text
 
 
 @pytest.mark.parametrize("kind,adapter_dtype", [("llama", None), ("qwen2", None), ("qwen2", torch.float32)])
@@ -532,4 +578,22 @@ def test_a_base_weight_given_new_storage_from_outside_is_followed(ids):
             for lin in (layer.self_attn.q_proj, layer.mlp.up_proj):
                 lin.weight.data = torch.randn(lin.weight.shape, generator=g.manual_seed(lin.weight.shape[0]),
                                               dtype=torch.float64)
+        torch.testing.assert_close(grouped(ids), plain(ids), rtol=1e-12, atol=1e-12)
+
+
+def test_a_member_module_replaced_after_apply_lora_is_the_one_that_runs(ids):
+    """`attn.q_proj = new_module` after the q/k/v group formed: the group no longer holds that block's modules, so the
+    block runs its current modules apart and the logits are those of the new q_proj (as in the ungrouped model)."""
+    grouped, plain = tiny_model("qwen2").double(), tiny_model("qwen2").double()
+    apply_lora(grouped, r=4, alpha=8)
+    apply_lora(plain, r=4, alpha=8, group=False)
+    for m in (grouped, plain):
+        randomize_lora_b(m)
+    g = torch.Generator().manual_seed(9)
+    new = nn.Linear(32, 32, dtype=torch.float64)
+    with torch.no_grad():
+        grouped(ids)  # the group is bound and used once
+        new.weight.copy_(torch.randn(32, 32, generator=g, dtype=torch.float64))
+        for m in (grouped, plain):
+            m.model.layers[0].self_attn.q_proj = new
         torch.testing.assert_close(grouped(ids), plain(ids), rtol=1e-12, atol=1e-12)
