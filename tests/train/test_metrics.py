@@ -65,6 +65,20 @@ def test_peak_is_none_off_cuda():
     assert matmul_peak_tflops(torch.device("cpu")) is None
 
 
+def test_peak_is_the_matmuls_flops_over_its_median_time(monkeypatch):
+    """An (n x n) @ (n x n) matmul is 2 n^3 FLOPs, timed by triton's do_bench as a median in ms: n = 64 at 0.5 ms is
+    1.05 GFLOP/s. The operands are made on the CPU here (as the CUDA device's would be) so the arithmetic runs
+    anywhere."""
+    import triton.testing
+
+    generator, randn, asked = torch.Generator, torch.randn, {}
+    monkeypatch.setattr(torch, "Generator", lambda device: generator())
+    monkeypatch.setattr(torch, "randn", lambda *shape, device, **kw: randn(*shape, **kw))
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: asked.update(kw, out=fn()) or 0.5)
+    assert matmul_peak_tflops(torch.device("cuda"), n=64) == pytest.approx(2 * 64**3 / 0.5e-3 / 1e12, rel=1e-12)
+    assert asked["return_mode"] == "median" and asked["out"].shape == (64, 64)
+
+
 def test_the_grad_norm_of_bf16_gradients_is_fp32():
     """clip_grad_norm_ gave the norm in the gradients' dtype: 20.125 for a bf16 norm of 20.1425. Ours: the fp32
     norm of the same gradients, clipped by it as torch clips."""
@@ -192,3 +206,49 @@ def test_held_out_losses_alone_are_plotted(tmp_path):
     assert out == tmp_path / "loss.png" and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_losses([{"kind": "train", "step": 1, "loss": None}], tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
+
+
+def test_closing_the_log_releases_metrics_jsonl(tmp_path):
+    """close() closes metrics.jsonl: a process that runs several trainings (a sweep in one interpreter, a notebook)
+    keeps no finished run's file open."""
+    import os
+    from pathlib import Path
+
+    fds = Path("/proc/self/fd")
+    if not fds.is_dir():
+        pytest.skip("needs /proc/self/fd to list the open files")
+
+    def open_files() -> set[str]:
+        out = set()
+        for fd in os.listdir(fds):
+            try:
+                out.add(os.readlink(fds / fd))
+            except OSError:  # the listing's own descriptor, closed by now
+                pass
+        return out
+
+    path = os.path.realpath(tmp_path / "metrics.jsonl")
+    log = MetricsLog(tmp_path, False)
+    log.write({"kind": "train", "step": 1, "loss": 1.0})
+    assert path in open_files()
+    log.close()
+    assert path not in open_files()
+
+
+def test_no_loss_curve_is_drawn_when_every_loss_is_non_finite(tmp_path):
+    """A run whose every loss is NaN or inf (one that diverged at its first step, its records still floats in memory)
+    has no point to draw: no loss.png, None."""
+    recs = [{"kind": "train", "step": 1, "loss": float("nan")}, {"kind": "train", "step": 2, "loss": float("inf")},
+            {"kind": "eval", "step": 2, "eval_loss": float("nan"), "tag": "after"}]
+    assert plot_losses(recs, tmp_path / "loss.png") is None
+    assert not (tmp_path / "loss.png").exists()
+
+
+def test_a_metrics_jsonl_that_is_not_utf8_is_refused_naming_it(tmp_path):
+    """A resume reading a metrics.jsonl that is not UTF-8 text gets a ValueError, as for any bad record, naming the
+    file, the byte and the way out."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"kind": "train", "step": 1}\n{"kind": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl is not UTF-8 text \(invalid start byte at byte 39\); move it "
+                                         r"away \(a new one then holds the steps from 3 on\)"):
+        read_records(path, 2)

@@ -220,3 +220,16 @@ def test_a_broken_tensorboard_install_is_a_warning(tmp_path, monkeypatch, caplog
     log.write({"kind": "train", "step": 1, "loss": 1.0})
     assert "TensorBoard could not be imported (TypeError: Descriptors cannot be created directly.)" in caplog.text
     assert log.tb is None and (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_a_run_without_tensorboard_installed_logs_to_metrics_jsonl_only(tmp_path, monkeypatch, caplog):
+    """tensorboard is not a dependency: with logging.tensorboard on (the default) and the package missing, the log
+    says how to install it and the records go to metrics.jsonl alone."""
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises ModuleNotFoundError
+    with caplog.at_level("INFO", logger="chronicals"):
+        log = MetricsLog(tmp_path, tensorboard=True)
+    log.write({"kind": "train", "step": 1, "loss": 1.0})
+    log.close()
+    assert "TensorBoard not installed (pip install tensorboard)" in caplog.text
+    assert log.tb is None and not (tmp_path / "tensorboard").exists()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"kind": "train", "step": 1, "loss": 1.0}
