@@ -574,3 +574,24 @@ def test_master_weights_false_warns_when_any_trainable_weight_is_bf16(tmp_path, 
         opt = build_optimizer(model, cfg, CPU)
     assert type(opt) is torch.optim.AdamW
     assert "rounded away" in caplog.text and "bfloat16/float32" in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_master_weight_messages_name_what_is_trained(tmp_path, caplog, lora):
+    """The line saying why auto chose fp32 masters, and the warning of optim.master_weights=false on bf16 weights,
+    name what trains: the LoRA adapters under LoRA, the weights of a full fine-tune otherwise."""
+    from chronicals.lora import apply_lora
+
+    over = {"lora__enabled": True, "lora__targets": ["q_proj"]} if lora else {}
+    why = "LoRA adapters" if lora else "weights under full fine-tuning"
+    warned = "LoRA adapters" if lora else "full fine-tuning"
+    caplog.set_level(logging.INFO, logger="chronicals.train")
+    for setting, said in (("auto", f"optim.master_weights=auto with bfloat16 {why} (+8 bytes"),
+                          ("false", f"{warned} in bfloat16 without fp32 masters (optim.master_weights=false)")):
+        caplog.clear()
+        model = tiny_model(dtype=torch.bfloat16)
+        if lora:
+            apply_lora(model, r=2, alpha=4, target_modules=("q_proj",))
+        build_optimizer(model, tiny_config(tmp_path, optim__lr=1e-4, optim__master_weights=setting, **over), CPU)
+        assert said in caplog.text, caplog.text
+        assert lora or "LoRA adapters" not in caplog.text, caplog.text

@@ -194,6 +194,18 @@ def test_lora_plus_leaves_empty_groups_out():
     assert all(g["params"] for g in groups)
 
 
+@pytest.mark.parametrize("trainable, named", [("norm", ["vectors"]), ("proj", ["matrices"])])
+def test_full_finetune_leaves_empty_groups_out(tmp_path, trainable, named):
+    """A full fine-tune whose trainable parameters are all vectors (only the norms unfrozen) or all matrices gets
+    the one group that holds them, no empty "matrices" or "vectors" group beside it."""
+    model = tiny_model()
+    for n, p in model.named_parameters():
+        p.requires_grad_(trainable in n)
+    opt = build_optimizer(model, tiny_config(tmp_path, optim__lr=1e-4), CPU)
+    assert [g["name"] for g in opt.param_groups] == named
+    assert all(p.requires_grad for g in opt.param_groups for p in g["params"])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["AdamW", "MasterWeightAdamW"])
 def test_full_finetune_optimizer_takes_betas_eps_and_weight_decay_from_the_config(tmp_path, dtype):
     """Both optimizers build_optimizer picks (AdamW on fp32 weights, MasterWeightAdamW on bf16 ones) get
@@ -298,6 +310,14 @@ def test_fused_auto_is_off_on_the_cpu(tmp_path):
     """optim.fused=auto: torch's fused AdamW on CUDA only (untested: a mutation walk)."""
     assert not build_optimizer(tiny_model(), tiny_config(tmp_path), CPU).defaults["fused"]
     assert build_optimizer(tiny_model(), tiny_config(tmp_path, optim__fused="true"), CPU).defaults["fused"]
+
+
+def test_optim_fused_reaches_the_master_weight_optimizer(tmp_path):
+    """bf16 weights get MasterWeightAdamW; optim.fused=true runs it on torch's fused kernel (which has a CPU build
+    too), auto on the CPU does not."""
+    for fused, want in (("true", True), ("auto", False)):
+        opt = build_optimizer(tiny_model(dtype=torch.bfloat16), tiny_config(tmp_path, optim__fused=fused), CPU)
+        assert isinstance(opt, MasterWeightAdamW) and opt.defaults["fused"] is want, fused
 
 
 def test_lora_plus_refuses_a_ratio_or_lr_of_zero():
