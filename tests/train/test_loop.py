@@ -666,6 +666,25 @@ def test_a_finished_run_and_a_done_rerun_close_their_metrics_log(tmp_path, docs)
             and "metrics.jsonl" in str(w.message)] == []
 
 
+def test_a_rerun_that_logs_the_closing_evaluation_closes_its_metrics_log(tmp_path, docs):
+    """A rerun that finds the run's last step without its closing ("after") evaluation logs it to metrics.jsonl and
+    closes the file before train() returns, not leaving it to the garbage collector (a ResourceWarning naming
+    metrics.jsonl)."""
+    cfg = tiny_config(tmp_path, train__max_steps=2, train__save_every=2, train__resume="auto")
+    train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs), eval_loader=SyntheticLoader(docs[:4]))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines() if '"after"' not in line))
+    gc.collect()
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        res = train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs), eval_loader=SyntheticLoader(docs[:4]))
+        gc.collect()
+    assert res.start_step == 2 and res.eval_loss_after is not None
+    assert [json.loads(line).get("tag") for line in metrics.read_text().splitlines()][-1] == "after"
+    assert [str(w.message) for w in got if issubclass(w.category, ResourceWarning)
+            and "metrics.jsonl" in str(w.message)] == []
+
+
 class _FailingEval(SyntheticLoader):
     def __iter__(self):
         raise ValueError("held-out data went bad")

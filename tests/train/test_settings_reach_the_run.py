@@ -55,6 +55,21 @@ def test_a_rerun_at_the_last_step_under_save_final_false_writes_no_final_directo
         assert result.final_dir is None
 
 
+def test_a_rerun_at_the_last_step_under_plot_false_draws_no_loss_curve(tmp_path):
+    """A rerun of a finished run under logging.plot=false draws no out_dir/loss.png, as the run itself did not; the
+    same rerun under logging.plot=true draws the curve the run is missing."""
+    over = dict(train__max_steps=1, train__save_every=1, logging__plot=False)
+    train(tiny_config(tmp_path, **over), model=tiny_model(), train_loader=SyntheticLoader(synthetic_docs(40, seed=1)))
+    result = train(tiny_config(tmp_path, train__resume="auto", **over), model=tiny_model(),
+                   train_loader=SyntheticLoader(synthetic_docs(40, seed=1)))
+    assert result.start_step == result.step == 1
+    assert result.plot is None and not (tmp_path / "run" / "loss.png").exists()
+    over["logging__plot"] = True
+    result = train(tiny_config(tmp_path, train__resume="auto", **over), model=tiny_model(),
+                   train_loader=SyntheticLoader(synthetic_docs(40, seed=1)))
+    assert result.plot == tmp_path / "run" / "loss.png" and result.plot.is_file()
+
+
 def test_the_demo_training_copy_carries_the_system_prompt_the_questions_are_asked_with(tmp_path):
     """The demo trains under the same system message its held-out questions are asked and scored with; without it
     SmolLM2's template puts its own default system prompt into every training example."""
