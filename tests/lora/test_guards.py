@@ -32,6 +32,14 @@ def test_a_trainable_base_bias_is_refused_in_every_function():
         LoRASwiGLUDownFunction.apply(gate, up, w, _rnd(3, grad=True), a, b, 1.0, None, False, None, "torch")
 
 
+
+def test_a_trainable_down_proj_weight_is_refused_by_the_lora_mlp():
+    """The LoRA MLP's backward returns no gradient for down_proj's base weight: one a user unfroze raises, naming the
+    fix, instead of staying untrained."""
+    gate, up, a, b = _rnd(2, 4, grad=True), _rnd(2, 4, grad=True), _rnd(2, 4, grad=True), _rnd(3, 2, grad=True)
+    with pytest.raises(RuntimeError, match="down_proj's base weight and bias must be frozen"):
+        LoRASwiGLUDownFunction.apply(gate, up, _rnd(3, 4, grad=True), None, a, b, 1.0, None, False, None, "torch")
+
 def test_a_trainable_bias_in_a_group_is_refused():
     """Qwen2's q/k/v run as one LoRA group: an unfrozen q_proj bias raises there too (no gradient would reach it)."""
     model = tiny_model("qwen2")

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from chronicals.lora import LoRALinear, apply_lora, merge_lora
-from chronicals.lora.layer import draw_mask
+from chronicals.lora.layer import LoRALinearFunction, draw_mask
 from chronicals.lora.mlp import LoRASwiGLUDownFunction
 from chronicals.ops import dropout as D
 from chronicals.ops.swiglu import swiglu_ref
@@ -141,6 +141,49 @@ def test_function_gradcheck():
     fn = lambda g_, u_, a_, b_: LoRASwiGLUDownFunction.apply(g_, u_, w, None, a_, b_, 0.7, None,  # noqa: E731
                                                               False, None, "torch")
     assert torch.autograd.gradcheck(fn, (gate, up, a, b))
+
+
+@pytest.mark.parametrize("concat", [False, True])
+@pytest.mark.parametrize("p", [0.0, 0.25])
+def test_function_is_lora_linear_on_the_product_bit_for_bit(concat, p):
+    """The function computes what down_proj's own LoRALinearFunction computes on act = silu(gate) * up, in the same
+    GEMM layout (concat: [W | s B], built per call when none is passed; else W and the rank-r GEMMs apart): output and
+    the gradients of gate, up, A and B are the same float32 bits, dropout included."""
+    g = torch.Generator().manual_seed(6)
+    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    fi, fo, r, lead = 24, 10, 4, (3, 5)
+    gate0, up0, a0, b0, w, bi, dy = rnd(*lead, fi), rnd(*lead, fi), rnd(r, fi), rnd(fo, r), rnd(fo, fi), rnd(fo), \
+        rnd(*lead, fo)
+    torch.manual_seed(2)
+    draw = D.draw(p, "cpu") if p else None
+
+    def grads(fused_mlp):
+        ins = [t.clone().requires_grad_() for t in (gate0, up0, a0, b0)]
+        gate, up, a, b = ins
+        if fused_mlp:
+            y = LoRASwiGLUDownFunction.apply(gate, up, w, bi, a, b, 1.3, draw, concat, None, "torch")
+        else:
+            y = LoRALinearFunction.apply(swiglu_ref(gate, up), w, bi, a, b, 1.3, draw, concat, None)
+        return [y, *torch.autograd.grad(y, ins, dy)]
+
+    for i, (x_, y_) in enumerate(zip(grads(True), grads(False))):
+        assert torch.equal(x_, y_), f"output/grad {i}"
+
+
+def test_a_frozen_lora_a_skips_the_swiglu_recompute(swiglu_forwards):
+    """Only dA reads the SwiGLU product in backward: with lora_A frozen (B trained) the backward does not rebuild it,
+    one SwiGLU forward in all, and dgate, dup and dB are the float64 reference's."""
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    gate, up, a, b, w, dy = rnd(2, 3, 5), rnd(2, 3, 5), rnd(2, 5), rnd(4, 2), rnd(4, 5), rnd(2, 3, 4)
+    ins = [t.requires_grad_() for t in (gate, up, b)]
+    got = torch.autograd.grad(LoRASwiGLUDownFunction.apply(gate, up, w, None, a, b, 1.3, None, False, None, "torch"),
+                              ins, dy)
+    assert len(swiglu_forwards) == 1
+    act = swiglu_ref(gate, up)
+    want = torch.autograd.grad(nn.functional.linear(act, w) + 1.3 * (act @ a.t()) @ b.t(), ins, dy)
+    for x_, y_ in zip(got, want):
+        torch.testing.assert_close(x_, y_, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("which", ["gate", "up"])
@@ -432,3 +475,55 @@ def test_packed_triton_backward_leaves_gu_alone_by_default():
     y = LoRASwiGLUDownFunction.apply(gu, None, w, None, a, b, 1.3, None, False, None, "triton", True)
     y.sum().backward()
     assert torch.equal(gu.detach(), before)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
+def test_separate_gate_and_up_run_the_triton_swiglu_kernels(monkeypatch):
+    """impl="triton" with separate gate and up (an adapted down_proj whose gate/up are not one GEMM): the forward, the
+    recompute for dA and the SwiGLU backward run the Triton kernels, not the torch reference; gradients as the float64
+    torch path's."""
+    import importlib
+
+    import chronicals.lora.mlp as mlp_mod
+
+    swiglu_mod = importlib.import_module("chronicals.ops.swiglu")  # the module (the package exports a function)
+    launched = []
+    fwd, bwd = swiglu_mod.swiglu_forward, mlp_mod.swiglu_backward
+    monkeypatch.setattr(swiglu_mod, "swiglu_forward", lambda *a: launched.append("forward") or fwd(*a))
+    monkeypatch.setattr(mlp_mod, "swiglu_backward", lambda *a: launched.append("backward") or bwd(*a))
+    g = torch.Generator().manual_seed(4)
+    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    gate0, up0, a0, b0, w, dy = rnd(3, 5, 24), rnd(3, 5, 24), rnd(4, 24), rnd(10, 4), rnd(10, 24), rnd(3, 5, 10)
+
+    def grads(dtype, impl):
+        ins = [t.to(dtype, copy=True).requires_grad_() for t in (gate0, up0, a0, b0)]
+        y = LoRASwiGLUDownFunction.apply(*ins[:2], w.to(dtype), None, *ins[2:], 1.3, None, False, None, impl)
+        return [y, *torch.autograd.grad(y, ins, dy.to(dtype))]
+
+    got = grads(torch.float32, "triton")
+    assert launched == ["forward", "forward", "backward"]
+    for i, (x_, y_) in enumerate(zip(got, grads(torch.float64, "torch"))):
+        torch.testing.assert_close(x_.double(), y_, rtol=1e-5, atol=1e-5, msg=f"output/grad {i}")
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
+def test_packed_triton_backward_in_place_writes_d_gu_into_gu(swiglu_forwards):
+    """in_place=True (the decoder's default, RuntimeOptions.swiglu_backward_in_place) writes d_gu over the saved gu:
+    the gradient comes back in gu's own memory, no (N, 2I) tensor beside it, with the bits of a backward that leaves
+    gu alone. fused_act left out takes the act-writing kernel: one SwiGLU forward per call."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(3, 7, 16, generator=g)
+    a, b = torch.randn(4, 8, generator=g).requires_grad_(), torch.randn(10, 4, generator=g).requires_grad_()
+    w, dy = torch.randn(10, 8, generator=g), torch.randn(3, 7, 10, generator=g)
+    y = LoRASwiGLUDownFunction.apply(base.clone().requires_grad_(), None, w, None, a, b, 1.3, None, False, None,
+                                     "triton")  # fused_act and in_place at their defaults
+    kept = torch.autograd.grad(y, [a], dy)
+    assert len(swiglu_forwards) == 1
+    gu = base.clone().requires_grad_() * 1.0  # a GEMM output's stand-in: nobody reads it after backward
+    y = LoRASwiGLUDownFunction.apply(gu, None, w, None, a, b, 1.3, None, False, None, "triton", True, True)
+    dgu_in_place, da = torch.autograd.grad(y, [gu, a], dy)
+    assert dgu_in_place.data_ptr() == gu.data_ptr()
+    leaf = base.clone().requires_grad_()
+    y = LoRASwiGLUDownFunction.apply(leaf, None, w, None, a, b, 1.3, None, False, None, "triton", True, False)
+    dgu, da_kept = torch.autograd.grad(y, [leaf, a], dy)
+    assert torch.equal(dgu_in_place, dgu) and torch.equal(da, da_kept) and torch.equal(da, kept[0])
