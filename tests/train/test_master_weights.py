@@ -287,6 +287,34 @@ def test_each_groups_own_eps_and_betas_and_a_large_decay_match_torch_adamw(fused
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-6)
 
 
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_constructor_settings_of_a_plain_parameter_list_match_torch_adamw(fused, device):
+    """Parameters passed without group dicts take lr, betas, eps and weight_decay from the constructor. fused=True
+    runs torch's fused AdamW kernel: the masters of bf16 weights equal torch.optim.AdamW(fused=True) on float32 copies
+    bit for bit; the foreach path matches torch.optim.AdamW to fp32 rounding."""
+    g = torch.Generator().manual_seed(0)
+    w0 = [torch.randn(4, 3, generator=g).bfloat16(), torch.randn(5, generator=g).bfloat16()]
+    grads = [[torch.randn(4, 3, generator=g).bfloat16(), torch.randn(5, generator=g).bfloat16()] for _ in range(3)]
+    kw = dict(lr=0.1, betas=(0.5, 0.6), eps=0.3, weight_decay=0.5)
+    ours_p = [torch.nn.Parameter(t.to(device)) for t in w0]
+    ref_p = [torch.nn.Parameter(t.to(device, torch.float32)) for t in w0]
+    ours = MasterWeightAdamW(ours_p, fused=fused, **kw)
+    ref = torch.optim.AdamW(ref_p, **kw, **({"fused": True} if fused else {"foreach": False}))
+    for step in grads:
+        for p, q, gi in zip(ours_p, ref_p, step):
+            p.grad, q.grad = gi.to(device), gi.to(device, torch.float32)
+        ours.step()
+        ref.step()
+    for p, q in zip(ours_p, ref_p):
+        if fused:
+            assert torch.equal(ours.master(p), q.detach())
+        else:
+            torch.testing.assert_close(ours.master(p), q.detach(), rtol=1e-6, atol=1e-6)
+        assert torch.equal(p.detach(), q.detach().bfloat16())
+
+
 def test_build_optimizer_chooses_and_says_why(tmp_path, caplog):
     """auto: masters for bf16 trainable weights (full fine-tuning and LoRA adapters), none for fp32; false on
     bf16 warns."""
@@ -483,7 +511,11 @@ def test_master_adamw_refuses_bad_hyperparameters_and_takes_lr_zero():
         MasterWeightAdamW(p, betas=(0.9, 1.0))
     with pytest.raises(ValueError, match=r"betas=\(0.9, 0.99, 0.5\) must be two numbers"):  # not at the first step
         MasterWeightAdamW(p, betas=(0.9, 0.99, 0.5))
+    with pytest.raises(ValueError, match=r"betas=\(-0.1, 0.999\) must be two numbers in \[0, 1\)"):
+        MasterWeightAdamW(p, betas=(-0.1, 0.999))  # as torch.optim.AdamW: a negative momentum is refused
     MasterWeightAdamW(p, lr=0.0)
+    with pytest.raises(ValueError, match=r"lr=-0.001 must be a number >= 0"):  # a negative lr ascends the loss
+        MasterWeightAdamW(p, lr=-1e-3)
     with pytest.raises(ValueError, match=r"weight_decay=-0.1 must be >= 0"):  # it grew each weight a step
         MasterWeightAdamW(p, weight_decay=-0.1)
     MasterWeightAdamW(p, weight_decay=0.0)
