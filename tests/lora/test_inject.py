@@ -134,6 +134,17 @@ def test_lora_plus_groups():
     torch.optim.AdamW(list(groups.values()))  # accepted by a torch optimizer as is
 
 
+
+def test_lora_plus_defaults_are_the_papers_ratio_without_weight_decay():
+    """Called with lr alone: every B at 16 x lr (LoRA+'s default ratio), A and the other trainables at lr, and no group
+    decays its weights (a torch optimizer's own weight_decay default does not reach groups that set one)."""
+    model = tiny_model()
+    apply_lora(model, r=2, alpha=4, target_modules=["q_proj"], modules_to_save=["lm_head", "norm"])
+    groups = {g["name"]: g for g in lora_plus_param_groups(model, 1e-3)}
+    assert {k: g["lr"] for k, g in groups.items()} == pytest.approx(
+        {"lora_A": 1e-3, "lora_B": 16e-3, "full": 1e-3, "no_decay": 1e-3})
+    assert all(g["weight_decay"] == 0.0 for g in groups.values())
+
 def test_errors_say_what_to_do():
     with pytest.raises(ValueError, match=r"matched no nn.Linear.*q_proj.*\(in a config: lora.targets\)"):
         apply_lora(tiny_model(), target_modules=["qkv"])
