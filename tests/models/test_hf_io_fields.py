@@ -133,3 +133,12 @@ def test_num_params_counts_every_bias():
     q = ModelConfig.from_hf_dict(dict(model_type="qwen2", vocab_size=300, hidden_size=64, intermediate_size=96,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
     assert q.num_params() == sum(p.numel() for p in CausalLM(q).parameters())
+
+
+def test_num_params_counts_tied_embeddings_once_and_qwen3_qk_norms():
+    """A tied model's embedding and head are one matrix, counted once; Qwen3's q and k RMSNorms are counted."""
+    for mt, tied in (("llama", True), ("qwen3", False), ("qwen3", True)):
+        cfg = ModelConfig.from_hf_dict(dict(model_type=mt, vocab_size=300, hidden_size=64, intermediate_size=96,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            head_dim=16, tie_word_embeddings=tied))
+        assert cfg.num_params() == sum(p.numel() for p in CausalLM(cfg).parameters()), (mt, tied)

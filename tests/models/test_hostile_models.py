@@ -69,6 +69,23 @@ def test_config_json_that_is_no_object_names_the_file(saved, content, says):
         chronicals.load_model(saved, tokenizer=False)
 
 
+@pytest.mark.parametrize("key", ["model_type", "vocab_size", "num_hidden_layers"])
+def test_config_json_without_a_required_field_names_the_file_and_field(saved, key):
+    cfg = json.loads((saved / "config.json").read_text())
+    del cfg[key]
+    (saved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"^{saved / 'config.json'}: missing field '{key}'"):
+        chronicals.load_model(saved, tokenizer=False)
+
+
+def test_a_hidden_size_not_a_multiple_of_the_heads_loads_when_head_dim_is_given(tiny_hf_config):
+    """head_dim set: q_proj is heads * head_dim wide whatever hidden_size is."""
+    cfg = ModelConfig.from_hf_dict(tiny_hf_config("llama2", hidden_size=34, num_attention_heads=4,
+                                                  num_key_value_heads=2, head_dim=16))
+    assert cfg.head_dim == 16
+    assert CausalLM(cfg).init_weights(seed=0)(torch.tensor([[1, 2, 3]])).shape == (1, 3, cfg.vocab_size)
+
+
 def test_config_json_that_is_a_directory_says_so(saved):
     (saved / "config.json").unlink()
     (saved / "config.json").mkdir()

@@ -33,6 +33,14 @@ def test_unsupported_rope_names_config_json(tmp_path, tiny_hf_config, rope, matc
         chronicals.load_model(out, tokenizer=False)
 
 
+def test_an_incomplete_rope_scaling_is_named_as_such(tiny_hf_config):
+    """A config.json that sets rope_scaling (older transformers; "type" for rope_type) names that field."""
+    d = tiny_hf_config("llama2", rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0})
+    with pytest.raises(ValueError, match=r"^my/config\.json: rope_scaling of rope_type 'llama3' lacks field "
+                                         r"'high_freq_factor'"):
+        ModelConfig.from_hf_dict(d, source="my/config.json")
+
+
 def _word_tokenizer():
     """A tokenizer built here (no hub): three words, no chat template."""
     import transformers

@@ -165,6 +165,9 @@ MATCHING = {
     "mlp_bias-mistral": ("mistral", None, dict(mlp_bias=True)),
     "mlp_bias-qwen2": ("qwen2", None, dict(mlp_bias=True)),
     "mlp_bias-qwen3": ("qwen3", None, dict(mlp_bias=True)),
+    # Mistral / Qwen2 attention has no bias of attention_bias (Qwen2: q, k, v only, always), Llama / Qwen3 has
+    "attention_bias-mistral": ("mistral", None, dict(attention_bias=True)),
+    "attention_bias-qwen2": ("qwen2", None, dict(attention_bias=True)),
     # transformers' ACT2FN maps swish to SiLU (was refused)
     "swish-llama": ("llama", None, dict(hidden_act="swish")),
     # fields transformers' code for these families ignores, as we do
