@@ -178,6 +178,15 @@ def test_a_full_checkpoint_of_a_model_given_in_python_says_to_pass_base(tmp_path
         checkpoint_base(_write(tmp_path / "run", config=_full_config()))
 
 
+def test_a_full_checkpoint_without_a_base_says_why_none_is_known(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"does not name a base model that can be found from here \(the run "
+                                                r"was given its model in Python"):
+        checkpoint_base(_write(tmp_path / "python", config=_full_config()))
+    with pytest.raises(FileNotFoundError, match=r"does not name a base model that can be found from here \(its "
+                                                r"model\.path 'models/mine' is relative"):
+        checkpoint_base(_write(tmp_path / "older", config=_full_config(), model_path="models/mine"))
+
+
 def test_an_older_checkpoint_with_a_relative_model_path_names_no_base(tmp_path):
     """A relative model.path is relative to where that run started, not to here: not taken as the base, and why is
     said."""
@@ -198,3 +207,28 @@ def test_a_tensor_of_a_name_the_model_lacks_is_refused_by_name_before_any_copy(t
                                          r"model\.not_there\.weight"):
         apply_checkpoint_weights(model, path)
     assert torch.equal(norm, before)
+
+
+def test_a_checkpoint_that_does_not_fit_the_base_given_names_it_and_says_to_pass_the_moved_one(tmp_path):
+    path = _write(tmp_path / "run", {"base": "/gone/base"}, config=_full_config(),
+                  model={"model.not_there.weight": torch.ones(3)})
+    with pytest.raises(ValueError, match=r"does not fit --base other/base \(1 tensor .*trained from /gone/base; pass "
+                                         r"that model, or where it has moved to, as --base$"):
+        apply_checkpoint_weights(tiny_model(), path, given="other/base")
+
+
+def test_a_home_relative_checkpoint_dir_is_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = _write(tmp_path / "run")
+    assert is_checkpoint_dir(f"~/{path.relative_to(tmp_path)}")
+
+
+def test_a_damaged_latest_checkpoint_names_the_one_before_it_and_the_runs_adapter(tmp_path):
+    run = tmp_path / "run"
+    first, second = (_write(run, step=step) for step in (1, 2))
+    (run / "adapter").mkdir()
+    (second / ckpt.STATE_FILE).write_bytes(b"\x80\x02garbage" * 100)
+    with pytest.raises(ValueError) as e:
+        read_run_checkpoint(second)
+    assert f"use another of the run's checkpoints ({first}) or the run's final adapter/ ({run / 'adapter'})" \
+        in str(e.value), str(e.value)
