@@ -17,6 +17,14 @@ from .conftest import randomize_lora_b, tiny_model
 
 ALL7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# the Triton cases run the real kernels where there is a GPU, else the interpreter on the CPU
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON = DEV == "cuda" or INTERPRETING
+
+
+def _randn(g, *shape):
+    """Standard normal numbers drawn on the CPU by generator g (the same on every machine), on DEV."""
+    return torch.randn(*shape, generator=g).to(DEV)
 
 
 def _old_mlp(mlp, x):
@@ -204,14 +212,15 @@ def test_function_with_only_gate_or_only_up_needing_a_gradient(which):
         torch.testing.assert_close(x_, y_, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.skipif(not TRITON, reason="the Triton SwiGLU kernels need CUDA, or TRITON_INTERPRET=1 on the CPU")
 def test_triton_swiglu_inside_lora_mlp():
     """impl="triton": the recompute and the SwiGLU backward run the ops' kernels; fp32 vs the torch path."""
     model = tiny_model().train()
     apply_lora(model, r=2, alpha=4)
     randomize_lora_b(model)
+    model.to(DEV)
     mlp = model.model.layers[0].mlp
-    x, dy = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+    x, dy = torch.randn(2, 5, 32, device=DEV), torch.randn(2, 5, 32, device=DEV)
     ref = _mlp_grads(mlp, x, dy, lambda m, t: m(t))
     model.set_impl("triton")
     got = _mlp_grads(mlp, x, dy, lambda m, t: m(t))
@@ -230,7 +239,7 @@ def swiglu_forwards(monkeypatch):
     return calls
 
 
-@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.skipif(not TRITON, reason="the Triton SwiGLU kernels need CUDA, or TRITON_INTERPRET=1 on the CPU")
 @pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("p", [0.0, 0.25])
 @pytest.mark.parametrize("concat", [False, True])
@@ -239,12 +248,12 @@ def test_packed_triton_backward_writes_act_in_the_swiglu_kernel(swiglu_forwards,
     Gradients equal the recompute path's bit for bit, and track the float64 reference; the kernel that
     rebuilt act before must not run any more."""
     g = torch.Generator().manual_seed(3)
-    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    rnd = lambda *s: _randn(g, *s)  # noqa: E731
     fi, fo, r, lead = 24, 10, 4, (3, 7)
     gu0, a0, b0 = rnd(*lead, 2 * fi), rnd(r, fi), rnd(fo, r)
     w, bi, dy = rnd(fo, fi), rnd(fo), rnd(*lead, fo)
     torch.manual_seed(2)
-    draw = D.draw(p, "cpu") if p else None
+    draw = D.draw(p, DEV) if p else None
 
     def grads(dtype=torch.float32, impl="triton", fused=True):
         # a copy: in place, the backward writes d_gu over the gu it was given (the decoder's own GEMM output)
@@ -263,7 +272,7 @@ def test_packed_triton_backward_writes_act_in_the_swiglu_kernel(swiglu_forwards,
         torch.testing.assert_close(x_.double(), y_, rtol=1e-5, atol=1e-5, msg=f"output/grad {i}")
 
 
-@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.skipif(not TRITON, reason="the Triton SwiGLU kernels need CUDA, or TRITON_INTERPRET=1 on the CPU")
 def test_model_option_picks_the_swiglu_product_source(swiglu_forwards):
     """RuntimeOptions.fused_swiglu_recompute reaches a grouped LoRA MLP: True, the backward kernel writes the
     product (one SwiGLU forward per layer); False, a second forward rebuilds it. Same gradients."""
@@ -271,8 +280,9 @@ def test_model_option_picks_the_swiglu_product_source(swiglu_forwards):
     apply_lora(model, r=2, alpha=4)  # gate/up form a group: the MLP passes packed gu to down_proj
     randomize_lora_b(model)
     model.set_impl("triton")
+    model.to(DEV)
     mlp = model.model.layers[0].mlp
-    x, dy = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+    x, dy = torch.randn(2, 5, 32, device=DEV), torch.randn(2, 5, 32, device=DEV)
     got = {}
     for fused in (True, False):
         model.opts.fused_swiglu_recompute = fused
@@ -375,7 +385,7 @@ def test_merge_gives_contiguous_weights(ids):
     assert all(p.is_contiguous() for p in model.parameters())
 
 
-@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.skipif(not TRITON, reason="the Triton SwiGLU kernels need CUDA, or TRITON_INTERPRET=1 on the CPU")
 @pytest.mark.parametrize("packed, need_a", [(False, True), (True, False)])
 def test_triton_backward_with_separate_gate_up_or_a_frozen_lora_a(packed, need_a):
     """The act-writing SwiGLU kernel serves packed gu with lora_A trained only: separate gate and up (down_proj
@@ -383,7 +393,7 @@ def test_triton_backward_with_separate_gate_up_or_a_frozen_lora_a(packed, need_a
     does a frozen lora_A (nothing asks for act: the fused closure never ran, a KeyError). Gradients as the torch
     path's (neither case was tested: a mutation walk)."""
     g = torch.Generator().manual_seed(4)
-    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    rnd = lambda *s: _randn(g, *s)  # noqa: E731
     fi, fo, r, lead = 24, 10, 4, (3, 5)
     gate0, up0, a0, b0 = rnd(*lead, fi), rnd(*lead, fi), rnd(r, fi), rnd(fo, r)
     w, dy = rnd(fo, fi), rnd(*lead, fo)
@@ -403,13 +413,13 @@ def test_triton_backward_with_separate_gate_up_or_a_frozen_lora_a(packed, need_a
         torch.testing.assert_close(x_.double(), y_, rtol=1e-5, atol=1e-5, msg=f"output/grad {i}")
 
 
-@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.skipif(not TRITON, reason="the Triton SwiGLU kernels need CUDA, or TRITON_INTERPRET=1 on the CPU")
 def test_triton_packed_gu_needing_no_gradient_still_trains_the_adapters():
     """Packed gu with no gradient (gate/up adapters frozen) on Triton: d_act is never computed, so the backward must
     take the recompute path (the act-writing kernel ran on a None d_act: a TypeError). dA and dB as the torch path's."""
     g = torch.Generator().manual_seed(4)
-    gu0, a0, b0 = torch.randn(3, 5, 48, generator=g), torch.randn(4, 24, generator=g), torch.randn(10, 4, generator=g)
-    w, dy = torch.randn(10, 24, generator=g), torch.randn(3, 5, 10, generator=g)
+    gu0, a0, b0 = _randn(g, 3, 5, 48), _randn(g, 4, 24), _randn(g, 10, 4)
+    w, dy = _randn(g, 10, 24), _randn(g, 3, 5, 10)
 
     def grads(dtype, impl):
         a, b = a0.to(dtype, copy=True).requires_grad_(), b0.to(dtype, copy=True).requires_grad_()
@@ -421,18 +431,18 @@ def test_triton_packed_gu_needing_no_gradient_still_trains_the_adapters():
         torch.testing.assert_close(x_.double(), y_, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.skipif(not TRITON, reason="the Triton SwiGLU kernels need CUDA, or TRITON_INTERPRET=1 on the CPU")
 @pytest.mark.parametrize("concat,p", [(False, 0.0), (True, 0.25)])
 def test_triton_backward_with_strided_gate_up_or_d_act(concat, p):
     """The Triton SwiGLU backward reads flat contiguous memory: separate gate/up that are row-strided views of one
     wider tensor, and (concat with dropout) a d_act that is a view into lora_backward's (N, in + r) GEMM output, are
     made contiguous first. Passed as they are, dgate/dup came out wrong. Gradients as the torch path's."""
     g = torch.Generator().manual_seed(4)
-    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    rnd = lambda *s: _randn(g, *s)  # noqa: E731
     fi, fo, r, lead = 24, 10, 4, (3, 5)
     gu0, a0, b0, w, dy = rnd(*lead, 2 * fi), rnd(r, fi), rnd(fo, r), rnd(fo, fi), rnd(*lead, fo)
     torch.manual_seed(1)
-    draw = D.draw(p, "cpu") if p else None
+    draw = D.draw(p, DEV) if p else None
 
     def grads(dtype, impl):
         gu = gu0.to(dtype, copy=True).requires_grad_()
@@ -445,13 +455,13 @@ def test_triton_backward_with_strided_gate_up_or_d_act(concat, p):
         torch.testing.assert_close(x_.double(), y_, rtol=1e-5, atol=1e-5, msg=f"output/grad {i}")
 
 
-@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.skipif(not TRITON, reason="the Triton SwiGLU kernels need CUDA, or TRITON_INTERPRET=1 on the CPU")
 def test_triton_fused_backward_with_a_column_strided_gu():
     """The act-writing kernel assumes unit column stride: a column-strided gu (a transpose) is laid out first.
     Passed as a plain reshape it gave wrong gradients. Output and gradients as the torch path's."""
     g = torch.Generator().manual_seed(5)
-    base, a0, b0 = torch.randn(48, 15, generator=g), torch.randn(4, 24, generator=g), torch.randn(10, 4, generator=g)
-    w, dy = torch.randn(10, 24, generator=g), torch.randn(15, 10, generator=g)
+    base, a0, b0 = _randn(g, 48, 15), _randn(g, 4, 24), _randn(g, 10, 4)
+    w, dy = _randn(g, 10, 24), _randn(g, 15, 10)
 
     def grads(dtype, impl):
         t = base.to(dtype, copy=True).requires_grad_()
@@ -463,21 +473,21 @@ def test_triton_fused_backward_with_a_column_strided_gu():
         torch.testing.assert_close(x_.double(), y_, rtol=1e-5, atol=1e-5, msg=f"output/grad {i}")
 
 
-@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.skipif(not TRITON, reason="the Triton SwiGLU kernels need CUDA, or TRITON_INTERPRET=1 on the CPU")
 def test_packed_triton_backward_leaves_gu_alone_by_default():
     """in_place defaults to False: a caller that omits it keeps its gu (with True as the default, the fused backward
     wrote d_gu over it)."""
     g = torch.Generator().manual_seed(3)
-    gu = torch.randn(3, 7, 16, generator=g).requires_grad_()
-    a, b = torch.randn(4, 8, generator=g).requires_grad_(), torch.randn(10, 4, generator=g).requires_grad_()
-    w = torch.randn(10, 8, generator=g)
+    gu = _randn(g, 3, 7, 16).requires_grad_()
+    a, b = _randn(g, 4, 8).requires_grad_(), _randn(g, 10, 4).requires_grad_()
+    w = _randn(g, 10, 8)
     before = gu.detach().clone()
     y = LoRASwiGLUDownFunction.apply(gu, None, w, None, a, b, 1.3, None, False, None, "triton", True)
     y.sum().backward()
     assert torch.equal(gu.detach(), before)
 
 
-@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.skipif(not TRITON, reason="the Triton SwiGLU kernels need CUDA, or TRITON_INTERPRET=1 on the CPU")
 def test_separate_gate_and_up_run_the_triton_swiglu_kernels(monkeypatch):
     """impl="triton" with separate gate and up (an adapted down_proj whose gate/up are not one GEMM): the forward, the
     recompute for dA and the SwiGLU backward run the Triton kernels, not the torch reference; gradients as the float64
@@ -492,7 +502,7 @@ def test_separate_gate_and_up_run_the_triton_swiglu_kernels(monkeypatch):
     monkeypatch.setattr(swiglu_mod, "swiglu_forward", lambda *a: launched.append("forward") or fwd(*a))
     monkeypatch.setattr(mlp_mod, "swiglu_backward", lambda *a: launched.append("backward") or bwd(*a))
     g = torch.Generator().manual_seed(4)
-    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    rnd = lambda *s: _randn(g, *s)  # noqa: E731
     gate0, up0, a0, b0, w, dy = rnd(3, 5, 24), rnd(3, 5, 24), rnd(4, 24), rnd(10, 4), rnd(10, 24), rnd(3, 5, 10)
 
     def grads(dtype, impl):
@@ -506,15 +516,15 @@ def test_separate_gate_and_up_run_the_triton_swiglu_kernels(monkeypatch):
         torch.testing.assert_close(x_.double(), y_, rtol=1e-5, atol=1e-5, msg=f"output/grad {i}")
 
 
-@pytest.mark.skipif(not INTERPRETING, reason="the Triton SwiGLU kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.skipif(not TRITON, reason="the Triton SwiGLU kernels need CUDA, or TRITON_INTERPRET=1 on the CPU")
 def test_packed_triton_backward_in_place_writes_d_gu_into_gu(swiglu_forwards):
     """in_place=True (the decoder's default, RuntimeOptions.swiglu_backward_in_place) writes d_gu over the saved gu:
     the gradient comes back in gu's own memory, no (N, 2I) tensor beside it, with the bits of a backward that leaves
     gu alone. fused_act left out takes the act-writing kernel: one SwiGLU forward per call."""
     g = torch.Generator().manual_seed(3)
-    base = torch.randn(3, 7, 16, generator=g)
-    a, b = torch.randn(4, 8, generator=g).requires_grad_(), torch.randn(10, 4, generator=g).requires_grad_()
-    w, dy = torch.randn(10, 8, generator=g), torch.randn(3, 7, 10, generator=g)
+    base = _randn(g, 3, 7, 16)
+    a, b = _randn(g, 4, 8).requires_grad_(), _randn(g, 10, 4).requires_grad_()
+    w, dy = _randn(g, 10, 8), _randn(g, 3, 7, 10)
     y = LoRASwiGLUDownFunction.apply(base.clone().requires_grad_(), None, w, None, a, b, 1.3, None, False, None,
                                      "triton")  # fused_act and in_place at their defaults
     kept = torch.autograd.grad(y, [a], dy)
