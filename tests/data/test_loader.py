@@ -22,20 +22,17 @@ def synthetic(n=37, max_len=24, seed=0):
     return TokenizedDataset(ids, trainable, offsets, 0, stats, max_len)
 
 
-def rows_of_eight(n):
-    """n documents of 8 tokens: with max_seq_len=8 and batch_size=1, one row and one global batch each."""
-    lengths = np.full(n, 8)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    return TokenizedDataset(np.arange(1, offsets[-1] + 1, dtype=np.int32), np.ones(offsets[-1], bool), offsets, 0,
-                            DatasetStats(records=n, documents=n, tokens=int(offsets[-1])), 8)
-
-
 def of_lengths(*lengths, stats=None, pad_id=0):
     """Documents of these lengths, token ids 1, 2, ... in order, every token trainable (max_seq_len: the longest)."""
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     stats = stats or DatasetStats(records=len(lengths), documents=len(lengths), tokens=int(offsets[-1]))
     return TokenizedDataset(np.arange(1, offsets[-1] + 1, dtype=np.int32), np.ones(offsets[-1], bool), offsets,
                             pad_id, stats, max(lengths))
+
+
+def rows_of_eight(n):
+    """n documents of 8 tokens: with max_seq_len=8 and batch_size=1, one row and one global batch each."""
+    return of_lengths(*[8] * n)
 
 
 def check_batch(batch, ds):
