@@ -237,3 +237,37 @@ def test_a_wide_concat_layer_keeps_w_in_its_own_storage():
     layer(torch.randn(3, 4, dtype=torch.bfloat16))
     assert layer._wcat is None and layer.weight.is_contiguous()
     assert layer.weight.untyped_storage().nbytes() == 8 * 4 * 2
+
+
+@pytest.mark.parametrize("narrow", ["lora_A", "lora_B"])
+@pytest.mark.parametrize("impl", ["fused", "torch"])
+@pytest.mark.parametrize("call", ["forward", "forward_swiglu"])
+def test_adapters_of_two_dtypes_run_as_the_wider(narrow, impl, call):
+    """A user cast only one of A and B to bf16 on a bf16 base: the branch runs with both in fp32 (the bf16 one cast
+    exactly), as a layer with both in fp32 and the same values does: same output and dx bits, and each adapter's
+    gradient that one rounded to its own dtype. Before, torch.mm / F.linear failed on the two dtypes."""
+    g = torch.Generator().manual_seed(0)
+    dt = torch.bfloat16
+    lin = nn.Linear(16, 24, bias=True).to(dt)
+    layers = [LoRALinear(nn.Linear(16, 24, bias=True).to(dt), 4, 8, impl=impl, adapter_dtype=torch.float32)
+              for _ in range(2)]
+    a, b = torch.randn(4, 16, generator=g).to(dt).float(), torch.randn(24, 4, generator=g).to(dt).float()
+    for layer in layers:
+        with torch.no_grad():
+            layer.weight.copy_(lin.weight)
+            layer.bias.copy_(lin.bias)
+            layer.lora_A.weight.copy_(a)
+            layer.lora_B.weight.copy_(b)
+    getattr(layers[0], narrow).to(dt)
+    assert getattr(layers[0], narrow).weight.dtype == dt and layers[0].wide and layers[0].adapter_dtype == torch.float32
+    gate, up = torch.randn(2, 3, 16, generator=g).to(dt), torch.randn(2, 3, 16, generator=g).to(dt)
+    dy = torch.randn(2, 3, 24, generator=g).to(dt)
+    outs = []
+    for layer in layers:
+        xs = [gate.clone().requires_grad_(), up.clone().requires_grad_()]
+        y = layer(xs[0]) if call == "forward" else layer.forward_swiglu(xs[0], xs[1], impl="torch")
+        grads = torch.autograd.grad(y, [xs[0], layer.lora_A.weight, layer.lora_B.weight], dy)
+        outs.append((y, *grads))
+    for what, got, want in zip(("y", "dx", "dA", "dB"), outs[0], outs[1]):
+        assert torch.equal(got, want.to(got.dtype)), what
+    assert outs[0][2 if narrow == "lora_A" else 3].dtype == dt

@@ -248,9 +248,12 @@ def test_each_subset_of_x_a_b_gets_the_reference_gradient_float64(trained, x_gra
 
 
 def test_fused_direct_call_with_only_b_wider_says_what_to_pass():
-    """A in x's dtype and B wider (fp32 on bf16) is refused by name as wider A and B are, not left to torch.mm."""
+    """A in x's dtype and B wider (fp32 on bf16) is refused by name as wider A and B are, not left to torch.mm; the
+    impl='torch' it names computes it, with A cast (exactly) to B's fp32."""
     x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(6, 8, dtype=torch.bfloat16)
     a, b = torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(6, 2)
     with pytest.raises(ValueError, match=r"takes A and B in x's dtype \(torch.bfloat16\), got A torch.bfloat16 "
                                          r"and B torch.float32"):
         lora_linear(x, w, None, a, b, 0.5)
+    got = lora_linear(x, w, None, a, b, 0.5, impl="torch")
+    assert got.dtype == torch.bfloat16 and torch.equal(got, lora_linear_ref(x, w, None, a.float(), b, 0.5))

@@ -66,7 +66,7 @@ def why_not(members) -> str | None:
         if m.lora_A.weight.dtype != m0.lora_A.weight.dtype or m.lora_B.weight.dtype != m0.lora_A.weight.dtype:
             return "the adapters differ in dtype"
         if m.wide:  # M holds s B in W's dtype
-            return (f"{str(m.lora_A.weight.dtype).removeprefix('torch.')} adapters on "
+            return (f"{str(m.adapter_dtype).removeprefix('torch.')} adapters on "
                     f"{str(m.weight.dtype).removeprefix('torch.')} weights run their branch in their own dtype")
         if m.weight.device.type == "meta":
             return "the weights are on the meta device"

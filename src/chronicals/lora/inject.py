@@ -225,7 +225,7 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
                      trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
                      total_params=sum(p.numel() for p in model.parameters()))
     model.lora_config = rec
-    wide = sorted({f"{m.lora_A.weight.dtype} adapters on {m.weight.dtype} weights" for _, m in lora_modules(model)
+    wide = sorted({f"{m.adapter_dtype} adapters on {m.weight.dtype} weights" for _, m in lora_modules(model)
                    if m.wide})
     if wide:
         log.info("apply_lora: %s: each branch runs in the adapters' dtype (lora_linear_ref, PEFT's computation), "

@@ -47,8 +47,11 @@ def lora_linear_ref(x, weight, bias, lora_a, lora_b, scaling: float, mask=None, 
     mask: bool (..., in) of kept elements (dropout p = ``dropout``), or None for no dropout.
     A and B wider than x (fp32 on a bf16 base): x goes into the branch in their dtype and the sum is rounded to
     x's, PEFT's own computation (``autocast_adapter_dtype``): round(round(x W^T + b) + s (drop(x) A^T) B^T).
+    A and B of two dtypes (fp32 A, bf16 B): the branch runs in the wider one, both cast to it (exactly).
     """
-    xd = x.to(lora_a.dtype)  # a no-op unless the adapters are wider: then dropout's 1/(1-p) is applied in theirs
+    ad = torch.promote_types(lora_a.dtype, lora_b.dtype)
+    lora_a, lora_b = lora_a.to(ad), lora_b.to(ad)  # no-ops unless A and B differ
+    xd = x.to(ad)  # a no-op unless the adapters are wider: then dropout's 1/(1-p) is applied in theirs
     if mask is not None:
         xd = xd * mask / (1.0 - dropout)
     return (F.linear(x, weight, bias) + scaling * F.linear(F.linear(xd, lora_a), lora_b)).to(x.dtype)
@@ -265,7 +268,12 @@ class LoRALinear(nn.Module):
     def wide(self) -> bool:
         """A and B wider than the base weight (fp32 on bf16 / fp16, as ``load_adapter`` puts them there): the
         branch runs in their dtype through ``lora_linear_ref``, PEFT's computation (see ``forward``)."""
-        return wider(self.lora_A.weight.dtype, self.weight.dtype)
+        return wider(self.adapter_dtype, self.weight.dtype)
+
+    @property
+    def adapter_dtype(self) -> torch.dtype:
+        """The dtype of A and B, or the wider of the two where they differ (a user cast only one of them)."""
+        return torch.promote_types(self.lora_A.weight.dtype, self.lora_B.weight.dtype)
 
     @torch.no_grad()
     def _bind_concat_buffer(self) -> None:
@@ -307,11 +315,12 @@ class LoRALinear(nn.Module):
         return self
 
     def _adapters(self, x):
-        """(A, B in x's dtype unless wider than it, this call's ``DropDraw`` or None)."""
-        a, b = self.lora_A.weight, self.lora_B.weight
-        if a.dtype != x.dtype and not wider(a.dtype, x.dtype):  # bf16 adapters on an fp32 base: cast the small
-            a, b = a.to(x.dtype), b.to(x.dtype)                 # matrices (exactly), not x
-        return a, b, self.dropout_draw(x)
+        """(A, B in x's dtype unless wider than it, this call's ``DropDraw`` or None). A and B of two dtypes
+        both take the wider one first (fp32 A and bf16 B on a bf16 base run as fp32 adapters)."""
+        ad = self.adapter_dtype
+        if not wider(ad, x.dtype):  # bf16 adapters on an fp32 base: cast the small matrices (exactly), not x
+            ad = x.dtype
+        return self.lora_A.weight.to(ad), self.lora_B.weight.to(ad), self.dropout_draw(x)
 
     def dropout_draw(self, x):
         """This call's dropout draw (one seed from torch's generator on x's device: the mask is rebuilt from it
@@ -341,7 +350,7 @@ class LoRALinear(nn.Module):
         ``in_place``: that kernel writes over the saved gu and d_act (``RuntimeOptions.swiglu_backward_in_place``)."""
         from .mlp import LoRASwiGLUDownFunction, swiglu_for_impl
 
-        if self.impl == "torch" or not self.recompute_swiglu or wider(self.lora_A.weight.dtype, gate.dtype):
+        if self.impl == "torch" or not self.recompute_swiglu or wider(self.adapter_dtype, gate.dtype):
             return self(swiglu_for_impl(gate, up, impl))  # plain autograd (the product is kept), or wide adapters
         a, b, draw = self._adapters(gate)
         wcat = self._concat_buffer(b) if self._uses_wcat else None
