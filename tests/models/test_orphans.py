@@ -449,3 +449,38 @@ def test_a_previous_output_another_sweeper_restored_first_is_not_handled_twice(t
         assert orphans.recover_replaced(out, PATTERN) == []
     assert (out / "config.json").read_text() == "old"
     assert not [r.getMessage() for r in caplog.records if "removed" in r.getMessage()]
+
+
+@pytest.mark.parametrize("newer", [False, True])
+def test_a_previous_output_that_cannot_be_renamed_back(tmp_path, monkeypatch, caplog, newer):
+    """The rename back failing: with no output (a read-only directory) the ``.old`` directory stays, with the fix
+    said; when another writer published a newer output meanwhile (the rename's ENOTEMPTY) that one is kept and the
+    previous output, now stale, is removed without a warning."""
+    out = tmp_path / "model"
+    tmp = tmp_path / ".model.tmp-4242-0a1b2c3d"
+    old = _model_dir(orphans.old_path(tmp), "old")
+    orphans.lock_path(tmp).touch()
+
+    def rename(src, dst):
+        if newer:
+            _model_dir(out, "newer")
+        raise OSError(39, "Directory not empty" if newer else "Read-only file system")
+
+    monkeypatch.setattr(orphans.os, "rename", rename)
+    with caplog.at_level(logging.INFO, logger="chronicals.models"):
+        handled = orphans.recover_replaced(out, OUT_PATTERN)
+    monkeypatch.undo()
+    msgs = [r.getMessage() for r in caplog.records]
+    if newer:
+        assert handled == [old] and (out / "config.json").read_text() == "newer" and _names(tmp_path) == ["model"]
+        assert len(msgs) == 1 and msgs[0].startswith(f"removed {old}") and "could not restore" not in caplog.text
+    else:
+        assert handled == [] and not out.exists() and (old / "config.json").read_text() == "old"
+        assert orphans.lock_path(tmp).exists()
+        assert len(msgs) == 1 and msgs[0].startswith(f"could not restore {out} from {old}") and "by hand" in msgs[0]
+
+
+def test_a_parent_directory_that_is_not_there_has_nothing_to_sweep(tmp_path):
+    gone = tmp_path / "not-made-yet"
+    assert orphans.remove_orphans(gone, PATTERN) == [] and orphans.recover_replaced(gone / "model", PATTERN) == []
+    assert not gone.exists()
