@@ -1150,6 +1150,22 @@ def test_grad_buckets_remove_takes_the_hooks_off_the_parameters():
     assert ref() is None
 
 
+def test_a_step_cut_short_by_remove_cannot_be_finished(monkeypatch):
+    """remove() in a step (train()'s cleanup after an error mid-step) disarms the reducer: a finish() after it is
+    refused instead of issuing every bucket's all-reduce on this rank alone."""
+    from types import SimpleNamespace
+
+    calls = _recorded_all_reduce(monkeypatch)
+    lin = torch.nn.Linear(4, 3)
+    rb = GradBuckets(SimpleNamespace(enabled=True, rank=0, world_size=2), list(lin.parameters()))
+    rb.begin(1)
+    rb.remove()
+    assert not rb.armed
+    with pytest.raises(RuntimeError, match=r"finish without begin"):
+        rb.finish()
+    assert calls == []
+
+
 def test_buckets_start_each_step_from_zero_and_go_out_during_backward(tmp_path):
     """Buckets fill in reverse parameter order, the order backward finishes them: when the first layer's gradient
     is computed (the end of backward) the second layer's buckets are already issued, so their all-reduce overlaps
