@@ -1166,6 +1166,21 @@ def test_a_step_cut_short_by_remove_cannot_be_finished(monkeypatch):
     assert calls == []
 
 
+def test_one_gradient_more_than_announced_is_refused_in_a_bucket_of_one(monkeypatch):
+    """A parameter alone in its bucket that gets one gradient more than begin() announced is refused at that
+    gradient: its bucket's all-reduce already went out without it."""
+    from types import SimpleNamespace
+
+    _recorded_all_reduce(monkeypatch)
+    p = torch.nn.Parameter(torch.ones(3))
+    rb = GradBuckets(SimpleNamespace(enabled=True, rank=0, world_size=2), [p])
+    rb.begin(1)
+    (p * 2.0).sum().backward()
+    with pytest.raises(RuntimeError, match=r"more gradients this step than begin\(micro_batches=k\)"):
+        (p * 2.0).sum().backward()
+    rb.remove()
+
+
 def test_buckets_start_each_step_from_zero_and_go_out_during_backward(tmp_path):
     """Buckets fill in reverse parameter order, the order backward finishes them: when the first layer's gradient
     is computed (the end of backward) the second layer's buckets are already issued, so their all-reduce overlaps
