@@ -1181,6 +1181,27 @@ def test_one_gradient_more_than_announced_is_refused_in_a_bucket_of_one(monkeypa
     rb.remove()
 
 
+def test_a_bucket_completed_early_waits_for_the_buckets_before_it(monkeypatch):
+    """Backward may finish a later bucket before an earlier one (here the first parameter's gradient comes first):
+    the earlier bucket does not go out until its own gradient is in (its all-reduce would miss it), and then
+    both go out in order."""
+    from types import SimpleNamespace
+
+    calls = _recorded_all_reduce(monkeypatch)
+    first, last = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    rb = GradBuckets(SimpleNamespace(enabled=True, rank=0, world_size=2), [first, last], bucket_elems=3)
+    assert len(rb.flats) == 2 and rb.view(last).data_ptr() == rb.flats[0].data_ptr()  # reversed: last in bucket 0
+    seen = []
+    last.register_hook(lambda g: seen.append((len(calls), first.grad is not None and float(first.grad.sum()))))
+    rb.begin(1)
+    ((last * 2.0).sum() + (first * 3.0).sum()).backward()  # first's gradient is computed first
+    assert seen == [(0, 9.0)]  # first's bucket was complete, and nothing had gone out
+    assert rb.finish() == 0
+    assert [t for t, _, _ in calls] == rb.flats
+    assert torch.equal(rb.flats[0], torch.full((3,), 2.0)) and torch.equal(rb.flats[1], torch.full((3,), 3.0))
+    rb.remove()
+
+
 def test_buckets_start_each_step_from_zero_and_go_out_during_backward(tmp_path):
     """Buckets fill in reverse parameter order, the order backward finishes them: when the first layer's gradient
     is computed (the end of backward) the second layer's buckets are already issued, so their all-reduce overlaps
