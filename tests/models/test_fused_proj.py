@@ -491,3 +491,19 @@ def test_a_first_call_traced_by_torch_compile_logs_nothing_while_tracing(tiny_hf
     assert fused_proj._logged == set()  # nothing said while tracing
     torch.testing.assert_close(got, f(x))
     assert ("qkv_proj", "one GEMM") in fused_proj._logged
+
+
+def test_a_lora_group_gemm_is_logged_as_such(tiny_hf_config, monkeypatch, caplog):
+    """q/k/v and gate/up served by a LoRA group's one GEMM say so in the log, once per kind."""
+    import logging
+
+    monkeypatch.setattr(fused_proj, "_logged", set())
+    model, attn, mlp = _model(tiny_hf_config, "qwen2")
+    apply_lora(model, r=2, alpha=4)
+    x = _x(attn.q_proj.in_features, torch.float32)
+    with caplog.at_level(logging.INFO, logger="chronicals.models"):
+        for _ in range(2):
+            qkv_proj(attn, x)
+            assert gate_up_proj(mlp, x) is not None
+    said = [r.getMessage() for r in caplog.records if r.name == "chronicals.models"]
+    assert said == ["qkv_proj: one LoRA group GEMM", "gate_up_proj: one LoRA group GEMM"], said
