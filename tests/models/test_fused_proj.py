@@ -507,3 +507,13 @@ def test_a_lora_group_gemm_is_logged_as_such(tiny_hf_config, monkeypatch, caplog
             assert gate_up_proj(mlp, x) is not None
     said = [r.getMessage() for r in caplog.records if r.name == "chronicals.models"]
     assert said == ["qkv_proj: one LoRA group GEMM", "gate_up_proj: one LoRA group GEMM"], said
+
+
+def test_a_hook_is_the_reason_given_for_hooked_lora_modules(tiny_hf_config):
+    """LoRA modules given a forward hook after apply_lora run apart because of the hook (their group then steps
+    aside), and the reason logged says so rather than that a LoRALinear is not a plain nn.Linear."""
+    model, attn, _ = _model(tiny_hf_config, "qwen2")
+    apply_lora(model, r=2, alpha=4, target_modules=("q_proj", "k_proj", "v_proj"))
+    assert "LoRALinear" in fusable(attn.q_proj, attn.k_proj, attn.v_proj)
+    attn.k_proj.register_forward_hook(lambda *a: None)
+    assert fusable(attn.q_proj, attn.k_proj, attn.v_proj) == "a module has forward hooks"
