@@ -517,3 +517,17 @@ def test_a_hook_is_the_reason_given_for_hooked_lora_modules(tiny_hf_config):
     assert "LoRALinear" in fusable(attn.q_proj, attn.k_proj, attn.v_proj)
     attn.k_proj.register_forward_hook(lambda *a: None)
     assert fusable(attn.q_proj, attn.k_proj, attn.v_proj) == "a module has forward hooks"
+
+
+def test_the_rebuilt_concatenation_is_the_forwards_output_without_a_graph(tiny_hf_config):
+    """The recipe offered with the joint GEMM (run again in backward) gives the forward's output bit for bit and
+    records no graph, even where gradients are on: it stands in for a saved tensor."""
+    _, attn, mlp = _model(tiny_hf_config, "qwen2")
+    x = _x(attn.q_proj.in_features, torch.float32)
+    for kind, owner, attr, mods in [("qkv_proj", attn, "lora_qkv", (attn.q_proj, attn.k_proj, attn.v_proj)),
+                                    ("gate_up_proj", mlp, "lora_gate_up", (mlp.gate_proj, mlp.up_proj))]:
+        out, recipe = fused_proj._joint_gemm(kind, owner, attr, mods, x)
+        assert out.requires_grad
+        again = recipe()
+        assert not again.requires_grad and again.grad_fn is None
+        assert torch.equal(again, out.detach())
