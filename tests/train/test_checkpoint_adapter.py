@@ -120,3 +120,23 @@ def test_a_checkpoint_copied_over_in_place_is_read_again(tmp_path):
     assert os.stat(p / "state.pt").st_ino == ino
     os.utime(p / "state.pt", ns=(time.time_ns(), time.time_ns() + 10**9))  # a coarse mtime: make it differ
     assert read_run_checkpoint(p).base == "/models/bbbb"
+
+
+def test_a_checkpoint_of_a_run_whose_targets_were_a_regex_is_applied_with_it(tmp_path):
+    """LoRA targets given as a regular expression (one string, as PEFT's target_modules takes it) are recorded as
+    that string, and the checkpoint rebuilds the adapter on the same modules."""
+    torch.manual_seed(0)
+    model = tiny_model()
+    rec = apply_lora(model, r=4, alpha=8, target_modules=r".*\.(q_proj|v_proj)")
+    cfg = TrainConfig().to_dict()
+    cfg["lora"].update(enabled=True, rank=4, alpha=8)
+    path = _write(tmp_path / "run", {"lora": lora_settings(model)}, model=ckpt.trainable_state(model), config=cfg)
+    assert read_run_checkpoint(path).lora["target_modules"] == r".*\.(q_proj|v_proj)"
+    again = apply_checkpoint_adapter(tiny_model(), path)
+    assert again.lora_config.lora_modules == rec.lora_modules
+
+
+def test_an_older_checkpoint_is_applied_with_its_configs_scaling(tmp_path):
+    """Without the adapter record (an older checkpoint) the config's lora.alpha and lora.rank give the scaling."""
+    path = _lora_checkpoint(tmp_path / "run", record=False)
+    assert apply_checkpoint_adapter(tiny_model(), path).lora_config.scaling == 8 / 4
