@@ -140,3 +140,15 @@ def test_an_older_checkpoint_is_applied_with_its_configs_scaling(tmp_path):
     """Without the adapter record (an older checkpoint) the config's lora.alpha and lora.rank give the scaling."""
     path = _lora_checkpoint(tmp_path / "run", record=False)
     assert apply_checkpoint_adapter(tiny_model(), path).lora_config.scaling == 8 / 4
+
+
+def test_a_checkpoint_on_a_base_of_other_width_is_refused_naming_a_tensor_of_another_shape(tmp_path):
+    """A base with the same modules and another MLP width: every name fits, a LoRA tensor of the MLP does not. It is
+    refused as "does not fit this base" naming such a tensor and the base the run trained."""
+    path = _lora_checkpoint(tmp_path / "run", record=True, base="/models/narrow")
+    hf = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=24, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    wider = CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0)
+    with pytest.raises(ValueError, match=r"does not fit this base \(\d+ tensors of another name or shape, e\.g\. "
+                                         r"model\.layers\.0\.mlp\..*trained on /models/narrow"):
+        apply_checkpoint_adapter(wider, path)
