@@ -341,6 +341,50 @@ def test_data_parallel_ranks_are_all_refused_when_rank_0_cannot_lock(tmp_path):
     assert IN_USE in (tmp_path / "rank0").read_text() and IN_USE in (tmp_path / "rank1").read_text()
 
 
+def _rank(rank: int, others_refused: bool = False):
+    """A data-parallel rank of two, its all-reduced flag answering as if another rank had been refused, and the
+    flags it sent in ``sent``."""
+    from types import SimpleNamespace
+
+    sent = []
+
+    def all_reduce_flag(value):
+        sent.append(bool(value))
+        return int(bool(value) or others_refused)
+
+    return SimpleNamespace(is_main=rank == 0, enabled=True, all_reduce_flag=all_reduce_flag, sent=sent)
+
+
+def test_a_rank_other_than_0_leaves_the_lock_to_rank_0(tmp_path):
+    from chronicals.train.run_dir import _locked_out_dir
+
+    out = tmp_path / "run"
+    dp = _rank(1)
+    with _hold(out), _locked_out_dir(out, dp):  # the lock rank 0 holds
+        pass
+    assert dp.sent == [False]
+
+
+def test_rank_0_refused_tells_the_others_and_says_who_holds_the_lock(tmp_path):
+    from chronicals.train.run_dir import _locked_out_dir
+
+    out = tmp_path / "run"
+    dp = _rank(0)
+    with _hold(out), pytest.raises(ConfigError, match=rf"{IN_USE} \(it holds {out / LOCK_FILE}\)"):
+        with _locked_out_dir(out, dp):
+            pass
+    assert dp.sent == [True]
+
+
+def test_a_rank_told_of_rank_0s_refusal_says_so_and_what_to_do(tmp_path):
+    from chronicals.train.run_dir import _locked_out_dir
+
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=rf"^train.out_dir={out} {IN_USE} \(rank 0 could not lock it\); wait for "
+                                          "it to finish, or set another train.out_dir$"):
+        with _locked_out_dir(out, _rank(1, others_refused=True)):
+            pass
+
 def test_an_out_dir_that_cannot_be_written_names_the_setting_and_the_fix(tmp_path, docs, monkeypatch, capsys):
     """A finished run's out_dir on a read-only file system (or another user's directory) gave a bare
     "error: [Errno 30] Read-only file system: '.../.chronicals.lock'" (a concurrency walk)."""
