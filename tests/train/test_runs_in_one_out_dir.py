@@ -361,6 +361,17 @@ def test_an_own_step_0_resume_without_metrics_jsonl_says_nothing_is_gone(tmp_pat
     assert "has no metrics.jsonl: it starts at step 3" in caplog.text
 
 
+def test_another_runs_checkpoint_without_its_runs_metrics_jsonl_names_the_missing_file(tmp_path, caplog):
+    """Another run's checkpoint whose run has lost its metrics.jsonl: the file missing is named, and this run's
+    metrics.jsonl starts at step N+1 with no records."""
+    from chronicals.train.run_dir import _metrics_log
+
+    out, other = tmp_path / "run", tmp_path / "other"
+    (other / "checkpoints" / "step-000002").mkdir(parents=True)
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        assert _metrics_log(tiny_config(tmp_path), out, other / "checkpoints" / "step-000002", 2, None).records == []
+    assert f"{other / 'metrics.jsonl'} does not exist: {out / 'metrics.jsonl'} starts at step 3" in caplog.text
+
 def test_a_checkpoint_copied_out_of_its_run_starts_metrics_at_the_next_step(tmp_path, docs, caplog):
     """A checkpoint copied out of its run (its parent is no ``checkpoints`` dir) has no run records beside it:
     metrics.jsonl starts at step N+1. It took an unrelated metrics.jsonl two levels up as that run's records, and
