@@ -5,6 +5,7 @@ checkpoint, records it cannot hold, and a checkpoint rewritten in the same proce
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import pytest
@@ -75,6 +76,17 @@ def test_a_master_of_another_shape_is_not_taken(tmp_path):
     path = ckpt.write_checkpoint(tmp_path / "run", state)
     assert torch.equal(read_run_checkpoint(path).tensors["model.norm.weight"], torch.full((4,), 2.0))
 
+
+def test_a_master_of_the_weights_shape_is_read_as_its_value(tmp_path):
+    """A run with optim.master_weights: the checkpoint's tensor is the weight's fp32 master, not the bf16 weight it
+    rounds to; the dtype the run trained in is kept beside it."""
+    master = torch.full((4,), 2.001)
+    state = {"format": 1, "step": 1, "model": {"model.norm.weight": master.to(torch.bfloat16)},
+             "optimizer": {"param_groups": [{"params": [0]}], "state": {0: {"master": master}}},
+             "optimizer_params": ["model.norm.weight"], "scheduler": {}, "data": {}, "rng": {},
+             "extra": {"config": TrainConfig().to_dict(), "base": None}}
+    ck = read_run_checkpoint(ckpt.write_checkpoint(tmp_path / "run", state))
+    assert torch.equal(ck.tensors["model.norm.weight"], master) and ck.trained_dtype == torch.bfloat16
 
 def test_no_path_is_no_checkpoint_dir():
     assert not is_checkpoint_dir(None) and not is_checkpoint_dir("")
@@ -232,3 +244,15 @@ def test_a_damaged_latest_checkpoint_names_the_one_before_it_and_the_runs_adapte
         read_run_checkpoint(second)
     assert f"use another of the run's checkpoints ({first}) or the run's final adapter/ ({run / 'adapter'})" \
         in str(e.value), str(e.value)
+
+
+def test_a_damaged_checkpoint_copied_out_of_its_run_names_nothing_beside_it(tmp_path):
+    """A checkpoint copied out of its run (saved/step-N) has no run around it: the adapter/ two levels up is another
+    folder's, not that run's final adapter, and is not offered in its place."""
+    copy = tmp_path / "saved" / "step-000001"
+    shutil.copytree(_write(tmp_path / "run"), copy)
+    (tmp_path / "adapter").mkdir()
+    (copy / ckpt.STATE_FILE).write_bytes(b"\x80\x02garbage" * 100)
+    with pytest.raises(ValueError) as e:
+        read_run_checkpoint(copy)
+    assert "use another checkpoint of that run" in str(e.value) and str(tmp_path / "adapter") not in str(e.value)
