@@ -105,6 +105,31 @@ def test_a_legacy_type_key_dynamic_rope_limits_the_row_length():
             model(torch.zeros(1, 9, dtype=torch.long))
 
 
+def test_packed_rows_padding_is_no_document_for_a_dynamic_rope():
+    """As for a window: a dynamic rope's limit judges a packed row by its longest document, not by the positions of
+    its padding segment (12 of them in a row of 24, past max_position_embeddings=8); the loss equals each
+    document's alone, and a document past the limit is still refused."""
+    import numpy as np
+
+    from chronicals.data.collate import collate_rows
+
+    cfg = ModelConfig(model_type="llama", vocab_size=17, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=8,
+                      rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    model = CausalLM(cfg).init_weights(seed=0)
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(1, 17, (n,), generator=g).numpy() for n in (5, 3, 4)]
+    batch = collate_rows([[(d, np.ones(len(d), bool)) for d in docs]], 24, 0)
+    assert int(batch.position_ids.max()) == 11 and batch.longest_doc == 5
+    loss = model(batch.input_ids, **batch.model_kwargs(), reduction="sum")
+    alone = sum(model(torch.as_tensor(d)[None], labels=torch.as_tensor(d)[None], reduction="sum") for d in docs)
+    torch.testing.assert_close(loss, alone)
+    long = torch.randint(1, 17, (9,), generator=g).numpy()
+    batch = collate_rows([[(long, np.ones(9, bool))]], 24, 0)
+    with pytest.raises(ValueError, match=r"9 tokens is longer than this model's max_position_embeddings=8"):
+        model(batch.input_ids, **batch.model_kwargs(), reduction="sum")
+
+
 def _qwen(family, layers=3, **kw):
     transformers = pytest.importorskip("transformers")
     cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[family]
