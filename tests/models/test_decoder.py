@@ -85,3 +85,17 @@ def test_a_forward_with_kv_caches_fills_every_layers_cache_under_checkpointing(t
             return model(ids[:, 6:], kv_caches=caches).detach()
 
     torch.testing.assert_close(next_step_logits(True), next_step_logits(False), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("setting,layers", [(True, 3), (False, 0), (0, 0), (2, 2), (3, 3), (9, 3)])
+def test_checkpointing_counts_the_leading_layers_up_to_the_models(setting, layers):
+    assert RuntimeOptions(checkpointing=setting).checkpointed_layers(3) == layers
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "2", None])
+def test_set_checkpointing_refuses_what_is_not_a_layer_count_when_set(bad):
+    """At the call, not at the next training step's forward, and the setting before it stays."""
+    model = CausalLM(_cfg(num_hidden_layers=2)).set_checkpointing(1)
+    with pytest.raises(ValueError, match=rf"checkpointing={bad!r}: use True \(every layer\), False, or a layer count"):
+        model.set_checkpointing(bad)
+    assert model.opts.checkpointing == 1

@@ -12,7 +12,7 @@ without cu_seqlens are read as packed documents too, as transformers does (a hos
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -354,8 +354,8 @@ class CausalLM(nn.Module):
 
     def set_checkpointing(self, on: bool | int) -> "CausalLM":
         """Activation checkpointing: True (every decoder layer), False, or k (the first k layers)."""
-        self.opts.checkpointing = on
-        self.opts.checkpointed_layers(len(self.model.layers))  # a bad value fails here, not at the next step
+        replace(self.opts, checkpointing=on).checkpointed_layers(len(self.model.layers))  # a bad value fails here,
+        self.opts.checkpointing = on  # not at the next step, and leaves the setting as it was
         return self
 
     def set_recompute(self, names, gate_up_layers: int = 0) -> "CausalLM":
