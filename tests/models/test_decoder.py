@@ -51,6 +51,8 @@ def test_dynamic_rope_refuses_positions_past_the_limit_by_one():
         model(ids, position_ids=torch.arange(0, 8)[None])  # positions 0..7: within the limit
         with pytest.raises(ValueError, match=r"position_ids up to 8 \(9 positions\)"):
             model(ids, position_ids=torch.arange(1, 9)[None])
+        empty = torch.zeros(1, 0, dtype=torch.long)  # no position to take the largest of
+        assert model(empty, position_ids=empty).shape == (1, 0, 17)
 
 
 @pytest.mark.parametrize("k", [True, False])
