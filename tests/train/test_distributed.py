@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from chronicals.config import ConfigError
 from chronicals.train import accumulate_gradients, train
-from chronicals.train.distributed import DistContext, _buckets, _device, init_distributed
+from chronicals.train.distributed import DistContext, _buckets, _device, init_distributed, numel_runs
 from chronicals.train.grad_buckets import GradBuckets
 from chronicals.train.step import accumulate_data_parallel, batch_loss_sum
 
@@ -526,6 +526,13 @@ def test_buckets_split_by_dtype_and_size():
     one = DistContext()  # one process: every helper is a no-op
     assert one.all_reduce_count(7) == 7 and one.all_reduce_flag(True) == 1 and one.all_reduce_flag(False) == 0
     assert not one.enabled and one.is_main
+
+
+def test_runs_start_counting_afresh_and_never_come_out_empty():
+    sizes = lambda ts, limit: [[t.numel() for t in run] for run in numel_runs(ts, limit)]  # noqa: E731
+    assert sizes([torch.zeros(n) for n in (5, 4, 2, 2)], 8) == [[5], [4, 2, 2]]
+    assert sizes([torch.zeros(n) for n in (9, 2)], 8) == [[9], [2]]  # larger than the limit from the start
+    assert sizes([], 8) == []
 
 
 def test_buckets_never_mix_devices():
