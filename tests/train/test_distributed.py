@@ -543,10 +543,32 @@ def test_buckets_never_mix_devices():
     assert got == [[(3, "cpu"), (2, "cpu")], [(4, "meta"), (1, "meta")]]
 
 
+def test_every_helper_of_a_one_process_context_leaves_its_input_as_it_is():
+    """No process group exists with one process: each helper returns without a collective."""
+    one = DistContext()
+    p, q = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.full((2,), 5.0)
+    one.all_reduce_grads([p, q])
+    assert torch.equal(p.grad, torch.full((2,), 5.0)) and q.grad is None
+    one.broadcast_params([p, q])
+    assert torch.equal(p.detach(), torch.ones(2))
+    t = torch.ones(2)
+    assert one.all_reduce_sum_(t) is t and torch.equal(t, torch.ones(2))
+    assert one.gather_object({"a": 1}) == [{"a": 1}] and one.all_gather_object(3) == [3]
+    one.check_same({"steps": 4}, "read the same data")
+    one.barrier()
+    with one.main_first():
+        pass
+
+
 def test_single_process_context_without_torchrun(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     ctx = init_distributed("cpu")
     assert (ctx.world_size, ctx.rank, ctx.backend, ctx.device) == (1, 0, None, CPU) and not dist.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "3")  # a scheduler's, say: one process is rank 0 whatever RANK says
+    assert (init_distributed("cpu").rank, init_distributed("cpu").is_main) == (0, True)
+    monkeypatch.delenv("RANK")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(ConfigError, match="launch data-parallel training with torchrun"):
