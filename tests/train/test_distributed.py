@@ -561,6 +561,17 @@ def test_every_helper_of_a_one_process_context_leaves_its_input_as_it_is():
         pass
 
 
+def test_ranks_past_the_first_two_are_compared_too(monkeypatch):
+    ctx = DistContext(rank=0, world_size=3)
+    seen = [{"steps": 4}, {"steps": 4}, {"steps": 5}]
+    monkeypatch.setattr(ctx, "all_gather_object", lambda obj: seen)
+    with pytest.raises(ValueError, match=r"^the data-parallel ranks disagree on this run's steps "
+                                         r"\(rank 0: 4, rank 1: 4, rank 2: 5\); read the same data$"):
+        ctx.check_same({"steps": 4}, "read the same data")
+    seen[2] = {"steps": 4}
+    ctx.check_same({"steps": 4}, "read the same data")
+
+
 def test_single_process_context_without_torchrun(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     ctx = init_distributed("cpu")
