@@ -187,6 +187,23 @@ def _none_grad_worker(rank: int, port: int, out: str) -> None:
         dp.destroy()
 
 
+def _all_grads_on_rank_0_worker(rank: int, port: int, out: str) -> None:
+    _torchrun_env(rank, port)
+    dp = init_distributed(DEVICE)
+    try:
+        dev = dp.device
+        both, only0 = (torch.nn.Parameter(torch.zeros(2, device=dev)) for _ in range(2))
+        both.grad = torch.ones(2, device=dev)
+        if rank == 0:  # rank 0 has every gradient
+            only0.grad = torch.full((2,), 3.0, device=dev)
+        dp.all_reduce_grads([both, only0])
+        torch.save({"both": both.grad.cpu(), "only0": None if only0.grad is None else only0.grad.cpu()},
+                   f"{out}/all0{rank}.pt")
+        dp.barrier()
+    finally:
+        dp.destroy()
+
+
 def _overlap_worker(rank: int, port: int, out: str) -> None:
     """When do the buckets go out: during the last micro-batch's backward; a parameter without a gradient
     on one rank contributes zeros and is counted."""
@@ -892,6 +909,14 @@ def test_a_gradient_missing_on_every_rank_stays_none(tmp_path):
         assert got["unused"] is None  # as in one process: AdamW skips it (no weight decay step)
         assert torch.equal(got["only0"], torch.ones(2))  # rank 1 contributed zeros
         assert torch.equal(got["both"], torch.full((4,), 3.0))
+
+
+def test_a_gradient_of_rank_0_alone_reaches_a_rank_without_it_when_rank_0_has_them_all(tmp_path):
+    mp.spawn(_all_grads_on_rank_0_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    for r in range(WORLD):
+        got = torch.load(tmp_path / f"all0{r}.pt")
+        assert torch.equal(got["both"], torch.full((2,), 2.0))
+        assert got["only0"] is not None and torch.equal(got["only0"], torch.full((2,), 3.0)), r
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need GPUs: CHRONICALS_TEST_DP_DEVICE=cuda on 2 GPUs")
