@@ -725,6 +725,20 @@ def test_an_existing_process_group_of_another_rank_is_refused(monkeypatch):
     assert (ctx.rank, ctx.owns_group, ctx.backend) == (1, False, "gloo")
 
 
+def test_an_existing_process_group_of_another_size_is_refused(monkeypatch):
+    from chronicals.train import distributed
+
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(distributed.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(distributed.dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(distributed.dist, "new_group", lambda **kw: "wait-group")
+    _torchrun_vars(monkeypatch)
+    with pytest.raises(RuntimeError, match=r"a process group already exists with world_size=4, rank=0, but the "
+                                           r"environment says WORLD_SIZE=2, RANK=0"):
+        init_distributed("cpu")
+
+
 def test_a_joined_process_group_keeps_its_own_backend(monkeypatch):
     """A group the caller made is joined with its own backend (dist.get_backend(), "mpi" here), not the one this
     device would have picked ("gloo" on the CPU): barrier() chooses its form by ctx.backend."""
