@@ -11,6 +11,7 @@ since the two processes share this machine's cores.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -737,6 +738,16 @@ def test_an_existing_process_group_of_another_size_is_refused(monkeypatch):
     with pytest.raises(RuntimeError, match=r"a process group already exists with world_size=4, rank=0, but the "
                                            r"environment says WORLD_SIZE=2, RANK=0"):
         init_distributed("cpu")
+
+
+def test_the_data_parallel_setup_is_logged_by_rank_0_alone(monkeypatch, caplog):
+    _no_group_yet(monkeypatch)
+    caplog.set_level(logging.INFO, logger="chronicals.train")
+    for rank in ("1", "0"):
+        _torchrun_vars(monkeypatch, RANK=rank)
+        init_distributed("cpu")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data parallel")]
+    assert said == ["data parallel: world_size=2 backend=gloo"]
 
 
 def test_a_joined_process_group_keeps_its_own_backend(monkeypatch):
