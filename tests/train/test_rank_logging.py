@@ -54,3 +54,12 @@ def test_other_ranks_keep_errors_and_a_quieter_setting(monkeypatch, caplog):
     with main_rank_tells(rank=0):
         child.warning("rank 0 speaks")
     assert "rank 0 speaks" not in caplog.text  # CRITICAL still: rank 0's level is the caller's, untouched
+
+
+def test_a_quieter_setting_above_ours_is_kept_on_other_ranks(monkeypatch):
+    """The level that counts is the effective one: ours unset under a root that says CRITICAL only stays unset."""
+    ours = logging.getLogger("chronicals")
+    monkeypatch.setattr(ours, "level", logging.NOTSET)
+    monkeypatch.setattr(logging.getLogger(), "level", logging.CRITICAL)
+    with main_rank_tells(rank=1):
+        assert ours.level == logging.NOTSET and ours.getEffectiveLevel() == logging.CRITICAL
