@@ -515,6 +515,17 @@ def _closing_worker(rank: int, port: int, out: str) -> None:
                f"{out}/closing{rank}.pt")
 
 
+def _existing_group(monkeypatch, world: int = 2, rank: int = 0, backend: str = "gloo") -> None:
+    """dist's group calls replaced: a group the caller made already exists, of ``world`` ranks, this one ``rank``."""
+    from chronicals.train import distributed
+
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: world)
+    monkeypatch.setattr(distributed.dist, "get_rank", lambda: rank)
+    monkeypatch.setattr(distributed.dist, "get_backend", lambda: backend)
+    monkeypatch.setattr(distributed.dist, "new_group", lambda **kw: "wait-group")
+
+
 def _no_group_yet(monkeypatch) -> dict:
     """dist's group calls replaced: no group exists yet, init_process_group records its arguments (no port used)."""
     from chronicals.train import distributed
@@ -710,13 +721,7 @@ def test_an_existing_process_group_of_another_rank_is_refused(monkeypatch):
     """A process group the caller made already, of the same size but another rank than RANK says, is refused
     naming both: training on as the group's rank 1 while the loader shards by RANK=0 trains one shard twice and
     the other never. With the rank RANK says it is joined, not owned (destroy() leaves it to its maker)."""
-    from chronicals.train import distributed
-
-    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(distributed.dist, "get_rank", lambda: 1)
-    monkeypatch.setattr(distributed.dist, "get_backend", lambda: "gloo")
-    monkeypatch.setattr(distributed.dist, "new_group", lambda **kw: "wait-group")
+    _existing_group(monkeypatch, rank=1)
     _torchrun_vars(monkeypatch, RANK="0")
     with pytest.raises(RuntimeError, match=r"a process group already exists with world_size=2, rank=1, but the "
                                            r"environment says WORLD_SIZE=2, RANK=0"):
@@ -727,13 +732,7 @@ def test_an_existing_process_group_of_another_rank_is_refused(monkeypatch):
 
 
 def test_an_existing_process_group_of_another_size_is_refused(monkeypatch):
-    from chronicals.train import distributed
-
-    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 4)
-    monkeypatch.setattr(distributed.dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(distributed.dist, "get_backend", lambda: "gloo")
-    monkeypatch.setattr(distributed.dist, "new_group", lambda **kw: "wait-group")
+    _existing_group(monkeypatch, world=4)
     _torchrun_vars(monkeypatch)
     with pytest.raises(RuntimeError, match=r"a process group already exists with world_size=4, rank=0, but the "
                                            r"environment says WORLD_SIZE=2, RANK=0"):
@@ -753,13 +752,7 @@ def test_the_data_parallel_setup_is_logged_by_rank_0_alone(monkeypatch, caplog):
 def test_a_joined_process_group_keeps_its_own_backend(monkeypatch):
     """A group the caller made is joined with its own backend (dist.get_backend(), "mpi" here), not the one this
     device would have picked ("gloo" on the CPU): barrier() chooses its form by ctx.backend."""
-    from chronicals.train import distributed
-
-    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(distributed.dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(distributed.dist, "get_backend", lambda: "mpi")
-    monkeypatch.setattr(distributed.dist, "new_group", lambda **kw: "wait-group")
+    _existing_group(monkeypatch, backend="mpi")
     _torchrun_vars(monkeypatch)
     ctx = init_distributed("cpu")
     assert (ctx.backend, ctx.owns_group) == ("mpi", False)
