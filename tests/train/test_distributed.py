@@ -269,14 +269,17 @@ def _train_worker(rank: int, ports: tuple, out: str) -> None:
 
     cfg2 = tiny_config(Path(out) / "stop", train__max_steps=4, train__resume="auto",  # one out_dir, as under torchrun
                        model__device=DEVICE)
-    stopped = train(cfg2, model=tiny_model(seed=0), train_loader=_shards(docs, WORLD)[1][rank], on_step=sigterm_rank1)
+    held = lambda: SyntheticLoader(docs[:10], shuffle=False)  # noqa: E731
+    stopped = train(cfg2, model=tiny_model(seed=0), train_loader=_shards(docs, WORLD)[1][rank], on_step=sigterm_rank1,
+                    eval_loader=held())
     os.environ["MASTER_PORT"] = str(ports[2])
     resumed_model = tiny_model(seed=rank)
-    resumed = train(cfg2, model=resumed_model, train_loader=_shards(docs, WORLD)[1][rank])
+    resumed = train(cfg2, model=resumed_model, train_loader=_shards(docs, WORLD)[1][rank], eval_loader=held())
     torch.save({"state": state, "status": res.status, "step": res.step, "eval_before": res.eval_loss_before,
                 "eval_after": res.eval_loss_after, "checkpoint": res.checkpoint, "final_dir": res.final_dir,
                 "stopped": (stopped.status, stopped.step, stopped.checkpoint),
-                "resumed": (resumed.status, resumed.step, _cpu_state(resumed_model))}, f"{out}/result{rank}.pt")
+                "resumed": (resumed.status, resumed.step, _cpu_state(resumed_model)),
+                "before": (stopped.eval_loss_before, resumed.eval_loss_before)}, f"{out}/result{rank}.pt")
 
 
 def _remainder_loader(rank: int, world: int):
@@ -511,8 +514,8 @@ def _closing_worker(rank: int, port: int, out: str) -> None:
         pass
     again = train(cfg, model=tiny_model(seed=0), train_loader=_shards(docs, WORLD)[1][rank], eval_loader=held(),
                   report=report)
-    torch.save({"first": first.eval_loss_after, "again": again.eval_loss_after, "events": events},
-               f"{out}/closing{rank}.pt")
+    torch.save({"first": first.eval_loss_after, "again": again.eval_loss_after, "events": events,
+                "before": (first.eval_loss_before, again.eval_loss_before)}, f"{out}/closing{rank}.pt")
 
 
 def _existing_group(monkeypatch, world: int = 2, rank: int = 0, backend: str = "gloo") -> None:
@@ -849,8 +852,10 @@ def test_two_ranks_train_like_one_process_on_both_shards(tmp_path):
     assert r0["stopped"] == r1["stopped"] and r0["stopped"][:2] == ("interrupted", 2)
     assert r0["stopped"][2] == tmp_path / "stop" / "run" / "checkpoints" / "step-000002"
     metrics = (tmp_path / "stop" / "run" / "metrics.jsonl").read_text().splitlines()
-    steps = [json.loads(line)["step"] for line in metrics]
+    steps = [json.loads(line)["step"] for line in metrics if json.loads(line)["kind"] == "train"]
     assert steps == [1, 2, 3, 4]
+    # the resumed run's held-out loss before training is the stopped run's, read by rank 0, on both ranks
+    assert r0["before"][0] is not None and r0["before"] == r1["before"] == (r0["before"][0],) * 2
     for r in (r0, r1):
         assert r["resumed"][:2] == ("completed", 4)
         for n, v in r["resumed"][2].items():
@@ -1079,6 +1084,7 @@ def test_a_rerun_that_only_closes_the_run_scores_the_whole_held_out_set_on_every
     r0, r1 = (torch.load(tmp_path / f"closing{r}.pt") for r in range(WORLD))
     assert r0["first"] is not None and r0["first"] == r1["first"]
     assert r0["again"] == pytest.approx(r0["first"], rel=1e-9) and r1["again"] == r0["again"]
+    assert r0["before"][0] is not None and r0["before"] == r1["before"] == (r0["before"][0],) * 2  # rank 0's record
     # the report (the CLI's answers and printout) on rank 0 alone, in the rerun too: rank 1 answered every held-out
     # question again and printed its own "== after training ==" block
     assert r0["events"] == ["before", "after", "after"] and r1["events"] == []

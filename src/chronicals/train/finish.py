@@ -76,6 +76,8 @@ def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, token
                  checkpoint, loss)
         if cfg.logging.plot:
             result.plot = plot_losses(metrics.records, out_dir / "loss.png")
+    if closing_due and dp.enabled:  # rank 0 read it from metrics.jsonl: every rank returns rank 0's value
+        result.eval_loss_before = dp.all_gather_object(result.eval_loss_before)[0]
     plot, records = out_dir / "loss.png", out_dir / "metrics.jsonl"
     if cfg.logging.plot and dp.is_main and result.plot is None and records.is_file():
         # the run ended between its last step and the curve (a failed or killed final save, a signal): draw it now,
