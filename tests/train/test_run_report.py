@@ -87,6 +87,21 @@ def test_held_out_questions_are_not_asked_without_a_tokenizer_or_with_eval_qa_of
     rep, calls, said = _stub_report(monkeypatch, tmp_path, {"eval": {"qa": False}})
     rep("before", model=None, tokenizer=object(), eval_loss=None, heldout_qa=HELD)
     assert said == [] and calls == []
+    rep("before", model=None, tokenizer=object(), eval_loss=2.0, heldout_qa=HELD)
+    assert calls == [] and rep.before is None and said == ["== before training ==", "  held-out loss 2.0000"]
+
+
+def test_a_long_answer_of_several_lines_is_shown_on_one_shortened_line(monkeypatch, tmp_path):
+    import chronicals.train.report as report
+
+    answer = "first line\n\n  second   line " + "word " * 40
+    monkeypatch.setattr(report, "answer_all", lambda m, t, qa, system, n: QAResult([answer], [True]))
+    rep = report.RunReport(from_dict({"train": {"out_dir": str(tmp_path)}}), out=lambda *a: None)
+    rep("after", model=None, tokenizer=object(), eval_loss=None, heldout_qa=HELD)
+    text = rep.summary(TrainResult(status="completed", step=1, total_steps=1, out_dir=tmp_path))
+    line = next(s for s in text.splitlines() if s.startswith("  after  [x] "))
+    assert line.startswith("  after  [x] first line second line word word")
+    assert line.endswith(" ...") and len(line[len("  after  [x] "):]) <= 110
 
 
 def test_the_summary_of_answers_on_one_side_only(monkeypatch, tmp_path):
