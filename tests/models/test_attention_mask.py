@@ -151,6 +151,7 @@ def test_a_mask_beside_packed_rows_or_a_count_is_refused(pair, batch):
     (lambda s: torch.arange(s), re.escape("position_ids has shape (9,) but input_ids has (3, 9)")),
     (lambda s: torch.arange(s - 1)[None], re.escape("position_ids has shape (1, 8) but input_ids has (3, 9)")),
     (lambda s: torch.arange(s)[None].expand(2, s), re.escape("(2, 9)")),
+    (lambda s: torch.arange(s)[None, :, None].expand(3, s, 1), re.escape("position_ids has shape (3, 9, 1)")),
     (lambda s: torch.arange(s, dtype=torch.float32)[None], "position_ids must be int64 or int32"),
 ])
 def test_bad_position_ids_name_the_argument(pair, batch, pos, match):
