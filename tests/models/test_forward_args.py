@@ -104,6 +104,13 @@ def test_documents_restart_in_any_row_and_the_last_one_counts_for_max_seqlen():
     assert cu.tolist() == [0, 2, 3, 6] and longest == 3
 
 
+def test_positions_that_never_restart_are_plain_rows():
+    from chronicals.models.forward_args import documents_from_positions
+
+    assert documents_from_positions(torch.arange(5).expand(3, 5)) == (None, None)
+    assert documents_from_positions(torch.tensor([[3, 4, 5, 6], [0, 1, 2, 3]])) == (None, None)
+
+
 def test_restarting_positions_with_kv_caches_are_one_sequence():
     """With kv_caches restarting position_ids are no documents: the cache attends over the whole row, so the
     sliding window judges every token of the prompt (read as documents, a 10-token prompt with positions 0..4, 0..4
