@@ -359,6 +359,16 @@ def test_a_later_steps_infinite_loss_is_named_as_the_loss():
         _check_finite(3, 1.5, math.inf, lambda: None)
 
 
+def test_a_first_step_with_intact_weights_names_the_last_good_checkpoint():
+    """At a process's first step with no NaN/inf weight, a non-finite loss is the ordinary divergence: the message
+    names the checkpoint the run resumed from, not damaged weights."""
+    from chronicals.train.divergence import _check_finite
+
+    with pytest.raises(TrainingDiverged, match=r"^loss is nan at step 5; stopping without its update\. The last "
+                                               r"good checkpoint is runs/x/checkpoints/step-000004;"):
+        _check_finite(5, math.nan, 1.0, lambda: Path("runs/x/checkpoints/step-000004"), lambda: [])
+
+
 @pytest.mark.parametrize("fused", ["false", "true"])  # every step read / the pipelined loop
 def test_a_step_after_an_evaluation_or_a_checkpoint_is_timed_from_its_own_start(tmp_path, docs, monkeypatch, fused):
     """A step's time runs from the previous step's end only when nothing ran between the two; after an interval
