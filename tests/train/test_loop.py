@@ -21,6 +21,7 @@ from chronicals.config import ConfigError
 from chronicals.data import PackedBatch
 from chronicals.train import TrainingDiverged, accumulate_gradients, train
 from chronicals.train.checkpoint import checkpoint_dirs
+from chronicals.train.step import batch_loss_sum
 
 from train_helpers import SyntheticLoader, sigterm_at_forward, strict_json, synthetic_docs, tiny_config, tiny_model
 
@@ -61,6 +62,30 @@ def test_accumulation_equals_one_big_batch():
         accumulate_gradients(model, [b], torch.device("cpu"))[0]
     naive = {n: p.grad / len(micro) for n, p in model.named_parameters()}
     assert max(((naive[n] - g_1[n]).abs().max() / g_1[n].abs().max()).item() for n in g_1) > 100 * max(worst, 1e-9)
+
+
+def test_accumulated_gradients_are_those_of_the_mean_loss_per_token():
+    micro = SyntheticLoader(synthetic_docs(30, seed=3), batch_size=1, row_len=29, shuffle=False).batches[:2]
+    cpu = torch.device("cpu")
+    model = tiny_model(dtype=torch.float64)
+    accumulate_gradients(model, micro, cpu)
+    got = _grads(model)
+    model.zero_grad(set_to_none=True)
+    (sum(batch_loss_sum(model, b, cpu) for b in micro) / sum(b.num_loss_tokens for b in micro)).backward()
+    want = _grads(model)
+    assert got.keys() == want.keys()
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-9, msg=name)
+
+
+def test_a_given_count_divides_the_loss_and_is_returned():
+    b = SyntheticLoader(synthetic_docs(4, seed=1), batch_size=1, row_len=29, shuffle=False).batches[0]
+    cpu = torch.device("cpu")
+    model = tiny_model(dtype=torch.float64)
+    own, n_own = accumulate_gradients(model, [b], cpu)
+    halved, n = accumulate_gradients(model, [b], cpu, count=2 * b.num_loss_tokens)
+    assert (n_own, n) == (b.num_loss_tokens, 2 * b.num_loss_tokens)
+    torch.testing.assert_close(halved, own / 2)
 
 
 def test_a_step_without_loss_tokens_gives_zero_loss_and_zero_gradients():
