@@ -1376,3 +1376,16 @@ def test_graphs_and_a_call_that_disagree_on_the_reducer_are_refused():
     with pytest.raises(ValueError, match="graphs and this call disagree on the reducer"):
         accumulate_data_parallel(model, [], CPU, fake_dist, [], graphs=SimpleNamespace(reducer=None, model=model),
                                  reducer=object())
+
+
+def test_one_process_replays_the_graphed_step_it_is_given():
+    from types import SimpleNamespace
+
+    model = tiny_model()
+    called = []
+    graphs = SimpleNamespace(model=model, reducer=None,
+                             accumulate=lambda micro, count: called.append(count) or (torch.zeros(()), count))
+    micro = _micro_batches()[:2]
+    accumulate_data_parallel(model, micro, CPU, SimpleNamespace(enabled=False), [], graphs=graphs)
+    assert called == [sum(b.num_loss_tokens for b in micro)]
+    assert all(p.grad is None for p in model.parameters())
