@@ -89,6 +89,13 @@ def test_a_stop_already_requested_scores_no_batch(batches):
     assert not calls
 
 
+def test_a_stop_requested_midway_ends_the_pass_there(batches):
+    """A stop asked for before the second batch ends the pass with the first batch's count, though ``stop`` would
+    say False again afterwards."""
+    answers = iter([False, True, False])
+    assert evaluate_loss(tiny_model(), batches, CPU, stop=lambda: next(answers)) == (None, batches[0].num_loss_tokens)
+
+
 def test_held_out_batches_without_loss_tokens_give_zero_not_nan(batches):
     """A held-out set with no loss token gives (0.0, 0), not 0/0 = NaN, which the trainer's interval evaluation
     reads as a divergence and stops the run on (the zero-token case was tested only for training steps)."""
