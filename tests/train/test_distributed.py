@@ -1389,3 +1389,16 @@ def test_one_process_replays_the_graphed_step_it_is_given():
     accumulate_data_parallel(model, micro, CPU, SimpleNamespace(enabled=False), [], graphs=graphs)
     assert called == [sum(b.num_loss_tokens for b in micro)]
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_graphed_step_leaves_the_gradient_sum_to_its_captured_graph():
+    from types import SimpleNamespace
+
+    model = tiny_model()
+    calls = []
+    reducer = SimpleNamespace(begin=lambda k: calls.append("begin"), finish=lambda: calls.append("finish"))
+    graphs = SimpleNamespace(model=model, reducer=reducer, accumulate=lambda micro, count: (torch.zeros(()), count))
+    fake_dist = SimpleNamespace(enabled=True, all_reduce_count=torch.tensor, all_reduce_sum_=lambda t: t,
+                                all_reduce_grads=lambda params: calls.append("all_reduce_grads"))
+    accumulate_data_parallel(model, _micro_batches()[:1], CPU, fake_dist, [], graphs=graphs, reducer=reducer)
+    assert calls == []
