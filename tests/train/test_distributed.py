@@ -1402,3 +1402,15 @@ def test_a_graphed_step_leaves_the_gradient_sum_to_its_captured_graph():
                                 all_reduce_grads=lambda params: calls.append("all_reduce_grads"))
     accumulate_data_parallel(model, _micro_batches()[:1], CPU, fake_dist, [], graphs=graphs, reducer=reducer)
     assert calls == []
+
+
+def test_an_eager_step_with_buckets_announces_its_micro_batches_and_finishes_them():
+    from types import SimpleNamespace
+
+    model = tiny_model()
+    calls = []
+    reducer = SimpleNamespace(begin=lambda k: calls.append(("begin", k)), finish=lambda: calls.append(("finish",)))
+    fake_dist = SimpleNamespace(enabled=True, all_reduce_count=torch.tensor, all_reduce_sum_=lambda t: t,
+                                all_reduce_grads=lambda params: calls.append(("all_reduce_grads",)))
+    accumulate_data_parallel(model, _micro_batches()[:3], CPU, fake_dist, [], reducer=reducer)
+    assert calls == [("begin", 3), ("finish",)]
