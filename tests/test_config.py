@@ -663,3 +663,48 @@ def test_configs_do_not_share_their_default_lists():
     a.lora.modules_to_save.append("lm_head")
     b = TrainConfig()
     assert b.model.recompute == ["norm", "swiglu"] and b.lora.modules_to_save == []
+
+
+@pytest.mark.parametrize("setting", [
+    "data.max_seq_len=8", "data.on_long=split", "data.on_error=skip", "data.dp_remainder=drop",
+    "optim.beta1=0", "optim.grad_clip=0", "schedule.min_lr_ratio=1", "schedule.warmup_steps=0",
+])
+def test_the_edge_and_word_each_check_allows_is_accepted(setting):
+    key, value = setting.split("=")
+    section, name = key.split(".")
+    got = getattr(getattr(load_config(None, [setting]), section), name)
+    assert str(got) == value or got == float(value)
+
+
+def test_the_demo_data_takes_the_chat_format():
+    assert load_config(None, ["data.format=chat"]).data.format == "chat"
+
+
+def test_a_data_file_takes_the_sharegpt_format():
+    assert load_config(None, ["data.format=sharegpt", "data.path=mine.jsonl"]).data.format == "sharegpt"
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("data.dp_remainder=keep", r"data\.dp_remainder='keep' is invalid: expected train \| drop"),
+    ("data.on_error=ignore", r"data\.on_error='ignore' is invalid: expected fail \| skip"),
+    ("train.max_steps=-1", r"train\.max_steps=-1 is invalid: expected an integer >= 0"),
+    ("eval.every=-1", r"eval\.every=-1 is invalid: expected an integer >= 0"),
+    ("eval.qa_limit=-1", r"eval\.qa_limit=-1 is invalid: expected an integer >= 0"),
+    ("lora.alpha=0", r"lora\.alpha=0\.0 is invalid: expected a finite number > 0"),
+    ("lora.dropout=1", r"lora\.dropout=1\.0 is invalid: expected a number in \[0, 1\)"),
+])
+def test_values_just_past_each_check_are_refused(bad, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [bad])
+
+
+def test_a_module_both_adapted_and_trained_in_full_is_refused():
+    with pytest.raises(ValueError, match=r"lora\.modules_to_save=\['q_proj'\] is invalid: .*also in lora\.targets"):
+        load_config(None, ["lora.modules_to_save=[q_proj]"])
+
+
+def test_a_fractional_gate_up_layers_is_refused_from_python():
+    from chronicals.config import ModelSection
+
+    with pytest.raises(ConfigError, match=r"model\.gate_up_layers=1\.5 is invalid: expected an integer >= 0"):
+        ModelSection(recompute=["gate_up"], gate_up_layers=1.5)
