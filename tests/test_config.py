@@ -708,3 +708,31 @@ def test_a_fractional_gate_up_layers_is_refused_from_python():
 
     with pytest.raises(ConfigError, match=r"model\.gate_up_layers=1\.5 is invalid: expected an integer >= 0"):
         ModelSection(recompute=["gate_up"], gate_up_layers=1.5)
+
+
+@pytest.mark.parametrize("key, expected", [
+    ("model.path", "a model directory, .gguf file or short name"),
+    ("data.path", "a data file or directory, or 'demo'"),
+    ("train.out_dir", "a directory path"),
+])
+def test_an_empty_path_is_refused(key, expected):
+    with pytest.raises(ValueError, match=rf"config {re.escape(key)}='' is invalid: expected {re.escape(expected)}$"):
+        load_config(None, [f"{key}="])
+
+
+def test_lm_head_as_a_lora_target_is_refused():
+    with pytest.raises(ValueError, match=r"lora\.targets=\['q_proj', 'lm_head'\] is invalid: .*lora\.modules_to_save"):
+        load_config(None, ["lora.targets=[q_proj,lm_head]"])
+
+
+def test_modules_to_save_take_names_but_no_regex():
+    with pytest.raises(ValueError, match=r"lora\.modules_to_save=\['lm_\.\*'\] is invalid: .*regular expressions"):
+        load_config(None, ["lora.modules_to_save=[lm_.*]"])
+
+
+def test_modules_to_save_that_are_not_names_are_a_config_error_from_python():
+    from chronicals.config import LoraSection
+
+    with pytest.raises(ConfigError, match=r"lora\.modules_to_save=\[1\] is invalid: expected a list of module names") as e:
+        LoraSection(modules_to_save=[1])
+    assert e.value.key == "lora.modules_to_save"
