@@ -736,3 +736,14 @@ def test_modules_to_save_that_are_not_names_are_a_config_error_from_python():
     with pytest.raises(ConfigError, match=r"lora\.modules_to_save=\[1\] is invalid: expected a list of module names") as e:
         LoraSection(modules_to_save=[1])
     assert e.value.key == "lora.modules_to_save"
+
+
+@pytest.mark.parametrize("kw", [dict(checkpoint_layers=True), dict(checkpoint_layers=1.5),
+                                dict(loss_vocab_parts=True), dict(recompute=["gate_up"], gate_up_layers=True)])
+def test_a_layer_or_part_count_built_in_python_must_be_an_integer_not_a_bool(kw):
+    from chronicals.config import ModelSection
+
+    key = [k for k in kw if k != "recompute"][0]
+    with pytest.raises(ConfigError, match=rf"model\.{key}={kw[key]} is invalid: expected an integer >= [01]") as e:
+        ModelSection(**kw)
+    assert e.value.key == f"model.{key}"

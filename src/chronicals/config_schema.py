@@ -98,6 +98,11 @@ def _check(cond: bool, key: str, value, expected: str):
         raise ConfigError(f"config {key}={shown(value)} is invalid: expected {expected}", key)
 
 
+def _is_count(v) -> bool:
+    """An int that is not a bool: a section built in Python gets no YAML typing, and True is the int 1."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _check_finite(section) -> None:
     """Every float field of a section is finite: inf passes ``lr > 0`` and ``epochs > 0`` (epochs=inf then
     overflowed int() in the loop), nan fails them with a misleading range; one check, first, for all."""
@@ -148,12 +153,13 @@ class ModelSection:
         _check(self.impl in ("auto", "triton", "torch"), "model.impl", self.impl, "auto | triton | torch")
         _check(self.attention in ATTENTION_KERNELS, "model.attention", self.attention, " | ".join(ATTENTION_KERNELS))
         _check(bool(self.path), "model.path", self.path, "a model directory, .gguf file or short name")
-        _check(self.checkpoint_layers >= 0, "model.checkpoint_layers", self.checkpoint_layers, "an integer >= 0")
-        _check(isinstance(self.loss_vocab_parts, int) and self.loss_vocab_parts >= 1, "model.loss_vocab_parts",
+        _check(_is_count(self.checkpoint_layers) and self.checkpoint_layers >= 0, "model.checkpoint_layers",
+               self.checkpoint_layers, "an integer >= 0")
+        _check(_is_count(self.loss_vocab_parts) and self.loss_vocab_parts >= 1, "model.loss_vocab_parts",
                self.loss_vocab_parts, "an integer >= 1")
         _check(all(n in ("norm", "swiglu", "gate_up") for n in self.recompute), "model.recompute", self.recompute,
                "a list drawn from [norm, swiglu, gate_up], or []")
-        _check(isinstance(self.gate_up_layers, int) and self.gate_up_layers >= 0, "model.gate_up_layers",
+        _check(_is_count(self.gate_up_layers) and self.gate_up_layers >= 0, "model.gate_up_layers",
                self.gate_up_layers, "an integer >= 0 (0 = every layer)")
         _check(not self.gate_up_layers or "gate_up" in self.recompute, "model.gate_up_layers", self.gate_up_layers,
                "0, or add gate_up to model.recompute (it limits that recompute to the first k layers)")
