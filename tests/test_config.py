@@ -668,6 +668,7 @@ def test_configs_do_not_share_their_default_lists():
 @pytest.mark.parametrize("setting", [
     "data.max_seq_len=8", "data.on_long=split", "data.on_error=skip", "data.dp_remainder=drop",
     "optim.beta1=0", "optim.grad_clip=0", "schedule.min_lr_ratio=1", "schedule.warmup_steps=0",
+    f"train.seed={2 ** 64 - 1}",
 ])
 def test_the_edge_and_word_each_check_allows_is_accepted(setting):
     key, value = setting.split("=")
@@ -688,6 +689,7 @@ def test_a_data_file_takes_the_sharegpt_format():
     ("data.dp_remainder=keep", r"data\.dp_remainder='keep' is invalid: expected train \| drop"),
     ("data.on_error=ignore", r"data\.on_error='ignore' is invalid: expected fail \| skip"),
     ("train.max_steps=-1", r"train\.max_steps=-1 is invalid: expected an integer >= 0"),
+    ("train.save_every=-1", r"train\.save_every=-1 is invalid: expected an integer >= 0"),
     ("eval.every=-1", r"eval\.every=-1 is invalid: expected an integer >= 0"),
     ("eval.qa_limit=-1", r"eval\.qa_limit=-1 is invalid: expected an integer >= 0"),
     ("lora.alpha=0", r"lora\.alpha=0\.0 is invalid: expected a finite number > 0"),
