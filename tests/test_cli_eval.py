@@ -243,6 +243,16 @@ def test_the_summary_tells_no_system_message_from_one_that_reads_none(system, sh
     assert res.summary().splitlines()[-1].endswith(shown), res.summary()
 
 
+def test_the_summary_counts_the_right_answers_of_all_asked():
+    from chronicals.data.dataset import DatasetStats
+    from chronicals.evaluate import EvalResult
+    from chronicals.train.qa import QAResult
+
+    res = EvalResult(data="qa.jsonl", loss=1.0, loss_tokens=2, examples=3, stats=DatasetStats(records=3),
+                     system_prompt="", answers=QAResult(answers=["4", "5", "6"], correct=[True, False, False]))
+    assert "keywords: 33% (1/3; greedy" in res.summary(), res.summary()
+
+
 @pytest.fixture()
 def qa3(tmp_path):
     path = tmp_path / "qa3.jsonl"
@@ -493,6 +503,15 @@ def test_a_loss_past_exps_range_has_infinite_perplexity():
 
     r = EvalResult(data="x", loss=1000.0, loss_tokens=3, examples=1, stats=DatasetStats(records=1, documents=1))
     assert r.perplexity == math.inf and "perplexity inf" in r.summary()
+
+
+def test_an_infinite_perplexity_is_null_in_json():
+    from chronicals.data import DatasetStats
+    from chronicals.evaluate import EvalResult
+
+    r = EvalResult(data="x", loss=1000.0, loss_tokens=3, examples=1, stats=DatasetStats(records=1, documents=1))
+    got = json.loads(json.dumps(r.as_dict(), allow_nan=False))
+    assert got["loss"] == 1000.0 and got["perplexity"] is None, got
 
 
 def test_the_summary_names_evals_own_flag_for_truncation():
