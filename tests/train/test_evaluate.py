@@ -105,7 +105,8 @@ def test_held_out_batches_without_loss_tokens_give_zero_not_nan(batches):
 
 
 @pytest.mark.parametrize("kw, says", [({"qa_limit": -1}, "qa_limit=-1"), ({"max_new_tokens": 0}, "max_new_tokens=0"),
-                                      ({"qa_limit": True}, "qa_limit=True")])
+                                      ({"qa_limit": True}, "qa_limit=True"), ({"qa_limit": 1.5}, "qa_limit=1.5"),
+                                      ({"max_new_tokens": 8.0}, "max_new_tokens=8.0")])
 def test_bad_limits_are_refused_naming_the_argument(kw, says, tmp_path):
     data = DataSection(path=str(tmp_path / "never-read.jsonl"))
     with pytest.raises(ValueError, match=f"evaluate: {says} must be a whole number"):
