@@ -110,6 +110,13 @@ def test_an_adapter_changes_the_score_to_the_adapted_models(tiny_base, data_file
     assert got["adapter"] == str(adapter) and got["model"] == str(tiny_base)
 
 
+def test_json_is_written_indented_and_ends_its_last_line(tmp_path):
+    from chronicals.evaluate import write_json
+
+    path = write_json(tmp_path / "scores.json", {"data": "x", "loss": 1.0})
+    assert path.read_text() == '{\n  "data": "x",\n  "loss": 1.0\n}\n'
+
+
 def test_json_is_written_atomically(tiny_base, data_file, tmp_path, monkeypatch, capsys):
     """A temporary file beside FILE renamed over it; a failed rename leaves the old FILE and no temporary file."""
     out = tmp_path / "scores.json"
