@@ -247,6 +247,26 @@ def test_evals_qa_loader_honors_on_error_skip(tokenizer, tmp_path):
     assert [r["answer"] for r in records] == ["Paris"] and len(loader.dataset) == 1
 
 
+def test_evals_qa_loader_counts_the_bad_records_of_the_file_and_of_its_chat_copy(tokenizer, tmp_path):
+    import copy
+
+    from chronicals.config import DataSection
+    from chronicals.evaluate import heldout_loader
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% for m in messages %}{% if m['content'] == 'Q?' %}{{ raise_exception('no') }}{% endif %}"
+                         "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text('{"question": "Capital of France?", "answer": "Paris"}\n{"question": "Q?", "answer": "Yes"}\n'
+                  '{broken\n')
+    loader, records = heldout_loader(DataSection(path=str(qa), on_error="skip", max_seq_len=64, cache_dir="none"),
+                                     tok, tmp_path / "work")
+    stats = loader.dataset.stats
+    assert len(records) == 2 and len(loader.dataset) == 1
+    assert (stats.records, stats.skipped_errors) == (3, 2), stats
+
+
 def test_a_qa_file_on_a_tokenizer_without_a_template_is_not_told_to_set_format_text(tokenizer, tmp_path):
     """Was "... to train on plain text instead, set data.format=text": QA records are chat whatever the format."""
     import copy
