@@ -153,6 +153,15 @@ def test_unknown_section_in_yaml_suggests(tmp_path):
     ("model.loss_vocab_parts=0", r"model.loss_vocab_parts=0 is invalid: expected an integer >= 1"),
     ("data.num_proc=-1", r"data.num_proc=-1 is invalid: expected an integer >= 0 \(0 = auto\)"),
     ("data.max_seq_len=4194305", r"data.max_seq_len=4194305 is invalid: expected an integer in \[8, 4194304\]"),
+    # the values just past each check
+    ("data.dp_remainder=keep", r"data\.dp_remainder='keep' is invalid: expected train \| drop"),
+    ("data.on_error=ignore", r"data\.on_error='ignore' is invalid: expected fail \| skip"),
+    ("train.max_steps=-1", r"train\.max_steps=-1 is invalid: expected an integer >= 0"),
+    ("train.save_every=-1", r"train\.save_every=-1 is invalid: expected an integer >= 0"),
+    ("eval.every=-1", r"eval\.every=-1 is invalid: expected an integer >= 0"),
+    ("eval.qa_limit=-1", r"eval\.qa_limit=-1 is invalid: expected an integer >= 0"),
+    ("lora.alpha=0", r"lora\.alpha=0\.0 is invalid: expected a finite number > 0"),
+    ("lora.dropout=1", r"lora\.dropout=1\.0 is invalid: expected a number in \[0, 1\)"),
 ])
 def test_bad_values_fail(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -683,21 +692,6 @@ def test_the_demo_data_takes_the_chat_format():
 
 def test_a_data_file_takes_the_sharegpt_format():
     assert load_config(None, ["data.format=sharegpt", "data.path=mine.jsonl"]).data.format == "sharegpt"
-
-
-@pytest.mark.parametrize("bad, message", [
-    ("data.dp_remainder=keep", r"data\.dp_remainder='keep' is invalid: expected train \| drop"),
-    ("data.on_error=ignore", r"data\.on_error='ignore' is invalid: expected fail \| skip"),
-    ("train.max_steps=-1", r"train\.max_steps=-1 is invalid: expected an integer >= 0"),
-    ("train.save_every=-1", r"train\.save_every=-1 is invalid: expected an integer >= 0"),
-    ("eval.every=-1", r"eval\.every=-1 is invalid: expected an integer >= 0"),
-    ("eval.qa_limit=-1", r"eval\.qa_limit=-1 is invalid: expected an integer >= 0"),
-    ("lora.alpha=0", r"lora\.alpha=0\.0 is invalid: expected a finite number > 0"),
-    ("lora.dropout=1", r"lora\.dropout=1\.0 is invalid: expected a number in \[0, 1\)"),
-])
-def test_values_just_past_each_check_are_refused(bad, message):
-    with pytest.raises(ValueError, match=message):
-        load_config(None, [bad])
 
 
 def test_a_module_both_adapted_and_trained_in_full_is_refused():
