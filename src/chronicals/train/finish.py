@@ -38,6 +38,11 @@ class TrainResult:
     data_stats: object | None = None  # the training set's DatasetStats (records kept, skipped, cut), if known
 
 
+def before_loss(records: list[dict]) -> float | None:
+    """The held-out loss of the run's "before" evaluation in its metrics records (None: there is none)."""
+    return next((r.get("eval_loss") for r in records if r.get("kind") == "eval" and r.get("tag") == "before"), None)
+
+
 def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, checkpoint: Path,
                   total: int, closing: tuple, optimizer=None) -> TrainResult:
     """resume found the run's last step: nothing to train, nothing logged again; the final directory is written
@@ -67,8 +72,7 @@ def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, token
         result.eval_loss_after = loss
     if closing_due and dp.is_main:
         metrics = MetricsLog(out_dir, cfg.logging.tensorboard, total)  # out_dir's records up to its last step
-        result.eval_loss_before = next((r.get("eval_loss") for r in metrics.records
-                                        if r.get("kind") == "eval" and r.get("tag") == "before"), None)
+        result.eval_loss_before = before_loss(metrics.records)
         metrics.write({"kind": "eval", "step": total, "eval_loss": loss, "eval_tokens": n, "tag": "after"})
         metrics.close()
         log.info("%s: the run was stopped after its last step, before its closing evaluation; its closing held-out "

@@ -36,7 +36,7 @@ from ..models.loading import recorded_name
 from . import checkpoint as ckpt
 from .checkpoint_adapter import lora_settings
 from .divergence import TrainingDiverged, _check_finite, nonfinite_weights
-from .finish import TrainResult, _already_done, save_final
+from .finish import TrainResult, _already_done, before_loss, save_final
 from .metrics import (head_flops_per_token, matmul_peak_tflops, memory_gib, plot_losses, private_pool_bytes,
                       train_flops_per_token)
 from .optim import build_optimizer, build_scheduler, set_total_steps, warn_short_warmup
@@ -397,11 +397,9 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     result = TrainResult(status="completed", step=start, total_steps=total, out_dir=out_dir, start_step=start)
     result.data_stats = getattr(getattr(train_loader, "dataset", None), "stats", None)
     if start:  # the held-out loss before training, from the run that began it (summary: before -> after)
-        before = next((r.get("eval_loss") for r in metrics.records
-                       if r.get("kind") == "eval" and r.get("tag") == "before"), None)
         # rank 0 read metrics.jsonl; the other ranks hold no records: every rank returns rank 0's value (start is
         # the same on every rank, checked above, so all of them reach this collective)
-        result.eval_loss_before = dp.all_gather_object(before)[0]
+        result.eval_loss_before = dp.all_gather_object(before_loss(metrics.records))[0]
 
     # MFU: needs a peak (logging.peak_tflops, else measured on CUDA); LoRA has no weight-gradient GEMMs
     peak = cfg.logging.peak_tflops or matmul_peak_tflops(device)
