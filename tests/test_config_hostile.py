@@ -273,6 +273,17 @@ def test_a_config_of_nested_aliases_is_refused_in_a_short_message(tmp_path, caps
     assert f"{path}:2: config optim.lr=[[" in err and "is invalid: expected a number" in err and len(err) < 2000
 
 
+def test_a_long_flat_list_given_for_a_number_is_shown_cut_in_its_error(tmp_path):
+    """A 5,000-item list where a number belongs is shown as its first items and "...", not whole: nesting alone is
+    cut by the depth limit, a flat list only by the item limit."""
+    path = tmp_path / "long.yaml"
+    path.write_text("optim:\n  lr: [" + ", ".join(["1"] * 5000) + "]\n")
+    with pytest.raises(ValueError) as e:
+        load_config(str(path))
+    msg = str(e.value)
+    assert "config optim.lr=[1, 1, 1, 1, 1, 1, 1, 1, ...] is invalid: expected a number" in msg, msg[:300]
+
+
 @pytest.mark.parametrize("key", ["data.format", "model.dtype"])
 def test_a_long_bad_string_is_shown_cut_in_its_error(key):
     """A pasted 5000-character value is shown cut (to about 200 characters) in the error, and what is expected still
