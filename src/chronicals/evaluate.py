@@ -29,6 +29,7 @@ from ._jsonio import write_text_atomic
 from ._words import counted
 from .config import DataSection
 from .data import DataError, DatasetStats, PackedLoader
+from .data.dataset import map_stat_texts
 from .models import require_chat_template
 from .train.guards import check_ids_in_vocab
 from .train.qa import QAResult, answer_all, heldout_system_prompt, read_qa_counted, write_chat_jsonl
@@ -116,7 +117,8 @@ def heldout_loader(data: DataSection, tokenizer, workdir: Path, option_names: di
     finally:
         data_log.removeFilter(hide)
     st = loader.dataset.stats  # the chat copy's records are the QA file's good ones: count the file's own
-    loader.dataset.stats = replace(st, records=records, skipped_errors=st.skipped_errors + skipped)
+    loader.dataset.stats = st = replace(st, records=records, skipped_errors=st.skipped_errors + skipped)
+    map_stat_texts(st, hide.text)  # its "file:line" texts name the deleted copy, as the messages did
     return loader, qa
 
 

@@ -287,7 +287,8 @@ def test_a_qa_file_on_a_tokenizer_without_a_template_is_not_told_to_set_format_t
 def test_a_qa_files_data_warnings_name_records_not_the_temporary_copy(tokenizer, tmp_path, caplog):
     """eval of a QA file: a data warning about its chat copy (deleted before the warning is read) names "record N" of
     "the QA records of FILE, rewritten as chat", never the copy's path; here the first reply without an end-of-turn
-    token, under a chat template that closes no reply. The line number was left bare ("first: 1")."""
+    token, under a chat template that closes no reply. The line number was left bare ("first: 1"). The loader's stats
+    (an EvalResult's) say it the same way."""
     import copy
 
     from chronicals.evaluate import heldout_loader
@@ -300,9 +301,10 @@ def test_a_qa_files_data_warnings_name_records_not_the_temporary_copy(tokenizer,
     qa.write_text('{"question": "Capital of France?", "answer": "Paris"}\n{"question": "Q?", "answer": "Yes"}\n')
     work = tmp_path / "work"
     with caplog.at_level(logging.WARNING, logger="chronicals.data"):
-        heldout_loader(DataSection(path=str(qa), max_seq_len=64, cache_dir="none"), tok, work)
+        loader, _ = heldout_loader(DataSection(path=str(qa), max_seq_len=64, cache_dir="none"), tok, work)
     assert "train no end-of-turn token (first: record 1)" in caplog.text, caplog.text
     assert str(work) not in caplog.text and f"the QA records of {qa}, rewritten as chat" in caplog.text
+    assert loader.dataset.stats.first_unclosed == "record 1"  # EvalResult.stats: the same words, not the copy's path
 
 
 def test_an_empty_system_prompt_given_to_evaluate_is_used(tokenizer, tmp_path):

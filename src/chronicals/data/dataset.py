@@ -211,6 +211,12 @@ def _renamed(stats: DatasetStats, written: list | None, files: list[Path]) -> No
                 return new + text[len(old):]
         return text
 
+    map_stat_texts(stats, fix)
+
+
+def map_stat_texts(stats: DatasetStats, fix) -> None:
+    """Put each text of ``stats`` (its "file:line" strings: first_errors, first_no_loss, ...) through ``fix``, in
+    place."""
     for f in fields(stats):
         value = getattr(stats, f.name)
         if isinstance(value, str):
