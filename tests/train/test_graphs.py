@@ -384,3 +384,28 @@ def test_an_unused_trainable_parameter_keeps_no_gradient():
         accumulate_gradients(m, second, dev, g)  # another shape, grads kept: binds the home grads, zeroing none
     assert model.unused.grad is None and twin.unused.grad is None
     _assert_same_grads(model, twin)
+
+
+@cuda
+def test_capturing_a_model_with_activation_checkpointing_is_refused_with_the_fix():
+    """A model set to checkpoint its layers is refused before anything is captured, naming both ways out; the
+    checkpointed forward reads the CUDA RNG state, which a capture forbids."""
+    model = _gpu_model("full").set_checkpointing(True)
+    (micro,) = _micro_batches("rows", steps=1, per_step=1)
+    with pytest.raises(RuntimeError, match=r"cuda_graphs with activation checkpointing is not supported: .*"
+                                           r"model\.checkpointing=false or train\.cuda_graphs=false"):
+        GraphedStep(model, "cuda").accumulate(micro)
+
+
+@cuda
+def test_a_step_with_one_loss_token_gives_the_eager_loss_and_grads():
+    """One loss token in the step: its loss and gradients are that token's own (divided by 1), as eager."""
+    model = _gpu_model("lora")
+    twin = copy.deepcopy(model)
+    (micro,) = _micro_batches("rows", steps=1, per_step=1)
+    for b in micro:
+        b.shift_labels[:, 1:].fill_(-100)
+        b.shift_labels[1:].fill_(-100)
+        b.num_loss_tokens = 1
+    assert sum(int((b.shift_labels != -100).sum()) for b in micro) == 1
+    _assert_same_training(_train(model, [micro]), _train(twin, [micro], GraphedStep(twin, "cuda")))
