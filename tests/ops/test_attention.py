@@ -145,18 +145,19 @@ def test_varlen_kernels_match_reference_on_cuda(hq, hk, d, varlen):
 
 
 def _varlen_error_ratio(rows: int, s: int, cuts: list[int], hq: int, hk: int, d: int, varlen: str,
-                        upstream: str) -> float:
-    """Worst of out / dq / dk / dv error, varlen kernel (bf16) against float64, over bf16 masked SDPA's own error
-    (+ a floor): documents ``cuts`` (cu_seqlens over rows * s tokens); ``upstream``: "dense" (a random gradient),
-    "sum" (o.sum(): an expanded, stride-0 gradient) or "transposed" (a random one whose last two dims are swapped)."""
+                        upstream: str, dtype: torch.dtype = torch.bfloat16, scale: float | None = None) -> float:
+    """Worst of out / dq / dk / dv error, varlen kernel (``dtype``) against float64, over ``dtype`` masked SDPA's own
+    error (+ a floor): documents ``cuts`` (cu_seqlens over rows * s tokens); ``upstream``: "dense" (a random
+    gradient), "sum" (o.sum(): an expanded, stride-0 gradient) or "transposed" (a random one whose last two dims are
+    swapped)."""
     gen = torch.Generator().manual_seed(3)
     cu = torch.tensor(cuts, dtype=torch.int32).cuda()
     qkv = [torch.randn(rows, s, h, d, generator=gen).cuda() for h in (hq, hk, hk)]
-    ref, fast, low = ([t.to(dt).requires_grad_() for t in qkv] for dt in (torch.float64, torch.bfloat16,
-                                                                          torch.bfloat16))
-    outs = [attention_ref(*ref, cu_seqlens=cu),
-            attention(*fast, cu_seqlens=cu, max_seqlen=int(cu.diff().max()), impl="triton", varlen=varlen),
-            attention_ref(*low, cu_seqlens=cu)]
+    ref, fast, low = ([t.to(dt).requires_grad_() for t in qkv] for dt in (torch.float64, dtype, dtype))
+    outs = [attention_ref(*ref, cu_seqlens=cu, scale=scale),
+            attention(*fast, cu_seqlens=cu, max_seqlen=int(cu.diff().max()), impl="triton", varlen=varlen,
+                      scale=scale),
+            attention_ref(*low, cu_seqlens=cu, scale=scale)]
     g = torch.randn(rows, s, d, hq, generator=gen).cuda().transpose(-1, -2)  # (rows, s, hq, d), not contiguous
     g = g.contiguous() if upstream == "dense" else g
     for o in outs:
@@ -190,6 +191,18 @@ def test_varlen_kernels_fit_each_batch_documents_and_tokens(varlen):
     ]
     for case in cases:
         assert _varlen_error_ratio(*case[:3], hq, hk, d, varlen, case[3]) <= 1, case
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen kernels need CUDA")
+@pytest.mark.parametrize("varlen", ["flash", "cudnn"])
+def test_varlen_kernels_take_fp16_and_a_given_scale(varlen):
+    """fp16 q/k/v and a scale other than 1/sqrt(D), each after a batch of the same shape without it: cuDNN's plan
+    for the one is not reused for the other (its key holds dtype and scale), and both reach the kernel."""
+    if varlen == "cudnn" and not _cudnn_ok():
+        pytest.skip("needs nvidia-cudnn-frontend, cuDNN >= 9.6 and a Hopper GPU")
+    case = (2, 80, [0, 30, 80, 160], 4, 2, 64, varlen, "dense")  # heads 4 / 2 of 64 over 160 tokens: this test's key
+    for dtype, scale in ((torch.bfloat16, None), (torch.float16, None), (torch.float16, 0.3)):
+        assert _varlen_error_ratio(*case, dtype=dtype, scale=scale) <= 1, (dtype, scale)
 
 
 def test_cudnn_ragged_meta_pads_documents_and_scales_offsets():
