@@ -58,3 +58,19 @@ def test_cpu_step_seconds_stop_at_the_readback_not_when_read():
     time.sleep(1.0)  # the next step runs
     assert rb.values() == [1.0]
     assert 0.0 <= rb.seconds() < 0.5
+
+
+@cuda
+def test_cuda_step_seconds_count_the_gpus_idle_time_since_the_previous_step():
+    """Back to back (``after``), a step's time runs from the previous step's end, so time the GPU sat idle waiting
+    for the host between them is in it (tokens/s then says what the loop achieves); timed from this step's own start
+    it would leave that out."""
+    dev = torch.device("cuda")
+    first = _readback([torch.tensor(1.0, device=dev)], dev)
+    first.values()
+    time.sleep(0.3)  # the host is busy; the GPU has nothing queued
+    second = _readback([torch.tensor(2.0, device=dev)], dev, after=first)
+    assert second.values() == [2.0]
+    assert 0.3 <= second.seconds() < 5.0, second.seconds()
+    alone = _readback([torch.tensor(3.0, device=dev)], dev)  # no previous step: from its own start
+    assert alone.seconds() < 0.25
