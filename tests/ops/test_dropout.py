@@ -64,6 +64,9 @@ def test_threshold_rounding():
     assert D.threshold(0.999999)[0] == 65535  # never drops everything
     with pytest.raises(ValueError, match=r"dropout p=1.0 must be in \[0, 1\)"):
         D.threshold(1.0)
+    with pytest.raises(ValueError, match=r"dropout p=-0.1 must be in \[0, 1\)"):  # thr -6554: kept x scaled by 0.91
+        D.threshold(-0.1)
+    assert D.draw(0.1, DEV).p_applied == 6554 / 65536  # the rounded p the mask has, not the p asked for
 
 
 IMPLS = ["torch", pytest.param("triton", marks=needs_triton)]
@@ -190,3 +193,14 @@ def test_also_must_share_bases_dtype():
     base, t = torch.zeros(4, 8, device=DEV), torch.randn(4, 8, device=DEV)
     with pytest.raises(ValueError, match=r"also \(4, 8\) torch.float64 must have base's shape and dtype"):
         D.add_dropped_(base, t, d, also=torch.randn(4, 8, device=DEV, dtype=torch.float64), impl="torch")
+
+
+def test_tensors_and_the_seed_must_share_one_device():
+    """x (or base, t) and the draw's seed on one device, refused by name before the twin or the kernel reads them; a
+    meta tensor stands in for a second device (the twin made a meta result of a meta x and a CPU seed, silently)."""
+    d = _draw(0.1, 0)
+    meta = torch.zeros(4, 8, device="meta")
+    with pytest.raises(ValueError, match=r"dropout: all tensors must be on one device"):
+        D.dropped(meta, d, impl="torch")
+    with pytest.raises(ValueError, match=r"dropout: all tensors must be on one device"):
+        D.add_dropped_(torch.zeros(4, 8, device=DEV), meta, d, impl="torch")
