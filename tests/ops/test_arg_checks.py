@@ -42,10 +42,15 @@ CASES = {
     "swiglu broadcast": (lambda impl: ops.swiglu(t(3, 4), t(4), impl=impl), r"must have one shape and dtype"),
     "swiglu dtypes": (lambda impl: ops.swiglu(t(3, 4), t(3, 4, dtype=torch.float64), impl=impl),
                       r"must have one shape and dtype"),
+    "swiglu devices": (lambda impl: ops.swiglu(t(3, 4), torch.randn(3, 4, device="meta"), impl=impl),
+                       r"swiglu: all tensors must be on one device"),
     "rms weight": (lambda impl: ops.rms_norm(t(3, 4), t(5), 1e-6, impl=impl),
                    r"weight has shape \(5,\), expected \(4,\)"),
     "rms residual": (lambda impl: ops.rms_norm(t(3, 4), t(4), 1e-6, residual=t(2, 4), impl=impl),
                      r"residual \(2, 4\)"),
+    # meta: a second device (as "lce devices" below); the torch impl added a meta residual without a word
+    "rms devices": (lambda impl: ops.rms_norm(t(3, 4), t(4), 1e-6, residual=torch.randn(3, 4, device="meta"),
+                                              impl=impl), r"rms_norm: all tensors must be on one device"),
     "attn Hq % Hk": (lambda impl: ops.attention(t(1, 3, 3, 8), t(1, 3, 2, 8), t(1, 3, 2, 8), impl=impl),
                      r"Hq=3 query heads are not a multiple of Hk=2"),
     "attn k/v shapes": (lambda impl: ops.attention(t(1, 3, 2, 8), t(1, 3, 2, 8), t(1, 3, 1, 8), impl=impl),
@@ -230,11 +235,15 @@ def test_auto_is_triton_on_cuda_and_torch_elsewhere(monkeypatch):
     assert _impl.resolve_impl("linear_cross_entropy", "auto", cuda) == "triton"
     assert _impl.check_impl("linear_cross_entropy", "torch", cuda) == "torch"
     assert _impl.check_impl("linear_cross_entropy", "auto", torch.device("cpu")) == "torch"
+    assert _impl.check_impl("linear_cross_entropy", "auto", torch.device("meta")) == "torch"  # not CUDA: torch
     assert _impl.check_impl("linear_cross_entropy", "auto") == "auto"
     # the interpreter is for CPU tensors only: "triton" on a cuda device needs no TRITON_INTERPRET
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert _impl.check_impl("linear_cross_entropy", "triton", cuda) == "triton"
     assert _impl.check_impl("linear_cross_entropy", "auto", cuda) == "triton"
+    # ... and without the interpreter "triton" is refused on every device that is not CUDA, not only the cpu
+    with pytest.raises(ValueError, match=r"impl='triton' needs a CUDA tensor \(got meta\)"):
+        _impl.check_impl("linear_cross_entropy", "triton", torch.device("meta"))
 
 
 @pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("On", True), ("yes", True), ("Y", True),
@@ -269,5 +278,7 @@ def test_the_choice_is_logged_once_per_op_impl_and_device(monkeypatch, caplog):
         for _ in range(3):
             assert _impl.resolve_impl("walk_op", "auto", cpu) == "torch"
         _impl.resolve_impl("walk_op", "torch", cpu)
+        _impl.resolve_impl("walk_op", "auto", torch.device("cuda"))  # host logic: no GPU needed
     lines = [r.getMessage() for r in caplog.records if r.name == "chronicals.ops"]
-    assert lines == ["walk_op: impl=auto resolved to torch on cpu", "walk_op: impl=torch resolved to torch on cpu"]
+    assert lines == ["walk_op: impl=auto resolved to torch on cpu", "walk_op: impl=torch resolved to torch on cpu",
+                     "walk_op: impl=auto resolved to triton on cuda"]
