@@ -158,6 +158,15 @@ def test_weight_promotion_like_reference():
     torch.testing.assert_close(y, rms_norm_ref(x, w, 1e-6), atol=2e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp16_rows_whose_squares_overflow_fp16_still_normalize(impl):
+    """The mean of squares is taken in fp32 on both impls, as transformers does: 300^2 = 90,000 is past fp16's
+    65,504, so squares taken in fp16 made the row's rsqrt 0 and y all zeros."""
+    x = torch.full((2, 8), 300.0, device=DEV, dtype=torch.float16)
+    y = rms_norm(x, torch.ones(8, device=DEV, dtype=torch.float16), 1e-6, impl=impl)
+    assert torch.equal(y, torch.ones(2, 8, device=DEV, dtype=torch.float16))
+
+
 def test_bad_inputs_say_what_is_wrong():
     x = torch.randn(3, 64, device=DEV)
     with pytest.raises(ValueError, match="weight has shape"):
@@ -183,6 +192,29 @@ def test_registered_op_passes_opcheck_and_compiles():
     want = torch.autograd.grad(f(x, w, r), [x, w, r])
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+def test_registered_op_fake_promotes_y_like_the_kernel():
+    """bf16 x with an fp32 weight: the fake that torch.compile plans with gives y in fp32, as the kernel does."""
+    x = torch.randn(5, 96, device=DEV).bfloat16()
+    w = torch.randn(96, device=DEV)
+    for r in (None, torch.randn(5, 96, device=DEV).bfloat16()):
+        torch.library.opcheck(torch.ops.chronicals.rms_norm.default, (x, w, r, 1e-6), test_utils=("test_faketensor",))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_recompute_flag_offers_y_to_an_open_session(impl):
+    """rms_norm(recompute=True) inside an ops.recompute session registers y to be rebuilt, and the rebuild equals y
+    bit for bit; without the flag nothing is offered."""
+    from chronicals.ops import recompute
+
+    x = torch.randn(5, 24, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(24, device=DEV)
+    with recompute.recompute_session():
+        y = rms_norm(x, w, 1e-6, impl=impl, recompute=True)
+        rebuild = recompute.rebuilder(y)
+        assert rebuild is not None and torch.equal(rebuild(), y)
+        assert recompute.rebuilder(rms_norm(x, w, 1e-6, impl=impl)) is None
 
 
 def test_wide_rows_loop_over_blocks():
