@@ -152,6 +152,18 @@ def test_in_place_backward_refuses_other_layouts():
 def test_bad_inputs_say_what_is_wrong(impl):
     with pytest.raises(ValueError, match="even dim 2I"):
         swiglu_gate_up(torch.randn(3, 9, device=DEV), impl=impl)
+    with pytest.raises(ValueError, match=r"gu \(\) must end in an even dim 2I"):  # was a bare IndexError
+        swiglu_gate_up(torch.tensor(2.0, device=DEV), impl=impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_column_major_gu_gives_a_contiguous_output(impl):
+    """The output is (..., I) contiguous on both impls, whatever gu's strides (the reference's product of two
+    column-major halves kept their layout)."""
+    gu = torch.randn(10, 6, device=DEV).t()  # (6, 10), column stride 6
+    y = swiglu_gate_up(gu, impl=impl)
+    assert y.is_contiguous()
+    torch.testing.assert_close(y, swiglu_gate_up_ref(gu.contiguous()))
 
 
 @needs_triton
