@@ -130,6 +130,18 @@ def test_zero_rotary_dims_leave_q_and_k_unchanged(impl):
     assert torch.equal(q.grad, torch.ones_like(q)) and torch.equal(k.grad, 2 * torch.ones_like(k))
 
 
+def test_cos_and_sin_are_fp32_angles_scaled_and_cast_for_any_inv_freq_dtype():
+    """rope_cos_sin takes its angles in fp32 whatever inv_freq's dtype (a float64 model's buffer too), as transformers
+    does; both tables are multiplied by attention_scaling and returned in the dtype asked for."""
+    pos = torch.arange(4096).reshape(2, 2048)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)  # (R/2,), R = 16
+    freqs = pos.float()[..., None] * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = rope_cos_sin(pos, inv_freq, attention_scaling=0.5, dtype=torch.float64)
+    assert cos.dtype == sin.dtype == torch.float64 and cos.shape == (2, 2048, 16)
+    assert torch.equal(cos, (emb.cos() * 0.5).double()) and torch.equal(sin, (emb.sin() * 0.5).double())
+
+
 def test_bad_inputs_say_what_is_wrong():
     q, k = torch.randn(1, 4, 2, 16, device=DEV), torch.randn(1, 4, 1, 16, device=DEV)
     cos = torch.randn(1, 4, 16, device=DEV)
