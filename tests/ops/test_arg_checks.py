@@ -55,6 +55,9 @@ CASES = {
                      r"Hq=3 query heads are not a multiple of Hk=2"),
     "attn k/v shapes": (lambda impl: ops.attention(t(1, 3, 2, 8), t(1, 3, 2, 8), t(1, 3, 1, 8), impl=impl),
                         r"expected q \(B, S, Hq, D\) and k, v \(B, S, Hk, D\)"),
+    # SDPA takes a query of 3 tokens against keys of 4 and returns (a causal mask aligned at the top left)
+    "attn q/k tokens": (lambda impl: ops.attention(t(1, 3, 2, 8), t(1, 4, 2, 8), t(1, 4, 2, 8), impl=impl),
+                        r"expected q \(B, S, Hq, D\) and k, v \(B, S, Hk, D\)"),
     "attn cu float": (lambda impl: ops.attention(t(1, 4, 2, 8), t(1, 4, 2, 8), t(1, 4, 2, 8),
                                                  cu_seqlens=torch.tensor([0.0, 2.0, 4.0], device=DEV), impl=impl),
                       r"cu_seqlens must be int32 .* \(got torch.float32 \(3,\)\)"),
@@ -84,6 +87,9 @@ CASES = {
     "lce reduction": (lce(reduction="avg"), r"reduction='avg' is not one of"),
     "lce vocab_parts": (lce(vocab_parts=0), r"vocab_parts=0 must be an integer >= 1"),
     "lce vocab_parts 2.5": (lce(vocab_parts=2.5), r"vocab_parts=2.5 must be an integer >= 1"),
+    "lce vocab_parts True": (lce(vocab_parts=True), r"vocab_parts=True must be an integer >= 1"),
+    "lce ignore_index True": (lce(ignore_index=True), r"ignore_index=True must be an integer label"),
+    "lce weight 3-D": (lce(weight=t(29, 17, 1)), r"must be \(N, H\) and \(V, H\)"),  # torch: F.linear's own error
     # found by an ops walk: each was a raw error from inside torch / triton, or a silent wrong value
     "lce ignore_index 0.5": (lce(ignore_index=0.5), r"ignore_index=0.5 must be an integer label"),  # triton: 0
     "lce V = 0": (lce(weight=t(0, 17), labels=torch.tensor([-100] * 4, device=DEV)), r"V >= 1"),
