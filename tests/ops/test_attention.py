@@ -300,6 +300,19 @@ def test_attention_notes_are_logged_once(monkeypatch, caplog):
         assert sum(note in line for line in lines) == 1, note
 
 
+def test_unpacked_rows_take_sdpa_without_a_packed_rows_note(monkeypatch, caplog):
+    """Rows without cu_seqlens run SDPA's causal kernels on every impl, before any packed-rows dispatch: impl="triton"
+    off CUDA gives the reference's output and logs nothing about packed rows."""
+    att = importlib.import_module("chronicals.ops.attention")
+    monkeypatch.setattr(att, "_logged_notes", set())
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = (torch.randn(1, 4, 2, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    with caplog.at_level("INFO", logger="chronicals.ops"):
+        out = attention(q, k, v, impl="triton")
+    assert torch.equal(out, att.attention_ref(q, k, v))
+    assert not any("packed rows" in r.getMessage() for r in caplog.records)
+
+
 def test_the_reference_refuses_a_document_across_rows():
     """The CUDA kernels read the B rows as one stream, the reference masks each row: a document that ran past a
     row's end got two answers (3.3 apart on an H200). The collator never builds one; the reference refuses it."""
