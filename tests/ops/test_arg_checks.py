@@ -86,6 +86,7 @@ CASES = {
     "lce softcap nan": (lce(softcap=float("nan")), r"softcap=nan must be None"),
     "lce softcap inf": (lce(softcap=float("inf")), r"softcap=inf must be None"),  # inf * tanh(z / inf) = NaN
     "lce softcap bool": (lce(softcap=True), r"softcap=True must be None"),
+    "lce softcap str": (lce(softcap="30"), r"softcap='30' must be None"),  # a config string, not a TypeError
     "lce devices": (lce(bias=torch.randn(29, device="meta")), r"all tensors must be on one device"),  # meta: a 2nd
     "lce label device": (lce(labels=torch.tensor([0, 3, -100, 28], device="meta")), r"must be on one device"),
     "lce float labels": (lce(labels=torch.tensor([0.0, 3.0, -100.0, 28.0], device=DEV)),
