@@ -528,6 +528,19 @@ def test_under_torch_compile_no_session_opens_and_offers_are_ignored(monkeypatch
         recompute._offers.clear()
 
 
+def test_an_offer_goes_with_its_tensor():
+    """An offer lives as long as the offered tensor: once that is freed its entry is dropped inside the session, so a
+    later tensor in the same memory never matches the stale recipe."""
+    with recompute.recompute_session():
+        t = torch.randn(16)
+        key = recompute._key(t)
+        recompute.offer(t, lambda: torch.zeros(16))
+        assert key in recompute._offers
+        del t
+        gc.collect()
+        assert key not in recompute._offers
+
+
 def test_a_stale_finalizer_does_not_drop_a_newer_offer_of_the_same_storage():
     """two tensor objects over one storage, each offered: the first one's death must not remove the second's
     offer (the finalizer checks that the table still holds its own entry)."""
