@@ -171,3 +171,19 @@ def test_a_frozen_bias_asks_for_no_bias_gradient(monkeypatch):
     ref = x.detach().clone().requires_grad_()
     cross_entropy.linear_cross_entropy_ref(ref, w, labels, bias=b).backward()
     torch.testing.assert_close(x.grad, ref.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["torch"] + (["triton"] if HAS_TRITON else []))
+def test_the_public_op_passes_ignore_index_to_either_impl(impl):
+    """ignore_index=3 through linear_cross_entropy: rows labelled 3 get no loss and count for no "mean", and rows
+    labelled -100 (not ignored now) get a NaN, on both impls."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(5, 16, generator=g).to(DEV), torch.randn(11, 16, generator=g).to(DEV)
+    labels = torch.tensor([3, 7, 3, 0, 10], device=DEV)
+    rows = torch.nn.functional.cross_entropy(x @ w.T, labels, reduction="none")
+    per_row = linear_cross_entropy(x, w, labels, ignore_index=3, reduction="none", impl=impl)
+    torch.testing.assert_close(per_row, torch.where(labels == 3, 0.0, rows))
+    mean = linear_cross_entropy(x, w, labels, ignore_index=3, impl=impl)
+    torch.testing.assert_close(mean, rows[labels != 3].mean())
+    assert torch.isnan(linear_cross_entropy(x, w, torch.tensor([-100, 7, 3, 0, 10], device=DEV), ignore_index=3,
+                                            reduction="none", impl=impl)[0])
