@@ -52,6 +52,21 @@ def test_mfu_and_peak_cells_say_na_only_for_measured_rows():
     assert "mfu" not in oom and abs(oom["limit_tokens_per_s"] - 775e12 / 3.1e9) < 1e-6
     cells = table_cells(oom)
     assert cells["MFU"] == "" and cells["peak GiB"] == "" and cells["tokens/s"] == ""
+    assert cells["min grad norm"] == "" and cells["loss first -> last"] == ""
+
+
+def test_a_row_without_a_flop_count_gets_no_limit_or_mfu_at_a_measured_peak():
+    """A row that never reached the worker's FLOP count (not installed, a crashed worker) is finished with the run's
+    peak like every other row: no limit, no MFU, and no division by a missing count."""
+    missing = finish_row({"contender": "hf-liger", "status": "not installed", "reason": "needs liger_kernel"}, 775.0)
+    assert "limit_tokens_per_s" not in missing and "mfu" not in missing
+    zero = finish_row(_ok_row(flops_per_token=0), 775.0)
+    assert "limit_tokens_per_s" not in zero and "mfu" not in zero
+
+
+def test_a_single_step_row_shows_its_one_loss_as_first_and_last():
+    """--warmup 0 --steps 1 records one loss: the cell shows it at both ends."""
+    assert table_cells(_ok_row(losses=[6.25]))["loss first -> last"] == "6.250 -> 6.250"
 
 
 def test_markdown_table_shape():
@@ -105,9 +120,31 @@ def test_table_heading_states_the_limit_at_the_measured_peak():
 
 
 def test_a_graphed_row_says_what_its_peak_counts():
+    """The note comes with a table holding one CUDA-graph row among plain ones, not only with a table of graph rows."""
     plain = table_markdown({"title": "t", "rows_data": [finish_row(_ok_row(), 775.0)]}, 775.0)
     graphed = table_markdown({"title": "t", "rows_data": [finish_row(_ok_row(graph_pool_gib=11.4), 775.0)]}, 775.0)
     assert "graph's memory pool" not in plain and "graph's memory pool plus all the pool reserves" in graphed
+    mixed = table_markdown({"title": "t", "rows_data": [finish_row(_ok_row(), 775.0),
+                                                       finish_row(_ok_row(graph_pool_gib=11.4), 775.0)]}, 775.0)
+    assert "graph's memory pool plus all the pool reserves" in mixed
+
+
+def test_a_table_opens_with_its_title():
+    md = table_markdown({"title": "Qwen2.5-0.5B architecture, 16 x 1024 tokens per step",
+                         "rows_data": [finish_row(_ok_row(), 775.0)]}, 775.0)
+    assert md.startswith("### Qwen2.5-0.5B architecture, 16 x 1024 tokens per step\n")
+
+
+def test_the_report_names_the_versions_and_says_when_no_peak_was_measured():
+    """The heading's versions line lists every package with its version; a run without a matmul peak (CPU) says MFU
+    was not computed instead of a peak line."""
+    res = _small_results()
+    res["environment"]["versions"] = {"python": "3.12.1", "torch": "2.11.0"}
+    md = report_markdown(res)
+    assert "Versions: python 3.12.1, torch 2.11.0." in md
+    assert "bf16 matmul peak measured in this run: 775 TFLOP/s." in md
+    cpu = report_markdown(dict(res, peak_tflops=None))
+    assert "No GPU: MFU not computed (no matmul peak on this device)." in cpu and "TFLOP/s" not in cpu
 
 
 def _small_results(date="2026-11-30T10:00:00+00:00", sha="abc1234"):
@@ -160,6 +197,17 @@ def test_correctness_row_puts_each_number_in_its_column():
     assert "| full | 1.0000 | 2.0000 | 3.0000 | 4 | 5 | 6 | 0.90000 / 0.80000 | ok |" in md
 
 
+def test_a_parity_row_without_numbers_still_says_its_method_and_status():
+    """A method whose parity did not run (peft not installed, an error) keeps its row with blank numbers and its
+    status; a FAILED check's reasons are in its rows, so nothing repeats them under the table."""
+    res = {"rows": 4, "seq": 1024, "shape": "0.5b", "status": "FAILED", "reason": "lora: RuntimeError: boom",
+           "parity": [{"method": "full", "status": "not installed", "reason": "needs peft"},
+                      {"method": "lora", "status": "error", "reason": "RuntimeError: boom"}]}
+    md = correctness_markdown(res)
+    assert "| full | | | | | | | | not installed: needs peft |" in md
+    assert md.endswith("| lora | | | | | | | | error: RuntimeError: boom |\n")
+
+
 def test_learning_table_rows_and_a_check_level_error():
     """A run's row: first -> LAST loss (of 4, not the second), its min grad norm, and its status with the reason; a
     check that ended in an error (no runs judged) says so under the table. learning_markdown was untested."""
@@ -200,6 +248,13 @@ def test_an_earlier_md_or_png_alone_holds_the_name(tmp_path):
     stem = report.output_stem(_small_results(), tmp_path, name="b")
     assert stem.name == "b_NVIDIA-H200_2026-11-30_3"
     assert (tmp_path / "b_NVIDIA-H200_2026-11-30.md").read_text() == "first run"
+
+
+def test_a_name_with_glob_characters_still_sees_the_earlier_files(tmp_path):
+    """--name may hold '[' (a file stem, not a pattern): the earlier run's .md under that name still holds it."""
+    (tmp_path / "run[1]_NVIDIA-H200_2026-11-30.md").write_text("first run")
+    stem = report.output_stem(_small_results(), tmp_path, name="run[1]")
+    assert stem.name == "run[1]_NVIDIA-H200_2026-11-30_2"
 
 
 def test_a_given_stem_is_written_over_and_chart_false_writes_no_png(tmp_path):
@@ -257,10 +312,27 @@ def test_chart_hatches_failed_rows_red(tmp_path, monkeypatch):
     row = {"contender": "chronicals-full", "label": "chronicals", "method": "full", "tokens_per_s": 100.0}
     results = {"environment": {"gpu": "g", "date": "2026-01-01T00:00:00+00:00", "git_sha": "s"},
                "tables": [{"title": "t", "rows_data": [dict(row, status="ok"),
-                                                      dict(row, contender="hf-sdpa", status="FAILED")]}]}
+                                                      dict(row, contender="hf-sdpa", status="FAILED"),
+                                                      # timed, then an error (reading its memory peak)
+                                                      dict(row, contender="hf-peft", status="error")]}]}
     report.plot_png(results, tmp_path / "x.png")
     bars = figs[0].axes[0].patches
-    assert [b.get_hatch() for b in bars] == [None, "//"]
+    assert [b.get_hatch() for b in bars] == [None, "//", "//"]
+
+
+def test_chart_draws_each_methods_limit(tmp_path, monkeypatch):
+    """The full and LoRA limits (tokens/s at the measured peak) are dashed and dotted lines in the legend."""
+    import matplotlib.pyplot as plt
+
+    figs = []
+    monkeypatch.setattr(plt, "close", lambda fig: figs.append(fig))
+    rows = [finish_row(_ok_row(), 775.0), finish_row(_ok_row(method="lora", flops_per_token=2.1e9), 775.0)]
+    results = {"environment": {"gpu": "g", "date": "2026-01-01T00:00:00+00:00", "git_sha": "s"},
+               "tables": [{"title": "t", "rows_data": rows}]}
+    report.plot_png(results, tmp_path / "x.png")
+    ax = figs[0].axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["full limit 250,000", "lora limit 369,048"]
+    assert [ln.get_linestyle() for ln in ax.get_lines()] == ["--", ":"]
 
 
 def test_a_failed_rows_json_is_strict_json_and_its_cell_says_nan(tmp_path):
