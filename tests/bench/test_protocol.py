@@ -77,6 +77,21 @@ def test_runspec_defaults_are_the_protocols():
     assert RunSpec("x", step="bench").step == "bench"
 
 
+def test_the_protocols_lora_is_the_shipped_recipes():
+    """Every LoRA row trains rank 32, alpha 64, LoRA+ ratio 16: the shipped 0.5B LoRA recipe's adapters, so the bench
+    times what that recipe trains (a worker started without the flags too)."""
+    from pathlib import Path
+
+    from chronicals.config import load_config
+
+    recipe = load_config(Path(__file__).parents[2] / "configs" / "qwen2.5-0.5b" / "lora.yaml").lora
+    s = RunSpec("x")
+    assert (s.lora_r, s.lora_alpha, protocol.LORA_PLUS_RATIO) == (recipe.rank, recipe.alpha, recipe.plus_ratio)
+    assert (s.lora_r, s.lora_alpha) == (32, 64)
+    a = parse_args(["--json-out", "x.json"])
+    assert (a.lora_r, a.lora_alpha) == (32, 64)
+
+
 def test_the_protocols_optimizer_and_full_lr():
     """Every contender's optimizer is torch AdamW(betas=(0.9, 0.95), weight_decay=0, fused=True); lr=0 means the
     protocol's LR_FULL (1e-5) for a full fine-tune. None of these was pinned: other betas, a weight decay, an unfused
