@@ -100,6 +100,18 @@ def test_shapes_are_the_published_architectures_with_full_attention(name, params
     assert cfg.sliding_window is None
 
 
+def test_shapes_have_their_families_rope_base_and_norm_eps_and_grouped_kv_heads():
+    """RoPE base and RMSNorm eps of the published configs (Qwen2.5: 1e6, 1e-6; Llama-3: 500000, 1e-5), read into our
+    ModelConfig; every shape, the tiny CPU one too, has fewer key/value heads than query heads (grouped-query
+    attention, as each namesake has), so the CPU runs take the same attention path as the GPU ones."""
+    got = {n: (model_config(s).rope_theta, model_config(s).rms_norm_eps) for n, s in SHAPES.items()}
+    assert got == {"0.5b": (1e6, 1e-6), "1.5b": (1e6, 1e-6), "3b": (1e6, 1e-6), "8b": (500000.0, 1e-5),
+                   "tiny": (1e6, 1e-6)}
+    for s in SHAPES.values():
+        cfg = model_config(s)
+        assert cfg.num_key_value_heads < cfg.num_attention_heads, s.name
+
+
 def test_shapes_train_with_the_protocols_batches():
     """rows x seq and the default methods of each table (the 0.5B protocol's 16 x 1024 was not pinned)."""
     got = {n: (s.rows, s.seq, s.methods) for n, s in SHAPES.items()}
