@@ -106,11 +106,16 @@ def _skewed(monkeypatch, hf: dict, ours: dict):
     ({"tilt": 0.25}, {"tilt": 0.5}, "FAILED"),  # 1 - cos: ~0.1 > 2 x ~0.03
     ({"tilt": 0.25}, {"tilt": 0.3}, "ok"),  # ~0.04 <= 2 x ~0.03
     ({}, {"tilt": 0.25}, "FAILED"),  # ~0.03 > the 1e-2 cosine floor, transformers exact
-    ({}, {"tilt": 0.1}, "ok")])  # ~0.005 under the floor
+    ({}, {"tilt": 0.1}, "ok"),  # ~0.005 under the floor
+    ({}, {"loss": 1.005}, "FAILED"),  # 0.5% > the 1e-3 loss floor, transformers ~5e-5 off
+    ({}, {"loss": 1.0008}, "ok"),  # under the floor
+    ({}, {"loss": 0.99}, "FAILED"),  # too low is as wrong as too high
+    ({}, {"norm": 0.9}, "FAILED")])  # a norm 10% short is off by 10%, not by -10%
 def test_parity_allows_ours_twice_transformers_error_or_the_floor(monkeypatch, hf, ours, status):
     """Ours passes when its error against the fp32 reference is at most 2 x transformers' own bf16 error, in each of
-    loss, grad norm and 1 - cosine, or under the floor (1e-2 for 1 - cosine). On the tiny CPU model transformers'
-    error is under every floor, so the factor 2 was never exercised: 10 x passed, as did a cosine floor of 1e-1."""
+    loss, grad norm and 1 - cosine, or under the floor (1e-3 for the loss, 1e-2 for 1 - cosine); an error is a
+    distance, below the reference as above it. On the tiny CPU model transformers' error is under every floor, so
+    the factor 2 was never exercised: 10 x passed, as did a cosine floor of 1e-1."""
     _skewed(monkeypatch, hf, ours)
     res = checks._parity(RunSpec("correctness", shape="tiny", rows=1, seq=8, device="cpu", impl="torch"), "full")
     assert res["status"] == status, (res["rel_err"], 1 - res["grad_cos_hf"], 1 - res["grad_cos_ours"])
@@ -181,6 +186,7 @@ def test_periodic_batch():
     x = checks.periodic_batch(3, 40, 512, 16, seed=0)
     assert x.shape == (3, 40) and torch.equal(x[:, :16], x[:, 16:32])
     assert all(len(set(r[:16].tolist())) == 16 for r in x)
+    assert len({tuple(r[:16].tolist()) for r in x}) == 3  # each row its own block
 
 
 def test_learning_loss_falls():
@@ -231,6 +237,13 @@ def test_learning_judges_the_last_loss_at_most_min_drop_below_the_first(monkeypa
     _scripted(monkeypatch, losses)
     res = _scripted_learning(len(losses), min_drop_full=0.25, min_drop_lora=0.25)
     assert [r["status"] for r in res["runs"]] == want, res
+
+
+def test_learning_fails_a_loss_that_was_not_finite_on_the_way(monkeypatch):
+    """First and last losses finite and fallen far enough, a NaN between them: FAILED, the NaN counted."""
+    _scripted(monkeypatch, [4.0, math.nan, 2.0])
+    res = _scripted_learning(3, min_drop_full=0.25, min_drop_lora=0.25)
+    assert [(r["status"], r["reason"]) for r in res["runs"]] == [("FAILED", "loss not finite in 1 step")] * 2
 
 
 @pytest.mark.parametrize("losses,want", [([4.0, 3.2], ["FAILED", "ok"]), ([4.0, 3.6], ["FAILED", "FAILED"]),
