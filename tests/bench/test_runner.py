@@ -283,6 +283,20 @@ def test_sweeps_tiny(tmp_path, monkeypatch):
     assert "| tiny | chronicals-full | 256 | n/a |" in md and "256 is the cap |" in md
 
 
+def test_max_context_checks_each_rows_gradient_norms_again():
+    """A worker row said "ok" with a NaN gradient norm at seq 128: the longest context is 64, and the failure names
+    it, as the tables re-check every worker row."""
+    class Runner:
+        def run(self, task, spec):
+            norm = 1.0 if spec.seq < 128 else float("nan")
+            return {"contender": spec.contender, "status": "ok", "grad_norms": [norm], "losses": [2.0, 1.0],
+                    "tokens_per_s": 5.0 * spec.seq}
+
+    (mc,) = cli.max_context(Runner(), ["tiny"], ["chronicals-full"], RunSpec("x", **TINY), tiny=True)
+    assert mc["max_ok"] == 64 and mc["tokens_per_s"] == 320.0
+    assert mc["first_failure"] == "seq 128: FAILED gradient norm not finite in 1 timed step"
+
+
 def plan_calls(monkeypatch, argv):
     """run_plan(argv) with no process started: returns (tasks, tables), tasks the Runner.run calls (task, spec)
     and tables the contender_rows calls (names, spec)."""
@@ -318,6 +332,14 @@ def test_the_default_plans_tables_and_step_counts(monkeypatch, argv, tables):
         assert names and all(get_contender(n).method in get_shape(s.shape).methods for n in names)
 
 
+def test_given_step_counts_are_the_plans_a_zero_warm_up_too(monkeypatch):
+    """--warmup 0 (a real choice: the timed window then holds the first steps) and --steps replace the defaults in
+    every table and check spec but the learning check's own steps."""
+    tasks, ran = plan_calls(monkeypatch, ["--device", "cpu", "--tiny", "--warmup", "0", "--steps", "3"])
+    assert [(s.warmup, s.steps) for _, s in ran] == [(0, 3)]
+    assert [(t, s.warmup, s.steps) for t, s in tasks] == [("correctness", 0, 3), ("learning", 0, 40)]
+
+
 @pytest.mark.parametrize("argv, tables, skipped", [
     (["--contenders", "chronicals-full"], [("0.5b", ["chronicals-full"])], True),
     (["--contenders", "chronicals-full,chronicals-lora"],
@@ -326,6 +348,9 @@ def test_the_default_plans_tables_and_step_counts(monkeypatch, argv, tables):
     # on a GPU without --graphs: exactly the named ones, no CUDA-graph twin added
     (["--device", "cuda", "--tiny", "--contenders", "chronicals-full,chronicals-lora"],
      [("tiny", ["chronicals-full", "chronicals-lora"])], False),
+    # with --graphs: each CUDA-graph twin right after its row
+    (["--device", "cuda", "--tiny", "--graphs", "--contenders", "chronicals-full,hf-sdpa"],
+     [("tiny", ["chronicals-full", "chronicals-full-graphs", "hf-sdpa"])], False),
 ])
 def test_named_contenders_run_in_the_default_tables_of_their_method(monkeypatch, capsys, argv, tables, skipped):
     """Without --shape, each default table takes those of --contenders whose method is one of its shape's: the 8B

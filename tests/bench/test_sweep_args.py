@@ -60,19 +60,20 @@ def test_shape_tiny_is_tiny(monkeypatch, argv):
     assert specs and all((s.warmup, s.steps) == (1, 2) for s in specs)
 
 
-@pytest.mark.parametrize("flags,runs,rows", [
-    ([], [("chronicals-lora", False), ("chronicals-lora", True)], [("OOM", False), ("ok", True)]),
-    (["--checkpointing"], [("chronicals-lora", True)], [("OOM", True)]),
+@pytest.mark.parametrize("first,flags,runs,rows", [
+    ("OOM", [], [("chronicals-lora", False), ("chronicals-lora", True)], [("OOM", False), ("ok", True)]),
+    ("OOM", ["--checkpointing"], [("chronicals-lora", True)], [("OOM", True)]),
+    ("error", [], [("chronicals-lora", False)], [("error", False)]),  # checkpointing cannot mend it
 ])
-def test_model_sweep_retries_an_oom_row_with_checkpointing(monkeypatch, flags, runs, rows):
+def test_model_sweep_retries_an_oom_row_with_checkpointing(monkeypatch, first, flags, runs, rows):
     """An OOM row is retried once with checkpointing, only when it ran without: under --checkpointing the OOM row
-    already had it, and a retry ran the same thing again."""
+    already had it, and a retry ran the same thing again. A row that failed otherwise is not retried."""
     ran = []
 
     def fake_run(self, task, spec):
         ran.append((spec.contender, spec.checkpointing))
         if len(ran) == 1:
-            return {"contender": spec.contender, "status": "OOM", "reason": "out of memory"}
+            return {"contender": spec.contender, "status": first, "reason": "it failed"}
         return {"contender": spec.contender, "status": None, "grad_norms": [1.0], "losses": [2.0, 1.0],
                 "tokens_per_s": 10.0}
 
