@@ -100,6 +100,17 @@ def test_failures_become_rows():
     assert row["status"] == "error" and row["traceback"]
 
 
+def test_a_worker_for_a_contender_not_installed_says_so_without_building(monkeypatch):
+    """A worker started by hand for a contender whose packages are missing writes a "not installed" row naming them,
+    with the FLOP count, and builds nothing."""
+    from chronicals.bench import contenders
+
+    monkeypatch.setattr(contenders, "missing_requirements", lambda c: ["nopkg"])
+    row = run_contender(RunSpec("chronicals-full", **TINY))
+    assert row["status"] == "not installed" and row["reason"] == "needs nopkg"
+    assert row["flops_per_token"] > 0 and "losses" not in row and "build_s" not in row
+
+
 def test_ctrl_c_in_a_contender_stops_the_worker(monkeypatch):
     """KeyboardInterrupt propagates out of run_contender: Ctrl-C stops the worker, it is not written as an error
     row for the bench to go on after."""
@@ -431,6 +442,7 @@ def test_device_help_says_what_runs_without_a_gpu(capsys):
     (["--device", "cpu", "--tiny", "--attention", "cudnn"], "--attention cudnn chooses the packed rows' kernel"),
     (["--device", "cpu", "--tiny", "--learning-lr", "nan"], "--learning-lr nan: must be a finite number > 0"),
     (["--device", "cpu", "--tiny", "--learning-lr", "0"], "--learning-lr 0.0: must be a finite number > 0"),
+    (["--device", "cpu", "--tiny", "--learning-lr", "inf"], "--learning-lr inf: must be a finite number > 0"),
     (["--device", "cpu", "--tiny", "--graphs"], "--graphs adds CUDA-graph rows, which need a GPU"),
     (["--tiny", "--graphs"], "--graphs adds CUDA-graph rows, which need a GPU"),  # the default device: cpu here
     (["--shape", "tiny", "--graphs"], "--graphs adds CUDA-graph rows, which need a GPU"),
