@@ -253,6 +253,16 @@ def test_the_worker_writes_arguments_runspec_refuses_as_an_error_row(tmp_path, a
     assert row["status"] == "error" and says in row["reason"] and row["contender"] == contender
 
 
+def test_a_worker_run_by_hand_is_offline_unless_told_otherwise(tmp_path, monkeypatch):
+    """A worker started by hand (no bench runner setting it) runs with HF_HUB_OFFLINE=1; a value the caller set
+    stays."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    argv = ["--task", "contender", "--contender", "chronicals-full", "--rows", "0", "--json-out", str(tmp_path / "r")]
+    assert worker.main(argv) == 0 and os.environ["HF_HUB_OFFLINE"] == "1"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    assert worker.main(argv) == 0 and os.environ["HF_HUB_OFFLINE"] == "0"
+
+
 def test_main_tiny_end_to_end(tmp_path, monkeypatch, capsys):
     """main() with the workers run in this process (the subprocess path is tested above)."""
     def inprocess(self, task, spec):
