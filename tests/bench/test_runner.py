@@ -263,6 +263,15 @@ def test_a_worker_run_by_hand_is_offline_unless_told_otherwise(tmp_path, monkeyp
     assert worker.main(argv) == 0 and os.environ["HF_HUB_OFFLINE"] == "0"
 
 
+def test_each_check_task_runs_its_own_check(monkeypatch):
+    from chronicals.bench import checks
+
+    monkeypatch.setattr(checks, "correctness", lambda spec: {"task": "correctness", "status": "ok"})
+    monkeypatch.setattr(checks, "learning", lambda spec: {"task": "learning", "status": "ok"})
+    spec = RunSpec("x", **TINY)
+    assert run_task("correctness", spec)["task"] == "correctness" and run_task("learning", spec)["task"] == "learning"
+
+
 def test_main_tiny_end_to_end(tmp_path, monkeypatch, capsys):
     """main() with the workers run in this process (the subprocess path is tested above)."""
     def inprocess(self, task, spec):
