@@ -271,6 +271,21 @@ def test_each_check_task_runs_its_own_check(monkeypatch):
     spec = RunSpec("x", **TINY)
     assert run_task("correctness", spec)["task"] == "correctness" and run_task("learning", spec)["task"] == "learning"
 
+    def boom(spec):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(checks, "learning", boom)  # a check that raises is an error row, never a worker without one
+    row = run_task("learning", spec)
+    assert (row["task"], row["status"], row["reason"]) == ("learning", "error", "RuntimeError: boom")
+
+
+def test_the_peak_task_names_the_device_and_its_measured_peak(monkeypatch):
+    import chronicals.train.metrics
+
+    monkeypatch.setattr(chronicals.train.metrics, "matmul_peak_tflops", lambda device: 123.0)
+    row = run_task("peak", RunSpec("peak", **TINY))
+    assert (row["gpu"], row["peak_tflops"], row["status"]) == ("cpu", 123.0, "ok")
+
 
 def test_main_tiny_end_to_end(tmp_path, monkeypatch, capsys):
     """main() with the workers run in this process (the subprocess path is tested above)."""
@@ -470,6 +485,7 @@ def test_device_help_says_what_runs_without_a_gpu(capsys):
     (["--device", "cuda", "--tiny"], "--device cuda: no CUDA GPU is visible here; use --device cpu with --tiny"),
     (["--device", "cuda:0", "--tiny"], "--device cuda:0: no CUDA GPU is visible here"),
     (["--device", "cpu", "--tiny", "--name", "a/b"], "--name 'a/b': a file stem, without '/'"),
+    (["--device", "cpu", "--tiny", "--name", "a\\b"], "--name 'a\\\\b': a file stem"),  # a folder on Windows
     (["--device", "cpu", "--tiny", "--name", ".."], "--name '..': a file stem"),
     (["--device", "cpu", "--tiny", "--name", "."], "--name '.': a file stem"),
     (["--device", "cpu", "--tiny", "--name", ""], "--name '': a file stem"),
