@@ -708,3 +708,118 @@ def test_a_failed_row_is_exit_status_1(tmp_path, monkeypatch, capsys):
                                                                   "correctness": {"status": "FAILED"}})
     assert cli.main(argv) == 1
     assert "FAILED: correctness (exit status 1)" in capsys.readouterr().err
+
+
+def tiny_build(name, **spec):
+    """get_contender(name) built on the tiny shape on CPU."""
+    spec = RunSpec(name, **dict(dict(shape="tiny", rows=2, seq=16, device="cpu"), **spec))
+    return get_contender(name).build(spec, get_shape("tiny"), torch.device("cpu"))
+
+
+def test_rows_as_packed_batch_starts_each_rows_positions_at_zero():
+    """Every row is its own document, so each row's position ids run 0..S-1 (rope sees the same positions as the
+    rows layout's dense attention), in both layouts."""
+    from chronicals.bench.contenders import rows_as_packed_batch
+
+    ids = torch.arange(12).reshape(3, 4)
+    for layout in ("rows", "packed"):
+        assert rows_as_packed_batch(ids, layout).position_ids.tolist() == [[0, 1, 2, 3]] * 3
+
+
+def test_the_chronicals_model_is_built_in_bf16():
+    """build_chronicals_model gives bf16 weights (the protocol's dtype for every contender), not fp32."""
+    from chronicals.bench.contenders import build_chronicals_model
+
+    model = build_chronicals_model(get_shape("tiny"), torch.device("cpu"), "torch", seed=0)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_the_full_contender_trains_every_parameter():
+    """chronicals-full's optimizer and grad norm cover every weight, the embedding included."""
+    built = tiny_build("chronicals-full")
+    assert {id(p) for p in built.params} == {id(p) for p in built.model.parameters()}
+    assert sum(len(g["params"]) for g in built.optimizer.param_groups) == len(list(built.model.parameters()))
+
+
+def test_one_bench_step_runs_one_forward_of_its_batch():
+    """forward_backward runs the model once per step (one micro-batch): the tokens/s of a row count B * (S - 1) loss
+    tokens per step, so a step that ran the batch twice would time twice the work."""
+    for step in ("trainer", "bench"):
+        built = tiny_build("chronicals-full", step=step)
+        calls = []
+        built.model.register_forward_hook(lambda m, a, o: calls.append(1))
+        built.forward_backward(built.prepare(torch.randint(0, 512, (2, 16))))
+        assert len(calls) == 1, step
+
+
+def test_the_bench_step_gives_the_trainer_steps_mean_loss():
+    """--step bench calls the model itself; its loss is the same mean over the B * (S - 1) tokens as the trainer's
+    step, not a sum."""
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for step in ("trainer", "bench"):
+        built = tiny_build("chronicals-full", step=step)
+        losses.append(built.forward_backward(built.prepare(ids)).float().item())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-2) and abs(losses[0] - 6.24) < 0.3
+
+
+@pytest.mark.parametrize("name, opts", [
+    ("chronicals-full", dict(recompute=("norm", "swiglu"), fused_swiglu_recompute=True, gate_up_layers=0)),
+    ("chronicals-full-keep", dict(recompute=())),
+    ("chronicals-full-offer", dict(fused_swiglu_recompute=False)),
+    ("chronicals-full-gateup", dict(recompute=("norm", "swiglu", "gate_up"), gate_up_layers=0)),
+    ("chronicals-full-gateup2", dict(recompute=("norm", "swiglu", "gate_up"), gate_up_layers=2)),
+])
+def test_the_chronicals_contenders_set_the_model_options_their_labels_name(name, opts):
+    """-keep saves every activation, -offer rebuilds the SwiGLU product by a second forward, -gateup[k] rebuilds the
+    gate/up output (in the first k layers); the plain row keeps the model's defaults."""
+    model = tiny_build(name).model
+    assert {k: getattr(model.opts, k) for k in opts} == opts
+
+
+def test_the_chronicals_contenders_run_the_specs_attention_kernel():
+    """RunSpec.attention (--attention) picks the packed rows' varlen kernel of the model."""
+    assert tiny_build("chronicals-full", attention="flash").model.opts.attention == "flash"
+    assert tiny_build("chronicals-full", attention="cudnn").model.opts.attention == "cudnn"
+
+
+def test_the_gate_up_dial_keeps_the_method_of_its_name():
+    assert get_contender("chronicals-full-gateup3").method == "full"
+    assert get_contender("chronicals-lora-gateup3").method == "lora"
+
+
+@pytest.mark.parametrize("name, grouped", [("chronicals-lora", True), ("chronicals-lora-nogroup", False)])
+def test_the_nogroup_contender_injects_lora_without_groups(name, grouped):
+    """-nogroup runs one LoRA call per projection; the plain LoRA row joins q/k/v (and gate/up) in one GEMM."""
+    model = tiny_build(name).model
+    has_group = [getattr(m, "lora_qkv", None) is not None for m in model.modules()]
+    assert any(has_group) is grouped
+
+
+def test_a_contender_whose_package_is_missing_is_a_not_installed_row(monkeypatch):
+    """hf-peft needs peft: without it the row says "not installed: needs peft" instead of failing in its build."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == "peft" else find_spec(m, *a))
+    row = run_contender(RunSpec("hf-peft", **TINY))
+    assert row["status"] == "not installed" and row["reason"] == "needs peft"
+
+
+def test_the_hf_contenders_are_built_as_the_spec_says():
+    """hf-sdpa and hf-peft: ids drawn over the whole vocabulary, checkpointing when the spec asks, PEFT's alpha from
+    the spec, and torch.compile named where the row compiles."""
+    assert tiny_build("hf-sdpa").vocab_size == get_shape("tiny").hf_config["vocab_size"]
+    assert tiny_build("hf-sdpa", checkpointing=True).model.is_gradient_checkpointing
+    assert not tiny_build("hf-sdpa").model.is_gradient_checkpointing
+    assert tiny_build("hf-peft", lora_r=4, lora_alpha=24).model.peft_config["default"].lora_alpha == 24
+    assert "torch.compile(model)" in tiny_build("hf-compile").notes
+
+
+def test_the_hf_model_draws_the_same_weights_for_one_seed_whatever_ran_before():
+    """build_hf_model seeds its init with RunSpec.seed, as the chronicals model does."""
+    torch.manual_seed(1)
+    a = tiny_build("hf-sdpa").model.state_dict()
+    torch.manual_seed(2)
+    b = tiny_build("hf-sdpa").model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
