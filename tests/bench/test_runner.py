@@ -21,6 +21,12 @@ from chronicals.bench.worker import run_contender, run_task
 TINY = dict(shape="tiny", rows=2, seq=16, warmup=1, steps=2, device="cpu")
 
 
+def tiny_build(name, **spec):
+    """get_contender(name) built on the tiny shape on CPU (``spec``: RunSpec fields beside the tiny shape's)."""
+    return get_contender(name).build(RunSpec(name, **{"shape": "tiny", "rows": 2, "seq": 16, "device": "cpu", **spec}),
+                                     get_shape("tiny"), torch.device("cpu"))
+
+
 NAMES = {"chronicals-full": "full", "chronicals-lora": "lora", "hf-sdpa": "full", "hf-peft": "lora"}
 
 
@@ -151,9 +157,7 @@ def test_lora_groups_take_the_runs_lr(tiny_hf_config, lr, want_a):
 def test_hf_contenders_start_at_their_methods_lr(name, lr, want):
     """The hf contenders' one optimizer group starts at RunSpec.lr, 0 meaning the protocol's lr of the method:
     LR_LORA (1e-4) for hf-peft, LR_FULL (1e-5) for hf-sdpa; hf-peft trained at the full lr when it took LR_FULL."""
-    spec = RunSpec(name, shape="tiny", rows=2, seq=16, device="cpu", lr=lr)
-    built = get_contender(name).build(spec, get_shape("tiny"), torch.device("cpu"))
-    lrs = [g["lr"] for g in built.optimizer.param_groups]
+    lrs = [g["lr"] for g in tiny_build(name, lr=lr).optimizer.param_groups]
     assert lrs and all(g == pytest.approx(want) for g in lrs), lrs
 
 
@@ -708,12 +712,6 @@ def test_a_failed_row_is_exit_status_1(tmp_path, monkeypatch, capsys):
                                                                   "correctness": {"status": "FAILED"}})
     assert cli.main(argv) == 1
     assert "FAILED: correctness (exit status 1)" in capsys.readouterr().err
-
-
-def tiny_build(name, **spec):
-    """get_contender(name) built on the tiny shape on CPU."""
-    spec = RunSpec(name, **dict(dict(shape="tiny", rows=2, seq=16, device="cpu"), **spec))
-    return get_contender(name).build(spec, get_shape("tiny"), torch.device("cpu"))
 
 
 def test_rows_as_packed_batch_starts_each_rows_positions_at_zero():
