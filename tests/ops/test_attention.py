@@ -205,6 +205,25 @@ def test_varlen_kernels_take_fp16_and_a_given_scale(varlen):
         assert _varlen_error_ratio(*case, dtype=dtype, scale=scale) <= 1, (dtype, scale)
 
 
+@pytest.mark.skipif(not _cudnn_ok(), reason="needs CUDA, nvidia-cudnn-frontend, cuDNN >= 9.6 and a Hopper GPU")
+def test_cudnn_batches_of_short_documents_share_one_plan():
+    """The plan key holds max_seqlen rounded up to a power of two of at least 64 (MIN_SEQ), so batches of one token
+    count whose longest documents are 9, 33 and 64 tokens build one pair of graphs, not three (each build is host
+    work the step waits for); 65 is the next bucket. Each batch's result is still right. Heads 10 / 5 of 64 over 128
+    tokens: a key no other test builds."""
+    before = set(attention_cudnn._plans)
+    case = (1, 128)  # one row of 128 tokens
+    heads = (10, 5, 64, "cudnn", "dense")
+    for cuts in ([*range(0, 127, 9), 128], [0, 33, 66, 99, 128], [0, 64, 128]):  # longest 9, 33, 64
+        assert _varlen_error_ratio(*case, cuts, *heads) <= 1, cuts
+    def bounds():  # the length bound (key[3]) of each plan this test built
+        return sorted(k[3] for k in attention_cudnn._plans if k not in before)
+
+    assert attention_cudnn.MIN_SEQ == 64 and bounds() == [64]
+    assert _varlen_error_ratio(*case, [0, 65, 128], *heads) <= 1
+    assert bounds() == [64, 128]
+
+
 def test_cudnn_ragged_meta_pads_documents_and_scales_offsets():
     """cu_seqlens [0, 3, 5, 9] padded to a 4-document bucket: the extra document is empty, offsets in elements."""
     cu = torch.tensor([0, 3, 5, 9], dtype=torch.int32)
