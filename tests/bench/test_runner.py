@@ -22,9 +22,10 @@ TINY = dict(shape="tiny", rows=2, seq=16, warmup=1, steps=2, device="cpu")
 
 
 def tiny_build(name, **spec):
-    """get_contender(name) built on the tiny shape on CPU (``spec``: RunSpec fields beside the tiny shape's)."""
-    return get_contender(name).build(RunSpec(name, **{"shape": "tiny", "rows": 2, "seq": 16, "device": "cpu", **spec}),
-                                     get_shape("tiny"), torch.device("cpu"))
+    """get_contender(name) built on the tiny shape on CPU (``spec``: RunSpec fields beside the tiny shape's; a
+    device among them builds there)."""
+    spec = RunSpec(name, **{"shape": "tiny", "rows": 2, "seq": 16, "device": "cpu", **spec})
+    return get_contender(name).build(spec, get_shape("tiny"), torch.device(spec.device))
 
 
 NAMES = {"chronicals-full": "full", "chronicals-lora": "lora", "hf-sdpa": "full", "hf-peft": "lora"}
@@ -773,6 +774,15 @@ def test_the_chronicals_contenders_set_the_model_options_their_labels_name(name,
     gate/up output (in the first k layers); the plain row keeps the model's defaults."""
     model = tiny_build(name).model
     assert {k: getattr(model.opts, k) for k in opts} == opts
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the graphed rows capture on a CUDA device")
+@pytest.mark.parametrize("name, in_place", [("chronicals-full-graphs", True), ("chronicals-full-graphs-fresh", False),
+                                            ("chronicals-lora-graphs-fresh", False)])
+def test_the_fresh_graph_rows_write_the_mlp_backward_into_new_buffers(name, in_place):
+    """-fresh: the SwiGLU backward's gradients go to fresh buffers (``swiglu_backward_in_place=False``), not over
+    the saved gate|up output; the plain graphed row keeps the in-place default."""
+    assert tiny_build(name, device="cuda").model.opts.swiglu_backward_in_place is in_place
 
 
 def test_the_chronicals_contenders_run_the_specs_attention_kernel():
