@@ -1,4 +1,4 @@
-"""Data parallelism with LoRA dropout: each rank draws its own masks (train.loop.rank_seed), and a run stopped by a
+"""Data parallelism with LoRA dropout: each rank draws its own masks (train.distributed.rank_seed), and a run stopped by a
 signal and resumed ends bit for bit like a straight run (each rank's generator comes back from the checkpoint).
 A resume from a checkpoint that holds no generator state for this number of ranks (written by one process, or by
 another number of ranks: allowed at an epoch's start or end) still draws other seeds on each rank: restoring rank
@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from chronicals.train import train
-from chronicals.train.loop import rank_seed
+from chronicals.train.distributed import rank_seed
 
 from test_distributed import DEVICE, WORLD, _cpu_state, _free_port, _shards, _torchrun_env
 from train_helpers import record_dropout_seeds, sigterm_at_forward, synthetic_docs, tiny_config, tiny_model

@@ -44,11 +44,11 @@ def test_a_signal_during_the_last_checkpoint_keeps_it(tmp_path, monkeypatch, asy
 def test_a_second_sigterm_finishes_the_step_and_a_second_ctrl_c_stops_at_once():
     """Only a second Ctrl-C aborts the step in flight (KeyboardInterrupt, as the log line promises); a repeated SIGTERM
     (supervisors resend it) keeps "finish this step, checkpoint, exit". The handlers are restored on exit."""
-    from chronicals.train.loop import _StopFlag
+    from chronicals.train.stop import StopFlag
 
     before = signal.getsignal(signal.SIGINT)
     try:
-        with _StopFlag() as stop:
+        with StopFlag() as stop:
             for _ in range(2):
                 os.kill(os.getpid(), signal.SIGTERM)
             for _ in range(1000):  # the handler runs between bytecodes: room to land inside the block
@@ -57,7 +57,7 @@ def test_a_second_sigterm_finishes_the_step_and_a_second_ctrl_c_stops_at_once():
         pytest.fail("a second SIGTERM raised KeyboardInterrupt: the step in flight would not be checkpointed")
     assert stop.signum == signal.SIGTERM
     with pytest.raises(KeyboardInterrupt):
-        with _StopFlag() as stop:
+        with StopFlag() as stop:
             os.kill(os.getpid(), signal.SIGINT)  # the first: a flag only
             assert stop.signum == signal.SIGINT
             os.kill(os.getpid(), signal.SIGINT)
@@ -100,14 +100,14 @@ def test_the_stop_flag_works_in_a_worker_thread():
     thread"."""
     import threading
 
-    from chronicals.train.loop import _StopFlag
+    from chronicals.train.stop import StopFlag
 
     before = signal.getsignal(signal.SIGTERM)
     got = {}
 
     def run():
         try:
-            with _StopFlag() as stop:
+            with StopFlag() as stop:
                 got["signum"] = stop.signum
         except BaseException as e:  # noqa: BLE001 - reported below
             got["error"] = e

@@ -305,3 +305,10 @@ def init_distributed(device_pref: str = "auto") -> DistContext:
     if ctx.is_main:
         log.info("data parallel: world_size=%d backend=%s", world, backend)
     return ctx
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The torch seed data-parallel rank ``rank`` > 0 trains with. The same seed on every rank drew the same LoRA
+    dropout masks on every rank, over other tokens: data parallelism then averaged none of that noise away. Rank 0
+    keeps ``seed`` (a one-process run's masks are rank 0's); a resume restores each rank's own state (rank_rng)."""
+    return (seed + rank * 0x9E3779B97F4A7C15) % 2 ** 63

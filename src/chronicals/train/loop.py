@@ -22,7 +22,6 @@ import random
 import shutil
 import signal
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,46 +39,22 @@ from .finish import TrainResult, _already_done, before_loss, save_final
 from .metrics import (head_flops_per_token, matmul_peak_tflops, memory_gib, plot_losses, private_pool_bytes,
                       train_flops_per_token)
 from .optim import build_optimizer, build_scheduler, set_total_steps, warn_short_warmup
-from .distributed import DistContext, init_distributed, main_rank_tells
+from .distributed import DistContext, init_distributed, main_rank_tells, rank_seed
 from .grad_buckets import GradBuckets
 from .graphs import GraphedStep, resolve_cuda_graphs
-from .setup import build_loaders, load_base, prepare_model, resolve_dtype
+from .setup import build_loaders, load_base, prepare_model, record_passed_model, resolve_dtype
 from .readback import StepReadback, StepStart
 from .guards import (check_cuda_graphs, check_data_paths, check_document_lengths, check_final_dir, check_final_model,
                      check_impl, check_out_dir, check_resume_path, check_token_ids, earlier_finals, final_dir,
                      remove_setup_files)
 from .resume import (apply_optimizer_settings, check_resume_adapter, check_same_adapter, optimizer_settings,
                      warn_data_changed, warn_loss_settings_changed)
-from .run_dir import _locked_out_dir, _metrics_log, _RanksMetrics
+from .run_dir import _locked_out_dir, _metrics_log, _RanksMetrics, config_yaml
+from .stop import StopFlag
 from .step import accumulate_data_parallel, clip_grad_norm, evaluate_loss
 from .stream import _replan, _restore_position, _spread, _step_plan, _Stream, cut_fraction
 
 log = logging.getLogger("chronicals.train")
-
-
-class _StopFlag:
-    """SIGINT/SIGTERM set a flag; the loop checkpoints at the end of the current step and returns."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._old: dict = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # signal() only works there
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self._old[s] = signal.signal(s, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C does not finish the step (a write in flight still completes)
-        self.signum = signum
-        log.warning("received %s: finishing this step, writing a checkpoint, then exiting (Ctrl-C again: stop "
-                    "without finishing this step)", signal.Signals(signum).name)
-
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
 
 
 @dataclass
@@ -101,33 +76,6 @@ class _LoopState:
     first_loss_tokens: int = 0
     others_stop: bool = False  # data parallel: some rank got a signal (the all-ranks max of the flags)
     saves: int = 0  # checkpoints taken
-
-
-def config_yaml(cfg: TrainConfig) -> str:
-    """config.yaml's text: the run's settings with train.resume=auto, so that ``chronicals train out_dir/config.yaml``
-    continues this run. Stored as given, a resume from another run's checkpoint went back to that checkpoint and
-    removed this run's later checkpoints and final adapter as "another run's" (resume=none: started over). The
-    setting the run started with is kept in a comment."""
-    if cfg.train.resume == "auto":
-        return cfg.to_yaml()
-    stored = from_dict(cfg.to_dict(), ["train.resume=auto"])
-    return (f"# train.resume is auto here, so that this file continues this run; it started with "
-            f"train.resume={cfg.train.resume!r}\n" + stored.to_yaml())
-
-
-def _record_passed_model(cfg: TrainConfig, model) -> TrainConfig:
-    """cfg with model.path set to a passed model's own base (``model.chronicals_base``, which load_model sets) when
-    it names another: config.yaml and the checkpoints recorded the config's model.path (the embedded model's name
-    when the dict set none), so `chronicals train out_dir/config.yaml` resumed the adapters on that other model
-    without a word."""
-    import dataclasses
-
-    base = getattr(model, "chronicals_base", None) if model is not None else None
-    if not base or recorded_name(cfg.model.path) == base:
-        return cfg
-    log.info("model.path=%s is not the model passed to train(): this run records %s (model.chronicals_base)",
-             cfg.model.path, base)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=base))
 
 
 def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None, train_loader=None, eval_loader=None,
@@ -153,7 +101,7 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
             cfg = from_dict(config)
         else:
             cfg = load_config(config)
-        cfg = _record_passed_model(cfg, model)
+        cfg = record_passed_model(cfg, model)
         check_out_dir(cfg)
         check_resume_path(cfg)
         if train_loader is None:
@@ -187,13 +135,6 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
                     raise
         finally:
             dp.destroy()
-
-
-def rank_seed(seed: int, rank: int) -> int:
-    """The torch seed data-parallel rank ``rank`` > 0 trains with. The same seed on every rank drew the same LoRA
-    dropout masks on every rank, over other tokens: data parallelism then averaged none of that noise away. Rank 0
-    keeps ``seed`` (a one-process run's masks are rank 0's); a resume restores each rank's own state (rank_rng)."""
-    return (seed + rank * 0x9E3779B97F4A7C15) % 2 ** 63
 
 
 @dataclass
@@ -532,7 +473,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
 
         redirect = logging_redirect_tqdm()  # the root logger's console handler (the CLI's basicConfig)
     try:
-        with redirect, _StopFlag() as stop:
+        with redirect, StopFlag() as stop:
             pending: _Pending | None = None
             after = None  # the previous step's readback when nothing ran between it and this step
             for step in range(start, total):
@@ -606,7 +547,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         graphs = None
     # a signal from here to the last checkpoint's publication waits for it, as one in the loop does: a Ctrl-C
     # raised into the writer's join abandoned the background write (no checkpoint; at exit, a SIGABRT)
-    with _StopFlag() as late:
+    with StopFlag() as late:
         writer.wait()  # a checkpoint in flight is published (or its error raised) before train() goes on
         if dp.enabled and cfg.train.async_save and state.saves:  # the other ranks name what rank 0 has published
             dp.barrier()

@@ -1,5 +1,5 @@
-"""A run's out_dir across ranks: the lock rank 0 holds there, and the metrics log the run starts with (a resume
-from another run's checkpoint carries that run's records over)."""
+"""A run's out_dir across ranks: the lock rank 0 holds there, the metrics log the run starts with (a resume
+from another run's checkpoint carries that run's records over), and the config.yaml written there."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 from .._words import counted
-from ..config import ConfigError, TrainConfig
+from ..config import ConfigError, TrainConfig, from_dict
 from . import checkpoint as ckpt
 from .distributed import DistContext
 from .guards import out_dir_lock
@@ -79,3 +79,15 @@ def _metrics_log(cfg: TrainConfig, out_dir: Path, resume_from: Path | None, star
         log.info("%s is another run's checkpoint: %s starts with that run's %s up to step %d (from %s)",
                  resume_from, metrics.path, counted(len(metrics.records), "record"), start, source)
     return metrics
+
+
+def config_yaml(cfg: TrainConfig) -> str:
+    """config.yaml's text: the run's settings with train.resume=auto, so that ``chronicals train out_dir/config.yaml``
+    continues this run. Stored as given, a resume from another run's checkpoint went back to that checkpoint and
+    removed this run's later checkpoints and final adapter as "another run's" (resume=none: started over). The
+    setting the run started with is kept in a comment."""
+    if cfg.train.resume == "auto":
+        return cfg.to_yaml()
+    stored = from_dict(cfg.to_dict(), ["train.resume=auto"])
+    return (f"# train.resume is auto here, so that this file continues this run; it started with "
+            f"train.resume={cfg.train.resume!r}\n" + stored.to_yaml())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -10,6 +11,7 @@ import torch
 
 from .._words import counted
 from ..config import DEMO, DEMO_SYSTEM_PROMPT, ConfigError, TrainConfig
+from ..models.loading import recorded_name
 from . import qa as qa_mod
 
 log = logging.getLogger("chronicals.train")
@@ -328,3 +330,16 @@ def heldout_loader(d, tokenizer, file: Path, from_qa: bool, name: str, shape: di
         raise DataError(str(e) if name in str(e) else f"{name}: {e}") from None
     return PackedLoader(ds, max_seq_len=d.max_seq_len, seed=0, shuffle=False,
                         **(shape if shape is not None else d.loader_shape()))
+
+
+def record_passed_model(cfg: TrainConfig, model) -> TrainConfig:
+    """cfg with model.path set to a passed model's own base (``model.chronicals_base``, which load_model sets) when
+    it names another: config.yaml and the checkpoints recorded the config's model.path (the embedded model's name
+    when the dict set none), so `chronicals train out_dir/config.yaml` resumed the adapters on that other model
+    without a word."""
+    base = getattr(model, "chronicals_base", None) if model is not None else None
+    if not base or recorded_name(cfg.model.path) == base:
+        return cfg
+    log.info("model.path=%s is not the model passed to train(): this run records %s (model.chronicals_base)",
+             cfg.model.path, base)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=base))

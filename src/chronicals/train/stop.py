@@ -1,0 +1,34 @@
+"""Stopping a run cleanly: SIGINT / SIGTERM end the current step, which the loop checkpoints before it returns."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+log = logging.getLogger("chronicals.train")
+
+
+class StopFlag:
+    """SIGINT/SIGTERM set a flag; the loop checkpoints at the end of the current step and returns."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._old: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # signal() only works there
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C does not finish the step (a write in flight still completes)
+        self.signum = signum
+        log.warning("received %s: finishing this step, writing a checkpoint, then exiting (Ctrl-C again: stop "
+                    "without finishing this step)", signal.Signals(signum).name)
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
