@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import gc
-import io
 import json
 import math
 import os
 import signal
-import sys
 import time
 import warnings
 
 import pytest
 import torch
-import tqdm.auto
 
 import chronicals.train.checkpoint as ckpt
-from chronicals.config import ConfigError
 from chronicals.data import PackedBatch
 from chronicals.train import TrainingDiverged, accumulate_gradients, train
 from chronicals.train.checkpoint import checkpoint_dirs
@@ -444,33 +440,6 @@ def test_resume_with_another_lora_config_names_what_differs(tmp_path, docs):
         train(tiny_config(full, lora__rank=4, **again), model=tiny_model(), train_loader=SyntheticLoader(docs))
 
 
-def test_max_seq_len_past_the_model_context_is_refused(tmp_path, docs, caplog):
-    """As chronicals eval --max-seq-len: it was a warning, and data.max_seq_len=100000 (a typo) on a 512-token model
-    was killed for memory on the CPU with no error line (found in a walk through the commands)."""
-    from chronicals.config import ConfigError
-
-    with pytest.raises(ConfigError, match=r"data.max_seq_len=256 is more than the model can attend to "
-                                          r"\(max_position_embeddings=128\).*use at most 128, or.*config.json") as e:
-        train(tiny_config(tmp_path, train__max_steps=1, data__max_seq_len=256), model=tiny_model(),
-              train_loader=SyntheticLoader(docs))
-    assert e.value.key == "data.max_seq_len"
-    with caplog.at_level("WARNING", logger="chronicals.train"):
-        train(tiny_config(tmp_path / "b", train__max_steps=1, data__max_seq_len=128), model=tiny_model(),
-              train_loader=SyntheticLoader(docs))
-    assert "max_position_embeddings" not in caplog.text
-
-
-def test_a_final_directory_holding_other_files_is_refused_before_training(tmp_path, docs):
-    cfg = tiny_config(tmp_path, train__max_steps=1, train__save_final=True)
-    final = tmp_path / "run" / "model"
-    final.mkdir(parents=True)
-    (final / "notes.md").write_text("mine")
-    with pytest.raises(FileExistsError, match=r"model exists and holds files this save would delete \(notes.md\)"):
-        train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs))
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any step
-    assert (final / "notes.md").read_text() == "mine"
-
-
 def test_resume_over_other_batches_warns(tmp_path, docs, caplog):
     train(tiny_config(tmp_path, train__save_every=1, train__max_steps=1), model=tiny_model(),
           train_loader=SyntheticLoader(docs))
@@ -483,94 +452,6 @@ def test_resume_over_other_batches_warns(tmp_path, docs, caplog):
         train(tiny_config(tmp_path, train__resume="auto", train__max_steps=3, data__batch_size=2), model=tiny_model(),
               train_loader=SyntheticLoader(docs))  # from the end checkpoint of the run above (batch_size 2)
     assert "data position" not in caplog.text
-
-
-def test_a_missing_model_path_names_the_key(tmp_path, monkeypatch):
-    """model.path that does not exist: the error names the key and where a relative path was looked for, as
-    data.path's does (load_model alone said only the path)."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "train.jsonl").write_text('{"text": "hello"}\n')
-    with pytest.raises(FileNotFoundError, match=rf"model.path=no/model: no such file or directory \(relative paths "
-                                                rf"are read from the working directory, {tmp_path}\); set model.path"):
-        train(tiny_config(tmp_path, data__path="train.jsonl", model__path="no/model"))
-    with pytest.raises(FileNotFoundError, match=r"model.path=/no/model: no such file or directory; set model.path .*"
-                                                r"smollm2-135m-instruct"):
-        train(tiny_config(tmp_path, data__path="train.jsonl", model__path="/no/model"))
-
-
-def test_a_missing_data_path_is_refused_before_the_model_loads(tmp_path, monkeypatch):
-    """data.path / data.eval_path that do not exist: one error naming the key, before any model loading
-    (minutes at 8B) and without creating train.out_dir."""
-    def no_loading(*a, **k):
-        raise AssertionError("the model was loaded before the data path was checked")
-    monkeypatch.setattr("chronicals.train.loop.load_base", no_loading)
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(FileNotFoundError, match=rf"data.path=nope.jsonl: no such file or directory \(relative paths "
-                                                rf"are read from the working directory, {tmp_path}\); fix data.path"):
-        train(tiny_config(tmp_path, data__path="nope.jsonl"))
-    (tmp_path / "train.jsonl").write_text('{"text": "hello"}\n')
-    with pytest.raises(FileNotFoundError, match=r"data.eval_path=/no/held.jsonl: no such file or directory; fix"):
-        train(tiny_config(tmp_path, data__path="train.jsonl", data__eval_path="/no/held.jsonl"))
-    with pytest.raises(FileNotFoundError, match=r"data.path=/data/\*.jsonl: no such file or directory; glob patterns "
-                                                r"are not expanded: give the directory that holds the files; fix"):
-        train(tiny_config(tmp_path, data__path="/data/*.jsonl"))
-    # "auto" means something for data.eval_path only: data.path=auto is a path like any other (it went unchecked)
-    with pytest.raises(FileNotFoundError, match=r"data.path=auto: no such file or directory .*; fix data.path"):
-        train(tiny_config(tmp_path, data__path="auto"))
-    assert not (tmp_path / "run").exists()
-    not_a_checkpoint = tmp_path / "elsewhere"
-    not_a_checkpoint.mkdir()
-    with pytest.raises(ConfigError, match=r"train.resume=.*elsewhere holds no checkpoint \(no state.pt\)"):
-        train(tiny_config(tmp_path, data__path="train.jsonl", train__resume=str(not_a_checkpoint)))
-    with pytest.raises(ConfigError, match=r"train.resume=.*train.jsonl is a file, not a checkpoint; give a "
-                                          r"checkpoint directory \(out_dir/checkpoints/step-N\) or its state.pt"):
-        train(tiny_config(tmp_path, data__path="train.jsonl", train__resume=str(tmp_path / "train.jsonl")))
-    (tmp_path / "data").mkdir()
-    with pytest.raises(ValueError, match=r"train.out_dir=.*/data/run is inside data.path=data, whose files are all "
-                                         r"read as data; put train.out_dir outside data"):
-        train(tiny_config(tmp_path, data__path="data", train__out_dir=str(tmp_path / "data" / "run")))
-
-
-class _NoBatches(SyntheticLoader):
-    def __len__(self):
-        return 0
-
-
-def test_a_run_that_fails_while_setting_up_leaves_out_dir_as_it_found_it(tmp_path, docs):
-    """A failure before the first step removes what the run wrote (config.yaml, metrics.jsonl, data copies)
-    and the out_dir it created; what was there before stays, and a refused resume keeps the run's config.yaml."""
-    with pytest.raises(ValueError, match="yields no batches"):
-        train(tiny_config(tmp_path), model=tiny_model(), train_loader=_NoBatches(docs))
-    assert not (tmp_path / "run").exists()
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "notes.md").write_text("mine")
-    with pytest.raises(ValueError, match="yields no batches"):
-        train(tiny_config(tmp_path), model=tiny_model(), train_loader=_NoBatches(docs))
-    assert sorted(p.name for p in run.iterdir()) == ["notes.md"]
-    over = dict(lora__enabled=True, lora__targets=["q_proj", "v_proj"], train__save_every=1, train__max_steps=1)
-    train(tiny_config(tmp_path, lora__rank=4, **over), model=tiny_model(), train_loader=SyntheticLoader(docs))
-    written = (run / "config.yaml").read_text()
-    metrics = (run / "metrics.jsonl").read_text()
-    with pytest.raises(ValueError, match=r"lora.rank=4 \(this run: 8\)"):
-        train(tiny_config(tmp_path, lora__rank=8, **dict(over, train__resume="auto", train__max_steps=2)),
-              model=tiny_model(), train_loader=SyntheticLoader(docs))
-    assert (run / "config.yaml").read_text() == written and "rank: 4" in written
-    assert (run / "metrics.jsonl").read_text() == metrics and (run / "notes.md").read_text() == "mine"
-
-
-def test_a_run_that_fails_while_setting_up_removes_the_folders_it_created_above_out_dir(tmp_path, docs):
-    """train.out_dir=fresh/deeper/run failing in setup removed run/ and left the empty fresh/deeper/ it had made;
-    a folder above that holds something stays."""
-    out = tmp_path / "fresh" / "deeper" / "run"
-    with pytest.raises(ValueError, match="yields no batches"):
-        train(tiny_config(tmp_path, train__out_dir=str(out)), model=tiny_model(), train_loader=_NoBatches(docs))
-    assert not (tmp_path / "fresh").exists()
-    (tmp_path / "fresh").mkdir()
-    (tmp_path / "fresh" / "keep.txt").write_text("mine")
-    with pytest.raises(ValueError, match="yields no batches"):
-        train(tiny_config(tmp_path, train__out_dir=str(out)), model=tiny_model(), train_loader=_NoBatches(docs))
-    assert sorted(p.name for p in (tmp_path / "fresh").iterdir()) == ["keep.txt"]
 
 
 def test_resume_applies_this_runs_optimizer_settings(tmp_path, docs, caplog):
@@ -743,81 +624,6 @@ def test_a_new_run_removes_the_old_runs_checkpoints_and_final_model_once(tmp_pat
     assert (tmp_path / "run" / "model" / "config.json").is_file()
 
 
-def test_the_summary_of_a_resumed_run(tmp_path):
-    from chronicals.train.loop import TrainResult
-    from chronicals.train.report import RunReport
-
-    cfg = tiny_config(tmp_path)
-    rep = RunReport(cfg, out=lambda *a: None)
-    rep("after", model=None, tokenizer=None, eval_loss=1.5, heldout_qa=None)
-    res = TrainResult(status="completed", step=8, total_steps=8, out_dir=tmp_path, start_step=4,
-                      eval_loss_before=2.25, train_seconds=2.0, tokens_per_s=100.0)
-    text = rep.summary(res)
-    assert "held-out loss: 2.2500 -> 1.5000" in text and "training data" not in text
-    from chronicals.data.dataset import DatasetStats
-    res.data_stats = DatasetStats(records=10, documents=7, skipped_errors=2, truncated=1, dropped_no_loss=1,
-                                  unclosed_replies=3)
-    assert "training data: 7 examples of 10 records (2 bad records skipped, 1 truncated to data.max_seq_len, " \
-           "1 dropped with no loss tokens, 3 replies that train no end-of-turn token)" in rep.summary(res)
-    assert "training: 4 steps (resumed at step 4, now at 8 of 8) in 2.0 s, 100 loss tokens/s" in text
-    res.start_step = 7
-    assert "training: 1 step (resumed at step 7, now at 8 of 8)" in rep.summary(res)
-    res.checkpoint = tmp_path / "checkpoints" / "step-000008"
-    assert f"resumable checkpoint (weights + optimizer state; " in rep.summary(res)
-
-
-def test_a_log_file_gets_step_lines_not_a_progress_bar(tmp_path, docs, caplog, capsys):
-    """logging.progress with stderr not a terminal (CI, nohup): a plain line every ~5% of the run (41 // 20 = 2
-    steps) and the interval evaluations, no carriage-return bar; and a line for step 41, the run's last (its final
-    loss), though 41 is not a multiple of 2 (without it the log file ended at step 40)."""
-    cfg = tiny_config(tmp_path, train__max_steps=41, eval__every=20, logging__progress=True)
-    with caplog.at_level("INFO", logger="chronicals.train"):
-        train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs), eval_loader=SyntheticLoader(docs[:4]))
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
-    assert [m.split(":")[0] for m in lines if "loss tokens/s" in m] == \
-        [f"step {k}/41" for k in range(2, 41, 2)] + ["step 41/41"]
-    assert any(m.startswith("step 20/41: held-out loss") for m in lines)
-    assert "\r" not in capsys.readouterr().err
-    caplog.clear()
-    with caplog.at_level("INFO", logger="chronicals.train"):  # logging.progress=false: no step lines
-        train(tiny_config(tmp_path / "quiet", train__max_steps=2), model=tiny_model(),
-              train_loader=SyntheticLoader(docs))
-    assert "training steps" not in caplog.text and "step 2/2" not in caplog.text
-
-
-def test_an_out_dir_that_is_a_file_is_refused(tmp_path):
-    (tmp_path / "afile").write_text("x")
-    for out in ("afile", "afile/sub"):
-        with pytest.raises(ConfigError, match=rf"train.out_dir=.*{out}: .*afile is a file, not a directory"):
-            train(tiny_config(tmp_path, train__out_dir=str(tmp_path / out)))
-
-
-def test_settings_that_do_nothing_are_named(tmp_path, docs, caplog):
-    """lora.* keys under full fine-tuning and more checkpointed layers than the model has: a warning each."""
-    with caplog.at_level("WARNING", logger="chronicals.train"):
-        train(tiny_config(tmp_path, train__max_steps=1, lora__rank=8, lora__modules_to_save=["lm_head"],
-                          model__checkpoint_layers=5),
-              model=tiny_model(), train_loader=SyntheticLoader(docs))
-    assert "lora.rank, lora.modules_to_save set, but lora.enabled=false" in caplog.text
-    assert "model.checkpoint_layers=5 but the model has 2 decoder layers" in caplog.text
-
-
-def test_overlap_grad_reduce_in_one_process_is_named(tmp_path, docs, caplog):
-    with caplog.at_level("WARNING", logger="chronicals.train"):
-        train(tiny_config(tmp_path, train__max_steps=1, train__overlap_grad_reduce=True), model=tiny_model(),
-              train_loader=SyntheticLoader(docs))
-    assert "train.overlap_grad_reduce=true does nothing in one process" in caplog.text
-
-
-def test_eval_every_without_held_out_data_is_named(tmp_path, docs, caplog):
-    """eval.every=2 with no held-out set (data.eval_path='', or auto beside your own data) evaluated nothing, unsaid."""
-    with caplog.at_level("WARNING", logger="chronicals.train"):
-        train(tiny_config(tmp_path, train__max_steps=4, eval__every=2), model=tiny_model(),
-              train_loader=SyntheticLoader(docs))
-    assert "eval.every=2 does nothing: the run has no held-out data" in caplog.text
-    assert "data.eval_path" in caplog.text
-
-
 def test_a_warmup_as_long_as_the_run_is_named_with_where_the_peak_lands(tmp_path, docs, caplog):
     """warmup 5 over a 3-step run becomes ceil(3 / 10) = 1 step, so the run still decays: steps 1, 2, 3 run at
     1, 1 and min_lr_ratio (0.1) of the peak (cosine from step 1 to the last step)."""
@@ -827,168 +633,6 @@ def test_a_warmup_as_long_as_the_run_is_named_with_where_the_peak_lands(tmp_path
     assert ("warming up over 1 step(s) instead (1/10 of the run, rounded up), so the lr reaches its peak at step 1"
             in caplog.text)
     assert [r["lr"] for r in _train_records(tmp_path / "run")] == pytest.approx([1e-3, 1e-3, 1e-4])
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="model.device=auto resolves to the GPU here")
-def test_cuda_graphs_true_where_they_cannot_run_is_refused_before_loading(tmp_path, monkeypatch):
-    """train.cuda_graphs=true with model.device=auto on a machine without a GPU failed only at the first step,
-    after the model and data had loaded (model.device=cpu is refused when the config is read)."""
-    import chronicals.train.loop as loop
-
-    def no_load(*a, **k):
-        raise AssertionError("the model was loaded before the setting was checked")
-
-    monkeypatch.setattr(loop, "load_base", no_load)
-    with pytest.raises(ValueError, match=r"train.cuda_graphs=true needs CUDA, but this run's device is cpu"):
-        train(tiny_config(tmp_path, train__cuda_graphs="true", model__device="auto"),
-              train_loader=SyntheticLoader(synthetic_docs(4)))
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
-
-
-def test_a_passed_adapted_model_trains_its_adapters_and_saved_modules_only(tmp_path, docs):
-    """A config asking for lora.modules_to_save=[embed_tokens] on adapters that save nothing trained none, without
-    a word; a parameter unfrozen by hand after apply_lora trained and was missing from adapter/ (a LoRA walk). The
-    first is refused naming the key, the second naming the parameter; the adapters' own saved modules (with the
-    tied partner apply_lora adds) pass."""
-    from chronicals.lora import apply_lora
-
-    over = dict(lora__enabled=True, lora__rank=4, lora__alpha=8, train__max_steps=1)
-    model = tiny_model()
-    apply_lora(model, r=4, alpha=8, seed=0)
-    with pytest.raises(ConfigError, match=r"lora.modules_to_save=\['embed_tokens'\] \(the adapters train none\)"):
-        train(tiny_config(tmp_path, lora__modules_to_save=["embed_tokens"], **over), model=model,
-              train_loader=SyntheticLoader(docs))
-    model.model.norm.weight.requires_grad_(True)
-    with pytest.raises(ValueError, match=r"trainable parameters outside them: \['model.norm.weight'\]"):
-        train(tiny_config(tmp_path, **over), model=model, train_loader=SyntheticLoader(docs))
-    saving = tiny_model()
-    apply_lora(saving, r=4, alpha=8, seed=0, modules_to_save=["lm_head"])
-    res = train(tiny_config(tmp_path / "ok", lora__modules_to_save=["lm_head"], **over), model=saving,
-                train_loader=SyntheticLoader(docs))
-    assert res.status == "completed"
-
-
-def test_a_passed_model_needs_a_tokenizer_and_its_adapters_must_fit_the_config(tmp_path, docs, caplog):
-    """train(cfg, model=m) without a tokenizer said 'needs a fast tokenizer; got NoneType' after it had injected
-    LoRA into m; a retry with another rank then trained the first rank's adapters without a word. The tokenizer is
-    asked for before anything changes, and adapters that do not fit lora.* are refused naming the keys."""
-    from chronicals.lora import apply_lora
-
-    model = tiny_model()
-    with pytest.raises(TypeError, match=r"train\(config, model=\.\.\.\) needs tokenizer=\.\.\. too"):
-        train(tiny_config(tmp_path, lora__enabled=True), model=model)
-    assert getattr(model, "lora_config", None) is None and not (tmp_path / "run").exists()
-    apply_lora(model, r=4, alpha=8, target_modules=("q_proj", "v_proj"))
-    before = {n: p.clone() for n, p in model.state_dict().items()}
-    over = dict(lora__enabled=True, train__max_steps=1)
-    with pytest.raises(ConfigError, match=r"already has LoRA adapters .* asks for others: lora.rank=8 \(the "
-                                          r"adapters': 4\); lora.targets=\['q_proj', 'k_proj', 'v_proj'\] \(the "
-                                          r"adapters are on \['q_proj', 'v_proj'\]\)\. Set those keys") as e:
-        train(tiny_config(tmp_path, lora__rank=8, lora__alpha=8, lora__targets=["q_proj", "k_proj", "v_proj"], **over),
-              model=model, train_loader=SyntheticLoader(docs))
-    assert e.value.key == "lora.rank"
-    assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
-    res = train(tiny_config(tmp_path, lora__rank=4, lora__alpha=8, lora__targets=["q_proj", "v_proj"], **over),
-                model=model, train_loader=SyntheticLoader(docs))
-    assert res.step == 1 and res.status == "completed"
-    # lora.* left at the defaults (a loaded PEFT adapter trained on): the adapters' own settings, named in a warning
-    with caplog.at_level("WARNING", logger="chronicals.train"):
-        res = train(tiny_config(tmp_path / "b", **over), model=model, train_loader=SyntheticLoader(docs))
-    assert res.status == "completed" and model.lora_config.r == 4
-    assert "has its own LoRA adapters, trained as they are: lora.rank=16 (the adapters': 4); lora.alpha=32.0 (the " \
-           "adapters': 8.0); lora.targets=" in caplog.text
-
-
-def test_a_trainconfig_changed_after_it_was_built_is_checked_again(tmp_path, docs):
-    """The checks live in each section's __post_init__: c.train.grad_accum = 0 after building reached the loop and
-    failed there as a ZeroDivisionError (a Python-API walk); train() checks the config again."""
-    cfg = tiny_config(tmp_path)
-    cfg.train.grad_accum = 0
-    with pytest.raises(ConfigError, match=r"train.grad_accum=0 is invalid: expected an integer >= 1"):
-        train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs))
-    assert not (tmp_path / "run").exists()
-
-
-def test_a_train_loader_built_for_two_ranks_is_refused_in_one_process(tmp_path, docs):
-    """A train_loader sharded for world_size=2 in a one-process run would train half the data as if it were all
-    of it (nothing refused it): train() refuses it with the fix before any step runs."""
-    loader = SyntheticLoader(docs)
-    loader.world_size = 2
-    with pytest.raises(ValueError, match=r"train_loader has world_size=2 but the job runs 1 ranks; build it with "
-                                         r"PackedLoader\(rank=RANK, world_size=WORLD_SIZE\)"):
-        train(tiny_config(tmp_path, train__max_steps=2), model=tiny_model(), train_loader=loader)
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
-
-
-def test_a_passed_models_own_base_is_what_the_run_records(tmp_path, docs):
-    """train(cfg, model=m) recorded cfg's model.path (the embedded model's name when the dict set none) in
-    config.yaml and its checkpoints, so `chronicals train out_dir/config.yaml` resumed the adapters on that other
-    model without a word. The passed model's own base (model.chronicals_base) is recorded now."""
-    import yaml
-
-    model = tiny_model()
-    model.chronicals_base = str(tmp_path / "my-base")
-    train(tiny_config(tmp_path, train__max_steps=1), model=model, train_loader=SyntheticLoader(docs))
-    stored = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
-    assert stored["model"]["path"] == str(tmp_path / "my-base")
-
-
-def test_full_fine_tuning_says_it_unfreezes_a_passed_models_frozen_weights(tmp_path, docs, caplog):
-    model = tiny_model()
-    model.model.embed_tokens.weight.requires_grad_(False)
-    with caplog.at_level("WARNING", logger="chronicals"):
-        train(tiny_config(tmp_path, train__max_steps=1), model=model, train_loader=SyntheticLoader(docs))
-    assert "full fine-tuning trains every weight: 1 parameter tensors frozen in the model passed " \
-           "(e.g. model.embed_tokens.weight) train too" in caplog.text
-    assert model.model.embed_tokens.weight.requires_grad
-
-
-def test_model_attention_cudnn_is_checked_before_the_model_loads(tmp_path, docs, caplog, monkeypatch):
-    """model.attention=cudnn without cuDNN's frontend failed at the first step's forward on CUDA (an ImportError,
-    exit 4) and did nothing, silently, on the CPU (a full fine-tuning walk)."""
-
-    from chronicals.ops import attention_cudnn
-    from chronicals.train.guards import check_impl
-
-    cfg = tiny_config(tmp_path, model__attention="cudnn")
-    with caplog.at_level("WARNING", logger="chronicals"):
-        check_impl(cfg, torch.device("cpu"))
-    assert "model.attention=cudnn does nothing on cpu" in caplog.text
-    monkeypatch.setattr(attention_cudnn, "available", lambda: False)
-    with pytest.raises(ConfigError, match=r"model.attention=cudnn needs NVIDIA's cuDNN Python frontend"):
-        check_impl(cfg, torch.device("cuda"))
-
-
-def test_loss_vocab_parts_on_the_reference_head_is_said(tmp_path, caplog, monkeypatch):
-    """model.loss_vocab_parts=4 on the CPU (the reference head, which materializes the logits) did nothing, without
-    a word (session 33's note)."""
-    from chronicals.train.guards import check_impl
-
-    cfg = tiny_config(tmp_path, model__loss_vocab_parts=4, model__impl="auto")
-    with caplog.at_level("WARNING", logger="chronicals"):
-        check_impl(cfg, torch.device("cpu"))
-    assert "model.loss_vocab_parts=4 does nothing on cpu" in caplog.text
-    caplog.clear()
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton head in the interpreter has the parts
-    with caplog.at_level("WARNING", logger="chronicals"):
-        check_impl(tiny_config(tmp_path, model__loss_vocab_parts=4, model__impl="triton"), torch.device("cpu"))
-    assert "loss_vocab_parts" not in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="chronicals"):
-        check_impl(tiny_config(tmp_path, model__loss_vocab_parts=4, model__impl="torch"), torch.device("cuda"))
-    assert "model.loss_vocab_parts=4 does nothing with model.impl=torch" in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="chronicals"):
-        check_impl(tiny_config(tmp_path, model__loss_vocab_parts=4, model__impl="auto"), torch.device("cuda"))
-    assert "loss_vocab_parts" not in caplog.text
-
-
-def test_gate_up_layers_past_the_layer_count_is_said(tmp_path, docs, caplog):
-    cfg = tiny_config(tmp_path, train__max_steps=1, model__recompute=["norm", "swiglu", "gate_up"],
-                      model__gate_up_layers=9)
-    with caplog.at_level("WARNING", logger="chronicals"):
-        train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs))
-    assert "model.gate_up_layers=9 but the model has 2 decoder layers: all of them rebuild gate|up" in caplog.text
 
 
 def test_a_divergence_before_the_first_checkpoint_does_not_ask_for_a_setting_already_set(tmp_path, docs):
@@ -1001,96 +645,6 @@ def test_a_divergence_before_the_first_checkpoint_does_not_ask_for_a_setting_alr
         train(cfg, model=model, train_loader=SyntheticLoader(docs))
     assert "No checkpoint was written before it (one is written every train.save_every steps, and at the end)" in \
         str(e.value) and "save_every=N" not in str(e.value), str(e.value)
-
-
-def _hand_untied_model():
-    """A tied config whose lm_head was made its own Parameter in code (same values at first)."""
-    from chronicals.models import CausalLM, ModelConfig
-    from train_helpers import VOCAB
-
-    hf = dict(model_type="llama", vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=1,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
-    model = CausalLM(ModelConfig.from_hf_dict(hf)).init_weights(seed=0)
-    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
-    return model
-
-
-def test_a_hand_untied_head_on_a_tied_config_is_refused_before_a_full_fine_tune(tmp_path):
-    """It trained every step, then save_model refused the final save (the head had moved away from the embedding;
-    a full fine-tuning walk)."""
-    steps = []
-    with pytest.raises(ValueError, match=r"tie_word_embeddings is true, but lm_head.weight is another tensor.*"
-                                         r"tie_word_embeddings = False"):
-        train(tiny_config(tmp_path, train__max_steps=2, train__save_final=True), model=_hand_untied_model(),
-              train_loader=SyntheticLoader(synthetic_docs(20)), on_step=lambda step, rec: steps.append(step))
-    assert steps == [] and not (tmp_path / "run" / "checkpoints").exists()
-    model = _hand_untied_model()
-    model.config.tie_word_embeddings = False  # the fix the message names
-    res = train(tiny_config(tmp_path / "b", train__max_steps=2, train__save_final=True), model=model,
-                train_loader=SyntheticLoader(synthetic_docs(20)))
-    assert res.status == "completed" and (res.final_dir / "model.safetensors").is_file()
-
-
-class _Terminal(io.StringIO):
-    def isatty(self):
-        return True
-
-
-def test_no_log_line_is_glued_to_the_progress_bar(tmp_path, docs, monkeypatch):
-    """On a terminal, "step metrics: ..." was logged after the bar was drawn and outside tqdm's logging redirect, so
-    it printed on the bar's first line ("train:   0%|  | 0/2 [00:00<?, ?step/s]INFO step metrics: ...")."""
-    import logging
-
-    term = _Terminal()
-    monkeypatch.setattr(sys, "stderr", term)
-    handler = logging.StreamHandler(term)  # what the CLI's basicConfig puts on the root logger
-    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
-    root = logging.getLogger()
-    old_level = root.level
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    try:
-        train(tiny_config(tmp_path, train__max_steps=2, logging__progress=True), model=tiny_model(),
-              train_loader=SyntheticLoader(docs))
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(old_level)
-    lines = term.getvalue().split("\n")
-    assert any("train:" in line and "step/s" in line for line in lines)  # the bar was drawn on this "terminal"
-    assert any("step metrics:" in line for line in lines)
-    # tqdm's redirect clears the bar's line ("\r   \r") before a log line; glued, the line follows the bar's text
-    glued = [seg for line in lines for seg in line.split("\r") if "INFO" in seg and "step/s" in seg]
-    assert not glued, glued
-
-
-def test_a_resumed_runs_progress_bar_counts_from_its_step_to_the_runs_end(tmp_path, docs, monkeypatch):
-    """On a terminal the bar counts the whole run: total = the run's steps, initial = the step a resume starts at,
-    one update per step trained, so a resumed run's bar ends at its total (it started at 0, or moved by the step
-    number); and logging.progress=false draws no bar (the setting was ignored)."""
-    made = []
-
-    class Bar(tqdm.auto.tqdm):  # the real bar, drawn into a string; what it was told is kept
-        def __init__(self, *a, **k):
-            super().__init__(*a, **{**k, "file": io.StringIO()})
-            self.start_n, self.updates, self.was_closed = self.n, [], False
-            made.append(self)
-
-        def update(self, n=1):
-            self.updates.append(n)
-            return super().update(n)
-
-        def close(self):
-            self.was_closed = True
-            return super().close()
-    monkeypatch.setattr(sys, "stderr", _Terminal())
-    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
-    cfg = tiny_config(tmp_path, train__max_steps=6, train__resume="auto", logging__progress=True)
-    assert train(cfg, model=sigterm_at_forward(tiny_model(), 2), train_loader=SyntheticLoader(docs)).step == 2
-    assert train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs)).step == 6
-    assert [(b.total, b.start_n, b.updates, b.n, b.was_closed) for b in made] == \
-        [(6, 0, [1, 1], 2, True), (6, 2, [1, 1, 1, 1], 6, True)]
-    train(tiny_config(tmp_path / "quiet", train__max_steps=2), model=tiny_model(), train_loader=SyntheticLoader(docs))
-    assert len(made) == 2
 
 
 def test_the_gradient_norm_of_no_gradient_is_zero():
