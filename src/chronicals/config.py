@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from ._numbers import is_int
 from .config_schema import (
     ATTENTION_KERNELS,
     BOOL_WORDS,
@@ -119,7 +120,7 @@ def _coerce(key: str, value, typ):
             return BOOL_WORDS[value.lower()]
         raise ConfigError(f"config {key}={shown(value)} is invalid: expected true or false", key)
     if typ is int:
-        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and _is_int(value))):
+        if not (is_int(value) or isinstance(value, str) and _is_int_text(value)):
             raise ConfigError(f"config {key}={shown(value)} is invalid: expected an integer", key)
         return int(value)
     if typ is float:
@@ -149,7 +150,7 @@ def _coerce(key: str, value, typ):
     return value
 
 
-def _is_int(s: str) -> bool:
+def _is_int_text(s: str) -> bool:
     try:
         int(s)
         return True

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from ._numbers import is_int
 from ._words import counted
 
 log = logging.getLogger("chronicals.config")  # one logger for the whole config, whichever module warns
@@ -98,11 +99,6 @@ def _check(cond: bool, key: str, value, expected: str):
         raise ConfigError(f"config {key}={shown(value)} is invalid: expected {expected}", key)
 
 
-def _is_count(v) -> bool:
-    """An int that is not a bool: a section built in Python gets no YAML typing, and True is the int 1."""
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _check_finite(section) -> None:
     """Every float field of a section is finite: inf passes ``lr > 0`` and ``epochs > 0`` (epochs=inf then
     overflowed int() in the loop), nan fails them with a misleading range; one check, first, for all."""
@@ -153,13 +149,13 @@ class ModelSection:
         _check(self.impl in ("auto", "triton", "torch"), "model.impl", self.impl, "auto | triton | torch")
         _check(self.attention in ATTENTION_KERNELS, "model.attention", self.attention, " | ".join(ATTENTION_KERNELS))
         _check(bool(self.path), "model.path", self.path, "a model directory, .gguf file or short name")
-        _check(_is_count(self.checkpoint_layers) and self.checkpoint_layers >= 0, "model.checkpoint_layers",
+        _check(is_int(self.checkpoint_layers) and self.checkpoint_layers >= 0, "model.checkpoint_layers",
                self.checkpoint_layers, "an integer >= 0")
-        _check(_is_count(self.loss_vocab_parts) and self.loss_vocab_parts >= 1, "model.loss_vocab_parts",
+        _check(is_int(self.loss_vocab_parts) and self.loss_vocab_parts >= 1, "model.loss_vocab_parts",
                self.loss_vocab_parts, "an integer >= 1")
         _check(all(n in ("norm", "swiglu", "gate_up") for n in self.recompute), "model.recompute", self.recompute,
                "a list drawn from [norm, swiglu, gate_up], or []")
-        _check(_is_count(self.gate_up_layers) and self.gate_up_layers >= 0, "model.gate_up_layers",
+        _check(is_int(self.gate_up_layers) and self.gate_up_layers >= 0, "model.gate_up_layers",
                self.gate_up_layers, "an integer >= 0 (0 = every layer)")
         _check(not self.gate_up_layers or "gate_up" in self.recompute, "model.gate_up_layers", self.gate_up_layers,
                "0, or add gate_up to model.recompute (it limits that recompute to the first k layers)")
@@ -243,7 +239,7 @@ _MODULE_NAME = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
 # The LoRA values no model can take, decided here once: LoraSection checks a config with them when it is read (exit
 # 2, before any model loads), apply_lora (lora.inject) its arguments with the same tests and words. Each test takes
 # a number: a config's numbers are typed and finite (config._coerce, _check_finite), apply_lora checks its own first
-# with models.config.is_number.
+# with _numbers.is_number.
 LORA_VALUE_RULES = {
     "rank": (lambda v: v >= 1, "an integer >= 1, the adapter rank (8-64 is usual)"),
     "alpha": (lambda v: v > 0, "a finite number > 0; the update is scaled by alpha / r (2 r is usual)"),

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ._jsonio import write_text_atomic
+from ._numbers import is_int
 from ._words import counted
 from .config import DataSection
 from .data import DataError, DatasetStats, PackedLoader
@@ -148,7 +149,7 @@ def evaluate(model, tokenizer, data: DataSection, device: torch.device, *, qa_li
     ``system_prompt``: the QA prompts' system message as given ('' = none); None: ``qa.heldout_system_prompt(data)``,
     which is data.system_prompt for the demo data or when it differs from the default, else none, as train asks."""
     for name, value, least in (("qa_limit", qa_limit, 0), ("max_new_tokens", max_new_tokens, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:  # -1 had dropped the last question
+        if not is_int(value) or value < least:  # -1 had dropped the last question
             raise ValueError(f"evaluate: {name}={value!r} must be a whole number >= {least}"
                              + (" (0 = every question)" if name == "qa_limit" else ""))
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .._jsonio import lock_fresh, lock_if_free
+from .._numbers import is_int
 from .._words import counted
 from .readers import DataError, file_digest
 
@@ -217,7 +218,7 @@ def load(path: Path):
         raise CacheError("meta.json is missing (a write that did not finish)") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CacheError(f"meta.json is unreadable ({type(e).__name__}: {e})") from None
-    if not isinstance(pad_id, int) or isinstance(pad_id, bool):  # JSON true is a Python int
+    if not is_int(pad_id):  # JSON true is a Python int
         raise CacheError(f"meta.json: pad_id is {pad_id!r}, expected an integer")
     arrays = []
     for name, dtype in ARRAYS:

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from .._numbers import is_int
 from .._words import counted
 from . import cache as cache_mod
 from .formats import FORMATS, FormatError, detect_format, empty_target, to_example
@@ -292,7 +293,7 @@ def _from_cache(path: Path, max_seq_len: int, files: list[Path]) -> TokenizedDat
     if "digest" in meta and ds.digest != meta["digest"]:
         raise cache_mod.CacheError("the arrays do not match the digest written with them (damaged since)")
     counts, descs = meta.get("file_counts"), meta.get("file_formats")
-    if isinstance(counts, list) and not all(isinstance(n, int) and not isinstance(n, bool) for n in counts):
+    if isinstance(counts, list) and not all(is_int(n) for n in counts):
         raise cache_mod.CacheError(f"meta.json: file_counts is {counts!r}, not whole numbers")  # int("x") raised bare
     ds.file_counts = list(counts) if isinstance(counts, list) else []
     ds.file_formats = [str(d) for d in descs] if isinstance(descs, list) else []

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from .._numbers import is_int, is_number
 from .._words import counted
 from ..config import LORA_PROJECTIONS, LORA_VALUE_RULES, ConfigError, lora_names_problem
-from ..models.config import is_number
 from .group import bind_groups, unbind_groups
 from .layer import IMPLS, LoRALinear
 
@@ -76,7 +76,7 @@ def _check_lora_args(r, alpha, dropout, target_modules, use_rslora, modules_to_s
     model as it was: no frozen parameters, no replaced modules). What a valid rank, alpha, dropout and list of
     names is, config.py decides (LORA_VALUE_RULES, lora_names_problem: a config is checked with them when read);
     an argument a config key sets fails as a ConfigError with that key."""
-    for name, arg, value, typed in (("rank", "r", r, not isinstance(r, bool) and isinstance(r, int)),
+    for name, arg, value, typed in (("rank", "r", r, is_int(r)),
                                     ("alpha", "alpha", alpha, is_number(alpha)),
                                     ("dropout", "dropout", dropout, is_number(dropout))):
         ok, expected = LORA_VALUE_RULES[name]
@@ -105,7 +105,7 @@ def _check_lora_args(r, alpha, dropout, target_modules, use_rslora, modules_to_s
     if adapter_dtype is not None and not (isinstance(adapter_dtype, torch.dtype) and adapter_dtype.is_floating_point):
         raise ValueError(f"apply_lora: adapter_dtype={adapter_dtype!r} must be None (the base weight's dtype) or a "
                          "floating torch.dtype such as torch.float32")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+    if seed is not None and not is_int(seed):
         raise ConfigError(f"apply_lora: seed={seed!r} must be an integer or None (torch's global RNG; in a config: "
                           "train.seed)", "train.seed")
     if concat not in ("auto", True, False):

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .._jsonio import read_json_object
+from .._numbers import is_int, is_number
 
 # written by gguf_io into each conversion-cache entry (gguf_cache.CACHE_ENTRY): the directory is our GGUF conversion
 GGUF_CONVERSION_RECORD = "gguf_cache_entry.json"
@@ -276,15 +277,6 @@ _OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings", 
 _BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def is_number(v) -> bool:
-    """A finite int or float, not a bool (JSON's and YAML's true would pass isinstance(v, int))."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def _bad_field(d: dict) -> str | None:
     """What is wrong with the type or range of one of config.json's fields we use, or None. None (null) stands for
     "not set" where HF's configs allow it (num_key_value_heads, head_dim, sliding_window)."""
@@ -294,7 +286,7 @@ def _bad_field(d: dict) -> str | None:
         v = d[k]
         if v is None and k in _OPTIONAL_INTS or v == 0 and k in ("num_key_value_heads", "head_dim"):
             continue  # not set: the default (heads; hidden_size / heads)
-        if not (_is_int(v) and v >= 1):
+        if not (is_int(v) and v >= 1):
             return f"{k}={v!r} must be an integer >= 1"
     for k in _BOOLS:
         v = d.get(k)
@@ -302,7 +294,7 @@ def _bad_field(d: dict) -> str | None:
             return f"{k}={v!r} must be true or false (a JSON boolean, not a string or number)"
     # read only to place a sliding window (use_sliding_window without layer_types: see _sliding_window)
     if (d.get("use_sliding_window") and d.get("layer_types") is None and "max_window_layers" in d
-            and not (_is_int(d["max_window_layers"]) and d["max_window_layers"] >= 0)):
+            and not (is_int(d["max_window_layers"]) and d["max_window_layers"] >= 0)):
         return f"max_window_layers={d['max_window_layers']!r} must be an integer >= 0"
     for k, lo in (("rms_norm_eps", 0.0), ("rope_theta", None), ("partial_rotary_factor", None),
                   ("attention_dropout", 0.0)):

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint as ckpt
 
+from .._numbers import is_int
 from ..ops import attention, linear_cross_entropy, recompute, rms_norm, rope_cos_sin, rope_qk, swiglu
 from ..ops._impl import check_impl
 from ..ops.attention import attention_ref
@@ -102,7 +103,7 @@ def check_recompute(names) -> tuple[str, ...]:
 
 def check_gate_up_layers(k, names: tuple[str, ...]) -> int:
     """``gate_up_layers`` k: an int >= 0, and k > 0 only with "gate_up" among the recompute ``names``."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+    if not is_int(k) or k < 0:
         raise ValueError(f"gate_up_layers={k!r}: use a layer count k >= 0 (0 = every layer)")
     if k and "gate_up" not in names:
         raise ValueError(f"gate_up_layers={k} limits the \"gate_up\" recompute to the first {k} layers, but "

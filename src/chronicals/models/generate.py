@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .._numbers import is_integral
 from .decode_graph import DecodeStep
 from .decoder import CausalLM, KVCache
 
@@ -36,7 +37,7 @@ def new_token_budget(model, prompt_len: int, max_new_tokens: int) -> int:
     minutes (100000 new tokens on a 64-position model); past a shorter sliding window the model refuses, which
     ended a chat or eval with an error. A warning, once per process and setting, says so; a chat loop goes on.
     A max_new_tokens that is not a whole number >= 0 is a ValueError (-1 had decoded without end)."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
+    if not is_integral(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a whole number >= 0 (the most new tokens to "
                          "generate)")
     max_new_tokens = int(max_new_tokens)
@@ -128,7 +129,7 @@ def _eos_set(eos_token_id) -> set[int]:
     if isinstance(eos_token_id, torch.Tensor):  # a 0-d or 1-d tensor of ids, as a tokenizer config may give
         eos_token_id = eos_token_id.flatten().tolist()
     ids = [eos_token_id] if isinstance(eos_token_id, numbers.Integral) else list(eos_token_id)
-    if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
+    if not all(is_integral(i) for i in ids):
         raise ValueError(f"eos_token_id={eos_token_id!r}: give a token id or a list of token ids")
     return {int(i) for i in ids}
 

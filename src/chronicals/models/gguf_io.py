@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .._numbers import is_int, is_real
 from .._words import counted
 from .config import ModelConfig
 from .decoder import CausalLM
@@ -147,7 +148,7 @@ def gguf_config(reader, source: str = "gguf") -> dict:
             return v
         if isinstance(v, list) and v and all(x == v[0] for x in v):  # per-layer values, alike for every layer
             v = v[0]
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or float(v).is_integer()):
+        if is_real(v) and (kind is float or float(v).is_integer()):
             return kind(v)
         shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:60] + "..."
         raise ValueError(f"{source}: metadata {arch}.{key}={shown} is not {'an integer' if kind is int else 'a number'}"
@@ -215,7 +216,7 @@ def gguf_config(reader, source: str = "gguf") -> dict:
                         ("padding_token_id", "pad_token_id")):
         v = _field(reader, f"tokenizer.ggml.{key}")
         if v is not None:
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:  # a string or array: int() named no field
+            if not is_int(v) or v < 0:  # a string or array: int() named no field
                 raise ValueError(f"{source}: metadata tokenizer.ggml.{key}={v!r} is not a token id (an integer >= 0); "
                                  "the file's metadata is damaged: convert the model again with llama.cpp's "
                                  "convert_hf_to_gguf.py")

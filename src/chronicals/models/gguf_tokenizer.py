@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
+from .._numbers import is_int
+
 log = logging.getLogger(__name__)
 
 # the first transformers whose GGUF converter builds the tokenizer from tokenizer.ggml.model and .pre
@@ -80,7 +82,7 @@ def _read_meta(reader) -> tuple[_TokenizerMeta | None, str | None]:
     specials = {}
     for name, key in _SPECIAL_IDS.items():
         tid = get(key)
-        if tid is not None and not (isinstance(tid, int) and not isinstance(tid, bool) and 0 <= tid < n):
+        if tid is not None and not (is_int(tid) and 0 <= tid < n):
             return None, f"metadata {key}={tid!r} is not a token id of its {n} tokens"
         specials[name] = None if tid is None else tokens.contents(tid)
     model = get("tokenizer.ggml.model")

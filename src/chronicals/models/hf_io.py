@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .._jsonio import fitting_name, json_kind, read_json_object
+from .._numbers import is_int
 from .config import ModelConfig, absent_defaults_note, rope_inv_freq
 from .decoder import CausalLM
 from .orphans import old_path, publish_lock, recover_replaced, remove_orphans, writer_lock
@@ -485,8 +486,7 @@ def save_hf_dir(model: CausalLM, tokenizer, out_dir: str | Path, *, generation_c
     the ``generation_config`` dict when given, else the source directory's file as loaded
     (``model.source_generation_config``), else none.
     """
-    if max_shard_bytes is not None and (isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int)
-                                        or max_shard_bytes < 1):
+    if max_shard_bytes is not None and (not is_int(max_shard_bytes) or max_shard_bytes < 1):
         raise ValueError(f"save_model: max_shard_bytes={max_shard_bytes!r}; expected a number of bytes >= 1 (e.g. "
                          "5 * 2**30 for 5 GiB shards) or None for one file")
     if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):

@@ -36,12 +36,12 @@ Implementations (``impl``; "auto" = a varlen kernel on CUDA, reference on CPU):
 from __future__ import annotations
 
 import functools
-import numbers
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from .._numbers import is_integral
 from .._words import counted
 from ._impl import log, resolve_impl
 
@@ -151,7 +151,7 @@ def _check_attention(q, k, v, cu_seqlens, max_seqlen=None) -> None:
     if k.shape[2] == 0:
         raise ValueError("attention: k and v have 0 heads; expected Hk >= 1 key/value heads")
     if max_seqlen is not None and not torch.compiler.is_compiling() and (  # traced: a SymInt, left to the guards
-            isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 1):
+            not is_integral(max_seqlen) or max_seqlen < 1):
         # FA2 read max_seqlen=0 as no tokens (garbage out) and 1 as a reshape error from inside the kernel's call
         raise ValueError(f"attention: max_seqlen={max_seqlen!r}; expected the longest document's length, an int "
                          ">= 1 (or None to read it from cu_seqlens, one host sync)")

@@ -92,12 +92,12 @@ scheme this replaced measured 41.7 / 46.3 ms at 0.66 / 0.56 GiB (git fe9aee8).
 
 from __future__ import annotations
 
-import numbers
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from .._numbers import is_integral, is_real
 from ._impl import resolve_impl
 from ._linear_ce_kernels import dh_finish, dw_accumulate, lce_rows, scale_by
 from ._triton_utils import check_device
@@ -483,14 +483,13 @@ def _check(hidden, weight, labels, bias, reduction, softcap=None, vocab_parts=1,
         raise ValueError(f"linear_cross_entropy: labels must be int64 or int32 class indices, got {labels.dtype}; "
                          "convert with labels.long()")
     # softcap = 0 made every logit 0 * tanh(x / 0) = 0 (a uniform loss of log V, silently); < 0 flips the logits
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
-                                or not 0 < softcap < float("inf")):
+    if softcap is not None and not (is_real(softcap) and 0 < softcap < float("inf")):
         raise ValueError(f"linear_cross_entropy: softcap={softcap!r} must be None (no capping) or a finite number "
                          "> 0 (Gemma-2 uses 30.0: logits = softcap * tanh(logits / softcap))")
     if isinstance(vocab_parts, bool) or int(vocab_parts) != vocab_parts or vocab_parts < 1:
         raise ValueError(f"linear_cross_entropy: vocab_parts={vocab_parts!r} must be an integer >= 1 "
                          "(1: one fp32 weight-gradient accumulator of V x H; k: V x H / k for (k-1)/k more GEMMs)")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):  # 0.5 was read as 0
+    if not is_integral(ignore_index):  # 0.5 was read as 0
         raise ValueError(f"linear_cross_entropy: ignore_index={ignore_index!r} must be an integer label (-100 is "
                          "transformers' and the data collator's)")
     check_device("linear_cross_entropy", hidden, weight, labels, bias)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from .._numbers import is_int
 from ..models.orphans import remove_orphans, writer_lock
 
 log = logging.getLogger("chronicals.train")
@@ -177,7 +178,7 @@ def checkpoint_path(out_dir: str | Path, step: int) -> Path:
 
 def _check_keep_last(keep_last: int) -> None:
     # keep_last=0 read as "[-0:]", i.e. every checkpoint kept: the opposite of what it says (a session-41 walk)
-    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+    if not is_int(keep_last) or keep_last < 1:
         raise ValueError(f"keep_last={keep_last!r}: checkpoints to keep must be an integer >= 1 (the one just "
                          "written is always kept); pass keep_last=1 to keep only the newest")
 
