@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from chronicals.data import load_dataset
-from chronicals.data.dataset import LOST_TOKENS_WARN, OPTIONS, DatasetStats, _finish, _pad_id
+from chronicals.data.dataset import OPTIONS, DatasetStats, _pad_id
 from chronicals.data.readers import DataError
+from chronicals.data.reporting import LOST_TOKENS_WARN, _finish
 
 
 TRAINER_NAMES = {k: k for k in OPTIONS} | {"max_seq_len": "data.max_seq_len", "loss_on": "data.train_on",

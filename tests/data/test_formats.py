@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import chronicals.data.dataset as dsmod
+import chronicals.data.workers as workers_mod
 from chronicals.data import load_dataset
 from chronicals.data.formats import Example, FormatError, detect_format, to_example
 from chronicals.data.readers import DataError, read_file
@@ -178,7 +179,7 @@ def test_parallel_tokenization_matches_serial(tokenizer, tmp_path, monkeypatch):
     rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a" * (i % 7 + 1)}]}
             for i in range(40)] + [{"text": "oops"}, {"bad": 1}]
     path = write_jsonl(tmp_path / "p.jsonl", rows)
-    monkeypatch.setattr(dsmod, "CHUNK", 10)
+    monkeypatch.setattr(workers_mod, "CHUNK", 10)
     serial = load_dataset(path, tokenizer, max_seq_len=64, num_proc=1, on_error="skip")
     parallel = load_dataset(path, tokenizer, max_seq_len=64, num_proc=2, on_error="skip")
     assert parallel.ids.tolist() == serial.ids.tolist() and parallel.offsets.tolist() == serial.offsets.tolist()

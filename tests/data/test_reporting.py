@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from chronicals.data import load_dataset
-from chronicals.data.dataset import _summary_line
+from chronicals.data.reporting import _summary_line
 from chronicals.data.readers import resolve_files
 
 
@@ -197,11 +197,11 @@ def test_reading_a_large_set_is_said_before_it_starts(tokenizer, tmp_path, monke
 def test_records_are_read_as_they_are_tokenized(tokenizer, tmp_path, monkeypatch, num_proc):
     """load_dataset read every record of every file before tokenizing (~5x a JSON-lines file in Python objects, 10x
     with the rest: a data walk at scale); now a chunk at a time, at most 2 x num_proc chunks ahead of the fold."""
-    from chronicals.data import dataset
+    from chronicals.data import dataset, workers
 
-    monkeypatch.setattr(dataset, "CHUNK", 10)
+    monkeypatch.setattr(workers, "CHUNK", 10)
     events = []
-    real_iter, real_add = dataset.iter_records, dataset._Fold.add
+    real_iter, real_add = workers.iter_records, dataset._Fold.add
 
     def counted(path):
         for rec in real_iter(path):
@@ -212,7 +212,7 @@ def test_records_are_read_as_they_are_tokenized(tokenizer, tmp_path, monkeypatch
         events.append("fold")
         return real_add(self, records, results)
 
-    monkeypatch.setattr(dataset, "iter_records", counted)
+    monkeypatch.setattr(workers, "iter_records", counted)
     monkeypatch.setattr(dataset._Fold, "add", add)
     p = write(tmp_path / "d.jsonl", [{"text": f"record {i}"} for i in range(100)])
     ds = load_dataset(p, tokenizer, max_seq_len=64, num_proc=num_proc)
@@ -251,11 +251,11 @@ def test_on_long_split_keeps_every_token_as_documents_of_max_seq_len(tokenizer, 
 
 
 def test_record_counts_and_formats_per_file_past_one_chunk(tokenizer, tmp_path, monkeypatch):
-    """Records are tokenized in chunks (dataset.CHUNK); a file of several chunks is counted whole and its format
+    """Records are tokenized in chunks (workers.CHUNK); a file of several chunks is counted whole and its format
     said of it, not of the next file; a trailing file with no records is "no readable records", not "not read"."""
-    from chronicals.data import dataset
+    from chronicals.data import workers
 
-    monkeypatch.setattr(dataset, "CHUNK", 10)
+    monkeypatch.setattr(workers, "CHUNK", 10)
     d = tmp_path / "d"
     write(d / "a.jsonl", [{"text": f"a {i}"} for i in range(25)])
     write(d / "b.jsonl", [{"prompt": f"p {i}", "completion": " c"} for i in range(25)])

@@ -95,9 +95,9 @@ def test_a_template_that_closes_no_reply_warns(tokenizer, tmp_path, caplog):
 
 
 def test_workers_count_as_one_process(tokenizer, tmp_path, caplog, monkeypatch):
-    import chronicals.data.dataset as dsmod
+    import chronicals.data.workers as workers_mod
 
-    monkeypatch.setattr(dsmod, "CHUNK", 2)
+    monkeypatch.setattr(workers_mod, "CHUNK", 2)
     tok = glm4(tokenizer)
     path = write_jsonl(tmp_path / "g.jsonl", records(7))
     serial, _ = load(tok, path, caplog, num_proc=1)

@@ -17,7 +17,7 @@ HERE = Path(__file__).resolve().parent
 SCRIPT = textwrap.dedent("""
     import json, os, signal, sys
     sys.path.insert(0, {tests!r})
-    import chronicals.data.dataset as dsmod
+    import chronicals.data.workers as workers_mod
     from chronicals.data import DataError, load_dataset
     from smollm2_tokenizer import smollm2_tokenizer
 
@@ -25,16 +25,16 @@ SCRIPT = textwrap.dedent("""
         raise KeyboardInterrupt
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    real = dsmod._encode_chunk
+    real = workers_mod._encode_chunk
     def encode(records):
         if records[0].data.get("text") == "die":
             os.kill(os.getpid(), signal.SIGKILL)
         return real(records)
-    dsmod._encode_chunk = encode  # the forked workers look it up here
+    workers_mod._encode_chunk = encode  # the forked workers look it up here
     path = {path!r}
     with open(path, "w") as f:
-        for i in range(3 * dsmod.CHUNK):
-            f.write(json.dumps({{"text": "die" if i == dsmod.CHUNK else f"record {{i}}"}}) + "\\n")
+        for i in range(3 * workers_mod.CHUNK):
+            f.write(json.dumps({{"text": "die" if i == workers_mod.CHUNK else f"record {{i}}"}}) + "\\n")
     try:
         load_dataset(path, smollm2_tokenizer(), max_seq_len=32, num_proc=2,
                      option_names={{"num_proc": "data.num_proc"}})
@@ -72,17 +72,17 @@ def test_data_num_proc_reaches_the_tokenizer():
 ORPHAN = textwrap.dedent("""
     import json, os, sys, time
     sys.path.insert(0, {tests!r})
-    import chronicals.data.dataset as dsmod
+    import chronicals.data.workers as workers_mod
     from chronicals.data import load_dataset
     from smollm2_tokenizer import smollm2_tokenizer
 
     def slow(records):  # each worker says its pid (one write: print's pieces of two workers interleaved), then
         os.write(1, f"worker {{os.getpid()}}\\n".encode())  # works for a minute
         time.sleep(60)
-    dsmod._encode_chunk = slow
+    workers_mod._encode_chunk = slow
     path = {path!r}
     with open(path, "w") as f:
-        for i in range(3 * dsmod.CHUNK):
+        for i in range(3 * workers_mod.CHUNK):
             f.write(json.dumps({{"text": f"record {{i}}"}}) + "\\n")
     load_dataset(path, smollm2_tokenizer(), max_seq_len=32, num_proc=2)
 """)

@@ -21,9 +21,9 @@ import torch
 
 from .._jsonio import atomic_open
 from ..config import DEMO, DEMO_SYSTEM_PROMPT
-from ..data.dataset import report_bad_records
 from ..data.formats import FormatError, a_type, check_text
 from ..data.readers import DataError, read_file, resolve_files
+from ..data.reporting import report_bad_records
 from ..data.tokenize import TEMPLATE_DATE
 from ..models.generate import generate, greedy_rows, stop_ids
 from .guards import check_ids_in_vocab
@@ -70,7 +70,7 @@ def read_qa(path: str | Path, on_error: str = "fail", on_error_name: str = "data
     DataError saying to convert it (it would fail as "cannot tell the format"). A malformed line or field, or
     a record without "question" beside QA records, is a bad record: DataError ``file:line: ...`` under
     ``on_error="fail"`` (data.on_error); under "skip" it is left out, and one warning counts them and names the
-    first three (as load_dataset reports its bad records: ``data.dataset.report_bad_records``).
+    first three (as load_dataset reports its bad records: ``data.reporting.report_bad_records``).
     ``on_error_name``: what the error calls the on_error option (chronicals eval: --on-error).
     """
     return read_qa_counted(path, on_error, on_error_name)[0]
