@@ -1,7 +1,7 @@
 """Tokenizing one chat of many turns without {% generation %} markers (CPU, seconds a record).
 
 The prefix renders (two template renders a reply, each of the conversation so far) grow with the square of the
-turns; ``tokenize._locate_linear`` (from ``tokenize.LINEAR_FROM`` replies) renders ~8 times. Both are timed on the
+turns; ``chat_turns._locate_linear`` (from ``chat_turns.LINEAR_FROM`` replies) renders ~8 times. Both are timed on the
 same conversations with the embedded SmolLM2-135M-Instruct tokenizer and template, and their ids and masks compared.
 Conversations: user and assistant turns of 3-30 words each, seeded.
 
@@ -15,7 +15,7 @@ import random
 import time
 
 from chronicals import load_tokenizer
-from chronicals.data import tokenize
+from chronicals.data import chat_turns
 from chronicals.data.tokenize import encode_chat
 from common import markdown_table, write_results
 
@@ -31,7 +31,7 @@ def conversation(turns: int, seed: int) -> list[dict]:
 
 
 def timed(tok, msgs, repeats: int, linear_from: int):
-    saved, tokenize.LINEAR_FROM = tokenize.LINEAR_FROM, linear_from
+    saved, chat_turns.LINEAR_FROM = chat_turns.LINEAR_FROM, linear_from
     try:
         best, out = float("inf"), None
         for _ in range(repeats):
@@ -40,7 +40,7 @@ def timed(tok, msgs, repeats: int, linear_from: int):
             best = min(best, time.perf_counter() - t)
         return best, out
     finally:
-        tokenize.LINEAR_FROM = saved
+        chat_turns.LINEAR_FROM = saved
 
 
 def main():
@@ -53,7 +53,7 @@ def main():
     rows = []
     for turns in args.turns:
         msgs = conversation(turns, seed=turns)
-        fast, a = timed(tok, msgs, args.repeats, tokenize.LINEAR_FROM)
+        fast, a = timed(tok, msgs, args.repeats, chat_turns.LINEAR_FROM)
         slow, b = timed(tok, msgs, 1 if turns > 200 else args.repeats, 10 ** 9)
         same = a[0].tolist() == b[0].tolist() and a[1].tolist() == b[1].tolist()
         rows.append({"turns": turns, "tokens": len(a[0]), "shortcut_s": round(fast, 4), "prefix_renders_s": round(slow, 4),
@@ -61,7 +61,7 @@ def main():
         print(rows[-1], flush=True)
     md = ("Chat tokenization a record, SmolLM2 template (best of repeats; prefix renders once past 200 turns)\n\n"
           + markdown_table(rows, list(rows[0])))
-    path = write_results("bench_chat_turns", {"rows": rows, "linear_from": tokenize.LINEAR_FROM}, md, args.out)
+    path = write_results("bench_chat_turns", {"rows": rows, "linear_from": chat_turns.LINEAR_FROM}, md, args.out)
     print(md)
     print(f"wrote {path}")
 

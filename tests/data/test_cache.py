@@ -125,7 +125,8 @@ def test_a_cache_hit_names_this_runs_files(tokenizer, tmp_path, caplog):
 
 def test_encoder_digest_covers_every_module_that_turns_records_into_tokens():
     names = {Path(f).name for f in cache_mod.ENCODER_FILES}
-    assert {"readers.py", "_jsonio.py", "formats.py", "tokenize.py", "dataset.py", "workers.py"} <= names
+    assert {"readers.py", "_jsonio.py", "formats.py", "chat_template.py", "chat_turns.py", "tokenize.py", "dataset.py",
+            "workers.py"} <= names
 
 
 def test_cache_entries_of_other_encoding_code_are_not_reused(tokenizer, tmp_path, monkeypatch):

@@ -10,8 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from chronicals.data.chat_template import _render, has_generation_markers
+from chronicals.data.chat_turns import _insertion_points
 from chronicals.data.formats import Example, FormatError
-from chronicals.data.tokenize import _insertion_points, _render, encode, encode_chat, has_generation_markers
+from chronicals.data.tokenize import encode, encode_chat
 from test_formats import trained_spans
 from test_template_fallback import BASES, NOTE_NOT_SYSTEM, PHI3, make_tokenizer
 

@@ -1,4 +1,4 @@
-"""Chats of many turns: from tokenize.LINEAR_FROM replies on, the turns are located from ~8 template renders
+"""Chats of many turns: from chat_turns.LINEAR_FROM replies on, the turns are located from ~8 template renders
 (``_locate_linear``) instead of 2 a reply (quadratic: 500 turns took 3.7-11 s a record in a chat walk). Wherever the
 shortcut answers, it must give exactly the ids and mask of the prefix renders; where a template's turns do not all
 have one shape, it must step aside."""
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from chronicals.data import tokenize
+from chronicals.data import chat_template, chat_turns, tokenize
 from chronicals.data.formats import FormatError
 from chronicals.data.tokenize import encode_chat
 
@@ -36,12 +36,21 @@ def conversation(rng: random.Random, turns: int, system: bool) -> list[dict]:
 
 
 def exact(tok, messages, train_from=0):
-    saved = tokenize.LINEAR_FROM
-    tokenize.LINEAR_FROM = 10 ** 9
+    saved = chat_turns.LINEAR_FROM
+    chat_turns.LINEAR_FROM = 10 ** 9
     try:
         return encode_chat(tok, messages, train_from)
     finally:
-        tokenize.LINEAR_FROM = saved
+        chat_turns.LINEAR_FROM = saved
+
+
+def count_renders(monkeypatch) -> list:
+    """A list that gets an item a template render: ``_render`` is looked up in the module of each caller (the full
+    rendering in tokenize, the prefix and stand-in renders in chat_turns, the tool-call check in chat_template)."""
+    renders, real = [], chat_template._render
+    for module in (chat_template, chat_turns, tokenize):
+        monkeypatch.setattr(module, "_render", lambda *a, **k: (renders.append(1), real(*a, **k))[1])
+    return renders
 
 
 @pytest.fixture(scope="module", params=sorted(TEMPLATES))
@@ -52,9 +61,7 @@ def template(request, tokenizer):
 
 def test_the_shortcut_gives_the_prefix_renders_ids_and_mask(template, monkeypatch):
     name, tok = template
-    renders = []
-    real = tokenize._render
-    monkeypatch.setattr(tokenize, "_render", lambda *a, **k: (renders.append(1), real(*a, **k))[1])
+    renders = count_renders(monkeypatch)
     rng = random.Random(name)
     for case in range(12):
         system = case % 2 == 1 and name not in NO_SYSTEM
@@ -152,7 +159,7 @@ def test_a_sampled_reply_that_ends_otherwise_in_its_prefix_render_steps_aside(to
     alike: here the first ends without <|im_end|> in its prefix render, and the shortcut steps aside (taking the
     middle reply's end for all, most replies trained without their <|im_end|>)."""
     tok = make_tokenizer(tokenizer, FIRST_OPEN, None, "<|im_end|>", [])
-    msgs = _pairs(tokenize.LINEAR_FROM + 1)
+    msgs = _pairs(chat_turns.LINEAR_FROM + 1)
     got, want = encode_chat(tok, msgs), exact(tok, msgs)
     assert tok.decode(want[0][want[1]]).count("<|im_end|>") >= len(msgs) // 2 - 1
     assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
@@ -163,7 +170,7 @@ def test_a_reply_whose_newline_could_be_the_templates_steps_aside(tokenizer):
     "\n": the full render cannot say which newline is the reply's, so the shortcut steps aside and the prefix renders
     decide (taken as the reply's, one "\n" more was trained)."""
     tok = make_tokenizer(tokenizer, TRIMMED, None, "<|im_end|>", [])
-    msgs = _pairs(tokenize.LINEAR_FROM + 1, reply=lambda k: "a3\n" if k == 3 else f"a{k}", user=lambda k: f"\nq{k}")
+    msgs = _pairs(chat_turns.LINEAR_FROM + 1, reply=lambda k: "a3\n" if k == 3 else f"a{k}", user=lambda k: f"\nq{k}")
     got, want = encode_chat(tok, msgs), exact(tok, msgs)
     assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
 
@@ -180,7 +187,7 @@ def test_a_middle_reply_that_renders_otherwise_when_last_is_refused_as_the_prefi
     a reply past message 8 otherwise as the last message is not prefix-stable there, and the shortcut refuses the
     record as the prefix renders do (checking only the first and last reply, it trained every reply)."""
     tok = make_tokenizer(tokenizer, LATE_NOTE, None, "<|im_end|>", [])
-    msgs = _pairs(tokenize.LINEAR_FROM)
+    msgs = _pairs(chat_turns.LINEAR_FROM)
     with pytest.raises(FormatError, match="not prefix-stable at message 9"):
         exact(tok, msgs)
     with pytest.raises(FormatError, match="not prefix-stable at message 9"):
@@ -238,9 +245,7 @@ def test_a_turn_end_that_is_all_the_text_before_the_next_message_takes_the_short
     renders' ids and mask. Refused at that boundary, it stepped aside to 2 renders a reply (the same output)."""
     tok = make_tokenizer(tokenizer, NO_USER_HEADER, None, "<|im_end|>", [])
     msgs = _pairs(10, reply=lambda k: f"answer {k}.", user=lambda k: f"question {k}?")
-    renders = []
-    real = tokenize._render
-    monkeypatch.setattr(tokenize, "_render", lambda *a, **k: (renders.append(1), real(*a, **k))[1])
+    renders = count_renders(monkeypatch)
     got = encode_chat(tok, msgs)
     used = len(renders)
     want = exact(tok, msgs)

@@ -173,9 +173,9 @@ def test_load_dataset_reads_a_mistral_v03_chat_with_a_system_message(tokenizer, 
     """...and says once that these examples train without their system prompt (the template drops it)."""
     tok = make_tokenizer(tokenizer, *BASES["mistral_v03"])
     records = [{"messages": [SYSTEM] + TURNS}, {"prompt": [SYSTEM] + TURNS[:4], "completion": TURNS[4:6]}]
-    from chronicals.data import tokenize
+    from chronicals.data import chat_turns
 
-    tokenize._warned_dropped_system.clear()  # once a process: earlier tests here rendered this template
+    chat_turns._warned_dropped_system.clear()  # once a process: earlier tests here rendered this template
     caplog.clear()
     with caplog.at_level("WARNING", logger="chronicals.data"):
         ds = load_dataset(write_jsonl(tmp_path / "m.jsonl", records), tok, max_seq_len=256)
@@ -253,14 +253,14 @@ DATED = ('{%- if not date_string is defined %}{%- if strftime_now is defined %}'
 def test_a_dated_template_renders_one_fixed_date_and_a_strftime_one_is_named(tokenizer, tmp_path, caplog):
     """Today's date in the rendering made the same data tokenize to other ids on another day (a resume refused as
     'data changed'); date_string pins it. A template that calls strftime_now itself cannot be pinned: a warning."""
-    from chronicals.data import tokenize
+    from chronicals.data import chat_template
 
     tok = make_tokenizer(tokenizer, DATED, None, "<|im_end|>", ["<|im_start|>", "<|im_end|>"])
     records = [{"messages": TURNS[:2]}]
     ds = load_dataset(write_jsonl(tmp_path / "d.jsonl", records), tok, max_seq_len=256, cache_dir=None)
     assert "Today Date: 26 Jul 2024<|im_end|>" in tok.decode(ds[0][0].tolist())
     assert trained_spans(tok, *ds[0]) == [f"{TURNS[1]['content']}<|im_end|>"]
-    tokenize._warned_dated.clear()
+    chat_template._warned_dated.clear()
     bare = make_tokenizer(tokenizer, DATED.replace("date_string", "d"), None, "<|im_end|>",
                           ["<|im_start|>", "<|im_end|>"])
     with caplog.at_level("WARNING", logger="chronicals.data"):
@@ -422,7 +422,7 @@ def test_the_second_of_two_replies_opens_after_the_first_only_when_every_fact_ho
     rendering before it must be that rendering of the first reply and the generation prompt, agree with the whole
     conversation up to the first turn, end with the first turn's text, and the prompt must follow that text in the
     whole conversation. Any fact that fails refuses (None), rather than guess a boundary."""
-    from chronicals.data.tokenize import _after_reply
+    from chronicals.data.chat_turns import _after_reply
 
     full = "U:q|A:a.|A:<t>b.|"  # the first reply's turn "a.|" lies at 6..9 in full
     rest = "U:q|A:<t>a.|"  # the first two messages, the first reply rendered last (with a block)

@@ -297,7 +297,7 @@ def test_no_system_prompt_adds_no_system_message(tmp_path):
 def test_a_prompt_opens_the_assistant_turn_after_earlier_turns_oldest_first():
     """chat_messages puts the earlier turns as user then assistant, oldest first; prompt_ids renders them with the
     assistant turn opened (add_generation_prompt) and the fixed template date, tokenized without extra specials."""
-    from chronicals.data.tokenize import TEMPLATE_DATE
+    from chronicals.data.chat_template import TEMPLATE_DATE
     from chronicals.train.qa import chat_messages, prompt_ids
 
     assert chat_messages("q3", "S", history=[("q1", "a1"), ("q2", "a2")]) == [

@@ -55,7 +55,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 # the code that reads files into records and turns records into token ids and trainable masks (relative to this
 # package; the JSON reader is the package's own)
-ENCODER_FILES = ("readers.py", "../_jsonio.py", "formats.py", "tokenize.py", "dataset.py", "workers.py")
+ENCODER_FILES = ("readers.py", "../_jsonio.py", "formats.py", "chat_template.py", "chat_turns.py", "tokenize.py",
+                 "dataset.py", "workers.py")
 
 
 def files_digest(paths) -> str:

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .._words import counted
+from .chat_template import has_generation_markers
 from .readers import DataError
-from .tokenize import has_generation_markers
 
 if TYPE_CHECKING:
     from .dataset import DatasetStats

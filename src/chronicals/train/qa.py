@@ -21,10 +21,10 @@ import torch
 
 from .._jsonio import atomic_open
 from ..config import DEMO, DEMO_SYSTEM_PROMPT
+from ..data.chat_template import TEMPLATE_DATE
 from ..data.formats import FormatError, a_type, check_text
 from ..data.readers import DataError, read_file, resolve_files
 from ..data.reporting import report_bad_records
-from ..data.tokenize import TEMPLATE_DATE
 from ..models.generate import generate, greedy_rows, stop_ids
 from .guards import check_ids_in_vocab
 
