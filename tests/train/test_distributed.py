@@ -10,6 +10,7 @@ since the two processes share this machine's cores.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -71,6 +72,9 @@ def _torchrun_env(rank: int, port: int) -> None:
     os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    # a rank that dies of a signal (once on CI: SIGABRT, "terminate called without an active exception", not seen
+    # again in ~100 reruns) prints every thread's Python stack to the test's captured stderr
+    faulthandler.enable(all_threads=True)
     # a regression that leaves one rank waiting in a collective fails in 5 minutes, not the job's 60 (with the
     # agreement check removed, its test hung until then: a mutation walk)
     distributed.GROUP_TIMEOUT = datetime.timedelta(minutes=5)
