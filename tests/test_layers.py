@@ -1,6 +1,7 @@
-"""The package's imports run one way (DEVELOPERS.md / STYLE: ops -> models -> lora -> train -> cli; data and config
-depend on nothing of ours). Read from the source, lazy imports inside functions included: a helper imported from a
-higher layer "just this once" ties the layers together for good, and no other test notices."""
+"""The package's imports run one way (DEVELOPERS.md: ops -> models -> lora -> train -> evaluate/bench -> cli; data
+and config depend on nothing of ours but the leaves). Read from the source, lazy imports inside functions included:
+a helper imported from a higher layer "just this once" ties the layers together for good, and no other test
+notices."""
 
 from __future__ import annotations
 
@@ -87,9 +88,13 @@ def test_the_ops_never_import_transformers():
     """ops/ is torch and triton (and, lazily, NVIDIA's cudnn frontend)."""
     for path in (SRC / "ops").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
-            assert not [n for n in names if n.split(".")[0] == "transformers"], path
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module]
+            else:
+                continue
+            assert not [n for n in names if n.split(".")[0] == "transformers"], (path, node.lineno)
 
 
 def test_the_scan_finds_lazy_imports_from_above(tmp_path, monkeypatch):
