@@ -81,7 +81,8 @@ def test_imports_go_down_the_layers_only(path):
     wrong = {u: line for u, line in imported_units(path).items() if u not in allowed}
     assert not wrong, (f"{path.relative_to(SRC.parents[1])} imports "
                        + ", ".join(f"{u} (line {n})" for u, n in wrong.items())
-                       + f": not below {unit}; move the shared piece down (a leaf module, like _words) or the caller up")
+                       + f": not below {unit}; move the shared piece down (a leaf module, like _words) "
+                       "or the caller up")
 
 
 def test_the_ops_never_import_transformers():

@@ -1,5 +1,6 @@
-"""Data parallelism with LoRA dropout: each rank draws its own masks (train.distributed.rank_seed), and a run stopped by a
-signal and resumed ends bit for bit like a straight run (each rank's generator comes back from the checkpoint).
+"""Data parallelism with LoRA dropout: each rank draws its own masks (train.distributed.rank_seed), and a run
+stopped by a signal and resumed ends bit for bit like a straight run (each rank's generator comes back from the
+checkpoint).
 A resume from a checkpoint that holds no generator state for this number of ranks (written by one process, or by
 another number of ranks: allowed at an epoch's start or end) still draws other seeds on each rank: restoring rank
 0's generator on every rank would draw the same seeds again. 2 ranks on gloo (CPU), as

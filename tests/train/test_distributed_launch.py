@@ -78,7 +78,8 @@ def test_ranks_past_the_first_two_are_compared_too(monkeypatch):
 def test_single_process_context_without_torchrun(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     ctx = init_distributed("cpu")
-    assert (ctx.world_size, ctx.rank, ctx.backend, ctx.device) == (1, 0, None, torch.device("cpu")) and not dist.is_initialized()
+    assert (ctx.world_size, ctx.rank, ctx.backend, ctx.device) == (1, 0, None, torch.device("cpu"))
+    assert not dist.is_initialized()
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "3")  # a scheduler's, say: one process is rank 0 whatever RANK says
     assert (init_distributed("cpu").rank, init_distributed("cpu").is_main) == (0, True)
