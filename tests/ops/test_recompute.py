@@ -208,21 +208,28 @@ def test_with_checkpointed_layers(lora):
 @pytest.mark.skipif(not TRITON, reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (make test sets it)")
 @pytest.mark.parametrize("lora", [False, True])
 def test_swiglu_backward_in_place_by_default(monkeypatch, lora):
-    """The default MLP backward (full and LoRA) writes d_gu over the saved gu and act over d_act, once per layer;
-    RuntimeOptions.swiglu_backward_in_place=False uses fresh buffers. Same bits either way."""
+    """The default MLP backward (full and LoRA) writes d_gu over the saved gu (full: and act over d_act; LoRA: its
+    kernel makes dA instead of act, ops.swiglu_lora), once per layer; RuntimeOptions.swiglu_backward_in_place=False
+    uses fresh buffers. Same bits either way."""
+    from chronicals.lora import mlp
     from chronicals.models import fused_proj
 
     calls = []
-    real = fused_proj.swiglu_gate_up_backward_
-    monkeypatch.setattr(fused_proj, "swiglu_gate_up_backward_", lambda *a: calls.append(1) or real(*a))
+    if lora:
+        real = mlp.swiglu_gate_up_backward_da
+        monkeypatch.setattr(mlp, "swiglu_gate_up_backward_da",
+                            lambda *a: calls.extend(a[3:]) or real(*a))  # records its in_place argument
+    else:
+        real = fused_proj.swiglu_gate_up_backward_
+        monkeypatch.setattr(fused_proj, "swiglu_gate_up_backward_", lambda *a: calls.append(True) or real(*a))
     model = _model("triton", ("norm", "swiglu"), lora)
     assert model.opts.swiglu_backward_in_place
     loss, g = _grads(model)
-    assert len(calls) == TINY["num_hidden_layers"]
+    assert calls == [True] * TINY["num_hidden_layers"]
     calls.clear()
     model.opts.swiglu_backward_in_place = False
     loss_fresh, g_fresh = _grads(model)
-    assert not calls
+    assert not any(calls)
     assert torch.equal(loss, loss_fresh) and g.keys() == g_fresh.keys() and len(g) > 0
     for n in g:
         assert torch.equal(g[n], g_fresh[n]), n

@@ -27,8 +27,9 @@ import torch
 
 from ..ops import swiglu, swiglu_gate_up
 from ..ops._impl import resolve_impl
-from ..models.fused_proj import swiglu_backward_owned
+from ..models.fused_proj import claim_in_place, swiglu_backward_owned
 from ..ops.swiglu import _unit_col_rows, swiglu_backward, swiglu_gate_up_dgu, swiglu_gate_up_ref, swiglu_ref
+from ..ops.swiglu_lora import MAX_RANK, swiglu_gate_up_backward_da, swiglu_gate_up_xa
 from .layer import concat_weight, lora_backward, lora_forward
 
 
@@ -71,12 +72,15 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
     backward kernel writes act for dA; False: a second SwiGLU forward rebuilds it) and ``in_place`` (with
     fused_act: that kernel writes d_gu over the gu it was given, so only for a gu nobody reads after backward,
     such as the decoder MLP's own GEMM output). ``draw`` (a ``DropDraw`` or None) drops elements of act.
+    ``fused_rank`` (with fused_act, no dropout, the addmm_ layout): the forward's SwiGLU kernel also makes
+    x A^T and the backward's makes dA (``ops.swiglu_lora``), so act is neither read by those GEMMs nor written
+    in backward.
     up None: gate is the packed gu (..., 2I), and its gradient d_gu comes back whole.
     """
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scaling: float, draw, concat: bool, wcat, impl: str,
-                fused_act: bool = True, in_place: bool = False):
+                fused_act: bool = True, in_place: bool = False, fused_rank: bool = False):
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             raise RuntimeError("LoRASwiGLUDownFunction: down_proj's base weight and bias must be frozen "
                                "(requires_grad=False; apply_lora does this)")
@@ -84,10 +88,18 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
             raise ValueError(f"LoRA MLP: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
         if concat and wcat is None:
             wcat = concat_weight(weight, lora_b, scaling)
-        act = swiglu_for_impl(gate, up, impl)  # (..., I): lives only until the GEMMs below are done
+        # fused_rank: the SwiGLU kernels also make down_proj's x A^T (here) and dA (in backward)
+        ctx.fused_rank = fused_rank and fused_act and draw is None and not concat and _fused_rank_ok(
+            gate, up, lora_a, impl)
+        xa = None
+        if ctx.fused_rank:
+            act, xa = swiglu_gate_up_xa(_unit_col_rows(gate, gate.shape[-1]), lora_a.contiguous())
+            act = act.view(*gate.shape[:-1], act.shape[-1])
+        else:
+            act = swiglu_for_impl(gate, up, impl)  # (..., I): lives only until the GEMMs below are done
         shape = act.shape
         y, xa = lora_forward(act.reshape(-1, shape[-1]), weight, bias, lora_a, lora_b, scaling, draw,
-                             wcat if concat else None)
+                             wcat if concat else None, xa)
         del act
         ctx.save_for_backward(gate, up, weight, lora_a, lora_b, xa)
         ctx.wcat = wcat if concat else None
@@ -101,8 +113,16 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
         need_act = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         need_a, need_b = ctx.needs_input_grad[4], ctx.needs_input_grad[5]
         fused = ctx.fused_act and need_act and need_a and _fused_act_ok(gate, up, ctx.impl)
-        act2, out = None, {}
-        if fused:
+        act2, da_of, out = None, None, {}
+        if fused and ctx.fused_rank:
+            # d_act first, then one kernel writes d_gu and makes dA = dyb^T act from act rebuilt in registers
+            gu2 = _unit_col_rows(gate, gate.shape[-1])
+
+            def da_of(d_act, dyb):
+                dgu_buf = gu2 if claim_in_place(ctx, gu2) else None
+                out["dgu"], da = swiglu_gate_up_backward_da(d_act, gu2, dyb.contiguous(), dgu_buf is not None)
+                return da
+        elif fused:
             # d_act first, then one kernel writes d_gu and act (its STORE_ACT output, the forward's bits),
             # then dA reads act: no separate SwiGLU forward pass over gu
             gu2 = _unit_col_rows(gate, gate.shape[-1])
@@ -114,7 +134,7 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
             with torch.no_grad():
                 act2 = swiglu_for_impl(gate, up, ctx.impl).reshape(-1, ctx.act_shape[-1])
         d_act, da, db = lora_backward(dy.reshape(-1, dy.shape[-1]), act2, weight, lora_a, lora_b, xa, ctx.draw,
-                                      ctx.scaling, ctx.wcat, need_act, need_a, need_b)
+                                      ctx.scaling, ctx.wcat, need_act, need_a, need_b, da_of)
         del act2  # freed before dgate / dup exist: the same transient peak as the plain MLP's backward
         ctx.wcat = None
         dg = du = None
@@ -122,10 +142,17 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
             dg = out["dgu"].view(gate.shape)
         elif need_act:
             dg, du = swiglu_grads(d_act.view(ctx.act_shape), gate, up, ctx.impl)
-        return dg, du, None, None, da, db, None, None, None, None, None, None, None
+        return dg, du, None, None, da, db, None, None, None, None, None, None, None, None
 
 
 def _fused_act_ok(gate: torch.Tensor, up: torch.Tensor | None, impl: str) -> bool:
     """The packed Triton path outside torch.compile: the SwiGLU backward kernel can also write act."""
     return (up is None and not torch.compiler.is_compiling()
             and resolve_impl("swiglu_gate_up", impl, gate.device) == "triton")
+
+
+def _fused_rank_ok(gate: torch.Tensor, up: torch.Tensor | None, lora_a: torch.Tensor, impl: str) -> bool:
+    """The packed Triton path with A in gu's dtype and r <= ``ops.swiglu_lora.MAX_RANK``: the SwiGLU kernels can
+    make down_proj's rank-r products (``fused_rank``)."""
+    return (_fused_act_ok(gate, up, impl) and lora_a.dtype == gate.dtype
+            and 0 < lora_a.shape[0] <= MAX_RANK)

@@ -61,6 +61,10 @@ class RuntimeOptions:
     # 8B LoRA shape, where the step's peak is the first MLP backward). Same bits. False: fresh buffers, for
     # more than one backward through one forward (retain_graph=True), which raises otherwise.
     swiglu_backward_in_place: bool = True
+    # a LoRA down_proj on the Triton path with fused_swiglu_recompute (dropout 0): the SwiGLU forward kernel
+    # also makes x A^T and its backward kernel dA (ops.swiglu_lora), so the (N, I) product is neither re-read
+    # by those two skinny GEMMs nor written in backward (~2 ms of a 0.5B LoRA step by arithmetic). False: GEMMs.
+    lora_fused_rank: bool = True
     # the loss head's vocab_parts (ops.linear_cross_entropy): k > 1 keeps no fp32 weight-gradient accumulator
     # beyond dW itself (0.79 -> 0.56 GiB at Qwen2.5-0.5B) for a second pass over part of the vocabulary (k = 2:
     # 29.7 -> 33.9 ms for the head on an H200, git 638f39e)
@@ -178,7 +182,7 @@ class MLP(nn.Module):
         if gu is not None:
             if lora_down is not None:
                 return lora_down(gu, None, impl=self.opts.impl, fused_act=self.opts.fused_swiglu_recompute,
-                                 in_place=self.opts.swiglu_backward_in_place)
+                                 in_place=self.opts.swiglu_backward_in_place, fused_rank=self.opts.lora_fused_rank)
             recomputing = "swiglu" in self.opts.recompute and recompute.is_active()
             # not the session: a checkpointed layer's forward runs again in backward outside it, and must save
             # what its first run saved (torch.utils.checkpoint compares them): the training forward's own test

@@ -200,18 +200,27 @@ def swiglu_backward_owned(ctx, d_act: torch.Tensor, gu2: torch.Tensor) -> tuple[
     """(d_gu (N, 2I), act (N, I)) from d_act (N, I) and the saved gu2 (N, 2I) for a backward that owns both:
     in place when ``ctx.in_place`` and both are contiguous (``ops.swiglu.swiglu_gate_up_backward_``), else into
     fresh buffers. In place, ``ctx.spent`` marks gu2 as overwritten, and a second backward raises."""
-    if ctx.in_place:
-        if ctx.spent:
-            raise RuntimeError(
-                "the decoder MLP's backward ran twice through one forward (retain_graph=True?), but its first "
-                "backward wrote the gate/up gradient over the saved gate/up output (RuntimeOptions."
-                "swiglu_backward_in_place, on by default); set model.opts.swiglu_backward_in_place = False "
-                "before the forward to backpropagate through it more than once")
-        if d_act.is_contiguous() and gu2.is_contiguous():
-            ctx.spent = True
-            return swiglu_gate_up_backward_(d_act, gu2)
+    if claim_in_place(ctx, d_act, gu2):
+        return swiglu_gate_up_backward_(d_act, gu2)
     act = torch.empty_like(d_act)
     return swiglu_gate_up_backward(d_act, gu2, act), act
+
+
+def claim_in_place(ctx, *tensors: torch.Tensor) -> bool:
+    """Whether a backward may write over ``tensors`` (the saved gu among them): ``ctx.in_place`` and all
+    contiguous; then ``ctx.spent`` marks gu as overwritten. A second backward through an in-place ctx raises."""
+    if not ctx.in_place:
+        return False
+    if ctx.spent:
+        raise RuntimeError(
+            "the decoder MLP's backward ran twice through one forward (retain_graph=True?), but its first "
+            "backward wrote the gate/up gradient over the saved gate/up output (RuntimeOptions."
+            "swiglu_backward_in_place, on by default); set model.opts.swiglu_backward_in_place = False "
+            "before the forward to backpropagate through it more than once")
+    if all(t.is_contiguous() for t in tensors):
+        ctx.spent = True
+        return True
+    return False
 
 
 def swiglu_down(mlp: nn.Module, gu: torch.Tensor) -> torch.Tensor | None:
