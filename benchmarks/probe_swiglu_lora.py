@@ -3,7 +3,8 @@ GEMMs they replace, at the 0.5B LoRA protocol (16,384 x 4,864, r = 32) and the 8
 
 Forward: ``swiglu_gate_up_forward(gu)`` then ``act @ A^T`` vs ``swiglu_gate_up_xa`` (autotuned).
 Backward: the in-place ``swiglu_gate_up_backward_`` (writes d_gu and act) then ``dyb^T @ act`` vs
-``swiglu_gate_up_backward_da`` in place, for each backward launch shape (the shipped one first). Each fused
+``swiglu_gate_up_backward_da`` in place, for each backward launch shape (the shipped one first); and with the
+gate/up pair's dB (two more GEMMs over d_gu) vs the same kernel given their xa. Each fused
 result is checked against the unfused one first (act and d_gu bit for bit, xa and dA to bf16 rounding).
 
     PYTHONPATH=src python3 benchmarks/probe_swiglu_lora.py [--out DIR]
@@ -47,11 +48,12 @@ def run(name: str, n: int, i: int, r: int) -> list[dict]:
     xa_ref = act_ref @ a.t()
     d_gu_ref, act_b = swiglu_gate_up_backward_(d_act.clone(), gu.clone())
     da_ref = dyb.t() @ act_b
-    d_gu, da = sl.swiglu_gate_up_backward_da(d_act, gu.clone(), dyb, in_place=True)
+    d_gu, da, _ = sl.swiglu_gate_up_backward_da(d_act, gu.clone(), dyb, in_place=True)
     checks = {"act_bits": torch.equal(act, act_ref), "d_gu_bits": torch.equal(d_gu, d_gu_ref),
               "xa_rel_err": rel_err(xa, xa_ref), "da_rel_err": rel_err(da, da_ref)}
     ok = checks["act_bits"] and checks["d_gu_bits"] and checks["xa_rel_err"] < 1e-2 and checks["da_rel_err"] < 1e-2
     print(f"{name}: {checks} -> {'ok' if ok else 'FAIL'}", flush=True)
+    buf_gu, buf_d = gu.clone(), d_act.clone()
     # forward
     t_base = do_bench(lambda: torch.mm(swiglu_gate_up_forward(gu), a.t()))
     t_fused = do_bench(lambda: sl.swiglu_gate_up_xa(gu, a))
@@ -59,7 +61,6 @@ def run(name: str, n: int, i: int, r: int) -> list[dict]:
     rows.append(dict(shape=name, part="forward", variant="swiglu + mm", us=t_base * 1e3))
     rows.append(dict(shape=name, part="forward", variant=f"fused ({best})", us=t_fused * 1e3))
     # backward (in place: timing does not depend on the values gu takes on)
-    buf_gu, buf_d = gu.clone(), d_act.clone()
 
     def base_bwd():
         _, act2 = swiglu_gate_up_backward_(buf_d, buf_gu)
@@ -67,10 +68,28 @@ def run(name: str, n: int, i: int, r: int) -> list[dict]:
 
     rows.append(dict(shape=name, part="backward", variant="in-place swiglu bwd + mm", us=do_bench(base_bwd) * 1e3))
     shipped = (sl._BWD_BLOCK_R, sl._BWD_BLOCK_C, sl._BWD_WARPS, sl._BWD_STAGES)
+    # with the gate/up pair's dB too: against the two dB GEMMs over d_gu they replace
+    xa_gu = torch.randn(n, 2 * r, device=dev, generator=g).to(bf)
+    spec = (xa_gu, r, r, 2.0, 2.0)
+    _, _, (dbg, dbu) = sl.swiglu_gate_up_backward_da(d_act, gu.clone(), dyb, True, spec)
+    checks["db_rel_err"] = max(rel_err(dbg, 2.0 * (d_gu_ref[:, :i].t() @ xa_gu[:, :r])),
+                               rel_err(dbu, 2.0 * (d_gu_ref[:, i:].t() @ xa_gu[:, r:])))
+    print(f"{name}: dB rel err {checks['db_rel_err']:.2e}", flush=True)
+
+    def base_bwd_db():
+        d_gu2, act2 = swiglu_gate_up_backward_(buf_d, buf_gu)
+        return (torch.mm(dyb.t(), act2), torch.addmm(dyb.new_empty(()), d_gu2[:, :i].t(), xa_gu[:, :r], beta=0,
+                                                     alpha=2.0),
+                torch.addmm(dyb.new_empty(()), d_gu2[:, i:].t(), xa_gu[:, r:], beta=0, alpha=2.0))
+
+    rows.append(dict(shape=name, part="backward+dB", variant="in-place swiglu bwd + 3 mm",
+                     us=do_bench(base_bwd_db) * 1e3))
+    rows.append(dict(shape=name, part="backward+dB", variant="fused (shipped shape)",
+                     us=do_bench(lambda: sl.swiglu_gate_up_backward_da(d_act, buf_gu, dyb, True, spec)) * 1e3))
     for shape in BWD_SHAPES:
         sl._BWD_BLOCK_R, sl._BWD_BLOCK_C, sl._BWD_WARPS, sl._BWD_STAGES = shape
         try:
-            _, da_v = sl.swiglu_gate_up_backward_da(d_act, gu.clone(), dyb, in_place=True)
+            _, da_v, _ = sl.swiglu_gate_up_backward_da(d_act, gu.clone(), dyb, in_place=True)
             err = rel_err(da_v, da_ref)
             t = do_bench(lambda: sl.swiglu_gate_up_backward_da(d_act, buf_gu, dyb, in_place=True))
             rows.append(dict(shape=name, part="backward", variant=f"fused {shape}", us=t * 1e3, da_rel_err=err))

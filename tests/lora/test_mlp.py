@@ -625,3 +625,32 @@ def test_fused_rank_steps_aside_where_its_kernels_do_not_apply(rank_kernels, cas
     assert not rank_kernels
     for i, (o, e) in enumerate(zip(ours, grads("torch", torch.float64))):
         torch.testing.assert_close(o.double(), e, rtol=1e-5, atol=1e-5, msg=f"output/grad {i}")
+
+
+@pytest.mark.skipif(not TRITON, reason="the Triton SwiGLU kernels need CUDA, or TRITON_INTERPRET=1 on the CPU")
+@pytest.mark.parametrize("fused_rank", [True, False])
+def test_the_gate_up_groups_db_comes_from_the_swiglu_backward_kernel(monkeypatch, fused_rank):
+    """lora_fused_rank on a grouped LoRA MLP: the SwiGLU backward kernel also makes gate/up's dB and hands them to the
+    group (models.fused_proj.DeferredDb), whose backward then runs none of its dB GEMMs; off, it runs both. Every
+    gradient tracks the float64 torch path either way."""
+    import chronicals.lora.group as group_mod
+
+    gemms = []
+    real = group_mod.mm_scaled
+    monkeypatch.setattr(group_mod, "mm_scaled", lambda *a: gemms.append(1) or real(*a))
+    model = tiny_model().train()
+    apply_lora(model, r=3, alpha=4)
+    randomize_lora_b(model)
+    mlp = model.model.layers[0].mlp
+    assert mlp.__dict__.get("lora_gate_up") is not None
+    x, dy = torch.randn(2, 5, 32, device=DEV), torch.randn(2, 5, 32, device=DEV)
+    model.to(DEV).set_impl("triton")
+    model.opts.lora_fused_rank = fused_rank
+    got = _mlp_grads(mlp, x, dy, lambda m, t: m(t))
+    assert len(gemms) == (0 if fused_rank else 2)
+    model.double().set_impl("torch")
+    ref = _mlp_grads(mlp, x.double(), dy.double(), lambda m, t: m(t))
+    names = ["y", "x"] + [n for n, p in mlp.named_parameters() if p.requires_grad]
+    assert any("gate_proj.lora_B" in n for n in names) and any("up_proj.lora_B" in n for n in names)
+    for name, o, e in zip(names, got, ref):
+        torch.testing.assert_close(o.double(), e, rtol=1e-5, atol=1e-5, msg=name)

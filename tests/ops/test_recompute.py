@@ -104,8 +104,8 @@ def test_gate_up_output_is_let_go(monkeypatch, impl, lora, names, gate_up_layers
 
     refs, real = [], decoder.gate_up_proj
 
-    def watch(mlp, x):
-        gu = real(mlp, x)
+    def watch(mlp, x, *token):
+        gu = real(mlp, x, *token)
         refs.append(weakref.ref(gu if gu._base is None else gu._base))
         return gu
 
@@ -218,7 +218,7 @@ def test_swiglu_backward_in_place_by_default(monkeypatch, lora):
     if lora:
         real = mlp.swiglu_gate_up_backward_da
         monkeypatch.setattr(mlp, "swiglu_gate_up_backward_da",
-                            lambda *a: calls.extend(a[3:]) or real(*a))  # records its in_place argument
+                            lambda *a: calls.append(a[3]) or real(*a))  # records its in_place argument
     else:
         real = fused_proj.swiglu_gate_up_backward_
         monkeypatch.setattr(fused_proj, "swiglu_gate_up_backward_", lambda *a: calls.append(True) or real(*a))

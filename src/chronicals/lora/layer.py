@@ -346,14 +346,15 @@ class LoRALinear(nn.Module):
         return LoRALinearFunction.apply(x, self.weight, self.bias, a, b, self.scaling, draw, self.concat, wcat)
 
     def forward_swiglu(self, gate, up=None, impl: str = "auto", fused_act: bool = True, in_place: bool = False,
-                       fused_rank: bool = False):
+                       fused_rank: bool = False, gate_up_db=None):
         """``self(swiglu(gate, up))`` without keeping the SwiGLU product for backward: it is recomputed
         from the saved gate / up (see ``chronicals.lora.mlp``). gate, up (..., in) -> (..., out); up None:
         gate is the packed gu (..., 2 in) = [gate | up] (``ops.swiglu_gate_up``).
         The decoder's MLP calls this when its down_proj offers it; ``impl`` is the SwiGLU op's; ``fused_act``:
         the SwiGLU backward kernel writes the product for dA (packed gu on Triton), else a second forward;
         ``in_place``: that kernel writes over the saved gu and d_act (``RuntimeOptions.swiglu_backward_in_place``);
-        ``fused_rank``: the SwiGLU kernels also make x A^T and dA (``RuntimeOptions.lora_fused_rank``)."""
+        ``fused_rank``: the SwiGLU kernels also make x A^T and dA (``RuntimeOptions.lora_fused_rank``), and with
+        ``gate_up_db`` (a ``models.fused_proj.DeferredDb`` its gate/up group filled) that group's dB."""
         from .mlp import LoRASwiGLUDownFunction, swiglu_for_impl
 
         if self.impl == "torch" or not self.recompute_swiglu or wider(self.adapter_dtype, gate.dtype):
@@ -361,7 +362,7 @@ class LoRALinear(nn.Module):
         a, b, draw = self._adapters(gate)
         wcat = self._concat_buffer(b) if self._uses_wcat else None
         return LoRASwiGLUDownFunction.apply(gate, up, self.weight, self.bias, a, b, self.scaling, draw,
-                                            self.concat, wcat, impl, fused_act, in_place, fused_rank)
+                                            self.concat, wcat, impl, fused_act, in_place, fused_rank, gate_up_db)
 
     def _merge_dtype(self) -> torch.dtype:
         """fp32, or float64 when W, A or B is float64 (an fp64 model's merge was rounded to fp32 on the way)."""

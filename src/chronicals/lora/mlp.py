@@ -74,13 +74,14 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
     such as the decoder MLP's own GEMM output). ``draw`` (a ``DropDraw`` or None) drops elements of act.
     ``fused_rank`` (with fused_act, no dropout, the addmm_ layout): the forward's SwiGLU kernel also makes
     x A^T and the backward's makes dA (``ops.swiglu_lora``), so act is neither read by those GEMMs nor written
-    in backward.
+    in backward. ``gate_up_db``: the ``models.fused_proj.DeferredDb`` that the LoRA gate/up group making gu
+    filled; with fused_rank the backward kernel also makes that group's dB and leaves them there.
     up None: gate is the packed gu (..., 2I), and its gradient d_gu comes back whole.
     """
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scaling: float, draw, concat: bool, wcat, impl: str,
-                fused_act: bool = True, in_place: bool = False, fused_rank: bool = False):
+                fused_act: bool = True, in_place: bool = False, fused_rank: bool = False, gate_up_db=None):
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             raise RuntimeError("LoRASwiGLUDownFunction: down_proj's base weight and bias must be frozen "
                                "(requires_grad=False; apply_lora does this)")
@@ -105,6 +106,7 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
         ctx.wcat = wcat if concat else None
         ctx.scaling, ctx.draw, ctx.impl, ctx.act_shape = scaling, draw, impl, shape
         ctx.fused_act, ctx.in_place, ctx.spent = fused_act, in_place, False
+        ctx.gate_up_db = gate_up_db if ctx.fused_rank else None
         return y.view(*shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -119,8 +121,12 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
             gu2 = _unit_col_rows(gate, gate.shape[-1])
 
             def da_of(d_act, dyb):
-                dgu_buf = gu2 if claim_in_place(ctx, gu2) else None
-                out["dgu"], da = swiglu_gate_up_backward_da(d_act, gu2, dyb.contiguous(), dgu_buf is not None)
+                token = ctx.gate_up_db
+                spec = _gate_up_spec(token, gu2)
+                out["dgu"], da, dbs = swiglu_gate_up_backward_da(d_act, gu2, dyb.contiguous(),
+                                                                 claim_in_place(ctx, gu2), spec)
+                if dbs is not None:
+                    token.dbs = dbs  # the gate/up group's backward returns these (lora.group)
                 return da
         elif fused:
             # d_act first, then one kernel writes d_gu and act (its STORE_ACT output, the forward's bits),
@@ -142,7 +148,7 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
             dg = out["dgu"].view(gate.shape)
         elif need_act:
             dg, du = swiglu_grads(d_act.view(ctx.act_shape), gate, up, ctx.impl)
-        return dg, du, None, None, da, db, None, None, None, None, None, None, None, None
+        return dg, du, None, None, da, db, None, None, None, None, None, None, None, None, None
 
 
 def _fused_act_ok(gate: torch.Tensor, up: torch.Tensor | None, impl: str) -> bool:
@@ -156,3 +162,14 @@ def _fused_rank_ok(gate: torch.Tensor, up: torch.Tensor | None, lora_a: torch.Te
     make down_proj's rank-r products (``fused_rank``)."""
     return (_fused_act_ok(gate, up, impl) and lora_a.dtype == gate.dtype
             and 0 < lora_a.shape[0] <= MAX_RANK)
+
+
+def _gate_up_spec(token, gu2: torch.Tensor):
+    """``swiglu_gate_up_backward_da``'s gate_up_xa from a filled ``DeferredDb`` (two adapters, xa in gu's dtype,
+    ranks <= MAX_RANK), else None (the group then computes its dB itself)."""
+    if token is None or token.xa is None or len(token.ranks) != 2:
+        return None
+    xa, (r_g, r_u), (s_g, s_u) = token.xa, token.ranks, token.scales
+    if xa.dtype != gu2.dtype or xa.stride(-1) != 1 or xa.shape[0] != gu2.shape[0] or max(r_g, r_u) > MAX_RANK:
+        return None
+    return xa, r_g, r_u, s_g, s_u

@@ -25,7 +25,7 @@ from ..ops.attention import attention_ref
 from ..ops.swiglu import swiglu_gate_up
 from .config import ModelConfig, rope_inv_freq
 from .forward_args import IGNORE_INDEX, check_forward_args, documents_from_positions, mask_padding
-from .fused_proj import gate_up_proj, qkv_proj, swiglu_down
+from .fused_proj import DeferredDb, gate_up_proj, qkv_proj, swiglu_down
 
 
 @dataclass
@@ -173,16 +173,19 @@ class MLP(nn.Module):
         self.opts = opts
 
     def forward(self, x):
-        # one GEMM x @ [Wg; Wu]^T when gate/up are plain nn.Linear or a LoRA group (lora.group), else None
-        gu = gate_up_proj(self, x)  # (B, S, 2I) or None
         # A down_proj offering ``forward_swiglu(gate, up, impl)`` (LoRALinear) computes
         # down_proj(swiglu(gate, up)) while saving only gate and up (or gu): the product (B, S, I), which a plain
         # Linear keeps as its input, is recomputed in backward (235 MB per layer at 4 x 2048 tokens, I = 14336).
         lora_down = getattr(self.down_proj, "forward_swiglu", None)
+        # with lora_fused_rank, a LoRA gate/up group and that down_proj hand the group's dB over (DeferredDb)
+        token = DeferredDb() if lora_down is not None and self.opts.lora_fused_rank else None
+        # one GEMM x @ [Wg; Wu]^T when gate/up are plain nn.Linear or a LoRA group (lora.group), else None
+        gu = gate_up_proj(self, x, token)  # (B, S, 2I) or None
         if gu is not None:
             if lora_down is not None:
                 return lora_down(gu, None, impl=self.opts.impl, fused_act=self.opts.fused_swiglu_recompute,
-                                 in_place=self.opts.swiglu_backward_in_place, fused_rank=self.opts.lora_fused_rank)
+                                 in_place=self.opts.swiglu_backward_in_place, fused_rank=self.opts.lora_fused_rank,
+                                 gate_up_db=token)
             recomputing = "swiglu" in self.opts.recompute and recompute.is_active()
             # not the session: a checkpointed layer's forward runs again in backward outside it, and must save
             # what its first run saved (torch.utils.checkpoint compares them): the training forward's own test

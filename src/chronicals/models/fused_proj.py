@@ -96,13 +96,28 @@ def _linear_cat(x: torch.Tensor, mods) -> torch.Tensor:
         return F.linear(x, *_cat_params(mods))
 
 
-def _joint_gemm(kind: str, owner: nn.Module, attr: str, mods, x: torch.Tensor):
+class DeferredDb:
+    """A hand-off between a LoRA gate/up group and the LoRA down_proj that consumes its output gu (the decoder MLP).
+
+    The group's forward leaves its x A^T here (``xa`` (N, r_g + r_u), ``ranks``, ``scales``); the down_proj's
+    backward, whose SwiGLU kernel holds the d_gu tiles, may leave the pair's dB here (``dbs``), which the group's
+    backward then returns instead of running its two skinny GEMMs over d_gu (``ops.swiglu_lora``). Left empty,
+    the group computes them itself. Holds references only (xa is the group's saved tensor)."""
+
+    __slots__ = ("xa", "ranks", "scales", "dbs")
+
+    def __init__(self):
+        self.xa = self.ranks = self.scales = self.dbs = None
+
+
+def _joint_gemm(kind: str, owner: nn.Module, attr: str, mods, x: torch.Tensor, db_token: DeferredDb | None = None):
     """(x @ [W_0; W_1; ...]^T (+ biases) as one GEMM, a recipe that runs it again) or None when ``mods`` can
-    not share one: a LoRA group's GEMM (``owner.<attr>``) when there is one, else plain ``nn.Linear``s'."""
+    not share one: a LoRA group's GEMM (``owner.<attr>``) when there is one, else plain ``nn.Linear``s'.
+    db_token: given to the LoRA group (see ``DeferredDb``)."""
     group = _lora_group(owner, attr, mods)
     if group is not None:
         _note(kind, None, "one LoRA group GEMM")
-        return group.with_recipe(x)
+        return group.with_recipe(x, db_token)
     reason = fusable(*mods)
     if reason is None and not torch.is_grad_enabled():
         # what the one GEMM saves is in backward; without one, the concatenation is only a copy of the weights
@@ -137,7 +152,7 @@ def qkv_proj(attn: nn.Module, x: torch.Tensor):
     return q, k, v.contiguous()
 
 
-def gate_up_proj(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+def gate_up_proj(mlp: nn.Module, x: torch.Tensor, db_token: DeferredDb | None = None) -> torch.Tensor | None:
     """gu (B, S, 2I) = x @ [Wg; Wu]^T (+ [bg; bu]) of ``mlp`` (a decoder ``MLP``) for x (B, S, H): gate in the
     first half of the last dim, up in the second (the layout ``ops.swiglu.swiglu_gate_up`` takes).
     None when gate_proj / up_proj do not qualify (see module docstring): call them separately then.
@@ -148,8 +163,10 @@ def gate_up_proj(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     inputs, same bits). Qwen2.5-0.5B protocol: 16,384 x 9,728 x 2 B = 319 MB less per layer, less the 29 MB
     of x the recipe keeps (6.5 GiB over 24), for one more GEMM of 2 x 16,384 x 896 x 9,728 = 286 GFLOP per
     layer (~0.4 ms on an H200, ~10 ms a step).
+
+    db_token: a ``DeferredDb`` that a LoRA gate/up group fills for the LoRA down_proj consuming gu.
     """
-    joint = _joint_gemm("gate_up_proj", mlp, "lora_gate_up", (mlp.gate_proj, mlp.up_proj), x)
+    joint = _joint_gemm("gate_up_proj", mlp, "lora_gate_up", (mlp.gate_proj, mlp.up_proj), x, db_token)
     if joint is None:
         return None
     gu, recipe = joint
