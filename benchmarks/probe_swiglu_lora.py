@@ -96,6 +96,12 @@ def run(name: str, n: int, i: int, r: int) -> list[dict]:
         except Exception as e:  # a launch shape that does not fit (shared memory): say so, go on
             rows.append(dict(shape=name, part="backward", variant=f"fused {shape}", error=str(e)[:200]))
     sl._BWD_BLOCK_R, sl._BWD_BLOCK_C, sl._BWD_WARPS, sl._BWD_STAGES = shipped
+    shipped_per_sm = sl._PROGRAMS_PER_SM
+    for per_sm in (1, 4, 8):  # row shares: programs per SM
+        sl._PROGRAMS_PER_SM = per_sm
+        t = do_bench(lambda: sl.swiglu_gate_up_backward_da(d_act, buf_gu, dyb, True, spec))
+        rows.append(dict(shape=name, part="backward+dB", variant=f"fused, {per_sm} programs/SM", us=t * 1e3))
+    sl._PROGRAMS_PER_SM = shipped_per_sm
     for row in rows:
         row["checks_ok"] = ok
     return rows

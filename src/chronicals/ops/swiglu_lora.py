@@ -193,9 +193,12 @@ def _swiglu_da_bwd_kernel(DY_ptr, GU_ptr, DGU_ptr, DYB_ptr, PART_ptr, XA_ptr, DB
 _BWD_BLOCK_R, _BWD_BLOCK_C, _BWD_WARPS, _BWD_STAGES = (64, 128, 4, 1) if triton_interpreting() else (64, 64, 4, 3)
 
 
+_PROGRAMS_PER_SM = 2  # the backward's grid: enough row shares for this many programs per SM
+
+
 def _splits(n_rows: int, col_blocks: int, device: torch.device) -> int:
-    """Row shares so that col_blocks x shares >= 2 programs per SM (at least one row tile each)."""
-    want = triton.cdiv(2 * num_sms(device), col_blocks)
+    """Row shares so that col_blocks x shares >= _PROGRAMS_PER_SM programs per SM (at least one row tile each)."""
+    want = triton.cdiv(_PROGRAMS_PER_SM * num_sms(device), col_blocks)
     return max(1, min(want, triton.cdiv(n_rows, _BWD_BLOCK_R)))
 
 
