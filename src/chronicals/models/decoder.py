@@ -177,8 +177,10 @@ class MLP(nn.Module):
         # down_proj(swiglu(gate, up)) while saving only gate and up (or gu): the product (B, S, I), which a plain
         # Linear keeps as its input, is recomputed in backward (235 MB per layer at 4 x 2048 tokens, I = 14336).
         lora_down = getattr(self.down_proj, "forward_swiglu", None)
-        # with lora_fused_rank, a LoRA gate/up group and that down_proj hand the group's dB over (DeferredDb)
-        token = DeferredDb() if lora_down is not None and self.opts.lora_fused_rank else None
+        # with lora_fused_rank, a LoRA gate/up group and that down_proj hand the group's dB over (DeferredDb);
+        # not under torch.compile, where the fused kernels do not run (lora.mlp) and the hand-off would be traced
+        token = (DeferredDb() if lora_down is not None and self.opts.lora_fused_rank
+                 and not torch.compiler.is_compiling() else None)
         # one GEMM x @ [Wg; Wu]^T when gate/up are plain nn.Linear or a LoRA group (lora.group), else None
         gu = gate_up_proj(self, x, token)  # (B, S, 2I) or None
         if gu is not None:
