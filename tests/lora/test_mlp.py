@@ -276,7 +276,7 @@ def test_packed_triton_backward_writes_act_in_the_swiglu_kernel(swiglu_forwards,
 def test_model_option_picks_the_swiglu_product_source(swiglu_forwards):
     """RuntimeOptions.fused_swiglu_recompute reaches a grouped LoRA MLP: True, the backward kernel writes the
     product (one SwiGLU forward per layer); False, a second forward rebuilds it. Same gradients (bit for bit with
-    lora_fused_rank off: the rank-r products by GEMMs; on, the default, the SwiGLU kernels make them and no
+    lora_fused_rank off, the default: the rank-r products by GEMMs; on, the SwiGLU kernels make them and no
     SwiGLU forward of the plain op runs)."""
     model = tiny_model().train()
     apply_lora(model, r=2, alpha=4)  # gate/up form a group: the MLP passes packed gu to down_proj
@@ -286,7 +286,7 @@ def test_model_option_picks_the_swiglu_product_source(swiglu_forwards):
     mlp = model.model.layers[0].mlp
     x, dy = torch.randn(2, 5, 32, device=DEV), torch.randn(2, 5, 32, device=DEV)
     got = {}
-    assert model.opts.lora_fused_rank
+    assert not model.opts.lora_fused_rank  # opt-in until measured on a GPU
     for fused, rank in ((True, True), (True, False), (False, False)):
         model.opts.fused_swiglu_recompute, model.opts.lora_fused_rank = fused, rank
         swiglu_forwards.clear()
@@ -561,7 +561,7 @@ def rank_kernels(monkeypatch):
 @pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_rank_makes_xa_and_da_in_the_swiglu_kernels(rank_kernels, swiglu_forwards, r, in_place, bias):
-    """fused_rank (the decoder's default, RuntimeOptions.lora_fused_rank) on packed gu: the SwiGLU forward kernel
+    """fused_rank (the decoder's RuntimeOptions.lora_fused_rank) on packed gu: the SwiGLU forward kernel
     makes x A^T and the backward kernel dA, with no plain SwiGLU forward; output and every gradient track the float64
     torch path as the GEMM path's do, and in place d_gu comes back in gu's own memory."""
     g = torch.Generator().manual_seed(r)

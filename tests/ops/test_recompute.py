@@ -206,16 +206,16 @@ def test_with_checkpointed_layers(lora):
 
 
 @pytest.mark.skipif(not TRITON, reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (make test sets it)")
-@pytest.mark.parametrize("lora", [False, True])
-def test_swiglu_backward_in_place_by_default(monkeypatch, lora):
-    """The default MLP backward (full and LoRA) writes d_gu over the saved gu (full: and act over d_act; LoRA: its
-    kernel makes dA instead of act, ops.swiglu_lora), once per layer; RuntimeOptions.swiglu_backward_in_place=False
-    uses fresh buffers. Same bits either way."""
+@pytest.mark.parametrize("lora, fused_rank", [(False, False), (True, False), (True, True)])
+def test_swiglu_backward_in_place_by_default(monkeypatch, lora, fused_rank):
+    """The default MLP backward (full and LoRA) writes d_gu over the saved gu and act over d_act, once per layer
+    (LoRA with RuntimeOptions.lora_fused_rank: d_gu over gu, and the kernel makes dA instead of act,
+    ops.swiglu_lora); RuntimeOptions.swiglu_backward_in_place=False uses fresh buffers. Same bits either way."""
     from chronicals.lora import mlp
     from chronicals.models import fused_proj
 
     calls = []
-    if lora:
+    if fused_rank:
         real = mlp.swiglu_gate_up_backward_da
         monkeypatch.setattr(mlp, "swiglu_gate_up_backward_da",
                             lambda *a: calls.append(a[3]) or real(*a))  # records its in_place argument
@@ -223,6 +223,7 @@ def test_swiglu_backward_in_place_by_default(monkeypatch, lora):
         real = fused_proj.swiglu_gate_up_backward_
         monkeypatch.setattr(fused_proj, "swiglu_gate_up_backward_", lambda *a: calls.append(True) or real(*a))
     model = _model("triton", ("norm", "swiglu"), lora)
+    model.opts.lora_fused_rank = fused_rank
     assert model.opts.swiglu_backward_in_place
     loss, g = _grads(model)
     assert calls == [True] * TINY["num_hidden_layers"]

@@ -62,9 +62,11 @@ class RuntimeOptions:
     # more than one backward through one forward (retain_graph=True), which raises otherwise.
     swiglu_backward_in_place: bool = True
     # a LoRA down_proj on the Triton path with fused_swiglu_recompute (dropout 0): the SwiGLU forward kernel
-    # also makes x A^T and its backward kernel dA (ops.swiglu_lora), so the (N, I) product is neither re-read
-    # by those two skinny GEMMs nor written in backward (~2 ms of a 0.5B LoRA step by arithmetic). False: GEMMs.
-    lora_fused_rank: bool = True
+    # also makes x A^T and its backward kernel dA and the gate/up group's dB (ops.swiglu_lora), so the (N, I)
+    # product is neither re-read by two skinny GEMMs nor written in backward, and d_gu is not re-read by two
+    # more (~4 ms of a ~91 ms 0.5B LoRA step by arithmetic). Opt-in until measured on a GPU: an earlier tl.dot
+    # inside the SwiGLU backward kernel (dx's rank-r term, git ef86d67) made the step slower, not faster.
+    lora_fused_rank: bool = False
     # the loss head's vocab_parts (ops.linear_cross_entropy): k > 1 keeps no fp32 weight-gradient accumulator
     # beyond dW itself (0.79 -> 0.56 GiB at Qwen2.5-0.5B) for a second pass over part of the vocabulary (k = 2:
     # 29.7 -> 33.9 ms for the head on an H200, git 638f39e)
