@@ -768,7 +768,6 @@ def test_the_bench_step_gives_the_trainer_steps_mean_loss():
     ("chronicals-full-offer", dict(fused_swiglu_recompute=False)),
     ("chronicals-full-gateup", dict(recompute=("norm", "swiglu", "gate_up"), gate_up_layers=0)),
     ("chronicals-full-gateup2", dict(recompute=("norm", "swiglu", "gate_up"), gate_up_layers=2)),
-    ("chronicals-lora", dict(lora_fused_rank=False, fused_swiglu_recompute=True)),
 ])
 def test_the_chronicals_contenders_set_the_model_options_their_labels_name(name, opts):
     """-keep saves every activation, -offer rebuilds the SwiGLU product by a second forward, -gateup[k] rebuilds the
@@ -784,15 +783,6 @@ def test_the_fresh_graph_rows_write_the_mlp_backward_into_new_buffers(name, in_p
     """-fresh: the SwiGLU backward's gradients go to fresh buffers (``swiglu_backward_in_place=False``), not over
     the saved gate|up output; the plain graphed row keeps the in-place default."""
     assert tiny_build(name, device="cuda").model.opts.swiglu_backward_in_place is in_place
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the graphed rows capture on a CUDA device")
-@pytest.mark.parametrize("name, fused", [("chronicals-lora-graphs", False), ("chronicals-lora-graphs-gemms", False),
-                                         ("chronicals-lora-graphs-fusedrank", True)])
-def test_the_fusedrank_and_gemms_rows_set_where_the_rank_products_are_made(name, fused):
-    """-fusedrank: the LoRA MLP's rank-r products in the SwiGLU kernels (``lora_fused_rank=True``); -gemms: by their
-    own GEMMs; the plain graphed LoRA row keeps the model's default (off)."""
-    assert tiny_build(name, device="cuda").model.opts.lora_fused_rank is fused
 
 
 def test_the_chronicals_contenders_run_the_specs_attention_kernel():

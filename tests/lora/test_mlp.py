@@ -275,9 +275,7 @@ def test_packed_triton_backward_writes_act_in_the_swiglu_kernel(swiglu_forwards,
 @pytest.mark.skipif(not TRITON, reason="the Triton SwiGLU kernels need CUDA, or TRITON_INTERPRET=1 on the CPU")
 def test_model_option_picks_the_swiglu_product_source(swiglu_forwards):
     """RuntimeOptions.fused_swiglu_recompute reaches a grouped LoRA MLP: True, the backward kernel writes the
-    product (one SwiGLU forward per layer); False, a second forward rebuilds it. Same gradients (bit for bit with
-    lora_fused_rank off, the default: the rank-r products by GEMMs; on, the SwiGLU kernels make them and no
-    SwiGLU forward of the plain op runs)."""
+    product (one SwiGLU forward per layer); False, a second forward rebuilds it. Same gradients."""
     model = tiny_model().train()
     apply_lora(model, r=2, alpha=4)  # gate/up form a group: the MLP passes packed gu to down_proj
     randomize_lora_b(model)
@@ -286,15 +284,13 @@ def test_model_option_picks_the_swiglu_product_source(swiglu_forwards):
     mlp = model.model.layers[0].mlp
     x, dy = torch.randn(2, 5, 32, device=DEV), torch.randn(2, 5, 32, device=DEV)
     got = {}
-    assert not model.opts.lora_fused_rank  # opt-in until measured on a GPU
-    for fused, rank in ((True, True), (True, False), (False, False)):
-        model.opts.fused_swiglu_recompute, model.opts.lora_fused_rank = fused, rank
+    for fused in (True, False):
+        model.opts.fused_swiglu_recompute = fused
         swiglu_forwards.clear()
-        got[fused, rank] = _mlp_grads(mlp, x, dy, lambda m, t: m(t))
-        assert len(swiglu_forwards) == (0 if rank else 1 if fused else 2)
-    for a, b, c in zip(got[True, True], got[True, False], got[False, False]):
-        assert torch.equal(b, c)
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        got[fused] = _mlp_grads(mlp, x, dy, lambda m, t: m(t))
+        assert len(swiglu_forwards) == (1 if fused else 2)
+    for a, b in zip(got[True], got[False]):
+        assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------- checkpointing the first k layers
@@ -541,116 +537,3 @@ def test_packed_triton_backward_in_place_writes_d_gu_into_gu(swiglu_forwards):
     y = LoRASwiGLUDownFunction.apply(leaf, None, w, None, a, b, 1.3, None, False, None, "triton", True, False)
     dgu, da_kept = torch.autograd.grad(y, [leaf, a], dy)
     assert torch.equal(dgu_in_place, dgu) and torch.equal(da, da_kept) and torch.equal(da, kept[0])
-
-
-@pytest.fixture
-def rank_kernels(monkeypatch):
-    """A list that records "fwd" / "bwd" at every launch of the SwiGLU kernels that also make down_proj's x A^T / dA
-    (``ops.swiglu_lora``, fused_rank)."""
-    import chronicals.lora.mlp as mlp_mod
-
-    calls = []
-    fwd, bwd = mlp_mod.swiglu_gate_up_xa, mlp_mod.swiglu_gate_up_backward_da
-    monkeypatch.setattr(mlp_mod, "swiglu_gate_up_xa", lambda *a: calls.append("fwd") or fwd(*a))
-    monkeypatch.setattr(mlp_mod, "swiglu_gate_up_backward_da", lambda *a: calls.append("bwd") or bwd(*a))
-    return calls
-
-
-@pytest.mark.skipif(not TRITON, reason="the Triton SwiGLU kernels need CUDA, or TRITON_INTERPRET=1 on the CPU")
-@pytest.mark.parametrize("r", [3, 32])
-@pytest.mark.parametrize("in_place", [False, True])
-@pytest.mark.parametrize("bias", [False, True])
-def test_fused_rank_makes_xa_and_da_in_the_swiglu_kernels(rank_kernels, swiglu_forwards, r, in_place, bias):
-    """fused_rank (the decoder's RuntimeOptions.lora_fused_rank) on packed gu: the SwiGLU forward kernel
-    makes x A^T and the backward kernel dA, with no plain SwiGLU forward; output and every gradient track the float64
-    torch path as the GEMM path's do, and in place d_gu comes back in gu's own memory."""
-    g = torch.Generator().manual_seed(r)
-    rnd = lambda *s: _randn(g, *s)  # noqa: E731
-    fi, fo, lead = 40, 12, (3, 7)
-    gu0, a0, b0, w, bi, dy = rnd(*lead, 2 * fi), rnd(r, fi), rnd(fo, r), rnd(fo, fi), rnd(fo), rnd(*lead, fo)
-
-    def grads(dtype=torch.float32, impl="triton", fused_rank=True):
-        gu = gu0.to(dtype, copy=True).requires_grad_() * 1.0  # a GEMM output's stand-in (in place writes over it)
-        a, b = a0.to(dtype, copy=True).requires_grad_(), b0.to(dtype, copy=True).requires_grad_()
-        y = LoRASwiGLUDownFunction.apply(gu, None, w.to(dtype), bi.to(dtype) if bias else None, a, b, 1.3, None,
-                                         False, None, impl, True, in_place, fused_rank)
-        out = [y, *torch.autograd.grad(y, [gu, a, b], dy.to(dtype))]
-        return out, out[1].data_ptr() == gu.data_ptr()
-
-    ours, ours_in_place = grads()
-    assert rank_kernels == ["fwd", "bwd"] and not swiglu_forwards
-    assert ours_in_place is in_place
-    (gemms, _), (ref, _) = grads(fused_rank=False), grads(torch.float64, "torch")
-    for i, (o, m, e) in enumerate(zip(ours, gemms, ref)):
-        torch.testing.assert_close(o.double(), e, rtol=1e-5, atol=1e-5, msg=f"output/grad {i}")
-        torch.testing.assert_close(o, m, rtol=1e-5, atol=1e-5, msg=f"output/grad {i} vs the GEMM path")
-    assert torch.equal(ours[1], gemms[1])  # d_gu: the same SwiGLU backward math, bit for bit
-
-
-@pytest.mark.skipif(not TRITON, reason="the Triton SwiGLU kernels need CUDA, or TRITON_INTERPRET=1 on the CPU")
-@pytest.mark.parametrize("case", ["dropout", "concat", "rank", "unfused_act", "separate", "wide_adapters"])
-def test_fused_rank_steps_aside_where_its_kernels_do_not_apply(rank_kernels, case):
-    """LoRA dropout (act is dropped before A), the concatenated layout, r > MAX_RANK, fused_act off, separate gate
-    and up, and adapters in another dtype than gu take the GEMM path: the kernels do not run, and the gradients are
-    the torch path's."""
-    from chronicals.ops.swiglu_lora import MAX_RANK
-
-    g = torch.Generator().manual_seed(1)
-    rnd = lambda *s: _randn(g, *s)  # noqa: E731
-    r = MAX_RANK + 1 if case == "rank" else 4
-    fi, fo, lead = 24, 10, (2, 5)
-    gu0, a0, b0, w, dy = rnd(*lead, 2 * fi), rnd(r, fi), rnd(fo, r), rnd(fo, fi), rnd(*lead, fo)
-    torch.manual_seed(0)
-    draw = D.draw(0.25, DEV) if case == "dropout" else None
-
-    def grads(impl, dtype=torch.float32):
-        gu = gu0.to(dtype, copy=True).requires_grad_()
-        ad = torch.float64 if case == "wide_adapters" else dtype
-        a, b = a0.to(ad, copy=True).requires_grad_(), b0.to(ad, copy=True).requires_grad_()
-        ins = list(gu.chunk(2, -1)) if case == "separate" else [gu, None]
-        y = LoRASwiGLUDownFunction.apply(*ins, w.to(dtype), None, a if ad == dtype else a.to(dtype),
-                                         b if ad == dtype else b.to(dtype), 1.3, draw, case == "concat", None, impl,
-                                         case != "unfused_act", False, True)
-        return [y, *torch.autograd.grad(y, [gu, a, b], dy.to(dtype))]
-
-    if case == "wide_adapters":  # A and B reach the function in their own dtype, gu in fp32
-        gu = gu0.clone().requires_grad_()
-        a, b = a0.double().requires_grad_(), b0.double().requires_grad_()
-        with pytest.raises(RuntimeError):  # the GEMMs refuse mixed dtypes: the point is the kernels never ran
-            LoRASwiGLUDownFunction.apply(gu, None, w, None, a, b, 1.3, None, False, None, "triton", True, False,
-                                         True)
-        assert not rank_kernels
-        return
-    ours = grads("triton")
-    assert not rank_kernels
-    for i, (o, e) in enumerate(zip(ours, grads("torch", torch.float64))):
-        torch.testing.assert_close(o.double(), e, rtol=1e-5, atol=1e-5, msg=f"output/grad {i}")
-
-
-@pytest.mark.skipif(not TRITON, reason="the Triton SwiGLU kernels need CUDA, or TRITON_INTERPRET=1 on the CPU")
-@pytest.mark.parametrize("fused_rank", [True, False])
-def test_the_gate_up_groups_db_comes_from_the_swiglu_backward_kernel(monkeypatch, fused_rank):
-    """lora_fused_rank on a grouped LoRA MLP: the SwiGLU backward kernel also makes gate/up's dB and hands them to the
-    group (models.fused_proj.DeferredDb), whose backward then runs none of its dB GEMMs; off, it runs both. Every
-    gradient tracks the float64 torch path either way."""
-    import chronicals.lora.group as group_mod
-
-    gemms = []
-    real = group_mod.mm_scaled
-    monkeypatch.setattr(group_mod, "mm_scaled", lambda *a: gemms.append(1) or real(*a))
-    model = tiny_model().train()
-    apply_lora(model, r=3, alpha=4)
-    randomize_lora_b(model)
-    mlp = model.model.layers[0].mlp
-    assert mlp.__dict__.get("lora_gate_up") is not None
-    x, dy = torch.randn(2, 5, 32, device=DEV), torch.randn(2, 5, 32, device=DEV)
-    model.to(DEV).set_impl("triton")
-    model.opts.lora_fused_rank = fused_rank
-    got = _mlp_grads(mlp, x, dy, lambda m, t: m(t))
-    assert len(gemms) == (0 if fused_rank else 2)
-    model.double().set_impl("torch")
-    ref = _mlp_grads(mlp, x.double(), dy.double(), lambda m, t: m(t))
-    names = ["y", "x"] + [n for n, p in mlp.named_parameters() if p.requires_grad]
-    assert any("gate_proj.lora_B" in n for n in names) and any("up_proj.lora_B" in n for n in names)
-    for name, o, e in zip(names, got, ref):
-        torch.testing.assert_close(o.double(), e, rtol=1e-5, atol=1e-5, msg=name)

@@ -104,8 +104,8 @@ def test_gate_up_output_is_let_go(monkeypatch, impl, lora, names, gate_up_layers
 
     refs, real = [], decoder.gate_up_proj
 
-    def watch(mlp, x, *token):
-        gu = real(mlp, x, *token)
+    def watch(mlp, x):
+        gu = real(mlp, x)
         refs.append(weakref.ref(gu if gu._base is None else gu._base))
         return gu
 
@@ -206,31 +206,23 @@ def test_with_checkpointed_layers(lora):
 
 
 @pytest.mark.skipif(not TRITON, reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (make test sets it)")
-@pytest.mark.parametrize("lora, fused_rank", [(False, False), (True, False), (True, True)])
-def test_swiglu_backward_in_place_by_default(monkeypatch, lora, fused_rank):
-    """The default MLP backward (full and LoRA) writes d_gu over the saved gu and act over d_act, once per layer
-    (LoRA with RuntimeOptions.lora_fused_rank: d_gu over gu, and the kernel makes dA instead of act,
-    ops.swiglu_lora); RuntimeOptions.swiglu_backward_in_place=False uses fresh buffers. Same bits either way."""
-    from chronicals.lora import mlp
+@pytest.mark.parametrize("lora", [False, True])
+def test_swiglu_backward_in_place_by_default(monkeypatch, lora):
+    """The default MLP backward (full and LoRA) writes d_gu over the saved gu and act over d_act, once per layer;
+    RuntimeOptions.swiglu_backward_in_place=False uses fresh buffers. Same bits either way."""
     from chronicals.models import fused_proj
 
     calls = []
-    if fused_rank:
-        real = mlp.swiglu_gate_up_backward_da
-        monkeypatch.setattr(mlp, "swiglu_gate_up_backward_da",
-                            lambda *a: calls.append(a[3]) or real(*a))  # records its in_place argument
-    else:
-        real = fused_proj.swiglu_gate_up_backward_
-        monkeypatch.setattr(fused_proj, "swiglu_gate_up_backward_", lambda *a: calls.append(True) or real(*a))
+    real = fused_proj.swiglu_gate_up_backward_
+    monkeypatch.setattr(fused_proj, "swiglu_gate_up_backward_", lambda *a: calls.append(1) or real(*a))
     model = _model("triton", ("norm", "swiglu"), lora)
-    model.opts.lora_fused_rank = fused_rank
     assert model.opts.swiglu_backward_in_place
     loss, g = _grads(model)
-    assert calls == [True] * TINY["num_hidden_layers"]
+    assert len(calls) == TINY["num_hidden_layers"]
     calls.clear()
     model.opts.swiglu_backward_in_place = False
     loss_fresh, g_fresh = _grads(model)
-    assert not any(calls)
+    assert not calls
     assert torch.equal(loss, loss_fresh) and g.keys() == g_fresh.keys() and len(g) > 0
     for n in g:
         assert torch.equal(g[n], g_fresh[n]), n

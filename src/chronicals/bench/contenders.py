@@ -145,7 +145,7 @@ def chronicals_step(model, spec: RunSpec, device: torch.device, graphs: bool = F
 
 def _chronicals(method: str, compile_layers: bool, graphs: bool = False, keep: bool = False,
                 fused_swiglu: bool = True, group: bool = True, recompute: tuple | None = None,
-                gate_up_layers: int = 0, in_place: bool = True, dropout: float = 0.0, fused_rank: bool | None = None):
+                gate_up_layers: int = 0, in_place: bool = True, dropout: float = 0.0):
     """keep: no selective recomputation (``model.recompute=[]``): every activation stays saved.
     fused_swiglu: the SwiGLU backward kernel rebuilds the product (``RuntimeOptions.fused_swiglu_recompute``,
     the default); False: a second SwiGLU forward does (the offer).
@@ -154,16 +154,12 @@ def _chronicals(method: str, compile_layers: bool, graphs: bool = False, keep: b
     "gate_up" among them, the first k layers only (``model.gate_up_layers``).
     in_place: the MLP backward writes its gradients over the saved gate|up output and d_act
     (``RuntimeOptions.swiglu_backward_in_place``, the default); False: fresh buffers.
-    dropout: LoRA dropout (``lora.dropout``; the protocol's is 0).
-    fused_rank: True, a LoRA down_proj's x A^T and dA (and the gate/up group's dB) made by the SwiGLU kernels
-    (``RuntimeOptions.lora_fused_rank``); False: by their own GEMMs; None: the model's default."""
+    dropout: LoRA dropout (``lora.dropout``; the protocol's is 0)."""
     def build(spec: RunSpec, shape: Shape, device: torch.device) -> Built:
         model = build_chronicals_model(shape, device, spec.impl, spec.seed)
         model.set_checkpointing(spec.checkpointing)
         model.opts.fused_swiglu_recompute = fused_swiglu
         model.opts.swiglu_backward_in_place = in_place
-        if fused_rank is not None:
-            model.opts.lora_fused_rank = fused_rank
         model.opts.attention = spec.attention
         if keep or recompute is not None:
             model.set_recompute(() if keep else recompute, gate_up_layers)
@@ -181,9 +177,7 @@ def _chronicals(method: str, compile_layers: bool, graphs: bool = False, keep: b
         notes.append(f"recompute={list(model.opts.recompute)}"
                      + (f", gate_up in the first {gate_up_layers} layers" if gate_up_layers else "")
                      + ("" if fused_swiglu else " (SwiGLU product from a second forward)")
-                     + ("" if in_place else ", MLP backward into fresh buffers")
-                     + ("" if fused_rank is None or method != "lora" else
-                        ", rank-r products in the SwiGLU kernels" if fused_rank else ", rank-r products by GEMMs"))
+                     + ("" if in_place else ", MLP backward into fresh buffers"))
         params = [p for g in groups for p in g["params"]]
         opt = make_optimizer(groups, device, spec.lr or (LR_LORA if method == "lora" else LR_FULL))
         prepare, fb = chronicals_step(model, spec, device, graphs)
@@ -292,12 +286,6 @@ _ALL = [
               _chronicals("full", False, True, in_place=False), in_default=False),
     Contender("chronicals-lora-graphs-fresh", "chronicals LoRA, CUDA graphs, MLP backward into fresh buffers", "lora",
               _chronicals("lora", False, True, in_place=False), in_default=False),
-    # the LoRA MLP's rank-r products (down_proj's x A^T and dA, gate/up's dB) inside the SwiGLU kernels
-    # (ops.swiglu_lora, RuntimeOptions.lora_fused_rank) or by their own GEMMs, whatever the default
-    Contender("chronicals-lora-graphs-fusedrank", "chronicals LoRA, CUDA graphs, rank-r products in the SwiGLU kernels",
-              "lora", _chronicals("lora", False, True, fused_rank=True), in_default=False),
-    Contender("chronicals-lora-graphs-gemms", "chronicals LoRA, CUDA graphs, rank-r products by GEMMs",
-              "lora", _chronicals("lora", False, True, fused_rank=False), in_default=False),
     Contender("chronicals-lora-graphs-keep", "chronicals LoRA, CUDA graphs, no recompute", "lora",
               _chronicals("lora", False, True, keep=True), in_default=False),
     Contender("chronicals-lora-compile", "chronicals LoRA, layers compiled", "lora", _chronicals("lora", True),

@@ -98,19 +98,14 @@ class LoRAGroupFunction(torch.autograd.Function):
     Arguments: x (..., in); mat M (sum out, in + R), kept on ctx (its s B blocks are rewritten by the layer's
     next forward with the same values until the optimizer steps, which must not trip the version check);
     bias (sum out,) or None; a_all (R, in); outs, ranks, scales (per member); draws: None (no dropout) or one
-    ``DropDraw`` or None per member; token: a ``models.fused_proj.DeferredDb`` or None (a consumer that may
-    compute the B_i gradients: forward leaves xa there; backward returns the dBs found there, else computes
-    them); then B_0, B_1, ... (out_i, r_i).
+    ``DropDraw`` or None per member; then B_0, B_1, ... (out_i, r_i).
     """
 
     @staticmethod
-    def forward(ctx, x, mat, bias, a_all, outs, ranks, scales, draws, token, *bs):
+    def forward(ctx, x, mat, bias, a_all, outs, ranks, scales, draws, *bs):
         shape = x.shape
         x2 = x.reshape(-1, a_all.shape[1])  # (N, in)
         y, xa = group_forward(x2, mat, bias, a_all, ranks, draws)
-        if token is not None:
-            token.xa, token.ranks, token.scales = xa, ranks, scales
-        ctx.token = token
         # the B_i are inputs for their gradients only: M holds s B; draws hold a (1,) seed each, no mask
         ctx.save_for_backward(x2, a_all, xa)
         ctx.mat, ctx.outs, ctx.ranks, ctx.scales, ctx.shape = mat, outs, ranks, scales, shape
@@ -156,18 +151,12 @@ class LoRAGroupFunction(torch.autograd.Function):
                                 for i, (dyb_i, _, draw) in enumerate(_per_member(dyb, a_all, ctx.ranks, draws))])
         dbs = []
         o = r = 0
-        handed = None if ctx.token is None else ctx.token.dbs  # made by the consumer's backward (DeferredDb)
-        if handed is not None:
-            ctx.token.dbs = None  # taken: a second backward finds what its own consumer leaves
         for i, (out, rank, s) in enumerate(zip(ctx.outs, ctx.ranks, ctx.scales)):
-            need_b = ctx.needs_input_grad[9 + i]  # x, mat, bias, a_all, outs, ranks, scales, draws, token, *bs
-            if not need_b:
-                dbs.append(None)
-            else:
-                dbs.append(handed[i] if handed is not None else mm_scaled(dy2[:, o:o + out].t(), xa[:, r:r + rank], s))
+            need_b = ctx.needs_input_grad[8 + i]  # x, mat, bias, a_all, outs, ranks, scales, draws, *bs
+            dbs.append(mm_scaled(dy2[:, o:o + out].t(), xa[:, r:r + rank], s) if need_b else None)
             o, r = o + out, r + rank
         # ctx.draws stays: a second backward (retain_graph) must drop what the first did (a (1,) seed each)
-        return ((None if dx is None else dx.view(ctx.shape)), None, None, da, None, None, None, None, None, *dbs)
+        return ((None if dx is None else dx.view(ctx.shape)), None, None, da, None, None, None, None, *dbs)
 
 
 def _per_member(dyb, a_all, ranks, draws):
@@ -274,10 +263,8 @@ class LoRAGroup:
         """x (..., in) -> y (..., sum out_i), member outputs side by side in member order."""
         return self.with_recipe(x)[0]
 
-    def with_recipe(self, x: torch.Tensor, db_token=None):
-        """(``self(x)``, a function that rebuilds that output bit for bit: for ``ops.recompute`` offers).
-        db_token: a ``models.fused_proj.DeferredDb`` for the consumer of a two-member group's output (gate/up),
-        which may compute the members' dB (``LoRAGroupFunction``); ignored for other groups."""
+    def with_recipe(self, x: torch.Tensor):
+        """(``self(x)``, a function that rebuilds that output bit for bit: for ``ops.recompute`` offers)."""
         if torch.is_grad_enabled() and any(m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad)
                                            for m in self.members):  # M is a buffer: W would get no gradient
             raise RuntimeError("LoRAGroup: the base weight and bias must be frozen (requires_grad=False; "
@@ -285,8 +272,7 @@ class LoRAGroup:
         draws = self._draws(x)
         a_all, bs, bias = self._inputs(x.dtype)
         mat = self.matrix(bs)
-        token = db_token if len(self.members) == 2 else None
-        y = LoRAGroupFunction.apply(x, mat, bias, a_all, self.outs, self.ranks, self.scales, draws, token, *bs)
+        y = LoRAGroupFunction.apply(x, mat, bias, a_all, self.outs, self.ranks, self.scales, draws, *bs)
         return y, functools.partial(self.recompute, x, draws)
 
     @torch.no_grad()

@@ -91,14 +91,13 @@ def add_branch_dx_(dx, dyb, lora_a, draw, x2=None):
     return D.add_dropped_(dx, torch.mm(dyb, lora_a), draw, also=x2)[1]
 
 
-def lora_forward(x2, weight, bias, lora_a, lora_b, scaling: float, draw, wcat, xa=None):
+def lora_forward(x2, weight, bias, lora_a, lora_b, scaling: float, draw, wcat):
     """x2 (N, in) -> (y (N, out), xa = drop(x2) A^T (N, r), unscaled). No autograd (called in forward).
 
     draw: a ``DropDraw`` (dropout) or None; wcat: None for the addmm_ layout, else [W | s B] (out, in + r) for
-    the concatenated layout; xa: x2 A^T already computed (the kernel that wrote x2 made it, ``lora.mlp``), or None.
+    the concatenated layout.
     """
-    if xa is None:
-        xa = torch.mm(branch_input(x2, draw), lora_a.t())  # (N, r)
+    xa = torch.mm(branch_input(x2, draw), lora_a.t())  # (N, r)
     if wcat is not None:
         xcat = torch.cat([x2, xa], dim=1)  # (N, in + r), freed after forward: only x and xa are saved
         y = torch.mm(xcat, wcat.t()) if bias is None else torch.addmm(bias, xcat, wcat.t())
@@ -109,13 +108,12 @@ def lora_forward(x2, weight, bias, lora_a, lora_b, scaling: float, draw, wcat, x
 
 
 def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, draw, scaling: float, wcat,
-                  need_x: bool, need_a: bool, need_b: bool, da_of=None):
+                  need_x: bool, need_a: bool, need_b: bool):
     """dy2 (N, out) -> (dx2 (N, in), dA (r, in), dB (out, r)), None where not needed.
 
     x2 is only read for dA (so a caller may pass a recomputed x2, or None when not need_a). It may also be a
     function of dx2 returning x2, called once dx2 exists (LoRASwiGLUDownFunction rebuilds its input in the
-    kernel that consumes dx2). da_of: instead, a function (dx2, dyb = s dy B (N, r)) -> dA, for a kernel that
-    consumes dx2 and makes dA itself (dropout 0 only).
+    kernel that consumes dx2).
     """
     dx = da = db = xd = None
     fin = lora_a.shape[1]
@@ -139,9 +137,7 @@ def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, draw, scaling: float, wca
         else:  # the LoRA branch saw drop(x): in place into g's strided dx columns, or into the fresh dy W
             xd = add_branch_dx_(dx_base, dyb, lora_a, draw, x2 if need_a and not callable(x2) else None)
             dx = dx_base
-    if need_a and da_of is not None:
-        da = da_of(dx, dyb)
-    elif need_a:
+    if need_a:
         if callable(x2):
             x2 = x2(dx)
         da = torch.mm(dyb.t(), branch_input(x2, draw) if xd is None else xd)  # (r, in)
@@ -345,16 +341,13 @@ class LoRALinear(nn.Module):
         wcat = self._concat_buffer(b) if self._uses_wcat else None
         return LoRALinearFunction.apply(x, self.weight, self.bias, a, b, self.scaling, draw, self.concat, wcat)
 
-    def forward_swiglu(self, gate, up=None, impl: str = "auto", fused_act: bool = True, in_place: bool = False,
-                       fused_rank: bool = False, gate_up_db=None):
+    def forward_swiglu(self, gate, up=None, impl: str = "auto", fused_act: bool = True, in_place: bool = False):
         """``self(swiglu(gate, up))`` without keeping the SwiGLU product for backward: it is recomputed
         from the saved gate / up (see ``chronicals.lora.mlp``). gate, up (..., in) -> (..., out); up None:
         gate is the packed gu (..., 2 in) = [gate | up] (``ops.swiglu_gate_up``).
         The decoder's MLP calls this when its down_proj offers it; ``impl`` is the SwiGLU op's; ``fused_act``:
         the SwiGLU backward kernel writes the product for dA (packed gu on Triton), else a second forward;
-        ``in_place``: that kernel writes over the saved gu and d_act (``RuntimeOptions.swiglu_backward_in_place``);
-        ``fused_rank``: the SwiGLU kernels also make x A^T and dA (``RuntimeOptions.lora_fused_rank``), and with
-        ``gate_up_db`` (a ``models.fused_proj.DeferredDb`` its gate/up group filled) that group's dB."""
+        ``in_place``: that kernel writes over the saved gu and d_act (``RuntimeOptions.swiglu_backward_in_place``)."""
         from .mlp import LoRASwiGLUDownFunction, swiglu_for_impl
 
         if self.impl == "torch" or not self.recompute_swiglu or wider(self.adapter_dtype, gate.dtype):
@@ -362,7 +355,7 @@ class LoRALinear(nn.Module):
         a, b, draw = self._adapters(gate)
         wcat = self._concat_buffer(b) if self._uses_wcat else None
         return LoRASwiGLUDownFunction.apply(gate, up, self.weight, self.bias, a, b, self.scaling, draw,
-                                            self.concat, wcat, impl, fused_act, in_place, fused_rank, gate_up_db)
+                                            self.concat, wcat, impl, fused_act, in_place)
 
     def _merge_dtype(self) -> torch.dtype:
         """fp32, or float64 when W, A or B is float64 (an fp64 model's merge was rounded to fp32 on the way)."""

@@ -27,9 +27,8 @@ import torch
 
 from ..ops import swiglu, swiglu_gate_up
 from ..ops._impl import resolve_impl
-from ..models.fused_proj import claim_in_place, swiglu_backward_owned
+from ..models.fused_proj import swiglu_backward_owned
 from ..ops.swiglu import _unit_col_rows, swiglu_backward, swiglu_gate_up_dgu, swiglu_gate_up_ref, swiglu_ref
-from ..ops.swiglu_lora import MAX_RANK, swiglu_gate_up_backward_da, swiglu_gate_up_xa
 from .layer import concat_weight, lora_backward, lora_forward
 
 
@@ -72,16 +71,12 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
     backward kernel writes act for dA; False: a second SwiGLU forward rebuilds it) and ``in_place`` (with
     fused_act: that kernel writes d_gu over the gu it was given, so only for a gu nobody reads after backward,
     such as the decoder MLP's own GEMM output). ``draw`` (a ``DropDraw`` or None) drops elements of act.
-    ``fused_rank`` (with fused_act, no dropout, the addmm_ layout): the forward's SwiGLU kernel also makes
-    x A^T and the backward's makes dA (``ops.swiglu_lora``), so act is neither read by those GEMMs nor written
-    in backward. ``gate_up_db``: the ``models.fused_proj.DeferredDb`` that the LoRA gate/up group making gu
-    filled; with fused_rank the backward kernel also makes that group's dB and leaves them there.
     up None: gate is the packed gu (..., 2I), and its gradient d_gu comes back whole.
     """
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scaling: float, draw, concat: bool, wcat, impl: str,
-                fused_act: bool = True, in_place: bool = False, fused_rank: bool = False, gate_up_db=None):
+                fused_act: bool = True, in_place: bool = False):
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             raise RuntimeError("LoRASwiGLUDownFunction: down_proj's base weight and bias must be frozen "
                                "(requires_grad=False; apply_lora does this)")
@@ -89,24 +84,15 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
             raise ValueError(f"LoRA MLP: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
         if concat and wcat is None:
             wcat = concat_weight(weight, lora_b, scaling)
-        # fused_rank: the SwiGLU kernels also make down_proj's x A^T (here) and dA (in backward)
-        ctx.fused_rank = fused_rank and fused_act and draw is None and not concat and _fused_rank_ok(
-            gate, up, lora_a, impl)
-        xa = None
-        if ctx.fused_rank:
-            act, xa = swiglu_gate_up_xa(_unit_col_rows(gate, gate.shape[-1]), lora_a.contiguous())
-            act = act.view(*gate.shape[:-1], act.shape[-1])
-        else:
-            act = swiglu_for_impl(gate, up, impl)  # (..., I): lives only until the GEMMs below are done
+        act = swiglu_for_impl(gate, up, impl)  # (..., I): lives only until the GEMMs below are done
         shape = act.shape
         y, xa = lora_forward(act.reshape(-1, shape[-1]), weight, bias, lora_a, lora_b, scaling, draw,
-                             wcat if concat else None, xa)
+                             wcat if concat else None)
         del act
         ctx.save_for_backward(gate, up, weight, lora_a, lora_b, xa)
         ctx.wcat = wcat if concat else None
         ctx.scaling, ctx.draw, ctx.impl, ctx.act_shape = scaling, draw, impl, shape
         ctx.fused_act, ctx.in_place, ctx.spent = fused_act, in_place, False
-        ctx.gate_up_db = gate_up_db if ctx.fused_rank else None
         return y.view(*shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -115,20 +101,8 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
         need_act = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         need_a, need_b = ctx.needs_input_grad[4], ctx.needs_input_grad[5]
         fused = ctx.fused_act and need_act and need_a and _fused_act_ok(gate, up, ctx.impl)
-        act2, da_of, out = None, None, {}
-        if fused and ctx.fused_rank:
-            # d_act first, then one kernel writes d_gu and makes dA = dyb^T act from act rebuilt in registers
-            gu2 = _unit_col_rows(gate, gate.shape[-1])
-
-            def da_of(d_act, dyb):
-                token = ctx.gate_up_db
-                spec = _gate_up_spec(token, gu2)
-                out["dgu"], da, dbs = swiglu_gate_up_backward_da(d_act, gu2, dyb.contiguous(),
-                                                                 claim_in_place(ctx, gu2), spec)
-                if dbs is not None:
-                    token.dbs = dbs  # the gate/up group's backward returns these (lora.group)
-                return da
-        elif fused:
+        act2, out = None, {}
+        if fused:
             # d_act first, then one kernel writes d_gu and act (its STORE_ACT output, the forward's bits),
             # then dA reads act: no separate SwiGLU forward pass over gu
             gu2 = _unit_col_rows(gate, gate.shape[-1])
@@ -140,7 +114,7 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
             with torch.no_grad():
                 act2 = swiglu_for_impl(gate, up, ctx.impl).reshape(-1, ctx.act_shape[-1])
         d_act, da, db = lora_backward(dy.reshape(-1, dy.shape[-1]), act2, weight, lora_a, lora_b, xa, ctx.draw,
-                                      ctx.scaling, ctx.wcat, need_act, need_a, need_b, da_of)
+                                      ctx.scaling, ctx.wcat, need_act, need_a, need_b)
         del act2  # freed before dgate / dup exist: the same transient peak as the plain MLP's backward
         ctx.wcat = None
         dg = du = None
@@ -148,28 +122,10 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
             dg = out["dgu"].view(gate.shape)
         elif need_act:
             dg, du = swiglu_grads(d_act.view(ctx.act_shape), gate, up, ctx.impl)
-        return dg, du, None, None, da, db, None, None, None, None, None, None, None, None, None
+        return dg, du, None, None, da, db, None, None, None, None, None, None, None
 
 
 def _fused_act_ok(gate: torch.Tensor, up: torch.Tensor | None, impl: str) -> bool:
     """The packed Triton path outside torch.compile: the SwiGLU backward kernel can also write act."""
     return (up is None and not torch.compiler.is_compiling()
             and resolve_impl("swiglu_gate_up", impl, gate.device) == "triton")
-
-
-def _fused_rank_ok(gate: torch.Tensor, up: torch.Tensor | None, lora_a: torch.Tensor, impl: str) -> bool:
-    """The packed Triton path with A in gu's dtype and r <= ``ops.swiglu_lora.MAX_RANK``: the SwiGLU kernels can
-    make down_proj's rank-r products (``fused_rank``)."""
-    return (_fused_act_ok(gate, up, impl) and lora_a.dtype == gate.dtype
-            and 0 < lora_a.shape[0] <= MAX_RANK)
-
-
-def _gate_up_spec(token, gu2: torch.Tensor):
-    """``swiglu_gate_up_backward_da``'s gate_up_xa from a filled ``DeferredDb`` (two adapters, xa in gu's dtype,
-    ranks <= MAX_RANK), else None (the group then computes its dB itself)."""
-    if token is None or token.xa is None or len(token.ranks) != 2:
-        return None
-    xa, (r_g, r_u), (s_g, s_u) = token.xa, token.ranks, token.scales
-    if xa.dtype != gu2.dtype or xa.stride(-1) != 1 or xa.shape[0] != gu2.shape[0] or max(r_g, r_u) > MAX_RANK:
-        return None
-    return xa, r_g, r_u, s_g, s_u

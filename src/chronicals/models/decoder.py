@@ -25,7 +25,7 @@ from ..ops.attention import attention_ref
 from ..ops.swiglu import swiglu_gate_up
 from .config import ModelConfig, rope_inv_freq
 from .forward_args import IGNORE_INDEX, check_forward_args, documents_from_positions, mask_padding
-from .fused_proj import DeferredDb, gate_up_proj, qkv_proj, swiglu_down
+from .fused_proj import gate_up_proj, qkv_proj, swiglu_down
 
 
 @dataclass
@@ -61,12 +61,6 @@ class RuntimeOptions:
     # 8B LoRA shape, where the step's peak is the first MLP backward). Same bits. False: fresh buffers, for
     # more than one backward through one forward (retain_graph=True), which raises otherwise.
     swiglu_backward_in_place: bool = True
-    # a LoRA down_proj on the Triton path with fused_swiglu_recompute (dropout 0): the SwiGLU forward kernel
-    # also makes x A^T and its backward kernel dA and the gate/up group's dB (ops.swiglu_lora), so the (N, I)
-    # product is neither re-read by two skinny GEMMs nor written in backward, and d_gu is not re-read by two
-    # more (~4 ms of a ~91 ms 0.5B LoRA step by arithmetic). Opt-in until measured on a GPU: an earlier tl.dot
-    # inside the SwiGLU backward kernel (dx's rank-r term, git ef86d67) made the step slower, not faster.
-    lora_fused_rank: bool = False
     # the loss head's vocab_parts (ops.linear_cross_entropy): k > 1 keeps no fp32 weight-gradient accumulator
     # beyond dW itself (0.79 -> 0.56 GiB at Qwen2.5-0.5B) for a second pass over part of the vocabulary (k = 2:
     # 29.7 -> 33.9 ms for the head on an H200, git 638f39e)
@@ -175,21 +169,16 @@ class MLP(nn.Module):
         self.opts = opts
 
     def forward(self, x):
+        # one GEMM x @ [Wg; Wu]^T when gate/up are plain nn.Linear or a LoRA group (lora.group), else None
+        gu = gate_up_proj(self, x)  # (B, S, 2I) or None
         # A down_proj offering ``forward_swiglu(gate, up, impl)`` (LoRALinear) computes
         # down_proj(swiglu(gate, up)) while saving only gate and up (or gu): the product (B, S, I), which a plain
         # Linear keeps as its input, is recomputed in backward (235 MB per layer at 4 x 2048 tokens, I = 14336).
         lora_down = getattr(self.down_proj, "forward_swiglu", None)
-        # with lora_fused_rank, a LoRA gate/up group and that down_proj hand the group's dB over (DeferredDb);
-        # not under torch.compile, where the fused kernels do not run (lora.mlp) and the hand-off would be traced
-        token = (DeferredDb() if lora_down is not None and self.opts.lora_fused_rank
-                 and not torch.compiler.is_compiling() else None)
-        # one GEMM x @ [Wg; Wu]^T when gate/up are plain nn.Linear or a LoRA group (lora.group), else None
-        gu = gate_up_proj(self, x, token)  # (B, S, 2I) or None
         if gu is not None:
             if lora_down is not None:
                 return lora_down(gu, None, impl=self.opts.impl, fused_act=self.opts.fused_swiglu_recompute,
-                                 in_place=self.opts.swiglu_backward_in_place, fused_rank=self.opts.lora_fused_rank,
-                                 gate_up_db=token)
+                                 in_place=self.opts.swiglu_backward_in_place)
             recomputing = "swiglu" in self.opts.recompute and recompute.is_active()
             # not the session: a checkpointed layer's forward runs again in backward outside it, and must save
             # what its first run saved (torch.utils.checkpoint compares them): the training forward's own test

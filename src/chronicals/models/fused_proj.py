@@ -96,28 +96,13 @@ def _linear_cat(x: torch.Tensor, mods) -> torch.Tensor:
         return F.linear(x, *_cat_params(mods))
 
 
-class DeferredDb:
-    """A hand-off between a LoRA gate/up group and the LoRA down_proj that consumes its output gu (the decoder MLP).
-
-    The group's forward leaves its x A^T here (``xa`` (N, r_g + r_u), ``ranks``, ``scales``); the down_proj's
-    backward, whose SwiGLU kernel holds the d_gu tiles, may leave the pair's dB here (``dbs``), which the group's
-    backward then returns instead of running its two skinny GEMMs over d_gu (``ops.swiglu_lora``). Left empty,
-    the group computes them itself. Holds references only (xa is the group's saved tensor)."""
-
-    __slots__ = ("xa", "ranks", "scales", "dbs")
-
-    def __init__(self):
-        self.xa = self.ranks = self.scales = self.dbs = None
-
-
-def _joint_gemm(kind: str, owner: nn.Module, attr: str, mods, x: torch.Tensor, db_token: DeferredDb | None = None):
+def _joint_gemm(kind: str, owner: nn.Module, attr: str, mods, x: torch.Tensor):
     """(x @ [W_0; W_1; ...]^T (+ biases) as one GEMM, a recipe that runs it again) or None when ``mods`` can
-    not share one: a LoRA group's GEMM (``owner.<attr>``) when there is one, else plain ``nn.Linear``s'.
-    db_token: given to the LoRA group (see ``DeferredDb``)."""
+    not share one: a LoRA group's GEMM (``owner.<attr>``) when there is one, else plain ``nn.Linear``s'."""
     group = _lora_group(owner, attr, mods)
     if group is not None:
         _note(kind, None, "one LoRA group GEMM")
-        return group.with_recipe(x, db_token)
+        return group.with_recipe(x)
     reason = fusable(*mods)
     if reason is None and not torch.is_grad_enabled():
         # what the one GEMM saves is in backward; without one, the concatenation is only a copy of the weights
@@ -152,7 +137,7 @@ def qkv_proj(attn: nn.Module, x: torch.Tensor):
     return q, k, v.contiguous()
 
 
-def gate_up_proj(mlp: nn.Module, x: torch.Tensor, db_token: DeferredDb | None = None) -> torch.Tensor | None:
+def gate_up_proj(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """gu (B, S, 2I) = x @ [Wg; Wu]^T (+ [bg; bu]) of ``mlp`` (a decoder ``MLP``) for x (B, S, H): gate in the
     first half of the last dim, up in the second (the layout ``ops.swiglu.swiglu_gate_up`` takes).
     None when gate_proj / up_proj do not qualify (see module docstring): call them separately then.
@@ -163,10 +148,8 @@ def gate_up_proj(mlp: nn.Module, x: torch.Tensor, db_token: DeferredDb | None = 
     inputs, same bits). Qwen2.5-0.5B protocol: 16,384 x 9,728 x 2 B = 319 MB less per layer, less the 29 MB
     of x the recipe keeps (6.5 GiB over 24), for one more GEMM of 2 x 16,384 x 896 x 9,728 = 286 GFLOP per
     layer (~0.4 ms on an H200, ~10 ms a step).
-
-    db_token: a ``DeferredDb`` that a LoRA gate/up group fills for the LoRA down_proj consuming gu.
     """
-    joint = _joint_gemm("gate_up_proj", mlp, "lora_gate_up", (mlp.gate_proj, mlp.up_proj), x, db_token)
+    joint = _joint_gemm("gate_up_proj", mlp, "lora_gate_up", (mlp.gate_proj, mlp.up_proj), x)
     if joint is None:
         return None
     gu, recipe = joint
@@ -217,27 +200,18 @@ def swiglu_backward_owned(ctx, d_act: torch.Tensor, gu2: torch.Tensor) -> tuple[
     """(d_gu (N, 2I), act (N, I)) from d_act (N, I) and the saved gu2 (N, 2I) for a backward that owns both:
     in place when ``ctx.in_place`` and both are contiguous (``ops.swiglu.swiglu_gate_up_backward_``), else into
     fresh buffers. In place, ``ctx.spent`` marks gu2 as overwritten, and a second backward raises."""
-    if claim_in_place(ctx, d_act, gu2):
-        return swiglu_gate_up_backward_(d_act, gu2)
+    if ctx.in_place:
+        if ctx.spent:
+            raise RuntimeError(
+                "the decoder MLP's backward ran twice through one forward (retain_graph=True?), but its first "
+                "backward wrote the gate/up gradient over the saved gate/up output (RuntimeOptions."
+                "swiglu_backward_in_place, on by default); set model.opts.swiglu_backward_in_place = False "
+                "before the forward to backpropagate through it more than once")
+        if d_act.is_contiguous() and gu2.is_contiguous():
+            ctx.spent = True
+            return swiglu_gate_up_backward_(d_act, gu2)
     act = torch.empty_like(d_act)
     return swiglu_gate_up_backward(d_act, gu2, act), act
-
-
-def claim_in_place(ctx, *tensors: torch.Tensor) -> bool:
-    """Whether a backward may write over ``tensors`` (the saved gu among them): ``ctx.in_place`` and all
-    contiguous; then ``ctx.spent`` marks gu as overwritten. A second backward through an in-place ctx raises."""
-    if not ctx.in_place:
-        return False
-    if ctx.spent:
-        raise RuntimeError(
-            "the decoder MLP's backward ran twice through one forward (retain_graph=True?), but its first "
-            "backward wrote the gate/up gradient over the saved gate/up output (RuntimeOptions."
-            "swiglu_backward_in_place, on by default); set model.opts.swiglu_backward_in_place = False "
-            "before the forward to backpropagate through it more than once")
-    if all(t.is_contiguous() for t in tensors):
-        ctx.spent = True
-        return True
-    return False
 
 
 def swiglu_down(mlp: nn.Module, gu: torch.Tensor) -> torch.Tensor | None:
