@@ -1,4 +1,5 @@
-"""Data parallelism: 2 ranks (torch.multiprocessing.spawn) against one process on all the data.
+"""Data parallelism: 2 ranks (train_helpers.spawn_ranks: forked from a forkserver on the CPU, spawned on CUDA)
+against one process on all the data.
 
 On CPU (the default, CI): gloo. With ``CHRONICALS_TEST_DP_DEVICE=cuda`` on a machine with 2 GPUs: NCCL,
 rank r on cuda:r, the one-process reference on cuda:0 (the same tests, same assertions except where a
@@ -26,8 +27,8 @@ from chronicals.train.distributed import init_distributed
 from chronicals.train.grad_buckets import GradBuckets
 from chronicals.train.step import accumulate_data_parallel, batch_loss_sum
 
-from train_helpers import (SyntheticLoader, assert_graphed_run_like_eager, sigterm_at_forward, synthetic_docs,
-                           tiny_config, tiny_model)
+from train_helpers import (SyntheticLoader, assert_graphed_run_like_eager, sigterm_at_forward, spawn_ranks,
+                           synthetic_docs, tiny_config, tiny_model)
 
 WORLD = 2
 CPU = torch.device("cpu")
@@ -321,7 +322,7 @@ def test_two_ranks_train_the_last_incomplete_round_like_one_process(tmp_path):
     batches, whose epoch ends on a one-batch step."""
     one = _remainder_loader(0, 1)
     assert len(one) % WORLD == 1 and _remainder_loader(1, WORLD).empty_batches == 1
-    mp.spawn(_remainder_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_remainder_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, device=DEVICE)
     r0, r1 = (torch.load(tmp_path / f"remainder{r}.pt") for r in range(WORLD))
     cfg = tiny_config(tmp_path / "single", train__max_steps=-(-len(one) // WORLD), train__grad_accum=WORLD,
                       model__device=DEVICE)
@@ -340,7 +341,7 @@ def test_two_ranks_train_a_fractional_epoch_like_one_process(tmp_path):
     The plan counts rounds of the fraction's global batches, ceil(6 / 2) = 3 (the trainer passes the loader's
     spread: without it, a 4th step of empty batches still moved the weights), and the last round's batch past the
     fraction is an empty one: the same loss tokens and weights. (At 1.3 the two plans agree: a mutation walk.)"""
-    mp.spawn(_remainder_worker, args=(_free_port(), str(tmp_path), 1.65), nprocs=WORLD, join=True)
+    spawn_ranks(_remainder_worker, args=(_free_port(), str(tmp_path), 1.65), nprocs=WORLD, device=DEVICE)
     r0, r1 = (torch.load(tmp_path / f"remainder{r}.pt") for r in range(WORLD))
     cfg = tiny_config(tmp_path / "single", train__max_steps=0, train__epochs=1.65, train__grad_accum=WORLD,
                       model__device=DEVICE)
@@ -524,7 +525,7 @@ def test_ranks_wait_for_rank_0s_data_preparation_past_the_group_timeout(tmp_path
     """The other ranks waited for rank 0's tokenization at a barrier bound by the process group's timeout (60
     minutes): past it they failed, torchrun killed rank 0 mid-tokenization, no cache entry was kept, and every retry
     did the same (a data walk at scale). main_first waits without that deadline."""
-    mp.spawn(_main_first_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_main_first_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, device=DEVICE)
     assert [torch.load(tmp_path / f"rank{r}.pt")["sum"] for r in range(WORLD)] == [2.0, 2.0]
 
 
@@ -540,7 +541,7 @@ def test_gradients_equal_one_process_on_all_micro_batches(tmp_path, reduce, spli
     counts = [b.num_loss_tokens for b in micro]
     assert counts[0] != sum(counts[1:]) and len(set(counts)) > 1  # else per-rank means would agree too
     assert _empty_batch().num_loss_tokens == 0
-    mp.spawn(_grad_worker, args=(_free_port(), str(tmp_path), reduce, split), nprocs=WORLD, join=True)
+    spawn_ranks(_grad_worker, args=(_free_port(), str(tmp_path), reduce, split), nprocs=WORLD, device=DEVICE)
     model = _on(tiny_model(seed=0), REF)
     loss_1, n_1 = accumulate_gradients(model, micro, REF)
     loss_1, g_1 = loss_1.cpu(), _grads(model)
@@ -563,7 +564,7 @@ def test_two_ranks_train_like_one_process_on_both_shards(tmp_path):
     """2 ranks x grad_accum 1 == 1 process x grad_accum 2 over the same batches (the straight run with
     train.overlap_grad_reduce, the stopped and resumed ones without): same losses, same weights;
     only rank 0 writes files; a signal to one rank stops both at the same step, and both resume from it."""
-    mp.spawn(_train_worker, args=(tuple(_free_port() for _ in range(3)), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_train_worker, args=(tuple(_free_port() for _ in range(3)), str(tmp_path)), nprocs=WORLD, device=DEVICE)
     r0, r1 = (torch.load(tmp_path / f"result{r}.pt", weights_only=False) for r in range(WORLD))
     for n in r0["state"]:
         assert torch.equal(r0["state"][n], r1["state"][n]), n  # identical updates on identical weights
@@ -613,7 +614,8 @@ def test_two_ranks_pipelined_loop_stop_together_and_resume_exactly(tmp_path):
     """The pipelined loop under data parallelism: the loss-token count and the stop flags stay on the device and
     are read one step late, on every rank at the same step; resume=auto from that checkpoint ends like a
     straight run, bit for bit on the CPU."""
-    mp.spawn(_pipelined_worker, args=(tuple(_free_port() for _ in range(3)), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_pipelined_worker, args=(tuple(_free_port() for _ in range(3)), str(tmp_path)), nprocs=WORLD,
+                device=DEVICE)
     r0, r1 = (torch.load(tmp_path / f"pipelined{r}.pt", weights_only=False) for r in range(WORLD))
     assert r0["stopped"] == r1["stopped"] and r0["stopped"][:2] == ("interrupted", 3)
     assert r0["stopped"][2] == tmp_path / "stop" / "run" / "checkpoints" / "step-000003"
@@ -633,7 +635,7 @@ def test_buckets_go_out_during_the_last_backward_and_sum_like_after(tmp_path):
     end of the second (before finish()); the sums equal all_reduce_grads' on the same batches; a backward more
     than announced is refused; a parameter with no gradient on rank 1 gets rank 0's alone, and rank 1's finish()
     counts the short bucket."""
-    mp.spawn(_overlap_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_overlap_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, device=DEVICE)
     got = [torch.load(tmp_path / f"overlap{r}.pt") for r in range(WORLD)]
     for g in got:
         assert g["buckets"] > 3 and g["issued"] == [0, g["buckets"]]
@@ -655,7 +657,7 @@ def test_buckets_go_out_during_the_last_backward_and_sum_like_after(tmp_path):
 
 
 def test_a_gradient_missing_on_every_rank_stays_none(tmp_path):
-    mp.spawn(_none_grad_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_none_grad_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, device=DEVICE)
     for r in range(WORLD):
         got = torch.load(tmp_path / f"none{r}.pt")
         assert got["unused"] is None  # as in one process: AdamW skips it (no weight decay step)
@@ -664,7 +666,7 @@ def test_a_gradient_missing_on_every_rank_stays_none(tmp_path):
 
 
 def test_a_gradient_of_rank_0_alone_reaches_a_rank_without_it_when_rank_0_has_them_all(tmp_path):
-    mp.spawn(_all_grads_on_rank_0_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_all_grads_on_rank_0_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, device=DEVICE)
     for r in range(WORLD):
         got = torch.load(tmp_path / f"all0{r}.pt")
         assert torch.equal(got["both"], torch.full((2,), 2.0))
@@ -704,9 +706,9 @@ def test_ranks_that_resume_from_other_steps_stop_together_naming_them(tmp_path):
     """Each rank finds its own checkpoint: ranks that did not see the same out_dir (several nodes without a shared
     file system) trained other weights with the same summed gradients without an error, then hung until the
     group's timeout (a data-parallel walk). Every rank now stops at once with the ranks' values."""
-    mp.spawn(_disagree_worker, args=(_free_port(), str(tmp_path), True), nprocs=WORLD, join=True)
+    spawn_ranks(_disagree_worker, args=(_free_port(), str(tmp_path), True), nprocs=WORLD, device=DEVICE)
     assert not list(tmp_path.glob("error*.txt"))
-    mp.spawn(_disagree_worker, args=(_free_port(), str(tmp_path), False), nprocs=WORLD, join=True)
+    spawn_ranks(_disagree_worker, args=(_free_port(), str(tmp_path), False), nprocs=WORLD, device=DEVICE)
     for rank in range(WORLD):
         said = (tmp_path / f"error{rank}.txt").read_text()
         assert said.startswith("the data-parallel ranks disagree on this run's first step (rank 0: 2, rank 1: 0); "
@@ -740,7 +742,7 @@ def test_ranks_that_read_other_data_stop_together_naming_it(tmp_path):
     """Ranks whose data files differ with the same shape (one node's stale copy) trained on other data without a
     word before the agreement check; only its 'first step' value was tested (a mutation walk: dropping the data's
     digest from it survived)."""
-    mp.spawn(_other_data_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_other_data_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, device=DEVICE)
     for rank in range(WORLD):
         said = (tmp_path / f"error{rank}.txt").read_text()
         assert said.startswith("the data-parallel ranks disagree on this run's data (rank 0: "), said
@@ -753,7 +755,7 @@ def test_held_out_evaluation_is_split_over_the_ranks_and_stopped_by_all_together
     loss tokens counted so far over all ranks), so no rank is left waiting in a collective."""
     from chronicals.train.step import evaluate_loss
 
-    mp.spawn(_eval_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_eval_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, device=DEVICE)
     loader = SyntheticLoader(synthetic_docs(40, seed=3), batch_size=1, shuffle=False)
     firsts = [int(b.input_ids[0, 0]) for b in loader]
     loss_1, n_1 = evaluate_loss(_on(tiny_model(seed=0), REF), loader, REF)
@@ -775,7 +777,7 @@ def test_held_out_evaluation_is_split_over_the_ranks_and_stopped_by_all_together
 def test_a_stop_signal_to_one_rank_in_an_interval_evaluation_checkpoints_that_step_on_all(tmp_path):
     """The abandoned evaluation is the ranks' agreement to stop: the pipelined loop checkpoints the finished step at
     once, as one process does, rather than training one step more before it reads the flag."""
-    mp.spawn(_eval_stop_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_eval_stop_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, device=DEVICE)
     r0, r1 = (torch.load(tmp_path / f"stop{r}.pt") for r in range(WORLD))
     assert r0["e"] >= 6
     assert (r0["status"], r0["step"]) == (r1["status"], r1["step"]) == ("interrupted", 2)
@@ -794,7 +796,7 @@ def test_ranks_with_other_held_out_sets_or_a_wrongly_sharded_one_are_refused(tmp
     while port + 1 in _USED_PORTS:
         port = _free_port()
     _USED_PORTS.add(port + 1)
-    mp.spawn(_heldout_disagree_worker, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_heldout_disagree_worker, args=(port, str(tmp_path)), nprocs=WORLD, device=DEVICE)
     for r in range(WORLD):
         other, sharded = torch.load(tmp_path / f"disagree{r}.pt")
         assert "the data-parallel ranks disagree on this run's held-out data" in other, other
@@ -809,7 +811,7 @@ def test_a_rerun_that_only_closes_the_run_scores_the_whole_held_out_set_on_every
     while port + 1 in _USED_PORTS:
         port = _free_port()
     _USED_PORTS.add(port + 1)
-    mp.spawn(_closing_worker, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_closing_worker, args=(port, str(tmp_path)), nprocs=WORLD, device=DEVICE)
     r0, r1 = (torch.load(tmp_path / f"closing{r}.pt") for r in range(WORLD))
     assert r0["first"] is not None and r0["first"] == r1["first"]
     assert r0["again"] == pytest.approx(r0["first"], rel=1e-9) and r1["again"] == r0["again"]

@@ -12,13 +12,12 @@ import os
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 from chronicals.train import train
 from chronicals.train.distributed import rank_seed
 
 from test_distributed import DEVICE, WORLD, _cpu_state, _free_port, _shards, _torchrun_env
-from train_helpers import record_dropout_seeds, sigterm_at_forward, synthetic_docs, tiny_config, tiny_model
+from train_helpers import record_dropout_seeds, sigterm_at_forward, spawn_ranks, synthetic_docs, tiny_config, tiny_model
 
 
 def _dropout_worker(rank: int, ports: tuple, out: str) -> None:
@@ -44,7 +43,8 @@ def _dropout_worker(rank: int, ports: tuple, out: str) -> None:
 
 
 def test_ranks_draw_their_own_masks_and_resume_exactly(tmp_path):
-    mp.spawn(_dropout_worker, args=(tuple(_free_port() for _ in range(3)), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_dropout_worker, args=(tuple(_free_port() for _ in range(3)), str(tmp_path)), nprocs=WORLD,
+                device=DEVICE)
     r0, r1 = (torch.load(tmp_path / f"dropout{r}.pt", weights_only=False) for r in range(WORLD))
     assert len(r0["seeds"]) == len(r1["seeds"]) > 0
     assert not set(r0["seeds"]) & set(r1["seeds"])  # the same seed on both ranks drew the same masks before
@@ -83,7 +83,7 @@ def test_resume_of_a_one_process_checkpoint_draws_other_seeds_per_rank(tmp_path)
     first = train(tiny_config(tmp_path, train__max_steps=2, **_OVER), model=tiny_model(seed=0),
                   train_loader=_shards(docs, WORLD)[1][0])
     assert first.status == "completed" and first.step == 2
-    mp.spawn(_resume_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_resume_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, device=DEVICE)
     s0, s1 = (torch.load(tmp_path / f"seeds{r}.pt") for r in range(WORLD))
     assert len(s0) == len(s1) > 0
     assert not set(s0) & set(s1)  # before: rank 1 restored rank 0's generator and drew rank 0's seeds

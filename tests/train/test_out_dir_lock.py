@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from chronicals.cli import main
 from chronicals.config import ConfigError
@@ -23,7 +22,7 @@ from chronicals.train import train
 from chronicals.train.checkpoint import STATE_FILE, checkpoint_dirs
 from chronicals.train.guards import LOCK_FILE, out_dir_lock
 
-from train_helpers import SyntheticLoader, synthetic_docs, tiny_config, tiny_model
+from train_helpers import SyntheticLoader, spawn_ranks, synthetic_docs, tiny_config, tiny_model
 
 
 def _run(tmp_path, docs, model_seed=0, **over):
@@ -337,7 +336,7 @@ def test_data_parallel_ranks_are_all_refused_when_rank_0_cannot_lock(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with _hold(tmp_path / "run"):
-        mp.spawn(_rank_worker, args=(tmp_path, port), nprocs=2, join=True)
+        spawn_ranks(_rank_worker, args=(tmp_path, port), nprocs=2)
     assert IN_USE in (tmp_path / "rank0").read_text() and IN_USE in (tmp_path / "rank1").read_text()
 
 

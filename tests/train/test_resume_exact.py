@@ -11,13 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from chronicals.data import PackedLoader
 from chronicals.data.dataset import DatasetStats, TokenizedDataset
 from chronicals.train import train
 
-from train_helpers import sigterm_at_forward, synthetic_docs, tiny_config, tiny_model
+from train_helpers import sigterm_at_forward, spawn_ranks, synthetic_docs, tiny_config, tiny_model
 
 WORLD = 2
 
@@ -62,7 +61,7 @@ def test_data_parallel_lora_dropout_resumes_each_ranks_rng(tmp_path):
     drew other masks than in the uninterrupted run, and the adapters ended elsewhere. Each rank's RNG is kept."""
     from test_distributed import _free_port
 
-    mp.spawn(_dropout_worker, args=(tuple(_free_port() for _ in range(3)), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_dropout_worker, args=(tuple(_free_port() for _ in range(3)), str(tmp_path)), nprocs=WORLD)
     for r in range(WORLD):
         got = torch.load(tmp_path / f"dropout{r}.pt", weights_only=False)
         assert got["stopped"] == ("interrupted", 2)

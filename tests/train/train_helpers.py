@@ -178,3 +178,19 @@ def strict_json(text: str):
     def refuse(constant):
         raise ValueError(f"not strict JSON: {constant} in {text}")
     return json.loads(text, parse_constant=refuse)
+
+
+def spawn_ranks(fn, args: tuple, nprocs: int, device: str = "cpu") -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs, join=True)``; on the CPU the ranks are forked from a
+    forkserver that has imported torch and chronicals once. A spawned rank spent ~3.3 s of the 2-core CI CPU
+    importing them, so each 2-rank test paid ~4 s before its first step. The forkserver is a fresh process (no
+    threads, no process group), so a rank still starts as torchrun's would, less the imports. CUDA ranks
+    (``device="cuda"``) keep spawn: nothing CUDA may have run in the process they are forked from."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    method = "spawn" if device == "cuda" else "forkserver"
+    if method == "forkserver":
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "chronicals.train", "chronicals.cli"])
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method=method)
