@@ -20,7 +20,6 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from chronicals.train import accumulate_gradients, train
 from chronicals.train.distributed import init_distributed
@@ -681,8 +680,8 @@ def test_two_ranks_with_cuda_graphs_train_like_two_eager_ranks(tmp_path, overlap
     turns graphs on for data parallelism on the strength of this test (passed on 2 H200s at 309473b). overlap=True
     (train.overlap_grad_reduce): the bucketed all-reduces captured inside the graph (passed on 2 H200s at
     be746e1, where it was the trainer's path)."""
-    mp.spawn(_graphs_worker, args=(tuple(_free_port() for _ in range(2)), str(tmp_path), ("false", "true"), overlap),
-             nprocs=WORLD, join=True)
+    spawn_ranks(_graphs_worker, args=(tuple(_free_port() for _ in range(2)), str(tmp_path), ("false", "true"),
+                                      overlap), nprocs=WORLD, device=DEVICE)
     recs = torch.load(tmp_path / "graphs.pt")
     assert_graphed_run_like_eager(recs["false"], recs["true"], steps=5)
 
