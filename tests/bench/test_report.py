@@ -415,7 +415,7 @@ def test_git_sha_says_dirty_and_another_projects_checkout_is_not_ours(tmp_path, 
     shutil.copytree(repo / "src" / "chronicals", inside / "chronicals")
     subprocess.run(["git", "init", "-q", str(tmp_path / "other")], check=True)
     subprocess.run([*_GIT, "-C", str(tmp_path / "other"), "commit", "-q", "--allow-empty", "-m", "y"], check=True)
-    got = stamped(inside)  # one probe: each imports torch (~3 s of the CI CPU)
+    got = stamped(inside)  # one probe: each imports torch (~3 s on a 2-core CPU)
     assert got != sha and not got.endswith("-dirty")
     assert got.startswith("v") or got == "unknown"
 

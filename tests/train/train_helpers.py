@@ -182,7 +182,7 @@ def strict_json(text: str):
 
 def spawn_ranks(fn, args: tuple, nprocs: int, device: str = "cpu") -> None:
     """``torch.multiprocessing.spawn(fn, args, nprocs, join=True)``; on the CPU the ranks are forked from a
-    forkserver that has imported torch and chronicals once. A spawned rank spent ~3.3 s of the 2-core CI CPU
+    forkserver that has imported torch and chronicals once. A spawned rank spent ~3.3 s of a 2-core CPU
     importing them, so each 2-rank test paid ~4 s before its first step. The forkserver is a fresh process (no
     threads, no process group), so a rank still starts as torchrun's would, less the imports. CUDA ranks
     (``device="cuda"``) keep spawn: nothing CUDA may have run in the process they are forked from."""
