@@ -25,8 +25,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -e ".[test]" torch==2.13.0 triton==3.7.1
 	touch $@
 
+# two pytest processes side by side, one a core (tests/run_shards.sh says why and how they split); TEST_SHARDS=1: one
 test: setup
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -x tests
+	tests/run_shards.sh $(PY) -q -x
 
 demo: setup
 	$(VENV)/bin/chronicals train train.resume=none  # a fresh run each time (auto would find the last one finished)
