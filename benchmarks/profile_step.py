@@ -27,6 +27,7 @@ import torch
 
 from chronicals.bench.contenders import add_chronicals_lora, build_chronicals_model, rows_as_packed_batch
 from chronicals.bench.floors import step_floors_ms, where_time_goes
+from chronicals.bench.protocol import RunSpec
 from chronicals.bench.shapes import get_shape, model_config
 from chronicals.train.metrics import matmul_peak_tflops
 from chronicals.train.graphs import GraphedStep
@@ -119,16 +120,19 @@ def copy_bandwidth_tb_s(nbytes: int = 2**30) -> float:
     return 2 * nbytes / ms / 1e9
 
 
+def model_and_groups(method: str, shape_name: str, dev: torch.device):
+    """The bench's model of ``shape_name`` on ``dev`` and its optimizer groups: LoRA through the bench's own spec
+    (rank, alpha and the protocol's LoRA+ lr, as its contenders read them), or every parameter."""
+    model = build_chronicals_model(get_shape(shape_name), dev, "auto", seed=0)
+    if method == "lora":
+        return model, add_chronicals_lora(model, RunSpec("chronicals-lora", shape=shape_name))
+    return model, [{"params": [p for p in model.parameters() if p.requires_grad]}]
+
+
 def profile(method: str, shape_name: str, steps: int, graphs: bool = False, ceilings=None) -> dict:
     shape = get_shape(shape_name)
     dev = torch.device("cuda")
-    model = build_chronicals_model(shape, dev, "auto", seed=0)
-    if method == "lora":
-        class _S:  # the bench's LoRA settings
-            lora_r, lora_alpha = 32, 64
-        groups = add_chronicals_lora(model, _S)
-    else:
-        groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    model, groups = model_and_groups(method, shape_name, dev)
     opt = torch.optim.AdamW(groups, lr=1e-5, fused=True)
     ids = torch.randint(0, shape.hf_config["vocab_size"], (shape.rows, shape.seq), device=dev)
     batch = rows_as_packed_batch(ids, "rows")

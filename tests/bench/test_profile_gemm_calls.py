@@ -25,3 +25,17 @@ def test_gemm_calls_reads_a_and_b_whatever_the_op_carries():
     # (M, K, N) = (7, 5, 3) for all four; taking the last two shapes read mm's out= as b: (K, N) = (3, 3)
     assert [r["mkn"] for r in rows] == [[7, 5, 3]] * 4, rows
     assert [r["calls_per_step"] for r in rows] == [1] * 4  # mm(a, b) and mm(a, b, out=) are two shape groups
+
+
+def test_the_profiled_lora_model_is_the_bench_contenders():
+    """profile_step's LoRA row built its adapters from a stand-in settings class that lacked the `lr` the bench's
+    add_chronicals_lora reads since the lr flag came in (AttributeError on the GPU, session 56). It now takes the
+    bench's own RunSpec: the protocol's rank and LoRA+ groups (B at 16 x the lr of A)."""
+    from chronicals.bench.protocol import LORA_PLUS_RATIO, LORA_R, LR_LORA
+
+    model, groups = profile_step.model_and_groups("lora", "tiny", torch.device("cpu"))
+    a = [m for n, m in model.named_parameters() if n.endswith("lora_A.weight")]
+    assert a and all(t.shape[0] == LORA_R for t in a)
+    assert sorted({g["lr"] for g in groups if g["params"]}) == [LR_LORA, LR_LORA * LORA_PLUS_RATIO]
+    model, groups = profile_step.model_and_groups("full", "tiny", torch.device("cpu"))
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
