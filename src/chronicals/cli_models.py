@@ -18,25 +18,14 @@ def _rank() -> int:
     return env_rank()
 
 
-class _LevelFormatter(logging.Formatter):
-    """Info lines as they are; a warning or an error says so ("12:00:01 chronicals.train: warning: ..."): in a
-    console of info lines nothing told them apart."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        if record.levelno < logging.WARNING:
-            return super().format(record)
-        record = logging.makeLogRecord(record.__dict__)  # other handlers see the record unchanged
-        record.msg = f"{record.levelname.lower()}: {record.msg}"
-        return super().format(record)
-
-
 def _setup_logging() -> None:
     """The console log. Under torchrun every rank runs the same code and would say each line once per rank: rank 0
     tells the story (info and warnings), the others say only errors (what failed there, e.g. its GPU). Other
     libraries' loggers say warnings and errors only (the root logger's WARNING)."""
-    console = logging.StreamHandler()  # stderr; basicConfig adds it only when the root logger has no handler yet
-    console.setFormatter(_LevelFormatter("%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
-    logging.basicConfig(level=logging.WARNING, handlers=[console])
+    from .train.console import console_handler
+
+    # stderr; basicConfig adds it only when the root logger has no handler yet
+    logging.basicConfig(level=logging.WARNING, handlers=[console_handler()])
     logging.getLogger("chronicals").setLevel(logging.INFO if _rank() == 0 else logging.ERROR)
 
 

@@ -39,6 +39,7 @@ from .finish import TrainResult, _already_done, before_loss, save_final
 from .metrics import (head_flops_per_token, matmul_peak_tflops, memory_gib, plot_losses, private_pool_bytes,
                       train_flops_per_token)
 from .optim import build_optimizer, build_scheduler, set_total_steps, warn_short_warmup
+from .console import run_console
 from .distributed import DistContext, init_distributed, main_rank_tells, rank_seed
 from .grad_buckets import GradBuckets
 from .graphs import GraphedStep, resolve_cuda_graphs
@@ -94,7 +95,9 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
         raise TypeError("train(config, model=...) needs tokenizer=... too, to tokenize data.path (the model's own, "
                         "e.g. from chronicals.load_model(path, tokenizer=True)), or train_loader=... with the "
                         "batches ready")
-    with main_rank_tells():  # under torchrun, each warning once (rank 0's), not once per rank
+    # a script that set up no logging sees the progress and the summary too; under torchrun, each warning once
+    # (rank 0's), not once per rank
+    with run_console(), main_rank_tells():
         if isinstance(config, TrainConfig):  # checked again: a TrainConfig changed after it was built (grad_accum = 0
             cfg = from_dict(config.to_dict())  # gave a ZeroDivisionError deep in the loop, not the config's error)
         elif isinstance(config, dict):
