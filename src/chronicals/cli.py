@@ -202,11 +202,11 @@ def cmd_export(argv: list[str]) -> int:
         base_dir = hf_dir(base_dir)
     # a model directory (config.json) only: any other folder is the load's to refuse, with no note before it
     no_tokenizer_files = base_dir is not None and (base_dir / "config.json").is_file() and not has_tokenizer(base_dir)
+    note = None
     if no_tokenizer_files and not a.no_merge:
         what = "carries no tokenizer" if base_dir != Path(tok_from).expanduser() else \
             "has no tokenizer files (tokenizer.json / tokenizer_config.json)"
-        print(f"note: {tok_from} {what}: {a.out} is written without them; copy them from the original model",
-              file=sys.stderr)
+        note = f"note: {tok_from} {what}: {a.out} is written without them; copy them from the original model"
     _setup_logging()
     from . import save_model
     from .lora import merge_lora
@@ -220,6 +220,8 @@ def cmd_export(argv: list[str]) -> int:
     model, tok = _load(a.base, a.adapter, resolve_device("cpu"), "checkpoint" if a.dtype == "auto" else a.dtype,
                        adapter_dtype=torch.float32, tokenizer=not (a.no_merge or no_tokenizer_files),
                        ckpt_base=ckpt_base)
+    if note:  # once the model has loaded: a model refused by the load is not written at all (a user walk)
+        print(note, file=sys.stderr)
     if a.no_merge:
         from .lora import save_adapter
 

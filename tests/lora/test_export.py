@@ -111,6 +111,19 @@ def test_export_merges_onto_a_base_saved_without_tokenizer_files(tmp_path, ids, 
         torch.testing.assert_close(got(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
 
 
+def test_export_of_a_refused_model_says_nothing_about_writing_it(tmp_path, capsys):
+    """A model directory without tokenizer files whose config the load refuses: the "written without them" note
+    came before the error, for a model that was not written at all (a user walk). Now only the error, exit 3."""
+    cfg = hf_config("llama", tied=True)
+    cfg.hidden_act = "gelu"  # not a SwiGLU MLP: refused by the load
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
+    out = tmp_path / "out"
+    assert main(["export", "--model", str(tmp_path / "base"), "--out", str(out)]) == 3
+    err = capsys.readouterr().err
+    assert "hidden_act='gelu'" in err and "written without" not in err, err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("tokenizer", ["none", "damaged"])
 def test_export_no_merge_neither_reads_nor_asks_for_the_bases_tokenizer(tmp_path, capsys, tokenizer):
     """export --no-merge writes only the adapter. A base with no tokenizer files gets none of the merge's "written
