@@ -228,6 +228,19 @@ def test_missing_and_unexpected_tensor_names(saved):
         chronicals.load_model(saved, tokenizer=False)
 
 
+def test_a_classifier_checkpoint_is_named_by_its_architecture(tmp_path):
+    """A LlamaForSequenceClassification directory: refused (no lm_head, a "score" head), and the message names its
+    architectures instead of hinting at tie_word_embeddings, which would not make it load (a user walk)."""
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, num_labels=3)
+    transformers.LlamaForSequenceClassification(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"unexpected tensors: score\.weight; config\.json names "
+                                         r"architectures=\['LlamaForSequenceClassification'\]: a model with another "
+                                         r"head") as e:
+        chronicals.load_model(tmp_path, tokenizer=False)
+    assert "tie_word_embeddings: true" not in str(e.value)
+
+
 def test_shape_mismatch(saved):
     cfg = json.loads((saved / "config.json").read_text())
     cfg["intermediate_size"] += 8

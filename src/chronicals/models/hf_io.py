@@ -364,6 +364,14 @@ def _checked_header(fh, f: Path, name: str, want: tuple[int, ...] | None, model_
     return st_dtype
 
 
+def _other_heads(model_dir: Path) -> list[str]:
+    """config.json's architectures when one of them is not a causal LM (LlamaForSequenceClassification, ...), else []."""
+    archs = read_json_object(model_dir / "config.json", "config.json", "copy it again").get("architectures")
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        return []
+    return archs if any(not a.endswith("ForCausalLM") for a in archs) else []
+
+
 def load_hf_dir(model_dir: str | Path, *, dtype: torch.dtype | None = None, device=None,
                 impl: str = "auto") -> CausalLM:
     """An HF directory -> our CausalLM in eval mode. dtype None keeps the checkpoint's (the embedding's)."""
@@ -407,7 +415,11 @@ def load_hf_dir(model_dir: str | Path, *, dtype: torch.dtype | None = None, devi
             msg += f"; missing tensors: {_list(missing)}"
         if unexpected:
             msg += f"; unexpected tensors: {_list(unexpected)}"
-        if missing == {"lm_head.weight"}:
+        heads = _other_heads(model_dir)
+        if heads:  # a classifier's "score" head: the tie hint below would point the wrong way (a user walk)
+            msg += (f"; config.json names architectures={heads}: a model with another head than a causal language "
+                    "model's (...ForCausalLM), which chronicals trains and loads")
+        elif missing == {"lm_head.weight"}:
             msg += ("; a model whose output head is its embedding needs tie_word_embeddings: true in config.json "
                     "(transformers would start a random head instead)")
         raise ValueError(msg + ". Names must be Hugging Face's (model.layers.N.self_attn.q_proj.weight, ...); "
