@@ -48,6 +48,7 @@ def test_first_no_loss_names_a_record_without_a_reply_not_one_truncated_to_none(
     ds = load_dataset(p, tokenizer, max_seq_len=64)
     assert (ds.stats.dropped_no_loss, ds.stats.truncated_no_loss) == (2, 1)
     assert ds.stats.first_no_loss == f"{p}:2"
+    assert ds.stats.first_truncated_no_loss == f"{p}:1"  # named apart: the long-chat drop said no record (a user walk)
 
 
 def test_an_empty_completion_under_loss_on_all_is_no_empty_reply(tokenizer, tmp_path):
@@ -86,7 +87,7 @@ def test_the_truncated_and_kept_count_leaves_out_those_truncated_to_no_loss(toke
     line = next(r.getMessage() for r in caplog.records if "records kept" in r.getMessage())
     assert "2 of 3 records kept" in line
     assert "1 truncated to max_seq_len=64 (kept" in line and "2 truncated to max_seq_len=64" not in line
-    assert "1 truncated to no loss tokens (dropped)" in line
+    assert f"1 truncated to no loss tokens (dropped; first: {p}:1)" in line
 
 
 def test_truncation_that_cuts_exactly_the_warning_share_of_tokens_warns(caplog):

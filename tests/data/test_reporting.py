@@ -99,7 +99,7 @@ def test_truncated_to_no_loss_tokens_is_reported_as_dropped(tokenizer, tmp_path,
         ds = load_dataset(p, tokenizer, max_seq_len=64)
     assert (len(ds), ds.stats.truncated, ds.stats.truncated_no_loss) == (1, 1, 1)
     warned = messages(caplog, logging.WARNING)
-    assert len(warned) == 1 and "1 truncated to no loss tokens (dropped)" in warned[0], warned
+    assert len(warned) == 1 and f"1 truncated to no loss tokens (dropped; first: {p}:1)" in warned[0], warned
     assert "without loss tokens" not in warned[0], warned
 
 

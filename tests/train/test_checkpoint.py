@@ -177,10 +177,51 @@ def test_a_full_disk_is_an_oserror_naming_the_checkpoint(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(torch, "save", full)
     with pytest.raises(OSError, match=r"could not write checkpoint .*step-000003 \(.*unexpected pos.*\); is the disk "
-                                      r"of train.out_dir=.* full\?") as e:
+                                      r"of train.out_dir=.* full, or is the folder not writable\?") as e:
         ckpt.write_checkpoint(tmp_path, {"step": 3, "model": {}})
     assert not any((tmp_path / "checkpoints").iterdir())  # no half-written directory left
     assert _failed(e.value) == 3 and "error: could not write checkpoint" in capsys.readouterr().err
+
+
+def test_a_folder_that_is_not_writable_is_an_oserror_naming_the_checkpoint(tmp_path, monkeypatch):
+    """A checkpoints folder the run may not write fails at the write's lock file: the CLI printed only "error:
+    [Errno 1] Operation not permitted: '.../.tmp-step-000002-26696.lock'" (a user walk). Named like a full disk."""
+    import contextlib
+    import errno
+
+    @contextlib.contextmanager
+    def refused(tmp):
+        raise PermissionError(errno.EPERM, "Operation not permitted", f"{tmp}.lock")
+        yield
+
+    monkeypatch.setattr(ckpt, "writer_lock", refused)
+    with pytest.raises(OSError, match=r"could not write checkpoint .*step-000002 \(\[Errno 1\] Operation not "
+                                      r"permitted: .*\.lock'\); .*or is the folder not writable\? .*fix its "
+                                      r"permissions, and resume with train.resume=auto"):
+        ckpt.write_checkpoint(tmp_path, {"step": 2, "model": {}})
+
+
+def test_a_failed_background_write_stops_the_run_at_the_next_step(tmp_path, docs, monkeypatch):
+    """A background checkpoint write that fails stops training at the next step, not at the next save: with
+    train.save_every=500 a failed write went unnoticed for 500 steps, all trained for nothing (a user walk)."""
+    import threading
+
+    def refused(out_dir, state, keep_last=2):
+        raise OSError(13, "Permission denied", str(ckpt.checkpoint_path(out_dir, state["step"])))
+
+    monkeypatch.setattr(ckpt, "write_checkpoint", refused)
+    steps = []
+
+    def on_step(step, rec):
+        steps.append(step)
+        for t in threading.enumerate():  # the write of step 3 has ended before step 4 could start
+            if t.name == "checkpoint-step-3":
+                t.join()
+
+    cfg = tiny_config(tmp_path, train__save_every=3, train__max_steps=12, train__async_save=True)
+    with pytest.raises(OSError, match=r"Permission denied.*step-000003"):
+        train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs), on_step=on_step)
+    assert steps == [1, 2, 3]
 
 
 def test_keep_last_keeps_exactly_the_newest(tmp_path):
@@ -226,7 +267,8 @@ def test_a_full_disk_at_fsync_is_an_oserror_naming_the_checkpoint(tmp_path, monk
 
     monkeypatch.setattr(ckpt, "_fsync", full)
     with pytest.raises(OSError, match=r"could not write checkpoint .*step-000003 \(\[Errno 28\] No space left on "
-                                      r"device\); is the disk of train.out_dir=.* full\?"):
+                                      r"device\); is the disk of train.out_dir=.* full, or is the folder not "
+                                      r"writable\?"):
         ckpt.write_checkpoint(tmp_path, {"step": 3, "model": {}})
     assert not any((tmp_path / "checkpoints").iterdir())
 

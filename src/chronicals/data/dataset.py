@@ -51,6 +51,7 @@ class DatasetStats:
     dropped_no_loss: int = 0  # no trainable token left (no assistant turn, or truncated away)
     truncated_no_loss: int = 0  # of those, truncation cut every loss token (also counted in truncated)
     first_no_loss: str = ""  # "file:line" of the first dropped with no loss token that truncation did not cause
+    first_truncated_no_loss: str = ""  # "file:line" of the first truncation cut to no loss token; "" in older caches
     empty_no_loss: int = 0  # of those, the text that would carry loss is empty (e.g. {"text": ""}); 0 in older caches
     empty_targets: int = 0  # kept, but the reply / output / completion is blank: only end-of-turn has loss
     first_empty_target: str = ""  # "file:line" of the first of those
@@ -292,7 +293,9 @@ class _Fold:
             if n_loss == 0:
                 stats.dropped_no_loss += 1
                 stats.truncated_no_loss += cut
-                if not cut:
+                if cut:
+                    stats.first_truncated_no_loss = stats.first_truncated_no_loss or rec.where
+                else:
                     stats.first_no_loss = stats.first_no_loss or rec.where
                     stats.empty_no_loss += empty
                 continue

@@ -126,8 +126,9 @@ def _finish(stats: DatasetStats, on_error: str, max_seq_len: int, n: dict[str, s
         if lost >= LOST_TOKENS_WARN:
             parts[-1] += f": raise {n['max_seq_len']} to keep more of them, or set {n['overlong']}=split"
         if stats.truncated_no_loss:
-            parts.append(f"{stats.truncated_no_loss} truncated to no loss tokens (dropped), their replies start past "
-                         f"{n['max_seq_len']}={max_seq_len}: raise {n['max_seq_len']} or shorten the prompts")
+            first = f"; first: {stats.first_truncated_no_loss}" if stats.first_truncated_no_loss else ""
+            parts.append(f"{stats.truncated_no_loss} truncated to no loss tokens (dropped{first}), their replies start "
+                         f"past {n['max_seq_len']}={max_seq_len}: raise {n['max_seq_len']} or shorten the prompts")
         if stats.dropped_overlong:
             parts.append(f"{stats.dropped_overlong} longer than {n['max_seq_len']}={max_seq_len} (dropped, "
                          f"{n['overlong']}=drop)")

@@ -192,28 +192,15 @@ def write_checkpoint(out_dir: str | Path, state: dict, keep_last: int = 2) -> Pa
     background ``CheckpointWriter`` thread's included, holds its lock and is never touched (``models.orphans``)."""
     _check_keep_last(keep_last)
     final = checkpoint_path(out_dir, state["step"])
-    root = final.parent
-    root.mkdir(parents=True, exist_ok=True)
-    remove_orphans(root, _TMP_NAME, log)  # before this write needs the disk space
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    with writer_lock(tmp):
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            torch.save(state, tmp / STATE_FILE)
-            _fsync(tmp / STATE_FILE)  # durable before the rename publishes it: no truncated state.pt after a power loss
-        except BaseException as e:  # e.g. a full disk: leave nothing half-written behind
-            shutil.rmtree(tmp, ignore_errors=True)
-            # torch.save's writer reports a full disk or a file-size limit as a RuntimeError; fsync, where a full
-            # disk or quota shows on NFS or ext4's delayed allocation, as a bare OSError naming no file (a walk)
-            if isinstance(e, (RuntimeError, OSError)):
-                raise OSError(f"could not write checkpoint {final} ({e}); is the disk of train.out_dir={out_dir} "
-                              "full? free space (or lower train.keep_last) and resume with train.resume=auto") from e
-            raise
-        if final.exists():  # re-saving the same step (e.g. a signal right after a periodic save)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync(root)  # the rename itself
+    try:
+        _publish(state, final)
+    except (RuntimeError, OSError) as e:
+        # torch.save's writer reports a full disk or a file-size limit as a RuntimeError; fsync, where a full disk or
+        # quota shows on NFS or ext4's delayed allocation, as a bare OSError naming no file; a folder that is not
+        # writable fails at the lock file, as bare (walks)
+        raise OSError(f"could not write checkpoint {final} ({e}); is the disk of train.out_dir={out_dir} full, or "
+                      "is the folder not writable? free space (or lower train.keep_last) or fix its permissions, "
+                      "and resume with train.resume=auto") from e
     dirs = _step_dirs(out_dir)  # by step; those older than the kept ones go, and a step-N that lost its state.pt
     whole = [(p / STATE_FILE).is_file() for p in dirs]  # (a kill mid-removal) wherever it is
     first = [i for i, w in enumerate(whole) if w][-keep_last:][0]  # the oldest kept
@@ -236,6 +223,28 @@ def remove_checkpoint(ckdir: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
+def _publish(state: dict, final: Path) -> None:
+    """``state`` written to ``final`` through a fsynced temporary directory and a rename; nothing half-written is
+    left behind when a step fails."""
+    root = final.parent
+    root.mkdir(parents=True, exist_ok=True)
+    remove_orphans(root, _TMP_NAME, log)  # before this write needs the disk space
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    with writer_lock(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            torch.save(state, tmp / STATE_FILE)
+            _fsync(tmp / STATE_FILE)  # durable before the rename publishes it: no truncated state.pt after a power loss
+        except BaseException:  # e.g. a full disk: leave nothing half-written behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if final.exists():  # re-saving the same step (e.g. a signal right after a periodic save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync(root)  # the rename itself
+
+
 class CheckpointWriter:
     """Checkpoints written by a background thread: training waits only for the CPU snapshot.
 
@@ -245,8 +254,8 @@ class CheckpointWriter:
         writer.wait()                            # published (or the write's error raised) before anyone reads it
 
     One write at a time: ``save`` first waits for the previous one. A write that fails leaves no checkpoint
-    (the rename is its last act) and its error is raised by the next ``save`` or ``wait``. With
-    ``background=False`` ``save`` writes before it returns.
+    (the rename is its last act) and its error is raised by the next ``save``, ``wait`` or ``raise_failed`` (the
+    trainer's, once a step). With ``background=False`` ``save`` writes before it returns.
     """
 
     def __init__(self, background: bool):
@@ -279,6 +288,13 @@ class CheckpointWriter:
     def busy(self) -> bool:
         """Whether a write is still in flight."""
         return self._thread is not None and not self._done.is_set()
+
+    def raise_failed(self) -> None:
+        """Raise the last write's error if it has ended in one; never blocks. The trainer asks once a step, so a
+        failed write stops the run at the next step, not at the next save (train.save_every steps later: the
+        steps between were trained for nothing, their checkpoint never came)."""
+        if self._thread is not None and self._done.is_set():
+            self.wait()
 
     def wait(self) -> None:
         """Block until the last write is published; raise its error if it failed.

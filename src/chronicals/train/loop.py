@@ -480,6 +480,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
             pending: _Pending | None = None
             after = None  # the previous step's readback when nothing ran between it and this step
             for step in range(start, total):
+                writer.raise_failed()  # a background checkpoint that failed stops the run now (rank 0 writes)
                 started = StepStart(device)
                 micro = stream.take(last_batches if step == total - 1 else cfg.train.grad_accum)
                 # n_loss: all ranks' loss tokens, a host int (one process) or a device scalar (data parallel)
