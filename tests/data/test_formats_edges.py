@@ -165,6 +165,12 @@ def test_the_half_pair_hint_comes_from_the_fields_that_hold_values():
      "missing field 'conversations' (format sharegpt expects 'conversations': [{'from', 'value'}, ...])"),
     ("prompt_completion", {"prompt": "Q"},
      "missing field 'completion' (format prompt_completion expects 'prompt' and 'completion')"),
+    # a forced format over records of another: the fix is data.format (a user walk: on_error=skip dropped them all)
+    ("text", {"messages": [{"role": "user", "content": "hi"}]},
+     "missing field 'text' (format text expects 'text'); its fields are chat ones: set data.format=auto (or chat)"),
+    ("chat", {"prompt": "Q", "completion": "A"},
+     "missing field 'messages' (format chat expects 'messages': [{'role', 'content'}, ...]); its fields are "
+     "prompt_completion ones: set data.format=auto (or prompt_completion)"),
 ])
 def test_a_missing_field_names_what_its_format_expects(fmt, record, says):
     with pytest.raises(FormatError) as e:

@@ -82,7 +82,7 @@ def _format_of(keys: set, prefer: set = frozenset()) -> str | None:
 
 def _field(record: dict, name: str, fmt: str, kinds=(str,), from_csv: bool = False):
     if name not in record:
-        raise FormatError(f"missing field {name!r} (format {fmt} expects {_expects(fmt)})")
+        raise FormatError(f"missing field {name!r} (format {fmt} expects {_expects(fmt)}){_other_format(record, fmt)}")
     if record[name] is None:
         raise FormatError(f"field {name!r} is null (format {fmt} expects {_expects(fmt)})")
     value = record[name]
@@ -92,6 +92,16 @@ def _field(record: dict, name: str, fmt: str, kinds=(str,), from_csv: bool = Fal
         want = " or ".join(k.__name__ for k in kinds)
         raise FormatError(f"field {name!r} is {a_type(value)}, expected {want}")
     return check_text(value, f"field {name!r}") if isinstance(value, str) else value
+
+
+def _other_format(record: dict, fmt: str) -> str:
+    """Where a record lacking ``fmt``'s field has another format's fields: the fix is data.format, not the data
+    (data.format=text over a chat file named the missing 'text' and pointed at data.on_error=skip, which then
+    dropped every record; a user walk)."""
+    other = _format_of({k for k, v in record.items() if v is not None})
+    if other is None or other == fmt:
+        return ""
+    return f"; its fields are {other} ones: set data.format=auto (or {other})"
 
 
 def _csv_messages(value: str, name: str, text_ok: bool):
