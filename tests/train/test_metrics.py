@@ -252,3 +252,16 @@ def test_a_metrics_jsonl_that_is_not_utf8_is_refused_naming_it(tmp_path):
     with pytest.raises(ValueError, match=r"metrics.jsonl is not UTF-8 text \(invalid start byte at byte 39\); move it "
                                          r"away \(a new one then holds the steps from 3 on\)"):
         read_records(path, 2)
+
+
+def test_the_loss_plot_of_a_short_run_ticks_whole_steps(tmp_path, monkeypatch):
+    """A 4-step run's loss.png had x ticks at 1.5, 2.5, ... (a user walk): steps are whole numbers."""
+    from matplotlib.figure import Figure
+
+    seen = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: seen.append(fig) or save(fig, *a, **k))
+    recs = [{"kind": "train", "step": s, "loss": 2.0 - 0.1 * s} for s in (1, 2, 3, 4)]
+    assert plot_losses(recs, tmp_path / "loss.png") is not None
+    ticks = [t for t in seen[0].axes[0].get_xticks() if 1 <= t <= 4]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks

@@ -248,6 +248,7 @@ def plot_losses(records: list[dict], path: Path) -> Path | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
     if train:
@@ -255,6 +256,7 @@ def plot_losses(records: list[dict], path: Path) -> Path | None:
     if evals:
         ax.plot(*zip(*evals), "o-", label="held-out loss")
     ax.set_xlabel("optimizer step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: a 4-step run had ticks at 1.5, 2.5, ...
     ax.set_ylabel("cross-entropy (nats / loss token)")
     ax.grid(alpha=0.3)
     ax.legend()
