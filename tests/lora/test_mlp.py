@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from chronicals.lora import LoRALinear, apply_lora, merge_lora
-from chronicals.lora.layer import LoRALinearFunction, draw_mask
+from chronicals.lora.layer import LoRALinearFunction, draw_mask, lora_linear
 from chronicals.lora.mlp import LoRASwiGLUDownFunction
 from chronicals.ops import dropout as D
 from chronicals.ops.swiglu import swiglu_ref
@@ -359,6 +359,87 @@ def test_concat_buffer_is_w_itself_and_follows_b():
     assert layer.weight.data_ptr() == layer._wcat.data_ptr()
     lin = layer.to_linear()
     assert lin.weight.is_contiguous() and layer._wcat is None
+
+
+class _MMCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matrix products (mm, addmm, addmm_) that run inside it, by output shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+@pytest.mark.parametrize("p", [0.0, 0.25])
+def test_rows_buffer_makes_x_a_in_the_base_gemm(p):
+    """Without concat and bias, W is the first out rows of a private [W ; A] buffer, and a training call makes x A^T as
+    r more output columns of the base GEMM (x read once; y a row-strided view): one product fewer in forward, the
+    same output and gradients as the reference. With dropout x A^T needs drop(x): the separate GEMM stays. Without
+    gradients y = x W^T is the base model's own GEMM (a zero B gives the base's outputs bit for bit)."""
+    torch.manual_seed(0)
+    base = nn.Linear(6, 5, bias=False)
+    w0 = base.weight.detach().clone()
+    layer = LoRALinear(base, r=3, alpha=6, dropout=p).train()
+    assert not layer.concat and layer._layout == "rows"
+    assert layer.weight.data_ptr() == layer._wcat.data_ptr() and layer._wcat.shape == (5 + 3, 6)
+    assert layer.weight.is_contiguous() and torch.equal(layer.weight, w0)
+    with torch.no_grad():
+        layer.lora_B.weight.normal_()
+    x = torch.randn(2, 7, 6, requires_grad=True)
+    with _MMCalls() as calls:
+        torch.manual_seed(1)
+        y = layer(x)
+    assert calls.shapes == ([(14, 8), (14, 5)] if not p else [(14, 3), (14, 5), (14, 5)]), calls.shapes
+    assert y.stride()[-2] == (8 if not p else 5)
+    assert torch.equal(layer._wcat[5:], layer.lora_A.weight)  # the A rows follow A
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, [x, layer.lora_A.weight, layer.lora_B.weight], dy)
+    torch.manual_seed(1)
+    draw = layer.dropout_draw(x)
+    ref = lora_linear(x, w0, None, layer.lora_A.weight, layer.lora_B.weight, layer.scaling, draw, impl="torch")
+    torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-6)
+    for g, r_ in zip(got, torch.autograd.grad(ref, [x, layer.lora_A.weight, layer.lora_B.weight], dy)):
+        torch.testing.assert_close(g, r_, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        layer.lora_B.weight.zero_()
+        layer.eval()
+        assert torch.equal(layer(x), nn.functional.linear(x, w0))
+    lin = layer.to_linear()  # a storage of its own, not the buffer's first rows
+    assert lin.weight.untyped_storage().nbytes() == lin.weight.numel() * 4 and layer._wcat is None
+
+
+def test_rows_buffer_serves_a_wide_input_s_backward(monkeypatch, ids):
+    """A LoRA down_proj (in >= 2 out) gets dx from one GEMM over [dy | s dy B] and [W ; A]: its own buffer, not a
+    per-call cat of W (117 MB at the 8B shape), in the decoder's MLP path; gradients as the torch path's."""
+    import transformers
+
+    from chronicals.models import CausalLM, ModelConfig
+
+    hf = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=72, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0).train()  # I >= 2 H: a wide input
+    apply_lora(model, r=2, alpha=4, target_modules=("down_proj",))
+    randomize_lora_b(model)
+    down = model.model.layers[1].mlp.down_proj
+    assert down._layout == "rows"
+    cats = []
+    real = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda ts, *a, **k: cats.append(tuple(ts[0].shape)) or real(ts, *a, **k))
+    loss = model(ids, shift_labels=torch.roll(ids, -1, 1), reduction="sum")
+    loss.backward()
+    assert (ids.numel(), 32) in cats, cats  # the wide input's [dy | s dy B] ran
+    assert (32, 72) not in cats, cats  # and no [W ; A] was built per call
+    got = down.lora_A.weight.grad.clone()
+    monkeypatch.setattr(torch, "cat", real)
+    model.zero_grad()
+    model.set_impl("torch")
+    model(ids, shift_labels=torch.roll(ids, -1, 1), reduction="sum").backward()
+    torch.testing.assert_close(got, down.lora_A.weight.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_concat_down_proj_passes_its_persistent_buffer(monkeypatch, ids):

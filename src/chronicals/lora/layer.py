@@ -91,12 +91,22 @@ def add_branch_dx_(dx, dyb, lora_a, draw, x2=None):
     return D.add_dropped_(dx, torch.mm(dyb, lora_a), draw, also=x2)[1]
 
 
-def lora_forward(x2, weight, bias, lora_a, lora_b, scaling: float, draw, wcat):
+def lora_forward(x2, weight, bias, lora_a, lora_b, scaling: float, draw, wcat, wa=None):
     """x2 (N, in) -> (y (N, out), xa = drop(x2) A^T (N, r), unscaled). No autograd (called in forward).
 
     draw: a ``DropDraw`` (dropout) or None; wcat: None for the addmm_ layout, else [W | s B] (out, in + r) for
-    the concatenated layout.
+    the concatenated layout; wa: None, or [W ; A] (out + r, in) for the addmm_ layout, where x A^T then comes out of
+    the base GEMM (without dropout and bias): y is then a row-strided view (row stride out + r).
     """
+    if wcat is None and wa is not None and draw is None and bias is None:
+        # [x W^T | x A^T] in one GEMM: x is read once, not twice (the rank-r GEMM re-read all of x: 64 us a layer for
+        # down_proj's 16,384 x 4,864 at the 0.5B LoRA protocol, H100), for r more output columns
+        out = weight.shape[0]
+        ye = torch.mm(x2, wa.t())  # (N, out + r)
+        xa = ye[:, out:].contiguous()  # (N, r), saved for dB: the strided columns would keep all of ye alive
+        y = ye[:, :out]
+        y.addmm_(xa, lora_b.t(), alpha=scaling)  # y += s (x A^T) B^T in place: y stays a view of ye
+        return y, xa
     xa = torch.mm(branch_input(x2, draw), lora_a.t())  # (N, r)
     if wcat is not None:
         xcat = torch.cat([x2, xa], dim=1)  # (N, in + r), freed after forward: only x and xa are saved
@@ -108,12 +118,12 @@ def lora_forward(x2, weight, bias, lora_a, lora_b, scaling: float, draw, wcat):
 
 
 def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, draw, scaling: float, wcat,
-                  need_x: bool, need_a: bool, need_b: bool):
+                  need_x: bool, need_a: bool, need_b: bool, wa=None):
     """dy2 (N, out) -> (dx2 (N, in), dA (r, in), dB (out, r)), None where not needed.
 
     x2 is only read for dA (so a caller may pass a recomputed x2, or None when not need_a). It may also be a
     function of dx2 returning x2, called once dx2 exists (LoRASwiGLUDownFunction rebuilds its input in the
-    kernel that consumes dx2).
+    kernel that consumes dx2). wa: the layer's [W ; A] buffer or None (``lora_forward``).
     """
     dx = da = db = xd = None
     fin = lora_a.shape[1]
@@ -128,7 +138,8 @@ def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, draw, scaling: float, wca
         # rounded once. dy W + (s dy B) A as two GEMMs ends in an addmm_ of rank r that reads and writes
         # (N, in): 123 us a layer at the 0.5B LoRA protocol (16,384 x 4,864), 188 us at 8B (H200 profiles);
         # the cats copy (N, out) and (out, in) instead, a quarter of those bytes or less when in >= 2 out.
-        dx = torch.mm(torch.cat([dy2, dyb], 1), torch.cat([weight, lora_a], 0))
+        # [W ; A]: the layer's own buffer (the forward's), or a per-call copy of W (117 MB at the 8B down_proj)
+        dx = torch.mm(torch.cat([dy2, dyb], 1), wa if wa is not None else torch.cat([weight, lora_a], 0))
     elif need_x:
         if wcat is None:
             dx_base = torch.mm(dy2, weight)  # (N, in)
@@ -157,14 +168,16 @@ class LoRALinearFunction(torch.autograd.Function):
         (read N in, write N (in + r)). ``wcat`` is the [W | s B] buffer (out, in + r): LoRALinear keeps
         one whose first ``in`` columns ARE W's storage and refreshes only the s B columns (out x r) per
         call; None builds it here per call (a full copy of W: 2 x 117 MB at the 8B gate/up, fwd and bwd).
-    wcat is kept on ctx, not save_for_backward: its s B columns are rewritten by the next forward of the
-    same layer (same values until the optimizer steps), which must not trip autograd's version check.
-    Without concat and dropout, a wide input (in >= 2 out, down_proj) gets dx from one GEMM over
-    [dy | s dy B] and [W ; A] (``lora_backward``).
+    Without concat, ``wa`` (LoRALinear's [W ; A] buffer (out + r, in), whose first ``out`` rows ARE W's storage, or
+    None) makes x A^T in the base GEMM as r more output columns (without dropout and bias; ``lora_forward``), and a
+    wide input's dx (in >= 2 out, down_proj: one GEMM over [dy | s dy B] and [W ; A], ``lora_backward``) reads it.
+    wcat and wa are kept on ctx, not save_for_backward: their s B columns / A rows are rewritten by the next forward
+    of the same layer (same values until the optimizer steps), which must not trip autograd's version check.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, draw, concat: bool = False, wcat=None):
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, draw, concat: bool = False, wcat=None,
+                wa=None):
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             raise RuntimeError("LoRALinearFunction: the base weight and bias must be frozen "
                                "(requires_grad=False; apply_lora does this); train them with a plain nn.Linear")
@@ -172,9 +185,10 @@ class LoRALinearFunction(torch.autograd.Function):
             wcat = concat_weight(weight, lora_b, scaling)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (N, in); a view when x is contiguous
-        y, xa = lora_forward(x2, weight, bias, lora_a, lora_b, scaling, draw, wcat if concat else None)
+        wa = None if concat else wa
+        y, xa = lora_forward(x2, weight, bias, lora_a, lora_b, scaling, draw, wcat if concat else None, wa)
         ctx.save_for_backward(x2, weight, lora_a, lora_b, xa)
-        ctx.wcat = wcat if concat else None
+        ctx.wcat, ctx.wa = (wcat if concat else None), wa
         ctx.scaling, ctx.draw, ctx.shape = scaling, draw, shape  # draw: a (1,) seed, not an activation
         return y.view(*shape[:-1], y.shape[-1])
 
@@ -183,9 +197,9 @@ class LoRALinearFunction(torch.autograd.Function):
         x2, weight, lora_a, lora_b, xa = ctx.saved_tensors
         dx, da, db = lora_backward(dy.reshape(-1, dy.shape[-1]), x2, weight, lora_a, lora_b, xa, ctx.draw,
                                    ctx.scaling, ctx.wcat, ctx.needs_input_grad[0],
-                                   ctx.needs_input_grad[3], ctx.needs_input_grad[4])
-        ctx.wcat = None
-        return (None if dx is None else dx.view(ctx.shape)), None, None, da, db, None, None, None, None
+                                   ctx.needs_input_grad[3], ctx.needs_input_grad[4], ctx.wa)
+        ctx.wcat = ctx.wa = None
+        return (None if dx is None else dx.view(ctx.shape)), None, None, da, db, None, None, None, None, None
 
 
 def lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, draw=None, impl: str = "fused",
@@ -215,8 +229,10 @@ class LoRALinear(nn.Module):
 
     With the fused concatenated layout, ``weight`` becomes a strided view (row stride in + r) into a
     private (out, in + r) buffer whose last r columns hold s B (refreshed each forward, out x r elements):
-    no memory beyond r columns, and no per-call copy of W. ``model.to(...)`` rebinds it (``_apply``);
-    ``to_linear`` / merge_lora give W back a contiguous storage of its own.
+    no memory beyond r columns, and no per-call copy of W. Otherwise (fused, no bias) ``weight`` is the first
+    ``out`` rows of a private (out + r, in) buffer [W ; A] whose last r rows hold A (refreshed each forward): the
+    base GEMM makes x A^T too (``lora_forward``). ``model.to(...)`` rebinds either (``_apply``);
+    ``to_linear`` / merge_lora give W back a storage of its own.
     """
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False,
@@ -260,9 +276,25 @@ class LoRALinear(nn.Module):
         self._bind_concat_buffer()
 
     @property
+    def _layout(self) -> str | None:
+        """The private buffer W lives in: "cols", [W | s B] (concat); "rows", [W ; A] (no concat, no bias: x A^T from
+        the base GEMM); None (impl torch, a group's member, wide adapters, a bias without concat, meta weights)."""
+        if self.impl != "fused" or self.group is not None or self.weight.device.type == "meta" or self.wide:
+            return None
+        if self.concat:
+            return "cols"
+        return "rows" if self.bias is None else None
+
+    @property
     def _uses_wcat(self) -> bool:
-        return (self.concat and self.impl == "fused" and self.group is None
-                and self.weight.device.type != "meta" and not self.wide)
+        return self._layout == "cols"
+
+    def _uses(self, x: torch.Tensor) -> bool:
+        """Whether this call runs through the bound buffer: "cols" always; "rows" in training only. Without gradients
+        (evaluation, generation) y = x W^T stays the base model's own GEMM, so a zero B gives the base's logits bit
+        for bit (the GEMM of r more output columns may sum in another order)."""
+        layout = self._layout
+        return layout == "cols" or (layout == "rows" and torch.is_grad_enabled())
 
     @property
     def wide(self) -> bool:
@@ -277,18 +309,22 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def _bind_concat_buffer(self) -> None:
-        """Move W into the first ``in`` columns of a new (out, in + r) buffer (one copy of W, once)."""
+        """Move W into a new buffer of ``_layout``: the first ``in`` columns of (out, in + r), or the first ``out`` rows
+        of (out + r, in) (one copy of W, once)."""
         self._wcat = None
-        if not self._uses_wcat:
+        layout = self._layout
+        if layout is None:
             return
-        w = self.weight
-        buf = torch.empty(self.out_features, self.in_features + self.r, dtype=w.dtype, device=w.device)
-        buf[:, :self.in_features].copy_(w)
-        w.data = buf[:, :self.in_features]  # same Parameter object (ties, optimizer refs), new storage
+        w, (o, i) = self.weight, (self.out_features, self.in_features)
+        buf = torch.empty((o, i + self.r) if layout == "cols" else (o + self.r, i), dtype=w.dtype, device=w.device)
+        view = buf[:, :i] if layout == "cols" else buf[:o]
+        view.copy_(w)
+        w.data = view  # same Parameter object (ties, optimizer refs), new storage
         self._wcat = buf
 
-    def _concat_buffer(self, b: torch.Tensor) -> torch.Tensor:
-        """The bound [W | s B] buffer with its s B columns refreshed from ``b`` (one small kernel)."""
+    def _concat_buffer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The bound buffer with its s B columns ("cols") or A rows ("rows") refreshed from ``b`` / ``a`` (one small
+        kernel)."""
         buf = self._wcat
         # weight.data replaced from outside (load, .data =, a dtype/device move not through _apply)?
         # data_ptr is a graph break under torch.compile, so the check runs in eager mode only.
@@ -297,7 +333,10 @@ class LoRALinear(nn.Module):
             self._bind_concat_buffer()
             buf = self._wcat
         with torch.no_grad():
-            torch.mul(b, self.scaling, out=buf[:, self.in_features:])
+            if self._layout == "cols":
+                torch.mul(b, self.scaling, out=buf[:, self.in_features:])
+            else:
+                buf[self.out_features:].copy_(a)
         return buf
 
     def _apply(self, fn, recurse=True):
@@ -338,8 +377,9 @@ class LoRALinear(nn.Module):
         # adapters, tests/lora/test_adapter_dtype.py). The trainer's adapters take the base's dtype: never here.
         if self.impl == "torch" or a.dtype != x.dtype:
             return lora_linear(x, self.weight, self.bias, a, b, self.scaling, draw, impl="torch")
-        wcat = self._concat_buffer(b) if self._uses_wcat else None
-        return LoRALinearFunction.apply(x, self.weight, self.bias, a, b, self.scaling, draw, self.concat, wcat)
+        buf = self._concat_buffer(a, b) if self._uses(x) else None
+        return LoRALinearFunction.apply(x, self.weight, self.bias, a, b, self.scaling, draw, self.concat,
+                                        buf if self.concat else None, None if self.concat else buf)
 
     def forward_swiglu(self, gate, up=None, impl: str = "auto", fused_act: bool = True, in_place: bool = False):
         """``self(swiglu(gate, up))`` without keeping the SwiGLU product for backward: it is recomputed
@@ -353,9 +393,10 @@ class LoRALinear(nn.Module):
         if self.impl == "torch" or not self.recompute_swiglu or wider(self.adapter_dtype, gate.dtype):
             return self(swiglu_for_impl(gate, up, impl))  # plain autograd (the product is kept), or wide adapters
         a, b, draw = self._adapters(gate)
-        wcat = self._concat_buffer(b) if self._uses_wcat else None
+        buf = self._concat_buffer(a, b) if self._uses(gate) else None
         return LoRASwiGLUDownFunction.apply(gate, up, self.weight, self.bias, a, b, self.scaling, draw,
-                                            self.concat, wcat, impl, fused_act, in_place)
+                                            self.concat, buf if self.concat else None, impl, fused_act, in_place,
+                                            None if self.concat else buf)
 
     def _merge_dtype(self) -> torch.dtype:
         """fp32, or float64 when W, A or B is float64 (an fp64 model's merge was rounded to fp32 on the way)."""
@@ -374,8 +415,9 @@ class LoRALinear(nn.Module):
         same Parameters. (Adding the rounded delta in bf16 rounds twice: ~46% of a bf16 merge's elements then
         differed from the correctly rounded sum.)"""
         self.weight.copy_(self.weight.to(self._merge_dtype()).add_(self.delta_weight()))
-        if not self.weight.is_contiguous():  # leave the [W | s B] buffer: W gets its own storage back
-            self.weight.data = self.weight.data.contiguous()
+        if self._wcat is not None or not self.weight.is_contiguous():  # leave the [W | s B] or [W ; A] buffer (or a
+            # LoRAGroup's): W gets a storage of its own back
+            self.weight.data = self.weight.data.clone(memory_format=torch.contiguous_format)
         self._wcat = None
         lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         lin.weight, lin.bias = self.weight, self.bias

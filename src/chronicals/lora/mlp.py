@@ -70,13 +70,14 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
     concat, wcat) plus ``impl``, the SwiGLU op's, ``fused_act`` (packed gu on Triton: the SwiGLU
     backward kernel writes act for dA; False: a second SwiGLU forward rebuilds it) and ``in_place`` (with
     fused_act: that kernel writes d_gu over the gu it was given, so only for a gu nobody reads after backward,
-    such as the decoder MLP's own GEMM output). ``draw`` (a ``DropDraw`` or None) drops elements of act.
+    such as the decoder MLP's own GEMM output), then ``wa`` (LoRALinearFunction's: the [W ; A] buffer or None).
+    ``draw`` (a ``DropDraw`` or None) drops elements of act.
     up None: gate is the packed gu (..., 2I), and its gradient d_gu comes back whole.
     """
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scaling: float, draw, concat: bool, wcat, impl: str,
-                fused_act: bool = True, in_place: bool = False):
+                fused_act: bool = True, in_place: bool = False, wa=None):
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             raise RuntimeError("LoRASwiGLUDownFunction: down_proj's base weight and bias must be frozen "
                                "(requires_grad=False; apply_lora does this)")
@@ -86,11 +87,12 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
             wcat = concat_weight(weight, lora_b, scaling)
         act = swiglu_for_impl(gate, up, impl)  # (..., I): lives only until the GEMMs below are done
         shape = act.shape
+        wa = None if concat else wa
         y, xa = lora_forward(act.reshape(-1, shape[-1]), weight, bias, lora_a, lora_b, scaling, draw,
-                             wcat if concat else None)
+                             wcat if concat else None, wa)
         del act
         ctx.save_for_backward(gate, up, weight, lora_a, lora_b, xa)
-        ctx.wcat = wcat if concat else None
+        ctx.wcat, ctx.wa = (wcat if concat else None), wa
         ctx.scaling, ctx.draw, ctx.impl, ctx.act_shape = scaling, draw, impl, shape
         ctx.fused_act, ctx.in_place, ctx.spent = fused_act, in_place, False
         return y.view(*shape[:-1], y.shape[-1])
@@ -114,15 +116,15 @@ class LoRASwiGLUDownFunction(torch.autograd.Function):
             with torch.no_grad():
                 act2 = swiglu_for_impl(gate, up, ctx.impl).reshape(-1, ctx.act_shape[-1])
         d_act, da, db = lora_backward(dy.reshape(-1, dy.shape[-1]), act2, weight, lora_a, lora_b, xa, ctx.draw,
-                                      ctx.scaling, ctx.wcat, need_act, need_a, need_b)
+                                      ctx.scaling, ctx.wcat, need_act, need_a, need_b, ctx.wa)
         del act2  # freed before dgate / dup exist: the same transient peak as the plain MLP's backward
-        ctx.wcat = None
+        ctx.wcat = ctx.wa = None
         dg = du = None
         if fused:
             dg = out["dgu"].view(gate.shape)
         elif need_act:
             dg, du = swiglu_grads(d_act.view(ctx.act_shape), gate, up, ctx.impl)
-        return dg, du, None, None, da, db, None, None, None, None, None, None, None
+        return dg, du, None, None, da, db, None, None, None, None, None, None, None, None
 
 
 def _fused_act_ok(gate: torch.Tensor, up: torch.Tensor | None, impl: str) -> bool:
