@@ -15,7 +15,7 @@ SCRIPTS = {
     "check_lora_dropout_cuda.py": [], "probe_attention_cudnn.py": ["out.json"],
     "probe_attention_cudnn_fe.py": ["out.json"], "probe_cudnn_plans.py": [], "probe_gemm_swiglu.py": ["out.json"],
     "probe_lce_overlap.py": ["head"], "probe_lce_rows.py": [], "probe_lora_small_gemms.py": ["out.json"],
-    "probe_step_memory.py": [], "probe_power_cap.py": [],
+    "probe_step_memory.py": [], "probe_power_cap.py": [], "probe_lora_stacked_out.py": [],
     "profile_step.py": [], "bench_attention.py": [], "bench_rope.py": [], "bench_swiglu.py": [],
     "run_cuda_mutants.py": ["spec.json"],
 }
