@@ -18,6 +18,8 @@ Two implementations, picked explicitly with ``impl``:
 Kernel count per call (dropout 0), forward + backward: 8 (addmm_ layout) and 8 (concatenated layout,
 including the s B refresh), down from 10 and 11 before the scales moved into ``alpha`` and the
 concatenated weight became persistent (at the 0.5B shape, 168 calls per step: ~420 fewer launches).
+A wide input (in >= 2 out, no bias: down_proj) keeps W in the first rows of a [W ; A] buffer, so the base GEMM also
+makes x A^T in training (``LoRALinear._layout`` "rows", ``lora_forward``): x is read once instead of twice.
 """
 
 from __future__ import annotations
