@@ -743,3 +743,30 @@ def test_a_layer_or_part_count_built_in_python_must_be_an_integer_not_a_bool(kw)
     with pytest.raises(ConfigError, match=rf"model\.{key}={kw[key]} is invalid: expected an integer >= [01]") as e:
         ModelSection(**kw)
     assert e.value.key == f"model.{key}"
+
+
+def test_every_bad_key_and_value_is_said_at_once(tmp_path):
+    """Three bad values, an unknown key and a bad override: one error naming them all, each at its line, in the
+    file's order, then the command line's (the first alone was said, so a user fixed and reran once per value)."""
+    p = tmp_path / "c.yaml"
+    p.write_text("lora:\n  rank: -4\noptim:\n  lr: -1\ndata:\n  max_seq_len: 0\ntrain:\n  max_stepz: 3\n")
+    with pytest.raises(ValueError) as e:
+        load_config(p, ["model.dtype=float17"])
+    lines = str(e.value).splitlines()
+    assert [line.split(": ", 1)[0] for line in lines] == [f"{p}:2", f"{p}:4", f"{p}:6", f"{p}:8", "command line"]
+    assert "lora.rank=-4" in lines[0] and "optim.lr=-1.0" in lines[1] and "data.max_seq_len=0" in lines[2]
+    assert "unknown config key 'train.max_stepz'" in lines[3] and "model.dtype='float17'" in lines[4]
+
+
+def test_a_value_of_the_wrong_type_is_not_judged_again_by_its_default():
+    """A section with a value of the wrong type is not built: its checks would have met the default standing in for
+    that value (tokens_per_batch=512 'below data.max_seq_len=2048' while max_seq_len was set to 'abc')."""
+    with pytest.raises(ConfigError) as e:
+        from_dict({"data": {"max_seq_len": "abc", "tokens_per_batch": 512}, "optim": {"lr": 0}})
+    assert len(e.value.errors) == 2, str(e.value)
+    assert "data.max_seq_len='abc' is invalid: expected an integer" in str(e.value)
+    assert "tokens_per_batch" not in str(e.value) and "optim.lr=0.0 is invalid" in str(e.value)
+    assert e.value.key == "data.max_seq_len"
+    with pytest.raises(ConfigError) as one:  # one error: the ConfigError itself, as before
+        from_dict({"optim": {"lr": 0}})
+    assert not hasattr(one.value, "errors") and one.value.key == "optim.lr"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import math
 import re
 import sys
 import types
@@ -236,12 +237,41 @@ def from_dict(d: dict | None, overrides: list[str] | dict | None = None) -> Trai
             flat[k] = _override_value(k, v.strip())
     known = set(all_keys())
     values: dict[str, dict] = {s: {} for s in SECTION_TYPES}
+    # every bad key and value at once, not one per run (a user walk fixed three values in three runs); a section
+    # with a value of the wrong type is not built: its checks would meet the default standing in for that value
+    errors: list[ConfigError] = []
+    untyped: set[str] = set()
     for key, v in flat.items():
         if key not in known:
-            raise _unknown(key, sorted(known))
+            errors.append(_unknown(key, sorted(known)))
+            continue
         section, name = key.split(".", 1)
-        values[section][name] = _coerce(key, v, _field_type(SECTION_TYPES[section], name))
-    return TrainConfig(**{s: cls(**values[s]) for s, cls in SECTION_TYPES.items()})
+        try:
+            values[section][name] = _coerce(key, v, _field_type(SECTION_TYPES[section], name))
+        except ConfigError as e:
+            errors.append(e)
+            untyped.add(section)
+    sections = {}
+    for s, cls in SECTION_TYPES.items():
+        if s in untyped:
+            continue
+        try:
+            sections[s] = cls(**values[s])  # its __post_init__ checks (the first bad value of the section)
+        except ConfigError as e:
+            errors.append(e)
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigErrors(errors)
+    return TrainConfig(**sections)
+
+
+class ConfigErrors(ConfigError):
+    """Several bad keys or values of one config, each a ConfigError (``errors``): one message line each."""
+
+    def __init__(self, errors: list[ConfigError]):
+        super().__init__("\n".join(map(str, errors)), errors[0].key)
+        self.errors = errors
 
 
 _KEY_CONSTRUCTOR = yaml.constructor.SafeConstructor()
@@ -367,14 +397,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
     try:
         return from_dict(d, overrides)
     except ValueError as e:
-        key = getattr(e, "key", None)
-        if key is not None and key in _override_keys(overrides):  # the value came from there, not the file
-            origin = "overrides" if isinstance(overrides, dict) else "command line"
-            raise ValueError(f"{origin}: {e}") from None
-        if not path:
-            raise ValueError(str(e)) from None
-        line = None if key is None else lines.get(key) or lines.get(key.split(".", 1)[0])  # a '<<' merge: its section
-        raise ValueError(f"{path}:{line}: {e}" if line else f"{path}: {e}") from None
+        errs = sorted(getattr(e, "errors", [e]), key=lambda err: _line_of(err, lines, overrides))  # as the file reads
+        raise ValueError("\n".join(_placed(err, path, lines, overrides) for err in errs)) from None
+
+
+def _line_of(e: ValueError, lines: dict, overrides) -> float:
+    """The file line of an error's key; command-line values after the file's."""
+    key = getattr(e, "key", None)
+    if key is None or key in _override_keys(overrides):
+        return math.inf
+    return lines.get(key) or lines.get(key.split(".", 1)[0]) or math.inf
+
+
+def _placed(e: ValueError, path, lines: dict, overrides) -> str:
+    """One error's message after where its value was set: ``FILE:LINE``, the command line (or ``overrides`` for a
+    dict), or the file alone."""
+    key = getattr(e, "key", None)
+    if key is not None and key in _override_keys(overrides):  # the value came from there, not the file
+        return f"{'overrides' if isinstance(overrides, dict) else 'command line'}: {e}"
+    if not path:
+        return str(e)
+    line = None if key is None else lines.get(key) or lines.get(key.split(".", 1)[0])  # a '<<' merge: its section
+    return f"{path}:{line}: {e}" if line else f"{path}: {e}"
 
 
 def config_help() -> str:
