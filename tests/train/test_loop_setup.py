@@ -22,6 +22,14 @@ def test_max_seq_len_past_the_model_context_is_refused(tmp_path, docs, caplog):
         train(tiny_config(tmp_path, train__max_steps=1, data__max_seq_len=256), model=tiny_model(),
               train_loader=SyntheticLoader(docs))
     assert e.value.key == "data.max_seq_len"
+    # the embedded model (a .gguf, named by its short name) has no config.json to edit: the message says how to get one
+    assert "chronicals export --model smollm2-135m-instruct --out DIR; then model.path=DIR" in str(e.value)
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=rf"in {str(hf_dir / 'config.json')}$"):
+        train(tiny_config(tmp_path / "c", train__max_steps=1, data__max_seq_len=256, model__path=str(hf_dir)),
+              model=tiny_model(), train_loader=SyntheticLoader(docs))
     with caplog.at_level("WARNING", logger="chronicals.train"):
         train(tiny_config(tmp_path / "b", train__max_steps=1, data__max_seq_len=128), model=tiny_model(),
               train_loader=SyntheticLoader(docs))

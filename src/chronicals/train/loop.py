@@ -168,11 +168,16 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     if trained_len and cfg.data.max_seq_len > trained_len:  # as chronicals eval --max-seq-len refuses it
         # a warning before: a typo'd 100000 on a 512-token model was killed for memory on the CPU (the attention
         # mask is S x S a row) with no error, and the adapter could not be scored by eval at its own length
+        src = Path(str(cfg.model.path)).expanduser()
+        where = (f"{src / 'config.json'}" if (src / "config.json").is_file() else
+                 # a .gguf file or a short name has no config.json to edit (a user walk): a written-out directory has
+                 f"the config.json of a Hugging Face directory written from it (chronicals export --model "
+                 f"{cfg.model.path} --out DIR; then model.path=DIR)")
         raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} is more than the model can attend to "
                           f"(max_position_embeddings={trained_len}): positions past {trained_len} were never trained; "
                           f"use at most {trained_len}, or, to extend the context on purpose, raise "
-                          "max_position_embeddings (with rope_scaling where the model needs it) in the model's "
-                          "config.json", "data.max_seq_len")
+                          f"max_position_embeddings (with rope_scaling where the model needs it) in {where}",
+                          "data.max_seq_len")
     if train_loader is None:
         with dp.main_first():  # rank 0 writes out_dir/data and the tokenization cache; the others reuse them
             train_loader, eval_loader, heldout_qa = build_loaders(cfg, tokenizer, out_dir, dp.rank, dp.world_size)
