@@ -66,6 +66,23 @@ def test_a_second_sigterm_finishes_the_step_and_a_second_ctrl_c_stops_at_once():
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def test_a_sigterm_after_ctrl_c_keeps_the_first_stop_and_says_so_once(caplog):
+    """SIGINT, then SIGTERM: the stop the first one began goes on (the run still says "stopped by SIGINT"), and the
+    second is noted as such, not announced as a new stop with the same "finishing this step" line (a user walk)."""
+    from chronicals.train.stop import StopFlag
+
+    with caplog.at_level("WARNING", logger="chronicals.train"):
+        with StopFlag() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):
+                pass
+    assert stop.signum == signal.SIGINT
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and said[0].startswith("received SIGINT: finishing this step"), said
+    assert said[1].startswith("received SIGTERM while already stopping (SIGINT): still finishing this step"), said
+
+
 @pytest.mark.parametrize("save_every", [0, 2], ids=["stop-save", "save_every-step"])
 def test_a_second_ctrl_c_during_the_stops_checkpoint_write_stops_once_it_is_written(tmp_path, monkeypatch,
                                                                                      save_every):

@@ -25,6 +25,10 @@ class StopFlag:
     def _handle(self, signum, frame):
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C does not finish the step (a write in flight still completes)
+        if self.signum is not None:  # a SIGTERM while already stopping: the first signal's stop goes on, said once
+            log.warning("received %s while already stopping (%s): still finishing this step (Ctrl-C again: stop "
+                        "without finishing it)", signal.Signals(signum).name, signal.Signals(self.signum).name)
+            return
         self.signum = signum
         log.warning("received %s: finishing this step, writing a checkpoint, then exiting (Ctrl-C again: stop "
                     "without finishing this step)", signal.Signals(signum).name)
