@@ -231,9 +231,10 @@ class LoRALinear(nn.Module):
 
     With the fused concatenated layout, ``weight`` becomes a strided view (row stride in + r) into a
     private (out, in + r) buffer whose last r columns hold s B (refreshed each forward, out x r elements):
-    no memory beyond r columns, and no per-call copy of W. Otherwise (fused, no bias) ``weight`` is the first
-    ``out`` rows of a private (out + r, in) buffer [W ; A] whose last r rows hold A (refreshed each forward): the
-    base GEMM makes x A^T too (``lora_forward``). ``model.to(...)`` rebinds either (``_apply``);
+    no memory beyond r columns, and no per-call copy of W. A wide input without concat (in >= 2 out, fused, no
+    bias: down_proj) has ``weight`` as the first ``out`` rows of a private (out + r, in) buffer [W ; A] whose last r
+    rows hold A (refreshed each training forward): the base GEMM makes x A^T too (``lora_forward``), and the
+    backward's dx GEMM reads the buffer. ``model.to(...)`` rebinds either (``_apply``);
     ``to_linear`` / merge_lora give W back a storage of its own.
     """
 
@@ -279,8 +280,9 @@ class LoRALinear(nn.Module):
 
     @property
     def _layout(self) -> str | None:
-        """The private buffer W lives in: "cols", [W | s B] (concat); "rows", [W ; A] (no concat, no bias: x A^T from
-        the base GEMM); None (impl torch, a group's member, wide adapters, a bias without concat, meta weights)."""
+        """The private buffer W lives in: "cols", [W | s B] (concat); "rows", [W ; A] (no concat, no bias, in >= 2 out:
+        x A^T from the base GEMM); None (impl torch, a group's member, wide adapters, meta weights, and the other
+        projections without concat)."""
         if self.impl != "fused" or self.group is not None or self.weight.device.type == "meta" or self.wide:
             return None
         if self.concat:
