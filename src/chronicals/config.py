@@ -401,12 +401,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
         raise ValueError("\n".join(_placed(err, path, lines, overrides) for err in errs)) from None
 
 
-def _line_of(e: ValueError, lines: dict, overrides) -> float:
-    """The file line of an error's key; command-line values after the file's."""
+def _file_line(e: ValueError, lines: dict, overrides) -> int | None:
+    """The file line of an error's key (or of its section: a '<<' merge), None for a value from the overrides."""
     key = getattr(e, "key", None)
     if key is None or key in _override_keys(overrides):
-        return math.inf
-    return lines.get(key) or lines.get(key.split(".", 1)[0]) or math.inf
+        return None
+    return lines.get(key) or lines.get(key.split(".", 1)[0])
+
+
+def _line_of(e: ValueError, lines: dict, overrides) -> float:
+    """Sort key: the file's lines in order, then the command line's values."""
+    return _file_line(e, lines, overrides) or math.inf
 
 
 def _placed(e: ValueError, path, lines: dict, overrides) -> str:
@@ -417,7 +422,7 @@ def _placed(e: ValueError, path, lines: dict, overrides) -> str:
         return f"{'overrides' if isinstance(overrides, dict) else 'command line'}: {e}"
     if not path:
         return str(e)
-    line = None if key is None else lines.get(key) or lines.get(key.split(".", 1)[0])  # a '<<' merge: its section
+    line = _file_line(e, lines, overrides)
     return f"{path}:{line}: {e}" if line else f"{path}: {e}"
 
 
