@@ -335,6 +335,22 @@ def test_a_ctrl_c_under_torchrun_does_not_blame_another_rank(monkeypatch, capsys
     assert "interrupted (SIGINT)" in err and "another rank failed" not in err, err
 
 
+def test_an_interrupted_train_under_torchrun_says_how_to_go_on_once(monkeypatch, capsys):
+    """torchrun runs every rank's CLI: the "interrupted ... run the same command again" text came once per rank (a
+    data-parallel walk). Rank 0 says it; another rank exits 130 quietly."""
+    import chronicals.cli as cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+    monkeypatch.setitem(cli.COMMANDS, "train", interrupted)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, says in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        assert main(["train"]) == 130
+        assert ("interrupted (SIGINT): run the same command again" in capsys.readouterr().err) == says, rank
+
+
 def test_chat_reads_piped_prompts_and_labels_each_answer(tiny_base, monkeypatch, capsys):
     import io
 

@@ -296,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         for sig, handler in old.items():
             signal.signal(sig, handler)
     name = signal.Signals(interrupted[0]).name
+    if argv[0] == "train" and _rank() != 0:  # rank 0 says how to go on, once (torchrun runs every rank's CLI)
+        return 130
     if argv[0] == "train":
         # the checkpoints in train.out_dir may be an earlier run's (this one stopped before its first save, under
         # train.resume=none or other data): resume=auto was advised and resumed that run, or failed on its data

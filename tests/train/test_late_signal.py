@@ -83,6 +83,26 @@ def test_a_sigterm_after_ctrl_c_keeps_the_first_stop_and_says_so_once(caplog):
     assert said[1].startswith("received SIGTERM while already stopping (SIGINT): still finishing this step"), said
 
 
+def test_under_torchrun_a_sigterm_after_ctrl_c_is_the_second_ctrl_c(monkeypatch):
+    """torchrun alone gets the terminal's Ctrl-C and passes the second one on to the ranks as SIGTERM: there it stops
+    without finishing the step, as "Ctrl-C again" promises (the step went on to the end; a data-parallel walk)."""
+    from chronicals.train.stop import StopFlag
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    with pytest.raises(KeyboardInterrupt):
+        with StopFlag():
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):
+                pass
+    with StopFlag() as stop:  # a SIGTERM first (a scheduler's, or torchrun's own stop) is a stop, not an abort
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):
+            pass
+    assert stop.signum == signal.SIGTERM
+
+
 @pytest.mark.parametrize("save_every", [0, 2], ids=["stop-save", "save_every-step"])
 def test_a_second_ctrl_c_during_the_stops_checkpoint_write_stops_once_it_is_written(tmp_path, monkeypatch,
                                                                                      save_every):

@@ -84,7 +84,8 @@ def parse_args(argv):
                     "0.5b, 1.5b, 3b, 8b unless --shape)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per worker process")
     ap.add_argument("--name", help="result file stem (default: bench_e2e plus the plan, e.g. bench_e2e_quick)")
-    ap.add_argument("--out", default="benchmarks/results", help="result directory")
+    ap.add_argument("--out", default="benchmarks/results",
+                    help="result directory (default: benchmarks/results under the current directory)")
     return ap.parse_args(argv)
 
 
@@ -221,13 +222,13 @@ def run_plan(args, save=None) -> dict:
     if not (args.no_correctness or sweeping):
         spec = spec_for(check_shape, rows=min(args.rows or 4, 4) if not tiny else 2)
         results["correctness"] = runner.run("correctness", replace(spec, contender="correctness"))
-        print(f"correctness: {results['correctness'].get('status')} {results['correctness'].get('reason', '')}")
+        print(f"correctness: {results['correctness'].get('status')} {results['correctness'].get('reason', '')}".rstrip())
         save(results)
     if not (args.no_learning or sweeping):
         spec = spec_for(check_shape, rows=2 if tiny else 8, seq=32 if tiny else 512)
         lr = args.learning_lr or (3e-3 if tiny else 3e-4)
         results["learning"] = runner.run("learning", replace(spec, contender="learning", steps=args.learning_steps, lr=lr))
-        print(f"learning: {results['learning'].get('status')} {results['learning'].get('reason', '')}")
+        print(f"learning: {results['learning'].get('status')} {results['learning'].get('reason', '')}".rstrip())
         save(results)
     if args.seq_sweep:
         sh = get_shape(shapes[0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 
@@ -23,7 +24,7 @@ class StopFlag:
         return self
 
     def _handle(self, signum, frame):
-        if self.signum is not None and signum == signal.SIGINT:
+        if self.signum is not None and (signum == signal.SIGINT or _torchrun_second_ctrl_c(self.signum, signum)):
             raise KeyboardInterrupt  # a second Ctrl-C does not finish the step (a write in flight still completes)
         if self.signum is not None:  # a SIGTERM while already stopping: the first signal's stop goes on, said once
             log.warning("received %s while already stopping (%s): still finishing this step (Ctrl-C again: stop "
@@ -36,3 +37,10 @@ class StopFlag:
     def __exit__(self, *exc):
         for s, h in self._old.items():
             signal.signal(s, h)
+
+
+def _torchrun_second_ctrl_c(first: int, now: int) -> bool:
+    """Under torchrun a second Ctrl-C reaches the ranks as SIGTERM: torchrun alone gets the terminal's signals (the
+    ranks run in their own session), passes the first Ctrl-C on as SIGINT and the second as SIGTERM. Read as the
+    second Ctrl-C it is, as the log line promises (a walk under torchrun: the step went on to the end)."""
+    return first == signal.SIGINT and now == signal.SIGTERM and "TORCHELASTIC_RUN_ID" in os.environ
