@@ -340,7 +340,7 @@ class LoRALinear(nn.Module):
             self._bind_concat_buffer()
             buf = self._wcat
         with torch.no_grad():
-            if self._layout == "cols":
+            if buf.shape[0] == self.out_features:  # "cols" (out, in + r); "rows" is (out + r, in): no second _layout
                 torch.mul(b, self.scaling, out=buf[:, self.in_features:])
             else:
                 buf[self.out_features:].copy_(a)
