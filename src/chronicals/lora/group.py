@@ -44,6 +44,7 @@ import logging
 
 import torch
 
+from ..ops.rms_norm import spare_columns
 from .layer import LoRALinear, add_branch_dx_, branch_input, mm_scaled
 
 log = logging.getLogger("chronicals.lora")
@@ -75,10 +76,13 @@ def why_not(members) -> str | None:
     return None
 
 
-def group_forward(x2, mat, bias, a_all, ranks=(), draws=None):
+def group_forward(x2, mat, bias, a_all, ranks=(), draws=None, full=None):
     """x2 (N, in) -> (y = [x2, xa] @ M^T (+ bias) (N, sum out), xa (N, R)). No autograd.
 
-    xa = x2 A_all^T; with ``draws`` (one ``DropDraw`` or None per member) member i's columns are drop_i(x2) A_i^T."""
+    xa = x2 A_all^T; with ``draws`` (one ``DropDraw`` or None per member) member i's columns are drop_i(x2) A_i^T.
+    full: None, or the (N, in + R) buffer whose first ``in`` columns are x2 (``ops.rms_norm``'s ``spare``): xa is
+    written into its last R columns and the GEMM reads it, instead of a new [x2, xa] (the same values in the same
+    layout, so the same bits)."""
     if draws is None:
         xa = torch.mm(x2, a_all.t())  # (N, R)
     else:
@@ -87,7 +91,11 @@ def group_forward(x2, mat, bias, a_all, ranks=(), draws=None):
             parts.append(torch.mm(branch_input(x2, draw), a_all[r:r + rank].t()))  # (N, r_i)
             r += rank
         xa = torch.cat(parts, dim=1)
-    xcat = torch.cat([x2, xa], dim=1)  # (N, in + R): freed after forward, only x and xa are saved
+    if full is None:  # (N, in + R): freed after forward, only x and xa are saved
+        xcat = torch.cat([x2, xa], dim=1)
+    else:  # xa stays a tensor of its own for backward: norm recompute rebuilds x2's buffer without these columns
+        xcat = full
+        full[:, x2.shape[1]:].copy_(xa)
     y = torch.mm(xcat, mat.t()) if bias is None else torch.addmm(bias, xcat, mat.t())  # (N, sum out)
     return y, xa
 
@@ -98,14 +106,15 @@ class LoRAGroupFunction(torch.autograd.Function):
     Arguments: x (..., in); mat M (sum out, in + R), kept on ctx (its s B blocks are rewritten by the layer's
     next forward with the same values until the optimizer steps, which must not trip the version check);
     bias (sum out,) or None; a_all (R, in); outs, ranks, scales (per member); draws: None (no dropout) or one
-    ``DropDraw`` or None per member; then B_0, B_1, ... (out_i, r_i).
+    ``DropDraw`` or None per member; full: None or x's (N, in + R) buffer (``group_forward``); then B_0, B_1, ...
+    (out_i, r_i).
     """
 
     @staticmethod
-    def forward(ctx, x, mat, bias, a_all, outs, ranks, scales, draws, *bs):
+    def forward(ctx, x, mat, bias, a_all, outs, ranks, scales, draws, full, *bs):
         shape = x.shape
         x2 = x.reshape(-1, a_all.shape[1])  # (N, in)
-        y, xa = group_forward(x2, mat, bias, a_all, ranks, draws)
+        y, xa = group_forward(x2, mat, bias, a_all, ranks, draws, full)
         # the B_i are inputs for their gradients only: M holds s B; draws hold a (1,) seed each, no mask
         ctx.save_for_backward(x2, a_all, xa)
         ctx.mat, ctx.outs, ctx.ranks, ctx.scales, ctx.shape = mat, outs, ranks, scales, shape
@@ -152,11 +161,11 @@ class LoRAGroupFunction(torch.autograd.Function):
         dbs = []
         o = r = 0
         for i, (out, rank, s) in enumerate(zip(ctx.outs, ctx.ranks, ctx.scales)):
-            need_b = ctx.needs_input_grad[8 + i]  # x, mat, bias, a_all, outs, ranks, scales, draws, *bs
+            need_b = ctx.needs_input_grad[9 + i]  # x, mat, bias, a_all, outs, ranks, scales, draws, full, *bs
             dbs.append(mm_scaled(dy2[:, o:o + out].t(), xa[:, r:r + rank], s) if need_b else None)
             o, r = o + out, r + rank
         # ctx.draws stays: a second backward (retain_graph) must drop what the first did (a (1,) seed each)
-        return ((None if dx is None else dx.view(ctx.shape)), None, None, da, None, None, None, None, *dbs)
+        return ((None if dx is None else dx.view(ctx.shape)), None, None, da, None, None, None, None, None, *dbs)
 
 
 def _per_member(dyb, a_all, ranks, draws):
@@ -272,7 +281,8 @@ class LoRAGroup:
         draws = self._draws(x)
         a_all, bs, bias = self._inputs(x.dtype)
         mat = self.matrix(bs)
-        y = LoRAGroupFunction.apply(x, mat, bias, a_all, self.outs, self.ranks, self.scales, draws, *bs)
+        full = spare_columns(x, self.width)
+        y = LoRAGroupFunction.apply(x, mat, bias, a_all, self.outs, self.ranks, self.scales, draws, full, *bs)
         return y, functools.partial(self.recompute, x, draws)
 
     @torch.no_grad()
@@ -280,7 +290,8 @@ class LoRAGroup:
         """The output of a ``self(x)`` with these dropout draws again, bit for bit (same GEMMs on the same values:
         M's s B blocks still hold the forward's B, which only the optimizer step changes)."""
         a_all, _, bias = self._inputs(x.dtype)
-        y, _ = group_forward(x.reshape(-1, self.fin), self._mat, bias, a_all, self.ranks, draws)
+        y, _ = group_forward(x.reshape(-1, self.fin), self._mat, bias, a_all, self.ranks, draws,
+                             spare_columns(x, self.width))
         return y.view(*x.shape[:-1], y.shape[-1])
 
 

@@ -25,7 +25,7 @@ from ..ops.attention import attention_ref
 from ..ops.swiglu import swiglu_gate_up
 from .config import ModelConfig, rope_inv_freq
 from .forward_args import IGNORE_INDEX, check_forward_args, documents_from_positions, mask_padding
-from .fused_proj import gate_up_proj, qkv_proj, swiglu_down
+from .fused_proj import gate_up_proj, norm_spare, qkv_proj, swiglu_down
 
 
 @dataclass
@@ -117,10 +117,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps, self.opts = eps, opts
 
-    def forward(self, x, residual=None):
-        """x (..., D) -> y; with ``residual`` returns (norm(x + residual), x + residual)."""
+    def forward(self, x, residual=None, spare: int = 0):
+        """x (..., D) -> y; with ``residual`` returns (norm(x + residual), x + residual). ``spare``: columns left
+        free after each row of y for its consumer (``ops.rms_norm``, ``fused_proj.norm_spare``)."""
         return rms_norm(x, self.weight, self.eps, residual=residual, impl=self.opts.impl,
-                        recompute="norm" in self.opts.recompute)
+                        recompute="norm" in self.opts.recompute, spare=spare)
 
 
 class Attention(nn.Module):
@@ -217,12 +218,13 @@ class DecoderLayer(nn.Module):
 
         The residual add is fused into the norms: norm(h + residual) and the new stream in one pass.
         """
+        spare = norm_spare(self.self_attn)  # a LoRA q/k/v group's x A^T columns
         if residual is None:
-            x, residual = self.input_layernorm(h), h
+            x, residual = self.input_layernorm(h, spare=spare), h
         else:
-            x, residual = self.input_layernorm(h, residual)
+            x, residual = self.input_layernorm(h, residual, spare=spare)
         h = self.self_attn(x, cos, sin, cu_seqlens, max_seqlen, kv_cache)
-        x, residual = self.post_attention_layernorm(h, residual)
+        x, residual = self.post_attention_layernorm(h, residual, spare=norm_spare(self.mlp))
         return self.mlp(x), residual
 
 

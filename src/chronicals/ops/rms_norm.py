@@ -34,10 +34,12 @@ import functools
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from .._numbers import is_int
 from ._impl import resolve_impl, triton_interpreting
 from .recompute import is_active, offer
 from ._triton_utils import check_device, num_sms, tune_configs
@@ -74,8 +76,8 @@ _WARPS = [triton.Config({}, num_warps=w) for w in (8, 4, 16, 2)]
 
 @triton.autotune(configs=tune_configs(_WARPS), key=["H", "BLOCK_M", "BLOCK_H", "HAS_RESIDUAL"])
 @triton.jit
-def _rms_norm_fwd_kernel(X_ptr, R_ptr, W_ptr, Y_ptr, S_ptr, RSTD_ptr, N, H, x_row_stride, r_row_stride, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+def _rms_norm_fwd_kernel(X_ptr, R_ptr, W_ptr, Y_ptr, S_ptr, RSTD_ptr, N, H, x_row_stride, r_row_stride,
+                         y_row_stride, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
                          SINGLE_BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     row_ok = rows < N
@@ -83,7 +85,8 @@ def _rms_norm_fwd_kernel(X_ptr, R_ptr, W_ptr, Y_ptr, S_ptr, RSTD_ptr, N, H, x_ro
     cols = tl.arange(0, BLOCK_H)
     x_row = X_ptr + rows[:, None] * x_row_stride  # (BLOCK_M, 1) pointers
     r_row = R_ptr + rows[:, None] * r_row_stride
-    o_off = rows[:, None] * H  # y and s are contiguous (N, H)
+    o_off = rows[:, None] * H  # s is contiguous (N, H)
+    y_off = rows[:, None] * y_row_stride  # y: rows of a (N, H + spare) buffer
     if SINGLE_BLOCK:
         mask = row_ok[:, None] & (cols[None, :] < H)
         x = tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -95,7 +98,7 @@ def _rms_norm_fwd_kernel(X_ptr, R_ptr, W_ptr, Y_ptr, S_ptr, RSTD_ptr, N, H, x_ro
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)  # (BLOCK_M,)
         w = tl.load(W_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
         y = x * rstd[:, None] * w[None, :]
-        tl.store(Y_ptr + o_off + cols[None, :], y.to(Y_ptr.dtype.element_ty), mask=mask)
+        tl.store(Y_ptr + y_off + cols[None, :], y.to(Y_ptr.dtype.element_ty), mask=mask)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
         for start in range(0, H, BLOCK_H):
@@ -119,15 +122,16 @@ def _rms_norm_fwd_kernel(X_ptr, R_ptr, W_ptr, Y_ptr, S_ptr, RSTD_ptr, N, H, x_ro
                 x = x.to(S_ptr.dtype.element_ty).to(tl.float32)
             w = tl.load(W_ptr + c, mask=c < H, other=0.0).to(tl.float32)
             y = x * rstd[:, None] * w[None, :]
-            tl.store(Y_ptr + o_off + c[None, :], y.to(Y_ptr.dtype.element_ty), mask=mask)
+            tl.store(Y_ptr + y_off + c[None, :], y.to(Y_ptr.dtype.element_ty), mask=mask)
     tl.store(RSTD_ptr + rows, rstd, mask=row_ok)
 
 
 @triton.autotune(configs=tune_configs(_WARPS), key=["H", "BLOCK_M", "BLOCK_H"])
 @triton.jit
-def _rms_norm_apply_kernel(S_ptr, RSTD_ptr, W_ptr, Y_ptr, N, H, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rms_norm_apply_kernel(S_ptr, RSTD_ptr, W_ptr, Y_ptr, N, H, y_row_stride, BLOCK_M: tl.constexpr,
+                           BLOCK_H: tl.constexpr):
     """y = s * rstd * w with the saved rstd: the forward's output rebuilt in backward, bit for bit (the same
-    fp32 products in the same order on the same stored s). s, y contiguous (N, H)."""
+    fp32 products in the same order on the same stored s). s contiguous (N, H); y rows of (N, H + spare)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
     rows = rows.to(tl.int64)
@@ -139,7 +143,7 @@ def _rms_norm_apply_kernel(S_ptr, RSTD_ptr, W_ptr, Y_ptr, N, H, BLOCK_M: tl.cons
         x = tl.load(S_ptr + rows[:, None] * H + c[None, :], mask=mask, other=0.0).to(tl.float32)
         w = tl.load(W_ptr + c, mask=c < H, other=0.0).to(tl.float32)
         y = x * rstd[:, None] * w[None, :]
-        tl.store(Y_ptr + rows[:, None] * H + c[None, :], y.to(Y_ptr.dtype.element_ty), mask=mask)
+        tl.store(Y_ptr + rows[:, None] * y_row_stride + c[None, :], y.to(Y_ptr.dtype.element_ty), mask=mask)
 
 
 # (programs per SM, warps); the interpreter takes the first. 9 configs x ~0.15 s of tuning once per H.
@@ -244,10 +248,15 @@ def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor], eps: float):
-    """x, residual (N, H) with unit column stride, weight (H,) -> y (N, H), s (N, H) or (0,), rstd (N,) fp32."""
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor], eps: float,
+                     spare: int = 0):
+    """x, residual (N, H) with unit column stride, weight (H,) -> y (N, H), s (N, H) or (0,), rstd (N,) fp32.
+
+    spare > 0: y is the first H columns of a new (N, H + spare) buffer (row stride H + spare), the last ones
+    left unwritten (see ``rms_norm``)."""
     n, h = x.shape
-    y = torch.empty((n, h), device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
+    y = torch.empty((n, h + spare), device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
+    y = y[:, :h] if spare else y
     s = torch.empty((n, h), device=x.device, dtype=x.dtype) if residual is not None else x.new_empty(0)
     rstd = torch.empty(n, device=x.device, dtype=torch.float32)
     if n == 0:
@@ -255,20 +264,22 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, residual: Optional[t
     block_m, block_h = _blocks(h)
     r = residual if residual is not None else x
     _rms_norm_fwd_kernel[(triton.cdiv(n, block_m),)](
-        x, r, weight, y, s, rstd, n, h, x.stride(0), r.stride(0), eps, HAS_RESIDUAL=residual is not None,
-        BLOCK_M=block_m, BLOCK_H=block_h, SINGLE_BLOCK=block_h >= h)
+        x, r, weight, y, s, rstd, n, h, x.stride(0), r.stride(0), y.stride(0), eps,
+        HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_H=block_h, SINGLE_BLOCK=block_h >= h)
     return y, s, rstd
 
 
-def rms_norm_apply(s: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype):
-    """s (N, H) contiguous, rstd (N,) fp32, weight (H,) -> y (N, H): the forward's y again (recompute)."""
+def rms_norm_apply(s: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
+                   spare: int = 0):
+    """s (N, H) contiguous, rstd (N,) fp32, weight (H,) -> the forward's y again (recompute), in a new contiguous
+    (N, H + spare) buffer's first H columns; the buffer is returned (spare 0: y itself)."""
     n, h = s.shape
-    y = torch.empty((n, h), device=s.device, dtype=out_dtype)
+    out = torch.empty((n, h + spare), device=s.device, dtype=out_dtype)
     if n:
         block_m, block_h = _blocks(h)
-        _rms_norm_apply_kernel[(triton.cdiv(n, block_m),)](s, rstd, weight, y, n, h, BLOCK_M=block_m,
-                                                           BLOCK_H=block_h)
-    return y
+        _rms_norm_apply_kernel[(triton.cdiv(n, block_m),)](s, rstd, weight, out, n, h, out.stride(0),
+                                                           BLOCK_M=block_m, BLOCK_H=block_h)
+    return out
 
 
 def rms_norm_backward(dy: torch.Tensor, ds: Optional[torch.Tensor], s: torch.Tensor, weight: torch.Tensor,
@@ -299,14 +310,17 @@ class RMSNormFunction(torch.autograd.Function):
     (y (N, H), s (N, H) or an empty tensor without a residual). Same launchers as the custom op."""
 
     @staticmethod
-    def forward(ctx, x, weight, residual, eps, recompute=False):
-        y, s, rstd = rms_norm_forward(x, weight, residual, eps)
+    def forward(ctx, x, weight, residual, eps, recompute=False, spare=0, held=None):
+        y, s, rstd = rms_norm_forward(x, weight, residual, eps, spare)
         ctx.has_residual = residual is not None
         # the backward kernel reads s as contiguous (N, H); x may be row-strided
         kept = s if ctx.has_residual else x.contiguous()
         ctx.save_for_backward(kept, weight, rstd)
+        full = _whole(y, spare)  # y, or its (N, H + spare) buffer
+        if held is not None:
+            held.append(full)
         if recompute:  # consumers that save y (q/k/v, gate/up) get it rebuilt from what this node keeps
-            offer(y, functools.partial(rms_norm_apply, kept, rstd, weight, y.dtype))
+            offer(full, functools.partial(rms_norm_apply, kept, rstd, weight, y.dtype, spare))
         if not ctx.has_residual:
             ctx.mark_non_differentiable(s)
         ctx.set_materialize_grads(False)
@@ -322,7 +336,7 @@ class RMSNormFunction(torch.autograd.Function):
         dx, dw = rms_norm_backward(dy, _rows(ds, h) if (ctx.has_residual and ds is not None) else None, s,
                                    weight, rstd, need_dw=ctx.needs_input_grad[1])
         # x and residual enter only through s = x + residual, so both receive ds_total (like add's backward)
-        return dx, dw, (dx if ctx.has_residual else None), None, None
+        return dx, dw, (dx if ctx.has_residual else None), None, None, None, None
 
 
 # ---------------------------------------------------------------- torch.library registration
@@ -374,8 +388,30 @@ _rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------- public API
 
 
-def _rms_norm_ref_contiguous(x, weight, eps):
-    return rms_norm_ref(x, weight, eps).contiguous()
+def _rms_norm_ref_contiguous(x, weight, eps, spare=0):
+    """The reference's y in a new contiguous (N, H + spare) buffer's first H columns (spare 0: y itself)."""
+    y = rms_norm_ref(x, weight, eps)
+    return y.contiguous() if not spare else F.pad(y.reshape(-1, y.shape[-1]), (0, spare))
+
+
+def _whole(y: torch.Tensor, spare: int) -> torch.Tensor:
+    """y (N, H), the first H columns of a contiguous (N, H + spare) buffer -> that buffer (y itself for spare 0),
+    as a tensor of its own: writes to its last columns do not count as changes of y (no version bump that a save
+    of y in autograd, or a recipe holding y, would take for an in-place change of y's values)."""
+    if not spare:
+        return y
+    n, h = y.shape
+    with torch.no_grad():
+        return y.new_empty(0).set_(y.untyped_storage(), y.storage_offset(), (n, h + spare), (h + spare, 1))
+
+
+def spare_columns(y: torch.Tensor, width: int) -> torch.Tensor | None:
+    """The (N, width) buffer whose first H columns are ``y`` (..., H), when ``y`` came from ``rms_norm(...,
+    spare=width - H)`` and is one of its buffer's own rows, else None. Its last columns are free for the caller."""
+    full = getattr(y, "_chronicals_spare", None)
+    if full is None or y.dim() < 1 or full.shape != (y.numel() // max(y.shape[-1], 1), width):
+        return None
+    return full if full.data_ptr() == y.data_ptr() else None
 
 
 def _check_rms_norm(x, weight, residual) -> int:
@@ -393,30 +429,51 @@ def _check_rms_norm(x, weight, residual) -> int:
     return h
 
 
-def rms_norm(x, weight, eps: float, *, residual=None, impl: str = "auto", recompute: bool = False):
+def rms_norm(x, weight, eps: float, *, residual=None, impl: str = "auto", recompute: bool = False,
+             spare: int = 0):
     """RMSNorm over the last dim. Returns y, or (y, x + residual) when ``residual`` is given.
 
     x (..., H), weight (H,), residual (..., H) of x's dtype -> y (..., H) in promote(x, weight) dtype.
     recompute: offer y to an open ``ops.recompute`` session, so nodes that save y for backward hold
     nothing and get it rebuilt (bit-identical) from the norm's own saved input.
+    spare: y is written into the first H columns of a new (N, H + spare) buffer (row stride H + spare) whose last
+    ``spare`` columns are left for the consumer (``spare_columns(y, H + spare)`` returns the buffer): a LoRA group
+    writes its x A^T there and runs its GEMM on [x | x A^T] without concatenating them (``lora.group``). Not under
+    torch.compile (the compiler plans its own buffers): y is contiguous there.
     """
     h = _check_rms_norm(x, weight, residual)
+    if not is_int(spare) or spare < 0:
+        raise ValueError(f"rms_norm: spare={spare!r} must be an int >= 0 (columns left after each row of y)")
+    spare = 0 if torch.compiler.is_compiling() else int(spare)
     if resolve_impl("rms_norm", impl, x.device) == "torch":
         out = rms_norm_ref(x, weight, eps, residual)
+        if not spare and not (recompute and is_active()):
+            return out
+        src, y = (x, out) if residual is None else (out[1], out[0])
+        # contiguous: the reference keeps a transposed x's strides, and an offer owns its whole storage
+        y2 = y.contiguous() if not spare else F.pad(y.reshape(-1, h), (0, spare))[:, :h]
+        full = _whole(y2, spare)
         if recompute and is_active():
-            src = x if residual is None else out[1]
-            # contiguous: the reference keeps a transposed x's strides, and an offer owns its whole storage
-            y = (out if residual is None else out[0]).contiguous()
-            offer(y, functools.partial(_rms_norm_ref_contiguous, src, weight, eps))  # the same ops, same input
-            return y if residual is None else (y, out[1])
-        return out
+            offer(full, functools.partial(_rms_norm_ref_contiguous, src, weight, eps, spare))  # same ops, same input
+        y = _with_spare(y2.view(y.shape), full, spare) if spare else y2  # y2: the offered tensor's own object
+        return y if residual is None else (y, out[1])
     # the kernels read weight as (H,) with unit stride: a strided or expanded weight gave wrong outputs
     weight = weight.contiguous()
     x2, r2 = _rows(x, h), None if residual is None else _rows(residual, h)
+    held = []  # the (N, H + spare) buffer, from the Function's forward
     if torch.compiler.is_compiling():  # one graph node for the compiler
         y, s, _ = torch.ops.chronicals.rms_norm(x2, weight, r2, float(eps))
     else:  # eager: skip the custom-op dispatch (~0.1 ms of CPU per call)
-        y, s = RMSNormFunction.apply(x2, weight, r2, float(eps), bool(recompute and is_active()))
+        y, s = RMSNormFunction.apply(x2, weight, r2, float(eps), bool(recompute and is_active()), spare, held)
     if x.dim() != 2:
         y, s = y.view(*x.shape[:-1], h), (s.view(*x.shape[:-1], h) if residual is not None else s)
+    y = _with_spare(y, held[0] if held else None, spare)
     return y if residual is None else (y, s)
+
+
+def _with_spare(y: torch.Tensor, full: torch.Tensor | None, spare: int) -> torch.Tensor:
+    """y carrying its (N, H + spare) buffer for ``spare_columns``: the attribute keeps that tensor (and the recompute
+    offer made on it, which lives as long as it does) exactly as long as y's own Python object."""
+    if spare and full is not None:
+        y._chronicals_spare = full
+    return y
