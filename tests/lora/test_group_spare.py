@@ -11,7 +11,8 @@ from chronicals.lora import group as group_mod
 
 from .conftest import randomize_lora_b, tiny_model
 
-IDS = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(5))
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+IDS = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(5)).to(DEV)
 
 
 def _run(monkeypatch, spare: bool, impl: str, recompute, dropout: float, kind: str = "qwen2"):
@@ -27,7 +28,7 @@ def _run(monkeypatch, spare: bool, impl: str, recompute, dropout: float, kind: s
             return real(x2, mat, bias, a_all, ranks, draws, full)
 
         m.setattr(group_mod, "group_forward", spy)
-        model = tiny_model(kind).train()
+        model = tiny_model(kind).to(DEV).train()
         model.opts.impl = impl
         model.set_recompute(recompute)
         apply_lora(model, r=8, alpha=16, dropout=dropout)
@@ -62,7 +63,7 @@ def test_eval_and_generation_steps_read_the_buffer_too(monkeypatch):
         with monkeypatch.context() as m:
             if not spare:
                 m.setattr(decoder_mod, "norm_spare", lambda block: 0)
-            model = tiny_model("llama")
+            model = tiny_model("llama").to(DEV)
             apply_lora(model, r=8, alpha=16)
             randomize_lora_b(model)
             with torch.no_grad():
@@ -100,7 +101,7 @@ def test_norm_recompute_still_lets_the_buffer_go(impl, names, freed):
     import gc
     import weakref
 
-    model = tiny_model("llama").train()
+    model = tiny_model("llama").to(DEV).train()
     model.opts.impl = impl
     model.set_recompute(names)
     apply_lora(model, r=8, alpha=16)
