@@ -260,3 +260,19 @@ def test_a_converter_error_names_the_file_and_the_fix(tmp_path, monkeypatch, mes
 def test_transformers_version_reads_the_release_numbers(installed, release, monkeypatch):
     monkeypatch.setattr(gguf_tokenizer, "version", lambda name: installed)
     assert gguf_tokenizer.transformers_version() == release
+
+
+@pytest.mark.parametrize("context", [True, False])
+def test_model_max_length_is_the_files_context_length(tmp_path, context):
+    """transformers' converter leaves model_max_length at 1e30 ("no limit": no too-long warning); the file's
+    {arch}.context_length is the tokenizer's limit, and without that key the default stays."""
+    m = hf_model("llama", vocab_size=_BPE_VOCAB)
+    path = tmp_path / "bpe.gguf"
+    write_gguf(path, "llama", m, skip=() if context else ("context_length",),
+               extra=lambda w: _bpe_tokenizer_metadata(w, pre="gpt-2"))
+    tok, why = convert_tokenizer(path)
+    assert why is None
+    if context:
+        assert tok.model_max_length == m.config.max_position_embeddings
+    else:
+        assert tok.model_max_length >= 10 ** 20

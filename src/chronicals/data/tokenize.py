@@ -34,7 +34,9 @@ def check_tokenizer(tokenizer) -> None:
 def _offsets_mask(tokenizer, text: str, spans, add_special_tokens: bool, across: list | None = None):
     """(ids, trainable): a token is trainable when it overlaps a span. ``across``: a list to which True is appended
     when a token spans the start of the first span (it holds prompt text too), else False."""
-    enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    # verbose=False: transformers' "longer than the specified maximum sequence length ... indexing errors" line; the
+    # loader checks each example against data.max_seq_len and the model's context itself, and says what to do
+    enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True, verbose=False)
     ids = np.asarray(enc["input_ids"], dtype=np.int32)
     offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
     starts, ends = offsets[:, 0], offsets[:, 1]
@@ -190,5 +192,5 @@ def appends_eos(tokenizer) -> bool:
 
 
 def _render_ids(tokenizer, messages) -> np.ndarray:
-    enc = tokenizer(_render(tokenizer, messages), add_special_tokens=False)
+    enc = tokenizer(_render(tokenizer, messages), add_special_tokens=False, verbose=False)  # see _offsets_mask
     return np.asarray(enc["input_ids"], dtype=np.int32)

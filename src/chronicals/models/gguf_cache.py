@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 # 2: linear rope scaling given by its factor alone (llama.cpp: an absent type is linear); 3: llama files with
 # partial rope (rope.dimension_count < head_dim) un-permute only the rotated rows of each head's Q/K; 4: the tokenizer's
 # special tokens, BOS/EOS and byte-level decoder set from the file's metadata (gguf_tokenizer; transformers 5.17 set a
-# llama file's eos to its bos token); 5: a SentencePiece file's add_space_prefix=false honoured (no "▁" before the text)
-CONVERTER_VERSION = 5
+# llama file's eos to its bos token); 5: a SentencePiece file's add_space_prefix=false honoured (no "▁" before the text);
+# 6: the tokenizer's model_max_length is the file's context_length (was transformers' "no limit", 1e30)
+CONVERTER_VERSION = 6
 
 CACHE_ENTRY = GGUF_CONVERSION_RECORD  # in a cache entry: its source (resolved path, identity), converter version
 TOKENIZER_ERROR = "gguf_tokenizer_error.txt"  # in a converted directory: why the GGUF's tokenizer is missing

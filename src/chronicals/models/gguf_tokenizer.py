@@ -18,7 +18,8 @@ transformers 5.17.0 (the GPU machine's) against 5.18.0 and 5.24.0:
   spelled outside the byte alphabet (an added '<｜end▁of▁sentence｜>') left the whole text undecoded ('ĠParis.');
   byte-level files get the byte-level decoder, as 5.18 on give them;
 - space prefix: every version ignores ``tokenizer.ggml.add_space_prefix``; a SentencePiece file that sets it false
-  gets no "▁" before the text, as llama.cpp tokenizes it (``_no_space_prefix``).
+  gets no "▁" before the text, as llama.cpp tokenizes it (``_no_space_prefix``);
+- length: every version leaves model_max_length at its "no limit" (1e30); it is set to ``{arch}.context_length``.
 
 Differences left between versions: 5.17 splits a qwen2 file's text after NFC normalisation (as Qwen2's own
 tokenizer.json does) and 5.18 on without; a SentencePiece file's text right after a special token gets the space
@@ -47,6 +48,9 @@ READS_TOKENIZER_MODEL = (5, 18)
 _OLD_SPLITS = {"llama": (None, "default", "gpt-2", "smollm"),
                "qwen2": ("qwen2", "deepseek-r1-qwen"), "qwen3": ("qwen2", "deepseek-r1-qwen")}
 
+# transformers' model_max_length when nothing set one (tokenization_utils_base.VERY_LARGE_INTEGER is 1e30)
+VERY_LARGE = 10 ** 20
+
 # special token attribute -> its id's metadata key
 _SPECIAL_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
                 "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
@@ -61,6 +65,7 @@ class _TokenizerMeta:
     add_bos: bool
     add_eos: bool
     add_space_prefix: bool = True  # tokenizer.ggml.add_space_prefix (SentencePiece: "▁" before the text)
+    context_length: int | None = None  # {arch}.context_length: the tokenizer's model_max_length
 
 
 def transformers_version() -> tuple[int, ...]:
@@ -90,7 +95,12 @@ def _read_meta(reader) -> tuple[_TokenizerMeta | None, str | None]:
     return _TokenizerMeta(arch=get("general.architecture"), model=model, pre=get("tokenizer.ggml.pre"),
                           specials=specials, add_bos=model == "llama" if add_bos is None else bool(add_bos),
                           add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
-                          add_space_prefix=bool(get("tokenizer.ggml.add_space_prefix", True))), None
+                          add_space_prefix=bool(get("tokenizer.ggml.add_space_prefix", True)),
+                          context_length=_positive_int(get(f"{get('general.architecture')}.context_length"))), None
+
+
+def _positive_int(v) -> int | None:
+    return int(v) if is_int(v) and v > 0 else None
 
 
 def _old_converter_refusal(meta: _TokenizerMeta) -> str | None:
@@ -126,6 +136,10 @@ def _match_metadata(tok, meta: _TokenizerMeta) -> None:
     for name, want in (("add_bos_token", meta.add_bos), ("add_eos_token", meta.add_eos)):
         if bool(getattr(tok, name, False)) != want:
             setattr(tok, name, want)  # transformers rebuilds the post-processor that adds them
+    if meta.context_length is not None and not tok.model_max_length < VERY_LARGE:
+        # transformers' GGUF converter leaves model_max_length at its "no limit" 1e30, which turns off its too-long
+        # warning; the Hugging Face release of SmolLM2-135M-Instruct says 8192, the file's context_length
+        tok.model_max_length = meta.context_length
     if meta.model == "llama" and not meta.add_space_prefix:
         _no_space_prefix(tok)
     if meta.model == "gpt2":
