@@ -446,12 +446,29 @@ def test_chat_asks_with_the_system_message_of_the_run_that_wrote_the_adapter(tmp
     assert _run_system_prompt(None) is None
 
 
-def test_chat_with_nothing_on_stdin_says_so(tiny_base, monkeypatch, capsys):
-    """Piped stdin without a prompt (an empty file, blank lines) printed nothing and exited 0."""
+def test_chat_with_nothing_on_stdin_says_so_before_the_model_loads(tiny_base, monkeypatch, capsys):
+    """Piped stdin without a prompt (an empty file, blank lines) printed nothing and exited 0; then it was said, but
+    only once the model had loaded (seconds for the embedded model, minutes for a large one)."""
     import io
 
+    import chronicals.cli_chat as cli_chat
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded for a stdin without a prompt")
+
     monkeypatch.setattr("sys.stdin", io.StringIO("\n  \n"))
+    monkeypatch.setattr(cli_chat, "_load", no_load)
     assert main(["chat", "--model", str(tiny_base), "--max-new-tokens", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "no prompt: stdin held no non-blank line" in err
+
+
+def test_chat_with_only_reset_lines_on_stdin_says_no_prompt(tiny_base, monkeypatch, capsys):
+    """--turns multi takes "/reset" as a command, not a prompt: stdin of "/reset" lines alone is still no prompt."""
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("/reset\n\n/reset\n"))
+    assert main(["chat", "--model", str(tiny_base), "--max-new-tokens", "1", "--turns", "multi"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and "no prompt: stdin held no non-blank line" in err
 

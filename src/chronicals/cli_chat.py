@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -106,22 +107,26 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     from .models import require_chat_template
     from .train.qa import answer
 
+    prompts = a.prompts
+    # a terminal: answers only, streamed; given or piped: "> prompt", then the whole answer
+    interactive = not prompts and sys.stdin.isatty()
+    if not prompts and not interactive:  # piped: up to the first prompt before the model loads (seconds to minutes)
+        lines = (line.strip() for line in _stdin_lines())  # one prompt per line; blank lines are skipped
+        first = next((line for line in lines if line), None)
+        if first is None:
+            return _no_prompt()
+        prompts = itertools.chain([first], lines)
     model, tok = _load(a.model, a.adapter, dev, a.dtype, ckpt_base=ckpt_base)
-    require_chat_template(tok)  # before any prompt is read
+    require_chat_template(tok)  # before any prompt is answered
     _within_context(p, model, a.model, ("--max-new-tokens", a.max_new_tokens))
     system = _run_system_prompt(a.adapter or a.model) if a.system is None else a.system
     if system is None:
         system = DEMO_SYSTEM_PROMPT
-    prompts = a.prompts
-    # a terminal: answers only, streamed; given or piped: "> prompt", then the whole answer
-    interactive = not prompts and sys.stdin.isatty()
     multi = a.turns == "multi" or a.turns == "auto" and interactive
     if interactive:
         print("type a message and press enter (Ctrl-D to quit" + ("; /reset starts the conversation over)" if multi
                                                                   else ")"), file=sys.stderr)
         prompts = _typed()
-    elif not prompts:
-        prompts = (line.strip() for line in _stdin_lines())  # one prompt per line; blank lines are skipped
     sampler = None
     if a.temperature:  # one generator for the session: each answer draws on from where the last one stopped
         import torch
@@ -174,11 +179,16 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
         if multi:
             history.append((q, reply))
         answered += 1
-    if not answered and not refused and not interactive:  # piped stdin with no prompt in it: not a silent success
-        print("error: no prompt: stdin held no non-blank line; pass the message as an argument, or pipe one "
-              "prompt per line", file=sys.stderr)
-        return 2
+    if not answered and not refused and not interactive:  # piped "/reset" lines alone (--turns multi)
+        return _no_prompt()
     return 3 if refused else 0  # 3: bad input, as a data file's bad record
+
+
+def _no_prompt() -> int:
+    """Piped stdin held no prompt: said, exit 2 (not a silent success)."""
+    print("error: no prompt: stdin held no non-blank line; pass the message as an argument, or pipe one prompt per "
+          "line", file=sys.stderr)
+    return 2
 
 
 def _decoded(raw: bytes) -> str:
