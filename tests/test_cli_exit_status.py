@@ -84,6 +84,11 @@ def test_model_impl_triton_on_a_cpu_exits_2_before_the_model_loads(device, tmp_p
     (["eval", "--model", "no-model", "no-data.jsonl", "--device", "mps"], "--device=mps: chronicals runs on cpu or "
                                                                           "cuda; use auto, cpu, cuda or cuda:N"),
     (["chat", "--model", "no-model", "--device", "meta", "hi"], "--device=meta: chronicals runs on cpu or cuda"),
+    # a value option given twice (the last one won, unsaid), as the config refuses a key given twice
+    (["eval", "--model", "a", "--model=b", "demo"], "--model was given twice; give it once"),
+    (["chat", "--max-new-tokens", "3", "--max-new-tokens", "4", "hi"], "--max-new-tokens was given twice"),
+    (["export", "--adapter", "a", "--out", "o", "--out", "p"], "--out was given twice"),
+    (["bench", "--shape", "0.5b", "--shape", "8b"], "--shape was given twice"),
 ])
 def test_argument_errors_before_any_load(argv, said, capsys):
     with pytest.raises(SystemExit) as e:

@@ -13,7 +13,6 @@ cli_chat.py, eval in cli_eval.py, and the model loading that export, chat and ev
 
 from __future__ import annotations
 
-import argparse
 import os
 import select
 import shlex
@@ -24,7 +23,7 @@ from pathlib import Path
 
 from .cli_chat import _run_system_prompt, cmd_chat  # noqa: F401 (_run_system_prompt: chronicals.cli's before the split)
 from .cli_eval import cmd_eval
-from .cli_models import _base_for, _load, _model_and_base, _rank, _recorded, _setup_logging
+from .cli_models import Parser, _base_for, _load, _model_and_base, _rank, _recorded, _setup_logging
 from .cuda_alloc import allocator_env
 
 USAGE = """usage: chronicals train [CONFIG.yaml] [section.key=value ...]
@@ -119,10 +118,10 @@ def _relaunch(args: list[str]) -> str:
 
 
 def cmd_export(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="chronicals export",
-                                description="Write a Hugging Face model directory: a LoRA adapter merged into its "
-                                            "base (--adapter), or a model as it is (--model without --adapter): a "
-                                            "full fine-tuning run's checkpoint, a .gguf file.")
+    p = Parser(prog="chronicals export",
+               description="Write a Hugging Face model directory: a LoRA adapter merged into its "
+                           "base (--adapter), or a model as it is (--model without --adapter): a "
+                           "full fine-tuning run's checkpoint, a .gguf file.")
     p.add_argument("--model", default=None, metavar="MODEL",
                    help="the model: HF directory, .gguf, smollm2-135m-instruct, or a full fine-tuning run's checkpoint "
                         "(runs/x/checkpoints/step-N); with --adapter its base (default: the base recorded in the "

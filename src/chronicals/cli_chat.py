@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 from pathlib import Path
 
 from ._words import counted
-from .cli_models import (BASE_HELP, DTYPE_HELP, _base_for, _load, _model_and_base, _not_utf8, _setup_logging, _shown,
-                         _within_context, add_verbose)
+from .cli_models import (BASE_HELP, DTYPE_HELP, Parser, _base_for, _load, _model_and_base, _not_utf8, _setup_logging,
+                         _shown, _within_context, add_verbose)
 
 
 def _run_system_prompt(path: str | None) -> str | None:
@@ -41,11 +40,11 @@ def _run_system_prompt(path: str | None) -> str | None:
 
 
 def cmd_chat(argv: list[str], prog: str = "chat") -> int:
-    p = argparse.ArgumentParser(prog=f"chronicals {prog}",
-                                description="Answer prompts (greedy, or sampled with --temperature) with a base or "
-                                            "fine-tuned model; with no prompts, read one per line from stdin. In a "
-                                            "terminal the conversation goes on turn by turn (/reset starts over); "
-                                            "given or piped prompts are each asked on their own (--turns).")
+    p = Parser(prog=f"chronicals {prog}",
+               description="Answer prompts (greedy, or sampled with --temperature) with a base or "
+                           "fine-tuned model; with no prompts, read one per line from stdin. In a "
+                           "terminal the conversation goes on turn by turn (/reset starts over); "
+                           "given or piped prompts are each asked on their own (--turns).")
     p.add_argument("prompts", nargs="*", help="user messages to answer")
     p.add_argument("--model", default=None, help="HF directory, .gguf, smollm2-135m-instruct, or a full fine-tuning "
                                                   "run's checkpoint (runs/x/checkpoints/step-N) (default: with "

@@ -3,12 +3,11 @@ perplexity, QA keyword accuracy), with the data section's keys as flags."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from .cli_models import (BASE_HELP, DTYPE_HELP, _base_for, _load, _model_and_base, _not_utf8, _setup_logging,
+from .cli_models import (BASE_HELP, DTYPE_HELP, Parser, _base_for, _load, _model_and_base, _not_utf8, _setup_logging,
                          _within_context, add_verbose)
 
 
@@ -29,12 +28,12 @@ def cmd_eval(argv: list[str]) -> int:
     from .config import DataSection, EvalSection
 
     d, e = DataSection(), EvalSection()  # the defaults of the config's data and eval sections
-    p = argparse.ArgumentParser(prog="chronicals eval",
-                                description="Score a base or fine-tuned model on a dataset without training: held-out "
-                                            "loss (mean over loss tokens), perplexity, examples and loss tokens, and "
-                                            "for question/answer/keywords records the keyword accuracy of greedy "
-                                            "answers; the same numbers as train's held-out 'before'/'after'. The data "
-                                            "options are the data section's keys (data.max_seq_len: --max-seq-len).")
+    p = Parser(prog="chronicals eval",
+               description="Score a base or fine-tuned model on a dataset without training: held-out "
+                           "loss (mean over loss tokens), perplexity, examples and loss tokens, and "
+                           "for question/answer/keywords records the keyword accuracy of greedy "
+                           "answers; the same numbers as train's held-out 'before'/'after'. The data "
+                           "options are the data section's keys (data.max_seq_len: --max-seq-len).")
     p.add_argument("data", help="file to score: .jsonl/.json/.parquet/.arrow/.csv, a directory of them or a "
                                 "datasets.save_to_disk directory (as data.path), or "
                                 "demo (the packaged held-out questions)")

@@ -406,7 +406,8 @@ def test_named_contenders_run_in_the_default_tables_of_their_method(monkeypatch,
     """Without --shape, each default table takes those of --contenders whose method is one of its shape's: the 8B
     table is LoRA only (a full fine-tune named there ran at 8B and ran out of memory), and a table left with none
     is skipped with a line saying so. With --shape the named contenders run there whatever its methods."""
-    _, ran = plan_calls(monkeypatch, ["--device", "cpu", "--no-correctness", "--no-learning", *argv])
+    device = [] if "--device" in argv else ["--device", "cpu"]  # an option given twice is refused
+    _, ran = plan_calls(monkeypatch, [*device, "--no-correctness", "--no-learning", *argv])
     assert [(s.shape, names) for names, s in ran] == tables
     assert ("table 8b: skipped, no contender of --contenders is a lora one" in capsys.readouterr().out) == skipped
 

@@ -26,6 +26,7 @@ import weakref
 from dataclasses import replace
 from pathlib import Path
 
+from ..cli_models import Parser
 from ..cuda_alloc import allocator_env
 from .contenders import CONTENDERS, get_contender, missing_requirements
 from .protocol import RunSpec, validate_row
@@ -47,8 +48,8 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding chronic
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="chronicals bench", description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = Parser(prog="chronicals bench", description=__doc__.split("\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--quick", action="store_true", help=f"0.5B table only, 2 + 6 steps, contenders {', '.join(QUICK)}")
     ap.add_argument("--shape", choices=list(SHAPES), help="one table at this shape (default: 0.5b and 8b)")
     ap.add_argument("--contenders", help=f"comma-separated subset of: {', '.join(CONTENDERS)}, "
