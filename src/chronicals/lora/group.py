@@ -11,7 +11,8 @@ The members' base weights are row blocks of M (``W_i.data`` is a view: no memory
 the off-diagonal blocks stay zero. Backward, with dy = [dy_0, dy_1, ...] (N, sum out_i):
 
     g   = dy @ M                    (N, in + R) = [sum_i dy_i W_i | s_i dy_i B_i ...]: dy read once
-    dx  = g[:, :in] + g[:, in:] @ A_all         one addmm_ into g: the members' dx arrive summed, no copy
+    dx  = g[:, :in] + g[:, in:] @ A_all         one rank-R update into g (ops.lowrank): the members' dx arrive
+                                                summed, no copy
     dA  = g[:, in:]^T @ x           (R, in)     one GEMM; rows split back to the A_i by cat's backward
     dB_i = s_i dy_i^T (x A_i^T)     (out_i, r_i) one small GEMM per member
 
@@ -44,6 +45,7 @@ import logging
 
 import torch
 
+from ..ops.lowrank import lowrank_update_
 from ..ops.rms_norm import spare_columns
 from .layer import LoRALinear, add_branch_dx_, branch_input, mm_scaled
 
@@ -139,12 +141,12 @@ class LoRAGroupFunction(torch.autograd.Function):
             # ~4 ms at 8B in the H200 profiles. dx goes to the RMSNorm backward, which reads row strides.
             dx = g[:, :fin]
             if draws is None:
-                dx.addmm_(dyb, a_all)
+                lowrank_update_(dx, dyb, a_all)
             else:  # member i's branch saw drop_i(x): its rank-r term goes through m_i, added in one pass that
                 # also writes drop_i(x) for dA_i (used at once, so one such copy is alive at a time)
                 for i, (dyb_i, a_i, draw) in enumerate(_per_member(dyb, a_all, ctx.ranks, draws)):
                     if draw is None:
-                        dx.addmm_(dyb_i, a_i)
+                        lowrank_update_(dx, dyb_i, a_i)
                         continue
                     xd = add_branch_dx_(dx, dyb_i, a_i, draw, x2 if need_a else None)
                     if xd is not None:
