@@ -14,7 +14,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "chronicals"
 
 # leaf modules: import nothing of ours, and every unit may import them
-LEAVES = {"_words", "_jsonio", "_numbers", "cuda_alloc"}
+LEAVES = {"_words", "_jsonio", "_numbers", "_cli_args", "cuda_alloc"}
 # unit -> the units of ours it may import besides itself and the leaves ("root": chronicals/__init__.py, which
 # re-exports models' load_model / save_model)
 LOWER = {leaf: set() for leaf in LEAVES} | {

@@ -21,9 +21,10 @@ import sys
 import threading
 from pathlib import Path
 
+from ._cli_args import Parser
 from .cli_chat import _run_system_prompt, cmd_chat  # noqa: F401 (_run_system_prompt: chronicals.cli's before the split)
 from .cli_eval import cmd_eval
-from .cli_models import Parser, _base_for, _load, _model_and_base, _rank, _recorded, _setup_logging
+from .cli_models import _base_for, _load, _model_and_base, _rank, _recorded, _setup_logging
 from .cuda_alloc import allocator_env
 
 USAGE = """usage: chronicals train [CONFIG.yaml] [section.key=value ...]

@@ -6,8 +6,9 @@ import itertools
 import sys
 from pathlib import Path
 
+from ._cli_args import Parser
 from ._words import counted
-from .cli_models import (BASE_HELP, DTYPE_HELP, Parser, _base_for, _load, _model_and_base, _not_utf8, _setup_logging,
+from .cli_models import (BASE_HELP, DTYPE_HELP, _base_for, _load, _model_and_base, _not_utf8, _setup_logging,
                          _shown, _within_context, add_verbose)
 
 

@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from .cli_models import (BASE_HELP, DTYPE_HELP, Parser, _base_for, _load, _model_and_base, _not_utf8, _setup_logging,
+from ._cli_args import Parser
+from .cli_models import (BASE_HELP, DTYPE_HELP, _base_for, _load, _model_and_base, _not_utf8, _setup_logging,
                          _within_context, add_verbose)
 
 

@@ -26,7 +26,7 @@ import weakref
 from dataclasses import replace
 from pathlib import Path
 
-from ..cli_models import Parser
+from .._cli_args import Parser
 from ..cuda_alloc import allocator_env
 from .contenders import CONTENDERS, get_contender, missing_requirements
 from .protocol import RunSpec, validate_row
