@@ -11,8 +11,8 @@ Two implementations, picked explicitly with ``impl``:
   FLOPs per MLP projection), and saves only ``x`` (shared with q/k/v or gate/up, so usually no new
   memory) and the small ``x A^T`` (N, r); with dropout, the mask is not saved either: a ``DropDraw`` (one seed,
   ``ops.dropout``) rebuilds it inside the passes that apply it. Rank-r terms are accumulated in place
-  (``ops.lowrank.lowrank_update_``: a Triton kernel on CUDA, 25 vs cuBLAS addmm_'s 35 us at the 0.5B o_proj, the same
-  bits; ``addmm_`` elsewhere) and every scale ``s`` rides in a GEMM's ``alpha``: no separate scaling kernels, no
+  (``ops.lowrank.lowrank_update_``: a Triton kernel on CUDA, 25 vs cuBLAS addmm_'s 35 us at the 0.5B o_proj; ``addmm_``
+  elsewhere) and every scale ``s`` rides in a GEMM's ``alpha``: no separate scaling kernels, no
   full-size temporaries.
 - ``"torch"``: ``lora_linear_ref``, plain autograd over F.linear (what PEFT does). Tests and benchmarks
   compare against it.

@@ -4,13 +4,13 @@ Shapes: y (M, N), x (M, K) and w (K, N), any strides (y: a column block of a wid
 Returns y. float64 takes the reference under "auto" (the kernel sums in fp32).
 
 Why a kernel: cuBLAS runs this product (``y.addmm_(x, w, alpha=alpha)``) as a GEMM with one K step whose epilogue
-reads y, so each tile loads A and B, multiplies, and only then starts reading y: the op is bandwidth-bound (read y,
-write y; x and w are small) but ran at 55-65% of copy bandwidth on an H100 (`probe_skinny_gemms.py`: 34.1 us against
+reads y. The op is bandwidth-bound (read y, write y; x and w are small) but ran at 55-65% of copy bandwidth on an H100 (`probe_skinny_gemms.py`: 34.1 us against
 19.3 for y of 16,384 x 896, 72.7 against 44.2 for 8,192 x 4,096). The kernel issues y's load first and keeps several
-tiles per SM in flight (25.1 vs 34.8 us and 50.3 vs 73.7 at those shapes, the same bits). The LoRA layers call it
+tiles per SM in flight (25.1 vs 34.8 us and 50.3 vs 73.7 at those shapes, outputs bit-identical to cuBLAS's at every
+shape probed; not promised in general: both round one fp32 sum, in their own orders). The LoRA layers call it
 where they accumulate a rank-r term into a full-size tensor: the forward's y += s (x A^T) B^T, the backward's
-dx += (s dy B) A. In the graphed 0.5B LoRA step it gave +0.1-0.3% (same-call A/B, H100): there y was just written by
-the GEMM before the update, and its 29 MB sit in the 50 MB L2, which the probe flushes between calls.
+dx += (s dy B) A. In the graphed 0.5B LoRA step it gave only +0.1-0.3% (same-call A/B, H100). Likely why: there y was
+just written by the GEMM before the update, and its 29 MB fit the 50 MB L2, which the probe flushes between calls.
 Under torch.compile ``addmm_`` runs (the compiler plans its own GEMMs).
 
 Math as cuBLAS's: products of the input dtype summed in fp32, plus y in fp32, rounded once (fp32 inputs: IEEE fp32
