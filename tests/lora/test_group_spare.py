@@ -15,7 +15,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 IDS = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(5)).to(DEV)
 
 
-def _run(monkeypatch, spare: bool, impl: str, recompute, dropout: float, kind: str = "qwen2"):
+def _run(monkeypatch, spare: bool, impl: str, recompute, dropout: float, kind: str = "qwen2", checkpointing=False):
     """(loss, {adapter name: grad}, how many group GEMMs read a norm's buffer) for one forward + backward."""
     with monkeypatch.context() as m:
         if not spare:
@@ -31,6 +31,7 @@ def _run(monkeypatch, spare: bool, impl: str, recompute, dropout: float, kind: s
         model = tiny_model(kind).to(DEV).train()
         model.opts.impl = impl
         model.set_recompute(recompute)
+        model.set_checkpointing(checkpointing)
         apply_lora(model, r=8, alpha=16, dropout=dropout)
         randomize_lora_b(model)
         torch.manual_seed(3)
@@ -53,6 +54,17 @@ def test_the_norms_buffer_gives_the_concatenating_paths_bits(monkeypatch, impl, 
     assert ga.keys() == gb.keys() and len(ga) == 2 * 7 * 2
     for n in ga:
         assert ga[n].abs().sum() > 0, n
+        assert torch.equal(ga[n], gb[n]), n
+
+
+@pytest.mark.parametrize("checkpointing", [True, 1])
+def test_checkpointed_layers_give_the_concatenating_paths_bits(monkeypatch, checkpointing):
+    """A checkpointed layer runs its forward again in backward: the norm's buffer is made and read again there."""
+    la, ga, used_a = _run(monkeypatch, True, "torch", ("norm", "swiglu"), 0.0, checkpointing=checkpointing)
+    lb, gb, used_b = _run(monkeypatch, False, "torch", ("norm", "swiglu"), 0.0, checkpointing=checkpointing)
+    assert all(used_a) and not any(used_b) and len(used_a) == len(used_b) > 4  # the reruns read it too
+    assert torch.equal(la, lb)
+    for n in ga:
         assert torch.equal(ga[n], gb[n]), n
 
 
