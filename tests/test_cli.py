@@ -460,17 +460,51 @@ def test_chat_with_nothing_on_stdin_says_so_before_the_model_loads(tiny_base, mo
     monkeypatch.setattr(cli_chat, "_load", no_load)
     assert main(["chat", "--model", str(tiny_base), "--max-new-tokens", "1"]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and "no prompt: stdin held no non-blank line" in err
+    assert out == "" and "no prompt: stdin held no line to answer (blank lines are skipped)" in err
 
 
-def test_chat_with_only_reset_lines_on_stdin_says_no_prompt(tiny_base, monkeypatch, capsys):
-    """--turns multi takes "/reset" as a command, not a prompt: stdin of "/reset" lines alone is still no prompt."""
+def _no_load(monkeypatch):
+    import chronicals.cli_chat as cli_chat
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded for a stdin without a line to answer")
+
+    monkeypatch.setattr(cli_chat, "_load", no_load)
+
+
+def test_chat_with_only_reset_lines_on_stdin_says_no_prompt_before_the_load(tiny_base, monkeypatch, capsys):
+    """--turns multi takes "/reset" as a command, not a prompt: stdin of "/reset" lines alone is no prompt, said
+    before the model loads (it was said after the load, as "no non-blank line")."""
     import io
 
     monkeypatch.setattr("sys.stdin", io.StringIO("/reset\n\n/reset\n"))
+    _no_load(monkeypatch)
     assert main(["chat", "--model", str(tiny_base), "--max-new-tokens", "1", "--turns", "multi"]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and "no prompt: stdin held no non-blank line" in err
+    assert out == "" and "no line to answer (blank and /reset lines are skipped)" in err
+
+
+def test_chat_with_only_undecodable_lines_on_stdin_exits_3_before_the_load(tiny_base, monkeypatch, capsys):
+    """Each bad line is said; with no line left to answer the session ends (exit 3, bad input) without loading."""
+    import io
+
+    bad = b"caf\xe9".decode("utf-8", "surrogateescape")
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{bad}\n\n{bad}!\n"))
+    _no_load(monkeypatch)
+    assert main(["chat", "--model", str(tiny_base), "--max-new-tokens", "1"]) == 3
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("is not valid UTF-8") == 2, err
+
+
+def test_chat_says_which_system_message_it_falls_back_to(tiny_base, capsys):
+    """A model outside a run directory (an export, a base) used the demo's system message unsaid, while an adapter
+    of a run said its run's: the same fine-tuned weights answered differently merged and unmerged (a CLI walk)."""
+    assert main(["chat", "--model", str(tiny_base), "--device", "cpu", "--max-new-tokens", "1", "hi"]) == 0
+    assert "--system not given: using 'You are a helpful assistant.', the demo's system message" in \
+        capsys.readouterr().err
+    assert main(["chat", "--model", str(tiny_base), "--device", "cpu", "--max-new-tokens", "1", "--system", "", "hi"]) \
+        == 0
+    assert "--system not given" not in capsys.readouterr().err
 
 
 def test_export_refuses_an_out_inside_the_base_or_the_adapter(tiny_base, tmp_path, capsys):

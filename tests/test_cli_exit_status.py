@@ -96,6 +96,15 @@ def test_argument_errors_before_any_load(argv, said, capsys):
     assert e.value.code == 2 and said in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["chat", "--max-new-tokens", "3", "--max-new-tokens", "4", "--help"],
+                                  ["eval", "--help", "--model", "a", "--model", "b"]])
+def test_help_wins_over_an_option_given_twice_wherever_it_stands(argv, capsys):
+    """The repeat is refused once the parse is done, so a --help after it still prints the help (exit 0)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: chronicals ")
+
+
 @pytest.mark.parametrize("layout", ["cache is a file", "gguf/ is a file"])
 def test_a_gguf_cache_that_cannot_be_written_names_chronicals_cache(layout, tmp_path, monkeypatch, capsys):
     """A .gguf model with $CHRONICALS_CACHE (or ~/.cache/chronicals) not writable: a read-only home, a file in the

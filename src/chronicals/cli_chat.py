@@ -110,19 +110,30 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     prompts = a.prompts
     # a terminal: answers only, streamed; given or piped: "> prompt", then the whole answer
     interactive = not prompts and sys.stdin.isatty()
-    if not prompts and not interactive:  # piped: up to the first prompt before the model loads (seconds to minutes)
-        lines = (line.strip() for line in _stdin_lines())  # one prompt per line; blank lines are skipped
-        first = next((line for line in lines if line), None)
+    multi = a.turns == "multi" or a.turns == "auto" and interactive
+    refused = 0
+    if not prompts and not interactive:  # piped: up to the first line to answer before the model loads (seconds
+        # to minutes); one prompt per line, blank lines skipped, and a "/reset" before any turn has nothing to reset
+        lines = (line.strip() for line in _stdin_lines())
+        first = None
+        for line in lines:
+            if line and not (multi and line == "/reset"):
+                if (bad := _not_utf8(line)) is None:
+                    first = line
+                    break
+                _refuse_line(line, bad, interactive)
+                refused += 1
         if first is None:
-            return _no_prompt()
+            return 3 if refused else _no_prompt(multi)
         prompts = itertools.chain([first], lines)
     model, tok = _load(a.model, a.adapter, dev, a.dtype, ckpt_base=ckpt_base)
     require_chat_template(tok)  # before any prompt is answered
     _within_context(p, model, a.model, ("--max-new-tokens", a.max_new_tokens))
     system = _run_system_prompt(a.adapter or a.model) if a.system is None else a.system
-    if system is None:
+    if system is None:  # said: another default (a run's, transformers' template's own) answers otherwise
         system = DEMO_SYSTEM_PROMPT
-    multi = a.turns == "multi" or a.turns == "auto" and interactive
+        print(f"--system not given: using {system!r}, the demo's system message (no run's config.yaml beside the "
+              "model or adapter names one)", file=sys.stderr)
     if interactive:
         print("type a message and press enter (Ctrl-D to quit" + ("; /reset starts the conversation over)" if multi
                                                                   else ")"), file=sys.stderr)
@@ -142,7 +153,6 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
 
         streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     history: list[tuple[str, str]] = []  # (prompt, answer) of the turns so far, oldest first (multi)
-    answered = refused = 0
     capped = dropped = False
     for q in prompts:
         if not q:
@@ -152,9 +162,7 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
             print("(the conversation starts over)", file=sys.stderr, flush=True)
             continue
         if (bad := _not_utf8(q)) is not None:  # a piped or typed line: said, and the next one is read
-            where = "the typed" if interactive else "stdin"
-            print(f"error: {where} line {_shown(q)!r} is not valid UTF-8 ({bad}); type or pipe UTF-8 text",
-                  file=sys.stderr, flush=True)
+            _refuse_line(q, bad, interactive)
             refused += 1
             continue
         room, why = _answer_room(model, tok, q, system, a.max_new_tokens, a.model, history)
@@ -178,17 +186,22 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
             print(f"> {q}\n{reply}", flush=True)
         if multi:
             history.append((q, reply))
-        answered += 1
-    if not answered and not refused and not interactive:  # piped "/reset" lines alone (--turns multi)
-        return _no_prompt()
     return 3 if refused else 0  # 3: bad input, as a data file's bad record
 
 
-def _no_prompt() -> int:
+def _no_prompt(multi: bool) -> int:
     """Piped stdin held no prompt: said, exit 2 (not a silent success)."""
-    print("error: no prompt: stdin held no non-blank line; pass the message as an argument, or pipe one prompt per "
-          "line", file=sys.stderr)
+    skipped = "blank and /reset lines" if multi else "blank lines"
+    print(f"error: no prompt: stdin held no line to answer ({skipped} are skipped); pass the message as an argument, "
+          "or pipe one prompt per line", file=sys.stderr)
     return 2
+
+
+def _refuse_line(q: str, bad: str, interactive: bool) -> None:
+    """Say that a typed or piped line is not UTF-8 (it is skipped, and the session exits 3 at its end)."""
+    where = "the typed" if interactive else "stdin"
+    print(f"error: {where} line {_shown(q)!r} is not valid UTF-8 ({bad}); type or pipe UTF-8 text", file=sys.stderr,
+          flush=True)
 
 
 def _decoded(raw: bytes) -> str:
