@@ -361,3 +361,19 @@ def test_an_override_stays_an_override_even_where_a_file_of_its_name_exists(tmp_
     assert main(["train", "data.path=x.yaml"]) == 2
     assert main(["train", "lr=3e-4.yaml"]) == 2  # no key section before the '=': the existing file is the config
     assert seen == [(None, ["data.path=x.yaml"]), ("lr=3e-4.yaml", [])], seen
+
+
+def test_a_config_files_errors_are_config_errors_as_a_dicts_are(tmp_path):
+    """A YAML file's bad value came as a plain ValueError and a dict's as a ConfigError: a script catching ConfigError
+    (what train()'s docstring names) caught the one and not the other (an API walk)."""
+    from chronicals.config import ConfigError, from_dict, load_config
+
+    f = tmp_path / "bad.yaml"
+    f.write_text("data:\n  max_seq_len: lots\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:2: config data.max_seq_len='lots' is invalid") as e:
+        load_config(f)
+    assert e.value.key == "data.max_seq_len"
+    with pytest.raises(ConfigError, match="command line: unknown config key"):
+        load_config(f, ["train.max_stepz=3"])
+    with pytest.raises(ConfigError):
+        from_dict({"data": {"max_seq_len": "lots"}})

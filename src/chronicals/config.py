@@ -398,7 +398,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
         return from_dict(d, overrides)
     except ValueError as e:
         errs = sorted(getattr(e, "errors", [e]), key=lambda err: _line_of(err, lines, overrides))  # as the file reads
-        raise ValueError("\n".join(_placed(err, path, lines, overrides) for err in errs)) from None
+        # a ConfigError, as from_dict's own: a script catching ConfigError caught a dict's bad value, not a file's
+        raise ConfigError("\n".join(_placed(err, path, lines, overrides) for err in errs),
+                          getattr(errs[0], "key", None)) from None
 
 
 def _file_line(e: ValueError, lines: dict, overrides) -> int | None:

@@ -209,3 +209,20 @@ def test_impl_torch_runs_the_reference_not_the_fused_function(fin, fout, monkeyp
                                           layer.scaling))
     y.sum().backward()
     assert layer.lora_A.weight.grad is not None and layer.lora_B.weight.grad is not None
+
+
+def test_a_target_name_that_matches_nothing_beside_good_ones_is_warned_of(caplog):
+    """apply_lora leaves a listed name that matches no module out, as PEFT does (an adapter may list another
+    architecture's names), but a typo beside good names adapted fewer layers without a word (an API walk; the
+    trainer refuses it: lora.targets is the user's own)."""
+    import logging
+
+    model = tiny_model()
+    with caplog.at_level(logging.WARNING, logger="chronicals.lora"):
+        apply_lora(model, r=2, alpha=4, target_modules=["q_proj", "qproj_typo"])
+    said = [r.getMessage() for r in caplog.records if "match no module" in r.getMessage()]
+    assert len(said) == 1 and "['qproj_typo']" in said[0] and "q_proj" in said[0]
+    assert sum(isinstance(m, LoRALinear) for m in model.modules()) == 2  # q_proj of each of the 2 layers
+    caplog.clear()
+    apply_lora(tiny_model(), r=2, alpha=4, target_modules=["q_proj", "v_proj"])
+    assert not [r for r in caplog.records if "match no module" in r.getMessage()]

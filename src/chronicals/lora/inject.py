@@ -52,6 +52,20 @@ def name_matches(name: str, keys) -> bool:
     return any(name == k or name.endswith("." + k) for k in keys)
 
 
+def unmatched_targets(model: nn.Module, target_modules) -> list[str]:
+    """The names of a list of targets that match no module of ``model`` ([] for a regular expression)."""
+    if isinstance(target_modules, str):
+        return []
+    names = [n for n, _ in model.named_modules() if n]
+    return [t for t in target_modules if not any(name_matches(n, (t,)) for n in names)]
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """The last name parts of the model's nn.Linear layers but lm_head, sorted (what targets can name)."""
+    return sorted({n.rpartition(".")[2] for n, m in model.named_modules()
+                   if isinstance(m, nn.Linear) and n.rpartition(".")[2] != "lm_head"})
+
+
 def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, new)
@@ -153,8 +167,7 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
     if isinstance(target_modules, list):
         target_modules = tuple(target_modules)
     if isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR:  # PEFT's shorthand, as a string
-        target_modules = tuple(sorted({n.rpartition(".")[2] for n, m in model.named_modules()
-                                       if isinstance(m, nn.Linear) and n.rpartition(".")[2] != "lm_head"}))
+        target_modules = tuple(linear_names(model))
     modules_to_save = (modules_to_save,) if isinstance(modules_to_save, str) else tuple(modules_to_save)
     matched = [(n, m) for n, m in model.named_modules() if n and name_matches(n, target_modules)]
     targets = [n for n, m in matched if isinstance(m, nn.Linear)]
@@ -177,6 +190,10 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
         raise ConfigError(f"apply_lora: target_modules={target_modules!r} matched no nn.Linear; the model's "
                           f"linear layers are named {leaves}: name some of them but lm_head (in a config: "
                           f"lora.targets){regex}", "lora.targets")
+    unmatched = unmatched_targets(model, target_modules)
+    if unmatched:  # left out, as PEFT leaves them (an adapter may list another architecture's names): said, as a typo
+        log.warning("apply_lora: target_modules entries %s match no module of this model and are left out; its linear "
+                    "layers are named %s", unmatched, linear_names(model))
     if "lm_head" in targets:  # matched by a regular expression (a list naming lm_head is refused before)
         raise ConfigError("apply_lora: LoRA on lm_head is not supported: CausalLM's loss reads lm_head.weight "
                           "directly (fused linear cross-entropy); train it with modules_to_save=('lm_head',) "

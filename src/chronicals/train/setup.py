@@ -71,19 +71,16 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
     model.opts.loss_vocab_parts = cfg.model.loss_vocab_parts
     model.opts.attention = cfg.model.attention
     if cfg.lora.enabled:
-        from ..lora.inject import apply_lora, name_matches
+        from ..lora.inject import apply_lora, linear_names, unmatched_targets
 
         if getattr(model, "lora_config", None) is None:
             # apply_lora, like PEFT, skips a listed name that matches nothing (an adapter file may list names of
-            # other architectures); a config's name is the user's own, so a typo beside good names is refused here
-            names = [n for n, _ in model.named_modules() if n]
-            unmatched = [t for t in cfg.lora.targets if not any(name_matches(n, (t,)) for n in names)]
+            # other architectures), with a warning; a config's name is the user's own, so a typo is refused here
+            unmatched = unmatched_targets(model, cfg.lora.targets)
             if unmatched and len(unmatched) < len(cfg.lora.targets):  # none matching: apply_lora says so
-                linear = sorted({n.rpartition(".")[2] for n, m in model.named_modules()
-                                 if isinstance(m, torch.nn.Linear) and n != "lm_head"})
                 raise ConfigError(f"config lora.targets does not fit model.path={cfg.model.path}: {unmatched} match "
-                                  f"no module of the model; its linear layers are named {linear}: fix or drop them",
-                                  "lora.targets")
+                                  f"no module of the model; its linear layers are named {linear_names(model)}: fix "
+                                  "or drop them", "lora.targets")
             try:
                 apply_lora(model, r=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                            target_modules=tuple(cfg.lora.targets), use_rslora=cfg.lora.rslora, seed=cfg.train.seed,
