@@ -45,6 +45,7 @@ import logging
 
 import torch
 
+from ..models.fused_proj import LORA_GROUPS
 from ..ops.lowrank import lowrank_update_
 from ..ops.rms_norm import spare_columns
 from .layer import LoRALinear, add_branch_dx_, branch_input, mm_scaled
@@ -303,9 +304,8 @@ def bind_groups(model: torch.nn.Module) -> int:
     Blocks whose projections do not qualify (see ``why_not``) keep separate calls; the reason is logged once.
     """
     made, reasons = 0, set()
-    kinds = (("lora_qkv", ("q_proj", "k_proj", "v_proj")), ("lora_gate_up", ("gate_proj", "up_proj")))
     for mod in model.modules():
-        for attr, names in kinds:
+        for attr, names in LORA_GROUPS:
             if not all(isinstance(getattr(mod, n, None), LoRALinear) for n in names):
                 continue
             members = [getattr(mod, n) for n in names]
@@ -323,7 +323,7 @@ def bind_groups(model: torch.nn.Module) -> int:
 def unbind_groups(model: torch.nn.Module) -> None:
     """Drop every LoRAGroup (merge_lora): members get plain storage back through ``LoRALinear.to_linear``."""
     for mod in model.modules():
-        for attr in ("lora_qkv", "lora_gate_up"):
+        for attr, _ in LORA_GROUPS:
             group = mod.__dict__.pop(attr, None)
             if group is not None:
                 for m in group.members:

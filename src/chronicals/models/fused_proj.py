@@ -89,12 +89,17 @@ def _lora_group(owner: nn.Module, attr: str, mods):
     return group if group is not None and group.is_current(mods) else None
 
 
+# where a LoRA group of a block's projections sits on the block (``lora.group.bind_groups`` puts it there), and its
+# members in their order along the group's output
+LORA_GROUPS = (("lora_qkv", ("q_proj", "k_proj", "v_proj")), ("lora_gate_up", ("gate_proj", "up_proj")))
+
+
 def norm_spare(block: nn.Module) -> int:
     """Columns the norm before ``block`` (a decoder ``Attention`` or ``MLP``) leaves free after each row of its
     output (``ops.rms_norm``'s ``spare``): the summed rank R of the LoRA group that reads it, which writes its
     x A^T there and runs its GEMM on the (N, in + R) buffer instead of a new [x | x A^T] (``lora.group``); else 0.
     The cat it saves copies (N, in + R): 44 us a layer per group at the 8B LoRA protocol (H100 profile)."""
-    for attr, names in (("lora_qkv", ("q_proj", "k_proj", "v_proj")), ("lora_gate_up", ("gate_proj", "up_proj"))):
+    for attr, names in LORA_GROUPS:
         if attr in block.__dict__:
             group = _lora_group(block, attr, tuple(getattr(block, n) for n in names))
             if group is None or group.width % 8:

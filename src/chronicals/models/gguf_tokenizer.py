@@ -90,13 +90,13 @@ def _read_meta(reader) -> tuple[_TokenizerMeta | None, str | None]:
         if tid is not None and not (is_int(tid) and 0 <= tid < n):
             return None, f"metadata {key}={tid!r} is not a token id of its {n} tokens"
         specials[name] = None if tid is None else tokens.contents(tid)
-    model = get("tokenizer.ggml.model")
+    model, arch = get("tokenizer.ggml.model"), get("general.architecture")
     add_bos = get("tokenizer.ggml.add_bos_token")
-    return _TokenizerMeta(arch=get("general.architecture"), model=model, pre=get("tokenizer.ggml.pre"),
+    return _TokenizerMeta(arch=arch, model=model, pre=get("tokenizer.ggml.pre"),
                           specials=specials, add_bos=model == "llama" if add_bos is None else bool(add_bos),
                           add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
                           add_space_prefix=bool(get("tokenizer.ggml.add_space_prefix", True)),
-                          context_length=_positive_int(get(f"{get('general.architecture')}.context_length"))), None
+                          context_length=_positive_int(get(f"{arch}.context_length"))), None
 
 
 def _positive_int(v) -> int | None:
