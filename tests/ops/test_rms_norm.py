@@ -378,3 +378,51 @@ def test_rms_norm_reads_a_strided_weight(impl, weight):
     torch.testing.assert_close(y.double(), _norm64(x64, w64, 1e-6).detach(), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(base.grad.double(), b64.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("hidden", [96, 2 * 1024 + 3])  # one block, and (interpreter) looped column blocks
+def test_grad_spare_writes_dx_into_the_first_columns_of_a_wider_buffer(hidden, residual):
+    """grad_spare=R: the backward kernel writes dx into a new (N, H + R) buffer (row stride H + R) that
+    ``grad_spare_columns`` hands to x's producer (a LoRA down_proj writes s dy B there): same dx bits as without."""
+    if not TRITON:
+        pytest.skip("the Triton kernel's backward")
+    g = torch.Generator().manual_seed(hidden)
+    x, r, dy, ds = (torch.randn(7, hidden, generator=g).bfloat16().to(DEV) for _ in range(4))
+    w = (1 + 0.3 * torch.randn(hidden, generator=g)).bfloat16().to(DEV)
+
+    def grads(spare):
+        xs = x.clone().requires_grad_()
+        seen = []
+        x1 = xs * 1  # a non-leaf: its hook sees the norm's dx itself (a leaf's .grad is a contiguous copy)
+        x1.register_hook(seen.append)
+        out = rms_norm(x1, w, 1e-6, residual=r if residual else None, impl="triton", grad_spare=spare)
+        if residual:
+            torch.autograd.backward(list(out), [dy, ds])
+        else:
+            out.backward(dy)
+        return xs.grad, seen[0]
+
+    base, dx0 = grads(0)
+    got, dx = grads(5)
+    assert torch.equal(base, got)
+    full = rms_mod.grad_spare_columns(dx, hidden + 5)
+    assert full is not None and full.shape == (7, hidden + 5) and torch.equal(full[:, :hidden], dx)
+    assert dx.stride() == (hidden + 5, 1) and dx0.is_contiguous()
+    assert rms_mod.grad_spare_columns(dx, hidden + 4) is None  # another width: not this buffer
+    assert rms_mod.grad_spare_columns(dx0, hidden + 5) is None  # no spare asked: a plain tensor
+    assert rms_mod.grad_spare_columns(full[1:, :hidden], hidden + 5) is None  # not the buffer's own rows
+    plain = torch.zeros(7, hidden + 5, dtype=torch.bfloat16, device=DEV)
+    assert rms_mod.grad_spare_columns(plain[:, :hidden], hidden + 5) is None  # a strided view of an unmarked tensor
+
+
+def test_grad_spare_is_checked_and_the_torch_impl_makes_its_own_dx():
+    x = torch.randn(3, 16, device=DEV, requires_grad=True)
+    w = torch.ones(16, device=DEV)
+    with pytest.raises(ValueError, match="grad_spare=-1 must be an int >= 0"):
+        rms_norm(x, w, 1e-6, grad_spare=-1)
+    seen = []
+    x1 = x * 1
+    x1.register_hook(seen.append)
+    rms_norm(x1, w, 1e-6, impl="torch", grad_spare=4).sum().backward()
+    assert rms_mod.grad_spare_columns(seen[0], 20) is None

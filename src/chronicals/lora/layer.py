@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from ..ops import dropout as D
 from ..ops.lowrank import lowrank_update_
+from ..ops.rms_norm import grad_spare_columns
 
 log = logging.getLogger("chronicals.lora")
 IMPLS = ("fused", "torch")
@@ -144,7 +145,14 @@ def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, draw, scaling: float, wca
         # (N, in): 123 us a layer at the 0.5B LoRA protocol (16,384 x 4,864), 188 us at 8B (H200 profiles);
         # the cats copy (N, out) and (out, in) instead, a quarter of those bytes or less when in >= 2 out.
         # [W ; A]: the layer's own buffer (the forward's), or a per-call copy of W (117 MB at the 8B down_proj)
-        dx = torch.mm(torch.cat([dy2, dyb], 1), wa if wa is not None else torch.cat([weight, lora_a], 0))
+        # [dy | s dy B]: in the buffer the norm after this layer wrote dy into, when it left r columns free
+        # (``ops.rms_norm``'s grad_spare: the cat copied (N, out + r) bytes, ~18 us a layer at 0.5B, 44 at 8B)
+        full = grad_spare_columns(dy2, dy2.shape[1] + dyb.shape[1])
+        if full is None:
+            full = torch.cat([dy2, dyb], 1)
+        else:
+            full[:, dy2.shape[1]:].copy_(dyb)
+        dx = torch.mm(full, wa if wa is not None else torch.cat([weight, lora_a], 0))
     elif need_x:
         if wcat is None:
             dx_base = torch.mm(dy2, weight)  # (N, in)
@@ -305,6 +313,14 @@ class LoRALinear(nn.Module):
         for bit (the GEMM of r more output columns may sum in another order)."""
         layout = self._layout
         return layout == "cols" or (layout == "rows" and torch.is_grad_enabled())
+
+    @property
+    def dy_spare(self) -> int:
+        """r when backward's dx runs one GEMM over [dy | s dy B] (``lora_backward``: fused, a wide input, no concat,
+        no dropout), so the norm that reads this layer's output can leave r free columns after each row of its dy
+        (``models.fused_proj.grad_spare``); else 0."""
+        fused = self.impl == "fused" and not self.concat and not self.wide and self.dropout == 0
+        return self.r if fused and self.in_features >= 2 * self.out_features else 0
 
     @property
     def wide(self) -> bool:

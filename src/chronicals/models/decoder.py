@@ -25,7 +25,7 @@ from ..ops.attention import attention_ref
 from ..ops.swiglu import swiglu_gate_up
 from .config import ModelConfig, rope_inv_freq
 from .forward_args import IGNORE_INDEX, check_forward_args, documents_from_positions, mask_padding
-from .fused_proj import gate_up_proj, norm_spare, qkv_proj, swiglu_down
+from .fused_proj import gate_up_proj, grad_spare, norm_spare, qkv_proj, swiglu_down
 
 
 @dataclass
@@ -117,11 +117,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps, self.opts = eps, opts
 
-    def forward(self, x, residual=None, spare: int = 0):
+    def forward(self, x, residual=None, spare: int = 0, grad_spare: int = 0):
         """x (..., D) -> y; with ``residual`` returns (norm(x + residual), x + residual). ``spare``: columns left
-        free after each row of y for its consumer (``ops.rms_norm``, ``fused_proj.norm_spare``)."""
+        free after each row of y for its consumer (``ops.rms_norm``, ``fused_proj.norm_spare``); ``grad_spare``: the
+        same after each row of x's gradient, for x's producer (``fused_proj.grad_spare``)."""
         return rms_norm(x, self.weight, self.eps, residual=residual, impl=self.opts.impl,
-                        recompute="norm" in self.opts.recompute, spare=spare)
+                        recompute="norm" in self.opts.recompute, spare=spare, grad_spare=grad_spare)
 
 
 class Attention(nn.Module):
@@ -213,16 +214,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts)
         self.mlp = MLP(cfg, opts, layer_idx)
 
-    def forward(self, h, residual, cos, sin, cu_seqlens=None, max_seqlen=None, kv_cache=None):
+    def forward(self, h, residual, cos, sin, cu_seqlens=None, max_seqlen=None, kv_cache=None, h_grad_spare=0):
         """h: the previous block's output, residual: the stream before it (None for layer 0).
 
         The residual add is fused into the norms: norm(h + residual) and the new stream in one pass.
+        h_grad_spare: columns for h's producer after each row of h's gradient (``fused_proj.grad_spare``).
         """
         spare = norm_spare(self.self_attn)  # a LoRA q/k/v group's x A^T columns
         if residual is None:
-            x, residual = self.input_layernorm(h, spare=spare), h
+            x, residual = self.input_layernorm(h, spare=spare, grad_spare=h_grad_spare), h
         else:
-            x, residual = self.input_layernorm(h, residual, spare=spare)
+            x, residual = self.input_layernorm(h, residual, spare=spare, grad_spare=h_grad_spare)
         h = self.self_attn(x, cos, sin, cu_seqlens, max_seqlen, kv_cache)
         x, residual = self.post_attention_layernorm(h, residual, spare=norm_spare(self.mlp))
         return self.mlp(x), residual
@@ -262,14 +264,16 @@ class DecoderModel(nn.Module):
         # not with caches: a checkpointed layer took none (it attended over the new tokens alone and left its cache
         # empty), and a recompute in backward would append the same keys twice (a mutation walk)
         n_ckpt = self.opts.checkpointed_layers(len(self.layers)) if training and kv_caches is None else 0
+        spare = 0  # columns after each row of h's gradient for the block that made h (its LoRA down_proj's)
         for i, layer in enumerate(self.layers):
             cache = None if kv_caches is None else kv_caches[i]
             if i < n_ckpt:
-                h, residual = ckpt.checkpoint(layer, h, residual, cos, sin, cu_seqlens, max_seqlen,
+                h, residual = ckpt.checkpoint(layer, h, residual, cos, sin, cu_seqlens, max_seqlen, None, spare,
                                               use_reentrant=False)
             else:
-                h, residual = layer(h, residual, cos, sin, cu_seqlens, max_seqlen, cache)
-        return self.norm(h, residual)[0]
+                h, residual = layer(h, residual, cos, sin, cu_seqlens, max_seqlen, cache, spare)
+            spare = grad_spare(layer.mlp) if training else 0
+        return self.norm(h, residual, grad_spare=spare)[0]
 
 
 def _host_readable(t: torch.Tensor) -> bool:

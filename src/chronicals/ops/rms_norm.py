@@ -153,13 +153,13 @@ _BWD_CONFIGS = [triton.Config({"PROGRAMS_PER_SM": p}, num_warps=w) for p in PROG
 @triton.autotune(configs=tune_configs(_BWD_CONFIGS), key=["H", "BLOCK_M", "BLOCK_H", "HAS_DS", "HAS_DW"])
 @triton.jit
 def _rms_norm_bwd_kernel(DY_ptr, DS_ptr, S_ptr, W_ptr, RSTD_ptr, DX_ptr, DW_ptr, N, H, dy_row_stride,
-                         ds_row_stride, HAS_DS: tl.constexpr, HAS_DW: tl.constexpr, BLOCK_M: tl.constexpr,
+                         ds_row_stride, dx_row_stride, HAS_DS: tl.constexpr, HAS_DW: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_H: tl.constexpr, SINGLE_BLOCK: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr):
     """dx = rstd * (w*dy - xhat * mean(w*dy*xhat)) (+ ds), xhat = s*rstd; dw partial = sum_rows dy*xhat.
 
     Persistent: program p handles row blocks p, p + P, p + 2P, ... and writes dw partial row p of (P, H)
     (HAS_DW; a frozen weight, as under LoRA, skips the partials and their sum).
-    s, dx are contiguous (N, H); dy, ds have a row stride.
+    s is contiguous (N, H); dy, ds and dx have a row stride (dx's: a consumer's spare columns after each row).
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -186,7 +186,7 @@ def _rms_norm_bwd_kernel(DY_ptr, DS_ptr, S_ptr, W_ptr, RSTD_ptr, DX_ptr, DW_ptr,
             if HAS_DS:
                 dx += tl.load(DS_ptr + rows[:, None] * ds_row_stride + cols[None, :], mask=mask,
                               other=0.0).to(tl.float32)
-            tl.store(DX_ptr + rows[:, None] * H + cols[None, :], dx.to(DX_ptr.dtype.element_ty), mask=mask)
+            tl.store(DX_ptr + rows[:, None] * dx_row_stride + cols[None, :], dx.to(DX_ptr.dtype.element_ty), mask=mask)
             if HAS_DW:
                 dw_acc += dy * xhat
         if HAS_DW:
@@ -223,7 +223,7 @@ def _rms_norm_bwd_kernel(DY_ptr, DS_ptr, S_ptr, W_ptr, RSTD_ptr, DX_ptr, DW_ptr,
                 if HAS_DS:
                     dx += tl.load(DS_ptr + rows[:, None] * ds_row_stride + c[None, :], mask=mask,
                                   other=0.0).to(tl.float32)
-                tl.store(DX_ptr + rows[:, None] * H + c[None, :], dx.to(DX_ptr.dtype.element_ty), mask=mask)
+                tl.store(DX_ptr + rows[:, None] * dx_row_stride + c[None, :], dx.to(DX_ptr.dtype.element_ty), mask=mask)
                 if HAS_DW:
                     part = tl.load(dw_row + c, mask=col_ok, other=0.0)
                     tl.store(dw_row + c, part + tl.sum(dy * xhat, axis=0), mask=col_ok)
@@ -283,11 +283,15 @@ def rms_norm_apply(s: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, ou
 
 
 def rms_norm_backward(dy: torch.Tensor, ds: Optional[torch.Tensor], s: torch.Tensor, weight: torch.Tensor,
-                      rstd: torch.Tensor, need_dw: bool = True):
+                      rstd: torch.Tensor, need_dw: bool = True, dx_spare: int = 0):
     """dy (N, H), ds (N, H) or None (gradient of the returned stream), s (N, H) contiguous -> dx (N, H) in
-    s.dtype, dweight (H,) in weight.dtype (None without ``need_dw``: a frozen weight)."""
+    s.dtype, dweight (H,) in weight.dtype (None without ``need_dw``: a frozen weight). ``dx_spare``: dx is the
+    first H columns of a new (N, H + dx_spare) buffer (``grad_spare_columns`` finds it)."""
     n, h = s.shape
-    dx = torch.empty((n, h), device=s.device, dtype=s.dtype)
+    dx = torch.empty((n, h + dx_spare), device=s.device, dtype=s.dtype)
+    if dx_spare:
+        dx._chronicals_grad_spare = dx_spare  # the mark grad_spare_columns reads through a view's ._base
+        dx = dx[:, :h]
     if n == 0:
         return dx, (torch.zeros_like(weight) if need_dw else None)
     block_m, block_h = _blocks(h, BWD_TILE_ELEMS)
@@ -297,8 +301,8 @@ def rms_norm_backward(dy: torch.Tensor, ds: Optional[torch.Tensor], s: torch.Ten
                if need_dw else dx)  # without dW the kernel never touches the pointer
     dd = ds if ds is not None else dy
     _rms_norm_bwd_kernel[lambda meta: (min(sms * meta["PROGRAMS_PER_SM"], n_blocks),)](
-        dy, dd, s, weight, rstd, dx, dw_part, n, h, dy.stride(0), dd.stride(0), HAS_DS=ds is not None,
-        HAS_DW=need_dw, BLOCK_M=block_m, BLOCK_H=block_h, SINGLE_BLOCK=block_h >= h)
+        dy, dd, s, weight, rstd, dx, dw_part, n, h, dy.stride(0), dd.stride(0), dx.stride(0),
+        HAS_DS=ds is not None, HAS_DW=need_dw, BLOCK_M=block_m, BLOCK_H=block_h, SINGLE_BLOCK=block_h >= h)
     if not need_dw:
         return dx, None
     programs = min(sms * _rms_norm_bwd_kernel.best_config.kwargs["PROGRAMS_PER_SM"], n_blocks)
@@ -310,9 +314,9 @@ class RMSNormFunction(torch.autograd.Function):
     (y (N, H), s (N, H) or an empty tensor without a residual). Same launchers as the custom op."""
 
     @staticmethod
-    def forward(ctx, x, weight, residual, eps, recompute=False, spare=0, held=None):
+    def forward(ctx, x, weight, residual, eps, recompute=False, spare=0, held=None, grad_spare=0):
         y, s, rstd = rms_norm_forward(x, weight, residual, eps, spare)
-        ctx.has_residual = residual is not None
+        ctx.has_residual, ctx.grad_spare = residual is not None, grad_spare
         # the backward kernel reads s as contiguous (N, H); x may be row-strided
         kept = s if ctx.has_residual else x.contiguous()
         ctx.save_for_backward(kept, weight, rstd)
@@ -334,9 +338,9 @@ class RMSNormFunction(torch.autograd.Function):
         # dy is None when only the stream s was used; ds is None when s was unused (then HAS_DS=False)
         dy = torch.zeros_like(s) if dy is None else _rows(dy, h)
         dx, dw = rms_norm_backward(dy, _rows(ds, h) if (ctx.has_residual and ds is not None) else None, s,
-                                   weight, rstd, need_dw=ctx.needs_input_grad[1])
+                                   weight, rstd, need_dw=ctx.needs_input_grad[1], dx_spare=ctx.grad_spare)
         # x and residual enter only through s = x + residual, so both receive ds_total (like add's backward)
-        return dx, dw, (dx if ctx.has_residual else None), None, None, None, None
+        return dx, dw, (dx if ctx.has_residual else None), None, None, None, None, None
 
 
 # ---------------------------------------------------------------- torch.library registration
@@ -414,6 +418,17 @@ def spare_columns(y: torch.Tensor, width: int) -> torch.Tensor | None:
     return full if full.data_ptr() == y.data_ptr() else None
 
 
+def grad_spare_columns(dy: torch.Tensor, width: int) -> torch.Tensor | None:
+    """The (N, width) buffer whose first H columns are ``dy`` (N, H), when dy is the x (or residual) gradient of an
+    ``rms_norm(..., grad_spare=width - H)`` (or a view of it with the same rows), else None. Its last columns are
+    free for the caller: the producer of the norm's x writes there (``lora.layer``'s [dy | s dy B])."""
+    full = dy._base
+    if (full is None or dy.dim() != 2 or getattr(full, "_chronicals_grad_spare", 0) != width - dy.shape[1]
+            or full.shape != (dy.shape[0], width) or dy.stride() != (width, 1)):
+        return None
+    return full if full.data_ptr() == dy.data_ptr() else None
+
+
 def _check_rms_norm(x, weight, residual) -> int:
     """The argument checks both impls run (before choosing one) -> H."""
     h = x.shape[-1] if x.dim() else 0
@@ -430,7 +445,7 @@ def _check_rms_norm(x, weight, residual) -> int:
 
 
 def rms_norm(x, weight, eps: float, *, residual=None, impl: str = "auto", recompute: bool = False,
-             spare: int = 0):
+             spare: int = 0, grad_spare: int = 0):
     """RMSNorm over the last dim. Returns y, or (y, x + residual) when ``residual`` is given.
 
     x (..., H), weight (H,), residual (..., H) of x's dtype -> y (..., H) in promote(x, weight) dtype.
@@ -440,10 +455,16 @@ def rms_norm(x, weight, eps: float, *, residual=None, impl: str = "auto", recomp
     ``spare`` columns are left for the consumer (``spare_columns(y, H + spare)`` returns the buffer): a LoRA group
     writes its x A^T there and runs its GEMM on [x | x A^T] without concatenating them (``lora.group``). Not under
     torch.compile (the compiler plans its own buffers): y is contiguous there.
+    grad_spare: the same for backward's dx, the gradient of x (and of residual): the Triton kernel writes it into
+    the first H columns of a new (N, H + grad_spare) buffer (``grad_spare_columns(dx, H + grad_spare)`` returns it),
+    where the producer of x, a LoRA down_proj, puts s dy B beside its dy for one [dy | s dy B] GEMM (``lora.layer``).
+    Eager Triton path only: the torch reference's autograd and the compiler make dx their own way.
     """
     h = _check_rms_norm(x, weight, residual)
-    if not is_int(spare) or spare < 0:
-        raise ValueError(f"rms_norm: spare={spare!r} must be an int >= 0 (columns left after each row of y)")
+    for name, v in (("spare", spare), ("grad_spare", grad_spare)):
+        if not is_int(v) or v < 0:
+            raise ValueError(f"rms_norm: {name}={v!r} must be an int >= 0 (columns left after each row of "
+                             f"{'y' if name == 'spare' else 'dx'})")
     spare = 0 if torch.compiler.is_compiling() else int(spare)
     if resolve_impl("rms_norm", impl, x.device) == "torch":
         out = rms_norm_ref(x, weight, eps, residual)
@@ -464,7 +485,8 @@ def rms_norm(x, weight, eps: float, *, residual=None, impl: str = "auto", recomp
     if torch.compiler.is_compiling():  # one graph node for the compiler
         y, s, _ = torch.ops.chronicals.rms_norm(x2, weight, r2, float(eps))
     else:  # eager: skip the custom-op dispatch (~0.1 ms of CPU per call)
-        y, s = RMSNormFunction.apply(x2, weight, r2, float(eps), bool(recompute and is_active()), spare, held)
+        y, s = RMSNormFunction.apply(x2, weight, r2, float(eps), bool(recompute and is_active()), spare, held,
+                                     int(grad_spare))
     if x.dim() != 2:
         y, s = y.view(*x.shape[:-1], h), (s.view(*x.shape[:-1], h) if residual is not None else s)
     y = _with_spare(y, held[0] if held else None, spare)
