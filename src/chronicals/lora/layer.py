@@ -101,10 +101,11 @@ def lora_forward(x2, weight, bias, lora_a, lora_b, scaling: float, draw, wcat, w
     """x2 (N, in) -> (y (N, out), xa = drop(x2) A^T (N, r), unscaled). No autograd (called in forward).
 
     draw: a ``DropDraw`` (dropout) or None; wcat: None for the addmm_ layout, else [W | s B] (out, in + r) for
-    the concatenated layout; wa: None, or [W ; A] (out + r, in) for the addmm_ layout, where x A^T then comes out of
-    the base GEMM (without dropout and bias): y is then a row-strided view (row stride out + r).
+    the concatenated layout; wa: None, or [W ; A] (out + r, in) for the addmm_ layout, where for a wide input (in >= 2
+    out) x A^T then comes out of the base GEMM (without dropout and bias): y is then a row-strided view (row stride
+    out + r).
     """
-    if wcat is None and wa is not None and draw is None and bias is None:
+    if wcat is None and wa is not None and draw is None and bias is None and x2.shape[1] >= 2 * weight.shape[0]:
         # [x W^T | x A^T] in one GEMM: x is read once, not twice (the rank-r GEMM re-read all of x: 64 us a layer for
         # down_proj's 16,384 x 4,864 at the 0.5B LoRA protocol, H100), for r more output columns
         out = weight.shape[0]
@@ -139,15 +140,17 @@ def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, draw, scaling: float, wca
         dx_base, dyb = g[:, :fin], g[:, fin:]
     elif need_x or need_a:
         dyb = mm_scaled(dy2, lora_b, scaling)
-    if need_x and wcat is None and draw is None and fin >= 2 * dy2.shape[1]:
-        # A wide input (down_proj: in = I, out = H): dx = [dy | s dy B] @ [W ; A] in one GEMM (K = out + r),
-        # rounded once. dy W + (s dy B) A as two GEMMs ends in an addmm_ of rank r that reads and writes
-        # (N, in): 123 us a layer at the 0.5B LoRA protocol (16,384 x 4,864), 188 us at 8B (H200 profiles);
-        # the cats copy (N, out) and (out, in) instead, a quarter of those bytes or less when in >= 2 out.
-        # [W ; A]: the layer's own buffer (the forward's), or a per-call copy of W (117 MB at the 8B down_proj)
-        # [dy | s dy B]: in the buffer the norm after this layer wrote dy into, when it left r columns free
-        # (``ops.rms_norm``'s grad_spare: the cat copied (N, out + r) bytes, ~18 us a layer at 0.5B, 44 at 8B)
-        full = grad_spare_columns(dy2, dy2.shape[1] + dyb.shape[1])
+    joint = need_x and wcat is None and draw is None
+    # [dy | s dy B]: in the buffer the norm after this layer wrote dy into, when it left r columns free (``ops.rms_norm``'s
+    # grad_spare, ``LoRALinear.dy_spare``), else a cat of (N, out + r): ~18 us a layer at 0.5B, 44 at 8B (H100)
+    full = grad_spare_columns(dy2, dy2.shape[1] + lora_a.shape[0]) if joint and wa is not None else None
+    if joint and (fin >= 2 * dy2.shape[1] or full is not None):
+        # dx = [dy | s dy B] @ [W ; A] in one GEMM (K = out + r), rounded once. dy W + (s dy B) A as two GEMMs ends in a
+        # rank-r update that reads and writes (N, in): 123 us a layer for a wide input (down_proj, in = I) at the 0.5B
+        # LoRA protocol (16,384 x 4,864), 188 us at 8B (H200 profiles); the cat of dy copies a quarter of those bytes
+        # or less when in >= 2 out. With the norm's buffer there is no cat: then o_proj too (in = out; its rank-r
+        # update ran 25 us a layer at 0.5B, 50 at 8B, H100). [W ; A]: the layer's own buffer (the forward's), or a
+        # per-call copy of W (117 MB at the 8B down_proj)
         if full is None:
             full = torch.cat([dy2, dyb], 1)
         else:
@@ -182,8 +185,9 @@ class LoRALinearFunction(torch.autograd.Function):
         one whose first ``in`` columns ARE W's storage and refreshes only the s B columns (out x r) per
         call; None builds it here per call (a full copy of W: 2 x 117 MB at the 8B gate/up, fwd and bwd).
     Without concat, ``wa`` (LoRALinear's [W ; A] buffer (out + r, in), whose first ``out`` rows ARE W's storage, or
-    None) makes x A^T in the base GEMM as r more output columns (without dropout and bias; ``lora_forward``), and a
-    wide input's dx (in >= 2 out, down_proj: one GEMM over [dy | s dy B] and [W ; A], ``lora_backward``) reads it.
+    None) makes a wide input's x A^T in the base GEMM as r more output columns (in >= 2 out, without dropout and bias;
+    ``lora_forward``), and dx as one GEMM over [dy | s dy B] and [W ; A] (``lora_backward``) reads it: a wide input's
+    always, another's (o_proj) when the norm after it left dy r free columns (``ops.rms_norm``'s grad_spare).
     wcat and wa are kept on ctx, not save_for_backward: their s B columns / A rows are rewritten by the next forward
     of the same layer (same values until the optimizer steps), which must not trip autograd's version check.
     """
@@ -242,10 +246,10 @@ class LoRALinear(nn.Module):
 
     With the fused concatenated layout, ``weight`` becomes a strided view (row stride in + r) into a
     private (out, in + r) buffer whose last r columns hold s B (refreshed each forward, out x r elements):
-    no memory beyond r columns, and no per-call copy of W. A wide input without concat (in >= 2 out, fused, no
-    bias: down_proj) has ``weight`` as the first ``out`` rows of a private (out + r, in) buffer [W ; A] whose last r
-    rows hold A (refreshed each training forward): the base GEMM makes x A^T too (``lora_forward``), and the
-    backward's dx GEMM reads the buffer. ``model.to(...)`` rebinds either (``_apply``);
+    no memory beyond r columns, and no per-call copy of W. Without concat (fused, no bias: down_proj, o_proj)
+    ``weight`` is the first ``out`` rows of a private (out + r, in) buffer [W ; A] whose last r rows hold A
+    (refreshed each training forward): for a wide input (in >= 2 out) the base GEMM makes x A^T too
+    (``lora_forward``), and the backward's joint dx GEMM reads the buffer. ``model.to(...)`` rebinds either (``_apply``);
     ``to_linear`` / merge_lora give W back a storage of its own.
     """
 
@@ -291,17 +295,19 @@ class LoRALinear(nn.Module):
 
     @property
     def _layout(self) -> str | None:
-        """The private buffer W lives in: "cols", [W | s B] (concat); "rows", [W ; A] (no concat, no bias, in >= 2 out:
-        x A^T from the base GEMM); None (impl torch, a group's member, wide adapters, meta weights, and the other
-        projections without concat)."""
+        """The private buffer W lives in: "cols", [W | s B] (concat); "rows", [W ; A] (no concat, no bias: backward's
+        joint dx GEMM reads it, and for in >= 2 out the forward's base GEMM makes x A^T); None (impl torch, a group's
+        member, wide adapters, meta weights, a bias without concat)."""
         if self.impl != "fused" or self.group is not None or self.weight.device.type == "meta" or self.wide:
             return None
         if self.concat:
             return "cols"
-        # rows only for a wide input (down_proj), where the rank-r GEMM's read of x outweighs r more output columns:
-        # H100 (probe_lora_stacked_out): 0.5B down 286.8 -> 237.0 us, 8B down 1,474 -> 1,462 us (and its backward's
-        # 88 us cat of W goes), but 8B o_proj 448 -> 460 us (4,096 + 32 columns: a partial tile)
-        return "rows" if self.bias is None and self.in_features >= 2 * self.out_features else None
+        # rows without a bias. The forward's x A^T comes from the base GEMM only for a wide input (down_proj), where
+        # the rank-r GEMM's read of x outweighs r more output columns: H100 (probe_lora_stacked_out): 0.5B down
+        # 286.8 -> 237.0 us, 8B down 1,474 -> 1,462 us, but 8B o_proj 448 -> 460 us (4,096 + 32 columns: a partial
+        # tile). Backward's [dy | s dy B] @ [W ; A] reads it for both (``lora_backward``): no per-call cat of W
+        # (88 us at the 8B down_proj)
+        return "rows" if self.bias is None else None
 
     @property
     def _uses_wcat(self) -> bool:
@@ -316,11 +322,10 @@ class LoRALinear(nn.Module):
 
     @property
     def dy_spare(self) -> int:
-        """r when backward's dx runs one GEMM over [dy | s dy B] (``lora_backward``: fused, a wide input, no concat,
-        no dropout), so the norm that reads this layer's output can leave r free columns after each row of its dy
-        (``models.fused_proj.grad_spare``); else 0."""
-        fused = self.impl == "fused" and not self.concat and not self.wide and self.dropout == 0
-        return self.r if fused and self.in_features >= 2 * self.out_features else 0
+        """r when backward's dx can run one GEMM over [dy | s dy B] and this layer's [W ; A] buffer (``lora_backward``:
+        the "rows" layout, no dropout), so the norm that reads this layer's output can leave r free columns after
+        each row of its dy for s dy B (``models.fused_proj.grad_spare``); else 0."""
+        return self.r if self._layout == "rows" and self.dropout == 0 else 0
 
     @property
     def wide(self) -> bool:

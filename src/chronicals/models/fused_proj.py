@@ -111,13 +111,15 @@ def norm_spare(block: nn.Module) -> int:
 
 
 def grad_spare(block: nn.Module) -> int:
-    """Columns the norm that reads ``block``'s output (a decoder ``MLP``'s: the next layer's input norm, or the final
-    norm) leaves free after each row of its x gradient (``ops.rms_norm``'s ``grad_spare``): the rank r of a LoRA
-    down_proj whose backward runs one [dy | s dy B] GEMM (``LoRALinear.dy_spare``), which writes s dy B there instead of
-    concatenating: 32 cats of (N, H + r) a step at 8B, ~44 us each (H100 profile), 24 of ~18 us at 0.5B. Else 0."""
-    down = block._modules.get("down_proj")
-    r = getattr(down, "dy_spare", 0)
-    return r if r and (down.out_features + r) % 8 == 0 else 0  # dy's row stride feeds the s dy B GEMM
+    """Columns the norm that reads ``block``'s output (a decoder ``MLP``'s: the next layer's input norm or the final
+    norm; an ``Attention``'s: the post-attention norm) leaves free after each row of its x gradient (``ops.rms_norm``'s
+    ``grad_spare``): the rank r of a LoRA down_proj / o_proj whose backward runs one [dy | s dy B] GEMM
+    (``LoRALinear.dy_spare``) and writes s dy B there. Else 0.
+    At 8B, down_proj's cat of (N, H + r) took ~44 us a layer (H100 profile); o_proj's dx had a rank-r update of (N, H)
+    instead (50 us at 8B, 25 at 0.5B)."""
+    out = block._modules.get("down_proj", block._modules.get("o_proj"))
+    r = getattr(out, "dy_spare", 0)
+    return r if r and (out.out_features + r) % 8 == 0 else 0  # dy's row stride feeds the s dy B GEMM
 
 
 def _linear_cat(x: torch.Tensor, mods) -> torch.Tensor:
