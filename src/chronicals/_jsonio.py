@@ -43,6 +43,13 @@ def json_kind(obj) -> str:
     return {dict: "object", list: "array", str: "string"}.get(type(obj), "number")
 
 
+def json_error(e: json.JSONDecodeError) -> str:
+    """The decoder's message and where, for "invalid JSON (...)": "Expecting value at column 18". Some of its
+    messages end in "at" themselves ("Unterminated string starting at", "Invalid control character at"), which read
+    "starting at at column 10" with the column appended."""
+    return f"{e.msg.removesuffix(' at')} at column {e.colno}"
+
+
 def read_json_object(path, what: str, fix: str, *, missing: str | None = None,
                      error: type[Exception] = ValueError) -> dict:
     """The object a JSON file holds. A leading UTF-8 byte-order mark is ignored (Notepad and Excel write one).
@@ -74,7 +81,7 @@ def read_json_object(path, what: str, fix: str, *, missing: str | None = None,
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise error(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno}); fix the file, or "
+        raise error(f"{path}:{e.lineno}: invalid JSON ({json_error(e)}); fix the file, or "
                     f"{fix}") from None
     except RecursionError:
         raise error(f"{path}: {NESTED}, so not a valid {what}; fix the file, or {fix}") from None

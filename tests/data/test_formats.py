@@ -231,7 +231,7 @@ def test_message_lists_as_json_text_only_in_csv(tokenizer, tmp_path):
     with pytest.raises(DataError, match=r"m2.csv:2: field 'messages' is JSON text of a list, expected a list of "
                                         "messages"):
         load_dataset(write_csv(tmp_path / "m2.csv", ["messages"], [("[1, 2]",)]), tokenizer, max_seq_len=128)
-    with pytest.raises(DataError, match=r"m3.csv:2: field 'messages' is not valid JSON \(Expecting value\)"):
+    with pytest.raises(DataError, match=r"m3.csv:2: field 'messages' is not valid JSON \(Expecting value at column 1\)"):
         load_dataset(write_csv(tmp_path / "m3.csv", ["messages"], [("hello",)]), tokenizer, max_seq_len=128)
     # in JSON lines a list is a list: a string is not decoded
     with pytest.raises(DataError, match=r"m.jsonl:1: field 'messages' is a str, expected list"):

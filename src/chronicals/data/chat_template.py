@@ -73,19 +73,58 @@ def _check_tool_calls(tokenizer, messages: list[dict], full: str | None = None) 
     """FormatError (a bad record) when a message's tool_calls are not in the rendering ``full`` (rendered here when
     None and some message has tool_calls): SmolLM2's template drops them, so an assistant turn of only a tool
     call trained `<|im_end|>` alone, teaching the model to end its turn at once, without a word. Checked by each
-    call's function name (a template may reformat the arguments)."""
+    call's function name (a template may reformat the arguments), which the rendering must hold more often than
+    the rendering without the calls does (``_without_calls``)."""
     names = [(j, (call.get("function") if isinstance(call.get("function"), dict) else call).get("name"))
              for j, m in enumerate(messages) for call in (m.get("tool_calls") or ())]
     names = [(j, n) for j, n in names if isinstance(n, str) and n]
     if not names:
         return
-    full = _render(tokenizer, messages) if full is None else full
+    refused = None
+    if full is None:
+        full, refused = _render_calls(tokenizer, messages)
+    bare = _without_calls(tokenizer, messages)
     for j, name in names:
-        if name not in full:
+        if full.count(name) <= bare.count(name):
             raise FormatError(f"message {j} calls tool {name!r}, but the chat template does not render tool_calls "
                               "(the call would be left out and the turn trained as an empty reply); use a model "
                               "whose template renders tool calls (Qwen2.5's, Llama 3.1's), or write the call into "
                               "the message's content")
+    if refused is not None:
+        raise refused
+
+
+def _without_calls(tokenizer, messages: list[dict]) -> str:
+    """The rendering of ``messages`` without their tool_calls (null content as ""), or "" when the template refuses
+    it: a call's name the template writes anyway is no proof that it renders the call (a tool 'f' was "found" in
+    SmolLM2's default system prompt, "... trained by Hugging Face"), so the rendering must hold it more often."""
+    bare = [{k: v for k, v in m.items() if k != "tool_calls"} | ({"content": ""} if m.get("content") is None else {})
+            for m in messages]
+    try:
+        return _render(tokenizer, bare)
+    except FormatError:
+        return ""
+
+
+def _render_calls(tokenizer, messages: list[dict]) -> tuple[str, FormatError | None]:
+    """(the rendering to look for the tool calls in, the template's error on ``messages`` or None). OpenAI's null
+    content beside tool_calls fails a template that reads every message's content (SmolLM2's ``message['content'] +
+    ...``: "'dict object' has no attribute 'content'"), which hid what "" content said, that the template drops the
+    calls; such messages are rendered with "" content for the check, and the error, when the calls are there, says
+    that fix."""
+    try:
+        return _render(tokenizer, messages), None
+    except FormatError as e:
+        nulls = [j for j, m in enumerate(messages) if m.get("content") is None and m.get("tool_calls")]
+        if not nulls:
+            raise
+        blank = [m | {"content": ""} if j in nulls else m for j, m in enumerate(messages)]
+        try:
+            full = _render(tokenizer, blank)
+        except FormatError:
+            raise e from None
+        return full, FormatError(f"{e}; message {nulls[0]} has null content beside its tool_calls, which this chat "
+                                 "template cannot render: give it \"content\": \"\"")
 
 
 def _need_template(tokenizer) -> None:

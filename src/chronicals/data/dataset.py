@@ -52,7 +52,7 @@ class DatasetStats:
     truncated_no_loss: int = 0  # of those, truncation cut every loss token (also counted in truncated)
     first_no_loss: str = ""  # "file:line" of the first dropped with no loss token that truncation did not cause
     first_truncated_no_loss: str = ""  # "file:line" of the first truncation cut to no loss token; "" in older caches
-    empty_no_loss: int = 0  # of those, the text that would carry loss is empty (e.g. {"text": ""}); 0 in older caches
+    empty_no_loss: int = 0  # of those, the text that would carry loss is blank (e.g. {"text": " "}); 0 in older caches
     empty_targets: int = 0  # kept, but the reply / output / completion is blank: only end-of-turn has loss
     first_empty_target: str = ""  # "file:line" of the first of those
     replies: int = 0  # runs of loss tokens in kept chat examples: one per reply as a rule (loss_on="all": examples
@@ -272,6 +272,12 @@ class _Fold:
                 if self.on_error == "fail":
                     go_on = False
                     break
+                continue
+            if empty and fmt == "text":  # blank text ({"text": "   "}): it trained its eos alone, with a warning about
+                # empty replies, where {"text": ""} was dropped; dropped and counted as that one (a user walk)
+                stats.dropped_no_loss += 1
+                stats.empty_no_loss += 1
+                stats.first_no_loss = stats.first_no_loss or rec.where
                 continue
             cut = len(ids) > max_seq_len
             pieces, split = None, cut and self.overlong == "split"

@@ -14,8 +14,11 @@ that once per set).
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass
+
+from .._jsonio import json_error
 
 FORMATS = ("text", "alpaca", "chat", "sharegpt", "prompt_completion")
 EXPECTED = "text | messages | conversations | instruction+output | prompt+completion"
@@ -115,7 +118,7 @@ def _csv_messages(value: str, name: str, text_ok: bool):
     except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, or a number of > 4300 digits
         if text_ok:
             return value
-        why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply" if isinstance(
+        why = json_error(e) if isinstance(e, json.JSONDecodeError) else "nested too deeply" if isinstance(
             e, RecursionError) else "a number of more than 4300 digits"
         raise FormatError(f"field {name!r} is not valid JSON ({why}); expected a list of messages (a CSV cell "
                           "holds them as JSON text)") from None
@@ -166,7 +169,8 @@ def _messages(items: list, role_key: str, content_key: str, roles: dict | None, 
                               "{'type': 'function', 'function': {'name', 'arguments'}} objects (or null)")
         for key in (role_key, content_key):
             if key not in m and not (key == content_key and tool_calls):
-                raise FormatError(f"{field}[{j}] has no {key!r}; expected {{{role_key!r}, {content_key!r}}}")
+                raise FormatError(f"{field}[{j}] has no {key!r}; expected {{{role_key!r}, {content_key!r}}}"
+                                  f"{_other_style(m, field)}")
         role, content = m[role_key], m.get(content_key)
         if isinstance(content, list):  # OpenAI's content parts: [{"type": "text", "text": ...}, ...]
             content = _text_parts(content, f"{field}[{j}].{content_key}")
@@ -177,10 +181,12 @@ def _messages(items: list, role_key: str, content_key: str, roles: dict | None, 
                               "list of {'type': 'text', 'text': ...} parts (null only beside tool_calls)")
         if roles is not None:
             if not isinstance(role, str) or role not in roles:  # a list or dict role is unhashable
-                raise FormatError(f"{field}[{j}].{role_key} is {role!r}; expected one of {sorted(roles)}")
+                raise FormatError(f"{field}[{j}].{role_key} is {role!r}; expected one of {sorted(roles)}"
+                                  f"{_did_you_mean(role, sorted(roles))}")
             role = roles[role]
         elif role not in CHAT_ROLES:
-            raise FormatError(f"{field}[{j}].{role_key} is {role!r}; expected one of {', '.join(CHAT_ROLES)}")
+            raise FormatError(f"{field}[{j}].{role_key} is {role!r}; expected one of {', '.join(CHAT_ROLES)}"
+                              f"{_did_you_mean(role, CHAT_ROLES)}")
         msg = {}  # in the record's key order; null content stays null, as apply_chat_template passes it
         for k, v in m.items():
             if k == role_key:
@@ -191,6 +197,26 @@ def _messages(items: list, role_key: str, content_key: str, roles: dict | None, 
                 msg[k] = _checked_strings(v, f"{field}[{j}].{k}")
         out.append(msg)
     return out
+
+
+def _other_style(message: dict, field: str) -> str:
+    """The fix for a message written in the other chat style than its field's: OpenAI's role/content under ShareGPT's
+    'conversations' ("conversations[0] has no 'from'" named no cause), or ShareGPT's from/value under 'messages'."""
+    if field == "conversations" and "role" in message:
+        return "; these are OpenAI-style messages ({'role', 'content'}): name the field 'messages'"
+    if field == "messages" and "from" in message:
+        return "; these are ShareGPT-style turns ({'from', 'value'}): name the field 'conversations'"
+    return ""
+
+
+def _did_you_mean(role, roles) -> str:
+    """"; did you mean 'assistant'?" for a role that is one of ``roles`` but for case and spaces ('Assistant') or
+    close to one ('assitant', difflib's ratio >= 0.6), else ""."""
+    if not isinstance(role, str):
+        return ""
+    key = role.strip().lower()
+    near = [r for r in roles if r == key] or difflib.get_close_matches(key, roles, n=1)
+    return f"; did you mean {near[0]!r}?" if near else ""
 
 
 def _checked_strings(value, name: str, depth: int = 0):

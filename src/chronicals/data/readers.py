@@ -15,11 +15,12 @@ import io
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from .._jsonio import BIG_NUMBER, NESTED, read_json_object  # NESTED: a record that deep is not training data
+from .._jsonio import BIG_NUMBER, NESTED, json_error, read_json_object  # NESTED: a record that deep is not data
 from .._words import counted
 from .formats import FormatError, detect_format
 
@@ -27,6 +28,22 @@ SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv")  # a loose .arrow i
 # files that look like data but that a directory walk does not read (warned about rather than skipped silently)
 COMPRESSED = (".gz", ".zst", ".bz2", ".xz", ".zip")
 UNREAD = COMPRESSED + (".txt", ".tsv")
+# file names of held-out splits (test.jsonl, validation-00000-of-00001.parquet, test_sft.jsonl, val/part-0.jsonl)
+HELD_OUT = re.compile(r"(?:^|[-_. ])(?:test|validation|valid|val|eval|dev|held[-_]?out)(?:$|[-_. ])", re.IGNORECASE)
+# a clone without git-lfs leaves this text where each data file should be
+LFS_POINTER = b"version https://git-lfs.github.com/spec/v1"
+# (first bytes, the suffix whose files start so, what a file starting so is, what to do: {kind} is its suffix) for
+# files that are not of the kind their name says; None: no data file of ours starts so
+OTHER_KINDS = ((b"\x1f\x8b", None, "a gzip file (it starts with gzip's magic bytes 1f 8b)",
+                "decompress it first: gunzip -c FILE > NEW{kind}"),
+               (b"PK\x03\x04", None, "a zip archive (it starts with zip's magic bytes PK 03 04)",
+                "extract it (unzip FILE) and give the files inside"),
+               (b"PAR1", ".parquet", "a parquet file (it starts and ends with parquet's magic bytes PAR1)",
+                "name it .parquet"),
+               (b"ARROW1", ".arrow", "an arrow file (it starts with arrow's magic bytes ARROW1)", "name it .arrow"),
+               (LFS_POINTER, None, f"a Git LFS pointer, not the data (it starts with '{LFS_POINTER.decode()}': "
+                                   "cloned without git-lfs?)", "run git lfs pull in its repository, or download "
+                                                               "the file itself"))
 
 log = logging.getLogger("chronicals.data")
 
@@ -173,6 +190,7 @@ def _dir_files(p: Path, quiet: bool = False) -> list[Path]:
     walk(p, False)
     if quiet:
         return out
+    _warn_splits(p, out)
     if dup:
         log.info("%s: %s reached again through a symlink, not read twice: %s", p,
                  counted(len(dup), "entry", "entries"), _some(dup))
@@ -181,6 +199,17 @@ def _dir_files(p: Path, quiet: bool = False) -> list[Path]:
                     "compressed shards, convert text/TSV files to .jsonl)", p, counted(len(unread), "file"),
                     _some(unread), ", ".join(SUFFIXES))
     return out
+
+
+def _warn_splits(p: Path, files: list[Path]) -> None:
+    """Warn when directory ``p`` holds files named like held-out splits (``HELD_OUT``) beside others: a dataset's
+    train.jsonl, test.jsonl and validation.jsonl were all trained on without a word (a user walk), so the model saw
+    its test set. Only beside other files: a directory of held-out files alone is how a held-out set is given."""
+    held = [f for f in files if any(HELD_OUT.search(part) for part in f.relative_to(p).with_suffix("").parts)]
+    if held and len(held) < len(files):
+        log.warning("%s: %s named like a held-out split, read with the others as one set: %s; to keep a split "
+                    "held out, point data.path at the training files and data.eval_path at the held-out ones "
+                    "(load_dataset: one call each)", p, counted(len(held), "file"), _some(held))
 
 
 def _some(paths: list[Path], n: int = 3) -> str:
@@ -208,6 +237,7 @@ def iter_records(path: Path) -> Iterator[Record]:
     file's size in memory. JSON lines and CSV are read a line at a time (a 10 GB .jsonl was read whole before its
     first record); a .json array's text is decoded whole (one JSON value), its records are not held."""
     kind = path.suffix.lower()
+    _refuse_other_kind(path, kind)
     if kind in (".jsonl", ".json", ".csv"):
         with open(path, "rb") as f:
             head = f.read(4)
@@ -226,6 +256,23 @@ def iter_records(path: Path) -> Iterator[Record]:
     if kind == ".csv":
         return _iter_csv(path)
     return _iter_arrow(path)  # .parquet, .arrow
+
+
+def _refuse_other_kind(path: Path, kind: str) -> None:
+    """A DataError when ``path``'s first bytes say it is another kind of file than its name (``OTHER_KINDS``): a
+    gzip file named .jsonl was "not valid UTF-8 at byte 1 ...; re-encode the file as UTF-8 (iconv ...)", a parquet
+    file named .jsonl the same, a Git LFS pointer "invalid JSON" or "not a readable parquet file"."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(LFS_POINTER))
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4))
+            tail = f.read()
+    except OSError:  # unreadable: its reader says so, as before
+        return
+    for magic, suffix, what, fix in OTHER_KINDS:
+        # parquet ends with its magic too: a CSV whose header starts "PAR1" is not mistaken for one
+        if head.startswith(magic) and kind != suffix and (magic != b"PAR1" or tail == magic):
+            raise DataError(f"{path}: {what}; {fix.format(kind=kind)}")
 
 
 def _not_utf8(e: UnicodeDecodeError, offset: int) -> str:
@@ -271,10 +318,7 @@ def _iter_jsonl(path: Path, f: BinaryIO) -> Iterator[Record]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            cr = ("; the lines end in a bare carriage return ('\\r'), not '\\n': convert them "
-                  "(tr '\\r' '\\n' < FILE > NEW)" if "\r" in line.strip() and e.msg == "Extra data" else "")
-            yield Record(where, None, f"invalid JSON ({e.msg} at column {e.colno}); "
-                                      f"expected one JSON object per line{cr}")
+            yield Record(where, None, _bad_line(line, e))
             continue
         except RecursionError:
             yield Record(where, None, f"{NESTED}; expected one JSON object per line")
@@ -286,6 +330,28 @@ def _iter_jsonl(path: Path, f: BinaryIO) -> Iterator[Record]:
             yield Record(where, None, f"a JSON {type(obj).__name__}, expected a JSON object per line")
             continue
         yield Record(where, obj)
+
+
+def _bad_line(line: str, e: json.JSONDecodeError) -> str:
+    """What is wrong with a JSON line that does not parse (``e``), with the fix where its text shows the cause."""
+    if line[e.pos:e.pos + 1] == "\ufeff":
+        return _mid_file_bom(e)
+    fix = ""
+    if "\r" in line.strip() and e.msg == "Extra data":
+        fix = "; the lines end in a bare carriage return ('\\r'), not '\\n': convert them (tr '\\r' '\\n' < FILE > NEW)"
+    elif line.lstrip().startswith("{") and e.pos >= len(line.rstrip()):  # '{' or '{"text": "a",': cut at the end
+        # of the line; a file that is one object spread over lines is said whole (_refuse_spread_json), several not
+        fix = ("; the objects seem pretty-printed over several lines, and JSON lines need each object on one line: "
+               "rewrite them, e.g. jq -c . FILE > NEW.jsonl")
+    return f"invalid JSON ({json_error(e)}); expected one JSON object per line{fix}"
+
+
+def _mid_file_bom(e: json.JSONDecodeError) -> str:
+    """A UTF-8 byte-order mark where ``e`` stopped: a file's first bytes (a leading one is ignored), so one inside a
+    file is most likely where two files were joined (cat a.jsonl b.jsonl); json's own "Unexpected UTF-8 BOM
+    (decode using utf-8-sig)" named a fix that does not apply mid-file."""
+    return (f"a UTF-8 byte-order mark (BOM, bytes EF BB BF) at column {e.colno}, in the middle of the file (two "
+            "files joined?); remove it, e.g. sed 's/\\xEF\\xBB\\xBF//g' FILE > NEW")
 
 
 def _refuse_spread_json(path: Path, f: BinaryIO) -> None:
@@ -334,24 +400,20 @@ def _iter_json(path: Path) -> Iterator[Record]:
             at += 1
         return at
 
-    def stop(at: int, what: str) -> Record:  # a malformed array: what was read so far, then this error
-        return Record(f"{path}:{text.count(chr(10), 0, at) + 1}", None, f"invalid JSON array: {what} "
-                                                                       "(reading stops here)")
+    def stop(at: int, what: str) -> DataError:  # a malformed array
+        return _array_stops(path, text.count(chr(10), 0, at) + 1, f"invalid JSON array: {what}")
 
     while True:
         i = skip_space(i)
         nxt = text[i] if i < len(text) else ""  # "": the end, said below
         if nxt == "," and not count:  # [,{...}]
-            yield stop(i, "a ',' before the first element")
-            return
+            raise stop(i, "a ',' before the first element")
         if count and nxt not in ("", ",", "]"):  # [{...} {...}]
-            yield stop(i, "expected ',' or ']' after an element")
-            return
+            raise stop(i, "expected ',' or ']' after an element")
         if nxt == ",":
             i = skip_space(i + 1)
             if i < len(text) and text[i] in ",]":  # [{...},,{...}] or [{...},]
-                yield stop(i, "a ',' with no element after it")
-                return
+                raise stop(i, "a ',' with no element after it")
         if i >= len(text):
             line += text.count("\n", last, i)
             yield Record(f"{path}:{line}", None, "JSON array not closed; expected ']' at the end")
@@ -368,21 +430,26 @@ def _iter_json(path: Path) -> Iterator[Record]:
         try:
             obj, i = dec.raw_decode(text, i)
         except json.JSONDecodeError as e:
-            yield Record(f"{path}:{e.lineno}", None, f"invalid JSON ({e.msg} at column {e.colno}); "
-                                                      "expected a JSON array of objects (reading stops here)")
-            return
+            what = _mid_file_bom(e) if text[e.pos:e.pos + 1] == "\ufeff" else f"invalid JSON ({json_error(e)})"
+            raise _array_stops(path, e.lineno, what) from None
         except RecursionError:
-            yield Record(f"{path}:{line}", None, f"{NESTED}; expected a JSON array of objects (reading stops here)")
-            return
+            raise _array_stops(path, line, NESTED, "an element it cannot parse") from None
         except ValueError:
-            yield Record(f"{path}:{line}", None, f"{BIG_NUMBER}; expected a JSON array of objects (reading "
-                                                  "stops here)")
-            return
+            raise _array_stops(path, line, BIG_NUMBER, "an element it cannot parse") from None
         count += 1
         if isinstance(obj, dict):
             yield Record(f"{path}:{line}", obj)
         else:
             yield Record(f"{path}:{line}", None, f"a JSON {type(obj).__name__} in the array, expected objects")
+
+
+def _array_stops(path: Path, line: int, what: str, past: str = "a syntax error") -> DataError:
+    """The error for a JSON array that cannot be read past ``line``, whatever on_error: the end of a malformed element
+    cannot be found, so as one skipped bad record it lost every record after it without a word (a user walk: "40
+    examples of 41 records (1 bad record skipped)" from a file of 70)."""
+    return DataError(f"{path}:{line}: {what}; a JSON array cannot be read past {past}, so it is not skipped as one "
+                     f"bad record (every record after it would be lost): fix line {line}, or write the data as JSON "
+                     "lines (.jsonl, one object per line), where a bad line is skipped alone")
 
 
 def _refuse_one_object(path: Path, data: bytes) -> None:
@@ -441,11 +508,7 @@ def _iter_csv(path: Path) -> Iterator[Record]:
                 if not row:  # a blank line
                     continue
                 if names is None:
-                    names = row
-                    dup = next((n for n in names if names.count(n) > 1), None)
-                    if dup is not None:  # a dict keeps one column of a name: the others' cells would be lost
-                        raise DataError(f"{path}:{start}: column {dup!r} appears {names.count(dup)} times in the "
-                                        "header; expected distinct column names (rename or remove the extra columns)")
+                    names = _csv_header(path, start, row)
                     continue
                 if len(row) != len(names):
                     yield Record(f"{path}:{start}", None,
@@ -462,6 +525,19 @@ def _iter_csv(path: Path) -> Iterator[Record]:
                                 "quote inside a quoted field as \"\")") from None
             raise DataError(f"{path}:{start}: malformed CSV ({e}); expected comma-separated fields, quoted fields "
                             "closed by '\"' right before the comma or line end") from None
+
+
+def _csv_header(path: Path, line: int, row: list[str]) -> list[str]:
+    """The column names of a CSV header ``row``, without the spaces around them: "prompt, completion" (how CSV is
+    written by hand) named a column ' completion', and the row read as "it has 'prompt' but no 'completion'". A name
+    of ours never has such spaces, and the cells keep theirs. Names equal but for spaces are duplicates."""
+    names = [n.strip() for n in row]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:  # a dict keeps one column of a name: the others' cells would be lost
+        spaced = " (names are compared without the spaces around them)" if names != row else ""
+        raise DataError(f"{path}:{line}: column {dup!r} appears {names.count(dup)} times in the header{spaced}; "
+                        "expected distinct column names (rename or remove the extra columns)")
+    return names
 
 
 def pyarrow_modules(path: Path):

@@ -133,7 +133,11 @@ def encode_chat(tokenizer, messages: list[dict], train_from: int = 0, markers: b
         if train_from:
             mask[:_prompt_end(tokenizer, messages[:train_from], ids)] = False  # loss only on the completion's turns
         return ids, mask
-    full = _render(tokenizer, messages)
+    try:
+        full = _render(tokenizer, messages)
+    except FormatError:  # a clearer error where a tool call's null content failed the template (_render_calls)
+        _check_tool_calls(tokenizer, messages)
+        raise
     _check_tool_calls(tokenizer, messages, full)
     specials = _special_texts(tokenizer)
     try:
