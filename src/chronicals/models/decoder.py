@@ -226,7 +226,9 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(h, residual, spare=spare, grad_spare=h_grad_spare)
         h = self.self_attn(x, cos, sin, cu_seqlens, max_seqlen, kv_cache)
-        o_spare = grad_spare(self.self_attn) if self.training and torch.is_grad_enabled() else 0
+        # under torch.compile rms_norm makes dx its own way: the property reads would only be traced
+        o_spare = (grad_spare(self.self_attn) if self.training and torch.is_grad_enabled()
+                   and not torch.compiler.is_compiling() else 0)
         x, residual = self.post_attention_layernorm(h, residual, spare=norm_spare(self.mlp), grad_spare=o_spare)
         return self.mlp(x), residual
 
