@@ -232,3 +232,41 @@ def test_main_puts_the_callers_signal_handlers_back(capsys):
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+_CTRL_C_AT_TORCH = """
+import os, signal, sys
+
+class CtrlC:  # the user's Ctrl-C while torch is being imported: the first 2 s of every command
+    fired = False
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name == "torch" and not cls.fired:
+            cls.fired = True
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC)
+from chronicals.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("argv", [["train", "train.max_steps=1"], ["eval", "demo"], ["chat", "hi"],
+                                  ["export", "--model", "x", "--out", "OUT"]])
+def test_a_ctrl_c_while_a_command_starts_is_one_line_and_130(argv, tmp_path):
+    """`import chronicals.cli` imported torch (through chronicals/__init__) before main() took over SIGINT: a Ctrl-C
+    in those 2 s printed a 25-line KeyboardInterrupt traceback ending in torch/_meta_registrations.py. Run in a
+    process of its own, whose startup is the one under test."""
+    import os
+    import subprocess
+    import sys
+
+    argv = [str(tmp_path / "o") if a == "OUT" else a for a in argv]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", _CTRL_C_AT_TORCH, *argv], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 130 and len(lines) == 1 and lines[0].startswith("interrupted (SIGINT): "), done.stderr
+    assert not list(tmp_path.iterdir())  # nothing written

@@ -18,8 +18,21 @@ subpackages:
   sampled generation of one prompt, stopping at the model's eos (``eos_token_id=`` sets other stops).
 """
 
-from .models import load_model, load_tokenizer, save_model
-
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "load_model", "load_tokenizer", "save_model"]
+
+
+def __getattr__(name: str):
+    """``chronicals.load_model`` etc., imported when first used (PEP 562): ``import chronicals`` then loads no torch
+    (1.8 s), so the ``chronicals`` command installs its Ctrl-C handling before torch loads; a Ctrl-C in those
+    seconds printed a 25-line KeyboardInterrupt traceback from torch's import."""
+    if name in ("load_model", "load_tokenizer", "save_model"):
+        from . import models
+
+        return getattr(models, name)
+    raise AttributeError(f"module 'chronicals' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

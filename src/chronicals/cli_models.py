@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -12,10 +13,14 @@ EMBEDDED = "smollm2-135m-instruct"
 
 
 def _rank() -> int:
-    """This process's rank under torchrun (0 without it): ``train.distributed.env_rank``, imported here (torch)."""
-    from .train.distributed import env_rank
-
-    return env_rank()
+    """This process's rank under torchrun (0 without it): ``train.distributed.env_rank`` once that is loaded; before
+    (a Ctrl-C while a command starts), the same rule on the environment alone: importing it loads torch (2 s after
+    the Ctrl-C, and a second one in them printed a traceback). A RANK that is no integer is env_rank's to refuse."""
+    dist = sys.modules.get("chronicals.train.distributed")
+    if dist is not None:
+        return dist.env_rank()
+    world, rank = (os.environ.get(k, "").strip() for k in ("WORLD_SIZE", "RANK"))
+    return int(rank) if world.isdigit() and int(world) > 1 and rank.isdigit() else 0
 
 
 def _setup_logging() -> None:

@@ -32,6 +32,7 @@ from .config_schema import (
     LORA_VALUE_RULES,
     MAX_ROW_TOKENS,
     SECTION_TYPES,
+    _STORED,
     ConfigError,
     DataSection,
     EvalSection,
@@ -394,6 +395,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
             section, name = key.split(".", 1)
             if _is_str_key(key) and not isinstance(d[section][name], str) and d[section][name] is not None:
                 d[section][name] = written
+        if "train.out_dir" not in _override_keys(overrides) and not _STORED.get():  # chat reads it for its prompt
+            _continue_in_place(p, d)
     try:
         return from_dict(d, overrides)
     except ValueError as e:
@@ -401,6 +404,46 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
         # a ConfigError, as from_dict's own: a script catching ConfigError caught a dict's bad value, not a file's
         raise ConfigError("\n".join(_placed(err, path, lines, overrides) for err in errs),
                           getattr(errs[0], "key", None)) from None
+
+
+RUN_CONFIG = "config.yaml"  # the config a run writes into its train.out_dir (train.run_dir.config_yaml)
+
+
+def run_dir_of(path: Path) -> Path | None:
+    """The run directory whose own config.yaml ``path`` is (it sits beside the run's metrics.jsonl or checkpoints/,
+    which a run writes with it), else None: a recipe of that name elsewhere is not a run's."""
+    folder = path.parent
+    if path.name != RUN_CONFIG or not ((folder / "metrics.jsonl").is_file() or (folder / "checkpoints").is_dir()):
+        return None
+    return folder
+
+
+def _continue_in_place(path: Path, d: dict) -> None:
+    """A run's own config.yaml continues the run in the directory it sits in: its train.out_dir is as typed when
+    the run started, read from the working directory, so from another directory (or in a copy of the run:
+    cp -r runs/a runs/b) it named another folder, which started from scratch there (or resumed and wrote into
+    runs/a). An override of train.out_dir is the caller's choice and is not reached here."""
+    run = run_dir_of(path)
+    train = d.get("train") if isinstance(d.get("train"), dict) else None
+    if run is None or (train is None and "train" in d):  # a bad train section: from_dict says so
+        return
+    stored = (train or {}).get("out_dir")
+    if isinstance(stored, str) and stored and _same_dir(stored, run):
+        return
+    run = run if str(run) != "." else Path.cwd()  # `chronicals train config.yaml` inside the run: named, not "."
+    d.setdefault("train", {})["out_dir"] = str(run)
+    elsewhere = (f"it records train.out_dir={stored}, which from {Path.cwd()} is another directory"
+                 if isinstance(stored, str) and stored else "it records no train.out_dir")
+    log.info("config %s is the config.yaml of the run in %s: continuing that run there (%s); set train.out_dir "
+             "to write elsewhere", path, run, elsewhere)
+
+
+def _same_dir(a: str, b: Path) -> bool:
+    """Whether the directory path ``a`` (~ expanded, relative to the working directory) is ``b``."""
+    try:
+        return Path(a).expanduser().resolve() == b.resolve()
+    except (OSError, RuntimeError):  # a symlink loop
+        return False
 
 
 def _file_line(e: ValueError, lines: dict, overrides) -> int | None:

@@ -369,7 +369,8 @@ class TrainSection:
     seed: int = _f(0, "seed for init, shuffling and dropout")
     out_dir: str = _f("runs/demo", "output directory: adapter or model, checkpoints, metrics, plots, config, "
                                    "tensorboard/ (when installed), and data/ (the demo and held-out QA data as the run "
-                                   "used them)")
+                                   "used them); a run's own config.yaml given as CONFIG continues the run in the "
+                                   "directory it sits in, unless train.out_dir is given")
     save_every: int = _f(0, "write a resumable checkpoint every N optimizer steps (0 = only at the end/on signal)")
     keep_last: int = _f(2, "resumable checkpoints to keep")
     async_save: bool = _f(True, "write periodic checkpoints in a background thread: training waits only for the "

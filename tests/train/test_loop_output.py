@@ -55,6 +55,25 @@ def test_a_log_file_gets_step_lines_not_a_progress_bar(tmp_path, docs, caplog, c
     assert "training steps" not in caplog.text and "step 2/2" not in caplog.text
 
 
+def test_slow_steps_show_their_rate_in_significant_digits_not_as_0(tmp_path, docs, caplog, monkeypatch):
+    """A step of a few loss tokens that took 10-30 s printed "0 loss tokens/s" in its step line and the summary."""
+    import re
+
+    from chronicals.train.readback import StepReadback
+    from chronicals.train.report import RunReport
+
+    monkeypatch.setattr(StepReadback, "seconds", lambda self: 100.0)  # every step: < 1 loss token/s
+    cfg = tiny_config(tmp_path, train__max_steps=2, logging__progress=True)
+    with caplog.at_level("INFO", logger="chronicals.train"):
+        result = train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs))
+    lines = [r.getMessage() for r in caplog.records if "loss tokens/s" in r.getMessage()]
+    assert len(lines) == 2 and all(re.search(r", 0\.[1-9]\d{0,2} loss tokens/s$", m) for m in lines), lines
+    text = RunReport(cfg, out=lambda *a: None).summary(result)
+    assert re.search(r"in 200\.0 s, 0\.[1-9]\d{0,2} loss tokens/s \(0\.[1-9]\d{0,2} after the first step", text), text
+    from chronicals.train.metrics import rate_text
+    assert [rate_text(x) for x in (0.0, 0.31234, 12.345, 99.4, 1623.4)] == ["0", "0.312", "12.3", "99.4", "1,623"]
+
+
 class _Terminal(io.StringIO):
     def isatty(self):
         return True

@@ -375,6 +375,28 @@ def test_rank_0_refused_tells_the_others_and_says_who_holds_the_lock(tmp_path):
     assert dp.sent == [True]
 
 
+def test_the_refusal_names_the_process_that_holds_the_lock_and_whether_it_runs(tmp_path):
+    """It named only the lock file; the pid the holder writes there was left for the user to find (a walk)."""
+    out = tmp_path / "run"
+    with _hold(out) as fh:
+        fh.write(f"{os.getpid()}\n")
+        fh.flush()
+        with pytest.raises(ConfigError, match=rf"{IN_USE} \(process {os.getpid()}, running; it holds "
+                                              rf"{out / LOCK_FILE}\); wait for it"):
+            with out_dir_lock(out):
+                pass
+        gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout.strip()  # a pid whose process has exited
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"{gone}\n")
+        fh.flush()
+        with pytest.raises(ConfigError, match=rf"\(process {gone}, which has exited; a process it started still "
+                                              "holds the lock; it holds"):
+            with out_dir_lock(out):
+                pass
+
+
 def test_a_rank_told_of_rank_0s_refusal_says_so_and_what_to_do(tmp_path):
     from chronicals.train.run_dir import _locked_out_dir
 

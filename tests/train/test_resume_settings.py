@@ -316,9 +316,11 @@ def test_lora_modules_in_another_order_are_the_same_adapter_without_records(tmp_
     assert warnings(caplog) == []
 
 
-def test_the_early_adapter_check_leaves_another_model_path_to_the_later_one(tmp_path):
+def test_the_early_adapter_check_leaves_another_model_path_to_the_later_one(tmp_path, caplog):
     """check_resume_adapter (before the model loads) refuses a LoRA checkpoint under other adapter settings only:
-    another model.path is check_same_adapter's to name after the load (a path that does not exist is the load's)."""
+    another model.path is check_same_adapter's to name after the load (a path that does not exist is the load's).
+    Without a record of either base it warns (the shapes fit: load_checkpoint checked them); a moved or copied base
+    was refused (test_lora_base.py has the records)."""
     from chronicals.train import checkpoint as ckpt
     from chronicals.train.resume import check_resume_adapter
 
@@ -330,8 +332,10 @@ def test_the_early_adapter_check_leaves_another_model_path_to_the_later_one(tmp_
                                  ckpt.snapshot(0, model, opt, sched, {"position": 0}, extra={"config": saved}))
     current = tiny_config(tmp_path, lora__enabled=True, model__path="base-b", train__resume="auto")
     check_resume_adapter(current, tmp_path / "run")  # no refusal before the model loads
-    with pytest.raises(ValueError, match=r"model.path='base-a' \(this run: 'base-b'\)"):
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
         check_same_adapter(saved, current.to_dict(), path)
+    assert any("model.path='base-a' (this run: 'base-b'): the adapters fit this model's shapes" in m
+               for m in warnings(caplog)), warnings(caplog)
 
 
 def test_a_fused_resume_of_an_unfused_checkpoint_gets_its_steps_where_the_fused_kernel_reads_them():
@@ -356,3 +360,16 @@ def test_a_fused_resume_of_an_unfused_checkpoint_gets_its_steps_where_the_fused_
     assert new.param_groups[0]["fused"] is True and step.dtype == torch.float32 and step.device == p2.device
     p2.grad = torch.ones(3)
     new.step()
+
+
+def test_a_finished_run_rerun_with_other_settings_names_them_in_its_nothing_to_train_warning(tmp_path, docs, caplog):
+    """A finished run and a new optim.lr exited 0 with "nothing to train" and no word of the lr: the list the
+    unfinished run's resume gives ("resumed at step 4 with other settings ...") comes with the warning."""
+    train(tiny_config(tmp_path, train__max_steps=2, optim__lr=1e-3), model=tiny_model(),
+          train_loader=SyntheticLoader(docs))
+    with caplog.at_level(logging.WARNING, logger="chronicals.train"):
+        result = train(tiny_config(tmp_path, train__max_steps=2, optim__lr=5e-4, train__resume="auto"),
+                       model=tiny_model(), train_loader=SyntheticLoader(docs))
+    assert result.start_step == result.step == 2
+    said = [m for m in warnings(caplog) if "nothing to train" in m]
+    assert len(said) == 1 and "optim.lr=0.001 (this run: 0.0005)" in said[0], warnings(caplog)

@@ -44,13 +44,15 @@ def before_loss(records: list[dict]) -> float | None:
 
 
 def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, checkpoint: Path,
-                  total: int, closing: tuple, optimizer=None) -> TrainResult:
+                  total: int, closing: tuple, optimizer=None, changed: list[str] = ()) -> TrainResult:
     """resume found the run's last step: nothing to train, nothing logged again; the final directory is written
     from the checkpoint's weights, also when one is there: it may be an earlier run's (this one ran with
     train.save_final=false, or stopped between its last checkpoint and its final save), and was returned as this
     run's. A run stopped by a signal during its last step checkpointed that step but never ran its closing
     evaluation: it runs now (its "after" record, the result's held-out losses, the "after" report), as the
-    uninterrupted run's end would have. ``closing``: (eval loader, held-out QA records, report callback)."""
+    uninterrupted run's end would have. ``closing``: (eval loader, held-out QA records, report callback).
+    ``changed``: this run's settings that differ from the checkpoint's (resume.setting_diffs), said with the
+    warning: with no step left they change nothing (a new optim.lr exited 0 without a word)."""
     eval_loader, heldout_qa, report = closing
     closing_due = (dp.is_main and eval_loader is not None and ckpt.is_own(checkpoint, out_dir)
                    and not _closed(out_dir, total))
@@ -62,6 +64,10 @@ def _already_done(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, token
     if left:  # a stop in the closing evaluation or the final save: this rerun completes the run, as the stop said
         log.info("%s is this run's last step (%d of %d): the run stopped before its end; finishing it: %s",
                  checkpoint, total, total, ", ".join(left))
+    elif changed:
+        log.warning("%s is this run's last step (%d of %d): nothing to train, so this run's other settings than the "
+                    "checkpoint's change nothing: %s; raise train.max_steps to train on under them, or set "
+                    "train.resume=none to start over with them", checkpoint, total, total, ", ".join(changed))
     else:
         log.warning("%s is this run's last step (%d of %d): nothing to train; raise train.max_steps to train on, or "
                     "set train.resume=none to start over", checkpoint, total, total)

@@ -299,7 +299,7 @@ def out_dir_lock(out_dir: Path, hold: bool = True):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise ConfigError(f"train.out_dir={out_dir} is in use by another chronicals run (it holds {path}); "
+            raise ConfigError(f"train.out_dir={out_dir} is in use by another chronicals run ({_lock_holder(path)}); "
                               "wait for it to finish, or set another train.out_dir", "train.out_dir") from None
         except OSError as e:  # a filesystem without flock (some network mounts): train unlocked, say so
             os.close(fd)
@@ -325,6 +325,23 @@ def out_dir_lock(out_dir: Path, hold: bool = True):
         with suppress(OSError):
             path.unlink(missing_ok=True)  # before the lock goes: see above
         os.close(fd)
+
+
+def _lock_holder(path: Path) -> str:
+    """Who holds the lock file ``path``, for the refusal: "process 4242, running; it holds PATH" (the pid the holder
+    wrote there), or "it holds PATH" when the file names none yet (its holder is between the lock and the write)."""
+    try:
+        pid = int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return f"it holds {path}"
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+        alive = "running"
+    except ProcessLookupError:  # the flock outlived it: a process it started still has the file open
+        alive = "which has exited; a process it started still holds the lock"
+    except OSError:  # EPERM: it exists, as another user
+        alive = "running"
+    return f"process {pid}, {alive}; it holds {path}"
 
 
 def check_cuda_graphs(cfg: TrainConfig, device) -> None:
@@ -412,12 +429,14 @@ def check_final_model(cfg: TrainConfig, model) -> None:
                          "(the checkpoints keep the weights)")
 
 
-def earlier_finals(cfg: TrainConfig, out_dir: Path, resume_from: Path | None) -> list[Path]:
+def earlier_finals(cfg: TrainConfig, out_dir: Path, resume_from: Path | None, rewind: bool = False) -> list[Path]:
     """out_dir's final adapter/ (LoRA) and model/ (full) that an earlier run wrote and this run does not continue:
     they go with that run's checkpoints once this run writes, as they would otherwise sit beside this run's
     config.yaml (which ``chat --adapter out_dir/adapter`` reads) though this run never wrote them. This run's own
-    kind is kept when it continues its own checkpoints (its history wrote it); the other kind never is (a full run
-    over an earlier LoRA run's out_dir left its adapter/ beside the new config.yaml).
+    kind is kept when it continues its own checkpoints (its history wrote it), unless it is a ``rewind`` (a resume
+    from an earlier step of out_dir, whose later checkpoints go: the final directory holds their last step's
+    weights, which `chat --adapter` then used without a word); the other kind never is (a full run over an earlier
+    LoRA run's out_dir left its adapter/ beside the new config.yaml).
 
     One is left, with a warning, when it holds other files or is this run's model.path: a run deletes no file it
     could not have written."""
@@ -430,7 +449,7 @@ def earlier_finals(cfg: TrainConfig, out_dir: Path, resume_from: Path | None) ->
         final = final_dir(cfg, out_dir, lora)
         if not final.is_dir() or final.is_symlink():
             continue
-        if lora == cfg.lora.enabled and resume_from is not None and is_own(resume_from, out_dir):
+        if lora == cfg.lora.enabled and resume_from is not None and is_own(resume_from, out_dir) and not rewind:
             continue  # the final directory is of this run's history
         foreign = foreign_entries(final, _final_files(lora))  # a folder in it too (a user's tokenizer_backup/)
         if foreign or final.resolve() in (base, *base.parents):

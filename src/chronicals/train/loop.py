@@ -19,7 +19,6 @@ import contextlib
 import logging
 import math
 import random
-import shutil
 import signal
 import sys
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from .checkpoint_adapter import lora_settings
 from .divergence import TrainingDiverged, _check_finite, nonfinite_weights
 from .finish import TrainResult, _already_done, before_loss, save_final
 from .metrics import (head_flops_per_token, matmul_peak_tflops, memory_gib, plot_losses, private_pool_bytes,
-                      train_flops_per_token)
+                      rate_text, train_flops_per_token)
 from .optim import build_optimizer, build_scheduler, set_total_steps, warn_short_warmup
 from .console import run_console
 from .distributed import DistContext, init_distributed, main_rank_tells, rank_seed
@@ -46,11 +45,11 @@ from .graphs import GraphedStep, resolve_cuda_graphs
 from .setup import build_loaders, load_base, prepare_model, record_passed_model, resolve_dtype
 from .readback import StepReadback, StepStart
 from .guards import (check_cuda_graphs, check_data_paths, check_document_lengths, check_final_dir, check_final_model,
-                     check_impl, check_out_dir, check_resume_path, check_token_ids, earlier_finals, final_dir,
-                     remove_setup_files)
-from .resume import (apply_optimizer_settings, check_resume_adapter, check_same_adapter, optimizer_settings,
-                     warn_data_changed, warn_loss_settings_changed)
-from .run_dir import _locked_out_dir, _metrics_log, _RanksMetrics, config_yaml
+                     check_impl, check_out_dir, check_resume_path, check_token_ids, remove_setup_files)
+from .resume import (apply_optimizer_settings, base_fingerprint, check_resume_adapter, check_same_adapter,
+                     optimizer_settings, refuse_other_adapter, setting_diffs, warn_data_changed,
+                     warn_loss_settings_changed)
+from .run_dir import EarlierFiles, _locked_out_dir, _metrics_log, _RanksMetrics, config_yaml, recorded
 from .stop import StopFlag
 from .step import accumulate_data_parallel, clip_grad_norm, evaluate_loss
 from .stream import _replan, _restore_position, _spread, _step_plan, _Stream, cut_fraction
@@ -223,7 +222,9 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         torch.manual_seed(rank_seed(cfg.train.seed, dp.rank))
 
     start, done = 0, False  # done: resumed at the run's last step
-    cfg_dict = cfg.to_dict()  # stored in checkpoints; a resume compares it with the one stored there
+    base = base_fingerprint(model)  # of the model trained on: its architecture, weight file sizes and samples
+    # stored in checkpoints, relative paths made absolute (as config.yaml); a resume compares it with the one there
+    cfg_dict = recorded(cfg).to_dict()
     resume_from = None
     if cfg.train.resume == "auto":
         resume_from = ckpt.latest_checkpoint(out_dir)
@@ -234,9 +235,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         check_resume_adapter(cfg, out_dir, now=lora_settings(model))  # the modules each run adapted, by name
         restored = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler, config=cfg_dict,
                                         auto=cfg.train.resume == "auto")
-        warn_data_changed(restored["extra"].get("config"), cfg_dict, resume_from)  # names the keys, before a refusal
-        _restore_position(stream, restored, cfg_dict, resume_from)
-        warn_loss_settings_changed(restored["extra"].get("config"), cfg_dict, resume_from)  # the same batches
+        saved = restored["extra"].get("config")
+        _restore_position(stream, restored, cfg_dict, resume_from)  # a refusal names the data keys changed
         total, last_batches = _replan(cfg, stream, restored["step"], total, last_batches, resume_from)
         if total != scheduled:
             set_total_steps(scheduler, cfg, total)
@@ -250,11 +250,15 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         if start > total:
             raise ValueError(f"{resume_from} is at step {start}, past this run's {counted(total, 'step')}; raise "
                              "train.max_steps (or train.epochs), or set train.resume=none to start over")
+        adapters = dict(records=(restored["extra"].get("lora"), lora_settings(model)),
+                        bases=(restored["extra"].get("base_fingerprint"), base))
+        refuse_other_adapter(saved, cfg_dict, resume_from, **adapters)
+        # said once nothing above refuses the resume (it was said before a refusal, and warnings with it)
         log.info("resumed from %s at step %d of %d", resume_from, start, total)
-        check_same_adapter(restored["extra"].get("config"), cfg_dict, resume_from,
-                           records=(restored["extra"].get("lora"), lora_settings(model)))
-        apply_optimizer_settings(optimizer, scheduler, fresh, restored["extra"].get("config"), cfg_dict, start,
-                                 total)
+        warn_data_changed(saved, cfg_dict, resume_from)  # a loader that took the position under other keys
+        warn_loss_settings_changed(saved, cfg_dict, resume_from)  # the same batches, other loss tokens
+        check_same_adapter(saved, cfg_dict, resume_from, **adapters)
+        apply_optimizer_settings(optimizer, scheduler, fresh, saved, cfg_dict, start, total)
         done = start == total
     warn_short_warmup(cfg, total)
     if dp.enabled:  # each rank found its own checkpoint and read its own data: they must be the same
@@ -266,37 +270,13 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
                        "held-out batches": len(eval_loader) if hasattr(eval_loader, "__len__") else None},
                       "every rank must read the same train.out_dir (its checkpoints) and data files: on several "
                       "nodes, put them on a file system all of them share")
-    # another run's checkpoints in out_dir (resume=none over a finished run, or a resume from an earlier step), and
-    # its final adapter/model (not for a resume from an earlier step: this run's history may have written it):
-    # removed once this run writes its first record or checkpoint, so a run that fails in setup leaves them
-    stale = ckpt.not_this_runs(out_dir, resume_from, start) if dp.is_main else []
-    stale_final = earlier_finals(cfg, out_dir, resume_from) if dp.is_main else []
-    starts_history = dp.is_main and not (resume_from is not None and ckpt.is_own(resume_from, out_dir))
-
-    def forget_stale() -> None:
-        why = (f"train.resume={cfg.train.resume} starts this out_dir over" if resume_from is None else
-               f"this run continues from {resume_from}")
-        if stale:
-            for d in stale:
-                ckpt.remove_checkpoint(d)
-            log.warning("removed %d checkpoint(s) of another run from %s: %s (%s)", len(stale), stale[0].parent,
-                        ", ".join(d.name for d in stale), why if resume_from is None else f"{why}, not from them")
-            stale.clear()
-        for final in stale_final:  # chat --adapter out_dir/adapter would pair it with this run's config.yaml
-            shutil.rmtree(final, ignore_errors=True)
-            mine = final == final_dir(cfg, out_dir)
-            log.warning("removed %s, another run's final %s (%s%s)", final, final.name, why,
-                        "; train.save_final=false: this run writes none" if mine and not cfg.train.save_final else
-                        "" if mine else f"; this run writes {'an adapter' if cfg.lora.enabled else 'a model'}")
-        stale_final.clear()
-        plot = out_dir / "loss.png"  # the earlier history's curve: this run draws its own at the end
-        if starts_history and plot.is_file() and not plot.is_symlink():
-            plot.unlink(missing_ok=True)
-            log.info("removed %s, the loss curve of the run before (%s)", plot, why)
+    # what out_dir holds of a history this run does not continue: removed once it writes its first record or
+    # checkpoint, so a run that fails in setup leaves them (run_dir.EarlierFiles)
+    earlier = EarlierFiles.find(cfg, out_dir, resume_from, start, dp.is_main)
 
     def first_record() -> None:
         write_text_atomic(out_dir / "config.yaml", config_yaml(cfg))  # chat / eval / export read it: never half
-        forget_stale()
+        earlier.forget()
 
     if dp.is_main:  # config.yaml and metrics.jsonl change only once this run writes its first record
         metrics = _metrics_log(cfg, out_dir, resume_from, start, first_record)
@@ -310,7 +290,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
             metrics.open()
         metrics.close()
         return _already_done(cfg, dp, out_dir, model, tokenizer, resume_from, total,
-                             (eval_loader, heldout_qa, report), optimizer)
+                             (eval_loader, heldout_qa, report), optimizer, setting_diffs(saved, cfg_dict))
 
     # rank 0 writes; periodic checkpoints in a background thread (train.async_save), waited for at a stop, at the
     # end and before an error names the last good one
@@ -322,11 +302,12 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         state.saves += 1  # on every rank (the barriers below must pair)
         # config: names what differs if a resume does not fit; base and lora: what was trained, for the checkpoint
         # used as an adapter (train/checkpoint_adapter.py): a relative model.path, or a model passed in, differ
-        extra = {"config": cfg_dict, "base": getattr(model, "chronicals_base", None), "lora": lora_record}
+        extra = {"config": cfg_dict, "base": getattr(model, "chronicals_base", None), "lora": lora_record,
+                 "base_fingerprint": base}
         if dp.enabled:  # each rank's RNG: LoRA dropout masks of unequal batch shapes advance them apart
             extra["rank_rng"] = dp.gather_object(ckpt.rng_state())
         if dp.is_main:
-            forget_stale()  # before pruning by step can meet them
+            earlier.forget()  # before pruning by step can meet them
             writer.save(out_dir, step, model, optimizer, scheduler, stream.state_dict(), keep_last=cfg.train.keep_last,
                         extra=extra)
             if wait:
@@ -463,7 +444,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         metrics.write(rec)
         result.step, result.last_loss = rb.step, loss_val
         if bar is not None:
-            post = {"loss": f"{loss_val:.3f}", "tok/s": f"{n_loss / dt:,.0f}"}
+            post = {"loss": f"{loss_val:.3f}", "tok/s": rate_text(n_loss / dt)}
             if "mfu" in rec:
                 post["mfu"] = f"{rec['mfu']:.1%}"
             if mem is not None:
@@ -472,7 +453,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
             bar.update(1)
         elif log_every and (rb.step % log_every == 0 or rb.step == total):
             log.info("step %d/%d: loss %.4f, lr %.3g, grad norm %.3g, %s loss tokens/s%s", rb.step, total, loss_val,
-                     rb.lr, gnorm, f"{n_loss / dt:,.0f}", f", {mem:.1f} GiB" if mem is not None else "")
+                     rb.lr, gnorm, rate_text(n_loss / dt), f", {mem:.1f} GiB" if mem is not None else "")
         return rec
 
     redirect = contextlib.nullcontext()

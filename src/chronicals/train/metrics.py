@@ -18,6 +18,14 @@ from .._jsonio import atomic_open, write_text_atomic
 log = logging.getLogger("chronicals.train")
 
 
+def rate_text(per_s: float) -> str:
+    """A rate as the step lines and the summary print it: whole numbers from 100 up ("1,623"), three significant
+    digits below ("12.3", "0.312"): a step of a few loss tokens that took 10-30 s read "0 loss tokens/s"."""
+    if per_s >= 100 or per_s == 0 or not math.isfinite(per_s):
+        return f"{per_s:,.0f}"
+    return f"{per_s:.3g}"
+
+
 def matmul_peak_tflops(device: torch.device, n: int = 8192) -> float | None:
     """bf16 (n x n) @ (n x n) rate in TFLOP/s on ``device`` (median of CUDA-event timings); None off CUDA.
 

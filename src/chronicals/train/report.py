@@ -11,6 +11,7 @@ import time
 
 from .._words import counted
 from ..config import TrainConfig
+from .metrics import rate_text
 from .qa import QAResult, answer_all, heldout_system_prompt
 
 
@@ -77,10 +78,10 @@ class RunReport:
             f" (resumed at step {result.start_step}, now at {result.step} of {result.total_steps})"
             if result.start_step else "")
         warm = "" if not result.tokens_per_s_after_first else (
-            f" ({result.tokens_per_s_after_first:,.0f} after the first step, which took "
+            f" ({rate_text(result.tokens_per_s_after_first)} after the first step, which took "
             f"{result.first_step_seconds:.1f} s with its one-time warm-up)")
-        lines.append(f"training: {steps} in {result.train_seconds:.1f} s, {result.tokens_per_s:,.0f} loss tokens/s"
-                     f"{warm}; total wall time {time.perf_counter() - self.t_start:.0f} s")
+        lines.append(f"training: {steps} in {result.train_seconds:.1f} s, {rate_text(result.tokens_per_s)} loss "
+                     f"tokens/s{warm}; total wall time {time.perf_counter() - self.t_start:.0f} s")
         out = result.out_dir
         if result.final_dir is not None:
             kind = "adapter (PEFT format)" if self.cfg.lora.enabled else "model (Hugging Face format)"

@@ -3,6 +3,7 @@ checkpoint was written by a run with other settings, data, loss tokens (data.tra
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -57,11 +58,17 @@ def apply_optimizer_settings(optimizer, scheduler, fresh: dict, saved_cfg: dict 
     for group, base, lr in zip(optimizer.param_groups, scheduler.base_lrs, lrs):
         group["initial_lr"], group["lr"] = base, lr
     scheduler._last_lr = lrs
-    diffs = ckpt.config_diffs(saved_cfg, cfg_dict, {"optim": None, "schedule": None, "lora": ("plus_ratio", "dropout"),
-                                                    "train": ("max_steps", "epochs", "grad_accum")})
+    diffs = setting_diffs(saved_cfg, cfg_dict)
     if diffs and (total is None or step < total):
         log.warning("resumed at step %d with other settings than the checkpoint's run: %s; they apply from step %d "
                     "on (the AdamW moments are kept)", step, ", ".join(diffs), step + 1)
+
+
+def setting_diffs(saved: dict | None, current: dict) -> list[str]:
+    """The settings a resume applies from its step on that differ from the checkpoint's run's: "optim.lr=0.001 (this
+    run: 0.0005)", ... (the optimizer, schedule, LoRA+ ratio and dropout, and the run's length)."""
+    return ckpt.config_diffs(saved, current, {"optim": None, "schedule": None, "lora": ("plus_ratio", "dropout"),
+                                              "train": ("max_steps", "epochs", "grad_accum")})
 
 
 # data settings that change which tokens carry the loss, or which examples and prompts there are, without a
@@ -85,6 +92,9 @@ def data_position_diffs(saved: dict | None, current: dict) -> list[str]:
     diffs = ckpt.config_diffs(saved, current, DATA_POSITION_KEYS)
     if (saved or {}).get("data", {}).get("tokens_per_batch") and current.get("data", {}).get("tokens_per_batch"):
         diffs = [d for d in diffs if not d.startswith("data.batch_size=")]
+    # a relative data.path and the absolute one a run now records (run_dir.recorded) for the same file: one path
+    if same_model((saved or {}).get("data", {}).get("path"), current.get("data", {}).get("path")):
+        diffs = [d for d in diffs if not d.startswith("data.path=")]
     return diffs
 
 
@@ -189,8 +199,9 @@ def _same_picks(saved: dict, current: dict, records: tuple[dict | None, dict | N
 
 def _adapter_diffs(saved: dict, current: dict, path: Path, base: bool = True,
                    records: tuple[dict | None, dict | None] = (None, None)) -> tuple[bool, list[str]]:
-    """(whether either run is LoRA, the settings that differ: "key=old (this run: new)"); ValueError for a LoRA
-    checkpoint under other adapter settings or (``base``) another model.path. ``records``: see _same_picks."""
+    """(whether either run is LoRA, the settings that differ: "key=old (this run: new)", model.path last where
+    ``base`` and it differs); ValueError for a LoRA checkpoint under other adapter settings. ``records``: see
+    _same_picks."""
     was, now = (bool(c.get("lora", {}).get("enabled")) for c in (saved, current))
     if was != now:
         kind = {True: "a LoRA run (lora.enabled true)", False: "a full fine-tuning run (lora.enabled false)"}
@@ -202,13 +213,13 @@ def _adapter_diffs(saved: dict, current: dict, path: Path, base: bool = True,
         current = _same_picks(saved, current, records)
     diffs = ckpt.config_diffs(_module_sets(saved), _module_sets(current), {"lora": ADAPTER_KEYS}) if lora else []
     old_path, new_path = saved.get("model", {}).get("path"), current.get("model", {}).get("path")
-    if base and old_path is not None and not same_model(old_path, new_path):
-        diffs.append(f"model.path={old_path!r} (this run: {new_path!r})")
+    moved = [f"model.path={old_path!r} (this run: {new_path!r})"] if (
+        base and old_path is not None and not same_model(old_path, new_path)) else []
     if lora and diffs:
-        raise ValueError(f"checkpoint {path} holds LoRA adapters trained with {', '.join(diffs)}: under this run's "
-                         "settings they would compute something else; resume with the checkpoint's values, or start "
-                         "over (train.resume=none or another train.out_dir)")
-    return lora, diffs
+        raise ValueError(f"checkpoint {path} holds LoRA adapters trained with {', '.join(diffs + moved)}: under this "
+                         "run's settings they would compute something else; resume with the checkpoint's values, or "
+                         "start over (train.resume=none or another train.out_dir)")
+    return lora, diffs + moved
 
 
 def check_resume_adapter(cfg, out_dir: Path, now: dict | None = None) -> None:
@@ -235,21 +246,110 @@ def check_resume_adapter(cfg, out_dir: Path, now: dict | None = None) -> None:
         _adapter_diffs(saved, cfg.to_dict(), path, base=False, records=(extra.get("lora"), now))
 
 
-def check_same_adapter(saved: dict | None, current: dict, path: Path,
-                       records: tuple[dict | None, dict | None] = (None, None)) -> None:
-    """A LoRA checkpoint resumes only under the lora settings and base model it was trained with (ValueError
-    naming the keys that differ; lora.targets / modules_to_save in other words for the same modules are the same:
-    ``records`` = the checkpoint's LoRA record and this run's, lora_settings); a full fine-tune's checkpoint holds
-    every trainable weight, so another model.path of the same shapes only warns. Another model.dtype warns in
-    either case (_warn_dtype_changed)."""
+# ModelConfig fields that do not change what the weights compute (token ids) or are config.json's other keys
+NOT_ARCHITECTURE = ("extra", "bos_token_id", "eos_token_id", "pad_token_id")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+SAMPLE = 1 << 16  # bytes read at each of 3 places of a weight file: 192 KiB a file, however large
+
+
+def base_fingerprint(model) -> dict | None:
+    """What a checkpoint records of the base its run trained on (checkpoint extra "base_fingerprint"), so that a
+    resume tells a moved or copied base from another model without hashing gigabytes: {"config": the model's
+    architecture (its ModelConfig less NOT_ARCHITECTURE), "files": _weight_files of its ``chronicals_base``, None
+    for a model passed without one}; None without a ModelConfig."""
+    config = getattr(model, "config", None)
+    if config is None or not dataclasses.is_dataclass(config):
+        return None
+    arch = {k: v for k, v in dataclasses.asdict(config).items() if k not in NOT_ARCHITECTURE}
+    return {"config": arch, "files": _weight_files(getattr(model, "chronicals_base", None))}
+
+
+def _weight_files(base: str | None) -> dict[str, list] | None:
+    """{file name: [bytes, sha256 of SAMPLE bytes at its start, middle and end]} for the weight files of model
+    ``base`` (a .gguf file, or an HF directory's *.safetensors / *.bin); None when there is no base or it cannot be
+    read. Sizes alone are the same for every model of one architecture and dtype (a fine-tune of the base): the
+    middle and end samples are weights, which differ between two trainings."""
+    import hashlib
+
+    from ..models.loading import resolve_path
+
+    if not base:
+        return None
+    try:
+        where = resolve_path(base)
+        files = [where] if where.is_file() else [f for f in sorted(where.iterdir()) if f.suffix in WEIGHT_SUFFIXES]
+        out = {}
+        for f in files:
+            size, digest = f.stat().st_size, hashlib.sha256()
+            with open(f, "rb") as fh:
+                for at in (0, max(0, size // 2 - SAMPLE // 2), max(0, size - SAMPLE)):
+                    fh.seek(at)
+                    digest.update(fh.read(SAMPLE))
+            out[f.name] = [size, digest.hexdigest()]
+        return out or None
+    except (OSError, ValueError):
+        return None
+
+
+def _base_words(path: Path, moved: str, bases: tuple[dict | None, dict | None]) -> str:
+    """What a LoRA resume on another model.path continues on, from the checkpoint's base fingerprint and this
+    run's (``bases``); ValueError when their architectures differ (the adapters' shapes may fit another model)."""
+    then, now = bases
+    if not (isinstance(then, dict) and isinstance(now, dict) and isinstance(then.get("config"), dict)):
+        return ("the adapters fit this model's shapes; nothing more of the checkpoint's base is recorded (a "
+                "checkpoint written before chronicals recorded it), so whether this is the same model is not known")
+    # the keys both record: a field another chronicals version added or dropped is no difference of the models
+    other = [f"{k}={v!r} (this run: {now['config'][k]!r})" for k, v in then["config"].items()
+             if k in now["config"] and now["config"][k] != v]
+    if other:
+        raise ValueError(f"checkpoint {path} holds LoRA adapters trained on a model of another architecture "
+                         f"({moved}; {', '.join(other[:3])}{', ...' if len(other) > 3 else ''}): on this run's model "
+                         "they would compute something else; resume with the checkpoint's model.path, or start over "
+                         "(train.resume=none or another train.out_dir)")
+    old_files, new_files = then.get("files"), now.get("files")
+    if not old_files or not new_files:
+        return ("the same architecture; whether its weights are the checkpoint's base's is not known (one of them "
+                "was passed to train() without its files)")
+    if old_files == new_files:
+        return ("the same files (its config, and its weight files' sizes and sampled bytes, are the checkpoint's "
+                "base's: moved or copied), so the adapters go on as trained")
+    differ = sorted(set(old_files) ^ set(new_files)) or [n for n in old_files if old_files[n] != new_files[n]]
+    return (f"the same architecture with other weights ({', '.join(differ[:3])} differ): the adapters, trained on "
+            "the checkpoint's base, go on from here on these weights; set model.path to that base to continue its "
+            "run as it was")
+
+
+def refuse_other_adapter(saved: dict | None, current: dict, path: Path,
+                         records: tuple[dict | None, dict | None] = (None, None),
+                         bases: tuple[dict | None, dict | None] = (None, None)) -> str | None:
+    """check_same_adapter's refusals alone (ValueError), so the trainer can say "resumed from" only once they have
+    passed; -> the warning check_same_adapter gives, or None."""
     if not saved:
-        return
-    _warn_dtype_changed(saved, current, path)
+        return None
     lora, diffs = _adapter_diffs(saved, current, path, records=records)
     if not diffs:
-        return
-    log.warning("resumed from %s, written with %s: the checkpoint's weights replace every trainable weight of "
-                "this run's model", path, ", ".join(diffs))
+        return None
+    # diffs is model.path alone here (other LoRA settings were refused above)
+    what = _base_words(path, diffs[-1], bases) if lora else \
+        "the checkpoint's weights replace every trainable weight of this run's model"
+    return f"resumed from {path}, written with {', '.join(diffs)}: {what}"
+
+
+def check_same_adapter(saved: dict | None, current: dict, path: Path,
+                       records: tuple[dict | None, dict | None] = (None, None),
+                       bases: tuple[dict | None, dict | None] = (None, None)) -> None:
+    """A LoRA checkpoint resumes only under the lora settings it was trained with (ValueError naming the keys that
+    differ: lora.targets / modules_to_save in other words for the same modules are the same: ``records`` = the
+    checkpoint's LoRA record and this run's, lora_settings). Another model.path warns, saying whether it is the same
+    model (moved or copied: its config and weight file sizes, ``bases`` = the checkpoint's base_fingerprint and this
+    run's) or other weights of the same architecture; another architecture is refused. A full fine-tune's
+    checkpoint holds every trainable weight, so another model.path of the same shapes only warns. Another
+    model.dtype warns in either case (_warn_dtype_changed)."""
+    said = refuse_other_adapter(saved, current, path, records, bases)
+    if saved:
+        _warn_dtype_changed(saved, current, path)
+    if said:
+        log.warning("%s", said)
 
 
 BITS = {"bfloat16": 16, "float32": 32, "float64": 64}

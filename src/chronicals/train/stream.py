@@ -65,9 +65,10 @@ def _restore_position(stream, restored: dict, cfg_dict: dict, path: Path) -> Non
                              f"changes the training documents or their loss tokens ({e.args[1]}); set the "
                              "checkpoint's value to continue its run, or start fresh with train.resume=none (or "
                              "another train.out_dir)") from None
+        moved = data_position_diffs(restored["extra"].get("config"), cfg_dict)  # said here, not warned before
         raise ValueError(f"cannot resume from {path}: the training data changed since this checkpoint was written: "
-                         f"{e.args[1]}; resume with the original data, or start fresh with train.resume=none (or "
-                         "another train.out_dir)") from None
+                         f"{e.args[1]}{'; this run changed ' + ', '.join(moved) if moved else ''}; resume with the "
+                         "original data, or start fresh with train.resume=none (or another train.out_dir)") from None
     except ValueError as e:
         if "data.dp_remainder=drop" in str(e) or "data-parallel rank(s)" in str(e):  # the loader names the fix
             raise ValueError(f"cannot resume from {path}: {e}") from None
