@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_gguf import _tiny, write_gguf
 
+from chronicals._words import size_text
 from chronicals.models import gguf_cache, gguf_io
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -85,7 +86,7 @@ def test_new_conversion_removes_the_older_ones_of_the_same_file_only(tmp_path, c
     assert not [p for p in cache.iterdir() if ".pruned-" in p.name]
     removed = [m for m in _lines(caplog) if m.startswith("removed")]
     assert removed == [f"removed 1 older conversion of {path.resolve()} from {cache} ({first.name}): "
-                       f"{size / 1e6:.1f} MB freed"]
+                       f"{size_text(size)} freed"]
 
 
 def test_older_entries_of_a_gguf_loaded_by_a_relative_path_are_removed(tmp_path, cache, tiny, monkeypatch):

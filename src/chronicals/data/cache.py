@@ -24,7 +24,7 @@ import numpy as np
 
 from .._jsonio import lock_fresh, lock_if_free
 from .._numbers import is_int
-from .._words import counted
+from .._words import counted, size_text
 from .readers import DataError, file_digest
 
 try:
@@ -191,14 +191,14 @@ def save(path: Path, ids, trainable, offsets, meta: dict) -> None:
             if not (path / "meta.json").exists():
                 raise
             # a concurrent writer of the same key finished first: its entry is the same data
-        log.info("cached %d tokens in %s (%.1f MB)", int(offsets[-1]) if len(offsets) else 0, path,
-                 _size(path) / 1e6)
+        log.info("cached %d tokens in %s (%s)", int(offsets[-1]) if len(offsets) else 0, path,
+                 size_text(_size(path)))
         if meta.get("source"):
             count, size = prune_stale(path, meta["source"])
             if count:
-                log.info("removed %s of the same files and settings (%.1f MB)",
+                log.info("removed %s of the same files and settings (%s)",
                          counted(count, "older tokenization cache entry", "older tokenization cache entries"),
-                         size / 1e6)
+                         size_text(size))
     except OSError as e:
         log.warning("could not write the tokenization cache entry %s (%s); training goes on, the next "
                     "run tokenizes again", path, e)

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
-from .._words import counted
+from .._words import counted, size_text
 from .config import GGUF_CONVERSION_RECORD
 from .hf_io import TEMP_SUFFIX, atomic_dir, save_tokenizer
 from .orphans import remove_orphans, remove_tree, tree_bytes
@@ -337,8 +337,8 @@ def prune_older_entries(p: Path, keep: Path, st: os.stat_result | None = None) -
         except FileNotFoundError:  # another process pruned it first
             continue
         except OSError as e:
-            log.warning("could not remove %s, an older conversion of %s (%s); remove it by hand to free its %.1f MB",
-                        d, p, e.strerror or e, size / 1e6)
+            log.warning("could not remove %s, an older conversion of %s (%s); remove it by hand to free its %s",
+                        d, p, e.strerror or e, size_text(size))
             continue
         removed.append(d)
         if remove_tree(trash, f"an older conversion of {p}", log) is not None:
@@ -348,8 +348,8 @@ def prune_older_entries(p: Path, keep: Path, st: os.stat_result | None = None) -
     # a GGUF walk). Only those whose writer is gone (its lock free) go.
     remove_orphans(parent, re.compile(rf"\.{re.escape(_entry_stem(p))}-[0-9a-f]{{16}}{TEMP_SUFFIX}"), log)
     if removed:
-        log.info("removed %s of %s from %s (%s): %.1f MB freed", counted(len(removed), "older conversion"), p,
-                 parent, ", ".join(d.name for d in removed), freed / 1e6)
+        log.info("removed %s of %s from %s (%s): %s freed", counted(len(removed), "older conversion"), p,
+                 parent, ", ".join(d.name for d in removed), size_text(freed))
     return removed
 
 

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .._jsonio import lock_fresh, lock_if_free
+from .._words import size_text
 
 try:
     import fcntl
@@ -105,7 +106,7 @@ def remove_tree(path: Path, what: str, logger: logging.Logger) -> int | None:
     size = tree_bytes(path)
     shutil.rmtree(path, ignore_errors=True)
     if path.exists():
-        logger.warning("could not remove %s, %s; remove it by hand to free its %.1f MB", path, what, size / 1e6)
+        logger.warning("could not remove %s, %s; remove it by hand to free its %s", path, what, size_text(size))
         return None
     return size
 
@@ -135,7 +136,7 @@ def remove_orphans(parent: Path, pattern: re.Pattern, logger: logging.Logger = l
                 continue
             if not os.path.lexists(old_path(tmp)):  # else recover_replaced still needs it
                 lock_path(tmp).unlink(missing_ok=True)
-            logger.info("removed %s (%.1f MB), left by a write that was killed before it finished", tmp, size / 1e6)
+            logger.info("removed %s (%s), left by a write that was killed before it finished", tmp, size_text(size))
             removed.append(tmp)
         finally:
             os.close(fd)
@@ -186,8 +187,8 @@ def recover_replaced(out: Path, tmp_pattern: re.Pattern, logger: logging.Logger 
                 continue
             if not tmp.exists():
                 lock_path(tmp).unlink(missing_ok=True)
-            logger.info("removed %s (%.1f MB), the previous %s left by a write that was killed after replacing it",
-                        old, size / 1e6, out.name)
+            logger.info("removed %s (%s), the previous %s left by a write that was killed after replacing it",
+                        old, size_text(size), out.name)
             handled.append(old)
         finally:
             os.close(fd)
