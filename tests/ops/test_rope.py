@@ -202,3 +202,50 @@ def test_eager_door_and_compiled_door_agree():
     torch.compile(lambda a, b: rope_qk(a, b, cos, sin, impl="triton"), backend=backend, fullgraph=True)(q, k)
     targets = [t.removesuffix(".default") for t in targets]
     assert "chronicals.rope_qk" in targets and not any("autograd_function" in t for t in targets), targets
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64, 64), (10, 2, 100, 50), (1, 1, 8, 8)], ids=lambda h: "x".join(map(str, h)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rope_qkv_matches_the_split_and_rope_qk_and_its_gradient_is_theirs(dtype, heads):
+    """rope_qkv rotates q and k out of one GEMM's (B, S, Hq + 2 Hk, D) output and copies v; backward writes dq, dk
+    (the rotation's kernel, into their heads) and dv into one gradient: the same bits as split + rope_qk + cat, and
+    float64's values to the dtype's rounding."""
+    from chronicals.ops import rope_qkv
+
+    hq, hk, d, r = heads
+    g = torch.Generator().manual_seed(hq * d + r)
+    pos = packed_positions(2, 13, g)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, r, 2, dtype=torch.float32) / r))
+    cos, sin = (t.to(DEV) for t in rope_cos_sin(pos, inv_freq, dtype=dtype))
+    wide = torch.randn(2, 13, hq + 2 * hk + 1, d, generator=g, dtype=torch.float64).to(dtype).to(DEV)
+    qkv0 = wide[:, :, 1:]  # strided: a token stride of (Hq + 2 Hk + 1) D, as a column block of a wider GEMM output
+    dq, dk, dv = (torch.randn(2, 13, h, d, generator=g, dtype=torch.float64).to(DEV) for h in (hq, hk, hk))
+
+    def run(fn, qkv):
+        qkv = qkv.detach().requires_grad_()
+        q, k, v = fn(qkv)
+        assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+        loss = (q.double() * dq).sum() + (k.double() * dk).sum() + (v.double() * dv).sum()
+        return [q, k, v, torch.autograd.grad(loss, qkv)[0]]
+
+    def split(impl, c=cos, s_=sin):
+        def fn(qkv):
+            q, k, v = qkv.split([hq, hk, hk], dim=2)
+            return (*rope_qk(q, k, c, s_, impl=impl), v.contiguous())
+        return fn
+
+    got = run(lambda qkv: rope_qkv(qkv, cos, sin, hq, hk, impl="triton"), qkv0)
+    for a, b in zip(got, run(split("triton"), qkv0)):
+        assert torch.equal(a, b)
+    exact = run(split("torch", cos.double(), sin.double()), qkv0.double())
+    for a, b in zip(got, exact):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=2e-6 if dtype == torch.float32 else 3e-2)
+    assert got[3].is_contiguous()
+
+
+def test_rope_qkv_refuses_a_head_count_its_tensor_does_not_have():
+    from chronicals.ops import rope_qkv
+
+    cos = sin = torch.ones(1, 3, 8, device=DEV)
+    with pytest.raises(ValueError, match=r"must be \(B, S, nq \+ 2 nkv = 6, D\)"):
+        rope_qkv(torch.zeros(1, 3, 5, 8, device=DEV), cos, sin, 4, 1)

@@ -25,7 +25,7 @@ from ..ops.attention import attention_ref
 from ..ops.swiglu import swiglu_gate_up
 from .config import ModelConfig, rope_inv_freq
 from .forward_args import IGNORE_INDEX, check_forward_args, documents_from_positions, mask_padding
-from .fused_proj import gate_up_proj, grad_spare, norm_spare, qkv_proj, swiglu_down
+from .fused_proj import gate_up_proj, grad_spare, norm_spare, qkv_proj, qkv_rope, swiglu_down
 
 
 @dataclass
@@ -143,10 +143,11 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         # (B, S, Hq, D), (B, S, Hk, D) x 2: views of one GEMM's output when q/k/v are plain nn.Linear (one dx
         # GEMM in backward instead of three plus two adds, one bias reduction instead of three)
-        q, k, v = qkv_proj(self, x)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope_qk(q, k, cos, sin, impl=self.opts.impl)
+            q, k, v = qkv_proj(self, x)
+            q, k = rope_qk(self.q_norm(q), self.k_norm(k), cos, sin, impl=self.opts.impl)
+        else:  # rotated out of the joint GEMM's output by one op: its backward writes dq | dk | dv whole
+            q, k, v = qkv_rope(self, x, cos, sin)
         if kv_cache is None:
             o = attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, impl=self.opts.impl,
                           varlen=self.opts.attention)
