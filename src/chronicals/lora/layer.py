@@ -141,8 +141,9 @@ def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, draw, scaling: float, wca
     elif need_x or need_a:
         dyb = mm_scaled(dy2, lora_b, scaling)
     joint = need_x and wcat is None and draw is None
-    # [dy | s dy B]: in the buffer the norm after this layer wrote dy into, when it left r columns free (``ops.rms_norm``'s
-    # grad_spare, ``LoRALinear.dy_spare``), else a cat of (N, out + r): ~18 us a layer at 0.5B, 44 at 8B (H100)
+    # [dy | s dy B]: in the buffer the norm after this layer wrote dy into, when it left r columns free
+    # (``ops.rms_norm``'s grad_spare, ``LoRALinear.dy_spare``), else a cat of (N, out + r): ~18 us a layer at 0.5B,
+    # 44 at 8B (H100)
     full = grad_spare_columns(dy2, dy2.shape[1] + lora_a.shape[0]) if joint and wa is not None else None
     if joint and (fin >= 2 * dy2.shape[1] or full is not None):
         # dx = [dy | s dy B] @ [W ; A] in one GEMM (K = out + r), rounded once. dy W + (s dy B) A as two GEMMs ends in a
@@ -249,8 +250,8 @@ class LoRALinear(nn.Module):
     no memory beyond r columns, and no per-call copy of W. Without concat (fused, no bias: down_proj, o_proj)
     ``weight`` is the first ``out`` rows of a private (out + r, in) buffer [W ; A] whose last r rows hold A
     (refreshed each training forward): for a wide input (in >= 2 out) the base GEMM makes x A^T too
-    (``lora_forward``), and the backward's joint dx GEMM reads the buffer. ``model.to(...)`` rebinds either (``_apply``);
-    ``to_linear`` / merge_lora give W back a storage of its own.
+    (``lora_forward``), and the backward's joint dx GEMM reads the buffer. ``model.to(...)`` rebinds either
+    (``_apply``); ``to_linear`` / merge_lora give W back a storage of its own.
     """
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False,

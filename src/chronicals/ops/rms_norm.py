@@ -153,8 +153,9 @@ _BWD_CONFIGS = [triton.Config({"PROGRAMS_PER_SM": p}, num_warps=w) for p in PROG
 @triton.autotune(configs=tune_configs(_BWD_CONFIGS), key=["H", "BLOCK_M", "BLOCK_H", "HAS_DS", "HAS_DW"])
 @triton.jit
 def _rms_norm_bwd_kernel(DY_ptr, DS_ptr, S_ptr, W_ptr, RSTD_ptr, DX_ptr, DW_ptr, N, H, dy_row_stride,
-                         ds_row_stride, dx_row_stride, HAS_DS: tl.constexpr, HAS_DW: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_H: tl.constexpr, SINGLE_BLOCK: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr):
+                         ds_row_stride, dx_row_stride, HAS_DS: tl.constexpr, HAS_DW: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+                         PROGRAMS_PER_SM: tl.constexpr):
     """dx = rstd * (w*dy - xhat * mean(w*dy*xhat)) (+ ds), xhat = s*rstd; dw partial = sum_rows dy*xhat.
 
     Persistent: program p handles row blocks p, p + P, p + 2P, ... and writes dw partial row p of (P, H)
