@@ -97,7 +97,8 @@ _CONFIGS = [triton.Config({"BLOCK_T": t}, num_warps=w)
 @triton.jit
 def _rope_qk_kernel(Q_ptr, K_ptr, COS_ptr, SIN_ptr, QO_ptr, KO_ptr, T, S,
                     q_stride_b, q_stride_s, q_stride_h, k_stride_b, k_stride_s, k_stride_h, cs_stride_b,
-                    cs_stride_s, qo_stride_b, qo_stride_s, ko_stride_b, ko_stride_s, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+                    cs_stride_s, qo_stride_b, qo_stride_s, ko_stride_b, ko_stride_s, HQ: tl.constexpr,
+                    HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
                     BACKWARD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
                     BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_T: tl.constexpr):
     """Tokens pid*BLOCK_T .. +BLOCK_T of the flattened B*S; cos/sin (B, S, R) loaded once per token."""
@@ -158,7 +159,8 @@ def rope_qk_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
         return qo, ko
     _rope_qk_kernel[lambda meta: (triton.cdiv(t, meta["BLOCK_T"]),)](
         q, k, cos, sin, qo, ko, t, s, *q.stride()[:3], *k.stride()[:3], cos.stride(0), cos.stride(1),
-        *qo.stride()[:2], *ko.stride()[:2], HQ=hq, HK=hk, D=d, R=r, BACKWARD=backward, BLOCK_HQ=triton.next_power_of_2(hq),
+        *qo.stride()[:2], *ko.stride()[:2], HQ=hq, HK=hk, D=d, R=r, BACKWARD=backward,
+        BLOCK_HQ=triton.next_power_of_2(hq),
         BLOCK_HK=triton.next_power_of_2(hk), BLOCK_HALF=triton.next_power_of_2(max(r // 2, 1)),
         BLOCK_PASS=triton.next_power_of_2(max(d - r, 1)))
     return qo, ko
