@@ -106,3 +106,16 @@ def test_the_tokenizer_of_a_gguf_names_the_gguf_as_its_source(tmp_path):
     assert tok.chronicals_source == str(path)
     with pytest.raises(ValueError, match=rf"^{path}: the tokenizer has no chat template"):
         require_chat_template(tok)
+
+
+def test_a_short_name_and_the_file_it_names_are_one_model(tmp_path):
+    """The embedded model's short name and the path of its .gguf in the package (what `chronicals eval --model
+    <that file> --adapter runs/demo/adapter` passes, the adapter recording the short name) are one model: comparing
+    the name as a path made them differ, and eval / chat / export warned "its outputs are right only if ... holds
+    the same weights" of the very file the name loads (a walk of chronicals eval). Another file is still another."""
+    gguf = resolve_path("smollm2-135m-instruct")
+    assert same_model(str(gguf), "smollm2-135m-instruct")
+    assert same_model("SmolLM2-135M-Instruct", str(gguf))
+    other = tmp_path / "model.gguf"
+    other.write_bytes(b"GGUF")
+    assert not same_model(str(other), "smollm2-135m-instruct")

@@ -37,12 +37,18 @@ SHORT_NAMES = {
 
 def same_model(a, b) -> bool:
     """Whether two model.path values name one model: equal strings, or two spellings (relative / absolute, ~, a
-    symlink) of one existing file or directory, or one short name in two cases."""
+    symlink) of one existing file or directory, or one short name in two cases, or a short name and the path of the
+    file it names (the embedded model's .gguf in its package: an adapter recording the short name, put on that
+    file, was warned about as if on another model)."""
     if a == b or isinstance(a, str) and isinstance(b, str) and a.lower() == b.lower() and a.lower() in SHORT_NAMES:
         return True
+
+    def where(p):
+        return resolve_path(p) if isinstance(p, str) and p.lower() in SHORT_NAMES else Path(p).expanduser()
+
     try:
-        return os.path.samefile(Path(a).expanduser(), Path(b).expanduser())
-    except (OSError, TypeError):  # a path that does not exist, a short name, None
+        return os.path.samefile(where(a), where(b))
+    except (OSError, TypeError):  # a path that does not exist, a short name whose package is missing, None
         return False
 
 
