@@ -513,3 +513,21 @@ def test_clip_grad_norm_returns_the_norm_before_clipping_and_clips_by_the_fp32_n
     assert torch.tensor(20.1425).bfloat16().item() == 20.125  # the rounding the fp32 norm avoids
     clip_grad_norm(params, 1.0)
     assert _grad_norm(params) == pytest.approx(1.0, abs=2e-6)
+
+
+def test_eval_leaves_no_cache_entry_behind_for_a_qa_files_temporary_copy(tokenizer, tmp_path):
+    """chronicals eval scores a QA file through a chat copy in a new temporary directory each time; cached, that copy
+    made one tokenization-cache entry per edit of the QA file that no later run replaced (entries replace those of
+    the same path), so the cache grew for good (a walk of chronicals eval). The copy is not cached; other data is."""
+    from chronicals.evaluate import heldout_loader
+
+    cache = tmp_path / "cache"
+    train, qa = _train_and_qa(tmp_path, "")
+    for answer in ("Paris", "Paris, France", "Paris!"):  # three edits of one QA file
+        qa.write_text(json.dumps({"question": "Capital of France?", "answer": answer}) + "\n")
+        loader, records = heldout_loader(DataSection(path=str(qa), max_seq_len=64, cache_dir=str(cache)), tokenizer,
+                                         tmp_path / f"work-{len(answer)}")
+        assert records[0]["answer"] == answer and len(loader.dataset) == 1
+    assert not cache.exists() or not any(cache.iterdir()), sorted(p.name for p in cache.iterdir())
+    heldout_loader(DataSection(path=str(train), max_seq_len=64, cache_dir=str(cache)), tokenizer, tmp_path / "work")
+    assert len([p for p in cache.iterdir() if not p.name.startswith(".")]) == 1  # text data still goes through it
