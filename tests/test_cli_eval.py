@@ -84,7 +84,7 @@ def test_the_loss_is_evaluate_loss_over_the_trainers_batches(tiny_base, data_fil
         assert got["perplexity"] == pytest.approx(math.exp(want), rel=1e-9)
         assert got["examples"] == examples == len(CHAT) + len(COMPLETION) and got["qa"] is None
         out = capsys.readouterr().out
-        assert f"held-out loss {want:.4f}, perplexity {math.exp(want):.4g}" in out and f"{n} loss tokens" in out
+        assert f"held-out loss {want:.4f}, perplexity {math.exp(want):#.4g}" in out and f"{n} loss tokens" in out
 
 
 def test_an_adapter_changes_the_score_to_the_adapted_models(tiny_base, data_file, tmp_path, capsys):

@@ -80,7 +80,7 @@ class EvalResult:
         lost = st.losses("--max-seq-len")
         lines = [f"data: {self.data}: {counted(self.examples, 'example')} of {counted(st.records, 'record')}"
                  + (f" ({', '.join(lost)})" if lost else "") + f", {self.loss_tokens} loss tokens",
-                 f"held-out loss {self.loss:.4f}, perplexity {self.perplexity:.4g}"]
+                 f"held-out loss {self.loss:.4f}, perplexity {self.perplexity:#.4g}"]  # 13.00, not 13
         if self.answers is not None:
             res = self.answers
             # unquoted as chat says it: 'none' in quotes would read as a system message of that text

@@ -171,6 +171,10 @@ def test_what_the_data_lost_is_counted_in_words():
     st = DatasetStats(truncated=2, dropped_no_loss=1, truncated_no_loss=1)
     assert st.losses() == ["1 truncated to data.max_seq_len",
                            "1 dropped with no loss tokens (1 of them truncated to none)"]
+    # split records: why "5 examples of 3 records" (said nothing of the split: a walk of chronicals eval)
+    st = DatasetStats(split=2, split_pieces=4)
+    assert st.losses("--max-seq-len") == ["2 split into 4 pieces of --max-seq-len"]
+    assert DatasetStats(split=1, split_pieces=1).losses() == ["1 split into 1 piece of data.max_seq_len"]
 
 
 def test_files_after_a_failing_one_are_said_unread_not_unreadable(tokenizer, tmp_path, caplog):

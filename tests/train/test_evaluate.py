@@ -531,3 +531,19 @@ def test_eval_leaves_no_cache_entry_behind_for_a_qa_files_temporary_copy(tokeniz
     assert not cache.exists() or not any(cache.iterdir()), sorted(p.name for p in cache.iterdir())
     heldout_loader(DataSection(path=str(train), max_seq_len=64, cache_dir=str(cache)), tokenizer, tmp_path / "work")
     assert len([p for p in cache.iterdir() if not p.name.startswith(".")]) == 1  # text data still goes through it
+
+
+def test_the_eval_summary_keeps_the_perplexitys_digits_and_says_what_was_split():
+    """'perplexity 13' read as a rounded integer for 13.00 (4 significant digits, trailing zeros kept now), and
+    '5 examples of 3 records' said nothing of the 2 records --on-long split had cut into pieces (a walk of chronicals
+    eval)."""
+    from chronicals.data.dataset import DatasetStats
+    from chronicals.evaluate import EvalResult
+
+    res = EvalResult(data="x.jsonl", loss=math.log(13.0), loss_tokens=40, examples=5,
+                     stats=DatasetStats(records=3, documents=5, split=2, split_pieces=4))
+    lines = res.summary().splitlines()
+    assert lines[0] == "data: x.jsonl: 5 examples of 3 records (2 split into 4 pieces of --max-seq-len), 40 loss tokens"
+    assert lines[1] == "held-out loss 2.5649, perplexity 13.00"
+    assert EvalResult(data="x", loss=math.log(1.0115), loss_tokens=1, examples=1,
+                      stats=DatasetStats()).summary().endswith("perplexity 1.012")

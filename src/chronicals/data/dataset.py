@@ -20,6 +20,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .._numbers import is_int
+from .._words import counted
 from . import cache as cache_mod
 from .chat_template import has_generation_markers
 from .formats import FORMATS
@@ -74,6 +75,8 @@ class DatasetStats:
         counts = ((self.skipped_errors, "bad record skipped", "bad records skipped"),
                   (self.truncated - cut, f"truncated to {max_seq_len_name}", None),
                   (self.dropped_overlong, "dropped as too long", None),
+                  # why there are more examples than records ("5 examples of 3 records" said nothing of it: a walk)
+                  (self.split, f"split into {counted(self.split_pieces, 'piece')} of {max_seq_len_name}", None),
                   (self.dropped_no_loss, "dropped with no loss tokens" + (f" ({cut} of them truncated to none)"
                                                                           if cut else ""), None),
                   (self.empty_targets, "with an empty reply", None),
