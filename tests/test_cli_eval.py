@@ -288,6 +288,8 @@ def test_a_qa_files_bad_records_are_counted_in_the_summary_and_json(tiny_base, q
     assert "3 examples of 5 records" in said and "2 bad records skipped" in said, said
     got = json.loads(out.read_text())
     assert (got["examples"], got["records"]) == (3, 5)
+    # the summary's counts are in the JSON too (it had only records and examples: a walk of chronicals eval)
+    assert (got["skipped_errors"], got["truncated"], got["split"], got["dropped_no_loss"]) == (2, 0, 0, 0), got
 
 
 def test_a_long_json_name_is_written(tiny_base, qa3, tmp_path):

@@ -40,6 +40,10 @@ from .train.step import evaluate_loss
 log = logging.getLogger("chronicals.evaluate")
 
 
+# DatasetStats counts written to --json beside records and examples (the summary line's "(2 bad records skipped, ...)")
+LOST_COUNTS = ("skipped_errors", "truncated", "dropped_overlong", "split", "split_pieces", "dropped_no_loss")
+
+
 @dataclass
 class EvalResult:
     data: str  # the file scored (or "demo")
@@ -66,7 +70,8 @@ class EvalResult:
 
         out = {"data": self.data, "loss": num(self.loss), "perplexity": num(self.perplexity),
                "examples": self.examples, "loss_tokens": self.loss_tokens, "records": self.stats.records,
-               **self.settings, "qa": None}
+               # what the summary's parentheses say the data lost or split on the way in, as numbers
+               **{k: getattr(self.stats, k) for k in LOST_COUNTS}, **self.settings, "qa": None}
         if self.answers is not None:
             res = self.answers
             out["qa"] = {"correct": sum(res.correct), "total": len(res.correct), "accuracy": res.fraction,
