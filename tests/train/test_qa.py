@@ -140,6 +140,14 @@ def test_a_directory_holding_qa_jsonl_is_told_to_give_the_file_itself(tmp_path):
     (d / "qa.csv").write_text("question,answer\na?,b\n")  # not .jsonl: still told to convert it
     with pytest.raises(DataError, match=rf"; convert {d / 'qa.csv'} "):
         qa_mod.read_qa(d)
+    (d / "qa.csv").unlink()
+    # a QA file sorted after a chat file: told the same (only the first file was peeked at, and load_dataset then
+    # said "cannot tell the format from fields ['answer', 'question']": a walk of chronicals eval)
+    write(d / "a_chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}])
+    write(d / "zz_qa.jsonl", [{"question": "a?", "answer": "b"}])
+    with pytest.raises(DataError, match=rf"not a directory; set data.eval_path to {d / 'zz_qa.jsonl'} itself "
+                                        rf"\(1 other file of {d} holds other records; score them apart\)$"):
+        qa_mod.read_qa(d)
 
 
 def test_a_directory_named_like_a_qa_file_is_read_as_a_directory(tmp_path):

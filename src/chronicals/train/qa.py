@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .._jsonio import atomic_open
+from .._words import counted
 from ..config import DEMO, DEMO_SYSTEM_PROMPT
 from ..data.chat_template import TEMPLATE_DATE
 from ..data.formats import FormatError, a_type, check_text
@@ -106,21 +107,31 @@ def read_qa_counted(path: str | Path, on_error: str = "fail", on_error_name: str
     return kept, len(records), len(bad)
 
 
+_PEEK_FILES = 64  # files of a directory whose first record _refuse_qa_elsewhere reads (a line or a schema each)
+
+
 def _refuse_qa_elsewhere(p: Path) -> None:
     """A held-out path that is not .jsonl/.json (a .csv, .parquet, a directory) holding question/answer
     records: say so before load_dataset fails with "cannot tell the format" on each of them. Peeks at the
-    first file's first record only (a CSV header, a parquet schema, a JSON line)."""
+    first record of each of the first _PEEK_FILES files only (a CSV header, a parquet schema, a JSON line)."""
     if not p.exists():
         return  # load_dataset names the missing path
     try:  # quiet: the walk's warnings (files it does not read) come once, from the load_dataset after this peek
         files = resolve_files(p, quiet=True)
     except DataError:
         return  # an empty directory, a damaged save_to_disk one: load_dataset reports it
-    first = files[0]
-    if "question" not in _first_keys(first):
+    # any of the first files, not only the first: a QA file sorted after a chat file failed as "cannot tell the
+    # format" (a walk of chronicals eval)
+    peeked = files[:_PEEK_FILES]
+    qa = [f for f in peeked if "question" in _first_keys(f)]
+    if not qa:
         return
+    first = qa[0]
     if first.suffix.lower() in (".jsonl", ".json"):  # a directory holding one: "convert qadir/qa.jsonl" was no fix
-        more = f" (merge the {len(files)} files of {p} into one first)" if len(files) > 1 else ""
+        others = len(peeked) - len(qa)  # chat or text files beside it: merging those in would not do
+        more = (f" ({counted(others, 'other file')} of {p} {'holds' if others == 1 else 'hold'} other records; score "
+                "them apart)" if others else
+                f" (merge the {len(files)} files of {p} into one first)" if len(files) > 1 else "")
         raise DataError(f"{p}: question/answer held-out records are read from one .jsonl or .json file, not a "
                         f"directory; set data.eval_path to {first} itself{more}")
     raise DataError(f"{p}: question/answer held-out records are read from .jsonl or .json only; convert "
