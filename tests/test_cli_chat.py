@@ -260,3 +260,45 @@ def test_a_typed_line_that_is_not_utf8_is_named_as_typed(monkeypatch, capsys):
     assert cli_chat.cmd_chat(["--model", "some-model", "--device", "cpu"]) == 3
     assert seen == ["fine"]
     assert "error: the typed line 'ok\ufffd' is not valid UTF-8 (byte 0xff at character 2)" in capsys.readouterr().err
+
+
+# Mistral-7B-Instruct v0.1/v0.2's template (a supported model type): it refuses any system message
+_NO_SYSTEM_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}")
+
+
+def test_chat_with_a_template_that_takes_no_system_message(monkeypatch, capsys):
+    """A chat template that refuses a system message (Mistral v0.1/v0.2's raise_exception) failed every prompt with
+    jinja2's bare TemplateError, exit 4 "internal error" with a traceback, as chat asks with the demo's system
+    message by default. Now the default one is left out (said), and a given --system exits 2 naming the fix."""
+    from smollm2_tokenizer import smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    tok.chat_template = _NO_SYSTEM_TEMPLATE
+    model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=4096),
+                                  lm_head=types.SimpleNamespace(weight=torch.zeros(1)))
+    monkeypatch.setattr(cli_chat, "_load", lambda *a, **k: (model, tok))
+    import chronicals.train.qa as qa
+
+    seen = []
+
+    def answer(m, t, q, system, *a, **k):
+        qa.prompt_ids(t, q, system)  # renders, as the real answer does
+        seen.append(system)
+        return "ok"
+
+    monkeypatch.setattr(qa, "answer", answer)
+    assert cli_chat.cmd_chat(["--model", "mistral", "--device", "cpu", "hi"]) == 0
+    assert seen == [""]
+    captured = capsys.readouterr()
+    assert "> hi\nok" in captured.out and "takes no system message" in captured.err
+    assert "--system not given: using" not in captured.err  # the demo's message is not said to be used, then dropped
+    with pytest.raises(SystemExit) as e:
+        cli_chat.cmd_chat(["--model", "mistral", "--device", "cpu", "--system", "Be brief.", "hi"])
+    assert e.value.code == 2
+    assert "--system ''" in capsys.readouterr().err
+    with pytest.raises(qa.TemplateRefused):  # a ValueError: the CLI's one "error:" line, exit 3
+        qa.prompt_ids(tok, "hi", "Be brief.")

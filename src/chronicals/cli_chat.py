@@ -105,7 +105,7 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     a.model = _base_for(a.adapter, a.model, flag)
     from .config import DEMO_SYSTEM_PROMPT
     from .models import require_chat_template
-    from .train.qa import answer
+    from .train.qa import TemplateRefused, answer
 
     prompts = a.prompts
     # a terminal: answers only, streamed; given or piped: "> prompt", then the whole answer
@@ -130,8 +130,10 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
     require_chat_template(tok)  # before any prompt is answered
     _within_context(p, model, a.model, ("--max-new-tokens", a.max_new_tokens))
     system = _run_system_prompt(a.adapter or a.model) if a.system is None else a.system
-    if system is None:  # said: another default (a run's, transformers' template's own) answers otherwise
-        system = DEMO_SYSTEM_PROMPT
+    fallback = system is None
+    system = _system_the_template_takes(p, tok, DEMO_SYSTEM_PROMPT if fallback else system, a.system is not None,
+                                        a.model)
+    if fallback and system:  # said: another default (a run's, transformers' template's own) answers otherwise
         print(f"--system not given: using {system!r}, the demo's system message (no run's config.yaml beside the "
               "model or adapter names one)", file=sys.stderr)
     if interactive:
@@ -165,8 +167,13 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
             _refuse_line(q, bad, interactive)
             refused += 1
             continue
-        room, why = _answer_room(model, tok, q, system, a.max_new_tokens, a.model, history)
-        best = _answer_room(model, tok, q, system, a.max_new_tokens, a.model)[0] if history else room
+        try:
+            room, why = _answer_room(model, tok, q, system, a.max_new_tokens, a.model, history)
+            best = _answer_room(model, tok, q, system, a.max_new_tokens, a.model)[0] if history else room
+        except TemplateRefused as e:  # this conversation: said, and the next prompt is read
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            refused += 1
+            continue
         while history and room < best:  # the oldest turns give way to as long an answer as this prompt alone gets
             history.pop(0)
             room, why = _answer_room(model, tok, q, system, a.max_new_tokens, a.model, history)
@@ -187,6 +194,30 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
         if multi:
             history.append((q, reply))
     return 3 if refused else 0  # 3: bad input, as a data file's bad record
+
+
+def _system_the_template_takes(p, tok, system: str, given: bool, name: str) -> str:
+    """``system``, or '' where the chat template refuses a system message and takes none (Mistral-7B-Instruct
+    v0.1/v0.2: "Conversation roles must alternate"): the default one is then left out, said; a given --system exits
+    2 naming the fix. Checked once, before any prompt is answered: every prompt failed with jinja2's TemplateError,
+    an "internal error" (exit 4) with its traceback, for the demo's default system message."""
+    from .train.qa import TemplateRefused, prompt_ids
+
+    if not system:
+        return system
+    try:
+        prompt_ids(tok, "Hello", system)
+        return system
+    except TemplateRefused as e:
+        try:
+            prompt_ids(tok, "Hello", "")
+        except TemplateRefused:
+            raise ValueError(f"{name}: {e}, with or without a system message") from None
+        if given:
+            p.error(f"--system: {name}'s chat template takes no system message ({e}); pass --system '' to ask "
+                    "without one")
+        print(f"note: {name}'s chat template takes no system message ({e}): asking without one", file=sys.stderr)
+        return ""
 
 
 def _no_prompt(multi: bool) -> int:

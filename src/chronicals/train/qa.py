@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import sys
 import unicodedata
 from dataclasses import dataclass
 from importlib import resources
@@ -252,11 +253,23 @@ def write_chat_jsonl(records: list[dict], path: Path, system_prompt: str) -> Pat
     return path
 
 
+class TemplateRefused(ValueError):
+    """The chat template refused the conversation (its ``raise_exception``: Mistral-7B-Instruct v0.1/v0.2's
+    "Conversation roles must alternate", given a system message)."""
+
+
 def prompt_ids(tokenizer, question: str, system_prompt: str, history: tuple | list = ()) -> torch.Tensor:
     """The chat-templated prompt (after the earlier turns ``history``, see chat_messages) with the assistant turn
-    opened, (S,) int64."""
-    text = tokenizer.apply_chat_template(chat_messages(question, system_prompt, history=history), tokenize=False,
-                                         add_generation_prompt=True, date_string=TEMPLATE_DATE)  # as trained
+    opened, (S,) int64. TemplateRefused (a ValueError) where the template refuses the conversation: it was jinja2's
+    bare TemplateError, `chronicals chat`'s "internal error" (exit 4) for a template that takes no system message."""
+    try:
+        text = tokenizer.apply_chat_template(chat_messages(question, system_prompt, history=history), tokenize=False,
+                                             add_generation_prompt=True, date_string=TEMPLATE_DATE)  # as trained
+    except Exception as e:
+        jinja2 = sys.modules.get("jinja2")  # imported by transformers once a template rendered (not our dependency)
+        if jinja2 is not None and isinstance(e, jinja2.TemplateError):
+            raise TemplateRefused(f"the chat template refused the conversation: {e}") from None
+        raise
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
