@@ -2,6 +2,7 @@
 evaluate takes."""
 
 import importlib
+import logging
 import re
 
 import numpy as np
@@ -219,6 +220,22 @@ def test_top_p_samples_only_from_the_nucleus(tiny_hf_config):
     for bad in (0.0, 1.5, float("nan")):
         with pytest.raises(ValueError, match=r"top_p=.* must be in \(0, 1\]"):
             generate(model, ids, 4, temperature=1.0, top_p=bad)
+
+
+
+def test_sampling_arguments_of_another_type_and_a_top_p_without_temperature_are_said(tiny_hf_config, caplog):
+    """temperature="0.5" or None raised a bare "'<=' not supported" TypeError, and top_p=0.5 without a temperature
+    decoded greedily without a word (chronicals chat refuses --top-p without --temperature): a walk of chat."""
+    model = _model(tiny_hf_config)
+    ids = torch.randint(3, 97, (6,), generator=torch.Generator().manual_seed(3))
+    for kw in ({"temperature": "0.5"}, {"temperature": None}, {"top_p": "1"}, {"temperature": True}):
+        with pytest.raises(TypeError, match=rf"^generate: {next(iter(kw))}=.* must be a number, got "):
+            generate(model, ids, 2, **kw)
+    with caplog.at_level(logging.WARNING, logger="chronicals.generate"):
+        greedy = generate(model, ids, 3, top_p=0.5)
+    assert greedy.tolist() == generate(model, ids, 3).tolist()
+    assert any("top_p=0.5 has no effect at temperature=0" in r.getMessage() for r in caplog.records)
+    assert generate(model, ids, 2, temperature=np.float32(0.7), generator=torch.Generator().manual_seed(1)).numel()
 
 
 def _fixed_logits_model(tiny_hf_config, logits):

@@ -201,10 +201,16 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int = 64,
     if input_ids.dtype == torch.bool or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex:
         raise TypeError(f"generate takes integer token ids, got {input_ids.dtype} ones (e.g. "
                         f"{input_ids.view(-1)[0].item()}); pass the tokenizer's ids as they are, not scores or a mask")
+    for name, v in (("temperature", temperature), ("top_p", top_p)):  # "0.5" or None: a bare TypeError from <= below
+        if not isinstance(v, numbers.Real) or isinstance(v, bool):
+            raise TypeError(f"generate: {name}={v!r} must be a number, got {type(v).__name__}")
     if not 0 <= temperature < float("inf"):  # NaN too
         raise ValueError(f"generate: temperature={temperature} must be a finite number >= 0 (0 = greedy decoding)")
     if not 0 < top_p <= 1:
         raise ValueError(f"generate: top_p={top_p} must be in (0, 1] (1 = sample from every token)")
+    if top_p != 1 and temperature == 0:  # chat refuses --top-p without --temperature; here said, as transformers does
+        log.warning("generate: top_p=%s has no effect at temperature=0 (greedy decoding); set temperature > 0 to "
+                    "sample", top_p)
     ids = input_ids.view(1, -1).to(model.lm_head.weight.device)
     max_new_tokens = new_token_budget(model, ids.shape[1], max_new_tokens)
     eos = stop_ids(model, None) if eos_token_id is None else _eos_set(eos_token_id)
