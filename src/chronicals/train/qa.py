@@ -270,7 +270,9 @@ def prompt_ids(tokenizer, question: str, system_prompt: str, history: tuple | li
         if jinja2 is not None and isinstance(e, jinja2.TemplateError):
             raise TemplateRefused(f"the chat template refused the conversation: {e}") from None
         raise
-    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    # verbose=False: transformers' "Token indices sequence length is longer than ..." came before chat's own message
+    # for an over-long prompt, which says how many tokens to cut (a walk of chronicals chat)
+    return torch.tensor(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"], dtype=torch.long)
 
 
 def checked_prompt_ids(model, tokenizer, question: str, system_prompt: str,
