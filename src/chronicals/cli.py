@@ -137,10 +137,11 @@ def cmd_export(argv: list[str]) -> int:
                                                 "only a model's files)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="dtype of the written weights: auto = the base checkpoint's own (a bf16 model stays bf16, "
-                        "as transformers + PEFT merge it; a .gguf base is dequantized to float32); the base loads in "
-                        "it, and each W + s B A is computed in fp32 and rounded once (bfloat16 from an fp32 base "
-                        "rounds W twice); a full run's checkpoint: the dtype it trained in, as its model/ is written (its fp32 "
-                        "masters rounded once; float32 keeps them)")
+                        "as transformers + PEFT merge it; a .gguf base is dequantized to float32); each W + s B A is "
+                        "computed in fp32 and rounded once to it (bfloat16 from an fp32 or fp16 base: the base loads "
+                        "in its own dtype or fp32, then the merged model is rounded); a full run's checkpoint: the "
+                        "dtype it trained in, as its model/ is written (its fp32 masters rounded once; float32 keeps "
+                        "them)")
     p.add_argument("--no-merge", action="store_true",
                    help="write the adapter in PEFT's format (adapter_config.json + adapter_model.safetensors, fp32) "
                         "instead of the merged model: for a LoRA run's checkpoint, the adapter of that step, as "
@@ -217,7 +218,18 @@ def cmd_export(argv: list[str]) -> int:
 
     # A and B as the file has them (fp32 from PEFT and from us): in the base's bf16 they were rounded before the
     # merge, and 14.8% of a bf16 merge's elements then differed from W + s B A rounded once
-    model, tok = _load(a.base, a.adapter, resolve_device("cpu"), "checkpoint" if a.dtype == "auto" else a.dtype,
+    load_dtype = "checkpoint" if a.dtype == "auto" else a.dtype
+    if a.no_merge and _saves_modules(a.adapter):
+        # the modules_to_save tensors (an lm_head, an embedding) are written from the model's parameters: on a bf16
+        # base they were rounded to bf16 on the way, and the written adapter lost the file's fp32 bits (a walk).
+        # Loaded in fp32 (exact for a bf16 or fp16 base), the adapter is written as the file or checkpoint holds it
+        load_dtype = "float32"
+    elif a.adapter and not a.no_merge and a.dtype == "bfloat16" and not is_checkpoint_dir(a.base):
+        # the base in its own dtype, the merge in fp32, then one rounding to bf16: loaded in bf16, W was rounded
+        # before W + s B A was, and 21% of the adapted elements of a SmolLM2 merge (fp32 base) differed from
+        # W + s B A rounded once (a walk)
+        load_dtype = "checkpoint"
+    model, tok = _load(a.base, a.adapter, resolve_device("cpu"), load_dtype,
                        adapter_dtype=torch.float32, tokenizer=not (a.no_merge or no_tokenizer_files),
                        ckpt_base=ckpt_base)
     if note:  # once the model has loaded: a model refused by the load is not written at all (a user walk)
@@ -234,10 +246,26 @@ def cmd_export(argv: list[str]) -> int:
         written = save_model(model, tok, a.out)
         print(f"wrote {a.base} as a Hugging Face directory: {written} ({dtype})")
         return 0
+    if a.dtype == "bfloat16" and model.lm_head.weight.dtype == torch.float16:
+        model.float()  # exact: the merge then rounds W + s B A once, to bf16 below, not to fp16 first
     merge_lora(model)
+    if a.dtype == "bfloat16" and model.lm_head.weight.dtype != torch.bfloat16:  # loaded in its own dtype (above)
+        model.to(torch.bfloat16)
+        dtype = "bfloat16"
     written = save_model(model, tok, a.out)
     print(f"merged {a.adapter} into {a.base}: {written} ({dtype})")
     return 0
+
+
+def _saves_modules(adapter: str) -> bool:
+    """Whether the adapter (a PEFT adapter directory or a LoRA run's checkpoint) trains modules in full
+    (modules_to_save), whose tensors a --no-merge export writes from the loaded model's parameters."""
+    from .lora.peft_io import read_adapter_config
+    from .train.checkpoint_adapter import is_checkpoint_dir, read_lora_checkpoint
+
+    if is_checkpoint_dir(adapter):
+        return bool(read_lora_checkpoint(adapter).lora.get("modules_to_save"))
+    return bool(read_adapter_config(adapter).get("modules_to_save"))
 
 
 def cmd_bench(argv: list[str]) -> int:

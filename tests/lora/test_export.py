@@ -179,3 +179,57 @@ def test_an_out_whose_folder_cannot_be_written_is_refused_before_the_merge(tmp_p
     assert main(["export", "--adapter", str(tmp_path / "a"), "--base", str(tmp_path / "b"),
                  "--out", str(locked / "m")]) == 2
     assert f"{locked} cannot be written by this user" in capsys.readouterr().err
+
+
+def test_export_no_merge_on_a_bf16_base_keeps_the_modules_to_save_bits(tmp_path, capsys):
+    """export --no-merge of an adapter with modules_to_save (fp32 in the file, as PEFT and a run's adapter/ or
+    checkpoint hold them) on a bf16 base: the saved modules were copied into the bf16 base's parameters and written
+    from there, so the new adapter held them rounded to bf16 (A and B stayed fp32), against the help's "fp32" and
+    the README's "a re-saved adapter keeps the file's bits"."""
+    from safetensors.torch import load_file
+
+    base = save_model(tiny_model().to(torch.bfloat16), None, tmp_path / "base")
+    model = tiny_model()
+    apply_lora(model, r=2, alpha=4, modules_to_save=["lm_head"])
+    randomize_lora_b(model)
+    with torch.no_grad():  # values bf16 cannot hold
+        model.lm_head.weight.add_(torch.randn(model.lm_head.weight.shape,
+                                              generator=torch.Generator().manual_seed(5)) * 1e-3)
+    adapter = save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(base))
+    out = tmp_path / "peft"
+    assert main(["export", "--no-merge", "--adapter", str(adapter), "--out", str(out)]) == 0
+    want, got = load_file(adapter / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert got[key].dtype == torch.float32, key
+        assert torch.equal(got[key], want[key]), key
+
+
+def test_export_dtype_bfloat16_from_an_fp32_base_rounds_each_merged_weight_once(tmp_path, capsys):
+    """export --dtype bfloat16 of an adapter on an fp32 base loaded the base in bf16, so W was rounded before
+    W + s B A was: 21% of a SmolLM2 merge's adapted elements differed from W + s B A rounded once, the value the
+    help promises ("each W + s B A is computed in fp32 and rounded once"). The merged weights must be that value."""
+    from safetensors.torch import load_file
+
+    for base_dtype in (torch.float32, torch.float16):  # an fp16 base: rounded to fp16 first, then to bf16, before
+        d = tmp_path / str(base_dtype)
+        base = save_model(tiny_model().to(base_dtype), None, d / "base")
+        model = tiny_model()
+        apply_lora(model, r=2, alpha=4)
+        randomize_lora_b(model)
+        adapter = save_adapter(model, d / "adapter", base_model_name_or_path=str(base))
+        out = d / "merged"
+        assert main(["export", "--adapter", str(adapter), "--dtype", "bfloat16", "--out", str(out)]) == 0
+        assert "(bfloat16)" in capsys.readouterr().out
+        w, ad, got = (load_file(p / f) for p, f in ((base, "model.safetensors"), (adapter, "adapter_model.safetensors"),
+                                                   (out, "model.safetensors")))
+        scaling = model.lora_config.scaling
+        for key, t in got.items():
+            assert t.dtype == torch.bfloat16, key
+            a = ad.get(f"base_model.model.{key.removesuffix('.weight')}.lora_A.weight")
+            w32 = w[key].float()
+            want = w32 if a is None else \
+                w32 + scaling * (ad[f"base_model.model.{key.removesuffix('.weight')}.lora_B.weight"] @ a)
+            assert torch.equal(t, want.to(torch.bfloat16)), (base_dtype, key)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+        assert hf.dtype == torch.bfloat16
