@@ -620,3 +620,19 @@ def test_adapter_state_dict_values_and_a_path_as_the_base(tmp_path):
     out = save_adapter(model, tmp_path / "a", base_model_name_or_path=tmp_path / "base")
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tmp_path / "base")
     assert read_adapter_config(out)["base_model_name_or_path"] == str(tmp_path / "base")
+
+
+def test_an_adapter_saved_as_bin_names_the_peft_calls_that_rewrite_it(tmp_path):
+    """Only safetensors adapters are read. Beside an adapter_model.bin the error said "convert adapter_model.bin with
+    PEFT first", and PEFT has no converter command: it names the two calls now (a walk of export and PEFT interop).
+    Without a .bin it only says what is missing."""
+    out = _saved(tmp_path)
+    (out / "adapter_model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"adapter_model\.safetensors: not found \(only safetensors adapters "
+                                                r"are read\)$"):
+        load_adapter(tiny_model(), out)
+    (out / "adapter_model.bin").write_bytes(b"\0")
+    with pytest.raises(FileNotFoundError, match=r"adapter_model\.bin is there: rewrite it as safetensors with PEFT, "
+                                                r"PeftModel\.from_pretrained\(base, '.*'\) then "
+                                                r"\.save_pretrained\(OUT, safe_serialization=True\)$"):
+        load_adapter(tiny_model(), out)

@@ -287,8 +287,10 @@ def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
     if wpath.is_dir():
         raise ValueError(f"{wpath}: is a directory, not a file; save the adapter again")
     if not wpath.is_file():
-        raise FileNotFoundError(f"{wpath}: not found (only safetensors adapters are read; "
-                                "convert adapter_model.bin with PEFT first)")
+        bin_file = adapter_dir / "adapter_model.bin"  # PEFT has no converter command: say the two calls
+        fix = (f"; {bin_file.name} is there: rewrite it as safetensors with PEFT, PeftModel.from_pretrained(base, "
+               f"'{adapter_dir}') then .save_pretrained(OUT, safe_serialization=True)" if bin_file.is_file() else "")
+        raise FileNotFoundError(f"{wpath}: not found (only safetensors adapters are read){fix}")
     tensors = load_safetensors(wpath)  # a truncated or corrupt file: ValueError naming it
     for key, t in tensors.items():  # an integer tensor was cast into the adapter silently
         if not t.is_floating_point():
