@@ -636,3 +636,17 @@ def test_an_adapter_saved_as_bin_names_the_peft_calls_that_rewrite_it(tmp_path):
                                                 r"PeftModel\.from_pretrained\(base, '.*'\) then "
                                                 r"\.save_pretrained\(OUT, safe_serialization=True\)$"):
         load_adapter(tiny_model(), out)
+
+
+def test_a_peft_adapter_with_lora_on_lm_head_or_the_embedding_is_told_to_merge_with_peft(tmp_path):
+    """PEFT puts LoRA on lm_head and on embeddings; chronicals does not. The refusal gave training advice only
+    ("train it with lora.modules_to_save=[lm_head]"), no fix for someone holding such a file: it names PEFT's
+    merge too now (a walk of export and PEFT interop). The model is left without LoRA."""
+    for targets in (["q_proj", "lm_head"], ["q_proj", "embed_tokens"]):
+        out = _saved(tmp_path / targets[1], target_modules=targets)
+        model = tiny_model()
+        with pytest.raises(ValueError, match=r"adapter_config\.json: .*; for this adapter file: merge it into its "
+                                             r"base with PEFT \(PeftModel\.from_pretrained\(base, dir\)"
+                                             r"\.merge_and_unload\(\), then save_pretrained\)"):
+            load_adapter(model, out)
+        assert getattr(model, "lora_config", None) is None

@@ -310,7 +310,11 @@ def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
                          modules_to_save=_peft_modules_to_save(model, cfg.get("modules_to_save") or ()),
                          impl=impl, adapter_dtype=loaded_adapter_dtype(model, adapter_dtype))
     except ValueError as e:
-        raise ValueError(f"{adapter_dir / CONFIG_NAME}: {e}") from None
+        said = str(e)
+        if "LoRA on lm_head" in said or "not nn.Linear" in said:  # advice for training is no fix for a PEFT file
+            said += ("; for this adapter file: merge it into its base with PEFT (PeftModel.from_pretrained(base, "
+                     "dir).merge_and_unload(), then save_pretrained) and load the merged model")
+        raise ValueError(f"{adapter_dir / CONFIG_NAME}: {said}") from None
     try:
         _fill(model, rec, tensors, wpath)
     except BaseException:
