@@ -577,6 +577,13 @@ def test_a_pruned_checkpoint_and_a_run_without_its_adapter_yet_say_what_to_pass(
     err = capsys.readouterr().err
     assert f"{gone}: no such checkpoint; a run keeps only its newest train.keep_last checkpoints; the newest there " \
            f"now: {run / 'checkpoints' / 'step-000002'}" in err, err
+    # a full fine-tuning run's step given as --model (or to load_model): said the same, not "no such file or
+    # directory (expected a Hugging Face model directory, ...)" (a walk of export)
+    for argv in (["export", "--model", str(gone), "--out", str(tmp_path / "o")], ["eval", "--model", str(gone), "demo"]):
+        assert main(argv) == 3
+        err = capsys.readouterr().err
+        assert f"{gone}: no such checkpoint; a run keeps only its newest train.keep_last checkpoints; the newest " \
+               f"there now: {run / 'checkpoints' / 'step-000002'}" in err, (argv, err)
     live = tmp_path / "live"
     shutil.copytree(run / "checkpoints", live / "checkpoints")
     assert main(["export", "--no-merge", "--adapter", str(live), "--out", str(tmp_path / "o")]) == 3

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from .._jsonio import read_json_object
 from ..models.hf_io import atomic_dir, load_safetensors, save_safetensors
+from ..models.loading import missing_checkpoint
 from .group import unbind_groups
 from .inject import LoraRecord, _set_module, apply_lora, lora_modules
 
@@ -116,12 +117,8 @@ def read_adapter_config(adapter_dir) -> dict:
         raise ValueError(f"{adapter_dir}: is a file; an adapter is the directory holding {CONFIG_NAME} and "
                          f"{WEIGHTS_NAME} (pass {adapter_dir.parent})")
     if not adapter_dir.exists():  # "nosuchdir/adapter_config.json: not found" hid the typo in the directory
-        if adapter_dir.parent.name == "checkpoints" and adapter_dir.name.startswith("step-"):
-            # a running train's keep_last pruning removed it (a concurrency walk: it was described as a PEFT adapter)
-            kept = sorted(p.parent for p in adapter_dir.parent.glob("step-*/state.pt"))
-            now = f"; the newest there now: {kept[-1]}" if kept else ""
-            raise FileNotFoundError(f"{adapter_dir}: no such checkpoint; a run keeps only its newest train.keep_last "
-                                    f"checkpoints{now} (copy one elsewhere before using it while its run trains)")
+        # a running train's keep_last pruning removed it (a concurrency walk: it was described as a PEFT adapter)
+        missing_checkpoint(adapter_dir)
         raise FileNotFoundError(f"{adapter_dir}: no such directory; an adapter is the directory holding {CONFIG_NAME} "
                                 f"and {WEIGHTS_NAME} (e.g. runs/demo/adapter)")
     path = adapter_dir / CONFIG_NAME

@@ -61,6 +61,16 @@ def recorded_name(path: str) -> str:
     return str(p.resolve()) if p.exists() else path
 
 
+def missing_checkpoint(p: Path) -> None:
+    """FileNotFoundError naming keep_last and the newest checkpoint kept when ``p``, which does not exist, is a run's
+    ``checkpoints/step-N``: a running train's pruning removes all but its newest train.keep_last."""
+    if p.parent.name == "checkpoints" and p.name.startswith("step-"):
+        kept = sorted(c.parent for c in p.parent.glob("step-*/state.pt"))
+        now = f"; the newest there now: {kept[-1]}" if kept else ""
+        raise FileNotFoundError(f"{p}: no such checkpoint; a run keeps only its newest train.keep_last checkpoints"
+                                f"{now} (copy one elsewhere before using it while its run trains)")
+
+
 def resolve_path(path: str | os.PathLike) -> Path:
     """A short name, a .gguf file or an HF directory -> the file or directory to read."""
     if isinstance(path, str) and path.lower() in SHORT_NAMES:
@@ -79,6 +89,7 @@ def resolve_path(path: str | os.PathLike) -> Path:
                          f"short name: {', '.join(SHORT_NAMES)}")
     p = Path(path).expanduser()
     if not p.exists():
+        missing_checkpoint(p)  # a full fine-tuning run's step that keep_last removed: said as such (a walk)
         raise FileNotFoundError(f"{p}: no such file or directory (expected a Hugging Face model directory, a .gguf "
                                 f"file, or a short name: {', '.join(SHORT_NAMES)})")
     if p.is_file() and p.suffix.lower() != ".gguf" and not _gguf_magic(p):  # a GGUF named otherwise is read
