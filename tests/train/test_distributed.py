@@ -172,6 +172,38 @@ def _main_first_worker(rank: int, port: int, out: str) -> None:
         dp.destroy()
 
 
+def _main_first_fails_worker(rank: int, port: int, out: str) -> None:
+    """Rank 0's block fails (a bad data record, in a real run); rank 1 records whether its block ran, and what it
+    raised."""
+    from pathlib import Path
+
+    _torchrun_env(rank, port)
+    dp = init_distributed(DEVICE)
+    said = {"ran": False, "error": None}
+    try:
+        with dp.main_first():
+            said["ran"] = True
+            if rank == 0:
+                raise ValueError("data.jsonl:6: messages[0] has no 'content'")
+    except Exception as e:  # noqa: BLE001 - recorded for the test
+        said["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        dp.destroy()
+    torch.save(said, Path(out) / f"rank{rank}.pt")
+
+
+def test_a_failure_in_rank_0s_first_turn_stops_the_others_with_its_error(tmp_path):
+    """Rank 0 failed in main_first (its data tokenization: a bad record) and removed the out_dir it had made; rank 1,
+    released by the barrier, ran the block anyway and failed first, on "[Errno 2] No such file or directory:
+    'out/data/.heldout.jsonl.tmp-PID'" (torchrun's "root cause"), while rank 0's own error could be cut off by
+    torchrun's SIGTERM (a data-parallel walk). The others now raise rank 0's error without running the block."""
+    spawn_ranks(_main_first_fails_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, device=DEVICE)
+    for rank in range(WORLD):
+        said = torch.load(tmp_path / f"rank{rank}.pt")
+        assert said["error"] == "ValueError: data.jsonl:6: messages[0] has no 'content'", (rank, said)
+        assert said["ran"] == (rank == 0), (rank, said)
+
+
 def _none_grad_worker(rank: int, port: int, out: str) -> None:
     _torchrun_env(rank, port)
     dp = init_distributed(DEVICE)
@@ -745,6 +777,38 @@ def test_ranks_that_read_other_data_stop_together_naming_it(tmp_path):
     for rank in range(WORLD):
         said = (tmp_path / f"error{rank}.txt").read_text()
         assert said.startswith("the data-parallel ranks disagree on this run's data (rank 0: "), said
+
+
+def _other_settings_worker(rank: int, port: int, out: str, case: str) -> None:
+    """Rank 1 runs another optim.lr ("lr"), or only its own out_dir and logging ("own", which may differ)."""
+    from pathlib import Path
+
+    _torchrun_env(rank, port)
+    docs = synthetic_docs(40, seed=1)
+    over = {}
+    if rank == 1:
+        over = {"optim__lr": 1e-3} if case == "lr" else {"logging__progress": True}
+    cfg = tiny_config(Path(out) / case / f"r{rank}", train__max_steps=2, model__device=DEVICE, **over)
+    try:
+        train(cfg, model=tiny_model(seed=0), train_loader=_shards(docs, WORLD)[1][rank])
+    except ValueError as e:
+        Path(out, f"error-{case}{rank}.txt").write_text(str(e))
+
+
+@pytest.mark.parametrize("case", ["lr", "own"])
+def test_ranks_run_with_other_settings_stop_together_naming_the_key(tmp_path, case):
+    """Ranks given another config (another optim.lr, train.seed: a node's stale YAML, a per-rank override) trained
+    apart without a word: each applied its own update to the summed gradients, and rank 0's weights were saved;
+    another lora.rank crashed in gloo ("Received data size doesn't match expected size"). A data-parallel walk.
+    Every rank now stops before setup naming the key; paths and logging may still differ per rank."""
+    spawn_ranks(_other_settings_worker, args=(_free_port(), str(tmp_path), case), nprocs=WORLD, device=DEVICE)
+    if case == "own":
+        assert not list(tmp_path.glob("error-*.txt"))
+        return
+    for rank in range(WORLD):
+        said = (tmp_path / f"error-{case}{rank}.txt").read_text()
+        assert said.startswith("the data-parallel ranks disagree on this run's optim.lr (rank 0: 0.003, "
+                               "rank 1: 0.001); every rank must run the same config"), said
 
 
 def test_held_out_evaluation_is_split_over_the_ranks_and_stopped_by_all_together(tmp_path):

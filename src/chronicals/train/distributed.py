@@ -186,27 +186,58 @@ class DistContext:
 
     @contextmanager
     def main_first(self):
-        """Rank 0 runs the block first (it writes shared files and caches), then the others (they reuse them)."""
+        """Rank 0 runs the block first (it writes shared files and caches), then the others (they reuse them).
+
+        When rank 0's block fails, the others raise its error instead of running the block: they ran it after rank 0
+        had failed (a bad data record) and removed the out_dir it had made, and said "[Errno 2] No such file or
+        directory: 'out/data/.heldout.jsonl.tmp-PID'", the first failure torchrun reported, while rank 0's own
+        error could be cut off by torchrun's SIGTERM (a data-parallel walk)."""
+        if not self.enabled:
+            yield
+            return
         if not self.is_main:
-            self._wait()
+            failed = self._handed_on(None)
+            if failed is not None:
+                raise failed
+            yield
+            return
+        failed = None
         try:
             yield
+        except BaseException as e:
+            failed = _passable(e)
+            raise
         finally:
-            if self.is_main:
-                self._wait()
+            self._handed_on(failed)
 
-    def _wait(self) -> None:
-        """A barrier without the default group's deadline (``wait_group``); a plain one without that group."""
-        if self.enabled and self.wait_group is not None:
-            dist.barrier(group=self.wait_group)
-        else:
-            self.barrier()
+    def _handed_on(self, failed: "BaseException | None") -> "BaseException | None":
+        """Rank 0's ``failed`` (None: its block succeeded) on every rank; without the default group's deadline
+        (``wait_group``)."""
+        box = [failed]
+        dist.broadcast_object_list(box, src=0, group=self.wait_group)
+        return box[0]
 
     def destroy(self) -> None:
         """End the process group if init_distributed created it (safe to call more than once)."""
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_group = False
+
+
+def _passable(e: BaseException) -> Exception:
+    """What the other ranks raise for rank 0's failure ``e``: itself where it pickles (the same message and exit
+    status from the CLI), else a DistError naming it (a stop signal, an exception that does not pickle)."""
+    import pickle
+
+    if isinstance(e, Exception):
+        try:
+            back = pickle.loads(pickle.dumps(e))
+            if type(back) is type(e) and str(back) == str(e):
+                return back
+        except Exception:  # noqa: BLE001 - any exception that does not survive the trip is named instead
+            pass
+    return dist.DistError(f"rank 0 failed while it prepared the model or data for every rank "
+                          f"({type(e).__name__}: {str(e).strip()[:300]})")
 
 
 def numel_runs(tensors: list, limit: int):

@@ -111,6 +111,9 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
         out_dir = Path(cfg.train.out_dir).expanduser()
         dp = init_distributed(cfg.model.device)
         try:
+            if dp.enabled:  # before any collective that other settings would mismatch (a crash) or train apart
+                dp.check_same(shared_settings(cfg), "every rank must run the same config (the same YAML file and "
+                              "key=value arguments); only paths, model.device, data.num_proc and logging may differ")
             # any rank's view: without the collective, rank 1's mkdir could come before rank 0's look, and a setup that
             # failed would leave the new, empty out_dir behind as "already there"
             created = bool(dp.all_reduce_flag(not out_dir.is_dir()))
@@ -137,6 +140,20 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
                     raise
         finally:
             dp.destroy()
+
+
+# keys a rank may set for itself: places that can differ between nodes (their contents are compared after setup:
+# the data's digest, the checkpoint's step), this process's device and workers, and what rank 0 alone does (logging)
+RANK_OWN_SETTINGS = {"model.path", "model.device", "data.path", "data.eval_path", "data.cache_dir", "data.num_proc",
+                     "train.out_dir", "train.resume"}
+
+
+def shared_settings(cfg: TrainConfig) -> dict:
+    """``section.key`` -> value of every setting the data-parallel ranks must share: ranks run with another
+    optim.lr or train.seed trained apart without a word (each its own update of the summed gradients, or other
+    shuffles), and another lora.rank crashed in gloo ("Received data size doesn't match expected size")."""
+    return {f"{section}.{key}": value for section, values in cfg.to_dict().items() if section != "logging"
+            for key, value in values.items() if f"{section}.{key}" not in RANK_OWN_SETTINGS}
 
 
 @dataclass
