@@ -1,6 +1,8 @@
 """LoRA options in unusual but valid combinations: what apply_lora / load_adapter accept must mean what PEFT means,
 and what they cannot do must be refused before the model changes (not skipped, not failing mid-training)."""
 
+import json
+
 import peft
 import pytest
 import torch
@@ -80,11 +82,36 @@ def test_peft_modules_to_save_entries_mean_what_peft_trained(saved, ids, tmp_pat
     base = {k: v.clone() for k, v in ours.state_dict().items()}
     want = peft_adapter(tiny_hf(base), saved, ids, tmp_path / "peft")
     rec = load_adapter(ours, tmp_path / "peft")
-    assert "model.layers.1.post_attention_layernorm" in rec.saved_modules
-    assert ("lm_head" in rec.saved_modules) == (saved != ["norm"])
+    if tuple(int(x) for x in peft.__version__.split(".")[:2]) < (0, 22):  # a plain suffix
+        assert "model.layers.1.post_attention_layernorm" in rec.saved_modules
+        assert ("lm_head" in rec.saved_modules) == (saved != ["norm"])
+    else:  # PEFT 0.22 matches at a dot: "norm" is model.norm alone, "layernorm" and "head" nothing
+        assert rec.saved_modules == (["model.norm"] if saved == ["norm"] else []), rec.saved_modules
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), want, rtol=1e-4, atol=1e-4)
     save_adapter(ours, tmp_path / "ours")  # full names: PEFT loads the same modules back
     again = peft.PeftModel.from_pretrained(tiny_hf(base), tmp_path / "ours").eval()
     with torch.no_grad():
         torch.testing.assert_close(again(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["suffix", "dot"])
+def test_a_modules_to_save_entry_is_read_as_the_peft_that_saved_it_matched_it(layout, tmp_path):
+    """modules_to_save=["norm"] trained every norm under PEFT <= 0.21 (a plain suffix) and model.norm alone under PEFT
+    0.22 (at a dot); adapter_config.json reads the same either way. The file's tensors tell which: a file holding
+    only model.norm was refused under the suffix reading ('missing keys ... input_layernorm': CI's PEFT 0.22), one
+    holding every norm is read as all of them. Whichever PEFT is installed here."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model()
+    names = ["model.norm"] + ([f"model.layers.{i}.{n}" for i in range(2)
+                               for n in ("input_layernorm", "post_attention_layernorm")] if layout == "suffix" else [])
+    apply_lora(model, r=2, alpha=4, target_modules=["q_proj"], modules_to_save=names)
+    out = save_adapter(model, tmp_path / "a")
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**cfg, "modules_to_save": ["norm"]}))
+    tensors = load_file(out / "adapter_model.safetensors")
+    assert sum(".weight" in k and "norm" in k for k in tensors) == len(names)
+    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    rec = load_adapter(tiny_model(), out)
+    assert sorted(rec.saved_modules) == sorted(names)

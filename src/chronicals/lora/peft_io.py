@@ -243,15 +243,25 @@ def _untie_if_different(model: nn.Module, rec: LoraRecord, tensors: dict[str, to
     return f"load_adapter: the adapter trains tied modules {untied} with different values; untied them as PEFT does"
 
 
-def _peft_modules_to_save(model: nn.Module, entries) -> tuple[str, ...]:
-    """The full names of the modules PEFT trains for an adapter_config.json's ``modules_to_save``. PEFT matches an
-    entry as a plain suffix of the module's name in the PeftModel (``key.endswith(entry)``, not at a dot as for
-    target_modules): "norm" is model.norm and every layer's input_layernorm and post_attention_layernorm, whose
-    saved tensors were 'unexpected keys' here. An entry matching nothing is left out with a warning, as PEFT skips
-    it (a sequence-classification "score" in a causal LM's file); tensors saved under it stay unexpected keys."""
+def _peft_modules_to_save(model: nn.Module, entries, saved_keys=()) -> tuple[str, ...]:
+    """The full names of the modules PEFT trains for an adapter_config.json's ``modules_to_save``. PEFT <= 0.21
+    matches an entry as a plain suffix of the module's name in the PeftModel (``key.endswith(entry)``): "norm" is
+    model.norm and every layer's input_layernorm and post_attention_layernorm, whose saved tensors were 'unexpected
+    keys' here. PEFT 0.22 matches at a dot (``_is_valid_match``): "norm" is model.norm alone. The file tells them
+    apart: a module only the plain suffix matches is read as trained when ``saved_keys`` (the file's tensor names)
+    hold a tensor of it, else the dot match is taken. An entry matching nothing is left out with a warning, as PEFT
+    skips it (a sequence-classification "score" in a causal LM's file); tensors saved under it stay unexpected keys."""
     names = [n for n, _ in model.named_modules() if n]
-    out = {n: None for n in names if any((PREFIX + n).endswith(e) for e in entries)}
-    unmatched = [e for e in entries if not any((PREFIX + n).endswith(e) for n in names)]
+
+    def at_dot(n: str, e: str) -> bool:
+        return (PREFIX + n) == e or (PREFIX + n).endswith("." + e)
+
+    loose = [n for n in names if any((PREFIX + n).endswith(e) for e in entries)]
+    only_loose = [n for n in loose if not any(at_dot(n, e) for e in entries)]
+    in_file = any(k.startswith(f"{PREFIX}{n}.") for n in only_loose for k in saved_keys)
+    match = (lambda n, e: (PREFIX + n).endswith(e)) if in_file or not only_loose else at_dot
+    out = [n for n in names if any(match(n, e) for e in entries)]
+    unmatched = [e for e in entries if not any(match(n, e) for n in names)]
     if unmatched:
         log.warning("load_adapter: modules_to_save entries %s match no module of this model; left out, as PEFT "
                     "does", unmatched)
@@ -304,7 +314,7 @@ def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
         rec = apply_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
                          target_modules=targets if isinstance(targets, str) else tuple(targets),
                          use_rslora=cfg.get("use_rslora", False),
-                         modules_to_save=_peft_modules_to_save(model, cfg.get("modules_to_save") or ()),
+                         modules_to_save=_peft_modules_to_save(model, cfg.get("modules_to_save") or (), tensors),
                          impl=impl, adapter_dtype=loaded_adapter_dtype(model, adapter_dtype))
     except ValueError as e:
         said = str(e)
