@@ -22,19 +22,14 @@ if [ "${TEST_SHARDS:-2}" = 1 ]; then
 fi
 one=(tests/train tests/models tests/lora tests/bench tests/test_cli_checkpoints.py)
 log=$(mktemp "${TMPDIR:-/tmp}/chronicals-shard2.XXXXXX")
-# each shard its own tmp_path root, removed at the end: side by side they numbered and cleaned up one
-# /tmp/pytest-of-USER with each other (and with any other pytest on the machine). One rehearsal run beside other
-# pytest sessions failed once on a file PEFT had just written under tmp_path, and passed alone, in the shard's order
-# and under 8 hash seeds: not explained, and this takes the shared root out of the picture
-tmp=$(mktemp -d "${TMPDIR:-/tmp}/chronicals-tests.XXXXXX")
 echo "shard 1: ${one[*]}; shard 2 (the rest) runs beside it, its output follows"
-OMP_NUM_THREADS=1 "$py" -m pytest --basetemp "$tmp/2" "$@" tests "${one[@]/#/--ignore=}" > "$log" 2>&1 &
+OMP_NUM_THREADS=1 "$py" -m pytest "$@" tests "${one[@]/#/--ignore=}" > "$log" 2>&1 &
 two=$!
 # both in the background: bash runs a trap only between commands, and `wait` is one it breaks off (a foreground
 # pytest would finish first). Ctrl-C or a kill stops both shards, shows how far shard 2 got and removes its log.
-OMP_NUM_THREADS=1 "$py" -m pytest --basetemp "$tmp/1" "$@" "${one[@]}" &
+OMP_NUM_THREADS=1 "$py" -m pytest "$@" "${one[@]}" &
 first=$!
-trap 'kill "$first" "$two" 2>/dev/null; echo "=== shard 2, interrupted:"; cat "$log"; rm -f "$log"; rm -rf "$tmp"; exit 130' INT TERM
+trap 'kill "$first" "$two" 2>/dev/null; echo "=== shard 2, interrupted:"; cat "$log"; rm -f "$log"; exit 130' INT TERM
 wait "$first"
 rc1=$?
 wait "$two"
@@ -42,7 +37,6 @@ rc2=$?
 echo "=== shard 2: tests/ less ${one[*]}"
 cat "$log"
 rm -f "$log"
-rm -rf "$tmp"
 echo "=== shard 1 exit $rc1, shard 2 exit $rc2"
 # pytest's 5 is "no tests collected": a -k or -m given here may select tests of one shard only
 if [ "$rc1" = 5 ] && [ "$rc2" = 5 ]; then exit 5; fi
