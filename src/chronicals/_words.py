@@ -1,5 +1,6 @@
 """Counts in messages: ``counted(1, "step")`` is "1 step", ``counted(2, "step")`` "2 steps" ("1 documents" and
-"at least 1 tokens" reached users), and sizes: ``size_text(22_000)`` is "22 KB" ("0.0 MB" reached users). Imports nothing of ours, so every layer can use it (as ``_jsonio``)."""
+"at least 1 tokens" reached users), and sizes: ``size_text(22_000)`` is "22 KB" ("0.0 MB" reached users). Imports
+nothing of ours, so every layer can use it (as ``_jsonio``)."""
 
 from __future__ import annotations
 

@@ -59,10 +59,17 @@ def _apply(tokenizer, messages, **kw):
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:  # what a template expression raises
         raise FormatError(f"the chat template failed on this conversation ({type(e).__name__}: {e})") from None
     except Exception as e:
-        jinja2 = sys.modules.get("jinja2")  # imported by transformers once a template rendered (not our dependency)
-        if jinja2 is not None and isinstance(e, jinja2.TemplateError):  # raise_exception(...), undefined values
+        if is_template_error(e):  # raise_exception(...), undefined values
             raise FormatError(f"the chat template refused this conversation: {e}") from None
         raise
+
+
+def is_template_error(e: BaseException) -> bool:
+    """Whether ``e`` is jinja2's TemplateError: a chat template's ``raise_exception(...)`` (Mistral's "Conversation
+    roles must alternate") or an undefined value. jinja2 is transformers' (not our dependency), imported once a
+    template rendered."""
+    jinja2 = sys.modules.get("jinja2")
+    return jinja2 is not None and isinstance(e, jinja2.TemplateError)
 
 
 def _render(tokenizer, messages, add_generation_prompt=False) -> str:

@@ -253,13 +253,15 @@ def _peft_modules_to_save(model: nn.Module, entries, saved_keys=()) -> tuple[str
     skips it (a sequence-classification "score" in a causal LM's file); tensors saved under it stay unexpected keys."""
     names = [n for n, _ in model.named_modules() if n]
 
-    def at_dot(n: str, e: str) -> bool:
+    def suffix(n: str, e: str) -> bool:  # PEFT <= 0.21
+        return (PREFIX + n).endswith(e)
+
+    def at_dot(n: str, e: str) -> bool:  # PEFT 0.22
         return (PREFIX + n) == e or (PREFIX + n).endswith("." + e)
 
-    loose = [n for n in names if any((PREFIX + n).endswith(e) for e in entries)]
-    only_loose = [n for n in loose if not any(at_dot(n, e) for e in entries)]
-    in_file = any(k.startswith(f"{PREFIX}{n}.") for n in only_loose for k in saved_keys)
-    match = (lambda n, e: (PREFIX + n).endswith(e)) if in_file or not only_loose else at_dot
+    only_suffix = [n for n in names if any(suffix(n, e) for e in entries) and not any(at_dot(n, e) for e in entries)]
+    in_file = any(k.startswith(f"{PREFIX}{n}.") for n in only_suffix for k in saved_keys)
+    match = suffix if in_file or not only_suffix else at_dot
     out = [n for n in names if any(match(n, e) for e in entries)]
     unmatched = [e for e in entries if not any(match(n, e) for n in names)]
     if unmatched:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import sys
 import unicodedata
 from dataclasses import dataclass
 from importlib import resources
@@ -23,7 +22,7 @@ import torch
 from .._jsonio import atomic_open
 from .._words import counted
 from ..config import DEMO, DEMO_SYSTEM_PROMPT
-from ..data.chat_template import TEMPLATE_DATE
+from ..data.chat_template import TEMPLATE_DATE, is_template_error
 from ..data.formats import FormatError, a_type, check_text
 from ..data.readers import DataError, read_file, resolve_files
 from ..data.reporting import report_bad_records
@@ -266,8 +265,7 @@ def prompt_ids(tokenizer, question: str, system_prompt: str, history: tuple | li
         text = tokenizer.apply_chat_template(chat_messages(question, system_prompt, history=history), tokenize=False,
                                              add_generation_prompt=True, date_string=TEMPLATE_DATE)  # as trained
     except Exception as e:
-        jinja2 = sys.modules.get("jinja2")  # imported by transformers once a template rendered (not our dependency)
-        if jinja2 is not None and isinstance(e, jinja2.TemplateError):
+        if is_template_error(e):
             raise TemplateRefused(f"the chat template refused the conversation: {e}") from None
         raise
     # verbose=False: transformers' "Token indices sequence length is longer than ..." came before chat's own message
