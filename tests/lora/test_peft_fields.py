@@ -84,7 +84,7 @@ def test_peft_loads_our_adapter_as_a_causal_lm_model(tmp_path):
     assert isinstance(pm, peft.PeftModelForCausalLM)
 
 
-UNSUPPORTED = [("fan_in_fan_out", True), ("bias", "all"), ("rank_pattern", {"q_proj": 4}),
+UNSUPPORTED = [("fan_in_fan_out", True), ("rank_pattern", {"q_proj": 4}),
                ("alpha_pattern", {"q_proj": 8}), ("layers_to_transform", [0]), ("lora_bias", True),
                ("target_parameters", ["mlp.experts.gate_up_proj"]), ("layer_replication", [[0, 2]]),
                ("trainable_token_indices", [1, 2]), ("exclude_modules", ["k_proj"]),
@@ -102,6 +102,63 @@ def test_every_unsupported_peft_option_is_refused(tmp_path, key, val):
     out = _saved(tmp_path, **{key: val})
     with pytest.raises(ValueError, match=rf"{out / 'adapter_config.json'}: {key}=.* is not supported by "
                                          r"chronicals.lora.*PEFT"):
+        load_adapter(tiny_model(), out)
+
+
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_a_bias_option_that_trains_no_bias_loads_as_peft_saved_it(tmp_path, ids, bias):
+    """PEFT's bias="all" / "lora_only" on a model without biases (Llama, SmolLM2) trains and saves nothing more than
+    "none": such an adapter loads with PEFT's logits. It was refused as 'not supported'."""
+    hf = transformers.LlamaForCausalLM(hf_config()).eval()
+    ours = tiny_model()
+    hf.load_state_dict(ours.state_dict(), strict=False)
+    want = peft_adapter(hf, None, ids, tmp_path / "a", bias=bias)
+    assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["bias"] == bias
+    load_adapter(ours, tmp_path / "a")
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("bias,targets", [("all", ["o_proj"]), ("lora_only", ["q_proj"])])
+def test_a_bias_option_that_trains_biases_is_refused_naming_one(tmp_path, bias, targets):
+    """On Qwen2 (q/k/v biases) PEFT's bias option saves trained biases (q_proj.base_layer.bias ...), which
+    chronicals does not load: refused before the model changes, naming the option and a bias. "all" trains every
+    bias even with LoRA on o_proj alone (no bias of its own); "lora_only" those of the targets."""
+    import peft
+
+    hf = transformers.Qwen2ForCausalLM(hf_config("qwen2")).eval()
+    peft.get_peft_model(hf, peft.LoraConfig(r=2, lora_alpha=4, target_modules=targets, bias=bias)) \
+        .save_pretrained(tmp_path / "a")
+    ours = tiny_model("qwen2")
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"bias='{bias}' trains \d+ bias\(es\) of this model \(such as "
+                                         r"model\.layers\.0\.self_attn\.q_proj\.bias\).*merge_and_unload"):
+        load_adapter(ours, tmp_path / "a")
+    assert not hasattr(ours, "lora_config") and ours.state_dict().keys() == before.keys()
+
+
+def test_lora_only_on_targets_without_biases_loads_on_qwen2(tmp_path, ids):
+    """bias="lora_only" with LoRA on o_proj alone (Qwen2's o_proj has no bias) trains nothing more than "none"."""
+    hf = transformers.Qwen2ForCausalLM(hf_config("qwen2")).eval()
+    ours = tiny_model("qwen2")
+    hf.load_state_dict(ours.state_dict(), strict=False)
+    import peft
+
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["o_proj"], bias="lora_only"))
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.1)
+        want = pm.eval()(input_ids=ids).logits
+    pm.save_pretrained(tmp_path / "a")
+    load_adapter(ours, tmp_path / "a")
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), want, rtol=2e-5, atol=2e-5)
+
+
+def test_a_bias_value_peft_does_not_have_is_refused(tmp_path):
+    out = _saved(tmp_path, bias="some")
+    with pytest.raises(ValueError, match=r"bias='some' is not one of PEFT's values \('none', 'all', 'lora_only'\)"):
         load_adapter(tiny_model(), out)
 
 

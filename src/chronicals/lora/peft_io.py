@@ -20,13 +20,13 @@ from .._jsonio import read_json_object
 from ..models.hf_io import atomic_dir, load_safetensors, save_safetensors
 from ..models.loading import missing_checkpoint
 from .group import unbind_groups
-from .inject import LoraRecord, _set_module, apply_lora, lora_modules
+from .inject import LoraRecord, _set_module, apply_lora, lora_modules, name_matches
 
 log = logging.getLogger("chronicals.lora")
 PREFIX = "base_model.model."
 CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
 # PEFT options we do not implement: loading an adapter that uses one must fail, not load it wrong.
-_UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "rank_pattern": {}, "alpha_pattern": {},
+_UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
                 "layers_to_transform": None, "lora_bias": False, "target_parameters": None,
                 "layer_replication": None, "trainable_token_indices": None, "exclude_modules": None}
 # PEFT's LoRA variants (not written by save_adapter: older PEFT versions refuse fields they do not know). Each computes
@@ -44,7 +44,9 @@ _PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica")  # and True (PEFT's def
 _INERT = {"peft_type", "task_type", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping",
           "peft_version", "r", "lora_alpha", "lora_dropout", "use_rslora", "target_modules", "modules_to_save",
           "init_lora_weights", "layers_pattern", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
-          "megatron_config", "megatron_core", "qalora_group_size", "runtime_config", "ensure_weight_tying"}
+          "megatron_config", "megatron_core", "qalora_group_size", "runtime_config", "ensure_weight_tying",
+          "bias"}  # checked on its own: "none", or "all" / "lora_only" where they train no bias (_check_bias)
+_BIAS_MODES = ("none", "all", "lora_only")
 
 
 def _require_record(model: nn.Module, who: str) -> LoraRecord:
@@ -62,7 +64,7 @@ def adapter_config_dict(rec: LoraRecord, base_model_name_or_path: str | None = N
         "r": rec.r, "lora_alpha": rec.alpha, "lora_dropout": rec.dropout, "use_rslora": rec.use_rslora,
         "target_modules": targets, "modules_to_save": list(rec.saved_modules) or None,
         "init_lora_weights": True, "inference_mode": True, "revision": None, "auto_mapping": None,
-        "layers_pattern": None, **_UNSUPPORTED,
+        "layers_pattern": None, "bias": "none", **_UNSUPPORTED,
     }
 
 
@@ -167,6 +169,9 @@ def read_adapter_config(adapter_dir) -> dict:
         if val not in (default, None) and not (isinstance(default, dict) and not val):
             raise ValueError(f"{path}: {key}={val!r} is not supported by chronicals.lora "
                              f"(supported: {key}={default!r}); merge it with PEFT first (merge_and_unload)")
+    bias = cfg.get("bias", "none")
+    if bias is not None and bias not in _BIAS_MODES:
+        raise ValueError(f"{path}: bias={bias!r} is not one of PEFT's values ({', '.join(map(repr, _BIAS_MODES))})")
     init = cfg.get("init_lora_weights", True)
     if not (init is None or isinstance(init, bool) or isinstance(init, str) and init in _PLAIN_INITS):
         raise ValueError(f"{path}: init_lora_weights={init!r} is not supported by chronicals.lora (supported: true, "
@@ -243,6 +248,24 @@ def _untie_if_different(model: nn.Module, rec: LoraRecord, tensors: dict[str, to
     return f"load_adapter: the adapter trains tied modules {untied} with different values; untied them as PEFT does"
 
 
+def _check_bias(model: nn.Module, cfg: dict, path: Path) -> None:
+    """PEFT's ``bias`` option trains base biases and saves them beside A and B: "all" every bias of the model,
+    "lora_only" those of the LoRA target modules. chronicals.lora trains and saves none, so it loads such an adapter
+    only where the option trains nothing: on a model without those biases (Llama, Mistral, SmolLM2; PEFT then saves
+    none) it is "none" and loads. Refused before were adapters that differ from "none" in nothing."""
+    bias = cfg.get("bias") or "none"
+    if bias == "none":
+        return
+    targets = cfg["target_modules"] if isinstance(cfg["target_modules"], str) else tuple(cfg["target_modules"])
+    trained = [f"{n}.bias" for n, m in model.named_modules() if isinstance(getattr(m, "bias", None), nn.Parameter)
+               and (bias == "all" or isinstance(m, nn.Linear) and name_matches(n, targets))]
+    if trained:
+        raise ValueError(f"{path}: bias={bias!r} trains {len(trained)} bias(es) of this model (such as "
+                         f"{trained[0]}), which chronicals.lora does not load or train (supported: bias='none', or "
+                         "'all' / 'lora_only' on a model without those biases); merge it with PEFT first "
+                         "(merge_and_unload)")
+
+
 def _peft_modules_to_save(model: nn.Module, entries, saved_keys=()) -> tuple[str, ...]:
     """The full names of the modules PEFT trains for an adapter_config.json's ``modules_to_save``. PEFT <= 0.21
     matches an entry as a plain suffix of the module's name in the PeftModel (``key.endswith(entry)``): "norm" is
@@ -310,6 +333,7 @@ def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
             raise ValueError(f"{wpath}: tensor {key} holds {bad} NaN or infinite value(s) of {t.numel()}; the "
                              "adapter is damaged (saved from a run that diverged?): use an earlier checkpoint of "
                              "its run, or train it again")
+    _check_bias(model, cfg, adapter_dir / CONFIG_NAME)
     targets = cfg["target_modules"]
     undo = _Undo(model)
     try:  # apply_lora's errors are about adapter_config.json's values: name the file
