@@ -301,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         return _quiet_if_stdout_closes(_usage, argv)
+    if argv[0] != "train" and _rank() != 0:
+        return _left_to_rank_0(argv[0])
     if argv[0] != "bench":  # before any CUDA allocation; bench sets it for its chronicals rows only (the anchors
         os.environ.update(allocator_env())  # run as their own users run them)
     # SIGINT / SIGTERM outside the training loop (which checkpoints and stops on its own): unwind as a Ctrl-C
@@ -339,6 +341,19 @@ def main(argv: list[str] | None = None) -> int:
     else:  # eval, chat, export, bench keep no checkpoints: train.resume means nothing to them
         print(f"\ninterrupted ({name}): chronicals {argv[0]} stopped; run it again to redo it", file=sys.stderr)
     return 130
+
+
+def _left_to_rank_0(command: str) -> int:
+    """Exit status 0, after one line, for a rank other than 0 under torchrun running a command that is one job:
+    export, eval, chat, generate, bench. Only train is data parallel; the others ran whole on every rank (two
+    evals, two exports writing one --out in turn, two chats reading one stdin: rank 1 found no line, failed, and
+    torchrun stopped rank 0 before it answered). Rank 0 runs it as one process would, so the job is done once, as
+    asked; a refusal on every rank would make the user run it again. The other ranks read no stdin and load
+    nothing, and torchrun's status is rank 0's."""
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    print(f"rank {_rank()} of {world}: chronicals {command} runs once, on rank 0 (only train is data parallel; run "
+          f"{command} without torchrun)", file=sys.stderr)
+    return 0
 
 
 def _stdout_reader_gone() -> bool:
