@@ -24,7 +24,7 @@ from pathlib import Path
 from ._cli_args import Parser
 from .cli_chat import _run_system_prompt, cmd_chat  # noqa: F401 (_run_system_prompt: chronicals.cli's before the split)
 from .cli_eval import cmd_eval
-from .cli_models import _base_for, _load, _model_and_base, _rank, _recorded, _setup_logging
+from .cli_models import _base_for, _here, _load, _model_and_base, _rank, _recorded, _setup_logging
 from .cuda_alloc import allocator_env
 
 USAGE = """usage: chronicals train [CONFIG.yaml] [section.key=value ...]
@@ -189,10 +189,15 @@ def cmd_export(argv: list[str]) -> int:
             return 2
     from .lora.peft_io import CONFIG_NAME, WEIGHTS_NAME
     from .models.hf_io import MODEL_DIR_FILES, check_output_dir, has_tokenizer
+    from .models.license_files import describe, license_files
     from .models.loading import SHORT_NAMES, hf_dir, recorded_name
 
+    # the base's LICENSE / NOTICE files, or a .gguf's recorded license as a README.md model card: written with the
+    # model (an adapter in PEFT's format, --no-merge, carries none, as PEFT's own save writes none). A base that is
+    # not here is the load's to report, after --out's checks (a bad --out is said first, before any load)
+    carried = license_files(tok_from) if not a.no_merge and _here(tok_from) else {}
     try:  # before the load and merge (minutes for an 8B model), not when the merged model is written
-        check_output_dir(a.out, (CONFIG_NAME, WEIGHTS_NAME) if a.no_merge else MODEL_DIR_FILES)
+        check_output_dir(a.out, (CONFIG_NAME, WEIGHTS_NAME) if a.no_merge else MODEL_DIR_FILES, carried)
     except (OSError, ValueError) as e:  # ValueError: the working directory, an empty path (save_model's refusals)
         print(f"error: --out {a.out}: {e}", file=sys.stderr)
         return 2
@@ -243,8 +248,8 @@ def cmd_export(argv: list[str]) -> int:
         return 0
     dtype = str(model.lm_head.weight.dtype).removeprefix('torch.')
     if not a.adapter:
-        written = save_model(model, tok, a.out)
-        print(f"wrote {a.base} as a Hugging Face directory: {written} ({dtype})")
+        written = save_model(model, tok, a.out, extra_files=carried)
+        print(f"wrote {a.base} as a Hugging Face directory: {written} ({dtype}){describe(carried)}")
         return 0
     if a.dtype == "bfloat16" and model.lm_head.weight.dtype == torch.float16:
         model.float()  # exact: the merge then rounds W + s B A once, to bf16 below, not to fp16 first
@@ -252,8 +257,8 @@ def cmd_export(argv: list[str]) -> int:
     if a.dtype == "bfloat16" and model.lm_head.weight.dtype != torch.bfloat16:  # loaded in its own dtype (above)
         model.to(torch.bfloat16)
         dtype = "bfloat16"
-    written = save_model(model, tok, a.out)
-    print(f"merged {a.adapter} into {a.base}: {written} ({dtype})")
+    written = save_model(model, tok, a.out, extra_files=carried)
+    print(f"merged {a.adapter} into {a.base}: {written} ({dtype}){describe(carried)}")
     return 0
 
 

@@ -13,6 +13,7 @@ and puts back an output that a killed replacing write had moved aside (``orphans
 from __future__ import annotations
 
 import fnmatch
+import glob
 import json
 import logging
 import os
@@ -70,6 +71,22 @@ def foreign_entries(out: Path, owned: tuple[str, ...]) -> list[str]:
     return sorted(name for name in map(foreign_entry, out.iterdir()) if name is not None)
 
 
+def same_files(out: Path, files: dict[str, bytes]) -> tuple[str, ...]:
+    """The names of ``files`` (name -> bytes a save writes beside the model) whose entry in the directory ``out`` is
+    a file holding those very bytes: a save that writes ``files`` owns them, as replacing them loses nothing. One
+    holding other bytes (a LICENSE or README.md of the user's own, another base's) stays foreign: refused, not
+    overwritten. As exact names for ``foreign_entries``' patterns (glob characters escaped)."""
+    same = []
+    for name, data in files.items():
+        p = out / name
+        try:
+            if p.is_file() and p.stat().st_size == len(data) and p.read_bytes() == data:
+                same.append(glob.escape(name))
+        except OSError:  # unreadable: not known to be the same, so foreign (the refusal names it)
+            continue
+    return tuple(same)
+
+
 def refuse_foreign_files(out: Path, owned: tuple[str, ...]) -> None:
     """FileExistsError when the existing directory ``out`` holds entries that are not ``owned`` (``foreign_entries``).
 
@@ -114,9 +131,11 @@ def refuse_blank(out_dir: str | Path) -> None:
         raise ValueError(f"the output path is empty or blank ({str(out_dir)!r}); name the directory to write")
 
 
-def check_output_dir(out_dir: str | Path, owned: tuple[str, ...] | None = None) -> None:
+def check_output_dir(out_dir: str | Path, owned: tuple[str, ...] | None = None,
+                     written: dict[str, bytes] | None = None) -> None:
     """The checks ``atomic_dir`` makes before writing, for callers that want them before a long load (export):
-    ``out_dir`` is no file, nor under one, and holds nothing but ``owned`` entries (None: not checked)."""
+    ``out_dir`` is no file, nor under one, and holds nothing but ``owned`` entries (None: not checked), and entries
+    of ``written`` (name -> bytes of further files the save writes) that hold those bytes (``same_files``)."""
     refuse_blank(out_dir)
     out = output_path(out_dir)
     if out == Path.cwd() or out in Path.cwd().parents:  # replacing it renames the process's own directory away
@@ -132,17 +151,20 @@ def check_output_dir(out_dir: str | Path, owned: tuple[str, ...] | None = None) 
         raise PermissionError(f"{parent} cannot be written by this user, so {out} cannot be created there; choose "
                               "another output path")
     if owned is not None:
-        refuse_foreign_files(out, owned)
+        refuse_foreign_files(out, owned + same_files(out, written or {}))
 
 
 @contextmanager
-def atomic_dir(out_dir: str | Path, *, replace: bool = True, owned: tuple[str, ...] | None = None):
+def atomic_dir(out_dir: str | Path, *, replace: bool = True, owned: tuple[str, ...] | None = None,
+               written: dict[str, bytes] | None = None):
     """Yield an empty temporary directory beside ``out_dir``; on success rename it to ``out_dir``.
 
     On any error the temporary directory is removed and ``out_dir`` is left as it was. An existing
     ``out_dir`` is replaced (two renames: a reader in between sees no directory, never a partial one),
     or with replace=False a FileExistsError is raised. ``owned``: the file-name patterns the replaced
-    directory may hold (``refuse_foreign_files``, checked before anything is written). The temporary
+    directory may hold (``refuse_foreign_files``, checked before anything is written); ``written``: name -> bytes
+    of the files the caller writes besides those (an export's license files): an entry of such a name is replaced
+    only when it holds those very bytes (``same_files``). The temporary
     directory is ``.{name}.tmp-{pid}-{random}`` (``name`` shortened by ``fitting_name`` near NAME_MAX), locked
     while it is written: those of earlier writers of ``out_dir`` that were killed mid-write (their own cleanup
     never ran) are removed first (``orphans``).
@@ -153,7 +175,7 @@ def atomic_dir(out_dir: str | Path, *, replace: bool = True, owned: tuple[str, .
     refuse_blank(out_dir)  # output_path resolves "  " to a folder of that name: checked on the path as given
     out = output_path(out_dir)
     recover_replaced(out, _temp_pattern(out.name))  # first: the checks below must see a restored out_dir
-    check_output_dir(out, owned if replace else None)
+    check_output_dir(out, owned if replace else None, written)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_orphans(out.parent, _temp_pattern(out.name))  # a killed earlier write's, before this one needs the space
     tmp = out.parent / f".{fitting_name(out.name, _TEMP_ROOM)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -491,13 +513,19 @@ def head_untied_in_code(model: CausalLM) -> bool:
 
 
 def save_hf_dir(model: CausalLM, tokenizer, out_dir: str | Path, *, generation_config: dict | None = None,
-                max_shard_bytes: int | None = None) -> Path:
+                max_shard_bytes: int | None = None, extra_files: dict[str, bytes] | None = None) -> Path:
     """Write ``model`` (+ tokenizer files when ``tokenizer`` is not None) as an HF directory, atomically.
 
     The tied ``lm_head.weight`` is not written (HF re-ties it from the embedding on load). generation_config.json:
     the ``generation_config`` dict when given, else the source directory's file as loaded
-    (``model.source_generation_config``), else none.
+    (``model.source_generation_config``), else none. ``extra_files``: name -> bytes of more files written in the
+    same write (an export's license files, ``license_files``); a name a model directory's own file has is refused.
     """
+    for name in extra_files or {}:
+        if not name or name in (".", "..") or "/" in name or os.sep in name or \
+                any(fnmatch.fnmatch(name, pat) for pat in MODEL_DIR_FILES if not pat.endswith("/")):
+            raise ValueError(f"save_model: extra_files names {name!r}, which is not a plain file name or is one "
+                             "of the model directory's own files (config.json, weights, tokenizer files); rename it")
     if max_shard_bytes is not None and (not is_int(max_shard_bytes) or max_shard_bytes < 1):
         raise ValueError(f"save_model: max_shard_bytes={max_shard_bytes!r}; expected a number of bytes >= 1 (e.g. "
                          "5 * 2**30 for 5 GiB shards) or None for one file")
@@ -534,7 +562,7 @@ def save_hf_dir(model: CausalLM, tokenizer, out_dir: str | Path, *, generation_c
     hf.pop("torch_dtype", None)
     hf["dtype"] = str(dtype).removeprefix("torch.")
     out_dir = Path(out_dir)
-    with atomic_dir(out_dir, owned=MODEL_DIR_FILES) as tmp:
+    with atomic_dir(out_dir, owned=MODEL_DIR_FILES, written=extra_files) as tmp:
         write_state_dict(sd, tmp, max_shard_bytes)
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
         if generation_config is not None:
@@ -543,6 +571,8 @@ def save_hf_dir(model: CausalLM, tokenizer, out_dir: str | Path, *, generation_c
             (tmp / GENERATION_CONFIG).write_bytes(model.source_generation_config)
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp, out_dir)
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
     return out_dir
 
 

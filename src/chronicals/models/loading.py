@@ -217,14 +217,17 @@ def _check_dtype(dtype):
 
 
 def save_model(model: CausalLM, tokenizer, out_dir: str | os.PathLike, *, generation_config: dict | None = None,
-               max_shard_bytes: int | None = None) -> Path:
+               max_shard_bytes: int | None = None, extra_files: dict[str, bytes] | None = None) -> Path:
     """Write an HF directory that transformers' AutoModelForCausalLM.from_pretrained (and load_model) read.
 
     Atomic: written beside ``out_dir`` then renamed. An existing ``out_dir`` is replaced only when it holds
     nothing but a model's files (config.json, generation_config.json, model*.safetensors and the index,
     tokenizer files, chat_template.jinja, additional_chat_templates/: ``hf_io.MODEL_DIR_FILES``); any other
     entry makes it a FileExistsError naming those entries, raised before anything is written. tokenizer may be None (no
-    tokenizer files). max_shard_bytes splits the weights into HF-style shards plus an index.
+    tokenizer files). max_shard_bytes splits the weights into HF-style shards plus an index. extra_files: name ->
+    bytes of more files written in the same write, such as the base model's license
+    (``chronicals.models.license_files.license_files(base)``, what ``chronicals export`` writes); an existing
+    entry of such a name is replaced only when it holds the same bytes.
     """
     if not isinstance(out_dir, (str, os.PathLike)):  # save_model(model, "out", tok): Path(tok) raised first
         raise TypeError(f"save_model: out_dir is a {type(out_dir).__name__}, not a path; the arguments are "
@@ -232,7 +235,7 @@ def save_model(model: CausalLM, tokenizer, out_dir: str | os.PathLike, *, genera
     refuse_blank(out_dir)  # before Path(): Path('') is '.', the working directory
     # expanded here so that the path returned is the one written ('~/m' came back as a Path naming nothing)
     return save_hf_dir(model, tokenizer, Path(out_dir).expanduser(), generation_config=generation_config,
-                       max_shard_bytes=max_shard_bytes)
+                       max_shard_bytes=max_shard_bytes, extra_files=extra_files)
 
 
 def chat(model: CausalLM, tokenizer, prompt: str, max_new_tokens: int = 64) -> str:
