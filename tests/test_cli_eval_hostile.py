@@ -179,3 +179,48 @@ def test_a_cache_dir_inside_the_data_directory_exits_2_before_anything_is_writte
     err = _exit2([data, "--cache-dir", data / inside, "--model", tmp_path / "no-model-needed"], capsys)
     assert f"--cache-dir {data / inside} is inside DATA {data}, whose files are all read as data" in err, err
     assert [p.name for p in data.iterdir()] == ["a.jsonl"]
+
+
+CHAT = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+# (name, the file's lines, words of the error); the bad record is line 2
+BAD_DATA = [
+    ("malformed", [CHAT, '{"messages": [{"role": "user", "content": "Hi"}]'], "bad.jsonl:2: invalid JSON"),
+    ("missing_field", [CHAT, {"msgs": CHAT["messages"]}], "bad.jsonl:2: cannot tell the format from fields ['msgs']"),
+    ("unknown_role", [CHAT, {"messages": [{"role": "robot", "content": "Hi"}, CHAT["messages"][1]]}],
+     "bad.jsonl:2: messages[0].role is 'robot'; expected one of system"),
+    ("qa_without_answer", [QA[0], {"question": "Who?"}], "bad.jsonl:2"),
+    ("empty", [], "the data to score is empty: no records in"),
+    ("no_trainable_token", [{"messages": [{"role": "user", "content": "Hi"}]}], "no example has a trainable token"),
+]
+
+
+@pytest.mark.parametrize("lines, said", [b[1:] for b in BAD_DATA], ids=[b[0] for b in BAD_DATA])
+def test_bad_data_is_said_before_the_weights_load(lines, said, tiny_base, tmp_path, monkeypatch, capsys):
+    """Each was said after the model had loaded (seconds for the embedded model, minutes at 8B): the data is read
+    with the tokenizer alone now, then the weights load."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in lines))
+    rc, err = _refused_before_the_load(["--model", tiny_base, bad, "--device", "cpu", "--cache-dir", "none"],
+                                       monkeypatch, capsys)
+    assert rc == 3 and said in err and str(bad) in err and "Traceback" not in err, err
+
+
+def test_a_directory_without_data_files_is_said_before_the_weights_load(tiny_base, tmp_path, monkeypatch, capsys):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.md").write_text("not data\n")
+    rc, err = _refused_before_the_load(["--model", tiny_base, tmp_path / "notes", "--device", "cpu"], monkeypatch,
+                                       capsys)
+    assert rc == 3 and f"{tmp_path / 'notes'}: directory holds no data files" in err, err
+
+
+@pytest.mark.parametrize("flag, length", [("--max-seq-len", 4096), ("--max-new-tokens", 513)])
+def test_a_length_past_the_models_context_is_said_before_the_data_and_the_weights(flag, length, tiny_base, data_file,
+                                                                                monkeypatch, capsys):
+    """The context is config.json's max_position_embeddings, read before the data is tokenized at that length and
+    before the weights load (both came first)."""
+    import chronicals.evaluate
+
+    monkeypatch.setattr(chronicals.evaluate, "heldout_loader", lambda *a, **k: 1 / 0)
+    rc, err = _refused_before_the_load(["--model", tiny_base, data_file, "--device", "cpu", flag, length],
+                                       monkeypatch, capsys)
+    assert rc == 2 and f"{flag} {length} is more than {tiny_base} can attend to (max_position_embeddings=512)" in err

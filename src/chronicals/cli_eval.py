@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ._cli_args import Parser
 from .cli_models import (BASE_HELP, DTYPE_HELP, _base_for, _load, _model_and_base, _not_utf8, _setup_logging,
-                         _within_context, add_verbose)
+                         _tokenizer_first, _within_context, add_verbose)
 
 
 _DATA_FLAGS = ("format", "train_on", "max_seq_len", "system_prompt", "batch_size", "on_long", "on_error", "cache_dir",
@@ -145,21 +145,19 @@ def cmd_eval(argv: list[str]) -> int:
             tmp.unlink()
         except OSError as err:
             p.error(f"--json {a.json}: cannot write in {out.parent} ({err.strerror or err}); choose another file")
-    from .evaluate import evaluate, write_json  # no _setup_logging: a summary, as chat prints answers only
+    from .evaluate import evaluate, read_eval_data, write_json  # no _setup_logging: a summary, as chat prints answers
 
-    model, tok = _load(a.model, a.adapter, dev, a.dtype, ckpt_base=ckpt_base)
+    # the tokenizer and config.json, then the data, then the weights (seconds for the embedded model, minutes at 8B):
+    # a length past the model's context (exit 2) and a bad record (exit 3) are said before the weights load
+    tok, config = _tokenizer_first(a.model, ckpt_base)
     # a row also costs max_seq_len^2 memory on the CPU path
-    _within_context(p, model, a.model, ("--max-seq-len", a.max_seq_len), ("--max-new-tokens", a.max_new_tokens))
+    _within_context(p, config, a.model, ("--max-seq-len", a.max_seq_len), ("--max-new-tokens", a.max_new_tokens))
     # the data's warnings and errors name these flags ("raise --max-seq-len or set --on-long=truncate")
     flags = {option: _as_flags(key) for option, key in DATA_OPTION_KEYS.items()}
-    try:
-        result = evaluate(model, tok, data, dev, qa_limit=a.qa_limit, max_new_tokens=a.max_new_tokens,
-                          option_names=flags, system_prompt=a.system_prompt)  # a given one as given
-    except ValueError as err:  # another error naming data.<key> (data.cache_dir): a flag here (still exit 3)
-        said = _as_flags(str(err))
-        if isinstance(err, ConfigError) or said == str(err):
-            raise
-        raise ValueError(said) from err
+    read = _said_in_flags(read_eval_data, tok, data, flags, a.system_prompt)  # a given system prompt as given
+    model, _ = _load(a.model, a.adapter, dev, a.dtype, tokenizer=False, ckpt_base=ckpt_base)
+    result = _said_in_flags(evaluate, model, tok, data, dev, qa_limit=a.qa_limit, max_new_tokens=a.max_new_tokens,
+                            read=read)
     if result.system_prompt is None and a.system_prompt is not None:
         print(f"note: --system-prompt has no effect: {a.data} holds no question/answer records (chat records keep "
               "their own system message)", file=sys.stderr)
@@ -179,6 +177,20 @@ def cmd_eval(argv: list[str]) -> int:
                           "above") from err
         print(f"numbers: {written}")
     return 0
+
+
+def _said_in_flags(call, *args, **kwargs):
+    """``call(*args, **kwargs)``, its ValueError that names a data.<key> (data.cache_dir) raised again naming eval's
+    flag (still exit 3; a ConfigError as it is)."""
+    from .config import ConfigError
+
+    try:
+        return call(*args, **kwargs)
+    except ValueError as err:
+        said = _as_flags(str(err))
+        if isinstance(err, ConfigError) or said == str(err):
+            raise
+        raise ValueError(said) from err
 
 
 def _recorded_base(model: str | None) -> str | None:

@@ -173,10 +173,23 @@ def _load(model_path: str, adapter: str | None, dev, dtype: str, adapter_dtype=N
     return model.eval(), tok
 
 
+def _tokenizer_first(model_path: str, ckpt_base: str | None = None):
+    """(tokenizer, ModelConfig) of the model ``_load(model_path, ..., ckpt_base=ckpt_base)`` loads, read without its
+    weights (a full fine-tuning checkpoint's from its base, as it loads them): eval checks its flags against the
+    config and reads its data with the tokenizer before the weights load, so a bad record is said first."""
+    from .models.loading import load_tokenizer, model_config
+    from .train.checkpoint_adapter import is_checkpoint_dir
+    from .train.checkpoint_model import checkpoint_base
+
+    source = (ckpt_base or checkpoint_base(model_path)) if is_checkpoint_dir(model_path) else model_path
+    config = model_config(source)  # before the tokenizer, as load_model: "this is a LoRA adapter, ..."
+    return load_tokenizer(source), config
+
+
 def _within_context(p: argparse.ArgumentParser, model, name: str, *flags: tuple[str, int]) -> None:
-    """Exit 2 for a (flag, tokens) past ``model``'s max_position_embeddings: positions past it were never trained
-    (garbage, and slower at every token)."""
-    context = model.config.max_position_embeddings
+    """Exit 2 for a (flag, tokens) past the max_position_embeddings of ``model`` (or of its config, read before the
+    weights load): positions past it were never trained (garbage, and slower at every token)."""
+    context = getattr(model, "config", model).max_position_embeddings
     for flag, value in flags:
         if value > context:
             p.error(f"{flag} {value} is more than {name} can attend to (max_position_embeddings={context}); "

@@ -10,7 +10,8 @@ keyword score of ``train.qa.answer_all``. So an adapter scored on the data its r
     chronicals eval --adapter runs/demo/adapter demo     # the demo's held-out questions: loss and keywords
 
 ``evaluate(model, tokenizer, data, device)`` -> ``EvalResult``; ``data`` is a ``config.DataSection`` whose
-``path`` is the file to score (``demo``: the packaged held-out questions).
+``path`` is the file to score (``demo``: the packaged held-out questions). ``read_eval_data(tokenizer, data)`` reads
+it without the model, for ``evaluate(..., read=)``: chronicals eval says a bad record before the weights load.
 """
 
 from __future__ import annotations
@@ -149,14 +150,35 @@ class _Unnamed(logging.Filter):
         return True
 
 
+@dataclass
+class EvalData:
+    """The data ``evaluate`` scores, read and tokenized (``read_eval_data``), which needs the tokenizer alone:
+    chronicals eval reads it before the model's weights load, so a bad record is said first."""
+    loader: PackedLoader
+    qa: list[dict] | None  # the question records of a QA file (None: not one)
+    system_prompt: str | None  # the system message of the QA prompts ('' = none)
+
+
+def read_eval_data(tokenizer, data: DataSection, option_names: dict[str, str] | None = None,
+                   system_prompt: str | None = None) -> EvalData:
+    """``data.path`` read and tokenized as ``evaluate`` scores it (``heldout_loader``; a QA file's chat copy goes to
+    a temporary directory, removed once read). ``option_names``, ``system_prompt``: as ``evaluate`` takes them."""
+    system = heldout_system_prompt(data) if system_prompt is None else system_prompt  # one answer for both uses
+    with tempfile.TemporaryDirectory(prefix="chronicals-eval-") as tmp:
+        loader, qa = heldout_loader(data, tokenizer, Path(tmp), option_names, system)
+    return EvalData(loader, qa, system)
+
+
 def evaluate(model, tokenizer, data: DataSection, device: torch.device, *, qa_limit: int = 0,
              max_new_tokens: int = 24, option_names: dict[str, str] | None = None,
-             system_prompt: str | None = None) -> EvalResult:
+             system_prompt: str | None = None, read: EvalData | None = None) -> EvalResult:
     """Held-out loss of ``model`` over ``data.path`` and, for a question/answer file, the keyword accuracy of its
     greedy answers (the first ``qa_limit`` questions; 0 = all) of at most ``max_new_tokens`` tokens.
     ``option_names``: what the data's messages call its options (``heldout_loader``; chronicals eval: its flags).
     ``system_prompt``: the QA prompts' system message as given ('' = none); None: ``qa.heldout_system_prompt(data)``,
-    which is data.system_prompt for the demo data or when it differs from the default, else none, as train asks."""
+    which is data.system_prompt for the demo data or when it differs from the default, else none, as train asks.
+    ``read``: the data as ``read_eval_data(tokenizer, data, option_names, system_prompt)`` gave it before the model
+    loaded (chronicals eval); None: read here."""
     for name, value, least in (("qa_limit", qa_limit, 0), ("max_new_tokens", max_new_tokens, 1)):
         if not is_int(value) or value < least:  # -1 had dropped the last question
             raise ValueError(f"evaluate: {name}={value!r} must be a whole number >= {least}"
@@ -165,9 +187,9 @@ def evaluate(model, tokenizer, data: DataSection, device: torch.device, *, qa_li
     if context and data.max_seq_len > context:
         log.warning("max_seq_len=%d is longer than the model's max_position_embeddings=%d: positions past %d were "
                     "not trained, so the loss of longer examples says little", data.max_seq_len, context, context)
-    system = heldout_system_prompt(data) if system_prompt is None else system_prompt  # one answer for both uses
-    with tempfile.TemporaryDirectory(prefix="chronicals-eval-") as tmp:
-        loader, qa = heldout_loader(data, tokenizer, Path(tmp), option_names, system)
+    if read is None:
+        read = read_eval_data(tokenizer, data, option_names, system_prompt)
+    loader, qa = read.loader, read.qa
     ds = loader.dataset
     if len(ds.ids):  # host ids: the embedding would raise a bare IndexError
         check_ids_in_vocab(model, int(ds.ids.max()), f"{data.path} holds token id")
@@ -175,7 +197,7 @@ def evaluate(model, tokenizer, data: DataSection, device: torch.device, *, qa_li
     result = EvalResult(data=data.path, loss=loss, loss_tokens=n, examples=len(ds), stats=ds.stats)
     if qa is not None:
         result.qa = qa[:qa_limit] if qa_limit else qa
-        result.system_prompt = system
+        result.system_prompt = read.system_prompt
         result.answers = answer_all(model, tokenizer, result.qa, result.system_prompt, max_new_tokens)
     return result
 

@@ -68,6 +68,21 @@ def test_a_yaml_file_names_the_line_of_the_lora_key(tmp_path, no_model_load, cap
     assert f"error: {cfg}:2: config lora.rank=0 is invalid: expected an integer >= 1" in capsys.readouterr().err
 
 
+TINY = ["data.max_seq_len=128"]  # tiny_model's max_position_embeddings
+
+
+def _tiny_loads(monkeypatch) -> list:
+    """model.path=tiny: loop loads tiny_model() (its config first, with the embedded SmolLM2 tokenizer, which reads
+    the demo data before the weights load); returns a list that holds a 1 for each weights load."""
+    from smollm2_tokenizer import smollm2_tokenizer
+
+    loaded = []
+    monkeypatch.setattr(loop, "load_base_tokenizer", lambda *a, **k: (smollm2_tokenizer(), tiny_model().config))
+    monkeypatch.setattr(loop, "load_base", lambda *a, **k: loaded.append(1) or tiny_model())
+    monkeypatch.delenv("CHRONICALS_TRACEBACK", raising=False)
+    return loaded
+
+
 # (lora overrides, key, words of apply_lora's message): names only the loaded model can refuse
 DOES_NOT_FIT = [
     (["lora.targets=[nope_proj]"], "lora.targets", "matched no nn.Linear"),
@@ -81,15 +96,8 @@ DOES_NOT_FIT = [
 def test_a_lora_name_that_does_not_fit_the_model_exits_2_after_it_loads(overrides, key, words, tmp_path,
                                                                         monkeypatch, capsys):
     """Only the model knows its module names: refused once it is loaded, but as the config's fault (exit 2, was 3)."""
-    loaded = []
-
-    def tiny(*a, **k):
-        loaded.append(1)
-        return tiny_model(), None
-
-    monkeypatch.setattr(loop, "load_base", tiny)
-    monkeypatch.delenv("CHRONICALS_TRACEBACK", raising=False)
-    assert main(["train", *overrides, "model.path=tiny", f"train.out_dir={tmp_path / 'run'}"]) == 2
+    loaded = _tiny_loads(monkeypatch)
+    assert main(["train", *overrides, "model.path=tiny", *TINY, f"train.out_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
     assert loaded and f"error: config {key} does not fit model.path=tiny: apply_lora: " in err and words in err, err
     assert f"in a config: {key}" in err and "Traceback" not in err and "internal error" not in err
@@ -151,9 +159,8 @@ def test_a_misspelled_target_beside_good_ones_exits_2_after_the_model_loads(tmp_
     adapter_config.json recording gate_porj as a target; every name the config lists must match a module. The
     refusal lists the model's linear layers to pick from, without lm_head (it named lm_head, which apply_lora
     refuses as a target)."""
-    monkeypatch.setattr(loop, "load_base", lambda *a, **k: (tiny_model(), None))
-    monkeypatch.delenv("CHRONICALS_TRACEBACK", raising=False)
-    assert main(["train", "lora.targets=[q_proj, gate_porj]", "model.path=tiny",
+    _tiny_loads(monkeypatch)
+    assert main(["train", "lora.targets=[q_proj, gate_porj]", "model.path=tiny", *TINY,
                  f"train.out_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
     assert "error: config lora.targets does not fit model.path=tiny: " in err and "['gate_porj']" in err, err

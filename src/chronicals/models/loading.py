@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..ops._impl import check_impl
+from .config import ModelConfig
 from .decoder import CausalLM
 from .generate import generate, stop_ids
 from .gguf_io import cached_gguf_dir, tokenizer_error
@@ -117,6 +118,13 @@ def hf_dir(path: str | os.PathLike) -> Path:
     """The HF directory to read for ``path`` (a GGUF file's cached conversion, made on first use)."""
     p = resolve_path(path)
     return cached_gguf_dir(p) if p.is_file() else p
+
+
+def model_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of a model path (its config.json; a GGUF file's cached conversion, made on first use),
+    without reading the weights: train and eval check their settings against it and read the data before the
+    weights load. Its errors are load_model's for the same path (load_hf_dir reads config.json first too)."""
+    return ModelConfig.from_json(hf_dir(path) / "config.json")
 
 
 def load_tokenizer(path: str | os.PathLike):

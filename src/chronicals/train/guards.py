@@ -72,6 +72,26 @@ def check_document_lengths(model, *loaders) -> None:
                              f"{int(lengths[i])} tokens after data.on_long) does not fit this model: {e}{hint}") from None
 
 
+def check_max_seq_len(cfg: TrainConfig, model_config) -> None:
+    """ConfigError when data.max_seq_len is past ``model_config.max_position_embeddings`` (the model's config, read
+    before the data and the weights; None or no such field: nothing to check), as chronicals eval --max-seq-len
+    refuses it. It was a warning: a typo'd 100000 on a 512-token model was killed for memory on the CPU (the
+    attention mask is S x S a row) with no error, and the adapter could not be scored by eval at its own length."""
+    trained_len = getattr(model_config, "max_position_embeddings", None)
+    if not trained_len or cfg.data.max_seq_len <= trained_len:
+        return
+    src = Path(str(cfg.model.path)).expanduser()
+    where = (f"{src / 'config.json'}" if (src / "config.json").is_file() else
+             # a .gguf file or a short name has no config.json to edit (a user walk): a written-out directory has
+             f"the config.json of a Hugging Face directory written from it (chronicals export --model "
+             f"{cfg.model.path} --out DIR; then model.path=DIR)")
+    raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} is more than the model can attend to "
+                      f"(max_position_embeddings={trained_len}): positions past {trained_len} were never trained; "
+                      f"use at most {trained_len}, or, to extend the context on purpose, raise "
+                      f"max_position_embeddings (with rope_scaling where the model needs it) in {where}",
+                      "data.max_seq_len")
+
+
 def check_ids_in_vocab(model, top: int, what: str) -> None:
     """ValueError when token id ``top`` has no row in the model's embedding; ``what`` says where it came from
     ("the training data holds token id", "the prompt 'hi' tokenizes to id"). Host values only: no device sync."""

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import DEMO, ConfigError, TrainConfig, from_dict, load_config
+from ..config import DEMO, TrainConfig, from_dict, load_config
 from .._jsonio import write_text_atomic
 from .._words import counted
 from ..cuda_alloc import allocator_setting
@@ -42,10 +42,11 @@ from .console import run_console
 from .distributed import DistContext, init_distributed, main_rank_tells, rank_seed
 from .grad_buckets import GradBuckets
 from .graphs import GraphedStep, resolve_cuda_graphs
-from .setup import build_loaders, load_base, prepare_model, record_passed_model, resolve_dtype
+from .setup import build_loaders, load_base, load_base_tokenizer, prepare_model, record_passed_model, resolve_dtype
 from .readback import StepReadback, StepStart
 from .guards import (check_cuda_graphs, check_data_paths, check_document_lengths, check_final_dir, check_final_model,
-                     check_impl, check_out_dir, check_resume_path, check_token_ids, remove_setup_files)
+                     check_impl, check_max_seq_len, check_out_dir, check_resume_path, check_token_ids,
+                     remove_setup_files)
 from .resume import (apply_optimizer_settings, base_fingerprint, check_resume_adapter, check_same_adapter,
                      optimizer_settings, refuse_other_adapter, setting_diffs, warn_data_changed,
                      warn_loss_settings_changed)
@@ -161,6 +162,13 @@ class _Phase:
     training: bool = False  # set when the first step starts: from then on out_dir holds this run's record
 
 
+def _ready_model(cfg: TrainConfig, model, device: torch.device, dtype: torch.dtype):
+    """A loaded or passed model made ready to train (``setup.prepare_model``), once ``check_final_model`` finds its
+    final directory can be saved."""
+    check_final_model(cfg, model)
+    return prepare_model(model, cfg, device, dtype)
+
+
 def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, train_loader, eval_loader,
            heldout_qa, on_step, report, phase: _Phase) -> TrainResult:
     # ---- setup ----
@@ -171,32 +179,28 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
     check_impl(cfg, device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     check_resume_adapter(cfg, out_dir)  # a LoRA resume under other adapter settings: before the load, not after
-    if model is None:
+    passed = model is not None
+    if passed:  # its checks are cheap: said before the data is read
+        if getattr(model, "chronicals_base", None) is None:
+            log.info("a model passed to train(): its adapter records no base model (model.path=%s is not what was "
+                     "trained); set model.chronicals_base = its path or name to record one", cfg.model.path)
+        model = _ready_model(cfg, model, device, dtype)
+        model_config = getattr(model, "config", None)
+    else:
         with dp.main_first():  # rank 0 fills the conversion cache (GGUF) before the others read it
-            model, tokenizer = load_base(cfg, device, dtype)
-        model.chronicals_base = recorded_name(cfg.model.path)  # absolute when a path: chat/export find it anywhere
-    elif getattr(model, "chronicals_base", None) is None:
-        log.info("a model passed to train(): its adapter records no base model (model.path=%s is not what was "
-                 "trained); set model.chronicals_base = its path or name to record one", cfg.model.path)
-    check_final_model(cfg, model)
-    model = prepare_model(model, cfg, device, dtype)
-    trained_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if trained_len and cfg.data.max_seq_len > trained_len:  # as chronicals eval --max-seq-len refuses it
-        # a warning before: a typo'd 100000 on a 512-token model was killed for memory on the CPU (the attention
-        # mask is S x S a row) with no error, and the adapter could not be scored by eval at its own length
-        src = Path(str(cfg.model.path)).expanduser()
-        where = (f"{src / 'config.json'}" if (src / "config.json").is_file() else
-                 # a .gguf file or a short name has no config.json to edit (a user walk): a written-out directory has
-                 f"the config.json of a Hugging Face directory written from it (chronicals export --model "
-                 f"{cfg.model.path} --out DIR; then model.path=DIR)")
-        raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} is more than the model can attend to "
-                          f"(max_position_embeddings={trained_len}): positions past {trained_len} were never trained; "
-                          f"use at most {trained_len}, or, to extend the context on purpose, raise "
-                          f"max_position_embeddings (with rope_scaling where the model needs it) in {where}",
-                          "data.max_seq_len")
-    if train_loader is None:
+            tokenizer, model_config = load_base_tokenizer(cfg)
+    check_max_seq_len(cfg, model_config)
+    built = train_loader is None
+    if built:
+        # before the weights load (seconds for the embedded model, minutes at 8B): a bad record is said first
         with dp.main_first():  # rank 0 writes out_dir/data and the tokenization cache; the others reuse them
             train_loader, eval_loader, heldout_qa = build_loaders(cfg, tokenizer, out_dir, dp.rank, dp.world_size)
+    if not passed:
+        with dp.main_first():  # rank 0 first: an error of its (a bad weights file) is every rank's, said once
+            model = load_base(cfg, device, dtype)
+        model.chronicals_base = recorded_name(cfg.model.path)  # absolute when a path: chat/export find it anywhere
+        model = _ready_model(cfg, model, device, dtype)
+    if built:
         check_token_ids(model, train_loader, eval_loader)
         check_document_lengths(model, train_loader, eval_loader)  # before step 1, not when a batch draws one
     elif getattr(train_loader, "world_size", dp.world_size) != dp.world_size:

@@ -175,14 +175,27 @@ def _check_only_adapters_train(model) -> None:
                          "modules in full with apply_lora(..., modules_to_save=[...]) on the base model")
 
 
+def load_base_tokenizer(cfg: TrainConfig):
+    """(tokenizer, ModelConfig) of model.path (HF dir, .gguf, or the embedded short name), read without its weights:
+    the run checks data.max_seq_len against the config and reads and tokenizes the data with the tokenizer before
+    ``load_base`` loads the weights (seconds for the embedded model, minutes at 8B), so a bad record is said first.
+    A .gguf file's first use converts it here (the weights then load from the conversion). A path that does not
+    exist fails naming the key (guards.check_model_path)."""
+    from ..models.loading import load_tokenizer, model_config
+    from .guards import check_model_path
+
+    check_model_path(cfg)
+    config = model_config(cfg.model.path)  # before the tokenizer, as load_model: "this is a LoRA adapter, ..."
+    return load_tokenizer(cfg.model.path), config
+
+
 def load_base(cfg: TrainConfig, device: torch.device, dtype: torch.dtype):
-    """(model, tokenizer) from model.path (HF dir, .gguf, or the embedded short name); a path that does not exist
-    fails naming the key (guards.check_model_path)."""
+    """The model of model.path, without its tokenizer (``load_base_tokenizer`` read that, before the data)."""
     from .. import load_model
     from .guards import check_model_path
 
     check_model_path(cfg)
-    return load_model(cfg.model.path, dtype=dtype, device=device, impl=cfg.model.impl)
+    return load_model(cfg.model.path, dtype=dtype, device=device, impl=cfg.model.impl, tokenizer=False)[0]
 
 
 def _copy_path(out_dir: Path, name: str) -> Path:
