@@ -174,6 +174,21 @@ def test_pretty_printed_objects_in_json_lines_are_named(tmp_path, name):
     assert "pretty-printed" not in read_file(p)[1].error
 
 
+@pytest.mark.parametrize("line, lacks", [('{"messages": [{"role": "user", "content": "x"}', "]}"),
+                                         ('{"text": "a \\" [ {", "n": 1', "}"), ('{"a": [1, {"b": true}', "]}")])
+def test_a_line_cut_short_is_not_told_it_is_pretty_printed(tmp_path, line, lacks):
+    """A record whose line ends after a whole value with its brackets still open (a write cut short, a bracket lost
+    in an edit) was told "the objects seem pretty-printed over several lines" and to run jq, which refuses the file
+    too (a walk of chronicals train). It is told which closing brackets the line lacks."""
+    p = tmp_path / "cut.jsonl"
+    p.write_text('{"text": "a"}\n' + line + '\n{"text": "c"}\n')
+    error = read_file(p)[1].error
+    assert "pretty-printed" not in error, error
+    assert error.endswith(f"; expected one JSON object per line; the line ends before its record closes (it lacks "
+                          f"{lacks!r} at its end): the record was cut short or lost its closing brackets; complete "
+                          "it or remove the line"), error
+
+
 def test_a_byte_order_mark_mid_file_is_named(tmp_path):
     """json's own "Unexpected UTF-8 BOM (decode using utf-8-sig)" named a fix that does not apply mid-file."""
     bom = b"\xef\xbb\xbf"

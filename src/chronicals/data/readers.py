@@ -339,11 +339,33 @@ def _bad_line(line: str, e: json.JSONDecodeError) -> str:
     fix = ""
     if "\r" in line.strip() and e.msg == "Extra data":
         fix = "; the lines end in a bare carriage return ('\\r'), not '\\n': convert them (tr '\\r' '\\n' < FILE > NEW)"
-    elif line.lstrip().startswith("{") and e.pos >= len(line.rstrip()):  # '{' or '{"text": "a",': cut at the end
-        # of the line; a file that is one object spread over lines is said whole (_refuse_spread_json), several not
-        fix = ("; the objects seem pretty-printed over several lines, and JSON lines need each object on one line: "
-               "rewrite them, e.g. jq -c . FILE > NEW.jsonl")
+    elif line.lstrip().startswith("{") and e.pos >= len(line.rstrip()):  # the object still open at the line's end
+        if line.rstrip()[-1] in "{[,":  # '{' or '{"text": "a",': an object's first line; a file that is one object
+            # spread over lines is said whole (_refuse_spread_json), several not
+            fix = ("; the objects seem pretty-printed over several lines, and JSON lines need each object on one "
+                   "line: rewrite them, e.g. jq -c . FILE > NEW.jsonl")
+        elif lacks := _unclosed(line):  # a whole value, then the end: was told "pretty-printed" too (a walk)
+            fix = (f"; the line ends before its record closes (it lacks {lacks!r} at its end): the record was cut "
+                   "short or lost its closing brackets; complete it or remove the line")
     return f"invalid JSON ({json_error(e)}); expected one JSON object per line{fix}"
+
+
+def _unclosed(line: str) -> str:
+    """The closing brackets of the objects and arrays still open at the end of JSON text ``line``, innermost first
+    ('{"a": [1, {"b": 2}' -> ']}'); brackets inside strings do not count."""
+    closers, in_string, escaped = [], False, False
+    for ch in line:
+        if escaped:
+            escaped = False
+        elif in_string:
+            escaped, in_string = ch == "\\", ch != '"'
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            closers.append("}" if ch == "{" else "]")
+        elif ch in "}]" and closers:
+            closers.pop()
+    return "".join(reversed(closers))
 
 
 def _mid_file_bom(e: json.JSONDecodeError) -> str:
