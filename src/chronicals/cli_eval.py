@@ -94,7 +94,7 @@ def cmd_eval(argv: list[str]) -> int:
         if not out.parent.is_dir():
             p.error(f"--json {a.json}: the folder {out.parent} does not exist; create it or choose another file")
     from .config import DEMO, ConfigError
-    from .data.readers import glob_hint
+    from .data.files import glob_hint
     from .train.guards import where_read
     from .train.setup import DATA_OPTION_KEYS, resolve_device
 

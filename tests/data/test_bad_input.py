@@ -5,7 +5,8 @@ import json
 import pytest
 
 from chronicals.data import DataError, load_dataset
-from chronicals.data.readers import read_file, resolve_files
+from chronicals.data.readers import read_file
+from chronicals.data.files import resolve_files
 
 
 def load(path, tokenizer, **kw):

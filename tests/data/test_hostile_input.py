@@ -10,7 +10,8 @@ import pytest
 
 from chronicals.data import DataError, PackedLoader, load_dataset
 from chronicals.data.dataset import DatasetStats, TokenizedDataset
-from chronicals.data.readers import read_file, resolve_files
+from chronicals.data.readers import read_file
+from chronicals.data.files import resolve_files
 
 BIG = "1" + "0" * 5000  # more digits than Python's int() takes from text (4300)
 

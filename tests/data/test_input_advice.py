@@ -14,7 +14,8 @@ import pytest
 
 from chronicals.data import DataError, load_dataset
 from chronicals.data.formats import FormatError, to_example
-from chronicals.data.readers import read_file, resolve_files
+from chronicals.data.readers import read_file
+from chronicals.data.files import resolve_files
 
 
 def load(path, tokenizer, **kw):

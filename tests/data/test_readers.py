@@ -10,7 +10,8 @@ import re
 
 import pytest
 
-from chronicals.data.readers import DataError, iter_records, read_file, resolve_files
+from chronicals.data.files import resolve_files
+from chronicals.data.readers import DataError, iter_records, read_file
 
 
 def test_jsonl_keeps_unicode_line_separators_inside_strings(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 
 from chronicals.data import load_dataset
 from chronicals.data.reporting import _summary_line
-from chronicals.data.readers import resolve_files
+from chronicals.data.files import resolve_files
 
 
 def write(path, rows):

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from chronicals.config import ConfigError, load_config
-from chronicals.data.readers import DataError, resolve_files
+from chronicals.data.readers import DataError
+from chronicals.data.files import resolve_files
 from chronicals.train.guards import (check_data_paths, check_document_lengths, check_impl, check_model_path,
                                      check_resume_path, check_token_ids, lies_in)
 

@@ -24,7 +24,8 @@ from .._words import counted
 from . import cache as cache_mod
 from .chat_template import has_generation_markers
 from .formats import FORMATS
-from .readers import DataError, resolve_files
+from .readers import DataError
+from .files import resolve_files
 from .reporting import (_file_formats, _finish, _note_alpaca_prompt, _summary_line, _warn_across, _warn_mixed,
                         _warn_no_eos, _warn_unclosed)
 from .tokenize import appends_eos, check_tokenizer, turn_end_ids

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from ..config import DEMO, ConfigError, TrainConfig
-from ..data.readers import glob_hint, pyarrow_modules
+from ..data.readers import pyarrow_modules
+from ..data.files import glob_hint
 from .checkpoint import STATE_FILE
 
 log = logging.getLogger("chronicals.train")

@@ -24,7 +24,8 @@ from .._words import counted
 from ..config import DEMO, DEMO_SYSTEM_PROMPT
 from ..data.chat_template import TEMPLATE_DATE, is_template_error
 from ..data.formats import FormatError, a_type, check_text
-from ..data.readers import DataError, read_file, resolve_files
+from ..data.readers import DataError, read_file
+from ..data.files import resolve_files
 from ..data.reporting import report_bad_records
 from ..models.generate import generate, greedy_rows, stop_ids
 from .guards import check_ids_in_vocab
