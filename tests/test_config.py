@@ -770,3 +770,36 @@ def test_a_value_of_the_wrong_type_is_not_judged_again_by_its_default():
     with pytest.raises(ConfigError) as one:  # one error: the ConfigError itself, as before
         from_dict({"optim": {"lr": 0}})
     assert not hasattr(one.value, "errors") and one.value.key == "optim.lr"
+
+
+@pytest.mark.parametrize("target, name, message", [
+    ("optim", "learning_rate", r"unknown config key 'optim\.learning_rate'; did you mean optim\.lr"),
+    ("train", "max_step", r"unknown config key 'train\.max_step'; did you mean train\.max_steps"),
+    ("config", "optimizer", r"unknown config key 'optimizer'; did you mean optim"),
+])
+def test_a_config_attribute_that_is_no_key_is_refused_when_set(target, name, message):
+    """cfg.optim.learning_rate = 1e-4 (transformers' name) made a new attribute that to_dict, and so train(),
+    left out: the run trained at the default lr without a word. Fields set as usual still work."""
+    cfg = TrainConfig()
+    obj = cfg if target == "config" else getattr(cfg, target)
+    with pytest.raises(AttributeError, match=message):
+        setattr(obj, name, 1e-4)
+    assert name not in vars(obj)
+    cfg.optim.lr = 1e-4
+    cfg.train = type(cfg.train)(max_steps=3)
+    assert from_dict(cfg.to_dict()).optim.lr == 1e-4 and from_dict(cfg.to_dict()).train.max_steps == 3
+
+
+@pytest.mark.parametrize("value", [None, {"enabled": False}, "off"])
+def test_a_config_section_set_to_another_type_is_refused(value):
+    """cfg.lora = None (meaning "no LoRA") reached train() as the section's defaults: a LoRA run, without a word."""
+    from chronicals.config import LoraSection
+
+    with pytest.raises(TypeError, match=r"TrainConfig\.lora must be a LoraSection \(e\.g\. LoraSection\("
+                                        r"enabled=\.\.\.\), or set one key: cfg\.lora\.enabled = \.\.\.\), got "):
+        TrainConfig().lora = value
+    with pytest.raises(TypeError, match=r"TrainConfig\.lora must be a LoraSection"):
+        TrainConfig(lora=value)
+    cfg = TrainConfig()
+    cfg.lora = LoraSection(enabled=False)
+    assert from_dict(cfg.to_dict()).lora.enabled is False

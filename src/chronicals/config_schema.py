@@ -109,8 +109,31 @@ def _check_finite(section) -> None:
             _check(math.isfinite(v), f"{name}.{f.name}", v, "a finite number")
 
 
+class _Keys:
+    """Only the schema's fields can be set on a section or a TrainConfig: ``cfg.optim.learning_rate = 1e-4``
+    (transformers' name) made a new attribute that ``to_dict`` and so ``train()`` left out, and the run trained
+    at the default lr without a word. Now it is an AttributeError with the config's "did you mean"."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in self.__dataclass_fields__:
+            from .config import _unknown  # the suggestions (config imports this module, so not at the top)
+
+            section = next((s for s, cls in SECTION_TYPES.items() if isinstance(self, cls)), None)
+            key, choices = (f"{section}.{name}", [f"{section}.{f}" for f in self.__dataclass_fields__]) if section \
+                else (name, list(SECTION_TYPES))
+            raise AttributeError(str(_unknown(key, choices)))
+        cls = SECTION_TYPES.get(name) if isinstance(self, TrainConfig) else None
+        if cls is not None and not isinstance(value, cls):  # cfg.lora = None trained LoRA: asdict's None is no section
+            first, a = dataclasses.fields(cls)[0].name, "an" if cls.__name__[0] in "AEIOU" else "a"
+            raise TypeError(f"TrainConfig.{name} must be {a} {cls.__name__} (e.g. {cls.__name__}({first}=...), or "
+                            f"set one key: cfg.{name}.{first} = ...), got {shown(value)}")
+        super().__setattr__(name, value)
+
+
 @dataclass
-class ModelSection:
+class ModelSection(_Keys):
     path: str = _f("smollm2-135m-instruct", "local HF directory, .gguf file, or 'smollm2-135m-instruct' (embedded)")
     dtype: str = _f("auto", "weights dtype: auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float32 | "
                               "float64 (CPU reference runs with impl=torch; slow; RMSNorm's statistics and the RoPE "
@@ -167,7 +190,7 @@ class ModelSection:
 
 
 @dataclass
-class DataSection:
+class DataSection(_Keys):
     path: str = _f(DEMO, "training data: a .jsonl/.json/.parquet/.arrow/.csv file, a directory of them (read "
                          "recursively, dot-files skipped) or a datasets.save_to_disk directory; 'demo' = packaged demo "
                          "set")
@@ -275,7 +298,7 @@ def lora_names_problem(targets, modules_to_save) -> tuple[str, str] | None:
 
 
 @dataclass
-class LoraSection:
+class LoraSection(_Keys):
     enabled: bool = _f(True, "train LoRA adapters (true) or every weight (false: full fine-tuning)")
     rank: int = _f(16, "LoRA rank r")
     alpha: float = _f(32.0, "LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with rslora)")
@@ -312,7 +335,7 @@ class LoraSection:
 
 
 @dataclass
-class OptimSection:
+class OptimSection(_Keys):
     lr: float = _f(1e-3, "peak learning rate (of the LoRA A matrices under LoRA+)")
     weight_decay: float = _f(0.0, "AdamW weight decay (never on biases and norms)")
     beta1: float = _f(0.9, "AdamW beta1")
@@ -342,7 +365,7 @@ class OptimSection:
 
 
 @dataclass
-class ScheduleSection:
+class ScheduleSection(_Keys):
     kind: str = _f("cosine", "learning-rate decay after warmup: cosine | linear | constant")
     warmup_steps: int = _f(3, "linear warmup over k steps: step i (1-based) runs at i / k of the peak lr, "
                               "so step k at the peak; a run of <= k steps warms up over a tenth of its "
@@ -360,7 +383,7 @@ class ScheduleSection:
 
 
 @dataclass
-class TrainSection:
+class TrainSection(_Keys):
     epochs: float = _f(2.0, "passes over the training data (ignored when max_steps > 0); a fraction trains that share "
                             "of the next pass's batches, rounded up")
     max_steps: int = _f(0, "optimizer steps to run (0 = derive from epochs)")
@@ -424,7 +447,7 @@ class TrainSection:
 
 
 @dataclass
-class EvalSection:
+class EvalSection(_Keys):
     every: int = _f(0, "held-out loss every N optimizer steps (0 = only before and after training)")
     qa: bool = _f(True, "answer the held-out questions before and after (greedy) and score keywords")
     qa_limit: int = _f(0, "held-out questions to answer (0 = all)")
@@ -438,7 +461,7 @@ class EvalSection:
 
 
 @dataclass
-class LoggingSection:
+class LoggingSection(_Keys):
     progress: bool = _f(True, "show a progress bar (loss, tokens/s, MFU, memory, ETA)")
     tensorboard: bool = _f(True, "also log to TensorBoard when the tensorboard package is installed")
     plot: bool = _f(True, "write loss.png (training and held-out loss) at the end")
@@ -450,7 +473,7 @@ class LoggingSection:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(_Keys):
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     lora: LoraSection = field(default_factory=LoraSection)
