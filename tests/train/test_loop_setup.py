@@ -356,3 +356,15 @@ def test_a_hand_untied_head_on_a_tied_config_is_refused_before_a_full_fine_tune(
     res = train(tiny_config(tmp_path / "b", train__max_steps=2, train__save_final=True), model=model,
                 train_loader=SyntheticLoader(synthetic_docs(20)))
     assert res.status == "completed" and (res.final_dir / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("config", [None, 123, ["optim.lr=1e-4"], b"lora.yaml"])
+def test_a_config_that_is_no_config_is_a_type_error_naming_what_train_takes(config, tmp_path, monkeypatch):
+    """train(123) / train(["optim.lr=1e-4"]) said 'expected str, bytes or os.PathLike object, not int' (Path's
+    words), and train(None) trained the demo's 22 steps into runs/demo: None is no config either."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("chronicals.train.loop._train", lambda *a, **k: pytest.fail("it trained"))
+    with pytest.raises(TypeError, match=r"train\(config\): expected a TrainConfig, a dict of sections "
+                                        r"\(\{'optim': \{'lr': 0\.0001\}\}\) or a YAML file's path, got "):
+        train(config)
+    assert not any(tmp_path.iterdir())

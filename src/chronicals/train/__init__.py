@@ -1,4 +1,5 @@
-"""The trainer: ``train(config)`` runs setup -> train -> save (see ``loop``); the demo lives in ``demo``."""
+"""The trainer: ``train(config)`` runs setup -> train -> save (see ``loop``); what ``chronicals train`` prints
+around it (the held-out answers before and after, the summary) is ``report.RunReport``, its ``report=`` callback."""
 
 from .checkpoint_adapter import apply_checkpoint_adapter
 from .checkpoint_model import load_checkpoint_model

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import random
 import signal
 import sys
@@ -89,8 +90,14 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
     with ``lora.enabled`` its LoRA adapters injected (a model that already has them keeps them: a lora.rank, alpha,
     dropout, rslora or targets set away from its default must then be theirs, else a ConfigError; one left at its
     default gives way to theirs, with a warning) and the rest frozen, in training mode.
-    A passed model needs ``tokenizer`` too, unless ``train_loader`` gives the batches. ``merge_lora`` turns it back into plain linear layers.
+    A passed model needs ``tokenizer`` too, unless ``train_loader`` gives the batches. ``merge_lora`` turns it back
+    into plain linear layers.
     """
+    # Path(123)'s own words named no fix, and None trained the demo into runs/demo
+    if not isinstance(config, (TrainConfig, dict, str, os.PathLike)):
+        raise TypeError(f"train(config): expected a TrainConfig, a dict of sections ({{'optim': {{'lr': 0.0001}}}}) or "
+                        f"a YAML file's path, got {type(config).__name__} {config!r:.80}; TrainConfig() is the demo's "
+                        "settings, chronicals.config.load_config(path, ['key=value']) a file with overrides")
     if model is not None and tokenizer is None and train_loader is None:  # before anything is made or changed
         raise TypeError("train(config, model=...) needs tokenizer=... too, to tokenize data.path (the model's own, "
                         "e.g. from chronicals.load_model(path, tokenizer=True)), or train_loader=... with the "
