@@ -56,3 +56,26 @@ def test_train_from_a_script_shows_its_steps(tmp_path):
             "train(cfg, model=tiny_model(), train_loader=SyntheticLoader(synthetic_docs(40)))\n")
     lines = _stderr(code)
     assert any(line.startswith("chronicals.train: step 3/3: loss") for line in lines), lines
+
+
+def test_train_from_a_script_logs_its_held_out_loss_and_where_its_outputs_went(tmp_path):
+    """train() called from a script said its steps and 'saved .../adapter', but neither the held-out loss before and
+    after (the numbers a run is for) nor where metrics.jsonl and loss.png went: the README promised its 'progress
+    and summary', and the summary was the CLI's alone (printed by RunReport, the CLI's report callback)."""
+    code = (f"import sys\nsys.path.insert(0, {str(Path(__file__).parent / 'train')!r})\n"
+            "from train_helpers import SyntheticLoader, synthetic_docs, tiny_config, tiny_model\n"
+            "from pathlib import Path\nfrom chronicals.train import train\n"
+            f"cfg = tiny_config(Path({str(tmp_path)!r}), train__max_steps=2, train__save_final=True,\n"
+            "                 lora__enabled=True, logging__plot=True)\n"
+            "r = train(cfg, model=tiny_model(), train_loader=SyntheticLoader(synthetic_docs(40)),\n"
+            "          eval_loader=SyntheticLoader(synthetic_docs(6, seed=1), shuffle=False))\n"
+            "print(f'{r.eval_loss_before:.4f} {r.eval_loss_after:.4f}')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    before, after = proc.stdout.split()
+    lines = [line.split(" ", 1)[1] for line in proc.stderr.splitlines() if line[:2].isdigit()]
+    assert f"chronicals.train: held-out loss before training: {before}" in lines, lines
+    run = tmp_path / "run"
+    done = [line for line in lines if line.startswith("chronicals.train: done: 2 steps in ")]
+    assert len(done) == 1, lines
+    assert (f"; held-out loss {before} -> {after}; adapter: {run / 'adapter'}; metrics: {run / 'metrics.jsonl'}; "
+            f"loss curve: {run / 'loss.png'}") in done[0], done

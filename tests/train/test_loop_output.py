@@ -67,7 +67,10 @@ def test_slow_steps_show_their_rate_in_significant_digits_not_as_0(tmp_path, doc
     with caplog.at_level("INFO", logger="chronicals.train"):
         result = train(cfg, model=tiny_model(), train_loader=SyntheticLoader(docs))
     lines = [r.getMessage() for r in caplog.records if "loss tokens/s" in r.getMessage()]
+    done = [m for m in lines if m.startswith("done: ")]  # train()'s closing line, without the CLI's report
+    lines = [m for m in lines if m.startswith("step ")]
     assert len(lines) == 2 and all(re.search(r", 0\.[1-9]\d{0,2} loss tokens/s$", m) for m in lines), lines
+    assert len(done) == 1 and re.search(r"in 200\.0 s, 0\.[1-9]\d{0,2} loss tokens/s;", done[0]), done
     text = RunReport(cfg, out=lambda *a: None).summary(result)
     assert re.search(r"in 200\.0 s, 0\.[1-9]\d{0,2} loss tokens/s \(0\.[1-9]\d{0,2} after the first step", text), text
     from chronicals.train.metrics import rate_text

@@ -35,7 +35,7 @@ from ..models.loading import recorded_name
 from . import checkpoint as ckpt
 from .checkpoint_adapter import lora_settings
 from .divergence import TrainingDiverged, _check_finite, nonfinite_weights
-from .finish import TrainResult, _already_done, before_loss, save_final
+from .finish import TrainResult, _already_done, before_loss, closing_line, save_final
 from .metrics import (head_flops_per_token, matmul_peak_tflops, memory_gib, plot_losses, private_pool_bytes,
                       rate_text, train_flops_per_token)
 from .optim import build_optimizer, build_scheduler, set_total_steps, warn_short_warmup
@@ -141,6 +141,8 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
                     result = _train(cfg, dp, out_dir, model, tokenizer, train_loader, eval_loader, heldout_qa, on_step,
                                     report, phase)
                     dp.barrier()  # no rank returns (and tears the group down) while rank 0 still writes the final files
+                    if report is None and dp.is_main and result.status == "completed":  # the CLI's report prints it
+                        log.info("%s", closing_line(result))
                     return result
                 except BaseException:
                     if dp.is_main and not phase.training:
@@ -417,6 +419,8 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         if report:
             report("before", model=model, tokenizer=tokenizer, eval_loss=result.eval_loss_before,
                    heldout_qa=heldout_qa)
+        elif dp.is_main and result.eval_loss_before is not None:  # train() from a script: the log says it
+            log.info("held-out loss before training: %.4f", result.eval_loss_before)
 
     # ---- train ----
     phase.training = True
