@@ -547,3 +547,14 @@ def test_the_eval_summary_keeps_the_perplexitys_digits_and_says_what_was_split()
     assert lines[1] == "held-out loss 2.5649, perplexity 13.00"
     assert EvalResult(data="x", loss=math.log(1.0115), loss_tokens=1, examples=1,
                       stats=DatasetStats()).summary().endswith("perplexity 1.012")
+
+
+def test_the_demos_held_out_set_is_named_demo_not_auto(tokenizer, tmp_path, caplog):
+    """The demo's defaults (data.path=demo, data.eval_path=auto) logged "the held-out set (the QA records of auto,
+    rewritten as chat)": auto names no file; it resolves to the packaged questions, which data.eval_path=demo names."""
+    from chronicals.train.setup import build_loaders
+
+    with caplog.at_level(logging.INFO, logger="chronicals.data"):
+        build_loaders(_cfg(tmp_path, "data.max_seq_len=256"), tokenizer, tmp_path / "run")
+    assert "the held-out set (the QA records of demo, rewritten as chat)" in caplog.text, caplog.text
+    assert "of auto" not in caplog.text

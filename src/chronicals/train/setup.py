@@ -319,7 +319,8 @@ def build_loaders(cfg: TrainConfig, tokenizer, out_dir: Path, rank: int = 0, wor
                  world_size - train_loader.empty_batches, world_size)
     eval_loader = None
     if eval_file is not None:
-        name = (f"the held-out set (the QA records of {d.eval_path}, rewritten as chat)" if heldout_qa is not None
+        source = DEMO if d.eval_path == "auto" else d.eval_path  # auto with QA records: the demo's (data_files)
+        name = (f"the held-out set (the QA records of {source}, rewritten as chat)" if heldout_qa is not None
                 else "the held-out set")
         eval_loader = heldout_loader(d, tokenizer, eval_file, heldout_qa is not None, name, shape)
     return train_loader, eval_loader, heldout_qa
