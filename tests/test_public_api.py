@@ -66,3 +66,21 @@ def test_load_model_cuda_without_a_gpu_is_a_value_error_before_reading(tmp_path,
         with pytest.raises(ValueError, match=r"load_model: device=.* but no CUDA device is visible; use device='cpu'"):
             chronicals.load_model(d, device=device, tokenizer=False)
     assert not reads
+
+
+def test_chat_without_a_tokenizer_says_it_needs_one():
+    # chat(model, None, ...) (a model loaded with tokenizer=False) said "model: the tokenizer has no chat template ...
+    # use a chat (instruct) model": a tokenizer that was not there, and a fix that does not apply
+    from chronicals.models import chat
+
+    with pytest.raises(TypeError, match=r"chat\(model, tokenizer, prompt\) needs the model's tokenizer, got None "
+                                        r"\(chronicals\.load_model\(path\) returns it"):
+        chat(tiny_model(), None, "hi")
+
+
+@pytest.mark.parametrize("path", [123, None, ["m"]])
+def test_load_model_of_no_path_is_a_type_error_naming_what_it_takes(path):
+    # load_model(123) said Path's "expected str, bytes or os.PathLike object, not int"
+    with pytest.raises(TypeError, match=r"load_model: path must be a Hugging Face model directory, a \.gguf file or "
+                                        r"a short name \(smollm2-135m-instruct\), got "):
+        chronicals.load_model(path)

@@ -189,6 +189,9 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None, dev
     A bad ``impl`` (not auto | triton | torch, or triton on a CPU device without TRITON_INTERPRET=1) is refused
     here, before anything is read, with the message the ops give (it used to surface at the first forward).
     """
+    if not isinstance(path, (str, os.PathLike)):  # Path(123)'s own words named no fix
+        raise TypeError(f"load_model: path must be a Hugging Face model directory, a .gguf file or a short name "
+                        f"({', '.join(SHORT_NAMES)}), got {type(path).__name__} {path!r:.80}")
     try:
         dev = torch.device("cpu" if device is None else device)
     except (RuntimeError, TypeError) as e:
@@ -249,6 +252,10 @@ def save_model(model: CausalLM, tokenizer, out_dir: str | os.PathLike, *, genera
 def chat(model: CausalLM, tokenizer, prompt: str, max_new_tokens: int = 64) -> str:
     """Greedy answer of a chat model to one user message (the tokenizer's chat template applied), ending at any of
     ``stop_ids``."""
+    if tokenizer is None:  # require_chat_template's "the tokenizer has no chat template" told of one not there
+        raise TypeError("chat(model, tokenizer, prompt) needs the model's tokenizer, got None "
+                        "(chronicals.load_model(path) returns it unless tokenizer=False; "
+                        "chronicals.load_tokenizer(path) loads it alone)")
     require_chat_template(tokenizer)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                         return_dict=False)
