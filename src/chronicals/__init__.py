@@ -14,8 +14,9 @@ subpackages:
   format), ``merge_lora``;
 - ``chronicals.train.train(config)``: the trainer (a ``TrainConfig``, a nested dict of sections or a YAML path;
   ``chronicals.config.load_config(path, ["key=value"])`` builds one), as ``chronicals train`` runs it;
-- ``chronicals.models.generate(model, ids, max_new_tokens)`` and ``chat(model, tokenizer, prompt)``: greedy or
-  sampled generation of one prompt, stopping at the model's eos (``eos_token_id=`` sets other stops).
+- ``chronicals.models.generate(model, ids, max_new_tokens)``: the new token ids of one prompt, greedy or sampled
+  (``temperature=``, ``top_p=``), stopping at the model's eos (``eos_token_id=`` sets other stops);
+  ``chat(model, tokenizer, prompt)``: a chat model's greedy answer to one message, as text.
 """
 
 __version__ = "0.1.0"
