@@ -84,3 +84,15 @@ def test_load_model_of_no_path_is_a_type_error_naming_what_it_takes(path):
     with pytest.raises(TypeError, match=r"load_model: path must be a Hugging Face model directory, a \.gguf file or "
                                         r"a short name \(smollm2-135m-instruct\), got "):
         chronicals.load_model(path)
+
+
+def test_load_adapter_onto_a_model_with_adapters_names_load_adapter(tmp_path):
+    # it said "apply_lora: this model already has LoRA adapters; call merge_lora(model) first": a call the user never
+    # made, and merging is one way only (a second adapter on a fresh model is the usual wish)
+    model = tiny_model()
+    apply_lora(model, r=2, alpha=4)
+    out = save_adapter(model, tmp_path / "a")
+    with pytest.raises(RuntimeError, match=r"^load_adapter: this model already has LoRA adapters \(model\.lora_config"
+                                           r"\); load .*/a into a model as loaded \(chronicals\.load_model\), or "
+                                           r"merge_lora\(model\) first"):
+        load_adapter(model, out)

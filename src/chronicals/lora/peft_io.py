@@ -314,6 +314,10 @@ def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
     unexpected key, or a shape mismatch, raises). ``adapter_dtype``: A and B's dtype; None: float32 on a bf16 or
     fp16 model, as PEFT keeps them, else the base's (``loaded_adapter_dtype``)."""
     adapter_dir = Path(adapter_dir).expanduser()
+    if getattr(model, "lora_config", None) is not None:  # apply_lora's own error named a call the user never made
+        raise RuntimeError(f"load_adapter: this model already has LoRA adapters (model.lora_config); load "
+                           f"{adapter_dir} into a model as loaded (chronicals.load_model), or merge_lora(model) first "
+                           "to put it on the merged weights")
     cfg = read_adapter_config(adapter_dir)
     wpath = adapter_dir / WEIGHTS_NAME
     if wpath.is_dir():
