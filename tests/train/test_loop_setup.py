@@ -368,3 +368,12 @@ def test_a_config_that_is_no_config_is_a_type_error_naming_what_train_takes(conf
                                         r"\(\{'optim': \{'lr': 0\.0001\}\}\) or a YAML file's path, got "):
         train(config)
     assert not any(tmp_path.iterdir())
+
+
+def test_lora_targets_that_miss_a_passed_model_name_that_model_not_the_default_path(tmp_path, docs):
+    """A model built in the program (no model.chronicals_base) with a mistyped lora.targets: the error said "does not
+    fit model.path=smollm2-135m-instruct", the config's default, which was never loaded."""
+    for targets in (["q_prj"], ["q_proj", "q_prj"]):
+        with pytest.raises(ConfigError, match=r"^config lora\.targets does not fit the model passed to train\(\): "):
+            train(tiny_config(tmp_path, lora__enabled=True, lora__targets=targets), model=tiny_model(),
+                  train_loader=SyntheticLoader(docs))

@@ -73,12 +73,15 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
     if cfg.lora.enabled:
         from ..lora.inject import apply_lora, linear_names, unmatched_targets
 
+        # a model built in the program records no base: the config's model.path (its default) was never loaded
+        fitted = (f"model.path={cfg.model.path}" if getattr(model, "chronicals_base", None)
+                  else "the model passed to train()")
         if getattr(model, "lora_config", None) is None:
             # apply_lora, like PEFT, skips a listed name that matches nothing (an adapter file may list names of
             # other architectures), with a warning; a config's name is the user's own, so a typo is refused here
             unmatched = unmatched_targets(model, cfg.lora.targets)
             if unmatched and len(unmatched) < len(cfg.lora.targets):  # none matching: apply_lora says so
-                raise ConfigError(f"config lora.targets does not fit model.path={cfg.model.path}: {unmatched} match "
+                raise ConfigError(f"config lora.targets does not fit {fitted}: {unmatched} match "
                                   f"no module of the model; its linear layers are named {linear_names(model)}: fix "
                                   "or drop them", "lora.targets")
             try:
@@ -86,7 +89,7 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
                            target_modules=tuple(cfg.lora.targets), use_rslora=cfg.lora.rslora, seed=cfg.train.seed,
                            group=cfg.lora.group, modules_to_save=tuple(cfg.lora.modules_to_save))
             except ConfigError as e:  # a name no module of this model fits (the rest fails when the config is read)
-                raise ConfigError(f"config {e.key} does not fit model.path={cfg.model.path}: {e}", e.key) from None
+                raise ConfigError(f"config {e.key} does not fit {fitted}: {e}", e.key) from None
     else:
         from dataclasses import asdict
 
