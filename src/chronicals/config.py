@@ -11,7 +11,6 @@ their checks are ``config_schema``'s. Every schema name is re-exported here, so 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
 import math
 import re
@@ -28,6 +27,7 @@ from .config_schema import (
     BOOL_WORDS,
     DEMO,
     DEMO_SYSTEM_PROMPT,
+    KNOWN_ELSEWHERE,
     LORA_PROJECTIONS,
     LORA_VALUE_RULES,
     MAX_ROW_TOKENS,
@@ -43,6 +43,8 @@ from .config_schema import (
     ScheduleSection,
     TrainConfig,
     TrainSection,
+    _unknown,
+    all_keys,
     lora_names_problem,
     shown,
 )
@@ -57,47 +59,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("chronicals.config")
-
-
-def all_keys() -> list[str]:
-    """Every dotted key of the schema, e.g. ``optim.lr``."""
-    return [f"{s}.{f.name}" for s, cls in SECTION_TYPES.items() for f in dataclasses.fields(cls)]
-
-
-# names transformers' TrainingArguments, PEFT's LoraConfig and axolotl use for our keys: a user coming from them
-# types these first, and spelling alone ranked e.g. optim.weight_decay above optim.lr for "learning_rate"
-KNOWN_ELSEWHERE = {
-    "learning_rate": "optim.lr", "lr_scheduler_type": "schedule.kind", "warmup_steps": "schedule.warmup_steps",
-    "max_grad_norm": "optim.grad_clip", "adam_beta1": "optim.beta1", "adam_beta2": "optim.beta2",
-    "adam_epsilon": "optim.eps", "num_train_epochs": "train.epochs", "num_epochs": "train.epochs",
-    "gradient_accumulation_steps": "train.grad_accum", "output_dir": "train.out_dir", "save_steps": "train.save_every",
-    "save_total_limit": "train.keep_last", "resume_from_checkpoint": "train.resume",
-    "per_device_train_batch_size": "data.batch_size", "micro_batch_size": "data.batch_size",
-    "max_seq_length": "data.max_seq_len", "sequence_len": "data.max_seq_len", "max_length": "data.max_seq_len",
-    "dataset": "data.path", "datasets": "data.path", "train_file": "data.path", "eval_steps": "eval.every",
-    "gradient_checkpointing": "model.checkpointing", "torch_compile": "model.compile", "torch_dtype": "model.dtype",
-    "r": "lora.rank", "lora_r": "lora.rank", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
-    "target_modules": "lora.targets", "lora_target_modules": "lora.targets", "use_rslora": "lora.rslora",
-    "loraplus_lr_ratio": "lora.plus_ratio", "base_model": "model.path", "model_name_or_path": "model.path",
-    "warmup_ratio": "schedule.warmup_steps", "bf16": "model.dtype", "fp16": "model.dtype",
-    "report_to": "logging.tensorboard",
-}
-
-
-def _unknown(key, choices: list[str]) -> ValueError:
-    """An unknown section or dotted key (any YAML scalar: ``5:`` or ``~:`` arrive as int / None) with suggestions."""
-    name = key if isinstance(key, str) else str(key)  # difflib compares strings only
-    if name in all_keys() and name not in choices:  # optim.lr: 1 at the top of a YAML file
-        section, field_name = name.split(".", 1)
-        return ConfigError(f"config key {name!r} is dotted: in a YAML file write it under its section, "
-                           f"'{section}:' on one line and '  {field_name}: VALUE' below it", name)
-    # the same field name under another section (train.lr, or lr alone) first, then spellings alike
-    last = name.rsplit(".", 1)[-1].lower()
-    same = [KNOWN_ELSEWHERE[last]] if last in KNOWN_ELSEWHERE else []
-    same += [k for k in all_keys() if k.split(".", 1)[1] == last and k != name]
-    near = list(dict.fromkeys(same + difflib.get_close_matches(name.lower(), choices, n=3, cutoff=0.5)))[:3]
-    hint = f"; did you mean {' or '.join(near)}?" if near else f"; known: {', '.join(choices)}"
-    return ConfigError(f"unknown config key {key!r}{hint}", name)
 
 
 def _field_type(cls, name: str):
