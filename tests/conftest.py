@@ -92,21 +92,31 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(scope="session")
+def save_tiny_base(tmp_path_factory):
+    """save(tokenizer) -> a new HF directory: a tiny random Llama (2 layers, hidden 32, tied) sized to the
+    tokenizer's vocabulary, saved with it."""
+    def save(tok):
+        import transformers
+
+        from chronicals import save_model
+        from chronicals.models import CausalLM, ModelConfig
+
+        hf = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
+        model = CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0)
+        return save_model(model, tok, tmp_path_factory.mktemp("tiny") / "base")
+    return save
+
+
 @pytest.fixture(scope="module")
-def tiny_base(tmp_path_factory):
+def tiny_base(save_tiny_base):
     """A saved tiny random Llama (HF directory) with the embedded SmolLM2 tokenizer (real chat template, 49152
     tokens): what the CLI tests train, chat with and export."""
-    import transformers
+    from chronicals import load_tokenizer
 
-    from chronicals import load_tokenizer, save_model
-    from chronicals.models import CausalLM, ModelConfig
-
-    tok = load_tokenizer("smollm2-135m-instruct")
-    hf = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                  tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
-    model = CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0)
-    return save_model(model, tok, tmp_path_factory.mktemp("tiny") / "base")
+    return save_tiny_base(load_tokenizer("smollm2-135m-instruct"))
 
 
 @pytest.fixture

@@ -48,21 +48,13 @@ BAD = [
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
+def tiny_dir(save_tiny_base):
     """A tiny random Llama (HF directory) with the embedded SmolLM2 tokenizer, its chat template NO_SYSTEM."""
-    import transformers
     from smollm2_tokenizer import smollm2_tokenizer
-
-    from chronicals import save_model
-    from chronicals.models import CausalLM, ModelConfig
 
     tok = smollm2_tokenizer()
     tok.chat_template = NO_SYSTEM
-    hf = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                  tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
-    model = CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0)
-    return save_model(model, tok, tmp_path_factory.mktemp("tiny") / "base")
+    return save_tiny_base(tok)
 
 
 @pytest.fixture
