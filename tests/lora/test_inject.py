@@ -192,3 +192,14 @@ def test_merge_without_adapters_is_refused():
     merge_lora(model)
     with pytest.raises(ValueError, match="merge_lora: the model has no LoRA adapters"):
         merge_lora(model)
+
+
+def test_the_record_prints_counts_not_every_module_name():
+    """apply_lora's result in a REPL: the dataclass repr listed every LoRA module (210 names on SmolLM2); now the
+    settings, the counts and one name, with the fields that say what was done."""
+    model = tiny_model()
+    rec = apply_lora(model, r=2, alpha=4, target_modules=["q_proj", "v_proj", "down_proj"])
+    text = repr(rec)
+    assert len(rec.lora_modules) == 6 and text.count("layers.") == 1, text
+    assert "lora_modules=['model.layers.0.self_attn.q_proj', ... 6 in all]" in text
+    assert "r=2, alpha=4" in text and "saved_modules=[]" in text and f"trainable_params={rec.trainable_params:,}" in text

@@ -44,6 +44,17 @@ class LoraRecord:
     trainable_params: int = 0
     total_params: int = 0
 
+    def __repr__(self) -> str:
+        """The settings and counts, with a few module names: the dataclass repr listed all of them (210 lines' worth
+        for SmolLM2's 30 layers x 7 projections), which is what a REPL prints for ``apply_lora(...)``'s result."""
+        def names(xs: list[str]) -> str:
+            return "[]" if not xs else f"[{xs[0]!r}, ... {len(xs)} in all]" if len(xs) > 2 else repr(xs)
+
+        return (f"LoraRecord(r={self.r}, alpha={self.alpha}, dropout={self.dropout}, "
+                f"target_modules={self.target_modules!r}, use_rslora={self.use_rslora}, scaling={self.scaling:g}, "
+                f"lora_modules={names(self.lora_modules)}, saved_modules={names(self.saved_modules)}, "
+                f"trainable_params={self.trainable_params:,}, total_params={self.total_params:,})")
+
 
 def name_matches(name: str, keys) -> bool:
     """PEFT's rule: a str is a full-match regex; a list/tuple entry matches the name or a dotted suffix."""
