@@ -202,4 +202,5 @@ def test_the_record_prints_counts_not_every_module_name():
     text = repr(rec)
     assert len(rec.lora_modules) == 6 and text.count("layers.") == 1, text
     assert "lora_modules=['model.layers.0.self_attn.q_proj', ... 6 in all]" in text
-    assert "r=2, alpha=4" in text and "saved_modules=[]" in text and f"trainable_params={rec.trainable_params:,}" in text
+    assert "r=2, alpha=4" in text and "saved_modules=[]" in text
+    assert f"trainable_params={rec.trainable_params:,}" in text
