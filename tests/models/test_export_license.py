@@ -139,6 +139,10 @@ def test_the_metadata_keys_read_as_gguf_py_reads_them(tmp_path, tiny_hf_config, 
     with pytest.raises(ValueError, match=rf"^{path}: not a readable GGUF file \(it ends at byte \d+, inside its "
                                          r"metadata\); the file is truncated or corrupt, copy it again$"):
         read_gguf_keys(path, {"general.license"})
+    at = data.index(b"general.license") - 8  # the key's length field: 2^62, as a damaged file may say
+    path.write_bytes(data[:at] + (2**62).to_bytes(8, "big" if endianess == "BIG" else "little") + data[at + 8:])
+    with pytest.raises(ValueError, match=r"it ends at byte \d+, inside its metadata"):  # not a MemoryError
+        read_gguf_keys(path, {"general.license"})
 
 
 @pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "../LICENSE", ""])

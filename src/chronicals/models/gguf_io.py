@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -368,11 +369,13 @@ def read_gguf_keys(gguf_path: Path, keys: set[str]) -> dict:
                           "it again")
 
     with open(gguf_path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+
         def take(n: int) -> bytes:
-            b = f.read(n)
-            if len(b) != n:
-                raise broken(f"it ends at byte {f.tell()}, inside its metadata")
-            return b
+            # a damaged length field (2^62) made f.read allocate that much first: a bare MemoryError
+            if n > size - f.tell():
+                raise broken(f"it ends at byte {size}, inside its metadata")
+            return f.read(n)
 
         if take(4) != b"GGUF":
             raise broken("it does not start with GGUF's magic bytes")
