@@ -226,3 +226,44 @@ def test_a_target_name_that_matches_nothing_beside_good_ones_is_warned_of(caplog
     caplog.clear()
     apply_lora(tiny_model(), r=2, alpha=4, target_modules=["q_proj", "v_proj"])
     assert not [r for r in caplog.records if "match no module" in r.getMessage()]
+
+
+# names only a model can refuse, beside BAD's: each must read the same from a model built on the meta device
+NAMES = [
+    (dict(target_modules=r".*lm_head"), r"LoRA on lm_head is not supported"),
+    (dict(target_modules=["q_proj", "embed_tokens"]), r"that are not nn.Linear"),
+    (dict(modules_to_save=["self_attn"]), r"hold LoRA targets"),
+    (dict(target_modules=["q_proj"], modules_to_save=["layers.0.self_attn.q_proj"]),
+     r"are both LoRA targets and modules_to_save"),
+]
+
+
+@pytest.mark.parametrize("kw,match", BAD + NAMES, ids=[str(kw) for kw, _ in BAD + NAMES])
+def test_check_lora_on_a_meta_model_refuses_as_apply_lora_does(kw, match):
+    """check_lora reads module names and kinds only: on the decoder built from the config on the meta device (no
+    weights: how train and eval check a config's or an adapter's names before the data and the weights) it raises
+    what apply_lora raises on the loaded model, word for word and with the same config key, and changes nothing."""
+    from chronicals.lora.inject import check_lora
+    from chronicals.models import CausalLM
+
+    with torch.device("meta"):
+        shell = CausalLM(tiny_model().config)
+    mods = {n: type(m).__name__ for n, m in shell.named_modules()}
+    with pytest.raises(ValueError, match=match) as real:
+        apply_lora(tiny_model(), **kw)
+    with pytest.raises(type(real.value)) as meta:
+        check_lora(shell, **kw)
+    assert str(meta.value) == str(real.value) and getattr(meta.value, "key", None) == getattr(real.value, "key", None)
+    assert {n: type(m).__name__ for n, m in shell.named_modules()} == mods and not hasattr(shell, "lora_config")
+
+
+def test_check_lora_on_a_meta_model_names_what_apply_lora_adapts():
+    from chronicals.lora.inject import check_lora
+    from chronicals.models import CausalLM
+
+    with torch.device("meta"):
+        shell = CausalLM(tiny_model().config)
+    kw = dict(target_modules="all-linear", modules_to_save=["norm"])
+    rec = apply_lora(tiny_model(), **kw)
+    targets, lora, saved = check_lora(shell, **kw)
+    assert targets == rec.target_modules and lora == rec.lora_modules and saved == rec.saved_modules == ["model.norm"]

@@ -143,29 +143,17 @@ def _check_lora_args(r, alpha, dropout, target_modules, use_rslora, modules_to_s
 ALL_LINEAR = "all-linear"
 
 
-def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: float = 0.0,
+def check_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: float = 0.0,
                target_modules=DEFAULT_TARGETS, use_rslora: bool = False, modules_to_save=(),
                impl: str = "fused", adapter_dtype: torch.dtype | None = None, seed: int | None = 0,
-               concat: bool | str = "auto", group: bool = True) -> LoraRecord:
-    """Replace each targeted nn.Linear of ``model`` in place by a LoRALinear and freeze the rest.
+               concat: bool | str = "auto", group: bool = True) -> tuple[tuple[str, ...] | str, list[str], list[str]]:
+    """Every check ``apply_lora`` makes of these arguments against ``model``, raising its errors, with ``model`` left
+    as it is. -> (target_modules as apply_lora records them, the full names of the nn.Linear modules it adapts, those
+    of the modules it trains in full before their tied partners join them).
 
-    ``target_modules``: module names as PEFT's list form matches them (a list, tuple or set), a regular
-    expression (a string) full-matched against full module names, or the string "all-linear" (PEFT's shorthand:
-    every nn.Linear but lm_head).
-    scaling = alpha / r, or alpha / sqrt(r) with ``use_rslora``. Every parameter is frozen except the
-    adapters (A, B) and the parameters of ``modules_to_save`` (e.g. "lm_head", "embed_tokens"), which
-    are trained in full. Tied embeddings share one Parameter: naming either of lm_head / embed_tokens
-    trains the shared tensor, and both are saved with the adapter (PEFT then loads the same values into
-    both copies). ``impl``: "fused" (custom autograd) or "torch" (reference). ``adapter_dtype``: dtype of
-    A and B (default: the base weight's; fp32 on a bf16 base computes their branch in fp32, as PEFT does, through
-    the reference: no fused layout or group, and autograd keeps an fp32 copy of each adapted input for dA; the
-    trainer instead keeps bf16 adapters with fp32 masters in the optimizer). ``seed``: generator seed for A (None:
-    torch's global RNG).
-    ``concat``: how the fused path joins the rank-r GEMMs ("auto" by shape; see LoRALinearFunction).
-    ``group``: q/k/v and gate/up adapters of one block run as one GEMM each (``lora.group.LoRAGroup``) when
-    they qualify; False keeps one call per module.
-    Returns a LoraRecord, also stored as ``model.lora_config``. Every argument and name is checked before
-    the model changes: a call that raises leaves it as it was.
+    It reads module names and kinds only, never a weight: ``model`` may be built on the meta device from its
+    ModelConfig (``with torch.device("meta"): CausalLM(config)``: no memory, milliseconds at 8B), which is how train
+    and eval refuse a config's or an adapter's names before the data is read and the weights load.
     """
     if isinstance(target_modules, (set, frozenset)):  # PEFT keeps its names as a set: taken as the sorted list
         target_modules = sorted(target_modules)
@@ -201,10 +189,6 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
         raise ConfigError(f"apply_lora: target_modules={target_modules!r} matched no nn.Linear; the model's "
                           f"linear layers are named {leaves}: name some of them but lm_head (in a config: "
                           f"lora.targets){regex}", "lora.targets")
-    unmatched = unmatched_targets(model, target_modules)
-    if unmatched:  # left out, as PEFT leaves them (an adapter may list another architecture's names): said, as a typo
-        log.warning("apply_lora: target_modules entries %s match no module of this model and are left out; its linear "
-                    "layers are named %s", unmatched, linear_names(model))
     if "lm_head" in targets:  # matched by a regular expression (a list naming lm_head is refused before)
         raise ConfigError("apply_lora: LoRA on lm_head is not supported: CausalLM's loss reads lm_head.weight "
                           "directly (fused linear cross-entropy); train it with modules_to_save=('lm_head',) "
@@ -231,6 +215,40 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
                           f"{holding[first][0]}); a module is either adapted or trained in full: name the modules "
                           "inside them to train in full, or leave their projections out of target_modules (in a "
                           "config: lora.modules_to_save, lora.targets)", "lora.modules_to_save")
+    return target_modules, targets, saved
+
+
+def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: float = 0.0,
+               target_modules=DEFAULT_TARGETS, use_rslora: bool = False, modules_to_save=(),
+               impl: str = "fused", adapter_dtype: torch.dtype | None = None, seed: int | None = 0,
+               concat: bool | str = "auto", group: bool = True) -> LoraRecord:
+    """Replace each targeted nn.Linear of ``model`` in place by a LoRALinear and freeze the rest.
+
+    ``target_modules``: module names as PEFT's list form matches them (a list, tuple or set), a regular
+    expression (a string) full-matched against full module names, or the string "all-linear" (PEFT's shorthand:
+    every nn.Linear but lm_head).
+    scaling = alpha / r, or alpha / sqrt(r) with ``use_rslora``. Every parameter is frozen except the
+    adapters (A, B) and the parameters of ``modules_to_save`` (e.g. "lm_head", "embed_tokens"), which
+    are trained in full. Tied embeddings share one Parameter: naming either of lm_head / embed_tokens
+    trains the shared tensor, and both are saved with the adapter (PEFT then loads the same values into
+    both copies). ``impl``: "fused" (custom autograd) or "torch" (reference). ``adapter_dtype``: dtype of
+    A and B (default: the base weight's; fp32 on a bf16 base computes their branch in fp32, as PEFT does, through
+    the reference: no fused layout or group, and autograd keeps an fp32 copy of each adapted input for dA; the
+    trainer instead keeps bf16 adapters with fp32 masters in the optimizer). ``seed``: generator seed for A (None:
+    torch's global RNG).
+    ``concat``: how the fused path joins the rank-r GEMMs ("auto" by shape; see LoRALinearFunction).
+    ``group``: q/k/v and gate/up adapters of one block run as one GEMM each (``lora.group.LoRAGroup``) when
+    they qualify; False keeps one call per module.
+    Returns a LoraRecord, also stored as ``model.lora_config``. Every argument and name is checked before
+    the model changes: a call that raises leaves it as it was.
+    """
+    target_modules, targets, saved = check_lora(
+        model, r=r, alpha=alpha, dropout=dropout, target_modules=target_modules, use_rslora=use_rslora,
+        modules_to_save=modules_to_save, impl=impl, adapter_dtype=adapter_dtype, seed=seed, concat=concat, group=group)
+    unmatched = unmatched_targets(model, target_modules)
+    if unmatched:  # left out, as PEFT leaves them (an adapter may list another architecture's names): said, as a typo
+        log.warning("apply_lora: target_modules entries %s match no module of this model and are left out; its linear "
+                    "layers are named %s", unmatched, linear_names(model))
     tied = tied_partners(model, saved)
     if tied:
         log.info("apply_lora: %s share weights with %s (tied); the shared tensor is trained and both are saved",
