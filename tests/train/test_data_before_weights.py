@@ -128,3 +128,58 @@ def test_a_max_seq_len_past_the_models_context_is_said_before_the_data_and_the_w
     err = capsys.readouterr().err
     assert "data.max_seq_len=1024 is more than the model can attend to (max_position_embeddings=512)" in err, err
     assert f"{tiny_dir / 'config.json'}" in err and not weights_refused
+
+
+# (overrides, config.json fields changed, exit status, words of the error): refused from config.json alone
+FROM_CONFIG = [
+    (["lora.targets=[q_proj, gate_porj]"], {}, 2,
+     "config lora.targets does not fit model.path={model}: ['gate_porj'] match no module of the model"),
+    (["lora.targets=[nope_proj]"], {}, 2, "config lora.targets does not fit model.path={model}: apply_lora: "
+                                          "target_modules=('nope_proj',) matched no nn.Linear"),
+    (["lora.modules_to_save=[nope]"], {}, 2, "config lora.modules_to_save does not fit model.path={model}: "
+                                             "apply_lora: modules_to_save entries ['nope'] match no module"),
+    ([], {"attention_dropout": 0.1}, 3, "config.json sets attention_dropout=0.1: transformers drops that share"),
+    (["lora.enabled=false"], {"attention_dropout": 0.1}, 3, "config.json sets attention_dropout=0.1"),
+]
+
+
+@pytest.mark.parametrize("over, fields, rc, said", FROM_CONFIG, ids=["target_typo", "no_target", "modules_to_save",
+                                                                     "attention_dropout", "attention_dropout_full"])
+def test_what_config_json_refuses_is_said_before_the_data_and_the_weights(over, fields, rc, said, tmp_path, tiny_dir,
+                                                                         weights_refused, monkeypatch, capsys):
+    """A lora.targets / lora.modules_to_save name no module of the model has (the decoder built from config.json on
+    the meta device tells its names), or a config.json whose attention_dropout a training step refuses: each was
+    said after the data was read and the weights loaded (the attention_dropout one after the held-out loss before
+    training, at the first step), in the same words."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    conf = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**conf, **fields}))
+    monkeypatch.setattr(loop, "build_loaders", weights_refused.append)
+    (tmp_path / "train.jsonl").write_text(_lines(*GOOD))
+    out = tmp_path / "run"
+    assert main(["train", f"model.path={model}", f"train.out_dir={out}", *RUN, f"data.path={tmp_path / 'train.jsonl'}",
+                 *over]) == rc
+    err = capsys.readouterr().err
+    assert said.format(model=model) in err and "Traceback" not in err, err
+    assert not weights_refused and not out.exists()
+
+
+def test_token_ids_past_the_models_vocabulary_are_said_before_the_weights_load(tmp_path, tiny_dir, weights_refused,
+                                                                               capsys):
+    """A tokenizer that knows tokens the model lacks (config.json's vocab_size): the tokenized data is compared with
+    the vocabulary of the decoder built from config.json on the meta device, before the weights load (it was after)."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    conf = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**conf, "vocab_size": 100}))
+    (tmp_path / "train.jsonl").write_text(_lines(*GOOD))
+    assert main(["train", f"model.path={model}", f"train.out_dir={tmp_path / 'run'}", *RUN,
+                 f"data.path={tmp_path / 'train.jsonl'}"]) == 3
+    err = capsys.readouterr().err
+    assert "the training data holds token id " in err and "but the model's vocabulary has 100 entries" in err, err
+    assert not weights_refused and not (tmp_path / "run").exists()

@@ -1,7 +1,9 @@
 """A bad LoRA setting is a bad config (exit 2): one that no model can take fails when the config is read, before any
 model loads (minutes at 8B), naming the file, line and key; one that does not fit this model (a lora.targets name
-that matches none of its modules) fails once it is loaded, still as exit 2, naming the key and model.path. The rules
-live once, in config.py (LORA_VALUE_RULES, lora_names_problem), and apply_lora checks its arguments with them."""
+that matches none of its modules) fails once its config.json is read, on the decoder built from it on the meta device,
+before the data is read and the weights load, still as exit 2, naming the key and model.path. The rules live once, in
+config.py (LORA_VALUE_RULES, lora_names_problem), and apply_lora checks its arguments with them (lora.inject.check_lora,
+which a model passed to train() meets too)."""
 
 from __future__ import annotations
 
@@ -71,14 +73,23 @@ def test_a_yaml_file_names_the_line_of_the_lora_key(tmp_path, no_model_load, cap
 TINY = ["data.max_seq_len=128"]  # tiny_model's max_position_embeddings
 
 
-def _tiny_loads(monkeypatch) -> list:
+def _tiny_loads(monkeypatch, data: bool = True) -> list:
     """model.path=tiny: loop loads tiny_model() (its config first, with the embedded SmolLM2 tokenizer, which reads
-    the demo data before the weights load); returns a list that holds a 1 for each weights load."""
+    the demo data before the weights load); returns a list that holds "weights" for each weights load and "data" for
+    each read of the data. ``data=False``: reading the data fails the test."""
     from smollm2_tokenizer import smollm2_tokenizer
 
     loaded = []
+    real = loop.build_loaders
+
+    def build_loaders(*a, **k):
+        loaded.append("data")
+        assert data, "the data was read before the config was checked against the model"
+        return real(*a, **k)
+
     monkeypatch.setattr(loop, "load_base_tokenizer", lambda *a, **k: (smollm2_tokenizer(), tiny_model().config))
-    monkeypatch.setattr(loop, "load_base", lambda *a, **k: loaded.append(1) or tiny_model())
+    monkeypatch.setattr(loop, "load_base", lambda *a, **k: loaded.append("weights") or tiny_model())
+    monkeypatch.setattr(loop, "build_loaders", build_loaders)
     monkeypatch.delenv("CHRONICALS_TRACEBACK", raising=False)
     return loaded
 
@@ -93,14 +104,17 @@ DOES_NOT_FIT = [
 
 
 @pytest.mark.parametrize("overrides, key, words", DOES_NOT_FIT, ids=[o[0] for o, _, _ in DOES_NOT_FIT])
-def test_a_lora_name_that_does_not_fit_the_model_exits_2_after_it_loads(overrides, key, words, tmp_path,
-                                                                        monkeypatch, capsys):
-    """Only the model knows its module names: refused once it is loaded, but as the config's fault (exit 2, was 3)."""
-    loaded = _tiny_loads(monkeypatch)
+def test_a_lora_name_that_does_not_fit_the_model_exits_2_before_the_data_and_the_weights(overrides, key, words,
+                                                                                        tmp_path, monkeypatch, capsys):
+    """Only the model knows its module names, and its config.json tells them: the decoder built from it on the meta
+    device takes apply_lora's checks. Refused as the config's fault (exit 2, was 3), before the data is read and the
+    weights load (it was after both: minutes at 8B)."""
+    loaded = _tiny_loads(monkeypatch, data=False)
     assert main(["train", *overrides, "model.path=tiny", *TINY, f"train.out_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
-    assert loaded and f"error: config {key} does not fit model.path=tiny: apply_lora: " in err and words in err, err
+    assert f"error: config {key} does not fit model.path=tiny: apply_lora: " in err and words in err, err
     assert f"in a config: {key}" in err and "Traceback" not in err and "internal error" not in err
+    assert loaded == [] and not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("overrides, key, words", DOES_NOT_FIT, ids=[o[0] for o, _, _ in DOES_NOT_FIT])
@@ -112,8 +126,10 @@ def test_a_lora_name_that_does_not_fit_the_model_keeps_the_key_apply_lora_named(
     model = tiny_model()
     model.chronicals_base = "tiny"  # as load_model records it; a model built in the program is named as passed
     with pytest.raises(ConfigError, match=rf"^config {key} does not fit model.path=") as e:
-        prepare_model(model, cfg, torch.device("cpu"), torch.float32)
+        prepare_model(model, cfg, torch.device("cpu"), torch.float64)
     assert e.value.key == key and words in str(e.value)
+    # refused before the model is touched: a model passed to train() is left as it was (it was moved to the dtype)
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in model.parameters())
 
 
 def test_a_peft_adapter_whose_names_do_not_fit_is_still_bad_input_not_a_config_error(tmp_path):
@@ -156,15 +172,17 @@ def test_good_lora_settings_still_load():
     assert c.lora.modules_to_save == ["embed_tokens", "lm_head"] and len(c.lora.targets) == 7
 
 
-def test_a_misspelled_target_beside_good_ones_exits_2_after_the_model_loads(tmp_path, monkeypatch, capsys):
+def test_a_misspelled_target_beside_good_ones_exits_2_before_the_data_and_the_weights(tmp_path, monkeypatch,
+                                                                                     capsys):
     """lora.targets=[q_proj, gate_porj]: the typo matched nothing and the run trained q_proj alone (exit 0), its
     adapter_config.json recording gate_porj as a target; every name the config lists must match a module. The
     refusal lists the model's linear layers to pick from, without lm_head (it named lm_head, which apply_lora
-    refuses as a target)."""
-    _tiny_loads(monkeypatch)
+    refuses as a target). Said from the config, before the data and the weights (it was after both)."""
+    loaded = _tiny_loads(monkeypatch, data=False)
     assert main(["train", "lora.targets=[q_proj, gate_porj]", "model.path=tiny", *TINY,
                  f"train.out_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
+    assert loaded == [], loaded
     assert "error: config lora.targets does not fit model.path=tiny: " in err and "['gate_porj']" in err, err
     assert "Traceback" not in err and not (tmp_path / "run" / "adapter").exists()
     # the names to pick from are the decoder's projections; lm_head is no LoRA target (lora.modules_to_save is)

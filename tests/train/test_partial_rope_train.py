@@ -41,3 +41,22 @@ def test_full_fine_tune_without_final_save_and_lora_with_one_train(tmp_path):
     lora = tiny_config(tmp_path / "lora", train__max_steps=2, train__save_final=True, lora__enabled=True)
     res = train(lora, model=_partial_rope_model(), train_loader=SyntheticLoader(docs))
     assert res.final_dir is not None and (res.final_dir / "adapter_config.json").is_file()
+
+
+def test_full_fine_tune_of_a_partial_rope_model_path_is_refused_before_the_data_and_the_weights(tmp_path,
+                                                                                                 monkeypatch):
+    """From model.path (a GGUF with partial rope: its converted config.json says so), the refusal came once the
+    weights had loaded, after the data was read and tokenized; the config alone decides it, so it comes first."""
+    import chronicals.train.loop as loop
+
+    def refuse(*a, **k):
+        raise AssertionError("the data was read or the weights loaded before the refusal")
+
+    monkeypatch.setattr(loop, "load_base_tokenizer", lambda *a, **k: (object(), _partial_rope_model().config))
+    monkeypatch.setattr(loop, "build_loaders", refuse)
+    monkeypatch.setattr(loop, "load_base", refuse)
+    cfg = tiny_config(tmp_path, train__save_final=True, model__path="partial.gguf")
+    with pytest.raises(ValueError, match=r"^partial\.gguf rotates 8 of its head_dim=16 dims .*a GGUF file whose "
+                                         r"rope\.dimension_count is below head_dim.*lora\.enabled=true"):
+        train(cfg)
+    assert not (tmp_path / "run").exists()

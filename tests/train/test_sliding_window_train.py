@@ -53,11 +53,19 @@ def test_a_document_longer_than_the_window_is_refused_also_after_capture(tmp_pat
         train(tiny_config(tmp_path, **over), model=_mistral(16), train_loader=loader)
 
 
-def test_a_long_document_in_the_data_is_refused_before_the_first_step(tmp_path):
+def test_a_long_document_in_the_data_is_refused_before_the_first_step(tmp_path, monkeypatch):
     """Session 26: the per-batch check came at whichever step first drew the long document (a run died at step 3,
     two steps logged, no checkpoint), without saying which set held it. The sets' longest documents are checked
-    when the loaders are built."""
+    when the loaders are built, against the model's config.json (the decoder built from it on the meta device),
+    before the weights load."""
     import json
+
+    import chronicals.train.loop as loop
+
+    def refuse(*a, **k):
+        raise AssertionError("the weights loaded before the data's documents were checked")
+
+    monkeypatch.setattr(loop, "load_base", refuse)
 
     from chronicals import save_model
     from smollm2_tokenizer import smollm2_tokenizer

@@ -342,6 +342,18 @@ def judged_length(seq_len: int, cu_seqlens=None, max_seqlen: int | None = None, 
     return next((n for n in (longest_doc, max_seqlen) if n is not None), seq_len)
 
 
+def check_trains_as_transformers(cfg: ModelConfig) -> None:
+    """ValueError when a training step of a model of ``cfg`` would compute something other than transformers' (an
+    attention_dropout, which chronicals' attention does not apply). The forward pass refuses such a step; the trainer
+    asks before it reads the data and loads the weights (``train.setup.check_config_fits``), from config.json alone."""
+    if cfg.attention_dropout:
+        raise ValueError(
+            f"config.json sets attention_dropout={cfg.attention_dropout}: transformers drops that share of "
+            "the attention probabilities in training, and chronicals' attention has no dropout, so this training "
+            "step would differ from transformers'. Set attention_dropout to 0.0 in the model's config.json to "
+            "fine-tune without it (evaluation and generation are unaffected: model.eval() runs as is)")
+
+
 class CausalLM(nn.Module):
     """The decoder plus its loss head. ``model(input_ids)`` -> logits (B, S, V)."""
 
@@ -416,11 +428,7 @@ class CausalLM(nn.Module):
             longest += kv_caches[0].length
         self.check_sequence_length(longest, position_ids if cu_seqlens is None else None)
         if self.config.attention_dropout and self.training and torch.is_grad_enabled():
-            raise ValueError(
-                f"config.json sets attention_dropout={self.config.attention_dropout}: transformers drops that share of "
-                "the attention probabilities in training, and chronicals' attention has no dropout, so this training "
-                "step would differ from transformers'. Set attention_dropout to 0.0 in the model's config.json to "
-                "fine-tune without it (evaluation and generation are unaffected: model.eval() runs as is)")
+            check_trains_as_transformers(self.config)
         if position_ids is None:
             if cu_seqlens is not None:
                 raise ValueError("packed rows (cu_seqlens) need position_ids that restart at 0 per document")

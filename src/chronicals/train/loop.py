@@ -43,7 +43,8 @@ from .console import run_console
 from .distributed import DistContext, init_distributed, main_rank_tells, rank_seed
 from .grad_buckets import GradBuckets
 from .graphs import GraphedStep, resolve_cuda_graphs
-from .setup import build_loaders, load_base, load_base_tokenizer, prepare_model, record_passed_model, resolve_dtype
+from .setup import (build_loaders, check_config_fits, load_base, load_base_tokenizer, prepare_model,
+                    record_passed_model, resolve_dtype)
 from .readback import StepReadback, StepStart
 from .guards import (check_cuda_graphs, check_data_paths, check_document_lengths, check_final_dir, check_final_model,
                      check_impl, check_max_seq_len, check_out_dir, check_resume_path, check_token_ids,
@@ -199,20 +200,23 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         with dp.main_first():  # rank 0 fills the conversion cache (GGUF) before the others read it
             tokenizer, model_config = load_base_tokenizer(cfg)
     check_max_seq_len(cfg, model_config)
+    # what prepare_model refuses of the config alone (LoRA names, ...), said before the data too, on the decoder
+    # built on the meta device (no weights); a passed model was prepared above
+    shape = model if passed else check_config_fits(cfg, model_config)
     built = train_loader is None
     if built:
         # before the weights load (seconds for the embedded model, minutes at 8B): a bad record is said first
         with dp.main_first():  # rank 0 writes out_dir/data and the tokenization cache; the others reuse them
             train_loader, eval_loader, heldout_qa = build_loaders(cfg, tokenizer, out_dir, dp.rank, dp.world_size)
+        # the data against the model's config (its vocabulary, a sliding window): before the weights load too
+        check_token_ids(shape, train_loader, eval_loader)
+        check_document_lengths(shape, train_loader, eval_loader)  # before step 1, not when a batch draws one
     if not passed:
         with dp.main_first():  # rank 0 first: an error of its (a bad weights file) is every rank's, said once
             model = load_base(cfg, device, dtype)
         model.chronicals_base = recorded_name(cfg.model.path)  # absolute when a path: chat/export find it anywhere
         model = _ready_model(cfg, model, device, dtype)
-    if built:
-        check_token_ids(model, train_loader, eval_loader)
-        check_document_lengths(model, train_loader, eval_loader)  # before step 1, not when a batch draws one
-    elif getattr(train_loader, "world_size", dp.world_size) != dp.world_size:
+    if not built and getattr(train_loader, "world_size", dp.world_size) != dp.world_size:
         raise ValueError(f"train_loader has world_size={train_loader.world_size} but the job runs "
                          f"{dp.world_size} ranks; build it with PackedLoader(rank=RANK, world_size=WORLD_SIZE)")
     if getattr(eval_loader, "world_size", 1) not in (1, dp.world_size):  # scored in part, silently

@@ -54,9 +54,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dtype):
     """Move to device/dtype, set impl and checkpointing, inject LoRA (or unfreeze all), compile layers."""
+    from ..models.decoder import check_trains_as_transformers
+
+    if getattr(model, "config", None) is not None:  # before the model is touched (its first step refused it)
+        check_trains_as_transformers(model.config)
     if cfg.lora.enabled and getattr(model, "lora_config", None) is not None:
         _check_adapters_fit(model, cfg)  # before the model is touched
         _check_only_adapters_train(model)
+    elif cfg.lora.enabled:
+        _check_lora_fits(model, cfg)  # before the model is touched too (a model passed to train() is left as it was)
     model.to(device=device, dtype=dtype)
     model.set_impl(cfg.model.impl)
     n_layers = len(model.model.layers)
@@ -71,25 +77,10 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
     model.opts.loss_vocab_parts = cfg.model.loss_vocab_parts
     model.opts.attention = cfg.model.attention
     if cfg.lora.enabled:
-        from ..lora.inject import apply_lora, linear_names, unmatched_targets
+        from ..lora.inject import apply_lora
 
-        # a model built in the program records no base: the config's model.path (its default) was never loaded
-        fitted = (f"model.path={cfg.model.path}" if getattr(model, "chronicals_base", None)
-                  else "the model passed to train()")
-        if getattr(model, "lora_config", None) is None:
-            # apply_lora, like PEFT, skips a listed name that matches nothing (an adapter file may list names of
-            # other architectures), with a warning; a config's name is the user's own, so a typo is refused here
-            unmatched = unmatched_targets(model, cfg.lora.targets)
-            if unmatched and len(unmatched) < len(cfg.lora.targets):  # none matching: apply_lora says so
-                raise ConfigError(f"config lora.targets does not fit {fitted}: {unmatched} match "
-                                  f"no module of the model; its linear layers are named {linear_names(model)}: fix "
-                                  "or drop them", "lora.targets")
-            try:
-                apply_lora(model, r=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                           target_modules=tuple(cfg.lora.targets), use_rslora=cfg.lora.rslora, seed=cfg.train.seed,
-                           group=cfg.lora.group, modules_to_save=tuple(cfg.lora.modules_to_save))
-            except ConfigError as e:  # a name no module of this model fits (the rest fails when the config is read)
-                raise ConfigError(f"config {e.key} does not fit {fitted}: {e}", e.key) from None
+        if getattr(model, "lora_config", None) is None:  # its names were checked above (_check_lora_fits)
+            apply_lora(model, **_apply_lora_kwargs(cfg))
     else:
         from dataclasses import asdict
 
@@ -117,6 +108,58 @@ def prepare_model(model, cfg: TrainConfig, device: torch.device, dtype: torch.dt
         log.info("torch.compile on %d decoder layers (model.recompute off: the compiler plans recomputation)",
                  len(model.model.layers))
     model.train()
+    return model
+
+
+def _apply_lora_kwargs(cfg: TrainConfig) -> dict:
+    """apply_lora's keyword arguments for the config's lora section (prepare_model applies them; the checks of
+    ``_check_lora_fits`` are made with the same ones)."""
+    return dict(r=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout, target_modules=tuple(cfg.lora.targets),
+                use_rslora=cfg.lora.rslora, seed=cfg.train.seed, group=cfg.lora.group,
+                modules_to_save=tuple(cfg.lora.modules_to_save))
+
+
+def _check_lora_fits(model, cfg: TrainConfig) -> None:
+    """ConfigError naming the key when a lora.targets or lora.modules_to_save name matches no module of ``model`` (or
+    one of the wrong kind): apply_lora's checks (``lora.inject.check_lora``), which read module names and kinds only,
+    so ``model`` may be one built on the meta device from its config (``check_config_fits``, before the data)."""
+    from ..lora.inject import check_lora, linear_names, unmatched_targets
+
+    # a model built in the program records no base: the config's model.path (its default) was never loaded
+    fitted = (f"model.path={cfg.model.path}" if getattr(model, "chronicals_base", None)
+              else "the model passed to train()")
+    # apply_lora, like PEFT, skips a listed name that matches nothing (an adapter file may list names of other
+    # architectures), with a warning; a config's name is the user's own, so a typo is refused here
+    unmatched = unmatched_targets(model, cfg.lora.targets)
+    if unmatched and len(unmatched) < len(cfg.lora.targets):  # none matching: apply_lora says so
+        raise ConfigError(f"config lora.targets does not fit {fitted}: {unmatched} match "
+                          f"no module of the model; its linear layers are named {linear_names(model)}: fix "
+                          "or drop them", "lora.targets")
+    try:
+        check_lora(model, **_apply_lora_kwargs(cfg))
+    except ConfigError as e:  # a name no module of this model fits (the rest fails when the config is read)
+        raise ConfigError(f"config {e.key} does not fit {fitted}: {e}", e.key) from None
+
+
+def check_config_fits(cfg: TrainConfig, config):
+    """The refusals of a run that the model's config alone decides, made before the data is read and the weights
+    load (minutes at 8B), with the words they have when made on the loaded model (which makes them again:
+    ``prepare_model``, ``guards.check_final_model``, the first training step): a lora.targets or
+    lora.modules_to_save name that fits no module, a full fine-tune whose final model could not be saved (a GGUF's
+    partial rope), a config.json whose attention_dropout a training step refuses. ``config``: the ModelConfig of
+    model.path (``load_base_tokenizer``). The module names come from the decoder built on the meta device: no
+    memory, no weights, milliseconds at 8B. Returns that decoder: the data's checks against the model's config
+    (``guards.check_token_ids``, ``check_document_lengths``) take it before the weights load."""
+    from ..models.decoder import CausalLM, check_trains_as_transformers
+    from .guards import check_final_model
+
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model.chronicals_base = recorded_name(cfg.model.path)  # as the loaded model records it: named in the messages
+    check_final_model(cfg, model)
+    check_trains_as_transformers(config)
+    if cfg.lora.enabled:
+        _check_lora_fits(model, cfg)
     return model
 
 
