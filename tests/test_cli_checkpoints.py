@@ -607,3 +607,28 @@ def test_eval_json_refuses_the_base_a_full_checkpoint_records(full_run, tiny_bas
         assert not inside.exists()
     finally:
         inside.unlink(missing_ok=True)
+
+
+def test_eval_says_a_checkpoint_adapter_on_another_base_before_the_data_and_the_weights(run, tmp_path, monkeypatch,
+                                                                                      capsys):
+    """A LoRA run's checkpoint as --adapter on a base with other modules (3 layers, where the run adapted 2): the
+    names were compared once the data was read and the weights had loaded; the decoder built from the base's
+    config.json on the meta device names them before either, in the same words."""
+    import transformers
+
+    import chronicals.cli_eval as cli_eval
+    import chronicals.evaluate
+    from chronicals import load_tokenizer, save_model
+    from chronicals.models import CausalLM, ModelConfig
+
+    tok = load_tokenizer("smollm2-135m-instruct")
+    hf = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    other = save_model(CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0), tok, tmp_path / "b")
+    monkeypatch.setattr(chronicals.evaluate, "read_eval_data", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(cli_eval, "_load", lambda *a, **k: 1 / 0)
+    step = run / "checkpoints" / "step-000002"
+    assert main(["eval", "--base", str(other), "--adapter", str(step), "demo", "--device", "cpu"]) == 3
+    err = capsys.readouterr().err
+    assert f"checkpoint {step} does not fit this base: its LoRA targets match other modules here (e.g. " \
+           "model.layers.2." in err and "Traceback" not in err, err

@@ -224,3 +224,59 @@ def test_a_length_past_the_models_context_is_said_before_the_data_and_the_weight
     rc, err = _refused_before_the_load(["--model", tiny_base, data_file, "--device", "cpu", flag, length],
                                        monkeypatch, capsys)
     assert rc == 2 and f"{flag} {length} is more than {tiny_base} can attend to (max_position_embeddings=512)" in err
+
+
+def _adapter(tiny_base, out, remove=(), **fields):
+    """A LoRA adapter (r=2 on q_proj and v_proj) saved from ``tiny_base`` to ``out``, its adapter_config.json's
+    ``fields`` changed and the files ``remove`` removed."""
+    from chronicals.lora import apply_lora, save_adapter
+
+    model, _ = load_model(tiny_base, tokenizer=False)
+    apply_lora(model, r=2, alpha=4, target_modules=["q_proj", "v_proj"])
+    save_adapter(model, out, base_model_name_or_path=str(tiny_base))
+    conf = out / "adapter_config.json"
+    conf.write_text(json.dumps({**json.loads(conf.read_text()), **fields}))
+    for name in remove:
+        (out / name).unlink()
+    return out
+
+
+# (adapter_config.json fields, files removed, words of the error after the file's name)
+BAD_ADAPTERS = [
+    ({"target_modules": ["nope_proj"]}, (), "adapter_config.json: apply_lora: target_modules=('nope_proj',) matched "
+                                            "no nn.Linear; the model's linear layers are named"),
+    ({"target_modules": ["q_proj", "embed_tokens"]}, (), "adapter_config.json: apply_lora: target_modules=('q_proj', "
+                                                         "'embed_tokens') matches 1 module(s) that are not nn.Linear"),
+    ({"modules_to_save": ["self_attn"]}, (), "adapter_config.json: apply_lora: modules_to_save "
+                                             "['model.layers.0.self_attn', 'model.layers.1.self_attn'] hold LoRA "
+                                             "targets"),
+    ({"r": 0}, (), "adapter_config.json: apply_lora: r=0 must be an integer >= 1"),
+    ({}, ("adapter_model.safetensors",), "adapter_model.safetensors: not found (only safetensors adapters are read)"),
+    ({"use_dora": True}, (), "adapter_config.json: use_dora=True is not supported by chronicals.lora"),
+]
+
+
+@pytest.mark.parametrize("fields, remove, said", BAD_ADAPTERS,
+                         ids=["no_target", "embedding_target", "saved_holds_targets", "rank_0", "no_weights", "dora"])
+def test_a_bad_adapter_is_said_before_the_data_and_the_weights(fields, remove, said, tiny_base, data_file, tmp_path,
+                                                               monkeypatch, capsys):
+    """--adapter whose adapter_config.json names what this model lacks (or an rank no adapter has), or whose weights
+    file is missing: load_adapter's refusal, in its words (exit 3), was said once the data was read and the weights
+    had loaded; the file and the names against the decoder built from config.json on the meta device are checked
+    before either now."""
+    import chronicals.evaluate
+
+    adapter = _adapter(tiny_base, tmp_path / "adapter", remove, **fields)
+    monkeypatch.setattr(chronicals.evaluate, "read_eval_data", lambda *a, **k: 1 / 0)  # the data: never read
+    rc, err = _refused_before_the_load(["--adapter", adapter, data_file, "--device", "cpu"], monkeypatch, capsys)
+    assert rc == 3 and f"{adapter}/{said}" in err and "Traceback" not in err, err
+
+
+def test_an_adapters_warnings_are_said_once(tiny_base, data_file, tmp_path, caplog, capsys):
+    """An adapter that lists a modules_to_save entry this model lacks (a classifier's "score") loads without it, as
+    PEFT's does, with one warning: the early check of its names says none (load_adapter says it)."""
+    adapter = _adapter(tiny_base, tmp_path / "adapter", modules_to_save=["score"])
+    with caplog.at_level("WARNING", logger="chronicals"):
+        assert main(["eval", "--adapter", str(adapter), str(data_file), "--device", "cpu"]) == 0
+    said = [r.getMessage() for r in caplog.records if "match no module of this model" in r.getMessage()]
+    assert len(said) == 1 and "['score']" in said[0], said

@@ -186,6 +186,31 @@ def _tokenizer_first(model_path: str, ckpt_base: str | None = None):
     return load_tokenizer(source), config
 
 
+def _meta_model(config):
+    """The decoder of ``config`` (a ModelConfig, read before the weights: ``_tokenizer_first``) built on the meta
+    device: its modules and config without weights (no memory, milliseconds at 8B), for the checks of what ``_load``
+    would load that need no weights, made before eval reads its data and the weights load (minutes at 8B)."""
+    import torch
+
+    from .models.decoder import CausalLM
+
+    with torch.device("meta"):
+        return CausalLM(config)
+
+
+def _check_adapter_first(model, adapter: str) -> None:
+    """The refusals of ``adapter`` (a PEFT directory or a LoRA run's checkpoint) that ``_load`` would make once the
+    weights had loaded and need none of them, in its words: its adapter_config.json (or checkpoint), its weights
+    file, its names against the modules of ``model`` (``_meta_model``)."""
+    from .lora.peft_io import check_adapter
+    from .train.checkpoint_adapter import check_checkpoint_adapter, is_checkpoint_dir
+
+    if is_checkpoint_dir(adapter):
+        check_checkpoint_adapter(model, adapter)
+    else:
+        check_adapter(model, adapter)
+
+
 def _within_context(p: argparse.ArgumentParser, model, name: str, *flags: tuple[str, int]) -> None:
     """Exit 2 for a (flag, tokens) past the max_position_embeddings of ``model`` (or of its config, read before the
     weights load): positions past it were never trained (garbage, and slower at every token)."""

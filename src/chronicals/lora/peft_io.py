@@ -17,10 +17,10 @@ import torch
 import torch.nn as nn
 
 from .._jsonio import read_json_object
-from ..models.hf_io import atomic_dir, load_safetensors, save_safetensors
+from ..models.hf_io import atomic_dir, load_safetensors, safetensors_keys, save_safetensors
 from ..models.loading import missing_checkpoint
 from .group import unbind_groups
-from .inject import LoraRecord, _set_module, apply_lora, lora_modules, name_matches
+from .inject import LoraRecord, _set_module, apply_lora, check_lora, lora_modules, name_matches
 
 log = logging.getLogger("chronicals.lora")
 PREFIX = "base_model.model."
@@ -266,14 +266,15 @@ def _check_bias(model: nn.Module, cfg: dict, path: Path) -> None:
                          "(merge_and_unload)")
 
 
-def _peft_modules_to_save(model: nn.Module, entries, saved_keys=()) -> tuple[str, ...]:
+def _peft_modules_to_save(model: nn.Module, entries, saved_keys=(), warn: bool = True) -> tuple[str, ...]:
     """The full names of the modules PEFT trains for an adapter_config.json's ``modules_to_save``. PEFT <= 0.21
     matches an entry as a plain suffix of the module's name in the PeftModel (``key.endswith(entry)``): "norm" is
     model.norm and every layer's input_layernorm and post_attention_layernorm, whose saved tensors were 'unexpected
     keys' here. PEFT 0.22 matches at a dot (``_is_valid_match``): "norm" is model.norm alone. The file tells them
     apart: a module only the plain suffix matches is read as trained when ``saved_keys`` (the file's tensor names)
-    hold a tensor of it, else the dot match is taken. An entry matching nothing is left out with a warning, as PEFT
-    skips it (a sequence-classification "score" in a causal LM's file); tensors saved under it stay unexpected keys."""
+    hold a tensor of it, else the dot match is taken. An entry matching nothing is left out with a warning (unless
+    ``warn`` is False: ``check_adapter``, which load_adapter follows), as PEFT skips it (a sequence-classification
+    "score" in a causal LM's file); tensors saved under it stay unexpected keys."""
     names = [n for n, _ in model.named_modules() if n]
 
     def suffix(n: str, e: str) -> bool:  # PEFT <= 0.21
@@ -287,7 +288,7 @@ def _peft_modules_to_save(model: nn.Module, entries, saved_keys=()) -> tuple[str
     match = suffix if in_file or not only_suffix else at_dot
     out = [n for n in names if any(match(n, e) for e in entries)]
     unmatched = [e for e in entries if not any(match(n, e) for n in names)]
-    if unmatched:
+    if unmatched and warn:
         log.warning("load_adapter: modules_to_save entries %s match no module of this model; left out, as PEFT "
                     "does", unmatched)
     return tuple(out)
@@ -308,6 +309,58 @@ def loaded_adapter_dtype(model: nn.Module, adapter_dtype: torch.dtype | None = N
     return torch.float32 if low else None
 
 
+def _weights_file(adapter_dir: Path) -> Path:
+    """``adapter_dir``'s adapter_model.safetensors; an error naming it and the fix when it is missing or a folder."""
+    wpath = adapter_dir / WEIGHTS_NAME
+    if wpath.is_dir():
+        raise ValueError(f"{wpath}: is a directory, not a file; save the adapter again")
+    if not wpath.is_file():
+        bin_file = adapter_dir / "adapter_model.bin"  # PEFT has no converter command: say the two calls
+        fix = (f"; {bin_file.name} is there: rewrite it as safetensors with PEFT, PeftModel.from_pretrained(base, "
+               f"'{adapter_dir}') then .save_pretrained(OUT, safe_serialization=True)" if bin_file.is_file() else "")
+        raise FileNotFoundError(f"{wpath}: not found (only safetensors adapters are read){fix}")
+    return wpath
+
+
+def _lora_arguments(model: nn.Module, cfg: dict, adapter_dir: Path, saved_keys, impl: str,
+                    adapter_dtype: torch.dtype | None, warn: bool = True) -> dict:
+    """apply_lora's keyword arguments for adapter_config.json ``cfg`` (read_adapter_config's) on ``model``, checked
+    without changing it: PEFT's bias option (``_check_bias``), then apply_lora's checks (``check_lora``), whose
+    errors are about the file's values and name it. ``saved_keys``: the weights file's tensor names
+    (``_peft_modules_to_save``); ``warn``: its warning of entries left out."""
+    _check_bias(model, cfg, adapter_dir / CONFIG_NAME)
+    targets = cfg["target_modules"]
+    arguments = dict(r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
+                     target_modules=targets if isinstance(targets, str) else tuple(targets),
+                     use_rslora=cfg.get("use_rslora", False),
+                     modules_to_save=_peft_modules_to_save(model, cfg.get("modules_to_save") or (), saved_keys, warn),
+                     impl=impl, adapter_dtype=loaded_adapter_dtype(model, adapter_dtype))
+    try:
+        check_lora(model, **arguments)
+    except ValueError as e:
+        said = str(e)
+        if "LoRA on lm_head" in said or "not nn.Linear" in said:  # advice for training is no fix for a PEFT file
+            said += ("; for this adapter file: merge it into its base with PEFT (PeftModel.from_pretrained(base, "
+                     "dir).merge_and_unload(), then save_pretrained) and load the merged model")
+        raise ValueError(f"{adapter_dir / CONFIG_NAME}: {said}") from None
+    return arguments
+
+
+def check_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
+                  adapter_dtype: torch.dtype | None = None) -> None:
+    """The refusals ``load_adapter(model, adapter_dir)`` makes before it reads a tensor's values, made in its words
+    and with ``model`` left as it is: adapter_config.json's fields (``read_adapter_config``), the weights file
+    (there, and a readable safetensors header), PEFT's bias option and the names against the model's modules
+    (``check_lora``). Module names and kinds are all it reads of ``model``: it may be the decoder built on the meta
+    device from its config (``chronicals eval --adapter`` checks so before it reads its data and the weights load).
+    Left to load_adapter: the tensors' values and dtypes, and their names and shapes against the adapted model."""
+    adapter_dir = Path(adapter_dir).expanduser()
+    cfg = read_adapter_config(adapter_dir)
+    wpath = _weights_file(adapter_dir)
+    # warn=False: load_adapter, which follows, warns of entries it leaves out (once)
+    _lora_arguments(model, cfg, adapter_dir, safetensors_keys(wpath), impl, adapter_dtype, warn=False)
+
+
 def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
                  adapter_dtype: torch.dtype | None = None) -> LoraRecord:
     """Apply LoRA to ``model`` with the adapter's config and load its tensors (strictly: a missing or
@@ -319,14 +372,7 @@ def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
                            f"{adapter_dir} into a model as loaded (chronicals.load_model), or merge_lora(model) first "
                            "to put it on the merged weights")
     cfg = read_adapter_config(adapter_dir)
-    wpath = adapter_dir / WEIGHTS_NAME
-    if wpath.is_dir():
-        raise ValueError(f"{wpath}: is a directory, not a file; save the adapter again")
-    if not wpath.is_file():
-        bin_file = adapter_dir / "adapter_model.bin"  # PEFT has no converter command: say the two calls
-        fix = (f"; {bin_file.name} is there: rewrite it as safetensors with PEFT, PeftModel.from_pretrained(base, "
-               f"'{adapter_dir}') then .save_pretrained(OUT, safe_serialization=True)" if bin_file.is_file() else "")
-        raise FileNotFoundError(f"{wpath}: not found (only safetensors adapters are read){fix}")
+    wpath = _weights_file(adapter_dir)
     tensors = load_safetensors(wpath)  # a truncated or corrupt file: ValueError naming it
     for key, t in tensors.items():  # an integer tensor was cast into the adapter silently
         if not t.is_floating_point():
@@ -337,21 +383,9 @@ def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
             raise ValueError(f"{wpath}: tensor {key} holds {bad} NaN or infinite value(s) of {t.numel()}; the "
                              "adapter is damaged (saved from a run that diverged?): use an earlier checkpoint of "
                              "its run, or train it again")
-    _check_bias(model, cfg, adapter_dir / CONFIG_NAME)
-    targets = cfg["target_modules"]
+    arguments = _lora_arguments(model, cfg, adapter_dir, tensors, impl, adapter_dtype)  # checked: apply_lora takes them
     undo = _Undo(model)
-    try:  # apply_lora's errors are about adapter_config.json's values: name the file
-        rec = apply_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
-                         target_modules=targets if isinstance(targets, str) else tuple(targets),
-                         use_rslora=cfg.get("use_rslora", False),
-                         modules_to_save=_peft_modules_to_save(model, cfg.get("modules_to_save") or (), tensors),
-                         impl=impl, adapter_dtype=loaded_adapter_dtype(model, adapter_dtype))
-    except ValueError as e:
-        said = str(e)
-        if "LoRA on lm_head" in said or "not nn.Linear" in said:  # advice for training is no fix for a PEFT file
-            said += ("; for this adapter file: merge it into its base with PEFT (PeftModel.from_pretrained(base, "
-                     "dir).merge_and_unload(), then save_pretrained) and load the merged model")
-        raise ValueError(f"{adapter_dir / CONFIG_NAME}: {said}") from None
+    rec = apply_lora(model, **arguments)
     try:
         _fill(model, rec, tensors, wpath)
     except BaseException:

@@ -322,6 +322,13 @@ def _open(path: Path):
         raise _unreadable(path, e) from None
 
 
+def safetensors_keys(path: str | Path) -> list[str]:
+    """The tensor names of one safetensors file, read from its header alone (no tensor is read); a truncated or corrupt
+    file is a ValueError naming it, as ``load_safetensors`` says."""
+    with _open(Path(path)) as fh:
+        return list(fh.keys())
+
+
 def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of one safetensors file on the CPU; a truncated or corrupt file is a ValueError naming it."""
     try:

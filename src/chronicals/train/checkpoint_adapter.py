@@ -195,6 +195,28 @@ def _untie_as_trained(model: torch.nn.Module, rec, names: set[str]) -> None:
     rec.saved_modules = [n for n in rec.saved_modules if n not in dropped]
 
 
+def _check_adapted(path, ck: CheckpointAdapter, adapted: list[str]) -> None:
+    """ValueError when the modules the run's LoRA settings adapt on this base (``adapted``) are not those the run
+    adapted (its checkpoint records them): it trained another model."""
+    if ck.lora_modules is not None and list(adapted) != ck.lora_modules:
+        odd = sorted(set(adapted) ^ set(ck.lora_modules))
+        raise ValueError(f"checkpoint {path} does not fit this base: its LoRA targets match other modules here (e.g. "
+                         f"{odd[0]}); it was trained on {ck.base or 'a model it does not name'}; pass that model")
+
+
+def check_checkpoint_adapter(model: torch.nn.Module, path: str | Path) -> None:
+    """The refusals ``apply_checkpoint_adapter(model, path)`` makes before it compares a tensor, in its words and with
+    ``model`` left as it is: the checkpoint (a LoRA run's: ``read_lora_checkpoint``), apply_lora's checks of the run's
+    settings (``lora.inject.check_lora``) and the modules they adapt here against those the run adapted. Module names
+    and kinds are all it reads of ``model``: it may be the decoder built on the meta device from its config
+    (``chronicals eval --adapter``, before it reads its data and the weights load)."""
+    from ..lora.inject import check_lora
+
+    ck = read_lora_checkpoint(path)
+    _, adapted, _ = check_lora(model, **ck.lora)
+    _check_adapted(path, ck, adapted)
+
+
 def apply_checkpoint_adapter(model: torch.nn.Module, path: str | Path, adapter_dtype: torch.dtype | None = None):
     """Put the adapter of the LoRA run's checkpoint ``path`` on ``model`` (its base, not yet adapted) in place: LoRA
     with the run's settings, then the checkpoint's tensors. ValueError naming the checkpoint when they do not fit
@@ -206,10 +228,7 @@ def apply_checkpoint_adapter(model: torch.nn.Module, path: str | Path, adapter_d
 
     ck = read_lora_checkpoint(path)
     rec = apply_lora(model, adapter_dtype=loaded_adapter_dtype(model, adapter_dtype), **ck.lora)
-    if ck.lora_modules is not None and list(rec.lora_modules) != ck.lora_modules:
-        odd = sorted(set(rec.lora_modules) ^ set(ck.lora_modules))
-        raise ValueError(f"checkpoint {path} does not fit this base: its LoRA targets match other modules here (e.g. "
-                         f"{odd[0]}); it was trained on {ck.base or 'a model it does not name'}; pass that model")
+    _check_adapted(path, ck, rec.lora_modules)
     _untie_as_trained(model, rec, set(ck.tensors))
     params = dict(model.named_parameters())
     trainable = {n for n, p in params.items() if p.requires_grad}
