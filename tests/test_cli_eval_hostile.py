@@ -280,3 +280,24 @@ def test_an_adapters_warnings_are_said_once(tiny_base, data_file, tmp_path, capl
         assert main(["eval", "--adapter", str(adapter), str(data_file), "--device", "cpu"]) == 0
     said = [r.getMessage() for r in caplog.records if "match no module of this model" in r.getMessage()]
     assert len(said) == 1 and "['score']" in said[0], said
+
+
+def test_token_ids_past_the_models_vocabulary_are_said_before_the_weights_load(tmp_path, monkeypatch, capsys):
+    """The tokenized data is compared with config.json's vocab_size (the decoder built from it on the meta device)
+    once it is read, before the weights load: the refusal came once they had (exit 3, the same words)."""
+    import transformers
+
+    from chronicals.models import CausalLM, ModelConfig
+    from smollm2_tokenizer import smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    hf = transformers.LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                  tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
+    small = save_model(CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0), tok, tmp_path / "m")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi there"},
+                                             {"role": "assistant", "content": "hello, friend"}]}) + "\n")
+    rc, err = _refused_before_the_load(["--model", small, data, "--device", "cpu", "--cache-dir", "none"], monkeypatch,
+                                       capsys)
+    assert rc == 3 and f"{data} holds token id " in err and "but the model's vocabulary has 1000 entries" in err, err

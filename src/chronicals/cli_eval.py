@@ -146,7 +146,7 @@ def cmd_eval(argv: list[str]) -> int:
         except OSError as err:
             p.error(f"--json {a.json}: cannot write in {out.parent} ({err.strerror or err}); choose another file")
     # no _setup_logging: a summary, as chat prints answers
-    from .evaluate import evaluate, read_eval_data, write_json
+    from .evaluate import check_read_ids, evaluate, read_eval_data, write_json
 
     # the tokenizer and config.json, then the data, then the weights (seconds for the embedded model, minutes at 8B):
     # a length past the model's context (exit 2) and a bad record (exit 3) are said before the weights load
@@ -159,6 +159,7 @@ def cmd_eval(argv: list[str]) -> int:
     # the data's warnings and errors name these flags ("raise --max-seq-len or set --on-long=truncate")
     flags = {option: _as_flags(key) for option, key in DATA_OPTION_KEYS.items()}
     read = _said_in_flags(read_eval_data, tok, data, flags, a.system_prompt)  # a given system prompt as given
+    _said_in_flags(check_read_ids, shell, read, data)  # ids past config.json's vocab_size: before the weights too
     model, _ = _load(a.model, a.adapter, dev, a.dtype, tokenizer=False, ckpt_base=ckpt_base)
     result = _said_in_flags(evaluate, model, tok, data, dev, qa_limit=a.qa_limit, max_new_tokens=a.max_new_tokens,
                             read=read)

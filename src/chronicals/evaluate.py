@@ -169,6 +169,14 @@ def read_eval_data(tokenizer, data: DataSection, option_names: dict[str, str] | 
     return EvalData(loader, qa, system)
 
 
+def check_read_ids(model, read: EvalData, data: DataSection) -> None:
+    """ValueError naming ``data.path`` when the data ``read`` holds a token id the embedding of ``model`` has no row
+    for (its config's vocab_size: ``model`` may be the decoder built on the meta device, before the weights load)."""
+    ids = read.loader.dataset.ids
+    if len(ids):
+        check_ids_in_vocab(model, int(ids.max()), f"{data.path} holds token id")
+
+
 def evaluate(model, tokenizer, data: DataSection, device: torch.device, *, qa_limit: int = 0,
              max_new_tokens: int = 24, option_names: dict[str, str] | None = None,
              system_prompt: str | None = None, read: EvalData | None = None) -> EvalResult:
@@ -191,8 +199,7 @@ def evaluate(model, tokenizer, data: DataSection, device: torch.device, *, qa_li
         read = read_eval_data(tokenizer, data, option_names, system_prompt)
     loader, qa = read.loader, read.qa
     ds = loader.dataset
-    if len(ds.ids):  # host ids: the embedding would raise a bare IndexError
-        check_ids_in_vocab(model, int(ds.ids.max()), f"{data.path} holds token id")
+    check_read_ids(model, read, data)  # host ids: the embedding would raise a bare IndexError
     loss, n = evaluate_loss(model, loader, device)
     result = EvalResult(data=data.path, loss=loss, loss_tokens=n, examples=len(ds), stats=ds.stats)
     if qa is not None:
