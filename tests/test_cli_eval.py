@@ -383,24 +383,6 @@ def test_eval_json_replaces_an_earlier_result_but_no_other_file(tiny_base, data_
     assert {n: (tmp_path / n).read_text() for n in others} == others
 
 
-def test_eval_refuses_token_ids_past_the_models_vocabulary(tmp_path, capsys):
-    """A tokenizer with more tokens than the model's embedding rows is one clear error (exit 3), not an IndexError
-    from the embedding lookup (a device-side assert on CUDA)."""
-    import transformers
-
-    tok = smollm2_tokenizer()
-    hf = transformers.LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                  tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
-    small = save_model(CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0), tok, tmp_path / "m")
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi there"},
-                                             {"role": "assistant", "content": "hello, friend"}]}) + "\n")
-    assert main(["eval", "--model", str(small), str(data), "--device", "cpu", "--cache-dir", "none"]) == 3
-    err = capsys.readouterr().err
-    assert "holds token id" in err and "vocabulary has 1000 entries" in err
-
-
 def test_evaluate_refuses_a_token_id_equal_to_the_vocabulary_size(tmp_path):
     """An id equal to the model's vocabulary size (one past its last embedding row) is evaluate's ValueError naming
     the data and the id, before any forward pass, not the model's own IndexError; one row more and it runs."""
