@@ -249,7 +249,7 @@ def cmd_export(argv: list[str]) -> int:
     dtype = str(model.lm_head.weight.dtype).removeprefix('torch.')
     if not a.adapter:
         written = save_model(model, tok, a.out, extra_files=carried)
-        print(f"wrote {a.base} as a Hugging Face directory: {written} ({dtype}){describe(carried)}")
+        print(f"wrote {a.base} as a Hugging Face directory: {written} ({dtype}){describe(carried, tok_from)}")
         return 0
     if a.dtype == "bfloat16" and model.lm_head.weight.dtype == torch.float16:
         model.float()  # exact: the merge then rounds W + s B A once, to bf16 below, not to fp16 first
@@ -258,7 +258,7 @@ def cmd_export(argv: list[str]) -> int:
         model.to(torch.bfloat16)
         dtype = "bfloat16"
     written = save_model(model, tok, a.out, extra_files=carried)
-    print(f"merged {a.adapter} into {a.base}: {written} ({dtype}){describe(carried)}")
+    print(f"merged {a.adapter} into {a.base}: {written} ({dtype}){describe(carried, tok_from)}")
     return 0
 
 

@@ -43,11 +43,14 @@ def test_export_copies_the_base_directorys_license_files(tmp_path, tiny_hf_confi
     save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(base))
     assert main(["export", "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "merged")]) == 0
     out = capsys.readouterr().out
-    assert out.count("license files of the base: LICENSE, License.md, notice.txt") == 2, out
+    assert out.count("license files of the base: LICENSE, License.md, notice.txt, and README.md (license: "
+                     "apache-2.0, from its README.md front matter)") == 2, out
     for written in (tmp_path / "out", tmp_path / "merged"):
         for name, text in TEXTS.items():
             assert (written / name).read_bytes() == text and not (written / name).is_symlink(), name
-        assert not (written / "README.md").exists() and not (written / "LICENSES_THIRD_PARTY").exists()
+        assert not (written / "LICENSES_THIRD_PARTY").exists()
+        card = (written / "README.md").read_text()  # the license tag, not the base's card text
+        assert ModelCard.load(written / "README.md").data.license == "apache-2.0" and "base model's card" not in card
     # an export written again over its own output: the license files it wrote are its own to replace
     assert main(["export", "--model", str(base), "--out", str(tmp_path / "out")]) == 0
 
@@ -64,6 +67,27 @@ def test_a_license_file_of_the_users_own_in_out_is_never_replaced(tmp_path, tiny
     assert main(["export", "--model", str(base), "--out", str(out)]) == 2
     assert "holds files this save would delete (LICENSE)" in capsys.readouterr().err
     assert (out / "LICENSE").read_text() == "my own terms\n"
+
+
+def test_a_license_named_only_in_the_base_cards_front_matter_is_carried(tmp_path, tiny_hf_config, capsys, caplog):
+    """A Hub folder often names its license in README.md's front matter alone (SmolLM2's has no LICENSE file):
+    the export's own card carries license, license_name and license_link, and nothing else of the base's card. A
+    front matter that cannot be read is warned of and carries nothing; one without a license, nothing."""
+    _, model = _tiny(tiny_hf_config, "llama2")
+    base = chronicals.save_model(model, None, tmp_path / "base")
+    (base / "README.md").write_text("---\nlicense: other\nlicense_name: tiny\nlicense_link: LICENSE.txt\n"
+                                    "tags: [x]\n---\nabout the base\n")
+    assert main(["export", "--model", str(base), "--out", str(tmp_path / "out")]) == 0
+    assert "license of the base: README.md (license: other, from its README.md front matter)" in \
+        capsys.readouterr().out
+    card = ModelCard.load(tmp_path / "out" / "README.md")
+    assert (card.data.license, card.data.license_name, card.data.license_link) == ("other", "tiny", "LICENSE.txt")
+    assert card.data.tags is None and "about the base" not in card.text and "base/README.md" in card.text
+    for i, text in enumerate(("---\ntags: [x]\n---\n", "no front matter\n", "---\nlicense: [unclosed\n---\n")):
+        (base / "README.md").write_text(text)
+        assert main(["export", "--model", str(base), "--out", str(tmp_path / f"out{i}")]) == 0
+        assert not (tmp_path / f"out{i}" / "README.md").exists(), text
+    assert "its front matter cannot be read" in caplog.text
 
 
 def _licensed_gguf(tmp_path, tiny_hf_config, license=None, name=None, link=None):
