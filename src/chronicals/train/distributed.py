@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..config import ConfigError
+from ..config import ConfigError, TrainConfig
 from .setup import resolve_device
 
 log = logging.getLogger("chronicals.train")
@@ -343,3 +343,17 @@ def rank_seed(seed: int, rank: int) -> int:
     dropout masks on every rank, over other tokens: data parallelism then averaged none of that noise away. Rank 0
     keeps ``seed`` (a one-process run's masks are rank 0's); a resume restores each rank's own state (rank_rng)."""
     return (seed + rank * 0x9E3779B97F4A7C15) % 2 ** 63
+
+
+# keys a rank may set for itself: places that can differ between nodes (their contents are compared after setup:
+# the data's digest, the checkpoint's step), this process's device and workers, and what rank 0 alone does (logging)
+RANK_OWN_SETTINGS = {"model.path", "model.device", "data.path", "data.eval_path", "data.cache_dir", "data.num_proc",
+                     "train.out_dir", "train.resume"}
+
+
+def shared_settings(cfg: TrainConfig) -> dict:
+    """``section.key`` -> value of every setting the data-parallel ranks must share: ranks run with another
+    optim.lr or train.seed trained apart without a word (each its own update of the summed gradients, or other
+    shuffles), and another lora.rank crashed in gloo ("Received data size doesn't match expected size")."""
+    return {f"{section}.{key}": value for section, values in cfg.to_dict().items() if section != "logging"
+            for key, value in values.items() if f"{section}.{key}" not in RANK_OWN_SETTINGS}

@@ -40,15 +40,14 @@ from .metrics import (head_flops_per_token, matmul_peak_tflops, memory_gib, plot
                       rate_text, train_flops_per_token)
 from .optim import build_optimizer, build_scheduler, set_total_steps, warn_short_warmup
 from .console import run_console
-from .distributed import DistContext, init_distributed, main_rank_tells, rank_seed
+from .distributed import DistContext, init_distributed, main_rank_tells, rank_seed, shared_settings
 from .grad_buckets import GradBuckets
 from .graphs import GraphedStep, resolve_cuda_graphs
-from .setup import (build_loaders, check_config_fits, load_base, load_base_tokenizer, prepare_model,
-                    record_passed_model, resolve_dtype)
+from .setup import (build_loaders, check_config_fits, load_base, load_base_tokenizer, ready_model, record_passed_model,
+                    resolve_dtype)
 from .readback import StepReadback, StepStart
-from .guards import (check_cuda_graphs, check_data_paths, check_document_lengths, check_final_dir, check_final_model,
-                     check_impl, check_max_seq_len, check_out_dir, check_resume_path, check_token_ids,
-                     remove_setup_files)
+from .guards import (check_cuda_graphs, check_data_paths, check_document_lengths, check_final_dir, check_impl,
+                     check_max_seq_len, check_out_dir, check_resume_path, check_token_ids, remove_setup_files)
 from .resume import (apply_optimizer_settings, base_fingerprint, check_resume_adapter, check_same_adapter,
                      optimizer_settings, refuse_other_adapter, setting_diffs, warn_data_changed,
                      warn_loss_settings_changed)
@@ -153,30 +152,9 @@ def train(config: TrainConfig | dict | str | Path, *, model=None, tokenizer=None
             dp.destroy()
 
 
-# keys a rank may set for itself: places that can differ between nodes (their contents are compared after setup:
-# the data's digest, the checkpoint's step), this process's device and workers, and what rank 0 alone does (logging)
-RANK_OWN_SETTINGS = {"model.path", "model.device", "data.path", "data.eval_path", "data.cache_dir", "data.num_proc",
-                     "train.out_dir", "train.resume"}
-
-
-def shared_settings(cfg: TrainConfig) -> dict:
-    """``section.key`` -> value of every setting the data-parallel ranks must share: ranks run with another
-    optim.lr or train.seed trained apart without a word (each its own update of the summed gradients, or other
-    shuffles), and another lora.rank crashed in gloo ("Received data size doesn't match expected size")."""
-    return {f"{section}.{key}": value for section, values in cfg.to_dict().items() if section != "logging"
-            for key, value in values.items() if f"{section}.{key}" not in RANK_OWN_SETTINGS}
-
-
 @dataclass
 class _Phase:
     training: bool = False  # set when the first step starts: from then on out_dir holds this run's record
-
-
-def _ready_model(cfg: TrainConfig, model, device: torch.device, dtype: torch.dtype):
-    """A loaded or passed model made ready to train (``setup.prepare_model``), once ``check_final_model`` finds its
-    final directory can be saved."""
-    check_final_model(cfg, model)
-    return prepare_model(model, cfg, device, dtype)
 
 
 def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, train_loader, eval_loader,
@@ -194,7 +172,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         if getattr(model, "chronicals_base", None) is None:
             log.info("a model passed to train(): its adapter records no base model (model.path=%s is not what was "
                      "trained); set model.chronicals_base = its path or name to record one", cfg.model.path)
-        model = _ready_model(cfg, model, device, dtype)
+        model = ready_model(cfg, model, device, dtype)
         model_config = getattr(model, "config", None)
     else:
         with dp.main_first():  # rank 0 fills the conversion cache (GGUF) before the others read it
@@ -215,7 +193,7 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         with dp.main_first():  # rank 0 first: an error of its (a bad weights file) is every rank's, said once
             model = load_base(cfg, device, dtype)
         model.chronicals_base = recorded_name(cfg.model.path)  # absolute when a path: chat/export find it anywhere
-        model = _ready_model(cfg, model, device, dtype)
+        model = ready_model(cfg, model, device, dtype)
     if not built and getattr(train_loader, "world_size", dp.world_size) != dp.world_size:
         raise ValueError(f"train_loader has world_size={train_loader.world_size} but the job runs "
                          f"{dp.world_size} ranks; build it with PackedLoader(rank=RANK, world_size=WORLD_SIZE)")

@@ -400,3 +400,12 @@ def record_passed_model(cfg: TrainConfig, model) -> TrainConfig:
     log.info("model.path=%s is not the model passed to train(): this run records %s (model.chronicals_base)",
              cfg.model.path, base)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=base))
+
+
+def ready_model(cfg: TrainConfig, model, device: torch.device, dtype: torch.dtype):
+    """A loaded or passed model made ready to train (``setup.prepare_model``), once ``check_final_model`` finds its
+    final directory can be saved."""
+    from .guards import check_final_model
+
+    check_final_model(cfg, model)
+    return prepare_model(model, cfg, device, dtype)
