@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from ._cli_args import Parser
-from .cli_models import (BASE_HELP, DTYPE_HELP, _base_for, _check_adapter_first, _load, _meta_model, _model_and_base,
-                         _not_utf8, _setup_logging, _tokenizer_first, _within_context, add_verbose)
+from .cli_models import (BASE_HELP, DTYPE_HELP, _base_for, _check_adapter_first, _load, _model_and_base, _not_utf8,
+                         _setup_logging, _tokenizer_first, _within_context, add_verbose)
 
 
 _DATA_FLAGS = ("format", "train_on", "max_seq_len", "system_prompt", "batch_size", "on_long", "on_error", "cache_dir",
@@ -147,13 +147,14 @@ def cmd_eval(argv: list[str]) -> int:
             p.error(f"--json {a.json}: cannot write in {out.parent} ({err.strerror or err}); choose another file")
     # no _setup_logging: a summary, as chat prints answers
     from .evaluate import check_read_ids, evaluate, read_eval_data, write_json
+    from .models.loading import meta_model
 
     # the tokenizer and config.json, then the data, then the weights (seconds for the embedded model, minutes at 8B):
     # a length past the model's context (exit 2) and a bad record (exit 3) are said before the weights load
     tok, config = _tokenizer_first(a.model, ckpt_base)
     # a row also costs max_seq_len^2 memory on the CPU path
     _within_context(p, config, a.model, ("--max-seq-len", a.max_seq_len), ("--max-new-tokens", a.max_new_tokens))
-    shell = _meta_model(config)  # the model's modules and config, no weights
+    shell = meta_model(config)  # the model's modules and config, no weights
     if a.adapter:  # its config, weights file and names against the model's modules: before the data too
         _check_adapter_first(shell, a.adapter)
     # the data's warnings and errors name these flags ("raise --max-seq-len or set --on-long=truncate")

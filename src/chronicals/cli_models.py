@@ -177,31 +177,18 @@ def _tokenizer_first(model_path: str, ckpt_base: str | None = None):
     """(tokenizer, ModelConfig) of the model ``_load(model_path, ..., ckpt_base=ckpt_base)`` loads, read without its
     weights (a full fine-tuning checkpoint's from its base, as it loads them): eval checks its flags against the
     config and reads its data with the tokenizer before the weights load, so a bad record is said first."""
-    from .models.loading import load_tokenizer, model_config
+    from .models.loading import tokenizer_and_config
     from .train.checkpoint_adapter import is_checkpoint_dir
     from .train.checkpoint_model import checkpoint_base
 
-    source = (ckpt_base or checkpoint_base(model_path)) if is_checkpoint_dir(model_path) else model_path
-    config = model_config(source)  # before the tokenizer, as load_model: "this is a LoRA adapter, ..."
-    return load_tokenizer(source), config
-
-
-def _meta_model(config):
-    """The decoder of ``config`` (a ModelConfig, read before the weights: ``_tokenizer_first``) built on the meta
-    device: its modules and config without weights (no memory, milliseconds at 8B), for the checks of what ``_load``
-    would load that need no weights, made before eval reads its data and the weights load (minutes at 8B)."""
-    import torch
-
-    from .models.decoder import CausalLM
-
-    with torch.device("meta"):
-        return CausalLM(config)
+    return tokenizer_and_config((ckpt_base or checkpoint_base(model_path)) if is_checkpoint_dir(model_path)
+                                else model_path)
 
 
 def _check_adapter_first(model, adapter: str) -> None:
     """The refusals of ``adapter`` (a PEFT directory or a LoRA run's checkpoint) that ``_load`` would make once the
     weights had loaded and need none of them, in its words: its adapter_config.json (or checkpoint), its weights
-    file, its names against the modules of ``model`` (``_meta_model``)."""
+    file, its names against the modules of ``model`` (``models.loading.meta_model``)."""
     from .lora.peft_io import check_adapter
     from .train.checkpoint_adapter import check_checkpoint_adapter, is_checkpoint_dir
 

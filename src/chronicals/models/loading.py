@@ -127,6 +127,22 @@ def model_config(path: str | os.PathLike) -> ModelConfig:
     return ModelConfig.from_json(hf_dir(path) / "config.json")
 
 
+def tokenizer_and_config(path: str | os.PathLike):
+    """(tokenizer, ModelConfig) of a model path, read without its weights (train and eval read their data with the
+    tokenizer and check it against the config before the weights load). The config first, as load_model reads them:
+    its errors ("this is a LoRA adapter, ...") name the path better than the tokenizer's."""
+    config = model_config(path)
+    return load_tokenizer(path), config
+
+
+def meta_model(config: ModelConfig) -> CausalLM:
+    """The decoder of ``config`` built on PyTorch's meta device: its modules, names and config without weights (no
+    memory, milliseconds at 8B), for the checks that need no weights, made before the data is read and the weights
+    load (LoRA target names, token ids against vocab_size, document lengths against a sliding window)."""
+    with torch.device("meta"):
+        return CausalLM(config)
+
+
 def load_tokenizer(path: str | os.PathLike):
     """The tokenizer of a model path (transformers AutoTokenizer; the chat template is kept).
 

@@ -150,11 +150,11 @@ def check_config_fits(cfg: TrainConfig, config):
     model.path (``load_base_tokenizer``). The module names come from the decoder built on the meta device: no
     memory, no weights, milliseconds at 8B. Returns that decoder: the data's checks against the model's config
     (``guards.check_token_ids``, ``check_document_lengths``) take it before the weights load."""
-    from ..models.decoder import CausalLM, check_trains_as_transformers
+    from ..models.decoder import check_trains_as_transformers
+    from ..models.loading import meta_model
     from .guards import check_final_model
 
-    with torch.device("meta"):
-        model = CausalLM(config)
+    model = meta_model(config)
     model.chronicals_base = recorded_name(cfg.model.path)  # as the loaded model records it: named in the messages
     check_final_model(cfg, model)
     check_trains_as_transformers(config)
@@ -227,12 +227,11 @@ def load_base_tokenizer(cfg: TrainConfig):
     ``load_base`` loads the weights (seconds for the embedded model, minutes at 8B), so a bad record is said first.
     A .gguf file's first use converts it here (the weights then load from the conversion). A path that does not
     exist fails naming the key (guards.check_model_path)."""
-    from ..models.loading import load_tokenizer, model_config
+    from ..models.loading import tokenizer_and_config
     from .guards import check_model_path
 
     check_model_path(cfg)
-    config = model_config(cfg.model.path)  # before the tokenizer, as load_model: "this is a LoRA adapter, ..."
-    return load_tokenizer(cfg.model.path), config
+    return tokenizer_and_config(cfg.model.path)
 
 
 def load_base(cfg: TrainConfig, device: torch.device, dtype: torch.dtype):
