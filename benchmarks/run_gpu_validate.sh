@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call (~8 min on an H100): the CUDA test subsets and the CLI smoke, all at once: tests/lora,
 # tests/models, tests/train in two halves, tests/data + the root CLI tests + tests/ops/test_arg_checks.py, and
-# benchmarks/gpu_cli_smoke.py. Each pytest is capped at 540 s; a summary of each is printed last. OPS=1 adds
+# benchmarks/gpu_cli_smoke.py. Each pytest is capped at CAP seconds (default 540); a summary of each is printed last. OPS=1 adds
 # tests/ops whole, in two more processes (~3 min more on an H100 when run alone).
 # Usage (device tool, repo root, carry .whl with the gguf wheel; ../shared/GPU.md):  bash benchmarks/run_gpu_validate.sh
 # The embedded SmolLM2 package (98 MB) cannot be carried: its fixtures error or skip there, and pass on the CPU.
@@ -15,7 +15,7 @@ L=${OUT:-/tmp}/logs; mkdir -p "$L"
 T=( $(ls tests/train/test_*.py) )
 TA=(); TB=(); i=0; for f in "${T[@]}"; do if (( i % 2 )); then TB+=("$f"); else TA+=("$f"); fi; i=$((i+1)); done
 t0=$(date +%s)
-run() { n=$1; shift; timeout 540 python3 -m pytest -q -p no:cacheprovider "$@" > "$L/$n.txt" 2>&1
+run() { n=$1; shift; timeout ${CAP:-540} python3 -m pytest -q -p no:cacheprovider "$@" > "$L/$n.txt" 2>&1
         echo "$n rc=$? ($(( $(date +%s) - t0 )) s)" >> "$L/$n.txt"; }
 run lora tests/lora &
 run models tests/models &
@@ -29,7 +29,7 @@ if [ "${OPS:-0}" = 1 ]; then
   run opsA "${OA[@]}" & run opsB "${OB[@]}" &
   NAMES="$NAMES opsA opsB"
 fi
-{ timeout 540 python3 benchmarks/gpu_cli_smoke.py /tmp/smoke > "$L/smoke.txt" 2>&1
+{ timeout ${CAP:-540} python3 benchmarks/gpu_cli_smoke.py /tmp/smoke > "$L/smoke.txt" 2>&1
   echo "smoke rc=$? ($(( $(date +%s) - t0 )) s)" >> "$L/smoke.txt"; } &
 wait
 for n in $NAMES smoke; do
