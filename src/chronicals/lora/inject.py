@@ -11,6 +11,8 @@ PEFT's rule, and ``save_adapter`` writes full names, which mean the same modules
 
 from __future__ import annotations
 
+import copy
+import inspect
 import logging
 import re
 from dataclasses import dataclass, field
@@ -249,12 +251,34 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
     if unmatched:  # left out, as PEFT leaves them (an adapter may list another architecture's names): said, as a typo
         log.warning("apply_lora: target_modules entries %s match no module of this model and are left out; its linear "
                     "layers are named %s", unmatched, linear_names(model))
-    tied = tied_partners(model, saved)
+    rec = _put_lora(model, (target_modules, targets, saved), r=r, alpha=alpha, dropout=dropout, use_rslora=use_rslora,
+                    impl=impl, adapter_dtype=adapter_dtype, seed=seed, concat=concat)
+    tied = [n for n in rec.saved_modules if n not in saved]
     if tied:
         log.info("apply_lora: %s share weights with %s (tied); the shared tensor is trained and both are saved",
                  saved, tied)
-        saved = sorted(set(saved) | set(tied))
+    wide = sorted({f"{m.adapter_dtype} adapters on {m.weight.dtype} weights" for _, m in lora_modules(model)
+                   if m.wide})
+    if wide:
+        log.info("apply_lora: %s: each branch runs in the adapters' dtype (lora_linear_ref, PEFT's computation), "
+                 "not in the fused layouts or groups", ", ".join(wide))
+    if group:
+        log.info("apply_lora: %s (q/k/v, gate/up) run as one GEMM each", counted(bind_groups(model), "LoRA group"))
+    log.info("apply_lora: r=%d alpha=%g scaling=%g on %s (%s), impl=%s; trainable %d of %d parameters",
+             r, alpha, rec.scaling, counted(len(targets), "module"), target_modules, impl, rec.trainable_params,
+             rec.total_params)
+    return rec
 
+
+def _put_lora(model: nn.Module, checked: tuple, *, r: int, alpha: float, dropout: float, use_rslora: bool,
+              impl: str, adapter_dtype: torch.dtype | None, seed: int | None, concat: bool | str) -> LoraRecord:
+    """What apply_lora changes in ``model`` once ``checked`` (check_lora's result for these arguments) holds, without
+    its logs or LoRA groups: base weights frozen, a LoRALinear per target, the modules to save (and their tied
+    partners) trainable, ``model.lora_config`` set."""
+    target_modules, targets, saved = checked
+    tied = tied_partners(model, saved)
+    if tied:
+        saved = sorted(set(saved) | set(tied))
     for p in model.parameters():
         p.requires_grad_(False)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -271,17 +295,29 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
                      trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
                      total_params=sum(p.numel() for p in model.parameters()))
     model.lora_config = rec
-    wide = sorted({f"{m.adapter_dtype} adapters on {m.weight.dtype} weights" for _, m in lora_modules(model)
-                   if m.wide})
-    if wide:
-        log.info("apply_lora: %s: each branch runs in the adapters' dtype (lora_linear_ref, PEFT's computation), "
-                 "not in the fused layouts or groups", ", ".join(wide))
-    if group:
-        log.info("apply_lora: %s (q/k/v, gate/up) run as one GEMM each", counted(bind_groups(model), "LoRA group"))
-    log.info("apply_lora: r=%d alpha=%g scaling=%g on %s (%s), impl=%s; trainable %d of %d parameters",
-             r, alpha, rec.scaling, counted(len(targets), "module"), target_modules, impl, rec.trainable_params,
-             rec.total_params)
     return rec
+
+
+def meta_lora_copy(model: nn.Module, **kwargs) -> nn.Module:
+    """A copy of ``model`` on the meta device with LoRA as ``apply_lora(model, **kwargs)`` puts it: the names and
+    shapes of its adapters and of the modules it trains in full (``model.lora_config``), with no memory, no weight
+    read, none of apply_lora's logs and no LoRA groups (they change no name or shape); ``model`` is left as it is and
+    apply_lora's checks raise as apply_lora's. ``lora.peft_io.check_adapter`` compares an adapter file's tensor names
+    and shapes with it before the weights load."""
+    bound = inspect.signature(apply_lora).bind(model, **kwargs)  # apply_lora's defaults for those not given
+    bound.apply_defaults()
+    given = {k: v for k, v in bound.arguments.items() if k != "model"}
+    checked = check_lora(model, **given)
+    settings = {k: given[k] for k in ("r", "alpha", "dropout", "use_rslora", "impl", "adapter_dtype", "seed", "concat")}
+    # each Parameter and buffer copied as a meta tensor of its shape and dtype (a shared one stays shared: tied
+    # lm_head / embed_tokens), so a loaded model's copy copies no weight
+    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            for p in model.parameters()}
+    memo.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
+    shadow = copy.deepcopy(model, memo)
+    with torch.device("meta"):  # A's kaiming draw on meta too: r x in floats per module left undrawn
+        _put_lora(shadow, checked, **settings)
+    return shadow
 
 
 def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
