@@ -272,6 +272,72 @@ def test_a_bad_adapter_is_said_before_the_data_and_the_weights(fields, remove, s
     assert rc == 3 and f"{adapter}/{said}" in err and "Traceback" not in err, err
 
 
+def _other_models_adapter(tiny_base, out, edit=None, **opts):
+    """A LoRA adapter (r=2) saved to ``out`` from a model of tiny_base's module names and other sizes (intermediate
+    64 for 48, 8 more vocabulary entries), recording tiny_base as its base; its tensors changed by ``edit(dict)``."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from chronicals.lora import apply_lora, save_adapter
+    from chronicals.models import CausalLM, ModelConfig
+
+    conf = json.loads((tiny_base / "config.json").read_text())
+    hf = transformers.LlamaConfig(**{**conf, "intermediate_size": 64, "vocab_size": conf["vocab_size"] + 8})
+    model = CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=1)
+    apply_lora(model, r=2, alpha=4, **opts)
+    save_adapter(model, out, base_model_name_or_path=str(tiny_base))
+    if edit is not None:
+        tensors = load_file(out / "adapter_model.safetensors")
+        edit(tensors)
+        save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+Q0 = "base_model.model.model.layers.0.self_attn.q_proj"
+K0 = "base_model.model.model.layers.0.self_attn.k_proj"
+MLP0 = "base_model.model.model.layers.0.mlp"
+
+
+def _add_k_proj(tensors):
+    tensors[f"{K0}.lora_A.weight"] = tensors[f"{Q0}.lora_A.weight"].clone()
+
+
+# (LoRA options of the adapter, its tensors' edit, words of load_adapter's refusal after the file's name)
+MISFITS = {
+    "missing_key": (dict(target_modules=["q_proj"]), lambda t: t.pop(f"{Q0}.lora_B.weight"),
+                    f"missing keys ['{Q0}.lora_B.weight'] (1), unexpected keys [] (0); was it saved for a different "
+                    "model?"),
+    "unexpected_key": (dict(target_modules=["q_proj"]), _add_k_proj,
+                       f"missing keys [] (0), unexpected keys ['{K0}.lora_A.weight'] (1)"),
+    "out_features": (dict(target_modules=["up_proj"]), None,
+                     f"{MLP0}.up_proj.lora_B.weight has shape (64, 2), the model expects (48, 2) (r=2)"),
+    "in_features": (dict(target_modules=["down_proj"]), None,
+                    f"{MLP0}.down_proj.lora_A.weight has shape (2, 64), the model expects (2, 48) (r=2)"),
+    "modules_to_save": (dict(target_modules=["q_proj"], modules_to_save=["lm_head"]), None,
+                        "embed_tokens.weight has shape ("),
+}
+
+
+@pytest.mark.parametrize("kind", list(MISFITS))
+def test_an_adapter_of_another_model_is_refused_before_the_data_and_the_weights(kind, tiny_base, data_file, tmp_path,
+                                                                                monkeypatch, capsys):
+    """An adapter whose tensors do not fit the model (a missing lora_B, an unexpected key, LoRA's in or out
+    features or a modules_to_save tensor of a model of other sizes but the same module names): load_adapter's
+    refusal (exit 3) came once the data was read and the weights had loaded; its words, exactly, come before either
+    now (the file's safetensors header against the decoder built on the meta device)."""
+    import chronicals.evaluate
+    from chronicals.lora import load_adapter
+
+    opts, edit, said = MISFITS[kind]
+    adapter = _other_models_adapter(tiny_base, tmp_path / "adapter", edit, **opts)
+    with pytest.raises(ValueError) as loaded:  # load_adapter's words, on the loaded base
+        load_adapter(load_model(tiny_base, tokenizer=False)[0], adapter)
+    assert f"load_adapter {adapter}/adapter_model.safetensors: " in str(loaded.value) and said in str(loaded.value)
+    monkeypatch.setattr(chronicals.evaluate, "read_eval_data", lambda *a, **k: 1 / 0)  # the data: never read
+    rc, err = _refused_before_the_load(["--adapter", adapter, data_file, "--device", "cpu"], monkeypatch, capsys)
+    assert rc == 3 and str(loaded.value) in err and "Traceback" not in err, err
+
+
 def test_an_adapters_warnings_are_said_once(tiny_base, data_file, tmp_path, caplog, capsys):
     """An adapter that lists a modules_to_save entry this model lacks (a classifier's "score") loads without it, as
     PEFT's does, with one warning: the early check of its names says none (load_adapter says it)."""

@@ -17,10 +17,10 @@ import torch
 import torch.nn as nn
 
 from .._jsonio import read_json_object
-from ..models.hf_io import atomic_dir, load_safetensors, safetensors_keys, save_safetensors
+from ..models.hf_io import atomic_dir, load_safetensors, safetensors_shapes, save_safetensors
 from ..models.loading import missing_checkpoint
 from .group import unbind_groups
-from .inject import LoraRecord, _set_module, apply_lora, check_lora, lora_modules, name_matches
+from .inject import LoraRecord, _set_module, apply_lora, check_lora, lora_modules, meta_lora_copy, name_matches
 
 log = logging.getLogger("chronicals.lora")
 PREFIX = "base_model.model."
@@ -351,14 +351,20 @@ def check_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
     """The refusals ``load_adapter(model, adapter_dir)`` makes before it reads a tensor's values, made in its words
     and with ``model`` left as it is: adapter_config.json's fields (``read_adapter_config``), the weights file
     (there, and a readable safetensors header), PEFT's bias option and the names against the model's modules
-    (``check_lora``). Module names and kinds are all it reads of ``model``: it may be the decoder built on the meta
-    device from its config (``chronicals eval --adapter`` checks so before it reads its data and the weights load).
-    Left to load_adapter: the tensors' values and dtypes, and their names and shapes against the adapted model."""
+    (``check_lora``), then the file's tensor names and shapes (from its header) against those LoRA puts on the model
+    (``meta_lora_copy``: a copy on the meta device, adapted) with ``_file_fits``, load_adapter's own check. Module
+    names, kinds and shapes are all it reads of ``model``: it may be the decoder built on the meta device from its
+    config (``chronicals eval --adapter`` checks so before it reads its data and the weights load).
+    Left to load_adapter: the tensors' values and dtypes."""
     adapter_dir = Path(adapter_dir).expanduser()
     cfg = read_adapter_config(adapter_dir)
     wpath = _weights_file(adapter_dir)
+    shapes = safetensors_shapes(wpath)
     # warn=False: load_adapter, which follows, warns of entries it leaves out (once)
-    _lora_arguments(model, cfg, adapter_dir, safetensors_keys(wpath), impl, adapter_dtype, warn=False)
+    arguments = _lora_arguments(model, cfg, adapter_dir, shapes, impl, adapter_dtype, warn=False)
+    shadow = meta_lora_copy(model, **arguments)
+    _untie_if_partial(shadow, shadow.lora_config, set(shapes))  # as _fill: its names are those the file must hold
+    _file_fits(shadow, shadow.lora_config, shapes, wpath)
 
 
 def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
@@ -399,6 +405,20 @@ def load_adapter(model: nn.Module, adapter_dir, *, impl: str = "fused",
 def _fill(model: nn.Module, rec: LoraRecord, tensors: dict[str, torch.Tensor], wpath: Path) -> None:
     """Untie as PEFT does, check every key and shape, then copy: nothing is written unless all of them fit."""
     said = [_untie_if_partial(model, rec, set(tensors)), _untie_if_different(model, rec, tensors)]
+    expected = _file_fits(model, rec, {k: tuple(t.shape) for k, t in tensors.items()}, wpath)
+    for warning in filter(None, said):  # the file fits: the untying stays
+        log.warning("%s", warning)
+    with torch.no_grad():
+        for key, p in expected.items():
+            p.copy_(tensors[key])
+
+
+def _file_fits(model: nn.Module, rec: LoraRecord, shapes: dict[str, tuple[int, ...]],
+               wpath: Path) -> dict[str, nn.Parameter]:
+    """The adapted ``model``'s parameters by PEFT key, once the file ``wpath``'s tensor names and ``shapes`` are
+    checked against them: a missing or unexpected key, or a shape mismatch, is a ValueError naming the file.
+    load_adapter checks the file so before it copies a tensor; check_adapter, with the shapes of its header, against
+    a copy of the model on the meta device (``meta_lora_copy``) before the weights load."""
     expected = {}
     for name, mod in lora_modules(model):
         expected[f"{PREFIX}{name}.lora_A.weight"] = mod.lora_A.weight
@@ -406,7 +426,7 @@ def _fill(model: nn.Module, rec: LoraRecord, tensors: dict[str, torch.Tensor], w
     for name in rec.saved_modules:
         for pname, p in model.get_submodule(name).named_parameters():
             expected[f"{PREFIX}{name}.{pname}"] = p
-    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
     if missing or unexpected:
         # PEFT's save_embedding_layers=True (its "auto" after resize_token_embeddings) writes the whole embedding
         # and head outside modules_to_save: "a different model?" was the wrong diagnosis (a LoRA walk)
@@ -421,14 +441,10 @@ def _fill(model: nn.Module, rec: LoraRecord, tensors: dict[str, torch.Tensor], w
         raise ValueError(f"load_adapter {wpath}: missing keys {missing[:4]} ({len(missing)}), unexpected keys "
                          f"{unexpected[:4]} ({len(unexpected)}); was it saved for a different model?")
     for key, p in expected.items():
-        if tensors[key].shape != p.shape:
-            raise ValueError(f"load_adapter {wpath}: {key} has shape {tuple(tensors[key].shape)}, the model expects "
+        if tuple(shapes[key]) != tuple(p.shape):
+            raise ValueError(f"load_adapter {wpath}: {key} has shape {tuple(shapes[key])}, the model expects "
                              f"{tuple(p.shape)} (r={rec.r}); was it saved for a different model?")
-    for warning in filter(None, said):  # the file fits: the untying stays
-        log.warning("%s", warning)
-    with torch.no_grad():
-        for key, p in expected.items():
-            p.copy_(tensors[key])
+    return expected
 
 
 class _Undo:

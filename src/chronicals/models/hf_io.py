@@ -322,11 +322,11 @@ def _open(path: Path):
         raise _unreadable(path, e) from None
 
 
-def safetensors_keys(path: str | Path) -> list[str]:
-    """The tensor names of one safetensors file, read from its header alone (no tensor is read); a truncated or corrupt
-    file is a ValueError naming it, as ``load_safetensors`` says."""
+def safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """The tensor names of one safetensors file and their shapes, read from its header alone (no tensor is read); a
+    truncated or corrupt file is a ValueError naming it, as ``load_safetensors`` says."""
     with _open(Path(path)) as fh:
-        return list(fh.keys())
+        return {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
 
 
 def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
