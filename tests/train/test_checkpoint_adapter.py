@@ -1,7 +1,7 @@
 """A LoRA run's checkpoint as an adapter (``apply_checkpoint_adapter``: export, chat and eval --adapter take it):
 runs whose saved modules were untied from a tied base (continued from a PEFT adapter), older checkpoints whose
-config alone rebuilds the adapter, a base whose LoRA targets match other modules, and a checkpoint copied over in
-place read again."""
+config alone rebuilds the adapter, a base whose LoRA targets match other modules (or whose tensors do not fit, said
+on the meta-device decoder as when applied), and a checkpoint copied over in place read again."""
 
 from __future__ import annotations
 
@@ -152,3 +152,39 @@ def test_a_checkpoint_on_a_base_of_other_width_is_refused_naming_a_tensor_of_ano
     with pytest.raises(ValueError, match=r"does not fit this base \(\d+ tensors of another name or shape, e\.g\. "
                                          r"model\.layers\.0\.mlp\..*trained on /models/narrow"):
         apply_checkpoint_adapter(wider, path)
+
+
+def _width(intermediate: int) -> CausalLM:
+    hf = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=24, intermediate_size=intermediate, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return CausalLM(ModelConfig.from_hf_dict(hf.to_dict())).init_weights(seed=0)
+
+
+@pytest.mark.parametrize("odd", ["mlp_width", "missing_tensor", "unexpected_tensor"])
+def test_a_checkpoint_that_does_not_fit_is_refused_on_the_meta_model_as_when_applied(tmp_path, odd):
+    """eval --adapter with a LoRA run's checkpoint compared the names of the modules its settings adapt before the
+    data and the weights, but its tensors' names and shapes only once the weights had loaded: a base of another MLP
+    width (same module names), a checkpoint missing a tensor or holding one more. check_checkpoint_adapter on the
+    meta-device decoder refuses those now, in apply_checkpoint_adapter's words (one check: ``_tensors_fit``)."""
+    from chronicals.models.loading import meta_model
+    from chronicals.train.checkpoint_adapter import check_checkpoint_adapter
+
+    path = _lora_checkpoint(tmp_path / "run", record=True, modules_to_save=("norm",), base="/models/narrow")
+    if odd != "mlp_width":
+        state = torch.load(path / "state.pt", weights_only=False)
+        if odd == "missing_tensor":
+            del state["model"]["model.norm.weight"]
+        else:
+            state["model"]["model.layers.0.input_layernorm.weight"] = torch.ones(24)
+        shutil.rmtree(path.parent.parent)
+        path = _write(tmp_path / "run", state["extra"], model=state["model"], config=state["extra"]["config"])
+    base = _width(48 if odd == "mlp_width" else 40)
+    with pytest.raises(ValueError, match=r"does not fit this base") as applied:
+        apply_checkpoint_adapter(base, path)
+    shell = meta_model(base.config)
+    with pytest.raises(ValueError) as checked:
+        check_checkpoint_adapter(shell, path)
+    assert str(checked.value) == str(applied.value)
+    assert getattr(shell, "lora_config", None) is None
+    check_checkpoint_adapter(meta_model(_width(40).config), _lora_checkpoint(tmp_path / "fits", record=True,
+                                                                            modules_to_save=("norm",)))

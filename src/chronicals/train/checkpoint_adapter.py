@@ -204,17 +204,36 @@ def _check_adapted(path, ck: CheckpointAdapter, adapted: list[str]) -> None:
                          f"{odd[0]}); it was trained on {ck.base or 'a model it does not name'}; pass that model")
 
 
+def _tensors_fit(path, ck: CheckpointAdapter, model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The adapted ``model``'s parameters by name, once the checkpoint's tensor names and shapes are checked against
+    its trainable ones (ValueError: it was trained on another base). apply_checkpoint_adapter checks so before it
+    copies; check_checkpoint_adapter, against a copy of the model on the meta device, before the weights load."""
+    params = dict(model.named_parameters())
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    shapes = [n for n, t in ck.tensors.items() if n in params and t.shape != params[n].shape]
+    if set(ck.tensors) != trainable or shapes:
+        odd = sorted(set(ck.tensors) ^ trainable) + shapes
+        raise ValueError(f"checkpoint {path} does not fit this base ({counted(len(odd), 'tensor')} of another name or "
+                         f"shape, e.g. {odd[0]}): it was trained on {ck.base or 'a model it does not name'}; pass "
+                         "that model")
+    return params
+
+
 def check_checkpoint_adapter(model: torch.nn.Module, path: str | Path) -> None:
-    """The refusals ``apply_checkpoint_adapter(model, path)`` makes before it compares a tensor, in its words and with
+    """The refusals ``apply_checkpoint_adapter(model, path)`` makes before it copies a tensor, in its words and with
     ``model`` left as it is: the checkpoint (a LoRA run's: ``read_lora_checkpoint``), apply_lora's checks of the run's
-    settings (``lora.inject.check_lora``) and the modules they adapt here against those the run adapted. Module names
-    and kinds are all it reads of ``model``: it may be the decoder built on the meta device from its config
-    (``chronicals eval --adapter``, before it reads its data and the weights load)."""
-    from ..lora.inject import check_lora
+    settings, the modules they adapt here against those the run adapted, and the checkpoint's tensor names and shapes
+    (memory-mapped: no value read) against a copy of ``model`` on the meta device adapted with those settings
+    (``lora.inject.meta_lora_copy``). Module names, kinds and shapes are all it reads of ``model``: it may be the
+    decoder built on the meta device from its config (``chronicals eval --adapter``, before it reads its data and the
+    weights load)."""
+    from ..lora.inject import meta_lora_copy
 
     ck = read_lora_checkpoint(path)
-    _, adapted, _ = check_lora(model, **ck.lora)
-    _check_adapted(path, ck, adapted)
+    shadow = meta_lora_copy(model, **ck.lora)
+    _check_adapted(path, ck, shadow.lora_config.lora_modules)
+    _untie_as_trained(shadow, shadow.lora_config, set(ck.tensors))
+    _tensors_fit(path, ck, shadow)
 
 
 def apply_checkpoint_adapter(model: torch.nn.Module, path: str | Path, adapter_dtype: torch.dtype | None = None):
@@ -230,14 +249,7 @@ def apply_checkpoint_adapter(model: torch.nn.Module, path: str | Path, adapter_d
     rec = apply_lora(model, adapter_dtype=loaded_adapter_dtype(model, adapter_dtype), **ck.lora)
     _check_adapted(path, ck, rec.lora_modules)
     _untie_as_trained(model, rec, set(ck.tensors))
-    params = dict(model.named_parameters())
-    trainable = {n for n, p in params.items() if p.requires_grad}
-    shapes = [n for n, t in ck.tensors.items() if n in params and t.shape != params[n].shape]
-    if set(ck.tensors) != trainable or shapes:
-        odd = sorted(set(ck.tensors) ^ trainable) + shapes
-        raise ValueError(f"checkpoint {path} does not fit this base ({counted(len(odd), 'tensor')} of another name or "
-                         f"shape, e.g. {odd[0]}): it was trained on {ck.base or 'a model it does not name'}; pass "
-                         "that model")
+    params = _tensors_fit(path, ck, model)
     with torch.no_grad():
         for name, t in ck.tensors.items():
             params[name].copy_(t)
