@@ -24,7 +24,8 @@ from pathlib import Path
 from ._cli_args import Parser
 from .cli_chat import _run_system_prompt, cmd_chat  # noqa: F401 (_run_system_prompt: chronicals.cli's before the split)
 from .cli_eval import cmd_eval
-from .cli_models import _base_for, _here, _load, _model_and_base, _rank, _recorded, _setup_logging
+from .cli_models import (_base_for, _check_adapter_before_load, _here, _load, _model_and_base, _rank, _recorded,
+                         _setup_logging)
 from .cuda_alloc import allocator_env
 
 USAGE = """usage: chronicals train [CONFIG.yaml] [section.key=value ...]
@@ -234,6 +235,7 @@ def cmd_export(argv: list[str]) -> int:
         # before W + s B A was, and 21% of the adapted elements of a SmolLM2 merge (fp32 base) differed from
         # W + s B A rounded once (a walk)
         load_dtype = "checkpoint"
+    _check_adapter_before_load(a.base, a.adapter, ckpt_base)  # after --out's checks, before the weights load
     model, tok = _load(a.base, a.adapter, resolve_device("cpu"), load_dtype,
                        adapter_dtype=torch.float32, tokenizer=not (a.no_merge or no_tokenizer_files),
                        ckpt_base=ckpt_base)

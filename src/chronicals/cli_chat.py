@@ -8,8 +8,8 @@ from pathlib import Path
 
 from ._cli_args import Parser
 from ._words import counted
-from .cli_models import (BASE_HELP, DTYPE_HELP, _base_for, _load, _model_and_base, _not_utf8, _setup_logging,
-                         _shown, _within_context, add_verbose)
+from .cli_models import (BASE_HELP, DTYPE_HELP, _base_for, _check_adapter_before_load, _load, _model_and_base,
+                         _not_utf8, _setup_logging, _shown, _within_context, add_verbose)
 
 
 def _run_system_prompt(path: str | None) -> str | None:
@@ -103,6 +103,7 @@ def cmd_chat(argv: list[str], prog: str = "chat") -> int:
         p.error(str(e))
     a.model, ckpt_base, flag = _model_and_base(p, a)
     a.model = _base_for(a.adapter, a.model, flag)
+    _check_adapter_before_load(a.model, a.adapter, ckpt_base)  # before stdin is read and the weights load
     from .config import DEMO_SYSTEM_PROMPT
     from .models import require_chat_template
     from .train.qa import TemplateRefused, answer

@@ -173,22 +173,29 @@ def _load(model_path: str, adapter: str | None, dev, dtype: str, adapter_dtype=N
     return model.eval(), tok
 
 
+def _config_source(model_path: str, ckpt_base: str | None = None) -> str:
+    """The model whose config.json and tokenizer ``_load(model_path, ..., ckpt_base=ckpt_base)`` reads: a full
+    fine-tuning checkpoint's base (``ckpt_base``, else the one it records), else ``model_path`` itself."""
+    from .train.checkpoint_adapter import is_checkpoint_dir
+    from .train.checkpoint_model import checkpoint_base
+
+    return (ckpt_base or checkpoint_base(model_path)) if is_checkpoint_dir(model_path) else model_path
+
+
 def _tokenizer_first(model_path: str, ckpt_base: str | None = None):
     """(tokenizer, ModelConfig) of the model ``_load(model_path, ..., ckpt_base=ckpt_base)`` loads, read without its
     weights (a full fine-tuning checkpoint's from its base, as it loads them): eval checks its flags against the
     config and reads its data with the tokenizer before the weights load, so a bad record is said first."""
     from .models.loading import tokenizer_and_config
-    from .train.checkpoint_adapter import is_checkpoint_dir
-    from .train.checkpoint_model import checkpoint_base
 
-    return tokenizer_and_config((ckpt_base or checkpoint_base(model_path)) if is_checkpoint_dir(model_path)
-                                else model_path)
+    return tokenizer_and_config(_config_source(model_path, ckpt_base))
 
 
 def _check_adapter_first(model, adapter: str) -> None:
     """The refusals of ``adapter`` (a PEFT directory or a LoRA run's checkpoint) that ``_load`` would make once the
     weights had loaded and need none of them, in its words: its adapter_config.json (or checkpoint), its weights
-    file, its names against the modules of ``model`` (``models.loading.meta_model``)."""
+    file, its names and tensor shapes against the modules of ``model`` (``models.loading.meta_model``). eval calls
+    it on the decoder it builds for its data checks too; chat and export through ``_check_adapter_before_load``."""
     from .lora.peft_io import check_adapter
     from .train.checkpoint_adapter import check_checkpoint_adapter, is_checkpoint_dir
 
@@ -196,6 +203,17 @@ def _check_adapter_first(model, adapter: str) -> None:
         check_checkpoint_adapter(model, adapter)
     else:
         check_adapter(model, adapter)
+
+
+def _check_adapter_before_load(model_path: str, adapter: str | None, ckpt_base: str | None = None) -> None:
+    """``_check_adapter_first`` (nothing without ``adapter``) on the decoder built on the meta device from the
+    config.json of the model ``_load(model_path, adapter, ..., ckpt_base=ckpt_base)`` loads: chat and export refused
+    an adapter of another model (names, shapes, config) only once the base weights had loaded (seconds for the
+    embedded model, minutes at 8B), and now before, in the same words and exit status as eval."""
+    from .models.loading import meta_model, model_config
+
+    if adapter:
+        _check_adapter_first(meta_model(model_config(_config_source(model_path, ckpt_base))), adapter)
 
 
 def _within_context(p: argparse.ArgumentParser, model, name: str, *flags: tuple[str, int]) -> None:
