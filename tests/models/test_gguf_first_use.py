@@ -7,16 +7,134 @@ from __future__ import annotations
 
 import pytest
 from test_gguf_metadata import _BPE_VOCAB, _bpe_tokenizer_metadata, hf_model, write_gguf
+from test_gguf_tokenizer import _SPM_TOKENS, _spm_tokenizer_metadata
 
+import chronicals
 from chronicals.models import gguf_io
+from chronicals.models.loading import tokenizer_and_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+TEXTS = ["hello world", " hello  world\n", "Héllo, wörld! 123", "<|im_start|>hell<|im_end|>", ""]
+
+
+@pytest.fixture
+def cold_cache(tmp_path, monkeypatch):
+    """An empty CHRONICALS_CACHE; returns it."""
+    cache = tmp_path / "cold_cache"
+    monkeypatch.setenv("CHRONICALS_CACHE", str(cache))
+    return cache
+
+
+def refuse_tensor_conversion(monkeypatch) -> list:
+    """gguf_io.gguf_tensor (one tensor dequantized for the conversion) fails the test; returns the calls."""
+    calls = []
+
+    def refuse(t, *a, **k):
+        calls.append(t.name)
+        raise AssertionError(f"tensor {t.name} was converted")
+
+    monkeypatch.setattr(gguf_io, "gguf_tensor", refuse)
+    return calls
+
+
+def _spm_gguf(path):
+    def meta(w):
+        _spm_tokenizer_metadata(w)
+        w.add_add_space_prefix(False)  # the converter's JSON edit (gguf_tokenizer._no_space_prefix) runs
+
+    write_gguf(path, "llama", hf_model("llama", vocab_size=len(_SPM_TOKENS)), extra=meta)
+    return path
 
 
 def _bpe_gguf(path):
     write_gguf(path, "qwen2", hf_model("qwen2", vocab_size=_BPE_VOCAB),
                extra=lambda w: _bpe_tokenizer_metadata(w, pre="qwen2"))
     return path
+
+
+def _same_tokenizer(a, b, tmp_path) -> None:
+    """``a`` and ``b`` save the same files and encode, decode and chat-format alike."""
+    for tok, name in ((a, "a"), (b, "b")):
+        tok.save_pretrained(tmp_path / name)
+    files = sorted(f.name for f in (tmp_path / "a").iterdir())
+    assert files == sorted(f.name for f in (tmp_path / "b").iterdir()) and "tokenizer.json" in files, files
+    for f in files:
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    for text in TEXTS:
+        ids = a(text)["input_ids"]
+        assert ids == b(text)["input_ids"] and a.decode(ids) == b.decode(ids), text
+    assert (a.bos_token, a.eos_token, a.pad_token, a.unk_token, a.model_max_length, a.chat_template) == \
+        (b.bos_token, b.eos_token, b.pad_token, b.unk_token, b.model_max_length, b.chat_template)
+    if a.chat_template:
+        chat = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"}]
+        assert a.apply_chat_template(chat, return_dict=False) == b.apply_chat_template(chat, return_dict=False)
+    assert a.chronicals_source == b.chronicals_source
+
+
+@pytest.mark.parametrize("make", [_spm_gguf, _bpe_gguf], ids=["sentencepiece", "byte_level"])
+def test_a_cold_cache_gives_the_conversions_tokenizer_and_config_without_its_weights(make, tmp_path, cold_cache,
+                                                                                    monkeypatch):
+    """No tensor is converted and nothing is written to the cache; the cached conversion made afterwards gives the
+    same ModelConfig and tokenizer, and is then what is read (the file is not opened again)."""
+    path = make(tmp_path / "tiny.gguf")
+    with monkeypatch.context() as m:
+        refused = refuse_tensor_conversion(m)
+        tok, config = tokenizer_and_config(path)
+    assert not refused and not cold_cache.exists(), list(cold_cache.rglob("*"))
+    chronicals.load_model(path, tokenizer=False)  # the weights load: converted into the cache now
+    assert len(list(cold_cache.rglob("*.safetensors"))) == 1
+    monkeypatch.setattr(gguf_io, "open_gguf", lambda *a, **k: pytest.fail("the .gguf was read again"))
+    tok_cached, config_cached = tokenizer_and_config(path)
+    assert config == config_cached
+    _same_tokenizer(tok, tok_cached, tmp_path)
+
+
+def test_the_embedded_gguf_on_a_cold_cache_gives_what_its_conversion_gives(smollm2_gguf_path, tmp_path, monkeypatch):
+    """The embedded SmolLM2: tokenizer (49,152 tokens, its chat template, eos <|im_end|>) and config as the session
+    cache's full conversion gives them, without a tensor converted."""
+    tok_cached, config_cached = tokenizer_and_config(smollm2_gguf_path)  # the session cache: converted once
+    cache = tmp_path / "cold_cache"
+    monkeypatch.setenv("CHRONICALS_CACHE", str(cache))
+    refused = refuse_tensor_conversion(monkeypatch)
+    tok, config = tokenizer_and_config(smollm2_gguf_path)
+    assert not refused and not cache.exists()
+    assert config == config_cached and config.vocab_size == 49152 and tok.eos_token == "<|im_end|>"
+    _same_tokenizer(tok, tok_cached, tmp_path)
+
+
+def test_a_damaged_cached_conversion_is_not_converted_again_before_the_data(tmp_path, cold_cache, monkeypatch):
+    """An entry whose weights file was truncated (a full disk under a copy): the config and tokenizer come from the
+    file, and the entry is converted again when the weights load, as before."""
+    path = _bpe_gguf(tmp_path / "tiny.gguf")
+    chronicals.load_model(path, tokenizer=False)
+    (weights,) = cold_cache.rglob("model.safetensors")
+    weights.write_bytes(weights.read_bytes()[:100])
+    with monkeypatch.context() as m:
+        refused = refuse_tensor_conversion(m)
+        tok, config = tokenizer_and_config(path)
+    assert not refused and weights.stat().st_size == 100 and tok("hell")["input_ids"] == [261]
+    chronicals.load_model(path, tokenizer=False)
+    assert weights.stat().st_size > 100
+
+
+@pytest.mark.parametrize("how", ["no_tokenizer", "tokenizer_refused"])
+def test_a_cold_caches_tokenizer_errors_are_the_conversions(how, tmp_path, cold_cache, monkeypatch):
+    """A GGUF without tokenizer metadata, or with one transformers' converter refuses (merges missing): the same
+    error as from its cached conversion, naming the .gguf file, with no tensor converted."""
+    path = tmp_path / f"{how}.gguf"
+    extra = None if how == "no_tokenizer" else (lambda w: _bpe_tokenizer_metadata(w, merges=False))
+    write_gguf(path, "llama", hf_model("llama", vocab_size=_BPE_VOCAB), extra=extra)
+    error = FileNotFoundError if how == "no_tokenizer" else ValueError
+    with monkeypatch.context() as m:
+        refused = refuse_tensor_conversion(m)
+        with pytest.raises(error) as cold:
+            tokenizer_and_config(path)
+    assert not refused and not cold_cache.exists()
+    chronicals.load_model(path, tokenizer=False)
+    with pytest.raises(error) as cached:
+        tokenizer_and_config(path)
+    assert str(cold.value) == str(cached.value) and str(path) in str(cold.value)
 
 
 def test_a_weightless_conversion_writes_the_conversions_files_but_the_weights(tmp_path):

@@ -83,6 +83,14 @@ def cache_dir_for(gguf_path: str | Path) -> Path:
     return _entry_dir(p, p.stat())
 
 
+def has_conversion(gguf_path: str | Path) -> bool:
+    """Whether the GGUF file's conversion is in the cache, published and undamaged (``_damage``): a load then reads
+    it without converting. Else the first load converts it (a damaged entry is converted again), and
+    ``models.loading.tokenizer_and_config`` reads the config and tokenizer from the file alone, before that."""
+    out = cache_dir_for(gguf_path)
+    return (out / "config.json").is_file() and _damage(out) is None
+
+
 def _entry_dir(p: Path, st: os.stat_result) -> Path:
     """The cache directory of resolved GGUF path ``p`` with stat ``st`` under this CONVERTER_VERSION."""
     return cache_root() / "gguf" / _entry_name(p, _identity(p, st, CONVERTER_VERSION))

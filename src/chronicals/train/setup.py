@@ -225,8 +225,8 @@ def load_base_tokenizer(cfg: TrainConfig):
     """(tokenizer, ModelConfig) of model.path (HF dir, .gguf, or the embedded short name), read without its weights:
     the run checks data.max_seq_len against the config and reads and tokenizes the data with the tokenizer before
     ``load_base`` loads the weights (seconds for the embedded model, minutes at 8B), so a bad record is said first.
-    A .gguf file's first use converts it here (the weights then load from the conversion). A path that does not
-    exist fails naming the key (guards.check_model_path)."""
+    A .gguf file's first use reads its config and tokenizer here without converting its weights (``load_base``
+    converts them into the cache). A path that does not exist fails naming the key (guards.check_model_path)."""
     from ..models.loading import tokenizer_and_config
     from .guards import check_model_path
 
