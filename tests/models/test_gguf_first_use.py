@@ -1,9 +1,17 @@
 """A GGUF file's first use by train or eval (``models.loading.tokenizer_and_config`` on a cold cache) reads its
 config and tokenizer as the conversion writes them, without converting its weights: a bad data file is said before
 the conversion (SmolLM2-135M's took 10 s on two CPU cores, an 8B file's minutes), which happens when the weights load.
-What it gives equals what the cached conversion gives, and its errors are the conversion's."""
+What it gives equals what the cached conversion gives, and its errors are the conversion's. The weights' conversion
+in the same process copies its tokenizer files (the file unchanged since), and its temporary directory is removed
+then or at exit."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 from test_gguf_metadata import _BPE_VOCAB, _bpe_tokenizer_metadata, hf_model, write_gguf
@@ -11,6 +19,7 @@ from test_gguf_tokenizer import _SPM_TOKENS, _spm_tokenizer_metadata
 
 import chronicals
 from chronicals.models import gguf_io
+from chronicals.models.gguf_cache import CACHE_ENTRY, cache_dir_for
 from chronicals.models.loading import tokenizer_and_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -47,10 +56,40 @@ def _spm_gguf(path):
     return path
 
 
-def _bpe_gguf(path):
+def _bpe_gguf(path, add_bos=False):
     write_gguf(path, "qwen2", hf_model("qwen2", vocab_size=_BPE_VOCAB),
-               extra=lambda w: _bpe_tokenizer_metadata(w, pre="qwen2"))
+               extra=lambda w: _bpe_tokenizer_metadata(w, pre="qwen2", add_bos=add_bos))
     return path
+
+
+def _refused_gguf(path):
+    """A GGUF whose tokenizer transformers' converter refuses (merges missing): its conversion records why."""
+    write_gguf(path, "llama", hf_model("llama", vocab_size=_BPE_VOCAB),
+               extra=lambda w: _bpe_tokenizer_metadata(w, merges=False))
+    return path
+
+
+@pytest.fixture
+def user_temp(tmp_path, monkeypatch):
+    """An empty directory that tempfile makes its directories in (the user's $TMPDIR); returns it."""
+    temp = tmp_path / "user_temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    return temp
+
+
+def ours(temp) -> list[str]:
+    """The weightless conversions' directories in ``temp`` (torch puts its own torchinductor_* there)."""
+    return sorted(f.name for f in temp.iterdir() if f.name.startswith("chronicals-gguf-"))
+
+
+def _same_as_a_conversion_from_scratch(entry, path, tmp_path) -> None:
+    """Cache entry ``entry`` holds, byte for byte, what convert_gguf(path) writes, besides the cache's record."""
+    scratch = gguf_io.convert_gguf(path, tmp_path / "scratch")
+    names = sorted(f.name for f in entry.iterdir() if f.name != CACHE_ENTRY)
+    assert names == sorted(f.name for f in scratch.iterdir()), names
+    for name in names:
+        assert (entry / name).read_bytes() == (scratch / name).read_bytes(), name
 
 
 def _same_tokenizer(a, b, tmp_path) -> None:
@@ -151,3 +190,66 @@ def test_a_weightless_conversion_writes_the_conversions_files_but_the_weights(tm
     with pytest.raises(ValueError, match="weights=False writes no model, so it cannot be a cache entry"):
         gguf_io.convert_gguf(path, tmp_path / "entry", weights=False, cache_entry={"source": str(path)})
     assert not (tmp_path / "entry").exists()
+
+
+@pytest.mark.parametrize("make", [_spm_gguf, _bpe_gguf, _refused_gguf],
+                         ids=["sentencepiece", "byte_level", "tokenizer_refused"])
+def test_the_first_load_copies_the_weightless_conversions_tokenizer_files(make, tmp_path, cold_cache, user_temp,
+                                                                          monkeypatch):
+    """tokenizer_and_config then load_model in one process: the full conversion copies the weightless one's tokenizer
+    files (or its record of the tokenizer's error) instead of converting the tokenizer a second time (SmolLM2-135M:
+    3.5 s on two CPU cores), its entry is byte for byte a conversion from scratch, and the temporary directory, kept
+    until then, is gone."""
+    path = make(tmp_path / "tiny.gguf")
+    if make is _refused_gguf:
+        with pytest.raises(ValueError, match="cannot be made into a tokenizer"):
+            tokenizer_and_config(path)
+    else:
+        tokenizer_and_config(path)
+    assert len(ours(user_temp)) == 1
+    with monkeypatch.context() as m:
+        m.setattr(gguf_io, "convert_tokenizer", lambda *a, **k: pytest.fail("the tokenizer was converted again"))
+        chronicals.load_model(path, tokenizer=False)
+    assert not ours(user_temp)
+    _same_as_a_conversion_from_scratch(cache_dir_for(path), path, tmp_path)
+
+
+def test_a_file_changed_since_its_weightless_conversion_has_its_tokenizer_converted(tmp_path, cold_cache, user_temp):
+    """The same path rewritten between tokenizer_and_config and load_model with another tokenizer (BOS added) and
+    the same config: its identity (the cache's key) changed, so its tokenizer is converted, not copied; the
+    weightless directory of its former contents is removed all the same."""
+    path = _bpe_gguf(tmp_path / "tiny.gguf")
+    tokenizer_and_config(path)
+    _bpe_gguf(path, add_bos=True)
+    chronicals.load_model(path, tokenizer=False)
+    assert not ours(user_temp)
+    _same_as_a_conversion_from_scratch(cache_dir_for(path), path, tmp_path)
+
+
+def test_copied_tokenizer_files_must_come_with_the_files_config(tmp_path):
+    """convert_gguf(..., tokenizer_from=d): a d whose config.json is another file's is a ValueError naming d, and
+    nothing is written."""
+    other = gguf_io.convert_gguf(_spm_gguf(tmp_path / "other.gguf"), tmp_path / "other", weights=False)
+    with pytest.raises(ValueError, match=f"{other}: its config.json is not the one .*tiny.gguf converts to"):
+        gguf_io.convert_gguf(_bpe_gguf(tmp_path / "tiny.gguf"), tmp_path / "out", tokenizer_from=other)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_weightless_conversion_never_used_is_removed_at_exit(tmp_path, cold_cache):
+    """A process that read a new GGUF's config and tokenizer and never loaded its weights (train stopped by bad data)
+    leaves nothing in the user's temporary directory; a forked child's exit leaves the parent's directory alone."""
+    path = _bpe_gguf(tmp_path / "tiny.gguf")
+    temp = tmp_path / "user_temp"
+    temp.mkdir()
+    code = ("import os, sys\n"
+            "from chronicals.models.loading import tokenizer_and_config\n"
+            "tokenizer_and_config(sys.argv[1])\n"
+            "if os.fork() == 0:\n"
+            "    sys.exit(0)\n"
+            "os.wait()\n"
+            "print(os.listdir(sys.argv[2]))\n")
+    env = {**os.environ, "TMPDIR": str(temp), "PYTHONPATH": str(Path(chronicals.__file__).parents[1])}  # this code
+    out = subprocess.run([sys.executable, "-c", code, str(path), str(temp)], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert "chronicals-gguf-" in out, out  # kept after the child's exit, until the process's
+    assert not ours(temp)

@@ -151,10 +151,16 @@ def _converting(out: Path):
         os.close(fd)
 
 
+def source_record(p: Path, st: os.stat_result) -> dict:
+    """A cache entry's record (CACHE_ENTRY) of resolved GGUF path ``p`` with stat ``st``: its source's identity,
+    as the entry's key hashes it (``_identity``), and the converter version."""
+    return {"source": str(p), "converter_version": CONVERTER_VERSION, "size": st.st_size,
+            "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "ctime_ns": st.st_ctime_ns}
+
+
 def _cached_conversion(gguf_path, p: Path, st: os.stat_result, out: Path, convert: Callable[..., Path],
                        convert_tokenizer: Callable[[Path], tuple]) -> Path:
-    entry = {"source": str(p), "converter_version": CONVERTER_VERSION, "size": st.st_size,
-             "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "ctime_ns": st.st_ctime_ns}
+    entry = source_record(p, st)
     damage = _damage(out) if (out / "config.json").is_file() else None
     if damage is not None:
         _discard(out, p, damage)

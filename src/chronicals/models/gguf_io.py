@@ -25,10 +25,14 @@ What the conversion undoes:
 
 from __future__ import annotations
 
+import atexit
 import json
+import logging
 import math
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -38,10 +42,13 @@ from .._numbers import is_int, is_real
 from .._words import counted
 from .config import ModelConfig
 from .decoder import CausalLM
-from .gguf_cache import CACHE_ENTRY, TOKENIZER_ERROR, cached_conversion, tokenizer_error_json
+from .gguf_cache import CACHE_ENTRY, TOKENIZER_ERROR, cached_conversion, source_record, tokenizer_error_json
 from .gguf_cache import cache_root, tokenizer_error  # noqa: F401 (re-exported: train.setup and models.loading)
 from .gguf_tokenizer import convert_tokenizer
 from .hf_io import MODEL_DIR_FILES, atomic_dir, expected_names, save_tokenizer, write_tensors_lazily
+from .orphans import remove_tree
+
+log = logging.getLogger(__name__)
 
 # GGUF architecture -> (HF model_type, Q/K rows permuted by llama.cpp's converter)
 SUPPORTED_GGUF_ARCHS = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
@@ -416,7 +423,7 @@ def read_gguf_keys(gguf_path: Path, keys: set[str]) -> dict:
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = True,
-                 cache_entry: dict | None = None, weights: bool = True) -> Path:
+                 cache_entry: dict | None = None, weights: bool = True, tokenizer_from: Path | None = None) -> Path:
     """Write the HF directory of a GGUF file to ``out_dir`` atomically.
 
     An existing ``out_dir`` is replaced only when it holds nothing but a model's files (as save_model's): any other
@@ -427,6 +434,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = 
     of the file, tensors' names and shapes included: what ``models.loading.tokenizer_and_config`` reads before the
     weights on a GGUF's first use (the tensors are 3.5 s of SmolLM2-135M's 10 s conversion on two CPU cores, minutes
     at 8B). Such a directory is no model: it is never a cache entry (with cache_entry: a ValueError).
+    tokenizer_from: a weightless conversion of the same file, unchanged since (``cached_gguf_dir`` checks its
+    identity): its tokenizer files (or TOKENIZER_ERROR) are copied instead of converting the tokenizer again, once
+    its config.json is checked to be the one written here.
     A change to what it writes bumps ``gguf_cache.CONVERTER_VERSION`` (the cache's entries of it go stale).
     """
     if not weights and cache_entry is not None:
@@ -455,7 +465,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = 
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
         if cache_entry is not None:
             (tmp / CACHE_ENTRY).write_text(json.dumps(cache_entry, indent=2, sort_keys=True) + "\n")
-        if has_tokenizer:  # transformers' GGUF tokenizer conversion, set to the metadata (gguf_tokenizer)
+        if tokenizer_from is not None:
+            _copy_tokenizer_files(Path(tokenizer_from), tmp, source)
+        elif has_tokenizer:  # transformers' GGUF tokenizer conversion, set to the metadata (gguf_tokenizer)
             tok, why = convert_tokenizer(gguf_path, reader)
             if tok is None:  # the weights still load
                 (tmp / TOKENIZER_ERROR).write_text(tokenizer_error_json(why))
@@ -464,7 +476,73 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = 
     return Path(out_dir)
 
 
+def _copy_tokenizer_files(made: Path, tmp: Path, source: str) -> None:
+    """Copy into ``tmp`` all but config.json of ``made``, a weightless conversion of ``source``, once its config.json
+    is checked to equal the one written in ``tmp``."""
+    if (made / "config.json").read_bytes() != (tmp / "config.json").read_bytes():
+        raise ValueError(f"{made}: its config.json is not the one {source} converts to, so its tokenizer files are "
+                         "not that file's (convert_gguf's tokenizer_from); pass none, and the tokenizer is converted")
+    for f in made.iterdir():
+        if f.name != "config.json":
+            (shutil.copytree if f.is_dir() else shutil.copyfile)(f, tmp / f.name)
+
+
+# this process's weightless conversions (weightless_gguf_dir): resolved path -> (the file's source_record when it
+# was made, the temporary directory whose "model" holds it)
+_WEIGHTLESS: dict[str, tuple[dict, Path]] = {}
+
+
+def weightless_gguf_dir(gguf_path: str | Path) -> Path:
+    """``convert_gguf(..., weights=False)`` of a GGUF file in a temporary directory, for reading its config and
+    tokenizer before the weights (``models.loading.tokenizer_and_config``); made once while the file is unchanged.
+
+    Kept for the file's full conversion in this process (``cached_gguf_dir``), which copies its tokenizer files if
+    the file's identity (path, size, mtime, inode, ctime: the cache's key) is the same, instead of converting the
+    tokenizer again (SmolLM2-135M's first load_model after it, two CPU cores: 4.3 s instead of 7.5 s; transformers'
+    converter parses the 49,152 tokens and merges again); removed once the file's cached conversion is asked for, or
+    at exit. Its temporary directory is tempfile's (the user's $TMPDIR): a tokenizer's few MB."""
+    p = Path(gguf_path).resolve()
+    record = source_record(p, p.stat())  # before the file is read: a change meanwhile changes its ctime
+    made = _WEIGHTLESS.get(str(p))
+    if made is not None and made[0] == record:
+        return made[1] / "model"
+    _drop_weightless(str(p))
+    tmp = Path(tempfile.mkdtemp(prefix="chronicals-gguf-"))
+    try:
+        convert_gguf(gguf_path, tmp / "model", weights=False)  # not its stem: 255 bytes with atomic_dir's suffix
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _WEIGHTLESS[str(p)] = (record, tmp)
+    return tmp / "model"
+
+
+def _drop_weightless(source: str) -> None:
+    made = _WEIGHTLESS.pop(source, None)
+    if made is not None:
+        remove_tree(made[1], f"a weightless conversion of {source}", log)
+
+
+@atexit.register
+def _drop_all_weightless() -> None:
+    for source in list(_WEIGHTLESS):
+        _drop_weightless(source)
+
+
+os.register_at_fork(after_in_child=_WEIGHTLESS.clear)  # a forked worker's exit leaves its parent's to it
+
+
 def cached_gguf_dir(gguf_path: str | Path) -> Path:
     """The converted HF directory of a GGUF file, converting it on first use (and then removing the file's older
-    conversions, ``gguf_cache.prune_older_entries``)."""
-    return cached_conversion(gguf_path, convert_gguf, convert_tokenizer)
+    conversions, ``gguf_cache.prune_older_entries``). A weightless conversion of the file made by this process
+    (``weightless_gguf_dir``) lends its tokenizer files when the file is unchanged since, and is removed."""
+    def convert(path, out, *, cache_entry: dict, **kw) -> Path:
+        made = _WEIGHTLESS.get(cache_entry["source"])
+        same = made is not None and made[0] == cache_entry  # the key of the entry being made: the same file
+        return convert_gguf(path, out, cache_entry=cache_entry, tokenizer_from=made[1] / "model" if same else None,
+                            **kw)
+
+    try:
+        return cached_conversion(gguf_path, convert, convert_tokenizer)
+    finally:
+        _drop_weightless(str(Path(gguf_path).resolve()))

@@ -16,7 +16,6 @@ import argparse
 import importlib.util
 import logging
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from .config import ModelConfig
 from .decoder import CausalLM
 from .generate import generate, stop_ids
 from .gguf_cache import has_conversion
-from .gguf_io import cached_gguf_dir, convert_gguf, tokenizer_error
+from .gguf_io import cached_gguf_dir, tokenizer_error, weightless_gguf_dir
 from .hf_io import has_tokenizer, load_hf_dir, refuse_blank, save_hf_dir
 
 log = logging.getLogger(__name__)
@@ -136,17 +135,17 @@ def tokenizer_and_config(path: str | os.PathLike):
     its errors ("this is a LoRA adapter, ...") name the path better than the tokenizer's.
 
     A .gguf file not yet in the conversion cache: its config.json and tokenizer files are written as its conversion
-    writes them, without the weights (``convert_gguf(..., weights=False)``), into a temporary directory and read
-    from there; the weights are converted, into the cache, when they load. The full conversion here made a bad data
-    file wait for its tensors (minutes at 8B). SmolLM2-135M on two CPU cores: 7 s instead of 10 s, most of it
-    parsing the file's 49,152 tokens and merges (2.6 s here, again in transformers' tokenizer converter); its first
-    load then converts the tokenizer again, inside the full conversion (about 5 s more, once per file)."""
+    writes them, without the weights, into a temporary directory and read from there (``weightless_gguf_dir``); the
+    weights are converted, into the cache, when they load, and that conversion copies the tokenizer files from
+    there. The full conversion here made a bad data file wait for its tensors (minutes at 8B). SmolLM2-135M on two
+    CPU cores: 7.1-7.5 s instead of 9.0-9.3 s, most of it parsing the file's 49,152 tokens and merges (2 s here,
+    again in transformers' tokenizer converter); the full conversion parses them again: a first load (this, then
+    load_model) takes 11.4-11.6 s instead of 9.1-9.5 s, once per file."""
     p = resolve_path(path)
     if p.is_file() and not has_conversion(p):
-        with tempfile.TemporaryDirectory(prefix="chronicals-gguf-") as tmp:
-            d = convert_gguf(p, Path(tmp) / "model", weights=False)  # not its stem: 255 bytes with atomic_dir's suffix
-            config = ModelConfig.from_json(d / "config.json")
-            return _tokenizer_in(p, d), config
+        d = weightless_gguf_dir(p)
+        config = ModelConfig.from_json(d / "config.json")
+        return _tokenizer_in(p, d), config
     config = model_config(path)
     return load_tokenizer(path), config
 
