@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call (~8 min on an H100): the CUDA test subsets and the CLI smoke, all at once: tests/lora,
 # tests/models, tests/train in two halves, tests/data + the root CLI tests + tests/ops/test_arg_checks.py, and
-# benchmarks/gpu_cli_smoke.py. Each pytest is capped at CAP seconds (default 540); a summary of each is printed last. OPS=1 adds
+# benchmarks/gpu_cli_smoke.py (SETS picks some of the pytest sets). Each pytest is capped at CAP seconds (default 540); a summary of each is printed last. OPS=1 adds
 # tests/ops whole, in two more processes (~3 min more on an H100 when run alone).
 # Usage (device tool, repo root, carry .whl with the gguf wheel; ../shared/GPU.md):  bash benchmarks/run_gpu_validate.sh
 # The embedded SmolLM2 package (98 MB) cannot be carried: its fixtures error or skip there, and pass on the CPU.
@@ -17,12 +17,13 @@ TA=(); TB=(); i=0; for f in "${T[@]}"; do if (( i % 2 )); then TB+=("$f"); else 
 t0=$(date +%s)
 run() { n=$1; shift; timeout ${CAP:-540} python3 -m pytest -q -p no:cacheprovider "$@" > "$L/$n.txt" 2>&1
         echo "$n rc=$? ($(( $(date +%s) - t0 )) s)" >> "$L/$n.txt"; }
-run lora tests/lora &
-run models tests/models &
-run trainA "${TA[@]}" &
-run trainB "${TB[@]}" &
-run rest tests/data tests/test_*.py tests/ops/test_arg_checks.py &
-NAMES="lora models trainA trainB rest"
+NAMES=${SETS:-lora models trainA trainB rest}  # SETS: a subset of these names, e.g. SETS="trainA trainB"
+want() { [[ " $NAMES " == *" $1 "* ]]; }
+want lora && run lora tests/lora &
+want models && run models tests/models &
+want trainA && run trainA "${TA[@]}" &
+want trainB && run trainB "${TB[@]}" &
+want rest && run rest tests/data tests/test_*.py tests/ops/test_arg_checks.py &
 if [ "${OPS:-0}" = 1 ]; then
   O=( $(ls tests/ops/test_*.py | grep -v test_arg_checks) ); OA=(); OB=(); i=0
   for f in "${O[@]}"; do if (( i % 2 )); then OB+=("$f"); else OA+=("$f"); fi; i=$((i+1)); done
