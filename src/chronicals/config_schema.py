@@ -408,7 +408,7 @@ class TrainSection(_Keys):
                                   "processes, data parallel included, without activation checkpointing; the "
                                   "choice is logged) | "
                                   "true | false. Cuts per-step launch overhead (0.5B LoRA on an H200: eager "
-                                  "124.2k -> 171.5k tokens/s, git d939c96; the gain moves with the host)")
+                                  "140.6k -> 181.5k tokens/s, git bbd9a19; the gain moves with the host)")
     overlap_grad_reduce: bool = _f(False, "data parallel: all-reduce the gradients in flat buckets during the last "
                                           "backward (train/grad_buckets.py) instead of after it. Off by default: "
                                           "on 2 H200s at 0.5B it gave ~1% (full eager 258.0k -> 258.9k tokens/s "
