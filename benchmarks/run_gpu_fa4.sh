@@ -8,7 +8,8 @@
 #   call 2 (carry gpu_tmp/fa4b):                       STEP=b bash benchmarks/run_gpu_fa4.sh   joins, unpacks, probes
 # Session 62 carried flash-attn-4 4.0.0b40 and nvidia-cutlass-dsl 4.8.1 without nvidia-cutlass-dsl-libs-core, which
 # holds the `cutlass` Python package: "No module named 'cutlass'" (logs/log_probe_fa4_import_session62.txt). The list
-# below has it, with cuda-bindings and protobuf (libs-base's requirements).
+# below has it, with cuda-bindings, cuda-pathfinder and protobuf (their requirements; with them `import cutlass.cute`
+# ran on a CPU host under Python 3.12).
 set -eu
 case "${STEP:-}" in
   prep)
@@ -16,7 +17,7 @@ case "${STEP:-}" in
     pip download -q --pre --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d "$D" \
       flash-attn-4==4.0.0b40 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
       nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 "apache-tvm-ffi>=0.1.11,<0.2" \
-      torch-c-dlpack-ext "quack-kernels>=0.5.3" einops "cuda-bindings>=13,<14" protobuf
+      torch-c-dlpack-ext "quack-kernels>=0.5.3" einops "cuda-bindings>=13,<14" cuda-pathfinder protobuf
     for w in "$D"/*.whl; do (cd "$S" && unzip -q -o "$w"); done
     tar -cf - -C "$S" . | xz -T2 -6 > /tmp/fa4site.tar.xz
     half=$(( $(stat -c %s /tmp/fa4site.tar.xz) / 2 + 1 ))
