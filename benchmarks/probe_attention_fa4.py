@@ -78,7 +78,7 @@ def errors(fn, q, k, v, lengths, dout):
         o32 = ref_fp32(q32, k32, v32, lengths)
     o32.backward(dout.float())
     out = fn(q.detach(), k.detach(), v.detach())
-    pairs = {"out": (out, o32), "dq": (qs.grad, q32.grad), "dk": (ks.grad, k32.grad), "dv": (vs.grad, v32.grad)}
+    pairs = {"out": (out, o32.detach()), "dq": (qs.grad, q32.grad), "dk": (ks.grad, k32.grad), "dv": (vs.grad, v32.grad)}
     return {n: float((a.float() - r).abs().max() / r.abs().max()) for n, (a, r) in pairs.items()}
 
 
