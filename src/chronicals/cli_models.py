@@ -207,7 +207,8 @@ def _check_adapter_first(model, adapter: str) -> None:
 
 def _check_adapter_before_load(model_path: str, adapter: str | None, ckpt_base: str | None = None) -> None:
     """``_check_adapter_first`` (nothing without ``adapter``) on the decoder built on the meta device from the
-    config.json of the model ``_load(model_path, adapter, ..., ckpt_base=ckpt_base)`` loads: chat and export refused
+    config.json of the model ``_load(model_path, adapter, ..., ckpt_base=ckpt_base)`` loads (``model_config``: a .gguf
+    not yet in the conversion cache read without converting its weights, as eval reads it): chat and export refused
     an adapter of another model (names, shapes, config) only once the base weights had loaded (seconds for the
     embedded model, minutes at 8B), and now before, in the same words and exit status as eval."""
     from .models.loading import meta_model, model_config

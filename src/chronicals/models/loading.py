@@ -122,32 +122,38 @@ def hf_dir(path: str | os.PathLike) -> Path:
 
 
 def model_config(path: str | os.PathLike) -> ModelConfig:
-    """The ModelConfig of a model path (its config.json; a GGUF file's cached conversion, made on first use),
-    without reading the weights. Its errors are load_model's for the same path (load_hf_dir reads config.json first
-    too). Train and eval read it with ``tokenizer_and_config``, which reads a GGUF file not yet converted without
-    converting it."""
-    return ModelConfig.from_json(hf_dir(path) / "config.json")
+    """The ModelConfig of a model path (its config.json), read without its weights as ``tokenizer_and_config``
+    reads it (a .gguf file not yet in the conversion cache: from its weightless conversion, ``_unconverted_dir``).
+    Its errors are load_model's for the same path (load_hf_dir reads config.json first too). chat, generate and
+    export check an adapter against it before the weights load (``cli_models._check_adapter_before_load``)."""
+    p = resolve_path(path)
+    return ModelConfig.from_json(_unconverted_dir(p) / "config.json")
 
 
 def tokenizer_and_config(path: str | os.PathLike):
     """(tokenizer, ModelConfig) of a model path, read without its weights (train and eval read their data with the
     tokenizer and check it against the config before the weights load). The config first, as load_model reads them:
-    its errors ("this is a LoRA adapter, ...") name the path better than the tokenizer's.
-
-    A .gguf file not yet in the conversion cache: its config.json and tokenizer files are written as its conversion
-    writes them, without the weights, into a temporary directory and read from there (``weightless_gguf_dir``); the
-    weights are converted, into the cache, when they load, and that conversion copies the tokenizer files from
-    there. The full conversion here made a bad data file wait for its tensors (minutes at 8B). SmolLM2-135M on two
-    CPU cores: 7.1-7.5 s instead of 9.0-9.3 s, most of it parsing the file's 49,152 tokens and merges (2 s here,
-    again in transformers' tokenizer converter); the full conversion parses them again: a first load (this, then
-    load_model) takes 11.4-11.6 s instead of 9.1-9.5 s, once per file."""
+    its errors ("this is a LoRA adapter, ...") name the path better than the tokenizer's."""
     p = resolve_path(path)
-    if p.is_file() and not has_conversion(p):
-        d = weightless_gguf_dir(p)
-        config = ModelConfig.from_json(d / "config.json")
-        return _tokenizer_in(p, d), config
-    config = model_config(path)
-    return load_tokenizer(path), config
+    d = _unconverted_dir(p)
+    config = ModelConfig.from_json(d / "config.json")
+    return _tokenizer_in(p, d), config
+
+
+def _unconverted_dir(p: Path) -> Path:
+    """The directory holding resolved model path ``p``'s config.json and tokenizer files, reached without converting
+    its weights: ``p`` itself, a .gguf file's cache entry when it has one, else the file's weightless conversion.
+
+    That one (``weightless_gguf_dir``) is what the conversion writes but the weights, in a temporary directory; the
+    weights are converted, into the cache, when they load, and that conversion copies the tokenizer files from
+    there. The full conversion here made an error found before the weights (a bad data file, an adapter of another
+    model) wait for its tensors (minutes at 8B). SmolLM2-135M on two CPU cores: 7.1-7.5 s instead of 9.0-9.3 s,
+    most of it parsing the file's 49,152 tokens and merges (2 s here, again in transformers' tokenizer converter);
+    the full conversion parses them again: a first load (this, then load_model) takes 11.4-11.6 s instead of
+    9.1-9.5 s, once per file."""
+    if not p.is_file():
+        return p
+    return cached_gguf_dir(p) if has_conversion(p) else weightless_gguf_dir(p)
 
 
 def meta_model(config: ModelConfig) -> CausalLM:
