@@ -36,21 +36,20 @@ def test_a_malformed_data_file_is_said_before_the_weights_are_converted(command,
 
 @pytest.mark.parametrize("command", ["chat", "export"])
 def test_an_adapter_of_another_model_is_refused_before_the_weights_are_converted(command, tmp_path, monkeypatch,
-                                                                                capsys):
+                                                                                capsys, tiny_hf_config):
     """chat, generate and export check --adapter on the decoder built from the base's config.json before the weights
     load (cli_models._check_adapter_before_load; generate is chat's code, export --no-merge export's). On a cold cache
     that config.json came from the whole conversion: the embedded model's 540 MB were written to the cache (10 s on two
     CPU cores, minutes at 8B) before the refusal. Now it comes from the weightless conversion, as train's and eval's."""
     from chronicals.lora import apply_lora, save_adapter
     from chronicals.models import CausalLM, ModelConfig
-    from conftest import make_tiny_hf_config
 
     cache = tmp_path / "cold_cache"
     monkeypatch.setenv("CHRONICALS_CACHE", str(cache))
     monkeypatch.delenv("CHRONICALS_TRACEBACK", raising=False)
     converted = []
     monkeypatch.setattr(gguf_io, "gguf_tensor", lambda t, *a, **k: converted.append(t.name) or 1 / 0)
-    other = CausalLM(ModelConfig.from_hf_dict(make_tiny_hf_config("smollm2")))  # 2 layers, the base's 30
+    other = CausalLM(ModelConfig.from_hf_dict(tiny_hf_config("smollm2")))  # 2 layers, the base's 30
     apply_lora(other, r=2, alpha=4, target_modules=["q_proj"])
     adapter = save_adapter(other, tmp_path / "adapter", base_model_name_or_path="smollm2-135m-instruct")
     out = tmp_path / "out"

@@ -105,10 +105,11 @@ def test_the_good_case_reads_the_data_once_then_the_weights_once(tmp_path, tiny_
     from chronicals.models import loading
 
     order = []
-    real_loaders, real_base, real_tok = loop.build_loaders, loop.load_base, loading.load_tokenizer
+    real_loaders, real_base, real_tok = loop.build_loaders, loop.load_base, loading._tokenizer_in
     monkeypatch.setattr(loop, "build_loaders", lambda *a, **k: (order.append("data"), real_loaders(*a, **k))[1])
     monkeypatch.setattr(loop, "load_base", lambda *a, **k: (order.append("weights"), real_base(*a, **k))[1])
-    monkeypatch.setattr(loading, "load_tokenizer", lambda *a, **k: (order.append("tokenizer"), real_tok(*a, **k))[1])
+    # every tokenizer read goes through _tokenizer_in (load_tokenizer and tokenizer_and_config both call it)
+    monkeypatch.setattr(loading, "_tokenizer_in", lambda *a, **k: (order.append("tokenizer"), real_tok(*a, **k))[1])
     (tmp_path / "train.jsonl").write_text(_lines(*GOOD))
     assert main(["train", f"model.path={tiny_dir}", f"train.out_dir={tmp_path / 'run'}", *RUN,
                  f"data.path={tmp_path / 'train.jsonl'}"]) == 0
