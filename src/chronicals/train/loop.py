@@ -175,7 +175,9 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         model = ready_model(cfg, model, device, dtype)
         model_config = getattr(model, "config", None)
     else:
-        with dp.main_first():  # rank 0 fills the conversion cache (GGUF) before the others read it
+        # rank 0 first: a bad model path or tokenizer is said once; a .gguf not yet converted is read from each
+        # rank's own weightless conversion (models.loading.tokenizer_and_config), its cache entry filled below
+        with dp.main_first():
             tokenizer, model_config = load_base_tokenizer(cfg)
     check_max_seq_len(cfg, model_config)
     # what prepare_model refuses of the config alone (LoRA names, ...), said before the data too, on the decoder
@@ -190,7 +192,9 @@ def _train(cfg: TrainConfig, dp: DistContext, out_dir: Path, model, tokenizer, t
         check_token_ids(shape, train_loader, eval_loader)
         check_document_lengths(shape, train_loader, eval_loader)  # before step 1, not when a batch draws one
     if not passed:
-        with dp.main_first():  # rank 0 first: an error of its (a bad weights file) is every rank's, said once
+        # rank 0 first: an error of its (a bad weights file) is every rank's, said once; it fills the GGUF conversion
+        # cache, which the others then read
+        with dp.main_first():
             model = load_base(cfg, device, dtype)
         model.chronicals_base = recorded_name(cfg.model.path)  # absolute when a path: chat/export find it anywhere
         model = ready_model(cfg, model, device, dtype)
