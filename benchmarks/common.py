@@ -53,6 +53,24 @@ def wall_seconds_per_call(fn, n: int, warmup: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
+def kernel_ms(fn, iters: int = 10, warmup: int = 3) -> float:
+    """Milliseconds per call of ``fn()`` summed over its GPU kernels (torch.profiler), without the host's launch
+    cost: what the call costs inside a CUDA graph, where a Python-heavy launcher (CuTe DSL, cuDNN frontend) would
+    read slow by wall time alone."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    us = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+             for e in prof.key_averages())
+    return us / iters / 1000
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
     src = torch.randn(nbytes // 4, device="cuda")

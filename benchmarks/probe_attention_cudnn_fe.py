@@ -20,7 +20,7 @@ import torch
 from triton.testing import do_bench
 
 from bench_attention import packed_or_rows as cu_for
-from common import require_cuda
+from common import kernel_ms, require_cuda
 from chronicals.ops import attention_cudnn as ac
 from chronicals.ops.attention import attention_ref, attention_varlen_flash
 
@@ -98,21 +98,6 @@ def graph_check(res, gen):
         errs.append(max(float((a.float() - e.float()).abs().max()) for a, e in zip(static, eager)))
     res["graph_replay_max_diff_vs_eager"] = errs
     print("graph replay max diff vs eager", errs, flush=True)
-
-
-def gpu_ms(fn, ins, g, iters=10):
-    """fwd + bwd of ``fn``: the summed time of its GPU kernels (torch.profiler), without host launch cost."""
-    from torch.profiler import ProfilerActivity, profile
-    for _ in range(3):
-        torch.autograd.grad(fn(), ins, g)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            torch.autograd.grad(fn(), ins, g)
-        torch.cuda.synchronize()
-    us = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
-             for e in prof.key_averages())
-    return us / iters / 1000
 
 
 def chat_rows(b, s, gen, median=380.0, sigma=1.0):
@@ -204,7 +189,7 @@ def timing(res, gen):
                         err = max(float((a.float() - r.float()).abs().max()) for a, r in zip(got, base))
                     fwd = do_bench(fn, warmup=10, rep=50)
                     both = do_bench(lambda: torch.autograd.grad(fn(), (q, k, v), g), warmup=10, rep=50)
-                    kernels = gpu_ms(fn, (q, k, v), g)
+                    kernels = kernel_ms(lambda: torch.autograd.grad(fn(), (q, k, v), g))
                     res["time"][key] = {"fwd_ms": round(fwd, 4), "fwd_bwd_ms": round(both, 4),
                                         "fwd_bwd_gpu_kernels_ms": round(kernels, 4),
                                         "first_call_s": round(first, 3), "max_abs_diff_vs_fa2": round(err, 5)}

@@ -8,7 +8,10 @@ rows), FA4 dense, and packed rows (one document a row, and chat-like rows of ~40
 through PyTorch's FlashAttention-2 varlen op (ops.attention's "flash") and FA4's varlen kernels. TFLOP/s counts the
 causal half of the score matrix: fwd 2 GEMMs, bwd 5, each 2 * S^2/2 * D per head (dense rows; packed rows count
 their documents' own squares). Correctness: out, dq, dk, dv of every kernel against fp32 SDPA math on the same inputs
-(max abs error over the reference's max abs).
+(max abs error over the reference's max abs). Times: wall ms per call (CUDA events over 20 calls: the host's
+launch cost shows where it is the limit) and kernel ms (the summed GPU time of its kernels, torch.profiler: what a
+CUDA-graphed step pays). Session 63's run had wall times only, and FA4's 0.5B forward read 0.179 ms in every layout,
+which looked like its Python launcher's cost rather than its kernels'.
 
 Usage (GPU; flash-attn-4 and its deps on PYTHONPATH):  python3 benchmarks/probe_attention_fa4.py OUT.json
 """
@@ -85,7 +88,9 @@ def errors(fn, q, k, v, lengths, dout):
 def main(path):
     from flash_attn.cute.interface import flash_attn_func, flash_attn_varlen_func
     sys.path.insert(0, "src")
+    sys.path.insert(0, "benchmarks")
     from chronicals.ops.attention import attention_varlen_flash
+    from common import kernel_ms
 
     def fa4_dense(q, k, v):
         r = flash_attn_func(q, k, v, causal=True)
@@ -131,6 +136,9 @@ def main(path):
                     row["fwd_bwd_ms"] = timed(lambda: fn(qg, kg, vg).backward(dout))
                     row["fwd_tflops"] = flop_fwd / row["fwd_ms"] / 1e9
                     row["fwd_bwd_tflops"] = 3.5 * flop_fwd / row["fwd_bwd_ms"] / 1e9
+                    row["fwd_kernel_ms"] = kernel_ms(lambda: fn(q, k, v))
+                    row["fwd_bwd_kernel_ms"] = kernel_ms(lambda: fn(qg, kg, vg).backward(dout))
+                    row["fwd_bwd_kernel_tflops"] = 3.5 * flop_fwd / row["fwd_bwd_kernel_ms"] / 1e9
                 except Exception as e:  # a probe: report the kernel's refusal and go on
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 res["rows"].append(row)
