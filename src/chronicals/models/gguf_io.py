@@ -423,7 +423,8 @@ def read_gguf_keys(gguf_path: Path, keys: set[str]) -> dict:
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = True,
-                 cache_entry: dict | None = None, weights: bool = True, tokenizer_from: Path | None = None) -> Path:
+                 cache_entry: dict | None = None, weights: bool = True, tokenizer_from: Path | None = None,
+                 reader=None) -> Path:
     """Write the HF directory of a GGUF file to ``out_dir`` atomically.
 
     An existing ``out_dir`` is replaced only when it holds nothing but a model's files (as save_model's): any other
@@ -437,12 +438,14 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, replace: bool = 
     tokenizer_from: a weightless conversion of the same file, unchanged since (``cached_gguf_dir`` checks its
     identity): its tokenizer files (or TOKENIZER_ERROR) are copied instead of converting the tokenizer again, once
     its config.json is checked to be the one written here.
+    reader: the file's ``open_gguf`` reader when the caller has one of the unchanged file (parsing SmolLM2-135M's
+    takes 2.0 s on two CPU cores: the weightless conversion's reader, kept for this one).
     A change to what it writes bumps ``gguf_cache.CONVERTER_VERSION`` (the cache's entries of it go stale).
     """
     if not weights and cache_entry is not None:
         raise ValueError("convert_gguf: weights=False writes no model, so it cannot be a cache entry (cache_entry)")
     gguf_path, source = Path(gguf_path), str(gguf_path)
-    reader = open_gguf(gguf_path, source)
+    reader = reader if reader is not None else open_gguf(gguf_path, source)
     refuse_foreign_layout(reader, source)
     cfg_dict = gguf_config(reader, source)
     cfg = ModelConfig.from_hf_dict(cfg_dict, source=source)
@@ -488,8 +491,8 @@ def _copy_tokenizer_files(made: Path, tmp: Path, source: str) -> None:
 
 
 # this process's weightless conversions (weightless_gguf_dir): resolved path -> (the file's source_record when it
-# was made, the temporary directory whose "model" holds it)
-_WEIGHTLESS: dict[str, tuple[dict, Path]] = {}
+# was made, the temporary directory whose "model" holds it, the file's gguf.GGUFReader: a memory map, no copy)
+_WEIGHTLESS: dict[str, tuple[dict, Path, object]] = {}
 
 
 def weightless_gguf_dir(gguf_path: str | Path) -> Path:
@@ -499,21 +502,23 @@ def weightless_gguf_dir(gguf_path: str | Path) -> Path:
     Kept for the file's full conversion in this process (``cached_gguf_dir``), which copies its tokenizer files if
     the file's identity (path, size, mtime, inode, ctime: the cache's key) is the same, instead of converting the
     tokenizer again (SmolLM2-135M's first load_model after it, two CPU cores: 4.3 s instead of 7.5 s; transformers'
-    converter parses the 49,152 tokens and merges again); removed once the file's cached conversion is asked for, or
-    at exit. Its temporary directory is tempfile's (the user's $TMPDIR): a tokenizer's few MB."""
+    converter parses the 49,152 tokens and merges again), and the file's parsed reader with them (2.0 s more);
+    removed once the file's cached conversion is asked for, or at exit. Its temporary directory is tempfile's (the
+    user's $TMPDIR): a tokenizer's few MB."""
     p = Path(gguf_path).resolve()
     record = source_record(p, p.stat())  # before the file is read: a change meanwhile changes its ctime
     made = _WEIGHTLESS.get(str(p))
     if made is not None and made[0] == record:
         return made[1] / "model"
     _drop_weightless(str(p))
+    reader = open_gguf(Path(gguf_path), str(gguf_path))
     tmp = Path(tempfile.mkdtemp(prefix="chronicals-gguf-"))
-    try:
-        convert_gguf(gguf_path, tmp / "model", weights=False)  # not its stem: 255 bytes with atomic_dir's suffix
+    try:  # "model", not the file's stem: 255 bytes with atomic_dir's suffix
+        convert_gguf(gguf_path, tmp / "model", weights=False, reader=reader)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _WEIGHTLESS[str(p)] = (record, tmp)
+    _WEIGHTLESS[str(p)] = (record, tmp, reader)
     return tmp / "model"
 
 
@@ -535,12 +540,13 @@ os.register_at_fork(after_in_child=_WEIGHTLESS.clear)  # a forked worker's exit 
 def cached_gguf_dir(gguf_path: str | Path) -> Path:
     """The converted HF directory of a GGUF file, converting it on first use (and then removing the file's older
     conversions, ``gguf_cache.prune_older_entries``). A weightless conversion of the file made by this process
-    (``weightless_gguf_dir``) lends its tokenizer files when the file is unchanged since, and is removed."""
+    (``weightless_gguf_dir``) lends its tokenizer files and parsed reader when the file is unchanged since, and is
+    removed."""
     def convert(path, out, *, cache_entry: dict, **kw) -> Path:
         made = _WEIGHTLESS.get(cache_entry["source"])
-        same = made is not None and made[0] == cache_entry  # the key of the entry being made: the same file
-        return convert_gguf(path, out, cache_entry=cache_entry, tokenizer_from=made[1] / "model" if same else None,
-                            **kw)
+        if made is None or made[0] != cache_entry:  # the key of the entry being made: the same file
+            return convert_gguf(path, out, cache_entry=cache_entry, **kw)
+        return convert_gguf(path, out, cache_entry=cache_entry, tokenizer_from=made[1] / "model", reader=made[2], **kw)
 
     try:
         return cached_conversion(gguf_path, convert, convert_tokenizer)
