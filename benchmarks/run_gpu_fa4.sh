@@ -5,7 +5,10 @@
 #   here:    STEP=prep bash benchmarks/run_gpu_fa4.sh      downloads the wheels (PyPI), unpacks them into one tree, xz,
 #                                                          splits it into gpu_tmp/fa4a and gpu_tmp/fa4b (~3 min on 2 cores)
 #   call 1 (carry gpu_tmp/fa4a, with any other work):  STEP=a bash benchmarks/run_gpu_fa4.sh   keeps half a in /tmp/fa4
-#   call 2 (carry gpu_tmp/fa4b):                       STEP=b bash benchmarks/run_gpu_fa4.sh   joins, unpacks, probes
+#   call 2 (carry gpu_tmp/fa4b):                       STEP=b bash benchmarks/run_gpu_fa4.sh   joins, unpacks, runs
+#   later calls on that warm machine (no carry):       STEP=c bash benchmarks/run_gpu_fa4.sh   runs
+# what b and c run: FA4_RUN, space-separated, of probe (the default; probe_attention_fa4.py) | tests (model.attention=
+# fa4's CUDA tests) | ab05 (the 0.5B graphed step, default kernels against fa4, dense and packed rows) | ab8b (8B LoRA)
 # Session 62 carried flash-attn-4 4.0.0b40 and nvidia-cutlass-dsl 4.8.1 without nvidia-cutlass-dsl-libs-core, which
 # holds the `cutlass` Python package: "No module named 'cutlass'" (logs/log_probe_fa4_import_session62.txt). The list
 # below has it, with cuda-bindings, cuda-pathfinder and protobuf (their requirements; with them `import cutlass.cute`
@@ -24,12 +27,40 @@ case "${STEP:-}" in
     split -b "$half" /tmp/fa4site.tar.xz /tmp/fa4part_
     mv /tmp/fa4part_aa gpu_tmp/fa4a/; mv /tmp/fa4part_ab gpu_tmp/fa4b/; md5sum /tmp/fa4site.tar.xz; ls -la gpu_tmp/fa4?/ ;;
   a) mkdir -p /tmp/fa4 && cp gpu_tmp/fa4a/fa4part_aa /tmp/fa4/ && echo "half a kept in /tmp/fa4" ;;
-  b)
-    cat /tmp/fa4/fa4part_aa gpu_tmp/fa4b/fa4part_ab > /tmp/fa4site.tar.xz && md5sum /tmp/fa4site.tar.xz
-    mkdir -p /tmp/fa4site && tar -xJf /tmp/fa4site.tar.xz -C /tmp/fa4site
+  b|c)  # b joins and unpacks the halves; c reuses the tree b left on this warm machine (no carry)
+    if [ "$STEP" = b ]; then
+      cat /tmp/fa4/fa4part_aa gpu_tmp/fa4b/fa4part_ab > /tmp/fa4site.tar.xz && md5sum /tmp/fa4site.tar.xz
+      mkdir -p /tmp/fa4site && tar -xJf /tmp/fa4site.tar.xz -C /tmp/fa4site
+    fi
+    [ -d /tmp/fa4site/flash_attn ] || { echo "no /tmp/fa4site here: STEP=a, then STEP=b on one warm machine" >&2
+                                        exit 2; }
     export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:src
+    export CHRONICALS_GIT_SHA=${CHRONICALS_GIT_SHA:-unknown} HF_HUB_OFFLINE=1
     python3 -c "import flash_attn.cute.interface; print('flash-attn-4 imports')"
-    timeout "${CAP:-400}" python3 benchmarks/probe_attention_fa4.py "${OUT:-/tmp}/probe_attention_fa4.json" 2>&1 \
-      | tee "${OUT:-/tmp}/log_probe_fa4.txt" | grep -v Warning | cut -c1-400 ;;
-  *) echo "STEP must be prep | a | b" >&2; exit 2 ;;
+    O=${OUT:-/tmp}; R=$O/r; mkdir -p "$R"
+    bench() { timeout "$1" python3 -m chronicals.cli bench "${@:2}" --warmup 3 --steps 10 --no-correctness \
+      --no-learning --out "$R"; echo "exit $?"; }
+    for run in ${FA4_RUN:-probe}; do case "$run" in
+      probe)  # FA4 against cuDNN and FA2, per layer (wall and kernel ms)
+        timeout "${CAP:-400}" python3 benchmarks/probe_attention_fa4.py "$O/probe_attention_fa4.json" 2>&1 \
+          | tee "$O/log_probe_fa4.txt" | grep -v Warning | cut -c1-400 ;;
+      tests)  # model.attention=fa4 against float64 and in train() with CUDA graphs (~2 min with its compiles)
+        timeout 300 python3 -m pytest -q -p no:cacheprovider -k fa4 tests/ops/test_attention_fa4.py \
+          tests/ops/test_attention.py tests/train/test_attention_kernels_train.py 2>&1 | tail -25 ;;
+      ab05)  # the 0.5B step, graphed, FA4 against the default kernels: dense rows, then packed rows (~4 min)
+        C=chronicals-full-graphs,chronicals-lora-graphs
+        for L in rows packed; do for A in auto fa4; do
+          bench 150 --shape 0.5b --contenders "$C" --layout $L --attention $A --timeout 120 \
+            --name "bench_fa4_0.5b_${L}_${A}_${CHRONICALS_GIT_SHA}" > "$R/log_fa4_05b_${L}_$A.txt" 2>&1
+          grep -E "chronicals-|exit" "$R/log_fa4_05b_${L}_$A.txt" | tail -3
+        done; done ;;
+      ab8b)  # the 8B LoRA step, graphed, dense rows (~3 min)
+        for A in auto fa4; do
+          bench 170 --shape 8b --contenders chronicals-lora-graphs --attention $A --timeout 150 \
+            --name "bench_fa4_8b_rows_${A}_${CHRONICALS_GIT_SHA}" > "$R/log_fa4_8b_$A.txt" 2>&1
+          grep -E "chronicals-|exit" "$R/log_fa4_8b_$A.txt" | tail -2
+        done ;;
+      *) echo "FA4_RUN takes probe | tests | ab05 | ab8b (space-separated)" >&2; exit 2 ;;
+    esac; done ;;
+  *) echo "STEP must be prep | a | b | c" >&2; exit 2 ;;
 esac

@@ -53,7 +53,7 @@ MAX_ROW_TOKENS = 2 ** 22
 
 
 # ops.attention.VARLEN_KERNELS (config imports nothing of ours; a test ties the two)
-ATTENTION_KERNELS = ("auto", "cudnn", "flash")
+ATTENTION_KERNELS = ("auto", "cudnn", "flash", "fa4")
 
 
 def _f(default, doc: str, **kw):
@@ -142,7 +142,9 @@ class ModelSection(_Keys):
     attention: str = _f("auto", "packed rows' attention kernel on CUDA: cudnn (cuDNN's ragged Hopper kernels, needs "
                                 "pip install nvidia-cudnn-frontend) | flash (PyTorch's varlen FlashAttention-2) | "
                                 "auto (cudnn where it is installed, the GPU is Hopper or newer and the batch's "
-                                "documents average >= 128 tokens, else flash)")
+                                "documents average >= 128 tokens, else flash) | fa4 (FlashAttention-4's kernels for "
+                                "unpacked and packed rows, needs pip install flash-attn-4; its Python launch is "
+                                "slow: with train.cuda_graphs)")
     checkpointing: bool = _f(False, "activation checkpointing: recompute each decoder layer in backward")
     checkpoint_layers: int = _f(0, "checkpoint only the first k decoder layers (0 = as model.checkpointing says); "
                                    "the fewest recomputed layers that fit memory")

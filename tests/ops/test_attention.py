@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chronicals.ops import attention_cudnn
+from chronicals.ops import attention_cudnn, attention_fa4
 from chronicals.ops.attention import attention, attention_ref, packed_causal_mask
 
 
@@ -117,12 +117,19 @@ def _cudnn_ok() -> bool:
     return torch.cuda.is_available() and attention_cudnn.available() and torch.cuda.get_device_capability()[0] >= 9
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen kernels need CUDA")
-@pytest.mark.parametrize("hq,hk,d", [(14, 2, 64), (4, 4, 64), (8, 2, 128)])
-@pytest.mark.parametrize("varlen", ["flash", "cudnn"])
-def test_varlen_kernels_match_reference_on_cuda(hq, hk, d, varlen):
+def _skip_unless_installed(varlen: str) -> None:
+    """cudnn needs nvidia-cudnn-frontend and fa4 flash-attn-4, both on a Hopper or newer GPU."""
     if varlen == "cudnn" and not _cudnn_ok():
         pytest.skip("needs nvidia-cudnn-frontend, cuDNN >= 9.6 and a Hopper GPU")
+    if varlen == "fa4" and not (attention_fa4.available() and torch.cuda.get_device_capability()[0] >= 9):
+        pytest.skip("needs flash-attn-4 and a Hopper or newer GPU")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen kernels need CUDA")
+@pytest.mark.parametrize("hq,hk,d", [(14, 2, 64), (4, 4, 64), (8, 2, 128)])
+@pytest.mark.parametrize("varlen", ["flash", "cudnn", "fa4"])
+def test_varlen_kernels_match_reference_on_cuda(hq, hk, d, varlen):
+    _skip_unless_installed(varlen)
     gen = torch.Generator().manual_seed(1)
     b, s = 3, 257
     cu = random_cu(b, s, gen).cuda()
@@ -173,14 +180,13 @@ def _varlen_error_ratio(rows: int, s: int, cuts: list[int], hq: int, hk: int, d:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen kernels need CUDA")
-@pytest.mark.parametrize("varlen", ["flash", "cudnn"])
+@pytest.mark.parametrize("varlen", ["flash", "cudnn", "fa4"])
 def test_varlen_kernels_fit_each_batch_documents_and_tokens(varlen):
     """cuDNN's graphs are built per shape key: a batch with the same document bucket and length bound but 3x the
     tokens gets a plan of its own (the backward's token bound), and a single document longer than half the bound
     is covered by it; an upstream gradient that is not contiguous (o.sum(): stride 0; a transposed one) is read
     as it is laid out. Heads 6 / 3 of 64: a key no other test builds first."""
-    if varlen == "cudnn" and not _cudnn_ok():
-        pytest.skip("needs nvidia-cudnn-frontend, cuDNN >= 9.6 and a Hopper GPU")
+    _skip_unless_installed(varlen)
     hq, hk, d = 6, 3, 64
     cases = [
         (1, 300, [0, 200, 300], "dense"),  # 300 tokens: built first
@@ -194,12 +200,11 @@ def test_varlen_kernels_fit_each_batch_documents_and_tokens(varlen):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen kernels need CUDA")
-@pytest.mark.parametrize("varlen", ["flash", "cudnn"])
+@pytest.mark.parametrize("varlen", ["flash", "cudnn", "fa4"])
 def test_varlen_kernels_take_fp16_and_a_given_scale(varlen):
     """fp16 q/k/v and a scale other than 1/sqrt(D), each after a batch of the same shape without it: cuDNN's plan
     for the one is not reused for the other (its key holds dtype and scale), and both reach the kernel."""
-    if varlen == "cudnn" and not _cudnn_ok():
-        pytest.skip("needs nvidia-cudnn-frontend, cuDNN >= 9.6 and a Hopper GPU")
+    _skip_unless_installed(varlen)
     case = (2, 80, [0, 30, 80, 160], 4, 2, 64, varlen, "dense")  # heads 4 / 2 of 64 over 160 tokens: this test's key
     for dtype, scale in ((torch.bfloat16, None), (torch.float16, None), (torch.float16, 0.3)):
         assert _varlen_error_ratio(*case, dtype=dtype, scale=scale) <= 1, (dtype, scale)
@@ -315,7 +320,7 @@ def test_attention_notes_are_logged_once(monkeypatch, caplog):
             attention(q, k, v, cu_seqlens=cu, impl="triton")
             assert att.resolve_varlen("auto", torch.device("cuda", 0), tokens=16 * 1024, docs=1) == "cudnn"
     lines = [r.getMessage() for r in caplog.records]
-    for note in ("no ragged kernel", "run the masked SDPA reference", "packed rows use cudnn"):
+    for note in ("no ragged kernel", "packed rows on cpu", "packed rows use cudnn"):
         assert sum(note in line for line in lines) == 1, note
 
 

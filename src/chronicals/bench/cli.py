@@ -68,8 +68,9 @@ def parse_args(argv):
                     help="chronicals step: the trainer's accumulate_gradients, or the bench's own call")
     ap.add_argument("--layout", default="rows", choices=("rows", "packed"),
                     help="chronicals batch: dense rows, or the packed contract (cu_seqlens, one doc per row)")
-    ap.add_argument("--attention", default="auto", choices=("auto", "cudnn", "flash"),
-                    help="chronicals packed rows' attention kernel (model.attention); only with --layout packed")
+    ap.add_argument("--attention", default="auto", choices=("auto", "cudnn", "flash", "fa4"),
+                    help="chronicals packed rows' attention kernel (model.attention); only with --layout packed, "
+                    "but fa4 (FlashAttention-4, pip install flash-attn-4), which runs unpacked rows too")
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing for every row")
     ap.add_argument("--graphs", action="store_true", help="add the CUDA-graph twin (chronicals-full-graphs, "
                     "chronicals-lora-graphs) after each chronicals-full / chronicals-lora row")
@@ -324,7 +325,7 @@ def check_args(args) -> str | None:
     if args.graphs and (args.device == "cpu" or (args.device is None and (args.tiny or args.shape == "tiny")
                                                  and default_device() == "cpu")):
         return "--graphs adds CUDA-graph rows, which need a GPU: drop it on the CPU"
-    if args.attention != "auto" and args.layout != "packed":
+    if args.attention not in ("auto", "fa4") and args.layout != "packed":
         return f"--attention {args.attention} chooses the packed rows' kernel: add --layout packed, or drop it"
     if args.device is not None:
         if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):

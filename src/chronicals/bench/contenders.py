@@ -182,7 +182,7 @@ def _chronicals(method: str, compile_layers: bool, graphs: bool = False, keep: b
         opt = make_optimizer(groups, device, spec.lr or (LR_LORA if method == "lora" else LR_FULL))
         prepare, fb = chronicals_step(model, spec, device, graphs)
         notes.append(f"step={spec.step}, layout={spec.layout}"
-                     + (f", attention={spec.attention}" if spec.layout == "packed" else "")
+                     + (f", attention={spec.attention}" if spec.layout == "packed" or spec.attention == "fa4" else "")
                      + (", CUDA graphs (fwd+bwd)" if graphs else ""))
         return Built(model, prepare, fb, params, opt, model.config.vocab_size, notes)
 

@@ -38,7 +38,8 @@ class RunSpec:
     impl: str = "auto"  # chronicals op implementations: "auto" | "triton" | "torch"
     step: str = "trainer"  # chronicals rows: "trainer" (chronicals.train's accumulate_gradients) | "bench"
     layout: str = "rows"  # chronicals rows: "rows" (dense causal) | "packed" (cu_seqlens, one document per row)
-    attention: str = "auto"  # chronicals packed rows' kernel (model.attention): "auto" | "cudnn" | "flash"
+    attention: str = "auto"  # chronicals packed rows' kernel (model.attention): "auto" | "cudnn" | "flash" | "fa4"
+    # (FA4 runs unpacked rows too)
     lora_r: int = LORA_R
     lora_alpha: int = LORA_ALPHA
     lr: float = 0.0  # 0: the protocol's (1e-5 full, 1e-4 LoRA); the learning check reads it as its full-FT lr

@@ -32,7 +32,8 @@ from .fused_proj import gate_up_proj, grad_spare, norm_spare, qkv_proj, qkv_rope
 class RuntimeOptions:
     """Options shared by every module of one model (one object, referenced everywhere)."""
     impl: str = "auto"  # "auto" (Triton on CUDA, PyTorch on CPU) | "triton" | "torch"
-    # packed rows' attention kernel on CUDA (ops.attention ``varlen``): "auto" | "cudnn" | "flash"
+    # packed rows' attention kernel on CUDA (ops.attention ``varlen``): "auto" | "cudnn" | "flash" | "fa4" (FA4 for
+    # unpacked rows too)
     attention: str = "auto"
     # activation checkpointing: True = every decoder layer, False / 0 = none, an int k = the first k layers
     # (recompute them in backward; the first ones, because their backward runs last, when the later

@@ -31,6 +31,9 @@ Implementations (``impl``; "auto" = a varlen kernel on CUDA, reference on CPU):
   reach 98.2% / 98.4% / 99.1% of dense rows' tokens/s with cudnn, 96.0% / 94.9% / 94.7% with flash (git
   6a5e008, b5bb95b). Eager steps pay its Python launch (~0.3 ms a call): the LoRA step at 0.5B is host-bound
   without CUDA graphs.
+- "fa4" (opt-in) runs FlashAttention-4's CuTe kernels for unpacked and packed rows alike (``ops/attention_fa4.py``;
+  ``pip install flash-attn-4``): faster kernels than cuDNN's and FA2's at the protocol's shapes on an H100, with a
+  Python launcher that only CUDA graphs hide (numbers there).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from .._words import counted
 from ._impl import log, resolve_impl
 
 _logged_notes: set[str] = set()
-VARLEN_KERNELS = ("auto", "cudnn", "flash")
+VARLEN_KERNELS = ("auto", "cudnn", "flash", "fa4")
 
 
 def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -211,19 +214,27 @@ def attention(q, k, v, *, cu_seqlens=None, max_seqlen=None, scale=None, impl: st
     if varlen not in VARLEN_KERNELS:
         raise ValueError(f"attention: varlen={varlen!r} is not one of {VARLEN_KERNELS} (model.attention)")
     chosen = resolve_impl("attention", impl, q.device)
-    if chosen == "torch" or cu_seqlens is None:
+    if chosen == "torch" or (cu_seqlens is None and varlen != "fa4"):
         # unpacked rows: SDPA picks flash / cuDNN / efficient kernels on CUDA itself
         return attention_ref(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scale=scale)
     # the varlen kernels run on CUDA in bf16/fp16: elsewhere (impl="triton" under TRITON_INTERPRET=1; attention has
     # no Triton kernel) and in float32 / float64 on CUDA (model.dtype=float32 there was exit 4) the masked reference
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+        rows = "packed rows" if cu_seqlens is not None else "unpacked rows (model.attention=fa4)"
         why = (f"on {q.device.type} (the fast path is CUDA varlen flash, not a Triton kernel)"
                if q.device.type != "cuda" else
-               f"in {q.dtype} (FA2's and cuDNN's varlen kernels take bf16/fp16; the mask holds B x S x S booleans)")
-        if why not in _logged_notes and not torch.compiler.is_compiling():
-            _logged_notes.add(why)
-            log.info("attention: packed rows %s run the masked SDPA reference", why)
+               f"in {q.dtype} (FA2's, cuDNN's and FA4's kernels take bf16/fp16; the mask holds B x S x S booleans)")
+        if (rows, why) not in _logged_notes and not torch.compiler.is_compiling():
+            _logged_notes.add((rows, why))
+            log.info("attention: %s %s run the SDPA reference", rows, why)
         return attention_ref(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scale=scale)
+    if varlen == "fa4":
+        from .attention_fa4 import attention_fa4  # noqa: PLC0415 (imports flash-attn-4 only when asked)
+
+        if "fa4" not in _logged_notes and not torch.compiler.is_compiling():
+            _logged_notes.add("fa4")
+            log.info("attention: unpacked and packed rows use FlashAttention-4's kernels (model.attention=fa4)")
+        return attention_fa4(q, k, v, cu_seqlens, max_seqlen, scale)
     if resolve_varlen(varlen, q.device, q.shape[0] * q.shape[1], cu_seqlens.numel() - 1) == "cudnn":
         from .attention_cudnn import attention_varlen_cudnn  # noqa: PLC0415
 

@@ -402,6 +402,14 @@ def check_impl(cfg: TrainConfig, device) -> None:
             raise ConfigError("model.attention=cudnn needs NVIDIA's cuDNN Python frontend with cuDNN >= 9.6: pip "
                               "install 'nvidia-cudnn-frontend>=1.12' (or pip install 'chronicals[cudnn]'); "
                               "model.attention=auto or flash runs without it", "model.attention")
+    if cfg.model.attention == "fa4":  # an ImportError at the first step's forward otherwise
+        from ..ops import attention_fa4
+
+        if device.type != "cuda":
+            log.warning("model.attention=fa4 does nothing on %s: attention runs the SDPA reference there", device)
+        elif not attention_fa4.available():
+            raise ConfigError(f"model.attention=fa4 needs FlashAttention-4's CuTe kernels: {attention_fa4.INSTALL}",
+                              "model.attention")
 
 
 def final_dir(cfg: TrainConfig, out_dir: Path, lora: bool | None = None) -> Path:
