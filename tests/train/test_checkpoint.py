@@ -349,3 +349,38 @@ def test_a_step_0_checkpoint_without_moments_loads(tmp_path):
     assert path.name == "step-000000"
     restored = ckpt.load_checkpoint(path, *_trained(0))
     assert restored["step"] == 0 and restored["data"] == {"position": 0}
+
+
+def test_a_lowered_keep_last_frees_the_older_checkpoints_before_the_write(tmp_path, monkeypatch):
+    """A full disk's error says "lower train.keep_last ... and resume": the resumed run then still held keep_last=2's
+    two checkpoints while writing the third, and failed at the same step again (a 100 MB tmpfs walk, 39 MB
+    checkpoints). Those past the new keep_last go before the write needs their room."""
+    for step in (1, 2):
+        write_checkpoint(tmp_path, {"step": step}, keep_last=2)
+    present = []
+    real_save = torch.save
+
+    def spying_save(obj, path):
+        present.append([d.name for d in checkpoint_dirs(tmp_path)])
+        real_save(obj, path)
+    monkeypatch.setattr(ckpt.torch, "save", spying_save)
+    write_checkpoint(tmp_path, {"step": 3}, keep_last=1)
+    assert present == [["step-000002"]]  # the newest kept until the new one is whole
+    assert [d.name for d in checkpoint_dirs(tmp_path)] == ["step-000003"]
+
+
+def test_a_full_disk_says_the_checkpoints_size_and_the_free_space(tmp_path, monkeypatch):
+    """torch's words for a full disk ("unexpected pos 25479040 vs 25478992") do not say it is full: the error says
+    how large the checkpoint is and how much the disk had free before the write."""
+    import collections
+    import shutil
+
+    def full(obj, f, *a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 25479040 vs 25478992")
+    monkeypatch.setattr(ckpt.torch, "save", full)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: collections.namedtuple("u", "total used free")(0, 0, 27_000_000))
+    state = {"step": 1, "model": {"w": torch.zeros(1000, 1000)}, "optimizer": {"state": [torch.zeros(10)]}}
+    with pytest.raises(OSError, match=r"step-000001 \(.*unexpected pos.*\); .*a write needs room for one checkpoint "
+                                      r"beside the 2 kept\).*train.resume=auto \(the checkpoint takes ~4 MB; its "
+                                      r"disk had 27 MB free when the write began\)$"):
+        write_checkpoint(tmp_path, state, keep_last=2)

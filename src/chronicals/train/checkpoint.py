@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .._numbers import is_int
+from .._words import size_text
 from ..models.orphans import remove_orphans, writer_lock
 
 log = logging.getLogger("chronicals.train")
@@ -192,22 +193,66 @@ def write_checkpoint(out_dir: str | Path, state: dict, keep_last: int = 2) -> Pa
     background ``CheckpointWriter`` thread's included, holds its lock and is never touched (``models.orphans``)."""
     _check_keep_last(keep_last)
     final = checkpoint_path(out_dir, state["step"])
+    # before the write too: checkpoints past keep_last (written under a higher one) free their room before this one
+    # needs it. Pruned only after it, a full disk's advice "lower train.keep_last and resume" failed again at the
+    # same step: the resumed run held keep_last=2's two 39 MB checkpoints while writing the third (a 100 MB tmpfs walk)
+    _prune(out_dir, keep_last)
+    # read before the write: after a failed one the disk still reads full ("0 B free" in the walk), torch's writer
+    # holding its deleted file open from the traceback's frames
+    free = _free_bytes(final.parent.parent)
     try:
         _publish(state, final)
     except (RuntimeError, OSError) as e:
-        # torch.save's writer reports a full disk or a file-size limit as a RuntimeError; fsync, where a full disk or
-        # quota shows on NFS or ext4's delayed allocation, as a bare OSError naming no file; a folder that is not
-        # writable fails at the lock file, as bare (walks)
+        # torch.save's writer reports a full disk or a file-size limit as a RuntimeError ("unexpected pos"); fsync,
+        # where a full disk or quota shows on NFS or ext4's delayed allocation, as a bare OSError naming no file; a
+        # folder that is not writable fails at the lock file, as bare (walks)
         raise OSError(f"could not write checkpoint {final} ({e}); is the disk of train.out_dir={out_dir} full, or "
-                      "is the folder not writable? free space (or lower train.keep_last) or fix its permissions, "
-                      "and resume with train.resume=auto") from e
-    dirs = _step_dirs(out_dir)  # by step; those older than the kept ones go, and a step-N that lost its state.pt
-    whole = [(p / STATE_FILE).is_file() for p in dirs]  # (a kill mid-removal) wherever it is
-    first = [i for i, w in enumerate(whole) if w][-keep_last:][0]  # the oldest kept
-    for i, (old, w) in enumerate(zip(dirs, whole)):
-        if i < first or not w:
-            remove_checkpoint(old)
+                      f"is the folder not writable? free space (or lower train.keep_last: a write needs room for one "
+                      f"checkpoint beside the {keep_last} kept) or fix its permissions, and resume with "
+                      f"train.resume=auto{_room(free, state)}") from e
+    _prune(out_dir, keep_last)
     return final
+
+
+def _prune(out_dir: str | Path, keep_last: int) -> None:
+    """Remove all but the newest ``keep_last`` whole checkpoints, and every step-N that lost its state.pt (a kill
+    mid-removal) wherever it is."""
+    dirs = _step_dirs(out_dir)  # by step
+    whole = [(p / STATE_FILE).is_file() for p in dirs]
+    first = ([i for i, w in enumerate(whole) if w][-keep_last:] or [len(dirs)])[0]  # the oldest kept
+    for i, (old, w) in enumerate(zip(dirs, whole)):
+        if not w or i < first:
+            remove_checkpoint(old)
+
+
+def _tensor_bytes(obj) -> int:
+    """Bytes of the tensors in ``obj`` (nested dicts, lists, tuples): about the size of its state.pt."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Free bytes on the disk of ``path`` (its nearest existing folder), or None where it cannot be asked."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _room(free: int | None, state: dict) -> str:
+    """' (the checkpoint takes ~38.6 MB; its disk had 22 MB free when the write began)': torch's own words for a full
+    disk ('unexpected pos 25479040 vs 25478992') do not say it is full. Empty where the disk could not be asked."""
+    if free is None:
+        return ""
+    return (f" (the checkpoint takes ~{size_text(_tensor_bytes(state))}; its disk had {size_text(free)} free when the "
+            "write began)")
 
 
 def remove_checkpoint(ckdir: Path) -> None:
