@@ -4,6 +4,7 @@ metrics.jsonl is strict JSON, read back with integer steps only; loss.png is dra
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,13 +137,74 @@ def test_a_full_disk_while_appending_a_record_names_metrics_jsonl(tmp_path):
         def write(self, text):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-        def flush(self):
-            pass
+        def seek(self, pos, whence=0):
+            return 0
+
+        def truncate(self, size=None):
+            return size
 
     log._fh = Full()
     with pytest.raises(OSError, match=r"could not append to .*metrics.jsonl \(\[Errno 28\] No space left on device\); "
                                       r"is its disk full\?"):
         log.write({"kind": "train", "step": 2})
+
+
+def test_a_full_disk_mid_record_leaves_whole_records_and_its_error(tmp_path, monkeypatch):
+    """A full disk takes the part of a record that fits, then refuses the rest (ENOSPC). The record's half stayed
+    in metrics.jsonl, and the rest in Python's buffer, which close() (the loop's cleanup) wrote again: its bare
+    'error: [Errno 28] No space left on device' replaced the one naming metrics.jsonl (a 1 MB tmpfs walk). The file
+    ends in a whole record, and close() raises nothing."""
+    import errno
+    import io
+    import os
+
+    class FullDisk(io.RawIOBase):  # the kernel's way: a short write of what fits, then ENOSPC
+        def __init__(self, path, room):
+            self.fd, self.room = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), room
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            if self.room == 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            n = os.write(self.fd, bytes(b[:self.room]))
+            self.room -= n
+            return n
+
+        def seek(self, pos, whence=0):
+            return os.lseek(self.fd, pos, whence)
+
+        def truncate(self, size=None):
+            os.ftruncate(self.fd, size)
+            return size
+
+        def fileno(self):
+            return self.fd
+
+        def close(self):
+            if not self.closed:
+                os.close(self.fd)
+            super().close()
+
+    real_open = Path.open
+
+    def open_on_a_full_disk(self, mode="r", buffering=-1, *a, **k):
+        if self.name != "metrics.jsonl" or "a" not in mode:
+            return real_open(self, mode, buffering, *a, **k)
+        raw = FullDisk(self, room=len(_json_line({"kind": "train", "step": 1})) + 20)  # one record and 20 bytes
+        if buffering == 0:
+            return raw
+        fh = io.BufferedWriter(raw)
+        return fh if "b" in mode else io.TextIOWrapper(fh, encoding=k.get("encoding"))
+
+    monkeypatch.setattr(Path, "open", open_on_a_full_disk)
+    log = MetricsLog(tmp_path, False)
+    log.write({"kind": "train", "step": 1})
+    with pytest.raises(OSError, match=r"could not append to .*metrics.jsonl \(\[Errno 28\] No space left"):
+        log.write({"kind": "train", "step": 2, "loss": 1.5})
+    log.close()  # the loop closes the log as the error goes up: nothing is written again, nothing raised
+    assert (tmp_path / "metrics.jsonl").read_text() == _json_line({"kind": "train", "step": 1})
 
 
 def test_a_written_record_is_in_metrics_jsonl_before_the_log_closes(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -164,8 +165,7 @@ class MetricsLog:
         self.open()
         self.records.append(rec)
         try:
-            self._fh.write(_json_line(rec))
-            self._fh.flush()
+            _append_whole(self._fh, _json_line(rec).encode())
         except OSError as e:  # a full disk named no file ('error: [Errno 28] ...'; a checkpoint walk)
             raise OSError(f"could not append to {self.path} ({e}); is its disk full? free space and resume with "
                           "train.resume=auto (the last checkpoint's records are kept)") from e
@@ -188,7 +188,9 @@ class MetricsLog:
                 self._on_open()
             # the kept records, replaced whole: a run killed (or out of disk) while writing them leaves the old file
             write_text_atomic(self.path, "".join(_json_line(r) for r in self.records))
-            self._fh = self.path.open("a")
+            # unbuffered: a record is on disk once written (tail -f, a SIGKILL), and a failed one leaves no
+            # buffered rest for close() to write again
+            self._fh = self.path.open("ab", buffering=0)
             for kept in self.records:
                 if kept.get("step", 0) >= self.tb_purge_step:
                     self._add_scalars(kept)
@@ -204,6 +206,24 @@ class MetricsLog:
             self._fh.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def _append_whole(fh, data: bytes) -> None:
+    """Append ``data`` to the unbuffered file ``fh`` whole or not at all: a full disk takes the part that fits, then
+    refuses the rest (ENOSPC), and that part is cut off again, so the file ends in a whole record. (Through Python's
+    buffer the half record stayed, and close() wrote the buffered rest again: its bare "[Errno 28] No space left on
+    device" replaced the error naming metrics.jsonl, a 1 MB tmpfs walk.)"""
+    start = fh.seek(0, os.SEEK_END)
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[fh.write(view):]
+    except BaseException:  # a Ctrl-C between two pieces too
+        try:
+            fh.truncate(start)
+        except OSError:  # the half record stays: read_records leaves out an unfinished last line
+            pass
+        raise
 
 
 def _json_line(rec: dict) -> str:
