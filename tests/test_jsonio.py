@@ -251,3 +251,21 @@ def test_a_killed_writers_temporary_beside_a_name_with_glob_characters_is_remove
     _aged(dead)
     write_text_atomic(target, "whole\n")
     assert os.listdir(tmp_path) == [target.name] and target.read_text() == "whole\n"
+
+
+def test_a_full_disk_names_the_file_and_leaves_the_old_one(tmp_path, monkeypatch):
+    """write, flush and fsync raise OSErrors that name no file: a full disk under a run's held-out copy was
+    "error: [Errno 28] No space left on device" alone (a tmpfs walk). The error names the file being written,
+    keeps its errno (callers say its strerror), and the old file stays, with no temporary beside it."""
+    import errno
+
+    target = tmp_path / "heldout.jsonl"
+    target.write_text("old\n")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(_jsonio.os, "fsync", full)
+    with pytest.raises(OSError, match=re.escape(f"[Errno 28] No space left on device: '{target}'")) as e:
+        write_text_atomic(target, "new\n")
+    assert e.value.errno == errno.ENOSPC and e.value.strerror == os.strerror(errno.ENOSPC)
+    assert target.read_text() == "old\n" and os.listdir(tmp_path) == ["heldout.jsonl"]

@@ -129,6 +129,12 @@ def atomic_open(path, mode: str = "w"):
             fh.flush()
             os.fsync(fh.fileno())
             os.replace(tmp, path)  # while the lock is held: a sweeper never takes a finished file for a dead one
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.filename is None and e.errno is not None:  # write, flush and fsync name no file: a full disk under the
+            # run's held-out copy was "error: [Errno 28] No space left on device" alone (a tmpfs walk)
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

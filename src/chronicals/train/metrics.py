@@ -293,7 +293,7 @@ def plot_losses(records: list[dict], path: Path) -> Path | None:
         with atomic_open(path, "wb") as fh:  # a failed write keeps the earlier curve, not half a PNG
             fig.savefig(fh, format="png")
     except OSError as e:  # the run's checkpoint, model and metrics are written: a plot is no reason to fail it
-        log.warning("could not write the loss curve %s (%s); the losses are in %s", path, e,
+        log.warning("could not write the loss curve %s (%s); the losses are in %s", path, e.strerror or e,
                     path.with_name("metrics.jsonl"))
         return None
     finally:
