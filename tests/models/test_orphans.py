@@ -68,10 +68,34 @@ def test_a_writer_lock_keeps_its_directory_from_a_sweep_in_the_same_process(tmp_
     with orphans.writer_lock(d):
         d.mkdir()
         assert orphans.remove_orphans(tmp_path, PATTERN) == [] and d.is_dir()
+        d.rmdir()  # atomic_dir and write_checkpoint rename or remove the directory inside the lock
     assert not orphans.lock_path(d).exists()  # released and removed at the end of the write
-    # (atomic_dir and write_checkpoint rename or remove the directory inside the lock; one left without a lock
-    # file is not known to be ours and stays)
-    assert orphans.remove_orphans(tmp_path, PATTERN) == [] and d.is_dir()
+
+
+def test_a_directory_its_writer_left_behind_keeps_its_lock_file_and_is_swept(tmp_path, monkeypatch):
+    """A second Ctrl-C while an interrupted export removed its temporary directory stopped that removal, and the
+    writer's lock file went anyway: the half-removed directory, not known to be ours, was never swept (a walk left
+    an empty one from a Ctrl-C right after its mkdir; a model's would hold GBs). Left behind, it keeps its lock file,
+    and the next write of the output removes it."""
+    from chronicals.models import hf_io
+
+    out = tmp_path / "model"
+    real_rmtree, stopped = hf_io.shutil.rmtree, []
+
+    def second_ctrl_c(path, *a, **k):
+        if not stopped and Path(path).name.startswith(".model.tmp-"):
+            stopped.append(Path(path))
+            raise KeyboardInterrupt
+        real_rmtree(path, *a, **k)
+    monkeypatch.setattr(hf_io.shutil, "rmtree", second_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        with hf_io.atomic_dir(out) as tmp:
+            (tmp / "model.safetensors").write_bytes(b"\0" * 1000)
+            raise KeyboardInterrupt  # the first Ctrl-C
+    assert stopped == [tmp] and tmp.is_dir() and orphans.lock_path(tmp).exists()
+    with hf_io.atomic_dir(out) as tmp2:
+        (tmp2 / "config.json").write_text("{}")
+    assert _names(tmp_path) == ["model"]
 
 
 def test_a_lock_held_by_a_live_writer_survives_its_release_race(tmp_path, held_lock):

@@ -185,9 +185,9 @@ def atomic_dir(out_dir: str | Path, *, replace: bool = True, owned: tuple[str, .
 
 def _write_then_publish(tmp: Path, out: Path, replace: bool):
     """atomic_dir's body, under the temporary directory's lock."""
-    tmp.mkdir()
-    os.chmod(tmp, 0o755)  # a saved model should be readable like any directory, whatever the umask
-    try:
+    try:  # from the mkdir on: a Ctrl-C right after it left the empty directory (a walk)
+        tmp.mkdir()
+        os.chmod(tmp, 0o755)  # a saved model should be readable like any directory, whatever the umask
         try:
             yield tmp
         except OSError as e:  # "could not write <tmp>/x.safetensors": the user sees no <tmp>, it is removed below

@@ -61,8 +61,11 @@ def writer_lock(tmp: Path):
         yield
     finally:
         try:
-            if not os.path.lexists(old_path(tmp)):  # else (its removal or restoring failed) keep it: a later write
-                os.unlink(path)  # retries; unlinked before the unlock, a sweeper finds it gone or locked
+            # kept where the writer leaves ``tmp`` or its ``.old`` behind (a removal or restoring that failed, or was
+            # stopped by a second Ctrl-C: a walk's export left its directory without a lock, never swept), so that
+            # a later write sweeps or recovers them; unlinked before the unlock, a sweeper finds it gone or locked
+            if not os.path.lexists(old_path(tmp)) and not os.path.lexists(tmp):
+                os.unlink(path)
         except FileNotFoundError:
             pass
         os.close(fd)

@@ -277,8 +277,8 @@ def _publish(state: dict, final: Path) -> None:
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     with writer_lock(tmp):
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
         try:
+            tmp.mkdir()
             torch.save(state, tmp / STATE_FILE)
             _fsync(tmp / STATE_FILE)  # durable before the rename publishes it: no truncated state.pt after a power loss
         except BaseException:  # e.g. a full disk: leave nothing half-written behind
