@@ -286,14 +286,17 @@ def test_full_fine_tuning_says_it_unfreezes_a_passed_models_frozen_weights(tmp_p
                                            ("fa4", "FlashAttention-4's .*pip install flash-attn-4")])
 def test_model_attention_kernels_are_checked_before_the_model_loads(tmp_path, caplog, monkeypatch, kernel, needs):
     """model.attention=cudnn (or fa4) without its package failed at the first step's forward on CUDA (an ImportError,
-    exit 4) and did nothing, silently, on the CPU (a full fine-tuning walk)."""
+    exit 4) and did nothing, silently, on the CPU (a full fine-tuning walk) or with model.impl=torch."""
     from chronicals.ops import attention_cudnn, attention_fa4
     from chronicals.train.guards import check_impl
 
-    cfg = tiny_config(tmp_path, model__attention=kernel)
+    cfg = tiny_config(tmp_path, model__attention=kernel, model__impl="auto")
     with caplog.at_level("WARNING", logger="chronicals"):
         check_impl(cfg, torch.device("cpu"))
     assert f"model.attention={kernel} does nothing on cpu" in caplog.text
+    with caplog.at_level("WARNING", logger="chronicals"):  # the reference everywhere: no kernel choice
+        check_impl(tiny_config(tmp_path, model__attention=kernel, model__impl="torch"), torch.device("cuda"))
+    assert f"model.attention={kernel} does nothing with model.impl=torch" in caplog.text
     monkeypatch.setattr(attention_cudnn if kernel == "cudnn" else attention_fa4, "available", lambda: False)
     with pytest.raises(ConfigError, match=f"model.attention={kernel} needs {needs}"):
         check_impl(cfg, torch.device("cuda"))

@@ -392,22 +392,19 @@ def check_impl(cfg: TrainConfig, device) -> None:
         log.warning("model.loss_vocab_parts=%d does nothing %s: the PyTorch reference loss head builds the whole "
                     "logits; the parts are the Triton head's (model.impl=auto or triton on CUDA)",
                     cfg.model.loss_vocab_parts, where)
-    if cfg.model.attention == "cudnn":  # was an ImportError at the first step's forward on CUDA (exit 4), silent here
-        from ..ops import attention_cudnn
+    kernel = cfg.model.attention
+    if kernel in ("cudnn", "fa4"):  # an ImportError at the first step's forward on CUDA (exit 4), silent off it
+        from ..ops import attention_cudnn, attention_fa4
 
-        if device.type != "cuda":
-            log.warning("model.attention=cudnn does nothing on %s: packed rows run the masked SDPA reference there",
-                        device)
-        elif not attention_cudnn.available():
+        if device.type != "cuda" or cfg.model.impl == "torch":
+            runs = "packed rows run the masked" if kernel == "cudnn" else "attention runs the"
+            log.warning("model.attention=%s does nothing %s: %s SDPA reference there", kernel,
+                        f"on {device}" if device.type != "cuda" else "with model.impl=torch", runs)
+        elif kernel == "cudnn" and not attention_cudnn.available():
             raise ConfigError("model.attention=cudnn needs NVIDIA's cuDNN Python frontend with cuDNN >= 9.6: pip "
                               "install 'nvidia-cudnn-frontend>=1.12' (or pip install 'chronicals[cudnn]'); "
                               "model.attention=auto or flash runs without it", "model.attention")
-    if cfg.model.attention == "fa4":  # an ImportError at the first step's forward otherwise
-        from ..ops import attention_fa4
-
-        if device.type != "cuda":
-            log.warning("model.attention=fa4 does nothing on %s: attention runs the SDPA reference there", device)
-        elif not attention_fa4.available():
+        elif kernel == "fa4" and not attention_fa4.available():
             raise ConfigError(f"model.attention=fa4 needs FlashAttention-4's CuTe kernels: {attention_fa4.INSTALL}",
                               "model.attention")
 
