@@ -36,6 +36,9 @@ case "${STEP:-}" in
                                         exit 2; }
     export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:src
     export CHRONICALS_GIT_SHA=${CHRONICALS_GIT_SHA:-unknown} HF_HUB_OFFLINE=1
+    # FA4's compiled kernels on disk: each bench worker is a new process, which otherwise compiles them again (9-12 s
+    # a shape on the H100); read when flash_attn.cute is imported
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
     python3 -c "import flash_attn.cute.interface; print('flash-attn-4 imports')"
     O=${OUT:-/tmp}; R=$O/r; mkdir -p "$R"
     bench() { timeout "$1" python3 -m chronicals.cli bench "${@:2}" --warmup 3 --steps 10 --no-correctness \

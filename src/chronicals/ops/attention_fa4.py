@@ -12,7 +12,9 @@ documents) 0.454 against 0.630 for FA2 varlen; the 8B heads (4 x 2048, 32/8 of 1
 errors against fp32 at SDPA's level (0.002-0.004 of the reference's largest value).
 Cost: its Python launcher (CuTe DSL) took 0.89 ms of wall time for those 0.445 ms of kernels at 0.5B (SDPA 0.52
 for 0.50): an eager step that is host-bound there gets slower, a CUDA-graphed one (``train.cuda_graphs``) does
-not pay it. Each new shape compiles its kernels on first use (9-12 s each on the H100).
+not pay it. Each new shape compiles its kernels on first use in each process (9-12 s each on the H100); FA4 keeps
+them on disk for later processes with FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 (FLASH_ATTENTION_CUTE_DSL_CACHE_DIR
+names the folder), set before it is imported.
 """
 
 from __future__ import annotations
