@@ -501,10 +501,10 @@ def weightless_gguf_dir(gguf_path: str | Path) -> Path:
 
     Kept for the file's full conversion in this process (``cached_gguf_dir``), which copies its tokenizer files if
     the file's identity (path, size, mtime, inode, ctime: the cache's key) is the same, instead of converting the
-    tokenizer again (SmolLM2-135M's first load_model after it, two CPU cores: 4.3 s instead of 7.5 s; transformers'
-    converter parses the 49,152 tokens and merges again), and the file's parsed reader with them (2.0 s more);
-    removed once the file's cached conversion is asked for, or at exit. Its temporary directory is tempfile's (the
-    user's $TMPDIR): a tokenizer's few MB."""
+    tokenizer again (transformers' converter parses the 49,152 tokens and merges again: 3.2 s of SmolLM2-135M's),
+    and takes the file's parsed reader with them (its parse is 2.0 s): that first load_model, two CPU cores, 2.0-2.5 s
+    instead of 7.5 s. Removed once the file's cached conversion is asked for, or at exit. Its temporary directory is
+    tempfile's (the user's $TMPDIR): a tokenizer's few MB."""
     p = Path(gguf_path).resolve()
     record = source_record(p, p.stat())  # before the file is read: a change meanwhile changes its ctime
     made = _WEIGHTLESS.get(str(p))

@@ -147,10 +147,10 @@ def _unconverted_dir(p: Path) -> Path:
     That one (``weightless_gguf_dir``) is what the conversion writes but the weights, in a temporary directory; the
     weights are converted, into the cache, when they load, and that conversion copies the tokenizer files from
     there. The full conversion here made an error found before the weights (a bad data file, an adapter of another
-    model) wait for its tensors (minutes at 8B). SmolLM2-135M on two CPU cores: 7.1-7.5 s instead of 9.0-9.3 s,
-    most of it parsing the file's 49,152 tokens and merges (2 s here, again in transformers' tokenizer converter);
-    the full conversion parses them again: a first load (this, then load_model) takes 11.4-11.6 s instead of
-    9.1-9.5 s, once per file."""
+    model) wait for its tensors (minutes at 8B). SmolLM2-135M on two CPU cores: 6.9-7.5 s instead of 9.0-9.3 s,
+    most of it parsing the file's 49,152 tokens and merges (2 s here, again in transformers' tokenizer converter).
+    The full conversion then reuses the parsed file and the tokenizer files: a first load (this, then load_model)
+    takes 8.9-9.5 s (load_model 2.0-2.5 s of it), as the full conversion here did (9.1-9.5 s), once per file."""
     if not p.is_file():
         return p
     return cached_gguf_dir(p) if has_conversion(p) else weightless_gguf_dir(p)
